@@ -1,0 +1,449 @@
+// mha.h: the one public header of libmha, multi-head attention in C11.
+//
+// What it is: PyTorch's nn.MultiheadAttention (same parameter names,
+// layouts, masks and outputs), a scaled-dot-product entry point on already
+// projected tensors, and a strict reader/writer of safetensors files.
+//
+// Conventions (read once, they hold everywhere):
+//  - Every call that can fail returns mha_status: MHA_OK (0) or a negative
+//    error. On error, mha_last_error() returns a one-line message on the
+//    calling thread that names the problem and the values involved. Library
+//    functions never exit, abort or print; an optional log callback
+//    (mha_set_log_callback) receives the same messages.
+//  - The caller owns every tensor it passes in. The library never frees what
+//    it did not allocate, and never writes to inputs. Objects the library
+//    owns are opaque handles: *_create / *_destroy; destroy accepts NULL.
+//  - Arguments go outputs first, then inputs, then sizes.
+//  - Dimensions and strides are int64_t, byte counts size_t. Strides are in
+//    elements, not bytes. A stride of 0 broadcasts along that dimension
+//    (only allowed where a declaration says so: masks).
+//  - Shapes use PyTorch's letters: L target (query) length, S source (key)
+//    length, N batch, E embed_dim, H num_heads, d = E / H head dim.
+//
+// Fully masked rows (the one rule, in every path): a query row whose keys
+// are all masked (every score is -inf after masks) gets attention weights 0
+// and attention result 0 before the output projection, so the module's
+// output there equals out_proj.bias. PyTorch returns NaN in some paths.
+#ifndef MHA_H
+#define MHA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MHA_VERSION_MAJOR 0
+#define MHA_VERSION_MINOR 1
+#define MHA_VERSION_PATCH 0
+
+#if defined(_WIN32) && defined(MHA_SHARED_BUILD)
+#define MHA_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define MHA_API __attribute__((visibility("default")))
+#else
+#define MHA_API
+#endif
+
+#if defined(__GNUC__)
+#define MHA_NODISCARD __attribute__((warn_unused_result))
+#else
+#define MHA_NODISCARD
+#endif
+
+// "0.1.0"
+MHA_API const char *mha_version(void);
+
+// ---------------------------------------------------------------------------
+// Status and errors
+
+typedef enum mha_status {
+    MHA_OK = 0,
+    MHA_ERR_INVALID_ARG = -1,  // a NULL pointer, a bad value, bad option
+    MHA_ERR_SHAPE = -2,        // shapes or dims inconsistent with each other
+    MHA_ERR_NOMEM = -3,        // an allocation failed
+    MHA_ERR_IO = -4,           // open/read/write of a file failed
+    MHA_ERR_FORMAT = -5,       // a malformed file
+    MHA_ERR_UNSUPPORTED = -6,  // valid, but not supported (dtype, impl, ...)
+    MHA_ERR_NOT_FOUND = -7,    // a named tensor or parameter is absent
+    MHA_ERR_OVERFLOW = -8,     // sizes whose product overflows
+} mha_status;
+
+// Short constant name of a status, e.g. "MHA_ERR_SHAPE".
+MHA_API const char *mha_status_string(mha_status s);
+
+// The message of the most recent failed call on this thread ("" if none).
+// Valid until the next failing call on the same thread.
+MHA_API const char *mha_last_error(void);
+
+// Optional: every error message is also passed to fn (from the thread that
+// hit it). fn = NULL removes the callback. Not thread-safe against
+// concurrent calls of mha_set_log_callback itself.
+typedef void (*mha_log_fn)(mha_status status, const char *message, void *user);
+MHA_API void mha_set_log_callback(mha_log_fn fn, void *user);
+
+// ---------------------------------------------------------------------------
+// Element types and tensor views
+
+typedef enum mha_dtype {
+    MHA_F32 = 0,
+    MHA_F16,
+    MHA_BF16,
+    MHA_BOOL,  // one byte, 0 or 1
+    MHA_I64,
+    MHA_I32,
+    MHA_U8,
+    MHA_F64,
+    MHA_DTYPE_COUNT
+} mha_dtype;
+
+// Bytes per element (0 for an invalid dtype).
+MHA_API size_t mha_dtype_size(mha_dtype t);
+// safetensors name: "F32", "F16", "BF16", "BOOL", "I64", "I32", "U8", "F64".
+MHA_API const char *mha_dtype_name(mha_dtype t);
+// Inverse of mha_dtype_name; MHA_ERR_UNSUPPORTED for unknown names.
+MHA_API MHA_NODISCARD mha_status mha_dtype_from_name(mha_dtype *out,
+                                                     const char *name);
+
+#define MHA_MAX_DIMS 8
+
+// A view of caller memory: element (i0, i1, ...) lives at
+// data + (i0*stride[0] + i1*stride[1] + ...) * mha_dtype_size(dtype).
+// The library never writes through an input view.
+typedef struct mha_tensor {
+    void *data;
+    mha_dtype dtype;
+    int ndim;
+    int64_t shape[MHA_MAX_DIMS];
+    int64_t stride[MHA_MAX_DIMS];  // in elements
+} mha_tensor;
+
+// A contiguous (row-major) view of data with the given shape.
+MHA_API mha_tensor mha_tensor_contiguous(void *data, mha_dtype dtype, int ndim,
+                                         const int64_t *shape);
+// Number of elements (product of shape; 1 for ndim 0).
+MHA_API int64_t mha_tensor_numel(const mha_tensor *t);
+
+// IEEE half and bfloat16 conversions (round to nearest even).
+MHA_API float mha_f16_to_f32(uint16_t h);
+MHA_API uint16_t mha_f32_to_f16(float f);
+MHA_API float mha_bf16_to_f32(uint16_t h);
+MHA_API uint16_t mha_f32_to_bf16(float f);
+
+// ---------------------------------------------------------------------------
+// Implementations
+
+typedef enum mha_impl {
+    MHA_IMPL_AUTO = 0,       // the best available (today: reference)
+    MHA_IMPL_REFERENCE = 1,  // plain loops, full score matrix: the oracle
+} mha_impl;
+
+// "auto", "reference" (also "ref") -> value; MHA_ERR_UNSUPPORTED otherwise.
+MHA_API MHA_NODISCARD mha_status mha_impl_from_name(mha_impl *out,
+                                                    const char *name);
+MHA_API const char *mha_impl_name(mha_impl impl);
+
+// ---------------------------------------------------------------------------
+// The module: nn.MultiheadAttention
+
+typedef struct mha_config {
+    int64_t embed_dim;   // E
+    int64_t num_heads;   // H; must divide E
+    int64_t kdim;        // features of key; 0 means E
+    int64_t vdim;        // features of value; 0 means E
+    bool bias;           // in_proj_bias and out_proj.bias (default true)
+    bool add_bias_kv;    // learnable bias_k, bias_v appended as one key
+    bool add_zero_attn;  // one zero key/value appended (after bias_kv)
+    bool batch_first;    // query (N, L, E) instead of (L, N, E)
+    float dropout;       // p in [0, 1); stored (applied in training mode
+                         // once backward exists; the forward is eval mode)
+} mha_config;
+
+// Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
+// everything else off, kdim = vdim = embed_dim.
+MHA_API void mha_config_init(mha_config *cfg, int64_t embed_dim,
+                             int64_t num_heads);
+
+typedef struct mha_module mha_module;
+typedef struct mha_st_file mha_st_file;  // a safetensors file (see below)
+
+// Allocates the module and its parameters (all zero). Checks the config:
+// E > 0, H > 0, E % H == 0, kdim/vdim >= 0, 0 <= dropout < 1.
+MHA_API MHA_NODISCARD mha_status mha_module_create(mha_module **out,
+                                                   const mha_config *cfg);
+MHA_API void mha_module_destroy(mha_module *m);
+// The config with kdim/vdim resolved (never 0).
+MHA_API const mha_config *mha_module_config(const mha_module *m);
+
+// Parameters, with PyTorch's names and layouts (y = x W^T + b):
+//   kdim == vdim == E: "in_proj_weight" (3E, E), rows Q then K then V
+//   otherwise:         "q_proj_weight" (E, E), "k_proj_weight" (E, kdim),
+//                      "v_proj_weight" (E, vdim)
+//   bias:              "in_proj_bias" (3E), "out_proj.bias" (E)
+//   always:            "out_proj.weight" (E, E)
+//   add_bias_kv:       "bias_k" (1, 1, E), "bias_v" (1, 1, E)
+// Head h uses features [h*d, (h+1)*d) of the projected Q, K and V.
+// data points into the module (contiguous, float32, 64-byte aligned) and may
+// be read and written by the caller while no forward runs.
+typedef struct mha_param {
+    const char *name;
+    int ndim;
+    int64_t shape[3];
+    int64_t numel;
+    float *data;
+} mha_param;
+
+MHA_API int mha_module_num_params(const mha_module *m);
+// i in [0, mha_module_num_params()).
+MHA_API MHA_NODISCARD mha_status mha_module_param_at(mha_param *out,
+                                                     const mha_module *m,
+                                                     int i);
+// MHA_ERR_NOT_FOUND if the module has no parameter of that name.
+MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out,
+                                                  const mha_module *m,
+                                                  const char *name);
+
+// Loading and saving parameters as safetensors, under PyTorch's
+// state_dict names (so torch's `save_file(mha.state_dict(), ...)` loads).
+// mha_module_load reads embed_dim, kdim, vdim, bias and add_bias_kv from
+// which tensors are present and their shapes (every shape is checked; a
+// tensor that is not a parameter is an error); num_heads from
+// base->num_heads, or, when that is 0, from the file's __metadata__
+// "num_heads"; batch_first, add_zero_attn and dropout from base (NULL:
+// defaults). F32, F16, BF16 and F64 tensors are accepted (converted to
+// float32).
+MHA_API MHA_NODISCARD mha_status mha_module_load(mha_module **out,
+                                                 const mha_st_file *f,
+                                                 const mha_config *base);
+// Writes every parameter as F32 and __metadata__ {"num_heads": "H"}.
+MHA_API MHA_NODISCARD mha_status mha_module_save(const mha_module *m,
+                                                 const char *path);
+
+// Weight initialisation, seeded and reproducible (same seed, same values on
+// every machine; not bit-identical to torch's generator).
+typedef enum mha_init_scheme {
+    // PyTorch's defaults: xavier_uniform over the packed 3E x E matrix (or
+    // each separate q/k/v matrix), out_proj.weight as nn.Linear
+    // (kaiming_uniform a = sqrt(5), i.e. U(-1/sqrt(E), 1/sqrt(E))), zero
+    // in_proj_bias and out_proj.bias, bias_k/bias_v xavier_normal.
+    MHA_INIT_XAVIER_UNIFORM = 0,
+    // The alternatives apply to every weight matrix (the in-projection(s),
+    // out_proj.weight) and bias_k/bias_v; biases stay zero.
+    MHA_INIT_XAVIER_NORMAL,  // N(0, gain^2 * 2 / (fan_in + fan_out))
+    MHA_INIT_NORMAL,         // N(0, std^2)
+    MHA_INIT_ORTHOGONAL,     // gain * (semi-)orthogonal, as torch's
+    MHA_INIT_ZEROS,          // everything 0
+} mha_init_scheme;
+
+typedef struct mha_init_options {
+    mha_init_scheme scheme;
+    double gain;    // xavier_uniform (in-projection only), xavier_normal,
+                    // orthogonal; default 1
+    double std;     // normal; default 0.02
+    uint64_t seed;  // default 0
+} mha_init_options;
+
+MHA_API void mha_init_options_default(mha_init_options *opt);
+// "xavier_uniform", "xavier_normal", "normal", "orthogonal", "zeros".
+MHA_API MHA_NODISCARD mha_status mha_init_scheme_from_name(
+    mha_init_scheme *out, const char *name);
+MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m,
+                                                 const mha_init_options *opt);
+
+// Forward arguments. Shapes (E = embed_dim, N batch, L target, S source):
+//   query  (L, N, E), or (N, L, E) with batch_first, or unbatched (L, E)
+//   key    (S, N, kdim) / (N, S, kdim) / (S, kdim)
+//   value  (S, N, vdim) / (N, S, vdim) / (S, vdim)
+//   key_padding_mask  optional, (N, S), or (S) when unbatched.
+//       MHA_BOOL or MHA_U8: nonzero = ignore this key. MHA_F32: added.
+//   attn_mask  optional, (L, S) or (N*H, L, S) (index b*H + h), or for an
+//       unbatched query (L, S) or (H, L, S).
+//       MHA_BOOL or MHA_U8: nonzero = not allowed. MHA_F32: added.
+//   is_causal  hides keys j > i (no mask needs to be built); combines with
+//       the masks above.
+// Masks combine by addition after bool -> -inf. The keys appended by
+// add_bias_kv and add_zero_attn are never masked.
+// All floating inputs are MHA_F32 views with any strides (no stride 0).
+// Optional trace of every intermediate step (for teaching and debugging;
+// `mha demo` prints them). Called in order from the calling thread, with a
+// float32 view valid only during the call; b and h are -1 when the step is
+// not per batch element / head. Steps, per forward:
+//   "q", "k", "v"     projected inputs (N, L, E), (N, S', E), (N, S', E)
+//                     (the keys/values appended by add_bias_kv and
+//                     add_zero_attn included); head h is features
+//                     [h*d, (h+1)*d)
+//   per (b, h): "scores" q k^T (L, S'); "scaled_scores" scale * q k^T + masks
+//               (L, S'); "weights" softmax (L, S'); "context" (L, d)
+//   "concat"          the heads' contexts merged back (N, L, E)
+//   "output"          after the output projection (N, L, E)
+// Tracing runs the forward on one thread.
+typedef void (*mha_trace_fn)(void *user, const char *step, int64_t b,
+                             int64_t h, const mha_tensor *t);
+
+typedef struct mha_forward_args {
+    const mha_tensor *query;
+    const mha_tensor *key;
+    const mha_tensor *value;
+    const mha_tensor *key_padding_mask;  // NULL: none
+    const mha_tensor *attn_mask;         // NULL: none
+    bool is_causal;
+    bool need_weights;          // write attn_output_weights
+    bool average_attn_weights;  // mean over heads (default true)
+    mha_impl impl;              // default MHA_IMPL_AUTO
+    mha_trace_fn trace;         // NULL: no trace
+    void *trace_user;
+} mha_forward_args;
+
+MHA_API void mha_forward_args_init(mha_forward_args *a);
+
+// Output shapes of a forward (after checking every argument):
+//   attn_output: same layout as query: (L, N, E) / (N, L, E) / (L, E)
+//   attn_output_weights (S' = S + add_bias_kv + add_zero_attn):
+//       averaged (N, L, S'), per head (N, H, L, S'); unbatched drops N.
+// Either output pointer may be NULL.
+typedef struct mha_shape {
+    int ndim;
+    int64_t dims[MHA_MAX_DIMS];
+} mha_shape;
+
+MHA_API MHA_NODISCARD mha_status mha_forward_shapes(
+    mha_shape *out_shape, mha_shape *weights_shape, const mha_module *m,
+    const mha_forward_args *a);
+
+// Bytes of scratch memory mha_forward_ex needs for these arguments.
+MHA_API MHA_NODISCARD mha_status mha_forward_workspace_size(
+    size_t *bytes, const mha_module *m, const mha_forward_args *a);
+
+// Runs the forward. attn_output: MHA_F32 view of the shape above (any
+// strides), overwritten. attn_weights: NULL, or (when need_weights) an
+// MHA_F32 view of the weights' shape, overwritten. Outputs must not overlap
+// inputs. Allocates its scratch memory (one block) and frees it on return.
+MHA_API MHA_NODISCARD mha_status mha_forward(mha_tensor *attn_output,
+                                             mha_tensor *attn_weights,
+                                             const mha_module *m,
+                                             const mha_forward_args *a);
+
+// As mha_forward, with caller-provided scratch memory of at least
+// mha_forward_workspace_size() bytes (any alignment): never allocates.
+MHA_API MHA_NODISCARD mha_status mha_forward_ex(mha_tensor *attn_output,
+                                                mha_tensor *attn_weights,
+                                                const mha_module *m,
+                                                const mha_forward_args *a,
+                                                void *workspace,
+                                                size_t workspace_bytes);
+
+// ---------------------------------------------------------------------------
+// Scaled dot-product attention on projected tensors
+//
+//   out = softmax(scale * q k^T + mask) v, per (b, h)
+//   q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), out (B, H, L, Dv),
+//   weights (B, H, L, S) optional; all MHA_F32 4-D views, any strides.
+//   attn_mask: NULL or a view of up to 4 dims, broadcast to (B, H, L, S)
+//     as PyTorch broadcasts (right-aligned; a dim of size 1 or stride 0
+//     broadcasts). MHA_BOOL/MHA_U8 nonzero = not allowed; MHA_F32 added.
+//   key_padding_mask: NULL or (B, S); MHA_BOOL/MHA_U8 nonzero = ignore,
+//     MHA_F32 added.
+//   is_causal: hides keys j > i (top-left aligned, as PyTorch).
+//   scale: used when use_custom_scale, else 1 / sqrt(D).
+// The fully-masked-row rule holds.
+typedef struct mha_sdpa_args {
+    const mha_tensor *q;
+    const mha_tensor *k;
+    const mha_tensor *v;
+    const mha_tensor *attn_mask;
+    const mha_tensor *key_padding_mask;
+    bool is_causal;
+    bool use_custom_scale;
+    double scale;
+    mha_impl impl;
+} mha_sdpa_args;
+
+MHA_API void mha_sdpa_args_init(mha_sdpa_args *a);
+MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
+                                          const mha_sdpa_args *a);
+
+// ---------------------------------------------------------------------------
+// safetensors files
+//
+// Format: 8-byte little-endian header length n, n bytes of JSON header
+// {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
+//  ..., "__metadata__": {"key": "value", ...}}, then the data buffer.
+// Offsets are relative to the data buffer. The reader checks everything:
+// header length within the file and at most MHA_ST_MAX_HEADER bytes, a JSON
+// object, known dtypes, shape x dtype size == end - begin without overflow,
+// offsets in bounds, tensors contiguous and non-overlapping and covering the
+// buffer, no duplicate names, names valid UTF-8, __metadata__ a string map.
+
+#define MHA_ST_MAX_HEADER (100u * 1024u * 1024u)
+
+typedef struct mha_st_tensor {
+    const char *name;  // owned by the file
+    mha_dtype dtype;
+    int ndim;
+    int64_t shape[MHA_MAX_DIMS];
+    int64_t numel;
+    const void *data;  // little-endian bytes; may be unaligned
+    size_t nbytes;
+} mha_st_tensor;
+
+// Reads and validates the whole file. Errors name the file.
+MHA_API MHA_NODISCARD mha_status mha_st_open(mha_st_file **out,
+                                             const char *path);
+// Same from memory (copied); label names the source in errors.
+MHA_API MHA_NODISCARD mha_status mha_st_parse(mha_st_file **out,
+                                              const void *bytes, size_t len,
+                                              const char *label);
+MHA_API void mha_st_close(mha_st_file *f);
+
+// Tensors in file order of their data offsets.
+MHA_API int64_t mha_st_num_tensors(const mha_st_file *f);
+MHA_API MHA_NODISCARD mha_status mha_st_tensor_at(mha_st_tensor *out,
+                                                  const mha_st_file *f,
+                                                  int64_t i);
+// MHA_ERR_NOT_FOUND (with a message naming file and tensor) if absent.
+MHA_API MHA_NODISCARD mha_status mha_st_find(mha_st_tensor *out,
+                                             const mha_st_file *f,
+                                             const char *name);
+// __metadata__ entries; mha_st_metadata returns NULL when key is absent.
+MHA_API int64_t mha_st_num_metadata(const mha_st_file *f);
+MHA_API MHA_NODISCARD mha_status mha_st_metadata_at(const char **key,
+                                                    const char **value,
+                                                    const mha_st_file *f,
+                                                    int64_t i);
+MHA_API const char *mha_st_metadata(const mha_st_file *f, const char *key);
+
+// Converts a tensor's elements to dtype `to` into dst (contiguous,
+// dst_bytes >= numel * mha_dtype_size(to)). Allowed: any -> MHA_F32 or
+// MHA_F64 (bool/integers as numbers), MHA_BOOL/MHA_U8 -> MHA_BOOL/MHA_U8
+// (nonzero -> 1), identical dtypes.
+MHA_API MHA_NODISCARD mha_status mha_st_read(void *dst, size_t dst_bytes,
+                                             mha_dtype to,
+                                             const mha_st_tensor *t);
+
+typedef struct mha_st_writer mha_st_writer;
+
+MHA_API MHA_NODISCARD mha_status mha_st_writer_create(mha_st_writer **out);
+MHA_API void mha_st_writer_destroy(mha_st_writer *w);
+// Copies the data (numel * dtype size bytes, contiguous, native floats
+// written little-endian). Duplicate names are an error.
+MHA_API MHA_NODISCARD mha_status mha_st_writer_add(mha_st_writer *w,
+                                                   const char *name,
+                                                   mha_dtype dtype, int ndim,
+                                                   const int64_t *shape,
+                                                   const void *data);
+// Adds or replaces a __metadata__ entry.
+MHA_API MHA_NODISCARD mha_status mha_st_writer_set_metadata(mha_st_writer *w,
+                                                            const char *key,
+                                                            const char *value);
+// Writes the file (tensors in the order added; header padded with spaces
+// to a multiple of 8 bytes).
+MHA_API MHA_NODISCARD mha_status mha_st_writer_save(const mha_st_writer *w,
+                                                    const char *path);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // MHA_H

@@ -1,0 +1,93 @@
+// error.c: status strings, the per-thread last-error message, the log
+// callback, checked size arithmetic and aligned allocation.
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define MHA__ERRMSG_CAP 1024
+
+static _Thread_local char g_errmsg[MHA__ERRMSG_CAP];
+static mha_log_fn g_log_fn;
+static void *g_log_user;
+
+const char *mha_version(void) {
+#define MHA__STR2(x) #x
+#define MHA__STR(x) MHA__STR2(x)
+    return MHA__STR(MHA_VERSION_MAJOR) "." MHA__STR(MHA_VERSION_MINOR) "."
+        MHA__STR(MHA_VERSION_PATCH);
+}
+
+const char *mha_status_string(mha_status s) {
+    switch (s) {
+    case MHA_OK: return "MHA_OK";
+    case MHA_ERR_INVALID_ARG: return "MHA_ERR_INVALID_ARG";
+    case MHA_ERR_SHAPE: return "MHA_ERR_SHAPE";
+    case MHA_ERR_NOMEM: return "MHA_ERR_NOMEM";
+    case MHA_ERR_IO: return "MHA_ERR_IO";
+    case MHA_ERR_FORMAT: return "MHA_ERR_FORMAT";
+    case MHA_ERR_UNSUPPORTED: return "MHA_ERR_UNSUPPORTED";
+    case MHA_ERR_NOT_FOUND: return "MHA_ERR_NOT_FOUND";
+    case MHA_ERR_OVERFLOW: return "MHA_ERR_OVERFLOW";
+    }
+    return "MHA_ERR_UNKNOWN";
+}
+
+const char *mha_last_error(void) { return g_errmsg; }
+
+void mha_set_log_callback(mha_log_fn fn, void *user) {
+    g_log_fn = fn;
+    g_log_user = user;
+}
+
+mha_status mha__fail(mha_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_errmsg, sizeof g_errmsg, fmt, ap);
+    va_end(ap);
+    if (g_log_fn) g_log_fn(status, g_errmsg, g_log_user);
+    return status;
+}
+
+int mha__mul_overflow_i64(int64_t a, int64_t b, int64_t *out) {
+    int64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) return 1;
+    *out = r;
+    return 0;
+}
+
+int mha__mul_overflow_size(size_t a, size_t b, size_t *out) {
+    size_t r;
+    if (__builtin_mul_overflow(a, b, &r)) return 1;
+    *out = r;
+    return 0;
+}
+
+int mha__add_overflow_size(size_t a, size_t b, size_t *out) {
+    size_t r;
+    if (__builtin_add_overflow(a, b, &r)) return 1;
+    *out = r;
+    return 0;
+}
+
+void *mha__alloc(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded < bytes) return NULL;
+    return aligned_alloc(64, rounded);
+}
+
+void mha__free(void *p) { free(p); }
+
+const char *mha__shape_str(char *buf, size_t cap, int ndim,
+                           const int64_t *shape) {
+    size_t n = 0;
+    n += (size_t)snprintf(buf + n, cap - n, "(");
+    for (int i = 0; i < ndim && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, i ? ", %lld" : "%lld",
+                              (long long)shape[i]);
+    if (n < cap) snprintf(buf + n, cap - n, ndim == 1 ? ",)" : ")");
+    return buf;
+}

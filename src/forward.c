@@ -1,0 +1,728 @@
+// forward.c: the public forward entry points (module and SDPA): check every
+// argument once, plan the scratch memory, then run the implementation.
+//
+// The module forward (F.multi_head_attention_forward, need_weights path):
+//   q = query W_q^T + b_q        (N, L, E)   one row per (n, l)
+//   k = key W_k^T + b_k          (N, S, E)   [+ bias_k] [+ zero row]
+//   v = value W_v^T + b_v        (N, S, E)   [+ bias_v] [+ zero row]
+//   heads: q as (N, H, L, d) is the strided view (L*E, d, E, 1) of the
+//   same buffer: the split is a view, not a copy; so are k and v
+//   ctx (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v   (per b, h)
+//   ctx viewed as (N, L, E) is the concatenation of the heads
+//   attn_output = ctx W_o^T + b_o  written in the query's layout
+// Scratch memory is one block (see fwd_layout); nothing else is allocated.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "module.h"
+#include "ref.h"
+
+const char *mha_impl_name(mha_impl impl) {
+    switch (impl) {
+    case MHA_IMPL_AUTO: return "auto";
+    case MHA_IMPL_REFERENCE: return "reference";
+    }
+    return "unknown";
+}
+
+mha_status mha_impl_from_name(mha_impl *out, const char *name) {
+    if (!out || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_impl_from_name: NULL argument");
+    if (strcmp(name, "auto") == 0) *out = MHA_IMPL_AUTO;
+    else if (strcmp(name, "reference") == 0 || strcmp(name, "ref") == 0)
+        *out = MHA_IMPL_REFERENCE;
+    else
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "unknown implementation \"%.64s\" (available: auto, "
+                         "reference)", name);
+    return MHA_OK;
+}
+
+static mha_status check_impl(mha_impl impl) {
+    if (impl != MHA_IMPL_AUTO && impl != MHA_IMPL_REFERENCE)
+        return mha__fail(MHA_ERR_UNSUPPORTED, "unknown implementation %d",
+                         (int)impl);
+    return MHA_OK;
+}
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    int n = omp_get_max_threads();
+    return n > 0 ? n : 1;
+#else
+    return 1;
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Argument checks shared by both entry points
+
+// Checks a tensor view: non-NULL, ndim in range, non-negative dims, element
+// count without overflow, data present when non-empty.
+static mha_status check_view(const mha_tensor *t, const char *name) {
+    if (!t) return mha__fail(MHA_ERR_INVALID_ARG, "%s: NULL tensor", name);
+    if (t->ndim < 0 || t->ndim > MHA_MAX_DIMS)
+        return mha__fail(MHA_ERR_SHAPE, "%s: ndim %d out of range [0, %d]",
+                         name, t->ndim, MHA_MAX_DIMS);
+    if ((unsigned)t->dtype >= MHA_DTYPE_COUNT)
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: invalid dtype %d", name,
+                         (int)t->dtype);
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] < 0)
+            return mha__fail(MHA_ERR_SHAPE, "%s: dim %d is negative (%lld)",
+                             name, i, (long long)t->shape[i]);
+        if (mha__mul_overflow_i64(n, t->shape[i], &n))
+            return mha__fail(MHA_ERR_OVERFLOW,
+                             "%s: the number of elements overflows", name);
+    }
+    // The farthest element must be addressable.
+    int64_t span = 0, e;
+    for (int i = 0; i < t->ndim && n > 0; i++) {
+        int64_t s = t->stride[i] < 0 ? -t->stride[i] : t->stride[i];
+        if (t->stride[i] == INT64_MIN || mha__mul_overflow_i64(t->shape[i] - 1, s, &e) ||
+            __builtin_add_overflow(span, e, &span))
+            return mha__fail(MHA_ERR_OVERFLOW, "%s: strides overflow", name);
+    }
+    size_t bytes;
+    if (mha__mul_overflow_size((size_t)span + 1, mha_dtype_size(t->dtype), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "%s: strides overflow", name);
+    if (n > 0 && !t->data)
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: data is NULL", name);
+    return MHA_OK;
+}
+
+static mha_status check_float(const mha_tensor *t, const char *name) {
+    mha_status st = check_view(t, name);
+    if (st) return st;
+    if (t->dtype != MHA_F32)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "%s: dtype %s is not supported (expected F32)", name,
+                         mha_dtype_name(t->dtype));
+    return MHA_OK;
+}
+
+static mha_status check_mask_dtype(const mha_tensor *t, const char *name) {
+    mha_status st = check_view(t, name);
+    if (st) return st;
+    if (t->dtype != MHA_F32 && t->dtype != MHA_BOOL && t->dtype != MHA_U8)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "%s: dtype %s is not supported (expected BOOL, U8 "
+                         "or F32)", name, mha_dtype_name(t->dtype));
+    return MHA_OK;
+}
+
+// The byte range [lo, hi) a non-empty view touches.
+static void view_extent(const mha_tensor *t, uintptr_t *lo, uintptr_t *hi) {
+    int64_t mn = 0, mx = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t e = (t->shape[i] - 1) * t->stride[i];
+        if (e < 0) mn += e; else mx += e;
+    }
+    size_t es = mha_dtype_size(t->dtype);
+    *lo = (uintptr_t)t->data + (uintptr_t)(mn * (int64_t)es);
+    *hi = (uintptr_t)t->data + (uintptr_t)((mx + 1) * (int64_t)es);
+}
+
+// Outputs may not overlap inputs (nor each other).
+static mha_status check_no_overlap(const mha_tensor *out, const char *oname,
+                                   const mha_tensor *in, const char *iname) {
+    if (!out || !in || mha_tensor_numel(out) == 0 || mha_tensor_numel(in) == 0)
+        return MHA_OK;
+    uintptr_t a0, a1, b0, b1;
+    view_extent(out, &a0, &a1);
+    view_extent(in, &b0, &b1);
+    if (a0 < b1 && b0 < a1)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s overlaps %s in memory (outputs must not alias "
+                         "inputs)", oname, iname);
+    return MHA_OK;
+}
+
+static mha_status check_output(const mha_tensor *t, const char *name,
+                               const mha_shape *want) {
+    mha_status st = check_float(t, name);
+    if (st) return st;
+    bool same = t->ndim == want->ndim;
+    for (int i = 0; same && i < want->ndim; i++) same = t->shape[i] == want->dims[i];
+    if (!same) {
+        char a[160], b[160];
+        return mha__fail(MHA_ERR_SHAPE, "%s: shape %s, expected %s", name,
+                         mha__shape_str(a, sizeof a, t->ndim, t->shape),
+                         mha__shape_str(b, sizeof b, want->ndim, want->dims));
+    }
+    return MHA_OK;
+}
+
+// ---------------------------------------------------------------------------
+// Module forward: plan
+
+typedef struct fwd_plan {
+    int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
+    bool unbatched;
+    // element strides of query/key/value as (seq, batch, feature)
+    int64_t qs[3], ks[3], vs[3];
+    mha__mask mask;
+    mha_shape out_shape, w_shape;
+    // scratch layout, byte offsets into one block (64-byte aligned pieces)
+    size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace;
+    size_t ws_bytes;
+    int nthreads;
+} fwd_plan;
+
+// (seq, batch, feature) strides of a (S, N, F) / (N, S, F) / (S, F) view.
+static void seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first) {
+    if (t->ndim == 2) {
+        s[0] = t->stride[0]; s[1] = 0; s[2] = t->stride[1];
+    } else if (batch_first) {
+        s[0] = t->stride[1]; s[1] = t->stride[0]; s[2] = t->stride[2];
+    } else {
+        s[0] = t->stride[0]; s[1] = t->stride[1]; s[2] = t->stride[2];
+    }
+}
+
+// Adds n items of `size` bytes to the scratch layout; returns the offset.
+static int carve(size_t *total, size_t *off, int64_t n, size_t size) {
+    size_t bytes;
+    if (mha__mul_overflow_size((size_t)n, size, &bytes)) return 1;
+    bytes = (bytes + 63) & ~(size_t)63;
+    *off = *total;
+    return mha__add_overflow_size(*total, bytes, total);
+}
+
+static mha_status plan_forward(fwd_plan *p, const mha_module *m,
+                               const mha_forward_args *a) {
+    char s1[160], s2[160], s3[160];
+    if (!m || !a)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
+    memset(p, 0, sizeof *p);
+    mha_status st;
+    if ((st = check_impl(a->impl))) return st;
+    const mha_config *c = &m->cfg;
+    if ((st = check_float(a->query, "query")) || (st = check_float(a->key, "key")) ||
+        (st = check_float(a->value, "value")))
+        return st;
+    const mha_tensor *q = a->query, *k = a->key, *v = a->value;
+    if (q->ndim != 2 && q->ndim != 3)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "query: expected 3 dims (%s) or 2 dims (L, E) "
+                         "unbatched, got shape %s",
+                         c->batch_first ? "N, L, E" : "L, N, E",
+                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape));
+    if (k->ndim != q->ndim || v->ndim != q->ndim)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "query, key and value must have the same number of "
+                         "dims, got query %s, key %s, value %s",
+                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape),
+                         mha__shape_str(s2, sizeof s2, k->ndim, k->shape),
+                         mha__shape_str(s3, sizeof s3, v->ndim, v->shape));
+    p->unbatched = q->ndim == 2;
+    int sd = (p->unbatched || !c->batch_first) ? 0 : 1;  // seq dim
+    int bd = 1 - sd;                                     // batch dim
+    int fd = q->ndim - 1;                                // feature dim
+    p->E = c->embed_dim;
+    p->H = c->num_heads;
+    p->d = m->head_dim;
+    p->kdim = c->kdim;
+    p->vdim = c->vdim;
+    p->L = q->shape[sd];
+    p->S = k->shape[sd];
+    p->N = p->unbatched ? 1 : q->shape[bd];
+    if (q->shape[fd] != p->E)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "query: embed dim %lld (shape %s) does not match the "
+                         "module's embed_dim %lld",
+                         (long long)q->shape[fd],
+                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape),
+                         (long long)p->E);
+    if (k->shape[fd] != p->kdim)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "key: feature dim %lld (shape %s) does not match the "
+                         "module's kdim %lld",
+                         (long long)k->shape[fd],
+                         mha__shape_str(s1, sizeof s1, k->ndim, k->shape),
+                         (long long)p->kdim);
+    if (v->shape[fd] != p->vdim)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "value: feature dim %lld (shape %s) does not match "
+                         "the module's vdim %lld",
+                         (long long)v->shape[fd],
+                         mha__shape_str(s1, sizeof s1, v->ndim, v->shape),
+                         (long long)p->vdim);
+    if (!p->unbatched && (k->shape[bd] != p->N || v->shape[bd] != p->N))
+        return mha__fail(MHA_ERR_SHAPE,
+                         "batch size mismatch: query %lld, key %lld, value "
+                         "%lld (shapes %s, %s, %s)",
+                         (long long)p->N, (long long)k->shape[bd],
+                         (long long)v->shape[bd],
+                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape),
+                         mha__shape_str(s2, sizeof s2, k->ndim, k->shape),
+                         mha__shape_str(s3, sizeof s3, v->ndim, v->shape));
+    if (v->shape[sd] != p->S)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "key and value lengths differ: key %lld, value %lld",
+                         (long long)p->S, (long long)v->shape[sd]);
+    seq_batch_feat(p->qs, q, c->batch_first);
+    seq_batch_feat(p->ks, k, c->batch_first);
+    seq_batch_feat(p->vs, v, c->batch_first);
+    p->Sp = p->S + (c->add_bias_kv ? 1 : 0) + (c->add_zero_attn ? 1 : 0);
+
+    // Masks, as (b, h, i, j) strides.
+    p->mask.s_masked = p->S;
+    p->mask.causal = a->is_causal;
+    if (a->key_padding_mask) {
+        const mha_tensor *t = a->key_padding_mask;
+        if ((st = check_mask_dtype(t, "key_padding_mask"))) return st;
+        bool ok = p->unbatched ? (t->ndim == 1 && t->shape[0] == p->S)
+                               : (t->ndim == 2 && t->shape[0] == p->N &&
+                                  t->shape[1] == p->S);
+        if (!ok)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "key_padding_mask: shape %s, expected %s",
+                             mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                             p->unbatched
+                                 ? mha__shape_str(s2, sizeof s2, 1, &p->S)
+                                 : mha__shape_str(s2, sizeof s2, 2,
+                                                  (int64_t[]){p->N, p->S}));
+        p->mask.kpm = t->data;
+        p->mask.kpm_dtype = t->dtype;
+        p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
+        p->mask.kpm_s[1] = t->stride[t->ndim - 1];
+    }
+    if (a->attn_mask) {
+        const mha_tensor *t = a->attn_mask;
+        if ((st = check_mask_dtype(t, "attn_mask"))) return st;
+        int64_t nh = p->unbatched ? p->H : p->N * p->H;
+        bool ok2 = t->ndim == 2 && t->shape[0] == p->L && t->shape[1] == p->S;
+        bool ok3 = t->ndim == 3 && t->shape[0] == nh && t->shape[1] == p->L &&
+                   t->shape[2] == p->S;
+        if (!ok2 && !ok3)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "attn_mask: shape %s, expected (L, S) = %s or "
+                             "(%s, L, S) = %s",
+                             mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                             mha__shape_str(s2, sizeof s2, 2,
+                                            (int64_t[]){p->L, p->S}),
+                             p->unbatched ? "num_heads" : "N*num_heads",
+                             mha__shape_str(s3, sizeof s3, 3,
+                                            (int64_t[]){nh, p->L, p->S}));
+        p->mask.attn = t->data;
+        p->mask.attn_dtype = t->dtype;
+        if (ok2) {
+            p->mask.attn_s[0] = 0;
+            p->mask.attn_s[1] = 0;
+            p->mask.attn_s[2] = t->stride[0];
+            p->mask.attn_s[3] = t->stride[1];
+        } else {
+            p->mask.attn_s[0] = p->unbatched ? 0 : p->H * t->stride[0];
+            p->mask.attn_s[1] = t->stride[0];
+            p->mask.attn_s[2] = t->stride[1];
+            p->mask.attn_s[3] = t->stride[2];
+        }
+    }
+
+    // Output shapes.
+    p->out_shape.ndim = q->ndim;
+    for (int i = 0; i < q->ndim; i++) p->out_shape.dims[i] = q->shape[i];
+    mha_shape *w = &p->w_shape;
+    if (!p->unbatched) w->dims[w->ndim++] = p->N;
+    if (!a->average_attn_weights) w->dims[w->ndim++] = p->H;
+    w->dims[w->ndim++] = p->L;
+    w->dims[w->ndim++] = p->Sp;
+
+    // Scratch layout.
+    p->nthreads = a->trace ? 1 : max_threads();
+    int64_t nle, nse, lsp, nhlsp, tr;
+    if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) ||
+        mha__mul_overflow_i64(nle, p->E, &nle) ||
+        mha__mul_overflow_i64(p->N, p->Sp, &nse) ||
+        mha__mul_overflow_i64(nse, p->E, &nse) ||
+        mha__mul_overflow_i64(p->L, p->Sp, &lsp) ||
+        mha__mul_overflow_i64(lsp, p->N * p->H, &nhlsp))
+        return mha__fail(MHA_ERR_OVERFLOW,
+                         "sizes overflow: N %lld, L %lld, S %lld, E %lld",
+                         (long long)p->N, (long long)p->L, (long long)p->S,
+                         (long long)p->E);
+    tr = a->trace ? p->L * (p->Sp > p->d ? p->Sp : p->d) : 0;
+    size_t total = 0;
+    if (carve(&total, &p->off_q, nle, sizeof(float)) ||
+        carve(&total, &p->off_k, nse, sizeof(float)) ||
+        carve(&total, &p->off_v, nse, sizeof(float)) ||
+        carve(&total, &p->off_ctx, nle, sizeof(float)) ||
+        carve(&total, &p->off_headw,
+              (a->need_weights && a->average_attn_weights) ? nhlsp : 0,
+              sizeof(float)) ||
+        carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
+        carve(&total, &p->off_trace, tr, sizeof(float)))
+        return mha__fail(MHA_ERR_OVERFLOW,
+                         "scratch size overflows: N %lld, L %lld, S %lld, E %lld",
+                         (long long)p->N, (long long)p->L, (long long)p->S,
+                         (long long)p->E);
+    p->ws_bytes = total + 64;  // + 64: the caller's block may be unaligned
+    return MHA_OK;
+}
+
+void mha_forward_args_init(mha_forward_args *a) {
+    if (!a) return;
+    memset(a, 0, sizeof *a);
+    a->average_attn_weights = true;
+    a->impl = MHA_IMPL_AUTO;
+}
+
+mha_status mha_forward_shapes(mha_shape *out_shape, mha_shape *weights_shape,
+                              const mha_module *m, const mha_forward_args *a) {
+    fwd_plan p;
+    mha_status st = plan_forward(&p, m, a);
+    if (st) return st;
+    if (out_shape) *out_shape = p.out_shape;
+    if (weights_shape) *weights_shape = p.w_shape;
+    return MHA_OK;
+}
+
+mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
+                                      const mha_forward_args *a) {
+    if (!bytes)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_forward_workspace_size: NULL argument");
+    fwd_plan p;
+    mha_status st = plan_forward(&p, m, a);
+    if (st) return st;
+    *bytes = p.ws_bytes;
+    return MHA_OK;
+}
+
+// ---------------------------------------------------------------------------
+// Module forward: run (reference)
+
+static void trace_buffer(const mha_forward_args *a, const char *step,
+                         float *buf, int64_t N, int64_t T, int64_t E) {
+    if (!a->trace) return;
+    int64_t shape[3] = {N, T, E};
+    mha_tensor t = mha_tensor_contiguous(buf, MHA_F32, 3, shape);
+    a->trace(a->trace_user, step, -1, -1, &t);
+}
+
+// Projects rows of x ((seq, batch, feature) strides xs) into buf (N, T, E):
+// buf[n, t, :] = x[t, n, :] W^T + b.
+static void project(float *buf, const float *x, const int64_t xs[3],
+                    const float *W, const float *b, int64_t N, int64_t T,
+                    int64_t I, int64_t E, int nthreads) {
+    int64_t rows = N * T;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t n = r / T, t = r % T;
+        mha__ref_linear_row(buf + r * E, 1, x + t * xs[0] + n * xs[1], xs[2], W,
+                            b, I, E);
+    }
+}
+
+static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                        const mha_module *m, const mha_forward_args *a,
+                        char *ws) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E,
+                  H = p->H, d = p->d;
+    float *q = (float *)(ws + p->off_q);      // (N, L, E)
+    float *k = (float *)(ws + p->off_k);      // (N, Sp, E)
+    float *v = (float *)(ws + p->off_v);      // (N, Sp, E)
+    float *ctx = (float *)(ws + p->off_ctx);  // (N, L, E)
+    float *headw = (float *)(ws + p->off_headw);     // (N, H, L, Sp)
+    double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
+                *bv = bq ? bq + 2 * E : NULL;
+
+    // 1. Projections (one row per (n, t)); then the appended keys/values.
+    project(q, a->query->data, p->qs, m->q_weight, bq, N, L, E, E, p->nthreads);
+    // k, v rows t < S come from key/value: project into (N, Sp, E) rows.
+#pragma omp parallel for schedule(static) num_threads(p->nthreads)
+    for (int64_t r = 0; r < N * S; r++) {
+        int64_t n = r / (S ? S : 1), t = r % (S ? S : 1);
+        mha__ref_linear_row(k + (n * Sp + t) * E, 1,
+                            (const float *)a->key->data + t * p->ks[0] + n * p->ks[1],
+                            p->ks[2], m->k_weight, bk, p->kdim, E);
+        mha__ref_linear_row(v + (n * Sp + t) * E, 1,
+                            (const float *)a->value->data + t * p->vs[0] + n * p->vs[1],
+                            p->vs[2], m->v_weight, bv, p->vdim, E);
+    }
+    for (int64_t n = 0; n < N; n++) {
+        int64_t t = S;
+        if (m->cfg.add_bias_kv) {  // k = cat([k, bias_k]), v = cat([v, bias_v])
+            memcpy(k + (n * Sp + t) * E, m->bias_k, (size_t)E * sizeof(float));
+            memcpy(v + (n * Sp + t) * E, m->bias_v, (size_t)E * sizeof(float));
+            t++;
+        }
+        if (m->cfg.add_zero_attn) {  // one zero key and value after them
+            memset(k + (n * Sp + t) * E, 0, (size_t)E * sizeof(float));
+            memset(v + (n * Sp + t) * E, 0, (size_t)E * sizeof(float));
+        }
+    }
+    trace_buffer(a, "q", q, N, L, E);
+    trace_buffer(a, "k", k, N, Sp, E);
+    trace_buffer(a, "v", v, N, Sp, E);
+
+    // 2. Attention per (b, h) on strided head views of q, k, v, ctx.
+    const double scale = 1.0 / sqrt((double)d);
+    const bool avg = a->need_weights && a->average_attn_weights;
+    const bool perhead = a->need_weights && !a->average_attn_weights;
+    mha__trace tr = {a->trace, a->trace_user, (float *)(ws + p->off_trace)};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
+    for (int64_t bh = 0; bh < N * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        mha__mat qh = {q + b * L * E + h * d, E, 1};
+        mha__mat kh = {k + b * Sp * E + h * d, E, 1};
+        mha__mat vh = {v + b * Sp * E + h * d, E, 1};
+        mha__mat oh = {ctx + b * L * E + h * d, E, 1};
+        mha__mat wh = {NULL, 0, 0};
+        if (avg) {
+            wh = (mha__mat){headw + bh * L * Sp, Sp, 1};
+        } else if (perhead) {
+            const int64_t *ws_ = weights->stride;
+            int o = p->unbatched ? 0 : 1;  // (N,) H, L, Sp
+            wh = (mha__mat){(float *)weights->data +
+                                (p->unbatched ? 0 : b * ws_[0]) + h * ws_[o],
+                            ws_[o + 1], ws_[o + 2]};
+        }
+        mha__ref_attention_head(oh, wh, qh, kh, vh, L, Sp, d, d, scale,
+                                &p->mask, b, h, scores + (size_t)tid * L * Sp,
+                                a->trace ? &tr : NULL);
+    }
+    trace_buffer(a, "concat", ctx, N, L, E);
+
+    // 3. Averaged weights: mean over heads, summed in head order.
+    if (avg) {
+        const int64_t *ws_ = weights->stride;
+        int o = p->unbatched ? 0 : 1;
+        for (int64_t b = 0; b < N; b++)
+            for (int64_t i = 0; i < L; i++)
+                for (int64_t j = 0; j < Sp; j++) {
+                    double s = 0.0;
+                    for (int64_t h = 0; h < H; h++)
+                        s += headw[((b * H + h) * L + i) * Sp + j];
+                    ((float *)weights->data)[(p->unbatched ? 0 : b * ws_[0]) +
+                                             i * ws_[o] + j * ws_[o + 1]] =
+                        (float)(s / (double)H);
+                }
+    }
+
+    // 4. Output projection, written in the query's layout.
+    int64_t os[3];
+    seq_batch_feat(os, out, m->cfg.batch_first);
+#pragma omp parallel for schedule(static) num_threads(p->nthreads)
+    for (int64_t r = 0; r < N * L; r++) {
+        int64_t n = r / L, t = r % L;
+        mha__ref_linear_row((float *)out->data + t * os[0] + n * os[1], os[2],
+                            ctx + r * E, 1, m->out_weight, m->out_bias, E, E);
+    }
+    if (a->trace) {
+        mha_tensor o = *out;  // as (N, L, E)
+        o.ndim = 3;
+        o.shape[0] = N; o.shape[1] = L; o.shape[2] = E;
+        o.stride[0] = os[1]; o.stride[1] = os[0]; o.stride[2] = os[2];
+        a->trace(a->trace_user, "output", -1, -1, &o);
+    }
+}
+
+static mha_status check_forward_outputs(const fwd_plan *p, mha_tensor *out,
+                                        mha_tensor *weights,
+                                        const mha_forward_args *a) {
+    mha_status st;
+    if ((st = check_output(out, "attn_output", &p->out_shape))) return st;
+    if (a->need_weights) {
+        if (!weights)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "need_weights is set but attn_output_weights is NULL");
+        if ((st = check_output(weights, "attn_output_weights", &p->w_shape)))
+            return st;
+    }
+    const mha_tensor *ins[5] = {a->query, a->key, a->value, a->key_padding_mask,
+                                a->attn_mask};
+    const char *names[5] = {"query", "key", "value", "key_padding_mask",
+                            "attn_mask"};
+    for (int i = 0; i < 5; i++) {
+        if ((st = check_no_overlap(out, "attn_output", ins[i], names[i])))
+            return st;
+        if (a->need_weights &&
+            (st = check_no_overlap(weights, "attn_output_weights", ins[i], names[i])))
+            return st;
+    }
+    if (a->need_weights &&
+        (st = check_no_overlap(weights, "attn_output_weights", out, "attn_output")))
+        return st;
+    return MHA_OK;
+}
+
+mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
+                          const mha_module *m, const mha_forward_args *a,
+                          void *workspace, size_t workspace_bytes) {
+    fwd_plan p;
+    mha_status st = plan_forward(&p, m, a);
+    if (st) return st;
+    if ((st = check_forward_outputs(&p, out, weights, a))) return st;
+    if (!workspace || workspace_bytes < p.ws_bytes)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "workspace of %zu bytes is too small: %zu needed",
+                         workspace ? workspace_bytes : 0, p.ws_bytes);
+    char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+    run_forward(&p, out, weights, m, a, ws);
+    return MHA_OK;
+}
+
+mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m,
+                       const mha_forward_args *a) {
+    fwd_plan p;
+    mha_status st = plan_forward(&p, m, a);
+    if (st) return st;
+    if ((st = check_forward_outputs(&p, out, weights, a))) return st;
+    void *ws = malloc(p.ws_bytes);
+    if (!ws)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_forward: out of memory for %zu bytes of scratch",
+                         p.ws_bytes);
+    char *al = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+    run_forward(&p, out, weights, m, a, al);
+    free(ws);
+    return MHA_OK;
+}
+
+// ---------------------------------------------------------------------------
+// Scaled dot-product attention on projected (B, H, T, D) views
+
+void mha_sdpa_args_init(mha_sdpa_args *a) {
+    if (!a) return;
+    memset(a, 0, sizeof *a);
+    a->impl = MHA_IMPL_AUTO;
+}
+
+static mha_status check_4d(const mha_tensor *t, const char *name) {
+    mha_status st = check_float(t, name);
+    if (st) return st;
+    if (t->ndim != 4) {
+        char s[160];
+        return mha__fail(MHA_ERR_SHAPE, "%s: expected 4 dims (B, H, T, D), got %s",
+                         name, mha__shape_str(s, sizeof s, t->ndim, t->shape));
+    }
+    return MHA_OK;
+}
+
+mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a) {
+    char s1[160], s2[160], s3[160];
+    if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
+    mha_status st;
+    if ((st = check_impl(a->impl))) return st;
+    if ((st = check_4d(a->q, "q")) || (st = check_4d(a->k, "k")) ||
+        (st = check_4d(a->v, "v")))
+        return st;
+    const mha_tensor *q = a->q, *k = a->k, *v = a->v;
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2],
+                  D = q->shape[3], S = k->shape[2], Dv = v->shape[3];
+    if (k->shape[0] != B || k->shape[1] != H || v->shape[0] != B ||
+        v->shape[1] != H || k->shape[3] != D || v->shape[2] != S)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "sdpa: q %s, k %s, v %s do not fit (B, H, L, D), "
+                         "(B, H, S, D), (B, H, S, Dv)",
+                         mha__shape_str(s1, sizeof s1, 4, q->shape),
+                         mha__shape_str(s2, sizeof s2, 4, k->shape),
+                         mha__shape_str(s3, sizeof s3, 4, v->shape));
+    double scale;
+    if (a->use_custom_scale) {
+        if (!isfinite(a->scale))
+            return mha__fail(MHA_ERR_INVALID_ARG, "sdpa: scale must be finite, got %g",
+                             a->scale);
+        scale = a->scale;
+    } else {
+        if (D == 0)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "sdpa: head dim D is 0, so the default scale "
+                             "1/sqrt(D) is undefined (pass a custom scale)");
+        scale = 1.0 / sqrt((double)D);
+    }
+    mha__mask mk;
+    memset(&mk, 0, sizeof mk);
+    mk.s_masked = S;
+    mk.causal = a->is_causal;
+    if (a->attn_mask) {
+        const mha_tensor *t = a->attn_mask;
+        if ((st = check_mask_dtype(t, "attn_mask"))) return st;
+        const int64_t full[4] = {B, H, L, S};
+        if (t->ndim > 4)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "attn_mask: %d dims, at most 4 broadcast to (B, H, "
+                             "L, S)", t->ndim);
+        for (int i = 0; i < 4; i++) {
+            int td = t->ndim - 4 + i;  // right-aligned
+            if (td < 0) { mk.attn_s[i] = 0; continue; }
+            if (t->shape[td] == full[i]) mk.attn_s[i] = full[i] == 1 ? 0 : t->stride[td];
+            else if (t->shape[td] == 1) mk.attn_s[i] = 0;
+            else
+                return mha__fail(MHA_ERR_SHAPE,
+                                 "attn_mask: shape %s does not broadcast to "
+                                 "(B, H, L, S) = %s",
+                                 mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                                 mha__shape_str(s2, sizeof s2, 4, full));
+        }
+        mk.attn = t->data;
+        mk.attn_dtype = t->dtype;
+    }
+    if (a->key_padding_mask) {
+        const mha_tensor *t = a->key_padding_mask;
+        if ((st = check_mask_dtype(t, "key_padding_mask"))) return st;
+        if (t->ndim != 2 || t->shape[0] != B || t->shape[1] != S)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "key_padding_mask: shape %s, expected (B, S) = %s",
+                             mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                             mha__shape_str(s2, sizeof s2, 2, (int64_t[]){B, S}));
+        mk.kpm = t->data;
+        mk.kpm_dtype = t->dtype;
+        mk.kpm_s[0] = t->stride[0];
+        mk.kpm_s[1] = t->stride[1];
+    }
+    mha_shape os = {4, {B, H, L, Dv}}, wsh = {4, {B, H, L, S}};
+    if ((st = check_output(out, "out", &os))) return st;
+    if (weights && (st = check_output(weights, "weights", &wsh))) return st;
+    const mha_tensor *ins[5] = {q, k, v, a->attn_mask, a->key_padding_mask};
+    const char *names[5] = {"q", "k", "v", "attn_mask", "key_padding_mask"};
+    for (int i = 0; i < 5; i++) {
+        if ((st = check_no_overlap(out, "out", ins[i], names[i]))) return st;
+        if ((st = check_no_overlap(weights, "weights", ins[i], names[i]))) return st;
+    }
+    if ((st = check_no_overlap(weights, "weights", out, "out"))) return st;
+
+    int nt = max_threads();
+    int64_t ls;
+    size_t bytes;
+    if (mha__mul_overflow_i64(L, S, &ls) ||
+        mha__mul_overflow_size((size_t)ls, sizeof(double) * (size_t)nt, &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "sdpa: L %lld x S %lld overflows",
+                         (long long)L, (long long)S);
+    double *scores = malloc(bytes ? bytes : 1);
+    if (!scores)
+        return mha__fail(MHA_ERR_NOMEM, "sdpa: out of memory for %zu bytes", bytes);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+#define MHA__HEAD(t, r, c)                                                   \
+    (mha__mat) {                                                             \
+        (float *)(t)->data + b * (t)->stride[0] + h * (t)->stride[1],        \
+            (t)->stride[r], (t)->stride[c]                                   \
+    }
+        mha__mat w = weights ? MHA__HEAD(weights, 2, 3) : (mha__mat){NULL, 0, 0};
+        mha__ref_attention_head(MHA__HEAD(out, 2, 3), w, MHA__HEAD(q, 2, 3),
+                                MHA__HEAD(k, 2, 3), MHA__HEAD(v, 2, 3), L, S, D,
+                                Dv, scale, &mk, b, h, scores + (size_t)tid * ls,
+                                NULL);
+#undef MHA__HEAD
+    }
+    free(scores);
+    return MHA_OK;
+}

@@ -1,0 +1,174 @@
+// io.c: a module's parameters to and from safetensors files, under
+// PyTorch's state_dict names. Every tensor's presence and shape is checked
+// before anything is copied.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "module.h"
+
+static bool is_float_dtype(mha_dtype t) {
+    return t == MHA_F32 || t == MHA_F16 || t == MHA_BF16 || t == MHA_F64;
+}
+
+// Finds an optional tensor: *found = false when absent (not an error).
+static mha_status find_opt(mha_st_tensor *t, bool *found, const mha_st_file *f,
+                           const char *name) {
+    for (int64_t i = 0; i < mha_st_num_tensors(f); i++) {
+        mha_status st = mha_st_tensor_at(t, f, i);
+        if (st) return st;
+        if (strcmp(t->name, name) == 0) {
+            *found = true;
+            return MHA_OK;
+        }
+    }
+    *found = false;
+    return MHA_OK;
+}
+
+static bool parse_pos_int(const char *s, int64_t *out) {
+    if (!s || !*s) return false;
+    int64_t v = 0;
+    for (const char *c = s; *c; c++) {
+        if (*c < '0' || *c > '9') return false;
+        if (v > (INT64_MAX - 9) / 10) return false;
+        v = v * 10 + (*c - '0');
+    }
+    if (v <= 0) return false;
+    *out = v;
+    return true;
+}
+
+mha_status mha_module_load(mha_module **out, const mha_st_file *f,
+                           const mha_config *base) {
+    char s1[160];
+    if (!out || !f)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_load: NULL argument");
+    *out = NULL;
+    mha_config cfg;
+    mha_config_init(&cfg, 0, 0);
+    if (base) cfg = *base;
+    mha_status st;
+
+    // Which parameters are present tells the configuration.
+    static const char *names[] = {"in_proj_weight", "q_proj_weight",
+                                  "k_proj_weight",  "v_proj_weight",
+                                  "in_proj_bias",   "out_proj.weight",
+                                  "out_proj.bias",  "bias_k",
+                                  "bias_v"};
+    enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, NP };
+    mha_st_tensor t[NP];
+    bool has[NP];
+    for (int i = 0; i < NP; i++)
+        if ((st = find_opt(&t[i], &has[i], f, names[i]))) return st;
+    for (int64_t i = 0; i < mha_st_num_tensors(f); i++) {
+        mha_st_tensor x;
+        if ((st = mha_st_tensor_at(&x, f, i))) return st;
+        bool known = false;
+        for (int j = 0; j < NP; j++) known |= strcmp(x.name, names[j]) == 0;
+        if (!known)
+            return mha__fail(MHA_ERR_FORMAT,
+                             "weights: unexpected tensor \"%.100s\" (not a "
+                             "MultiheadAttention parameter)", x.name);
+        if (!is_float_dtype(x.dtype))
+            return mha__fail(MHA_ERR_FORMAT,
+                             "weights: tensor \"%.100s\" has dtype %s "
+                             "(expected F32, F16, BF16 or F64)",
+                             x.name, mha_dtype_name(x.dtype));
+    }
+    if (!has[OUT_W])
+        return mha__fail(MHA_ERR_FORMAT, "weights: no \"out_proj.weight\" tensor");
+    if (t[OUT_W].ndim != 2 || t[OUT_W].shape[0] != t[OUT_W].shape[1] ||
+        t[OUT_W].shape[0] <= 0)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "weights: out_proj.weight has shape %s, expected (E, E)",
+                         mha__shape_str(s1, sizeof s1, t[OUT_W].ndim, t[OUT_W].shape));
+    const int64_t E = t[OUT_W].shape[0];
+    cfg.embed_dim = E;
+    if (has[IN_W]) {
+        if (has[Q_W] || has[K_W] || has[V_W])
+            return mha__fail(MHA_ERR_FORMAT,
+                             "weights: both in_proj_weight and separate "
+                             "q/k/v_proj_weight tensors");
+        cfg.kdim = cfg.vdim = E;
+    } else {
+        if (!has[Q_W] || !has[K_W] || !has[V_W])
+            return mha__fail(MHA_ERR_FORMAT,
+                             "weights: need in_proj_weight, or all of "
+                             "q_proj_weight, k_proj_weight and v_proj_weight");
+        if (t[K_W].ndim != 2 || t[V_W].ndim != 2)
+            return mha__fail(MHA_ERR_FORMAT,
+                             "weights: k_proj_weight and v_proj_weight must "
+                             "be 2-D (E, kdim), (E, vdim)");
+        cfg.kdim = t[K_W].shape[1];
+        cfg.vdim = t[V_W].shape[1];
+    }
+    if (has[IN_B] != has[OUT_B])
+        return mha__fail(MHA_ERR_FORMAT,
+                         "weights: in_proj_bias and out_proj.bias must be "
+                         "both present or both absent (has %s only)",
+                         has[IN_B] ? "in_proj_bias" : "out_proj.bias");
+    cfg.bias = has[IN_B];
+    if (has[BK] != has[BV])
+        return mha__fail(MHA_ERR_FORMAT,
+                         "weights: bias_k and bias_v must be both present or "
+                         "both absent (has %s only)", has[BK] ? "bias_k" : "bias_v");
+    cfg.add_bias_kv = has[BK];
+    if (cfg.num_heads == 0) {
+        const char *h = mha_st_metadata(f, "num_heads");
+        if (!h)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "weights: the number of heads is not given and "
+                             "the file has no __metadata__ \"num_heads\"");
+        if (!parse_pos_int(h, &cfg.num_heads))
+            return mha__fail(MHA_ERR_FORMAT,
+                             "weights: __metadata__ num_heads \"%.40s\" is not "
+                             "a positive integer", h);
+    }
+    mha_module *m;
+    if ((st = mha_module_create(&m, &cfg))) return st;
+    // Every parameter of the module must be in the file with its exact shape.
+    for (int i = 0; i < m->nparams; i++) {
+        const mha_param *p = &m->params[i];
+        mha_st_tensor x;
+        if ((st = mha_st_find(&x, f, p->name))) goto fail;
+        bool same = x.ndim == p->ndim;
+        for (int d = 0; same && d < p->ndim; d++) same = x.shape[d] == p->shape[d];
+        if (!same) {
+            char s2[160];
+            st = mha__fail(MHA_ERR_SHAPE,
+                           "weights: %s has shape %s, expected %s (embed_dim "
+                           "%lld, num_heads %lld, kdim %lld, vdim %lld)",
+                           p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
+                           mha__shape_str(s2, sizeof s2, p->ndim, p->shape),
+                           (long long)E, (long long)cfg.num_heads,
+                           (long long)m->cfg.kdim, (long long)m->cfg.vdim);
+            goto fail;
+        }
+        if ((st = mha_st_read(p->data, (size_t)p->numel * sizeof(float), MHA_F32, &x)))
+            goto fail;
+    }
+    *out = m;
+    return MHA_OK;
+fail:
+    mha_module_destroy(m);
+    return st;
+}
+
+mha_status mha_module_save(const mha_module *m, const char *path) {
+    if (!m || !path)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_save: NULL argument");
+    mha_st_writer *w;
+    mha_status st = mha_st_writer_create(&w);
+    if (st) return st;
+    for (int i = 0; i < m->nparams && !st; i++) {
+        const mha_param *p = &m->params[i];
+        st = mha_st_writer_add(w, p->name, MHA_F32, p->ndim, p->shape, p->data);
+    }
+    char heads[32];
+    snprintf(heads, sizeof heads, "%lld", (long long)m->cfg.num_heads);
+    if (!st) st = mha_st_writer_set_metadata(w, "num_heads", heads);
+    if (!st) st = mha_st_writer_save(w, path);
+    mha_st_writer_destroy(w);
+    return st;
+}

@@ -1,0 +1,172 @@
+// module.c: the nn.MultiheadAttention module object: its config, and its
+// parameters under PyTorch's names, carved out of one allocation.
+//
+// Parameter block layout (float32, each piece 64-byte aligned), in the order
+// of PyTorch's state_dict:
+//   in_proj_weight (3E, E)                    when kdim == vdim == E
+//   q_proj_weight (E, E), k_proj_weight (E, kdim), v_proj_weight (E, vdim)
+//                                             otherwise
+//   in_proj_bias (3E)                         when bias
+//   bias_k (1, 1, E), bias_v (1, 1, E)        when add_bias_kv
+//   out_proj.weight (E, E)
+//   out_proj.bias (E)                         when bias
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "module.h"
+
+void mha_config_init(mha_config *cfg, int64_t embed_dim, int64_t num_heads) {
+    if (!cfg) return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->embed_dim = embed_dim;
+    cfg->num_heads = num_heads;
+    cfg->bias = true;
+}
+
+static mha_status check_config(const mha_config *c) {
+    if (c->embed_dim <= 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "embed_dim must be positive, got %lld",
+                         (long long)c->embed_dim);
+    if (c->num_heads <= 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "num_heads must be positive, got %lld",
+                         (long long)c->num_heads);
+    if (c->embed_dim % c->num_heads != 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "embed_dim %lld is not divisible by num_heads %lld",
+                         (long long)c->embed_dim, (long long)c->num_heads);
+    if (c->kdim < 0 || c->vdim < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "kdim and vdim must be >= 0 (0 = embed_dim), got "
+                         "kdim %lld, vdim %lld",
+                         (long long)c->kdim, (long long)c->vdim);
+    if (!(c->dropout >= 0.0f && c->dropout < 1.0f))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "dropout must be in [0, 1), got %g", (double)c->dropout);
+    // Every parameter must be addressable: at most (3E + 3) * max(E, kdim,
+    // vdim) floats in all, checked without overflow.
+    int64_t maxd = c->embed_dim, rows, n;
+    if (c->kdim > maxd) maxd = c->kdim;
+    if (c->vdim > maxd) maxd = c->vdim;
+    size_t bytes;
+    if (mha__mul_overflow_i64(c->embed_dim, 3, &rows) ||
+        rows > INT64_MAX - 3 || mha__mul_overflow_i64(rows + 3, maxd, &n) ||
+        mha__mul_overflow_size((size_t)n, sizeof(float), &bytes) ||
+        bytes > (size_t)PTRDIFF_MAX / 2)
+        return mha__fail(MHA_ERR_OVERFLOW,
+                         "parameters of embed_dim %lld, kdim %lld, vdim %lld "
+                         "are too large to address",
+                         (long long)c->embed_dim, (long long)c->kdim,
+                         (long long)c->vdim);
+    return MHA_OK;
+}
+
+static void add_param(mha_module *m, const char *name, int ndim, int64_t d0,
+                      int64_t d1, int64_t d2, float **slot) {
+    mha_param *p = &m->params[m->nparams++];
+    p->name = name;
+    p->ndim = ndim;
+    p->shape[0] = d0;
+    p->shape[1] = d1;
+    p->shape[2] = d2;
+    p->numel = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
+    p->data = NULL;
+    m->slots[m->nparams - 1] = slot;
+}
+
+static size_t round64(size_t b) { return (b + 63) & ~(size_t)63; }
+
+mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
+    if (!out || !cfg)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_create: NULL argument");
+    *out = NULL;
+    mha_status st = check_config(cfg);
+    if (st) return st;
+    mha_module *m = calloc(1, sizeof *m);
+    if (!m) return mha__fail(MHA_ERR_NOMEM, "mha_module_create: out of memory");
+    m->cfg = *cfg;
+    const int64_t E = cfg->embed_dim;
+    if (m->cfg.kdim == 0) m->cfg.kdim = E;
+    if (m->cfg.vdim == 0) m->cfg.vdim = E;
+    m->packed = (m->cfg.kdim == E && m->cfg.vdim == E);
+    m->head_dim = E / cfg->num_heads;
+
+    if (m->packed) {
+        add_param(m, "in_proj_weight", 2, 3 * E, E, 0, &m->in_proj_weight);
+    } else {
+        add_param(m, "q_proj_weight", 2, E, E, 0, &m->q_weight);
+        add_param(m, "k_proj_weight", 2, E, m->cfg.kdim, 0, &m->k_weight);
+        add_param(m, "v_proj_weight", 2, E, m->cfg.vdim, 0, &m->v_weight);
+    }
+    if (cfg->bias) add_param(m, "in_proj_bias", 1, 3 * E, 0, 0, &m->in_proj_bias);
+    if (cfg->add_bias_kv) {
+        add_param(m, "bias_k", 3, 1, 1, E, &m->bias_k);
+        add_param(m, "bias_v", 3, 1, 1, E, &m->bias_v);
+    }
+    add_param(m, "out_proj.weight", 2, E, E, 0, &m->out_weight);
+    if (cfg->bias) add_param(m, "out_proj.bias", 1, E, 0, 0, &m->out_bias);
+
+    size_t total = 0;
+    for (int i = 0; i < m->nparams; i++)
+        total += round64((size_t)m->params[i].numel * sizeof(float));
+    m->block = mha__alloc(total);
+    if (!m->block) {
+        free(m);
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_module_create: out of memory for %zu bytes of "
+                         "parameters", total);
+    }
+    memset(m->block, 0, total);
+    char *p = (char *)m->block;
+    for (int i = 0; i < m->nparams; i++) {
+        m->params[i].data = (float *)p;
+        *m->slots[i] = (float *)p;
+        p += round64((size_t)m->params[i].numel * sizeof(float));
+    }
+    if (m->packed) {
+        m->q_weight = m->in_proj_weight;
+        m->k_weight = m->in_proj_weight + E * E;
+        m->v_weight = m->in_proj_weight + 2 * E * E;
+    }
+    *out = m;
+    return MHA_OK;
+}
+
+void mha_module_destroy(mha_module *m) {
+    if (!m) return;
+    mha__free(m->block);
+    free(m);
+}
+
+const mha_config *mha_module_config(const mha_module *m) {
+    return m ? &m->cfg : NULL;
+}
+
+int mha_module_num_params(const mha_module *m) { return m ? m->nparams : 0; }
+
+mha_status mha_module_param_at(mha_param *out, const mha_module *m, int i) {
+    if (!out || !m)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_param_at: NULL argument");
+    if (i < 0 || i >= m->nparams)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "parameter index %d out of range [0, %d)", i,
+                         m->nparams);
+    *out = m->params[i];
+    return MHA_OK;
+}
+
+mha_status mha_module_param(mha_param *out, const mha_module *m,
+                            const char *name) {
+    if (!out || !m || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_param: NULL argument");
+    for (int i = 0; i < m->nparams; i++) {
+        if (strcmp(m->params[i].name, name) == 0) {
+            *out = m->params[i];
+            return MHA_OK;
+        }
+    }
+    return mha__fail(MHA_ERR_NOT_FOUND, "the module has no parameter \"%.100s\"",
+                     name);
+}

@@ -1,0 +1,63 @@
+// ref.h: the reference implementation (the oracle): plain loops, the full
+// score matrix, double accumulation. Kernels here trust their arguments:
+// every check happens once, in forward.c.
+#ifndef MHA_REF_H
+#define MHA_REF_H
+
+#include "internal.h"
+
+// A mask over scores (b, h, i, j), the sum of up to three parts:
+//  - attn: element at attn + b*attn_s[0] + h*attn_s[1] + i*attn_s[2] +
+//    j*attn_s[3] (stride 0 broadcasts); bool/u8 nonzero -> -inf, f32 added
+//  - kpm: element at kpm + b*kpm_s[0] + j*kpm_s[1]; same dtype rule
+//  - causal: -inf where j > i
+// Columns j >= s_masked are never masked (keys appended by add_bias_kv and
+// add_zero_attn).
+typedef struct mha__mask {
+    const void *attn;
+    mha_dtype attn_dtype;
+    int64_t attn_s[4];
+    const void *kpm;
+    mha_dtype kpm_dtype;
+    int64_t kpm_s[2];
+    bool causal;
+    int64_t s_masked;
+} mha__mask;
+
+// The additive mask value at (b, h, i, j): 0, -inf or the float sum.
+float mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
+                      int64_t j);
+
+// A 2-D strided float view: element (r, c) at p[r*rs + c*cs].
+typedef struct mha__mat {
+    float *p;
+    int64_t rs, cs;
+} mha__mat;
+
+// Attention of one (b, h):
+//   scores (L, S) = scale * q (L, D) k (S, D)^T + mask(b, h, ., .)
+//   P = softmax(scores) row by row (row max subtracted; a row whose every
+//       score is -inf gets P = 0: the fully-masked-row rule)
+//   out (L, Dv) = P v (S, Dv);  w (L, S) = P when w.p != NULL
+// scores_ws: L*S doubles of scratch.
+// tr: NULL, or a trace: the steps "scores", "scaled_scores", "weights",
+// "context" are passed to tr->fn as float views of tr->buf (L*max(S, Dv)
+// floats).
+typedef struct mha__trace {
+    mha_trace_fn fn;
+    void *user;
+    float *buf;
+} mha__trace;
+
+void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
+                             mha__mat v, int64_t L, int64_t S, int64_t D,
+                             int64_t Dv, double scale, const mha__mask *mk,
+                             int64_t b, int64_t h, double *scores_ws,
+                             const mha__trace *tr);
+
+// y[o] = sum_i x[i*xs] * W[o][i] + (b ? b[o] : 0) for o < O, W (O, I)
+// row-major; y written with stride ys.
+void mha__ref_linear_row(float *y, int64_t ys, const float *x, int64_t xs,
+                         const float *W, const float *b, int64_t I, int64_t O);
+
+#endif

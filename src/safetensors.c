@@ -1,0 +1,1274 @@
+// safetensors.c: a strict reader and a writer of safetensors files
+// (https://github.com/huggingface/safetensors, "Format").
+//
+// Layout: 8-byte little-endian header length n, n bytes of JSON header
+// (padded with trailing spaces), then the data buffer. Each header entry is
+// {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]} with offsets
+// relative to the data buffer; "__metadata__" is an optional string map.
+//
+// Reader. mha_st_open reads the whole file into one allocation (no mmap, no
+// lazy loading); mha_st_parse copies caller bytes into one. The JSON header
+// is parsed by cJSON; this file only checks what cJSON returns, plus three
+// byte-level rules cJSON does not enforce (no byte-order mark, no raw control
+// bytes, no \u0000 escape, which cJSON would silently cut a string at).
+// Everything is validated before anything is exposed, and nothing is
+// allocated from a size read out of the file before it is checked against
+// the file's real size. Checked, each with a message naming the file, the
+// tensor and the values:
+//  - header length: <= MHA_ST_MAX_HEADER and <= file size - 8;
+//  - the header: one JSON object followed only by whitespace;
+//  - each entry: an object with exactly "dtype" (a known name), "shape" (at
+//    most MHA_MAX_DIMS integers) and "data_offsets" (two integers,
+//    begin <= end); integers are JSON numbers holding an exact non-negative
+//    integer below 2^53 (checked by value, as cJSON stores doubles: 2.0 and
+//    2e0 read as 2);
+//  - numel x dtype size == end - begin, with every product overflow-checked
+//    (dims of size 0 count as 1 there, so no shape's strides overflow);
+//  - sorted by offset, tensors are contiguous, non-overlapping and cover
+//    the data buffer exactly (zero-size tensors are allowed anywhere);
+//  - names: non-empty, valid UTF-8 (no overlong forms, no surrogates), no
+//    duplicates; "__metadata__" at most once, an object of strings, no
+//    duplicate keys, keys and values valid UTF-8.
+// What it does not check: the tensor data itself (NaNs, BOOL bytes other
+// than 0/1 - mha_st_read maps nonzero to 1).
+//
+// Tensors are exposed sorted by data offset; names and metadata live in one
+// string table owned by the file. mha_st_find and mha_st_metadata binary
+// search a name-sorted index.
+//
+// Writer. mha_st_writer_add copies the data (stored little-endian);
+// mha_st_writer_save builds the header with cJSON (integers written as exact
+// decimal literals), pads it with spaces to a multiple of 8, writes header
+// then data, checks every write and the fclose, and removes the partial file
+// on failure. It does not write to a temporary file and rename.
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <cjson/cJSON.h>
+
+#include "internal.h"
+
+// Largest integer (exclusive) a JSON number may hold here: doubles are exact
+// below 2^53.
+#define ST_INT_LIMIT 9007199254740992.0  // 2^53
+#define ST_INT_LIMIT_U ((uint64_t)1 << 53)
+
+// ---------------------------------------------------------------------------
+// Small helpers
+
+static int host_is_le(void) {
+    const uint16_t one = 1;
+    unsigned char b;
+    memcpy(&b, &one, 1);
+    return b == 1;
+}
+
+static uint16_t ld_le16(const unsigned char *p) {
+    return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
+}
+
+static uint32_t ld_le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+           (uint32_t)p[3] << 24;
+}
+
+static uint64_t ld_le64(const unsigned char *p) {
+    return (uint64_t)ld_le32(p) | (uint64_t)ld_le32(p + 4) << 32;
+}
+
+static char *str_dup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+// Length of the valid UTF-8 prefix of s (RFC 3629: no overlong forms, no
+// surrogates, nothing above U+10FFFF). s is valid iff s[result] == '\0'.
+static size_t utf8_valid_prefix(const char *str) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (s[i]) {
+        unsigned c = s[i];
+        size_t n;
+        unsigned lo = 0x80, hi = 0xbf;  // allowed range of the 2nd byte
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if (c >= 0xc2 && c <= 0xdf) {
+            n = 2;
+        } else if (c >= 0xe0 && c <= 0xef) {
+            n = 3;
+            if (c == 0xe0) lo = 0xa0;  // overlong
+            if (c == 0xed) hi = 0x9f;  // surrogates U+D800..U+DFFF
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            n = 4;
+            if (c == 0xf0) lo = 0x90;  // overlong
+            if (c == 0xf4) hi = 0x8f;  // above U+10FFFF
+        } else {
+            return i;  // 0x80..0xc1 (continuation, overlong lead), 0xf5..
+        }
+        if (s[i + 1] < lo || s[i + 1] > hi) return i;
+        for (size_t k = 2; k < n; k++)
+            if (s[i + k] < 0x80 || s[i + k] > 0xbf) return i;
+        i += n;
+    }
+    return i;
+}
+
+// Writes name into buf as a quoted, printable, single-line string: bytes
+// outside printable ASCII become \xNN, long names are cut with "...".
+static const char *quote(char *buf, size_t cap, const char *name) {
+    size_t n = 0;
+    const size_t max_chars = 80;
+    buf[n++] = '"';
+    for (size_t i = 0; name[i]; i++) {
+        unsigned char c = (unsigned char)name[i];
+        if (i >= max_chars || n + 8 >= cap) {
+            memcpy(buf + n, "...", 3);
+            n += 3;
+            break;
+        }
+        if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
+            buf[n++] = (char)c;
+        } else {
+            n += (size_t)snprintf(buf + n, cap - n, "\\x%02x", c);
+        }
+    }
+    buf[n++] = '"';
+    buf[n] = '\0';
+    return buf;
+}
+
+#define QUOTE_CAP 400
+
+// What a JSON value is, for messages: the number itself, or its kind.
+static const char *json_describe(char *buf, size_t cap, const cJSON *v) {
+    if (!v) return "missing";
+    if (cJSON_IsNumber(v)) {
+        snprintf(buf, cap, "%.17g", v->valuedouble);
+        return buf;
+    }
+    if (cJSON_IsString(v)) return "a string";
+    if (cJSON_IsArray(v)) return "an array";
+    if (cJSON_IsObject(v)) return "an object";
+    if (cJSON_IsBool(v)) return "a boolean";
+    if (cJSON_IsNull(v)) return "null";
+    return "an invalid value";
+}
+
+// A JSON number holding an exact integer in [0, 2^53): 1 and *out, else 0.
+static int json_uint(uint64_t *out, const cJSON *v) {
+    if (!cJSON_IsNumber(v)) return 0;
+    double d = v->valuedouble;
+    if (!(d >= 0.0) || signbit(d) || !(d < ST_INT_LIMIT) || d != floor(d))
+        return 0;
+    *out = (uint64_t)d;
+    return 1;
+}
+
+// Product of the dims with 0 counted as 1 (so that any row-major stride fits
+// in int64) into *span, and the true numel into *numel. 1 on overflow.
+static int shape_numel(int64_t *numel, int ndim, const int64_t *shape) {
+    int64_t span = 1;
+    int zero = 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == 0) {
+            zero = 1;
+            continue;
+        }
+        if (mha__mul_overflow_i64(span, shape[i], &span)) return 1;
+    }
+    *numel = zero ? 0 : span;
+    return 0;
+}
+
+// ---------------------------------------------------------------------------
+// Reader
+
+typedef struct st_meta {
+    const char *key;
+    const char *value;
+} st_meta;
+
+typedef struct st_name_index {
+    const char *name;
+    int64_t index;
+} st_name_index;
+
+struct mha_st_file {
+    char *label;             // path or caller's label, for messages
+    unsigned char *bytes;    // the whole file: 8 + header + data
+    size_t len;
+    int64_t ntensors;
+    mha_st_tensor *tensors;  // (ntensors) sorted by data offset
+    st_name_index *by_name;  // (ntensors) sorted by name
+    int64_t nmeta;
+    st_meta *meta;           // (nmeta) in header order
+    st_meta *meta_by_key;    // (nmeta) sorted by key
+    char *strings;           // every name, key and value, NUL-terminated
+};
+
+// One tensor entry while the header is being checked.
+typedef struct st_entry {
+    const char *name;  // cJSON's string, until copied
+    int64_t order;     // position in the header
+    mha_dtype dtype;
+    int ndim;
+    int64_t shape[MHA_MAX_DIMS];
+    int64_t numel;
+    size_t nbytes;
+    uint64_t begin, end;
+} st_entry;
+
+static int cmp_entry_offset(const void *pa, const void *pb) {
+    const st_entry *a = pa, *b = pb;
+    if (a->begin != b->begin) return a->begin < b->begin ? -1 : 1;
+    if (a->end != b->end) return a->end < b->end ? -1 : 1;
+    return (a->order > b->order) - (a->order < b->order);
+}
+
+static int cmp_name_index(const void *pa, const void *pb) {
+    const st_name_index *a = pa, *b = pb;
+    int c = strcmp(a->name, b->name);
+    if (c) return c;
+    return (a->index > b->index) - (a->index < b->index);
+}
+
+static int cmp_meta_key(const void *pa, const void *pb) {
+    const st_meta *a = pa, *b = pb;
+    int c = strcmp(a->key, b->key);
+    if (c) return c;
+    return (a->value > b->value) - (a->value < b->value);
+}
+
+void mha_st_close(mha_st_file *f) {
+    if (!f) return;
+    free(f->label);
+    free(f->bytes);
+    free(f->tensors);
+    free(f->by_name);
+    free(f->meta);
+    free(f->meta_by_key);
+    free(f->strings);
+    free(f);
+}
+
+// Is dtype name s known? Looked up through mha_dtype_name so that an
+// unknown name does not set (and log) a second, label-less error.
+static int dtype_lookup(mha_dtype *out, const char *s) {
+    for (int t = 0; t < MHA_DTYPE_COUNT; t++) {
+        if (strcmp(s, mha_dtype_name((mha_dtype)t)) == 0) {
+            *out = (mha_dtype)t;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+// Checks one header entry (name -> object) into e. data_len bounds offsets.
+static mha_status check_entry(st_entry *e, const cJSON *item,
+                              const char *label, size_t data_len) {
+    char qn[QUOTE_CAP], vb[64];
+    const char *name = item->string;
+    quote(qn, sizeof qn, name);
+
+    if (name[0] == '\0')
+        return mha__fail(MHA_ERR_FORMAT, "%s: a tensor has an empty name",
+                         label);
+    size_t ok = utf8_valid_prefix(name);
+    if (name[ok] != '\0')
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor name %s is not valid UTF-8 (bad byte "
+                         "0x%02x at offset %zu)",
+                         label, qn, (unsigned char)name[ok], ok);
+    if (!cJSON_IsObject(item))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: entry is %s, not an object", label,
+                         qn, json_describe(vb, sizeof vb, item));
+
+    const cJSON *dtype = NULL, *shape = NULL, *offsets = NULL;
+    for (const cJSON *k = item->child; k; k = k->next) {
+        const cJSON **slot = NULL;
+        if (strcmp(k->string, "dtype") == 0) slot = &dtype;
+        else if (strcmp(k->string, "shape") == 0) slot = &shape;
+        else if (strcmp(k->string, "data_offsets") == 0) slot = &offsets;
+        if (!slot) {
+            char qk[QUOTE_CAP];
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: tensor %s: unknown key %s (allowed: dtype, "
+                             "shape, data_offsets)",
+                             label, qn, quote(qk, sizeof qk, k->string));
+        }
+        if (*slot)
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: tensor %s: key \"%s\" appears twice", label,
+                             qn, k->string);
+        *slot = k;
+    }
+    if (!dtype || !shape || !offsets)
+        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: missing key \"%s\"",
+                         label, qn,
+                         !dtype ? "dtype" : !shape ? "shape" : "data_offsets");
+
+    // dtype
+    if (!cJSON_IsString(dtype))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: dtype is %s, not a string", label, qn,
+                         json_describe(vb, sizeof vb, dtype));
+    if (!dtype_lookup(&e->dtype, dtype->valuestring)) {
+        char qd[QUOTE_CAP];
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: unknown dtype %s (known: F32, F16, "
+                         "BF16, BOOL, I64, I32, U8, F64)",
+                         label, qn, quote(qd, sizeof qd, dtype->valuestring));
+    }
+
+    // shape
+    if (!cJSON_IsArray(shape))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: shape is %s, not an array", label, qn,
+                         json_describe(vb, sizeof vb, shape));
+    int ndim = cJSON_GetArraySize(shape);
+    if (ndim > MHA_MAX_DIMS)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: shape has %d dims, at most %d are "
+                         "supported",
+                         label, qn, ndim, MHA_MAX_DIMS);
+    e->ndim = ndim;
+    int i = 0;
+    for (const cJSON *d = shape->child; d; d = d->next, i++) {
+        uint64_t v;
+        if (!json_uint(&v, d))
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: tensor %s: shape[%d] is %s, not an integer "
+                             "in [0, 2^53)",
+                             label, qn, i, json_describe(vb, sizeof vb, d));
+        e->shape[i] = (int64_t)v;
+    }
+
+    // data_offsets
+    char sb[256];
+    mha__shape_str(sb, sizeof sb, e->ndim, e->shape);
+    if (!cJSON_IsArray(offsets) || cJSON_GetArraySize(offsets) != 2)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: data_offsets is %s, not an array of "
+                         "2 integers",
+                         label, qn,
+                         cJSON_IsArray(offsets)
+                             ? (snprintf(vb, sizeof vb, "an array of %d",
+                                         cJSON_GetArraySize(offsets)),
+                                vb)
+                             : json_describe(vb, sizeof vb, offsets));
+    const cJSON *b = offsets->child, *en = b->next;
+    if (!json_uint(&e->begin, b))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: data_offsets[0] is %s, not an "
+                         "integer in [0, 2^53)",
+                         label, qn, json_describe(vb, sizeof vb, b));
+    if (!json_uint(&e->end, en))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: data_offsets[1] is %s, not an "
+                         "integer in [0, 2^53)",
+                         label, qn, json_describe(vb, sizeof vb, en));
+    if (e->begin > e->end)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: data_offsets [%llu, %llu] begin "
+                         "after they end",
+                         label, qn, (unsigned long long)e->begin,
+                         (unsigned long long)e->end);
+
+    // size: numel x dtype size == end - begin, every product checked
+    size_t esize = mha_dtype_size(e->dtype);
+    if (shape_numel(&e->numel, e->ndim, e->shape) ||
+        (uint64_t)e->numel > SIZE_MAX ||
+        mha__mul_overflow_size((size_t)e->numel, esize, &e->nbytes))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: shape %s x %s overflows the size "
+                         "types",
+                         label, qn, sb, mha_dtype_name(e->dtype));
+    uint64_t span = e->end - e->begin;
+    if ((uint64_t)e->nbytes != span)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: shape %s x %s = %zu bytes but "
+                         "data_offsets [%llu, %llu] span %llu",
+                         label, qn, sb, mha_dtype_name(e->dtype), e->nbytes,
+                         (unsigned long long)e->begin,
+                         (unsigned long long)e->end, (unsigned long long)span);
+    if (e->end > (uint64_t)data_len)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: data_offsets [%llu, %llu] past the "
+                         "end of the data buffer (%zu bytes; file truncated?)",
+                         label, qn, (unsigned long long)e->begin,
+                         (unsigned long long)e->end, data_len);
+    return MHA_OK;
+}
+
+// Checks "__metadata__" (an object of strings, no duplicate keys, UTF-8).
+static mha_status check_metadata(const cJSON *m, const char *label) {
+    char vb[64], qk[QUOTE_CAP];
+    if (!cJSON_IsObject(m))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: __metadata__ is %s, not an object of strings",
+                         label, json_describe(vb, sizeof vb, m));
+    for (const cJSON *k = m->child; k; k = k->next) {
+        quote(qk, sizeof qk, k->string);
+        if (!cJSON_IsString(k))
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: __metadata__ value of %s is %s, not a "
+                             "string",
+                             label, qk, json_describe(vb, sizeof vb, k));
+        size_t ok = utf8_valid_prefix(k->string);
+        if (k->string[ok])
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: __metadata__ key %s is not valid UTF-8 (bad "
+                             "byte at offset %zu)",
+                             label, qk, ok);
+        ok = utf8_valid_prefix(k->valuestring);
+        if (k->valuestring[ok])
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: __metadata__ value of %s is not valid UTF-8 "
+                             "(bad byte at offset %zu)",
+                             label, qk, ok);
+    }
+    return MHA_OK;
+}
+
+// Byte-level rules cJSON does not enforce on the n header bytes h.
+static mha_status check_header_bytes(const unsigned char *h, size_t n,
+                                     const char *label) {
+    if (n >= 3 && h[0] == 0xef && h[1] == 0xbb && h[2] == 0xbf)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: header starts with a UTF-8 byte-order mark",
+                         label);
+    size_t backslashes = 0;  // run of '\' just before h[i]
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = h[i];
+        if (c < 0x20 && c != '\t' && c != '\n' && c != '\r')
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: header byte %zu is the control byte 0x%02x "
+                             "(not allowed in JSON)",
+                             label, i, c);
+        // "\u0000" (an odd run of backslashes): cJSON would cut the string
+        if (c == 'u' && (backslashes & 1) && i + 4 < n &&
+            memcmp(h + i + 1, "0000", 4) == 0)
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: header byte %zu: a string contains \\u0000 "
+                             "(NUL characters are not supported)",
+                             label, i - 1);
+        backslashes = c == '\\' ? backslashes + 1 : 0;
+    }
+    return MHA_OK;
+}
+
+// Validates f->bytes (f->len bytes) and builds the tables. On error the
+// caller closes f.
+static mha_status st_load(mha_st_file *f) {
+    const char *label = f->label;
+    if (f->len < 8)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: file is %zu bytes, too short for the 8-byte "
+                         "header length",
+                         label, f->len);
+    uint64_t n = ld_le64(f->bytes);
+    if (n > MHA_ST_MAX_HEADER)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: header length %llu exceeds the limit of %u "
+                         "bytes",
+                         label, (unsigned long long)n, MHA_ST_MAX_HEADER);
+    if (n > f->len - 8)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: header length %llu exceeds the %zu bytes after "
+                         "the length field (file truncated or not "
+                         "safetensors?)",
+                         label, (unsigned long long)n, f->len - 8);
+    const unsigned char *header = f->bytes + 8;
+    size_t hlen = (size_t)n;
+    const unsigned char *data = header + hlen;
+    size_t data_len = f->len - 8 - hlen;
+
+    mha_status st = check_header_bytes(header, hlen, label);
+    if (st) return st;
+
+    const char *end = NULL;
+    cJSON *root =
+        cJSON_ParseWithLengthOpts((const char *)header, hlen, &end, 0);
+    if (!root) {
+        size_t at = end ? (size_t)(end - (const char *)header) : 0;
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: header (%zu bytes) is not valid JSON: parse "
+                         "error at byte %zu",
+                         label, hlen, at);
+    }
+    st_entry *entries = NULL;
+    st_name_index *by_name = NULL;
+    st_meta *meta = NULL, *meta_by_key = NULL;
+    char *strings = NULL;
+    char vb[64], qa[QUOTE_CAP], qb[QUOTE_CAP];
+
+    for (size_t i = (size_t)(end - (const char *)header); i < hlen; i++) {
+        unsigned char c = header[i];
+        if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
+            st = mha__fail(MHA_ERR_FORMAT,
+                           "%s: header byte %zu: unexpected 0x%02x after "
+                           "the JSON value (only whitespace may follow)",
+                           label, i, c);
+            goto done;
+        }
+    }
+    if (!cJSON_IsObject(root)) {
+        st = mha__fail(MHA_ERR_FORMAT,
+                       "%s: header is %s, not a JSON object", label,
+                       json_describe(vb, sizeof vb, root));
+        goto done;
+    }
+
+    // Count tensors, find __metadata__, size the string table.
+    const cJSON *meta_json = NULL;
+    int64_t ntensors = 0;
+    size_t strings_len = 0;
+    for (const cJSON *it = root->child; it; it = it->next) {
+        if (strcmp(it->string, "__metadata__") == 0) {
+            if (meta_json) {
+                st = mha__fail(MHA_ERR_FORMAT,
+                               "%s: \"__metadata__\" appears twice", label);
+                goto done;
+            }
+            meta_json = it;
+            st = check_metadata(it, label);
+            if (st) goto done;
+            for (const cJSON *k = it->child; k; k = k->next)
+                strings_len += strlen(k->string) + strlen(k->valuestring) + 2;
+            continue;
+        }
+        ntensors++;
+        strings_len += strlen(it->string) + 1;
+    }
+    // Every count below is bounded by the parsed header (<= 100 MiB).
+    int64_t nmeta = meta_json ? cJSON_GetArraySize(meta_json) : 0;
+    entries = calloc((size_t)ntensors + 1, sizeof *entries);
+    by_name = calloc((size_t)ntensors + 1, sizeof *by_name);
+    meta = calloc((size_t)nmeta + 1, sizeof *meta);
+    meta_by_key = calloc((size_t)nmeta + 1, sizeof *meta_by_key);
+    strings = malloc(strings_len + 1);
+    if (!entries || !by_name || !meta || !meta_by_key || !strings) {
+        st = mha__fail(MHA_ERR_NOMEM,
+                       "%s: out of memory for %lld tensor entries", label,
+                       (long long)ntensors);
+        goto done;
+    }
+
+    // Check every entry.
+    int64_t k = 0;
+    for (const cJSON *it = root->child; it; it = it->next) {
+        if (it == meta_json) continue;
+        st_entry *e = &entries[k];
+        e->name = it->string;
+        e->order = k++;
+        st = check_entry(e, it, label, data_len);
+        if (st) goto done;
+    }
+
+    // Duplicate names (cJSON keeps repeated keys).
+    for (int64_t i = 0; i < ntensors; i++)
+        by_name[i] = (st_name_index){entries[i].name, i};
+    qsort(by_name, (size_t)ntensors, sizeof *by_name, cmp_name_index);
+    for (int64_t i = 1; i < ntensors; i++) {
+        if (strcmp(by_name[i - 1].name, by_name[i].name) == 0) {
+            st = mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice",
+                           label, quote(qa, sizeof qa, by_name[i].name));
+            goto done;
+        }
+    }
+
+    // Layout: sorted by offset, the tensors tile [0, data_len) exactly.
+    qsort(entries, (size_t)ntensors, sizeof *entries, cmp_entry_offset);
+    uint64_t at = 0;
+    for (int64_t i = 0; i < ntensors; i++) {
+        const st_entry *e = &entries[i];
+        if (e->begin < at) {
+            const st_entry *p = &entries[i - 1];
+            st = mha__fail(MHA_ERR_FORMAT,
+                           "%s: tensors %s [%llu, %llu] and %s [%llu, %llu] "
+                           "overlap",
+                           label, quote(qa, sizeof qa, p->name),
+                           (unsigned long long)p->begin,
+                           (unsigned long long)p->end,
+                           quote(qb, sizeof qb, e->name),
+                           (unsigned long long)e->begin,
+                           (unsigned long long)e->end);
+            goto done;
+        }
+        if (e->begin > at) {
+            st = mha__fail(MHA_ERR_FORMAT,
+                           "%s: data bytes [%llu, %llu) belong to no tensor "
+                           "(tensor %s begins at %llu)",
+                           label, (unsigned long long)at,
+                           (unsigned long long)e->begin,
+                           quote(qa, sizeof qa, e->name),
+                           (unsigned long long)e->begin);
+            goto done;
+        }
+        at = e->end;
+    }
+    if (at != (uint64_t)data_len) {
+        st = mha__fail(MHA_ERR_FORMAT,
+                       "%s: the tensors cover %llu bytes but the data buffer "
+                       "is %zu bytes (%llu trailing bytes belong to no "
+                       "tensor)",
+                       label, (unsigned long long)at, data_len,
+                       (unsigned long long)((uint64_t)data_len - at));
+        goto done;
+    }
+
+    // Metadata keys must be unique for mha_st_metadata to mean anything.
+    k = 0;
+    if (meta_json) {
+        for (const cJSON *m = meta_json->child; m; m = m->next, k++)
+            meta_by_key[k] = (st_meta){m->string, m->valuestring};
+        qsort(meta_by_key, (size_t)nmeta, sizeof *meta_by_key, cmp_meta_key);
+        for (int64_t i = 1; i < nmeta; i++) {
+            if (strcmp(meta_by_key[i - 1].key, meta_by_key[i].key) == 0) {
+                st = mha__fail(MHA_ERR_FORMAT,
+                               "%s: __metadata__ key %s appears twice", label,
+                               quote(qa, sizeof qa, meta_by_key[i].key));
+                goto done;
+            }
+        }
+    }
+
+    // Valid: copy strings out of the cJSON tree and build the tables.
+    f->tensors = calloc((size_t)ntensors + 1, sizeof *f->tensors);
+    if (!f->tensors) {
+        st = mha__fail(MHA_ERR_NOMEM, "%s: out of memory", label);
+        goto done;
+    }
+    char *s = strings;
+    for (int64_t i = 0; i < ntensors; i++) {
+        const st_entry *e = &entries[i];
+        mha_st_tensor *t = &f->tensors[i];
+        size_t len = strlen(e->name) + 1;
+        memcpy(s, e->name, len);
+        t->name = s;
+        s += len;
+        t->dtype = e->dtype;
+        t->ndim = e->ndim;
+        memcpy(t->shape, e->shape, sizeof t->shape);
+        t->numel = e->numel;
+        t->data = data + e->begin;
+        t->nbytes = e->nbytes;
+    }
+    for (int64_t i = 0; i < ntensors; i++)
+        by_name[i] = (st_name_index){f->tensors[i].name, i};
+    qsort(by_name, (size_t)ntensors, sizeof *by_name, cmp_name_index);
+    k = 0;
+    if (meta_json) {
+        for (const cJSON *m = meta_json->child; m; m = m->next, k++) {
+            size_t kl = strlen(m->string) + 1, vl = strlen(m->valuestring) + 1;
+            memcpy(s, m->string, kl);
+            memcpy(s + kl, m->valuestring, vl);
+            meta[k] = (st_meta){s, s + kl};
+            meta_by_key[k] = meta[k];
+            s += kl + vl;
+        }
+        qsort(meta_by_key, (size_t)nmeta, sizeof *meta_by_key, cmp_meta_key);
+    }
+    f->ntensors = ntensors;
+    f->by_name = by_name;
+    f->nmeta = nmeta;
+    f->meta = meta;
+    f->meta_by_key = meta_by_key;
+    f->strings = strings;
+    by_name = NULL;
+    meta = meta_by_key = NULL;
+    strings = NULL;
+    st = MHA_OK;
+
+done:
+    cJSON_Delete(root);
+    free(entries);
+    free(by_name);
+    free(meta);
+    free(meta_by_key);
+    free(strings);
+    return st;
+}
+
+// Takes ownership of bytes (len bytes, malloc'ed) and validates them.
+static mha_status st_open_bytes(mha_st_file **out, unsigned char *bytes,
+                                size_t len, const char *label) {
+    mha_st_file *f = calloc(1, sizeof *f);
+    char *lab = str_dup(label);
+    if (!f || !lab) {
+        free(f);
+        free(lab);
+        free(bytes);
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory", label);
+    }
+    f->label = lab;
+    f->bytes = bytes;
+    f->len = len;
+    mha_status st = st_load(f);
+    if (st) {
+        mha_st_close(f);
+        return st;
+    }
+    *out = f;
+    return MHA_OK;
+}
+
+mha_status mha_st_parse(mha_st_file **out, const void *bytes, size_t len,
+                        const char *label) {
+    if (!out)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_parse: out is NULL");
+    *out = NULL;
+    if (!label) label = "<memory>";
+    if (!bytes && len)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_parse: %s: bytes is NULL, len %zu", label,
+                         len);
+    unsigned char *copy = malloc(len ? len : 1);
+    if (!copy)
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes",
+                         label, len);
+    if (len) memcpy(copy, bytes, len);
+    return st_open_bytes(out, copy, len, label);
+}
+
+mha_status mha_st_open(mha_st_file **out, const char *path) {
+    if (!out)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_open: out is NULL");
+    *out = NULL;
+    if (!path)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_open: path is NULL");
+    FILE *fp = fopen(path, "rb");
+    if (!fp)
+        return mha__fail(MHA_ERR_IO, "%s: cannot open: %s", path,
+                         strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(fp), &sb) != 0) {
+        int err = errno;
+        fclose(fp);
+        return mha__fail(MHA_ERR_IO, "%s: cannot stat: %s", path,
+                         strerror(err));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        fclose(fp);
+        return mha__fail(MHA_ERR_IO, "%s: not a regular file", path);
+    }
+    if (sb.st_size < 0 || (uintmax_t)sb.st_size > (uintmax_t)SIZE_MAX) {
+        fclose(fp);
+        return mha__fail(MHA_ERR_IO, "%s: file size %lld does not fit in "
+                         "memory", path, (long long)sb.st_size);
+    }
+    size_t len = (size_t)sb.st_size;
+    unsigned char *bytes = malloc(len ? len : 1);
+    if (!bytes) {
+        fclose(fp);
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes",
+                         path, len);
+    }
+    size_t got = fread(bytes, 1, len, fp);
+    if (got != len) {
+        int err = ferror(fp) ? errno : 0;
+        fclose(fp);
+        free(bytes);
+        if (err)
+            return mha__fail(MHA_ERR_IO, "%s: read failed after %zu of %zu "
+                             "bytes: %s", path, got, len, strerror(err));
+        return mha__fail(MHA_ERR_IO, "%s: file shrank while reading (%zu of "
+                         "%zu bytes)", path, got, len);
+    }
+    fclose(fp);  // read-only: nothing to flush
+    return st_open_bytes(out, bytes, len, path);
+}
+
+int64_t mha_st_num_tensors(const mha_st_file *f) {
+    return f ? f->ntensors : 0;
+}
+
+mha_status mha_st_tensor_at(mha_st_tensor *out, const mha_st_file *f,
+                            int64_t i) {
+    if (!out || !f)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_tensor_at: NULL argument");
+    if (i < 0 || i >= f->ntensors)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s: tensor index %lld out of range [0, %lld)",
+                         f->label, (long long)i, (long long)f->ntensors);
+    *out = f->tensors[i];
+    return MHA_OK;
+}
+
+mha_status mha_st_find(mha_st_tensor *out, const mha_st_file *f,
+                       const char *name) {
+    if (!out || !f || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_find: NULL argument");
+    size_t lo = 0, hi = (size_t)f->ntensors;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(f->by_name[mid].name, name);
+        if (c == 0) {
+            *out = f->tensors[f->by_name[mid].index];
+            return MHA_OK;
+        }
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    char q[QUOTE_CAP];
+    return mha__fail(MHA_ERR_NOT_FOUND, "%s: no tensor named %s", f->label,
+                     quote(q, sizeof q, name));
+}
+
+int64_t mha_st_num_metadata(const mha_st_file *f) {
+    return f ? f->nmeta : 0;
+}
+
+mha_status mha_st_metadata_at(const char **key, const char **value,
+                              const mha_st_file *f, int64_t i) {
+    if (!f)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_metadata_at: file is NULL");
+    if (i < 0 || i >= f->nmeta)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s: metadata index %lld out of range [0, %lld)",
+                         f->label, (long long)i, (long long)f->nmeta);
+    if (key) *key = f->meta[i].key;
+    if (value) *value = f->meta[i].value;
+    return MHA_OK;
+}
+
+const char *mha_st_metadata(const mha_st_file *f, const char *key) {
+    if (!f || !key) return NULL;
+    size_t lo = 0, hi = (size_t)f->nmeta;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(f->meta_by_key[mid].key, key);
+        if (c == 0) return f->meta_by_key[mid].value;
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return NULL;
+}
+
+// ---------------------------------------------------------------------------
+// Conversion
+
+// Element p (little-endian, dtype t) as double / as float. The float path
+// converts integers directly (no double rounding through double).
+static double elem_f64(mha_dtype t, const unsigned char *p) {
+    switch (t) {
+    case MHA_F32: {
+        uint32_t u = ld_le32(p);
+        float v;
+        memcpy(&v, &u, 4);
+        return v;
+    }
+    case MHA_F16: return mha_f16_to_f32(ld_le16(p));
+    case MHA_BF16: return mha_bf16_to_f32(ld_le16(p));
+    case MHA_BOOL: return p[0] ? 1.0 : 0.0;
+    case MHA_I64: {
+        uint64_t u = ld_le64(p);
+        int64_t v;
+        memcpy(&v, &u, 8);
+        return (double)v;
+    }
+    case MHA_I32: {
+        uint32_t u = ld_le32(p);
+        int32_t v;
+        memcpy(&v, &u, 4);
+        return v;
+    }
+    case MHA_U8: return p[0];
+    case MHA_F64: {
+        uint64_t u = ld_le64(p);
+        double v;
+        memcpy(&v, &u, 8);
+        return v;
+    }
+    case MHA_DTYPE_COUNT: break;
+    }
+    return 0.0;
+}
+
+static float elem_f32(mha_dtype t, const unsigned char *p) {
+    switch (t) {
+    case MHA_I64: {
+        uint64_t u = ld_le64(p);
+        int64_t v;
+        memcpy(&v, &u, 8);
+        return (float)v;
+    }
+    case MHA_I32: {
+        uint32_t u = ld_le32(p);
+        int32_t v;
+        memcpy(&v, &u, 4);
+        return (float)v;
+    }
+    default: return (float)elem_f64(t, p);
+    }
+}
+
+mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,
+                       const mha_st_tensor *t) {
+    if (!t)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_read: tensor is NULL");
+    const char *name = t->name ? t->name : "?";
+    char q[QUOTE_CAP];
+    quote(q, sizeof q, name);
+    size_t from_size = mha_dtype_size(t->dtype), to_size = mha_dtype_size(to);
+    if (!from_size || !to_size)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_read: tensor %s: invalid dtype (%d -> %d)", q,
+                         (int)t->dtype, (int)to);
+    size_t need, have;
+    if (t->numel < 0 || (uint64_t)t->numel > SIZE_MAX ||
+        mha__mul_overflow_size((size_t)t->numel, from_size, &have) ||
+        have != t->nbytes ||
+        mha__mul_overflow_size((size_t)t->numel, to_size, &need))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_read: tensor %s: numel %lld inconsistent "
+                         "with nbytes %zu",
+                         q, (long long)t->numel, t->nbytes);
+    if (need && (!dst || !t->data))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_read: tensor %s: NULL data pointer", q);
+    if (dst_bytes < need)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_read: tensor %s: dst has %zu bytes, %lld x "
+                         "%s needs %zu",
+                         q, dst_bytes, (long long)t->numel,
+                         mha_dtype_name(to), need);
+
+    const unsigned char *src = t->data;
+    unsigned char *out = dst;
+    size_t n = (size_t)t->numel;
+    int flag_in = t->dtype == MHA_BOOL || t->dtype == MHA_U8;
+    int flag_out = to == MHA_BOOL || to == MHA_U8;
+    if (to == t->dtype && t->dtype != MHA_BOOL) {
+        // Same dtype: bytes as stored, swapped on a big-endian host.
+        if (!n) return MHA_OK;
+        memcpy(out, src, need);
+        if (!host_is_le() && to_size > 1) {
+            for (size_t i = 0; i < n; i++) {
+                unsigned char *e = out + i * to_size;
+                for (size_t a = 0, b = to_size - 1; a < b; a++, b--) {
+                    unsigned char c = e[a];
+                    e[a] = e[b];
+                    e[b] = c;
+                }
+            }
+        }
+        return MHA_OK;
+    }
+    if (flag_in && flag_out) {
+        for (size_t i = 0; i < n; i++) out[i] = src[i] ? 1 : 0;
+        return MHA_OK;
+    }
+    if (to == MHA_F32) {
+        for (size_t i = 0; i < n; i++) {
+            float v = elem_f32(t->dtype, src + i * from_size);
+            memcpy(out + i * 4, &v, 4);
+        }
+        return MHA_OK;
+    }
+    if (to == MHA_F64) {
+        for (size_t i = 0; i < n; i++) {
+            double v = elem_f64(t->dtype, src + i * from_size);
+            memcpy(out + i * 8, &v, 8);
+        }
+        return MHA_OK;
+    }
+    return mha__fail(MHA_ERR_UNSUPPORTED,
+                     "mha_st_read: tensor %s: cannot convert %s to %s "
+                     "(allowed: any to F32/F64, BOOL/U8 to BOOL/U8, same "
+                     "dtype)",
+                     q, mha_dtype_name(t->dtype), mha_dtype_name(to));
+}
+
+// ---------------------------------------------------------------------------
+// Writer
+
+typedef struct st_wtensor {
+    char *name;
+    mha_dtype dtype;
+    int ndim;
+    int64_t shape[MHA_MAX_DIMS];
+    unsigned char *data;  // (nbytes) little-endian copy
+    size_t nbytes;
+} st_wtensor;
+
+typedef struct st_wmeta {
+    char *key;
+    char *value;
+} st_wmeta;
+
+struct mha_st_writer {
+    st_wtensor *tensors;
+    int64_t ntensors, tensors_cap;
+    st_wmeta *meta;
+    int64_t nmeta, meta_cap;
+    uint64_t data_total;  // sum of nbytes, < 2^53
+};
+
+mha_status mha_st_writer_create(mha_st_writer **out) {
+    if (!out)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_create: out is NULL");
+    *out = calloc(1, sizeof **out);
+    if (!*out)
+        return mha__fail(MHA_ERR_NOMEM, "mha_st_writer_create: out of memory");
+    return MHA_OK;
+}
+
+void mha_st_writer_destroy(mha_st_writer *w) {
+    if (!w) return;
+    for (int64_t i = 0; i < w->ntensors; i++) {
+        free(w->tensors[i].name);
+        free(w->tensors[i].data);
+    }
+    for (int64_t i = 0; i < w->nmeta; i++) {
+        free(w->meta[i].key);
+        free(w->meta[i].value);
+    }
+    free(w->tensors);
+    free(w->meta);
+    free(w);
+}
+
+// Room for one more element after count: arr itself, or a larger copy of
+// it (then *cap is updated), or NULL on out of memory (arr still valid).
+static void *grow(void *arr, int64_t *cap, int64_t count, size_t elem) {
+    if (count < *cap) return arr;
+    int64_t ncap = *cap ? *cap * 2 : 8;
+    size_t bytes;
+    if (mha__mul_overflow_size((size_t)ncap, elem, &bytes)) return NULL;
+    void *p = realloc(arr, bytes);
+    if (p) *cap = ncap;
+    return p;
+}
+
+mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
+                             mha_dtype dtype, int ndim, const int64_t *shape,
+                             const void *data) {
+    if (!w || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_add: NULL argument");
+    char q[QUOTE_CAP];
+    quote(q, sizeof q, name);
+    size_t ok = utf8_valid_prefix(name);
+    if (name[0] == '\0' || name[ok] != '\0' ||
+        strcmp(name, "__metadata__") == 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_add: tensor name %s is empty, not "
+                         "valid UTF-8 or reserved",
+                         q);
+    size_t esize = mha_dtype_size(dtype);
+    if (!esize)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_add: tensor %s: invalid dtype %d", q,
+                         (int)dtype);
+    if (ndim < 0 || ndim > MHA_MAX_DIMS || (ndim > 0 && !shape))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_add: tensor %s: ndim %d not in [0, "
+                         "%d] (or shape NULL)",
+                         q, ndim, MHA_MAX_DIMS);
+    char sb[256];
+    mha__shape_str(sb, sizeof sb, ndim, shape);
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "mha_st_writer_add: tensor %s: shape %s has a "
+                             "negative dim",
+                             q, sb);
+        if ((uint64_t)shape[i] >= ST_INT_LIMIT_U)
+            return mha__fail(MHA_ERR_OVERFLOW,
+                             "mha_st_writer_add: tensor %s: shape %s has a "
+                             "dim >= 2^53",
+                             q, sb);
+    }
+    int64_t numel;
+    size_t nbytes;
+    uint64_t total = w->data_total;
+    if (shape_numel(&numel, ndim, shape) || (uint64_t)numel > SIZE_MAX ||
+        mha__mul_overflow_size((size_t)numel, esize, &nbytes) ||
+        (uint64_t)nbytes >= ST_INT_LIMIT_U - total)
+        return mha__fail(MHA_ERR_OVERFLOW,
+                         "mha_st_writer_add: tensor %s: shape %s x %s "
+                         "overflows the size types",
+                         q, sb, mha_dtype_name(dtype));
+    if (nbytes && !data)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_add: tensor %s: data is NULL", q);
+    for (int64_t i = 0; i < w->ntensors; i++)
+        if (strcmp(w->tensors[i].name, name) == 0)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "mha_st_writer_add: tensor %s added twice", q);
+
+    st_wtensor *grown =
+        grow(w->tensors, &w->tensors_cap, w->ntensors, sizeof *w->tensors);
+    if (!grown)
+        return mha__fail(MHA_ERR_NOMEM, "mha_st_writer_add: out of memory");
+    w->tensors = grown;
+    st_wtensor *t = &w->tensors[w->ntensors];
+    memset(t, 0, sizeof *t);
+    t->name = str_dup(name);
+    t->data = malloc(nbytes ? nbytes : 1);
+    if (!t->name || !t->data) {
+        free(t->name);
+        free(t->data);
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_st_writer_add: tensor %s: out of memory for "
+                         "%zu bytes",
+                         q, nbytes);
+    }
+    if (nbytes) memcpy(t->data, data, nbytes);
+    if (!host_is_le() && esize > 1) {
+        for (size_t i = 0; i < (size_t)numel; i++) {
+            unsigned char *e = t->data + i * esize;
+            for (size_t a = 0, b = esize - 1; a < b; a++, b--) {
+                unsigned char c = e[a];
+                e[a] = e[b];
+                e[b] = c;
+            }
+        }
+    }
+    t->dtype = dtype;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+    t->nbytes = nbytes;
+    w->ntensors++;
+    w->data_total = total + nbytes;
+    return MHA_OK;
+}
+
+mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
+                                      const char *value) {
+    if (!w || !key || !value)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_set_metadata: NULL argument");
+    char q[QUOTE_CAP];
+    if (key[utf8_valid_prefix(key)] || value[utf8_valid_prefix(value)])
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_set_metadata: key %s or its value is "
+                         "not valid UTF-8",
+                         quote(q, sizeof q, key));
+    char *v = str_dup(value);
+    if (!v)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_st_writer_set_metadata: out of memory");
+    for (int64_t i = 0; i < w->nmeta; i++) {
+        if (strcmp(w->meta[i].key, key) == 0) {
+            free(w->meta[i].value);
+            w->meta[i].value = v;
+            return MHA_OK;
+        }
+    }
+    char *k = str_dup(key);
+    st_wmeta *grown = grow(w->meta, &w->meta_cap, w->nmeta, sizeof *w->meta);
+    if (grown) w->meta = grown;
+    if (!k || !grown) {
+        free(k);
+        free(v);
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_st_writer_set_metadata: out of memory");
+    }
+    w->meta[w->nmeta++] = (st_wmeta){k, v};
+    return MHA_OK;
+}
+
+// Appends an exact decimal integer literal (cJSON would print large doubles
+// in exponent form) to arr. 0 on out of memory.
+static int add_int(cJSON *arr, uint64_t v) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
+    cJSON *item = cJSON_CreateRaw(buf);
+    if (!item) return 0;
+    cJSON_AddItemToArray(arr, item);
+    return 1;
+}
+
+// The header JSON (NULL on out of memory); free with cJSON_free.
+static char *build_header(const mha_st_writer *w) {
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return NULL;
+    if (w->nmeta) {
+        cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
+        if (!m) goto fail;
+        for (int64_t i = 0; i < w->nmeta; i++)
+            if (!cJSON_AddStringToObject(m, w->meta[i].key, w->meta[i].value))
+                goto fail;
+    }
+    uint64_t at = 0;
+    for (int64_t i = 0; i < w->ntensors; i++) {
+        const st_wtensor *t = &w->tensors[i];
+        cJSON *e = cJSON_AddObjectToObject(root, t->name);
+        if (!e || !cJSON_AddStringToObject(e, "dtype", mha_dtype_name(t->dtype)))
+            goto fail;
+        cJSON *shape = cJSON_AddArrayToObject(e, "shape");
+        if (!shape) goto fail;
+        for (int d = 0; d < t->ndim; d++)
+            if (!add_int(shape, (uint64_t)t->shape[d])) goto fail;
+        cJSON *off = cJSON_AddArrayToObject(e, "data_offsets");
+        if (!off || !add_int(off, at) || !add_int(off, at + t->nbytes))
+            goto fail;
+        at += t->nbytes;
+    }
+    char *text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return text;
+fail:
+    cJSON_Delete(root);
+    return NULL;
+}
+
+mha_status mha_st_writer_save(const mha_st_writer *w, const char *path) {
+    if (!w || !path)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_st_writer_save: NULL argument");
+    char *text = build_header(w);
+    if (!text)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "%s: out of memory building the header", path);
+    size_t n = strlen(text);
+    size_t padded = (n + 7) & ~(size_t)7;
+    if (padded > MHA_ST_MAX_HEADER) {
+        cJSON_free(text);
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s: header of %zu bytes exceeds the limit of %u",
+                         path, padded, MHA_ST_MAX_HEADER);
+    }
+    FILE *fp = fopen(path, "wb");
+    if (!fp) {
+        int err = errno;
+        cJSON_free(text);
+        return mha__fail(MHA_ERR_IO, "%s: cannot open for writing: %s", path,
+                         strerror(err));
+    }
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++)
+        len8[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+    static const char spaces[8] = {' ', ' ', ' ', ' ', ' ', ' ', ' ', ' '};
+    int ok = fwrite(len8, 1, 8, fp) == 8 && fwrite(text, 1, n, fp) == n &&
+             fwrite(spaces, 1, padded - n, fp) == padded - n;
+    for (int64_t i = 0; ok && i < w->ntensors; i++) {
+        const st_wtensor *t = &w->tensors[i];
+        ok = fwrite(t->data, 1, t->nbytes, fp) == t->nbytes;
+    }
+    int err = ok ? 0 : errno;
+    cJSON_free(text);
+    if (fclose(fp) != 0 && ok) {
+        ok = 0;
+        err = errno;
+    }
+    if (!ok) {
+        remove(path);
+        return mha__fail(MHA_ERR_IO, "%s: write failed: %s", path,
+                         err ? strerror(err) : "short write");
+    }
+    return MHA_OK;
+}

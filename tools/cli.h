@@ -1,0 +1,14 @@
+// cli.h: helpers shared by the CLI's source files (tools/). Public API only.
+#ifndef MHA_CLI_H
+#define MHA_CLI_H
+
+#include "mha.h"
+
+// Prints "mha <cmd>: <mha_last_error()>" on stderr; returns 1.
+int cli_fail(const char *cmd, mha_status st);
+// Wall-clock seconds (monotonic).
+double cli_now(void);
+
+int cmd_demo(int argc, char **argv);
+
+#endif
