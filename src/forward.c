@@ -174,6 +174,19 @@ typedef struct fwd_plan {
     int nthreads;
 } fwd_plan;
 
+// The last dim of t (its features) must be `want`, the module's `what`.
+static mha_status check_features(const mha_tensor *t, const char *name,
+                                 const char *what, int64_t want) {
+    char s1[160];
+    int64_t got = t->shape[t->ndim - 1];
+    if (got == want) return MHA_OK;
+    return mha__fail(MHA_ERR_SHAPE,
+                     "%s: feature dim %lld (shape %s) does not match the "
+                     "module's %s %lld", name, (long long)got,
+                     mha__shape_str(s1, sizeof s1, t->ndim, t->shape), what,
+                     (long long)want);
+}
+
 // (seq, batch, feature) strides of a (S, N, F) / (N, S, F) / (S, F) view.
 static void seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first) {
     if (t->ndim == 2) {
@@ -223,7 +236,6 @@ static mha_status plan_forward(fwd_plan *p, const mha_module *m,
     p->unbatched = q->ndim == 2;
     int sd = (p->unbatched || !c->batch_first) ? 0 : 1;  // seq dim
     int bd = 1 - sd;                                     // batch dim
-    int fd = q->ndim - 1;                                // feature dim
     p->E = c->embed_dim;
     p->H = c->num_heads;
     p->d = m->head_dim;
@@ -232,27 +244,10 @@ static mha_status plan_forward(fwd_plan *p, const mha_module *m,
     p->L = q->shape[sd];
     p->S = k->shape[sd];
     p->N = p->unbatched ? 1 : q->shape[bd];
-    if (q->shape[fd] != p->E)
-        return mha__fail(MHA_ERR_SHAPE,
-                         "query: embed dim %lld (shape %s) does not match the "
-                         "module's embed_dim %lld",
-                         (long long)q->shape[fd],
-                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape),
-                         (long long)p->E);
-    if (k->shape[fd] != p->kdim)
-        return mha__fail(MHA_ERR_SHAPE,
-                         "key: feature dim %lld (shape %s) does not match the "
-                         "module's kdim %lld",
-                         (long long)k->shape[fd],
-                         mha__shape_str(s1, sizeof s1, k->ndim, k->shape),
-                         (long long)p->kdim);
-    if (v->shape[fd] != p->vdim)
-        return mha__fail(MHA_ERR_SHAPE,
-                         "value: feature dim %lld (shape %s) does not match "
-                         "the module's vdim %lld",
-                         (long long)v->shape[fd],
-                         mha__shape_str(s1, sizeof s1, v->ndim, v->shape),
-                         (long long)p->vdim);
+    if ((st = check_features(q, "query", "embed_dim", p->E)) ||
+        (st = check_features(k, "key", "kdim", p->kdim)) ||
+        (st = check_features(v, "value", "vdim", p->vdim)))
+        return st;
     if (!p->unbatched && (k->shape[bd] != p->N || v->shape[bd] != p->N))
         return mha__fail(MHA_ERR_SHAPE,
                          "batch size mismatch: query %lld, key %lld, value "

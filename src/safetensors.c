@@ -354,16 +354,15 @@ static mha_status check_entry(st_entry *e, const cJSON *item,
     // data_offsets
     char sb[256];
     mha__shape_str(sb, sizeof sb, e->ndim, e->shape);
-    if (!cJSON_IsArray(offsets) || cJSON_GetArraySize(offsets) != 2)
+    if (!cJSON_IsArray(offsets))
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: tensor %s: data_offsets is %s, not an array of "
                          "2 integers",
-                         label, qn,
-                         cJSON_IsArray(offsets)
-                             ? (snprintf(vb, sizeof vb, "an array of %d",
-                                         cJSON_GetArraySize(offsets)),
-                                vb)
-                             : json_describe(vb, sizeof vb, offsets));
+                         label, qn, json_describe(vb, sizeof vb, offsets));
+    if (cJSON_GetArraySize(offsets) != 2)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: tensor %s: data_offsets has %d elements, not 2",
+                         label, qn, cJSON_GetArraySize(offsets));
     const cJSON *b = offsets->child, *en = b->next;
     if (!json_uint(&e->begin, b))
         return mha__fail(MHA_ERR_FORMAT,
@@ -378,7 +377,7 @@ static mha_status check_entry(st_entry *e, const cJSON *item,
     if (e->begin > e->end)
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: tensor %s: data_offsets [%llu, %llu] begin "
-                         "after they end",
+                         "after their end",
                          label, qn, (unsigned long long)e->begin,
                          (unsigned long long)e->end);
 
@@ -388,8 +387,8 @@ static mha_status check_entry(st_entry *e, const cJSON *item,
         (uint64_t)e->numel > SIZE_MAX ||
         mha__mul_overflow_size((size_t)e->numel, esize, &e->nbytes))
         return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: shape %s x %s overflows the size "
-                         "types",
+                         "%s: tensor %s: shape %s x %s: the product of "
+                         "the dims overflows int64/size_t",
                          label, qn, sb, mha_dtype_name(e->dtype));
     uint64_t span = e->end - e->begin;
     if ((uint64_t)e->nbytes != span)
@@ -760,7 +759,7 @@ mha_status mha_st_open(mha_st_file **out, const char *path) {
         fclose(fp);
         return mha__fail(MHA_ERR_IO, "%s: not a regular file", path);
     }
-    if (sb.st_size < 0 || (uintmax_t)sb.st_size > (uintmax_t)SIZE_MAX) {
+    if (sb.st_size < 0 || (uintmax_t)sb.st_size >= (uintmax_t)SIZE_MAX) {
         fclose(fp);
         return mha__fail(MHA_ERR_IO, "%s: file size %lld does not fit in "
                          "memory", path, (long long)sb.st_size);
@@ -866,10 +865,10 @@ static double elem_f64(mha_dtype t, const unsigned char *p) {
         uint32_t u = ld_le32(p);
         float v;
         memcpy(&v, &u, 4);
-        return v;
+        return (double)v;
     }
-    case MHA_F16: return mha_f16_to_f32(ld_le16(p));
-    case MHA_BF16: return mha_bf16_to_f32(ld_le16(p));
+    case MHA_F16: return (double)mha_f16_to_f32(ld_le16(p));
+    case MHA_BF16: return (double)mha_bf16_to_f32(ld_le16(p));
     case MHA_BOOL: return p[0] ? 1.0 : 0.0;
     case MHA_I64: {
         uint64_t u = ld_le64(p);
@@ -896,21 +895,19 @@ static double elem_f64(mha_dtype t, const unsigned char *p) {
 }
 
 static float elem_f32(mha_dtype t, const unsigned char *p) {
-    switch (t) {
-    case MHA_I64: {
+    if (t == MHA_I64) {
         uint64_t u = ld_le64(p);
         int64_t v;
         memcpy(&v, &u, 8);
         return (float)v;
     }
-    case MHA_I32: {
+    if (t == MHA_I32) {
         uint32_t u = ld_le32(p);
         int32_t v;
         memcpy(&v, &u, 4);
         return (float)v;
     }
-    default: return (float)elem_f64(t, p);
-    }
+    return (float)elem_f64(t, p);
 }
 
 mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,

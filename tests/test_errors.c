@@ -60,7 +60,7 @@ static void forward_errors(void) {
     b = a;
     b.query = &q7;
     CHECK_FAILS(mha_forward(&yt, NULL, m, &b), MHA_ERR_SHAPE);
-    msg_has("embed", "7");
+    msg_has("embed_dim", "7");
     // key with the wrong feature size (kdim)
     mha_tensor k5 = T3(kv, S, N, 5);
     b = a;

@@ -1,0 +1,22 @@
+#!/bin/sh
+# Installs the Debian 12 packages mha needs. Run as root.
+#   scripts/install-deps.sh          build dependencies (C compiler with OpenMP, CMake,
+#                                    pkg-config, cJSON)
+#   scripts/install-deps.sh --test   also what the test suite needs
+#                                    (PyTorch and numpy for the conformance
+#                                    suite against PyTorch)
+set -eu
+pkgs="build-essential cmake pkg-config libcjson-dev"
+if [ "${1:-}" = "--test" ]; then
+    pkgs="$pkgs python3 python3-torch python3-numpy"
+fi
+missing=""
+for p in $pkgs; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+        missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends $missing
+fi
