@@ -78,6 +78,11 @@ MHA_API const char *mha_status_string(mha_status s);
 // Valid until the next failing call on the same thread.
 MHA_API const char *mha_last_error(void);
 
+// Writes s into buf (cap >= 16 bytes) as a quoted, printable, one-line
+// string for messages: bytes outside printable ASCII, quotes and
+// backslashes become \xNN; long strings are cut with "...". Returns buf.
+MHA_API const char *mha_escape(char *buf, size_t cap, const char *s);
+
 // Optional: every error message is also passed to fn (from the thread that
 // hit it). fn = NULL removes the callback. Not thread-safe against
 // concurrent calls of mha_set_log_callback itself.
@@ -396,6 +401,8 @@ MHA_API MHA_NODISCARD mha_status mha_st_parse(mha_st_file **out,
                                               const void *bytes, size_t len,
                                               const char *label);
 MHA_API void mha_st_close(mha_st_file *f);
+// The path (or label) the file was opened with ("" for NULL).
+MHA_API const char *mha_st_label(const mha_st_file *f);
 
 // Tensors in file order of their data offsets.
 MHA_API int64_t mha_st_num_tensors(const mha_st_file *f);

@@ -91,3 +91,29 @@ const char *mha__shape_str(char *buf, size_t cap, int ndim,
     if (n < cap) snprintf(buf + n, cap - n, ndim == 1 ? ",)" : ")");
     return buf;
 }
+
+// A quoted, printable, single-line copy of name for messages: bytes
+// outside printable ASCII, quotes and backslashes as \xNN; at most 80
+// characters, then "...".
+const char *mha_escape(char *buf, size_t cap, const char *name) {
+    size_t n = 0;
+    const size_t max_chars = 80;
+    buf[n++] = '"';
+    for (size_t i = 0; name[i]; i++) {
+        unsigned char c = (unsigned char)name[i];
+        if (i >= max_chars || n + 8 >= cap) {
+            memcpy(buf + n, "...", 3);
+            n += 3;
+            break;
+        }
+        if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
+            buf[n++] = (char)c;
+        } else {
+            n += (size_t)snprintf(buf + n, cap - n, "\\x%02x", c);
+        }
+    }
+    buf[n++] = '"';
+    buf[n] = '\0';
+    return buf;
+}
+

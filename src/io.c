@@ -45,6 +45,8 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
     if (!out || !f)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_load: NULL argument");
     *out = NULL;
+    const char *lab = mha_st_label(f);
+    char qn[128];
     mha_config cfg;
     mha_config_init(&cfg, 0, 0);
     if (base) cfg = *base;
@@ -68,62 +70,64 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
         for (int j = 0; j < NP; j++) known |= strcmp(x.name, names[j]) == 0;
         if (!known)
             return mha__fail(MHA_ERR_FORMAT,
-                             "weights: unexpected tensor \"%.100s\" (not a "
-                             "MultiheadAttention parameter)", x.name);
+                             "%s: unexpected tensor %s (not a "
+                             "MultiheadAttention parameter)", lab,
+                             mha_escape(qn, sizeof qn, x.name));
         if (!is_float_dtype(x.dtype))
             return mha__fail(MHA_ERR_FORMAT,
-                             "weights: tensor \"%.100s\" has dtype %s "
-                             "(expected F32, F16, BF16 or F64)",
-                             x.name, mha_dtype_name(x.dtype));
+                             "%s: tensor %s has dtype %s (expected F32, "
+                             "F16, BF16 or F64)", lab,
+                             mha_escape(qn, sizeof qn, x.name),
+                             mha_dtype_name(x.dtype));
     }
     if (!has[OUT_W])
-        return mha__fail(MHA_ERR_FORMAT, "weights: no \"out_proj.weight\" tensor");
+        return mha__fail(MHA_ERR_FORMAT, "%s: no \"out_proj.weight\" tensor", lab);
     if (t[OUT_W].ndim != 2 || t[OUT_W].shape[0] != t[OUT_W].shape[1] ||
         t[OUT_W].shape[0] <= 0)
         return mha__fail(MHA_ERR_FORMAT,
-                         "weights: out_proj.weight has shape %s, expected (E, E)",
+                         "%s: out_proj.weight has shape %s, expected (E, E)", lab,
                          mha__shape_str(s1, sizeof s1, t[OUT_W].ndim, t[OUT_W].shape));
     const int64_t E = t[OUT_W].shape[0];
     cfg.embed_dim = E;
     if (has[IN_W]) {
         if (has[Q_W] || has[K_W] || has[V_W])
             return mha__fail(MHA_ERR_FORMAT,
-                             "weights: both in_proj_weight and separate "
-                             "q/k/v_proj_weight tensors");
+                             "%s: both in_proj_weight and separate "
+                             "q/k/v_proj_weight tensors", lab);
         cfg.kdim = cfg.vdim = E;
     } else {
         if (!has[Q_W] || !has[K_W] || !has[V_W])
             return mha__fail(MHA_ERR_FORMAT,
-                             "weights: need in_proj_weight, or all of "
-                             "q_proj_weight, k_proj_weight and v_proj_weight");
+                             "%s: need in_proj_weight, or all of "
+                             "q_proj_weight, k_proj_weight and v_proj_weight", lab);
         if (t[K_W].ndim != 2 || t[V_W].ndim != 2)
             return mha__fail(MHA_ERR_FORMAT,
-                             "weights: k_proj_weight and v_proj_weight must "
-                             "be 2-D (E, kdim), (E, vdim)");
+                             "%s: k_proj_weight and v_proj_weight must "
+                             "be 2-D (E, kdim), (E, vdim)", lab);
         cfg.kdim = t[K_W].shape[1];
         cfg.vdim = t[V_W].shape[1];
     }
     if (has[IN_B] != has[OUT_B])
         return mha__fail(MHA_ERR_FORMAT,
-                         "weights: in_proj_bias and out_proj.bias must be "
-                         "both present or both absent (has %s only)",
+                         "%s: in_proj_bias and out_proj.bias must be "
+                         "both present or both absent (has %s only)", lab,
                          has[IN_B] ? "in_proj_bias" : "out_proj.bias");
     cfg.bias = has[IN_B];
     if (has[BK] != has[BV])
         return mha__fail(MHA_ERR_FORMAT,
-                         "weights: bias_k and bias_v must be both present or "
-                         "both absent (has %s only)", has[BK] ? "bias_k" : "bias_v");
+                         "%s: bias_k and bias_v must be both present or "
+                         "both absent (has %s only)", lab, has[BK] ? "bias_k" : "bias_v");
     cfg.add_bias_kv = has[BK];
     if (cfg.num_heads == 0) {
         const char *h = mha_st_metadata(f, "num_heads");
         if (!h)
             return mha__fail(MHA_ERR_INVALID_ARG,
-                             "weights: the number of heads is not given and "
-                             "the file has no __metadata__ \"num_heads\"");
+                             "%s: the number of heads is not given and "
+                             "the file has no __metadata__ \"num_heads\"", lab);
         if (!parse_pos_int(h, &cfg.num_heads))
             return mha__fail(MHA_ERR_FORMAT,
-                             "weights: __metadata__ num_heads \"%.40s\" is not "
-                             "a positive integer", h);
+                             "%s: __metadata__ num_heads %s is not "
+                             "a positive integer", lab, mha_escape(qn, sizeof qn, h));
     }
     mha_module *m;
     if ((st = mha_module_create(&m, &cfg))) return st;
@@ -137,8 +141,8 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
         if (!same) {
             char s2[160];
             st = mha__fail(MHA_ERR_SHAPE,
-                           "weights: %s has shape %s, expected %s (embed_dim "
-                           "%lld, num_heads %lld, kdim %lld, vdim %lld)",
+                           "%s: %s has shape %s, expected %s (embed_dim "
+                           "%lld, num_heads %lld, kdim %lld, vdim %lld)", lab,
                            p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
                            mha__shape_str(s2, sizeof s2, p->ndim, p->shape),
                            (long long)E, (long long)cfg.num_heads,

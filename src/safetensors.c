@@ -120,30 +120,6 @@ static size_t utf8_valid_prefix(const char *str) {
     return i;
 }
 
-// Writes name into buf as a quoted, printable, single-line string: bytes
-// outside printable ASCII become \xNN, long names are cut with "...".
-static const char *quote(char *buf, size_t cap, const char *name) {
-    size_t n = 0;
-    const size_t max_chars = 80;
-    buf[n++] = '"';
-    for (size_t i = 0; name[i]; i++) {
-        unsigned char c = (unsigned char)name[i];
-        if (i >= max_chars || n + 8 >= cap) {
-            memcpy(buf + n, "...", 3);
-            n += 3;
-            break;
-        }
-        if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
-            buf[n++] = (char)c;
-        } else {
-            n += (size_t)snprintf(buf + n, cap - n, "\\x%02x", c);
-        }
-    }
-    buf[n++] = '"';
-    buf[n] = '\0';
-    return buf;
-}
-
 #define QUOTE_CAP 400
 
 // What a JSON value is, for messages: the number itself, or its kind.
@@ -275,7 +251,7 @@ static mha_status check_entry(st_entry *e, const cJSON *item,
                               const char *label, size_t data_len) {
     char qn[QUOTE_CAP], vb[64];
     const char *name = item->string;
-    quote(qn, sizeof qn, name);
+    mha_escape(qn, sizeof qn, name);
 
     if (name[0] == '\0')
         return mha__fail(MHA_ERR_FORMAT, "%s: a tensor has an empty name",
@@ -302,7 +278,7 @@ static mha_status check_entry(st_entry *e, const cJSON *item,
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: tensor %s: unknown key %s (allowed: dtype, "
                              "shape, data_offsets)",
-                             label, qn, quote(qk, sizeof qk, k->string));
+                             label, qn, mha_escape(qk, sizeof qk, k->string));
         }
         if (*slot)
             return mha__fail(MHA_ERR_FORMAT,
@@ -325,7 +301,7 @@ static mha_status check_entry(st_entry *e, const cJSON *item,
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: tensor %s: unknown dtype %s (known: F32, F16, "
                          "BF16, BOOL, I64, I32, U8, F64)",
-                         label, qn, quote(qd, sizeof qd, dtype->valuestring));
+                         label, qn, mha_escape(qd, sizeof qd, dtype->valuestring));
     }
 
     // shape
@@ -415,7 +391,7 @@ static mha_status check_metadata(const cJSON *m, const char *label) {
                          "%s: __metadata__ is %s, not an object of strings",
                          label, json_describe(vb, sizeof vb, m));
     for (const cJSON *k = m->child; k; k = k->next) {
-        quote(qk, sizeof qk, k->string);
+        mha_escape(qk, sizeof qk, k->string);
         if (!cJSON_IsString(k))
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: __metadata__ value of %s is %s, not a "
@@ -579,7 +555,7 @@ static mha_status st_load(mha_st_file *f) {
     for (int64_t i = 1; i < ntensors; i++) {
         if (strcmp(by_name[i - 1].name, by_name[i].name) == 0) {
             st = mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice",
-                           label, quote(qa, sizeof qa, by_name[i].name));
+                           label, mha_escape(qa, sizeof qa, by_name[i].name));
             goto done;
         }
     }
@@ -594,10 +570,10 @@ static mha_status st_load(mha_st_file *f) {
             st = mha__fail(MHA_ERR_FORMAT,
                            "%s: tensors %s [%llu, %llu] and %s [%llu, %llu] "
                            "overlap",
-                           label, quote(qa, sizeof qa, p->name),
+                           label, mha_escape(qa, sizeof qa, p->name),
                            (unsigned long long)p->begin,
                            (unsigned long long)p->end,
-                           quote(qb, sizeof qb, e->name),
+                           mha_escape(qb, sizeof qb, e->name),
                            (unsigned long long)e->begin,
                            (unsigned long long)e->end);
             goto done;
@@ -608,7 +584,7 @@ static mha_status st_load(mha_st_file *f) {
                            "(tensor %s begins at %llu)",
                            label, (unsigned long long)at,
                            (unsigned long long)e->begin,
-                           quote(qa, sizeof qa, e->name),
+                           mha_escape(qa, sizeof qa, e->name),
                            (unsigned long long)e->begin);
             goto done;
         }
@@ -634,7 +610,7 @@ static mha_status st_load(mha_st_file *f) {
             if (strcmp(meta_by_key[i - 1].key, meta_by_key[i].key) == 0) {
                 st = mha__fail(MHA_ERR_FORMAT,
                                "%s: __metadata__ key %s appears twice", label,
-                               quote(qa, sizeof qa, meta_by_key[i].key));
+                               mha_escape(qa, sizeof qa, meta_by_key[i].key));
                 goto done;
             }
         }
@@ -820,7 +796,7 @@ mha_status mha_st_find(mha_st_tensor *out, const mha_st_file *f,
     }
     char q[QUOTE_CAP];
     return mha__fail(MHA_ERR_NOT_FOUND, "%s: no tensor named %s", f->label,
-                     quote(q, sizeof q, name));
+                     mha_escape(q, sizeof q, name));
 }
 
 int64_t mha_st_num_metadata(const mha_st_file *f) {
@@ -916,7 +892,7 @@ mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_read: tensor is NULL");
     const char *name = t->name ? t->name : "?";
     char q[QUOTE_CAP];
-    quote(q, sizeof q, name);
+    mha_escape(q, sizeof q, name);
     size_t from_size = mha_dtype_size(t->dtype), to_size = mha_dtype_size(to);
     if (!from_size || !to_size)
         return mha__fail(MHA_ERR_INVALID_ARG,
@@ -1056,7 +1032,7 @@ mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_writer_add: NULL argument");
     char q[QUOTE_CAP];
-    quote(q, sizeof q, name);
+    mha_escape(q, sizeof q, name);
     size_t ok = utf8_valid_prefix(name);
     if (name[0] == '\0' || name[ok] != '\0' ||
         strcmp(name, "__metadata__") == 0)
@@ -1153,7 +1129,7 @@ mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_writer_set_metadata: key %s or its value is "
                          "not valid UTF-8",
-                         quote(q, sizeof q, key));
+                         mha_escape(q, sizeof q, key));
     char *v = str_dup(value);
     if (!v)
         return mha__fail(MHA_ERR_NOMEM,
@@ -1204,7 +1180,8 @@ static char *build_header(const mha_st_writer *w) {
     for (int64_t i = 0; i < w->ntensors; i++) {
         const st_wtensor *t = &w->tensors[i];
         cJSON *e = cJSON_AddObjectToObject(root, t->name);
-        if (!e || !cJSON_AddStringToObject(e, "dtype", mha_dtype_name(t->dtype)))
+        if (!e ||
+            !cJSON_AddStringToObject(e, "dtype", mha_dtype_name(t->dtype)))
             goto fail;
         cJSON *shape = cJSON_AddArrayToObject(e, "shape");
         if (!shape) goto fail;
@@ -1269,3 +1246,5 @@ mha_status mha_st_writer_save(const mha_st_writer *w, const char *path) {
     }
     return MHA_OK;
 }
+
+const char *mha_st_label(const mha_st_file *f) { return f ? f->label : ""; }

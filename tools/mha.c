@@ -264,8 +264,10 @@ static int cmd_forward(int argc, char **argv) {
         bool known = false;
         for (int j = 0; j < 5; j++) known |= strcmp(t.name, names[j]) == 0;
         if (!known) {
-            fprintf(stderr, "mha forward: %s: unexpected tensor \"%.100s\" (inputs are "
-                    "query, key, value, key_padding_mask, attn_mask)\n", xpath, t.name);
+            char qn[128];
+            fprintf(stderr, "mha forward: %s: unexpected tensor %s (inputs are "
+                    "query, key, value, key_padding_mask, attn_mask)\n", xpath,
+                    mha_escape(qn, sizeof qn, t.name));
             goto cleanup;
         }
     }
