@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import random
 import struct
 import subprocess
 import sys
@@ -1034,6 +1033,7 @@ def self_test(args):
             check(False, "truncated/extended file accepted")
         except ValueError:
             check(True, "")
+    os.remove(path)
 
     def tiny_case(E, H, L, S, mask, bias_out, cid):
         c = Case(cid, "self", E, H, L, S, None, bias=True, need_weights=True,
@@ -1192,7 +1192,9 @@ def main():
     t_random = time.time() - t0
 
     groups = []
-    if args.pt_iters > 0 or only is not None:
+    want_pt = (args.pt_iters > 0 if only is None
+               else any(s.startswith("pt:") for s in only))
+    if want_pt:
         pcases, groups = pytorch_cases(args.seed, max(args.pt_iters, 100
                                                       if only else 0))
         if only is not None:
