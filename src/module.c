@@ -45,6 +45,10 @@ static mha_status check_config(const mha_config *c) {
     if (!(c->dropout >= 0.0f && c->dropout < 1.0f))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "dropout must be in [0, 1), got %g", (double)c->dropout);
+    if (!(c->out_dropout >= 0.0f && c->out_dropout < 1.0f))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "out_dropout must be in [0, 1), got %g",
+                         (double)c->out_dropout);
     // Every parameter must be addressable: at most (3E + 3) * max(E, kdim,
     // vdim) floats in all, checked without overflow.
     int64_t maxd = c->embed_dim, rows, n;
