@@ -18,8 +18,8 @@
 #include <omp.h>
 #endif
 
-#include "module.h"
-#include "ref.h"
+#include "philox.h"
+#include "plan.h"
 
 const char *mha_impl_name(mha_impl impl) {
     switch (impl) {
@@ -49,7 +49,7 @@ static mha_status check_impl(mha_impl impl) {
     return MHA_OK;
 }
 
-static int max_threads(void) {
+int mha__max_threads(void) {
 #ifdef _OPENMP
     int n = omp_get_max_threads();
     return n > 0 ? n : 1;
@@ -96,7 +96,7 @@ static mha_status check_view(const mha_tensor *t, const char *name) {
     return MHA_OK;
 }
 
-static mha_status check_float(const mha_tensor *t, const char *name) {
+mha_status mha__check_float(const mha_tensor *t, const char *name) {
     mha_status st = check_view(t, name);
     if (st) return st;
     if (t->dtype != MHA_F32)
@@ -129,7 +129,7 @@ static void view_extent(const mha_tensor *t, uintptr_t *lo, uintptr_t *hi) {
 }
 
 // Outputs may not overlap inputs (nor each other).
-static mha_status check_no_overlap(const mha_tensor *out, const char *oname,
+mha_status mha__check_no_overlap(const mha_tensor *out, const char *oname,
                                    const mha_tensor *in, const char *iname) {
     if (!out || !in || mha_tensor_numel(out) == 0 || mha_tensor_numel(in) == 0)
         return MHA_OK;
@@ -143,9 +143,9 @@ static mha_status check_no_overlap(const mha_tensor *out, const char *oname,
     return MHA_OK;
 }
 
-static mha_status check_output(const mha_tensor *t, const char *name,
+mha_status mha__check_output(const mha_tensor *t, const char *name,
                                const mha_shape *want) {
-    mha_status st = check_float(t, name);
+    mha_status st = mha__check_float(t, name);
     if (st) return st;
     bool same = t->ndim == want->ndim;
     for (int i = 0; same && i < want->ndim; i++) same = t->shape[i] == want->dims[i];
@@ -161,18 +161,6 @@ static mha_status check_output(const mha_tensor *t, const char *name,
 // ---------------------------------------------------------------------------
 // Module forward: plan
 
-typedef struct fwd_plan {
-    int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
-    bool unbatched;
-    // element strides of query/key/value as (seq, batch, feature)
-    int64_t qs[3], ks[3], vs[3];
-    mha__mask mask;
-    mha_shape out_shape, w_shape;
-    // scratch layout, byte offsets into one block (64-byte aligned pieces)
-    size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace;
-    size_t ws_bytes;
-    int nthreads;
-} fwd_plan;
 
 // The last dim of t (its features) must be `want`, the module's `what`.
 static mha_status check_features(const mha_tensor *t, const char *name,
@@ -188,7 +176,7 @@ static mha_status check_features(const mha_tensor *t, const char *name,
 }
 
 // (seq, batch, feature) strides of a (S, N, F) / (N, S, F) / (S, F) view.
-static void seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first) {
+void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first) {
     if (t->ndim == 2) {
         s[0] = t->stride[0]; s[1] = 0; s[2] = t->stride[1];
     } else if (batch_first) {
@@ -207,7 +195,7 @@ static int carve(size_t *total, size_t *off, int64_t n, size_t size) {
     return mha__add_overflow_size(*total, bytes, total);
 }
 
-static mha_status plan_forward(fwd_plan *p, const mha_module *m,
+mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                                const mha_forward_args *a) {
     char s1[160], s2[160], s3[160];
     if (!m || !a)
@@ -216,8 +204,8 @@ static mha_status plan_forward(fwd_plan *p, const mha_module *m,
     mha_status st;
     if ((st = check_impl(a->impl))) return st;
     const mha_config *c = &m->cfg;
-    if ((st = check_float(a->query, "query")) || (st = check_float(a->key, "key")) ||
-        (st = check_float(a->value, "value")))
+    if ((st = mha__check_float(a->query, "query")) || (st = mha__check_float(a->key, "key")) ||
+        (st = mha__check_float(a->value, "value")))
         return st;
     const mha_tensor *q = a->query, *k = a->key, *v = a->value;
     if (q->ndim != 2 && q->ndim != 3)
@@ -261,9 +249,9 @@ static mha_status plan_forward(fwd_plan *p, const mha_module *m,
         return mha__fail(MHA_ERR_SHAPE,
                          "key and value lengths differ: key %lld, value %lld",
                          (long long)p->S, (long long)v->shape[sd]);
-    seq_batch_feat(p->qs, q, c->batch_first);
-    seq_batch_feat(p->ks, k, c->batch_first);
-    seq_batch_feat(p->vs, v, c->batch_first);
+    mha__seq_batch_feat(p->qs, q, c->batch_first);
+    mha__seq_batch_feat(p->ks, k, c->batch_first);
+    mha__seq_batch_feat(p->vs, v, c->batch_first);
     p->Sp = p->S + (c->add_bias_kv ? 1 : 0) + (c->add_zero_attn ? 1 : 0);
 
     // Masks, as (b, h, i, j) strides.
@@ -320,6 +308,12 @@ static mha_status plan_forward(fwd_plan *p, const mha_module *m,
         }
     }
 
+    // Dropout (training only).
+    if (a->training && c->dropout > 0.0f)
+        p->drop = (mha__dropout){c->dropout, a->dropout_seed, a->dropout_offset,
+                                 p->H, p->L, p->Sp};
+    p->out_p = a->training ? c->out_dropout : 0.0f;
+
     // Output shapes.
     p->out_shape.ndim = q->ndim;
     for (int i = 0; i < q->ndim; i++) p->out_shape.dims[i] = q->shape[i];
@@ -330,7 +324,7 @@ static mha_status plan_forward(fwd_plan *p, const mha_module *m,
     w->dims[w->ndim++] = p->Sp;
 
     // Scratch layout.
-    p->nthreads = a->trace ? 1 : max_threads();
+    p->nthreads = a->trace ? 1 : mha__max_threads();
     int64_t nle, nse, lsp, nhlsp, tr;
     if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) ||
         mha__mul_overflow_i64(nle, p->E, &nle) ||
@@ -371,7 +365,7 @@ void mha_forward_args_init(mha_forward_args *a) {
 mha_status mha_forward_shapes(mha_shape *out_shape, mha_shape *weights_shape,
                               const mha_module *m, const mha_forward_args *a) {
     fwd_plan p;
-    mha_status st = plan_forward(&p, m, a);
+    mha_status st = mha__plan_forward(&p, m, a);
     if (st) return st;
     if (out_shape) *out_shape = p.out_shape;
     if (weights_shape) *weights_shape = p.w_shape;
@@ -384,7 +378,7 @@ mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_forward_workspace_size: NULL argument");
     fwd_plan p;
-    mha_status st = plan_forward(&p, m, a);
+    mha_status st = mha__plan_forward(&p, m, a);
     if (st) return st;
     *bytes = p.ws_bytes;
     return MHA_OK;
@@ -401,47 +395,28 @@ static void trace_buffer(const mha_forward_args *a, const char *step,
     a->trace(a->trace_user, step, -1, -1, &t);
 }
 
-// Projects rows of x ((seq, batch, feature) strides xs) into buf (N, T, E):
+// Projects rows of x ((seq, batch, feature) strides xs, T rows per batch
+// element) into the first T of every Tp rows of buf (N, Tp, E):
 // buf[n, t, :] = x[t, n, :] W^T + b.
-static void project(float *buf, const float *x, const int64_t xs[3],
+static void project(float *buf, int64_t Tp, const float *x, const int64_t xs[3],
                     const float *W, const float *b, int64_t N, int64_t T,
                     int64_t I, int64_t E, int nthreads) {
-    int64_t rows = N * T;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < N * T; r++) {
         int64_t n = r / T, t = r % T;
-        mha__ref_linear_row(buf + r * E, 1, x + t * xs[0] + n * xs[1], xs[2], W,
-                            b, I, E);
+        mha__ref_linear_row(buf + (n * Tp + t) * E, 1, x + t * xs[0] + n * xs[1],
+                            xs[2], W, b, I, E);
     }
 }
 
-static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                        const mha_module *m, const mha_forward_args *a,
-                        char *ws) {
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E,
-                  H = p->H, d = p->d;
-    float *q = (float *)(ws + p->off_q);      // (N, L, E)
-    float *k = (float *)(ws + p->off_k);      // (N, Sp, E)
-    float *v = (float *)(ws + p->off_v);      // (N, Sp, E)
-    float *ctx = (float *)(ws + p->off_ctx);  // (N, L, E)
-    float *headw = (float *)(ws + p->off_headw);     // (N, H, L, Sp)
-    double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
+void mha__project_qkv(const fwd_plan *p, const mha_module *m,
+                      const mha_forward_args *a, float *q, float *k, float *v) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
                 *bv = bq ? bq + 2 * E : NULL;
-
-    // 1. Projections (one row per (n, t)); then the appended keys/values.
-    project(q, a->query->data, p->qs, m->q_weight, bq, N, L, E, E, p->nthreads);
-    // k, v rows t < S come from key/value: project into (N, Sp, E) rows.
-#pragma omp parallel for schedule(static) num_threads(p->nthreads)
-    for (int64_t r = 0; r < N * S; r++) {
-        int64_t n = r / (S ? S : 1), t = r % (S ? S : 1);
-        mha__ref_linear_row(k + (n * Sp + t) * E, 1,
-                            (const float *)a->key->data + t * p->ks[0] + n * p->ks[1],
-                            p->ks[2], m->k_weight, bk, p->kdim, E);
-        mha__ref_linear_row(v + (n * Sp + t) * E, 1,
-                            (const float *)a->value->data + t * p->vs[0] + n * p->vs[1],
-                            p->vs[2], m->v_weight, bv, p->vdim, E);
-    }
+    project(q, L, a->query->data, p->qs, m->q_weight, bq, N, L, E, E, p->nthreads);
+    project(k, Sp, a->key->data, p->ks, m->k_weight, bk, N, S, p->kdim, E, p->nthreads);
+    project(v, Sp, a->value->data, p->vs, m->v_weight, bv, N, S, p->vdim, E, p->nthreads);
     for (int64_t n = 0; n < N; n++) {
         int64_t t = S;
         if (m->cfg.add_bias_kv) {  // k = cat([k, bias_k]), v = cat([v, bias_v])
@@ -454,6 +429,30 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             memset(v + (n * Sp + t) * E, 0, (size_t)E * sizeof(float));
         }
     }
+}
+
+float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
+                           int64_t n, int64_t t, int64_t e) {
+    uint64_t idx = (uint64_t)((n * p->L + t) * p->E + e);
+    return mha__dropout_keep(seed, offset, MHA__DROPOUT_STREAM_OUT_LO,
+                             MHA__DROPOUT_STREAM_OUT_HI, idx, p->out_p)
+               ? 1.0f / (1.0f - p->out_p)
+               : 0.0f;
+}
+
+static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                        const mha_module *m, const mha_forward_args *a,
+                        char *ws) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    float *q = (float *)(ws + p->off_q);      // (N, L, E)
+    float *k = (float *)(ws + p->off_k);      // (N, Sp, E)
+    float *v = (float *)(ws + p->off_v);      // (N, Sp, E)
+    float *ctx = (float *)(ws + p->off_ctx);  // (N, L, E)
+    float *headw = (float *)(ws + p->off_headw);     // (N, H, L, Sp)
+    double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
+
+    // 1. Projections (one row per (n, t)); then the appended keys/values.
+    mha__project_qkv(p, m, a, q, k, v);
     trace_buffer(a, "q", q, N, L, E);
     trace_buffer(a, "k", k, N, Sp, E);
     trace_buffer(a, "v", v, N, Sp, E);
@@ -485,7 +484,8 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                             ws_[o + 1], ws_[o + 2]};
         }
         mha__ref_attention_head(oh, wh, qh, kh, vh, L, Sp, d, d, scale,
-                                &p->mask, b, h, scores + (size_t)tid * L * Sp,
+                                &p->mask, mha__plan_drop(p), b, h,
+                                scores + (size_t)tid * L * Sp,
                                 a->trace ? &tr : NULL);
     }
     trace_buffer(a, "concat", ctx, N, L, E);
@@ -508,12 +508,17 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
 
     // 4. Output projection, written in the query's layout.
     int64_t os[3];
-    seq_batch_feat(os, out, m->cfg.batch_first);
+    mha__seq_batch_feat(os, out, m->cfg.batch_first);
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
     for (int64_t r = 0; r < N * L; r++) {
         int64_t n = r / L, t = r % L;
-        mha__ref_linear_row((float *)out->data + t * os[0] + n * os[1], os[2],
-                            ctx + r * E, 1, m->out_weight, m->out_bias, E, E);
+        float *y = (float *)out->data + t * os[0] + n * os[1];
+        mha__ref_linear_row(y, os[2], ctx + r * E, 1, m->out_weight, m->out_bias,
+                            E, E);
+        if (p->out_p > 0.0f)  // output dropout (training only)
+            for (int64_t e = 0; e < E; e++)
+                y[e * os[2]] *= mha__out_drop_factor(p, a->dropout_seed,
+                                                     a->dropout_offset, n, t, e);
     }
     if (a->trace) {
         mha_tensor o = *out;  // as (N, L, E)
@@ -528,12 +533,12 @@ static mha_status check_forward_outputs(const fwd_plan *p, mha_tensor *out,
                                         mha_tensor *weights,
                                         const mha_forward_args *a) {
     mha_status st;
-    if ((st = check_output(out, "attn_output", &p->out_shape))) return st;
+    if ((st = mha__check_output(out, "attn_output", &p->out_shape))) return st;
     if (a->need_weights) {
         if (!weights)
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "need_weights is set but attn_output_weights is NULL");
-        if ((st = check_output(weights, "attn_output_weights", &p->w_shape)))
+        if ((st = mha__check_output(weights, "attn_output_weights", &p->w_shape)))
             return st;
     }
     const mha_tensor *ins[5] = {a->query, a->key, a->value, a->key_padding_mask,
@@ -541,14 +546,14 @@ static mha_status check_forward_outputs(const fwd_plan *p, mha_tensor *out,
     const char *names[5] = {"query", "key", "value", "key_padding_mask",
                             "attn_mask"};
     for (int i = 0; i < 5; i++) {
-        if ((st = check_no_overlap(out, "attn_output", ins[i], names[i])))
+        if ((st = mha__check_no_overlap(out, "attn_output", ins[i], names[i])))
             return st;
         if (a->need_weights &&
-            (st = check_no_overlap(weights, "attn_output_weights", ins[i], names[i])))
+            (st = mha__check_no_overlap(weights, "attn_output_weights", ins[i], names[i])))
             return st;
     }
     if (a->need_weights &&
-        (st = check_no_overlap(weights, "attn_output_weights", out, "attn_output")))
+        (st = mha__check_no_overlap(weights, "attn_output_weights", out, "attn_output")))
         return st;
     return MHA_OK;
 }
@@ -557,7 +562,7 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
                           const mha_module *m, const mha_forward_args *a,
                           void *workspace, size_t workspace_bytes) {
     fwd_plan p;
-    mha_status st = plan_forward(&p, m, a);
+    mha_status st = mha__plan_forward(&p, m, a);
     if (st) return st;
     if ((st = check_forward_outputs(&p, out, weights, a))) return st;
     if (!workspace || workspace_bytes < p.ws_bytes)
@@ -572,7 +577,7 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
 mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m,
                        const mha_forward_args *a) {
     fwd_plan p;
-    mha_status st = plan_forward(&p, m, a);
+    mha_status st = mha__plan_forward(&p, m, a);
     if (st) return st;
     if ((st = check_forward_outputs(&p, out, weights, a))) return st;
     void *ws = malloc(p.ws_bytes);
@@ -596,7 +601,7 @@ void mha_sdpa_args_init(mha_sdpa_args *a) {
 }
 
 static mha_status check_4d(const mha_tensor *t, const char *name) {
-    mha_status st = check_float(t, name);
+    mha_status st = mha__check_float(t, name);
     if (st) return st;
     if (t->ndim != 4) {
         char s[160];
@@ -679,17 +684,17 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         mk.kpm_s[1] = t->stride[1];
     }
     mha_shape os = {4, {B, H, L, Dv}}, wsh = {4, {B, H, L, S}};
-    if ((st = check_output(out, "out", &os))) return st;
-    if (weights && (st = check_output(weights, "weights", &wsh))) return st;
+    if ((st = mha__check_output(out, "out", &os))) return st;
+    if (weights && (st = mha__check_output(weights, "weights", &wsh))) return st;
     const mha_tensor *ins[5] = {q, k, v, a->attn_mask, a->key_padding_mask};
     const char *names[5] = {"q", "k", "v", "attn_mask", "key_padding_mask"};
     for (int i = 0; i < 5; i++) {
-        if ((st = check_no_overlap(out, "out", ins[i], names[i]))) return st;
-        if ((st = check_no_overlap(weights, "weights", ins[i], names[i]))) return st;
+        if ((st = mha__check_no_overlap(out, "out", ins[i], names[i]))) return st;
+        if ((st = mha__check_no_overlap(weights, "weights", ins[i], names[i]))) return st;
     }
-    if ((st = check_no_overlap(weights, "weights", out, "out"))) return st;
+    if ((st = mha__check_no_overlap(weights, "weights", out, "out"))) return st;
 
-    int nt = max_threads();
+    int nt = mha__max_threads();
     int64_t ls;
     size_t bytes;
     if (mha__mul_overflow_i64(L, S, &ls) ||
@@ -714,8 +719,8 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         mha__mat w = weights ? MHA__HEAD(weights, 2, 3) : (mha__mat){NULL, 0, 0};
         mha__ref_attention_head(MHA__HEAD(out, 2, 3), w, MHA__HEAD(q, 2, 3),
                                 MHA__HEAD(k, 2, 3), MHA__HEAD(v, 2, 3), L, S, D,
-                                Dv, scale, &mk, b, h, scores + (size_t)tid * ls,
-                                NULL);
+                                Dv, scale, &mk, NULL, b, h,
+                                scores + (size_t)tid * ls, NULL);
 #undef MHA__HEAD
     }
     free(scores);

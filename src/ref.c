@@ -7,6 +7,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "philox.h"
 #include "ref.h"
 
 // Sum of x[i*xs] * y[i] in double. Four partial sums, always combined in the
@@ -66,28 +67,28 @@ static void trace_doubles(const mha__trace *tr, const char *step, int64_t b,
     tr->fn(tr->user, step, b, h, &t);
 }
 
-void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
-                             mha__mat v, int64_t L, int64_t S, int64_t D,
-                             int64_t Dv, double scale, const mha__mask *mk,
-                             int64_t b, int64_t h, double *scores,
-                             const mha__trace *tr) {
+// Steps (1)-(3) of the forward for one (b, h): P (L, S) in P, row-major.
+static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L,
+                            int64_t S, int64_t D, double scale,
+                            const mha__mask *mk, int64_t b, int64_t h,
+                            const mha__trace *tr) {
     // (1) scores (L, S) = q (L, D) k (S, D)^T
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < S; j++)
-            scores[i * S + j] = dot(q.p + i * q.rs, q.cs, k.p + j * k.rs, k.cs, D);
-    if (tr) trace_doubles(tr, "scores", b, h, scores, L, S, S);
+            P[i * S + j] = dot(q.p + i * q.rs, q.cs, k.p + j * k.rs, k.cs, D);
+    if (tr) trace_doubles(tr, "scores", b, h, P, L, S, S);
 
     // (2) scale, then add the masks (-inf for hidden keys, never 0)
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < S; j++)
-            scores[i * S + j] = scale * scores[i * S + j] +
-                                (double)mha__mask_value(mk, b, h, i, j);
-    if (tr) trace_doubles(tr, "scaled_scores", b, h, scores, L, S, S);
+            P[i * S + j] = scale * P[i * S + j] +
+                           (double)mha__mask_value(mk, b, h, i, j);
+    if (tr) trace_doubles(tr, "scaled_scores", b, h, P, L, S, S);
 
     // (3) softmax of each row: subtract the row max so exp never overflows;
     //     a row with every score -inf (all keys masked) becomes all 0.
     for (int64_t i = 0; i < L; i++) {
-        double *row = scores + i * S;
+        double *row = P + i * S;
         double mx = -INFINITY;
         bool nan = false;
         for (int64_t j = 0; j < S; j++) {
@@ -109,15 +110,42 @@ void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
         }
         for (int64_t j = 0; j < S; j++) row[j] /= sum;
     }
-    if (tr) trace_doubles(tr, "weights", b, h, scores, L, S, S);
+    if (tr) trace_doubles(tr, "weights", b, h, P, L, S, S);
+}
+
+// The dropout factor of weight (i, j): 0 (dropped) or 1 / (1 - p).
+static double drop_factor(const mha__dropout *d, int64_t b, int64_t h,
+                          int64_t i, int64_t j) {
+    uint64_t idx = (uint64_t)(((b * d->H + h) * d->L + i) * d->S + j);
+    return mha__dropout_keep(d->seed, d->offset, MHA__DROPOUT_STREAM_ATTN_LO,
+                             MHA__DROPOUT_STREAM_ATTN_HI, idx, d->p)
+               ? 1.0 / (1.0 - (double)d->p)
+               : 0.0;
+}
+
+// (3b) dropout after the softmax, in place on P (L, S).
+static void apply_dropout(double *P, const mha__dropout *d, int64_t L,
+                          int64_t S, int64_t b, int64_t h) {
+    if (!d) return;
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t j = 0; j < S; j++) P[i * S + j] *= drop_factor(d, b, h, i, j);
+}
+
+void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
+                             mha__mat v, int64_t L, int64_t S, int64_t D,
+                             int64_t Dv, double scale, const mha__mask *mk,
+                             const mha__dropout *drop, int64_t b, int64_t h,
+                             double *P, const mha__trace *tr) {
+    attention_probs(P, q, k, L, S, D, scale, mk, b, h, tr);
+    apply_dropout(P, drop, L, S, b, h);
     if (w.p)
         for (int64_t i = 0; i < L; i++)
             for (int64_t j = 0; j < S; j++)
-                w.p[i * w.rs + j * w.cs] = (float)scores[i * S + j];
+                w.p[i * w.rs + j * w.cs] = (float)P[i * S + j];
 
     // (4) out (L, Dv) = P (L, S) v (S, Dv)
     for (int64_t i = 0; i < L; i++) {
-        const double *p = scores + i * S;
+        const double *p = P + i * S;
         for (int64_t c = 0; c < Dv; c++) {
             double acc = 0.0;
             for (int64_t j = 0; j < S; j++) acc += p[j] * v.p[j * v.rs + c * v.cs];
@@ -132,4 +160,63 @@ void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
         mha_tensor t = mha_tensor_contiguous(tr->buf, MHA_F32, 2, shape);
         tr->fn(tr->user, "context", b, h, &t);
     }
+}
+
+void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
+                                      mha__mat out, mha__mat dout, mha__mat q,
+                                      mha__mat k, mha__mat v, int64_t L,
+                                      int64_t S, int64_t D, int64_t Dv,
+                                      double scale, const mha__mask *mk,
+                                      const mha__dropout *drop, int64_t b,
+                                      int64_t h, double *ws) {
+    double *P = ws;           // (L, S): softmax, then P' after dropout
+    double *dP = ws + L * S;  // (L, S): dP', then dP, then dS
+    attention_probs(P, q, k, L, S, D, scale, mk, b, h, NULL);
+
+    // dP' = dout v^T  (forward: out = P' v)
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t j = 0; j < S; j++)
+            dP[i * S + j] = dot(dout.p + i * dout.rs, dout.cs, v.p + j * v.rs, v.cs, Dv);
+    // dP = dP' * keep / (1 - p)  (forward: P' = P * keep / (1 - p))
+    if (drop)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < S; j++) dP[i * S + j] *= drop_factor(drop, b, h, i, j);
+    // dS = P * (dP - sum_j P dP)  (forward: P = softmax(S) row by row);
+    // masked entries have P = 0, so dS = 0 there and on fully masked rows.
+    for (int64_t i = 0; i < L; i++) {
+        double rs = 0.0;
+        for (int64_t j = 0; j < S; j++) rs += P[i * S + j] * dP[i * S + j];
+        for (int64_t j = 0; j < S; j++)
+            dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - rs);
+    }
+    apply_dropout(P, drop, L, S, b, h);  // P' for dv and the forward output
+
+    // dv (S, Dv) = P'^T dout  (forward: out = P' v)
+    for (int64_t j = 0; j < S; j++)
+        for (int64_t c = 0; c < Dv; c++) {
+            double acc = 0.0;
+            for (int64_t i = 0; i < L; i++) acc += P[i * S + j] * dout.p[i * dout.rs + c * dout.cs];
+            dv.p[j * dv.rs + c * dv.cs] = (float)acc;
+        }
+    if (out.p)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t c = 0; c < Dv; c++) {
+                double acc = 0.0;
+                for (int64_t j = 0; j < S; j++) acc += P[i * S + j] * v.p[j * v.rs + c * v.cs];
+                out.p[i * out.rs + c * out.cs] = (float)acc;
+            }
+    // dq (L, D) = scale * dS k  (forward: S = scale * q k^T + mask)
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t c = 0; c < D; c++) {
+            double acc = 0.0;
+            for (int64_t j = 0; j < S; j++) acc += dP[i * S + j] * k.p[j * k.rs + c * k.cs];
+            dq.p[i * dq.rs + c * dq.cs] = (float)(scale * acc);
+        }
+    // dk (S, D) = scale * dS^T q
+    for (int64_t j = 0; j < S; j++)
+        for (int64_t c = 0; c < D; c++) {
+            double acc = 0.0;
+            for (int64_t i = 0; i < L; i++) acc += dP[i * S + j] * q.p[i * q.rs + c * q.cs];
+            dk.p[j * dk.rs + c * dk.cs] = (float)(scale * acc);
+        }
 }

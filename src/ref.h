@@ -28,6 +28,16 @@ typedef struct mha__mask {
 float mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
                       int64_t j);
 
+// Dropout on the attention weights of head (b, h): weight (i, j) is kept
+// with probability 1 - p (and scaled by 1/(1-p)) as decided by
+// mha__dropout_keep(seed, offset, stream ATTN, ((b*H + h)*L + i)*S + j, p)
+// (philox.h). NULL: no dropout.
+typedef struct mha__dropout {
+    float p;
+    uint64_t seed, offset;
+    int64_t H, L, S;
+} mha__dropout;
+
 // A 2-D strided float view: element (r, c) at p[r*rs + c*cs].
 typedef struct mha__mat {
     float *p;
@@ -39,6 +49,8 @@ typedef struct mha__mat {
 //   P = softmax(scores) row by row (row max subtracted; a row whose every
 //       score is -inf gets P = 0: the fully-masked-row rule)
 //   out (L, Dv) = P v (S, Dv);  w (L, S) = P when w.p != NULL
+//   with dropout: P <- P * keep / (1 - p) before weighting v; w gets the
+//   dropped-out P (as PyTorch returns it)
 // scores_ws: L*S doubles of scratch.
 // tr: NULL, or a trace: the steps "scores", "scaled_scores", "weights",
 // "context" are passed to tr->fn as float views of tr->buf (L*max(S, Dv)
@@ -52,8 +64,25 @@ typedef struct mha__trace {
 void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
                              mha__mat v, int64_t L, int64_t S, int64_t D,
                              int64_t Dv, double scale, const mha__mask *mk,
-                             int64_t b, int64_t h, double *scores_ws,
-                             const mha__trace *tr);
+                             const mha__dropout *drop, int64_t b, int64_t h,
+                             double *scores_ws, const mha__trace *tr);
+
+// Backward of mha__ref_attention_head for one (b, h), recomputing P from q,
+// k and the masks (and the dropout mask from its seed):
+//   dP' (L, S) = dout (L, Dv) v^T           (P' = P after dropout)
+//   dv (S, Dv) = P'^T dout
+//   dP = dP' * keep / (1 - p)
+//   dS = P * (dP - rowsum(dP * P))          (softmax backward; 0 where P = 0)
+//   dq (L, D) = scale * dS k;  dk (S, D) = scale * dS^T q
+// dq, dk, dv are overwritten. out (if out.p) receives the recomputed
+// forward result P' v. ws: 2*L*S doubles of scratch.
+void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
+                                      mha__mat out, mha__mat dout, mha__mat q,
+                                      mha__mat k, mha__mat v, int64_t L,
+                                      int64_t S, int64_t D, int64_t Dv,
+                                      double scale, const mha__mask *mk,
+                                      const mha__dropout *drop, int64_t b,
+                                      int64_t h, double *ws);
 
 // y[o] = sum_i x[i*xs] * W[o][i] + (b ? b[o] : 0) for o < O, W (O, I)
 // row-major; y written with stride ys.

@@ -1,0 +1,244 @@
+// backward.c: mha_backward, the gradient of the module's forward (reference
+// path). It recomputes the forward's projections and, head by head, the
+// attention probabilities (and dropout masks, from their seed): nothing from
+// the forward is stored. Every step quotes the forward line it
+// differentiates (forward.c, ref.c):
+//   forward                                 backward
+//   y  = drop_o(ctx Wo^T + bo)              dy = dY * keep_o / (1 - p_o)
+//                                           dbo = sum dy; dWo = dy^T ctx
+//                                           dctx = dy Wo
+//   ctx_h = attention(q_h, k_h, v_h)        dq_h, dk_h, dv_h (ref.c)
+//   q = Xq Wq^T + bq                        dWq = dq^T Xq; dbq = sum dq;
+//                                           dXq = dq Wq
+//   k = [Xk Wk^T + bk; bias_k; 0]           rows < S as for q;
+//                                           dbias_k = sum_n dk[n, S]
+//   v = [Xv Wv^T + bv; bias_v; 0]           the same
+// Each output element is summed by one thread in a fixed order, so the
+// result does not depend on the number of threads.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "plan.h"
+
+static inline void store(float *dst, double v, bool acc) {
+    *dst = acc ? (float)((double)*dst + v) : (float)v;
+}
+
+// dW (O, I) (+)= sum_{n < N, t < T} dY[n, t, :]^T X[t, n, :] and
+// db (O) (+)= sum_{n, t} dY[n, t, :], where dY is (N, Tp, O) row-major
+// (only its first T rows per n are used) and X has (seq, batch, feature)
+// strides xs.
+static void grad_linear(float *dW, float *db, bool acc, const float *dY,
+                        int64_t Tp, const float *X, const int64_t xs[3],
+                        int64_t N, int64_t T, int64_t O, int64_t I, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t o = 0; o < O; o++) {
+        for (int64_t i = 0; i < I; i++) {
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t t = 0; t < T; t++)
+                    s += (double)dY[(n * Tp + t) * O + o] *
+                         X[t * xs[0] + n * xs[1] + i * xs[2]];
+            store(dW + o * I + i, s, acc);
+        }
+        if (db) {
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t t = 0; t < T; t++) s += dY[(n * Tp + t) * O + o];
+            store(db + o, s, acc);
+        }
+    }
+}
+
+// dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major; dX has
+// (seq, batch, feature) strides xs; dY is (N, Tp, O).
+static void grad_input(float *dX, const int64_t xs[3], bool acc,
+                       const float *dY, int64_t Tp, const float *W, int64_t N,
+                       int64_t T, int64_t O, int64_t I, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < N * T; r++) {
+        int64_t n = r / T, t = r % T;
+        const float *dy = dY + (n * Tp + t) * O;
+        for (int64_t i = 0; i < I; i++) {
+            double s = 0.0;
+            for (int64_t o = 0; o < O; o++) s += (double)dy[o] * W[o * I + i];
+            store(dX + t * xs[0] + n * xs[1] + i * xs[2], s, acc);
+        }
+    }
+}
+
+static mha_status check_grad_view(const mha_tensor *g, const char *name,
+                                  const mha_tensor *like) {
+    if (!g) return MHA_OK;
+    mha_shape want = {like->ndim, {0}};
+    for (int i = 0; i < like->ndim; i++) want.dims[i] = like->shape[i];
+    return mha__check_output(g, name, &want);
+}
+
+static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
+    if (!g) return MHA_OK;
+    if (g == m)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "backward: the gradient module is the module itself");
+    const mha_config *a = &g->cfg, *b = &m->cfg;
+    if (a->embed_dim != b->embed_dim || a->num_heads != b->num_heads ||
+        a->kdim != b->kdim || a->vdim != b->vdim || a->bias != b->bias ||
+        a->add_bias_kv != b->add_bias_kv)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "backward: the gradient module's configuration "
+                         "(embed_dim %lld, num_heads %lld, kdim %lld, vdim %lld, "
+                         "bias %d, add_bias_kv %d) differs from the module's "
+                         "(%lld, %lld, %lld, %lld, %d, %d)",
+                         (long long)a->embed_dim, (long long)a->num_heads,
+                         (long long)a->kdim, (long long)a->vdim, a->bias,
+                         a->add_bias_kv, (long long)b->embed_dim,
+                         (long long)b->num_heads, (long long)b->kdim,
+                         (long long)b->vdim, b->bias, b->add_bias_kv);
+    return MHA_OK;
+}
+
+static mha_status check_backward(const fwd_plan *p, mha_tensor *gq,
+                                 mha_tensor *gk, mha_tensor *gv,
+                                 const mha_module *grads, const mha_module *m,
+                                 const mha_forward_args *a,
+                                 const mha_tensor *gout) {
+    mha_status st;
+    if (!gout)
+        return mha__fail(MHA_ERR_INVALID_ARG, "backward: grad_output is NULL");
+    if ((st = mha__check_output(gout, "grad_output", &p->out_shape)) ||
+        (st = check_grad_view(gq, "grad_query", a->query)) ||
+        (st = check_grad_view(gk, "grad_key", a->key)) ||
+        (st = check_grad_view(gv, "grad_value", a->value)) ||
+        (st = check_grads_module(grads, m)))
+        return st;
+    const mha_tensor *outs[3] = {gq, gk, gv};
+    const char *onames[3] = {"grad_query", "grad_key", "grad_value"};
+    const mha_tensor *ins[6] = {a->query, a->key, a->value, a->key_padding_mask,
+                                a->attn_mask, gout};
+    const char *inames[6] = {"query", "key", "value", "key_padding_mask",
+                             "attn_mask", "grad_output"};
+    for (int o = 0; o < 3; o++) {
+        for (int i = 0; i < 6; i++)
+            if ((st = mha__check_no_overlap(outs[o], onames[o], ins[i], inames[i])))
+                return st;
+        for (int o2 = o + 1; o2 < 3; o2++)
+            if ((st = mha__check_no_overlap(outs[o], onames[o], outs[o2], onames[o2])))
+                return st;
+    }
+    return MHA_OK;
+}
+
+mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                        mha_module *grads, const mha_module *m,
+                        const mha_forward_args *args, const mha_tensor *gout,
+                        bool accumulate) {
+    if (!m || !args)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_backward: NULL module or args");
+    mha_forward_args a = *args;
+    a.need_weights = false;  // only attn_output is differentiated
+    a.trace = NULL;
+    fwd_plan p;
+    mha_status st = mha__plan_forward(&p, m, &a);
+    if (st) return st;
+    if ((st = check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
+
+    const int64_t N = p.N, L = p.L, S = p.S, Sp = p.Sp, E = p.E, H = p.H, d = p.d;
+    const int nt = p.nthreads;
+    // Scratch, one block: q, dq, ctx, dctx, dy (N, L, E); k, v, dk, dv
+    // (N, Sp, E); per thread 2 (L, Sp) doubles.
+    size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * E),
+           lsp = (size_t)(L * Sp), bytes;
+    if (mha__mul_overflow_size(5 * nle + 4 * nse, sizeof(float), &bytes) ||
+        mha__add_overflow_size(bytes, 2 * lsp * (size_t)nt * sizeof(double), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
+    double *block = malloc(bytes ? bytes : 1);
+    if (!block)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_backward: out of memory for %zu bytes of scratch", bytes);
+    double *pw = block;                        // nt x 2 (L, Sp)
+    float *q = (float *)(block + 2 * lsp * (size_t)nt);
+    float *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
+    float *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
+
+    // Forward step 1 again: the projections.
+    mha__project_qkv(&p, m, &a, q, k, v);
+
+    // y = drop_o(ctx Wo^T + bo):  dy = dY * keep_o / (1 - p_o), (N, L, E)
+    int64_t gs[3];
+    mha__seq_batch_feat(gs, gout, m->cfg.batch_first);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < L; t++)
+            for (int64_t e = 0; e < E; e++) {
+                float g = ((const float *)gout->data)[t * gs[0] + n * gs[1] + e * gs[2]];
+                if (p.out_p > 0.0f)
+                    g *= mha__out_drop_factor(&p, a.dropout_seed, a.dropout_offset, n, t, e);
+                dy[(n * L + t) * E + e] = g;
+            }
+    // dctx = dy Wo  (forward: y = ctx Wo^T + bo)
+    const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
+    grad_input(dctx, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
+
+    // Heads: dq, dk, dv slices, and ctx recomputed.
+    const double scale = 1.0 / sqrt((double)d);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t bh = 0; bh < N * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        mha__mat qh = {q + b * L * E + h * d, E, 1}, dqh = {dq + b * L * E + h * d, E, 1};
+        mha__mat kh = {k + b * Sp * E + h * d, E, 1}, dkh = {dk + b * Sp * E + h * d, E, 1};
+        mha__mat vh = {v + b * Sp * E + h * d, E, 1}, dvh = {dv + b * Sp * E + h * d, E, 1};
+        mha__mat oh = {ctx + b * L * E + h * d, E, 1}, doh = {dctx + b * L * E + h * d, E, 1};
+        mha__ref_attention_head_backward(dqh, dkh, dvh, oh, doh, qh, kh, vh, L, Sp, d,
+                                         d, scale, &p.mask, mha__plan_drop(&p), b, h,
+                                         pw + (size_t)tid * 2 * lsp);
+    }
+
+    if (grads) {
+        float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
+              *gbv = gbq ? gbq + 2 * E : NULL;
+        // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo)
+        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, ctx, cs,
+                    N, L, E, E, nt);
+        // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
+        grad_linear(grads->q_weight, gbq, accumulate, dq, L, a.query->data, p.qs, N,
+                    L, E, E, nt);
+        grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a.key->data, p.ks, N,
+                    S, E, p.kdim, nt);
+        grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a.value->data, p.vs, N,
+                    S, E, p.vdim, nt);
+        // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
+        if (m->cfg.add_bias_kv)
+            for (int64_t e = 0; e < E; e++) {
+                double sk = 0.0, sv = 0.0;
+                for (int64_t n = 0; n < N; n++) {
+                    sk += dk[(n * Sp + S) * E + e];
+                    sv += dv[(n * Sp + S) * E + e];
+                }
+                store(grads->bias_k + e, sk, accumulate);
+                store(grads->bias_v + e, sv, accumulate);
+            }
+    }
+    // dXq = dq Wq, dXk = dk Wk (rows < S), dXv = dv Wv  (forward: projections)
+    int64_t xs[3];
+    if (gq) {
+        mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
+        grad_input(gq->data, xs, accumulate, dq, L, m->q_weight, N, L, E, E, nt);
+    }
+    if (gk) {
+        mha__seq_batch_feat(xs, gk, m->cfg.batch_first);
+        grad_input(gk->data, xs, accumulate, dk, Sp, m->k_weight, N, S, E, p.kdim, nt);
+    }
+    if (gv) {
+        mha__seq_batch_feat(xs, gv, m->cfg.batch_first);
+        grad_input(gv->data, xs, accumulate, dv, Sp, m->v_weight, N, S, E, p.vdim, nt);
+    }
+    free(block);
+    return MHA_OK;
+}

@@ -1,0 +1,55 @@
+// plan.h: what forward.c and backward.c share: argument checks, the
+// forward's plan (dims, strides, masks, scratch layout) and the input
+// projections.
+#ifndef MHA_PLAN_H
+#define MHA_PLAN_H
+
+#include "module.h"
+#include "ref.h"
+
+typedef struct fwd_plan {
+    int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
+    bool unbatched;
+    // element strides of query/key/value as (seq, batch, feature)
+    int64_t qs[3], ks[3], vs[3];
+    mha__mask mask;
+    mha__dropout drop;       // attention dropout (drop.p > 0 when active)
+    float out_p;             // output dropout p (0: none)
+    mha_shape out_shape, w_shape;
+    // scratch layout, byte offsets into one block (64-byte aligned pieces)
+    size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace;
+    size_t ws_bytes;
+    int nthreads;
+} fwd_plan;
+
+// Number of threads a parallel region may use (1 without OpenMP).
+int mha__max_threads(void);
+// A float32 view: valid dims, no overflow, data present (name in messages).
+mha_status mha__check_float(const mha_tensor *t, const char *name);
+// An output view of exactly the shape `want`.
+mha_status mha__check_output(const mha_tensor *t, const char *name,
+                             const mha_shape *want);
+// out must not overlap in (either may be NULL or empty).
+mha_status mha__check_no_overlap(const mha_tensor *out, const char *oname,
+                                 const mha_tensor *in, const char *iname);
+// (seq, batch, feature) element strides of a (S, N, F) / (N, S, F) / (S, F)
+// view.
+void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first);
+// Checks every forward argument and fills the plan.
+mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
+                             const mha_forward_args *a);
+// Step 1 of the forward: q (N, L, E), k and v (N, Sp, E) from the inputs,
+// with bias_k/bias_v and the zero key/value appended.
+// The dropout descriptor for the heads: NULL unless attention dropout is
+// active.
+static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
+    return p->drop.p > 0.0f ? &p->drop : NULL;
+}
+// Output dropout factor of element (n, t, e) of (N, L, E): 0 or 1/(1-p).
+float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
+                           int64_t n, int64_t t, int64_t e);
+
+void mha__project_qkv(const fwd_plan *p, const mha_module *m,
+                      const mha_forward_args *a, float *q, float *k, float *v);
+
+#endif
