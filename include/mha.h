@@ -266,15 +266,18 @@ MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m,
 //   key    (S, N, kdim) / (N, S, kdim) / (S, kdim)
 //   value  (S, N, vdim) / (N, S, vdim) / (S, vdim)
 //   key_padding_mask  optional, (N, S), or (S) when unbatched.
-//       MHA_BOOL or MHA_U8: nonzero = ignore this key. MHA_F32: added.
+//       MHA_BOOL or MHA_U8: nonzero = ignore this key. MHA_F32/F64: added.
 //   attn_mask  optional, (L, S) or (N*H, L, S) (index b*H + h), or for an
 //       unbatched query (L, S) or (H, L, S).
-//       MHA_BOOL or MHA_U8: nonzero = not allowed. MHA_F32: added.
+//       MHA_BOOL or MHA_U8: nonzero = not allowed. MHA_F32/F64: added.
 //   is_causal  hides keys j > i (no mask needs to be built); combines with
 //       the masks above.
 // Masks combine by addition after bool -> -inf. The keys appended by
 // add_bias_kv and add_zero_attn are never masked.
-// All floating inputs are MHA_F32 views with any strides (no stride 0).
+// Floating tensors (inputs, outputs, gradients) are MHA_F32 or MHA_F64 views
+// with any strides (no stride 0 for outputs). The reference computes in
+// double throughout, so with MHA_F64 views the forward and backward are a
+// float64 computation of float32 parameters (for gradient checks).
 // Optional trace of every intermediate step (for teaching and debugging;
 // `mha demo` prints them). Called in order from the calling thread, with a
 // float32 view valid only during the call; b and h are -1 when the step is
@@ -335,9 +338,9 @@ MHA_API MHA_NODISCARD mha_status mha_forward_shapes(
 MHA_API MHA_NODISCARD mha_status mha_forward_workspace_size(
     size_t *bytes, const mha_module *m, const mha_forward_args *a);
 
-// Runs the forward. attn_output: MHA_F32 view of the shape above (any
-// strides), overwritten. attn_weights: NULL, or (when need_weights) an
-// MHA_F32 view of the weights' shape, overwritten. Outputs must not overlap
+// Runs the forward. attn_output: a float view of the shape above (any
+// strides), overwritten. attn_weights: NULL, or (when need_weights) a
+// float view of the weights' shape, overwritten. Outputs must not overlap
 // inputs. Allocates its scratch memory (one block) and frees it on return.
 MHA_API MHA_NODISCARD mha_status mha_forward(mha_tensor *attn_output,
                                              mha_tensor *attn_weights,
@@ -360,8 +363,8 @@ MHA_API MHA_NODISCARD mha_status mha_forward_ex(mha_tensor *attn_output,
 // (masks, causal, training, dropout seed and offset: the dropout masks are
 // regenerated, never stored). need_weights is ignored: only attn_output is
 // differentiated.
-//   grad_output: MHA_F32, the shape of attn_output (any strides).
-//   grad_query, grad_key, grad_value: NULL (not wanted) or MHA_F32 views
+//   grad_output: a float view, the shape of attn_output (any strides).
+//   grad_query, grad_key, grad_value: NULL (not wanted) or float views
 //     shaped as query, key, value. If key and value are the query itself
 //     (self-attention), each still receives its own part: the input's
 //     gradient is their sum.
@@ -398,6 +401,7 @@ typedef enum mha_optim_kind {
     MHA_OPTIM_ADAMW,    // AdamW: decoupled weight decay
 } mha_optim_kind;
 
+// Each kind ignores (and does not check) the other kind's fields.
 typedef struct mha_optim_config {
     mha_optim_kind kind;
     double lr;            // SGD: 0.01; AdamW: 1e-3
@@ -418,7 +422,11 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_create(
     mha_optimizer **out, const mha_optim_config *c);
 MHA_API void mha_optimizer_destroy(mha_optimizer *o);
 // Registers n floats of parameter and their gradient (caller memory, which
-// must outlive the optimizer). Allocates the tensor's state.
+// must outlive the optimizer). Allocates the tensor's state. n == 0 is
+// allowed; a parameter overlapping its gradient or any tensor already
+// registered is MHA_ERR_INVALID_ARG. AdamW counts steps per tensor (a
+// tensor added later starts at step 1, as in torch). An optimizer is not
+// to be used from two threads at once.
 MHA_API MHA_NODISCARD mha_status mha_optimizer_add(mha_optimizer *o,
                                                    float *param, float *grad,
                                                    int64_t n);
@@ -433,9 +441,11 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_step(mha_optimizer *o);
 // Sets every registered gradient to 0.
 MHA_API void mha_optimizer_zero_grad(mha_optimizer *o);
 // Clipping by global norm, as torch.nn.utils.clip_grad_norm_: the L2 norm
-// of all registered gradients together; if above max_norm, every gradient
-// is scaled by max_norm / (norm + 1e-6). *total_norm (may be NULL) gets the
-// norm before clipping.
+// of all registered gradients together (computed in double); every
+// gradient is scaled by c = max_norm / (norm + 1e-6) when c < 1. A
+// non-finite norm is returned as it is and nothing is scaled. max_norm must
+// be >= 0 (+inf allowed). *total_norm (may be NULL) gets the norm before
+// clipping.
 MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(
     mha_optimizer *o, double max_norm, double *total_norm);
 
@@ -444,7 +454,7 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(
 //
 //   out = softmax(scale * q k^T + mask) v, per (b, h)
 //   q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), out (B, H, L, Dv),
-//   weights (B, H, L, S) optional; all MHA_F32 4-D views, any strides.
+//   weights (B, H, L, S) optional; all 4-D MHA_F32/F64 views, any strides.
 //   attn_mask: NULL or a view of up to 4 dims, broadcast to (B, H, L, S)
 //     as PyTorch broadcasts (right-aligned; a dim of size 1 or stride 0
 //     broadcasts). MHA_BOOL/MHA_U8 nonzero = not allowed; MHA_F32 added.

@@ -24,49 +24,59 @@
 
 #include "plan.h"
 
-static inline void store(float *dst, double v, bool acc) {
-    *dst = acc ? (float)((double)*dst + v) : (float)v;
+// Element `off` of a float or double view's memory: = v, or += v.
+static inline void store(void *base, bool f64, int64_t off, double v, bool acc) {
+    if (f64) {
+        double *p = (double *)base + off;
+        *p = acc ? *p + v : v;
+    } else {
+        float *p = (float *)base + off;
+        *p = acc ? (float)((double)*p + v) : (float)v;
+    }
 }
 
 // dW (O, I) (+)= sum_{n < N, t < T} dY[n, t, :]^T X[t, n, :] and
 // db (O) (+)= sum_{n, t} dY[n, t, :], where dY is (N, Tp, O) row-major
-// (only its first T rows per n are used) and X has (seq, batch, feature)
-// strides xs.
-static void grad_linear(float *dW, float *db, bool acc, const float *dY,
-                        int64_t Tp, const float *X, const int64_t xs[3],
-                        int64_t N, int64_t T, int64_t O, int64_t I, int nt) {
+// (only its first T rows per n are used) and X is a float or double view
+// with (seq, batch, feature) strides xs.
+static void grad_linear(float *dW, float *db, bool acc, const double *dY,
+                        int64_t Tp, const void *X, bool xf64,
+                        const int64_t xs[3], int64_t N, int64_t T, int64_t O,
+                        int64_t I, int nt) {
+    mha__mat x = {(void *)X, xf64, 0, 1};
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t o = 0; o < O; o++) {
         for (int64_t i = 0; i < I; i++) {
             double s = 0.0;
             for (int64_t n = 0; n < N; n++)
                 for (int64_t t = 0; t < T; t++)
-                    s += (double)dY[(n * Tp + t) * O + o] *
-                         X[t * xs[0] + n * xs[1] + i * xs[2]];
-            store(dW + o * I + i, s, acc);
+                    s += dY[(n * Tp + t) * O + o] *
+                         mha__ld(x, 0, t * xs[0] + n * xs[1] + i * xs[2]);
+            store(dW, false, o * I + i, s, acc);
         }
         if (db) {
             double s = 0.0;
             for (int64_t n = 0; n < N; n++)
                 for (int64_t t = 0; t < T; t++) s += dY[(n * Tp + t) * O + o];
-            store(db + o, s, acc);
+            store(db, false, o, s, acc);
         }
     }
 }
 
-// dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major; dX has
-// (seq, batch, feature) strides xs; dY is (N, Tp, O).
-static void grad_input(float *dX, const int64_t xs[3], bool acc,
-                       const float *dY, int64_t Tp, const float *W, int64_t N,
+// dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major; dX is a
+// float or double view with (seq, batch, feature) strides xs; dY is
+// (N, Tp, O).
+static void grad_input(void *dX, bool f64, const int64_t xs[3], bool acc,
+                       const double *dY, int64_t Tp, const float *W, int64_t N,
                        int64_t T, int64_t O, int64_t I, int nt) {
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < N * T; r++) {
         int64_t n = r / T, t = r % T;
-        const float *dy = dY + (n * Tp + t) * O;
+        const double *dy = dY + (n * Tp + t) * O;
         for (int64_t i = 0; i < I; i++) {
             double s = 0.0;
-            for (int64_t o = 0; o < O; o++) s += (double)dy[o] * W[o * I + i];
-            store(dX + t * xs[0] + n * xs[1] + i * xs[2], s, acc);
+            for (int64_t o = 0; o < O; o++) s += dy[o] * W[o * I + i];
+            store(dX, f64, t * xs[0] + n * xs[1] + i * xs[2], s, acc);
         }
     }
 }
@@ -148,21 +158,22 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
 
     const int64_t N = p.N, L = p.L, S = p.S, Sp = p.Sp, E = p.E, H = p.H, d = p.d;
     const int nt = p.nthreads;
-    // Scratch, one block: q, dq, ctx, dctx, dy (N, L, E); k, v, dk, dv
-    // (N, Sp, E); per thread 2 (L, Sp) doubles.
+    // Scratch, one block of doubles: per thread 2 (L, Sp); q, dq, ctx, dctx,
+    // dy (N, L, E); k, v, dk, dv (N, Sp, E).
     size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * E),
-           lsp = (size_t)(L * Sp), bytes;
-    if (mha__mul_overflow_size(5 * nle + 4 * nse, sizeof(float), &bytes) ||
-        mha__add_overflow_size(bytes, 2 * lsp * (size_t)nt * sizeof(double), &bytes))
+           lsp = (size_t)(L * Sp), count, bytes;
+    if (mha__mul_overflow_size(2 * lsp, (size_t)nt, &count) ||
+        mha__add_overflow_size(count, 5 * nle + 4 * nse, &count) ||
+        mha__mul_overflow_size(count, sizeof(double), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
     double *block = malloc(bytes ? bytes : 1);
     if (!block)
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_backward: out of memory for %zu bytes of scratch", bytes);
-    double *pw = block;                        // nt x 2 (L, Sp)
-    float *q = (float *)(block + 2 * lsp * (size_t)nt);
-    float *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
-    float *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
+    double *pw = block;  // nt x 2 (L, Sp)
+    double *q = block + 2 * lsp * (size_t)nt;
+    double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
+    double *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
 
     // Forward step 1 again: the projections.
     mha__project_qkv(&p, m, &a, q, k, v);
@@ -170,17 +181,18 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     // y = drop_o(ctx Wo^T + bo):  dy = dY * keep_o / (1 - p_o), (N, L, E)
     int64_t gs[3];
     mha__seq_batch_feat(gs, gout, m->cfg.batch_first);
+    mha__mat g = {gout->data, gout->dtype == MHA_F64, 0, 1};
     for (int64_t n = 0; n < N; n++)
         for (int64_t t = 0; t < L; t++)
             for (int64_t e = 0; e < E; e++) {
-                float g = ((const float *)gout->data)[t * gs[0] + n * gs[1] + e * gs[2]];
+                double gv_ = mha__ld(g, 0, t * gs[0] + n * gs[1] + e * gs[2]);
                 if (p.out_p > 0.0f)
-                    g *= mha__out_drop_factor(&p, a.dropout_seed, a.dropout_offset, n, t, e);
-                dy[(n * L + t) * E + e] = g;
+                    gv_ *= mha__out_drop_factor(&p, a.dropout_seed, a.dropout_offset, n, t, e);
+                dy[(n * L + t) * E + e] = gv_;
             }
     // dctx = dy Wo  (forward: y = ctx Wo^T + bo)
     const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
-    grad_input(dctx, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
+    grad_input(dctx, true, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
 
     // Heads: dq, dk, dv slices, and ctx recomputed.
     const double scale = 1.0 / sqrt((double)d);
@@ -191,28 +203,29 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        mha__mat qh = {q + b * L * E + h * d, E, 1}, dqh = {dq + b * L * E + h * d, E, 1};
-        mha__mat kh = {k + b * Sp * E + h * d, E, 1}, dkh = {dk + b * Sp * E + h * d, E, 1};
-        mha__mat vh = {v + b * Sp * E + h * d, E, 1}, dvh = {dv + b * Sp * E + h * d, E, 1};
-        mha__mat oh = {ctx + b * L * E + h * d, E, 1}, doh = {dctx + b * L * E + h * d, E, 1};
-        mha__ref_attention_head_backward(dqh, dkh, dvh, oh, doh, qh, kh, vh, L, Sp, d,
-                                         d, scale, &p.mask, mha__plan_drop(&p), b, h,
-                                         pw + (size_t)tid * 2 * lsp);
+        int64_t oq = b * L * E + h * d, ok = b * Sp * E + h * d;
+        mha__ref_attention_head_backward(
+            mha__dmat(dq + oq, E), mha__dmat(dk + ok, E), mha__dmat(dv + ok, E),
+            mha__dmat(ctx + oq, E), mha__dmat(dctx + oq, E), mha__dmat(q + oq, E),
+            mha__dmat(k + ok, E), mha__dmat(v + ok, E), L, Sp, d, d, scale, &p.mask,
+            mha__plan_drop(&p), b, h, pw + (size_t)tid * 2 * lsp);
     }
 
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
               *gbv = gbq ? gbq + 2 * E : NULL;
+        bool qf = a.query->dtype == MHA_F64, kf = a.key->dtype == MHA_F64,
+             vf = a.value->dtype == MHA_F64;
         // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo)
-        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, ctx, cs,
-                    N, L, E, E, nt);
+        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, ctx, true,
+                    cs, N, L, E, E, nt);
         // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
-        grad_linear(grads->q_weight, gbq, accumulate, dq, L, a.query->data, p.qs, N,
-                    L, E, E, nt);
-        grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a.key->data, p.ks, N,
-                    S, E, p.kdim, nt);
-        grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a.value->data, p.vs, N,
-                    S, E, p.vdim, nt);
+        grad_linear(grads->q_weight, gbq, accumulate, dq, L, a.query->data, qf, p.qs,
+                    N, L, E, E, nt);
+        grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a.key->data, kf, p.ks,
+                    N, S, E, p.kdim, nt);
+        grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a.value->data, vf, p.vs,
+                    N, S, E, p.vdim, nt);
         // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
         if (m->cfg.add_bias_kv)
             for (int64_t e = 0; e < E; e++) {
@@ -221,23 +234,26 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                     sk += dk[(n * Sp + S) * E + e];
                     sv += dv[(n * Sp + S) * E + e];
                 }
-                store(grads->bias_k + e, sk, accumulate);
-                store(grads->bias_v + e, sv, accumulate);
+                store(grads->bias_k, false, e, sk, accumulate);
+                store(grads->bias_v, false, e, sv, accumulate);
             }
     }
     // dXq = dq Wq, dXk = dk Wk (rows < S), dXv = dv Wv  (forward: projections)
     int64_t xs[3];
     if (gq) {
         mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
-        grad_input(gq->data, xs, accumulate, dq, L, m->q_weight, N, L, E, E, nt);
+        grad_input(gq->data, gq->dtype == MHA_F64, xs, accumulate, dq, L, m->q_weight,
+                   N, L, E, E, nt);
     }
     if (gk) {
         mha__seq_batch_feat(xs, gk, m->cfg.batch_first);
-        grad_input(gk->data, xs, accumulate, dk, Sp, m->k_weight, N, S, E, p.kdim, nt);
+        grad_input(gk->data, gk->dtype == MHA_F64, xs, accumulate, dk, Sp, m->k_weight,
+                   N, S, E, p.kdim, nt);
     }
     if (gv) {
         mha__seq_batch_feat(xs, gv, m->cfg.batch_first);
-        grad_input(gv->data, xs, accumulate, dv, Sp, m->v_weight, N, S, E, p.vdim, nt);
+        grad_input(gv->data, gv->dtype == MHA_F64, xs, accumulate, dv, Sp, m->v_weight,
+                   N, S, E, p.vdim, nt);
     }
     free(block);
     return MHA_OK;

@@ -99,20 +99,21 @@ static mha_status check_view(const mha_tensor *t, const char *name) {
 mha_status mha__check_float(const mha_tensor *t, const char *name) {
     mha_status st = check_view(t, name);
     if (st) return st;
-    if (t->dtype != MHA_F32)
+    if (t->dtype != MHA_F32 && t->dtype != MHA_F64)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "%s: dtype %s is not supported (expected F32)", name,
-                         mha_dtype_name(t->dtype));
+                         "%s: dtype %s is not supported (expected F32 or F64)",
+                         name, mha_dtype_name(t->dtype));
     return MHA_OK;
 }
 
 static mha_status check_mask_dtype(const mha_tensor *t, const char *name) {
     mha_status st = check_view(t, name);
     if (st) return st;
-    if (t->dtype != MHA_F32 && t->dtype != MHA_BOOL && t->dtype != MHA_U8)
+    if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BOOL &&
+        t->dtype != MHA_U8)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "%s: dtype %s is not supported (expected BOOL, U8 "
-                         "or F32)", name, mha_dtype_name(t->dtype));
+                         "%s: dtype %s is not supported (expected BOOL, U8, "
+                         "F32 or F64)", name, mha_dtype_name(t->dtype));
     return MHA_OK;
 }
 
@@ -336,15 +337,21 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                          "sizes overflow: N %lld, L %lld, S %lld, E %lld",
                          (long long)p->N, (long long)p->L, (long long)p->S,
                          (long long)p->E);
-    tr = a->trace ? p->L * (p->Sp > p->d ? p->Sp : p->d) : 0;
+    // the trace's float copies: (N, Sp, E) projections or one head's (L, Sp)
+    tr = 0;
+    if (a->trace) {
+        tr = p->L * (p->Sp > p->d ? p->Sp : p->d);
+        if (nse > tr) tr = nse;
+        if (nle > tr) tr = nle;
+    }
     size_t total = 0;
-    if (carve(&total, &p->off_q, nle, sizeof(float)) ||
-        carve(&total, &p->off_k, nse, sizeof(float)) ||
-        carve(&total, &p->off_v, nse, sizeof(float)) ||
-        carve(&total, &p->off_ctx, nle, sizeof(float)) ||
+    if (carve(&total, &p->off_q, nle, sizeof(double)) ||
+        carve(&total, &p->off_k, nse, sizeof(double)) ||
+        carve(&total, &p->off_v, nse, sizeof(double)) ||
+        carve(&total, &p->off_ctx, nle, sizeof(double)) ||
         carve(&total, &p->off_headw,
               (a->need_weights && a->average_attn_weights) ? nhlsp : 0,
-              sizeof(float)) ||
+              sizeof(double)) ||
         carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
         carve(&total, &p->off_trace, tr, sizeof(float)))
         return mha__fail(MHA_ERR_OVERFLOW,
@@ -387,46 +394,70 @@ mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
 // ---------------------------------------------------------------------------
 // Module forward: run (reference)
 
-static void trace_buffer(const mha_forward_args *a, const char *step,
-                         float *buf, int64_t N, int64_t T, int64_t E) {
+// Passes a (N, T, E) view (any strides, float or double) to the trace as
+// a float32 copy in buf.
+static void trace_view(const mha_forward_args *a, const char *step, float *buf,
+                       const void *p, bool f64, const int64_t st[3], int64_t N,
+                       int64_t T, int64_t E) {
     if (!a->trace) return;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < T; t++) {
+            mha__mat row = {(char *)p + (n * st[0] + t * st[1]) * (f64 ? 8 : 4), f64, 0,
+                            st[2]};
+            for (int64_t e = 0; e < E; e++)
+                buf[(n * T + t) * E + e] = (float)mha__ld(row, 0, e);
+        }
     int64_t shape[3] = {N, T, E};
     mha_tensor t = mha_tensor_contiguous(buf, MHA_F32, 3, shape);
     a->trace(a->trace_user, step, -1, -1, &t);
 }
 
-// Projects rows of x ((seq, batch, feature) strides xs, T rows per batch
-// element) into the first T of every Tp rows of buf (N, Tp, E):
+// The same for a contiguous (N, T, E) double buffer.
+static void trace_buffer(const mha_forward_args *a, const char *step,
+                         float *tbuf, const double *buf, int64_t N, int64_t T,
+                         int64_t E) {
+    const int64_t st[3] = {T * E, E, 1};
+    trace_view(a, step, tbuf, buf, true, st, N, T, E);
+}
+
+// Projects rows of the view x ((seq, batch, feature) strides xs, T rows
+// per batch element) into the first T of every Tp rows of buf (N, Tp, E):
 // buf[n, t, :] = x[t, n, :] W^T + b.
-static void project(float *buf, int64_t Tp, const float *x, const int64_t xs[3],
-                    const float *W, const float *b, int64_t N, int64_t T,
-                    int64_t I, int64_t E, int nthreads) {
+static void project(double *buf, int64_t Tp, const mha_tensor *x,
+                    const int64_t xs[3], const float *W, const float *b,
+                    int64_t N, int64_t T, int64_t I, int64_t E, int nthreads) {
+    const bool f64 = x->dtype == MHA_F64;
+    const size_t es = f64 ? 8 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t r = 0; r < N * T; r++) {
         int64_t n = r / T, t = r % T;
-        mha__ref_linear_row(buf + (n * Tp + t) * E, 1, x + t * xs[0] + n * xs[1],
-                            xs[2], W, b, I, E);
+        mha__mat xr = {(char *)x->data + (t * xs[0] + n * xs[1]) * (int64_t)es, f64,
+                       0, xs[2]};
+        mha__ref_linear_row(mha__dmat(buf + (n * Tp + t) * E, E), xr, W, b, I, E);
     }
 }
 
 void mha__project_qkv(const fwd_plan *p, const mha_module *m,
-                      const mha_forward_args *a, float *q, float *k, float *v) {
+                      const mha_forward_args *a, double *q, double *k,
+                      double *v) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
                 *bv = bq ? bq + 2 * E : NULL;
-    project(q, L, a->query->data, p->qs, m->q_weight, bq, N, L, E, E, p->nthreads);
-    project(k, Sp, a->key->data, p->ks, m->k_weight, bk, N, S, p->kdim, E, p->nthreads);
-    project(v, Sp, a->value->data, p->vs, m->v_weight, bv, N, S, p->vdim, E, p->nthreads);
+    project(q, L, a->query, p->qs, m->q_weight, bq, N, L, E, E, p->nthreads);
+    project(k, Sp, a->key, p->ks, m->k_weight, bk, N, S, p->kdim, E, p->nthreads);
+    project(v, Sp, a->value, p->vs, m->v_weight, bv, N, S, p->vdim, E, p->nthreads);
     for (int64_t n = 0; n < N; n++) {
         int64_t t = S;
         if (m->cfg.add_bias_kv) {  // k = cat([k, bias_k]), v = cat([v, bias_v])
-            memcpy(k + (n * Sp + t) * E, m->bias_k, (size_t)E * sizeof(float));
-            memcpy(v + (n * Sp + t) * E, m->bias_v, (size_t)E * sizeof(float));
+            for (int64_t e = 0; e < E; e++) {
+                k[(n * Sp + t) * E + e] = m->bias_k[e];
+                v[(n * Sp + t) * E + e] = m->bias_v[e];
+            }
             t++;
         }
         if (m->cfg.add_zero_attn) {  // one zero key and value after them
-            memset(k + (n * Sp + t) * E, 0, (size_t)E * sizeof(float));
-            memset(v + (n * Sp + t) * E, 0, (size_t)E * sizeof(float));
+            memset(k + (n * Sp + t) * E, 0, (size_t)E * sizeof(double));
+            memset(v + (n * Sp + t) * E, 0, (size_t)E * sizeof(double));
         }
     }
 }
@@ -440,28 +471,37 @@ float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
                : 0.0f;
 }
 
+// A view's element (i0, i1[, i2]) address and type as a 1-row mat whose
+// columns follow dim `col`.
+static mha__mat view_row(const mha_tensor *t, int64_t off, int col) {
+    bool f64 = t->dtype == MHA_F64;
+    mha__mat m = {(char *)t->data + off * (f64 ? 8 : 4), f64, 0, t->stride[col]};
+    return m;
+}
+
 static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a,
                         char *ws) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
-    float *q = (float *)(ws + p->off_q);      // (N, L, E)
-    float *k = (float *)(ws + p->off_k);      // (N, Sp, E)
-    float *v = (float *)(ws + p->off_v);      // (N, Sp, E)
-    float *ctx = (float *)(ws + p->off_ctx);  // (N, L, E)
-    float *headw = (float *)(ws + p->off_headw);     // (N, H, L, Sp)
+    double *q = (double *)(ws + p->off_q);      // (N, L, E)
+    double *k = (double *)(ws + p->off_k);      // (N, Sp, E)
+    double *v = (double *)(ws + p->off_v);      // (N, Sp, E)
+    double *ctx = (double *)(ws + p->off_ctx);  // (N, L, E)
+    double *headw = (double *)(ws + p->off_headw);   // (N, H, L, Sp)
     double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
+    float *tbuf = (float *)(ws + p->off_trace);      // the trace's copies
 
     // 1. Projections (one row per (n, t)); then the appended keys/values.
     mha__project_qkv(p, m, a, q, k, v);
-    trace_buffer(a, "q", q, N, L, E);
-    trace_buffer(a, "k", k, N, Sp, E);
-    trace_buffer(a, "v", v, N, Sp, E);
+    trace_buffer(a, "q", tbuf, q, N, L, E);
+    trace_buffer(a, "k", tbuf, k, N, Sp, E);
+    trace_buffer(a, "v", tbuf, v, N, Sp, E);
 
     // 2. Attention per (b, h) on strided head views of q, k, v, ctx.
     const double scale = 1.0 / sqrt((double)d);
     const bool avg = a->need_weights && a->average_attn_weights;
     const bool perhead = a->need_weights && !a->average_attn_weights;
-    mha__trace tr = {a->trace, a->trace_user, (float *)(ws + p->off_trace)};
+    mha__trace tr = {a->trace, a->trace_user, tbuf};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t bh = 0; bh < N * H; bh++) {
         int64_t b = bh / H, h = bh % H;
@@ -469,63 +509,58 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        mha__mat qh = {q + b * L * E + h * d, E, 1};
-        mha__mat kh = {k + b * Sp * E + h * d, E, 1};
-        mha__mat vh = {v + b * Sp * E + h * d, E, 1};
-        mha__mat oh = {ctx + b * L * E + h * d, E, 1};
-        mha__mat wh = {NULL, 0, 0};
+        mha__mat wh = {NULL, false, 0, 0};
         if (avg) {
-            wh = (mha__mat){headw + bh * L * Sp, Sp, 1};
+            wh = mha__dmat(headw + bh * L * Sp, Sp);
         } else if (perhead) {
-            const int64_t *ws_ = weights->stride;
-            int o = p->unbatched ? 0 : 1;  // (N,) H, L, Sp
-            wh = (mha__mat){(float *)weights->data +
-                                (p->unbatched ? 0 : b * ws_[0]) + h * ws_[o],
-                            ws_[o + 1], ws_[o + 2]};
+            int o = p->unbatched ? 0 : 1;  // weights (N,) H, L, Sp
+            wh = view_row(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
+                                       h * weights->stride[o], o + 2);
+            wh.rs = weights->stride[o + 1];
         }
-        mha__ref_attention_head(oh, wh, qh, kh, vh, L, Sp, d, d, scale,
-                                &p->mask, mha__plan_drop(p), b, h,
-                                scores + (size_t)tid * L * Sp,
-                                a->trace ? &tr : NULL);
+        mha__ref_attention_head(mha__dmat(ctx + b * L * E + h * d, E), wh,
+                                mha__dmat(q + b * L * E + h * d, E),
+                                mha__dmat(k + b * Sp * E + h * d, E),
+                                mha__dmat(v + b * Sp * E + h * d, E), L, Sp, d, d,
+                                scale, &p->mask, mha__plan_drop(p), b, h,
+                                scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
     }
-    trace_buffer(a, "concat", ctx, N, L, E);
+    trace_buffer(a, "concat", tbuf, ctx, N, L, E);
 
     // 3. Averaged weights: mean over heads, summed in head order.
     if (avg) {
-        const int64_t *ws_ = weights->stride;
-        int o = p->unbatched ? 0 : 1;
+        int o = p->unbatched ? 0 : 1;  // weights (N,) L, Sp
         for (int64_t b = 0; b < N; b++)
-            for (int64_t i = 0; i < L; i++)
+            for (int64_t i = 0; i < L; i++) {
+                mha__mat wr = view_row(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
+                                                    i * weights->stride[o], o + 1);
                 for (int64_t j = 0; j < Sp; j++) {
                     double s = 0.0;
-                    for (int64_t h = 0; h < H; h++)
-                        s += headw[((b * H + h) * L + i) * Sp + j];
-                    ((float *)weights->data)[(p->unbatched ? 0 : b * ws_[0]) +
-                                             i * ws_[o] + j * ws_[o + 1]] =
-                        (float)(s / (double)H);
+                    for (int64_t h = 0; h < H; h++) s += headw[((b * H + h) * L + i) * Sp + j];
+                    mha__st(wr, 0, j, s / (double)H);
                 }
+            }
     }
 
-    // 4. Output projection, written in the query's layout.
+    // 4. Output projection, written in the query's layout; then the output
+    //    dropout (training only).
     int64_t os[3];
     mha__seq_batch_feat(os, out, m->cfg.batch_first);
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
     for (int64_t r = 0; r < N * L; r++) {
         int64_t n = r / L, t = r % L;
-        float *y = (float *)out->data + t * os[0] + n * os[1];
-        mha__ref_linear_row(y, os[2], ctx + r * E, 1, m->out_weight, m->out_bias,
+        mha__mat y = view_row(out, t * os[0] + n * os[1], out->ndim - 1);
+        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->out_weight, m->out_bias,
                             E, E);
-        if (p->out_p > 0.0f)  // output dropout (training only)
+        if (p->out_p > 0.0f)
             for (int64_t e = 0; e < E; e++)
-                y[e * os[2]] *= mha__out_drop_factor(p, a->dropout_seed,
-                                                     a->dropout_offset, n, t, e);
+                mha__st(y, 0, e, mha__ld(y, 0, e) *
+                                     mha__out_drop_factor(p, a->dropout_seed,
+                                                          a->dropout_offset, n, t, e));
     }
     if (a->trace) {
-        mha_tensor o = *out;  // as (N, L, E)
-        o.ndim = 3;
-        o.shape[0] = N; o.shape[1] = L; o.shape[2] = E;
-        o.stride[0] = os[1]; o.stride[1] = os[0]; o.stride[2] = os[2];
-        a->trace(a->trace_user, "output", -1, -1, &o);
+        const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
+        trace_view(a, "output", tbuf, out->data, out->dtype == MHA_F64, st, N, L, E);
     }
 }
 
@@ -711,15 +746,19 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-#define MHA__HEAD(t, r, c)                                                   \
-    (mha__mat) {                                                             \
-        (float *)(t)->data + b * (t)->stride[0] + h * (t)->stride[1],        \
-            (t)->stride[r], (t)->stride[c]                                   \
-    }
-        mha__mat w = weights ? MHA__HEAD(weights, 2, 3) : (mha__mat){NULL, 0, 0};
-        mha__ref_attention_head(MHA__HEAD(out, 2, 3), w, MHA__HEAD(q, 2, 3),
-                                MHA__HEAD(k, 2, 3), MHA__HEAD(v, 2, 3), L, S, D,
-                                Dv, scale, &mk, NULL, b, h,
+#define MHA__HEAD(t)                                                          \
+    view_row((t), b * (t)->stride[0] + h * (t)->stride[1], 3)
+        mha__mat w = {NULL, false, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),
+                 km = MHA__HEAD(k), vm = MHA__HEAD(v);
+        if (weights) {
+            w = MHA__HEAD(weights);
+            w.rs = weights->stride[2];
+        }
+        o.rs = out->stride[2];
+        qm.rs = q->stride[2];
+        km.rs = k->stride[2];
+        vm.rs = v->stride[2];
+        mha__ref_attention_head(o, w, qm, km, vm, L, S, D, Dv, scale, &mk, NULL, b, h,
                                 scores + (size_t)tid * ls, NULL);
 #undef MHA__HEAD
     }

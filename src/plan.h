@@ -24,7 +24,8 @@ typedef struct fwd_plan {
 
 // Number of threads a parallel region may use (1 without OpenMP).
 int mha__max_threads(void);
-// A float32 view: valid dims, no overflow, data present (name in messages).
+// A float view (MHA_F32 or MHA_F64): valid dims, no overflow, data present
+// (name in messages).
 mha_status mha__check_float(const mha_tensor *t, const char *name);
 // An output view of exactly the shape `want`.
 mha_status mha__check_output(const mha_tensor *t, const char *name,
@@ -50,6 +51,7 @@ float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
                            int64_t n, int64_t t, int64_t e);
 
 void mha__project_qkv(const fwd_plan *p, const mha_module *m,
-                      const mha_forward_args *a, float *q, float *k, float *v);
+                      const mha_forward_args *a, double *q, double *k,
+                      double *v);
 
 #endif

@@ -10,41 +10,43 @@
 #include "philox.h"
 #include "ref.h"
 
-// Sum of x[i*xs] * y[i] in double. Four partial sums, always combined in the
-// same order, so the result never depends on anything but the inputs.
-static double dot(const float *x, int64_t xs, const float *y, int64_t ys,
-                  int64_t n) {
+// Sum of a(ra, i) * b(rb, i) over i < n, in double. Four partial sums,
+// always combined in the same order, so the result depends only on the
+// inputs.
+static double dot(mha__mat a, int64_t ra, mha__mat b, int64_t rb, int64_t n) {
     double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
-        s0 += (double)x[i * xs] * y[i * ys];
-        s1 += (double)x[(i + 1) * xs] * y[(i + 1) * ys];
-        s2 += (double)x[(i + 2) * xs] * y[(i + 2) * ys];
-        s3 += (double)x[(i + 3) * xs] * y[(i + 3) * ys];
+        s0 += mha__ld(a, ra, i) * mha__ld(b, rb, i);
+        s1 += mha__ld(a, ra, i + 1) * mha__ld(b, rb, i + 1);
+        s2 += mha__ld(a, ra, i + 2) * mha__ld(b, rb, i + 2);
+        s3 += mha__ld(a, ra, i + 3) * mha__ld(b, rb, i + 3);
     }
-    for (; i < n; i++) s0 += (double)x[i * xs] * y[i * ys];
+    for (; i < n; i++) s0 += mha__ld(a, ra, i) * mha__ld(b, rb, i);
     return (s0 + s1) + (s2 + s3);
 }
 
-void mha__ref_linear_row(float *y, int64_t ys, const float *x, int64_t xs,
-                         const float *W, const float *b, int64_t I, int64_t O) {
+void mha__ref_linear_row(mha__mat y, mha__mat x, const float *W,
+                         const float *b, int64_t I, int64_t O) {
     for (int64_t o = 0; o < O; o++) {
-        double acc = dot(x, xs, W + o * I, 1, I);
+        mha__mat w = {(void *)(W + o * I), false, 0, 1};
+        double acc = dot(x, 0, w, 0, I);
         if (b) acc += b[o];
-        y[o * ys] = (float)acc;
+        mha__st(y, 0, o, acc);
     }
 }
 
 // One mask element as an additive value.
-static float mask_elem(const void *base, mha_dtype dt, int64_t off) {
+static double mask_elem(const void *base, mha_dtype dt, int64_t off) {
     if (dt == MHA_F32) return ((const float *)base)[off];
-    return ((const uint8_t *)base)[off] ? -INFINITY : 0.0f;
+    if (dt == MHA_F64) return ((const double *)base)[off];
+    return ((const uint8_t *)base)[off] ? -INFINITY : 0.0;
 }
 
-float mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
-                      int64_t j) {
-    if (j >= mk->s_masked) return 0.0f;
-    float v = 0.0f;
+double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
+                       int64_t j) {
+    if (j >= mk->s_masked) return 0.0;
+    double v = 0.0;
     if (mk->causal && j > i) v = -INFINITY;
     if (mk->attn)
         v += mask_elem(mk->attn, mk->attn_dtype,
@@ -75,14 +77,13 @@ static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L,
     // (1) scores (L, S) = q (L, D) k (S, D)^T
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < S; j++)
-            P[i * S + j] = dot(q.p + i * q.rs, q.cs, k.p + j * k.rs, k.cs, D);
+            P[i * S + j] = dot(q, i, k, j, D);
     if (tr) trace_doubles(tr, "scores", b, h, P, L, S, S);
 
     // (2) scale, then add the masks (-inf for hidden keys, never 0)
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < S; j++)
-            P[i * S + j] = scale * P[i * S + j] +
-                           (double)mha__mask_value(mk, b, h, i, j);
+            P[i * S + j] = scale * P[i * S + j] + mha__mask_value(mk, b, h, i, j);
     if (tr) trace_doubles(tr, "scaled_scores", b, h, P, L, S, S);
 
     // (3) softmax of each row: subtract the row max so exp never overflows;
@@ -131,6 +132,17 @@ static void apply_dropout(double *P, const mha__dropout *d, int64_t L,
         for (int64_t j = 0; j < S; j++) P[i * S + j] *= drop_factor(d, b, h, i, j);
 }
 
+// out (L, Dv) = P (L, S) v (S, Dv), P row-major.
+static void weigh_values(mha__mat out, const double *P, mha__mat v, int64_t L,
+                         int64_t S, int64_t Dv) {
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t c = 0; c < Dv; c++) {
+            double acc = 0.0;
+            for (int64_t j = 0; j < S; j++) acc += P[i * S + j] * mha__ld(v, j, c);
+            mha__st(out, i, c, acc);
+        }
+}
+
 void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
                              mha__mat v, int64_t L, int64_t S, int64_t D,
                              int64_t Dv, double scale, const mha__mask *mk,
@@ -140,22 +152,14 @@ void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
     apply_dropout(P, drop, L, S, b, h);
     if (w.p)
         for (int64_t i = 0; i < L; i++)
-            for (int64_t j = 0; j < S; j++)
-                w.p[i * w.rs + j * w.cs] = (float)P[i * S + j];
+            for (int64_t j = 0; j < S; j++) mha__st(w, i, j, P[i * S + j]);
 
     // (4) out (L, Dv) = P (L, S) v (S, Dv)
-    for (int64_t i = 0; i < L; i++) {
-        const double *p = P + i * S;
-        for (int64_t c = 0; c < Dv; c++) {
-            double acc = 0.0;
-            for (int64_t j = 0; j < S; j++) acc += p[j] * v.p[j * v.rs + c * v.cs];
-            out.p[i * out.rs + c * out.cs] = (float)acc;
-        }
-    }
+    weigh_values(out, P, v, L, S, Dv);
     if (tr) {
         for (int64_t i = 0; i < L; i++)
             for (int64_t c = 0; c < Dv; c++)
-                tr->buf[i * Dv + c] = out.p[i * out.rs + c * out.cs];
+                tr->buf[i * Dv + c] = (float)mha__ld(out, i, c);
         int64_t shape[2] = {L, Dv};
         mha_tensor t = mha_tensor_contiguous(tr->buf, MHA_F32, 2, shape);
         tr->fn(tr->user, "context", b, h, &t);
@@ -176,7 +180,7 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
     // dP' = dout v^T  (forward: out = P' v)
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < S; j++)
-            dP[i * S + j] = dot(dout.p + i * dout.rs, dout.cs, v.p + j * v.rs, v.cs, Dv);
+            dP[i * S + j] = dot(dout, i, v, j, Dv);
     // dP = dP' * keep / (1 - p)  (forward: P' = P * keep / (1 - p))
     if (drop)
         for (int64_t i = 0; i < L; i++)
@@ -195,28 +199,22 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
     for (int64_t j = 0; j < S; j++)
         for (int64_t c = 0; c < Dv; c++) {
             double acc = 0.0;
-            for (int64_t i = 0; i < L; i++) acc += P[i * S + j] * dout.p[i * dout.rs + c * dout.cs];
-            dv.p[j * dv.rs + c * dv.cs] = (float)acc;
+            for (int64_t i = 0; i < L; i++) acc += P[i * S + j] * mha__ld(dout, i, c);
+            mha__st(dv, j, c, acc);
         }
-    if (out.p)
-        for (int64_t i = 0; i < L; i++)
-            for (int64_t c = 0; c < Dv; c++) {
-                double acc = 0.0;
-                for (int64_t j = 0; j < S; j++) acc += P[i * S + j] * v.p[j * v.rs + c * v.cs];
-                out.p[i * out.rs + c * out.cs] = (float)acc;
-            }
+    if (out.p) weigh_values(out, P, v, L, S, Dv);
     // dq (L, D) = scale * dS k  (forward: S = scale * q k^T + mask)
     for (int64_t i = 0; i < L; i++)
         for (int64_t c = 0; c < D; c++) {
             double acc = 0.0;
-            for (int64_t j = 0; j < S; j++) acc += dP[i * S + j] * k.p[j * k.rs + c * k.cs];
-            dq.p[i * dq.rs + c * dq.cs] = (float)(scale * acc);
+            for (int64_t j = 0; j < S; j++) acc += dP[i * S + j] * mha__ld(k, j, c);
+            mha__st(dq, i, c, scale * acc);
         }
     // dk (S, D) = scale * dS^T q
     for (int64_t j = 0; j < S; j++)
         for (int64_t c = 0; c < D; c++) {
             double acc = 0.0;
-            for (int64_t i = 0; i < L; i++) acc += dP[i * S + j] * q.p[i * q.rs + c * q.cs];
-            dk.p[j * dk.rs + c * dk.cs] = (float)(scale * acc);
+            for (int64_t i = 0; i < L; i++) acc += dP[i * S + j] * mha__ld(q, i, c);
+            mha__st(dk, j, c, scale * acc);
         }
 }

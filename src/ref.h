@@ -1,6 +1,9 @@
 // ref.h: the reference implementation (the oracle): plain loops, the full
-// score matrix, double accumulation. Kernels here trust their arguments:
-// every check happens once, in forward.c.
+// score matrix, everything computed in double. Inputs and outputs may be
+// float32 or float64 views; with float64 views the whole forward and
+// backward are a float64 computation (what the finite-difference gradient
+// checks use). Kernels here trust their arguments: every check happens
+// once, in forward.c.
 #ifndef MHA_REF_H
 #define MHA_REF_H
 
@@ -8,7 +11,8 @@
 
 // A mask over scores (b, h, i, j), the sum of up to three parts:
 //  - attn: element at attn + b*attn_s[0] + h*attn_s[1] + i*attn_s[2] +
-//    j*attn_s[3] (stride 0 broadcasts); bool/u8 nonzero -> -inf, f32 added
+//    j*attn_s[3] (stride 0 broadcasts); bool/u8 nonzero -> -inf, f32/f64
+//    added
 //  - kpm: element at kpm + b*kpm_s[0] + j*kpm_s[1]; same dtype rule
 //  - causal: -inf where j > i
 // Columns j >= s_masked are never masked (keys appended by add_bias_kv and
@@ -25,7 +29,7 @@ typedef struct mha__mask {
 } mha__mask;
 
 // The additive mask value at (b, h, i, j): 0, -inf or the float sum.
-float mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
+double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
                       int64_t j);
 
 // Dropout on the attention weights of head (b, h): weight (i, j) is kept
@@ -38,11 +42,30 @@ typedef struct mha__dropout {
     int64_t H, L, S;
 } mha__dropout;
 
-// A 2-D strided float view: element (r, c) at p[r*rs + c*cs].
+// A 2-D strided view of float or double elements: element (r, c) at
+// p[r*rs + c*cs].
 typedef struct mha__mat {
-    float *p;
+    void *p;
+    bool f64;
     int64_t rs, cs;
 } mha__mat;
+
+static inline double mha__ld(mha__mat m, int64_t r, int64_t c) {
+    int64_t o = r * m.rs + c * m.cs;
+    return m.f64 ? ((const double *)m.p)[o] : (double)((const float *)m.p)[o];
+}
+
+static inline void mha__st(mha__mat m, int64_t r, int64_t c, double v) {
+    int64_t o = r * m.rs + c * m.cs;
+    if (m.f64) ((double *)m.p)[o] = v;
+    else ((float *)m.p)[o] = (float)v;
+}
+
+// A row-major double matrix with row stride ld, as a view.
+static inline mha__mat mha__dmat(double *p, int64_t ld) {
+    mha__mat m = {p, true, ld, 1};
+    return m;
+}
 
 // Attention of one (b, h):
 //   scores (L, S) = scale * q (L, D) k (S, D)^T + mask(b, h, ., .)
@@ -84,9 +107,9 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
                                       const mha__dropout *drop, int64_t b,
                                       int64_t h, double *ws);
 
-// y[o] = sum_i x[i*xs] * W[o][i] + (b ? b[o] : 0) for o < O, W (O, I)
-// row-major; y written with stride ys.
-void mha__ref_linear_row(float *y, int64_t ys, const float *x, int64_t xs,
-                         const float *W, const float *b, int64_t I, int64_t O);
+// y(0, o) = sum_i x(0, i) * W[o][i] + (b ? b[o] : 0) for o < O: row 0 of
+// y and x; W (O, I) row-major float32.
+void mha__ref_linear_row(mha__mat y, mha__mat x, const float *W,
+                         const float *b, int64_t I, int64_t O);
 
 #endif
