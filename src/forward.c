@@ -325,7 +325,13 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     w->dims[w->ndim++] = p->Sp;
 
     // Scratch layout.
-    p->nthreads = a->trace ? 1 : mha__max_threads();
+    // Threads: one for a trace, and for small problems, where waking a
+    // thread team costs more than the work (results are the same either
+    // way). work ~ multiply-adds of the projections and the attention.
+    double work = (double)p->N * ((double)p->L * p->E * p->E +
+                                  (double)p->S * p->E * (p->kdim + p->vdim) +
+                                  2.0 * p->L * p->Sp * p->E);
+    p->nthreads = (a->trace || work < MHA__PAR_MIN_WORK) ? 1 : mha__max_threads();
     int64_t nle, nse, lsp, nhlsp, tr;
     if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) ||
         mha__mul_overflow_i64(nle, p->E, &nle) ||
@@ -729,7 +735,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     }
     if ((st = mha__check_no_overlap(weights, "weights", out, "out"))) return st;
 
-    int nt = mha__max_threads();
+    int nt = (double)B * H * L * S * (D + Dv) < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
     int64_t ls;
     size_t bytes;
     if (mha__mul_overflow_i64(L, S, &ls) ||

@@ -22,6 +22,9 @@ typedef struct fwd_plan {
     int nthreads;
 } fwd_plan;
 
+// Below this many multiply-adds a forward or backward runs on one thread.
+#define MHA__PAR_MIN_WORK 262144.0
+
 // Number of threads a parallel region may use (1 without OpenMP).
 int mha__max_threads(void);
 // A float view (MHA_F32 or MHA_F64): valid dims, no overflow, data present

@@ -277,22 +277,50 @@ static void setup(problem *p, bool bkv, bool zero, bool dropout, bool masks) {
 }
 
 // accumulate = true adds; with dropout, outputs and gradients are
-// bit-identical with 1, 2 and 8 threads.
+// bit-identical with 1, 2 and 8 threads (a problem large enough for the
+// library to use threads: it runs small ones on one).
 static void test_accumulate_threads(void) {
-    problem p;
-    setup(&p, true, true, true, true);
-    float gq[3][L * N * E], y[3][L * N * E];
+    enum { E3 = 32, H3 = 4, L3 = 40, S3 = 36, N3 = 3 };
+    mha_config c;
+    mha_config_init(&c, E3, H3);
+    c.add_bias_kv = c.add_zero_attn = true;
+    c.dropout = 0.2f;
+    c.out_dropout = 0.1f;
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    CHECK_OK(mha_module_init(m, &io));
+    static float x[L3 * N3 * E3], kv[S3 * N3 * E3], gy[L3 * N3 * E3], y[3][L3 * N3 * E3],
+        gq[3][L3 * N3 * E3];
+    static uint8_t kpm[N3 * S3];
+    fill(x, L3 * N3 * E3, 1.0f);
+    fill(kv, S3 * N3 * E3, 1.0f);
+    fill(gy, L3 * N3 * E3, 1.0f);
+    for (int i = 0; i < N3 * S3; i++) kpm[i] = i % 7 == 0;
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L3, N3, E3});
+    mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 3, (int64_t[]){S3, N3, E3});
+    mha_tensor gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){L3, N3, E3});
+    mha_tensor kpt = mha_tensor_contiguous(kpm, MHA_BOOL, 2, (int64_t[]){N3, S3});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = &xt;
+    a.key = a.value = &kt;
+    a.key_padding_mask = &kpt;
+    a.is_causal = true;
+    a.training = true;
+    a.dropout_seed = 77;
     mha_module *g[3] = {NULL, NULL, NULL};
     const int threads[3] = {1, 2, 8};
     for (int r = 0; r < 3; r++) {
 #ifdef _OPENMP
         omp_set_num_threads(threads[r]);
 #endif
-        mha_tensor gt = mha_tensor_contiguous(gq[r], MHA_F32, 3, (int64_t[]){L, N, E});
-        mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, 3, (int64_t[]){L, N, E});
-        CHECK_OK(mha_module_create(&g[r], mha_module_config(p.m)));
-        CHECK_OK(mha_forward(&yt, NULL, p.m, &p.a));
-        CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], p.m, &p.a, &p.gyt, false));
+        mha_tensor gt = mha_tensor_contiguous(gq[r], MHA_F32, 3, (int64_t[]){L3, N3, E3});
+        mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, 3, (int64_t[]){L3, N3, E3});
+        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+        CHECK_OK(mha_forward(&yt, NULL, m, &a));
+        CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], m, &a, &gyt, false));
     }
 #ifdef _OPENMP
     omp_set_num_threads(2);
@@ -301,27 +329,27 @@ static void test_accumulate_threads(void) {
         CHECKF(memcmp(y[0], y[r], sizeof y[0]) == 0, "output: 1 vs %d threads", threads[r]);
         CHECKF(memcmp(gq[0], gq[r], sizeof gq[0]) == 0, "grad_query: 1 vs %d threads", threads[r]);
         for (int i = 0; i < mha_module_num_params(g[0]); i++) {
-            mha_param x, z;
-            CHECK_OK(mha_module_param_at(&x, g[0], i));
-            CHECK_OK(mha_module_param_at(&z, g[r], i));
-            CHECKF(memcmp(x.data, z.data, (size_t)x.numel * 4) == 0, "%s: 1 vs %d threads",
-                   x.name, threads[r]);
+            mha_param p0, pr;
+            CHECK_OK(mha_module_param_at(&p0, g[0], i));
+            CHECK_OK(mha_module_param_at(&pr, g[r], i));
+            CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0, "%s: 1 vs %d threads",
+                   p0.name, threads[r]);
         }
     }
     // accumulate: g[1] += once more gives exactly twice g[0] (x + x is exact)
-    mha_tensor gt = mha_tensor_contiguous(gq[1], MHA_F32, 3, (int64_t[]){L, N, E});
-    CHECK_OK(mha_backward(&gt, NULL, NULL, g[1], p.m, &p.a, &p.gyt, true));
-    for (int i = 0; i < L * N * E; i++) CHECK(gq[1][i] == 2.0f * gq[0][i]);
+    mha_tensor gt = mha_tensor_contiguous(gq[1], MHA_F32, 3, (int64_t[]){L3, N3, E3});
+    CHECK_OK(mha_backward(&gt, NULL, NULL, g[1], m, &a, &gyt, true));
+    for (int i = 0; i < L3 * N3 * E3; i++) CHECK(gq[1][i] == 2.0f * gq[0][i]);
     for (int i = 0; i < mha_module_num_params(g[0]); i++) {
-        mha_param x, z;
-        CHECK_OK(mha_module_param_at(&x, g[0], i));
-        CHECK_OK(mha_module_param_at(&z, g[1], i));
+        mha_param p0, p1;
+        CHECK_OK(mha_module_param_at(&p0, g[0], i));
+        CHECK_OK(mha_module_param_at(&p1, g[1], i));
         bool ok = true;
-        for (int64_t j = 0; j < x.numel; j++) ok &= z.data[j] == 2.0f * x.data[j];
-        CHECKF(ok, "%s: accumulate did not add", x.name);
+        for (int64_t j = 0; j < p0.numel; j++) ok &= p1.data[j] == 2.0f * p0.data[j];
+        CHECKF(ok, "%s: accumulate did not add", p0.name);
     }
     for (int r = 0; r < 3; r++) mha_module_destroy(g[r]);
-    mha_module_destroy(p.m);
+    mha_module_destroy(m);
 }
 
 // Eval mode ignores dropout exactly; training masks are reproducible from

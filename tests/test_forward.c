@@ -200,7 +200,7 @@ static void test_layouts(void) {
 // Same results with 1 and 2 threads, and with a caller workspace; per-head
 // weights averaged equal the averaged weights.
 static void test_threads_workspace(void) {
-    enum { E = 24, H = 4, L = 17, S = 13, N = 3 };
+    enum { E = 24, H = 4, L = 40, S = 33, N = 3 };  // big enough to use threads
     mha_module *m = module(E, H, false, true, true, 2);
     static float q[L * N * E], kv[S * N * E], y1[L * N * E], y2[L * N * E],
         w1[N * H * L * (S + 2)], w2[N * H * L * (S + 2)], wa[N * L * (S + 2)];

@@ -503,7 +503,10 @@ ATTN_KINDS = ["none", "bool2d", "bool3d", "float2d", "float3d"]
 KPM_KINDS = ["none", "bool", "float"]
 
 
-def random_case(seed, i):
+def random_case(seed, i, self_attn=False):
+    """Config i of the grid under seed. self_attn=True (used by backward.py)
+    forces self-attention shapes (S = L, kdim = vdim = E) and key = value =
+    query, with the same random draws otherwise."""
     rng = np.random.default_rng([seed, 0x6d6861, i])
     r = rng.random
     H = int(rng.choice([1, 2, 3, 4, 8]))
@@ -532,6 +535,8 @@ def random_case(seed, i):
         kdim = int(rng.integers(1, 21))
     elif x < 0.5:
         vdim = int(rng.integers(1, 21))
+    if self_attn:
+        S, kdim, vdim = L, E, E
     # stratified so every mask combination gets its share
     attn_kind = ATTN_KINDS[i % 5]
     kpm_kind = KPM_KINDS[(i // 5) % 3]
@@ -560,6 +565,8 @@ def random_case(seed, i):
     c.query = (scale * rng.standard_normal(qs)).astype(np.float32)
     c.key = (scale * rng.standard_normal(ks)).astype(np.float32)
     c.value = (scale * rng.standard_normal(vs)).astype(np.float32)
+    if self_attn:
+        c.key = c.value = c.query
     Nb = c.Nb
 
     def float_vals(shape):
