@@ -141,11 +141,20 @@ MHA_API uint16_t mha_f32_to_bf16(float f);
 // Implementations
 
 typedef enum mha_impl {
-    MHA_IMPL_AUTO = 0,       // the best available (today: reference)
-    MHA_IMPL_REFERENCE = 1,  // plain loops, full score matrix: the oracle
+    MHA_IMPL_AUTO = 0,       // the best available: fused where it applies
+    MHA_IMPL_REFERENCE = 1,  // plain loops, full score matrix, double: the
+                             // oracle
+    MHA_IMPL_FUSED = 2,      // tiled online-softmax attention (never stores
+                             // the (L, S) scores), SIMD kernels chosen at
+                             // run time, float32 (F32 views only)
 } mha_impl;
 
-// "auto", "reference" (also "ref") -> value; MHA_ERR_UNSUPPORTED otherwise.
+// The SIMD kernels the fused path uses in this process: "avx512", "avx2"
+// or "scalar" (MHA_ISA=scalar|avx2|avx512 forces one the CPU has).
+MHA_API const char *mha_isa(void);
+
+// "auto", "reference" (also "ref"), "fused" -> value;
+// MHA_ERR_UNSUPPORTED otherwise.
 MHA_API MHA_NODISCARD mha_status mha_impl_from_name(mha_impl *out,
                                                     const char *name);
 MHA_API const char *mha_impl_name(mha_impl impl);

@@ -25,6 +25,7 @@ const char *mha_impl_name(mha_impl impl) {
     switch (impl) {
     case MHA_IMPL_AUTO: return "auto";
     case MHA_IMPL_REFERENCE: return "reference";
+    case MHA_IMPL_FUSED: return "fused";
     }
     return "unknown";
 }
@@ -35,15 +36,17 @@ mha_status mha_impl_from_name(mha_impl *out, const char *name) {
     if (strcmp(name, "auto") == 0) *out = MHA_IMPL_AUTO;
     else if (strcmp(name, "reference") == 0 || strcmp(name, "ref") == 0)
         *out = MHA_IMPL_REFERENCE;
+    else if (strcmp(name, "fused") == 0)
+        *out = MHA_IMPL_FUSED;
     else
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "unknown implementation \"%.64s\" (available: auto, "
-                         "reference)", name);
+                         "reference, fused)", name);
     return MHA_OK;
 }
 
 static mha_status check_impl(mha_impl impl) {
-    if (impl != MHA_IMPL_AUTO && impl != MHA_IMPL_REFERENCE)
+    if (impl != MHA_IMPL_AUTO && impl != MHA_IMPL_REFERENCE && impl != MHA_IMPL_FUSED)
         return mha__fail(MHA_ERR_UNSUPPORTED, "unknown implementation %d",
                          (int)impl);
     return MHA_OK;
@@ -365,6 +368,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                          (long long)p->N, (long long)p->L, (long long)p->S,
                          (long long)p->E);
     p->ws_bytes = total + 64;  // + 64: the caller's block may be unaligned
+    if (a->impl == MHA_IMPL_FUSED) return mha__fused_plan(p, m, a);
     return MHA_OK;
 }
 
@@ -611,7 +615,8 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
                          "workspace of %zu bytes is too small: %zu needed",
                          workspace ? workspace_bytes : 0, p.ws_bytes);
     char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
-    run_forward(&p, out, weights, m, a, ws);
+    if (p.fused) mha__fused_forward(&p, out, weights, m, a, ws);
+    else run_forward(&p, out, weights, m, a, ws);
     return MHA_OK;
 }
 
@@ -627,7 +632,8 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
                          "mha_forward: out of memory for %zu bytes of scratch",
                          p.ws_bytes);
     char *al = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
-    run_forward(&p, out, weights, m, a, al);
+    if (p.fused) mha__fused_forward(&p, out, weights, m, a, al);
+    else run_forward(&p, out, weights, m, a, al);
     free(ws);
     return MHA_OK;
 }

@@ -20,6 +20,12 @@ typedef struct fwd_plan {
     size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace;
     size_t ws_bytes;
     int nthreads;
+    // the fused path (fused.c): its own scratch layout
+    bool fused;
+    bool self_packed;            // one GEMM over the packed in_proj_weight
+    bool q_direct, k_direct, v_direct, out_direct;  // views usable as rows
+    size_t f_xq, f_xk, f_xv, f_wt, f_wo, f_qkv, f_k, f_v, f_ctx, f_extra,
+        f_lse, f_headw, f_out, f_scratch;
 } fwd_plan;
 
 // Below this many multiply-adds a forward or backward runs on one thread.
@@ -42,6 +48,13 @@ void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first);
 // Checks every forward argument and fills the plan.
 mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                              const mha_forward_args *a);
+// The fused path: checks what it needs (F32 views, no trace) and lays out
+// its scratch (p->ws_bytes); runs it.
+mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
+                           const mha_forward_args *a);
+void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                        const mha_module *m, const mha_forward_args *a, char *ws);
+
 // Step 1 of the forward: q (N, L, E), k and v (N, Sp, E) from the inputs,
 // with bias_k/bias_v and the zero key/value appended.
 // The dropout descriptor for the heads: NULL unless attention dropout is

@@ -1,0 +1,293 @@
+// fused.c: the fused module forward (MHA_IMPL_FUSED), float32:
+//   1. projections as GEMMs over row matrices: X (R, F) W^T (F, E); with
+//      self-attention and the packed in_proj_weight, one GEMM
+//      X (R, E) in_proj_weight^T (E, 3E) -> qkv (R, 3E)
+//   2. per (b, h, tile of 64 query rows): flash.c on strided head views of
+//      q, k, v (no split, no copy), writing the context in place
+//   3. ctx (R, E) out_proj.weight^T (E, E) + bias, into the output
+// Rows of an input view (d0, d1, F) are r = i0*d1 + i1; a view whose rows
+// are evenly spaced with unit feature stride is used in place, any other
+// is copied once. Work is split over rows (GEMMs) and over (b, h, tile)
+// items (attention): each output element is computed by one thread in a
+// fixed order, so results do not depend on the number of threads.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "flash.h"
+#include "philox.h"
+#include "plan.h"
+
+// Does a 2-D/3-D float view have evenly spaced rows (d0*d1 of them) with
+// unit feature stride? Then row r = i0*d1 + i1 is at data + r*ld.
+static bool rows_direct(const mha_tensor *t, int64_t *ld) {
+    if (t->dtype != MHA_F32 || t->stride[t->ndim - 1] != 1) return false;
+    if (t->ndim == 2) {
+        *ld = t->stride[0];
+        return true;
+    }
+    if (t->shape[1] <= 1 || t->stride[0] == t->shape[1] * t->stride[1]) {
+        *ld = t->stride[1];
+        if (t->shape[1] <= 1) *ld = t->stride[0];
+        return true;
+    }
+    return false;
+}
+
+static int64_t rows_of(const mha_tensor *t) {
+    return t->ndim == 2 ? t->shape[0] : t->shape[0] * t->shape[1];
+}
+
+// Copies a view's rows into dst (rows_of(t), F) contiguous float32.
+static void gather_rows(float *dst, const mha_tensor *t) {
+    const int64_t F = t->shape[t->ndim - 1];
+    const int64_t d0 = t->shape[0], d1 = t->ndim == 3 ? t->shape[1] : 1;
+    const int64_t s1 = t->ndim == 3 ? t->stride[1] : 0;
+    for (int64_t i0 = 0; i0 < d0; i0++)
+        for (int64_t i1 = 0; i1 < d1; i1++) {
+            mha__mat row = {(char *)t->data + (i0 * t->stride[0] + i1 * s1) * 4, false, 0,
+                            t->stride[t->ndim - 1]};
+            float *d = dst + (i0 * d1 + i1) * F;
+            for (int64_t f = 0; f < F; f++) d[f] = (float)mha__ld(row, 0, f);
+        }
+}
+
+static int carve(size_t *total, size_t *off, int64_t n) {
+    size_t bytes;
+    if (mha__mul_overflow_size((size_t)n, sizeof(float), &bytes)) return 1;
+    bytes = (bytes + 63) & ~(size_t)63;
+    *off = *total;
+    return mha__add_overflow_size(*total, bytes, total);
+}
+
+static bool same_view(const mha_tensor *a, const mha_tensor *b) {
+    if (a == b) return true;
+    if (a->data != b->data || a->ndim != b->ndim || a->dtype != b->dtype) return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i] || a->stride[i] != b->stride[i]) return false;
+    return true;
+}
+
+mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
+                           const mha_forward_args *a) {
+    if (a->trace)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "the fused implementation has no trace (use reference)");
+    const mha_tensor *in[3] = {a->query, a->key, a->value};
+    const char *names[3] = {"query", "key", "value"};
+    for (int i = 0; i < 3; i++)
+        if (in[i]->dtype != MHA_F32)
+            return mha__fail(MHA_ERR_UNSUPPORTED,
+                             "the fused implementation takes F32 tensors, %s is %s",
+                             names[i], mha_dtype_name(in[i]->dtype));
+    const int64_t E = p->E, H = p->H, d = p->d, N = p->N, L = p->L, Sp = p->Sp;
+    const int64_t Rq = rows_of(a->query), Rk = rows_of(a->key);
+    int64_t ld;
+    p->fused = true;
+    p->self_packed = m->packed && same_view(a->query, a->key) && same_view(a->query, a->value);
+    p->q_direct = rows_direct(a->query, &ld);
+    p->k_direct = rows_direct(a->key, &ld);
+    p->v_direct = rows_direct(a->value, &ld);
+    int64_t nx = Sp - p->S;
+    size_t t = 0;
+    int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d) * p->nthreads;
+    int64_t lse = a->need_weights ? N * H * L : 0;
+    int64_t headw = (a->need_weights && a->average_attn_weights) ? N * H * L * Sp : 0;
+    if (carve(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
+        carve(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
+        carve(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
+        carve(&t, &p->f_wt, p->self_packed ? 3 * E * E : E * (E + p->kdim + p->vdim)) ||
+        carve(&t, &p->f_wo, E * E) ||
+        carve(&t, &p->f_qkv, p->self_packed ? Rq * 3 * E : Rq * E) ||
+        carve(&t, &p->f_k, p->self_packed ? 0 : Rk * E) ||
+        carve(&t, &p->f_v, p->self_packed ? 0 : Rk * E) ||
+        carve(&t, &p->f_ctx, Rq * E) || carve(&t, &p->f_extra, 2 * H * nx * d) ||
+        carve(&t, &p->f_lse, lse) || carve(&t, &p->f_headw, headw) ||
+        carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch))
+        return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
+    p->ws_bytes = t + 64;
+    return MHA_OK;
+}
+
+// C (R, E) = X (R, F) WT (F, E) + b, rows split over threads in blocks.
+static void gemm_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                      int64_t ldx, const float *WT, int64_t ldw, const float *b,
+                      int64_t R, int64_t F, int64_t E, int nt) {
+    const int64_t blk = 64;
+    const int64_t nblk = (R + blk - 1) / blk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t ib = 0; ib < nblk; ib++) {
+        int64_t r0 = ib * blk, r1 = r0 + blk < R ? r0 + blk : R;
+        kt->gemm_nn(C + r0 * ldc, ldc, X + r0 * ldx, ldx, WT, ldw, r1 - r0, E, F);
+        if (b)
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t e = 0; e < E; e++) C[r * ldc + e] += b[e];
+    }
+}
+
+// WT (I, O) = W^T for W (O, I).
+static void transpose(float *WT, const float *W, int64_t O, int64_t I) {
+    for (int64_t o = 0; o < O; o++)
+        for (int64_t i = 0; i < I; i++) WT[i * O + o] = W[o * I + i];
+}
+
+// Head (b, h) rows of a row matrix laid out as its view: first row and
+// row stride.
+typedef struct rowmap {
+    float *base;
+    int64_t ld;       // row stride of the matrix
+    bool seq_first;   // rows are (t, n) (else (n, t))
+    int64_t N, T;
+} rowmap;
+
+static float *head_row0(const rowmap *rm, int64_t b, int64_t col) {
+    return rm->base + (rm->seq_first ? b : b * rm->T) * rm->ld + col;
+}
+static int64_t head_rs(const rowmap *rm) { return rm->seq_first ? rm->N * rm->ld : rm->ld; }
+
+void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                        const mha_module *m, const mha_forward_args *a, char *ws) {
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const int nt = p->nthreads;
+    const bool seq_first = p->unbatched || !m->cfg.batch_first;
+    float *wt = (float *)(ws + p->f_wt), *wo = (float *)(ws + p->f_wo);
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + 2 * E : NULL;
+
+    // 1. Projections.
+    int64_t ldq = E, ldk = p->kdim, ldv = p->vdim;
+    const float *xq = (const float *)(ws + p->f_xq), *xk = (const float *)(ws + p->f_xk),
+                *xv = (const float *)(ws + p->f_xv);
+    if (p->q_direct) rows_direct(a->query, &ldq), xq = a->query->data;
+    else gather_rows((float *)xq, a->query);
+    rowmap qm, km, vm;
+    if (p->self_packed) {
+        transpose(wt, m->in_proj_weight, 3 * E, E);
+        float *qkv = (float *)(ws + p->f_qkv);
+        gemm_rows(kt, qkv, 3 * E, xq, ldq, wt, 3 * E, bq, Rq, E, 3 * E, nt);
+        qm = (rowmap){qkv, 3 * E, seq_first, N, L};
+        km = (rowmap){qkv + E, 3 * E, seq_first, N, L};
+        vm = (rowmap){qkv + 2 * E, 3 * E, seq_first, N, L};
+    } else {
+        if (p->k_direct) rows_direct(a->key, &ldk), xk = a->key->data;
+        else gather_rows((float *)xk, a->key);
+        if (p->v_direct) rows_direct(a->value, &ldv), xv = a->value->data;
+        else gather_rows((float *)xv, a->value);
+        float *wq = wt, *wk = wt + E * E, *wv = wk + p->kdim * E;
+        transpose(wq, m->q_weight, E, E);
+        transpose(wk, m->k_weight, E, p->kdim);
+        transpose(wv, m->v_weight, E, p->vdim);
+        float *q = (float *)(ws + p->f_qkv), *k = (float *)(ws + p->f_k),
+              *v = (float *)(ws + p->f_v);
+        gemm_rows(kt, q, E, xq, ldq, wq, E, bq, Rq, E, E, nt);
+        gemm_rows(kt, k, E, xk, ldk, wk, E, bk, Rk, p->kdim, E, nt);
+        gemm_rows(kt, v, E, xv, ldv, wv, E, bv, Rk, p->vdim, E, nt);
+        qm = (rowmap){q, E, seq_first, N, L};
+        km = (rowmap){k, E, seq_first, N, S};
+        vm = (rowmap){v, E, seq_first, N, S};
+    }
+    // the appended keys per head: (nx, d) for k, then for v
+    float *extra = (float *)(ws + p->f_extra);
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t x = 0; x < nx; x++)
+            for (int64_t c = 0; c < d; c++) {
+                bool bias_row = m->cfg.add_bias_kv && x == 0;
+                extra[(h * nx + x) * d + c] = bias_row ? m->bias_k[h * d + c] : 0.0f;
+                extra[(H * nx + h * nx + x) * d + c] = bias_row ? m->bias_v[h * d + c] : 0.0f;
+            }
+
+    // 2. Attention, per (b, h, tile of query rows).
+    float *ctx = (float *)(ws + p->f_ctx);
+    rowmap cm = {ctx, E, seq_first, N, L};
+    float *lse = a->need_weights ? (float *)(ws + p->f_lse) : NULL;
+    float *headw = (float *)(ws + p->f_headw);
+    const bool avg = a->need_weights && a->average_attn_weights;
+    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+    const size_t sf = mha__flash_scratch_floats(d, d);
+    float *scratch = (float *)(ws + p->f_scratch);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t item = 0; item < N * H * tiles; item++) {
+        // causal rows near the end cost more: hand them out first
+        int64_t it = p->mask.causal ? N * H * tiles - 1 - item : item;
+        int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        mha__flash_head fh = {
+            .q = head_row0(&qm, b, h * d), .q_rs = head_rs(&qm),
+            .k = head_row0(&km, b, h * d), .k_rs = head_rs(&km),
+            .v = head_row0(&vm, b, h * d), .v_rs = head_rs(&vm),
+            .xk = extra + h * nx * d, .xv = extra + (H + h) * nx * d, .nx = nx,
+            .o = head_row0(&cm, b, h * d), .o_rs = head_rs(&cm),
+            .lse = lse ? lse + bh * L : NULL,
+            .L = L, .S = S, .D = d, .Dv = d, .scale = (float)(1.0 / sqrt((double)d)),
+            .mask = &p->mask, .drop = mha__plan_drop(p), .b = b, .h = h,
+        };
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = i0 + MHA__FLASH_BR < L ? i0 + MHA__FLASH_BR : L;
+        float *sc = scratch + (size_t)tid * sf;
+        mha__flash_rows(kt, &fh, i0, i1, sc);
+        if (a->need_weights) {
+            mha__mat w;
+            if (avg) {
+                w = (mha__mat){headw + (bh * L + i0) * Sp, false, Sp, 1};
+            } else {
+                int o = p->unbatched ? 0 : 1;
+                w = (mha__mat){(char *)weights->data +
+                                   ((p->unbatched ? 0 : b * weights->stride[0]) +
+                                    h * weights->stride[o] + i0 * weights->stride[o + 1]) *
+                                       (int64_t)mha_dtype_size(weights->dtype),
+                               weights->dtype == MHA_F64, weights->stride[o + 1],
+                               weights->stride[o + 2]};
+            }
+            mha__flash_weights(kt, &fh, i0, i1, w, sc);
+        }
+    }
+    if (avg) {  // mean over heads, summed in head order
+        int o = p->unbatched ? 0 : 1;
+        for (int64_t b = 0; b < N; b++)
+            for (int64_t i = 0; i < L; i++) {
+                mha__mat wr = {(char *)weights->data +
+                                   ((p->unbatched ? 0 : b * weights->stride[0]) +
+                                    i * weights->stride[o]) *
+                                       (int64_t)mha_dtype_size(weights->dtype),
+                               weights->dtype == MHA_F64, 0, weights->stride[o + 1]};
+                for (int64_t j = 0; j < Sp; j++) {
+                    float s = 0.0f;
+                    for (int64_t h = 0; h < H; h++) s += headw[((b * H + h) * L + i) * Sp + j];
+                    mha__st(wr, 0, j, s / (float)H);
+                }
+            }
+    }
+
+    // 3. Output projection (rows in the query's order, as ctx), then the
+    //    output dropout, into the output view.
+    transpose(wo, m->out_weight, E, E);
+    int64_t ldo = E;
+    bool direct = rows_direct(out, &ldo);
+    float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
+    if (!direct) ldo = E;
+    gemm_rows(kt, y, ldo, ctx, E, wo, E, m->out_bias, Rq, E, E, nt);
+    const int64_t d1 = out->ndim == 3 ? out->shape[1] : 1;
+    if (p->out_p > 0.0f)
+        for (int64_t r = 0; r < Rq; r++) {
+            int64_t i0 = r / d1, i1 = r % d1;  // view indices
+            int64_t n = seq_first ? i1 : i0, t = seq_first ? i0 : i1;
+            if (p->unbatched) n = 0, t = r;
+            for (int64_t e = 0; e < E; e++)
+                y[r * ldo + e] *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
+        }
+    if (!direct) {
+        const int64_t s1 = out->ndim == 3 ? out->stride[1] : 0;
+        for (int64_t r = 0; r < Rq; r++) {
+            mha__mat row = {(char *)out->data + ((r / d1) * out->stride[0] + (r % d1) * s1) *
+                                                    (int64_t)mha_dtype_size(out->dtype),
+                            out->dtype == MHA_F64, 0, out->stride[out->ndim - 1]};
+            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
+        }
+    }
+}
