@@ -155,6 +155,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     mha_status st = mha__plan_forward(&p, m, &a);
     if (st) return st;
     if ((st = check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
+    if (p.fused) return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
 
     const int64_t N = p.N, L = p.L, S = p.S, Sp = p.Sp, E = p.E, H = p.H, d = p.d;
     const int nt = p.nthreads;

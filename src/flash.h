@@ -23,8 +23,10 @@ typedef struct mha__flash_head {
     int64_t nx;
     float *o;  // (L, Dv), row stride o_rs: overwritten
     int64_t o_rs;
-    float *lse;  // (L) or NULL: log-sum-exp of each row's scores (-inf for
-                 // a fully masked row)
+    float *stats;  // (L, 2) or NULL: each row's score max m and 1/l (l the
+                   // sum of exp(s - m)), so P = exp(s - m) / l is
+                   // recomputed with the forward's own rounding; (-inf, 0)
+                   // for a fully masked row
     int64_t L, S, D, Dv;
     float scale;
     const mha__mask *mask;     // over the S keys (s_masked = S)
@@ -35,15 +37,43 @@ typedef struct mha__flash_head {
 // Floats of scratch one call of mha__flash_rows needs.
 size_t mha__flash_scratch_floats(int64_t D, int64_t Dv);
 
-// Rows [i0, i1) of the head (at most MHA__FLASH_BR of them): O and lse.
-// A fully masked row gets O = 0 and lse = -inf.
+// Rows [i0, i1) of the head (at most MHA__FLASH_BR of them): O and stats.
+// A fully masked row gets O = 0.
 void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
                      int64_t i0, int64_t i1, float *scratch);
 
-// The attention weights of rows [i0, i1) recomputed from lse (after a
-// forward): w (i, j) = exp(scale q_i k_j + mask - lse_i) [* dropout],
+// The attention weights of rows [i0, i1) recomputed from stats (after a
+// forward): w (i, j) = exp(scale q_i k_j + mask - m_i) / l_i [* dropout],
 // written through w (rows i - i0, columns j < S + nx).
 void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
                         int64_t i0, int64_t i1, mha__mat w, float *scratch);
+
+
+// ---------------------------------------------------------------------------
+// Backward (FlashAttention-2's, in two passes so that no sum's order depends
+// on the threads: every dk, dv row is summed by its key tile's pass, every
+// dq row by its query tile's pass). dO (L, Dv) is the context's gradient,
+// Dsum (L) = sum_j P dP (= rowsum(dO * O) in exact arithmetic), stats from
+// the forward.
+//   S = scale q k^T + mask;  P = exp(S - m) / l;  P' = P * drop
+//   dv += P'^T dO;  dP = (dO v^T) * drop;  dS = P (dP - Dsum)
+//   dk += scale dS^T q;  dq += scale dS k
+
+// Floats of scratch one backward call needs.
+size_t mha__flash_bwd_scratch_floats(int64_t D, int64_t Dv);
+
+// Pass A: keys [j0, j0 + n) (n <= MHA__FLASH_BC, or the nx appended keys
+// when j0 == S): dk (n, D) and dv (n, Dv), overwritten.
+void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
+                       const float *dO, int64_t do_rs, const float *Dsum,
+                       int64_t j0, int64_t n, float *dk, int64_t dk_rs,
+                       float *dv, int64_t dv_rs, float *scratch);
+
+// Pass B: rows [i0, i1) (at most MHA__FLASH_BR): Dsum[i0, i1) (written:
+// sum_j P dP over the same tiles) and dq (i1 - i0, D), overwritten. Runs
+// before pass A, which reads Dsum.
+void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
+                      const float *dO, int64_t do_rs, float *Dsum, int64_t i0,
+                      int64_t i1, float *dq, int64_t dq_rs, float *scratch);
 
 #endif

@@ -94,7 +94,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     int64_t nx = Sp - p->S;
     size_t t = 0;
     int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d) * p->nthreads;
-    int64_t lse = a->need_weights ? N * H * L : 0;
+    int64_t lse = a->need_weights ? 2 * N * H * L : 0;  // (m, 1/l) per row
     int64_t headw = (a->need_weights && a->average_attn_weights) ? N * H * L * Sp : 0;
     if (carve(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
         carve(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
@@ -224,7 +224,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             .v = head_row0(&vm, b, h * d), .v_rs = head_rs(&vm),
             .xk = extra + h * nx * d, .xv = extra + (H + h) * nx * d, .nx = nx,
             .o = head_row0(&cm, b, h * d), .o_rs = head_rs(&cm),
-            .lse = lse ? lse + bh * L : NULL,
+            .stats = lse ? lse + 2 * bh * L : NULL,
             .L = L, .S = S, .D = d, .Dv = d, .scale = (float)(1.0 / sqrt((double)d)),
             .mask = &p->mask, .drop = mha__plan_drop(p), .b = b, .h = h,
         };
@@ -290,4 +290,255 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Backward (MHA_IMPL_FUSED): the forward's projections and attention again
+// (keeping each row's softmax stats), then
+//   dy = dY * drop_o;  dctx = dy Wo;  dWo = dy^T ctx;  dbo = colsum(dy)
+//   attention backward (flash.c, two passes) -> dq, dk, dv
+//   dW = d^T X and dX = d W for each projection (one GEMM each over the
+//   packed in_proj_weight with self-attention)
+// Every sum has a fixed order: GEMMs split over output rows, attention
+// over (b, h, tile) items.
+
+// dst (cols, rows) = src (rows, cols)^T; src row stride lds.
+static void transpose_rows(float *dst, const float *src, int64_t lds, int64_t rows,
+                           int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[c * rows + r] = src[r * lds + c];
+}
+
+static inline void store_f(float *p, double v, bool acc) { *p = acc ? *p + (float)v : (float)v; }
+
+// dW (O, I) (+)= d^T X: d (R, O) row stride ldd, X (R, I) row stride ldx;
+// db (O) (+)= colsum(d). tmp: O*R + O*I floats.
+static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc,
+                        const float *d, int64_t ldd, const float *X, int64_t ldx,
+                        int64_t R, int64_t O, int64_t I, float *tmp, int nt) {
+    float *dT = tmp, *out = tmp + O * R;
+    transpose_rows(dT, d, ldd, R, O);
+    gemm_rows(kt, out, I, dT, R, X, ldx, NULL, O, R, I, nt);
+    for (int64_t i = 0; i < O * I; i++) store_f(dW + i, out[i], acc);
+    if (db)
+        for (int64_t o = 0; o < O; o++) {
+            double s = 0.0;
+            for (int64_t r = 0; r < R; r++) s += dT[o * R + r];
+            store_f(db + o, s, acc);
+        }
+}
+
+// dX (view, rows in the view's order) (+)= d (R, O) W (O, I).
+static void grad_input(const mha__kernels *kt, mha_tensor *gx, bool acc, const float *d,
+                       int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
+                       float *tmp, int nt) {
+    gemm_rows(kt, tmp, I, d, ldd, W, I, NULL, R, O, I, nt);
+    const int64_t d1 = gx->ndim == 3 ? gx->shape[1] : 1, s1 = gx->ndim == 3 ? gx->stride[1] : 0;
+    const bool f64 = gx->dtype == MHA_F64;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t off = (r / d1) * gx->stride[0] + (r % d1) * s1;
+        for (int64_t i = 0; i < I; i++) {
+            int64_t o = off + i * gx->stride[gx->ndim - 1];
+            if (f64) {
+                double *p = (double *)gx->data + o;
+                *p = acc ? *p + tmp[r * I + i] : tmp[r * I + i];
+            } else {
+                store_f((float *)gx->data + o, tmp[r * I + i], acc);
+            }
+        }
+    }
+}
+
+mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
+                               mha_tensor *gv, mha_module *grads, const mha_module *m,
+                               const mha_forward_args *a, const mha_tensor *gout,
+                               bool acc) {
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const int64_t kd = p->kdim, vd = p->vdim, Rmax = Rq > Rk ? Rq : Rk;
+    const int nt = p->nthreads;
+    const bool seq_first = p->unbatched || !m->cfg.batch_first, sp = p->self_packed;
+    const int64_t W3 = sp ? 3 * E : E;  // row stride of q (and k, v when packed)
+    const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
+    // Scratch, floats, one block:
+    const size_t sf = mha__flash_scratch_floats(d, d) > mha__flash_bwd_scratch_floats(d, d)
+                          ? mha__flash_scratch_floats(d, d)
+                          : mha__flash_bwd_scratch_floats(d, d);
+    size_t n_x = (size_t)(Rq * E + Rk * (kd + vd));          // gathered inputs
+    size_t n_w = (size_t)(E * (E + kd + vd) + E * E);         // W^T's
+    size_t n_qkv = (size_t)(sp ? Rq * 3 * E : Rq * E + 2 * Rk * E);
+    size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * H * nx * d + 2 * H * nx * d);
+    size_t n_tmp = (size_t)(3 * E * Rmax + 3 * E * Fmax + Rmax * Fmax);
+    size_t total = n_x + n_w + 2 * n_qkv + n_att + n_tmp + sf * (size_t)nt;
+    size_t bytes;
+    if (mha__mul_overflow_size(total, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "fused backward: scratch size overflows");
+    float *blk = malloc(bytes ? bytes : 1);
+    if (!blk)
+        return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for %zu bytes", bytes);
+    float *xq = blk, *xk = xq + Rq * E, *xv = xk + Rk * kd;
+    float *wt = xv + Rk * vd, *wo = wt + E * (E + kd + vd);
+    float *qkv = wo + E * E, *dqkv = qkv + n_qkv;
+    float *ctx = dqkv + n_qkv, *dctx = ctx + Rq * E, *dy = dctx + Rq * E;
+    float *lse = dy + Rq * E, *dsum = lse + 2 * N * H * L;  // lse: (m, 1/l) rows
+    float *dextra = dsum + N * H * L, *extra = dextra + 2 * N * H * nx * d;
+    float *tmp = extra + 2 * H * nx * d, *scratch = tmp + n_tmp;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + 2 * E : NULL;
+
+    // Forward: inputs as rows, projections, attention with the row stats.
+    int64_t ldq = E, ldk = kd, ldv = vd;
+    const float *Xq = xq, *Xk = xk, *Xv = xv;
+    if (rows_direct(a->query, &ldq)) Xq = a->query->data;
+    else gather_rows(xq, a->query), ldq = E;
+    if (rows_direct(a->key, &ldk)) Xk = a->key->data;
+    else gather_rows(xk, a->key), ldk = kd;
+    if (rows_direct(a->value, &ldv)) Xv = a->value->data;
+    else gather_rows(xv, a->value), ldv = vd;
+    float *q = qkv, *k = sp ? qkv + E : qkv + Rq * E, *v = sp ? qkv + 2 * E : k + Rk * E;
+    float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E, *dv = sp ? dqkv + 2 * E : dk + Rk * E;
+    const int64_t ldkv = sp ? 3 * E : E;
+    if (sp) {
+        transpose(wt, m->in_proj_weight, 3 * E, E);
+        gemm_rows(kt, qkv, 3 * E, Xq, ldq, wt, 3 * E, bq, Rq, E, 3 * E, nt);
+    } else {
+        float *wq = wt, *wk = wt + E * E, *wv = wk + kd * E;
+        transpose(wq, m->q_weight, E, E);
+        transpose(wk, m->k_weight, E, kd);
+        transpose(wv, m->v_weight, E, vd);
+        gemm_rows(kt, q, E, Xq, ldq, wq, E, bq, Rq, E, E, nt);
+        gemm_rows(kt, k, E, Xk, ldk, wk, E, bk, Rk, kd, E, nt);
+        gemm_rows(kt, v, E, Xv, ldv, wv, E, bv, Rk, vd, E, nt);
+    }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t x = 0; x < nx; x++)
+            for (int64_t c = 0; c < d; c++) {
+                bool bias_row = m->cfg.add_bias_kv && x == 0;
+                extra[(h * nx + x) * d + c] = bias_row ? m->bias_k[h * d + c] : 0.0f;
+                extra[(H * nx + h * nx + x) * d + c] = bias_row ? m->bias_v[h * d + c] : 0.0f;
+            }
+    rowmap qm = {q, W3, seq_first, N, L}, km = {k, ldkv, seq_first, N, sp ? L : S},
+           vm = {v, ldkv, seq_first, N, sp ? L : S}, cm = {ctx, E, seq_first, N, L},
+           dcm = {dctx, E, seq_first, N, L}, dqm = {dq, W3, seq_first, N, L},
+           dkm = {dk, ldkv, seq_first, N, sp ? L : S}, dvm = {dv, ldkv, seq_first, N, sp ? L : S};
+    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+    const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC + (nx > 0);
+    const float scale = (float)(1.0 / sqrt((double)d));
+#define HEAD(b, h)                                                                       \
+    (mha__flash_head) {                                                                  \
+        .q = head_row0(&qm, b, h * d), .q_rs = head_rs(&qm), .k = head_row0(&km, b, h * d), \
+        .k_rs = head_rs(&km), .v = head_row0(&vm, b, h * d), .v_rs = head_rs(&vm),       \
+        .xk = extra + h * nx * d, .xv = extra + (H + h) * nx * d, .nx = nx,              \
+        .o = head_row0(&cm, b, h * d), .o_rs = head_rs(&cm), .stats = lse + 2 * (b * H + h) * L, \
+        .L = L, .S = S, .D = d, .Dv = d, .scale = scale, .mask = &p->mask,               \
+        .drop = mha__plan_drop(p), .b = b, .h = h,                                       \
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < N * H * tiles; it++) {
+        int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        mha__flash_head fh = HEAD(b, h);
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = i0 + MHA__FLASH_BR < L ? i0 + MHA__FLASH_BR : L;
+        mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
+    }
+
+    // dy = dY * drop_o (rows in the query's order); dctx = dy Wo.
+    {
+        const int64_t d1 = gout->ndim == 3 ? gout->shape[1] : 1,
+                      s1 = gout->ndim == 3 ? gout->stride[1] : 0;
+        for (int64_t r = 0; r < Rq; r++) {
+            mha__mat row = {(char *)gout->data + ((r / d1) * gout->stride[0] + (r % d1) * s1) *
+                                                     (int64_t)mha_dtype_size(gout->dtype),
+                            gout->dtype == MHA_F64, 0, gout->stride[gout->ndim - 1]};
+            int64_t i0 = r / d1, i1 = r % d1;
+            int64_t n = seq_first ? i1 : i0, t = seq_first ? i0 : i1;
+            if (p->unbatched) n = 0, t = r;
+            for (int64_t e = 0; e < E; e++) {
+                float g = (float)mha__ld(row, 0, e);
+                if (p->out_p > 0.0f)
+                    g *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
+                dy[r * E + e] = g;
+            }
+        }
+    }
+    gemm_rows(kt, dctx, E, dy, E, m->out_weight, E, NULL, Rq, E, E, nt);
+    // Attention backward: pass B (Dsum and dq per query tile), then pass A.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < N * H * tiles; it++) {
+        int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        mha__flash_head fh = HEAD(b, h);
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = i0 + MHA__FLASH_BR < L ? i0 + MHA__FLASH_BR : L;
+        mha__flash_bwd_q(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L, i0,
+                         i1, head_row0(&dqm, b, h * d) + i0 * head_rs(&dqm), head_rs(&dqm),
+                         scratch + (size_t)tid * sf);
+    }
+    // Pass A: dk, dv per key tile (reads Dsum).
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < N * H * ktiles; it++) {
+        int64_t bh = it / ktiles, kt_i = it % ktiles, b = bh / H, h = bh % H;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        mha__flash_head fh = HEAD(b, h);
+        int64_t j0 = kt_i * MHA__FLASH_BC, n;
+        float *dkp, *dvp;
+        int64_t rs;
+        if (j0 >= S) {  // the appended keys: per (b, h), reduced below
+            j0 = S;
+            n = nx;
+            dkp = dextra + bh * nx * d;
+            dvp = dextra + (N * H + bh) * nx * d;
+            rs = d;
+        } else {
+            n = S - j0 < MHA__FLASH_BC ? S - j0 : MHA__FLASH_BC;
+            dkp = head_row0(&dkm, b, h * d) + j0 * head_rs(&dkm);
+            dvp = head_row0(&dvm, b, h * d) + j0 * head_rs(&dvm);
+            rs = head_rs(&dkm);
+        }
+        mha__flash_bwd_kv(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L, j0,
+                          n, dkp, rs, dvp, rs, scratch + (size_t)tid * sf);
+    }
+#undef HEAD
+
+    // Parameter gradients.
+    if (grads) {
+        float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
+              *gbv = gbq ? gbq + 2 * E : NULL;
+        grad_weight(kt, grads->out_weight, grads->out_bias, acc, dy, E, ctx, E, Rq, E, E, tmp, nt);
+        if (sp) {
+            // dWin (3E, E) = dqkv^T X; dbin = colsum(dqkv)
+            grad_weight(kt, grads->in_proj_weight, gbq, acc, dqkv, 3 * E, Xq, ldq, Rq, 3 * E, E,
+                        tmp, nt);
+        } else {
+            grad_weight(kt, grads->q_weight, gbq, acc, dq, E, Xq, ldq, Rq, E, E, tmp, nt);
+            grad_weight(kt, grads->k_weight, gbk, acc, dk, E, Xk, ldk, Rk, E, kd, tmp, nt);
+            grad_weight(kt, grads->v_weight, gbv, acc, dv, E, Xv, ldv, Rk, E, vd, tmp, nt);
+        }
+        if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t c = 0; c < d; c++) {
+                    double sk = 0.0, sv = 0.0;
+                    for (int64_t b = 0; b < N; b++) {
+                        sk += dextra[(b * H + h) * nx * d + c];
+                        sv += dextra[(N * H + b * H + h) * nx * d + c];
+                    }
+                    store_f(grads->bias_k + h * d + c, sk, acc);
+                    store_f(grads->bias_v + h * d + c, sv, acc);
+                }
+    }
+    // Input gradients: dX = d W (self-attention: each part separately, as
+    // the API returns grad_query, grad_key, grad_value).
+    if (gq) grad_input(kt, gq, acc, dq, W3, m->q_weight, Rq, E, E, tmp, nt);
+    if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, E, kd, tmp, nt);
+    if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, E, vd, tmp, nt);
+    free(blk);
+    return MHA_OK;
 }

@@ -54,6 +54,11 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                            const mha_forward_args *a);
 void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a, char *ws);
+// The fused backward (allocates its own scratch).
+mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
+                               mha_tensor *gv, mha_module *grads, const mha_module *m,
+                               const mha_forward_args *a, const mha_tensor *gout,
+                               bool accumulate);
 
 // Step 1 of the forward: q (N, L, E), k and v (N, Sp, E) from the inputs,
 // with bias_k/bias_v and the zero key/value appended.

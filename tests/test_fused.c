@@ -143,7 +143,7 @@ static void one_case(int id) {
     mha_module_destroy(m);
 }
 
-// 1, 2 and 8 threads: bit-identical output and weights.
+// 1, 2 and 8 threads: bit-identical output, weights and gradients.
 static void test_threads(void) {
     enum { E = 96, H = 4, L = 200, N = 2 };
     mha_config c;
@@ -163,18 +163,33 @@ static void test_threads(void) {
     a.need_weights = true;
     a.impl = MHA_IMPL_FUSED;
     const int threads[3] = {1, 2, 8};
+    static float gx[3][L * N * E];
+    mha_module *g[3];
     for (int r = 0; r < 3; r++) {
 #ifdef _OPENMP
         omp_set_num_threads(threads[r]);
 #endif
         mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, 3, (int64_t[]){L, N, E});
         mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, 3, (int64_t[]){N, L, L});
+        mha_tensor gt = mha_tensor_contiguous(gx[r], MHA_F32, 3, (int64_t[]){L, N, E});
         CHECK_OK(mha_forward(&yt, &wt, m, &a));
+        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+        CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], m, &a, &xt, false));  // dY = x
     }
     for (int r = 1; r < 3; r++) {
         CHECKF(memcmp(y[0], y[r], sizeof y[0]) == 0, "fused output: 1 vs %d threads", threads[r]);
         CHECKF(memcmp(w[0], w[r], sizeof w[0]) == 0, "fused weights: 1 vs %d threads", threads[r]);
+        CHECKF(memcmp(gx[0], gx[r], sizeof gx[0]) == 0, "fused grad_query: 1 vs %d threads",
+               threads[r]);
+        for (int i = 0; i < mha_module_num_params(g[0]); i++) {
+            mha_param p0, pr;
+            CHECK_OK(mha_module_param_at(&p0, g[0], i));
+            CHECK_OK(mha_module_param_at(&pr, g[r], i));
+            CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0,
+                   "fused grad %s: 1 vs %d threads", p0.name, threads[r]);
+        }
     }
+    for (int r = 0; r < 3; r++) mha_module_destroy(g[r]);
 #ifdef _OPENMP
     omp_set_num_threads(2);
 #endif

@@ -94,6 +94,14 @@ static void test_softmax(const mha__kernels *k, const mha__kernels *g) {
         k->scale_row(y1, n, 0.37f);
         g->scale_row(y2, n, 0.37f);
         CHECK(memcmp(y1, y2, (size_t)n * 4) == 0);
+        for (int64_t j = 0; j < n; j++) y1[j] = y2[j] = j % 5 == 1 ? -INFINITY : 30.0f * frand();
+        k->exp_shift(y1, n, 2.5f);
+        g->exp_shift(y2, n, 2.5f);
+        double e = 0;
+        for (int64_t j = 0; j < n; j++) e = fmax(e, fabs((double)y1[j] - y2[j]) / (fabs(y2[j]) + 1e-30));
+        CHECKF(e < 4e-7, "%s exp_shift n %lld: max rel diff %g", k->isa, (long long)n, e);
+        k->exp_shift(y1, n, -INFINITY);
+        for (int64_t j = 0; j < n; j++) CHECK(y1[j] == 0.0f);
     }
 }
 

@@ -163,11 +163,22 @@ static void scale_row(float *y, int64_t n, float a) {
     }
 }
 
+static void exp_shift(float *x, int64_t n, float c) {
+    const __m256 vc = _mm256_set1_ps(c);
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i k = tail_mask(n - j);
+        __m256 e = c == -INFINITY ? _mm256_setzero_ps()
+                                  : exp256(_mm256_sub_ps(_mm256_maskload_ps(x + j, k), vc));
+        _mm256_maskstore_ps(x + j, k, e);
+    }
+}
+
 void mha__kernels_fill_avx2(mha__kernels *k) {
     k->isa = "avx2";
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
+    k->exp_shift = exp_shift;
 }
 #endif

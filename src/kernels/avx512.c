@@ -144,11 +144,22 @@ static void scale_row(float *y, int64_t n, float a) {
     }
 }
 
+static void exp_shift(float *x, int64_t n, float c) {
+    const __m512 vc = _mm512_set1_ps(c);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = tail_mask(n - j);
+        __m512 e = c == -INFINITY ? _mm512_setzero_ps()
+                                  : exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), vc));
+        _mm512_mask_storeu_ps(x + j, k, e);
+    }
+}
+
 void mha__kernels_fill_avx512(mha__kernels *k) {
     k->isa = "avx512";
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
+    k->exp_shift = exp_shift;
 }
 #endif

@@ -48,10 +48,19 @@ static void scale_row(float *y, int64_t n, float a) {
     for (int64_t j = 0; j < n; j++) y[j] *= a;
 }
 
+static void exp_shift(float *x, int64_t n, float c) {
+    if (c == -INFINITY) {
+        for (int64_t j = 0; j < n; j++) x[j] = 0.0f;
+        return;
+    }
+    for (int64_t j = 0; j < n; j++) x[j] = expf(x[j] - c);
+}
+
 void mha__kernels_fill_generic(mha__kernels *k) {
     k->isa = "scalar";
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
+    k->exp_shift = exp_shift;
 }

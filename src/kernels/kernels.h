@@ -40,6 +40,9 @@ typedef struct mha__kernels {
     float (*softmax_update)(float *x, int64_t n, float *m, float *l);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
+    // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf
+    // (a fully masked row) gives 0 everywhere.
+    void (*exp_shift)(float *x, int64_t n, float c);
 } mha__kernels;
 
 // The table chosen for this process (filled on first use, thread-safe).
