@@ -141,7 +141,9 @@ MHA_API uint16_t mha_f32_to_bf16(float f);
 // Implementations
 
 typedef enum mha_impl {
-    MHA_IMPL_AUTO = 0,       // the best available: fused where it applies
+    MHA_IMPL_AUTO = 0,       // fused for float32 inputs without a trace,
+                             // else reference; the environment variable
+                             // MHA_IMPL=reference|fused overrides it
     MHA_IMPL_REFERENCE = 1,  // plain loops, full score matrix, double: the
                              // oracle
     MHA_IMPL_FUSED = 2,      // tiled online-softmax attention (never stores

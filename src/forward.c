@@ -368,7 +368,21 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                          (long long)p->N, (long long)p->L, (long long)p->S,
                          (long long)p->E);
     p->ws_bytes = total + 64;  // + 64: the caller's block may be unaligned
-    if (a->impl == MHA_IMPL_FUSED) return mha__fused_plan(p, m, a);
+    // auto: the fused path where it applies (float32 inputs, no trace),
+    // else the reference; MHA_IMPL=reference|fused in the environment
+    // overrides auto.
+    bool f32 = a->query->dtype == MHA_F32 && a->key->dtype == MHA_F32 &&
+               a->value->dtype == MHA_F32;
+    mha_impl impl = a->impl;
+    if (impl == MHA_IMPL_AUTO) {
+        const char *env = getenv("MHA_IMPL");
+        mha_impl forced;
+        impl = (f32 && !a->trace) ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        // (an unknown name is ignored; the log callback hears about it)
+        if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK)
+            impl = forced;
+    }
+    if (impl == MHA_IMPL_FUSED) return mha__fused_plan(p, m, a);
     return MHA_OK;
 }
 
