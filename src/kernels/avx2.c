@@ -23,43 +23,45 @@ static inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), idx);
 }
 
-static inline __attribute__((always_inline)) void ukr(int mr, int64_t K,
-                                                      const float *A, int64_t lda,
-                                                      const float *B, int64_t ldb,
-                                                      float *C, int64_t ldc,
-                                                      __m256i m0, __m256i m1) {
-    __m256 c0[MR], c1[MR];
-    for (int r = 0; r < MR; r++) c0[r] = c1[r] = _mm256_setzero_ps();
+// C[0:6, 0:nr] += A[0:6, 0:K] B[0:K, 0:nr], nr <= 16: 12 accumulators in
+// named registers (an array would be spilled).
+#define ROW_FMA(r)                                                            \
+    do {                                                                      \
+        const __m256 a = _mm256_broadcast_ss(A + (r) * lda + k);              \
+        c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                            \
+        c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                            \
+    } while (0)
+#define ROW_STORE(r)                                                          \
+    do {                                                                      \
+        float *c = C + (r) * ldc;                                             \
+        _mm256_maskstore_ps(c, m0, _mm256_add_ps(_mm256_maskload_ps(c, m0), c##r##0)); \
+        _mm256_maskstore_ps(c + 8, m1, _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), c##r##1)); \
+    } while (0)
+
+static void ukr6(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                 float *C, int64_t ldc, __m256i m0, __m256i m1) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t k = 0; k < K; k++) {
         const __m256 b0 = _mm256_maskload_ps(B + k * ldb, m0);
         const __m256 b1 = _mm256_maskload_ps(B + k * ldb + 8, m1);
-        for (int r = 0; r < MR; r++) {
-            if (r < mr) {
-                const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
-                c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-                c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
-            }
-        }
+        ROW_FMA(0); ROW_FMA(1); ROW_FMA(2); ROW_FMA(3); ROW_FMA(4); ROW_FMA(5);
     }
-    for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-            float *c = C + r * ldc;
-            _mm256_maskstore_ps(c, m0, _mm256_add_ps(_mm256_maskload_ps(c, m0), c0[r]));
-            _mm256_maskstore_ps(c + 8, m1, _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), c1[r]));
-        }
-    }
+    ROW_STORE(0); ROW_STORE(1); ROW_STORE(2); ROW_STORE(3); ROW_STORE(4); ROW_STORE(5);
 }
 
-#define UKR(n)                                                                   \
-    static void ukr##n(int64_t K, const float *A, int64_t lda, const float *B,   \
-                       int64_t ldb, float *C, int64_t ldc, __m256i m0,           \
-                       __m256i m1) {                                             \
-        ukr(n, K, A, lda, B, ldb, C, ldc, m0, m1);                               \
+// One row: the edge of M (fewer than 6 rows left).
+static void ukr1(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                 float *C, int64_t ldc, __m256i m0, __m256i m1) {
+    (void)ldc;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00;
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_maskload_ps(B + k * ldb, m0);
+        const __m256 b1 = _mm256_maskload_ps(B + k * ldb + 8, m1);
+        ROW_FMA(0);
     }
-UKR(1) UKR(2) UKR(3) UKR(4) UKR(5) UKR(6)
-typedef void (*ukr_fn)(int64_t, const float *, int64_t, const float *, int64_t,
-                       float *, int64_t, __m256i, __m256i);
-static const ukr_fn ukrs[MR + 1] = {NULL, ukr1, ukr2, ukr3, ukr4, ukr5, ukr6};
+    ROW_STORE(0);
+}
 
 static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
                         const float *B, int64_t ldb, int64_t M, int64_t N,
@@ -69,11 +71,17 @@ static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             int64_t kc = K - k0 < KC ? K - k0 : KC;
             for (int64_t i0 = 0; i0 < M; i0 += MR) {
-                int mr = (int)(M - i0 < MR ? M - i0 : MR);
+                int64_t mr = M - i0 < MR ? M - i0 : MR;
                 for (int64_t j1 = 0; j1 < nc; j1 += NR) {
                     int64_t nr = nc - j1;
-                    ukrs[mr](kc, A + i0 * lda + k0, lda, B + k0 * ldb + j0 + j1, ldb,
-                             C + i0 * ldc + j0 + j1, ldc, tail_mask(nr), tail_mask(nr - 8));
+                    const float *Ab = A + i0 * lda + k0, *Bb = B + k0 * ldb + j0 + j1;
+                    float *Cb = C + i0 * ldc + j0 + j1;
+                    if (mr == MR)
+                        ukr6(kc, Ab, lda, Bb, ldb, Cb, ldc, tail_mask(nr), tail_mask(nr - 8));
+                    else
+                        for (int64_t r = 0; r < mr; r++)
+                            ukr1(kc, Ab + r * lda, lda, Bb, ldb, Cb + r * ldc, ldc,
+                                 tail_mask(nr), tail_mask(nr - 8));
                 }
             }
         }

@@ -23,47 +23,51 @@ static inline __mmask16 tail_mask(int64_t n) {  // lanes [0, n) of 16
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u);
 }
 
-// C[0:mr, 0:nr] += A[0:mr, 0:K] B[0:K, 0:nr], nr <= 32.
-static inline __attribute__((always_inline)) void ukr(int mr, int64_t K,
-                                                      const float *A, int64_t lda,
-                                                      const float *B, int64_t ldb,
-                                                      float *C, int64_t ldc,
-                                                      __mmask16 m0, __mmask16 m1) {
-    __m512 c0[MR], c1[MR];
-    for (int r = 0; r < MR; r++) c0[r] = c1[r] = _mm512_setzero_ps();
+// C[0:8, 0:nr] += A[0:8, 0:K] B[0:K, 0:nr], nr <= 32: 16 accumulators in
+// named registers (an array would be spilled), B rows loaded under the
+// column masks m0, m1.
+#define ROW_FMA(r)                                                            \
+    do {                                                                      \
+        const __m512 a = _mm512_set1_ps(A[(r) * lda + k]);                    \
+        c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);                            \
+        c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);                            \
+    } while (0)
+#define ROW_STORE(r)                                                          \
+    do {                                                                      \
+        float *c = C + (r) * ldc;                                             \
+        _mm512_mask_storeu_ps(c, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), c##r##0)); \
+        _mm512_mask_storeu_ps(c + 16, m1,                                     \
+                              _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), c##r##1)); \
+    } while (0)
+
+static void ukr8(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                 float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00,
+           c61 = c00, c70 = c00, c71 = c00;
     for (int64_t k = 0; k < K; k++) {
         const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
         const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
-        for (int r = 0; r < MR; r++) {
-            if (r < mr) {
-                const __m512 a = _mm512_set1_ps(A[r * lda + k]);
-                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
-                c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
-            }
-        }
+        ROW_FMA(0); ROW_FMA(1); ROW_FMA(2); ROW_FMA(3);
+        ROW_FMA(4); ROW_FMA(5); ROW_FMA(6); ROW_FMA(7);
     }
-    for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-            float *c = C + r * ldc;
-            _mm512_mask_storeu_ps(c, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), c0[r]));
-            _mm512_mask_storeu_ps(c + 16, m1,
-                                  _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), c1[r]));
-        }
-    }
+    ROW_STORE(0); ROW_STORE(1); ROW_STORE(2); ROW_STORE(3);
+    ROW_STORE(4); ROW_STORE(5); ROW_STORE(6); ROW_STORE(7);
 }
 
-// One specialised micro-kernel per row count.
-#define UKR(n)                                                                   \
-    static void ukr##n(int64_t K, const float *A, int64_t lda, const float *B,   \
-                       int64_t ldb, float *C, int64_t ldc, __mmask16 m0,         \
-                       __mmask16 m1) {                                           \
-        ukr(n, K, A, lda, B, ldb, C, ldc, m0, m1);                               \
+// One row: the edge of M (fewer than 8 rows left).
+static void ukr1(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                 float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+    (void)lda;
+    (void)ldc;
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00;
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
+        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
+        ROW_FMA(0);
     }
-UKR(1) UKR(2) UKR(3) UKR(4) UKR(5) UKR(6) UKR(7) UKR(8)
-typedef void (*ukr_fn)(int64_t, const float *, int64_t, const float *, int64_t,
-                       float *, int64_t, __mmask16, __mmask16);
-static const ukr_fn ukrs[MR + 1] = {NULL, ukr1, ukr2, ukr3, ukr4,
-                                    ukr5, ukr6, ukr7, ukr8};
+    ROW_STORE(0);
+}
 
 static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
                         const float *B, int64_t ldb, int64_t M, int64_t N,
@@ -73,11 +77,17 @@ static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             int64_t kc = K - k0 < KC ? K - k0 : KC;
             for (int64_t i0 = 0; i0 < M; i0 += MR) {
-                int mr = (int)(M - i0 < MR ? M - i0 : MR);
+                int64_t mr = M - i0 < MR ? M - i0 : MR;
                 for (int64_t j1 = 0; j1 < nc; j1 += NR) {
                     int64_t nr = nc - j1;
-                    ukrs[mr](kc, A + i0 * lda + k0, lda, B + k0 * ldb + j0 + j1, ldb,
-                             C + i0 * ldc + j0 + j1, ldc, tail_mask(nr), tail_mask(nr - 16));
+                    const float *Ab = A + i0 * lda + k0, *Bb = B + k0 * ldb + j0 + j1;
+                    float *Cb = C + i0 * ldc + j0 + j1;
+                    if (mr == MR)
+                        ukr8(kc, Ab, lda, Bb, ldb, Cb, ldc, tail_mask(nr), tail_mask(nr - 16));
+                    else
+                        for (int64_t r = 0; r < mr; r++)
+                            ukr1(kc, Ab + r * lda, lda, Bb, ldb, Cb + r * ldc, ldc,
+                                 tail_mask(nr), tail_mask(nr - 16));
                 }
             }
         }
