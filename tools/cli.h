@@ -10,5 +10,7 @@ int cli_fail(const char *cmd, mha_status st);
 double cli_now(void);
 
 int cmd_demo(int argc, char **argv);
+int cmd_train(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
 
 #endif

@@ -2,6 +2,8 @@
 //
 //   mha init     write freshly initialised parameters
 //   mha forward  run the module on tensors from a safetensors file
+//   mha backward its gradients for every input and parameter
+//   mha train    train a tiny transformer on a synthetic task (train.c)
 //   mha demo     a guided walk through one small example, then BERT-base
 //   mha info     version, implementations, threads
 //
@@ -133,6 +135,48 @@ static int cmd_init(int argc, char **argv) {
 // ---------------------------------------------------------------------------
 // mha forward
 
+// A tensor read from a file into float32 (or bool) memory we own.
+typedef struct cli_tensor {
+    mha_tensor view;
+    void *buf;
+} cli_tensor;
+
+// Loads input `name` of file `path` if present. kind 0: float data (-> F32);
+// kind 1: a mask (BOOL/U8 -> BOOL, float -> F32). Returns 0, or 1 after
+// printing the error.
+static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
+                      const char *cmd, const char *path, const char *name,
+                      int kind) {
+    memset(out, 0, sizeof *out);
+    *found = false;
+    mha_st_tensor t;
+    mha_status st = mha_st_find(&t, f, name);
+    if (st == MHA_ERR_NOT_FOUND) return 0;
+    if (st) return cli_fail(cmd, st);
+    mha_dtype to = MHA_F32;
+    bool is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 ||
+                    t.dtype == MHA_BF16 || t.dtype == MHA_F64;
+    if (kind == 1 && (t.dtype == MHA_BOOL || t.dtype == MHA_U8)) {
+        to = MHA_BOOL;
+    } else if (!is_float) {
+        fprintf(stderr, "mha %s: %s: \"%s\" has dtype %s (expected F32, "
+                "F16, BF16 or F64%s)\n", cmd, path, name, mha_dtype_name(t.dtype),
+                kind == 1 ? ", or BOOL/U8 for a mask" : "");
+        return 1;
+    }
+    size_t bytes = (size_t)t.numel * mha_dtype_size(to);
+    out->buf = malloc(bytes ? bytes : 1);
+    if (!out->buf) {
+        fprintf(stderr, "mha %s: %s: out of memory for \"%s\" (%zu bytes)\n",
+                cmd, path, name, bytes);
+        return 1;
+    }
+    if ((st = mha_st_read(out->buf, bytes, to, &t))) return cli_fail(cmd, st);
+    out->view = mha_tensor_contiguous(out->buf, to, t.ndim, t.shape);
+    *found = true;
+    return 0;
+}
+
 static const char *forward_help =
     "Usage: mha forward --weights W.safetensors --inputs X.safetensors\n"
     "                   --out Y.safetensors [options]\n"
@@ -151,173 +195,259 @@ static const char *forward_help =
     "  --add-zero-attn      append a zero key/value\n"
     "  --need-weights       also write attn_output_weights (mean over heads)\n"
     "  --no-average-weights per-head weights (N, H, L, S)\n"
-    "  --impl NAME          auto (default) or reference\n"
+    "  --impl NAME          auto (default), reference or fused\n"
+    "  --dropout P          dropout on the attention weights (with --train)\n"
+    "  --out-dropout P      dropout after the output projection (with --train)\n"
+    "  --train              training mode: apply dropout (default: eval)\n"
+    "  --seed N             dropout seed (Philox4x32-10 key; default 0)\n"
+    "  --dropout-offset N   dropout offset (Philox counter; default 0)\n"
     "A query row whose keys are all masked gets weights 0 and output\n"
     "out_proj.bias.\n";
 
-// A tensor read from a file into float32 (or bool) memory we own.
-typedef struct cli_tensor {
-    mha_tensor view;
-    void *buf;
-} cli_tensor;
+static const char *backward_help =
+    "Usage: mha backward --weights W.safetensors --inputs X.safetensors\n"
+    "                    --grad-output G.safetensors --out grads.safetensors\n"
+    "                    [the forward's options]\n"
+    "Gradients of nn.MultiheadAttention's forward. G holds grad_attn_output\n"
+    "(the shape of attn_output). The output holds attn_output, grad_query,\n"
+    "grad_key, grad_value and grad_<name> for every parameter (e.g.\n"
+    "grad_in_proj_weight, grad_out_proj.weight, grad_bias_k). When key and\n"
+    "value are absent (self-attention) grad_key and grad_value are still the\n"
+    "parts through the key and value paths: the input's gradient is the sum\n"
+    "of the three. Dropout masks (--train) are regenerated from --seed and\n"
+    "--dropout-offset, as in the forward with the same options.\n";
 
-// Loads input `name` of file `path` if present. kind 0: float data (-> F32);
-// kind 1: a mask (BOOL/U8 -> BOOL, float -> F32). Returns 0, or 1 after
-// printing the error.
-static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
-                      const char *path, const char *name, int kind) {
-    memset(out, 0, sizeof *out);
-    *found = false;
-    mha_st_tensor t;
-    mha_status st = mha_st_find(&t, f, name);
-    if (st == MHA_ERR_NOT_FOUND) return 0;
-    if (st) return cli_fail("forward", st);
-    mha_dtype to = MHA_F32;
-    bool is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 ||
-                    t.dtype == MHA_BF16 || t.dtype == MHA_F64;
-    if (kind == 1 && (t.dtype == MHA_BOOL || t.dtype == MHA_U8)) {
-        to = MHA_BOOL;
-    } else if (!is_float) {
-        fprintf(stderr, "mha forward: %s: \"%s\" has dtype %s (expected F32, "
-                "F16, BF16 or F64%s)\n", path, name, mha_dtype_name(t.dtype),
-                kind == 1 ? ", or BOOL/U8 for a mask" : "");
-        return 1;
-    }
-    size_t bytes = (size_t)t.numel * mha_dtype_size(to);
-    out->buf = malloc(bytes ? bytes : 1);
-    if (!out->buf) {
-        fprintf(stderr, "mha forward: %s: out of memory for \"%s\" (%zu bytes)\n",
-                path, name, bytes);
-        return 1;
-    }
-    if ((st = mha_st_read(out->buf, bytes, to, &t))) return cli_fail("forward", st);
-    out->view = mha_tensor_contiguous(out->buf, to, t.ndim, t.shape);
-    *found = true;
-    return 0;
+// One `mha forward` / `mha backward` run: options, files, and everything
+// loaded from them. Freed by run_free.
+typedef struct run {
+    const char *cmd;
+    const char *wpath, *xpath, *ypath, *gpath;
+    mha_config base;
+    mha_forward_args a;
+    mha_st_file *wf, *xf, *gf;
+    mha_module *m;
+    cli_tensor in[5];
+    float *bufs[8];  // outputs we allocate
+    int nbufs;
+    mha_st_writer *wr;
+} run;
+
+static void run_free(run *r) {
+    mha_st_writer_destroy(r->wr);
+    for (int i = 0; i < r->nbufs; i++) free(r->bufs[i]);
+    for (int i = 0; i < 5; i++) free(r->in[i].buf);
+    mha_module_destroy(r->m);
+    mha_st_close(r->gf);
+    mha_st_close(r->xf);
+    mha_st_close(r->wf);
 }
 
-static int cmd_forward(int argc, char **argv) {
+// A zeroed float buffer of n elements owned by r (NULL after printing an
+// error).
+static float *run_alloc(run *r, int64_t n) {
+    float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+    if (!p) fprintf(stderr, "mha %s: out of memory for %lld floats\n", r->cmd, (long long)n);
+    else r->bufs[r->nbufs++] = p;
+    return p;
+}
+
+// Parses the options shared by forward and backward. Returns -1 to go on,
+// else the exit status.
+static int run_parse(run *r, bool backward, int argc, char **argv) {
     static const struct option opts[] = {
         {"weights", required_argument, 0, 'w'},   {"inputs", required_argument, 0, 'x'},
         {"out", required_argument, 0, 'o'},       {"num-heads", required_argument, 0, 'n'},
         {"batch-first", no_argument, 0, 'b'},     {"causal", no_argument, 0, 'c'},
         {"add-zero-attn", no_argument, 0, 'z'},   {"need-weights", no_argument, 0, 'W'},
         {"no-average-weights", no_argument, 0, 'A'}, {"impl", required_argument, 0, 'i'},
-        {"help", no_argument, 0, 'h'},            {0, 0, 0, 0}};
-    const char *wpath = NULL, *xpath = NULL, *ypath = NULL;
-    mha_config base;
-    mha_config_init(&base, 0, 0);
-    mha_forward_args a;
-    mha_forward_args_init(&a);
+        {"dropout", required_argument, 0, 'd'},   {"out-dropout", required_argument, 0, 'D'},
+        {"train", no_argument, 0, 't'},           {"seed", required_argument, 0, 's'},
+        {"dropout-offset", required_argument, 0, 'O'},
+        {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    const char *cmd = r->cmd;
+    mha_config_init(&r->base, 0, 0);
+    mha_forward_args_init(&r->a);
     bool no_avg = false;
+    int64_t v;
+    double f;
     int c;
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         mha_status st;
         switch (c) {
-        case 'w': wpath = optarg; break;
-        case 'x': xpath = optarg; break;
-        case 'o': ypath = optarg; break;
-        case 'n':
-            if (parse_i64(optarg, &base.num_heads) || base.num_heads <= 0)
-                return usage_error("forward", "--num-heads needs a positive integer");
+        case 'w': r->wpath = optarg; break;
+        case 'x': r->xpath = optarg; break;
+        case 'o': r->ypath = optarg; break;
+        case 'g':
+            if (!backward) return usage_error(cmd, "--grad-output is for mha backward");
+            r->gpath = optarg;
             break;
-        case 'b': base.batch_first = true; break;
-        case 'c': a.is_causal = true; break;
-        case 'z': base.add_zero_attn = true; break;
-        case 'W': a.need_weights = true; break;
+        case 'n':
+            if (parse_i64(optarg, &r->base.num_heads) || r->base.num_heads <= 0)
+                return usage_error(cmd, "--num-heads needs a positive integer");
+            break;
+        case 'b': r->base.batch_first = true; break;
+        case 'c': r->a.is_causal = true; break;
+        case 'z': r->base.add_zero_attn = true; break;
+        case 'W': r->a.need_weights = true; break;
         case 'A': no_avg = true; break;
         case 'i':
-            if ((st = mha_impl_from_name(&a.impl, optarg))) return cli_fail("forward", st);
+            if ((st = mha_impl_from_name(&r->a.impl, optarg))) return cli_fail(cmd, st);
             break;
-        case 'h': fputs(forward_help, stdout); return 0;
-        default: return usage_error("forward", "unknown or incomplete option");
+        case 'd':
+        case 'D':
+            if (parse_f64(optarg, &f) || !(f >= 0.0 && f < 1.0))
+                return usage_error(cmd, "--dropout and --out-dropout need P in [0, 1)");
+            *(c == 'd' ? &r->base.dropout : &r->base.out_dropout) = (float)f;
+            break;
+        case 't': r->a.training = true; break;
+        case 's':
+        case 'O':
+            if (parse_i64(optarg, &v) || v < 0)
+                return usage_error(cmd, "--seed and --dropout-offset need a non-negative integer");
+            *(c == 's' ? &r->a.dropout_seed : &r->a.dropout_offset) = (uint64_t)v;
+            break;
+        case 'h': fputs(backward ? backward_help : forward_help, stdout); return 0;
+        default: return usage_error(cmd, "unknown or incomplete option");
         }
     }
-    if (optind < argc) return usage_error("forward", "unexpected argument");
-    if (!wpath || !xpath || !ypath)
-        return usage_error("forward", "--weights, --inputs and --out are required");
-    if (no_avg && !a.need_weights)
-        return usage_error("forward", "--no-average-weights needs --need-weights");
-    a.average_attn_weights = !no_avg;
+    if (optind < argc) return usage_error(cmd, "unexpected argument");
+    if (!r->wpath || !r->xpath || !r->ypath || (backward && !r->gpath))
+        return usage_error(cmd, backward ? "--weights, --inputs, --grad-output and "
+                                           "--out are required"
+                                         : "--weights, --inputs and --out are required");
+    if (no_avg && !r->a.need_weights)
+        return usage_error(cmd, "--no-average-weights needs --need-weights");
+    r->a.average_attn_weights = !no_avg;
+    return -1;
+}
 
-    int rc = 1;
-    mha_st_file *wf = NULL, *xf = NULL;
-    mha_module *m = NULL;
-    cli_tensor in[5];
-    memset(in, 0, sizeof in);
-    float *yo = NULL, *yw = NULL;
-    mha_st_writer *wr = NULL;
-    mha_status st;
-    if ((st = mha_st_open(&wf, wpath))) goto fail;
-    if ((st = mha_module_load(&m, wf, &base))) goto fail;
-    if ((st = mha_st_open(&xf, xpath))) goto fail;
+// Loads the module and the inputs into r->a. Returns 0, or 1 after printing.
+static int run_load(run *r) {
     static const char *names[5] = {"query", "key", "value", "key_padding_mask",
                                    "attn_mask"};
+    const char *cmd = r->cmd, *xpath = r->xpath;
+    mha_status st;
+    if ((st = mha_st_open(&r->wf, r->wpath)) || (st = mha_module_load(&r->m, r->wf, &r->base)) ||
+        (st = mha_st_open(&r->xf, xpath)))
+        return cli_fail(cmd, st);
     bool found[5];
     for (int i = 0; i < 5; i++)
-        if (load_input(&in[i], &found[i], xf, xpath, names[i], i >= 3)) goto cleanup;
-    for (int64_t i = 0; i < mha_st_num_tensors(xf); i++) {
+        if (load_input(&r->in[i], &found[i], r->xf, cmd, xpath, names[i], i >= 3)) return 1;
+    for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
         mha_st_tensor t;
-        if ((st = mha_st_tensor_at(&t, xf, i))) goto fail;
+        if ((st = mha_st_tensor_at(&t, r->xf, i))) return cli_fail(cmd, st);
         bool known = false;
         for (int j = 0; j < 5; j++) known |= strcmp(t.name, names[j]) == 0;
         if (!known) {
             char qn[128];
-            fprintf(stderr, "mha forward: %s: unexpected tensor %s (inputs are "
-                    "query, key, value, key_padding_mask, attn_mask)\n", xpath,
+            fprintf(stderr, "mha %s: %s: unexpected tensor %s (inputs are query, key, "
+                    "value, key_padding_mask, attn_mask)\n", cmd, xpath,
                     mha_escape(qn, sizeof qn, t.name));
-            goto cleanup;
+            return 1;
         }
     }
     if (!found[0]) {
-        fprintf(stderr, "mha forward: %s: no \"query\" tensor\n", xpath);
-        goto cleanup;
+        fprintf(stderr, "mha %s: %s: no \"query\" tensor\n", cmd, xpath);
+        return 1;
     }
     if (found[1] != found[2]) {
-        fprintf(stderr, "mha forward: %s: has \"%s\" but no \"%s\" (give both, or "
-                "neither for self-attention)\n", xpath, found[1] ? "key" : "value",
+        fprintf(stderr, "mha %s: %s: has \"%s\" but no \"%s\" (give both, or neither "
+                "for self-attention)\n", cmd, xpath, found[1] ? "key" : "value",
                 found[1] ? "value" : "key");
-        goto cleanup;
+        return 1;
     }
-    a.query = &in[0].view;
-    a.key = found[1] ? &in[1].view : &in[0].view;
-    a.value = found[2] ? &in[2].view : &in[0].view;
-    a.key_padding_mask = found[3] ? &in[3].view : NULL;
-    a.attn_mask = found[4] ? &in[4].view : NULL;
+    r->a.query = &r->in[0].view;
+    r->a.key = found[1] ? &r->in[1].view : &r->in[0].view;
+    r->a.value = found[2] ? &r->in[2].view : &r->in[0].view;
+    r->a.key_padding_mask = found[3] ? &r->in[3].view : NULL;
+    r->a.attn_mask = found[4] ? &r->in[4].view : NULL;
+    return 0;
+}
+
+static int64_t shape_numel(const mha_shape *s) {
+    int64_t n = 1;
+    for (int i = 0; i < s->ndim; i++) n *= s->dims[i];
+    return n;
+}
+
+// Runs the forward; writes attn_output (and the weights) into r->wr.
+static int run_forward_into(run *r) {
     mha_shape os, wsh;
-    if ((st = mha_forward_shapes(&os, &wsh, m, &a))) goto fail;
-    int64_t on = 1, wn = 1;
-    for (int i = 0; i < os.ndim; i++) on *= os.dims[i];
-    for (int i = 0; i < wsh.ndim; i++) wn *= wsh.dims[i];
-    yo = malloc((size_t)(on ? on : 1) * sizeof(float));
-    yw = a.need_weights ? malloc((size_t)(wn ? wn : 1) * sizeof(float)) : NULL;
-    if (!yo || (a.need_weights && !yw)) {
-        fprintf(stderr, "mha forward: out of memory for the outputs\n");
-        goto cleanup;
-    }
+    mha_status st = mha_forward_shapes(&os, &wsh, r->m, &r->a);
+    if (st) return cli_fail(r->cmd, st);
+    float *yo = run_alloc(r, shape_numel(&os));
+    float *yw = r->a.need_weights ? run_alloc(r, shape_numel(&wsh)) : NULL;
+    if (!yo || (r->a.need_weights && !yw)) return 1;
     mha_tensor ot = mha_tensor_contiguous(yo, MHA_F32, os.ndim, os.dims);
     mha_tensor wt = mha_tensor_contiguous(yw, MHA_F32, wsh.ndim, wsh.dims);
-    if ((st = mha_forward(&ot, a.need_weights ? &wt : NULL, m, &a))) goto fail;
-    if ((st = mha_st_writer_create(&wr))) goto fail;
-    if ((st = mha_st_writer_add(wr, "attn_output", MHA_F32, os.ndim, os.dims, yo))) goto fail;
-    if (a.need_weights &&
-        (st = mha_st_writer_add(wr, "attn_output_weights", MHA_F32, wsh.ndim, wsh.dims, yw)))
-        goto fail;
-    if ((st = mha_st_writer_save(wr, ypath))) goto fail;
-    rc = 0;
-    goto cleanup;
-fail:
-    rc = cli_fail("forward", st);
-cleanup:
-    mha_st_writer_destroy(wr);
-    free(yo);
-    free(yw);
-    for (int i = 0; i < 5; i++) free(in[i].buf);
-    mha_module_destroy(m);
-    mha_st_close(xf);
-    mha_st_close(wf);
+    if ((st = mha_forward(&ot, r->a.need_weights ? &wt : NULL, r->m, &r->a)) ||
+        (st = mha_st_writer_add(r->wr, "attn_output", MHA_F32, os.ndim, os.dims, yo)) ||
+        (r->a.need_weights &&
+         (st = mha_st_writer_add(r->wr, "attn_output_weights", MHA_F32, wsh.ndim,
+                                 wsh.dims, yw))))
+        return cli_fail(r->cmd, st);
+    return 0;
+}
+
+// Runs the backward; writes grad_query/key/value and grad_<param>.
+static int run_backward_into(run *r) {
+    const char *cmd = r->cmd;
+    mha_status st;
+    if ((st = mha_st_open(&r->gf, r->gpath))) return cli_fail(cmd, st);
+    mha_st_tensor gt;
+    if ((st = mha_st_find(&gt, r->gf, "grad_attn_output"))) return cli_fail(cmd, st);
+    if (gt.dtype != MHA_F32 && gt.dtype != MHA_F16 && gt.dtype != MHA_BF16 &&
+        gt.dtype != MHA_F64) {
+        fprintf(stderr, "mha %s: %s: grad_attn_output has dtype %s (expected a float "
+                "type)\n", cmd, r->gpath, mha_dtype_name(gt.dtype));
+        return 1;
+    }
+    float *g = run_alloc(r, gt.numel);
+    if (!g) return 1;
+    if ((st = mha_st_read(g, (size_t)gt.numel * sizeof(float), MHA_F32, &gt)))
+        return cli_fail(cmd, st);
+    mha_tensor gv = mha_tensor_contiguous(g, MHA_F32, gt.ndim, gt.shape);
+    const mha_tensor *ins[3] = {r->a.query, r->a.key, r->a.value};
+    static const char *gnames[3] = {"grad_query", "grad_key", "grad_value"};
+    mha_tensor gin[3];
+    for (int i = 0; i < 3; i++) {
+        float *b = run_alloc(r, mha_tensor_numel(ins[i]));
+        if (!b) return 1;
+        gin[i] = mha_tensor_contiguous(b, MHA_F32, ins[i]->ndim, ins[i]->shape);
+    }
+    mha_module *grads = NULL;
+    if ((st = mha_module_create(&grads, mha_module_config(r->m)))) return cli_fail(cmd, st);
+    st = mha_backward(&gin[0], &gin[1], &gin[2], grads, r->m, &r->a, &gv, false);
+    for (int i = 0; i < 3 && !st; i++)
+        st = mha_st_writer_add(r->wr, gnames[i], MHA_F32, gin[i].ndim, gin[i].shape,
+                               gin[i].data);
+    for (int i = 0; i < mha_module_num_params(grads) && !st; i++) {
+        mha_param p;
+        char name[128];
+        if ((st = mha_module_param_at(&p, grads, i))) break;
+        snprintf(name, sizeof name, "grad_%s", p.name);
+        st = mha_st_writer_add(r->wr, name, MHA_F32, p.ndim, p.shape, p.data);
+    }
+    mha_module_destroy(grads);
+    return st ? cli_fail(cmd, st) : 0;
+}
+
+static int cmd_run(const char *cmd, bool backward, int argc, char **argv) {
+    run r;
+    memset(&r, 0, sizeof r);
+    r.cmd = cmd;
+    int rc = run_parse(&r, backward, argc, argv);
+    if (rc >= 0) return rc;
+    mha_status st;
+    rc = run_load(&r);
+    if (!rc && (st = mha_st_writer_create(&r.wr))) rc = cli_fail(cmd, st);
+    if (!rc) rc = run_forward_into(&r);
+    if (!rc && backward) rc = run_backward_into(&r);
+    if (!rc && (st = mha_st_writer_save(r.wr, r.ypath))) rc = cli_fail(cmd, st);
+    run_free(&r);
     return rc;
 }
 
@@ -330,7 +460,8 @@ static int cmd_info(int argc, char **argv) {
         return 0;
     }
     printf("mha %s\n", mha_version());
-    printf("implementations: reference (plain loops, the oracle); auto -> reference\n");
+    printf("implementations: reference (plain loops in double, the oracle), fused (tiled,\n"
+           "  SIMD kernels: %s); auto -> fused (reference for a trace or float64)\n", mha_isa());
 #ifdef _OPENMP
     printf("threads: %d (OpenMP; set OMP_NUM_THREADS)\n", omp_get_max_threads());
 #else
@@ -346,6 +477,9 @@ static const char *main_help =
     "  demo      a guided walk through multi-head attention, step by step\n"
     "  init      write freshly initialised parameters (safetensors)\n"
     "  forward   run the module on tensors from a safetensors file\n"
+    "  backward  gradients of the forward for every input and parameter\n"
+    "  train     train a tiny transformer on a synthetic task\n"
+    "  bench     time the module or the attention core (GFLOP/s, peak)\n"
     "  info      version, implementations, threads\n"
     "  version   print the version\n";
 
@@ -364,8 +498,11 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (!strcmp(cmd, "init")) return cmd_init(argc - 1, argv + 1);
-    if (!strcmp(cmd, "forward")) return cmd_forward(argc - 1, argv + 1);
+    if (!strcmp(cmd, "forward")) return cmd_run("forward", false, argc - 1, argv + 1);
+    if (!strcmp(cmd, "backward")) return cmd_run("backward", true, argc - 1, argv + 1);
+    if (!strcmp(cmd, "train")) return cmd_train(argc - 1, argv + 1);
     if (!strcmp(cmd, "demo")) return cmd_demo(argc - 1, argv + 1);
+    if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "info")) return cmd_info(argc - 1, argv + 1);
     fprintf(stderr, "mha: unknown command \"%s\" (see mha --help)\n", cmd);
     return 2;

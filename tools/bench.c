@@ -1,0 +1,739 @@
+// bench.c: `mha bench`, the timing of the module (projections included)
+// or, with --core, of the attention core alone (mha_sdpa on projected
+// (B, H, L, d) tensors), on this machine, with:
+//  - the median, min and max of --repeat runs after one warm-up run;
+//  - GFLOP/s under a stated dense count (causal counts as dense);
+//  - the fraction of this machine's fp32 FMA peak, measured in the same
+//    process by a small kernel of independent FMA chains (AVX-512,
+//    AVX2+FMA or plain C, whichever the CPU has) on the same threads;
+//  - the process's peak memory (max RSS).
+// It also says which implementation actually ran: the public API does not
+// report it, so a tiny probe compares the requested implementation's output
+// bit for bit with the reference's and the fused one's (they differ in the
+// last bits: the reference computes in double).
+//
+// What it deliberately does not do: sliding windows (the library has none
+// yet: --window is rejected), a backward of the core (mha_sdpa has none),
+// or any comparison with PyTorch (bench/bench_torch.py and bench/compare.sh
+// do that from the --json lines).
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define BENCH_X86 1
+#endif
+
+#include "cli.h"
+
+static const char *bench_help =
+    "Usage: mha bench --batch B --seq L [--kv-seq S] --embed-dim E\n"
+    "                 --num-heads H [options]\n"
+    "Times nn.MultiheadAttention's forward (projections included;\n"
+    "batch_first (B, L, E) inputs, self-attention unless --kv-seq differs\n"
+    "from --seq, no need_weights) or, with --core, the attention core alone\n"
+    "(mha_sdpa on contiguous (B, H, L, d) / (B, H, S, d) tensors, d = E/H).\n"
+    "Prints the median time, GFLOP/s (dense count, stated), the fraction of\n"
+    "this machine's fp32 FMA peak (measured here, on the same threads) and\n"
+    "the process's max RSS.\n"
+    "  --batch B          batch size (default 1)\n"
+    "  --seq L            query length\n"
+    "  --kv-seq S         key/value length (default L)\n"
+    "  --embed-dim E      model dimension\n"
+    "  --num-heads H      heads (must divide E)\n"
+    "  --causal           hide keys j > i (FLOPs still counted dense)\n"
+    "  --window W         sliding window: not implemented yet (rejected)\n"
+    "  --backward         time forward + backward (mha_backward: gradients\n"
+    "                     of the inputs and of every parameter)\n"
+    "  --core             the attention core alone (mha_sdpa)\n"
+    "  --threads T        OpenMP threads (default: OMP_NUM_THREADS or all)\n"
+    "  --impl NAME        auto (default), reference or fused\n"
+    "  --isa NAME         force the fused kernels' ISA: scalar, avx2, avx512\n"
+    "                     (sets MHA_ISA; an ISA the CPU lacks is ignored)\n"
+    "  --repeat N         timed runs (default 5)\n"
+    "  --warmup N         untimed runs first (default 1)\n"
+    "  --workspace        allocate the forward's scratch once\n"
+    "                     (mha_forward_ex) instead of per call (mha_forward)\n"
+    "  --seed N           seed of the random inputs and weights (default 0)\n"
+    "  --json             one JSON object per line instead of the text block\n"
+    "FLOP count (dense, kdim = vdim = E): module forward = 2BLE^2 (Q proj)\n"
+    "+ 2BS(2E)E (K, V proj) + 2BLE^2 (out proj) + 4BLSE (QK^T and PV); core\n"
+    "= 4BLSE. Causal runs are counted as dense. --backward counts the\n"
+    "backward as 2x the forward (3x the forward in all).\n"
+    "The implementation that ran (impl_ran, backward_impl) is found by a probe\n"
+    "on a tiny problem: its output compared bit for bit with the reference's\n"
+    "and the fused path's.\n";
+
+#define BENCH_MAX_REPEAT 100000
+
+typedef struct bench_opts {
+    int64_t B, L, S, E, H;
+    bool causal, backward, core, json, workspace;
+    int64_t window;  // 0: none
+    int threads;     // 0: the default
+    mha_impl impl;
+    const char *isa;
+    int64_t repeat, warmup;
+    uint64_t seed;
+} bench_opts;
+
+static int bench_usage(const char *msg) {
+    fprintf(stderr, "mha bench: %s (see mha bench --help)\n", msg);
+    return 2;
+}
+
+// Strict integer parsing: the whole string, in [lo, hi].
+static int parse_int(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+// ---------------------------------------------------------------------------
+// The machine's fp32 FMA peak: 12 independent chains acc = acc * m + c per
+// thread (enough to cover an FMA latency of 4 cycles on two pipes), with
+// constants that keep acc near 1 (no denormals, no overflow).
+
+#define FMA_CHAINS 12
+
+static volatile float g_sink;
+
+#ifdef BENCH_X86
+#define FMA12(FMADD)                                                          \
+    a0 = FMADD(a0, m, c); a1 = FMADD(a1, m, c); a2 = FMADD(a2, m, c);         \
+    a3 = FMADD(a3, m, c); a4 = FMADD(a4, m, c); a5 = FMADD(a5, m, c);         \
+    a6 = FMADD(a6, m, c); a7 = FMADD(a7, m, c); a8 = FMADD(a8, m, c);         \
+    a9 = FMADD(a9, m, c); a10 = FMADD(a10, m, c); a11 = FMADD(a11, m, c)
+
+__attribute__((target("avx512f"))) static double fma_avx512(int64_t iters) {
+    __m512 a0 = _mm512_set1_ps(0.1f), a1 = _mm512_set1_ps(0.2f),
+           a2 = _mm512_set1_ps(0.3f), a3 = _mm512_set1_ps(0.4f),
+           a4 = _mm512_set1_ps(0.5f), a5 = _mm512_set1_ps(0.6f),
+           a6 = _mm512_set1_ps(0.7f), a7 = _mm512_set1_ps(0.8f),
+           a8 = _mm512_set1_ps(0.9f), a9 = _mm512_set1_ps(1.1f),
+           a10 = _mm512_set1_ps(1.2f), a11 = _mm512_set1_ps(1.3f);
+    const __m512 m = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(1e-4f);
+    for (int64_t i = 0; i < iters; i++) { FMA12(_mm512_fmadd_ps); }
+    __m512 s = _mm512_add_ps(
+        _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+        _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9),
+                                       _mm512_add_ps(a10, a11)));
+    g_sink = _mm512_reduce_add_ps(s);
+    return (double)iters * FMA_CHAINS * 16 * 2;
+}
+
+__attribute__((target("avx2,fma"))) static double fma_avx2(int64_t iters) {
+    __m256 a0 = _mm256_set1_ps(0.1f), a1 = _mm256_set1_ps(0.2f),
+           a2 = _mm256_set1_ps(0.3f), a3 = _mm256_set1_ps(0.4f),
+           a4 = _mm256_set1_ps(0.5f), a5 = _mm256_set1_ps(0.6f),
+           a6 = _mm256_set1_ps(0.7f), a7 = _mm256_set1_ps(0.8f),
+           a8 = _mm256_set1_ps(0.9f), a9 = _mm256_set1_ps(1.1f),
+           a10 = _mm256_set1_ps(1.2f), a11 = _mm256_set1_ps(1.3f);
+    const __m256 m = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(1e-4f);
+    for (int64_t i = 0; i < iters; i++) { FMA12(_mm256_fmadd_ps); }
+    __m256 s = _mm256_add_ps(
+        _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+        _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9),
+                                       _mm256_add_ps(a10, a11)));
+    float t[8];
+    _mm256_storeu_ps(t, s);
+    g_sink = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+    return (double)iters * FMA_CHAINS * 8 * 2;
+}
+#endif
+
+// Portable fallback: a multiply and an add per element (2 FLOP), 12 chains
+// of 8 lanes the compiler may vectorise with whatever the build targets.
+static double fma_scalar(int64_t iters) {
+    float a[FMA_CHAINS][8];
+    for (int j = 0; j < FMA_CHAINS; j++)
+        for (int l = 0; l < 8; l++) a[j][l] = 0.1f * (float)(j + 1) + 0.01f * (float)l;
+    const float m = 0.9999f, c = 1e-4f;
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < FMA_CHAINS; j++)
+            for (int l = 0; l < 8; l++) a[j][l] = a[j][l] * m + c;
+    float s = 0;
+    for (int j = 0; j < FMA_CHAINS; j++)
+        for (int l = 0; l < 8; l++) s += a[j][l];
+    g_sink = s;
+    return (double)iters * FMA_CHAINS * 8 * 2;
+}
+
+typedef double (*fma_fn)(int64_t iters);
+
+static fma_fn fma_pick(const char **name) {
+#ifdef BENCH_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) { *name = "avx512"; return fma_avx512; }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        *name = "avx2";
+        return fma_avx2;
+    }
+#endif
+    *name = "scalar";
+    return fma_scalar;
+}
+
+// GFLOP/s of nt threads each running ~0.1 s of FMA chains: the best of 3
+// parallel runs (the machine may be shared), each the FLOPs of all threads
+// over the wall time of the whole parallel region.
+static double peak_gflops(int nt, const char **isa) {
+    fma_fn fn = fma_pick(isa);
+    int64_t iters = 1 << 14;
+    double t = 0;
+    for (;;) {  // calibrate on one thread: a run of at least 10 ms
+        double t0 = cli_now();
+        fn(iters);
+        t = cli_now() - t0;
+        if (t >= 0.01 || iters > ((int64_t)1 << 40)) break;
+        iters *= 4;
+    }
+    iters = (int64_t)((double)iters * 0.1 / (t > 0 ? t : 1e-3)) + 1;
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double flops = 0, t0 = cli_now();
+#pragma omp parallel num_threads(nt) reduction(+ : flops)
+        flops += fn(iters);
+        double gf = flops / (cli_now() - t0) * 1e-9;
+        if (gf > best) best = gf;
+    }
+    return best;
+}
+
+// ---------------------------------------------------------------------------
+// Buffers and random data
+
+// splitmix64: a seeded, portable stream of uniform floats in [-1, 1).
+static uint64_t mix_next(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void fill_uniform(float *x, int64_t n, uint64_t *s) {
+    for (int64_t i = 0; i < n; i++)
+        x[i] = (float)((double)(mix_next(s) >> 40) * 0x1p-23 - 1.0);
+}
+
+// Every buffer the benchmark allocates, freed together.
+typedef struct bench_bufs {
+    void *p[64];
+    int n;
+    double bytes;  // total, for the memory report
+    bool failed;   // an allocation failed (reported once)
+} bench_bufs;
+
+// n floats (64-byte aligned, written so the pages are resident and counted
+// in the RSS before the first timed call), or NULL after printing.
+static float *bench_alloc(bench_bufs *bb, int64_t n) {
+    if (bb->failed) return NULL;
+    bb->failed = true;
+    size_t bytes;
+    if (bb->n == (int)(sizeof bb->p / sizeof bb->p[0])) {
+        fprintf(stderr, "mha bench: internal error: too many buffers\n");
+        return NULL;
+    }
+    if (n < 0 || __builtin_mul_overflow((size_t)(n > 0 ? n : 1), sizeof(float), &bytes) ||
+        bytes > SIZE_MAX - 64) {
+        fprintf(stderr, "mha bench: a buffer of %lld floats is too large\n", (long long)n);
+        return NULL;
+    }
+    bytes = (bytes + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, bytes);
+    if (!p) {
+        fprintf(stderr, "mha bench: out of memory for %.1f MiB of inputs/outputs\n",
+                (double)bytes / 1048576.0);
+        return NULL;
+    }
+    memset(p, 0, bytes);
+    bb->failed = false;
+    bb->p[bb->n++] = p;
+    bb->bytes += (double)bytes;
+    return p;
+}
+
+static void bench_free(bench_bufs *bb) {
+    for (int i = 0; i < bb->n; i++) free(bb->p[i]);
+    bb->n = 0;
+}
+
+static double max_rss_mib(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru)) return 0;
+    return (double)ru.ru_maxrss / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+// ---------------------------------------------------------------------------
+// The problems: one module (or core) problem with its tensors, run once.
+
+typedef struct problem {
+    const bench_opts *o;
+    bool self;  // key = value = query (S == L)
+    mha_module *m, *grads;
+    mha_forward_args a;
+    mha_tensor q, k, v, out, gout, gq, gk, gv;
+    void *ws;
+    size_t ws_bytes;
+    mha_sdpa_args sa;
+} problem;
+
+static void problem_free(problem *p) {
+    mha_module_destroy(p->grads);
+    mha_module_destroy(p->m);
+    free(p->ws);
+    memset(p, 0, sizeof *p);
+}
+
+// Allocates and fills the tensors of a problem of the options' shape (o's
+// fields B, L, S, E, H) with impl `impl`. Returns 0, or 1 after printing.
+static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
+                         mha_impl impl) {
+    memset(p, 0, sizeof *p);
+    p->o = o;
+    uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 12345;
+    const int64_t B = o->B, L = o->L, S = o->S, E = o->E, H = o->H, d = E / H;
+    mha_status st;
+    if (o->core) {
+        int64_t qs[4] = {B, H, L, d}, ks[4] = {B, H, S, d};
+        float *q = bench_alloc(bb, B * H * L * d), *k = bench_alloc(bb, B * H * S * d),
+              *v = bench_alloc(bb, B * H * S * d), *out = bench_alloc(bb, B * H * L * d);
+        if (!q || !k || !v || !out) return 1;
+        fill_uniform(q, B * H * L * d, &rng);
+        fill_uniform(k, B * H * S * d, &rng);
+        fill_uniform(v, B * H * S * d, &rng);
+        p->q = mha_tensor_contiguous(q, MHA_F32, 4, qs);
+        p->k = mha_tensor_contiguous(k, MHA_F32, 4, ks);
+        p->v = mha_tensor_contiguous(v, MHA_F32, 4, ks);
+        p->out = mha_tensor_contiguous(out, MHA_F32, 4, qs);
+        mha_sdpa_args_init(&p->sa);
+        p->sa.q = &p->q;
+        p->sa.k = &p->k;
+        p->sa.v = &p->v;
+        p->sa.is_causal = o->causal;
+        p->sa.impl = impl;
+        return 0;
+    }
+    mha_config cfg;
+    mha_config_init(&cfg, E, H);
+    cfg.batch_first = true;
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = o->seed;
+    if ((st = mha_module_create(&p->m, &cfg)) || (st = mha_module_init(p->m, &io)))
+        return cli_fail("bench", st);
+    p->self = S == L;
+    int64_t qs[3] = {B, L, E}, ks[3] = {B, S, E};
+    float *q = bench_alloc(bb, B * L * E), *out = bench_alloc(bb, B * L * E);
+    if (!q || !out) return 1;
+    fill_uniform(q, B * L * E, &rng);
+    p->q = mha_tensor_contiguous(q, MHA_F32, 3, qs);
+    p->out = mha_tensor_contiguous(out, MHA_F32, 3, qs);
+    if (p->self) {
+        p->k = p->v = p->q;
+    } else {
+        float *k = bench_alloc(bb, B * S * E), *v = bench_alloc(bb, B * S * E);
+        if (!k || !v) return 1;
+        fill_uniform(k, B * S * E, &rng);
+        fill_uniform(v, B * S * E, &rng);
+        p->k = mha_tensor_contiguous(k, MHA_F32, 3, ks);
+        p->v = mha_tensor_contiguous(v, MHA_F32, 3, ks);
+    }
+    mha_forward_args_init(&p->a);
+    p->a.query = &p->q;
+    p->a.key = p->self ? &p->q : &p->k;
+    p->a.value = p->self ? &p->q : &p->v;
+    p->a.is_causal = o->causal;
+    p->a.impl = impl;
+    if (o->workspace) {
+        if ((st = mha_forward_workspace_size(&p->ws_bytes, p->m, &p->a)))
+            return cli_fail("bench", st);
+        p->ws = malloc(p->ws_bytes ? p->ws_bytes : 1);
+        if (!p->ws) {
+            fprintf(stderr, "mha bench: out of memory for a workspace of %.1f MiB\n",
+                    (double)p->ws_bytes / 1048576.0);
+            return 1;
+        }
+        memset(p->ws, 0, p->ws_bytes);
+    }
+    if (o->backward) {
+        float *g = bench_alloc(bb, B * L * E), *gq = bench_alloc(bb, B * L * E),
+              *gk = bench_alloc(bb, B * S * E), *gv = bench_alloc(bb, B * S * E);
+        if (!g || !gq || !gk || !gv) return 1;
+        fill_uniform(g, B * L * E, &rng);
+        p->gout = mha_tensor_contiguous(g, MHA_F32, 3, qs);
+        p->gq = mha_tensor_contiguous(gq, MHA_F32, 3, qs);
+        p->gk = mha_tensor_contiguous(gk, MHA_F32, 3, ks);
+        p->gv = mha_tensor_contiguous(gv, MHA_F32, 3, ks);
+        if ((st = mha_module_create(&p->grads, mha_module_config(p->m))))
+            return cli_fail("bench", st);
+    }
+    return 0;
+}
+
+// One run: the forward (and the backward), or the core.
+static mha_status problem_run(problem *p) {
+    mha_status st;
+    if (p->o->core) return mha_sdpa(&p->out, NULL, &p->sa);
+    if (p->ws) st = mha_forward_ex(&p->out, NULL, p->m, &p->a, p->ws, p->ws_bytes);
+    else st = mha_forward(&p->out, NULL, p->m, &p->a);
+    if (st || !p->o->backward) return st;
+    return mha_backward(&p->gq, &p->gk, &p->gv, p->grads, p->m, &p->a, &p->gout, false);
+}
+
+// ---------------------------------------------------------------------------
+// Which implementation ran: the library does not say, so run the requested
+// one, the reference and the fused one on a tiny problem of the same kind
+// and compare the outputs bit for bit (the reference computes in double,
+// the fused path in float: they differ in the last bits).
+
+typedef struct probe_out {
+    float *fwd;  // the forward's (or the core's) output
+    float *bwd;  // grad_query, with --backward
+    int64_t nf, nb;
+} probe_out;
+
+// Runs the tiny problem with impl; *unsupported is set when the library
+// refused the impl (MHA_ERR_UNSUPPORTED). Returns 0, or 1 after printing.
+static int probe_run(probe_out *po, bench_bufs *bb, const bench_opts *o, mha_impl impl,
+                     bool *unsupported, char *why, size_t why_cap) {
+    bench_opts t = *o;
+    t.B = 1;
+    t.H = 2;
+    t.E = 32;
+    t.L = 17;
+    t.S = o->S == o->L ? 17 : 19;
+    t.workspace = false;
+    problem p;
+    int rc = problem_setup(&p, bb, &t, impl);
+    if (rc) {
+        problem_free(&p);
+        return rc;
+    }
+    mha_status st = problem_run(&p);
+    *unsupported = st == MHA_ERR_UNSUPPORTED;
+    if (*unsupported) snprintf(why, why_cap, "%s", mha_last_error());
+    if (st && !*unsupported) {
+        problem_free(&p);
+        return cli_fail("bench", st);
+    }
+    po->fwd = p.out.data;
+    po->nf = mha_tensor_numel(&p.out);
+    po->bwd = o->backward && !o->core ? p.gq.data : NULL;
+    po->nb = po->bwd ? mha_tensor_numel(&p.gq) : 0;
+    problem_free(&p);
+    return 0;
+}
+
+// "reference", "fused" or "unknown": which of the two x equals, bit for bit.
+static const char *probe_match(const float *x, const float *ref, const float *fus,
+                               int64_t n) {
+    if (!x) return "unknown";
+    if (ref && memcmp(x, ref, (size_t)n * sizeof *x) == 0) return "reference";
+    if (fus && memcmp(x, fus, (size_t)n * sizeof *x) == 0) return "fused";
+    return "unknown";
+}
+
+// Sets *fwd_ran and *bwd_ran to the implementations that ran for impl.
+// Returns 0; 1 after printing an error; 3 when the library refused impl
+// (message in why).
+static int probe_impl(const char **fwd_ran, const char **bwd_ran, const bench_opts *o,
+                      char *why, size_t why_cap) {
+    bench_bufs bb = {0};
+    probe_out want = {0}, ref = {0}, fus = {0};
+    bool unsup = false, fus_unsup = false, ref_unsup = false;
+    char tmp[256];
+    int rc = probe_run(&want, &bb, o, o->impl, &unsup, why, why_cap);
+    if (!rc && unsup) rc = 3;
+    if (!rc) rc = probe_run(&ref, &bb, o, MHA_IMPL_REFERENCE, &ref_unsup, tmp, sizeof tmp);
+    if (!rc) rc = probe_run(&fus, &bb, o, MHA_IMPL_FUSED, &fus_unsup, tmp, sizeof tmp);
+    if (!rc) {
+        *fwd_ran = probe_match(want.fwd, ref_unsup ? NULL : ref.fwd,
+                               fus_unsup ? NULL : fus.fwd, want.nf);
+        *bwd_ran = want.bwd ? probe_match(want.bwd, ref_unsup ? NULL : ref.bwd,
+                                          fus_unsup ? NULL : fus.bwd, want.nb)
+                            : "none";
+    }
+    bench_free(&bb);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------
+// Options
+
+static int bench_parse(bench_opts *o, int argc, char **argv) {
+    static const struct option opts[] = {
+        {"batch", required_argument, 0, 'b'},     {"seq", required_argument, 0, 'l'},
+        {"kv-seq", required_argument, 0, 's'},    {"embed-dim", required_argument, 0, 'e'},
+        {"num-heads", required_argument, 0, 'n'}, {"causal", no_argument, 0, 'c'},
+        {"window", required_argument, 0, 'w'},    {"backward", no_argument, 0, 'B'},
+        {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
+        {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
+        {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
+        {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
+        {"warmup", required_argument, 0, 'u'},    {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    memset(o, 0, sizeof *o);
+    o->B = 1;
+    o->repeat = 5;
+    o->warmup = 1;
+    o->impl = MHA_IMPL_AUTO;
+    const int64_t big = (int64_t)1 << 31;
+    int64_t v;
+    int c;
+    opterr = 0;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'b': if (parse_int(optarg, 1, big, &o->B)) return bench_usage("--batch needs a positive integer"); break;
+        case 'l': if (parse_int(optarg, 1, big, &o->L)) return bench_usage("--seq needs a positive integer"); break;
+        case 's': if (parse_int(optarg, 1, big, &o->S)) return bench_usage("--kv-seq needs a positive integer"); break;
+        case 'e': if (parse_int(optarg, 1, big, &o->E)) return bench_usage("--embed-dim needs a positive integer"); break;
+        case 'n': if (parse_int(optarg, 1, big, &o->H)) return bench_usage("--num-heads needs a positive integer"); break;
+        case 'c': o->causal = true; break;
+        case 'w': if (parse_int(optarg, 1, big, &o->window)) return bench_usage("--window needs a positive integer"); break;
+        case 'B': o->backward = true; break;
+        case 'C': o->core = true; break;
+        case 't':
+            if (parse_int(optarg, 1, 4096, &v)) return bench_usage("--threads needs an integer in [1, 4096]");
+            o->threads = (int)v;
+            break;
+        case 'i':
+            if (mha_impl_from_name(&o->impl, optarg)) {
+                char q[80];
+                fprintf(stderr, "mha bench: unknown --impl %s (available: auto, reference, fused)\n",
+                        mha_escape(q, sizeof q, optarg));
+                return 2;
+            }
+            break;
+        case 'I':
+            if (strcmp(optarg, "scalar") && strcmp(optarg, "avx2") && strcmp(optarg, "avx512")) {
+                char q[80];
+                fprintf(stderr, "mha bench: unknown --isa %s (available: scalar, avx2, avx512)\n",
+                        mha_escape(q, sizeof q, optarg));
+                return 2;
+            }
+            o->isa = optarg;
+            break;
+        case 'r':
+            if (parse_int(optarg, 1, BENCH_MAX_REPEAT, &o->repeat))
+                return bench_usage("--repeat needs an integer in [1, 100000]");
+            break;
+        case 'u':
+            if (parse_int(optarg, 0, BENCH_MAX_REPEAT, &o->warmup))
+                return bench_usage("--warmup needs an integer in [0, 100000]");
+            break;
+        case 'j': o->json = true; break;
+        case 'W': o->workspace = true; break;
+        case 'S':
+            if (parse_int(optarg, 0, INT64_MAX, &v)) return bench_usage("--seed needs a non-negative integer");
+            o->seed = (uint64_t)v;
+            break;
+        case 'h': fputs(bench_help, stdout); return 0;
+        default: return bench_usage("unknown or incomplete option");
+        }
+    }
+    if (optind < argc) return bench_usage("unexpected argument");
+    if (!o->L || !o->E || !o->H) return bench_usage("--seq, --embed-dim and --num-heads are required");
+    if (!o->S) o->S = o->L;
+    if (o->E % o->H) {
+        fprintf(stderr, "mha bench: --embed-dim %lld is not divisible by --num-heads %lld\n",
+                (long long)o->E, (long long)o->H);
+        return 2;
+    }
+    if (o->window) {
+        fprintf(stderr, "mha bench: --window: sliding-window attention is not implemented "
+                "yet in libmha\n");
+        return 2;
+    }
+    if (o->core && o->backward) {
+        fprintf(stderr, "mha bench: --core --backward: mha_sdpa has no backward (time the "
+                "module's forward + backward without --core)\n");
+        return 2;
+    }
+    if (o->core && o->workspace) return bench_usage("--workspace is for the module, not --core");
+    // Every tensor has at most max(L, S) * B * E floats; keep that within
+    // what int64_t and size_t hold.
+    int64_t n;
+    if (__builtin_mul_overflow(o->B, o->L > o->S ? o->L : o->S, &n) ||
+        __builtin_mul_overflow(n, o->E, &n) || n > ((int64_t)1 << 40)) {
+        fprintf(stderr, "mha bench: batch x seq x embed_dim is too large\n");
+        return 2;
+    }
+    return -1;
+}
+
+// ---------------------------------------------------------------------------
+// Output
+
+typedef struct bench_result {
+    double median, min, max;  // ms
+    double flops, gflops, peak, rss_before, rss_max, inputs_mib;
+    const char *isa, *peak_isa, *fwd_ran, *bwd_ran;
+    int threads;
+} bench_result;
+
+static const char *flop_note(const bench_opts *o) {
+    if (o->core)
+        return o->causal ? "core dense 4BLSE (QK^T + PV); causal counted as dense"
+                         : "core dense 4BLSE (QK^T + PV)";
+    if (o->backward)
+        return o->causal ? "module forward dense 4BLE^2 + 4BSE^2 + 4BLSE (projections "
+                           "+ QK^T + PV), x3 for forward + backward (backward = 2x "
+                           "forward); causal counted as dense"
+                         : "module forward dense 4BLE^2 + 4BSE^2 + 4BLSE (projections "
+                           "+ QK^T + PV), x3 for forward + backward (backward = 2x "
+                           "forward)";
+    return o->causal ? "module forward dense 4BLE^2 + 4BSE^2 + 4BLSE (projections + "
+                       "QK^T + PV); causal counted as dense"
+                     : "module forward dense 4BLE^2 + 4BSE^2 + 4BLSE (projections + "
+                       "QK^T + PV)";
+}
+
+static void print_json(const bench_opts *o, const bench_result *r) {
+    printf("{\"what\": \"mha\", \"impl\": \"%s\", \"impl_ran\": \"%s\", "
+           "\"backward_impl\": \"%s\", \"isa\": \"%s\", \"threads\": %d, "
+           "\"batch\": %lld, \"seq\": %lld, \"kv_seq\": %lld, \"embed_dim\": %lld, "
+           "\"num_heads\": %lld, \"causal\": %s, \"backward\": %s, \"core\": %s, "
+           "\"workspace\": \"%s\", \"repeat\": %lld, \"warmup\": %lld, "
+           "\"median_ms\": %.4f, \"min_ms\": %.4f, \"max_ms\": %.4f, "
+           "\"flop_count\": %.6g, \"gflops\": %.3f, \"peak_gflops\": %.3f, "
+           "\"peak_isa\": \"%s\", \"peak_fraction\": %.4f, \"max_rss_mib\": %.1f, "
+           "\"rss_before_mib\": %.1f, \"inputs_mib\": %.1f, "
+           "\"flop_count_note\": \"%s\"}\n",
+           mha_impl_name(o->impl), r->fwd_ran, r->bwd_ran, r->isa, r->threads,
+           (long long)o->B, (long long)o->L, (long long)o->S, (long long)o->E,
+           (long long)o->H, o->causal ? "true" : "false", o->backward ? "true" : "false",
+           o->core ? "true" : "false",
+           o->core ? "n/a" : o->workspace ? "preallocated" : "per-call",
+           (long long)o->repeat, (long long)o->warmup, r->median, r->min, r->max,
+           r->flops, r->gflops,
+           r->peak, r->peak_isa, r->peak > 0 ? r->gflops / r->peak : 0.0, r->rss_max,
+           r->rss_before, r->inputs_mib, flop_note(o));
+}
+
+static void print_text(const bench_opts *o, const bench_result *r) {
+    printf("mha bench: %s, impl %s (ran: %s), fused kernels %s, %d thread%s\n",
+           o->core ? "attention core (mha_sdpa)"
+                   : o->backward ? "module forward + backward" : "module forward",
+           mha_impl_name(o->impl), r->fwd_ran, r->isa, r->threads,
+           r->threads == 1 ? "" : "s");
+    if (o->backward)
+        printf("  backward   mha_backward ran the %s implementation\n", r->bwd_ran);
+    if (o->core)
+        printf("  shape      q (%lld, %lld, %lld, %lld), k/v (%lld, %lld, %lld, %lld)%s\n",
+               (long long)o->B, (long long)o->H, (long long)o->L, (long long)(o->E / o->H),
+               (long long)o->B, (long long)o->H, (long long)o->S, (long long)(o->E / o->H),
+               o->causal ? ", causal" : "");
+    else
+        printf("  shape      batch %lld, seq %lld, kv_seq %lld, embed_dim %lld, heads %lld "
+               "(d %lld)%s%s\n", (long long)o->B, (long long)o->L, (long long)o->S,
+               (long long)o->E, (long long)o->H, (long long)(o->E / o->H),
+               o->causal ? ", causal" : "", o->S == o->L ? ", self-attention" : "");
+    printf("  time       median %.3f ms (min %.3f, max %.3f; %lld run%s after %lld "
+           "warm-up%s)\n", r->median, r->min, r->max, (long long)o->repeat,
+           o->repeat == 1 ? "" : "s", (long long)o->warmup, o->warmup == 1 ? "" : "s");
+    printf("  work       %.3f GFLOP: %s\n", r->flops * 1e-9, flop_note(o));
+    printf("  speed      %.1f GFLOP/s = %.1f%% of the measured fp32 FMA peak %.1f GFLOP/s "
+           "(%s, %d thread%s)\n", r->gflops, r->peak > 0 ? 100.0 * r->gflops / r->peak : 0.0,
+           r->peak, r->peak_isa, r->threads, r->threads == 1 ? "" : "s");
+    printf("  memory     process max RSS %.1f MiB (%.1f MiB before the first call; the "
+           "benchmark's own tensors %.1f MiB)\n", r->rss_max, r->rss_before, r->inputs_mib);
+    if (!o->core)
+        printf("  scratch    %s\n", o->workspace ? "allocated once (mha_forward_ex)"
+                                                 : "allocated by every call (mha_forward)");
+    if (o->impl == MHA_IMPL_FUSED && strcmp(r->fwd_ran, "fused") != 0)
+        printf("  note       --impl fused was accepted but the %s path ran\n", r->fwd_ran);
+}
+
+// ---------------------------------------------------------------------------
+
+int cmd_bench(int argc, char **argv) {
+    bench_opts o;
+    int rc = bench_parse(&o, argc, argv);
+    if (rc >= 0) return rc;
+    // Before any library call: the kernel table is chosen once per process.
+    if (o.isa && setenv("MHA_ISA", o.isa, 1)) {
+        fprintf(stderr, "mha bench: cannot set MHA_ISA\n");
+        return 1;
+    }
+    bench_result r;
+    memset(&r, 0, sizeof r);
+    r.threads = 1;
+#ifdef _OPENMP
+    if (o.threads) omp_set_num_threads(o.threads);
+    r.threads = omp_get_max_threads();
+#else
+    if (o.threads > 1)
+        fprintf(stderr, "mha bench: built without OpenMP: --threads %d ignored, 1 thread\n",
+                o.threads);
+#endif
+    r.isa = mha_isa();
+
+    // Which implementation runs (and whether the library accepts it).
+    char why[512] = "";
+    rc = probe_impl(&r.fwd_ran, &r.bwd_ran, &o, why, sizeof why);
+    if (rc == 3) {
+        fprintf(stderr, "mha bench: %s--impl %s is not supported here: %s\n",
+                o.core ? "--core " : "", mha_impl_name(o.impl), why);
+        return 1;
+    }
+    if (rc) return rc;
+
+    r.peak = peak_gflops(r.threads, &r.peak_isa);
+
+    bench_bufs bb = {0};
+    problem p;
+    rc = problem_setup(&p, &bb, &o, o.impl);
+    double *times = rc ? NULL : malloc((size_t)o.repeat * sizeof *times);
+    if (!rc && !times) {
+        fprintf(stderr, "mha bench: out of memory\n");
+        rc = 1;
+    }
+    r.rss_before = max_rss_mib();
+    r.inputs_mib = bb.bytes / 1048576.0;
+    mha_status st = MHA_OK;
+    for (int64_t i = 0; !rc && !st && i < o.warmup; i++) st = problem_run(&p);
+    for (int64_t i = 0; !rc && !st && i < o.repeat; i++) {
+        double t0 = cli_now();
+        st = problem_run(&p);
+        times[i] = (cli_now() - t0) * 1e3;
+    }
+    if (!rc && st) rc = cli_fail("bench", st);
+    if (!rc) {
+        r.rss_max = max_rss_mib();
+        qsort(times, (size_t)o.repeat, sizeof *times, cmp_double);
+        int64_t n = o.repeat;
+        r.median = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+        r.min = times[0];
+        r.max = times[n - 1];
+        const double B = (double)o.B, L = (double)o.L, S = (double)o.S, E = (double)o.E;
+        r.flops = o.core ? 4 * B * L * S * E
+                         : 4 * B * L * E * E + 4 * B * S * E * E + 4 * B * L * S * E;
+        if (o.backward) r.flops *= 3;
+        r.gflops = r.median > 0 ? r.flops / (r.median * 1e-3) * 1e-9 : 0;
+        if (o.json) print_json(&o, &r);
+        else print_text(&o, &r);
+    }
+    free(times);
+    problem_free(&p);
+    bench_free(&bb);
+    return rc;
+}
