@@ -41,18 +41,42 @@ static int64_t rows_of(const mha_tensor *t) {
     return t->ndim == 2 ? t->shape[0] : t->shape[0] * t->shape[1];
 }
 
+// Row r (= i0*d1 + i1) of a 2-D/3-D view, as a 1-row mat.
+static mha__mat view_row(const mha_tensor *t, int64_t r) {
+    const int64_t d1 = t->ndim == 3 ? t->shape[1] : 1, s1 = t->ndim == 3 ? t->stride[1] : 0;
+    mha__mat m = {(char *)t->data + ((r / d1) * t->stride[0] + (r % d1) * s1) *
+                                        (int64_t)mha_dtype_size(t->dtype),
+                  t->dtype == MHA_F64, 0, t->stride[t->ndim - 1]};
+    return m;
+}
+
+// The batch element n and position t of row r of a query-shaped view.
+static void row_nt(const fwd_plan *p, bool seq_first, const mha_tensor *t, int64_t r,
+                   int64_t *n, int64_t *pos) {
+    const int64_t d1 = t->ndim == 3 ? t->shape[1] : 1, i0 = r / d1, i1 = r % d1;
+    *n = p->unbatched ? 0 : (seq_first ? i1 : i0);
+    *pos = p->unbatched ? r : (seq_first ? i0 : i1);
+}
+
+// The keys appended by add_bias_kv / add_zero_attn, per head: extra
+// (H, nx, d) for k (bias_k slice, then zeros), then (H, nx, d) for v.
+static void fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx, int64_t d) {
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t x = 0; x < nx; x++)
+            for (int64_t c = 0; c < d; c++) {
+                bool bias_row = m->cfg.add_bias_kv && x == 0;
+                extra[(h * nx + x) * d + c] = bias_row ? m->bias_k[h * d + c] : 0.0f;
+                extra[(H * nx + h * nx + x) * d + c] = bias_row ? m->bias_v[h * d + c] : 0.0f;
+            }
+}
+
 // Copies a view's rows into dst (rows_of(t), F) contiguous float32.
 static void gather_rows(float *dst, const mha_tensor *t) {
     const int64_t F = t->shape[t->ndim - 1];
-    const int64_t d0 = t->shape[0], d1 = t->ndim == 3 ? t->shape[1] : 1;
-    const int64_t s1 = t->ndim == 3 ? t->stride[1] : 0;
-    for (int64_t i0 = 0; i0 < d0; i0++)
-        for (int64_t i1 = 0; i1 < d1; i1++) {
-            mha__mat row = {(char *)t->data + (i0 * t->stride[0] + i1 * s1) * 4, false, 0,
-                            t->stride[t->ndim - 1]};
-            float *d = dst + (i0 * d1 + i1) * F;
-            for (int64_t f = 0; f < F; f++) d[f] = (float)mha__ld(row, 0, f);
-        }
+    for (int64_t r = 0; r < rows_of(t); r++) {
+        mha__mat row = view_row(t, r);
+        for (int64_t f = 0; f < F; f++) dst[r * F + f] = (float)mha__ld(row, 0, f);
+    }
 }
 
 static int carve(size_t *total, size_t *off, int64_t n) {
@@ -192,13 +216,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     }
     // the appended keys per head: (nx, d) for k, then for v
     float *extra = (float *)(ws + p->f_extra);
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t x = 0; x < nx; x++)
-            for (int64_t c = 0; c < d; c++) {
-                bool bias_row = m->cfg.add_bias_kv && x == 0;
-                extra[(h * nx + x) * d + c] = bias_row ? m->bias_k[h * d + c] : 0.0f;
-                extra[(H * nx + h * nx + x) * d + c] = bias_row ? m->bias_v[h * d + c] : 0.0f;
-            }
+    fill_extra(extra, m, H, nx, d);
 
     // 2. Attention, per (b, h, tile of query rows).
     float *ctx = (float *)(ws + p->f_ctx);
@@ -272,24 +290,18 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
     if (!direct) ldo = E;
     gemm_rows(kt, y, ldo, ctx, E, wo, E, m->out_bias, Rq, E, E, nt);
-    const int64_t d1 = out->ndim == 3 ? out->shape[1] : 1;
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
-            int64_t i0 = r / d1, i1 = r % d1;  // view indices
-            int64_t n = seq_first ? i1 : i0, t = seq_first ? i0 : i1;
-            if (p->unbatched) n = 0, t = r;
+            int64_t n, t;
+            row_nt(p, seq_first, out, r, &n, &t);
             for (int64_t e = 0; e < E; e++)
                 y[r * ldo + e] *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
         }
-    if (!direct) {
-        const int64_t s1 = out->ndim == 3 ? out->stride[1] : 0;
+    if (!direct)
         for (int64_t r = 0; r < Rq; r++) {
-            mha__mat row = {(char *)out->data + ((r / d1) * out->stride[0] + (r % d1) * s1) *
-                                                    (int64_t)mha_dtype_size(out->dtype),
-                            out->dtype == MHA_F64, 0, out->stride[out->ndim - 1]};
+            mha__mat row = view_row(out, r);
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -333,19 +345,10 @@ static void grad_input(const mha__kernels *kt, mha_tensor *gx, bool acc, const f
                        int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
                        float *tmp, int nt) {
     gemm_rows(kt, tmp, I, d, ldd, W, I, NULL, R, O, I, nt);
-    const int64_t d1 = gx->ndim == 3 ? gx->shape[1] : 1, s1 = gx->ndim == 3 ? gx->stride[1] : 0;
-    const bool f64 = gx->dtype == MHA_F64;
     for (int64_t r = 0; r < R; r++) {
-        int64_t off = (r / d1) * gx->stride[0] + (r % d1) * s1;
-        for (int64_t i = 0; i < I; i++) {
-            int64_t o = off + i * gx->stride[gx->ndim - 1];
-            if (f64) {
-                double *p = (double *)gx->data + o;
-                *p = acc ? *p + tmp[r * I + i] : tmp[r * I + i];
-            } else {
-                store_f((float *)gx->data + o, tmp[r * I + i], acc);
-            }
-        }
+        mha__mat row = view_row(gx, r);
+        for (int64_t i = 0; i < I; i++)
+            mha__st(row, 0, i, (acc ? mha__ld(row, 0, i) : 0.0) + tmp[r * I + i]);
     }
 }
 
@@ -410,13 +413,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         gemm_rows(kt, k, E, Xk, ldk, wk, E, bk, Rk, kd, E, nt);
         gemm_rows(kt, v, E, Xv, ldv, wv, E, bv, Rk, vd, E, nt);
     }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t x = 0; x < nx; x++)
-            for (int64_t c = 0; c < d; c++) {
-                bool bias_row = m->cfg.add_bias_kv && x == 0;
-                extra[(h * nx + x) * d + c] = bias_row ? m->bias_k[h * d + c] : 0.0f;
-                extra[(H * nx + h * nx + x) * d + c] = bias_row ? m->bias_v[h * d + c] : 0.0f;
-            }
+    fill_extra(extra, m, H, nx, d);
     rowmap qm = {q, W3, seq_first, N, L}, km = {k, ldkv, seq_first, N, sp ? L : S},
            vm = {v, ldkv, seq_first, N, sp ? L : S}, cm = {ctx, E, seq_first, N, L},
            dcm = {dctx, E, seq_first, N, L}, dqm = {dq, W3, seq_first, N, L},
@@ -446,22 +443,15 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     }
 
     // dy = dY * drop_o (rows in the query's order); dctx = dy Wo.
-    {
-        const int64_t d1 = gout->ndim == 3 ? gout->shape[1] : 1,
-                      s1 = gout->ndim == 3 ? gout->stride[1] : 0;
-        for (int64_t r = 0; r < Rq; r++) {
-            mha__mat row = {(char *)gout->data + ((r / d1) * gout->stride[0] + (r % d1) * s1) *
-                                                     (int64_t)mha_dtype_size(gout->dtype),
-                            gout->dtype == MHA_F64, 0, gout->stride[gout->ndim - 1]};
-            int64_t i0 = r / d1, i1 = r % d1;
-            int64_t n = seq_first ? i1 : i0, t = seq_first ? i0 : i1;
-            if (p->unbatched) n = 0, t = r;
-            for (int64_t e = 0; e < E; e++) {
-                float g = (float)mha__ld(row, 0, e);
-                if (p->out_p > 0.0f)
-                    g *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
-                dy[r * E + e] = g;
-            }
+    for (int64_t r = 0; r < Rq; r++) {
+        mha__mat row = view_row(gout, r);
+        int64_t n, t;
+        row_nt(p, seq_first, gout, r, &n, &t);
+        for (int64_t e = 0; e < E; e++) {
+            float g = (float)mha__ld(row, 0, e);
+            if (p->out_p > 0.0f)
+                g *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
+            dy[r * E + e] = g;
         }
     }
     gemm_rows(kt, dctx, E, dy, E, m->out_weight, E, NULL, Rq, E, E, nt);
