@@ -473,7 +473,8 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(
 //     MHA_F32 added.
 //   is_causal: hides keys j > i (top-left aligned, as PyTorch).
 //   scale: used when use_custom_scale, else 1 / sqrt(D).
-// The fully-masked-row rule holds.
+// The fully-masked-row rule holds. impl: auto and reference run the
+// reference path; fused is not available here yet (MHA_ERR_UNSUPPORTED).
 typedef struct mha_sdpa_args {
     const mha_tensor *q;
     const mha_tensor *k;

@@ -677,6 +677,10 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
     mha_status st;
     if ((st = check_impl(a->impl))) return st;
+    if (a->impl == MHA_IMPL_FUSED)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "sdpa: the fused implementation is not available for "
+                         "mha_sdpa yet (use auto or reference)");
     if ((st = check_4d(a->q, "q")) || (st = check_4d(a->k, "k")) ||
         (st = check_4d(a->v, "v")))
         return st;
