@@ -18,9 +18,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "plan.h"
 
@@ -200,10 +197,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bh = 0; bh < N * H; bh++) {
         int64_t b = bh / H, h = bh % H;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mha__thread_id();
         int64_t oq = b * L * E + h * d, ok = b * Sp * E + h * d;
         mha__ref_attention_head_backward(
             mha__dmat(dq + oq, E), mha__dmat(dk + ok, E), mha__dmat(dv + ok, E),

@@ -529,10 +529,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t bh = 0; bh < N * H; bh++) {
         int64_t b = bh / H, h = bh % H;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mha__thread_id();
         mha__mat wh = {NULL, false, 0, 0};
         if (avg) {
             wh = mha__dmat(headw + bh * L * Sp, Sp);
@@ -772,10 +769,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mha__thread_id();
 #define MHA__HEAD(t)                                                          \
     view_row((t), b * (t)->stride[0] + h * (t)->stride[1], 3)
         mha__mat w = {NULL, false, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),

@@ -13,9 +13,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "flash.h"
 #include "philox.h"
@@ -232,10 +229,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         // causal rows near the end cost more: hand them out first
         int64_t it = p->mask.causal ? N * H * tiles - 1 - item : item;
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mha__thread_id();
         mha__flash_head fh = {
             .q = head_row0(&qm, b, h * d), .q_rs = head_rs(&qm),
             .k = head_row0(&km, b, h * d), .k_rs = head_rs(&km),
@@ -246,7 +240,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             .L = L, .S = S, .D = d, .Dv = d, .scale = (float)(1.0 / sqrt((double)d)),
             .mask = &p->mask, .drop = mha__plan_drop(p), .b = b, .h = h,
         };
-        int64_t i0 = tile * MHA__FLASH_BR, i1 = i0 + MHA__FLASH_BR < L ? i0 + MHA__FLASH_BR : L;
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         float *sc = scratch + (size_t)tid * sf;
         mha__flash_rows(kt, &fh, i0, i1, sc);
         if (a->need_weights) {
@@ -433,12 +427,9 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < N * H * tiles; it++) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
-        int64_t i0 = tile * MHA__FLASH_BR, i1 = i0 + MHA__FLASH_BR < L ? i0 + MHA__FLASH_BR : L;
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
     }
 
@@ -459,12 +450,9 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < N * H * tiles; it++) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
-        int64_t i0 = tile * MHA__FLASH_BR, i1 = i0 + MHA__FLASH_BR < L ? i0 + MHA__FLASH_BR : L;
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         mha__flash_bwd_q(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L, i0,
                          i1, head_row0(&dqm, b, h * d) + i0 * head_rs(&dqm), head_rs(&dqm),
                          scratch + (size_t)tid * sf);
@@ -473,10 +461,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < N * H * ktiles; it++) {
         int64_t bh = it / ktiles, kt_i = it % ktiles, b = bh / H, h = bh % H;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
         int64_t j0 = kt_i * MHA__FLASH_BC, n;
         float *dkp, *dvp;

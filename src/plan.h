@@ -4,6 +4,10 @@
 #ifndef MHA_PLAN_H
 #define MHA_PLAN_H
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "module.h"
 #include "ref.h"
 
@@ -30,6 +34,20 @@ typedef struct fwd_plan {
 
 // Below this many multiply-adds a forward or backward runs on one thread.
 #define MHA__PAR_MIN_WORK 262144.0
+
+// The calling thread's number in its OpenMP team (0 without OpenMP).
+static inline int mha__thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+// End of the tile [i0, i0 + size) clipped to n.
+static inline int64_t mha__tile_end(int64_t i0, int64_t size, int64_t n) {
+    return i0 + size < n ? i0 + size : n;
+}
 
 // Number of threads a parallel region may use (1 without OpenMP).
 int mha__max_threads(void);
