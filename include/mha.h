@@ -312,6 +312,15 @@ typedef struct mha_forward_args {
     const mha_tensor *key_padding_mask;  // NULL: none
     const mha_tensor *attn_mask;         // NULL: none
     bool is_causal;
+    // Sliding-window (local) attention: query i sees keys j with
+    // i - window_left <= j <= i + window_right (positions top-left
+    // aligned, as is_causal); -1 (the default) leaves that side unbounded.
+    // Combines with every other mask (with is_causal, keys j > i stay
+    // hidden whatever window_right). Keys appended by add_bias_kv /
+    // add_zero_attn are never masked. The fused path skips key tiles
+    // outside the band.
+    int64_t window_left;
+    int64_t window_right;
     bool need_weights;          // write attn_output_weights
     bool average_attn_weights;  // mean over heads (default true)
     mha_impl impl;              // default MHA_IMPL_AUTO
@@ -482,6 +491,8 @@ typedef struct mha_sdpa_args {
     const mha_tensor *attn_mask;
     const mha_tensor *key_padding_mask;
     bool is_causal;
+    int64_t window_left;   // as in mha_forward_args (-1: unbounded)
+    int64_t window_right;
     bool use_custom_scale;
     double scale;
     mha_impl impl;

@@ -1,56 +1,184 @@
 // flash.c: the fused attention driver for one (b, h) and a tile of query
 // rows. For each tile of keys:
 //   S (br, bc) = (scale q) k^T          gemm over a packed k^T tile
-//   S += masks                          (-inf; causal by column bound)
+//   S += masks                          (-inf; causal/window by column bounds)
 //   online softmax per row: m, l, and alpha = exp(m_old - m_new)
 //   O = alpha O + P v                   (P after dropout, when training)
-// then O /= l; m and 1/l are kept for the weights and the backward. Tiles entirely above the causal
-// diagonal are skipped. Extra memory: the scratch below, O(BR*BC + D*BC).
+// then O /= l; m and 1/l are kept for the weights and the backward. Tiles
+// entirely outside the causal/window band are skipped. Extra memory: the
+// scratch below, O(BR*BC) plus the per-thread K^T (V^T) tile cache.
 #include <math.h>
 #include <string.h>
 
 #include "flash.h"
 #include "philox.h"
 
-// Scratch layout (floats): qs (BR, D) | kt (D, BC) | s (BR, BC) | m, l (BR)
-size_t mha__flash_scratch_floats(int64_t D, int64_t Dv) {
-    (void)Dv;
-    return (size_t)(MHA__FLASH_BR * D + D * MHA__FLASH_BC +
-                    MHA__FLASH_BR * MHA__FLASH_BC + 2 * MHA__FLASH_BR);
+#define BR MHA__FLASH_BR
+#define BC MHA__FLASH_BC
+
+// Scratch layout (floats), 64-byte pieces:
+//   header (16 floats: the cache's identity) | qs (BR, D) | s (BR, BC) |
+//   dp (BR, BC) | tr (BC, BR) | m, l (BR each) | flags (4 nt bytes) |
+//   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
+//   backward V^T (Dv, w), K rows (w, D)
+// with nt = ceil(S / BC) + (nx > 0) key tiles; tile t holds keys
+// [t BC, min(t BC + BC, S)) (the last one the nx appended keys), w wide.
+// A cached tile is packed once per thread and head, on first use.
+enum { C_KT, C_VR, C_VT, C_KR, C_KINDS };
+
+typedef struct cache_hdr {
+    const float *k, *v, *xk;
+    int64_t nt;
+} cache_hdr;
+
+static int64_t n_tiles(int64_t S, int64_t nx) { return (S + BC - 1) / BC + (nx > 0); }
+static size_t round16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+typedef struct scratch_map {
+    cache_hdr *hdr;
+    float *qs, *s, *dp, *tr, *m, *l;
+    float *cache[C_KINDS];
+    size_t tile_floats[C_KINDS];
+    unsigned char *done;  // (C_KINDS, nt)
+} scratch_map;
+
+static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
+    scratch_map m;
+    m.hdr = (cache_hdr *)(void *)sc;
+    float *p = sc + 16;
+    m.qs = p, p += round16((size_t)(BR * D));
+    m.s = p, p += BR * BC;
+    m.dp = p, p += BR * BC;
+    m.tr = p, p += BR * BC;
+    m.m = p, p += BR;
+    m.l = p, p += BR;
+    m.done = (unsigned char *)(void *)p;
+    p += round16((size_t)(C_KINDS * nt + 3) / 4);
+    for (int c = 0; c < C_KINDS; c++) {
+        m.tile_floats[c] = round16((size_t)((c == C_KT || c == C_KR ? D : Dv) * BC));
+        m.cache[c] = p;
+        p += (size_t)nt * m.tile_floats[c];
+    }
+    return m;
 }
 
-// kt (D, n) = rows [j0, j0 + n) of the keys (main, or extra when j0 >= S)
-static void pack_kt(float *kt, const mha__flash_head *a, int64_t j0, int64_t n) {
-    for (int64_t j = 0; j < n; j++) {
-        int64_t jj = j0 + j;
-        const float *kr = jj < a->S ? a->k + jj * a->k_rs : a->xk + (jj - a->S) * a->D;
-        for (int64_t c = 0; c < a->D; c++) kt[c * n + j] = kr[c];
+size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx,
+                                 bool backward) {
+    const int64_t nt = n_tiles(S, nx);
+    return 16 + round16((size_t)(BR * D)) + 3 * BR * BC + 2 * BR +
+           round16((size_t)(C_KINDS * nt + 3) / 4) +
+           (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
+               (backward ? 2 : 1);
+}
+
+void mha__flash_scratch_reset(float *scratch) {
+    cache_hdr *h = (cache_hdr *)(void *)scratch;
+    h->k = h->v = h->xk = NULL;
+    h->nt = 0;
+}
+
+// The scratch of head a, its cache emptied when it held another head.
+static scratch_map head_scratch(const mha__flash_head *a, float *sc) {
+    const int64_t nt = n_tiles(a->S, a->nx);
+    scratch_map m = map_scratch(sc, a->D, a->Dv, nt);
+    if (m.hdr->k != a->k || m.hdr->v != a->v || m.hdr->xk != a->xk || m.hdr->nt != nt) {
+        m.hdr->k = a->k;
+        m.hdr->v = a->v;
+        m.hdr->xk = a->xk;
+        m.hdr->nt = nt;
+        memset(m.done, 0, (size_t)(C_KINDS * nt));
+    }
+    return m;
+}
+
+// Key tile t: first key and width.
+static void tile_keys(const mha__flash_head *a, int64_t t, int64_t *j0, int64_t *w) {
+    *j0 = t * BC;
+    if (*j0 >= a->S) {
+        *j0 = a->S;
+        *w = a->nx;
+    } else {
+        *w = a->S - *j0 < BC ? a->S - *j0 : BC;
     }
 }
 
-// S (br, n) = qs kt + masks for rows [i0, i0 + br) and keys [j0, j0 + n).
-static void scores(const mha__kernels *kt, const mha__flash_head *a, float *s,
-                   const float *qs, float *ktile, int64_t i0, int64_t br,
-                   int64_t j0, int64_t n) {
-    pack_kt(ktile, a, j0, n);
-    kt->gemm_nn(s, n, qs, a->D, ktile, n, br, n, a->D);
+// The tile holding key j0 (a multiple of BC, or S) in cache `kind`
+// (transposed (D, w) for C_KT/C_VT, contiguous rows (w, D) for C_VR/C_KR),
+// packed on first use.
+static const float *packed_tile(const mha__flash_head *a, scratch_map *sm, int64_t j0,
+                                int kind) {
+    const int64_t nt = n_tiles(a->S, a->nx), t = j0 >= a->S ? nt - 1 : j0 / BC;
+    float *dst = sm->cache[kind] + (size_t)t * sm->tile_floats[kind];
+    unsigned char *done = sm->done + kind * nt;
+    if (!done[t]) {
+        const bool isk = kind == C_KT || kind == C_KR, trans = kind == C_KT || kind == C_VT;
+        const int64_t D = isk ? a->D : a->Dv;
+        int64_t k0, w;
+        tile_keys(a, t, &k0, &w);
+        const float *base = isk ? a->k : a->v, *xb = isk ? a->xk : a->xv;
+        const int64_t rs = isk ? a->k_rs : a->v_rs;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t jj = k0 + j;
+            const float *r = jj < a->S ? base + jj * rs : xb + (jj - a->S) * D;
+            if (trans)
+                for (int64_t c = 0; c < D; c++) dst[c * w + j] = r[c];
+            else
+                memcpy(dst + j * D, r, (size_t)D * sizeof(float));
+        }
+        done[t] = 1;
+    }
+    return dst;
+}
+
+static int64_t width_of(const mha__flash_head *a, int64_t j0) {
+    return j0 >= a->S ? a->nx : (a->S - j0 < BC ? a->S - j0 : BC);
+}
+
+// The band of keys row i may see by causal and window masks: [lo, hi).
+static void row_band(const mha__flash_head *a, int64_t i, int64_t *lo, int64_t *hi) {
+    const mha__mask *mk = a->mask;
+    int64_t l = 0, h = a->S;
+    if (mk->win_left >= 0 && i - mk->win_left > l) l = i - mk->win_left;
+    if (mk->causal && i + 1 < h) h = i + 1;
+    if (mk->win_right >= 0 && i + mk->win_right + 1 < h) h = i + mk->win_right + 1;
+    *lo = l;
+    *hi = h;
+}
+
+static bool has_band(const mha__mask *mk) {
+    return mk->causal || mk->win_left >= 0 || mk->win_right >= 0;
+}
+
+void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int64_t *lo,
+                          int64_t *hi) {
+    int64_t l0, h0, l1, h1;
+    row_band(a, i0, &l0, &h0);
+    row_band(a, i1 - 1, &l1, &h1);  // bands move right with i
+    *lo = l0;
+    *hi = h1 > *lo ? h1 : *lo;
+}
+
+// S (br, n) = qs kt + masks for rows [i0, i0 + br) and keys [j0, j0 + n)
+// (n at most the tile's width).
+static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
+                   int64_t i0, int64_t br, int64_t j0, int64_t n) {
+    const float *ktile = packed_tile(a, sm, j0, C_KT);
+    float *s = sm->s;
+    kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
     if (j0 >= a->S) return;  // appended keys are never masked
     const mha__mask *mk = a->mask;
     if (mk->attn || mk->kpm) {
         for (int64_t r = 0; r < br; r++)
             for (int64_t j = 0; j < n; j++)
                 s[r * n + j] += (float)mha__mask_value(mk, a->b, a->h, i0 + r, j0 + j);
-    } else if (mk->causal) {
-        for (int64_t r = 0; r < br; r++)
-            for (int64_t j = i0 + r + 1 - j0; j < n; j++)
-                if (j >= 0) s[r * n + j] = -INFINITY;
+    } else if (has_band(mk)) {
+        for (int64_t r = 0; r < br; r++) {
+            int64_t lo, hi;
+            row_band(a, i0 + r, &lo, &hi);
+            for (int64_t j = 0; j < n && j0 + j < lo; j++) s[r * n + j] = -INFINITY;
+            for (int64_t j = hi - j0 > 0 ? hi - j0 : 0; j < n; j++) s[r * n + j] = -INFINITY;
+        }
     }
-}
-
-// Key tiles: [0, S) in BC steps (causal: up to the last visible key), then
-// the nx appended keys as one more tile.
-static int64_t key_end(const mha__flash_head *a, int64_t i1) {
-    return a->mask->causal && i1 < a->S ? i1 : a->S;
 }
 
 static void drop_row(const mha__flash_head *a, float *row, int64_t i, int64_t j0,
@@ -65,34 +193,65 @@ static void drop_row(const mha__flash_head *a, float *row, int64_t i, int64_t j0
                       : 0.0f;
 }
 
+// The key tiles rows [i0, i1) visit: aligned tiles of [lo, hi), then the
+// appended keys. Iterate: for (j0 = first; next(&j0, &n); ) ...
+typedef struct key_iter {
+    int64_t j0, hi, S, nx;
+    bool extra_done;
+} key_iter;
+
+static key_iter keys_of(const mha__flash_head *a, int64_t i0, int64_t i1) {
+    int64_t lo, hi;
+    mha__flash_key_range(a, i0, i1, &lo, &hi);
+    key_iter it = {(lo / BC) * BC, hi, a->S, a->nx, a->nx == 0};
+    if (lo >= hi) it.j0 = a->S;  // nothing in the band
+    return it;
+}
+
+static bool next_tile(key_iter *it, int64_t *j0, int64_t *n) {
+    if (it->j0 < it->hi && it->j0 < it->S) {
+        *j0 = it->j0;
+        *n = it->hi - it->j0 < BC ? it->hi - it->j0 : BC;
+        it->j0 += BC;
+        return true;
+    }
+    if (!it->extra_done) {
+        it->extra_done = true;
+        *j0 = it->S;
+        *n = it->nx;
+        return true;
+    }
+    return false;
+}
+
+// qs (br, D) = scale * q rows [i0, i0 + br)
+static void load_q(const mha__flash_head *a, float *qs, int64_t i0, int64_t br) {
+    for (int64_t r = 0; r < br; r++)
+        for (int64_t c = 0; c < a->D; c++) qs[r * a->D + c] = a->scale * a->q[(i0 + r) * a->q_rs + c];
+}
+
 void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
                      int64_t i0, int64_t i1, float *scratch) {
-    const int64_t br = i1 - i0, D = a->D, Dv = a->Dv;
-    float *qs = scratch, *ktile = qs + MHA__FLASH_BR * D,
-          *s = ktile + D * MHA__FLASH_BC, *m = s + MHA__FLASH_BR * MHA__FLASH_BC,
-          *l = m + MHA__FLASH_BR;
+    const int64_t br = i1 - i0, Dv = a->Dv;
+    scratch_map sm = head_scratch(a, scratch);
+    float *s = sm.s, *m = sm.m, *l = sm.l;
+    load_q(a, sm.qs, i0, br);
     for (int64_t r = 0; r < br; r++) {
-        for (int64_t c = 0; c < D; c++) qs[r * D + c] = a->scale * a->q[(i0 + r) * a->q_rs + c];
         for (int64_t c = 0; c < Dv; c++) a->o[(i0 + r) * a->o_rs + c] = 0.0f;
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    const int64_t send = key_end(a, i1), total = a->S + a->nx;
-    for (int64_t j0 = 0; j0 < total;) {
-        if (j0 >= send && j0 < a->S) j0 = a->S;  // causal: skip hidden tiles
-        if (j0 >= total) break;
-        int64_t n = j0 < a->S ? (send - j0 < MHA__FLASH_BC ? send - j0 : MHA__FLASH_BC)
-                              : a->nx;
-        scores(kt, a, s, qs, ktile, i0, br, j0, n);
+    key_iter it = keys_of(a, i0, i1);
+    int64_t j0, n;
+    while (next_tile(&it, &j0, &n)) {
+        scores(kt, a, &sm, i0, br, j0, n);
         for (int64_t r = 0; r < br; r++) {
             float alpha = kt->softmax_update(s + r * n, n, &m[r], &l[r]);
             if (alpha != 1.0f) kt->scale_row(a->o + (i0 + r) * a->o_rs, Dv, alpha);
             if (a->drop) drop_row(a, s + r * n, i0 + r, j0, n);
         }
-        const float *vb = j0 < a->S ? a->v + j0 * a->v_rs : a->xv;
-        kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, vb,
-                        j0 < a->S ? a->v_rs : Dv, br, Dv, n);
-        j0 += n;
+        kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, packed_tile(a, &sm, j0, C_VR),
+                        Dv, br, Dv, n);
     }
     for (int64_t r = 0; r < br; r++) {
         float *o = a->o + (i0 + r) * a->o_rs;
@@ -111,60 +270,43 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
 
 void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
                         int64_t i0, int64_t i1, mha__mat w, float *scratch) {
-    const int64_t br = i1 - i0, D = a->D, total = a->S + a->nx;
-    float *qs = scratch, *ktile = qs + MHA__FLASH_BR * D, *s = ktile + D * MHA__FLASH_BC;
-    for (int64_t r = 0; r < br; r++)
-        for (int64_t c = 0; c < D; c++) qs[r * D + c] = a->scale * a->q[(i0 + r) * a->q_rs + c];
-    for (int64_t j0 = 0; j0 < total;) {
-        int64_t n = j0 < a->S ? (a->S - j0 < MHA__FLASH_BC ? a->S - j0 : MHA__FLASH_BC) : a->nx;
-        scores(kt, a, s, qs, ktile, i0, br, j0, n);
+    const int64_t br = i1 - i0, total = a->S + a->nx;
+    scratch_map sm = head_scratch(a, scratch);
+    load_q(a, sm.qs, i0, br);
+    for (int64_t r = 0; r < br; r++)  // zeros outside the band
+        for (int64_t j = 0; j < total; j++) mha__st(w, r, j, 0.0);
+    key_iter it = keys_of(a, i0, i1);
+    int64_t j0, n;
+    while (next_tile(&it, &j0, &n)) {
+        scores(kt, a, &sm, i0, br, j0, n);
         for (int64_t r = 0; r < br; r++) {
-            float *row = s + r * n;
+            float *row = sm.s + r * n;
             kt->exp_shift(row, n, a->stats[2 * (i0 + r)]);
             kt->scale_row(row, n, a->stats[2 * (i0 + r) + 1]);
             if (a->drop) drop_row(a, row, i0 + r, j0, n);
             for (int64_t j = 0; j < n; j++) mha__st(w, r, j0 + j, row[j]);
         }
-        j0 += n;
     }
 }
 
 // ---------------------------------------------------------------------------
 // Backward
 
-// Scratch (floats): qs (BR, D) | kt (D, BC) | vt (Dv, BC) | s (BR, BC) |
-// dp (BR, BC) | tr (BC, BR)
-size_t mha__flash_bwd_scratch_floats(int64_t D, int64_t Dv) {
-    return (size_t)(MHA__FLASH_BR * D + D * MHA__FLASH_BC + Dv * MHA__FLASH_BC +
-                    3 * MHA__FLASH_BR * MHA__FLASH_BC);
-}
-
-// vt (Dv, n) = value rows [j0, j0 + n), transposed
-static void pack_vt(float *vt, const mha__flash_head *a, int64_t j0, int64_t n) {
-    for (int64_t j = 0; j < n; j++) {
-        int64_t jj = j0 + j;
-        const float *vr = jj < a->S ? a->v + jj * a->v_rs : a->xv + (jj - a->S) * a->Dv;
-        for (int64_t c = 0; c < a->Dv; c++) vt[c * n + j] = vr[c];
-    }
-}
-
-// For query rows [i0, i0 + br) and keys [j0, j0 + n): s <- P and
-// dp <- dP = (dO v^T) * drop, recomputed from q, k, v and the stats. The same tile
-// always gives the same bits (same kernels, same shapes), which the
-// softmax backward below relies on.
-static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a,
+// For query rows [i0, i0 + br) (qs loaded) and keys [j0, j0 + n): s <- P and
+// dp <- dP = (dO v^T) * drop, recomputed from q, k, v and the stats. The
+// same tile always gives the same bits (same kernels, same shapes), which
+// the softmax backward below relies on.
+static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
                      const float *dO, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
-                     int64_t n, float *qs, float *ktile, float *vtile, float *s, float *dp) {
-    const int64_t D = a->D;
-    for (int64_t r = 0; r < br; r++)
-        for (int64_t c = 0; c < D; c++) qs[r * D + c] = a->scale * a->q[(i0 + r) * a->q_rs + c];
-    scores(kt, a, s, qs, ktile, i0, br, j0, n);  // S = scale q k^T + mask
+                     int64_t n) {
+    float *s = sm->s, *dp = sm->dp;
+    scores(kt, a, sm, i0, br, j0, n);  // S = scale q k^T + mask
     for (int64_t r = 0; r < br; r++) {  // P = exp(S - m) / l
         kt->exp_shift(s + r * n, n, a->stats[2 * (i0 + r)]);
         kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
     }
-    pack_vt(vtile, a, j0, n);
-    kt->gemm_nn(dp, n, dO + i0 * do_rs, do_rs, vtile, n, br, n, a->Dv);  // dP' = dO v^T
+    const float *vtile = packed_tile(a, sm, j0, C_VT);  // dP' = dO v^T
+    kt->gemm_nn(dp, n, dO + i0 * do_rs, do_rs, vtile, width_of(a, j0), br, n, a->Dv);
     if (a->drop)  // dP = dP' * drop (the factor is 0 or 1/(1-p))
         for (int64_t r = 0; r < br; r++) drop_row(a, dp + r * n, i0 + r, j0, n);
 }
@@ -180,10 +322,19 @@ static void softmax_bwd(const mha__flash_head *a, const float *Dsum, int64_t i0,
     }
 }
 
-// The query tiles that can see keys [j0, ...): causal hides rows i < j0.
-static int64_t first_row(const mha__flash_head *a, int64_t j0) {
-    if (!a->mask->causal || j0 >= a->S) return 0;
-    return (j0 / MHA__FLASH_BR) * MHA__FLASH_BR;
+// The query rows that can see keys [j0, j0 + n) through the band: tiles
+// from a multiple of BR up to *hi.
+static void rows_of_keys(const mha__flash_head *a, int64_t j0, int64_t n, int64_t *lo,
+                         int64_t *hi) {
+    const mha__mask *mk = a->mask;
+    int64_t l = 0, h = a->L;
+    if (j0 < a->S) {
+        if (mk->causal && j0 > l) l = j0;
+        if (mk->win_right >= 0 && j0 - mk->win_right > l) l = j0 - mk->win_right;
+        if (mk->win_left >= 0 && j0 + n + mk->win_left < h) h = j0 + n + mk->win_left;
+    }
+    *lo = (l / BR) * BR;
+    *hi = h;
 }
 
 void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
@@ -191,16 +342,18 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
                        int64_t j0, int64_t n, float *dk, int64_t dk_rs,
                        float *dv, int64_t dv_rs, float *scratch) {
     const int64_t D = a->D, Dv = a->Dv;
-    float *qs = scratch, *ktile = qs + MHA__FLASH_BR * D, *vtile = ktile + D * MHA__FLASH_BC,
-          *s = vtile + Dv * MHA__FLASH_BC, *dp = s + MHA__FLASH_BR * MHA__FLASH_BC,
-          *tr = dp + MHA__FLASH_BR * MHA__FLASH_BC;
+    scratch_map sm = head_scratch(a, scratch);
+    float *s = sm.s, *dp = sm.dp, *tr = sm.tr;
     for (int64_t j = 0; j < n; j++) {
         for (int64_t c = 0; c < D; c++) dk[j * dk_rs + c] = 0.0f;
         for (int64_t c = 0; c < Dv; c++) dv[j * dv_rs + c] = 0.0f;
     }
-    for (int64_t i0 = first_row(a, j0); i0 < a->L; i0 += MHA__FLASH_BR) {
-        int64_t br = a->L - i0 < MHA__FLASH_BR ? a->L - i0 : MHA__FLASH_BR;
-        bwd_tile(kt, a, dO, do_rs, i0, br, j0, n, qs, ktile, vtile, s, dp);
+    int64_t rlo, rhi;
+    rows_of_keys(a, j0, n, &rlo, &rhi);
+    for (int64_t i0 = rlo; i0 < rhi; i0 += BR) {
+        int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
+        load_q(a, sm.qs, i0, br);
+        bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n);
         softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
         for (int64_t r = 0; r < br; r++)
@@ -209,17 +362,17 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
         // dk (n, D) += dS^T (n, br) (scale q) (br, D)
         for (int64_t r = 0; r < br; r++)
             for (int64_t j = 0; j < n; j++) tr[j * br + r] = dp[r * n + j];
-        kt->gemm_nn_acc(dk, dk_rs, tr, br, qs, D, n, D, br);
+        kt->gemm_nn_acc(dk, dk_rs, tr, br, sm.qs, D, n, D, br);
     }
 }
 
 void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
                       const float *dO, int64_t do_rs, float *Dsum, int64_t i0,
                       int64_t i1, float *dq, int64_t dq_rs, float *scratch) {
-    const int64_t D = a->D, Dv = a->Dv, br = i1 - i0, total = a->S + a->nx;
-    float *qs = scratch, *ktile = qs + MHA__FLASH_BR * D, *vtile = ktile + D * MHA__FLASH_BC,
-          *s = vtile + Dv * MHA__FLASH_BC, *dp = s + MHA__FLASH_BR * MHA__FLASH_BC;
-    const int64_t send = key_end(a, i1);
+    const int64_t D = a->D, br = i1 - i0;
+    scratch_map sm = head_scratch(a, scratch);
+    float *s = sm.s, *dp = sm.dp;
+    load_q(a, sm.qs, i0, br);
     // Two sweeps over the key tiles: first Dsum_i = sum_j P_ij dP_ij from the
     // very tiles the dS use (so a one-hot row gets dS = 0 exactly, as the
     // textbook formula does), then dS and dq.
@@ -229,11 +382,10 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
         else
             for (int64_t r = 0; r < br; r++)
                 for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
-        for (int64_t j0 = 0; j0 < total;) {
-            if (j0 >= send && j0 < a->S) j0 = a->S;
-            if (j0 >= total) break;
-            int64_t n = j0 < a->S ? (send - j0 < MHA__FLASH_BC ? send - j0 : MHA__FLASH_BC) : a->nx;
-            bwd_tile(kt, a, dO, do_rs, i0, br, j0, n, qs, ktile, vtile, s, dp);
+        key_iter it = keys_of(a, i0, i1);
+        int64_t j0, n;
+        while (next_tile(&it, &j0, &n)) {
+            bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n);
             if (sweep == 0) {
                 for (int64_t r = 0; r < br; r++) {
                     float acc = 0.0f;
@@ -243,10 +395,8 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
             } else {
                 softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
                 // dq (br, D) += dS (br, n) k (n, D), then * scale below
-                const float *kb = j0 < a->S ? a->k + j0 * a->k_rs : a->xk;
-                kt->gemm_nn_acc(dq, dq_rs, dp, n, kb, j0 < a->S ? a->k_rs : D, br, D, n);
+                kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
             }
-            j0 += n;
         }
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);

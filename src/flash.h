@@ -34,8 +34,20 @@ typedef struct mha__flash_head {
     int64_t b, h;
 } mha__flash_head;
 
-// Floats of scratch one call of mha__flash_rows needs.
-size_t mha__flash_scratch_floats(int64_t D, int64_t Dv);
+// Per-thread scratch. It caches the head's K^T (and, in the backward, V^T)
+// tile by tile, packed once per thread and head instead of once per
+// (query tile, key tile): O((S + nx) (D + Dv)) floats plus O(BR BC).
+// mha__flash_scratch_reset must be called on a thread's scratch before
+// the first use in a call (the cache is keyed by the head's pointers).
+// backward: room for the V^T cache as well (the forward does not use it).
+size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx,
+                                 bool backward);
+void mha__flash_scratch_reset(float *scratch);
+
+// The keys [0, S) that causal and window masks leave to rows [i0, i1):
+// [*lo, *hi) (empty when *lo >= *hi). Other masks apply inside.
+void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1,
+                          int64_t *lo, int64_t *hi);
 
 // Rows [i0, i1) of the head (at most MHA__FLASH_BR of them): O and stats.
 // A fully masked row gets O = 0.
@@ -44,7 +56,8 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
 
 // The attention weights of rows [i0, i1) recomputed from stats (after a
 // forward): w (i, j) = exp(scale q_i k_j + mask - m_i) / l_i [* dropout],
-// written through w (rows i - i0, columns j < S + nx).
+// written through w (rows i - i0, columns j < S + nx); keys outside the
+// causal/window band get 0 without being computed.
 void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
                         int64_t i0, int64_t i1, mha__mat w, float *scratch);
 
@@ -59,11 +72,9 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
 //   dv += P'^T dO;  dP = (dO v^T) * drop;  dS = P (dP - Dsum)
 //   dk += scale dS^T q;  dq += scale dS k
 
-// Floats of scratch one backward call needs.
-size_t mha__flash_bwd_scratch_floats(int64_t D, int64_t Dv);
-
-// Pass A: keys [j0, j0 + n) (n <= MHA__FLASH_BC, or the nx appended keys
-// when j0 == S): dk (n, D) and dv (n, Dv), overwritten.
+// Pass A: keys [j0, j0 + n) (j0 a multiple of MHA__FLASH_BC, n <=
+// MHA__FLASH_BC, or the nx appended keys when j0 == S): dk (n, D) and dv
+// (n, Dv), overwritten.
 void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
                        const float *dO, int64_t do_rs, const float *Dsum,
                        int64_t j0, int64_t n, float *dk, int64_t dk_rs,

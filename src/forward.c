@@ -109,6 +109,16 @@ mha_status mha__check_float(const mha_tensor *t, const char *name) {
     return MHA_OK;
 }
 
+// Window bounds: -1 (unbounded) or a count of keys >= 0.
+static mha_status check_window(int64_t left, int64_t right) {
+    if (left < -1 || right < -1)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "window_left %lld, window_right %lld: each must be -1 "
+                         "(unbounded) or >= 0",
+                         (long long)left, (long long)right);
+    return MHA_OK;
+}
+
 static mha_status check_mask_dtype(const mha_tensor *t, const char *name) {
     mha_status st = check_view(t, name);
     if (st) return st;
@@ -261,6 +271,9 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     // Masks, as (b, h, i, j) strides.
     p->mask.s_masked = p->S;
     p->mask.causal = a->is_causal;
+    if ((st = check_window(a->window_left, a->window_right))) return st;
+    p->mask.win_left = a->window_left;
+    p->mask.win_right = a->window_right;
     if (a->key_padding_mask) {
         const mha_tensor *t = a->key_padding_mask;
         if ((st = check_mask_dtype(t, "key_padding_mask"))) return st;
@@ -391,6 +404,8 @@ void mha_forward_args_init(mha_forward_args *a) {
     memset(a, 0, sizeof *a);
     a->average_attn_weights = true;
     a->impl = MHA_IMPL_AUTO;
+    a->window_left = -1;
+    a->window_right = -1;
 }
 
 mha_status mha_forward_shapes(mha_shape *out_shape, mha_shape *weights_shape,
@@ -656,6 +671,8 @@ void mha_sdpa_args_init(mha_sdpa_args *a) {
     if (!a) return;
     memset(a, 0, sizeof *a);
     a->impl = MHA_IMPL_AUTO;
+    a->window_left = -1;
+    a->window_right = -1;
 }
 
 static mha_status check_4d(const mha_tensor *t, const char *name) {
@@ -709,6 +726,9 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     memset(&mk, 0, sizeof mk);
     mk.s_masked = S;
     mk.causal = a->is_causal;
+    if ((st = check_window(a->window_left, a->window_right))) return st;
+    mk.win_left = a->window_left;
+    mk.win_right = a->window_right;
     if (a->attn_mask) {
         const mha_tensor *t = a->attn_mask;
         if ((st = check_mask_dtype(t, "attn_mask"))) return st;

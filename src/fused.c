@@ -114,7 +114,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     p->v_direct = rows_direct(a->value, &ld);
     int64_t nx = Sp - p->S;
     size_t t = 0;
-    int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d) * p->nthreads;
+    int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d, p->S, nx, false) * p->nthreads;
     int64_t lse = a->need_weights ? 2 * N * H * L : 0;  // (m, 1/l) per row
     int64_t headw = (a->need_weights && a->average_attn_weights) ? N * H * L * Sp : 0;
     if (carve(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
@@ -222,8 +222,9 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     float *headw = (float *)(ws + p->f_headw);
     const bool avg = a->need_weights && a->average_attn_weights;
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
-    const size_t sf = mha__flash_scratch_floats(d, d);
+    const size_t sf = mha__flash_scratch_floats(d, d, S, nx, false);
     float *scratch = (float *)(ws + p->f_scratch);
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t item = 0; item < N * H * tiles; item++) {
         // causal rows near the end cost more: hand them out first
@@ -359,19 +360,19 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     const int64_t W3 = sp ? 3 * E : E;  // row stride of q (and k, v when packed)
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
     // Scratch, floats, one block:
-    const size_t sf = mha__flash_scratch_floats(d, d) > mha__flash_bwd_scratch_floats(d, d)
-                          ? mha__flash_scratch_floats(d, d)
-                          : mha__flash_bwd_scratch_floats(d, d);
+    const size_t sf = mha__flash_scratch_floats(d, d, S, nx, true);
     size_t n_x = (size_t)(Rq * E + Rk * (kd + vd));          // gathered inputs
     size_t n_w = (size_t)(E * (E + kd + vd) + E * E);         // W^T's
     size_t n_qkv = (size_t)(sp ? Rq * 3 * E : Rq * E + 2 * Rk * E);
     size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * H * nx * d + 2 * H * nx * d);
     size_t n_tmp = (size_t)(3 * E * Rmax + 3 * E * Fmax + Rmax * Fmax);
-    size_t total = n_x + n_w + 2 * n_qkv + n_att + n_tmp + sf * (size_t)nt;
+    // (the flash scratch starts 64-byte aligned: it begins with pointers)
+    size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + 15) & ~(size_t)15;
+    size_t total = n_pre + sf * (size_t)nt;
     size_t bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "fused backward: scratch size overflows");
-    float *blk = malloc(bytes ? bytes : 1);
+    float *blk = mha__alloc(bytes);
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for %zu bytes", bytes);
     float *xq = blk, *xk = xq + Rq * E, *xv = xk + Rk * kd;
@@ -380,7 +381,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     float *ctx = dqkv + n_qkv, *dctx = ctx + Rq * E, *dy = dctx + Rq * E;
     float *lse = dy + Rq * E, *dsum = lse + 2 * N * H * L;  // lse: (m, 1/l) rows
     float *dextra = dsum + N * H * L, *extra = dextra + 2 * N * H * nx * d;
-    float *tmp = extra + 2 * H * nx * d, *scratch = tmp + n_tmp;
+    float *tmp = extra + 2 * H * nx * d, *scratch = blk + n_pre;
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + 2 * E : NULL;
 
     // Forward: inputs as rows, projections, attention with the row stats.
@@ -514,6 +516,6 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (gq) grad_input(kt, gq, acc, dq, W3, m->q_weight, Rq, E, E, tmp, nt);
     if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, E, kd, tmp, nt);
     if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, E, vd, tmp, nt);
-    free(blk);
+    mha__free(blk);
     return MHA_OK;
 }

@@ -48,6 +48,8 @@ double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
     if (j >= mk->s_masked) return 0.0;
     double v = 0.0;
     if (mk->causal && j > i) v = -INFINITY;
+    if (mk->win_left >= 0 && j < i - mk->win_left) v = -INFINITY;
+    if (mk->win_right >= 0 && j > i + mk->win_right) v = -INFINITY;
     if (mk->attn)
         v += mask_elem(mk->attn, mk->attn_dtype,
                        b * mk->attn_s[0] + h * mk->attn_s[1] +

@@ -15,6 +15,8 @@
 //    added
 //  - kpm: element at kpm + b*kpm_s[0] + j*kpm_s[1]; same dtype rule
 //  - causal: -inf where j > i
+//  - sliding window: -inf where j < i - win_left (win_left >= 0) or
+//    j > i + win_right (win_right >= 0); -1: unbounded on that side
 // Columns j >= s_masked are never masked (keys appended by add_bias_kv and
 // add_zero_attn).
 typedef struct mha__mask {
@@ -25,6 +27,7 @@ typedef struct mha__mask {
     mha_dtype kpm_dtype;
     int64_t kpm_s[2];
     bool causal;
+    int64_t win_left, win_right;
     int64_t s_masked;
 } mha__mask;
 
