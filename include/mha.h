@@ -323,6 +323,14 @@ typedef struct mha_forward_args {
     int64_t window_right;
     bool need_weights;          // write attn_output_weights
     bool average_attn_weights;  // mean over heads (default true)
+    // A block of the weights only (long sequences: the full (H, L, S')
+    // weights may not fit): heads [weights_head_begin, weights_head_end)
+    // and query rows [weights_row_begin, weights_row_end); an end of -1
+    // (the default) means H or L. The weights' shape becomes (N, Hs, Ls, S')
+    // per head or (N, Ls, S') averaged, the mean over the selected heads
+    // (Hs, Ls the block's sizes). The fused path computes only that block.
+    int64_t weights_head_begin, weights_head_end;
+    int64_t weights_row_begin, weights_row_end;
     mha_impl impl;              // default MHA_IMPL_AUTO
     mha_trace_fn trace;         // NULL: no trace
     void *trace_user;
@@ -343,7 +351,8 @@ MHA_API void mha_forward_args_init(mha_forward_args *a);
 // Output shapes of a forward (after checking every argument):
 //   attn_output: same layout as query: (L, N, E) / (N, L, E) / (L, E)
 //   attn_output_weights (S' = S + add_bias_kv + add_zero_attn):
-//       averaged (N, L, S'), per head (N, H, L, S'); unbatched drops N.
+//       averaged (N, L, S'), per head (N, H, L, S'); unbatched drops N;
+//       H and L are the selected block's sizes (weights_head_*, _row_*).
 // Either output pointer may be NULL.
 typedef struct mha_shape {
     int ndim;

@@ -109,6 +109,30 @@ mha_status mha__check_float(const mha_tensor *t, const char *name) {
     return MHA_OK;
 }
 
+// The weights block [wh0, wh1) x [wr0, wr1) from the arguments.
+static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
+    const int64_t hb = a->weights_head_begin, rb = a->weights_row_begin;
+    const int64_t he = a->weights_head_end < 0 ? p->H : a->weights_head_end;
+    const int64_t re = a->weights_row_end < 0 ? p->L : a->weights_row_end;
+    if (a->weights_head_end < -1 || hb < 0 || hb > he || he > p->H)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "weights heads [%lld, %lld): need 0 <= begin <= end <= "
+                         "num_heads %lld (end -1: all)",
+                         (long long)hb, (long long)a->weights_head_end, (long long)p->H);
+    if (a->weights_row_end < -1 || rb < 0 || rb > re || re > p->L)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "weights rows [%lld, %lld): need 0 <= begin <= end <= "
+                         "L %lld (end -1: all)",
+                         (long long)rb, (long long)a->weights_row_end, (long long)p->L);
+    if (a->need_weights && a->average_attn_weights && hb == he && rb < re)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "weights heads [%lld, %lld): averaging needs at least one head",
+                         (long long)hb, (long long)he);
+    p->wh0 = hb, p->wh1 = he, p->wr0 = rb, p->wr1 = re;
+    p->w_block = hb != 0 || he != p->H || rb != 0 || re != p->L;
+    return MHA_OK;
+}
+
 // Window bounds: -1 (unbounded) or a count of keys >= 0.
 static mha_status check_window(int64_t left, int64_t right) {
     if (left < -1 || right < -1)
@@ -336,8 +360,9 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     for (int i = 0; i < q->ndim; i++) p->out_shape.dims[i] = q->shape[i];
     mha_shape *w = &p->w_shape;
     if (!p->unbatched) w->dims[w->ndim++] = p->N;
-    if (!a->average_attn_weights) w->dims[w->ndim++] = p->H;
-    w->dims[w->ndim++] = p->L;
+    if ((st = weights_block(p, a))) return st;
+    if (!a->average_attn_weights) w->dims[w->ndim++] = p->wh1 - p->wh0;
+    w->dims[w->ndim++] = p->wr1 - p->wr0;
     w->dims[w->ndim++] = p->Sp;
 
     // Scratch layout.
@@ -372,7 +397,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
         carve(&total, &p->off_v, nse, sizeof(double)) ||
         carve(&total, &p->off_ctx, nle, sizeof(double)) ||
         carve(&total, &p->off_headw,
-              (a->need_weights && a->average_attn_weights) ? nhlsp : 0,
+              (a->need_weights && (a->average_attn_weights || p->w_block)) ? nhlsp : 0,
               sizeof(double)) ||
         carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
         carve(&total, &p->off_trace, tr, sizeof(float)))
@@ -406,6 +431,8 @@ void mha_forward_args_init(mha_forward_args *a) {
     a->impl = MHA_IMPL_AUTO;
     a->window_left = -1;
     a->window_right = -1;
+    a->weights_head_end = -1;
+    a->weights_row_end = -1;
 }
 
 mha_status mha_forward_shapes(mha_shape *out_shape, mha_shape *weights_shape,
@@ -540,13 +567,16 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const double scale = 1.0 / sqrt((double)d);
     const bool avg = a->need_weights && a->average_attn_weights;
     const bool perhead = a->need_weights && !a->average_attn_weights;
+    // every head's weights go to headw when they are averaged or a block of
+    // them is asked for; else straight into the output
+    const bool via_headw = avg || (perhead && p->w_block);
     mha__trace tr = {a->trace, a->trace_user, tbuf};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t bh = 0; bh < N * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         mha__mat wh = {NULL, false, 0, 0};
-        if (avg) {
+        if (via_headw) {
             wh = mha__dmat(headw + bh * L * Sp, Sp);
         } else if (perhead) {
             int o = p->unbatched ? 0 : 1;  // weights (N,) H, L, Sp
@@ -563,19 +593,34 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     }
     trace_buffer(a, "concat", tbuf, ctx, N, L, E);
 
-    // 3. Averaged weights: mean over heads, summed in head order.
+    // 3. Averaged weights: mean over the (selected) heads, summed in head
+    //    order; or the selected block of the per-head weights.
     if (avg) {
-        int o = p->unbatched ? 0 : 1;  // weights (N,) L, Sp
+        int o = p->unbatched ? 0 : 1;  // weights (N,) Ls, Sp
         for (int64_t b = 0; b < N; b++)
-            for (int64_t i = 0; i < L; i++) {
+            for (int64_t i = p->wr0; i < p->wr1; i++) {
                 mha__mat wr = view_row(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
-                                                    i * weights->stride[o], o + 1);
+                                                    (i - p->wr0) * weights->stride[o], o + 1);
                 for (int64_t j = 0; j < Sp; j++) {
                     double s = 0.0;
-                    for (int64_t h = 0; h < H; h++) s += headw[((b * H + h) * L + i) * Sp + j];
-                    mha__st(wr, 0, j, s / (double)H);
+                    for (int64_t h = p->wh0; h < p->wh1; h++)
+                        s += headw[((b * H + h) * L + i) * Sp + j];
+                    mha__st(wr, 0, j, s / (double)(p->wh1 - p->wh0));
                 }
             }
+    } else if (via_headw) {
+        int o = p->unbatched ? 0 : 1;  // weights (N,) Hs, Ls, Sp
+        for (int64_t b = 0; b < N; b++)
+            for (int64_t h = p->wh0; h < p->wh1; h++)
+                for (int64_t i = p->wr0; i < p->wr1; i++) {
+                    mha__mat wr = view_row(weights,
+                                           (p->unbatched ? 0 : b * weights->stride[0]) +
+                                               (h - p->wh0) * weights->stride[o] +
+                                               (i - p->wr0) * weights->stride[o + 1],
+                                           o + 2);
+                    for (int64_t j = 0; j < Sp; j++)
+                        mha__st(wr, 0, j, headw[((b * H + h) * L + i) * Sp + j]);
+                }
     }
 
     // 4. Output projection, written in the query's layout; then the output
@@ -691,10 +736,6 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
     mha_status st;
     if ((st = check_impl(a->impl))) return st;
-    if (a->impl == MHA_IMPL_FUSED)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "sdpa: the fused implementation is not available for "
-                         "mha_sdpa yet (use auto or reference)");
     if ((st = check_4d(a->q, "q")) || (st = check_4d(a->k, "k")) ||
         (st = check_4d(a->v, "v")))
         return st;
@@ -775,6 +816,36 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         if ((st = mha__check_no_overlap(weights, "weights", ins[i], names[i]))) return st;
     }
     if ((st = mha__check_no_overlap(weights, "weights", out, "out"))) return st;
+
+    // auto: fused when every tensor is F32 with unit feature stride (the
+    // rows it reads and writes); MHA_IMPL in the environment overrides.
+    bool fusable = true;
+    const mha_tensor *fts[5] = {q, k, v, out, weights};
+    for (int i = 0; i < 5; i++)
+        if (fts[i] && (fts[i]->dtype != MHA_F32 || (fts[i]->stride[3] != 1 && i < 4)))
+            fusable = false;
+    mha_impl impl = a->impl;
+    if (impl == MHA_IMPL_AUTO) {
+        const char *env = getenv("MHA_IMPL");
+        mha_impl forced;
+        impl = fusable ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK &&
+            (forced != MHA_IMPL_FUSED || fusable))
+            impl = forced;
+    }
+    if (impl == MHA_IMPL_FUSED) {
+        if (!fusable)
+            return mha__fail(MHA_ERR_UNSUPPORTED,
+                             "sdpa: the fused implementation takes F32 q, k, v, out "
+                             "(and weights) with unit stride along the last dim; got "
+                             "q %s stride %lld, k %s stride %lld, v %s stride %lld, "
+                             "out %s stride %lld",
+                             mha_dtype_name(q->dtype), (long long)q->stride[3],
+                             mha_dtype_name(k->dtype), (long long)k->stride[3],
+                             mha_dtype_name(v->dtype), (long long)v->stride[3],
+                             mha_dtype_name(out->dtype), (long long)out->stride[3]);
+        return mha__fused_sdpa(out, weights, q, k, v, &mk, scale);
+    }
 
     int nt = (double)B * H * L * S * (D + Dv) < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
     int64_t ls;

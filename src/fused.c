@@ -116,7 +116,9 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     size_t t = 0;
     int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d, p->S, nx, false) * p->nthreads;
     int64_t lse = a->need_weights ? 2 * N * H * L : 0;  // (m, 1/l) per row
-    int64_t headw = (a->need_weights && a->average_attn_weights) ? N * H * L * Sp : 0;
+    int64_t headw = (a->need_weights && a->average_attn_weights)
+                        ? N * (p->wh1 - p->wh0) * (p->wr1 - p->wr0) * Sp
+                        : 0;
     if (carve(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
         carve(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
         carve(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
@@ -244,26 +246,31 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         float *sc = scratch + (size_t)tid * sf;
         mha__flash_rows(kt, &fh, i0, i1, sc);
-        if (a->need_weights) {
+        // the weights of this tile's rows in the selected block
+        const int64_t r0 = i0 > p->wr0 ? i0 : p->wr0, r1 = i1 < p->wr1 ? i1 : p->wr1;
+        if (a->need_weights && h >= p->wh0 && h < p->wh1 && r0 < r1) {
+            const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0, hs = h - p->wh0;
             mha__mat w;
             if (avg) {
-                w = (mha__mat){headw + (bh * L + i0) * Sp, false, Sp, 1};
+                w = (mha__mat){headw + ((b * Hs + hs) * Ls + r0 - p->wr0) * Sp, false, Sp, 1};
             } else {
                 int o = p->unbatched ? 0 : 1;
                 w = (mha__mat){(char *)weights->data +
                                    ((p->unbatched ? 0 : b * weights->stride[0]) +
-                                    h * weights->stride[o] + i0 * weights->stride[o + 1]) *
+                                    hs * weights->stride[o] +
+                                    (r0 - p->wr0) * weights->stride[o + 1]) *
                                        (int64_t)mha_dtype_size(weights->dtype),
                                weights->dtype == MHA_F64, weights->stride[o + 1],
                                weights->stride[o + 2]};
             }
-            mha__flash_weights(kt, &fh, i0, i1, w, sc);
+            mha__flash_weights(kt, &fh, r0, r1, w, sc);
         }
     }
-    if (avg) {  // mean over heads, summed in head order
+    if (avg) {  // mean over the selected heads, summed in head order
+        const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
         int o = p->unbatched ? 0 : 1;
         for (int64_t b = 0; b < N; b++)
-            for (int64_t i = 0; i < L; i++) {
+            for (int64_t i = 0; i < Ls; i++) {
                 mha__mat wr = {(char *)weights->data +
                                    ((p->unbatched ? 0 : b * weights->stride[0]) +
                                     i * weights->stride[o]) *
@@ -271,8 +278,8 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                                weights->dtype == MHA_F64, 0, weights->stride[o + 1]};
                 for (int64_t j = 0; j < Sp; j++) {
                     float s = 0.0f;
-                    for (int64_t h = 0; h < H; h++) s += headw[((b * H + h) * L + i) * Sp + j];
-                    mha__st(wr, 0, j, s / (float)H);
+                    for (int64_t h = 0; h < Hs; h++) s += headw[((b * Hs + h) * Ls + i) * Sp + j];
+                    mha__st(wr, 0, j, s / (float)Hs);
                 }
             }
     }
@@ -297,6 +304,59 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             mha__mat row = view_row(out, r);
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
+}
+
+// ---------------------------------------------------------------------------
+// Scaled dot-product attention on (B, H, T, D) views (mha_sdpa, fused): one
+// flash head per (b, h), items (b, h, tile of query rows) over the threads.
+// Extra memory: per thread the flash scratch (O((S) (D + Dv))), plus the
+// row stats (B H L 2 floats) when the weights are asked for.
+
+mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
+                           const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
+                           double scale) {
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
+                  S = k->shape[2], Dv = v->shape[3];
+    const int nt = (double)B * H * L * S * (D + Dv) < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
+    const size_t sf = mha__flash_scratch_floats(D, Dv, S, 0, false);
+    size_t n_stats = weights ? (size_t)(2 * B * H * L) : 0, floats, bytes;
+    if (mha__mul_overflow_size(sf, (size_t)nt, &floats) ||
+        mha__add_overflow_size(floats, n_stats, &floats) ||
+        mha__mul_overflow_size(floats, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "sdpa: scratch size overflows");
+    float *blk = mha__alloc(bytes);
+    if (!blk) return mha__fail(MHA_ERR_NOMEM, "sdpa: out of memory for %zu bytes", bytes);
+    float *stats = weights ? blk + sf * (size_t)nt : NULL;
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
+    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR, items = B * H * tiles;
+    const bool back_first = mk->causal || mk->win_left >= 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t item = 0; item < items; item++) {
+        // causal rows near the end cost more: hand them out first
+        int64_t it = back_first ? items - 1 - item : item;
+        int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
+        float *sc = blk + (size_t)mha__thread_id() * sf;
+#define HEAD_PTR(t) ((float *)(t)->data + b * (t)->stride[0] + h * (t)->stride[1])
+        mha__flash_head fh = {
+            .q = HEAD_PTR(q), .q_rs = q->stride[2], .k = HEAD_PTR(k), .k_rs = k->stride[2],
+            .v = HEAD_PTR(v), .v_rs = v->stride[2], .xk = NULL, .xv = NULL, .nx = 0,
+            .o = HEAD_PTR(out), .o_rs = out->stride[2],
+            .stats = stats ? stats + 2 * bh * L : NULL,
+            .L = L, .S = S, .D = D, .Dv = Dv, .scale = (float)scale,
+            .mask = mk, .drop = NULL, .b = b, .h = h,
+        };
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
+        mha__flash_rows(kt, &fh, i0, i1, sc);
+        if (weights) {
+            mha__mat w = {HEAD_PTR(weights) + i0 * weights->stride[2], false,
+                          weights->stride[2], weights->stride[3]};
+            mha__flash_weights(kt, &fh, i0, i1, w, sc);
+        }
+#undef HEAD_PTR
+    }
+    mha__free(blk);
+    return MHA_OK;
 }
 
 // ---------------------------------------------------------------------------

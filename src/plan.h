@@ -20,6 +20,10 @@ typedef struct fwd_plan {
     mha__dropout drop;       // attention dropout (drop.p > 0 when active)
     float out_p;             // output dropout p (0: none)
     mha_shape out_shape, w_shape;
+    // the weights block: heads [wh0, wh1), rows [wr0, wr1); w_block when it
+    // is not everything
+    int64_t wh0, wh1, wr0, wr1;
+    bool w_block;
     // scratch layout, byte offsets into one block (64-byte aligned pieces)
     size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace;
     size_t ws_bytes;
@@ -72,6 +76,11 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                            const mha_forward_args *a);
 void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a, char *ws);
+// The fused scaled-dot-product attention: F32 views with unit last stride
+// (checked by the caller), mask over (b, h, i, j). Allocates its scratch.
+mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
+                           const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
+                           double scale);
 // The fused backward (allocates its own scratch).
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
                                mha_tensor *gv, mha_module *grads, const mha_module *m,

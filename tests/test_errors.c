@@ -201,9 +201,15 @@ static void sdpa_errors(void) {
     CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_SHAPE);
     msg_has("scale", NULL);
     b = a;
-    b.impl = MHA_IMPL_FUSED;  // not available for mha_sdpa yet: said so
-    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_UNSUPPORTED);
-    msg_has("fused", NULL);
+    b.impl = MHA_IMPL_FUSED;  // fused needs unit stride along D: said so
+    static float od2[2 * B * Hh * L * D];
+    mha_tensor os2 = mha_tensor_contiguous(od2, MHA_F32, 4, (int64_t[]){B, Hh, L, 2 * D});
+    os2.shape[3] = D;
+    os2.stride[3] = 2;
+    CHECK_FAILS(mha_sdpa(&os2, NULL, &b), MHA_ERR_UNSUPPORTED);
+    msg_has("fused", "stride");
+    b.impl = MHA_IMPL_AUTO;  // auto falls back to the reference there
+    CHECK_OK(mha_sdpa(&os2, NULL, &b));
     mha_tensor o_alias = mha_tensor_contiguous(kd, MHA_F32, 4, (int64_t[]){B, Hh, L, D});
     CHECK_FAILS(mha_sdpa(&o_alias, NULL, &a), MHA_ERR_INVALID_ARG);
 }

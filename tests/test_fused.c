@@ -92,6 +92,17 @@ static void one_case(int id) {
     a.average_attn_weights = avg;
     a.training = drop;
     a.dropout_seed = (uint64_t)id * 7919;
+    if (next() % 3 == 0) {  // a sliding window
+        static const int64_t wl[5] = {-1, 0, 1, 5, 40}, wr[4] = {-1, 0, 3, 64};
+        a.window_left = wl[next() % 5];
+        a.window_right = wr[next() % 4];
+    }
+    if (need && next() % 3 == 0) {  // a block of the weights
+        a.weights_head_begin = irand(0, H - 1);
+        a.weights_head_end = irand(a.weights_head_begin + 1, H);
+        a.weights_row_begin = irand(0, L);
+        a.weights_row_end = next() & 1 ? -1 : irand(a.weights_row_begin, L);
+    }
     if (am_kind) {
         amt = next() & 1 ? mha_tensor_contiguous(am_kind == 1 ? (void *)bm : (void *)fm,
                                                  am_kind == 1 ? MHA_BOOL : MHA_F32, 2,
@@ -128,9 +139,10 @@ static void one_case(int id) {
     for (int64_t i = 0; i < on; i++) e = fmax(e, fabs((double)y1[i] - y2[i]));
     double tol = 2e-5 * (1 + max_abs(y1, on));
     CHECKF(e <= tol, "case %d (E %lld H %lld L %lld S %lld N %lld bf %d unb %d bkv %d zero %d "
-           "causal %d drop %d am %d kpm %d strided %d self %d): output err %g tol %g", id,
-           (long long)E, (long long)H, (long long)L, (long long)S, (long long)N, bf, unb, bkv,
-           zero, causal, drop, am_kind, kpm_kind, strided, self, e, tol);
+           "causal %d window (%lld, %lld) drop %d am %d kpm %d strided %d self %d): output "
+           "err %g tol %g", id, (long long)E, (long long)H, (long long)L, (long long)S,
+           (long long)N, bf, unb, bkv, zero, causal, (long long)a.window_left,
+           (long long)a.window_right, drop, am_kind, kpm_kind, strided, self, e, tol);
     if (need) {
         double ew = 0;
         for (int64_t i = 0; i < wn; i++) ew = fmax(ew, fabs((double)w1[i] - w2[i]));
@@ -141,6 +153,213 @@ static void one_case(int id) {
     free(q); free(k); free(v); free(bm); free(fm); free(bk);
     free(y1); free(y2); free(w1); free(w2);
     mha_module_destroy(m);
+}
+
+static double rel_err(const float *a, const float *b, int64_t n) {
+    double e = 0, m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        e = fmax(e, fabs((double)a[i] - b[i]));
+        m = fmax(m, fabs((double)a[i]));
+    }
+    return e / (1.0 + m);
+}
+
+// Long sequences with sliding windows (tiles outside the band skipped):
+// fused forward, weights and backward against the reference.
+static void test_windows(void) {
+    enum { E = 32, H = 2, L = 700, N = 1 };
+    static const int64_t win[][2] = {{0, 0}, {100, -1}, {-1, 50}, {37, 200}, {300, 300}, {5, 0}};
+    mha_config c;
+    mha_config_init(&c, E, H);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    CHECK_OK(mha_module_init(m, &io));
+    float *x = malloc(sizeof(float) * L * E), *gy = malloc(sizeof(float) * L * E);
+    float *y[2], *w[2], *gx[2];
+    for (int r = 0; r < 2; r++) {
+        y[r] = malloc(sizeof(float) * L * E);
+        w[r] = malloc(sizeof(float) * H * L * L);
+        gx[r] = malloc(sizeof(float) * L * E);
+    }
+    for (int i = 0; i < L * E; i++) x[i] = 2.0f * frand(), gy[i] = frand();
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_tensor gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){L, N, E});
+    for (size_t t = 0; t < sizeof win / sizeof win[0]; t++)
+        for (int causal = 0; causal < 2; causal++) {
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.query = a.key = a.value = &xt;
+            a.is_causal = causal;
+            a.window_left = win[t][0];
+            a.window_right = win[t][1];
+            a.need_weights = true;
+            a.average_attn_weights = false;
+            mha_module *g[2];
+            for (int r = 0; r < 2; r++) {
+                a.impl = r ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+                mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, 3, (int64_t[]){L, N, E});
+                mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, 4, (int64_t[]){N, H, L, L});
+                mha_tensor gt = mha_tensor_contiguous(gx[r], MHA_F32, 3, (int64_t[]){L, N, E});
+                CHECK_OK(mha_forward(&yt, &wt, m, &a));
+                CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+                CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], m, &a, &gyt, false));
+            }
+            CHECKF(rel_err(y[0], y[1], L * E) < 2e-5, "window (%lld, %lld) causal %d: output",
+                   (long long)win[t][0], (long long)win[t][1], causal);
+            CHECKF(rel_err(w[0], w[1], H * L * L) < 2e-5, "window (%lld, %lld) causal %d: weights",
+                   (long long)win[t][0], (long long)win[t][1], causal);
+            // the band itself: every weight outside it is exactly 0
+            int64_t outside = 0;
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t j = 0; j < L; j++) {
+                        bool vis = !(causal && j > i) && !(win[t][0] >= 0 && j < i - win[t][0]) &&
+                                   !(win[t][1] >= 0 && j > i + win[t][1]);
+                        if (!vis && w[1][(h * L + i) * L + j] != 0.0f) outside++;
+                    }
+            CHECKF(outside == 0, "window (%lld, %lld) causal %d: %lld weights outside the band",
+                   (long long)win[t][0], (long long)win[t][1], causal, (long long)outside);
+            CHECKF(rel_err(gx[0], gx[1], L * E) < 1e-4, "window (%lld, %lld) causal %d: grad_query %g",
+                   (long long)win[t][0], (long long)win[t][1], causal, rel_err(gx[0], gx[1], L * E));
+            for (int i = 0; i < mha_module_num_params(g[0]); i++) {
+                mha_param p0, p1;
+                CHECK_OK(mha_module_param_at(&p0, g[0], i));
+                CHECK_OK(mha_module_param_at(&p1, g[1], i));
+                double e = rel_err(p0.data, p1.data, p0.numel);
+                CHECKF(e < 1e-4, "window (%lld, %lld) causal %d: grad %s %g",
+                       (long long)win[t][0], (long long)win[t][1], causal, p0.name, e);
+            }
+            mha_module_destroy(g[0]);
+            mha_module_destroy(g[1]);
+        }
+    for (int r = 0; r < 2; r++) free(y[r]), free(w[r]), free(gx[r]);
+    free(x);
+    free(gy);
+    mha_module_destroy(m);
+}
+
+// A block of the weights is bit for bit that block of the full weights
+// (fused), and its average the mean over the block's heads.
+static void test_weights_block(void) {
+    enum { E = 48, H = 4, L = 300, N = 2 };
+    mha_config c;
+    mha_config_init(&c, E, H);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    CHECK_OK(mha_module_init(m, &io));
+    static float x[L * N * E], y[L * N * E], wf[N * H * L * L], wb[N * H * L * L];
+    for (int i = 0; i < L * N * E; i++) x[i] = frand();
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    a.need_weights = true;
+    a.average_attn_weights = false;
+    a.impl = MHA_IMPL_FUSED;
+    mha_tensor wft = mha_tensor_contiguous(wf, MHA_F32, 4, (int64_t[]){N, H, L, L});
+    CHECK_OK(mha_forward(&yt, &wft, m, &a));
+    const int64_t h0 = 1, h1 = 3, r0 = 70, r1 = 201;
+    a.weights_head_begin = h0, a.weights_head_end = h1;
+    a.weights_row_begin = r0, a.weights_row_end = r1;
+    mha_shape ws;
+    CHECK_OK(mha_forward_shapes(NULL, &ws, m, &a));
+    CHECK(ws.ndim == 4 && ws.dims[0] == N && ws.dims[1] == h1 - h0 && ws.dims[2] == r1 - r0 &&
+          ws.dims[3] == L);
+    mha_tensor wbt = mha_tensor_contiguous(wb, MHA_F32, 4, ws.dims);
+    CHECK_OK(mha_forward(&yt, &wbt, m, &a));
+    int64_t diff = 0;
+    for (int64_t b = 0; b < N; b++)
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t i = r0; i < r1; i++)
+                for (int64_t j = 0; j < L; j++)
+                    diff += wb[((b * (h1 - h0) + h - h0) * (r1 - r0) + i - r0) * L + j] !=
+                            wf[((b * H + h) * L + i) * L + j];
+    CHECKF(diff == 0, "weights block: %lld elements differ from the full weights", (long long)diff);
+    a.average_attn_weights = true;
+    CHECK_OK(mha_forward_shapes(NULL, &ws, m, &a));
+    CHECK(ws.ndim == 3 && ws.dims[0] == N && ws.dims[1] == r1 - r0 && ws.dims[2] == L);
+    wbt = mha_tensor_contiguous(wb, MHA_F32, 3, ws.dims);
+    CHECK_OK(mha_forward(&yt, &wbt, m, &a));
+    double e = 0;
+    for (int64_t b = 0; b < N; b++)
+        for (int64_t i = r0; i < r1; i++)
+            for (int64_t j = 0; j < L; j++) {
+                double s = 0;
+                for (int64_t h = h0; h < h1; h++) s += wf[((b * H + h) * L + i) * L + j];
+                e = fmax(e, fabs(s / (h1 - h0) - wb[(b * (r1 - r0) + i - r0) * L + j]));
+            }
+    CHECKF(e < 1e-6, "averaged weights block: err %g", e);
+    // errors: bad blocks name the values
+    a.weights_head_begin = 3, a.weights_head_end = 2;
+    CHECK(mha_forward_shapes(NULL, &ws, m, &a) == MHA_ERR_INVALID_ARG);
+    a.weights_head_begin = 0, a.weights_head_end = -1;
+    a.weights_row_end = L + 1;
+    CHECK(mha_forward_shapes(NULL, &ws, m, &a) == MHA_ERR_INVALID_ARG);
+    a.weights_row_end = -1;
+    a.window_left = -2;
+    CHECK(mha_forward_shapes(NULL, &ws, m, &a) == MHA_ERR_INVALID_ARG);
+    mha_module_destroy(m);
+}
+
+// mha_sdpa fused against the reference: head views with row padding,
+// Dv != D, broadcast masks, key padding, causal, windows, custom scale.
+static void test_sdpa(void) {
+    for (int id = 0; id < 60; id++) {
+        const int64_t B = irand(1, 2), H = irand(1, 3), L = irand(1, 300), S = irand(1, 300),
+                      D = irand(1, 40), Dv = irand(1, 40), pad = irand(0, 3);
+        const int64_t nq = B * H * L * (D + pad), nk = B * H * S * (D + pad),
+                      nv = B * H * S * (Dv + pad), no = B * H * L * Dv;
+        float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk),
+              *v = malloc(sizeof(float) * (size_t)nv), *o[2], *w[2];
+        for (int64_t i = 0; i < nq; i++) q[i] = 2.0f * frand();
+        for (int64_t i = 0; i < nk; i++) k[i] = 2.0f * frand();
+        for (int64_t i = 0; i < nv; i++) v[i] = frand();
+        for (int r = 0; r < 2; r++) {
+            o[r] = malloc(sizeof(float) * (size_t)no);
+            w[r] = malloc(sizeof(float) * (size_t)(B * H * L * S));
+        }
+        mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, L, D + pad});
+        mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, (int64_t[]){B, H, S, D + pad});
+        mha_tensor vt = mha_tensor_contiguous(v, MHA_F32, 4, (int64_t[]){B, H, S, Dv + pad});
+        qt.shape[3] = kt.shape[3] = D;  // rows padded: strided head views
+        vt.shape[3] = Dv;
+        float *am = malloc(sizeof(float) * (size_t)(L * S));
+        uint8_t *kp = malloc((size_t)(B * S));
+        for (int64_t i = 0; i < L * S; i++) am[i] = next() % 6 == 0 ? -INFINITY : frand();
+        for (int64_t i = 0; i < B * S; i++) kp[i] = next() % 5 == 0;
+        mha_tensor amt = mha_tensor_contiguous(am, MHA_F32, 3, (int64_t[]){1, L, S});
+        mha_tensor kpt = mha_tensor_contiguous(kp, MHA_BOOL, 2, (int64_t[]){B, S});
+        mha_sdpa_args a;
+        mha_sdpa_args_init(&a);
+        a.q = &qt, a.k = &kt, a.v = &vt;
+        a.is_causal = next() & 1;
+        if (next() % 2) a.window_left = irand(0, 100);
+        if (next() % 3 == 0) a.window_right = irand(0, 100);
+        if (next() % 3 == 0) a.attn_mask = &amt;
+        if (next() % 3 == 0) a.key_padding_mask = &kpt;
+        if (next() % 3 == 0) a.use_custom_scale = true, a.scale = 0.5 + frand();
+        for (int r = 0; r < 2; r++) {
+            mha_tensor ot = mha_tensor_contiguous(o[r], MHA_F32, 4, (int64_t[]){B, H, L, Dv});
+            mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, 4, (int64_t[]){B, H, L, S});
+            a.impl = r ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+            CHECK_OK(mha_sdpa(&ot, &wt, &a));
+        }
+        double eo = rel_err(o[0], o[1], no), ew = rel_err(w[0], w[1], B * H * L * S);
+        CHECKF(eo < 2e-5 && ew < 2e-5,
+               "sdpa %d (B %lld H %lld L %lld S %lld D %lld Dv %lld causal %d window (%lld, "
+               "%lld) mask %d kpm %d): out err %g, weights err %g", id, (long long)B,
+               (long long)H, (long long)L, (long long)S, (long long)D, (long long)Dv,
+               a.is_causal, (long long)a.window_left, (long long)a.window_right,
+               a.attn_mask != NULL, a.key_padding_mask != NULL, eo, ew);
+        for (int r = 0; r < 2; r++) free(o[r]), free(w[r]);
+        free(q), free(k), free(v), free(am), free(kp);
+    }
 }
 
 // 1, 2 and 8 threads: bit-identical output, weights and gradients.
@@ -160,6 +379,7 @@ static void test_threads(void) {
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
     a.is_causal = true;
+    a.window_left = 150;  // tiles outside the band skipped in some rows
     a.need_weights = true;
     a.impl = MHA_IMPL_FUSED;
     const int threads[3] = {1, 2, 8};
@@ -199,6 +419,9 @@ static void test_threads(void) {
 int main(void) {
     for (int i = 0; i < 300; i++) one_case(i);
     test_threads();
+    test_windows();
+    test_weights_block();
+    test_sdpa();
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }

@@ -12,8 +12,8 @@
 // bit for bit with the reference's and the fused one's (they differ in the
 // last bits: the reference computes in double).
 //
-// What it deliberately does not do: sliding windows (the library has none
-// yet: --window is rejected), a backward of the core (mha_sdpa has none),
+// What it deliberately does not do: a backward of the core (mha_sdpa has
+// none),
 // or any comparison with PyTorch (bench/bench_torch.py and bench/compare.sh
 // do that from the --json lines).
 #include <errno.h>
@@ -49,7 +49,9 @@ static const char *bench_help =
     "  --embed-dim E      model dimension\n"
     "  --num-heads H      heads (must divide E)\n"
     "  --causal           hide keys j > i (FLOPs still counted dense)\n"
-    "  --window W         sliding window: not implemented yet (rejected)\n"
+    "  --window W         sliding window: query i sees keys [i - W, i + W]\n"
+    "                     ([i - W, i] with --causal); FLOPs still counted\n"
+    "                     dense, the visible fraction is printed\n"
     "  --backward         time forward + backward (mha_backward: gradients\n"
     "                     of the inputs and of every parameter)\n"
     "  --core             the attention core alone (mha_sdpa)\n"
@@ -329,6 +331,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
         p->sa.v = &p->v;
         p->sa.is_causal = o->causal;
         p->sa.impl = impl;
+        if (o->window) p->sa.window_left = p->sa.window_right = o->window;
         return 0;
     }
     mha_config cfg;
@@ -362,6 +365,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
     p->a.value = p->self ? &p->q : &p->v;
     p->a.is_causal = o->causal;
     p->a.impl = impl;
+    if (o->window) p->a.window_left = p->a.window_right = o->window;
     if (o->workspace) {
         if ((st = mha_forward_workspace_size(&p->ws_bytes, p->m, &p->a)))
             return cli_fail("bench", st);
@@ -558,11 +562,6 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
                 (long long)o->E, (long long)o->H);
         return 2;
     }
-    if (o->window) {
-        fprintf(stderr, "mha bench: --window: sliding-window attention is not implemented "
-                "yet in libmha\n");
-        return 2;
-    }
     if (o->core && o->backward) {
         fprintf(stderr, "mha bench: --core --backward: mha_sdpa has no backward (time the "
                 "module's forward + backward without --core)\n");
@@ -586,6 +585,7 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
 typedef struct bench_result {
     double median, min, max;  // ms
     double flops, gflops, peak, rss_before, rss_max, inputs_mib;
+    double visible;  // fraction of the (i, j) score pairs causal/window leave
     const char *isa, *peak_isa, *fwd_ran, *bwd_ran;
     int threads;
 } bench_result;
@@ -617,6 +617,7 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            "\"flop_count\": %.6g, \"gflops\": %.3f, \"peak_gflops\": %.3f, "
            "\"peak_isa\": \"%s\", \"peak_fraction\": %.4f, \"max_rss_mib\": %.1f, "
            "\"rss_before_mib\": %.1f, \"inputs_mib\": %.1f, "
+           "\"window\": %lld, \"visible_fraction\": %.6f, "
            "\"flop_count_note\": \"%s\"}\n",
            mha_impl_name(o->impl), r->fwd_ran, r->bwd_ran, r->isa, r->threads,
            (long long)o->B, (long long)o->L, (long long)o->S, (long long)o->E,
@@ -626,7 +627,7 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            (long long)o->repeat, (long long)o->warmup, r->median, r->min, r->max,
            r->flops, r->gflops,
            r->peak, r->peak_isa, r->peak > 0 ? r->gflops / r->peak : 0.0, r->rss_max,
-           r->rss_before, r->inputs_mib, flop_note(o));
+           r->rss_before, r->inputs_mib, (long long)o->window, r->visible, flop_note(o));
 }
 
 static void print_text(const bench_opts *o, const bench_result *r) {
@@ -651,6 +652,10 @@ static void print_text(const bench_opts *o, const bench_result *r) {
            "warm-up%s)\n", r->median, r->min, r->max, (long long)o->repeat,
            o->repeat == 1 ? "" : "s", (long long)o->warmup, o->warmup == 1 ? "" : "s");
     printf("  work       %.3f GFLOP: %s\n", r->flops * 1e-9, flop_note(o));
+    if (o->causal || o->window)
+        printf("  band       %s%s%lld: %.1f%% of the (i, j) score pairs are visible\n",
+               o->causal ? "causal" : "", o->window ? (o->causal ? ", window " : "window ") : "",
+               (long long)o->window, 100.0 * r->visible);
     printf("  speed      %.1f GFLOP/s = %.1f%% of the measured fp32 FMA peak %.1f GFLOP/s "
            "(%s, %d thread%s)\n", r->gflops, r->peak > 0 ? 100.0 * r->gflops / r->peak : 0.0,
            r->peak, r->peak_isa, r->threads, r->threads == 1 ? "" : "s");
@@ -728,6 +733,16 @@ int cmd_bench(int argc, char **argv) {
         r.flops = o.core ? 4 * B * L * S * E
                          : 4 * B * L * E * E + 4 * B * S * E * E + 4 * B * L * S * E;
         if (o.backward) r.flops *= 3;
+        // visible (i, j) pairs under causal / window
+        double vis = 0;
+        for (int64_t i = 0; i < o.L; i++) {
+            int64_t lo = 0, hi = o.S;
+            if (o.window && i - o.window > lo) lo = i - o.window;
+            if (o.causal && i + 1 < hi) hi = i + 1;
+            if (o.window && i + o.window + 1 < hi) hi = i + o.window + 1;
+            if (hi > lo) vis += (double)(hi - lo);
+        }
+        r.visible = o.L && o.S ? vis / ((double)o.L * (double)o.S) : 0;
         r.gflops = r.median > 0 ? r.flops / (r.median * 1e-3) * 1e-9 : 0;
         if (o.json) print_json(&o, &r);
         else print_text(&o, &r);

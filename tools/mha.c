@@ -192,9 +192,14 @@ static const char *forward_help =
     "  --num-heads H        heads (default: the weights' __metadata__)\n"
     "  --batch-first        (N, L, E) inputs and output\n"
     "  --causal             hide keys j > i\n"
+    "  --window-left W      sliding window: hide keys j < i - W\n"
+    "  --window-right W     sliding window: hide keys j > i + W\n"
     "  --add-zero-attn      append a zero key/value\n"
     "  --need-weights       also write attn_output_weights (mean over heads)\n"
     "  --no-average-weights per-head weights (N, H, L, S)\n"
+    "  --weights-heads A:B  only heads [A, B) in the weights (averaged: their\n"
+    "                       mean); B may be omitted (A: = to the last)\n"
+    "  --weights-rows A:B   only query rows [A, B) in the weights\n"
     "  --impl NAME          auto (default), reference or fused\n"
     "  --dropout P          dropout on the attention weights (with --train)\n"
     "  --out-dropout P      dropout after the output projection (with --train)\n"
@@ -251,6 +256,23 @@ static float *run_alloc(run *r, int64_t n) {
     return p;
 }
 
+// "A:B" or "A:" (end -1) with A, B >= 0. Returns 0 on success.
+static int parse_range(const char *s, int64_t *begin, int64_t *end) {
+    const char *colon = strchr(s, ':');
+    if (!colon || colon == s) return 1;
+    char first[32];
+    size_t n = (size_t)(colon - s);
+    if (n >= sizeof first) return 1;
+    memcpy(first, s, n);
+    first[n] = '\0';
+    int64_t b, e = -1;
+    if (parse_i64(first, &b) || b < 0) return 1;
+    if (colon[1] != '\0' && (parse_i64(colon + 1, &e) || e < 0)) return 1;
+    *begin = b;
+    *end = e;
+    return 0;
+}
+
 // Parses the options shared by forward and backward. Returns -1 to go on,
 // else the exit status.
 static int run_parse(run *r, bool backward, int argc, char **argv) {
@@ -264,6 +286,8 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"train", no_argument, 0, 't'},           {"seed", required_argument, 0, 's'},
         {"dropout-offset", required_argument, 0, 'O'},
         {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
+        {"window-left", required_argument, 0, 'L'}, {"window-right", required_argument, 0, 'R'},
+        {"weights-heads", required_argument, 0, 'H'}, {"weights-rows", required_argument, 0, 'r'},
         {0, 0, 0, 0}};
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
@@ -303,6 +327,21 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
             *(c == 'd' ? &r->base.dropout : &r->base.out_dropout) = (float)f;
             break;
         case 't': r->a.training = true; break;
+        case 'L':
+        case 'R':
+            if (parse_i64(optarg, &v) || v < 0)
+                return usage_error(cmd, "--window-left and --window-right need a non-negative integer");
+            *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
+            break;
+        case 'H':
+        case 'r': {
+            int64_t *b = c == 'H' ? &r->a.weights_head_begin : &r->a.weights_row_begin;
+            int64_t *e = c == 'H' ? &r->a.weights_head_end : &r->a.weights_row_end;
+            if (parse_range(optarg, b, e))
+                return usage_error(cmd, "--weights-heads and --weights-rows need A:B "
+                                        "(non-negative integers, B optional)");
+            break;
+        }
         case 's':
         case 'O':
             if (parse_i64(optarg, &v) || v < 0)

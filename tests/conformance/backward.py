@@ -399,7 +399,7 @@ def _torch_masks(c, dtype):
     M, _ = conf.combined_mask(c)
     kpm, am = c.key_padding_mask, c.attn_mask
     kpm_float = kpm is not None and kpm.dtype != np.bool_
-    if c.causal or (kpm_float and am is not None):
+    if c.causal or c.windowed or (kpm_float and am is not None):
         return _to_torch(M, dtype), None
 
     def native(m):

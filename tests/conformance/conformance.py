@@ -196,6 +196,10 @@ class Case:
         self.average = average
         self.heads_via = heads_via
         self.info = info
+        self.window_left = -1     # sliding window (-1: unbounded)
+        self.window_right = -1
+        self.weights_heads = None  # (begin, end): a block of the weights
+        self.weights_rows = None
         self.params = []      # list of (name, float32 array), file order
         self.query = self.key = self.value = None
         self.key_padding_mask = None
@@ -231,7 +235,31 @@ class Case:
                    self.mask_kind(self.key_padding_mask),
                    self.mask_kind(self.attn_mask), self.causal,
                    self.need_weights, self.average, self.heads_via,
-                   (" " + self.info) if self.info else ""))
+                   (" " + self.info) if self.info else "")
+                + (" window=(%d,%d)" % (self.window_left, self.window_right)
+                   if self.windowed else "")
+                + (" weights_block=heads%s,rows%s" % (self.weights_heads,
+                                                      self.weights_rows)
+                   if self.wblock else ""))
+
+    @property
+    def windowed(self):
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def wblock(self):
+        return self.weights_heads is not None or self.weights_rows is not None
+
+    def weights_from_heads(self, Pw):
+        """The weights libmha returns, from per-head weights (Nb, H, L, S')
+        (numpy or torch): the selected block, averaged over its heads when
+        average is set, without the batch dim when unbatched."""
+        h0, h1 = self.weights_heads or (0, self.H)
+        r0, r1 = self.weights_rows or (0, self.L)
+        W = Pw[:, h0:h1, r0:r1]
+        if self.average:
+            W = W.sum(1) / (h1 - h0)
+        return W if self.batched else W[0]
 
     def set_params_random(self, rng, wscale=1.0):
         E, k, v = self.E, self.kdim, self.vdim
@@ -298,6 +326,14 @@ class Case:
             cmd.append("--need-weights")
             if not self.average:
                 cmd.append("--no-average-weights")
+            if self.weights_heads is not None:
+                cmd += ["--weights-heads", "%d:%d" % self.weights_heads]
+            if self.weights_rows is not None:
+                cmd += ["--weights-rows", "%d:%d" % self.weights_rows]
+        if self.window_left >= 0:
+            cmd += ["--window-left", str(self.window_left)]
+        if self.window_right >= 0:
+            cmd += ["--window-right", str(self.window_right)]
         if impl:
             cmd += ["--impl", impl]
         return cmd
@@ -339,6 +375,11 @@ def combined_mask(case):
         M += kf.reshape(Nb, S)[:, None, None, :]
     if case.causal:
         M += np.where(np.triu(np.ones((L, S)), 1) > 0, NEG_INF, 0.0)[None, None]
+    ii, jj = np.arange(L)[:, None], np.arange(S)[None, :]
+    if case.window_left >= 0:
+        M += np.where(jj < ii - case.window_left, NEG_INF, 0.0)[None, None]
+    if case.window_right >= 0:
+        M += np.where(jj > ii + case.window_right, NEG_INF, 0.0)[None, None]
     FM = np.all(M == NEG_INF, axis=-1)
     if case.add_bias_kv or case.add_zero_attn:
         FM[...] = False  # the appended keys are never masked
@@ -366,7 +407,7 @@ def torch_expected(case, dtype):
     # attn_mask wrongly (bool: logical_or of floats) or not at all (float:
     # masked_fill wants bool); fully masked rows give NaN. Those cases get one
     # combined float mask; otherwise the masks go to torch as they are.
-    if case.causal or fm_any or (kpm_float and am is not None):
+    if case.causal or case.windowed or fm_any or (kpm_float and am is not None):
         Mt = M.copy()
         Mt[FM] = 0.0
         t_am, t_kpm = T(Mt), None
@@ -392,7 +433,7 @@ def torch_expected(case, dtype):
     bk, bv = P("bias_k"), P("bias_v")
 
     need_w = case.need_weights or fm_any
-    avg = case.average and not fm_any
+    avg = case.average and not fm_any and not case.wblock
     with torch.no_grad():
         out, w = F.multi_head_attention_forward(
             q, k, v, E, H, ipw_t, ipb_t, bk, bv, case.add_zero_attn, 0.0,
@@ -419,11 +460,11 @@ def torch_expected(case, dtype):
             out_sf = torch.where(rows, recon, out_sf)
             out = out_sf if case.batched else out_sf.squeeze(1)
             if case.need_weights:
-                w = Pw.sum(dim=1) / H if case.average else Pw
-                if not case.batched:
-                    w = w.squeeze(0)
+                w = case.weights_from_heads(Pw)
             else:
                 w = None
+        elif case.need_weights and case.wblock:  # w: per head
+            w = case.weights_from_heads(w if case.batched else w.unsqueeze(0))
 
         if case.batched and case.batch_first:
             out = out.transpose(0, 1)
@@ -489,9 +530,7 @@ def numpy_forward(case, dtype=np.float32):
         O = O.transpose(1, 0, 2)
     res = {"attn_output": O.astype(np.float32)}
     if case.need_weights:
-        W = Pw.sum(axis=1) / dtype(H) if case.average else Pw
-        if not case.batched:
-            W = W[0]
+        W = case.weights_from_heads(Pw)
         res["attn_output_weights"] = W.astype(np.float32)
     return res
 
@@ -606,6 +645,26 @@ def random_case(seed, i, self_attn=False):
                 kp[...] = fill
         c.key_padding_mask = kp
     c.info = "scale=%g" % scale
+    # sliding windows, from their own stream (the draws above stay as they
+    # were before windows existed)
+    rw = np.random.default_rng([seed, 0x77696e, i])
+    if rw.random() < 0.25:
+        c.window_left = int(rw.choice([-1, 0, 1, 2, 5]))
+        c.window_right = int(rw.choice([-1, 0, 1, 3]))
+        if c.window_left < 0 and c.window_right < 0:
+            c.window_left = 1
+    return c
+
+
+def with_weights_block(c, seed, i):
+    """Config c asking for a random block of the weights (some of the time
+    when it needs weights)."""
+    rb = np.random.default_rng([seed, 0x626c6b, i])
+    if c.need_weights and rb.random() < 0.3:
+        h0 = int(rb.integers(0, c.H))
+        c.weights_heads = (h0, int(rb.integers(h0 + 1, c.H + 1)))
+        r0 = int(rb.integers(0, c.L + 1))
+        c.weights_rows = (r0, int(rb.integers(r0, c.L + 1)))
     return c
 
 
@@ -1097,7 +1156,7 @@ def self_test(args):
     worst_ratio = 0.0
     worst_case = None
     for i in range(args.self_test_configs):
-        c = random_case(args.seed, i)
+        c = with_weights_block(random_case(args.seed, i), args.seed, i)
         _, FM = combined_mask(c)
         n_full += bool(FM.any())
         ref = torch_expected(c, torch.float64)
@@ -1106,7 +1165,7 @@ def self_test(args):
         for k in ref:
             # float64 against float64: rounding differences only
             e = max_err(m64[k].astype(np.float64), ref[k])
-            check(e <= 1e-6 * (1 + float(np.max(np.abs(ref[k])))),
+            check(e <= 1e-6 * (1 + float(np.max(np.abs(ref[k]), initial=0.0))),
                   "numpy float64 model vs torch float64 on %s %s: %.3g"
                   % (c.describe(), k, e))
         m32 = numpy_forward(c, np.float32)
@@ -1131,7 +1190,7 @@ def self_test(args):
         m64 = numpy_forward(c, np.float64)
         for k in ref:
             e = max_err(m64[k].astype(np.float64), ref[k])
-            check(e <= 1e-6 * (1 + float(np.max(np.abs(ref[k])))),
+            check(e <= 1e-6 * (1 + float(np.max(np.abs(ref[k]), initial=0.0))),
                   "numpy model vs torch on %s %s: %.3g" % (c.cid, k, e))
     print("self-test: %d pytorch cases checked" % len(cases))
     print("%d passed, %d failed" % (passed, failed))
@@ -1194,7 +1253,7 @@ def main():
     if only is not None:
         random_ids = sorted(int(s) for s in only if s.isdigit())
     for i in random_ids:
-        runner.submit(random_case(args.seed, i))
+        runner.submit(with_weights_block(random_case(args.seed, i), args.seed, i))
     runner.drain()
     t_random = time.time() - t0
 
