@@ -20,7 +20,8 @@
 //   header (16 floats: the cache's identity) | qs (BR, D) | s (BR, BC) |
 //   dp (BR, BC) | tr (BC, BR) | m, l (BR each) | flags (4 nt bytes) |
 //   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
-//   backward V^T (Dv, w), K rows (w, D)
+//   backward V^T (Dv, w), K rows (w, D), then the P and dP tiles of one
+//   block of query rows (2 BR nt BC)
 // with nt = ceil(S / BC) + (nx > 0) key tiles; tile t holds keys
 // [t BC, min(t BC + BC, S)) (the last one the nx appended keys), w wide.
 // A cached tile is packed once per thread and head, on first use.
@@ -38,6 +39,7 @@ typedef struct scratch_map {
     cache_hdr *hdr;
     float *qs, *s, *dp, *tr, *m, *l;
     float *cache[C_KINDS];
+    float *rows;  // backward: P and dP of a row block, tile after tile
     size_t tile_floats[C_KINDS];
     unsigned char *done;  // (C_KINDS, nt)
 } scratch_map;
@@ -59,6 +61,7 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
         m.cache[c] = p;
         p += (size_t)nt * m.tile_floats[c];
     }
+    m.rows = p;
     return m;
 }
 
@@ -68,7 +71,8 @@ size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx,
     return 16 + round16((size_t)(BR * D)) + 3 * BR * BC + 2 * BR +
            round16((size_t)(C_KINDS * nt + 3) / 4) +
            (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
-               (backward ? 2 : 1);
+               (backward ? 2 : 1) +
+           (backward ? (size_t)(2 * BR * BC) * (size_t)nt : 0);
 }
 
 void mha__flash_scratch_reset(float *scratch) {
@@ -161,9 +165,8 @@ void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int6
 // S (br, n) = qs kt + masks for rows [i0, i0 + br) and keys [j0, j0 + n)
 // (n at most the tile's width).
 static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
-                   int64_t i0, int64_t br, int64_t j0, int64_t n) {
+                   float *s, int64_t i0, int64_t br, int64_t j0, int64_t n) {
     const float *ktile = packed_tile(a, sm, j0, C_KT);
-    float *s = sm->s;
     kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
     if (j0 >= a->S) return;  // appended keys are never masked
     const mha__mask *mk = a->mask;
@@ -244,7 +247,7 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
-        scores(kt, a, &sm, i0, br, j0, n);
+        scores(kt, a, &sm, sm.s, i0, br, j0, n);
         for (int64_t r = 0; r < br; r++) {
             float alpha = kt->softmax_update(s + r * n, n, &m[r], &l[r]);
             if (alpha != 1.0f) kt->scale_row(a->o + (i0 + r) * a->o_rs, Dv, alpha);
@@ -278,7 +281,7 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
-        scores(kt, a, &sm, i0, br, j0, n);
+        scores(kt, a, &sm, sm.s, i0, br, j0, n);
         for (int64_t r = 0; r < br; r++) {
             float *row = sm.s + r * n;
             kt->exp_shift(row, n, a->stats[2 * (i0 + r)]);
@@ -298,9 +301,8 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
 // the softmax backward below relies on.
 static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
                      const float *dO, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
-                     int64_t n) {
-    float *s = sm->s, *dp = sm->dp;
-    scores(kt, a, sm, i0, br, j0, n);  // S = scale q k^T + mask
+                     int64_t n, float *s, float *dp) {
+    scores(kt, a, sm, s, i0, br, j0, n);  // S = scale q k^T + mask
     for (int64_t r = 0; r < br; r++) {  // P = exp(S - m) / l
         kt->exp_shift(s + r * n, n, a->stats[2 * (i0 + r)]);
         kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
@@ -353,7 +355,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
     for (int64_t i0 = rlo; i0 < rhi; i0 += BR) {
         int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
         load_q(a, sm.qs, i0, br);
-        bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n);
+        bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n, s, dp);
         softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
         for (int64_t r = 0; r < br; r++)
@@ -371,33 +373,34 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
                       int64_t i1, float *dq, int64_t dq_rs, float *scratch) {
     const int64_t D = a->D, br = i1 - i0;
     scratch_map sm = head_scratch(a, scratch);
-    float *s = sm.s, *dp = sm.dp;
     load_q(a, sm.qs, i0, br);
-    // Two sweeps over the key tiles: first Dsum_i = sum_j P_ij dP_ij from the
-    // very tiles the dS use (so a one-hot row gets dS = 0 exactly, as the
-    // textbook formula does), then dS and dq.
-    for (int sweep = 0; sweep < 2; sweep++) {
-        if (sweep == 0)
-            for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
-        else
-            for (int64_t r = 0; r < br; r++)
-                for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
-        key_iter it = keys_of(a, i0, i1);
-        int64_t j0, n;
-        while (next_tile(&it, &j0, &n)) {
-            bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n);
-            if (sweep == 0) {
-                for (int64_t r = 0; r < br; r++) {
-                    float acc = 0.0f;
-                    for (int64_t j = 0; j < n; j++) acc += s[r * n + j] * dp[r * n + j];
-                    Dsum[i0 + r] += acc;
-                }
-            } else {
-                softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
-                // dq (br, D) += dS (br, n) k (n, D), then * scale below
-                kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
-            }
+    // First Dsum_i = sum_j P_ij dP_ij from the very tiles the dS use (so a
+    // one-hot row gets dS = 0 exactly, as the textbook formula does), the
+    // P and dP tiles kept in sm.rows; then dS and dq from them.
+    for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
+    key_iter it = keys_of(a, i0, i1);
+    int64_t j0, n;
+    float *tile = sm.rows;
+    while (next_tile(&it, &j0, &n)) {
+        float *s = tile, *dp = tile + br * n;
+        bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n, s, dp);
+        for (int64_t r = 0; r < br; r++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < n; j++) acc += s[r * n + j] * dp[r * n + j];
+            Dsum[i0 + r] += acc;
         }
+        tile += 2 * br * n;
+    }
+    for (int64_t r = 0; r < br; r++)
+        for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
+    it = keys_of(a, i0, i1);
+    tile = sm.rows;
+    while (next_tile(&it, &j0, &n)) {
+        float *s = tile, *dp = tile + br * n;
+        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
+        // dq (br, D) += dS (br, n) k (n, D), then * scale below
+        kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
+        tile += 2 * br * n;
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);
 }

@@ -653,9 +653,9 @@ static void print_text(const bench_opts *o, const bench_result *r) {
            o->repeat == 1 ? "" : "s", (long long)o->warmup, o->warmup == 1 ? "" : "s");
     printf("  work       %.3f GFLOP: %s\n", r->flops * 1e-9, flop_note(o));
     if (o->causal || o->window)
-        printf("  band       %s%s%lld: %.1f%% of the (i, j) score pairs are visible\n",
-               o->causal ? "causal" : "", o->window ? (o->causal ? ", window " : "window ") : "",
-               (long long)o->window, 100.0 * r->visible);
+        printf("  band       %s%s: %.1f%% of the (i, j) score pairs are visible\n",
+               o->causal ? (o->window ? "causal, " : "causal") : "",
+               o->window ? "window" : "", 100.0 * r->visible);
     printf("  speed      %.1f GFLOP/s = %.1f%% of the measured fp32 FMA peak %.1f GFLOP/s "
            "(%s, %d thread%s)\n", r->gflops, r->peak > 0 ? 100.0 * r->gflops / r->peak : 0.0,
            r->peak, r->peak_isa, r->threads, r->threads == 1 ? "" : "s");
