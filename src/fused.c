@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "flash.h"
+#include "gemm.h"
 #include "philox.h"
 #include "plan.h"
 
@@ -113,6 +114,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     p->k_direct = rows_direct(a->key, &ld);
     p->v_direct = rows_direct(a->value, &ld);
     int64_t nx = Sp - p->S;
+    const mha__kernels *gk = mha__kernels_get();
     size_t t = 0;
     int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d, p->S, nx, false) * p->nthreads;
     int64_t lse = a->need_weights ? 2 * N * H * L : 0;  // (m, 1/l) per row
@@ -122,8 +124,13 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     if (carve(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
         carve(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
         carve(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
-        carve(&t, &p->f_wt, p->self_packed ? 3 * E * E : E * (E + p->kdim + p->vdim)) ||
-        carve(&t, &p->f_wo, E * E) ||
+        carve(&t, &p->f_wt, p->self_packed
+                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, 3 * E)
+                                : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
+                                            mha__gemm_packed_b_floats(gk, p->kdim, E) +
+                                            mha__gemm_packed_b_floats(gk, p->vdim, E))) ||
+        carve(&t, &p->f_wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
+        carve(&t, &p->f_gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
         carve(&t, &p->f_qkv, p->self_packed ? Rq * 3 * E : Rq * E) ||
         carve(&t, &p->f_k, p->self_packed ? 0 : Rk * E) ||
         carve(&t, &p->f_v, p->self_packed ? 0 : Rk * E) ||
@@ -135,26 +142,23 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     return MHA_OK;
 }
 
-// C (R, E) = X (R, F) WT (F, E) + b, rows split over threads in blocks.
-static void gemm_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
-                      int64_t ldx, const float *WT, int64_t ldw, const float *b,
-                      int64_t R, int64_t F, int64_t E, int nt) {
-    const int64_t blk = 64;
-    const int64_t nblk = (R + blk - 1) / blk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t ib = 0; ib < nblk; ib++) {
-        int64_t r0 = ib * blk, r1 = r0 + blk < R ? r0 + blk : R;
-        kt->gemm_nn(C + r0 * ldc, ldc, X + r0 * ldx, ldx, WT, ldw, r1 - r0, E, F);
-        if (b)
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t e = 0; e < E; e++) C[r * ldc + e] += b[e];
-    }
+// C (R, O) = X (R, I) W^T + b for a PyTorch weight W (O, I): W packed into
+// Wp (mha__gemm_packed_b_floats(kt, I, O) floats), then the packed GEMM
+// (gemm.h), rows over nt threads with gs as its scratch.
+static void linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                        int64_t ldx, const float *W, const float *b, int64_t R, int64_t I,
+                        int64_t O, float *Wp, float *gs, int nt) {
+    mha__gemm_pack_wt(kt, Wp, W, O, I, nt);
+    mha__gemm_rows_packed(kt, C, ldc, X, ldx, Wp, b, R, I, O, false, nt, gs);
 }
 
-// WT (I, O) = W^T for W (O, I).
-static void transpose(float *WT, const float *W, int64_t O, int64_t I) {
-    for (int64_t o = 0; o < O; o++)
-        for (int64_t i = 0; i < I; i++) WT[i * O + o] = W[o * I + i];
+// C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
+// into Bp first.
+static void matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *A,
+                        int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
+                        int64_t N, float *Bp, float *gs, int nt) {
+    mha__gemm_pack_rows(kt, Bp, B, ldb, K, N, nt);
+    mha__gemm_rows_packed(kt, C, ldc, A, lda, Bp, NULL, R, K, N, false, nt, gs);
 }
 
 // Head (b, h) rows of a row matrix laid out as its view: first row and
@@ -178,7 +182,8 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
-    float *wt = (float *)(ws + p->f_wt), *wo = (float *)(ws + p->f_wo);
+    float *wt = (float *)(ws + p->f_wt), *wo = (float *)(ws + p->f_wo),
+          *gs = (float *)(ws + p->f_gs);
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + 2 * E : NULL;
 
     // 1. Projections.
@@ -189,9 +194,8 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     else gather_rows((float *)xq, a->query);
     rowmap qm, km, vm;
     if (p->self_packed) {
-        transpose(wt, m->in_proj_weight, 3 * E, E);
         float *qkv = (float *)(ws + p->f_qkv);
-        gemm_rows(kt, qkv, 3 * E, xq, ldq, wt, 3 * E, bq, Rq, E, 3 * E, nt);
+        linear_rows(kt, qkv, 3 * E, xq, ldq, m->in_proj_weight, bq, Rq, E, 3 * E, wt, gs, nt);
         qm = (rowmap){qkv, 3 * E, seq_first, N, L};
         km = (rowmap){qkv + E, 3 * E, seq_first, N, L};
         vm = (rowmap){qkv + 2 * E, 3 * E, seq_first, N, L};
@@ -200,15 +204,13 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         else gather_rows((float *)xk, a->key);
         if (p->v_direct) rows_direct(a->value, &ldv), xv = a->value->data;
         else gather_rows((float *)xv, a->value);
-        float *wq = wt, *wk = wt + E * E, *wv = wk + p->kdim * E;
-        transpose(wq, m->q_weight, E, E);
-        transpose(wk, m->k_weight, E, p->kdim);
-        transpose(wv, m->v_weight, E, p->vdim);
+        float *wq = wt, *wk = wq + mha__gemm_packed_b_floats(kt, E, E),
+              *wv = wk + mha__gemm_packed_b_floats(kt, p->kdim, E);
         float *q = (float *)(ws + p->f_qkv), *k = (float *)(ws + p->f_k),
               *v = (float *)(ws + p->f_v);
-        gemm_rows(kt, q, E, xq, ldq, wq, E, bq, Rq, E, E, nt);
-        gemm_rows(kt, k, E, xk, ldk, wk, E, bk, Rk, p->kdim, E, nt);
-        gemm_rows(kt, v, E, xv, ldv, wv, E, bv, Rk, p->vdim, E, nt);
+        linear_rows(kt, q, E, xq, ldq, m->q_weight, bq, Rq, E, E, wq, gs, nt);
+        linear_rows(kt, k, E, xk, ldk, m->k_weight, bk, Rk, p->kdim, E, wk, gs, nt);
+        linear_rows(kt, v, E, xv, ldv, m->v_weight, bv, Rk, p->vdim, E, wv, gs, nt);
         qm = (rowmap){q, E, seq_first, N, L};
         km = (rowmap){k, E, seq_first, N, S};
         vm = (rowmap){v, E, seq_first, N, S};
@@ -286,12 +288,11 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
 
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
-    transpose(wo, m->out_weight, E, E);
     int64_t ldo = E;
     bool direct = rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
     if (!direct) ldo = E;
-    gemm_rows(kt, y, ldo, ctx, E, wo, E, m->out_bias, Rq, E, E, nt);
+    linear_rows(kt, y, ldo, ctx, E, m->out_weight, m->out_bias, Rq, E, E, wo, gs, nt);
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
             int64_t n, t;
@@ -379,13 +380,15 @@ static void transpose_rows(float *dst, const float *src, int64_t lds, int64_t ro
 static inline void store_f(float *p, double v, bool acc) { *p = acc ? *p + (float)v : (float)v; }
 
 // dW (O, I) (+)= d^T X: d (R, O) row stride ldd, X (R, I) row stride ldx;
-// db (O) (+)= colsum(d). tmp: O*R + O*I floats.
+// db (O) (+)= colsum(d). tmp: O*R + O*I floats; bp: packed X; gs: GEMM
+// scratch.
 static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc,
                         const float *d, int64_t ldd, const float *X, int64_t ldx,
-                        int64_t R, int64_t O, int64_t I, float *tmp, int nt) {
+                        int64_t R, int64_t O, int64_t I, float *tmp, float *bp, float *gs,
+                        int nt) {
     float *dT = tmp, *out = tmp + O * R;
     transpose_rows(dT, d, ldd, R, O);
-    gemm_rows(kt, out, I, dT, R, X, ldx, NULL, O, R, I, nt);
+    matmul_rows(kt, out, I, dT, R, X, ldx, O, R, I, bp, gs, nt);
     for (int64_t i = 0; i < O * I; i++) store_f(dW + i, out[i], acc);
     if (db)
         for (int64_t o = 0; o < O; o++) {
@@ -398,8 +401,8 @@ static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc,
 // dX (view, rows in the view's order) (+)= d (R, O) W (O, I).
 static void grad_input(const mha__kernels *kt, mha_tensor *gx, bool acc, const float *d,
                        int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
-                       float *tmp, int nt) {
-    gemm_rows(kt, tmp, I, d, ldd, W, I, NULL, R, O, I, nt);
+                       float *tmp, float *bp, float *gs, int nt) {
+    matmul_rows(kt, tmp, I, d, ldd, W, I, R, O, I, bp, gs, nt);
     for (int64_t r = 0; r < R; r++) {
         mha__mat row = view_row(gx, r);
         for (int64_t i = 0; i < I; i++)
@@ -422,7 +425,16 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     // Scratch, floats, one block:
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, true);
     size_t n_x = (size_t)(Rq * E + Rk * (kd + vd));          // gathered inputs
-    size_t n_w = (size_t)(E * (E + kd + vd) + E * E);         // W^T's
+    // packed weights (forward), packed B of the backward GEMMs, GEMM scratch
+    const size_t pw_q = mha__gemm_packed_b_floats(kt, E, E),
+                 pw_k = mha__gemm_packed_b_floats(kt, kd, E),
+                 pw_v = mha__gemm_packed_b_floats(kt, vd, E);
+    size_t n_w = sp ? mha__gemm_packed_b_floats(kt, E, 3 * E) : pw_q + pw_k + pw_v;
+    size_t n_bp = mha__gemm_packed_b_floats(kt, Rmax, Fmax),
+           n_bp2 = mha__gemm_packed_b_floats(kt, E, Fmax),
+           n_gs = mha__gemm_scratch_floats(kt, nt);
+    if (n_bp2 > n_bp) n_bp = n_bp2;
+    n_w += n_bp + n_gs;
     size_t n_qkv = (size_t)(sp ? Rq * 3 * E : Rq * E + 2 * Rk * E);
     size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * H * nx * d + 2 * H * nx * d);
     size_t n_tmp = (size_t)(3 * E * Rmax + 3 * E * Fmax + Rmax * Fmax);
@@ -436,8 +448,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for %zu bytes", bytes);
     float *xq = blk, *xk = xq + Rq * E, *xv = xk + Rk * kd;
-    float *wt = xv + Rk * vd, *wo = wt + E * (E + kd + vd);
-    float *qkv = wo + E * E, *dqkv = qkv + n_qkv;
+    float *wt = xv + Rk * vd, *bp = wt + (n_w - n_bp - n_gs), *gs = bp + n_bp;
+    float *qkv = wt + n_w, *dqkv = qkv + n_qkv;
     float *ctx = dqkv + n_qkv, *dctx = ctx + Rq * E, *dy = dctx + Rq * E;
     float *lse = dy + Rq * E, *dsum = lse + 2 * N * H * L;  // lse: (m, 1/l) rows
     float *dextra = dsum + N * H * L, *extra = dextra + 2 * N * H * nx * d;
@@ -458,16 +470,12 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E, *dv = sp ? dqkv + 2 * E : dk + Rk * E;
     const int64_t ldkv = sp ? 3 * E : E;
     if (sp) {
-        transpose(wt, m->in_proj_weight, 3 * E, E);
-        gemm_rows(kt, qkv, 3 * E, Xq, ldq, wt, 3 * E, bq, Rq, E, 3 * E, nt);
+        linear_rows(kt, qkv, 3 * E, Xq, ldq, m->in_proj_weight, bq, Rq, E, 3 * E, wt, gs, nt);
     } else {
-        float *wq = wt, *wk = wt + E * E, *wv = wk + kd * E;
-        transpose(wq, m->q_weight, E, E);
-        transpose(wk, m->k_weight, E, kd);
-        transpose(wv, m->v_weight, E, vd);
-        gemm_rows(kt, q, E, Xq, ldq, wq, E, bq, Rq, E, E, nt);
-        gemm_rows(kt, k, E, Xk, ldk, wk, E, bk, Rk, kd, E, nt);
-        gemm_rows(kt, v, E, Xv, ldv, wv, E, bv, Rk, vd, E, nt);
+        float *wq = wt, *wk = wq + pw_q, *wv = wk + pw_k;
+        linear_rows(kt, q, E, Xq, ldq, m->q_weight, bq, Rq, E, E, wq, gs, nt);
+        linear_rows(kt, k, E, Xk, ldk, m->k_weight, bk, Rk, kd, E, wk, gs, nt);
+        linear_rows(kt, v, E, Xv, ldv, m->v_weight, bv, Rk, vd, E, wv, gs, nt);
     }
     fill_extra(extra, m, H, nx, d);
     rowmap qm = {q, W3, seq_first, N, L}, km = {k, ldkv, seq_first, N, sp ? L : S},
@@ -507,7 +515,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
             dy[r * E + e] = g;
         }
     }
-    gemm_rows(kt, dctx, E, dy, E, m->out_weight, E, NULL, Rq, E, E, nt);
+    matmul_rows(kt, dctx, E, dy, E, m->out_weight, E, Rq, E, E, bp, gs, nt);
     // Attention backward: pass B (Dsum and dq per query tile), then pass A.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < N * H * tiles; it++) {
@@ -549,15 +557,15 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
               *gbv = gbq ? gbq + 2 * E : NULL;
-        grad_weight(kt, grads->out_weight, grads->out_bias, acc, dy, E, ctx, E, Rq, E, E, tmp, nt);
+        grad_weight(kt, grads->out_weight, grads->out_bias, acc, dy, E, ctx, E, Rq, E, E, tmp, bp, gs, nt);
         if (sp) {
             // dWin (3E, E) = dqkv^T X; dbin = colsum(dqkv)
             grad_weight(kt, grads->in_proj_weight, gbq, acc, dqkv, 3 * E, Xq, ldq, Rq, 3 * E, E,
-                        tmp, nt);
+                        tmp, bp, gs, nt);
         } else {
-            grad_weight(kt, grads->q_weight, gbq, acc, dq, E, Xq, ldq, Rq, E, E, tmp, nt);
-            grad_weight(kt, grads->k_weight, gbk, acc, dk, E, Xk, ldk, Rk, E, kd, tmp, nt);
-            grad_weight(kt, grads->v_weight, gbv, acc, dv, E, Xv, ldv, Rk, E, vd, tmp, nt);
+            grad_weight(kt, grads->q_weight, gbq, acc, dq, E, Xq, ldq, Rq, E, E, tmp, bp, gs, nt);
+            grad_weight(kt, grads->k_weight, gbk, acc, dk, E, Xk, ldk, Rk, E, kd, tmp, bp, gs, nt);
+            grad_weight(kt, grads->v_weight, gbv, acc, dv, E, Xv, ldv, Rk, E, vd, tmp, bp, gs, nt);
         }
         if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
             for (int64_t h = 0; h < H; h++)
@@ -573,9 +581,9 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     }
     // Input gradients: dX = d W (self-attention: each part separately, as
     // the API returns grad_query, grad_key, grad_value).
-    if (gq) grad_input(kt, gq, acc, dq, W3, m->q_weight, Rq, E, E, tmp, nt);
-    if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, E, kd, tmp, nt);
-    if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, E, vd, tmp, nt);
+    if (gq) grad_input(kt, gq, acc, dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+    if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, E, kd, tmp, bp, gs, nt);
+    if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, E, vd, tmp, bp, gs, nt);
     mha__free(blk);
     return MHA_OK;
 }

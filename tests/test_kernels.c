@@ -1,12 +1,17 @@
 // test_kernels.c: every ISA kernel this machine has against the generic
 // (scalar) one, on random odd shapes and strides: gemm (overwrite and
 // accumulate), the online-softmax update (including -inf, fully masked and
-// huge inputs) and scale_row.
+// huge inputs) and scale_row. The packed-B GEMM (pack_b, gemm_packed and
+// the threaded driver of gemm.h), every ISA and scalar: the packed layout,
+// results against a double-precision loop (edges, strides, accumulate,
+// bias, K = 0), bit-identity with gemm_nn + bias, and the same bits for
+// any row / panel split and any number of threads.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
+#include "gemm.h"
 #include "kernels/kernels.h"
 #include "mha.h"
 
@@ -105,6 +110,223 @@ static void test_softmax(const mha__kernels *k, const mha__kernels *g) {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Packed-B GEMM
+
+static float *falloc(size_t n) {
+    float *p = malloc(sizeof(float) * (n ? n : 1));
+    if (!p) abort();
+    return p;
+}
+
+// B(k, n) of the three layouts pack_b is given: 0 row-major (sk = ldb,
+// sn = 1), 1 W^T of a row-major W (N, K) (sk = 1, sn = ldw), 2 both strides
+// > 1 (a column-major B with every other element).
+static void b_layout(int kind, int64_t K, int64_t N, int64_t *sk, int64_t *sn, size_t *n) {
+    if (kind == 0) *sk = N + 3, *sn = 1;
+    else if (kind == 1) *sk = 1, *sn = K + 5;
+    else *sk = 2 * N + 2, *sn = 2;
+    *n = (size_t)((K > 0 ? K - 1 : 0) * *sk + (N > 0 ? N - 1 : 0) * *sn + 1);
+}
+
+// The packed layout, exactly: Bp[(p*K + k)*nr + j] = B(k, p*nr + j), 0 past N.
+static void test_pack_layout(const mha__kernels *k) {
+    const int64_t shapes[][2] = {{1, 1}, {7, 33}, {65, 31}, {17, 100}, {300, 7}, {0, 5}, {5, 0}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int kind = 0; kind < 3; kind++) {
+            const int64_t K = shapes[s][0], N = shapes[s][1], nr = k->pk_nr;
+            int64_t sk, sn;
+            size_t nb;
+            b_layout(kind, K, N, &sk, &sn, &nb);
+            float *B = falloc(nb);
+            for (size_t i = 0; i < nb; i++) B[i] = frand();
+            const size_t np = mha__gemm_packed_b_floats(k, K, N);
+            CHECK(np == (size_t)(K > 0 && N > 0 ? ((N + nr - 1) / nr) * nr * K : 0));
+            float *Bp = falloc(np + 16);
+            for (size_t i = 0; i < np + 16; i++) Bp[i] = NAN;
+            for (int nt = 1; nt <= 3; nt += 2) {
+                mha__gemm_pack_b(k, Bp, B, sk, sn, K, N, nt);
+                bool ok = true;
+                for (int64_t p = 0; p * nr < N; p++)
+                    for (int64_t kk = 0; kk < K; kk++)
+                        for (int64_t j = 0; j < nr; j++) {
+                            const int64_t n = p * nr + j;
+                            const float want = n < N ? B[kk * sk + n * sn] : 0.0f;
+                            ok &= memcmp(&Bp[(p * K + kk) * nr + j], &want, 4) == 0;
+                        }
+                for (size_t i = np; i < np + 16; i++) ok &= isnan(Bp[i]);
+                CHECKF(ok, "%s pack_b K %lld N %lld layout %d nt %d", k->isa, (long long)K,
+                       (long long)N, kind, nt);
+            }
+            free(B);
+            free(Bp);
+        }
+}
+
+// C (M, N) [+]= A B + bias against double precision, every element within
+// (K + 2) * 2^-23 of the sum of magnitudes; padding of C never written;
+// C never read when overwriting (NaN in it).
+static void test_packed_vs_double(const mha__kernels *k) {
+    const int64_t dims[] = {0, 1, 7, 31, 33, 65, 300};
+    const int nd = (int)(sizeof dims / sizeof dims[0]);
+    int cases = 0;
+    for (int im = 0; im < nd; im++)
+        for (int in = 0; in < nd; in++)
+            for (int ik = 0; ik < nd; ik++) {
+                const int64_t M = dims[im], N = dims[in], K = dims[ik];
+                if (M * N * K > 300 * 65 * 65 && (im + in + ik) % 3) continue;  // keep it quick
+                const int kind = (im + 2 * in + ik) % 3;
+                const bool acc = (im + in + ik) % 2, use_bias = (im + ik) % 2 == 0 || K == 0;
+                const int64_t lda = K + 1 + im, ldc = N + 2 + ik;
+                int64_t sk, sn;
+                size_t nb;
+                b_layout(kind, K, N, &sk, &sn, &nb);
+                float *A = falloc((size_t)(M * lda)), *B = falloc(nb), *bias = falloc((size_t)N);
+                float *C = falloc((size_t)(M * ldc)), *C0 = falloc((size_t)(M * ldc));
+                float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N));
+                float *ap = falloc((size_t)k->pk_apack);
+                for (int64_t i = 0; i < M * lda; i++) A[i] = frand();
+                for (size_t i = 0; i < nb; i++) B[i] = frand();
+                for (int64_t i = 0; i < N; i++) bias[i] = frand();
+                for (int64_t i = 0; i < M * ldc; i++) C[i] = C0[i] = acc ? frand() : NAN;
+                for (int64_t r = 0; r < M; r++)  // padding: NaN, must stay so
+                    for (int64_t j = N; j < ldc; j++) C[r * ldc + j] = NAN;
+                k->pack_b(Bp, B, sk, sn, K, N);
+                k->gemm_packed(C, ldc, A, lda, Bp, use_bias ? bias : NULL, M, N, K, acc, ap);
+                double worst = 0;
+                bool pad = true;
+                for (int64_t i = 0; i < M; i++) {
+                    for (int64_t j = 0; j < N; j++) {
+                        double s = acc ? C0[i * ldc + j] : 0.0, mag = fabs(s);
+                        for (int64_t kk = 0; kk < K; kk++) {
+                            const double t = (double)A[i * lda + kk] * B[kk * sk + j * sn];
+                            s += t;
+                            mag += fabs(t);
+                        }
+                        if (use_bias) s += bias[j], mag += fabs(bias[j]);
+                        const double e = fabs(C[i * ldc + j] - s) / ((K + 2) * 0x1p-23 * mag + 1e-30);
+                        if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+                    }
+                    for (int64_t j = N; j < ldc; j++) pad &= isnan(C[i * ldc + j]);
+                }
+                CHECKF(worst <= 1.0, "%s gemm_packed M %lld N %lld K %lld layout %d acc %d bias %d: "
+                       "error %g of the bound", k->isa, (long long)M, (long long)N, (long long)K,
+                       kind, acc, use_bias, worst);
+                CHECKF(pad, "%s gemm_packed M %lld N %lld K %lld wrote outside C", k->isa,
+                       (long long)M, (long long)N, (long long)K);
+                cases++;
+                free(A), free(B), free(bias), free(C), free(C0), free(Bp), free(ap);
+            }
+    CHECK(cases > 100);
+}
+
+// Overwrite + bias is bit-identical to gemm_nn then C += bias (the path it
+// replaces), for the ISA kernels and scalar alike.
+static void test_packed_vs_gemm_nn(const mha__kernels *k) {
+    const int64_t shapes[][3] = {{33, 70, 300}, {64, 768, 768}, {17, 2304, 65}, {5, 33, 513}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        float *A = falloc((size_t)(M * K)), *W = falloc((size_t)(N * K)), *WT = falloc((size_t)(N * K));
+        float *b = falloc((size_t)N), *C1 = falloc((size_t)(M * N)), *C2 = falloc((size_t)(M * N));
+        float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N)), *ap = falloc((size_t)k->pk_apack);
+        for (int64_t i = 0; i < M * K; i++) A[i] = frand();
+        for (int64_t i = 0; i < N * K; i++) W[i] = frand();
+        for (int64_t i = 0; i < N; i++) b[i] = frand();
+        for (int64_t o = 0; o < N; o++)
+            for (int64_t i = 0; i < K; i++) WT[i * N + o] = W[o * K + i];
+        k->gemm_nn(C1, N, A, K, WT, N, M, N, K);
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < N; j++) C1[r * N + j] += b[j];
+        mha__gemm_pack_wt(k, Bp, W, N, K, 1);
+        k->gemm_packed(C2, N, A, K, Bp, b, M, N, K, false, ap);
+        CHECKF(memcmp(C1, C2, sizeof(float) * (size_t)(M * N)) == 0,
+               "%s gemm_packed + bias differs from gemm_nn + bias, M %lld N %lld K %lld",
+               k->isa, (long long)M, (long long)N, (long long)K);
+        free(A), free(W), free(WT), free(b), free(C1), free(C2), free(Bp), free(ap);
+    }
+}
+
+// The same bits for every row split, panel split and number of threads.
+static void test_packed_splits(const mha__kernels *k) {
+    const int64_t shapes[][3] = {{300, 100, 65}, {1000, 70, 300}, {5, 2304, 33},
+                                 {129, 768, 768}, {1, 40, 7}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int64_t R = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        const int64_t ldx = K + 3, ldc = N + 1;
+        float *X = falloc((size_t)(R * ldx)), *B = falloc((size_t)(K * N)), *b = falloc((size_t)N);
+        float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N));
+        float *sc = falloc(mha__gemm_scratch_floats(k, 8));
+        float *Cr = falloc((size_t)(R * ldc)), *C = falloc((size_t)(R * ldc));
+        float *Cacc0 = falloc((size_t)(R * ldc)), *Cacc = falloc((size_t)(R * ldc));
+        for (int64_t i = 0; i < R * ldx; i++) X[i] = frand();
+        for (int64_t i = 0; i < K * N; i++) B[i] = frand();
+        for (int64_t i = 0; i < N; i++) b[i] = frand();
+        for (int64_t i = 0; i < R * ldc; i++) Cacc0[i] = frand();
+        mha__gemm_pack_rows(k, Bp, B, N, K, N, 2);
+        // reference: one call, one thread
+        for (int64_t i = 0; i < R * ldc; i++) Cr[i] = 0.0f;
+        mha__gemm_rows_packed(k, Cr, ldc, X, ldx, Bp, b, R, K, N, false, 1, sc);
+        const int nts[] = {2, 3, 8};
+        for (int t = 0; t < 3; t++) {
+            for (int64_t i = 0; i < R * ldc; i++) C[i] = 0.0f;
+            mha__gemm_rows_packed(k, C, ldc, X, ldx, Bp, b, R, K, N, false, nts[t], sc);
+            CHECKF(memcmp(C, Cr, sizeof(float) * (size_t)(R * ldc)) == 0,
+                   "%s gemm_rows_packed R %lld N %lld K %lld: nt %d differs from nt 1", k->isa,
+                   (long long)R, (long long)N, (long long)K, nts[t]);
+        }
+        // accumulate mode: nt 1 against nt 3
+        memcpy(Cacc, Cacc0, sizeof(float) * (size_t)(R * ldc));
+        mha__gemm_rows_packed(k, Cacc, ldc, X, ldx, Bp, NULL, R, K, N, true, 1, sc);
+        memcpy(C, Cacc0, sizeof(float) * (size_t)(R * ldc));
+        mha__gemm_rows_packed(k, C, ldc, X, ldx, Bp, NULL, R, K, N, true, 3, sc);
+        CHECKF(memcmp(C, Cacc, sizeof(float) * (size_t)(R * ldc)) == 0,
+               "%s gemm_rows_packed accumulate R %lld: nt 3 differs from nt 1", k->isa, (long long)R);
+        // odd row splits (not multiples of pk_mr) and panel splits, by hand
+        for (int trial = 0; trial < 4; trial++) {
+            for (int64_t i = 0; i < R * ldc; i++) C[i] = 0.0f;
+            const int64_t np = (N + k->pk_nr - 1) / k->pk_nr;
+            const int64_t pcut = np > 1 ? 1 + (trial % (np - 1)) : np;
+            for (int64_t r0 = 0; r0 < R;) {
+                int64_t h = 1 + (int64_t)((frand() + 1.0f) * 0.5f * (float)(trial * 23 + 5));
+                const int64_t r1 = r0 + h < R ? r0 + h : R;
+                const int64_t cuts[3] = {0, pcut * k->pk_nr < N ? pcut * k->pk_nr : N, N};
+                for (int c = 0; c < 2; c++) {
+                    const int64_t j0 = cuts[c], j1 = cuts[c + 1];
+                    if (j1 > j0)
+                        k->gemm_packed(C + r0 * ldc + j0, ldc, X + r0 * ldx, ldx, Bp + j0 * K,
+                                       b + j0, r1 - r0, j1 - j0, K, false, sc);
+                }
+                r0 = r1;
+            }
+            CHECKF(memcmp(C, Cr, sizeof(float) * (size_t)(R * ldc)) == 0,
+                   "%s gemm_packed R %lld N %lld K %lld: split %d differs", k->isa, (long long)R,
+                   (long long)N, (long long)K, trial);
+        }
+        // and against double precision
+        double worst = 0;
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t j = 0; j < N; j++) {
+                double v = b[j], mag = fabs(b[j]);
+                for (int64_t kk = 0; kk < K; kk++) {
+                    v += (double)X[i * ldx + kk] * B[kk * N + j];
+                    mag += fabs((double)X[i * ldx + kk] * B[kk * N + j]);
+                }
+                worst = fmax(worst, fabs(Cr[i * ldc + j] - v) / ((K + 2) * 0x1p-23 * mag + 1e-30));
+            }
+        CHECKF(worst <= 1.0, "%s gemm_rows_packed R %lld N %lld K %lld: error %g of the bound",
+               k->isa, (long long)R, (long long)N, (long long)K, worst);
+        free(X), free(B), free(b), free(Bp), free(sc), free(Cr), free(C), free(Cacc0), free(Cacc);
+    }
+}
+
+static void test_packed(const mha__kernels *k) {
+    CHECK(k->pk_nr > 0 && k->pk_mr > 0 && k->pk_apack >= 0 && k->pack_b && k->gemm_packed);
+    test_pack_layout(k);
+    test_packed_vs_double(k);
+    test_packed_vs_gemm_nn(k);
+    test_packed_splits(k);
+}
+
 int main(void) {
     const mha__kernels *g = mha__kernels_for("scalar");
     CHECK(g != NULL);
@@ -118,9 +340,11 @@ int main(void) {
         }
         test_gemm(k, g);
         test_softmax(k, g);
+        test_packed(k);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
+    test_packed(g);
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     return check_summary("test_kernels");
 }

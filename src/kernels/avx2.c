@@ -6,6 +6,8 @@
 // C element accumulates over k in increasing order, in KC-sized chunks.
 // exp: Cephes' expf polynomial; 2^n built in the exponent bits, inputs
 // below -87.3 flushed to 0.
+// gemm_packed (the projections): a 6 x 16 micro-kernel on a pre-packed B,
+// see its section below.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include <math.h>
@@ -95,6 +97,138 @@ static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
         for (int64_t j = 0; j < N; j += 8)
             _mm256_maskstore_ps(C + i * ldc + j, tail_mask(N - j), _mm256_setzero_ps());
     gemm_nn_acc(C, ldc, A, lda, B, ldb, M, N, K);
+}
+
+// ---------------------------------------------------------------------------
+// Packed-B GEMM (kernels.h: pack_b, gemm_packed). B in 16-wide panels,
+// contiguous along k; A copied per (PMC rows, PKC k) block into 6-row
+// micro-panels (k-major); a 6 x 16 micro-kernel (12 ymm accumulators).
+// Edge rows: zero-padded A copy, only real rows stored; edge columns:
+// zero-padded B, masked stores. Same chunked sum order as gemm_nn (PKC).
+#define PMR 6
+#define PNR 16
+#define PKC 256
+#define PMC (PMR * 16)
+
+static void pack_b(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K, int64_t N) {
+    for (int64_t j0 = 0; j0 < N; j0 += PNR) {
+        const int64_t nr = N - j0 < PNR ? N - j0 : PNR;
+        float *P = Bp + j0 * K;
+        if (sn == 1) {
+            const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
+            for (int64_t k = 0; k < K; k++) {
+                const float *b = B + k * sk + j0;
+                _mm256_storeu_ps(P + k * PNR, _mm256_maskload_ps(b, m0));
+                _mm256_storeu_ps(P + k * PNR + 8, _mm256_maskload_ps(b + 8, m1));
+            }
+        } else {  // B = W^T and other strides: nr streams along k, rows of P written whole
+            for (int64_t k = 0; k < K; k++) {
+                const float *b = B + k * sk + j0 * sn;
+                float *pk = P + k * PNR;
+                for (int64_t j = 0; j < PNR; j++) pk[j] = j < nr ? b[j * sn] : 0.0f;
+            }
+        }
+    }
+}
+
+// Ap (tiles of 6 rows, k-major) <- A (mc, kc), rows past mc zero.
+static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
+    for (int64_t i0 = 0; i0 < mc; i0 += PMR, Ap += PMR * kc) {
+        const int64_t rows = mc - i0 < PMR ? mc - i0 : PMR;
+        for (int64_t r = 0; r < PMR; r++) {
+            const float *a = A + (i0 + r) * lda;
+            if (r < rows)
+                for (int64_t k = 0; k < kc; k++) Ap[k * PMR + r] = a[k];
+            else
+                for (int64_t k = 0; k < kc; k++) Ap[k * PMR + r] = 0.0f;
+        }
+    }
+}
+
+#define PK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define PK_DECL(r) __m256 c##r##a = _mm256_setzero_ps(), c##r##b = _mm256_setzero_ps();
+#define PK_FMA(r)                                                             \
+    {                                                                         \
+        const __m256 a = _mm256_broadcast_ss(Ap + (r));                       \
+        c##r##a = _mm256_fmadd_ps(a, b0, c##r##a);                            \
+        c##r##b = _mm256_fmadd_ps(a, b1, c##r##b);                            \
+    }
+#define PK_STORE(r)                                                           \
+    if ((r) < mr) {                                                           \
+        float *c = C + (r) * ldc;                                             \
+        __m256 v0 = c##r##a, v1 = c##r##b;                                    \
+        if (add) {                                                            \
+            v0 = _mm256_add_ps(_mm256_maskload_ps(c, m0), v0);                \
+            v1 = _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), v1);            \
+        }                                                                     \
+        if (bias) {                                                           \
+            v0 = _mm256_add_ps(v0, bb0);                                      \
+            v1 = _mm256_add_ps(v1, bb1);                                      \
+        }                                                                     \
+        _mm256_maskstore_ps(c, m0, v0);                                       \
+        _mm256_maskstore_ps(c + 8, m1, v1);                                   \
+    }
+
+#define PK_PF(r) \
+    if ((r) < mr) _mm_prefetch((const char *)(C + (r) * ldc), _MM_HINT_T0);
+// pf: a line to prefetch (into L2) every other k: part of the next panel
+static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, int64_t ldc,
+                       int64_t mr, __m256i m0, __m256i m1, bool add, const float *bias,
+                       const float *pf) {
+    PK_ROWS(PK_DECL)
+    PK_ROWS(PK_PF)
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_loadu_ps(Bp), b1 = _mm256_loadu_ps(Bp + 8);
+        if (k % 2 == 0) _mm_prefetch((const char *)(pf + 8 * k), _MM_HINT_T1);
+        PK_ROWS(PK_FMA)
+        Ap += PMR;
+        Bp += PNR;
+    }
+    __m256 bb0 = _mm256_setzero_ps(), bb1 = bb0;
+    if (bias) {
+        bb0 = _mm256_maskload_ps(bias, m0);
+        bb1 = _mm256_maskload_ps(bias + 8, m1);
+    }
+    PK_ROWS(PK_STORE)
+}
+
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *Bp, const float *bias, int64_t M, int64_t N,
+                        int64_t K, bool accumulate, float *apack) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j += 8) {
+                const __m256i m = tail_mask(N - j);
+                __m256 v = accumulate ? _mm256_maskload_ps(C + i * ldc + j, m)
+                                      : _mm256_setzero_ps();
+                if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + j, m));
+                _mm256_maskstore_ps(C + i * ldc + j, m, v);
+            }
+        return;
+    }
+    for (int64_t i0 = 0; i0 < M; i0 += PMC) {
+        const int64_t mc = M - i0 < PMC ? M - i0 : PMC;
+        for (int64_t k0 = 0; k0 < K; k0 += PKC) {
+            const int64_t kc = K - k0 < PKC ? K - k0 : PKC;
+            const bool add = accumulate || k0 > 0, last = k0 + kc == K;
+            pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
+            for (int64_t j0 = 0; j0 < N; j0 += PNR) {
+                const int64_t nr = N - j0;
+                const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
+                const float *Bb = Bp + j0 * K + k0 * PNR;
+                const float *bj = last && bias ? bias + j0 : NULL;
+                // the next panel's micro-panel (kc lines), prefetched by the
+                // first two tiles; the others re-touch their own A
+                const float *nb = j0 + PNR < N ? Bb + PNR * K : Bb;
+                for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
+                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc,
+                               mc - t, m0, m1, add, bj,
+                               ti < 2 ? nb + ti * 8 * kc : apack + t * kc);
+            }
+        }
+    }
 }
 
 // exp(x) for 8 lanes: Cephes expf. NaN propagates; x < -87.3 gives 0.
@@ -188,5 +322,11 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->pk_nr = PNR;
+    k->pk_mr = PMR;
+    k->pk_kc = PKC;
+    k->pk_apack = PMC * PKC;
+    k->pack_b = pack_b;
+    k->gemm_packed = gemm_packed;
 }
 #endif

@@ -8,6 +8,8 @@
 // chunks: fixed by the shape alone.
 // exp: Cephes' expf polynomial (|r| <= ln2/2, degree 5 + 1), 2^n applied by
 // vscalefps, which also flushes huge negative inputs to 0.
+// gemm_packed (the projections): a 14 x 32 micro-kernel on a pre-packed B,
+// see its section below.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include <math.h>
@@ -103,6 +105,193 @@ static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
     gemm_nn_acc(C, ldc, A, lda, B, ldb, M, N, K);
 }
 
+// ---------------------------------------------------------------------------
+// Packed-B GEMM (kernels.h: pack_b, gemm_packed). B in 32-wide panels,
+// contiguous along k; A copied per (PMC rows, PKC k) block into 14-row
+// micro-panels (k-major, 14 floats per k); a 14 x 32 micro-kernel: 28 zmm
+// accumulators, per k two aligned-stream B loads and 14 broadcasts for 28
+// FMAs. Loops: rows by PMC, k by PKC (A block packed once, ~112 KiB, in
+// L2), column panels (a 32 x PKC B micro-panel, 32 KiB, stays in L1 across
+// the row tiles), row tiles. Edge rows: the A copy is zero-padded to 14
+// rows, the tile computed whole and only the real rows stored; edge
+// columns: B is zero-padded, stores masked. Each C element's sum is the
+// same FMA chain whatever the tile it falls in.
+#define PMR 14
+#define PNR 32
+#define PKC 256
+#define PMC (PMR * 8)
+
+// 16 x 16 transpose: r[i] lane l -> r[l] lane i.
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {
+        u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+        u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+        u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512 v = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);
+        const __m512 w = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+        const __m512 w2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+        r[e] = _mm512_shuffle_f32x4(v, w, 0x88);
+        r[8 + e] = _mm512_shuffle_f32x4(v, w, 0xDD);
+        r[4 + e] = _mm512_shuffle_f32x4(v2, w2, 0x88);
+        r[12 + e] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+    }
+}
+
+// dst[k*ldd + i] = src[i*lds + k] for i < rows (<= 16; lanes rows..15 of
+// each dst row: 0, stored under mask `store` only), k < kn: 16 k at a time.
+static void transpose_rows(float *dst, int64_t ldd, __mmask16 store, const float *src,
+                           int64_t lds, int64_t rows, int64_t kn) {
+    __m512 r[16];
+    for (int64_t k0 = 0; k0 < kn; k0 += 16) {
+        const int64_t kk = kn - k0 < 16 ? kn - k0 : 16;
+        const __mmask16 mk = tail_mask(kk);
+        for (int i = 0; i < 16; i++)
+            r[i] = i < rows ? _mm512_maskz_loadu_ps(mk, src + i * lds + k0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t k = 0; k < kk; k++) _mm512_mask_storeu_ps(dst + (k0 + k) * ldd, store, r[k]);
+    }
+}
+
+static void pack_b(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K, int64_t N) {
+    for (int64_t j0 = 0; j0 < N; j0 += PNR) {
+        const int64_t nr = N - j0 < PNR ? N - j0 : PNR;
+        float *P = Bp + j0 * K;  // panel j0 / PNR
+        if (sn == 1) {
+            const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
+            for (int64_t k = 0; k < K; k++) {
+                const float *b = B + k * sk + j0;
+                _mm512_storeu_ps(P + k * PNR, _mm512_maskz_loadu_ps(m0, b));
+                _mm512_storeu_ps(P + k * PNR + 16, _mm512_maskz_loadu_ps(m1, b + 16));
+            }
+        } else if (sk == 1) {  // columns of B contiguous (B = W^T): transpose
+            for (int64_t h = 0; h < 2; h++) {
+                const int64_t rows = nr - 16 * h;
+                transpose_rows(P + 16 * h, PNR, 0xffff, B + (j0 + 16 * h) * sn, sn,
+                               rows > 0 ? rows : 0, K);
+            }
+        } else {
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t j = 0; j < PNR; j++)
+                    P[k * PNR + j] = j < nr ? B[k * sk + (j0 + j) * sn] : 0.0f;
+        }
+    }
+}
+
+// Ap (tiles of 14 rows, k-major) <- A (mc, kc), rows past mc zero.
+static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
+    for (int64_t i0 = 0; i0 < mc; i0 += PMR) {
+        const int64_t rows = mc - i0 < PMR ? mc - i0 : PMR;
+        transpose_rows(Ap + i0 * kc, PMR, (__mmask16)((1u << PMR) - 1u), A + i0 * lda, lda,
+                       rows, kc);
+    }
+}
+
+#define PK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13)
+#define PK_DECL(r) __m512 c##r##a = _mm512_setzero_ps(), c##r##b = _mm512_setzero_ps();
+#define PK_FMA(r)                                                             \
+    {                                                                         \
+        const __m512 a = _mm512_set1_ps(Ap[r]);                               \
+        c##r##a = _mm512_fmadd_ps(a, b0, c##r##a);                            \
+        c##r##b = _mm512_fmadd_ps(a, b1, c##r##b);                            \
+    }
+#define PK_STORE(r)                                                           \
+    if ((r) < mr) {                                                           \
+        float *c = C + (r) * ldc;                                             \
+        __m512 v0 = c##r##a, v1 = c##r##b;                                    \
+        if (add) {                                                            \
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), v0);             \
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), v1);        \
+        }                                                                     \
+        if (bias) {                                                           \
+            v0 = _mm512_add_ps(v0, bb0);                                      \
+            v1 = _mm512_add_ps(v1, bb1);                                      \
+        }                                                                     \
+        _mm512_mask_storeu_ps(c, m0, v0);                                     \
+        _mm512_mask_storeu_ps(c + 16, m1, v1);                                \
+    }
+
+// C[0:mr, 0:32 under m0, m1] = [C +] Ap (14, kc) Bp (kc, 32) [+ bias]
+// the C tile's lines, wanted by the stores at the end
+#define PK_PF(r)                                                              \
+    if ((r) < mr) {                                                           \
+        _mm_prefetch((const char *)(C + (r) * ldc), _MM_HINT_T0);             \
+        _mm_prefetch((const char *)(C + (r) * ldc + 31), _MM_HINT_T0);        \
+    }
+// pf: kc lines to prefetch into L2, one per k (a part of the next panel:
+// B streams from L3 when it outgrows L2). Without this and the C
+// prefetch, the N = 2304 projection ran ~8% slower.
+static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, int64_t ldc,
+                       int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
+                       const float *bias, const float *pf) {
+    PK_ROWS(PK_DECL)
+    PK_ROWS(PK_PF)
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 b0 = _mm512_loadu_ps(Bp), b1 = _mm512_loadu_ps(Bp + 16);
+        _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T1);
+        PK_ROWS(PK_FMA)
+        Ap += PMR;
+        Bp += PNR;
+    }
+    __m512 bb0 = _mm512_setzero_ps(), bb1 = bb0;
+    if (bias) {
+        bb0 = _mm512_maskz_loadu_ps(m0, bias);
+        bb1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+    }
+    PK_ROWS(PK_STORE)
+}
+
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *Bp, const float *bias, int64_t M, int64_t N,
+                        int64_t K, bool accumulate, float *apack) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j += 16) {
+                const __mmask16 m = tail_mask(N - j);
+                __m512 v = accumulate ? _mm512_maskz_loadu_ps(m, C + i * ldc + j)
+                                      : _mm512_setzero_ps();
+                if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
+                _mm512_mask_storeu_ps(C + i * ldc + j, m, v);
+            }
+        return;
+    }
+    // row blocks of at most PMC rows, as even as whole tiles allow (each
+    // block streams all of B once: no small last block)
+    const int64_t tiles = (M + PMR - 1) / PMR, nblk = (tiles + PMC / PMR - 1) / (PMC / PMR);
+    for (int64_t ib = 0; ib < nblk; ib++) {
+        const int64_t i0 = ib * tiles / nblk * PMR, i1 = (ib + 1) * tiles / nblk * PMR;
+        const int64_t mc = (i1 < M ? i1 : M) - i0;
+        for (int64_t k0 = 0; k0 < K; k0 += PKC) {
+            const int64_t kc = K - k0 < PKC ? K - k0 : PKC;
+            const bool add = accumulate || k0 > 0, last = k0 + kc == K;
+            pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
+            for (int64_t j0 = 0; j0 < N; j0 += PNR) {
+                const int64_t nr = N - j0;
+                const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
+                const float *Bb = Bp + j0 * K + k0 * PNR;
+                const float *bj = last && bias ? bias + j0 : NULL;
+                // the next panel's micro-panel (2 kc lines), prefetched by
+                // the first two tiles; the others re-touch their own A
+                const float *nb = j0 + PNR < N ? Bb + PNR * K : Bb;
+                for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
+                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc,
+                               mc - t, m0, m1, add, bj,
+                               ti < 2 ? nb + ti * 16 * kc : apack + t * kc);
+            }
+        }
+    }
+}
+
 // exp(x) for 16 lanes: Cephes expf. NaN propagates; x <= -104 gives 0.
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // NaN x is kept (2nd operand)
@@ -171,5 +360,11 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->pk_nr = PNR;
+    k->pk_mr = PMR;
+    k->pk_kc = PKC;
+    k->pk_apack = PMC * PKC;
+    k->pack_b = pack_b;
+    k->gemm_packed = gemm_packed;
 }
 #endif

@@ -56,6 +56,61 @@ static void exp_shift(float *x, int64_t n, float c) {
     for (int64_t j = 0; j < n; j++) x[j] = expf(x[j] - c);
 }
 
+// Packed-B GEMM (kernels.h): 16-wide panels, no A copy (apack unused), one
+// chunk over the whole K (pk_kc = 0), each C element's sum 0 + a*b + a*b
+// ... in increasing k as gemm_nn computes it (then C + sum, then + bias).
+#define GNR 16
+#define GMR 4
+
+static void pack_b(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K, int64_t N) {
+    for (int64_t j0 = 0; j0 < N; j0 += GNR) {
+        const int64_t nr = N - j0 < GNR ? N - j0 : GNR;
+        float *P = Bp + j0 * K;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < GNR; j++)
+                P[k * GNR + j] = j < nr ? B[k * sk + (j0 + j) * sn] : 0.0f;
+    }
+}
+
+static void store_packed(float *c, const float *acc, const float *bias, int64_t nr,
+                         bool add) {
+    for (int64_t j = 0; j < nr; j++) {
+        float v = add ? c[j] + acc[j] : acc[j];
+        c[j] = bias ? v + bias[j] : v;
+    }
+}
+
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *Bp, const float *bias, int64_t M, int64_t N,
+                        int64_t K, bool accumulate, float *apack) {
+    (void)apack;
+    for (int64_t j0 = 0; j0 < N; j0 += GNR) {
+        const int64_t nr = N - j0 < GNR ? N - j0 : GNR;
+        const float *P = Bp + j0 * K, *bj = bias ? bias + j0 : NULL;
+        int64_t i = 0;
+        for (; i + GMR <= M; i += GMR) {
+            float acc[GMR][GNR] = {{0}};
+            for (int64_t k = 0; k < K; k++) {
+                const float *b = P + k * GNR;
+                for (int r = 0; r < GMR; r++) {
+                    const float a = A[(i + r) * lda + k];
+                    for (int j = 0; j < GNR; j++) acc[r][j] = acc[r][j] + a * b[j];
+                }
+            }
+            for (int r = 0; r < GMR; r++)
+                store_packed(C + (i + r) * ldc + j0, acc[r], bj, nr, accumulate);
+        }
+        for (; i < M; i++) {
+            float acc[GNR] = {0};
+            for (int64_t k = 0; k < K; k++) {
+                const float a = A[i * lda + k], *b = P + k * GNR;
+                for (int j = 0; j < GNR; j++) acc[j] = acc[j] + a * b[j];
+            }
+            store_packed(C + i * ldc + j0, acc, bj, nr, accumulate);
+        }
+    }
+}
+
 void mha__kernels_fill_generic(mha__kernels *k) {
     k->isa = "scalar";
     k->gemm_nn = gemm_nn;
@@ -63,4 +118,10 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->pk_nr = GNR;
+    k->pk_mr = GMR;
+    k->pk_kc = 0;  // the whole K
+    k->pk_apack = 0;
+    k->pack_b = pack_b;
+    k->gemm_packed = gemm_packed;
 }

@@ -17,6 +17,8 @@
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 typedef struct mha__kernels {
@@ -43,6 +45,47 @@ typedef struct mha__kernels {
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf
     // (a fully masked row) gives 0 everywhere.
     void (*exp_shift)(float *x, int64_t n, float c);
+
+    // ---- Packed-B GEMM (the projections; threaded driver in gemm.c) ----
+    // B (K, N) is packed once into pk_nr-wide column panels, each
+    // contiguous along k and zero-padded past N:
+    //   Bp[(p*K + k)*pk_nr + j] = B(k, p*pk_nr + j)   (0 if p*pk_nr + j >= N)
+    // i.e. ceil(N / pk_nr) * pk_nr * K floats (mha__gemm_packed_b_floats).
+    // Panel p starts at Bp + p*pk_nr*K, so the packed form of the columns
+    // [p*pk_nr, N) is that pointer, with the same K: callers slice column
+    // ranges (and pack them) by panel. The format is per ISA: pack and
+    // multiply with the same table.
+    int64_t pk_nr;    // panel width (columns)
+    int64_t pk_mr;    // micro-tile rows (a row split at a multiple of it wastes nothing)
+    int64_t pk_kc;    // k chunk of the sum order (see gemm_packed); 0: one chunk, all of K
+    int64_t pk_apack; // floats of the A-pack scratch one gemm_packed call needs
+    // pack_b: Bp <- B (K, N) with B(k, n) = B[k*sk + n*sn] (any strides:
+    //   sk = ldb, sn = 1 for a row-major B; sk = 1, sn = I for B = W^T of a
+    //   PyTorch weight W (O, I), which replaces a transpose).
+    void (*pack_b)(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K,
+                   int64_t N);
+    // gemm_packed: C (M, N) = [C +] A (M, K) Bp + bias      (bias may be NULL)
+    //   A row-major, row stride lda; the ISA kernels copy it block by block
+    //   (rows x k chunk) into apack, pk_apack floats of caller scratch that
+    //   nothing else uses during the call (scalar: unused, may be NULL).
+    //   Bp: from pack_b of the same table (or a panel-aligned slice of it:
+    //   columns [p*pk_nr, ...) are Bp + p*pk_nr*K with the same K). C must
+    //   not overlap A, Bp or apack; its padding (columns >= N) is never
+    //   touched, and in overwrite mode it is never read.
+    //   Sum order, per element, fixed by K alone (never by M, N, the row
+    //   or the column): with chunks c = [c*kc, min((c+1)*kc, K)), kc = pk_kc
+    //   (pk_kc = 0: kc = K),
+    //     S_c = fma chain over k increasing in chunk c, from 0
+    //     C = S_0 (overwrite) or C + S_0 (accumulate); C = C + S_c, c >= 1;
+    //     then C = C + bias[j]
+    //   (K = 0: C = 0 or C, then + bias). AVX2/AVX-512 use kc = 256 as the
+    //   gemm_nn slots do, so overwrite + bias is bit-identical to gemm_nn
+    //   followed by C += bias; scalar uses kc = K and a*b + c unfused, as
+    //   its gemm_nn does. Row r of C depends on row r of A only: any row
+    //   split over threads gives the same bits.
+    void (*gemm_packed)(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *Bp, const float *bias, int64_t M, int64_t N,
+                        int64_t K, bool accumulate, float *apack);
 } mha__kernels;
 
 // The table chosen for this process (filled on first use, thread-safe).
