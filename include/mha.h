@@ -344,9 +344,31 @@ typedef struct mha_forward_args {
     bool training;
     uint64_t dropout_seed;
     uint64_t dropout_offset;  // advance it between steps for fresh masks
+    // Training without recomputation: a forward given a saved-state object
+    // keeps what mha_backward needs (the Q/K/V projections, the context and
+    // each row's softmax statistics); mha_backward with the same args then
+    // skips re-running the forward. Results are bit-identical to the
+    // recomputing backward. NULL (default): nothing kept. Only the fused
+    // implementation keeps state (elsewhere the backward recomputes). The
+    // caller must not change the module's parameters or the inputs between
+    // the two calls (they are not copied). See mha_saved_create.
+    struct mha_saved *save;
 } mha_forward_args;
 
 MHA_API void mha_forward_args_init(mha_forward_args *a);
+
+// The saved state of a training forward (mha_forward_args.save). One
+// object holds one forward at a time (the next forward given it replaces
+// it); it owns its memory, about (3 L + L) E floats per batch element plus
+// 2 H L, grown when needed and kept until mha_saved_destroy. A backward
+// whose args do not match the forward that filled it (module, input views,
+// masks, causal, window, training, dropout seed and offset) fails with
+// MHA_ERR_INVALID_ARG rather than using stale state.
+typedef struct mha_saved mha_saved;
+MHA_API MHA_NODISCARD mha_status mha_saved_create(mha_saved **out);
+MHA_API void mha_saved_destroy(mha_saved *s);
+// Bytes the object holds now.
+MHA_API size_t mha_saved_bytes(const mha_saved *s);
 
 // Output shapes of a forward (after checking every argument):
 //   attn_output: same layout as query: (L, N, E) / (N, L, E) / (L, E)

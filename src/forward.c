@@ -686,6 +686,7 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
                          "workspace of %zu bytes is too small: %zu needed",
                          workspace ? workspace_bytes : 0, p.ws_bytes);
     char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+    if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
     if (p.fused) mha__fused_forward(&p, out, weights, m, a, ws);
     else run_forward(&p, out, weights, m, a, ws);
     return MHA_OK;
@@ -697,6 +698,7 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
     mha_status st = mha__plan_forward(&p, m, a);
     if (st) return st;
     if ((st = check_forward_outputs(&p, out, weights, a))) return st;
+    if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
     void *ws = malloc(p.ws_bytes);
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM,

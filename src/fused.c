@@ -192,9 +192,13 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                 *xv = (const float *)(ws + p->f_xv);
     if (p->q_direct) rows_direct(a->query, &ldq), xq = a->query->data;
     else gather_rows((float *)xq, a->query);
+    // with a saved state (training), the projections, the context and the
+    // row stats go straight into it (the backward's layout)
+    mha_saved *sv = a->save;
+    float *sbuf = sv ? sv->buf : NULL;
     rowmap qm, km, vm;
     if (p->self_packed) {
-        float *qkv = (float *)(ws + p->f_qkv);
+        float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
         linear_rows(kt, qkv, 3 * E, xq, ldq, m->in_proj_weight, bq, Rq, E, 3 * E, wt, gs, nt);
         qm = (rowmap){qkv, 3 * E, seq_first, N, L};
         km = (rowmap){qkv + E, 3 * E, seq_first, N, L};
@@ -206,8 +210,9 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         else gather_rows((float *)xv, a->value);
         float *wq = wt, *wk = wq + mha__gemm_packed_b_floats(kt, E, E),
               *wv = wk + mha__gemm_packed_b_floats(kt, p->kdim, E);
-        float *q = (float *)(ws + p->f_qkv), *k = (float *)(ws + p->f_k),
-              *v = (float *)(ws + p->f_v);
+        float *q = sv ? sbuf : (float *)(ws + p->f_qkv),
+              *k = sv ? sbuf + Rq * E : (float *)(ws + p->f_k),
+              *v = sv ? sbuf + Rq * E + Rk * E : (float *)(ws + p->f_v);
         linear_rows(kt, q, E, xq, ldq, m->q_weight, bq, Rq, E, E, wq, gs, nt);
         linear_rows(kt, k, E, xk, ldk, m->k_weight, bk, Rk, p->kdim, E, wk, gs, nt);
         linear_rows(kt, v, E, xv, ldv, m->v_weight, bv, Rk, p->vdim, E, wv, gs, nt);
@@ -220,9 +225,10 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     fill_extra(extra, m, H, nx, d);
 
     // 2. Attention, per (b, h, tile of query rows).
-    float *ctx = (float *)(ws + p->f_ctx);
+    float *ctx = sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
     rowmap cm = {ctx, E, seq_first, N, L};
-    float *lse = a->need_weights ? (float *)(ws + p->f_lse) : NULL;
+    float *lse = sv ? sbuf + sv->n_qkv + sv->n_ctx
+                    : a->need_weights ? (float *)(ws + p->f_lse) : NULL;
     float *headw = (float *)(ws + p->f_headw);
     const bool avg = a->need_weights && a->average_attn_weights;
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
@@ -268,6 +274,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             mha__flash_weights(kt, &fh, r0, r1, w, sc);
         }
     }
+    if (sv) sv->valid = true;
     if (avg) {  // mean over the selected heads, summed in head order
         const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
         int o = p->unbatched ? 0 : 1;
@@ -306,6 +313,80 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
 }
+
+// ---------------------------------------------------------------------------
+// Saved state of a training forward (mha_forward_args.save)
+
+static void key_tensor(mha_tensor *dst, const mha_tensor *t) {
+    memset(dst, 0, sizeof *dst);
+    if (!t) return;
+    dst->data = t->data;
+    dst->dtype = t->dtype;
+    dst->ndim = t->ndim;
+    for (int i = 0; i < t->ndim && i < MHA_MAX_DIMS; i++) {
+        dst->shape[i] = t->shape[i];
+        dst->stride[i] = t->stride[i];
+    }
+}
+
+void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward_args *a) {
+    memset(k, 0, sizeof *k);
+    k->m = m;
+    key_tensor(&k->q, a->query);
+    key_tensor(&k->k, a->key);
+    key_tensor(&k->v, a->value);
+    key_tensor(&k->kpm, a->key_padding_mask);
+    key_tensor(&k->am, a->attn_mask);
+    k->causal = a->is_causal;
+    k->training = a->training;
+    k->window_left = a->window_left;
+    k->window_right = a->window_right;
+    k->seed = a->dropout_seed;
+    k->offset = a->dropout_offset;
+}
+
+static bool saved_key_equal(const mha__saved_key *x, const mha__saved_key *y) {
+    return memcmp(x, y, sizeof *x) == 0;  // both memset before filling
+}
+
+mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
+                              const mha_forward_args *a) {
+    s->valid = false;
+    if (!p->fused) return MHA_OK;  // only the fused path keeps state
+    const int64_t E = p->E, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    s->n_qkv = (size_t)(p->self_packed ? Rq * 3 * E : Rq * E + 2 * Rk * E);
+    s->n_ctx = (size_t)(Rq * E);
+    s->n_lse = (size_t)(2 * p->N * p->H * p->L);
+    const size_t need = s->n_qkv + s->n_ctx + s->n_lse;
+    if (need > s->cap) {
+        size_t bytes;
+        if (mha__mul_overflow_size(need, sizeof(float), &bytes))
+            return mha__fail(MHA_ERR_OVERFLOW, "saved state: size overflows");
+        float *nb = mha__alloc(bytes);
+        if (!nb)
+            return mha__fail(MHA_ERR_NOMEM, "saved state: out of memory for %zu bytes", bytes);
+        mha__free(s->buf);
+        s->buf = nb;
+        s->cap = need;
+    }
+    mha__saved_key_of(&s->key, m, a);
+    return MHA_OK;
+}
+
+mha_status mha_saved_create(mha_saved **out) {
+    if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_saved_create: NULL out");
+    *out = calloc(1, sizeof **out);
+    if (!*out) return mha__fail(MHA_ERR_NOMEM, "mha_saved_create: out of memory");
+    return MHA_OK;
+}
+
+void mha_saved_destroy(mha_saved *s) {
+    if (!s) return;
+    mha__free(s->buf);
+    free(s);
+}
+
+size_t mha_saved_bytes(const mha_saved *s) { return s ? s->cap * sizeof(float) : 0; }
 
 // ---------------------------------------------------------------------------
 // Scaled dot-product attention on (B, H, T, D) views (mha_sdpa, fused): one
@@ -466,10 +547,28 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     else gather_rows(xk, a->key), ldk = kd;
     if (rows_direct(a->value, &ldv)) Xv = a->value->data;
     else gather_rows(xv, a->value), ldv = vd;
+    // A saved forward (mha_forward_args.save) replaces the recomputation.
+    const mha_saved *sv = a->save && a->save->valid ? a->save : NULL;
+    if (sv) {
+        mha__saved_key key;
+        mha__saved_key_of(&key, m, a);
+        if (!saved_key_equal(&key, &sv->key) || sv->n_qkv != n_qkv ||
+            sv->n_lse != (size_t)(2 * N * H * L)) {
+            mha__free(blk);
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "mha_backward: args.save holds the state of another forward "
+                             "(module, inputs, masks or dropout differ); run the forward "
+                             "with these args first, or pass save = NULL");
+        }
+        qkv = sv->buf;
+        ctx = sv->buf + sv->n_qkv;
+        lse = ctx + sv->n_ctx;
+    }
     float *q = qkv, *k = sp ? qkv + E : qkv + Rq * E, *v = sp ? qkv + 2 * E : k + Rk * E;
     float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E, *dv = sp ? dqkv + 2 * E : dk + Rk * E;
     const int64_t ldkv = sp ? 3 * E : E;
-    if (sp) {
+    if (sv) {
+    } else if (sp) {
         linear_rows(kt, qkv, 3 * E, Xq, ldq, m->in_proj_weight, bq, Rq, E, 3 * E, wt, gs, nt);
     } else {
         float *wq = wt, *wk = wq + pw_q, *wv = wk + pw_k;
@@ -495,7 +594,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         .drop = mha__plan_drop(p), .b = b, .h = h,                                       \
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < N * H * tiles; it++) {
+    for (int64_t it = 0; it < (sv ? 0 : N * H * tiles); it++) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
@@ -570,13 +669,13 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
             for (int64_t h = 0; h < H; h++)
                 for (int64_t c = 0; c < d; c++) {
-                    double sk = 0.0, sv = 0.0;
+                    double sk = 0.0, sv_ = 0.0;
                     for (int64_t b = 0; b < N; b++) {
                         sk += dextra[(b * H + h) * nx * d + c];
-                        sv += dextra[(N * H + b * H + h) * nx * d + c];
+                        sv_ += dextra[(N * H + b * H + h) * nx * d + c];
                     }
                     store_f(grads->bias_k + h * d + c, sk, acc);
-                    store_f(grads->bias_v + h * d + c, sv, acc);
+                    store_f(grads->bias_v + h * d + c, sv_, acc);
                 }
     }
     // Input gradients: dX = d W (self-attention: each part separately, as

@@ -53,6 +53,32 @@ static inline int64_t mha__tile_end(int64_t i0, int64_t size, int64_t n) {
     return i0 + size < n ? i0 + size : n;
 }
 
+// The state a training forward keeps (mha_forward_args.save). Layout of
+// buf (floats): the projections as the fused backward lays them out
+// (self_packed: (Rq, 3E); else q (Rq, E), k (Rk, E), v (Rk, E)), then the
+// context (Rq, E), then the row stats (N H L, 2).
+typedef struct mha__saved_key {
+    const mha_module *m;
+    mha_tensor q, k, v, kpm, am;  // zeroed when absent
+    bool causal, training;
+    int64_t window_left, window_right;
+    uint64_t seed, offset;
+} mha__saved_key;
+
+struct mha_saved {
+    float *buf;
+    size_t cap;   // floats
+    bool valid;   // filled by a fused forward
+    mha__saved_key key;
+    size_t n_qkv, n_ctx, n_lse;
+};
+
+void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward_args *a);
+// Sizes the saved state for plan p (may allocate). valid = false until the
+// forward has filled it.
+mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
+                              const mha_forward_args *a);
+
 // Number of threads a parallel region may use (1 without OpenMP).
 int mha__max_threads(void);
 // A float view (MHA_F32 or MHA_F64): valid dims, no overflow, data present

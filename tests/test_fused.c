@@ -362,6 +362,92 @@ static void test_sdpa(void) {
     }
 }
 
+// A saved training forward (args.save): the backward that uses it gives
+// the very bits of the recomputing one; mismatched args are refused.
+static void test_saved(void) {
+    enum { E = 64, H = 4, L = 150, S = 130, N = 2 };
+    for (int packed = 0; packed < 2; packed++) {
+        mha_config c;
+        mha_config_init(&c, E, H);
+        c.dropout = 0.2f;
+        c.add_bias_kv = !packed;
+        c.kdim = packed ? E : 40;
+        mha_module *m = NULL;
+        CHECK_OK(mha_module_create(&m, &c));
+        mha_init_options io;
+        mha_init_options_default(&io);
+        CHECK_OK(mha_module_init(m, &io));
+        const int64_t Sx = packed ? L : S, kd = c.kdim;
+        float *x = malloc(sizeof(float) * L * N * E), *kx = malloc(sizeof(float) * Sx * N * kd),
+              *vx = malloc(sizeof(float) * Sx * N * E), *gy = malloc(sizeof(float) * L * N * E),
+              *y = malloc(sizeof(float) * L * N * E), *g[2][3];
+        for (int r = 0; r < 2; r++) {
+            g[r][0] = malloc(sizeof(float) * L * N * E);
+            g[r][1] = malloc(sizeof(float) * Sx * N * kd);
+            g[r][2] = malloc(sizeof(float) * Sx * N * E);
+        }
+        for (int64_t i = 0; i < L * N * E; i++) x[i] = frand(), gy[i] = frand();
+        for (int64_t i = 0; i < Sx * N * kd; i++) kx[i] = frand();
+        for (int64_t i = 0; i < Sx * N * E; i++) vx[i] = frand();
+        mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
+        mha_tensor kt = mha_tensor_contiguous(kx, MHA_F32, 3, (int64_t[]){Sx, N, kd});
+        mha_tensor vt = mha_tensor_contiguous(vx, MHA_F32, 3, (int64_t[]){Sx, N, E});
+        mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){L, N, E});
+        mha_tensor gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){L, N, E});
+        mha_forward_args a;
+        mha_forward_args_init(&a);
+        a.query = &xt;
+        a.key = packed ? &xt : &kt;
+        a.value = packed ? &xt : &vt;
+        a.is_causal = true;
+        a.window_left = 70;
+        a.training = true;
+        a.dropout_seed = 11;
+        a.impl = MHA_IMPL_FUSED;
+        mha_saved *sv = NULL;
+        CHECK_OK(mha_saved_create(&sv));
+        mha_module *gr[2];
+        for (int r = 0; r < 2; r++) {
+            a.save = r ? sv : NULL;
+            CHECK_OK(mha_forward(&yt, NULL, m, &a));
+            CHECK_OK(mha_module_create(&gr[r], mha_module_config(m)));
+            mha_tensor gq = mha_tensor_contiguous(g[r][0], MHA_F32, 3, (int64_t[]){L, N, E});
+            mha_tensor gk = mha_tensor_contiguous(g[r][1], MHA_F32, 3, (int64_t[]){Sx, N, kd});
+            mha_tensor gv = mha_tensor_contiguous(g[r][2], MHA_F32, 3, (int64_t[]){Sx, N, E});
+            CHECK_OK(mha_backward(&gq, &gk, &gv, gr[r], m, &a, &gyt, false));
+        }
+        CHECK(mha_saved_bytes(sv) >= sizeof(float) * (size_t)(L * N * E * 2));
+        CHECKF(memcmp(g[0][0], g[1][0], sizeof(float) * L * N * E) == 0 &&
+                   memcmp(g[0][1], g[1][1], sizeof(float) * Sx * N * kd) == 0 &&
+                   memcmp(g[0][2], g[1][2], sizeof(float) * Sx * N * E) == 0,
+               "saved forward (packed %d): input gradients differ from the recomputing backward",
+               packed);
+        for (int i = 0; i < mha_module_num_params(gr[0]); i++) {
+            mha_param p0, p1;
+            CHECK_OK(mha_module_param_at(&p0, gr[0], i));
+            CHECK_OK(mha_module_param_at(&p1, gr[1], i));
+            CHECKF(memcmp(p0.data, p1.data, (size_t)p0.numel * 4) == 0,
+                   "saved forward (packed %d): grad %s differs", packed, p0.name);
+        }
+        // other args than the forward's: refused, with a message
+        a.dropout_offset = 1;
+        mha_tensor gq = mha_tensor_contiguous(g[1][0], MHA_F32, 3, (int64_t[]){L, N, E});
+        CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
+        CHECK(strstr(mha_last_error(), "save") != NULL);
+        // the reference path keeps nothing: its backward recomputes
+        a.impl = MHA_IMPL_REFERENCE;
+        CHECK_OK(mha_forward(&yt, NULL, m, &a));
+        CHECK_OK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false));
+        mha_saved_destroy(sv);
+        for (int r = 0; r < 2; r++) {
+            mha_module_destroy(gr[r]);
+            for (int j = 0; j < 3; j++) free(g[r][j]);
+        }
+        free(x), free(kx), free(vx), free(gy), free(y);
+        mha_module_destroy(m);
+    }
+}
+
 // 1, 2 and 8 threads: bit-identical output, weights and gradients.
 static void test_threads(void) {
     enum { E = 96, H = 4, L = 200, N = 2 };
@@ -422,6 +508,7 @@ int main(void) {
     test_windows();
     test_weights_block();
     test_sdpa();
+    test_saved();
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }

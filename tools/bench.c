@@ -55,6 +55,9 @@ static const char *bench_help =
     "  --backward         time forward + backward (mha_backward: gradients\n"
     "                     of the inputs and of every parameter)\n"
     "  --core             the attention core alone (mha_sdpa)\n"
+    "  --no-save          with --backward: no saved forward state\n"
+    "                     (mha_forward_args.save), so mha_backward re-runs\n"
+    "                     the forward (default: the forward keeps it)\n"
     "  --threads T        OpenMP threads (default: OMP_NUM_THREADS or all)\n"
     "  --impl NAME        auto (default), reference or fused\n"
     "  --isa NAME         force the fused kernels' ISA: scalar, avx2, avx512\n"
@@ -77,7 +80,7 @@ static const char *bench_help =
 
 typedef struct bench_opts {
     int64_t B, L, S, E, H;
-    bool causal, backward, core, json, workspace;
+    bool causal, backward, core, json, workspace, no_save;
     int64_t window;  // 0: none
     int threads;     // 0: the default
     mha_impl impl;
@@ -295,11 +298,13 @@ typedef struct problem {
     void *ws;
     size_t ws_bytes;
     mha_sdpa_args sa;
+    mha_saved *saved;  // --backward: the forward keeps its state
 } problem;
 
 static void problem_free(problem *p) {
     mha_module_destroy(p->grads);
     mha_module_destroy(p->m);
+    mha_saved_destroy(p->saved);
     free(p->ws);
     memset(p, 0, sizeof *p);
 }
@@ -388,6 +393,10 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
         p->gv = mha_tensor_contiguous(gv, MHA_F32, 3, ks);
         if ((st = mha_module_create(&p->grads, mha_module_config(p->m))))
             return cli_fail("bench", st);
+        if (!o->no_save) {
+            if ((st = mha_saved_create(&p->saved))) return cli_fail("bench", st);
+            p->a.save = p->saved;
+        }
     }
     return 0;
 }
@@ -489,6 +498,7 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         {"num-heads", required_argument, 0, 'n'}, {"causal", no_argument, 0, 'c'},
         {"window", required_argument, 0, 'w'},    {"backward", no_argument, 0, 'B'},
         {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
+        {"no-save", no_argument, 0, 'N'},
         {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
         {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
@@ -515,6 +525,7 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         case 'w': if (parse_int(optarg, 1, big, &o->window)) return bench_usage("--window needs a positive integer"); break;
         case 'B': o->backward = true; break;
         case 'C': o->core = true; break;
+        case 'N': o->no_save = true; break;
         case 't':
             if (parse_int(optarg, 1, 4096, &v)) return bench_usage("--threads needs an integer in [1, 4096]");
             o->threads = (int)v;
@@ -617,7 +628,7 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            "\"flop_count\": %.6g, \"gflops\": %.3f, \"peak_gflops\": %.3f, "
            "\"peak_isa\": \"%s\", \"peak_fraction\": %.4f, \"max_rss_mib\": %.1f, "
            "\"rss_before_mib\": %.1f, \"inputs_mib\": %.1f, "
-           "\"window\": %lld, \"visible_fraction\": %.6f, "
+           "\"window\": %lld, \"visible_fraction\": %.6f, \"saved_forward\": %s, "
            "\"flop_count_note\": \"%s\"}\n",
            mha_impl_name(o->impl), r->fwd_ran, r->bwd_ran, r->isa, r->threads,
            (long long)o->B, (long long)o->L, (long long)o->S, (long long)o->E,
@@ -627,7 +638,8 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            (long long)o->repeat, (long long)o->warmup, r->median, r->min, r->max,
            r->flops, r->gflops,
            r->peak, r->peak_isa, r->peak > 0 ? r->gflops / r->peak : 0.0, r->rss_max,
-           r->rss_before, r->inputs_mib, (long long)o->window, r->visible, flop_note(o));
+           r->rss_before, r->inputs_mib, (long long)o->window, r->visible,
+           o->backward && !o->no_save ? "true" : "false", flop_note(o));
 }
 
 static void print_text(const bench_opts *o, const bench_result *r) {
@@ -637,7 +649,9 @@ static void print_text(const bench_opts *o, const bench_result *r) {
            mha_impl_name(o->impl), r->fwd_ran, r->isa, r->threads,
            r->threads == 1 ? "" : "s");
     if (o->backward)
-        printf("  backward   mha_backward ran the %s implementation\n", r->bwd_ran);
+        printf("  backward   mha_backward ran the %s implementation%s\n", r->bwd_ran,
+               o->no_save ? ", re-running the forward (--no-save)"
+                          : ", from the forward's saved state (args.save)");
     if (o->core)
         printf("  shape      q (%lld, %lld, %lld, %lld), k/v (%lld, %lld, %lld, %lld)%s\n",
                (long long)o->B, (long long)o->H, (long long)o->L, (long long)(o->E / o->H),
