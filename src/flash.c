@@ -345,7 +345,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
                        float *dv, int64_t dv_rs, float *scratch) {
     const int64_t D = a->D, Dv = a->Dv;
     scratch_map sm = head_scratch(a, scratch);
-    float *s = sm.s, *dp = sm.dp, *tr = sm.tr;
+    float *s = sm.s, *dp = sm.dp;
     for (int64_t j = 0; j < n; j++) {
         for (int64_t c = 0; c < D; c++) dk[j * dk_rs + c] = 0.0f;
         for (int64_t c = 0; c < Dv; c++) dv[j * dv_rs + c] = 0.0f;
@@ -358,13 +358,9 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
         bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n, s, dp);
         softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
-        for (int64_t r = 0; r < br; r++)
-            for (int64_t j = 0; j < n; j++) tr[j * br + r] = s[r * n + j];
-        kt->gemm_nn_acc(dv, dv_rs, tr, br, dO + i0 * do_rs, do_rs, n, Dv, br);
+        kt->gemm_tn_acc(dv, dv_rs, s, n, dO + i0 * do_rs, do_rs, n, Dv, br);
         // dk (n, D) += dS^T (n, br) (scale q) (br, D)
-        for (int64_t r = 0; r < br; r++)
-            for (int64_t j = 0; j < n; j++) tr[j * br + r] = dp[r * n + j];
-        kt->gemm_nn_acc(dk, dk_rs, tr, br, sm.qs, D, n, D, br);
+        kt->gemm_tn_acc(dk, dk_rs, dp, n, sm.qs, D, n, D, br);
     }
 }
 

@@ -5,7 +5,10 @@
 // the threaded driver of gemm.h), every ISA and scalar: the packed layout,
 // results against a double-precision loop (edges, strides, accumulate,
 // bias, K = 0), bit-identity with gemm_nn + bias, and the same bits for
-// any row / panel split and any number of threads.
+// any row / panel split and any number of threads. gemm_tn_acc (C += A^T B,
+// A stored transposed), every ISA and scalar: edge shapes and wide strides
+// against a double-precision loop, bit-identity with transpose +
+// gemm_nn_acc of the same table, C outside its tile untouched.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +22,12 @@ static uint64_t g_rng = 7;
 static float frand(void) {
     g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
     return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+static float *falloc(size_t n) {
+    float *p = malloc(sizeof(float) * (n ? n : 1));
+    if (!p) abort();
+    return p;
 }
 
 static double rel_diff(const float *a, const float *b, int64_t n, int64_t ld, int64_t rows) {
@@ -111,13 +120,103 @@ static void test_softmax(const mha__kernels *k, const mha__kernels *g) {
 }
 
 // ---------------------------------------------------------------------------
-// Packed-B GEMM
+// gemm_tn_acc: C (M, N) += A^T B with A stored (K, M), row stride lda.
 
-static float *falloc(size_t n) {
-    float *p = malloc(sizeof(float) * (n ? n : 1));
-    if (!p) abort();
-    return p;
+// Fills C with random values and its padding (columns >= N of each row,
+// and `guard` floats past the last row) with NaN.
+static void fill_c(float *C, int64_t M, int64_t N, int64_t ldc, int64_t guard) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t j = 0; j < ldc; j++) C[r * ldc + j] = j < N ? frand() : NAN;
+    for (int64_t i = 0; i < guard; i++) C[M * ldc + i] = NAN;
 }
+
+static bool c_pad_untouched(const float *C, int64_t M, int64_t N, int64_t ldc, int64_t guard) {
+    bool ok = true;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t j = N; j < ldc; j++) ok &= isnan(C[r * ldc + j]);
+    for (int64_t i = 0; i < guard; i++) ok &= isnan(C[M * ldc + i]);
+    return ok;
+}
+
+// One case: against double precision (every element within (K + 2) * 2^-23
+// of its sum of magnitudes) and bit-identical to the path it replaces, the
+// transposed copy tr[j*K + r] = A[r*lda + j] then gemm_nn_acc on the same
+// table. Padding of A and B is NaN (never to be used), C's padding must
+// stay NaN. Returns false on any failure (already reported).
+static bool tn_case(const mha__kernels *k, int64_t M, int64_t N, int64_t K, int64_t lda,
+                    int64_t ldb, int64_t ldc) {
+    const int64_t guard = 8;
+    float *A = falloc((size_t)(K * lda)), *B = falloc((size_t)(K * ldb));
+    float *T = falloc((size_t)(M * K));
+    float *C1 = falloc((size_t)(M * ldc + guard)), *C2 = falloc((size_t)(M * ldc + guard));
+    float *C0 = falloc((size_t)(M * ldc + guard));
+    for (int64_t kk = 0; kk < K; kk++) {
+        for (int64_t i = 0; i < lda; i++) A[kk * lda + i] = i < M ? frand() : NAN;
+        for (int64_t j = 0; j < ldb; j++) B[kk * ldb + j] = j < N ? frand() : NAN;
+    }
+    fill_c(C0, M, N, ldc, guard);
+    memcpy(C1, C0, sizeof(float) * (size_t)(M * ldc + guard));
+    memcpy(C2, C0, sizeof(float) * (size_t)(M * ldc + guard));
+    k->gemm_tn_acc(C1, ldc, A, lda, B, ldb, M, N, K);
+    for (int64_t r = 0; r < K; r++)
+        for (int64_t j = 0; j < M; j++) T[j * K + r] = A[r * lda + j];
+    k->gemm_nn_acc(C2, ldc, T, K, B, ldb, M, N, K);
+    double worst = 0;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double v = C0[i * ldc + j], mag = fabs(v);
+            for (int64_t kk = 0; kk < K; kk++) {
+                const double t = (double)A[kk * lda + i] * B[kk * ldb + j];
+                v += t;
+                mag += fabs(t);
+            }
+            const double e = fabs(C1[i * ldc + j] - v) / ((K + 2) * 0x1p-23 * mag + 1e-30);
+            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+        }
+    const bool ok_d = worst <= 1.0;
+    const bool ok_pad = c_pad_untouched(C1, M, N, ldc, guard);
+    const bool ok_bits = memcmp(C1, C2, sizeof(float) * (size_t)(M * ldc + guard)) == 0;
+    CHECKF(ok_d, "%s gemm_tn_acc M %lld N %lld K %lld lda %lld ldb %lld: error %g of the bound",
+           k->isa, (long long)M, (long long)N, (long long)K, (long long)lda, (long long)ldb, worst);
+    CHECKF(ok_pad, "%s gemm_tn_acc M %lld N %lld K %lld wrote outside C", k->isa, (long long)M,
+           (long long)N, (long long)K);
+    CHECKF(ok_bits, "%s gemm_tn_acc M %lld N %lld K %lld lda %lld ldb %lld: differs from "
+           "transpose + gemm_nn_acc", k->isa, (long long)M, (long long)N, (long long)K,
+           (long long)lda, (long long)ldb);
+    free(A), free(B), free(T), free(C1), free(C2), free(C0);
+    return ok_d && ok_pad && ok_bits;
+}
+
+static void test_gemm_tn(const mha__kernels *k) {
+    CHECK(k->gemm_tn_acc != NULL);
+    // every combination of the edge sizes, strides wider than the data
+    const int64_t dims[] = {0, 1, 7, 8, 15, 16, 31, 33, 64, 65, 128, 130};
+    const int nd = (int)(sizeof dims / sizeof dims[0]);
+    int cases = 0, failed = 0;
+    for (int im = 0; im < nd; im++)
+        for (int in = 0; in < nd; in++)
+            for (int ik = 0; ik < nd; ik++) {
+                const int64_t M = dims[im], N = dims[in], K = dims[ik];
+                const int64_t lda = M + 1 + (im + ik) % 5, ldb = N + 1 + 3 * ((in + ik) % 3);
+                const int64_t ldc = N + 1 + (im + in) % 4;
+                failed += !tn_case(k, M, N, K, lda, ldb, ldc);
+                cases++;
+            }
+    // the flash backward's shapes (P^T dO, dS^T Q), K across the k chunks
+    // (256) and N across the column blocks (512) of the ISA kernels
+    const int64_t shapes[][6] = {{128, 64, 64, 128, 64, 64},  {128, 64, 64, 128, 768, 64},
+                                 {128, 64, 64, 128, 2304, 64}, {96, 64, 64, 128, 768, 768},
+                                 {128, 64, 300, 130, 64, 64},   {37, 600, 513, 40, 601, 603},
+                                 {14, 33, 257, 14, 40, 33}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++, cases++)
+        failed += !tn_case(k, shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
+                           shapes[s][4], shapes[s][5]);
+    CHECK(cases == nd * nd * nd + 7);
+    printf("%s gemm_tn_acc: %d cases, %d failed\n", k->isa, cases, failed);
+}
+
+// ---------------------------------------------------------------------------
+// Packed-B GEMM
 
 // B(k, n) of the three layouts pack_b is given: 0 row-major (sk = ldb,
 // sn = 1), 1 W^T of a row-major W (N, K) (sk = 1, sn = ldw), 2 both strides
@@ -340,10 +439,12 @@ int main(void) {
         }
         test_gemm(k, g);
         test_softmax(k, g);
+        test_gemm_tn(k);
         test_packed(k);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
+    test_gemm_tn(g);
     test_packed(g);
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     return check_summary("test_kernels");

@@ -96,6 +96,72 @@ static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
     }
 }
 
+// gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda.
+// The same blocking, micro-tiles and per-element sum order as gemm_nn_acc
+// (KC chunks, each an FMA chain from 0 in increasing k, then added to C),
+// so it is bit-identical to transposing A and calling gemm_nn_acc; only
+// the A operand differs: the 8 values of rows i..i+7 at step k are
+// contiguous at A + k*lda + i and broadcast from there.
+#define ROWT_FMA(r)                                                           \
+    do {                                                                      \
+        const __m512 a = _mm512_set1_ps(A[k * lda + (r)]);                    \
+        c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);                            \
+        c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);                            \
+    } while (0)
+
+static void ukr8t(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                  float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00,
+           c61 = c00, c70 = c00, c71 = c00;
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
+        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
+        ROWT_FMA(0); ROWT_FMA(1); ROWT_FMA(2); ROWT_FMA(3);
+        ROWT_FMA(4); ROWT_FMA(5); ROWT_FMA(6); ROWT_FMA(7);
+    }
+    ROW_STORE(0); ROW_STORE(1); ROW_STORE(2); ROW_STORE(3);
+    ROW_STORE(4); ROW_STORE(5); ROW_STORE(6); ROW_STORE(7);
+}
+
+// One row (column i of the stored A): the edge of M.
+static void ukr1t(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                  float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+    (void)ldc;
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00;
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
+        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
+        ROWT_FMA(0);
+    }
+    ROW_STORE(0);
+}
+
+static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, int64_t M, int64_t N,
+                        int64_t K) {
+    for (int64_t j0 = 0; j0 < N; j0 += NC) {
+        int64_t nc = N - j0 < NC ? N - j0 : NC;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            int64_t kc = K - k0 < KC ? K - k0 : KC;
+            for (int64_t i0 = 0; i0 < M; i0 += MR) {
+                int64_t mr = M - i0 < MR ? M - i0 : MR;
+                for (int64_t j1 = 0; j1 < nc; j1 += NR) {
+                    int64_t nr = nc - j1;
+                    const float *Ab = A + k0 * lda + i0, *Bb = B + k0 * ldb + j0 + j1;
+                    float *Cb = C + i0 * ldc + j0 + j1;
+                    if (mr == MR)
+                        ukr8t(kc, Ab, lda, Bb, ldb, Cb, ldc, tail_mask(nr), tail_mask(nr - 16));
+                    else
+                        for (int64_t r = 0; r < mr; r++)
+                            ukr1t(kc, Ab + r, lda, Bb, ldb, Cb + r * ldc, ldc,
+                                  tail_mask(nr), tail_mask(nr - 16));
+                }
+            }
+        }
+    }
+}
+
 static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
                     const float *B, int64_t ldb, int64_t M, int64_t N,
                     int64_t K) {
@@ -357,6 +423,7 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->isa = "avx512";
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
+    k->gemm_tn_acc = gemm_tn_acc;
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;

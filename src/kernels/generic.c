@@ -18,6 +18,21 @@ static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
     }
 }
 
+// C += A^T B with A stored (K, M): the same loops and the same expression
+// as gemm_nn_acc, only the A element read from A[k*lda + i].
+static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, int64_t M, int64_t N,
+                        int64_t K) {
+    for (int64_t i = 0; i < M; i++) {
+        float *c = C + i * ldc;
+        for (int64_t k = 0; k < K; k++) {
+            const float a = A[k * lda + i];
+            const float *b = B + k * ldb;
+            for (int64_t j = 0; j < N; j++) c[j] += a * b[j];
+        }
+    }
+}
+
 static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
                     const float *B, int64_t ldb, int64_t M, int64_t N,
                     int64_t K) {
@@ -115,6 +130,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->isa = "scalar";
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
+    k->gemm_tn_acc = gemm_tn_acc;
     k->softmax_update = softmax_update;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;

@@ -33,6 +33,19 @@ typedef struct mha__kernels {
     void (*gemm_nn_acc)(float *C, int64_t ldc, const float *A, int64_t lda,
                         const float *B, int64_t ldb, int64_t M, int64_t N,
                         int64_t K);
+    // gemm_tn_acc: C (M, N) += A^T B, where A is stored (K, M) row-major
+    //   with row stride lda (so element (i, k) of the logical left operand
+    //   is A[k*lda + i]), B (K, N) row-major with row stride ldb.
+    //                                                   accumulate
+    //   Bit-identical, on every table, to gemm_nn_acc(C, ldc, T, M, B, ldb,
+    //   M, N, K) with T (M, K) the transpose of A (T[i*K + k] = A[k*lda + i]):
+    //   the same per-element sum order (gemm_nn_acc's k chunks, each summed
+    //   from 0 in increasing k and added to C; scalar: C += a*b in increasing
+    //   k), without the transposed copy. Used by the flash backward for
+    //   dV += P^T dO and dK += dS^T Q.
+    void (*gemm_tn_acc)(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, int64_t M, int64_t N,
+                        int64_t K);
     // softmax_update: one row x (n) of scaled, masked scores, the row's
     // running max *m and sum *l (online softmax):
     //   m' = max(*m, max_j x_j); x_j <- exp(x_j - m')
