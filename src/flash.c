@@ -149,6 +149,8 @@ static void row_band(const mha__flash_head *a, int64_t i, int64_t *lo, int64_t *
     *hi = h;
 }
 
+static int64_t mha__tile_end_(int64_t i0, int64_t L) { return i0 + BR < L ? i0 + BR : L; }
+
 static bool has_band(const mha__mask *mk) {
     return mk->causal || mk->win_left >= 0 || mk->win_right >= 0;
 }
@@ -364,15 +366,17 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
     }
 }
 
-void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
-                      const float *dO, int64_t do_rs, float *Dsum, int64_t i0,
-                      int64_t i1, float *dq, int64_t dq_rs, float *scratch) {
-    const int64_t D = a->D, br = i1 - i0;
+// Pass B for rows [i0, i1) (see flash.h); with dk != NULL also the rows'
+// share of dk, dv, dxk, dxv (accumulated: the caller zeroes them).
+static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                     int64_t do_rs, float *Dsum, int64_t i0, int64_t i1, float *dq,
+                     int64_t dq_rs, float *dk, int64_t dk_rs, float *dv, int64_t dv_rs,
+                     float *dxk, float *dxv, float *scratch) {
+    const int64_t D = a->D, Dv = a->Dv, br = i1 - i0;
     scratch_map sm = head_scratch(a, scratch);
     load_q(a, sm.qs, i0, br);
-    // First Dsum_i = sum_j P_ij dP_ij from the very tiles the dS use (so a
-    // one-hot row gets dS = 0 exactly, as the textbook formula does), the
-    // P and dP tiles kept in sm.rows; then dS and dq from them.
+    // Dsum_i = sum_j P_ij dP_ij from the very tiles the dS use, the P and
+    // dP tiles kept in sm.rows for the second sweep.
     for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
@@ -380,10 +384,16 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n;
         bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n, s, dp);
-        for (int64_t r = 0; r < br; r++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < n; j++) acc += s[r * n + j] * dp[r * n + j];
-            Dsum[i0 + r] += acc;
+        for (int64_t r = 0; r < br; r++) {  // 16 partial sums: vectorised, fixed order
+            float acc[16] = {0};
+            const float *sr = s + r * n, *dr = dp + r * n;
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16)
+                for (int u = 0; u < 16; u++) acc[u] += sr[j + u] * dr[j + u];
+            for (int u = 0; j < n; j++, u++) acc[u] += sr[j] * dr[j];
+            float sum = 0.0f;
+            for (int u = 0; u < 16; u++) sum += acc[u];
+            Dsum[i0 + r] += sum;
         }
         tile += 2 * br * n;
     }
@@ -393,10 +403,38 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
     tile = sm.rows;
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n;
-        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
+        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);  // dp <- dS, s <- P'
         // dq (br, D) += dS (br, n) k (n, D), then * scale below
         kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
+        if (dk) {
+            const bool x = j0 >= a->S;
+            kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dO + i0 * do_rs,
+                            do_rs, n, Dv, br);
+            kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D,
+                            br);
+        }
         tile += 2 * br * n;
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);
+}
+
+void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
+                      const float *dO, int64_t do_rs, float *Dsum, int64_t i0,
+                      int64_t i1, float *dq, int64_t dq_rs, float *scratch) {
+    bwd_rows(kt, a, dO, do_rs, Dsum, i0, i1, dq, dq_rs, NULL, 0, NULL, 0, NULL, NULL, scratch);
+}
+
+void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                         int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
+                         int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
+                         float *scratch) {
+    for (int64_t j = 0; j < a->S + a->nx; j++) {
+        float *kr = j < a->S ? dk + j * dk_rs : dxk + (j - a->S) * a->D;
+        float *vr = j < a->S ? dv + j * dv_rs : dxv + (j - a->S) * a->Dv;
+        for (int64_t c = 0; c < a->D; c++) kr[c] = 0.0f;
+        for (int64_t c = 0; c < a->Dv; c++) vr[c] = 0.0f;
+    }
+    for (int64_t i0 = 0; i0 < a->L; i0 += BR)
+        bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end_(i0, a->L), dq + i0 * dq_rs, dq_rs,
+                 dk, dk_rs, dv, dv_rs, dxk, dxv, scratch);
 }

@@ -81,10 +81,23 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
                        float *dv, int64_t dv_rs, float *scratch);
 
 // Pass B: rows [i0, i1) (at most MHA__FLASH_BR): Dsum[i0, i1) (written:
-// sum_j P dP over the same tiles) and dq (i1 - i0, D), overwritten. Runs
-// before pass A, which reads Dsum.
+// sum_j P dP over the same tiles, so a one-hot row gets dS = 0 exactly,
+// dropout or not) and dq (i1 - i0, D), overwritten. Runs before pass A,
+// which reads Dsum.
 void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
                       const float *dO, int64_t do_rs, float *Dsum, int64_t i0,
                       int64_t i1, float *dq, int64_t dq_rs, float *scratch);
+
+// The whole backward of one head by one thread: pass B for each query tile
+// in order, and with each tile's P' and dS (kept from pass B) dk += dS^T q,
+// dv += P'^T dO at once, so S and dP are computed once per tile pair (5
+// GEMMs per tile pair instead of 7). Writes Dsum (L), dq (L, D), dk, dv
+// (S, D / Dv) and the appended keys' dxk, dxv (nx, D / Dv, contiguous), all
+// overwritten. Bit-identical to pass B + pass A: every dk, dv element
+// receives the same terms in the same order (query tiles increasing).
+void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                         int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
+                         int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
+                         float *scratch);
 
 #endif

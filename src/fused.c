@@ -615,20 +615,37 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         }
     }
     matmul_rows(kt, dctx, E, dy, E, m->out_weight, E, Rq, E, E, bp, gs, nt);
-    // Attention backward: pass B (Dsum and dq per query tile), then pass A.
+    // Attention backward: one thread per head when there are at least as
+    // many heads as threads (each tile pair's S and dP computed once), else
+    // pass B (Dsum, dq per query tile) then pass A (dk, dv per key tile):
+    // the same bits either way (flash.h).
+    const bool per_head = N * H >= nt;
+    if (per_head) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < N * H * tiles; it++) {
+        for (int64_t bh = 0; bh < N * H; bh++) {
+            int64_t b = bh / H, h = bh % H;
+            mha__flash_head fh = HEAD(b, h);
+            mha__flash_bwd_head(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L,
+                                head_row0(&dqm, b, h * d), head_rs(&dqm),
+                                head_row0(&dkm, b, h * d), head_rs(&dkm),
+                                head_row0(&dvm, b, h * d), head_rs(&dvm),
+                                dextra + bh * nx * d, dextra + (N * H + bh) * nx * d,
+                                scratch + (size_t)mha__thread_id() * sf);
+        }
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < (per_head ? 0 : N * H * tiles); it++) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
-        mha__flash_bwd_q(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L, i0,
-                         i1, head_row0(&dqm, b, h * d) + i0 * head_rs(&dqm), head_rs(&dqm),
-                         scratch + (size_t)tid * sf);
+        mha__flash_bwd_q(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L,
+                         i0, i1, head_row0(&dqm, b, h * d) + i0 * head_rs(&dqm),
+                         head_rs(&dqm), scratch + (size_t)tid * sf);
     }
     // Pass A: dk, dv per key tile (reads Dsum).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < N * H * ktiles; it++) {
+    for (int64_t it = 0; it < (per_head ? 0 : N * H * ktiles); it++) {
         int64_t bh = it / ktiles, kt_i = it % ktiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);

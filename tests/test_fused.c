@@ -449,17 +449,32 @@ static void test_saved(void) {
 }
 
 // 1, 2 and 8 threads: bit-identical output, weights and gradients.
+// With 2 heads, 8 threads take the backward's two-pass route and 1 or 2
+// threads the one-sweep-per-head route: the same bits are required.
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv);
+
 static void test_threads(void) {
-    enum { E = 96, H = 4, L = 200, N = 2 };
+    test_threads_cfg(96, 4, 200, 2, false);
+    test_threads_cfg(64, 2, 300, 1, true);
+}
+
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv) {
     mha_config c;
     mha_config_init(&c, E, H);
+    c.add_bias_kv = bkv;
+    const int64_t Sp = L + bkv;
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
     mha_init_options io;
     mha_init_options_default(&io);
     CHECK_OK(mha_module_init(m, &io));
-    static float x[L * N * E], y[3][L * N * E], w[3][N * L * L];
-    for (int i = 0; i < L * N * E; i++) x[i] = frand();
+    float *x = malloc(sizeof(float) * (size_t)(L * N * E)), *y[3], *w[3], *gx[3];
+    for (int r = 0; r < 3; r++) {
+        y[r] = malloc(sizeof(float) * (size_t)(L * N * E));
+        w[r] = malloc(sizeof(float) * (size_t)(N * L * Sp));
+        gx[r] = malloc(sizeof(float) * (size_t)(L * N * E));
+    }
+    for (int64_t i = 0; i < L * N * E; i++) x[i] = frand();
     mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
     mha_forward_args a;
     mha_forward_args_init(&a);
@@ -469,33 +484,40 @@ static void test_threads(void) {
     a.need_weights = true;
     a.impl = MHA_IMPL_FUSED;
     const int threads[3] = {1, 2, 8};
-    static float gx[3][L * N * E];
     mha_module *g[3];
     for (int r = 0; r < 3; r++) {
 #ifdef _OPENMP
         omp_set_num_threads(threads[r]);
 #endif
         mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, 3, (int64_t[]){L, N, E});
-        mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, 3, (int64_t[]){N, L, L});
+        mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, 3, (int64_t[]){N, L, Sp});
         mha_tensor gt = mha_tensor_contiguous(gx[r], MHA_F32, 3, (int64_t[]){L, N, E});
         CHECK_OK(mha_forward(&yt, &wt, m, &a));
         CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
         CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], m, &a, &xt, false));  // dY = x
     }
     for (int r = 1; r < 3; r++) {
-        CHECKF(memcmp(y[0], y[r], sizeof y[0]) == 0, "fused output: 1 vs %d threads", threads[r]);
-        CHECKF(memcmp(w[0], w[r], sizeof w[0]) == 0, "fused weights: 1 vs %d threads", threads[r]);
-        CHECKF(memcmp(gx[0], gx[r], sizeof gx[0]) == 0, "fused grad_query: 1 vs %d threads",
-               threads[r]);
+        const size_t ny = sizeof(float) * (size_t)(L * N * E),
+                     nw = sizeof(float) * (size_t)(N * L * Sp);
+        CHECKF(memcmp(y[0], y[r], ny) == 0, "fused output (H %lld): 1 vs %d threads",
+               (long long)H, threads[r]);
+        CHECKF(memcmp(w[0], w[r], nw) == 0, "fused weights (H %lld): 1 vs %d threads",
+               (long long)H, threads[r]);
+        CHECKF(memcmp(gx[0], gx[r], ny) == 0, "fused grad_query (H %lld): 1 vs %d threads",
+               (long long)H, threads[r]);
         for (int i = 0; i < mha_module_num_params(g[0]); i++) {
             mha_param p0, pr;
             CHECK_OK(mha_module_param_at(&p0, g[0], i));
             CHECK_OK(mha_module_param_at(&pr, g[r], i));
             CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0,
-                   "fused grad %s: 1 vs %d threads", p0.name, threads[r]);
+                   "fused grad %s (H %lld): 1 vs %d threads", p0.name, (long long)H, threads[r]);
         }
     }
-    for (int r = 0; r < 3; r++) mha_module_destroy(g[r]);
+    for (int r = 0; r < 3; r++) {
+        mha_module_destroy(g[r]);
+        free(y[r]), free(w[r]), free(gx[r]);
+    }
+    free(x);
 #ifdef _OPENMP
     omp_set_num_threads(2);
 #endif
