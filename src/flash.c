@@ -250,9 +250,10 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
         scores(kt, a, &sm, sm.s, i0, br, j0, n);
+        float *alpha = sm.tr;  // (BR)
+        kt->softmax_rows(s, n, br, n, m, l, alpha);
         for (int64_t r = 0; r < br; r++) {
-            float alpha = kt->softmax_update(s + r * n, n, &m[r], &l[r]);
-            if (alpha != 1.0f) kt->scale_row(a->o + (i0 + r) * a->o_rs, Dv, alpha);
+            if (alpha[r] != 1.0f) kt->scale_row(a->o + (i0 + r) * a->o_rs, Dv, alpha[r]);
             if (a->drop) drop_row(a, s + r * n, i0 + r, j0, n);
         }
         kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, packed_tile(a, &sm, j0, C_VR),

@@ -426,6 +426,43 @@ static void test_packed(const mha__kernels *k) {
     test_packed_splits(k);
 }
 
+// softmax_rows: bit for bit softmax_update row by row, with rows whose
+// max is -inf (alone or among others), running stats from a previous tile,
+// partial vectors and row strides wider than n.
+static void test_softmax_rows(const mha__kernels *k) {
+    const int64_t Rs[] = {1, 3, 4, 5, 8, 13, 64}, ns[] = {1, 7, 16, 33, 128};
+    uint64_t rng = 99;
+    for (size_t a = 0; a < sizeof Rs / sizeof Rs[0]; a++)
+        for (size_t b = 0; b < sizeof ns / sizeof ns[0]; b++) {
+            const int64_t R = Rs[a], n = ns[b], ld = n + 3;
+            float *x1 = falloc(R * ld), *x2 = falloc(R * ld), m1[64], l1[64], m2[64], l2[64],
+                  al1[64], al2[64];
+            for (int64_t r = 0; r < R; r++) {
+                for (int64_t j = 0; j < ld; j++) {
+                    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                    float v = (float)((double)(rng >> 11) * 0x1p-53 * 40.0 - 20.0);
+                    if (r % 5 == 2) v = -INFINITY;            // nothing visible
+                    else if ((rng >> 7) % 9 == 0) v = -INFINITY;  // masked entries
+                    x1[r * ld + j] = x2[r * ld + j] = v;
+                }
+                m1[r] = m2[r] = r % 3 == 0 ? -INFINITY : (float)(r % 7) - 3.0f;
+                l1[r] = l2[r] = r % 3 == 0 ? 0.0f : 1.5f;
+            }
+            k->softmax_rows(x1, ld, R, n, m1, l1, al1);
+            for (int64_t r = 0; r < R; r++) al2[r] = k->softmax_update(x2 + r * ld, n, &m2[r], &l2[r]);
+            int bad = 0;
+            for (int64_t r = 0; r < R; r++) {
+                bad += memcmp(&m1[r], &m2[r], 4) != 0 || memcmp(&l1[r], &l2[r], 4) != 0 ||
+                       memcmp(&al1[r], &al2[r], 4) != 0;
+                bad += memcmp(x1 + r * ld, x2 + r * ld, sizeof(float) * (size_t)ld) != 0;
+            }
+            CHECKF(bad == 0, "%s softmax_rows R %lld n %lld: %d rows differ from softmax_update",
+                   k->isa, (long long)R, (long long)n, bad);
+            free(x1);
+            free(x2);
+        }
+}
+
 int main(void) {
     const mha__kernels *g = mha__kernels_for("scalar");
     CHECK(g != NULL);
@@ -439,12 +476,14 @@ int main(void) {
         }
         test_gemm(k, g);
         test_softmax(k, g);
+        test_softmax_rows(k);
         test_gemm_tn(k);
         test_packed(k);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_gemm_tn(g);
+    test_softmax_rows(g);
     test_packed(g);
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     return check_summary("test_kernels");

@@ -358,9 +358,12 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
     }
 }
 
-// exp(x) for 16 lanes: Cephes expf. NaN propagates; x <= -104 gives 0.
+// exp(x) for 16 lanes: Cephes expf. NaN propagates; x < -87.3 (where
+// exp(x) < FLT_MIN) gives 0: no denormal results, whose microcode assists
+// cost hundreds of cycles each (masked scores, the first tile's alpha).
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // NaN x is kept (2nd operand)
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN x is kept (2nd operand)
     x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
     const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -374,7 +377,7 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     const __m512 r2 = _mm512_mul_ps(r, r);
     p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, fx);
+    return _mm512_mask_mov_ps(_mm512_scalef_ps(p, fx), tiny, _mm512_setzero_ps());
 }
 
 static float softmax_update(float *x, int64_t n, float *m, float *l) {
@@ -401,6 +404,66 @@ static float softmax_update(float *x, int64_t n, float *m, float *l) {
     return alpha;
 }
 
+// Four rows at a time: the same operations per row as softmax_update,
+// interleaved so the max/sum reductions and the scalar alpha of one row
+// overlap with the others'. A row with nothing visible yet (max -inf)
+// sends its group through softmax_update.
+static void softmax_rows(float *x, int64_t ldx, int64_t R, int64_t n, float *m, float *l,
+                         float *alpha) {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) {
+        float *x0 = x + r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+        __m512 v0 = _mm512_set1_ps(m[r]), v1 = _mm512_set1_ps(m[r + 1]),
+               v2 = _mm512_set1_ps(m[r + 2]), v3 = _mm512_set1_ps(m[r + 3]);
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            v0 = _mm512_max_ps(v0, _mm512_mask_loadu_ps(v0, k, x0 + j));
+            v1 = _mm512_max_ps(v1, _mm512_mask_loadu_ps(v1, k, x1 + j));
+            v2 = _mm512_max_ps(v2, _mm512_mask_loadu_ps(v2, k, x2 + j));
+            v3 = _mm512_max_ps(v3, _mm512_mask_loadu_ps(v3, k, x3 + j));
+        }
+        const float mx0 = _mm512_reduce_max_ps(v0), mx1 = _mm512_reduce_max_ps(v1),
+                    mx2 = _mm512_reduce_max_ps(v2), mx3 = _mm512_reduce_max_ps(v3);
+        if (mx0 == -INFINITY || mx1 == -INFINITY || mx2 == -INFINITY || mx3 == -INFINITY) {
+            for (int64_t i = r; i < r + 4; i++)
+                alpha[i] = softmax_update(x + i * ldx, n, &m[i], &l[i]);
+            continue;
+        }
+        const __m512 w0 = _mm512_set1_ps(mx0), w1 = _mm512_set1_ps(mx1),
+                     w2 = _mm512_set1_ps(mx2), w3 = _mm512_set1_ps(mx3);
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            const __m512 e0 = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x0 + j), w0));
+            const __m512 e1 = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x1 + j), w1));
+            const __m512 e2 = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x2 + j), w2));
+            const __m512 e3 = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x3 + j), w3));
+            _mm512_mask_storeu_ps(x0 + j, k, e0);
+            _mm512_mask_storeu_ps(x1 + j, k, e1);
+            _mm512_mask_storeu_ps(x2 + j, k, e2);
+            _mm512_mask_storeu_ps(x3 + j, k, e3);
+            s0 = _mm512_add_ps(s0, _mm512_maskz_mov_ps(k, e0));
+            s1 = _mm512_add_ps(s1, _mm512_maskz_mov_ps(k, e1));
+            s2 = _mm512_add_ps(s2, _mm512_maskz_mov_ps(k, e2));
+            s3 = _mm512_add_ps(s3, _mm512_maskz_mov_ps(k, e3));
+        }
+        // alpha per row, lane by lane as softmax_update's exp512(set1(.))
+        float a[16];
+        _mm512_storeu_ps(a, exp512(_mm512_setr_ps(m[r] - mx0, m[r + 1] - mx1, m[r + 2] - mx2,
+                                                  m[r + 3] - mx3, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                  0, 0, 0)));
+        const float sum[4] = {_mm512_reduce_add_ps(s0), _mm512_reduce_add_ps(s1),
+                              _mm512_reduce_add_ps(s2), _mm512_reduce_add_ps(s3)};
+        const float mx[4] = {mx0, mx1, mx2, mx3};
+        for (int i = 0; i < 4; i++) {
+            l[r + i] = l[r + i] * a[i] + sum[i];
+            m[r + i] = mx[i];
+            alpha[r + i] = a[i];
+        }
+    }
+    for (; r < R; r++) alpha[r] = softmax_update(x + r * ldx, n, &m[r], &l[r]);
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     const __m512 va = _mm512_set1_ps(a);
     for (int64_t j = 0; j < n; j += 16) {
@@ -425,6 +488,7 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->gemm_nn_acc = gemm_nn_acc;
     k->gemm_tn_acc = gemm_tn_acc;
     k->softmax_update = softmax_update;
+    k->softmax_rows = softmax_rows;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = PNR;

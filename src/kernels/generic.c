@@ -59,6 +59,11 @@ static float softmax_update(float *x, int64_t n, float *m, float *l) {
     return alpha;
 }
 
+static void softmax_rows(float *x, int64_t ldx, int64_t R, int64_t n, float *m, float *l,
+                         float *alpha) {
+    for (int64_t r = 0; r < R; r++) alpha[r] = softmax_update(x + r * ldx, n, &m[r], &l[r]);
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     for (int64_t j = 0; j < n; j++) y[j] *= a;
 }
@@ -132,6 +137,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->gemm_nn_acc = gemm_nn_acc;
     k->gemm_tn_acc = gemm_tn_acc;
     k->softmax_update = softmax_update;
+    k->softmax_rows = softmax_rows;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = GNR;

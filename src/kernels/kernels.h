@@ -53,6 +53,12 @@ typedef struct mha__kernels {
     // returns alpha = exp(*m_old - m') (1 when m' = -inf: nothing seen
     // yet). -inf entries become 0.
     float (*softmax_update)(float *x, int64_t n, float *m, float *l);
+    // softmax_rows: softmax_update on each of R rows of x (row stride ldx,
+    // n columns) with their m[r], l[r]; alpha[r] gets each row's return
+    // value. Bit-identical to R calls of softmax_update (the ISA versions
+    // interleave rows to hide the reductions' latency).
+    void (*softmax_rows)(float *x, int64_t ldx, int64_t R, int64_t n, float *m,
+                         float *l, float *alpha);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf
