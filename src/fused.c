@@ -461,21 +461,23 @@ static void transpose_rows(float *dst, const float *src, int64_t lds, int64_t ro
 static inline void store_f(float *p, double v, bool acc) { *p = acc ? *p + (float)v : (float)v; }
 
 // dW (O, I) (+)= d^T X: d (R, O) row stride ldd, X (R, I) row stride ldx;
-// db (O) (+)= colsum(d). tmp: O*R + O*I floats; bp: packed X; gs: GEMM
-// scratch.
+// db (O) (+)= colsum(d), summed in double over r in order. tmp: O*R
+// floats (d^T); bp: packed X; gs: GEMM scratch.
 static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc,
                         const float *d, int64_t ldd, const float *X, int64_t ldx,
                         int64_t R, int64_t O, int64_t I, float *tmp, float *bp, float *gs,
                         int nt) {
-    float *dT = tmp, *out = tmp + O * R;
+    float *dT = tmp;
     transpose_rows(dT, d, ldd, R, O);
-    matmul_rows(kt, out, I, dT, R, X, ldx, O, R, I, bp, gs, nt);
-    for (int64_t i = 0; i < O * I; i++) store_f(dW + i, out[i], acc);
+    mha__gemm_pack_rows(kt, bp, X, ldx, R, I, nt);
+    mha__gemm_rows_packed(kt, dW, I, dT, R, bp, NULL, O, R, I, acc, nt, gs);
     if (db)
-        for (int64_t o = 0; o < O; o++) {
-            double s = 0.0;
-            for (int64_t r = 0; r < R; r++) s += dT[o * R + r];
-            store_f(db + o, s, acc);
+        for (int64_t o0 = 0; o0 < O; o0 += 256) {  // independent sums, vectorised over o
+            const int64_t w = O - o0 < 256 ? O - o0 : 256;
+            double s[256] = {0};
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t o = 0; o < w; o++) s[o] += d[r * ldd + o0 + o];
+            for (int64_t o = 0; o < w; o++) store_f(db + o0 + o, s[o], acc);
         }
 }
 
