@@ -37,7 +37,7 @@ static size_t round16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 typedef struct scratch_map {
     cache_hdr *hdr;
-    float *qs, *s, *dp, *tr, *m, *l;
+    float *qs, *dos, *s, *dp, *tr, *m, *l;
     float *cache[C_KINDS];
     float *rows;  // backward: P and dP of a row block, tile after tile
     size_t tile_floats[C_KINDS];
@@ -49,6 +49,7 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
     m.hdr = (cache_hdr *)(void *)sc;
     float *p = sc + 16;
     m.qs = p, p += round16((size_t)(BR * D));
+    m.dos = p, p += round16((size_t)(BR * Dv));
     m.s = p, p += BR * BC;
     m.dp = p, p += BR * BC;
     m.tr = p, p += BR * BC;
@@ -68,7 +69,7 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
 size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx,
                                  bool backward) {
     const int64_t nt = n_tiles(S, nx);
-    return 16 + round16((size_t)(BR * D)) + 3 * BR * BC + 2 * BR +
+    return 16 + round16((size_t)(BR * D)) + round16((size_t)(BR * Dv)) + 3 * BR * BC + 2 * BR +
            round16((size_t)(C_KINDS * nt + 3) / 4) +
            (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
                (backward ? 2 : 1) +
@@ -298,12 +299,13 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
 // ---------------------------------------------------------------------------
 // Backward
 
-// For query rows [i0, i0 + br) (qs loaded) and keys [j0, j0 + n): s <- P and
+// For query rows [i0, i0 + br) (qs loaded; dOt their dO rows) and keys
+// [j0, j0 + n): s <- P and
 // dp <- dP = (dO v^T) * drop, recomputed from q, k, v and the stats. The
 // same tile always gives the same bits (same kernels, same shapes), which
 // the softmax backward below relies on.
 static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
-                     const float *dO, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
+                     const float *dOt, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
                      int64_t n, float *s, float *dp) {
     scores(kt, a, sm, s, i0, br, j0, n);  // S = scale q k^T + mask
     for (int64_t r = 0; r < br; r++) {  // P = exp(S - m) / l
@@ -311,7 +313,7 @@ static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_m
         kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
     }
     const float *vtile = packed_tile(a, sm, j0, C_VT);  // dP' = dO v^T
-    kt->gemm_nn(dp, n, dO + i0 * do_rs, do_rs, vtile, width_of(a, j0), br, n, a->Dv);
+    kt->gemm_nn(dp, n, dOt, do_rs, vtile, width_of(a, j0), br, n, a->Dv);
     if (a->drop)  // dP = dP' * drop (the factor is 0 or 1/(1-p))
         for (int64_t r = 0; r < br; r++) drop_row(a, dp + r * n, i0 + r, j0, n);
 }
@@ -358,7 +360,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
     for (int64_t i0 = rlo; i0 < rhi; i0 += BR) {
         int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
         load_q(a, sm.qs, i0, br);
-        bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n, s, dp);
+        bwd_tile(kt, a, &sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, s, dp);
         softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
         kt->gemm_tn_acc(dv, dv_rs, s, n, dO + i0 * do_rs, do_rs, n, Dv, br);
@@ -376,6 +378,10 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     const int64_t D = a->D, Dv = a->Dv, br = i1 - i0;
     scratch_map sm = head_scratch(a, scratch);
     load_q(a, sm.qs, i0, br);
+    // the rows' dO, contiguous (the GEMMs below read it as rows of Dv)
+    for (int64_t r = 0; r < br; r++)
+        memcpy(sm.dos + r * Dv, dO + (i0 + r) * do_rs, sizeof(float) * (size_t)Dv);
+    const float *dOt = sm.dos;  // the tile's dO rows, row stride Dv
     // Dsum_i = sum_j P_ij dP_ij from the very tiles the dS use, the P and
     // dP tiles kept in sm.rows for the second sweep.
     for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
@@ -384,7 +390,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     float *tile = sm.rows;
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n;
-        bwd_tile(kt, a, &sm, dO, do_rs, i0, br, j0, n, s, dp);
+        bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp);
         for (int64_t r = 0; r < br; r++) {  // 16 partial sums: vectorised, fixed order
             float acc[16] = {0};
             const float *sr = s + r * n, *dr = dp + r * n;
@@ -409,8 +415,8 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
         kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
         if (dk) {
             const bool x = j0 >= a->S;
-            kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dO + i0 * do_rs,
-                            do_rs, n, Dv, br);
+            kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dOt, Dv, n, Dv,
+                            br);
             kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D,
                             br);
         }
