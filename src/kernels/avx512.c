@@ -25,12 +25,15 @@ static inline __mmask16 tail_mask(int64_t n) {  // lanes [0, n) of 16
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u);
 }
 
-// C[0:8, 0:nr] += A[0:8, 0:K] B[0:K, 0:nr], nr <= 32: 16 accumulators in
-// named registers (an array would be spilled), B rows loaded under the
-// column masks m0, m1.
+// C[0:MR, 0:nr] += A B[0:K, 0:nr]: 8 x 32 (16 accumulators in named
+// registers: an array would be spilled), B rows loaded under the column
+// masks m0, m1. Element (r, k) of A is A[r*ars + k*aks]: (lda, 1) for
+// gemm_nn_acc, (1, lda) for gemm_tn_acc (A stored transposed), the strides
+// constant in each after inlining. Every C element: an FMA chain from 0 over
+// k in increasing order, then added to C.
 #define ROW_FMA(r)                                                            \
     do {                                                                      \
-        const __m512 a = _mm512_set1_ps(A[(r) * lda + k]);                    \
+        const __m512 a = _mm512_set1_ps(A[(r) * ars + k * aks]);              \
         c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);                            \
         c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);                            \
     } while (0)
@@ -41,15 +44,18 @@ static inline __mmask16 tail_mask(int64_t n) {  // lanes [0, n) of 16
         _mm512_mask_storeu_ps(c + 16, m1,                                     \
                               _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), c##r##1)); \
     } while (0)
+#define LOAD_B                                                                \
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);                 \
+    const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16)
 
-static void ukr8(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                 float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+static inline __attribute__((always_inline)) void ukr8(
+    int64_t K, const float *A, int64_t ars, int64_t aks, const float *B, int64_t ldb,
+    float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00,
            c61 = c00, c70 = c00, c71 = c00;
     for (int64_t k = 0; k < K; k++) {
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
-        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
+        LOAD_B;
         ROW_FMA(0); ROW_FMA(1); ROW_FMA(2); ROW_FMA(3);
         ROW_FMA(4); ROW_FMA(5); ROW_FMA(6); ROW_FMA(7);
     }
@@ -57,23 +63,24 @@ static void ukr8(int64_t K, const float *A, int64_t lda, const float *B, int64_t
     ROW_STORE(4); ROW_STORE(5); ROW_STORE(6); ROW_STORE(7);
 }
 
-// One row: the edge of M (fewer than 8 rows left).
-static void ukr1(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                 float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
-    (void)lda;
+// One row: the edge of M (fewer than MR rows left).
+static inline __attribute__((always_inline)) void ukr1(
+    int64_t K, const float *A, int64_t ars, int64_t aks, const float *B, int64_t ldb,
+    float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+    (void)ars;
     (void)ldc;
     __m512 c00 = _mm512_setzero_ps(), c01 = c00;
     for (int64_t k = 0; k < K; k++) {
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
-        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
+        LOAD_B;
         ROW_FMA(0);
     }
     ROW_STORE(0);
 }
 
-static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+// C (M, N) += A B in KC x NC blocks of MR x NR micro-tiles.
+static inline __attribute__((always_inline)) void gemm_acc(
+    float *C, int64_t ldc, const float *A, int64_t ars, int64_t aks, const float *B,
+    int64_t ldb, int64_t M, int64_t N, int64_t K) {
     for (int64_t j0 = 0; j0 < N; j0 += NC) {
         int64_t nc = N - j0 < NC ? N - j0 : NC;
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -82,13 +89,14 @@ static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
                 int64_t mr = M - i0 < MR ? M - i0 : MR;
                 for (int64_t j1 = 0; j1 < nc; j1 += NR) {
                     int64_t nr = nc - j1;
-                    const float *Ab = A + i0 * lda + k0, *Bb = B + k0 * ldb + j0 + j1;
+                    const float *Ab = A + i0 * ars + k0 * aks, *Bb = B + k0 * ldb + j0 + j1;
                     float *Cb = C + i0 * ldc + j0 + j1;
                     if (mr == MR)
-                        ukr8(kc, Ab, lda, Bb, ldb, Cb, ldc, tail_mask(nr), tail_mask(nr - 16));
+                        ukr8(kc, Ab, ars, aks, Bb, ldb, Cb, ldc, tail_mask(nr),
+                             tail_mask(nr - 16));
                     else
                         for (int64_t r = 0; r < mr; r++)
-                            ukr1(kc, Ab + r * lda, lda, Bb, ldb, Cb + r * ldc, ldc,
+                            ukr1(kc, Ab + r * ars, ars, aks, Bb, ldb, Cb + r * ldc, ldc,
                                  tail_mask(nr), tail_mask(nr - 16));
                 }
             }
@@ -96,70 +104,19 @@ static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
     }
 }
 
-// gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda.
-// The same blocking, micro-tiles and per-element sum order as gemm_nn_acc
-// (KC chunks, each an FMA chain from 0 in increasing k, then added to C),
-// so it is bit-identical to transposing A and calling gemm_nn_acc; only
-// the A operand differs: the 8 values of rows i..i+7 at step k are
-// contiguous at A + k*lda + i and broadcast from there.
-#define ROWT_FMA(r)                                                           \
-    do {                                                                      \
-        const __m512 a = _mm512_set1_ps(A[k * lda + (r)]);                    \
-        c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);                            \
-        c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);                            \
-    } while (0)
-
-static void ukr8t(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                  float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00,
-           c61 = c00, c70 = c00, c71 = c00;
-    for (int64_t k = 0; k < K; k++) {
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
-        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
-        ROWT_FMA(0); ROWT_FMA(1); ROWT_FMA(2); ROWT_FMA(3);
-        ROWT_FMA(4); ROWT_FMA(5); ROWT_FMA(6); ROWT_FMA(7);
-    }
-    ROW_STORE(0); ROW_STORE(1); ROW_STORE(2); ROW_STORE(3);
-    ROW_STORE(4); ROW_STORE(5); ROW_STORE(6); ROW_STORE(7);
+static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, int64_t M, int64_t N,
+                        int64_t K) {
+    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K);
 }
 
-// One row (column i of the stored A): the edge of M.
-static void ukr1t(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                  float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
-    (void)ldc;
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00;
-    for (int64_t k = 0; k < K; k++) {
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);
-        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16);
-        ROWT_FMA(0);
-    }
-    ROW_STORE(0);
-}
-
+// gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda:
+// the same blocking, micro-tiles and per-element sum order as gemm_nn_acc,
+// so it is bit-identical to transposing A and calling gemm_nn_acc.
 static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
                         const float *B, int64_t ldb, int64_t M, int64_t N,
                         int64_t K) {
-    for (int64_t j0 = 0; j0 < N; j0 += NC) {
-        int64_t nc = N - j0 < NC ? N - j0 : NC;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            int64_t kc = K - k0 < KC ? K - k0 : KC;
-            for (int64_t i0 = 0; i0 < M; i0 += MR) {
-                int64_t mr = M - i0 < MR ? M - i0 : MR;
-                for (int64_t j1 = 0; j1 < nc; j1 += NR) {
-                    int64_t nr = nc - j1;
-                    const float *Ab = A + k0 * lda + i0, *Bb = B + k0 * ldb + j0 + j1;
-                    float *Cb = C + i0 * ldc + j0 + j1;
-                    if (mr == MR)
-                        ukr8t(kc, Ab, lda, Bb, ldb, Cb, ldc, tail_mask(nr), tail_mask(nr - 16));
-                    else
-                        for (int64_t r = 0; r < mr; r++)
-                            ukr1t(kc, Ab + r, lda, Bb, ldb, Cb + r * ldc, ldc,
-                                  tail_mask(nr), tail_mask(nr - 16));
-                }
-            }
-        }
-    }
+    gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K);
 }
 
 static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
