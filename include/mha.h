@@ -504,7 +504,10 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(
 // Scaled dot-product attention on projected tensors
 //
 //   out = softmax(scale * q k^T + mask) v, per (b, h)
-//   q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), out (B, H, L, Dv),
+//   q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), out (B, H, L, Dv),
+//   Hkv dividing H: grouped-query attention (Hkv = 1: multi-query), query
+//   head h reading KV head h / (H / Hkv), as PyTorch (enable_gqa),
+//   FlashAttention and ggml do;
 //   weights (B, H, L, S) optional; all 4-D MHA_F32/F64 views, any strides.
 //   attn_mask: NULL or a view of up to 4 dims, broadcast to (B, H, L, S)
 //     as PyTorch broadcasts (right-aligned; a dim of size 1 or stride 0
@@ -532,6 +535,91 @@ typedef struct mha_sdpa_args {
 MHA_API void mha_sdpa_args_init(mha_sdpa_args *a);
 MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
                                           const mha_sdpa_args *a);
+
+// ---------------------------------------------------------------------------
+// Rotary position embeddings (RoPE), applied to projected q and k, after
+// the projections and before attention (and before a KV cache):
+//   inv_freq_i = theta^(-2i / dim), i < dim / 2; angle = position * inv_freq_i
+//   MHA_ROPE_NEOX (rotate_half: GPT-NeoX, Hugging Face Llama): element c and
+//     c + dim/2 of each head form pair i = c:
+//       x_c' = x_c cos - x_{c+dim/2} sin;  x_{c+dim/2}' = x_{c+dim/2} cos + x_c sin
+//   MHA_ROPE_INTERLEAVED (RoFormer, GPT-J): elements 2i and 2i + 1 pair up
+//       x_2i' = x_2i cos - x_2i+1 sin;     x_2i+1' = x_2i+1 cos + x_2i sin
+//   partial rotary: only the first dim features of each head (dim even,
+//   0 = all of D); the rest pass through.
+// Angles and their cos/sin are computed in double.
+typedef enum mha_rope_mode {
+    MHA_ROPE_NONE = 0,
+    MHA_ROPE_NEOX = 1,
+    MHA_ROPE_INTERLEAVED = 2
+} mha_rope_mode;
+
+typedef struct mha_rope {
+    mha_rope_mode mode;
+    double theta;  // default 10000
+    int64_t dim;   // rotated features per head (even); 0: all
+} mha_rope;
+
+MHA_API void mha_rope_init(mha_rope *r, mha_rope_mode mode);
+// "neox" / "interleaved" / "none" -> mode (MHA_ERR_UNSUPPORTED otherwise).
+MHA_API MHA_NODISCARD mha_status mha_rope_mode_from_name(mha_rope_mode *mode,
+                                                         const char *name);
+// Rotates x (B, H, T, D), a float32 or float64 view (any strides), in
+// place: element (b, h, t) has position start[b] + t (start NULL: t).
+// inverse: rotate by -angle (the gradient of the forward rotation, which is
+// orthogonal).
+MHA_API MHA_NODISCARD mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r,
+                                                const int64_t *start, bool inverse);
+
+// ---------------------------------------------------------------------------
+// KV cache for incremental decoding (one per layer)
+//
+// Holds the projected (and rotated) keys and values of B sequences, per KV
+// head: K (B, Hkv, capacity, D), V (B, Hkv, capacity, Dv), float32; each
+// sequence b has its own length. Append the new tokens' K and V, then
+// attend the new queries (one token, or a chunk: chunked prefill) to
+// everything cached: the T_b queries of sequence b are its last T_b
+// positions, len_b - T_b + t, and see keys j <= that position (causal
+// within the chunk) and within the window if one is set. Appending past the
+// capacity fails (MHA_ERR_INVALID_ARG naming the lengths) and changes
+// nothing; truncate rolls a sequence back (speculative decoding).
+// Decoding (at most 16 queries) splits the keys into fixed chunks of 512
+// spread over the threads and combines them in chunk order: the same bits
+// for any number of threads.
+typedef struct mha_kv_cache mha_kv_cache;
+
+MHA_API MHA_NODISCARD mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch,
+                                                     int64_t num_kv_heads, int64_t head_dim,
+                                                     int64_t v_head_dim, int64_t capacity);
+MHA_API void mha_kv_cache_destroy(mha_kv_cache *c);
+// Length of sequence b (-1 if b is out of range).
+MHA_API int64_t mha_kv_cache_length(const mha_kv_cache *c, int64_t b);
+MHA_API int64_t mha_kv_cache_capacity(const mha_kv_cache *c);
+// Appends k (B, Hkv, T, D) and v (B, Hkv, T, Dv) (float32/float64 views,
+// any strides): counts[b] tokens of sequence b (the first counts[b] of T;
+// counts NULL: T each).
+MHA_API MHA_NODISCARD mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k,
+                                                     const mha_tensor *v,
+                                                     const int64_t *counts);
+// Sets sequence b's length to length (<= its current length); b = -1: all.
+MHA_API MHA_NODISCARD mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t b,
+                                                       int64_t length);
+
+typedef struct mha_cache_attend_args {
+    bool use_custom_scale;  // else 1 / sqrt(D)
+    double scale;
+    int64_t window_left, window_right;  // as in mha_forward_args (-1)
+} mha_cache_attend_args;
+
+MHA_API void mha_cache_attend_args_init(mha_cache_attend_args *a);
+// out (B, H, T, Dv) = attention of q (B, H, T, D) (float32 views with unit
+// stride along D; H a multiple of the cache's Hkv) over the cache: for
+// sequence b, queries t < counts[b] (NULL: T) at positions
+// len_b - counts[b] + t; rows t >= counts[b] get 0.
+MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q,
+                                                     const mha_kv_cache *c,
+                                                     const mha_cache_attend_args *a,
+                                                     const int64_t *counts);
 
 // ---------------------------------------------------------------------------
 // safetensors files

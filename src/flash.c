@@ -142,10 +142,12 @@ static int64_t width_of(const mha__flash_head *a, int64_t j0) {
 // The band of keys row i may see by causal and window masks: [lo, hi).
 static void row_band(const mha__flash_head *a, int64_t i, int64_t *lo, int64_t *hi) {
     const mha__mask *mk = a->mask;
+    const int64_t p = i + mk->q_off;  // the query's position
     int64_t l = 0, h = a->S;
-    if (mk->win_left >= 0 && i - mk->win_left > l) l = i - mk->win_left;
-    if (mk->causal && i + 1 < h) h = i + 1;
-    if (mk->win_right >= 0 && i + mk->win_right + 1 < h) h = i + mk->win_right + 1;
+    if (mk->win_left >= 0 && p - mk->win_left > l) l = p - mk->win_left;
+    if (mk->causal && p + 1 < h) h = p + 1;
+    if (mk->win_right >= 0 && p + mk->win_right + 1 < h) h = p + mk->win_right + 1;
+    if (h < 0) h = 0;
     *lo = l;
     *hi = h;
 }
@@ -335,10 +337,11 @@ static void rows_of_keys(const mha__flash_head *a, int64_t j0, int64_t n, int64_
                          int64_t *hi) {
     const mha__mask *mk = a->mask;
     int64_t l = 0, h = a->L;
-    if (j0 < a->S) {
-        if (mk->causal && j0 > l) l = j0;
-        if (mk->win_right >= 0 && j0 - mk->win_right > l) l = j0 - mk->win_right;
-        if (mk->win_left >= 0 && j0 + n + mk->win_left < h) h = j0 + n + mk->win_left;
+    if (j0 < a->S) {  // positions i + q_off
+        const int64_t o = mk->q_off;
+        if (mk->causal && j0 - o > l) l = j0 - o;
+        if (mk->win_right >= 0 && j0 - mk->win_right - o > l) l = j0 - mk->win_right - o;
+        if (mk->win_left >= 0 && j0 + n + mk->win_left - o < h) h = j0 + n + mk->win_left - o;
     }
     *lo = (l / BR) * BR;
     *hi = h;

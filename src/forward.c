@@ -744,11 +744,12 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     const mha_tensor *q = a->q, *k = a->k, *v = a->v;
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2],
                   D = q->shape[3], S = k->shape[2], Dv = v->shape[3];
-    if (k->shape[0] != B || k->shape[1] != H || v->shape[0] != B ||
-        v->shape[1] != H || k->shape[3] != D || v->shape[2] != S)
+    const int64_t Hkv = k->shape[1];
+    if (k->shape[0] != B || Hkv < 1 || H % Hkv != 0 || v->shape[0] != B ||
+        v->shape[1] != Hkv || k->shape[3] != D || v->shape[2] != S)
         return mha__fail(MHA_ERR_SHAPE,
                          "sdpa: q %s, k %s, v %s do not fit (B, H, L, D), "
-                         "(B, H, S, D), (B, H, S, Dv)",
+                         "(B, Hkv, S, D), (B, Hkv, S, Dv) with Hkv dividing H",
                          mha__shape_str(s1, sizeof s1, 4, q->shape),
                          mha__shape_str(s2, sizeof s2, 4, k->shape),
                          mha__shape_str(s3, sizeof s3, 4, v->shape));
@@ -863,10 +864,12 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         int tid = mha__thread_id();
+        const int64_t hk = h / (H / Hkv);  // grouped-query: the KV head
 #define MHA__HEAD(t)                                                          \
     view_row((t), b * (t)->stride[0] + h * (t)->stride[1], 3)
         mha__mat w = {NULL, false, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),
-                 km = MHA__HEAD(k), vm = MHA__HEAD(v);
+                 km = view_row(k, b * k->stride[0] + hk * k->stride[1], 3),
+                 vm = view_row(v, b * v->stride[0] + hk * v->stride[1], 3);
         if (weights) {
             w = MHA__HEAD(weights);
             w.rs = weights->stride[2];

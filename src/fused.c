@@ -419,10 +419,12 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
         int64_t it = back_first ? items - 1 - item : item;
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         float *sc = blk + (size_t)mha__thread_id() * sf;
+        const int64_t hk = h / (H / k->shape[1]);  // grouped-query: the KV head
 #define HEAD_PTR(t) ((float *)(t)->data + b * (t)->stride[0] + h * (t)->stride[1])
+#define KV_PTR(t) ((float *)(t)->data + b * (t)->stride[0] + hk * (t)->stride[1])
         mha__flash_head fh = {
-            .q = HEAD_PTR(q), .q_rs = q->stride[2], .k = HEAD_PTR(k), .k_rs = k->stride[2],
-            .v = HEAD_PTR(v), .v_rs = v->stride[2], .xk = NULL, .xv = NULL, .nx = 0,
+            .q = HEAD_PTR(q), .q_rs = q->stride[2], .k = KV_PTR(k), .k_rs = k->stride[2],
+            .v = KV_PTR(v), .v_rs = v->stride[2], .xk = NULL, .xv = NULL, .nx = 0,
             .o = HEAD_PTR(out), .o_rs = out->stride[2],
             .stats = stats ? stats + 2 * bh * L : NULL,
             .L = L, .S = S, .D = D, .Dv = Dv, .scale = (float)scale,
@@ -436,6 +438,7 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
             mha__flash_weights(kt, &fh, i0, i1, w, sc);
         }
 #undef HEAD_PTR
+#undef KV_PTR
     }
     mha__free(blk);
     return MHA_OK;

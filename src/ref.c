@@ -47,9 +47,10 @@ double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
                        int64_t j) {
     if (j >= mk->s_masked) return 0.0;
     double v = 0.0;
-    if (mk->causal && j > i) v = -INFINITY;
-    if (mk->win_left >= 0 && j < i - mk->win_left) v = -INFINITY;
-    if (mk->win_right >= 0 && j > i + mk->win_right) v = -INFINITY;
+    const int64_t p = i + mk->q_off;  // the query's position
+    if (mk->causal && j > p) v = -INFINITY;
+    if (mk->win_left >= 0 && j < p - mk->win_left) v = -INFINITY;
+    if (mk->win_right >= 0 && j > p + mk->win_right) v = -INFINITY;
     if (mk->attn)
         v += mask_elem(mk->attn, mk->attn_dtype,
                        b * mk->attn_s[0] + h * mk->attn_s[1] +

@@ -17,6 +17,9 @@
 //  - causal: -inf where j > i
 //  - sliding window: -inf where j < i - win_left (win_left >= 0) or
 //    j > i + win_right (win_right >= 0); -1: unbounded on that side
+//  causal and window compare key j with the query's position i + q_off
+//  (q_off > 0: the queries are the last rows of a longer sequence, as in
+//  cached decoding; 0 for the module forward)
 // Columns j >= s_masked are never masked (keys appended by add_bias_kv and
 // add_zero_attn).
 typedef struct mha__mask {
@@ -28,6 +31,7 @@ typedef struct mha__mask {
     int64_t kpm_s[2];
     bool causal;
     int64_t win_left, win_right;
+    int64_t q_off;
     int64_t s_masked;
 } mha__mask;
 

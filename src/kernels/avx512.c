@@ -421,6 +421,38 @@ static void softmax_rows(float *x, int64_t ldx, int64_t R, int64_t n, float *m, 
     for (; r < R; r++) alpha[r] = softmax_update(x + r * ldx, n, &m[r], &l[r]);
 }
 
+// One key row per step: D in 16-lane pieces (masked tail), FMA, then the
+// lane sum; 4 rows in flight to hide the reduction's latency.
+static void dot_rows(float *s, const float *A, int64_t lda, const float *x, int64_t n,
+                     int64_t D) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *a0 = A + j * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+        for (int64_t c = 0; c < D; c += 16) {
+            const __mmask16 k = tail_mask(D - c);
+            const __m512 xv = _mm512_maskz_loadu_ps(k, x + c);
+            c0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a0 + c), xv, c0);
+            c1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a1 + c), xv, c1);
+            c2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a2 + c), xv, c2);
+            c3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a3 + c), xv, c3);
+        }
+        s[j] = _mm512_reduce_add_ps(c0);
+        s[j + 1] = _mm512_reduce_add_ps(c1);
+        s[j + 2] = _mm512_reduce_add_ps(c2);
+        s[j + 3] = _mm512_reduce_add_ps(c3);
+    }
+    for (; j < n; j++) {
+        const float *a0 = A + j * lda;
+        __m512 c0 = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            const __mmask16 k = tail_mask(D - c);
+            c0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a0 + c), _mm512_maskz_loadu_ps(k, x + c), c0);
+        }
+        s[j] = _mm512_reduce_add_ps(c0);
+    }
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     const __m512 va = _mm512_set1_ps(a);
     for (int64_t j = 0; j < n; j += 16) {
@@ -446,6 +478,7 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->gemm_tn_acc = gemm_tn_acc;
     k->softmax_update = softmax_update;
     k->softmax_rows = softmax_rows;
+    k->dot_rows = dot_rows;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = PNR;

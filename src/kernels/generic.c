@@ -64,6 +64,21 @@ static void softmax_rows(float *x, int64_t ldx, int64_t R, int64_t n, float *m, 
     for (int64_t r = 0; r < R; r++) alpha[r] = softmax_update(x + r * ldx, n, &m[r], &l[r]);
 }
 
+static void dot_rows(float *s, const float *A, int64_t lda, const float *x, int64_t n,
+                     int64_t D) {
+    for (int64_t j = 0; j < n; j++) {  // 16 partial sums (vectorisable), then their sum
+        const float *a = A + j * lda;
+        float acc[16] = {0};
+        int64_t c = 0;
+        for (; c + 16 <= D; c += 16)
+            for (int u = 0; u < 16; u++) acc[u] += a[c + u] * x[c + u];
+        for (int u = 0; c < D; c++, u++) acc[u] += a[c] * x[c];
+        float t = 0.0f;
+        for (int u = 0; u < 16; u++) t += acc[u];
+        s[j] = t;
+    }
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     for (int64_t j = 0; j < n; j++) y[j] *= a;
 }
@@ -138,6 +153,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->gemm_tn_acc = gemm_tn_acc;
     k->softmax_update = softmax_update;
     k->softmax_rows = softmax_rows;
+    k->dot_rows = dot_rows;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = GNR;

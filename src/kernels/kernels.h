@@ -59,6 +59,10 @@ typedef struct mha__kernels {
     // interleave rows to hide the reductions' latency).
     void (*softmax_rows)(float *x, int64_t ldx, int64_t R, int64_t n, float *m,
                          float *l, float *alpha);
+    // dot_rows: s[j] = sum_c A[j*lda + c] x[c] for j < n, c < D   overwrite
+    //   (decode: one query against cached key rows, read once each)
+    void (*dot_rows)(float *s, const float *A, int64_t lda, const float *x, int64_t n,
+                     int64_t D);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf

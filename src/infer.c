@@ -1,0 +1,419 @@
+// infer.c: the inference side. RoPE on projected q/k views; the KV cache
+// (append, truncate) and attention of new queries over it:
+//  - decode (at most MHA__DECODE_MAX_T queries per sequence): split-KV. The
+//    keys of each sequence are cut into fixed chunks of MHA__DECODE_CHUNK;
+//    each (b, KV head, chunk) item reads its K and V rows once for every
+//    query head of the group, keeping per query the chunk's max m, sum l and
+//    unnormalised output; the chunks are then combined in chunk order. The
+//    chunking depends on the lengths only, so the bits do not depend on the
+//    number of threads.
+//  - longer chunks (prefill): the flash kernel per (b, h, tile of queries)
+//    with the queries' positions offset by len_b - T_b.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "flash.h"
+#include "plan.h"
+
+#define MHA__DECODE_MAX_T 16
+#define MHA__DECODE_CHUNK 512
+
+// ---------------------------------------------------------------------------
+// RoPE
+
+void mha_rope_init(mha_rope *r, mha_rope_mode mode) {
+    if (!r) return;
+    r->mode = mode;
+    r->theta = 10000.0;
+    r->dim = 0;
+}
+
+mha_status mha_rope_mode_from_name(mha_rope_mode *mode, const char *name) {
+    if (!mode || !name) return mha__fail(MHA_ERR_INVALID_ARG, "rope mode: NULL argument");
+    if (strcmp(name, "none") == 0) *mode = MHA_ROPE_NONE;
+    else if (strcmp(name, "neox") == 0) *mode = MHA_ROPE_NEOX;
+    else if (strcmp(name, "interleaved") == 0) *mode = MHA_ROPE_INTERLEAVED;
+    else {
+        char e[64];
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "rope mode \"%s\": expected neox, interleaved or none",
+                         mha_escape(e, sizeof e, name));
+    }
+    return MHA_OK;
+}
+
+mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start,
+                          bool inverse) {
+    if (!x || !r) return mha__fail(MHA_ERR_INVALID_ARG, "mha_rope_apply: NULL argument");
+    mha_status st = mha__check_float(x, "x");
+    if (st) return st;
+    if (x->ndim != 4) {
+        char s[160];
+        return mha__fail(MHA_ERR_SHAPE, "rope: x must be (B, H, T, D), got %s",
+                         mha__shape_str(s, sizeof s, x->ndim, x->shape));
+    }
+    if (r->mode != MHA_ROPE_NONE && r->mode != MHA_ROPE_NEOX &&
+        r->mode != MHA_ROPE_INTERLEAVED)
+        return mha__fail(MHA_ERR_INVALID_ARG, "rope: unknown mode %d", (int)r->mode);
+    const int64_t B = x->shape[0], H = x->shape[1], T = x->shape[2], D = x->shape[3];
+    const int64_t dim = r->dim == 0 ? D : r->dim;
+    if (r->mode == MHA_ROPE_NONE) return MHA_OK;
+    if (dim < 0 || dim > D || dim % 2 != 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope: rotated dims %lld must be even and at most the head dim %lld",
+                         (long long)r->dim, (long long)D);
+    if (!(r->theta > 0.0) || !isfinite(r->theta))
+        return mha__fail(MHA_ERR_INVALID_ARG, "rope: theta must be positive and finite, got %g",
+                         r->theta);
+    if (start)
+        for (int64_t b = 0; b < B; b++)
+            if (start[b] < 0)
+                return mha__fail(MHA_ERR_INVALID_ARG, "rope: start[%lld] = %lld is negative",
+                                 (long long)b, (long long)start[b]);
+    const int64_t half = dim / 2;
+    const bool f64 = x->dtype == MHA_F64;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const double pos = (double)((start ? start[b] : 0) + t);
+            for (int64_t i = 0; i < half; i++) {
+                const double ang = pos * pow(r->theta, -2.0 * (double)i / (double)dim);
+                const double c = cos(ang), s = inverse ? -sin(ang) : sin(ang);
+                const int64_t c0 = r->mode == MHA_ROPE_NEOX ? i : 2 * i,
+                              c1 = r->mode == MHA_ROPE_NEOX ? i + half : 2 * i + 1;
+                for (int64_t h = 0; h < H; h++) {
+                    const int64_t base = b * x->stride[0] + h * x->stride[1] + t * x->stride[2];
+                    const int64_t o0 = base + c0 * x->stride[3], o1 = base + c1 * x->stride[3];
+                    if (f64) {
+                        double *p = x->data, a = p[o0], e = p[o1];
+                        p[o0] = a * c - e * s;
+                        p[o1] = e * c + a * s;
+                    } else {
+                        float *p = x->data;
+                        const double a = p[o0], e = p[o1];
+                        p[o0] = (float)(a * c - e * s);
+                        p[o1] = (float)(e * c + a * s);
+                    }
+                }
+            }
+        }
+    return MHA_OK;
+}
+
+// ---------------------------------------------------------------------------
+// KV cache
+
+struct mha_kv_cache {
+    int64_t B, Hkv, D, Dv, cap;
+    float *k, *v;  // (B, Hkv, cap, D), (B, Hkv, cap, Dv)
+    int64_t *len;  // (B)
+};
+
+mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t v_head_dim, int64_t capacity) {
+    if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_kv_cache_create: NULL out");
+    *out = NULL;
+    if (batch < 1 || num_kv_heads < 1 || head_dim < 1 || v_head_dim < 1 || capacity < 1)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "kv cache: batch %lld, num_kv_heads %lld, head_dim %lld, "
+                         "v_head_dim %lld, capacity %lld must all be >= 1",
+                         (long long)batch, (long long)num_kv_heads, (long long)head_dim,
+                         (long long)v_head_dim, (long long)capacity);
+    int64_t nk, nv;
+    size_t bk, bv;
+    if (mha__mul_overflow_i64(batch, num_kv_heads, &nk) ||
+        mha__mul_overflow_i64(nk, capacity, &nk) || mha__mul_overflow_i64(nk, v_head_dim, &nv) ||
+        mha__mul_overflow_i64(nk, head_dim, &nk) ||
+        mha__mul_overflow_size((size_t)nk, sizeof(float), &bk) ||
+        mha__mul_overflow_size((size_t)nv, sizeof(float), &bv))
+        return mha__fail(MHA_ERR_OVERFLOW, "kv cache: size overflows");
+    mha_kv_cache *c = calloc(1, sizeof *c);
+    if (!c) return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory");
+    c->B = batch, c->Hkv = num_kv_heads, c->D = head_dim, c->Dv = v_head_dim, c->cap = capacity;
+    c->k = mha__alloc(bk);
+    c->v = mha__alloc(bv);
+    c->len = calloc((size_t)batch, sizeof *c->len);
+    if (!c->k || !c->v || !c->len) {
+        mha_kv_cache_destroy(c);
+        return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory for %zu bytes", bk + bv);
+    }
+    *out = c;
+    return MHA_OK;
+}
+
+void mha_kv_cache_destroy(mha_kv_cache *c) {
+    if (!c) return;
+    mha__free(c->k);
+    mha__free(c->v);
+    free(c->len);
+    free(c);
+}
+
+int64_t mha_kv_cache_length(const mha_kv_cache *c, int64_t b) {
+    return c && b >= 0 && b < c->B ? c->len[b] : -1;
+}
+
+int64_t mha_kv_cache_capacity(const mha_kv_cache *c) { return c ? c->cap : -1; }
+
+static mha_status check_4(const mha_tensor *t, const char *name, int64_t d0, int64_t d1,
+                          int64_t d3) {
+    mha_status st = mha__check_float(t, name);
+    if (st) return st;
+    if (t->ndim != 4 || t->shape[0] != d0 || t->shape[1] != d1 || t->shape[3] != d3) {
+        char s[160];
+        return mha__fail(MHA_ERR_SHAPE, "%s: shape %s, expected (%lld, %lld, T, %lld)", name,
+                         mha__shape_str(s, sizeof s, t->ndim, t->shape), (long long)d0,
+                         (long long)d1, (long long)d3);
+    }
+    return MHA_OK;
+}
+
+// counts[b] (or T) for every b, checked against T.
+static mha_status check_counts(const int64_t *counts, int64_t B, int64_t T, const char *what) {
+    if (!counts) return MHA_OK;
+    for (int64_t b = 0; b < B; b++)
+        if (counts[b] < 0 || counts[b] > T)
+            return mha__fail(MHA_ERR_INVALID_ARG, "%s: counts[%lld] = %lld, expected 0..%lld",
+                             what, (long long)b, (long long)counts[b], (long long)T);
+    return MHA_OK;
+}
+
+mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_tensor *v,
+                               const int64_t *counts) {
+    if (!c || !k || !v) return mha__fail(MHA_ERR_INVALID_ARG, "kv cache append: NULL argument");
+    mha_status st;
+    if ((st = check_4(k, "k", c->B, c->Hkv, c->D)) || (st = check_4(v, "v", c->B, c->Hkv, c->Dv)))
+        return st;
+    const int64_t T = k->shape[2];
+    if (v->shape[2] != T)
+        return mha__fail(MHA_ERR_SHAPE, "kv cache append: k has %lld tokens, v %lld",
+                         (long long)T, (long long)v->shape[2]);
+    if ((st = check_counts(counts, c->B, T, "kv cache append"))) return st;
+    for (int64_t b = 0; b < c->B; b++) {  // all checks before any change
+        const int64_t n = counts ? counts[b] : T;
+        if (c->len[b] + n > c->cap)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "kv cache full: sequence %lld holds %lld of %lld tokens, "
+                             "%lld more do not fit",
+                             (long long)b, (long long)c->len[b], (long long)c->cap,
+                             (long long)n);
+    }
+    for (int64_t b = 0; b < c->B; b++) {
+        const int64_t n = counts ? counts[b] : T;
+        for (int64_t h = 0; h < c->Hkv; h++)
+            for (int64_t t = 0; t < n; t++) {
+                float *kd = c->k + ((b * c->Hkv + h) * c->cap + c->len[b] + t) * c->D;
+                float *vd = c->v + ((b * c->Hkv + h) * c->cap + c->len[b] + t) * c->Dv;
+                const int64_t ko = b * k->stride[0] + h * k->stride[1] + t * k->stride[2];
+                const int64_t vo = b * v->stride[0] + h * v->stride[1] + t * v->stride[2];
+                for (int64_t e = 0; e < c->D; e++)
+                    kd[e] = k->dtype == MHA_F64 ? (float)((const double *)k->data)[ko + e * k->stride[3]]
+                                                : ((const float *)k->data)[ko + e * k->stride[3]];
+                for (int64_t e = 0; e < c->Dv; e++)
+                    vd[e] = v->dtype == MHA_F64 ? (float)((const double *)v->data)[vo + e * v->stride[3]]
+                                                : ((const float *)v->data)[vo + e * v->stride[3]];
+            }
+        c->len[b] += n;
+    }
+    return MHA_OK;
+}
+
+mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t b, int64_t length) {
+    if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "kv cache truncate: NULL cache");
+    if (b < -1 || b >= c->B)
+        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache truncate: sequence %lld of %lld",
+                         (long long)b, (long long)c->B);
+    for (int64_t i = b < 0 ? 0 : b; i < (b < 0 ? c->B : b + 1); i++)
+        if (length < 0 || length > c->len[i])
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "kv cache truncate: length %lld, sequence %lld holds %lld",
+                             (long long)length, (long long)i, (long long)c->len[i]);
+    for (int64_t i = b < 0 ? 0 : b; i < (b < 0 ? c->B : b + 1); i++) c->len[i] = length;
+    return MHA_OK;
+}
+
+void mha_cache_attend_args_init(mha_cache_attend_args *a) {
+    if (!a) return;
+    memset(a, 0, sizeof *a);
+    a->window_left = a->window_right = -1;
+}
+
+// Keys [lo, hi) of [0, n) visible from position p (causal, window).
+static void visible(const mha_cache_attend_args *a, int64_t p, int64_t n, int64_t *lo,
+                    int64_t *hi) {
+    int64_t l = 0, h = p + 1 < n ? p + 1 : n;
+    if (a->window_left >= 0 && p - a->window_left > l) l = p - a->window_left;
+    if (a->window_right >= 0 && p + a->window_right + 1 < h) h = p + a->window_right + 1;
+    *lo = l;
+    *hi = h > l ? h : l;
+}
+
+mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
+                               const mha_cache_attend_args *args, const int64_t *counts) {
+    if (!out || !q || !c)
+        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: NULL argument");
+    mha_cache_attend_args a;
+    if (args) a = *args;
+    else mha_cache_attend_args_init(&a);
+    if (a.window_left < -1 || a.window_right < -1)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "window_left %lld, window_right %lld: each must be -1 or >= 0",
+                         (long long)a.window_left, (long long)a.window_right);
+    mha_status st = mha__check_float(q, "q");
+    if (st) return st;
+    const int64_t B = c->B, D = c->D, Dv = c->Dv;
+    if (q->ndim != 4 || q->shape[0] != B || q->shape[3] != D || q->shape[1] < 1 ||
+        q->shape[1] % c->Hkv != 0) {
+        char s[160];
+        return mha__fail(MHA_ERR_SHAPE,
+                         "kv cache attend: q %s, expected (%lld, H, T, %lld) with H a "
+                         "multiple of the cache's %lld KV heads",
+                         mha__shape_str(s, sizeof s, q->ndim, q->shape), (long long)B,
+                         (long long)D, (long long)c->Hkv);
+    }
+    const int64_t H = q->shape[1], T = q->shape[2], G = H / c->Hkv;
+    const mha_shape os = {4, {B, H, T, Dv}};
+    if ((st = mha__check_output(out, "out", &os))) return st;
+    if ((st = mha__check_no_overlap(out, "out", q, "q"))) return st;
+    if (q->dtype != MHA_F32 || out->dtype != MHA_F32 || q->stride[3] != 1 || out->stride[3] != 1)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "kv cache attend: q and out must be F32 with unit stride along "
+                         "the head dim");
+    if ((st = check_counts(counts, B, T, "kv cache attend"))) return st;
+    for (int64_t b = 0; b < B; b++)
+        if ((counts ? counts[b] : T) > c->len[b])
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "kv cache attend: sequence %lld has %lld queries but only %lld "
+                             "cached tokens (append the chunk's keys first)",
+                             (long long)b, (long long)(counts ? counts[b] : T),
+                             (long long)c->len[b]);
+    double scale = 1.0 / sqrt((double)D);
+    if (a.use_custom_scale) {
+        if (!isfinite(a.scale))
+            return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: scale must be finite");
+        scale = a.scale;
+    }
+    const mha__kernels *kt = mha__kernels_get();
+    float *o = out->data;
+    const float *qd = q->data;
+    // rows t >= counts[b] get 0
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = counts ? counts[b] : T; t < T; t++)
+                for (int64_t e = 0; e < Dv; e++)
+                    o[b * out->stride[0] + h * out->stride[1] + t * out->stride[2] + e] = 0.0f;
+    int64_t maxlen = 0;
+    for (int64_t b = 0; b < B; b++) maxlen = c->len[b] > maxlen ? c->len[b] : maxlen;
+    const double work = (double)B * H * T * (double)maxlen * (double)(D + Dv);
+    const int nt = work < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
+
+    if (T > MHA__DECODE_MAX_T) {  // prefill chunk: flash tiles, positions offset
+        const size_t sf = mha__flash_scratch_floats(D, Dv, c->cap, 0, false);
+        size_t bytes;
+        if (mha__mul_overflow_size(sf * sizeof(float), (size_t)nt, &bytes))
+            return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
+        float *blk = mha__alloc(bytes);
+        if (!blk) return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory");
+        for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
+        const int64_t tiles = (T + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t it = 0; it < B * H * tiles; it++) {
+            const int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
+            const int64_t Tb = counts ? counts[b] : T, i0 = tile * MHA__FLASH_BR;
+            if (i0 >= Tb) continue;
+            mha__mask mk;
+            memset(&mk, 0, sizeof mk);
+            mk.causal = true;
+            mk.win_left = a.window_left;
+            mk.win_right = a.window_right;
+            mk.q_off = c->len[b] - Tb;
+            mk.s_masked = c->len[b];
+            const int64_t hk = h / G;
+            mha__flash_head fh = {
+                .q = qd + b * q->stride[0] + h * q->stride[1], .q_rs = q->stride[2],
+                .k = c->k + (b * c->Hkv + hk) * c->cap * D, .k_rs = D,
+                .v = c->v + (b * c->Hkv + hk) * c->cap * Dv, .v_rs = Dv,
+                .o = o + b * out->stride[0] + h * out->stride[1], .o_rs = out->stride[2],
+                .L = Tb, .S = c->len[b], .D = D, .Dv = Dv, .scale = (float)scale,
+                .mask = &mk, .b = b, .h = h,
+            };
+            mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, Tb),
+                            blk + (size_t)mha__thread_id() * sf);
+        }
+        mha__free(blk);
+        return MHA_OK;
+    }
+
+    // Decode: split-KV over fixed chunks, per (b, KV head, chunk).
+    const int64_t CH = MHA__DECODE_CHUNK, nch = (maxlen + CH - 1) / CH;
+    if (nch == 0) return MHA_OK;  // nothing cached, so no queries either
+    // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O
+    const size_t per = (size_t)(Dv + 2), items = (size_t)(B * c->Hkv * (nch > 0 ? nch : 1));
+    size_t np, bytes;
+    if (mha__mul_overflow_size((size_t)(B * H * (nch > 0 ? nch : 1) * T), per, &np) ||
+        mha__add_overflow_size(np, (size_t)(CH + D) * (size_t)nt, &np) ||
+        mha__mul_overflow_size(np, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
+    float *part = mha__alloc(bytes);
+    if (!part) return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory");
+    float *tsc = part + (size_t)(B * H * (nch > 0 ? nch : 1) * T) * per;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < (int64_t)items; it++) {
+        const int64_t b = it / (c->Hkv * nch), hk = (it / nch) % c->Hkv, ch = it % nch;
+        const int64_t n = c->len[b], Tb = counts ? counts[b] : T, j0 = ch * CH;
+        const int64_t j1 = j0 + CH < n ? j0 + CH : n;
+        float *s = tsc + (size_t)mha__thread_id() * (size_t)(CH + D), *qs = s + CH;
+        const float *K = c->k + (b * c->Hkv + hk) * c->cap * D,
+                    *V = c->v + (b * c->Hkv + hk) * c->cap * Dv;
+        for (int64_t h = hk * G; h < (hk + 1) * G; h++)
+            for (int64_t t = 0; t < Tb; t++) {
+                float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
+                int64_t lo, hi;
+                visible(&a, n - Tb + t, n, &lo, &hi);
+                if (lo < j0) lo = j0;
+                if (hi > j1) hi = j1;
+                pp[0] = -INFINITY;
+                pp[1] = 0.0f;
+                for (int64_t e = 0; e < Dv; e++) pp[2 + e] = 0.0f;
+                if (lo >= hi) continue;
+                const float *qr = qd + b * q->stride[0] + h * q->stride[1] + t * q->stride[2];
+                for (int64_t e = 0; e < D; e++) qs[e] = (float)scale * qr[e];
+                kt->dot_rows(s, K + lo * D, D, qs, hi - lo, D);
+                float m = -INFINITY, l = 0.0f;
+                (void)kt->softmax_update(s, hi - lo, &m, &l);  // s <- exp(s - m)
+                kt->gemm_nn_acc(pp + 2, Dv, s, hi - lo, V + lo * Dv, Dv, 1, Dv, hi - lo);
+                pp[0] = m;
+                pp[1] = l;
+            }
+    }
+    // Combine the chunks in order: O = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c.
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H, Tb = counts ? counts[b] : T;
+        for (int64_t t = 0; t < Tb; t++) {
+            float *orow = o + b * out->stride[0] + h * out->stride[1] + t * out->stride[2];
+            double M = -INFINITY;
+            for (int64_t ch = 0; ch < nch; ch++) {
+                const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
+                if (pp[1] > 0.0f && pp[0] > M) M = pp[0];
+            }
+            for (int64_t e = 0; e < Dv; e++) orow[e] = 0.0f;
+            if (M == -INFINITY) continue;  // nothing visible: 0
+            double L = 0.0;
+            for (int64_t ch = 0; ch < nch; ch++) {
+                const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
+                if (pp[1] > 0.0f) L += exp(pp[0] - M) * pp[1];
+            }
+            for (int64_t e = 0; e < Dv; e++) {
+                double acc = 0.0;
+                for (int64_t ch = 0; ch < nch; ch++) {
+                    const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
+                    if (pp[1] > 0.0f) acc += exp(pp[0] - M) * pp[2 + e];
+                }
+                orow[e] = (float)(acc / L);
+            }
+        }
+    }
+    mha__free(part);
+    return MHA_OK;
+}

@@ -1,0 +1,451 @@
+#!/usr/bin/python3
+"""test_infer.py: the inference API (RoPE, grouped-query mha_sdpa, the KV
+cache) against PyTorch 1.13 written from the papers' formulas.
+
+Loads libmha with ctypes. References are computed in float64 with torch:
+  RoPE          rotate_half (GPT-NeoX / Hugging Face Llama) and interleaved
+                pairs (RoFormer / GPT-J), theta, partial rotary, per-batch
+                position offsets; the inverse rotation undoes it
+  GQA / MQA     mha_sdpa (reference and fused) with Hkv dividing H against
+                softmax(q k^T / sqrt(d)) v with k, v repeat_interleave'd
+  KV cache      random chunk schedules (decode: 1..16 queries, split-KV;
+                prefill chunks: > 16, flash) with per-sequence counts,
+                windows, GQA: every chunk's output against full causal
+                attention at the same positions; truncate then re-decode
+                gives the same bits; a full cache refuses an append and keeps
+                its lengths
+
+Tolerance, per output tensor (the project's rule; torch32 is the same
+formula in float32):
+    max|ours - ref64| <= max(4 * max|torch32 - ref64|, 2e-5 * (1 + max|ref64|))
+
+Usage: /usr/bin/python3 tests/infer/test_infer.py --lib build/libmha.so [-v]
+Ends with "N passed, M failed"; exits 1 when anything failed.
+"""
+
+import argparse
+import ctypes as C
+import math
+import sys
+
+try:
+    import numpy as np
+    import torch
+except Exception as exc:  # pragma: no cover - environment problem
+    print("test_infer: cannot import torch/numpy (%s: %s)" % (type(exc).__name__, exc))
+    print("0 passed, 1 failed")
+    sys.exit(1)
+
+MAX_DIMS = 8
+F32, F64 = 0, 7
+IMPL_AUTO, IMPL_REFERENCE, IMPL_FUSED = 0, 1, 2
+ROPE_NEOX, ROPE_INTERLEAVED = 1, 2
+
+
+class Tensor(C.Structure):
+    _fields_ = [("data", C.c_void_p), ("dtype", C.c_int), ("ndim", C.c_int),
+                ("shape", C.c_int64 * MAX_DIMS), ("stride", C.c_int64 * MAX_DIMS)]
+
+
+class Rope(C.Structure):
+    _fields_ = [("mode", C.c_int), ("theta", C.c_double), ("dim", C.c_int64)]
+
+
+class SdpaArgs(C.Structure):
+    _fields_ = [("q", C.POINTER(Tensor)), ("k", C.POINTER(Tensor)),
+                ("v", C.POINTER(Tensor)), ("attn_mask", C.POINTER(Tensor)),
+                ("key_padding_mask", C.POINTER(Tensor)), ("is_causal", C.c_bool),
+                ("window_left", C.c_int64), ("window_right", C.c_int64),
+                ("use_custom_scale", C.c_bool), ("scale", C.c_double),
+                ("impl", C.c_int)]
+
+
+class AttendArgs(C.Structure):
+    _fields_ = [("use_custom_scale", C.c_bool), ("scale", C.c_double),
+                ("window_left", C.c_int64), ("window_right", C.c_int64)]
+
+
+def tensor(a):
+    """A view of numpy array a (kept alive by the caller)."""
+    t = Tensor()
+    t.data = a.ctypes.data
+    t.dtype = F64 if a.dtype == np.float64 else F32
+    t.ndim = a.ndim
+    for i in range(a.ndim):
+        t.shape[i] = a.shape[i]
+        t.stride[i] = a.strides[i] // a.itemsize
+    return t
+
+
+class Lib:
+    def __init__(self, path):
+        L = C.CDLL(path)
+        L.mha_last_error.restype = C.c_char_p
+        L.mha_rope_apply.argtypes = [C.POINTER(Tensor), C.POINTER(Rope),
+                                     C.POINTER(C.c_int64), C.c_bool]
+        L.mha_sdpa_args_init.argtypes = [C.POINTER(SdpaArgs)]
+        L.mha_sdpa.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.POINTER(SdpaArgs)]
+        L.mha_kv_cache_create.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5
+        L.mha_kv_cache_destroy.argtypes = [C.c_void_p]
+        L.mha_kv_cache_length.argtypes = [C.c_void_p, C.c_int64]
+        L.mha_kv_cache_length.restype = C.c_int64
+        L.mha_kv_cache_append.argtypes = [C.c_void_p, C.POINTER(Tensor), C.POINTER(Tensor),
+                                          C.POINTER(C.c_int64)]
+        L.mha_kv_cache_truncate.argtypes = [C.c_void_p, C.c_int64, C.c_int64]
+        L.mha_cache_attend_args_init.argtypes = [C.POINTER(AttendArgs)]
+        L.mha_kv_cache_attend.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.c_void_p,
+                                          C.POINTER(AttendArgs), C.POINTER(C.c_int64)]
+        self.L = L
+
+    def err(self):
+        return self.L.mha_last_error().decode()
+
+
+class Checker:
+    def __init__(self, verbose):
+        self.passed = self.failed = 0
+        self.verbose = verbose
+
+    def check(self, ok, what):
+        if ok:
+            self.passed += 1
+            if self.verbose:
+                print("ok   " + what)
+        else:
+            self.failed += 1
+            print("FAIL " + what)
+
+    def close(self, what, ours, ref64, t32):
+        ours = np.asarray(ours, dtype=np.float64)
+        ref64 = np.asarray(ref64, dtype=np.float64)
+        t32 = np.asarray(t32, dtype=np.float64)
+        if ref64.size == 0:
+            self.check(ours.size == 0, what)
+            return
+        err = float(np.max(np.abs(ours - ref64)))
+        tol = max(4.0 * float(np.max(np.abs(t32 - ref64))),
+                  2e-5 * (1.0 + float(np.max(np.abs(ref64)))))
+        self.check(err <= tol, "%s: err %.3g tol %.3g" % (what, err, tol))
+
+
+# ---------------------------------------------------------------------------
+# References (torch, any dtype)
+
+def rope_ref(x, mode, theta, dim, start):
+    """x (B, H, T, D) torch tensor; positions start[b] + t."""
+    B, H, T, D = x.shape
+    dim = D if dim == 0 else dim
+    half = dim // 2
+    i = torch.arange(half, dtype=torch.float64)
+    inv = theta ** (-2.0 * i / dim)
+    pos = torch.tensor([[start[b] + t for t in range(T)] for b in range(B)],
+                       dtype=torch.float64)
+    ang = pos[:, :, None] * inv[None, None, :]                  # (B, T, half)
+    cos, sin = ang.cos().to(x.dtype)[:, None], ang.sin().to(x.dtype)[:, None]
+    out = x.clone()
+    if mode == ROPE_NEOX:
+        # rotate_half: cat(-x2, x1); q * cat(cos, cos) + rotate_half(q) * cat(sin, sin)
+        x1, x2 = x[..., :half], x[..., half:dim]
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:dim] = x2 * cos + x1 * sin
+    else:
+        xe, xo = x[..., 0:dim:2], x[..., 1:dim:2]
+        out[..., 0:dim:2] = xe * cos - xo * sin
+        out[..., 1:dim:2] = xo * cos + xe * sin
+    return out
+
+
+def attention_ref(q, k, v, pos, window=(-1, -1), scale=None):
+    """q (H, T, D) at positions pos (T), k (Hkv, S, D), v (Hkv, S, Dv):
+    causal (key j <= position), window, GQA by repeat_interleave."""
+    H, Hkv = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(H // Hkv, dim=0)
+    v = v.repeat_interleave(H // Hkv, dim=0)
+    S = k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    j = torch.arange(S)[None, :]
+    p = torch.tensor(pos)[:, None]
+    hide = j > p
+    if window[0] >= 0:
+        hide = hide | (j < p - window[0])
+    if window[1] >= 0:
+        hide = hide | (j > p + window[1])
+    s = s.masked_fill(hide[None], float("-inf"))
+    w = torch.softmax(s, dim=-1)
+    w = torch.nan_to_num(w, nan=0.0)
+    return torch.matmul(w, v)
+
+
+# ---------------------------------------------------------------------------
+# Tests
+
+def test_rope(lib, ck, rng):
+    for case in range(40):
+        B, H, T = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        D = int(rng.choice([2, 4, 8, 16, 64, 80]))
+        dim = int(rng.choice([0, D, 2 * int(rng.integers(1, D // 2 + 1))]))
+        mode = ROPE_NEOX if case % 2 == 0 else ROPE_INTERLEAVED
+        theta = float(rng.choice([10000.0, 500000.0, 100.0]))
+        start = [int(rng.integers(0, 5000)) for _ in range(B)]
+        x = rng.standard_normal((B, H, T, D)).astype(np.float32)
+        ours = x.copy()
+        t = tensor(ours)
+        r = Rope(mode, theta, dim)
+        st_arr = (C.c_int64 * B)(*start)
+        rc = lib.L.mha_rope_apply(C.byref(t), C.byref(r), st_arr, False)
+        ck.check(rc == 0, "rope %d: status %d %s" % (case, rc, lib.err() if rc else ""))
+        xt = torch.from_numpy(x)
+        ref64 = rope_ref(xt.double(), mode, theta, dim, start).numpy()
+        t32 = rope_ref(xt, mode, theta, dim, start).numpy()
+        ck.close("rope %d (%s D %d dim %d theta %g)" % (case, "neox" if mode == 1 else "interleaved",
+                                                       D, dim, theta), ours, ref64, t32)
+        back = ours.copy()
+        tb = tensor(back)
+        lib.L.mha_rope_apply(C.byref(tb), C.byref(r), st_arr, True)
+        ck.check(np.max(np.abs(back - x)) <= 1e-5 * (1 + np.max(np.abs(x))),
+                 "rope %d: inverse undoes the rotation" % case)
+    # errors: odd dims, dims beyond D
+    x = np.zeros((1, 1, 1, 8), dtype=np.float32)
+    t = tensor(x)
+    for dim in (3, 10):
+        r = Rope(ROPE_NEOX, 10000.0, dim)
+        rc = lib.L.mha_rope_apply(C.byref(t), C.byref(r), None, False)
+        ck.check(rc != 0 and "rope" in lib.err(), "rope dim %d refused: %s" % (dim, lib.err()))
+
+
+def test_gqa(lib, ck, rng):
+    for case in range(30):
+        B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2, 3]))
+        H = Hkv * int(rng.choice([1, 2, 4]))
+        L, S, D = int(rng.integers(1, 150)), int(rng.integers(1, 150)), int(rng.choice([8, 16, 64]))
+        causal = bool(case % 2)
+        q = rng.standard_normal((B, H, L, D)).astype(np.float32)
+        k = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
+        v = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
+        for impl in (IMPL_REFERENCE, IMPL_FUSED):
+            out = np.zeros((B, H, L, D), dtype=np.float32)
+            tq, tk, tv, to = tensor(q), tensor(k), tensor(v), tensor(out)
+            a = SdpaArgs()
+            lib.L.mha_sdpa_args_init(C.byref(a))
+            a.q, a.k, a.v = C.pointer(tq), C.pointer(tk), C.pointer(tv)
+            a.is_causal = causal
+            a.impl = impl
+            rc = lib.L.mha_sdpa(C.byref(to), None, C.byref(a))
+            ck.check(rc == 0, "gqa %d: status %d %s" % (case, rc, lib.err() if rc else ""))
+            refs = []
+            for dt in (torch.float64, torch.float32):
+                rows = []
+                for b in range(B):
+                    pos = list(range(L)) if causal else [10 ** 9] * L
+                    rows.append(attention_ref(torch.from_numpy(q[b]).to(dt),
+                                              torch.from_numpy(k[b]).to(dt),
+                                              torch.from_numpy(v[b]).to(dt), pos).numpy())
+                refs.append(np.stack(rows))
+            ck.close("gqa %d %s (B %d H %d Hkv %d L %d S %d D %d causal %d)"
+                     % (case, "reference" if impl == IMPL_REFERENCE else "fused", B, H, Hkv,
+                        L, S, D, causal), out, refs[0], refs[1])
+    # Hkv not dividing H: an error naming the shapes
+    q = np.zeros((1, 3, 2, 4), dtype=np.float32)
+    k = np.zeros((1, 2, 2, 4), dtype=np.float32)
+    out = np.zeros((1, 3, 2, 4), dtype=np.float32)
+    tq, tk, to = tensor(q), tensor(k), tensor(out)
+    a = SdpaArgs()
+    lib.L.mha_sdpa_args_init(C.byref(a))
+    a.q, a.k, a.v = C.pointer(tq), C.pointer(tk), C.pointer(tk)
+    rc = lib.L.mha_sdpa(C.byref(to), None, C.byref(a))
+    ck.check(rc != 0 and "Hkv" in lib.err(), "gqa: 3 heads over 2 KV heads refused")
+
+
+def test_cache(lib, ck, rng, cases):
+    for case in range(cases):
+        B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+        G = int(rng.choice([1, 2, 3]))
+        H, D, Dv = Hkv * G, int(rng.choice([8, 16, 64])), int(rng.choice([8, 16, 64]))
+        total = int(rng.integers(1, 1400))
+        cap = total + int(rng.integers(0, 5))
+        window = (-1, -1)
+        if rng.random() < 0.3:
+            window = (int(rng.choice([0, 3, 40, 600])), -1)
+        # the same token stream for every sequence, chunks of random sizes
+        K = rng.standard_normal((B, Hkv, total, D)).astype(np.float32)
+        V = rng.standard_normal((B, Hkv, total, Dv)).astype(np.float32)
+        Q = rng.standard_normal((B, H, total, D)).astype(np.float32)
+        cache = C.c_void_p()
+        rc = lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, Dv, cap)
+        ck.check(rc == 0, "cache %d: create %s" % (case, lib.err() if rc else ""))
+        sched = []
+        n = 0
+        while n < total:
+            x = rng.random()
+            T = 1 if x < 0.4 else int(rng.integers(2, 17)) if x < 0.7 else int(rng.integers(17, 300))
+            T = min(T, total - n)
+            sched.append((n, T))
+            n += T
+        args = AttendArgs()
+        lib.L.mha_cache_attend_args_init(C.byref(args))
+        args.window_left, args.window_right = window
+        outs = np.zeros((B, H, total, Dv), dtype=np.float32)
+        bad_status = 0
+        for (n0, T) in sched:
+            k = np.ascontiguousarray(K[:, :, n0:n0 + T])
+            v = np.ascontiguousarray(V[:, :, n0:n0 + T])
+            q = np.ascontiguousarray(Q[:, :, n0:n0 + T])
+            o = np.zeros((B, H, T, Dv), dtype=np.float32)
+            tk, tv, tq, to = tensor(k), tensor(v), tensor(q), tensor(o)
+            rc1 = lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), None)
+            rc2 = lib.L.mha_kv_cache_attend(C.byref(to), C.byref(tq), cache, C.byref(args), None)
+            bad_status += (rc1 != 0) + (rc2 != 0)
+            outs[:, :, n0:n0 + T] = o
+        ck.check(bad_status == 0, "cache %d: append/attend statuses %s" % (case, lib.err()))
+        refs = []
+        for dt in (torch.float64, torch.float32):
+            rows = [attention_ref(torch.from_numpy(Q[b]).to(dt), torch.from_numpy(K[b]).to(dt),
+                                  torch.from_numpy(V[b]).to(dt), list(range(total)), window).numpy()
+                    for b in range(B)]
+            refs.append(np.stack(rows))
+        ck.close("cache %d (B %d H %d Hkv %d D %d Dv %d tokens %d chunks %d window %s)"
+                 % (case, B, H, Hkv, D, Dv, total, len(sched), window), outs, refs[0], refs[1])
+        # rollback to a random length, re-decode the rest one token at a time:
+        # the same bits as the first pass's one-token steps
+        if total > 2:
+            cut = int(rng.integers(1, total))
+            rc = lib.L.mha_kv_cache_truncate(cache, -1, cut)
+            ck.check(rc == 0 and lib.L.mha_kv_cache_length(cache, 0) == cut,
+                     "cache %d: truncate to %d" % (case, cut))
+            same = True
+            first = {}
+            for (n0, T) in sched:
+                if T == 1:
+                    first[n0] = outs[:, :, n0]
+            for n0 in range(cut, total):
+                k = np.ascontiguousarray(K[:, :, n0:n0 + 1])
+                v = np.ascontiguousarray(V[:, :, n0:n0 + 1])
+                q = np.ascontiguousarray(Q[:, :, n0:n0 + 1])
+                o = np.zeros((B, H, 1, Dv), dtype=np.float32)
+                tk, tv, tq, to = tensor(k), tensor(v), tensor(q), tensor(o)
+                lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), None)
+                lib.L.mha_kv_cache_attend(C.byref(to), C.byref(tq), cache, C.byref(args), None)
+                if n0 in first and not np.array_equal(first[n0], o[:, :, 0]):
+                    same = False
+            ck.check(same, "cache %d: rollback to %d and re-decode gives the same bits" % (case, cut))
+        # full: refused, lengths kept
+        before = [lib.L.mha_kv_cache_length(cache, b) for b in range(B)]
+        extra = cap - before[0] + 1
+        k = np.zeros((B, Hkv, extra, D), dtype=np.float32)
+        v = np.zeros((B, Hkv, extra, Dv), dtype=np.float32)
+        tk, tv = tensor(k), tensor(v)
+        rc = lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), None)
+        after = [lib.L.mha_kv_cache_length(cache, b) for b in range(B)]
+        ck.check(rc != 0 and "full" in lib.err() and before == after,
+                 "cache %d: full cache refuses %d tokens (%s)" % (case, extra, lib.err()))
+        lib.L.mha_kv_cache_destroy(cache)
+
+
+def test_counts(lib, ck, rng):
+    """Per-sequence counts: sequences of a batch at different lengths."""
+    B, Hkv, G, D = 3, 2, 2, 16
+    H = Hkv * G
+    lens = [5, 40, 700]
+    total = max(lens)
+    K = rng.standard_normal((B, Hkv, total, D)).astype(np.float32)
+    V = rng.standard_normal((B, Hkv, total, D)).astype(np.float32)
+    Q = rng.standard_normal((B, H, total, D)).astype(np.float32)
+    cache = C.c_void_p()
+    lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, D, total)
+    # prefill each sequence up to its length minus one (counts), then decode
+    # one token for all
+    counts = (C.c_int64 * B)(*[l - 1 for l in lens])
+    T = total - 1
+    k, v, q = (np.ascontiguousarray(X[:, :, :T]) for X in (K, V, Q))
+    o = np.zeros((B, H, T, D), dtype=np.float32)
+    tk, tv, tq, to = tensor(k), tensor(v), tensor(q), tensor(o)
+    rc = lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), counts)
+    rc |= lib.L.mha_kv_cache_attend(C.byref(to), C.byref(tq), cache, None, counts)
+    ck.check(rc == 0, "counts: prefill statuses (%s)" % lib.err())
+    for b in range(B):
+        ref = attention_ref(torch.from_numpy(Q[b, :, :lens[b] - 1]).double(),
+                            torch.from_numpy(K[b, :, :lens[b] - 1]).double(),
+                            torch.from_numpy(V[b, :, :lens[b] - 1]).double(),
+                            list(range(lens[b] - 1))).numpy()
+        t32 = attention_ref(torch.from_numpy(Q[b, :, :lens[b] - 1]),
+                            torch.from_numpy(K[b, :, :lens[b] - 1]),
+                            torch.from_numpy(V[b, :, :lens[b] - 1]), list(range(lens[b] - 1))).numpy()
+        ck.close("counts: prefill of sequence %d (%d tokens)" % (b, lens[b] - 1),
+                 o[b, :, :lens[b] - 1], ref, t32)
+        ck.check(np.all(o[b, :, lens[b] - 1:] == 0), "counts: padding rows of sequence %d are 0" % b)
+    # one more token each: token lens[b]-1 of each sequence
+    k1 = np.ascontiguousarray(np.stack([K[b, :, lens[b] - 1:lens[b]] for b in range(B)]))
+    v1 = np.ascontiguousarray(np.stack([V[b, :, lens[b] - 1:lens[b]] for b in range(B)]))
+    q1 = np.ascontiguousarray(np.stack([Q[b, :, lens[b] - 1:lens[b]] for b in range(B)]))
+    o1 = np.zeros((B, H, 1, D), dtype=np.float32)
+    tk, tv, tq, to = tensor(k1), tensor(v1), tensor(q1), tensor(o1)
+    rc = lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), None)
+    rc |= lib.L.mha_kv_cache_attend(C.byref(to), C.byref(tq), cache, None, None)
+    ck.check(rc == 0, "counts: decode statuses")
+    for b in range(B):
+        full = [attention_ref(torch.from_numpy(Q[b, :, :lens[b]]).to(dt),
+                              torch.from_numpy(K[b, :, :lens[b]]).to(dt),
+                              torch.from_numpy(V[b, :, :lens[b]]).to(dt),
+                              list(range(lens[b]))).numpy()[:, -1] for dt in (torch.float64, torch.float32)]
+        ck.close("counts: decode of sequence %d at position %d" % (b, lens[b] - 1),
+                 o1[b, :, 0], full[0], full[1])
+    lib.L.mha_kv_cache_destroy(cache)
+
+
+def test_threads(lib, ck, rng):
+    """Decode (split-KV) and prefill over a long cache: the same bits with
+    1, 2 and 8 OpenMP threads."""
+    try:
+        gomp = C.CDLL("libgomp.so.1")
+    except OSError:
+        ck.check(True, "threads: no libgomp, skipped")
+        return
+    B, Hkv, G, D, n = 1, 2, 3, 64, 5000
+    H = Hkv * G
+    K = rng.standard_normal((B, Hkv, n, D)).astype(np.float32)
+    V = rng.standard_normal((B, Hkv, n, D)).astype(np.float32)
+    Q = rng.standard_normal((B, H, 40, D)).astype(np.float32)
+    cache = C.c_void_p()
+    lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, D, n)
+    tk, tv = tensor(K), tensor(V)
+    lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), None)
+    results = []
+    for nt in (1, 2, 8):
+        gomp.omp_set_num_threads(nt)
+        outs = []
+        for T in (1, 40):  # decode, prefill-sized chunk (the last T positions)
+            q = np.ascontiguousarray(Q[:, :, :T])
+            o = np.zeros((B, H, T, D), dtype=np.float32)
+            tq, to = tensor(q), tensor(o)
+            lib.L.mha_kv_cache_attend(C.byref(to), C.byref(tq), cache, None, None)
+            outs.append(o)
+        results.append(outs)
+    gomp.omp_set_num_threads(2)
+    for i, nt in enumerate((2, 8)):
+        ck.check(all(np.array_equal(results[0][j], results[i + 1][j]) for j in range(2)),
+                 "threads: 1 vs %d threads, same bits (decode and prefill)" % nt)
+    lib.L.mha_kv_cache_destroy(cache)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--cases", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("-v", action="store_true")
+    args = ap.parse_args()
+    lib = Lib(args.lib)
+    ck = Checker(args.v)
+    rng = np.random.default_rng(args.seed)
+    test_rope(lib, ck, rng)
+    test_gqa(lib, ck, rng)
+    test_cache(lib, ck, rng, args.cases)
+    test_counts(lib, ck, rng)
+    test_threads(lib, ck, rng)
+    print("%d passed, %d failed" % (ck.passed, ck.failed))
+    return 1 if ck.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
