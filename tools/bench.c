@@ -55,6 +55,12 @@ static const char *bench_help =
     "  --backward         time forward + backward (mha_backward: gradients\n"
     "                     of the inputs and of every parameter)\n"
     "  --core             the attention core alone (mha_sdpa)\n"
+    "  --decode           one decode step instead: --seq (default 1) new\n"
+    "                     queries per head against a KV cache of --kv-len N\n"
+    "                     tokens (mha_kv_cache_attend; no projections), with\n"
+    "                     --num-kv-heads K (default: --num-heads); prints the\n"
+    "                     K and V bytes read per second against this machine's\n"
+    "                     read bandwidth measured in the same process\n"
     "  --no-save          with --backward: no saved forward state\n"
     "                     (mha_forward_args.save), so mha_backward re-runs\n"
     "                     the forward (default: the forward keeps it)\n"
@@ -80,7 +86,8 @@ static const char *bench_help =
 
 typedef struct bench_opts {
     int64_t B, L, S, E, H;
-    bool causal, backward, core, json, workspace, no_save;
+    bool causal, backward, core, json, workspace, no_save, decode;
+    int64_t kv_len, kv_heads;  // --decode
     int64_t window;  // 0: none
     int threads;     // 0: the default
     mha_impl impl;
@@ -498,7 +505,8 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         {"num-heads", required_argument, 0, 'n'}, {"causal", no_argument, 0, 'c'},
         {"window", required_argument, 0, 'w'},    {"backward", no_argument, 0, 'B'},
         {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
-        {"no-save", no_argument, 0, 'N'},
+        {"no-save", no_argument, 0, 'N'},         {"decode", no_argument, 0, 'D'},
+        {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
         {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
         {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
@@ -526,6 +534,9 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         case 'B': o->backward = true; break;
         case 'C': o->core = true; break;
         case 'N': o->no_save = true; break;
+        case 'D': o->decode = true; break;
+        case 'K': if (parse_int(optarg, 1, big, &o->kv_len)) return bench_usage("--kv-len needs a positive integer"); break;
+        case 'G': if (parse_int(optarg, 1, big, &o->kv_heads)) return bench_usage("--num-kv-heads needs a positive integer"); break;
         case 't':
             if (parse_int(optarg, 1, 4096, &v)) return bench_usage("--threads needs an integer in [1, 4096]");
             o->threads = (int)v;
@@ -566,6 +577,16 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         }
     }
     if (optind < argc) return bench_usage("unexpected argument");
+    if (o->decode) {
+        if (!o->kv_len || !o->E || !o->H)
+            return bench_usage("--decode needs --kv-len, --embed-dim and --num-heads");
+        if (!o->kv_heads) o->kv_heads = o->H;
+        if (o->E % o->H || o->H % o->kv_heads)
+            return bench_usage("--decode: --num-heads must divide --embed-dim and "
+                               "--num-kv-heads must divide --num-heads");
+        if (!o->L) o->L = 1;
+        return -1;
+    }
     if (!o->L || !o->E || !o->H) return bench_usage("--seq, --embed-dim and --num-heads are required");
     if (!o->S) o->S = o->L;
     if (o->E % o->H) {
@@ -684,6 +705,143 @@ static void print_text(const bench_opts *o, const bench_result *r) {
 
 // ---------------------------------------------------------------------------
 
+// Sum of buf[b, e) (e - b a multiple of 64 floats) with the widest loads
+// the CPU has: narrow loads measure a lower bandwidth (16-byte loads:
+// ~20 GB/s here against ~31 with 64-byte ones).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) static double sum_avx512(const float *buf, size_t b,
+                                                             size_t e) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = b; i < e; i += 64) {
+        a0 = _mm512_add_ps(a0, _mm512_loadu_ps(buf + i));
+        a1 = _mm512_add_ps(a1, _mm512_loadu_ps(buf + i + 16));
+        a2 = _mm512_add_ps(a2, _mm512_loadu_ps(buf + i + 32));
+        a3 = _mm512_add_ps(a3, _mm512_loadu_ps(buf + i + 48));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#endif
+
+// Read bandwidth of this machine on nt threads: a parallel sum over a buffer
+// of `bytes` (median of 5 passes after one), in GB/s.
+static double read_bandwidth(int nt, size_t bytes) {
+    const size_t n = bytes / sizeof(float);
+    float *buf = malloc(n * sizeof(float));
+    if (!buf) return 0.0;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (size_t i = 0; i < n; i++) buf[i] = (float)(i & 1023) * 1e-3f;
+    double t[6];
+    volatile float sink = 0.0f;
+#if defined(__x86_64__) && defined(__GNUC__)
+    const bool wide = __builtin_cpu_supports("avx512f");
+#endif
+    for (int r = 0; r < 6; r++) {
+        double t0 = cli_now(), total = 0.0;
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
+        for (size_t b = 0; b < n; b += 4096) {
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (wide && b + 4096 <= n) {
+                total += sum_avx512(buf, b, b + 4096);
+                continue;
+            }
+#endif
+            // 8 independent 4-lane sums (GCC/Clang vector extension): never
+            // compute-bound, whatever the baseline ISA
+            typedef float v4 __attribute__((vector_size(16)));
+            v4 a0 = {0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            const size_t e = b + 4096 < n ? b + 4096 : n;
+            for (size_t i = b; i + 32 <= e; i += 32) {
+                v4 x[8];
+                memcpy(x, buf + i, sizeof x);
+                a0 += x[0], a1 += x[1], a2 += x[2], a3 += x[3];
+                a4 += x[4], a5 += x[5], a6 += x[6], a7 += x[7];
+            }
+            const v4 sum = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+            total += (double)sum[0] + sum[1] + sum[2] + sum[3];
+        }
+        t[r] = cli_now() - t0;
+        sink += (float)total;
+    }
+    (void)sink;
+    free(buf);
+    qsort(t + 1, 5, sizeof t[0], cmp_double);
+    return (double)(n * sizeof(float)) / t[3] * 1e-9;
+}
+
+// mha bench --decode: one step of cached attention.
+static int bench_decode(const bench_opts *o, int threads) {
+    const int64_t B = o->B, H = o->H, Hkv = o->kv_heads, d = o->E / o->H, N = o->kv_len,
+                  T = o->L;
+    mha_kv_cache *c = NULL;
+    mha_status st = mha_kv_cache_create(&c, B, Hkv, d, d, N);
+    if (st) return cli_fail("bench", st);
+    uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
+    const int64_t chunk = 4096;  // filled chunk by chunk (bounded temporary)
+    float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
+    float *q = malloc(sizeof(float) * (size_t)(B * H * T * d)),
+          *out = malloc(sizeof(float) * (size_t)(B * H * T * d));
+    double *times = malloc(sizeof(double) * (size_t)o->repeat);
+    int rc = 0;
+    if (!kv || !q || !out || !times) {
+        fprintf(stderr, "mha bench: out of memory\n");
+        rc = 1;
+    }
+    for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
+        const int64_t n = N - n0 < chunk ? N - n0 : chunk;
+        fill_uniform(kv, B * Hkv * n * d, &rng);
+        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
+        if ((st = mha_kv_cache_append(c, &kt, &kt, NULL))) rc = cli_fail("bench", st);
+    }
+    if (!rc) fill_uniform(q, B * H * T * d, &rng);
+    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, T, d});
+    mha_tensor ot = mha_tensor_contiguous(out, MHA_F32, 4, (int64_t[]){B, H, T, d});
+    for (int64_t i = 0; !rc && i < o->warmup; i++)
+        if ((st = mha_kv_cache_attend(&ot, &qt, c, NULL, NULL))) rc = cli_fail("bench", st);
+    for (int64_t i = 0; !rc && i < o->repeat; i++) {
+        double t0 = cli_now();
+        if ((st = mha_kv_cache_attend(&ot, &qt, c, NULL, NULL))) rc = cli_fail("bench", st);
+        times[i] = (cli_now() - t0) * 1e3;
+    }
+    if (!rc) {
+        qsort(times, (size_t)o->repeat, sizeof *times, cmp_double);
+        const int64_t n = o->repeat;
+        const double med = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+        const double bytes = (double)B * Hkv * N * 2.0 * d * sizeof(float);
+        size_t bw_bytes = (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576);
+        const double bw = read_bandwidth(threads, bw_bytes), gbs = bytes / (med * 1e-3) * 1e-9;
+        if (o->json)
+            printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
+                   "\"batch\": %lld, \"num_heads\": %lld, \"num_kv_heads\": %lld, "
+                   "\"head_dim\": %lld, \"queries\": %lld, \"kv_len\": %lld, "
+                   "\"kv_dtype\": \"f32\", \"repeat\": %lld, \"median_ms\": %.4f, "
+                   "\"min_ms\": %.4f, \"max_ms\": %.4f, \"kv_bytes\": %.6g, "
+                   "\"kv_gbps\": %.3f, \"read_bandwidth_gbps\": %.3f, "
+                   "\"bandwidth_fraction\": %.4f, \"max_rss_mib\": %.1f}\n",
+                   threads, mha_isa(), (long long)B, (long long)H, (long long)Hkv, (long long)d,
+                   (long long)T, (long long)N, (long long)o->repeat, med, times[0],
+                   times[n - 1], bytes, gbs, bw, bw > 0 ? gbs / bw : 0.0, max_rss_mib());
+        else
+            printf("mha bench: decode step (mha_kv_cache_attend), %d thread%s, kernels %s\n"
+                   "  shape      batch %lld, %lld query head%s x %lld quer%s, %lld KV head%s, "
+                   "d %lld, %lld cached tokens (f32)\n"
+                   "  time       median %.3f ms (min %.3f, max %.3f; %lld runs)\n"
+                   "  reads      K and V: %.1f MiB per step = %.1f GB/s = %.1f%% of the read "
+                   "bandwidth %.1f GB/s measured here (%d thread%s)\n"
+                   "  memory     process max RSS %.1f MiB\n",
+                   threads, threads == 1 ? "" : "s", mha_isa(), (long long)B, (long long)H,
+                   H == 1 ? "" : "s", (long long)T, T == 1 ? "y" : "ies", (long long)Hkv,
+                   Hkv == 1 ? "" : "s", (long long)d, (long long)N, med, times[0], times[n - 1],
+                   (long long)o->repeat, bytes / 1048576.0, gbs, bw > 0 ? 100.0 * gbs / bw : 0.0,
+                   bw, threads, threads == 1 ? "" : "s", max_rss_mib());
+    }
+    free(kv);
+    free(q);
+    free(out);
+    free(times);
+    mha_kv_cache_destroy(c);
+    return rc;
+}
+
 int cmd_bench(int argc, char **argv) {
     bench_opts o;
     int rc = bench_parse(&o, argc, argv);
@@ -705,6 +863,7 @@ int cmd_bench(int argc, char **argv) {
                 o.threads);
 #endif
     r.isa = mha_isa();
+    if (o.decode) return bench_decode(&o, r.threads);
 
     // Which implementation runs (and whether the library accepts it).
     char why[512] = "";
