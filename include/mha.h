@@ -305,6 +305,30 @@ MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m,
 typedef void (*mha_trace_fn)(void *user, const char *step, int64_t b,
                              int64_t h, const mha_tensor *t);
 
+// ---------------------------------------------------------------------------
+// Rotary position embeddings (RoPE), applied to projected q and k, after
+// the projections and before attention (and before a KV cache):
+//   inv_freq_i = theta^(-2i / dim), i < dim / 2; angle = position * inv_freq_i
+//   MHA_ROPE_NEOX (rotate_half: GPT-NeoX, Hugging Face Llama): element c and
+//     c + dim/2 of each head form pair i = c:
+//       x_c' = x_c cos - x_{c+dim/2} sin;  x_{c+dim/2}' = x_{c+dim/2} cos + x_c sin
+//   MHA_ROPE_INTERLEAVED (RoFormer, GPT-J): elements 2i and 2i + 1 pair up
+//       x_2i' = x_2i cos - x_2i+1 sin;     x_2i+1' = x_2i+1 cos + x_2i sin
+//   partial rotary: only the first dim features of each head (dim even,
+//   0 = all of D); the rest pass through.
+// Angles and their cos/sin are computed in double.
+typedef enum mha_rope_mode {
+    MHA_ROPE_NONE = 0,
+    MHA_ROPE_NEOX = 1,
+    MHA_ROPE_INTERLEAVED = 2
+} mha_rope_mode;
+
+typedef struct mha_rope {
+    mha_rope_mode mode;
+    double theta;  // default 10000
+    int64_t dim;   // rotated features per head (even); 0: all
+} mha_rope;
+
 typedef struct mha_forward_args {
     const mha_tensor *query;
     const mha_tensor *key;
@@ -353,6 +377,23 @@ typedef struct mha_forward_args {
     // caller must not change the module's parameters or the inputs between
     // the two calls (they are not copied). See mha_saved_create.
     struct mha_saved *save;
+    // Position encodings and logit shaping (forward and backward, every
+    // implementation):
+    //  - rope: RoPE on q and k after their projections (mode MHA_ROPE_NONE,
+    //    the default: off); token t of batch element n has position
+    //    rope_start[n] + t (rope_start NULL: t). Keys appended by
+    //    add_bias_kv / add_zero_attn are not rotated.
+    //  - alibi: add -slope_h * |i - j| to the scores of head h; slopes
+    //    alibi_slopes (num_heads of them) or, NULL, the ALiBi paper's
+    //    geometric sequence 2^(-8 (h + 1) / H) (interleaved as the paper
+    //    does when H is not a power of 2).
+    //  - softcap > 0: scores s <- softcap * tanh(s / softcap) after the
+    //    1/sqrt(d) scaling, before ALiBi and the masks (Gemma 2 style).
+    mha_rope rope;
+    const int64_t *rope_start;
+    bool alibi;
+    const float *alibi_slopes;
+    float softcap;
 } mha_forward_args;
 
 MHA_API void mha_forward_args_init(mha_forward_args *a);
@@ -535,30 +576,6 @@ typedef struct mha_sdpa_args {
 MHA_API void mha_sdpa_args_init(mha_sdpa_args *a);
 MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
                                           const mha_sdpa_args *a);
-
-// ---------------------------------------------------------------------------
-// Rotary position embeddings (RoPE), applied to projected q and k, after
-// the projections and before attention (and before a KV cache):
-//   inv_freq_i = theta^(-2i / dim), i < dim / 2; angle = position * inv_freq_i
-//   MHA_ROPE_NEOX (rotate_half: GPT-NeoX, Hugging Face Llama): element c and
-//     c + dim/2 of each head form pair i = c:
-//       x_c' = x_c cos - x_{c+dim/2} sin;  x_{c+dim/2}' = x_{c+dim/2} cos + x_c sin
-//   MHA_ROPE_INTERLEAVED (RoFormer, GPT-J): elements 2i and 2i + 1 pair up
-//       x_2i' = x_2i cos - x_2i+1 sin;     x_2i+1' = x_2i+1 cos + x_2i sin
-//   partial rotary: only the first dim features of each head (dim even,
-//   0 = all of D); the rest pass through.
-// Angles and their cos/sin are computed in double.
-typedef enum mha_rope_mode {
-    MHA_ROPE_NONE = 0,
-    MHA_ROPE_NEOX = 1,
-    MHA_ROPE_INTERLEAVED = 2
-} mha_rope_mode;
-
-typedef struct mha_rope {
-    mha_rope_mode mode;
-    double theta;  // default 10000
-    int64_t dim;   // rotated features per head (even); 0: all
-} mha_rope;
 
 MHA_API void mha_rope_init(mha_rope *r, mha_rope_mode mode);
 // "neox" / "interleaved" / "none" -> mode (MHA_ERR_UNSUPPORTED otherwise).

@@ -206,6 +206,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
             mha__plan_drop(&p), b, h, pw + (size_t)tid * 2 * lsp);
     }
 
+    mha__rope_qk_d(&p, &a, dq, dk, true);  // through the rotation (orthogonal)
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
               *gbv = gbq ? gbq + 2 * E : NULL;

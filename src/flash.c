@@ -20,8 +20,8 @@
 //   header (16 floats: the cache's identity) | qs (BR, D) | s (BR, BC) |
 //   dp (BR, BC) | tr (BC, BR) | m, l (BR each) | flags (4 nt bytes) |
 //   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
-//   backward V^T (Dv, w), K rows (w, D), then the P and dP tiles of one
-//   block of query rows (2 BR nt BC)
+//   backward V^T (Dv, w), K rows (w, D), then the P, dP (and soft-cap
+//   derivative) tiles of one block of query rows (3 BR nt BC)
 // with nt = ceil(S / BC) + (nx > 0) key tiles; tile t holds keys
 // [t BC, min(t BC + BC, S)) (the last one the nx appended keys), w wide.
 // A cached tile is packed once per thread and head, on first use.
@@ -73,7 +73,7 @@ size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx,
            round16((size_t)(C_KINDS * nt + 3) / 4) +
            (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
                (backward ? 2 : 1) +
-           (backward ? (size_t)(2 * BR * BC) * (size_t)nt : 0);
+           (backward ? (size_t)(3 * BR * BC) * (size_t)nt : 0);
 }
 
 void mha__flash_scratch_reset(float *scratch) {
@@ -169,13 +169,29 @@ void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int6
 
 // S (br, n) = qs kt + masks for rows [i0, i0 + br) and keys [j0, j0 + n)
 // (n at most the tile's width).
+// With a soft cap: s <- cap tanh(s / cap) first, and deriv (when not NULL)
+// gets 1 - tanh^2, the cap's derivative, for the backward.
 static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
-                   float *s, int64_t i0, int64_t br, int64_t j0, int64_t n) {
+                   float *s, int64_t i0, int64_t br, int64_t j0, int64_t n, float *deriv) {
     const float *ktile = packed_tile(a, sm, j0, C_KT);
     kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
-    if (j0 >= a->S) return;  // appended keys are never masked
     const mha__mask *mk = a->mask;
-    if (mk->attn || mk->kpm) {
+    if (mk->softcap > 0.0f) {
+        const float cap = mk->softcap;
+        for (int64_t e = 0; e < br * n; e++) {
+            const float t = tanhf(s[e] / cap);
+            s[e] = cap * t;
+            if (deriv) deriv[e] = 1.0f - t * t;
+        }
+    }
+    if (j0 >= a->S) {  // appended keys are never masked; ALiBi still applies
+        if (mk->alibi)
+            for (int64_t r = 0; r < br; r++)
+                for (int64_t j = 0; j < n; j++)
+                    s[r * n + j] += (float)mha__mask_value(mk, a->b, a->h, i0 + r, j0 + j);
+        return;
+    }
+    if (mk->attn || mk->kpm || mk->alibi) {
         for (int64_t r = 0; r < br; r++)
             for (int64_t j = 0; j < n; j++)
                 s[r * n + j] += (float)mha__mask_value(mk, a->b, a->h, i0 + r, j0 + j);
@@ -252,7 +268,7 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
-        scores(kt, a, &sm, sm.s, i0, br, j0, n);
+        scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL);
         float *alpha = sm.tr;  // (BR)
         kt->softmax_rows(s, n, br, n, m, l, alpha);
         for (int64_t r = 0; r < br; r++) {
@@ -287,7 +303,7 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
-        scores(kt, a, &sm, sm.s, i0, br, j0, n);
+        scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL);
         for (int64_t r = 0; r < br; r++) {
             float *row = sm.s + r * n;
             kt->exp_shift(row, n, a->stats[2 * (i0 + r)]);
@@ -308,8 +324,8 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
 // the softmax backward below relies on.
 static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
                      const float *dOt, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
-                     int64_t n, float *s, float *dp) {
-    scores(kt, a, sm, s, i0, br, j0, n);  // S = scale q k^T + mask
+                     int64_t n, float *s, float *dp, float *deriv) {
+    scores(kt, a, sm, s, i0, br, j0, n, deriv);  // S = cap(scale q k^T) + mask
     for (int64_t r = 0; r < br; r++) {  // P = exp(S - m) / l
         kt->exp_shift(s + r * n, n, a->stats[2 * (i0 + r)]);
         kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
@@ -320,13 +336,18 @@ static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_m
         for (int64_t r = 0; r < br; r++) drop_row(a, dp + r * n, i0 + r, j0, n);
 }
 
-// dp <- dS = P (dP - Dsum) row by row; then s <- P' = P * drop.
+// dp <- dS = P (dP - Dsum) row by row (times the soft cap's derivative,
+// when there is one: the gradient of the raw scaled scores); then
+// s <- P' = P * drop.
 static void softmax_bwd(const mha__flash_head *a, const float *Dsum, int64_t i0,
-                        int64_t br, int64_t j0, int64_t n, float *s, float *dp) {
+                        int64_t br, int64_t j0, int64_t n, float *s, float *dp,
+                        const float *deriv) {
     for (int64_t r = 0; r < br; r++) {
         float *pr = s + r * n, *dr = dp + r * n;
         const float dsum = Dsum[i0 + r];
         for (int64_t j = 0; j < n; j++) dr[j] = pr[j] * (dr[j] - dsum);
+        if (a->mask->softcap > 0.0f)
+            for (int64_t j = 0; j < n; j++) dr[j] *= deriv[r * n + j];
         if (a->drop) drop_row(a, pr, i0 + r, j0, n);
     }
 }
@@ -363,8 +384,8 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
     for (int64_t i0 = rlo; i0 < rhi; i0 += BR) {
         int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
         load_q(a, sm.qs, i0, br);
-        bwd_tile(kt, a, &sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, s, dp);
-        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);
+        bwd_tile(kt, a, &sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, s, dp, sm.tr);
+        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp, sm.tr);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
         kt->gemm_tn_acc(dv, dv_rs, s, n, dO + i0 * do_rs, do_rs, n, Dv, br);
         // dk (n, D) += dS^T (n, br) (scale q) (br, D)
@@ -392,8 +413,8 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     int64_t j0, n;
     float *tile = sm.rows;
     while (next_tile(&it, &j0, &n)) {
-        float *s = tile, *dp = tile + br * n;
-        bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp);
+        float *s = tile, *dp = tile + br * n, *dv_ = tile + 2 * br * n;
+        bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, dv_);
         for (int64_t r = 0; r < br; r++) {  // 16 partial sums: vectorised, fixed order
             float acc[16] = {0};
             const float *sr = s + r * n, *dr = dp + r * n;
@@ -405,7 +426,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
             for (int u = 0; u < 16; u++) sum += acc[u];
             Dsum[i0 + r] += sum;
         }
-        tile += 2 * br * n;
+        tile += 3 * br * n;
     }
     for (int64_t r = 0; r < br; r++)
         for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
@@ -413,7 +434,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     tile = sm.rows;
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n;
-        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp);  // dp <- dS, s <- P'
+        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp, tile + 2 * br * n);  // dp <- dS, s <- P'
         // dq (br, D) += dS (br, n) k (n, D), then * scale below
         kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
         if (dk) {
@@ -423,7 +444,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
             kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D,
                             br);
         }
-        tile += 2 * br * n;
+        tile += 3 * br * n;
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);
 }

@@ -133,6 +133,51 @@ static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
     return MHA_OK;
 }
 
+// RoPE, ALiBi and the soft cap: checked, into the plan's mask.
+static mha_status check_rope_alibi(fwd_plan *p, const mha_forward_args *a) {
+    const mha_rope *r = &a->rope;
+    if (r->mode != MHA_ROPE_NONE) {
+        if (r->mode != MHA_ROPE_NEOX && r->mode != MHA_ROPE_INTERLEAVED)
+            return mha__fail(MHA_ERR_INVALID_ARG, "rope: unknown mode %d", (int)r->mode);
+        const int64_t dim = r->dim == 0 ? p->d : r->dim;
+        if (dim <= 0 || dim > p->d || dim % 2 != 0 || dim / 2 > MHA__ROPE_MAX_HALF)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "rope: rotated dims %lld must be even, positive and at most "
+                             "the head dim %lld",
+                             (long long)dim, (long long)p->d);
+        if (!(r->theta > 0.0) || !isfinite(r->theta))
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "rope: theta must be positive and finite, got %g", r->theta);
+        if (a->rope_start)
+            for (int64_t n = 0; n < p->N; n++)
+                if (a->rope_start[n] < 0)
+                    return mha__fail(MHA_ERR_INVALID_ARG, "rope: rope_start[%lld] = %lld < 0",
+                                     (long long)n, (long long)a->rope_start[n]);
+    }
+    if (!(a->softcap >= 0.0f) || !isfinite(a->softcap))
+        return mha__fail(MHA_ERR_INVALID_ARG, "softcap must be >= 0 and finite (0: none), got %g",
+                         (double)a->softcap);
+    p->mask.softcap = a->softcap;
+    p->mask.alibi = NULL;
+    if (a->alibi) {
+        if (a->alibi_slopes) {
+            for (int64_t h = 0; h < p->H; h++)
+                if (!isfinite(a->alibi_slopes[h]))
+                    return mha__fail(MHA_ERR_INVALID_ARG, "alibi_slopes[%lld] is not finite",
+                                     (long long)h);
+            p->mask.alibi = a->alibi_slopes;
+        } else {
+            if (p->H > MHA__ALIBI_MAX_DEFAULT)
+                return mha__fail(MHA_ERR_UNSUPPORTED,
+                                 "alibi: %lld heads; pass alibi_slopes for more than %d",
+                                 (long long)p->H, MHA__ALIBI_MAX_DEFAULT);
+            mha__alibi_slopes(p->alibi_default, p->H);
+            p->mask.alibi = p->alibi_default;
+        }
+    }
+    return MHA_OK;
+}
+
 // Window bounds: -1 (unbounded) or a count of keys >= 0.
 static mha_status check_window(int64_t left, int64_t right) {
     if (left < -1 || right < -1)
@@ -298,6 +343,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     if ((st = check_window(a->window_left, a->window_right))) return st;
     p->mask.win_left = a->window_left;
     p->mask.win_right = a->window_right;
+    if ((st = check_rope_alibi(p, a))) return st;
     if (a->key_padding_mask) {
         const mha_tensor *t = a->key_padding_mask;
         if ((st = check_mask_dtype(t, "key_padding_mask"))) return st;
@@ -433,6 +479,7 @@ void mha_forward_args_init(mha_forward_args *a) {
     a->window_right = -1;
     a->weights_head_end = -1;
     a->weights_row_end = -1;
+    mha_rope_init(&a->rope, MHA_ROPE_NONE);
 }
 
 mha_status mha_forward_shapes(mha_shape *out_shape, mha_shape *weights_shape,
@@ -525,6 +572,24 @@ void mha__project_qkv(const fwd_plan *p, const mha_module *m,
             memset(k + (n * Sp + t) * E, 0, (size_t)E * sizeof(double));
             memset(v + (n * Sp + t) * E, 0, (size_t)E * sizeof(double));
         }
+    }
+    mha__rope_qk_d(p, a, q, k, false);
+}
+
+void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
+                    bool inverse) {
+    if (a->rope.mode == MHA_ROPE_NONE) return;
+    double inv[MHA__ROPE_MAX_HALF];
+    mha__rope_inv_freq(inv, &a->rope, p->d);
+    const int64_t L = p->L, S = p->S, Sp = p->Sp, E = p->E;
+    for (int64_t n = 0; n < p->N; n++) {
+        const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
+        for (int64_t t = 0; t < L; t++)
+            mha__rope_token_d(q + (n * L + t) * E, p->d, p->H, &a->rope, p->d, inv,
+                              (double)(s0 + t), inverse);
+        for (int64_t t = 0; t < S; t++)  // not the appended keys
+            mha__rope_token_d(k + (n * Sp + t) * E, p->d, p->H, &a->rope, p->d, inv,
+                              (double)(s0 + t), inverse);
     }
 }
 

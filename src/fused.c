@@ -175,6 +175,23 @@ static float *head_row0(const rowmap *rm, int64_t b, int64_t col) {
 }
 static int64_t head_rs(const rowmap *rm) { return rm->seq_first ? rm->N * rm->ld : rm->ld; }
 
+// RoPE on the first T tokens of each batch element of a q or k row matrix
+// (all H heads of a token contiguous), or its inverse (gradients).
+static void rope_rows(const fwd_plan *p, const mha_forward_args *a, const rowmap *rm,
+                      int64_t T, bool inverse) {
+    if (a->rope.mode == MHA_ROPE_NONE) return;
+    double inv[MHA__ROPE_MAX_HALF];
+    mha__rope_inv_freq(inv, &a->rope, p->d);
+#pragma omp parallel for schedule(static) num_threads(p->nthreads)
+    for (int64_t n = 0; n < p->N; n++) {
+        const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
+        float *row0 = head_row0(rm, n, 0);
+        for (int64_t t = 0; t < T; t++)
+            mha__rope_token_f(row0 + t * head_rs(rm), p->d, p->H, &a->rope, p->d, inv,
+                              (double)(s0 + t), inverse);
+    }
+}
+
 void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a, char *ws) {
     const mha__kernels *kt = mha__kernels_get();
@@ -220,6 +237,8 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         km = (rowmap){k, E, seq_first, N, S};
         vm = (rowmap){v, E, seq_first, N, S};
     }
+    rope_rows(p, a, &qm, L, false);
+    rope_rows(p, a, &km, S, false);
     // the appended keys per head: (nx, d) for k, then for v
     float *extra = (float *)(ws + p->f_extra);
     fill_extra(extra, m, H, nx, d);
@@ -586,6 +605,10 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
            vm = {v, ldkv, seq_first, N, sp ? L : S}, cm = {ctx, E, seq_first, N, L},
            dcm = {dctx, E, seq_first, N, L}, dqm = {dq, W3, seq_first, N, L},
            dkm = {dk, ldkv, seq_first, N, sp ? L : S}, dvm = {dv, ldkv, seq_first, N, sp ? L : S};
+    if (!sv) {  // the saved q, k are rotated already
+        rope_rows(p, a, &qm, L, false);
+        rope_rows(p, a, &km, S, false);
+    }
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC + (nx > 0);
     const float scale = (float)(1.0 / sqrt((double)d));
@@ -673,6 +696,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                           n, dkp, rs, dvp, rs, scratch + (size_t)tid * sf);
     }
 #undef HEAD
+    rope_rows(p, a, &dqm, L, true);  // through the rotation (orthogonal)
+    rope_rows(p, a, &dkm, S, true);
 
     // Parameter gradients.
     if (grads) {

@@ -43,6 +43,45 @@ mha_status mha_rope_mode_from_name(mha_rope_mode *mode, const char *name) {
     return MHA_OK;
 }
 
+int64_t mha__rope_dim(const mha_rope *r, int64_t d) { return r->dim == 0 ? d : r->dim; }
+
+void mha__rope_inv_freq(double *inv_freq, const mha_rope *r, int64_t d) {
+    const int64_t dim = mha__rope_dim(r, d);
+    for (int64_t i = 0; i < dim / 2; i++)
+        inv_freq[i] = pow(r->theta, -2.0 * (double)i / (double)dim);
+}
+
+#define ROPE_TOKEN(NAME, T)                                                       \
+    void NAME(T *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,          \
+              const double *inv_freq, double pos, bool inverse) {                 \
+        const int64_t half = mha__rope_dim(r, d) / 2;                             \
+        const bool neox = r->mode == MHA_ROPE_NEOX;                               \
+        for (int64_t i = 0; i < half; i++) {                                      \
+            const double ang = pos * inv_freq[i], c = cos(ang);                   \
+            const double s = inverse ? -sin(ang) : sin(ang);                      \
+            const int64_t c0 = neox ? i : 2 * i, c1 = neox ? i + half : 2 * i + 1; \
+            for (int64_t h = 0; h < H; h++) {                                     \
+                T *y = x + h * hs;                                                \
+                const double a = y[c0], e = y[c1];                                \
+                y[c0] = (T)(a * c - e * s);                                       \
+                y[c1] = (T)(e * c + a * s);                                       \
+            }                                                                     \
+        }                                                                         \
+    }
+ROPE_TOKEN(mha__rope_token_f, float)
+ROPE_TOKEN(mha__rope_token_d, double)
+
+// The ALiBi paper's slopes (Press et al., and BLOOM's implementation): for a
+// power of 2, 2^(-8 (h + 1) / H); otherwise those of the closest lower power
+// of 2 n, then every other slope of 2n.
+void mha__alibi_slopes(float *slopes, int64_t H) {
+    int64_t n = 1;
+    while (n * 2 <= H) n *= 2;
+    for (int64_t h = 0; h < n; h++) slopes[h] = (float)pow(2.0, -8.0 * (double)(h + 1) / (double)n);
+    for (int64_t h = n, i = 0; h < H; h++, i += 2)
+        slopes[h] = (float)pow(2.0, -8.0 * (double)(i + 1) / (double)(2 * n));
+}
+
 mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start,
                           bool inverse) {
     if (!x || !r) return mha__fail(MHA_ERR_INVALID_ARG, "mha_rope_apply: NULL argument");

@@ -11,6 +11,8 @@
 #include "module.h"
 #include "ref.h"
 
+#define MHA__ALIBI_MAX_DEFAULT 1024
+
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
     bool unbatched;
@@ -20,6 +22,8 @@ typedef struct fwd_plan {
     mha__dropout drop;       // attention dropout (drop.p > 0 when active)
     float out_p;             // output dropout p (0: none)
     mha_shape out_shape, w_shape;
+    // ALiBi slopes (mask.alibi points here or at the caller's)
+    float alibi_default[MHA__ALIBI_MAX_DEFAULT];
     // the weights block: heads [wh0, wh1), rows [wr0, wr1); w_block when it
     // is not everything
     int64_t wh0, wh1, wr0, wr1;
@@ -79,6 +83,18 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
 mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
                               const mha_forward_args *a);
 
+// RoPE (infer.c): inv_freq (dim / 2 doubles) for r and head dim d; rotate
+// one token's H heads (head h at x + h * hs, features contiguous) at
+// position pos, in place.
+int64_t mha__rope_dim(const mha_rope *r, int64_t d);
+void mha__rope_inv_freq(double *inv_freq, const mha_rope *r, int64_t d);
+void mha__rope_token_f(float *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
+                       const double *inv_freq, double pos, bool inverse);
+void mha__rope_token_d(double *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
+                       const double *inv_freq, double pos, bool inverse);
+// The ALiBi paper's slopes for H heads.
+void mha__alibi_slopes(float *slopes, int64_t H);
+
 // Number of threads a parallel region may use (1 without OpenMP).
 int mha__max_threads(void);
 // A float view (MHA_F32 or MHA_F64): valid dims, no overflow, data present
@@ -127,5 +143,10 @@ float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
 void mha__project_qkv(const fwd_plan *p, const mha_module *m,
                       const mha_forward_args *a, double *q, double *k,
                       double *v);
+// RoPE on the reference's q (N, L, E) and k (N, Sp, E) (keys t < S), or its
+// inverse (the gradients).
+#define MHA__ROPE_MAX_HALF 4096
+void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
+                    bool inverse);
 
 #endif

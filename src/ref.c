@@ -45,8 +45,12 @@ static double mask_elem(const void *base, mha_dtype dt, int64_t off) {
 
 double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
                        int64_t j) {
-    if (j >= mk->s_masked) return 0.0;
     double v = 0.0;
+    if (mk->alibi) {
+        const int64_t dist = i + mk->q_off - j;
+        v = -(double)mk->alibi[h] * (double)(dist < 0 ? -dist : dist);
+    }
+    if (j >= mk->s_masked) return v;
     const int64_t p = i + mk->q_off;  // the query's position
     if (mk->causal && j > p) v = -INFINITY;
     if (mk->win_left >= 0 && j < p - mk->win_left) v = -INFINITY;
@@ -83,10 +87,14 @@ static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L,
             P[i * S + j] = dot(q, i, k, j, D);
     if (tr) trace_doubles(tr, "scores", b, h, P, L, S, S);
 
-    // (2) scale, then add the masks (-inf for hidden keys, never 0)
+    // (2) scale (and soft-cap), then add the masks (-inf for hidden keys,
+    //     never 0) and ALiBi
     for (int64_t i = 0; i < L; i++)
-        for (int64_t j = 0; j < S; j++)
-            P[i * S + j] = scale * P[i * S + j] + mha__mask_value(mk, b, h, i, j);
+        for (int64_t j = 0; j < S; j++) {
+            double x = scale * P[i * S + j];
+            if (mk->softcap > 0.0f) x = (double)mk->softcap * tanh(x / (double)mk->softcap);
+            P[i * S + j] = x + mha__mask_value(mk, b, h, i, j);
+        }
     if (tr) trace_doubles(tr, "scaled_scores", b, h, P, L, S, S);
 
     // (3) softmax of each row: subtract the row max so exp never overflows;
@@ -196,6 +204,13 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
         for (int64_t j = 0; j < S; j++)
             dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - rs);
     }
+    // soft cap: dS_raw = dS * (1 - tanh^2(s / cap)) for the raw scaled s
+    if (mk->softcap > 0.0f)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < S; j++) {
+                const double t = tanh(scale * dot(q, i, k, j, D) / (double)mk->softcap);
+                dP[i * S + j] *= 1.0 - t * t;
+            }
     apply_dropout(P, drop, L, S, b, h);  // P' for dv and the forward output
 
     // dv (S, Dv) = P'^T dout  (forward: out = P' v)

@@ -32,10 +32,17 @@ typedef struct mha__mask {
     bool causal;
     int64_t win_left, win_right;
     int64_t q_off;
+    // ALiBi: -alibi[h] * |i + q_off - j| added (NULL: none); both this and
+    // the soft cap cover the appended keys too (they are logits, not masks)
+    const float *alibi;
+    // logit soft-capping: s <- softcap * tanh(s / softcap) on the scaled
+    // scores, before any bias or mask (0: none)
+    float softcap;
     int64_t s_masked;
 } mha__mask;
 
-// The additive mask value at (b, h, i, j): 0, -inf or the float sum.
+// The additive mask value at (b, h, i, j): 0, -inf or the float sum (ALiBi
+// included).
 double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
                       int64_t j);
 

@@ -195,6 +195,13 @@ static const char *forward_help =
     "  --window-left W      sliding window: hide keys j < i - W\n"
     "  --window-right W     sliding window: hide keys j > i + W\n"
     "  --add-zero-attn      append a zero key/value\n"
+    "  --rope MODE          RoPE on q and k after the projections: neox\n"
+    "                       (rotate_half) or interleaved\n"
+    "  --rope-theta T       RoPE base (default 10000)\n"
+    "  --rope-dim D         rotate only the first D features of each head\n"
+    "  --rope-start P       position of the first token (default 0)\n"
+    "  --alibi              ALiBi biases (the paper's slopes)\n"
+    "  --softcap C          logit soft cap C tanh(s / C)\n"
     "  --need-weights       also write attn_output_weights (mean over heads)\n"
     "  --no-average-weights per-head weights (N, H, L, S)\n"
     "  --weights-heads A:B  only heads [A, B) in the weights (averaged: their\n"
@@ -229,6 +236,8 @@ typedef struct run {
     const char *wpath, *xpath, *ypath, *gpath;
     mha_config base;
     mha_forward_args a;
+    int64_t rope_start;    // --rope-start, for every batch element
+    int64_t *rope_starts;  // ... as the per-element array the API takes
     mha_st_file *wf, *xf, *gf;
     mha_module *m;
     cli_tensor in[5];
@@ -238,6 +247,7 @@ typedef struct run {
 } run;
 
 static void run_free(run *r) {
+    free(r->rope_starts);
     mha_st_writer_destroy(r->wr);
     for (int i = 0; i < r->nbufs; i++) free(r->bufs[i]);
     for (int i = 0; i < 5; i++) free(r->in[i].buf);
@@ -288,6 +298,9 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
         {"window-left", required_argument, 0, 'L'}, {"window-right", required_argument, 0, 'R'},
         {"weights-heads", required_argument, 0, 'H'}, {"weights-rows", required_argument, 0, 'r'},
+        {"rope", required_argument, 0, 'P'},      {"rope-theta", required_argument, 0, 'T'},
+        {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
+        {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
         {0, 0, 0, 0}};
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
@@ -327,6 +340,30 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
             *(c == 'd' ? &r->base.dropout : &r->base.out_dropout) = (float)f;
             break;
         case 't': r->a.training = true; break;
+        case 'P':
+            if ((st = mha_rope_mode_from_name(&r->a.rope.mode, optarg))) return cli_fail(cmd, st);
+            break;
+        case 'T':
+            if (parse_f64(optarg, &f) || !(f > 0.0))
+                return usage_error(cmd, "--rope-theta needs a positive number");
+            r->a.rope.theta = f;
+            break;
+        case 'E':
+            if (parse_i64(optarg, &v) || v <= 0)
+                return usage_error(cmd, "--rope-dim needs a positive even integer");
+            r->a.rope.dim = v;
+            break;
+        case 'X':
+            if (parse_i64(optarg, &v) || v < 0)
+                return usage_error(cmd, "--rope-start needs a non-negative integer");
+            r->rope_start = v;
+            break;
+        case 'B': r->a.alibi = true; break;
+        case 'C':
+            if (parse_f64(optarg, &f) || !(f > 0.0))
+                return usage_error(cmd, "--softcap needs a positive number");
+            r->a.softcap = (float)f;
+            break;
         case 'L':
         case 'R':
             if (parse_i64(optarg, &v) || v < 0)
@@ -403,6 +440,17 @@ static int run_load(run *r) {
     r->a.value = found[2] ? &r->in[2].view : &r->in[0].view;
     r->a.key_padding_mask = found[3] ? &r->in[3].view : NULL;
     r->a.attn_mask = found[4] ? &r->in[4].view : NULL;
+    if (r->rope_start) {  // the same start for every batch element
+        const mha_tensor *q = r->a.query;
+        const int64_t N = q->ndim == 3 ? q->shape[r->base.batch_first ? 0 : 1] : 1;
+        r->rope_starts = malloc(sizeof(int64_t) * (size_t)N);
+        if (!r->rope_starts) {
+            fprintf(stderr, "mha %s: out of memory\n", cmd);
+            return 1;
+        }
+        for (int64_t n = 0; n < N; n++) r->rope_starts[n] = r->rope_start;
+        r->a.rope_start = r->rope_starts;
+    }
     return 0;
 }
 

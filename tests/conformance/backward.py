@@ -255,9 +255,60 @@ class BCase:
         return ka.reshape(c.Nb * c.H, c.L, Sp), ko.reshape(c.Nb, c.L, c.E)
 
 
+def alibi_slopes(H):
+    """The ALiBi paper's slopes (BLOOM's get_slopes)."""
+    def pow2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(H).is_integer():
+        return pow2(H)
+    closest = 2 ** math.floor(math.log2(H))
+    return pow2(closest) + alibi_slopes(2 * closest)[0::2][:H - closest]
+
+
+def rope_torch(x, H, rope):
+    """RoPE on x (T, Nb, E) per head of E / H features, positions start + t:
+    rotate_half (neox) or interleaved pairs, the first dim features."""
+    mode, theta, dim, start = rope
+    T, Nb, E = x.shape
+    d = E // H
+    dim = d if dim == 0 else dim
+    half = dim // 2
+    xh = x.reshape(T, Nb, H, d)
+    i = torch.arange(half, dtype=torch.float64)
+    ang = (torch.arange(T, dtype=torch.float64) + start)[:, None] * theta ** (-2.0 * i / dim)
+    cos = ang.cos().to(x.dtype)[:, None, None, :]
+    sin = ang.sin().to(x.dtype)[:, None, None, :]
+    if mode == "neox":
+        x1, x2 = xh[..., :half], xh[..., half:dim]
+        rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xh[..., dim:]], dim=-1)
+    else:
+        xe, xo = xh[..., 0:dim:2], xh[..., 1:dim:2]
+        re, ro = xe * cos - xo * sin, xo * cos + xe * sin
+        pairs = torch.stack([re, ro], dim=-1).reshape(T, Nb, H, dim)
+        rot = torch.cat([pairs, xh[..., dim:]], dim=-1)
+    return rot.reshape(T, Nb, E)
+
+
+def with_position_options(c, seed, i):
+    """Some configurations get RoPE, ALiBi and/or a soft cap (own stream)."""
+    r = np.random.default_rng([seed, 0x726f7065, i])
+    d = c.E // c.H
+    if r.random() < 0.3 and d % 2 == 0:
+        dim = int(r.choice([0, 2 * int(r.integers(1, d // 2 + 1))]))
+        c.rope = (str(r.choice(["neox", "interleaved"])), float(r.choice([10000.0, 100.0])),
+                  dim, int(r.integers(0, 50)))
+    if r.random() < 0.2:
+        c.alibi = True
+    if r.random() < 0.2:
+        c.softcap = float(r.choice([2.0, 5.0, 30.0]))
+    return c
+
+
 def grid_case(seed, i):
     sa = i % 6 == 5
     c = conf.random_case(GRID_SEED_BASE + seed, i, self_attn=sa)
+    with_position_options(c, GRID_SEED_BASE + seed, i)
     rng = np.random.default_rng([seed, 0x627764, i])
     return BCase(c, "grid", str(i), rng, self_attn=sa)
 
@@ -265,6 +316,7 @@ def grid_case(seed, i):
 def dropout_case(seed, i):
     sa = i % 6 == 5
     c = conf.random_case(DROPOUT_SEED_BASE + seed, i, self_attn=sa)
+    with_position_options(c, DROPOUT_SEED_BASE + seed, i)
     rng = np.random.default_rng([seed, 0x64726f70, i])
     b = BCase(c, "dropout", "d:%d" % i, rng, self_attn=sa)
     b.train = True
@@ -322,6 +374,9 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     else:
         bq = bk = bv = None
     Q, K, V = F.linear(q, Wq, bq), F.linear(k, Wk, bk), F.linear(v, Wv, bv)
+    if c.rope is not None:  # after the projections, before the bias key
+        Q = rope_torch(Q, H, c.rope)
+        K = rope_torch(K, H, c.rope)
     if c.add_bias_kv:
         K = torch.cat([K, P["bias_k"].expand(1, Nb, E)])
         V = torch.cat([V, P["bias_v"].expand(1, Nb, E)])
@@ -337,8 +392,14 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     Mp = np.zeros((Nb * H, L, Sp))
     Mp[:, :, :S] = M
     Mp[FM] = 0.0  # finite fill: no NaN from an all -inf softmax
-    A = torch.baddbmm(_to_torch(Mp, dtype), Qh / math.sqrt(d),
-                      Kh.transpose(-2, -1))
+    A = torch.bmm(Qh / math.sqrt(d), Kh.transpose(-2, -1))
+    if c.softcap > 0:
+        A = c.softcap * torch.tanh(A / c.softcap)
+    if c.alibi:
+        slopes = torch.tensor(np.float32(alibi_slopes(H)), dtype=dtype)
+        dist = (torch.arange(L)[:, None] - torch.arange(Sp)[None, :]).abs().to(dtype)
+        A = A - (slopes[:, None, None] * dist[None]).repeat(Nb, 1, 1)
+    A = A + _to_torch(Mp, dtype)
     W = torch.softmax(A, dim=-1)
     if FM.any():
         W = torch.where(torch.from_numpy(FM)[:, :, None],
@@ -518,6 +579,21 @@ def references(b, info=None):
     notes, errors = [], []
     info = {} if info is None else info
     info["fm"] = bool(FM.any())
+    if c.rope is not None or c.alibi or c.softcap > 0:
+        # F.multi_head_attention_forward has none of these: the reference is
+        # the mirror (RoPE, ALiBi and the soft cap written from the papers'
+        # formulas) under torch autograd, its gradients checked by finite
+        # differences
+        t32 = mirror_expected(b, torch.float32, keeps)
+        notes.append("torch32: the mirror in float32 (rope/alibi/softcap)")
+        if float(c.info.split("=")[1]) <= 3.0:
+            e = fd_check(b, ref, keeps=keeps)
+            info["fd"] = e
+            notes.append("mirror gradients vs central differences: %.3g" % e)
+            if e > FD_TOL:
+                errors.append("harness: mirror gradients differ from central "
+                              "differences by %.3g (rel)" % e)
+        return ref, t32, notes, errors
     if b.train:
         t32 = mirror_expected(b, torch.float32, keeps)
         notes.append("torch32: the mirror in float32 (dropout)")

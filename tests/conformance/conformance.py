@@ -200,6 +200,11 @@ class Case:
         self.window_right = -1
         self.weights_heads = None  # (begin, end): a block of the weights
         self.weights_rows = None
+        # RoPE / ALiBi / soft cap (backward.py's mirror checks these; the
+        # forward suite's F.multi_head_attention_forward has none of them)
+        self.rope = None          # (mode "neox"|"interleaved", theta, dim, start)
+        self.alibi = False
+        self.softcap = 0.0
         self.params = []      # list of (name, float32 array), file order
         self.query = self.key = self.value = None
         self.key_padding_mask = None
@@ -240,7 +245,10 @@ class Case:
                    if self.windowed else "")
                 + (" weights_block=heads%s,rows%s" % (self.weights_heads,
                                                       self.weights_rows)
-                   if self.wblock else ""))
+                   if self.wblock else "")
+                + (" rope=%s" % (self.rope,) if self.rope else "")
+                + (" alibi" if self.alibi else "")
+                + (" softcap=%g" % self.softcap if self.softcap > 0 else ""))
 
     @property
     def windowed(self):
@@ -330,6 +338,15 @@ class Case:
                 cmd += ["--weights-heads", "%d:%d" % self.weights_heads]
             if self.weights_rows is not None:
                 cmd += ["--weights-rows", "%d:%d" % self.weights_rows]
+        if self.rope is not None:
+            mode, theta, dim, start = self.rope
+            cmd += ["--rope", mode, "--rope-theta", repr(theta), "--rope-start", str(start)]
+            if dim:
+                cmd += ["--rope-dim", str(dim)]
+        if self.alibi:
+            cmd.append("--alibi")
+        if self.softcap > 0:
+            cmd += ["--softcap", repr(self.softcap)]
         if self.window_left >= 0:
             cmd += ["--window-left", str(self.window_left)]
         if self.window_right >= 0:
