@@ -626,6 +626,8 @@ typedef struct mha_cache_attend_args {
     bool use_custom_scale;  // else 1 / sqrt(D)
     double scale;
     int64_t window_left, window_right;  // as in mha_forward_args (-1)
+    const float *alibi_slopes;  // per query head, or NULL: no ALiBi
+    float softcap;              // as in mha_forward_args (0: none)
 } mha_cache_attend_args;
 
 MHA_API void mha_cache_attend_args_init(mha_cache_attend_args *a);
@@ -637,6 +639,20 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
                                                      const mha_kv_cache *c,
                                                      const mha_cache_attend_args *a,
                                                      const int64_t *counts);
+
+// The module's causal self-attention over the T new tokens of a->query
+// ((T, N, E), or (N, T, E) with batch_first; float32), through the cache:
+// project q, k, v; rotate q and k (a->rope) at positions len_n + t (the
+// cache's lengths before the call, rope_start ignored); append k, v; attend
+// to everything cached (a->alibi, a->softcap, a->window_* apply); project
+// the context into out (the query's shape). Running a sequence chunk by
+// chunk (or token by token) gives the full causal forward's result (within
+// float rounding). The cache needs batch N, num_kv_heads H, head dims
+// E / H. Not available: masks, need_weights, dropout, add_bias_kv,
+// add_zero_attn, kdim/vdim != E (MHA_ERR_UNSUPPORTED).
+MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_module *m,
+                                                    const mha_forward_args *a,
+                                                    mha_kv_cache *cache);
 
 // ---------------------------------------------------------------------------
 // safetensors files

@@ -733,3 +733,119 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     mha__free(blk);
     return MHA_OK;
 }
+
+// ---------------------------------------------------------------------------
+// Incremental (cached) self-attention: mha_forward_cached (mha.h).
+
+mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
+                              mha_kv_cache *cache) {
+    if (!out || !m || !a || !cache || !a->query)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_cached: NULL argument");
+    const mha_config *cfg = &m->cfg;
+    if (a->key_padding_mask || a->attn_mask || a->need_weights || a->trace ||
+        (a->training && (cfg->dropout > 0.0f || cfg->out_dropout > 0.0f)) ||
+        cfg->add_bias_kv || cfg->add_zero_attn || (cfg->kdim && cfg->kdim != cfg->embed_dim) ||
+        (cfg->vdim && cfg->vdim != cfg->embed_dim))
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_forward_cached: masks, need_weights, trace, dropout, "
+                         "add_bias_kv, add_zero_attn and kdim/vdim != embed_dim are not "
+                         "available with a KV cache");
+    if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32)
+        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_forward_cached: float32 query and output only");
+    mha_forward_args a2 = *a;
+    a2.key = a2.value = a->query;
+    a2.is_causal = true;
+    a2.rope_start = NULL;
+    a2.save = NULL;
+    a2.impl = MHA_IMPL_FUSED;
+    fwd_plan p;
+    mha_status st = mha__plan_forward(&p, m, &a2);
+    if (st) return st;
+    if ((st = mha__check_output(out, "attn_output", &p.out_shape)) ||
+        (st = mha__check_no_overlap(out, "attn_output", a->query, "query")))
+        return st;
+    const int64_t N = p.N, T = p.L, E = p.E, H = p.H, d = p.d, R = rows_of(a->query);
+    int64_t cB, cH, cD, cDv;
+    mha__kv_cache_dims(cache, &cB, &cH, &cD, &cDv);
+    if (cB != N || cH != H || cD != d || cDv != d)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "mha_forward_cached: the cache holds batch %lld, %lld KV heads of "
+                         "dims %lld/%lld; this module and query need batch %lld, %lld heads "
+                         "of dim %lld",
+                         (long long)cB, (long long)cH, (long long)cD, (long long)cDv,
+                         (long long)N, (long long)H, (long long)d);
+    const mha__kernels *kt = mha__kernels_get();
+    const int nt = p.nthreads;
+    const bool seq_first = p.unbatched || !cfg->batch_first;
+    // scratch: gathered x, packed weights (3 E^2 or separate) and Wo, GEMM
+    // scratch, qkv (R, 3E), ctx (R, E), y (R, E), the start positions
+    const size_t pw = mha__gemm_packed_b_floats(kt, E, E), n_gs = mha__gemm_scratch_floats(kt, nt);
+    const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, 3 * E) : 3 * pw;
+    size_t total = (size_t)(R * E) * 6 + n_w + pw + n_gs, bytes;
+    if (mha__mul_overflow_size(total, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
+    float *blk = mha__alloc(bytes);
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)N);
+    if (!blk || !starts) {
+        mha__free(blk);
+        free(starts);
+        return mha__fail(MHA_ERR_NOMEM, "mha_forward_cached: out of memory");
+    }
+    float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pw, *qkv = gs + n_gs,
+          *ctx = qkv + 3 * R * E, *yt = ctx + R * E;
+    int64_t ldx = E;
+    const float *X = xg;
+    if (rows_direct(a->query, &ldx)) X = a->query->data;
+    else gather_rows(xg, a->query), ldx = E;
+    const float *bq = m->in_proj_bias;
+    if (m->packed) {
+        linear_rows(kt, qkv, 3 * E, X, ldx, m->in_proj_weight, bq, R, E, 3 * E, wt, gs, nt);
+    } else {
+        linear_rows(kt, qkv, 3 * E, X, ldx, m->q_weight, bq, R, E, E, wt, gs, nt);
+        linear_rows(kt, qkv + E, 3 * E, X, ldx, m->k_weight, bq ? bq + E : NULL, R, E, E,
+                    wt + pw, gs, nt);
+        linear_rows(kt, qkv + 2 * E, 3 * E, X, ldx, m->v_weight, bq ? bq + 2 * E : NULL, R, E,
+                    E, wt + 2 * pw, gs, nt);
+    }
+    // (N, H, T, d) views of the rows: row r = t N + n (seq first) or n T + t
+    const int64_t ns = seq_first ? 1 : T, ts = seq_first ? N : 1;
+    mha_tensor qv = {qkv, MHA_F32, 4, {N, H, T, d}, {ns * 3 * E, d, ts * 3 * E, 1}};
+    mha_tensor kv = qv, vv = qv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
+    kv.data = qkv + E;
+    vv.data = qkv + 2 * E;
+    for (int64_t n = 0; n < N; n++) starts[n] = mha_kv_cache_length(cache, n);
+    float slopes_buf[MHA__ALIBI_MAX_DEFAULT];
+    mha_cache_attend_args ca;
+    mha_cache_attend_args_init(&ca);
+    ca.window_left = a->window_left;
+    ca.window_right = a->window_right;
+    ca.softcap = a->softcap;
+    if (a->alibi) {
+        if (a->alibi_slopes) ca.alibi_slopes = a->alibi_slopes;
+        else {
+            mha__alibi_slopes(slopes_buf, H);  // H <= MHA__ALIBI_MAX_DEFAULT: the plan checked
+            ca.alibi_slopes = slopes_buf;
+        }
+    }
+    if ((st = mha_rope_apply(&qv, &a->rope, starts, false)) ||
+        (st = mha_rope_apply(&kv, &a->rope, starts, false)) ||
+        (st = mha_kv_cache_append(cache, &kv, &vv, NULL)) ||
+        (st = mha_kv_cache_attend(&cv, &qv, cache, &ca, NULL))) {
+        mha__free(blk);
+        free(starts);
+        return st;
+    }
+    int64_t ldo = E;
+    const bool direct = rows_direct(out, &ldo);
+    float *y = direct ? (float *)out->data : yt;
+    if (!direct) ldo = E;
+    linear_rows(kt, y, ldo, ctx, E, m->out_weight, m->out_bias, R, E, E, wo, gs, nt);
+    if (!direct)
+        for (int64_t r = 0; r < R; r++) {
+            mha__mat row = view_row(out, r);
+            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
+        }
+    mha__free(blk);
+    free(starts);
+    return MHA_OK;
+}

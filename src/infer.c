@@ -194,6 +194,11 @@ int64_t mha_kv_cache_length(const mha_kv_cache *c, int64_t b) {
 
 int64_t mha_kv_cache_capacity(const mha_kv_cache *c) { return c ? c->cap : -1; }
 
+void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
+                        int64_t *Dv) {
+    *B = c->B, *Hkv = c->Hkv, *D = c->D, *Dv = c->Dv;
+}
+
 static mha_status check_4(const mha_tensor *t, const char *name, int64_t d0, int64_t d1,
                           int64_t d3) {
     mha_status st = mha__check_float(t, name);
@@ -294,6 +299,9 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
     mha_cache_attend_args a;
     if (args) a = *args;
     else mha_cache_attend_args_init(&a);
+    if (!(a.softcap >= 0.0f) || !isfinite(a.softcap))
+        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: softcap must be >= 0, got %g",
+                         (double)a.softcap);
     if (a.window_left < -1 || a.window_right < -1)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "window_left %lld, window_right %lld: each must be -1 or >= 0",
@@ -367,6 +375,8 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
             mk.win_right = a.window_right;
             mk.q_off = c->len[b] - Tb;
             mk.s_masked = c->len[b];
+            mk.alibi = a.alibi_slopes;
+            mk.softcap = a.softcap;
             const int64_t hk = h / G;
             mha__flash_head fh = {
                 .q = qd + b * q->stride[0] + h * q->stride[1], .q_rs = q->stride[2],
@@ -418,6 +428,14 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 const float *qr = qd + b * q->stride[0] + h * q->stride[1] + t * q->stride[2];
                 for (int64_t e = 0; e < D; e++) qs[e] = (float)scale * qr[e];
                 kt->dot_rows(s, K + lo * D, D, qs, hi - lo, D);
+                if (a.softcap > 0.0f)
+                    for (int64_t j = 0; j < hi - lo; j++)
+                        s[j] = a.softcap * tanhf(s[j] / a.softcap);
+                if (a.alibi_slopes) {  // -slope |position - j|
+                    const int64_t p = n - Tb + t;
+                    for (int64_t j = lo; j < hi; j++)
+                        s[j - lo] -= a.alibi_slopes[h] * (float)(p >= j ? p - j : j - p);
+                }
                 float m = -INFINITY, l = 0.0f;
                 (void)kt->softmax_update(s, hi - lo, &m, &l);  // s <- exp(s - m)
                 kt->gemm_nn_acc(pp + 2, Dv, s, hi - lo, V + lo * Dv, Dv, 1, Dv, hi - lo);

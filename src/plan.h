@@ -92,6 +92,9 @@ void mha__rope_token_f(float *x, int64_t hs, int64_t H, const mha_rope *r, int64
                        const double *inv_freq, double pos, bool inverse);
 void mha__rope_token_d(double *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
                        const double *inv_freq, double pos, bool inverse);
+// A cache's batch, KV heads and head dims.
+void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
+                        int64_t *Dv);
 // The ALiBi paper's slopes for H heads.
 void mha__alibi_slopes(float *slopes, int64_t H);
 

@@ -195,6 +195,10 @@ static const char *forward_help =
     "  --window-left W      sliding window: hide keys j < i - W\n"
     "  --window-right W     sliding window: hide keys j > i + W\n"
     "  --add-zero-attn      append a zero key/value\n"
+    "  --incremental        causal self-attention through a KV cache, token by\n"
+    "                       token (mha_forward_cached): the result equals\n"
+    "                       --causal's; --chunk N feeds N tokens per step\n"
+    "                       (chunked prefill)\n"
     "  --rope MODE          RoPE on q and k after the projections: neox\n"
     "                       (rotate_half) or interleaved\n"
     "  --rope-theta T       RoPE base (default 10000)\n"
@@ -236,6 +240,8 @@ typedef struct run {
     const char *wpath, *xpath, *ypath, *gpath;
     mha_config base;
     mha_forward_args a;
+    bool incremental;      // --incremental: through a KV cache
+    int64_t chunk;         // --chunk: tokens per step (default 1)
     int64_t rope_start;    // --rope-start, for every batch element
     int64_t *rope_starts;  // ... as the per-element array the API takes
     mha_st_file *wf, *xf, *gf;
@@ -301,6 +307,7 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"rope", required_argument, 0, 'P'},      {"rope-theta", required_argument, 0, 'T'},
         {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
         {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
+        {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
         {0, 0, 0, 0}};
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
@@ -359,6 +366,12 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
             r->rope_start = v;
             break;
         case 'B': r->a.alibi = true; break;
+        case 'M': r->incremental = true; break;
+        case 'K':
+            if (parse_i64(optarg, &v) || v <= 0)
+                return usage_error(cmd, "--chunk needs a positive integer");
+            r->chunk = v;
+            break;
         case 'C':
             if (parse_f64(optarg, &f) || !(f > 0.0))
                 return usage_error(cmd, "--softcap needs a positive number");
@@ -394,6 +407,8 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         return usage_error(cmd, backward ? "--weights, --inputs, --grad-output and "
                                            "--out are required"
                                          : "--weights, --inputs and --out are required");
+    if (backward && r->incremental)
+        return usage_error(cmd, "--incremental is for mha forward");
     if (no_avg && !r->a.need_weights)
         return usage_error(cmd, "--no-average-weights needs --need-weights");
     r->a.average_attn_weights = !no_avg;
@@ -460,6 +475,34 @@ static int64_t shape_numel(const mha_shape *s) {
     return n;
 }
 
+// --incremental: the query's tokens chunk by chunk through a KV cache.
+static int run_incremental(run *r, mha_tensor *ot) {
+    const mha_tensor *q = r->a.query;
+    if (r->a.key != q || r->a.value != q || r->a.need_weights)
+        return usage_error(r->cmd, "--incremental is causal self-attention (no key/value "
+                                   "tensors, no --need-weights)");
+    const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;  // the sequence dim
+    const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
+    const mha_config *c = mha_module_config(r->m);
+    const int64_t H = c->num_heads, d = c->embed_dim / c->num_heads;
+    mha_kv_cache *cache = NULL;
+    mha_status st = mha_kv_cache_create(&cache, N, H, d, d, L > 0 ? L : 1);
+    if (st) return cli_fail(r->cmd, st);
+    const int64_t step = r->chunk ? r->chunk : 1;
+    for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
+        const int64_t n = L - t0 < step ? L - t0 : step;
+        mha_tensor qc = *q, oc = *ot;  // views of tokens [t0, t0 + n)
+        qc.data = (char *)q->data + t0 * q->stride[sd] * (int64_t)mha_dtype_size(q->dtype);
+        oc.data = (char *)ot->data + t0 * ot->stride[sd] * (int64_t)mha_dtype_size(ot->dtype);
+        qc.shape[sd] = oc.shape[sd] = n;
+        mha_forward_args a = r->a;
+        a.query = a.key = a.value = &qc;
+        st = mha_forward_cached(&oc, r->m, &a, cache);
+    }
+    mha_kv_cache_destroy(cache);
+    return st ? cli_fail(r->cmd, st) : 0;
+}
+
 // Runs the forward; writes attn_output (and the weights) into r->wr.
 static int run_forward_into(run *r) {
     mha_shape os, wsh;
@@ -470,6 +513,13 @@ static int run_forward_into(run *r) {
     if (!yo || (r->a.need_weights && !yw)) return 1;
     mha_tensor ot = mha_tensor_contiguous(yo, MHA_F32, os.ndim, os.dims);
     mha_tensor wt = mha_tensor_contiguous(yw, MHA_F32, wsh.ndim, wsh.dims);
+    if (r->incremental) {
+        int rc = run_incremental(r, &ot);
+        if (rc) return rc;
+        if ((st = mha_st_writer_add(r->wr, "attn_output", MHA_F32, os.ndim, os.dims, yo)))
+            return cli_fail(r->cmd, st);
+        return 0;
+    }
     if ((st = mha_forward(&ot, r->a.need_weights ? &wt : NULL, r->m, &r->a)) ||
         (st = mha_st_writer_add(r->wr, "attn_output", MHA_F32, os.ndim, os.dims, yo)) ||
         (r->a.need_weights &&
