@@ -167,6 +167,10 @@ MHA_API const char *mha_impl_name(mha_impl impl);
 typedef struct mha_config {
     int64_t embed_dim;   // E
     int64_t num_heads;   // H; must divide E
+    int64_t num_kv_heads;  // Hkv: heads of the keys and values; 0 means H;
+                           // must divide H (grouped-query attention; 1:
+                           // multi-query). Query head h reads KV head
+                           // h / (H / Hkv). Ekv = Hkv * d.
     int64_t kdim;        // features of key; 0 means E
     int64_t vdim;        // features of value; 0 means E
     bool bias;           // in_proj_bias and out_proj.bias (default true)
@@ -190,21 +194,24 @@ typedef struct mha_module mha_module;
 typedef struct mha_st_file mha_st_file;  // a safetensors file (see below)
 
 // Allocates the module and its parameters (all zero). Checks the config:
-// E > 0, H > 0, E % H == 0, kdim/vdim >= 0, 0 <= dropout, out_dropout < 1.
+// E > 0, H > 0, E % H == 0, 0 <= num_kv_heads (0: H) dividing H, kdim/vdim
+// >= 0, 0 <= dropout, out_dropout < 1.
 MHA_API MHA_NODISCARD mha_status mha_module_create(mha_module **out,
                                                    const mha_config *cfg);
 MHA_API void mha_module_destroy(mha_module *m);
-// The config with kdim/vdim resolved (never 0).
+// The config with kdim/vdim and num_kv_heads resolved (never 0).
 MHA_API const mha_config *mha_module_config(const mha_module *m);
 
-// Parameters, with PyTorch's names and layouts (y = x W^T + b):
-//   kdim == vdim == E: "in_proj_weight" (3E, E), rows Q then K then V
-//   otherwise:         "q_proj_weight" (E, E), "k_proj_weight" (E, kdim),
-//                      "v_proj_weight" (E, vdim)
-//   bias:              "in_proj_bias" (3E), "out_proj.bias" (E)
+// Parameters, with PyTorch's names and layouts (y = x W^T + b); Ekv =
+// num_kv_heads * d (= E without grouped-query attention):
+//   kdim == vdim == E: "in_proj_weight" (E + 2 Ekv, E), rows Q then K then V
+//   otherwise:         "q_proj_weight" (E, E), "k_proj_weight" (Ekv, kdim),
+//                      "v_proj_weight" (Ekv, vdim)
+//   bias:              "in_proj_bias" (E + 2 Ekv), "out_proj.bias" (E)
 //   always:            "out_proj.weight" (E, E)
-//   add_bias_kv:       "bias_k" (1, 1, E), "bias_v" (1, 1, E)
-// Head h uses features [h*d, (h+1)*d) of the projected Q, K and V.
+//   add_bias_kv:       "bias_k" (1, 1, Ekv), "bias_v" (1, 1, Ekv)
+// Query head h uses features [h*d, (h+1)*d) of the projected Q; KV head
+// g = h / (H / Hkv) features [g*d, (g+1)*d) of the projected K and V.
 // data points into the module (contiguous, float32, 64-byte aligned) and may
 // be read and written by the caller while no forward runs.
 typedef struct mha_param {
@@ -231,20 +238,24 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out,
 // which tensors are present and their shapes (every shape is checked; a
 // tensor that is not a parameter is an error); num_heads from
 // base->num_heads, or, when that is 0, from the file's __metadata__
-// "num_heads"; batch_first, add_zero_attn and dropout from base (NULL:
+// "num_heads"; num_kv_heads from base->num_kv_heads, or, when that is 0,
+// from __metadata__ "num_kv_heads", or, when absent, from the K/V shapes
+// (Ekv / d); batch_first, add_zero_attn and dropout from base (NULL:
 // defaults). F32, F16, BF16 and F64 tensors are accepted (converted to
 // float32).
 MHA_API MHA_NODISCARD mha_status mha_module_load(mha_module **out,
                                                  const mha_st_file *f,
                                                  const mha_config *base);
-// Writes every parameter as F32 and __metadata__ {"num_heads": "H"}.
+// Writes every parameter as F32 and __metadata__ {"num_heads": "H"} (and
+// "num_kv_heads" when it differs from num_heads).
 MHA_API MHA_NODISCARD mha_status mha_module_save(const mha_module *m,
                                                  const char *path);
 
 // Weight initialisation, seeded and reproducible (same seed, same values on
 // every machine; not bit-identical to torch's generator).
 typedef enum mha_init_scheme {
-    // PyTorch's defaults: xavier_uniform over the packed 3E x E matrix (or
+    // PyTorch's defaults: xavier_uniform over the packed (E + 2 Ekv) x E
+    // matrix with its own fans (or
     // each separate q/k/v matrix), out_proj.weight as nn.Linear
     // (kaiming_uniform a = sqrt(5), i.e. U(-1/sqrt(E), 1/sqrt(E))), zero
     // in_proj_bias and out_proj.bias, bias_k/bias_v xavier_normal.
@@ -293,10 +304,10 @@ MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m,
 // `mha demo` prints them). Called in order from the calling thread, with a
 // float32 view valid only during the call; b and h are -1 when the step is
 // not per batch element / head. Steps, per forward:
-//   "q", "k", "v"     projected inputs (N, L, E), (N, S', E), (N, S', E)
+//   "q", "k", "v"     projected inputs (N, L, E), (N, S', Ekv), (N, S', Ekv)
 //                     (the keys/values appended by add_bias_kv and
 //                     add_zero_attn included); head h is features
-//                     [h*d, (h+1)*d)
+//                     [h*d, (h+1)*d) (of k, v: KV head h / (H / Hkv))
 //   per (b, h): "scores" q k^T (L, S'); "scaled_scores" scale * q k^T + masks
 //               (L, S'); "weights" softmax (L, S'); "context" (L, d)
 //   "concat"          the heads' contexts merged back (N, L, E)
@@ -589,6 +600,35 @@ MHA_API MHA_NODISCARD mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r
                                                 const int64_t *start, bool inverse);
 
 // ---------------------------------------------------------------------------
+// Variable-length batches without padding (FlashAttention's cu_seqlens)
+//
+// The sequences of a batch packed one after another: q (Tq, H, D),
+// k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, H, Dv) (float32, unit stride
+// along the head dim; Hkv dividing H: grouped-query). Sequence b owns query
+// rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows
+// [cu_seqlens_k[b], cu_seqlens_k[b + 1]) (num_seqs + 1 offsets each,
+// starting at 0 and ending at Tq / Tk) and attends within itself only; no
+// work is spent on padding. is_causal and windows align each sequence's
+// query i with its key i (top-left, as mha_sdpa); ALiBi slopes per query
+// head and a soft cap as in mha_forward_args. Fused path only.
+typedef struct mha_varlen_args {
+    const int64_t *cu_seqlens_q;
+    const int64_t *cu_seqlens_k;
+    int64_t num_seqs;
+    bool is_causal;
+    int64_t window_left, window_right;  // -1: unbounded (the default)
+    bool use_custom_scale;              // else 1 / sqrt(D)
+    double scale;
+    const float *alibi_slopes;  // (H) or NULL
+    float softcap;              // 0: none
+} mha_varlen_args;
+
+MHA_API void mha_varlen_args_init(mha_varlen_args *a);
+MHA_API MHA_NODISCARD mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q,
+                                                 const mha_tensor *k, const mha_tensor *v,
+                                                 const mha_varlen_args *a);
+
+// ---------------------------------------------------------------------------
 // KV cache for incremental decoding (one per layer)
 //
 // Holds the projected (and rotated) keys and values of B sequences, per KV
@@ -647,8 +687,8 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 // to everything cached (a->alibi, a->softcap, a->window_* apply); project
 // the context into out (the query's shape). Running a sequence chunk by
 // chunk (or token by token) gives the full causal forward's result (within
-// float rounding). The cache needs batch N, num_kv_heads H, head dims
-// E / H. Not available: masks, need_weights, dropout, add_bias_kv,
+// float rounding). The cache needs batch N, the module's num_kv_heads,
+// head dims E / H. Not available: masks, need_weights, dropout, add_bias_kv,
 // add_zero_attn, kdim/vdim != E (MHA_ERR_UNSUPPORTED).
 MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_module *m,
                                                     const mha_forward_args *a,

@@ -60,6 +60,14 @@ class SdpaArgs(C.Structure):
                 ("impl", C.c_int)]
 
 
+class VarlenArgs(C.Structure):
+    _fields_ = [("cu_seqlens_q", C.POINTER(C.c_int64)), ("cu_seqlens_k", C.POINTER(C.c_int64)),
+                ("num_seqs", C.c_int64), ("is_causal", C.c_bool),
+                ("window_left", C.c_int64), ("window_right", C.c_int64),
+                ("use_custom_scale", C.c_bool), ("scale", C.c_double),
+                ("alibi_slopes", C.POINTER(C.c_float)), ("softcap", C.c_float)]
+
+
 class AttendArgs(C.Structure):
     _fields_ = [("use_custom_scale", C.c_bool), ("scale", C.c_double),
                 ("window_left", C.c_int64), ("window_right", C.c_int64),
@@ -96,6 +104,8 @@ class Lib:
         L.mha_cache_attend_args_init.argtypes = [C.POINTER(AttendArgs)]
         L.mha_kv_cache_attend.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.c_void_p,
                                           C.POINTER(AttendArgs), C.POINTER(C.c_int64)]
+        L.mha_varlen_args_init.argtypes = [C.POINTER(VarlenArgs)]
+        L.mha_sdpa_varlen.argtypes = [C.POINTER(Tensor)] * 4 + [C.POINTER(VarlenArgs)]
         self.L = L
 
     def err(self):
@@ -429,6 +439,89 @@ def test_threads(lib, ck, rng):
     lib.L.mha_kv_cache_destroy(cache)
 
 
+def attention_general(q, k, v, causal, window, slopes, softcap):
+    """q (H, L, D), k (Hkv, S, D), v (Hkv, S, Dv): top-left causal/window,
+    ALiBi -slope |i - j|, soft cap on the scaled scores; fully masked rows 0."""
+    H, Hkv = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(H // Hkv, dim=0)
+    v = v.repeat_interleave(H // Hkv, dim=0)
+    L, S = q.shape[1], k.shape[1]
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    if slopes is not None:
+        s = s - torch.tensor(slopes, dtype=s.dtype)[:, None, None] * (i - j).abs().to(s.dtype)
+    hide = torch.zeros((L, S), dtype=torch.bool)
+    if causal:
+        hide = hide | (j > i)
+    if window[0] >= 0:
+        hide = hide | (j < i - window[0])
+    if window[1] >= 0:
+        hide = hide | (j > i + window[1])
+    s = s.masked_fill(hide[None], float("-inf"))
+    w = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    return torch.matmul(w, v)
+
+
+def test_varlen(lib, ck, rng):
+    for case in range(30):
+        nseq = int(rng.integers(0, 5))
+        Hkv = int(rng.choice([1, 2]))
+        H = Hkv * int(rng.choice([1, 2, 3]))
+        D, Dv = int(rng.choice([8, 16, 64])), int(rng.choice([8, 32]))
+        lq = [int(rng.integers(0, 300)) for _ in range(nseq)]
+        lk = lq[:] if rng.random() < 0.6 else [int(rng.integers(0, 300)) for _ in range(nseq)]
+        cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int64)
+        ckk = np.concatenate([[0], np.cumsum(lk)]).astype(np.int64)
+        q = rng.standard_normal((int(cq[-1]), H, D)).astype(np.float32)
+        k = rng.standard_normal((int(ckk[-1]), Hkv, D)).astype(np.float32)
+        v = rng.standard_normal((int(ckk[-1]), Hkv, Dv)).astype(np.float32)
+        out = np.full((int(cq[-1]), H, Dv), np.nan, dtype=np.float32)
+        causal = bool(rng.random() < 0.5)
+        window = (int(rng.choice([-1, -1, 5, 60])), int(rng.choice([-1, -1, 7])))
+        slopes = [float(np.float32(2.0 ** (-(h + 1)))) for h in range(H)] if rng.random() < 0.3 else None
+        softcap = float(rng.choice([0.0, 0.0, 3.0]))
+        a = VarlenArgs()
+        lib.L.mha_varlen_args_init(C.byref(a))
+        cq_c = (C.c_int64 * (nseq + 1))(*cq.tolist())
+        ck_c = (C.c_int64 * (nseq + 1))(*ckk.tolist())
+        a.cu_seqlens_q, a.cu_seqlens_k, a.num_seqs = cq_c, ck_c, nseq
+        a.is_causal = causal
+        a.window_left, a.window_right = window
+        sl = (C.c_float * H)(*slopes) if slopes else None
+        if sl is not None:
+            a.alibi_slopes = sl
+        a.softcap = softcap
+        tq, tk, tv, to = tensor(q), tensor(k), tensor(v), tensor(out)
+        rc = lib.L.mha_sdpa_varlen(C.byref(to), C.byref(tq), C.byref(tk), C.byref(tv), C.byref(a))
+        ck.check(rc == 0, "varlen %d: status %d %s" % (case, rc, lib.err() if rc else ""))
+        refs = [np.zeros_like(out, dtype=np.float64), np.zeros_like(out, dtype=np.float64)]
+        for b in range(nseq):
+            for r, dt in enumerate((torch.float64, torch.float32)):
+                if lq[b] == 0:
+                    continue
+                qq = torch.from_numpy(q[cq[b]:cq[b + 1]]).to(dt).transpose(0, 1)
+                kk = torch.from_numpy(k[ckk[b]:ckk[b + 1]]).to(dt).transpose(0, 1)
+                vv = torch.from_numpy(v[ckk[b]:ckk[b + 1]]).to(dt).transpose(0, 1)
+                o = attention_general(qq, kk, vv, causal, window, slopes, softcap)
+                refs[r][cq[b]:cq[b + 1]] = o.transpose(0, 1).numpy()
+        ck.close("varlen %d (seqs %s / %s, H %d Hkv %d causal %d window %s alibi %d softcap %g)"
+                 % (case, lq, lk, H, Hkv, causal, window, slopes is not None, softcap),
+                 out, refs[0], refs[1])
+    # offsets that do not add up: refused with the values
+    q = np.zeros((4, 1, 8), dtype=np.float32)
+    out = np.zeros((4, 1, 8), dtype=np.float32)
+    a = VarlenArgs()
+    lib.L.mha_varlen_args_init(C.byref(a))
+    cu = (C.c_int64 * 3)(0, 3, 5)
+    a.cu_seqlens_q = a.cu_seqlens_k = cu
+    a.num_seqs = 2
+    tq, to = tensor(q), tensor(out)
+    rc = lib.L.mha_sdpa_varlen(C.byref(to), C.byref(tq), C.byref(tq), C.byref(tq), C.byref(a))
+    ck.check(rc != 0 and "cu_seqlens_q" in lib.err(), "varlen: bad offsets refused (%s)" % lib.err())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
@@ -444,6 +537,7 @@ def main():
     test_cache(lib, ck, rng, args.cases)
     test_counts(lib, ck, rng)
     test_threads(lib, ck, rng)
+    test_varlen(lib, ck, rng)
     print("%d passed, %d failed" % (ck.passed, ck.failed))
     return 1 if ck.failed else 0
 
