@@ -167,10 +167,6 @@ MHA_API const char *mha_impl_name(mha_impl impl);
 typedef struct mha_config {
     int64_t embed_dim;   // E
     int64_t num_heads;   // H; must divide E
-    int64_t num_kv_heads;  // Hkv: heads of the keys and values; 0 means H;
-                           // must divide H (grouped-query attention; 1:
-                           // multi-query). Query head h reads KV head
-                           // h / (H / Hkv). Ekv = Hkv * d.
     int64_t kdim;        // features of key; 0 means E
     int64_t vdim;        // features of value; 0 means E
     bool bias;           // in_proj_bias and out_proj.bias (default true)
@@ -183,6 +179,11 @@ typedef struct mha_config {
     float out_dropout;   // p in [0, 1): dropout after the output
                          // projection (not in PyTorch's module); training
                          // only
+    int64_t num_kv_heads;  // Hkv: heads of the keys and values; 0 means H;
+                           // must divide H (grouped-query attention; 1:
+                           // multi-query). Query head h reads KV head
+                           // h / (H / Hkv); Ekv = Hkv * d. (Last, so the
+                           // layout of the fields above is unchanged.)
 } mha_config;
 
 // Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
@@ -645,9 +646,29 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tens
 // for any number of threads.
 typedef struct mha_kv_cache mha_kv_cache;
 
+// Storage of the cached K and V: float32, bfloat16 or float16 (rounded to
+// nearest even on append), or int8 with one float scale per (sequence,
+// head, token) row (symmetric: max|row| / 127). Attention dequantises a
+// chunk of rows at a time and computes in float32. The error against a
+// float32 cache, tested: max|out - out_f32| <= 4 u (1 + max|s|) max|v| with
+// u = 2^-8 (bf16), 2^-11 (f16), 1/127 (int8), s the scaled scores.
+typedef enum mha_kv_dtype {
+    MHA_KV_F32 = 0,
+    MHA_KV_BF16 = 1,
+    MHA_KV_F16 = 2,
+    MHA_KV_INT8 = 3
+} mha_kv_dtype;
+
 MHA_API MHA_NODISCARD mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch,
                                                      int64_t num_kv_heads, int64_t head_dim,
                                                      int64_t v_head_dim, int64_t capacity);
+// As mha_kv_cache_create (which is MHA_KV_F32), with the storage type.
+MHA_API MHA_NODISCARD mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch,
+                                                        int64_t num_kv_heads, int64_t head_dim,
+                                                        int64_t v_head_dim, int64_t capacity,
+                                                        mha_kv_dtype dtype);
+// Bytes of K, V (and int8 scales) the cache holds at capacity.
+MHA_API size_t mha_kv_cache_bytes(const mha_kv_cache *c);
 MHA_API void mha_kv_cache_destroy(mha_kv_cache *c);
 // Length of sequence b (-1 if b is out of range).
 MHA_API int64_t mha_kv_cache_length(const mha_kv_cache *c, int64_t b);

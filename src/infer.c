@@ -144,12 +144,26 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
 
 struct mha_kv_cache {
     int64_t B, Hkv, D, Dv, cap;
-    float *k, *v;  // (B, Hkv, cap, D), (B, Hkv, cap, Dv)
+    mha_kv_dtype dt;
+    size_t esz;    // bytes per stored element
+    void *k, *v;   // (B, Hkv, cap, D), (B, Hkv, cap, Dv) of dt
+    float *ks, *vs;  // int8: one scale per (b, head, token) row of K and V
     int64_t *len;  // (B)
 };
 
+static size_t kv_esz(mha_kv_dtype dt) {
+    return dt == MHA_KV_F32 ? 4 : dt == MHA_KV_INT8 ? 1 : 2;
+}
+
 mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch, int64_t num_kv_heads,
                                int64_t head_dim, int64_t v_head_dim, int64_t capacity) {
+    return mha_kv_cache_create_ex(out, batch, num_kv_heads, head_dim, v_head_dim, capacity,
+                                  MHA_KV_F32);
+}
+
+mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t v_head_dim, int64_t capacity,
+                                  mha_kv_dtype dtype) {
     if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_kv_cache_create: NULL out");
     *out = NULL;
     if (batch < 1 || num_kv_heads < 1 || head_dim < 1 || v_head_dim < 1 || capacity < 1)
@@ -158,21 +172,31 @@ mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch, int64_t num_kv
                          "v_head_dim %lld, capacity %lld must all be >= 1",
                          (long long)batch, (long long)num_kv_heads, (long long)head_dim,
                          (long long)v_head_dim, (long long)capacity);
-    int64_t nk, nv;
-    size_t bk, bv;
-    if (mha__mul_overflow_i64(batch, num_kv_heads, &nk) ||
-        mha__mul_overflow_i64(nk, capacity, &nk) || mha__mul_overflow_i64(nk, v_head_dim, &nv) ||
-        mha__mul_overflow_i64(nk, head_dim, &nk) ||
-        mha__mul_overflow_size((size_t)nk, sizeof(float), &bk) ||
-        mha__mul_overflow_size((size_t)nv, sizeof(float), &bv))
+    if (dtype != MHA_KV_F32 && dtype != MHA_KV_BF16 && dtype != MHA_KV_F16 &&
+        dtype != MHA_KV_INT8)
+        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache: unknown storage type %d", (int)dtype);
+    int64_t rows, nk, nv;
+    size_t bk, bv, bs;
+    if (mha__mul_overflow_i64(batch, num_kv_heads, &rows) ||
+        mha__mul_overflow_i64(rows, capacity, &rows) || mha__mul_overflow_i64(rows, v_head_dim, &nv) ||
+        mha__mul_overflow_i64(rows, head_dim, &nk) ||
+        mha__mul_overflow_size((size_t)nk, kv_esz(dtype), &bk) ||
+        mha__mul_overflow_size((size_t)nv, kv_esz(dtype), &bv) ||
+        mha__mul_overflow_size((size_t)rows, sizeof(float), &bs))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache: size overflows");
     mha_kv_cache *c = calloc(1, sizeof *c);
     if (!c) return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory");
     c->B = batch, c->Hkv = num_kv_heads, c->D = head_dim, c->Dv = v_head_dim, c->cap = capacity;
+    c->dt = dtype;
+    c->esz = kv_esz(dtype);
     c->k = mha__alloc(bk);
     c->v = mha__alloc(bv);
+    if (dtype == MHA_KV_INT8) {
+        c->ks = mha__alloc(bs);
+        c->vs = mha__alloc(bs);
+    }
     c->len = calloc((size_t)batch, sizeof *c->len);
-    if (!c->k || !c->v || !c->len) {
+    if (!c->k || !c->v || !c->len || (dtype == MHA_KV_INT8 && (!c->ks || !c->vs))) {
         mha_kv_cache_destroy(c);
         return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory for %zu bytes", bk + bv);
     }
@@ -180,10 +204,72 @@ mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch, int64_t num_kv
     return MHA_OK;
 }
 
+size_t mha_kv_cache_bytes(const mha_kv_cache *c) {
+    if (!c) return 0;
+    const size_t rows = (size_t)(c->B * c->Hkv * c->cap);
+    return rows * (size_t)(c->D + c->Dv) * c->esz +
+           (c->dt == MHA_KV_INT8 ? 2 * rows * sizeof(float) : 0);
+}
+
+// Stores one row x (n floats, element stride xs, from a float32 or float64
+// view) as row r of the cache's K (or V) in its storage type.
+static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x, bool f64,
+                      int64_t xs, int64_t n) {
+    float buf[4096], *row = buf, *heap = NULL;
+    if (n > 4096) row = heap = malloc(sizeof(float) * (size_t)n);
+    if (!row) return;  // (not reached for head dims up to 4096)
+    for (int64_t e = 0; e < n; e++)
+        row[e] = f64 ? (float)((const double *)x)[e * xs] : ((const float *)x)[e * xs];
+    char *dst = (char *)(isv ? c->v : c->k) + (size_t)(r * n) * c->esz;
+    switch (c->dt) {
+    case MHA_KV_F32: memcpy(dst, row, sizeof(float) * (size_t)n); break;
+    case MHA_KV_BF16:
+        for (int64_t e = 0; e < n; e++) ((uint16_t *)dst)[e] = mha_f32_to_bf16(row[e]);
+        break;
+    case MHA_KV_F16:
+        for (int64_t e = 0; e < n; e++) ((uint16_t *)dst)[e] = mha_f32_to_f16(row[e]);
+        break;
+    case MHA_KV_INT8: {  // symmetric, one scale per row: max|x| / 127
+        float mx = 0.0f;
+        for (int64_t e = 0; e < n; e++) mx = fabsf(row[e]) > mx ? fabsf(row[e]) : mx;
+        const float sc = mx > 0.0f ? mx / 127.0f : 1.0f;
+        (isv ? c->vs : c->ks)[r] = sc;
+        for (int64_t e = 0; e < n; e++) {
+            float qv = nearbyintf(row[e] / sc);
+            qv = qv > 127.0f ? 127.0f : qv < -127.0f ? -127.0f : qv;
+            ((int8_t *)dst)[e] = (int8_t)qv;
+        }
+        break;
+    }
+    }
+    free(heap);
+}
+
+// Rows [r0, r0 + n) of K (or V) as float32: a pointer into the cache (f32),
+// or dequantised into buf.
+static const float *load_rows(const mha__kernels *kt, const mha_kv_cache *c, bool isv,
+                              int64_t r0, int64_t n, float *buf) {
+    const int64_t w = isv ? c->Dv : c->D;
+    const char *src = (const char *)(isv ? c->v : c->k) + (size_t)(r0 * w) * c->esz;
+    switch (c->dt) {
+    case MHA_KV_F32: return (const float *)src;
+    case MHA_KV_BF16: kt->cvt_bf16(buf, (const uint16_t *)src, n * w); break;
+    case MHA_KV_F16: kt->cvt_f16(buf, (const uint16_t *)src, n * w); break;
+    case MHA_KV_INT8:
+        for (int64_t j = 0; j < n; j++)
+            kt->cvt_i8(buf + j * w, (const int8_t *)src + j * w, w,
+                       (isv ? c->vs : c->ks)[r0 + j]);
+        break;
+    }
+    return buf;
+}
+
 void mha_kv_cache_destroy(mha_kv_cache *c) {
     if (!c) return;
     mha__free(c->k);
     mha__free(c->v);
+    mha__free(c->ks);
+    mha__free(c->vs);
     free(c->len);
     free(c);
 }
@@ -246,16 +332,14 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_t
         const int64_t n = counts ? counts[b] : T;
         for (int64_t h = 0; h < c->Hkv; h++)
             for (int64_t t = 0; t < n; t++) {
-                float *kd = c->k + ((b * c->Hkv + h) * c->cap + c->len[b] + t) * c->D;
-                float *vd = c->v + ((b * c->Hkv + h) * c->cap + c->len[b] + t) * c->Dv;
+                const int64_t r = (b * c->Hkv + h) * c->cap + c->len[b] + t;
                 const int64_t ko = b * k->stride[0] + h * k->stride[1] + t * k->stride[2];
                 const int64_t vo = b * v->stride[0] + h * v->stride[1] + t * v->stride[2];
-                for (int64_t e = 0; e < c->D; e++)
-                    kd[e] = k->dtype == MHA_F64 ? (float)((const double *)k->data)[ko + e * k->stride[3]]
-                                                : ((const float *)k->data)[ko + e * k->stride[3]];
-                for (int64_t e = 0; e < c->Dv; e++)
-                    vd[e] = v->dtype == MHA_F64 ? (float)((const double *)v->data)[vo + e * v->stride[3]]
-                                                : ((const float *)v->data)[vo + e * v->stride[3]];
+                const bool kf = k->dtype == MHA_F64, vf = v->dtype == MHA_F64;
+                store_row(c, false, r, (const char *)k->data + ko * (kf ? 8 : 4), kf,
+                          k->stride[3], c->D);
+                store_row(c, true, r, (const char *)v->data + vo * (vf ? 8 : 4), vf,
+                          v->stride[3], c->Dv);
             }
         c->len[b] += n;
     }
@@ -356,11 +440,25 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
 
     if (T > MHA__DECODE_MAX_T) {  // prefill chunk: flash tiles, positions offset
         const size_t sf = mha__flash_scratch_floats(D, Dv, c->cap, 0, false);
+        // a reduced-precision cache is dequantised first (the rows in use)
+        const size_t nkv = c->dt == MHA_KV_F32 ? 0 : (size_t)(B * c->Hkv * maxlen * (D + Dv));
         size_t bytes;
-        if (mha__mul_overflow_size(sf * sizeof(float), (size_t)nt, &bytes))
+        if (mha__mul_overflow_size(sf * sizeof(float), (size_t)nt, &bytes) ||
+            mha__add_overflow_size(bytes, nkv * sizeof(float), &bytes))
             return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
         float *blk = mha__alloc(bytes);
         if (!blk) return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory");
+        float *kf = blk + sf * (size_t)nt, *vf = kf + (size_t)(B * c->Hkv * maxlen * D);
+        if (nkv) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+            for (int64_t bh = 0; bh < B * c->Hkv; bh++) {
+                const int64_t r0 = bh * c->cap, n = c->len[bh / c->Hkv];
+                float *kd = kf + bh * maxlen * D, *vd = vf + bh * maxlen * Dv;
+                const float *ks = load_rows(kt, c, false, r0, n, kd);
+                const float *vs = load_rows(kt, c, true, r0, n, vd);
+                (void)ks, (void)vs;  // written into kd, vd
+            }
+        }
         for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
         const int64_t tiles = (T + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
@@ -380,8 +478,12 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
             const int64_t hk = h / G;
             mha__flash_head fh = {
                 .q = qd + b * q->stride[0] + h * q->stride[1], .q_rs = q->stride[2],
-                .k = c->k + (b * c->Hkv + hk) * c->cap * D, .k_rs = D,
-                .v = c->v + (b * c->Hkv + hk) * c->cap * Dv, .v_rs = Dv,
+                .k = nkv ? kf + (b * c->Hkv + hk) * maxlen * D
+                         : (const float *)c->k + (b * c->Hkv + hk) * c->cap * D,
+                .k_rs = D,
+                .v = nkv ? vf + (b * c->Hkv + hk) * maxlen * Dv
+                         : (const float *)c->v + (b * c->Hkv + hk) * c->cap * Dv,
+                .v_rs = Dv,
                 .o = o + b * out->stride[0] + h * out->stride[1], .o_rs = out->stride[2],
                 .L = Tb, .S = c->len[b], .D = D, .Dv = Dv, .scale = (float)scale,
                 .mask = &mk, .b = b, .h = h,
@@ -400,7 +502,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
     const size_t per = (size_t)(Dv + 2), items = (size_t)(B * c->Hkv * (nch > 0 ? nch : 1));
     size_t np, bytes;
     if (mha__mul_overflow_size((size_t)(B * H * (nch > 0 ? nch : 1) * T), per, &np) ||
-        mha__add_overflow_size(np, (size_t)(CH + D) * (size_t)nt, &np) ||
+        mha__add_overflow_size(np, (size_t)(CH + D + CH * (D + Dv)) * (size_t)nt, &np) ||
         mha__mul_overflow_size(np, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
     float *part = mha__alloc(bytes);
@@ -411,9 +513,13 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
         const int64_t b = it / (c->Hkv * nch), hk = (it / nch) % c->Hkv, ch = it % nch;
         const int64_t n = c->len[b], Tb = counts ? counts[b] : T, j0 = ch * CH;
         const int64_t j1 = j0 + CH < n ? j0 + CH : n;
-        float *s = tsc + (size_t)mha__thread_id() * (size_t)(CH + D), *qs = s + CH;
-        const float *K = c->k + (b * c->Hkv + hk) * c->cap * D,
-                    *V = c->v + (b * c->Hkv + hk) * c->cap * Dv;
+        float *s = tsc + (size_t)mha__thread_id() * (size_t)(CH + D + CH * (D + Dv)),
+              *qs = s + CH, *kbuf = qs + D, *vbuf = kbuf + CH * D;
+        // this chunk's rows as float32 (dequantised once for every query
+        // head of the group); K, V index rows from j0
+        const int64_t r0 = (b * c->Hkv + hk) * c->cap + j0, nrows = j1 > j0 ? j1 - j0 : 0;
+        const float *K = load_rows(kt, c, false, r0, nrows, kbuf),
+                    *V = load_rows(kt, c, true, r0, nrows, vbuf);
         for (int64_t h = hk * G; h < (hk + 1) * G; h++)
             for (int64_t t = 0; t < Tb; t++) {
                 float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
@@ -427,7 +533,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 if (lo >= hi) continue;
                 const float *qr = qd + b * q->stride[0] + h * q->stride[1] + t * q->stride[2];
                 for (int64_t e = 0; e < D; e++) qs[e] = (float)scale * qr[e];
-                kt->dot_rows(s, K + lo * D, D, qs, hi - lo, D);
+                kt->dot_rows(s, K + (lo - j0) * D, D, qs, hi - lo, D);
                 if (a.softcap > 0.0f)
                     for (int64_t j = 0; j < hi - lo; j++)
                         s[j] = a.softcap * tanhf(s[j] / a.softcap);
@@ -438,7 +544,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 }
                 float m = -INFINITY, l = 0.0f;
                 (void)kt->softmax_update(s, hi - lo, &m, &l);  // s <- exp(s - m)
-                kt->gemm_nn_acc(pp + 2, Dv, s, hi - lo, V + lo * Dv, Dv, 1, Dv, hi - lo);
+                kt->gemm_nn_acc(pp + 2, Dv, s, hi - lo, V + (lo - j0) * Dv, Dv, 1, Dv, hi - lo);
                 pp[0] = m;
                 pp[1] = l;
             }

@@ -463,6 +463,35 @@ static void test_softmax_rows(const mha__kernels *k) {
         }
 }
 
+// cvt_bf16 / cvt_f16 / cvt_i8: bit for bit the scalar conversions (every
+// finite f16 and a spread of bf16 patterns, lengths with tails).
+static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
+    enum { N = 65536 };
+    static uint16_t h[N];
+    static int8_t i8[N];
+    static float a[N], b[N];
+    for (int i = 0; i < N; i++) {
+        h[i] = (uint16_t)i;
+        i8[i] = (int8_t)(i * 37);
+    }
+    const int64_t lens[] = {0, 1, 15, 17, 1000, N};
+    for (size_t l = 0; l < sizeof lens / sizeof lens[0]; l++) {
+        const int64_t n = lens[l];
+        int bad = 0;
+        k->cvt_bf16(a, h, n);
+        g->cvt_bf16(b, h, n);
+        for (int64_t i = 0; i < n; i++) bad += memcmp(a + i, b + i, 4) != 0;
+        k->cvt_f16(a, h, n);
+        g->cvt_f16(b, h, n);
+        for (int64_t i = 0; i < n; i++)  // NaN payloads may differ; not bits
+            bad += !(isnan(a[i]) && isnan(b[i])) && memcmp(a + i, b + i, 4) != 0;
+        k->cvt_i8(a, i8, n, 0.37f);
+        g->cvt_i8(b, i8, n, 0.37f);
+        for (int64_t i = 0; i < n; i++) bad += memcmp(a + i, b + i, 4) != 0;
+        CHECKF(bad == 0, "%s cvt n %lld: %d values differ from scalar", k->isa, (long long)n, bad);
+    }
+}
+
 int main(void) {
     const mha__kernels *g = mha__kernels_for("scalar");
     CHECK(g != NULL);
@@ -477,6 +506,7 @@ int main(void) {
         test_gemm(k, g);
         test_softmax(k, g);
         test_softmax_rows(k);
+        test_cvt(k, g);
         test_gemm_tn(k);
         test_packed(k);
         tested++;

@@ -60,7 +60,8 @@ static const char *bench_help =
     "                     tokens (mha_kv_cache_attend; no projections), with\n"
     "                     --num-kv-heads K (default: --num-heads); prints the\n"
     "                     K and V bytes read per second against this machine's\n"
-    "                     read bandwidth measured in the same process\n"
+    "                     read bandwidth measured in the same process;\n"
+    "                     --kv-dtype f32|bf16|f16|int8 the cache's storage\n"
     "  --no-save          with --backward: no saved forward state\n"
     "                     (mha_forward_args.save), so mha_backward re-runs\n"
     "                     the forward (default: the forward keeps it)\n"
@@ -88,6 +89,7 @@ typedef struct bench_opts {
     int64_t B, L, S, E, H;
     bool causal, backward, core, json, workspace, no_save, decode;
     int64_t kv_len, kv_heads;  // --decode
+    int kv_dtype;              // --kv-dtype: mha_kv_dtype
     int64_t window;  // 0: none
     int threads;     // 0: the default
     mha_impl impl;
@@ -507,6 +509,7 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
         {"no-save", no_argument, 0, 'N'},         {"decode", no_argument, 0, 'D'},
         {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
+        {"kv-dtype", required_argument, 0, 'T'},
         {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
         {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
@@ -535,6 +538,13 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         case 'C': o->core = true; break;
         case 'N': o->no_save = true; break;
         case 'D': o->decode = true; break;
+        case 'T':
+            if (!strcmp(optarg, "f32")) o->kv_dtype = MHA_KV_F32;
+            else if (!strcmp(optarg, "bf16")) o->kv_dtype = MHA_KV_BF16;
+            else if (!strcmp(optarg, "f16")) o->kv_dtype = MHA_KV_F16;
+            else if (!strcmp(optarg, "int8")) o->kv_dtype = MHA_KV_INT8;
+            else return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
+            break;
         case 'K': if (parse_int(optarg, 1, big, &o->kv_len)) return bench_usage("--kv-len needs a positive integer"); break;
         case 'G': if (parse_int(optarg, 1, big, &o->kv_heads)) return bench_usage("--num-kv-heads needs a positive integer"); break;
         case 't':
@@ -773,7 +783,7 @@ static int bench_decode(const bench_opts *o, int threads) {
     const int64_t B = o->B, H = o->H, Hkv = o->kv_heads, d = o->E / o->H, N = o->kv_len,
                   T = o->L;
     mha_kv_cache *c = NULL;
-    mha_status st = mha_kv_cache_create(&c, B, Hkv, d, d, N);
+    mha_status st = mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, (mha_kv_dtype)o->kv_dtype);
     if (st) return cli_fail("bench", st);
     uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
     const int64_t chunk = 4096;  // filled chunk by chunk (bounded temporary)
@@ -806,31 +816,34 @@ static int bench_decode(const bench_opts *o, int threads) {
         qsort(times, (size_t)o->repeat, sizeof *times, cmp_double);
         const int64_t n = o->repeat;
         const double med = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
-        const double bytes = (double)B * Hkv * N * 2.0 * d * sizeof(float);
+        const double bytes = (double)mha_kv_cache_bytes(c);  // all N rows are in use
         size_t bw_bytes = (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576);
         const double bw = read_bandwidth(threads, bw_bytes), gbs = bytes / (med * 1e-3) * 1e-9;
+        static const char *const names[] = {"f32", "bf16", "f16", "int8"};
+        const char *kv_name = names[o->kv_dtype];
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
                    "\"batch\": %lld, \"num_heads\": %lld, \"num_kv_heads\": %lld, "
                    "\"head_dim\": %lld, \"queries\": %lld, \"kv_len\": %lld, "
-                   "\"kv_dtype\": \"f32\", \"repeat\": %lld, \"median_ms\": %.4f, "
+                   "\"kv_dtype\": \"%s\", \"repeat\": %lld, \"median_ms\": %.4f, "
                    "\"min_ms\": %.4f, \"max_ms\": %.4f, \"kv_bytes\": %.6g, "
                    "\"kv_gbps\": %.3f, \"read_bandwidth_gbps\": %.3f, "
                    "\"bandwidth_fraction\": %.4f, \"max_rss_mib\": %.1f}\n",
                    threads, mha_isa(), (long long)B, (long long)H, (long long)Hkv, (long long)d,
-                   (long long)T, (long long)N, (long long)o->repeat, med, times[0],
+                   (long long)T, (long long)N, kv_name, (long long)o->repeat, med, times[0],
                    times[n - 1], bytes, gbs, bw, bw > 0 ? gbs / bw : 0.0, max_rss_mib());
         else
             printf("mha bench: decode step (mha_kv_cache_attend), %d thread%s, kernels %s\n"
                    "  shape      batch %lld, %lld query head%s x %lld quer%s, %lld KV head%s, "
-                   "d %lld, %lld cached tokens (f32)\n"
+                   "d %lld, %lld cached tokens (%s)\n"
                    "  time       median %.3f ms (min %.3f, max %.3f; %lld runs)\n"
                    "  reads      K and V: %.1f MiB per step = %.1f GB/s = %.1f%% of the read "
                    "bandwidth %.1f GB/s measured here (%d thread%s)\n"
                    "  memory     process max RSS %.1f MiB\n",
                    threads, threads == 1 ? "" : "s", mha_isa(), (long long)B, (long long)H,
                    H == 1 ? "" : "s", (long long)T, T == 1 ? "y" : "ies", (long long)Hkv,
-                   Hkv == 1 ? "" : "s", (long long)d, (long long)N, med, times[0], times[n - 1],
+                   Hkv == 1 ? "" : "s", (long long)d, (long long)N, kv_name, med, times[0],
+                   times[n - 1],
                    (long long)o->repeat, bytes / 1048576.0, gbs, bw > 0 ? 100.0 * gbs / bw : 0.0,
                    bw, threads, threads == 1 ? "" : "s", max_rss_mib());
     }

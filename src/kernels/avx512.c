@@ -13,6 +13,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -453,6 +454,42 @@ static void dot_rows(float *s, const float *A, int64_t lda, const float *x, int6
     }
 }
 
+// AVX-512F only (no BW): whole blocks of 16 by 256/128-bit loads, the tail
+// in scalar code.
+static void cvt_bf16(float *dst, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) {
+        const uint32_t b = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &b, 4);
+    }
+}
+
+static void cvt_f16(float *dst, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    for (; i < n; i++) {
+        uint16_t one[16] = {src[i]};
+        float out[16];
+        _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)one)));
+        dst[i] = out[0];
+    }
+}
+
+static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
+    const __m512 s = _mm512_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(s, _mm512_cvtepi32_ps(w)));
+    }
+    for (; i < n; i++) dst[i] = scale * (float)src[i];
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     const __m512 va = _mm512_set1_ps(a);
     for (int64_t j = 0; j < n; j += 16) {
@@ -479,6 +516,9 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->softmax_update = softmax_update;
     k->softmax_rows = softmax_rows;
     k->dot_rows = dot_rows;
+    k->cvt_bf16 = cvt_bf16;
+    k->cvt_f16 = cvt_f16;
+    k->cvt_i8 = cvt_i8;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = PNR;

@@ -3,7 +3,10 @@
 // sum: C[i][j] accumulates over k in increasing k, whatever the ISA.
 #include <math.h>
 
+#include <string.h>
+
 #include "kernels.h"
+#include "mha.h"
 
 static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
                         const float *B, int64_t ldb, int64_t M, int64_t N,
@@ -77,6 +80,21 @@ static void dot_rows(float *s, const float *A, int64_t lda, const float *x, int6
         for (int u = 0; u < 16; u++) t += acc[u];
         s[j] = t;
     }
+}
+
+static void cvt_bf16(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t b = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &b, 4);
+    }
+}
+
+static void cvt_f16(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = mha_f16_to_f32(src[i]);
+}
+
+static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++) dst[i] = scale * (float)src[i];
 }
 
 static void scale_row(float *y, int64_t n, float a) {
@@ -154,6 +172,9 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->softmax_update = softmax_update;
     k->softmax_rows = softmax_rows;
     k->dot_rows = dot_rows;
+    k->cvt_bf16 = cvt_bf16;
+    k->cvt_f16 = cvt_f16;
+    k->cvt_i8 = cvt_i8;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = GNR;

@@ -63,6 +63,12 @@ typedef struct mha__kernels {
     //   (decode: one query against cached key rows, read once each)
     void (*dot_rows)(float *s, const float *A, int64_t lda, const float *x, int64_t n,
                      int64_t D);
+    // cvt_bf16 / cvt_f16: dst[i] = src[i] as float32 (exact), i < n
+    // cvt_i8: dst[i] = scale * src[i]                          overwrite
+    //   (reduced-precision KV caches, dequantised a chunk at a time)
+    void (*cvt_bf16)(float *dst, const uint16_t *src, int64_t n);
+    void (*cvt_f16)(float *dst, const uint16_t *src, int64_t n);
+    void (*cvt_i8)(float *dst, const int8_t *src, int64_t n, float scale);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf

@@ -95,6 +95,9 @@ class Lib:
         L.mha_sdpa_args_init.argtypes = [C.POINTER(SdpaArgs)]
         L.mha_sdpa.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.POINTER(SdpaArgs)]
         L.mha_kv_cache_create.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5
+        L.mha_kv_cache_create_ex.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5 + [C.c_int]
+        L.mha_kv_cache_bytes.argtypes = [C.c_void_p]
+        L.mha_kv_cache_bytes.restype = C.c_size_t
         L.mha_kv_cache_destroy.argtypes = [C.c_void_p]
         L.mha_kv_cache_length.argtypes = [C.c_void_p, C.c_int64]
         L.mha_kv_cache_length.restype = C.c_int64
@@ -522,6 +525,54 @@ def test_varlen(lib, ck, rng):
     ck.check(rc != 0 and "cu_seqlens_q" in lib.err(), "varlen: bad offsets refused (%s)" % lib.err())
 
 
+def test_cache_dtypes(lib, ck, rng):
+    """bf16 / f16 / int8 caches against a float32 cache on the same stream
+    (decode steps and prefill chunks): the documented bound
+    max|out - out_f32| <= 4 u (1 + max|s|) max|v|."""
+    units = {1: ("bf16", 2.0 ** -8, 2), 2: ("f16", 2.0 ** -11, 2), 3: ("int8", 1.0 / 127, 1)}
+    for case in range(12):
+        B, Hkv, G, D = int(rng.integers(1, 3)), int(rng.choice([1, 2])), int(rng.choice([1, 3])), 64
+        H, total = Hkv * G, int(rng.integers(20, 1500))
+        K = rng.standard_normal((B, Hkv, total, D)).astype(np.float32)
+        V = rng.standard_normal((B, Hkv, total, D)).astype(np.float32)
+        Q = rng.standard_normal((B, H, total, D)).astype(np.float32)
+        sched, n = [], 0
+        while n < total:
+            T = min(1 if rng.random() < 0.5 else int(rng.integers(17, 200)), total - n)
+            sched.append((n, T))
+            n += T
+        outs = {}
+        for dt in (0, 1, 2, 3):
+            cache = C.c_void_p()
+            rc = lib.L.mha_kv_cache_create_ex(C.byref(cache), B, Hkv, D, D, total, dt)
+            ck.check(rc == 0, "cache dtype %d: create (%s)" % (dt, lib.err() if rc else ""))
+            if dt:
+                want = B * Hkv * total * 2 * D * units[dt][2] + (B * Hkv * total * 8 if dt == 3 else 0)
+                ck.check(lib.L.mha_kv_cache_bytes(cache) == want,
+                         "cache %s: %d bytes held" % (units[dt][0], lib.L.mha_kv_cache_bytes(cache)))
+            out = np.zeros((B, H, total, D), dtype=np.float32)
+            for (n0, T) in sched:
+                k = np.ascontiguousarray(K[:, :, n0:n0 + T])
+                v = np.ascontiguousarray(V[:, :, n0:n0 + T])
+                q = np.ascontiguousarray(Q[:, :, n0:n0 + T])
+                o = np.zeros((B, H, T, D), dtype=np.float32)
+                tk, tv, tq, to = tensor(k), tensor(v), tensor(q), tensor(o)
+                lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), None)
+                lib.L.mha_kv_cache_attend(C.byref(to), C.byref(tq), cache, None, None)
+                out[:, :, n0:n0 + T] = o
+            outs[dt] = out
+            lib.L.mha_kv_cache_destroy(cache)
+        Kr = np.repeat(K, G, axis=1)  # the scaled scores' largest magnitude
+        smax = max(float(np.max(np.abs(Q[b] @ Kr[b].transpose(0, 2, 1)))) for b in range(B)) / math.sqrt(D)
+        vmax = float(np.max(np.abs(V)))
+        for dt in (1, 2, 3):
+            name, u, _ = units[dt]
+            e = float(np.max(np.abs(outs[dt].astype(np.float64) - outs[0])))
+            bound = 4 * u * (1 + smax) * vmax
+            ck.check(e <= bound, "cache %s %d (B %d H %d Hkv %d tokens %d): err vs f32 %.3g "
+                     "bound %.3g" % (name, case, B, H, Hkv, total, e, bound))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
@@ -538,6 +589,7 @@ def main():
     test_counts(lib, ck, rng)
     test_threads(lib, ck, rng)
     test_varlen(lib, ck, rng)
+    test_cache_dtypes(lib, ck, rng)
     print("%d passed, %d failed" % (ck.passed, ck.failed))
     return 1 if ck.failed else 0
 
