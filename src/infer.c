@@ -517,9 +517,15 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
               *qs = s + CH, *kbuf = qs + D, *vbuf = kbuf + CH * D;
         // this chunk's rows as float32 (dequantised once for every query
         // head of the group); K, V index rows from j0
+        // (a reduced-precision chunk read by at most 2 (head, query) pairs
+        // is used in place by the _q kernels instead: no float32 copy)
         const int64_t r0 = (b * c->Hkv + hk) * c->cap + j0, nrows = j1 > j0 ? j1 - j0 : 0;
-        const float *K = load_rows(kt, c, false, r0, nrows, kbuf),
-                    *V = load_rows(kt, c, true, r0, nrows, vbuf);
+        const bool inplace = c->dt != MHA_KV_F32 && G * T <= 2;
+        const float *K = inplace ? NULL : load_rows(kt, c, false, r0, nrows, kbuf),
+                    *V = inplace ? NULL : load_rows(kt, c, true, r0, nrows, vbuf);
+        const char *Kq = (const char *)c->k + (size_t)(r0 * D) * c->esz,
+                   *Vq = (const char *)c->v + (size_t)(r0 * Dv) * c->esz;
+        const float *ksc = c->ks ? c->ks + r0 : NULL, *vsc = c->vs ? c->vs + r0 : NULL;
         for (int64_t h = hk * G; h < (hk + 1) * G; h++)
             for (int64_t t = 0; t < Tb; t++) {
                 float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
@@ -533,7 +539,11 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 if (lo >= hi) continue;
                 const float *qr = qd + b * q->stride[0] + h * q->stride[1] + t * q->stride[2];
                 for (int64_t e = 0; e < D; e++) qs[e] = (float)scale * qr[e];
-                kt->dot_rows(s, K + (lo - j0) * D, D, qs, hi - lo, D);
+                if (inplace)
+                    kt->dot_rows_q(s, Kq + (size_t)((lo - j0) * D) * c->esz, D, (int)c->dt,
+                                   ksc ? ksc + (lo - j0) : NULL, qs, hi - lo, D);
+                else
+                    kt->dot_rows(s, K + (lo - j0) * D, D, qs, hi - lo, D);
                 if (a.softcap > 0.0f)
                     for (int64_t j = 0; j < hi - lo; j++)
                         s[j] = a.softcap * tanhf(s[j] / a.softcap);
@@ -544,7 +554,12 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 }
                 float m = -INFINITY, l = 0.0f;
                 (void)kt->softmax_update(s, hi - lo, &m, &l);  // s <- exp(s - m)
-                kt->gemm_nn_acc(pp + 2, Dv, s, hi - lo, V + (lo - j0) * Dv, Dv, 1, Dv, hi - lo);
+                if (inplace)
+                    kt->axpy_rows_q(pp + 2, s, Vq + (size_t)((lo - j0) * Dv) * c->esz, Dv,
+                                    (int)c->dt, vsc ? vsc + (lo - j0) : NULL, hi - lo, Dv);
+                else
+                    kt->gemm_nn_acc(pp + 2, Dv, s, hi - lo, V + (lo - j0) * Dv, Dv, 1, Dv,
+                                    hi - lo);
                 pp[0] = m;
                 pp[1] = l;
             }

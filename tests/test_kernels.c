@@ -492,6 +492,42 @@ static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
     }
 }
 
+// dot_rows_q / axpy_rows_q (bf16, f16, int8 rows) against the scalar ones:
+// bf16/f16 dot products bit for bit where the order matches is not
+// required; a relative bound is.
+static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
+    enum { N = 70, W = 80 };
+    static uint16_t h[N * W];
+    static int8_t b8[N * W];
+    float x[W], sc[N], p[N], s1[N], s2[N], o1[W], o2[W];
+    for (int i = 0; i < N * W; i++) {
+        h[i] = (uint16_t)(0x3c00 + (i * 7919) % 0x0800);  // f16/bf16 values of moderate size
+        b8[i] = (int8_t)((i * 31) % 255 - 127);
+    }
+    for (int i = 0; i < W; i++) x[i] = (float)((i % 13) - 6) * 0.25f;
+    for (int i = 0; i < N; i++) sc[i] = 0.01f * (float)(i + 1), p[i] = 1.0f / (float)(i + 1);
+    const int64_t dims[] = {1, 15, 16, 17, 64, 80};
+    for (int kind = 1; kind <= 3; kind++)
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+            const int64_t D = dims[di];
+            const void *A = kind == 3 ? (const void *)b8 : (const void *)h;
+            k->dot_rows_q(s1, A, W, kind, sc, x, N, D);
+            g->dot_rows_q(s2, A, W, kind, sc, x, N, D);
+            double e = 0, m = 0;
+            for (int j = 0; j < N; j++) e = fmax(e, fabs((double)s1[j] - s2[j])), m = fmax(m, fabs(s2[j]));
+            CHECKF(e <= 1e-5 * (1 + m), "%s dot_rows_q kind %d D %lld: err %g", k->isa, kind,
+                   (long long)D, e);
+            for (int c = 0; c < W; c++) o1[c] = o2[c] = 0.5f;
+            k->axpy_rows_q(o1, p, A, W, kind, sc, N, D);
+            g->axpy_rows_q(o2, p, A, W, kind, sc, N, D);
+            e = m = 0;
+            for (int c = 0; c < W; c++) e = fmax(e, fabs((double)o1[c] - o2[c])), m = fmax(m, fabs(o2[c]));
+            CHECKF(e <= 1e-5 * (1 + m), "%s axpy_rows_q kind %d Dv %lld: err %g", k->isa, kind,
+                   (long long)D, e);
+            CHECKF(o1[W - 1] == 0.5f || D == W, "%s axpy_rows_q wrote past Dv", k->isa);
+        }
+}
+
 int main(void) {
     const mha__kernels *g = mha__kernels_for("scalar");
     CHECK(g != NULL);
@@ -507,6 +543,7 @@ int main(void) {
         test_softmax(k, g);
         test_softmax_rows(k);
         test_cvt(k, g);
+        test_rows_q(k, g);
         test_gemm_tn(k);
         test_packed(k);
         tested++;

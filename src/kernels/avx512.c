@@ -490,6 +490,56 @@ static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
     for (; i < n; i++) dst[i] = scale * (float)src[i];
 }
 
+// 16 elements c..c+15 of row j as float32 (c + 16 <= row length).
+static inline __m512 q16(const void *A, int64_t lda, int kind, int64_t j, int64_t c) {
+    if (kind == 3)
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)A + j * lda + c))));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)A + j * lda + c));
+    if (kind == 2) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// the tail c..D-1 (< 16 elements) of row j, zero-padded
+static inline __m512 q16_tail(const void *A, int64_t lda, int kind, int64_t j, int64_t c,
+                              int64_t D) {
+    uint16_t h[16] = {0};
+    int8_t b[16] = {0};
+    for (int64_t e = c; e < D; e++) {
+        if (kind == 3) b[e - c] = ((const int8_t *)A)[j * lda + e];
+        else h[e - c] = ((const uint16_t *)A)[j * lda + e];
+    }
+    return kind == 3 ? q16(b, 0, 3, 0, 0) : q16(h, 0, kind, 0, 0);
+}
+
+static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
+                       const float *x, int64_t n, int64_t D) {
+    for (int64_t j = 0; j < n; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 16 <= D; c += 16)
+            acc = _mm512_fmadd_ps(q16(A, lda, kind, j, c), _mm512_loadu_ps(x + c), acc);
+        if (c < D)
+            acc = _mm512_fmadd_ps(q16_tail(A, lda, kind, j, c, D),
+                                  _mm512_maskz_loadu_ps(tail_mask(D - c), x + c), acc);
+        s[j] = (kind == 3 ? scales[j] : 1.0f) * _mm512_reduce_add_ps(acc);
+    }
+}
+
+static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
+                        const float *scales, int64_t n, int64_t Dv) {
+    for (int64_t c = 0; c < Dv; c += 16) {
+        const __mmask16 m = tail_mask(Dv - c);
+        __m512 acc = _mm512_maskz_loadu_ps(m, o + c);
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 w = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+            const __m512 v = c + 16 <= Dv ? q16(A, lda, kind, j, c) : q16_tail(A, lda, kind, j, c, Dv);
+            acc = _mm512_fmadd_ps(w, v, acc);
+        }
+        _mm512_mask_storeu_ps(o + c, m, acc);
+    }
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     const __m512 va = _mm512_set1_ps(a);
     for (int64_t j = 0; j < n; j += 16) {
@@ -519,6 +569,8 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->cvt_bf16 = cvt_bf16;
     k->cvt_f16 = cvt_f16;
     k->cvt_i8 = cvt_i8;
+    k->dot_rows_q = dot_rows_q;
+    k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = PNR;

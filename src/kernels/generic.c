@@ -97,6 +97,34 @@ static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) dst[i] = scale * (float)src[i];
 }
 
+// element c of row j of a bf16 (1), f16 (2) or int8 (3) matrix
+static inline float q_at(const void *A, int64_t lda, int kind, int64_t j, int64_t c) {
+    if (kind == 3) return (float)((const int8_t *)A)[j * lda + c];
+    const uint16_t h = ((const uint16_t *)A)[j * lda + c];
+    if (kind == 2) return mha_f16_to_f32(h);
+    const uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
+                       const float *x, int64_t n, int64_t D) {
+    for (int64_t j = 0; j < n; j++) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < D; c++) acc += q_at(A, lda, kind, j, c) * x[c];
+        s[j] = (kind == 3 ? scales[j] : 1.0f) * acc;
+    }
+}
+
+static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
+                        const float *scales, int64_t n, int64_t Dv) {
+    for (int64_t j = 0; j < n; j++) {
+        const float w = p[j] * (kind == 3 ? scales[j] : 1.0f);
+        for (int64_t c = 0; c < Dv; c++) o[c] += w * q_at(A, lda, kind, j, c);
+    }
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     for (int64_t j = 0; j < n; j++) y[j] *= a;
 }
@@ -175,6 +203,8 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->cvt_bf16 = cvt_bf16;
     k->cvt_f16 = cvt_f16;
     k->cvt_i8 = cvt_i8;
+    k->dot_rows_q = dot_rows_q;
+    k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->pk_nr = GNR;

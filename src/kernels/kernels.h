@@ -69,6 +69,15 @@ typedef struct mha__kernels {
     void (*cvt_bf16)(float *dst, const uint16_t *src, int64_t n);
     void (*cvt_f16)(float *dst, const uint16_t *src, int64_t n);
     void (*cvt_i8)(float *dst, const int8_t *src, int64_t n, float scale);
+    // Decode over a reduced-precision cache, without a float32 copy:
+    // dot_rows_q: s[j] = scale_j * sum_c A(j, c) x[c] for j < n, c < D
+    // axpy_rows_q: o[c] += sum_j p[j] scale_j A(j, c) for c < Dv (j in order)
+    // A rows of lda elements of type kind: 1 bf16, 2 f16, 3 int8 (scale_j =
+    // scales[j]; 1 for bf16/f16, scales may be NULL)
+    void (*dot_rows_q)(float *s, const void *A, int64_t lda, int kind, const float *scales,
+                       const float *x, int64_t n, int64_t D);
+    void (*axpy_rows_q)(float *o, const float *p, const void *A, int64_t lda, int kind,
+                        const float *scales, int64_t n, int64_t Dv);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf
