@@ -7,7 +7,9 @@
 //   y  = drop_o(ctx Wo^T + bo)              dy = dY * keep_o / (1 - p_o)
 //                                           dbo = sum dy; dWo = dy^T ctx
 //                                           dctx = dy Wo
-//   ctx_h = attention(q_h, k_h, v_h)        dq_h, dk_h, dv_h (ref.c)
+//   ctx_h = attention(q_h, k_g, v_g)        dq_h, dk_h, dv_h (ref.c);
+//   (g = h / G: grouped-query, G = H / Hkv) dk_g = sum of the group's dk_h,
+//                                           summed in increasing h
 //   q = Xq Wq^T + bq                        dWq = dq^T Xq; dbq = sum dq;
 //                                           dXq = dq Wq
 //   k = [Xk Wk^T + bk; bias_k; 0]           rows < S as for q;
@@ -93,17 +95,20 @@ static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
                          "backward: the gradient module is the module itself");
     const mha_config *a = &g->cfg, *b = &m->cfg;
     if (a->embed_dim != b->embed_dim || a->num_heads != b->num_heads ||
+        a->num_kv_heads != b->num_kv_heads ||
         a->kdim != b->kdim || a->vdim != b->vdim || a->bias != b->bias ||
         a->add_bias_kv != b->add_bias_kv)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "backward: the gradient module's configuration "
-                         "(embed_dim %lld, num_heads %lld, kdim %lld, vdim %lld, "
-                         "bias %d, add_bias_kv %d) differs from the module's "
-                         "(%lld, %lld, %lld, %lld, %d, %d)",
+                         "(embed_dim %lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
+                         "vdim %lld, bias %d, add_bias_kv %d) differs from the module's "
+                         "(%lld, %lld, %lld, %lld, %lld, %d, %d)",
                          (long long)a->embed_dim, (long long)a->num_heads,
+                         (long long)a->num_kv_heads,
                          (long long)a->kdim, (long long)a->vdim, a->bias,
                          a->add_bias_kv, (long long)b->embed_dim,
-                         (long long)b->num_heads, (long long)b->kdim,
+                         (long long)b->num_heads, (long long)b->num_kv_heads,
+                         (long long)b->kdim,
                          (long long)b->vdim, b->bias, b->add_bias_kv);
     return MHA_OK;
 }
@@ -155,11 +160,13 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (p.fused) return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
 
     const int64_t N = p.N, L = p.L, S = p.S, Sp = p.Sp, E = p.E, H = p.H, d = p.d;
+    const int64_t Hkv = p.Hkv, Ekv = p.Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p.nthreads;
-    // Scratch, one block of doubles: per thread 2 (L, Sp); q, dq, ctx, dctx,
-    // dy (N, L, E); k, v, dk, dv (N, Sp, E).
-    size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * E),
-           lsp = (size_t)(L * Sp), count, bytes;
+    // Scratch, one block of doubles: per thread 2 (L, Sp) and, with G > 1,
+    // 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy (N, L, E);
+    // k, v, dk, dv (N, Sp, Ekv).
+    size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * Ekv),
+           lsp = (size_t)(L * Sp) + (G > 1 ? (size_t)(Sp * d) : 0), count, bytes;
     if (mha__mul_overflow_size(2 * lsp, (size_t)nt, &count) ||
         mha__add_overflow_size(count, 5 * nle + 4 * nse, &count) ||
         mha__mul_overflow_size(count, sizeof(double), &bytes))
@@ -168,7 +175,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (!block)
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_backward: out of memory for %zu bytes of scratch", bytes);
-    double *pw = block;  // nt x 2 (L, Sp)
+    double *pw = block;  // nt x (2 (L, Sp) [+ 2 (Sp, d)])
     double *q = block + 2 * lsp * (size_t)nt;
     double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
     double *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
@@ -192,24 +199,39 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
     grad_input(dctx, true, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
 
-    // Heads: dq, dk, dv slices, and ctx recomputed.
+    // Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
+    // (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
+    // the first writes dk_g, dv_g, each later one adds its share (so the
+    // sum's order is fixed, whatever the threads).
     const double scale = 1.0 / sqrt((double)d);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t bh = 0; bh < N * H; bh++) {
-        int64_t b = bh / H, h = bh % H;
-        int tid = mha__thread_id();
-        int64_t oq = b * L * E + h * d, ok = b * Sp * E + h * d;
-        mha__ref_attention_head_backward(
-            mha__dmat(dq + oq, E), mha__dmat(dk + ok, E), mha__dmat(dv + ok, E),
-            mha__dmat(ctx + oq, E), mha__dmat(dctx + oq, E), mha__dmat(q + oq, E),
-            mha__dmat(k + ok, E), mha__dmat(v + ok, E), L, Sp, d, d, scale, &p.mask,
-            mha__plan_drop(&p), b, h, pw + (size_t)tid * 2 * lsp);
+    for (int64_t bg = 0; bg < N * Hkv; bg++) {
+        int64_t b = bg / Hkv, kvh = bg % Hkv;
+        double *ws = pw + (size_t)mha__thread_id() * 2 * lsp;
+        double *dkh = ws + 2 * L * Sp, *dvh = dkh + Sp * d;  // (Sp, d) each, G > 1
+        const int64_t ok = b * Sp * Ekv + kvh * d;
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
+            const int64_t oq = b * L * E + h * d;
+            const bool first = h == kvh * G;
+            mha__ref_attention_head_backward(
+                mha__dmat(dq + oq, E), first ? mha__dmat(dk + ok, Ekv) : mha__dmat(dkh, d),
+                first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d),
+                mha__dmat(ctx + oq, E), mha__dmat(dctx + oq, E), mha__dmat(q + oq, E),
+                mha__dmat(k + ok, Ekv), mha__dmat(v + ok, Ekv), L, Sp, d, d, scale, &p.mask,
+                mha__plan_drop(&p), b, h, ws);
+            if (!first)  // dk_g += dk_h, dv_g += dv_h
+                for (int64_t j = 0; j < Sp; j++)
+                    for (int64_t c = 0; c < d; c++) {
+                        dk[ok + j * Ekv + c] += dkh[j * d + c];
+                        dv[ok + j * Ekv + c] += dvh[j * d + c];
+                    }
+        }
     }
 
     mha__rope_qk_d(&p, &a, dq, dk, true);  // through the rotation (orthogonal)
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
-              *gbv = gbq ? gbq + 2 * E : NULL;
+              *gbv = gbq ? gbq + E + Ekv : NULL;
         bool qf = a.query->dtype == MHA_F64, kf = a.key->dtype == MHA_F64,
              vf = a.value->dtype == MHA_F64;
         // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo)
@@ -219,16 +241,16 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
         grad_linear(grads->q_weight, gbq, accumulate, dq, L, a.query->data, qf, p.qs,
                     N, L, E, E, nt);
         grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a.key->data, kf, p.ks,
-                    N, S, E, p.kdim, nt);
+                    N, S, Ekv, p.kdim, nt);
         grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a.value->data, vf, p.vs,
-                    N, S, E, p.vdim, nt);
+                    N, S, Ekv, p.vdim, nt);
         // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
         if (m->cfg.add_bias_kv)
-            for (int64_t e = 0; e < E; e++) {
+            for (int64_t e = 0; e < Ekv; e++) {
                 double sk = 0.0, sv = 0.0;
                 for (int64_t n = 0; n < N; n++) {
-                    sk += dk[(n * Sp + S) * E + e];
-                    sv += dv[(n * Sp + S) * E + e];
+                    sk += dk[(n * Sp + S) * Ekv + e];
+                    sv += dv[(n * Sp + S) * Ekv + e];
                 }
                 store(grads->bias_k, false, e, sk, accumulate);
                 store(grads->bias_v, false, e, sv, accumulate);
@@ -244,12 +266,12 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (gk) {
         mha__seq_batch_feat(xs, gk, m->cfg.batch_first);
         grad_input(gk->data, gk->dtype == MHA_F64, xs, accumulate, dk, Sp, m->k_weight,
-                   N, S, E, p.kdim, nt);
+                   N, S, Ekv, p.kdim, nt);
     }
     if (gv) {
         mha__seq_batch_feat(xs, gv, m->cfg.batch_first);
         grad_input(gv->data, gv->dtype == MHA_F64, xs, accumulate, dv, Sp, m->v_weight,
-                   N, S, E, p.vdim, nt);
+                   N, S, Ekv, p.vdim, nt);
     }
     free(block);
     return MHA_OK;

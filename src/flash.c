@@ -371,11 +371,11 @@ static void rows_of_keys(const mha__flash_head *a, int64_t j0, int64_t n, int64_
 void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
                        const float *dO, int64_t do_rs, const float *Dsum,
                        int64_t j0, int64_t n, float *dk, int64_t dk_rs,
-                       float *dv, int64_t dv_rs, float *scratch) {
+                       float *dv, int64_t dv_rs, bool acc, float *scratch) {
     const int64_t D = a->D, Dv = a->Dv;
     scratch_map sm = head_scratch(a, scratch);
     float *s = sm.s, *dp = sm.dp;
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = 0; j < n && !acc; j++) {
         for (int64_t c = 0; c < D; c++) dk[j * dk_rs + c] = 0.0f;
         for (int64_t c = 0; c < Dv; c++) dv[j * dv_rs + c] = 0.0f;
     }
@@ -458,8 +458,8 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
 void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                          int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
                          int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
-                         float *scratch) {
-    for (int64_t j = 0; j < a->S + a->nx; j++) {
+                         bool acc, float *scratch) {
+    for (int64_t j = 0; j < a->S + a->nx && !acc; j++) {
         float *kr = j < a->S ? dk + j * dk_rs : dxk + (j - a->S) * a->D;
         float *vr = j < a->S ? dv + j * dv_rs : dxv + (j - a->S) * a->Dv;
         for (int64_t c = 0; c < a->D; c++) kr[c] = 0.0f;

@@ -74,11 +74,12 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
 
 // Pass A: keys [j0, j0 + n) (j0 a multiple of MHA__FLASH_BC, n <=
 // MHA__FLASH_BC, or the nx appended keys when j0 == S): dk (n, D) and dv
-// (n, Dv), overwritten.
+// (n, Dv), overwritten (acc false) or added to (acc true: grouped-query
+// attention, the KV head's later query heads, in increasing order).
 void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
                        const float *dO, int64_t do_rs, const float *Dsum,
                        int64_t j0, int64_t n, float *dk, int64_t dk_rs,
-                       float *dv, int64_t dv_rs, float *scratch);
+                       float *dv, int64_t dv_rs, bool acc, float *scratch);
 
 // Pass B: rows [i0, i1) (at most MHA__FLASH_BR): Dsum[i0, i1) (written:
 // sum_j P dP over the same tiles, so a one-hot row gets dS = 0 exactly,
@@ -93,11 +94,13 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
 // dv += P'^T dO at once, so S and dP are computed once per tile pair (5
 // GEMMs per tile pair instead of 7). Writes Dsum (L), dq (L, D), dk, dv
 // (S, D / Dv) and the appended keys' dxk, dxv (nx, D / Dv, contiguous), all
-// overwritten. Bit-identical to pass B + pass A: every dk, dv element
-// receives the same terms in the same order (query tiles increasing).
+// overwritten (dk, dv, dxk, dxv added to with acc: grouped-query attention,
+// a KV head's query heads one after the other in increasing order).
+// Bit-identical to pass B + pass A: every dk, dv element receives the same
+// terms in the same order (query heads, then query tiles, increasing).
 void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                          int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
                          int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
-                         float *scratch);
+                         bool acc, float *scratch);
 
 #endif

@@ -3,11 +3,13 @@
 //
 // The module forward (F.multi_head_attention_forward, need_weights path):
 //   q = query W_q^T + b_q        (N, L, E)   one row per (n, l)
-//   k = key W_k^T + b_k          (N, S, E)   [+ bias_k] [+ zero row]
-//   v = value W_v^T + b_v        (N, S, E)   [+ bias_v] [+ zero row]
+//   k = key W_k^T + b_k          (N, S, Ekv) [+ bias_k] [+ zero row]
+//   v = value W_v^T + b_v        (N, S, Ekv) [+ bias_v] [+ zero row]
 //   heads: q as (N, H, L, d) is the strided view (L*E, d, E, 1) of the
-//   same buffer: the split is a view, not a copy; so are k and v
-//   ctx (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v   (per b, h)
+//   same buffer: the split is a view, not a copy; so are k and v, as
+//   (N, Hkv, S, d) (Ekv = Hkv d; Hkv = H unless grouped-query)
+//   ctx (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v   (per b, h;
+//   query head h reads KV head h / (H / Hkv))
 //   ctx viewed as (N, L, E) is the concatenation of the heads
 //   attn_output = ctx W_o^T + b_o  written in the query's layout
 // Scratch memory is one block (see fwd_layout); nothing else is allocated.
@@ -310,6 +312,8 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     p->E = c->embed_dim;
     p->H = c->num_heads;
     p->d = m->head_dim;
+    p->Hkv = c->num_kv_heads;
+    p->Ekv = m->kv_dim;
     p->kdim = c->kdim;
     p->vdim = c->vdim;
     p->L = q->shape[sd];
@@ -416,14 +420,14 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     // thread team costs more than the work (results are the same either
     // way). work ~ multiply-adds of the projections and the attention.
     double work = (double)p->N * ((double)p->L * p->E * p->E +
-                                  (double)p->S * p->E * (p->kdim + p->vdim) +
+                                  (double)p->S * p->Ekv * (p->kdim + p->vdim) +
                                   2.0 * p->L * p->Sp * p->E);
     p->nthreads = (a->trace || work < MHA__PAR_MIN_WORK) ? 1 : mha__max_threads();
     int64_t nle, nse, lsp, nhlsp, tr;
     if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) ||
         mha__mul_overflow_i64(nle, p->E, &nle) ||
         mha__mul_overflow_i64(p->N, p->Sp, &nse) ||
-        mha__mul_overflow_i64(nse, p->E, &nse) ||
+        mha__mul_overflow_i64(nse, p->Ekv, &nse) ||
         mha__mul_overflow_i64(p->L, p->Sp, &lsp) ||
         mha__mul_overflow_i64(lsp, p->N * p->H, &nhlsp))
         return mha__fail(MHA_ERR_OVERFLOW,
@@ -553,24 +557,25 @@ static void project(double *buf, int64_t Tp, const mha_tensor *x,
 void mha__project_qkv(const fwd_plan *p, const mha_module *m,
                       const mha_forward_args *a, double *q, double *k,
                       double *v) {
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
+    // in_proj_bias (E + 2 Ekv): the Q, K, V biases one after the other
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
-                *bv = bq ? bq + 2 * E : NULL;
+                *bv = bq ? bq + E + Ekv : NULL;
     project(q, L, a->query, p->qs, m->q_weight, bq, N, L, E, E, p->nthreads);
-    project(k, Sp, a->key, p->ks, m->k_weight, bk, N, S, p->kdim, E, p->nthreads);
-    project(v, Sp, a->value, p->vs, m->v_weight, bv, N, S, p->vdim, E, p->nthreads);
+    project(k, Sp, a->key, p->ks, m->k_weight, bk, N, S, p->kdim, Ekv, p->nthreads);
+    project(v, Sp, a->value, p->vs, m->v_weight, bv, N, S, p->vdim, Ekv, p->nthreads);
     for (int64_t n = 0; n < N; n++) {
         int64_t t = S;
         if (m->cfg.add_bias_kv) {  // k = cat([k, bias_k]), v = cat([v, bias_v])
-            for (int64_t e = 0; e < E; e++) {
-                k[(n * Sp + t) * E + e] = m->bias_k[e];
-                v[(n * Sp + t) * E + e] = m->bias_v[e];
+            for (int64_t e = 0; e < Ekv; e++) {
+                k[(n * Sp + t) * Ekv + e] = m->bias_k[e];
+                v[(n * Sp + t) * Ekv + e] = m->bias_v[e];
             }
             t++;
         }
         if (m->cfg.add_zero_attn) {  // one zero key and value after them
-            memset(k + (n * Sp + t) * E, 0, (size_t)E * sizeof(double));
-            memset(v + (n * Sp + t) * E, 0, (size_t)E * sizeof(double));
+            memset(k + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
+            memset(v + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
         }
     }
     mha__rope_qk_d(p, a, q, k, false);
@@ -581,14 +586,14 @@ void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, dou
     if (a->rope.mode == MHA_ROPE_NONE) return;
     double inv[MHA__ROPE_MAX_HALF];
     mha__rope_inv_freq(inv, &a->rope, p->d);
-    const int64_t L = p->L, S = p->S, Sp = p->Sp, E = p->E;
+    const int64_t L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
     for (int64_t n = 0; n < p->N; n++) {
         const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
         for (int64_t t = 0; t < L; t++)
             mha__rope_token_d(q + (n * L + t) * E, p->d, p->H, &a->rope, p->d, inv,
                               (double)(s0 + t), inverse);
         for (int64_t t = 0; t < S; t++)  // not the appended keys
-            mha__rope_token_d(k + (n * Sp + t) * E, p->d, p->H, &a->rope, p->d, inv,
+            mha__rope_token_d(k + (n * Sp + t) * Ekv, p->d, p->Hkv, &a->rope, p->d, inv,
                               (double)(s0 + t), inverse);
     }
 }
@@ -614,9 +619,10 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a,
                         char *ws) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
     double *q = (double *)(ws + p->off_q);      // (N, L, E)
-    double *k = (double *)(ws + p->off_k);      // (N, Sp, E)
-    double *v = (double *)(ws + p->off_v);      // (N, Sp, E)
+    double *k = (double *)(ws + p->off_k);      // (N, Sp, Ekv)
+    double *v = (double *)(ws + p->off_v);      // (N, Sp, Ekv)
     double *ctx = (double *)(ws + p->off_ctx);  // (N, L, E)
     double *headw = (double *)(ws + p->off_headw);   // (N, H, L, Sp)
     double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
@@ -625,8 +631,8 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     // 1. Projections (one row per (n, t)); then the appended keys/values.
     mha__project_qkv(p, m, a, q, k, v);
     trace_buffer(a, "q", tbuf, q, N, L, E);
-    trace_buffer(a, "k", tbuf, k, N, Sp, E);
-    trace_buffer(a, "v", tbuf, v, N, Sp, E);
+    trace_buffer(a, "k", tbuf, k, N, Sp, Ekv);
+    trace_buffer(a, "v", tbuf, v, N, Sp, Ekv);
 
     // 2. Attention per (b, h) on strided head views of q, k, v, ctx.
     const double scale = 1.0 / sqrt((double)d);
@@ -651,8 +657,8 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         }
         mha__ref_attention_head(mha__dmat(ctx + b * L * E + h * d, E), wh,
                                 mha__dmat(q + b * L * E + h * d, E),
-                                mha__dmat(k + b * Sp * E + h * d, E),
-                                mha__dmat(v + b * Sp * E + h * d, E), L, Sp, d, d,
+                                mha__dmat(k + b * Sp * Ekv + (h / G) * d, Ekv),
+                                mha__dmat(v + b * Sp * Ekv + (h / G) * d, Ekv), L, Sp, d, d,
                                 scale, &p->mask, mha__plan_drop(p), b, h,
                                 scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
     }

@@ -1,9 +1,11 @@
 // fused.c: the fused module forward (MHA_IMPL_FUSED), float32:
-//   1. projections as GEMMs over row matrices: X (R, F) W^T (F, E); with
-//      self-attention and the packed in_proj_weight, one GEMM
-//      X (R, E) in_proj_weight^T (E, 3E) -> qkv (R, 3E)
+//   1. projections as GEMMs over row matrices: X (R, F) W^T (F, E) (k, v:
+//      (F, Ekv), Ekv = Hkv d); with self-attention and the packed
+//      in_proj_weight, one GEMM X (R, E) in_proj_weight^T (E, E + 2 Ekv)
+//      -> qkv (R, E + 2 Ekv)
 //   2. per (b, h, tile of 64 query rows): flash.c on strided head views of
-//      q, k, v (no split, no copy), writing the context in place
+//      q, k, v (no split, no copy; query head h reads KV head h / (H / Hkv)),
+//      writing the context in place
 //   3. ctx (R, E) out_proj.weight^T (E, E) + bias, into the output
 // Rows of an input view (d0, d1, F) are r = i0*d1 + i1; a view whose rows
 // are evenly spaced with unit feature stride is used in place, any other
@@ -56,8 +58,9 @@ static void row_nt(const fwd_plan *p, bool seq_first, const mha_tensor *t, int64
     *pos = p->unbatched ? r : (seq_first ? i0 : i1);
 }
 
-// The keys appended by add_bias_kv / add_zero_attn, per head: extra
-// (H, nx, d) for k (bias_k slice, then zeros), then (H, nx, d) for v.
+// The keys appended by add_bias_kv / add_zero_attn, per KV head: extra
+// (H, nx, d) for k (bias_k slice, then zeros), then (H, nx, d) for v; H
+// the number of KV heads.
 static void fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx, int64_t d) {
     for (int64_t h = 0; h < H; h++)
         for (int64_t x = 0; x < nx; x++)
@@ -106,6 +109,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                              "the fused implementation takes F32 tensors, %s is %s",
                              names[i], mha_dtype_name(in[i]->dtype));
     const int64_t E = p->E, H = p->H, d = p->d, N = p->N, L = p->L, Sp = p->Sp;
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
     const int64_t Rq = rows_of(a->query), Rk = rows_of(a->key);
     int64_t ld;
     p->fused = true;
@@ -125,16 +129,16 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
         carve(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
         carve(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
         carve(&t, &p->f_wt, p->self_packed
-                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, 3 * E)
+                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
                                 : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
-                                            mha__gemm_packed_b_floats(gk, p->kdim, E) +
-                                            mha__gemm_packed_b_floats(gk, p->vdim, E))) ||
+                                            mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
+                                            mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
         carve(&t, &p->f_wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
         carve(&t, &p->f_gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
-        carve(&t, &p->f_qkv, p->self_packed ? Rq * 3 * E : Rq * E) ||
-        carve(&t, &p->f_k, p->self_packed ? 0 : Rk * E) ||
-        carve(&t, &p->f_v, p->self_packed ? 0 : Rk * E) ||
-        carve(&t, &p->f_ctx, Rq * E) || carve(&t, &p->f_extra, 2 * H * nx * d) ||
+        carve(&t, &p->f_qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
+        carve(&t, &p->f_k, p->self_packed ? 0 : Rk * Ekv) ||
+        carve(&t, &p->f_v, p->self_packed ? 0 : Rk * Ekv) ||
+        carve(&t, &p->f_ctx, Rq * E) || carve(&t, &p->f_extra, 2 * Hkv * nx * d) ||
         carve(&t, &p->f_lse, lse) || carve(&t, &p->f_headw, headw) ||
         carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
@@ -176,9 +180,10 @@ static float *head_row0(const rowmap *rm, int64_t b, int64_t col) {
 static int64_t head_rs(const rowmap *rm) { return rm->seq_first ? rm->N * rm->ld : rm->ld; }
 
 // RoPE on the first T tokens of each batch element of a q or k row matrix
-// (all H heads of a token contiguous), or its inverse (gradients).
+// (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
+// inverse (gradients).
 static void rope_rows(const fwd_plan *p, const mha_forward_args *a, const rowmap *rm,
-                      int64_t T, bool inverse) {
+                      int64_t T, int64_t H, bool inverse) {
     if (a->rope.mode == MHA_ROPE_NONE) return;
     double inv[MHA__ROPE_MAX_HALF];
     mha__rope_inv_freq(inv, &a->rope, p->d);
@@ -187,7 +192,7 @@ static void rope_rows(const fwd_plan *p, const mha_forward_args *a, const rowmap
         const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
         float *row0 = head_row0(rm, n, 0);
         for (int64_t t = 0; t < T; t++)
-            mha__rope_token_f(row0 + t * head_rs(rm), p->d, p->H, &a->rope, p->d, inv,
+            mha__rope_token_f(row0 + t * head_rs(rm), p->d, H, &a->rope, p->d, inv,
                               (double)(s0 + t), inverse);
     }
 }
@@ -197,11 +202,13 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const mha__kernels *kt = mha__kernels_get();
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv, W3 = E + 2 * Ekv;
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
     float *wt = (float *)(ws + p->f_wt), *wo = (float *)(ws + p->f_wo),
           *gs = (float *)(ws + p->f_gs);
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + 2 * E : NULL;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
+                *bv = bq ? bq + E + Ekv : NULL;
 
     // 1. Projections.
     int64_t ldq = E, ldk = p->kdim, ldv = p->vdim;
@@ -216,32 +223,32 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     rowmap qm, km, vm;
     if (p->self_packed) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
-        linear_rows(kt, qkv, 3 * E, xq, ldq, m->in_proj_weight, bq, Rq, E, 3 * E, wt, gs, nt);
-        qm = (rowmap){qkv, 3 * E, seq_first, N, L};
-        km = (rowmap){qkv + E, 3 * E, seq_first, N, L};
-        vm = (rowmap){qkv + 2 * E, 3 * E, seq_first, N, L};
+        linear_rows(kt, qkv, W3, xq, ldq, m->in_proj_weight, bq, Rq, E, W3, wt, gs, nt);
+        qm = (rowmap){qkv, W3, seq_first, N, L};
+        km = (rowmap){qkv + E, W3, seq_first, N, L};
+        vm = (rowmap){qkv + E + Ekv, W3, seq_first, N, L};
     } else {
         if (p->k_direct) rows_direct(a->key, &ldk), xk = a->key->data;
         else gather_rows((float *)xk, a->key);
         if (p->v_direct) rows_direct(a->value, &ldv), xv = a->value->data;
         else gather_rows((float *)xv, a->value);
         float *wq = wt, *wk = wq + mha__gemm_packed_b_floats(kt, E, E),
-              *wv = wk + mha__gemm_packed_b_floats(kt, p->kdim, E);
+              *wv = wk + mha__gemm_packed_b_floats(kt, p->kdim, Ekv);
         float *q = sv ? sbuf : (float *)(ws + p->f_qkv),
               *k = sv ? sbuf + Rq * E : (float *)(ws + p->f_k),
-              *v = sv ? sbuf + Rq * E + Rk * E : (float *)(ws + p->f_v);
+              *v = sv ? sbuf + Rq * E + Rk * Ekv : (float *)(ws + p->f_v);
         linear_rows(kt, q, E, xq, ldq, m->q_weight, bq, Rq, E, E, wq, gs, nt);
-        linear_rows(kt, k, E, xk, ldk, m->k_weight, bk, Rk, p->kdim, E, wk, gs, nt);
-        linear_rows(kt, v, E, xv, ldv, m->v_weight, bv, Rk, p->vdim, E, wv, gs, nt);
+        linear_rows(kt, k, Ekv, xk, ldk, m->k_weight, bk, Rk, p->kdim, Ekv, wk, gs, nt);
+        linear_rows(kt, v, Ekv, xv, ldv, m->v_weight, bv, Rk, p->vdim, Ekv, wv, gs, nt);
         qm = (rowmap){q, E, seq_first, N, L};
-        km = (rowmap){k, E, seq_first, N, S};
-        vm = (rowmap){v, E, seq_first, N, S};
+        km = (rowmap){k, Ekv, seq_first, N, S};
+        vm = (rowmap){v, Ekv, seq_first, N, S};
     }
-    rope_rows(p, a, &qm, L, false);
-    rope_rows(p, a, &km, S, false);
-    // the appended keys per head: (nx, d) for k, then for v
+    rope_rows(p, a, &qm, L, H, false);
+    rope_rows(p, a, &km, S, Hkv, false);
+    // the appended keys per KV head: (nx, d) for k, then for v
     float *extra = (float *)(ws + p->f_extra);
-    fill_extra(extra, m, H, nx, d);
+    fill_extra(extra, m, Hkv, nx, d);
 
     // 2. Attention, per (b, h, tile of query rows).
     float *ctx = sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
@@ -260,11 +267,12 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         int64_t it = p->mask.causal ? N * H * tiles - 1 - item : item;
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
+        const int64_t g = h / G;  // the KV head
         mha__flash_head fh = {
             .q = head_row0(&qm, b, h * d), .q_rs = head_rs(&qm),
-            .k = head_row0(&km, b, h * d), .k_rs = head_rs(&km),
-            .v = head_row0(&vm, b, h * d), .v_rs = head_rs(&vm),
-            .xk = extra + h * nx * d, .xv = extra + (H + h) * nx * d, .nx = nx,
+            .k = head_row0(&km, b, g * d), .k_rs = head_rs(&km),
+            .v = head_row0(&vm, b, g * d), .v_rs = head_rs(&vm),
+            .xk = extra + g * nx * d, .xv = extra + (Hkv + g) * nx * d, .nx = nx,
             .o = head_row0(&cm, b, h * d), .o_rs = head_rs(&cm),
             .stats = lse ? lse + 2 * bh * L : NULL,
             .L = L, .S = S, .D = d, .Dv = d, .scale = (float)(1.0 / sqrt((double)d)),
@@ -372,8 +380,8 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
                               const mha_forward_args *a) {
     s->valid = false;
     if (!p->fused) return MHA_OK;  // only the fused path keeps state
-    const int64_t E = p->E, Rq = rows_of(a->query), Rk = rows_of(a->key);
-    s->n_qkv = (size_t)(p->self_packed ? Rq * 3 * E : Rq * E + 2 * Rk * E);
+    const int64_t E = p->E, Ekv = p->Ekv, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    s->n_qkv = (size_t)(p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E + 2 * Rk * Ekv);
     s->n_ctx = (size_t)(Rq * E);
     s->n_lse = (size_t)(2 * p->N * p->H * p->L);
     const size_t need = s->n_qkv + s->n_ctx + s->n_lse;
@@ -523,25 +531,26 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
     const int64_t kd = p->kdim, vd = p->vdim, Rmax = Rq > Rk ? Rq : Rk;
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first, sp = p->self_packed;
-    const int64_t W3 = sp ? 3 * E : E;  // row stride of q (and k, v when packed)
+    const int64_t W3 = sp ? E + 2 * Ekv : E;  // row stride of q (and k, v when packed)
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
     // Scratch, floats, one block:
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, true);
     size_t n_x = (size_t)(Rq * E + Rk * (kd + vd));          // gathered inputs
     // packed weights (forward), packed B of the backward GEMMs, GEMM scratch
     const size_t pw_q = mha__gemm_packed_b_floats(kt, E, E),
-                 pw_k = mha__gemm_packed_b_floats(kt, kd, E),
-                 pw_v = mha__gemm_packed_b_floats(kt, vd, E);
-    size_t n_w = sp ? mha__gemm_packed_b_floats(kt, E, 3 * E) : pw_q + pw_k + pw_v;
+                 pw_k = mha__gemm_packed_b_floats(kt, kd, Ekv),
+                 pw_v = mha__gemm_packed_b_floats(kt, vd, Ekv);
+    size_t n_w = sp ? mha__gemm_packed_b_floats(kt, E, W3) : pw_q + pw_k + pw_v;
     size_t n_bp = mha__gemm_packed_b_floats(kt, Rmax, Fmax),
            n_bp2 = mha__gemm_packed_b_floats(kt, E, Fmax),
            n_gs = mha__gemm_scratch_floats(kt, nt);
     if (n_bp2 > n_bp) n_bp = n_bp2;
     n_w += n_bp + n_gs;
-    size_t n_qkv = (size_t)(sp ? Rq * 3 * E : Rq * E + 2 * Rk * E);
-    size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * H * nx * d + 2 * H * nx * d);
+    size_t n_qkv = (size_t)(sp ? Rq * W3 : Rq * E + 2 * Rk * Ekv);
+    size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * Hkv * nx * d + 2 * Hkv * nx * d);
     size_t n_tmp = (size_t)(3 * E * Rmax + 3 * E * Fmax + Rmax * Fmax);
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
     size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + 15) & ~(size_t)15;
@@ -557,10 +566,13 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     float *qkv = wt + n_w, *dqkv = qkv + n_qkv;
     float *ctx = dqkv + n_qkv, *dctx = ctx + Rq * E, *dy = dctx + Rq * E;
     float *lse = dy + Rq * E, *dsum = lse + 2 * N * H * L;  // lse: (m, 1/l) rows
-    float *dextra = dsum + N * H * L, *extra = dextra + 2 * N * H * nx * d;
-    float *tmp = extra + 2 * H * nx * d, *scratch = blk + n_pre;
+    // dextra: the appended keys' dk (N, Hkv, nx, d), then dv; extra: the
+    // appended keys (Hkv, nx, d) for k, then v
+    float *dextra = dsum + N * H * L, *extra = dextra + 2 * N * Hkv * nx * d;
+    float *tmp = extra + 2 * Hkv * nx * d, *scratch = blk + n_pre;
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + 2 * E : NULL;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
+                *bv = bq ? bq + E + Ekv : NULL;
 
     // Forward: inputs as rows, projections, attention with the row stats.
     int64_t ldq = E, ldk = kd, ldv = vd;
@@ -588,35 +600,37 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         ctx = sv->buf + sv->n_qkv;
         lse = ctx + sv->n_ctx;
     }
-    float *q = qkv, *k = sp ? qkv + E : qkv + Rq * E, *v = sp ? qkv + 2 * E : k + Rk * E;
-    float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E, *dv = sp ? dqkv + 2 * E : dk + Rk * E;
-    const int64_t ldkv = sp ? 3 * E : E;
+    float *q = qkv, *k = sp ? qkv + E : qkv + Rq * E, *v = sp ? qkv + E + Ekv : k + Rk * Ekv;
+    float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E,
+          *dv = sp ? dqkv + E + Ekv : dk + Rk * Ekv;
+    const int64_t ldkv = sp ? W3 : Ekv;
     if (sv) {
     } else if (sp) {
-        linear_rows(kt, qkv, 3 * E, Xq, ldq, m->in_proj_weight, bq, Rq, E, 3 * E, wt, gs, nt);
+        linear_rows(kt, qkv, W3, Xq, ldq, m->in_proj_weight, bq, Rq, E, W3, wt, gs, nt);
     } else {
         float *wq = wt, *wk = wq + pw_q, *wv = wk + pw_k;
         linear_rows(kt, q, E, Xq, ldq, m->q_weight, bq, Rq, E, E, wq, gs, nt);
-        linear_rows(kt, k, E, Xk, ldk, m->k_weight, bk, Rk, kd, E, wk, gs, nt);
-        linear_rows(kt, v, E, Xv, ldv, m->v_weight, bv, Rk, vd, E, wv, gs, nt);
+        linear_rows(kt, k, Ekv, Xk, ldk, m->k_weight, bk, Rk, kd, Ekv, wk, gs, nt);
+        linear_rows(kt, v, Ekv, Xv, ldv, m->v_weight, bv, Rk, vd, Ekv, wv, gs, nt);
     }
-    fill_extra(extra, m, H, nx, d);
+    fill_extra(extra, m, Hkv, nx, d);
     rowmap qm = {q, W3, seq_first, N, L}, km = {k, ldkv, seq_first, N, sp ? L : S},
            vm = {v, ldkv, seq_first, N, sp ? L : S}, cm = {ctx, E, seq_first, N, L},
            dcm = {dctx, E, seq_first, N, L}, dqm = {dq, W3, seq_first, N, L},
            dkm = {dk, ldkv, seq_first, N, sp ? L : S}, dvm = {dv, ldkv, seq_first, N, sp ? L : S};
     if (!sv) {  // the saved q, k are rotated already
-        rope_rows(p, a, &qm, L, false);
-        rope_rows(p, a, &km, S, false);
+        rope_rows(p, a, &qm, L, H, false);
+        rope_rows(p, a, &km, S, Hkv, false);
     }
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC + (nx > 0);
     const float scale = (float)(1.0 / sqrt((double)d));
 #define HEAD(b, h)                                                                       \
     (mha__flash_head) {                                                                  \
-        .q = head_row0(&qm, b, h * d), .q_rs = head_rs(&qm), .k = head_row0(&km, b, h * d), \
-        .k_rs = head_rs(&km), .v = head_row0(&vm, b, h * d), .v_rs = head_rs(&vm),       \
-        .xk = extra + h * nx * d, .xv = extra + (H + h) * nx * d, .nx = nx,              \
+        .q = head_row0(&qm, b, h * d), .q_rs = head_rs(&qm),                            \
+        .k = head_row0(&km, b, (h / G) * d), .k_rs = head_rs(&km),                       \
+        .v = head_row0(&vm, b, (h / G) * d), .v_rs = head_rs(&vm),                       \
+        .xk = extra + (h / G) * nx * d, .xv = extra + (Hkv + h / G) * nx * d, .nx = nx,  \
         .o = head_row0(&cm, b, h * d), .o_rs = head_rs(&cm), .stats = lse + 2 * (b * H + h) * L, \
         .L = L, .S = S, .D = d, .Dv = d, .scale = scale, .mask = &p->mask,               \
         .drop = mha__plan_drop(p), .b = b, .h = h,                                       \
@@ -643,22 +657,26 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         }
     }
     matmul_rows(kt, dctx, E, dy, E, m->out_weight, E, Rq, E, E, bp, gs, nt);
-    // Attention backward: one thread per head when there are at least as
-    // many heads as threads (each tile pair's S and dP computed once), else
-    // pass B (Dsum, dq per query tile) then pass A (dk, dv per key tile):
-    // the same bits either way (flash.h).
-    const bool per_head = N * H >= nt;
+    // Attention backward: one thread per KV head (b, g) when there are at
+    // least as many as threads (each tile pair's S and dP computed once; the
+    // group's query heads in increasing order, adding to dk_g, dv_g), else
+    // pass B (Dsum, dq per query tile) then pass A (dk, dv per key tile,
+    // the group's query heads in the same order): the same bits either way
+    // (flash.h), no atomics.
+    const bool per_head = N * Hkv >= nt;
     if (per_head) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t bh = 0; bh < N * H; bh++) {
-            int64_t b = bh / H, h = bh % H;
-            mha__flash_head fh = HEAD(b, h);
-            mha__flash_bwd_head(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L,
-                                head_row0(&dqm, b, h * d), head_rs(&dqm),
-                                head_row0(&dkm, b, h * d), head_rs(&dkm),
-                                head_row0(&dvm, b, h * d), head_rs(&dvm),
-                                dextra + bh * nx * d, dextra + (N * H + bh) * nx * d,
-                                scratch + (size_t)mha__thread_id() * sf);
+        for (int64_t bg = 0; bg < N * Hkv; bg++) {
+            int64_t b = bg / Hkv, g = bg % Hkv;
+            for (int64_t h = g * G; h < (g + 1) * G; h++) {
+                mha__flash_head fh = HEAD(b, h);
+                mha__flash_bwd_head(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm),
+                                    dsum + (b * H + h) * L, head_row0(&dqm, b, h * d),
+                                    head_rs(&dqm), head_row0(&dkm, b, g * d), head_rs(&dkm),
+                                    head_row0(&dvm, b, g * d), head_rs(&dvm),
+                                    dextra + bg * nx * d, dextra + (N * Hkv + bg) * nx * d,
+                                    h != g * G, scratch + (size_t)mha__thread_id() * sf);
+            }
         }
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
@@ -671,65 +689,71 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                          i0, i1, head_row0(&dqm, b, h * d) + i0 * head_rs(&dqm),
                          head_rs(&dqm), scratch + (size_t)tid * sf);
     }
-    // Pass A: dk, dv per key tile (reads Dsum).
+    // Pass A: dk, dv per (KV head, key tile), summed over the group's query
+    // heads in increasing order (reads Dsum).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < (per_head ? 0 : N * H * ktiles); it++) {
-        int64_t bh = it / ktiles, kt_i = it % ktiles, b = bh / H, h = bh % H;
+    for (int64_t it = 0; it < (per_head ? 0 : N * Hkv * ktiles); it++) {
+        int64_t bg = it / ktiles, kt_i = it % ktiles, b = bg / Hkv, g = bg % Hkv;
         int tid = mha__thread_id();
-        mha__flash_head fh = HEAD(b, h);
         int64_t j0 = kt_i * MHA__FLASH_BC, n;
         float *dkp, *dvp;
         int64_t rs;
-        if (j0 >= S) {  // the appended keys: per (b, h), reduced below
+        if (j0 >= S) {  // the appended keys: per (b, g), reduced below
             j0 = S;
             n = nx;
-            dkp = dextra + bh * nx * d;
-            dvp = dextra + (N * H + bh) * nx * d;
+            dkp = dextra + bg * nx * d;
+            dvp = dextra + (N * Hkv + bg) * nx * d;
             rs = d;
         } else {
             n = S - j0 < MHA__FLASH_BC ? S - j0 : MHA__FLASH_BC;
-            dkp = head_row0(&dkm, b, h * d) + j0 * head_rs(&dkm);
-            dvp = head_row0(&dvm, b, h * d) + j0 * head_rs(&dvm);
+            dkp = head_row0(&dkm, b, g * d) + j0 * head_rs(&dkm);
+            dvp = head_row0(&dvm, b, g * d) + j0 * head_rs(&dvm);
             rs = head_rs(&dkm);
         }
-        mha__flash_bwd_kv(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L, j0,
-                          n, dkp, rs, dvp, rs, scratch + (size_t)tid * sf);
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            mha__flash_head fh = HEAD(b, h);
+            mha__flash_bwd_kv(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm),
+                              dsum + (b * H + h) * L, j0, n, dkp, rs, dvp, rs, h != g * G,
+                              scratch + (size_t)tid * sf);
+        }
     }
 #undef HEAD
-    rope_rows(p, a, &dqm, L, true);  // through the rotation (orthogonal)
-    rope_rows(p, a, &dkm, S, true);
+    rope_rows(p, a, &dqm, L, H, true);  // through the rotation (orthogonal)
+    rope_rows(p, a, &dkm, S, Hkv, true);
 
     // Parameter gradients.
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
-              *gbv = gbq ? gbq + 2 * E : NULL;
+              *gbv = gbq ? gbq + E + Ekv : NULL;
         grad_weight(kt, grads->out_weight, grads->out_bias, acc, dy, E, ctx, E, Rq, E, E, tmp, bp, gs, nt);
         if (sp) {
-            // dWin (3E, E) = dqkv^T X; dbin = colsum(dqkv)
-            grad_weight(kt, grads->in_proj_weight, gbq, acc, dqkv, 3 * E, Xq, ldq, Rq, 3 * E, E,
+            // dWin (E + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
+            grad_weight(kt, grads->in_proj_weight, gbq, acc, dqkv, W3, Xq, ldq, Rq, W3, E,
                         tmp, bp, gs, nt);
         } else {
             grad_weight(kt, grads->q_weight, gbq, acc, dq, E, Xq, ldq, Rq, E, E, tmp, bp, gs, nt);
-            grad_weight(kt, grads->k_weight, gbk, acc, dk, E, Xk, ldk, Rk, E, kd, tmp, bp, gs, nt);
-            grad_weight(kt, grads->v_weight, gbv, acc, dv, E, Xv, ldv, Rk, E, vd, tmp, bp, gs, nt);
+            grad_weight(kt, grads->k_weight, gbk, acc, dk, Ekv, Xk, ldk, Rk, Ekv, kd, tmp, bp, gs,
+                        nt);
+            grad_weight(kt, grads->v_weight, gbv, acc, dv, Ekv, Xv, ldv, Rk, Ekv, vd, tmp, bp, gs,
+                        nt);
         }
         if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
-            for (int64_t h = 0; h < H; h++)
+            for (int64_t g = 0; g < Hkv; g++)
                 for (int64_t c = 0; c < d; c++) {
                     double sk = 0.0, sv_ = 0.0;
                     for (int64_t b = 0; b < N; b++) {
-                        sk += dextra[(b * H + h) * nx * d + c];
-                        sv_ += dextra[(N * H + b * H + h) * nx * d + c];
+                        sk += dextra[(b * Hkv + g) * nx * d + c];
+                        sv_ += dextra[(N * Hkv + b * Hkv + g) * nx * d + c];
                     }
-                    store_f(grads->bias_k + h * d + c, sk, acc);
-                    store_f(grads->bias_v + h * d + c, sv_, acc);
+                    store_f(grads->bias_k + g * d + c, sk, acc);
+                    store_f(grads->bias_v + g * d + c, sv_, acc);
                 }
     }
     // Input gradients: dX = d W (self-attention: each part separately, as
     // the API returns grad_query, grad_key, grad_value).
     if (gq) grad_input(kt, gq, acc, dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
-    if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, E, kd, tmp, bp, gs, nt);
-    if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, E, vd, tmp, bp, gs, nt);
+    if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
+    if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
     mha__free(blk);
     return MHA_OK;
 }
@@ -765,23 +789,26 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
         (st = mha__check_no_overlap(out, "attn_output", a->query, "query")))
         return st;
     const int64_t N = p.N, T = p.L, E = p.E, H = p.H, d = p.d, R = rows_of(a->query);
+    const int64_t Hkv = p.Hkv, Ekv = p.Ekv, W3 = E + 2 * Ekv;
     int64_t cB, cH, cD, cDv;
     mha__kv_cache_dims(cache, &cB, &cH, &cD, &cDv);
-    if (cB != N || cH != H || cD != d || cDv != d)
+    if (cB != N || cH != Hkv || cD != d || cDv != d)
         return mha__fail(MHA_ERR_SHAPE,
                          "mha_forward_cached: the cache holds batch %lld, %lld KV heads of "
-                         "dims %lld/%lld; this module and query need batch %lld, %lld heads "
-                         "of dim %lld",
+                         "dims %lld/%lld; this module and query need batch %lld, %lld KV "
+                         "heads (num_kv_heads) of dim %lld",
                          (long long)cB, (long long)cH, (long long)cD, (long long)cDv,
-                         (long long)N, (long long)H, (long long)d);
+                         (long long)N, (long long)Hkv, (long long)d);
     const mha__kernels *kt = mha__kernels_get();
     const int nt = p.nthreads;
     const bool seq_first = p.unbatched || !cfg->batch_first;
-    // scratch: gathered x, packed weights (3 E^2 or separate) and Wo, GEMM
-    // scratch, qkv (R, 3E), ctx (R, E), y (R, E), the start positions
-    const size_t pw = mha__gemm_packed_b_floats(kt, E, E), n_gs = mha__gemm_scratch_floats(kt, nt);
-    const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, 3 * E) : 3 * pw;
-    size_t total = (size_t)(R * E) * 6 + n_w + pw + n_gs, bytes;
+    // scratch: gathered x, packed weights (E (E + 2 Ekv) or separate) and
+    // Wo, GEMM scratch, qkv (R, E + 2 Ekv), ctx (R, E), y (R, E), the start
+    // positions
+    const size_t pw = mha__gemm_packed_b_floats(kt, E, E), n_gs = mha__gemm_scratch_floats(kt, nt),
+                 pwkv = mha__gemm_packed_b_floats(kt, E, Ekv);
+    const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, W3) : pw + 2 * pwkv;
+    size_t total = (size_t)(R * E) * 3 + (size_t)(R * W3) + n_w + pw + n_gs, bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
     float *blk = mha__alloc(bytes);
@@ -792,27 +819,28 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
         return mha__fail(MHA_ERR_NOMEM, "mha_forward_cached: out of memory");
     }
     float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pw, *qkv = gs + n_gs,
-          *ctx = qkv + 3 * R * E, *yt = ctx + R * E;
+          *ctx = qkv + R * W3, *yt = ctx + R * E;
     int64_t ldx = E;
     const float *X = xg;
     if (rows_direct(a->query, &ldx)) X = a->query->data;
     else gather_rows(xg, a->query), ldx = E;
     const float *bq = m->in_proj_bias;
     if (m->packed) {
-        linear_rows(kt, qkv, 3 * E, X, ldx, m->in_proj_weight, bq, R, E, 3 * E, wt, gs, nt);
+        linear_rows(kt, qkv, W3, X, ldx, m->in_proj_weight, bq, R, E, W3, wt, gs, nt);
     } else {
-        linear_rows(kt, qkv, 3 * E, X, ldx, m->q_weight, bq, R, E, E, wt, gs, nt);
-        linear_rows(kt, qkv + E, 3 * E, X, ldx, m->k_weight, bq ? bq + E : NULL, R, E, E,
+        linear_rows(kt, qkv, W3, X, ldx, m->q_weight, bq, R, E, E, wt, gs, nt);
+        linear_rows(kt, qkv + E, W3, X, ldx, m->k_weight, bq ? bq + E : NULL, R, E, Ekv,
                     wt + pw, gs, nt);
-        linear_rows(kt, qkv + 2 * E, 3 * E, X, ldx, m->v_weight, bq ? bq + 2 * E : NULL, R, E,
-                    E, wt + 2 * pw, gs, nt);
+        linear_rows(kt, qkv + E + Ekv, W3, X, ldx, m->v_weight, bq ? bq + E + Ekv : NULL, R, E,
+                    Ekv, wt + pw + pwkv, gs, nt);
     }
-    // (N, H, T, d) views of the rows: row r = t N + n (seq first) or n T + t
+    // (N, H, T, d) and (N, Hkv, T, d) views of the rows: row r = t N + n
+    // (seq first) or n T + t
     const int64_t ns = seq_first ? 1 : T, ts = seq_first ? N : 1;
-    mha_tensor qv = {qkv, MHA_F32, 4, {N, H, T, d}, {ns * 3 * E, d, ts * 3 * E, 1}};
-    mha_tensor kv = qv, vv = qv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
-    kv.data = qkv + E;
-    vv.data = qkv + 2 * E;
+    mha_tensor qv = {qkv, MHA_F32, 4, {N, H, T, d}, {ns * W3, d, ts * W3, 1}};
+    mha_tensor kv = {qkv + E, MHA_F32, 4, {N, Hkv, T, d}, {ns * W3, d, ts * W3, 1}};
+    mha_tensor vv = kv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
+    vv.data = qkv + E + Ekv;
     for (int64_t n = 0; n < N; n++) starts[n] = mha_kv_cache_length(cache, n);
     float slopes_buf[MHA__ALIBI_MAX_DEFAULT];
     mha_cache_attend_args ca;

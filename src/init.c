@@ -6,8 +6,9 @@
 // the numbers torch's generator would draw: the distributions are the same.
 //
 // Fans follow torch.nn.init._calculate_fan_in_and_fan_out: for a 2-D
-// (out, in) matrix fan_in = in, fan_out = out; for bias_k (1, 1, E)
-// fan_in = fan_out = E.
+// (out, in) matrix fan_in = in, fan_out = out (the packed in_proj_weight
+// (E + 2 Ekv, E) as one matrix); for bias_k (1, 1, Ekv) fan_in = fan_out =
+// Ekv.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -153,35 +154,36 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "init: gain must be finite and std finite and >= 0, "
                          "got gain %g, std %g", o->gain, o->std);
-    const int64_t E = m->cfg.embed_dim;
+    const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim;
     rng r = {o->seed, 0, 0.0};
     mha_status st;
-    // In-projection: the packed (3E, E) matrix as one, or each matrix.
+    // In-projection: the packed (E + 2 Ekv, E) matrix as one, or each matrix.
     if (m->packed) {
-        st = init_matrix(m->in_proj_weight, 3 * E, E, o, &r);
+        st = init_matrix(m->in_proj_weight, E + 2 * Ekv, E, o, &r);
     } else {
         st = init_matrix(m->q_weight, E, E, o, &r);
-        if (!st) st = init_matrix(m->k_weight, E, m->cfg.kdim, o, &r);
-        if (!st) st = init_matrix(m->v_weight, E, m->cfg.vdim, o, &r);
+        if (!st) st = init_matrix(m->k_weight, Ekv, m->cfg.kdim, o, &r);
+        if (!st) st = init_matrix(m->v_weight, Ekv, m->cfg.vdim, o, &r);
     }
     if (st) return st;
-    if (m->in_proj_bias) memset(m->in_proj_bias, 0, 3 * (size_t)E * sizeof(float));
+    if (m->in_proj_bias) memset(m->in_proj_bias, 0, (size_t)(E + 2 * Ekv) * sizeof(float));
     if (m->out_bias) memset(m->out_bias, 0, (size_t)E * sizeof(float));
-    // bias_k, bias_v: xavier_normal (fan_in = fan_out = E) under the
-    // default, else the scheme itself on a (1, E) matrix.
+    // bias_k, bias_v: xavier_normal (fan_in = fan_out = Ekv) under the
+    // default, else the scheme itself on a (1, Ekv) matrix.
     if (m->bias_k) {
         if (o->scheme == MHA_INIT_XAVIER_UNIFORM) {
-            fill_normal(m->bias_k, E, 1.0 / sqrt((double)E), &r);
-            fill_normal(m->bias_v, E, 1.0 / sqrt((double)E), &r);
+            fill_normal(m->bias_k, Ekv, 1.0 / sqrt((double)Ekv), &r);
+            fill_normal(m->bias_v, Ekv, 1.0 / sqrt((double)Ekv), &r);
         } else {
             mha_init_options ob = *o;
             if (ob.scheme == MHA_INIT_XAVIER_NORMAL) {
-                // torch's fans for a (1, 1, E) tensor are (E, E), not (E, 1)
-                fill_normal(m->bias_k, E, o->gain / sqrt((double)E), &r);
-                fill_normal(m->bias_v, E, o->gain / sqrt((double)E), &r);
+                // torch's fans for a (1, 1, Ekv) tensor are (Ekv, Ekv), not
+                // (Ekv, 1)
+                fill_normal(m->bias_k, Ekv, o->gain / sqrt((double)Ekv), &r);
+                fill_normal(m->bias_v, Ekv, o->gain / sqrt((double)Ekv), &r);
             } else {
-                st = init_matrix(m->bias_k, 1, E, &ob, &r);
-                if (!st) st = init_matrix(m->bias_v, 1, E, &ob, &r);
+                st = init_matrix(m->bias_k, 1, Ekv, &ob, &r);
+                if (!st) st = init_matrix(m->bias_v, 1, Ekv, &ob, &r);
                 if (st) return st;
             }
         }

@@ -129,6 +129,37 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                              "%s: __metadata__ num_heads %s is not "
                              "a positive integer", lab, mha_escape(qn, sizeof qn, h));
     }
+    // num_kv_heads: base, else __metadata__ "num_kv_heads", else from the
+    // shapes of the K/V parameters (Ekv rows of features, d = E / H each).
+    if (cfg.num_kv_heads == 0) {
+        const char *kvh = mha_st_metadata(f, "num_kv_heads");
+        if (kvh) {
+            if (!parse_pos_int(kvh, &cfg.num_kv_heads))
+                return mha__fail(MHA_ERR_FORMAT,
+                                 "%s: __metadata__ num_kv_heads %s is not a positive "
+                                 "integer", lab, mha_escape(qn, sizeof qn, kvh));
+        } else if (cfg.num_heads > 0 && E % cfg.num_heads == 0) {
+            // Ekv from the first K/V-shaped tensor present (the others are
+            // checked against the module's shapes below)
+            int64_t ekv = -1;
+            const char *from = NULL;
+            if (has[IN_W] && t[IN_W].ndim == 2 && t[IN_W].shape[0] > E &&
+                (t[IN_W].shape[0] - E) % 2 == 0)
+                ekv = (t[IN_W].shape[0] - E) / 2, from = "in_proj_weight";
+            else if (has[K_W] && t[K_W].ndim == 2)
+                ekv = t[K_W].shape[0], from = "k_proj_weight";
+            if (ekv >= 0) {
+                const int64_t d = E / cfg.num_heads;
+                if (ekv == 0 || ekv % d != 0 || cfg.num_heads % (ekv / d) != 0)
+                    return mha__fail(MHA_ERR_SHAPE,
+                                     "%s: %s gives K/V width %lld, which is not num_kv_heads "
+                                     "x head dim %lld with num_kv_heads dividing num_heads "
+                                     "%lld (embed_dim %lld)", lab, from, (long long)ekv,
+                                     (long long)d, (long long)cfg.num_heads, (long long)E);
+                cfg.num_kv_heads = ekv / d;
+            }
+        }
+    }
     mha_module *m;
     if ((st = mha_module_create(&m, &cfg))) return st;
     // Every parameter of the module must be in the file with its exact shape.
@@ -142,10 +173,12 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
             char s2[160];
             st = mha__fail(MHA_ERR_SHAPE,
                            "%s: %s has shape %s, expected %s (embed_dim "
-                           "%lld, num_heads %lld, kdim %lld, vdim %lld)", lab,
+                           "%lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
+                           "vdim %lld)", lab,
                            p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
                            mha__shape_str(s2, sizeof s2, p->ndim, p->shape),
                            (long long)E, (long long)cfg.num_heads,
+                           (long long)m->cfg.num_kv_heads,
                            (long long)m->cfg.kdim, (long long)m->cfg.vdim);
             goto fail;
         }
@@ -172,6 +205,10 @@ mha_status mha_module_save(const mha_module *m, const char *path) {
     char heads[32];
     snprintf(heads, sizeof heads, "%lld", (long long)m->cfg.num_heads);
     if (!st) st = mha_st_writer_set_metadata(w, "num_heads", heads);
+    if (!st && m->cfg.num_kv_heads != m->cfg.num_heads) {
+        snprintf(heads, sizeof heads, "%lld", (long long)m->cfg.num_kv_heads);
+        st = mha_st_writer_set_metadata(w, "num_kv_heads", heads);
+    }
     if (!st) st = mha_st_writer_save(w, path);
     mha_st_writer_destroy(w);
     return st;

@@ -2,12 +2,13 @@
 // parameters under PyTorch's names, carved out of one allocation.
 //
 // Parameter block layout (float32, each piece 64-byte aligned), in the order
-// of PyTorch's state_dict:
-//   in_proj_weight (3E, E)                    when kdim == vdim == E
-//   q_proj_weight (E, E), k_proj_weight (E, kdim), v_proj_weight (E, vdim)
+// of PyTorch's state_dict; Ekv = num_kv_heads * d (= E without grouped-query
+// attention):
+//   in_proj_weight (E + 2 Ekv, E)             when kdim == vdim == E
+//   q_proj_weight (E, E), k_proj_weight (Ekv, kdim), v_proj_weight (Ekv, vdim)
 //                                             otherwise
-//   in_proj_bias (3E)                         when bias
-//   bias_k (1, 1, E), bias_v (1, 1, E)        when add_bias_kv
+//   in_proj_bias (E + 2 Ekv)                  when bias
+//   bias_k (1, 1, Ekv), bias_v (1, 1, Ekv)    when add_bias_kv
 //   out_proj.weight (E, E)
 //   out_proj.bias (E)                         when bias
 #include <math.h>
@@ -37,6 +38,11 @@ static mha_status check_config(const mha_config *c) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "embed_dim %lld is not divisible by num_heads %lld",
                          (long long)c->embed_dim, (long long)c->num_heads);
+    if (c->num_kv_heads < 0 ||
+        (c->num_kv_heads > 0 && c->num_heads % c->num_kv_heads != 0))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "num_kv_heads %lld must divide num_heads %lld (0 = num_heads)",
+                         (long long)c->num_kv_heads, (long long)c->num_heads);
     if (c->kdim < 0 || c->vdim < 0)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "kdim and vdim must be >= 0 (0 = embed_dim), got "
@@ -96,18 +102,21 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     if (m->cfg.vdim == 0) m->cfg.vdim = E;
     m->packed = (m->cfg.kdim == E && m->cfg.vdim == E);
     m->head_dim = E / cfg->num_heads;
+    if (m->cfg.num_kv_heads == 0) m->cfg.num_kv_heads = cfg->num_heads;
+    const int64_t Ekv = m->cfg.num_kv_heads * m->head_dim;
+    m->kv_dim = Ekv;
 
     if (m->packed) {
-        add_param(m, "in_proj_weight", 2, 3 * E, E, 0, &m->in_proj_weight);
+        add_param(m, "in_proj_weight", 2, E + 2 * Ekv, E, 0, &m->in_proj_weight);
     } else {
         add_param(m, "q_proj_weight", 2, E, E, 0, &m->q_weight);
-        add_param(m, "k_proj_weight", 2, E, m->cfg.kdim, 0, &m->k_weight);
-        add_param(m, "v_proj_weight", 2, E, m->cfg.vdim, 0, &m->v_weight);
+        add_param(m, "k_proj_weight", 2, Ekv, m->cfg.kdim, 0, &m->k_weight);
+        add_param(m, "v_proj_weight", 2, Ekv, m->cfg.vdim, 0, &m->v_weight);
     }
-    if (cfg->bias) add_param(m, "in_proj_bias", 1, 3 * E, 0, 0, &m->in_proj_bias);
+    if (cfg->bias) add_param(m, "in_proj_bias", 1, E + 2 * Ekv, 0, 0, &m->in_proj_bias);
     if (cfg->add_bias_kv) {
-        add_param(m, "bias_k", 3, 1, 1, E, &m->bias_k);
-        add_param(m, "bias_v", 3, 1, 1, E, &m->bias_v);
+        add_param(m, "bias_k", 3, 1, 1, Ekv, &m->bias_k);
+        add_param(m, "bias_v", 3, 1, 1, Ekv, &m->bias_v);
     }
     add_param(m, "out_proj.weight", 2, E, E, 0, &m->out_weight);
     if (cfg->bias) add_param(m, "out_proj.bias", 1, E, 0, 0, &m->out_bias);
@@ -132,7 +141,7 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     if (m->packed) {
         m->q_weight = m->in_proj_weight;
         m->k_weight = m->in_proj_weight + E * E;
-        m->v_weight = m->in_proj_weight + 2 * E * E;
+        m->v_weight = m->in_proj_weight + (E + Ekv) * E;
     }
     *out = m;
     return MHA_OK;

@@ -15,6 +15,7 @@
 
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
+    int64_t Hkv, Ekv;  // KV heads (dividing H) and their width Hkv * d
     bool unbatched;
     // element strides of query/key/value as (seq, batch, feature)
     int64_t qs[3], ks[3], vs[3];
@@ -59,8 +60,8 @@ static inline int64_t mha__tile_end(int64_t i0, int64_t size, int64_t n) {
 
 // The state a training forward keeps (mha_forward_args.save). Layout of
 // buf (floats): the projections as the fused backward lays them out
-// (self_packed: (Rq, 3E); else q (Rq, E), k (Rk, E), v (Rk, E)), then the
-// context (Rq, E), then the row stats (N H L, 2).
+// (self_packed: (Rq, E + 2 Ekv); else q (Rq, E), k (Rk, Ekv), v (Rk, Ekv)),
+// then the context (Rq, E), then the row stats (N H L, 2).
 typedef struct mha__saved_key {
     const mha_module *m;
     mha_tensor q, k, v, kpm, am;  // zeroed when absent
@@ -132,7 +133,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                                const mha_forward_args *a, const mha_tensor *gout,
                                bool accumulate);
 
-// Step 1 of the forward: q (N, L, E), k and v (N, Sp, E) from the inputs,
+// Step 1 of the forward: q (N, L, E), k and v (N, Sp, Ekv) from the inputs,
 // with bias_k/bias_v and the zero key/value appended.
 // The dropout descriptor for the heads: NULL unless attention dropout is
 // active.
@@ -146,7 +147,7 @@ float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
 void mha__project_qkv(const fwd_plan *p, const mha_module *m,
                       const mha_forward_args *a, double *q, double *k,
                       double *v);
-// RoPE on the reference's q (N, L, E) and k (N, Sp, E) (keys t < S), or its
+// RoPE on the reference's q (N, L, E) and k (N, Sp, Ekv) (keys t < S), or its
 // inverse (the gradients).
 #define MHA__ROPE_MAX_HALF 4096
 void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,

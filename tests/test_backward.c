@@ -37,14 +37,17 @@ typedef struct fd_case {
     bool packed, bias, bkv, zero, batch_first, unbatched, causal, dropout;
     int kpm;   // 0 none, 1 bool, 2 float
     int am;    // 0 none, 1 bool (L,S), 2 float (L,S), 3 bool 3-D, 4 float 3-D
+    int heads, kv_heads;  // 0: H and H (grouped-query attention otherwise)
 } fd_case;
+
+enum { HMAX = 6 };  // the most heads of a grid case (E = 6)
 
 typedef struct fd_problem {
     mha_module *m;
     int64_t kd, vd, n, ndim;
     double q[L * N * E], k[S * N * E], v[S * N * E], gy[L * N * E];  // E >= KD, VD
-    uint8_t bm[N * H * L * S], bk[N * S];
-    double fm[N * H * L * S], fk[N * S];
+    uint8_t bm[N * HMAX * L * S], bk[N * S];  // first N H L S random, the rest 0
+    double fm[N * HMAX * L * S], fk[N * S];
     mha_tensor qt, kt, vt, gyt, amt, kpt;
     mha_forward_args a;
 } fd_problem;
@@ -66,7 +69,8 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     p->vd = c->packed ? E : VD;
     p->n = c->unbatched ? 1 : N;
     mha_config cfg;
-    mha_config_init(&cfg, E, H);
+    mha_config_init(&cfg, E, c->heads ? c->heads : H);
+    cfg.num_kv_heads = c->kv_heads;
     cfg.kdim = p->kd;
     cfg.vdim = p->vd;
     cfg.bias = c->bias;
@@ -123,7 +127,8 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
         mha_dtype dt = is_bool ? MHA_BOOL : MHA_F64;
         p->amt = c->am <= 2 ? mha_tensor_contiguous(data, dt, 2, (int64_t[]){L, S})
                             : mha_tensor_contiguous(data, dt, 3,
-                                                    (int64_t[]){p->n * H, L, S});
+                                                    (int64_t[]){p->n * (c->heads ? c->heads : H),
+                                                                L, S});
         p->a.attn_mask = &p->amt;
     }
 }
@@ -177,9 +182,10 @@ static void check_fd(const fd_case *c) {
     CHECK_OK(mha_backward(&gqt, &gkt, &gvt, g, p->m, &p->a, &p->gyt, false));
     char desc[200];
     snprintf(desc, sizeof desc,
-             "packed %d bias %d bkv %d zero %d bf %d unb %d causal %d drop %d kpm %d am %d",
+             "packed %d bias %d bkv %d zero %d bf %d unb %d causal %d drop %d kpm %d am %d "
+             "heads %d kv_heads %d",
              c->packed, c->bias, c->bkv, c->zero, c->batch_first, c->unbatched, c->causal,
-             c->dropout, c->kpm, c->am);
+             c->dropout, c->kpm, c->am, c->heads, c->kv_heads);
     const double tol = 1e-6;
     double e, worst = 0;
     e = fd_rel_error(p, p->q, true, gq, true, mha_tensor_numel(&p->qt));
@@ -215,6 +221,18 @@ static void test_fd_grid(void) {
             .packed = i & 1, .bias = (i >> 1) & 1, .bkv = (i >> 2) & 1, .zero = (i >> 3) & 1,
             .batch_first = (i >> 4) & 1, .unbatched = i % 5 == 0, .causal = (i >> 5) & 1,
             .dropout = i % 3 == 0, .kpm = i % 3, .am = i % 5,
+        };
+        check_fd(&c);
+    }
+    // grouped-query / multi-query attention: (heads, kv_heads) with E = 6,
+    // the options varied as above
+    static const int gqa[4][2] = {{2, 1}, {6, 2}, {6, 3}, {3, 1}};
+    for (int i = 0; i < 16; i++) {
+        fd_case c = {
+            .packed = i & 1, .bias = (i >> 1) & 1, .bkv = (i >> 2) & 1, .zero = (i >> 3) & 1,
+            .batch_first = (i >> 2) & 1, .unbatched = i % 5 == 0, .causal = (i >> 1) & 1,
+            .dropout = i % 3 == 0, .kpm = i % 3, .am = i % 5,
+            .heads = gqa[i % 4][0], .kv_heads = gqa[i % 4][1],
         };
         check_fd(&c);
     }

@@ -364,11 +364,12 @@ static void test_sdpa(void) {
 
 // A saved training forward (args.save): the backward that uses it gives
 // the very bits of the recomputing one; mismatched args are refused.
-static void test_saved(void) {
+static void test_saved_cfg(int64_t Hkv) {
     enum { E = 64, H = 4, L = 150, S = 130, N = 2 };
     for (int packed = 0; packed < 2; packed++) {
         mha_config c;
         mha_config_init(&c, E, H);
+        c.num_kv_heads = Hkv;  // 0: H
         c.dropout = 0.2f;
         c.add_bias_kv = !packed;
         c.kdim = packed ? E : 40;
@@ -420,14 +421,15 @@ static void test_saved(void) {
         CHECKF(memcmp(g[0][0], g[1][0], sizeof(float) * L * N * E) == 0 &&
                    memcmp(g[0][1], g[1][1], sizeof(float) * Sx * N * kd) == 0 &&
                    memcmp(g[0][2], g[1][2], sizeof(float) * Sx * N * E) == 0,
-               "saved forward (packed %d): input gradients differ from the recomputing backward",
-               packed);
+               "saved forward (packed %d, kv heads %lld): input gradients differ from the "
+               "recomputing backward", packed, (long long)Hkv);
         for (int i = 0; i < mha_module_num_params(gr[0]); i++) {
             mha_param p0, p1;
             CHECK_OK(mha_module_param_at(&p0, gr[0], i));
             CHECK_OK(mha_module_param_at(&p1, gr[1], i));
             CHECKF(memcmp(p0.data, p1.data, (size_t)p0.numel * 4) == 0,
-                   "saved forward (packed %d): grad %s differs", packed, p0.name);
+                   "saved forward (packed %d, kv heads %lld): grad %s differs", packed,
+                   (long long)Hkv, p0.name);
         }
         // other args than the forward's: refused, with a message
         a.dropout_offset = 1;
@@ -451,17 +453,28 @@ static void test_saved(void) {
 // 1, 2 and 8 threads: bit-identical output, weights and gradients.
 // With 2 heads, 8 threads take the backward's two-pass route and 1 or 2
 // threads the one-sweep-per-head route: the same bits are required.
-static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv);
+// Grouped-query attention (Hkv KV heads): the routes are chosen by the
+// number of KV heads (N Hkv >= threads: one sweep per KV head).
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv,
+                             int64_t Hkv);
 
 static void test_threads(void) {
-    test_threads_cfg(96, 4, 200, 2, false);
-    test_threads_cfg(64, 2, 300, 1, true);
+    test_threads_cfg(96, 4, 200, 2, false, 0);
+    test_threads_cfg(64, 2, 300, 1, true, 0);
 }
 
-static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv) {
+static void test_threads_gqa(void) {
+    test_threads_cfg(96, 4, 200, 2, true, 2);   // 4 KV-head items: both routes
+    test_threads_cfg(96, 6, 260, 1, true, 1);   // multi-query: 1 item
+    test_threads_cfg(64, 8, 300, 1, false, 4);  // 4 items: 8 threads two-pass
+}
+
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv,
+                             int64_t Hkv) {
     mha_config c;
     mha_config_init(&c, E, H);
     c.add_bias_kv = bkv;
+    c.num_kv_heads = Hkv;
     const int64_t Sp = L + bkv;
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
@@ -499,18 +512,20 @@ static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bk
     for (int r = 1; r < 3; r++) {
         const size_t ny = sizeof(float) * (size_t)(L * N * E),
                      nw = sizeof(float) * (size_t)(N * L * Sp);
-        CHECKF(memcmp(y[0], y[r], ny) == 0, "fused output (H %lld): 1 vs %d threads",
-               (long long)H, threads[r]);
-        CHECKF(memcmp(w[0], w[r], nw) == 0, "fused weights (H %lld): 1 vs %d threads",
-               (long long)H, threads[r]);
-        CHECKF(memcmp(gx[0], gx[r], ny) == 0, "fused grad_query (H %lld): 1 vs %d threads",
-               (long long)H, threads[r]);
+        CHECKF(memcmp(y[0], y[r], ny) == 0, "fused output (H %lld Hkv %lld): 1 vs %d threads",
+               (long long)H, (long long)Hkv, threads[r]);
+        CHECKF(memcmp(w[0], w[r], nw) == 0, "fused weights (H %lld Hkv %lld): 1 vs %d threads",
+               (long long)H, (long long)Hkv, threads[r]);
+        CHECKF(memcmp(gx[0], gx[r], ny) == 0,
+               "fused grad_query (H %lld Hkv %lld): 1 vs %d threads", (long long)H,
+               (long long)Hkv, threads[r]);
         for (int i = 0; i < mha_module_num_params(g[0]); i++) {
             mha_param p0, pr;
             CHECK_OK(mha_module_param_at(&p0, g[0], i));
             CHECK_OK(mha_module_param_at(&pr, g[r], i));
             CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0,
-                   "fused grad %s (H %lld): 1 vs %d threads", p0.name, (long long)H, threads[r]);
+                   "fused grad %s (H %lld Hkv %lld): 1 vs %d threads", p0.name, (long long)H,
+                   (long long)Hkv, threads[r]);
         }
     }
     for (int r = 0; r < 3; r++) {
@@ -524,13 +539,205 @@ static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bk
     mha_module_destroy(m);
 }
 
+// ---------------------------------------------------------------------------
+// Grouped-query / multi-query attention (num_kv_heads < num_heads): the
+// fused forward and backward against the reference on random
+// configurations (run after the tests above, so their random streams are
+// unchanged).
+
+static void gqa_case(int id) {
+    const int64_t H = irand(1, 6);
+    int64_t divs[6], nd = 0;
+    for (int64_t k = 1; k < H; k++)
+        if (H % k == 0) divs[nd++] = k;
+    const int64_t Hkv = nd ? divs[next() % (uint64_t)nd] : 1;  // < H unless H = 1
+    const int64_t d = irand(1, 16), E = H * d, L = irand(1, 140), S = irand(1, 140),
+                  N = irand(1, 3);
+    const bool bf = next() & 1, unb = next() % 4 == 0, bkv = next() % 3 == 0,
+               zero = next() % 3 == 0, causal = next() & 1, drop = next() % 4 == 0,
+               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0,
+               am = next() % 3 == 0;
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = Hkv;
+    c.batch_first = bf;
+    c.add_bias_kv = bkv;
+    c.add_zero_attn = zero;
+    c.dropout = drop ? 0.25f : 0.0f;
+    if (next() % 3 == 0) c.kdim = irand(1, 20);
+    if (next() % 4 == 0) c.vdim = irand(1, 20);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = (uint64_t)id + 1000;
+    CHECK_OK(mha_module_init(m, &io));
+    if (bkv) {  // bias_k/bias_v of unit size (the init's are ~1/sqrt(Ekv))
+        mha_param pk;
+        CHECK_OK(mha_module_param(&pk, m, "bias_k"));
+        CHECK(pk.shape[2] == Hkv * d);
+    }
+    const int64_t kd = mha_module_config(m)->kdim, vd = mha_module_config(m)->vdim,
+                  nb = unb ? 1 : N;
+    const bool self = kd == E && vd == E && S == L && next() % 2 == 0;
+    float *q = malloc(sizeof(float) * (size_t)(L * nb * E));
+    float *k = malloc(sizeof(float) * (size_t)(S * nb * kd));
+    float *v = malloc(sizeof(float) * (size_t)(S * nb * vd));
+    float *gy = malloc(sizeof(float) * (size_t)(L * nb * E));
+    for (int64_t i = 0; i < L * nb * E; i++) q[i] = frand(), gy[i] = frand();
+    for (int64_t i = 0; i < S * nb * kd; i++) k[i] = frand();
+    for (int64_t i = 0; i < S * nb * vd; i++) v[i] = frand();
+#define GVIEW(p, T, F)                                                                     \
+    (unb ? mha_tensor_contiguous(p, MHA_F32, 2, (int64_t[]){T, F})                         \
+         : mha_tensor_contiguous(p, MHA_F32, 3,                                            \
+                                 (int64_t[]){bf ? nb : T, bf ? T : nb, F}))
+    mha_tensor qt = GVIEW(q, L, E), kt = GVIEW(k, S, kd), vt = GVIEW(v, S, vd),
+               gyt = GVIEW(gy, L, E);
+    uint8_t *kb = malloc((size_t)(nb * S));
+    float *fm = malloc(sizeof(float) * (size_t)(nb * H * L * S));
+    for (int64_t i = 0; i < nb * S; i++) kb[i] = next() % 4 == 0;
+    for (int64_t i = 0; i < nb * H * L * S; i++) fm[i] = next() % 7 == 0 ? -INFINITY : frand();
+    mha_tensor kpt = unb ? mha_tensor_contiguous(kb, MHA_BOOL, 1, (int64_t[]){S})
+                         : mha_tensor_contiguous(kb, MHA_BOOL, 2, (int64_t[]){nb, S});
+    mha_tensor amt = mha_tensor_contiguous(fm, MHA_F32, 3, (int64_t[]){nb * H, L, S});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = &qt;
+    a.key = self ? &qt : &kt;
+    a.value = self ? &qt : &vt;
+    a.is_causal = causal;
+    a.need_weights = need;
+    a.average_attn_weights = avg;
+    a.training = drop;
+    a.dropout_seed = (uint64_t)id * 31 + 5;
+    if (kpm) a.key_padding_mask = &kpt;
+    if (am) a.attn_mask = &amt;
+    if (next() % 3 == 0) a.window_left = irand(0, 40);
+    mha_shape os, wsh;
+    CHECK_OK(mha_forward_shapes(&os, &wsh, m, &a));
+    int64_t on = 1, wn = 1;
+    for (int i = 0; i < os.ndim; i++) on *= os.dims[i];
+    for (int i = 0; i < wsh.ndim; i++) wn *= wsh.dims[i];
+    const mha_tensor *xin[3] = {a.query, a.key, a.value};
+    int64_t xn[3];
+    for (int j = 0; j < 3; j++) xn[j] = mha_tensor_numel(xin[j]);
+    float *y[2], *w[2], *gx[2][3];
+    mha_module *g[2];
+    for (int r = 0; r < 2; r++) {
+        y[r] = malloc(sizeof(float) * (size_t)on);
+        w[r] = malloc(sizeof(float) * (size_t)wn);
+        mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, os.ndim, os.dims);
+        mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, wsh.ndim, wsh.dims);
+        mha_tensor gt[3];
+        for (int j = 0; j < 3; j++) {
+            gx[r][j] = malloc(sizeof(float) * (size_t)xn[j]);
+            gt[j] = mha_tensor_contiguous(gx[r][j], MHA_F32, xin[j]->ndim, xin[j]->shape);
+        }
+        a.impl = r ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        CHECK_OK(mha_forward(&yt, need ? &wt : NULL, m, &a));
+        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+        CHECK_OK(mha_backward(&gt[0], &gt[1], &gt[2], g[r], m, &a, &gyt, false));
+    }
+    char desc[256];
+    snprintf(desc, sizeof desc,
+             "gqa case %d (E %lld H %lld Hkv %lld L %lld S %lld N %lld kdim %lld vdim %lld bf %d "
+             "unb %d bkv %d zero %d causal %d window %lld drop %d kpm %d am %d self %d)",
+             id, (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)S,
+             (long long)N, (long long)kd, (long long)vd, bf, unb, bkv, zero, causal,
+             (long long)a.window_left, drop, kpm, am, self);
+    double e = rel_err(y[0], y[1], on);
+    CHECKF(e < 2e-5, "%s: output err %g", desc, e);
+    if (need) {
+        e = rel_err(w[0], w[1], wn);
+        CHECKF(e < 2e-5, "%s: weights err %g", desc, e);
+    }
+    static const char *gn[3] = {"grad_query", "grad_key", "grad_value"};
+    for (int j = 0; j < 3; j++) {
+        e = rel_err(gx[0][j], gx[1][j], xn[j]);
+        CHECKF(e < 1e-4, "%s: %s err %g", desc, gn[j], e);
+    }
+    for (int i = 0; i < mha_module_num_params(g[0]); i++) {
+        mha_param p0, p1;
+        CHECK_OK(mha_module_param_at(&p0, g[0], i));
+        CHECK_OK(mha_module_param_at(&p1, g[1], i));
+        e = rel_err(p0.data, p1.data, p0.numel);
+        CHECKF(e < 1e-4, "%s: grad %s err %g", desc, p0.name, e);
+    }
+    for (int r = 0; r < 2; r++) {
+        free(y[r]), free(w[r]);
+        for (int j = 0; j < 3; j++) free(gx[r][j]);
+        mha_module_destroy(g[r]);
+    }
+#undef GVIEW
+    free(q), free(k), free(v), free(gy), free(kb), free(fm);
+    mha_module_destroy(m);
+}
+
+// mha_forward_cached with grouped-query attention: a cache of num_kv_heads
+// heads, token by token and in chunks, gives the causal forward's result;
+// a cache with num_heads KV heads is refused.
+static void test_cached_gqa(void) {
+    enum { E = 48, H = 6, HKV = 2, T = 37, N = 2 };
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = HKV;
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    CHECK_OK(mha_module_init(m, &io));
+    static float x[T * N * E], y0[T * N * E], y1[T * N * E];
+    for (int i = 0; i < T * N * E; i++) x[i] = frand();
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){T, N, E});
+    mha_tensor yt = mha_tensor_contiguous(y0, MHA_F32, 3, (int64_t[]){T, N, E});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    a.impl = MHA_IMPL_FUSED;
+    CHECK_OK(mha_forward(&yt, NULL, m, &a));
+    for (int chunk = 1; chunk <= 8; chunk += 7) {
+        mha_kv_cache *cache = NULL;
+        CHECK_OK(mha_kv_cache_create(&cache, N, HKV, E / H, E / H, T));
+        for (int t0 = 0; t0 < T; t0 += chunk) {
+            const int n = T - t0 < chunk ? T - t0 : chunk;
+            mha_tensor qc = mha_tensor_contiguous(x + t0 * N * E, MHA_F32, 3,
+                                                  (int64_t[]){n, N, E});
+            mha_tensor oc = mha_tensor_contiguous(y1 + t0 * N * E, MHA_F32, 3,
+                                                  (int64_t[]){n, N, E});
+            mha_forward_args ac;
+            mha_forward_args_init(&ac);
+            ac.query = ac.key = ac.value = &qc;
+            CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
+        }
+        double e = rel_err(y0, y1, T * N * E);
+        CHECKF(e < 2e-5, "cached gqa (chunk %d): err %g", chunk, e);
+        mha_kv_cache_destroy(cache);
+    }
+    mha_kv_cache *bad = NULL;
+    CHECK_OK(mha_kv_cache_create(&bad, N, H, E / H, E / H, T));
+    mha_forward_args ac;
+    mha_forward_args_init(&ac);
+    ac.query = ac.key = ac.value = &xt;
+    CHECK(mha_forward_cached(&yt, m, &ac, bad) == MHA_ERR_SHAPE);
+    mha_kv_cache_destroy(bad);
+    mha_module_destroy(m);
+}
+
 int main(void) {
     for (int i = 0; i < 300; i++) one_case(i);
     test_threads();
     test_windows();
     test_weights_block();
     test_sdpa();
-    test_saved();
+    test_saved_cfg(0);
+    // grouped-query attention (after the tests above: their random draws
+    // are unchanged)
+    for (int i = 0; i < 120; i++) gqa_case(i);
+    test_threads_gqa();
+    test_saved_cfg(2);
+    test_saved_cfg(1);
+    test_cached_gqa();
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }

@@ -285,6 +285,126 @@ static void test_save_load(void) {
     mha_module_destroy(m2);
 }
 
+// Grouped-query attention: parameter shapes from num_kv_heads (Ekv = Hkv d),
+// the config check, xavier_uniform on the packed (E + 2 Ekv, E) matrix,
+// save/load (metadata "num_kv_heads", or inferred from the shapes when the
+// file has none) and inconsistent files.
+static void test_gqa(void) {
+    const char *dir = getenv("MHA_TEST_TMPDIR");
+    char path[512];
+    snprintf(path, sizeof path, "%s/test_module_gqa.safetensors", dir ? dir : "/tmp");
+    mha_config c;
+    mha_module *m = NULL;
+    mha_config_init(&c, 24, 6);
+    c.num_kv_heads = 4;  // does not divide 6
+    CHECK_FAILS(mha_module_create(&m, &c), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "num_kv_heads 4") && strstr(mha_last_error(), "num_heads 6"));
+    c.num_kv_heads = -1;
+    CHECK_FAILS(mha_module_create(&m, &c), MHA_ERR_INVALID_ARG);
+    c.num_kv_heads = 2;  // Ekv = 8
+    c.add_bias_kv = true;
+    CHECK_OK(mha_module_create(&m, &c));
+    CHECK(mha_module_config(m)->num_kv_heads == 2);
+    mha_param p;
+    CHECK_OK(mha_module_param(&p, m, "in_proj_weight"));
+    CHECK(p.shape[0] == 24 + 16 && p.shape[1] == 24);
+    CHECK_OK(mha_module_param(&p, m, "in_proj_bias"));
+    CHECK(p.numel == 40);
+    CHECK_OK(mha_module_param(&p, m, "bias_k"));
+    CHECK(p.shape[2] == 8);
+    CHECK_OK(mha_module_param(&p, m, "out_proj.weight"));
+    CHECK(p.shape[0] == 24 && p.shape[1] == 24);
+    mha_init_options o;
+    mha_init_options_default(&o);
+    CHECK_OK(mha_module_init(m, &o));
+    CHECK_OK(mha_module_param(&p, m, "in_proj_weight"));
+    stats st = stats_of(p.data, p.numel);
+    double bound = sqrt(6.0 / (24.0 + 40.0));  // torch's fans of (E + 2 Ekv, E)
+    CHECKF(st.maxabs <= bound && st.maxabs > 0.95 * bound, "gqa in_proj max %g bound %g",
+           st.maxabs, bound);
+    CHECK_OK(mha_module_save(m, path));
+    mha_st_file *f = NULL;
+    CHECK_OK(mha_st_open(&f, path));
+    CHECK(mha_st_metadata(f, "num_kv_heads") && !strcmp(mha_st_metadata(f, "num_kv_heads"), "2"));
+    mha_module *m2 = NULL;
+    CHECK_OK(mha_module_load(&m2, f, NULL));
+    if (m2) {
+        CHECK(mha_module_config(m2)->num_kv_heads == 2 && mha_module_config(m2)->num_heads == 6);
+        for (int i = 0; i < mha_module_num_params(m); i++) {
+            mha_param a, b;
+            CHECK_OK(mha_module_param_at(&a, m, i));
+            CHECK_OK(mha_module_param_at(&b, m2, i));
+            CHECK(a.numel == b.numel && memcmp(a.data, b.data, (size_t)a.numel * 4) == 0);
+        }
+    }
+    mha_module_destroy(m2);
+    // a base num_kv_heads that contradicts the shapes: the shape error names it
+    mha_config base;
+    mha_config_init(&base, 0, 0);
+    base.num_kv_heads = 3;
+    m2 = NULL;
+    CHECK_FAILS(mha_module_load(&m2, f, &base), MHA_ERR_SHAPE);
+    CHECK(strstr(mha_last_error(), "num_kv_heads 3") != NULL);
+    mha_st_close(f);
+    // without the metadata: num_kv_heads from the shapes (separate weights
+    // too); a K/V width that is no multiple of the head dim is refused
+    for (int sep = 0; sep < 2; sep++) {
+        mha_config cc;
+        mha_config_init(&cc, 24, 6);
+        cc.num_kv_heads = 1;
+        if (sep) cc.kdim = 5;
+        mha_module *mm = NULL;
+        CHECK_OK(mha_module_create(&mm, &cc));
+        mha_st_writer *w = NULL;
+        CHECK_OK(mha_st_writer_create(&w));
+        for (int i = 0; i < mha_module_num_params(mm); i++) {
+            CHECK_OK(mha_module_param_at(&p, mm, i));
+            CHECK_OK(mha_st_writer_add(w, p.name, MHA_F32, p.ndim, p.shape, p.data));
+        }
+        CHECK_OK(mha_st_writer_set_metadata(w, "num_heads", "6"));
+        CHECK_OK(mha_st_writer_save(w, path));
+        mha_st_writer_destroy(w);
+        CHECK_OK(mha_st_open(&f, path));
+        m2 = NULL;
+        CHECK_OK(mha_module_load(&m2, f, NULL));
+        CHECK(m2 && mha_module_config(m2)->num_kv_heads == 1);
+        mha_module_destroy(m2);
+        mha_st_close(f);
+        mha_module_destroy(mm);
+    }
+    {
+        float w0[30 * 24] = {0}, wo[24 * 24] = {0};  // in_proj (E + 2 * 3, E): d = 4
+        mha_st_writer *w = NULL;
+        CHECK_OK(mha_st_writer_create(&w));
+        CHECK_OK(mha_st_writer_add(w, "in_proj_weight", MHA_F32, 2, (int64_t[]){30, 24}, w0));
+        CHECK_OK(mha_st_writer_add(w, "out_proj.weight", MHA_F32, 2, (int64_t[]){24, 24}, wo));
+        CHECK_OK(mha_st_writer_set_metadata(w, "num_heads", "6"));
+        CHECK_OK(mha_st_writer_save(w, path));
+        mha_st_writer_destroy(w);
+        CHECK_OK(mha_st_open(&f, path));
+        m2 = NULL;
+        CHECK_FAILS(mha_module_load(&m2, f, NULL), MHA_ERR_SHAPE);
+        CHECK(m2 == NULL && strstr(mha_last_error(), "in_proj_weight") != NULL);
+        mha_st_close(f);
+    }
+    // the gradient module must have the same num_kv_heads
+    mha_module *g = NULL;
+    mha_config gc = *mha_module_config(m);
+    gc.num_kv_heads = 6;
+    CHECK_OK(mha_module_create(&g, &gc));
+    float x[3 * 24], y[3 * 24];
+    for (int i = 0; i < 3 * 24; i++) x[i] = 0.01f * (float)i;
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){3, 24});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){3, 24});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    CHECK_FAILS(mha_backward(NULL, NULL, NULL, g, m, &a, &yt, false), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "num_kv_heads") != NULL);
+    mha_module_destroy(g);
+    mha_module_destroy(m);
+}
+
 int main(void) {
     test_params_packed();
     test_params_separate();
@@ -295,5 +415,6 @@ int main(void) {
     test_init_orthogonal();
     test_init_errors();
     test_save_load();
+    test_gqa();
     return check_summary("test_module");
 }

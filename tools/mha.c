@@ -64,9 +64,11 @@ static const char *init_help =
     "Usage: mha init --embed-dim E --num-heads H --out W.safetensors [options]\n"
     "Writes freshly initialised nn.MultiheadAttention parameters under\n"
     "PyTorch's names (in_proj_weight, in_proj_bias, out_proj.weight, ...)\n"
-    "with __metadata__ num_heads.\n"
+    "with __metadata__ num_heads (and num_kv_heads when it is not H).\n"
     "  --embed-dim E      model dimension (divisible by H)\n"
     "  --num-heads H      number of heads\n"
+    "  --num-kv-heads K   key/value heads, dividing H (grouped-query attention;\n"
+    "                     default H): K/V weights of K * E / H rows\n"
     "  --kdim K, --vdim V key / value feature sizes (default E; when either\n"
     "                     differs, q/k/v_proj_weight are written separately)\n"
     "  --no-bias          no in_proj_bias / out_proj.bias\n"
@@ -86,6 +88,7 @@ static int cmd_init(int argc, char **argv) {
         {"init", required_argument, 0, 'i'},      {"gain", required_argument, 0, 'g'},
         {"std", required_argument, 0, 's'},       {"seed", required_argument, 0, 'S'},
         {"out", required_argument, 0, 'o'},       {"help", no_argument, 0, 'h'},
+        {"num-kv-heads", required_argument, 0, 'G'},
         {0, 0, 0, 0}};
     mha_config cfg;
     mha_config_init(&cfg, 0, 0);
@@ -101,6 +104,10 @@ static int cmd_init(int argc, char **argv) {
         switch (c) {
         case 'e': if (parse_i64(optarg, &cfg.embed_dim)) return usage_error("init", "--embed-dim needs an integer"); break;
         case 'n': if (parse_i64(optarg, &cfg.num_heads)) return usage_error("init", "--num-heads needs an integer"); break;
+        case 'G':
+            if (parse_i64(optarg, &cfg.num_kv_heads) || cfg.num_kv_heads <= 0)
+                return usage_error("init", "--num-kv-heads needs a positive integer");
+            break;
         case 'k': if (parse_i64(optarg, &cfg.kdim)) return usage_error("init", "--kdim needs an integer"); break;
         case 'v': if (parse_i64(optarg, &cfg.vdim)) return usage_error("init", "--vdim needs an integer"); break;
         case 'B': cfg.bias = false; break;
@@ -190,6 +197,8 @@ static const char *forward_help =
     "   (added).\n"
     "Y: attn_output, and with --need-weights attn_output_weights.\n"
     "  --num-heads H        heads (default: the weights' __metadata__)\n"
+    "  --num-kv-heads K     key/value heads (default: the weights' __metadata__\n"
+    "                       num_kv_heads, else from the K/V weight shapes)\n"
     "  --batch-first        (N, L, E) inputs and output\n"
     "  --causal             hide keys j > i\n"
     "  --window-left W      sliding window: hide keys j < i - W\n"
@@ -308,6 +317,7 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
         {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
         {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
+        {"num-kv-heads", required_argument, 0, 'G'},
         {0, 0, 0, 0}};
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
@@ -331,6 +341,10 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         case 'n':
             if (parse_i64(optarg, &r->base.num_heads) || r->base.num_heads <= 0)
                 return usage_error(cmd, "--num-heads needs a positive integer");
+            break;
+        case 'G':
+            if (parse_i64(optarg, &r->base.num_kv_heads) || r->base.num_kv_heads <= 0)
+                return usage_error(cmd, "--num-kv-heads needs a positive integer");
             break;
         case 'b': r->base.batch_first = true; break;
         case 'c': r->a.is_causal = true; break;
@@ -484,9 +498,9 @@ static int run_incremental(run *r, mha_tensor *ot) {
     const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;  // the sequence dim
     const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
     const mha_config *c = mha_module_config(r->m);
-    const int64_t H = c->num_heads, d = c->embed_dim / c->num_heads;
+    const int64_t Hkv = c->num_kv_heads, d = c->embed_dim / c->num_heads;
     mha_kv_cache *cache = NULL;
-    mha_status st = mha_kv_cache_create(&cache, N, H, d, d, L > 0 ? L : 1);
+    mha_status st = mha_kv_cache_create(&cache, N, Hkv, d, d, L > 0 ? L : 1);
     if (st) return cli_fail(r->cmd, st);
     const int64_t step = r->chunk ? r->chunk : 1;
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {

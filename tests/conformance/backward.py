@@ -221,9 +221,7 @@ class BCase:
 
     def write_files(self, wpath, xpath, gpath):
         c = self.c
-        meta = ({"num_heads": str(c.H)} if c.heads_via in ("meta", "both")
-                else None)
-        conf.st_save(wpath, c.params, meta)
+        conf.st_save(wpath, c.params, c.weights_metadata())
         xs = [("query", c.query)]
         if not self.self_attn:
             xs += [("key", c.key), ("value", c.value)]
@@ -305,10 +303,23 @@ def with_position_options(c, seed, i):
     return c
 
 
+def with_gqa(c, seed, i):
+    """Some configurations (H > 1) get grouped-query / multi-query attention:
+    num_kv_heads a divisor of H below H, and parameters of those shapes
+    drawn again (own stream; the other configurations are unchanged)."""
+    r = np.random.default_rng([seed, 0x677161, i])
+    divs = [k for k in range(1, c.H) if c.H % k == 0]
+    if r.random() < 0.3 and divs:
+        c.num_kv_heads = int(r.choice(divs))
+        c.set_params_random(r)
+    return c
+
+
 def grid_case(seed, i):
     sa = i % 6 == 5
     c = conf.random_case(GRID_SEED_BASE + seed, i, self_attn=sa)
     with_position_options(c, GRID_SEED_BASE + seed, i)
+    with_gqa(c, GRID_SEED_BASE + seed, i)
     rng = np.random.default_rng([seed, 0x627764, i])
     return BCase(c, "grid", str(i), rng, self_attn=sa)
 
@@ -317,6 +328,7 @@ def dropout_case(seed, i):
     sa = i % 6 == 5
     c = conf.random_case(DROPOUT_SEED_BASE + seed, i, self_attn=sa)
     with_position_options(c, DROPOUT_SEED_BASE + seed, i)
+    with_gqa(c, DROPOUT_SEED_BASE + seed, i)
     rng = np.random.default_rng([seed, 0x64726f70, i])
     b = BCase(c, "dropout", "d:%d" % i, rng, self_attn=sa)
     b.train = True
@@ -360,33 +372,40 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     c = b.c
     E, H, L, S, Nb = c.E, c.H, c.L, c.S, c.Nb
     d = E // H
+    # grouped-query attention: K and V have Hkv heads (Ekv features); query
+    # head h reads KV head h // (H / Hkv) (repeat_interleave)
+    Hkv, Ekv = c.Hkv, c.Ekv
     q, k, v = X["query"], X["key"], X["value"]
     if not c.batched:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
     elif c.batch_first:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if "in_proj_weight" in P:
-        Wq, Wk, Wv = P["in_proj_weight"].chunk(3)
+        Wq, Wk, Wv = P["in_proj_weight"].split([E, Ekv, Ekv])
     else:
         Wq, Wk, Wv = P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"]
     if "in_proj_bias" in P:
-        bq, bk, bv = P["in_proj_bias"].chunk(3)
+        bq, bk, bv = P["in_proj_bias"].split([E, Ekv, Ekv])
     else:
         bq = bk = bv = None
     Q, K, V = F.linear(q, Wq, bq), F.linear(k, Wk, bk), F.linear(v, Wv, bv)
     if c.rope is not None:  # after the projections, before the bias key
         Q = rope_torch(Q, H, c.rope)
-        K = rope_torch(K, H, c.rope)
+        K = rope_torch(K, Hkv, c.rope)
     if c.add_bias_kv:
-        K = torch.cat([K, P["bias_k"].expand(1, Nb, E)])
-        V = torch.cat([V, P["bias_v"].expand(1, Nb, E)])
+        K = torch.cat([K, P["bias_k"].expand(1, Nb, Ekv)])
+        V = torch.cat([V, P["bias_v"].expand(1, Nb, Ekv)])
     Qh = Q.contiguous().view(L, Nb * H, d).transpose(0, 1)
-    Kh = K.contiguous().view(K.shape[0], Nb * H, d).transpose(0, 1)
-    Vh = V.contiguous().view(V.shape[0], Nb * H, d).transpose(0, 1)
+    Kh = K.contiguous().view(K.shape[0], Nb * Hkv, d).transpose(0, 1)
+    Vh = V.contiguous().view(V.shape[0], Nb * Hkv, d).transpose(0, 1)
     if c.add_zero_attn:
-        z = torch.zeros((Nb * H, 1, d), dtype=dtype)
+        z = torch.zeros((Nb * Hkv, 1, d), dtype=dtype)
         Kh = torch.cat([Kh, z], dim=1)
         Vh = torch.cat([Vh, z], dim=1)
+    if Hkv != H:  # (Nb Hkv, S', d) -> (Nb H, S', d)
+        G = H // Hkv
+        Kh = Kh.view(Nb, Hkv, -1, d).repeat_interleave(G, dim=1).view(Nb * H, -1, d)
+        Vh = Vh.view(Nb, Hkv, -1, d).repeat_interleave(G, dim=1).view(Nb * H, -1, d)
     Sp = Kh.shape[1]
     M, FM = conf.combined_mask(c)
     Mp = np.zeros((Nb * H, L, Sp))
@@ -579,13 +598,14 @@ def references(b, info=None):
     notes, errors = [], []
     info = {} if info is None else info
     info["fm"] = bool(FM.any())
-    if c.rope is not None or c.alibi or c.softcap > 0:
+    if c.rope is not None or c.alibi or c.softcap > 0 or c.num_kv_heads:
         # F.multi_head_attention_forward has none of these: the reference is
         # the mirror (RoPE, ALiBi and the soft cap written from the papers'
-        # formulas) under torch autograd, its gradients checked by finite
+        # formulas, grouped-query attention as repeat_interleave of the KV
+        # heads) under torch autograd, its gradients checked by finite
         # differences
         t32 = mirror_expected(b, torch.float32, keeps)
-        notes.append("torch32: the mirror in float32 (rope/alibi/softcap)")
+        notes.append("torch32: the mirror in float32 (rope/alibi/softcap/gqa)")
         if float(c.info.split("=")[1]) <= 3.0:
             e = fd_check(b, ref, keeps=keeps)
             info["fd"] = e

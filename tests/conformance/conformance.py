@@ -205,6 +205,9 @@ class Case:
         self.rope = None          # (mode "neox"|"interleaved", theta, dim, start)
         self.alibi = False
         self.softcap = 0.0
+        # grouped-query attention (backward.py's mirror checks it; PyTorch's
+        # module has none): None or a divisor of H below H
+        self.num_kv_heads = None
         self.params = []      # list of (name, float32 array), file order
         self.query = self.key = self.value = None
         self.key_padding_mask = None
@@ -217,6 +220,14 @@ class Case:
     @property
     def Nb(self):
         return self.N if self.N is not None else 1
+
+    @property
+    def Hkv(self):
+        return self.num_kv_heads if self.num_kv_heads else self.H
+
+    @property
+    def Ekv(self):
+        return self.Hkv * (self.E // self.H)
 
     def param(self, name):
         for n, a in self.params:
@@ -248,7 +259,8 @@ class Case:
                    if self.wblock else "")
                 + (" rope=%s" % (self.rope,) if self.rope else "")
                 + (" alibi" if self.alibi else "")
-                + (" softcap=%g" % self.softcap if self.softcap > 0 else ""))
+                + (" softcap=%g" % self.softcap if self.softcap > 0 else "")
+                + (" kv_heads=%d" % self.num_kv_heads if self.num_kv_heads else ""))
 
     @property
     def windowed(self):
@@ -270,7 +282,8 @@ class Case:
         return W if self.batched else W[0]
 
     def set_params_random(self, rng, wscale=1.0):
-        E, k, v = self.E, self.kdim, self.vdim
+        # Ekv: the K/V projections' width (E unless grouped-query)
+        E, k, v, Ekv = self.E, self.kdim, self.vdim, self.Ekv
 
         def unif(shape, fan_in, fan_out):
             a = math.sqrt(6.0 / (fan_in + fan_out)) * wscale
@@ -278,21 +291,21 @@ class Case:
 
         ps = []
         if k == E and v == E:
-            ps.append(("in_proj_weight", unif((3 * E, E), E, 3 * E)))
+            ps.append(("in_proj_weight", unif((E + 2 * Ekv, E), E, E + 2 * Ekv)))
         else:
             ps.append(("q_proj_weight", unif((E, E), E, E)))
-            ps.append(("k_proj_weight", unif((E, k), k, E)))
-            ps.append(("v_proj_weight", unif((E, v), v, E)))
+            ps.append(("k_proj_weight", unif((Ekv, k), k, Ekv)))
+            ps.append(("v_proj_weight", unif((Ekv, v), v, Ekv)))
         if self.bias:
             ps.append(("in_proj_bias",
-                       (0.5 * rng.standard_normal(3 * E)).astype(np.float32)))
+                       (0.5 * rng.standard_normal(E + 2 * Ekv)).astype(np.float32)))
         ps.append(("out_proj.weight", unif((E, E), E, E)))
         if self.bias:
             ps.append(("out_proj.bias",
                        (0.5 * rng.standard_normal(E)).astype(np.float32)))
         if self.add_bias_kv:
-            ps.append(("bias_k", rng.standard_normal((1, 1, E)).astype(np.float32)))
-            ps.append(("bias_v", rng.standard_normal((1, 1, E)).astype(np.float32)))
+            ps.append(("bias_k", rng.standard_normal((1, 1, Ekv)).astype(np.float32)))
+            ps.append(("bias_v", rng.standard_normal((1, 1, Ekv)).astype(np.float32)))
         # shuffle the file order a little: the CLI must find tensors by name
         if rng.random() < 0.3:
             order = rng.permutation(len(ps))
@@ -324,6 +337,10 @@ class Case:
                "--out", ypath]
         if self.heads_via in ("arg", "both"):
             cmd += ["--num-heads", str(self.H)]
+        # grouped-query: the weights' shapes tell num_kv_heads ("arg"), and
+        # so does __metadata__ ("meta"); "both" also passes it
+        if self.num_kv_heads and self.heads_via == "both":
+            cmd += ["--num-kv-heads", str(self.num_kv_heads)]
         if self.batch_first:
             cmd.append("--batch-first")
         if self.causal:
@@ -355,11 +372,16 @@ class Case:
             cmd += ["--impl", impl]
         return cmd
 
+    def weights_metadata(self):
+        if self.heads_via not in ("meta", "both"):
+            return None
+        meta = {"num_heads": str(self.H)}
+        if self.num_kv_heads:
+            meta["num_kv_heads"] = str(self.num_kv_heads)
+        return meta
+
     def write_files(self, wpath, xpath):
-        meta = None
-        if self.heads_via in ("meta", "both"):
-            meta = {"num_heads": str(self.H)}
-        st_save(wpath, self.params, meta)
+        st_save(wpath, self.params, self.weights_metadata())
         xs = [("query", self.query), ("key", self.key), ("value", self.value)]
         if self.key_padding_mask is not None:
             xs.append(("key_padding_mask", self.key_padding_mask))
