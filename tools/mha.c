@@ -207,7 +207,8 @@ static const char *forward_help =
     "  --incremental        causal self-attention through a KV cache, token by\n"
     "                       token (mha_forward_cached): the result equals\n"
     "                       --causal's; --chunk N feeds N tokens per step\n"
-    "                       (chunked prefill)\n"
+    "                       (chunked prefill); --kv-dtype f32|bf16|f16|int8\n"
+    "                       the cache's storage\n"
     "  --rope MODE          RoPE on q and k after the projections: neox\n"
     "                       (rotate_half) or interleaved\n"
     "  --rope-theta T       RoPE base (default 10000)\n"
@@ -250,6 +251,7 @@ typedef struct run {
     mha_config base;
     mha_forward_args a;
     bool incremental;      // --incremental: through a KV cache
+    int kv_dtype;          // --kv-dtype: the cache's storage (mha_kv_dtype)
     int64_t chunk;         // --chunk: tokens per step (default 1)
     int64_t rope_start;    // --rope-start, for every batch element
     int64_t *rope_starts;  // ... as the per-element array the API takes
@@ -317,6 +319,7 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
         {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
         {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
+        {"kv-dtype", required_argument, 0, 'Q'},
         {"num-kv-heads", required_argument, 0, 'G'},
         {0, 0, 0, 0}};
     const char *cmd = r->cmd;
@@ -381,6 +384,13 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
             break;
         case 'B': r->a.alibi = true; break;
         case 'M': r->incremental = true; break;
+        case 'Q':
+            if (!strcmp(optarg, "f32")) r->kv_dtype = MHA_KV_F32;
+            else if (!strcmp(optarg, "bf16")) r->kv_dtype = MHA_KV_BF16;
+            else if (!strcmp(optarg, "f16")) r->kv_dtype = MHA_KV_F16;
+            else if (!strcmp(optarg, "int8")) r->kv_dtype = MHA_KV_INT8;
+            else return usage_error(cmd, "--kv-dtype needs f32, bf16, f16 or int8");
+            break;
         case 'K':
             if (parse_i64(optarg, &v) || v <= 0)
                 return usage_error(cmd, "--chunk needs a positive integer");
@@ -500,7 +510,8 @@ static int run_incremental(run *r, mha_tensor *ot) {
     const mha_config *c = mha_module_config(r->m);
     const int64_t Hkv = c->num_kv_heads, d = c->embed_dim / c->num_heads;
     mha_kv_cache *cache = NULL;
-    mha_status st = mha_kv_cache_create(&cache, N, Hkv, d, d, L > 0 ? L : 1);
+    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1,
+                                           (mha_kv_dtype)r->kv_dtype);
     if (st) return cli_fail(r->cmd, st);
     const int64_t step = r->chunk ? r->chunk : 1;
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
