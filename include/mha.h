@@ -662,6 +662,10 @@ typedef enum mha_kv_dtype {
 MHA_API MHA_NODISCARD mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch,
                                                      int64_t num_kv_heads, int64_t head_dim,
                                                      int64_t v_head_dim, int64_t capacity);
+// "f32" / "bf16" / "f16" / "int8" -> type (MHA_ERR_UNSUPPORTED otherwise),
+// and back.
+MHA_API MHA_NODISCARD mha_status mha_kv_dtype_from_name(mha_kv_dtype *dtype, const char *name);
+MHA_API const char *mha_kv_dtype_name(mha_kv_dtype dtype);
 // As mha_kv_cache_create (which is MHA_KV_F32), with the storage type.
 MHA_API MHA_NODISCARD mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch,
                                                         int64_t num_kv_heads, int64_t head_dim,

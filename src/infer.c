@@ -37,7 +37,7 @@ mha_status mha_rope_mode_from_name(mha_rope_mode *mode, const char *name) {
     else {
         char e[64];
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "rope mode \"%s\": expected neox, interleaved or none",
+                         "rope mode %s: expected neox, interleaved or none",
                          mha_escape(e, sizeof e, name));
     }
     return MHA_OK;
@@ -150,6 +150,24 @@ struct mha_kv_cache {
     float *ks, *vs;  // int8: one scale per (b, head, token) row of K and V
     int64_t *len;  // (B)
 };
+
+static const char *const kv_names[] = {"f32", "bf16", "f16", "int8"};
+
+mha_status mha_kv_dtype_from_name(mha_kv_dtype *dtype, const char *name) {
+    if (!dtype || !name) return mha__fail(MHA_ERR_INVALID_ARG, "kv dtype: NULL argument");
+    for (int i = 0; i < 4; i++)
+        if (strcmp(name, kv_names[i]) == 0) {
+            *dtype = (mha_kv_dtype)i;
+            return MHA_OK;
+        }
+    char e[64];
+    return mha__fail(MHA_ERR_UNSUPPORTED, "kv dtype %s: expected f32, bf16, f16 or int8",
+                     mha_escape(e, sizeof e, name));
+}
+
+const char *mha_kv_dtype_name(mha_kv_dtype dtype) {
+    return (int)dtype >= 0 && (int)dtype < 4 ? kv_names[dtype] : "unknown";
+}
 
 static size_t kv_esz(mha_kv_dtype dt) {
     return dt == MHA_KV_F32 ? 4 : dt == MHA_KV_INT8 ? 1 : 2;

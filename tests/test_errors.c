@@ -152,6 +152,21 @@ static void forward_errors(void) {
     mha_impl impl;
     CHECK_FAILS(mha_impl_from_name(&impl, "flash"), MHA_ERR_UNSUPPORTED);
     CHECK_OK(mha_impl_from_name(&impl, "reference"));
+    mha_kv_dtype kvd;
+    CHECK_FAILS(mha_kv_dtype_from_name(&kvd, "fp8"), MHA_ERR_UNSUPPORTED);
+    msg_has("fp8", "int8");
+    CHECK_OK(mha_kv_dtype_from_name(&kvd, "bf16"));
+    CHECK(kvd == MHA_KV_BF16 && strcmp(mha_kv_dtype_name(kvd), "bf16") == 0);
+    mha_rope_mode rm;
+    CHECK_FAILS(mha_rope_mode_from_name(&rm, "yarn"), MHA_ERR_UNSUPPORTED);
+    msg_has("yarn", "neox");
+    mha_kv_cache *kc = NULL;
+    CHECK_FAILS(mha_kv_cache_create_ex(&kc, 1, 1, 8, 8, 0, MHA_KV_F32), MHA_ERR_INVALID_ARG);
+    msg_has("capacity", NULL);
+    CHECK_OK(mha_kv_cache_create_ex(&kc, 1, 1, 8, 8, 4, MHA_KV_INT8));
+    CHECK_FAILS(mha_kv_cache_truncate(kc, 0, 1), MHA_ERR_INVALID_ARG);  // holds 0
+    msg_has("truncate", NULL);
+    mha_kv_cache_destroy(kc);
     size_t bytes;
     CHECK_FAILS(mha_forward_workspace_size(NULL, m, &a), MHA_ERR_INVALID_ARG);
     CHECK_OK(mha_forward_workspace_size(&bytes, m, &a));

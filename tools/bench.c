@@ -89,7 +89,7 @@ typedef struct bench_opts {
     int64_t B, L, S, E, H;
     bool causal, backward, core, json, workspace, no_save, decode;
     int64_t kv_len, kv_heads;  // --decode
-    int kv_dtype;              // --kv-dtype: mha_kv_dtype
+    mha_kv_dtype kv_dtype;     // --kv-dtype
     int64_t window;  // 0: none
     int threads;     // 0: the default
     mha_impl impl;
@@ -539,11 +539,8 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         case 'N': o->no_save = true; break;
         case 'D': o->decode = true; break;
         case 'T':
-            if (!strcmp(optarg, "f32")) o->kv_dtype = MHA_KV_F32;
-            else if (!strcmp(optarg, "bf16")) o->kv_dtype = MHA_KV_BF16;
-            else if (!strcmp(optarg, "f16")) o->kv_dtype = MHA_KV_F16;
-            else if (!strcmp(optarg, "int8")) o->kv_dtype = MHA_KV_INT8;
-            else return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
+            if (mha_kv_dtype_from_name(&o->kv_dtype, optarg))
+                return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
             break;
         case 'K': if (parse_int(optarg, 1, big, &o->kv_len)) return bench_usage("--kv-len needs a positive integer"); break;
         case 'G': if (parse_int(optarg, 1, big, &o->kv_heads)) return bench_usage("--num-kv-heads needs a positive integer"); break;
@@ -783,7 +780,7 @@ static int bench_decode(const bench_opts *o, int threads) {
     const int64_t B = o->B, H = o->H, Hkv = o->kv_heads, d = o->E / o->H, N = o->kv_len,
                   T = o->L;
     mha_kv_cache *c = NULL;
-    mha_status st = mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, (mha_kv_dtype)o->kv_dtype);
+    mha_status st = mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
     if (st) return cli_fail("bench", st);
     uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
     const int64_t chunk = 4096;  // filled chunk by chunk (bounded temporary)
@@ -819,8 +816,7 @@ static int bench_decode(const bench_opts *o, int threads) {
         const double bytes = (double)mha_kv_cache_bytes(c);  // all N rows are in use
         size_t bw_bytes = (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576);
         const double bw = read_bandwidth(threads, bw_bytes), gbs = bytes / (med * 1e-3) * 1e-9;
-        static const char *const names[] = {"f32", "bf16", "f16", "int8"};
-        const char *kv_name = names[o->kv_dtype];
+        const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
                    "\"batch\": %lld, \"num_heads\": %lld, \"num_kv_heads\": %lld, "

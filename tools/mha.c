@@ -251,7 +251,7 @@ typedef struct run {
     mha_config base;
     mha_forward_args a;
     bool incremental;      // --incremental: through a KV cache
-    int kv_dtype;          // --kv-dtype: the cache's storage (mha_kv_dtype)
+    mha_kv_dtype kv_dtype; // --kv-dtype: the cache's storage
     int64_t chunk;         // --chunk: tokens per step (default 1)
     int64_t rope_start;    // --rope-start, for every batch element
     int64_t *rope_starts;  // ... as the per-element array the API takes
@@ -385,11 +385,7 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         case 'B': r->a.alibi = true; break;
         case 'M': r->incremental = true; break;
         case 'Q':
-            if (!strcmp(optarg, "f32")) r->kv_dtype = MHA_KV_F32;
-            else if (!strcmp(optarg, "bf16")) r->kv_dtype = MHA_KV_BF16;
-            else if (!strcmp(optarg, "f16")) r->kv_dtype = MHA_KV_F16;
-            else if (!strcmp(optarg, "int8")) r->kv_dtype = MHA_KV_INT8;
-            else return usage_error(cmd, "--kv-dtype needs f32, bf16, f16 or int8");
+            if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
             break;
         case 'K':
             if (parse_i64(optarg, &v) || v <= 0)
@@ -511,7 +507,7 @@ static int run_incremental(run *r, mha_tensor *ot) {
     const int64_t Hkv = c->num_kv_heads, d = c->embed_dim / c->num_heads;
     mha_kv_cache *cache = NULL;
     mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1,
-                                           (mha_kv_dtype)r->kv_dtype);
+                                           r->kv_dtype);
     if (st) return cli_fail(r->cmd, st);
     const int64_t step = r->chunk ? r->chunk : 1;
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
