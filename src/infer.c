@@ -112,11 +112,14 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
                                  (long long)b, (long long)start[b]);
     const int64_t half = dim / 2;
     const bool f64 = x->dtype == MHA_F64;
+    double *inv = malloc(sizeof(double) * (size_t)(half > 0 ? half : 1));
+    if (!inv) return mha__fail(MHA_ERR_NOMEM, "rope: out of memory");
+    mha__rope_inv_freq(inv, r, D);
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             const double pos = (double)((start ? start[b] : 0) + t);
             for (int64_t i = 0; i < half; i++) {
-                const double ang = pos * pow(r->theta, -2.0 * (double)i / (double)dim);
+                const double ang = pos * inv[i];
                 const double c = cos(ang), s = inverse ? -sin(ang) : sin(ang);
                 const int64_t c0 = r->mode == MHA_ROPE_NEOX ? i : 2 * i,
                               c1 = r->mode == MHA_ROPE_NEOX ? i + half : 2 * i + 1;
@@ -136,6 +139,7 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
                 }
             }
         }
+    free(inv);
     return MHA_OK;
 }
 
