@@ -23,15 +23,10 @@
 
 #include "plan.h"
 
-// Element `off` of a float or double view's memory: = v, or += v.
-static inline void store(void *base, bool f64, int64_t off, double v, bool acc) {
-    if (f64) {
-        double *p = (double *)base + off;
-        *p = acc ? *p + v : v;
-    } else {
-        float *p = (float *)base + off;
-        *p = acc ? (float)((double)*p + v) : (float)v;
-    }
+// Element `off` of a view's memory (any float type): = v, or += v.
+static inline void store(void *base, mha_dtype dt, int64_t off, double v, bool acc) {
+    const mha__mat m = mha__vmat(base, dt, 0, 1);
+    mha__st(m, 0, off, acc ? mha__ld(m, 0, off) + v : v);
 }
 
 // dW (O, I) (+)= sum_{n < N, t < T} dY[n, t, :]^T X[t, n, :] and
@@ -39,10 +34,10 @@ static inline void store(void *base, bool f64, int64_t off, double v, bool acc) 
 // (only its first T rows per n are used) and X is a float or double view
 // with (seq, batch, feature) strides xs.
 static void grad_linear(float *dW, float *db, bool acc, const double *dY,
-                        int64_t Tp, const void *X, bool xf64,
+                        int64_t Tp, const void *X, mha_dtype xdt,
                         const int64_t xs[3], int64_t N, int64_t T, int64_t O,
                         int64_t I, int nt) {
-    mha__mat x = {(void *)X, xf64, 0, 1};
+    mha__mat x = mha__vmat((void *)X, xdt, 0, 1);
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t o = 0; o < O; o++) {
         for (int64_t i = 0; i < I; i++) {
@@ -51,13 +46,13 @@ static void grad_linear(float *dW, float *db, bool acc, const double *dY,
                 for (int64_t t = 0; t < T; t++)
                     s += dY[(n * Tp + t) * O + o] *
                          mha__ld(x, 0, t * xs[0] + n * xs[1] + i * xs[2]);
-            store(dW, false, o * I + i, s, acc);
+            store(dW, MHA_F32, o * I + i, s, acc);
         }
         if (db) {
             double s = 0.0;
             for (int64_t n = 0; n < N; n++)
                 for (int64_t t = 0; t < T; t++) s += dY[(n * Tp + t) * O + o];
-            store(db, false, o, s, acc);
+            store(db, MHA_F32, o, s, acc);
         }
     }
 }
@@ -65,7 +60,7 @@ static void grad_linear(float *dW, float *db, bool acc, const double *dY,
 // dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major; dX is a
 // float or double view with (seq, batch, feature) strides xs; dY is
 // (N, Tp, O).
-static void grad_input(void *dX, bool f64, const int64_t xs[3], bool acc,
+static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc,
                        const double *dY, int64_t Tp, const float *W, int64_t N,
                        int64_t T, int64_t O, int64_t I, int nt) {
 #pragma omp parallel for schedule(static) num_threads(nt)
@@ -75,7 +70,7 @@ static void grad_input(void *dX, bool f64, const int64_t xs[3], bool acc,
         for (int64_t i = 0; i < I; i++) {
             double s = 0.0;
             for (int64_t o = 0; o < O; o++) s += dy[o] * W[o * I + i];
-            store(dX, f64, t * xs[0] + n * xs[1] + i * xs[2], s, acc);
+            store(dX, dt, t * xs[0] + n * xs[1] + i * xs[2], s, acc);
         }
     }
 }
@@ -186,7 +181,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     // y = drop_o(ctx Wo^T + bo):  dy = dY * keep_o / (1 - p_o), (N, L, E)
     int64_t gs[3];
     mha__seq_batch_feat(gs, gout, m->cfg.batch_first);
-    mha__mat g = {gout->data, gout->dtype == MHA_F64, 0, 1};
+    mha__mat g = mha__vmat(gout->data, gout->dtype, 0, 1);
     for (int64_t n = 0; n < N; n++)
         for (int64_t t = 0; t < L; t++)
             for (int64_t e = 0; e < E; e++) {
@@ -197,7 +192,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
             }
     // dctx = dy Wo  (forward: y = ctx Wo^T + bo)
     const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
-    grad_input(dctx, true, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
+    grad_input(dctx, MHA_F64, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
 
     // Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
     // (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
@@ -232,10 +227,9 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
               *gbv = gbq ? gbq + E + Ekv : NULL;
-        bool qf = a.query->dtype == MHA_F64, kf = a.key->dtype == MHA_F64,
-             vf = a.value->dtype == MHA_F64;
+        mha_dtype qf = a.query->dtype, kf = a.key->dtype, vf = a.value->dtype;
         // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo)
-        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, ctx, true,
+        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, ctx, MHA_F64,
                     cs, N, L, E, E, nt);
         // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
         grad_linear(grads->q_weight, gbq, accumulate, dq, L, a.query->data, qf, p.qs,
@@ -252,25 +246,25 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                     sk += dk[(n * Sp + S) * Ekv + e];
                     sv += dv[(n * Sp + S) * Ekv + e];
                 }
-                store(grads->bias_k, false, e, sk, accumulate);
-                store(grads->bias_v, false, e, sv, accumulate);
+                store(grads->bias_k, MHA_F32, e, sk, accumulate);
+                store(grads->bias_v, MHA_F32, e, sv, accumulate);
             }
     }
     // dXq = dq Wq, dXk = dk Wk (rows < S), dXv = dv Wv  (forward: projections)
     int64_t xs[3];
     if (gq) {
         mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
-        grad_input(gq->data, gq->dtype == MHA_F64, xs, accumulate, dq, L, m->q_weight,
+        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight,
                    N, L, E, E, nt);
     }
     if (gk) {
         mha__seq_batch_feat(xs, gk, m->cfg.batch_first);
-        grad_input(gk->data, gk->dtype == MHA_F64, xs, accumulate, dk, Sp, m->k_weight,
+        grad_input(gk->data, gk->dtype, xs, accumulate, dk, Sp, m->k_weight,
                    N, S, Ekv, p.kdim, nt);
     }
     if (gv) {
         mha__seq_batch_feat(xs, gv, m->cfg.batch_first);
-        grad_input(gv->data, gv->dtype == MHA_F64, xs, accumulate, dv, Sp, m->v_weight,
+        grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->v_weight,
                    N, S, Ekv, p.vdim, nt);
     }
     free(block);

@@ -104,9 +104,10 @@ static mha_status check_view(const mha_tensor *t, const char *name) {
 mha_status mha__check_float(const mha_tensor *t, const char *name) {
     mha_status st = check_view(t, name);
     if (st) return st;
-    if (t->dtype != MHA_F32 && t->dtype != MHA_F64)
+    if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BF16 &&
+        t->dtype != MHA_F16)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "%s: dtype %s is not supported (expected F32 or F64)",
+                         "%s: dtype %s is not supported (expected F32, F64, BF16 or F16)",
                          name, mha_dtype_name(t->dtype));
     return MHA_OK;
 }
@@ -459,8 +460,9 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     // auto: the fused path where it applies (float32 inputs, no trace),
     // else the reference; MHA_IMPL=reference|fused in the environment
     // overrides auto.
-    bool f32 = a->query->dtype == MHA_F32 && a->key->dtype == MHA_F32 &&
-               a->value->dtype == MHA_F32;
+    // (bfloat16 / float16 views are read into float32 rows by the fused path)
+    bool f32 = a->query->dtype != MHA_F64 && a->key->dtype != MHA_F64 &&
+               a->value->dtype != MHA_F64;
     mha_impl impl = a->impl;
     if (impl == MHA_IMPL_AUTO) {
         const char *env = getenv("MHA_IMPL");
@@ -514,13 +516,14 @@ mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
 // Passes a (N, T, E) view (any strides, float or double) to the trace as
 // a float32 copy in buf.
 static void trace_view(const mha_forward_args *a, const char *step, float *buf,
-                       const void *p, bool f64, const int64_t st[3], int64_t N,
+                       const void *p, mha_dtype dt, const int64_t st[3], int64_t N,
                        int64_t T, int64_t E) {
     if (!a->trace) return;
     for (int64_t n = 0; n < N; n++)
         for (int64_t t = 0; t < T; t++) {
-            mha__mat row = {(char *)p + (n * st[0] + t * st[1]) * (f64 ? 8 : 4), f64, 0,
-                            st[2]};
+            mha__mat row = mha__vmat((char *)p + (n * st[0] + t * st[1]) *
+                                                     (int64_t)mha_dtype_size(dt),
+                                     dt, 0, st[2]);
             for (int64_t e = 0; e < E; e++)
                 buf[(n * T + t) * E + e] = (float)mha__ld(row, 0, e);
         }
@@ -534,7 +537,7 @@ static void trace_buffer(const mha_forward_args *a, const char *step,
                          float *tbuf, const double *buf, int64_t N, int64_t T,
                          int64_t E) {
     const int64_t st[3] = {T * E, E, 1};
-    trace_view(a, step, tbuf, buf, true, st, N, T, E);
+    trace_view(a, step, tbuf, buf, MHA_F64, st, N, T, E);
 }
 
 // Projects rows of the view x ((seq, batch, feature) strides xs, T rows
@@ -543,13 +546,12 @@ static void trace_buffer(const mha_forward_args *a, const char *step,
 static void project(double *buf, int64_t Tp, const mha_tensor *x,
                     const int64_t xs[3], const float *W, const float *b,
                     int64_t N, int64_t T, int64_t I, int64_t E, int nthreads) {
-    const bool f64 = x->dtype == MHA_F64;
-    const size_t es = f64 ? 8 : 4;
+    const size_t es = mha_dtype_size(x->dtype);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t r = 0; r < N * T; r++) {
         int64_t n = r / T, t = r % T;
-        mha__mat xr = {(char *)x->data + (t * xs[0] + n * xs[1]) * (int64_t)es, f64,
-                       0, xs[2]};
+        mha__mat xr = mha__vmat((char *)x->data + (t * xs[0] + n * xs[1]) * (int64_t)es,
+                                x->dtype, 0, xs[2]);
         mha__ref_linear_row(mha__dmat(buf + (n * Tp + t) * E, E), xr, W, b, I, E);
     }
 }
@@ -610,8 +612,8 @@ float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
 // A view's element (i0, i1[, i2]) address and type as a 1-row mat whose
 // columns follow dim `col`.
 static mha__mat view_row(const mha_tensor *t, int64_t off, int col) {
-    bool f64 = t->dtype == MHA_F64;
-    mha__mat m = {(char *)t->data + off * (f64 ? 8 : 4), f64, 0, t->stride[col]};
+    mha__mat m = mha__vmat((char *)t->data + off * (int64_t)mha_dtype_size(t->dtype), t->dtype,
+                           0, t->stride[col]);
     return m;
 }
 
@@ -646,7 +648,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     for (int64_t bh = 0; bh < N * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         int tid = mha__thread_id();
-        mha__mat wh = {NULL, false, 0, 0};
+        mha__mat wh = {NULL, false, 0, 0, 0};
         if (via_headw) {
             wh = mha__dmat(headw + bh * L * Sp, Sp);
         } else if (perhead) {
@@ -712,7 +714,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     }
     if (a->trace) {
         const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
-        trace_view(a, "output", tbuf, out->data, out->dtype == MHA_F64, st, N, L, E);
+        trace_view(a, "output", tbuf, out->data, out->dtype, st, N, L, E);
     }
 }
 
@@ -938,7 +940,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         const int64_t hk = h / (H / Hkv);  // grouped-query: the KV head
 #define MHA__HEAD(t)                                                          \
     view_row((t), b * (t)->stride[0] + h * (t)->stride[1], 3)
-        mha__mat w = {NULL, false, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),
+        mha__mat w = {NULL, false, 0, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),
                  km = view_row(k, b * k->stride[0] + hk * k->stride[1], 3),
                  vm = view_row(v, b * v->stride[0] + hk * v->stride[1], 3);
         if (weights) {

@@ -44,10 +44,9 @@ static int64_t rows_of(const mha_tensor *t) {
 // Row r (= i0*d1 + i1) of a 2-D/3-D view, as a 1-row mat.
 static mha__mat view_row(const mha_tensor *t, int64_t r) {
     const int64_t d1 = t->ndim == 3 ? t->shape[1] : 1, s1 = t->ndim == 3 ? t->stride[1] : 0;
-    mha__mat m = {(char *)t->data + ((r / d1) * t->stride[0] + (r % d1) * s1) *
-                                        (int64_t)mha_dtype_size(t->dtype),
-                  t->dtype == MHA_F64, 0, t->stride[t->ndim - 1]};
-    return m;
+    return mha__vmat((char *)t->data + ((r / d1) * t->stride[0] + (r % d1) * s1) *
+                                           (int64_t)mha_dtype_size(t->dtype),
+                     t->dtype, 0, t->stride[t->ndim - 1]);
 }
 
 // The batch element n and position t of row r of a query-shaped view.
@@ -104,9 +103,10 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     const mha_tensor *in[3] = {a->query, a->key, a->value};
     const char *names[3] = {"query", "key", "value"};
     for (int i = 0; i < 3; i++)
-        if (in[i]->dtype != MHA_F32)
+        if (in[i]->dtype != MHA_F32 && in[i]->dtype != MHA_BF16 && in[i]->dtype != MHA_F16)
             return mha__fail(MHA_ERR_UNSUPPORTED,
-                             "the fused implementation takes F32 tensors, %s is %s",
+                             "the fused implementation takes F32, BF16 or F16 tensors "
+                             "(computing in float32), %s is %s",
                              names[i], mha_dtype_name(in[i]->dtype));
     const int64_t E = p->E, H = p->H, d = p->d, N = p->N, L = p->L, Sp = p->Sp;
     const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
@@ -287,16 +287,15 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0, hs = h - p->wh0;
             mha__mat w;
             if (avg) {
-                w = (mha__mat){headw + ((b * Hs + hs) * Ls + r0 - p->wr0) * Sp, false, Sp, 1};
+                w = (mha__mat){headw + ((b * Hs + hs) * Ls + r0 - p->wr0) * Sp, false, Sp, 1, 0};
             } else {
                 int o = p->unbatched ? 0 : 1;
-                w = (mha__mat){(char *)weights->data +
-                                   ((p->unbatched ? 0 : b * weights->stride[0]) +
-                                    hs * weights->stride[o] +
-                                    (r0 - p->wr0) * weights->stride[o + 1]) *
-                                       (int64_t)mha_dtype_size(weights->dtype),
-                               weights->dtype == MHA_F64, weights->stride[o + 1],
-                               weights->stride[o + 2]};
+                w = mha__vmat((char *)weights->data +
+                                  ((p->unbatched ? 0 : b * weights->stride[0]) +
+                                   hs * weights->stride[o] +
+                                   (r0 - p->wr0) * weights->stride[o + 1]) *
+                                      (int64_t)mha_dtype_size(weights->dtype),
+                              weights->dtype, weights->stride[o + 1], weights->stride[o + 2]);
             }
             mha__flash_weights(kt, &fh, r0, r1, w, sc);
         }
@@ -307,11 +306,11 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         int o = p->unbatched ? 0 : 1;
         for (int64_t b = 0; b < N; b++)
             for (int64_t i = 0; i < Ls; i++) {
-                mha__mat wr = {(char *)weights->data +
-                                   ((p->unbatched ? 0 : b * weights->stride[0]) +
-                                    i * weights->stride[o]) *
-                                       (int64_t)mha_dtype_size(weights->dtype),
-                               weights->dtype == MHA_F64, 0, weights->stride[o + 1]};
+                mha__mat wr = mha__vmat((char *)weights->data +
+                                            ((p->unbatched ? 0 : b * weights->stride[0]) +
+                                             i * weights->stride[o]) *
+                                                (int64_t)mha_dtype_size(weights->dtype),
+                                        weights->dtype, 0, weights->stride[o + 1]);
                 for (int64_t j = 0; j < Sp; j++) {
                     float s = 0.0f;
                     for (int64_t h = 0; h < Hs; h++) s += headw[((b * Hs + h) * Ls + i) * Sp + j];
@@ -461,7 +460,7 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
         mha__flash_rows(kt, &fh, i0, i1, sc);
         if (weights) {
             mha__mat w = {HEAD_PTR(weights) + i0 * weights->stride[2], false,
-                          weights->stride[2], weights->stride[3]};
+                          weights->stride[2], weights->stride[3], 0};
             mha__flash_weights(kt, &fh, i0, i1, w, sc);
         }
 #undef HEAD_PTR

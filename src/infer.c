@@ -130,11 +130,11 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
                         double *p = x->data, a = p[o0], e = p[o1];
                         p[o0] = a * c - e * s;
                         p[o1] = e * c + a * s;
-                    } else {
-                        float *p = x->data;
-                        const double a = p[o0], e = p[o1];
-                        p[o0] = (float)(a * c - e * s);
-                        p[o1] = (float)(e * c + a * s);
+                    } else {  // float32, bfloat16 or float16 elements
+                        const mha__mat xm = mha__vmat(x->data, x->dtype, 0, 1);
+                        const double a = mha__ld(xm, 0, o0), e = mha__ld(xm, 0, o1);
+                        mha__st(xm, 0, o0, (float)(a * c - e * s));
+                        mha__st(xm, 0, o1, (float)(e * c + a * s));
                     }
                 }
             }
@@ -235,13 +235,13 @@ size_t mha_kv_cache_bytes(const mha_kv_cache *c) {
 
 // Stores one row x (n floats, element stride xs, from a float32 or float64
 // view) as row r of the cache's K (or V) in its storage type.
-static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x, bool f64,
-                      int64_t xs, int64_t n) {
+static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
+                      mha_dtype xdt, int64_t xs, int64_t n) {
     float buf[4096], *row = buf, *heap = NULL;
     if (n > 4096) row = heap = malloc(sizeof(float) * (size_t)n);
     if (!row) return;  // (not reached for head dims up to 4096)
     for (int64_t e = 0; e < n; e++)
-        row[e] = f64 ? (float)((const double *)x)[e * xs] : ((const float *)x)[e * xs];
+        row[e] = (float)mha__ld(mha__vmat((void *)x, xdt, 0, xs), 0, e);
     char *dst = (char *)(isv ? c->v : c->k) + (size_t)(r * n) * c->esz;
     switch (c->dt) {
     case MHA_KV_F32: memcpy(dst, row, sizeof(float) * (size_t)n); break;
@@ -357,11 +357,12 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_t
                 const int64_t r = (b * c->Hkv + h) * c->cap + c->len[b] + t;
                 const int64_t ko = b * k->stride[0] + h * k->stride[1] + t * k->stride[2];
                 const int64_t vo = b * v->stride[0] + h * v->stride[1] + t * v->stride[2];
-                const bool kf = k->dtype == MHA_F64, vf = v->dtype == MHA_F64;
-                store_row(c, false, r, (const char *)k->data + ko * (kf ? 8 : 4), kf,
-                          k->stride[3], c->D);
-                store_row(c, true, r, (const char *)v->data + vo * (vf ? 8 : 4), vf,
-                          v->stride[3], c->Dv);
+                store_row(c, false, r,
+                          (const char *)k->data + ko * (int64_t)mha_dtype_size(k->dtype),
+                          k->dtype, k->stride[3], c->D);
+                store_row(c, true, r,
+                          (const char *)v->data + vo * (int64_t)mha_dtype_size(v->dtype),
+                          v->dtype, v->stride[3], c->Dv);
             }
         c->len[b] += n;
     }

@@ -450,6 +450,66 @@ static void test_saved_cfg(int64_t Hkv) {
     }
 }
 
+// bfloat16 / float16 views (storage; computation in float32, or double in
+// the reference): the result is exactly that of float32 views holding the
+// same (rounded) values, rounded once more into the half output; the same
+// for the weights and the input gradients. Both implementations.
+static void test_half(void) {
+    enum { E = 32, H = 4, L = 90, N = 2 };
+    mha_config c;
+    mha_config_init(&c, E, H);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    CHECK_OK(mha_module_init(m, &io));
+    static uint16_t xh[L * N * E], yh[L * N * E], wh[N * L * L], gh[L * N * E], dh[L * N * E];
+    static float xf[L * N * E], yf[L * N * E], wf[N * L * L], gf[L * N * E], df[L * N * E];
+    const mha_dtype types[2] = {MHA_BF16, MHA_F16};
+    for (int ti = 0; ti < 2; ti++)
+        for (int impl = 1; impl <= 2; impl++) {
+            const bool bf = types[ti] == MHA_BF16;
+            for (int i = 0; i < L * N * E; i++) {
+                xh[i] = bf ? mha_f32_to_bf16(frand()) : mha_f32_to_f16(frand());
+                xf[i] = bf ? mha_bf16_to_f32(xh[i]) : mha_f16_to_f32(xh[i]);
+                gh[i] = bf ? mha_f32_to_bf16(frand()) : mha_f32_to_f16(frand());
+                gf[i] = bf ? mha_bf16_to_f32(gh[i]) : mha_f16_to_f32(gh[i]);
+            }
+            const int64_t sh[3] = {L, N, E}, ws[3] = {N, L, L};
+            mha_tensor xht = mha_tensor_contiguous(xh, types[ti], 3, sh),
+                       yht = mha_tensor_contiguous(yh, types[ti], 3, sh),
+                       wht = mha_tensor_contiguous(wh, types[ti], 3, ws),
+                       ght = mha_tensor_contiguous(gh, types[ti], 3, sh),
+                       dht = mha_tensor_contiguous(dh, types[ti], 3, sh);
+            mha_tensor xft = mha_tensor_contiguous(xf, MHA_F32, 3, sh),
+                       yft = mha_tensor_contiguous(yf, MHA_F32, 3, sh),
+                       wft = mha_tensor_contiguous(wf, MHA_F32, 3, ws),
+                       gft = mha_tensor_contiguous(gf, MHA_F32, 3, sh),
+                       dft = mha_tensor_contiguous(df, MHA_F32, 3, sh);
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.is_causal = true;
+            a.need_weights = true;
+            a.impl = (mha_impl)impl;
+            a.query = a.key = a.value = &xht;
+            CHECK_OK(mha_forward(&yht, &wht, m, &a));
+            CHECK_OK(mha_backward(&dht, NULL, NULL, NULL, m, &a, &ght, false));
+            a.query = a.key = a.value = &xft;
+            CHECK_OK(mha_forward(&yft, &wft, m, &a));
+            CHECK_OK(mha_backward(&dft, NULL, NULL, NULL, m, &a, &gft, false));
+            int bad = 0;
+            for (int i = 0; i < L * N * E; i++) {
+                bad += yh[i] != (bf ? mha_f32_to_bf16(yf[i]) : mha_f32_to_f16(yf[i]));
+                bad += dh[i] != (bf ? mha_f32_to_bf16(df[i]) : mha_f32_to_f16(df[i]));
+            }
+            for (int i = 0; i < N * L * L; i++)
+                bad += wh[i] != (bf ? mha_f32_to_bf16(wf[i]) : mha_f32_to_f16(wf[i]));
+            CHECKF(bad == 0, "%s views, impl %d: %d values differ from the float32 run "
+                   "rounded", bf ? "bf16" : "f16", impl, bad);
+        }
+    mha_module_destroy(m);
+}
+
 // 1, 2 and 8 threads: bit-identical output, weights and gradients.
 // With 2 heads, 8 threads take the backward's two-pass route and 1 or 2
 // threads the one-sweep-per-head route: the same bits are required.
@@ -738,6 +798,7 @@ int main(void) {
     test_saved_cfg(2);
     test_saved_cfg(1);
     test_cached_gqa();
+    test_half();
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }
