@@ -148,12 +148,12 @@ typedef struct cli_tensor {
     void *buf;
 } cli_tensor;
 
-// Loads input `name` of file `path` if present. kind 0: float data (-> F32);
-// kind 1: a mask (BOOL/U8 -> BOOL, float -> F32). Returns 0, or 1 after
-// printing the error.
+// Loads input `name` of file `path` if present. kind 0: float data (->
+// fto: F32, BF16 or F16 in memory); kind 1: a mask (BOOL/U8 -> BOOL,
+// float -> F32). Returns 0, or 1 after printing the error.
 static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
                       const char *cmd, const char *path, const char *name,
-                      int kind) {
+                      int kind, mha_dtype fto) {
     memset(out, 0, sizeof *out);
     *found = false;
     mha_st_tensor t;
@@ -179,6 +179,13 @@ static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
         return 1;
     }
     if ((st = mha_st_read(out->buf, bytes, to, &t))) return cli_fail(cmd, st);
+    if (kind == 0 && fto != MHA_F32) {  // float32 -> bf16/f16, in place
+        const float *src = out->buf;
+        uint16_t *dst = out->buf;  // element i's 2 bytes lie before float i+1
+        for (int64_t i = 0; i < t.numel; i++)
+            dst[i] = fto == MHA_BF16 ? mha_f32_to_bf16(src[i]) : mha_f32_to_f16(src[i]);
+        to = fto;
+    }
     out->view = mha_tensor_contiguous(out->buf, to, t.ndim, t.shape);
     *found = true;
     return 0;
@@ -209,6 +216,8 @@ static const char *forward_help =
     "                       --causal's; --chunk N feeds N tokens per step\n"
     "                       (chunked prefill); --kv-dtype f32|bf16|f16|int8\n"
     "                       the cache's storage\n"
+    "  --dtype T            f32 (default), bf16 or f16: query/key/value and\n"
+    "                       the outputs stored in T (computation in float32)\n"
     "  --rope MODE          RoPE on q and k after the projections: neox\n"
     "                       (rotate_half) or interleaved\n"
     "  --rope-theta T       RoPE base (default 10000)\n"
@@ -252,6 +261,7 @@ typedef struct run {
     mha_forward_args a;
     bool incremental;      // --incremental: through a KV cache
     mha_kv_dtype kv_dtype; // --kv-dtype: the cache's storage
+    mha_dtype dtype;       // --dtype: inputs and outputs in memory (F32, BF16, F16)
     int64_t chunk;         // --chunk: tokens per step (default 1)
     int64_t rope_start;    // --rope-start, for every batch element
     int64_t *rope_starts;  // ... as the per-element array the API takes
@@ -319,7 +329,7 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
         {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
         {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
-        {"kv-dtype", required_argument, 0, 'Q'},
+        {"kv-dtype", required_argument, 0, 'Q'},  {"dtype", required_argument, 0, 'Y'},
         {"num-kv-heads", required_argument, 0, 'G'},
         {0, 0, 0, 0}};
     const char *cmd = r->cmd;
@@ -384,6 +394,12 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
             break;
         case 'B': r->a.alibi = true; break;
         case 'M': r->incremental = true; break;
+        case 'Y':
+            if (!strcmp(optarg, "f32")) r->dtype = MHA_F32;
+            else if (!strcmp(optarg, "bf16")) r->dtype = MHA_BF16;
+            else if (!strcmp(optarg, "f16")) r->dtype = MHA_F16;
+            else return usage_error(cmd, "--dtype needs f32, bf16 or f16");
+            break;
         case 'Q':
             if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
             break;
@@ -446,7 +462,8 @@ static int run_load(run *r) {
         return cli_fail(cmd, st);
     bool found[5];
     for (int i = 0; i < 5; i++)
-        if (load_input(&r->in[i], &found[i], r->xf, cmd, xpath, names[i], i >= 3)) return 1;
+        if (load_input(&r->in[i], &found[i], r->xf, cmd, xpath, names[i], i >= 3, r->dtype))
+            return 1;
     for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
         mha_st_tensor t;
         if ((st = mha_st_tensor_at(&t, r->xf, i))) return cli_fail(cmd, st);
@@ -532,19 +549,20 @@ static int run_forward_into(run *r) {
     float *yo = run_alloc(r, shape_numel(&os));
     float *yw = r->a.need_weights ? run_alloc(r, shape_numel(&wsh)) : NULL;
     if (!yo || (r->a.need_weights && !yw)) return 1;
-    mha_tensor ot = mha_tensor_contiguous(yo, MHA_F32, os.ndim, os.dims);
-    mha_tensor wt = mha_tensor_contiguous(yw, MHA_F32, wsh.ndim, wsh.dims);
+    // (r->dtype BF16/F16: 2-byte elements in the float-sized buffers)
+    mha_tensor ot = mha_tensor_contiguous(yo, r->dtype, os.ndim, os.dims);
+    mha_tensor wt = mha_tensor_contiguous(yw, r->dtype, wsh.ndim, wsh.dims);
     if (r->incremental) {
         int rc = run_incremental(r, &ot);
         if (rc) return rc;
-        if ((st = mha_st_writer_add(r->wr, "attn_output", MHA_F32, os.ndim, os.dims, yo)))
+        if ((st = mha_st_writer_add(r->wr, "attn_output", r->dtype, os.ndim, os.dims, yo)))
             return cli_fail(r->cmd, st);
         return 0;
     }
     if ((st = mha_forward(&ot, r->a.need_weights ? &wt : NULL, r->m, &r->a)) ||
-        (st = mha_st_writer_add(r->wr, "attn_output", MHA_F32, os.ndim, os.dims, yo)) ||
+        (st = mha_st_writer_add(r->wr, "attn_output", r->dtype, os.ndim, os.dims, yo)) ||
         (r->a.need_weights &&
-         (st = mha_st_writer_add(r->wr, "attn_output_weights", MHA_F32, wsh.ndim,
+         (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype, wsh.ndim,
                                  wsh.dims, yw))))
         return cli_fail(r->cmd, st);
     return 0;

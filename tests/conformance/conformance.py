@@ -63,6 +63,7 @@ _ST_DTYPES = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # read as bit patterns, widened to float32 below
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
@@ -155,6 +156,8 @@ def st_load(path):
             if np.any(arr > 1):
                 raise ValueError("%s: %r BOOL bytes other than 0/1" % (path, name))
             arr = arr.astype(np.bool_)
+        if dname == "BF16":  # bfloat16: the high half of a float32
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
         out[name] = arr.copy()
         dtypes[name] = dname
         spans.append((b, e, name))

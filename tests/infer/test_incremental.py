@@ -95,6 +95,25 @@ def main():
             continue
         ref = conf.st_load(full)[0]["attn_output"].astype(np.float64)
         tol = 2e-5 * (1.0 + float(np.max(np.abs(ref))))
+        if i % 4 == 0:  # --dtype bf16 / f16 storage of the inputs and output
+            for dname, dfile, u in (("bf16", "BF16", 2.0 ** -8), ("f16", "F16", 2.0 ** -11)):
+                y = os.path.join(args.tmp, "dt%d_%s.safetensors" % (i, dname))
+                rc, err = run([args.mha, "forward", "--weights", w, "--inputs", x, "--out", y,
+                               "--causal", "--dtype", dname] + opts)
+                if rc:
+                    print("FAIL [%d] %s --dtype %s: %s" % (i, desc, dname, err))
+                    failed += 1
+                    continue
+                t, _, dts = conf.st_load(y)
+                got = t["attn_output"].astype(np.float64)
+                e = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+                bound = 16 * u * (1.0 + float(np.max(np.abs(ref))))
+                if dts["attn_output"] == dfile and e <= bound:
+                    passed += 1
+                else:
+                    failed += 1
+                    print("FAIL [%d] %s --dtype %s: output %s, err %.3g bound %.3g"
+                          % (i, desc, dname, dts["attn_output"], e, bound))
         for chunk in (1, int(rng.integers(2, 17)), int(rng.integers(17, 120))):
             y = os.path.join(args.tmp, "inc%d_%d.safetensors" % (i, chunk))
             rc, err = run([args.mha, "forward", "--weights", w, "--inputs", x, "--out", y,
