@@ -61,6 +61,21 @@ void mha__gemm_pack_rows(const mha__kernels *kt, float *Bp, const float *B, int6
     mha__gemm_pack_b(kt, Bp, B, ldb, 1, K, N, nt);
 }
 
+// Work items of a (R, N) product: rchunks row ranges x cchunks column
+// groups. Row ranges: up to 4 per thread (dynamic balance on a shared
+// machine), balanced to within one tile. Few rows: split the panels too,
+// into column groups of at least 4 panels (the A copy is made per item).
+static void split(int64_t tiles, int64_t panels, int nt, int64_t *rchunks,
+                  int64_t *cchunks) {
+    *rchunks = tiles < 4 * (int64_t)nt ? tiles : 4 * (int64_t)nt;
+    *cchunks = 1;
+    if (*rchunks < 2 * (int64_t)nt) {
+        *cchunks = cdiv(2 * (int64_t)nt, *rchunks);
+        const int64_t cmax = panels / 4 > 1 ? panels / 4 : 1;
+        if (*cchunks > cmax) *cchunks = cmax;
+    }
+}
+
 void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
                            int64_t ldx, const float *Bp, const float *bias, int64_t R,
                            int64_t K, int64_t N, bool accumulate, int nt,
@@ -70,16 +85,8 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
     const int64_t mr = kt->pk_mr, nr = kt->pk_nr;
     const int64_t tiles = cdiv(R, mr), panels = cdiv(N, nr);
     const size_t per = mha__gemm_thread_scratch_floats(kt);
-    // Row ranges: up to 4 per thread (dynamic balance on a shared machine),
-    // balanced to within one tile. Few rows: split the panels too, into
-    // column groups of at least 4 panels (the A copy is made per item).
-    int64_t rchunks = tiles < 4 * (int64_t)nt ? tiles : 4 * (int64_t)nt;
-    int64_t cchunks = 1;
-    if (rchunks < 2 * (int64_t)nt) {
-        cchunks = cdiv(2 * (int64_t)nt, rchunks);
-        const int64_t cmax = panels / 4 > 1 ? panels / 4 : 1;
-        if (cchunks > cmax) cchunks = cmax;
-    }
+    int64_t rchunks, cchunks;
+    split(tiles, panels, nt, &rchunks, &cchunks);
     const int64_t items = rchunks * cchunks;
     if (nt == 1 || items == 1) {
         kt->gemm_packed(C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
@@ -96,5 +103,78 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
         kt->gemm_packed(C + r0 * ldc + j0, ldc, X + r0 * ldx, ldx, K ? Bp + j0 * K : Bp,
                         bias ? bias + j0 : NULL, r1 - r0, j1 - j0, K, accumulate,
                         thread_scratch + per * (size_t)thread_id());
+    }
+}
+
+// ---- bf16 (kernels.h: pack_b_bf16, gemm_packed_bf16) ----
+
+size_t mha__gemm_packed_b_bf16_elems(const mha__kernels *kt, int64_t K, int64_t N) {
+    if (K <= 0 || N <= 0) return 0;
+    return (size_t)(cdiv(N, kt->pk16_nr) * kt->pk16_nr) * (size_t)(2 * cdiv(K, 2));
+}
+
+size_t mha__gemm_bf16_thread_scratch_elems(const mha__kernels *kt) {
+    return ((size_t)kt->pk16_apack + 31) & ~(size_t)31;  // 64-byte slices
+}
+
+size_t mha__gemm_bf16_scratch_elems(const mha__kernels *kt, int nt) {
+    return mha__gemm_bf16_thread_scratch_elems(kt) * (size_t)(nt > 0 ? nt : 1);
+}
+
+void mha__gemm_pack_b_bf16(const mha__kernels *kt, uint16_t *Bp, const float *B, int64_t sk,
+                           int64_t sn, int64_t K, int64_t N, int nt) {
+    if (K <= 0 || N <= 0) return;
+    const int64_t nr = kt->pk16_nr, np = cdiv(N, nr), kpad = 2 * cdiv(K, 2);
+    const int64_t per = np < 8 * (int64_t)nt ? 1 : cdiv(np, 8 * (int64_t)nt);
+    const int64_t items = cdiv(np, per);
+    if (nt <= 1 || items == 1) {
+        kt->pack_b_bf16(Bp, B, sk, sn, K, N);
+        return;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t j0 = it * per * nr, j1 = j0 + per * nr < N ? j0 + per * nr : N;
+        kt->pack_b_bf16(Bp + j0 * kpad, B + j0 * sn, sk, sn, K, j1 - j0);
+    }
+}
+
+void mha__gemm_pack_wt_bf16(const mha__kernels *kt, uint16_t *Bp, const float *W, int64_t O,
+                            int64_t I, int nt) {
+    mha__gemm_pack_b_bf16(kt, Bp, W, 1, I, I, O, nt);
+}
+
+void mha__gemm_pack_rows_bf16(const mha__kernels *kt, uint16_t *Bp, const float *B,
+                              int64_t ldb, int64_t K, int64_t N, int nt) {
+    mha__gemm_pack_b_bf16(kt, Bp, B, ldb, 1, K, N, nt);
+}
+
+void mha__gemm_rows_packed_bf16(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                                int64_t ldx, const uint16_t *Bp, const float *bias, int64_t R,
+                                int64_t K, int64_t N, bool accumulate, int nt,
+                                uint16_t *thread_scratch) {
+    if (R <= 0 || N <= 0) return;
+    if (nt < 1) nt = 1;
+    const int64_t mr = kt->pk16_mr, nr = kt->pk16_nr, kpad = 2 * cdiv(K > 0 ? K : 0, 2);
+    const int64_t tiles = cdiv(R, mr), panels = cdiv(N, nr);
+    const size_t per = mha__gemm_bf16_thread_scratch_elems(kt);
+    int64_t rchunks, cchunks;
+    split(tiles, panels, nt, &rchunks, &cchunks);
+    const int64_t items = rchunks * cchunks;
+    if (nt == 1 || items == 1) {
+        kt->gemm_packed_bf16(C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
+        return;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t ri = it / cchunks, ci = it % cchunks;
+        const int64_t t0 = ri * tiles / rchunks, t1 = (ri + 1) * tiles / rchunks;
+        const int64_t p0 = ci * panels / cchunks, p1 = (ci + 1) * panels / cchunks;
+        const int64_t r0 = t0 * mr, r1 = t1 * mr < R ? t1 * mr : R;
+        const int64_t j0 = p0 * nr, j1 = p1 * nr < N ? p1 * nr : N;
+        if (r1 <= r0 || j1 <= j0) continue;
+        kt->gemm_packed_bf16(C + r0 * ldc + j0, ldc, X + r0 * ldx, ldx,
+                             kpad ? Bp + j0 * kpad : Bp, bias ? bias + j0 : NULL, r1 - r0,
+                             j1 - j0, K, accumulate,
+                             thread_scratch ? thread_scratch + per * (size_t)thread_id() : NULL);
     }
 }

@@ -8,7 +8,11 @@
 // any row / panel split and any number of threads. gemm_tn_acc (C += A^T B,
 // A stored transposed), every ISA and scalar: edge shapes and wide strides
 // against a double-precision loop, bit-identity with transpose +
-// gemm_nn_acc of the same table, C outside its tile untouched.
+// gemm_nn_acc of the same table, C outside its tile untouched. The bf16
+// packed GEMM (portable, and both AVX512-BF16 kernels where the CPU has
+// them): the bf16 rounding, the packed layout bit for bit, every edge shape
+// against double on the rounded inputs, nt / split bit-identity, the ISA
+// kernels bit-identical to the portable one, the error against fp32.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -426,6 +430,289 @@ static void test_packed(const mha__kernels *k) {
     test_packed_splits(k);
 }
 
+// ---------------------------------------------------------------------------
+// bf16 packed-B GEMM (pack_b_bf16, gemm_packed_bf16, the gemm.h driver)
+
+static float bf16r(float x) { return mha__bf16_to_f32(mha__f32_to_bf16(x)); }
+
+// The rounding: nearest even, ties, subnormals to signed zero, NaN quieted,
+// overflow to infinity.
+static void test_bf16_round(void) {
+    const struct { uint32_t in; uint16_t out; } c[] = {
+        {0x3f800000u, 0x3f80}, {0x3f808000u, 0x3f80},  // tie, even stays
+        {0x3f818000u, 0x3f82},                          // tie, odd rounds up
+        {0x3f808001u, 0x3f81}, {0x3f807fffu, 0x3f80}, {0xbf80c000u, 0xbf81},
+        {0x00000001u, 0x0000}, {0x807fffffu, 0x8000},  // subnormals
+        {0x00800000u, 0x0080}, {0x80000000u, 0x8000},
+        {0x7f7fffffu, 0x7f80}, {0x7f800000u, 0x7f80}, {0xff800000u, 0xff80},
+        {0x7fc00000u, 0x7fc0}, {0x7f800001u, 0x7fc0}};  // NaN (signalling quieted)
+    int bad = 0;
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+        float x;
+        memcpy(&x, &c[i].in, 4);
+        bad += mha__f32_to_bf16(x) != c[i].out;
+    }
+    CHECKF(bad == 0, "mha__f32_to_bf16: %d of %d cases wrong", bad, (int)(sizeof c / sizeof c[0]));
+}
+
+// B values for the layout test: random, with ties, subnormals, NaN, inf.
+static float special(size_t i) {
+    static const uint32_t sp[] = {0x3f808000u, 0x3f818000u, 0x00000001u, 0x807fffffu,
+                                  0x7f800001u, 0xff800000u, 0x7f7fffffu, 0x80000000u};
+    if (i % 5 == 3) {
+        float x;
+        memcpy(&x, &sp[(i / 5) % 8], 4);
+        return x;
+    }
+    return frand();
+}
+
+// The packed layout, bit for bit (so the ISA conversion is the scalar one):
+// Bp[((p*Kp + q)*nr + j)*2 + e] = bf16(B(2q + e, p*nr + j)), 0 past N / K.
+static void test_pack_bf16_layout(const mha__kernels *k) {
+    const int64_t shapes[][2] = {{1, 1}, {2, 33}, {3, 32}, {7, 33}, {65, 31}, {66, 100},
+                                 {300, 7}, {0, 5}, {5, 0}};
+    int bad_cases = 0, cases = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int kind = 0; kind < 3; kind++) {
+            const int64_t K = shapes[s][0], N = shapes[s][1], nr = k->pk16_nr, Kp = (K + 1) / 2;
+            int64_t sk, sn;
+            size_t nb;
+            b_layout(kind, K, N, &sk, &sn, &nb);
+            float *B = falloc(nb);
+            for (size_t i = 0; i < nb; i++) B[i] = special(i);
+            const size_t np = mha__gemm_packed_b_bf16_elems(k, K, N);
+            CHECK(np == (size_t)(K > 0 && N > 0 ? ((N + nr - 1) / nr) * nr * 2 * Kp : 0));
+            uint16_t *Bp = malloc(sizeof(uint16_t) * (np + 16));
+            for (int nt = 1; nt <= 3; nt += 2) {
+                for (size_t i = 0; i < np + 16; i++) Bp[i] = 0xdead;
+                mha__gemm_pack_b_bf16(k, Bp, B, sk, sn, K, N, nt);
+                bool ok = true;
+                for (int64_t p = 0; p * nr < N; p++)
+                    for (int64_t q = 0; q < Kp; q++)
+                        for (int64_t j = 0; j < nr; j++)
+                            for (int64_t e = 0; e < 2; e++) {
+                                const int64_t n = p * nr + j, kk = 2 * q + e;
+                                const uint16_t want =
+                                    n < N && kk < K ? mha__f32_to_bf16(B[kk * sk + n * sn]) : 0;
+                                ok &= Bp[((p * Kp + q) * nr + j) * 2 + e] == want;
+                            }
+                for (size_t i = np; i < np + 16; i++) ok &= Bp[i] == 0xdead;
+                CHECKF(ok, "%s pack_b_bf16 K %lld N %lld layout %d nt %d", k->bf16_isa,
+                       (long long)K, (long long)N, kind, nt);
+                bad_cases += !ok;
+                cases++;
+            }
+            free(B);
+            free(Bp);
+        }
+    printf("%s pack_b_bf16 layout: %d cases, %d failed\n", k->bf16_isa, cases, bad_cases);
+}
+
+// C (M, N) [+]= bf16(A) bf16(B) + bias against double precision on the
+// ROUNDED inputs (only the float32 sums err): every element within
+// (K + 2) 2^-23 of its sum of magnitudes; every M, N, K of the edge set
+// (odd K included), the three B layouts, row strides, bias, accumulate;
+// padding of C never written, C never read when overwriting (NaN).
+static void test_packed_bf16_vs_double(const mha__kernels *k) {
+    const int64_t dims[] = {0, 1, 2, 3, 7, 31, 33, 65, 300};
+    const int nd = (int)(sizeof dims / sizeof dims[0]);
+    int cases = 0, failed = 0;
+    double worst_all = 0;
+    for (int im = 0; im < nd; im++)
+        for (int in = 0; in < nd; in++)
+            for (int ik = 0; ik < nd; ik++) {
+                const int64_t M = dims[im], N = dims[in], K = dims[ik];
+                const int kind = (im + 2 * in + ik) % 3;
+                const bool acc = (im + in + ik) % 2, use_bias = (im + ik) % 2 == 0 || K == 0;
+                const int64_t lda = K + 1 + im, ldc = N + 2 + ik;
+                int64_t sk, sn;
+                size_t nb;
+                b_layout(kind, K, N, &sk, &sn, &nb);
+                float *A = falloc((size_t)(M * lda)), *B = falloc(nb), *bias = falloc((size_t)N);
+                float *C = falloc((size_t)(M * ldc)), *C0 = falloc((size_t)(M * ldc));
+                uint16_t *Bp = malloc(sizeof(uint16_t) * (mha__gemm_packed_b_bf16_elems(k, K, N) + 1));
+                uint16_t *ap = malloc(sizeof(uint16_t) * ((size_t)k->pk16_apack + 1));
+                for (int64_t i = 0; i < M * lda; i++) A[i] = frand();
+                for (size_t i = 0; i < nb; i++) B[i] = frand();
+                for (int64_t i = 0; i < N; i++) bias[i] = frand();
+                for (int64_t i = 0; i < M * ldc; i++) C[i] = C0[i] = acc ? frand() : NAN;
+                for (int64_t r = 0; r < M; r++)
+                    for (int64_t j = N; j < ldc; j++) C[r * ldc + j] = NAN;
+                k->pack_b_bf16(Bp, B, sk, sn, K, N);
+                k->gemm_packed_bf16(C, ldc, A, lda, Bp, use_bias ? bias : NULL, M, N, K, acc, ap);
+                double worst = 0;
+                bool pad = true;
+                for (int64_t i = 0; i < M; i++) {
+                    for (int64_t j = 0; j < N; j++) {
+                        double v = acc ? C0[i * ldc + j] : 0.0, mag = fabs(v);
+                        for (int64_t kk = 0; kk < K; kk++) {
+                            const double t =
+                                (double)bf16r(A[i * lda + kk]) * bf16r(B[kk * sk + j * sn]);
+                            v += t;
+                            mag += fabs(t);
+                        }
+                        if (use_bias) v += bias[j], mag += fabs(bias[j]);
+                        const double e = fabs(C[i * ldc + j] - v) / ((K + 2) * 0x1p-23 * mag + 1e-30);
+                        if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+                    }
+                    for (int64_t j = N; j < ldc; j++) pad &= isnan(C[i * ldc + j]);
+                }
+                CHECKF(worst <= 1.0, "%s gemm_packed_bf16 M %lld N %lld K %lld layout %d acc %d "
+                       "bias %d: error %g of the bound", k->bf16_isa, (long long)M, (long long)N,
+                       (long long)K, kind, acc, use_bias, worst);
+                CHECKF(pad, "%s gemm_packed_bf16 M %lld N %lld K %lld wrote outside C",
+                       k->bf16_isa, (long long)M, (long long)N, (long long)K);
+                failed += !(worst <= 1.0) || !pad;
+                worst_all = fmax(worst_all, worst);
+                cases++;
+                free(A), free(B), free(bias), free(C), free(C0), free(Bp), free(ap);
+            }
+    CHECK(cases == nd * nd * nd);
+    printf("%s gemm_packed_bf16 vs double (bf16-rounded inputs): %d cases, %d failed, worst "
+           "%.3f of the bound\n", k->bf16_isa, cases, failed, worst_all);
+}
+
+// The driver: the same bits for nt = 1, 2, 3, 8 (overwrite + bias and
+// accumulate) and for odd row / panel splits by hand.
+static void test_packed_bf16_splits(const mha__kernels *k) {
+    const int64_t shapes[][3] = {{300, 100, 65}, {1000, 70, 301}, {5, 2304, 33},
+                                 {129, 768, 768}, {1, 40, 7}, {57, 33, 2}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int64_t R = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        const int64_t ldx = K + 3, ldc = N + 1, kpad = 2 * ((K + 1) / 2);
+        float *X = falloc((size_t)(R * ldx)), *W = falloc((size_t)(K * N)), *b = falloc((size_t)N);
+        uint16_t *Bp = malloc(sizeof(uint16_t) * mha__gemm_packed_b_bf16_elems(k, K, N));
+        uint16_t *sc = malloc(sizeof(uint16_t) * (mha__gemm_bf16_scratch_elems(k, 8) + 1));
+        float *Cr = falloc((size_t)(R * ldc)), *C = falloc((size_t)(R * ldc));
+        float *Cacc0 = falloc((size_t)(R * ldc)), *Cacc = falloc((size_t)(R * ldc));
+        for (int64_t i = 0; i < R * ldx; i++) X[i] = frand();
+        for (int64_t i = 0; i < K * N; i++) W[i] = frand();
+        for (int64_t i = 0; i < N; i++) b[i] = frand();
+        for (int64_t i = 0; i < R * ldc; i++) Cacc0[i] = frand();
+        mha__gemm_pack_wt_bf16(k, Bp, W, N, K, 2);  // W (N, K): B = W^T
+        for (int64_t i = 0; i < R * ldc; i++) Cr[i] = 0.0f;
+        mha__gemm_rows_packed_bf16(k, Cr, ldc, X, ldx, Bp, b, R, K, N, false, 1, sc);
+        const int nts[] = {2, 3, 8};
+        for (int t = 0; t < 3; t++) {
+            for (int64_t i = 0; i < R * ldc; i++) C[i] = 0.0f;
+            mha__gemm_rows_packed_bf16(k, C, ldc, X, ldx, Bp, b, R, K, N, false, nts[t], sc);
+            CHECKF(memcmp(C, Cr, sizeof(float) * (size_t)(R * ldc)) == 0,
+                   "%s gemm_rows_packed_bf16 R %lld N %lld K %lld: nt %d differs from nt 1",
+                   k->bf16_isa, (long long)R, (long long)N, (long long)K, nts[t]);
+        }
+        memcpy(Cacc, Cacc0, sizeof(float) * (size_t)(R * ldc));
+        mha__gemm_rows_packed_bf16(k, Cacc, ldc, X, ldx, Bp, NULL, R, K, N, true, 1, sc);
+        for (int t = 0; t < 3; t++) {
+            memcpy(C, Cacc0, sizeof(float) * (size_t)(R * ldc));
+            mha__gemm_rows_packed_bf16(k, C, ldc, X, ldx, Bp, NULL, R, K, N, true, nts[t], sc);
+            CHECKF(memcmp(C, Cacc, sizeof(float) * (size_t)(R * ldc)) == 0,
+                   "%s gemm_rows_packed_bf16 accumulate R %lld: nt %d differs from nt 1",
+                   k->bf16_isa, (long long)R, nts[t]);
+        }
+        for (int trial = 0; trial < 3; trial++) {
+            for (int64_t i = 0; i < R * ldc; i++) C[i] = 0.0f;
+            const int64_t np = (N + k->pk16_nr - 1) / k->pk16_nr;
+            const int64_t pcut = np > 1 ? 1 + (trial % (np - 1)) : np;
+            for (int64_t r0 = 0; r0 < R;) {
+                int64_t h = 1 + (int64_t)((frand() + 1.0f) * 0.5f * (float)(trial * 23 + 5));
+                const int64_t r1 = r0 + h < R ? r0 + h : R;
+                const int64_t cuts[3] = {0, pcut * k->pk16_nr < N ? pcut * k->pk16_nr : N, N};
+                for (int c = 0; c < 2; c++) {
+                    const int64_t j0 = cuts[c], j1 = cuts[c + 1];
+                    if (j1 > j0)
+                        k->gemm_packed_bf16(C + r0 * ldc + j0, ldc, X + r0 * ldx, ldx,
+                                            Bp + j0 * kpad, b + j0, r1 - r0, j1 - j0, K, false, sc);
+                }
+                r0 = r1;
+            }
+            CHECKF(memcmp(C, Cr, sizeof(float) * (size_t)(R * ldc)) == 0,
+                   "%s gemm_packed_bf16 R %lld N %lld K %lld: split %d differs", k->bf16_isa,
+                   (long long)R, (long long)N, (long long)K, trial);
+        }
+        free(X), free(W), free(b), free(Bp), free(sc), free(Cr), free(C), free(Cacc0), free(Cacc);
+    }
+}
+
+// Portable (scalar table) against the hardware one: within the bound of
+// both against double (each is already checked), and the same bits (the
+// same sum order; no subnormal sums with these inputs, kernels.h).
+static void test_bf16_isa_vs_portable(const mha__kernels *k, const mha__kernels *g) {
+    const int64_t shapes[][3] = {{33, 70, 301}, {64, 768, 768}, {17, 100, 65}, {5, 33, 513},
+                                 {29, 2304, 64}};
+    int same = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        float *A = falloc((size_t)(M * K)), *W = falloc((size_t)(N * K)), *b = falloc((size_t)N);
+        float *C1 = falloc((size_t)(M * N)), *C2 = falloc((size_t)(M * N));
+        uint16_t *B1 = malloc(2 * mha__gemm_packed_b_bf16_elems(k, K, N));
+        uint16_t *B2 = malloc(2 * mha__gemm_packed_b_bf16_elems(g, K, N));
+        uint16_t *sc = malloc(2 * (mha__gemm_bf16_scratch_elems(k, 1) + 1));
+        for (int64_t i = 0; i < M * K; i++) A[i] = frand();
+        for (int64_t i = 0; i < N * K; i++) W[i] = frand();
+        for (int64_t i = 0; i < N; i++) b[i] = frand();
+        mha__gemm_pack_wt_bf16(k, B1, W, N, K, 1);
+        mha__gemm_pack_wt_bf16(g, B2, W, N, K, 1);
+        mha__gemm_rows_packed_bf16(k, C1, N, A, K, B1, b, M, K, N, false, 1, sc);
+        mha__gemm_rows_packed_bf16(g, C2, N, A, K, B2, b, M, K, N, false, 1, NULL);
+        double worst = 0;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                double mag = fabs(b[j]);
+                for (int64_t kk = 0; kk < K; kk++)
+                    mag += fabs((double)bf16r(A[i * K + kk]) * bf16r(W[j * K + kk]));
+                worst = fmax(worst, fabs((double)C1[i * N + j] - C2[i * N + j]) /
+                                        (2 * (K + 2) * 0x1p-23 * mag + 1e-30));
+            }
+        const bool bits = memcmp(C1, C2, sizeof(float) * (size_t)(M * N)) == 0;
+        same += bits;
+        CHECKF(worst <= 1.0, "%s vs scalar gemm_packed_bf16 M %lld N %lld K %lld: %g of the bound",
+               k->bf16_isa, (long long)M, (long long)N, (long long)K, worst);
+        CHECKF(bits, "%s vs scalar gemm_packed_bf16 M %lld N %lld K %lld: bits differ",
+               k->bf16_isa, (long long)M, (long long)N, (long long)K);
+        free(A), free(W), free(b), free(C1), free(C2), free(B1), free(B2), free(sc);
+    }
+    printf("%s vs portable bf16 GEMM: %d of 5 shapes bit-identical\n", k->bf16_isa, same);
+}
+
+// Accuracy of the bf16 path against the float32 packed GEMM on the
+// UNROUNDED inputs (the rounding of X and W is the error now): relative
+// (Frobenius) error about 2^-8 * (a few tenths) for random data; checked
+// < 2^-6 and printed.
+static void test_bf16_vs_fp32(const mha__kernels *k) {
+    const int64_t M = 200, N = 300, K = 768;
+    float *A = falloc((size_t)(M * K)), *W = falloc((size_t)(N * K)), *b = falloc((size_t)N);
+    float *C1 = falloc((size_t)(M * N)), *C2 = falloc((size_t)(M * N));
+    float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N)), *sc = falloc(mha__gemm_scratch_floats(k, 2));
+    uint16_t *B16 = malloc(2 * mha__gemm_packed_b_bf16_elems(k, K, N));
+    uint16_t *sc16 = malloc(2 * (mha__gemm_bf16_scratch_elems(k, 2) + 1));
+    for (int64_t i = 0; i < M * K; i++) A[i] = frand();
+    for (int64_t i = 0; i < N * K; i++) W[i] = frand() * 0.05f;
+    for (int64_t i = 0; i < N; i++) b[i] = frand() * 0.1f;
+    mha__gemm_pack_wt(k, Bp, W, N, K, 2);
+    mha__gemm_rows_packed(k, C1, N, A, K, Bp, b, M, K, N, false, 2, sc);
+    mha__gemm_pack_wt_bf16(k, B16, W, N, K, 2);
+    mha__gemm_rows_packed_bf16(k, C2, N, A, K, B16, b, M, K, N, false, 2, sc16);
+    const double e = rel_diff(C2, C1, N, N, M);
+    double emax = 0, cmax = 0;
+    for (int64_t i = 0; i < M * N; i++)
+        emax = fmax(emax, fabs((double)C2[i] - C1[i])), cmax = fmax(cmax, fabs(C1[i]));
+    CHECKF(e < 0x1p-6, "%s bf16 vs fp32 GEMM: relative error %g", k->bf16_isa, e);
+    printf("%s bf16 vs fp32 GEMM (unrounded inputs, M %lld N %lld K %lld): relative error "
+           "%.2e (= 2^%.2f), max abs %.2e of max |C| %.2e\n", k->bf16_isa, (long long)M,
+           (long long)N, (long long)K, e, log2(e), emax, cmax);
+    free(A), free(W), free(b), free(C1), free(C2), free(Bp), free(sc), free(B16), free(sc16);
+}
+
+static void test_packed_bf16(const mha__kernels *k) {
+    CHECK(k->pk16_nr > 0 && k->pk16_mr > 0 && k->pk16_kc > 0 && k->pk16_kc % 2 == 0 &&
+          k->pk16_apack >= 0 && k->pack_b_bf16 && k->gemm_packed_bf16 && k->bf16_isa);
+    test_pack_bf16_layout(k);
+    test_packed_bf16_vs_double(k);
+    test_packed_bf16_splits(k);
+    test_bf16_vs_fp32(k);
+}
+
 // softmax_rows: bit for bit softmax_update row by row, with rows whose
 // max is -inf (alone or among others), running stats from a previous tile,
 // partial vectors and row strides wider than n.
@@ -546,12 +833,22 @@ int main(void) {
         test_rows_q(k, g);
         test_gemm_tn(k);
         test_packed(k);
+        if (k->pk16_native) {  // the AVX512-BF16 kernels, both (else: the portable one, below)
+            for (int dp = 0; dp < 2; dp++) {
+                mha__kernels kv = *k;
+                if (!mha__kernels_fill_avx512bf16(&kv, dp)) continue;
+                test_packed_bf16(&kv);
+                test_bf16_isa_vs_portable(&kv, g);
+            }
+        }
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_gemm_tn(g);
     test_softmax_rows(g);
     test_packed(g);
+    test_bf16_round();
+    test_packed_bf16(g);
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     return check_summary("test_kernels");
 }
