@@ -367,6 +367,13 @@ typedef struct mha_forward_args {
     // (Hs, Ls the block's sizes). The fused path computes only that block.
     int64_t weights_head_begin, weights_head_end;
     int64_t weights_row_begin, weights_row_end;
+    // int8 attention weights: an MHA_U8 weights view stores each row
+    // (every (n, [h,] i) over the S' keys) as round(w / scale) with
+    // scale = max(row) / 255, written to weights_scale (contiguous floats,
+    // the weights' shape without its last dim), so w ~ scale * u8 within
+    // scale / 2: 4x less memory than float32 for inspecting long sequences.
+    // Required (non-NULL) exactly when the weights view is MHA_U8.
+    float *weights_scale;
     mha_impl impl;              // default MHA_IMPL_AUTO
     mha_trace_fn trace;         // NULL: no trace
     void *trace_user;

@@ -136,6 +136,32 @@ static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
     return MHA_OK;
 }
 
+void mha__weights_row_out(const mha_tensor *w, float *scales, int64_t row_index,
+                          int64_t elem_off, const double *rowd, const float *rowf,
+                          int64_t n) {
+    const int64_t cs = w->stride[w->ndim - 1];
+    if (w->dtype == MHA_U8) {  // int8 weights: one scale per row
+        double mx = 0.0;
+        for (int64_t j = 0; j < n; j++) {
+            const double x = rowd ? rowd[j] : (double)rowf[j];
+            mx = x > mx ? x : mx;
+        }
+        const float sc = (float)(mx / 255.0);
+        uint8_t *dst = (uint8_t *)w->data + elem_off;
+        for (int64_t j = 0; j < n; j++) {
+            const double x = rowd ? rowd[j] : (double)rowf[j];
+            double qv = sc > 0.0f ? nearbyint(x / (double)sc) : 0.0;
+            qv = qv < 0.0 ? 0.0 : qv > 255.0 ? 255.0 : qv;  // NaN rows give 0
+            dst[j * cs] = (uint8_t)qv;
+        }
+        scales[row_index] = sc;
+        return;
+    }
+    const mha__mat m = mha__vmat((char *)w->data + elem_off * (int64_t)mha_dtype_size(w->dtype),
+                                 w->dtype, 0, cs);
+    for (int64_t j = 0; j < n; j++) mha__st(m, 0, j, rowd ? rowd[j] : (double)rowf[j]);
+}
+
 // RoPE, ALiBi and the soft cap: checked, into the plan's mask.
 static mha_status check_rope_alibi(fwd_plan *p, const mha_forward_args *a) {
     const mha_rope *r = &a->rope;
@@ -448,7 +474,9 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
         carve(&total, &p->off_v, nse, sizeof(double)) ||
         carve(&total, &p->off_ctx, nle, sizeof(double)) ||
         carve(&total, &p->off_headw,
-              (a->need_weights && (a->average_attn_weights || p->w_block)) ? nhlsp : 0,
+              (a->need_weights && (a->average_attn_weights || p->w_block || a->weights_scale))
+                  ? nhlsp
+                  : 0,
               sizeof(double)) ||
         carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
         carve(&total, &p->off_trace, tr, sizeof(float)))
@@ -642,7 +670,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const bool perhead = a->need_weights && !a->average_attn_weights;
     // every head's weights go to headw when they are averaged or a block of
     // them is asked for; else straight into the output
-    const bool via_headw = avg || (perhead && p->w_block);
+    const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
     mha__trace tr = {a->trace, a->trace_user, tbuf};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t bh = 0; bh < N * H; bh++) {
@@ -670,30 +698,33 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     //    order; or the selected block of the per-head weights.
     if (avg) {
         int o = p->unbatched ? 0 : 1;  // weights (N,) Ls, Sp
+        const int64_t Ls = p->wr1 - p->wr0;
         for (int64_t b = 0; b < N; b++)
             for (int64_t i = p->wr0; i < p->wr1; i++) {
-                mha__mat wr = view_row(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
-                                                    (i - p->wr0) * weights->stride[o], o + 1);
+                double *row = scores;  // (a free (L, Sp) block now)
                 for (int64_t j = 0; j < Sp; j++) {
                     double s = 0.0;
                     for (int64_t h = p->wh0; h < p->wh1; h++)
                         s += headw[((b * H + h) * L + i) * Sp + j];
-                    mha__st(wr, 0, j, s / (double)(p->wh1 - p->wh0));
+                    row[j] = s / (double)(p->wh1 - p->wh0);
                 }
+                mha__weights_row_out(weights, a->weights_scale, b * Ls + i - p->wr0,
+                                     (p->unbatched ? 0 : b * weights->stride[0]) +
+                                         (i - p->wr0) * weights->stride[o],
+                                     row, NULL, Sp);
             }
     } else if (via_headw) {
         int o = p->unbatched ? 0 : 1;  // weights (N,) Hs, Ls, Sp
+        const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
         for (int64_t b = 0; b < N; b++)
             for (int64_t h = p->wh0; h < p->wh1; h++)
-                for (int64_t i = p->wr0; i < p->wr1; i++) {
-                    mha__mat wr = view_row(weights,
-                                           (p->unbatched ? 0 : b * weights->stride[0]) +
-                                               (h - p->wh0) * weights->stride[o] +
-                                               (i - p->wr0) * weights->stride[o + 1],
-                                           o + 2);
-                    for (int64_t j = 0; j < Sp; j++)
-                        mha__st(wr, 0, j, headw[((b * H + h) * L + i) * Sp + j]);
-                }
+                for (int64_t i = p->wr0; i < p->wr1; i++)
+                    mha__weights_row_out(weights, a->weights_scale,
+                                         (b * Hs + h - p->wh0) * Ls + i - p->wr0,
+                                         (p->unbatched ? 0 : b * weights->stride[0]) +
+                                             (h - p->wh0) * weights->stride[o] +
+                                             (i - p->wr0) * weights->stride[o + 1],
+                                         headw + ((b * H + h) * L + i) * Sp, NULL, Sp);
     }
 
     // 4. Output projection, written in the query's layout; then the output
@@ -727,8 +758,21 @@ static mha_status check_forward_outputs(const fwd_plan *p, mha_tensor *out,
         if (!weights)
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "need_weights is set but attn_output_weights is NULL");
-        if ((st = mha__check_output(weights, "attn_output_weights", &p->w_shape)))
+        if (weights->dtype == MHA_U8) {  // int8 weights: shape, and the scales
+            mha_tensor wf = *weights;
+            wf.dtype = MHA_F32;  // (the same checks on dims and strides)
+            if ((st = mha__check_output(&wf, "attn_output_weights", &p->w_shape))) return st;
+            if (!a->weights_scale)
+                return mha__fail(MHA_ERR_INVALID_ARG,
+                                 "attn_output_weights is U8 (int8 weights) but "
+                                 "weights_scale is NULL");
+        } else if ((st = mha__check_output(weights, "attn_output_weights", &p->w_shape))) {
             return st;
+        } else if (a->weights_scale) {
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "weights_scale is set but attn_output_weights is %s, not U8",
+                             mha_dtype_name(weights->dtype));
+        }
     }
     const mha_tensor *ins[5] = {a->query, a->key, a->value, a->key_padding_mask,
                                 a->attn_mask};

@@ -140,6 +140,9 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
         carve(&t, &p->f_v, p->self_packed ? 0 : Rk * Ekv) ||
         carve(&t, &p->f_ctx, Rq * E) || carve(&t, &p->f_extra, 2 * Hkv * nx * d) ||
         carve(&t, &p->f_lse, lse) || carve(&t, &p->f_headw, headw) ||
+        carve(&t, &p->f_wtmp, a->need_weights && a->weights_scale
+                                  ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
+                                  : 0) ||
         carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
     p->ws_bytes = t + 64;
@@ -286,8 +289,12 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         if (a->need_weights && h >= p->wh0 && h < p->wh1 && r0 < r1) {
             const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0, hs = h - p->wh0;
             mha__mat w;
+            float *wq = NULL;  // int8 weights: the rows in float first
             if (avg) {
                 w = (mha__mat){headw + ((b * Hs + hs) * Ls + r0 - p->wr0) * Sp, false, Sp, 1, 0};
+            } else if (a->weights_scale) {
+                wq = (float *)(ws + p->f_wtmp) + (size_t)tid * MHA__FLASH_BR * Sp;
+                w = (mha__mat){wq, false, Sp, 1, 0};
             } else {
                 int o = p->unbatched ? 0 : 1;
                 w = mha__vmat((char *)weights->data +
@@ -298,6 +305,16 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                               weights->dtype, weights->stride[o + 1], weights->stride[o + 2]);
             }
             mha__flash_weights(kt, &fh, r0, r1, w, sc);
+            if (wq) {
+                int o = p->unbatched ? 0 : 1;
+                for (int64_t r = r0; r < r1; r++)
+                    mha__weights_row_out(weights, a->weights_scale,
+                                         (b * Hs + hs) * Ls + r - p->wr0,
+                                         (p->unbatched ? 0 : b * weights->stride[0]) +
+                                             hs * weights->stride[o] +
+                                             (r - p->wr0) * weights->stride[o + 1],
+                                         NULL, wq + (r - r0) * Sp, Sp);
+            }
         }
     }
     if (sv) sv->valid = true;
@@ -306,10 +323,22 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         int o = p->unbatched ? 0 : 1;
         for (int64_t b = 0; b < N; b++)
             for (int64_t i = 0; i < Ls; i++) {
+                const int64_t off = (p->unbatched ? 0 : b * weights->stride[0]) +
+                                    i * weights->stride[o];
+                if (a->weights_scale) {  // int8 weights: the row in float first
+                    float *row = (float *)(ws + p->f_wtmp);
+                    for (int64_t j = 0; j < Sp; j++) {
+                        float s = 0.0f;
+                        for (int64_t h = 0; h < Hs; h++)
+                            s += headw[((b * Hs + h) * Ls + i) * Sp + j];
+                        row[j] = s / (float)Hs;
+                    }
+                    mha__weights_row_out(weights, a->weights_scale, b * Ls + i, off, NULL, row,
+                                         Sp);
+                    continue;
+                }
                 mha__mat wr = mha__vmat((char *)weights->data +
-                                            ((p->unbatched ? 0 : b * weights->stride[0]) +
-                                             i * weights->stride[o]) *
-                                                (int64_t)mha_dtype_size(weights->dtype),
+                                            off * (int64_t)mha_dtype_size(weights->dtype),
                                         weights->dtype, 0, weights->stride[o + 1]);
                 for (int64_t j = 0; j < Sp; j++) {
                     float s = 0.0f;

@@ -38,7 +38,7 @@ typedef struct fwd_plan {
     bool self_packed;            // one GEMM over the packed in_proj_weight
     bool q_direct, k_direct, v_direct, out_direct;  // views usable as rows
     size_t f_xq, f_xk, f_xv, f_wt, f_wo, f_qkv, f_k, f_v, f_ctx, f_extra,
-        f_lse, f_headw, f_out, f_scratch, f_gs;
+        f_lse, f_headw, f_out, f_scratch, f_gs, f_wtmp;
 } fwd_plan;
 
 // Below this many multiply-adds a forward or backward runs on one thread.
@@ -84,6 +84,13 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
 mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
                               const mha_forward_args *a);
 
+// Writes one row of attention weights (n values from rowd or rowf) at
+// element offset elem_off of w along its last dim: converted to w's float
+// type, or, for an MHA_U8 view, quantised with scales[row_index] =
+// max / 255 (mha_forward_args.weights_scale).
+void mha__weights_row_out(const mha_tensor *w, float *scales, int64_t row_index,
+                          int64_t elem_off, const double *rowd, const float *rowf,
+                          int64_t n);
 // RoPE (infer.c): inv_freq (dim / 2 doubles) for r and head dim d; rotate
 // one token's H heads (head h at x + h * hs, features contiguous) at
 // position pos, in place.

@@ -510,6 +510,64 @@ static void test_half(void) {
     mha_module_destroy(m);
 }
 
+// int8 attention weights (MHA_U8 view + weights_scale): every row within
+// half its scale of the float32 weights, scale = max / 255; per head and
+// averaged, a block and all, both implementations; misuse refused.
+static void test_weights_u8(void) {
+    enum { E = 32, H = 4, L = 150, N = 2 };
+    mha_config c;
+    mha_config_init(&c, E, H);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    CHECK_OK(mha_module_init(m, &io));
+    static float x[L * N * E], y[L * N * E], wf[N * H * L * L], sc[N * H * L];
+    static uint8_t wq[N * H * L * L];
+    for (int i = 0; i < L * N * E; i++) x[i] = 2.0f * frand();
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){L, N, E});
+    for (int impl = 1; impl <= 2; impl++)
+        for (int avg = 0; avg < 2; avg++)
+            for (int block = 0; block < 2; block++) {
+                mha_forward_args a;
+                mha_forward_args_init(&a);
+                a.query = a.key = a.value = &xt;
+                a.is_causal = true;
+                a.need_weights = true;
+                a.average_attn_weights = avg;
+                a.impl = (mha_impl)impl;
+                if (block) {
+                    a.weights_head_begin = 1, a.weights_head_end = 3;
+                    a.weights_row_begin = 20, a.weights_row_end = 99;
+                }
+                mha_shape ws;
+                CHECK_OK(mha_forward_shapes(NULL, &ws, m, &a));
+                int64_t rows = 1;
+                for (int i = 0; i < ws.ndim - 1; i++) rows *= ws.dims[i];
+                const int64_t S = ws.dims[ws.ndim - 1];
+                mha_tensor wft = mha_tensor_contiguous(wf, MHA_F32, ws.ndim, ws.dims);
+                mha_tensor wqt = mha_tensor_contiguous(wq, MHA_U8, ws.ndim, ws.dims);
+                CHECK_OK(mha_forward(&yt, &wft, m, &a));
+                CHECK(mha_forward(&yt, &wqt, m, &a) == MHA_ERR_INVALID_ARG);  // no scales
+                a.weights_scale = sc;
+                CHECK(mha_forward(&yt, &wft, m, &a) == MHA_ERR_INVALID_ARG);  // scales, F32
+                CHECK_OK(mha_forward(&yt, &wqt, m, &a));
+                int64_t bad = 0;
+                for (int64_t r = 0; r < rows; r++) {
+                    float mx = 0.0f;
+                    for (int64_t j = 0; j < S; j++) mx = fmaxf(mx, wf[r * S + j]);
+                    bad += fabsf(sc[r] - mx / 255.0f) > 1e-6f * mx + 1e-12f;
+                    for (int64_t j = 0; j < S; j++)
+                        bad += fabs((double)sc[r] * wq[r * S + j] - wf[r * S + j]) >
+                               0.5 * sc[r] * (1 + 1e-5) + 1e-7;
+                }
+                CHECKF(bad == 0, "int8 weights (impl %d avg %d block %d): %lld values or "
+                       "scales off", impl, avg, block, (long long)bad);
+            }
+    mha_module_destroy(m);
+}
+
 // 1, 2 and 8 threads: bit-identical output, weights and gradients.
 // With 2 heads, 8 threads take the backward's two-pass route and 1 or 2
 // threads the one-sweep-per-head route: the same bits are required.
@@ -799,6 +857,7 @@ int main(void) {
     test_saved_cfg(1);
     test_cached_gqa();
     test_half();
+    test_weights_u8();
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }
