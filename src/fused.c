@@ -372,6 +372,12 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
 // ---------------------------------------------------------------------------
 // Saved state of a training forward (mha_forward_args.save)
 
+// Floats of the projections as the backward (and the saved state) lay
+// them out: (Rq, E + 2 Ekv) packed, else q (Rq, E), k and v (Rk, Ekv).
+static size_t qkv_floats(const fwd_plan *p, int64_t Rq, int64_t Rk) {
+    return (size_t)(p->self_packed ? Rq * (p->E + 2 * p->Ekv) : Rq * p->E + 2 * Rk * p->Ekv);
+}
+
 static void key_tensor(mha_tensor *dst, const mha_tensor *t) {
     memset(dst, 0, sizeof *dst);
     if (!t) return;
@@ -398,6 +404,13 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
     k->window_right = a->window_right;
     k->seed = a->dropout_seed;
     k->offset = a->dropout_offset;
+    k->rope_mode = a->rope.mode;
+    k->rope_theta = a->rope.theta;
+    k->rope_dim = a->rope.dim;
+    k->rope_start = a->rope_start;
+    k->alibi = a->alibi;
+    k->alibi_slopes = a->alibi_slopes;
+    k->softcap = a->softcap;
 }
 
 static bool saved_key_equal(const mha__saved_key *x, const mha__saved_key *y) {
@@ -408,8 +421,8 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
                               const mha_forward_args *a) {
     s->valid = false;
     if (!p->fused) return MHA_OK;  // only the fused path keeps state
-    const int64_t E = p->E, Ekv = p->Ekv, Rq = rows_of(a->query), Rk = rows_of(a->key);
-    s->n_qkv = (size_t)(p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E + 2 * Rk * Ekv);
+    const int64_t E = p->E, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    s->n_qkv = qkv_floats(p, Rq, Rk);
     s->n_ctx = (size_t)(Rq * E);
     s->n_lse = (size_t)(2 * p->N * p->H * p->L);
     const size_t need = s->n_qkv + s->n_ctx + s->n_lse;
@@ -577,7 +590,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
            n_gs = mha__gemm_scratch_floats(kt, nt);
     if (n_bp2 > n_bp) n_bp = n_bp2;
     n_w += n_bp + n_gs;
-    size_t n_qkv = (size_t)(sp ? Rq * W3 : Rq * E + 2 * Rk * Ekv);
+    size_t n_qkv = qkv_floats(p, Rq, Rk);
     size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * Hkv * nx * d + 2 * Hkv * nx * d);
     size_t n_tmp = (size_t)(3 * E * Rmax + 3 * E * Fmax + Rmax * Fmax);
     // (the flash scratch starts 64-byte aligned: it begins with pointers)

@@ -4,21 +4,16 @@
 // tile another also computes. Every C element is computed by one
 // gemm_packed call whose sum order depends on K only (kernels.h), so the
 // split, the schedule and nt never change a bit.
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "gemm.h"
-
-static int thread_id(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
+#include "plan.h"
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The packing of np panels over nt threads: items of *per panels each.
+static int64_t pack_items(int64_t np, int nt, int64_t *per) {
+    *per = np < 8 * (int64_t)nt ? 1 : cdiv(np, 8 * (int64_t)nt);
+    return cdiv(np, *per);
+}
 
 size_t mha__gemm_packed_b_floats(const mha__kernels *kt, int64_t K, int64_t N) {
     if (K <= 0 || N <= 0) return 0;
@@ -37,9 +32,9 @@ size_t mha__gemm_scratch_floats(const mha__kernels *kt, int nt) {
 void mha__gemm_pack_b(const mha__kernels *kt, float *Bp, const float *B, int64_t sk,
                       int64_t sn, int64_t K, int64_t N, int nt) {
     if (K <= 0 || N <= 0) return;
-    const int64_t nr = kt->pk_nr, np = cdiv(N, nr);
-    const int64_t per = np < 8 * (int64_t)nt ? 1 : cdiv(np, 8 * (int64_t)nt);
-    const int64_t items = cdiv(np, per);
+    const int64_t nr = kt->pk_nr;
+    int64_t per;
+    const int64_t items = pack_items(cdiv(N, nr), nt, &per);
     if (nt <= 1 || items == 1) {
         kt->pack_b(Bp, B, sk, sn, K, N);
         return;
@@ -76,6 +71,23 @@ static void split(int64_t tiles, int64_t panels, int nt, int64_t *rchunks,
     }
 }
 
+// Item `it` of a split of R rows (mr-row tiles) and N columns (nr-wide
+// panels): rows [b->r0, b->r1), columns [b->j0, b->j1); false when empty.
+typedef struct gemm_block {
+    int64_t r0, r1, j0, j1;
+} gemm_block;
+
+static bool item_block(gemm_block *b, int64_t it, int64_t rchunks, int64_t cchunks,
+                       int64_t R, int64_t N, int64_t mr, int64_t nr) {
+    const int64_t tiles = cdiv(R, mr), panels = cdiv(N, nr);
+    const int64_t ri = it / cchunks, ci = it % cchunks;
+    const int64_t t0 = ri * tiles / rchunks, t1 = (ri + 1) * tiles / rchunks;
+    const int64_t p0 = ci * panels / cchunks, p1 = (ci + 1) * panels / cchunks;
+    b->r0 = t0 * mr, b->r1 = t1 * mr < R ? t1 * mr : R;
+    b->j0 = p0 * nr, b->j1 = p1 * nr < N ? p1 * nr : N;
+    return b->r1 > b->r0 && b->j1 > b->j0;
+}
+
 void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
                            int64_t ldx, const float *Bp, const float *bias, int64_t R,
                            int64_t K, int64_t N, bool accumulate, int nt,
@@ -83,10 +95,9 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
     if (R <= 0 || N <= 0) return;
     if (nt < 1) nt = 1;
     const int64_t mr = kt->pk_mr, nr = kt->pk_nr;
-    const int64_t tiles = cdiv(R, mr), panels = cdiv(N, nr);
     const size_t per = mha__gemm_thread_scratch_floats(kt);
     int64_t rchunks, cchunks;
-    split(tiles, panels, nt, &rchunks, &cchunks);
+    split(cdiv(R, mr), cdiv(N, nr), nt, &rchunks, &cchunks);
     const int64_t items = rchunks * cchunks;
     if (nt == 1 || items == 1) {
         kt->gemm_packed(C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
@@ -94,15 +105,12 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < items; it++) {
-        const int64_t ri = it / cchunks, ci = it % cchunks;
-        const int64_t t0 = ri * tiles / rchunks, t1 = (ri + 1) * tiles / rchunks;
-        const int64_t p0 = ci * panels / cchunks, p1 = (ci + 1) * panels / cchunks;
-        const int64_t r0 = t0 * mr, r1 = t1 * mr < R ? t1 * mr : R;
-        const int64_t j0 = p0 * nr, j1 = p1 * nr < N ? p1 * nr : N;
-        if (r1 <= r0 || j1 <= j0) continue;
-        kt->gemm_packed(C + r0 * ldc + j0, ldc, X + r0 * ldx, ldx, K ? Bp + j0 * K : Bp,
-                        bias ? bias + j0 : NULL, r1 - r0, j1 - j0, K, accumulate,
-                        thread_scratch + per * (size_t)thread_id());
+        gemm_block b;
+        if (!item_block(&b, it, rchunks, cchunks, R, N, mr, nr)) continue;
+        kt->gemm_packed(C + b.r0 * ldc + b.j0, ldc, X + b.r0 * ldx, ldx,
+                        K ? Bp + b.j0 * K : Bp, bias ? bias + b.j0 : NULL, b.r1 - b.r0,
+                        b.j1 - b.j0, K, accumulate,
+                        thread_scratch + per * (size_t)mha__thread_id());
     }
 }
 
@@ -124,9 +132,9 @@ size_t mha__gemm_bf16_scratch_elems(const mha__kernels *kt, int nt) {
 void mha__gemm_pack_b_bf16(const mha__kernels *kt, uint16_t *Bp, const float *B, int64_t sk,
                            int64_t sn, int64_t K, int64_t N, int nt) {
     if (K <= 0 || N <= 0) return;
-    const int64_t nr = kt->pk16_nr, np = cdiv(N, nr), kpad = 2 * cdiv(K, 2);
-    const int64_t per = np < 8 * (int64_t)nt ? 1 : cdiv(np, 8 * (int64_t)nt);
-    const int64_t items = cdiv(np, per);
+    const int64_t nr = kt->pk16_nr, kpad = 2 * cdiv(K, 2);
+    int64_t per;
+    const int64_t items = pack_items(cdiv(N, nr), nt, &per);
     if (nt <= 1 || items == 1) {
         kt->pack_b_bf16(Bp, B, sk, sn, K, N);
         return;
@@ -155,10 +163,9 @@ void mha__gemm_rows_packed_bf16(const mha__kernels *kt, float *C, int64_t ldc, c
     if (R <= 0 || N <= 0) return;
     if (nt < 1) nt = 1;
     const int64_t mr = kt->pk16_mr, nr = kt->pk16_nr, kpad = 2 * cdiv(K > 0 ? K : 0, 2);
-    const int64_t tiles = cdiv(R, mr), panels = cdiv(N, nr);
     const size_t per = mha__gemm_bf16_thread_scratch_elems(kt);
     int64_t rchunks, cchunks;
-    split(tiles, panels, nt, &rchunks, &cchunks);
+    split(cdiv(R, mr), cdiv(N, nr), nt, &rchunks, &cchunks);
     const int64_t items = rchunks * cchunks;
     if (nt == 1 || items == 1) {
         kt->gemm_packed_bf16(C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
@@ -166,15 +173,12 @@ void mha__gemm_rows_packed_bf16(const mha__kernels *kt, float *C, int64_t ldc, c
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < items; it++) {
-        const int64_t ri = it / cchunks, ci = it % cchunks;
-        const int64_t t0 = ri * tiles / rchunks, t1 = (ri + 1) * tiles / rchunks;
-        const int64_t p0 = ci * panels / cchunks, p1 = (ci + 1) * panels / cchunks;
-        const int64_t r0 = t0 * mr, r1 = t1 * mr < R ? t1 * mr : R;
-        const int64_t j0 = p0 * nr, j1 = p1 * nr < N ? p1 * nr : N;
-        if (r1 <= r0 || j1 <= j0) continue;
-        kt->gemm_packed_bf16(C + r0 * ldc + j0, ldc, X + r0 * ldx, ldx,
-                             kpad ? Bp + j0 * kpad : Bp, bias ? bias + j0 : NULL, r1 - r0,
-                             j1 - j0, K, accumulate,
-                             thread_scratch ? thread_scratch + per * (size_t)thread_id() : NULL);
+        gemm_block b;
+        if (!item_block(&b, it, rchunks, cchunks, R, N, mr, nr)) continue;
+        kt->gemm_packed_bf16(C + b.r0 * ldc + b.j0, ldc, X + b.r0 * ldx, ldx,
+                             kpad ? Bp + b.j0 * kpad : Bp, bias ? bias + b.j0 : NULL,
+                             b.r1 - b.r0, b.j1 - b.j0, K, accumulate,
+                             thread_scratch ? thread_scratch + per * (size_t)mha__thread_id()
+                                            : NULL);
     }
 }

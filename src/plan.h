@@ -68,6 +68,14 @@ typedef struct mha__saved_key {
     bool causal, training;
     int64_t window_left, window_right;
     uint64_t seed, offset;
+    // what shapes the saved q, k (RoPE) and the row stats (ALiBi, soft cap)
+    mha_rope_mode rope_mode;
+    double rope_theta;
+    int64_t rope_dim;
+    const int64_t *rope_start;
+    bool alibi;
+    const float *alibi_slopes;
+    float softcap;
 } mha__saved_key;
 
 struct mha_saved {

@@ -436,6 +436,17 @@ static void test_saved_cfg(int64_t Hkv) {
         mha_tensor gq = mha_tensor_contiguous(g[1][0], MHA_F32, 3, (int64_t[]){L, N, E});
         CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
         CHECK(strstr(mha_last_error(), "save") != NULL);
+        a.dropout_offset = 0;  // RoPE, ALiBi or a soft cap other than the forward's too
+        a.rope.mode = MHA_ROPE_NEOX;
+        CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
+        a.rope.mode = MHA_ROPE_NONE;
+        a.alibi = true;
+        CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
+        a.alibi = false;
+        a.softcap = 5.0f;
+        CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
+        a.softcap = 0.0f;
+        CHECK_OK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false));  // the same again
         // the reference path keeps nothing: its backward recomputes
         a.impl = MHA_IMPL_REFERENCE;
         CHECK_OK(mha_forward(&yt, NULL, m, &a));

@@ -8,32 +8,31 @@
 #include "kernels.h"
 #include "mha.h"
 
-static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+// C (M, N) += A B with element (i, k) of A at A[i*ars + k*aks]: (lda, 1)
+// for gemm_nn_acc, (1, lda) for gemm_tn_acc (A stored (K, M)); the same
+// loops and expression either way.
+static void gemm_acc(float *C, int64_t ldc, const float *A, int64_t ars, int64_t aks,
+                     const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K) {
     for (int64_t i = 0; i < M; i++) {
         float *c = C + i * ldc;
         for (int64_t k = 0; k < K; k++) {
-            const float a = A[i * lda + k];
+            const float a = A[i * ars + k * aks];
             const float *b = B + k * ldb;
             for (int64_t j = 0; j < N; j++) c[j] += a * b[j];
         }
     }
 }
 
-// C += A^T B with A stored (K, M): the same loops and the same expression
-// as gemm_nn_acc, only the A element read from A[k*lda + i].
+static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, int64_t M, int64_t N,
+                        int64_t K) {
+    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K);
+}
+
 static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
                         const float *B, int64_t ldb, int64_t M, int64_t N,
                         int64_t K) {
-    for (int64_t i = 0; i < M; i++) {
-        float *c = C + i * ldc;
-        for (int64_t k = 0; k < K; k++) {
-            const float a = A[k * lda + i];
-            const float *b = B + k * ldb;
-            for (int64_t j = 0; j < N; j++) c[j] += a * b[j];
-        }
-    }
+    gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K);
 }
 
 static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
