@@ -15,6 +15,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "avx512_common.h"
 #include "kernels.h"
 
 #define MR 8
@@ -22,9 +23,6 @@
 #define KC 256
 #define NC 512
 
-static inline __mmask16 tail_mask(int64_t n) {  // lanes [0, n) of 16
-    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u);
-}
 
 // C[0:MR, 0:nr] += A B[0:K, 0:nr]: 8 x 32 (16 accumulators in named
 // registers: an array would be spilled), B rows loaded under the column
@@ -145,30 +143,6 @@ static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
 #define PKC 256
 #define PMC (PMR * 8)
 
-// 16 x 16 transpose: r[i] lane l -> r[l] lane i.
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int g = 0; g < 4; g++) {
-        u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-        u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-        u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-        u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-    }
-    for (int e = 0; e < 4; e++) {
-        const __m512 v = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);
-        const __m512 w = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
-        const __m512 v2 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
-        const __m512 w2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
-        r[e] = _mm512_shuffle_f32x4(v, w, 0x88);
-        r[8 + e] = _mm512_shuffle_f32x4(v, w, 0xDD);
-        r[4 + e] = _mm512_shuffle_f32x4(v2, w2, 0x88);
-        r[12 + e] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
-    }
-}
 
 // dst[k*ldd + i] = src[i*lds + k] for i < rows (<= 16; lanes rows..15 of
 // each dst row: 0, stored under mask `store` only), k < kn: 16 k at a time.

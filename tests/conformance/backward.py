@@ -598,6 +598,17 @@ def references(b, info=None):
     notes, errors = [], []
     info = {} if info is None else info
     info["fm"] = bool(FM.any())
+
+    def check_mirror_by_fd():
+        """The mirror's own gradients against central differences (at input
+        scales where differences are accurate)."""
+        if float(c.info.split("=")[1]) <= 3.0:
+            e = fd_check(b, ref, keeps=keeps)
+            info["fd"] = e
+            notes.append("mirror gradients vs central differences: %.3g" % e)
+            if e > FD_TOL:
+                errors.append("harness: mirror gradients differ from central "
+                              "differences by %.3g (rel)" % e)
     if c.rope is not None or c.alibi or c.softcap > 0 or c.num_kv_heads:
         # F.multi_head_attention_forward has none of these: the reference is
         # the mirror (RoPE, ALiBi and the soft cap written from the papers'
@@ -606,13 +617,7 @@ def references(b, info=None):
         # differences
         t32 = mirror_expected(b, torch.float32, keeps)
         notes.append("torch32: the mirror in float32 (rope/alibi/softcap/gqa)")
-        if float(c.info.split("=")[1]) <= 3.0:
-            e = fd_check(b, ref, keeps=keeps)
-            info["fd"] = e
-            notes.append("mirror gradients vs central differences: %.3g" % e)
-            if e > FD_TOL:
-                errors.append("harness: mirror gradients differ from central "
-                              "differences by %.3g (rel)" % e)
+        check_mirror_by_fd()
         return ref, t32, notes, errors
     if b.train:
         t32 = mirror_expected(b, torch.float32, keeps)
@@ -627,13 +632,7 @@ def references(b, info=None):
                 errors.append("harness: the dropout mirror differs from "
                               "PyTorch's training-mode autograd with the same "
                               "masks by %.3g (rel)" % worst)
-        if float(c.info.split("=")[1]) <= 3.0:
-            e = fd_check(b, ref, keeps=keeps)
-            info["fd"] = e
-            notes.append("mirror gradients vs central differences: %.3g" % e)
-            if e > FD_TOL:
-                errors.append("harness: mirror gradients differ from central "
-                              "differences by %.3g (rel)" % e)
+        check_mirror_by_fd()
         return ref, t32, notes, errors
     if FM.any():
         t32 = mirror_expected(b, torch.float32)
@@ -646,13 +645,7 @@ def references(b, info=None):
                               "suite's patched PyTorch value by %.3g (rel)"
                               % (n, e))
             info["mirror"] = max(info.get("mirror", 0.0), e)
-        if float(c.info.split("=")[1]) <= 3.0:
-            e = fd_check(b, ref)
-            info["fd"] = e
-            notes.append("mirror gradients vs central differences: %.3g" % e)
-            if e > FD_TOL:
-                errors.append("harness: mirror gradients differ from central "
-                              "differences by %.3g (rel)" % e)
+        check_mirror_by_fd()
         return ref, t32, notes, errors
     pt64 = torch_expected(b, torch.float64)
     worst = 0.0
