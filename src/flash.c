@@ -12,6 +12,7 @@
 
 #include "flash.h"
 #include "philox.h"
+#include "plan.h"
 
 #define BR MHA__FLASH_BR
 #define BC MHA__FLASH_BC
@@ -141,18 +142,8 @@ static int64_t width_of(const mha__flash_head *a, int64_t j0) {
 
 // The band of keys row i may see by causal and window masks: [lo, hi).
 static void row_band(const mha__flash_head *a, int64_t i, int64_t *lo, int64_t *hi) {
-    const mha__mask *mk = a->mask;
-    const int64_t p = i + mk->q_off;  // the query's position
-    int64_t l = 0, h = a->S;
-    if (mk->win_left >= 0 && p - mk->win_left > l) l = p - mk->win_left;
-    if (mk->causal && p + 1 < h) h = p + 1;
-    if (mk->win_right >= 0 && p + mk->win_right + 1 < h) h = p + mk->win_right + 1;
-    if (h < 0) h = 0;
-    *lo = l;
-    *hi = h;
+    mha__mask_band(a->mask, i, a->S, lo, hi);
 }
-
-static int64_t mha__tile_end_(int64_t i0, int64_t L) { return i0 + BR < L ? i0 + BR : L; }
 
 static bool has_band(const mha__mask *mk) {
     return mk->causal || mk->win_left >= 0 || mk->win_right >= 0;
@@ -466,6 +457,6 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
         for (int64_t c = 0; c < a->Dv; c++) vr[c] = 0.0f;
     }
     for (int64_t i0 = 0; i0 < a->L; i0 += BR)
-        bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end_(i0, a->L), dq + i0 * dq_rs, dq_rs,
+        bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end(i0, BR, a->L), dq + i0 * dq_rs, dq_rs,
                  dk, dk_rs, dv, dv_rs, dxk, dxv, scratch);
 }

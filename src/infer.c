@@ -389,16 +389,6 @@ void mha_cache_attend_args_init(mha_cache_attend_args *a) {
     a->window_left = a->window_right = -1;
 }
 
-// Keys [lo, hi) of [0, n) visible from position p (causal, window).
-static void visible(const mha_cache_attend_args *a, int64_t p, int64_t n, int64_t *lo,
-                    int64_t *hi) {
-    int64_t l = 0, h = p + 1 < n ? p + 1 : n;
-    if (a->window_left >= 0 && p - a->window_left > l) l = p - a->window_left;
-    if (a->window_right >= 0 && p + a->window_right + 1 < h) h = p + a->window_right + 1;
-    *lo = l;
-    *hi = h > l ? h : l;
-}
-
 mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
                                const mha_cache_attend_args *args, const int64_t *counts) {
     if (!out || !q || !c)
@@ -477,9 +467,8 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
             for (int64_t bh = 0; bh < B * c->Hkv; bh++) {
                 const int64_t r0 = bh * c->cap, n = c->len[bh / c->Hkv];
                 float *kd = kf + bh * maxlen * D, *vd = vf + bh * maxlen * Dv;
-                const float *ks = load_rows(kt, c, false, r0, n, kd);
-                const float *vs = load_rows(kt, c, true, r0, n, vd);
-                (void)ks, (void)vs;  // written into kd, vd
+                load_rows(kt, c, false, r0, n, kd);  // (not f32: into kd, vd)
+                load_rows(kt, c, true, r0, n, vd);
             }
         }
         for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
@@ -552,8 +541,10 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
         for (int64_t h = hk * G; h < (hk + 1) * G; h++)
             for (int64_t t = 0; t < Tb; t++) {
                 float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
-                int64_t lo, hi;
-                visible(&a, n - Tb + t, n, &lo, &hi);
+                int64_t lo, hi;  // query t sits at position n - Tb + t
+                const mha__mask band = {.causal = true, .win_left = a.window_left,
+                                        .win_right = a.window_right, .q_off = n - Tb};
+                mha__mask_band(&band, t, n, &lo, &hi);
                 if (lo < j0) lo = j0;
                 if (hi > j1) hi = j1;
                 pp[0] = -INFINITY;

@@ -43,6 +43,16 @@ static double mask_elem(const void *base, mha_dtype dt, int64_t off) {
     return ((const uint8_t *)base)[off] ? -INFINITY : 0.0;
 }
 
+void mha__mask_band(const mha__mask *mk, int64_t i, int64_t S, int64_t *lo, int64_t *hi) {
+    const int64_t p = i + mk->q_off;  // the query's position
+    int64_t l = 0, h = S;
+    if (mk->win_left >= 0 && p - mk->win_left > l) l = p - mk->win_left;
+    if (mk->causal && p + 1 < h) h = p + 1;
+    if (mk->win_right >= 0 && p + mk->win_right + 1 < h) h = p + mk->win_right + 1;
+    *lo = l;
+    *hi = h < 0 ? 0 : h;
+}
+
 double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
                        int64_t j) {
     double v = 0.0;

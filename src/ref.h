@@ -41,6 +41,10 @@ typedef struct mha__mask {
     int64_t s_masked;
 } mha__mask;
 
+// The keys [*lo, *hi) of [0, S) that causal and window masks leave to row
+// i (position i + q_off); empty when *lo >= *hi. Other masks apply inside.
+void mha__mask_band(const mha__mask *mk, int64_t i, int64_t S, int64_t *lo, int64_t *hi);
+
 // The additive mask value at (b, h, i, j): 0, -inf or the float sum (ALiBi
 // included).
 double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,

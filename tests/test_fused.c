@@ -20,6 +20,16 @@ static uint64_t next(void) {
 static float frand(void) { return (float)((double)next() * 0x1p-53 * 2.0 - 1.0); }
 static int64_t irand(int64_t lo, int64_t hi) { return lo + (int64_t)(next() % (uint64_t)(hi - lo + 1)); }
 
+// A module of config c with PyTorch's default initialisation (seed 0).
+static mha_module *new_module(const mha_config *c) {
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    CHECK_OK(mha_module_init(m, &io));
+    return m;
+}
+
 static double max_abs(const float *x, int64_t n) {
     double m = 0;
     for (int64_t i = 0; i < n; i++) m = fmax(m, fabs(x[i]));
@@ -171,11 +181,7 @@ static void test_windows(void) {
     static const int64_t win[][2] = {{0, 0}, {100, -1}, {-1, 50}, {37, 200}, {300, 300}, {5, 0}};
     mha_config c;
     mha_config_init(&c, E, H);
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = new_module(&c);
     float *x = malloc(sizeof(float) * L * E), *gy = malloc(sizeof(float) * L * E);
     float *y[2], *w[2], *gx[2];
     for (int r = 0; r < 2; r++) {
@@ -246,11 +252,7 @@ static void test_weights_block(void) {
     enum { E = 48, H = 4, L = 300, N = 2 };
     mha_config c;
     mha_config_init(&c, E, H);
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = new_module(&c);
     static float x[L * N * E], y[L * N * E], wf[N * H * L * L], wb[N * H * L * L];
     for (int i = 0; i < L * N * E; i++) x[i] = frand();
     mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
@@ -373,11 +375,7 @@ static void test_saved_cfg(int64_t Hkv) {
         c.dropout = 0.2f;
         c.add_bias_kv = !packed;
         c.kdim = packed ? E : 40;
-        mha_module *m = NULL;
-        CHECK_OK(mha_module_create(&m, &c));
-        mha_init_options io;
-        mha_init_options_default(&io);
-        CHECK_OK(mha_module_init(m, &io));
+        mha_module *m = new_module(&c);
         const int64_t Sx = packed ? L : S, kd = c.kdim;
         float *x = malloc(sizeof(float) * L * N * E), *kx = malloc(sizeof(float) * Sx * N * kd),
               *vx = malloc(sizeof(float) * Sx * N * E), *gy = malloc(sizeof(float) * L * N * E),
@@ -469,11 +467,7 @@ static void test_half(void) {
     enum { E = 32, H = 4, L = 90, N = 2 };
     mha_config c;
     mha_config_init(&c, E, H);
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = new_module(&c);
     static uint16_t xh[L * N * E], yh[L * N * E], wh[N * L * L], gh[L * N * E], dh[L * N * E];
     static float xf[L * N * E], yf[L * N * E], wf[N * L * L], gf[L * N * E], df[L * N * E];
     const mha_dtype types[2] = {MHA_BF16, MHA_F16};
@@ -528,11 +522,7 @@ static void test_weights_u8(void) {
     enum { E = 32, H = 4, L = 150, N = 2 };
     mha_config c;
     mha_config_init(&c, E, H);
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = new_module(&c);
     static float x[L * N * E], y[L * N * E], wf[N * H * L * L], sc[N * H * L];
     static uint8_t wq[N * H * L * L];
     for (int i = 0; i < L * N * E; i++) x[i] = 2.0f * frand();
@@ -605,11 +595,7 @@ static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bk
     c.add_bias_kv = bkv;
     c.num_kv_heads = Hkv;
     const int64_t Sp = L + bkv;
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = new_module(&c);
     float *x = malloc(sizeof(float) * (size_t)(L * N * E)), *y[3], *w[3], *gx[3];
     for (int r = 0; r < 3; r++) {
         y[r] = malloc(sizeof(float) * (size_t)(L * N * E));
@@ -810,11 +796,7 @@ static void test_cached_gqa(void) {
     mha_config c;
     mha_config_init(&c, E, H);
     c.num_kv_heads = HKV;
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = new_module(&c);
     static float x[T * N * E], y0[T * N * E], y1[T * N * E];
     for (int i = 0; i < T * N * E; i++) x[i] = frand();
     mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){T, N, E});
