@@ -184,6 +184,18 @@ typedef struct mha_config {
                            // multi-query). Query head h reads KV head
                            // h / (H / Hkv); Ekv = Hkv * d. (Last, so the
                            // layout of the fields above is unchanged.)
+    mha_dtype weight_dtype;  // storage of the weight matrices (in_proj_weight
+                             // or q/k/v_proj_weight, out_proj.weight):
+                             // MHA_F32 (the default, 0), MHA_BF16 or MHA_F16
+                             // (half the memory; values rounded to nearest
+                             // even; products and sums stay float32/float64).
+                             // Biases and bias_k/bias_v stay float32. A
+                             // module with half weights is for inference:
+                             // mha_forward (both implementations) and
+                             // mha_forward_cached run; mha_backward, a
+                             // forward with `save`, and the optimizers
+                             // refuse it (MHA_ERR_UNSUPPORTED): train in
+                             // float32, then mha_module_convert.
 } mha_config;
 
 // Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
@@ -213,14 +225,18 @@ MHA_API const mha_config *mha_module_config(const mha_module *m);
 //   add_bias_kv:       "bias_k" (1, 1, Ekv), "bias_v" (1, 1, Ekv)
 // Query head h uses features [h*d, (h+1)*d) of the projected Q; KV head
 // g = h / (H / Hkv) features [g*d, (g+1)*d) of the projected K and V.
-// data points into the module (contiguous, float32, 64-byte aligned) and may
-// be read and written by the caller while no forward runs.
+// storage points into the module (contiguous, 64-byte aligned, elements of
+// dtype: MHA_F32, or for the weight matrices the config's weight_dtype) and
+// may be read and written by the caller while no forward runs; data is the
+// same pointer when dtype is MHA_F32, else NULL.
 typedef struct mha_param {
     const char *name;
     int ndim;
     int64_t shape[3];
     int64_t numel;
     float *data;
+    mha_dtype dtype;  // (after data, so the layout above is unchanged)
+    void *storage;
 } mha_param;
 
 MHA_API int mha_module_num_params(const mha_module *m);
@@ -233,6 +249,14 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out,
                                                   const mha_module *m,
                                                   const char *name);
 
+// A copy of m whose weight matrices are stored as weight_dtype (MHA_F32,
+// MHA_BF16, MHA_F16): float32 -> half rounds to nearest even, half ->
+// float32 is exact, bf16 <-> f16 goes through float32. Everything else
+// (config, biases) is copied as is.
+MHA_API MHA_NODISCARD mha_status mha_module_convert(mha_module **out,
+                                                    const mha_module *m,
+                                                    mha_dtype weight_dtype);
+
 // Loading and saving parameters as safetensors, under PyTorch's
 // state_dict names (so torch's `save_file(mha.state_dict(), ...)` loads).
 // mha_module_load reads embed_dim, kdim, vdim, bias and add_bias_kv from
@@ -242,12 +266,14 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out,
 // "num_heads"; num_kv_heads from base->num_kv_heads, or, when that is 0,
 // from __metadata__ "num_kv_heads", or, when absent, from the K/V shapes
 // (Ekv / d); batch_first, add_zero_attn and dropout from base (NULL:
-// defaults). F32, F16, BF16 and F64 tensors are accepted (converted to
-// float32).
+// defaults); weight_dtype from base (the weights are converted to it:
+// a BF16 file into a BF16 module is copied exactly). F32, F16, BF16 and
+// F64 tensors are accepted.
 MHA_API MHA_NODISCARD mha_status mha_module_load(mha_module **out,
                                                  const mha_st_file *f,
                                                  const mha_config *base);
-// Writes every parameter as F32 and __metadata__ {"num_heads": "H"} (and
+// Writes every parameter in its storage dtype (F32; the weight matrices
+// as BF16/F16 in a module with half weights) and __metadata__ {"num_heads": "H"} (and
 // "num_kv_heads" when it differs from num_heads).
 MHA_API MHA_NODISCARD mha_status mha_module_save(const mha_module *m,
                                                  const char *path);
@@ -780,7 +806,8 @@ MHA_API const char *mha_st_metadata(const mha_st_file *f, const char *key);
 
 // Converts a tensor's elements to dtype `to` into dst (contiguous,
 // dst_bytes >= numel * mha_dtype_size(to)). Allowed: any -> MHA_F32 or
-// MHA_F64 (bool/integers as numbers), MHA_BOOL/MHA_U8 -> MHA_BOOL/MHA_U8
+// MHA_F64 (bool/integers as numbers), a float dtype -> MHA_BF16/MHA_F16
+// (through float32, nearest even), MHA_BOOL/MHA_U8 -> MHA_BOOL/MHA_U8
 // (nonzero -> 1), identical dtypes.
 MHA_API MHA_NODISCARD mha_status mha_st_read(void *dst, size_t dst_bytes,
                                              mha_dtype to,

@@ -145,12 +145,14 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                         bool accumulate) {
     if (!m || !args)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_backward: NULL module or args");
+    mha_status st = mha__require_f32_weights(m, "mha_backward");
+    if (!st && grads) st = mha__require_f32_weights(grads, "mha_backward (grads)");
+    if (st) return st;
     mha_forward_args a = *args;
     a.need_weights = false;  // only attn_output is differentiated
     a.trace = NULL;
     fwd_plan p;
-    mha_status st = mha__plan_forward(&p, m, &a);
-    if (st) return st;
+    if ((st = mha__plan_forward(&p, m, &a))) return st;
     if ((st = check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
     if (p.fused) return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
 

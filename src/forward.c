@@ -315,6 +315,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     memset(p, 0, sizeof *p);
     mha_status st;
     if ((st = check_impl(a->impl))) return st;
+    if (a->save && (st = mha__require_f32_weights(m, "mha_forward with save"))) return st;
     const mha_config *c = &m->cfg;
     if ((st = mha__check_float(a->query, "query")) || (st = mha__check_float(a->key, "key")) ||
         (st = mha__check_float(a->value, "value")))
@@ -572,7 +573,7 @@ static void trace_buffer(const mha_forward_args *a, const char *step,
 // per batch element) into the first T of every Tp rows of buf (N, Tp, E):
 // buf[n, t, :] = x[t, n, :] W^T + b.
 static void project(double *buf, int64_t Tp, const mha_tensor *x,
-                    const int64_t xs[3], const float *W, const float *b,
+                    const int64_t xs[3], const void *W, mha_dtype wdt, const float *b,
                     int64_t N, int64_t T, int64_t I, int64_t E, int nthreads) {
     const size_t es = mha_dtype_size(x->dtype);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -580,7 +581,7 @@ static void project(double *buf, int64_t Tp, const mha_tensor *x,
         int64_t n = r / T, t = r % T;
         mha__mat xr = mha__vmat((char *)x->data + (t * xs[0] + n * xs[1]) * (int64_t)es,
                                 x->dtype, 0, xs[2]);
-        mha__ref_linear_row(mha__dmat(buf + (n * Tp + t) * E, E), xr, W, b, I, E);
+        mha__ref_linear_row(mha__dmat(buf + (n * Tp + t) * E, E), xr, W, wdt, b, I, E);
     }
 }
 
@@ -591,9 +592,9 @@ void mha__project_qkv(const fwd_plan *p, const mha_module *m,
     // in_proj_bias (E + 2 Ekv): the Q, K, V biases one after the other
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
                 *bv = bq ? bq + E + Ekv : NULL;
-    project(q, L, a->query, p->qs, m->q_weight, bq, N, L, E, E, p->nthreads);
-    project(k, Sp, a->key, p->ks, m->k_weight, bk, N, S, p->kdim, Ekv, p->nthreads);
-    project(v, Sp, a->value, p->vs, m->v_weight, bv, N, S, p->vdim, Ekv, p->nthreads);
+    project(q, L, a->query, p->qs, m->w_q, m->wdt, bq, N, L, E, E, p->nthreads);
+    project(k, Sp, a->key, p->ks, m->w_k, m->wdt, bk, N, S, p->kdim, Ekv, p->nthreads);
+    project(v, Sp, a->value, p->vs, m->w_v, m->wdt, bv, N, S, p->vdim, Ekv, p->nthreads);
     for (int64_t n = 0; n < N; n++) {
         int64_t t = S;
         if (m->cfg.add_bias_kv) {  // k = cat([k, bias_k]), v = cat([v, bias_v])
@@ -735,7 +736,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     for (int64_t r = 0; r < N * L; r++) {
         int64_t n = r / L, t = r % L;
         mha__mat y = view_row(out, t * os[0] + n * os[1], out->ndim - 1);
-        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->out_weight, m->out_bias,
+        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->w_out, m->wdt, m->out_bias,
                             E, E);
         if (p->out_p > 0.0f)
             for (int64_t e = 0; e < E; e++)

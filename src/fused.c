@@ -95,6 +95,14 @@ static bool same_view(const mha_tensor *a, const mha_tensor *b) {
     return true;
 }
 
+// The widening scratch of a module with half weights.
+static size_t wh_floats(const mha__kernels *kt, const mha_module *m, int nt) {
+    int64_t I = m->cfg.embed_dim;
+    if (m->cfg.kdim > I) I = m->cfg.kdim;
+    if (m->cfg.vdim > I) I = m->cfg.vdim;
+    return mha__gemm_pack_half_tmp_floats(kt, I, nt);
+}
+
 mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                            const mha_forward_args *a) {
     if (a->trace)
@@ -143,20 +151,40 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
         carve(&t, &p->f_wtmp, a->need_weights && a->weights_scale
                                   ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
                                   : 0) ||
-        carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch))
+        carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch) ||
+        carve(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)wh_floats(gk, m, p->nthreads)))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
     p->ws_bytes = t + 64;
     return MHA_OK;
 }
 
+// A weight matrix in its storage: elements of dt (F32, BF16, F16); wh:
+// the widening scratch of half ones (mha__gemm_pack_half_tmp_floats).
+typedef struct wsrc {
+    const void *p;
+    mha_dtype dt;
+    float *wh;
+} wsrc;
+
+static wsrc wf32(const float *W) { return (wsrc){W, MHA_F32, NULL}; }
+
 // C (R, O) = X (R, I) W^T + b for a PyTorch weight W (O, I): W packed into
-// Wp (mha__gemm_packed_b_floats(kt, I, O) floats), then the packed GEMM
-// (gemm.h), rows over nt threads with gs as its scratch.
+// Wp (mha__gemm_packed_b_floats(kt, I, O) floats; half weights widened on
+// the way), then the packed GEMM (gemm.h), rows over nt threads with gs as
+// its scratch. (Packing even for one row keeps every row's sum order that
+// of the packed kernel: a token's projection does not depend on how many
+// rows share the call.)
 static void linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
-                        int64_t ldx, const float *W, const float *b, int64_t R, int64_t I,
+                        int64_t ldx, wsrc W, const float *b, int64_t R, int64_t I,
                         int64_t O, float *Wp, float *gs, int nt) {
-    mha__gemm_pack_wt(kt, Wp, W, O, I, nt);
+    if (W.dt == MHA_F32) mha__gemm_pack_wt(kt, Wp, W.p, O, I, nt);
+    else mha__gemm_pack_wt_half(kt, Wp, W.p, W.dt == MHA_BF16 ? 1 : 2, O, I, nt, W.wh);
     mha__gemm_rows_packed(kt, C, ldc, X, ldx, Wp, b, R, I, O, false, nt, gs);
+}
+
+// The module's weight matrix at p (one of m->w_*), with scratch wh.
+static wsrc wmod(const mha_module *m, const void *p, float *wh) {
+    return (wsrc){p, m->wdt, wh};
 }
 
 // C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
@@ -209,7 +237,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
     float *wt = (float *)(ws + p->f_wt), *wo = (float *)(ws + p->f_wo),
-          *gs = (float *)(ws + p->f_gs);
+          *gs = (float *)(ws + p->f_gs), *wh = (float *)(ws + p->f_wh);
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
                 *bv = bq ? bq + E + Ekv : NULL;
 
@@ -226,7 +254,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     rowmap qm, km, vm;
     if (p->self_packed) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
-        linear_rows(kt, qkv, W3, xq, ldq, m->in_proj_weight, bq, Rq, E, W3, wt, gs, nt);
+        linear_rows(kt, qkv, W3, xq, ldq, wmod(m, m->w_in, wh), bq, Rq, E, W3, wt, gs, nt);
         qm = (rowmap){qkv, W3, seq_first, N, L};
         km = (rowmap){qkv + E, W3, seq_first, N, L};
         vm = (rowmap){qkv + E + Ekv, W3, seq_first, N, L};
@@ -240,9 +268,9 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         float *q = sv ? sbuf : (float *)(ws + p->f_qkv),
               *k = sv ? sbuf + Rq * E : (float *)(ws + p->f_k),
               *v = sv ? sbuf + Rq * E + Rk * Ekv : (float *)(ws + p->f_v);
-        linear_rows(kt, q, E, xq, ldq, m->q_weight, bq, Rq, E, E, wq, gs, nt);
-        linear_rows(kt, k, Ekv, xk, ldk, m->k_weight, bk, Rk, p->kdim, Ekv, wk, gs, nt);
-        linear_rows(kt, v, Ekv, xv, ldv, m->v_weight, bv, Rk, p->vdim, Ekv, wv, gs, nt);
+        linear_rows(kt, q, E, xq, ldq, wmod(m, m->w_q, wh), bq, Rq, E, E, wq, gs, nt);
+        linear_rows(kt, k, Ekv, xk, ldk, wmod(m, m->w_k, wh), bk, Rk, p->kdim, Ekv, wk, gs, nt);
+        linear_rows(kt, v, Ekv, xv, ldv, wmod(m, m->w_v, wh), bv, Rk, p->vdim, Ekv, wv, gs, nt);
         qm = (rowmap){q, E, seq_first, N, L};
         km = (rowmap){k, Ekv, seq_first, N, S};
         vm = (rowmap){v, Ekv, seq_first, N, S};
@@ -354,7 +382,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     bool direct = rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
     if (!direct) ldo = E;
-    linear_rows(kt, y, ldo, ctx, E, m->out_weight, m->out_bias, Rq, E, E, wo, gs, nt);
+    linear_rows(kt, y, ldo, ctx, E, wmod(m, m->w_out, wh), m->out_bias, Rq, E, E, wo, gs, nt);
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
             int64_t n, t;
@@ -647,12 +675,12 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     const int64_t ldkv = sp ? W3 : Ekv;
     if (sv) {
     } else if (sp) {
-        linear_rows(kt, qkv, W3, Xq, ldq, m->in_proj_weight, bq, Rq, E, W3, wt, gs, nt);
+        linear_rows(kt, qkv, W3, Xq, ldq, wf32(m->in_proj_weight), bq, Rq, E, W3, wt, gs, nt);
     } else {
         float *wq = wt, *wk = wq + pw_q, *wv = wk + pw_k;
-        linear_rows(kt, q, E, Xq, ldq, m->q_weight, bq, Rq, E, E, wq, gs, nt);
-        linear_rows(kt, k, Ekv, Xk, ldk, m->k_weight, bk, Rk, kd, Ekv, wk, gs, nt);
-        linear_rows(kt, v, Ekv, Xv, ldv, m->v_weight, bv, Rk, vd, Ekv, wv, gs, nt);
+        linear_rows(kt, q, E, Xq, ldq, wf32(m->q_weight), bq, Rq, E, E, wq, gs, nt);
+        linear_rows(kt, k, Ekv, Xk, ldk, wf32(m->k_weight), bk, Rk, kd, Ekv, wk, gs, nt);
+        linear_rows(kt, v, Ekv, Xv, ldv, wf32(m->v_weight), bv, Rk, vd, Ekv, wv, gs, nt);
     }
     fill_extra(extra, m, Hkv, nx, d);
     rowmap qm = {q, W3, seq_first, N, L}, km = {k, ldkv, seq_first, N, sp ? L : S},
@@ -849,7 +877,8 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     const size_t pw = mha__gemm_packed_b_floats(kt, E, E), n_gs = mha__gemm_scratch_floats(kt, nt),
                  pwkv = mha__gemm_packed_b_floats(kt, E, Ekv);
     const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, W3) : pw + 2 * pwkv;
-    size_t total = (size_t)(R * E) * 3 + (size_t)(R * W3) + n_w + pw + n_gs, bytes;
+    const size_t n_wh = m->wdt == MHA_F32 ? 0 : wh_floats(kt, m, nt);
+    size_t total = (size_t)(R * E) * 3 + (size_t)(R * W3) + n_w + pw + n_gs + n_wh, bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
     float *blk = mha__alloc(bytes);
@@ -860,20 +889,20 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
         return mha__fail(MHA_ERR_NOMEM, "mha_forward_cached: out of memory");
     }
     float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pw, *qkv = gs + n_gs,
-          *ctx = qkv + R * W3, *yt = ctx + R * E;
+          *ctx = qkv + R * W3, *yt = ctx + R * E, *wh = yt + R * E;
     int64_t ldx = E;
     const float *X = xg;
     if (rows_direct(a->query, &ldx)) X = a->query->data;
     else gather_rows(xg, a->query), ldx = E;
     const float *bq = m->in_proj_bias;
     if (m->packed) {
-        linear_rows(kt, qkv, W3, X, ldx, m->in_proj_weight, bq, R, E, W3, wt, gs, nt);
+        linear_rows(kt, qkv, W3, X, ldx, wmod(m, m->w_in, wh), bq, R, E, W3, wt, gs, nt);
     } else {
-        linear_rows(kt, qkv, W3, X, ldx, m->q_weight, bq, R, E, E, wt, gs, nt);
-        linear_rows(kt, qkv + E, W3, X, ldx, m->k_weight, bq ? bq + E : NULL, R, E, Ekv,
+        linear_rows(kt, qkv, W3, X, ldx, wmod(m, m->w_q, wh), bq, R, E, E, wt, gs, nt);
+        linear_rows(kt, qkv + E, W3, X, ldx, wmod(m, m->w_k, wh), bq ? bq + E : NULL, R, E, Ekv,
                     wt + pw, gs, nt);
-        linear_rows(kt, qkv + E + Ekv, W3, X, ldx, m->v_weight, bq ? bq + E + Ekv : NULL, R, E,
-                    Ekv, wt + pw + pwkv, gs, nt);
+        linear_rows(kt, qkv + E + Ekv, W3, X, ldx, wmod(m, m->w_v, wh), bq ? bq + E + Ekv : NULL,
+                    R, E, Ekv, wt + pw + pwkv, gs, nt);
     }
     // (N, H, T, d) and (N, Hkv, T, d) views of the rows: row r = t N + n
     // (seq first) or n T + t
@@ -908,7 +937,7 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     const bool direct = rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : yt;
     if (!direct) ldo = E;
-    linear_rows(kt, y, ldo, ctx, E, m->out_weight, m->out_bias, R, E, E, wo, gs, nt);
+    linear_rows(kt, y, ldo, ctx, E, wmod(m, m->w_out, wh), m->out_bias, R, E, E, wo, gs, nt);
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
             mha__mat row = view_row(out, r);

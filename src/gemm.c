@@ -51,6 +51,26 @@ void mha__gemm_pack_wt(const mha__kernels *kt, float *Bp, const float *W, int64_
     mha__gemm_pack_b(kt, Bp, W, 1, I, I, O, nt);
 }
 
+size_t mha__gemm_pack_half_tmp_floats(const mha__kernels *kt, int64_t I, int nt) {
+    return (size_t)kt->pk_nr * (size_t)(I > 0 ? I : 0) * (size_t)(nt > 0 ? nt : 1);
+}
+
+void mha__gemm_pack_wt_half(const mha__kernels *kt, float *Bp, const uint16_t *W, int kind,
+                            int64_t O, int64_t I, int nt, float *tmp) {
+    if (O <= 0 || I <= 0) return;
+    const int64_t nr = kt->pk_nr, np = cdiv(O, nr);
+    void (*cvt)(float *, const uint16_t *, int64_t) = kind == 1 ? kt->cvt_bf16 : kt->cvt_f16;
+    // panel by panel: its nr rows of W widened into the thread's tmp (the
+    // widening is exact, so Bp is the packing of the float32 W)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt > 1 && np > 1 ? nt : 1)
+    for (int64_t pi = 0; pi < np; pi++) {
+        const int64_t j0 = pi * nr, n = j0 + nr < O ? nr : O - j0;
+        float *t = tmp + (size_t)mha__thread_id() * (size_t)(nr * I);
+        cvt(t, W + j0 * I, n * I);
+        kt->pack_b(Bp + j0 * I, t, 1, I, I, n);
+    }
+}
+
 void mha__gemm_pack_rows(const mha__kernels *kt, float *Bp, const float *B, int64_t ldb,
                          int64_t K, int64_t N, int nt) {
     mha__gemm_pack_b(kt, Bp, B, ldb, 1, K, N, nt);

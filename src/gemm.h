@@ -32,6 +32,13 @@ void mha__gemm_pack_b(const mha__kernels *kt, float *Bp, const float *B, int64_t
 // transpose(WT, W, O, I).
 void mha__gemm_pack_wt(const mha__kernels *kt, float *Bp, const float *W, int64_t O,
                        int64_t I, int nt);
+// Bp <- W^T for a row-major W (O, I) of bf16 (kind 1) or f16 (kind 2)
+// elements: the same Bp as mha__gemm_pack_wt of W widened to float32 (the
+// widening is exact), a panel at a time through tmp
+// (mha__gemm_pack_half_tmp_floats(kt, I, nt) floats).
+size_t mha__gemm_pack_half_tmp_floats(const mha__kernels *kt, int64_t I, int nt);
+void mha__gemm_pack_wt_half(const mha__kernels *kt, float *Bp, const uint16_t *W, int kind,
+                            int64_t O, int64_t I, int nt, float *tmp);
 // Bp <- a row-major B (K, N) of row stride ldb.
 void mha__gemm_pack_rows(const mha__kernels *kt, float *Bp, const float *B, int64_t ldb,
                          int64_t K, int64_t N, int nt);

@@ -154,6 +154,15 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "init: gain must be finite and std finite and >= 0, "
                          "got gain %g, std %g", o->gain, o->std);
+    if (m->wdt != MHA_F32) {
+        // Half weights: the same values as a float32 module's, rounded.
+        mha_module *f;
+        mha_status st = mha_module_convert(&f, m, MHA_F32);
+        if (!st) st = mha_module_init(f, o);
+        if (!st) mha__copy_params(m, f);
+        mha_module_destroy(f);
+        return st;
+    }
     const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim;
     rng r = {o->seed, 0, 0.0};
     mha_status st;

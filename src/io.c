@@ -182,7 +182,8 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                            (long long)m->cfg.kdim, (long long)m->cfg.vdim);
             goto fail;
         }
-        if ((st = mha_st_read(p->data, (size_t)p->numel * sizeof(float), MHA_F32, &x)))
+        if ((st = mha_st_read(p->storage, (size_t)p->numel * mha_dtype_size(p->dtype),
+                              p->dtype, &x)))
             goto fail;
     }
     *out = m;
@@ -200,7 +201,7 @@ mha_status mha_module_save(const mha_module *m, const char *path) {
     if (st) return st;
     for (int i = 0; i < m->nparams && !st; i++) {
         const mha_param *p = &m->params[i];
-        st = mha_st_writer_add(w, p->name, MHA_F32, p->ndim, p->shape, p->data);
+        st = mha_st_writer_add(w, p->name, p->dtype, p->ndim, p->shape, p->storage);
     }
     char heads[32];
     snprintf(heads, sizeof heads, "%lld", (long long)m->cfg.num_heads);

@@ -1,7 +1,8 @@
 // module.c: the nn.MultiheadAttention module object: its config, and its
 // parameters under PyTorch's names, carved out of one allocation.
 //
-// Parameter block layout (float32, each piece 64-byte aligned), in the order
+// Parameter block layout (float32, or cfg.weight_dtype for the weight
+// matrices; each piece 64-byte aligned), in the order
 // of PyTorch's state_dict; Ekv = num_kv_heads * d (= E without grouped-query
 // attention):
 //   in_proj_weight (E + 2 Ekv, E)             when kdim == vdim == E
@@ -55,6 +56,11 @@ static mha_status check_config(const mha_config *c) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "out_dropout must be in [0, 1), got %g",
                          (double)c->out_dropout);
+    if (c->weight_dtype != MHA_F32 && c->weight_dtype != MHA_BF16 &&
+        c->weight_dtype != MHA_F16)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "weight_dtype must be F32, BF16 or F16, got %s (%d)",
+                         mha_dtype_name(c->weight_dtype), (int)c->weight_dtype);
     // Every parameter must be addressable: at most (3E + 3) * max(E, kdim,
     // vdim) floats in all, checked without overflow.
     int64_t maxd = c->embed_dim, rows, n;
@@ -74,7 +80,7 @@ static mha_status check_config(const mha_config *c) {
 }
 
 static void add_param(mha_module *m, const char *name, int ndim, int64_t d0,
-                      int64_t d1, int64_t d2, float **slot) {
+                      int64_t d1, int64_t d2, mha_dtype dt) {
     mha_param *p = &m->params[m->nparams++];
     p->name = name;
     p->ndim = ndim;
@@ -83,7 +89,42 @@ static void add_param(mha_module *m, const char *name, int ndim, int64_t d0,
     p->shape[2] = d2;
     p->numel = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
     p->data = NULL;
-    m->slots[m->nparams - 1] = slot;
+    p->dtype = dt;
+    p->storage = NULL;
+}
+
+static void *storage_of(const mha_module *m, const char *name) {
+    for (int i = 0; i < m->nparams; i++)
+        if (strcmp(m->params[i].name, name) == 0) return m->params[i].storage;
+    return NULL;
+}
+
+// The named pointers from the allocated params.
+static void bind_named(mha_module *m) {
+    const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim;
+    const size_t es = mha_dtype_size(m->wdt);
+    m->w_in = storage_of(m, "in_proj_weight");
+    if (m->w_in) {
+        m->w_q = m->w_in;
+        m->w_k = (char *)m->w_in + (size_t)(E * E) * es;
+        m->w_v = (char *)m->w_in + (size_t)((E + Ekv) * E) * es;
+    } else {
+        m->w_q = storage_of(m, "q_proj_weight");
+        m->w_k = storage_of(m, "k_proj_weight");
+        m->w_v = storage_of(m, "v_proj_weight");
+    }
+    m->w_out = storage_of(m, "out_proj.weight");
+    if (m->wdt == MHA_F32) {
+        m->in_proj_weight = m->w_in;
+        m->q_weight = m->w_q;
+        m->k_weight = m->w_k;
+        m->v_weight = m->w_v;
+        m->out_weight = m->w_out;
+    }
+    m->in_proj_bias = storage_of(m, "in_proj_bias");
+    m->bias_k = storage_of(m, "bias_k");
+    m->bias_v = storage_of(m, "bias_v");
+    m->out_bias = storage_of(m, "out_proj.bias");
 }
 
 static size_t round64(size_t b) { return (b + 63) & ~(size_t)63; }
@@ -105,25 +146,26 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     if (m->cfg.num_kv_heads == 0) m->cfg.num_kv_heads = cfg->num_heads;
     const int64_t Ekv = m->cfg.num_kv_heads * m->head_dim;
     m->kv_dim = Ekv;
+    const mha_dtype wd = m->wdt = cfg->weight_dtype;
 
     if (m->packed) {
-        add_param(m, "in_proj_weight", 2, E + 2 * Ekv, E, 0, &m->in_proj_weight);
+        add_param(m, "in_proj_weight", 2, E + 2 * Ekv, E, 0, wd);
     } else {
-        add_param(m, "q_proj_weight", 2, E, E, 0, &m->q_weight);
-        add_param(m, "k_proj_weight", 2, Ekv, m->cfg.kdim, 0, &m->k_weight);
-        add_param(m, "v_proj_weight", 2, Ekv, m->cfg.vdim, 0, &m->v_weight);
+        add_param(m, "q_proj_weight", 2, E, E, 0, wd);
+        add_param(m, "k_proj_weight", 2, Ekv, m->cfg.kdim, 0, wd);
+        add_param(m, "v_proj_weight", 2, Ekv, m->cfg.vdim, 0, wd);
     }
-    if (cfg->bias) add_param(m, "in_proj_bias", 1, E + 2 * Ekv, 0, 0, &m->in_proj_bias);
+    if (cfg->bias) add_param(m, "in_proj_bias", 1, E + 2 * Ekv, 0, 0, MHA_F32);
     if (cfg->add_bias_kv) {
-        add_param(m, "bias_k", 3, 1, 1, Ekv, &m->bias_k);
-        add_param(m, "bias_v", 3, 1, 1, Ekv, &m->bias_v);
+        add_param(m, "bias_k", 3, 1, 1, Ekv, MHA_F32);
+        add_param(m, "bias_v", 3, 1, 1, Ekv, MHA_F32);
     }
-    add_param(m, "out_proj.weight", 2, E, E, 0, &m->out_weight);
-    if (cfg->bias) add_param(m, "out_proj.bias", 1, E, 0, 0, &m->out_bias);
+    add_param(m, "out_proj.weight", 2, E, E, 0, wd);
+    if (cfg->bias) add_param(m, "out_proj.bias", 1, E, 0, 0, MHA_F32);
 
     size_t total = 0;
     for (int i = 0; i < m->nparams; i++)
-        total += round64((size_t)m->params[i].numel * sizeof(float));
+        total += round64((size_t)m->params[i].numel * mha_dtype_size(m->params[i].dtype));
     m->block = mha__alloc(total);
     if (!m->block) {
         free(m);
@@ -134,15 +176,12 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     memset(m->block, 0, total);
     char *p = (char *)m->block;
     for (int i = 0; i < m->nparams; i++) {
-        m->params[i].data = (float *)p;
-        *m->slots[i] = (float *)p;
-        p += round64((size_t)m->params[i].numel * sizeof(float));
+        mha_param *q = &m->params[i];
+        q->storage = p;
+        q->data = q->dtype == MHA_F32 ? (float *)p : NULL;
+        p += round64((size_t)q->numel * mha_dtype_size(q->dtype));
     }
-    if (m->packed) {
-        m->q_weight = m->in_proj_weight;
-        m->k_weight = m->in_proj_weight + E * E;
-        m->v_weight = m->in_proj_weight + (E + Ekv) * E;
-    }
+    bind_named(m);
     *out = m;
     return MHA_OK;
 }
@@ -182,4 +221,33 @@ mha_status mha_module_param(mha_param *out, const mha_module *m,
     }
     return mha__fail(MHA_ERR_NOT_FOUND, "the module has no parameter \"%.100s\"",
                      name);
+}
+
+void mha__copy_params(mha_module *dst, const mha_module *src) {
+    for (int i = 0; i < src->nparams; i++) {
+        const mha_param *s = &src->params[i], *d = &dst->params[i];
+        mha__convert_floats(d->storage, d->dtype, s->storage, s->dtype, s->numel);
+    }
+}
+
+mha_status mha_module_convert(mha_module **out, const mha_module *m, mha_dtype weight_dtype) {
+    if (!out || !m)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_convert: NULL argument");
+    *out = NULL;
+    mha_config cfg = m->cfg;
+    cfg.weight_dtype = weight_dtype;
+    mha_module *c;
+    mha_status st = mha_module_create(&c, &cfg);
+    if (st) return st;
+    mha__copy_params(c, m);
+    *out = c;
+    return MHA_OK;
+}
+
+mha_status mha__require_f32_weights(const mha_module *m, const char *what) {
+    if (m->wdt == MHA_F32) return MHA_OK;
+    return mha__fail(MHA_ERR_UNSUPPORTED,
+                     "%s: the module's weights are stored as %s (inference only); "
+                     "training needs float32 weights (mha_module_convert(..., MHA_F32))",
+                     what, mha_dtype_name(m->wdt));
 }

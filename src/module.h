@@ -13,9 +13,14 @@ struct mha_module {
     int64_t kv_dim;       // Ekv = num_kv_heads * d (E without GQA)
     int nparams;
     mha_param params[MHA__MAX_PARAMS];
-    float **slots[MHA__MAX_PARAMS];  // where each param's pointer is kept
     void *block;          // one allocation holding every parameter
-    // Named pointers into block (NULL when absent):
+    // The weight matrices in their storage dtype wdt (cfg.weight_dtype):
+    // w_in (E + 2 Ekv, E) when packed (w_q, w_k, w_v its rows), else
+    // w_q (E, E), w_k (Ekv, kdim), w_v (Ekv, vdim); w_out (E, E).
+    mha_dtype wdt;
+    void *w_in, *w_q, *w_k, *w_v, *w_out;
+    // Named float32 pointers into block (NULL when absent; the weight
+    // matrices' are NULL unless wdt is MHA_F32):
     float *in_proj_weight;                // (E + 2 Ekv, E) when packed
     float *q_weight, *k_weight, *v_weight;  // (E, E), (Ekv, kdim), (Ekv, vdim);
                                           // rows of in_proj_weight if packed
@@ -24,5 +29,13 @@ struct mha_module {
     float *out_weight;                    // (E, E)
     float *out_bias;                      // (E)
 };
+
+// dst's parameters <- src's (same config but for weight_dtype), converted
+// to dst's storage.
+void mha__copy_params(mha_module *dst, const mha_module *src);
+
+// MHA_ERR_UNSUPPORTED naming `what` when m's weights are not float32
+// (training paths).
+mha_status mha__require_f32_weights(const mha_module *m, const char *what);
 
 #endif

@@ -249,6 +249,9 @@ mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m,
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_optimizer_add_module: the module is its own "
                          "gradient module");
+    mha_status st0 = mha__require_f32_weights(m, "mha_optimizer_add_module");
+    if (!st0) st0 = mha__require_f32_weights(grads, "mha_optimizer_add_module (grads)");
+    if (st0) return st0;
     int np = mha_module_num_params(m), ng = mha_module_num_params(grads);
     if (np != ng)
         return mha__fail(MHA_ERR_INVALID_ARG,

@@ -38,7 +38,7 @@ typedef struct fwd_plan {
     bool self_packed;            // one GEMM over the packed in_proj_weight
     bool q_direct, k_direct, v_direct, out_direct;  // views usable as rows
     size_t f_xq, f_xk, f_xv, f_wt, f_wo, f_qkv, f_k, f_v, f_ctx, f_extra,
-        f_lse, f_headw, f_out, f_scratch, f_gs, f_wtmp;
+        f_lse, f_headw, f_out, f_scratch, f_gs, f_wtmp, f_wh;
 } fwd_plan;
 
 // Below this many multiply-adds a forward or backward runs on one thread.

@@ -26,11 +26,11 @@ static double dot(mha__mat a, int64_t ra, mha__mat b, int64_t rb, int64_t n) {
     return (s0 + s1) + (s2 + s3);
 }
 
-void mha__ref_linear_row(mha__mat y, mha__mat x, const float *W,
+void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt,
                          const float *b, int64_t I, int64_t O) {
+    const mha__mat w = mha__vmat((void *)W, wdt, I, 1);
     for (int64_t o = 0; o < O; o++) {
-        mha__mat w = {(void *)(W + o * I), false, 0, 1, 0};
-        double acc = dot(x, 0, w, 0, I);
+        double acc = dot(x, 0, w, o, I);
         if (b) acc += b[o];
         mha__st(y, 0, o, acc);
     }

@@ -141,8 +141,8 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
                                       int64_t h, double *ws);
 
 // y(0, o) = sum_i x(0, i) * W[o][i] + (b ? b[o] : 0) for o < O: row 0 of
-// y and x; W (O, I) row-major float32.
-void mha__ref_linear_row(mha__mat y, mha__mat x, const float *W,
+// y and x; W (O, I) row-major, elements of wdt (F32, BF16 or F16).
+void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt,
                          const float *b, int64_t I, int64_t O);
 
 #endif

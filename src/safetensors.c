@@ -956,10 +956,20 @@ mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,
         }
         return MHA_OK;
     }
+    const bool from_float = t->dtype == MHA_F32 || t->dtype == MHA_F64 ||
+                            t->dtype == MHA_BF16 || t->dtype == MHA_F16;
+    if ((to == MHA_BF16 || to == MHA_F16) && from_float) {
+        for (size_t i = 0; i < n; i++) {
+            const float v = elem_f32(t->dtype, src + i * from_size);
+            const uint16_t h = to == MHA_BF16 ? mha_f32_to_bf16(v) : mha_f32_to_f16(v);
+            memcpy(out + i * 2, &h, 2);
+        }
+        return MHA_OK;
+    }
     return mha__fail(MHA_ERR_UNSUPPORTED,
                      "mha_st_read: tensor %s: cannot convert %s to %s "
-                     "(allowed: any to F32/F64, BOOL/U8 to BOOL/U8, same "
-                     "dtype)",
+                     "(allowed: any to F32/F64, F32/F64/BF16/F16 to BF16/F16, BOOL/U8 "
+                     "to BOOL/U8, same dtype)",
                      q, mha_dtype_name(t->dtype), mha_dtype_name(to));
 }
 

@@ -57,6 +57,15 @@ static int parse_f64(const char *s, double *out) {
     return 0;
 }
 
+// "f32", "bf16", "f16" -> dtype; -1 otherwise.
+static int parse_float_dtype(const char *s, mha_dtype *out) {
+    if (!strcmp(s, "f32")) *out = MHA_F32;
+    else if (!strcmp(s, "bf16")) *out = MHA_BF16;
+    else if (!strcmp(s, "f16")) *out = MHA_F16;
+    else return -1;
+    return 0;
+}
+
 // ---------------------------------------------------------------------------
 // mha init
 
@@ -78,6 +87,8 @@ static const char *init_help =
     "  --gain G           gain for xavier_* and orthogonal (default 1)\n"
     "  --std S            std for normal (default 0.02)\n"
     "  --seed N           random seed (default 0)\n"
+    "  --weight-dtype T   f32 (default), bf16 or f16: the weight matrices\n"
+    "                     written in T (rounded, nearest even); biases F32\n"
     "  --out FILE         output safetensors file\n";
 
 static int cmd_init(int argc, char **argv) {
@@ -88,7 +99,7 @@ static int cmd_init(int argc, char **argv) {
         {"init", required_argument, 0, 'i'},      {"gain", required_argument, 0, 'g'},
         {"std", required_argument, 0, 's'},       {"seed", required_argument, 0, 'S'},
         {"out", required_argument, 0, 'o'},       {"help", no_argument, 0, 'h'},
-        {"num-kv-heads", required_argument, 0, 'G'},
+        {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'W'},
         {0, 0, 0, 0}};
     mha_config cfg;
     mha_config_init(&cfg, 0, 0);
@@ -122,6 +133,10 @@ static int cmd_init(int argc, char **argv) {
             io.seed = (uint64_t)seed;
             break;
         case 'o': out = optarg; break;
+        case 'W':
+            if (parse_float_dtype(optarg, &cfg.weight_dtype))
+                return usage_error("init", "--weight-dtype needs f32, bf16 or f16");
+            break;
         case 'h': fputs(init_help, stdout); return 0;
         default: return usage_error("init", "unknown or incomplete option");
         }
@@ -218,6 +233,9 @@ static const char *forward_help =
     "                       the cache's storage\n"
     "  --dtype T            f32 (default), bf16 or f16: query/key/value and\n"
     "                       the outputs stored in T (computation in float32)\n"
+    "  --weight-dtype T     f32 (default), bf16 or f16: the module keeps its\n"
+    "                       weight matrices in T (loaded and rounded; half the\n"
+    "                       memory; forward only)\n"
     "  --rope MODE          RoPE on q and k after the projections: neox\n"
     "                       (rotate_half) or interleaved\n"
     "  --rope-theta T       RoPE base (default 10000)\n"
@@ -330,7 +348,7 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
         {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
         {"kv-dtype", required_argument, 0, 'Q'},  {"dtype", required_argument, 0, 'Y'},
-        {"num-kv-heads", required_argument, 0, 'G'},
+        {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'j'},
         {0, 0, 0, 0}};
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
@@ -395,10 +413,12 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         case 'B': r->a.alibi = true; break;
         case 'M': r->incremental = true; break;
         case 'Y':
-            if (!strcmp(optarg, "f32")) r->dtype = MHA_F32;
-            else if (!strcmp(optarg, "bf16")) r->dtype = MHA_BF16;
-            else if (!strcmp(optarg, "f16")) r->dtype = MHA_F16;
-            else return usage_error(cmd, "--dtype needs f32, bf16 or f16");
+            if (parse_float_dtype(optarg, &r->dtype))
+                return usage_error(cmd, "--dtype needs f32, bf16 or f16");
+            break;
+        case 'j':
+            if (parse_float_dtype(optarg, &r->base.weight_dtype))
+                return usage_error(cmd, "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'Q':
             if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);

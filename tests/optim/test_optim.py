@@ -74,6 +74,8 @@ class Param(C.Structure):
         ("shape", C.c_int64 * 3),
         ("numel", C.c_int64),
         ("data", C.POINTER(C.c_float)),
+        ("dtype", C.c_int),
+        ("storage", C.c_void_p),
     ]
 
 
