@@ -465,7 +465,7 @@ static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
 }
 
 // 16 elements c..c+15 of row j as float32 (c + 16 <= row length).
-static inline __m512 q16(const void *A, int64_t lda, int kind, int64_t j, int64_t c) {
+static inline __attribute__((always_inline)) __m512 q16(const void *A, int64_t lda, int kind, int64_t j, int64_t c) {
     if (kind == 3)
         return _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)A + j * lda + c))));
@@ -486,32 +486,109 @@ static inline __m512 q16_tail(const void *A, int64_t lda, int kind, int64_t j, i
     return kind == 3 ? q16(b, 0, 3, 0, 0) : q16(h, 0, kind, 0, 0);
 }
 
+// One row's dot with x (the contract's order: 16-lane partial sums over c
+// in order, then the lane reduction).
+static inline __attribute__((always_inline)) float dot_q1(const void *A, int64_t lda, int kind,
+                                                          int64_t j, const float *x, int64_t D) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16)
+        acc = _mm512_fmadd_ps(q16(A, lda, kind, j, c), _mm512_loadu_ps(x + c), acc);
+    if (c < D)
+        acc = _mm512_fmadd_ps(q16_tail(A, lda, kind, j, c, D),
+                              _mm512_maskz_loadu_ps(tail_mask(D - c), x + c), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+// The lane sums of four vectors, (sum a0, sum a1, sum a2, sum a3): one
+// transpose-and-add tree for the four (a third of four separate
+// reductions' instructions).
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    // per 128-bit lane: (a0, a1, a2, a3) partial sums
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44),
+                                   _mm512_shuffle_ps(s01, s23, 0xEE));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Four rows at once (independent chains hide the FMA latency, one
+// reduction tree for the four); kind a constant after inlining.
+static inline __attribute__((always_inline)) void dot_rows_qk(float *s, const void *A,
+                                                              int64_t lda, int kind,
+                                                              const float *scales,
+                                                              const float *x, int64_t n,
+                                                              int64_t D) {
+    int64_t j = 0;
+    const int64_t Dv = D & ~(int64_t)15;
+    for (; j + 4 <= n && Dv == D; j += 4) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < D; c += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + c);
+            a0 = _mm512_fmadd_ps(q16(A, lda, kind, j, c), xv, a0);
+            a1 = _mm512_fmadd_ps(q16(A, lda, kind, j + 1, c), xv, a1);
+            a2 = _mm512_fmadd_ps(q16(A, lda, kind, j + 2, c), xv, a2);
+            a3 = _mm512_fmadd_ps(q16(A, lda, kind, j + 3, c), xv, a3);
+        }
+        __m128 r = reduce4(a0, a1, a2, a3);
+        if (kind == 3) r = _mm_mul_ps(r, _mm_loadu_ps(scales + j));
+        _mm_storeu_ps(s + j, r);
+    }
+    for (; j < n; j++) s[j] = (kind == 3 ? scales[j] : 1.0f) * dot_q1(A, lda, kind, j, x, D);
+}
+
 static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
                        const float *x, int64_t n, int64_t D) {
-    for (int64_t j = 0; j < n; j++) {
-        __m512 acc = _mm512_setzero_ps();
-        int64_t c = 0;
-        for (; c + 16 <= D; c += 16)
-            acc = _mm512_fmadd_ps(q16(A, lda, kind, j, c), _mm512_loadu_ps(x + c), acc);
-        if (c < D)
-            acc = _mm512_fmadd_ps(q16_tail(A, lda, kind, j, c, D),
-                                  _mm512_maskz_loadu_ps(tail_mask(D - c), x + c), acc);
-        s[j] = (kind == 3 ? scales[j] : 1.0f) * _mm512_reduce_add_ps(acc);
+    if (kind == 1) dot_rows_qk(s, A, lda, 1, scales, x, n, D);
+    else if (kind == 2) dot_rows_qk(s, A, lda, 2, scales, x, n, D);
+    else dot_rows_qk(s, A, lda, 3, scales, x, n, D);
+}
+
+// o[c] += p[j] scale_j A(j, c), j in order for every c (the contract's
+// order); up to 64 columns' accumulators live across the j loop.
+static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const float *p,
+                                                               const void *A, int64_t lda,
+                                                               int kind, const float *scales,
+                                                               int64_t n, int64_t Dv) {
+    for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+        const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64;
+        if (w == 64) {
+            __m512 a0 = _mm512_loadu_ps(o + c0), a1 = _mm512_loadu_ps(o + c0 + 16),
+                   a2 = _mm512_loadu_ps(o + c0 + 32), a3 = _mm512_loadu_ps(o + c0 + 48);
+            for (int64_t j = 0; j < n; j++) {
+                const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+                a0 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0), a0);
+                a1 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 16), a1);
+                a2 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 32), a2);
+                a3 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 48), a3);
+            }
+            _mm512_storeu_ps(o + c0, a0);
+            _mm512_storeu_ps(o + c0 + 16, a1);
+            _mm512_storeu_ps(o + c0 + 32, a2);
+            _mm512_storeu_ps(o + c0 + 48, a3);
+            continue;
+        }
+        for (int64_t c = c0; c < c0 + w; c += 16) {
+            const __mmask16 m = tail_mask(Dv - c);
+            __m512 acc = _mm512_maskz_loadu_ps(m, o + c);
+            for (int64_t j = 0; j < n; j++) {
+                const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+                const __m512 v =
+                    c + 16 <= Dv ? q16(A, lda, kind, j, c) : q16_tail(A, lda, kind, j, c, Dv);
+                acc = _mm512_fmadd_ps(f, v, acc);
+            }
+            _mm512_mask_storeu_ps(o + c, m, acc);
+        }
     }
 }
 
 static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
                         const float *scales, int64_t n, int64_t Dv) {
-    for (int64_t c = 0; c < Dv; c += 16) {
-        const __mmask16 m = tail_mask(Dv - c);
-        __m512 acc = _mm512_maskz_loadu_ps(m, o + c);
-        for (int64_t j = 0; j < n; j++) {
-            const __m512 w = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
-            const __m512 v = c + 16 <= Dv ? q16(A, lda, kind, j, c) : q16_tail(A, lda, kind, j, c, Dv);
-            acc = _mm512_fmadd_ps(w, v, acc);
-        }
-        _mm512_mask_storeu_ps(o + c, m, acc);
-    }
+    if (kind == 1) axpy_rows_qk(o, p, A, lda, 1, scales, n, Dv);
+    else if (kind == 2) axpy_rows_qk(o, p, A, lda, 2, scales, n, Dv);
+    else axpy_rows_qk(o, p, A, lda, 3, scales, n, Dv);
 }
 
 static void scale_row(float *y, int64_t n, float a) {

@@ -115,33 +115,42 @@ def main():
                     print("FAIL [%d] %s --dtype %s: output %s, err %.3g bound %.3g"
                           % (i, desc, dname, dts["attn_output"], e, bound))
         if i % 4 == 1:  # --weight-dtype: the module's weights stored as bf16 / f16
-            for dname, u in (("bf16", 2.0 ** -8), ("f16", 2.0 ** -11)):
-                y = os.path.join(args.tmp, "wd%d_%s.safetensors" % (i, dname))
-                yi = os.path.join(args.tmp, "wdi%d_%s.safetensors" % (i, dname))
-                rc, err = run([args.mha, "forward", "--weights", w, "--inputs", x, "--out", y,
-                               "--causal", "--weight-dtype", dname] + opts)
-                if not rc:
-                    rc, err = run([args.mha, "forward", "--weights", w, "--inputs", x, "--out",
-                                   yi, "--incremental", "--chunk", "3", "--weight-dtype",
-                                   dname] + opts)
+            for dname in ("bf16", "f16"):
+                # weights written rounded (mha init --weight-dtype), then run
+                # (a) kept as dname, full causal and incremental, and (b)
+                # widened into a float32 module: (a) must equal (b) exactly
+                wh = os.path.join(args.tmp, "wh%d_%s.safetensors" % (i, dname))
+                outs = [os.path.join(args.tmp, "wd%d_%s_%d.safetensors" % (i, dname, k))
+                        for k in range(3)]
+                cmds = [[args.mha, "init", "--embed-dim", str(E), "--num-heads", str(H), "--out",
+                         wh, "--seed", str(i), "--weight-dtype", dname] +
+                        (["--no-bias"] if "--no-bias" in init else []),
+                        [args.mha, "forward", "--weights", wh, "--inputs", x, "--out", outs[0],
+                         "--causal", "--weight-dtype", dname] + opts,
+                        [args.mha, "forward", "--weights", wh, "--inputs", x, "--out", outs[1],
+                         "--causal"] + opts,
+                        [args.mha, "forward", "--weights", wh, "--inputs", x, "--out", outs[2],
+                         "--incremental", "--chunk", "3", "--weight-dtype", dname] + opts]
+                rc, err = 0, ""
+                for c in cmds:
+                    rc, err = run(c)
+                    if rc:
+                        break
                 if rc:
                     print("FAIL [%d] %s --weight-dtype %s: %s" % (i, desc, dname, err))
                     failed += 1
                     continue
-                got = conf.st_load(y)[0]["attn_output"].astype(np.float64)
-                inc = conf.st_load(yi)[0]["attn_output"].astype(np.float64)
-                scale = 1.0 + float(np.max(np.abs(ref))) if ref.size else 1.0
-                e = float(np.max(np.abs(got - ref))) if ref.size else 0.0
-                ei = float(np.max(np.abs(inc - got))) if ref.size else 0.0
-                # the README's bound for half weights: u (1 + max|y_f32|);
-                # incremental vs full with the same weights: the usual tol
-                if e <= u * scale and ei <= 2e-5 * scale:
+                got, wid, inc = (conf.st_load(o)[0]["attn_output"] for o in outs)
+                scale = 1.0 + float(np.max(np.abs(wid))) if wid.size else 1.0
+                ei = float(np.max(np.abs(inc.astype(np.float64) - got))) if got.size else 0.0
+                if np.array_equal(got, wid) and ei <= 2e-5 * scale:
                     passed += 1
                 else:
                     failed += 1
-                    print("FAIL [%d] %s --weight-dtype %s: err %.3g (bound %.3g), incremental "
-                          "err %.3g (tol %.3g)" % (i, desc, dname, e, u * scale, ei,
-                                                   2e-5 * scale))
+                    print("FAIL [%d] %s --weight-dtype %s: half vs widened float32 equal %s, "
+                          "incremental err %.3g (tol %.3g)" % (i, desc, dname,
+                                                              np.array_equal(got, wid), ei,
+                                                              2e-5 * scale))
         for chunk in (1, int(rng.integers(2, 17)), int(rng.integers(17, 120))):
             y = os.path.join(args.tmp, "inc%d_%d.safetensors" % (i, chunk))
             rc, err = run([args.mha, "forward", "--weights", w, "--inputs", x, "--out", y,
