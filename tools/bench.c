@@ -62,6 +62,10 @@ static const char *bench_help =
     "                     K and V bytes read per second against this machine's\n"
     "                     read bandwidth measured in the same process;\n"
     "                     --kv-dtype f32|bf16|f16|int8 the cache's storage\n"
+    "  --weight-dtype T   f32 (default), bf16 or f16: the module's weight\n"
+    "                     matrices stored in T (mha_config.weight_dtype)\n"
+    "  --dtype T          f32 (default), bf16 or f16: query/key/value and\n"
+    "                     the output stored in T (module forward)\n"
     "  --no-save          with --backward: no saved forward state\n"
     "                     (mha_forward_args.save), so mha_backward re-runs\n"
     "                     the forward (default: the forward keeps it)\n"
@@ -90,6 +94,7 @@ typedef struct bench_opts {
     bool causal, backward, core, json, workspace, no_save, decode;
     int64_t kv_len, kv_heads;  // --decode
     mha_kv_dtype kv_dtype;     // --kv-dtype
+    mha_dtype wdtype, dtype;   // --weight-dtype, --dtype (module forward)
     int64_t window;  // 0: none
     int threads;     // 0: the default
     mha_impl impl;
@@ -237,6 +242,17 @@ static uint64_t mix_next(uint64_t *s) {
     return z ^ (z >> 31);
 }
 
+// x (n floats) rewritten in place as n elements of d (BF16/F16: 2-byte
+// elements at the front of the buffer; F32: unchanged).
+static void to_dtype(float *x, int64_t n, mha_dtype d) {
+    if (d == MHA_F32) return;
+    uint16_t *h = (uint16_t *)x;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i];  // read before the write below (2i < 4i + 4)
+        h[i] = d == MHA_BF16 ? mha_f32_to_bf16(v) : mha_f32_to_f16(v);
+    }
+}
+
 static void fill_uniform(float *x, int64_t n, uint64_t *s) {
     for (int64_t i = 0; i < n; i++)
         x[i] = (float)((double)(mix_next(s) >> 40) * 0x1p-23 - 1.0);
@@ -351,6 +367,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
     mha_config cfg;
     mha_config_init(&cfg, E, H);
     cfg.batch_first = true;
+    cfg.weight_dtype = o->wdtype;
     mha_init_options io;
     mha_init_options_default(&io);
     io.seed = o->seed;
@@ -361,8 +378,9 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
     float *q = bench_alloc(bb, B * L * E), *out = bench_alloc(bb, B * L * E);
     if (!q || !out) return 1;
     fill_uniform(q, B * L * E, &rng);
-    p->q = mha_tensor_contiguous(q, MHA_F32, 3, qs);
-    p->out = mha_tensor_contiguous(out, MHA_F32, 3, qs);
+    to_dtype(q, B * L * E, o->dtype);
+    p->q = mha_tensor_contiguous(q, o->dtype, 3, qs);
+    p->out = mha_tensor_contiguous(out, o->dtype, 3, qs);
     if (p->self) {
         p->k = p->v = p->q;
     } else {
@@ -370,8 +388,10 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
         if (!k || !v) return 1;
         fill_uniform(k, B * S * E, &rng);
         fill_uniform(v, B * S * E, &rng);
-        p->k = mha_tensor_contiguous(k, MHA_F32, 3, ks);
-        p->v = mha_tensor_contiguous(v, MHA_F32, 3, ks);
+        to_dtype(k, B * S * E, o->dtype);
+        to_dtype(v, B * S * E, o->dtype);
+        p->k = mha_tensor_contiguous(k, o->dtype, 3, ks);
+        p->v = mha_tensor_contiguous(v, o->dtype, 3, ks);
     }
     mha_forward_args_init(&p->a);
     p->a.query = &p->q;
@@ -509,7 +529,8 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
         {"no-save", no_argument, 0, 'N'},         {"decode", no_argument, 0, 'D'},
         {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
-        {"kv-dtype", required_argument, 0, 'T'},
+        {"kv-dtype", required_argument, 0, 'T'},  {"weight-dtype", required_argument, 0, 'X'},
+        {"dtype", required_argument, 0, 'Y'},
         {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
         {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
@@ -542,6 +563,16 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
             if (mha_kv_dtype_from_name(&o->kv_dtype, optarg))
                 return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
             break;
+        case 'X':
+        case 'Y': {
+            mha_dtype *d = c == 'X' ? &o->wdtype : &o->dtype;
+            if (!strcmp(optarg, "f32")) *d = MHA_F32;
+            else if (!strcmp(optarg, "bf16")) *d = MHA_BF16;
+            else if (!strcmp(optarg, "f16")) *d = MHA_F16;
+            else return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
+                                             : "--dtype needs f32, bf16 or f16");
+            break;
+        }
         case 'K': if (parse_int(optarg, 1, big, &o->kv_len)) return bench_usage("--kv-len needs a positive integer"); break;
         case 'G': if (parse_int(optarg, 1, big, &o->kv_heads)) return bench_usage("--num-kv-heads needs a positive integer"); break;
         case 't':
@@ -646,6 +677,10 @@ static const char *flop_note(const bench_opts *o) {
                        "QK^T + PV)";
 }
 
+static const char *dtype_label(mha_dtype d) {
+    return d == MHA_BF16 ? "bf16" : d == MHA_F16 ? "f16" : "f32";
+}
+
 static void print_json(const bench_opts *o, const bench_result *r) {
     printf("{\"what\": \"mha\", \"impl\": \"%s\", \"impl_ran\": \"%s\", "
            "\"backward_impl\": \"%s\", \"isa\": \"%s\", \"threads\": %d, "
@@ -657,7 +692,7 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            "\"peak_isa\": \"%s\", \"peak_fraction\": %.4f, \"max_rss_mib\": %.1f, "
            "\"rss_before_mib\": %.1f, \"inputs_mib\": %.1f, "
            "\"window\": %lld, \"visible_fraction\": %.6f, \"saved_forward\": %s, "
-           "\"flop_count_note\": \"%s\"}\n",
+           "\"dtype\": \"%s\", \"weight_dtype\": \"%s\", \"flop_count_note\": \"%s\"}\n",
            mha_impl_name(o->impl), r->fwd_ran, r->bwd_ran, r->isa, r->threads,
            (long long)o->B, (long long)o->L, (long long)o->S, (long long)o->E,
            (long long)o->H, o->causal ? "true" : "false", o->backward ? "true" : "false",
@@ -667,7 +702,8 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            r->flops, r->gflops,
            r->peak, r->peak_isa, r->peak > 0 ? r->gflops / r->peak : 0.0, r->rss_max,
            r->rss_before, r->inputs_mib, (long long)o->window, r->visible,
-           o->backward && !o->no_save ? "true" : "false", flop_note(o));
+           o->backward && !o->no_save ? "true" : "false", dtype_label(o->dtype),
+           dtype_label(o->wdtype), flop_note(o));
 }
 
 static void print_text(const bench_opts *o, const bench_result *r) {
