@@ -753,6 +753,83 @@ MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_m
                                                     mha_kv_cache *cache);
 
 // ---------------------------------------------------------------------------
+// Diagnostics: looking inside the heads
+//
+// mha_diagnose recomputes, from a module and forward arguments (masks,
+// causal, windows, RoPE, ALiBi and soft cap as the forward applies them;
+// eval mode), each head's attention rows in double, one query row at a
+// time (memory O(S) per head: long sequences work, with max_rows
+// subsampling), and reports per head:
+//   entropy_mean / entropy_min  attention entropy in nats over the rows
+//                               examined (uniform over S keys: ln S)
+//   entropy_norm                mean of entropy / ln(visible keys) over rows
+//                               with more than one visible key (1: uniform)
+//   mean_distance               mean over rows of sum_j p_ij |i - j| (small:
+//                               local head; ~S/3: global)
+//   logit_max, logit_std        of the scaled logits q.k / sqrt(d) over the
+//                               rows examined and every key, before soft
+//                               cap, ALiBi and masks (the overflow check)
+//   output_var_ratio            variance over rows of the head's context
+//                               (its share of the concat), per feature,
+//                               over the variance of its values: ~0 when the
+//                               output hardly depends on the query
+//   dead                        entropy_norm >= dead_entropy (near-uniform
+//                               attention) or output_var_ratio <=
+//                               dead_output (near-constant output)
+//   rank_q/k/v/o                numerical rank of the head's W_Q rows
+//                               [h d, (h+1) d), of its KV head's W_K and
+//                               W_V rows, and of W_O's columns [h d,
+//                               (h+1) d): singular values > rtol * max, rtol
+//                               = rank_rtol, or (0) max(rows, cols) times
+//                               the storage's epsilon (numpy's rule)
+// and, between every pair of heads, similarity = 1 - JS(p_h1, p_h2) / ln 2
+// averaged over the rows (Jensen-Shannon divergence of the two heads'
+// attention rows: 1 = identical, symmetric, in [0, 1]); and the first
+// non-finite value met, in the order parameters, query, key, value,
+// projected q, k, v, scaled logits, with its location.
+typedef struct mha_diag_options {
+    int64_t max_rows;     // query rows examined per batch element, spread
+                          // evenly (row r * L / max_rows); 0: every row.
+                          // Default 256
+    double dead_entropy;  // default 0.98
+    double dead_output;   // default 1e-4
+    double rank_rtol;     // default 0: max(rows, cols) * epsilon
+} mha_diag_options;
+
+typedef struct mha_head_diag {
+    int64_t head;
+    int64_t rows;  // rows examined with at least one visible key
+    double entropy_mean, entropy_min, entropy_norm, mean_distance;
+    double logit_max, logit_std, output_var_ratio;
+    bool dead;
+    int64_t rank_q, rank_k, rank_v, rank_o;
+} mha_head_diag;
+
+typedef struct mha_diagnostics mha_diagnostics;
+
+MHA_API void mha_diag_options_init(mha_diag_options *o);
+// o NULL: defaults. The forward arguments are checked as mha_forward checks
+// them (outputs are not needed); need_weights, trace, save, impl and
+// training are ignored. Non-finite values are a finding, not an error.
+MHA_API MHA_NODISCARD mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m,
+                                              const mha_forward_args *a,
+                                              const mha_diag_options *o);
+MHA_API void mha_diagnostics_destroy(mha_diagnostics *d);
+MHA_API int64_t mha_diagnostics_num_heads(const mha_diagnostics *d);
+// Rows examined over the whole batch.
+MHA_API int64_t mha_diagnostics_rows(const mha_diagnostics *d);
+// NULL when h is out of range.
+MHA_API const mha_head_diag *mha_diagnostics_head(const mha_diagnostics *d, int64_t h);
+// NaN when out of range, or when no row had visible keys in both heads.
+MHA_API double mha_diagnostics_similarity(const mha_diagnostics *d, int64_t h1, int64_t h2);
+// Singular values (descending) of head h's 'q', 'k', 'v' or 'o' slice;
+// *n of them (d; zeros past min(d, features)). NULL for a bad argument.
+MHA_API const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h,
+                                               char which, int64_t *n);
+// The first non-finite value, e.g. "query[2, 1, 5] = nan", or NULL.
+MHA_API const char *mha_diagnostics_nonfinite(const mha_diagnostics *d);
+
+// ---------------------------------------------------------------------------
 // safetensors files
 //
 // Format: 8-byte little-endian header length n, n bytes of JSON header

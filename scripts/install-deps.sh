@@ -1,13 +1,13 @@
 #!/bin/sh
 # Installs the Debian 12 packages mha needs. Run as root.
 #   scripts/install-deps.sh          build dependencies (C compiler with OpenMP, CMake,
-#                                    pkg-config, cJSON; cairo for the
+#                                    pkg-config, cJSON, LAPACKE; cairo for the
 #                                    CLI's training plots)
 #   scripts/install-deps.sh --test   also what the test suite needs
 #                                    (PyTorch and numpy for the conformance
 #                                    suite against PyTorch)
 set -eu
-pkgs="build-essential cmake pkg-config libcjson-dev libcairo2-dev"
+pkgs="build-essential cmake pkg-config libcjson-dev liblapacke-dev libcairo2-dev"
 if [ "${1:-}" = "--test" ]; then
     pkgs="$pkgs python3 python3-torch python3-numpy"
 fi

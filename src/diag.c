@@ -1,0 +1,387 @@
+// diag.c: per-head diagnostics (mha_diagnose, mha.h). Everything is
+// recomputed here from the module's projections in double, the way the
+// reference computes them (mha__project_qkv: biases, add_bias_kv,
+// add_zero_attn, RoPE), one query row at a time: memory O(S) per row and
+// head, so long sequences work with max_rows subsampling. Singular values
+// come from LAPACK (dgesdd, values only).
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "plan.h"
+
+// after plan.h: lapacke.h brings <complex.h>, whose macro I would clash
+// with the parameter names of the internal headers
+#include <lapacke.h>
+#undef I
+
+struct mha_diagnostics {
+    int64_t H, rows, nrows_total;
+    mha_head_diag *heads;
+    double *sim;               // (H, H)
+    double *spec;              // per head: q, k, v, o spectra, d values each
+    int64_t nspec;             // values per spectrum (min(d, features))
+    char nonfinite[160];       // "" when every value was finite
+};
+
+void mha_diag_options_init(mha_diag_options *o) {
+    if (!o) return;
+    memset(o, 0, sizeof *o);
+    o->max_rows = 256;
+    o->dead_entropy = 0.98;
+    o->dead_output = 1e-4;
+    o->rank_rtol = 0.0;
+}
+
+void mha_diagnostics_destroy(mha_diagnostics *d) {
+    if (!d) return;
+    free(d->heads);
+    free(d->sim);
+    free(d->spec);
+    free(d);
+}
+
+int64_t mha_diagnostics_num_heads(const mha_diagnostics *d) { return d ? d->H : 0; }
+int64_t mha_diagnostics_rows(const mha_diagnostics *d) { return d ? d->nrows_total : 0; }
+
+const mha_head_diag *mha_diagnostics_head(const mha_diagnostics *d, int64_t h) {
+    return d && h >= 0 && h < d->H ? &d->heads[h] : NULL;
+}
+
+double mha_diagnostics_similarity(const mha_diagnostics *d, int64_t h1, int64_t h2) {
+    if (!d || h1 < 0 || h2 < 0 || h1 >= d->H || h2 >= d->H) return NAN;
+    return d->sim[h1 * d->H + h2];
+}
+
+const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h, char which,
+                                       int64_t *n) {
+    const char *w = "qkvo", *at = d ? strchr(w, which) : NULL;
+    if (n) *n = 0;
+    if (!d || h < 0 || h >= d->H || !at || !which) return NULL;
+    if (n) *n = d->nspec;
+    return d->spec + (h * 4 + (at - w)) * d->nspec;
+}
+
+const char *mha_diagnostics_nonfinite(const mha_diagnostics *d) {
+    return d && d->nonfinite[0] ? d->nonfinite : NULL;
+}
+
+// ---- non-finite search: the first element, in a fixed order ----
+
+static bool find_nonfinite_view(char *out, size_t cap, const char *name, const mha_tensor *t) {
+    if (!t) return false;
+    int64_t idx[MHA_MAX_DIMS] = {0}, n = mha_tensor_numel(t);
+    const size_t es = mha_dtype_size(t->dtype);
+    for (int64_t e = 0; e < n; e++) {
+        int64_t off = 0, r = e;
+        for (int dd = t->ndim - 1; dd >= 0; dd--) {
+            idx[dd] = r % t->shape[dd];
+            r /= t->shape[dd];
+            off += idx[dd] * t->stride[dd];
+        }
+        const mha__mat v = mha__vmat((char *)t->data + off * (int64_t)es, t->dtype, 0, 0);
+        if (!isfinite(mha__ld(v, 0, 0))) {
+            int k = snprintf(out, cap, "%s[", name);
+            for (int dd = 0; dd < t->ndim && k > 0 && (size_t)k < cap; dd++)
+                k += snprintf(out + k, cap - (size_t)k, "%s%lld", dd ? ", " : "",
+                              (long long)idx[dd]);
+            if (k > 0 && (size_t)k < cap) snprintf(out + k, cap - (size_t)k, "] = %g",
+                                                   mha__ld(v, 0, 0));
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool find_nonfinite_params(char *out, size_t cap, const mha_module *m) {
+    for (int i = 0; i < mha_module_num_params(m); i++) {
+        mha_param p;
+        if (mha_module_param_at(&p, m, i)) continue;
+        mha_tensor t = mha_tensor_contiguous(p.storage, p.dtype, p.ndim, p.shape);
+        if (find_nonfinite_view(out, cap, p.name, &t)) return true;
+    }
+    return false;
+}
+
+// The first non-finite element of a (N, T, F) double buffer.
+static bool find_nonfinite_buf(char *out, size_t cap, const char *name, const double *x,
+                               int64_t N, int64_t T, int64_t F) {
+    for (int64_t e = 0; e < N * T * F; e++)
+        if (!isfinite(x[e])) {
+            snprintf(out, cap, "projected %s (batch %lld, position %lld, feature %lld) = %g",
+                     name, (long long)(e / (T * F)), (long long)(e / F % T),
+                     (long long)(e % F), x[e]);
+            return true;
+        }
+    return false;
+}
+
+// ---- singular values ----
+
+// Singular values (descending) of the (M, K) matrix W(r, c) = src(r0 + r,
+// c0 + c) of a row-major (., ld) matrix of dtype dt, into sv (min(M, K));
+// returns the rank: sigma > rtol * sigma_max (rtol <= 0: max(M, K) times
+// the storage's epsilon, as numpy.linalg.matrix_rank).
+static int64_t spectrum(double *sv, const void *src, mha_dtype dt, int64_t ld, int64_t r0,
+                        int64_t c0, int64_t M, int64_t K, double rtol, double *a) {
+    const mha__mat w = mha__vmat((void *)src, dt, ld, 1);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t c = 0; c < K; c++) a[r * K + c] = mha__ld(w, r0 + r, c0 + c);
+    const int64_t mn = M < K ? M : K;
+    // a row-major (M, K) is the column-major (K, M) W^T: the same singular
+    // values, and no transposition inside LAPACKE
+    lapack_int info = LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', (lapack_int)K, (lapack_int)M, a,
+                                     (lapack_int)K, sv, NULL, 1, NULL, 1);
+    if (info != 0)
+        for (int64_t i = 0; i < mn; i++) sv[i] = NAN;
+    const double eps = dt == MHA_BF16 ? 0x1p-7 : dt == MHA_F16 ? 0x1p-10 : (double)FLT_EPSILON;
+    const double tol = (rtol > 0 ? rtol : (double)(M > K ? M : K) * eps) * sv[0];
+    int64_t rank = 0;
+    for (int64_t i = 0; i < mn; i++) rank += sv[i] > tol;
+    return rank;
+}
+
+// ---- the attention statistics ----
+
+// Per-thread accumulators of one head.
+typedef struct head_acc {
+    double ent_sum, ent_min, ent_norm_sum, dist_sum;
+    int64_t rows, rows_norm;  // rows with visible keys; of them, with > 1
+    double lmax, lsum, lsq;
+    int64_t lcount;
+    double *c_sum, *c_sq;  // (d) context sums over rows
+} head_acc;
+
+mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_forward_args *args,
+                        const mha_diag_options *opt) {
+    if (!out || !m || !args)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_diagnose: NULL argument");
+    *out = NULL;
+    mha_diag_options o;
+    mha_diag_options_init(&o);
+    if (opt) o = *opt;
+    if (o.max_rows < 0 || !(o.dead_entropy >= 0 && o.dead_entropy <= 1) ||
+        !(o.dead_output >= 0) || !(o.rank_rtol >= 0))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_diagnose: options out of range (max_rows %lld >= 0, "
+                         "dead_entropy %g in [0, 1], dead_output %g >= 0, rank_rtol %g >= 0)",
+                         (long long)o.max_rows, o.dead_entropy, o.dead_output, o.rank_rtol);
+    mha_forward_args a = *args;
+    a.need_weights = false;
+    a.trace = NULL;
+    a.save = NULL;
+    a.training = false;
+    a.impl = MHA_IMPL_REFERENCE;
+    fwd_plan *p = malloc(sizeof *p);
+    if (!p) return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory");
+    mha_status st = mha__plan_forward(p, m, &a);
+    if (st) {
+        free(p);
+        return st;
+    }
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d,
+                  Ekv = p->Ekv, G = H / p->Hkv;
+    const double scale = 1.0 / sqrt((double)d);
+    const int64_t R = o.max_rows > 0 && o.max_rows < L ? o.max_rows : L;
+    mha_diagnostics *dg = calloc(1, sizeof *dg);
+    const int64_t kd = m->cfg.kdim, vd = m->cfg.vdim;
+    int64_t fmax = E > kd ? E : kd;
+    if (vd > fmax) fmax = vd;
+    const int64_t nspec = d < fmax ? d : fmax;
+    size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
+    double *q = malloc(sizeof(double) * nbuf), *k = q ? q + N * L * E : NULL,
+           *v = k ? k + N * Sp * Ekv : NULL;
+    double *work = malloc(sizeof(double) * (size_t)(H * Sp + 2 * H * d + d * fmax + 2 * Sp));
+    if (dg) {
+        dg->H = H;
+        dg->nspec = nspec;
+        dg->heads = calloc((size_t)H, sizeof *dg->heads);
+        dg->sim = calloc((size_t)(H * H), sizeof(double));
+        dg->spec = calloc((size_t)(H * 4 * nspec), sizeof(double));
+    }
+    head_acc *acc = calloc((size_t)H, sizeof *acc);
+    double *cbuf = calloc((size_t)(2 * H * d), sizeof(double));
+    if (!dg || !dg->heads || !dg->sim || !dg->spec || !q || !work || !acc || !cbuf) {
+        mha_diagnostics_destroy(dg);
+        free(q), free(work), free(acc), free(cbuf), free(p);
+        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu doubles", nbuf);
+    }
+    dg->rows = R;
+    dg->nrows_total = N * R;
+
+    // 1. Non-finite values: parameters, inputs, then the projections.
+    char *nf = dg->nonfinite;
+    const size_t nfc = sizeof dg->nonfinite;
+    if (!find_nonfinite_params(nf, nfc, m) &&
+        !find_nonfinite_view(nf, nfc, "query", a.query) &&
+        !find_nonfinite_view(nf, nfc, "key", a.key) &&
+        !find_nonfinite_view(nf, nfc, "value", a.value))
+        nf[0] = '\0';
+    mha__project_qkv(p, m, &a, q, k, v);
+    if (!nf[0] && !find_nonfinite_buf(nf, nfc, "q", q, N, L, E) &&
+        !find_nonfinite_buf(nf, nfc, "k", k, N, Sp, Ekv))
+        find_nonfinite_buf(nf, nfc, "v", v, N, Sp, Ekv);
+
+    // 2. Row by row: logits, weights (masks, ALiBi, soft cap as the
+    //    forward), entropy, distance, context; pairwise JS similarity.
+    for (int64_t h = 0; h < H; h++) {
+        acc[h].ent_min = INFINITY;
+        acc[h].lmax = -INFINITY;
+        acc[h].c_sum = cbuf + 2 * h * d;
+        acc[h].c_sq = acc[h].c_sum + d;
+    }
+    double *P = work, *simacc = dg->sim;  // P: (H, Sp) one row of every head
+    double *ctx = work + H * Sp;
+    bool *has = calloc((size_t)H, sizeof(bool));
+    int64_t *simcount = calloc((size_t)(H * H), sizeof(int64_t));
+    if (!has || !simcount) {
+        free(has), free(simcount);
+        mha_diagnostics_destroy(dg);
+        free(q), free(work), free(acc), free(cbuf), free(p);
+        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory");
+    }
+    const float cap = p->mask.softcap;
+    for (int64_t b = 0; b < N; b++)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t i = R == L ? r : r * L / R;  // evenly spread rows
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t g = h / G;
+                const double *qi = q + (b * L + i) * E + h * d;
+                double *ph = P + h * Sp, mx = -INFINITY;
+                int64_t visible = 0;
+                for (int64_t j = 0; j < Sp; j++) {
+                    const double *kj = k + (b * Sp + j) * Ekv + g * d;
+                    double s = 0;
+                    for (int64_t c = 0; c < d; c++) s += qi[c] * kj[c];
+                    s *= scale;
+                    head_acc *A = &acc[h];
+                    if (isfinite(s)) {
+                        if (s > A->lmax) A->lmax = s;
+                        A->lsum += s, A->lsq += s * s, A->lcount++;
+                    } else if (!nf[0]) {
+                        snprintf(nf, nfc, "scaled logit (batch %lld, head %lld, row %lld, key "
+                                 "%lld) = %g", (long long)b, (long long)h, (long long)i,
+                                 (long long)j, s);
+                    }
+                    if (cap > 0.0f) s = cap * tanh(s / cap);
+                    s += mha__mask_value(&p->mask, b, h, i, j);
+                    ph[j] = s;
+                    if (s > mx) mx = s;
+                    visible += s > -INFINITY;
+                }
+                has[h] = visible > 0 && mx > -INFINITY;
+                if (!has[h]) {
+                    for (int64_t j = 0; j < Sp; j++) ph[j] = 0;
+                    continue;
+                }
+                double z = 0;
+                for (int64_t j = 0; j < Sp; j++) z += (ph[j] = exp(ph[j] - mx));
+                double ent = 0, dist = 0;
+                for (int64_t c = 0; c < d; c++) ctx[c] = 0;
+                for (int64_t j = 0; j < Sp; j++) {
+                    const double pj = ph[j] /= z;
+                    if (pj > 0) ent -= pj * log(pj);
+                    dist += pj * fabs((double)(i - j));
+                    const double *vj = v + (b * Sp + j) * Ekv + g * d;
+                    for (int64_t c = 0; c < d; c++) ctx[c] += pj * vj[c];
+                }
+                head_acc *A = &acc[h];
+                A->ent_sum += ent;
+                if (ent < A->ent_min) A->ent_min = ent;
+                A->dist_sum += dist;
+                A->rows++;
+                if (visible > 1) A->ent_norm_sum += ent / log((double)visible), A->rows_norm++;
+                for (int64_t c = 0; c < d; c++) {
+                    A->c_sum[c] += ctx[c];
+                    A->c_sq[c] += ctx[c] * ctx[c];
+                }
+            }
+            // Jensen-Shannon between every pair of heads' rows
+            for (int64_t h1 = 0; h1 < H; h1++)
+                for (int64_t h2 = h1 + 1; h2 < H; h2++) {
+                    if (!has[h1] || !has[h2]) continue;
+                    const double *x = P + h1 * Sp, *y = P + h2 * Sp;
+                    double js = 0;
+                    for (int64_t j = 0; j < Sp; j++) {
+                        const double mj = 0.5 * (x[j] + y[j]);
+                        if (x[j] > 0) js += 0.5 * x[j] * log(x[j] / mj);
+                        if (y[j] > 0) js += 0.5 * y[j] * log(y[j] / mj);
+                    }
+                    simacc[h1 * H + h2] += 1.0 - js / log(2.0);
+                    simcount[h1 * H + h2]++;
+                }
+        }
+    for (int64_t h1 = 0; h1 < H; h1++) {
+        dg->sim[h1 * H + h1] = 1.0;
+        for (int64_t h2 = h1 + 1; h2 < H; h2++) {
+            const int64_t c = simcount[h1 * H + h2];
+            const double s = c ? simacc[h1 * H + h2] / (double)c : NAN;
+            dg->sim[h1 * H + h2] = dg->sim[h2 * H + h1] = s > 1.0 ? 1.0 : s;
+        }
+    }
+    free(has);
+    free(simcount);
+
+    // Variance of the values (over keys and features of each KV head),
+    // the scale the heads' output variance is compared with.
+    double *vvar = malloc(sizeof(double) * (size_t)p->Hkv);
+    for (int64_t g = 0; vvar && g < p->Hkv; g++) {
+        double tv = 0;
+        for (int64_t c = 0; c < d; c++) {
+            double s = 0, s2 = 0;
+            for (int64_t b = 0; b < N; b++)
+                for (int64_t j = 0; j < Sp; j++) {
+                    const double x = v[(b * Sp + j) * Ekv + g * d + c];
+                    s += x, s2 += x * x;
+                }
+            const double n = (double)(N * Sp);
+            tv += s2 / n - (s / n) * (s / n);
+        }
+        vvar[g] = tv / (double)d;
+    }
+
+    // 3. Per head: the statistics, spectra, the dead flag.
+    double *a_work = work + H * Sp + 2 * H * d;  // d * fmax doubles
+    for (int64_t h = 0; h < H; h++) {
+        mha_head_diag *hd = &dg->heads[h];
+        head_acc *A = &acc[h];
+        const int64_t g = h / G;
+        hd->head = h;
+        hd->rows = A->rows;
+        hd->entropy_mean = A->rows ? A->ent_sum / (double)A->rows : NAN;
+        hd->entropy_min = A->rows ? A->ent_min : NAN;
+        hd->entropy_norm = A->rows_norm ? A->ent_norm_sum / (double)A->rows_norm : NAN;
+        hd->mean_distance = A->rows ? A->dist_sum / (double)A->rows : NAN;
+        hd->logit_max = A->lcount ? A->lmax : NAN;
+        if (A->lcount) {
+            const double mu = A->lsum / (double)A->lcount;
+            const double var = A->lsq / (double)A->lcount - mu * mu;
+            hd->logit_std = sqrt(var > 0 ? var : 0);
+        } else {
+            hd->logit_std = NAN;
+        }
+        double ov = 0;
+        for (int64_t c = 0; c < d && A->rows; c++) {
+            const double mu = A->c_sum[c] / (double)A->rows;
+            ov += A->c_sq[c] / (double)A->rows - mu * mu;
+        }
+        ov /= (double)d;
+        hd->output_var_ratio = vvar && vvar[g] > 0 ? (ov > 0 ? ov : 0) / vvar[g] : NAN;
+        hd->dead = (hd->entropy_norm >= o.dead_entropy) ||
+                   (A->rows > 1 && hd->output_var_ratio <= o.dead_output);
+        double *sp = dg->spec + h * 4 * nspec;
+        hd->rank_q = spectrum(sp, m->w_q, m->wdt, E, h * d, 0, d, E, o.rank_rtol, a_work);
+        hd->rank_k = spectrum(sp + nspec, m->w_k, m->wdt, kd, g * d, 0, d, kd, o.rank_rtol,
+                              a_work);
+        hd->rank_v = spectrum(sp + 2 * nspec, m->w_v, m->wdt, vd, g * d, 0, d, vd,
+                              o.rank_rtol, a_work);
+        hd->rank_o = spectrum(sp + 3 * nspec, m->w_out, m->wdt, E, 0, h * d, E, d, o.rank_rtol,
+                              a_work);
+    }
+    free(vvar);
+    free(q), free(work), free(acc), free(cbuf), free(p);
+    *out = dg;
+    return MHA_OK;
+}
