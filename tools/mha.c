@@ -3,6 +3,7 @@
 //   mha init     write freshly initialised parameters
 //   mha forward  run the module on tensors from a safetensors file
 //   mha backward its gradients for every input and parameter
+//   mha inspect  per-head diagnostics (mha_diagnose) as DIR/diagnostics.json
 //   mha train    train a tiny transformer on a synthetic task (train.c)
 //   mha demo     a guided walk through one small example, then BERT-base
 //   mha info     version, implementations, threads
@@ -11,6 +12,10 @@
 // status is 1 on failure and 2 on a usage error.
 #include <errno.h>
 #include <getopt.h>
+#include <sys/stat.h>
+
+#include <cjson/cJSON.h>
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -631,6 +636,79 @@ static int run_backward_into(run *r) {
     return st ? cli_fail(cmd, st) : 0;
 }
 
+// mha inspect: mha_diagnose on the loaded module and inputs, written as
+// DIR/diagnostics.json (r->ypath is the directory). NaN -> null.
+static int run_inspect(run *r) {
+    const char *cmd = r->cmd;
+    mha_diagnostics *d = NULL;
+    mha_status st = mha_diagnose(&d, r->m, &r->a, NULL);
+    if (st) return cli_fail(cmd, st);
+    if (mkdir(r->ypath, 0777) && errno != EEXIST) {
+        fprintf(stderr, "mha %s: cannot create directory %s: %s\n", cmd, r->ypath,
+                strerror(errno));
+        mha_diagnostics_destroy(d);
+        return 1;
+    }
+    const int64_t H = mha_diagnostics_num_heads(d);
+    cJSON *root = cJSON_CreateObject(), *heads = cJSON_AddArrayToObject(root, "heads");
+    for (int64_t h = 0; h < H; h++) {
+        const mha_head_diag *x = mha_diagnostics_head(d, h);
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "head", (double)x->head);
+        cJSON_AddNumberToObject(o, "entropy_mean", x->entropy_mean);
+        cJSON_AddNumberToObject(o, "entropy_min", x->entropy_min);
+        cJSON_AddNumberToObject(o, "entropy_norm", x->entropy_norm);
+        cJSON_AddNumberToObject(o, "mean_distance", x->mean_distance);
+        cJSON_AddBoolToObject(o, "dead", x->dead);
+        cJSON_AddNumberToObject(o, "rank_q", (double)x->rank_q);
+        cJSON_AddNumberToObject(o, "rank_k", (double)x->rank_k);
+        cJSON_AddNumberToObject(o, "rank_v", (double)x->rank_v);
+        cJSON_AddNumberToObject(o, "rank_o", (double)x->rank_o);
+        cJSON_AddNumberToObject(o, "logit_max", x->logit_max);
+        cJSON_AddNumberToObject(o, "logit_std", x->logit_std);
+        cJSON_AddNumberToObject(o, "output_var_ratio", x->output_var_ratio);
+        cJSON_AddNumberToObject(o, "rows", (double)x->rows);
+        static const char *sn[4] = {"singular_q", "singular_k", "singular_v", "singular_o"};
+        for (int w = 0; w < 4; w++) {
+            int64_t n = 0;
+            const double *sv = mha_diagnostics_spectrum(d, h, "qkvo"[w], &n);
+            cJSON *arr = cJSON_AddArrayToObject(o, sn[w]);
+            for (int64_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(sv[i]));
+        }
+        cJSON_AddItemToArray(heads, o);
+    }
+    cJSON *sim = cJSON_AddArrayToObject(root, "similarity");
+    for (int64_t i = 0; i < H; i++) {
+        cJSON *row = cJSON_CreateArray();
+        for (int64_t j = 0; j < H; j++)
+            cJSON_AddItemToArray(row, cJSON_CreateNumber(mha_diagnostics_similarity(d, i, j)));
+        cJSON_AddItemToArray(sim, row);
+    }
+    const char *nf = mha_diagnostics_nonfinite(d);
+    if (nf) cJSON_AddStringToObject(root, "nonfinite", nf);
+    else cJSON_AddNullToObject(root, "nonfinite");
+    cJSON_AddNumberToObject(root, "rows_examined", (double)mha_diagnostics_rows(d));
+    char *text = cJSON_Print(root);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/diagnostics.json", r->ypath);
+    FILE *f = text ? fopen(path, "w") : NULL;
+    int rc = 0;
+    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) {
+        fprintf(stderr, "mha %s: cannot write %s\n", cmd, path);
+        rc = 1;
+    }
+    if (f && fclose(f) && !rc) {
+        fprintf(stderr, "mha %s: cannot write %s\n", cmd, path);
+        rc = 1;
+    }
+    if (!rc) printf("wrote %s (%lld heads, %lld rows examined)%s%s\n", path, (long long)H,
+                    (long long)mha_diagnostics_rows(d), nf ? "; non-finite: " : "", nf ? nf : "");
+    free(text);
+    cJSON_Delete(root);
+    mha_diagnostics_destroy(d);
+    return rc;
+}
+
 static int cmd_run(const char *cmd, bool backward, int argc, char **argv) {
     run r;
     memset(&r, 0, sizeof r);
@@ -639,6 +717,11 @@ static int cmd_run(const char *cmd, bool backward, int argc, char **argv) {
     if (rc >= 0) return rc;
     mha_status st;
     rc = run_load(&r);
+    if (!strcmp(cmd, "inspect")) {
+        if (!rc) rc = run_inspect(&r);
+        run_free(&r);
+        return rc;
+    }
     if (!rc && (st = mha_st_writer_create(&r.wr))) rc = cli_fail(cmd, st);
     if (!rc) rc = run_forward_into(&r);
     if (!rc && backward) rc = run_backward_into(&r);
@@ -674,6 +757,8 @@ static const char *main_help =
     "  init      write freshly initialised parameters (safetensors)\n"
     "  forward   run the module on tensors from a safetensors file\n"
     "  backward  gradients of the forward for every input and parameter\n"
+    "  inspect   per-head diagnostics as DIR/diagnostics.json (--out DIR; the\n"
+    "            forward's options; pictures and report.html: not yet)\n"
     "  train     train a tiny transformer on a synthetic task\n"
     "  bench     time the module or the attention core (GFLOP/s, peak)\n"
     "  info      version, implementations, threads\n"
@@ -696,6 +781,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "init")) return cmd_init(argc - 1, argv + 1);
     if (!strcmp(cmd, "forward")) return cmd_run("forward", false, argc - 1, argv + 1);
     if (!strcmp(cmd, "backward")) return cmd_run("backward", true, argc - 1, argv + 1);
+    if (!strcmp(cmd, "inspect")) return cmd_run("inspect", false, argc - 1, argv + 1);
     if (!strcmp(cmd, "train")) return cmd_train(argc - 1, argv + 1);
     if (!strcmp(cmd, "demo")) return cmd_demo(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
