@@ -18,7 +18,7 @@
 #undef I
 
 struct mha_diagnostics {
-    int64_t H, rows, nrows_total;
+    int64_t H, nrows_total;
     mha_head_diag *heads;
     double *sim;               // (H, H)
     double *spec;              // per head: q, k, v, o spectra, d values each
@@ -145,7 +145,7 @@ static int64_t spectrum(double *sv, const void *src, mha_dtype dt, int64_t ld, i
 
 // ---- the attention statistics ----
 
-// Per-thread accumulators of one head.
+// What the row loop accumulates for one head.
 typedef struct head_acc {
     double ent_sum, ent_min, ent_norm_sum, dist_sum;
     int64_t rows, rows_norm;  // rows with visible keys; of them, with > 1
@@ -185,31 +185,37 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
                   Ekv = p->Ekv, G = H / p->Hkv;
     const double scale = 1.0 / sqrt((double)d);
     const int64_t R = o.max_rows > 0 && o.max_rows < L ? o.max_rows : L;
-    mha_diagnostics *dg = calloc(1, sizeof *dg);
     const int64_t kd = m->cfg.kdim, vd = m->cfg.vdim;
     int64_t fmax = E > kd ? E : kd;
     if (vd > fmax) fmax = vd;
     const int64_t nspec = d < fmax ? d : fmax;
-    size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
-    double *q = malloc(sizeof(double) * nbuf), *k = q ? q + N * L * E : NULL,
-           *v = k ? k + N * Sp * Ekv : NULL;
-    double *work = malloc(sizeof(double) * (size_t)(H * Sp + 2 * H * d + d * fmax + 2 * Sp));
+    // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
+    // Sp), a context row (d), the SVD's copy of a slice (d * fmax)
+    const size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
+    mha_diagnostics *dg = calloc(1, sizeof *dg);
+    double *q = malloc(sizeof(double) * nbuf);
+    double *work = malloc(sizeof(double) * (size_t)(H * Sp + d + d * fmax));
+    head_acc *acc = calloc((size_t)H, sizeof *acc);
+    double *cbuf = calloc((size_t)(2 * H * d), sizeof(double));
+    double *vvar = malloc(sizeof(double) * (size_t)p->Hkv);
+    bool *has = calloc((size_t)H, sizeof(bool));
+    int64_t *simcount = calloc((size_t)(H * H), sizeof(int64_t));
     if (dg) {
         dg->H = H;
         dg->nspec = nspec;
+        dg->nrows_total = N * R;
         dg->heads = calloc((size_t)H, sizeof *dg->heads);
         dg->sim = calloc((size_t)(H * H), sizeof(double));
         dg->spec = calloc((size_t)(H * 4 * nspec), sizeof(double));
     }
-    head_acc *acc = calloc((size_t)H, sizeof *acc);
-    double *cbuf = calloc((size_t)(2 * H * d), sizeof(double));
-    if (!dg || !dg->heads || !dg->sim || !dg->spec || !q || !work || !acc || !cbuf) {
+    if (!dg || !dg->heads || !dg->sim || !dg->spec || !q || !work || !acc || !cbuf || !vvar ||
+        !has || !simcount) {
         mha_diagnostics_destroy(dg);
-        free(q), free(work), free(acc), free(cbuf), free(p);
-        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu doubles", nbuf);
+        dg = NULL;
+        st = mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu doubles", nbuf);
+        goto done;
     }
-    dg->rows = R;
-    dg->nrows_total = N * R;
+    double *k = q + N * L * E, *v = k + N * Sp * Ekv;
 
     // 1. Non-finite values: parameters, inputs, then the projections.
     char *nf = dg->nonfinite;
@@ -224,39 +230,30 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         !find_nonfinite_buf(nf, nfc, "k", k, N, Sp, Ekv))
         find_nonfinite_buf(nf, nfc, "v", v, N, Sp, Ekv);
 
-    // 2. Row by row: logits, weights (masks, ALiBi, soft cap as the
-    //    forward), entropy, distance, context; pairwise JS similarity.
+    // 2. Row by row: logits and weights (mha__ref_logit and
+    //    mha__ref_softmax_row: the reference's own steps), entropy,
+    //    distance, context; pairwise JS similarity.
     for (int64_t h = 0; h < H; h++) {
         acc[h].ent_min = INFINITY;
         acc[h].lmax = -INFINITY;
         acc[h].c_sum = cbuf + 2 * h * d;
         acc[h].c_sq = acc[h].c_sum + d;
     }
-    double *P = work, *simacc = dg->sim;  // P: (H, Sp) one row of every head
-    double *ctx = work + H * Sp;
-    bool *has = calloc((size_t)H, sizeof(bool));
-    int64_t *simcount = calloc((size_t)(H * H), sizeof(int64_t));
-    if (!has || !simcount) {
-        free(has), free(simcount);
-        mha_diagnostics_destroy(dg);
-        free(q), free(work), free(acc), free(cbuf), free(p);
-        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory");
-    }
-    const float cap = p->mask.softcap;
+    double *P = work, *ctx = work + H * Sp, *simacc = dg->sim;
     for (int64_t b = 0; b < N; b++)
         for (int64_t r = 0; r < R; r++) {
             const int64_t i = R == L ? r : r * L / R;  // evenly spread rows
             for (int64_t h = 0; h < H; h++) {
                 const int64_t g = h / G;
                 const double *qi = q + (b * L + i) * E + h * d;
-                double *ph = P + h * Sp, mx = -INFINITY;
+                double *ph = P + h * Sp;
+                head_acc *A = &acc[h];
                 int64_t visible = 0;
                 for (int64_t j = 0; j < Sp; j++) {
                     const double *kj = k + (b * Sp + j) * Ekv + g * d;
                     double s = 0;
                     for (int64_t c = 0; c < d; c++) s += qi[c] * kj[c];
                     s *= scale;
-                    head_acc *A = &acc[h];
                     if (isfinite(s)) {
                         if (s > A->lmax) A->lmax = s;
                         A->lsum += s, A->lsq += s * s, A->lcount++;
@@ -265,29 +262,21 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
                                  "%lld) = %g", (long long)b, (long long)h, (long long)i,
                                  (long long)j, s);
                     }
-                    if (cap > 0.0f) s = cap * tanh(s / cap);
-                    s += mha__mask_value(&p->mask, b, h, i, j);
-                    ph[j] = s;
-                    if (s > mx) mx = s;
-                    visible += s > -INFINITY;
+                    ph[j] = mha__ref_logit(&p->mask, s, b, h, i, j);
+                    visible += ph[j] > -INFINITY;
                 }
-                has[h] = visible > 0 && mx > -INFINITY;
-                if (!has[h]) {
-                    for (int64_t j = 0; j < Sp; j++) ph[j] = 0;
-                    continue;
-                }
-                double z = 0;
-                for (int64_t j = 0; j < Sp; j++) z += (ph[j] = exp(ph[j] - mx));
+                mha__ref_softmax_row(ph, Sp);
+                has[h] = visible > 0;  // else the row is all 0 (fully masked)
+                if (!has[h]) continue;
                 double ent = 0, dist = 0;
                 for (int64_t c = 0; c < d; c++) ctx[c] = 0;
                 for (int64_t j = 0; j < Sp; j++) {
-                    const double pj = ph[j] /= z;
+                    const double pj = ph[j];
                     if (pj > 0) ent -= pj * log(pj);
                     dist += pj * fabs((double)(i - j));
                     const double *vj = v + (b * Sp + j) * Ekv + g * d;
                     for (int64_t c = 0; c < d; c++) ctx[c] += pj * vj[c];
                 }
-                head_acc *A = &acc[h];
                 A->ent_sum += ent;
                 if (ent < A->ent_min) A->ent_min = ent;
                 A->dist_sum += dist;
@@ -321,13 +310,10 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
             dg->sim[h1 * H + h2] = dg->sim[h2 * H + h1] = s > 1.0 ? 1.0 : s;
         }
     }
-    free(has);
-    free(simcount);
 
     // Variance of the values (over keys and features of each KV head),
     // the scale the heads' output variance is compared with.
-    double *vvar = malloc(sizeof(double) * (size_t)p->Hkv);
-    for (int64_t g = 0; vvar && g < p->Hkv; g++) {
+    for (int64_t g = 0; g < p->Hkv; g++) {
         double tv = 0;
         for (int64_t c = 0; c < d; c++) {
             double s = 0, s2 = 0;
@@ -343,7 +329,7 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
     }
 
     // 3. Per head: the statistics, spectra, the dead flag.
-    double *a_work = work + H * Sp + 2 * H * d;  // d * fmax doubles
+    double *a_work = ctx + d;  // d * fmax doubles
     for (int64_t h = 0; h < H; h++) {
         mha_head_diag *hd = &dg->heads[h];
         head_acc *A = &acc[h];
@@ -368,7 +354,7 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
             ov += A->c_sq[c] / (double)A->rows - mu * mu;
         }
         ov /= (double)d;
-        hd->output_var_ratio = vvar && vvar[g] > 0 ? (ov > 0 ? ov : 0) / vvar[g] : NAN;
+        hd->output_var_ratio = vvar[g] > 0 ? (ov > 0 ? ov : 0) / vvar[g] : NAN;
         hd->dead = (hd->entropy_norm >= o.dead_entropy) ||
                    (A->rows > 1 && hd->output_var_ratio <= o.dead_output);
         double *sp = dg->spec + h * 4 * nspec;
@@ -380,8 +366,8 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         hd->rank_o = spectrum(sp + 3 * nspec, m->w_out, m->wdt, E, 0, h * d, E, d, o.rank_rtol,
                               a_work);
     }
-    free(vvar);
-    free(q), free(work), free(acc), free(cbuf), free(p);
+done:
+    free(q), free(work), free(acc), free(cbuf), free(vvar), free(has), free(simcount), free(p);
     *out = dg;
-    return MHA_OK;
+    return st;
 }

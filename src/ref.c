@@ -74,6 +74,35 @@ double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
     return v;
 }
 
+double mha__ref_logit(const mha__mask *mk, double scaled, int64_t b, int64_t h, int64_t i,
+                      int64_t j) {
+    if (mk->softcap > 0.0f) scaled = (double)mk->softcap * tanh(scaled / (double)mk->softcap);
+    return scaled + mha__mask_value(mk, b, h, i, j);
+}
+
+void mha__ref_softmax_row(double *row, int64_t S) {
+    double mx = -INFINITY;
+    bool nan = false;
+    for (int64_t j = 0; j < S; j++) {
+        if (isnan(row[j])) nan = true;
+        else if (row[j] > mx) mx = row[j];
+    }
+    if (nan) {  // a NaN score makes the whole row NaN, as in PyTorch
+        for (int64_t j = 0; j < S; j++) row[j] = NAN;
+        return;
+    }
+    if (mx == -INFINITY) {
+        for (int64_t j = 0; j < S; j++) row[j] = 0.0;
+        return;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < S; j++) {
+        row[j] = exp(row[j] - mx);
+        sum += row[j];
+    }
+    for (int64_t j = 0; j < S; j++) row[j] /= sum;
+}
+
 // Passes the (rows, cols) doubles of m (row stride ld) to the trace.
 static void trace_doubles(const mha__trace *tr, const char *step, int64_t b,
                           int64_t h, const double *m, int64_t rows,
@@ -100,38 +129,13 @@ static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L,
     // (2) scale (and soft-cap), then add the masks (-inf for hidden keys,
     //     never 0) and ALiBi
     for (int64_t i = 0; i < L; i++)
-        for (int64_t j = 0; j < S; j++) {
-            double x = scale * P[i * S + j];
-            if (mk->softcap > 0.0f) x = (double)mk->softcap * tanh(x / (double)mk->softcap);
-            P[i * S + j] = x + mha__mask_value(mk, b, h, i, j);
-        }
+        for (int64_t j = 0; j < S; j++)
+            P[i * S + j] = mha__ref_logit(mk, scale * P[i * S + j], b, h, i, j);
     if (tr) trace_doubles(tr, "scaled_scores", b, h, P, L, S, S);
 
     // (3) softmax of each row: subtract the row max so exp never overflows;
     //     a row with every score -inf (all keys masked) becomes all 0.
-    for (int64_t i = 0; i < L; i++) {
-        double *row = P + i * S;
-        double mx = -INFINITY;
-        bool nan = false;
-        for (int64_t j = 0; j < S; j++) {
-            if (isnan(row[j])) nan = true;
-            else if (row[j] > mx) mx = row[j];
-        }
-        if (nan) {  // a NaN score makes the whole row NaN, as in PyTorch
-            for (int64_t j = 0; j < S; j++) row[j] = NAN;
-            continue;
-        }
-        if (mx == -INFINITY) {
-            for (int64_t j = 0; j < S; j++) row[j] = 0.0;
-            continue;
-        }
-        double sum = 0.0;
-        for (int64_t j = 0; j < S; j++) {
-            row[j] = exp(row[j] - mx);
-            sum += row[j];
-        }
-        for (int64_t j = 0; j < S; j++) row[j] /= sum;
-    }
+    for (int64_t i = 0; i < L; i++) mha__ref_softmax_row(P + i * S, S);
     if (tr) trace_doubles(tr, "weights", b, h, P, L, S, S);
 }
 

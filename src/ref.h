@@ -50,6 +50,15 @@ void mha__mask_band(const mha__mask *mk, int64_t i, int64_t S, int64_t *lo, int6
 double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
                       int64_t j);
 
+// Score (b, h, i, j) from its scaled q.k: the soft cap, then the masks and
+// ALiBi (mha__mask_value). The reference's step (2), element by element.
+double mha__ref_logit(const mha__mask *mk, double scaled, int64_t b, int64_t h, int64_t i,
+                      int64_t j);
+// Softmax of one row of S scores in place, the reference's step (3): the
+// row max subtracted; every score -inf (all keys masked) gives all 0; a
+// NaN score makes the whole row NaN (as PyTorch).
+void mha__ref_softmax_row(double *row, int64_t S);
+
 // Dropout on the attention weights of head (b, h): weight (i, j) is kept
 // with probability 1 - p (and scaled by 1/(1-p)) as decided by
 // mha__dropout_keep(seed, offset, stream ATTN, ((b*H + h)*L + i)*S + j, p)
