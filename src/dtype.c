@@ -112,33 +112,3 @@ uint16_t mha_f32_to_bf16(float f) {
     u += 0x7fff + ((u >> 16) & 1);
     return (uint16_t)(u >> 16);
 }
-
-// One float element of type t (F32, F64, BF16, F16) as float32 / stored.
-static float load_f(const void *p, mha_dtype t, int64_t i) {
-    switch (t) {
-    case MHA_BF16: return mha_bf16_to_f32(((const uint16_t *)p)[i]);
-    case MHA_F16: return mha_f16_to_f32(((const uint16_t *)p)[i]);
-    case MHA_F64: return (float)((const double *)p)[i];
-    default: return ((const float *)p)[i];
-    }
-}
-
-void mha__convert_floats(void *dst, mha_dtype dt, const void *src, mha_dtype st, int64_t n) {
-    if (dt == st) {
-        memcpy(dst, src, (size_t)n * mha_dtype_size(dt));
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (dt == MHA_F64 && st == MHA_F32) {
-            ((double *)dst)[i] = ((const float *)src)[i];
-            continue;
-        }
-        const float v = load_f(src, st, i);
-        switch (dt) {
-        case MHA_BF16: ((uint16_t *)dst)[i] = mha_f32_to_bf16(v); break;
-        case MHA_F16: ((uint16_t *)dst)[i] = mha_f32_to_f16(v); break;
-        case MHA_F64: ((double *)dst)[i] = v; break;
-        default: ((float *)dst)[i] = v; break;
-        }
-    }
-}

@@ -34,9 +34,4 @@ void mha__free(void *p);
 const char *mha__shape_str(char *buf, size_t cap, int ndim,
                            const int64_t *shape);
 
-// dst[i] = src[i] for i < n between MHA_F32, MHA_F64, MHA_BF16 and
-// MHA_F16 (through float32; to a half type nearest even; same dtype:
-// copied).
-void mha__convert_floats(void *dst, mha_dtype dt, const void *src, mha_dtype st, int64_t n);
-
 #endif  // MHA_INTERNAL_H

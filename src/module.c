@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "module.h"
+#include "ref.h"
 
 void mha_config_init(mha_config *cfg, int64_t embed_dim, int64_t num_heads) {
     if (!cfg) return;
@@ -226,7 +227,15 @@ mha_status mha_module_param(mha_param *out, const mha_module *m,
 void mha__copy_params(mha_module *dst, const mha_module *src) {
     for (int i = 0; i < src->nparams; i++) {
         const mha_param *s = &src->params[i], *d = &dst->params[i];
-        mha__convert_floats(d->storage, d->dtype, s->storage, s->dtype, s->numel);
+        if (s->dtype == d->dtype) {
+            memcpy(d->storage, s->storage, (size_t)s->numel * mha_dtype_size(s->dtype));
+            continue;
+        }
+        // element by element through the reference's typed views (to a half
+        // type: via float32, nearest even)
+        const mha__mat from = mha__vmat(s->storage, s->dtype, 0, 1),
+                       to = mha__vmat(d->storage, d->dtype, 0, 1);
+        for (int64_t e = 0; e < s->numel; e++) mha__st(to, 0, e, mha__ld(from, 0, e));
     }
 }
 

@@ -565,11 +565,8 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
             break;
         case 'X':
         case 'Y': {
-            mha_dtype *d = c == 'X' ? &o->wdtype : &o->dtype;
-            if (!strcmp(optarg, "f32")) *d = MHA_F32;
-            else if (!strcmp(optarg, "bf16")) *d = MHA_BF16;
-            else if (!strcmp(optarg, "f16")) *d = MHA_F16;
-            else return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
+            if (cli_float_dtype(optarg, c == 'X' ? &o->wdtype : &o->dtype))
+                return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
                                              : "--dtype needs f32, bf16 or f16");
             break;
         }

@@ -6,6 +6,8 @@
 
 // Prints "mha <cmd>: <mha_last_error()>" on stderr; returns 1.
 int cli_fail(const char *cmd, mha_status st);
+// "f32", "bf16", "f16" -> *out; -1 (out untouched) otherwise.
+int cli_float_dtype(const char *s, mha_dtype *out);
 // Wall-clock seconds (monotonic).
 double cli_now(void);
 

@@ -62,8 +62,7 @@ static int parse_f64(const char *s, double *out) {
     return 0;
 }
 
-// "f32", "bf16", "f16" -> dtype; -1 otherwise.
-static int parse_float_dtype(const char *s, mha_dtype *out) {
+int cli_float_dtype(const char *s, mha_dtype *out) {
     if (!strcmp(s, "f32")) *out = MHA_F32;
     else if (!strcmp(s, "bf16")) *out = MHA_BF16;
     else if (!strcmp(s, "f16")) *out = MHA_F16;
@@ -139,7 +138,7 @@ static int cmd_init(int argc, char **argv) {
             break;
         case 'o': out = optarg; break;
         case 'W':
-            if (parse_float_dtype(optarg, &cfg.weight_dtype))
+            if (cli_float_dtype(optarg, &cfg.weight_dtype))
                 return usage_error("init", "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'h': fputs(init_help, stdout); return 0;
@@ -418,11 +417,11 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         case 'B': r->a.alibi = true; break;
         case 'M': r->incremental = true; break;
         case 'Y':
-            if (parse_float_dtype(optarg, &r->dtype))
+            if (cli_float_dtype(optarg, &r->dtype))
                 return usage_error(cmd, "--dtype needs f32, bf16 or f16");
             break;
         case 'j':
-            if (parse_float_dtype(optarg, &r->base.weight_dtype))
+            if (cli_float_dtype(optarg, &r->base.weight_dtype))
                 return usage_error(cmd, "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'Q':
