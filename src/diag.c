@@ -186,8 +186,7 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
     const double scale = 1.0 / sqrt((double)d);
     const int64_t R = o.max_rows > 0 && o.max_rows < L ? o.max_rows : L;
     const int64_t kd = m->cfg.kdim, vd = m->cfg.vdim;
-    int64_t fmax = E > kd ? E : kd;
-    if (vd > fmax) fmax = vd;
+    const int64_t fmax = mha__module_max_in(m);
     const int64_t nspec = d < fmax ? d : fmax;
     // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
     // Sp), a context row (d), the SVD's copy of a slice (d * fmax)

@@ -97,10 +97,7 @@ static bool same_view(const mha_tensor *a, const mha_tensor *b) {
 
 // The widening scratch of a module with half weights.
 static size_t wh_floats(const mha__kernels *kt, const mha_module *m, int nt) {
-    int64_t I = m->cfg.embed_dim;
-    if (m->cfg.kdim > I) I = m->cfg.kdim;
-    if (m->cfg.vdim > I) I = m->cfg.vdim;
-    return mha__gemm_pack_half_tmp_floats(kt, I, nt);
+    return mha__gemm_pack_half_tmp_floats(kt, mha__module_max_in(m), nt);
 }
 
 mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,

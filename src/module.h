@@ -30,6 +30,14 @@ struct mha_module {
     float *out_bias;                      // (E)
 };
 
+// The widest input of the projections: max(E, kdim, vdim).
+static inline int64_t mha__module_max_in(const mha_module *m) {
+    int64_t I = m->cfg.embed_dim;
+    if (m->cfg.kdim > I) I = m->cfg.kdim;
+    if (m->cfg.vdim > I) I = m->cfg.vdim;
+    return I;
+}
+
 // dst's parameters <- src's (same config but for weight_dtype), converted
 // to dst's storage.
 void mha__copy_params(mha_module *dst, const mha_module *src);
