@@ -164,6 +164,24 @@ MHA_API const char *mha_impl_name(mha_impl impl);
 // ---------------------------------------------------------------------------
 // The module: nn.MultiheadAttention
 
+// Per-head gates on the heads' outputs, before W_O: head h's context
+// ctx_h (L, d) becomes g_h * ctx_h. Trainable through mha_backward.
+//   MHA_GATE_STATIC:  g_h = head_gate[h], a parameter "head_gate" (H),
+//                     initialised to 1 (the ungated module)
+//   MHA_GATE_DYNAMIC: g_{n,l,h} = sigmoid(x_q[n,l,:] . W_g[h,:] + b_g[h]),
+//                     from the query input: parameters "gate_proj.weight"
+//                     (H, E) and "gate_proj.bias" (H), initialised to 0
+//                     (every gate 0.5 until trained); float32 always
+// A head pruned with mha_module_prune_heads is skipped whatever its gate.
+typedef enum mha_head_gate {
+    MHA_GATE_NONE = 0,
+    MHA_GATE_STATIC = 1,
+    MHA_GATE_DYNAMIC = 2,
+} mha_head_gate;
+MHA_API const char *mha_head_gate_name(mha_head_gate g);  // "none", "static", "dynamic"
+MHA_API MHA_NODISCARD mha_status mha_head_gate_from_name(mha_head_gate *out,
+                                                         const char *name);
+
 typedef struct mha_config {
     int64_t embed_dim;   // E
     int64_t num_heads;   // H; must divide E
@@ -196,6 +214,9 @@ typedef struct mha_config {
                              // forward with `save`, and the optimizers
                              // refuse it (MHA_ERR_UNSUPPORTED): train in
                              // float32, then mha_module_convert.
+    mha_head_gate head_gate;  // per-head output gates (see mha_head_gate):
+                              // MHA_GATE_NONE (the default, 0),
+                              // MHA_GATE_STATIC or MHA_GATE_DYNAMIC
 } mha_config;
 
 // Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
@@ -223,6 +244,8 @@ MHA_API const mha_config *mha_module_config(const mha_module *m);
 //   bias:              "in_proj_bias" (E + 2 Ekv), "out_proj.bias" (E)
 //   always:            "out_proj.weight" (E, E)
 //   add_bias_kv:       "bias_k" (1, 1, Ekv), "bias_v" (1, 1, Ekv)
+//   MHA_GATE_STATIC:   "head_gate" (H)
+//   MHA_GATE_DYNAMIC:  "gate_proj.weight" (H, E), "gate_proj.bias" (H)
 // Query head h uses features [h*d, (h+1)*d) of the projected Q; KV head
 // g = h / (H / Hkv) features [g*d, (g+1)*d) of the projected K and V.
 // storage points into the module (contiguous, 64-byte aligned, elements of
@@ -257,6 +280,23 @@ MHA_API MHA_NODISCARD mha_status mha_module_convert(mha_module **out,
                                                     const mha_module *m,
                                                     mha_dtype weight_dtype);
 
+// Head pruning: the heads listed (n of them, each in [0, H), repeats
+// allowed) are skipped from now on: their attention is not computed (no
+// scores, no softmax, no weighting of V) and their context is zero, as if
+// gated by 0; their attention weights (need_weights) are zero rows and the
+// averaged weights are the mean over the live heads of the selected block.
+// The projections still run (their rows are part of the packed GEMMs).
+// mha_backward gives zero gradients through a pruned head. n = 0 (heads
+// may be NULL) restores every head. Replaces the previous set; on error
+// the set is unchanged. Saved as __metadata__ "pruned_heads" ("1,3").
+// Under mha_forward_cached the pruned heads' context is zeroed but their
+// attention is computed.
+MHA_API MHA_NODISCARD mha_status mha_module_prune_heads(mha_module *m, const int64_t *heads,
+                                                        int64_t n);
+// Whether head h is pruned (false when h is out of range); and how many.
+MHA_API bool mha_module_head_pruned(const mha_module *m, int64_t h);
+MHA_API int64_t mha_module_num_pruned(const mha_module *m);
+
 // Loading and saving parameters as safetensors, under PyTorch's
 // state_dict names (so torch's `save_file(mha.state_dict(), ...)` loads).
 // mha_module_load reads embed_dim, kdim, vdim, bias and add_bias_kv from
@@ -267,14 +307,17 @@ MHA_API MHA_NODISCARD mha_status mha_module_convert(mha_module **out,
 // from __metadata__ "num_kv_heads", or, when absent, from the K/V shapes
 // (Ekv / d); batch_first, add_zero_attn and dropout from base (NULL:
 // defaults); weight_dtype from base (the weights are converted to it:
-// a BF16 file into a BF16 module is copied exactly). F32, F16, BF16 and
-// F64 tensors are accepted.
+// a BF16 file into a BF16 module is copied exactly); head_gate from the
+// tensors present ("head_gate": static, "gate_proj.weight" and
+// "gate_proj.bias": dynamic); the pruned heads from __metadata__
+// "pruned_heads". F32, F16, BF16 and F64 tensors are accepted.
 MHA_API MHA_NODISCARD mha_status mha_module_load(mha_module **out,
                                                  const mha_st_file *f,
                                                  const mha_config *base);
 // Writes every parameter in its storage dtype (F32; the weight matrices
 // as BF16/F16 in a module with half weights) and __metadata__ {"num_heads": "H"} (and
-// "num_kv_heads" when it differs from num_heads).
+// "num_kv_heads" when it differs from num_heads, "pruned_heads" when any
+// head is pruned).
 MHA_API MHA_NODISCARD mha_status mha_module_save(const mha_module *m,
                                                  const char *path);
 

@@ -92,19 +92,21 @@ static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
     if (a->embed_dim != b->embed_dim || a->num_heads != b->num_heads ||
         a->num_kv_heads != b->num_kv_heads ||
         a->kdim != b->kdim || a->vdim != b->vdim || a->bias != b->bias ||
-        a->add_bias_kv != b->add_bias_kv)
+        a->add_bias_kv != b->add_bias_kv || a->head_gate != b->head_gate)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "backward: the gradient module's configuration "
                          "(embed_dim %lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
-                         "vdim %lld, bias %d, add_bias_kv %d) differs from the module's "
-                         "(%lld, %lld, %lld, %lld, %lld, %d, %d)",
+                         "vdim %lld, bias %d, add_bias_kv %d, head_gate %s) differs from the "
+                         "module's (%lld, %lld, %lld, %lld, %lld, %d, %d, %s)",
                          (long long)a->embed_dim, (long long)a->num_heads,
                          (long long)a->num_kv_heads,
                          (long long)a->kdim, (long long)a->vdim, a->bias,
-                         a->add_bias_kv, (long long)b->embed_dim,
+                         a->add_bias_kv, mha_head_gate_name(a->head_gate),
+                         (long long)b->embed_dim,
                          (long long)b->num_heads, (long long)b->num_kv_heads,
                          (long long)b->kdim,
-                         (long long)b->vdim, b->bias, b->add_bias_kv);
+                         (long long)b->vdim, b->bias, b->add_bias_kv,
+                         mha_head_gate_name(b->head_gate));
     return MHA_OK;
 }
 
@@ -161,11 +163,13 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     const int nt = p.nthreads;
     // Scratch, one block of doubles: per thread 2 (L, Sp) and, with G > 1,
     // 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy (N, L, E);
-    // k, v, dk, dv (N, Sp, Ekv).
+    // k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, E), gate and dg (N, L, H).
+    const bool gated = mha__module_gated(m);
     size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * Ekv),
+           nlh = gated ? (size_t)(N * L * H) : 0,
            lsp = (size_t)(L * Sp) + (G > 1 ? (size_t)(Sp * d) : 0), count, bytes;
     if (mha__mul_overflow_size(2 * lsp, (size_t)nt, &count) ||
-        mha__add_overflow_size(count, 5 * nle + 4 * nse, &count) ||
+        mha__add_overflow_size(count, (gated ? 6 : 5) * nle + 4 * nse + 2 * nlh, &count) ||
         mha__mul_overflow_size(count, sizeof(double), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
     double *block = malloc(bytes ? bytes : 1);
@@ -176,6 +180,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     double *q = block + 2 * lsp * (size_t)nt;
     double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
     double *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
+    double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh;
 
     // Forward step 1 again: the projections.
     mha__project_qkv(&p, m, &a, q, k, v);
@@ -194,7 +199,16 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
             }
     // dctx = dy Wo  (forward: y = ctx Wo^T + bo)
     const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
-    grad_input(dctx, MHA_F64, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
+    grad_input(gated ? dgc : dctx, MHA_F64, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
+    // gated: the forward's ctx_h * g (gctx) went into W_O, so
+    // dctx_h = dgc_h * g and dg = sum_c dgc_h ctx_h (after the heads)
+    if (gated) {
+        mha__gates_d(&p, m, &a, gate);
+        for (int64_t r = 0; r < N * L; r++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t c = 0; c < d; c++)
+                    dctx[r * E + h * d + c] = dgc[r * E + h * d + c] * gate[r * H + h];
+    }
 
     // Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
     // (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
@@ -206,10 +220,18 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
         int64_t b = bg / Hkv, kvh = bg % Hkv;
         double *ws = pw + (size_t)mha__thread_id() * 2 * lsp;
         double *dkh = ws + 2 * L * Sp, *dvh = dkh + Sp * d;  // (Sp, d) each, G > 1
-        const int64_t ok = b * Sp * Ekv + kvh * d;
+        const int64_t ok = b * Sp * Ekv + kvh * d, h0 = mha__group_first_live(m, kvh, G);
+        if (h0 < 0)  // every query head of the group pruned: no gradient
+            for (int64_t j = 0; j < Sp; j++)
+                for (int64_t c = 0; c < d; c++) dk[ok + j * Ekv + c] = dv[ok + j * Ekv + c] = 0.0;
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
             const int64_t oq = b * L * E + h * d;
-            const bool first = h == kvh * G;
+            if (!mha__head_live(m, h)) {  // pruned: zero context (forward), zero dq
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t c = 0; c < d; c++) ctx[oq + i * E + c] = dq[oq + i * E + c] = 0.0;
+                continue;
+            }
+            const bool first = h == h0;
             mha__ref_attention_head_backward(
                 mha__dmat(dq + oq, E), first ? mha__dmat(dk + ok, Ekv) : mha__dmat(dkh, d),
                 first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d),
@@ -226,13 +248,39 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     }
 
     mha__rope_qk_d(&p, &a, dq, dk, true);  // through the rotation (orthogonal)
+    if (gated) {
+        // dg[n, t, h] = sum_c dgc ctx (the ungated context); then dgc <- gctx.
+        // Dynamic: dz = dg g (1 - g) in dg, z = x_q W_g^T + b_g.
+        for (int64_t r = 0; r < N * L; r++)
+            for (int64_t h = 0; h < H; h++) {
+                double sdg = 0.0;
+                for (int64_t c = 0; c < d; c++) {
+                    const int64_t i = r * E + h * d + c;
+                    sdg += dgc[i] * ctx[i];
+                    dgc[i] = ctx[i] * gate[r * H + h];
+                }
+                const double gv_ = gate[r * H + h];
+                dg[r * H + h] = m->cfg.head_gate == MHA_GATE_DYNAMIC ? sdg * gv_ * (1.0 - gv_)
+                                                                     : sdg;
+            }
+    }
+    if (grads && m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum_{n,t} dg
+        for (int64_t h = 0; h < H; h++) {
+            double sg = 0.0;
+            for (int64_t r = 0; r < N * L; r++) sg += dg[r * H + h];
+            store(grads->head_gate, MHA_F32, h, sg, accumulate);
+        }
+    if (grads && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = sum dz
+        grad_linear(grads->gate_weight, grads->gate_bias, accumulate, dg, L, a.query->data,
+                    a.query->dtype, p.qs, N, L, H, E, nt);
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
               *gbv = gbq ? gbq + E + Ekv : NULL;
         mha_dtype qf = a.query->dtype, kf = a.key->dtype, vf = a.value->dtype;
-        // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo)
-        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, ctx, MHA_F64,
-                    cs, N, L, E, E, nt);
+        // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
+        // ctx is gctx, formed in dgc after dg)
+        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
+                    MHA_F64, cs, N, L, E, E, nt);
         // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
         grad_linear(grads->q_weight, gbq, accumulate, dq, L, a.query->data, qf, p.qs,
                     N, L, E, E, nt);
@@ -258,6 +306,8 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
         mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
         grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight,
                    N, L, E, E, nt);
+        if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
+            grad_input(gq->data, gq->dtype, xs, true, dg, L, m->gate_weight, N, L, H, E, nt);
     }
     if (gk) {
         mha__seq_batch_feat(xs, gk, m->cfg.batch_first);

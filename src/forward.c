@@ -480,7 +480,9 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                   : 0,
               sizeof(double)) ||
         carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
-        carve(&total, &p->off_trace, tr, sizeof(float)))
+        carve(&total, &p->off_trace, tr, sizeof(float)) ||
+        carve(&total, &p->off_gate, mha__module_gated(m) ? p->N * p->L * p->H : 0,
+              sizeof(double)))
         return mha__fail(MHA_ERR_OVERFLOW,
                          "scratch size overflows: N %lld, L %lld, S %lld, E %lld",
                          (long long)p->N, (long long)p->L, (long long)p->S,
@@ -612,6 +614,19 @@ void mha__project_qkv(const fwd_plan *p, const mha_module *m,
     mha__rope_qk_d(p, a, q, k, false);
 }
 
+void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                  double *g) {
+    const int64_t R = p->N * p->L, H = p->H;
+    if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
+        project(g, p->L, a->query, p->qs, m->gate_weight, MHA_F32, m->gate_bias, p->N, p->L,
+                p->E, H, p->nthreads);
+        for (int64_t i = 0; i < R * H; i++) g[i] = 1.0 / (1.0 + exp(-g[i]));
+        return;
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t h = 0; h < H; h++) g[r * H + h] = m->head_gate[h];
+}
+
 void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
                     bool inverse) {
     if (a->rope.mode == MHA_ROPE_NONE) return;
@@ -678,6 +693,20 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         int64_t b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         mha__mat wh = {NULL, false, 0, 0, 0};
+        if (!mha__head_live(m, h)) {  // pruned: zero context, zero weights, no work
+            for (int64_t i = 0; i < L; i++)
+                memset(ctx + b * L * E + i * E + h * d, 0, (size_t)d * sizeof(double));
+            if (via_headw) memset(headw + bh * L * Sp, 0, (size_t)(L * Sp) * sizeof(double));
+            else if (perhead) {
+                int o = p->unbatched ? 0 : 1;
+                mha__mat w = view_row(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
+                                                   h * weights->stride[o], o + 2);
+                w.rs = weights->stride[o + 1];
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t j = 0; j < Sp; j++) mha__st(w, i, j, 0.0);
+            }
+            continue;
+        }
         if (via_headw) {
             wh = mha__dmat(headw + bh * L * Sp, Sp);
         } else if (perhead) {
@@ -694,12 +723,21 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                                 scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
     }
     trace_buffer(a, "concat", tbuf, ctx, N, L, E);
+    // Gates: head h's context times g[n, t, h] (before W_O).
+    if (mha__module_gated(m)) {
+        double *gate = (double *)(ws + p->off_gate);
+        mha__gates_d(p, m, a, gate);
+        for (int64_t r = 0; r < N * L; r++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
+        trace_buffer(a, "gated", tbuf, ctx, N, L, E);
+    }
 
     // 3. Averaged weights: mean over the (selected) heads, summed in head
     //    order; or the selected block of the per-head weights.
     if (avg) {
         int o = p->unbatched ? 0 : 1;  // weights (N,) Ls, Sp
-        const int64_t Ls = p->wr1 - p->wr0;
+        const int64_t Ls = p->wr1 - p->wr0, live = mha__live_in(m, p->wh0, p->wh1);
         for (int64_t b = 0; b < N; b++)
             for (int64_t i = p->wr0; i < p->wr1; i++) {
                 double *row = scores;  // (a free (L, Sp) block now)
@@ -707,7 +745,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                     double s = 0.0;
                     for (int64_t h = p->wh0; h < p->wh1; h++)
                         s += headw[((b * H + h) * L + i) * Sp + j];
-                    row[j] = s / (double)(p->wh1 - p->wh0);
+                    row[j] = s / (double)(live ? live : 1);  // pruned rows are 0
                 }
                 mha__weights_row_out(weights, a->weights_scale, b * Ls + i - p->wr0,
                                      (p->unbatched ? 0 : b * weights->stride[0]) +

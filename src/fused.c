@@ -149,7 +149,12 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                                   ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
                                   : 0) ||
         carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch) ||
-        carve(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)wh_floats(gk, m, p->nthreads)))
+        carve(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)wh_floats(gk, m, p->nthreads)) ||
+        carve(&t, &p->f_gate, mha__module_gated(m) ? Rq * H : 0) ||
+        carve(&t, &p->f_gctx, mha__module_gated(m) ? Rq * E : 0) ||
+        carve(&t, &p->f_wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
+                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
+                                : 0))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
     p->ws_bytes = t + 64;
     return MHA_OK;
@@ -182,6 +187,31 @@ static void linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const flo
 // The module's weight matrix at p (one of m->w_*), with scratch wh.
 static wsrc wmod(const mha_module *m, const void *p, float *wh) {
     return (wsrc){p, m->wdt, wh};
+}
+
+// The gates of a gated module's R query rows X (R, E), gate (R, H):
+// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g packed into
+// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, E) = each
+// head's ctx times its gate.
+static void gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
+                      const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
+                      float *gs, int nt) {
+    const int64_t E = m->cfg.embed_dim, H = m->cfg.num_heads, d = m->head_dim;
+    if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
+        linear_rows(kt, gate, H, X, ldx, wf32(m->gate_weight), m->gate_bias, R, E, H, Wp, gs, nt);
+        for (int64_t i = 0; i < R * H; i++) gate[i] = (float)(1.0 / (1.0 + exp(-(double)gate[i])));
+    } else {
+        for (int64_t r = 0; r < R; r++) memcpy(gate + r * H, m->head_gate, (size_t)H * sizeof(float));
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t c = 0; c < d; c++)
+                gctx[r * E + h * d + c] = ctx[r * E + h * d + c] * gate[r * H + h];
+}
+
+// Zeroes rows [i0, i1) of head column block [c0, c0 + d) of a row matrix.
+static void zero_head_rows(float *row0, int64_t rs, int64_t i0, int64_t i1, int64_t d) {
+    for (int64_t i = i0; i < i1; i++) memset(row0 + i * rs, 0, (size_t)d * sizeof(float));
 }
 
 // C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
@@ -308,7 +338,9 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         };
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         float *sc = scratch + (size_t)tid * sf;
-        mha__flash_rows(kt, &fh, i0, i1, sc);
+        const bool live = mha__head_live(m, h);  // a pruned head: no work, zero context
+        if (live) mha__flash_rows(kt, &fh, i0, i1, sc);
+        else zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
         // the weights of this tile's rows in the selected block
         const int64_t r0 = i0 > p->wr0 ? i0 : p->wr0, r1 = i1 < p->wr1 ? i1 : p->wr1;
         if (a->need_weights && h >= p->wh0 && h < p->wh1 && r0 < r1) {
@@ -329,7 +361,10 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                                       (int64_t)mha_dtype_size(weights->dtype),
                               weights->dtype, weights->stride[o + 1], weights->stride[o + 2]);
             }
-            mha__flash_weights(kt, &fh, r0, r1, w, sc);
+            if (live) mha__flash_weights(kt, &fh, r0, r1, w, sc);
+            else
+                for (int64_t r = 0; r < r1 - r0; r++)
+                    for (int64_t j = 0; j < Sp; j++) mha__st(w, r, j, 0.0);
             if (wq) {
                 int o = p->unbatched ? 0 : 1;
                 for (int64_t r = r0; r < r1; r++)
@@ -343,8 +378,9 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         }
     }
     if (sv) sv->valid = true;
-    if (avg) {  // mean over the selected heads, summed in head order
+    if (avg) {  // mean over the selected live heads, summed in head order
         const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
+        const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1) ? mha__live_in(m, p->wh0, p->wh1) : 1);
         int o = p->unbatched ? 0 : 1;
         for (int64_t b = 0; b < N; b++)
             for (int64_t i = 0; i < Ls; i++) {
@@ -356,7 +392,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         float s = 0.0f;
                         for (int64_t h = 0; h < Hs; h++)
                             s += headw[((b * Hs + h) * Ls + i) * Sp + j];
-                        row[j] = s / (float)Hs;
+                        row[j] = s / nlive;
                     }
                     mha__weights_row_out(weights, a->weights_scale, b * Ls + i, off, NULL, row,
                                          Sp);
@@ -368,7 +404,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                 for (int64_t j = 0; j < Sp; j++) {
                     float s = 0.0f;
                     for (int64_t h = 0; h < Hs; h++) s += headw[((b * Hs + h) * Ls + i) * Sp + j];
-                    mha__st(wr, 0, j, s / (float)Hs);
+                    mha__st(wr, 0, j, s / nlive);
                 }
             }
     }
@@ -379,7 +415,14 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     bool direct = rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
     if (!direct) ldo = E;
-    linear_rows(kt, y, ldo, ctx, E, wmod(m, m->w_out, wh), m->out_bias, Rq, E, E, wo, gs, nt);
+    const float *octx = ctx;
+    if (mha__module_gated(m)) {  // the heads' contexts times their gates
+        float *gctx = (float *)(ws + p->f_gctx);
+        gate_rows(kt, (float *)(ws + p->f_gate), gctx, ctx, m, xq, ldq, Rq,
+                  (float *)(ws + p->f_wg), gs, nt);
+        octx = gctx;
+    }
+    linear_rows(kt, y, ldo, octx, E, wmod(m, m->w_out, wh), m->out_bias, Rq, E, E, wo, gs, nt);
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
             int64_t n, t;
@@ -707,7 +750,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
-        mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
+        if (mha__head_live(m, h)) mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
+        else zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
     }
 
     // dy = dY * drop_o (rows in the query's order); dctx = dy Wo.
@@ -723,6 +767,29 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         }
     }
     matmul_rows(kt, dctx, E, dy, E, m->out_weight, E, Rq, E, E, bp, gs, nt);
+    // Gated: W_O saw gctx = ctx_h * g, so dg = sum_c dctx_h ctx_h (dynamic:
+    // dz = dg g (1 - g), z = Xq W_g^T + b_g), then dctx_h *= g.
+    float *gbuf = NULL, *gate = NULL, *gctx = NULL, *dg = NULL;
+    if (mha__module_gated(m)) {
+        const size_t nwg = mha__gemm_packed_b_floats(kt, E, H);
+        gbuf = mha__alloc(sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
+        if (!gbuf) {
+            mha__free(blk);
+            return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for the gates");
+        }
+        gate = gbuf, dg = gate + Rq * H, gctx = dg + Rq * H;
+        gate_rows(kt, gate, gctx, ctx, m, Xq, ldq, Rq, gctx + Rq * E, gs, nt);
+        const bool dyn = m->cfg.head_gate == MHA_GATE_DYNAMIC;
+        for (int64_t r = 0; r < Rq; r++)
+            for (int64_t h = 0; h < H; h++) {
+                float *dc = dctx + r * E + h * d;
+                const float *c = ctx + r * E + h * d, g = gate[r * H + h];
+                double sdg = 0.0;
+                for (int64_t i = 0; i < d; i++) sdg += (double)dc[i] * c[i];
+                dg[r * H + h] = (float)(dyn ? sdg * g * (1.0 - g) : sdg);
+                for (int64_t i = 0; i < d; i++) dc[i] *= g;
+            }
+    }
     // Attention backward: one thread per KV head (b, g) when there are at
     // least as many as threads (each tile pair's S and dP computed once; the
     // group's query heads in increasing order, adding to dk_g, dv_g), else
@@ -733,15 +800,25 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (per_head) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t bg = 0; bg < N * Hkv; bg++) {
-            int64_t b = bg / Hkv, g = bg % Hkv;
+            int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__group_first_live(m, g, G);
+            if (h0 < 0) {  // the whole group pruned: no gradient
+                zero_head_rows(head_row0(&dkm, b, g * d), head_rs(&dkm), 0, S, d);
+                zero_head_rows(head_row0(&dvm, b, g * d), head_rs(&dvm), 0, S, d);
+                memset(dextra + bg * nx * d, 0, sizeof(float) * (size_t)(nx * d));
+                memset(dextra + (N * Hkv + bg) * nx * d, 0, sizeof(float) * (size_t)(nx * d));
+            }
             for (int64_t h = g * G; h < (g + 1) * G; h++) {
+                if (!mha__head_live(m, h)) {
+                    zero_head_rows(head_row0(&dqm, b, h * d), head_rs(&dqm), 0, L, d);
+                    continue;
+                }
                 mha__flash_head fh = HEAD(b, h);
                 mha__flash_bwd_head(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm),
                                     dsum + (b * H + h) * L, head_row0(&dqm, b, h * d),
                                     head_rs(&dqm), head_row0(&dkm, b, g * d), head_rs(&dkm),
                                     head_row0(&dvm, b, g * d), head_rs(&dvm),
                                     dextra + bg * nx * d, dextra + (N * Hkv + bg) * nx * d,
-                                    h != g * G, scratch + (size_t)mha__thread_id() * sf);
+                                    h != h0, scratch + (size_t)mha__thread_id() * sf);
             }
         }
     }
@@ -751,6 +828,10 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
+        if (!mha__head_live(m, h)) {
+            zero_head_rows(head_row0(&dqm, b, h * d), head_rs(&dqm), i0, i1, d);
+            continue;
+        }
         mha__flash_bwd_q(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm), dsum + bh * L,
                          i0, i1, head_row0(&dqm, b, h * d) + i0 * head_rs(&dqm),
                          head_rs(&dqm), scratch + (size_t)tid * sf);
@@ -776,10 +857,16 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
             dvp = head_row0(&dvm, b, g * d) + j0 * head_rs(&dvm);
             rs = head_rs(&dkm);
         }
+        const int64_t h0 = mha__group_first_live(m, g, G);
+        if (h0 < 0) {  // the whole group pruned: no gradient
+            zero_head_rows(dkp, rs, 0, n, d);
+            zero_head_rows(dvp, rs, 0, n, d);
+        }
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            if (!mha__head_live(m, h)) continue;
             mha__flash_head fh = HEAD(b, h);
             mha__flash_bwd_kv(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm),
-                              dsum + (b * H + h) * L, j0, n, dkp, rs, dvp, rs, h != g * G,
+                              dsum + (b * H + h) * L, j0, n, dkp, rs, dvp, rs, h != h0,
                               scratch + (size_t)tid * sf);
         }
     }
@@ -791,7 +878,17 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
               *gbv = gbq ? gbq + E + Ekv : NULL;
-        grad_weight(kt, grads->out_weight, grads->out_bias, acc, dy, E, ctx, E, Rq, E, E, tmp, bp, gs, nt);
+        grad_weight(kt, grads->out_weight, grads->out_bias, acc, dy, E, gctx ? gctx : ctx, E, Rq,
+                    E, E, tmp, bp, gs, nt);
+        if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
+            for (int64_t h = 0; h < H; h++) {
+                double sg = 0.0;
+                for (int64_t r = 0; r < Rq; r++) sg += dg[r * H + h];
+                store_f(grads->head_gate + h, sg, acc);
+            }
+        if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
+            grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, Xq, ldq, Rq, H, E,
+                        tmp, bp, gs, nt);
         if (sp) {
             // dWin (E + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
             grad_weight(kt, grads->in_proj_weight, gbq, acc, dqkv, W3, Xq, ldq, Rq, W3, E,
@@ -818,6 +915,9 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     // Input gradients: dX = d W (self-attention: each part separately, as
     // the API returns grad_query, grad_key, grad_value).
     if (gq) grad_input(kt, gq, acc, dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+    if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
+        grad_input(kt, gq, true, dg, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
+    mha__free(gbuf);
     if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
     if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
     mha__free(blk);
@@ -930,11 +1030,27 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
         free(starts);
         return st;
     }
+    for (int64_t h = 0; h < H; h++)  // pruned heads: zero context (computed all the same)
+        if (!mha__head_live(m, h)) zero_head_rows(ctx + h * d, E, 0, R, d);
+    float *gbuf = NULL;
+    const float *octx = ctx;
+    if (mha__module_gated(m)) {
+        const size_t nwg = mha__gemm_packed_b_floats(kt, E, H);
+        gbuf = mha__alloc(sizeof(float) * ((size_t)(R * H + R * E) + nwg));
+        if (!gbuf) {
+            mha__free(blk);
+            free(starts);
+            return mha__fail(MHA_ERR_NOMEM, "mha_forward_cached: out of memory for the gates");
+        }
+        gate_rows(kt, gbuf, gbuf + R * H, ctx, m, X, ldx, R, gbuf + R * H + R * E, gs, nt);
+        octx = gbuf + R * H;
+    }
     int64_t ldo = E;
     const bool direct = rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : yt;
     if (!direct) ldo = E;
-    linear_rows(kt, y, ldo, ctx, E, wmod(m, m->w_out, wh), m->out_bias, R, E, E, wo, gs, nt);
+    linear_rows(kt, y, ldo, octx, E, wmod(m, m->w_out, wh), m->out_bias, R, E, E, wo, gs, nt);
+    mha__free(gbuf);
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
             mha__mat row = view_row(out, r);

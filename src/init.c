@@ -163,7 +163,15 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
         mha_module_destroy(f);
         return st;
     }
-    const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim;
+    const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim, H = m->cfg.num_heads;
+    // Gates (no random draws): static ones open (1), dynamic W_g, b_g zero
+    // (every gate sigmoid(0) = 0.5).
+    if (m->head_gate)
+        for (int64_t h = 0; h < H; h++) m->head_gate[h] = 1.0f;
+    if (m->gate_weight) {
+        memset(m->gate_weight, 0, (size_t)(H * E) * sizeof(float));
+        memset(m->gate_bias, 0, (size_t)H * sizeof(float));
+    }
     rng r = {o->seed, 0, 0.0};
     mha_status st;
     // In-projection: the packed (E + 2 Ekv, E) matrix as one, or each matrix.

@@ -39,6 +39,35 @@ static bool parse_pos_int(const char *s, int64_t *out) {
     return true;
 }
 
+// __metadata__ "pruned_heads": comma-separated head indices ("" or absent:
+// none).
+static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *lab) {
+    const char *s = mha_st_metadata(f, "pruned_heads");
+    if (!s || !*s) return MHA_OK;
+    const int64_t H = m->cfg.num_heads;
+    int64_t *heads = malloc(sizeof(int64_t) * (size_t)H), n = 0;
+    if (!heads) return mha__fail(MHA_ERR_NOMEM, "%s: out of memory", lab);
+    char qn[128];
+    for (const char *p = s;;) {
+        int64_t v = 0;
+        const char *q = p;
+        while (*q >= '0' && *q <= '9' && v <= H) v = v * 10 + (*q++ - '0');
+        if (q == p || v >= H || n >= H || (*q != ',' && *q != '\0')) {
+            free(heads);
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: __metadata__ pruned_heads \"%s\" is not a comma-separated "
+                             "list of at most %lld distinct heads in [0, %lld)", lab,
+                             mha_escape(qn, sizeof qn, s), (long long)H, (long long)H);
+        }
+        heads[n++] = v;
+        if (!*q) break;
+        p = q + 1;
+    }
+    mha_status st = mha_module_prune_heads(m, heads, n);
+    free(heads);
+    return st;
+}
+
 mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                            const mha_config *base) {
     char s1[160];
@@ -57,8 +86,9 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                                   "k_proj_weight",  "v_proj_weight",
                                   "in_proj_bias",   "out_proj.weight",
                                   "out_proj.bias",  "bias_k",
-                                  "bias_v"};
-    enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, NP };
+                                  "bias_v",         "head_gate",
+                                  "gate_proj.weight", "gate_proj.bias"};
+    enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, NP };
     mha_st_tensor t[NP];
     bool has[NP];
     for (int i = 0; i < NP; i++)
@@ -118,6 +148,13 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                          "%s: bias_k and bias_v must be both present or "
                          "both absent (has %s only)", lab, has[BK] ? "bias_k" : "bias_v");
     cfg.add_bias_kv = has[BK];
+    if (has[GW] != has[GB] || (has[HG] && has[GW]))
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: gates are either head_gate (static) or both gate_proj.weight "
+                         "and gate_proj.bias (dynamic); the file has%s%s%s", lab,
+                         has[HG] ? " head_gate" : "", has[GW] ? " gate_proj.weight" : "",
+                         has[GB] ? " gate_proj.bias" : "");
+    cfg.head_gate = has[HG] ? MHA_GATE_STATIC : has[GW] ? MHA_GATE_DYNAMIC : MHA_GATE_NONE;
     if (cfg.num_heads == 0) {
         const char *h = mha_st_metadata(f, "num_heads");
         if (!h)
@@ -186,6 +223,7 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                               p->dtype, &x)))
             goto fail;
     }
+    if ((st = load_pruned(m, f, lab))) goto fail;
     *out = m;
     return MHA_OK;
 fail:
@@ -209,6 +247,16 @@ mha_status mha_module_save(const mha_module *m, const char *path) {
     if (!st && m->cfg.num_kv_heads != m->cfg.num_heads) {
         snprintf(heads, sizeof heads, "%lld", (long long)m->cfg.num_kv_heads);
         st = mha_st_writer_set_metadata(w, "num_kv_heads", heads);
+    }
+    if (!st && m->npruned) {
+        char *list = malloc((size_t)m->cfg.num_heads * 21 + 1);
+        if (!list) st = mha__fail(MHA_ERR_NOMEM, "mha_module_save: out of memory");
+        size_t k = 0;
+        for (int64_t h = 0; list && h < m->cfg.num_heads; h++)
+            if (m->pruned[h])
+                k += (size_t)sprintf(list + k, "%s%lld", k ? "," : "", (long long)h);
+        if (list) st = mha_st_writer_set_metadata(w, "pruned_heads", list);
+        free(list);
     }
     if (!st) st = mha_st_writer_save(w, path);
     mha_st_writer_destroy(w);

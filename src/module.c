@@ -12,6 +12,9 @@
 //   bias_k (1, 1, Ekv), bias_v (1, 1, Ekv)    when add_bias_kv
 //   out_proj.weight (E, E)
 //   out_proj.bias (E)                         when bias
+//   head_gate (H)                             MHA_GATE_STATIC
+//   gate_proj.weight (H, E), gate_proj.bias (H)  MHA_GATE_DYNAMIC
+// The pruned-head flags (H) are a separate allocation.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +65,10 @@ static mha_status check_config(const mha_config *c) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "weight_dtype must be F32, BF16 or F16, got %s (%d)",
                          mha_dtype_name(c->weight_dtype), (int)c->weight_dtype);
+    if ((unsigned)c->head_gate > MHA_GATE_DYNAMIC)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "head_gate must be MHA_GATE_NONE, MHA_GATE_STATIC or "
+                         "MHA_GATE_DYNAMIC, got %d", (int)c->head_gate);
     // Every parameter must be addressable: at most (3E + 3) * max(E, kdim,
     // vdim) floats in all, checked without overflow.
     int64_t maxd = c->embed_dim, rows, n;
@@ -126,6 +133,30 @@ static void bind_named(mha_module *m) {
     m->bias_k = storage_of(m, "bias_k");
     m->bias_v = storage_of(m, "bias_v");
     m->out_bias = storage_of(m, "out_proj.bias");
+    m->head_gate = storage_of(m, "head_gate");
+    m->gate_weight = storage_of(m, "gate_proj.weight");
+    m->gate_bias = storage_of(m, "gate_proj.bias");
+}
+
+const char *mha_head_gate_name(mha_head_gate g) {
+    switch (g) {
+    case MHA_GATE_NONE: return "none";
+    case MHA_GATE_STATIC: return "static";
+    case MHA_GATE_DYNAMIC: return "dynamic";
+    }
+    return "unknown";
+}
+
+mha_status mha_head_gate_from_name(mha_head_gate *out, const char *name) {
+    if (!out || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_head_gate_from_name: NULL argument");
+    for (int g = MHA_GATE_NONE; g <= MHA_GATE_DYNAMIC; g++)
+        if (strcmp(name, mha_head_gate_name((mha_head_gate)g)) == 0) {
+            *out = (mha_head_gate)g;
+            return MHA_OK;
+        }
+    return mha__fail(MHA_ERR_INVALID_ARG,
+                     "unknown head gate \"%.64s\" (expected none, static or dynamic)", name);
 }
 
 static size_t round64(size_t b) { return (b + 63) & ~(size_t)63; }
@@ -163,12 +194,21 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     }
     add_param(m, "out_proj.weight", 2, E, E, 0, wd);
     if (cfg->bias) add_param(m, "out_proj.bias", 1, E, 0, 0, MHA_F32);
+    const int64_t H = cfg->num_heads;
+    if (cfg->head_gate == MHA_GATE_STATIC) add_param(m, "head_gate", 1, H, 0, 0, MHA_F32);
+    if (cfg->head_gate == MHA_GATE_DYNAMIC) {
+        add_param(m, "gate_proj.weight", 2, H, E, 0, MHA_F32);
+        add_param(m, "gate_proj.bias", 1, H, 0, 0, MHA_F32);
+    }
 
     size_t total = 0;
     for (int i = 0; i < m->nparams; i++)
         total += round64((size_t)m->params[i].numel * mha_dtype_size(m->params[i].dtype));
     m->block = mha__alloc(total);
-    if (!m->block) {
+    m->pruned = calloc((size_t)H, sizeof(bool));
+    if (!m->block || !m->pruned) {
+        mha__free(m->block);
+        free(m->pruned);
         free(m);
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_module_create: out of memory for %zu bytes of "
@@ -183,6 +223,8 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
         p += round64((size_t)q->numel * mha_dtype_size(q->dtype));
     }
     bind_named(m);
+    if (m->head_gate)  // static gates start open: the ungated module
+        for (int64_t h = 0; h < H; h++) m->head_gate[h] = 1.0f;
     *out = m;
     return MHA_OK;
 }
@@ -190,8 +232,33 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
 void mha_module_destroy(mha_module *m) {
     if (!m) return;
     mha__free(m->block);
+    free(m->pruned);
     free(m);
 }
+
+mha_status mha_module_prune_heads(mha_module *m, const int64_t *heads, int64_t n) {
+    if (!m || n < 0 || (n > 0 && !heads))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_module_prune_heads: NULL module, negative count or NULL heads");
+    const int64_t H = m->cfg.num_heads;
+    for (int64_t i = 0; i < n; i++)
+        if (heads[i] < 0 || heads[i] >= H)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "mha_module_prune_heads: heads[%lld] = %lld is not a head "
+                             "(num_heads %lld)", (long long)i, (long long)heads[i],
+                             (long long)H);
+    memset(m->pruned, 0, (size_t)H * sizeof(bool));
+    for (int64_t i = 0; i < n; i++) m->pruned[heads[i]] = true;
+    m->npruned = mha__live_in(m, 0, H);
+    m->npruned = H - m->npruned;
+    return MHA_OK;
+}
+
+bool mha_module_head_pruned(const mha_module *m, int64_t h) {
+    return m && h >= 0 && h < m->cfg.num_heads && m->pruned[h];
+}
+
+int64_t mha_module_num_pruned(const mha_module *m) { return m ? m->npruned : 0; }
 
 const mha_config *mha_module_config(const mha_module *m) {
     return m ? &m->cfg : NULL;
@@ -249,6 +316,8 @@ mha_status mha_module_convert(mha_module **out, const mha_module *m, mha_dtype w
     mha_status st = mha_module_create(&c, &cfg);
     if (st) return st;
     mha__copy_params(c, m);
+    memcpy(c->pruned, m->pruned, (size_t)cfg.num_heads * sizeof(bool));
+    c->npruned = m->npruned;
     *out = c;
     return MHA_OK;
 }

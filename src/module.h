@@ -4,7 +4,7 @@
 
 #include "internal.h"
 
-#define MHA__MAX_PARAMS 8
+#define MHA__MAX_PARAMS 10
 
 struct mha_module {
     mha_config cfg;       // kdim/vdim resolved
@@ -28,7 +28,32 @@ struct mha_module {
     float *bias_k, *bias_v;               // (Ekv)
     float *out_weight;                    // (E, E)
     float *out_bias;                      // (E)
+    float *head_gate;                     // (H), MHA_GATE_STATIC
+    float *gate_weight, *gate_bias;       // (H, E), (H), MHA_GATE_DYNAMIC
+    bool *pruned;                         // (H): head h skipped
+    int64_t npruned;
 };
+
+static inline bool mha__head_live(const mha_module *m, int64_t h) { return !m->pruned[h]; }
+
+// The first live query head of KV head g (G query heads each), or -1.
+static inline int64_t mha__group_first_live(const mha_module *m, int64_t g, int64_t G) {
+    for (int64_t h = g * G; h < (g + 1) * G; h++)
+        if (!m->pruned[h]) return h;
+    return -1;
+}
+
+// Live heads among [h0, h1).
+static inline int64_t mha__live_in(const mha_module *m, int64_t h0, int64_t h1) {
+    int64_t n = 0;
+    for (int64_t h = h0; h < h1; h++) n += !m->pruned[h];
+    return n;
+}
+
+// Whether the heads' contexts are scaled before W_O (gates or pruning).
+static inline bool mha__module_gated(const mha_module *m) {
+    return m->cfg.head_gate != MHA_GATE_NONE;
+}
 
 // The widest input of the projections: max(E, kdim, vdim).
 static inline int64_t mha__module_max_in(const mha_module *m) {

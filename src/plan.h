@@ -30,7 +30,7 @@ typedef struct fwd_plan {
     int64_t wh0, wh1, wr0, wr1;
     bool w_block;
     // scratch layout, byte offsets into one block (64-byte aligned pieces)
-    size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace;
+    size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace, off_gate;
     size_t ws_bytes;
     int nthreads;
     // the fused path (fused.c): its own scratch layout
@@ -38,7 +38,7 @@ typedef struct fwd_plan {
     bool self_packed;            // one GEMM over the packed in_proj_weight
     bool q_direct, k_direct, v_direct, out_direct;  // views usable as rows
     size_t f_xq, f_xk, f_xv, f_wt, f_wo, f_qkv, f_k, f_v, f_ctx, f_extra,
-        f_lse, f_headw, f_out, f_scratch, f_gs, f_wtmp, f_wh;
+        f_lse, f_headw, f_out, f_scratch, f_gs, f_wtmp, f_wh, f_gate, f_gctx, f_wg;
 } fwd_plan;
 
 // Below this many multiply-adds a forward or backward runs on one thread.
@@ -162,6 +162,10 @@ float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
 void mha__project_qkv(const fwd_plan *p, const mha_module *m,
                       const mha_forward_args *a, double *q, double *k,
                       double *v);
+// The head gates of a gated module, (N, L, H) in double: g[(n L + t) H + h]
+// (static: head_gate[h]; dynamic: sigmoid(x_q[t, n, :] W_g[h, :] + b_g[h])).
+void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                  double *g);
 // RoPE on the reference's q (N, L, E) and k (N, Sp, Ekv) (keys t < S), or its
 // inverse (the gradients).
 #define MHA__ROPE_MAX_HALF 4096

@@ -38,6 +38,8 @@ typedef struct fd_case {
     int kpm;   // 0 none, 1 bool, 2 float
     int am;    // 0 none, 1 bool (L,S), 2 float (L,S), 3 bool 3-D, 4 float 3-D
     int heads, kv_heads;  // 0: H and H (grouped-query attention otherwise)
+    int gate;   // mha_head_gate: none, static, dynamic
+    int prune;  // 0 none, 1 head 1, 2 the first KV group's heads
 } fd_case;
 
 enum { HMAX = 6 };  // the most heads of a grid case (E = 6)
@@ -79,7 +81,13 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     cfg.batch_first = c->batch_first;
     cfg.dropout = c->dropout ? 0.3f : 0.0f;
     cfg.out_dropout = c->dropout ? 0.2f : 0.0f;
+    cfg.head_gate = (mha_head_gate)c->gate;
     CHECK_OK(mha_module_create(&p->m, &cfg));
+    const int64_t nh = c->heads ? c->heads : H, G = nh / (c->kv_heads ? c->kv_heads : nh);
+    int64_t pruned[HMAX], np = 0;
+    for (int64_t h = 0; h < nh; h++)
+        if ((c->prune == 1 && h == 1) || (c->prune == 2 && h < G)) pruned[np++] = h;
+    CHECK_OK(mha_module_prune_heads(p->m, pruned, np));
     for (int i = 0; i < mha_module_num_params(p->m); i++) {
         mha_param pr;
         CHECK_OK(mha_module_param_at(&pr, p->m, i));
@@ -183,9 +191,9 @@ static void check_fd(const fd_case *c) {
     char desc[200];
     snprintf(desc, sizeof desc,
              "packed %d bias %d bkv %d zero %d bf %d unb %d causal %d drop %d kpm %d am %d "
-             "heads %d kv_heads %d",
+             "heads %d kv_heads %d gate %d prune %d",
              c->packed, c->bias, c->bkv, c->zero, c->batch_first, c->unbatched, c->causal,
-             c->dropout, c->kpm, c->am, c->heads, c->kv_heads);
+             c->dropout, c->kpm, c->am, c->heads, c->kv_heads, c->gate, c->prune);
     const double tol = 1e-6;
     double e, worst = 0;
     e = fd_rel_error(p, p->q, true, gq, true, mha_tensor_numel(&p->qt));
@@ -234,6 +242,19 @@ static void test_fd_grid(void) {
             .dropout = i % 3 == 0, .kpm = i % 3, .am = i % 5,
             .heads = gqa[i % 4][0], .kv_heads = gqa[i % 4][1],
         };
+        check_fd(&c);
+    }
+    // head gates (static, dynamic) and pruning (one head; a whole KV group)
+    for (int i = 0; i < 18; i++) {
+        fd_case c = {
+            .packed = i & 1, .bias = (i >> 1) & 1, .bkv = i % 5 == 1, .zero = i % 7 == 2,
+            .batch_first = (i >> 2) & 1, .unbatched = i % 6 == 0, .causal = (i >> 1) & 1,
+            .dropout = i % 4 == 0, .kpm = i % 3, .am = i % 5,
+            .heads = i % 3 == 2 ? 6 : 0, .kv_heads = i % 3 == 2 ? 2 : 0,
+            .gate = 1 + i % 2, .prune = i % 3,
+        };
+        if (i >= 12) c.gate = 0;  // pruning alone
+        if (i >= 12 && !c.prune) c.prune = 1;
         check_fd(&c);
     }
     printf("finite differences (float64 reference, 4th order, h = 2^-10): %d configs, "
