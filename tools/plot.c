@@ -37,6 +37,11 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
 
 bool plot_available(void) { return true; }
 
+void plot_release_fonts(void) {
+    cairo_debug_reset_static_data();
+    FcFini();
+}
+
 // One run's curve: n rows of (step, loss, train_acc, eval_acc).
 typedef struct curve {
     int n;
@@ -143,7 +148,7 @@ static int read_curve(curve *cv, const char *cmd, const char *path) {
 }
 
 // Colour-blind-friendly palette (Okabe & Ito).
-static const double palette[8][3] = {
+const double plot_palette[8][3] = {
     {0.00, 0.45, 0.70}, {0.84, 0.37, 0.00}, {0.00, 0.62, 0.45},
     {0.80, 0.47, 0.65}, {0.90, 0.62, 0.00}, {0.34, 0.71, 0.91},
     {0.35, 0.35, 0.35}, {0.60, 0.40, 0.20}};
@@ -164,8 +169,8 @@ static double py(const panel *p, double y) {
     return p->y0 + p->h - (y - p->ymin) / (p->ymax - p->ymin) * p->h;
 }
 
-static void text_at(cairo_t *cr, double x, double y, const char *s, double ax,
-                    double ay) {
+void plot_text(cairo_t *cr, double x, double y, const char *s, double ax,
+               double ay) {
     cairo_text_extents_t e;
     cairo_text_extents(cr, s, &e);
     cairo_move_to(cr, x - ax * e.width - e.x_bearing, y + ay * e.height);
@@ -173,7 +178,7 @@ static void text_at(cairo_t *cr, double x, double y, const char *s, double ax,
 }
 
 // A "nice" tick step (1, 2 or 5 times a power of ten) for about n ticks.
-static double nice_step(double range, int n) {
+double plot_nice_step(double range, int n) {
     double raw = range / n, p = pow(10.0, floor(log10(raw))), r = raw / p;
     return (r < 1.5 ? 1 : r < 3.5 ? 2 : r < 7.5 ? 5 : 10) * p;
 }
@@ -202,7 +207,7 @@ static void draw_frame(cairo_t *cr, const panel *p, const char *ylabel,
     cairo_rectangle(cr, p->x0, p->y0, p->w, p->h);
     cairo_fill(cr);
     cairo_set_font_size(cr, 12);
-    double xs = nice_step(p->xmax - p->xmin, 8);
+    double xs = plot_nice_step(p->xmax - p->xmin, 8);
     for (double x = ceil(p->xmin / xs) * xs; x <= p->xmax + 1e-9; x += xs) {
         double X = px(p, x);
         cairo_set_source_rgb(cr, 0.88, 0.88, 0.88);
@@ -217,16 +222,16 @@ static void draw_frame(cairo_t *cr, const panel *p, const char *ylabel,
         if (xlabels) {
             char b[32];
             fmt_num(b, sizeof b, x);
-            text_at(cr, X, p->y0 + p->h + 9, b, 0.5, 1.0);
+            plot_text(cr, X, p->y0 + p->h + 9, b, 0.5, 1.0);
         }
     }
     cairo_set_source_rgb(cr, 0, 0, 0);
     cairo_set_font_size(cr, 13);
-    if (xlabels) text_at(cr, p->x0 + p->w / 2, p->y0 + p->h + 30, "step", 0.5, 1.0);
+    if (xlabels) plot_text(cr, p->x0 + p->w / 2, p->y0 + p->h + 30, "step", 0.5, 1.0);
     cairo_save(cr);
     cairo_translate(cr, p->x0 - 58, p->y0 + p->h / 2);
     cairo_rotate(cr, -PLOT_PI / 2);
-    text_at(cr, 0, 0, ylabel, 0.5, 0.5);
+    plot_text(cr, 0, 0, ylabel, 0.5, 0.5);
     cairo_restore(cr);
 }
 
@@ -250,7 +255,7 @@ static void y_tick(cairo_t *cr, const panel *p, double y, const char *label) {
     cairo_line_to(cr, p->x0, Y);
     cairo_stroke(cr);
     cairo_set_font_size(cr, 12);
-    text_at(cr, p->x0 - 8, Y, label, 1.0, 0.5);
+    plot_text(cr, p->x0 - 8, Y, label, 1.0, 0.5);
 }
 
 static void polyline(cairo_t *cr, const panel *p, const double *x,
@@ -281,7 +286,7 @@ static void legend_line(cairo_t *cr, double x, double y, const double rgb[3],
     cairo_set_dash(cr, dash, 0, 0);
     cairo_set_source_rgb(cr, 0, 0, 0);
     cairo_set_font_size(cr, 12);
-    text_at(cr, x + 36, y, label, 0.0, 0.5);
+    plot_text(cr, x + 36, y, label, 0.0, 0.5);
 }
 
 int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
@@ -331,7 +336,7 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
     cairo_set_source_rgb(cr, 0, 0, 0);
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_BOLD);
     cairo_set_font_size(cr, 17);
-    text_at(cr, 85 + 350, 16, title, 0.5, 1.0);
+    plot_text(cr, 85 + 350, 16, title, 0.5, 1.0);
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
                            CAIRO_FONT_WEIGHT_NORMAL);
 
@@ -357,7 +362,7 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
     cairo_clip(cr);
     cairo_set_line_join(cr, CAIRO_LINE_JOIN_ROUND);
     for (int i = 0; i < n; i++) {
-        const double *c = palette[i % 8];
+        const double *c = plot_palette[i % 8];
         cairo_set_source_rgb(cr, c[0], c[1], c[2]);
         cairo_set_line_width(cr, 2.0);
         polyline(cr, &pl, cv[i].step, cv[i].loss, cv[i].n, 1.0);
@@ -383,7 +388,7 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
     cairo_line_to(cr, pa.x0 + pa.w, py(&pa, 10));
     cairo_stroke(cr);
     for (int i = 0; i < n; i++) {
-        const double *c = palette[i % 8];
+        const double *c = plot_palette[i % 8];
         cairo_set_source_rgb(cr, c[0], c[1], c[2]);
         cairo_set_line_width(cr, 1.4);
         cairo_set_dash(cr, dash, 2, 0);
@@ -400,21 +405,21 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
     cairo_set_source_rgb(cr, 0, 0, 0);
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_BOLD);
     cairo_set_font_size(cr, 13);
-    text_at(cr, lx, ly, "runs", 0.0, 0.5);
+    plot_text(cr, lx, ly, "runs", 0.0, 0.5);
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
                            CAIRO_FONT_WEIGHT_NORMAL);
     ly += 24;
     for (int i = 0; i < n; i++, ly += 22) {
         char lb[40];
         snprintf(lb, sizeof lb, "%.22s%s", labels[i], strlen(labels[i]) > 22 ? "..." : "");
-        legend_line(cr, lx, ly, palette[i % 8], NULL, lb);
+        legend_line(cr, lx, ly, plot_palette[i % 8], NULL, lb);
     }
     ly = 360;
     static const double grey[3] = {0.2, 0.2, 0.2};
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_BOLD);
     cairo_set_font_size(cr, 13);
     cairo_set_source_rgb(cr, 0, 0, 0);
-    text_at(cr, lx, ly, "accuracy", 0.0, 0.5);
+    plot_text(cr, lx, ly, "accuracy", 0.0, 0.5);
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
                            CAIRO_FONT_WEIGHT_NORMAL);
     static const double grey2[3] = {0.4, 0.4, 0.4};
@@ -423,17 +428,14 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
     legend_line(cr, lx, ly + 68, grey2, dot, "chance (10%)");
     cairo_set_font_size(cr, 11);
     cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
-    text_at(cr, lx, ly + 94, "loss, train acc: mean over", 0.0, 0.5);
-    text_at(cr, lx, ly + 109, "the steps since the last point", 0.0, 0.5);
+    plot_text(cr, lx, ly + 94, "loss, train acc: mean over", 0.0, 0.5);
+    plot_text(cr, lx, ly + 109, "the steps since the last point", 0.0, 0.5);
 
     cairo_destroy(cr);
     cairo_surface_flush(sf);
     cairo_status_t cs = cairo_surface_write_to_png(sf, out_png);
     cairo_surface_destroy(sf);
-    // no cairo object is left: release cairo's and fontconfig's font
-    // caches, so leak checkers (ASan) see a clean exit
-    cairo_debug_reset_static_data();
-    FcFini();
+    plot_release_fonts();
     if (cs != CAIRO_STATUS_SUCCESS) {
         fprintf(stderr, "mha %s: cannot write %s: %s\n", cmd, out_png,
                 cairo_status_to_string(cs));

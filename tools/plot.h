@@ -1,4 +1,5 @@
-// plot.h: PNG plots of training curves (tools/plot.c, drawn with cairo).
+// plot.h: PNG plots of training curves (tools/plot.c, drawn with cairo),
+// and the drawing helpers the inspect pictures share (tools/inspect_plot.c).
 #ifndef MHA_PLOT_H
 #define MHA_PLOT_H
 
@@ -14,5 +15,21 @@ bool plot_available(void);
 // after printing "mha <cmd>: ..." on stderr.
 int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
               const char *const *csv_paths, const char *const *labels);
+
+#ifdef MHA_HAVE_CAIRO
+#include <cairo.h>
+
+// Okabe & Ito's colour-blind-friendly palette.
+extern const double plot_palette[8][3];
+// Draws s with its ink box anchored at (x, y): ax 0 / 0.5 / 1 puts x at the
+// left / centre / right, ay 0 puts the baseline at y, 1 the top (about).
+void plot_text(cairo_t *cr, double x, double y, const char *s, double ax,
+               double ay);
+// A "nice" tick step (1, 2 or 5 times a power of ten) for about n ticks.
+double plot_nice_step(double range, int n);
+// Releases cairo's and fontconfig's font caches once no cairo object is
+// left, so leak checkers (ASan) see a clean exit.
+void plot_release_fonts(void);
+#endif
 
 #endif
