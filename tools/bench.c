@@ -66,6 +66,9 @@ static const char *bench_help =
     "                     matrices stored in T (mha_config.weight_dtype)\n"
     "  --dtype T          f32 (default), bf16 or f16: query/key/value and\n"
     "                     the output stored in T (module forward)\n"
+    "  --prune-heads K    prune the last K heads (mha_module_prune_heads: their\n"
+    "                     attention is skipped; module forward/backward)\n"
+    "  --head-gate G      none (default), static or dynamic per-head gates\n"
     "  --no-save          with --backward: no saved forward state\n"
     "                     (mha_forward_args.save), so mha_backward re-runs\n"
     "                     the forward (default: the forward keeps it)\n"
@@ -95,6 +98,8 @@ typedef struct bench_opts {
     int64_t kv_len, kv_heads;  // --decode
     mha_kv_dtype kv_dtype;     // --kv-dtype
     mha_dtype wdtype, dtype;   // --weight-dtype, --dtype (module forward)
+    int64_t prune;             // --prune-heads: the last K heads pruned
+    mha_head_gate gate;        // --head-gate
     int64_t window;  // 0: none
     int threads;     // 0: the default
     mha_impl impl;
@@ -368,11 +373,20 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
     mha_config_init(&cfg, E, H);
     cfg.batch_first = true;
     cfg.weight_dtype = o->wdtype;
+    cfg.head_gate = o->gate;
     mha_init_options io;
     mha_init_options_default(&io);
     io.seed = o->seed;
     if ((st = mha_module_create(&p->m, &cfg)) || (st = mha_module_init(p->m, &io)))
         return cli_fail("bench", st);
+    if (o->prune) {
+        int64_t *pr = malloc(sizeof(int64_t) * (size_t)o->prune);
+        if (!pr) return cli_fail("bench", MHA_ERR_NOMEM);
+        for (int64_t i = 0; i < o->prune; i++) pr[i] = H - o->prune + i;
+        st = mha_module_prune_heads(p->m, pr, o->prune);
+        free(pr);
+        if (st) return cli_fail("bench", st);
+    }
     p->self = S == L;
     int64_t qs[3] = {B, L, E}, ks[3] = {B, S, E};
     float *q = bench_alloc(bb, B * L * E), *out = bench_alloc(bb, B * L * E);
@@ -463,6 +477,7 @@ static int probe_run(probe_out *po, bench_bufs *bb, const bench_opts *o, mha_imp
     t.L = 17;
     t.S = o->S == o->L ? 17 : 19;
     t.workspace = false;
+    t.prune = o->prune ? 1 : 0;  // the last of the two heads
     problem p;
     int rc = problem_setup(&p, bb, &t, impl);
     if (rc) {
@@ -530,7 +545,8 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         {"no-save", no_argument, 0, 'N'},         {"decode", no_argument, 0, 'D'},
         {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
         {"kv-dtype", required_argument, 0, 'T'},  {"weight-dtype", required_argument, 0, 'X'},
-        {"dtype", required_argument, 0, 'Y'},
+        {"dtype", required_argument, 0, 'Y'},     {"prune-heads", required_argument, 0, 'P'},
+        {"head-gate", required_argument, 0, 'g'},
         {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
         {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
@@ -570,6 +586,11 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
                                              : "--dtype needs f32, bf16 or f16");
             break;
         }
+        case 'P': if (parse_int(optarg, 0, big, &o->prune)) return bench_usage("--prune-heads needs a non-negative integer"); break;
+        case 'g':
+            if (mha_head_gate_from_name(&o->gate, optarg))
+                return bench_usage("--head-gate needs none, static or dynamic");
+            break;
         case 'K': if (parse_int(optarg, 1, big, &o->kv_len)) return bench_usage("--kv-len needs a positive integer"); break;
         case 'G': if (parse_int(optarg, 1, big, &o->kv_heads)) return bench_usage("--num-kv-heads needs a positive integer"); break;
         case 't':
@@ -612,6 +633,8 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         }
     }
     if (optind < argc) return bench_usage("unexpected argument");
+    if ((o->core || o->decode) && (o->prune || o->gate))
+        return bench_usage("--prune-heads and --head-gate are for the module, not --core or --decode");
     if (o->decode) {
         if (!o->kv_len || !o->E || !o->H)
             return bench_usage("--decode needs --kv-len, --embed-dim and --num-heads");
@@ -635,6 +658,11 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         return 2;
     }
     if (o->core && o->workspace) return bench_usage("--workspace is for the module, not --core");
+    if (o->prune > o->H) {
+        fprintf(stderr, "mha bench: --prune-heads %lld is more than --num-heads %lld\n",
+                (long long)o->prune, (long long)o->H);
+        return 2;
+    }
     // Every tensor has at most max(L, S) * B * E floats; keep that within
     // what int64_t and size_t hold.
     int64_t n;
@@ -689,7 +717,8 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            "\"peak_isa\": \"%s\", \"peak_fraction\": %.4f, \"max_rss_mib\": %.1f, "
            "\"rss_before_mib\": %.1f, \"inputs_mib\": %.1f, "
            "\"window\": %lld, \"visible_fraction\": %.6f, \"saved_forward\": %s, "
-           "\"dtype\": \"%s\", \"weight_dtype\": \"%s\", \"flop_count_note\": \"%s\"}\n",
+           "\"dtype\": \"%s\", \"weight_dtype\": \"%s\", \"pruned_heads\": %lld, "
+           "\"head_gate\": \"%s\", \"flop_count_note\": \"%s\"}\n",
            mha_impl_name(o->impl), r->fwd_ran, r->bwd_ran, r->isa, r->threads,
            (long long)o->B, (long long)o->L, (long long)o->S, (long long)o->E,
            (long long)o->H, o->causal ? "true" : "false", o->backward ? "true" : "false",
@@ -700,7 +729,8 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            r->peak, r->peak_isa, r->peak > 0 ? r->gflops / r->peak : 0.0, r->rss_max,
            r->rss_before, r->inputs_mib, (long long)o->window, r->visible,
            o->backward && !o->no_save ? "true" : "false", dtype_label(o->dtype),
-           dtype_label(o->wdtype), flop_note(o));
+           dtype_label(o->wdtype), (long long)o->prune, mha_head_gate_name(o->gate),
+           flop_note(o));
 }
 
 static void print_text(const bench_opts *o, const bench_result *r) {
@@ -723,6 +753,10 @@ static void print_text(const bench_opts *o, const bench_result *r) {
                "(d %lld)%s%s\n", (long long)o->B, (long long)o->L, (long long)o->S,
                (long long)o->E, (long long)o->H, (long long)(o->E / o->H),
                o->causal ? ", causal" : "", o->S == o->L ? ", self-attention" : "");
+    if (o->prune || o->gate)
+        printf("  heads      %lld of %lld pruned (the last; their attention skipped), "
+               "gates %s\n", (long long)o->prune, (long long)o->H,
+               mha_head_gate_name(o->gate));
     printf("  time       median %.3f ms (min %.3f, max %.3f; %lld run%s after %lld "
            "warm-up%s)\n", r->median, r->min, r->max, (long long)o->repeat,
            o->repeat == 1 ? "" : "s", (long long)o->warmup, o->warmup == 1 ? "" : "s");

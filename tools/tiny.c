@@ -605,6 +605,31 @@ static mha_tensor rows_view(float *base, int64_t B, int64_t T, int64_t r0,
     return t;
 }
 
+mha_status tiny_attention_weights(const tiny_model *m, int64_t l, int64_t b, float *w,
+                                  int64_t *lq, const mha_module **mod) {
+    const tiny_config *c = &m->cfg;
+    if (l < 0 || l >= c->n_layers || b < 0 || b >= m->B) return MHA_ERR_INVALID_ARG;
+    const tiny_block *bl = &m->blocks[l];
+    const int64_t T = c->seq_len, D = c->d_model, Lq = bl->Lq;
+    mha_tensor q = rows_view(bl->ln1 + b * T * D, 1, T, T - Lq, Lq, D),
+               kv = rows_view(bl->ln1 + b * T * D, 1, T, 0, T, D);
+    float *y = malloc(sizeof(float) * (size_t)(Lq * D));
+    if (!y) return MHA_ERR_NOMEM;
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){1, Lq, D});
+    mha_tensor wt = mha_tensor_contiguous(w, MHA_F32, 4, (int64_t[]){1, c->n_heads, Lq, T});
+    mha_forward_args a = bl->args;
+    a.query = &q;
+    a.key = a.value = &kv;
+    a.training = false;
+    a.need_weights = true;
+    a.average_attn_weights = false;
+    mha_status st = mha_forward(&yt, &wt, bl->attn, &a);
+    free(y);
+    *lq = Lq;
+    if (mod) *mod = bl->attn;
+    return st;
+}
+
 mha_status tiny_forward(tiny_model *m, float *loss, const int32_t *tokens,
                         const int32_t *targets, int64_t B, bool training,
                         uint64_t dropout_offset) {

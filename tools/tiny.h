@@ -145,6 +145,14 @@ const float *tiny_logits(const tiny_model *m);
 // pred (B): argmax of the last forward's logits.
 void tiny_predict(const tiny_model *m, int32_t *pred);
 
+// Layer l's attention of sequence b (< the last forward's B), per head:
+// w (H, Lq, T) for its query rows [T - Lq, T) (Lq = T but in the last
+// block, whose one row is the query token), recomputed from that
+// forward's LayerNorm output without dropout. *lq gets Lq; mod (may be
+// NULL) the layer's attention module.
+mha_status tiny_attention_weights(const tiny_model *m, int64_t l, int64_t b, float *w,
+                                  int64_t *lq, const mha_module **mod);
+
 // Registers every parameter with its gradient in o.
 mha_status tiny_optimizer_register(tiny_model *m, mha_optimizer *o);
 

@@ -22,6 +22,7 @@
 
 #include "cli.h"
 #include "plot.h"
+#include "train.h"
 #include "tiny.h"
 
 // Flush-to-zero and denormals-are-zero for this thread and the threads it
@@ -159,15 +160,6 @@ static int cmd_train_plot(int argc, char **argv) {
 // ---------------------------------------------------------------------------
 // mha train
 
-typedef struct train_opts {
-    tiny_task_kind task;
-    int64_t pairs, heads, d_model, layers, d_ff, steps, batch, warmup;
-    int64_t eval_every, eval_size, seed;
-    mha_optim_kind optim;
-    double lr, weight_decay, clip, dropout;
-    bool lr_set, wd_set, cosine, causal, quiet;
-    const char *csv, *plot;
-} train_opts;
 
 // Accuracy (count of argmax == target) and mean loss on the held-out set.
 static mha_status evaluate(double *acc, double *loss, tiny_model *m,
@@ -222,7 +214,15 @@ static void draw_progress(bool tty, int64_t step, int64_t steps, double loss,
     fflush(stderr);
 }
 
-static int run_training(const train_opts *o) {
+void train_opts_default(train_opts *o) {
+    *o = (train_opts){.task = TINY_TASK_RECALL, .pairs = 4, .heads = 8, .d_model = 64,
+                      .layers = 2, .d_ff = 0, .steps = 3000, .batch = 32, .warmup = 100,
+                      .eval_every = 100, .eval_size = 1000, .seed = 1,
+                      .optim = MHA_OPTIM_ADAMW, .lr = 3e-3, .clip = 1.0, .cosine = true};
+}
+
+int train_run(const train_opts *o, tiny_model **keep, double *eval_acc) {
+    const char *cmd = o->cmd ? o->cmd : "train";
     flush_subnormals();
     int64_t T = tiny_task_seq_len(o->task, o->pairs), B = o->batch;
     int64_t chunk = B > 250 ? B : 250;  // eval batch
@@ -240,7 +240,7 @@ static int run_training(const train_opts *o) {
     int32_t *ints = malloc(sizeof(int32_t) *
                            (size_t)(B * T + B + n_eval * T + n_eval + chunk + B));
     if (!ints) {
-        fprintf(stderr, "mha train: out of memory\n");
+        fprintf(stderr, "mha %s: out of memory\n", cmd);
         return 1;
     }
     int32_t *tok = ints;                   // (B, T)
@@ -263,7 +263,7 @@ static int run_training(const train_opts *o) {
     if (o->csv) {
         csv = fopen(o->csv, "w");
         if (!csv) {
-            fprintf(stderr, "mha train: cannot write %s: %s\n", o->csv, strerror(errno));
+            fprintf(stderr, "mha %s: cannot write %s: %s\n", cmd, o->csv, strerror(errno));
             goto cleanup;
         }
         fprintf(csv, "step,loss,train_acc,eval_acc,tokens_per_s\n");
@@ -276,9 +276,9 @@ static int run_training(const train_opts *o) {
     if (!o->quiet) {
         char ex[64];
         tiny_task_render(ex, sizeof ex, etok, T);
-        fprintf(stderr, "mha train: task %s (T %lld, e.g. %s -> %d), d_model %lld, "
+        fprintf(stderr, "mha %s: task %s (T %lld, e.g. %s -> %d), d_model %lld, "
                 "heads %lld, layers %lld, %lld parameters, %s lr %g, batch %lld, "
-                "%lld steps\n", tiny_task_name(o->task), (long long)T, ex, etgt[0],
+                "%lld steps\n", cmd, tiny_task_name(o->task), (long long)T, ex, etgt[0],
                 (long long)o->d_model, (long long)o->heads, (long long)o->layers,
                 (long long)tiny_num_params(m), o->optim == MHA_OPTIM_SGD ? "sgd" : "adamw",
                 oc.lr, (long long)B, (long long)o->steps);
@@ -299,8 +299,8 @@ static int run_training(const train_opts *o) {
         float loss;
         if ((st = tiny_forward(m, &loss, tok, tgt, B, true, (uint64_t)s * offset_stride))) goto fail;
         if (!isfinite(loss)) {
-            fprintf(stderr, "%smha train: the loss is %g at step %lld (try a smaller --lr)\n",
-                    tty ? "\n" : "", (double)loss, (long long)s);
+            fprintf(stderr, "%smha %s: the loss is %g at step %lld (try a smaller --lr)\n",
+                    tty ? "\n" : "", cmd, (double)loss, (long long)s);
             goto cleanup;
         }
         tiny_predict(m, pred);
@@ -351,7 +351,7 @@ static int run_training(const train_opts *o) {
     if (csv) {
         if (fclose(csv)) {
             csv = NULL;
-            fprintf(stderr, "mha train: error writing %s\n", o->csv);
+            fprintf(stderr, "mha %s: error writing %s\n", cmd, o->csv);
             goto cleanup;
         }
         csv = NULL;
@@ -382,10 +382,12 @@ static int run_training(const train_opts *o) {
         if (plot_runs("train", o->plot, NULL, 1, &o->csv, &lab)) goto cleanup;
     }
     rc = 0;
+    if (eval_acc) *eval_acc = eacc;
+    if (keep) *keep = m, m = NULL;
     goto cleanup;
 fail:
     if (tty) fputc('\n', stderr);
-    rc = cli_fail("train", st);
+    rc = cli_fail(cmd, st);
 cleanup:
     if (csv) fclose(csv);
     mha_optimizer_destroy(opt);
@@ -409,10 +411,8 @@ int cmd_train(int argc, char **argv) {
         {"eval-size", required_argument, 0, 'E'}, {"csv", required_argument, 0, 'v'},
         {"plot", required_argument, 0, 'p'},     {"quiet", no_argument, 0, 'q'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
-    train_opts o = {.task = TINY_TASK_RECALL, .pairs = 4, .heads = 8, .d_model = 64,
-                    .layers = 2, .d_ff = 0, .steps = 3000, .batch = 32, .warmup = 100,
-                    .eval_every = 100, .eval_size = 1000, .seed = 1,
-                    .optim = MHA_OPTIM_ADAMW, .lr = 3e-3, .clip = 1.0, .cosine = true};
+    train_opts o;
+    train_opts_default(&o);
     int c, k;
     double f;
     int64_t v;
@@ -492,5 +492,5 @@ int cmd_train(int argc, char **argv) {
         memcpy(csv_buf + len, ".csv", 5);
         o.csv = csv_buf;
     }
-    return run_training(&o);
+    return train_run(&o, NULL, NULL);
 }
