@@ -846,6 +846,12 @@ typedef struct mha_head_diag {
     double logit_max, logit_std, output_var_ratio;
     bool dead;
     int64_t rank_q, rank_k, rank_v, rank_o;
+    // The head is pruned (mha_module_prune_heads): the forward skips it;
+    // the numbers above describe what it would compute. Its gate (when the
+    // module has them): head_gate[h], or for dynamic gates the mean of
+    // sigmoid(x W_g[h]^T + b_g[h]) over every query row; 1 without gates.
+    bool pruned;
+    double gate_mean;
 } mha_head_diag;
 
 typedef struct mha_diagnostics mha_diagnostics;

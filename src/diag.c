@@ -327,13 +327,20 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         vvar[g] = tv / (double)d;
     }
 
-    // 3. Per head: the statistics, spectra, the dead flag.
+    // 3. Per head: the statistics, spectra, the dead flag, pruning and the
+    //    gates over every query row (in q's buffer, free now: H <= E).
     double *a_work = ctx + d;  // d * fmax doubles
+    const bool gated = mha__module_gated(m);
+    if (gated) mha__gates_d(p, m, &a, q);
     for (int64_t h = 0; h < H; h++) {
         mha_head_diag *hd = &dg->heads[h];
         head_acc *A = &acc[h];
         const int64_t g = h / G;
         hd->head = h;
+        hd->pruned = !mha__head_live(m, h);
+        double gs = 0;
+        for (int64_t r = 0; gated && r < N * L; r++) gs += q[r * H + h];
+        hd->gate_mean = !gated ? 1.0 : N * L > 0 ? gs / (double)(N * L) : NAN;
         hd->rows = A->rows;
         hd->entropy_mean = A->rows ? A->ent_sum / (double)A->rows : NAN;
         hd->entropy_min = A->rows ? A->ent_min : NAN;

@@ -12,6 +12,7 @@
 //   - bit-identical results with 1, 2 and 8 threads
 //   - mha_forward_cached with gates and pruning = the causal forward
 //   - save/load (gate tensors, __metadata__ pruned_heads), convert, misuse
+//   - mha_diagnose's pruned flag and gate_mean
 // Finite differences of the gates' gradients: test_backward.c.
 #include <math.h>
 #include <stdio.h>
@@ -584,6 +585,49 @@ static void test_io(void) {
     mha_module_destroy(m);
 }
 
+// mha_diagnose reports the pruned flag and each head's gate (static: the
+// parameter; dynamic: the mean of the sigmoid over the query rows).
+static void test_diag(void) {
+    enum { E = 16, H = 4, L = 9, N = 2 };
+    static float x[L * N * E];
+    for (int i = 0; i < L * N * E; i++) x[i] = frand();
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    for (int gate = 0; gate <= 2; gate++) {
+        mha_config c;
+        mha_config_init(&c, E, H);
+        c.head_gate = (mha_head_gate)gate;
+        mha_module *m = new_module(&c, 8);
+        const int64_t pr = 2;
+        CHECK_OK(mha_module_prune_heads(m, &pr, 1));
+        mha_diagnostics *d = NULL;
+        CHECK_OK(mha_diagnose(&d, m, &a, NULL));
+        if (!d) continue;
+        for (int h = 0; h < H; h++) {
+            const mha_head_diag *hd = mha_diagnostics_head(d, h);
+            CHECK(hd->pruned == (h == 2));
+            double want = 1.0;
+            if (gate == MHA_GATE_STATIC) want = param(m, "head_gate")[h];
+            if (gate == MHA_GATE_DYNAMIC) {
+                const float *wg = param(m, "gate_proj.weight"), *bg = param(m, "gate_proj.bias");
+                want = 0;
+                for (int r = 0; r < L * N; r++) {
+                    double z = bg[h];
+                    for (int e = 0; e < E; e++) z += (double)wg[h * E + e] * x[r * E + e];
+                    want += 1.0 / (1.0 + exp(-z));
+                }
+                want /= L * N;
+            }
+            CHECKF(fabs(hd->gate_mean - want) < 1e-12, "gate %d head %d: gate_mean %g, want %g",
+                   gate, h, hd->gate_mean, want);
+        }
+        mha_diagnostics_destroy(d);
+        mha_module_destroy(m);
+    }
+}
+
 int main(void) {
     test_static_known();
     test_dynamic_known();
@@ -592,5 +636,6 @@ int main(void) {
     test_threads();
     test_cached();
     test_io();
+    test_diag();
     return check_summary("test_gates");
 }

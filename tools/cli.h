@@ -14,5 +14,8 @@ double cli_now(void);
 int cmd_demo(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+// mha inspect (argv[0] is "inspect"); mha demo heads (argv[0] is "heads").
+int cmd_inspect(int argc, char **argv);
+int demo_heads(int argc, char **argv);
 
 #endif

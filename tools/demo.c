@@ -235,6 +235,8 @@ static int run_bert(int64_t N, int64_t L) {
 
 static const char *demo_help =
     "Usage: mha demo [--no-bert] [--batch N] [--tokens L]\n"
+    "       mha demo heads [options]   (train a tiny model, show what its heads\n"
+    "                                   learned; mha demo heads --help)\n"
     "A guided walk through multi-head attention: one small example (3 tokens,\n"
     "d_model 12, 3 heads) step by step, mask examples, then the module at\n"
     "BERT-base size (d_model 768, 12 heads, 512 tokens, batch 8) timed.\n"
@@ -243,6 +245,7 @@ static const char *demo_help =
     "  --tokens L    tokens of the BERT-base part (default 512)\n";
 
 int cmd_demo(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "heads") == 0) return demo_heads(argc - 1, argv + 1);
     static const struct option opts[] = {{"no-bert", no_argument, 0, 'n'},
                                          {"batch", required_argument, 0, 'b'},
                                          {"tokens", required_argument, 0, 't'},

@@ -291,7 +291,7 @@ static cairo_status_t heads_png(membuf *png, const inspect_report *r) {
         lwx = fmax(lwx, text_width(cr, lab));
     }
     font(cr, 12, true);
-    const double dead_w = text_width(cr, "  DEAD");
+    const double dead_w = text_width(cr, "  PRUNED");
     for (int64_t h = 0; h < H; h++) {
         snprintf(title, sizeof title, "head %lld: entropy %.2f nats", (long long)h,
                  jnum(cJSON_GetArrayItem(heads, (int)h), "entropy_mean"));
@@ -351,9 +351,13 @@ static cairo_status_t heads_png(membuf *png, const inspect_report *r) {
         cairo_set_source_rgb(cr, 0, 0, 0);
         font(cr, 12, true);
         plot_text(cr, x0, y0 - 8, title, 0, 0);
-        if (cJSON_IsTrue(jget(hd, "dead"))) {
+        // a pruned head (its weights are zero: the forward skips it), else
+        // a dead one
+        const bool pruned = cJSON_IsTrue(jget(hd, "pruned"));
+        if (pruned || cJSON_IsTrue(jget(hd, "dead"))) {
             cairo_set_source_rgb(cr, 0.8, 0.1, 0.1);
-            plot_text(cr, x0 + text_width(cr, title) + text_width(cr, "  "), y0 - 8, "DEAD", 0, 0);
+            plot_text(cr, x0 + text_width(cr, title) + text_width(cr, "  "), y0 - 8,
+                      pruned ? "PRUNED" : "DEAD", 0, 0);
         }
         draw_values(cr, r->attn + h * R * C, R, C, vmax, x0, y0, pw, ph);
         stroke_rect(cr, x0, y0, pw, ph, 0.3);
@@ -648,7 +652,9 @@ static const char *const field_doc[][2] = {
     {"logit_max", "largest scaled logit q&middot;k/&radic;d (before soft cap, ALiBi, masks)"},
     {"logit_std", "standard deviation of the scaled logits"},
     {"output_var_ratio", "variance of the head's output over its values' variance (~0: the output hardly depends on the query)"},
-    {"rows", "rows examined with at least one visible key"}};
+    {"rows", "rows examined with at least one visible key"},
+    {"pruned", "the head is pruned (mha_module_prune_heads): the forward skips it, its weights are zero; the numbers above are what it would compute"},
+    {"gate_mean", "its gate: head_gate[h] (static) or the mean of sigmoid(x W_g[h] + b_g[h]) over the query rows (dynamic); 1 without gates"}};
 
 static void report_heads_table(FILE *f, const cJSON *heads) {
     const cJSON *first = cJSON_GetArrayItem(heads, 0), *x, *hd;

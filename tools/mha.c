@@ -96,6 +96,11 @@ static const char *init_help =
     "  --seed N           random seed (default 0)\n"
     "  --weight-dtype T   f32 (default), bf16 or f16: the weight matrices\n"
     "                     written in T (rounded, nearest even); biases F32\n"
+    "  --head-gate G      none (default), static (\"head_gate\" (H), ones) or\n"
+    "                     dynamic (\"gate_proj.weight\" (H, E) and\n"
+    "                     \"gate_proj.bias\" (H), zeros: every gate 0.5)\n"
+    "  --prune-heads LIST heads to skip, comma-separated (__metadata__\n"
+    "                     pruned_heads; mha forward/inspect honour it)\n"
     "  --out FILE         output safetensors file\n";
 
 static int cmd_init(int argc, char **argv) {
@@ -107,7 +112,9 @@ static int cmd_init(int argc, char **argv) {
         {"std", required_argument, 0, 's'},       {"seed", required_argument, 0, 'S'},
         {"out", required_argument, 0, 'o'},       {"help", no_argument, 0, 'h'},
         {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'W'},
+        {"head-gate", required_argument, 0, 'T'}, {"prune-heads", required_argument, 0, 'P'},
         {0, 0, 0, 0}};
+    const char *prune = NULL;
     mha_config cfg;
     mha_config_init(&cfg, 0, 0);
     mha_init_options io;
@@ -144,6 +151,10 @@ static int cmd_init(int argc, char **argv) {
             if (cli_float_dtype(optarg, &cfg.weight_dtype))
                 return usage_error("init", "--weight-dtype needs f32, bf16 or f16");
             break;
+        case 'T':
+            if (mha_head_gate_from_name(&cfg.head_gate, optarg)) return cli_fail("init", MHA_ERR_INVALID_ARG);
+            break;
+        case 'P': prune = optarg; break;
         case 'h': fputs(init_help, stdout); return 0;
         default: return usage_error("init", "unknown or incomplete option");
         }
@@ -156,6 +167,23 @@ static int cmd_init(int argc, char **argv) {
     mha_status st = mha_module_create(&m, &cfg);
     if (st) return cli_fail("init", st);
     st = mha_module_init(m, &io);
+    if (!st && prune) {  // "1,3": heads to prune
+        int64_t heads[64], n = 0;
+        for (const char *p = prune; !st;) {
+            char *end;
+            errno = 0;
+            long long h = strtoll(p, &end, 10);
+            if (errno || end == p || (*end && *end != ',') || n == 64) {
+                mha_module_destroy(m);
+                return usage_error("init", "--prune-heads needs comma-separated head "
+                                           "indices (at most 64)");
+            }
+            heads[n++] = h;
+            if (!*end) break;
+            p = end + 1;
+        }
+        st = mha_module_prune_heads(m, heads, n);
+    }
     if (!st) st = mha_module_save(m, out);
     mha_module_destroy(m);
     return st ? cli_fail("init", st) : 0;
@@ -776,6 +804,8 @@ static cJSON *diag_json(const mha_diagnostics *d) {
         cJSON_AddNumberToObject(o, "logit_std", x->logit_std);
         cJSON_AddNumberToObject(o, "output_var_ratio", x->output_var_ratio);
         cJSON_AddNumberToObject(o, "rows", (double)x->rows);
+        cJSON_AddBoolToObject(o, "pruned", x->pruned);
+        cJSON_AddNumberToObject(o, "gate_mean", x->gate_mean);
         static const char *sn[4] = {"singular_q", "singular_k", "singular_v", "singular_o"};
         for (int w = 0; w < 4; w++) {
             int64_t n = 0;
@@ -1046,6 +1076,8 @@ static int cmd_run(const char *cmd, bool backward, int argc, char **argv) {
     return rc;
 }
 
+int cmd_inspect(int argc, char **argv) { return cmd_run("inspect", false, argc, argv); }
+
 // ---------------------------------------------------------------------------
 // mha info
 
@@ -1097,7 +1129,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "init")) return cmd_init(argc - 1, argv + 1);
     if (!strcmp(cmd, "forward")) return cmd_run("forward", false, argc - 1, argv + 1);
     if (!strcmp(cmd, "backward")) return cmd_run("backward", true, argc - 1, argv + 1);
-    if (!strcmp(cmd, "inspect")) return cmd_run("inspect", false, argc - 1, argv + 1);
+    if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 1, argv + 1);
     if (!strcmp(cmd, "train")) return cmd_train(argc - 1, argv + 1);
     if (!strcmp(cmd, "demo")) return cmd_demo(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);

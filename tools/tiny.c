@@ -605,6 +605,10 @@ static mha_tensor rows_view(float *base, int64_t B, int64_t T, int64_t r0,
     return t;
 }
 
+const float *tiny_attention_input(const tiny_model *m, int64_t l) {
+    return l >= 0 && l < m->cfg.n_layers ? m->blocks[l].ln1 : NULL;
+}
+
 mha_status tiny_attention_weights(const tiny_model *m, int64_t l, int64_t b, float *w,
                                   int64_t *lq, const mha_module **mod) {
     const tiny_config *c = &m->cfg;

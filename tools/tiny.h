@@ -153,6 +153,10 @@ void tiny_predict(const tiny_model *m, int32_t *pred);
 mha_status tiny_attention_weights(const tiny_model *m, int64_t l, int64_t b, float *w,
                                   int64_t *lq, const mha_module **mod);
 
+// Layer l's LayerNorm output of the last forward, (B, T, D): its
+// attention's key and value (and query rows); NULL for a bad l.
+const float *tiny_attention_input(const tiny_model *m, int64_t l);
+
 // Registers every parameter with its gradient in o.
 mha_status tiny_optimizer_register(tiny_model *m, mha_optimizer *o);
 
