@@ -151,7 +151,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
         carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch) ||
         carve(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)wh_floats(gk, m, p->nthreads)) ||
         carve(&t, &p->f_gate, mha__module_gated(m) ? Rq * H : 0) ||
-        carve(&t, &p->f_gctx, mha__module_gated(m) ? Rq * E : 0) ||
+        carve(&t, &p->f_gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
         carve(&t, &p->f_wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
                                 ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
                                 : 0))
@@ -203,6 +203,7 @@ static void gate_rows(const mha__kernels *kt, float *gate, float *gctx, const fl
     } else {
         for (int64_t r = 0; r < R; r++) memcpy(gate + r * H, m->head_gate, (size_t)H * sizeof(float));
     }
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < R; r++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t c = 0; c < d; c++)
@@ -416,8 +417,9 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
     if (!direct) ldo = E;
     const float *octx = ctx;
-    if (mha__module_gated(m)) {  // the heads' contexts times their gates
-        float *gctx = (float *)(ws + p->f_gctx);
+    if (mha__module_gated(m)) {  // the heads' contexts times their gates (in place
+                                 // unless the saved state keeps the ungated ctx)
+        float *gctx = sv ? (float *)(ws + p->f_gctx) : ctx;
         gate_rows(kt, (float *)(ws + p->f_gate), gctx, ctx, m, xq, ldq, Rq,
                   (float *)(ws + p->f_wg), gs, nt);
         octx = gctx;
