@@ -1,6 +1,10 @@
 // error.c: status strings, the per-thread last-error message, the log
-// callback, checked size arithmetic and aligned allocation.
+// callback, checked size arithmetic and the allocation wrappers (with
+// optional fault injection for tests).
 #include <stdarg.h>
+#ifdef MHA_FAULT_INJECTION
+#include <stdatomic.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,10 +76,59 @@ int mha__add_overflow_size(size_t a, size_t b, size_t *out) {
     return 0;
 }
 
+// Every heap allocation of the library goes through the four functions
+// below. Built with MHA_FAULT_INJECTION (a test build only), they count the
+// calls and fail the one that mha__fault_arm chose; otherwise they are the
+// C library's functions and nothing else.
+#ifdef MHA_FAULT_INJECTION
+static atomic_long g_fault_calls;   // allocations since mha__fault_arm
+static atomic_long g_fault_at;      // the call that fails (1-based), 0: none
+static atomic_int g_fault_sticky;   // and every later one
+static atomic_long g_fault_failed;  // calls failed since mha__fault_arm
+
+void mha__fault_arm(long n, int sticky) {
+    atomic_store(&g_fault_at, n);
+    atomic_store(&g_fault_sticky, sticky);
+    atomic_store(&g_fault_calls, 0);
+    atomic_store(&g_fault_failed, 0);
+}
+
+long mha__fault_count(void) { return atomic_load(&g_fault_calls); }
+long mha__fault_failures(void) { return atomic_load(&g_fault_failed); }
+
+static int fault_now(void) {
+    long k = atomic_fetch_add(&g_fault_calls, 1) + 1;
+    long at = atomic_load(&g_fault_at);
+    if (at <= 0 || k < at || (k > at && !atomic_load(&g_fault_sticky)))
+        return 0;
+    atomic_fetch_add(&g_fault_failed, 1);
+    return 1;
+}
+#define MHA__FAULT_NOW() fault_now()
+#else
+#define MHA__FAULT_NOW() 0
+#endif
+
+void *mha__malloc(size_t bytes) {
+    if (MHA__FAULT_NOW()) return NULL;
+    return malloc(bytes);
+}
+
+void *mha__calloc(size_t n, size_t size) {
+    if (MHA__FAULT_NOW()) return NULL;
+    return calloc(n, size);
+}
+
+void *mha__realloc(void *p, size_t bytes) {
+    if (MHA__FAULT_NOW()) return NULL;
+    return realloc(p, bytes);
+}
+
 void *mha__alloc(size_t bytes) {
     if (bytes == 0) bytes = 1;
     size_t rounded = (bytes + 63) & ~(size_t)63;
     if (rounded < bytes) return NULL;
+    if (MHA__FAULT_NOW()) return NULL;
     return aligned_alloc(64, rounded);
 }
 

@@ -26,9 +26,27 @@ int mha__mul_overflow_i64(int64_t a, int64_t b, int64_t *out);
 int mha__mul_overflow_size(size_t a, size_t b, size_t *out);
 int mha__add_overflow_size(size_t a, size_t b, size_t *out);
 
-// 64-byte aligned allocation (NULL on failure or size 0 -> non-NULL).
+// Every heap allocation of the library goes through these (error.c), so a
+// test build can make any one of them fail. mha__malloc, mha__calloc and
+// mha__realloc behave as malloc, calloc and realloc (free the result with
+// free); mha__alloc is 64-byte aligned (NULL on failure, size 0 ->
+// non-NULL), freed with mha__free.
+void *mha__malloc(size_t bytes);
+void *mha__calloc(size_t n, size_t size);
+void *mha__realloc(void *p, size_t bytes);
 void *mha__alloc(size_t bytes);
 void mha__free(void *p);
+
+#ifdef MHA_FAULT_INJECTION
+// Test builds only (CMake -DMHA_FAULT_INJECTION=ON). mha__fault_arm(n, 0)
+// makes the n-th allocation from now fail (n >= 1; 0 disarms), and with
+// sticky != 0 every later one too; it resets both counters.
+// mha__fault_count: allocations attempted since arming; mha__fault_failures:
+// how many of them were made to fail.
+void mha__fault_arm(long n, int sticky);
+long mha__fault_count(void);
+long mha__fault_failures(void);
+#endif
 
 // Formats a shape as "(2, 3, 4)" into buf.
 const char *mha__shape_str(char *buf, size_t cap, int ndim,

@@ -45,7 +45,7 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
     const char *s = mha_st_metadata(f, "pruned_heads");
     if (!s || !*s) return MHA_OK;
     const int64_t H = m->cfg.num_heads;
-    int64_t *heads = malloc(sizeof(int64_t) * (size_t)H), n = 0;
+    int64_t *heads = mha__malloc(sizeof(int64_t) * (size_t)H), n = 0;
     if (!heads) return mha__fail(MHA_ERR_NOMEM, "%s: out of memory", lab);
     char qn[128];
     for (const char *p = s;;) {
@@ -249,7 +249,7 @@ mha_status mha_module_save(const mha_module *m, const char *path) {
         st = mha_st_writer_set_metadata(w, "num_kv_heads", heads);
     }
     if (!st && m->npruned) {
-        char *list = malloc((size_t)m->cfg.num_heads * 21 + 1);
+        char *list = mha__malloc((size_t)m->cfg.num_heads * 21 + 1);
         if (!list) st = mha__fail(MHA_ERR_NOMEM, "mha_module_save: out of memory");
         size_t k = 0;
         for (int64_t h = 0; list && h < m->cfg.num_heads; h++)

@@ -82,7 +82,7 @@ static uint64_t ld_le64(const unsigned char *p) {
 
 static char *str_dup(const char *s) {
     size_t n = strlen(s) + 1;
-    char *d = malloc(n);
+    char *d = mha__malloc(n);
     if (d) memcpy(d, s, n);
     return d;
 }
@@ -525,11 +525,11 @@ static mha_status st_load(mha_st_file *f) {
     }
     // Every count below is bounded by the parsed header (<= 100 MiB).
     int64_t nmeta = meta_json ? cJSON_GetArraySize(meta_json) : 0;
-    entries = calloc((size_t)ntensors + 1, sizeof *entries);
-    by_name = calloc((size_t)ntensors + 1, sizeof *by_name);
-    meta = calloc((size_t)nmeta + 1, sizeof *meta);
-    meta_by_key = calloc((size_t)nmeta + 1, sizeof *meta_by_key);
-    strings = malloc(strings_len + 1);
+    entries = mha__calloc((size_t)ntensors + 1, sizeof *entries);
+    by_name = mha__calloc((size_t)ntensors + 1, sizeof *by_name);
+    meta = mha__calloc((size_t)nmeta + 1, sizeof *meta);
+    meta_by_key = mha__calloc((size_t)nmeta + 1, sizeof *meta_by_key);
+    strings = mha__malloc(strings_len + 1);
     if (!entries || !by_name || !meta || !meta_by_key || !strings) {
         st = mha__fail(MHA_ERR_NOMEM,
                        "%s: out of memory for %lld tensor entries", label,
@@ -617,7 +617,7 @@ static mha_status st_load(mha_st_file *f) {
     }
 
     // Valid: copy strings out of the cJSON tree and build the tables.
-    f->tensors = calloc((size_t)ntensors + 1, sizeof *f->tensors);
+    f->tensors = mha__calloc((size_t)ntensors + 1, sizeof *f->tensors);
     if (!f->tensors) {
         st = mha__fail(MHA_ERR_NOMEM, "%s: out of memory", label);
         goto done;
@@ -676,7 +676,7 @@ done:
 // Takes ownership of bytes (len bytes, malloc'ed) and validates them.
 static mha_status st_open_bytes(mha_st_file **out, unsigned char *bytes,
                                 size_t len, const char *label) {
-    mha_st_file *f = calloc(1, sizeof *f);
+    mha_st_file *f = mha__calloc(1, sizeof *f);
     char *lab = str_dup(label);
     if (!f || !lab) {
         free(f);
@@ -706,7 +706,7 @@ mha_status mha_st_parse(mha_st_file **out, const void *bytes, size_t len,
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_parse: %s: bytes is NULL, len %zu", label,
                          len);
-    unsigned char *copy = malloc(len ? len : 1);
+    unsigned char *copy = mha__malloc(len ? len : 1);
     if (!copy)
         return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes",
                          label, len);
@@ -741,7 +741,7 @@ mha_status mha_st_open(mha_st_file **out, const char *path) {
                          "memory", path, (long long)sb.st_size);
     }
     size_t len = (size_t)sb.st_size;
-    unsigned char *bytes = malloc(len ? len : 1);
+    unsigned char *bytes = mha__malloc(len ? len : 1);
     if (!bytes) {
         fclose(fp);
         return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes",
@@ -1002,7 +1002,7 @@ mha_status mha_st_writer_create(mha_st_writer **out) {
     if (!out)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_writer_create: out is NULL");
-    *out = calloc(1, sizeof **out);
+    *out = mha__calloc(1, sizeof **out);
     if (!*out)
         return mha__fail(MHA_ERR_NOMEM, "mha_st_writer_create: out of memory");
     return MHA_OK;
@@ -1030,7 +1030,7 @@ static void *grow(void *arr, int64_t *cap, int64_t count, size_t elem) {
     int64_t ncap = *cap ? *cap * 2 : 8;
     size_t bytes;
     if (mha__mul_overflow_size((size_t)ncap, elem, &bytes)) return NULL;
-    void *p = realloc(arr, bytes);
+    void *p = mha__realloc(arr, bytes);
     if (p) *cap = ncap;
     return p;
 }
@@ -1100,7 +1100,7 @@ mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
     st_wtensor *t = &w->tensors[w->ntensors];
     memset(t, 0, sizeof *t);
     t->name = str_dup(name);
-    t->data = malloc(nbytes ? nbytes : 1);
+    t->data = mha__malloc(nbytes ? nbytes : 1);
     if (!t->name || !t->data) {
         free(t->name);
         free(t->data);
