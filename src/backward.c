@@ -172,7 +172,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
         mha__add_overflow_size(count, (gated ? 6 : 5) * nle + 4 * nse + 2 * nlh, &count) ||
         mha__mul_overflow_size(count, sizeof(double), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
-    double *block = malloc(bytes ? bytes : 1);
+    double *block = mha__malloc(bytes ? bytes : 1);
     if (!block)
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_backward: out of memory for %zu bytes of scratch", bytes);

@@ -174,7 +174,7 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
     a.save = NULL;
     a.training = false;
     a.impl = MHA_IMPL_REFERENCE;
-    fwd_plan *p = malloc(sizeof *p);
+    fwd_plan *p = mha__malloc(sizeof *p);
     if (!p) return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory");
     mha_status st = mha__plan_forward(p, m, &a);
     if (st) {
@@ -191,21 +191,21 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
     // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
     // Sp), a context row (d), the SVD's copy of a slice (d * fmax)
     const size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
-    mha_diagnostics *dg = calloc(1, sizeof *dg);
-    double *q = malloc(sizeof(double) * nbuf);
-    double *work = malloc(sizeof(double) * (size_t)(H * Sp + d + d * fmax));
-    head_acc *acc = calloc((size_t)H, sizeof *acc);
-    double *cbuf = calloc((size_t)(2 * H * d), sizeof(double));
-    double *vvar = malloc(sizeof(double) * (size_t)p->Hkv);
-    bool *has = calloc((size_t)H, sizeof(bool));
-    int64_t *simcount = calloc((size_t)(H * H), sizeof(int64_t));
+    mha_diagnostics *dg = mha__calloc(1, sizeof *dg);
+    double *q = mha__malloc(sizeof(double) * nbuf);
+    double *work = mha__malloc(sizeof(double) * (size_t)(H * Sp + d + d * fmax));
+    head_acc *acc = mha__calloc((size_t)H, sizeof *acc);
+    double *cbuf = mha__calloc((size_t)(2 * H * d), sizeof(double));
+    double *vvar = mha__malloc(sizeof(double) * (size_t)p->Hkv);
+    bool *has = mha__calloc((size_t)H, sizeof(bool));
+    int64_t *simcount = mha__calloc((size_t)(H * H), sizeof(int64_t));
     if (dg) {
         dg->H = H;
         dg->nspec = nspec;
         dg->nrows_total = N * R;
-        dg->heads = calloc((size_t)H, sizeof *dg->heads);
-        dg->sim = calloc((size_t)(H * H), sizeof(double));
-        dg->spec = calloc((size_t)(H * 4 * nspec), sizeof(double));
+        dg->heads = mha__calloc((size_t)H, sizeof *dg->heads);
+        dg->sim = mha__calloc((size_t)(H * H), sizeof(double));
+        dg->spec = mha__calloc((size_t)(H * 4 * nspec), sizeof(double));
     }
     if (!dg || !dg->heads || !dg->sim || !dg->spec || !q || !work || !acc || !cbuf || !vvar ||
         !has || !simcount) {

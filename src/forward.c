@@ -855,7 +855,7 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
     if (st) return st;
     if ((st = check_forward_outputs(&p, out, weights, a))) return st;
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
-    void *ws = malloc(p.ws_bytes);
+    void *ws = mha__malloc(p.ws_bytes);
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_forward: out of memory for %zu bytes of scratch",
@@ -1013,7 +1013,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         mha__mul_overflow_size((size_t)ls, sizeof(double) * (size_t)nt, &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "sdpa: L %lld x S %lld overflows",
                          (long long)L, (long long)S);
-    double *scores = malloc(bytes ? bytes : 1);
+    double *scores = mha__malloc(bytes ? bytes : 1);
     if (!scores)
         return mha__fail(MHA_ERR_NOMEM, "sdpa: out of memory for %zu bytes", bytes);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)

@@ -513,7 +513,7 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
 
 mha_status mha_saved_create(mha_saved **out) {
     if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_saved_create: NULL out");
-    *out = calloc(1, sizeof **out);
+    *out = mha__calloc(1, sizeof **out);
     if (!*out) return mha__fail(MHA_ERR_NOMEM, "mha_saved_create: out of memory");
     return MHA_OK;
 }
@@ -981,7 +981,7 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
     float *blk = mha__alloc(bytes);
-    int64_t *starts = malloc(sizeof(int64_t) * (size_t)N);
+    int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
     if (!blk || !starts) {
         mha__free(blk);
         free(starts);

@@ -112,7 +112,7 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
                                  (long long)b, (long long)start[b]);
     const int64_t half = dim / 2;
     const bool f64 = x->dtype == MHA_F64;
-    double *inv = malloc(sizeof(double) * (size_t)(half > 0 ? half : 1));
+    double *inv = mha__malloc(sizeof(double) * (size_t)(half > 0 ? half : 1));
     if (!inv) return mha__fail(MHA_ERR_NOMEM, "rope: out of memory");
     mha__rope_inv_freq(inv, r, D);
     for (int64_t b = 0; b < B; b++)
@@ -206,7 +206,7 @@ mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num
         mha__mul_overflow_size((size_t)nv, kv_esz(dtype), &bv) ||
         mha__mul_overflow_size((size_t)rows, sizeof(float), &bs))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache: size overflows");
-    mha_kv_cache *c = calloc(1, sizeof *c);
+    mha_kv_cache *c = mha__calloc(1, sizeof *c);
     if (!c) return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory");
     c->B = batch, c->Hkv = num_kv_heads, c->D = head_dim, c->Dv = v_head_dim, c->cap = capacity;
     c->dt = dtype;
@@ -217,7 +217,7 @@ mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num
         c->ks = mha__alloc(bs);
         c->vs = mha__alloc(bs);
     }
-    c->len = calloc((size_t)batch, sizeof *c->len);
+    c->len = mha__calloc((size_t)batch, sizeof *c->len);
     if (!c->k || !c->v || !c->len || (dtype == MHA_KV_INT8 && (!c->ks || !c->vs))) {
         mha_kv_cache_destroy(c);
         return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory for %zu bytes", bk + bv);
@@ -238,7 +238,7 @@ size_t mha_kv_cache_bytes(const mha_kv_cache *c) {
 static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
                       mha_dtype xdt, int64_t xs, int64_t n) {
     float buf[4096], *row = buf, *heap = NULL;
-    if (n > 4096) row = heap = malloc(sizeof(float) * (size_t)n);
+    if (n > 4096) row = heap = mha__malloc(sizeof(float) * (size_t)n);
     if (!row) return;  // (not reached for head dims up to 4096)
     for (int64_t e = 0; e < n; e++)
         row[e] = (float)mha__ld(mha__vmat((void *)x, xdt, 0, xs), 0, e);

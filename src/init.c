@@ -67,7 +67,7 @@ static mha_status fill_orthogonal(float *w, int64_t rows, int64_t cols,
     int transpose = rows < cols;
     int64_t m = transpose ? cols : rows;  // long side
     int64_t n = transpose ? rows : cols;  // short side: n columns of length m
-    double *a = malloc((size_t)m * (size_t)n * sizeof *a);
+    double *a = mha__malloc((size_t)m * (size_t)n * sizeof *a);
     if (!a) return mha__fail(MHA_ERR_NOMEM, "orthogonal init: out of memory");
     // a[c*m + i]: column c of the (m, n) matrix, stored column by column
     for (int64_t i = 0; i < m * n; i++) a[i] = rng_normal(r);

@@ -167,7 +167,7 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     *out = NULL;
     mha_status st = check_config(cfg);
     if (st) return st;
-    mha_module *m = calloc(1, sizeof *m);
+    mha_module *m = mha__calloc(1, sizeof *m);
     if (!m) return mha__fail(MHA_ERR_NOMEM, "mha_module_create: out of memory");
     m->cfg = *cfg;
     const int64_t E = cfg->embed_dim;
@@ -205,7 +205,7 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     for (int i = 0; i < m->nparams; i++)
         total += round64((size_t)m->params[i].numel * mha_dtype_size(m->params[i].dtype));
     m->block = mha__alloc(total);
-    m->pruned = calloc((size_t)H, sizeof(bool));
+    m->pruned = mha__calloc((size_t)H, sizeof(bool));
     if (!m->block || !m->pruned) {
         mha__free(m->block);
         free(m->pruned);

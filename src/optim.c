@@ -133,7 +133,7 @@ mha_status mha_optimizer_create(mha_optimizer **out,
     *out = NULL;
     mha_status st = check_config(c);
     if (st != MHA_OK) return st;
-    mha_optimizer *o = calloc(1, sizeof *o);
+    mha_optimizer *o = mha__calloc(1, sizeof *o);
     if (!o)
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_optimizer_create: out of memory (%zu bytes)",
@@ -206,7 +206,7 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad,
     }
     if (o->count == o->cap) {
         int64_t cap = o->cap ? 2 * o->cap : 8;
-        optim_entry *grown = realloc(o->entries, (size_t)cap * sizeof *grown);
+        optim_entry *grown = mha__realloc(o->entries, (size_t)cap * sizeof *grown);
         if (!grown)
             return mha__fail(MHA_ERR_NOMEM,
                              "mha_optimizer_add: out of memory growing the "
