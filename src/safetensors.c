@@ -413,6 +413,136 @@ static mha_status check_metadata(const cJSON *m, const char *label) {
     return MHA_OK;
 }
 
+// JSON syntax, allocation-free, for telling apart the two reasons cJSON
+// returns NULL: invalid text or out of memory. Each checker reads one token
+// at s[*i] (of n bytes), advances *i past it and says whether it is valid.
+// They are at least as strict as cJSON (so a text they accept failed in
+// cJSON for memory only): RFC 8259 numbers of at most 63 bytes (cJSON's
+// buffer in some versions), escapes with 4 hex digits and surrogates
+// paired.
+static bool json_hex4(const unsigned char *s, size_t n, size_t i, unsigned *code) {
+    if (n < 4 || i > n - 4) return false;
+    unsigned v = 0;
+    for (size_t k = 0; k < 4; k++) {
+        unsigned char c = s[i + k];
+        unsigned d = c >= '0' && c <= '9' ? (unsigned)(c - '0')
+                     : c >= 'a' && c <= 'f' ? (unsigned)(c - 'a' + 10)
+                     : c >= 'A' && c <= 'F' ? (unsigned)(c - 'A' + 10) : 16u;
+        if (d > 15) return false;
+        v = v * 16 + d;
+    }
+    *code = v;
+    return true;
+}
+
+static bool json_string(const unsigned char *s, size_t n, size_t *i) {
+    size_t k = *i + 1;  // s[*i] == '"'
+    while (k < n && s[k] != '"') {
+        if (s[k] < 0x20) return false;
+        if (s[k++] != '\\') continue;
+        if (k >= n) return false;
+        unsigned char e = s[k++];
+        if (strchr("\"\\/bfnrt", e) && e) continue;
+        unsigned c1, c2;
+        if (e != 'u' || !json_hex4(s, n, k, &c1) || (c1 >= 0xdc00 && c1 <= 0xdfff))
+            return false;
+        k += 4;
+        if (c1 >= 0xd800 && c1 <= 0xdbff) {  // a low surrogate must follow
+            if (k + 1 >= n || s[k] != '\\' || s[k + 1] != 'u' ||
+                !json_hex4(s, n, k + 2, &c2) || c2 < 0xdc00 || c2 > 0xdfff)
+                return false;
+            k += 6;
+        }
+    }
+    if (k >= n) return false;
+    *i = k + 1;
+    return true;
+}
+
+static bool json_number(const unsigned char *s, size_t n, size_t *i) {
+#define MHA__DIGIT(k) ((k) < n && s[k] >= '0' && s[k] <= '9')
+    size_t k = *i;
+    if (k < n && s[k] == '-') k++;
+    if (k < n && s[k] == '0') k++;
+    else if (MHA__DIGIT(k)) while (MHA__DIGIT(k)) k++;
+    else return false;
+    if (k < n && s[k] == '.') {
+        if (!MHA__DIGIT(k + 1)) return false;
+        for (k++; MHA__DIGIT(k); k++) {}
+    }
+    if (k < n && (s[k] == 'e' || s[k] == 'E')) {
+        k++;
+        if (k < n && (s[k] == '+' || s[k] == '-')) k++;
+        if (!MHA__DIGIT(k)) return false;
+        while (MHA__DIGIT(k)) k++;
+    }
+#undef MHA__DIGIT
+    if (k - *i > 63) return false;
+    *i = k;
+    return true;
+}
+
+// Whether the n bytes at s begin with one JSON value nested at most
+// CJSON_NESTING_LIMIT deep (what follows it is not looked at).
+static bool json_value_valid(const unsigned char *s, size_t n) {
+    bool in_object[CJSON_NESTING_LIMIT];  // per open container
+    size_t depth = 0, i = 0;
+#define MHA__WS() while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++
+    for (;;) {
+        // a value
+        MHA__WS();
+        if (i >= n) return false;
+        const unsigned char c = s[i];
+        if (c == '{' || c == '[') {
+            if (depth >= CJSON_NESTING_LIMIT) return false;
+            in_object[depth++] = c == '{';
+            i++;
+            MHA__WS();
+            if (i < n && s[i] == (c == '{' ? '}' : ']')) {
+                i++;
+                depth--;
+            } else if (c == '[') {
+                continue;  // the first element
+            } else {
+                goto key;
+            }
+        } else if (c == '"') {
+            if (!json_string(s, n, &i)) return false;
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            if (!json_number(s, n, &i)) return false;
+        } else {
+            static const char *lit[3] = {"true", "false", "null"};
+            size_t l = 0;
+            for (int k = 0; k < 3 && !l; k++)
+                if (n - i >= strlen(lit[k]) && memcmp(s + i, lit[k], strlen(lit[k])) == 0)
+                    l = strlen(lit[k]);
+            if (!l) return false;
+            i += l;
+        }
+        // after a value: the end, a separator or a closing bracket
+        for (;;) {
+            MHA__WS();
+            if (depth == 0) return true;
+            if (i >= n) return false;
+            if (s[i] == (in_object[depth - 1] ? '}' : ']')) {
+                i++;
+                depth--;
+                continue;
+            }
+            if (s[i++] != ',') return false;
+            break;
+        }
+        if (!in_object[depth - 1]) continue;
+    key:
+        MHA__WS();
+        if (i >= n || s[i] != '"' || !json_string(s, n, &i)) return false;
+        MHA__WS();
+        if (i >= n || s[i] != ':') return false;
+        i++;
+    }
+#undef MHA__WS
+}
+
 // Byte-level rules cJSON does not enforce on the n header bytes h.
 static mha_status check_header_bytes(const unsigned char *h, size_t n,
                                      const char *label) {
@@ -473,6 +603,12 @@ static mha_status st_load(mha_st_file *f) {
     cJSON *root =
         cJSON_ParseWithLengthOpts((const char *)header, hlen, &end, 0);
     if (!root) {
+        // cJSON says NULL for both; valid JSON means memory ran out
+        if (json_value_valid(header, hlen))
+            return mha__fail(MHA_ERR_NOMEM,
+                             "%s: out of memory parsing the header (%zu "
+                             "bytes of JSON)",
+                             label, hlen);
         size_t at = end ? (size_t)(end - (const char *)header) : 0;
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: header (%zu bytes) is not valid JSON: parse "
