@@ -46,7 +46,9 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
     if (!s || !*s) return MHA_OK;
     const int64_t H = m->cfg.num_heads;
     int64_t *heads = mha__malloc(sizeof(int64_t) * (size_t)H), n = 0;
-    if (!heads) return mha__fail(MHA_ERR_NOMEM, "%s: out of memory", lab);
+    if (!heads)
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %lld pruned head indices", lab,
+                         (long long)H);
     char qn[128];
     for (const char *p = s;;) {
         int64_t v = 0;
@@ -250,7 +252,9 @@ mha_status mha_module_save(const mha_module *m, const char *path) {
     }
     if (!st && m->npruned) {
         char *list = mha__malloc((size_t)m->cfg.num_heads * 21 + 1);
-        if (!list) st = mha__fail(MHA_ERR_NOMEM, "mha_module_save: out of memory");
+        if (!list)
+            st = mha__fail(MHA_ERR_NOMEM, "mha_module_save: out of memory for the pruned_heads "
+                           "list (%zu bytes)", (size_t)m->cfg.num_heads * 21 + 1);
         size_t k = 0;
         for (int64_t h = 0; list && h < m->cfg.num_heads; h++)
             if (m->pruned[h])

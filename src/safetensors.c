@@ -755,7 +755,11 @@ static mha_status st_load(mha_st_file *f) {
     // Valid: copy strings out of the cJSON tree and build the tables.
     f->tensors = mha__calloc((size_t)ntensors + 1, sizeof *f->tensors);
     if (!f->tensors) {
-        st = mha__fail(MHA_ERR_NOMEM, "%s: out of memory", label);
+        st = mha__fail(MHA_ERR_NOMEM,
+                       "%s: out of memory for %lld tensor descriptors (%zu "
+                       "bytes)",
+                       label, (long long)ntensors,
+                       ((size_t)ntensors + 1) * sizeof *f->tensors);
         goto done;
     }
     char *s = strings;
@@ -818,7 +822,9 @@ static mha_status st_open_bytes(mha_st_file **out, unsigned char *bytes,
         free(f);
         free(lab);
         free(bytes);
-        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory", label);
+        return mha__fail(MHA_ERR_NOMEM,
+                         "%s: out of memory for the file object (%zu bytes)",
+                         label, sizeof *f + strlen(label) + 1);
     }
     f->label = lab;
     f->bytes = bytes;
@@ -1140,7 +1146,9 @@ mha_status mha_st_writer_create(mha_st_writer **out) {
                          "mha_st_writer_create: out is NULL");
     *out = mha__calloc(1, sizeof **out);
     if (!*out)
-        return mha__fail(MHA_ERR_NOMEM, "mha_st_writer_create: out of memory");
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_st_writer_create: out of memory (%zu bytes)",
+                         sizeof **out);
     return MHA_OK;
 }
 
@@ -1231,7 +1239,10 @@ mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
     st_wtensor *grown =
         grow(w->tensors, &w->tensors_cap, w->ntensors, sizeof *w->tensors);
     if (!grown)
-        return mha__fail(MHA_ERR_NOMEM, "mha_st_writer_add: out of memory");
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_st_writer_add: tensor %s: out of memory growing "
+                         "the list of %lld tensors",
+                         q, (long long)w->ntensors);
     w->tensors = grown;
     st_wtensor *t = &w->tensors[w->ntensors];
     memset(t, 0, sizeof *t);
@@ -1279,7 +1290,9 @@ mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
     char *v = str_dup(value);
     if (!v)
         return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_set_metadata: out of memory");
+                         "mha_st_writer_set_metadata: key %s: out of memory "
+                         "for a %zu-byte value",
+                         mha_escape(q, sizeof q, key), strlen(value) + 1);
     for (int64_t i = 0; i < w->nmeta; i++) {
         if (strcmp(w->meta[i].key, key) == 0) {
             free(w->meta[i].value);
@@ -1294,7 +1307,9 @@ mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
         free(k);
         free(v);
         return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_set_metadata: out of memory");
+                         "mha_st_writer_set_metadata: key %s: out of memory "
+                         "adding entry %lld",
+                         mha_escape(q, sizeof q, key), (long long)w->nmeta + 1);
     }
     w->meta[w->nmeta++] = (st_wmeta){k, v};
     return MHA_OK;
