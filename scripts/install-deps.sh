@@ -5,11 +5,12 @@
 #                                    CLI's training plots)
 #   scripts/install-deps.sh --test   also what the test suite needs
 #                                    (PyTorch and numpy for the conformance
-#                                    suite against PyTorch)
+#                                    suite against PyTorch; clang and its
+#                                    libFuzzer runtime for tests/fuzz/run.sh)
 set -eu
 pkgs="build-essential cmake pkg-config libcjson-dev liblapacke-dev libcairo2-dev"
 if [ "${1:-}" = "--test" ]; then
-    pkgs="$pkgs python3 python3-torch python3-numpy"
+    pkgs="$pkgs python3 python3-torch python3-numpy clang libclang-rt-dev"
 fi
 missing=""
 for p in $pkgs; do
