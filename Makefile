@@ -4,7 +4,7 @@ BUILD ?= build
 CMAKE_FLAGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all check test install clean asan
+.PHONY: all check test install clean asan scalar tsan
 
 all: $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
@@ -15,15 +15,28 @@ $(BUILD)/CMakeCache.txt:
 check test: all
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
-# AddressSanitizer + UndefinedBehaviorSanitizer build and tests in build-asan/
+# AddressSanitizer + UndefinedBehaviorSanitizer build and the whole test
+# suite in build-asan/ (-O1: the sanitizers' checks at a speed CI affords;
+# any report fails the test)
 asan:
-	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \
-	  -DCMAKE_C_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=None \
+	  -DCMAKE_C_FLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ctest --output-on-failure -j $(JOBS)
+
+# Only the portable scalar kernels (no AVX2/AVX-512 code compiled), the
+# whole test suite in build-scalar/
+scalar:
+	cmake -S . -B build-scalar -DCMAKE_BUILD_TYPE=Release -DMHA_SCALAR_ONLY=ON
+	cmake --build build-scalar -j $(JOBS)
+	cd build-scalar && ctest --output-on-failure -j $(JOBS)
+
+# The concurrency stress under ThreadSanitizer (tests/tsan.sh)
+tsan:
+	tests/tsan.sh build-tsan
 
 install: all
 	cmake --install $(BUILD)
 
 clean:
-	rm -rf $(BUILD) build-asan
+	rm -rf $(BUILD) build-asan build-scalar build-tsan

@@ -19,6 +19,15 @@
 //    (only allowed where a declaration says so: masks).
 //  - Shapes use PyTorch's letters: L target (query) length, S source (key)
 //    length, N batch, E embed_dim, H num_heads, d = E / H head dim.
+//  - Threads: any functions may run at once on different output objects; a
+//    module and the inputs may be shared read-only by concurrent forwards
+//    and backwards. Changing a module (init, pruning, an optimizer step,
+//    writing parameters) must not overlap a call that reads it. Results are
+//    bit-identical whatever the number of OpenMP threads.
+//  - Versions: semantic versioning (MHA_VERSION_*, mha_version()). While
+//    the major version is 0, a minor release may change the ABI: structs
+//    only grow at their end (source compatible), but programs must be
+//    recompiled against the new header.
 //
 // Fully masked rows (the one rule, in every path): a query row whose keys
 // are all masked (every score is -inf after masks) gets attention weights 0
