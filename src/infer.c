@@ -258,7 +258,9 @@ static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
         (isv ? c->vs : c->ks)[r] = sc;
         for (int64_t e = 0; e < n; e++) {
             float qv = nearbyintf(row[e] / sc);
-            qv = qv > 127.0f ? 127.0f : qv < -127.0f ? -127.0f : qv;
+            // (NaN, from a NaN element or an infinite row's inf / inf, is
+            // stored as 0: converting NaN to int8_t is undefined)
+            qv = qv > 127.0f ? 127.0f : qv < -127.0f ? -127.0f : isnan(qv) ? 0.0f : qv;
             ((int8_t *)dst)[e] = (int8_t)qv;
         }
         break;
