@@ -199,6 +199,26 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
             }
         }
     }
+    // Before allocating: k/v_proj_weight must have Ekv rows, so that kdim and
+    // vdim (their columns) are bounded by the data in the file (a (0, 2^40)
+    // tensor has no bytes but would size the module). Skipped when H or
+    // num_kv_heads is invalid: mha_module_create refuses those first.
+    if (!has[IN_W] && cfg.num_heads > 0 && E % cfg.num_heads == 0) {
+        const int64_t hkv = cfg.num_kv_heads ? cfg.num_kv_heads : cfg.num_heads;
+        if (hkv > 0 && cfg.num_heads % hkv == 0) {
+            const int64_t ekv = hkv * (E / cfg.num_heads);
+            for (int i = K_W; i <= V_W; i++)
+                if (t[i].shape[0] != ekv)
+                    return mha__fail(MHA_ERR_SHAPE,
+                                     "%s: %s has shape %s, expected (%lld, %s) (num_kv_heads "
+                                     "%lld x head dim %lld; embed_dim %lld, num_heads %lld)",
+                                     lab, names[i],
+                                     mha__shape_str(s1, sizeof s1, t[i].ndim, t[i].shape),
+                                     (long long)ekv, i == K_W ? "kdim" : "vdim", (long long)hkv,
+                                     (long long)(E / cfg.num_heads), (long long)E,
+                                     (long long)cfg.num_heads);
+        }
+    }
     mha_module *m;
     if ((st = mha_module_create(&m, &cfg))) return st;
     // Every parameter of the module must be in the file with its exact shape.

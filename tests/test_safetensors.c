@@ -632,6 +632,58 @@ static void test_messages(void) {
     CHECK(strlen(mha_last_error()) < 400);
 }
 
+// A module file from a stranger: k/v_proj_weight with zero rows hold no
+// bytes whatever their column count, which mha_module_load takes as kdim /
+// vdim. It must refuse them (MHA_ERR_SHAPE, naming the tensor) before it
+// sizes the module, not allocate (Ekv, 2^40) floats first (found by
+// tests/fuzz fuzz_forward: 4 GiB allocated for a 724-byte file).
+static void test_module_load_bounds(void) {
+    static const char *fmt =
+        "{\"__metadata__\":{\"num_heads\":\"2\"%s},"
+        "\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
+        "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[%s],\"data_offsets\":[64,%d]},"
+        "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[%s],\"data_offsets\":[%d,%d]},"
+        "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[%d,%d]}}";
+    static const struct {
+        const char *meta, *k, *v;  // meta: more __metadata__
+        int kbytes, vbytes;
+        mha_status want;
+        const char *text;
+    } cases[] = {
+        {"", "4,3", "4,5", 48, 80, MHA_OK, NULL},  // control: kdim 3, vdim 5
+        {",\"num_kv_heads\":\"2\"", "0,1099511627776", "4,5", 0, 80, MHA_ERR_SHAPE,
+         "k_proj_weight has shape (0, 1099511627776), expected (4, kdim)"},
+        // (num_kv_heads from k_proj_weight's rows: 2)
+        {"", "4,3", "0,1099511627776", 48, 0, MHA_ERR_SHAPE,
+         "v_proj_weight has shape (0, 1099511627776), expected (4, vdim)"},
+        {",\"num_kv_heads\":\"1\"", "4,3", "4,5", 48, 80, MHA_ERR_SHAPE,
+         "k_proj_weight has shape (4, 3), expected (2, kdim) (num_kv_heads 1"},
+    };
+    unsigned char zeros[256] = {0};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char header[1024];
+        const int k1 = 64 + cases[i].kbytes, v1 = k1 + cases[i].vbytes;
+        snprintf(header, sizeof header, fmt, cases[i].meta, cases[i].k, k1, cases[i].v, k1, v1,
+                 v1, v1 + 64);
+        size_t len;
+        unsigned char *b = make_file(&len, header, zeros, (size_t)v1 + 64);
+        mha_st_file *f = NULL;
+        CHECK_OK(mha_st_parse(&f, b, len, "module.safetensors"));
+        mha_module *m = NULL;
+        mha_status st = f ? mha_module_load(&m, f, NULL) : MHA_ERR_FORMAT;
+        CHECKF(st == cases[i].want, "case %zu: %s (want %s): %s", i, mha_status_string(st),
+               mha_status_string(cases[i].want), mha_last_error());
+        if (cases[i].text)
+            CHECKF(strstr(mha_last_error(), cases[i].text) != NULL &&
+                       strstr(mha_last_error(), "module.safetensors") != NULL,
+                   "case %zu: message \"%s\" lacks \"%s\"", i, mha_last_error(),
+                   cases[i].text);
+        mha_module_destroy(m);
+        mha_st_close(f);
+        free(b);
+    }
+}
+
 int main(void) {
     const char *t = getenv("MHA_TEST_TMPDIR");
     snprintf(g_tmpdir, sizeof g_tmpdir, "%s", t && *t ? t : "/tmp");
@@ -640,5 +692,6 @@ int main(void) {
     test_open_errors();
     test_malformed();
     test_messages();
+    test_module_load_bounds();
     return check_summary("test_safetensors");
 }
