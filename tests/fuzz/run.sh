@@ -13,7 +13,8 @@
 # Run: each target on build-fuzz/corpus/<target> (a fresh copy of
 # tests/fuzz/corpus/<target>, so the committed seeds and regressions are
 # replayed first and new units never touch the tree), with
-# -max_total_time=SECONDS -rss_limit_mb=2048 -timeout=10 -max_len=8192;
+# -max_total_time=SECONDS -rss_limit_mb=2048 -timeout=10 -max_len=8192 and
+# the dictionary tests/fuzz/safetensors.dict;
 # crash, leak, timeout and out-of-memory inputs go to
 # build-fuzz/artifacts/<target>/, the log to build-fuzz/<target>.log.
 # Prints per target: executions, time, exec/s, cov/ft (libFuzzer's last
@@ -83,7 +84,8 @@ for t in $TARGETS; do
     t1=$(date +%s)
     rc=0
     "$B/fuzz_$t" -max_total_time="$SECS" -rss_limit_mb=2048 -timeout=10 -max_len=8192 \
-        -print_final_stats=1 -artifact_prefix="$art/" "$corpus" >"$log" 2>&1 || rc=$?
+        -dict="$ROOT/tests/fuzz/safetensors.dict" -print_final_stats=1 \
+        -artifact_prefix="$art/" "$corpus" >"$log" 2>&1 || rc=$?
     el=$(($(date +%s) - t1))
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
     eps=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -n 1)
