@@ -25,8 +25,9 @@
 //        query, key, value (float dtypes), key_padding_mask, attn_mask
 //        (BOOL/U8 read as BOOL, floats as F32); key and value both absent:
 //        self-attention.
-// Any error status is fine; crashes, sanitizer reports, leaks and hangs
-// are findings. Sizes are bounded before anything runs: every dimension
+// Any error status but MHA_ERR_NOMEM is fine (sizes are bounded, so NOMEM
+// means the library sized something from a value the data does not back);
+// crashes, sanitizer reports, leaks and hangs are findings. Sizes are bounded before anything runs: every dimension
 // counts as at least 1 (so a zero-sized dim cannot hide a huge one), and a
 // problem whose projection + attention work exceeds MAX_WORK multiply-adds
 // or whose outputs exceed MAX_ELEMS elements is skipped.
@@ -39,6 +40,15 @@
 
 #define MAX_ELEMS 1000000.0
 #define MAX_WORK 4000000.0
+
+// Sizes here are bounded and allocations do not fail, so MHA_ERR_NOMEM from
+// the library means it asked for memory the inputs do not justify.
+static void require_not_nomem(mha_status st, const char *what) {
+    if (st != MHA_ERR_NOMEM) return;
+    fprintf(stderr, "fuzz_forward: %s returned MHA_ERR_NOMEM on bounded sizes: %s\n", what,
+            mha_last_error());
+    abort();
+}
 
 typedef struct input {
     mha_tensor view;
@@ -127,7 +137,7 @@ static void run_forward(const mha_module *m, mha_forward_args a, mha_impl impl,
         } else {
             st = mha_forward(&ot, need_weights ? &wt : NULL, m, &a);
         }
-        (void)st;
+        require_not_nomem(st, ex ? "mha_forward_ex" : "mha_forward");
     }
     free(obuf);
     free(wbuf);
@@ -160,7 +170,9 @@ static void run_cached(const mha_module *m, const mha_forward_args *a0, mha_dtyp
             qc.shape[sd] = oc.shape[sd] = n;
             mha_forward_args a = *a0;
             a.query = a.key = a.value = &qc;
-            if (mha_forward_cached(&oc, m, &a, cache)) break;
+            mha_status st = mha_forward_cached(&oc, m, &a, cache);
+            require_not_nomem(st, "mha_forward_cached");
+            if (st) break;
         }
     }
     mha_kv_cache_destroy(cache);
@@ -194,10 +206,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     mha_module *m = NULL;
     input in[5];
     memset(in, 0, sizeof in);
-    if (mha_st_parse(&wf, rest, wlen, "weights.safetensors") ||
-        mha_module_load(&m, wf, &base) ||
-        mha_st_parse(&xf, rest + wlen, rest_len - wlen, "inputs.safetensors"))
-        goto done;
+    mha_status st = mha_st_parse(&wf, rest, wlen, "weights.safetensors");
+    require_not_nomem(st, "mha_st_parse (weights)");
+    if (st) goto done;
+    st = mha_module_load(&m, wf, &base);
+    require_not_nomem(st, "mha_module_load");
+    if (st) goto done;
+    st = mha_st_parse(&xf, rest + wlen, rest_len - wlen, "inputs.safetensors");
+    require_not_nomem(st, "mha_st_parse (inputs)");
+    if (st) goto done;
 
     static const char *names[5] = {"query", "key", "value", "key_padding_mask",
                                    "attn_mask"};

@@ -1,8 +1,9 @@
 // fuzz_safetensors.c: libFuzzer target for the safetensors reader on
 // arbitrary bytes (mha_st_parse, the in-memory open).
 //
-// For every input: a failed parse must return an error status, leave *out
-// NULL and set a one-line message naming the label. A successful parse must
+// For every input: a failed parse must return MHA_ERR_FORMAT (never NOMEM:
+// inputs are small and allocations do not fail here), leave *out NULL and
+// set a one-line message naming the label. A successful parse must
 // expose a self-consistent file, checked through the public API only:
 //  - every tensor (mha_st_tensor_at): a non-empty name, ndim in range, dims
 //    in [0, 2^53), numel = product of dims, nbytes = numel x dtype size;
@@ -159,6 +160,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     mha_status st = mha_st_parse(&f, data, size, LABEL);
     if (st != MHA_OK) {
         require(st < 0, "mha_st_parse returned %d", (int)st);
+        // Inputs here are small and allocations do not fail, so NOMEM would
+        // be a wrong status (e.g. JSON that cJSON rejects but the reader's
+        // own syntax check accepts): the header is FORMAT or nothing.
+        require(st == MHA_ERR_FORMAT, "mha_st_parse: %s on %zu bytes (expected "
+                "MHA_ERR_FORMAT): %s", mha_status_string(st), size, mha_last_error());
         require(f == NULL, "mha_st_parse failed but left *out set");
         require_message("mha_st_parse");
         require(strstr(mha_last_error(), LABEL) != NULL,
