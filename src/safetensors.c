@@ -1368,7 +1368,9 @@ mha_status mha_st_writer_save(const mha_st_writer *w, const char *path) {
     char *text = build_header(w);
     if (!text)
         return mha__fail(MHA_ERR_NOMEM,
-                         "%s: out of memory building the header", path);
+                         "%s: out of memory building the header (%lld "
+                         "tensors, %lld metadata entries)",
+                         path, (long long)w->ntensors, (long long)w->nmeta);
     size_t n = strlen(text);
     size_t padded = (n + 7) & ~(size_t)7;
     if (padded > MHA_ST_MAX_HEADER) {
