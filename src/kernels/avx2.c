@@ -301,11 +301,14 @@ static float softmax_update(float *x, int64_t n, float *m, float *l) {
                                           _mm256_castsi256_ps(k));
         vmax = _mm256_max_ps(vmax, v);
     }
-    const float mx = hmax(vmax);
+    float mx = hmax(vmax);
     if (mx == -INFINITY) {
-        for (int64_t j = 0; j < n; j += 8)
-            _mm256_maskstore_ps(x + j, tail_mask(n - j), _mm256_setzero_ps());
-        return 1.0f;
+        if (!mha__row_has_nan(x, n)) {
+            for (int64_t j = 0; j < n; j += 8)
+                _mm256_maskstore_ps(x + j, tail_mask(n - j), _mm256_setzero_ps());
+            return 1.0f;
+        }
+        mx = NAN;  // a NaN score: the row becomes NaN
     }
     const __m256 vm = _mm256_set1_ps(mx);
     __m256 sum = _mm256_setzero_ps();

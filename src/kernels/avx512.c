@@ -316,11 +316,14 @@ static float softmax_update(float *x, int64_t n, float *m, float *l) {
     __m512 vmax = _mm512_set1_ps(*m);
     for (int64_t j = 0; j < n; j += 16)
         vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(n - j), x + j));
-    const float mx = _mm512_reduce_max_ps(vmax);
+    float mx = _mm512_reduce_max_ps(vmax);
     if (mx == -INFINITY) {
-        for (int64_t j = 0; j < n; j += 16)
-            _mm512_mask_storeu_ps(x + j, tail_mask(n - j), _mm512_setzero_ps());
-        return 1.0f;
+        if (!mha__row_has_nan(x, n)) {
+            for (int64_t j = 0; j < n; j += 16)
+                _mm512_mask_storeu_ps(x + j, tail_mask(n - j), _mm512_setzero_ps());
+            return 1.0f;
+        }
+        mx = NAN;  // a NaN score: the row becomes NaN
     }
     const __m512 vm = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();

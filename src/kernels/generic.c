@@ -47,8 +47,11 @@ static float softmax_update(float *x, int64_t n, float *m, float *l) {
     float mx = *m;
     for (int64_t j = 0; j < n; j++) mx = x[j] > mx ? x[j] : mx;
     if (mx == -INFINITY) {  // nothing visible yet: all weights 0
-        for (int64_t j = 0; j < n; j++) x[j] = 0.0f;
-        return 1.0f;
+        if (!mha__row_has_nan(x, n)) {
+            for (int64_t j = 0; j < n; j++) x[j] = 0.0f;
+            return 1.0f;
+        }
+        mx = NAN;  // a NaN score: the row becomes NaN
     }
     float sum = 0.0f;
     for (int64_t j = 0; j < n; j++) {

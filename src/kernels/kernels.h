@@ -214,4 +214,14 @@ void mha__kernels_fill_avx512(mha__kernels *k);
 // without -mavx512bf16).
 bool mha__kernels_fill_avx512bf16(mha__kernels *k, bool dp);
 
+// Whether a row of scores holds a NaN. The softmax kernels ask it only when
+// the row's max is -inf (nothing visible): a NaN score must make the row NaN,
+// as in the reference, not count as masked (max instructions drop NaNs in an
+// ISA-dependent way).
+static inline bool mha__row_has_nan(const float *x, int64_t n) {
+    for (int64_t j = 0; j < n; j++)
+        if (x[j] != x[j]) return true;
+    return false;
+}
+
 #endif
