@@ -359,6 +359,7 @@ MHA_API void mha_init_options_default(mha_init_options *opt);
 // "xavier_uniform", "xavier_normal", "normal", "orthogonal", "zeros".
 MHA_API MHA_NODISCARD mha_status mha_init_scheme_from_name(
     mha_init_scheme *out, const char *name);
+// Overwrites every parameter; on error (out of memory included) none.
 MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m,
                                                  const mha_init_options *opt);
 
@@ -799,7 +800,8 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 // chunk (or token by token) gives the full causal forward's result (within
 // float rounding). The cache needs batch N, the module's num_kv_heads,
 // head dims E / H. Not available: masks, need_weights, dropout, add_bias_kv,
-// add_zero_attn, kdim/vdim != E (MHA_ERR_UNSUPPORTED).
+// add_zero_attn, kdim/vdim != E (MHA_ERR_UNSUPPORTED). On any error (out
+// of memory included) the cache keeps the lengths it had.
 MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_module *m,
                                                     const mha_forward_args *a,
                                                     mha_kv_cache *cache);

@@ -3,7 +3,8 @@
 // reference computes them (mha__project_qkv: biases, add_bias_kv,
 // add_zero_attn, RoPE), one query row at a time: memory O(S) per row and
 // head, so long sequences work with max_rows subsampling. Singular values
-// come from LAPACK (dgesdd, values only).
+// come from LAPACK (dgesdd, values only), with its workspace in the one
+// block allocated here (LAPACKE's own wrapper would allocate it).
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -120,20 +121,49 @@ static bool find_nonfinite_buf(char *out, size_t cap, const char *name, const do
 
 // ---- singular values ----
 
+// dgesdd's workspace (singular values only) for a row-major (M, K) matrix:
+// the optimal size LAPACK asks for (as LAPACKE_dgesdd would allocate), or
+// its documented minimum if the query fails.
+static size_t svd_lwork(int64_t M, int64_t K) {
+    const int64_t mn = M < K ? M : K, mx = M < K ? K : M;
+    double q = 0.0, dummy = 0.0;
+    lapack_int iw = 0;
+    lapack_int info = LAPACKE_dgesdd_work(LAPACK_COL_MAJOR, 'N', (lapack_int)K, (lapack_int)M,
+                                          &dummy, (lapack_int)(K > 1 ? K : 1), &dummy, NULL, 1,
+                                          NULL, 1, &q, -1, &iw);
+    const double least = (double)(3 * mn + (mx > 7 * mn ? mx : 7 * mn));
+    return (size_t)(info == 0 && q > least ? q : least);
+}
+
+// The SVD's scratch: a copy of the matrix (d * fmax), dgesdd's work (lwork)
+// and iwork (8 d).
+typedef struct svd_ws {
+    double *a, *work;
+    lapack_int lwork, *iwork;
+} svd_ws;
+
 // Singular values (descending) of the (M, K) matrix W(r, c) = src(r0 + r,
 // c0 + c) of a row-major (., ld) matrix of dtype dt, into sv (min(M, K));
 // returns the rank: sigma > rtol * sigma_max (rtol <= 0: max(M, K) times
 // the storage's epsilon, as numpy.linalg.matrix_rank).
 static int64_t spectrum(double *sv, const void *src, mha_dtype dt, int64_t ld, int64_t r0,
-                        int64_t c0, int64_t M, int64_t K, double rtol, double *a) {
+                        int64_t c0, int64_t M, int64_t K, double rtol, const svd_ws *ws) {
     const mha__mat w = mha__vmat((void *)src, dt, ld, 1);
+    double *a = ws->a;
+    bool nan = false;
     for (int64_t r = 0; r < M; r++)
-        for (int64_t c = 0; c < K; c++) a[r * K + c] = mha__ld(w, r0 + r, c0 + c);
+        for (int64_t c = 0; c < K; c++) {
+            a[r * K + c] = mha__ld(w, r0 + r, c0 + c);
+            nan |= isnan(a[r * K + c]);
+        }
     const int64_t mn = M < K ? M : K;
     // a row-major (M, K) is the column-major (K, M) W^T: the same singular
-    // values, and no transposition inside LAPACKE
-    lapack_int info = LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', (lapack_int)K, (lapack_int)M, a,
-                                     (lapack_int)K, sv, NULL, 1, NULL, 1);
+    // values, and no transposition inside LAPACKE (NaN: refused, as
+    // LAPACKE_dgesdd's check refuses it)
+    lapack_int info = nan ? -5
+                          : LAPACKE_dgesdd_work(LAPACK_COL_MAJOR, 'N', (lapack_int)K,
+                                                (lapack_int)M, a, (lapack_int)K, sv, NULL, 1,
+                                                NULL, 1, ws->work, ws->lwork, ws->iwork);
     if (info != 0)
         for (int64_t i = 0; i < mn; i++) sv[i] = NAN;
     const double eps = dt == MHA_BF16 ? 0x1p-7 : dt == MHA_F16 ? 0x1p-10 : (double)FLT_EPSILON;
@@ -175,7 +205,8 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
     a.training = false;
     a.impl = MHA_IMPL_REFERENCE;
     fwd_plan *p = mha__malloc(sizeof *p);
-    if (!p) return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory");
+    if (!p)
+        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory (%zu bytes)", sizeof *p);
     mha_status st = mha__plan_forward(p, m, &a);
     if (st) {
         free(p);
@@ -189,11 +220,18 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
     const int64_t fmax = mha__module_max_in(m);
     const int64_t nspec = d < fmax ? d : fmax;
     // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
-    // Sp), a context row (d), the SVD's copy of a slice (d * fmax)
+    // Sp), a context row (d), the SVD's copy of a slice (d * fmax), its
+    // work (lwork) and iwork (8 d lapack_ints, as doubles)
     const size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
+    size_t lwork = svd_lwork(d, E), lw;
+    if ((lw = svd_lwork(d, kd)) > lwork) lwork = lw;
+    if ((lw = svd_lwork(d, vd)) > lwork) lwork = lw;
+    if ((lw = svd_lwork(E, d)) > lwork) lwork = lw;
+    const size_t niw = (size_t)(8 * d) * sizeof(lapack_int) / sizeof(double) + 1;
+    const size_t nwork = (size_t)(H * Sp + d + d * fmax) + lwork + niw;
     mha_diagnostics *dg = mha__calloc(1, sizeof *dg);
     double *q = mha__malloc(sizeof(double) * nbuf);
-    double *work = mha__malloc(sizeof(double) * (size_t)(H * Sp + d + d * fmax));
+    double *work = mha__malloc(sizeof(double) * nwork);
     head_acc *acc = mha__calloc((size_t)H, sizeof *acc);
     double *cbuf = mha__calloc((size_t)(2 * H * d), sizeof(double));
     double *vvar = mha__malloc(sizeof(double) * (size_t)p->Hkv);
@@ -211,7 +249,8 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         !has || !simcount) {
         mha_diagnostics_destroy(dg);
         dg = NULL;
-        st = mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu doubles", nbuf);
+        st = mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu + %zu doubles",
+                       nbuf, nwork);
         goto done;
     }
     double *k = q + N * L * E, *v = k + N * Sp * Ekv;
@@ -329,7 +368,8 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
 
     // 3. Per head: the statistics, spectra, the dead flag, pruning and the
     //    gates over every query row (in q's buffer, free now: H <= E).
-    double *a_work = ctx + d;  // d * fmax doubles
+    const svd_ws ws = {ctx + d, ctx + d + d * fmax, (lapack_int)lwork,
+                       (lapack_int *)(ctx + d + d * fmax + lwork)};
     const bool gated = mha__module_gated(m);
     if (gated) mha__gates_d(p, m, &a, q);
     for (int64_t h = 0; h < H; h++) {
@@ -364,13 +404,13 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         hd->dead = (hd->entropy_norm >= o.dead_entropy) ||
                    (A->rows > 1 && hd->output_var_ratio <= o.dead_output);
         double *sp = dg->spec + h * 4 * nspec;
-        hd->rank_q = spectrum(sp, m->w_q, m->wdt, E, h * d, 0, d, E, o.rank_rtol, a_work);
+        hd->rank_q = spectrum(sp, m->w_q, m->wdt, E, h * d, 0, d, E, o.rank_rtol, &ws);
         hd->rank_k = spectrum(sp + nspec, m->w_k, m->wdt, kd, g * d, 0, d, kd, o.rank_rtol,
-                              a_work);
+                              &ws);
         hd->rank_v = spectrum(sp + 2 * nspec, m->w_v, m->wdt, vd, g * d, 0, d, vd,
-                              o.rank_rtol, a_work);
+                              o.rank_rtol, &ws);
         hd->rank_o = spectrum(sp + 3 * nspec, m->w_out, m->wdt, E, 0, h * d, E, d, o.rank_rtol,
-                              a_work);
+                              &ws);
     }
 done:
     free(q), free(work), free(acc), free(cbuf), free(vvar), free(has), free(simcount), free(p);

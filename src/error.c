@@ -85,6 +85,10 @@ static atomic_long g_fault_calls;   // allocations since mha__fault_arm
 static atomic_long g_fault_at;      // the call that fails (1-based), 0: none
 static atomic_int g_fault_sticky;   // and every later one
 static atomic_long g_fault_failed;  // calls failed since mha__fault_arm
+#define MHA__FAULT_SITES 4096
+// The return address of each of the first MHA__FAULT_SITES calls: which
+// line of the library allocated.
+static const void *g_fault_site[MHA__FAULT_SITES];
 
 void mha__fault_arm(long n, int sticky) {
     atomic_store(&g_fault_at, n);
@@ -96,15 +100,21 @@ void mha__fault_arm(long n, int sticky) {
 long mha__fault_count(void) { return atomic_load(&g_fault_calls); }
 long mha__fault_failures(void) { return atomic_load(&g_fault_failed); }
 
-static int fault_now(void) {
+const void *mha__fault_site(long i) {
+    return i >= 0 && i < MHA__FAULT_SITES && i < atomic_load(&g_fault_calls)
+               ? g_fault_site[i] : NULL;
+}
+
+static int fault_now(const void *site) {
     long k = atomic_fetch_add(&g_fault_calls, 1) + 1;
+    if (k <= MHA__FAULT_SITES) g_fault_site[k - 1] = site;
     long at = atomic_load(&g_fault_at);
     if (at <= 0 || k < at || (k > at && !atomic_load(&g_fault_sticky)))
         return 0;
     atomic_fetch_add(&g_fault_failed, 1);
     return 1;
 }
-#define MHA__FAULT_NOW() fault_now()
+#define MHA__FAULT_NOW() fault_now(__builtin_return_address(0))
 #else
 #define MHA__FAULT_NOW() 0
 #endif

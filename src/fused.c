@@ -514,7 +514,9 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
 mha_status mha_saved_create(mha_saved **out) {
     if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_saved_create: NULL out");
     *out = mha__calloc(1, sizeof **out);
-    if (!*out) return mha__fail(MHA_ERR_NOMEM, "mha_saved_create: out of memory");
+    if (!*out)
+        return mha__fail(MHA_ERR_NOMEM, "mha_saved_create: out of memory (%zu bytes)",
+                         sizeof **out);
     return MHA_OK;
 }
 
@@ -777,7 +779,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         gbuf = mha__alloc(sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
         if (!gbuf) {
             mha__free(blk);
-            return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for the gates");
+            return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for the gates (%zu "
+                             "bytes)", sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
         }
         gate = gbuf, dg = gate + Rq * H, gctx = dg + Rq * H;
         gate_rows(kt, gate, gctx, ctx, m, Xq, ldq, Rq, gctx + Rq * E, gs, nt);
@@ -980,12 +983,20 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     size_t total = (size_t)(R * E) * 3 + (size_t)(R * W3) + n_w + pw + n_gs + n_wh, bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
+    // (everything is allocated before the cache changes: a failure after
+    // the append can only come from the attention, and is rolled back)
+    const bool gated = mha__module_gated(m);
+    const size_t gfloats = gated ? (size_t)(R * H + R * E) + mha__gemm_packed_b_floats(kt, E, H) : 0;
     float *blk = mha__alloc(bytes);
     int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
-    if (!blk || !starts) {
+    float *gbuf = gated ? mha__alloc(sizeof(float) * gfloats) : NULL;
+    if (!blk || !starts || (gated && !gbuf)) {
         mha__free(blk);
         free(starts);
-        return mha__fail(MHA_ERR_NOMEM, "mha_forward_cached: out of memory");
+        mha__free(gbuf);
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_forward_cached: out of memory for %zu bytes of scratch",
+                         bytes + sizeof(float) * gfloats + sizeof(int64_t) * (size_t)N);
     }
     float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pw, *qkv = gs + n_gs,
           *ctx = qkv + R * W3, *yt = ctx + R * E, *wh = yt + R * E;
@@ -1026,24 +1037,18 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     }
     if ((st = mha_rope_apply(&qv, &a->rope, starts, false)) ||
         (st = mha_rope_apply(&kv, &a->rope, starts, false)) ||
-        (st = mha_kv_cache_append(cache, &kv, &vv, NULL)) ||
-        (st = mha_kv_cache_attend(&cv, &qv, cache, &ca, NULL))) {
-        mha__free(blk);
-        free(starts);
-        return st;
+        (st = mha_kv_cache_append(cache, &kv, &vv, NULL)))
+        goto done;
+    if ((st = mha_kv_cache_attend(&cv, &qv, cache, &ca, NULL))) {
+        // the cache as it was: its lengths before the append
+        for (int64_t n = 0; n < N; n++)
+            if (mha_kv_cache_truncate(cache, n, starts[n])) break;  // (cannot fail)
+        goto done;
     }
     for (int64_t h = 0; h < H; h++)  // pruned heads: zero context (computed all the same)
         if (!mha__head_live(m, h)) zero_head_rows(ctx + h * d, E, 0, R, d);
-    float *gbuf = NULL;
     const float *octx = ctx;
-    if (mha__module_gated(m)) {
-        const size_t nwg = mha__gemm_packed_b_floats(kt, E, H);
-        gbuf = mha__alloc(sizeof(float) * ((size_t)(R * H + R * E) + nwg));
-        if (!gbuf) {
-            mha__free(blk);
-            free(starts);
-            return mha__fail(MHA_ERR_NOMEM, "mha_forward_cached: out of memory for the gates");
-        }
+    if (gated) {
         gate_rows(kt, gbuf, gbuf + R * H, ctx, m, X, ldx, R, gbuf + R * H + R * E, gs, nt);
         octx = gbuf + R * H;
     }
@@ -1052,13 +1057,14 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     float *y = direct ? (float *)out->data : yt;
     if (!direct) ldo = E;
     linear_rows(kt, y, ldo, octx, E, wmod(m, m->w_out, wh), m->out_bias, R, E, E, wo, gs, nt);
-    mha__free(gbuf);
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
             mha__mat row = view_row(out, r);
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
+done:
+    mha__free(gbuf);
     mha__free(blk);
     free(starts);
-    return MHA_OK;
+    return st;
 }

@@ -113,7 +113,9 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
     const int64_t half = dim / 2;
     const bool f64 = x->dtype == MHA_F64;
     double *inv = mha__malloc(sizeof(double) * (size_t)(half > 0 ? half : 1));
-    if (!inv) return mha__fail(MHA_ERR_NOMEM, "rope: out of memory");
+    if (!inv)
+        return mha__fail(MHA_ERR_NOMEM, "rope: out of memory for %lld frequencies",
+                         (long long)half);
     mha__rope_inv_freq(inv, r, D);
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
@@ -207,7 +209,8 @@ mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num
         mha__mul_overflow_size((size_t)rows, sizeof(float), &bs))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache: size overflows");
     mha_kv_cache *c = mha__calloc(1, sizeof *c);
-    if (!c) return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory");
+    if (!c)
+        return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory (%zu bytes)", sizeof *c);
     c->B = batch, c->Hkv = num_kv_heads, c->D = head_dim, c->Dv = v_head_dim, c->cap = capacity;
     c->dt = dtype;
     c->esz = kv_esz(dtype);
@@ -234,12 +237,10 @@ size_t mha_kv_cache_bytes(const mha_kv_cache *c) {
 }
 
 // Stores one row x (n floats, element stride xs, from a float32 or float64
-// view) as row r of the cache's K (or V) in its storage type.
+// view) as row r of the cache's K (or V) in its storage type; row: n floats
+// of scratch.
 static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
-                      mha_dtype xdt, int64_t xs, int64_t n) {
-    float buf[4096], *row = buf, *heap = NULL;
-    if (n > 4096) row = heap = mha__malloc(sizeof(float) * (size_t)n);
-    if (!row) return;  // (not reached for head dims up to 4096)
+                      mha_dtype xdt, int64_t xs, int64_t n, float *row) {
     for (int64_t e = 0; e < n; e++)
         row[e] = (float)mha__ld(mha__vmat((void *)x, xdt, 0, xs), 0, e);
     char *dst = (char *)(isv ? c->v : c->k) + (size_t)(r * n) * c->esz;
@@ -266,7 +267,6 @@ static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
         break;
     }
     }
-    free(heap);
 }
 
 // Rows [r0, r0 + n) of K (or V) as float32: a pointer into the cache (f32),
@@ -352,6 +352,17 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_t
                              (long long)b, (long long)c->len[b], (long long)c->cap,
                              (long long)n);
     }
+    // a row's float32 copy: on the stack up to 4096 features, else on the
+    // heap (allocated before anything changes)
+    const int64_t wmax = c->D > c->Dv ? c->D : c->Dv;
+    float buf[4096], *row = buf, *heap = NULL;
+    if (wmax > 4096) {
+        row = heap = mha__malloc(sizeof(float) * (size_t)wmax);
+        if (!row)
+            return mha__fail(MHA_ERR_NOMEM,
+                             "kv cache append: out of memory for a row of %lld floats",
+                             (long long)wmax);
+    }
     for (int64_t b = 0; b < c->B; b++) {
         const int64_t n = counts ? counts[b] : T;
         for (int64_t h = 0; h < c->Hkv; h++)
@@ -361,13 +372,14 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_t
                 const int64_t vo = b * v->stride[0] + h * v->stride[1] + t * v->stride[2];
                 store_row(c, false, r,
                           (const char *)k->data + ko * (int64_t)mha_dtype_size(k->dtype),
-                          k->dtype, k->stride[3], c->D);
+                          k->dtype, k->stride[3], c->D, row);
                 store_row(c, true, r,
                           (const char *)v->data + vo * (int64_t)mha_dtype_size(v->dtype),
-                          v->dtype, v->stride[3], c->Dv);
+                          v->dtype, v->stride[3], c->Dv, row);
             }
         c->len[b] += n;
     }
+    free(heap);
     return MHA_OK;
 }
 
@@ -462,7 +474,9 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
             mha__add_overflow_size(bytes, nkv * sizeof(float), &bytes))
             return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
         float *blk = mha__alloc(bytes);
-        if (!blk) return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory");
+        if (!blk)
+            return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes",
+                             bytes);
         float *kf = blk + sf * (size_t)nt, *vf = kf + (size_t)(B * c->Hkv * maxlen * D);
         if (nkv) {
 #pragma omp parallel for schedule(static) num_threads(nt)
@@ -520,7 +534,8 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
         mha__mul_overflow_size(np, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
     float *part = mha__alloc(bytes);
-    if (!part) return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory");
+    if (!part)
+        return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", bytes);
     float *tsc = part + (size_t)(B * H * (nch > 0 ? nch : 1) * T) * per;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < (int64_t)items; it++) {
@@ -709,7 +724,7 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
     if (mha__mul_overflow_size(sf * sizeof(float), (size_t)nt, &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "varlen: scratch overflows");
     float *blk = mha__alloc(bytes);
-    if (!blk) return mha__fail(MHA_ERR_NOMEM, "varlen: out of memory");
+    if (!blk) return mha__fail(MHA_ERR_NOMEM, "varlen: out of memory for %zu bytes", bytes);
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
     const mha__kernels *kt = mha__kernels_get();
     const int64_t tiles = (maxq + MHA__FLASH_BR - 1) / MHA__FLASH_BR;

@@ -62,13 +62,12 @@ static void fill_normal(float *x, int64_t n, double std, rng *r) {
 // take the Q of its QR factorisation (of its transpose when rows < cols) with
 // the signs that make diag(R) positive, scale by gain. Modified Gram-Schmidt
 // in double gives exactly that Q (R's diagonal is the positive norms).
-static mha_status fill_orthogonal(float *w, int64_t rows, int64_t cols,
-                                  double gain, rng *r) {
+// a: rows * cols doubles of scratch.
+static void fill_orthogonal(float *w, int64_t rows, int64_t cols, double gain,
+                            rng *r, double *a) {
     int transpose = rows < cols;
     int64_t m = transpose ? cols : rows;  // long side
     int64_t n = transpose ? rows : cols;  // short side: n columns of length m
-    double *a = mha__malloc((size_t)m * (size_t)n * sizeof *a);
-    if (!a) return mha__fail(MHA_ERR_NOMEM, "orthogonal init: out of memory");
     // a[c*m + i]: column c of the (m, n) matrix, stored column by column
     for (int64_t i = 0; i < m * n; i++) a[i] = rng_normal(r);
     for (int64_t c = 0; c < n; c++) {
@@ -90,13 +89,12 @@ static mha_status fill_orthogonal(float *w, int64_t rows, int64_t cols,
         for (int64_t j = 0; j < cols; j++)
             w[i * cols + j] = (float)(gain * (transpose ? a[i * m + j]
                                                         : a[j * m + i]));
-    free(a);
-    return MHA_OK;
 }
 
-// One weight matrix (rows, cols) under a scheme.
+// One weight matrix (rows, cols) under a scheme; ortho: rows * cols doubles
+// of scratch for MHA_INIT_ORTHOGONAL.
 static mha_status init_matrix(float *w, int64_t rows, int64_t cols,
-                              const mha_init_options *o, rng *r) {
+                              const mha_init_options *o, rng *r, double *ortho) {
     int64_t n = rows * cols;
     double fan_in = (double)cols, fan_out = (double)rows;
     switch (o->scheme) {
@@ -110,7 +108,8 @@ static mha_status init_matrix(float *w, int64_t rows, int64_t cols,
         fill_normal(w, n, o->std, r);
         return MHA_OK;
     case MHA_INIT_ORTHOGONAL:
-        return fill_orthogonal(w, rows, cols, o->gain, r);
+        fill_orthogonal(w, rows, cols, o->gain, r, ortho);
+        return MHA_OK;
     case MHA_INIT_ZEROS:
         memset(w, 0, (size_t)n * sizeof *w);
         return MHA_OK;
@@ -164,6 +163,21 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
         return st;
     }
     const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim, H = m->cfg.num_heads;
+    // Orthogonal: scratch for the largest matrix, allocated before anything
+    // changes (on failure the module keeps its values).
+    double *ortho = NULL;
+    if (o->scheme == MHA_INIT_ORTHOGONAL) {
+        int64_t big = m->packed ? (E + 2 * Ekv) * E : E * E;
+        if (!m->packed) {
+            if (Ekv * m->cfg.kdim > big) big = Ekv * m->cfg.kdim;
+            if (Ekv * m->cfg.vdim > big) big = Ekv * m->cfg.vdim;
+        }
+        ortho = mha__malloc(sizeof(double) * (size_t)big);
+        if (!ortho)
+            return mha__fail(MHA_ERR_NOMEM,
+                             "orthogonal init: out of memory for a %lld-double scratch",
+                             (long long)big);
+    }
     // Gates (no random draws): static ones open (1), dynamic W_g, b_g zero
     // (every gate sigmoid(0) = 0.5).
     if (m->head_gate)
@@ -176,13 +190,13 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
     mha_status st;
     // In-projection: the packed (E + 2 Ekv, E) matrix as one, or each matrix.
     if (m->packed) {
-        st = init_matrix(m->in_proj_weight, E + 2 * Ekv, E, o, &r);
+        st = init_matrix(m->in_proj_weight, E + 2 * Ekv, E, o, &r, ortho);
     } else {
-        st = init_matrix(m->q_weight, E, E, o, &r);
-        if (!st) st = init_matrix(m->k_weight, Ekv, m->cfg.kdim, o, &r);
-        if (!st) st = init_matrix(m->v_weight, Ekv, m->cfg.vdim, o, &r);
+        st = init_matrix(m->q_weight, E, E, o, &r, ortho);
+        if (!st) st = init_matrix(m->k_weight, Ekv, m->cfg.kdim, o, &r, ortho);
+        if (!st) st = init_matrix(m->v_weight, Ekv, m->cfg.vdim, o, &r, ortho);
     }
-    if (st) return st;
+    if (st) goto done;
     if (m->in_proj_bias) memset(m->in_proj_bias, 0, (size_t)(E + 2 * Ekv) * sizeof(float));
     if (m->out_bias) memset(m->out_bias, 0, (size_t)E * sizeof(float));
     // bias_k, bias_v: xavier_normal (fan_in = fan_out = Ekv) under the
@@ -199,17 +213,19 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
                 fill_normal(m->bias_k, Ekv, o->gain / sqrt((double)Ekv), &r);
                 fill_normal(m->bias_v, Ekv, o->gain / sqrt((double)Ekv), &r);
             } else {
-                st = init_matrix(m->bias_k, 1, Ekv, &ob, &r);
-                if (!st) st = init_matrix(m->bias_v, 1, Ekv, &ob, &r);
-                if (st) return st;
+                st = init_matrix(m->bias_k, 1, Ekv, &ob, &r, ortho);
+                if (!st) st = init_matrix(m->bias_v, 1, Ekv, &ob, &r, ortho);
+                if (st) goto done;
             }
         }
     }
     // out_proj.weight: nn.Linear's kaiming_uniform(a = sqrt(5)) under the
     // default, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); else the scheme.
-    if (o->scheme == MHA_INIT_XAVIER_UNIFORM) {
+    if (o->scheme == MHA_INIT_XAVIER_UNIFORM)
         fill_uniform(m->out_weight, E * E, 1.0 / sqrt((double)E), &r);
-        return MHA_OK;
-    }
-    return init_matrix(m->out_weight, E, E, o, &r);
+    else
+        st = init_matrix(m->out_weight, E, E, o, &r, ortho);
+done:
+    free(ortho);
+    return st;
 }

@@ -42,10 +42,13 @@ void mha__free(void *p);
 // makes the n-th allocation from now fail (n >= 1; 0 disarms), and with
 // sticky != 0 every later one too; it resets both counters.
 // mha__fault_count: allocations attempted since arming; mha__fault_failures:
-// how many of them were made to fail.
+// how many of them were made to fail; mha__fault_site(i): the return
+// address of the i-th (0-based, the first 4096) allocation since arming,
+// i.e. the library's line that called, NULL past them.
 void mha__fault_arm(long n, int sticky);
 long mha__fault_count(void);
 long mha__fault_failures(void);
+const void *mha__fault_site(long i);
 #endif
 
 // Formats a shape as "(2, 3, 4)" into buf.

@@ -168,7 +168,9 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     mha_status st = check_config(cfg);
     if (st) return st;
     mha_module *m = mha__calloc(1, sizeof *m);
-    if (!m) return mha__fail(MHA_ERR_NOMEM, "mha_module_create: out of memory");
+    if (!m)
+        return mha__fail(MHA_ERR_NOMEM, "mha_module_create: out of memory (%zu bytes)",
+                         sizeof *m);
     m->cfg = *cfg;
     const int64_t E = cfg->embed_dim;
     if (m->cfg.kdim == 0) m->cfg.kdim = E;
