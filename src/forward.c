@@ -868,6 +868,75 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
 }
 
 // ---------------------------------------------------------------------------
+// The distributed layer's parts (plan.h: mha__part)
+
+// The plan of a part: the fused path, float32 weights, no weights output,
+// no saved state, no trace; the range checked.
+static mha_status part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
+                            const mha_forward_args *a, const mha__part *part) {
+    if (!m || !a || !part)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha parallel: NULL module, args or part");
+    *a2 = *a;
+    a2->impl = MHA_IMPL_FUSED;
+    a2->need_weights = false;
+    a2->save = NULL;
+    a2->trace = NULL;
+    mha_status st = mha__plan_forward(p, m, a2);
+    if (st) return st;
+    if (!p->fused)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha parallel: float32, bfloat16 or float16 inputs only (the fused "
+                         "path)");
+    if (part->g0 < 0 || part->g0 > part->g1 || part->g1 > p->Hkv)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha parallel: KV heads [%lld, %lld) not within [0, %lld)",
+                         (long long)part->g0, (long long)part->g1, (long long)p->Hkv);
+    p->part = part;
+    return MHA_OK;
+}
+
+mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
+                             const mha__part *part) {
+    fwd_plan p;
+    mha_forward_args a2;
+    mha_status st = part_plan(&p, &a2, m, a, part);
+    if (st) return st;
+    if (!part->ctx && (st = check_forward_outputs(&p, out, NULL, &a2))) return st;
+    void *ws = mha__malloc(p.ws_bytes);
+    if (!ws)
+        return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
+                         p.ws_bytes);
+    mha__fused_forward(&p, out, NULL, m, &a2, (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63));
+    free(ws);
+    return MHA_OK;
+}
+
+mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
+                                 const mha_forward_args *a, const float *ctx) {
+    const mha__part all = {.g0 = 0, .g1 = m ? m->cfg.num_kv_heads : 0, .bias = true};
+    fwd_plan p;
+    mha_forward_args a2;
+    mha_status st = part_plan(&p, &a2, m, a, &all);
+    if (st) return st;
+    p.part = NULL;
+    if ((st = check_forward_outputs(&p, out, NULL, &a2))) return st;
+    const int64_t n = p.N * p.L * p.E;
+    void *ws = mha__malloc(p.ws_bytes);
+    float *c = mha__malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!ws || !c) {
+        free(ws);
+        free(c);
+        return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
+                         p.ws_bytes + sizeof(float) * (size_t)n);
+    }
+    memcpy(c, ctx, sizeof(float) * (size_t)n);  // (gated in place)
+    mha__fused_out_project(&p, out, m, &a2, c, (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63));
+    free(c);
+    free(ws);
+    return MHA_OK;
+}
+
+// ---------------------------------------------------------------------------
 // Scaled dot-product attention on projected (B, H, T, D) views
 
 void mha_sdpa_args_init(mha_sdpa_args *a) {

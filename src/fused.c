@@ -256,6 +256,46 @@ static void rope_rows(const fwd_plan *p, const mha_forward_args *a, const rowmap
     }
 }
 
+// The forward's step 3 from the context ctx (Rq, E; gated in place when
+// in_place, else into the scratch): the gates, W_O (+ out_proj.bias unless a
+// part without it), the output dropout, into out. xq: the query rows.
+static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
+                        const mha_module *m, const mha_forward_args *a, float *ctx,
+                        bool in_place, const float *xq, int64_t ldq, char *ws) {
+    const int64_t E = p->E, Rq = rows_of(a->query);
+    const int nt = p->nthreads;
+    const bool seq_first = p->unbatched || !m->cfg.batch_first;
+    const mha__part *pt = p->part;
+    float *wo = (float *)(ws + p->f_wo), *gs = (float *)(ws + p->f_gs),
+          *wh = (float *)(ws + p->f_wh);
+    int64_t ldo = E;
+    bool direct = rows_direct(out, &ldo);
+    float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
+    if (!direct) ldo = E;
+    const float *octx = ctx;
+    if (mha__module_gated(m)) {  // the heads' contexts times their gates (in place
+                                 // unless the saved state keeps the ungated ctx)
+        float *gctx = in_place ? ctx : (float *)(ws + p->f_gctx);
+        gate_rows(kt, (float *)(ws + p->f_gate), gctx, ctx, m, xq, ldq, Rq,
+                  (float *)(ws + p->f_wg), gs, nt);
+        octx = gctx;
+    }
+    linear_rows(kt, y, ldo, octx, E, wmod(m, m->w_out, wh), pt && !pt->bias ? NULL : m->out_bias,
+                Rq, E, E, wo, gs, nt);
+    if (p->out_p > 0.0f)
+        for (int64_t r = 0; r < Rq; r++) {
+            int64_t n, t;
+            row_nt(p, seq_first, out, r, &n, &t);
+            for (int64_t e = 0; e < E; e++)
+                y[r * ldo + e] *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
+        }
+    if (!direct)
+        for (int64_t r = 0; r < Rq; r++) {
+            mha__mat row = view_row(out, r);
+            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
+        }
+}
+
 void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a, char *ws) {
     const mha__kernels *kt = mha__kernels_get();
@@ -264,8 +304,8 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv, W3 = E + 2 * Ekv;
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
-    float *wt = (float *)(ws + p->f_wt), *wo = (float *)(ws + p->f_wo),
-          *gs = (float *)(ws + p->f_gs), *wh = (float *)(ws + p->f_wh);
+    float *wt = (float *)(ws + p->f_wt), *gs = (float *)(ws + p->f_gs),
+          *wh = (float *)(ws + p->f_wh);
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
                 *bv = bq ? bq + E + Ekv : NULL;
 
@@ -280,7 +320,25 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     mha_saved *sv = a->save;
     float *sbuf = sv ? sv->buf : NULL;
     rowmap qm, km, vm;
-    if (p->self_packed) {
+    const mha__part *pt = p->part;
+    // a part: only its heads' rows of the weights, into their columns
+    const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
+                  nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
+    const size_t es = mha_dtype_size(m->wdt);
+#define WROWS(w, r, in) wmod(m, (const char *)(w) + (size_t)(r) * (size_t)(in) * es, wh)
+#define BOFF(b, o) ((b) ? (b) + (o) : NULL)
+    if (p->self_packed && pt) {
+        float *qkv = (float *)(ws + p->f_qkv);
+        linear_rows(kt, qkv + oq, W3, xq, ldq, WROWS(m->w_q, oq, E), BOFF(bq, oq), Rq, E, nq,
+                    wt, gs, nt);
+        linear_rows(kt, qkv + E + okv, W3, xq, ldq, WROWS(m->w_k, okv, E), BOFF(bk, okv), Rq, E,
+                    nkv, wt, gs, nt);
+        linear_rows(kt, qkv + E + Ekv + okv, W3, xq, ldq, WROWS(m->w_v, okv, E), BOFF(bv, okv),
+                    Rq, E, nkv, wt, gs, nt);
+        qm = (rowmap){qkv, W3, seq_first, N, L};
+        km = (rowmap){qkv + E, W3, seq_first, N, L};
+        vm = (rowmap){qkv + E + Ekv, W3, seq_first, N, L};
+    } else if (p->self_packed) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
         linear_rows(kt, qkv, W3, xq, ldq, wmod(m, m->w_in, wh), bq, Rq, E, W3, wt, gs, nt);
         qm = (rowmap){qkv, W3, seq_first, N, L};
@@ -296,9 +354,14 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         float *q = sv ? sbuf : (float *)(ws + p->f_qkv),
               *k = sv ? sbuf + Rq * E : (float *)(ws + p->f_k),
               *v = sv ? sbuf + Rq * E + Rk * Ekv : (float *)(ws + p->f_v);
-        linear_rows(kt, q, E, xq, ldq, wmod(m, m->w_q, wh), bq, Rq, E, E, wq, gs, nt);
-        linear_rows(kt, k, Ekv, xk, ldk, wmod(m, m->w_k, wh), bk, Rk, p->kdim, Ekv, wk, gs, nt);
-        linear_rows(kt, v, Ekv, xv, ldv, wmod(m, m->w_v, wh), bv, Rk, p->vdim, Ekv, wv, gs, nt);
+        linear_rows(kt, q + oq, E, xq, ldq, WROWS(m->w_q, oq, E), BOFF(bq, oq), Rq, E, nq, wq,
+                    gs, nt);
+        linear_rows(kt, k + okv, Ekv, xk, ldk, WROWS(m->w_k, okv, p->kdim), BOFF(bk, okv), Rk,
+                    p->kdim, nkv, wk, gs, nt);
+        linear_rows(kt, v + okv, Ekv, xv, ldv, WROWS(m->w_v, okv, p->vdim), BOFF(bv, okv), Rk,
+                    p->vdim, nkv, wv, gs, nt);
+#undef WROWS
+#undef BOFF
         qm = (rowmap){q, E, seq_first, N, L};
         km = (rowmap){k, Ekv, seq_first, N, S};
         vm = (rowmap){v, Ekv, seq_first, N, S};
@@ -310,7 +373,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     fill_extra(extra, m, Hkv, nx, d);
 
     // 2. Attention, per (b, h, tile of query rows).
-    float *ctx = sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
+    float *ctx = pt && pt->ctx ? pt->ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
     rowmap cm = {ctx, E, seq_first, N, L};
     float *lse = sv ? sbuf + sv->n_qkv + sv->n_ctx
                     : a->need_weights ? (float *)(ws + p->f_lse) : NULL;
@@ -339,7 +402,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         };
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         float *sc = scratch + (size_t)tid * sf;
-        const bool live = mha__head_live(m, h);  // a pruned head: no work, zero context
+        const bool live = mha__plan_head_live(p, m, h);  // pruned / not in the part: no work, zero context
         if (live) mha__flash_rows(kt, &fh, i0, i1, sc);
         else zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
         // the weights of this tile's rows in the selected block
@@ -379,6 +442,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         }
     }
     if (sv) sv->valid = true;
+    if (pt && pt->ctx) return;  // a part's context: the caller goes on
     if (avg) {  // mean over the selected live heads, summed in head order
         const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
         const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1) ? mha__live_in(m, p->wh0, p->wh1) : 1);
@@ -412,31 +476,16 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
 
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
-    int64_t ldo = E;
-    bool direct = rows_direct(out, &ldo);
-    float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
-    if (!direct) ldo = E;
-    const float *octx = ctx;
-    if (mha__module_gated(m)) {  // the heads' contexts times their gates (in place
-                                 // unless the saved state keeps the ungated ctx)
-        float *gctx = sv ? (float *)(ws + p->f_gctx) : ctx;
-        gate_rows(kt, (float *)(ws + p->f_gate), gctx, ctx, m, xq, ldq, Rq,
-                  (float *)(ws + p->f_wg), gs, nt);
-        octx = gctx;
-    }
-    linear_rows(kt, y, ldo, octx, E, wmod(m, m->w_out, wh), m->out_bias, Rq, E, E, wo, gs, nt);
-    if (p->out_p > 0.0f)
-        for (int64_t r = 0; r < Rq; r++) {
-            int64_t n, t;
-            row_nt(p, seq_first, out, r, &n, &t);
-            for (int64_t e = 0; e < E; e++)
-                y[r * ldo + e] *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
-        }
-    if (!direct)
-        for (int64_t r = 0; r < Rq; r++) {
-            mha__mat row = view_row(out, r);
-            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
-        }
+    out_project(kt, p, out, m, a, ctx, !sv, xq, ldq, ws);
+}
+
+void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
+                            const mha_forward_args *a, float *ctx, char *ws) {
+    int64_t ldq = p->E;
+    const float *xq = (const float *)(ws + p->f_xq);
+    if (p->q_direct) rows_direct(a->query, &ldq), xq = a->query->data;
+    else gather_rows((float *)xq, a->query);
+    out_project(mha__kernels_get(), p, out, m, a, ctx, true, xq, ldq, ws);
 }
 
 // ---------------------------------------------------------------------------
@@ -717,15 +766,24 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E,
           *dv = sp ? dqkv + E + Ekv : dk + Rk * Ekv;
     const int64_t ldkv = sp ? W3 : Ekv;
+    const mha__part *pt = p->part;
+    // a part: its heads' rows of the weights only, into their columns
+    const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
+                  nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
+#define BOFF(b, o) ((b) ? (b) + (o) : NULL)
     if (sv) {
-    } else if (sp) {
+    } else if (sp && !pt) {
         linear_rows(kt, qkv, W3, Xq, ldq, wf32(m->in_proj_weight), bq, Rq, E, W3, wt, gs, nt);
     } else {
-        float *wq = wt, *wk = wq + pw_q, *wv = wk + pw_k;
-        linear_rows(kt, q, E, Xq, ldq, wf32(m->q_weight), bq, Rq, E, E, wq, gs, nt);
-        linear_rows(kt, k, Ekv, Xk, ldk, wf32(m->k_weight), bk, Rk, kd, Ekv, wk, gs, nt);
-        linear_rows(kt, v, Ekv, Xv, ldv, wf32(m->v_weight), bv, Rk, vd, Ekv, wv, gs, nt);
+        float *wq = wt, *wk = sp ? wt : wq + pw_q, *wv = sp ? wt : wk + pw_k;
+        linear_rows(kt, q + oq, W3, Xq, ldq, wf32(m->q_weight + oq * E), BOFF(bq, oq), Rq, E,
+                    nq, wq, gs, nt);
+        linear_rows(kt, k + okv, ldkv, Xk, ldk, wf32(m->k_weight + okv * kd), BOFF(bk, okv), Rk,
+                    kd, nkv, wk, gs, nt);
+        linear_rows(kt, v + okv, ldkv, Xv, ldv, wf32(m->v_weight + okv * vd), BOFF(bv, okv), Rk,
+                    vd, nkv, wv, gs, nt);
     }
+#undef BOFF
     fill_extra(extra, m, Hkv, nx, d);
     rowmap qm = {q, W3, seq_first, N, L}, km = {k, ldkv, seq_first, N, sp ? L : S},
            vm = {v, ldkv, seq_first, N, sp ? L : S}, cm = {ctx, E, seq_first, N, L},
@@ -754,7 +812,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
-        if (mha__head_live(m, h)) mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
+        if (mha__plan_head_live(p, m, h)) mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
         else zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
     }
 
@@ -805,7 +863,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (per_head) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t bg = 0; bg < N * Hkv; bg++) {
-            int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__group_first_live(m, g, G);
+            int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(p, m, g, G);
             if (h0 < 0) {  // the whole group pruned: no gradient
                 zero_head_rows(head_row0(&dkm, b, g * d), head_rs(&dkm), 0, S, d);
                 zero_head_rows(head_row0(&dvm, b, g * d), head_rs(&dvm), 0, S, d);
@@ -813,7 +871,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                 memset(dextra + (N * Hkv + bg) * nx * d, 0, sizeof(float) * (size_t)(nx * d));
             }
             for (int64_t h = g * G; h < (g + 1) * G; h++) {
-                if (!mha__head_live(m, h)) {
+                if (!mha__plan_head_live(p, m, h)) {
                     zero_head_rows(head_row0(&dqm, b, h * d), head_rs(&dqm), 0, L, d);
                     continue;
                 }
@@ -833,7 +891,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
-        if (!mha__head_live(m, h)) {
+        if (!mha__plan_head_live(p, m, h)) {
             zero_head_rows(head_row0(&dqm, b, h * d), head_rs(&dqm), i0, i1, d);
             continue;
         }
@@ -862,13 +920,13 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
             dvp = head_row0(&dvm, b, g * d) + j0 * head_rs(&dvm);
             rs = head_rs(&dkm);
         }
-        const int64_t h0 = mha__group_first_live(m, g, G);
+        const int64_t h0 = mha__plan_group_first_live(p, m, g, G);
         if (h0 < 0) {  // the whole group pruned: no gradient
             zero_head_rows(dkp, rs, 0, n, d);
             zero_head_rows(dvp, rs, 0, n, d);
         }
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
-            if (!mha__head_live(m, h)) continue;
+            if (!mha__plan_head_live(p, m, h)) continue;
             mha__flash_head fh = HEAD(b, h);
             mha__flash_bwd_kv(kt, &fh, head_row0(&dcm, b, h * d), head_rs(&dcm),
                               dsum + (b * H + h) * L, j0, n, dkp, rs, dvp, rs, h != h0,
@@ -878,12 +936,23 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 #undef HEAD
     rope_rows(p, a, &dqm, L, H, true);  // through the rotation (orthogonal)
     rope_rows(p, a, &dkm, S, Hkv, true);
+    if (pt && pt->dq)  // a part's projection gradients, for its caller
+        for (int64_t r = 0; r < Rq; r++) memcpy(pt->dq + r * E, dq + r * W3, sizeof(float) * (size_t)E);
+    if (pt && pt->dz && dg) memcpy(pt->dz, dg, sizeof(float) * (size_t)(Rq * H));
+    if (pt && pt->dk)
+        for (int64_t r = 0; r < Rk; r++) {
+            memcpy(pt->dk + r * Ekv, dk + r * ldkv, sizeof(float) * (size_t)Ekv);
+            memcpy(pt->dv + r * Ekv, dv + r * ldkv, sizeof(float) * (size_t)Ekv);
+        }
 
     // Parameter gradients.
     if (grads) {
         float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
               *gbv = gbq ? gbq + E + Ekv : NULL;
-        grad_weight(kt, grads->out_weight, grads->out_bias, acc, dy, E, gctx ? gctx : ctx, E, Rq,
+        // (a part without the bias: its share of out_proj.bias's gradient is 0)
+        float *gbo = pt && !pt->bias ? NULL : grads->out_bias;
+        if (grads->out_bias && !gbo && !acc) memset(grads->out_bias, 0, sizeof(float) * (size_t)E);
+        grad_weight(kt, grads->out_weight, gbo, acc, dy, E, gctx ? gctx : ctx, E, Rq,
                     E, E, tmp, bp, gs, nt);
         if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
             for (int64_t h = 0; h < H; h++) {
@@ -925,6 +994,37 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     mha__free(gbuf);
     if (gk) grad_input(kt, gk, acc, dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
     if (gv) grad_input(kt, gv, acc, dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
+    mha__free(blk);
+    return MHA_OK;
+}
+
+mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                                 const mha_module *m, const mha_forward_args *a,
+                                 const float *dq, const float *dk, const float *dv,
+                                 const float *dz) {
+    mha_forward_args a2 = *a;
+    a2.need_weights = false, a2.save = NULL, a2.trace = NULL, a2.impl = MHA_IMPL_FUSED;
+    fwd_plan p;
+    mha_status st = mha__plan_forward(&p, m, &a2);
+    if (st) return st;
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t E = p.E, H = p.H, Ekv = p.Ekv, kd = p.kdim, vd = p.vdim;
+    const int64_t Rq = rows_of(a->query), Rk = rows_of(a->key), Rmax = Rq > Rk ? Rq : Rk;
+    const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
+    const size_t n_bp = mha__gemm_packed_b_floats(kt, E > Ekv ? E : Ekv, Fmax),
+                 n_gs = mha__gemm_scratch_floats(kt, p.nthreads),
+                 n_tmp = (size_t)(Rmax * Fmax);
+    float *blk = mha__alloc(sizeof(float) * (n_bp + n_gs + n_tmp));
+    if (!blk)
+        return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
+                         sizeof(float) * (n_bp + n_gs + n_tmp));
+    float *bp = blk, *gs = bp + n_bp, *tmp = gs + n_gs;
+    const int nt = p.nthreads;
+    if (gq) grad_input(kt, gq, false, dq, E, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+    if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)
+        grad_input(kt, gq, true, dz, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
+    if (gk) grad_input(kt, gk, false, dk, Ekv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
+    if (gv) grad_input(kt, gv, false, dv, Ekv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
     mha__free(blk);
     return MHA_OK;
 }

@@ -13,6 +13,25 @@
 
 #define MHA__ALIBI_MAX_DEFAULT 1024
 
+// A part of the heads, for the distributed layer (src/mpi): the KV heads
+// [g0, g1) and their query heads; every other head is skipped as if pruned
+// (zero context). Forward: only the range's Q/K/V projections and
+// attention; with ctx (Rq, E), the ungated context is written there (the
+// range's columns; the rest zero) and the forward stops before W_O; without,
+// the output is the range's share ctx_range W_O[:, range]^T (+
+// out_proj.bias only when bias). Backward: the range's share of every
+// gradient (the other heads' rows and columns exactly 0; out_proj.bias's
+// only when bias; grad_query/key/value the range's share dq W_Q[range] +
+// ...); dq, dk, dv (when non-NULL: (Rq, E), (Rk, Ekv), (Rk, Ekv)) get the
+// projections' gradients (the range's columns, the rest 0).
+typedef struct mha__part {
+    int64_t g0, g1;
+    float *ctx;
+    bool bias;
+    float *dq, *dk, *dv;
+    float *dz;  // backward, dynamic gates: (Rq, H) the gates' logit gradients
+} mha__part;
+
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
     int64_t Hkv, Ekv;  // KV heads (dividing H) and their width Hkv * d
@@ -33,6 +52,7 @@ typedef struct fwd_plan {
     size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace, off_gate;
     size_t ws_bytes;
     int nthreads;
+    const mha__part *part;  // NULL: every head
     // the fused path (fused.c): its own scratch layout
     bool fused;
     bool self_packed;            // one GEMM over the packed in_proj_weight
@@ -40,6 +60,38 @@ typedef struct fwd_plan {
     size_t f_xq, f_xk, f_xv, f_wt, f_wo, f_qkv, f_k, f_v, f_ctx, f_extra,
         f_lse, f_headw, f_out, f_scratch, f_gs, f_wtmp, f_wh, f_gate, f_gctx, f_wg;
 } fwd_plan;
+
+// Whether query head h runs in this plan (not pruned, in the part); the
+// first such head of KV head g (G query heads each), or -1.
+static inline bool mha__plan_head_live(const fwd_plan *p, const mha_module *m, int64_t h) {
+    const int64_t g = h / (p->H / p->Hkv);
+    return mha__head_live(m, h) && (!p->part || (g >= p->part->g0 && g < p->part->g1));
+}
+static inline int64_t mha__plan_group_first_live(const fwd_plan *p, const mha_module *m,
+                                                 int64_t g, int64_t G) {
+    if (p->part && (g < p->part->g0 || g >= p->part->g1)) return -1;
+    return mha__group_first_live(m, g, G);
+}
+
+// The distributed layer's entry points (fused path, float32; fused.c).
+mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
+                             const mha__part *part);
+mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mha_module *grads,
+                              const mha_module *m, const mha_forward_args *a,
+                              const mha_tensor *gout, const mha__part *part);
+// The input gradients from the full projection gradients (what the
+// single-process fused backward computes from them, bit for bit):
+// grad_query = dq W_Q (+ dz W_g with dynamic gates), grad_key = dk W_K,
+// grad_value = dv W_V; each output may be NULL.
+mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                                 const mha_module *m, const mha_forward_args *a,
+                                 const float *dq, const float *dk, const float *dv,
+                                 const float *dz);
+// The rest of the forward from a full context ctx (Rq, E, ungated): the
+// gates, W_O and the output dropout, into out (what the single-process
+// fused forward computes from its context, bit for bit).
+mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
+                                 const mha_forward_args *a, const float *ctx);
 
 // Below this many multiply-adds a forward or backward runs on one thread.
 #define MHA__PAR_MIN_WORK 262144.0
@@ -137,6 +189,9 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                            const mha_forward_args *a);
 void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a, char *ws);
+// Its last step alone, from a context ctx (Rq, E; gated in place).
+void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
+                            const mha_forward_args *a, float *ctx, char *ws);
 // The fused scaled-dot-product attention: F32 views with unit last stride
 // (checked by the caller), mask over (b, h, i, j). Allocates its scratch.
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
