@@ -1001,7 +1001,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                                  const mha_module *m, const mha_forward_args *a,
                                  const float *dq, const float *dk, const float *dv,
-                                 const float *dz) {
+                                 const float *dz, bool acc) {
     mha_forward_args a2 = *a;
     a2.need_weights = false, a2.save = NULL, a2.trace = NULL, a2.impl = MHA_IMPL_FUSED;
     fwd_plan p;
@@ -1020,11 +1020,11 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                          sizeof(float) * (n_bp + n_gs + n_tmp));
     float *bp = blk, *gs = bp + n_bp, *tmp = gs + n_gs;
     const int nt = p.nthreads;
-    if (gq) grad_input(kt, gq, false, dq, E, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+    if (gq) grad_input(kt, gq, acc, dq, E, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)
         grad_input(kt, gq, true, dz, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
-    if (gk) grad_input(kt, gk, false, dk, Ekv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
-    if (gv) grad_input(kt, gv, false, dv, Ekv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
+    if (gk) grad_input(kt, gk, acc, dk, Ekv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
+    if (gv) grad_input(kt, gv, acc, dv, Ekv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
     mha__free(blk);
     return MHA_OK;
 }

@@ -82,11 +82,12 @@ mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mh
 // The input gradients from the full projection gradients (what the
 // single-process fused backward computes from them, bit for bit):
 // grad_query = dq W_Q (+ dz W_g with dynamic gates), grad_key = dk W_K,
-// grad_value = dv W_V; each output may be NULL.
+// grad_value = dv W_V; each output may be NULL; accumulate: added to them
+// (in the backward's order).
 mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                                  const mha_module *m, const mha_forward_args *a,
                                  const float *dq, const float *dk, const float *dv,
-                                 const float *dz);
+                                 const float *dz, bool accumulate);
 // The rest of the forward from a full context ctx (Rq, E, ungated): the
 // gates, W_O and the output dropout, into out (what the single-process
 // fused forward computes from its context, bit for bit).

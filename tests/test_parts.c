@@ -174,7 +174,7 @@ static void one_case(int id) {
                    t2 = mha_tensor_contiguous(x2, MHA_F32, 3, (int64_t[]){S, N, kd}),
                    t3 = mha_tensor_contiguous(x3, MHA_F32, 3, (int64_t[]){S, N, vd});
         CHECK_OK(mha__part_input_grads(&t1, self ? NULL : &t2, self ? NULL : &t3, m, &a, dq, dk,
-                                       dv, dz));
+                                       dv, dz, false));
         CHECKF(!memcmp(x1, gq, sizeof(float) * (size_t)nq), "%s: exact grad_query differs "
                "(rel err %g)", desc, rel_err(gq, x1, nq));
         if (!self) {

@@ -1,0 +1,85 @@
+// mha_mpi.h: multi-head attention across MPI ranks (libmha_mpi, built
+// when CMake finds MPI; libmha itself never uses MPI).
+//
+// Every call is collective over comm: all ranks call it with the same
+// module (the same parameters), the same configuration and arguments of
+// the same shapes. A call that fails on one rank fails on every rank with
+// the same status and the failing rank's message (prefixed "rank r: ");
+// no rank is left waiting.
+//
+// Schemes (mha_parallel):
+//   MHA_PAR_HEADS       head (tensor) parallelism as in Megatron-LM: the KV
+//                       heads (and their query heads) are split across the
+//                       ranks, as evenly as they go (KV heads [Hkv r / P,
+//                       Hkv (r+1) / P) on rank r; with fewer KV heads than
+//                       ranks some ranks have none). Each rank projects only
+//                       its heads' rows of W_Q, W_K, W_V and runs only their
+//                       attention. Exact: the contexts (forward) and the
+//                       projections' gradients (backward) are gathered and
+//                       every rank finishes with the same operations as one
+//                       process, so outputs and gradients are bit-identical
+//                       to the single-process fused path.
+//   MHA_PAR_HEADS_FAST  the same split; each rank's share of the output
+//                       (its context times its columns of W_O) and of the
+//                       input gradients are summed with MPI_Allreduce:
+//                       within the tolerance rule, not bit-identical.
+// Inputs and outputs: every rank passes the whole query/key/value (and
+// masks) and receives the whole output and every gradient (parameter
+// gradients are combined across ranks: each rank computes its heads' rows
+// and columns, the rest exactly 0, and the sum is exact).
+// Sequence-parallel schemes (Ulysses, ring attention) are not here yet.
+#ifndef MHA_MPI_H
+#define MHA_MPI_H
+
+#include <mpi.h>
+
+#include "mha.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mha_parallel {
+    MHA_PAR_HEADS = 0,
+    MHA_PAR_HEADS_FAST = 1,
+} mha_parallel;
+
+// "heads" / "heads-fast" -> scheme (MHA_ERR_UNSUPPORTED otherwise, naming
+// the available ones).
+MHA_API MHA_NODISCARD mha_status mha_parallel_from_name(mha_parallel *out, const char *name);
+MHA_API const char *mha_parallel_name(mha_parallel p);
+
+// What one rank did in the last call.
+typedef struct mha_mpi_stats {
+    double seconds;          // the whole call on this rank
+    double comm_seconds;     // inside MPI calls (communication and waiting)
+    double bytes_sent;       // bytes this rank sent
+    double bytes_model;      // what the scheme's communication model predicts
+    int64_t heads;           // query heads this rank computed
+    int64_t kv_head_begin, kv_head_end;  // its KV heads [begin, end)
+} mha_mpi_stats;
+
+// The forward of mha_forward (need_weights must be false; training
+// dropout allowed: the masks depend on global indices only). out: the
+// whole output on every rank. stats may be NULL.
+MHA_API MHA_NODISCARD mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme,
+                                                 mha_tensor *out, const mha_module *m,
+                                                 const mha_forward_args *a,
+                                                 mha_mpi_stats *stats);
+
+// The backward of mha_backward (accumulate as there); grad_query/key/value
+// and grads may be NULL; every rank receives all of them.
+MHA_API MHA_NODISCARD mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme,
+                                                  mha_tensor *grad_query,
+                                                  mha_tensor *grad_key,
+                                                  mha_tensor *grad_value, mha_module *grads,
+                                                  const mha_module *m,
+                                                  const mha_forward_args *a,
+                                                  const mha_tensor *grad_output,
+                                                  bool accumulate, mha_mpi_stats *stats);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,312 @@
+// mha_mpi.c: head parallelism over MPI (include/mha_mpi.h), on the fused
+// path's head parts (plan.h: mha__part).
+//
+// Rank r of P owns the KV heads [Hkv r / P, Hkv (r+1) / P) and their query
+// heads.
+//   forward, exact:  its context columns (mha__part_forward) -> allgather ->
+//                    every rank runs gates + W_O on the whole context
+//                    (mha__part_out_project): the single-process bits
+//   forward, fast:   its share ctx_r W_O[:, r]^T (+ bias on rank 0) ->
+//                    MPI_Allreduce(SUM)
+//   backward:        its heads' gradients (mha__part_backward; every
+//                    parameter gradient is its rows/columns, the rest 0) ->
+//                    MPI_Allreduce(SUM) of the parameter gradients (exact:
+//                    one non-zero term per element); the input gradients:
+//                    exact: the projections' gradients allgathered, then
+//                    dX = dq W_Q ... on every rank (mha__part_input_grads);
+//                    fast: the shares dq_r W_Q[r] ... summed by Allreduce.
+// Errors: every step that can fail on one rank is followed by agree(): all
+// ranks learn the first failing rank's status and message before the next
+// collective, so none waits forever.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mha_mpi.h"
+#include "plan.h"
+
+const char *mha_parallel_name(mha_parallel p) {
+    switch (p) {
+    case MHA_PAR_HEADS: return "heads";
+    case MHA_PAR_HEADS_FAST: return "heads-fast";
+    }
+    return "unknown";
+}
+
+mha_status mha_parallel_from_name(mha_parallel *out, const char *name) {
+    if (!out || !name) return mha__fail(MHA_ERR_INVALID_ARG, "mha_parallel_from_name: NULL argument");
+    if (!strcmp(name, "heads")) *out = MHA_PAR_HEADS;
+    else if (!strcmp(name, "heads-fast")) *out = MHA_PAR_HEADS_FAST;
+    else
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "unknown parallel scheme \"%.64s\" (available: heads, heads-fast; "
+                         "ulysses and ring are not implemented yet)", name);
+    return MHA_OK;
+}
+
+// One call's state on this rank.
+typedef struct job {
+    MPI_Comm comm;
+    int rank, P;
+    double t0, comm_s, sent;
+} job;
+
+static mha_status job_init(job *j, MPI_Comm comm) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init) return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: MPI is not initialised (MPI_Init)");
+    j->comm = comm;
+    MPI_Comm_rank(comm, &j->rank);
+    MPI_Comm_size(comm, &j->P);
+    j->t0 = MPI_Wtime();
+    j->comm_s = 0, j->sent = 0;
+    return MHA_OK;
+}
+
+// Every rank's status -> the first failing rank's status and message on
+// every rank ("rank r: ..."), or MHA_OK everywhere.
+static mha_status agree(job *j, mha_status st) {
+    const double t = MPI_Wtime();
+    int mine = st ? j->rank : j->P, first = j->P;
+    MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, j->comm);
+    if (first == j->P) {
+        j->comm_s += MPI_Wtime() - t;
+        return MHA_OK;
+    }
+    int code = (int)st;
+    char msg[512] = {0};
+    if (j->rank == first) snprintf(msg, sizeof msg, "%s", mha_last_error());
+    MPI_Bcast(&code, 1, MPI_INT, first, j->comm);
+    MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, first, j->comm);
+    j->comm_s += MPI_Wtime() - t;
+    if (j->rank == first) return (mha_status)code;  // its own message stands
+    return mha__fail((mha_status)code, "rank %d: %s", first, msg);
+}
+
+static mha_status too_big(int64_t n) {
+    return mha__fail(MHA_ERR_OVERFLOW,
+                     "mha_mpi: %lld elements in one message exceed MPI's int counts",
+                     (long long)n);
+}
+
+// The KV heads of rank r.
+static void kv_range(const mha_module *m, int r, int P, int64_t *g0, int64_t *g1) {
+    const int64_t Hkv = mha_module_config(m)->num_kv_heads;
+    *g0 = Hkv * r / P;
+    *g1 = Hkv * (r + 1) / P;
+}
+
+// full (R, W), row-major: rank q's columns [c0 + u g0_q, c0 + u g1_q) come
+// from rank q, for every rank (allgather); u columns per KV head.
+static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int64_t c0,
+                                 int64_t u, const mha_module *m) {
+    const int P = j->P;
+    int *counts = malloc(sizeof(int) * (size_t)P * 2);
+    int64_t total = 0, g0, g1;
+    for (int q = 0; counts && q < P; q++) {
+        kv_range(m, q, P, &g0, &g1);
+        const int64_t n = R * u * (g1 - g0);
+        if (n > INT32_MAX || total > INT32_MAX - n) {
+            free(counts);
+            return too_big(n);
+        }
+        counts[q] = (int)n;
+        counts[P + q] = (int)total;  // displacements
+        total += n;
+    }
+    float *send = counts ? malloc(sizeof(float) * (size_t)(counts[j->rank] + 1)) : NULL;
+    float *recv = counts ? malloc(sizeof(float) * (size_t)(total + 1)) : NULL;
+    if (!counts || !send || !recv) {
+        free(counts), free(send), free(recv);
+        return mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
+                         (long long)(2 * total));
+    }
+    kv_range(m, j->rank, P, &g0, &g1);
+    const int64_t w = u * (g1 - g0), cm = c0 + u * g0;
+    for (int64_t r = 0; r < R; r++) memcpy(send + r * w, full + r * W + cm, sizeof(float) * (size_t)w);
+    const double t = MPI_Wtime();
+    MPI_Allgatherv(send, counts[j->rank], MPI_FLOAT, recv, counts, counts + P, MPI_FLOAT, j->comm);
+    j->comm_s += MPI_Wtime() - t;
+    j->sent += 4.0 * counts[j->rank] * (P - 1);
+    for (int q = 0; q < P; q++) {
+        kv_range(m, q, P, &g0, &g1);
+        const int64_t wq = u * (g1 - g0), cq = c0 + u * g0;
+        const float *src = recv + counts[P + q];
+        for (int64_t r = 0; r < R; r++) memcpy(full + r * W + cq, src + r * wq, sizeof(float) * (size_t)wq);
+    }
+    free(counts), free(send), free(recv);
+    return MHA_OK;
+}
+
+// MPI_Allreduce(SUM) of n floats in place.
+static mha_status allreduce(job *j, float *x, int64_t n) {
+    if (n > INT32_MAX) return too_big(n);
+    const double t = MPI_Wtime();
+    MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, j->comm);
+    j->comm_s += MPI_Wtime() - t;
+    j->sent += 4.0 * (double)n * 2.0 * (j->P - 1) / j->P;  // a ring allreduce's volume
+    return MHA_OK;
+}
+
+// dst (a view of up to 3 dims, any float dtype and strides) (+)= src, the
+// same shape contiguous.
+static void store_view(mha_tensor *dst, const float *src, bool add) {
+    int64_t sh[3] = {1, 1, 1}, st[3] = {0, 0, 0};
+    const int o = 3 - dst->ndim;
+    for (int i = 0; i < dst->ndim; i++) sh[o + i] = dst->shape[i], st[o + i] = dst->stride[i];
+    const mha__mat v = mha__vmat(dst->data, dst->dtype, 0, 1);
+    int64_t k = 0;
+    for (int64_t a = 0; a < sh[0]; a++)
+        for (int64_t b = 0; b < sh[1]; b++)
+            for (int64_t c = 0; c < sh[2]; c++, k++) {
+                const int64_t off = a * st[0] + b * st[1] + c * st[2];
+                mha__st(v, 0, off, add ? mha__ld(v, 0, off) + src[k] : src[k]);
+            }
+}
+
+static int64_t rows_of(const mha_tensor *t) {
+    return t->ndim ? mha_tensor_numel(t) / t->shape[t->ndim - 1] : 0;
+}
+
+static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha_parallel s) {
+    if (!m || !a || !a->query || !a->key || !a->value)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: NULL module, args or input");
+    if (s != MHA_PAR_HEADS && s != MHA_PAR_HEADS_FAST)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: unknown scheme %d", (int)s);
+    if (a->need_weights)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi: need_weights is not available across ranks (run the "
+                         "single-process forward for the weights)");
+    if (a->save || a->trace)
+        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi: no saved state or trace across ranks");
+    return MHA_OK;
+}
+
+static void finish(job *j, mha_mpi_stats *stats, const mha_module *m, double model) {
+    if (!stats) return;
+    int64_t g0, g1;
+    kv_range(m, j->rank, j->P, &g0, &g1);
+    const mha_config *c = mha_module_config(m);
+    stats->seconds = MPI_Wtime() - j->t0;
+    stats->comm_seconds = j->comm_s;
+    stats->bytes_sent = j->sent;
+    stats->bytes_model = model;
+    stats->kv_head_begin = g0, stats->kv_head_end = g1;
+    stats->heads = (g1 - g0) * (c->num_heads / c->num_kv_heads);
+}
+
+mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
+                           const mha_module *m, const mha_forward_args *a, mha_mpi_stats *stats) {
+    job j;
+    mha_status st = job_init(&j, comm);
+    if (st) return st;
+    st = check_args(m, a, scheme);
+    if (!st && !out) st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward: NULL output");
+    if ((st = agree(&j, st))) return st;
+    const mha_config *c = mha_module_config(m);
+    const int64_t E = c->embed_dim, Rq = rows_of(a->query), n = Rq * E;
+    mha__part pt = {.bias = j.rank == 0};
+    kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
+    float *buf = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!buf) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward: out of memory for %lld floats",
+                             (long long)n);
+    double model = 0;
+    if (scheme == MHA_PAR_HEADS) {
+        if (!st) {
+            memset(buf, 0, sizeof(float) * (size_t)(n > 0 ? n : 1));
+            pt.ctx = buf;
+            st = mha__part_forward(NULL, m, a, &pt);
+        }
+        if (!(st = agree(&j, st))) {
+            const int64_t G = c->num_heads / c->num_kv_heads, d = E / c->num_heads;
+            st = allgather_cols(&j, buf, Rq, E, 0, G * d, m);
+            model = 4.0 * (double)(Rq * G * d * (pt.g1 - pt.g0)) * (j.P - 1);
+        }
+        if (!(st = agree(&j, st))) st = mha__part_out_project(out, m, a, buf);
+    } else {
+        mha_tensor t = mha_tensor_contiguous(buf, MHA_F32, out->ndim, out->shape);
+        if (!st) st = mha__part_forward(&t, m, a, &pt);
+        if (!(st = agree(&j, st))) st = allreduce(&j, buf, n);
+        model = 4.0 * (double)n * 2.0 * (j.P - 1) / j.P;
+        if (!(st = agree(&j, st))) store_view(out, buf, false);
+    }
+    st = agree(&j, st);
+    free(buf);
+    finish(&j, stats, m, model);
+    return st;
+}
+
+mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, mha_tensor *gk,
+                            mha_tensor *gv, mha_module *grads, const mha_module *m,
+                            const mha_forward_args *a, const mha_tensor *gout, bool accumulate,
+                            mha_mpi_stats *stats) {
+    job j;
+    mha_status st = job_init(&j, comm);
+    if (st) return st;
+    st = check_args(m, a, scheme);
+    if ((st = agree(&j, st))) return st;
+    const mha_config *c = mha_module_config(m);
+    const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,
+                  Ekv = c->num_kv_heads * d, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const mha_tensor *in[3] = {a->query, a->key, a->value};
+    mha_tensor *go[3] = {gq, gk, gv};
+    int64_t ng[3];
+    for (int i = 0; i < 3; i++) ng[i] = go[i] ? mha_tensor_numel(in[i]) : 0;
+    // per rank: its share of the input gradients (t[i]), the projections'
+    // gradients (dq, dk, dv, dz) and the parameter gradients (gr)
+    const int64_t nd = Rq * E + 2 * Rk * Ekv + Rq * H;
+    float *t[3] = {NULL, NULL, NULL}, *dbuf = malloc(sizeof(float) * (size_t)(nd + 1));
+    for (int i = 0; i < 3; i++) t[i] = malloc(sizeof(float) * (size_t)(ng[i] + 1));
+    mha_module *gr = NULL;
+    if (!dbuf || !t[0] || !t[1] || !t[2])
+        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_backward: out of memory for %lld floats",
+                       (long long)(nd + ng[0] + ng[1] + ng[2]));
+    if (!st && grads) st = mha_module_create(&gr, c);
+    double model = 0;
+    mha__part pt = {.bias = j.rank == 0};
+    kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
+    if (!st) {
+        memset(dbuf, 0, sizeof(float) * (size_t)(nd + 1));
+        pt.dq = dbuf, pt.dk = dbuf + Rq * E, pt.dv = pt.dk + Rk * Ekv, pt.dz = pt.dv + Rk * Ekv;
+        mha_tensor tv[3];
+        for (int i = 0; i < 3; i++)
+            tv[i] = mha_tensor_contiguous(t[i], MHA_F32, in[i]->ndim, in[i]->shape);
+        st = mha__part_backward(gq ? &tv[0] : NULL, gk ? &tv[1] : NULL, gv ? &tv[2] : NULL, gr,
+                                m, a, gout, &pt);
+    }
+    // parameter gradients: one non-zero term per element, summed
+    for (int i = 0; grads && i < mha_module_num_params(grads); i++) {
+        mha_param p, q;
+        if ((st = agree(&j, st))) break;
+        if ((st = mha_module_param_at(&q, gr, i)) || (st = mha_module_param_at(&p, grads, i))) continue;
+        if ((st = allreduce(&j, q.data, q.numel))) continue;
+        model += 4.0 * (double)q.numel * 2.0 * (j.P - 1) / j.P;
+        for (int64_t e = 0; e < p.numel; e++) p.data[e] = accumulate ? p.data[e] + q.data[e] : q.data[e];
+    }
+    if (!(st = agree(&j, st)) && (gq || gk || gv)) {
+        if (scheme == MHA_PAR_HEADS) {
+            // the projections' gradients, whole, then dX as one process does
+            st = allgather_cols(&j, pt.dq, Rq, E, 0, G * d, m);
+            if (!st) st = allgather_cols(&j, pt.dk, Rk, Ekv, 0, d, m);
+            if (!st) st = allgather_cols(&j, pt.dv, Rk, Ekv, 0, d, m);
+            if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = allgather_cols(&j, pt.dz, Rq, H, 0, G, m);
+            model += 4.0 * (double)((Rq * G * d + 2 * Rk * d) * (pt.g1 - pt.g0)) * (j.P - 1);
+            // straight into the caller's views, in the backward's order
+            if (!(st = agree(&j, st)))
+                st = mha__part_input_grads(gq, gk, gv, m, a, pt.dq, pt.dk, pt.dv, pt.dz,
+                                           accumulate);
+        } else {
+            for (int i = 0; i < 3 && !st; i++)
+                if (go[i]) st = allreduce(&j, t[i], ng[i]), model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
+            if (!(st = agree(&j, st)))
+                for (int i = 0; i < 3; i++)
+                    if (go[i]) store_view(go[i], t[i], accumulate);
+        }
+    }
+    st = agree(&j, st);
+    mha_module_destroy(gr);
+    free(dbuf);
+    for (int i = 0; i < 3; i++) free(t[i]);
+    finish(&j, stats, m, model);
+    return st;
+}

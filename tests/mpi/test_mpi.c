@@ -1,0 +1,229 @@
+// test_mpi.c: head parallelism over MPI (mha_mpi.h), run by ctest under
+// mpiexec with 1, 2, 3 and 4 ranks. Every rank builds the same problems
+// from the same seeds and computes the single-process fused results
+// itself; then:
+//   heads:      output and every gradient bit-identical to the fused path
+//   heads-fast: within the tolerance rule of the fused path, and its error
+//               against the float64 reference at most 2x the fused path's
+//               (+ a float32 ulp of the output's scale)
+// over configurations with packed/separate projections, grouped-query
+// heads, gates, a pruned head, causal and key-padding masks, RoPE, bias_kv,
+// accumulate. A rank with a bad input makes every rank fail with that
+// rank's message, and nobody hangs. Ends with "N passed, M failed" from
+// rank 0 (counts over all ranks).
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../check.h"
+#include "mha.h"
+#include "mha_mpi.h"
+
+static int g_rank, g_P;
+static uint64_t g_rng;
+static uint64_t next(void) {
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return g_rng >> 11;
+}
+static float frand(void) { return (float)((double)next() * 0x1p-53 * 2.0 - 1.0); }
+static int64_t irand(int64_t lo, int64_t hi) { return lo + (int64_t)(next() % (uint64_t)(hi - lo + 1)); }
+
+static double max_err(const float *a, const double *ref, int64_t n) {
+    double e = 0;
+    for (int64_t i = 0; i < n; i++) e = fmax(e, fabs((double)a[i] - ref[i]));
+    return e;
+}
+static double max_abs(const float *a, int64_t n) {
+    double m = 0;
+    for (int64_t i = 0; i < n; i++) m = fmax(m, fabs((double)a[i]));
+    return m;
+}
+
+static void one_case(int id) {
+    g_rng = 1000 + (uint64_t)id;  // the same problem on every rank
+    const int64_t Hkv = irand(1, 5), G = irand(1, 2), H = Hkv * G, d = irand(2, 6) * 2,
+                  E = H * d, L = irand(1, 48), N = irand(1, 2);
+    const bool self = next() % 3 != 0, causal = next() & 1, kpm = next() % 3 == 0,
+               rope = next() % 3 == 0, bkv = next() % 4 == 0, acc = next() % 4 == 0;
+    const int64_t S = self ? L : irand(1, 48);
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = Hkv;
+    c.head_gate = (mha_head_gate)(next() % 3);
+    c.add_bias_kv = bkv;
+    if (!self && next() % 2) c.kdim = irand(1, 12), c.vdim = irand(1, 12);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = (uint64_t)id;
+    CHECK_OK(mha_module_init(m, &io));
+    for (int i = 0; i < mha_module_num_params(m); i++) {
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, m, i));
+        if (p.ndim == 1 || strstr(p.name, "gate"))
+            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
+    }
+    if (next() % 4 == 0) {
+        const int64_t pr = irand(0, H - 1);
+        CHECK_OK(mha_module_prune_heads(m, &pr, 1));
+    }
+    const int64_t kd = mha_module_config(m)->kdim, vd = mha_module_config(m)->vdim;
+    const int64_t nq = L * N * E, nk = S * N * kd, nv = S * N * vd;
+    float *x[4];
+    double *xd[4];
+    const int64_t nx[4] = {nq, nk, nv, nq};
+    for (int i = 0; i < 4; i++) {
+        x[i] = malloc(sizeof(float) * (size_t)nx[i]);
+        xd[i] = malloc(sizeof(double) * (size_t)nx[i]);
+        for (int64_t j = 0; j < nx[i]; j++) xd[i][j] = x[i][j] = frand();
+    }
+    uint8_t kb[2 * 48];
+    for (int i = 0; i < 2 * 48; i++) kb[i] = next() % 5 == 0;
+    mha_tensor in[4], ind[4];
+    const int64_t T[4] = {L, S, S, L}, F[4] = {E, kd, vd, E};
+    for (int i = 0; i < 4; i++) {
+        in[i] = mha_tensor_contiguous(x[i], MHA_F32, 3, (int64_t[]){T[i], N, F[i]});
+        ind[i] = mha_tensor_contiguous(xd[i], MHA_F64, 3, (int64_t[]){T[i], N, F[i]});
+    }
+    mha_tensor kpt = mha_tensor_contiguous(kb, MHA_BOOL, 2, (int64_t[]){N, S});
+    mha_forward_args a, ad;
+    mha_forward_args_init(&a);
+    a.query = &in[0];
+    a.key = self ? &in[0] : &in[1];
+    a.value = self ? &in[0] : &in[2];
+    a.is_causal = causal;
+    a.impl = MHA_IMPL_FUSED;
+    if (kpm) a.key_padding_mask = &kpt;
+    if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+    ad = a;
+    ad.query = &ind[0];
+    ad.key = self ? &ind[0] : &ind[1];
+    ad.value = self ? &ind[0] : &ind[2];
+    ad.impl = MHA_IMPL_REFERENCE;
+    // single process: fused (float32) and the float64 reference
+    float *y = malloc(sizeof(float) * (size_t)nq), *yp = malloc(sizeof(float) * (size_t)nq);
+    double *yd = malloc(sizeof(double) * (size_t)nq);
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){L, N, E}),
+               ypt = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){L, N, E}),
+               ydt = mha_tensor_contiguous(yd, MHA_F64, 3, (int64_t[]){L, N, E});
+    CHECK_OK(mha_forward(&yt, NULL, m, &a));
+    CHECK_OK(mha_forward(&ydt, NULL, m, &ad));
+    float *g1[3], *g2[3];
+    mha_tensor t1[3], t2[3];
+    for (int i = 0; i < 3; i++) {
+        g1[i] = malloc(sizeof(float) * (size_t)nx[i]);
+        g2[i] = malloc(sizeof(float) * (size_t)nx[i]);
+        for (int64_t j = 0; j < nx[i]; j++) g1[i][j] = g2[i][j] = acc ? 0.25f : 0.0f;
+        t1[i] = mha_tensor_contiguous(g1[i], MHA_F32, 3, (int64_t[]){T[i], N, F[i]});
+        t2[i] = mha_tensor_contiguous(g2[i], MHA_F32, 3, (int64_t[]){T[i], N, F[i]});
+    }
+    mha_module *gm1 = NULL, *gm2 = NULL;
+    CHECK_OK(mha_module_create(&gm1, mha_module_config(m)));
+    CHECK_OK(mha_module_create(&gm2, mha_module_config(m)));
+    for (int i = 0; acc && gm1 && gm2 && i < mha_module_num_params(gm1); i++) {
+        mha_param p1, p2;
+        CHECK_OK(mha_module_param_at(&p1, gm1, i));
+        CHECK_OK(mha_module_param_at(&p2, gm2, i));
+        for (int64_t j = 0; j < p1.numel; j++) p1.data[j] = p2.data[j] = 0.5f;
+    }
+    CHECK_OK(mha_backward(&t1[0], self ? NULL : &t1[1], self ? NULL : &t1[2], gm1, m, &a, &in[3],
+                          acc));
+    char desc[200];
+    snprintf(desc, sizeof desc, "case %d on %d ranks (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
+             "self %d causal %d kpm %d rope %d bkv %d gate %d acc %d)", id, g_P, (long long)E,
+             (long long)H, (long long)Hkv, (long long)L, (long long)S, (long long)N, self, causal,
+             kpm, rope, bkv, (int)c.head_gate, acc);
+    for (int s = 0; s < 2; s++) {
+        const mha_parallel sch = s ? MHA_PAR_HEADS_FAST : MHA_PAR_HEADS;
+        mha_mpi_stats ms;
+        CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, sch, &ypt, m, &a, &ms));
+        for (int i = 0; i < 3; i++)
+            for (int64_t j = 0; j < nx[i]; j++) g2[i][j] = acc ? 0.25f : 0.0f;
+        for (int i = 0; acc && gm2 && i < mha_module_num_params(gm2); i++) {
+            mha_param p2;
+            CHECK_OK(mha_module_param_at(&p2, gm2, i));
+            for (int64_t j = 0; j < p2.numel; j++) p2.data[j] = 0.5f;
+        }
+        CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, sch, &t2[0], self ? NULL : &t2[1],
+                                  self ? NULL : &t2[2], gm2, m, &a, &in[3], acc, &ms));
+        if (!s) {
+            CHECKF(!memcmp(y, yp, sizeof(float) * (size_t)nq), "%s heads: output differs", desc);
+            for (int i = 0; i < (self ? 1 : 3); i++)
+                CHECKF(!memcmp(g1[i], g2[i], sizeof(float) * (size_t)nx[i]),
+                       "%s heads: input gradient %d differs", desc, i);
+            for (int i = 0; gm1 && gm2 && i < mha_module_num_params(gm1); i++) {
+                mha_param p1, p2;
+                CHECK_OK(mha_module_param_at(&p1, gm1, i));
+                CHECK_OK(mha_module_param_at(&p2, gm2, i));
+                CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel),
+                       "%s heads: grad %s differs", desc, p1.name);
+            }
+        } else {
+            const double e_fast = max_err(yp, yd, nq), e_one = max_err(y, yd, nq);
+            const double scale = 1.0 + max_abs(y, nq);
+            CHECKF(e_fast <= 2.0 * e_one + 0x1p-23 * scale, "%s heads-fast: error vs float64 "
+                   "%g, single process %g", desc, e_fast, e_one);
+            double e = 0;
+            for (int64_t j = 0; j < nq; j++) e = fmax(e, fabs((double)y[j] - yp[j]));
+            CHECKF(e <= 2e-5 * scale, "%s heads-fast: output vs fused %g", desc, e);
+            for (int i = 0; i < (self ? 1 : 3); i++) {
+                double eg = 0;
+                for (int64_t j = 0; j < nx[i]; j++) eg = fmax(eg, fabs((double)g1[i][j] - g2[i][j]));
+                CHECKF(eg <= 1e-4 * (1.0 + max_abs(g1[i], nx[i])), "%s heads-fast: input "
+                       "gradient %d err %g", desc, i, eg);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++) free(x[i]), free(xd[i]);
+    for (int i = 0; i < 3; i++) free(g1[i]), free(g2[i]);
+    free(y), free(yp), free(yd);
+    mha_module_destroy(gm1);
+    mha_module_destroy(gm2);
+    mha_module_destroy(m);
+}
+
+// Rank P-1 passes a query of the wrong width: every rank fails, with that
+// rank's message.
+static void test_failure(void) {
+    mha_config c;
+    mha_config_init(&c, 8, 2);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    float x[4 * 9] = {0}, y[4 * 9];
+    const int64_t F = g_rank == g_P - 1 ? 9 : 8;
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){4, F});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){4, 8});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    const double t = MPI_Wtime();
+    mha_status st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &yt, m, &a, NULL);
+    CHECKF(st == MHA_ERR_SHAPE, "bad input on rank %d: rank %d got %s (%s)", g_P - 1, g_rank,
+           mha_status_string(st), mha_last_error());
+    char want[32];
+    snprintf(want, sizeof want, "rank %d: ", g_P - 1);
+    if (g_rank != g_P - 1)
+        CHECKF(strstr(mha_last_error(), want) != NULL, "rank %d's message: %s", g_rank,
+               mha_last_error());
+    CHECK(strstr(mha_last_error(), "9") != NULL);  // names the bad width
+    CHECK(MPI_Wtime() - t < 10.0);
+    mha_module_destroy(m);
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+    for (int id = 0; id < 40; id++) one_case(id);
+    test_failure();
+    int counts[2] = {check_passed_, check_failed_}, total[2];
+    MPI_Reduce(counts, total, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
+    int any = check_failed_ > 0, all_any = 0;
+    MPI_Allreduce(&any, &all_any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (g_rank == 0)
+        printf("test_mpi (%d ranks): %d passed, %d failed\n", g_P, total[0], total[1]);
+    MPI_Finalize();
+    return all_any ? 1 : 0;
+}
