@@ -2,13 +2,15 @@
 # Installs the Debian 12 packages mha needs. Run as root.
 #   scripts/install-deps.sh          build dependencies (C compiler with OpenMP, CMake,
 #                                    pkg-config, cJSON, LAPACKE; cairo for the
-#                                    CLI's training plots)
+#                                    CLI's pictures; Open MPI for libmha_mpi
+#                                    and mha --parallel)
 #   scripts/install-deps.sh --test   also what the test suite needs
 #                                    (PyTorch and numpy for the conformance
 #                                    suite against PyTorch; clang and its
 #                                    libFuzzer runtime for tests/fuzz/run.sh)
 set -eu
 pkgs="build-essential cmake pkg-config libcjson-dev liblapacke-dev libcairo2-dev"
+pkgs="$pkgs openmpi-bin libopenmpi-dev"
 if [ "${1:-}" = "--test" ]; then
     pkgs="$pkgs python3 python3-torch python3-numpy clang libclang-rt-dev"
 fi
