@@ -27,6 +27,9 @@
 #endif
 
 #include "cli.h"
+#ifdef MHA_HAVE_MPI
+#include "mha_mpi.h"
+#endif
 #include "inspect_plot.h"
 
 int cli_fail(const char *cmd, mha_status st) {
@@ -288,6 +291,10 @@ static const char *forward_help =
     "  --out-dropout P      dropout after the output projection (with --train)\n"
     "  --train              training mode: apply dropout (default: eval)\n"
     "  --seed N             dropout seed (Philox4x32-10 key; default 0)\n"
+    "  --parallel SCHEME    across MPI ranks (run under mpirun): heads (head\n"
+    "                       parallelism, bit-identical to one process) or\n"
+    "                       heads-fast (partial sums, MPI_Allreduce); every\n"
+    "                       rank reads the files, rank 0 writes the output\n"
     "  --dropout-offset N   dropout offset (Philox counter; default 0)\n"
     "A query row whose keys are all masked gets weights 0 and output\n"
     "out_proj.bias.\n";
@@ -346,6 +353,10 @@ typedef struct run {
     mha_config base;
     mha_forward_args a;
     bool incremental;      // --incremental: through a KV cache
+    bool parallel;         // --parallel: over MPI ranks (mha_mpi.h)
+#ifdef MHA_HAVE_MPI
+    mha_parallel par;
+#endif
     mha_kv_dtype kv_dtype; // --kv-dtype: the cache's storage
     mha_dtype dtype;       // --dtype: inputs and outputs in memory (F32, BF16, F16)
     int64_t chunk;         // --chunk: tokens per step (default 1)
@@ -429,10 +440,11 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
         {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'j'},
         {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
         {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
+        {"parallel", required_argument, 0, 'Z'},
         {0, 0, 0, 0}};
     // mha inspect's own options, and those of the forward it refuses (it
     // diagnoses in eval mode, computing its own weights)
-    static const char inspect_only[] = "kmNp", not_inspect[] = "WAHrMKQitdDsOg";
+    static const char inspect_only[] = "kmNp", not_inspect[] = "WAHrMKQitdDsOgZ";
     const bool inspect = !strcmp(r->cmd, "inspect");
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
@@ -516,6 +528,15 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
             if (cli_float_dtype(optarg, &r->base.weight_dtype))
                 return usage_error(cmd, "--weight-dtype needs f32, bf16 or f16");
             break;
+        case 'Z':
+#ifdef MHA_HAVE_MPI
+            if ((st = mha_parallel_from_name(&r->par, optarg))) return cli_fail(cmd, st);
+            r->parallel = true;
+            break;
+#else
+            return usage_error(cmd, "--parallel needs an mha built with MPI (install "
+                                    "libopenmpi-dev and rebuild)");
+#endif
         case 'Q':
             if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
             break;
@@ -576,6 +597,9 @@ static int run_parse(run *r, bool backward, int argc, char **argv) {
                                          : "--weights, --inputs and --out are required");
     if (backward && r->incremental)
         return usage_error(cmd, "--incremental is for mha forward");
+    if (r->parallel && (r->incremental || r->a.need_weights))
+        return usage_error(cmd, "--parallel does not combine with --incremental or "
+                                "--need-weights");
     if (no_avg && !r->a.need_weights)
         return usage_error(cmd, "--no-average-weights needs --need-weights");
     r->a.average_attn_weights = !no_avg;
@@ -672,6 +696,14 @@ static int run_incremental(run *r, mha_tensor *ot) {
     return st ? cli_fail(r->cmd, st) : 0;
 }
 
+// mha_forward, or across the MPI ranks with --parallel.
+static mha_status cli_forward(run *r, mha_tensor *out, mha_tensor *weights) {
+#ifdef MHA_HAVE_MPI
+    if (r->parallel) return mha_mpi_forward(MPI_COMM_WORLD, r->par, out, r->m, &r->a, NULL);
+#endif
+    return mha_forward(out, weights, r->m, &r->a);
+}
+
 // Runs the forward; writes attn_output (and the weights) into r->wr.
 static int run_forward_into(run *r) {
     mha_shape os, wsh;
@@ -690,7 +722,7 @@ static int run_forward_into(run *r) {
             return cli_fail(r->cmd, st);
         return 0;
     }
-    if ((st = mha_forward(&ot, r->a.need_weights ? &wt : NULL, r->m, &r->a)) ||
+    if ((st = cli_forward(r, &ot, r->a.need_weights ? &wt : NULL)) ||
         (st = mha_st_writer_add(r->wr, "attn_output", r->dtype, os.ndim, os.dims, yo)) ||
         (r->a.need_weights &&
          (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype, wsh.ndim,
@@ -727,7 +759,13 @@ static int run_backward_into(run *r) {
     }
     mha_module *grads = NULL;
     if ((st = mha_module_create(&grads, mha_module_config(r->m)))) return cli_fail(cmd, st);
-    st = mha_backward(&gin[0], &gin[1], &gin[2], grads, r->m, &r->a, &gv, false);
+#ifdef MHA_HAVE_MPI
+    if (r->parallel)
+        st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &gin[0], &gin[1], &gin[2], grads, r->m,
+                              &r->a, &gv, false, NULL);
+    else
+#endif
+        st = mha_backward(&gin[0], &gin[1], &gin[2], grads, r->m, &r->a, &gv, false);
     for (int i = 0; i < 3 && !st; i++)
         st = mha_st_writer_add(r->wr, gnames[i], MHA_F32, gin[i].ndim, gin[i].shape,
                                gin[i].data);
@@ -1062,7 +1100,25 @@ static int cmd_run(const char *cmd, bool backward, int argc, char **argv) {
     int rc = run_parse(&r, backward, argc, argv);
     if (rc >= 0) return rc;
     mha_status st;
+    int rank = 0;
+#ifdef MHA_HAVE_MPI
+    // --parallel: every rank loads the files; if one cannot, all stop (the
+    // one that failed has said why); afterwards only rank 0 speaks (every
+    // rank receives the same error from the collective calls) and writes
+    if (r.parallel) {
+        MPI_Init(&argc, &argv);
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    }
+#endif
     rc = run_load(&r);
+#ifdef MHA_HAVE_MPI
+    if (r.parallel) {
+        int any = 0;
+        MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        if (any && !rc) rc = any;
+        if (rank != 0 && !freopen("/dev/null", "w", stderr)) rc = rc ? rc : 1;
+    }
+#endif
     if (!strcmp(cmd, "inspect")) {
         if (!rc) rc = run_inspect(&r);
         run_free(&r);
@@ -1071,8 +1127,16 @@ static int cmd_run(const char *cmd, bool backward, int argc, char **argv) {
     if (!rc && (st = mha_st_writer_create(&r.wr))) rc = cli_fail(cmd, st);
     if (!rc) rc = run_forward_into(&r);
     if (!rc && backward) rc = run_backward_into(&r);
-    if (!rc && (st = mha_st_writer_save(r.wr, r.ypath))) rc = cli_fail(cmd, st);
+    if (!rc && rank == 0 && (st = mha_st_writer_save(r.wr, r.ypath))) rc = cli_fail(cmd, st);
     run_free(&r);
+#ifdef MHA_HAVE_MPI
+    if (r.parallel) {
+        int any = 0;  // a rank 0 that could not write fails every rank
+        MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        MPI_Finalize();
+        return any;
+    }
+#endif
     return rc;
 }
 
