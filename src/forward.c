@@ -151,7 +151,8 @@ void mha__weights_row_out(const mha_tensor *w, float *scales, int64_t row_index,
         for (int64_t j = 0; j < n; j++) {
             const double x = rowd ? rowd[j] : (double)rowf[j];
             double qv = sc > 0.0f ? nearbyint(x / (double)sc) : 0.0;
-            qv = qv < 0.0 ? 0.0 : qv > 255.0 ? 255.0 : qv;  // NaN rows give 0
+            // a NaN weight gives 0 (converting NaN to uint8_t is undefined)
+            qv = qv > 0.0 ? (qv > 255.0 ? 255.0 : qv) : 0.0;
             dst[j * cs] = (uint8_t)qv;
         }
         scales[row_index] = sc;
