@@ -314,13 +314,19 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const float *xq = (const float *)(ws + p->f_xq), *xk = (const float *)(ws + p->f_xk),
                 *xv = (const float *)(ws + p->f_xv);
     if (p->q_direct) rows_direct(a->query, &ldq), xq = a->query->data;
-    else gather_rows((float *)xq, a->query);
+    else if (!(p->part && p->part->q_in)) gather_rows((float *)xq, a->query);
     // with a saved state (training), the projections, the context and the
     // row stats go straight into it (the backward's layout)
     mha_saved *sv = a->save;
     float *sbuf = sv ? sv->buf : NULL;
     rowmap qm, km, vm;
     const mha__part *pt = p->part;
+    if (pt && pt->q_in) {  // projected elsewhere (sequence parallelism)
+        qm = (rowmap){(float *)pt->q_in, E, seq_first, N, L};
+        km = (rowmap){(float *)pt->k_in, Ekv, seq_first, N, S};
+        vm = (rowmap){(float *)pt->v_in, Ekv, seq_first, N, S};
+        goto projected;
+    }
     // a part: only its heads' rows of the weights, into their columns
     const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
@@ -368,6 +374,16 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     }
     rope_rows(p, a, &qm, L, H, false);
     rope_rows(p, a, &km, S, Hkv, false);
+    if (pt && pt->q_out) {  // the projections are what the caller wants
+        for (int64_t r = 0; r < Rq; r++)
+            memcpy(pt->q_out + r * E, qm.base + r * qm.ld, sizeof(float) * (size_t)E);
+        for (int64_t r = 0; r < Rk; r++) {
+            memcpy(pt->k_out + r * Ekv, km.base + r * km.ld, sizeof(float) * (size_t)Ekv);
+            memcpy(pt->v_out + r * Ekv, vm.base + r * vm.ld, sizeof(float) * (size_t)Ekv);
+        }
+        return;
+    }
+projected:;
     // the appended keys per KV head: (nx, d) for k, then for v
     float *extra = (float *)(ws + p->f_extra);
     fill_extra(extra, m, Hkv, nx, d);

@@ -30,6 +30,14 @@ typedef struct mha__part {
     bool bias;
     float *dq, *dk, *dv;
     float *dz;  // backward, dynamic gates: (Rq, H) the gates' logit gradients
+    // Forward, sequence parallelism: with q_out, stop after the projections
+    // (of the range; RoPE applied at the views' positions) and copy them out:
+    // q_out (Rq, E), k_out, v_out (Rk, Ekv), rows as the views'. With q_in,
+    // skip the projections and RoPE and attend with these instead (rows as
+    // the plan's views, whose data are then not read: only their shapes
+    // count); the context goes to ctx.
+    float *q_out, *k_out, *v_out;
+    const float *q_in, *k_in, *v_in;
 } mha__part;
 
 typedef struct fwd_plan {
