@@ -16,8 +16,9 @@
 //   [3]  window: left = low nibble, right = high nibble (15: unbounded)
 //   [4]  weights block: heads [b & 3, end), rows [(b >> 2) & 3, end); end
 //        -1 unless b & 0x10 (then begin + 1)
-//   [5]  flags: 1 run mha_forward_cached too (the query as T tokens in two
-//        chunks), 0x06 its cache dtype; 0x08 the fused run through
+//   [5]  flags: 1 run mha_forward_cached too (the query's L tokens in
+//        chunks of max(L / 2, 1)), 0x06 its cache dtype (F32, BF16, F16,
+//        INT8); 0x08 the fused run through
 //        mha_forward_ex with an exactly sized, misaligned workspace
 //   [6..7] dropout seed
 //   [8..11] W, little-endian: bytes of the weights file (clamped)
@@ -144,7 +145,7 @@ static void run_forward(const mha_module *m, mha_forward_args a, mha_impl impl,
     free(scales);
 }
 
-// Causal self-attention through a KV cache, the query in two chunks.
+// Causal self-attention through a KV cache, the query in chunks of L / 2.
 static void run_cached(const mha_module *m, const mha_forward_args *a0, mha_dtype odt,
                        mha_kv_dtype kvd) {
     const mha_tensor *q = a0->query;
