@@ -23,11 +23,33 @@
 //                       (its context times its columns of W_O) and of the
 //                       input gradients are summed with MPI_Allreduce:
 //                       within the tolerance rule, not bit-identical.
-// Inputs and outputs: every rank passes the whole query/key/value (and
-// masks) and receives the whole output and every gradient (parameter
-// gradients are combined across ranks: each rank computes its heads' rows
-// and columns, the rest exactly 0, and the sum is exact).
-// Sequence-parallel schemes (Ulysses, ring attention) are not here yet.
+//   MHA_PAR_ULYSSES     sequence parallelism as in DeepSpeed-Ulysses: the
+//                       query, key, value, output and their gradients are
+//                       sharded by sequence: rank r holds the r-th block of
+//                       consecutive tokens of every batch element (blocks of
+//                       any sizes, in rank order; T r / P .. T (r+1) / P is
+//                       the even split) for the query and output (L) and
+//                       for key and value (S): views of the local tokens in
+//                       the module's layout. Output dropout is not
+//                       available (its masks index tokens globally). Each rank
+//                       projects its tokens (all heads, RoPE at the global
+//                       positions), an all-to-all hands every rank the whole
+//                       sequence of its heads (split as for MHA_PAR_HEADS),
+//                       it attends, and an all-to-all brings the context
+//                       back to the token owners for W_O. Bit-identical to
+//                       one process. The backward gathers the inputs and the
+//                       output gradient (the weight gradients sum over every
+//                       token in one fixed order), runs its heads' backward
+//                       over the whole sequence, and an all-to-all returns
+//                       the projections' gradients to the token owners.
+//                       Masks (key_padding_mask, attn_mask) and rope_start
+//                       are given whole on every rank; RoPE needs L == S.
+// Inputs and outputs for MHA_PAR_HEADS[_FAST]: every rank passes the whole
+// query/key/value (and masks) and receives the whole output and every
+// gradient. Parameter gradients (every scheme) are combined across ranks:
+// each rank computes its heads' rows and columns, the rest exactly 0, and
+// the sum is exact; every rank receives all of them.
+// Ring attention is not here yet.
 #ifndef MHA_MPI_H
 #define MHA_MPI_H
 
@@ -42,6 +64,7 @@ extern "C" {
 typedef enum mha_parallel {
     MHA_PAR_HEADS = 0,
     MHA_PAR_HEADS_FAST = 1,
+    MHA_PAR_ULYSSES = 2,
 } mha_parallel;
 
 // "heads" / "heads-fast" -> scheme (MHA_ERR_UNSUPPORTED otherwise, naming

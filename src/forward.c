@@ -902,7 +902,8 @@ mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_for
     mha_forward_args a2;
     mha_status st = part_plan(&p, &a2, m, a, part);
     if (st) return st;
-    if (!part->ctx && (st = check_forward_outputs(&p, out, NULL, &a2))) return st;
+    if (!part->ctx && !part->q_out && (st = check_forward_outputs(&p, out, NULL, &a2)))
+        return st;
     void *ws = mha__malloc(p.ws_bytes);
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",

@@ -1,8 +1,9 @@
-// test_mpi.c: head parallelism over MPI (mha_mpi.h), run by ctest under
+// test_mpi.c: head and Ulysses parallelism over MPI (mha_mpi.h), run by ctest under
 // mpiexec with 1, 2, 3 and 4 ranks. Every rank builds the same problems
 // from the same seeds and computes the single-process fused results
 // itself; then:
 //   heads:      output and every gradient bit-identical to the fused path
+//   ulysses:    the same, each rank holding a block of the tokens
 //   heads-fast: within the tolerance rule of the fused path, and its error
 //               against the float64 reference at most 2x the fused path's
 //               (+ a float32 ulp of the output's scale)
@@ -135,6 +136,59 @@ static void one_case(int id) {
              "self %d causal %d kpm %d rope %d bkv %d gate %d acc %d)", id, g_P, (long long)E,
              (long long)H, (long long)Hkv, (long long)L, (long long)S, (long long)N, self, causal,
              kpm, rope, bkv, (int)c.head_gate, acc);
+    // Ulysses: this rank's block of tokens (the even split), views into the
+    // whole tensors; its slice of the output and the input gradients must
+    // be the single-process bits
+    if (rope && L != S) {  // RoPE positions of a cross-attention: refused
+        mha_forward_args au = a;
+        CHECK_FAILS(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_ULYSSES, &ypt, m, &au, NULL),
+                    MHA_ERR_UNSUPPORTED);
+    } else {
+        const int64_t l0 = L * g_rank / g_P, l1 = L * (g_rank + 1) / g_P,
+                      s0 = S * g_rank / g_P, s1 = S * (g_rank + 1) / g_P;
+        mha_tensor lq = mha_tensor_contiguous(x[0] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
+                   lk = mha_tensor_contiguous(x[1] + s0 * N * kd, MHA_F32, 3, (int64_t[]){s1 - s0, N, kd}),
+                   lv = mha_tensor_contiguous(x[2] + s0 * N * vd, MHA_F32, 3, (int64_t[]){s1 - s0, N, vd}),
+                   lg = mha_tensor_contiguous(x[3] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
+                   ly = mha_tensor_contiguous(yp + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
+                   lgq = mha_tensor_contiguous(g2[0] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
+                   lgk = mha_tensor_contiguous(g2[1] + s0 * N * kd, MHA_F32, 3, (int64_t[]){s1 - s0, N, kd}),
+                   lgv = mha_tensor_contiguous(g2[2] + s0 * N * vd, MHA_F32, 3, (int64_t[]){s1 - s0, N, vd});
+        mha_forward_args au = a;
+        au.query = &lq;
+        au.key = self ? &lq : &lk;
+        au.value = self ? &lq : &lv;
+        for (int i = 0; i < 3; i++)
+            for (int64_t jx = 0; jx < nx[i]; jx++) g2[i][jx] = acc ? 0.25f : 0.0f;
+        for (int i = 0; acc && gm2 && i < mha_module_num_params(gm2); i++) {
+            mha_param p2;
+            CHECK_OK(mha_module_param_at(&p2, gm2, i));
+            for (int64_t jx = 0; jx < p2.numel; jx++) p2.data[jx] = 0.5f;
+        }
+        CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_ULYSSES, &ly, m, &au, NULL));
+        CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_ULYSSES, &lgq, self ? NULL : &lgk,
+                                  self ? NULL : &lgv, gm2, m, &au, &lg, acc, NULL));
+        CHECKF(!memcmp(y + l0 * N * E, yp + l0 * N * E, sizeof(float) * (size_t)((l1 - l0) * N * E)),
+               "%s ulysses: output slice differs", desc);
+        CHECKF(!memcmp(g1[0] + l0 * N * E, g2[0] + l0 * N * E,
+                       sizeof(float) * (size_t)((l1 - l0) * N * E)),
+               "%s ulysses: grad_query slice differs", desc);
+        if (!self) {
+            CHECKF(!memcmp(g1[1] + s0 * N * kd, g2[1] + s0 * N * kd,
+                           sizeof(float) * (size_t)((s1 - s0) * N * kd)),
+                   "%s ulysses: grad_key slice differs", desc);
+            CHECKF(!memcmp(g1[2] + s0 * N * vd, g2[2] + s0 * N * vd,
+                           sizeof(float) * (size_t)((s1 - s0) * N * vd)),
+                   "%s ulysses: grad_value slice differs", desc);
+        }
+        for (int i = 0; gm1 && gm2 && i < mha_module_num_params(gm1); i++) {
+            mha_param p1, p2;
+            CHECK_OK(mha_module_param_at(&p1, gm1, i));
+            CHECK_OK(mha_module_param_at(&p2, gm2, i));
+            CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel),
+                   "%s ulysses: grad %s differs", desc, p1.name);
+        }
+    }
     for (int s = 0; s < 2; s++) {
         const mha_parallel sch = s ? MHA_PAR_HEADS_FAST : MHA_PAR_HEADS;
         mha_mpi_stats ms;
