@@ -292,9 +292,11 @@ static const char *forward_help =
     "  --train              training mode: apply dropout (default: eval)\n"
     "  --seed N             dropout seed (Philox4x32-10 key; default 0)\n"
     "  --parallel SCHEME    across MPI ranks (run under mpirun): heads (head\n"
-    "                       parallelism, bit-identical to one process) or\n"
-    "                       heads-fast (partial sums, MPI_Allreduce); every\n"
-    "                       rank reads the files, rank 0 writes the output\n"
+    "                       parallelism, bit-identical to one process),\n"
+    "                       heads-fast (partial sums, MPI_Allreduce) or\n"
+    "                       ulysses (each rank a block of the tokens,\n"
+    "                       all-to-all; bit-identical); every rank reads the\n"
+    "                       files, rank 0 writes the output\n"
     "  --dropout-offset N   dropout offset (Philox counter; default 0)\n"
     "A query row whose keys are all masked gets weights 0 and output\n"
     "out_proj.bias.\n";
@@ -697,8 +699,71 @@ static int run_incremental(run *r, mha_tensor *ot) {
 }
 
 // mha_forward, or across the MPI ranks with --parallel.
+#ifdef MHA_HAVE_MPI
+// Ulysses in the CLI: every rank has read the whole tensors; it passes the
+// library the views of its block of tokens (the even split) and the full
+// results are gathered on rank 0 (which writes the file).
+
+// The view of rank `rank`'s tokens of t (its sequence dim per the layout).
+static mha_tensor token_block(const mha_tensor *t, bool batch_first, int rank, int P,
+                              int64_t *t0, int64_t *t1) {
+    const int sd = t->ndim == 2 || !batch_first ? 0 : 1;
+    const int64_t T = t->shape[sd];
+    *t0 = T * rank / P, *t1 = T * (rank + 1) / P;
+    mha_tensor v = *t;
+    v.data = (char *)t->data + *t0 * t->stride[sd] * (int64_t)mha_dtype_size(t->dtype);
+    v.shape[sd] = *t1 - *t0;
+    return v;
+}
+
+// Rank 0 receives every rank's block of tokens of the contiguous tensor t.
+static void gather_blocks(const mha_tensor *t, bool batch_first) {
+    int rank, P;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &P);
+    const int sd = t->ndim == 2 || !batch_first ? 0 : 1;
+    const int64_t T = t->shape[sd], es = (int64_t)mha_dtype_size(t->dtype);
+    const int64_t outer = sd == 1 ? t->shape[0] : 1, row = t->stride[sd] * es;  // bytes per token
+    int *cnt = malloc(sizeof(int) * (size_t)P * 2);
+    if (!cnt) MPI_Abort(MPI_COMM_WORLD, 1);
+    for (int64_t o = 0; o < outer; o++) {  // (batch-first: one block per batch element)
+        for (int q = 0; q < P; q++) {
+            cnt[q] = (int)((T * (q + 1) / P - T * q / P) * row);
+            cnt[P + q] = (int)(T * q / P * row);
+        }
+        char *base = (char *)t->data + o * t->stride[0] * es * (sd == 1);
+        if (rank == 0)
+            MPI_Gatherv(MPI_IN_PLACE, 0, MPI_BYTE, base, cnt, cnt + P, MPI_BYTE, 0, MPI_COMM_WORLD);
+        else
+            MPI_Gatherv(base + cnt[P + rank], cnt[rank], MPI_BYTE, NULL, NULL, NULL, MPI_BYTE, 0,
+                        MPI_COMM_WORLD);
+    }
+    free(cnt);
+}
+#endif
+
+// mha_forward, or across the MPI ranks with --parallel.
 static mha_status cli_forward(run *r, mha_tensor *out, mha_tensor *weights) {
 #ifdef MHA_HAVE_MPI
+    if (r->parallel && r->par == MHA_PAR_ULYSSES) {
+        int rank, P;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &P);
+        const bool bf = mha_module_config(r->m)->batch_first;
+        int64_t a0, a1;
+        mha_tensor q = token_block(r->a.query, bf, rank, P, &a0, &a1),
+                   k = token_block(r->a.key, bf, rank, P, &a0, &a1),
+                   v = token_block(r->a.value, bf, rank, P, &a0, &a1),
+                   o = token_block(out, bf, rank, P, &a0, &a1);
+        mha_forward_args a = r->a;
+        const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
+        a.query = &q;
+        a.key = self ? &q : &k;
+        a.value = self ? &q : &v;
+        mha_status st = mha_mpi_forward(MPI_COMM_WORLD, r->par, &o, r->m, &a, NULL);
+        if (!st) gather_blocks(out, bf);
+        return st;
+    }
     if (r->parallel) return mha_mpi_forward(MPI_COMM_WORLD, r->par, out, r->m, &r->a, NULL);
 #endif
     return mha_forward(out, weights, r->m, &r->a);
@@ -760,7 +825,26 @@ static int run_backward_into(run *r) {
     mha_module *grads = NULL;
     if ((st = mha_module_create(&grads, mha_module_config(r->m)))) return cli_fail(cmd, st);
 #ifdef MHA_HAVE_MPI
-    if (r->parallel)
+    if (r->parallel && r->par == MHA_PAR_ULYSSES) {
+        int rank, P;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &P);
+        const bool bf = mha_module_config(r->m)->batch_first;
+        int64_t a0, a1;
+        mha_tensor q = token_block(r->a.query, bf, rank, P, &a0, &a1),
+                   k = token_block(r->a.key, bf, rank, P, &a0, &a1),
+                   v = token_block(r->a.value, bf, rank, P, &a0, &a1),
+                   gb = token_block(&gv, bf, rank, P, &a0, &a1), lg[3];
+        for (int i = 0; i < 3; i++) lg[i] = token_block(&gin[i], bf, rank, P, &a0, &a1);
+        mha_forward_args a = r->a;
+        const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
+        a.query = &q;
+        a.key = self ? &q : &k;
+        a.value = self ? &q : &v;
+        st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &lg[0], &lg[1], &lg[2], grads, r->m, &a,
+                              &gb, false, NULL);
+        for (int i = 0; i < 3 && !st; i++) gather_blocks(&gin[i], bf);
+    } else if (r->parallel)
         st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &gin[0], &gin[1], &gin[2], grads, r->m,
                               &r->a, &gv, false, NULL);
     else
