@@ -69,6 +69,10 @@ static const char *bench_help =
     "  --prune-heads K    prune the last K heads (mha_module_prune_heads: their\n"
     "                     attention is skipped; module forward/backward)\n"
     "  --head-gate G      none (default), static or dynamic per-head gates\n"
+    "  --parallel SCHEME  under mpirun: heads, heads-fast or ulysses across the\n"
+    "                     ranks (mha_mpi.h): the slowest rank's time, and per\n"
+    "                     rank the time inside MPI, bytes sent against the\n"
+    "                     scheme's model, the work imbalance\n"
     "  --no-save          with --backward: no saved forward state\n"
     "                     (mha_forward_args.save), so mha_backward re-runs\n"
     "                     the forward (default: the forward keeps it)\n"
@@ -99,6 +103,7 @@ typedef struct bench_opts {
     mha_kv_dtype kv_dtype;     // --kv-dtype
     mha_dtype wdtype, dtype;   // --weight-dtype, --dtype (module forward)
     int64_t prune;             // --prune-heads: the last K heads pruned
+    const char *parallel;      // --parallel SCHEME (under mpirun)
     mha_head_gate gate;        // --head-gate
     int64_t window;  // 0: none
     int threads;     // 0: the default
@@ -546,7 +551,7 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
         {"kv-dtype", required_argument, 0, 'T'},  {"weight-dtype", required_argument, 0, 'X'},
         {"dtype", required_argument, 0, 'Y'},     {"prune-heads", required_argument, 0, 'P'},
-        {"head-gate", required_argument, 0, 'g'},
+        {"head-gate", required_argument, 0, 'g'}, {"parallel", required_argument, 0, 'Z'},
         {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
         {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
@@ -586,6 +591,7 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
                                              : "--dtype needs f32, bf16 or f16");
             break;
         }
+        case 'Z': o->parallel = optarg; break;
         case 'P': if (parse_int(optarg, 0, big, &o->prune)) return bench_usage("--prune-heads needs a non-negative integer"); break;
         case 'g':
             if (mha_head_gate_from_name(&o->gate, optarg))
@@ -926,6 +932,16 @@ int cmd_bench(int argc, char **argv) {
     if (o.isa && setenv("MHA_ISA", o.isa, 1)) {
         fprintf(stderr, "mha bench: cannot set MHA_ISA\n");
         return 1;
+    }
+    if (o.parallel) {
+        if (o.core || o.decode || o.S != o.L || o.prune || o.gate || o.workspace)
+            return bench_usage("--parallel times the module's self-attention (no --core, "
+                               "--decode, --kv-seq, --prune-heads, --head-gate, --workspace)");
+#ifdef _OPENMP
+        if (o.threads) omp_set_num_threads(o.threads);
+#endif
+        return bench_parallel(o.parallel, o.B, o.L, o.E, o.H, o.kv_heads ? o.kv_heads : o.H,
+                              o.causal, o.backward, o.repeat, o.warmup, o.seed, o.json);
     }
     bench_result r;
     memset(&r, 0, sizeof r);

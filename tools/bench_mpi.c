@@ -1,0 +1,154 @@
+// bench_mpi.c: `mha bench --parallel SCHEME` under mpirun: the module's
+// forward (and with --backward its backward) across the ranks (mha_mpi.h),
+// timed as the slowest rank's wall time per call (after a barrier), with
+// per-rank figures from the last call: time, time inside MPI (waiting and
+// communication), bytes sent against the scheme's communication model, and
+// the work imbalance (the slowest rank's compute time over the mean).
+// Without MPI in the build it says so.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+#ifndef MHA_HAVE_MPI
+
+int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
+                   bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
+                   bool json) {
+    (void)scheme, (void)B, (void)L, (void)E, (void)H, (void)Hkv, (void)causal, (void)backward;
+    (void)repeat, (void)warmup, (void)seed, (void)json;
+    fprintf(stderr, "mha bench: --parallel needs an mha built with MPI (install libopenmpi-dev "
+            "and rebuild)\n");
+    return 1;
+}
+
+#else
+
+#include "mha_mpi.h"
+
+static float urand(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*s >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
+                   bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
+                   bool json) {
+    MPI_Init(NULL, NULL);
+    int rank, P;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &P);
+    int rc = 0;
+    mha_parallel par;
+    mha_status st = mha_parallel_from_name(&par, scheme);
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = Hkv;
+    c.batch_first = true;
+    mha_module *m = NULL, *g = NULL;
+    if (!st) st = mha_module_create(&m, &c);
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = seed;
+    if (!st) st = mha_module_init(m, &io);
+    if (!st && backward) st = mha_module_create(&g, &c);
+    const int64_t n = B * L * E;
+    float *x = malloc(sizeof(float) * (size_t)n * 4), *y = x + n, *gy = y + n, *gx = gy + n;
+    if (!x) st = MHA_ERR_NOMEM;
+    if (st) {
+        if (rank == 0) cli_fail("bench", st);
+        mha_module_destroy(m);
+        free(x);
+        MPI_Finalize();
+        return 1;
+    }
+    uint64_t s = seed * 2654435761u + 1;
+    for (int64_t i = 0; i < n; i++) x[i] = urand(&s), gy[i] = urand(&s);
+    // the whole tensors (heads) or this rank's block of tokens (ulysses)
+    const int64_t t0 = par == MHA_PAR_ULYSSES ? L * rank / P : 0,
+                  t1 = par == MHA_PAR_ULYSSES ? L * (rank + 1) / P : L;
+    const int64_t sh[3] = {B, t1 - t0, E}, str[3] = {L * E, E, 1};
+    mha_tensor xt = {x + t0 * E, MHA_F32, 3, {sh[0], sh[1], sh[2]}, {str[0], str[1], str[2]}};
+    mha_tensor yt = xt, gyt = xt, gxt = xt;
+    yt.data = y + t0 * E, gyt.data = gy + t0 * E, gxt.data = gx + t0 * E;
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = causal;
+    double *times = malloc(sizeof(double) * (size_t)repeat);
+    mha_mpi_stats fs = {0}, bs = {0};
+    for (int64_t i = 0; !st && i < warmup + repeat; i++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double t = MPI_Wtime();
+        st = mha_mpi_forward(MPI_COMM_WORLD, par, &yt, m, &a, &fs);
+        if (!st && backward)
+            st = mha_mpi_backward(MPI_COMM_WORLD, par, &gxt, NULL, NULL, g, m, &a, &gyt, false,
+                                  &bs);
+        double dt = MPI_Wtime() - t, mx;
+        MPI_Allreduce(&dt, &mx, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (i >= warmup && times) times[i - warmup] = mx * 1e3;
+    }
+    if (st) {
+        if (rank == 0) cli_fail("bench", st);
+        rc = 1;
+    } else if (times) {
+        for (int64_t i = 1; i < repeat; i++)  // insertion sort: the median
+            for (int64_t k = i; k > 0 && times[k] < times[k - 1]; k--) {
+                const double t = times[k];
+                times[k] = times[k - 1], times[k - 1] = t;
+            }
+        const double med = repeat % 2 ? times[repeat / 2]
+                                      : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
+        // per rank: seconds, MPI seconds, bytes, model bytes, heads (forward + backward)
+        double mine[5] = {fs.seconds + bs.seconds, fs.comm_seconds + bs.comm_seconds,
+                          fs.bytes_sent + bs.bytes_sent, fs.bytes_model + bs.bytes_model,
+                          (double)fs.heads};
+        double *all = rank == 0 ? malloc(sizeof(double) * 5 * (size_t)P) : NULL;
+        MPI_Gather(mine, 5, MPI_DOUBLE, all, 5, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        if (rank == 0 && all) {
+            double cmax = 0, csum = 0;
+            for (int q = 0; q < P; q++) {
+                const double comp = all[5 * q] - all[5 * q + 1];
+                cmax = comp > cmax ? comp : cmax;
+                csum += comp;
+            }
+            const double imb = csum > 0 ? cmax / (csum / P) : 1.0;
+            if (json) {
+                printf("{\"what\": \"mha_parallel\", \"scheme\": \"%s\", \"ranks\": %d, \"batch\": "
+                       "%lld, \"seq\": %lld, \"embed_dim\": %lld, \"num_heads\": %lld, "
+                       "\"num_kv_heads\": %lld, \"causal\": %s, \"backward\": %s, \"median_ms\": "
+                       "%.4f, \"imbalance\": %.4f, \"ranks_detail\": [", scheme, P, (long long)B,
+                       (long long)L, (long long)E, (long long)H, (long long)Hkv,
+                       causal ? "true" : "false", backward ? "true" : "false", med, imb);
+                for (int q = 0; q < P; q++)
+                    printf("%s{\"rank\": %d, \"ms\": %.4f, \"mpi_ms\": %.4f, \"bytes_sent\": %.0f, "
+                           "\"bytes_model\": %.0f, \"heads\": %.0f}", q ? ", " : "", q,
+                           all[5 * q] * 1e3, all[5 * q + 1] * 1e3, all[5 * q + 2],
+                           all[5 * q + 3], all[5 * q + 4]);
+                printf("]}\n");
+            } else {
+                printf("mha bench --parallel %s: %d ranks, batch %lld, seq %lld, embed_dim %lld, "
+                       "heads %lld (KV %lld)%s, %s\n", scheme, P, (long long)B, (long long)L,
+                       (long long)E, (long long)H, (long long)Hkv, causal ? ", causal" : "",
+                       backward ? "forward + backward" : "forward");
+                printf("  time       median %.3f ms (the slowest rank per call, %lld runs after "
+                       "%lld warm-up)\n", med, (long long)repeat, (long long)warmup);
+                printf("  imbalance  %.3f (the slowest rank's compute time over the mean)\n", imb);
+                for (int q = 0; q < P; q++)
+                    printf("  rank %-3d   %.3f ms, %.3f ms inside MPI, %.3f MB sent (model %.3f "
+                           "MB), %.0f heads\n", q, all[5 * q] * 1e3, all[5 * q + 1] * 1e3,
+                           all[5 * q + 2] * 1e-6, all[5 * q + 3] * 1e-6, all[5 * q + 4]);
+            }
+        }
+        free(all);
+    }
+    free(times);
+    free(x);
+    mha_module_destroy(g);
+    mha_module_destroy(m);
+    MPI_Finalize();
+    return rc;
+}
+
+#endif
