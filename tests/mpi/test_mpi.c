@@ -13,6 +13,7 @@
 // rank's message, and nobody hangs. Ends with "N passed, M failed" from
 // rank 0 (counts over all ranks).
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -266,10 +267,33 @@ static void test_failure(void) {
     mha_module_destroy(m);
 }
 
+// --kill: the last rank kills itself while the others are inside a
+// collective call; mpiexec must end the job (tests/mpi/test_killed.sh
+// checks that it does, promptly, with a message).
+static int kill_mode(void) {
+    mha_config c;
+    mha_config_init(&c, 64, 4);
+    mha_module *m = NULL;
+    if (mha_module_create(&m, &c)) return 1;
+    static float x[512 * 64], y[512 * 64];
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){512, 64});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){512, 64});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    if (g_rank == g_P - 1) raise(SIGKILL);
+    mha_status st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &yt, m, &a, NULL);
+    printf("rank %d: returned %s (the job should have been ended)\n", g_rank, mha_status_string(st));
+    mha_module_destroy(m);
+    MPI_Finalize();
+    return 0;
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+    if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode();
     for (int id = 0; id < 40; id++) one_case(id);
     test_failure();
     int counts[2] = {check_passed_, check_failed_}, total[2];
