@@ -38,6 +38,7 @@
 
 #include "../check.h"
 #include "internal.h"
+#include "plan.h"
 #include "mha.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -870,6 +871,34 @@ static mha_status sc_optim(const void *argp) {
     return st;
 }
 
+// The distributed layer's head parts (plan.h), in one process: the first
+// half of the KV heads' context, the out projection from it, their
+// backward and the input gradients from its projection gradients.
+static mha_status sc_parts(const void *argp) {
+    const fwd_arg *a = argp;
+    fwd_views t;
+    fwd_views_of(&t, a);
+    const mha_config *c = mha_module_config(a->m);
+    const int64_t E = c->embed_dim, H = c->num_heads, Ekv = c->num_kv_heads * (E / H);
+    const int64_t Rq = a->L * a->N, Rk = a->S * a->N;
+    static float ctx[4096], dq[4096], dk[4096], dv[4096], dz[1024];
+    if (Rq * E > 4096 || Rk * Ekv > 4096 || Rq * H > 1024) return MHA_ERR_INVALID_ARG;
+    memset(ctx, 0, sizeof ctx);
+    mha__part pt = {.g0 = 0, .g1 = (c->num_kv_heads + 1) / 2, .ctx = ctx, .bias = true};
+    mha_status st = mha__part_forward(NULL, a->m, &t.args, &pt);
+    if (!st) st = mha__part_out_project(&t.y, a->m, &t.args, ctx);
+    if (st) return st;
+    res_put(a->y, mha_tensor_numel(&t.y) * mha_dtype_size(t.y.dtype));
+    pt.ctx = NULL, pt.dq = dq, pt.dk = dk, pt.dv = dv, pt.dz = dz;
+    grads_reset(a, &t);
+    if ((st = mha__part_backward(&t.dq, &t.dk, &t.dv, a->grads, a->m, &t.args, &t.dout, &pt)))
+        return st;
+    if ((st = mha__part_input_grads(&t.dq, &t.dk, &t.dv, a->m, &t.args, dq, dk, dv, dz, false)))
+        return st;
+    res_put(a->dq, grad_bytes(&t, 0));
+    return MHA_OK;
+}
+
 // ---------------------------------------------------------------------------
 
 static void load_case(const char *name, const mod_spec *s, bool use_base, mha_dtype base_wdt) {
@@ -1016,6 +1045,14 @@ int main(void) {
                                       : "ref, BF16 weights, GQA, gates",
                            .impl = im, .L = 6, .S = 6, .N = 2, .causal = true},
                  &halfbf, false, !fu);
+    }
+    {  // the head parts of the MPI layer (fused path), gates and GQA
+        fwd_arg pa = {.name = "head parts (MPI layer), GQA, gates", .impl = MHA_IMPL_FUSED,
+                      .L = 9, .S = 9, .N = 2, .causal = true};
+        pa.m = make_module(&gqa_gate);
+        fwd_setup(&pa);
+        sweep(pa.name, sc_parts, &pa, NULL);
+        fwd_free(&pa);
     }
     fwd_case((fwd_arg){.name = "ref, float64 inputs", .impl = MHA_IMPL_REFERENCE, .L = 5,
                        .S = 6, .N = 2, .f64 = true, .weights = true, .masks = true},
