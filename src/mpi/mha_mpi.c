@@ -412,7 +412,9 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
     if (!st) st = alltoall(j, &sk, 0, vl, vf, Ekv, d, m);
     int64_t g0, g1;
     kv_range(m, j->rank, j->P, &g0, &g1);
-    *model = 4.0 * (double)((Rl * E + 2 * Rkl * Ekv) * (j->P - 1) / j->P + R * E / j->P);
+    // (each all-to-all keeps 1/P of its data on the rank: q, k, v out, the
+    // context of my heads back)
+    *model = 4.0 * ((double)(Rl * E + 2 * Rkl * Ekv) + (double)(R * E) / j->P) * (j->P - 1) / j->P;
     if (!(st = agree(j, st))) {  // 3. my heads, the whole sequence
         memset(cf, 0, sizeof(float) * (size_t)(R * E));
         mha_tensor qv = whole_view(a->query, &sq, c->batch_first, qf),
@@ -489,7 +491,7 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
         if (!st) st = alltoall(j, &sk, 1, dkf, dkl, Ekv, d, m);
         if (!st) st = alltoall(j, &sk, 1, dvf, dvl, Ekv, d, m);
         if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = alltoall(j, &sq, 1, dzf, dzl, H, G, m);
-        *model += 4.0 * (double)((R * E + 2 * Rk * Ekv) / j->P * (j->P - 1) / j->P);
+        *model += 4.0 * (double)(R * E + 2 * Rk * Ekv) / j->P * (j->P - 1) / j->P;
         if (!(st = agree(j, st))) {
             mha_forward_args al;
             local_args(&al, a, &sq, j->rank, starts);
