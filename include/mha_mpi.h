@@ -49,7 +49,17 @@
 // gradient. Parameter gradients (every scheme) are combined across ranks:
 // each rank computes its heads' rows and columns, the rest exactly 0, and
 // the sum is exact; every rank receives all of them.
-// Ring attention is not here yet.
+//   MHA_PAR_RING        ring attention (Liu et al. 2023), forward only so
+//                       far: sharded by tokens as MHA_PAR_ULYSSES; the key/
+//                       value blocks travel around the ring (MPI_Sendrecv,
+//                       not yet overlapped with the compute), each rank
+//                       attends its queries to every block (causal, windows,
+//                       ALiBi at the global positions; key padding) and
+//                       merges the blocks' outputs by log-sum-exp in double:
+//                       within the tolerance rule. No attn_mask, bias_kv,
+//                       zero_attn or dropout; RoPE needs L == S; contiguous
+//                       blocks (no zigzag balancing yet). mha_mpi_backward
+//                       refuses it (MHA_ERR_UNSUPPORTED).
 #ifndef MHA_MPI_H
 #define MHA_MPI_H
 
@@ -65,6 +75,7 @@ typedef enum mha_parallel {
     MHA_PAR_HEADS = 0,
     MHA_PAR_HEADS_FAST = 1,
     MHA_PAR_ULYSSES = 2,
+    MHA_PAR_RING = 3,
 } mha_parallel;
 
 // "heads" / "heads-fast" -> scheme (MHA_ERR_UNSUPPORTED otherwise, naming

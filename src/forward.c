@@ -893,6 +893,15 @@ static mha_status part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module 
                          "mha parallel: KV heads [%lld, %lld) not within [0, %lld)",
                          (long long)part->g0, (long long)part->g1, (long long)p->Hkv);
     p->part = part;
+    p->mask.q_off = part->q_off;
+    if (part->kpm_full) {  // the block's columns of the whole mask
+        const mha_tensor *t = part->kpm_full;
+        p->mask.kpm = (const char *)t->data +
+                      part->kpm_off * t->stride[t->ndim - 1] * (int64_t)mha_dtype_size(t->dtype);
+        p->mask.kpm_dtype = t->dtype;
+        p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
+        p->mask.kpm_s[1] = t->stride[t->ndim - 1];
+    }
     return MHA_OK;
 }
 

@@ -391,8 +391,9 @@ projected:;
     // 2. Attention, per (b, h, tile of query rows).
     float *ctx = pt && pt->ctx ? pt->ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
     rowmap cm = {ctx, E, seq_first, N, L};
-    float *lse = sv ? sbuf + sv->n_qkv + sv->n_ctx
-                    : a->need_weights ? (float *)(ws + p->f_lse) : NULL;
+    float *lse = pt && pt->stats ? pt->stats
+                 : sv ? sbuf + sv->n_qkv + sv->n_ctx
+                      : a->need_weights ? (float *)(ws + p->f_lse) : NULL;
     float *headw = (float *)(ws + p->f_headw);
     const bool avg = a->need_weights && a->average_attn_weights;
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;

@@ -38,6 +38,14 @@ typedef struct mha__part {
     // count); the context goes to ctx.
     float *q_out, *k_out, *v_out;
     const float *q_in, *k_in, *v_in;
+    // Ring attention (a block of keys): the queries' position minus the
+    // keys' (causal, window and ALiBi see global positions); the whole
+    // key_padding_mask and the block's first key in it (the args carry
+    // none); stats (N, H, L, 2): each row's max and 1/sum, as flash.h.
+    int64_t q_off;
+    const mha_tensor *kpm_full;
+    int64_t kpm_off;
+    float *stats;
 } mha__part;
 
 typedef struct fwd_plan {

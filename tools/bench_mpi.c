@@ -66,8 +66,9 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
     uint64_t s = seed * 2654435761u + 1;
     for (int64_t i = 0; i < n; i++) x[i] = urand(&s), gy[i] = urand(&s);
     // the whole tensors (heads) or this rank's block of tokens (ulysses)
-    const int64_t t0 = par == MHA_PAR_ULYSSES ? L * rank / P : 0,
-                  t1 = par == MHA_PAR_ULYSSES ? L * (rank + 1) / P : L;
+    const bool shard = par == MHA_PAR_ULYSSES || par == MHA_PAR_RING;
+    const int64_t t0 = shard ? L * rank / P : 0,
+                  t1 = shard ? L * (rank + 1) / P : L;
     const int64_t sh[3] = {B, t1 - t0, E}, str[3] = {L * E, E, 1};
     mha_tensor xt = {x + t0 * E, MHA_F32, 3, {sh[0], sh[1], sh[2]}, {str[0], str[1], str[2]}};
     mha_tensor yt = xt, gyt = xt, gxt = xt;

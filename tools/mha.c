@@ -295,8 +295,9 @@ static const char *forward_help =
     "                       parallelism, bit-identical to one process),\n"
     "                       heads-fast (partial sums, MPI_Allreduce) or\n"
     "                       ulysses (each rank a block of the tokens,\n"
-    "                       all-to-all; bit-identical); every rank reads the\n"
-    "                       files, rank 0 writes the output\n"
+    "                       all-to-all; bit-identical) or ring (forward only,\n"
+    "                       within tolerance); every rank reads the files,\n"
+    "                       rank 0 writes the output\n"
     "  --dropout-offset N   dropout offset (Philox counter; default 0)\n"
     "A query row whose keys are all masked gets weights 0 and output\n"
     "out_proj.bias.\n";
@@ -745,7 +746,7 @@ static void gather_blocks(const mha_tensor *t, bool batch_first) {
 // mha_forward, or across the MPI ranks with --parallel.
 static mha_status cli_forward(run *r, mha_tensor *out, mha_tensor *weights) {
 #ifdef MHA_HAVE_MPI
-    if (r->parallel && r->par == MHA_PAR_ULYSSES) {
+    if (r->parallel && (r->par == MHA_PAR_ULYSSES || r->par == MHA_PAR_RING)) {
         int rank, P;
         MPI_Comm_rank(MPI_COMM_WORLD, &rank);
         MPI_Comm_size(MPI_COMM_WORLD, &P);

@@ -18,6 +18,7 @@
 // Errors: every step that can fail on one rank is followed by agree(): all
 // ranks learn the first failing rank's status and message before the next
 // collective, so none waits forever.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +31,7 @@ const char *mha_parallel_name(mha_parallel p) {
     case MHA_PAR_HEADS: return "heads";
     case MHA_PAR_HEADS_FAST: return "heads-fast";
     case MHA_PAR_ULYSSES: return "ulysses";
+    case MHA_PAR_RING: return "ring";
     }
     return "unknown";
 }
@@ -39,10 +41,11 @@ mha_status mha_parallel_from_name(mha_parallel *out, const char *name) {
     if (!strcmp(name, "heads")) *out = MHA_PAR_HEADS;
     else if (!strcmp(name, "heads-fast")) *out = MHA_PAR_HEADS_FAST;
     else if (!strcmp(name, "ulysses")) *out = MHA_PAR_ULYSSES;
+    else if (!strcmp(name, "ring")) *out = MHA_PAR_RING;
     else
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "unknown parallel scheme \"%.64s\" (available: heads, heads-fast, "
-                         "ulysses; ring is not implemented yet)", name);
+                         "ulysses, ring)", name);
     return MHA_OK;
 }
 
@@ -173,7 +176,7 @@ static int64_t rows_of(const mha_tensor *t) {
 static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha_parallel s) {
     if (!m || !a || !a->query || !a->key || !a->value)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: NULL module, args or input");
-    if (s != MHA_PAR_HEADS && s != MHA_PAR_HEADS_FAST && s != MHA_PAR_ULYSSES)
+    if (s != MHA_PAR_HEADS && s != MHA_PAR_HEADS_FAST && s != MHA_PAR_ULYSSES && s != MHA_PAR_RING)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: unknown scheme %d", (int)s);
     if (a->need_weights)
         return mha__fail(MHA_ERR_UNSUPPORTED,
@@ -502,6 +505,136 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
     return st;
 }
 
+
+// ---------------------------------------------------------------------------
+// Ring attention (Liu et al. 2023), forward: every rank keeps its block of
+// query tokens; the key/value blocks travel around the ring, each rank
+// attending its queries to the block it holds (causal masks at the global
+// positions) and merging the block's normalised output with its running
+// result by the rows' log-sum-exp (in double).
+
+static mha_status ring_check(const mha_module *m, const mha_forward_args *a, const seq *sq,
+                             const seq *sk) {
+    const mha_config *c = mha_module_config(m);
+    if (a->attn_mask || c->add_bias_kv || c->add_zero_attn || (a->training && (c->dropout > 0.0f || c->out_dropout > 0.0f)))
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi ring: attn_mask, add_bias_kv, add_zero_attn and dropout are "
+                         "not available (key_padding_mask, causal, windows, RoPE, ALiBi and the "
+                         "soft cap are)");
+    if (a->rope.mode != MHA_ROPE_NONE && sq->T != sk->T)
+        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi ring: RoPE needs L == S");
+    if (sq->N != sk->N)
+        return mha__fail(MHA_ERR_SHAPE, "mha_mpi ring: query and key/value shards of different batch");
+    return MHA_OK;
+}
+
+static mha_status ring_forward(job *j, mha_tensor *out, const mha_module *m,
+                               const mha_forward_args *a, double *model) {
+    const mha_config *c = mha_module_config(m);
+    const int64_t E = c->embed_dim, H = c->num_heads, d = E / H, Ekv = c->num_kv_heads * d;
+    const bool self = a->key == a->query && a->value == a->query;
+    const int P = j->P, me = j->rank;
+    seq sq = {0}, sk = {0};
+    mha_status st = seq_of(j, &sq, a->query, c->batch_first);
+    if (!st) st = seq_of(j, &sk, a->key, c->batch_first);
+    if (!st) st = ring_check(m, a, &sq, &sk);
+    if ((st = agree(j, st))) {
+        free(sq.t0), free(sk.t0);
+        return st;
+    }
+    const int64_t N = sq.N, Lr = sq.t0[me + 1] - sq.t0[me], Rl = Lr * N;
+    int64_t Rkmax = 0;
+    for (int q = 0; q < P; q++) Rkmax = seq_rows(&sk, q) > Rkmax ? seq_rows(&sk, q) : Rkmax;
+    const size_t nf = (size_t)(Rl * E + 4 * Rkmax * Ekv + Rl * E + 2 * N * H * Lr);
+    float *buf = malloc(sizeof(float) * (nf + 1));
+    double *acc = malloc(sizeof(double) * (size_t)(Rl * E + 2 * N * H * Lr + 1));
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(N + 1));
+    if (!buf || !acc || !starts)
+        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
+    float *ql = buf, *kb = ql + Rl * E, *vb = kb + Rkmax * Ekv, *kn = vb + Rkmax * Ekv,
+          *vn = kn + Rkmax * Ekv, *cp = vn + Rkmax * Ekv, *stats = cp + Rl * E;
+    double *U = acc, *M = U + Rl * E, *Ls = M + N * H * Lr;
+    mha_forward_args al;
+    if (!st) {  // my tokens' projections (RoPE at the global positions)
+        local_args(&al, a, &sq, me, starts);
+        mha__part pj = {.g0 = 0, .g1 = c->num_kv_heads, .q_out = ql, .k_out = kb, .v_out = vb};
+        st = mha__part_forward(NULL, m, &al, &pj);
+        for (int64_t i = 0; i < Rl * E; i++) U[i] = 0.0;
+        for (int64_t i = 0; i < N * H * Lr; i++) M[i] = -INFINITY, Ls[i] = 0.0;
+    }
+    *model = 0;
+    for (int s = 0; s < P; s++) {
+        if ((st = agree(j, st))) break;
+        const int src = (me - s + P) % P;  // whose keys this rank holds now
+        const int64_t Tk = sk.t0[src + 1] - sk.t0[src];
+        // my queries against the block (a view of the right shape; its data is
+        // not read: the projections come in through q_in / k_in / v_in)
+        mha_tensor qv = *a->query, kv = *a->key, vv = *a->value;
+        const int sd = a->query->ndim == 2 || !c->batch_first ? 0 : 1;
+        qv.shape[sd] = Lr, kv.shape[sd] = Tk, vv.shape[sd] = Tk;
+        mha_forward_args ab = *a;
+        ab.query = &qv;
+        ab.key = self ? &qv : &kv;
+        ab.value = self ? &qv : &vv;
+        if (self && Tk != Lr) ab.key = &kv, ab.value = &vv, kv = qv, kv.shape[sd] = Tk, vv = kv;
+        ab.key_padding_mask = NULL;
+        mha__part pa = {.g0 = 0, .g1 = c->num_kv_heads, .ctx = cp, .q_in = ql, .k_in = kb,
+                        .v_in = vb, .q_off = sq.t0[me] - sk.t0[src],
+                        .kpm_full = a->key_padding_mask, .kpm_off = sk.t0[src], .stats = stats};
+        for (int64_t i = 0; i < N * H * Lr; i++)  // (pruned heads: nothing visible)
+            stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
+        if (Tk > 0 && Lr > 0) st = mha__part_forward(NULL, m, &ab, &pa);
+        // merge: U = sum_blocks exp(m_b - M) l_b O_b, Ls = sum exp(m_b - M) l_b
+        for (int64_t b = 0; !st && Tk > 0 && b < N; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < Lr; i++) {
+                    const float *sp = stats + 2 * ((b * H + h) * Lr + i);
+                    const double mb = sp[0], lb = sp[1] > 0 ? 1.0 / sp[1] : 0.0;
+                    if (!(lb > 0)) continue;  // nothing visible in this block
+                    const int64_t k = (b * H + h) * Lr + i,
+                                  r = sq.seq_first ? i * N + b : b * Lr + i;
+                    const double Mn = mb > M[k] ? mb : M[k], a1 = exp(M[k] - Mn),
+                                 a2 = exp(mb - Mn) * lb;
+                    Ls[k] = Ls[k] * a1 + a2;
+                    for (int64_t cc = 0; cc < d; cc++)
+                        U[r * E + h * d + cc] = U[r * E + h * d + cc] * a1 +
+                                                a2 * (double)cp[r * E + h * d + cc];
+                    M[k] = Mn;
+                }
+        if (s == P - 1) break;
+        // pass the block on: to the next rank, from the previous one
+        if ((st = agree(j, st))) break;
+        const int nxt = (me + 1) % P, prv = (me - 1 + P) % P, srcn = (me - s - 1 + P) % P;
+        const int64_t ns = Tk * N * Ekv, nr = seq_rows(&sk, srcn) * Ekv;
+        if (ns > INT32_MAX || nr > INT32_MAX) { st = too_big(ns > nr ? ns : nr); continue; }
+        const double t = MPI_Wtime();
+        MPI_Sendrecv(kb, (int)ns, MPI_FLOAT, nxt, 1, kn, (int)nr, MPI_FLOAT, prv, 1, j->comm,
+                     MPI_STATUS_IGNORE);
+        MPI_Sendrecv(vb, (int)ns, MPI_FLOAT, nxt, 2, vn, (int)nr, MPI_FLOAT, prv, 2, j->comm,
+                     MPI_STATUS_IGNORE);
+        j->comm_s += MPI_Wtime() - t;
+        j->sent += 8.0 * (double)ns;
+        *model += 8.0 * (double)ns;
+        float *t1 = kb; kb = kn, kn = t1;
+        float *t2 = vb; vb = vn, vn = t2;
+    }
+    if (!(st = agree(j, st))) {  // the context, then W_O on my tokens
+        for (int64_t b = 0; b < N; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < Lr; i++) {
+                    const int64_t k = (b * H + h) * Lr + i,
+                                  r = sq.seq_first ? i * N + b : b * Lr + i;
+                    for (int64_t cc = 0; cc < d; cc++)
+                        cp[r * E + h * d + cc] =
+                            Ls[k] > 0 ? (float)(U[r * E + h * d + cc] / Ls[k]) : 0.0f;
+                }
+        st = mha__part_out_project(out, m, &al, cp);
+    }
+    st = agree(j, st);
+    free(buf), free(acc), free(starts), free(sq.t0), free(sk.t0);
+    return st;
+}
+
 mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
                            const mha_module *m, const mha_forward_args *a, mha_mpi_stats *stats) {
     job j;
@@ -518,7 +651,9 @@ mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
     if (!buf) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward: out of memory for %lld floats",
                              (long long)n);
     double model = 0;
-    if (scheme == MHA_PAR_ULYSSES) {
+    if (scheme == MHA_PAR_RING) {
+        if (!(st = agree(&j, st))) st = ring_forward(&j, out, m, a, &model);
+    } else if (scheme == MHA_PAR_ULYSSES) {
         if (!(st = agree(&j, st))) st = ulysses_forward(&j, out, m, a, &model);
     } else if (scheme == MHA_PAR_HEADS) {
         if (!st) {
@@ -542,6 +677,10 @@ mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
     st = agree(&j, st);
     free(buf);
     finish(&j, stats, m, model);
+    if (stats && scheme == MHA_PAR_RING) {  // every head, its tokens
+        stats->heads = mha_module_config(m)->num_heads;
+        stats->kv_head_begin = 0, stats->kv_head_end = mha_module_config(m)->num_kv_heads;
+    }
     return st;
 }
 
@@ -553,6 +692,10 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     mha_status st = job_init(&j, comm);
     if (st) return st;
     st = check_args(m, a, scheme);
+    if (!st && scheme == MHA_PAR_RING)
+        st = mha__fail(MHA_ERR_UNSUPPORTED,
+                       "mha_mpi_backward: ring attention's backward is not implemented yet "
+                       "(heads, heads-fast and ulysses have one)");
     if ((st = agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,

@@ -4,6 +4,9 @@
 // itself; then:
 //   heads:      output and every gradient bit-identical to the fused path
 //   ulysses:    the same, each rank holding a block of the tokens
+//   ring:       forward within the tolerance of the fused path, its error
+//               vs float64 at most 2x the single process's; the backward
+//               refused (not implemented yet)
 //   heads-fast: within the tolerance rule of the fused path, and its error
 //               against the float64 reference at most 2x the fused path's
 //               (+ a float32 ulp of the output's scale)
@@ -189,6 +192,34 @@ static void one_case(int id) {
             CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel),
                    "%s ulysses: grad %s differs", desc, p1.name);
         }
+    }
+    // ring (forward): this rank's block of tokens; within the tolerance of
+    // the fused path, error vs float64 at most 2x the single process's
+    if (!bkv && !(rope && L != S)) {
+        const int64_t l0 = L * g_rank / g_P, l1 = L * (g_rank + 1) / g_P,
+                      s0 = S * g_rank / g_P, s1 = S * (g_rank + 1) / g_P;
+        mha_tensor lq = mha_tensor_contiguous(x[0] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
+                   lk = mha_tensor_contiguous(x[1] + s0 * N * kd, MHA_F32, 3, (int64_t[]){s1 - s0, N, kd}),
+                   lv = mha_tensor_contiguous(x[2] + s0 * N * vd, MHA_F32, 3, (int64_t[]){s1 - s0, N, vd});
+        float *yr = calloc((size_t)nq, sizeof(float)), *yall = calloc((size_t)nq, sizeof(float));
+        mha_tensor ly = mha_tensor_contiguous(yr + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E});
+        mha_forward_args ar = a;
+        ar.query = &lq;
+        ar.key = self ? &lq : &lk;
+        ar.value = self ? &lq : &lv;
+        CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &ly, m, &ar, NULL));
+        MPI_Allreduce(yr, yall, (int)nq, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);  // disjoint slices
+        const double e_ring = max_err(yall, yd, nq), e_one = max_err(y, yd, nq);
+        const double scale = 1.0 + max_abs(y, nq);
+        CHECKF(e_ring <= 2.0 * e_one + 0x1p-23 * scale, "%s ring: error vs float64 %g, single "
+               "process %g", desc, e_ring, e_one);
+        double e = 0;
+        for (int64_t jx = 0; jx < nq; jx++) e = fmax(e, fabs((double)y[jx] - yall[jx]));
+        CHECKF(e <= 2e-5 * scale, "%s ring: output vs fused %g", desc, e);
+        CHECK_FAILS(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, NULL, NULL, NULL, gm2, m, &ar,
+                                     &lq, false, NULL),
+                    MHA_ERR_UNSUPPORTED);  // (not yet)
+        free(yr), free(yall);
     }
     for (int s = 0; s < 2; s++) {
         const mha_parallel sch = s ? MHA_PAR_HEADS_FAST : MHA_PAR_HEADS;
