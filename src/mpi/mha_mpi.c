@@ -155,17 +155,20 @@ static mha_status allreduce(job *j, float *x, int64_t n) {
 
 // dst (a view of up to 3 dims, any float dtype and strides) (+)= src, the
 // same shape contiguous.
-static void store_view(mha_tensor *dst, const float *src, bool add) {
+// Between a view of up to 3 dims (any float dtype and strides) and the same
+// shape contiguous in float32: into the view (+= with add) or out of it.
+static void view_xfer(const mha_tensor *t, float *buf, bool into_view, bool add) {
     int64_t sh[3] = {1, 1, 1}, st[3] = {0, 0, 0};
-    const int o = 3 - dst->ndim;
-    for (int i = 0; i < dst->ndim; i++) sh[o + i] = dst->shape[i], st[o + i] = dst->stride[i];
-    const mha__mat v = mha__vmat(dst->data, dst->dtype, 0, 1);
+    const int o = 3 - t->ndim;
+    for (int i = 0; i < t->ndim; i++) sh[o + i] = t->shape[i], st[o + i] = t->stride[i];
+    const mha__mat v = mha__vmat(t->data, t->dtype, 0, 1);
     int64_t k = 0;
     for (int64_t a = 0; a < sh[0]; a++)
         for (int64_t b = 0; b < sh[1]; b++)
             for (int64_t c = 0; c < sh[2]; c++, k++) {
                 const int64_t off = a * st[0] + b * st[1] + c * st[2];
-                mha__st(v, 0, off, add ? mha__ld(v, 0, off) + src[k] : src[k]);
+                if (!into_view) buf[k] = (float)mha__ld(v, 0, off);
+                else mha__st(v, 0, off, add ? mha__ld(v, 0, off) + buf[k] : buf[k]);
             }
 }
 
@@ -321,15 +324,7 @@ static mha_status allgather_rows(job *j, const seq *sq, const mha_tensor *t, flo
         free(cnt), free(loc), free(rb);
         return mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats", (long long)n);
     }
-    // the local view's rows (any strides and float dtype), in row order
-    int64_t sh[3] = {1, 1, 1}, st[3] = {0, 0, 0};
-    const int o = 3 - t->ndim;
-    for (int i = 0; i < t->ndim; i++) sh[o + i] = t->shape[i], st[o + i] = t->stride[i];
-    const mha__mat v = mha__vmat(t->data, t->dtype, 0, 1);
-    int64_t k = 0;
-    for (int64_t a = 0; a < sh[0]; a++)
-        for (int64_t b = 0; b < sh[1]; b++)
-            for (int64_t c = 0; c < sh[2]; c++) loc[k++] = (float)mha__ld(v, 0, a * st[0] + b * st[1] + c * st[2]);
+    view_xfer(t, loc, false, false);  // the local view's rows, in row order
     const double tm = MPI_Wtime();
     MPI_Allgatherv(loc, cnt[j->rank], MPI_FLOAT, rb, cnt, cnt + P, MPI_FLOAT, j->comm);
     j->comm_s += MPI_Wtime() - tm;
@@ -364,20 +359,43 @@ static void local_args(mha_forward_args *al, const mha_forward_args *a, const se
     al->rope_start = starts;
 }
 
-static mha_status ulysses_check(job *j, const mha_module *m, const mha_forward_args *a,
-                                const seq *sq, const seq *sk) {
+// What the sequence-parallel schemes (Ulysses, ring) cannot do, refused.
+static mha_status seq_check(const mha_module *m, const mha_forward_args *a, const seq *sq,
+                            const seq *sk, bool ring) {
     const mha_config *c = mha_module_config(m);
+    const char *name = ring ? "ring" : "ulysses";
     if (a->training && c->out_dropout > 0.0f)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi ulysses: output dropout is not available");
-    if (a->rope.mode != MHA_ROPE_NONE && sq->T != sk->T)
+        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: output dropout is not available",
+                         name);
+    if (ring && (a->attn_mask || c->add_bias_kv || c->add_zero_attn ||
+                 (a->training && c->dropout > 0.0f)))
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_mpi ulysses: RoPE needs L == S (L %lld, S %lld)",
-                         (long long)sq->T, (long long)sk->T);
+                         "mha_mpi ring: attn_mask, add_bias_kv, add_zero_attn and dropout are "
+                         "not available (key_padding_mask, causal, windows, RoPE, ALiBi and the "
+                         "soft cap are)");
+    if (a->rope.mode != MHA_ROPE_NONE && sq->T != sk->T)
+        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: RoPE needs L == S (L %lld, S %lld)",
+                         name, (long long)sq->T, (long long)sk->T);
     if (a->query->ndim != a->key->ndim || sq->N != sk->N)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi ulysses: query and key/value shards of "
-                         "different batch (%lld, %lld)", (long long)sq->N, (long long)sk->N);
-    (void)j;
+        return mha__fail(MHA_ERR_SHAPE, "mha_mpi %s: query and key/value shards of "
+                         "different batch (%lld, %lld)", name, (long long)sq->N,
+                         (long long)sk->N);
     return MHA_OK;
+}
+
+// The query's and the key/value's shards, checked, agreed on every rank;
+// on failure nothing is left to free.
+static mha_status shards_of(job *j, seq *sq, seq *sk, const mha_module *m,
+                            const mha_forward_args *a, bool ring) {
+    const bool bf = mha_module_config(m)->batch_first;
+    mha_status st = seq_of(j, sq, a->query, bf);
+    if (!st) st = seq_of(j, sk, a->key, bf);
+    if (!st) st = seq_check(m, a, sq, sk, ring);
+    if ((st = agree(j, st))) {
+        free(sq->t0), free(sk->t0);
+        sq->t0 = sk->t0 = NULL;
+    }
+    return st;
 }
 
 static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
@@ -387,13 +405,8 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
                   Ekv = c->num_kv_heads * d;
     const bool self = a->key == a->query && a->value == a->query;
     seq sq = {0}, sk = {0};
-    mha_status st = seq_of(j, &sq, a->query, c->batch_first);
-    if (!st) st = seq_of(j, &sk, a->key, c->batch_first);
-    if (!st) st = ulysses_check(j, m, a, &sq, &sk);
-    if ((st = agree(j, st))) {
-        free(sq.t0), free(sk.t0);
-        return st;
-    }
+    mha_status st = shards_of(j, &sq, &sk, m, a, false);
+    if (st) return st;
     const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
                   Rk = sk.T * sk.N;
     const size_t nf = (size_t)(Rl * E + 2 * Rkl * Ekv + R * E + 2 * Rk * Ekv + R * E + Rl * E);
@@ -446,13 +459,8 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
                   Ekv = c->num_kv_heads * d, kd = c->kdim, vd = c->vdim;
     const bool self = a->key == a->query && a->value == a->query;
     seq sq = {0}, sk = {0};
-    mha_status st = seq_of(j, &sq, a->query, c->batch_first);
-    if (!st) st = seq_of(j, &sk, a->key, c->batch_first);
-    if (!st) st = ulysses_check(j, m, a, &sq, &sk);
-    if ((st = agree(j, st))) {
-        free(sq.t0), free(sk.t0);
-        return st;
-    }
+    mha_status st = shards_of(j, &sq, &sk, m, a, false);
+    if (st) return st;
     const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
                   Rk = sk.T * sk.N;
     const size_t nf = (size_t)(2 * R * E + (self ? 0 : Rk * (kd + vd)) + R * E + 2 * Rk * Ekv +
@@ -513,21 +521,6 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
 // positions) and merging the block's normalised output with its running
 // result by the rows' log-sum-exp (in double).
 
-static mha_status ring_check(const mha_module *m, const mha_forward_args *a, const seq *sq,
-                             const seq *sk) {
-    const mha_config *c = mha_module_config(m);
-    if (a->attn_mask || c->add_bias_kv || c->add_zero_attn || (a->training && (c->dropout > 0.0f || c->out_dropout > 0.0f)))
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_mpi ring: attn_mask, add_bias_kv, add_zero_attn and dropout are "
-                         "not available (key_padding_mask, causal, windows, RoPE, ALiBi and the "
-                         "soft cap are)");
-    if (a->rope.mode != MHA_ROPE_NONE && sq->T != sk->T)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi ring: RoPE needs L == S");
-    if (sq->N != sk->N)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi ring: query and key/value shards of different batch");
-    return MHA_OK;
-}
-
 static mha_status ring_forward(job *j, mha_tensor *out, const mha_module *m,
                                const mha_forward_args *a, double *model) {
     const mha_config *c = mha_module_config(m);
@@ -535,13 +528,8 @@ static mha_status ring_forward(job *j, mha_tensor *out, const mha_module *m,
     const bool self = a->key == a->query && a->value == a->query;
     const int P = j->P, me = j->rank;
     seq sq = {0}, sk = {0};
-    mha_status st = seq_of(j, &sq, a->query, c->batch_first);
-    if (!st) st = seq_of(j, &sk, a->key, c->batch_first);
-    if (!st) st = ring_check(m, a, &sq, &sk);
-    if ((st = agree(j, st))) {
-        free(sq.t0), free(sk.t0);
-        return st;
-    }
+    mha_status st = shards_of(j, &sq, &sk, m, a, true);
+    if (st) return st;
     const int64_t N = sq.N, Lr = sq.t0[me + 1] - sq.t0[me], Rl = Lr * N;
     int64_t Rkmax = 0;
     for (int q = 0; q < P; q++) Rkmax = seq_rows(&sk, q) > Rkmax ? seq_rows(&sk, q) : Rkmax;
@@ -672,7 +660,7 @@ mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
         if (!st) st = mha__part_forward(&t, m, a, &pt);
         if (!(st = agree(&j, st))) st = allreduce(&j, buf, n);
         model = 4.0 * (double)n * 2.0 * (j.P - 1) / j.P;
-        if (!(st = agree(&j, st))) store_view(out, buf, false);
+        if (!(st = agree(&j, st))) view_xfer(out, buf, true, false);
     }
     st = agree(&j, st);
     free(buf);
@@ -756,7 +744,7 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
                 if (go[i]) st = allreduce(&j, t[i], ng[i]), model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
             if (!(st = agree(&j, st)))
                 for (int i = 0; i < 3; i++)
-                    if (go[i]) store_view(go[i], t[i], accumulate);
+                    if (go[i]) view_xfer(go[i], t[i], true, accumulate);
         }
     }
     st = agree(&j, st);
