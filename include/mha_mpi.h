@@ -91,7 +91,21 @@ typedef struct mha_mpi_stats {
     double bytes_model;      // what the scheme's communication model predicts
     int64_t heads;           // query heads this rank computed
     int64_t kv_head_begin, kv_head_end;  // its KV heads [begin, end)
+    // ring: the (64-query, 128-key) score tiles this rank's attention
+    // computed (forward and backward each count theirs), and the seconds
+    // it waited for the ring's messages after its compute (MPI_Waitall;
+    // the rest of comm_seconds is collectives: error agreement, gradient
+    // sums). 0 for the other schemes.
+    int64_t tiles;
+    double wait_seconds;
 } mha_mpi_stats;
+
+// Ring attention's zigzag layout: the sequence of T tokens is cut into 2P
+// chunks [T c / (2P), T (c + 1) / (2P)); rank r holds chunks r and
+// 2P - 1 - r, in that order (start[i], len[i]: their first token and
+// length), for the query and output (T = L) and for the key and value
+// (T = S).
+MHA_API void mha_mpi_ring_chunks(int64_t T, int P, int rank, int64_t start[2], int64_t len[2]);
 
 // The forward of mha_forward (need_weights must be false; training
 // dropout allowed: the masks depend on global indices only). out: the

@@ -399,14 +399,15 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     const float *dOt = sm.dos;  // the tile's dO rows, row stride Dv
     // Dsum_i = sum_j P_ij dP_ij from the very tiles the dS use, the P and
     // dP tiles kept in sm.rows for the second sweep.
-    for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
+    if (!a->dsum_fixed)
+        for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
     float *tile = sm.rows;
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n, *dv_ = tile + 2 * br * n;
         bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, dv_);
-        for (int64_t r = 0; r < br; r++) {  // 16 partial sums: vectorised, fixed order
+        for (int64_t r = 0; r < br && !a->dsum_fixed; r++) {  // 16 partial sums: vectorised, fixed order
             float acc[16] = {0};
             const float *sr = s + r * n, *dr = dp + r * n;
             int64_t j = 0;
@@ -456,7 +457,9 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
         for (int64_t c = 0; c < a->D; c++) kr[c] = 0.0f;
         for (int64_t c = 0; c < a->Dv; c++) vr[c] = 0.0f;
     }
-    for (int64_t i0 = 0; i0 < a->L; i0 += BR)
+    for (int64_t i0 = 0; i0 < a->L; i0 += BR) {
         bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end(i0, BR, a->L), dq + i0 * dq_rs, dq_rs,
                  dk, dk_rs, dv, dv_rs, dxk, dxv, scratch);
+        if (a->progress) a->progress(a->progress_arg);
+    }
 }

@@ -844,8 +844,8 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
                          workspace ? workspace_bytes : 0, p.ws_bytes);
     char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
-    if (p.fused) mha__fused_forward(&p, out, weights, m, a, ws);
-    else run_forward(&p, out, weights, m, a, ws);
+    if (p.fused) return mha__fused_forward(&p, out, weights, m, a, ws);
+    run_forward(&p, out, weights, m, a, ws);
     return MHA_OK;
 }
 
@@ -862,10 +862,10 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
                          "mha_forward: out of memory for %zu bytes of scratch",
                          p.ws_bytes);
     char *al = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
-    if (p.fused) mha__fused_forward(&p, out, weights, m, a, al);
+    if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, al);
     else run_forward(&p, out, weights, m, a, al);
     free(ws);
-    return MHA_OK;
+    return st;
 }
 
 // ---------------------------------------------------------------------------
@@ -873,7 +873,7 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
 
 // The plan of a part: the fused path, float32 weights, no weights output,
 // no saved state, no trace; the range checked.
-static mha_status part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
+mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
                             const mha_forward_args *a, const mha__part *part) {
     if (!m || !a || !part)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha parallel: NULL module, args or part");
@@ -909,7 +909,7 @@ mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_for
                              const mha__part *part) {
     fwd_plan p;
     mha_forward_args a2;
-    mha_status st = part_plan(&p, &a2, m, a, part);
+    mha_status st = mha__part_plan(&p, &a2, m, a, part);
     if (st) return st;
     if (!part->ctx && !part->q_out && (st = check_forward_outputs(&p, out, NULL, &a2)))
         return st;
@@ -917,9 +917,9 @@ mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_for
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
                          p.ws_bytes);
-    mha__fused_forward(&p, out, NULL, m, &a2, (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63));
+    st = mha__fused_forward(&p, out, NULL, m, &a2, (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63));
     free(ws);
-    return MHA_OK;
+    return st;
 }
 
 mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
@@ -927,7 +927,7 @@ mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
     const mha__part all = {.g0 = 0, .g1 = m ? m->cfg.num_kv_heads : 0, .bias = true};
     fwd_plan p;
     mha_forward_args a2;
-    mha_status st = part_plan(&p, &a2, m, a, &all);
+    mha_status st = mha__part_plan(&p, &a2, m, a, &all);
     if (st) return st;
     p.part = NULL;
     if ((st = check_forward_outputs(&p, out, NULL, &a2))) return st;

@@ -249,10 +249,11 @@ static void rope_rows(const fwd_plan *p, const mha_forward_args *a, const rowmap
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
     for (int64_t n = 0; n < p->N; n++) {
         const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
+        const int64_t *pos = p->part ? p->part->rope_pos : NULL;
         float *row0 = head_row0(rm, n, 0);
         for (int64_t t = 0; t < T; t++)
             mha__rope_token_f(row0 + t * head_rs(rm), p->d, H, &a->rope, p->d, inv,
-                              (double)(s0 + t), inverse);
+                              (double)(s0 + (pos ? pos[t] : t)), inverse);
     }
 }
 
@@ -296,8 +297,16 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
         }
 }
 
-void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                        const mha_module *m, const mha_forward_args *a, char *ws) {
+// The (query tile, key tile) pairs whose scores rows [i0, i1) of a head
+// compute (the key tiles flash.c visits).
+static int64_t key_tiles(const mha__flash_head *fh, int64_t i0, int64_t i1) {
+    int64_t lo, hi;
+    mha__flash_key_range(fh, i0, i1, &lo, &hi);
+    return (lo < hi ? (hi - 1) / MHA__FLASH_BC - lo / MHA__FLASH_BC + 1 : 0) + (fh->nx > 0);
+}
+
+mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                              const mha_module *m, const mha_forward_args *a, char *ws) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
@@ -381,7 +390,7 @@ void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             memcpy(pt->k_out + r * Ekv, km.base + r * km.ld, sizeof(float) * (size_t)Ekv);
             memcpy(pt->v_out + r * Ekv, vm.base + r * vm.ld, sizeof(float) * (size_t)Ekv);
         }
-        return;
+        return MHA_OK;
     }
 projected:;
     // the appended keys per KV head: (nx, d) for k, then for v
@@ -400,8 +409,17 @@ projected:;
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, false);
     float *scratch = (float *)(ws + p->f_scratch);
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t item = 0; item < N * H * tiles; item++) {
+    const bool ext = pt && pt->attn;  // attention done by the caller (ring)
+    if (ext) {
+        const mha__attn_io io = {.N = N, .L = L, .S = S, .seq_first = seq_first, .q = qm.base,
+                                 .k = km.base, .v = vm.base, .ldq = qm.ld, .ldk = km.ld,
+                                 .ctx = ctx};
+        mha_status st = pt->attn(pt->attn_arg, &io);
+        if (st) return st;
+    }
+    int64_t ntiles = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) reduction(+ : ntiles)
+    for (int64_t item = 0; item < (ext ? 0 : N * H * tiles); item++) {
         // causal rows near the end cost more: hand them out first
         int64_t it = p->mask.causal ? N * H * tiles - 1 - item : item;
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
@@ -422,6 +440,8 @@ projected:;
         const bool live = mha__plan_head_live(p, m, h);  // pruned / not in the part: no work, zero context
         if (live) mha__flash_rows(kt, &fh, i0, i1, sc);
         else zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
+        if (live && pt && pt->tiles) ntiles += key_tiles(&fh, i0, i1);
+        if (pt && pt->progress && tid == 0) pt->progress(pt->progress_arg);
         // the weights of this tile's rows in the selected block
         const int64_t r0 = i0 > p->wr0 ? i0 : p->wr0, r1 = i1 < p->wr1 ? i1 : p->wr1;
         if (a->need_weights && h >= p->wh0 && h < p->wh1 && r0 < r1) {
@@ -458,8 +478,9 @@ projected:;
             }
         }
     }
+    if (pt && pt->tiles) *pt->tiles += ntiles;
     if (sv) sv->valid = true;
-    if (pt && pt->ctx) return;  // a part's context: the caller goes on
+    if (pt && pt->ctx) return MHA_OK;  // a part's context: the caller goes on
     if (avg) {  // mean over the selected live heads, summed in head order
         const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
         const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1) ? mha__live_in(m, p->wh0, p->wh1) : 1);
@@ -494,6 +515,7 @@ projected:;
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
     out_project(kt, p, out, m, a, ctx, !sv, xq, ldq, ws);
+    return MHA_OK;
 }
 
 void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
@@ -823,8 +845,16 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         .L = L, .S = S, .D = d, .Dv = d, .scale = scale, .mask = &p->mask,               \
         .drop = mha__plan_drop(p), .b = b, .h = h,                                       \
     }
+    const bool ext = pt && pt->attn;  // attention done by the caller (ring)
+    mha__attn_io io = {.N = N, .L = L, .S = sp ? L : S, .seq_first = seq_first, .q = q, .k = k,
+                       .v = v, .ldq = W3, .ldk = ldkv, .ctx = ctx};
+    mha_status est = ext ? pt->attn(pt->attn_arg, &io) : MHA_OK;
+    if (est) {
+        mha__free(blk);
+        return est;
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < (sv ? 0 : N * H * tiles); it++) {
+    for (int64_t it = 0; it < (sv || ext ? 0 : N * H * tiles); it++) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         mha__flash_head fh = HEAD(b, h);
@@ -876,8 +906,16 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     // pass B (Dsum, dq per query tile) then pass A (dk, dv per key tile,
     // the group's query heads in the same order): the same bits either way
     // (flash.h), no atomics.
-    const bool per_head = N * Hkv >= nt;
-    if (per_head) {
+    if (ext) {  // the caller's attention backward
+        io.dctx = dctx, io.dq = dq, io.dk = dk, io.dv = dv;
+        if ((est = pt->attn(pt->attn_arg, &io))) {
+            mha__free(gbuf);
+            mha__free(blk);
+            return est;
+        }
+    }
+    const bool per_head = ext || N * Hkv >= nt;
+    if (per_head && !ext) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t bg = 0; bg < N * Hkv; bg++) {
             int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(p, m, g, G);
@@ -1043,6 +1081,82 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (gk) grad_input(kt, gk, acc, dk, Ekv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
     if (gv) grad_input(kt, gv, acc, dv, Ekv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
     mha__free(blk);
+    return MHA_OK;
+}
+
+mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *a,
+                                   const mha__part *part) {
+    fwd_plan p;
+    mha_forward_args a2;
+    mha_status st = mha__part_plan(&p, &a2, m, a, part);
+    if (st) return st;
+    if (!part->q_in || !part->k_in || !part->v_in || !part->o_in || !part->do_in ||
+        !part->stats || !part->dsum_in || !part->dq || !part->dk || !part->dv)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha parallel: a block's attention backward needs q, k, v, the "
+                         "context, its gradient, the row stats and Dsum, and dq, dk, dv");
+    if (p.Sp != p.S)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha parallel: a block's attention backward has no appended keys "
+                         "(add_bias_kv, add_zero_attn)");
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t N = p.N, L = p.L, S = p.S, E = p.E, H = p.H, d = p.d, Hkv = p.Hkv,
+                  G = H / Hkv, Ekv = p.Ekv;
+    const int nt = p.nthreads;
+    const bool seq_first = p.unbatched || !m->cfg.batch_first;
+    const size_t sf = mha__flash_scratch_floats(d, d, S, 0, true);
+    float *scratch = mha__alloc(sizeof(float) * sf * (size_t)nt);
+    if (!scratch)
+        return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
+                         sizeof(float) * sf * (size_t)nt);
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
+    const rowmap qm = {(float *)part->q_in, E, seq_first, N, L},
+                 km = {(float *)part->k_in, Ekv, seq_first, N, S},
+                 vm = {(float *)part->v_in, Ekv, seq_first, N, S},
+                 om = {(float *)part->o_in, E, seq_first, N, L},
+                 dom = {(float *)part->do_in, E, seq_first, N, L},
+                 dqm = {part->dq, E, seq_first, N, L}, dkm = {part->dk, Ekv, seq_first, N, S},
+                 dvm = {part->dv, Ekv, seq_first, N, S};
+    const float scale = (float)(1.0 / sqrt((double)d));
+    int64_t ntiles = 0;
+    // one thread per KV head (b, g): its query heads in increasing order add
+    // to dk_g, dv_g (the fused backward's order), no atomics
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) reduction(+ : ntiles)
+    for (int64_t bg = 0; bg < N * Hkv; bg++) {
+        const int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(&p, m, g, G);
+        const int tid = mha__thread_id();
+        if (h0 < 0) {  // the whole group pruned: no gradient
+            zero_head_rows(head_row0(&dkm, b, g * d), head_rs(&dkm), 0, S, d);
+            zero_head_rows(head_row0(&dvm, b, g * d), head_rs(&dvm), 0, S, d);
+        }
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            if (!mha__plan_head_live(&p, m, h)) {
+                zero_head_rows(head_row0(&dqm, b, h * d), head_rs(&dqm), 0, L, d);
+                continue;
+            }
+            mha__flash_head fh = {
+                .q = head_row0(&qm, b, h * d), .q_rs = head_rs(&qm),
+                .k = head_row0(&km, b, g * d), .k_rs = head_rs(&km),
+                .v = head_row0(&vm, b, g * d), .v_rs = head_rs(&vm),
+                .o = head_row0(&om, b, h * d), .o_rs = head_rs(&om),
+                .stats = (float *)part->stats + 2 * (b * H + h) * L,
+                .L = L, .S = S, .D = d, .Dv = d, .scale = scale, .mask = &p.mask,
+                .drop = mha__plan_drop(&p), .b = b, .h = h, .dsum_fixed = true,
+                .progress = tid == 0 ? part->progress : NULL,
+                .progress_arg = part->progress_arg,
+            };
+            mha__flash_bwd_head(kt, &fh, head_row0(&dom, b, h * d), head_rs(&dom),
+                                (float *)part->dsum_in + (b * H + h) * L,
+                                head_row0(&dqm, b, h * d), head_rs(&dqm),
+                                head_row0(&dkm, b, g * d), head_rs(&dkm),
+                                head_row0(&dvm, b, g * d), head_rs(&dvm), NULL, NULL, h != h0,
+                                scratch + (size_t)tid * sf);
+            for (int64_t i0 = 0; part->tiles && i0 < L; i0 += MHA__FLASH_BR)
+                ntiles += key_tiles(&fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L));
+        }
+    }
+    if (part->tiles) *part->tiles += ntiles;
+    mha__free(scratch);
     return MHA_OK;
 }
 

@@ -24,6 +24,7 @@
 // only when bias; grad_query/key/value the range's share dq W_Q[range] +
 // ...); dq, dk, dv (when non-NULL: (Rq, E), (Rk, Ekv), (Rk, Ekv)) get the
 // projections' gradients (the range's columns, the rest 0).
+struct mha__attn_io;
 typedef struct mha__part {
     int64_t g0, g1;
     float *ctx;
@@ -46,7 +47,43 @@ typedef struct mha__part {
     const mha_tensor *kpm_full;
     int64_t kpm_off;
     float *stats;
+    // Ring attention, the whole call on a rank's tokens: attn replaces the
+    // attention step (mha__part_forward: called once to fill io->ctx;
+    // mha__part_backward: once so, then again with io->dctx to fill dq,
+    // dk, dv), the rest (projections, RoPE, gates, W_O, every gradient) is
+    // the fused path's. rope_pos (the view's T tokens): token t's position
+    // is rope_start[n] + rope_pos[t] (NULL: t).
+    mha_status (*attn)(void *arg, const struct mha__attn_io *io);
+    void *attn_arg;
+    const int64_t *rope_pos;
+    // Between tiles, on the calling thread (OpenMP thread 0; NULL: none):
+    // ring attention drives its messages from there.
+    void (*progress)(void *arg);
+    void *progress_arg;
+    // When non-NULL: += the (query tile, key tile) pairs whose scores the
+    // attention computed (mha__part_forward, mha__part_attn_backward).
+    int64_t *tiles;
+    // mha__part_attn_backward (a block of keys, q_in/k_in/v_in as the
+    // forward's): o_in, do_in (Rq, E) the whole attention's context and its
+    // gradient, stats (as above) its rows' max and 1/sum, dsum_in (N, H, L)
+    // rowsum(do_in * o_in) per head; dq (Rq, E), dk, dv (Rk, Ekv) are
+    // overwritten with this block's terms.
+    const float *o_in, *do_in, *dsum_in;
 } mha__part;
+
+// What a part's attn callback sees: row matrices laid out as the views
+// ((t, n) rows when seq_first, else (n, t)); q (N L rows, stride ldq), k
+// and v (N S rows, stride ldk) after RoPE; ctx (N L, E). Backward: dctx
+// given; dq, dk, dv to write (strides ldq, ldk; before the inverse RoPE).
+typedef struct mha__attn_io {
+    int64_t N, L, S;
+    bool seq_first;
+    const float *q, *k, *v;
+    int64_t ldq, ldk;
+    float *ctx;
+    const float *dctx;
+    float *dq, *dk, *dv;
+} mha__attn_io;
 
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
@@ -109,6 +146,15 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
 // fused forward computes from its context, bit for bit).
 mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
                                  const mha_forward_args *a, const float *ctx);
+
+// The backward of one block's attention (ring attention; the part's
+// o_in, do_in, stats, dsum_in, q_in, k_in, v_in; dq, dk, dv written).
+mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *a,
+                                   const mha__part *part);
+// The plan of a part (fused path, no weights, saved state or trace; a2 the
+// args it runs with; the range, q_off and the block's mask columns set).
+mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
+                          const mha_forward_args *a, const mha__part *part);
 
 // Below this many multiply-adds a forward or backward runs on one thread.
 #define MHA__PAR_MIN_WORK 262144.0
@@ -204,7 +250,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
 // its scratch (p->ws_bytes); runs it.
 mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                            const mha_forward_args *a);
-void mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a, char *ws);
 // Its last step alone, from a context ctx (Rq, E; gated in place).
 void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,

@@ -65,14 +65,33 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
     }
     uint64_t s = seed * 2654435761u + 1;
     for (int64_t i = 0; i < n; i++) x[i] = urand(&s), gy[i] = urand(&s);
-    // the whole tensors (heads) or this rank's block of tokens (ulysses)
-    const bool shard = par == MHA_PAR_ULYSSES || par == MHA_PAR_RING;
+    // the whole tensors (heads), this rank's block of tokens (ulysses) or
+    // its zigzag chunks (ring: copies)
+    const bool shard = par == MHA_PAR_ULYSSES;
     const int64_t t0 = shard ? L * rank / P : 0,
                   t1 = shard ? L * (rank + 1) / P : L;
     const int64_t sh[3] = {B, t1 - t0, E}, str[3] = {L * E, E, 1};
     mha_tensor xt = {x + t0 * E, MHA_F32, 3, {sh[0], sh[1], sh[2]}, {str[0], str[1], str[2]}};
     mha_tensor yt = xt, gyt = xt, gxt = xt;
     yt.data = y + t0 * E, gyt.data = gy + t0 * E, gxt.data = gx + t0 * E;
+    float *xl = NULL;
+    if (par == MHA_PAR_RING) {
+        int64_t cs[2], cl[2];
+        mha_mpi_ring_chunks(L, P, rank, cs, cl);
+        const int64_t Lr = cl[0] + cl[1];
+        xl = malloc(sizeof(float) * (size_t)(4 * B * Lr * E + 1));
+        for (int64_t b = 0; xl && b < B; b++)
+            for (int c2 = 0; c2 < 2; c2++) {
+                const int64_t lt = c2 ? cl[0] : 0;
+                memcpy(xl + (b * Lr + lt) * E, x + (b * L + cs[c2]) * E,
+                       sizeof(float) * (size_t)(cl[c2] * E));
+                memcpy(xl + 2 * B * Lr * E + (b * Lr + lt) * E, gy + (b * L + cs[c2]) * E,
+                       sizeof(float) * (size_t)(cl[c2] * E));
+            }
+        xt = mha_tensor_contiguous(xl ? xl : x, MHA_F32, 3, (int64_t[]){B, Lr, E});
+        yt = gyt = gxt = xt;
+        if (xl) yt.data = xl + B * Lr * E, gyt.data = xl + 2 * B * Lr * E, gxt.data = xl + 3 * B * Lr * E;
+    }
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
@@ -101,16 +120,19 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
             }
         const double med = repeat % 2 ? times[repeat / 2]
                                       : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
-        // per rank: seconds, MPI seconds, bytes, model bytes, heads (forward + backward)
-        double mine[5] = {fs.seconds + bs.seconds, fs.comm_seconds + bs.comm_seconds,
-                          fs.bytes_sent + bs.bytes_sent, fs.bytes_model + bs.bytes_model,
-                          (double)fs.heads};
-        double *all = rank == 0 ? malloc(sizeof(double) * 5 * (size_t)P) : NULL;
-        MPI_Gather(mine, 5, MPI_DOUBLE, all, 5, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        // per rank: seconds, MPI seconds, bytes, model bytes, heads, score
+        // tiles, seconds waiting for the ring's messages (forward + backward)
+        enum { NS = 7 };
+        double mine[NS] = {fs.seconds + bs.seconds, fs.comm_seconds + bs.comm_seconds,
+                           fs.bytes_sent + bs.bytes_sent, fs.bytes_model + bs.bytes_model,
+                           (double)fs.heads, (double)(fs.tiles + bs.tiles),
+                           fs.wait_seconds + bs.wait_seconds};
+        double *all = rank == 0 ? malloc(sizeof(double) * NS * (size_t)P) : NULL;
+        MPI_Gather(mine, NS, MPI_DOUBLE, all, NS, MPI_DOUBLE, 0, MPI_COMM_WORLD);
         if (rank == 0 && all) {
             double cmax = 0, csum = 0;
             for (int q = 0; q < P; q++) {
-                const double comp = all[5 * q] - all[5 * q + 1];
+                const double comp = all[NS * q] - all[NS * q + 1];
                 cmax = comp > cmax ? comp : cmax;
                 csum += comp;
             }
@@ -124,9 +146,10 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
                        causal ? "true" : "false", backward ? "true" : "false", med, imb);
                 for (int q = 0; q < P; q++)
                     printf("%s{\"rank\": %d, \"ms\": %.4f, \"mpi_ms\": %.4f, \"bytes_sent\": %.0f, "
-                           "\"bytes_model\": %.0f, \"heads\": %.0f}", q ? ", " : "", q,
-                           all[5 * q] * 1e3, all[5 * q + 1] * 1e3, all[5 * q + 2],
-                           all[5 * q + 3], all[5 * q + 4]);
+                           "\"bytes_model\": %.0f, \"heads\": %.0f, \"tiles\": %.0f, \"wait_ms\": %.4f}",
+                           q ? ", " : "", q, all[NS * q] * 1e3, all[NS * q + 1] * 1e3,
+                           all[NS * q + 2], all[NS * q + 3], all[NS * q + 4], all[NS * q + 5],
+                           all[NS * q + 6] * 1e3);
                 printf("]}\n");
             } else {
                 printf("mha bench --parallel %s: %d ranks, batch %lld, seq %lld, embed_dim %lld, "
@@ -137,15 +160,18 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
                        "%lld warm-up)\n", med, (long long)repeat, (long long)warmup);
                 printf("  imbalance  %.3f (the slowest rank's compute time over the mean)\n", imb);
                 for (int q = 0; q < P; q++)
-                    printf("  rank %-3d   %.3f ms, %.3f ms inside MPI, %.3f MB sent (model %.3f "
-                           "MB), %.0f heads\n", q, all[5 * q] * 1e3, all[5 * q + 1] * 1e3,
-                           all[5 * q + 2] * 1e-6, all[5 * q + 3] * 1e-6, all[5 * q + 4]);
+                    printf("  rank %-3d   %.3f ms, %.3f ms inside MPI (%.3f ms waiting for ring "
+                           "messages), %.3f MB sent (model %.3f MB), %.0f heads, %.0f score "
+                           "tiles\n", q, all[NS * q] * 1e3, all[NS * q + 1] * 1e3,
+                           all[NS * q + 6] * 1e3, all[NS * q + 2] * 1e-6, all[NS * q + 3] * 1e-6,
+                           all[NS * q + 4], all[NS * q + 5]);
             }
         }
         free(all);
     }
     free(times);
     free(x);
+    free(xl);
     mha_module_destroy(g);
     mha_module_destroy(m);
     MPI_Finalize();

@@ -4,12 +4,12 @@
 // itself; then:
 //   heads:      output and every gradient bit-identical to the fused path
 //   ulysses:    the same, each rank holding a block of the tokens
-//   ring:       forward within the tolerance of the fused path, its error
-//               vs float64 at most 2x the single process's; the backward
-//               refused (not implemented yet)
-//   heads-fast: within the tolerance rule of the fused path, and its error
-//               against the float64 reference at most 2x the fused path's
-//               (+ a float32 ulp of the output's scale)
+//   ring:       each rank holding its zigzag chunks (seq-first and
+//               batch-first views)
+//   ring, heads-fast: output, input gradients and every parameter
+//               gradient within the tolerance rule of the fused path, and
+//               their error against the float64 reference at most 2x the
+//               fused path's (+ a float32 ulp of the scale)
 // over configurations with packed/separate projections, grouped-query
 // heads, gates, a pruned head, causal and key-padding masks, RoPE, bias_kv,
 // accumulate. A rank with a bad input makes every rank fail with that
@@ -43,6 +43,65 @@ static double max_abs(const float *a, int64_t n) {
     double m = 0;
     for (int64_t i = 0; i < n; i++) m = fmax(m, fabs((double)a[i]));
     return m;
+}
+
+// Between a whole (T, N, F) array and this rank's zigzag chunks laid out
+// (Tr, N, F) or, batch-first, (N, Tr, F): to the local copy (out) or back.
+static void chunks_xfer(float *whole_, float *loc, int64_t T, int64_t N, int64_t F,
+                        const int64_t cs[2], const int64_t cl[2], bool bf, bool out) {
+    const int64_t Tr = cl[0] + cl[1];
+    (void)T;
+    for (int c = 0; c < 2; c++)
+        for (int64_t t = 0; t < cl[c]; t++)
+            for (int64_t n = 0; n < N; n++) {
+                const int64_t lt = (c ? cl[0] : 0) + t;
+                float *w = whole_ + ((cs[c] + t) * N + n) * F,
+                      *l = loc + (bf ? n * Tr + lt : lt * N + n) * F;
+                memcpy(out ? l : w, out ? w : l, sizeof(float) * (size_t)F);
+            }
+}
+static mha_tensor local_view(float *p, int64_t Tr, int64_t N, int64_t F, bool bf) {
+    return bf ? mha_tensor_contiguous(p, MHA_F32, 3, (int64_t[]){N, Tr, F})
+              : mha_tensor_contiguous(p, MHA_F32, 3, (int64_t[]){Tr, N, F});
+}
+// Every rank's chunks put together: (T, N, F) on every rank.
+static float *whole(float *loc, int64_t T, int64_t N, int64_t F, const int64_t cs[2],
+                    const int64_t cl[2], bool bf) {
+    float *w = calloc((size_t)(T * N * F + 1), sizeof(float));
+    chunks_xfer(w, loc, T, N, F, cs, cl, bf, false);
+    MPI_Allreduce(MPI_IN_PLACE, w, (int)(T * N * F), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    return w;  // (each element has one owner)
+}
+// A distributed result (got) against the single process's (one) and the
+// float64 reference: within the tolerance rule of the fused path, and its
+// error vs float64 at most 2x the single process's (+ a float32 ulp of the
+// scale).
+static void compare(const char *desc, const char *what, const float *got, const float *one,
+                    const double *ref, int64_t n) {
+    const double scale = 1.0 + max_abs(one, n), e_got = max_err(got, ref, n),
+                 e_one = max_err(one, ref, n);
+    CHECKF(e_got <= 2.0 * e_one + 0x1p-23 * scale, "%s %s: error vs float64 %g, single process "
+           "%g", desc, what, e_got, e_one);
+    double e = 0;
+    for (int64_t i = 0; i < n; i++) e = fmax(e, fabs((double)got[i] - one[i]));
+    CHECKF(e <= 2e-5 * scale, "%s %s: vs the fused path %g (scale %g)", desc, what, e, scale);
+}
+// Every parameter gradient so (the reference's are float64 sums rounded to
+// float32).
+static void compare_grads(const char *desc, const mha_module *got, const mha_module *one,
+                          const mha_module *ref) {
+    for (int i = 0; got && one && ref && i < mha_module_num_params(got); i++) {
+        mha_param p1, p2, p3;
+        CHECK_OK(mha_module_param_at(&p1, got, i));
+        CHECK_OK(mha_module_param_at(&p2, one, i));
+        CHECK_OK(mha_module_param_at(&p3, ref, i));
+        double *r = malloc(sizeof(double) * (size_t)(p3.numel + 1));
+        for (int64_t j = 0; j < p3.numel; j++) r[j] = p3.data[j];
+        char w[96];
+        snprintf(w, sizeof w, "grad %s", p1.name);
+        compare(desc, w, p1.data, p2.data, r, p1.numel);
+        free(r);
+    }
 }
 
 static void one_case(int id) {
@@ -135,6 +194,23 @@ static void one_case(int id) {
     }
     CHECK_OK(mha_backward(&t1[0], self ? NULL : &t1[1], self ? NULL : &t1[2], gm1, m, &a, &in[3],
                           acc));
+    // the float64 reference's gradients (parameters: float64 sums rounded)
+    double *gd[3];
+    mha_tensor td[3];
+    for (int i = 0; i < 3; i++) {
+        gd[i] = malloc(sizeof(double) * (size_t)nx[i]);
+        for (int64_t j = 0; j < nx[i]; j++) gd[i][j] = acc ? 0.25 : 0.0;
+        td[i] = mha_tensor_contiguous(gd[i], MHA_F64, 3, (int64_t[]){T[i], N, F[i]});
+    }
+    mha_module *gmd = NULL;
+    CHECK_OK(mha_module_create(&gmd, mha_module_config(m)));
+    for (int i = 0; acc && gmd && i < mha_module_num_params(gmd); i++) {
+        mha_param pd;
+        CHECK_OK(mha_module_param_at(&pd, gmd, i));
+        for (int64_t j = 0; j < pd.numel; j++) pd.data[j] = 0.5f;
+    }
+    CHECK_OK(mha_backward(&td[0], self ? NULL : &td[1], self ? NULL : &td[2], gmd, m, &ad,
+                          &ind[3], acc));
     char desc[200];
     snprintf(desc, sizeof desc, "case %d on %d ranks (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
              "self %d causal %d kpm %d rope %d bkv %d gate %d acc %d)", id, g_P, (long long)E,
@@ -193,33 +269,75 @@ static void one_case(int id) {
                    "%s ulysses: grad %s differs", desc, p1.name);
         }
     }
-    // ring (forward): this rank's block of tokens; within the tolerance of
-    // the fused path, error vs float64 at most 2x the single process's
+    // ring: this rank's zigzag chunks (local copies, batch-first for odd
+    // cases); output and every gradient within the tolerance of the fused
+    // path, errors vs float64 at most 2x the single process's
     if (!bkv && !(rope && L != S)) {
-        const int64_t l0 = L * g_rank / g_P, l1 = L * (g_rank + 1) / g_P,
-                      s0 = S * g_rank / g_P, s1 = S * (g_rank + 1) / g_P;
-        mha_tensor lq = mha_tensor_contiguous(x[0] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
-                   lk = mha_tensor_contiguous(x[1] + s0 * N * kd, MHA_F32, 3, (int64_t[]){s1 - s0, N, kd}),
-                   lv = mha_tensor_contiguous(x[2] + s0 * N * vd, MHA_F32, 3, (int64_t[]){s1 - s0, N, vd});
-        float *yr = calloc((size_t)nq, sizeof(float)), *yall = calloc((size_t)nq, sizeof(float));
-        mha_tensor ly = mha_tensor_contiguous(yr + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E});
+        const bool bf = id & 1;
+        mha_module *mr = m;
+        if (bf) {  // the same parameters, batch-first views
+            mha_config cb = *mha_module_config(m);
+            cb.batch_first = true;
+            mr = NULL;
+            CHECK_OK(mha_module_create(&mr, &cb));
+            for (int i = 0; mr && i < mha_module_num_params(m); i++) {
+                mha_param p1, p2;
+                CHECK_OK(mha_module_param_at(&p1, m, i));
+                CHECK_OK(mha_module_param_at(&p2, mr, i));
+                memcpy(p2.data, p1.data, sizeof(float) * (size_t)p1.numel);
+            }
+            for (int64_t h = 0; mr && h < H; h++)
+                if (mha_module_head_pruned(m, h)) CHECK_OK(mha_module_prune_heads(mr, &h, 1));
+        }
+        int64_t qs[2], ql[2], ks[2], kl[2];
+        mha_mpi_ring_chunks(L, g_P, g_rank, qs, ql);
+        mha_mpi_ring_chunks(S, g_P, g_rank, ks, kl);
+        const int64_t Lr = ql[0] + ql[1], Sr = kl[0] + kl[1];
+        const int64_t *cs[4] = {qs, ks, ks, qs}, *cl[4] = {ql, kl, kl, ql},
+                      Tr[4] = {Lr, Sr, Sr, Lr};
+        float *lx[4], *lg[3], *ly = malloc(sizeof(float) * (size_t)(Lr * N * E + 1));
+        mha_tensor lt[4], lgt[3];
+        for (int i = 0; i < 4; i++) {
+            lx[i] = malloc(sizeof(float) * (size_t)(Tr[i] * N * F[i] + 1));
+            chunks_xfer(x[i], lx[i], T[i], N, F[i], cs[i], cl[i], bf, true);
+            lt[i] = local_view(lx[i], Tr[i], N, F[i], bf);
+        }
+        for (int i = 0; i < 3; i++) {
+            lg[i] = malloc(sizeof(float) * (size_t)(Tr[i] * N * F[i] + 1));
+            for (int64_t jx = 0; jx < Tr[i] * N * F[i]; jx++) lg[i][jx] = acc ? 0.25f : 0.0f;
+            lgt[i] = local_view(lg[i], Tr[i], N, F[i], bf);
+        }
+        mha_tensor lyt = local_view(ly, Lr, N, E, bf);
         mha_forward_args ar = a;
-        ar.query = &lq;
-        ar.key = self ? &lq : &lk;
-        ar.value = self ? &lq : &lv;
-        CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &ly, m, &ar, NULL));
-        MPI_Allreduce(yr, yall, (int)nq, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);  // disjoint slices
-        const double e_ring = max_err(yall, yd, nq), e_one = max_err(y, yd, nq);
-        const double scale = 1.0 + max_abs(y, nq);
-        CHECKF(e_ring <= 2.0 * e_one + 0x1p-23 * scale, "%s ring: error vs float64 %g, single "
-               "process %g", desc, e_ring, e_one);
-        double e = 0;
-        for (int64_t jx = 0; jx < nq; jx++) e = fmax(e, fabs((double)y[jx] - yall[jx]));
-        CHECKF(e <= 2e-5 * scale, "%s ring: output vs fused %g", desc, e);
-        CHECK_FAILS(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, NULL, NULL, NULL, gm2, m, &ar,
-                                     &lq, false, NULL),
-                    MHA_ERR_UNSUPPORTED);  // (not yet)
-        free(yr), free(yall);
+        ar.query = &lt[0];
+        ar.key = self ? &lt[0] : &lt[1];
+        ar.value = self ? &lt[0] : &lt[2];
+        mha_module *gm3 = NULL;
+        CHECK_OK(mha_module_create(&gm3, mha_module_config(mr)));
+        for (int i = 0; acc && gm3 && i < mha_module_num_params(gm3); i++) {
+            mha_param p3;
+            CHECK_OK(mha_module_param_at(&p3, gm3, i));
+            for (int64_t jx = 0; jx < p3.numel; jx++) p3.data[jx] = 0.5f;
+        }
+        mha_mpi_stats ms;
+        CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &lyt, mr, &ar, &ms));
+        CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &lgt[0], self ? NULL : &lgt[1],
+                                  self ? NULL : &lgt[2], gm3, mr, &ar, &lt[3], acc, &ms));
+        // the whole output and input gradients (each element from its owner)
+        float *yall = whole(ly, L, N, E, qs, ql, bf), *gall[3];
+        for (int i = 0; i < 3; i++) gall[i] = whole(lg[i], T[i], N, F[i], cs[i], cl[i], bf);
+        char dr[240];
+        snprintf(dr, sizeof dr, "%s ring%s", desc, bf ? " (batch-first)" : "");
+        compare(dr, "output", yall, y, yd, nq);
+        for (int i = 0; i < (self ? 1 : 3); i++)
+            compare(dr, i == 0 ? "grad_query" : i == 1 ? "grad_key" : "grad_value", gall[i],
+                    g1[i], gd[i], nx[i]);
+        compare_grads(dr, gm3, gm1, gmd);
+        for (int i = 0; i < 4; i++) free(lx[i]);
+        for (int i = 0; i < 3; i++) free(lg[i]), free(gall[i]);
+        free(ly), free(yall);
+        mha_module_destroy(gm3);
+        if (mr != m) mha_module_destroy(mr);
     }
     for (int s = 0; s < 2; s++) {
         const mha_parallel sch = s ? MHA_PAR_HEADS_FAST : MHA_PAR_HEADS;
@@ -247,23 +365,18 @@ static void one_case(int id) {
                        "%s heads: grad %s differs", desc, p1.name);
             }
         } else {
-            const double e_fast = max_err(yp, yd, nq), e_one = max_err(y, yd, nq);
-            const double scale = 1.0 + max_abs(y, nq);
-            CHECKF(e_fast <= 2.0 * e_one + 0x1p-23 * scale, "%s heads-fast: error vs float64 "
-                   "%g, single process %g", desc, e_fast, e_one);
-            double e = 0;
-            for (int64_t j = 0; j < nq; j++) e = fmax(e, fabs((double)y[j] - yp[j]));
-            CHECKF(e <= 2e-5 * scale, "%s heads-fast: output vs fused %g", desc, e);
-            for (int i = 0; i < (self ? 1 : 3); i++) {
-                double eg = 0;
-                for (int64_t j = 0; j < nx[i]; j++) eg = fmax(eg, fabs((double)g1[i][j] - g2[i][j]));
-                CHECKF(eg <= 1e-4 * (1.0 + max_abs(g1[i], nx[i])), "%s heads-fast: input "
-                       "gradient %d err %g", desc, i, eg);
-            }
+            char df[240];
+            snprintf(df, sizeof df, "%s heads-fast", desc);
+            compare(df, "output", yp, y, yd, nq);
+            for (int i = 0; i < (self ? 1 : 3); i++)
+                compare(df, i == 0 ? "grad_query" : i == 1 ? "grad_key" : "grad_value", g2[i],
+                        g1[i], gd[i], nx[i]);
+            compare_grads(df, gm2, gm1, gmd);
         }
     }
     for (int i = 0; i < 4; i++) free(x[i]), free(xd[i]);
-    for (int i = 0; i < 3; i++) free(g1[i]), free(g2[i]);
+    for (int i = 0; i < 3; i++) free(g1[i]), free(g2[i]), free(gd[i]);
+    mha_module_destroy(gmd);
     free(y), free(yp), free(yd);
     mha_module_destroy(gm1);
     mha_module_destroy(gm2);
