@@ -126,6 +126,27 @@ MHA_API MHA_NODISCARD mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel sc
                                                   const mha_tensor *grad_output,
                                                   bool accumulate, mha_mpi_stats *stats);
 
+// Decoding with a sharded KV cache: each rank's cache holds its share of
+// every sequence's past tokens (any share: the keys' global positions are
+// not kept, so windows and ALiBi are refused; the soft cap and RoPE work).
+// Every rank passes the same new tokens a->query (as mha_forward_cached:
+// (T, N, E) or (N, T, E), float32) and receives the whole output out on
+// every rank. Each rank projects them (RoPE at the global positions: the
+// sequences' lengths summed over the ranks, plus t); rank `owner` appends
+// their keys and values to its cache; every rank attends the queries to
+// its cache (the owner causally within the chunk, the others to all of
+// theirs) keeping each row's max and sum; the partial contexts are
+// gathered and merged by log-sum-exp in rank order (in double: every rank
+// gets the same bits), then gates and W_O. Within the tolerance rule of
+// the single-process forward. On error every rank fails and the owner's
+// cache keeps its lengths. The caller picks the owner (say, the rank with
+// the fewest tokens, or round-robin) and sizes each cache.
+MHA_API MHA_NODISCARD mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out,
+                                                        const mha_module *m,
+                                                        const mha_forward_args *a,
+                                                        mha_kv_cache *cache, int owner,
+                                                        mha_mpi_stats *stats);
+
 #ifdef __cplusplus
 }
 #endif

@@ -405,6 +405,12 @@ void mha_cache_attend_args_init(mha_cache_attend_args *a) {
 
 mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
                                const mha_cache_attend_args *args, const int64_t *counts) {
+    return mha__kv_cache_attend_ex(out, q, c, args, counts, 0, NULL);
+}
+
+mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
+                                   const mha_cache_attend_args *args, const int64_t *counts,
+                                   int64_t q_shift, float *stats) {
     if (!out || !q || !c)
         return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: NULL argument");
     mha_cache_attend_args a;
@@ -438,7 +444,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                          "kv cache attend: q and out must be F32 with unit stride along "
                          "the head dim");
     if ((st = check_counts(counts, B, T, "kv cache attend"))) return st;
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t b = 0; b < B && q_shift == 0; b++)
         if ((counts ? counts[b] : T) > c->len[b])
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "kv cache attend: sequence %lld has %lld queries but only %lld "
@@ -454,6 +460,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
     const mha__kernels *kt = mha__kernels_get();
     float *o = out->data;
     const float *qd = q->data;
+    for (int64_t i = 0; stats && i < B * H * T; i++) stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
     // rows t >= counts[b] get 0
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++)
@@ -499,7 +506,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
             mk.causal = true;
             mk.win_left = a.window_left;
             mk.win_right = a.window_right;
-            mk.q_off = c->len[b] - Tb;
+            mk.q_off = c->len[b] - Tb + q_shift;
             mk.s_masked = c->len[b];
             mk.alibi = a.alibi_slopes;
             mk.softcap = a.softcap;
@@ -514,7 +521,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 .v_rs = Dv,
                 .o = o + b * out->stride[0] + h * out->stride[1], .o_rs = out->stride[2],
                 .L = Tb, .S = c->len[b], .D = D, .Dv = Dv, .scale = (float)scale,
-                .mask = &mk, .b = b, .h = h,
+                .mask = &mk, .b = b, .h = h, .stats = stats ? stats + 2 * bh * T : NULL,
             };
             mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, Tb),
                             blk + (size_t)mha__thread_id() * sf);
@@ -560,7 +567,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
                 int64_t lo, hi;  // query t sits at position n - Tb + t
                 const mha__mask band = {.causal = true, .win_left = a.window_left,
-                                        .win_right = a.window_right, .q_off = n - Tb};
+                                        .win_right = a.window_right, .q_off = n - Tb + q_shift};
                 mha__mask_band(&band, t, n, &lo, &hi);
                 if (lo < j0) lo = j0;
                 if (hi > j1) hi = j1;
@@ -579,7 +586,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                     for (int64_t j = 0; j < hi - lo; j++)
                         s[j] = a.softcap * tanhf(s[j] / a.softcap);
                 if (a.alibi_slopes) {  // -slope |position - j|
-                    const int64_t p = n - Tb + t;
+                    const int64_t p = n - Tb + t + q_shift;
                     for (int64_t j = lo; j < hi; j++)
                         s[j - lo] -= a.alibi_slopes[h] * (float)(p >= j ? p - j : j - p);
                 }
@@ -621,6 +628,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
                 }
                 orow[e] = (float)(acc / L);
             }
+            if (stats) stats[2 * (bh * T + t)] = (float)M, stats[2 * (bh * T + t) + 1] = (float)(1.0 / L);
         }
     }
     mha__free(part);

@@ -223,6 +223,14 @@ void mha__rope_token_f(float *x, int64_t hs, int64_t H, const mha_rope *r, int64
                        const double *inv_freq, double pos, bool inverse);
 void mha__rope_token_d(double *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
                        const double *inv_freq, double pos, bool inverse);
+// mha_kv_cache_attend with the queries q_shift positions later (q_shift >=
+// T: every cached key visible; the check that each sequence holds its
+// queries skipped when q_shift > 0) and, when stats is non-NULL, each
+// row's max and 1/sum into stats (B, H, T, 2) ((-inf, 0): nothing
+// visible): a shard's part of a sharded cache (mha_mpi.h).
+mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
+                                   const mha_cache_attend_args *args, const int64_t *counts,
+                                   int64_t q_shift, float *stats);
 // A cache's batch, KV heads and head dims.
 void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
                         int64_t *Dv);

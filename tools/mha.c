@@ -295,9 +295,10 @@ static const char *forward_help =
     "                       parallelism, bit-identical to one process),\n"
     "                       heads-fast (partial sums, MPI_Allreduce) or\n"
     "                       ulysses (each rank a block of the tokens,\n"
-    "                       all-to-all; bit-identical) or ring (forward only,\n"
-    "                       within tolerance); every rank reads the files,\n"
-    "                       rank 0 writes the output\n"
+    "                       all-to-all; bit-identical) or ring (each rank two\n"
+    "                       zigzag chunks of the tokens, key/value blocks\n"
+    "                       around the ring; within tolerance); every rank\n"
+    "                       reads the files, rank 0 writes the output\n"
     "  --dropout-offset N   dropout offset (Philox counter; default 0)\n"
     "A query row whose keys are all masked gets weights 0 and output\n"
     "out_proj.bias.\n";
@@ -701,45 +702,93 @@ static int run_incremental(run *r, mha_tensor *ot) {
 
 // mha_forward, or across the MPI ranks with --parallel.
 #ifdef MHA_HAVE_MPI
-// Ulysses in the CLI: every rank has read the whole tensors; it passes the
-// library the views of its block of tokens (the even split) and the full
-// results are gathered on rank 0 (which writes the file).
+// Sequence parallelism in the CLI: every rank has read the whole tensors;
+// it passes the library a contiguous copy of its tokens (ulysses: its block
+// of the even split; ring: its two zigzag chunks) and rank 0 gathers the
+// results into the whole tensors (and writes the file).
 
-// The view of rank `rank`'s tokens of t (its sequence dim per the layout).
-static mha_tensor token_block(const mha_tensor *t, bool batch_first, int rank, int P,
-                              int64_t *t0, int64_t *t1) {
-    const int sd = t->ndim == 2 || !batch_first ? 0 : 1;
-    const int64_t T = t->shape[sd];
-    *t0 = T * rank / P, *t1 = T * (rank + 1) / P;
-    mha_tensor v = *t;
-    v.data = (char *)t->data + *t0 * t->stride[sd] * (int64_t)mha_dtype_size(t->dtype);
-    v.shape[sd] = *t1 - *t0;
-    return v;
+// Out of memory for the copies: the tool ends the whole job (no rank is
+// left waiting) with a message.
+static mha_status cli_nomem(void) {
+    int rank;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    fprintf(stderr, "mha: rank %d: out of memory for its tokens' copies\n", rank);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return MHA_ERR_NOMEM;
 }
 
-// Rank 0 receives every rank's block of tokens of the contiguous tensor t.
-static void gather_blocks(const mha_tensor *t, bool batch_first) {
+// The tokens of T that rank `rank` holds: spans [s[i], s[i] + n[i]).
+static void cli_spans(mha_parallel par, int64_t T, int rank, int P, int64_t s[2], int64_t n[2]) {
+    if (par == MHA_PAR_RING) {
+        mha_mpi_ring_chunks(T, P, rank, s, n);
+        return;
+    }
+    s[0] = T * rank / P, n[0] = T * (rank + 1) / P - s[0];
+    s[1] = s[0] + n[0], n[1] = 0;
+}
+
+// Between a contiguous tensor t and buf, its spans' tokens in order (the
+// same layout): into buf (out) or back.
+static void span_xfer(const mha_tensor *t, bool bf, const int64_t s[2], const int64_t n[2],
+                      char *buf, bool out) {
+    const int sd = t->ndim == 2 || !bf ? 0 : 1;
+    const int64_t row = t->stride[sd] * (int64_t)mha_dtype_size(t->dtype), T = t->shape[sd],
+                  outer = sd ? t->shape[0] : 1, Tl = n[0] + n[1];
+    for (int64_t o = 0; o < outer; o++)
+        for (int c = 0; c < 2; c++) {
+            char *w = (char *)t->data + (o * T + s[c]) * row,
+                 *l = buf + (o * Tl + (c ? n[0] : 0)) * row;
+            memcpy(out ? l : w, out ? w : l, (size_t)(n[c] * row));
+        }
+}
+
+// This rank's tokens of t: a contiguous copy (data NULL when out of memory;
+// free it). With copy false only the room.
+static mha_tensor span_local(const mha_tensor *t, bool bf, mha_parallel par, bool copy) {
     int rank, P;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &P);
-    const int sd = t->ndim == 2 || !batch_first ? 0 : 1;
-    const int64_t T = t->shape[sd], es = (int64_t)mha_dtype_size(t->dtype);
-    const int64_t outer = sd == 1 ? t->shape[0] : 1, row = t->stride[sd] * es;  // bytes per token
+    const int sd = t->ndim == 2 || !bf ? 0 : 1;
+    int64_t s[2], n[2], sh[3];
+    cli_spans(par, t->shape[sd], rank, P, s, n);
+    for (int i = 0; i < t->ndim; i++) sh[i] = t->shape[i];
+    sh[sd] = n[0] + n[1];
+    mha_tensor l = mha_tensor_contiguous(NULL, t->dtype, t->ndim, sh);
+    l.data = malloc((size_t)mha_tensor_numel(&l) * mha_dtype_size(t->dtype) + 1);
+    if (l.data && copy) span_xfer(t, bf, s, n, l.data, true);
+    return l;
+}
+
+// Rank 0 receives every rank's tokens (loc, from span_local) into t.
+static mha_status gather_spans(const mha_tensor *t, const mha_tensor *loc, bool bf,
+                               mha_parallel par) {
+    int rank, P;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &P);
+    const int sd = t->ndim == 2 || !bf ? 0 : 1;
+    const int64_t T = t->shape[sd], per = mha_tensor_numel(t) / (T ? T : 1) *
+                                         (int64_t)mha_dtype_size(t->dtype);  // bytes a token
     int *cnt = malloc(sizeof(int) * (size_t)P * 2);
-    if (!cnt) MPI_Abort(MPI_COMM_WORLD, 1);
-    for (int64_t o = 0; o < outer; o++) {  // (batch-first: one block per batch element)
-        for (int q = 0; q < P; q++) {
-            cnt[q] = (int)((T * (q + 1) / P - T * q / P) * row);
-            cnt[P + q] = (int)(T * q / P * row);
-        }
-        char *base = (char *)t->data + o * t->stride[0] * es * (sd == 1);
-        if (rank == 0)
-            MPI_Gatherv(MPI_IN_PLACE, 0, MPI_BYTE, base, cnt, cnt + P, MPI_BYTE, 0, MPI_COMM_WORLD);
-        else
-            MPI_Gatherv(base + cnt[P + rank], cnt[rank], MPI_BYTE, NULL, NULL, NULL, MPI_BYTE, 0,
-                        MPI_COMM_WORLD);
+    char *all = rank == 0 ? malloc((size_t)(T * per) + 1) : NULL;
+    int bad = !cnt || (rank == 0 && !all), any = 0;
+    for (int q = 0, off = 0; cnt && q < P; q++) {
+        int64_t s[2], n[2];
+        cli_spans(par, T, q, P, s, n);
+        if ((n[0] + n[1]) * per > INT32_MAX) bad = 1;
+        cnt[q] = (int)((n[0] + n[1]) * per), cnt[P + q] = off, off += cnt[q];
     }
-    free(cnt);
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (!any) {
+        MPI_Gatherv(loc->data, cnt[rank], MPI_BYTE, all, cnt, cnt + P, MPI_BYTE, 0,
+                    MPI_COMM_WORLD);
+        for (int q = 0; rank == 0 && q < P; q++) {
+            int64_t s[2], n[2];
+            cli_spans(par, T, q, P, s, n);
+            span_xfer(t, bf, s, n, all + cnt[P + q], false);
+        }
+    }
+    free(cnt), free(all);
+    return any ? cli_nomem() : MHA_OK;
 }
 #endif
 
@@ -747,22 +796,21 @@ static void gather_blocks(const mha_tensor *t, bool batch_first) {
 static mha_status cli_forward(run *r, mha_tensor *out, mha_tensor *weights) {
 #ifdef MHA_HAVE_MPI
     if (r->parallel && (r->par == MHA_PAR_ULYSSES || r->par == MHA_PAR_RING)) {
-        int rank, P;
-        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        MPI_Comm_size(MPI_COMM_WORLD, &P);
         const bool bf = mha_module_config(r->m)->batch_first;
-        int64_t a0, a1;
-        mha_tensor q = token_block(r->a.query, bf, rank, P, &a0, &a1),
-                   k = token_block(r->a.key, bf, rank, P, &a0, &a1),
-                   v = token_block(r->a.value, bf, rank, P, &a0, &a1),
-                   o = token_block(out, bf, rank, P, &a0, &a1);
-        mha_forward_args a = r->a;
         const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
+        mha_tensor q = span_local(r->a.query, bf, r->par, true),
+                   k = self ? q : span_local(r->a.key, bf, r->par, true),
+                   v = self ? q : span_local(r->a.value, bf, r->par, true),
+                   o = span_local(out, bf, r->par, false);
+        mha_forward_args a = r->a;
         a.query = &q;
         a.key = self ? &q : &k;
         a.value = self ? &q : &v;
-        mha_status st = mha_mpi_forward(MPI_COMM_WORLD, r->par, &o, r->m, &a, NULL);
-        if (!st) gather_blocks(out, bf);
+        mha_status st = q.data && k.data && v.data && o.data ? MHA_OK : cli_nomem();
+        if (!st) st = mha_mpi_forward(MPI_COMM_WORLD, r->par, &o, r->m, &a, NULL);
+        if (!st) st = gather_spans(out, &o, bf, r->par);
+        free(q.data), free(o.data);
+        if (!self) free(k.data), free(v.data);
         return st;
     }
     if (r->parallel) return mha_mpi_forward(MPI_COMM_WORLD, r->par, out, r->m, &r->a, NULL);
@@ -826,25 +874,27 @@ static int run_backward_into(run *r) {
     mha_module *grads = NULL;
     if ((st = mha_module_create(&grads, mha_module_config(r->m)))) return cli_fail(cmd, st);
 #ifdef MHA_HAVE_MPI
-    if (r->parallel && r->par == MHA_PAR_ULYSSES) {
-        int rank, P;
-        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        MPI_Comm_size(MPI_COMM_WORLD, &P);
+    if (r->parallel && (r->par == MHA_PAR_ULYSSES || r->par == MHA_PAR_RING)) {
         const bool bf = mha_module_config(r->m)->batch_first;
-        int64_t a0, a1;
-        mha_tensor q = token_block(r->a.query, bf, rank, P, &a0, &a1),
-                   k = token_block(r->a.key, bf, rank, P, &a0, &a1),
-                   v = token_block(r->a.value, bf, rank, P, &a0, &a1),
-                   gb = token_block(&gv, bf, rank, P, &a0, &a1), lg[3];
-        for (int i = 0; i < 3; i++) lg[i] = token_block(&gin[i], bf, rank, P, &a0, &a1);
-        mha_forward_args a = r->a;
         const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
+        mha_tensor q = span_local(r->a.query, bf, r->par, true),
+                   k = self ? q : span_local(r->a.key, bf, r->par, true),
+                   v = self ? q : span_local(r->a.value, bf, r->par, true),
+                   gb = span_local(&gv, bf, r->par, true), lg[3];
+        for (int i = 0; i < 3; i++) lg[i] = span_local(&gin[i], bf, r->par, false);
+        mha_forward_args a = r->a;
         a.query = &q;
         a.key = self ? &q : &k;
         a.value = self ? &q : &v;
-        st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &lg[0], &lg[1], &lg[2], grads, r->m, &a,
-                              &gb, false, NULL);
-        for (int i = 0; i < 3 && !st; i++) gather_blocks(&gin[i], bf);
+        st = q.data && k.data && v.data && gb.data && lg[0].data && lg[1].data && lg[2].data
+                 ? MHA_OK : cli_nomem();
+        if (!st)
+            st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &lg[0], &lg[1], &lg[2], grads, r->m,
+                                  &a, &gb, false, NULL);
+        for (int i = 0; i < 3 && !st; i++) st = gather_spans(&gin[i], &lg[i], bf, r->par);
+        free(q.data), free(gb.data);
+        if (!self) free(k.data), free(v.data);
+        for (int i = 0; i < 3; i++) free(lg[i].data);
     } else if (r->parallel)
         st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &gin[0], &gin[1], &gin[2], grads, r->m,
                               &r->a, &gv, false, NULL);

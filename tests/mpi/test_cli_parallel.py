@@ -2,7 +2,7 @@
 """test_cli_parallel.py: `mpiexec -n P mha forward|backward --parallel S`
 reads the same files and writes the same outputs as the single-process
 command: byte for byte with --parallel heads and ulysses, within the
-tolerance rule with heads-fast; 1-4 ranks; a bad input ends every rank with one message.
+tolerance rule with heads-fast and ring (seq-first and batch-first files); 1-4 ranks; a bad input ends every rank with one message.
 
 Usage: /usr/bin/python3 tests/mpi/test_cli_parallel.py --mha build/mha
            --mpiexec mpiexec --tmp DIR
@@ -40,8 +40,9 @@ def main():
     mpi = [args.mpiexec, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
            "-x", "OMP_NUM_THREADS=1", "-n"]
     rng = np.random.default_rng(11)
-    configs = [dict(E=32, H=4, Hkv=4, L=17, N=2, causal=True),
-               dict(E=48, H=6, Hkv=3, L=9, N=1, causal=False)]
+    configs = [dict(E=32, H=4, Hkv=4, L=17, N=2, causal=True, bf=False),
+               dict(E=48, H=6, Hkv=3, L=9, N=1, causal=False, bf=False),
+               dict(E=32, H=4, Hkv=2, L=13, N=2, causal=True, bf=True)]
     for ci, c in enumerate(configs):
         E, H, Hkv, L, N = c["E"], c["H"], c["Hkv"], c["L"], c["N"]
         Ekv = Hkv * E // H
@@ -55,10 +56,11 @@ def main():
             meta["num_kv_heads"] = str(Hkv)
         conf.st_save(wp, w, meta)
         xp = os.path.join(args.tmp, "x%d.safetensors" % ci)
-        conf.st_save(xp, [("query", rng.standard_normal((L, N, E)).astype(np.float32))])
+        shape = (N, L, E) if c["bf"] else (L, N, E)
+        conf.st_save(xp, [("query", rng.standard_normal(shape).astype(np.float32))])
         gp = os.path.join(args.tmp, "g%d.safetensors" % ci)
-        conf.st_save(gp, [("grad_attn_output", rng.standard_normal((L, N, E)).astype(np.float32))])
-        extra = ["--causal"] if c["causal"] else []
+        conf.st_save(gp, [("grad_attn_output", rng.standard_normal(shape).astype(np.float32))])
+        extra = (["--causal"] if c["causal"] else []) + (["--batch-first"] if c["bf"] else [])
         for cmd in ("forward", "backward"):
             base = [cmd, "--weights", wp, "--inputs", xp] + extra + (
                 ["--grad-output", gp] if cmd == "backward" else [])
@@ -68,7 +70,7 @@ def main():
             check(p.returncode == 0, "single %s rc %d: %s" % (cmd, p.returncode, p.stderr))
             want = conf.st_load(ref)[0]
             for P in (1, 2, 3, 4):
-                for scheme in ("heads", "heads-fast", "ulysses") + (("ring",) if cmd == "forward" else ()):
+                for scheme in ("heads", "heads-fast", "ulysses", "ring"):
                     out = os.path.join(args.tmp, "par%d_%s_%s_%d.safetensors" % (ci, cmd, scheme, P))
                     p = subprocess.run(mpi + [str(P), args.mha] + base +
                                        ["--out", out, "--parallel", scheme],

@@ -383,6 +383,120 @@ static void one_case(int id) {
     mha_module_destroy(m);
 }
 
+// Sharded-KV decode: the sequence arrives in chunks of 1-20 tokens, chunk
+// c's keys and values kept by rank c % P; the outputs put together must
+// match the single-process causal forward (tolerance rule, error vs
+// float64 at most 2x) and be the same bits on every rank.
+static void test_sharded_decode(int id) {
+    g_rng = 5000 + (uint64_t)id;
+    const int64_t Hkv = irand(1, 3), G = irand(1, 2), H = Hkv * G, d = irand(2, 6) * 2,
+                  E = H * d, L = irand(20, 70), N = irand(1, 2);
+    const bool rope = id & 1, bf = id % 3 == 0, cap = id % 4 == 1;
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = Hkv;
+    c.batch_first = bf;
+    c.head_gate = (mha_head_gate)(id % 3);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = 77 + (uint64_t)id;
+    CHECK_OK(mha_module_init(m, &io));
+    for (int i = 0; i < mha_module_num_params(m); i++) {
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, m, i));
+        if (p.ndim == 1 || strstr(p.name, "gate"))
+            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
+    }
+    if (id % 5 == 2) {
+        const int64_t pr = irand(0, H - 1);
+        CHECK_OK(mha_module_prune_heads(m, &pr, 1));
+    }
+    const int64_t n = L * N * E;
+    float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n),
+          *ys = calloc((size_t)n, sizeof(float)), *y0 = malloc(sizeof(float) * (size_t)n);
+    double *xd = malloc(sizeof(double) * (size_t)n), *yd = malloc(sizeof(double) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) xd[i] = x[i] = frand();
+    const int64_t sh[3] = {bf ? N : L, bf ? L : N, E};
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, sh),
+               xdt = mha_tensor_contiguous(xd, MHA_F64, 3, sh),
+               yt = mha_tensor_contiguous(y, MHA_F32, 3, sh),
+               ydt = mha_tensor_contiguous(yd, MHA_F64, 3, sh);
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    a.impl = MHA_IMPL_FUSED;
+    if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+    if (cap) a.softcap = 4.0f;
+    mha_forward_args ad = a;
+    ad.query = ad.key = ad.value = &xdt;
+    ad.impl = MHA_IMPL_REFERENCE;
+    CHECK_OK(mha_forward(&yt, NULL, m, &a));
+    CHECK_OK(mha_forward(&ydt, NULL, m, &ad));
+    mha_kv_cache *kc = NULL;
+    CHECK_OK(mha_kv_cache_create(&kc, N, Hkv, d, d, L));
+    int chunks = 0;
+    for (int64_t t0 = 0; kc && t0 < L; chunks++) {
+        const int64_t T = irand(1, 20), T1 = T < L - t0 ? T : L - t0;
+        mha_tensor q = xt, o = yt;
+        const int sd = bf ? 1 : 0;
+        q.data = x + t0 * xt.stride[sd], o.data = ys + t0 * xt.stride[sd];
+        q.shape[sd] = o.shape[sd] = T1;
+        mha_forward_args ac = a;
+        ac.query = ac.key = ac.value = &q;
+        mha_mpi_stats ms;
+        CHECK_OK(mha_mpi_forward_cached(MPI_COMM_WORLD, &o, m, &ac, kc, chunks % g_P, &ms));
+        t0 += T1;
+    }
+    char desc[200];
+    snprintf(desc, sizeof desc, "sharded decode %d on %d ranks (E %lld H %lld Hkv %lld L %lld N "
+             "%lld rope %d bf %d softcap %d gate %d, %d chunks)", id, g_P, (long long)E,
+             (long long)H, (long long)Hkv, (long long)L, (long long)N, rope, bf, cap,
+             (int)c.head_gate, chunks);
+    compare(desc, "output", ys, y, yd, n);
+    memcpy(y0, ys, sizeof(float) * (size_t)n);
+    MPI_Bcast(y0, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    CHECKF(!memcmp(y0, ys, sizeof(float) * (size_t)n), "%s: rank %d's output differs from rank "
+           "0's", desc, g_rank);
+    for (int64_t b = 0; kc && b < N; b++) {  // every token cached once, somewhere
+        int64_t mine = mha_kv_cache_length(kc, b), tot = 0;
+        MPI_Allreduce(&mine, &tot, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+        CHECKF(tot == L, "%s: %lld tokens cached in all, want %lld", desc, (long long)tot,
+               (long long)L);
+    }
+    // errors: every rank fails alike; a full cache on the owner changes nothing
+    mha_tensor q1 = xt;
+    q1.shape[bf ? 1 : 0] = 1;
+    float y1[64 * 2 * 12];
+    mha_tensor o1 = mha_tensor_contiguous(y1, MHA_F32, 3, q1.shape);
+    mha_forward_args a1 = a;
+    a1.query = a1.key = a1.value = &q1;
+    CHECK_FAILS(mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, kc, g_P, NULL),
+                MHA_ERR_INVALID_ARG);
+    a1.window_left = 3;
+    CHECK_FAILS(mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, kc, 0, NULL),
+                MHA_ERR_UNSUPPORTED);
+    a1.window_left = -1;
+    // the owner whose cache is full: rank 0 holds chunk 0's tokens at least
+    const int full = 0;
+    const int64_t before = mha_kv_cache_length(kc, 0);
+    mha_kv_cache *small = NULL;
+    CHECK_OK(mha_kv_cache_create(&small, N, Hkv, d, d, 1));
+    mha_kv_cache *use = g_rank == full ? small : kc;
+    CHECK_OK(mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, use, full, NULL));  // fills it
+    const mha_status st = mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, use, full, NULL);
+    CHECKF(st == MHA_ERR_INVALID_ARG, "%s: a full cache on rank %d: rank %d got %s (%s)", desc,
+           full, g_rank, mha_status_string(st), mha_last_error());
+    if (g_rank == full) CHECK(mha_kv_cache_length(small, 0) == 1);
+    CHECK(mha_kv_cache_length(kc, 0) == before);
+    mha_kv_cache_destroy(small);
+    mha_kv_cache_destroy(kc);
+    mha_module_destroy(m);
+    free(x), free(y), free(ys), free(y0), free(xd), free(yd);
+}
+
 // Rank P-1 passes a query of the wrong width: every rank fails, with that
 // rank's message.
 static void test_failure(void) {
@@ -439,6 +553,7 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
     if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode();
     for (int id = 0; id < 40; id++) one_case(id);
+    for (int id = 0; id < 12; id++) test_sharded_decode(id);
     test_failure();
     int counts[2] = {check_passed_, check_failed_}, total[2];
     MPI_Reduce(counts, total, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
