@@ -334,7 +334,7 @@ mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mh
     mha_forward_args a = *args;
     a.need_weights = false;
     a.trace = NULL;
-    a.save = NULL;
+    if (!part->attn) a.save = NULL;  // (ring attention keeps one)
     a.impl = MHA_IMPL_FUSED;
     fwd_plan p;
     if ((st = mha__plan_forward(&p, m, &a))) return st;

@@ -880,7 +880,7 @@ mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m
     *a2 = *a;
     a2->impl = MHA_IMPL_FUSED;
     a2->need_weights = false;
-    a2->save = NULL;
+    if (!part->attn) a2->save = NULL;  // (ring attention keeps one)
     a2->trace = NULL;
     mha_status st = mha__plan_forward(p, m, a2);
     if (st) return st;
@@ -913,6 +913,7 @@ mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_for
     if (st) return st;
     if (!part->ctx && !part->q_out && (st = check_forward_outputs(&p, out, NULL, &a2)))
         return st;
+    if (a2.save && (st = mha__saved_prepare(a2.save, &p, m, &a2))) return st;
     void *ws = mha__malloc(p.ws_bytes);
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",

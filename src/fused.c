@@ -343,7 +343,7 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
 #define WROWS(w, r, in) wmod(m, (const char *)(w) + (size_t)(r) * (size_t)(in) * es, wh)
 #define BOFF(b, o) ((b) ? (b) + (o) : NULL)
     if (p->self_packed && pt) {
-        float *qkv = (float *)(ws + p->f_qkv);
+        float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
         linear_rows(kt, qkv + oq, W3, xq, ldq, WROWS(m->w_q, oq, E), BOFF(bq, oq), Rq, E, nq,
                     wt, gs, nt);
         linear_rows(kt, qkv + E + okv, W3, xq, ldq, WROWS(m->w_k, okv, E), BOFF(bk, okv), Rq, E,
@@ -413,7 +413,7 @@ projected:;
     if (ext) {
         const mha__attn_io io = {.N = N, .L = L, .S = S, .seq_first = seq_first, .q = qm.base,
                                  .k = km.base, .v = vm.base, .ldq = qm.ld, .ldk = km.ld,
-                                 .ctx = ctx};
+                                 .ctx = ctx, .stats = sv ? lse : NULL};
         mha_status st = pt->attn(pt->attn_arg, &io);
         if (st) return st;
     }
@@ -578,6 +578,7 @@ static bool saved_key_equal(const mha__saved_key *x, const mha__saved_key *y) {
 mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
                               const mha_forward_args *a) {
     s->valid = false;
+    s->outer_valid = false;
     if (!p->fused) return MHA_OK;  // only the fused path keeps state
     const int64_t E = p->E, Rq = rows_of(a->query), Rk = rows_of(a->key);
     s->n_qkv = qkv_floats(p, Rq, Rk);
@@ -789,7 +790,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (sv) {
         mha__saved_key key;
         mha__saved_key_of(&key, m, a);
-        if (!saved_key_equal(&key, &sv->key) || sv->n_qkv != n_qkv ||
+        if (!saved_key_equal(&key, &sv->key) || sv->outer_valid != (p->part && p->part->attn) ||
+            sv->n_qkv != n_qkv ||
             sv->n_lse != (size_t)(2 * N * H * L)) {
             mha__free(blk);
             return mha__fail(MHA_ERR_INVALID_ARG,
@@ -847,8 +849,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     }
     const bool ext = pt && pt->attn;  // attention done by the caller (ring)
     mha__attn_io io = {.N = N, .L = L, .S = sp ? L : S, .seq_first = seq_first, .q = q, .k = k,
-                       .v = v, .ldq = W3, .ldk = ldkv, .ctx = ctx};
-    mha_status est = ext ? pt->attn(pt->attn_arg, &io) : MHA_OK;
+                       .v = v, .ldq = W3, .ldk = ldkv, .ctx = ctx, .stats = sv ? lse : NULL};
+    mha_status est = ext && !sv ? pt->attn(pt->attn_arg, &io) : MHA_OK;
     if (est) {
         mha__free(blk);
         return est;

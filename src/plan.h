@@ -83,6 +83,10 @@ typedef struct mha__attn_io {
     float *ctx;
     const float *dctx;
     float *dq, *dk, *dv;
+    // With a saved state (mha_forward_args.save): N H L 2 floats it keeps,
+    // the forward's to fill with what the backward needs (the backward then
+    // gets q, k, v, ctx and these from the state, without a forward call).
+    float *stats;
 } mha__attn_io;
 
 typedef struct fwd_plan {
@@ -199,6 +203,12 @@ struct mha_saved {
     bool valid;   // filled by a fused forward
     mha__saved_key key;
     size_t n_qkv, n_ctx, n_lse;
+    // Set by the distributed layer (ring attention) after its forward: the
+    // whole call's key (the masks its fused-path call does not see). Such a
+    // state (its row stats in that layer's layout) serves only that layer's
+    // backward; mha__saved_prepare clears it.
+    bool outer_valid;
+    mha__saved_key outer;
 };
 
 void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward_args *a);

@@ -96,6 +96,10 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
     a.is_causal = causal;
+    // ring keeps its forward for the backward (as the single-process bench
+    // does); the other schemes recompute it
+    mha_saved *saved = NULL;
+    if (backward && par == MHA_PAR_RING && !mha_saved_create(&saved)) a.save = saved;
     double *times = malloc(sizeof(double) * (size_t)repeat);
     mha_mpi_stats fs = {0}, bs = {0};
     for (int64_t i = 0; !st && i < warmup + repeat; i++) {
@@ -172,6 +176,7 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
     free(times);
     free(x);
     free(xl);
+    mha_saved_destroy(saved);
     mha_module_destroy(g);
     mha_module_destroy(m);
     MPI_Finalize();

@@ -185,8 +185,11 @@ static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "mha_mpi: need_weights is not available across ranks (run the "
                          "single-process forward for the weights)");
-    if (a->save || a->trace)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi: no saved state or trace across ranks");
+    if (a->trace) return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi: no trace across ranks");
+    if (a->save && s != MHA_PAR_RING)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi: a saved forward state (args.save) is kept by ring attention "
+                         "only (%s recomputes its forward in the backward)", mha_parallel_name(s));
     return MHA_OK;
 }
 
@@ -554,6 +557,7 @@ typedef struct ring {
     bool seq_first;
     int64_t qs[2], ql[2];  // my query chunks: global start, length
     int entered;           // attention callbacks entered
+    bool fwd_done;         // q, o, st hold this call's forward
     // per query chunk (rows as the views', chunk-long): the projections,
     // the context, the rows' stats (global max, 1/sum; (N, H, ql, 2))
     float *q[2], *o[2], *st[2];
@@ -743,6 +747,11 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
                     }
             chunk_xfer(io->ctx, E, r->o[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, false);
         }
+    if (!st && io->stats) {  // a saved state keeps the rows' stats (chunk 0's, then 1's)
+        memcpy(io->stats, r->st[0], sizeof(float) * (size_t)(2 * N * H * r->ql[0]));
+        memcpy(io->stats + 2 * N * H * r->ql[0], r->st[1], sizeof(float) * (size_t)(2 * N * H * r->ql[1]));
+    }
+    r->fwd_done = !st;
     free(acc), free(cp);
     return st;
 }
@@ -771,6 +780,14 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
     float *tdq = p, *tdk = tdq + qmax * N * E, *tdv = tdk + kmax * N * Ekv,
           *gin = tdv + kmax * N * Ekv, *gcur = gin + nmax, *gprev = gcur + nmax;
     dq[0] = dqa, dq[1] = dqa + r->ql[0] * N * E;
+    if (!st && !r->fwd_done) {  // a saved forward: its projections, context and stats
+        for (int a = 0; a < 2; a++) {
+            chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
+            chunk_xfer(io->ctx, E, r->o[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
+        }
+        memcpy(r->st[0], io->stats, sizeof(float) * (size_t)(2 * N * H * r->ql[0]));
+        memcpy(r->st[1], io->stats + 2 * N * H * r->ql[0], sizeof(float) * (size_t)(2 * N * H * r->ql[1]));
+    }
     if (!st) {
         ring_pack_own(r, io);
         for (int a = 0; a < 2; a++) {
@@ -874,6 +891,13 @@ static mha_status ring_check(const job *j, const seq *s, const char *what) {
     return MHA_OK;
 }
 
+static mha_status stale_state(void) {
+    return mha__fail(MHA_ERR_INVALID_ARG,
+                     "mha_mpi ring: args.save holds the state of another forward (module, "
+                     "inputs, masks or RoPE differ, or not a ring forward); run "
+                     "mha_mpi_forward with these args first, or pass save = NULL");
+}
+
 // Ring attention's forward (out) or backward (gq, gk, gv: contiguous float32
 // of the local shapes, or NULL; gr the parameter gradients, this rank's
 // tokens' terms).
@@ -922,8 +946,35 @@ static mha_status ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor *
         al.alibi = false;
         mha__part pr = {.g0 = 0, .g1 = r->Hkv, .bias = true, .attn = ring_attn,
                         .attn_arg = r, .rope_pos = pos};
-        if (out) st = mha__part_forward(out, m, &al, &pr);
-        else st = mha__part_backward(gq, gk, gv, gr, m, &al, gout, &pr);
+        mha_saved *sv = a->save;
+        const bool saved = !out && sv && sv->valid;  // the backward of a saved forward
+        if (!out) {  // every rank's saved state, or none
+            int f[2] = {saved, -(int)saved}, g[2];
+            const double t = MPI_Wtime();
+            MPI_Allreduce(f, g, 2, MPI_INT, MPI_MAX, j->comm);
+            j->comm_s += MPI_Wtime() - t;
+            if (g[0] != -g[1])
+                st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi ring: args.save holds a forward's "
+                               "state on some ranks only: run mha_mpi_forward with it on "
+                               "every rank");
+        }
+        if (saved && !st && !sv->outer_valid) st = stale_state();
+        if (saved && !st) {
+            mha__saved_key key;
+            mha__saved_key_of(&key, m, a);
+            if (memcmp(&key, &sv->outer, sizeof key)) st = stale_state();
+        }
+        if (st) {
+        } else if (out) {
+            st = mha__part_forward(out, m, &al, &pr);
+            if (!st && sv) {  // the whole call's key: the masks included
+                mha__saved_key_of(&sv->outer, m, a);
+                sv->outer_valid = true;
+            }
+        } else {
+            st = mha__part_backward(gq, gk, gv, gr, m, &al, gout, &pr);
+        }
+        if (!out && saved) r->entered++;  // (no forward callback)
     }
     if (r->entered < (out ? 1 : 2)) (void)agree(j, st);  // the callback the others entered
     st = agree(j, st);

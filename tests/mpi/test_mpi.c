@@ -333,6 +333,53 @@ static void one_case(int id) {
             compare(dr, i == 0 ? "grad_query" : i == 1 ? "grad_key" : "grad_value", gall[i],
                     g1[i], gd[i], nx[i]);
         compare_grads(dr, gm3, gm1, gmd);
+        // with a saved forward state: the same bits without recomputing
+        mha_saved *sv = NULL;
+        CHECK_OK(mha_saved_create(&sv));
+        float *ly2 = malloc(sizeof(float) * (size_t)(Lr * N * E + 1)), *lg2[3];
+        mha_tensor ly2t = local_view(ly2, Lr, N, E, bf), lg2t[3];
+        for (int i = 0; i < 3; i++) {
+            lg2[i] = malloc(sizeof(float) * (size_t)(Tr[i] * N * F[i] + 1));
+            for (int64_t jx = 0; jx < Tr[i] * N * F[i]; jx++) lg2[i][jx] = acc ? 0.25f : 0.0f;
+            lg2t[i] = local_view(lg2[i], Tr[i], N, F[i], bf);
+        }
+        mha_module *gm4 = NULL;
+        CHECK_OK(mha_module_create(&gm4, mha_module_config(mr)));
+        for (int i = 0; acc && gm4 && i < mha_module_num_params(gm4); i++) {
+            mha_param p4;
+            CHECK_OK(mha_module_param_at(&p4, gm4, i));
+            for (int64_t jx = 0; jx < p4.numel; jx++) p4.data[jx] = 0.5f;
+        }
+        mha_forward_args as = ar;
+        as.save = sv;
+        as.training = true;
+        CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &ly2t, mr, &as, NULL));
+        CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &lg2t[0], self ? NULL : &lg2t[1],
+                                  self ? NULL : &lg2t[2], gm4, mr, &as, &lt[3], acc, NULL));
+        CHECKF(!memcmp(ly, ly2, sizeof(float) * (size_t)(Lr * N * E)), "%s saved: output differs",
+               dr);
+        for (int i = 0; i < (self ? 1 : 3); i++)
+            CHECKF(!memcmp(lg[i], lg2[i], sizeof(float) * (size_t)(Tr[i] * N * F[i])),
+                   "%s saved: input gradient %d differs", dr, i);
+        for (int i = 0; gm3 && gm4 && i < mha_module_num_params(gm3); i++) {
+            mha_param p3, p4;
+            CHECK_OK(mha_module_param_at(&p3, gm3, i));
+            CHECK_OK(mha_module_param_at(&p4, gm4, i));
+            CHECKF(!memcmp(p3.data, p4.data, sizeof(float) * (size_t)p3.numel),
+                   "%s saved: grad %s differs", dr, p3.name);
+        }
+        // a state for other masks, or used by the single-process backward: refused
+        as.is_causal = !as.is_causal;
+        CHECK_FAILS(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &lg2t[0], NULL, NULL, gm4, mr,
+                                     &as, &lt[3], false, NULL), MHA_ERR_INVALID_ARG);
+        as.is_causal = false;  // (what the ring's fused-path call saw: the guard must refuse)
+        as.key_padding_mask = NULL;
+        CHECK_FAILS(mha_backward(&lg2t[0], self ? NULL : &lg2t[1], self ? NULL : &lg2t[2], gm4, mr,
+                                 &as, &lt[3], false), MHA_ERR_INVALID_ARG);
+        mha_saved_destroy(sv);
+        mha_module_destroy(gm4);
+        for (int i = 0; i < 3; i++) free(lg2[i]);
+        free(ly2);
         for (int i = 0; i < 4; i++) free(lx[i]);
         for (int i = 0; i < 3; i++) free(lg[i]), free(gall[i]);
         free(ly), free(yall);
