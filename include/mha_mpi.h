@@ -46,20 +46,35 @@
 //                       are given whole on every rank; RoPE needs L == S.
 // Inputs and outputs for MHA_PAR_HEADS[_FAST]: every rank passes the whole
 // query/key/value (and masks) and receives the whole output and every
-// gradient. Parameter gradients (every scheme) are combined across ranks:
-// each rank computes its heads' rows and columns, the rest exactly 0, and
-// the sum is exact; every rank receives all of them.
-//   MHA_PAR_RING        ring attention (Liu et al. 2023), forward only so
-//                       far: sharded by tokens as MHA_PAR_ULYSSES; the key/
-//                       value blocks travel around the ring (MPI_Sendrecv,
-//                       not yet overlapped with the compute), each rank
-//                       attends its queries to every block (causal, windows,
-//                       ALiBi at the global positions; key padding) and
-//                       merges the blocks' outputs by log-sum-exp in double:
-//                       within the tolerance rule. No attn_mask, bias_kv,
-//                       zero_attn or dropout; RoPE needs L == S; contiguous
-//                       blocks (no zigzag balancing yet). mha_mpi_backward
-//                       refuses it (MHA_ERR_UNSUPPORTED).
+// gradient. Parameter gradients are combined across ranks and every rank
+// receives all of them: heads, heads-fast and ulysses compute each rank's
+// heads' rows and columns, the rest exactly 0, so the sum is exact; ring
+// sums each rank's tokens' terms (MPI_Allreduce).
+//   MHA_PAR_RING        ring attention (Liu et al. 2023), forward and
+//                       backward, with zigzag balancing: the query/output
+//                       and key/value (and their gradients) are sharded by
+//                       tokens, rank r holding chunks r and 2P-1-r of the
+//                       sequence cut into 2P (mha_mpi_ring_chunks; the
+//                       local views hold chunk r's tokens, then chunk
+//                       2P-1-r's), so that under a causal mask every rank
+//                       computes the same number of score tiles. Each rank
+//                       projects its tokens (RoPE at their global
+//                       positions); the key/value blocks travel around the
+//                       ring (MPI_Isend/Irecv of the next block posted
+//                       before the current block's compute, MPI_Testall
+//                       between tiles), each rank attending its queries to
+//                       the block it holds at the global positions (causal,
+//                       windows, ALiBi, soft cap; key padding) and merging
+//                       the blocks by log-sum-exp in double; then W_O on its
+//                       tokens. The backward passes the blocks around again
+//                       with their dK/dV accumulators, which end at their
+//                       owners; dQ is summed per rank, the parameter
+//                       gradients over the ranks. Within the tolerance rule
+//                       (not bit-identical). args.save is supported (the
+//                       backward then skips the forward; the state serves
+//                       only mha_mpi_backward's ring with the same args).
+//                       No attn_mask, bias_kv, zero_attn or dropout; RoPE
+//                       needs L == S.
 #ifndef MHA_MPI_H
 #define MHA_MPI_H
 
@@ -78,8 +93,8 @@ typedef enum mha_parallel {
     MHA_PAR_RING = 3,
 } mha_parallel;
 
-// "heads" / "heads-fast" -> scheme (MHA_ERR_UNSUPPORTED otherwise, naming
-// the available ones).
+// "heads" / "heads-fast" / "ulysses" / "ring" -> scheme
+// (MHA_ERR_UNSUPPORTED otherwise, naming the available ones).
 MHA_API MHA_NODISCARD mha_status mha_parallel_from_name(mha_parallel *out, const char *name);
 MHA_API const char *mha_parallel_name(mha_parallel p);
 
@@ -109,7 +124,8 @@ MHA_API void mha_mpi_ring_chunks(int64_t T, int P, int rank, int64_t start[2], i
 
 // The forward of mha_forward (need_weights must be false; training
 // dropout allowed: the masks depend on global indices only). out: the
-// whole output on every rank. stats may be NULL.
+// whole output on every rank (heads, heads-fast) or this rank's tokens
+// (ulysses, ring). args.save: ring only. stats may be NULL.
 MHA_API MHA_NODISCARD mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme,
                                                  mha_tensor *out, const mha_module *m,
                                                  const mha_forward_args *a,

@@ -69,10 +69,14 @@ static const char *bench_help =
     "  --prune-heads K    prune the last K heads (mha_module_prune_heads: their\n"
     "                     attention is skipped; module forward/backward)\n"
     "  --head-gate G      none (default), static or dynamic per-head gates\n"
-    "  --parallel SCHEME  under mpirun: heads, heads-fast or ulysses across the\n"
-    "                     ranks (mha_mpi.h): the slowest rank's time, and per\n"
-    "                     rank the time inside MPI, bytes sent against the\n"
-    "                     scheme's model, the work imbalance\n"
+    "  --parallel SCHEME  under mpirun: heads, heads-fast, ulysses or ring\n"
+    "                     across the ranks (mha_mpi.h): the slowest rank's\n"
+    "                     time, and per rank the time inside MPI (ring: and\n"
+    "                     waiting for its messages), bytes sent against the\n"
+    "                     scheme's model, score tiles (ring), the work\n"
+    "                     imbalance. --parallel kv --decode: a decode step\n"
+    "                     over a KV cache of --kv-len tokens sharded across\n"
+    "                     the ranks (mha_mpi_forward_cached)\n"
     "  --no-save          with --backward: no saved forward state\n"
     "                     (mha_forward_args.save), so mha_backward re-runs\n"
     "                     the forward (default: the forward keeps it)\n"
@@ -934,14 +938,19 @@ int cmd_bench(int argc, char **argv) {
         return 1;
     }
     if (o.parallel) {
-        if (o.core || o.decode || o.S != o.L || o.prune || o.gate || o.workspace)
+        const bool kv = !strcmp(o.parallel, "kv");
+        if (kv != o.decode)
+            return bench_usage("--parallel kv goes with --decode (a decode step over a sharded "
+                               "KV cache), and --decode with --parallel kv only");
+        if (o.core || (!kv && o.S != o.L) || o.prune || o.gate || o.workspace)
             return bench_usage("--parallel times the module's self-attention (no --core, "
-                               "--decode, --kv-seq, --prune-heads, --head-gate, --workspace)");
+                               "--kv-seq, --prune-heads, --head-gate, --workspace)");
 #ifdef _OPENMP
         if (o.threads) omp_set_num_threads(o.threads);
 #endif
         return bench_parallel(o.parallel, o.B, o.L, o.E, o.H, o.kv_heads ? o.kv_heads : o.H,
-                              o.causal, o.backward, o.repeat, o.warmup, o.seed, o.json);
+                              o.causal, o.backward, o.repeat, o.warmup, o.seed, o.json,
+                              kv ? o.kv_len : 0);
     }
     bench_result r;
     memset(&r, 0, sizeof r);

@@ -15,9 +15,9 @@
 
 int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
                    bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
-                   bool json) {
+                   bool json, int64_t kv_len) {
     (void)scheme, (void)B, (void)L, (void)E, (void)H, (void)Hkv, (void)causal, (void)backward;
-    (void)repeat, (void)warmup, (void)seed, (void)json;
+    (void)repeat, (void)warmup, (void)seed, (void)json, (void)kv_len;
     fprintf(stderr, "mha bench: --parallel needs an mha built with MPI (install libopenmpi-dev "
             "and rebuild)\n");
     return 1;
@@ -32,14 +32,111 @@ static float urand(uint64_t *s) {
     return (float)((double)(*s >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
 
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+// --parallel kv --decode: one decode step of T new tokens (mha_mpi_forward_cached)
+// over a KV cache of kv_len tokens per sequence sharded evenly across the
+// ranks (filled with random keys and values); the last rank appends the
+// new tokens, which are truncated away after each timed step.
+static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int64_t H,
+                           int64_t Hkv, int64_t kv_len, int64_t repeat, int64_t warmup,
+                           uint64_t seed, bool json) {
+    const int64_t d = E / H, share = kv_len * (rank + 1) / P - kv_len * rank / P;
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = Hkv;
+    c.batch_first = true;
+    mha_module *m = NULL;
+    mha_kv_cache *kc = NULL;
+    mha_status st = mha_module_create(&m, &c);
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = seed;
+    if (!st) st = mha_module_init(m, &io);
+    if (!st) st = mha_kv_cache_create(&kc, B, Hkv, d, d, share + T);
+    const int64_t nkv = B * Hkv * share * d, nx = B * T * E;
+    float *kv = malloc(sizeof(float) * (size_t)(2 * nkv + 2 * nx + 1)), *x = kv + 2 * nkv,
+          *y = x + nx;
+    double *times = malloc(sizeof(double) * (size_t)(repeat > 0 ? repeat : 1));
+    if (!st && (!kv || !times)) st = MHA_ERR_NOMEM;
+    uint64_t s = seed * 2654435761u + 7 + (uint64_t)rank;
+    for (int64_t i = 0; !st && i < 2 * nkv; i++) kv[i] = urand(&s);
+    for (int64_t i = 0; !st && i < nx; i++) x[i] = urand(&s);
+    if (!st) {
+        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, share, d}),
+                   vt = mha_tensor_contiguous(kv + nkv, MHA_F32, 4, (int64_t[]){B, Hkv, share, d});
+        st = mha_kv_cache_append(kc, &kt, &vt, NULL);
+    }
+    MPI_Bcast(x, (int)nx, MPI_FLOAT, 0, MPI_COMM_WORLD);  // the same new tokens everywhere
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){B, T, E}),
+               yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){B, T, E});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    mha_mpi_stats ms = {0};
+    int bad = st != MHA_OK, any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (any) st = st ? st : MHA_ERR_NOMEM;
+    for (int64_t i = 0; !any && !st && i < warmup + repeat; i++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double t = MPI_Wtime();
+        st = mha_mpi_forward_cached(MPI_COMM_WORLD, &yt, m, &a, kc, P - 1, &ms);
+        double dt = MPI_Wtime() - t, mx;
+        MPI_Allreduce(&dt, &mx, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (i >= warmup) times[i - warmup] = mx * 1e3;
+        if (!st && mha_kv_cache_truncate(kc, -1, share)) st = MHA_ERR_INVALID_ARG;
+    }
+    int rc = 0;
+    if (st || any) {
+        if (rank == 0) cli_fail("bench", st ? st : MHA_ERR_NOMEM);
+        rc = 1;
+    } else {
+        qsort(times, (size_t)repeat, sizeof(double), cmp_double);
+        const double med = repeat % 2 ? times[repeat / 2]
+                                      : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
+        double mine[3] = {ms.comm_seconds, ms.bytes_sent, ms.bytes_model}, all[3 * 64];
+        if (P <= 64) MPI_Gather(mine, 3, MPI_DOUBLE, all, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        if (rank == 0 && json) {
+            printf("{\"what\": \"mha_parallel_kv_decode\", \"ranks\": %d, \"batch\": %lld, "
+                   "\"new_tokens\": %lld, \"kv_len\": %lld, \"embed_dim\": %lld, \"num_heads\": "
+                   "%lld, \"num_kv_heads\": %lld, \"median_ms\": %.4f}\n", P, (long long)B,
+                   (long long)T, (long long)kv_len, (long long)E, (long long)H, (long long)Hkv, med);
+        } else if (rank == 0) {
+            printf("mha bench --parallel kv --decode: %d ranks, batch %lld, %lld new token%s over "
+                   "a cache of %lld tokens sharded evenly (%lld per rank), embed_dim %lld, heads "
+                   "%lld (KV %lld)\n", P, (long long)B, (long long)T, T == 1 ? "" : "s",
+                   (long long)kv_len, (long long)(kv_len / P), (long long)E, (long long)H,
+                   (long long)Hkv);
+            printf("  time       median %.4f ms per step (the slowest rank, %lld runs after %lld "
+                   "warm-up)\n", med, (long long)repeat, (long long)warmup);
+            for (int q = 0; q < P && P <= 64; q++)
+                printf("  rank %-3d   %.4f ms inside MPI, %.3f KB sent (model %.3f KB)\n", q,
+                       all[3 * q] * 1e3, all[3 * q + 1] * 1e-3, all[3 * q + 2] * 1e-3);
+        }
+    }
+    free(kv), free(times);
+    mha_kv_cache_destroy(kc);
+    mha_module_destroy(m);
+    return rc;
+}
+
 int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
                    bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
-                   bool json) {
+                   bool json, int64_t kv_len) {
     MPI_Init(NULL, NULL);
     int rank, P;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &P);
     int rc = 0;
+    if (kv_len > 0) {  // --parallel kv --decode
+        rc = bench_kv_decode(rank, P, B, L, E, H, Hkv, kv_len, repeat, warmup, seed, json);
+        MPI_Finalize();
+        return rc;
+    }
     mha_parallel par;
     mha_status st = mha_parallel_from_name(&par, scheme);
     mha_config c;
