@@ -54,6 +54,7 @@ typedef struct job {
     MPI_Comm comm;
     int rank, P;
     double t0, comm_s, sent;
+    mha_status failed;  // the failure the ranks agreed on (MHA_OK: none yet)
 } job;
 
 static mha_status job_init(job *j, MPI_Comm comm) {
@@ -65,12 +66,16 @@ static mha_status job_init(job *j, MPI_Comm comm) {
     MPI_Comm_size(comm, &j->P);
     j->t0 = MPI_Wtime();
     j->comm_s = 0, j->sent = 0;
+    j->failed = MHA_OK;
     return MHA_OK;
 }
 
 // Every rank's status -> the first failing rank's status and message on
 // every rank ("rank r: ..."), or MHA_OK everywhere.
 static mha_status agree(job *j, mha_status st) {
+    // once the ranks have agreed on a failure, every rank knows it: the
+    // later checks on the way out need no messages (and keep the message)
+    if (j->failed) return j->failed;
     const double t = MPI_Wtime();
     int mine = st ? j->rank : j->P, first = j->P;
     MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, j->comm);
@@ -84,6 +89,7 @@ static mha_status agree(job *j, mha_status st) {
     MPI_Bcast(&code, 1, MPI_INT, first, j->comm);
     MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, first, j->comm);
     j->comm_s += MPI_Wtime() - t;
+    j->failed = (mha_status)code;
     if (j->rank == first) return (mha_status)code;  // its own message stands
     return mha__fail((mha_status)code, "rank %d: %s", first, msg);
 }
@@ -455,6 +461,27 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
     return st;
 }
 
+// A rank's local views (masks aside, which are whole) and output gradient
+// checked as the fused path would, before the first collective that
+// depends on their shapes.
+static mha_status local_check(const mha_module *m, const mha_forward_args *a,
+                              const mha_tensor *gout) {
+    mha_forward_args al = *a;
+    al.key_padding_mask = NULL;
+    al.attn_mask = NULL;
+    mha_shape os, ws;
+    mha_status st = mha_forward_shapes(&os, &ws, m, &al);
+    if (st || !gout) return st;
+    bool same = gout->ndim == os.ndim;
+    for (int i = 0; same && i < os.ndim; i++) same = gout->shape[i] == os.dims[i];
+    if (!same)
+        return mha__fail(MHA_ERR_SHAPE, "mha_mpi: grad_output has %d dims (first %lld), "
+                         "expected the output's shape (%d dims, first %lld)", gout->ndim,
+                         (long long)(gout->ndim ? gout->shape[0] : 0), os.ndim,
+                         (long long)os.dims[0]);
+    return MHA_OK;
+}
+
 static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                                    mha_module *gr, const mha_module *m,
                                    const mha_forward_args *a, const mha_tensor *gout,
@@ -464,7 +491,9 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
                   Ekv = c->num_kv_heads * d, kd = c->kdim, vd = c->vdim;
     const bool self = a->key == a->query && a->value == a->query;
     seq sq = {0}, sk = {0};
-    mha_status st = shards_of(j, &sq, &sk, m, a, false);
+    mha_status st = local_check(m, a, gout);
+    if ((st = agree(j, st))) return st;
+    st = shards_of(j, &sq, &sk, m, a, false);
     if (st) return st;
     const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
                   Rk = sk.T * sk.N;
@@ -588,6 +617,11 @@ static void chunk_xfer(float *loc, int64_t ld, float *chunk, const ring *r, int6
             float *c = chunk + (r->seq_first ? t * r->N + n : n * len + t) * W;
             memcpy(out ? c : l, out ? l : c, sizeof(float) * (size_t)W);
         }
+}
+
+// n floats (a rank without tokens has a saved state without storage: NULL).
+static void copy_f(float *dst, const float *src, int64_t n) {
+    if (n > 0) memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
 static void ring_progress(void *arg) {
@@ -748,8 +782,8 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
             chunk_xfer(io->ctx, E, r->o[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, false);
         }
     if (!st && io->stats) {  // a saved state keeps the rows' stats (chunk 0's, then 1's)
-        memcpy(io->stats, r->st[0], sizeof(float) * (size_t)(2 * N * H * r->ql[0]));
-        memcpy(io->stats + 2 * N * H * r->ql[0], r->st[1], sizeof(float) * (size_t)(2 * N * H * r->ql[1]));
+        copy_f(io->stats, r->st[0], 2 * N * H * r->ql[0]);
+        copy_f(io->stats + 2 * N * H * r->ql[0], r->st[1], 2 * N * H * r->ql[1]);
     }
     r->fwd_done = !st;
     free(acc), free(cp);
@@ -785,8 +819,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
             chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
             chunk_xfer(io->ctx, E, r->o[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
         }
-        memcpy(r->st[0], io->stats, sizeof(float) * (size_t)(2 * N * H * r->ql[0]));
-        memcpy(r->st[1], io->stats + 2 * N * H * r->ql[0], sizeof(float) * (size_t)(2 * N * H * r->ql[1]));
+        copy_f(r->st[0], io->stats, 2 * N * H * r->ql[0]);
+        copy_f(r->st[1], io->stats + 2 * N * H * r->ql[0], 2 * N * H * r->ql[1]);
     }
     if (!st) {
         ring_pack_own(r, io);

@@ -545,30 +545,49 @@ static void test_sharded_decode(int id) {
 }
 
 // Rank P-1 passes a query of the wrong width: every rank fails, with that
-// rank's message.
+// rank's message, in every scheme (ring: the failure comes from the fused
+// path on that rank, while the others wait in the ring's first exchange;
+// also the backward, and a token count off the zigzag split).
 static void test_failure(void) {
     mha_config c;
     mha_config_init(&c, 8, 2);
-    mha_module *m = NULL;
+    mha_module *m = NULL, *g = NULL;
     CHECK_OK(mha_module_create(&m, &c));
-    float x[4 * 9] = {0}, y[4 * 9];
-    const int64_t F = g_rank == g_P - 1 ? 9 : 8;
-    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){4, F});
-    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){4, 8});
-    mha_forward_args a;
-    mha_forward_args_init(&a);
-    a.query = a.key = a.value = &xt;
-    const double t = MPI_Wtime();
-    mha_status st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &yt, m, &a, NULL);
-    CHECKF(st == MHA_ERR_SHAPE, "bad input on rank %d: rank %d got %s (%s)", g_P - 1, g_rank,
-           mha_status_string(st), mha_last_error());
-    char want[32];
-    snprintf(want, sizeof want, "rank %d: ", g_P - 1);
-    if (g_rank != g_P - 1)
-        CHECKF(strstr(mha_last_error(), want) != NULL, "rank %d's message: %s", g_rank,
-               mha_last_error());
-    CHECK(strstr(mha_last_error(), "9") != NULL);  // names the bad width
-    CHECK(MPI_Wtime() - t < 10.0);
+    CHECK_OK(mha_module_create(&g, &c));
+    static float x[4 * 9] = {0}, y[4 * 9];
+    const mha_parallel sch[3] = {MHA_PAR_HEADS, MHA_PAR_ULYSSES, MHA_PAR_RING};
+    for (int k = 0; k < 3 * 2 + (g_P > 1); k++) {  // (one rank: any length is its zigzag)
+        const mha_parallel s = sch[k < 6 ? k / 2 : 2];
+        const bool bwd = k < 6 && k % 2, zig = k == 6;
+        const int64_t F = !zig && g_rank == g_P - 1 ? 9 : 8,
+                      T = zig && g_rank == g_P - 1 ? 3 : 4;  // (4 tokens a rank: the zigzag split of 4 P)
+        mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){T, F});
+        mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){T, 8});
+        mha_forward_args a;
+        mha_forward_args_init(&a);
+        a.query = a.key = a.value = &xt;
+        a.is_causal = true;
+        if (getenv("MHA_TEST_TRACE")) fprintf(stderr, "rank %d: failure case %d\n", g_rank, k);
+        const double t = MPI_Wtime();
+        mha_status st = bwd ? mha_mpi_backward(MPI_COMM_WORLD, s, &xt, NULL, NULL, g, m, &a, &yt,
+                                               false, NULL)
+                            : mha_mpi_forward(MPI_COMM_WORLD, s, &yt, m, &a, NULL);
+        if (getenv("MHA_TEST_TRACE"))
+            fprintf(stderr, "rank %d: case %d -> %s: %s\n", g_rank, k, mha_status_string(st),
+                    mha_last_error());
+        CHECKF(st == MHA_ERR_SHAPE, "%s %s, bad input on rank %d: rank %d got %s (%s)",
+               mha_parallel_name(s), bwd ? "backward" : "forward", g_P - 1, g_rank,
+               mha_status_string(st), mha_last_error());
+        char want[32];
+        snprintf(want, sizeof want, "rank %d", g_P - 1);
+        CHECKF(strstr(mha_last_error(), want) != NULL || g_rank == g_P - 1 || zig,
+               "rank %d's message: %s",
+               g_rank, mha_last_error());
+        CHECKF(strstr(mha_last_error(), zig ? "zigzag" : "9") != NULL, "%s: the message names "
+               "the problem: %s", mha_parallel_name(s), mha_last_error());
+        CHECK(MPI_Wtime() - t < 10.0);
+    }
+    mha_module_destroy(g);
     mha_module_destroy(m);
 }
 
