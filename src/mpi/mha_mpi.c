@@ -664,10 +664,13 @@ static bool ring_visible(const ring *r, int a, int64_t ks, int64_t kl) {
     return !(r->a->is_causal && ks > r->qs[a] + r->ql[a] - 1);
 }
 
-// The part of query chunk a against keys [ks, ks + kl) (k, v chunk-long):
-// the args (views of the right shapes; their data are not read) and part.
-static void ring_part(const ring *r, int a, int64_t ks, int64_t kl, mha_tensor v3[3],
-                      mha_forward_args *ab, mha__part *pa) {
+// The part of query chunk a against key chunk c of the block held (its
+// chunks' starts ks, lengths kl): the args (views of the right shapes;
+// their data are not read) and part (the block's keys and values in).
+static void ring_part(const ring *r, int a, int c, const int64_t ks_[2], const int64_t kl_[2],
+                      mha_tensor v3[3], mha_forward_args *ab, mha__part *pa) {
+    const int64_t ks = ks_[c], kl = kl_[c], at = (c ? kl_[0] : 0) * r->N * r->Ekv,
+                  half = (kl_[0] + kl_[1]) * r->N * r->Ekv;
     v3[0] = *r->a->query, v3[1] = *r->a->key, v3[2] = *r->a->value;
     v3[0].shape[r->sd] = r->ql[a], v3[1].shape[r->sd] = kl, v3[2].shape[r->sd] = kl;
     *ab = *r->a;
@@ -678,7 +681,8 @@ static void ring_part(const ring *r, int a, int64_t ks, int64_t kl, mha_tensor v
     *pa = (mha__part){.g0 = 0, .g1 = r->Hkv, .q_in = r->q[a], .q_off = r->qs[a] - ks,
                       .kpm_full = r->a->key_padding_mask, .kpm_off = ks,
                       .progress = ring_progress, .progress_arg = (void *)r,
-                      .tiles = (int64_t *)&r->tiles};
+                      .tiles = (int64_t *)&r->tiles, .k_in = r->blk + at,
+                      .v_in = r->blk + half + at};
 }
 
 // U, M, Ls (chunk a's accumulators) <- a block's normalised output cp and
@@ -717,7 +721,7 @@ static void ring_pack_own(ring *r, const mha__attn_io *io) {
 static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
     job *j = r->j;
     const int P = j->P, me = j->rank;
-    const int64_t N = r->N, E = r->E, H = r->H, Ekv = r->Ekv, L = r->ql[0] + r->ql[1];
+    const int64_t N = r->N, E = r->E, H = r->H, L = r->ql[0] + r->ql[1];
     const int64_t qmax = r->ql[0] > r->ql[1] ? r->ql[0] : r->ql[1];
     for (int a = 0; a < 2; a++)
         chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
@@ -745,16 +749,13 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
             st = ring_post(r, true, r->blk, nb, 1);
             if (!st) st = ring_post(r, false, r->nblk, nn, 1);
         }
-        const int64_t half = (kl[0] + kl[1]) * N * Ekv;
         for (int a = 0; a < 2; a++)
             for (int c = 0; c < 2 && !st; c++) {
                 if (!ring_visible(r, a, ks[c], kl[c])) continue;
                 mha_tensor v3[3];
                 mha_forward_args ab;
                 mha__part pa;
-                ring_part(r, a, ks[c], kl[c], v3, &ab, &pa);
-                const int64_t at = (c ? kl[0] : 0) * N * Ekv;
-                pa.k_in = r->blk + at, pa.v_in = r->blk + half + at;
+                ring_part(r, a, c, ks, kl, v3, &ab, &pa);
                 pa.ctx = cp, pa.stats = stats;
                 for (int64_t i = 0; i < N * H * r->ql[a]; i++)  // (pruned heads: nothing visible)
                     stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
@@ -860,9 +861,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
                 mha_tensor v3[3];
                 mha_forward_args ab;
                 mha__part pa;
-                ring_part(r, a, ks[c], kl[c], v3, &ab, &pa);
+                ring_part(r, a, c, ks, kl, v3, &ab, &pa);
                 const int64_t at = (c ? kl[0] : 0) * N * Ekv, nk = kl[c] * N * Ekv;
-                pa.k_in = r->blk + at, pa.v_in = r->blk + half + at;
                 pa.o_in = r->o[a], pa.do_in = dO[a], pa.stats = r->st[a], pa.dsum_in = ds[a];
                 pa.dq = tdq, pa.dk = tdk, pa.dv = tdv;
                 st = mha__part_attn_backward(r->m, &ab, &pa);

@@ -104,6 +104,43 @@ static void compare_grads(const char *desc, const mha_module *got, const mha_mod
     }
 }
 
+// A module of config c with PyTorch's initialisation (seed) and random
+// biases and gates (from the test's generator).
+static mha_module *new_module(const mha_config *c, uint64_t seed) {
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, c));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = seed;
+    CHECK_OK(mha_module_init(m, &io));
+    for (int i = 0; m && i < mha_module_num_params(m); i++) {
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, m, i));
+        if (p.ndim == 1 || strstr(p.name, "gate"))
+            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
+    }
+    return m;
+}
+
+// Every parameter of m set to v (accumulate's starting gradients).
+static void fill_params(mha_module *m, float v) {
+    for (int i = 0; m && i < mha_module_num_params(m); i++) {
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, m, i));
+        for (int64_t j = 0; j < p.numel; j++) p.data[j] = v;
+    }
+}
+// Every parameter gradient of a and b, bit for bit.
+static void same_grads(const char *desc, const mha_module *a, const mha_module *b) {
+    for (int i = 0; a && b && i < mha_module_num_params(a); i++) {
+        mha_param p1, p2;
+        CHECK_OK(mha_module_param_at(&p1, a, i));
+        CHECK_OK(mha_module_param_at(&p2, b, i));
+        CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel), "%s: grad %s "
+               "differs", desc, p1.name);
+    }
+}
+
 static void one_case(int id) {
     g_rng = 1000 + (uint64_t)id;  // the same problem on every rank
     const int64_t Hkv = irand(1, 5), G = irand(1, 2), H = Hkv * G, d = irand(2, 6) * 2,
@@ -118,17 +155,7 @@ static void one_case(int id) {
     c.add_bias_kv = bkv;
     if (!self && next() % 2) c.kdim = irand(1, 12), c.vdim = irand(1, 12);
     mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    io.seed = (uint64_t)id;
-    CHECK_OK(mha_module_init(m, &io));
-    for (int i = 0; i < mha_module_num_params(m); i++) {
-        mha_param p;
-        CHECK_OK(mha_module_param_at(&p, m, i));
-        if (p.ndim == 1 || strstr(p.name, "gate"))
-            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
-    }
+    m = new_module(&c, (uint64_t)id);
     if (next() % 4 == 0) {
         const int64_t pr = irand(0, H - 1);
         CHECK_OK(mha_module_prune_heads(m, &pr, 1));
@@ -186,12 +213,7 @@ static void one_case(int id) {
     mha_module *gm1 = NULL, *gm2 = NULL;
     CHECK_OK(mha_module_create(&gm1, mha_module_config(m)));
     CHECK_OK(mha_module_create(&gm2, mha_module_config(m)));
-    for (int i = 0; acc && gm1 && gm2 && i < mha_module_num_params(gm1); i++) {
-        mha_param p1, p2;
-        CHECK_OK(mha_module_param_at(&p1, gm1, i));
-        CHECK_OK(mha_module_param_at(&p2, gm2, i));
-        for (int64_t j = 0; j < p1.numel; j++) p1.data[j] = p2.data[j] = 0.5f;
-    }
+    if (acc) fill_params(gm1, 0.5f), fill_params(gm2, 0.5f);
     CHECK_OK(mha_backward(&t1[0], self ? NULL : &t1[1], self ? NULL : &t1[2], gm1, m, &a, &in[3],
                           acc));
     // the float64 reference's gradients (parameters: float64 sums rounded)
@@ -204,11 +226,7 @@ static void one_case(int id) {
     }
     mha_module *gmd = NULL;
     CHECK_OK(mha_module_create(&gmd, mha_module_config(m)));
-    for (int i = 0; acc && gmd && i < mha_module_num_params(gmd); i++) {
-        mha_param pd;
-        CHECK_OK(mha_module_param_at(&pd, gmd, i));
-        for (int64_t j = 0; j < pd.numel; j++) pd.data[j] = 0.5f;
-    }
+    if (acc) fill_params(gmd, 0.5f);
     CHECK_OK(mha_backward(&td[0], self ? NULL : &td[1], self ? NULL : &td[2], gmd, m, &ad,
                           &ind[3], acc));
     char desc[200];
@@ -240,11 +258,7 @@ static void one_case(int id) {
         au.value = self ? &lq : &lv;
         for (int i = 0; i < 3; i++)
             for (int64_t jx = 0; jx < nx[i]; jx++) g2[i][jx] = acc ? 0.25f : 0.0f;
-        for (int i = 0; acc && gm2 && i < mha_module_num_params(gm2); i++) {
-            mha_param p2;
-            CHECK_OK(mha_module_param_at(&p2, gm2, i));
-            for (int64_t jx = 0; jx < p2.numel; jx++) p2.data[jx] = 0.5f;
-        }
+        if (acc) fill_params(gm2, 0.5f);
         CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_ULYSSES, &ly, m, &au, NULL));
         CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_ULYSSES, &lgq, self ? NULL : &lgk,
                                   self ? NULL : &lgv, gm2, m, &au, &lg, acc, NULL));
@@ -261,12 +275,10 @@ static void one_case(int id) {
                            sizeof(float) * (size_t)((s1 - s0) * N * vd)),
                    "%s ulysses: grad_value slice differs", desc);
         }
-        for (int i = 0; gm1 && gm2 && i < mha_module_num_params(gm1); i++) {
-            mha_param p1, p2;
-            CHECK_OK(mha_module_param_at(&p1, gm1, i));
-            CHECK_OK(mha_module_param_at(&p2, gm2, i));
-            CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel),
-                   "%s ulysses: grad %s differs", desc, p1.name);
+        {
+            char dg[260];
+            snprintf(dg, sizeof dg, "%s ulysses", desc);
+            same_grads(dg, gm1, gm2);
         }
     }
     // ring: this rank's zigzag chunks (local copies, batch-first for odd
@@ -314,11 +326,7 @@ static void one_case(int id) {
         ar.value = self ? &lt[0] : &lt[2];
         mha_module *gm3 = NULL;
         CHECK_OK(mha_module_create(&gm3, mha_module_config(mr)));
-        for (int i = 0; acc && gm3 && i < mha_module_num_params(gm3); i++) {
-            mha_param p3;
-            CHECK_OK(mha_module_param_at(&p3, gm3, i));
-            for (int64_t jx = 0; jx < p3.numel; jx++) p3.data[jx] = 0.5f;
-        }
+        if (acc) fill_params(gm3, 0.5f);
         mha_mpi_stats ms;
         CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &lyt, mr, &ar, &ms));
         CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &lgt[0], self ? NULL : &lgt[1],
@@ -345,11 +353,7 @@ static void one_case(int id) {
         }
         mha_module *gm4 = NULL;
         CHECK_OK(mha_module_create(&gm4, mha_module_config(mr)));
-        for (int i = 0; acc && gm4 && i < mha_module_num_params(gm4); i++) {
-            mha_param p4;
-            CHECK_OK(mha_module_param_at(&p4, gm4, i));
-            for (int64_t jx = 0; jx < p4.numel; jx++) p4.data[jx] = 0.5f;
-        }
+        if (acc) fill_params(gm4, 0.5f);
         mha_forward_args as = ar;
         as.save = sv;
         as.training = true;
@@ -361,12 +365,10 @@ static void one_case(int id) {
         for (int i = 0; i < (self ? 1 : 3); i++)
             CHECKF(!memcmp(lg[i], lg2[i], sizeof(float) * (size_t)(Tr[i] * N * F[i])),
                    "%s saved: input gradient %d differs", dr, i);
-        for (int i = 0; gm3 && gm4 && i < mha_module_num_params(gm3); i++) {
-            mha_param p3, p4;
-            CHECK_OK(mha_module_param_at(&p3, gm3, i));
-            CHECK_OK(mha_module_param_at(&p4, gm4, i));
-            CHECKF(!memcmp(p3.data, p4.data, sizeof(float) * (size_t)p3.numel),
-                   "%s saved: grad %s differs", dr, p3.name);
+        {
+            char dg[260];
+            snprintf(dg, sizeof dg, "%s saved", dr);
+            same_grads(dg, gm3, gm4);
         }
         // a state for other masks, or used by the single-process backward: refused
         as.is_causal = !as.is_causal;
@@ -392,11 +394,7 @@ static void one_case(int id) {
         CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, sch, &ypt, m, &a, &ms));
         for (int i = 0; i < 3; i++)
             for (int64_t j = 0; j < nx[i]; j++) g2[i][j] = acc ? 0.25f : 0.0f;
-        for (int i = 0; acc && gm2 && i < mha_module_num_params(gm2); i++) {
-            mha_param p2;
-            CHECK_OK(mha_module_param_at(&p2, gm2, i));
-            for (int64_t j = 0; j < p2.numel; j++) p2.data[j] = 0.5f;
-        }
+        if (acc) fill_params(gm2, 0.5f);
         CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, sch, &t2[0], self ? NULL : &t2[1],
                                   self ? NULL : &t2[2], gm2, m, &a, &in[3], acc, &ms));
         if (!s) {
@@ -404,12 +402,10 @@ static void one_case(int id) {
             for (int i = 0; i < (self ? 1 : 3); i++)
                 CHECKF(!memcmp(g1[i], g2[i], sizeof(float) * (size_t)nx[i]),
                        "%s heads: input gradient %d differs", desc, i);
-            for (int i = 0; gm1 && gm2 && i < mha_module_num_params(gm1); i++) {
-                mha_param p1, p2;
-                CHECK_OK(mha_module_param_at(&p1, gm1, i));
-                CHECK_OK(mha_module_param_at(&p2, gm2, i));
-                CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel),
-                       "%s heads: grad %s differs", desc, p1.name);
+            {
+                char dg[260];
+                snprintf(dg, sizeof dg, "%s heads", desc);
+                same_grads(dg, gm1, gm2);
             }
         } else {
             char df[240];
@@ -445,17 +441,7 @@ static void test_sharded_decode(int id) {
     c.batch_first = bf;
     c.head_gate = (mha_head_gate)(id % 3);
     mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    io.seed = 77 + (uint64_t)id;
-    CHECK_OK(mha_module_init(m, &io));
-    for (int i = 0; i < mha_module_num_params(m); i++) {
-        mha_param p;
-        CHECK_OK(mha_module_param_at(&p, m, i));
-        if (p.ndim == 1 || strstr(p.name, "gate"))
-            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
-    }
+    m = new_module(&c, 77 + (uint64_t)id);
     if (id % 5 == 2) {
         const int64_t pr = irand(0, H - 1);
         CHECK_OK(mha_module_prune_heads(m, &pr, 1));
