@@ -597,7 +597,7 @@ typedef struct ring {
     MPI_Request req[4];
     int nreq;
     int64_t tiles;
-    double wait_s, model;
+    double wait_s;
 } ring;
 
 // Rank q's key chunks, and the floats of its block (k and v).
@@ -640,7 +640,6 @@ static mha_status ring_post(ring *r, bool send, const float *buf, int64_t n, int
     if (send) {
         MPI_Isend(buf, (int)n, MPI_FLOAT, (me + 1) % P, tag, r->j->comm, &r->req[r->nreq++]);
         r->j->sent += 4.0 * (double)n;
-        r->model += 4.0 * (double)n;
     } else {
         MPI_Irecv((float *)buf, (int)n, MPI_FLOAT, (me - 1 + P) % P, tag, r->j->comm,
                   &r->req[r->nreq++]);
@@ -1012,7 +1011,21 @@ static mha_status ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor *
     }
     if (r->entered < (out ? 1 : 2)) (void)agree(j, st);  // the callback the others entered
     st = agree(j, st);
-    *model = r->model;
+    // the model: rank me passes on the key/value blocks of ranks me, me-1,
+    // ..., me-P+2; the backward passes them again (after its forward's
+    // pass unless the forward was saved), with the dK/dV accumulators of
+    // the same blocks and, last, block me+1's home (each as big as its block)
+    const int P = j->P;
+    double kv = 0, home = 0;
+    for (int s = 0; s < P - 1; s++) {
+        int64_t ks[2], kl[2];
+        kv += 4.0 * (double)ring_block(r, (me - s + P) % P, ks, kl);
+    }
+    if (P > 1) {
+        int64_t ks[2], kl[2];
+        home = 4.0 * (double)ring_block(r, (me + 1) % P, ks, kl);
+    }
+    *model = out ? kv : (r->fwd_done ? 3 * kv : 2 * kv) + home;
     free(buf), free(pos), free(sq.t0), free(sk.t0);
     return st;
 }

@@ -530,6 +530,46 @@ static void test_sharded_decode(int id) {
     free(x), free(y), free(ys), free(y0), free(xd), free(yd);
 }
 
+// Zigzag balancing: a causal ring forward and backward with chunks of 256
+// tokens gives every rank the same number of score tiles, and each rank
+// sends what the communication model says.
+static void test_ring_balance(void) {
+    mha_config c;
+    mha_config_init(&c, 16, 2);
+    mha_module *m = new_module(&c, 9), *g = NULL;
+    CHECK_OK(mha_module_create(&g, &c));
+    const int64_t L = 2 * (int64_t)g_P * 256, N = 1, E = 16;
+    int64_t cs[2], cl[2];
+    mha_mpi_ring_chunks(L, g_P, g_rank, cs, cl);
+    const int64_t Lr = cl[0] + cl[1];
+    float *x = malloc(sizeof(float) * (size_t)(3 * Lr * N * E));
+    for (int64_t i = 0; i < 3 * Lr * N * E; i++) x[i] = frand();
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){Lr, N, E}),
+               yt = mha_tensor_contiguous(x + Lr * N * E, MHA_F32, 3, (int64_t[]){Lr, N, E}),
+               gt = mha_tensor_contiguous(x + 2 * Lr * N * E, MHA_F32, 3, (int64_t[]){Lr, N, E});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    for (int bwd = 0; bwd < 2; bwd++) {
+        mha_mpi_stats ms;
+        if (bwd) CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &yt, NULL, NULL, g, m,
+                                           &a, &gt, false, &ms));
+        else CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &yt, m, &a, &ms));
+        int64_t lo = 0, hi = 0;
+        MPI_Allreduce(&ms.tiles, &lo, 1, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
+        MPI_Allreduce(&ms.tiles, &hi, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+        CHECKF(lo == hi && lo > 0, "ring %s on %d ranks: score tiles per rank from %lld to %lld",
+               bwd ? "backward" : "forward", g_P, (long long)lo, (long long)hi);
+        CHECKF(ms.bytes_sent == ms.bytes_model && (g_P == 1 || ms.bytes_sent > 0),
+               "ring %s, rank %d: sent %.0f bytes, model %.0f", bwd ? "backward" : "forward",
+               g_rank, ms.bytes_sent, ms.bytes_model);
+    }
+    free(x);
+    mha_module_destroy(g);
+    mha_module_destroy(m);
+}
+
 // Rank P-1 passes a query of the wrong width: every rank fails, with that
 // rank's message, in every scheme (ring: the failure comes from the fused
 // path on that rank, while the others wait in the ring's first exchange;
@@ -606,6 +646,7 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode();
     for (int id = 0; id < 40; id++) one_case(id);
     for (int id = 0; id < 12; id++) test_sharded_decode(id);
+    test_ring_balance();
     test_failure();
     int counts[2] = {check_passed_, check_failed_}, total[2];
     MPI_Reduce(counts, total, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
