@@ -1,5 +1,7 @@
-// mha_mpi.c: head parallelism over MPI (include/mha_mpi.h), on the fused
-// path's head parts (plan.h: mha__part).
+// mha_mpi.c: multi-head attention over MPI (include/mha_mpi.h) on the
+// fused path's parts (plan.h: mha__part): head parallelism (exact and
+// fast, below), Ulysses and ring attention (sequence parallelism, further
+// down, each with its own comment) and sharded-KV decode (at the end).
 //
 // Rank r of P owns the KV heads [Hkv r / P, Hkv (r+1) / P) and their query
 // heads.

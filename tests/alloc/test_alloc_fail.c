@@ -896,6 +896,23 @@ static mha_status sc_parts(const void *argp) {
     if ((st = mha__part_input_grads(&t.dq, &t.dk, &t.dv, a->m, &t.args, dq, dk, dv, dz, false)))
         return st;
     res_put(a->dq, grad_bytes(&t, 0));
+    if (c->add_bias_kv || c->add_zero_attn) return MHA_OK;  // (no block backward with those)
+    // ring attention's block backward: the projections, the context with
+    // its row stats from them, then the block's dq, dk, dv
+    static float qp[4096], kp[4096], vp[4096], rs[2048], ds[1024], bq[4096], bk[4096], bv[4096];
+    const int64_t Hkv = c->num_kv_heads, nst = a->N * H * a->L;
+    if (2 * nst > 2048) return MHA_ERR_INVALID_ARG;
+    mha__part pj = {.g0 = 0, .g1 = Hkv, .q_out = qp, .k_out = kp, .v_out = vp};
+    if ((st = mha__part_forward(NULL, a->m, &t.args, &pj))) return st;
+    mha__part pb = {.g0 = 0, .g1 = Hkv, .ctx = ctx, .q_in = qp, .k_in = kp, .v_in = vp,
+                    .stats = rs};
+    if ((st = mha__part_forward(NULL, a->m, &t.args, &pb))) return st;
+    for (int64_t i = 0; i < nst; i++) ds[i] = 0.125f;
+    pb.ctx = NULL, pb.o_in = ctx, pb.do_in = ctx, pb.dsum_in = ds;
+    pb.dq = bq, pb.dk = bk, pb.dv = bv;
+    if ((st = mha__part_attn_backward(a->m, &t.args, &pb))) return st;
+    res_put(bq, sizeof(float) * (size_t)(Rq * E));
+    res_put(bk, sizeof(float) * (size_t)(Rk * Ekv));
     return MHA_OK;
 }
 
