@@ -17,6 +17,7 @@
 // rank 0 (counts over all ranks).
 #include <math.h>
 #include <signal.h>
+#include <sys/time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -618,22 +619,48 @@ static void test_failure(void) {
 }
 
 // --kill: the last rank kills itself while the others are inside a
-// collective call; mpiexec must end the job (tests/mpi/test_killed.sh
+// collective call (heads); --kill ring: 0.3 s into a run of ring forwards
+// and backwards, from a timer, while the others compute or wait in the
+// ring's exchanges. mpiexec must end the job (tests/mpi/test_killed.sh
 // checks that it does, promptly, with a message).
-static int kill_mode(void) {
+static void die(int sig) {
+    (void)sig;
+    raise(SIGKILL);
+}
+
+static int kill_mode(bool ring) {
     mha_config c;
     mha_config_init(&c, 64, 4);
-    mha_module *m = NULL;
-    if (mha_module_create(&m, &c)) return 1;
-    static float x[512 * 64], y[512 * 64];
-    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){512, 64});
-    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){512, 64});
+    mha_module *m = NULL, *g = NULL;
+    if (mha_module_create(&m, &c) || mha_module_create(&g, &c)) return 1;
+    static float x[2048 * 64], y[2048 * 64], gy[2048 * 64];
+    const int64_t T = ring ? 2048 : 512;
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){T, 64});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){T, 64});
+    mha_tensor gt = mha_tensor_contiguous(gy, MHA_F32, 2, (int64_t[]){T, 64});
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    if (g_rank == g_P - 1) raise(SIGKILL);
-    mha_status st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &yt, m, &a, NULL);
+    a.is_causal = true;
+    mha_status st = MHA_OK;
+    if (ring) {
+        if (g_rank == g_P - 1) {
+            signal(SIGALRM, die);
+            struct itimerval it = {{0, 0}, {0, 300000}};
+            setitimer(ITIMER_REAL, &it, NULL);
+        }
+        for (int i = 0; i < 1000 && !st; i++) {  // (each rank: 2048 of its zigzag tokens)
+            st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &yt, m, &a, NULL);
+            if (!st)
+                st = mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &yt, NULL, NULL, g, m, &a,
+                                      &gt, false, NULL);
+        }
+    } else {
+        if (g_rank == g_P - 1) raise(SIGKILL);
+        st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &yt, m, &a, NULL);
+    }
     printf("rank %d: returned %s (the job should have been ended)\n", g_rank, mha_status_string(st));
+    mha_module_destroy(g);
     mha_module_destroy(m);
     MPI_Finalize();
     return 0;
@@ -643,7 +670,7 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
-    if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode();
+    if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode(argc > 2 && !strcmp(argv[2], "ring"));
     for (int id = 0; id < 40; id++) one_case(id);
     for (int id = 0; id < 12; id++) test_sharded_decode(id);
     test_ring_balance();
