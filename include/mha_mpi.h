@@ -1,7 +1,9 @@
 // mha_mpi.h: multi-head attention across MPI ranks (libmha_mpi, built
 // when CMake finds MPI; libmha itself never uses MPI).
 //
-// Every call is collective over comm: all ranks call it with the same
+// MPI must be initialised by the caller, at least MPI_THREAD_FUNNELED when
+// the library uses OpenMP threads (ring attention calls MPI_Testall from
+// the parallel region's main thread). Every call is collective over comm: all ranks call it with the same
 // module (the same parameters), the same configuration and arguments of
 // the same shapes. A call that fails on one rank fails on every rank with
 // the same status and the failing rank's message (prefixed "rank r: ");

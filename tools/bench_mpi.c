@@ -127,7 +127,8 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
 int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
                    bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
                    bool json, int64_t kv_len) {
-    MPI_Init(NULL, NULL);
+    int provided = 0;  // (OpenMP threads; only the main one calls MPI)
+    MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
     int rank, P;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &P);

@@ -1241,7 +1241,8 @@ static int cmd_run(const char *cmd, bool backward, int argc, char **argv) {
     // one that failed has said why); afterwards only rank 0 speaks (every
     // rank receives the same error from the collective calls) and writes
     if (r.parallel) {
-        MPI_Init(&argc, &argv);
+        int provided = 0;  // (OpenMP threads; only the main one calls MPI)
+        MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
         MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     }
 #endif

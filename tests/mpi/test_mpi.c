@@ -667,7 +667,8 @@ static int kill_mode(bool ring) {
 }
 
 int main(int argc, char **argv) {
-    MPI_Init(&argc, &argv);
+    int provided = 0;  // (OpenMP threads; only the main one calls MPI)
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
     if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode(argc > 2 && !strcmp(argv[2], "ring"));
