@@ -37,10 +37,6 @@ static bool rows_direct(const mha_tensor *t, int64_t *ld) {
     return false;
 }
 
-static int64_t rows_of(const mha_tensor *t) {
-    return t->ndim == 2 ? t->shape[0] : t->shape[0] * t->shape[1];
-}
-
 // Row r (= i0*d1 + i1) of a 2-D/3-D view, as a 1-row mat.
 static mha__mat view_row(const mha_tensor *t, int64_t r) {
     const int64_t d1 = t->ndim == 3 ? t->shape[1] : 1, s1 = t->ndim == 3 ? t->stride[1] : 0;
@@ -70,10 +66,10 @@ static void fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx,
             }
 }
 
-// Copies a view's rows into dst (rows_of(t), F) contiguous float32.
+// Copies a view's rows into dst (mha__rows_of(t), F) contiguous float32.
 static void gather_rows(float *dst, const mha_tensor *t) {
     const int64_t F = t->shape[t->ndim - 1];
-    for (int64_t r = 0; r < rows_of(t); r++) {
+    for (int64_t r = 0; r < mha__rows_of(t); r++) {
         mha__mat row = view_row(t, r);
         for (int64_t f = 0; f < F; f++) dst[r * F + f] = (float)mha__ld(row, 0, f);
     }
@@ -115,7 +111,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                              names[i], mha_dtype_name(in[i]->dtype));
     const int64_t E = p->E, H = p->H, d = p->d, N = p->N, L = p->L, Sp = p->Sp;
     const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
-    const int64_t Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     int64_t ld;
     p->fused = true;
     p->self_packed = m->packed && same_view(a->query, a->key) && same_view(a->query, a->value);
@@ -263,7 +259,7 @@ static void rope_rows(const fwd_plan *p, const mha_forward_args *a, const rowmap
 static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
                         const mha_module *m, const mha_forward_args *a, float *ctx,
                         bool in_place, const float *xq, int64_t ldq, char *ws) {
-    const int64_t E = p->E, Rq = rows_of(a->query);
+    const int64_t E = p->E, Rq = mha__rows_of(a->query);
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
     const mha__part *pt = p->part;
@@ -309,7 +305,7 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
                               const mha_module *m, const mha_forward_args *a, char *ws) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
-    const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv, W3 = E + 2 * Ekv;
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
@@ -580,7 +576,7 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
     s->valid = false;
     s->outer_valid = false;
     if (!p->fused) return MHA_OK;  // only the fused path keeps state
-    const int64_t E = p->E, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const int64_t E = p->E, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     s->n_qkv = qkv_floats(p, Rq, Rk);
     s->n_ctx = (size_t)(Rq * E);
     s->n_lse = (size_t)(2 * p->N * p->H * p->L);
@@ -731,7 +727,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                                bool acc) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
-    const int64_t nx = Sp - S, Rq = rows_of(a->query), Rk = rows_of(a->key);
+    const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     const int64_t kd = p->kdim, vd = p->vdim, Rmax = Rq > Rk ? Rq : Rk;
     const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
@@ -1066,7 +1062,7 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (st) return st;
     const mha__kernels *kt = mha__kernels_get();
     const int64_t E = p.E, H = p.H, Ekv = p.Ekv, kd = p.kdim, vd = p.vdim;
-    const int64_t Rq = rows_of(a->query), Rk = rows_of(a->key), Rmax = Rq > Rk ? Rq : Rk;
+    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key), Rmax = Rq > Rk ? Rq : Rk;
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
     const size_t n_bp = mha__gemm_packed_b_floats(kt, E > Ekv ? E : Ekv, Fmax),
                  n_gs = mha__gemm_scratch_floats(kt, p.nthreads),
@@ -1192,7 +1188,7 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     if ((st = mha__check_output(out, "attn_output", &p.out_shape)) ||
         (st = mha__check_no_overlap(out, "attn_output", a->query, "query")))
         return st;
-    const int64_t N = p.N, T = p.L, E = p.E, H = p.H, d = p.d, R = rows_of(a->query);
+    const int64_t N = p.N, T = p.L, E = p.E, H = p.H, d = p.d, R = mha__rows_of(a->query);
     const int64_t Hkv = p.Hkv, Ekv = p.Ekv, W3 = E + 2 * Ekv;
     int64_t cB, cH, cD, cDv;
     mha__kv_cache_dims(cache, &cB, &cH, &cD, &cDv);

@@ -160,6 +160,14 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
 mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
                           const mha_forward_args *a, const mha__part *part);
 
+// Rows of a (d0, F) or (d0, d1, F) view: the product of all but its last
+// dim (0 for a 0-dim one).
+static inline int64_t mha__rows_of(const mha_tensor *t) {
+    int64_t r = t->ndim ? 1 : 0;
+    for (int i = 0; i + 1 < t->ndim; i++) r *= t->shape[i];
+    return r;
+}
+
 // Below this many multiply-adds a forward or backward runs on one thread.
 #define MHA__PAR_MIN_WORK 262144.0
 

@@ -180,11 +180,29 @@ static void view_xfer(const mha_tensor *t, float *buf, bool into_view, bool add)
             }
 }
 
-static int64_t rows_of(const mha_tensor *t) {
-    return t->ndim ? mha_tensor_numel(t) / t->shape[t->ndim - 1] : 0;
+// A rank's local views (masks aside, which are whole) and output gradient
+// checked as the fused path would, before the first collective that
+// depends on their shapes.
+static mha_status local_check(const mha_module *m, const mha_forward_args *a,
+                              const mha_tensor *gout) {
+    mha_forward_args al = *a;
+    al.key_padding_mask = NULL;
+    al.attn_mask = NULL;
+    mha_shape os, ws;
+    mha_status st = mha_forward_shapes(&os, &ws, m, &al);
+    if (st || !gout) return st;
+    bool same = gout->ndim == os.ndim;
+    for (int i = 0; same && i < os.ndim; i++) same = gout->shape[i] == os.dims[i];
+    if (!same)
+        return mha__fail(MHA_ERR_SHAPE, "mha_mpi: grad_output has %d dims (first %lld), "
+                         "expected the output's shape (%d dims, first %lld)", gout->ndim,
+                         (long long)(gout->ndim ? gout->shape[0] : 0), os.ndim,
+                         (long long)os.dims[0]);
+    return MHA_OK;
 }
 
-static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha_parallel s) {
+static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha_parallel s,
+                             const mha_tensor *gout) {
     if (!m || !a || !a->query || !a->key || !a->value)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: NULL module, args or input");
     if (s != MHA_PAR_HEADS && s != MHA_PAR_HEADS_FAST && s != MHA_PAR_ULYSSES && s != MHA_PAR_RING)
@@ -198,7 +216,7 @@ static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "mha_mpi: a saved forward state (args.save) is kept by ring attention "
                          "only (%s recomputes its forward in the backward)", mha_parallel_name(s));
-    return MHA_OK;
+    return local_check(m, a, gout);  // (the shapes, before anything is sized from them)
 }
 
 static void finish(job *j, mha_mpi_stats *stats, const mha_module *m, double model) {
@@ -463,27 +481,6 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
     return st;
 }
 
-// A rank's local views (masks aside, which are whole) and output gradient
-// checked as the fused path would, before the first collective that
-// depends on their shapes.
-static mha_status local_check(const mha_module *m, const mha_forward_args *a,
-                              const mha_tensor *gout) {
-    mha_forward_args al = *a;
-    al.key_padding_mask = NULL;
-    al.attn_mask = NULL;
-    mha_shape os, ws;
-    mha_status st = mha_forward_shapes(&os, &ws, m, &al);
-    if (st || !gout) return st;
-    bool same = gout->ndim == os.ndim;
-    for (int i = 0; same && i < os.ndim; i++) same = gout->shape[i] == os.dims[i];
-    if (!same)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi: grad_output has %d dims (first %lld), "
-                         "expected the output's shape (%d dims, first %lld)", gout->ndim,
-                         (long long)(gout->ndim ? gout->shape[0] : 0), os.ndim,
-                         (long long)os.dims[0]);
-    return MHA_OK;
-}
-
 static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                                    mha_module *gr, const mha_module *m,
                                    const mha_forward_args *a, const mha_tensor *gout,
@@ -493,9 +490,7 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
                   Ekv = c->num_kv_heads * d, kd = c->kdim, vd = c->vdim;
     const bool self = a->key == a->query && a->value == a->query;
     seq sq = {0}, sk = {0};
-    mha_status st = local_check(m, a, gout);
-    if ((st = agree(j, st))) return st;
-    st = shards_of(j, &sq, &sk, m, a, false);
+    mha_status st = shards_of(j, &sq, &sk, m, a, false);
     if (st) return st;
     const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
                   Rk = sk.T * sk.N;
@@ -1045,11 +1040,11 @@ mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
     job j;
     mha_status st = job_init(&j, comm);
     if (st) return st;
-    st = check_args(m, a, scheme);
+    st = check_args(m, a, scheme, NULL);
     if (!st && !out) st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward: NULL output");
     if ((st = agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
-    const int64_t E = c->embed_dim, Rq = rows_of(a->query), n = Rq * E;
+    const int64_t E = c->embed_dim, Rq = mha__rows_of(a->query), n = Rq * E;
     mha__part pt = {.bias = j.rank == 0};
     kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
     float *buf = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
@@ -1094,11 +1089,11 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     job j;
     mha_status st = job_init(&j, comm);
     if (st) return st;
-    st = check_args(m, a, scheme);
+    st = check_args(m, a, scheme, gout);
     if ((st = agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,
-                  Ekv = c->num_kv_heads * d, Rq = rows_of(a->query), Rk = rows_of(a->key);
+                  Ekv = c->num_kv_heads * d, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     const mha_tensor *in[3] = {a->query, a->key, a->value};
     mha_tensor *go[3] = {gq, gk, gv};
     int64_t ng[3];
@@ -1199,10 +1194,15 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
     else if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32 || a->query->ndim < 2)
         st = mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi_forward_cached: float32 query and "
                        "output, (T, N, E), (N, T, E) or (T, E)");
+    if (!st) {  // the query's shape, before anything is sized from it
+        mha_forward_args aq = *a;
+        aq.key = aq.value = a->query;
+        st = local_check(m, &aq, NULL);
+    }
     if ((st = agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, d = E / H, Hkv = c->num_kv_heads,
-                  Ekv = Hkv * d, R = rows_of(a->query);
+                  Ekv = Hkv * d, R = mha__rows_of(a->query);
     const bool seq_first = a->query->ndim == 2 || !c->batch_first;
     const int64_t N = a->query->ndim == 3 ? a->query->shape[seq_first ? 1 : 0] : 1,
                   T = a->query->shape[seq_first ? 0 : 1];
