@@ -11,15 +11,11 @@
 #endif
 
 #include "check.h"
+#include "util.h"
 #include "mha.h"
 
-static uint64_t g_rng = 99;
 static double g_fd_worst;
 static int g_fd_cases;
-static float frand(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
 static void fill(float *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) x[i] = s * frand();
 }
@@ -513,6 +509,7 @@ static void test_misuse(void) {
 }
 
 int main(void) {
+    seed_rng(99);
     test_fd_grid();
     test_accumulate_threads();
     test_dropout_semantics();

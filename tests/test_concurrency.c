@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "util.h"
 #include "mha.h"
 
 enum { E = 32, H = 4, HKV = 2, L = 24, N = 2, NIN = 3, WORKERS = 8, ITERS = 40 };
@@ -36,11 +37,6 @@ typedef struct result {
 static result g_want[NIN];
 static int64_t g_nparam_floats;
 
-static uint64_t g_rng = 77;
-static float frand(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
 
 // Runs everything on input i into r; returns 0 or the number of failed
 // calls (a status that is not MHA_OK).
@@ -169,6 +165,7 @@ static void *work(void *arg) {
 }
 
 int main(void) {
+    seed_rng(77);
     mha_config c;
     mha_config_init(&c, E, H);
     c.num_kv_heads = HKV;

@@ -18,24 +18,16 @@
 #include <string.h>
 
 #include "check.h"
+#include "util.h"
 #include "mha.h"
 
-static uint64_t g_rng = 5150;
-static float frand(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
 
 static const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_FUSED};
 
 static mha_module *new_module(int64_t E, int64_t H) {
     mha_config c;
     mha_config_init(&c, E, H);
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = torch_module(&c, 0);
     mha_param b;
     CHECK_OK(mha_module_param(&b, m, "out_proj.bias"));
     for (int64_t i = 0; i < b.numel; i++) b.data[i] = 0.25f * (float)(i % 5) - 0.5f;
@@ -336,6 +328,7 @@ static void test_aliasing(void) {
 }
 
 int main(void) {
+    seed_rng(5150);
     test_nonfinite();
     test_big_logits();
     test_empty();

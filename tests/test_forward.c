@@ -10,13 +10,9 @@
 #endif
 
 #include "check.h"
+#include "util.h"
 #include "mha.h"
 
-static uint64_t g_rng = 12345;
-static float frand(void) {  // uniform in [-1, 1)
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
 static void fill(float *x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] = scale * frand();
 }
@@ -39,7 +35,7 @@ static mha_module *module(int64_t E, int64_t H, bool batch_first, bool bkv,
     c.add_zero_attn = zero_attn;
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
-    g_rng = seed;  // the biases below depend on the seed only
+    seed_rng(seed);  // the biases below depend on the seed only
     mha_init_options o;
     mha_init_options_default(&o);
     o.seed = seed;
@@ -398,6 +394,7 @@ static void test_trace(void) {
 }
 
 int main(void) {
+    seed_rng(12345);
     test_sdpa_closed_form();
     test_layouts();
     test_threads_workspace();

@@ -10,31 +10,12 @@
 #endif
 
 #include "check.h"
+#include "util.h"
 #include "mha.h"
 
-static uint64_t g_rng = 2024;
-static uint64_t next(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return g_rng >> 11;
-}
-static float frand(void) { return (float)((double)next() * 0x1p-53 * 2.0 - 1.0); }
-static int64_t irand(int64_t lo, int64_t hi) { return lo + (int64_t)(next() % (uint64_t)(hi - lo + 1)); }
 
 // A module of config c with PyTorch's default initialisation (seed 0).
-static mha_module *new_module(const mha_config *c) {
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    CHECK_OK(mha_module_init(m, &io));
-    return m;
-}
-
-static double max_abs(const float *x, int64_t n) {
-    double m = 0;
-    for (int64_t i = 0; i < n; i++) m = fmax(m, fabs(x[i]));
-    return m;
-}
+static mha_module *new_module(const mha_config *c) { return torch_module(c, 0); }
 
 // One random configuration: fused vs reference. Returns the error ratio.
 static void one_case(int id) {
@@ -163,15 +144,6 @@ static void one_case(int id) {
     free(q); free(k); free(v); free(bm); free(fm); free(bk);
     free(y1); free(y2); free(w1); free(w2);
     mha_module_destroy(m);
-}
-
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double e = 0, m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        e = fmax(e, fabs((double)a[i] - b[i]));
-        m = fmax(m, fabs((double)a[i]));
-    }
-    return e / (1.0 + m);
 }
 
 // Long sequences with sliding windows (tiles outside the band skipped):
@@ -836,6 +808,7 @@ static void test_cached_gqa(void) {
 }
 
 int main(void) {
+    seed_rng(2024);
     for (int i = 0; i < 300; i++) one_case(i);
     test_threads();
     test_windows();

@@ -23,39 +23,13 @@
 #endif
 
 #include "check.h"
+#include "util.h"
 #include "mha.h"
 
-static uint64_t g_rng = 606;
-static uint64_t next(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return g_rng >> 11;
-}
-static float frand(void) { return (float)((double)next() * 0x1p-53 * 2.0 - 1.0); }
-static int64_t irand(int64_t lo, int64_t hi) {
-    return lo + (int64_t)(next() % (uint64_t)(hi - lo + 1));
-}
-
-static double max_abs(const float *x, int64_t n) {
-    double m = 0;
-    for (int64_t i = 0; i < n; i++) m = fmax(m, fabs((double)x[i]));
-    return m;
-}
-
-// Relative max error |a - b| / (1 + max|a|).
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double e = 0;
-    for (int64_t i = 0; i < n; i++) e = fmax(e, fabs((double)a[i] - b[i]));
-    return e / (1.0 + max_abs(a, n));
-}
 
 // A module of config c, PyTorch's init (seed), random gate parameters.
 static mha_module *new_module(const mha_config *c, uint64_t seed) {
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    io.seed = seed;
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = torch_module(c, seed);
     mha_param p;
     if (c->head_gate == MHA_GATE_STATIC && !mha_module_param(&p, m, "head_gate"))
         for (int64_t h = 0; h < p.numel; h++) p.data[h] = 1.5f * frand();
@@ -629,6 +603,7 @@ static void test_diag(void) {
 }
 
 int main(void) {
+    seed_rng(606);
     test_static_known();
     test_dynamic_known();
     test_prune_known();

@@ -18,15 +18,11 @@
 #include <string.h>
 
 #include "check.h"
+#include "util.h"
 #include "gemm.h"
 #include "kernels/kernels.h"
 #include "mha.h"
 
-static uint64_t g_rng = 7;
-static float frand(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
 
 static float *falloc(size_t n) {
     float *p = malloc(sizeof(float) * (n ? n : 1));
@@ -816,6 +812,7 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
 }
 
 int main(void) {
+    seed_rng(7);
     const mha__kernels *g = mha__kernels_for("scalar");
     CHECK(g != NULL);
     const char *isas[] = {"avx2", "avx512"};

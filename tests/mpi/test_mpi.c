@@ -23,27 +23,16 @@
 #include <string.h>
 
 #include "../check.h"
+#include "../util.h"
 #include "mha.h"
 #include "mha_mpi.h"
 
 static int g_rank, g_P;
-static uint64_t g_rng;
-static uint64_t next(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return g_rng >> 11;
-}
-static float frand(void) { return (float)((double)next() * 0x1p-53 * 2.0 - 1.0); }
-static int64_t irand(int64_t lo, int64_t hi) { return lo + (int64_t)(next() % (uint64_t)(hi - lo + 1)); }
 
 static double max_err(const float *a, const double *ref, int64_t n) {
     double e = 0;
     for (int64_t i = 0; i < n; i++) e = fmax(e, fabs((double)a[i] - ref[i]));
     return e;
-}
-static double max_abs(const float *a, int64_t n) {
-    double m = 0;
-    for (int64_t i = 0; i < n; i++) m = fmax(m, fabs((double)a[i]));
-    return m;
 }
 
 // Between a whole (T, N, F) array and this rank's zigzag chunks laid out
@@ -108,12 +97,7 @@ static void compare_grads(const char *desc, const mha_module *got, const mha_mod
 // A module of config c with PyTorch's initialisation (seed) and random
 // biases and gates (from the test's generator).
 static mha_module *new_module(const mha_config *c, uint64_t seed) {
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    io.seed = seed;
-    CHECK_OK(mha_module_init(m, &io));
+    mha_module *m = torch_module(c, seed);
     for (int i = 0; m && i < mha_module_num_params(m); i++) {
         mha_param p;
         CHECK_OK(mha_module_param_at(&p, m, i));
@@ -143,7 +127,7 @@ static void same_grads(const char *desc, const mha_module *a, const mha_module *
 }
 
 static void one_case(int id) {
-    g_rng = 1000 + (uint64_t)id;  // the same problem on every rank
+    seed_rng(1000 + (uint64_t)id);  // the same problem on every rank
     const int64_t Hkv = irand(1, 5), G = irand(1, 2), H = Hkv * G, d = irand(2, 6) * 2,
                   E = H * d, L = irand(1, 48), N = irand(1, 2);
     const bool self = next() % 3 != 0, causal = next() & 1, kpm = next() % 3 == 0,
@@ -432,7 +416,7 @@ static void one_case(int id) {
 // match the single-process causal forward (tolerance rule, error vs
 // float64 at most 2x) and be the same bits on every rank.
 static void test_sharded_decode(int id) {
-    g_rng = 5000 + (uint64_t)id;
+    seed_rng(5000 + (uint64_t)id);
     const int64_t Hkv = irand(1, 3), G = irand(1, 2), H = Hkv * G, d = irand(2, 6) * 2,
                   E = H * d, L = irand(20, 70), N = irand(1, 2);
     const bool rope = id & 1, bf = id % 3 == 0, cap = id % 4 == 1;
