@@ -92,6 +92,30 @@ def main():
                             tol = (1e-4 if k.startswith("grad") else 2e-5) * (1 + float(np.max(np.abs(a))))
                             err = float(np.max(np.abs(a - b)))
                             check(err <= tol, "%s: %s err %g tol %g" % (what, k, err, tol))
+    # ring with 1 and 2 OpenMP threads per rank: the same bytes (work large
+    # enough for the threads to be used)
+    E, H, L, N = 64, 4, 400, 2
+    w = [("in_proj_weight", (rng.standard_normal((3 * E, E)) * 0.2).astype(np.float32)),
+         ("in_proj_bias", (rng.standard_normal(3 * E) * 0.1).astype(np.float32)),
+         ("out_proj.weight", (rng.standard_normal((E, E)) * 0.2).astype(np.float32)),
+         ("out_proj.bias", (rng.standard_normal(E) * 0.1).astype(np.float32))]
+    wp, xp, gp = (os.path.join(args.tmp, n + "_thr.safetensors") for n in ("w", "x", "g"))
+    conf.st_save(wp, w, {"num_heads": str(H)})
+    conf.st_save(xp, [("query", rng.standard_normal((L, N, E)).astype(np.float32))])
+    conf.st_save(gp, [("grad_attn_output", rng.standard_normal((L, N, E)).astype(np.float32))])
+    for cmd in ("forward", "backward"):
+        outs = []
+        for t in (1, 2):
+            out = os.path.join(args.tmp, "thr_%s_%d.safetensors" % (cmd, t))
+            mt = [args.mpiexec, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                  "-x", "OMP_NUM_THREADS=%d" % t, "-n", "2"]
+            p = subprocess.run(mt + [args.mha, cmd, "--weights", wp, "--inputs", xp, "--out", out,
+                                     "--parallel", "ring", "--causal"] +
+                               (["--grad-output", gp] if cmd == "backward" else []),
+                               capture_output=True, text=True, timeout=120)
+            check(p.returncode == 0, "ring %s, %d threads: rc %d: %s" % (cmd, t, p.returncode, p.stderr[-300:]))
+            outs.append(open(out, "rb").read() if p.returncode == 0 else b"")
+        check(outs[0] == outs[1] and outs[0], "ring %s: 1 and 2 threads per rank differ" % cmd)
     # a bad input (every rank reads it): rc 1 on every rank, one message, no hang
     bad = os.path.join(args.tmp, "bad.safetensors")
     conf.st_save(bad, [("query", rng.standard_normal((5, 1, 31)).astype(np.float32))])
