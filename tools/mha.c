@@ -742,8 +742,8 @@ static void span_xfer(const mha_tensor *t, bool bf, const int64_t s[2], const in
         }
 }
 
-// This rank's tokens of t: a contiguous copy (data NULL when out of memory;
-// free it). With copy false only the room.
+// This rank's tokens of t: a contiguous copy (free its data; out of memory
+// ends the job). With copy false only the room.
 static mha_tensor span_local(const mha_tensor *t, bool bf, mha_parallel par, bool copy) {
     int rank, P;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -755,8 +755,27 @@ static mha_tensor span_local(const mha_tensor *t, bool bf, mha_parallel par, boo
     sh[sd] = n[0] + n[1];
     mha_tensor l = mha_tensor_contiguous(NULL, t->dtype, t->ndim, sh);
     l.data = malloc((size_t)mha_tensor_numel(&l) * mha_dtype_size(t->dtype) + 1);
-    if (l.data && copy) span_xfer(t, bf, s, n, l.data, true);
+    if (!l.data) (void)cli_nomem();
+    if (copy) span_xfer(t, bf, s, n, l.data, true);
     return l;
+}
+
+// This rank's query, key and value (in[0..2]; self-attention: one copy)
+// and the args that use them.
+static void span_args(const run *r, bool bf, mha_tensor in[3], mha_forward_args *a) {
+    const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
+    in[0] = span_local(r->a.query, bf, r->par, true);
+    in[1] = self ? in[0] : span_local(r->a.key, bf, r->par, true);
+    in[2] = self ? in[0] : span_local(r->a.value, bf, r->par, true);
+    *a = r->a;
+    a->query = &in[0];
+    a->key = self ? &in[0] : &in[1];
+    a->value = self ? &in[0] : &in[2];
+}
+
+static void span_args_free(mha_tensor in[3]) {
+    free(in[0].data);
+    if (in[1].data != in[0].data) free(in[1].data), free(in[2].data);
 }
 
 // Rank 0 receives every rank's tokens (loc, from span_local) into t.
@@ -797,20 +816,13 @@ static mha_status cli_forward(run *r, mha_tensor *out, mha_tensor *weights) {
 #ifdef MHA_HAVE_MPI
     if (r->parallel && (r->par == MHA_PAR_ULYSSES || r->par == MHA_PAR_RING)) {
         const bool bf = mha_module_config(r->m)->batch_first;
-        const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
-        mha_tensor q = span_local(r->a.query, bf, r->par, true),
-                   k = self ? q : span_local(r->a.key, bf, r->par, true),
-                   v = self ? q : span_local(r->a.value, bf, r->par, true),
-                   o = span_local(out, bf, r->par, false);
-        mha_forward_args a = r->a;
-        a.query = &q;
-        a.key = self ? &q : &k;
-        a.value = self ? &q : &v;
-        mha_status st = q.data && k.data && v.data && o.data ? MHA_OK : cli_nomem();
-        if (!st) st = mha_mpi_forward(MPI_COMM_WORLD, r->par, &o, r->m, &a, NULL);
+        mha_tensor in[3], o = span_local(out, bf, r->par, false);
+        mha_forward_args a;
+        span_args(r, bf, in, &a);
+        mha_status st = mha_mpi_forward(MPI_COMM_WORLD, r->par, &o, r->m, &a, NULL);
         if (!st) st = gather_spans(out, &o, bf, r->par);
-        free(q.data), free(o.data);
-        if (!self) free(k.data), free(v.data);
+        span_args_free(in);
+        free(o.data);
         return st;
     }
     if (r->parallel) return mha_mpi_forward(MPI_COMM_WORLD, r->par, out, r->m, &r->a, NULL);
@@ -876,24 +888,15 @@ static int run_backward_into(run *r) {
 #ifdef MHA_HAVE_MPI
     if (r->parallel && (r->par == MHA_PAR_ULYSSES || r->par == MHA_PAR_RING)) {
         const bool bf = mha_module_config(r->m)->batch_first;
-        const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
-        mha_tensor q = span_local(r->a.query, bf, r->par, true),
-                   k = self ? q : span_local(r->a.key, bf, r->par, true),
-                   v = self ? q : span_local(r->a.value, bf, r->par, true),
-                   gb = span_local(&gv, bf, r->par, true), lg[3];
+        mha_tensor in[3], gb = span_local(&gv, bf, r->par, true), lg[3];
         for (int i = 0; i < 3; i++) lg[i] = span_local(&gin[i], bf, r->par, false);
-        mha_forward_args a = r->a;
-        a.query = &q;
-        a.key = self ? &q : &k;
-        a.value = self ? &q : &v;
-        st = q.data && k.data && v.data && gb.data && lg[0].data && lg[1].data && lg[2].data
-                 ? MHA_OK : cli_nomem();
-        if (!st)
-            st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &lg[0], &lg[1], &lg[2], grads, r->m,
-                                  &a, &gb, false, NULL);
+        mha_forward_args a;
+        span_args(r, bf, in, &a);
+        st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &lg[0], &lg[1], &lg[2], grads, r->m, &a,
+                              &gb, false, NULL);
         for (int i = 0; i < 3 && !st; i++) st = gather_spans(&gin[i], &lg[i], bf, r->par);
-        free(q.data), free(gb.data);
-        if (!self) free(k.data), free(v.data);
+        span_args_free(in);
+        free(gb.data);
         for (int i = 0; i < 3; i++) free(lg[i].data);
     } else if (r->parallel)
         st = mha_mpi_backward(MPI_COMM_WORLD, r->par, &gin[0], &gin[1], &gin[2], grads, r->m,

@@ -653,20 +653,25 @@ static void ring_wait(ring *r) {
     r->nreq = 0;
 }
 
-// Whether query chunk a sees any key of [ks, ks + kl) (causal: not all
-// after its last query).
-static bool ring_visible(const ring *r, int a, int64_t ks, int64_t kl) {
-    if (!r->ql[a] || !kl) return false;
-    return !(r->a->is_causal && ks > r->qs[a] + r->ql[a] - 1);
-}
+// One block call: query chunk a against key chunk c of the block held.
+typedef struct ring_call {
+    mha_tensor v3[3];  // views of the right shapes (their data are not read)
+    mha_forward_args ab;
+    mha__part pa;
+} ring_call;
 
-// The part of query chunk a against key chunk c of the block held (its
-// chunks' starts ks, lengths kl): the args (views of the right shapes;
-// their data are not read) and part (the block's keys and values in).
-static void ring_part(const ring *r, int a, int c, const int64_t ks_[2], const int64_t kl_[2],
-                      mha_tensor v3[3], mha_forward_args *ab, mha__part *pa) {
+// The call of query chunk a against key chunk c of the block held (its
+// chunks' starts ks, lengths kl): its args and part (the block's keys and
+// values in); false when the chunk sees none of those keys (empty, or all
+// after its last query under a causal mask).
+static bool ring_block_call(const ring *r, int a, int c, const int64_t ks_[2],
+                            const int64_t kl_[2], ring_call *rc) {
     const int64_t ks = ks_[c], kl = kl_[c], at = (c ? kl_[0] : 0) * r->N * r->Ekv,
                   half = (kl_[0] + kl_[1]) * r->N * r->Ekv;
+    if (!r->ql[a] || !kl || (r->a->is_causal && ks > r->qs[a] + r->ql[a] - 1)) return false;
+    mha_tensor *v3 = rc->v3;
+    mha_forward_args *ab = &rc->ab;
+    mha__part *pa = &rc->pa;
     v3[0] = *r->a->query, v3[1] = *r->a->key, v3[2] = *r->a->value;
     v3[0].shape[r->sd] = r->ql[a], v3[1].shape[r->sd] = kl, v3[2].shape[r->sd] = kl;
     *ab = *r->a;
@@ -679,6 +684,7 @@ static void ring_part(const ring *r, int a, int c, const int64_t ks_[2], const i
                       .progress = ring_progress, .progress_arg = (void *)r,
                       .tiles = (int64_t *)&r->tiles, .k_in = r->blk + at,
                       .v_in = r->blk + half + at};
+    return true;
 }
 
 // U, M, Ls (chunk a's accumulators) <- a block's normalised output cp and
@@ -747,15 +753,12 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
         }
         for (int a = 0; a < 2; a++)
             for (int c = 0; c < 2 && !st; c++) {
-                if (!ring_visible(r, a, ks[c], kl[c])) continue;
-                mha_tensor v3[3];
-                mha_forward_args ab;
-                mha__part pa;
-                ring_part(r, a, c, ks, kl, v3, &ab, &pa);
-                pa.ctx = cp, pa.stats = stats;
+                ring_call rc;
+                if (!ring_block_call(r, a, c, ks, kl, &rc)) continue;
+                rc.pa.ctx = cp, rc.pa.stats = stats;
                 for (int64_t i = 0; i < N * H * r->ql[a]; i++)  // (pruned heads: nothing visible)
                     stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
-                st = mha__part_forward(NULL, r->m, &ab, &pa);
+                st = mha__part_forward(NULL, r->m, &rc.ab, &rc.pa);
                 if (!st) ring_merge(r, a, U[a], M[a], Ls[a], cp, stats);
             }
         ring_wait(r);
@@ -853,15 +856,13 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
         for (int64_t i = 0; i < nb; i++) gcur[i] = 0.0f;
         for (int c = 0; c < 2; c++)
             for (int a = 0; a < 2 && !st; a++) {
-                if (!ring_visible(r, a, ks[c], kl[c])) continue;
-                mha_tensor v3[3];
-                mha_forward_args ab;
-                mha__part pa;
-                ring_part(r, a, c, ks, kl, v3, &ab, &pa);
+                ring_call rc;
+                if (!ring_block_call(r, a, c, ks, kl, &rc)) continue;
                 const int64_t at = (c ? kl[0] : 0) * N * Ekv, nk = kl[c] * N * Ekv;
-                pa.o_in = r->o[a], pa.do_in = dO[a], pa.stats = r->st[a], pa.dsum_in = ds[a];
-                pa.dq = tdq, pa.dk = tdk, pa.dv = tdv;
-                st = mha__part_attn_backward(r->m, &ab, &pa);
+                mha__part *pa = &rc.pa;
+                pa->o_in = r->o[a], pa->do_in = dO[a], pa->stats = r->st[a], pa->dsum_in = ds[a];
+                pa->dq = tdq, pa->dk = tdk, pa->dv = tdv;
+                st = mha__part_attn_backward(r->m, &rc.ab, pa);
                 for (int64_t i = 0; !st && i < r->ql[a] * N * E; i++) dq[a][i] += tdq[i];
                 for (int64_t i = 0; !st && i < nk; i++)
                     gcur[at + i] += tdk[i], gcur[half + at + i] += tdv[i];
