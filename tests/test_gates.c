@@ -291,20 +291,9 @@ static void random_case(int id) {
     CHECK_OK(mha_module_prune_heads(m, pr, np));
     const int64_t kd = mha_module_config(m)->kdim;
     const bool self = kd == E && S == L && next() % 2 == 0;
-    float *q = malloc(sizeof(float) * (size_t)(L * N * E)),
-          *k = malloc(sizeof(float) * (size_t)(S * N * kd)),
-          *v = malloc(sizeof(float) * (size_t)(S * N * E)),
-          *gy = malloc(sizeof(float) * (size_t)(L * N * E));
-    for (int64_t i = 0; i < L * N * E; i++) q[i] = frand(), gy[i] = frand();
-    for (int64_t i = 0; i < S * N * kd; i++) k[i] = frand();
-    for (int64_t i = 0; i < S * N * E; i++) v[i] = frand();
-    uint8_t *kb = malloc((size_t)(N * S));
-    for (int64_t i = 0; i < N * S; i++) kb[i] = next() % 4 == 0;
-    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 3, (int64_t[]){L, N, E}),
-               kt = mha_tensor_contiguous(k, MHA_F32, 3, (int64_t[]){S, N, kd}),
-               vt = mha_tensor_contiguous(v, MHA_F32, 3, (int64_t[]){S, N, E}),
-               gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){L, N, E}),
-               kpt = mha_tensor_contiguous(kb, MHA_BOOL, 2, (int64_t[]){N, S});
+    test_inputs ti;
+    test_inputs_make(&ti, L, S, N, E, kd, E, 4);
+    mha_tensor qt = ti.qt, kt = ti.kt, vt = ti.vt, gyt = ti.gyt, kpt = ti.kpt;
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = &qt;
@@ -379,7 +368,7 @@ static void random_case(int id) {
         for (int j = 0; j < 3; j++) free(gx[r][j]);
         mha_module_destroy(g[r]);
     }
-    free(q), free(k), free(v), free(gy), free(kb);
+    test_inputs_free(&ti);
     mha_module_destroy(m);
 }
 

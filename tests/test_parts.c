@@ -33,35 +33,15 @@ static void one_case(int id) {
     c.head_gate = (mha_head_gate)(next() % 3);
     c.add_bias_kv = bkv;
     if (!self && next() % 2) c.kdim = irand(1, 20), c.vdim = irand(1, 20);
-    mha_module *m = NULL;
-    CHECK_OK(mha_module_create(&m, &c));
-    mha_init_options io;
-    mha_init_options_default(&io);
-    io.seed = (uint64_t)id;
-    CHECK_OK(mha_module_init(m, &io));
-    for (int i = 0; i < mha_module_num_params(m); i++) {  // gates and biases non-trivial
-        mha_param p;
-        CHECK_OK(mha_module_param_at(&p, m, i));
-        if (p.ndim == 1 || strstr(p.name, "gate"))
-            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
-    }
+    mha_module *m = random_module(&c, (uint64_t)id);  // gates and biases non-trivial
     if (next() % 3 == 0) {
         const int64_t pr = irand(0, H - 1);
         CHECK_OK(mha_module_prune_heads(m, &pr, 1));
     }
     const int64_t kd = mha_module_config(m)->kdim, vd = mha_module_config(m)->vdim;
-    float *q = malloc(sizeof(float) * (size_t)(L * N * E)), *k = malloc(sizeof(float) * (size_t)(S * N * kd)),
-          *v = malloc(sizeof(float) * (size_t)(S * N * vd)), *gy = malloc(sizeof(float) * (size_t)(L * N * E));
-    for (int64_t i = 0; i < L * N * E; i++) q[i] = frand(), gy[i] = frand();
-    for (int64_t i = 0; i < S * N * kd; i++) k[i] = frand();
-    for (int64_t i = 0; i < S * N * vd; i++) v[i] = frand();
-    uint8_t *kb = malloc((size_t)(N * S));
-    for (int64_t i = 0; i < N * S; i++) kb[i] = next() % 5 == 0;
-    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 3, (int64_t[]){L, N, E}),
-               kt = mha_tensor_contiguous(k, MHA_F32, 3, (int64_t[]){S, N, kd}),
-               vt = mha_tensor_contiguous(v, MHA_F32, 3, (int64_t[]){S, N, vd}),
-               gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){L, N, E}),
-               kpt = mha_tensor_contiguous(kb, MHA_BOOL, 2, (int64_t[]){N, S});
+    test_inputs in;
+    test_inputs_make(&in, L, S, N, E, kd, vd, 5);
+    mha_tensor qt = in.qt, kt = in.kt, vt = in.vt, gyt = in.gyt, kpt = in.kpt;
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = &qt;
@@ -175,7 +155,8 @@ static void one_case(int id) {
         mha_module_destroy(gs);
         mha_module_destroy(gr);
     }
-    free(q), free(k), free(v), free(gy), free(kb), free(y), free(gq), free(gk), free(gv);
+    test_inputs_free(&in);
+    free(y), free(gq), free(gk), free(gv);
     free(ctx), free(cr), free(yp), free(ys), free(dq), free(dk), free(dv), free(dqr), free(dkr);
     free(dvr), free(dz), free(dzr), free(x1), free(x2), free(x3), free(s1), free(s2), free(s3);
     mha_module_destroy(g);

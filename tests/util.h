@@ -5,6 +5,8 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "check.h"
 #include "mha.h"
@@ -46,6 +48,50 @@ static inline mha_module *torch_module(const mha_config *c, uint64_t seed) {
     io.seed = seed;
     CHECK_OK(mha_module_init(m, &io));
     return m;
+}
+
+// torch_module, then its biases and gate parameters drawn as 0.5 frand()
+// (so that they are not trivial), in parameter order.
+static inline mha_module *random_module(const mha_config *c, uint64_t seed) {
+    mha_module *m = torch_module(c, seed);
+    for (int i = 0; m && i < mha_module_num_params(m); i++) {
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, m, i));
+        if (p.ndim == 1 || strstr(p.name, "gate"))
+            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
+    }
+    return m;
+}
+
+// Random inputs as contiguous seq-first views: query and output gradient
+// (L, N, E) drawn interleaved, then the key (S, N, kd), the value (S, N,
+// vd), and an (N, S) key padding mask hiding about one key in `every`.
+typedef struct test_inputs {
+    float *q, *k, *v, *gy;
+    uint8_t *kpm;
+    mha_tensor qt, kt, vt, gyt, kpt;
+} test_inputs;
+
+static inline void test_inputs_make(test_inputs *t, int64_t L, int64_t S, int64_t N, int64_t E,
+                                    int64_t kd, int64_t vd, int every) {
+    t->q = malloc(sizeof(float) * (size_t)(L * N * E + 1));
+    t->gy = malloc(sizeof(float) * (size_t)(L * N * E + 1));
+    t->k = malloc(sizeof(float) * (size_t)(S * N * kd + 1));
+    t->v = malloc(sizeof(float) * (size_t)(S * N * vd + 1));
+    t->kpm = malloc((size_t)(N * S + 1));
+    for (int64_t i = 0; i < L * N * E; i++) t->q[i] = frand(), t->gy[i] = frand();
+    for (int64_t i = 0; i < S * N * kd; i++) t->k[i] = frand();
+    for (int64_t i = 0; i < S * N * vd; i++) t->v[i] = frand();
+    for (int64_t i = 0; i < N * S; i++) t->kpm[i] = next() % (uint64_t)every == 0;
+    t->qt = mha_tensor_contiguous(t->q, MHA_F32, 3, (int64_t[]){L, N, E});
+    t->gyt = mha_tensor_contiguous(t->gy, MHA_F32, 3, (int64_t[]){L, N, E});
+    t->kt = mha_tensor_contiguous(t->k, MHA_F32, 3, (int64_t[]){S, N, kd});
+    t->vt = mha_tensor_contiguous(t->v, MHA_F32, 3, (int64_t[]){S, N, vd});
+    t->kpt = mha_tensor_contiguous(t->kpm, MHA_BOOL, 2, (int64_t[]){N, S});
+}
+
+static inline void test_inputs_free(test_inputs *t) {
+    free(t->q), free(t->gy), free(t->k), free(t->v), free(t->kpm);
 }
 
 #endif

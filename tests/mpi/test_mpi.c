@@ -94,19 +94,6 @@ static void compare_grads(const char *desc, const mha_module *got, const mha_mod
     }
 }
 
-// A module of config c with PyTorch's initialisation (seed) and random
-// biases and gates (from the test's generator).
-static mha_module *new_module(const mha_config *c, uint64_t seed) {
-    mha_module *m = torch_module(c, seed);
-    for (int i = 0; m && i < mha_module_num_params(m); i++) {
-        mha_param p;
-        CHECK_OK(mha_module_param_at(&p, m, i));
-        if (p.ndim == 1 || strstr(p.name, "gate"))
-            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.5f * frand();
-    }
-    return m;
-}
-
 // Every parameter of m set to v (accumulate's starting gradients).
 static void fill_params(mha_module *m, float v) {
     for (int i = 0; m && i < mha_module_num_params(m); i++) {
@@ -139,8 +126,7 @@ static void one_case(int id) {
     c.head_gate = (mha_head_gate)(next() % 3);
     c.add_bias_kv = bkv;
     if (!self && next() % 2) c.kdim = irand(1, 12), c.vdim = irand(1, 12);
-    mha_module *m = NULL;
-    m = new_module(&c, (uint64_t)id);
+    mha_module *m = random_module(&c, (uint64_t)id);
     if (next() % 4 == 0) {
         const int64_t pr = irand(0, H - 1);
         CHECK_OK(mha_module_prune_heads(m, &pr, 1));
@@ -425,8 +411,7 @@ static void test_sharded_decode(int id) {
     c.num_kv_heads = Hkv;
     c.batch_first = bf;
     c.head_gate = (mha_head_gate)(id % 3);
-    mha_module *m = NULL;
-    m = new_module(&c, 77 + (uint64_t)id);
+    mha_module *m = random_module(&c, 77 + (uint64_t)id);
     if (id % 5 == 2) {
         const int64_t pr = irand(0, H - 1);
         CHECK_OK(mha_module_prune_heads(m, &pr, 1));
@@ -521,7 +506,7 @@ static void test_sharded_decode(int id) {
 static void test_ring_balance(void) {
     mha_config c;
     mha_config_init(&c, 16, 2);
-    mha_module *m = new_module(&c, 9), *g = NULL;
+    mha_module *m = random_module(&c, 9), *g = NULL;
     CHECK_OK(mha_module_create(&g, &c));
     const int64_t L = 2 * (int64_t)g_P * 256, N = 1, E = 16;
     int64_t cs[2], cl[2];
