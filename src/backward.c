@@ -331,21 +331,9 @@ mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mh
     mha_status st = mha__require_f32_weights(m, "mha parallel backward");
     if (!st && grads) st = mha__require_f32_weights(grads, "mha parallel backward (grads)");
     if (st) return st;
-    mha_forward_args a = *args;
-    a.need_weights = false;
-    a.trace = NULL;
-    if (!part->attn) a.save = NULL;  // (ring attention keeps one)
-    a.impl = MHA_IMPL_FUSED;
     fwd_plan p;
-    if ((st = mha__plan_forward(&p, m, &a))) return st;
-    if (!p.fused)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha parallel backward: float32, bfloat16 or float16 inputs only");
-    if (part->g0 < 0 || part->g0 > part->g1 || part->g1 > p.Hkv)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha parallel backward: KV heads [%lld, %lld) not within [0, %lld)",
-                         (long long)part->g0, (long long)part->g1, (long long)p.Hkv);
+    mha_forward_args a;  // (the part's plan: the fused path, its range checked)
+    if ((st = mha__part_plan(&p, &a, m, args, part))) return st;
     if ((st = check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
-    p.part = part;
     return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, false);
 }
