@@ -68,8 +68,8 @@ static void fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx,
 
 // Copies a view's rows into dst (mha__rows_of(t), F) contiguous float32.
 static void gather_rows(float *dst, const mha_tensor *t) {
-    const int64_t F = t->shape[t->ndim - 1];
-    for (int64_t r = 0; r < mha__rows_of(t); r++) {
+    const int64_t F = t->shape[t->ndim - 1], R = mha__rows_of(t);
+    for (int64_t r = 0; r < R; r++) {
         mha__mat row = view_row(t, r);
         for (int64_t f = 0; f < F; f++) dst[r * F + f] = (float)mha__ld(row, 0, f);
     }
