@@ -98,8 +98,9 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
         qsort(times, (size_t)repeat, sizeof(double), cmp_double);
         const double med = repeat % 2 ? times[repeat / 2]
                                       : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
-        double mine[3] = {ms.comm_seconds, ms.bytes_sent, ms.bytes_model}, all[3 * 64];
-        if (P <= 64) MPI_Gather(mine, 3, MPI_DOUBLE, all, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        double mine[3] = {ms.comm_seconds, ms.bytes_sent, ms.bytes_model};
+        double *all = rank == 0 ? malloc(sizeof(double) * 3 * (size_t)P) : NULL;
+        MPI_Gather(mine, 3, MPI_DOUBLE, all, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
         if (rank == 0 && json) {
             printf("{\"what\": \"mha_parallel_kv_decode\", \"ranks\": %d, \"batch\": %lld, "
                    "\"new_tokens\": %lld, \"kv_len\": %lld, \"embed_dim\": %lld, \"num_heads\": "
@@ -113,10 +114,11 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
                    (long long)Hkv);
             printf("  time       median %.4f ms per step (the slowest rank, %lld runs after %lld "
                    "warm-up)\n", med, (long long)repeat, (long long)warmup);
-            for (int q = 0; q < P && P <= 64; q++)
+            for (int q = 0; q < P && all; q++)
                 printf("  rank %-3d   %.4f ms inside MPI, %.3f KB sent (model %.3f KB)\n", q,
                        all[3 * q] * 1e3, all[3 * q + 1] * 1e-3, all[3 * q + 2] * 1e-3);
         }
+        free(all);
     }
     free(kv), free(times);
     mha_kv_cache_destroy(kc);
