@@ -12,7 +12,7 @@
 
 #include "flash.h"
 #include "philox.h"
-#include "plan.h"
+#include "internal.h"
 
 #define BR MHA__FLASH_BR
 #define BC MHA__FLASH_BC

@@ -16,9 +16,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "philox.h"
 #include "plan.h"
@@ -52,15 +49,6 @@ static mha_status check_impl(mha_impl impl) {
         return mha__fail(MHA_ERR_UNSUPPORTED, "unknown implementation %d",
                          (int)impl);
     return MHA_OK;
-}
-
-int mha__max_threads(void) {
-#ifdef _OPENMP
-    int n = omp_get_max_threads();
-    return n > 0 ? n : 1;
-#else
-    return 1;
-#endif
 }
 
 // ---------------------------------------------------------------------------

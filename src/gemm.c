@@ -5,7 +5,7 @@
 // gemm_packed call whose sum order depends on K only (kernels.h), so the
 // split, the schedule and nt never change a bit.
 #include "gemm.h"
-#include "plan.h"
+#include "internal.h"
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

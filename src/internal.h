@@ -11,6 +11,10 @@
 
 #include "mha.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__GNUC__)
 #define MHA__PRINTF(a, b) __attribute__((format(printf, a, b)))
 #else
@@ -54,5 +58,42 @@ const void *mha__fault_site(long i);
 // Formats a shape as "(2, 3, 4)" into buf.
 const char *mha__shape_str(char *buf, size_t cap, int ndim,
                            const int64_t *shape);
+
+// Threads and tiles.
+//
+// Number of threads a parallel region may use (1 without OpenMP).
+static inline int mha__max_threads(void) {
+#ifdef _OPENMP
+    int n = omp_get_max_threads();
+    return n > 0 ? n : 1;
+#else
+    return 1;
+#endif
+}
+
+// Below this many multiply-adds a forward or backward runs on one thread.
+#define MHA__PAR_MIN_WORK 262144.0
+
+// The calling thread's number in its OpenMP team (0 without OpenMP).
+static inline int mha__thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+// End of the tile [i0, i0 + size) clipped to n.
+static inline int64_t mha__tile_end(int64_t i0, int64_t size, int64_t n) {
+    return i0 + size < n ? i0 + size : n;
+}
+
+// Rows of a (d0, F) or (d0, d1, F) view: the product of all but its last
+// dim (0 for a 0-dim one).
+static inline int64_t mha__rows_of(const mha_tensor *t) {
+    int64_t r = t->ndim ? 1 : 0;
+    for (int i = 0; i + 1 < t->ndim; i++) r *= t->shape[i];
+    return r;
+}
 
 #endif  // MHA_INTERNAL_H

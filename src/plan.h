@@ -4,10 +4,6 @@
 #ifndef MHA_PLAN_H
 #define MHA_PLAN_H
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "module.h"
 #include "ref.h"
 
@@ -160,31 +156,6 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
 mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
                           const mha_forward_args *a, const mha__part *part);
 
-// Rows of a (d0, F) or (d0, d1, F) view: the product of all but its last
-// dim (0 for a 0-dim one).
-static inline int64_t mha__rows_of(const mha_tensor *t) {
-    int64_t r = t->ndim ? 1 : 0;
-    for (int i = 0; i + 1 < t->ndim; i++) r *= t->shape[i];
-    return r;
-}
-
-// Below this many multiply-adds a forward or backward runs on one thread.
-#define MHA__PAR_MIN_WORK 262144.0
-
-// The calling thread's number in its OpenMP team (0 without OpenMP).
-static inline int mha__thread_id(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-// End of the tile [i0, i0 + size) clipped to n.
-static inline int64_t mha__tile_end(int64_t i0, int64_t size, int64_t n) {
-    return i0 + size < n ? i0 + size : n;
-}
-
 // The state a training forward keeps (mha_forward_args.save). Layout of
 // buf (floats): the projections as the fused backward lays them out
 // (self_packed: (Rq, E + 2 Ekv); else q (Rq, E), k (Rk, Ekv), v (Rk, Ekv)),
@@ -255,8 +226,6 @@ void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t
 // The ALiBi paper's slopes for H heads.
 void mha__alibi_slopes(float *slopes, int64_t H);
 
-// Number of threads a parallel region may use (1 without OpenMP).
-int mha__max_threads(void);
 // A float view (MHA_F32 or MHA_F64): valid dims, no overflow, data present
 // (name in messages).
 mha_status mha__check_float(const mha_tensor *t, const char *name);
