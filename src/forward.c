@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "philox.h"
 #include "plan.h"
 
@@ -44,61 +45,8 @@ mha_status mha_impl_from_name(mha_impl *out, const char *name) {
     return MHA_OK;
 }
 
-static mha_status check_impl(mha_impl impl) {
-    if (impl != MHA_IMPL_AUTO && impl != MHA_IMPL_REFERENCE && impl != MHA_IMPL_FUSED)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "unknown implementation %d",
-                         (int)impl);
-    return MHA_OK;
-}
-
 // ---------------------------------------------------------------------------
 // Argument checks shared by both entry points
-
-// Checks a tensor view: non-NULL, ndim in range, non-negative dims, element
-// count without overflow, data present when non-empty.
-static mha_status check_view(const mha_tensor *t, const char *name) {
-    if (!t) return mha__fail(MHA_ERR_INVALID_ARG, "%s: NULL tensor", name);
-    if (t->ndim < 0 || t->ndim > MHA_MAX_DIMS)
-        return mha__fail(MHA_ERR_SHAPE, "%s: ndim %d out of range [0, %d]",
-                         name, t->ndim, MHA_MAX_DIMS);
-    if ((unsigned)t->dtype >= MHA_DTYPE_COUNT)
-        return mha__fail(MHA_ERR_INVALID_ARG, "%s: invalid dtype %d", name,
-                         (int)t->dtype);
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) {
-        if (t->shape[i] < 0)
-            return mha__fail(MHA_ERR_SHAPE, "%s: dim %d is negative (%lld)",
-                             name, i, (long long)t->shape[i]);
-        if (mha__mul_overflow_i64(n, t->shape[i], &n))
-            return mha__fail(MHA_ERR_OVERFLOW,
-                             "%s: the number of elements overflows", name);
-    }
-    // The farthest element must be addressable.
-    int64_t span = 0, e;
-    for (int i = 0; i < t->ndim && n > 0; i++) {
-        int64_t s = t->stride[i] < 0 ? -t->stride[i] : t->stride[i];
-        if (t->stride[i] == INT64_MIN || mha__mul_overflow_i64(t->shape[i] - 1, s, &e) ||
-            __builtin_add_overflow(span, e, &span))
-            return mha__fail(MHA_ERR_OVERFLOW, "%s: strides overflow", name);
-    }
-    size_t bytes;
-    if (mha__mul_overflow_size((size_t)span + 1, mha_dtype_size(t->dtype), &bytes))
-        return mha__fail(MHA_ERR_OVERFLOW, "%s: strides overflow", name);
-    if (n > 0 && !t->data)
-        return mha__fail(MHA_ERR_INVALID_ARG, "%s: data is NULL", name);
-    return MHA_OK;
-}
-
-mha_status mha__check_float(const mha_tensor *t, const char *name) {
-    mha_status st = check_view(t, name);
-    if (st) return st;
-    if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BF16 &&
-        t->dtype != MHA_F16)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "%s: dtype %s is not supported (expected F32, F64, BF16 or F16)",
-                         name, mha_dtype_name(t->dtype));
-    return MHA_OK;
-}
 
 // The weights block [wh0, wh1) x [wr0, wr1) from the arguments.
 static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
@@ -172,9 +120,6 @@ static mha_status check_rope_alibi(fwd_plan *p, const mha_forward_args *a) {
                     return mha__fail(MHA_ERR_INVALID_ARG, "rope: rope_start[%lld] = %lld < 0",
                                      (long long)n, (long long)a->rope_start[n]);
     }
-    if (!(a->softcap >= 0.0f) || !isfinite(a->softcap))
-        return mha__fail(MHA_ERR_INVALID_ARG, "softcap must be >= 0 and finite (0: none), got %g",
-                         (double)a->softcap);
     p->mask.softcap = a->softcap;
     p->mask.alibi = NULL;
     if (a->alibi) {
@@ -196,85 +141,9 @@ static mha_status check_rope_alibi(fwd_plan *p, const mha_forward_args *a) {
     return MHA_OK;
 }
 
-// Window bounds: -1 (unbounded) or a count of keys >= 0.
-static mha_status check_window(int64_t left, int64_t right) {
-    if (left < -1 || right < -1)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "window_left %lld, window_right %lld: each must be -1 "
-                         "(unbounded) or >= 0",
-                         (long long)left, (long long)right);
-    return MHA_OK;
-}
-
-static mha_status check_mask_dtype(const mha_tensor *t, const char *name) {
-    mha_status st = check_view(t, name);
-    if (st) return st;
-    if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BOOL &&
-        t->dtype != MHA_U8)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "%s: dtype %s is not supported (expected BOOL, U8, "
-                         "F32 or F64)", name, mha_dtype_name(t->dtype));
-    return MHA_OK;
-}
-
-// The byte range [lo, hi) a non-empty view touches.
-static void view_extent(const mha_tensor *t, uintptr_t *lo, uintptr_t *hi) {
-    int64_t mn = 0, mx = 0;
-    for (int i = 0; i < t->ndim; i++) {
-        int64_t e = (t->shape[i] - 1) * t->stride[i];
-        if (e < 0) mn += e; else mx += e;
-    }
-    size_t es = mha_dtype_size(t->dtype);
-    *lo = (uintptr_t)t->data + (uintptr_t)(mn * (int64_t)es);
-    *hi = (uintptr_t)t->data + (uintptr_t)((mx + 1) * (int64_t)es);
-}
-
-// Outputs may not overlap inputs (nor each other).
-mha_status mha__check_no_overlap(const mha_tensor *out, const char *oname,
-                                   const mha_tensor *in, const char *iname) {
-    if (!out || !in || mha_tensor_numel(out) == 0 || mha_tensor_numel(in) == 0)
-        return MHA_OK;
-    uintptr_t a0, a1, b0, b1;
-    view_extent(out, &a0, &a1);
-    view_extent(in, &b0, &b1);
-    if (a0 < b1 && b0 < a1)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "%s overlaps %s in memory (outputs must not alias "
-                         "inputs)", oname, iname);
-    return MHA_OK;
-}
-
-mha_status mha__check_output(const mha_tensor *t, const char *name,
-                               const mha_shape *want) {
-    mha_status st = mha__check_float(t, name);
-    if (st) return st;
-    bool same = t->ndim == want->ndim;
-    for (int i = 0; same && i < want->ndim; i++) same = t->shape[i] == want->dims[i];
-    if (!same) {
-        char a[160], b[160];
-        return mha__fail(MHA_ERR_SHAPE, "%s: shape %s, expected %s", name,
-                         mha__shape_str(a, sizeof a, t->ndim, t->shape),
-                         mha__shape_str(b, sizeof b, want->ndim, want->dims));
-    }
-    return MHA_OK;
-}
-
 // ---------------------------------------------------------------------------
 // Module forward: plan
 
-
-// The last dim of t (its features) must be `want`, the module's `what`.
-static mha_status check_features(const mha_tensor *t, const char *name,
-                                 const char *what, int64_t want) {
-    char s1[160];
-    int64_t got = t->shape[t->ndim - 1];
-    if (got == want) return MHA_OK;
-    return mha__fail(MHA_ERR_SHAPE,
-                     "%s: feature dim %lld (shape %s) does not match the "
-                     "module's %s %lld", name, (long long)got,
-                     mha__shape_str(s1, sizeof s1, t->ndim, t->shape), what,
-                     (long long)want);
-}
 
 // (seq, batch, feature) strides of a (S, N, F) / (N, S, F) / (S, F) view.
 void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first) {
@@ -303,7 +172,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
     memset(p, 0, sizeof *p);
     mha_status st;
-    if ((st = check_impl(a->impl))) return st;
+    if ((st = mha__check_impl(a->impl))) return st;
     if (a->save && (st = mha__require_f32_weights(m, "mha_forward with save"))) return st;
     const mha_config *c = &m->cfg;
     if ((st = mha__check_float(a->query, "query")) || (st = mha__check_float(a->key, "key")) ||
@@ -336,9 +205,9 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     p->L = q->shape[sd];
     p->S = k->shape[sd];
     p->N = p->unbatched ? 1 : q->shape[bd];
-    if ((st = check_features(q, "query", "embed_dim", p->E)) ||
-        (st = check_features(k, "key", "kdim", p->kdim)) ||
-        (st = check_features(v, "value", "vdim", p->vdim)))
+    if ((st = mha__check_features(q, "query", "embed_dim", p->E)) ||
+        (st = mha__check_features(k, "key", "kdim", p->kdim)) ||
+        (st = mha__check_features(v, "value", "vdim", p->vdim)))
         return st;
     if (!p->unbatched && (k->shape[bd] != p->N || v->shape[bd] != p->N))
         return mha__fail(MHA_ERR_SHAPE,
@@ -361,13 +230,15 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     // Masks, as (b, h, i, j) strides.
     p->mask.s_masked = p->S;
     p->mask.causal = a->is_causal;
-    if ((st = check_window(a->window_left, a->window_right))) return st;
+    if ((st = mha__check_attn_opts("mha_forward", a->window_left, a->window_right, a->softcap,
+                                   false, 0.0)))
+        return st;
     p->mask.win_left = a->window_left;
     p->mask.win_right = a->window_right;
     if ((st = check_rope_alibi(p, a))) return st;
     if (a->key_padding_mask) {
         const mha_tensor *t = a->key_padding_mask;
-        if ((st = check_mask_dtype(t, "key_padding_mask"))) return st;
+        if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;
         bool ok = p->unbatched ? (t->ndim == 1 && t->shape[0] == p->S)
                                : (t->ndim == 2 && t->shape[0] == p->N &&
                                   t->shape[1] == p->S);
@@ -386,7 +257,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     }
     if (a->attn_mask) {
         const mha_tensor *t = a->attn_mask;
-        if ((st = check_mask_dtype(t, "attn_mask"))) return st;
+        if ((st = mha__check_mask_dtype(t, "attn_mask"))) return st;
         int64_t nh = p->unbatched ? p->H : p->N * p->H;
         bool ok2 = t->ndim == 2 && t->shape[0] == p->L && t->shape[1] == p->S;
         bool ok3 = t->ndim == 3 && t->shape[0] == nh && t->shape[1] == p->L &&
@@ -962,7 +833,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     char s1[160], s2[160], s3[160];
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
     mha_status st;
-    if ((st = check_impl(a->impl))) return st;
+    if ((st = mha__check_impl(a->impl))) return st;
     if ((st = check_4d(a->q, "q")) || (st = check_4d(a->k, "k")) ||
         (st = check_4d(a->v, "v")))
         return st;
@@ -979,10 +850,10 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
                          mha__shape_str(s2, sizeof s2, 4, k->shape),
                          mha__shape_str(s3, sizeof s3, 4, v->shape));
     double scale;
+    if ((st = mha__check_attn_opts("sdpa", a->window_left, a->window_right, 0.0f,
+                                   a->use_custom_scale, a->scale)))
+        return st;
     if (a->use_custom_scale) {
-        if (!isfinite(a->scale))
-            return mha__fail(MHA_ERR_INVALID_ARG, "sdpa: scale must be finite, got %g",
-                             a->scale);
         scale = a->scale;
     } else {
         if (D == 0)
@@ -995,12 +866,11 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     memset(&mk, 0, sizeof mk);
     mk.s_masked = S;
     mk.causal = a->is_causal;
-    if ((st = check_window(a->window_left, a->window_right))) return st;
     mk.win_left = a->window_left;
     mk.win_right = a->window_right;
     if (a->attn_mask) {
         const mha_tensor *t = a->attn_mask;
-        if ((st = check_mask_dtype(t, "attn_mask"))) return st;
+        if ((st = mha__check_mask_dtype(t, "attn_mask"))) return st;
         const int64_t full[4] = {B, H, L, S};
         if (t->ndim > 4)
             return mha__fail(MHA_ERR_SHAPE,
@@ -1023,7 +893,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     }
     if (a->key_padding_mask) {
         const mha_tensor *t = a->key_padding_mask;
-        if ((st = check_mask_dtype(t, "key_padding_mask"))) return st;
+        if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;
         if (t->ndim != 2 || t->shape[0] != B || t->shape[1] != S)
             return mha__fail(MHA_ERR_SHAPE,
                              "key_padding_mask: shape %s, expected (B, S) = %s",

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "flash.h"
 #include "plan.h"
 
@@ -416,14 +417,10 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
     mha_cache_attend_args a;
     if (args) a = *args;
     else mha_cache_attend_args_init(&a);
-    if (!(a.softcap >= 0.0f) || !isfinite(a.softcap))
-        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: softcap must be >= 0, got %g",
-                         (double)a.softcap);
-    if (a.window_left < -1 || a.window_right < -1)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "window_left %lld, window_right %lld: each must be -1 or >= 0",
-                         (long long)a.window_left, (long long)a.window_right);
-    mha_status st = mha__check_float(q, "q");
+    mha_status st = mha__check_attn_opts("kv cache attend", a.window_left, a.window_right,
+                                         a.softcap, a.use_custom_scale, a.scale);
+    if (st) return st;
+    if ((st = mha__check_float(q, "q"))) return st;
     if (st) return st;
     const int64_t B = c->B, D = c->D, Dv = c->Dv;
     if (q->ndim != 4 || q->shape[0] != B || q->shape[3] != D || q->shape[1] < 1 ||
@@ -452,11 +449,7 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
                              (long long)b, (long long)(counts ? counts[b] : T),
                              (long long)c->len[b]);
     double scale = 1.0 / sqrt((double)D);
-    if (a.use_custom_scale) {
-        if (!isfinite(a.scale))
-            return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: scale must be finite");
-        scale = a.scale;
-    }
+    if (a.use_custom_scale) scale = a.scale;
     const mha__kernels *kt = mha__kernels_get();
     float *o = out->data;
     const float *qd = q->data;
@@ -700,23 +693,15 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
     if ((st = check_cu(a->cu_seqlens_q, nseq, q->shape[0], "cu_seqlens_q")) ||
         (st = check_cu(a->cu_seqlens_k, nseq, k->shape[0], "cu_seqlens_k")))
         return st;
-    if (a->window_left < -1 || a->window_right < -1)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "window_left %lld, window_right %lld: each must be -1 or >= 0",
-                         (long long)a->window_left, (long long)a->window_right);
-    if (!(a->softcap >= 0.0f) || !isfinite(a->softcap))
-        return mha__fail(MHA_ERR_INVALID_ARG, "varlen: softcap must be >= 0, got %g",
-                         (double)a->softcap);
+    if ((st = mha__check_attn_opts("varlen", a->window_left, a->window_right, a->softcap,
+                                   a->use_custom_scale, a->scale)))
+        return st;
     if ((st = mha__check_no_overlap(out, "out", q, "q")) ||
         (st = mha__check_no_overlap(out, "out", k, "k")) ||
         (st = mha__check_no_overlap(out, "out", v, "v")))
         return st;
     double scale = 1.0 / sqrt((double)D);
-    if (a->use_custom_scale) {
-        if (!isfinite(a->scale))
-            return mha__fail(MHA_ERR_INVALID_ARG, "varlen: scale must be finite");
-        scale = a->scale;
-    }
+    if (a->use_custom_scale) scale = a->scale;
     int64_t maxk = 0, maxq = 0;
     double work = 0.0;
     for (int64_t b = 0; b < nseq; b++) {

@@ -4,6 +4,7 @@
 #ifndef MHA_PLAN_H
 #define MHA_PLAN_H
 
+#include "check.h"
 #include "module.h"
 #include "ref.h"
 
@@ -226,15 +227,6 @@ void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t
 // The ALiBi paper's slopes for H heads.
 void mha__alibi_slopes(float *slopes, int64_t H);
 
-// A float view (MHA_F32 or MHA_F64): valid dims, no overflow, data present
-// (name in messages).
-mha_status mha__check_float(const mha_tensor *t, const char *name);
-// An output view of exactly the shape `want`.
-mha_status mha__check_output(const mha_tensor *t, const char *name,
-                             const mha_shape *want);
-// out must not overlap in (either may be NULL or empty).
-mha_status mha__check_no_overlap(const mha_tensor *out, const char *oname,
-                                 const mha_tensor *in, const char *iname);
 // (seq, batch, feature) element strides of a (S, N, F) / (N, S, F) / (S, F)
 // view.
 void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first);
