@@ -72,33 +72,6 @@ static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
     return MHA_OK;
 }
 
-void mha__weights_row_out(const mha_tensor *w, float *scales, int64_t row_index,
-                          int64_t elem_off, const double *rowd, const float *rowf,
-                          int64_t n) {
-    const int64_t cs = w->stride[w->ndim - 1];
-    if (w->dtype == MHA_U8) {  // int8 weights: one scale per row
-        double mx = 0.0;
-        for (int64_t j = 0; j < n; j++) {
-            const double x = rowd ? rowd[j] : (double)rowf[j];
-            mx = x > mx ? x : mx;
-        }
-        const float sc = (float)(mx / 255.0);
-        uint8_t *dst = (uint8_t *)w->data + elem_off;
-        for (int64_t j = 0; j < n; j++) {
-            const double x = rowd ? rowd[j] : (double)rowf[j];
-            double qv = sc > 0.0f ? nearbyint(x / (double)sc) : 0.0;
-            // a NaN weight gives 0 (converting NaN to uint8_t is undefined)
-            qv = qv > 0.0 ? (qv > 255.0 ? 255.0 : qv) : 0.0;
-            dst[j * cs] = (uint8_t)qv;
-        }
-        scales[row_index] = sc;
-        return;
-    }
-    const mha__mat m = mha__vmat((char *)w->data + elem_off * (int64_t)mha_dtype_size(w->dtype),
-                                 w->dtype, 0, cs);
-    for (int64_t j = 0; j < n; j++) mha__st(m, 0, j, rowd ? rowd[j] : (double)rowf[j]);
-}
-
 // RoPE, ALiBi and the soft cap: checked, into the plan's mask.
 static mha_status check_rope_alibi(fwd_plan *p, const mha_forward_args *a) {
     const mha_rope *r = &a->rope;
@@ -144,26 +117,6 @@ static mha_status check_rope_alibi(fwd_plan *p, const mha_forward_args *a) {
 // ---------------------------------------------------------------------------
 // Module forward: plan
 
-
-// (seq, batch, feature) strides of a (S, N, F) / (N, S, F) / (S, F) view.
-void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first) {
-    if (t->ndim == 2) {
-        s[0] = t->stride[0]; s[1] = 0; s[2] = t->stride[1];
-    } else if (batch_first) {
-        s[0] = t->stride[1]; s[1] = t->stride[0]; s[2] = t->stride[2];
-    } else {
-        s[0] = t->stride[0]; s[1] = t->stride[1]; s[2] = t->stride[2];
-    }
-}
-
-// Adds n items of `size` bytes to the scratch layout; returns the offset.
-static int carve(size_t *total, size_t *off, int64_t n, size_t size) {
-    size_t bytes;
-    if (mha__mul_overflow_size((size_t)n, size, &bytes)) return 1;
-    bytes = (bytes + 63) & ~(size_t)63;
-    *off = *total;
-    return mha__add_overflow_size(*total, bytes, total);
-}
 
 mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                                const mha_forward_args *a) {
@@ -330,18 +283,18 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
         if (nle > tr) tr = nle;
     }
     size_t total = 0;
-    if (carve(&total, &p->off_q, nle, sizeof(double)) ||
-        carve(&total, &p->off_k, nse, sizeof(double)) ||
-        carve(&total, &p->off_v, nse, sizeof(double)) ||
-        carve(&total, &p->off_ctx, nle, sizeof(double)) ||
-        carve(&total, &p->off_headw,
+    if (mha__carve(&total, &p->off_q, nle, sizeof(double)) ||
+        mha__carve(&total, &p->off_k, nse, sizeof(double)) ||
+        mha__carve(&total, &p->off_v, nse, sizeof(double)) ||
+        mha__carve(&total, &p->off_ctx, nle, sizeof(double)) ||
+        mha__carve(&total, &p->off_headw,
               (a->need_weights && (a->average_attn_weights || p->w_block || a->weights_scale))
                   ? nhlsp
                   : 0,
               sizeof(double)) ||
-        carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
-        carve(&total, &p->off_trace, tr, sizeof(float)) ||
-        carve(&total, &p->off_gate, mha__module_gated(m) ? p->N * p->L * p->H : 0,
+        mha__carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
+        mha__carve(&total, &p->off_trace, tr, sizeof(float)) ||
+        mha__carve(&total, &p->off_gate, mha__module_gated(m) ? p->N * p->L * p->H : 0,
               sizeof(double)))
         return mha__fail(MHA_ERR_OVERFLOW,
                          "scratch size overflows: N %lld, L %lld, S %lld, E %lld",
@@ -513,14 +466,6 @@ float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
                : 0.0f;
 }
 
-// A view's element (i0, i1[, i2]) address and type as a 1-row mat whose
-// columns follow dim `col`.
-static mha__mat view_row(const mha_tensor *t, int64_t off, int col) {
-    mha__mat m = mha__vmat((char *)t->data + off * (int64_t)mha_dtype_size(t->dtype), t->dtype,
-                           0, t->stride[col]);
-    return m;
-}
-
 static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a,
                         char *ws) {
@@ -559,7 +504,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             if (via_headw) memset(headw + bh * L * Sp, 0, (size_t)(L * Sp) * sizeof(double));
             else if (perhead) {
                 int o = p->unbatched ? 0 : 1;
-                mha__mat w = view_row(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
+                mha__mat w = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
                                                    h * weights->stride[o], o + 2);
                 w.rs = weights->stride[o + 1];
                 for (int64_t i = 0; i < L; i++)
@@ -571,7 +516,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
             wh = mha__dmat(headw + bh * L * Sp, Sp);
         } else if (perhead) {
             int o = p->unbatched ? 0 : 1;  // weights (N,) H, L, Sp
-            wh = view_row(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
+            wh = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
                                        h * weights->stride[o], o + 2);
             wh.rs = weights->stride[o + 1];
         }
@@ -633,7 +578,7 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
     for (int64_t r = 0; r < N * L; r++) {
         int64_t n = r / L, t = r % L;
-        mha__mat y = view_row(out, t * os[0] + n * os[1], out->ndim - 1);
+        mha__mat y = mha__view_at(out, t * os[0] + n * os[1], out->ndim - 1);
         mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->w_out, m->wdt, m->out_bias,
                             E, E);
         if (p->out_p > 0.0f)
@@ -961,10 +906,10 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         int tid = mha__thread_id();
         const int64_t hk = h / (H / Hkv);  // grouped-query: the KV head
 #define MHA__HEAD(t)                                                          \
-    view_row((t), b * (t)->stride[0] + h * (t)->stride[1], 3)
+    mha__view_at((t), b * (t)->stride[0] + h * (t)->stride[1], 3)
         mha__mat w = {NULL, false, 0, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),
-                 km = view_row(k, b * k->stride[0] + hk * k->stride[1], 3),
-                 vm = view_row(v, b * v->stride[0] + hk * v->stride[1], 3);
+                 km = mha__view_at(k, b * k->stride[0] + hk * k->stride[1], 3),
+                 vm = mha__view_at(v, b * v->stride[0] + hk * v->stride[1], 3);
         if (weights) {
             w = MHA__HEAD(weights);
             w.rs = weights->stride[2];

@@ -21,30 +21,6 @@
 #include "philox.h"
 #include "plan.h"
 
-// Does a 2-D/3-D float view have evenly spaced rows (d0*d1 of them) with
-// unit feature stride? Then row r = i0*d1 + i1 is at data + r*ld.
-static bool rows_direct(const mha_tensor *t, int64_t *ld) {
-    if (t->dtype != MHA_F32 || t->stride[t->ndim - 1] != 1) return false;
-    if (t->ndim == 2) {
-        *ld = t->stride[0];
-        return true;
-    }
-    if (t->shape[1] <= 1 || t->stride[0] == t->shape[1] * t->stride[1]) {
-        *ld = t->stride[1];
-        if (t->shape[1] <= 1) *ld = t->stride[0];
-        return true;
-    }
-    return false;
-}
-
-// Row r (= i0*d1 + i1) of a 2-D/3-D view, as a 1-row mat.
-static mha__mat view_row(const mha_tensor *t, int64_t r) {
-    const int64_t d1 = t->ndim == 3 ? t->shape[1] : 1, s1 = t->ndim == 3 ? t->stride[1] : 0;
-    return mha__vmat((char *)t->data + ((r / d1) * t->stride[0] + (r % d1) * s1) *
-                                           (int64_t)mha_dtype_size(t->dtype),
-                     t->dtype, 0, t->stride[t->ndim - 1]);
-}
-
 // The batch element n and position t of row r of a query-shaped view.
 static void row_nt(const fwd_plan *p, bool seq_first, const mha_tensor *t, int64_t r,
                    int64_t *n, int64_t *pos) {
@@ -66,29 +42,9 @@ static void fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx,
             }
 }
 
-// Copies a view's rows into dst (mha__rows_of(t), F) contiguous float32.
-static void gather_rows(float *dst, const mha_tensor *t) {
-    const int64_t F = t->shape[t->ndim - 1], R = mha__rows_of(t);
-    for (int64_t r = 0; r < R; r++) {
-        mha__mat row = view_row(t, r);
-        for (int64_t f = 0; f < F; f++) dst[r * F + f] = (float)mha__ld(row, 0, f);
-    }
-}
-
-static int carve(size_t *total, size_t *off, int64_t n) {
-    size_t bytes;
-    if (mha__mul_overflow_size((size_t)n, sizeof(float), &bytes)) return 1;
-    bytes = (bytes + 63) & ~(size_t)63;
-    *off = *total;
-    return mha__add_overflow_size(*total, bytes, total);
-}
-
-static bool same_view(const mha_tensor *a, const mha_tensor *b) {
-    if (a == b) return true;
-    if (a->data != b->data || a->ndim != b->ndim || a->dtype != b->dtype) return false;
-    for (int i = 0; i < a->ndim; i++)
-        if (a->shape[i] != b->shape[i] || a->stride[i] != b->stride[i]) return false;
-    return true;
+// mha__carve in floats (the fused scratch is float32).
+static int carve_f(size_t *total, size_t *off, int64_t n) {
+    return mha__carve(total, off, n, sizeof(float));
 }
 
 // The widening scratch of a module with half weights.
@@ -114,10 +70,10 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     int64_t ld;
     p->fused = true;
-    p->self_packed = m->packed && same_view(a->query, a->key) && same_view(a->query, a->value);
-    p->q_direct = rows_direct(a->query, &ld);
-    p->k_direct = rows_direct(a->key, &ld);
-    p->v_direct = rows_direct(a->value, &ld);
+    p->self_packed = m->packed && mha__same_view(a->query, a->key) && mha__same_view(a->query, a->value);
+    p->q_direct = mha__rows_direct(a->query, &ld);
+    p->k_direct = mha__rows_direct(a->key, &ld);
+    p->v_direct = mha__rows_direct(a->value, &ld);
     int64_t nx = Sp - p->S;
     const mha__kernels *gk = mha__kernels_get();
     size_t t = 0;
@@ -126,29 +82,29 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     int64_t headw = (a->need_weights && a->average_attn_weights)
                         ? N * (p->wh1 - p->wh0) * (p->wr1 - p->wr0) * Sp
                         : 0;
-    if (carve(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
-        carve(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
-        carve(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
-        carve(&t, &p->f_wt, p->self_packed
+    if (carve_f(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
+        carve_f(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
+        carve_f(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
+        carve_f(&t, &p->f_wt, p->self_packed
                                 ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
                                 : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
                                             mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
                                             mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
-        carve(&t, &p->f_wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
-        carve(&t, &p->f_gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
-        carve(&t, &p->f_qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
-        carve(&t, &p->f_k, p->self_packed ? 0 : Rk * Ekv) ||
-        carve(&t, &p->f_v, p->self_packed ? 0 : Rk * Ekv) ||
-        carve(&t, &p->f_ctx, Rq * E) || carve(&t, &p->f_extra, 2 * Hkv * nx * d) ||
-        carve(&t, &p->f_lse, lse) || carve(&t, &p->f_headw, headw) ||
-        carve(&t, &p->f_wtmp, a->need_weights && a->weights_scale
+        carve_f(&t, &p->f_wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
+        carve_f(&t, &p->f_gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
+        carve_f(&t, &p->f_qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
+        carve_f(&t, &p->f_k, p->self_packed ? 0 : Rk * Ekv) ||
+        carve_f(&t, &p->f_v, p->self_packed ? 0 : Rk * Ekv) ||
+        carve_f(&t, &p->f_ctx, Rq * E) || carve_f(&t, &p->f_extra, 2 * Hkv * nx * d) ||
+        carve_f(&t, &p->f_lse, lse) || carve_f(&t, &p->f_headw, headw) ||
+        carve_f(&t, &p->f_wtmp, a->need_weights && a->weights_scale
                                   ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
                                   : 0) ||
-        carve(&t, &p->f_out, Rq * E) || carve(&t, &p->f_scratch, scratch) ||
-        carve(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)wh_floats(gk, m, p->nthreads)) ||
-        carve(&t, &p->f_gate, mha__module_gated(m) ? Rq * H : 0) ||
-        carve(&t, &p->f_gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
-        carve(&t, &p->f_wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
+        carve_f(&t, &p->f_out, Rq * E) || carve_f(&t, &p->f_scratch, scratch) ||
+        carve_f(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)wh_floats(gk, m, p->nthreads)) ||
+        carve_f(&t, &p->f_gate, mha__module_gated(m) ? Rq * H : 0) ||
+        carve_f(&t, &p->f_gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
+        carve_f(&t, &p->f_wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
                                 ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
                                 : 0))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
@@ -266,7 +222,7 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
     float *wo = (float *)(ws + p->f_wo), *gs = (float *)(ws + p->f_gs),
           *wh = (float *)(ws + p->f_wh);
     int64_t ldo = E;
-    bool direct = rows_direct(out, &ldo);
+    bool direct = mha__rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
     if (!direct) ldo = E;
     const float *octx = ctx;
@@ -288,7 +244,7 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
         }
     if (!direct)
         for (int64_t r = 0; r < Rq; r++) {
-            mha__mat row = view_row(out, r);
+            mha__mat row = mha__view_row(out, r);
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
 }
@@ -318,8 +274,8 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
     int64_t ldq = E, ldk = p->kdim, ldv = p->vdim;
     const float *xq = (const float *)(ws + p->f_xq), *xk = (const float *)(ws + p->f_xk),
                 *xv = (const float *)(ws + p->f_xv);
-    if (p->q_direct) rows_direct(a->query, &ldq), xq = a->query->data;
-    else if (!(p->part && p->part->q_in)) gather_rows((float *)xq, a->query);
+    if (p->q_direct) mha__rows_direct(a->query, &ldq), xq = a->query->data;
+    else if (!(p->part && p->part->q_in)) mha__gather_rows((float *)xq, a->query);
     // with a saved state (training), the projections, the context and the
     // row stats go straight into it (the backward's layout)
     mha_saved *sv = a->save;
@@ -356,10 +312,10 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
         km = (rowmap){qkv + E, W3, seq_first, N, L};
         vm = (rowmap){qkv + E + Ekv, W3, seq_first, N, L};
     } else {
-        if (p->k_direct) rows_direct(a->key, &ldk), xk = a->key->data;
-        else gather_rows((float *)xk, a->key);
-        if (p->v_direct) rows_direct(a->value, &ldv), xv = a->value->data;
-        else gather_rows((float *)xv, a->value);
+        if (p->k_direct) mha__rows_direct(a->key, &ldk), xk = a->key->data;
+        else mha__gather_rows((float *)xk, a->key);
+        if (p->v_direct) mha__rows_direct(a->value, &ldv), xv = a->value->data;
+        else mha__gather_rows((float *)xv, a->value);
         float *wq = wt, *wk = wq + mha__gemm_packed_b_floats(kt, E, E),
               *wv = wk + mha__gemm_packed_b_floats(kt, p->kdim, Ekv);
         float *q = sv ? sbuf : (float *)(ws + p->f_qkv),
@@ -518,8 +474,8 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
                             const mha_forward_args *a, float *ctx, char *ws) {
     int64_t ldq = p->E;
     const float *xq = (const float *)(ws + p->f_xq);
-    if (p->q_direct) rows_direct(a->query, &ldq), xq = a->query->data;
-    else gather_rows((float *)xq, a->query);
+    if (p->q_direct) mha__rows_direct(a->query, &ldq), xq = a->query->data;
+    else mha__gather_rows((float *)xq, a->query);
     out_project(mha__kernels_get(), p, out, m, a, ctx, true, xq, ldq, ws);
 }
 
@@ -715,7 +671,7 @@ static void grad_input(const mha__kernels *kt, mha_tensor *gx, bool acc, const f
                        float *tmp, float *bp, float *gs, int nt) {
     matmul_rows(kt, tmp, I, d, ldd, W, I, R, O, I, bp, gs, nt);
     for (int64_t r = 0; r < R; r++) {
-        mha__mat row = view_row(gx, r);
+        mha__mat row = mha__view_row(gx, r);
         for (int64_t i = 0; i < I; i++)
             mha__st(row, 0, i, (acc ? mha__ld(row, 0, i) : 0.0) + tmp[r * I + i]);
     }
@@ -775,12 +731,12 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     // Forward: inputs as rows, projections, attention with the row stats.
     int64_t ldq = E, ldk = kd, ldv = vd;
     const float *Xq = xq, *Xk = xk, *Xv = xv;
-    if (rows_direct(a->query, &ldq)) Xq = a->query->data;
-    else gather_rows(xq, a->query), ldq = E;
-    if (rows_direct(a->key, &ldk)) Xk = a->key->data;
-    else gather_rows(xk, a->key), ldk = kd;
-    if (rows_direct(a->value, &ldv)) Xv = a->value->data;
-    else gather_rows(xv, a->value), ldv = vd;
+    if (mha__rows_direct(a->query, &ldq)) Xq = a->query->data;
+    else mha__gather_rows(xq, a->query), ldq = E;
+    if (mha__rows_direct(a->key, &ldk)) Xk = a->key->data;
+    else mha__gather_rows(xk, a->key), ldk = kd;
+    if (mha__rows_direct(a->value, &ldv)) Xv = a->value->data;
+    else mha__gather_rows(xv, a->value), ldv = vd;
     // A saved forward (mha_forward_args.save) replaces the recomputation.
     const mha_saved *sv = a->save && a->save->valid ? a->save : NULL;
     if (sv) {
@@ -863,7 +819,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 
     // dy = dY * drop_o (rows in the query's order); dctx = dy Wo.
     for (int64_t r = 0; r < Rq; r++) {
-        mha__mat row = view_row(gout, r);
+        mha__mat row = mha__view_row(gout, r);
         int64_t n, t;
         row_nt(p, seq_first, gout, r, &n, &t);
         for (int64_t e = 0; e < E; e++) {
@@ -1231,8 +1187,8 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
           *ctx = qkv + R * W3, *yt = ctx + R * E, *wh = yt + R * E;
     int64_t ldx = E;
     const float *X = xg;
-    if (rows_direct(a->query, &ldx)) X = a->query->data;
-    else gather_rows(xg, a->query), ldx = E;
+    if (mha__rows_direct(a->query, &ldx)) X = a->query->data;
+    else mha__gather_rows(xg, a->query), ldx = E;
     const float *bq = m->in_proj_bias;
     if (m->packed) {
         linear_rows(kt, qkv, W3, X, ldx, wmod(m, m->w_in, wh), bq, R, E, W3, wt, gs, nt);
@@ -1282,13 +1238,13 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
         octx = gbuf + R * H;
     }
     int64_t ldo = E;
-    const bool direct = rows_direct(out, &ldo);
+    const bool direct = mha__rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : yt;
     if (!direct) ldo = E;
     linear_rows(kt, y, ldo, octx, E, wmod(m, m->w_out, wh), m->out_bias, R, E, E, wo, gs, nt);
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
-            mha__mat row = view_row(out, r);
+            mha__mat row = mha__view_row(out, r);
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
 done:

@@ -7,6 +7,7 @@
 #include "check.h"
 #include "module.h"
 #include "ref.h"
+#include "view.h"
 
 #define MHA__ALIBI_MAX_DEFAULT 1024
 
@@ -197,13 +198,6 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
 mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
                               const mha_forward_args *a);
 
-// Writes one row of attention weights (n values from rowd or rowf) at
-// element offset elem_off of w along its last dim: converted to w's float
-// type, or, for an MHA_U8 view, quantised with scales[row_index] =
-// max / 255 (mha_forward_args.weights_scale).
-void mha__weights_row_out(const mha_tensor *w, float *scales, int64_t row_index,
-                          int64_t elem_off, const double *rowd, const float *rowf,
-                          int64_t n);
 // RoPE (infer.c): inv_freq (dim / 2 doubles) for r and head dim d; rotate
 // one token's H heads (head h at x + h * hs, features contiguous) at
 // position pos, in place.
@@ -227,9 +221,6 @@ void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t
 // The ALiBi paper's slopes for H heads.
 void mha__alibi_slopes(float *slopes, int64_t H);
 
-// (seq, batch, feature) element strides of a (S, N, F) / (N, S, F) / (S, F)
-// view.
-void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first);
 // Checks every forward argument and fills the plan.
 mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                              const mha_forward_args *a);

@@ -8,6 +8,7 @@
 #define MHA_REF_H
 
 #include "internal.h"
+#include "view.h"
 
 // A mask over scores (b, h, i, j), the sum of up to three parts:
 //  - attn: element at attn + b*attn_s[0] + h*attn_s[1] + i*attn_s[2] +
@@ -68,46 +69,6 @@ typedef struct mha__dropout {
     uint64_t seed, offset;
     int64_t H, L, S;
 } mha__dropout;
-
-// A 2-D strided view of float, double, bfloat16 or float16 elements:
-// element (r, c) at p[r*rs + c*cs]. half: 0 (float or double by f64),
-// 1 bfloat16, 2 float16 (stores round the value to float32 first, then to
-// the half type, nearest even).
-typedef struct mha__mat {
-    void *p;
-    bool f64;
-    int64_t rs, cs;
-    uint8_t half;
-} mha__mat;
-
-static inline double mha__ld(mha__mat m, int64_t r, int64_t c) {
-    int64_t o = r * m.rs + c * m.cs;
-    if (m.half)
-        return m.half == 1 ? (double)mha_bf16_to_f32(((const uint16_t *)m.p)[o])
-                           : (double)mha_f16_to_f32(((const uint16_t *)m.p)[o]);
-    return m.f64 ? ((const double *)m.p)[o] : (double)((const float *)m.p)[o];
-}
-
-static inline void mha__st(mha__mat m, int64_t r, int64_t c, double v) {
-    int64_t o = r * m.rs + c * m.cs;
-    if (m.half)
-        ((uint16_t *)m.p)[o] = m.half == 1 ? mha_f32_to_bf16((float)v) : mha_f32_to_f16((float)v);
-    else if (m.f64) ((double *)m.p)[o] = v;
-    else ((float *)m.p)[o] = (float)v;
-}
-
-// The view of a tensor's elements from p (already offset) of type dt.
-static inline mha__mat mha__vmat(void *p, mha_dtype dt, int64_t rs, int64_t cs) {
-    mha__mat m = {p, dt == MHA_F64, rs, cs,
-                  (uint8_t)(dt == MHA_BF16 ? 1 : dt == MHA_F16 ? 2 : 0)};
-    return m;
-}
-
-// A row-major double matrix with row stride ld, as a view.
-static inline mha__mat mha__dmat(double *p, int64_t ld) {
-    mha__mat m = {p, true, ld, 1, 0};
-    return m;
-}
 
 // Attention of one (b, h):
 //   scores (L, S) = scale * q (L, D) k (S, D)^T + mask(b, h, ., .)
