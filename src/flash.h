@@ -7,7 +7,9 @@
 #define MHA_FLASH_H
 
 #include "kernels/kernels.h"
-#include "ref.h"
+#include "mask.h"
+#include "philox.h"
+#include "view.h"
 
 #define MHA__FLASH_BR 64   // query rows per tile
 #define MHA__FLASH_BC 128  // keys per tile

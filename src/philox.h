@@ -28,6 +28,16 @@
 
 #include "mha.h"
 
+// Dropout on the attention weights of head (b, h): weight (i, j) is kept
+// with probability 1 - p (and scaled by 1/(1-p)) as decided by
+// mha__dropout_keep(seed, offset, stream ATTN, ((b*H + h)*L + i)*S + j, p)
+// (philox.h). NULL: no dropout.
+typedef struct mha__dropout {
+    float p;
+    uint64_t seed, offset;
+    int64_t H, L, S;
+} mha__dropout;
+
 // Stream of the dropout on the attention weights: key = seed.
 #define MHA__DROPOUT_STREAM_ATTN_LO 0x00000000u
 #define MHA__DROPOUT_STREAM_ATTN_HI 0x00000000u

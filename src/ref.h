@@ -8,48 +8,9 @@
 #define MHA_REF_H
 
 #include "internal.h"
+#include "mask.h"
+#include "philox.h"
 #include "view.h"
-
-// A mask over scores (b, h, i, j), the sum of up to three parts:
-//  - attn: element at attn + b*attn_s[0] + h*attn_s[1] + i*attn_s[2] +
-//    j*attn_s[3] (stride 0 broadcasts); bool/u8 nonzero -> -inf, f32/f64
-//    added
-//  - kpm: element at kpm + b*kpm_s[0] + j*kpm_s[1]; same dtype rule
-//  - causal: -inf where j > i
-//  - sliding window: -inf where j < i - win_left (win_left >= 0) or
-//    j > i + win_right (win_right >= 0); -1: unbounded on that side
-//  causal and window compare key j with the query's position i + q_off
-//  (q_off > 0: the queries are the last rows of a longer sequence, as in
-//  cached decoding; 0 for the module forward)
-// Columns j >= s_masked are never masked (keys appended by add_bias_kv and
-// add_zero_attn).
-typedef struct mha__mask {
-    const void *attn;
-    mha_dtype attn_dtype;
-    int64_t attn_s[4];
-    const void *kpm;
-    mha_dtype kpm_dtype;
-    int64_t kpm_s[2];
-    bool causal;
-    int64_t win_left, win_right;
-    int64_t q_off;
-    // ALiBi: -alibi[h] * |i + q_off - j| added (NULL: none); both this and
-    // the soft cap cover the appended keys too (they are logits, not masks)
-    const float *alibi;
-    // logit soft-capping: s <- softcap * tanh(s / softcap) on the scaled
-    // scores, before any bias or mask (0: none)
-    float softcap;
-    int64_t s_masked;
-} mha__mask;
-
-// The keys [*lo, *hi) of [0, S) that causal and window masks leave to row
-// i (position i + q_off); empty when *lo >= *hi. Other masks apply inside.
-void mha__mask_band(const mha__mask *mk, int64_t i, int64_t S, int64_t *lo, int64_t *hi);
-
-// The additive mask value at (b, h, i, j): 0, -inf or the float sum (ALiBi
-// included).
-double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
-                      int64_t j);
 
 // Score (b, h, i, j) from its scaled q.k: the soft cap, then the masks and
 // ALiBi (mha__mask_value). The reference's step (2), element by element.
@@ -59,16 +20,6 @@ double mha__ref_logit(const mha__mask *mk, double scaled, int64_t b, int64_t h, 
 // row max subtracted; every score -inf (all keys masked) gives all 0; a
 // NaN score makes the whole row NaN (as PyTorch).
 void mha__ref_softmax_row(double *row, int64_t S);
-
-// Dropout on the attention weights of head (b, h): weight (i, j) is kept
-// with probability 1 - p (and scaled by 1/(1-p)) as decided by
-// mha__dropout_keep(seed, offset, stream ATTN, ((b*H + h)*L + i)*S + j, p)
-// (philox.h). NULL: no dropout.
-typedef struct mha__dropout {
-    float p;
-    uint64_t seed, offset;
-    int64_t H, L, S;
-} mha__dropout;
 
 // Attention of one (b, h):
 //   scores (L, S) = scale * q (L, D) k (S, D)^T + mask(b, h, ., .)
