@@ -72,48 +72,6 @@ static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
     return MHA_OK;
 }
 
-// RoPE, ALiBi and the soft cap: checked, into the plan's mask.
-static mha_status check_rope_alibi(fwd_plan *p, const mha_forward_args *a) {
-    const mha_rope *r = &a->rope;
-    if (r->mode != MHA_ROPE_NONE) {
-        if (r->mode != MHA_ROPE_NEOX && r->mode != MHA_ROPE_INTERLEAVED)
-            return mha__fail(MHA_ERR_INVALID_ARG, "rope: unknown mode %d", (int)r->mode);
-        const int64_t dim = r->dim == 0 ? p->d : r->dim;
-        if (dim <= 0 || dim > p->d || dim % 2 != 0 || dim / 2 > MHA__ROPE_MAX_HALF)
-            return mha__fail(MHA_ERR_INVALID_ARG,
-                             "rope: rotated dims %lld must be even, positive and at most "
-                             "the head dim %lld",
-                             (long long)dim, (long long)p->d);
-        if (!(r->theta > 0.0) || !isfinite(r->theta))
-            return mha__fail(MHA_ERR_INVALID_ARG,
-                             "rope: theta must be positive and finite, got %g", r->theta);
-        if (a->rope_start)
-            for (int64_t n = 0; n < p->N; n++)
-                if (a->rope_start[n] < 0)
-                    return mha__fail(MHA_ERR_INVALID_ARG, "rope: rope_start[%lld] = %lld < 0",
-                                     (long long)n, (long long)a->rope_start[n]);
-    }
-    p->mask.softcap = a->softcap;
-    p->mask.alibi = NULL;
-    if (a->alibi) {
-        if (a->alibi_slopes) {
-            for (int64_t h = 0; h < p->H; h++)
-                if (!isfinite(a->alibi_slopes[h]))
-                    return mha__fail(MHA_ERR_INVALID_ARG, "alibi_slopes[%lld] is not finite",
-                                     (long long)h);
-            p->mask.alibi = a->alibi_slopes;
-        } else {
-            if (p->H > MHA__ALIBI_MAX_DEFAULT)
-                return mha__fail(MHA_ERR_UNSUPPORTED,
-                                 "alibi: %lld heads; pass alibi_slopes for more than %d",
-                                 (long long)p->H, MHA__ALIBI_MAX_DEFAULT);
-            mha__alibi_slopes(p->alibi_default, p->H);
-            p->mask.alibi = p->alibi_default;
-        }
-    }
-    return MHA_OK;
-}
-
 // ---------------------------------------------------------------------------
 // Module forward: plan
 
@@ -188,7 +146,8 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
         return st;
     p->mask.win_left = a->window_left;
     p->mask.win_right = a->window_right;
-    if ((st = check_rope_alibi(p, a))) return st;
+    if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, a, p->N, p->H, p->d)))
+        return st;
     if (a->key_padding_mask) {
         const mha_tensor *t = a->key_padding_mask;
         if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;

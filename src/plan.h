@@ -7,9 +7,8 @@
 #include "check.h"
 #include "module.h"
 #include "ref.h"
+#include "rope.h"
 #include "view.h"
-
-#define MHA__ALIBI_MAX_DEFAULT 1024
 
 // A part of the heads, for the distributed layer (src/mpi): the KV heads
 // [g0, g1) and their query heads; every other head is skipped as if pruned
@@ -198,15 +197,6 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
 mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
                               const mha_forward_args *a);
 
-// RoPE (infer.c): inv_freq (dim / 2 doubles) for r and head dim d; rotate
-// one token's H heads (head h at x + h * hs, features contiguous) at
-// position pos, in place.
-int64_t mha__rope_dim(const mha_rope *r, int64_t d);
-void mha__rope_inv_freq(double *inv_freq, const mha_rope *r, int64_t d);
-void mha__rope_token_f(float *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
-                       const double *inv_freq, double pos, bool inverse);
-void mha__rope_token_d(double *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
-                       const double *inv_freq, double pos, bool inverse);
 // mha_kv_cache_attend with the queries q_shift positions later (q_shift >=
 // T: every cached key visible; the check that each sequence holds its
 // queries skipped when q_shift > 0) and, when stats is non-NULL, each
@@ -218,8 +208,6 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
 // A cache's batch, KV heads and head dims.
 void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
                         int64_t *Dv);
-// The ALiBi paper's slopes for H heads.
-void mha__alibi_slopes(float *slopes, int64_t H);
 
 // Checks every forward argument and fills the plan.
 mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
@@ -264,7 +252,6 @@ void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args
                   double *g);
 // RoPE on the reference's q (N, L, E) and k (N, Sp, Ekv) (keys t < S), or its
 // inverse (the gradients).
-#define MHA__ROPE_MAX_HALF 4096
 void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
                     bool inverse);
 
