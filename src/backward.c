@@ -194,7 +194,8 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
             for (int64_t e = 0; e < E; e++) {
                 double gv_ = mha__ld(g, 0, t * gs[0] + n * gs[1] + e * gs[2]);
                 if (p.out_p > 0.0f)
-                    gv_ *= mha__out_drop_factor(&p, a.dropout_seed, a.dropout_offset, n, t, e);
+                    gv_ *= mha__out_drop_factor(a.dropout_seed, a.dropout_offset, p.out_p, p.L, p.E,
+                                                n, t, e);
                 dy[(n * L + t) * E + e] = gv_;
             }
     // dctx = dy Wo  (forward: y = ctx Wo^T + bo)

@@ -416,15 +416,6 @@ void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, dou
     }
 }
 
-float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
-                           int64_t n, int64_t t, int64_t e) {
-    uint64_t idx = (uint64_t)((n * p->L + t) * p->E + e);
-    return mha__dropout_keep(seed, offset, MHA__DROPOUT_STREAM_OUT_LO,
-                             MHA__DROPOUT_STREAM_OUT_HI, idx, p->out_p)
-               ? 1.0f / (1.0f - p->out_p)
-               : 0.0f;
-}
-
 static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a,
                         char *ws) {
@@ -543,8 +534,8 @@ static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
         if (p->out_p > 0.0f)
             for (int64_t e = 0; e < E; e++)
                 mha__st(y, 0, e, mha__ld(y, 0, e) *
-                                     mha__out_drop_factor(p, a->dropout_seed,
-                                                          a->dropout_offset, n, t, e));
+                                     mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
+                                                          p->L, p->E, n, t, e));
     }
     if (a->trace) {
         const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)

@@ -240,7 +240,8 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
             int64_t n, t;
             row_nt(p, seq_first, out, r, &n, &t);
             for (int64_t e = 0; e < E; e++)
-                y[r * ldo + e] *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
+                y[r * ldo + e] *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L,
+                                                       p->E, n, t, e);
         }
     if (!direct)
         for (int64_t r = 0; r < Rq; r++) {
@@ -825,7 +826,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         for (int64_t e = 0; e < E; e++) {
             float g = (float)mha__ld(row, 0, e);
             if (p->out_p > 0.0f)
-                g *= mha__out_drop_factor(p, a->dropout_seed, a->dropout_offset, n, t, e);
+                g *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L, p->E, n,
+                                          t, e);
             dy[r * E + e] = g;
         }
     }

@@ -36,3 +36,14 @@ void mha__dropout_row(uint8_t *keep, uint64_t seed, uint64_t offset,
         block++;
     }
 }
+
+// Output dropout factor of element (n, t, e) of an (N, L, E) output with
+// dropout p: 0 or 1/(1-p).
+float mha__out_drop_factor(uint64_t seed, uint64_t offset, float p, int64_t L, int64_t E,
+                           int64_t n, int64_t t, int64_t e) {
+    uint64_t idx = (uint64_t)((n * L + t) * E + e);
+    return mha__dropout_keep(seed, offset, MHA__DROPOUT_STREAM_OUT_LO,
+                             MHA__DROPOUT_STREAM_OUT_HI, idx, p)
+               ? 1.0f / (1.0f - p)
+               : 0.0f;
+}

@@ -110,4 +110,9 @@ void mha__dropout_row(uint8_t *keep, uint64_t seed, uint64_t offset,
                       uint32_t xl, uint32_t xh, uint64_t idx0, int64_t n,
                       float p);
 
+// Output dropout factor of element (n, t, e) of an (N, L, E) output with
+// dropout p: 0 or 1/(1-p) (philox.c).
+float mha__out_drop_factor(uint64_t seed, uint64_t offset, float p, int64_t L, int64_t E,
+                           int64_t n, int64_t t, int64_t e);
+
 #endif  // MHA_PHILOX_H

@@ -239,9 +239,6 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
     return p->drop.p > 0.0f ? &p->drop : NULL;
 }
-// Output dropout factor of element (n, t, e) of (N, L, E): 0 or 1/(1-p).
-float mha__out_drop_factor(const fwd_plan *p, uint64_t seed, uint64_t offset,
-                           int64_t n, int64_t t, int64_t e);
 
 void mha__project_qkv(const fwd_plan *p, const mha_module *m,
                       const mha_forward_args *a, double *q, double *k,
