@@ -42,76 +42,6 @@ static void fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx,
             }
 }
 
-// mha__carve in floats (the fused scratch is float32).
-static int carve_f(size_t *total, size_t *off, int64_t n) {
-    return mha__carve(total, off, n, sizeof(float));
-}
-
-// The widening scratch of a module with half weights.
-static size_t wh_floats(const mha__kernels *kt, const mha_module *m, int nt) {
-    return mha__gemm_pack_half_tmp_floats(kt, mha__module_max_in(m), nt);
-}
-
-mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
-                           const mha_forward_args *a) {
-    if (a->trace)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "the fused implementation has no trace (use reference)");
-    const mha_tensor *in[3] = {a->query, a->key, a->value};
-    const char *names[3] = {"query", "key", "value"};
-    for (int i = 0; i < 3; i++)
-        if (in[i]->dtype != MHA_F32 && in[i]->dtype != MHA_BF16 && in[i]->dtype != MHA_F16)
-            return mha__fail(MHA_ERR_UNSUPPORTED,
-                             "the fused implementation takes F32, BF16 or F16 tensors "
-                             "(computing in float32), %s is %s",
-                             names[i], mha_dtype_name(in[i]->dtype));
-    const int64_t E = p->E, H = p->H, d = p->d, N = p->N, L = p->L, Sp = p->Sp;
-    const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
-    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
-    int64_t ld;
-    p->fused = true;
-    p->self_packed = m->packed && mha__same_view(a->query, a->key) && mha__same_view(a->query, a->value);
-    p->q_direct = mha__rows_direct(a->query, &ld);
-    p->k_direct = mha__rows_direct(a->key, &ld);
-    p->v_direct = mha__rows_direct(a->value, &ld);
-    int64_t nx = Sp - p->S;
-    const mha__kernels *gk = mha__kernels_get();
-    size_t t = 0;
-    int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d, p->S, nx, false) * p->nthreads;
-    int64_t lse = a->need_weights ? 2 * N * H * L : 0;  // (m, 1/l) per row
-    int64_t headw = (a->need_weights && a->average_attn_weights)
-                        ? N * (p->wh1 - p->wh0) * (p->wr1 - p->wr0) * Sp
-                        : 0;
-    if (carve_f(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
-        carve_f(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
-        carve_f(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
-        carve_f(&t, &p->f_wt, p->self_packed
-                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
-                                : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
-                                            mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
-                                            mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
-        carve_f(&t, &p->f_wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
-        carve_f(&t, &p->f_gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
-        carve_f(&t, &p->f_qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
-        carve_f(&t, &p->f_k, p->self_packed ? 0 : Rk * Ekv) ||
-        carve_f(&t, &p->f_v, p->self_packed ? 0 : Rk * Ekv) ||
-        carve_f(&t, &p->f_ctx, Rq * E) || carve_f(&t, &p->f_extra, 2 * Hkv * nx * d) ||
-        carve_f(&t, &p->f_lse, lse) || carve_f(&t, &p->f_headw, headw) ||
-        carve_f(&t, &p->f_wtmp, a->need_weights && a->weights_scale
-                                  ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
-                                  : 0) ||
-        carve_f(&t, &p->f_out, Rq * E) || carve_f(&t, &p->f_scratch, scratch) ||
-        carve_f(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)wh_floats(gk, m, p->nthreads)) ||
-        carve_f(&t, &p->f_gate, mha__module_gated(m) ? Rq * H : 0) ||
-        carve_f(&t, &p->f_gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
-        carve_f(&t, &p->f_wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
-                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
-                                : 0))
-        return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
-    p->ws_bytes = t + 64;
-    return MHA_OK;
-}
-
 // A weight matrix in its storage: elements of dt (F32, BF16, F16); wh:
 // the widening scratch of half ones (mha__gemm_pack_half_tmp_floats).
 typedef struct wsrc {
@@ -1166,7 +1096,7 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     const size_t pw = mha__gemm_packed_b_floats(kt, E, E), n_gs = mha__gemm_scratch_floats(kt, nt),
                  pwkv = mha__gemm_packed_b_floats(kt, E, Ekv);
     const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, W3) : pw + 2 * pwkv;
-    const size_t n_wh = m->wdt == MHA_F32 ? 0 : wh_floats(kt, m, nt);
+    const size_t n_wh = m->wdt == MHA_F32 ? 0 : mha__half_weight_floats(kt, m, nt);
     size_t total = (size_t)(R * E) * 3 + (size_t)(R * W3) + n_w + pw + n_gs + n_wh, bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");

@@ -5,6 +5,7 @@
 #define MHA_PLAN_H
 
 #include "check.h"
+#include "kernels/kernels.h"
 #include "module.h"
 #include "ref.h"
 #include "rope.h"
@@ -213,9 +214,12 @@ void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t
 mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                              const mha_forward_args *a);
 // The fused path: checks what it needs (F32 views, no trace) and lays out
-// its scratch (p->ws_bytes); runs it.
+// its scratch (p->ws_bytes).
 mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                            const mha_forward_args *a);
+// The widening scratch of a module with half weights (floats; the GEMM's
+// packing of a half weight matrix, nt threads).
+size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt);
 mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                         const mha_module *m, const mha_forward_args *a, char *ws);
 // Its last step alone, from a context ctx (Rq, E; gated in place).

@@ -1,0 +1,336 @@
+// plan.c: the planner. From a module and a forward's arguments it checks
+// every argument once, and decides what the call will do and how much
+// memory it needs: dims and (seq, batch, feature) strides, the mask as
+// (b, h, i, j) strides, dropout, output shapes, the weights block, the
+// thread count, the implementation (auto: fused for float32/half inputs
+// without a trace; MHA_IMPL overrides), and the scratch layout of the
+// reference or of the fused path (from the GEMM and flash primitives'
+// sizes). It computes nothing and calls no driver.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "flash.h"
+#include "gemm.h"
+#include "plan.h"
+
+const char *mha_impl_name(mha_impl impl) {
+    switch (impl) {
+    case MHA_IMPL_AUTO: return "auto";
+    case MHA_IMPL_REFERENCE: return "reference";
+    case MHA_IMPL_FUSED: return "fused";
+    }
+    return "unknown";
+}
+
+mha_status mha_impl_from_name(mha_impl *out, const char *name) {
+    if (!out || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_impl_from_name: NULL argument");
+    if (strcmp(name, "auto") == 0) *out = MHA_IMPL_AUTO;
+    else if (strcmp(name, "reference") == 0 || strcmp(name, "ref") == 0)
+        *out = MHA_IMPL_REFERENCE;
+    else if (strcmp(name, "fused") == 0)
+        *out = MHA_IMPL_FUSED;
+    else
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "unknown implementation \"%.64s\" (available: auto, "
+                         "reference, fused)", name);
+    return MHA_OK;
+}
+
+// The weights block [wh0, wh1) x [wr0, wr1) from the arguments.
+static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
+    const int64_t hb = a->weights_head_begin, rb = a->weights_row_begin;
+    const int64_t he = a->weights_head_end < 0 ? p->H : a->weights_head_end;
+    const int64_t re = a->weights_row_end < 0 ? p->L : a->weights_row_end;
+    if (a->weights_head_end < -1 || hb < 0 || hb > he || he > p->H)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "weights heads [%lld, %lld): need 0 <= begin <= end <= "
+                         "num_heads %lld (end -1: all)",
+                         (long long)hb, (long long)a->weights_head_end, (long long)p->H);
+    if (a->weights_row_end < -1 || rb < 0 || rb > re || re > p->L)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "weights rows [%lld, %lld): need 0 <= begin <= end <= "
+                         "L %lld (end -1: all)",
+                         (long long)rb, (long long)a->weights_row_end, (long long)p->L);
+    if (a->need_weights && a->average_attn_weights && hb == he && rb < re)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "weights heads [%lld, %lld): averaging needs at least one head",
+                         (long long)hb, (long long)he);
+    p->wh0 = hb, p->wh1 = he, p->wr0 = rb, p->wr1 = re;
+    p->w_block = hb != 0 || he != p->H || rb != 0 || re != p->L;
+    return MHA_OK;
+}
+
+mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
+                               const mha_forward_args *a) {
+    char s1[160], s2[160], s3[160];
+    if (!m || !a)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
+    memset(p, 0, sizeof *p);
+    mha_status st;
+    if ((st = mha__check_impl(a->impl))) return st;
+    if (a->save && (st = mha__require_f32_weights(m, "mha_forward with save"))) return st;
+    const mha_config *c = &m->cfg;
+    if ((st = mha__check_float(a->query, "query")) || (st = mha__check_float(a->key, "key")) ||
+        (st = mha__check_float(a->value, "value")))
+        return st;
+    const mha_tensor *q = a->query, *k = a->key, *v = a->value;
+    if (q->ndim != 2 && q->ndim != 3)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "query: expected 3 dims (%s) or 2 dims (L, E) "
+                         "unbatched, got shape %s",
+                         c->batch_first ? "N, L, E" : "L, N, E",
+                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape));
+    if (k->ndim != q->ndim || v->ndim != q->ndim)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "query, key and value must have the same number of "
+                         "dims, got query %s, key %s, value %s",
+                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape),
+                         mha__shape_str(s2, sizeof s2, k->ndim, k->shape),
+                         mha__shape_str(s3, sizeof s3, v->ndim, v->shape));
+    p->unbatched = q->ndim == 2;
+    int sd = (p->unbatched || !c->batch_first) ? 0 : 1;  // seq dim
+    int bd = 1 - sd;                                     // batch dim
+    p->E = c->embed_dim;
+    p->H = c->num_heads;
+    p->d = m->head_dim;
+    p->Hkv = c->num_kv_heads;
+    p->Ekv = m->kv_dim;
+    p->kdim = c->kdim;
+    p->vdim = c->vdim;
+    p->L = q->shape[sd];
+    p->S = k->shape[sd];
+    p->N = p->unbatched ? 1 : q->shape[bd];
+    if ((st = mha__check_features(q, "query", "embed_dim", p->E)) ||
+        (st = mha__check_features(k, "key", "kdim", p->kdim)) ||
+        (st = mha__check_features(v, "value", "vdim", p->vdim)))
+        return st;
+    if (!p->unbatched && (k->shape[bd] != p->N || v->shape[bd] != p->N))
+        return mha__fail(MHA_ERR_SHAPE,
+                         "batch size mismatch: query %lld, key %lld, value "
+                         "%lld (shapes %s, %s, %s)",
+                         (long long)p->N, (long long)k->shape[bd],
+                         (long long)v->shape[bd],
+                         mha__shape_str(s1, sizeof s1, q->ndim, q->shape),
+                         mha__shape_str(s2, sizeof s2, k->ndim, k->shape),
+                         mha__shape_str(s3, sizeof s3, v->ndim, v->shape));
+    if (v->shape[sd] != p->S)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "key and value lengths differ: key %lld, value %lld",
+                         (long long)p->S, (long long)v->shape[sd]);
+    mha__seq_batch_feat(p->qs, q, c->batch_first);
+    mha__seq_batch_feat(p->ks, k, c->batch_first);
+    mha__seq_batch_feat(p->vs, v, c->batch_first);
+    p->Sp = p->S + (c->add_bias_kv ? 1 : 0) + (c->add_zero_attn ? 1 : 0);
+
+    // Masks, as (b, h, i, j) strides.
+    p->mask.s_masked = p->S;
+    p->mask.causal = a->is_causal;
+    if ((st = mha__check_attn_opts("mha_forward", a->window_left, a->window_right, a->softcap,
+                                   false, 0.0)))
+        return st;
+    p->mask.win_left = a->window_left;
+    p->mask.win_right = a->window_right;
+    if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, a, p->N, p->H, p->d)))
+        return st;
+    if (a->key_padding_mask) {
+        const mha_tensor *t = a->key_padding_mask;
+        if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;
+        bool ok = p->unbatched ? (t->ndim == 1 && t->shape[0] == p->S)
+                               : (t->ndim == 2 && t->shape[0] == p->N &&
+                                  t->shape[1] == p->S);
+        if (!ok)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "key_padding_mask: shape %s, expected %s",
+                             mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                             p->unbatched
+                                 ? mha__shape_str(s2, sizeof s2, 1, &p->S)
+                                 : mha__shape_str(s2, sizeof s2, 2,
+                                                  (int64_t[]){p->N, p->S}));
+        p->mask.kpm = t->data;
+        p->mask.kpm_dtype = t->dtype;
+        p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
+        p->mask.kpm_s[1] = t->stride[t->ndim - 1];
+    }
+    if (a->attn_mask) {
+        const mha_tensor *t = a->attn_mask;
+        if ((st = mha__check_mask_dtype(t, "attn_mask"))) return st;
+        int64_t nh = p->unbatched ? p->H : p->N * p->H;
+        bool ok2 = t->ndim == 2 && t->shape[0] == p->L && t->shape[1] == p->S;
+        bool ok3 = t->ndim == 3 && t->shape[0] == nh && t->shape[1] == p->L &&
+                   t->shape[2] == p->S;
+        if (!ok2 && !ok3)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "attn_mask: shape %s, expected (L, S) = %s or "
+                             "(%s, L, S) = %s",
+                             mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                             mha__shape_str(s2, sizeof s2, 2,
+                                            (int64_t[]){p->L, p->S}),
+                             p->unbatched ? "num_heads" : "N*num_heads",
+                             mha__shape_str(s3, sizeof s3, 3,
+                                            (int64_t[]){nh, p->L, p->S}));
+        p->mask.attn = t->data;
+        p->mask.attn_dtype = t->dtype;
+        if (ok2) {
+            p->mask.attn_s[0] = 0;
+            p->mask.attn_s[1] = 0;
+            p->mask.attn_s[2] = t->stride[0];
+            p->mask.attn_s[3] = t->stride[1];
+        } else {
+            p->mask.attn_s[0] = p->unbatched ? 0 : p->H * t->stride[0];
+            p->mask.attn_s[1] = t->stride[0];
+            p->mask.attn_s[2] = t->stride[1];
+            p->mask.attn_s[3] = t->stride[2];
+        }
+    }
+
+    // Dropout (training only).
+    if (a->training && c->dropout > 0.0f)
+        p->drop = (mha__dropout){c->dropout, a->dropout_seed, a->dropout_offset,
+                                 p->H, p->L, p->Sp};
+    p->out_p = a->training ? c->out_dropout : 0.0f;
+
+    // Output shapes.
+    p->out_shape.ndim = q->ndim;
+    for (int i = 0; i < q->ndim; i++) p->out_shape.dims[i] = q->shape[i];
+    mha_shape *w = &p->w_shape;
+    if (!p->unbatched) w->dims[w->ndim++] = p->N;
+    if ((st = weights_block(p, a))) return st;
+    if (!a->average_attn_weights) w->dims[w->ndim++] = p->wh1 - p->wh0;
+    w->dims[w->ndim++] = p->wr1 - p->wr0;
+    w->dims[w->ndim++] = p->Sp;
+
+    // Scratch layout.
+    // Threads: one for a trace, and for small problems, where waking a
+    // thread team costs more than the work (results are the same either
+    // way). work ~ multiply-adds of the projections and the attention.
+    double work = (double)p->N * ((double)p->L * p->E * p->E +
+                                  (double)p->S * p->Ekv * (p->kdim + p->vdim) +
+                                  2.0 * p->L * p->Sp * p->E);
+    p->nthreads = (a->trace || work < MHA__PAR_MIN_WORK) ? 1 : mha__max_threads();
+    int64_t nle, nse, lsp, nhlsp, tr;
+    if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) ||
+        mha__mul_overflow_i64(nle, p->E, &nle) ||
+        mha__mul_overflow_i64(p->N, p->Sp, &nse) ||
+        mha__mul_overflow_i64(nse, p->Ekv, &nse) ||
+        mha__mul_overflow_i64(p->L, p->Sp, &lsp) ||
+        mha__mul_overflow_i64(lsp, p->N * p->H, &nhlsp))
+        return mha__fail(MHA_ERR_OVERFLOW,
+                         "sizes overflow: N %lld, L %lld, S %lld, E %lld",
+                         (long long)p->N, (long long)p->L, (long long)p->S,
+                         (long long)p->E);
+    // the trace's float copies: (N, Sp, E) projections or one head's (L, Sp)
+    tr = 0;
+    if (a->trace) {
+        tr = p->L * (p->Sp > p->d ? p->Sp : p->d);
+        if (nse > tr) tr = nse;
+        if (nle > tr) tr = nle;
+    }
+    size_t total = 0;
+    if (mha__carve(&total, &p->off_q, nle, sizeof(double)) ||
+        mha__carve(&total, &p->off_k, nse, sizeof(double)) ||
+        mha__carve(&total, &p->off_v, nse, sizeof(double)) ||
+        mha__carve(&total, &p->off_ctx, nle, sizeof(double)) ||
+        mha__carve(&total, &p->off_headw,
+              (a->need_weights && (a->average_attn_weights || p->w_block || a->weights_scale))
+                  ? nhlsp
+                  : 0,
+              sizeof(double)) ||
+        mha__carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
+        mha__carve(&total, &p->off_trace, tr, sizeof(float)) ||
+        mha__carve(&total, &p->off_gate, mha__module_gated(m) ? p->N * p->L * p->H : 0,
+              sizeof(double)))
+        return mha__fail(MHA_ERR_OVERFLOW,
+                         "scratch size overflows: N %lld, L %lld, S %lld, E %lld",
+                         (long long)p->N, (long long)p->L, (long long)p->S,
+                         (long long)p->E);
+    p->ws_bytes = total + 64;  // + 64: the caller's block may be unaligned
+    // auto: the fused path where it applies (float32 inputs, no trace),
+    // else the reference; MHA_IMPL=reference|fused in the environment
+    // overrides auto.
+    // (bfloat16 / float16 views are read into float32 rows by the fused path)
+    bool f32 = a->query->dtype != MHA_F64 && a->key->dtype != MHA_F64 &&
+               a->value->dtype != MHA_F64;
+    mha_impl impl = a->impl;
+    if (impl == MHA_IMPL_AUTO) {
+        const char *env = getenv("MHA_IMPL");
+        mha_impl forced;
+        impl = (f32 && !a->trace) ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        // (an unknown name is ignored; the log callback hears about it)
+        if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK)
+            impl = forced;
+    }
+    if (impl == MHA_IMPL_FUSED) return mha__fused_plan(p, m, a);
+    return MHA_OK;
+}
+
+// mha__carve in floats (the fused scratch is float32).
+static int carve_f(size_t *total, size_t *off, int64_t n) {
+    return mha__carve(total, off, n, sizeof(float));
+}
+
+// The widening scratch of a module with half weights.
+size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt) {
+    return mha__gemm_pack_half_tmp_floats(kt, mha__module_max_in(m), nt);
+}
+
+mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
+                           const mha_forward_args *a) {
+    if (a->trace)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "the fused implementation has no trace (use reference)");
+    const mha_tensor *in[3] = {a->query, a->key, a->value};
+    const char *names[3] = {"query", "key", "value"};
+    for (int i = 0; i < 3; i++)
+        if (in[i]->dtype != MHA_F32 && in[i]->dtype != MHA_BF16 && in[i]->dtype != MHA_F16)
+            return mha__fail(MHA_ERR_UNSUPPORTED,
+                             "the fused implementation takes F32, BF16 or F16 tensors "
+                             "(computing in float32), %s is %s",
+                             names[i], mha_dtype_name(in[i]->dtype));
+    const int64_t E = p->E, H = p->H, d = p->d, N = p->N, L = p->L, Sp = p->Sp;
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
+    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
+    int64_t ld;
+    p->fused = true;
+    p->self_packed = m->packed && mha__same_view(a->query, a->key) && mha__same_view(a->query, a->value);
+    p->q_direct = mha__rows_direct(a->query, &ld);
+    p->k_direct = mha__rows_direct(a->key, &ld);
+    p->v_direct = mha__rows_direct(a->value, &ld);
+    int64_t nx = Sp - p->S;
+    const mha__kernels *gk = mha__kernels_get();
+    size_t t = 0;
+    int64_t scratch = (int64_t)mha__flash_scratch_floats(d, d, p->S, nx, false) * p->nthreads;
+    int64_t lse = a->need_weights ? 2 * N * H * L : 0;  // (m, 1/l) per row
+    int64_t headw = (a->need_weights && a->average_attn_weights)
+                        ? N * (p->wh1 - p->wh0) * (p->wr1 - p->wr0) * Sp
+                        : 0;
+    if (carve_f(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
+        carve_f(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
+        carve_f(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
+        carve_f(&t, &p->f_wt, p->self_packed
+                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
+                                : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
+                                            mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
+                                            mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
+        carve_f(&t, &p->f_wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
+        carve_f(&t, &p->f_gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
+        carve_f(&t, &p->f_qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
+        carve_f(&t, &p->f_k, p->self_packed ? 0 : Rk * Ekv) ||
+        carve_f(&t, &p->f_v, p->self_packed ? 0 : Rk * Ekv) ||
+        carve_f(&t, &p->f_ctx, Rq * E) || carve_f(&t, &p->f_extra, 2 * Hkv * nx * d) ||
+        carve_f(&t, &p->f_lse, lse) || carve_f(&t, &p->f_headw, headw) ||
+        carve_f(&t, &p->f_wtmp, a->need_weights && a->weights_scale
+                                  ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
+                                  : 0) ||
+        carve_f(&t, &p->f_out, Rq * E) || carve_f(&t, &p->f_scratch, scratch) ||
+        carve_f(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)mha__half_weight_floats(gk, m, p->nthreads)) ||
+        carve_f(&t, &p->f_gate, mha__module_gated(m) ? Rq * H : 0) ||
+        carve_f(&t, &p->f_gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
+        carve_f(&t, &p->f_wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
+                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
+                                : 0))
+        return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
+    p->ws_bytes = t + 64;
+    return MHA_OK;
+}
