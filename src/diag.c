@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "plan.h"
+#include "ref.h"
 
 // after plan.h: lapacke.h brings <complex.h>, whose macro I would clash
 // with the parameter names of the internal headers

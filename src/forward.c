@@ -1,18 +1,9 @@
-// forward.c: the public forward entry points (module and SDPA): check every
-// argument once, plan the scratch memory, then run the implementation.
-//
-// The module forward (F.multi_head_attention_forward, need_weights path):
-//   q = query W_q^T + b_q        (N, L, E)   one row per (n, l)
-//   k = key W_k^T + b_k          (N, S, Ekv) [+ bias_k] [+ zero row]
-//   v = value W_v^T + b_v        (N, S, Ekv) [+ bias_v] [+ zero row]
-//   heads: q as (N, H, L, d) is the strided view (L*E, d, E, 1) of the
-//   same buffer: the split is a view, not a copy; so are k and v, as
-//   (N, Hkv, S, d) (Ekv = Hkv d; Hkv = H unless grouped-query)
-//   ctx (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v   (per b, h;
-//   query head h reads KV head h / (H / Hkv))
-//   ctx viewed as (N, L, E) is the concatenation of the heads
-//   attn_output = ctx W_o^T + b_o  written in the query's layout
-// Scratch memory is one block (see fwd_layout); nothing else is allocated.
+// forward.c: the public module forward entry points (mha_forward,
+// mha_forward_ex, mha_forward_shapes, mha_forward_workspace_size): the plan
+// (plan.c) checks every argument once and lays out the scratch memory; then
+// the output views are checked and the chosen implementation runs: the
+// reference (ref_module.c) or the fused path (fused_fwd.c). The scratch is
+// one block; nothing else is allocated.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +11,7 @@
 #include "check.h"
 #include "philox.h"
 #include "plan.h"
+#include "ref.h"
 
 void mha_forward_args_init(mha_forward_args *a) {
     if (!a) return;
@@ -53,236 +45,6 @@ mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
     if (st) return st;
     *bytes = p.ws_bytes;
     return MHA_OK;
-}
-
-// ---------------------------------------------------------------------------
-// Module forward: run (reference)
-
-// Passes a (N, T, E) view (any strides, float or double) to the trace as
-// a float32 copy in buf.
-static void trace_view(const mha_forward_args *a, const char *step, float *buf,
-                       const void *p, mha_dtype dt, const int64_t st[3], int64_t N,
-                       int64_t T, int64_t E) {
-    if (!a->trace) return;
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t t = 0; t < T; t++) {
-            mha__mat row = mha__vmat((char *)p + (n * st[0] + t * st[1]) *
-                                                     (int64_t)mha_dtype_size(dt),
-                                     dt, 0, st[2]);
-            for (int64_t e = 0; e < E; e++)
-                buf[(n * T + t) * E + e] = (float)mha__ld(row, 0, e);
-        }
-    int64_t shape[3] = {N, T, E};
-    mha_tensor t = mha_tensor_contiguous(buf, MHA_F32, 3, shape);
-    a->trace(a->trace_user, step, -1, -1, &t);
-}
-
-// The same for a contiguous (N, T, E) double buffer.
-static void trace_buffer(const mha_forward_args *a, const char *step,
-                         float *tbuf, const double *buf, int64_t N, int64_t T,
-                         int64_t E) {
-    const int64_t st[3] = {T * E, E, 1};
-    trace_view(a, step, tbuf, buf, MHA_F64, st, N, T, E);
-}
-
-// Projects rows of the view x ((seq, batch, feature) strides xs, T rows
-// per batch element) into the first T of every Tp rows of buf (N, Tp, E):
-// buf[n, t, :] = x[t, n, :] W^T + b.
-static void project(double *buf, int64_t Tp, const mha_tensor *x,
-                    const int64_t xs[3], const void *W, mha_dtype wdt, const float *b,
-                    int64_t N, int64_t T, int64_t I, int64_t E, int nthreads) {
-    const size_t es = mha_dtype_size(x->dtype);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t r = 0; r < N * T; r++) {
-        int64_t n = r / T, t = r % T;
-        mha__mat xr = mha__vmat((char *)x->data + (t * xs[0] + n * xs[1]) * (int64_t)es,
-                                x->dtype, 0, xs[2]);
-        mha__ref_linear_row(mha__dmat(buf + (n * Tp + t) * E, E), xr, W, wdt, b, I, E);
-    }
-}
-
-void mha__project_qkv(const fwd_plan *p, const mha_module *m,
-                      const mha_forward_args *a, double *q, double *k,
-                      double *v) {
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
-    // in_proj_bias (E + 2 Ekv): the Q, K, V biases one after the other
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
-                *bv = bq ? bq + E + Ekv : NULL;
-    project(q, L, a->query, p->qs, m->w_q, m->wdt, bq, N, L, E, E, p->nthreads);
-    project(k, Sp, a->key, p->ks, m->w_k, m->wdt, bk, N, S, p->kdim, Ekv, p->nthreads);
-    project(v, Sp, a->value, p->vs, m->w_v, m->wdt, bv, N, S, p->vdim, Ekv, p->nthreads);
-    for (int64_t n = 0; n < N; n++) {
-        int64_t t = S;
-        if (m->cfg.add_bias_kv) {  // k = cat([k, bias_k]), v = cat([v, bias_v])
-            for (int64_t e = 0; e < Ekv; e++) {
-                k[(n * Sp + t) * Ekv + e] = m->bias_k[e];
-                v[(n * Sp + t) * Ekv + e] = m->bias_v[e];
-            }
-            t++;
-        }
-        if (m->cfg.add_zero_attn) {  // one zero key and value after them
-            memset(k + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
-            memset(v + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
-        }
-    }
-    mha__rope_qk_d(p, a, q, k, false);
-}
-
-void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                  double *g) {
-    const int64_t R = p->N * p->L, H = p->H;
-    if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
-        project(g, p->L, a->query, p->qs, m->gate_weight, MHA_F32, m->gate_bias, p->N, p->L,
-                p->E, H, p->nthreads);
-        for (int64_t i = 0; i < R * H; i++) g[i] = 1.0 / (1.0 + exp(-g[i]));
-        return;
-    }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t h = 0; h < H; h++) g[r * H + h] = m->head_gate[h];
-}
-
-void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
-                    bool inverse) {
-    if (a->rope.mode == MHA_ROPE_NONE) return;
-    double inv[MHA__ROPE_MAX_HALF];
-    mha__rope_inv_freq(inv, &a->rope, p->d);
-    const int64_t L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
-    for (int64_t n = 0; n < p->N; n++) {
-        const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
-        for (int64_t t = 0; t < L; t++)
-            mha__rope_token_d(q + (n * L + t) * E, p->d, p->H, &a->rope, p->d, inv,
-                              (double)(s0 + t), inverse);
-        for (int64_t t = 0; t < S; t++)  // not the appended keys
-            mha__rope_token_d(k + (n * Sp + t) * Ekv, p->d, p->Hkv, &a->rope, p->d, inv,
-                              (double)(s0 + t), inverse);
-    }
-}
-
-static void run_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                        const mha_module *m, const mha_forward_args *a,
-                        char *ws) {
-    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
-    const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
-    double *q = (double *)(ws + p->off_q);      // (N, L, E)
-    double *k = (double *)(ws + p->off_k);      // (N, Sp, Ekv)
-    double *v = (double *)(ws + p->off_v);      // (N, Sp, Ekv)
-    double *ctx = (double *)(ws + p->off_ctx);  // (N, L, E)
-    double *headw = (double *)(ws + p->off_headw);   // (N, H, L, Sp)
-    double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
-    float *tbuf = (float *)(ws + p->off_trace);      // the trace's copies
-
-    // 1. Projections (one row per (n, t)); then the appended keys/values.
-    mha__project_qkv(p, m, a, q, k, v);
-    trace_buffer(a, "q", tbuf, q, N, L, E);
-    trace_buffer(a, "k", tbuf, k, N, Sp, Ekv);
-    trace_buffer(a, "v", tbuf, v, N, Sp, Ekv);
-
-    // 2. Attention per (b, h) on strided head views of q, k, v, ctx.
-    const double scale = 1.0 / sqrt((double)d);
-    const bool avg = a->need_weights && a->average_attn_weights;
-    const bool perhead = a->need_weights && !a->average_attn_weights;
-    // every head's weights go to headw when they are averaged or a block of
-    // them is asked for; else straight into the output
-    const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
-    mha__trace tr = {a->trace, a->trace_user, tbuf};
-#pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
-    for (int64_t bh = 0; bh < N * H; bh++) {
-        int64_t b = bh / H, h = bh % H;
-        int tid = mha__thread_id();
-        mha__mat wh = {NULL, false, 0, 0, 0};
-        if (!mha__head_live(m, h)) {  // pruned: zero context, zero weights, no work
-            for (int64_t i = 0; i < L; i++)
-                memset(ctx + b * L * E + i * E + h * d, 0, (size_t)d * sizeof(double));
-            if (via_headw) memset(headw + bh * L * Sp, 0, (size_t)(L * Sp) * sizeof(double));
-            else if (perhead) {
-                int o = p->unbatched ? 0 : 1;
-                mha__mat w = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
-                                                   h * weights->stride[o], o + 2);
-                w.rs = weights->stride[o + 1];
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t j = 0; j < Sp; j++) mha__st(w, i, j, 0.0);
-            }
-            continue;
-        }
-        if (via_headw) {
-            wh = mha__dmat(headw + bh * L * Sp, Sp);
-        } else if (perhead) {
-            int o = p->unbatched ? 0 : 1;  // weights (N,) H, L, Sp
-            wh = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
-                                       h * weights->stride[o], o + 2);
-            wh.rs = weights->stride[o + 1];
-        }
-        mha__ref_attention_head(mha__dmat(ctx + b * L * E + h * d, E), wh,
-                                mha__dmat(q + b * L * E + h * d, E),
-                                mha__dmat(k + b * Sp * Ekv + (h / G) * d, Ekv),
-                                mha__dmat(v + b * Sp * Ekv + (h / G) * d, Ekv), L, Sp, d, d,
-                                scale, &p->mask, mha__plan_drop(p), b, h,
-                                scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
-    }
-    trace_buffer(a, "concat", tbuf, ctx, N, L, E);
-    // Gates: head h's context times g[n, t, h] (before W_O).
-    if (mha__module_gated(m)) {
-        double *gate = (double *)(ws + p->off_gate);
-        mha__gates_d(p, m, a, gate);
-        for (int64_t r = 0; r < N * L; r++)
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
-        trace_buffer(a, "gated", tbuf, ctx, N, L, E);
-    }
-
-    // 3. Averaged weights: mean over the (selected) heads, summed in head
-    //    order; or the selected block of the per-head weights.
-    if (avg) {
-        int o = p->unbatched ? 0 : 1;  // weights (N,) Ls, Sp
-        const int64_t Ls = p->wr1 - p->wr0, live = mha__live_in(m, p->wh0, p->wh1);
-        for (int64_t b = 0; b < N; b++)
-            for (int64_t i = p->wr0; i < p->wr1; i++) {
-                double *row = scores;  // (a free (L, Sp) block now)
-                for (int64_t j = 0; j < Sp; j++) {
-                    double s = 0.0;
-                    for (int64_t h = p->wh0; h < p->wh1; h++)
-                        s += headw[((b * H + h) * L + i) * Sp + j];
-                    row[j] = s / (double)(live ? live : 1);  // pruned rows are 0
-                }
-                mha__weights_row_out(weights, a->weights_scale, b * Ls + i - p->wr0,
-                                     (p->unbatched ? 0 : b * weights->stride[0]) +
-                                         (i - p->wr0) * weights->stride[o],
-                                     row, NULL, Sp);
-            }
-    } else if (via_headw) {
-        int o = p->unbatched ? 0 : 1;  // weights (N,) Hs, Ls, Sp
-        const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
-        for (int64_t b = 0; b < N; b++)
-            for (int64_t h = p->wh0; h < p->wh1; h++)
-                for (int64_t i = p->wr0; i < p->wr1; i++)
-                    mha__weights_row_out(weights, a->weights_scale,
-                                         (b * Hs + h - p->wh0) * Ls + i - p->wr0,
-                                         (p->unbatched ? 0 : b * weights->stride[0]) +
-                                             (h - p->wh0) * weights->stride[o] +
-                                             (i - p->wr0) * weights->stride[o + 1],
-                                         headw + ((b * H + h) * L + i) * Sp, NULL, Sp);
-    }
-
-    // 4. Output projection, written in the query's layout; then the output
-    //    dropout (training only).
-    int64_t os[3];
-    mha__seq_batch_feat(os, out, m->cfg.batch_first);
-#pragma omp parallel for schedule(static) num_threads(p->nthreads)
-    for (int64_t r = 0; r < N * L; r++) {
-        int64_t n = r / L, t = r % L;
-        mha__mat y = mha__view_at(out, t * os[0] + n * os[1], out->ndim - 1);
-        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->w_out, m->wdt, m->out_bias,
-                            E, E);
-        if (p->out_p > 0.0f)
-            for (int64_t e = 0; e < E; e++)
-                mha__st(y, 0, e, mha__ld(y, 0, e) *
-                                     mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
-                                                          p->L, p->E, n, t, e));
-    }
-    if (a->trace) {
-        const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
-        trace_view(a, "output", tbuf, out->data, out->dtype, st, N, L, E);
-    }
 }
 
 static mha_status check_forward_outputs(const fwd_plan *p, mha_tensor *out,
@@ -341,7 +103,7 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
     char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
     if (p.fused) return mha__fused_forward(&p, out, weights, m, a, ws);
-    run_forward(&p, out, weights, m, a, ws);
+    mha__ref_forward(&p, out, weights, m, a, ws);
     return MHA_OK;
 }
 
@@ -359,7 +121,7 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
                          p.ws_bytes);
     char *al = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
     if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, al);
-    else run_forward(&p, out, weights, m, a, al);
+    else mha__ref_forward(&p, out, weights, m, a, al);
     free(ws);
     return st;
 }

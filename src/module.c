@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "module.h"
-#include "ref.h"
+#include "view.h"
 
 void mha_config_init(mha_config *cfg, int64_t embed_dim, int64_t num_heads) {
     if (!cfg) return;

@@ -7,7 +7,8 @@
 #include "check.h"
 #include "kernels/kernels.h"
 #include "module.h"
-#include "ref.h"
+#include "mask.h"
+#include "philox.h"
 #include "rope.h"
 #include "view.h"
 
@@ -236,24 +237,10 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                                const mha_forward_args *a, const mha_tensor *gout,
                                bool accumulate);
 
-// Step 1 of the forward: q (N, L, E), k and v (N, Sp, Ekv) from the inputs,
-// with bias_k/bias_v and the zero key/value appended.
 // The dropout descriptor for the heads: NULL unless attention dropout is
 // active.
 static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
     return p->drop.p > 0.0f ? &p->drop : NULL;
 }
-
-void mha__project_qkv(const fwd_plan *p, const mha_module *m,
-                      const mha_forward_args *a, double *q, double *k,
-                      double *v);
-// The head gates of a gated module, (N, L, H) in double: g[(n L + t) H + h]
-// (static: head_gate[h]; dynamic: sigmoid(x_q[t, n, :] W_g[h, :] + b_g[h])).
-void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                  double *g);
-// RoPE on the reference's q (N, L, E) and k (N, Sp, Ekv) (keys t < S), or its
-// inverse (the gradients).
-void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
-                    bool inverse);
 
 #endif

@@ -3,13 +3,14 @@
 // float32 or float64 views; with float64 views the whole forward and
 // backward are a float64 computation (what the finite-difference gradient
 // checks use). Kernels here trust their arguments: every check happens
-// once, in forward.c.
+// once, in the entry points and the planner (plan.c).
 #ifndef MHA_REF_H
 #define MHA_REF_H
 
 #include "internal.h"
 #include "mask.h"
 #include "philox.h"
+#include "plan.h"
 #include "view.h"
 
 // Score (b, h, i, j) from its scaled q.k: the soft cap, then the masks and
@@ -65,5 +66,31 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
 // y and x; W (O, I) row-major, elements of wdt (F32, BF16 or F16).
 void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt,
                          const float *b, int64_t I, int64_t O);
+
+// ---------------------------------------------------------------------------
+// The module-level reference (ref_module.c), in double, on a finished plan.
+
+// Step 1 of the forward: q (N, L, E), k and v (N, Sp, Ekv) from the inputs,
+// with bias_k/bias_v and the zero key/value appended (and RoPE applied).
+void mha__project_qkv(const fwd_plan *p, const mha_module *m,
+                      const mha_forward_args *a, double *q, double *k,
+                      double *v);
+// The head gates of a gated module, (N, L, H) in double: g[(n L + t) H + h]
+// (static: head_gate[h]; dynamic: sigmoid(x_q[t, n, :] W_g[h, :] + b_g[h])).
+void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                  double *g);
+// RoPE on the reference's q (N, L, E) and k (N, Sp, Ekv) (keys t < S), or its
+// inverse (the gradients).
+void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
+                    bool inverse);
+// The forward into out (and weights when asked), ws the plan's scratch
+// (p->off_*, 64-byte aligned).
+void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                      const mha_module *m, const mha_forward_args *a, char *ws);
+// The backward (every gradient; = or += by accumulate); allocates its
+// scratch.
+mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                             mha_module *grads, const mha_module *m, const mha_forward_args *a,
+                             const mha_tensor *gout, bool accumulate);
 
 #endif

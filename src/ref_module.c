@@ -1,0 +1,500 @@
+// ref_module.c: the module-level reference (the oracle), forward and
+// backward, in double: the projections, the appended keys, RoPE, each
+// head's attention (ref.c), the gates, the weights block, the output
+// projection and the output dropout. Plain loops over float or double views
+// (mha__mat); no tiles, no SIMD. mha_forward / mha_backward (forward.c,
+// backward.c) check the arguments and plan the scratch, then call these.
+//
+// The forward (F.multi_head_attention_forward, need_weights path):
+//   q = query W_q^T + b_q        (N, L, E)   one row per (n, l)
+//   k = key W_k^T + b_k          (N, S, Ekv) [+ bias_k] [+ zero row]
+//   v = value W_v^T + b_v        (N, S, Ekv) [+ bias_v] [+ zero row]
+//   heads: q as (N, H, L, d) is the strided view (L*E, d, E, 1) of the
+//   same buffer: the split is a view, not a copy; so are k and v, as
+//   (N, Hkv, S, d) (Ekv = Hkv d; Hkv = H unless grouped-query)
+//   ctx (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v   (per b, h;
+//   query head h reads KV head h / (H / Hkv))
+//   ctx viewed as (N, L, E) is the concatenation of the heads
+//   attn_output = ctx W_o^T + b_o  written in the query's layout
+// Scratch memory is the plan's one block (fwd_plan.off_*); nothing else is
+// allocated by the forward.
+//
+// The backward: the gradient of the module's forward. It recomputes the forward's projections and, head by head, the
+// attention probabilities (and dropout masks, from their seed): nothing from
+// the forward is stored. Every step quotes the forward line it
+// differentiates (above, and ref.c):
+//   forward                                 backward
+//   y  = drop_o(ctx Wo^T + bo)              dy = dY * keep_o / (1 - p_o)
+//                                           dbo = sum dy; dWo = dy^T ctx
+//                                           dctx = dy Wo
+//   ctx_h = attention(q_h, k_g, v_g)        dq_h, dk_h, dv_h (ref.c);
+//   (g = h / G: grouped-query, G = H / Hkv) dk_g = sum of the group's dk_h,
+//                                           summed in increasing h
+//   q = Xq Wq^T + bq                        dWq = dq^T Xq; dbq = sum dq;
+//                                           dXq = dq Wq
+//   k = [Xk Wk^T + bk; bias_k; 0]           rows < S as for q;
+//                                           dbias_k = sum_n dk[n, S]
+//   v = [Xv Wv^T + bv; bias_v; 0]           the same
+// Each output element is summed by one thread in a fixed order, so the
+// result does not depend on the number of threads.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ref.h"
+
+// ---------------------------------------------------------------------------
+// Forward
+
+// Passes a (N, T, E) view (any strides, float or double) to the trace as
+// a float32 copy in buf.
+static void trace_view(const mha_forward_args *a, const char *step, float *buf,
+                       const void *p, mha_dtype dt, const int64_t st[3], int64_t N,
+                       int64_t T, int64_t E) {
+    if (!a->trace) return;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < T; t++) {
+            mha__mat row = mha__vmat((char *)p + (n * st[0] + t * st[1]) *
+                                                     (int64_t)mha_dtype_size(dt),
+                                     dt, 0, st[2]);
+            for (int64_t e = 0; e < E; e++)
+                buf[(n * T + t) * E + e] = (float)mha__ld(row, 0, e);
+        }
+    int64_t shape[3] = {N, T, E};
+    mha_tensor t = mha_tensor_contiguous(buf, MHA_F32, 3, shape);
+    a->trace(a->trace_user, step, -1, -1, &t);
+}
+
+// The same for a contiguous (N, T, E) double buffer.
+static void trace_buffer(const mha_forward_args *a, const char *step,
+                         float *tbuf, const double *buf, int64_t N, int64_t T,
+                         int64_t E) {
+    const int64_t st[3] = {T * E, E, 1};
+    trace_view(a, step, tbuf, buf, MHA_F64, st, N, T, E);
+}
+
+// Projects rows of the view x ((seq, batch, feature) strides xs, T rows
+// per batch element) into the first T of every Tp rows of buf (N, Tp, E):
+// buf[n, t, :] = x[t, n, :] W^T + b.
+static void project(double *buf, int64_t Tp, const mha_tensor *x,
+                    const int64_t xs[3], const void *W, mha_dtype wdt, const float *b,
+                    int64_t N, int64_t T, int64_t I, int64_t E, int nthreads) {
+    const size_t es = mha_dtype_size(x->dtype);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < N * T; r++) {
+        int64_t n = r / T, t = r % T;
+        mha__mat xr = mha__vmat((char *)x->data + (t * xs[0] + n * xs[1]) * (int64_t)es,
+                                x->dtype, 0, xs[2]);
+        mha__ref_linear_row(mha__dmat(buf + (n * Tp + t) * E, E), xr, W, wdt, b, I, E);
+    }
+}
+
+void mha__project_qkv(const fwd_plan *p, const mha_module *m,
+                      const mha_forward_args *a, double *q, double *k,
+                      double *v) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
+    // in_proj_bias (E + 2 Ekv): the Q, K, V biases one after the other
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
+                *bv = bq ? bq + E + Ekv : NULL;
+    project(q, L, a->query, p->qs, m->w_q, m->wdt, bq, N, L, E, E, p->nthreads);
+    project(k, Sp, a->key, p->ks, m->w_k, m->wdt, bk, N, S, p->kdim, Ekv, p->nthreads);
+    project(v, Sp, a->value, p->vs, m->w_v, m->wdt, bv, N, S, p->vdim, Ekv, p->nthreads);
+    for (int64_t n = 0; n < N; n++) {
+        int64_t t = S;
+        if (m->cfg.add_bias_kv) {  // k = cat([k, bias_k]), v = cat([v, bias_v])
+            for (int64_t e = 0; e < Ekv; e++) {
+                k[(n * Sp + t) * Ekv + e] = m->bias_k[e];
+                v[(n * Sp + t) * Ekv + e] = m->bias_v[e];
+            }
+            t++;
+        }
+        if (m->cfg.add_zero_attn) {  // one zero key and value after them
+            memset(k + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
+            memset(v + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
+        }
+    }
+    mha__rope_qk_d(p, a, q, k, false);
+}
+
+void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                  double *g) {
+    const int64_t R = p->N * p->L, H = p->H;
+    if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
+        project(g, p->L, a->query, p->qs, m->gate_weight, MHA_F32, m->gate_bias, p->N, p->L,
+                p->E, H, p->nthreads);
+        for (int64_t i = 0; i < R * H; i++) g[i] = 1.0 / (1.0 + exp(-g[i]));
+        return;
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t h = 0; h < H; h++) g[r * H + h] = m->head_gate[h];
+}
+
+void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
+                    bool inverse) {
+    if (a->rope.mode == MHA_ROPE_NONE) return;
+    double inv[MHA__ROPE_MAX_HALF];
+    mha__rope_inv_freq(inv, &a->rope, p->d);
+    const int64_t L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
+    for (int64_t n = 0; n < p->N; n++) {
+        const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
+        for (int64_t t = 0; t < L; t++)
+            mha__rope_token_d(q + (n * L + t) * E, p->d, p->H, &a->rope, p->d, inv,
+                              (double)(s0 + t), inverse);
+        for (int64_t t = 0; t < S; t++)  // not the appended keys
+            mha__rope_token_d(k + (n * Sp + t) * Ekv, p->d, p->Hkv, &a->rope, p->d, inv,
+                              (double)(s0 + t), inverse);
+    }
+}
+
+void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                      const mha_module *m, const mha_forward_args *a, char *ws) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
+    double *q = (double *)(ws + p->off_q);      // (N, L, E)
+    double *k = (double *)(ws + p->off_k);      // (N, Sp, Ekv)
+    double *v = (double *)(ws + p->off_v);      // (N, Sp, Ekv)
+    double *ctx = (double *)(ws + p->off_ctx);  // (N, L, E)
+    double *headw = (double *)(ws + p->off_headw);   // (N, H, L, Sp)
+    double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
+    float *tbuf = (float *)(ws + p->off_trace);      // the trace's copies
+
+    // 1. Projections (one row per (n, t)); then the appended keys/values.
+    mha__project_qkv(p, m, a, q, k, v);
+    trace_buffer(a, "q", tbuf, q, N, L, E);
+    trace_buffer(a, "k", tbuf, k, N, Sp, Ekv);
+    trace_buffer(a, "v", tbuf, v, N, Sp, Ekv);
+
+    // 2. Attention per (b, h) on strided head views of q, k, v, ctx.
+    const double scale = 1.0 / sqrt((double)d);
+    const bool avg = a->need_weights && a->average_attn_weights;
+    const bool perhead = a->need_weights && !a->average_attn_weights;
+    // every head's weights go to headw when they are averaged or a block of
+    // them is asked for; else straight into the output
+    const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
+    mha__trace tr = {a->trace, a->trace_user, tbuf};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
+    for (int64_t bh = 0; bh < N * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        int tid = mha__thread_id();
+        mha__mat wh = {NULL, false, 0, 0, 0};
+        if (!mha__head_live(m, h)) {  // pruned: zero context, zero weights, no work
+            for (int64_t i = 0; i < L; i++)
+                memset(ctx + b * L * E + i * E + h * d, 0, (size_t)d * sizeof(double));
+            if (via_headw) memset(headw + bh * L * Sp, 0, (size_t)(L * Sp) * sizeof(double));
+            else if (perhead) {
+                int o = p->unbatched ? 0 : 1;
+                mha__mat w = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
+                                                   h * weights->stride[o], o + 2);
+                w.rs = weights->stride[o + 1];
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t j = 0; j < Sp; j++) mha__st(w, i, j, 0.0);
+            }
+            continue;
+        }
+        if (via_headw) {
+            wh = mha__dmat(headw + bh * L * Sp, Sp);
+        } else if (perhead) {
+            int o = p->unbatched ? 0 : 1;  // weights (N,) H, L, Sp
+            wh = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
+                                       h * weights->stride[o], o + 2);
+            wh.rs = weights->stride[o + 1];
+        }
+        mha__ref_attention_head(mha__dmat(ctx + b * L * E + h * d, E), wh,
+                                mha__dmat(q + b * L * E + h * d, E),
+                                mha__dmat(k + b * Sp * Ekv + (h / G) * d, Ekv),
+                                mha__dmat(v + b * Sp * Ekv + (h / G) * d, Ekv), L, Sp, d, d,
+                                scale, &p->mask, mha__plan_drop(p), b, h,
+                                scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
+    }
+    trace_buffer(a, "concat", tbuf, ctx, N, L, E);
+    // Gates: head h's context times g[n, t, h] (before W_O).
+    if (mha__module_gated(m)) {
+        double *gate = (double *)(ws + p->off_gate);
+        mha__gates_d(p, m, a, gate);
+        for (int64_t r = 0; r < N * L; r++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
+        trace_buffer(a, "gated", tbuf, ctx, N, L, E);
+    }
+
+    // 3. Averaged weights: mean over the (selected) heads, summed in head
+    //    order; or the selected block of the per-head weights.
+    if (avg) {
+        int o = p->unbatched ? 0 : 1;  // weights (N,) Ls, Sp
+        const int64_t Ls = p->wr1 - p->wr0, live = mha__live_in(m, p->wh0, p->wh1);
+        for (int64_t b = 0; b < N; b++)
+            for (int64_t i = p->wr0; i < p->wr1; i++) {
+                double *row = scores;  // (a free (L, Sp) block now)
+                for (int64_t j = 0; j < Sp; j++) {
+                    double s = 0.0;
+                    for (int64_t h = p->wh0; h < p->wh1; h++)
+                        s += headw[((b * H + h) * L + i) * Sp + j];
+                    row[j] = s / (double)(live ? live : 1);  // pruned rows are 0
+                }
+                mha__weights_row_out(weights, a->weights_scale, b * Ls + i - p->wr0,
+                                     (p->unbatched ? 0 : b * weights->stride[0]) +
+                                         (i - p->wr0) * weights->stride[o],
+                                     row, NULL, Sp);
+            }
+    } else if (via_headw) {
+        int o = p->unbatched ? 0 : 1;  // weights (N,) Hs, Ls, Sp
+        const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
+        for (int64_t b = 0; b < N; b++)
+            for (int64_t h = p->wh0; h < p->wh1; h++)
+                for (int64_t i = p->wr0; i < p->wr1; i++)
+                    mha__weights_row_out(weights, a->weights_scale,
+                                         (b * Hs + h - p->wh0) * Ls + i - p->wr0,
+                                         (p->unbatched ? 0 : b * weights->stride[0]) +
+                                             (h - p->wh0) * weights->stride[o] +
+                                             (i - p->wr0) * weights->stride[o + 1],
+                                         headw + ((b * H + h) * L + i) * Sp, NULL, Sp);
+    }
+
+    // 4. Output projection, written in the query's layout; then the output
+    //    dropout (training only).
+    int64_t os[3];
+    mha__seq_batch_feat(os, out, m->cfg.batch_first);
+#pragma omp parallel for schedule(static) num_threads(p->nthreads)
+    for (int64_t r = 0; r < N * L; r++) {
+        int64_t n = r / L, t = r % L;
+        mha__mat y = mha__view_at(out, t * os[0] + n * os[1], out->ndim - 1);
+        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->w_out, m->wdt, m->out_bias,
+                            E, E);
+        if (p->out_p > 0.0f)
+            for (int64_t e = 0; e < E; e++)
+                mha__st(y, 0, e, mha__ld(y, 0, e) *
+                                     mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
+                                                          p->L, p->E, n, t, e));
+    }
+    if (a->trace) {
+        const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
+        trace_view(a, "output", tbuf, out->data, out->dtype, st, N, L, E);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Backward
+
+// Element `off` of a view's memory (any float type): = v, or += v.
+static inline void store(void *base, mha_dtype dt, int64_t off, double v, bool acc) {
+    const mha__mat m = mha__vmat(base, dt, 0, 1);
+    mha__st(m, 0, off, acc ? mha__ld(m, 0, off) + v : v);
+}
+
+// dW (O, I) (+)= sum_{n < N, t < T} dY[n, t, :]^T X[t, n, :] and
+// db (O) (+)= sum_{n, t} dY[n, t, :], where dY is (N, Tp, O) row-major
+// (only its first T rows per n are used) and X is a float or double view
+// with (seq, batch, feature) strides xs.
+static void grad_linear(float *dW, float *db, bool acc, const double *dY,
+                        int64_t Tp, const void *X, mha_dtype xdt,
+                        const int64_t xs[3], int64_t N, int64_t T, int64_t O,
+                        int64_t I, int nt) {
+    mha__mat x = mha__vmat((void *)X, xdt, 0, 1);
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t o = 0; o < O; o++) {
+        for (int64_t i = 0; i < I; i++) {
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t t = 0; t < T; t++)
+                    s += dY[(n * Tp + t) * O + o] *
+                         mha__ld(x, 0, t * xs[0] + n * xs[1] + i * xs[2]);
+            store(dW, MHA_F32, o * I + i, s, acc);
+        }
+        if (db) {
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t t = 0; t < T; t++) s += dY[(n * Tp + t) * O + o];
+            store(db, MHA_F32, o, s, acc);
+        }
+    }
+}
+
+// dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major; dX is a
+// float or double view with (seq, batch, feature) strides xs; dY is
+// (N, Tp, O).
+static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc,
+                       const double *dY, int64_t Tp, const float *W, int64_t N,
+                       int64_t T, int64_t O, int64_t I, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < N * T; r++) {
+        int64_t n = r / T, t = r % T;
+        const double *dy = dY + (n * Tp + t) * O;
+        for (int64_t i = 0; i < I; i++) {
+            double s = 0.0;
+            for (int64_t o = 0; o < O; o++) s += dy[o] * W[o * I + i];
+            store(dX, dt, t * xs[0] + n * xs[1] + i * xs[2], s, acc);
+        }
+    }
+}
+
+// The reference module backward (mha_backward's reference path; see the
+// table at the top of this section).
+mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                             mha_module *grads, const mha_module *m, const mha_forward_args *a,
+                             const mha_tensor *gout, bool accumulate) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
+    const int nt = p->nthreads;
+    // Scratch, one block of doubles: per thread 2 (L, Sp) and, with G > 1,
+    // 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy (N, L, E);
+    // k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, E), gate and dg (N, L, H).
+    const bool gated = mha__module_gated(m);
+    size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * Ekv),
+           nlh = gated ? (size_t)(N * L * H) : 0,
+           lsp = (size_t)(L * Sp) + (G > 1 ? (size_t)(Sp * d) : 0), count, bytes;
+    if (mha__mul_overflow_size(2 * lsp, (size_t)nt, &count) ||
+        mha__add_overflow_size(count, (gated ? 6 : 5) * nle + 4 * nse + 2 * nlh, &count) ||
+        mha__mul_overflow_size(count, sizeof(double), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
+    double *block = mha__malloc(bytes ? bytes : 1);
+    if (!block)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_backward: out of memory for %zu bytes of scratch", bytes);
+    double *pw = block;  // nt x (2 (L, Sp) [+ 2 (Sp, d)])
+    double *q = block + 2 * lsp * (size_t)nt;
+    double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
+    double *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
+    double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh;
+
+    // Forward step 1 again: the projections.
+    mha__project_qkv(p, m, a, q, k, v);
+
+    // y = drop_o(ctx Wo^T + bo):  dy = dY * keep_o / (1 - p_o), (N, L, E)
+    int64_t gs[3];
+    mha__seq_batch_feat(gs, gout, m->cfg.batch_first);
+    mha__mat g = mha__vmat(gout->data, gout->dtype, 0, 1);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < L; t++)
+            for (int64_t e = 0; e < E; e++) {
+                double gv_ = mha__ld(g, 0, t * gs[0] + n * gs[1] + e * gs[2]);
+                if (p->out_p > 0.0f)
+                    gv_ *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L, p->E,
+                                                n, t, e);
+                dy[(n * L + t) * E + e] = gv_;
+            }
+    // dctx = dy Wo  (forward: y = ctx Wo^T + bo)
+    const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
+    grad_input(gated ? dgc : dctx, MHA_F64, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
+    // gated: the forward's ctx_h * g (gctx) went into W_O, so
+    // dctx_h = dgc_h * g and dg = sum_c dgc_h ctx_h (after the heads)
+    if (gated) {
+        mha__gates_d(p, m, a, gate);
+        for (int64_t r = 0; r < N * L; r++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t c = 0; c < d; c++)
+                    dctx[r * E + h * d + c] = dgc[r * E + h * d + c] * gate[r * H + h];
+    }
+
+    // Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
+    // (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
+    // the first writes dk_g, dv_g, each later one adds its share (so the
+    // sum's order is fixed, whatever the threads).
+    const double scale = 1.0 / sqrt((double)d);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t bg = 0; bg < N * Hkv; bg++) {
+        int64_t b = bg / Hkv, kvh = bg % Hkv;
+        double *ws = pw + (size_t)mha__thread_id() * 2 * lsp;
+        double *dkh = ws + 2 * L * Sp, *dvh = dkh + Sp * d;  // (Sp, d) each, G > 1
+        const int64_t ok = b * Sp * Ekv + kvh * d, h0 = mha__group_first_live(m, kvh, G);
+        if (h0 < 0)  // every query head of the group pruned: no gradient
+            for (int64_t j = 0; j < Sp; j++)
+                for (int64_t c = 0; c < d; c++) dk[ok + j * Ekv + c] = dv[ok + j * Ekv + c] = 0.0;
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
+            const int64_t oq = b * L * E + h * d;
+            if (!mha__head_live(m, h)) {  // pruned: zero context (forward), zero dq
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t c = 0; c < d; c++) ctx[oq + i * E + c] = dq[oq + i * E + c] = 0.0;
+                continue;
+            }
+            const bool first = h == h0;
+            mha__ref_attention_head_backward(
+                mha__dmat(dq + oq, E), first ? mha__dmat(dk + ok, Ekv) : mha__dmat(dkh, d),
+                first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d),
+                mha__dmat(ctx + oq, E), mha__dmat(dctx + oq, E), mha__dmat(q + oq, E),
+                mha__dmat(k + ok, Ekv), mha__dmat(v + ok, Ekv), L, Sp, d, d, scale, &p->mask,
+                mha__plan_drop(p), b, h, ws);
+            if (!first)  // dk_g += dk_h, dv_g += dv_h
+                for (int64_t j = 0; j < Sp; j++)
+                    for (int64_t c = 0; c < d; c++) {
+                        dk[ok + j * Ekv + c] += dkh[j * d + c];
+                        dv[ok + j * Ekv + c] += dvh[j * d + c];
+                    }
+        }
+    }
+
+    mha__rope_qk_d(p, a, dq, dk, true);  // through the rotation (orthogonal)
+    if (gated) {
+        // dg[n, t, h] = sum_c dgc ctx (the ungated context); then dgc <- gctx.
+        // Dynamic: dz = dg g (1 - g) in dg, z = x_q W_g^T + b_g.
+        for (int64_t r = 0; r < N * L; r++)
+            for (int64_t h = 0; h < H; h++) {
+                double sdg = 0.0;
+                for (int64_t c = 0; c < d; c++) {
+                    const int64_t i = r * E + h * d + c;
+                    sdg += dgc[i] * ctx[i];
+                    dgc[i] = ctx[i] * gate[r * H + h];
+                }
+                const double gv_ = gate[r * H + h];
+                dg[r * H + h] = m->cfg.head_gate == MHA_GATE_DYNAMIC ? sdg * gv_ * (1.0 - gv_)
+                                                                     : sdg;
+            }
+    }
+    if (grads && m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum_{n,t} dg
+        for (int64_t h = 0; h < H; h++) {
+            double sg = 0.0;
+            for (int64_t r = 0; r < N * L; r++) sg += dg[r * H + h];
+            store(grads->head_gate, MHA_F32, h, sg, accumulate);
+        }
+    if (grads && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = sum dz
+        grad_linear(grads->gate_weight, grads->gate_bias, accumulate, dg, L, a->query->data,
+                    a->query->dtype, p->qs, N, L, H, E, nt);
+    if (grads) {
+        float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
+              *gbv = gbq ? gbq + E + Ekv : NULL;
+        mha_dtype qf = a->query->dtype, kf = a->key->dtype, vf = a->value->dtype;
+        // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
+        // ctx is gctx, formed in dgc after dg)
+        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
+                    MHA_F64, cs, N, L, E, E, nt);
+        // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
+        grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs,
+                    N, L, E, E, nt);
+        grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks,
+                    N, S, Ekv, p->kdim, nt);
+        grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs,
+                    N, S, Ekv, p->vdim, nt);
+        // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
+        if (m->cfg.add_bias_kv)
+            for (int64_t e = 0; e < Ekv; e++) {
+                double sk = 0.0, sv = 0.0;
+                for (int64_t n = 0; n < N; n++) {
+                    sk += dk[(n * Sp + S) * Ekv + e];
+                    sv += dv[(n * Sp + S) * Ekv + e];
+                }
+                store(grads->bias_k, MHA_F32, e, sk, accumulate);
+                store(grads->bias_v, MHA_F32, e, sv, accumulate);
+            }
+    }
+    // dXq = dq Wq, dXk = dk Wk (rows < S), dXv = dv Wv  (forward: projections)
+    int64_t xs[3];
+    if (gq) {
+        mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
+        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight,
+                   N, L, E, E, nt);
+        if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
+            grad_input(gq->data, gq->dtype, xs, true, dg, L, m->gate_weight, N, L, H, E, nt);
+    }
+    if (gk) {
+        mha__seq_batch_feat(xs, gk, m->cfg.batch_first);
+        grad_input(gk->data, gk->dtype, xs, accumulate, dk, Sp, m->k_weight,
+                   N, S, Ekv, p->kdim, nt);
+    }
+    if (gv) {
+        mha__seq_batch_feat(xs, gv, m->cfg.batch_first);
+        grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->v_weight,
+                   N, S, Ekv, p->vdim, nt);
+    }
+    free(block);
+    return MHA_OK;
+}
+
