@@ -15,6 +15,7 @@
 
 #include "check.h"
 #include "flash.h"
+#include "kvcache.h"
 #include "plan.h"
 
 #define MHA__DECODE_MAX_T 16

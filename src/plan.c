@@ -96,6 +96,8 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     p->H = c->num_heads;
     p->d = m->head_dim;
     p->Hkv = c->num_kv_heads;
+    p->g0 = 0;
+    p->g1 = p->Hkv;
     p->Ekv = m->kv_dim;
     p->kdim = c->kdim;
     p->vdim = c->vdim;
@@ -332,5 +334,113 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
                                 : 0))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
     p->ws_bytes = t + 64;
+    return MHA_OK;
+}
+
+// ---------------------------------------------------------------------------
+// The outputs of a planned call
+
+mha_status mha__check_forward_outputs(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                                     const mha_forward_args *a) {
+    mha_status st;
+    if ((st = mha__check_output(out, "attn_output", &p->out_shape))) return st;
+    if (a->need_weights) {
+        if (!weights)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "need_weights is set but attn_output_weights is NULL");
+        if (weights->dtype == MHA_U8) {  // int8 weights: shape, and the scales
+            mha_tensor wf = *weights;
+            wf.dtype = MHA_F32;  // (the same checks on dims and strides)
+            if ((st = mha__check_output(&wf, "attn_output_weights", &p->w_shape))) return st;
+            if (!a->weights_scale)
+                return mha__fail(MHA_ERR_INVALID_ARG,
+                                 "attn_output_weights is U8 (int8 weights) but "
+                                 "weights_scale is NULL");
+        } else if ((st = mha__check_output(weights, "attn_output_weights", &p->w_shape))) {
+            return st;
+        } else if (a->weights_scale) {
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "weights_scale is set but attn_output_weights is %s, not U8",
+                             mha_dtype_name(weights->dtype));
+        }
+    }
+    const mha_tensor *ins[5] = {a->query, a->key, a->value, a->key_padding_mask,
+                                a->attn_mask};
+    const char *names[5] = {"query", "key", "value", "key_padding_mask",
+                            "attn_mask"};
+    for (int i = 0; i < 5; i++) {
+        if ((st = mha__check_no_overlap(out, "attn_output", ins[i], names[i])))
+            return st;
+        if (a->need_weights &&
+            (st = mha__check_no_overlap(weights, "attn_output_weights", ins[i], names[i])))
+            return st;
+    }
+    if (a->need_weights &&
+        (st = mha__check_no_overlap(weights, "attn_output_weights", out, "attn_output")))
+        return st;
+    return MHA_OK;
+}
+
+static mha_status check_grad_view(const mha_tensor *g, const char *name,
+                                  const mha_tensor *like) {
+    if (!g) return MHA_OK;
+    mha_shape want = {like->ndim, {0}};
+    for (int i = 0; i < like->ndim; i++) want.dims[i] = like->shape[i];
+    return mha__check_output(g, name, &want);
+}
+
+static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
+    if (!g) return MHA_OK;
+    if (g == m)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "backward: the gradient module is the module itself");
+    const mha_config *a = &g->cfg, *b = &m->cfg;
+    if (a->embed_dim != b->embed_dim || a->num_heads != b->num_heads ||
+        a->num_kv_heads != b->num_kv_heads ||
+        a->kdim != b->kdim || a->vdim != b->vdim || a->bias != b->bias ||
+        a->add_bias_kv != b->add_bias_kv || a->head_gate != b->head_gate)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "backward: the gradient module's configuration "
+                         "(embed_dim %lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
+                         "vdim %lld, bias %d, add_bias_kv %d, head_gate %s) differs from the "
+                         "module's (%lld, %lld, %lld, %lld, %lld, %d, %d, %s)",
+                         (long long)a->embed_dim, (long long)a->num_heads,
+                         (long long)a->num_kv_heads,
+                         (long long)a->kdim, (long long)a->vdim, a->bias,
+                         a->add_bias_kv, mha_head_gate_name(a->head_gate),
+                         (long long)b->embed_dim,
+                         (long long)b->num_heads, (long long)b->num_kv_heads,
+                         (long long)b->kdim,
+                         (long long)b->vdim, b->bias, b->add_bias_kv,
+                         mha_head_gate_name(b->head_gate));
+    return MHA_OK;
+}
+
+mha_status mha__check_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
+                              mha_tensor *gv, const mha_module *grads, const mha_module *m,
+                              const mha_forward_args *a, const mha_tensor *gout) {
+    mha_status st;
+    if (!gout)
+        return mha__fail(MHA_ERR_INVALID_ARG, "backward: grad_output is NULL");
+    if ((st = mha__check_output(gout, "grad_output", &p->out_shape)) ||
+        (st = check_grad_view(gq, "grad_query", a->query)) ||
+        (st = check_grad_view(gk, "grad_key", a->key)) ||
+        (st = check_grad_view(gv, "grad_value", a->value)) ||
+        (st = check_grads_module(grads, m)))
+        return st;
+    const mha_tensor *outs[3] = {gq, gk, gv};
+    const char *onames[3] = {"grad_query", "grad_key", "grad_value"};
+    const mha_tensor *ins[6] = {a->query, a->key, a->value, a->key_padding_mask,
+                                a->attn_mask, gout};
+    const char *inames[6] = {"query", "key", "value", "key_padding_mask",
+                             "attn_mask", "grad_output"};
+    for (int o = 0; o < 3; o++) {
+        for (int i = 0; i < 6; i++)
+            if ((st = mha__check_no_overlap(outs[o], onames[o], ins[i], inames[i])))
+                return st;
+        for (int o2 = o + 1; o2 < 3; o2++)
+            if ((st = mha__check_no_overlap(outs[o], onames[o], outs[o2], onames[o2])))
+                return st;
+    }
     return MHA_OK;
 }

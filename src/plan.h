@@ -1,92 +1,19 @@
-// plan.h: what forward.c and backward.c share: argument checks, the
-// forward's plan (dims, strides, masks, scratch layout) and the input
-// projections.
+// plan.h: the planner's product (plan.c): what one forward or backward
+// call will do, decided once from the module and the arguments: dims and
+// strides, the mask, dropout, output shapes, the weights block, threads,
+// the implementation and its scratch layout; and the saved state a
+// training forward keeps for its backward (saved.c). Plan layer: base,
+// kernels (for the GEMM and flash sizes) and the module only.
 #ifndef MHA_PLAN_H
 #define MHA_PLAN_H
 
 #include "check.h"
 #include "kernels/kernels.h"
-#include "module.h"
 #include "mask.h"
+#include "module.h"
 #include "philox.h"
 #include "rope.h"
 #include "view.h"
-
-// A part of the heads, for the distributed layer (src/mpi): the KV heads
-// [g0, g1) and their query heads; every other head is skipped as if pruned
-// (zero context). Forward: only the range's Q/K/V projections and
-// attention; with ctx (Rq, E), the ungated context is written there (the
-// range's columns; the rest zero) and the forward stops before W_O; without,
-// the output is the range's share ctx_range W_O[:, range]^T (+
-// out_proj.bias only when bias). Backward: the range's share of every
-// gradient (the other heads' rows and columns exactly 0; out_proj.bias's
-// only when bias; grad_query/key/value the range's share dq W_Q[range] +
-// ...); dq, dk, dv (when non-NULL: (Rq, E), (Rk, Ekv), (Rk, Ekv)) get the
-// projections' gradients (the range's columns, the rest 0).
-struct mha__attn_io;
-typedef struct mha__part {
-    int64_t g0, g1;
-    float *ctx;
-    bool bias;
-    float *dq, *dk, *dv;
-    float *dz;  // backward, dynamic gates: (Rq, H) the gates' logit gradients
-    // Forward, sequence parallelism: with q_out, stop after the projections
-    // (of the range; RoPE applied at the views' positions) and copy them out:
-    // q_out (Rq, E), k_out, v_out (Rk, Ekv), rows as the views'. With q_in,
-    // skip the projections and RoPE and attend with these instead (rows as
-    // the plan's views, whose data are then not read: only their shapes
-    // count); the context goes to ctx.
-    float *q_out, *k_out, *v_out;
-    const float *q_in, *k_in, *v_in;
-    // Ring attention (a block of keys): the queries' position minus the
-    // keys' (causal, window and ALiBi see global positions); the whole
-    // key_padding_mask and the block's first key in it (the args carry
-    // none); stats (N, H, L, 2): each row's max and 1/sum, as flash.h.
-    int64_t q_off;
-    const mha_tensor *kpm_full;
-    int64_t kpm_off;
-    float *stats;
-    // Ring attention, the whole call on a rank's tokens: attn replaces the
-    // attention step (mha__part_forward: called once to fill io->ctx;
-    // mha__part_backward: once so, then again with io->dctx to fill dq,
-    // dk, dv), the rest (projections, RoPE, gates, W_O, every gradient) is
-    // the fused path's. rope_pos (the view's T tokens): token t's position
-    // is rope_start[n] + rope_pos[t] (NULL: t).
-    mha_status (*attn)(void *arg, const struct mha__attn_io *io);
-    void *attn_arg;
-    const int64_t *rope_pos;
-    // Between tiles, on the calling thread (OpenMP thread 0; NULL: none):
-    // ring attention drives its messages from there.
-    void (*progress)(void *arg);
-    void *progress_arg;
-    // When non-NULL: += the (query tile, key tile) pairs whose scores the
-    // attention computed (mha__part_forward, mha__part_attn_backward).
-    int64_t *tiles;
-    // mha__part_attn_backward (a block of keys, q_in/k_in/v_in as the
-    // forward's): o_in, do_in (Rq, E) the whole attention's context and its
-    // gradient, stats (as above) its rows' max and 1/sum, dsum_in (N, H, L)
-    // rowsum(do_in * o_in) per head; dq (Rq, E), dk, dv (Rk, Ekv) are
-    // overwritten with this block's terms.
-    const float *o_in, *do_in, *dsum_in;
-} mha__part;
-
-// What a part's attn callback sees: row matrices laid out as the views
-// ((t, n) rows when seq_first, else (n, t)); q (N L rows, stride ldq), k
-// and v (N S rows, stride ldk) after RoPE; ctx (N L, E). Backward: dctx
-// given; dq, dk, dv to write (strides ldq, ldk; before the inverse RoPE).
-typedef struct mha__attn_io {
-    int64_t N, L, S;
-    bool seq_first;
-    const float *q, *k, *v;
-    int64_t ldq, ldk;
-    float *ctx;
-    const float *dctx;
-    float *dq, *dk, *dv;
-    // With a saved state (mha_forward_args.save): N H L 2 floats it keeps,
-    // the forward's to fill with what the backward needs (the backward then
-    // gets q, k, v, ctx and these from the state, without a forward call).
-    float *stats;
-} mha__attn_io;
 
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
@@ -108,8 +35,12 @@ typedef struct fwd_plan {
     size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace, off_gate;
     size_t ws_bytes;
     int nthreads;
-    const mha__part *part;  // NULL: every head
-    // the fused path (fused.c): its own scratch layout
+    // the KV heads [g0, g1) it runs (and their query heads): [0, Hkv) unless
+    // a distributed part's range; part: that part's hooks (fused.h), NULL
+    // for a whole call
+    int64_t g0, g1;
+    const struct mha__part *part;
+    // the fused path (fused_fwd.c, fused_bwd.c): its own scratch layout
     bool fused;
     bool self_packed;            // one GEMM over the packed in_proj_weight
     bool q_direct, k_direct, v_direct, out_direct;  // views usable as rows
@@ -121,47 +52,41 @@ typedef struct fwd_plan {
 // first such head of KV head g (G query heads each), or -1.
 static inline bool mha__plan_head_live(const fwd_plan *p, const mha_module *m, int64_t h) {
     const int64_t g = h / (p->H / p->Hkv);
-    return mha__head_live(m, h) && (!p->part || (g >= p->part->g0 && g < p->part->g1));
+    return mha__head_live(m, h) && g >= p->g0 && g < p->g1;
 }
 static inline int64_t mha__plan_group_first_live(const fwd_plan *p, const mha_module *m,
                                                  int64_t g, int64_t G) {
-    if (p->part && (g < p->part->g0 || g >= p->part->g1)) return -1;
+    if (g < p->g0 || g >= p->g1) return -1;
     return mha__group_first_live(m, g, G);
 }
 
-// The distributed layer's entry points (fused path, float32; fused.c).
-mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
-                             const mha__part *part);
-mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mha_module *grads,
-                              const mha_module *m, const mha_forward_args *a,
-                              const mha_tensor *gout, const mha__part *part);
-// The input gradients from the full projection gradients (what the
-// single-process fused backward computes from them, bit for bit):
-// grad_query = dq W_Q (+ dz W_g with dynamic gates), grad_key = dk W_K,
-// grad_value = dv W_V; each output may be NULL; accumulate: added to them
-// (in the backward's order).
-mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
-                                 const mha_module *m, const mha_forward_args *a,
-                                 const float *dq, const float *dk, const float *dv,
-                                 const float *dz, bool accumulate);
-// The rest of the forward from a full context ctx (Rq, E, ungated): the
-// gates, W_O and the output dropout, into out (what the single-process
-// fused forward computes from its context, bit for bit).
-mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
-                                 const mha_forward_args *a, const float *ctx);
 
-// The backward of one block's attention (ring attention; the part's
-// o_in, do_in, stats, dsum_in, q_in, k_in, v_in; dq, dk, dv written).
-mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *a,
-                                   const mha__part *part);
-// The plan of a part (fused path, no weights, saved state or trace; a2 the
-// args it runs with; the range, q_off and the block's mask columns set).
-mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
-                          const mha_forward_args *a, const mha__part *part);
+// Checks every forward argument and fills the plan.
+mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
+                             const mha_forward_args *a);
+// The fused path: checks what it needs (F32 views, no trace) and lays out
+// its scratch (p->ws_bytes).
+mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
+                           const mha_forward_args *a);
+// The widening scratch of a module with half weights (floats; the GEMM's
+// packing of a half weight matrix, nt threads).
+size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt);
+// The output views of a planned forward (attn_output, and the weights when
+// asked: shape, dtype, int8 scales, no aliasing with the inputs).
+mha_status mha__check_forward_outputs(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                                     const mha_forward_args *a);
+// A backward's gradient views and gradient module against the plan of its
+// forward (shapes, configuration, no aliasing).
+mha_status mha__check_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
+                              mha_tensor *gv, const mha_module *grads, const mha_module *m,
+                              const mha_forward_args *a, const mha_tensor *gout);
+// The dropout descriptor for the heads: NULL unless attention dropout is
+// active.
+static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
+    return p->drop.p > 0.0f ? &p->drop : NULL;
+}
 
-// The state a training forward keeps (mha_forward_args.save). Layout of
-// buf (floats): the projections as the fused backward lays them out
-// (self_packed: (Rq, E + 2 Ekv); else q (Rq, E), k (Rk, Ekv), v (Rk, Ekv)),
+
 // then the context (Rq, E), then the row stats (N H L, 2).
 typedef struct mha__saved_key {
     const mha_module *m;
@@ -200,47 +125,11 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
                               const mha_forward_args *a);
 
 // mha_kv_cache_attend with the queries q_shift positions later (q_shift >=
-// T: every cached key visible; the check that each sequence holds its
-// queries skipped when q_shift > 0) and, when stats is non-NULL, each
-// row's max and 1/sum into stats (B, H, T, 2) ((-inf, 0): nothing
-// visible): a shard's part of a sharded cache (mha_mpi.h).
-mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
-                                   const mha_cache_attend_args *args, const int64_t *counts,
-                                   int64_t q_shift, float *stats);
-// A cache's batch, KV heads and head dims.
-void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
-                        int64_t *Dv);
 
-// Checks every forward argument and fills the plan.
-mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
-                             const mha_forward_args *a);
-// The fused path: checks what it needs (F32 views, no trace) and lays out
-// its scratch (p->ws_bytes).
-mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
-                           const mha_forward_args *a);
-// The widening scratch of a module with half weights (floats; the GEMM's
-// packing of a half weight matrix, nt threads).
-size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt);
-mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                        const mha_module *m, const mha_forward_args *a, char *ws);
-// Its last step alone, from a context ctx (Rq, E; gated in place).
-void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
-                            const mha_forward_args *a, float *ctx, char *ws);
-// The fused scaled-dot-product attention: F32 views with unit last stride
-// (checked by the caller), mask over (b, h, i, j). Allocates its scratch.
-mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
-                           const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
-                           double scale);
-// The fused backward (allocates its own scratch).
-mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
-                               mha_tensor *gv, mha_module *grads, const mha_module *m,
-                               const mha_forward_args *a, const mha_tensor *gout,
-                               bool accumulate);
-
-// The dropout descriptor for the heads: NULL unless attention dropout is
-// active.
-static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
-    return p->drop.p > 0.0f ? &p->drop : NULL;
-}
+// Floats of the projections as the fused backward (and the saved state)
+// lay them out: (Rq, E + 2 Ekv) packed, else q (Rq, E), k and v (Rk, Ekv).
+size_t mha__qkv_floats(const fwd_plan *p, int64_t Rq, int64_t Rk);
+// Two saved keys are the same forward's (both filled by mha__saved_key_of).
+bool mha__saved_key_equal(const mha__saved_key *x, const mha__saved_key *y);
 
 #endif

@@ -18,7 +18,7 @@
 #include "check.h"
 #include "util.h"
 #include "mha.h"
-#include "plan.h"
+#include "part.h"
 
 
 static void one_case(int id) {

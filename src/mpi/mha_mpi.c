@@ -26,7 +26,7 @@
 #include <string.h>
 
 #include "mha_mpi.h"
-#include "plan.h"
+#include "part.h"
 
 const char *mha_parallel_name(mha_parallel p) {
     switch (p) {

@@ -38,7 +38,7 @@
 
 #include "../check.h"
 #include "internal.h"
-#include "plan.h"
+#include "part.h"
 #include "mha.h"
 
 #if defined(__SANITIZE_ADDRESS__)

@@ -1,0 +1,148 @@
+// decode.c: mha_forward_cached, the module's causal self-attention over a
+// chunk of new tokens through a KV cache (incremental decoding, chunked
+// prefill): the projections (linear.h), RoPE at the cache's positions,
+// append, attention over the cache (kvcache.c), gates and W_O. Every
+// allocation happens before the cache changes; an error after the append
+// rolls it back.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvcache.h"
+#include "linear.h"
+mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
+                              mha_kv_cache *cache) {
+    if (!out || !m || !a || !cache || !a->query)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_cached: NULL argument");
+    const mha_config *cfg = &m->cfg;
+    if (a->key_padding_mask || a->attn_mask || a->need_weights || a->trace ||
+        (a->training && (cfg->dropout > 0.0f || cfg->out_dropout > 0.0f)) ||
+        cfg->add_bias_kv || cfg->add_zero_attn || (cfg->kdim && cfg->kdim != cfg->embed_dim) ||
+        (cfg->vdim && cfg->vdim != cfg->embed_dim))
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_forward_cached: masks, need_weights, trace, dropout, "
+                         "add_bias_kv, add_zero_attn and kdim/vdim != embed_dim are not "
+                         "available with a KV cache");
+    if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32)
+        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_forward_cached: float32 query and output only");
+    mha_forward_args a2 = *a;
+    a2.key = a2.value = a->query;
+    a2.is_causal = true;
+    a2.rope_start = NULL;
+    a2.save = NULL;
+    a2.impl = MHA_IMPL_FUSED;
+    fwd_plan p;
+    mha_status st = mha__plan_forward(&p, m, &a2);
+    if (st) return st;
+    if ((st = mha__check_output(out, "attn_output", &p.out_shape)) ||
+        (st = mha__check_no_overlap(out, "attn_output", a->query, "query")))
+        return st;
+    const int64_t N = p.N, T = p.L, E = p.E, H = p.H, d = p.d, R = mha__rows_of(a->query);
+    const int64_t Hkv = p.Hkv, Ekv = p.Ekv, W3 = E + 2 * Ekv;
+    int64_t cB, cH, cD, cDv;
+    mha__kv_cache_dims(cache, &cB, &cH, &cD, &cDv);
+    if (cB != N || cH != Hkv || cD != d || cDv != d)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "mha_forward_cached: the cache holds batch %lld, %lld KV heads of "
+                         "dims %lld/%lld; this module and query need batch %lld, %lld KV "
+                         "heads (num_kv_heads) of dim %lld",
+                         (long long)cB, (long long)cH, (long long)cD, (long long)cDv,
+                         (long long)N, (long long)Hkv, (long long)d);
+    const mha__kernels *kt = mha__kernels_get();
+    const int nt = p.nthreads;
+    const bool seq_first = p.unbatched || !cfg->batch_first;
+    // scratch: gathered x, packed weights (E (E + 2 Ekv) or separate) and
+    // Wo, GEMM scratch, qkv (R, E + 2 Ekv), ctx (R, E), y (R, E), the start
+    // positions
+    const size_t pw = mha__gemm_packed_b_floats(kt, E, E), n_gs = mha__gemm_scratch_floats(kt, nt),
+                 pwkv = mha__gemm_packed_b_floats(kt, E, Ekv);
+    const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, W3) : pw + 2 * pwkv;
+    const size_t n_wh = m->wdt == MHA_F32 ? 0 : mha__half_weight_floats(kt, m, nt);
+    size_t total = (size_t)(R * E) * 3 + (size_t)(R * W3) + n_w + pw + n_gs + n_wh, bytes;
+    if (mha__mul_overflow_size(total, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
+    // (everything is allocated before the cache changes: a failure after
+    // the append can only come from the attention, and is rolled back)
+    const bool gated = mha__module_gated(m);
+    const size_t gfloats = gated ? (size_t)(R * H + R * E) + mha__gemm_packed_b_floats(kt, E, H) : 0;
+    float *blk = mha__alloc(bytes);
+    int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
+    float *gbuf = gated ? mha__alloc(sizeof(float) * gfloats) : NULL;
+    if (!blk || !starts || (gated && !gbuf)) {
+        mha__free(blk);
+        free(starts);
+        mha__free(gbuf);
+        return mha__fail(MHA_ERR_NOMEM,
+                         "mha_forward_cached: out of memory for %zu bytes of scratch",
+                         bytes + sizeof(float) * gfloats + sizeof(int64_t) * (size_t)N);
+    }
+    float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pw, *qkv = gs + n_gs,
+          *ctx = qkv + R * W3, *yt = ctx + R * E, *wh = yt + R * E;
+    int64_t ldx = E;
+    const float *X = xg;
+    if (mha__rows_direct(a->query, &ldx)) X = a->query->data;
+    else mha__gather_rows(xg, a->query), ldx = E;
+    const float *bq = m->in_proj_bias;
+    if (m->packed) {
+        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_in, wh), bq, R, E, W3, wt, gs, nt);
+    } else {
+        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_q, wh), bq, R, E, E, wt, gs, nt);
+        mha__linear_rows(kt, qkv + E, W3, X, ldx, mha__wmat_of(m, m->w_k, wh), bq ? bq + E : NULL, R, E, Ekv,
+                    wt + pw, gs, nt);
+        mha__linear_rows(kt, qkv + E + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh), bq ? bq + E + Ekv : NULL,
+                    R, E, Ekv, wt + pw + pwkv, gs, nt);
+    }
+    // (N, H, T, d) and (N, Hkv, T, d) views of the rows: row r = t N + n
+    // (seq first) or n T + t
+    const int64_t ns = seq_first ? 1 : T, ts = seq_first ? N : 1;
+    mha_tensor qv = {qkv, MHA_F32, 4, {N, H, T, d}, {ns * W3, d, ts * W3, 1}};
+    mha_tensor kv = {qkv + E, MHA_F32, 4, {N, Hkv, T, d}, {ns * W3, d, ts * W3, 1}};
+    mha_tensor vv = kv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
+    vv.data = qkv + E + Ekv;
+    for (int64_t n = 0; n < N; n++) starts[n] = mha_kv_cache_length(cache, n);
+    float slopes_buf[MHA__ALIBI_MAX_DEFAULT];
+    mha_cache_attend_args ca;
+    mha_cache_attend_args_init(&ca);
+    ca.window_left = a->window_left;
+    ca.window_right = a->window_right;
+    ca.softcap = a->softcap;
+    if (a->alibi) {
+        if (a->alibi_slopes) ca.alibi_slopes = a->alibi_slopes;
+        else {
+            mha__alibi_slopes(slopes_buf, H);  // H <= MHA__ALIBI_MAX_DEFAULT: the plan checked
+            ca.alibi_slopes = slopes_buf;
+        }
+    }
+    if ((st = mha_rope_apply(&qv, &a->rope, starts, false)) ||
+        (st = mha_rope_apply(&kv, &a->rope, starts, false)) ||
+        (st = mha_kv_cache_append(cache, &kv, &vv, NULL)))
+        goto done;
+    if ((st = mha_kv_cache_attend(&cv, &qv, cache, &ca, NULL))) {
+        // the cache as it was: its lengths before the append
+        for (int64_t n = 0; n < N; n++)
+            if (mha_kv_cache_truncate(cache, n, starts[n])) break;  // (cannot fail)
+        goto done;
+    }
+    for (int64_t h = 0; h < H; h++)  // pruned heads: zero context (computed all the same)
+        if (!mha__head_live(m, h)) mha__zero_head_rows(ctx + h * d, E, 0, R, d);
+    const float *octx = ctx;
+    if (gated) {
+        mha__gate_rows(kt, gbuf, gbuf + R * H, ctx, m, X, ldx, R, gbuf + R * H + R * E, gs, nt);
+        octx = gbuf + R * H;
+    }
+    int64_t ldo = E;
+    const bool direct = mha__rows_direct(out, &ldo);
+    float *y = direct ? (float *)out->data : yt;
+    if (!direct) ldo = E;
+    mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh), m->out_bias, R, E, E, wo, gs, nt);
+    if (!direct)
+        for (int64_t r = 0; r < R; r++) {
+            mha__mat row = mha__view_row(out, r);
+            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
+        }
+done:
+    mha__free(gbuf);
+    mha__free(blk);
+    free(starts);
+    return st;
+}

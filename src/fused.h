@@ -1,0 +1,109 @@
+// fused.h: the fused path's drivers (fast layer: fused_fwd.c, fused_bwd.c)
+// and the hooks they offer a caller that runs only part of a call (the
+// distributed layer, through part.c): a range of heads, projections given
+// or taken, the attention step replaced, a progress callback between tiles.
+// The drivers read these hooks and know nothing else of their caller.
+#ifndef MHA_FUSED_H
+#define MHA_FUSED_H
+
+#include "plan.h"
+
+// A part of the heads, for the distributed layer (src/mpi): the KV heads
+// [g0, g1) and their query heads; every other head is skipped as if pruned
+// (zero context). Forward: only the range's Q/K/V projections and
+// attention; with ctx (Rq, E), the ungated context is written there (the
+// range's columns; the rest zero) and the forward stops before W_O; without,
+// the output is the range's share ctx_range W_O[:, range]^T (+
+// out_proj.bias only when bias). Backward: the range's share of every
+// gradient (the other heads' rows and columns exactly 0; out_proj.bias's
+// only when bias; grad_query/key/value the range's share dq W_Q[range] +
+// ...); dq, dk, dv (when non-NULL: (Rq, E), (Rk, Ekv), (Rk, Ekv)) get the
+// projections' gradients (the range's columns, the rest 0).
+struct mha__attn_io;
+typedef struct mha__part {
+    int64_t g0, g1;
+    float *ctx;
+    bool bias;
+    float *dq, *dk, *dv;
+    float *dz;  // backward, dynamic gates: (Rq, H) the gates' logit gradients
+    // Forward, sequence parallelism: with q_out, stop after the projections
+    // (of the range; RoPE applied at the views' positions) and copy them out:
+    // q_out (Rq, E), k_out, v_out (Rk, Ekv), rows as the views'. With q_in,
+    // skip the projections and RoPE and attend with these instead (rows as
+    // the plan's views, whose data are then not read: only their shapes
+    // count); the context goes to ctx.
+    float *q_out, *k_out, *v_out;
+    const float *q_in, *k_in, *v_in;
+    // Ring attention (a block of keys): the queries' position minus the
+    // keys' (causal, window and ALiBi see global positions); the whole
+    // key_padding_mask and the block's first key in it (the args carry
+    // none); stats (N, H, L, 2): each row's max and 1/sum, as flash.h.
+    int64_t q_off;
+    const mha_tensor *kpm_full;
+    int64_t kpm_off;
+    float *stats;
+    // Ring attention, the whole call on a rank's tokens: attn replaces the
+    // attention step (mha__part_forward: called once to fill io->ctx;
+    // mha__part_backward: once so, then again with io->dctx to fill dq,
+    // dk, dv), the rest (projections, RoPE, gates, W_O, every gradient) is
+    // the fused path's. rope_pos (the view's T tokens): token t's position
+    // is rope_start[n] + rope_pos[t] (NULL: t).
+    mha_status (*attn)(void *arg, const struct mha__attn_io *io);
+    void *attn_arg;
+    const int64_t *rope_pos;
+    // Between tiles, on the calling thread (OpenMP thread 0; NULL: none):
+    // ring attention drives its messages from there.
+    void (*progress)(void *arg);
+    void *progress_arg;
+    // When non-NULL: += the (query tile, key tile) pairs whose scores the
+    // attention computed (mha__part_forward, mha__part_attn_backward).
+    int64_t *tiles;
+    // mha__part_attn_backward (a block of keys, q_in/k_in/v_in as the
+    // forward's): o_in, do_in (Rq, E) the whole attention's context and its
+    // gradient, stats (as above) its rows' max and 1/sum, dsum_in (N, H, L)
+    // rowsum(do_in * o_in) per head; dq (Rq, E), dk, dv (Rk, Ekv) are
+    // overwritten with this block's terms.
+    const float *o_in, *do_in, *dsum_in;
+} mha__part;
+
+// What a part's attn callback sees: row matrices laid out as the views
+// ((t, n) rows when seq_first, else (n, t)); q (N L rows, stride ldq), k
+// and v (N S rows, stride ldk) after RoPE; ctx (N L, E). Backward: dctx
+// given; dq, dk, dv to write (strides ldq, ldk; before the inverse RoPE).
+typedef struct mha__attn_io {
+    int64_t N, L, S;
+    bool seq_first;
+    const float *q, *k, *v;
+    int64_t ldq, ldk;
+    float *ctx;
+    const float *dctx;
+    float *dq, *dk, *dv;
+    // With a saved state (mha_forward_args.save): N H L 2 floats it keeps,
+    // the forward's to fill with what the backward needs (the backward then
+    // gets q, k, v, ctx and these from the state, without a forward call).
+    float *stats;
+} mha__attn_io;
+
+mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                        const mha_module *m, const mha_forward_args *a, char *ws);
+// Its last step alone, from a context ctx (Rq, E; gated in place).
+void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
+                            const mha_forward_args *a, float *ctx, char *ws);
+// The fused scaled-dot-product attention: F32 views with unit last stride
+// (checked by the caller), mask over (b, h, i, j). Allocates its scratch.
+mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
+                           const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
+                           double scale);
+// The fused backward (allocates its own scratch).
+mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
+                               mha_tensor *gv, mha_module *grads, const mha_module *m,
+                               const mha_forward_args *a, const mha_tensor *gout,
+                               bool accumulate);
+// dX (view, rows in the view's order) (+)= d (R, O) W (O, I) (the fused
+// backward's input gradients; tmp R * I floats, bp packed W, gs GEMM
+// scratch).
+void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, const float *d,
+                          int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
+                          float *tmp, float *bp, float *gs, int nt);
+
+#endif

@@ -1,0 +1,93 @@
+// linear.c: the fused path's building blocks that are not inline
+// (linear.h).
+#include <math.h>
+#include <string.h>
+
+#include "fused.h"
+#include "linear.h"
+
+// The keys appended by add_bias_kv / add_zero_attn, per KV head: extra
+// (H, nx, d) for k (bias_k slice, then zeros), then (H, nx, d) for v; H
+// the number of KV heads.
+void mha__fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx, int64_t d) {
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t x = 0; x < nx; x++)
+            for (int64_t c = 0; c < d; c++) {
+                bool bias_row = m->cfg.add_bias_kv && x == 0;
+                extra[(h * nx + x) * d + c] = bias_row ? m->bias_k[h * d + c] : 0.0f;
+                extra[(H * nx + h * nx + x) * d + c] = bias_row ? m->bias_v[h * d + c] : 0.0f;
+            }
+}
+
+// C (R, O) = X (R, I) W^T + b for a PyTorch weight W (O, I): W packed into
+// Wp (mha__gemm_packed_b_floats(kt, I, O) floats; half weights widened on
+// the way), then the packed GEMM (gemm.h), rows over nt threads with gs as
+// its scratch. (Packing even for one row keeps every row's sum order that
+// of the packed kernel: a token's projection does not depend on how many
+// rows share the call.)
+void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                        int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
+                        int64_t O, float *Wp, float *gs, int nt) {
+    if (W.dt == MHA_F32) mha__gemm_pack_wt(kt, Wp, W.p, O, I, nt);
+    else mha__gemm_pack_wt_half(kt, Wp, W.p, W.dt == MHA_BF16 ? 1 : 2, O, I, nt, W.wh);
+    mha__gemm_rows_packed(kt, C, ldc, X, ldx, Wp, b, R, I, O, false, nt, gs);
+}
+
+// The gates of a gated module's R query rows X (R, E), gate (R, H):
+// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g packed into
+// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, E) = each
+// head's ctx times its gate.
+void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
+                      const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
+                      float *gs, int nt) {
+    const int64_t E = m->cfg.embed_dim, H = m->cfg.num_heads, d = m->head_dim;
+    if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
+        mha__linear_rows(kt, gate, H, X, ldx, mha__wmat_f32(m->gate_weight), m->gate_bias, R, E, H, Wp, gs, nt);
+        for (int64_t i = 0; i < R * H; i++) gate[i] = (float)(1.0 / (1.0 + exp(-(double)gate[i])));
+    } else {
+        for (int64_t r = 0; r < R; r++) memcpy(gate + r * H, m->head_gate, (size_t)H * sizeof(float));
+    }
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t c = 0; c < d; c++)
+                gctx[r * E + h * d + c] = ctx[r * E + h * d + c] * gate[r * H + h];
+}
+
+// C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
+// into Bp first.
+void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *A,
+                        int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
+                        int64_t N, float *Bp, float *gs, int nt) {
+    mha__gemm_pack_rows(kt, Bp, B, ldb, K, N, nt);
+    mha__gemm_rows_packed(kt, C, ldc, A, lda, Bp, NULL, R, K, N, false, nt, gs);
+}
+
+// RoPE on the first T tokens of each batch element of a q or k row matrix
+// (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
+// inverse (gradients).
+void mha__rope_rows(const fwd_plan *p, const mha_forward_args *a, const mha__rowmap *rm,
+                      int64_t T, int64_t H, bool inverse) {
+    if (a->rope.mode == MHA_ROPE_NONE) return;
+    double inv[MHA__ROPE_MAX_HALF];
+    mha__rope_inv_freq(inv, &a->rope, p->d);
+#pragma omp parallel for schedule(static) num_threads(p->nthreads)
+    for (int64_t n = 0; n < p->N; n++) {
+        const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
+        const int64_t *pos = p->part ? p->part->rope_pos : NULL;
+        float *row0 = mha__head_row0(rm, n, 0);
+        for (int64_t t = 0; t < T; t++)
+            mha__rope_token_f(row0 + t * mha__head_rs(rm), p->d, H, &a->rope, p->d, inv,
+                              (double)(s0 + (pos ? pos[t] : t)), inverse);
+    }
+}
+
+
+
+// The (query tile, key tile) pairs whose scores rows [i0, i1) of a head
+// compute (the key tiles flash.c visits).
+int64_t mha__key_tiles(const mha__flash_head *fh, int64_t i0, int64_t i1) {
+    int64_t lo, hi;
+    mha__flash_key_range(fh, i0, i1, &lo, &hi);
+    return (lo < hi ? (hi - 1) / MHA__FLASH_BC - lo / MHA__FLASH_BC + 1 : 0) + (fh->nx > 0);
+}

@@ -1,0 +1,96 @@
+// saved.c: the saved state of a training forward (mha_forward_args.save,
+// plan.h): its key (what identifies the forward: module, views, masks,
+// dropout, position encodings), its sizing from the plan, and the public
+// mha_saved_* calls. The fused forward fills it, the fused backward reads
+// it.
+#include <stdlib.h>
+#include <string.h>
+
+#include "plan.h"
+
+// Floats of the projections as the backward (and the saved state) lay
+// them out: (Rq, E + 2 Ekv) packed, else q (Rq, E), k and v (Rk, Ekv).
+size_t mha__qkv_floats(const fwd_plan *p, int64_t Rq, int64_t Rk) {
+    return (size_t)(p->self_packed ? Rq * (p->E + 2 * p->Ekv) : Rq * p->E + 2 * Rk * p->Ekv);
+}
+
+static void key_tensor(mha_tensor *dst, const mha_tensor *t) {
+    memset(dst, 0, sizeof *dst);
+    if (!t) return;
+    dst->data = t->data;
+    dst->dtype = t->dtype;
+    dst->ndim = t->ndim;
+    for (int i = 0; i < t->ndim && i < MHA_MAX_DIMS; i++) {
+        dst->shape[i] = t->shape[i];
+        dst->stride[i] = t->stride[i];
+    }
+}
+
+void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward_args *a) {
+    memset(k, 0, sizeof *k);
+    k->m = m;
+    key_tensor(&k->q, a->query);
+    key_tensor(&k->k, a->key);
+    key_tensor(&k->v, a->value);
+    key_tensor(&k->kpm, a->key_padding_mask);
+    key_tensor(&k->am, a->attn_mask);
+    k->causal = a->is_causal;
+    k->training = a->training;
+    k->window_left = a->window_left;
+    k->window_right = a->window_right;
+    k->seed = a->dropout_seed;
+    k->offset = a->dropout_offset;
+    k->rope_mode = a->rope.mode;
+    k->rope_theta = a->rope.theta;
+    k->rope_dim = a->rope.dim;
+    k->rope_start = a->rope_start;
+    k->alibi = a->alibi;
+    k->alibi_slopes = a->alibi_slopes;
+    k->softcap = a->softcap;
+}
+
+bool mha__saved_key_equal(const mha__saved_key *x, const mha__saved_key *y) {
+    return memcmp(x, y, sizeof *x) == 0;  // both memset before filling
+}
+
+mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,
+                              const mha_forward_args *a) {
+    s->valid = false;
+    s->outer_valid = false;
+    if (!p->fused) return MHA_OK;  // only the fused path keeps state
+    const int64_t E = p->E, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
+    s->n_qkv = mha__qkv_floats(p, Rq, Rk);
+    s->n_ctx = (size_t)(Rq * E);
+    s->n_lse = (size_t)(2 * p->N * p->H * p->L);
+    const size_t need = s->n_qkv + s->n_ctx + s->n_lse;
+    if (need > s->cap) {
+        size_t bytes;
+        if (mha__mul_overflow_size(need, sizeof(float), &bytes))
+            return mha__fail(MHA_ERR_OVERFLOW, "saved state: size overflows");
+        float *nb = mha__alloc(bytes);
+        if (!nb)
+            return mha__fail(MHA_ERR_NOMEM, "saved state: out of memory for %zu bytes", bytes);
+        mha__free(s->buf);
+        s->buf = nb;
+        s->cap = need;
+    }
+    mha__saved_key_of(&s->key, m, a);
+    return MHA_OK;
+}
+
+mha_status mha_saved_create(mha_saved **out) {
+    if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_saved_create: NULL out");
+    *out = mha__calloc(1, sizeof **out);
+    if (!*out)
+        return mha__fail(MHA_ERR_NOMEM, "mha_saved_create: out of memory (%zu bytes)",
+                         sizeof **out);
+    return MHA_OK;
+}
+
+void mha_saved_destroy(mha_saved *s) {
+    if (!s) return;
+    mha__free(s->buf);
+    free(s);
+}
+
+size_t mha_saved_bytes(const mha_saved *s) { return s ? s->cap * sizeof(float) : 0; }
