@@ -9,15 +9,9 @@
 // exclude it. GFLOP/s = 2RKN / time; % of the fp32 FMA peak measured here,
 // on the same threads, just before (best of 5 runs of independent FMA
 // chains). "bits": whether old and new outputs are bit-identical.
-// Second table (bf16): the projection cases with the fp32 packed path
-// (pack_wt + gemm_rows_packed) against the bf16 one (pack_wt_bf16 +
-// gemm_rows_packed_bf16: X and W rounded to bf16, float32 sums; VDPBF16PS
-// where the CPU has AVX512-BF16), ms and GFLOP/s with and without the
-// pack, the speedup bf16 / fp32, and the relative (Frobenius) difference of
-// the outputs. --bf16-only skips the first table.
 // Not part of the library. Build (after `make`), from the repository root:
 //   cc -O2 -fopenmp -Isrc -Iinclude bench/gemm_bench.c build/libmha.a -lcjson -lm -o build/gemm_bench
-// Run: build/gemm_bench [--isa avx512|avx2|scalar] [--repeat N] [--threads 1|2] [--bf16-only]
+// Run: build/gemm_bench [--isa avx512|avx2|scalar] [--repeat N] [--threads 1|2]
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -114,75 +108,13 @@ static float *fl(size_t n) {
     return p;
 }
 
-static double median(double *t, int n) {
-    qsort(t, (size_t)n, sizeof(double), cmp_d);
-    return t[n / 2];
-}
-
-// fp32 packed against bf16 packed, the projection shapes.
-static void bench_bf16(const mha__kernels *kt, int repeat, int only_nt) {
-    printf("\nbf16 GEMM: %s (%s); fp32 packed path: %s\n", kt->bf16_isa,
-           !kt->pk16_native ? "portable C" : strcmp(kt->bf16_isa, "avx512bf16") == 0 ? "VDPBF16PS" : "float32 FMAs on bf16 operands; MHA_BF16_DP=1: VDPBF16PS", kt->isa);
-    printf("%5s %5s %5s %2s | %8s %8s %8s | %8s %8s %8s | %7s %7s | %s\n", "R", "K", "N", "nt",
-           "fp32 ms", "+pack", "GFLOP/s", "bf16 ms", "+pack", "GFLOP/s", "speedup", "+pack",
-           "rel diff");
-    const int64_t cases[][3] = {{2048, 768, 768}, {2048, 768, 2304}, {4096, 768, 768},
-                                {4096, 768, 2304}};
-    for (int nt = 1; nt <= 2; nt++) {
-        if (only_nt && nt != only_nt) continue;
-        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
-            const int64_t R = cases[ci][0], K = cases[ci][1], N = cases[ci][2];
-            float *X = fl((size_t)(R * K)), *W = fl((size_t)(N * K)), *b = fl((size_t)N);
-            float *C1 = fl((size_t)(R * N)), *C2 = fl((size_t)(R * N));
-            float *Bp = fl(mha__gemm_packed_b_floats(kt, K, N));
-            float *sc = fl(mha__gemm_scratch_floats(kt, nt) + 1);
-            uint16_t *B16 = aligned_alloc(64, (mha__gemm_packed_b_bf16_elems(kt, K, N) * 2 + 63) & ~(size_t)63);
-            uint16_t *s16 = aligned_alloc(64, (mha__gemm_bf16_scratch_elems(kt, nt) * 2 + 64) & ~(size_t)63);
-            if (!B16 || !s16) abort();
-            unsigned s = 1;
-            for (int64_t i = 0; i < R * K; i++) X[i] = (float)((s = s * 1103515245u + 12345u) >> 8) * 0x1p-23f - 1.0f;
-            for (int64_t i = 0; i < N * K; i++) W[i] = (float)((s = s * 1103515245u + 12345u) >> 8) * 0x1p-26f - 0.125f;
-            for (int64_t i = 0; i < N; i++) b[i] = 0.01f * (float)(i % 7);
-            double tf[1000], tfp[1000], tb[1000], tbp[1000];
-            for (int rep = -1; rep < repeat; rep++) {  // rep -1: warm-up
-                double t0 = now();
-                mha__gemm_pack_wt(kt, Bp, W, N, K, nt);
-                double t1 = now();
-                mha__gemm_rows_packed(kt, C1, N, X, K, Bp, b, R, K, N, false, nt, sc);
-                double t2 = now();
-                mha__gemm_pack_wt_bf16(kt, B16, W, N, K, nt);
-                double t3 = now();
-                mha__gemm_rows_packed_bf16(kt, C2, N, X, K, B16, b, R, K, N, false, nt, s16);
-                double t4 = now();
-                if (rep >= 0) tf[rep] = t2 - t1, tfp[rep] = t2 - t0, tb[rep] = t4 - t3, tbp[rep] = t4 - t2;
-            }
-            const double mf = median(tf, repeat), mfp = median(tfp, repeat);
-            const double mb = median(tb, repeat), mbp = median(tbp, repeat);
-            const double fl2 = 2.0 * (double)R * (double)K * (double)N * 1e-9;
-            double num = 0, den = 0;
-            for (int64_t i = 0; i < R * N; i++) {
-                const double d = (double)C2[i] - C1[i];
-                num += d * d;
-                den += (double)C1[i] * C1[i];
-            }
-            printf("%5lld %5lld %5lld %2d | %8.2f %8.2f %8.1f | %8.2f %8.2f %8.1f | %6.2fx %6.2fx | %.1e\n",
-                   (long long)R, (long long)K, (long long)N, nt, 1e3 * mf, 1e3 * mfp, fl2 / mf,
-                   1e3 * mb, 1e3 * mbp, fl2 / mb, mf / mb, mfp / mbp, sqrt(num / den));
-            fflush(stdout);
-            free(X); free(W); free(b); free(C1); free(C2); free(Bp); free(sc); free(B16); free(s16);
-        }
-    }
-}
-
 int main(int argc, char **argv) {
     const char *isa = NULL;
     int repeat = 9, only_nt = 0;
-    bool bf16_only = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--isa") && i + 1 < argc) isa = argv[++i];
         else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) only_nt = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--bf16-only")) bf16_only = true;
     }
     if (repeat < 1 || repeat > 1000) repeat = 9;
     const mha__kernels *kt = isa ? mha__kernels_for(isa) : mha__kernels_get();
@@ -201,7 +133,6 @@ int main(int argc, char **argv) {
            "old ms", "GFLOP/s", "%peak", "new ms", "GFLOP/s", "%peak", "oldgemm%", "newgemm%", "bits");
     for (int nt = 1; nt <= 2; nt++) {
         if (only_nt && nt != only_nt) continue;
-        if (bf16_only) break;
         const double pk = peak(nt, has512 && k512);
         for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
                 const int64_t R = cases[ci][0], K = cases[ci][1], N = cases[ci][2];
@@ -248,6 +179,5 @@ int main(int argc, char **argv) {
             }
         printf("peak %d thread(s): %.1f GFLOP/s\n", nt, pk);
     }
-    bench_bf16(kt, repeat, only_nt);
     return 0;
 }

@@ -835,7 +835,12 @@ MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_m
 //                               W_V rows, and of W_O's columns [h d,
 //                               (h+1) d): singular values > rtol * max, rtol
 //                               = rank_rtol, or (0) max(rows, cols) times
-//                               the storage's epsilon (numpy's rule)
+//                               the storage's epsilon (numpy's rule); -1
+//                               when mha was built without LAPACKE (CMake
+//                               MHA_LAPACKE=OFF, or lapacke not found):
+//                               then there are no singular values at all
+//                               (mha_diagnostics_spectrum below), and
+//                               every other number is computed as usual
 // and, between every pair of heads, similarity = 1 - JS(p_h1, p_h2) / ln 2
 // averaged over the rows (Jensen-Shannon divergence of the two heads'
 // attention rows: 1 = identical, symmetric, in [0, 1]); and the first
@@ -883,7 +888,10 @@ MHA_API const mha_head_diag *mha_diagnostics_head(const mha_diagnostics *d, int6
 // NaN when out of range, or when no row had visible keys in both heads.
 MHA_API double mha_diagnostics_similarity(const mha_diagnostics *d, int64_t h1, int64_t h2);
 // Singular values (descending) of head h's 'q', 'k', 'v' or 'o' slice;
-// *n of them (d; zeros past min(d, features)). NULL for a bad argument.
+// *n of them (d; zeros past min(d, features)). NULL (and *n = 0) for a bad
+// argument; and for every head when mha was built without LAPACKE (its
+// ranks are -1), with mha_last_error() then saying "singular values
+// unavailable: mha was built without LAPACKE".
 MHA_API const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h,
                                                char which, int64_t *n);
 // The first non-finite value, e.g. "query[2, 1, 5] = nan", or NULL.

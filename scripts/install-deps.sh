@@ -1,7 +1,9 @@
 #!/bin/sh
 # Installs the Debian 12 packages mha needs. Run as root.
 #   scripts/install-deps.sh          build dependencies (C compiler with OpenMP, CMake,
-#                                    pkg-config, cJSON, LAPACKE; cairo for the
+#                                    pkg-config, cJSON, LAPACKE (optional at
+#                                    build time: the diagnostics' singular
+#                                    values, CMake MHA_LAPACKE); cairo for the
 #                                    CLI's pictures; Open MPI for libmha_mpi
 #                                    and mha --parallel)
 #   scripts/install-deps.sh --test   also what the test suite needs

@@ -4,7 +4,11 @@
 // add_zero_attn, RoPE), one query row at a time: memory O(S) per row and
 // head, so long sequences work with max_rows subsampling. Singular values
 // come from LAPACK (dgesdd, values only), with its workspace in the one
-// block allocated here (LAPACKE's own wrapper would allocate it).
+// block allocated here (LAPACKE's own wrapper would allocate it). Built
+// without LAPACKE (MHA_HAVE_LAPACKE undefined: CMake's MHA_LAPACKE=OFF, or
+// lapacke not found) there are no singular values: every rank is -1 and
+// mha_diagnostics_spectrum returns NULL, as mha.h documents; the rest is
+// the same.
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -14,17 +18,21 @@
 #include "plan.h"
 #include "ref.h"
 
+#ifdef MHA_HAVE_LAPACKE
 // after plan.h: lapacke.h brings <complex.h>, whose macro I would clash
 // with the parameter names of the internal headers
 #include <lapacke.h>
 #undef I
+#endif
 
 struct mha_diagnostics {
     int64_t H, nrows_total;
     mha_head_diag *heads;
     double *sim;               // (H, H)
     double *spec;              // per head: q, k, v, o spectra, d values each
-    int64_t nspec;             // values per spectrum (min(d, features))
+                               // (NULL: built without LAPACKE)
+    int64_t nspec;             // values per spectrum (min(d, features); 0
+                               // without LAPACKE)
     char nonfinite[160];       // "" when every value was finite
 };
 
@@ -62,6 +70,11 @@ const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h, char
     const char *w = "qkvo", *at = d ? strchr(w, which) : NULL;
     if (n) *n = 0;
     if (!d || h < 0 || h >= d->H || !at || !which) return NULL;
+    if (!d->spec) {
+        mha__fail(MHA_ERR_UNSUPPORTED, "mha_diagnostics_spectrum: singular values "
+                  "unavailable: mha was built without LAPACKE (ranks are -1)");
+        return NULL;
+    }
     if (n) *n = d->nspec;
     return d->spec + (h * 4 + (at - w)) * d->nspec;
 }
@@ -121,6 +134,7 @@ static bool find_nonfinite_buf(char *out, size_t cap, const char *name, const do
 }
 
 // ---- singular values ----
+#ifdef MHA_HAVE_LAPACKE
 
 // dgesdd's workspace (singular values only) for a row-major (M, K) matrix:
 // the optimal size LAPACK asks for (as LAPACKE_dgesdd would allocate), or
@@ -173,6 +187,7 @@ static int64_t spectrum(double *sv, const void *src, mha_dtype dt, int64_t ld, i
     for (int64_t i = 0; i < mn; i++) rank += sv[i] > tol;
     return rank;
 }
+#endif  // MHA_HAVE_LAPACKE
 
 // ---- the attention statistics ----
 
@@ -217,19 +232,25 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
                   Ekv = p->Ekv, G = H / p->Hkv;
     const double scale = 1.0 / sqrt((double)d);
     const int64_t R = o.max_rows > 0 && o.max_rows < L ? o.max_rows : L;
+    // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
+    // Sp), a context row (d), then (nsvd) the SVD's copy of a slice (d *
+    // fmax), its work (lwork) and iwork (8 d lapack_ints, as doubles)
+    const size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
+#ifdef MHA_HAVE_LAPACKE
     const int64_t kd = m->cfg.kdim, vd = m->cfg.vdim;
     const int64_t fmax = mha__module_max_in(m);
     const int64_t nspec = d < fmax ? d : fmax;
-    // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
-    // Sp), a context row (d), the SVD's copy of a slice (d * fmax), its
-    // work (lwork) and iwork (8 d lapack_ints, as doubles)
-    const size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
     size_t lwork = svd_lwork(d, E), lw;
     if ((lw = svd_lwork(d, kd)) > lwork) lwork = lw;
     if ((lw = svd_lwork(d, vd)) > lwork) lwork = lw;
     if ((lw = svd_lwork(E, d)) > lwork) lwork = lw;
     const size_t niw = (size_t)(8 * d) * sizeof(lapack_int) / sizeof(double) + 1;
-    const size_t nwork = (size_t)(H * Sp + d + d * fmax) + lwork + niw;
+    const size_t nsvd = (size_t)(d * fmax) + lwork + niw;
+#else
+    const int64_t nspec = 0;  // no spectra (mha.h)
+    const size_t nsvd = 0;
+#endif
+    const size_t nwork = (size_t)(H * Sp + d) + nsvd;
     mha_diagnostics *dg = mha__calloc(1, sizeof *dg);
     double *q = mha__malloc(sizeof(double) * nbuf);
     double *work = mha__malloc(sizeof(double) * nwork);
@@ -244,10 +265,10 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         dg->nrows_total = N * R;
         dg->heads = mha__calloc((size_t)H, sizeof *dg->heads);
         dg->sim = mha__calloc((size_t)(H * H), sizeof(double));
-        dg->spec = mha__calloc((size_t)(H * 4 * nspec), sizeof(double));
+        dg->spec = nspec ? mha__calloc((size_t)(H * 4 * nspec), sizeof(double)) : NULL;
     }
-    if (!dg || !dg->heads || !dg->sim || !dg->spec || !q || !work || !acc || !cbuf || !vvar ||
-        !has || !simcount) {
+    if (!dg || !dg->heads || !dg->sim || (nspec && !dg->spec) || !q || !work || !acc ||
+        !cbuf || !vvar || !has || !simcount) {
         mha_diagnostics_destroy(dg);
         dg = NULL;
         st = mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu + %zu doubles",
@@ -369,8 +390,10 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
 
     // 3. Per head: the statistics, spectra, the dead flag, pruning and the
     //    gates over every query row (in q's buffer, free now: H <= E).
+#ifdef MHA_HAVE_LAPACKE
     const svd_ws ws = {ctx + d, ctx + d + d * fmax, (lapack_int)lwork,
                        (lapack_int *)(ctx + d + d * fmax + lwork)};
+#endif
     const bool gated = mha__module_gated(m);
     if (gated) mha__gates_d(p, m, &a, q);
     for (int64_t h = 0; h < H; h++) {
@@ -404,6 +427,7 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         hd->output_var_ratio = vvar[g] > 0 ? (ov > 0 ? ov : 0) / vvar[g] : NAN;
         hd->dead = (hd->entropy_norm >= o.dead_entropy) ||
                    (A->rows > 1 && hd->output_var_ratio <= o.dead_output);
+#ifdef MHA_HAVE_LAPACKE
         double *sp = dg->spec + h * 4 * nspec;
         hd->rank_q = spectrum(sp, m->w_q, m->wdt, E, h * d, 0, d, E, o.rank_rtol, &ws);
         hd->rank_k = spectrum(sp + nspec, m->w_k, m->wdt, kd, g * d, 0, d, kd, o.rank_rtol,
@@ -412,6 +436,9 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
                               o.rank_rtol, &ws);
         hd->rank_o = spectrum(sp + 3 * nspec, m->w_out, m->wdt, E, 0, h * d, E, d, o.rank_rtol,
                               &ws);
+#else
+        hd->rank_q = hd->rank_k = hd->rank_v = hd->rank_o = -1;  // no SVD (mha.h)
+#endif
     }
 done:
     free(q), free(work), free(acc), free(cbuf), free(vvar), free(has), free(simcount), free(p);

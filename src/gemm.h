@@ -52,31 +52,4 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
                            int64_t K, int64_t N, bool accumulate, int nt,
                            float *thread_scratch);
 
-// ---- bfloat16 variant (kernels.h: pack_b_bf16, gemm_packed_bf16) ----
-// The same calls with B packed as bf16 pairs (uint16_t elements) and A
-// rounded to bf16 as the kernel copies it; float32 products and sums, C
-// float32. For C (R, O) = bf16(X) bf16(W)^T + b:
-//   uint16_t *Bp = ...mha__gemm_packed_b_bf16_elems(kt, I, O) elements...;
-//   uint16_t *sc = ...mha__gemm_bf16_scratch_elems(kt, nt) elements...;
-//   mha__gemm_pack_wt_bf16(kt, Bp, W, O, I, nt);
-//   mha__gemm_rows_packed_bf16(kt, C, ldc, X, ldx, Bp, b, R, I, O, false, nt, sc);
-// Bit-identical for every nt and row split (the sum order depends on K
-// only). Speed: kt->pk16_native (AVX512-BF16 CPU) runs at about the fp32
-// packed path's rate (0.87-1.0x on Emerald Rapids; VDPBF16PS itself, forced
-// by MHA_BF16_DP=1, at 0.52x); the portable fallback is much slower. A
-// bf16 path saves memory (weights at half size), not time, on such CPUs.
-size_t mha__gemm_packed_b_bf16_elems(const mha__kernels *kt, int64_t K, int64_t N);
-size_t mha__gemm_bf16_thread_scratch_elems(const mha__kernels *kt);
-size_t mha__gemm_bf16_scratch_elems(const mha__kernels *kt, int nt);
-void mha__gemm_pack_b_bf16(const mha__kernels *kt, uint16_t *Bp, const float *B, int64_t sk,
-                           int64_t sn, int64_t K, int64_t N, int nt);
-void mha__gemm_pack_wt_bf16(const mha__kernels *kt, uint16_t *Bp, const float *W, int64_t O,
-                            int64_t I, int nt);
-void mha__gemm_pack_rows_bf16(const mha__kernels *kt, uint16_t *Bp, const float *B,
-                              int64_t ldb, int64_t K, int64_t N, int nt);
-void mha__gemm_rows_packed_bf16(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
-                                int64_t ldx, const uint16_t *Bp, const float *bias, int64_t R,
-                                int64_t K, int64_t N, bool accumulate, int nt,
-                                uint16_t *thread_scratch);
-
 #endif

@@ -9,12 +9,21 @@
 //  - a NaN injected in the query, in a parameter -> reported with its
 //    location; a finite run reports none;
 //  - row subsampling, bad options and NULL arguments.
+// Built without LAPACKE (CMake MHA_LAPACKE=OFF: MHA_HAVE_LAPACKE undefined)
+// the ranks are -1 and every spectrum NULL with the documented message
+// (mha.h), and every other answer above is the same.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "mha.h"
+
+#ifdef MHA_HAVE_LAPACKE
+#define HAVE_SVD 1
+#else
+#define HAVE_SVD 0
+#endif
 
 static uint64_t rs = 99;
 static float urand(void) {
@@ -85,7 +94,8 @@ static void test_uniform(void) {
     CHECKF(fabs(h0->mean_distance - md) < 1e-12, "distance %g vs %g", h0->mean_distance, md);
     CHECKF(!h1->dead && h1->entropy_mean < log((double)L), "head 1: dead %d entropy %g norm %g var ratio %g", h1->dead, h1->entropy_mean, h1->entropy_norm, h1->output_var_ratio);
     CHECK(h1->logit_std > 0);
-    CHECK(h0->rank_q == 0 && h1->rank_q == d);
+    if (HAVE_SVD) CHECK(h0->rank_q == 0 && h1->rank_q == d);
+    else CHECK(h0->rank_q == -1 && h1->rank_q == -1);
     CHECK(mha_diagnostics_nonfinite(dg) == NULL);
     mha_diagnostics_destroy(dg);
 
@@ -137,6 +147,33 @@ static void test_similarity(void) {
     mha_module_destroy(m);
 }
 
+// Built without LAPACKE: every rank -1; every spectrum NULL, *n = 0, with
+// the documented message; bad arguments still NULL.
+static void test_no_svd(const mha_diagnostics *dg) {
+    const int64_t H = mha_diagnostics_num_heads(dg);
+    for (int64_t h = 0; h < H; h++) {
+        const mha_head_diag *hd = mha_diagnostics_head(dg, h);
+        CHECKF(hd->rank_q == -1 && hd->rank_k == -1 && hd->rank_v == -1 && hd->rank_o == -1,
+               "head %lld: ranks %lld %lld %lld %lld, want -1 without LAPACKE", (long long)h,
+               (long long)hd->rank_q, (long long)hd->rank_k, (long long)hd->rank_v,
+               (long long)hd->rank_o);
+        for (const char *w = "qkvo"; *w; w++) {
+            int64_t n = 7;
+            const double *sv = mha_diagnostics_spectrum(dg, h, *w, &n);
+            const char *msg = mha_last_error();
+            CHECKF(sv == NULL && n == 0 &&
+                       strstr(msg, "singular values unavailable: mha was built without LAPACKE"),
+                   "head %lld '%c': spectrum %p, n %lld, last error \"%s\"", (long long)h, *w,
+                   (const void *)sv, (long long)n, msg);
+        }
+    }
+    int64_t n = 7;
+    CHECK(mha_diagnostics_spectrum(dg, 0, 'x', &n) == NULL && n == 0);
+    CHECK(mha_diagnostics_spectrum(dg, H, 'q', &n) == NULL);
+    CHECK(mha_diagnostics_spectrum(NULL, 0, 'q', &n) == NULL);
+    printf("test_diag: built without LAPACKE: ranks -1, no spectra (as documented)\n");
+}
+
 static void test_rank(void) {
     const int64_t E = 32, H = 4, d = 8, L = 6;
     mha_module *m = make(E, H);
@@ -162,6 +199,12 @@ static void test_rank(void) {
     mha_tensor xt = input(x, L, E);
     mha_diagnostics *dg = diagnose(m, &xt, false, NULL);
     if (!dg) return;
+    if (!HAVE_SVD) {
+        test_no_svd(dg);
+        mha_diagnostics_destroy(dg);
+        mha_module_destroy(m);
+        return;
+    }
     CHECK(mha_diagnostics_head(dg, 0)->rank_q == d);
     CHECKF(mha_diagnostics_head(dg, 1)->rank_q == r, "rank %lld, want %d",
            (long long)mha_diagnostics_head(dg, 1)->rank_q, r);

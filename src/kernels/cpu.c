@@ -2,9 +2,7 @@
 // every slot; then the best ISA this build has and this CPU (and OS)
 // supports overwrites what it implements. MHA_ISA=scalar|avx2|avx512 forces
 // one (an unknown or unsupported name is ignored: mha_isa() tells what was
-// chosen). The avx512 table takes the AVX512-BF16 bf16 GEMM
-// (avx512bf16.c) when the CPU has it; every other table keeps the portable
-// one (kernels.h: pk16_native, bf16_isa).
+// chosen).
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,20 +33,7 @@ static bool fill(mha__kernels *k, const char *isa) {
     mha__kernels_fill_generic(k);
 #ifdef MHA__X86
     if (strcmp(isa, "avx2") == 0) mha__kernels_fill_avx2(k);
-    if (strcmp(isa, "avx512") == 0) {
-        mha__kernels_fill_avx512(k);
-        // the bf16 GEMM of avx512bf16.c where the CPU has AVX512-BF16 (else
-        // the portable one of generic.c stays in the slots): float32 FMAs on
-        // bf16 operands by default (on Sapphire/Emerald Rapids VDPBF16PS
-        // issues once per 2 cycles and holds both FMA ports: half the fp32
-        // FMA rate); MHA_BF16_DP=1 picks the VDPBF16PS kernel (same bits).
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl")) {
-            const char *dp = getenv("MHA_BF16_DP");
-            mha__kernels_fill_avx512bf16(k, dp && strcmp(dp, "1") == 0);
-        }
-    }
+    if (strcmp(isa, "avx512") == 0) mha__kernels_fill_avx512(k);
 #endif
     return true;
 }

@@ -194,75 +194,6 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
     }
 }
 
-// bf16 packed-B GEMM (kernels.h), portable: 16-wide panels, A rounded to
-// bf16 on the fly (apack unused), the sum order of VDPBF16PS written out
-// (per pair: S + a1 b1, then + a0 b0; chunks of MHA__BF16_KC k), so it
-// gives the AVX512-BF16 kernel's bits (subnormal sums aside, kernels.h).
-#define G16NR 16
-#define G16MR 4
-
-static void pack_b_bf16(uint16_t *Bp, const float *B, int64_t sk, int64_t sn, int64_t K,
-                        int64_t N) {
-    const int64_t Kp = (K + 1) / 2;
-    for (int64_t j0 = 0; j0 < N; j0 += G16NR) {
-        const int64_t nr = N - j0 < G16NR ? N - j0 : G16NR;
-        uint16_t *P = Bp + j0 * 2 * Kp;
-        for (int64_t q = 0; q < Kp; q++)
-            for (int64_t j = 0; j < G16NR; j++)
-                for (int64_t e = 0; e < 2; e++) {
-                    const int64_t kk = 2 * q + e;
-                    P[(q * G16NR + j) * 2 + e] =
-                        j < nr && kk < K ? mha__f32_to_bf16(B[kk * sk + (j0 + j) * sn]) : 0;
-                }
-    }
-}
-
-// A[k] rounded to bf16, 0 past K (the zero that pads an odd K)
-static inline float a_bf16(const float *A, int64_t k, int64_t K) {
-    return k < K ? mha__bf16_to_f32(mha__f32_to_bf16(A[k])) : 0.0f;
-}
-
-static void gemm_packed_bf16(float *C, int64_t ldc, const float *A, int64_t lda,
-                             const uint16_t *Bp, const float *bias, int64_t M, int64_t N,
-                             int64_t K, bool accumulate, uint16_t *apack) {
-    (void)apack;
-    const int64_t Kp = (K + 1) / 2;
-    for (int64_t j0 = 0; j0 < N; j0 += G16NR) {
-        const int64_t nr = N - j0 < G16NR ? N - j0 : G16NR;
-        const uint16_t *P = Bp + j0 * 2 * Kp;
-        const float *bj = bias ? bias + j0 : NULL;
-        for (int64_t i = 0; i < M; i += G16MR) {
-            const int64_t mr = M - i < G16MR ? M - i : G16MR;
-            if (K <= 0) {
-                const float zero[G16NR] = {0};
-                for (int64_t r = 0; r < mr; r++)
-                    store_packed(C + (i + r) * ldc + j0, zero, bj, nr, accumulate);
-                continue;
-            }
-            for (int64_t k0 = 0; k0 < K; k0 += MHA__BF16_KC) {
-                const int64_t k1 = K - k0 < MHA__BF16_KC ? K : k0 + MHA__BF16_KC;
-                float acc[G16MR][G16NR] = {{0}};
-                for (int64_t k = k0; k < k1; k += 2) {
-                    const uint16_t *b = P + k * G16NR;  // pair k / 2
-                    for (int64_t r = 0; r < mr; r++) {
-                        const float *a = A + (i + r) * lda;
-                        const float a0 = a_bf16(a, k, K), a1 = a_bf16(a, k + 1, K);
-                        for (int j = 0; j < G16NR; j++) {
-                            float s = acc[r][j];
-                            s = s + a1 * mha__bf16_to_f32(b[2 * j + 1]);
-                            s = s + a0 * mha__bf16_to_f32(b[2 * j]);
-                            acc[r][j] = s;
-                        }
-                    }
-                }
-                for (int64_t r = 0; r < mr; r++)
-                    store_packed(C + (i + r) * ldc + j0, acc[r], k1 == K ? bj : NULL, nr,
-                                 accumulate || k0 > 0);
-            }
-        }
-    }
-}
-
 void mha__kernels_fill_generic(mha__kernels *k) {
     k->isa = "scalar";
     k->gemm_nn = gemm_nn;
@@ -284,12 +215,4 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->pk_apack = 0;
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
-    k->bf16_isa = "scalar";
-    k->pk16_native = false;
-    k->pk16_nr = G16NR;
-    k->pk16_mr = G16MR;
-    k->pk16_kc = MHA__BF16_KC;
-    k->pk16_apack = 0;
-    k->pack_b_bf16 = pack_b_bf16;
-    k->gemm_packed_bf16 = gemm_packed_bf16;
 }

@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 typedef struct mha__kernels {
-    const char *isa;  // "scalar", "avx2", "avx512" (bf16 GEMM: see bf16_isa)
+    const char *isa;  // "scalar", "avx2", "avx512"
 
     // gemm_nn: C (M, N) = A (M, K) B (K, N)             overwrite
     //   (B row-major: the "packed" operand, e.g. K^T or W^T)
@@ -124,77 +124,7 @@ typedef struct mha__kernels {
     void (*gemm_packed)(float *C, int64_t ldc, const float *A, int64_t lda,
                         const float *Bp, const float *bias, int64_t M, int64_t N,
                         int64_t K, bool accumulate, float *apack);
-
-    // ---- bfloat16 packed-B GEMM (reduced-precision projections; threaded
-    // driver in gemm.c: mha__gemm_pack_*_bf16, mha__gemm_rows_packed_bf16) ----
-    // Inputs are rounded to bfloat16 (mha__f32_to_bf16 below: round to
-    // nearest even, subnormals to signed zero, NaN quieted; the rounding of
-    // VCVTNE2PS2BF16), products and sums are float32. Layout (uint16_t bf16
-    // elements), pk16_nr-wide column panels, pairs of consecutive k
-    // interleaved per column (the operand form of VDPBF16PS), zero-padded
-    // past N and, for an odd K, past K:
-    //   Kp = ceil(K / 2) pairs, Kpad = 2 Kp
-    //   Bp[((p*Kp + q)*pk16_nr + j)*2 + e] = bf16(B(2q + e, p*pk16_nr + j))
-    //     (0 if 2q + e >= K or p*pk16_nr + j >= N)
-    // i.e. ceil(N / pk16_nr) * pk16_nr * Kpad elements
-    // (mha__gemm_packed_b_bf16_elems). Panel p starts at Bp + p*pk16_nr*Kpad
-    // (callers slice column ranges by panel, as with pack_b).
-    const char *bf16_isa; // "scalar" (portable), "avx512bf16" (VDPBF16PS) or
-                          // "avx512bf16-fma" (float32 FMAs on bf16 operands)
-    bool pk16_native;     // true: a vectorised kernel (AVX512-BF16 CPU), false: portable C
-    int64_t pk16_nr;      // panel width (columns)
-    int64_t pk16_mr;      // micro-tile rows
-    int64_t pk16_kc;      // k chunk of the sum order (even; MHA__BF16_KC on every table)
-    int64_t pk16_apack;   // uint16_t elements of A-pack scratch per call (0: unused)
-    // pack_b_bf16: Bp <- bf16(B (K, N)), B(k, n) = B[k*sk + n*sn] (strides
-    //   as pack_b: sk = 1, sn = I packs W^T of a PyTorch weight W (O, I)).
-    void (*pack_b_bf16)(uint16_t *Bp, const float *B, int64_t sk, int64_t sn, int64_t K,
-                        int64_t N);
-    // gemm_packed_bf16: C (M, N) = [C +] bf16(A) (M, K) Bp + bias  (bias may be NULL)
-    //   A float32 row-major (row stride lda), rounded to bf16 as it is
-    //   copied (ISA: block by block into apack, pk16_apack elements of
-    //   caller scratch; scalar: on the fly, apack unused, may be NULL). Bp
-    //   from pack_b_bf16 of the same table (or a panel-aligned slice). C as
-    //   in gemm_packed: float32, padding never touched, never read when
-    //   overwriting; no overlap with A, Bp, apack.
-    //   Sum order per element, fixed by K alone: chunks c of kc = pk16_kc k
-    //   (kc even, so a pair never straddles two chunks); within a chunk,
-    //   from S = 0, for each pair q in increasing order
-    //     S = S + a(2q+1) b(2q+1);  S = S + a(2q) b(2q)
-    //   (each step one float32 rounding; a bf16 product is exact in float32;
-    //   this is VDPBF16PS's order); C = S_0 or C + S_0, C = C + S_c (c >= 1),
-    //   then C = C + bias[j]. An odd K pads its last pair with a zero
-    //   (S + 0 = S). The scalar and AVX512-BF16 tables use the same order and
-    //   chunks, so they give the same bits, except that VDPBF16PS flushes
-    //   subnormal intermediate sums to zero (and reads subnormal inputs as
-    //   zero) where the portable code keeps them (never the case for sums of
-    //   normal-range activations and weights). Row r of C depends on row r
-    //   of A only: any row split over threads gives the same bits.
-    void (*gemm_packed_bf16)(float *C, int64_t ldc, const float *A, int64_t lda,
-                             const uint16_t *Bp, const float *bias, int64_t M, int64_t N,
-                             int64_t K, bool accumulate, uint16_t *apack);
 } mha__kernels;
-
-// k chunk of the bf16 GEMM's sum order (pk16_kc), the same on every table.
-#define MHA__BF16_KC 256
-
-// float32 -> bfloat16 bits, as VCVTNE2PS2BF16: round to nearest even;
-// zero and subnormal inputs give a zero of the same sign; NaN stays NaN
-// (quieted); overflow rounds to infinity.
-static inline uint16_t mha__f32_to_bf16(float x) {
-    uint32_t u;
-    __builtin_memcpy(&u, &x, 4);
-    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float mha__bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float x;
-    __builtin_memcpy(&x, &u, 4);
-    return x;
-}
 
 // The table chosen for this process (filled on first use, thread-safe).
 const mha__kernels *mha__kernels_get(void);
@@ -206,13 +136,6 @@ const mha__kernels *mha__kernels_for(const char *isa);
 void mha__kernels_fill_generic(mha__kernels *k);
 void mha__kernels_fill_avx2(mha__kernels *k);
 void mha__kernels_fill_avx512(mha__kernels *k);
-// Overwrites the bf16 GEMM slots with the AVX512-BF16 kernels (the CPU
-// must have AVX512-BF16, BW, VL): dp true: VDPBF16PS ("avx512bf16"), false:
-// float32 FMAs on the bf16 operands ("avx512bf16-fma"; the same layout, sum
-// order and bits; faster where VDPBF16PS is slow, see cpu.c). Returns false
-// (nothing written) when this build lacks them (avx512bf16.c compiled
-// without -mavx512bf16).
-bool mha__kernels_fill_avx512bf16(mha__kernels *k, bool dp);
 
 // Whether a row of scores holds a NaN. The softmax kernels ask it only when
 // the row's max is -inf (nothing visible): a NaN score must make the row NaN,

@@ -19,7 +19,9 @@
 //                    fast: the shares dq_r W_Q[r] ... summed by Allreduce.
 // Errors: every step that can fail on one rank is followed by agree(): all
 // ranks learn the first failing rank's status and message before the next
-// collective, so none waits forever.
+// collective, so none waits forever. That includes every allocation (all
+// through the library's mha__malloc, so tests/alloc sweeps them): a helper
+// that allocates and then communicates agrees in between.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,27 +116,32 @@ static void kv_range(const mha_module *m, int r, int P, int64_t *g0, int64_t *g1
 static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int64_t c0,
                                  int64_t u, const mha_module *m) {
     const int P = j->P;
-    int *counts = malloc(sizeof(int) * (size_t)P * 2);
     int64_t total = 0, g0, g1;
-    for (int q = 0; counts && q < P; q++) {
+    for (int q = 0; q < P; q++) {  // (the same sizes on every rank)
         kv_range(m, q, P, &g0, &g1);
         const int64_t n = R * u * (g1 - g0);
-        if (n > INT32_MAX || total > INT32_MAX - n) {
-            free(counts);
-            return too_big(n);
-        }
-        counts[q] = (int)n;
-        counts[P + q] = (int)total;  // displacements
+        if (n > INT32_MAX || total > INT32_MAX - n) return too_big(n);
         total += n;
     }
-    float *send = counts ? malloc(sizeof(float) * (size_t)(counts[j->rank] + 1)) : NULL;
-    float *recv = counts ? malloc(sizeof(float) * (size_t)(total + 1)) : NULL;
-    if (!counts || !send || !recv) {
-        free(counts), free(send), free(recv);
-        return mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
-                         (long long)(2 * total));
-    }
     kv_range(m, j->rank, P, &g0, &g1);
+    int *counts = mha__malloc(sizeof(int) * (size_t)P * 2);
+    float *send = mha__malloc(sizeof(float) * (size_t)(R * u * (g1 - g0) + 1));
+    float *recv = mha__malloc(sizeof(float) * (size_t)(total + 1));
+    mha_status st = MHA_OK;
+    if (!counts || !send || !recv)
+        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
+                       (long long)(2 * total));
+    if ((st = agree(j, st))) {  // (before the collective: any rank's failure is every rank's)
+        free(counts), free(send), free(recv);
+        return st;
+    }
+    for (int q = 0, at = 0; q < P; q++) {
+        int64_t a0, a1;
+        kv_range(m, q, P, &a0, &a1);
+        counts[q] = (int)(R * u * (a1 - a0));
+        counts[P + q] = at;  // displacements
+        at += counts[q];
+    }
     const int64_t w = u * (g1 - g0), cm = c0 + u * g0;
     for (int64_t r = 0; r < R; r++) memcpy(send + r * w, full + r * W + cm, sizeof(float) * (size_t)w);
     const double t = MPI_Wtime();
@@ -255,21 +262,19 @@ static int64_t seq_grow(const seq *s, int q, int64_t lr) {
     return (lr / Tl) * s->T + s->t0[q] + lr % Tl;
 }
 
-// The shards of a local view (its sequence dim per the module's layout).
-static mha_status seq_of(job *j, seq *s, const mha_tensor *t, bool batch_first) {
+// The shards of a local view (its sequence dim per the module's layout),
+// into s->t0 (P + 1 entries, allocated by the caller).
+static void seq_of(job *j, seq *s, const mha_tensor *t, bool batch_first) {
     const int sd = t->ndim == 2 || !batch_first ? 0 : 1;
     int64_t Tl = t->shape[sd];
     s->N = t->ndim == 3 ? t->shape[1 - sd] : 1;
     s->seq_first = sd == 0;
-    s->t0 = malloc(sizeof(int64_t) * (size_t)(j->P + 1));
-    if (!s->t0) return mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory");
     const double tm = MPI_Wtime();
     MPI_Allgather(&Tl, 1, MPI_INT64_T, s->t0 + 1, 1, MPI_INT64_T, j->comm);
     j->comm_s += MPI_Wtime() - tm;
     s->t0[0] = 0;
     for (int q = 0; q < j->P; q++) s->t0[q + 1] += s->t0[q];
     s->T = s->t0[j->P];
-    return MHA_OK;
 }
 
 // dir 0 (to the head owners): src (Rl_me, W) my tokens, every column ->
@@ -282,26 +287,43 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
     int64_t g0, g1;
     kv_range(m, me, P, &g0, &g1);
     const int64_t wme = u * (g1 - g0), cme = u * g0, Rme = seq_rows(sq, me);
-    int *cnt = malloc(sizeof(int) * (size_t)P * 4);
-    int64_t ns = 0, nr = 0;
-    for (int q = 0; cnt && q < P; q++) {
+    // my message sizes (they differ between ranks: agreed below, with the
+    // allocations, before the collective)
+    int64_t ns = 0, nr = 0, big = 0;
+    for (int q = 0; q < P && !big; q++) {
         int64_t a0, a1;
         kv_range(m, q, P, &a0, &a1);
         const int64_t wq = u * (a1 - a0), Rq = seq_rows(sq, q);
         const int64_t s_n = dir ? Rq * wme : Rme * wq, r_n = dir ? Rme * wq : Rq * wme;
-        if (s_n > INT32_MAX || r_n > INT32_MAX || ns > INT32_MAX - s_n || nr > INT32_MAX - r_n) {
-            free(cnt);
-            return too_big(s_n > r_n ? s_n : r_n);
-        }
-        cnt[q] = (int)s_n, cnt[P + q] = (int)ns, cnt[2 * P + q] = (int)r_n, cnt[3 * P + q] = (int)nr;
+        if (s_n > INT32_MAX || r_n > INT32_MAX || ns > INT32_MAX - s_n || nr > INT32_MAX - r_n)
+            big = s_n > r_n ? s_n : r_n;
         ns += s_n, nr += r_n;
     }
-    float *sb = cnt ? malloc(sizeof(float) * (size_t)(ns + 1)) : NULL,
-          *rb = cnt ? malloc(sizeof(float) * (size_t)(nr + 1)) : NULL;
-    if (!cnt || !sb || !rb) {
+    int *cnt = NULL;
+    float *sb = NULL, *rb = NULL;
+    mha_status st = MHA_OK;
+    if (big) {
+        st = too_big(big);
+    } else {
+        cnt = mha__malloc(sizeof(int) * (size_t)P * 4);
+        sb = mha__malloc(sizeof(float) * (size_t)(ns + 1));
+        rb = mha__malloc(sizeof(float) * (size_t)(nr + 1));
+        if (!cnt || !sb || !rb)
+            st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
+                           (long long)(ns + nr));
+    }
+    if ((st = agree(j, st))) {
         free(cnt), free(sb), free(rb);
-        return mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
-                         (long long)(ns + nr));
+        return st;
+    }
+    ns = nr = 0;
+    for (int q = 0; q < P; q++) {
+        int64_t a0, a1;
+        kv_range(m, q, P, &a0, &a1);
+        const int64_t wq = u * (a1 - a0), Rq = seq_rows(sq, q);
+        const int64_t s_n = dir ? Rq * wme : Rme * wq, r_n = dir ? Rme * wq : Rq * wme;
+        cnt[q] = (int)s_n, cnt[P + q] = (int)ns, cnt[2 * P + q] = (int)r_n, cnt[3 * P + q] = (int)nr;
+        ns += s_n, nr += r_n;
     }
     for (int q = 0; q < P; q++) {  // pack
         int64_t a0, a1;
@@ -338,22 +360,27 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
 static mha_status allgather_rows(job *j, const seq *sq, const mha_tensor *t, float *full) {
     const int P = j->P;
     const int64_t F = t->shape[t->ndim - 1], Rme = seq_rows(sq, j->rank);
-    int *cnt = malloc(sizeof(int) * (size_t)P * 2);
-    float *loc = malloc(sizeof(float) * (size_t)(Rme * F + 1)),
-          *rb = malloc(sizeof(float) * (size_t)(sq->T * sq->N * F + 1));
     int64_t n = 0;
-    for (int q = 0; cnt && q < P; q++) {
+    for (int q = 0; q < P; q++) {  // (the same sizes on every rank)
         const int64_t c = seq_rows(sq, q) * F;
-        if (c > INT32_MAX || n > INT32_MAX - c) {
-            free(cnt), free(loc), free(rb);
-            return too_big(c);
-        }
-        cnt[q] = (int)c, cnt[P + q] = (int)n;
+        if (c > INT32_MAX || n > INT32_MAX - c) return too_big(c);
         n += c;
     }
-    if (!cnt || !loc || !rb) {
+    int *cnt = mha__malloc(sizeof(int) * (size_t)P * 2);
+    float *loc = mha__malloc(sizeof(float) * (size_t)(Rme * F + 1)),
+          *rb = mha__malloc(sizeof(float) * (size_t)(sq->T * sq->N * F + 1));
+    mha_status st = MHA_OK;
+    if (!cnt || !loc || !rb)
+        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats", (long long)n);
+    if ((st = agree(j, st))) {  // (before the collective)
         free(cnt), free(loc), free(rb);
-        return mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats", (long long)n);
+        return st;
+    }
+    n = 0;
+    for (int q = 0; q < P; q++) {
+        const int64_t c = seq_rows(sq, q) * F;
+        cnt[q] = (int)c, cnt[P + q] = (int)n;
+        n += c;
     }
     view_xfer(t, loc, false, false);  // the local view's rows, in row order
     const double tm = MPI_Wtime();
@@ -419,9 +446,15 @@ static mha_status seq_check(const mha_module *m, const mha_forward_args *a, cons
 static mha_status shards_of(job *j, seq *sq, seq *sk, const mha_module *m,
                             const mha_forward_args *a, bool ring) {
     const bool bf = mha_module_config(m)->batch_first;
-    mha_status st = seq_of(j, sq, a->query, bf);
-    if (!st) st = seq_of(j, sk, a->key, bf);
-    if (!st) st = seq_check(m, a, sq, sk, ring);
+    sq->t0 = mha__malloc(sizeof(int64_t) * (size_t)(j->P + 1));
+    sk->t0 = mha__malloc(sizeof(int64_t) * (size_t)(j->P + 1));
+    mha_status st = MHA_OK;
+    if (!sq->t0 || !sk->t0) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory");
+    if (!(st = agree(j, st))) {
+        seq_of(j, sq, a->query, bf);
+        seq_of(j, sk, a->key, bf);
+        st = seq_check(m, a, sq, sk, ring);
+    }
     if ((st = agree(j, st))) {
         free(sq->t0), free(sk->t0);
         sq->t0 = sk->t0 = NULL;
@@ -441,8 +474,8 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
     const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
                   Rk = sk.T * sk.N;
     const size_t nf = (size_t)(Rl * E + 2 * Rkl * Ekv + R * E + 2 * Rk * Ekv + R * E + Rl * E);
-    float *buf = malloc(sizeof(float) * (nf + 1));
-    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(sq.N + 1));
+    float *buf = mha__malloc(sizeof(float) * (nf + 1));
+    int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)(sq.N + 1));
     if (!buf || !starts)
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ulysses: out of memory for %zu floats", nf);
     float *ql = buf, *kl = ql + Rl * E, *vl = kl + Rkl * Ekv, *qf = vl + Rkl * Ekv,
@@ -496,8 +529,8 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
                   Rk = sk.T * sk.N;
     const size_t nf = (size_t)(2 * R * E + (self ? 0 : Rk * (kd + vd)) + R * E + 2 * Rk * Ekv +
                                R * H + Rl * E + 2 * Rkl * Ekv + Rl * H);
-    float *buf = malloc(sizeof(float) * (nf + 1));
-    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(sq.N + 1));
+    float *buf = mha__malloc(sizeof(float) * (nf + 1));
+    int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)(sq.N + 1));
     if (!buf || !starts)
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ulysses: out of memory for %zu floats", nf);
     float *xq = buf, *gy = xq + R * E, *xk = gy + R * E, *xv = self ? xk : xk + Rk * kd,
@@ -506,7 +539,7 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
           *dzl = dvl + Rkl * Ekv;
     // 1. the whole inputs and output gradient (the weight gradients sum over
     //    every token in one order)
-    if (!st) st = allgather_rows(j, &sq, a->query, xq);
+    if (!(st = agree(j, st))) st = allgather_rows(j, &sq, a->query, xq);
     if (!st) st = allgather_rows(j, &sq, gout, gy);
     if (!st && !self) st = allgather_rows(j, &sk, a->key, xk);
     if (!st && !self) st = allgather_rows(j, &sk, a->value, xv);
@@ -729,8 +762,8 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
         chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
     ring_pack_own(r, io);
     const size_t nacc = (size_t)(L * N * E + 2 * N * H * L);
-    double *acc = malloc(sizeof(double) * (nacc + 1));
-    float *cp = malloc(sizeof(float) * (size_t)(qmax * N * (E + 2 * H) + 1)),
+    double *acc = mha__malloc(sizeof(double) * (nacc + 1));
+    float *cp = mha__malloc(sizeof(float) * (size_t)(qmax * N * (E + 2 * H) + 1)),
           *stats = cp + qmax * N * E;
     mha_status st = MHA_OK;
     if (!acc || !cp)
@@ -802,8 +835,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
     // per query chunk: dO and Dsum (floats), dQ (doubles); temporaries: a
     // block's dq, dk, dv; the dK/dV accumulators: incoming, mine, previous
     const size_t nf = (size_t)(L * N * (E + H) + qmax * N * E + 2 * kmax * N * Ekv + 3 * nmax);
-    float *fb = malloc(sizeof(float) * (nf + 1));
-    double *dqa = malloc(sizeof(double) * (size_t)(L * N * E + 1));
+    float *fb = mha__malloc(sizeof(float) * (nf + 1));
+    double *dqa = mha__malloc(sizeof(double) * (size_t)(L * N * E + 1));
     mha_status st = MHA_OK;
     if (!fb || !dqa) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
     float *dO[2], *ds[2];
@@ -958,10 +991,10 @@ static mha_status ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor *
     }
     const int64_t N = r->N, E = r->E, L = r->ql[0] + r->ql[1];
     const size_t nf = (size_t)(2 * L * N * E + 2 * N * r->H * L + 2 * r->nmax);
-    float *buf = malloc(sizeof(float) * (nf + 1));
-    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(L + 1));
+    float *buf = mha__malloc(sizeof(float) * (nf + 1));
+    int64_t *pos = mha__malloc(sizeof(int64_t) * (size_t)(L + 1));
     if (!buf || !pos) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
-    if (!st) {
+    if (!(st = agree(j, st))) {  // (the backward's first step is a collective)
         float *p = buf;
         for (int a2 = 0; a2 < 2; a2++) r->q[a2] = p, p += r->ql[a2] * N * E;
         for (int a2 = 0; a2 < 2; a2++) r->o[a2] = p, p += r->ql[a2] * N * E;
@@ -1048,7 +1081,7 @@ mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
     const int64_t E = c->embed_dim, Rq = mha__rows_of(a->query), n = Rq * E;
     mha__part pt = {.bias = j.rank == 0};
     kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
-    float *buf = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    float *buf = mha__malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward: out of memory for %lld floats",
                              (long long)n);
     double model = 0;
@@ -1102,8 +1135,8 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     // per rank: its share of the input gradients (t[i]), the projections'
     // gradients (dq, dk, dv, dz) and the parameter gradients (gr)
     const int64_t nd = Rq * E + 2 * Rk * Ekv + Rq * H;
-    float *t[3] = {NULL, NULL, NULL}, *dbuf = malloc(sizeof(float) * (size_t)(nd + 1));
-    for (int i = 0; i < 3; i++) t[i] = malloc(sizeof(float) * (size_t)(ng[i] + 1));
+    float *t[3] = {NULL, NULL, NULL}, *dbuf = mha__malloc(sizeof(float) * (size_t)(nd + 1));
+    for (int i = 0; i < 3; i++) t[i] = mha__malloc(sizeof(float) * (size_t)(ng[i] + 1));
     mha_module *gr = NULL;
     if (!dbuf || !t[0] || !t[1] || !t[2])
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_backward: out of memory for %lld floats",
@@ -1216,8 +1249,8 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
                        "of dim %lld", (long long)cB, (long long)cH, (long long)cD,
                        (long long)cDv, (long long)N, (long long)Hkv, (long long)d);
     const size_t nmsg = (size_t)(R * E + 2 * N * H * T);  // a rank's context and row stats
-    float *buf = malloc(sizeof(float) * ((size_t)(R * E + 2 * R * Ekv) + nmsg * (size_t)(P + 1) + 1));
-    int64_t *len = malloc(sizeof(int64_t) * (size_t)(2 * N + 1) + sizeof(double) * (size_t)d),
+    float *buf = mha__malloc(sizeof(float) * ((size_t)(R * E + 2 * R * Ekv) + nmsg * (size_t)(P + 1) + 1));
+    int64_t *len = mha__malloc(sizeof(int64_t) * (size_t)(2 * N + 1) + sizeof(double) * (size_t)d),
             *glen = len + N;
     if (!st && (!buf || !len))
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward_cached: out of memory for %zu floats",

@@ -24,6 +24,15 @@
 // offset of the return address, one line per site and scenario) for
 // run.sh to map to source lines with addr2line; MHA_ALLOC_VERBOSE=1 prints
 // every failing run's status and message.
+//
+// The MPI layer (test_alloc_fail_mpi: this file built with MHA_TEST_MPI and
+// libmha_mpi, run as `mpiexec -n P test_alloc_fail_mpi --mpi`): the same
+// sweep over mha_mpi_forward / _backward (every scheme, a saved ring
+// forward) and mha_mpi_forward_cached, on every rank, the n-th allocation
+// failing on one rank t at a time (for each t): every rank must return
+// MHA_ERR_NOMEM, the others with rank t's message ("rank t: ... memory"),
+// nobody left waiting; each rank then reruns clean to its own result.
+// Sites go to path.<rank>.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <elf.h>
@@ -40,6 +49,9 @@
 #include "internal.h"
 #include "part.h"
 #include "mha.h"
+#ifdef MHA_TEST_MPI
+#include "mha_mpi.h"
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
 #define MHA_TEST_LSAN 1
@@ -162,6 +174,22 @@ static bool mentions_memory(const char *msg) {
     return strstr(msg, "memory") != NULL;
 }
 
+// This process among the MPI ranks (a single process: rank 0 of 1).
+static int g_rank = 0, g_P = 1;
+#ifdef MHA_TEST_MPI
+static long from_rank(long v, int root) {  // rank root's v, on every rank
+    MPI_Bcast(&v, 1, MPI_LONG, root, MPI_COMM_WORLD);
+    return v;
+}
+static int on_any_rank(int v) {
+    MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return v;
+}
+#else
+static long from_rank(long v, int root) { return (void)root, v; }
+static int on_any_rank(int v) { return v; }
+#endif
+
 static void sweep(const char *name, scen_fn fn, const void *arg, intact_fn intact) {
     g_scenarios++;
     // 1. the clean run: its allocations, its sites, its result
@@ -190,39 +218,49 @@ static void sweep(const char *name, scen_fn fn, const void *arg, intact_fn intac
     if (!golden) abort();
     memcpy(golden, g_res, g_len);
 
-    // 2. the n-th allocation fails (alone; then with every later one)
+    // 2. the n-th allocation fails (alone; then with every later one), on
+    //    rank t (a single process: t = 0), every rank running the scenario
     int bad = 0;
     long runs = 0;
-    for (int sticky = 0; sticky < 2; sticky++)
-        for (long n = 1; n <= N; n++) {
-            g_len = 0;
-            mha__fail(MHA_OK, "%s", "");  // clear the last error
-            mha__fault_arm(n, sticky);
-            st = fn(arg);
-            const long failed = mha__fault_failures();
-            mha__fault_arm(0, 0);
-            runs++;
-            const char *msg = mha_last_error();
-            bool ok = failed > 0 && st == MHA_ERR_NOMEM && mentions_memory(msg);
-            if (g_verbose) printf("  %ld%s: %s: %s\n", n, sticky ? "+" : "", mha_status_string(st), msg);
-            CHECKF(ok, "%s: allocation %ld of %ld failing (%s; %ld failed): -> %s: \"%s\"",
-                   name, n, N, sticky ? "and every later one" : "alone", failed,
-                   mha_status_string(st), msg);
-            if (intact) {
-                bool kept = intact(arg);
-                CHECKF(kept, "%s: allocation %ld of %ld failing (%s): the state changed", name,
-                       n, N, sticky ? "and every later one" : "alone");
-                ok = ok && kept;
+    for (int t = 0; t < g_P; t++) {
+        const long Nt = from_rank(N, t);
+        char where[64] = "";
+        if (g_P > 1) snprintf(where, sizeof where, " on rank %d (this is rank %d)", t, g_rank);
+        for (int sticky = 0; sticky < 2; sticky++)
+            for (long n = 1; n <= Nt; n++) {
+                g_len = 0;
+                mha__fail(MHA_OK, "%s", "");  // clear the last error
+                mha__fault_arm(g_rank == t ? n : 0, sticky);
+                st = fn(arg);
+                const long failed = mha__fault_failures();
+                mha__fault_arm(0, 0);
+                runs++;
+                const char *msg = mha_last_error();
+                bool ok = (failed > 0 || g_rank != t) && st == MHA_ERR_NOMEM &&
+                          mentions_memory(msg);
+                if (g_verbose)
+                    printf("  %ld%s%s: %s: %s\n", n, sticky ? "+" : "", where,
+                           mha_status_string(st), msg);
+                CHECKF(ok, "%s: allocation %ld of %ld failing%s (%s; %ld failed): -> %s: \"%s\"",
+                       name, n, Nt, where, sticky ? "and every later one" : "alone", failed,
+                       mha_status_string(st), msg);
+                if (intact) {
+                    bool kept = intact(arg);
+                    CHECKF(kept, "%s: allocation %ld of %ld failing%s (%s): the state changed",
+                           name, n, Nt, where, sticky ? "and every later one" : "alone");
+                    ok = ok && kept;
+                }
+                // the same scenario, no failure: the same result
+                g_len = 0;
+                st = fn(arg);
+                const bool same =
+                    st == MHA_OK && g_len == glen && memcmp(g_res, golden, glen) == 0;
+                CHECKF(same, "%s: after allocation %ld of %ld failed%s (%s), the clean run -> "
+                       "%s%s", name, n, Nt, where, sticky ? "and every later one" : "alone",
+                       mha_status_string(st), st ? "" : " with a different result");
+                bad += !ok || !same;
             }
-            // the same scenario, no failure: the same result
-            g_len = 0;
-            st = fn(arg);
-            const bool same = st == MHA_OK && g_len == glen && memcmp(g_res, golden, glen) == 0;
-            CHECKF(same, "%s: after allocation %ld of %ld failed (%s), the clean run -> %s%s",
-                   name, n, N, sticky ? "and every later one" : "alone", mha_status_string(st),
-                   st ? "" : " with a different result");
-            bad += !ok || !same;
-        }
+    }
     free(golden);
     // 3. leaks so far (LeakSanitizer)
     int leaks = 0;
@@ -233,8 +271,10 @@ static void sweep(const char *name, scen_fn fn, const void *arg, intact_fn intac
     g_total_allocs += N;
     g_total_cjson += ncjson;
     g_total_runs += runs;
-    printf("%-56s %4ld allocations (%3ld cJSON) %3d sites %5ld failing runs: %s\n", name, N,
-           ncjson, nsites, runs, bad || leaks ? "FAILED" : "ok");
+    const int failed_somewhere = on_any_rank(bad || leaks);
+    if (g_rank == 0)
+        printf("%-56s %4ld allocations (%3ld cJSON) %3d sites %5ld failing runs: %s\n", name,
+               N, ncjson, nsites, runs, failed_somewhere ? "FAILED" : "ok");
     fflush(stdout);
 }
 
@@ -752,6 +792,16 @@ typedef struct cached_arg {
     int64_t D;             // (append_only) head dim
 } cached_arg;
 
+// Self-attention of x (T, N, E) into y (T, N, E): the views and the args.
+static void self_attention(mha_forward_args *f, mha_tensor *x, mha_tensor *y,
+                           const mha_module *m, float *xp, float *yp, int64_t T, int64_t N) {
+    const int64_t E = mha_module_config(m)->embed_dim;
+    *x = mha_tensor_contiguous(xp, MHA_F32, 3, (int64_t[]){T, N, E});
+    *y = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){T, N, E});
+    mha_forward_args_init(f);
+    f->query = f->key = f->value = x;
+}
+
 static mha_status sc_cached(const void *argp) {
     const cached_arg *a = argp;
     mha_status st;
@@ -768,11 +818,9 @@ static mha_status sc_cached(const void *argp) {
         free(o);
     } else {
         const int64_t E = mha_module_config(a->m)->embed_dim;
-        mha_tensor x = mha_tensor_contiguous(a->x, MHA_F32, 3, (int64_t[]){a->T, a->N, E});
-        mha_tensor y = mha_tensor_contiguous(a->y, MHA_F32, 3, (int64_t[]){a->T, a->N, E});
+        mha_tensor x, y;
         mha_forward_args f;
-        mha_forward_args_init(&f);
-        f.query = f.key = f.value = &x;
+        self_attention(&f, &x, &y, a->m, a->x, a->y, a->T, a->N);
         f.is_causal = true;
         if (a->extras) {
             mha_rope_init(&f.rope, MHA_ROPE_NEOX);
@@ -960,17 +1008,136 @@ static void fwd_case(fwd_arg a, const mod_spec *s, bool backward, bool diag) {
     fwd_free(&a);
 }
 
-int main(void) {
-    const char *td = getenv("MHA_TEST_TMPDIR");
-    snprintf(g_tmp, sizeof g_tmp, "%s", td && *td ? td : "/tmp");
-    const char *sites = getenv("MHA_ALLOC_SITES");
-    if (sites && *sites) g_sites_out = fopen(sites, "w");
-    const char *verbose = getenv("MHA_ALLOC_VERBOSE");
-    g_verbose = verbose && *verbose && strcmp(verbose, "0") != 0;
-    cJSON_Hooks hooks = {cjson_malloc, free};
-    cJSON_InitHooks(&hooks);
-    setvbuf(stdout, NULL, _IOLBF, 0);
+#ifdef MHA_TEST_MPI
+// ---------------------------------------------------------------------------
+// The MPI layer (mha_mpi.h), on every rank: each scheme's forward and
+// backward on this rank's tokens (heads, heads-fast: every token, the same
+// on every rank; ulysses: a block; ring: its zigzag chunks), and the
+// sharded-KV decode.
 
+typedef struct mpi_arg {
+    mha_parallel scheme;
+    bool backward;
+    mha_module *m, *grads;
+    mha_saved *save;          // ring: a saved forward (grown beforehand, kept)
+    int64_t N, T;             // batch, this rank's tokens
+    float *x, *y, *dy, *dx;   // (T, N, E)
+} mpi_arg;
+
+static mha_status sc_mpi(const void *argp) {
+    const mpi_arg *a = argp;
+    const int64_t E = mha_module_config(a->m)->embed_dim, n = a->T * a->N * E;
+    const int64_t sh[3] = {a->T, a->N, E};
+    mha_tensor x, y;
+    mha_forward_args f;
+    self_attention(&f, &x, &y, a->m, a->x, a->y, a->T, a->N);
+    mha_tensor dy = mha_tensor_contiguous(a->dy, MHA_F32, 3, sh);
+    mha_tensor dx = mha_tensor_contiguous(a->dx, MHA_F32, 3, sh);
+    f.is_causal = true;
+    f.save = a->save;
+    mha_status st = MHA_OK;
+    if (!a->backward || a->save) {
+        st = mha_mpi_forward(MPI_COMM_WORLD, a->scheme, &y, a->m, &f, NULL);
+        if (!st) res_put(a->y, sizeof(float) * (size_t)n);
+    }
+    if (!st && a->backward) {
+        st = mha_mpi_backward(MPI_COMM_WORLD, a->scheme, &dx, NULL, NULL, a->grads, a->m, &f,
+                              &dy, false, NULL);
+        if (!st) res_put(a->dx, sizeof(float) * (size_t)n), res_put_module(a->grads);
+    }
+    return st;
+}
+
+// Sharded-KV decode: every rank's cache holds prefix tokens of its own; T
+// new tokens (the same on every rank), appended by rank 0; afterwards the
+// caches go back to the prefix. On failure every rank's lengths stay.
+typedef struct mpi_cached_arg {
+    mha_module *m;
+    mha_kv_cache *c;
+    int64_t N, T, prefix;
+    float *x, *y;  // (T, N, E)
+} mpi_cached_arg;
+
+static mha_status sc_mpi_cached(const void *argp) {
+    const mpi_cached_arg *a = argp;
+    const int64_t E = mha_module_config(a->m)->embed_dim;
+    mha_tensor x, y;
+    mha_forward_args f;
+    self_attention(&f, &x, &y, a->m, a->x, a->y, a->T, a->N);
+    mha_status st = mha_mpi_forward_cached(MPI_COMM_WORLD, &y, a->m, &f, a->c, 0, NULL);
+    if (st) return st;
+    res_put(a->y, sizeof(float) * (size_t)(a->T * a->N * E));
+    for (int64_t b = 0; b < a->N; b++) {
+        const int64_t len = mha_kv_cache_length(a->c, b);
+        res_put(&len, sizeof len);
+    }
+    if (mha_kv_cache_truncate(a->c, -1, a->prefix)) abort();
+    return MHA_OK;
+}
+
+static bool mpi_cached_intact(const void *argp) {
+    const mpi_cached_arg *a = argp;
+    for (int64_t b = 0; b < a->N; b++)
+        if (mha_kv_cache_length(a->c, b) != a->prefix) return false;
+    return true;
+}
+
+static void sweep_mpi(void) {
+    const mod_spec spec = {.E = 24, .H = 6, .Hkv = 3, .bias = true, .gate = MHA_GATE_DYNAMIC,
+                           .npruned = 1};
+    const int64_t L = 8, N = 2;
+    const mha_parallel schemes[4] = {MHA_PAR_HEADS, MHA_PAR_HEADS_FAST, MHA_PAR_ULYSSES,
+                                     MHA_PAR_RING};
+    for (int i = 0; i < 4; i++) {
+        g_rng = 77;  // the same module (and whole inputs) on every rank
+        mpi_arg a = {.scheme = schemes[i], .m = make_module(&spec), .N = N, .T = L};
+        if (schemes[i] == MHA_PAR_ULYSSES) a.T = L * (g_rank + 1) / g_P - L * g_rank / g_P;
+        if (schemes[i] == MHA_PAR_RING) {
+            int64_t cs[2], cl[2];
+            mha_mpi_ring_chunks(L, g_P, g_rank, cs, cl);
+            a.T = cl[0] + cl[1];
+        }
+        const int64_t n = a.T * N * spec.E;
+        a.x = new_floats(n), a.y = new_floats(n), a.dy = new_floats(n), a.dx = new_floats(n);
+        if (mha_module_create(&a.grads, mha_module_config(a.m))) abort();
+        char name[96];
+        snprintf(name, sizeof name, "mpi %s forward, GQA, gates", mha_parallel_name(a.scheme));
+        sweep(name, sc_mpi, &a, NULL);
+        a.backward = true;
+        snprintf(name, sizeof name, "mpi %s backward, GQA, gates", mha_parallel_name(a.scheme));
+        sweep(name, sc_mpi, &a, NULL);
+        if (a.scheme == MHA_PAR_RING) {
+            if (mha_saved_create(&a.save) || sc_mpi(&a)) abort();  // (the state grown)
+            sweep("mpi ring forward + backward, saved state", sc_mpi, &a, NULL);
+            mha_saved_destroy(a.save);
+        }
+        free(a.x), free(a.y), free(a.dy), free(a.dx);
+        mha_module_destroy(a.m);
+        mha_module_destroy(a.grads);
+    }
+    g_rng = 78;
+    const mod_spec cspec = {.E = 16, .H = 4, .Hkv = 2, .bias = true, .gate = MHA_GATE_DYNAMIC,
+                            .npruned = 1};
+    const int64_t d = cspec.E / cspec.H;
+    mpi_cached_arg c = {.m = make_module(&cspec), .N = N, .T = 3, .prefix = 4};
+    float *k = new_floats(N * cspec.Hkv * c.prefix * d), *v = new_floats(N * cspec.Hkv * c.prefix * d);
+    const int64_t kv_shape[4] = {N, cspec.Hkv, c.prefix, d};
+    mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, kv_shape);
+    mha_tensor vt = mha_tensor_contiguous(v, MHA_F32, 4, kv_shape);
+    if (mha_kv_cache_create(&c.c, N, cspec.Hkv, d, d, 16) ||
+        mha_kv_cache_append(c.c, &kt, &vt, NULL))
+        abort();
+    c.x = new_floats(c.T * N * cspec.E), c.y = new_floats(c.T * N * cspec.E);
+    sweep("mpi forward_cached (sharded KV decode), GQA, gates", sc_mpi_cached, &c,
+          mpi_cached_intact);
+    free(k), free(v), free(c.x), free(c.y);
+    mha_kv_cache_destroy(c.c);
+    mha_module_destroy(c.m);
+}
+#endif  // MHA_TEST_MPI
+
+// Every library scenario (one process).
+static void sweep_library(void) {
     // safetensors: write, read back (file and memory)
     char p1[600];
     tmp_path(p1, sizeof p1, "tensors.safetensors");
@@ -1166,11 +1333,53 @@ int main(void) {
         mha_module_destroy(o.m);
         mha_module_destroy(o.g);
     }
+}
 
-    printf("total: %d scenarios, %ld allocations (%ld of them cJSON's), %d library "
-           "allocation sites reached, %ld failing runs\n",
-           g_scenarios, g_total_allocs, g_total_cjson, g_nall_sites, g_total_runs);
+int main(int argc, char **argv) {
+    const char *td = getenv("MHA_TEST_TMPDIR");
+    snprintf(g_tmp, sizeof g_tmp, "%s", td && *td ? td : "/tmp");
+    const char *verbose = getenv("MHA_ALLOC_VERBOSE");
+    g_verbose = verbose && *verbose && strcmp(verbose, "0") != 0;
+    cJSON_Hooks hooks = {cjson_malloc, free};
+    cJSON_InitHooks(&hooks);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    bool mpi = false;
+#ifdef MHA_TEST_MPI
+    mpi = argc > 1 && strcmp(argv[1], "--mpi") == 0;
+    if (mpi) {
+        int provided;
+        MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+        MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+    }
+#else
+    (void)argc, (void)argv;
+#endif
+    const char *sites = getenv("MHA_ALLOC_SITES");
+    if (sites && *sites) {  // (MPI: one file per rank, path.<rank>)
+        char path[600];
+        if (mpi) snprintf(path, sizeof path, "%s.%d", sites, g_rank);
+        else snprintf(path, sizeof path, "%s", sites);
+        g_sites_out = fopen(path, "w");
+    }
+#ifdef MHA_TEST_MPI
+    if (mpi) sweep_mpi();
+    else sweep_library();
+#else
+    sweep_library();
+#endif
+    if (g_rank == 0)
+        printf("total: %d scenarios, %ld allocations (%ld of them cJSON's), %d library "
+               "allocation sites reached, %ld failing runs%s\n",
+               g_scenarios, g_total_allocs, g_total_cjson, g_nall_sites, g_total_runs,
+               mpi ? " (rank 0's)" : "");
     if (g_sites_out) fclose(g_sites_out);
     free(g_res);
-    return check_summary("test_alloc_fail");
+    char name[64] = "test_alloc_fail";
+    if (mpi) snprintf(name, sizeof name, "test_alloc_fail --mpi, rank %d", g_rank);
+    const int rc = check_summary(name);
+#ifdef MHA_TEST_MPI
+    if (mpi) MPI_Finalize();
+#endif
+    return rc;
 }
