@@ -284,9 +284,24 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
     return mha__kv_cache_attend_ex(out, q, c, args, counts, 0, NULL);
 }
 
-mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
-                                   const mha_cache_attend_args *args, const int64_t *counts,
-                                   int64_t q_shift, float *stats) {
+// What the phases of a cache attention share (attend_check fills it).
+typedef struct attend_call {
+    const mha_kv_cache *c;
+    const mha__kernels *kt;
+    mha_cache_attend_args a;
+    const mha_tensor *q, *out;
+    const float *qd;
+    float *o, *stats;
+    const int64_t *counts;
+    int64_t B, H, T, G, D, Dv, maxlen, q_shift;
+    double scale;
+    int nt;
+} attend_call;
+
+// Checks a cache attention's arguments (once) and fills ac.
+static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tensor *q,
+                               const mha_kv_cache *c, const mha_cache_attend_args *args,
+                               const int64_t *counts, int64_t q_shift, float *stats) {
     if (!out || !q || !c)
         return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: NULL argument");
     mha_cache_attend_args a;
@@ -296,7 +311,6 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
                                          a.softcap, a.use_custom_scale, a.scale);
     if (st) return st;
     if ((st = mha__check_float(q, "q"))) return st;
-    if (st) return st;
     const int64_t B = c->B, D = c->D, Dv = c->Dv;
     if (q->ndim != 4 || q->shape[0] != B || q->shape[3] != D || q->shape[1] < 1 ||
         q->shape[1] % c->Hkv != 0) {
@@ -340,65 +354,137 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
     const double work = (double)B * H * T * (double)maxlen * (double)(D + Dv);
     const int nt = work < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
 
-    if (T > MHA__DECODE_MAX_T) {  // prefill chunk: flash tiles, positions offset
-        const size_t sf = mha__flash_scratch_floats(D, Dv, c->cap, 0, false);
-        // a reduced-precision cache is dequantised first (the rows in use)
-        const size_t nkv = c->dt == MHA_KV_F32 ? 0 : (size_t)(B * c->Hkv * maxlen * (D + Dv));
-        size_t bytes;
-        if (mha__mul_overflow_size(sf * sizeof(float), (size_t)nt, &bytes) ||
-            mha__add_overflow_size(bytes, nkv * sizeof(float), &bytes))
-            return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
-        float *blk = mha__alloc(bytes);
-        if (!blk)
-            return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes",
-                             bytes);
-        float *kf = blk + sf * (size_t)nt, *vf = kf + (size_t)(B * c->Hkv * maxlen * D);
-        if (nkv) {
+    *ac = (attend_call){.c = c, .kt = kt, .a = a, .q = q, .out = out, .qd = qd, .o = o,
+                        .stats = stats, .counts = counts, .B = B, .H = H, .T = T, .G = G,
+                        .D = D, .Dv = Dv, .maxlen = maxlen, .q_shift = q_shift, .scale = scale,
+                        .nt = nt};
+    return MHA_OK;
+}
+
+// A prefill chunk (more than MHA__DECODE_MAX_T queries): flash tiles per
+// (b, h, tile of queries), the queries' positions offset by len_b - T_b.
+static mha_status attend_prefill(const attend_call *ac) {
+    const mha_kv_cache *c = ac->c;
+    const mha__kernels *kt = ac->kt;
+    const mha_cache_attend_args a = ac->a;
+    const mha_tensor *q = ac->q, *out = ac->out;
+    const float *qd = ac->qd;
+    float *o = ac->o, *stats = ac->stats;
+    const int64_t *counts = ac->counts;
+    const int64_t B = ac->B, H = ac->H, T = ac->T, G = ac->G, D = ac->D, Dv = ac->Dv,
+                  maxlen = ac->maxlen, q_shift = ac->q_shift;
+    const double scale = ac->scale;
+    const int nt = ac->nt;
+    const size_t sf = mha__flash_scratch_floats(D, Dv, c->cap, 0, false);
+    // a reduced-precision cache is dequantised first (the rows in use)
+    const size_t nkv = c->dt == MHA_KV_F32 ? 0 : (size_t)(B * c->Hkv * maxlen * (D + Dv));
+    size_t bytes;
+    if (mha__mul_overflow_size(sf * sizeof(float), (size_t)nt, &bytes) ||
+        mha__add_overflow_size(bytes, nkv * sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
+    float *blk = mha__alloc(bytes);
+    if (!blk)
+        return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes",
+                         bytes);
+    float *kf = blk + sf * (size_t)nt, *vf = kf + (size_t)(B * c->Hkv * maxlen * D);
+    if (nkv) {
 #pragma omp parallel for schedule(static) num_threads(nt)
-            for (int64_t bh = 0; bh < B * c->Hkv; bh++) {
-                const int64_t r0 = bh * c->cap, n = c->len[bh / c->Hkv];
-                float *kd = kf + bh * maxlen * D, *vd = vf + bh * maxlen * Dv;
-                load_rows(kt, c, false, r0, n, kd);  // (not f32: into kd, vd)
-                load_rows(kt, c, true, r0, n, vd);
-            }
+        for (int64_t bh = 0; bh < B * c->Hkv; bh++) {
+            const int64_t r0 = bh * c->cap, n = c->len[bh / c->Hkv];
+            float *kd = kf + bh * maxlen * D, *vd = vf + bh * maxlen * Dv;
+            load_rows(kt, c, false, r0, n, kd);  // (not f32: into kd, vd)
+            load_rows(kt, c, true, r0, n, vd);
         }
-        for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
-        const int64_t tiles = (T + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+    }
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
+    const int64_t tiles = (T + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t it = 0; it < B * H * tiles; it++) {
-            const int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
-            const int64_t Tb = counts ? counts[b] : T, i0 = tile * MHA__FLASH_BR;
-            if (i0 >= Tb) continue;
-            mha__mask mk;
-            memset(&mk, 0, sizeof mk);
-            mk.causal = true;
-            mk.win_left = a.window_left;
-            mk.win_right = a.window_right;
-            mk.q_off = c->len[b] - Tb + q_shift;
-            mk.s_masked = c->len[b];
-            mk.alibi = a.alibi_slopes;
-            mk.softcap = a.softcap;
-            const int64_t hk = h / G;
-            mha__flash_head fh = {
-                .q = qd + b * q->stride[0] + h * q->stride[1], .q_rs = q->stride[2],
-                .k = nkv ? kf + (b * c->Hkv + hk) * maxlen * D
-                         : (const float *)c->k + (b * c->Hkv + hk) * c->cap * D,
-                .k_rs = D,
-                .v = nkv ? vf + (b * c->Hkv + hk) * maxlen * Dv
-                         : (const float *)c->v + (b * c->Hkv + hk) * c->cap * Dv,
-                .v_rs = Dv,
-                .o = o + b * out->stride[0] + h * out->stride[1], .o_rs = out->stride[2],
-                .L = Tb, .S = c->len[b], .D = D, .Dv = Dv, .scale = (float)scale,
-                .mask = &mk, .b = b, .h = h, .stats = stats ? stats + 2 * bh * T : NULL,
-            };
-            mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, Tb),
-                            blk + (size_t)mha__thread_id() * sf);
+    for (int64_t it = 0; it < B * H * tiles; it++) {
+        const int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
+        const int64_t Tb = counts ? counts[b] : T, i0 = tile * MHA__FLASH_BR;
+        if (i0 >= Tb) continue;
+        mha__mask mk;
+        memset(&mk, 0, sizeof mk);
+        mk.causal = true;
+        mk.win_left = a.window_left;
+        mk.win_right = a.window_right;
+        mk.q_off = c->len[b] - Tb + q_shift;
+        mk.s_masked = c->len[b];
+        mk.alibi = a.alibi_slopes;
+        mk.softcap = a.softcap;
+        const int64_t hk = h / G;
+        mha__flash_head fh = {
+            .q = qd + b * q->stride[0] + h * q->stride[1], .q_rs = q->stride[2],
+            .k = nkv ? kf + (b * c->Hkv + hk) * maxlen * D
+                     : (const float *)c->k + (b * c->Hkv + hk) * c->cap * D,
+            .k_rs = D,
+            .v = nkv ? vf + (b * c->Hkv + hk) * maxlen * Dv
+                     : (const float *)c->v + (b * c->Hkv + hk) * c->cap * Dv,
+            .v_rs = Dv,
+            .o = o + b * out->stride[0] + h * out->stride[1], .o_rs = out->stride[2],
+            .L = Tb, .S = c->len[b], .D = D, .Dv = Dv, .scale = (float)scale,
+            .mask = &mk, .b = b, .h = h, .stats = stats ? stats + 2 * bh * T : NULL,
+        };
+        mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, Tb),
+                        blk + (size_t)mha__thread_id() * sf);
+    }
+    mha__free(blk);
+    return MHA_OK;
+}
+
+// The chunks' partials combined in chunk order: O = sum_c e^(m_c - M) o_c /
+// sum_c e^(m_c - M) l_c (and each row's max and 1/sum into stats).
+static void attend_combine(const attend_call *ac, const float *part, int64_t nch, size_t per) {
+    const int64_t B = ac->B, H = ac->H, T = ac->T, Dv = ac->Dv;
+    const int64_t *counts = ac->counts;
+    const mha_tensor *out = ac->out;
+    float *o = ac->o, *stats = ac->stats;
+    const int nt = ac->nt;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H, Tb = counts ? counts[b] : T;
+        for (int64_t t = 0; t < Tb; t++) {
+            float *orow = o + b * out->stride[0] + h * out->stride[1] + t * out->stride[2];
+            double M = -INFINITY;
+            for (int64_t ch = 0; ch < nch; ch++) {
+                const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
+                if (pp[1] > 0.0f && pp[0] > M) M = pp[0];
+            }
+            for (int64_t e = 0; e < Dv; e++) orow[e] = 0.0f;
+            if (M == -INFINITY) continue;  // nothing visible: 0
+            double L = 0.0;
+            for (int64_t ch = 0; ch < nch; ch++) {
+                const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
+                if (pp[1] > 0.0f) L += exp(pp[0] - M) * pp[1];
+            }
+            for (int64_t e = 0; e < Dv; e++) {
+                double acc = 0.0;
+                for (int64_t ch = 0; ch < nch; ch++) {
+                    const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
+                    if (pp[1] > 0.0f) acc += exp(pp[0] - M) * pp[2 + e];
+                }
+                orow[e] = (float)(acc / L);
+            }
+            if (stats) stats[2 * (bh * T + t)] = (float)M, stats[2 * (bh * T + t) + 1] = (float)(1.0 / L);
         }
-        mha__free(blk);
-        return MHA_OK;
     }
 
-    // Decode: split-KV over fixed chunks, per (b, KV head, chunk).
+}
+
+// Decode (at most MHA__DECODE_MAX_T queries): split-KV over fixed chunks
+// of the keys, per (b, KV head, chunk): each chunk's partial (m, l, O) per
+// query, then combined in chunk order (attend_combine).
+static mha_status attend_decode(const attend_call *ac) {
+    const mha_kv_cache *c = ac->c;
+    const mha__kernels *kt = ac->kt;
+    const mha_cache_attend_args a = ac->a;
+    const mha_tensor *q = ac->q;
+    const float *qd = ac->qd;
+    const int64_t *counts = ac->counts;
+    const int64_t B = ac->B, H = ac->H, T = ac->T, G = ac->G, D = ac->D, Dv = ac->Dv,
+                  maxlen = ac->maxlen, q_shift = ac->q_shift;
+    const double scale = ac->scale;
+    const int nt = ac->nt;
     const int64_t CH = MHA__DECODE_CHUNK, nch = (maxlen + CH - 1) / CH;
     if (nch == 0) return MHA_OK;  // nothing cached, so no queries either
     // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O
@@ -470,37 +556,18 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
                 pp[1] = l;
             }
     }
-    // Combine the chunks in order: O = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c.
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H, Tb = counts ? counts[b] : T;
-        for (int64_t t = 0; t < Tb; t++) {
-            float *orow = o + b * out->stride[0] + h * out->stride[1] + t * out->stride[2];
-            double M = -INFINITY;
-            for (int64_t ch = 0; ch < nch; ch++) {
-                const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
-                if (pp[1] > 0.0f && pp[0] > M) M = pp[0];
-            }
-            for (int64_t e = 0; e < Dv; e++) orow[e] = 0.0f;
-            if (M == -INFINITY) continue;  // nothing visible: 0
-            double L = 0.0;
-            for (int64_t ch = 0; ch < nch; ch++) {
-                const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
-                if (pp[1] > 0.0f) L += exp(pp[0] - M) * pp[1];
-            }
-            for (int64_t e = 0; e < Dv; e++) {
-                double acc = 0.0;
-                for (int64_t ch = 0; ch < nch; ch++) {
-                    const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
-                    if (pp[1] > 0.0f) acc += exp(pp[0] - M) * pp[2 + e];
-                }
-                orow[e] = (float)(acc / L);
-            }
-            if (stats) stats[2 * (bh * T + t)] = (float)M, stats[2 * (bh * T + t) + 1] = (float)(1.0 / L);
-        }
-    }
+    attend_combine(ac, part, nch, per);
     mha__free(part);
     return MHA_OK;
+}
+
+mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
+                                   const mha_cache_attend_args *args, const int64_t *counts,
+                                   int64_t q_shift, float *stats) {
+    attend_call ac = {0};
+    mha_status st = attend_check(&ac, out, q, c, args, counts, q_shift, stats);
+    if (st) return st;
+    return ac.T > MHA__DECODE_MAX_T ? attend_prefill(&ac) : attend_decode(&ac);
 }
 
 // ---------------------------------------------------------------------------
