@@ -17,7 +17,6 @@
 #include "check.h"
 #include "flash.h"
 #include "kvcache.h"
-#include "plan.h"
 
 #define MHA__DECODE_MAX_T 16
 #define MHA__DECODE_CHUNK 512
