@@ -25,7 +25,7 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     fwd_plan p;
     if ((st = mha__plan_forward(&p, m, &a))) return st;
     if ((st = mha__check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
-    if (p.fused) return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
+    if (p.fused) return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate, NULL);
 
     return mha__ref_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
 }

@@ -84,8 +84,12 @@ typedef struct mha__attn_io {
     float *stats;
 } mha__attn_io;
 
+// The fused forward of plan p into out (and weights when asked), ws the
+// plan's scratch (p->f_*, 64-byte aligned); pt: a part's hooks (above),
+// NULL for a whole call.
 mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                        const mha_module *m, const mha_forward_args *a, char *ws);
+                              const mha_module *m, const mha_forward_args *a, char *ws,
+                              const mha__part *pt);
 // Its last step alone, from a context ctx (Rq, E; gated in place).
 void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
                             const mha_forward_args *a, float *ctx, char *ws);
@@ -94,11 +98,11 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
                            double scale);
-// The fused backward (allocates its own scratch).
+// The fused backward (allocates its own scratch); pt as for the forward.
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
                                mha_tensor *gv, mha_module *grads, const mha_module *m,
                                const mha_forward_args *a, const mha_tensor *gout,
-                               bool accumulate);
+                               bool accumulate, const mha__part *pt);
 // dX (view, rows in the view's order) (+)= d (R, O) W (O, I) (the fused
 // backward's input gradients; tmp R * I floats, bp packed W, gs GEMM
 // scratch).

@@ -59,7 +59,7 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
                                mha_tensor *gv, mha_module *grads, const mha_module *m,
                                const mha_forward_args *a, const mha_tensor *gout,
-                               bool acc) {
+                               bool acc, const mha__part *pt) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
@@ -121,7 +121,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (sv) {
         mha__saved_key key;
         mha__saved_key_of(&key, m, a);
-        if (!mha__saved_key_equal(&key, &sv->key) || sv->outer_valid != (p->part && p->part->attn) ||
+        if (!mha__saved_key_equal(&key, &sv->key) || sv->outer_valid != (pt && pt->attn) ||
             sv->n_qkv != n_qkv ||
             sv->n_lse != (size_t)(2 * N * H * L)) {
             mha__free(blk);
@@ -138,7 +138,6 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E,
           *dv = sp ? dqkv + E + Ekv : dk + Rk * Ekv;
     const int64_t ldkv = sp ? W3 : Ekv;
-    const mha__part *pt = p->part;
     // a part: its heads' rows of the weights only, into their columns
     const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
@@ -162,8 +161,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
            dcm = {dctx, E, seq_first, N, L}, dqm = {dq, W3, seq_first, N, L},
            dkm = {dk, ldkv, seq_first, N, sp ? L : S}, dvm = {dv, ldkv, seq_first, N, sp ? L : S};
     if (!sv) {  // the saved q, k are rotated already
-        mha__rope_rows(p, a, &qm, L, H, false);
-        mha__rope_rows(p, a, &km, S, Hkv, false);
+        mha__rope_rows(p, a, &qm, L, H, false, pt ? pt->rope_pos : NULL);
+        mha__rope_rows(p, a, &km, S, Hkv, false, pt ? pt->rope_pos : NULL);
     }
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC + (nx > 0);
@@ -323,8 +322,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         }
     }
 #undef HEAD
-    mha__rope_rows(p, a, &dqm, L, H, true);  // through the rotation (orthogonal)
-    mha__rope_rows(p, a, &dkm, S, Hkv, true);
+    mha__rope_rows(p, a, &dqm, L, H, true, pt ? pt->rope_pos : NULL);  // (orthogonal)
+    mha__rope_rows(p, a, &dkm, S, Hkv, true, pt ? pt->rope_pos : NULL);
     if (pt && pt->dq)  // a part's projection gradients, for its caller
         for (int64_t r = 0; r < Rq; r++) memcpy(pt->dq + r * E, dq + r * W3, sizeof(float) * (size_t)E);
     if (pt && pt->dz && dg) memcpy(pt->dz, dg, sizeof(float) * (size_t)(Rq * H));

@@ -22,14 +22,14 @@
 
 // The forward's step 3 from the context ctx (Rq, E; gated in place when
 // in_place, else into the scratch): the gates, W_O (+ out_proj.bias unless a
-// part without it), the output dropout, into out. xq: the query rows.
+// part without it: pt), the output dropout, into out. xq: the query rows.
 static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
                         const mha_module *m, const mha_forward_args *a, float *ctx,
-                        bool in_place, const float *xq, int64_t ldq, char *ws) {
+                        bool in_place, const float *xq, int64_t ldq, char *ws,
+                        const mha__part *pt) {
     const int64_t E = p->E, Rq = mha__rows_of(a->query);
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
-    const mha__part *pt = p->part;
     float *wo = (float *)(ws + p->f_wo), *gs = (float *)(ws + p->f_gs),
           *wh = (float *)(ws + p->f_wh);
     int64_t ldo = E;
@@ -63,7 +63,8 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
 
 
 mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                              const mha_module *m, const mha_forward_args *a, char *ws) {
+                              const mha_module *m, const mha_forward_args *a, char *ws,
+                              const mha__part *pt) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
@@ -80,13 +81,12 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
     const float *xq = (const float *)(ws + p->f_xq), *xk = (const float *)(ws + p->f_xk),
                 *xv = (const float *)(ws + p->f_xv);
     if (p->q_direct) mha__rows_direct(a->query, &ldq), xq = a->query->data;
-    else if (!(p->part && p->part->q_in)) mha__gather_rows((float *)xq, a->query);
+    else if (!(pt && pt->q_in)) mha__gather_rows((float *)xq, a->query);
     // with a saved state (training), the projections, the context and the
     // row stats go straight into it (the backward's layout)
     mha_saved *sv = a->save;
     float *sbuf = sv ? sv->buf : NULL;
     mha__rowmap qm, km, vm;
-    const mha__part *pt = p->part;
     if (pt && pt->q_in) {  // projected elsewhere (sequence parallelism)
         qm = (mha__rowmap){(float *)pt->q_in, E, seq_first, N, L};
         km = (mha__rowmap){(float *)pt->k_in, Ekv, seq_first, N, S};
@@ -138,8 +138,9 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
         km = (mha__rowmap){k, Ekv, seq_first, N, S};
         vm = (mha__rowmap){v, Ekv, seq_first, N, S};
     }
-    mha__rope_rows(p, a, &qm, L, H, false);
-    mha__rope_rows(p, a, &km, S, Hkv, false);
+    const int64_t *rope_pos = pt ? pt->rope_pos : NULL;
+    mha__rope_rows(p, a, &qm, L, H, false, rope_pos);
+    mha__rope_rows(p, a, &km, S, Hkv, false, rope_pos);
     if (pt && pt->q_out) {  // the projections are what the caller wants
         for (int64_t r = 0; r < Rq; r++)
             memcpy(pt->q_out + r * E, qm.base + r * qm.ld, sizeof(float) * (size_t)E);
@@ -271,7 +272,7 @@ projected:;
 
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
-    out_project(kt, p, out, m, a, ctx, !sv, xq, ldq, ws);
+    out_project(kt, p, out, m, a, ctx, !sv, xq, ldq, ws, pt);
     return MHA_OK;
 }
 
@@ -281,7 +282,7 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
     const float *xq = (const float *)(ws + p->f_xq);
     if (p->q_direct) mha__rows_direct(a->query, &ldq), xq = a->query->data;
     else mha__gather_rows((float *)xq, a->query);
-    out_project(mha__kernels_get(), p, out, m, a, ctx, true, xq, ldq, ws);
+    out_project(mha__kernels_get(), p, out, m, a, ctx, true, xq, ldq, ws, NULL);
 }
 
 

@@ -3,7 +3,6 @@
 #include <math.h>
 #include <string.h>
 
-#include "fused.h"
 #include "linear.h"
 
 // The keys appended by add_bias_kv / add_zero_attn, per KV head: extra
@@ -67,14 +66,13 @@ void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
 // inverse (gradients).
 void mha__rope_rows(const fwd_plan *p, const mha_forward_args *a, const mha__rowmap *rm,
-                      int64_t T, int64_t H, bool inverse) {
+                    int64_t T, int64_t H, bool inverse, const int64_t *pos) {
     if (a->rope.mode == MHA_ROPE_NONE) return;
     double inv[MHA__ROPE_MAX_HALF];
     mha__rope_inv_freq(inv, &a->rope, p->d);
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
     for (int64_t n = 0; n < p->N; n++) {
         const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
-        const int64_t *pos = p->part ? p->part->rope_pos : NULL;
         float *row0 = mha__head_row0(rm, n, 0);
         for (int64_t t = 0; t < T; t++)
             mha__rope_token_f(row0 + t * mha__head_rs(rm), p->d, H, &a->rope, p->d, inv,

@@ -86,9 +86,10 @@ static inline int64_t mha__head_rs(const mha__rowmap *rm) { return rm->seq_first
 
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
-// inverse (gradients).
+// inverse (gradients). Token t of batch element n is at position rope_start[n] + pos[t]
+// (pos NULL: t).
 void mha__rope_rows(const fwd_plan *p, const mha_forward_args *a, const mha__rowmap *rm,
-                      int64_t T, int64_t H, bool inverse);
+                    int64_t T, int64_t H, bool inverse, const int64_t *pos);
 
 // The (query tile, key tile) pairs whose scores rows [i0, i1) of a head
 // compute (the key tiles flash.c visits).

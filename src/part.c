@@ -32,7 +32,6 @@ mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha parallel: KV heads [%lld, %lld) not within [0, %lld)",
                          (long long)part->g0, (long long)part->g1, (long long)p->Hkv);
-    p->part = part;
     p->g0 = part->g0;
     p->g1 = part->g1;
     p->mask.q_off = part->q_off;
@@ -60,7 +59,8 @@ mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_for
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
                          p.ws_bytes);
-    st = mha__fused_forward(&p, out, NULL, m, &a2, (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63));
+    st = mha__fused_forward(&p, out, NULL, m, &a2, (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63),
+                            part);
     free(ws);
     return st;
 }
@@ -72,7 +72,6 @@ mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
     mha_forward_args a2;
     mha_status st = mha__part_plan(&p, &a2, m, a, &all);
     if (st) return st;
-    p.part = NULL;
     if ((st = mha__check_forward_outputs(&p, out, NULL, &a2))) return st;
     const int64_t n = p.N * p.L * p.E;
     void *ws = mha__malloc(p.ws_bytes);
@@ -103,7 +102,7 @@ mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mh
     mha_forward_args a;  // (the part's plan: the fused path, its range checked)
     if ((st = mha__part_plan(&p, &a, m, args, part))) return st;
     if ((st = mha__check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
-    return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, false);
+    return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, false, part);
 }
 
 mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,

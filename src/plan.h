@@ -36,10 +36,8 @@ typedef struct fwd_plan {
     size_t ws_bytes;
     int nthreads;
     // the KV heads [g0, g1) it runs (and their query heads): [0, Hkv) unless
-    // a distributed part's range; part: that part's hooks (fused.h), NULL
-    // for a whole call
+    // a distributed part's range
     int64_t g0, g1;
-    const struct mha__part *part;
     // the fused path (fused_fwd.c, fused_bwd.c): its own scratch layout
     bool fused;
     bool self_packed;            // one GEMM over the packed in_proj_weight
