@@ -10,6 +10,14 @@ int cli_fail(const char *cmd, mha_status st);
 int cli_float_dtype(const char *s, mha_dtype *out);
 // Wall-clock seconds (monotonic).
 double cli_now(void);
+// Prints "mha <cmd>: <msg> (see mha <cmd> --help)" on stderr; returns 2.
+int usage_error(const char *cmd, const char *msg);
+// Strict option values: the whole string, base 10. Return 0, else -1 (1 for
+// parse_range) with *out untouched.
+int parse_i64(const char *s, int64_t *out);
+int parse_f64(const char *s, double *out);
+// "A:B" or "A:" (end -1) with A, B >= 0.
+int parse_range(const char *s, int64_t *begin, int64_t *end);
 
 int cmd_demo(int argc, char **argv);
 int cmd_train(int argc, char **argv);

@@ -32,50 +32,6 @@
 #endif
 #include "inspect_plot.h"
 
-int cli_fail(const char *cmd, mha_status st) {
-    fprintf(stderr, "mha %s: %s\n", cmd,
-            mha_last_error()[0] ? mha_last_error() : mha_status_string(st));
-    return 1;
-}
-
-double cli_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int usage_error(const char *cmd, const char *msg) {
-    fprintf(stderr, "mha %s: %s (see mha %s --help)\n", cmd, msg, cmd);
-    return 2;
-}
-
-// Strict integer / float option parsing.
-static int parse_i64(const char *s, int64_t *out) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end) return -1;
-    *out = v;
-    return 0;
-}
-
-static int parse_f64(const char *s, double *out) {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end) return -1;
-    *out = v;
-    return 0;
-}
-
-int cli_float_dtype(const char *s, mha_dtype *out) {
-    if (!strcmp(s, "f32")) *out = MHA_F32;
-    else if (!strcmp(s, "bf16")) *out = MHA_BF16;
-    else if (!strcmp(s, "f16")) *out = MHA_F16;
-    else return -1;
-    return 0;
-}
-
 // ---------------------------------------------------------------------------
 // mha init
 
@@ -402,23 +358,6 @@ static float *run_alloc(run *r, int64_t n) {
     if (!p) fprintf(stderr, "mha %s: out of memory for %lld floats\n", r->cmd, (long long)n);
     else r->bufs[r->nbufs++] = p;
     return p;
-}
-
-// "A:B" or "A:" (end -1) with A, B >= 0. Returns 0 on success.
-static int parse_range(const char *s, int64_t *begin, int64_t *end) {
-    const char *colon = strchr(s, ':');
-    if (!colon || colon == s) return 1;
-    char first[32];
-    size_t n = (size_t)(colon - s);
-    if (n >= sizeof first) return 1;
-    memcpy(first, s, n);
-    first[n] = '\0';
-    int64_t b, e = -1;
-    if (parse_i64(first, &b) || b < 0) return 1;
-    if (colon[1] != '\0' && (parse_i64(colon + 1, &e) || e < 0)) return 1;
-    *begin = b;
-    *end = e;
-    return 0;
 }
 
 // Parses the options shared by forward and backward. Returns -1 to go on,
