@@ -32,6 +32,7 @@
 #endif
 
 #include "cli.h"
+#include "cmd.h"
 
 static const char *bench_help =
     "Usage: mha bench --batch B --seq L [--kv-seq S] --embed-dim E\n"

@@ -19,12 +19,6 @@ int parse_f64(const char *s, double *out);
 // "A:B" or "A:" (end -1) with A, B >= 0.
 int parse_range(const char *s, int64_t *begin, int64_t *end);
 
-int cmd_demo(int argc, char **argv);
-int cmd_train(int argc, char **argv);
-int cmd_bench(int argc, char **argv);
-// mha inspect (argv[0] is "inspect"); mha demo heads (argv[0] is "heads").
-int cmd_inspect(int argc, char **argv);
-int demo_heads(int argc, char **argv);
 // mha bench --parallel (bench_mpi.c).
 // kv_len > 0 (--parallel kv --decode): a decode step over a sharded KV cache.
 int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,

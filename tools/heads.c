@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "cmd.h"
 #include "train.h"
 
 static const char *heads_help =

@@ -21,6 +21,7 @@
 #endif
 
 #include "cli.h"
+#include "cmd.h"
 #include "plot.h"
 #include "train.h"
 #include "tiny.h"
