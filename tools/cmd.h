@@ -7,10 +7,13 @@
 #define MHA_CMD_H
 
 int cmd_init(int argc, char **argv);     // cmd_init.c
+int cmd_forward(int argc, char **argv);  // cmd_run.c
+int cmd_backward(int argc, char **argv); // cmd_run.c
 int cmd_demo(int argc, char **argv);     // demo.c
 int cmd_train(int argc, char **argv);    // train.c
 int cmd_bench(int argc, char **argv);    // bench.c
-// mha inspect (argv[0] is "inspect"); mha demo heads (argv[0] is "heads").
+// mha inspect (cmd_inspect.c; argv[0] is "inspect"); mha demo heads
+// (argv[0] is "heads").
 int cmd_inspect(int argc, char **argv);
 int demo_heads(int argc, char **argv);   // heads.c
 
