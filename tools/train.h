@@ -1,5 +1,5 @@
-// train.h: the training loop of `mha train` (train.c), shared with
-// `mha demo heads` (heads.c).
+// train.h: the training loop of the tiny transformer (train_loop.c), run
+// by `mha train` (train.c) and `mha demo heads` (heads.c).
 #ifndef MHA_TRAIN_H
 #define MHA_TRAIN_H
 
