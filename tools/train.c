@@ -143,6 +143,7 @@ int cmd_train(int argc, char **argv) {
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     train_opts o;
     train_opts_default(&o);
+    const char *plot = NULL;  // --plot FILE.png, drawn from the CSV afterwards
     int c, k;
     double f;
     int64_t v;
@@ -195,7 +196,7 @@ int cmd_train(int argc, char **argv) {
         case 'e': if (parse_int(optarg, &o.eval_every, 1, (int64_t)1 << 40)) return usage("--eval-every needs a positive integer"); break;
         case 'E': if (parse_int(optarg, &o.eval_size, 1, 1 << 22)) return usage("--eval-size needs a positive integer"); break;
         case 'v': o.csv = optarg; break;
-        case 'p': o.plot = optarg; break;
+        case 'p': plot = optarg; break;
         case 'q': o.quiet = true; break;
         case 'h': fputs(train_help, stdout); return 0;
         default: return usage("unknown or incomplete option");
@@ -207,20 +208,26 @@ int cmd_train(int argc, char **argv) {
                 (long long)o.heads, (long long)o.d_model);
         return 2;
     }
-    if (o.plot && !plot_available()) {
+    if (plot && !plot_available()) {
         fprintf(stderr, "mha train: --plot needs cairo, and this mha was built without it "
                 "(install libcairo2-dev and rebuild)\n");
         return 1;
     }
     // the plot is drawn from the CSV: write one next to the PNG if none given
     char csv_buf[4096];
-    if (o.plot && !o.csv) {
-        size_t len = strlen(o.plot);
-        if (len > 4 && !strcmp(o.plot + len - 4, ".png")) len -= 4;
+    if (plot && !o.csv) {
+        size_t len = strlen(plot);
+        if (len > 4 && !strcmp(plot + len - 4, ".png")) len -= 4;
         if (len + 5 > sizeof csv_buf) return usage("--plot path too long");
-        memcpy(csv_buf, o.plot, len);
+        memcpy(csv_buf, plot, len);
         memcpy(csv_buf + len, ".csv", 5);
         o.csv = csv_buf;
     }
-    return train_run(&o, NULL, NULL);
+    int rc = train_run(&o, NULL, NULL);
+    if (rc || !plot) return rc;
+    char label[96];
+    snprintf(label, sizeof label, "%s, %lld head%s", tiny_task_name(o.task),
+             (long long)o.heads, o.heads == 1 ? "" : "s");
+    const char *lab = label;
+    return plot_runs("train", plot, NULL, 1, &o.csv, &lab);
 }

@@ -15,7 +15,7 @@ typedef struct train_opts {
     mha_optim_kind optim;
     double lr, weight_decay, clip, dropout;
     bool lr_set, wd_set, cosine, causal, quiet;
-    const char *csv, *plot;
+    const char *csv;  // the learning curve (NULL: none)
     const char *cmd;  // for messages: "train" (default when NULL)
 } train_opts;
 

@@ -20,7 +20,6 @@
 #endif
 
 #include "cli.h"
-#include "plot.h"
 #include "tiny.h"
 #include "train.h"
 
@@ -263,13 +262,6 @@ int train_run(const train_opts *o, tiny_model **keep, double *eval_acc) {
            (long long)B, (long long)o->seed, 100.0 * eacc, (long long)n_eval, eloss,
            final_train_loss, elapsed, (double)(o->steps * B * T) / t_train);
     fflush(stdout);
-    if (o->plot) {
-        char label[96];
-        snprintf(label, sizeof label, "%s, %lld head%s", tiny_task_name(o->task),
-                 (long long)o->heads, o->heads == 1 ? "" : "s");
-        const char *lab = label;
-        if (plot_runs("train", o->plot, NULL, 1, &o->csv, &lab)) goto cleanup;
-    }
     rc = 0;
     if (eval_acc) *eval_acc = eacc;
     if (keep) *keep = m, m = NULL;
