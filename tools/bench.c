@@ -321,11 +321,6 @@ static double max_rss_mib(void) {
     return (double)ru.ru_maxrss / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 // ---------------------------------------------------------------------------
 // The problems: one module (or core) problem with its tensors, run once.
 

@@ -32,11 +32,6 @@ static float urand(uint64_t *s) {
     return (float)((double)(*s >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
 
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 // --parallel kv --decode: one decode step of T new tokens (mha_mpi_forward_cached)
 // over a KV cache of kv_len tokens per sequence sharded evenly across the
 // ranks (filled with random keys and values); the last rank appends the

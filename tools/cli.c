@@ -69,3 +69,9 @@ int parse_range(const char *s, int64_t *begin, int64_t *end) {
     *end = e;
     return 0;
 }
+
+// qsort's comparison of doubles: ascending.
+int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}

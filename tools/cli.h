@@ -18,6 +18,8 @@ int parse_i64(const char *s, int64_t *out);
 int parse_f64(const char *s, double *out);
 // "A:B" or "A:" (end -1) with A, B >= 0.
 int parse_range(const char *s, int64_t *begin, int64_t *end);
+// qsort's comparison of doubles: ascending.
+int cmp_double(const void *a, const void *b);
 
 // mha bench --parallel (bench_mpi.c).
 // kv_len > 0 (--parallel kv --decode): a decode step over a sharded KV cache.
