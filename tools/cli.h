@@ -21,10 +21,4 @@ int parse_range(const char *s, int64_t *begin, int64_t *end);
 // qsort's comparison of doubles: ascending.
 int cmp_double(const void *a, const void *b);
 
-// mha bench --parallel (bench_mpi.c).
-// kv_len > 0 (--parallel kv --decode): a decode step over a sharded KV cache.
-int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
-                   bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
-                   bool json, int64_t kv_len);
-
 #endif
