@@ -1,38 +1,37 @@
 // mha: the command-line tool. Uses the public API only (include/mha.h).
+// This file only dispatches: main looks the command up in its table and
+// runs it (cmd.h); the help, `mha version` and `mha info` are here.
 //
-//   mha init     write freshly initialised parameters
+//   mha init     write freshly initialised parameters (cmd_init.c)
 //   mha forward  run the module on tensors from a safetensors file
-//   mha backward its gradients for every input and parameter
+//   mha backward its gradients for every input and parameter (both
+//                cmd_run.c, on the options and files of run.c)
 //   mha inspect  per-head diagnostics (mha_diagnose) as DIR/diagnostics.json,
-//                pictures and report.html (inspect_plot.c)
-//   mha train    train a tiny transformer on a synthetic task (train.c)
+//                pictures and report.html (cmd_inspect.c, plot/)
+//   mha train    train a tiny transformer on a synthetic task (train.c,
+//                train_loop.c, tiny/)
 //   mha demo     a guided walk through one small example, then BERT-base
+//                (demo.c; mha demo heads: heads.c)
+//   mha bench    time the module or the core (bench.c, bench_peak.c,
+//                bench_mpi.c)
 //   mha info     version, implementations, threads
+//
+// The calls go one way, down: mha.c -> the commands (cmd_*.c, train.c,
+// demo.c, bench.c; demo.c -> heads.c -> cmd_inspect.c) -> what commands
+// share (run.c, train_loop.c, bench_peak.c, bench_mpi.c) -> cli.c, tiny/
+// (the mha_tiny library) and plot/ (the pictures, cairo). No file calls
+// back up.
 //
 // Errors go to stderr as one line "mha <command>: <message>"; the exit
 // status is 1 on failure and 2 on a usage error.
-#include <errno.h>
-#include <getopt.h>
-#include <stdarg.h>
-#include <sys/stat.h>
-
-#include <cjson/cJSON.h>
-
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#include "cli.h"
 #include "cmd.h"
-#include "run.h"
-#ifdef MHA_HAVE_MPI
-#include "mha_mpi.h"
-#endif
-#include "inspect_plot.h"
+#include "mha.h"
 
 // ---------------------------------------------------------------------------
 // mha info
@@ -68,6 +67,16 @@ static const char *main_help =
     "  info      version, implementations, threads\n"
     "  version   print the version\n";
 
+// The commands main runs, argv[0] their name (cmd.h).
+static const struct command {
+    const char *name;
+    int (*run)(int argc, char **argv);
+} commands[] = {
+    {"init", cmd_init},       {"forward", cmd_forward}, {"backward", cmd_backward},
+    {"inspect", cmd_inspect}, {"train", cmd_train},     {"demo", cmd_demo},
+    {"bench", cmd_bench},     {"info", cmd_info},
+};
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fputs(main_help, stderr);
@@ -82,14 +91,8 @@ int main(int argc, char **argv) {
         printf("mha %s\n", mha_version());
         return 0;
     }
-    if (!strcmp(cmd, "init")) return cmd_init(argc - 1, argv + 1);
-    if (!strcmp(cmd, "forward")) return cmd_forward(argc - 1, argv + 1);
-    if (!strcmp(cmd, "backward")) return cmd_backward(argc - 1, argv + 1);
-    if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 1, argv + 1);
-    if (!strcmp(cmd, "train")) return cmd_train(argc - 1, argv + 1);
-    if (!strcmp(cmd, "demo")) return cmd_demo(argc - 1, argv + 1);
-    if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
-    if (!strcmp(cmd, "info")) return cmd_info(argc - 1, argv + 1);
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (!strcmp(cmd, commands[i].name)) return commands[i].run(argc - 1, argv + 1);
     fprintf(stderr, "mha: unknown command \"%s\" (see mha --help)\n", cmd);
     return 2;
 }
