@@ -19,7 +19,6 @@
 // or any comparison with PyTorch (bench/bench_torch.py and bench/compare.sh
 // do that from the --json lines).
 // --parallel runs in bench_mpi.c.
-#include <errno.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -118,20 +117,7 @@ typedef struct bench_opts {
     uint64_t seed;
 } bench_opts;
 
-static int bench_usage(const char *msg) {
-    fprintf(stderr, "mha bench: %s (see mha bench --help)\n", msg);
-    return 2;
-}
-
-// Strict integer parsing: the whole string, in [lo, hi].
-static int parse_int(const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
+static int bench_usage(const char *msg) { return cli_usage("bench", msg); }
 
 // ---------------------------------------------------------------------------
 // Buffers and random data
@@ -456,13 +442,13 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
-        case 'b': if (parse_int(optarg, 1, big, &o->B)) return bench_usage("--batch needs a positive integer"); break;
-        case 'l': if (parse_int(optarg, 1, big, &o->L)) return bench_usage("--seq needs a positive integer"); break;
-        case 's': if (parse_int(optarg, 1, big, &o->S)) return bench_usage("--kv-seq needs a positive integer"); break;
-        case 'e': if (parse_int(optarg, 1, big, &o->E)) return bench_usage("--embed-dim needs a positive integer"); break;
-        case 'n': if (parse_int(optarg, 1, big, &o->H)) return bench_usage("--num-heads needs a positive integer"); break;
+        case 'b': if (cli_parse_int(&o->B, optarg, 1, big)) return bench_usage("--batch needs a positive integer"); break;
+        case 'l': if (cli_parse_int(&o->L, optarg, 1, big)) return bench_usage("--seq needs a positive integer"); break;
+        case 's': if (cli_parse_int(&o->S, optarg, 1, big)) return bench_usage("--kv-seq needs a positive integer"); break;
+        case 'e': if (cli_parse_int(&o->E, optarg, 1, big)) return bench_usage("--embed-dim needs a positive integer"); break;
+        case 'n': if (cli_parse_int(&o->H, optarg, 1, big)) return bench_usage("--num-heads needs a positive integer"); break;
         case 'c': o->causal = true; break;
-        case 'w': if (parse_int(optarg, 1, big, &o->window)) return bench_usage("--window needs a positive integer"); break;
+        case 'w': if (cli_parse_int(&o->window, optarg, 1, big)) return bench_usage("--window needs a positive integer"); break;
         case 'B': o->backward = true; break;
         case 'C': o->core = true; break;
         case 'N': o->no_save = true; break;
@@ -479,15 +465,15 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
             break;
         }
         case 'Z': o->parallel = optarg; break;
-        case 'P': if (parse_int(optarg, 0, big, &o->prune)) return bench_usage("--prune-heads needs a non-negative integer"); break;
+        case 'P': if (cli_parse_int(&o->prune, optarg, 0, big)) return bench_usage("--prune-heads needs a non-negative integer"); break;
         case 'g':
             if (mha_head_gate_from_name(&o->gate, optarg))
                 return bench_usage("--head-gate needs none, static or dynamic");
             break;
-        case 'K': if (parse_int(optarg, 1, big, &o->kv_len)) return bench_usage("--kv-len needs a positive integer"); break;
-        case 'G': if (parse_int(optarg, 1, big, &o->kv_heads)) return bench_usage("--num-kv-heads needs a positive integer"); break;
+        case 'K': if (cli_parse_int(&o->kv_len, optarg, 1, big)) return bench_usage("--kv-len needs a positive integer"); break;
+        case 'G': if (cli_parse_int(&o->kv_heads, optarg, 1, big)) return bench_usage("--num-kv-heads needs a positive integer"); break;
         case 't':
-            if (parse_int(optarg, 1, 4096, &v)) return bench_usage("--threads needs an integer in [1, 4096]");
+            if (cli_parse_int(&v, optarg, 1, 4096)) return bench_usage("--threads needs an integer in [1, 4096]");
             o->threads = (int)v;
             break;
         case 'i':
@@ -508,17 +494,17 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
             o->isa = optarg;
             break;
         case 'r':
-            if (parse_int(optarg, 1, BENCH_MAX_REPEAT, &o->repeat))
+            if (cli_parse_int(&o->repeat, optarg, 1, BENCH_MAX_REPEAT))
                 return bench_usage("--repeat needs an integer in [1, 100000]");
             break;
         case 'u':
-            if (parse_int(optarg, 0, BENCH_MAX_REPEAT, &o->warmup))
+            if (cli_parse_int(&o->warmup, optarg, 0, BENCH_MAX_REPEAT))
                 return bench_usage("--warmup needs an integer in [0, 100000]");
             break;
         case 'j': o->json = true; break;
         case 'W': o->workspace = true; break;
         case 'S':
-            if (parse_int(optarg, 0, INT64_MAX, &v)) return bench_usage("--seed needs a non-negative integer");
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX)) return bench_usage("--seed needs a non-negative integer");
             o->seed = (uint64_t)v;
             break;
         case 'h': fputs(bench_help, stdout); return 0;
@@ -706,7 +692,7 @@ static int bench_decode(const bench_opts *o, int threads) {
         times[i] = (cli_now() - t0) * 1e3;
     }
     if (!rc) {
-        qsort(times, (size_t)o->repeat, sizeof *times, cmp_double);
+        qsort(times, (size_t)o->repeat, sizeof *times, cli_cmp_double);
         const int64_t n = o->repeat;
         const double med = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
         const double bytes = (double)mha_kv_cache_bytes(c);  // all N rows are in use
@@ -817,7 +803,7 @@ int cmd_bench(int argc, char **argv) {
     if (!rc && st) rc = cli_fail("bench", st);
     if (!rc) {
         r.rss_max = max_rss_mib();
-        qsort(times, (size_t)o.repeat, sizeof *times, cmp_double);
+        qsort(times, (size_t)o.repeat, sizeof *times, cli_cmp_double);
         int64_t n = o.repeat;
         r.median = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
         r.min = times[0];

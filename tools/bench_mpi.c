@@ -91,7 +91,7 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
         if (rank == 0) cli_fail("bench", st ? st : MHA_ERR_NOMEM);
         rc = 1;
     } else {
-        qsort(times, (size_t)repeat, sizeof(double), cmp_double);
+        qsort(times, (size_t)repeat, sizeof(double), cli_cmp_double);
         const double med = repeat % 2 ? times[repeat / 2]
                                       : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
         double mine[3] = {ms.comm_seconds, ms.bytes_sent, ms.bytes_model};

@@ -186,6 +186,6 @@ double read_bandwidth(int nt, size_t bytes) {
     }
     (void)sink;
     free(buf);
-    qsort(t + 1, 5, sizeof t[0], cmp_double);
+    qsort(t + 1, 5, sizeof t[0], cli_cmp_double);
     return (double)(n * sizeof(float)) / t[3] * 1e-9;
 }

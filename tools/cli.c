@@ -21,22 +21,22 @@ double cli_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-int usage_error(const char *cmd, const char *msg) {
+int cli_usage(const char *cmd, const char *msg) {
     fprintf(stderr, "mha %s: %s (see mha %s --help)\n", cmd, msg, cmd);
     return 2;
 }
 
-// Strict integer / float option parsing.
-int parse_i64(const char *s, int64_t *out) {
+// Strict option values: the whole string or nothing (cli.h).
+int cli_parse_int(int64_t *out, const char *s, int64_t lo, int64_t hi) {
     char *end;
     errno = 0;
     long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end) return -1;
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
     *out = v;
     return 0;
 }
 
-int parse_f64(const char *s, double *out) {
+int cli_parse_f64(double *out, const char *s) {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
@@ -53,25 +53,25 @@ int cli_float_dtype(const char *s, mha_dtype *out) {
     return 0;
 }
 
-// "A:B" or "A:" (end -1) with A, B >= 0. Returns 0 on success.
-int parse_range(const char *s, int64_t *begin, int64_t *end) {
+// "A:B" or "A:" (end -1) with A, B >= 0.
+int cli_parse_range(int64_t *begin, int64_t *end, const char *s) {
     const char *colon = strchr(s, ':');
-    if (!colon || colon == s) return 1;
+    if (!colon || colon == s) return -1;
     char first[32];
     size_t n = (size_t)(colon - s);
-    if (n >= sizeof first) return 1;
+    if (n >= sizeof first) return -1;
     memcpy(first, s, n);
     first[n] = '\0';
     int64_t b, e = -1;
-    if (parse_i64(first, &b) || b < 0) return 1;
-    if (colon[1] != '\0' && (parse_i64(colon + 1, &e) || e < 0)) return 1;
+    if (cli_parse_int(&b, first, 0, INT64_MAX)) return -1;
+    if (colon[1] != '\0' && cli_parse_int(&e, colon + 1, 0, INT64_MAX)) return -1;
     *begin = b;
     *end = e;
     return 0;
 }
 
 // qsort's comparison of doubles: ascending.
-int cmp_double(const void *a, const void *b) {
+int cli_cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }

@@ -11,14 +11,20 @@ int cli_float_dtype(const char *s, mha_dtype *out);
 // Wall-clock seconds (monotonic).
 double cli_now(void);
 // Prints "mha <cmd>: <msg> (see mha <cmd> --help)" on stderr; returns 2.
-int usage_error(const char *cmd, const char *msg);
-// Strict option values: the whole string, base 10. Return 0, else -1 (1 for
-// parse_range) with *out untouched.
-int parse_i64(const char *s, int64_t *out);
-int parse_f64(const char *s, double *out);
-// "A:B" or "A:" (end -1) with A, B >= 0.
-int parse_range(const char *s, int64_t *begin, int64_t *end);
+int cli_usage(const char *cmd, const char *msg);
+
+// The option values' parsers, one per kind, for every command. Each takes
+// the whole string or nothing: 0 with *out set, or -1 with *out untouched.
+// A decimal integer in [lo, hi] (strtoll base 10: leading white space and
+// a sign allowed; no overflow).
+int cli_parse_int(int64_t *out, const char *s, int64_t lo, int64_t hi);
+// A number as strtod reads it, "inf" and "nan" included (callers check the
+// range and whether it must be finite).
+int cli_parse_f64(double *out, const char *s);
+// "A:B" or "A:" (*end = -1) with integers A, B >= 0.
+int cli_parse_range(int64_t *begin, int64_t *end, const char *s);
+
 // qsort's comparison of doubles: ascending.
-int cmp_double(const void *a, const void *b);
+int cli_cmp_double(const void *a, const void *b);
 
 #endif

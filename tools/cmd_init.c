@@ -61,42 +61,42 @@ int cmd_init(int argc, char **argv) {
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         mha_status st;
         switch (c) {
-        case 'e': if (parse_i64(optarg, &cfg.embed_dim)) return usage_error("init", "--embed-dim needs an integer"); break;
-        case 'n': if (parse_i64(optarg, &cfg.num_heads)) return usage_error("init", "--num-heads needs an integer"); break;
+        case 'e': if (cli_parse_int(&cfg.embed_dim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--embed-dim needs an integer"); break;
+        case 'n': if (cli_parse_int(&cfg.num_heads, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--num-heads needs an integer"); break;
         case 'G':
-            if (parse_i64(optarg, &cfg.num_kv_heads) || cfg.num_kv_heads <= 0)
-                return usage_error("init", "--num-kv-heads needs a positive integer");
+            if (cli_parse_int(&cfg.num_kv_heads, optarg, 1, INT64_MAX))
+                return cli_usage("init", "--num-kv-heads needs a positive integer");
             break;
-        case 'k': if (parse_i64(optarg, &cfg.kdim)) return usage_error("init", "--kdim needs an integer"); break;
-        case 'v': if (parse_i64(optarg, &cfg.vdim)) return usage_error("init", "--vdim needs an integer"); break;
+        case 'k': if (cli_parse_int(&cfg.kdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--kdim needs an integer"); break;
+        case 'v': if (cli_parse_int(&cfg.vdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--vdim needs an integer"); break;
         case 'B': cfg.bias = false; break;
         case 'K': cfg.add_bias_kv = true; break;
         case 'i':
             if ((st = mha_init_scheme_from_name(&io.scheme, optarg))) return cli_fail("init", st);
             break;
-        case 'g': if (parse_f64(optarg, &io.gain)) return usage_error("init", "--gain needs a number"); break;
-        case 's': if (parse_f64(optarg, &io.std)) return usage_error("init", "--std needs a number"); break;
+        case 'g': if (cli_parse_f64(&io.gain, optarg)) return cli_usage("init", "--gain needs a number"); break;
+        case 's': if (cli_parse_f64(&io.std, optarg)) return cli_usage("init", "--std needs a number"); break;
         case 'S':
-            if (parse_i64(optarg, &seed) || seed < 0) return usage_error("init", "--seed needs a non-negative integer");
+            if (cli_parse_int(&seed, optarg, 0, INT64_MAX)) return cli_usage("init", "--seed needs a non-negative integer");
             io.seed = (uint64_t)seed;
             break;
         case 'o': out = optarg; break;
         case 'W':
             if (cli_float_dtype(optarg, &cfg.weight_dtype))
-                return usage_error("init", "--weight-dtype needs f32, bf16 or f16");
+                return cli_usage("init", "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'T':
             if (mha_head_gate_from_name(&cfg.head_gate, optarg)) return cli_fail("init", MHA_ERR_INVALID_ARG);
             break;
         case 'P': prune = optarg; break;
         case 'h': fputs(init_help, stdout); return 0;
-        default: return usage_error("init", "unknown or incomplete option");
+        default: return cli_usage("init", "unknown or incomplete option");
         }
     }
-    if (optind < argc) return usage_error("init", "unexpected argument");
-    if (!out) return usage_error("init", "--out is required");
+    if (optind < argc) return cli_usage("init", "unexpected argument");
+    if (!out) return cli_usage("init", "--out is required");
     if (cfg.embed_dim == 0 || cfg.num_heads == 0)
-        return usage_error("init", "--embed-dim and --num-heads are required");
+        return cli_usage("init", "--embed-dim and --num-heads are required");
     mha_module *m;
     mha_status st = mha_module_create(&m, &cfg);
     if (st) return cli_fail("init", st);
@@ -109,8 +109,8 @@ int cmd_init(int argc, char **argv) {
             long long h = strtoll(p, &end, 10);
             if (errno || end == p || (*end && *end != ',') || n == 64) {
                 mha_module_destroy(m);
-                return usage_error("init", "--prune-heads needs comma-separated head "
-                                           "indices (at most 64)");
+                return cli_usage("init", "--prune-heads needs comma-separated head "
+                                         "indices (at most 64)");
             }
             heads[n++] = h;
             if (!*end) break;

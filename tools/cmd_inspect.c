@@ -247,7 +247,7 @@ static int run_inspect(run *r) {
         snprintf(msg, sizeof msg, "--batch-index %lld is out of range: the inputs hold %lld "
                  "batch element%s (0 to %lld)", (long long)r->batch_index, (long long)N,
                  N == 1 ? "" : "s", (long long)N - 1);
-        return usage_error(cmd, msg);
+        return cli_usage(cmd, msg);
     }
     if (r->tokens_path && read_tokens(r)) return 1;
     if (r->ntokens > L)

@@ -15,8 +15,8 @@
 static int run_incremental(run *r, mha_tensor *ot) {
     const mha_tensor *q = r->a.query;
     if (r->a.key != q || r->a.value != q || r->a.need_weights)
-        return usage_error(r->cmd, "--incremental is causal self-attention (no key/value "
-                                   "tensors, no --need-weights)");
+        return cli_usage(r->cmd, "--incremental is causal self-attention (no key/value "
+                                 "tensors, no --need-weights)");
     const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;  // the sequence dim
     const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
     const mha_config *c = mha_module_config(r->m);

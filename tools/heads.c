@@ -99,13 +99,8 @@ int demo_heads(int argc, char **argv) {
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        char *end;
-        long long v = 0;
-        if (optarg) {
-            errno = 0;
-            v = strtoll(optarg, &end, 10);
-            if (errno || end == optarg || *end) v = -1;
-        }
+        int64_t v = 0;
+        if (optarg && cli_parse_int(&v, optarg, INT64_MIN, INT64_MAX)) v = -1;
         switch (c) {
         case 'o': out = optarg; break;
         case 'n': if (v < 1) goto bad; o.steps = v; break;

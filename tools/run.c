@@ -228,7 +228,7 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
             char msg[96];
             snprintf(msg, sizeof msg, inspect ? "--%s is not an option of mha inspect"
                                               : "--%s is for mha inspect", opts[li].name);
-            return usage_error(cmd, msg);
+            return cli_usage(cmd, msg);
         }
         li = -1;
         switch (c) {
@@ -236,16 +236,16 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
         case 'x': r->xpath = optarg; break;
         case 'o': r->ypath = optarg; break;
         case 'g':
-            if (!backward) return usage_error(cmd, "--grad-output is for mha backward");
+            if (!backward) return cli_usage(cmd, "--grad-output is for mha backward");
             r->gpath = optarg;
             break;
         case 'n':
-            if (parse_i64(optarg, &r->base.num_heads) || r->base.num_heads <= 0)
-                return usage_error(cmd, "--num-heads needs a positive integer");
+            if (cli_parse_int(&r->base.num_heads, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--num-heads needs a positive integer");
             break;
         case 'G':
-            if (parse_i64(optarg, &r->base.num_kv_heads) || r->base.num_kv_heads <= 0)
-                return usage_error(cmd, "--num-kv-heads needs a positive integer");
+            if (cli_parse_int(&r->base.num_kv_heads, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--num-kv-heads needs a positive integer");
             break;
         case 'b': r->base.batch_first = true; break;
         case 'c': r->a.is_causal = true; break;
@@ -257,8 +257,8 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
             break;
         case 'd':
         case 'D':
-            if (parse_f64(optarg, &f) || !(f >= 0.0 && f < 1.0))
-                return usage_error(cmd, "--dropout and --out-dropout need P in [0, 1)");
+            if (cli_parse_f64(&f, optarg) || !(f >= 0.0 && f < 1.0))
+                return cli_usage(cmd, "--dropout and --out-dropout need P in [0, 1)");
             *(c == 'd' ? &r->base.dropout : &r->base.out_dropout) = (float)f;
             break;
         case 't': r->a.training = true; break;
@@ -266,29 +266,29 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
             if ((st = mha_rope_mode_from_name(&r->a.rope.mode, optarg))) return cli_fail(cmd, st);
             break;
         case 'T':
-            if (parse_f64(optarg, &f) || !(f > 0.0))
-                return usage_error(cmd, "--rope-theta needs a positive number");
+            if (cli_parse_f64(&f, optarg) || !(f > 0.0))
+                return cli_usage(cmd, "--rope-theta needs a positive number");
             r->a.rope.theta = f;
             break;
         case 'E':
-            if (parse_i64(optarg, &v) || v <= 0)
-                return usage_error(cmd, "--rope-dim needs a positive even integer");
+            if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--rope-dim needs a positive even integer");
             r->a.rope.dim = v;
             break;
         case 'X':
-            if (parse_i64(optarg, &v) || v < 0)
-                return usage_error(cmd, "--rope-start needs a non-negative integer");
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--rope-start needs a non-negative integer");
             r->rope_start = v;
             break;
         case 'B': r->a.alibi = true; break;
         case 'M': r->incremental = true; break;
         case 'Y':
             if (cli_float_dtype(optarg, &r->dtype))
-                return usage_error(cmd, "--dtype needs f32, bf16 or f16");
+                return cli_usage(cmd, "--dtype needs f32, bf16 or f16");
             break;
         case 'j':
             if (cli_float_dtype(optarg, &r->base.weight_dtype))
-                return usage_error(cmd, "--weight-dtype needs f32, bf16 or f16");
+                return cli_usage(cmd, "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'Z':
 #ifdef MHA_HAVE_MPI
@@ -296,74 +296,74 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
             r->parallel = true;
             break;
 #else
-            return usage_error(cmd, "--parallel needs an mha built with MPI (install "
-                                    "libopenmpi-dev and rebuild)");
+            return cli_usage(cmd, "--parallel needs an mha built with MPI (install "
+                                  "libopenmpi-dev and rebuild)");
 #endif
         case 'Q':
             if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
             break;
         case 'K':
-            if (parse_i64(optarg, &v) || v <= 0)
-                return usage_error(cmd, "--chunk needs a positive integer");
+            if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--chunk needs a positive integer");
             r->chunk = v;
             break;
         case 'C':
-            if (parse_f64(optarg, &f) || !(f > 0.0))
-                return usage_error(cmd, "--softcap needs a positive number");
+            if (cli_parse_f64(&f, optarg) || !(f > 0.0))
+                return cli_usage(cmd, "--softcap needs a positive number");
             r->a.softcap = (float)f;
             break;
         case 'L':
         case 'R':
-            if (parse_i64(optarg, &v) || v < 0)
-                return usage_error(cmd, "--window-left and --window-right need a non-negative integer");
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--window-left and --window-right need a non-negative integer");
             *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
             break;
         case 'H':
         case 'r': {
             int64_t *b = c == 'H' ? &r->a.weights_head_begin : &r->a.weights_row_begin;
             int64_t *e = c == 'H' ? &r->a.weights_head_end : &r->a.weights_row_end;
-            if (parse_range(optarg, b, e))
-                return usage_error(cmd, "--weights-heads and --weights-rows need A:B "
-                                        "(non-negative integers, B optional)");
+            if (cli_parse_range(b, e, optarg))
+                return cli_usage(cmd, "--weights-heads and --weights-rows need A:B "
+                                      "(non-negative integers, B optional)");
             break;
         }
         case 's':
         case 'O':
-            if (parse_i64(optarg, &v) || v < 0)
-                return usage_error(cmd, "--seed and --dropout-offset need a non-negative integer");
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--seed and --dropout-offset need a non-negative integer");
             *(c == 's' ? &r->a.dropout_seed : &r->a.dropout_offset) = (uint64_t)v;
             break;
         case 'k': r->tokens_path = optarg; break;
         case 'm':
-            if (parse_i64(optarg, &r->diag.max_rows) || r->diag.max_rows < 0)
-                return usage_error(cmd, "--max-rows needs a non-negative integer (0: every row)");
+            if (cli_parse_int(&r->diag.max_rows, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--max-rows needs a non-negative integer (0: every row)");
             break;
         case 'N':
-            if (parse_i64(optarg, &r->batch_index) || r->batch_index < 0)
-                return usage_error(cmd, "--batch-index needs a non-negative integer");
+            if (cli_parse_int(&r->batch_index, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--batch-index needs a non-negative integer");
             break;
         case 'p':
-            if (parse_i64(optarg, &r->plot_len) || r->plot_len <= 0)
-                return usage_error(cmd, "--plot-len needs a positive integer");
+            if (cli_parse_int(&r->plot_len, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--plot-len needs a positive integer");
             break;
         case 'h':
             fputs(inspect ? inspect_help : backward ? backward_help : forward_help, stdout);
             return 0;
-        default: return usage_error(cmd, "unknown or incomplete option");
+        default: return cli_usage(cmd, "unknown or incomplete option");
         }
     }
-    if (optind < argc) return usage_error(cmd, "unexpected argument");
+    if (optind < argc) return cli_usage(cmd, "unexpected argument");
     if (!r->wpath || !r->xpath || !r->ypath || (backward && !r->gpath))
-        return usage_error(cmd, backward ? "--weights, --inputs, --grad-output and "
-                                           "--out are required"
-                                         : "--weights, --inputs and --out are required");
+        return cli_usage(cmd, backward ? "--weights, --inputs, --grad-output and "
+                                         "--out are required"
+                                       : "--weights, --inputs and --out are required");
     if (backward && r->incremental)
-        return usage_error(cmd, "--incremental is for mha forward");
+        return cli_usage(cmd, "--incremental is for mha forward");
     if (r->parallel && (r->incremental || r->a.need_weights))
-        return usage_error(cmd, "--parallel does not combine with --incremental or "
-                                "--need-weights");
+        return cli_usage(cmd, "--parallel does not combine with --incremental or "
+                              "--need-weights");
     if (no_avg && !r->a.need_weights)
-        return usage_error(cmd, "--no-average-weights needs --need-weights");
+        return cli_usage(cmd, "--no-average-weights needs --need-weights");
     r->a.average_attn_weights = !no_avg;
     return -1;
 }

@@ -3,7 +3,6 @@
 // progress bar, a CSV of the learning curve and a PNG plot of it; `mha
 // train plot` overlays several runs' CSVs. Here: the options, the help and
 // `mha train plot`.
-#include <errno.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -60,28 +59,7 @@ static const char *train_help =
     "evaluation otherwise); the final summary line goes to stdout.\n"
     "plot: overlays RUN.csv files (labels: the file names without .csv).\n";
 
-static int usage(const char *msg) {
-    fprintf(stderr, "mha train: %s (see mha train --help)\n", msg);
-    return 2;
-}
-
-static int parse_int(const char *s, int64_t *out, int64_t lo, int64_t hi) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-static int parse_num(const char *s, double *out) {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || !isfinite(v)) return -1;
-    *out = v;
-    return 0;
-}
+static int usage(const char *msg) { return cli_usage("train", msg); }
 
 // "1:05", "12:34:56" for seconds.
 // ---------------------------------------------------------------------------
@@ -155,46 +133,46 @@ int cmd_train(int argc, char **argv) {
             if ((k = tiny_task_from_name(optarg)) < 0) return usage("--task is recall or tworel");
             o.task = (tiny_task_kind)k;
             break;
-        case 'K': if (parse_int(optarg, &o.pairs, 2, 26)) return usage("--pairs needs an integer in 2..26"); break;
-        case 'H': if (parse_int(optarg, &o.heads, 1, 4096)) return usage("--heads needs a positive integer"); break;
-        case 'D': if (parse_int(optarg, &o.d_model, 1, 1 << 16)) return usage("--d-model needs a positive integer"); break;
-        case 'L': if (parse_int(optarg, &o.layers, 1, 64)) return usage("--layers needs an integer in 1..64"); break;
-        case 'F': if (parse_int(optarg, &o.d_ff, 1, 1 << 20)) return usage("--d-ff needs a positive integer"); break;
-        case 'n': if (parse_int(optarg, &o.steps, 1, (int64_t)1 << 40)) return usage("--steps needs a positive integer"); break;
-        case 'b': if (parse_int(optarg, &o.batch, 1, 1 << 20)) return usage("--batch needs a positive integer"); break;
+        case 'K': if (cli_parse_int(&o.pairs, optarg, 2, 26)) return usage("--pairs needs an integer in 2..26"); break;
+        case 'H': if (cli_parse_int(&o.heads, optarg, 1, 4096)) return usage("--heads needs a positive integer"); break;
+        case 'D': if (cli_parse_int(&o.d_model, optarg, 1, 1 << 16)) return usage("--d-model needs a positive integer"); break;
+        case 'L': if (cli_parse_int(&o.layers, optarg, 1, 64)) return usage("--layers needs an integer in 1..64"); break;
+        case 'F': if (cli_parse_int(&o.d_ff, optarg, 1, 1 << 20)) return usage("--d-ff needs a positive integer"); break;
+        case 'n': if (cli_parse_int(&o.steps, optarg, 1, (int64_t)1 << 40)) return usage("--steps needs a positive integer"); break;
+        case 'b': if (cli_parse_int(&o.batch, optarg, 1, 1 << 20)) return usage("--batch needs a positive integer"); break;
         case 'o':
             if (!strcmp(optarg, "adamw")) o.optim = MHA_OPTIM_ADAMW;
             else if (!strcmp(optarg, "sgd")) o.optim = MHA_OPTIM_SGD;
             else return usage("--optim is adamw or sgd");
             break;
         case 'l':
-            if (parse_num(optarg, &f) || f <= 0) return usage("--lr needs a positive number");
+            if (cli_parse_f64(&f, optarg) || !isfinite(f) || f <= 0) return usage("--lr needs a positive number");
             o.lr = f;
             o.lr_set = true;
             break;
         case 'w':
-            if (parse_num(optarg, &f) || f < 0) return usage("--weight-decay needs a number >= 0");
+            if (cli_parse_f64(&f, optarg) || !isfinite(f) || f < 0) return usage("--weight-decay needs a number >= 0");
             o.weight_decay = f;
             o.wd_set = true;
             break;
-        case 'W': if (parse_int(optarg, &o.warmup, 0, (int64_t)1 << 40)) return usage("--warmup needs an integer >= 0"); break;
+        case 'W': if (cli_parse_int(&o.warmup, optarg, 0, (int64_t)1 << 40)) return usage("--warmup needs an integer >= 0"); break;
         case 'S':
             if (!strcmp(optarg, "cosine")) o.cosine = true;
             else if (!strcmp(optarg, "constant")) o.cosine = false;
             else return usage("--schedule is cosine or constant");
             break;
         case 'c':
-            if (parse_num(optarg, &f) || f < 0) return usage("--clip needs a number >= 0");
+            if (cli_parse_f64(&f, optarg) || !isfinite(f) || f < 0) return usage("--clip needs a number >= 0");
             o.clip = f;
             break;
         case 'd':
-            if (parse_num(optarg, &f) || !(f >= 0 && f < 1)) return usage("--dropout needs P in [0, 1)");
+            if (cli_parse_f64(&f, optarg) || !(f >= 0 && f < 1)) return usage("--dropout needs P in [0, 1)");
             o.dropout = f;
             break;
         case 'C': o.causal = true; break;
-        case 's': if (parse_int(optarg, &v, 0, INT64_MAX)) return usage("--seed needs a non-negative integer"); o.seed = v; break;
-        case 'e': if (parse_int(optarg, &o.eval_every, 1, (int64_t)1 << 40)) return usage("--eval-every needs a positive integer"); break;
-        case 'E': if (parse_int(optarg, &o.eval_size, 1, 1 << 22)) return usage("--eval-size needs a positive integer"); break;
+        case 's': if (cli_parse_int(&v, optarg, 0, INT64_MAX)) return usage("--seed needs a non-negative integer"); o.seed = v; break;
+        case 'e': if (cli_parse_int(&o.eval_every, optarg, 1, (int64_t)1 << 40)) return usage("--eval-every needs a positive integer"); break;
+        case 'E': if (cli_parse_int(&o.eval_size, optarg, 1, 1 << 22)) return usage("--eval-size needs a positive integer"); break;
         case 'v': o.csv = optarg; break;
         case 'p': plot = optarg; break;
         case 'q': o.quiet = true; break;
