@@ -1,4 +1,5 @@
-// cli.h: helpers shared by the CLI's source files (tools/). Public API only.
+// cli.h: helpers shared by the CLI's source files (tools/cli.c), the bottom
+// of the CLI: it calls nothing in tools/. Public API only.
 #ifndef MHA_CLI_H
 #define MHA_CLI_H
 

@@ -1,5 +1,5 @@
 // heads.c: `mha demo heads`. Trains the tiny transformer (tiny.h, the loop
-// of train.c) briefly on associative recall with causal attention and
+// of train_loop.c) briefly on associative recall with causal attention and
 // several heads, then looks at what each head learned:
 //   - on held-out sequences, the attention mass each head puts on the
 //     positions a known pattern names (previous token, itself, the first

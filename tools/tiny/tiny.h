@@ -1,5 +1,6 @@
-// tiny.h: a tiny transformer classifier built on libmha's attention, for
-// `mha train` and tests/test_tiny.c. Public libmha API only.
+// tiny.h: the mha_tiny library (tools/tiny/): a tiny transformer classifier
+// built on libmha's attention, for `mha train`, `mha demo heads` and
+// tests/test_tiny.c. Public libmha API only; no printing, no pictures.
 //
 //   tokens (B, T) -> x = wte[tok] + wpe[t]                       (B, T, D)
 //   n_layers pre-LN blocks:
