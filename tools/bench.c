@@ -459,7 +459,7 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
             break;
         case 'X':
         case 'Y': {
-            if (cli_float_dtype(optarg, c == 'X' ? &o->wdtype : &o->dtype))
+            if (cli_float_dtype(c == 'X' ? &o->wdtype : &o->dtype, optarg))
                 return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
                                              : "--dtype needs f32, bf16 or f16");
             break;

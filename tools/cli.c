@@ -45,7 +45,7 @@ int cli_parse_f64(double *out, const char *s) {
     return 0;
 }
 
-int cli_float_dtype(const char *s, mha_dtype *out) {
+int cli_float_dtype(mha_dtype *out, const char *s) {
     if (!strcmp(s, "f32")) *out = MHA_F32;
     else if (!strcmp(s, "bf16")) *out = MHA_BF16;
     else if (!strcmp(s, "f16")) *out = MHA_F16;

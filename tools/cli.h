@@ -7,8 +7,6 @@
 
 // Prints "mha <cmd>: <mha_last_error()>" on stderr; returns 1.
 int cli_fail(const char *cmd, mha_status st);
-// "f32", "bf16", "f16" -> *out; -1 (out untouched) otherwise.
-int cli_float_dtype(const char *s, mha_dtype *out);
 // Wall-clock seconds (monotonic).
 double cli_now(void);
 // Prints "mha <cmd>: <msg> (see mha <cmd> --help)" on stderr; returns 2.
@@ -24,6 +22,8 @@ int cli_parse_int(int64_t *out, const char *s, int64_t lo, int64_t hi);
 int cli_parse_f64(double *out, const char *s);
 // "A:B" or "A:" (*end = -1) with integers A, B >= 0.
 int cli_parse_range(int64_t *begin, int64_t *end, const char *s);
+// A float storage type: "f32", "bf16" or "f16".
+int cli_float_dtype(mha_dtype *out, const char *s);
 
 // qsort's comparison of doubles: ascending.
 int cli_cmp_double(const void *a, const void *b);

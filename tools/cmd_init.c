@@ -82,7 +82,7 @@ int cmd_init(int argc, char **argv) {
             break;
         case 'o': out = optarg; break;
         case 'W':
-            if (cli_float_dtype(optarg, &cfg.weight_dtype))
+            if (cli_float_dtype(&cfg.weight_dtype, optarg))
                 return cli_usage("init", "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'T':

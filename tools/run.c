@@ -283,11 +283,11 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
         case 'B': r->a.alibi = true; break;
         case 'M': r->incremental = true; break;
         case 'Y':
-            if (cli_float_dtype(optarg, &r->dtype))
+            if (cli_float_dtype(&r->dtype, optarg))
                 return cli_usage(cmd, "--dtype needs f32, bf16 or f16");
             break;
         case 'j':
-            if (cli_float_dtype(optarg, &r->base.weight_dtype))
+            if (cli_float_dtype(&r->base.weight_dtype, optarg))
                 return cli_usage(cmd, "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'Z':
