@@ -1,4 +1,4 @@
-// test_tiny.c: the tiny transformer of tools/tiny.h (used by `mha train`).
+// test_tiny.c: the tiny transformer of tools/tiny/tiny.h (used by `mha train`).
 //
 // 1. Finite-difference gradient checks of each of our layers (LayerNorm,
 //    linear, GELU, embedding, softmax cross-entropy) and of the whole model
@@ -27,7 +27,7 @@
 #include <omp.h>
 #endif
 
-#include "../tools/tiny.h"
+#include "tiny.h"
 #include "check.h"
 #include "mha.h"
 

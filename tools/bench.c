@@ -5,7 +5,9 @@
 //  - GFLOP/s under a stated dense count (causal counts as dense);
 //  - the fraction of this machine's fp32 FMA peak, measured in the same
 //    process by a small kernel of independent FMA chains (AVX-512,
-//    AVX2+FMA or plain C, whichever the CPU has) on the same threads;
+//    AVX2+FMA or plain C, whichever the CPU has) on the same threads
+//    (bench_peak.c, which also measures the read bandwidth --decode is
+//    held against);
 //  - the process's peak memory (max RSS).
 // It also says which implementation actually ran: the public API does not
 // report it, so a tiny probe compares the requested implementation's output
@@ -16,7 +18,7 @@
 // none),
 // or any comparison with PyTorch (bench/bench_torch.py and bench/compare.sh
 // do that from the --json lines).
-#include <errno.h>
+// --parallel runs in bench_mpi.c.
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -26,12 +28,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define BENCH_X86 1
-#endif
 
+#include "bench.h"
 #include "cli.h"
+#include "cmd.h"
 
 static const char *bench_help =
     "Usage: mha bench --batch B --seq L [--kv-seq S] --embed-dim E\n"
@@ -117,133 +117,7 @@ typedef struct bench_opts {
     uint64_t seed;
 } bench_opts;
 
-static int bench_usage(const char *msg) {
-    fprintf(stderr, "mha bench: %s (see mha bench --help)\n", msg);
-    return 2;
-}
-
-// Strict integer parsing: the whole string, in [lo, hi].
-static int parse_int(const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-// ---------------------------------------------------------------------------
-// The machine's fp32 FMA peak: 12 independent chains acc = acc * m + c per
-// thread (enough to cover an FMA latency of 4 cycles on two pipes), with
-// constants that keep acc near 1 (no denormals, no overflow).
-
-#define FMA_CHAINS 12
-
-static volatile float g_sink;
-
-#ifdef BENCH_X86
-#define FMA12(FMADD)                                                          \
-    a0 = FMADD(a0, m, c); a1 = FMADD(a1, m, c); a2 = FMADD(a2, m, c);         \
-    a3 = FMADD(a3, m, c); a4 = FMADD(a4, m, c); a5 = FMADD(a5, m, c);         \
-    a6 = FMADD(a6, m, c); a7 = FMADD(a7, m, c); a8 = FMADD(a8, m, c);         \
-    a9 = FMADD(a9, m, c); a10 = FMADD(a10, m, c); a11 = FMADD(a11, m, c)
-
-__attribute__((target("avx512f"))) static double fma_avx512(int64_t iters) {
-    __m512 a0 = _mm512_set1_ps(0.1f), a1 = _mm512_set1_ps(0.2f),
-           a2 = _mm512_set1_ps(0.3f), a3 = _mm512_set1_ps(0.4f),
-           a4 = _mm512_set1_ps(0.5f), a5 = _mm512_set1_ps(0.6f),
-           a6 = _mm512_set1_ps(0.7f), a7 = _mm512_set1_ps(0.8f),
-           a8 = _mm512_set1_ps(0.9f), a9 = _mm512_set1_ps(1.1f),
-           a10 = _mm512_set1_ps(1.2f), a11 = _mm512_set1_ps(1.3f);
-    const __m512 m = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(1e-4f);
-    for (int64_t i = 0; i < iters; i++) { FMA12(_mm512_fmadd_ps); }
-    __m512 s = _mm512_add_ps(
-        _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-        _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
-    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9),
-                                       _mm512_add_ps(a10, a11)));
-    g_sink = _mm512_reduce_add_ps(s);
-    return (double)iters * FMA_CHAINS * 16 * 2;
-}
-
-__attribute__((target("avx2,fma"))) static double fma_avx2(int64_t iters) {
-    __m256 a0 = _mm256_set1_ps(0.1f), a1 = _mm256_set1_ps(0.2f),
-           a2 = _mm256_set1_ps(0.3f), a3 = _mm256_set1_ps(0.4f),
-           a4 = _mm256_set1_ps(0.5f), a5 = _mm256_set1_ps(0.6f),
-           a6 = _mm256_set1_ps(0.7f), a7 = _mm256_set1_ps(0.8f),
-           a8 = _mm256_set1_ps(0.9f), a9 = _mm256_set1_ps(1.1f),
-           a10 = _mm256_set1_ps(1.2f), a11 = _mm256_set1_ps(1.3f);
-    const __m256 m = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(1e-4f);
-    for (int64_t i = 0; i < iters; i++) { FMA12(_mm256_fmadd_ps); }
-    __m256 s = _mm256_add_ps(
-        _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-        _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9),
-                                       _mm256_add_ps(a10, a11)));
-    float t[8];
-    _mm256_storeu_ps(t, s);
-    g_sink = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    return (double)iters * FMA_CHAINS * 8 * 2;
-}
-#endif
-
-// Portable fallback: a multiply and an add per element (2 FLOP), 12 chains
-// of 8 lanes the compiler may vectorise with whatever the build targets.
-static double fma_scalar(int64_t iters) {
-    float a[FMA_CHAINS][8];
-    for (int j = 0; j < FMA_CHAINS; j++)
-        for (int l = 0; l < 8; l++) a[j][l] = 0.1f * (float)(j + 1) + 0.01f * (float)l;
-    const float m = 0.9999f, c = 1e-4f;
-    for (int64_t i = 0; i < iters; i++)
-        for (int j = 0; j < FMA_CHAINS; j++)
-            for (int l = 0; l < 8; l++) a[j][l] = a[j][l] * m + c;
-    float s = 0;
-    for (int j = 0; j < FMA_CHAINS; j++)
-        for (int l = 0; l < 8; l++) s += a[j][l];
-    g_sink = s;
-    return (double)iters * FMA_CHAINS * 8 * 2;
-}
-
-typedef double (*fma_fn)(int64_t iters);
-
-static fma_fn fma_pick(const char **name) {
-#ifdef BENCH_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) { *name = "avx512"; return fma_avx512; }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        *name = "avx2";
-        return fma_avx2;
-    }
-#endif
-    *name = "scalar";
-    return fma_scalar;
-}
-
-// GFLOP/s of nt threads each running ~0.1 s of FMA chains: the best of 3
-// parallel runs (the machine may be shared), each the FLOPs of all threads
-// over the wall time of the whole parallel region.
-static double peak_gflops(int nt, const char **isa) {
-    fma_fn fn = fma_pick(isa);
-    int64_t iters = 1 << 14;
-    double t = 0;
-    for (;;) {  // calibrate on one thread: a run of at least 10 ms
-        double t0 = cli_now();
-        fn(iters);
-        t = cli_now() - t0;
-        if (t >= 0.01 || iters > ((int64_t)1 << 40)) break;
-        iters *= 4;
-    }
-    iters = (int64_t)((double)iters * 0.1 / (t > 0 ? t : 1e-3)) + 1;
-    double best = 0;
-    for (int rep = 0; rep < 3; rep++) {
-        double flops = 0, t0 = cli_now();
-#pragma omp parallel num_threads(nt) reduction(+ : flops)
-        flops += fn(iters);
-        double gf = flops / (cli_now() - t0) * 1e-9;
-        if (gf > best) best = gf;
-    }
-    return best;
-}
+static int bench_usage(const char *msg) { return cli_usage("bench", msg); }
 
 // ---------------------------------------------------------------------------
 // Buffers and random data
@@ -318,11 +192,6 @@ static double max_rss_mib(void) {
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru)) return 0;
     return (double)ru.ru_maxrss / 1024.0;  // ru_maxrss is in KiB on Linux
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 // ---------------------------------------------------------------------------
@@ -573,13 +442,13 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
-        case 'b': if (parse_int(optarg, 1, big, &o->B)) return bench_usage("--batch needs a positive integer"); break;
-        case 'l': if (parse_int(optarg, 1, big, &o->L)) return bench_usage("--seq needs a positive integer"); break;
-        case 's': if (parse_int(optarg, 1, big, &o->S)) return bench_usage("--kv-seq needs a positive integer"); break;
-        case 'e': if (parse_int(optarg, 1, big, &o->E)) return bench_usage("--embed-dim needs a positive integer"); break;
-        case 'n': if (parse_int(optarg, 1, big, &o->H)) return bench_usage("--num-heads needs a positive integer"); break;
+        case 'b': if (cli_parse_int(&o->B, optarg, 1, big)) return bench_usage("--batch needs a positive integer"); break;
+        case 'l': if (cli_parse_int(&o->L, optarg, 1, big)) return bench_usage("--seq needs a positive integer"); break;
+        case 's': if (cli_parse_int(&o->S, optarg, 1, big)) return bench_usage("--kv-seq needs a positive integer"); break;
+        case 'e': if (cli_parse_int(&o->E, optarg, 1, big)) return bench_usage("--embed-dim needs a positive integer"); break;
+        case 'n': if (cli_parse_int(&o->H, optarg, 1, big)) return bench_usage("--num-heads needs a positive integer"); break;
         case 'c': o->causal = true; break;
-        case 'w': if (parse_int(optarg, 1, big, &o->window)) return bench_usage("--window needs a positive integer"); break;
+        case 'w': if (cli_parse_int(&o->window, optarg, 1, big)) return bench_usage("--window needs a positive integer"); break;
         case 'B': o->backward = true; break;
         case 'C': o->core = true; break;
         case 'N': o->no_save = true; break;
@@ -590,21 +459,21 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
             break;
         case 'X':
         case 'Y': {
-            if (cli_float_dtype(optarg, c == 'X' ? &o->wdtype : &o->dtype))
+            if (cli_float_dtype(c == 'X' ? &o->wdtype : &o->dtype, optarg))
                 return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
                                              : "--dtype needs f32, bf16 or f16");
             break;
         }
         case 'Z': o->parallel = optarg; break;
-        case 'P': if (parse_int(optarg, 0, big, &o->prune)) return bench_usage("--prune-heads needs a non-negative integer"); break;
+        case 'P': if (cli_parse_int(&o->prune, optarg, 0, big)) return bench_usage("--prune-heads needs a non-negative integer"); break;
         case 'g':
             if (mha_head_gate_from_name(&o->gate, optarg))
                 return bench_usage("--head-gate needs none, static or dynamic");
             break;
-        case 'K': if (parse_int(optarg, 1, big, &o->kv_len)) return bench_usage("--kv-len needs a positive integer"); break;
-        case 'G': if (parse_int(optarg, 1, big, &o->kv_heads)) return bench_usage("--num-kv-heads needs a positive integer"); break;
+        case 'K': if (cli_parse_int(&o->kv_len, optarg, 1, big)) return bench_usage("--kv-len needs a positive integer"); break;
+        case 'G': if (cli_parse_int(&o->kv_heads, optarg, 1, big)) return bench_usage("--num-kv-heads needs a positive integer"); break;
         case 't':
-            if (parse_int(optarg, 1, 4096, &v)) return bench_usage("--threads needs an integer in [1, 4096]");
+            if (cli_parse_int(&v, optarg, 1, 4096)) return bench_usage("--threads needs an integer in [1, 4096]");
             o->threads = (int)v;
             break;
         case 'i':
@@ -625,17 +494,17 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
             o->isa = optarg;
             break;
         case 'r':
-            if (parse_int(optarg, 1, BENCH_MAX_REPEAT, &o->repeat))
+            if (cli_parse_int(&o->repeat, optarg, 1, BENCH_MAX_REPEAT))
                 return bench_usage("--repeat needs an integer in [1, 100000]");
             break;
         case 'u':
-            if (parse_int(optarg, 0, BENCH_MAX_REPEAT, &o->warmup))
+            if (cli_parse_int(&o->warmup, optarg, 0, BENCH_MAX_REPEAT))
                 return bench_usage("--warmup needs an integer in [0, 100000]");
             break;
         case 'j': o->json = true; break;
         case 'W': o->workspace = true; break;
         case 'S':
-            if (parse_int(optarg, 0, INT64_MAX, &v)) return bench_usage("--seed needs a non-negative integer");
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX)) return bench_usage("--seed needs a non-negative integer");
             o->seed = (uint64_t)v;
             break;
         case 'h': fputs(bench_help, stdout); return 0;
@@ -788,70 +657,6 @@ static void print_text(const bench_opts *o, const bench_result *r) {
 }
 
 // ---------------------------------------------------------------------------
-
-// Sum of buf[b, e) (e - b a multiple of 64 floats) with the widest loads
-// the CPU has: narrow loads measure a lower bandwidth (16-byte loads:
-// ~20 GB/s here against ~31 with 64-byte ones).
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f"))) static double sum_avx512(const float *buf, size_t b,
-                                                             size_t e) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (size_t i = b; i < e; i += 64) {
-        a0 = _mm512_add_ps(a0, _mm512_loadu_ps(buf + i));
-        a1 = _mm512_add_ps(a1, _mm512_loadu_ps(buf + i + 16));
-        a2 = _mm512_add_ps(a2, _mm512_loadu_ps(buf + i + 32));
-        a3 = _mm512_add_ps(a3, _mm512_loadu_ps(buf + i + 48));
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-#endif
-
-// Read bandwidth of this machine on nt threads: a parallel sum over a buffer
-// of `bytes` (median of 5 passes after one), in GB/s.
-static double read_bandwidth(int nt, size_t bytes) {
-    const size_t n = bytes / sizeof(float);
-    float *buf = malloc(n * sizeof(float));
-    if (!buf) return 0.0;
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (size_t i = 0; i < n; i++) buf[i] = (float)(i & 1023) * 1e-3f;
-    double t[6];
-    volatile float sink = 0.0f;
-#if defined(__x86_64__) && defined(__GNUC__)
-    const bool wide = __builtin_cpu_supports("avx512f");
-#endif
-    for (int r = 0; r < 6; r++) {
-        double t0 = cli_now(), total = 0.0;
-#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
-        for (size_t b = 0; b < n; b += 4096) {
-#if defined(__x86_64__) && defined(__GNUC__)
-            if (wide && b + 4096 <= n) {
-                total += sum_avx512(buf, b, b + 4096);
-                continue;
-            }
-#endif
-            // 8 independent 4-lane sums (GCC/Clang vector extension): never
-            // compute-bound, whatever the baseline ISA
-            typedef float v4 __attribute__((vector_size(16)));
-            v4 a0 = {0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            const size_t e = b + 4096 < n ? b + 4096 : n;
-            for (size_t i = b; i + 32 <= e; i += 32) {
-                v4 x[8];
-                memcpy(x, buf + i, sizeof x);
-                a0 += x[0], a1 += x[1], a2 += x[2], a3 += x[3];
-                a4 += x[4], a5 += x[5], a6 += x[6], a7 += x[7];
-            }
-            const v4 sum = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
-            total += (double)sum[0] + sum[1] + sum[2] + sum[3];
-        }
-        t[r] = cli_now() - t0;
-        sink += (float)total;
-    }
-    (void)sink;
-    free(buf);
-    qsort(t + 1, 5, sizeof t[0], cmp_double);
-    return (double)(n * sizeof(float)) / t[3] * 1e-9;
-}
-
 // mha bench --decode: one step of cached attention.
 static int bench_decode(const bench_opts *o, int threads) {
     const int64_t B = o->B, H = o->H, Hkv = o->kv_heads, d = o->E / o->H, N = o->kv_len,
@@ -887,7 +692,7 @@ static int bench_decode(const bench_opts *o, int threads) {
         times[i] = (cli_now() - t0) * 1e3;
     }
     if (!rc) {
-        qsort(times, (size_t)o->repeat, sizeof *times, cmp_double);
+        qsort(times, (size_t)o->repeat, sizeof *times, cli_cmp_double);
         const int64_t n = o->repeat;
         const double med = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
         const double bytes = (double)mha_kv_cache_bytes(c);  // all N rows are in use
@@ -998,7 +803,7 @@ int cmd_bench(int argc, char **argv) {
     if (!rc && st) rc = cli_fail("bench", st);
     if (!rc) {
         r.rss_max = max_rss_mib();
-        qsort(times, (size_t)o.repeat, sizeof *times, cmp_double);
+        qsort(times, (size_t)o.repeat, sizeof *times, cli_cmp_double);
         int64_t n = o.repeat;
         r.median = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
         r.min = times[0];

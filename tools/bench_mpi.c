@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench.h"
 #include "cli.h"
 
 #ifndef MHA_HAVE_MPI
@@ -30,11 +31,6 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
 static float urand(uint64_t *s) {
     *s = *s * 6364136223846793005ull + 1442695040888963407ull;
     return (float)((double)(*s >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 // --parallel kv --decode: one decode step of T new tokens (mha_mpi_forward_cached)
@@ -95,7 +91,7 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
         if (rank == 0) cli_fail("bench", st ? st : MHA_ERR_NOMEM);
         rc = 1;
     } else {
-        qsort(times, (size_t)repeat, sizeof(double), cmp_double);
+        qsort(times, (size_t)repeat, sizeof(double), cli_cmp_double);
         const double med = repeat % 2 ? times[repeat / 2]
                                       : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
         double mine[3] = {ms.comm_seconds, ms.bytes_sent, ms.bytes_model};

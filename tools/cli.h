@@ -1,4 +1,5 @@
-// cli.h: helpers shared by the CLI's source files (tools/). Public API only.
+// cli.h: helpers shared by the CLI's source files (tools/cli.c), the bottom
+// of the CLI: it calls nothing in tools/. Public API only.
 #ifndef MHA_CLI_H
 #define MHA_CLI_H
 
@@ -6,21 +7,25 @@
 
 // Prints "mha <cmd>: <mha_last_error()>" on stderr; returns 1.
 int cli_fail(const char *cmd, mha_status st);
-// "f32", "bf16", "f16" -> *out; -1 (out untouched) otherwise.
-int cli_float_dtype(const char *s, mha_dtype *out);
 // Wall-clock seconds (monotonic).
 double cli_now(void);
+// Prints "mha <cmd>: <msg> (see mha <cmd> --help)" on stderr; returns 2.
+int cli_usage(const char *cmd, const char *msg);
 
-int cmd_demo(int argc, char **argv);
-int cmd_train(int argc, char **argv);
-int cmd_bench(int argc, char **argv);
-// mha inspect (argv[0] is "inspect"); mha demo heads (argv[0] is "heads").
-int cmd_inspect(int argc, char **argv);
-int demo_heads(int argc, char **argv);
-// mha bench --parallel (bench_mpi.c).
-// kv_len > 0 (--parallel kv --decode): a decode step over a sharded KV cache.
-int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
-                   bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
-                   bool json, int64_t kv_len);
+// The option values' parsers, one per kind, for every command. Each takes
+// the whole string or nothing: 0 with *out set, or -1 with *out untouched.
+// A decimal integer in [lo, hi] (strtoll base 10: leading white space and
+// a sign allowed; no overflow).
+int cli_parse_int(int64_t *out, const char *s, int64_t lo, int64_t hi);
+// A number as strtod reads it, "inf" and "nan" included (callers check the
+// range and whether it must be finite).
+int cli_parse_f64(double *out, const char *s);
+// "A:B" or "A:" (*end = -1) with integers A, B >= 0.
+int cli_parse_range(int64_t *begin, int64_t *end, const char *s);
+// A float storage type: "f32", "bf16" or "f16".
+int cli_float_dtype(mha_dtype *out, const char *s);
+
+// qsort's comparison of doubles: ascending.
+int cli_cmp_double(const void *a, const void *b);
 
 #endif

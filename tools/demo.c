@@ -15,6 +15,7 @@
 #endif
 
 #include "cli.h"
+#include "cmd.h"
 
 #define T 3    // tokens
 #define DM 12  // d_model

@@ -1,5 +1,5 @@
 // heads.c: `mha demo heads`. Trains the tiny transformer (tiny.h, the loop
-// of train.c) briefly on associative recall with causal attention and
+// of train_loop.c) briefly on associative recall with causal attention and
 // several heads, then looks at what each head learned:
 //   - on held-out sequences, the attention mass each head puts on the
 //     positions a known pattern names (previous token, itself, the first
@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "cmd.h"
 #include "train.h"
 
 static const char *heads_help =
@@ -98,13 +99,8 @@ int demo_heads(int argc, char **argv) {
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        char *end;
-        long long v = 0;
-        if (optarg) {
-            errno = 0;
-            v = strtoll(optarg, &end, 10);
-            if (errno || end == optarg || *end) v = -1;
-        }
+        int64_t v = 0;
+        if (optarg && cli_parse_int(&v, optarg, INT64_MIN, INT64_MAX)) v = -1;
         switch (c) {
         case 'o': out = optarg; break;
         case 'n': if (v < 1) goto bad; o.steps = v; break;

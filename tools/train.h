@@ -1,5 +1,5 @@
-// train.h: the training loop of `mha train` (train.c), shared with
-// `mha demo heads` (heads.c).
+// train.h: the training loop of the tiny transformer (train_loop.c), run
+// by `mha train` (train.c) and `mha demo heads` (heads.c).
 #ifndef MHA_TRAIN_H
 #define MHA_TRAIN_H
 
@@ -15,7 +15,7 @@ typedef struct train_opts {
     mha_optim_kind optim;
     double lr, weight_decay, clip, dropout;
     bool lr_set, wd_set, cosine, causal, quiet;
-    const char *csv, *plot;
+    const char *csv;  // the learning curve (NULL: none)
     const char *cmd;  // for messages: "train" (default when NULL)
 } train_opts;
 

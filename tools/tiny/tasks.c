@@ -1,35 +1,10 @@
 // tasks.c: seeded synthetic tasks for the tiny transformer (see tiny.h for
-// the vocabulary and the two tasks), and the small random generator the
-// model's initialisation shares. Not a general data loader.
-#include <math.h>
+// the vocabulary and the two tasks), drawn with the model's random generator
+// (tiny_rng, tiny.c). Not a general data loader.
 #include <stdio.h>
 #include <string.h>
 
 #include "tiny.h"
-
-// splitmix64 (Steele, Lea, Flood, "Fast splittable pseudorandom number
-// generators", OOPSLA 2014): one 64-bit state, good enough for data and init.
-uint64_t tiny_rng_next(tiny_rng *r) {
-    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-double tiny_rng_uniform(tiny_rng *r) {
-    return (double)(tiny_rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
-}
-
-// Box-Muller; 1 - u keeps the log away from 0.
-double tiny_rng_normal(tiny_rng *r) {
-    double u = 1.0 - tiny_rng_uniform(r), v = tiny_rng_uniform(r);
-    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
-}
-
-// Lemire-free modulo is fine here: n <= 26, the bias is below 2^-58.
-int64_t tiny_rng_below(tiny_rng *r, int64_t n) {
-    return (int64_t)(tiny_rng_next(r) % (uint64_t)n);
-}
 
 int64_t tiny_task_seq_len(tiny_task_kind kind, int64_t K) {
     return kind == TINY_TASK_RECALL ? 2 * K + 2 : 2 * K + 3;

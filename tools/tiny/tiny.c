@@ -404,6 +404,30 @@ static float *alloc_floats(int64_t n) {
     return calloc((size_t)(n ? n : 1), sizeof(float));
 }
 
+// splitmix64 (Steele, Lea, Flood, "Fast splittable pseudorandom number
+// generators", OOPSLA 2014): one 64-bit state, good enough for data and init.
+uint64_t tiny_rng_next(tiny_rng *r) {
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+double tiny_rng_uniform(tiny_rng *r) {
+    return (double)(tiny_rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// Box-Muller; 1 - u keeps the log away from 0.
+double tiny_rng_normal(tiny_rng *r) {
+    double u = 1.0 - tiny_rng_uniform(r), v = tiny_rng_uniform(r);
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+// Lemire-free modulo is fine here: n <= 26, the bias is below 2^-58.
+int64_t tiny_rng_below(tiny_rng *r, int64_t n) {
+    return (int64_t)(tiny_rng_next(r) % (uint64_t)n);
+}
+
 static void fill_normal(float *p, int64_t n, double std, tiny_rng *r) {
     for (int64_t i = 0; i < n; i++) p[i] = (float)(std * tiny_rng_normal(r));
 }

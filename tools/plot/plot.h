@@ -1,5 +1,6 @@
-// plot.h: PNG plots of training curves (tools/plot.c, drawn with cairo),
-// and the drawing helpers the inspect pictures share (tools/inspect_plot.c).
+// plot.h: PNG plots of training curves (tools/plot/plot.c, drawn with
+// cairo), and the drawing helpers the inspect pictures share
+// (tools/plot/inspect_plot.c).
 #ifndef MHA_PLOT_H
 #define MHA_PLOT_H
 

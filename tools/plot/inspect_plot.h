@@ -1,6 +1,6 @@
 // inspect_plot.h: the pictures and the HTML report of `mha inspect`
-// (tools/inspect_plot.c). tools/mha.c computes every number; this part only
-// draws and writes them.
+// (tools/plot/inspect_plot.c). tools/cmd_inspect.c computes every number;
+// this part only draws and writes them.
 #ifndef MHA_INSPECT_PLOT_H
 #define MHA_INSPECT_PLOT_H
 

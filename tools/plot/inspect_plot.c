@@ -3,7 +3,8 @@
 // can embed them; base64 by glib). Built only with cairo and glib
 // (MHA_HAVE_CAIRO, MHA_HAVE_GLIB); otherwise inspect_write_pictures says that
 // the pictures need them. Nothing here computes attention: every number
-// comes from tools/mha.c, as inspect_report (inspect_plot.h) describes.
+// comes from tools/cmd_inspect.c, as inspect_report (inspect_plot.h)
+// describes.
 //
 //   heads.png       a grid of per-head heatmaps (query rows x key columns),
 //                   one viridis scale for every head with its colour bar,

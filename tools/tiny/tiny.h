@@ -1,5 +1,6 @@
-// tiny.h: a tiny transformer classifier built on libmha's attention, for
-// `mha train` and tests/test_tiny.c. Public libmha API only.
+// tiny.h: the mha_tiny library (tools/tiny/): a tiny transformer classifier
+// built on libmha's attention, for `mha train`, `mha demo heads` and
+// tests/test_tiny.c. Public libmha API only; no printing, no pictures.
 //
 //   tokens (B, T) -> x = wte[tok] + wpe[t]                       (B, T, D)
 //   n_layers pre-LN blocks:
@@ -161,7 +162,20 @@ const float *tiny_attention_input(const tiny_model *m, int64_t l);
 mha_status tiny_optimizer_register(tiny_model *m, mha_optimizer *o);
 
 // ---------------------------------------------------------------------------
-// Synthetic tasks (tools/tasks.c)
+// Random numbers (tiny.c): the generator of the model's initialisation, which
+// the tasks draw their examples with too
+
+typedef struct tiny_rng {
+    uint64_t s;
+} tiny_rng;
+
+uint64_t tiny_rng_next(tiny_rng *r);           // splitmix64
+double tiny_rng_uniform(tiny_rng *r);          // [0, 1)
+double tiny_rng_normal(tiny_rng *r);           // N(0, 1)
+int64_t tiny_rng_below(tiny_rng *r, int64_t n);  // [0, n)
+
+// ---------------------------------------------------------------------------
+// Synthetic tasks (tasks.c)
 //
 // Vocabulary: digits 0..9 are tokens 0..9, letters a..z tokens 10..35,
 // '?' 36, '|' 37. V = 38.
@@ -178,15 +192,6 @@ typedef enum tiny_task_kind { TINY_TASK_RECALL = 0, TINY_TASK_TWOREL } tiny_task
 #define TINY_VOCAB 38
 #define TINY_TOK_QUERY 36
 #define TINY_TOK_SEP 37
-
-typedef struct tiny_rng {
-    uint64_t s;
-} tiny_rng;
-
-uint64_t tiny_rng_next(tiny_rng *r);           // splitmix64
-double tiny_rng_uniform(tiny_rng *r);          // [0, 1)
-double tiny_rng_normal(tiny_rng *r);           // N(0, 1)
-int64_t tiny_rng_below(tiny_rng *r, int64_t n);  // [0, n)
 
 // Sequence length of a task with K pairs.
 int64_t tiny_task_seq_len(tiny_task_kind kind, int64_t K);

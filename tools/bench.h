@@ -1,0 +1,21 @@
+// bench.h: the parts of `mha bench` (bench.c) in files of their own.
+#ifndef MHA_BENCH_H
+#define MHA_BENCH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// bench_peak.c: this machine's fp32 FMA peak in GFLOP/s on nt threads
+// (*isa: the kernel's ISA, "avx512", "avx2" or "scalar"), and its read
+// bandwidth in GB/s on nt threads over a buffer of `bytes`.
+double peak_gflops(int nt, const char **isa);
+double read_bandwidth(int nt, size_t bytes);
+
+// mha bench --parallel (bench_mpi.c).
+// kv_len > 0 (--parallel kv --decode): a decode step over a sharded KV cache.
+int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t H, int64_t Hkv,
+                   bool causal, bool backward, int64_t repeat, int64_t warmup, uint64_t seed,
+                   bool json, int64_t kv_len);
+
+#endif

@@ -1,0 +1,124 @@
+// cmd_init.c: `mha init`, freshly initialised nn.MultiheadAttention
+// parameters written as a safetensors file under PyTorch's names. Public
+// API only.
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "cmd.h"
+
+static const char *init_help =
+    "Usage: mha init --embed-dim E --num-heads H --out W.safetensors [options]\n"
+    "Writes freshly initialised nn.MultiheadAttention parameters under\n"
+    "PyTorch's names (in_proj_weight, in_proj_bias, out_proj.weight, ...)\n"
+    "with __metadata__ num_heads (and num_kv_heads when it is not H).\n"
+    "  --embed-dim E      model dimension (divisible by H)\n"
+    "  --num-heads H      number of heads\n"
+    "  --num-kv-heads K   key/value heads, dividing H (grouped-query attention;\n"
+    "                     default H): K/V weights of K * E / H rows\n"
+    "  --kdim K, --vdim V key / value feature sizes (default E; when either\n"
+    "                     differs, q/k/v_proj_weight are written separately)\n"
+    "  --no-bias          no in_proj_bias / out_proj.bias\n"
+    "  --add-bias-kv      add bias_k and bias_v\n"
+    "  --init SCHEME      xavier_uniform (PyTorch's default), xavier_normal,\n"
+    "                     normal, orthogonal, zeros\n"
+    "  --gain G           gain for xavier_* and orthogonal (default 1)\n"
+    "  --std S            std for normal (default 0.02)\n"
+    "  --seed N           random seed (default 0)\n"
+    "  --weight-dtype T   f32 (default), bf16 or f16: the weight matrices\n"
+    "                     written in T (rounded, nearest even); biases F32\n"
+    "  --head-gate G      none (default), static (\"head_gate\" (H), ones) or\n"
+    "                     dynamic (\"gate_proj.weight\" (H, E) and\n"
+    "                     \"gate_proj.bias\" (H), zeros: every gate 0.5)\n"
+    "  --prune-heads LIST heads to skip, comma-separated (__metadata__\n"
+    "                     pruned_heads; mha forward/inspect honour it)\n"
+    "  --out FILE         output safetensors file\n";
+
+int cmd_init(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"embed-dim", required_argument, 0, 'e'}, {"num-heads", required_argument, 0, 'n'},
+        {"kdim", required_argument, 0, 'k'},      {"vdim", required_argument, 0, 'v'},
+        {"no-bias", no_argument, 0, 'B'},         {"add-bias-kv", no_argument, 0, 'K'},
+        {"init", required_argument, 0, 'i'},      {"gain", required_argument, 0, 'g'},
+        {"std", required_argument, 0, 's'},       {"seed", required_argument, 0, 'S'},
+        {"out", required_argument, 0, 'o'},       {"help", no_argument, 0, 'h'},
+        {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'W'},
+        {"head-gate", required_argument, 0, 'T'}, {"prune-heads", required_argument, 0, 'P'},
+        {0, 0, 0, 0}};
+    const char *prune = NULL;
+    mha_config cfg;
+    mha_config_init(&cfg, 0, 0);
+    mha_init_options io;
+    mha_init_options_default(&io);
+    const char *out = NULL;
+    int64_t seed = 0;
+    int c;
+    opterr = 0;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        mha_status st;
+        switch (c) {
+        case 'e': if (cli_parse_int(&cfg.embed_dim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--embed-dim needs an integer"); break;
+        case 'n': if (cli_parse_int(&cfg.num_heads, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--num-heads needs an integer"); break;
+        case 'G':
+            if (cli_parse_int(&cfg.num_kv_heads, optarg, 1, INT64_MAX))
+                return cli_usage("init", "--num-kv-heads needs a positive integer");
+            break;
+        case 'k': if (cli_parse_int(&cfg.kdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--kdim needs an integer"); break;
+        case 'v': if (cli_parse_int(&cfg.vdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--vdim needs an integer"); break;
+        case 'B': cfg.bias = false; break;
+        case 'K': cfg.add_bias_kv = true; break;
+        case 'i':
+            if ((st = mha_init_scheme_from_name(&io.scheme, optarg))) return cli_fail("init", st);
+            break;
+        case 'g': if (cli_parse_f64(&io.gain, optarg)) return cli_usage("init", "--gain needs a number"); break;
+        case 's': if (cli_parse_f64(&io.std, optarg)) return cli_usage("init", "--std needs a number"); break;
+        case 'S':
+            if (cli_parse_int(&seed, optarg, 0, INT64_MAX)) return cli_usage("init", "--seed needs a non-negative integer");
+            io.seed = (uint64_t)seed;
+            break;
+        case 'o': out = optarg; break;
+        case 'W':
+            if (cli_float_dtype(&cfg.weight_dtype, optarg))
+                return cli_usage("init", "--weight-dtype needs f32, bf16 or f16");
+            break;
+        case 'T':
+            if (mha_head_gate_from_name(&cfg.head_gate, optarg)) return cli_fail("init", MHA_ERR_INVALID_ARG);
+            break;
+        case 'P': prune = optarg; break;
+        case 'h': fputs(init_help, stdout); return 0;
+        default: return cli_usage("init", "unknown or incomplete option");
+        }
+    }
+    if (optind < argc) return cli_usage("init", "unexpected argument");
+    if (!out) return cli_usage("init", "--out is required");
+    if (cfg.embed_dim == 0 || cfg.num_heads == 0)
+        return cli_usage("init", "--embed-dim and --num-heads are required");
+    mha_module *m;
+    mha_status st = mha_module_create(&m, &cfg);
+    if (st) return cli_fail("init", st);
+    st = mha_module_init(m, &io);
+    if (!st && prune) {  // "1,3": heads to prune
+        int64_t heads[64], n = 0;
+        for (const char *p = prune; !st;) {
+            char *end;
+            errno = 0;
+            long long h = strtoll(p, &end, 10);
+            if (errno || end == p || (*end && *end != ',') || n == 64) {
+                mha_module_destroy(m);
+                return cli_usage("init", "--prune-heads needs comma-separated head "
+                                         "indices (at most 64)");
+            }
+            heads[n++] = h;
+            if (!*end) break;
+            p = end + 1;
+        }
+        st = mha_module_prune_heads(m, heads, n);
+    }
+    if (!st) st = mha_module_save(m, out);
+    mha_module_destroy(m);
+    return st ? cli_fail("init", st) : 0;
+}

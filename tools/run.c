@@ -1,0 +1,430 @@
+// run.c: what `mha forward`, `mha backward` and `mha inspect` share (run.h):
+// their help texts, their options, and loading the weights and inputs
+// files into a run. Public API only.
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "run.h"
+
+// Loads input `name` of file `path` if present. kind 0: float data (->
+// fto: F32, BF16 or F16 in memory); kind 1: a mask (BOOL/U8 -> BOOL,
+// float -> F32). Returns 0, or 1 after printing the error.
+static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
+                      const char *cmd, const char *path, const char *name,
+                      int kind, mha_dtype fto) {
+    memset(out, 0, sizeof *out);
+    *found = false;
+    mha_st_tensor t;
+    mha_status st = mha_st_find(&t, f, name);
+    if (st == MHA_ERR_NOT_FOUND) return 0;
+    if (st) return cli_fail(cmd, st);
+    mha_dtype to = MHA_F32;
+    bool is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 ||
+                    t.dtype == MHA_BF16 || t.dtype == MHA_F64;
+    if (kind == 1 && (t.dtype == MHA_BOOL || t.dtype == MHA_U8)) {
+        to = MHA_BOOL;
+    } else if (!is_float) {
+        fprintf(stderr, "mha %s: %s: \"%s\" has dtype %s (expected F32, "
+                "F16, BF16 or F64%s)\n", cmd, path, name, mha_dtype_name(t.dtype),
+                kind == 1 ? ", or BOOL/U8 for a mask" : "");
+        return 1;
+    }
+    size_t bytes = (size_t)t.numel * mha_dtype_size(to);
+    out->buf = malloc(bytes ? bytes : 1);
+    if (!out->buf) {
+        fprintf(stderr, "mha %s: %s: out of memory for \"%s\" (%zu bytes)\n",
+                cmd, path, name, bytes);
+        return 1;
+    }
+    if ((st = mha_st_read(out->buf, bytes, to, &t))) return cli_fail(cmd, st);
+    if (kind == 0 && fto != MHA_F32) {  // float32 -> bf16/f16, in place
+        const float *src = out->buf;
+        uint16_t *dst = out->buf;  // element i's 2 bytes lie before float i+1
+        for (int64_t i = 0; i < t.numel; i++)
+            dst[i] = fto == MHA_BF16 ? mha_f32_to_bf16(src[i]) : mha_f32_to_f16(src[i]);
+        to = fto;
+    }
+    out->view = mha_tensor_contiguous(out->buf, to, t.ndim, t.shape);
+    *found = true;
+    return 0;
+}
+
+static const char *forward_help =
+    "Usage: mha forward --weights W.safetensors --inputs X.safetensors\n"
+    "                   --out Y.safetensors [options]\n"
+    "Runs nn.MultiheadAttention's forward (PyTorch semantics).\n"
+    "W: parameters under PyTorch's names; bias, kdim/vdim and add_bias_kv\n"
+    "   follow from which tensors are present.\n"
+    "X: query (L, N, E) [(N, L, E) with --batch-first; (L, E) unbatched],\n"
+    "   key (S, N, kdim), value (S, N, vdim) (both absent: self-attention,\n"
+    "   key = value = query), optional key_padding_mask (N, S) and\n"
+    "   attn_mask (L, S) or (N*H, L, S): BOOL/U8 (true = masked) or float\n"
+    "   (added).\n"
+    "Y: attn_output, and with --need-weights attn_output_weights.\n"
+    "  --num-heads H        heads (default: the weights' __metadata__)\n"
+    "  --num-kv-heads K     key/value heads (default: the weights' __metadata__\n"
+    "                       num_kv_heads, else from the K/V weight shapes)\n"
+    "  --batch-first        (N, L, E) inputs and output\n"
+    "  --causal             hide keys j > i\n"
+    "  --window-left W      sliding window: hide keys j < i - W\n"
+    "  --window-right W     sliding window: hide keys j > i + W\n"
+    "  --add-zero-attn      append a zero key/value\n"
+    "  --incremental        causal self-attention through a KV cache, token by\n"
+    "                       token (mha_forward_cached): the result equals\n"
+    "                       --causal's; --chunk N feeds N tokens per step\n"
+    "                       (chunked prefill); --kv-dtype f32|bf16|f16|int8\n"
+    "                       the cache's storage\n"
+    "  --dtype T            f32 (default), bf16 or f16: query/key/value and\n"
+    "                       the outputs stored in T (computation in float32)\n"
+    "  --weight-dtype T     f32 (default), bf16 or f16: the module keeps its\n"
+    "                       weight matrices in T (loaded and rounded; half the\n"
+    "                       memory; forward only)\n"
+    "  --rope MODE          RoPE on q and k after the projections: neox\n"
+    "                       (rotate_half) or interleaved\n"
+    "  --rope-theta T       RoPE base (default 10000)\n"
+    "  --rope-dim D         rotate only the first D features of each head\n"
+    "  --rope-start P       position of the first token (default 0)\n"
+    "  --alibi              ALiBi biases (the paper's slopes)\n"
+    "  --softcap C          logit soft cap C tanh(s / C)\n"
+    "  --need-weights       also write attn_output_weights (mean over heads)\n"
+    "  --no-average-weights per-head weights (N, H, L, S)\n"
+    "  --weights-heads A:B  only heads [A, B) in the weights (averaged: their\n"
+    "                       mean); B may be omitted (A: = to the last)\n"
+    "  --weights-rows A:B   only query rows [A, B) in the weights\n"
+    "  --impl NAME          auto (default), reference or fused\n"
+    "  --dropout P          dropout on the attention weights (with --train)\n"
+    "  --out-dropout P      dropout after the output projection (with --train)\n"
+    "  --train              training mode: apply dropout (default: eval)\n"
+    "  --seed N             dropout seed (Philox4x32-10 key; default 0)\n"
+    "  --parallel SCHEME    across MPI ranks (run under mpirun): heads (head\n"
+    "                       parallelism, bit-identical to one process),\n"
+    "                       heads-fast (partial sums, MPI_Allreduce) or\n"
+    "                       ulysses (each rank a block of the tokens,\n"
+    "                       all-to-all; bit-identical) or ring (each rank two\n"
+    "                       zigzag chunks of the tokens, key/value blocks\n"
+    "                       around the ring; within tolerance); every rank\n"
+    "                       reads the files, rank 0 writes the output\n"
+    "  --dropout-offset N   dropout offset (Philox counter; default 0)\n"
+    "A query row whose keys are all masked gets weights 0 and output\n"
+    "out_proj.bias.\n";
+
+static const char *backward_help =
+    "Usage: mha backward --weights W.safetensors --inputs X.safetensors\n"
+    "                    --grad-output G.safetensors --out grads.safetensors\n"
+    "                    [the forward's options]\n"
+    "Gradients of nn.MultiheadAttention's forward. G holds grad_attn_output\n"
+    "(the shape of attn_output). The output holds attn_output, grad_query,\n"
+    "grad_key, grad_value and grad_<name> for every parameter (e.g.\n"
+    "grad_in_proj_weight, grad_out_proj.weight, grad_bias_k). When key and\n"
+    "value are absent (self-attention) grad_key and grad_value are still the\n"
+    "parts through the key and value paths: the input's gradient is the sum\n"
+    "of the three. Dropout masks (--train) are regenerated from --seed and\n"
+    "--dropout-offset, as in the forward with the same options.\n";
+
+static const char *inspect_help =
+    "Usage: mha inspect --weights W.safetensors --inputs X.safetensors --out DIR\n"
+    "                   [options]\n"
+    "Looks inside the heads (mha_diagnose, eval mode) and writes into DIR\n"
+    "(created if needed):\n"
+    "  diagnostics.json  per head: attention entropy (mean, min, normalised;\n"
+    "                    nats), mean attended distance, logit max and std,\n"
+    "                    output variance ratio, dead flag, numerical ranks and\n"
+    "                    singular values of its W_Q/W_K/W_V/W_O slices; the\n"
+    "                    head-similarity matrix (1 - JS divergence / ln 2); the\n"
+    "                    first non-finite value; the rows examined\n"
+    "  heads.png         each head's attention weights for one batch element\n"
+    "                    (one colour scale for all heads; token labels)\n"
+    "  similarity.png    the head-similarity matrix\n"
+    "  spectra.png       singular values of the W_Q/W_K/W_V/W_O slices\n"
+    "  report.html       one self-contained page: the pictures, every number,\n"
+    "                    the inputs\n"
+    "The pictures and report.html need an mha built with cairo (libcairo2-dev);\n"
+    "without it only diagnostics.json is written.\n"
+    "W, X and these options are as in mha forward (see mha forward --help):\n"
+    "  --num-heads, --num-kv-heads, --batch-first, --causal, --window-left,\n"
+    "  --window-right, --add-zero-attn, --dtype, --weight-dtype, --rope,\n"
+    "  --rope-theta, --rope-dim, --rope-start, --alibi, --softcap\n"
+    "Inspect's own:\n"
+    "  --tokens FILE        one label per line for the positions (the query's,\n"
+    "                       and the keys' in self-attention); positions past\n"
+    "                       the last line are labelled by their index\n"
+    "  --max-rows N         query rows examined per batch element, spread evenly\n"
+    "                       (default 256; 0: every row)\n"
+    "  --batch-index B      the batch element the heatmaps show (default 0)\n"
+    "  --plot-len N         the heatmaps show query and key positions [0, N)\n"
+    "                       (default 64)\n";
+
+void run_free(run *r) {
+    for (int64_t i = 0; i < r->ntokens; i++) free(r->tokens[i]);
+    free(r->tokens);
+    free(r->rope_starts);
+    mha_st_writer_destroy(r->wr);
+    for (int i = 0; i < r->nbufs; i++) free(r->bufs[i]);
+    for (int i = 0; i < 5; i++) free(r->in[i].buf);
+    mha_module_destroy(r->m);
+    mha_st_close(r->gf);
+    mha_st_close(r->xf);
+    mha_st_close(r->wf);
+}
+
+// A zeroed float buffer of n elements owned by r (NULL after printing an
+// error).
+float *run_alloc(run *r, int64_t n) {
+    float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+    if (!p) fprintf(stderr, "mha %s: out of memory for %lld floats\n", r->cmd, (long long)n);
+    else r->bufs[r->nbufs++] = p;
+    return p;
+}
+
+// Parses the options shared by forward and backward. Returns -1 to go on,
+// else the exit status.
+int run_parse(run *r, bool backward, int argc, char **argv) {
+    static const struct option opts[] = {
+        {"weights", required_argument, 0, 'w'},   {"inputs", required_argument, 0, 'x'},
+        {"out", required_argument, 0, 'o'},       {"num-heads", required_argument, 0, 'n'},
+        {"batch-first", no_argument, 0, 'b'},     {"causal", no_argument, 0, 'c'},
+        {"add-zero-attn", no_argument, 0, 'z'},   {"need-weights", no_argument, 0, 'W'},
+        {"no-average-weights", no_argument, 0, 'A'}, {"impl", required_argument, 0, 'i'},
+        {"dropout", required_argument, 0, 'd'},   {"out-dropout", required_argument, 0, 'D'},
+        {"train", no_argument, 0, 't'},           {"seed", required_argument, 0, 's'},
+        {"dropout-offset", required_argument, 0, 'O'},
+        {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
+        {"window-left", required_argument, 0, 'L'}, {"window-right", required_argument, 0, 'R'},
+        {"weights-heads", required_argument, 0, 'H'}, {"weights-rows", required_argument, 0, 'r'},
+        {"rope", required_argument, 0, 'P'},      {"rope-theta", required_argument, 0, 'T'},
+        {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
+        {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
+        {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
+        {"kv-dtype", required_argument, 0, 'Q'},  {"dtype", required_argument, 0, 'Y'},
+        {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'j'},
+        {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
+        {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
+        {"parallel", required_argument, 0, 'Z'},
+        {0, 0, 0, 0}};
+    // mha inspect's own options, and those of the forward it refuses (it
+    // diagnoses in eval mode, computing its own weights)
+    static const char inspect_only[] = "kmNp", not_inspect[] = "WAHrMKQitdDsOgZ";
+    const bool inspect = !strcmp(r->cmd, "inspect");
+    const char *cmd = r->cmd;
+    mha_config_init(&r->base, 0, 0);
+    mha_forward_args_init(&r->a);
+    mha_diag_options_init(&r->diag);
+    r->argc = argc;
+    r->argv = argv;
+    r->plot_len = 64;
+    bool no_avg = false;
+    int64_t v;
+    double f;
+    int c, li = -1;
+    opterr = 0;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, &li)) != -1) {
+        mha_status st;
+        if (c != '?' && c != ':' && li >= 0 &&
+            strchr(inspect ? not_inspect : inspect_only, c)) {
+            char msg[96];
+            snprintf(msg, sizeof msg, inspect ? "--%s is not an option of mha inspect"
+                                              : "--%s is for mha inspect", opts[li].name);
+            return cli_usage(cmd, msg);
+        }
+        li = -1;
+        switch (c) {
+        case 'w': r->wpath = optarg; break;
+        case 'x': r->xpath = optarg; break;
+        case 'o': r->ypath = optarg; break;
+        case 'g':
+            if (!backward) return cli_usage(cmd, "--grad-output is for mha backward");
+            r->gpath = optarg;
+            break;
+        case 'n':
+            if (cli_parse_int(&r->base.num_heads, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--num-heads needs a positive integer");
+            break;
+        case 'G':
+            if (cli_parse_int(&r->base.num_kv_heads, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--num-kv-heads needs a positive integer");
+            break;
+        case 'b': r->base.batch_first = true; break;
+        case 'c': r->a.is_causal = true; break;
+        case 'z': r->base.add_zero_attn = true; break;
+        case 'W': r->a.need_weights = true; break;
+        case 'A': no_avg = true; break;
+        case 'i':
+            if ((st = mha_impl_from_name(&r->a.impl, optarg))) return cli_fail(cmd, st);
+            break;
+        case 'd':
+        case 'D':
+            if (cli_parse_f64(&f, optarg) || !(f >= 0.0 && f < 1.0))
+                return cli_usage(cmd, "--dropout and --out-dropout need P in [0, 1)");
+            *(c == 'd' ? &r->base.dropout : &r->base.out_dropout) = (float)f;
+            break;
+        case 't': r->a.training = true; break;
+        case 'P':
+            if ((st = mha_rope_mode_from_name(&r->a.rope.mode, optarg))) return cli_fail(cmd, st);
+            break;
+        case 'T':
+            if (cli_parse_f64(&f, optarg) || !(f > 0.0))
+                return cli_usage(cmd, "--rope-theta needs a positive number");
+            r->a.rope.theta = f;
+            break;
+        case 'E':
+            if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--rope-dim needs a positive even integer");
+            r->a.rope.dim = v;
+            break;
+        case 'X':
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--rope-start needs a non-negative integer");
+            r->rope_start = v;
+            break;
+        case 'B': r->a.alibi = true; break;
+        case 'M': r->incremental = true; break;
+        case 'Y':
+            if (cli_float_dtype(&r->dtype, optarg))
+                return cli_usage(cmd, "--dtype needs f32, bf16 or f16");
+            break;
+        case 'j':
+            if (cli_float_dtype(&r->base.weight_dtype, optarg))
+                return cli_usage(cmd, "--weight-dtype needs f32, bf16 or f16");
+            break;
+        case 'Z':
+#ifdef MHA_HAVE_MPI
+            if ((st = mha_parallel_from_name(&r->par, optarg))) return cli_fail(cmd, st);
+            r->parallel = true;
+            break;
+#else
+            return cli_usage(cmd, "--parallel needs an mha built with MPI (install "
+                                  "libopenmpi-dev and rebuild)");
+#endif
+        case 'Q':
+            if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
+            break;
+        case 'K':
+            if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--chunk needs a positive integer");
+            r->chunk = v;
+            break;
+        case 'C':
+            if (cli_parse_f64(&f, optarg) || !(f > 0.0))
+                return cli_usage(cmd, "--softcap needs a positive number");
+            r->a.softcap = (float)f;
+            break;
+        case 'L':
+        case 'R':
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--window-left and --window-right need a non-negative integer");
+            *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
+            break;
+        case 'H':
+        case 'r': {
+            int64_t *b = c == 'H' ? &r->a.weights_head_begin : &r->a.weights_row_begin;
+            int64_t *e = c == 'H' ? &r->a.weights_head_end : &r->a.weights_row_end;
+            if (cli_parse_range(b, e, optarg))
+                return cli_usage(cmd, "--weights-heads and --weights-rows need A:B "
+                                      "(non-negative integers, B optional)");
+            break;
+        }
+        case 's':
+        case 'O':
+            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--seed and --dropout-offset need a non-negative integer");
+            *(c == 's' ? &r->a.dropout_seed : &r->a.dropout_offset) = (uint64_t)v;
+            break;
+        case 'k': r->tokens_path = optarg; break;
+        case 'm':
+            if (cli_parse_int(&r->diag.max_rows, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--max-rows needs a non-negative integer (0: every row)");
+            break;
+        case 'N':
+            if (cli_parse_int(&r->batch_index, optarg, 0, INT64_MAX))
+                return cli_usage(cmd, "--batch-index needs a non-negative integer");
+            break;
+        case 'p':
+            if (cli_parse_int(&r->plot_len, optarg, 1, INT64_MAX))
+                return cli_usage(cmd, "--plot-len needs a positive integer");
+            break;
+        case 'h':
+            fputs(inspect ? inspect_help : backward ? backward_help : forward_help, stdout);
+            return 0;
+        default: return cli_usage(cmd, "unknown or incomplete option");
+        }
+    }
+    if (optind < argc) return cli_usage(cmd, "unexpected argument");
+    if (!r->wpath || !r->xpath || !r->ypath || (backward && !r->gpath))
+        return cli_usage(cmd, backward ? "--weights, --inputs, --grad-output and "
+                                         "--out are required"
+                                       : "--weights, --inputs and --out are required");
+    if (backward && r->incremental)
+        return cli_usage(cmd, "--incremental is for mha forward");
+    if (r->parallel && (r->incremental || r->a.need_weights))
+        return cli_usage(cmd, "--parallel does not combine with --incremental or "
+                              "--need-weights");
+    if (no_avg && !r->a.need_weights)
+        return cli_usage(cmd, "--no-average-weights needs --need-weights");
+    r->a.average_attn_weights = !no_avg;
+    return -1;
+}
+
+// Loads the module and the inputs into r->a. Returns 0, or 1 after printing.
+int run_load(run *r) {
+    static const char *names[5] = {"query", "key", "value", "key_padding_mask",
+                                   "attn_mask"};
+    const char *cmd = r->cmd, *xpath = r->xpath;
+    mha_status st;
+    if ((st = mha_st_open(&r->wf, r->wpath)) || (st = mha_module_load(&r->m, r->wf, &r->base)) ||
+        (st = mha_st_open(&r->xf, xpath)))
+        return cli_fail(cmd, st);
+    bool found[5];
+    for (int i = 0; i < 5; i++)
+        if (load_input(&r->in[i], &found[i], r->xf, cmd, xpath, names[i], i >= 3, r->dtype))
+            return 1;
+    for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
+        mha_st_tensor t;
+        if ((st = mha_st_tensor_at(&t, r->xf, i))) return cli_fail(cmd, st);
+        bool known = false;
+        for (int j = 0; j < 5; j++) known |= strcmp(t.name, names[j]) == 0;
+        if (!known) {
+            char qn[128];
+            fprintf(stderr, "mha %s: %s: unexpected tensor %s (inputs are query, key, "
+                    "value, key_padding_mask, attn_mask)\n", cmd, xpath,
+                    mha_escape(qn, sizeof qn, t.name));
+            return 1;
+        }
+    }
+    if (!found[0]) {
+        fprintf(stderr, "mha %s: %s: no \"query\" tensor\n", cmd, xpath);
+        return 1;
+    }
+    if (found[1] != found[2]) {
+        fprintf(stderr, "mha %s: %s: has \"%s\" but no \"%s\" (give both, or neither "
+                "for self-attention)\n", cmd, xpath, found[1] ? "key" : "value",
+                found[1] ? "value" : "key");
+        return 1;
+    }
+    r->a.query = &r->in[0].view;
+    r->a.key = found[1] ? &r->in[1].view : &r->in[0].view;
+    r->a.value = found[2] ? &r->in[2].view : &r->in[0].view;
+    r->a.key_padding_mask = found[3] ? &r->in[3].view : NULL;
+    r->a.attn_mask = found[4] ? &r->in[4].view : NULL;
+    if (r->rope_start) {  // the same start for every batch element
+        const mha_tensor *q = r->a.query;
+        const int64_t N = q->ndim == 3 ? q->shape[r->base.batch_first ? 0 : 1] : 1;
+        r->rope_starts = malloc(sizeof(int64_t) * (size_t)N);
+        if (!r->rope_starts) {
+            fprintf(stderr, "mha %s: out of memory\n", cmd);
+            return 1;
+        }
+        for (int64_t n = 0; n < N; n++) r->rope_starts[n] = r->rope_start;
+        r->a.rope_start = r->rope_starts;
+    }
+    return 0;
+}
+
+int64_t shape_numel(const mha_shape *s) {
+    int64_t n = 1;
+    for (int i = 0; i < s->ndim; i++) n *= s->dims[i];
+    return n;
+}
