@@ -61,62 +61,82 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
         }
 }
 
+// One fused forward's state, shared by its phases.
+typedef struct fwd_call {
+    const fwd_plan *p;
+    const mha_module *m;
+    const mha_forward_args *a;
+    const mha__part *pt;  // a part's hooks (fused.h), or NULL
+    const mha__kernels *kt;
+    char *ws;              // the plan's scratch (p->f_*)
+    bool seq_first;        // rows are (t, n) (else (n, t))
+    const float *xq;       // the query rows (Rq, E), row stride ldq
+    int64_t ldq;
+    mha__rowmap qm, km, vm;  // q (Rq, E), k and v (Rk, Ekv) after RoPE
+    float *ctx;            // the context (Rq, E)
+    float *lse;            // each row's (max, 1/sum) (N, H, L, 2), or NULL
+} fwd_call;
 
-mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                              const mha_module *m, const mha_forward_args *a, char *ws,
-                              const mha__part *pt) {
-    const mha__kernels *kt = mha__kernels_get();
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
-    const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
+// Rows [0, n) of W (n rows of `in` elements) from row r, as a weight matrix.
+static mha__wmat weight_rows(const mha_module *m, const void *w, int64_t r, int64_t in,
+                             float *wh) {
+    const size_t es = mha_dtype_size(m->wdt);
+    return mha__wmat_of(m, (const char *)w + (size_t)r * (size_t)in * es, wh);
+}
+
+// A bias from element o, or NULL without one.
+static const float *bias_at(const float *b, int64_t o) { return b ? b + o : NULL; }
+
+// 1. The projections q = Xq W_q^T + b_q, k = Xk W_k^T + b_k, v = Xv W_v^T +
+//    b_v (one GEMM over the packed in_proj_weight for self-attention; a
+//    part: only its heads' rows of the weights, into their columns), into
+//    the scratch or, with a saved state, straight into it (the backward's
+//    layout); then RoPE on q and k.
+static void fwd_project(fwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha_forward_args *a = c->a;
+    const mha__part *pt = c->pt;
+    const mha__kernels *kt = c->kt;
+    char *ws = c->ws;
+    const int64_t N = p->N, L = p->L, S = p->S, E = p->E, H = p->H, d = p->d;
+    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv, W3 = E + 2 * Ekv;
     const int nt = p->nthreads;
-    const bool seq_first = p->unbatched || !m->cfg.batch_first;
+    const bool seq_first = c->seq_first;
+    const float *xq = c->xq;
+    const int64_t ldq = c->ldq;
     float *wt = (float *)(ws + p->f_wt), *gs = (float *)(ws + p->f_gs),
           *wh = (float *)(ws + p->f_wh);
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
                 *bv = bq ? bq + E + Ekv : NULL;
-
-    // 1. Projections.
-    int64_t ldq = E, ldk = p->kdim, ldv = p->vdim;
-    const float *xq = (const float *)(ws + p->f_xq), *xk = (const float *)(ws + p->f_xk),
-                *xv = (const float *)(ws + p->f_xv);
-    if (p->q_direct) mha__rows_direct(a->query, &ldq), xq = a->query->data;
-    else if (!(pt && pt->q_in)) mha__gather_rows((float *)xq, a->query);
-    // with a saved state (training), the projections, the context and the
-    // row stats go straight into it (the backward's layout)
     mha_saved *sv = a->save;
     float *sbuf = sv ? sv->buf : NULL;
-    mha__rowmap qm, km, vm;
-    if (pt && pt->q_in) {  // projected elsewhere (sequence parallelism)
-        qm = (mha__rowmap){(float *)pt->q_in, E, seq_first, N, L};
-        km = (mha__rowmap){(float *)pt->k_in, Ekv, seq_first, N, S};
-        vm = (mha__rowmap){(float *)pt->v_in, Ekv, seq_first, N, S};
-        goto projected;
-    }
     // a part: only its heads' rows of the weights, into their columns
     const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
-    const size_t es = mha_dtype_size(m->wdt);
-#define WROWS(w, r, in) mha__wmat_of(m, (const char *)(w) + (size_t)(r) * (size_t)(in) * es, wh)
-#define BOFF(b, o) ((b) ? (b) + (o) : NULL)
     if (p->self_packed && pt) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
-        mha__linear_rows(kt, qkv + oq, W3, xq, ldq, WROWS(m->w_q, oq, E), BOFF(bq, oq), Rq, E, nq,
-                    wt, gs, nt);
-        mha__linear_rows(kt, qkv + E + okv, W3, xq, ldq, WROWS(m->w_k, okv, E), BOFF(bk, okv), Rq, E,
-                    nkv, wt, gs, nt);
-        mha__linear_rows(kt, qkv + E + Ekv + okv, W3, xq, ldq, WROWS(m->w_v, okv, E), BOFF(bv, okv),
-                    Rq, E, nkv, wt, gs, nt);
-        qm = (mha__rowmap){qkv, W3, seq_first, N, L};
-        km = (mha__rowmap){qkv + E, W3, seq_first, N, L};
-        vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
+        mha__linear_rows(kt, qkv + oq, W3, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
+                         bias_at(bq, oq), Rq, E, nq, wt, gs, nt);
+        mha__linear_rows(kt, qkv + E + okv, W3, xq, ldq, weight_rows(m, m->w_k, okv, E, wh),
+                         bias_at(bk, okv), Rq, E, nkv, wt, gs, nt);
+        mha__linear_rows(kt, qkv + E + Ekv + okv, W3, xq, ldq,
+                         weight_rows(m, m->w_v, okv, E, wh), bias_at(bv, okv), Rq, E, nkv, wt,
+                         gs, nt);
+        c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
+        c->km = (mha__rowmap){qkv + E, W3, seq_first, N, L};
+        c->vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
     } else if (p->self_packed) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
-        mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh), bq, Rq, E, W3, wt, gs, nt);
-        qm = (mha__rowmap){qkv, W3, seq_first, N, L};
-        km = (mha__rowmap){qkv + E, W3, seq_first, N, L};
-        vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
+        mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh), bq, Rq, E, W3, wt,
+                         gs, nt);
+        c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
+        c->km = (mha__rowmap){qkv + E, W3, seq_first, N, L};
+        c->vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
     } else {
+        int64_t ldk = p->kdim, ldv = p->vdim;
+        const float *xk = (const float *)(ws + p->f_xk), *xv = (const float *)(ws + p->f_xv);
         if (p->k_direct) mha__rows_direct(a->key, &ldk), xk = a->key->data;
         else mha__gather_rows((float *)xk, a->key);
         if (p->v_direct) mha__rows_direct(a->value, &ldv), xv = a->value->data;
@@ -126,43 +146,106 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
         float *q = sv ? sbuf : (float *)(ws + p->f_qkv),
               *k = sv ? sbuf + Rq * E : (float *)(ws + p->f_k),
               *v = sv ? sbuf + Rq * E + Rk * Ekv : (float *)(ws + p->f_v);
-        mha__linear_rows(kt, q + oq, E, xq, ldq, WROWS(m->w_q, oq, E), BOFF(bq, oq), Rq, E, nq, wq,
-                    gs, nt);
-        mha__linear_rows(kt, k + okv, Ekv, xk, ldk, WROWS(m->w_k, okv, p->kdim), BOFF(bk, okv), Rk,
-                    p->kdim, nkv, wk, gs, nt);
-        mha__linear_rows(kt, v + okv, Ekv, xv, ldv, WROWS(m->w_v, okv, p->vdim), BOFF(bv, okv), Rk,
-                    p->vdim, nkv, wv, gs, nt);
-#undef WROWS
-#undef BOFF
-        qm = (mha__rowmap){q, E, seq_first, N, L};
-        km = (mha__rowmap){k, Ekv, seq_first, N, S};
-        vm = (mha__rowmap){v, Ekv, seq_first, N, S};
+        mha__linear_rows(kt, q + oq, E, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
+                         bias_at(bq, oq), Rq, E, nq, wq, gs, nt);
+        mha__linear_rows(kt, k + okv, Ekv, xk, ldk, weight_rows(m, m->w_k, okv, p->kdim, wh),
+                         bias_at(bk, okv), Rk, p->kdim, nkv, wk, gs, nt);
+        mha__linear_rows(kt, v + okv, Ekv, xv, ldv, weight_rows(m, m->w_v, okv, p->vdim, wh),
+                         bias_at(bv, okv), Rk, p->vdim, nkv, wv, gs, nt);
+        c->qm = (mha__rowmap){q, E, seq_first, N, L};
+        c->km = (mha__rowmap){k, Ekv, seq_first, N, S};
+        c->vm = (mha__rowmap){v, Ekv, seq_first, N, S};
     }
     const int64_t *rope_pos = pt ? pt->rope_pos : NULL;
-    mha__rope_rows(p, a, &qm, L, H, false, rope_pos);
-    mha__rope_rows(p, a, &km, S, Hkv, false, rope_pos);
-    if (pt && pt->q_out) {  // the projections are what the caller wants
-        for (int64_t r = 0; r < Rq; r++)
-            memcpy(pt->q_out + r * E, qm.base + r * qm.ld, sizeof(float) * (size_t)E);
-        for (int64_t r = 0; r < Rk; r++) {
-            memcpy(pt->k_out + r * Ekv, km.base + r * km.ld, sizeof(float) * (size_t)Ekv);
-            memcpy(pt->v_out + r * Ekv, vm.base + r * vm.ld, sizeof(float) * (size_t)Ekv);
-        }
-        return MHA_OK;
+    mha__rope_rows(p, a, &c->qm, L, H, false, rope_pos);
+    mha__rope_rows(p, a, &c->km, S, Hkv, false, rope_pos);
+}
+
+// A part that wants the projections (sequence parallelism): q_out (Rq, E),
+// k_out, v_out (Rk, Ekv), rows as the views'.
+static void fwd_copy_projections(const fwd_call *c) {
+    const int64_t E = c->p->E, Ekv = c->p->Ekv;
+    const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
+    const mha__part *pt = c->pt;
+    for (int64_t r = 0; r < Rq; r++)
+        memcpy(pt->q_out + r * E, c->qm.base + r * c->qm.ld, sizeof(float) * (size_t)E);
+    for (int64_t r = 0; r < Rk; r++) {
+        memcpy(pt->k_out + r * Ekv, c->km.base + r * c->km.ld, sizeof(float) * (size_t)Ekv);
+        memcpy(pt->v_out + r * Ekv, c->vm.base + r * c->vm.ld, sizeof(float) * (size_t)Ekv);
     }
-projected:;
+}
+
+// Rows [r0, r1) of head (b, h)'s attention weights, for a tile whose rows
+// are inside the selected block: into the averaging buffer headw, or (int8
+// weights) a float tile first, or straight into the weights view. live:
+// the head runs (else its weights are 0).
+static void tile_weights(const fwd_call *c, mha_tensor *weights, const mha__flash_head *fh,
+                         int64_t b, int64_t h, int64_t r0, int64_t r1, bool live, float *sc,
+                         int tid) {
+    const fwd_plan *p = c->p;
+    const mha_forward_args *a = c->a;
+    const int64_t Sp = p->Sp;
+    float *headw = (float *)(c->ws + p->f_headw);
+    const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0, hs = h - p->wh0;
+    mha__mat w;
+    float *wq = NULL;  // int8 weights: the rows in float first
+    if (a->need_weights && a->average_attn_weights) {
+        w = (mha__mat){headw + ((b * Hs + hs) * Ls + r0 - p->wr0) * Sp, false, Sp, 1, 0};
+    } else if (a->weights_scale) {
+        wq = (float *)(c->ws + p->f_wtmp) + (size_t)tid * MHA__FLASH_BR * Sp;
+        w = (mha__mat){wq, false, Sp, 1, 0};
+    } else {
+        int o = p->unbatched ? 0 : 1;
+        w = mha__vmat((char *)weights->data +
+                          ((p->unbatched ? 0 : b * weights->stride[0]) +
+                           hs * weights->stride[o] +
+                           (r0 - p->wr0) * weights->stride[o + 1]) *
+                              (int64_t)mha_dtype_size(weights->dtype),
+                      weights->dtype, weights->stride[o + 1], weights->stride[o + 2]);
+    }
+    if (live) mha__flash_weights(c->kt, fh, r0, r1, w, sc);
+    else
+        for (int64_t r = 0; r < r1 - r0; r++)
+            for (int64_t j = 0; j < Sp; j++) mha__st(w, r, j, 0.0);
+    if (wq) {
+        int o = p->unbatched ? 0 : 1;
+        for (int64_t r = r0; r < r1; r++)
+            mha__weights_row_out(weights, a->weights_scale,
+                                 (b * Hs + hs) * Ls + r - p->wr0,
+                                 (p->unbatched ? 0 : b * weights->stride[0]) +
+                                     hs * weights->stride[o] +
+                                     (r - p->wr0) * weights->stride[o + 1],
+                                 NULL, wq + (r - r0) * Sp, Sp);
+    }
+}
+
+// 2. The attention, per (b, h, tile of query rows): flash tiles on the
+//    strided head views of q, k, v (query head h reads KV head h / G), the
+//    context written in place (pruned heads and heads outside a part: zero,
+//    no work), each row's stats when wanted, the tile's weights in the
+//    selected block. A part's attn hook replaces it (ring attention).
+static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha_forward_args *a = c->a;
+    const mha__part *pt = c->pt;
+    const mha__kernels *kt = c->kt;
+    char *ws = c->ws;
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t nx = Sp - S, Hkv = p->Hkv, G = H / Hkv;
+    const int nt = p->nthreads;
+    const bool seq_first = c->seq_first;
+    mha_saved *sv = a->save;
+    float *sbuf = sv ? sv->buf : NULL;
     // the appended keys per KV head: (nx, d) for k, then for v
     float *extra = (float *)(ws + p->f_extra);
     mha__fill_extra(extra, m, Hkv, nx, d);
-
-    // 2. Attention, per (b, h, tile of query rows).
-    float *ctx = pt && pt->ctx ? pt->ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
-    mha__rowmap cm = {ctx, E, seq_first, N, L};
-    float *lse = pt && pt->stats ? pt->stats
-                 : sv ? sbuf + sv->n_qkv + sv->n_ctx
-                      : a->need_weights ? (float *)(ws + p->f_lse) : NULL;
-    float *headw = (float *)(ws + p->f_headw);
-    const bool avg = a->need_weights && a->average_attn_weights;
+    c->ctx = pt && pt->ctx ? pt->ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
+    c->lse = pt && pt->stats ? pt->stats
+             : sv ? sbuf + sv->n_qkv + sv->n_ctx
+                  : a->need_weights ? (float *)(ws + p->f_lse) : NULL;
+    float *lse = c->lse;
+    const mha__rowmap qm = c->qm, km = c->km, vm = c->vm, cm = {c->ctx, E, seq_first, N, L};
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, false);
     float *scratch = (float *)(ws + p->f_scratch);
@@ -171,7 +254,7 @@ projected:;
     if (ext) {
         const mha__attn_io io = {.N = N, .L = L, .S = S, .seq_first = seq_first, .q = qm.base,
                                  .k = km.base, .v = vm.base, .ldq = qm.ld, .ldk = km.ld,
-                                 .ctx = ctx, .stats = sv ? lse : NULL};
+                                 .ctx = c->ctx, .stats = sv ? lse : NULL};
         mha_status st = pt->attn(pt->attn_arg, &io);
         if (st) return st;
     }
@@ -202,77 +285,84 @@ projected:;
         if (pt && pt->progress && tid == 0) pt->progress(pt->progress_arg);
         // the weights of this tile's rows in the selected block
         const int64_t r0 = i0 > p->wr0 ? i0 : p->wr0, r1 = i1 < p->wr1 ? i1 : p->wr1;
-        if (a->need_weights && h >= p->wh0 && h < p->wh1 && r0 < r1) {
-            const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0, hs = h - p->wh0;
-            mha__mat w;
-            float *wq = NULL;  // int8 weights: the rows in float first
-            if (avg) {
-                w = (mha__mat){headw + ((b * Hs + hs) * Ls + r0 - p->wr0) * Sp, false, Sp, 1, 0};
-            } else if (a->weights_scale) {
-                wq = (float *)(ws + p->f_wtmp) + (size_t)tid * MHA__FLASH_BR * Sp;
-                w = (mha__mat){wq, false, Sp, 1, 0};
-            } else {
-                int o = p->unbatched ? 0 : 1;
-                w = mha__vmat((char *)weights->data +
-                                  ((p->unbatched ? 0 : b * weights->stride[0]) +
-                                   hs * weights->stride[o] +
-                                   (r0 - p->wr0) * weights->stride[o + 1]) *
-                                      (int64_t)mha_dtype_size(weights->dtype),
-                              weights->dtype, weights->stride[o + 1], weights->stride[o + 2]);
-            }
-            if (live) mha__flash_weights(kt, &fh, r0, r1, w, sc);
-            else
-                for (int64_t r = 0; r < r1 - r0; r++)
-                    for (int64_t j = 0; j < Sp; j++) mha__st(w, r, j, 0.0);
-            if (wq) {
-                int o = p->unbatched ? 0 : 1;
-                for (int64_t r = r0; r < r1; r++)
-                    mha__weights_row_out(weights, a->weights_scale,
-                                         (b * Hs + hs) * Ls + r - p->wr0,
-                                         (p->unbatched ? 0 : b * weights->stride[0]) +
-                                             hs * weights->stride[o] +
-                                             (r - p->wr0) * weights->stride[o + 1],
-                                         NULL, wq + (r - r0) * Sp, Sp);
-            }
-        }
+        if (a->need_weights && h >= p->wh0 && h < p->wh1 && r0 < r1)
+            tile_weights(c, weights, &fh, b, h, r0, r1, live, sc, tid);
     }
     if (pt && pt->tiles) *pt->tiles += ntiles;
     if (sv) sv->valid = true;
-    if (pt && pt->ctx) return MHA_OK;  // a part's context: the caller goes on
-    if (avg) {  // mean over the selected live heads, summed in head order
-        const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
-        const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1) ? mha__live_in(m, p->wh0, p->wh1) : 1);
-        int o = p->unbatched ? 0 : 1;
-        for (int64_t b = 0; b < N; b++)
-            for (int64_t i = 0; i < Ls; i++) {
-                const int64_t off = (p->unbatched ? 0 : b * weights->stride[0]) +
-                                    i * weights->stride[o];
-                if (a->weights_scale) {  // int8 weights: the row in float first
-                    float *row = (float *)(ws + p->f_wtmp);
-                    for (int64_t j = 0; j < Sp; j++) {
-                        float s = 0.0f;
-                        for (int64_t h = 0; h < Hs; h++)
-                            s += headw[((b * Hs + h) * Ls + i) * Sp + j];
-                        row[j] = s / nlive;
-                    }
-                    mha__weights_row_out(weights, a->weights_scale, b * Ls + i, off, NULL, row,
-                                         Sp);
-                    continue;
-                }
-                mha__mat wr = mha__vmat((char *)weights->data +
-                                            off * (int64_t)mha_dtype_size(weights->dtype),
-                                        weights->dtype, 0, weights->stride[o + 1]);
+    return MHA_OK;
+}
+
+// The averaged weights: the mean over the selected live heads of their
+// rows in headw, summed in head order, into the weights view (int8: each
+// row in float first).
+static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha_forward_args *a = c->a;
+    const int64_t N = p->N, Sp = p->Sp;
+    const float *headw = (const float *)(c->ws + p->f_headw);
+    const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
+    const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1) ? mha__live_in(m, p->wh0, p->wh1) : 1);
+    int o = p->unbatched ? 0 : 1;
+    for (int64_t b = 0; b < N; b++)
+        for (int64_t i = 0; i < Ls; i++) {
+            const int64_t off = (p->unbatched ? 0 : b * weights->stride[0]) +
+                                i * weights->stride[o];
+            if (a->weights_scale) {  // int8 weights: the row in float first
+                float *row = (float *)(c->ws + p->f_wtmp);
                 for (int64_t j = 0; j < Sp; j++) {
                     float s = 0.0f;
-                    for (int64_t h = 0; h < Hs; h++) s += headw[((b * Hs + h) * Ls + i) * Sp + j];
-                    mha__st(wr, 0, j, s / nlive);
+                    for (int64_t h = 0; h < Hs; h++)
+                        s += headw[((b * Hs + h) * Ls + i) * Sp + j];
+                    row[j] = s / nlive;
                 }
+                mha__weights_row_out(weights, a->weights_scale, b * Ls + i, off, NULL, row,
+                                     Sp);
+                continue;
             }
-    }
+            mha__mat wr = mha__vmat((char *)weights->data +
+                                        off * (int64_t)mha_dtype_size(weights->dtype),
+                                    weights->dtype, 0, weights->stride[o + 1]);
+            for (int64_t j = 0; j < Sp; j++) {
+                float s = 0.0f;
+                for (int64_t h = 0; h < Hs; h++) s += headw[((b * Hs + h) * Ls + i) * Sp + j];
+                mha__st(wr, 0, j, s / nlive);
+            }
+        }
+}
 
+mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                              const mha_module *m, const mha_forward_args *a, char *ws,
+                              const mha__part *pt) {
+    fwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .ws = ws,
+                  .seq_first = p->unbatched || !m->cfg.batch_first, .ldq = p->E,
+                  .xq = (const float *)(ws + p->f_xq)};
+    const int64_t N = p->N, L = p->L, S = p->S, E = p->E, Ekv = p->Ekv;
+    // the query rows: the view in place, or gathered
+    if (p->q_direct) mha__rows_direct(a->query, &c.ldq), c.xq = a->query->data;
+    else if (!(pt && pt->q_in)) mha__gather_rows((float *)c.xq, a->query);
+    // 1. Projections (a part may bring its own: projected elsewhere, or
+    //    want them back without attending).
+    if (pt && pt->q_in) {
+        c.qm = (mha__rowmap){(float *)pt->q_in, E, c.seq_first, N, L};
+        c.km = (mha__rowmap){(float *)pt->k_in, Ekv, c.seq_first, N, S};
+        c.vm = (mha__rowmap){(float *)pt->v_in, Ekv, c.seq_first, N, S};
+    } else {
+        fwd_project(&c);
+        if (pt && pt->q_out) {
+            fwd_copy_projections(&c);
+            return MHA_OK;
+        }
+    }
+    // 2. Attention.
+    mha_status st = fwd_attend(&c, weights);
+    if (st) return st;
+    if (pt && pt->ctx) return MHA_OK;  // a part's context: the caller goes on
+    if (a->need_weights && a->average_attn_weights) fwd_average_weights(&c, weights);
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
-    out_project(kt, p, out, m, a, ctx, !sv, xq, ldq, ws, pt);
+    out_project(c.kt, p, out, m, a, c.ctx, !a->save, c.xq, c.ldq, ws, pt);
     return MHA_OK;
 }
 
