@@ -56,17 +56,60 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
     }
 }
 
-mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
-                               mha_tensor *gv, mha_module *grads, const mha_module *m,
-                               const mha_forward_args *a, const mha_tensor *gout,
-                               bool acc, const mha__part *pt) {
-    const mha__kernels *kt = mha__kernels_get();
+// The fused backward's scratch, one block of floats, as named pieces:
+//   xq (Rq, E), xk (Rk, kdim), xv (Rk, vdim)  the gathered inputs
+//   wt                the packed weights of the forward's projections
+//   bp, gs            the packed B of the backward's GEMMs, GEMM scratch
+//   qkv, dqkv         the projections and their gradients (mha__qkv_floats)
+//   ctx, dctx, dy     (Rq, E) each
+//   lse (N, H, L, 2)  each row's (max, 1/sum); dsum (N, H, L)
+//   dextra            the appended keys' dk (N, Hkv, nx, d), then dv
+//   extra             the appended keys (Hkv, nx, d) for k, then v
+//   tmp               3 E Rmax + 3 E Fmax + Rmax Fmax (transposes, dX rows)
+//   scratch           nt flash scratches (64-byte aligned: it begins with
+//                     pointers)
+typedef struct bwd_scratch {
+    float *xq, *xk, *xv, *wt, *bp, *gs, *qkv, *dqkv, *ctx, *dctx, *dy, *lse, *dsum, *dextra,
+        *extra, *tmp, *scratch;
+    size_t sf;  // floats of one flash scratch
+} bwd_scratch;
+
+// One fused backward's state, shared by its phases.
+typedef struct bwd_call {
+    const fwd_plan *p;
+    const mha_module *m;
+    const mha_forward_args *a;
+    const mha__part *pt;  // a part's hooks (fused.h), or NULL
+    const mha__kernels *kt;
+    bool acc;             // += instead of =
+    bwd_scratch s;
+    float *blk;           // the block s is carved from
+    float *gbuf;          // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, E), packed W_g
+    float *gate, *dg, *gctx;
+    const mha_saved *sv;  // a valid saved forward, or NULL
+    // the input rows (in place or gathered) and their row strides
+    const float *Xq, *Xk, *Xv;
+    int64_t ldq, ldk, ldv;
+    // q, k, v and their gradients inside qkv / dqkv; row stride of q (W3)
+    // and of k, v (ldkv)
+    float *q, *k, *v, *dq, *dk, *dv;
+    int64_t W3, ldkv;
+    mha__rowmap qm, km, vm, cm, dcm, dqm, dkm, dvm;
+    float scale;
+    mha__attn_io io;      // what a part's attn hook sees
+} bwd_call;
+
+// Sizes and allocates the scratch (one block), carved into c->s.
+static mha_status bwd_alloc(bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha__kernels *kt = c->kt;
+    const mha_forward_args *a = c->a;
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     const int64_t kd = p->kdim, vd = p->vdim, Rmax = Rq > Rk ? Rq : Rk;
-    const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv;  // G query heads per KV head
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
     const int nt = p->nthreads;
-    const bool seq_first = p->unbatched || !m->cfg.batch_first, sp = p->self_packed;
+    const bool sp = p->self_packed;
     const int64_t W3 = sp ? E + 2 * Ekv : E;  // row stride of q (and k, v when packed)
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
     // Scratch, floats, one block:
@@ -94,108 +137,161 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     float *blk = mha__alloc(bytes);
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for %zu bytes", bytes);
-    float *xq = blk, *xk = xq + Rq * E, *xv = xk + Rk * kd;
-    float *wt = xv + Rk * vd, *bp = wt + (n_w - n_bp - n_gs), *gs = bp + n_bp;
-    float *qkv = wt + n_w, *dqkv = qkv + n_qkv;
-    float *ctx = dqkv + n_qkv, *dctx = ctx + Rq * E, *dy = dctx + Rq * E;
-    float *lse = dy + Rq * E, *dsum = lse + 2 * N * H * L;  // lse: (m, 1/l) rows
-    // dextra: the appended keys' dk (N, Hkv, nx, d), then dv; extra: the
-    // appended keys (Hkv, nx, d) for k, then v
-    float *dextra = dsum + N * H * L, *extra = dextra + 2 * N * Hkv * nx * d;
-    float *tmp = extra + 2 * Hkv * nx * d, *scratch = blk + n_pre;
-    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
-                *bv = bq ? bq + E + Ekv : NULL;
+    bwd_scratch *s = &c->s;
+    c->blk = blk;
+    s->sf = sf;
+    s->xq = blk, s->xk = s->xq + Rq * E, s->xv = s->xk + Rk * kd;
+    s->wt = s->xv + Rk * vd, s->bp = s->wt + (n_w - n_bp - n_gs), s->gs = s->bp + n_bp;
+    s->qkv = s->wt + n_w, s->dqkv = s->qkv + n_qkv;
+    s->ctx = s->dqkv + n_qkv, s->dctx = s->ctx + Rq * E, s->dy = s->dctx + Rq * E;
+    s->lse = s->dy + Rq * E, s->dsum = s->lse + 2 * N * H * L;  // lse: (m, 1/l) rows
+    s->dextra = s->dsum + N * H * L, s->extra = s->dextra + 2 * N * Hkv * nx * d;
+    s->tmp = s->extra + 2 * Hkv * nx * d, s->scratch = blk + n_pre;
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(s->scratch + (size_t)t * sf);
+    c->W3 = W3;
+    return MHA_OK;
+}
 
-    // Forward: inputs as rows, projections, attention with the row stats.
-    int64_t ldq = E, ldk = kd, ldv = vd;
-    const float *Xq = xq, *Xk = xk, *Xv = xv;
-    if (mha__rows_direct(a->query, &ldq)) Xq = a->query->data;
-    else mha__gather_rows(xq, a->query), ldq = E;
-    if (mha__rows_direct(a->key, &ldk)) Xk = a->key->data;
-    else mha__gather_rows(xk, a->key), ldk = kd;
-    if (mha__rows_direct(a->value, &ldv)) Xv = a->value->data;
-    else mha__gather_rows(xv, a->value), ldv = vd;
-    // A saved forward (mha_forward_args.save) replaces the recomputation.
+// The inputs as rows (in place, or gathered into the scratch); a saved
+// forward (mha_forward_args.save), checked against these args, replaces
+// the recomputation: its projections, context and row stats are used.
+static mha_status bwd_inputs(bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha_forward_args *a = c->a;
+    const int64_t N = p->N, L = p->L, H = p->H, E = p->E, kd = p->kdim, vd = p->vdim;
+    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key), Ekv = p->Ekv;
+    bwd_scratch *s = &c->s;
+    c->ldq = E, c->ldk = kd, c->ldv = vd;
+    c->Xq = s->xq, c->Xk = s->xk, c->Xv = s->xv;
+    if (mha__rows_direct(a->query, &c->ldq)) c->Xq = a->query->data;
+    else mha__gather_rows(s->xq, a->query), c->ldq = E;
+    if (mha__rows_direct(a->key, &c->ldk)) c->Xk = a->key->data;
+    else mha__gather_rows(s->xk, a->key), c->ldk = kd;
+    if (mha__rows_direct(a->value, &c->ldv)) c->Xv = a->value->data;
+    else mha__gather_rows(s->xv, a->value), c->ldv = vd;
     const mha_saved *sv = a->save && a->save->valid ? a->save : NULL;
+    c->sv = sv;
     if (sv) {
         mha__saved_key key;
-        mha__saved_key_of(&key, m, a);
-        if (!mha__saved_key_equal(&key, &sv->key) || sv->outer_valid != (pt && pt->attn) ||
-            sv->n_qkv != n_qkv ||
-            sv->n_lse != (size_t)(2 * N * H * L)) {
-            mha__free(blk);
+        mha__saved_key_of(&key, c->m, a);
+        if (!mha__saved_key_equal(&key, &sv->key) ||
+            sv->outer_valid != (c->pt && c->pt->attn) ||
+            sv->n_qkv != mha__qkv_floats(p, Rq, Rk) ||
+            sv->n_lse != (size_t)(2 * N * H * L))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_backward: args.save holds the state of another forward "
                              "(module, inputs, masks or dropout differ); run the forward "
                              "with these args first, or pass save = NULL");
-        }
-        qkv = sv->buf;
-        ctx = sv->buf + sv->n_qkv;
-        lse = ctx + sv->n_ctx;
+        s->qkv = sv->buf;
+        s->ctx = sv->buf + sv->n_qkv;
+        s->lse = s->ctx + sv->n_ctx;
     }
-    float *q = qkv, *k = sp ? qkv + E : qkv + Rq * E, *v = sp ? qkv + E + Ekv : k + Rk * Ekv;
-    float *dq = dqkv, *dk = sp ? dqkv + E : dqkv + Rq * E,
-          *dv = sp ? dqkv + E + Ekv : dk + Rk * Ekv;
-    const int64_t ldkv = sp ? W3 : Ekv;
-    // a part: its heads' rows of the weights only, into their columns
+    const bool sp = p->self_packed;
+    float *qkv = s->qkv, *dqkv = s->dqkv;
+    c->q = qkv, c->k = sp ? qkv + E : qkv + Rq * E, c->v = sp ? qkv + E + Ekv : c->k + Rk * Ekv;
+    c->dq = dqkv, c->dk = sp ? dqkv + E : dqkv + Rq * E;
+    c->dv = sp ? dqkv + E + Ekv : c->dk + Rk * Ekv;
+    c->ldkv = sp ? c->W3 : Ekv;
+    return MHA_OK;
+}
+
+// The flash head (b, h) of the recomputed (or saved) forward.
+static mha__flash_head bwd_head(const bwd_call *c, int64_t b, int64_t h) {
+    const fwd_plan *p = c->p;
+    const int64_t L = p->L, S = p->S, H = p->H, d = p->d, Hkv = p->Hkv, G = H / Hkv;
+    const int64_t nx = p->Sp - S;
+    const float *extra = c->s.extra;
+    return (mha__flash_head){
+        .q = mha__head_row0(&c->qm, b, h * d), .q_rs = mha__head_rs(&c->qm),
+        .k = mha__head_row0(&c->km, b, (h / G) * d), .k_rs = mha__head_rs(&c->km),
+        .v = mha__head_row0(&c->vm, b, (h / G) * d), .v_rs = mha__head_rs(&c->vm),
+        .xk = extra + (h / G) * nx * d, .xv = extra + (Hkv + h / G) * nx * d, .nx = nx,
+        .o = mha__head_row0(&c->cm, b, h * d), .o_rs = mha__head_rs(&c->cm),
+        .stats = c->s.lse + 2 * (b * H + h) * L,
+        .L = L, .S = S, .D = d, .Dv = d, .scale = c->scale, .mask = &p->mask,
+        .drop = mha__plan_drop(p), .b = b, .h = h,
+    };
+}
+
+// The forward again (unless saved): the projections (a part: its heads'
+// rows of the weights only, into their columns), RoPE, and the attention
+// with each row's stats (a part's attn hook instead, for ring attention).
+static mha_status bwd_forward(bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha_forward_args *a = c->a;
+    const mha__part *pt = c->pt;
+    const mha__kernels *kt = c->kt;
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
+    const int64_t kd = p->kdim, vd = p->vdim, Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv;
+    const int nt = p->nthreads;
+    const bool seq_first = p->unbatched || !m->cfg.batch_first, sp = p->self_packed;
+    const int64_t W3 = c->W3, ldkv = c->ldkv;
+    const mha_saved *sv = c->sv;
+    float *q = c->q, *k = c->k, *v = c->v, *wt = c->s.wt, *gs = c->s.gs;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
+                *bv = bq ? bq + E + Ekv : NULL;
+    const size_t pw_q = mha__gemm_packed_b_floats(kt, E, E),
+                 pw_k = mha__gemm_packed_b_floats(kt, kd, Ekv);
     const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
-#define BOFF(b, o) ((b) ? (b) + (o) : NULL)
     if (sv) {
     } else if (sp && !pt) {
-        mha__linear_rows(kt, qkv, W3, Xq, ldq, mha__wmat_f32(m->in_proj_weight), bq, Rq, E, W3, wt, gs, nt);
+        mha__linear_rows(kt, c->s.qkv, W3, c->Xq, c->ldq, mha__wmat_f32(m->in_proj_weight), bq,
+                         Rq, E, W3, wt, gs, nt);
     } else {
         float *wq = wt, *wk = sp ? wt : wq + pw_q, *wv = sp ? wt : wk + pw_k;
-        mha__linear_rows(kt, q + oq, W3, Xq, ldq, mha__wmat_f32(m->q_weight + oq * E), BOFF(bq, oq), Rq, E,
-                    nq, wq, gs, nt);
-        mha__linear_rows(kt, k + okv, ldkv, Xk, ldk, mha__wmat_f32(m->k_weight + okv * kd), BOFF(bk, okv), Rk,
-                    kd, nkv, wk, gs, nt);
-        mha__linear_rows(kt, v + okv, ldkv, Xv, ldv, mha__wmat_f32(m->v_weight + okv * vd), BOFF(bv, okv), Rk,
-                    vd, nkv, wv, gs, nt);
+        mha__linear_rows(kt, q + oq, W3, c->Xq, c->ldq, mha__wmat_f32(m->q_weight + oq * E),
+                         bq ? bq + oq : NULL, Rq, E, nq, wq, gs, nt);
+        mha__linear_rows(kt, k + okv, ldkv, c->Xk, c->ldk, mha__wmat_f32(m->k_weight + okv * kd),
+                         bk ? bk + okv : NULL, Rk, kd, nkv, wk, gs, nt);
+        mha__linear_rows(kt, v + okv, ldkv, c->Xv, c->ldv, mha__wmat_f32(m->v_weight + okv * vd),
+                         bv ? bv + okv : NULL, Rk, vd, nkv, wv, gs, nt);
     }
-#undef BOFF
-    mha__fill_extra(extra, m, Hkv, nx, d);
-    mha__rowmap qm = {q, W3, seq_first, N, L}, km = {k, ldkv, seq_first, N, sp ? L : S},
-           vm = {v, ldkv, seq_first, N, sp ? L : S}, cm = {ctx, E, seq_first, N, L},
-           dcm = {dctx, E, seq_first, N, L}, dqm = {dq, W3, seq_first, N, L},
-           dkm = {dk, ldkv, seq_first, N, sp ? L : S}, dvm = {dv, ldkv, seq_first, N, sp ? L : S};
+    mha__fill_extra(c->s.extra, m, Hkv, nx, d);
+    const int64_t Tk = sp ? L : S;  // rows of k and v per batch element
+    c->qm = (mha__rowmap){q, W3, seq_first, N, L};
+    c->km = (mha__rowmap){k, ldkv, seq_first, N, Tk};
+    c->vm = (mha__rowmap){v, ldkv, seq_first, N, Tk};
+    c->cm = (mha__rowmap){c->s.ctx, E, seq_first, N, L};
+    c->dcm = (mha__rowmap){c->s.dctx, E, seq_first, N, L};
+    c->dqm = (mha__rowmap){c->dq, W3, seq_first, N, L};
+    c->dkm = (mha__rowmap){c->dk, ldkv, seq_first, N, Tk};
+    c->dvm = (mha__rowmap){c->dv, ldkv, seq_first, N, Tk};
     if (!sv) {  // the saved q, k are rotated already
-        mha__rope_rows(p, a, &qm, L, H, false, pt ? pt->rope_pos : NULL);
-        mha__rope_rows(p, a, &km, S, Hkv, false, pt ? pt->rope_pos : NULL);
+        mha__rope_rows(p, a, &c->qm, L, H, false, pt ? pt->rope_pos : NULL);
+        mha__rope_rows(p, a, &c->km, S, Hkv, false, pt ? pt->rope_pos : NULL);
     }
-    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
-    const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC + (nx > 0);
-    const float scale = (float)(1.0 / sqrt((double)d));
-#define HEAD(b, h)                                                                       \
-    (mha__flash_head) {                                                                  \
-        .q = mha__head_row0(&qm, b, h * d), .q_rs = mha__head_rs(&qm),                            \
-        .k = mha__head_row0(&km, b, (h / G) * d), .k_rs = mha__head_rs(&km),                       \
-        .v = mha__head_row0(&vm, b, (h / G) * d), .v_rs = mha__head_rs(&vm),                       \
-        .xk = extra + (h / G) * nx * d, .xv = extra + (Hkv + h / G) * nx * d, .nx = nx,  \
-        .o = mha__head_row0(&cm, b, h * d), .o_rs = mha__head_rs(&cm), .stats = lse + 2 * (b * H + h) * L, \
-        .L = L, .S = S, .D = d, .Dv = d, .scale = scale, .mask = &p->mask,               \
-        .drop = mha__plan_drop(p), .b = b, .h = h,                                       \
-    }
+    c->scale = (float)(1.0 / sqrt((double)d));
     const bool ext = pt && pt->attn;  // attention done by the caller (ring)
-    mha__attn_io io = {.N = N, .L = L, .S = sp ? L : S, .seq_first = seq_first, .q = q, .k = k,
-                       .v = v, .ldq = W3, .ldk = ldkv, .ctx = ctx, .stats = sv ? lse : NULL};
-    mha_status est = ext && !sv ? pt->attn(pt->attn_arg, &io) : MHA_OK;
-    if (est) {
-        mha__free(blk);
-        return est;
-    }
+    c->io = (mha__attn_io){.N = N, .L = L, .S = Tk, .seq_first = seq_first, .q = q, .k = k,
+                           .v = v, .ldq = W3, .ldk = ldkv, .ctx = c->s.ctx,
+                           .stats = sv ? c->s.lse : NULL};
+    mha_status est = ext && !sv ? pt->attn(pt->attn_arg, &c->io) : MHA_OK;
+    if (est) return est;
+    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+    const size_t sf = c->s.sf;
+    float *scratch = c->s.scratch;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < (sv || ext ? 0 : N * H * tiles); it++) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
-        mha__flash_head fh = HEAD(b, h);
+        mha__flash_head fh = bwd_head(c, b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         if (mha__plan_head_live(p, m, h)) mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
         else mha__zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
     }
+    return MHA_OK;
+}
 
-    // dy = dY * drop_o (rows in the query's order); dctx = dy Wo.
+// dy = dY * drop_o (rows in the query's order); dctx = dy Wo.
+static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
+    const fwd_plan *p = c->p;
+    const mha_forward_args *a = c->a;
+    const int64_t E = p->E, Rq = mha__rows_of(a->query);
+    const bool seq_first = p->unbatched || !c->m->cfg.batch_first;
+    float *dy = c->s.dy;
     for (int64_t r = 0; r < Rq; r++) {
         mha__mat row = mha__view_row(gout, r);
         int64_t n, t;
@@ -208,89 +304,107 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
             dy[r * E + e] = g;
         }
     }
-    mha__matmul_rows(kt, dctx, E, dy, E, m->out_weight, E, Rq, E, E, bp, gs, nt);
-    // Gated: W_O saw gctx = ctx_h * g, so dg = sum_c dctx_h ctx_h (dynamic:
-    // dz = dg g (1 - g), z = Xq W_g^T + b_g), then dctx_h *= g.
-    float *gbuf = NULL, *gate = NULL, *gctx = NULL, *dg = NULL;
-    if (mha__module_gated(m)) {
-        const size_t nwg = mha__gemm_packed_b_floats(kt, E, H);
-        gbuf = mha__alloc(sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
-        if (!gbuf) {
-            mha__free(blk);
-            return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for the gates (%zu "
-                             "bytes)", sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
+    mha__matmul_rows(c->kt, c->s.dctx, E, dy, E, c->m->out_weight, E, Rq, E, E, c->s.bp,
+                     c->s.gs, p->nthreads);
+}
+
+// Gated: W_O saw gctx = ctx_h * g, so dg = sum_c dctx_h ctx_h (dynamic:
+// dz = dg g (1 - g), z = Xq W_g^T + b_g), then dctx_h *= g.
+static mha_status bwd_gates(bwd_call *c) {
+    const mha_module *m = c->m;
+    if (!mha__module_gated(m)) return MHA_OK;
+    const int64_t E = c->p->E, H = c->p->H, d = c->p->d, Rq = mha__rows_of(c->a->query);
+    const size_t nwg = mha__gemm_packed_b_floats(c->kt, E, H);
+    c->gbuf = mha__alloc(sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
+    if (!c->gbuf)
+        return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for the gates (%zu "
+                         "bytes)", sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
+    float *gate = c->gbuf, *dg = gate + Rq * H, *gctx = dg + Rq * H;
+    c->gate = gate, c->dg = dg, c->gctx = gctx;
+    const float *ctx = c->s.ctx;
+    float *dctx = c->s.dctx;
+    mha__gate_rows(c->kt, gate, gctx, ctx, m, c->Xq, c->ldq, Rq, gctx + Rq * E, c->s.gs,
+                   c->p->nthreads);
+    const bool dyn = m->cfg.head_gate == MHA_GATE_DYNAMIC;
+    for (int64_t r = 0; r < Rq; r++)
+        for (int64_t h = 0; h < H; h++) {
+            float *dc = dctx + r * E + h * d;
+            const float *cx = ctx + r * E + h * d, g = gate[r * H + h];
+            double sdg = 0.0;
+            for (int64_t i = 0; i < d; i++) sdg += (double)dc[i] * cx[i];
+            dg[r * H + h] = (float)(dyn ? sdg * g * (1.0 - g) : sdg);
+            for (int64_t i = 0; i < d; i++) dc[i] *= g;
         }
-        gate = gbuf, dg = gate + Rq * H, gctx = dg + Rq * H;
-        mha__gate_rows(kt, gate, gctx, ctx, m, Xq, ldq, Rq, gctx + Rq * E, gs, nt);
-        const bool dyn = m->cfg.head_gate == MHA_GATE_DYNAMIC;
-        for (int64_t r = 0; r < Rq; r++)
-            for (int64_t h = 0; h < H; h++) {
-                float *dc = dctx + r * E + h * d;
-                const float *c = ctx + r * E + h * d, g = gate[r * H + h];
-                double sdg = 0.0;
-                for (int64_t i = 0; i < d; i++) sdg += (double)dc[i] * c[i];
-                dg[r * H + h] = (float)(dyn ? sdg * g * (1.0 - g) : sdg);
-                for (int64_t i = 0; i < d; i++) dc[i] *= g;
-            }
-    }
-    // Attention backward: one thread per KV head (b, g) when there are at
-    // least as many as threads (each tile pair's S and dP computed once; the
-    // group's query heads in increasing order, adding to dk_g, dv_g), else
-    // pass B (Dsum, dq per query tile) then pass A (dk, dv per key tile,
-    // the group's query heads in the same order): the same bits either way
-    // (flash.h), no atomics.
-    if (ext) {  // the caller's attention backward
-        io.dctx = dctx, io.dq = dq, io.dk = dk, io.dv = dv;
-        if ((est = pt->attn(pt->attn_arg, &io))) {
-            mha__free(gbuf);
-            mha__free(blk);
-            return est;
-        }
-    }
-    const bool per_head = ext || N * Hkv >= nt;
-    if (per_head && !ext) {
+    return MHA_OK;
+}
+
+// The attention backward, one thread per KV head (b, g): each tile pair's
+// S and dP computed once; the group's query heads in increasing order,
+// adding to dk_g, dv_g.
+static void bwd_attention_per_head(const bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const int64_t N = p->N, L = p->L, S = p->S, H = p->H, d = p->d, Hkv = p->Hkv, G = H / Hkv;
+    const int64_t nx = p->Sp - S;
+    const int nt = p->nthreads;
+    float *dextra = c->s.dextra, *dsum = c->s.dsum, *scratch = c->s.scratch;
+    const size_t sf = c->s.sf;
+    const mha__rowmap dkm = c->dkm, dvm = c->dvm, dqm = c->dqm, dcm = c->dcm;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t bg = 0; bg < N * Hkv; bg++) {
-            int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(p, m, g, G);
-            if (h0 < 0) {  // the whole group pruned: no gradient
-                mha__zero_head_rows(mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm), 0, S, d);
-                mha__zero_head_rows(mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm), 0, S, d);
-                memset(dextra + bg * nx * d, 0, sizeof(float) * (size_t)(nx * d));
-                memset(dextra + (N * Hkv + bg) * nx * d, 0, sizeof(float) * (size_t)(nx * d));
+    for (int64_t bg = 0; bg < N * Hkv; bg++) {
+        int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(p, m, g, G);
+        if (h0 < 0) {  // the whole group pruned: no gradient
+            mha__zero_head_rows(mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm), 0, S, d);
+            mha__zero_head_rows(mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm), 0, S, d);
+            memset(dextra + bg * nx * d, 0, sizeof(float) * (size_t)(nx * d));
+            memset(dextra + (N * Hkv + bg) * nx * d, 0, sizeof(float) * (size_t)(nx * d));
+        }
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            if (!mha__plan_head_live(p, m, h)) {
+                mha__zero_head_rows(mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm), 0, L, d);
+                continue;
             }
-            for (int64_t h = g * G; h < (g + 1) * G; h++) {
-                if (!mha__plan_head_live(p, m, h)) {
-                    mha__zero_head_rows(mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm), 0, L, d);
-                    continue;
-                }
-                mha__flash_head fh = HEAD(b, h);
-                mha__flash_bwd_head(kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
-                                    dsum + (b * H + h) * L, mha__head_row0(&dqm, b, h * d),
-                                    mha__head_rs(&dqm), mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
-                                    mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm),
-                                    dextra + bg * nx * d, dextra + (N * Hkv + bg) * nx * d,
-                                    h != h0, scratch + (size_t)mha__thread_id() * sf);
-            }
+            mha__flash_head fh = bwd_head(c, b, h);
+            mha__flash_bwd_head(c->kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
+                                dsum + (b * H + h) * L, mha__head_row0(&dqm, b, h * d),
+                                mha__head_rs(&dqm), mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
+                                mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm),
+                                dextra + bg * nx * d, dextra + (N * Hkv + bg) * nx * d,
+                                h != h0, scratch + (size_t)mha__thread_id() * sf);
         }
     }
+}
+
+// The attention backward in two passes over tiles: pass B (Dsum, dq per
+// query tile), then pass A (dk, dv per (KV head, key tile), summed over
+// the group's query heads in increasing order; reads Dsum).
+static void bwd_attention_tiles(const bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const int64_t N = p->N, L = p->L, S = p->S, H = p->H, d = p->d, Hkv = p->Hkv, G = H / Hkv;
+    const int64_t nx = p->Sp - S;
+    const int nt = p->nthreads;
+    float *dextra = c->s.dextra, *dsum = c->s.dsum, *scratch = c->s.scratch;
+    const size_t sf = c->s.sf;
+    const mha__rowmap dkm = c->dkm, dvm = c->dvm, dqm = c->dqm, dcm = c->dcm;
+    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+    const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC + (nx > 0);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < (per_head ? 0 : N * H * tiles); it++) {
+    for (int64_t it = 0; it < N * H * tiles; it++) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
-        mha__flash_head fh = HEAD(b, h);
+        mha__flash_head fh = bwd_head(c, b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         if (!mha__plan_head_live(p, m, h)) {
             mha__zero_head_rows(mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm), i0, i1, d);
             continue;
         }
-        mha__flash_bwd_q(kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm), dsum + bh * L,
+        mha__flash_bwd_q(c->kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm), dsum + bh * L,
                          i0, i1, mha__head_row0(&dqm, b, h * d) + i0 * mha__head_rs(&dqm),
                          mha__head_rs(&dqm), scratch + (size_t)tid * sf);
     }
-    // Pass A: dk, dv per (KV head, key tile), summed over the group's query
-    // heads in increasing order (reads Dsum).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < (per_head ? 0 : N * Hkv * ktiles); it++) {
+    for (int64_t it = 0; it < N * Hkv * ktiles; it++) {
         int64_t bg = it / ktiles, kt_i = it % ktiles, b = bg / Hkv, g = bg % Hkv;
         int tid = mha__thread_id();
         int64_t j0 = kt_i * MHA__FLASH_BC, n;
@@ -315,73 +429,141 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         }
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
             if (!mha__plan_head_live(p, m, h)) continue;
-            mha__flash_head fh = HEAD(b, h);
-            mha__flash_bwd_kv(kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
+            mha__flash_head fh = bwd_head(c, b, h);
+            mha__flash_bwd_kv(c->kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
                               dsum + (b * H + h) * L, j0, n, dkp, rs, dvp, rs, h != h0,
                               scratch + (size_t)tid * sf);
         }
     }
-#undef HEAD
-    mha__rope_rows(p, a, &dqm, L, H, true, pt ? pt->rope_pos : NULL);  // (orthogonal)
-    mha__rope_rows(p, a, &dkm, S, Hkv, true, pt ? pt->rope_pos : NULL);
+}
+
+// Through the rotation (orthogonal); then a part's projection gradients
+// (and dz) copied out for its caller.
+static void bwd_rope_and_part_out(const bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha__part *pt = c->pt;
+    const int64_t L = p->L, S = p->S, E = p->E, H = p->H, Hkv = p->Hkv, Ekv = p->Ekv;
+    const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
+    const int64_t W3 = c->W3, ldkv = c->ldkv;
+    mha__rope_rows(p, c->a, &c->dqm, L, H, true, pt ? pt->rope_pos : NULL);  // (orthogonal)
+    mha__rope_rows(p, c->a, &c->dkm, S, Hkv, true, pt ? pt->rope_pos : NULL);
     if (pt && pt->dq)  // a part's projection gradients, for its caller
-        for (int64_t r = 0; r < Rq; r++) memcpy(pt->dq + r * E, dq + r * W3, sizeof(float) * (size_t)E);
-    if (pt && pt->dz && dg) memcpy(pt->dz, dg, sizeof(float) * (size_t)(Rq * H));
+        for (int64_t r = 0; r < Rq; r++) memcpy(pt->dq + r * E, c->dq + r * W3, sizeof(float) * (size_t)E);
+    if (pt && pt->dz && c->dg) memcpy(pt->dz, c->dg, sizeof(float) * (size_t)(Rq * H));
     if (pt && pt->dk)
         for (int64_t r = 0; r < Rk; r++) {
-            memcpy(pt->dk + r * Ekv, dk + r * ldkv, sizeof(float) * (size_t)Ekv);
-            memcpy(pt->dv + r * Ekv, dv + r * ldkv, sizeof(float) * (size_t)Ekv);
+            memcpy(pt->dk + r * Ekv, c->dk + r * ldkv, sizeof(float) * (size_t)Ekv);
+            memcpy(pt->dv + r * Ekv, c->dv + r * ldkv, sizeof(float) * (size_t)Ekv);
         }
+}
 
-    // Parameter gradients.
-    if (grads) {
-        float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
-              *gbv = gbq ? gbq + E + Ekv : NULL;
-        // (a part without the bias: its share of out_proj.bias's gradient is 0)
-        float *gbo = pt && !pt->bias ? NULL : grads->out_bias;
-        if (grads->out_bias && !gbo && !acc) memset(grads->out_bias, 0, sizeof(float) * (size_t)E);
-        grad_weight(kt, grads->out_weight, gbo, acc, dy, E, gctx ? gctx : ctx, E, Rq,
-                    E, E, tmp, bp, gs, nt);
-        if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
-            for (int64_t h = 0; h < H; h++) {
-                double sg = 0.0;
-                for (int64_t r = 0; r < Rq; r++) sg += dg[r * H + h];
-                store_f(grads->head_gate + h, sg, acc);
-            }
-        if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
-            grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, Xq, ldq, Rq, H, E,
-                        tmp, bp, gs, nt);
-        if (sp) {
-            // dWin (E + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
-            grad_weight(kt, grads->in_proj_weight, gbq, acc, dqkv, W3, Xq, ldq, Rq, W3, E,
-                        tmp, bp, gs, nt);
-        } else {
-            grad_weight(kt, grads->q_weight, gbq, acc, dq, E, Xq, ldq, Rq, E, E, tmp, bp, gs, nt);
-            grad_weight(kt, grads->k_weight, gbk, acc, dk, Ekv, Xk, ldk, Rk, Ekv, kd, tmp, bp, gs,
-                        nt);
-            grad_weight(kt, grads->v_weight, gbv, acc, dv, Ekv, Xv, ldv, Rk, Ekv, vd, tmp, bp, gs,
-                        nt);
+// Parameter gradients: dWo = dy^T gctx, dbo = colsum(dy); the gates'; the
+// projections' dW = d^T X, db = colsum(d) (one GEMM over the packed
+// in_proj_weight with self-attention); bias_k, bias_v from the appended
+// keys' row 0, summed over b.
+static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha__part *pt = c->pt;
+    const mha__kernels *kt = c->kt;
+    const bool acc = c->acc, sp = p->self_packed;
+    const int64_t N = p->N, E = p->E, H = p->H, d = p->d, Hkv = p->Hkv, Ekv = p->Ekv;
+    const int64_t nx = p->Sp - p->S, kd = p->kdim, vd = p->vdim, W3 = c->W3;
+    const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
+    const int nt = p->nthreads;
+    float *tmp = c->s.tmp, *bp = c->s.bp, *gs = c->s.gs, *dextra = c->s.dextra;
+    const float *dg = c->dg;
+    float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
+          *gbv = gbq ? gbq + E + Ekv : NULL;
+    // (a part without the bias: its share of out_proj.bias's gradient is 0)
+    float *gbo = pt && !pt->bias ? NULL : grads->out_bias;
+    if (grads->out_bias && !gbo && !acc) memset(grads->out_bias, 0, sizeof(float) * (size_t)E);
+    grad_weight(kt, grads->out_weight, gbo, acc, c->s.dy, E, c->gctx ? c->gctx : c->s.ctx, E, Rq,
+                E, E, tmp, bp, gs, nt);
+    if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
+        for (int64_t h = 0; h < H; h++) {
+            double sg = 0.0;
+            for (int64_t r = 0; r < Rq; r++) sg += dg[r * H + h];
+            store_f(grads->head_gate + h, sg, acc);
         }
-        if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
-            for (int64_t g = 0; g < Hkv; g++)
-                for (int64_t c = 0; c < d; c++) {
-                    double sk = 0.0, sv_ = 0.0;
-                    for (int64_t b = 0; b < N; b++) {
-                        sk += dextra[(b * Hkv + g) * nx * d + c];
-                        sv_ += dextra[(N * Hkv + b * Hkv + g) * nx * d + c];
-                    }
-                    store_f(grads->bias_k + g * d + c, sk, acc);
-                    store_f(grads->bias_v + g * d + c, sv_, acc);
-                }
+    if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
+        grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, c->Xq, c->ldq, Rq, H, E,
+                    tmp, bp, gs, nt);
+    if (sp) {
+        // dWin (E + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
+        grad_weight(kt, grads->in_proj_weight, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3, E,
+                    tmp, bp, gs, nt);
+    } else {
+        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, E, c->Xq, c->ldq, Rq, E, E, tmp, bp, gs,
+                    nt);
+        grad_weight(kt, grads->k_weight, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd, tmp, bp,
+                    gs, nt);
+        grad_weight(kt, grads->v_weight, gbv, acc, c->dv, Ekv, c->Xv, c->ldv, Rk, Ekv, vd, tmp, bp,
+                    gs, nt);
     }
-    // Input gradients: dX = d W (self-attention: each part separately, as
-    // the API returns grad_query, grad_key, grad_value).
-    if (gq) mha__grad_input_rows(kt, gq, acc, dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+    if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
+        for (int64_t g = 0; g < Hkv; g++)
+            for (int64_t cc = 0; cc < d; cc++) {
+                double sk = 0.0, sv_ = 0.0;
+                for (int64_t b = 0; b < N; b++) {
+                    sk += dextra[(b * Hkv + g) * nx * d + cc];
+                    sv_ += dextra[(N * Hkv + b * Hkv + g) * nx * d + cc];
+                }
+                store_f(grads->bias_k + g * d + cc, sk, acc);
+                store_f(grads->bias_v + g * d + cc, sv_, acc);
+            }
+}
+
+// Input gradients: dX = d W (self-attention: each part separately, as the
+// API returns grad_query, grad_key, grad_value); dXq += dz W_g (dynamic
+// gates).
+static void bwd_input_grads(const bwd_call *c, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha__kernels *kt = c->kt;
+    const bool acc = c->acc;
+    const int64_t E = p->E, H = p->H, Ekv = p->Ekv, kd = p->kdim, vd = p->vdim;
+    const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
+    const int64_t W3 = c->W3, ldkv = c->ldkv;
+    const int nt = p->nthreads;
+    float *tmp = c->s.tmp, *bp = c->s.bp, *gs = c->s.gs;
+    if (gq) mha__grad_input_rows(kt, gq, acc, c->dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
-        mha__grad_input_rows(kt, gq, true, dg, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
-    mha__free(gbuf);
-    if (gk) mha__grad_input_rows(kt, gk, acc, dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
-    if (gv) mha__grad_input_rows(kt, gv, acc, dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
-    mha__free(blk);
-    return MHA_OK;
+        mha__grad_input_rows(kt, gq, true, c->dg, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
+    if (gk) mha__grad_input_rows(kt, gk, acc, c->dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
+    if (gv) mha__grad_input_rows(kt, gv, acc, c->dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
+}
+
+mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
+                               mha_tensor *gv, mha_module *grads, const mha_module *m,
+                               const mha_forward_args *a, const mha_tensor *gout,
+                               bool acc, const mha__part *pt) {
+    bwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
+    mha_status st = bwd_alloc(&c);
+    if (st) return st;
+    // Forward: inputs as rows (or the saved state), projections, attention
+    // with the row stats.
+    if ((st = bwd_inputs(&c)) || (st = bwd_forward(&c))) goto done;
+    bwd_dctx(&c, gout);
+    if ((st = bwd_gates(&c))) goto done;
+    // Attention backward: one thread per KV head (b, g) when there are at
+    // least as many as threads, else two passes over tiles: the same bits
+    // either way (flash.h), no atomics. A part's attn hook instead: the
+    // caller's attention backward.
+    const bool ext = pt && pt->attn;
+    if (ext) {
+        c.io.dctx = c.s.dctx, c.io.dq = c.dq, c.io.dk = c.dk, c.io.dv = c.dv;
+        if ((st = pt->attn(pt->attn_arg, &c.io))) goto done;
+    } else if (p->N * p->Hkv >= p->nthreads) {
+        bwd_attention_per_head(&c);
+    } else {
+        bwd_attention_tiles(&c);
+    }
+    bwd_rope_and_part_out(&c);
+    if (grads) bwd_param_grads(&c, grads);
+    bwd_input_grads(&c, gq, gk, gv);
+done:
+    mha__free(c.gbuf);
+    mha__free(c.blk);
+    return st;
 }
