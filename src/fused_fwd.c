@@ -30,18 +30,18 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
     const int64_t E = p->E, Rq = mha__rows_of(a->query);
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
-    float *wo = (float *)(ws + p->f_wo), *gs = (float *)(ws + p->f_gs),
-          *wh = (float *)(ws + p->f_wh);
+    float *wo = (float *)(ws + p->f.wo), *gs = (float *)(ws + p->f.gs),
+          *wh = (float *)(ws + p->f.wh);
     int64_t ldo = E;
     bool direct = mha__rows_direct(out, &ldo);
-    float *y = direct ? (float *)out->data : (float *)(ws + p->f_out);
+    float *y = direct ? (float *)out->data : (float *)(ws + p->f.out);
     if (!direct) ldo = E;
     const float *octx = ctx;
     if (mha__module_gated(m)) {  // the heads' contexts times their gates (in place
                                  // unless the saved state keeps the ungated ctx)
-        float *gctx = in_place ? ctx : (float *)(ws + p->f_gctx);
-        mha__gate_rows(kt, (float *)(ws + p->f_gate), gctx, ctx, m, xq, ldq, Rq,
-                  (float *)(ws + p->f_wg), gs, nt);
+        float *gctx = in_place ? ctx : (float *)(ws + p->f.gctx);
+        mha__gate_rows(kt, (float *)(ws + p->f.gate), gctx, ctx, m, xq, ldq, Rq,
+                  (float *)(ws + p->f.wg), gs, nt);
         octx = gctx;
     }
     mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh), pt && !pt->bias ? NULL : m->out_bias,
@@ -106,8 +106,8 @@ static void fwd_project(fwd_call *c) {
     const bool seq_first = c->seq_first;
     const float *xq = c->xq;
     const int64_t ldq = c->ldq;
-    float *wt = (float *)(ws + p->f_wt), *gs = (float *)(ws + p->f_gs),
-          *wh = (float *)(ws + p->f_wh);
+    float *wt = (float *)(ws + p->f.wt), *gs = (float *)(ws + p->f.gs),
+          *wh = (float *)(ws + p->f.wh);
     const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
                 *bv = bq ? bq + E + Ekv : NULL;
     mha_saved *sv = a->save;
@@ -116,7 +116,7 @@ static void fwd_project(fwd_call *c) {
     const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
     if (p->self_packed && pt) {
-        float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
+        float *qkv = sv ? sbuf : (float *)(ws + p->f.qkv);
         mha__linear_rows(kt, qkv + oq, W3, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
                          bias_at(bq, oq), Rq, E, nq, wt, gs, nt);
         mha__linear_rows(kt, qkv + E + okv, W3, xq, ldq, weight_rows(m, m->w_k, okv, E, wh),
@@ -128,7 +128,7 @@ static void fwd_project(fwd_call *c) {
         c->km = (mha__rowmap){qkv + E, W3, seq_first, N, L};
         c->vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
     } else if (p->self_packed) {
-        float *qkv = sv ? sbuf : (float *)(ws + p->f_qkv);
+        float *qkv = sv ? sbuf : (float *)(ws + p->f.qkv);
         mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh), bq, Rq, E, W3, wt,
                          gs, nt);
         c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
@@ -136,16 +136,16 @@ static void fwd_project(fwd_call *c) {
         c->vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
     } else {
         int64_t ldk = p->kdim, ldv = p->vdim;
-        const float *xk = (const float *)(ws + p->f_xk), *xv = (const float *)(ws + p->f_xv);
+        const float *xk = (const float *)(ws + p->f.xk), *xv = (const float *)(ws + p->f.xv);
         if (p->k_direct) mha__rows_direct(a->key, &ldk), xk = a->key->data;
         else mha__gather_rows((float *)xk, a->key);
         if (p->v_direct) mha__rows_direct(a->value, &ldv), xv = a->value->data;
         else mha__gather_rows((float *)xv, a->value);
         float *wq = wt, *wk = wq + mha__gemm_packed_b_floats(kt, E, E),
               *wv = wk + mha__gemm_packed_b_floats(kt, p->kdim, Ekv);
-        float *q = sv ? sbuf : (float *)(ws + p->f_qkv),
-              *k = sv ? sbuf + Rq * E : (float *)(ws + p->f_k),
-              *v = sv ? sbuf + Rq * E + Rk * Ekv : (float *)(ws + p->f_v);
+        float *q = sv ? sbuf : (float *)(ws + p->f.qkv),
+              *k = sv ? sbuf + Rq * E : (float *)(ws + p->f.k),
+              *v = sv ? sbuf + Rq * E + Rk * Ekv : (float *)(ws + p->f.v);
         mha__linear_rows(kt, q + oq, E, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
                          bias_at(bq, oq), Rq, E, nq, wq, gs, nt);
         mha__linear_rows(kt, k + okv, Ekv, xk, ldk, weight_rows(m, m->w_k, okv, p->kdim, wh),
@@ -185,14 +185,14 @@ static void tile_weights(const fwd_call *c, mha_tensor *weights, const mha__flas
     const fwd_plan *p = c->p;
     const mha_forward_args *a = c->a;
     const int64_t Sp = p->Sp;
-    float *headw = (float *)(c->ws + p->f_headw);
+    float *headw = (float *)(c->ws + p->f.headw);
     const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0, hs = h - p->wh0;
     mha__mat w;
     float *wq = NULL;  // int8 weights: the rows in float first
     if (a->need_weights && a->average_attn_weights) {
         w = (mha__mat){headw + ((b * Hs + hs) * Ls + r0 - p->wr0) * Sp, false, Sp, 1, 0};
     } else if (a->weights_scale) {
-        wq = (float *)(c->ws + p->f_wtmp) + (size_t)tid * MHA__FLASH_BR * Sp;
+        wq = (float *)(c->ws + p->f.wtmp) + (size_t)tid * MHA__FLASH_BR * Sp;
         w = (mha__mat){wq, false, Sp, 1, 0};
     } else {
         int o = p->unbatched ? 0 : 1;
@@ -238,17 +238,17 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
     mha_saved *sv = a->save;
     float *sbuf = sv ? sv->buf : NULL;
     // the appended keys per KV head: (nx, d) for k, then for v
-    float *extra = (float *)(ws + p->f_extra);
+    float *extra = (float *)(ws + p->f.extra);
     mha__fill_extra(extra, m, Hkv, nx, d);
-    c->ctx = pt && pt->ctx ? pt->ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f_ctx);
+    c->ctx = pt && pt->ctx ? pt->ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f.ctx);
     c->lse = pt && pt->stats ? pt->stats
              : sv ? sbuf + sv->n_qkv + sv->n_ctx
-                  : a->need_weights ? (float *)(ws + p->f_lse) : NULL;
+                  : a->need_weights ? (float *)(ws + p->f.lse) : NULL;
     float *lse = c->lse;
     const mha__rowmap qm = c->qm, km = c->km, vm = c->vm, cm = {c->ctx, E, seq_first, N, L};
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, false);
-    float *scratch = (float *)(ws + p->f_scratch);
+    float *scratch = (float *)(ws + p->f.scratch);
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
     const bool ext = pt && pt->attn;  // attention done by the caller (ring)
     if (ext) {
@@ -301,7 +301,7 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
     const mha_module *m = c->m;
     const mha_forward_args *a = c->a;
     const int64_t N = p->N, Sp = p->Sp;
-    const float *headw = (const float *)(c->ws + p->f_headw);
+    const float *headw = (const float *)(c->ws + p->f.headw);
     const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
     const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1) ? mha__live_in(m, p->wh0, p->wh1) : 1);
     int o = p->unbatched ? 0 : 1;
@@ -310,7 +310,7 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
             const int64_t off = (p->unbatched ? 0 : b * weights->stride[0]) +
                                 i * weights->stride[o];
             if (a->weights_scale) {  // int8 weights: the row in float first
-                float *row = (float *)(c->ws + p->f_wtmp);
+                float *row = (float *)(c->ws + p->f.wtmp);
                 for (int64_t j = 0; j < Sp; j++) {
                     float s = 0.0f;
                     for (int64_t h = 0; h < Hs; h++)
@@ -337,7 +337,7 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
                               const mha__part *pt) {
     fwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .ws = ws,
                   .seq_first = p->unbatched || !m->cfg.batch_first, .ldq = p->E,
-                  .xq = (const float *)(ws + p->f_xq)};
+                  .xq = (const float *)(ws + p->f.xq)};
     const int64_t N = p->N, L = p->L, S = p->S, E = p->E, Ekv = p->Ekv;
     // the query rows: the view in place, or gathered
     if (p->q_direct) mha__rows_direct(a->query, &c.ldq), c.xq = a->query->data;
@@ -369,7 +369,7 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
 void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
                             const mha_forward_args *a, float *ctx, char *ws) {
     int64_t ldq = p->E;
-    const float *xq = (const float *)(ws + p->f_xq);
+    const float *xq = (const float *)(ws + p->f.xq);
     if (p->q_direct) mha__rows_direct(a->query, &ldq), xq = a->query->data;
     else mha__gather_rows((float *)xq, a->query);
     out_project(mha__kernels_get(), p, out, m, a, ctx, true, xq, ldq, ws, NULL);

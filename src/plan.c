@@ -307,29 +307,29 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     int64_t headw = (a->need_weights && a->average_attn_weights)
                         ? N * (p->wh1 - p->wh0) * (p->wr1 - p->wr0) * Sp
                         : 0;
-    if (carve_f(&t, &p->f_xq, p->q_direct ? 0 : Rq * E) ||
-        carve_f(&t, &p->f_xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
-        carve_f(&t, &p->f_xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
-        carve_f(&t, &p->f_wt, p->self_packed
+    if (carve_f(&t, &p->f.xq, p->q_direct ? 0 : Rq * E) ||
+        carve_f(&t, &p->f.xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
+        carve_f(&t, &p->f.xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
+        carve_f(&t, &p->f.wt, p->self_packed
                                 ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
                                 : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
                                             mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
                                             mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
-        carve_f(&t, &p->f_wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
-        carve_f(&t, &p->f_gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
-        carve_f(&t, &p->f_qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
-        carve_f(&t, &p->f_k, p->self_packed ? 0 : Rk * Ekv) ||
-        carve_f(&t, &p->f_v, p->self_packed ? 0 : Rk * Ekv) ||
-        carve_f(&t, &p->f_ctx, Rq * E) || carve_f(&t, &p->f_extra, 2 * Hkv * nx * d) ||
-        carve_f(&t, &p->f_lse, lse) || carve_f(&t, &p->f_headw, headw) ||
-        carve_f(&t, &p->f_wtmp, a->need_weights && a->weights_scale
+        carve_f(&t, &p->f.wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
+        carve_f(&t, &p->f.gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
+        carve_f(&t, &p->f.qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
+        carve_f(&t, &p->f.k, p->self_packed ? 0 : Rk * Ekv) ||
+        carve_f(&t, &p->f.v, p->self_packed ? 0 : Rk * Ekv) ||
+        carve_f(&t, &p->f.ctx, Rq * E) || carve_f(&t, &p->f.extra, 2 * Hkv * nx * d) ||
+        carve_f(&t, &p->f.lse, lse) || carve_f(&t, &p->f.headw, headw) ||
+        carve_f(&t, &p->f.wtmp, a->need_weights && a->weights_scale
                                   ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
                                   : 0) ||
-        carve_f(&t, &p->f_out, Rq * E) || carve_f(&t, &p->f_scratch, scratch) ||
-        carve_f(&t, &p->f_wh, m->wdt == MHA_F32 ? 0 : (int64_t)mha__half_weight_floats(gk, m, p->nthreads)) ||
-        carve_f(&t, &p->f_gate, mha__module_gated(m) ? Rq * H : 0) ||
-        carve_f(&t, &p->f_gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
-        carve_f(&t, &p->f_wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
+        carve_f(&t, &p->f.out, Rq * E) || carve_f(&t, &p->f.scratch, scratch) ||
+        carve_f(&t, &p->f.wh, m->wdt == MHA_F32 ? 0 : (int64_t)mha__half_weight_floats(gk, m, p->nthreads)) ||
+        carve_f(&t, &p->f.gate, mha__module_gated(m) ? Rq * H : 0) ||
+        carve_f(&t, &p->f.gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
+        carve_f(&t, &p->f.wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
                                 ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
                                 : 0))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");

@@ -15,6 +15,30 @@
 #include "rope.h"
 #include "view.h"
 
+// The fused forward's scratch: byte offsets of its pieces in the one block
+// (64-byte aligned; laid out once, by mha__fused_plan). Rq, Rk: the rows of
+// the query and key views; sizes in floats.
+typedef struct mha__fused_layout {
+    size_t xq, xk, xv;  // the gathered input rows (Rq, E), (Rk, kdim), (Rk, vdim),
+                        // when a view cannot be read in place
+    size_t wt;          // the packed projection weights: in_proj_weight^T, or
+                        // W_q^T, W_k^T, W_v^T one after the other
+    size_t wo, wg;      // the packed W_o^T; W_g^T (dynamic gates)
+    size_t gs;          // the GEMM's per-thread scratch
+    size_t qkv, k, v;   // the projections: (Rq, E + 2 Ekv) packed, else q (Rq, E)
+                        // here and k, v (Rk, Ekv)
+    size_t ctx;         // the context (Rq, E)
+    size_t extra;       // the appended keys per KV head: (Hkv, nx, d) for k, then v
+    size_t lse;         // each row's (max, 1/sum) (N, H, L, 2), for the weights
+    size_t headw;       // the selected heads' weights, to average (N, Hs, Ls, Sp)
+    size_t wtmp;        // int8 weights: per thread a float tile (64, Sp)
+    size_t out;         // the output rows (Rq, E) when the view is not row-direct
+    size_t scratch;     // per thread the flash scratch
+    size_t wh;          // half weights: the widening scratch
+    size_t gate, gctx;  // gated: the gates (Rq, H); with a saved state, the gated
+                        // context (Rq, E) (the state keeps the ungated one)
+} mha__fused_layout;
+
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
     int64_t Hkv, Ekv;  // KV heads (dividing H) and their width Hkv * d
@@ -42,8 +66,7 @@ typedef struct fwd_plan {
     bool fused;
     bool self_packed;            // one GEMM over the packed in_proj_weight
     bool q_direct, k_direct, v_direct, out_direct;  // views usable as rows
-    size_t f_xq, f_xk, f_xv, f_wt, f_wo, f_qkv, f_k, f_v, f_ctx, f_extra,
-        f_lse, f_headw, f_out, f_scratch, f_gs, f_wtmp, f_wh, f_gate, f_gctx, f_wg;
+    mha__fused_layout f;
 } fwd_plan;
 
 // Whether query head h runs in this plan (not pruned, in the part); the
