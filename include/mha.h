@@ -655,8 +655,10 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(
 //     MHA_F32 added.
 //   is_causal: hides keys j > i (top-left aligned, as PyTorch).
 //   scale: used when use_custom_scale, else 1 / sqrt(D).
-// The fully-masked-row rule holds. impl: auto and reference run the
-// reference path; fused is not available here yet (MHA_ERR_UNSUPPORTED).
+// The fully-masked-row rule holds. impl: auto runs the fused path when q,
+// k, v, out (and weights) are MHA_F32 with unit stride along the last dim,
+// else the reference (MHA_IMPL in the environment overrides auto); fused
+// on other views is MHA_ERR_UNSUPPORTED.
 typedef struct mha_sdpa_args {
     const mha_tensor *q;
     const mha_tensor *k;

@@ -1,4 +1,5 @@
-// module.h: the module struct, shared by module.c, init.c and forward.c.
+// module.h: the module struct (model layer): its configuration and its
+// parameters as named pointers into one block, read by every layer above.
 #ifndef MHA_MODULE_H
 #define MHA_MODULE_H
 

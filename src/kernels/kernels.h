@@ -10,8 +10,8 @@
 //    (partial tiles included) itself.
 //  - "overwrite" kernels never read their output first (NaN in it is
 //    harmless); "accumulate" kernels add to it.
-//  - kernels trust their arguments (checked once, in forward.c) and never
-//    allocate, print or use threads.
+//  - kernels trust their arguments (checked once, by the entry points and
+//    the planner) and never allocate, print or use threads.
 //  - the order of every sum is fixed by the kernel and the shape alone, so
 //    results never depend on the number of threads or on the caller.
 #ifndef MHA_KERNELS_H
