@@ -1,7 +1,8 @@
 // mha_mpi.c: multi-head attention over MPI (include/mha_mpi.h) on the
 // fused path's parts (plan.h: mha__part): head parallelism (exact and
 // fast, below), Ulysses and ring attention (sequence parallelism, further
-// down, each with its own comment) and sharded-KV decode (at the end).
+// down, each with its own comment) and sharded-KV decode (at the end); the
+// helpers they share, and the agreement on errors, are mpi_common.c's.
 //
 // Rank r of P owns the KV heads [Hkv r / P, Hkv (r+1) / P) and their query
 // heads.
@@ -17,17 +18,13 @@
 //                    exact: the projections' gradients allgathered, then
 //                    dX = dq W_Q ... on every rank (mha__part_input_grads);
 //                    fast: the shares dq_r W_Q[r] ... summed by Allreduce.
-// Errors: every step that can fail on one rank is followed by agree(): all
-// ranks learn the first failing rank's status and message before the next
-// collective, so none waits forever. That includes every allocation (all
-// through the library's mha__malloc, so tests/alloc sweeps them): a helper
-// that allocates and then communicates agrees in between.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "mha_mpi.h"
+#include "mpi_internal.h"
 #include "part.h"
 
 const char *mha_parallel_name(mha_parallel p) {
@@ -53,64 +50,6 @@ mha_status mha_parallel_from_name(mha_parallel *out, const char *name) {
     return MHA_OK;
 }
 
-// One call's state on this rank.
-typedef struct job {
-    MPI_Comm comm;
-    int rank, P;
-    double t0, comm_s, sent;
-    mha_status failed;  // the failure the ranks agreed on (MHA_OK: none yet)
-} job;
-
-static mha_status job_init(job *j, MPI_Comm comm) {
-    int init = 0;
-    MPI_Initialized(&init);
-    if (!init) return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: MPI is not initialised (MPI_Init)");
-    j->comm = comm;
-    MPI_Comm_rank(comm, &j->rank);
-    MPI_Comm_size(comm, &j->P);
-    j->t0 = MPI_Wtime();
-    j->comm_s = 0, j->sent = 0;
-    j->failed = MHA_OK;
-    return MHA_OK;
-}
-
-// Every rank's status -> the first failing rank's status and message on
-// every rank ("rank r: ..."), or MHA_OK everywhere.
-static mha_status agree(job *j, mha_status st) {
-    // once the ranks have agreed on a failure, every rank knows it: the
-    // later checks on the way out need no messages (and keep the message)
-    if (j->failed) return j->failed;
-    const double t = MPI_Wtime();
-    int mine = st ? j->rank : j->P, first = j->P;
-    MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, j->comm);
-    if (first == j->P) {
-        j->comm_s += MPI_Wtime() - t;
-        return MHA_OK;
-    }
-    int code = (int)st;
-    char msg[512] = {0};
-    if (j->rank == first) snprintf(msg, sizeof msg, "%s", mha_last_error());
-    MPI_Bcast(&code, 1, MPI_INT, first, j->comm);
-    MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, first, j->comm);
-    j->comm_s += MPI_Wtime() - t;
-    j->failed = (mha_status)code;
-    if (j->rank == first) return (mha_status)code;  // its own message stands
-    return mha__fail((mha_status)code, "rank %d: %s", first, msg);
-}
-
-static mha_status too_big(int64_t n) {
-    return mha__fail(MHA_ERR_OVERFLOW,
-                     "mha_mpi: %lld elements in one message exceed MPI's int counts",
-                     (long long)n);
-}
-
-// The KV heads of rank r.
-static void kv_range(const mha_module *m, int r, int P, int64_t *g0, int64_t *g1) {
-    const int64_t Hkv = mha_module_config(m)->num_kv_heads;
-    *g0 = Hkv * r / P;
-    *g1 = Hkv * (r + 1) / P;
-}
-
 // full (R, W), row-major: rank q's columns [c0 + u g0_q, c0 + u g1_q) come
 // from rank q, for every rank (allgather); u columns per KV head.
 static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int64_t c0,
@@ -118,12 +57,12 @@ static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int6
     const int P = j->P;
     int64_t total = 0, g0, g1;
     for (int q = 0; q < P; q++) {  // (the same sizes on every rank)
-        kv_range(m, q, P, &g0, &g1);
+        mha__mpi_kv_range(m, q, P, &g0, &g1);
         const int64_t n = R * u * (g1 - g0);
-        if (n > INT32_MAX || total > INT32_MAX - n) return too_big(n);
+        if (n > INT32_MAX || total > INT32_MAX - n) return mha__mpi_too_big(n);
         total += n;
     }
-    kv_range(m, j->rank, P, &g0, &g1);
+    mha__mpi_kv_range(m, j->rank, P, &g0, &g1);
     int *counts = mha__malloc(sizeof(int) * (size_t)P * 2);
     float *send = mha__malloc(sizeof(float) * (size_t)(R * u * (g1 - g0) + 1));
     float *recv = mha__malloc(sizeof(float) * (size_t)(total + 1));
@@ -131,13 +70,13 @@ static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int6
     if (!counts || !send || !recv)
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
                        (long long)(2 * total));
-    if ((st = agree(j, st))) {  // (before the collective: any rank's failure is every rank's)
+    if ((st = mha__mpi_agree(j, st))) {  // (before the collective: any rank's failure is every rank's)
         free(counts), free(send), free(recv);
         return st;
     }
     for (int q = 0, at = 0; q < P; q++) {
         int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
+        mha__mpi_kv_range(m, q, P, &a0, &a1);
         counts[q] = (int)(R * u * (a1 - a0));
         counts[P + q] = at;  // displacements
         at += counts[q];
@@ -149,62 +88,12 @@ static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int6
     j->comm_s += MPI_Wtime() - t;
     j->sent += 4.0 * counts[j->rank] * (P - 1);
     for (int q = 0; q < P; q++) {
-        kv_range(m, q, P, &g0, &g1);
+        mha__mpi_kv_range(m, q, P, &g0, &g1);
         const int64_t wq = u * (g1 - g0), cq = c0 + u * g0;
         const float *src = recv + counts[P + q];
         for (int64_t r = 0; r < R; r++) memcpy(full + r * W + cq, src + r * wq, sizeof(float) * (size_t)wq);
     }
     free(counts), free(send), free(recv);
-    return MHA_OK;
-}
-
-// MPI_Allreduce(SUM) of n floats in place.
-static mha_status allreduce(job *j, float *x, int64_t n) {
-    if (n > INT32_MAX) return too_big(n);
-    const double t = MPI_Wtime();
-    MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, j->comm);
-    j->comm_s += MPI_Wtime() - t;
-    j->sent += 4.0 * (double)n * 2.0 * (j->P - 1) / j->P;  // a ring allreduce's volume
-    return MHA_OK;
-}
-
-// dst (a view of up to 3 dims, any float dtype and strides) (+)= src, the
-// same shape contiguous.
-// Between a view of up to 3 dims (any float dtype and strides) and the same
-// shape contiguous in float32: into the view (+= with add) or out of it.
-static void view_xfer(const mha_tensor *t, float *buf, bool into_view, bool add) {
-    int64_t sh[3] = {1, 1, 1}, st[3] = {0, 0, 0};
-    const int o = 3 - t->ndim;
-    for (int i = 0; i < t->ndim; i++) sh[o + i] = t->shape[i], st[o + i] = t->stride[i];
-    const mha__mat v = mha__vmat(t->data, t->dtype, 0, 1);
-    int64_t k = 0;
-    for (int64_t a = 0; a < sh[0]; a++)
-        for (int64_t b = 0; b < sh[1]; b++)
-            for (int64_t c = 0; c < sh[2]; c++, k++) {
-                const int64_t off = a * st[0] + b * st[1] + c * st[2];
-                if (!into_view) buf[k] = (float)mha__ld(v, 0, off);
-                else mha__st(v, 0, off, add ? mha__ld(v, 0, off) + buf[k] : buf[k]);
-            }
-}
-
-// A rank's local views (masks aside, which are whole) and output gradient
-// checked as the fused path would, before the first collective that
-// depends on their shapes.
-static mha_status local_check(const mha_module *m, const mha_forward_args *a,
-                              const mha_tensor *gout) {
-    mha_forward_args al = *a;
-    al.key_padding_mask = NULL;
-    al.attn_mask = NULL;
-    mha_shape os, ws;
-    mha_status st = mha_forward_shapes(&os, &ws, m, &al);
-    if (st || !gout) return st;
-    bool same = gout->ndim == os.ndim;
-    for (int i = 0; same && i < os.ndim; i++) same = gout->shape[i] == os.dims[i];
-    if (!same)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi: grad_output has %d dims (first %lld), "
-                         "expected the output's shape (%d dims, first %lld)", gout->ndim,
-                         (long long)(gout->ndim ? gout->shape[0] : 0), os.ndim,
-                         (long long)os.dims[0]);
     return MHA_OK;
 }
 
@@ -223,35 +112,13 @@ static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "mha_mpi: a saved forward state (args.save) is kept by ring attention "
                          "only (%s recomputes its forward in the backward)", mha_parallel_name(s));
-    return local_check(m, a, gout);  // (the shapes, before anything is sized from them)
-}
-
-static void finish(job *j, mha_mpi_stats *stats, const mha_module *m, double model) {
-    if (!stats) return;
-    int64_t g0, g1;
-    kv_range(m, j->rank, j->P, &g0, &g1);
-    const mha_config *c = mha_module_config(m);
-    stats->seconds = MPI_Wtime() - j->t0;
-    stats->comm_seconds = j->comm_s;
-    stats->bytes_sent = j->sent;
-    stats->bytes_model = model;
-    stats->kv_head_begin = g0, stats->kv_head_end = g1;
-    stats->heads = (g1 - g0) * (c->num_heads / c->num_kv_heads);
-    stats->tiles = 0;
-    stats->wait_seconds = 0;
+    return mha__mpi_local_check(m, a, gout);  // (the shapes, before anything is sized from them)
 }
 
 
 // ---------------------------------------------------------------------------
 // Ulysses: sequence shards, all-to-all between token owners and head owners
 
-// A sequence of T tokens (N batch elements) in consecutive blocks, one per
-// rank: t0[q] .. t0[q + 1]; rows t N + n (seq_first) or n T + t.
-typedef struct seq {
-    int64_t N, T;
-    bool seq_first;
-    int64_t *t0;  // (P + 1)
-} seq;
 
 static int64_t seq_rows(const seq *s, int q) { return (s->t0[q + 1] - s->t0[q]) * s->N; }
 
@@ -262,21 +129,6 @@ static int64_t seq_grow(const seq *s, int q, int64_t lr) {
     return (lr / Tl) * s->T + s->t0[q] + lr % Tl;
 }
 
-// The shards of a local view (its sequence dim per the module's layout),
-// into s->t0 (P + 1 entries, allocated by the caller).
-static void seq_of(job *j, seq *s, const mha_tensor *t, bool batch_first) {
-    const int sd = t->ndim == 2 || !batch_first ? 0 : 1;
-    int64_t Tl = t->shape[sd];
-    s->N = t->ndim == 3 ? t->shape[1 - sd] : 1;
-    s->seq_first = sd == 0;
-    const double tm = MPI_Wtime();
-    MPI_Allgather(&Tl, 1, MPI_INT64_T, s->t0 + 1, 1, MPI_INT64_T, j->comm);
-    j->comm_s += MPI_Wtime() - tm;
-    s->t0[0] = 0;
-    for (int q = 0; q < j->P; q++) s->t0[q + 1] += s->t0[q];
-    s->T = s->t0[j->P];
-}
-
 // dir 0 (to the head owners): src (Rl_me, W) my tokens, every column ->
 // dst (R, W) every token, my columns. dir 1 (back to the token owners):
 // src (R, W) my columns -> dst (Rl_me, W) every column. Rank q's columns:
@@ -285,14 +137,14 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
                            int64_t W, int64_t u, const mha_module *m) {
     const int P = j->P, me = j->rank;
     int64_t g0, g1;
-    kv_range(m, me, P, &g0, &g1);
+    mha__mpi_kv_range(m, me, P, &g0, &g1);
     const int64_t wme = u * (g1 - g0), cme = u * g0, Rme = seq_rows(sq, me);
     // my message sizes (they differ between ranks: agreed below, with the
     // allocations, before the collective)
     int64_t ns = 0, nr = 0, big = 0;
     for (int q = 0; q < P && !big; q++) {
         int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
+        mha__mpi_kv_range(m, q, P, &a0, &a1);
         const int64_t wq = u * (a1 - a0), Rq = seq_rows(sq, q);
         const int64_t s_n = dir ? Rq * wme : Rme * wq, r_n = dir ? Rme * wq : Rq * wme;
         if (s_n > INT32_MAX || r_n > INT32_MAX || ns > INT32_MAX - s_n || nr > INT32_MAX - r_n)
@@ -303,7 +155,7 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
     float *sb = NULL, *rb = NULL;
     mha_status st = MHA_OK;
     if (big) {
-        st = too_big(big);
+        st = mha__mpi_too_big(big);
     } else {
         cnt = mha__malloc(sizeof(int) * (size_t)P * 4);
         sb = mha__malloc(sizeof(float) * (size_t)(ns + 1));
@@ -312,14 +164,14 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
             st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
                            (long long)(ns + nr));
     }
-    if ((st = agree(j, st))) {
+    if ((st = mha__mpi_agree(j, st))) {
         free(cnt), free(sb), free(rb);
         return st;
     }
     ns = nr = 0;
     for (int q = 0; q < P; q++) {
         int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
+        mha__mpi_kv_range(m, q, P, &a0, &a1);
         const int64_t wq = u * (a1 - a0), Rq = seq_rows(sq, q);
         const int64_t s_n = dir ? Rq * wme : Rme * wq, r_n = dir ? Rme * wq : Rq * wme;
         cnt[q] = (int)s_n, cnt[P + q] = (int)ns, cnt[2 * P + q] = (int)r_n, cnt[3 * P + q] = (int)nr;
@@ -327,7 +179,7 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
     }
     for (int q = 0; q < P; q++) {  // pack
         int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
+        mha__mpi_kv_range(m, q, P, &a0, &a1);
         const int64_t wq = u * (a1 - a0), cq = u * a0;
         float *o = sb + cnt[P + q];
         if (!dir)
@@ -342,7 +194,7 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
     j->sent += 4.0 * (double)(ns - cnt[me]);
     for (int q = 0; q < P; q++) {  // unpack
         int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
+        mha__mpi_kv_range(m, q, P, &a0, &a1);
         const int64_t wq = u * (a1 - a0), cq = u * a0;
         const float *i = rb + cnt[3 * P + q];
         if (!dir)
@@ -363,7 +215,7 @@ static mha_status allgather_rows(job *j, const seq *sq, const mha_tensor *t, flo
     int64_t n = 0;
     for (int q = 0; q < P; q++) {  // (the same sizes on every rank)
         const int64_t c = seq_rows(sq, q) * F;
-        if (c > INT32_MAX || n > INT32_MAX - c) return too_big(c);
+        if (c > INT32_MAX || n > INT32_MAX - c) return mha__mpi_too_big(c);
         n += c;
     }
     int *cnt = mha__malloc(sizeof(int) * (size_t)P * 2);
@@ -372,7 +224,7 @@ static mha_status allgather_rows(job *j, const seq *sq, const mha_tensor *t, flo
     mha_status st = MHA_OK;
     if (!cnt || !loc || !rb)
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats", (long long)n);
-    if ((st = agree(j, st))) {  // (before the collective)
+    if ((st = mha__mpi_agree(j, st))) {  // (before the collective)
         free(cnt), free(loc), free(rb);
         return st;
     }
@@ -382,7 +234,7 @@ static mha_status allgather_rows(job *j, const seq *sq, const mha_tensor *t, flo
         cnt[q] = (int)c, cnt[P + q] = (int)n;
         n += c;
     }
-    view_xfer(t, loc, false, false);  // the local view's rows, in row order
+    mha__mpi_view_xfer(t, loc, false, false);  // the local view's rows, in row order
     const double tm = MPI_Wtime();
     MPI_Allgatherv(loc, cnt[j->rank], MPI_FLOAT, rb, cnt, cnt + P, MPI_FLOAT, j->comm);
     j->comm_s += MPI_Wtime() - tm;
@@ -417,51 +269,6 @@ static void local_args(mha_forward_args *al, const mha_forward_args *a, const se
     al->rope_start = starts;
 }
 
-// What the sequence-parallel schemes (Ulysses, ring) cannot do, refused.
-static mha_status seq_check(const mha_module *m, const mha_forward_args *a, const seq *sq,
-                            const seq *sk, bool ring) {
-    const mha_config *c = mha_module_config(m);
-    const char *name = ring ? "ring" : "ulysses";
-    if (a->training && c->out_dropout > 0.0f)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: output dropout is not available",
-                         name);
-    if (ring && (a->attn_mask || c->add_bias_kv || c->add_zero_attn ||
-                 (a->training && c->dropout > 0.0f)))
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_mpi ring: attn_mask, add_bias_kv, add_zero_attn and dropout are "
-                         "not available (key_padding_mask, causal, windows, RoPE, ALiBi and the "
-                         "soft cap are)");
-    if (a->rope.mode != MHA_ROPE_NONE && sq->T != sk->T)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: RoPE needs L == S (L %lld, S %lld)",
-                         name, (long long)sq->T, (long long)sk->T);
-    if (a->query->ndim != a->key->ndim || sq->N != sk->N)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi %s: query and key/value shards of "
-                         "different batch (%lld, %lld)", name, (long long)sq->N,
-                         (long long)sk->N);
-    return MHA_OK;
-}
-
-// The query's and the key/value's shards, checked, agreed on every rank;
-// on failure nothing is left to free.
-static mha_status shards_of(job *j, seq *sq, seq *sk, const mha_module *m,
-                            const mha_forward_args *a, bool ring) {
-    const bool bf = mha_module_config(m)->batch_first;
-    sq->t0 = mha__malloc(sizeof(int64_t) * (size_t)(j->P + 1));
-    sk->t0 = mha__malloc(sizeof(int64_t) * (size_t)(j->P + 1));
-    mha_status st = MHA_OK;
-    if (!sq->t0 || !sk->t0) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory");
-    if (!(st = agree(j, st))) {
-        seq_of(j, sq, a->query, bf);
-        seq_of(j, sk, a->key, bf);
-        st = seq_check(m, a, sq, sk, ring);
-    }
-    if ((st = agree(j, st))) {
-        free(sq->t0), free(sk->t0);
-        sq->t0 = sk->t0 = NULL;
-    }
-    return st;
-}
-
 static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
                                   const mha_forward_args *a, double *model) {
     const mha_config *c = mha_module_config(m);
@@ -469,7 +276,7 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
                   Ekv = c->num_kv_heads * d;
     const bool self = a->key == a->query && a->value == a->query;
     seq sq = {0}, sk = {0};
-    mha_status st = shards_of(j, &sq, &sk, m, a, false);
+    mha_status st = mha__mpi_shards_of(j, &sq, &sk, m, a, false);
     if (st) return st;
     const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
                   Rk = sk.T * sk.N;
@@ -487,15 +294,15 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
         st = mha__part_forward(NULL, m, &al, &pj);
     }
     // 2. to the head owners
-    if (!(st = agree(j, st))) st = alltoall(j, &sq, 0, ql, qf, E, G * d, m);
+    if (!(st = mha__mpi_agree(j, st))) st = alltoall(j, &sq, 0, ql, qf, E, G * d, m);
     if (!st) st = alltoall(j, &sk, 0, kl, kf, Ekv, d, m);
     if (!st) st = alltoall(j, &sk, 0, vl, vf, Ekv, d, m);
     int64_t g0, g1;
-    kv_range(m, j->rank, j->P, &g0, &g1);
+    mha__mpi_kv_range(m, j->rank, j->P, &g0, &g1);
     // (each all-to-all keeps 1/P of its data on the rank: q, k, v out, the
     // context of my heads back)
     *model = 4.0 * ((double)(Rl * E + 2 * Rkl * Ekv) + (double)(R * E) / j->P) * (j->P - 1) / j->P;
-    if (!(st = agree(j, st))) {  // 3. my heads, the whole sequence
+    if (!(st = mha__mpi_agree(j, st))) {  // 3. my heads, the whole sequence
         memset(cf, 0, sizeof(float) * (size_t)(R * E));
         mha_tensor qv = whole_view(a->query, &sq, c->batch_first, qf),
                    kv = whole_view(a->key, &sk, c->batch_first, kf),
@@ -508,8 +315,8 @@ static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
         st = mha__part_forward(NULL, m, &af, &pa);
     }
     // 4. back to the token owners, 5. W_O on my tokens
-    if (!(st = agree(j, st))) st = alltoall(j, &sq, 1, cf, cl, E, G * d, m);
-    if (!(st = agree(j, st))) st = mha__part_out_project(out, m, &al, cl);
+    if (!(st = mha__mpi_agree(j, st))) st = alltoall(j, &sq, 1, cf, cl, E, G * d, m);
+    if (!(st = mha__mpi_agree(j, st))) st = mha__part_out_project(out, m, &al, cl);
     free(buf), free(starts), free(sq.t0), free(sk.t0);
     return st;
 }
@@ -523,7 +330,7 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
                   Ekv = c->num_kv_heads * d, kd = c->kdim, vd = c->vdim;
     const bool self = a->key == a->query && a->value == a->query;
     seq sq = {0}, sk = {0};
-    mha_status st = shards_of(j, &sq, &sk, m, a, false);
+    mha_status st = mha__mpi_shards_of(j, &sq, &sk, m, a, false);
     if (st) return st;
     const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
                   Rk = sk.T * sk.N;
@@ -539,14 +346,14 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
           *dzl = dvl + Rkl * Ekv;
     // 1. the whole inputs and output gradient (the weight gradients sum over
     //    every token in one order)
-    if (!(st = agree(j, st))) st = allgather_rows(j, &sq, a->query, xq);
+    if (!(st = mha__mpi_agree(j, st))) st = allgather_rows(j, &sq, a->query, xq);
     if (!st) st = allgather_rows(j, &sq, gout, gy);
     if (!st && !self) st = allgather_rows(j, &sk, a->key, xk);
     if (!st && !self) st = allgather_rows(j, &sk, a->value, xv);
     *model = 4.0 * (double)((Rl * 2 * E + (self ? 0 : Rkl * (kd + vd))) * (j->P - 1));
     int64_t g0, g1;
-    kv_range(m, j->rank, j->P, &g0, &g1);
-    if (!(st = agree(j, st))) {  // 2. my heads' backward over the whole sequence
+    mha__mpi_kv_range(m, j->rank, j->P, &g0, &g1);
+    if (!(st = mha__mpi_agree(j, st))) {  // 2. my heads' backward over the whole sequence
         memset(dqf, 0, sizeof(float) * (size_t)(R * E + 2 * Rk * Ekv + R * H));
         mha_tensor qv = whole_view(a->query, &sq, c->batch_first, xq),
                    kv = whole_view(a->key, &sk, c->batch_first, xk),
@@ -561,13 +368,13 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
         st = mha__part_backward(NULL, NULL, NULL, gr, m, &af, &gyv, &pb);
     }
     // 3. the projections' gradients back to the token owners, 4. dX there
-    if (!(st = agree(j, st)) && (gq || gk || gv)) {
+    if (!(st = mha__mpi_agree(j, st)) && (gq || gk || gv)) {
         st = alltoall(j, &sq, 1, dqf, dql, E, G * d, m);
         if (!st) st = alltoall(j, &sk, 1, dkf, dkl, Ekv, d, m);
         if (!st) st = alltoall(j, &sk, 1, dvf, dvl, Ekv, d, m);
         if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = alltoall(j, &sq, 1, dzf, dzl, H, G, m);
         *model += 4.0 * (double)(R * E + 2 * Rk * Ekv) / j->P * (j->P - 1) / j->P;
-        if (!(st = agree(j, st))) {
+        if (!(st = mha__mpi_agree(j, st))) {
             mha_forward_args al;
             local_args(&al, a, &sq, j->rank, starts);
             st = mha__part_input_grads(gq, gk, gv, m, &al, dql, dkl, dvl, dzl, accumulate);
@@ -595,9 +402,9 @@ static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_t
 //             backward of the block with the whole softmax's row stats and
 //             Dsum = rowsum(dO O)) and passes the accumulator on; after P
 //             steps it reaches its owner. dQ sums in double over the steps.
-// Error agreement: each attention callback starts with agree(), each step
+// Error agreement: each attention callback starts with mha__mpi_agree(), each step
 // ends with one after its messages complete; a rank whose fused-path call
-// failed before a callback the others entered makes that agree() up.
+// failed before a callback the others entered makes that mha__mpi_agree() up.
 
 void mha_mpi_ring_chunks(int64_t T, int P, int rank, int64_t start[2], int64_t len[2]) {
     const int64_t c[2] = {rank, 2 * (int64_t)P - 1 - rank};
@@ -664,7 +471,7 @@ static void ring_progress(void *arg) {
 }
 
 static mha_status ring_post(ring *r, bool send, const float *buf, int64_t n, int tag) {
-    if (n > INT32_MAX) return too_big(n);
+    if (n > INT32_MAX) return mha__mpi_too_big(n);
     const int P = r->j->P, me = r->j->rank;
     const double t = MPI_Wtime();
     if (send) {
@@ -776,7 +583,7 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
         for (int64_t i = 0; i < N * H * r->ql[a]; i++) M[a][i] = -INFINITY, Ls[a][i] = 0.0;
     }
     for (int s = 0; s < P; s++) {
-        if ((st = agree(j, st))) break;
+        if ((st = mha__mpi_agree(j, st))) break;
         const int src = (me - s + P) % P, nsrc = (me - s - 1 + P) % P;
         int64_t ks[2], kl[2], ks2[2], kl2[2];
         const int64_t nb = ring_block(r, src, ks, kl), nn = ring_block(r, nsrc, ks2, kl2);
@@ -798,7 +605,7 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
         float *t = r->blk;
         r->blk = r->nblk, r->nblk = t;
     }
-    if (!(st = agree(j, st)))
+    if (!(st = mha__mpi_agree(j, st)))
         for (int a = 0; a < 2; a++) {  // the context and the rows' stats
             for (int64_t b = 0; b < N; b++)
                 for (int64_t h = 0; h < H; h++)
@@ -873,7 +680,7 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
     }
     int64_t nprev = 0;
     for (int s = 0; s < P; s++) {
-        if ((st = agree(j, st))) break;
+        if ((st = mha__mpi_agree(j, st))) break;
         const int src = (me - s + P) % P, nsrc = (me - s - 1 + P) % P;
         int64_t ks[2], kl[2], ks2[2], kl2[2];
         const int64_t nb = ring_block(r, src, ks, kl), nn = ring_block(r, nsrc, ks2, kl2);
@@ -908,14 +715,14 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
         t = gprev, gprev = gcur, gcur = t;
         nprev = nb;
     }
-    if (!(st = agree(j, st)) && P > 1) {  // the accumulators home: from the previous rank
+    if (!(st = mha__mpi_agree(j, st)) && P > 1) {  // the accumulators home: from the previous rank
         st = ring_post(r, true, gprev, nprev, 3);
         if (!st) st = ring_post(r, false, gin, 2 * (mkl[0] + mkl[1]) * N * Ekv, 3);
         ring_wait(r);
         float *t = gprev;
         gprev = gin, gin = t;
     }
-    if (!(st = agree(j, st))) {
+    if (!(st = mha__mpi_agree(j, st))) {
         const int64_t S = mkl[0] + mkl[1], half = S * N * Ekv;
         for (int c = 0; c < 2; c++) {
             const int64_t off = c ? mkl[0] : 0, at = off * N * Ekv;
@@ -934,7 +741,7 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
 static mha_status ring_attn(void *arg, const mha__attn_io *io) {
     ring *r = arg;
     r->entered++;
-    mha_status st = agree(r->j, MHA_OK);
+    mha_status st = mha__mpi_agree(r->j, MHA_OK);
     if (st) return st;
     return io->dctx ? ring_bwd(r, io) : ring_fwd(r, io);
 }
@@ -971,10 +778,10 @@ static mha_status ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor *
                            ring *r) {
     const mha_config *c = mha_module_config(m);
     seq sq = {0}, sk = {0};
-    mha_status st = shards_of(j, &sq, &sk, m, a, true);
+    mha_status st = mha__mpi_shards_of(j, &sq, &sk, m, a, true);
     if (st) return st;
     if (!(st = ring_check(j, &sq, "query"))) st = ring_check(j, &sk, "key and value");
-    if ((st = agree(j, st))) {
+    if ((st = mha__mpi_agree(j, st))) {
         free(sq.t0), free(sk.t0);
         return st;
     }
@@ -994,7 +801,7 @@ static mha_status ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor *
     float *buf = mha__malloc(sizeof(float) * (nf + 1));
     int64_t *pos = mha__malloc(sizeof(int64_t) * (size_t)(L + 1));
     if (!buf || !pos) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
-    if (!(st = agree(j, st))) {  // (the backward's first step is a collective)
+    if (!(st = mha__mpi_agree(j, st))) {  // (the backward's first step is a collective)
         float *p = buf;
         for (int a2 = 0; a2 < 2; a2++) r->q[a2] = p, p += r->ql[a2] * N * E;
         for (int a2 = 0; a2 < 2; a2++) r->o[a2] = p, p += r->ql[a2] * N * E;
@@ -1040,8 +847,8 @@ static mha_status ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor *
         }
         if (!out && saved) r->entered++;  // (no forward callback)
     }
-    if (r->entered < (out ? 1 : 2)) (void)agree(j, st);  // the callback the others entered
-    st = agree(j, st);
+    if (r->entered < (out ? 1 : 2)) (void)mha__mpi_agree(j, st);  // the callback the others entered
+    st = mha__mpi_agree(j, st);
     // the model: rank me passes on the key/value blocks of ranks me, me-1,
     // ..., me-P+2; the backward passes them again (after its forward's
     // pass unless the forward was saved), with the dK/dV accumulators of
@@ -1072,46 +879,46 @@ static void ring_stats(mha_mpi_stats *stats, const mha_module *m, const ring *r)
 mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
                            const mha_module *m, const mha_forward_args *a, mha_mpi_stats *stats) {
     job j;
-    mha_status st = job_init(&j, comm);
+    mha_status st = mha__mpi_job_init(&j, comm);
     if (st) return st;
     st = check_args(m, a, scheme, NULL);
     if (!st && !out) st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward: NULL output");
-    if ((st = agree(&j, st))) return st;
+    if ((st = mha__mpi_agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, Rq = mha__rows_of(a->query), n = Rq * E;
     mha__part pt = {.bias = j.rank == 0};
-    kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
+    mha__mpi_kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
     float *buf = mha__malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward: out of memory for %lld floats",
                              (long long)n);
     double model = 0;
     ring rg = {0};
     if (scheme == MHA_PAR_RING) {
-        if (!(st = agree(&j, st))) st = ring_run(&j, out, NULL, NULL, NULL, NULL, m, a, NULL, &model, &rg);
+        if (!(st = mha__mpi_agree(&j, st))) st = ring_run(&j, out, NULL, NULL, NULL, NULL, m, a, NULL, &model, &rg);
     } else if (scheme == MHA_PAR_ULYSSES) {
-        if (!(st = agree(&j, st))) st = ulysses_forward(&j, out, m, a, &model);
+        if (!(st = mha__mpi_agree(&j, st))) st = ulysses_forward(&j, out, m, a, &model);
     } else if (scheme == MHA_PAR_HEADS) {
         if (!st) {
             memset(buf, 0, sizeof(float) * (size_t)(n > 0 ? n : 1));
             pt.ctx = buf;
             st = mha__part_forward(NULL, m, a, &pt);
         }
-        if (!(st = agree(&j, st))) {
+        if (!(st = mha__mpi_agree(&j, st))) {
             const int64_t G = c->num_heads / c->num_kv_heads, d = E / c->num_heads;
             st = allgather_cols(&j, buf, Rq, E, 0, G * d, m);
             model = 4.0 * (double)(Rq * G * d * (pt.g1 - pt.g0)) * (j.P - 1);
         }
-        if (!(st = agree(&j, st))) st = mha__part_out_project(out, m, a, buf);
+        if (!(st = mha__mpi_agree(&j, st))) st = mha__part_out_project(out, m, a, buf);
     } else {
         mha_tensor t = mha_tensor_contiguous(buf, MHA_F32, out->ndim, out->shape);
         if (!st) st = mha__part_forward(&t, m, a, &pt);
-        if (!(st = agree(&j, st))) st = allreduce(&j, buf, n);
+        if (!(st = mha__mpi_agree(&j, st))) st = mha__mpi_allreduce(&j, buf, n);
         model = 4.0 * (double)n * 2.0 * (j.P - 1) / j.P;
-        if (!(st = agree(&j, st))) view_xfer(out, buf, true, false);
+        if (!(st = mha__mpi_agree(&j, st))) mha__mpi_view_xfer(out, buf, true, false);
     }
-    st = agree(&j, st);
+    st = mha__mpi_agree(&j, st);
     free(buf);
-    finish(&j, stats, m, model);
+    mha__mpi_finish(&j, stats, m, model);
     if (scheme == MHA_PAR_RING) ring_stats(stats, m, &rg);
     return st;
 }
@@ -1121,10 +928,10 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
                             const mha_forward_args *a, const mha_tensor *gout, bool accumulate,
                             mha_mpi_stats *stats) {
     job j;
-    mha_status st = job_init(&j, comm);
+    mha_status st = mha__mpi_job_init(&j, comm);
     if (st) return st;
     st = check_args(m, a, scheme, gout);
-    if ((st = agree(&j, st))) return st;
+    if ((st = mha__mpi_agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,
                   Ekv = c->num_kv_heads * d, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
@@ -1144,17 +951,17 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     if (!st && grads) st = mha_module_create(&gr, c);
     double model = 0;
     mha__part pt = {.bias = j.rank == 0};
-    kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
+    mha__mpi_kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
     const bool ul = scheme == MHA_PAR_ULYSSES, rn = scheme == MHA_PAR_RING;
     ring rg = {0};
     mha_tensor tv[3];
     for (int i = 0; i < 3; i++)
         tv[i] = mha_tensor_contiguous(t[i], MHA_F32, in[i]->ndim, in[i]->shape);
     if (ul) {  // (the input gradients are done inside)
-        if (!(st = agree(&j, st)))
+        if (!(st = mha__mpi_agree(&j, st)))
             st = ulysses_backward(&j, gq, gk, gv, gr, m, a, gout, accumulate, &model);
     } else if (rn) {  // this rank's tokens' gradients (into t), every parameter's terms
-        if (!(st = agree(&j, st)))
+        if (!(st = mha__mpi_agree(&j, st)))
             st = ring_run(&j, NULL, gq ? &tv[0] : NULL, gk ? &tv[1] : NULL, gv ? &tv[2] : NULL,
                           gr, m, a, gout, &model, &rg);
     } else if (!st) {
@@ -1166,16 +973,16 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     // parameter gradients: one non-zero term per element, summed
     for (int i = 0; grads && i < mha_module_num_params(grads); i++) {
         mha_param p, q;
-        if ((st = agree(&j, st))) break;
+        if ((st = mha__mpi_agree(&j, st))) break;
         if ((st = mha_module_param_at(&q, gr, i)) || (st = mha_module_param_at(&p, grads, i))) continue;
-        if ((st = allreduce(&j, q.data, q.numel))) continue;
+        if ((st = mha__mpi_allreduce(&j, q.data, q.numel))) continue;
         model += 4.0 * (double)q.numel * 2.0 * (j.P - 1) / j.P;
         for (int64_t e = 0; e < p.numel; e++) p.data[e] = accumulate ? p.data[e] + q.data[e] : q.data[e];
     }
-    if (!(st = agree(&j, st)) && !ul && (gq || gk || gv)) {
+    if (!(st = mha__mpi_agree(&j, st)) && !ul && (gq || gk || gv)) {
         if (rn) {  // each rank's own tokens
             for (int i = 0; i < 3; i++)
-                if (go[i]) view_xfer(go[i], t[i], true, accumulate);
+                if (go[i]) mha__mpi_view_xfer(go[i], t[i], true, accumulate);
         } else if (scheme == MHA_PAR_HEADS) {
             // the projections' gradients, whole, then dX as one process does
             st = allgather_cols(&j, pt.dq, Rq, E, 0, G * d, m);
@@ -1184,22 +991,23 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
             if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = allgather_cols(&j, pt.dz, Rq, H, 0, G, m);
             model += 4.0 * (double)((Rq * G * d + 2 * Rk * d) * (pt.g1 - pt.g0)) * (j.P - 1);
             // straight into the caller's views, in the backward's order
-            if (!(st = agree(&j, st)))
+            if (!(st = mha__mpi_agree(&j, st)))
                 st = mha__part_input_grads(gq, gk, gv, m, a, pt.dq, pt.dk, pt.dv, pt.dz,
                                            accumulate);
         } else {
             for (int i = 0; i < 3 && !st; i++)
-                if (go[i]) st = allreduce(&j, t[i], ng[i]), model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
-            if (!(st = agree(&j, st)))
+                if (go[i]) st = mha__mpi_allreduce(&j, t[i], ng[i]),
+                           model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
+            if (!(st = mha__mpi_agree(&j, st)))
                 for (int i = 0; i < 3; i++)
-                    if (go[i]) view_xfer(go[i], t[i], true, accumulate);
+                    if (go[i]) mha__mpi_view_xfer(go[i], t[i], true, accumulate);
         }
     }
-    st = agree(&j, st);
+    st = mha__mpi_agree(&j, st);
     mha_module_destroy(gr);
     free(dbuf);
     for (int i = 0; i < 3; i++) free(t[i]);
-    finish(&j, stats, m, model);
+    mha__mpi_finish(&j, stats, m, model);
     if (rn) ring_stats(stats, m, &rg);
     return st;
 }
@@ -1213,7 +1021,7 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
                                   const mha_forward_args *a, mha_kv_cache *cache, int owner,
                                   mha_mpi_stats *stats) {
     job j;
-    mha_status st = job_init(&j, comm);
+    mha_status st = mha__mpi_job_init(&j, comm);
     if (st) return st;
     const int P = j.P, me = j.rank;
     if (!out || !m || !a || !a->query || !cache)
@@ -1231,9 +1039,9 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
     if (!st) {  // the query's shape, before anything is sized from it
         mha_forward_args aq = *a;
         aq.key = aq.value = a->query;
-        st = local_check(m, &aq, NULL);
+        st = mha__mpi_local_check(m, &aq, NULL);
     }
-    if ((st = agree(&j, st))) return st;
+    if ((st = mha__mpi_agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, d = E / H, Hkv = c->num_kv_heads,
                   Ekv = Hkv * d, R = mha__rows_of(a->query);
@@ -1255,8 +1063,8 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
     if (!st && (!buf || !len))
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward_cached: out of memory for %zu floats",
                        nmsg * (size_t)(P + 1));
-    if (!st && nmsg * (size_t)P > INT32_MAX) st = too_big((int64_t)(nmsg * (size_t)P));
-    if ((st = agree(&j, st))) {
+    if (!st && nmsg * (size_t)P > INT32_MAX) st = mha__mpi_too_big((int64_t)(nmsg * (size_t)P));
+    if ((st = mha__mpi_agree(&j, st))) {
         free(buf), free(len);
         return st;
     }
@@ -1281,7 +1089,7 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
     bool appended = false;
     if (!st && me == owner) appended = !(st = mha_kv_cache_append(cache, &kv, &vv, NULL));
     // 3. every rank's part: its cache (the owner's causal within the chunk)
-    if (!(st = agree(&j, st))) {
+    if (!(st = mha__mpi_agree(&j, st))) {
         mha_tensor qv = {q, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}},
                    cv = {mine, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
         mha_cache_attend_args ca;
@@ -1291,7 +1099,7 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
                                      mine + R * E);
     }
     // 4. gathered, merged in rank order, W_O
-    if (!(st = agree(&j, st))) {
+    if (!(st = mha__mpi_agree(&j, st))) {
         t0 = MPI_Wtime();
         MPI_Allgather(mine, (int)nmsg, MPI_FLOAT, all, (int)nmsg, MPI_FLOAT, comm);
         j.comm_s += MPI_Wtime() - t0;
@@ -1321,12 +1129,12 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
                 }
         st = mha__part_out_project(out, m, a, q);
     }
-    st = agree(&j, st);
+    st = mha__mpi_agree(&j, st);
     if (st && appended)  // the owner's cache as it was
         for (int64_t n = 0; n < N; n++)
             if (mha_kv_cache_truncate(cache, n, len[n])) break;  // (cannot fail)
     free(buf), free(len);
-    finish(&j, stats, m, 4.0 * (double)nmsg * (P - 1));
+    mha__mpi_finish(&j, stats, m, 4.0 * (double)nmsg * (P - 1));
     if (stats) {
         stats->heads = H;
         stats->kv_head_begin = 0, stats->kv_head_end = Hkv;
