@@ -1,8 +1,8 @@
 // mpi_internal.h: what the files of the MPI layer (src/mpi/, libmha_mpi)
 // share; not installed. One call's state on a rank (job), the sequence
-// shards of the sequence-parallel schemes (seq), the helpers of
-// mpi_common.c and the schemes' entry points for mha_mpi.c, all prefixed
-// mha__mpi_.
+// shards of the sequence-parallel schemes (seq) and the helpers of
+// mpi_common.c, prefixed mha__mpi_. The schemes' entry points are
+// schemes.h's.
 #ifndef MHA_MPI_INTERNAL_H
 #define MHA_MPI_INTERNAL_H
 
@@ -45,15 +45,5 @@ void mha__mpi_finish(job *j, mha_mpi_stats *stats, const mha_module *m, double m
 // the query's and the key/value's shards, checked and agreed on every rank
 mha_status mha__mpi_shards_of(job *j, seq *sq, seq *sk, const mha_module *m,
                               const mha_forward_args *a, bool ring);
-
-// The schemes, for the entry points (mha_mpi.c); each described at its
-// definition.
-// ulysses.c: Ulysses' forward (out: this rank's tokens) and backward
-mha_status mha__mpi_ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
-                                    const mha_forward_args *a, double *model);
-mha_status mha__mpi_ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
-                                     mha_module *gr, const mha_module *m,
-                                     const mha_forward_args *a, const mha_tensor *gout,
-                                     bool accumulate, double *model);
 
 #endif

@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mpi_internal.h"
 #include "part.h"
+#include "schemes.h"
 
 static int64_t seq_rows(const seq *s, int q) { return (s->t0[q + 1] - s->t0[q]) * s->N; }
 
