@@ -11,13 +11,12 @@
 #include "mpi_internal.h"
 #include "part.h"
 
-mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_module *m,
-                                  const mha_forward_args *a, mha_kv_cache *cache, int owner,
-                                  mha_mpi_stats *stats) {
-    job j;
-    mha_status st = mha__mpi_job_init(&j, comm);
-    if (st) return st;
-    const int P = j.P, me = j.rank;
+// The call's arguments on this rank (the query's shape included), checked
+// before anything is sized from them.
+static mha_status cached_check(const mha_tensor *out, const mha_module *m,
+                               const mha_forward_args *a, const mha_kv_cache *cache, int owner,
+                               int P) {
+    mha_status st = MHA_OK;
     if (!out || !m || !a || !a->query || !cache)
         st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward_cached: NULL argument");
     else if (owner < 0 || owner >= P)
@@ -35,6 +34,51 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
         aq.key = aq.value = a->query;
         st = mha__mpi_local_check(m, &aq, NULL);
     }
+    return st;
+}
+
+// Step 4's merge: the ranks' partial contexts and rows' stats (all: P
+// messages of nmsg floats, each a context (R, E) then (max, sum) per (b, h,
+// t)) merged by log-sum-exp in rank order, in double (u: d doubles), into
+// q (R, E), the merged context.
+static void cached_merge(float *q, double *u, const float *all, size_t nmsg,
+                         const mha_module *m, int P, int64_t N, int64_t T, int64_t R,
+                         bool seq_first) {
+    const mha_config *c = mha_module_config(m);
+    const int64_t E = c->embed_dim, H = c->num_heads, d = E / H;
+    for (int64_t b = 0; b < N; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t row = seq_first ? t * N + b : b * T + t,
+                              sk = 2 * ((b * H + h) * T + t);
+                double M = -INFINITY, Ls = 0.0;
+                for (int r = 0; r < P; r++) {
+                    const float *sr = all + (size_t)r * nmsg + R * E + sk;
+                    if (sr[1] > 0.0f && sr[0] > M) M = sr[0];
+                }
+                float *o = q + row * E + h * d;  // (q is spent: the merged context)
+                for (int64_t e = 0; e < d; e++) o[e] = 0.0f;
+                if (M == -INFINITY || mha_module_head_pruned(m, h)) continue;
+                for (int64_t e = 0; e < d; e++) u[e] = 0.0;
+                for (int r = 0; r < P; r++) {
+                    const float *pr = all + (size_t)r * nmsg, *sr = pr + R * E + sk;
+                    if (!(sr[1] > 0.0f)) continue;
+                    const double w = exp((double)sr[0] - M) / (double)sr[1];  // e^(m-M) l
+                    Ls += w;
+                    for (int64_t e = 0; e < d; e++) u[e] += w * pr[row * E + h * d + e];
+                }
+                for (int64_t e = 0; e < d; e++) o[e] = (float)(u[e] / Ls);
+            }
+}
+
+mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_module *m,
+                                  const mha_forward_args *a, mha_kv_cache *cache, int owner,
+                                  mha_mpi_stats *stats) {
+    job j;
+    mha_status st = mha__mpi_job_init(&j, comm);
+    if (st) return st;
+    const int P = j.P, me = j.rank;
+    st = cached_check(out, m, a, cache, owner, P);
     if ((st = mha__mpi_agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, d = E / H, Hkv = c->num_kv_heads,
@@ -98,29 +142,7 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
         MPI_Allgather(mine, (int)nmsg, MPI_FLOAT, all, (int)nmsg, MPI_FLOAT, comm);
         j.comm_s += MPI_Wtime() - t0;
         j.sent += 4.0 * (double)nmsg * (P - 1);
-        for (int64_t b = 0; b < N; b++)
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t t = 0; t < T; t++) {
-                    const int64_t row = seq_first ? t * N + b : b * T + t,
-                                  sk = 2 * ((b * H + h) * T + t);
-                    double M = -INFINITY, Ls = 0.0;
-                    for (int r = 0; r < P; r++) {
-                        const float *sr = all + (size_t)r * nmsg + R * E + sk;
-                        if (sr[1] > 0.0f && sr[0] > M) M = sr[0];
-                    }
-                    float *o = q + row * E + h * d;  // (q is spent: the merged context)
-                    for (int64_t e = 0; e < d; e++) o[e] = 0.0f;
-                    if (M == -INFINITY || mha_module_head_pruned(m, h)) continue;
-                    for (int64_t e = 0; e < d; e++) u[e] = 0.0;
-                    for (int r = 0; r < P; r++) {
-                        const float *pr = all + (size_t)r * nmsg, *sr = pr + R * E + sk;
-                        if (!(sr[1] > 0.0f)) continue;
-                        const double w = exp((double)sr[0] - M) / (double)sr[1];  // e^(m-M) l
-                        Ls += w;
-                        for (int64_t e = 0; e < d; e++) u[e] += w * pr[row * E + h * d + e];
-                    }
-                    for (int64_t e = 0; e < d; e++) o[e] = (float)(u[e] / Ls);
-                }
+        cached_merge(q, u, all, nmsg, m, P, N, T, R, seq_first);
         st = mha__part_out_project(out, m, a, q);
     }
     st = mha__mpi_agree(&j, st);
