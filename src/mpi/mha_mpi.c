@@ -1,7 +1,9 @@
-// mha_mpi.c: multi-head attention over MPI (include/mha_mpi.h) on the
-// fused path's parts (plan.h: mha__part): head parallelism (exact and
-// fast, below), Ulysses and ring attention (sequence parallelism, further
-// down, each with its own comment) and sharded-KV decode (at the end).
+// mha_mpi.c: the MPI layer's public entry points (include/mha_mpi.h): the
+// schemes' names, and mha_mpi_forward / mha_mpi_backward, which check a
+// call's arguments and run its scheme: head parallelism (exact and fast,
+// below) here, on the fused path's parts (plan.h: mha__part), Ulysses in
+// ulysses.c, ring attention in ring.c. Sharded-KV decode is decode.c's,
+// the helpers they share, and the agreement on errors, mpi_common.c's.
 //
 // Rank r of P owns the KV heads [Hkv r / P, Hkv (r+1) / P) and their query
 // heads.
@@ -17,18 +19,12 @@
 //                    exact: the projections' gradients allgathered, then
 //                    dX = dq W_Q ... on every rank (mha__part_input_grads);
 //                    fast: the shares dq_r W_Q[r] ... summed by Allreduce.
-// Errors: every step that can fail on one rank is followed by agree(): all
-// ranks learn the first failing rank's status and message before the next
-// collective, so none waits forever. That includes every allocation (all
-// through the library's mha__malloc, so tests/alloc sweeps them): a helper
-// that allocates and then communicates agrees in between.
-#include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "mha_mpi.h"
 #include "part.h"
+#include "schemes.h"
 
 const char *mha_parallel_name(mha_parallel p) {
     switch (p) {
@@ -53,64 +49,6 @@ mha_status mha_parallel_from_name(mha_parallel *out, const char *name) {
     return MHA_OK;
 }
 
-// One call's state on this rank.
-typedef struct job {
-    MPI_Comm comm;
-    int rank, P;
-    double t0, comm_s, sent;
-    mha_status failed;  // the failure the ranks agreed on (MHA_OK: none yet)
-} job;
-
-static mha_status job_init(job *j, MPI_Comm comm) {
-    int init = 0;
-    MPI_Initialized(&init);
-    if (!init) return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: MPI is not initialised (MPI_Init)");
-    j->comm = comm;
-    MPI_Comm_rank(comm, &j->rank);
-    MPI_Comm_size(comm, &j->P);
-    j->t0 = MPI_Wtime();
-    j->comm_s = 0, j->sent = 0;
-    j->failed = MHA_OK;
-    return MHA_OK;
-}
-
-// Every rank's status -> the first failing rank's status and message on
-// every rank ("rank r: ..."), or MHA_OK everywhere.
-static mha_status agree(job *j, mha_status st) {
-    // once the ranks have agreed on a failure, every rank knows it: the
-    // later checks on the way out need no messages (and keep the message)
-    if (j->failed) return j->failed;
-    const double t = MPI_Wtime();
-    int mine = st ? j->rank : j->P, first = j->P;
-    MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, j->comm);
-    if (first == j->P) {
-        j->comm_s += MPI_Wtime() - t;
-        return MHA_OK;
-    }
-    int code = (int)st;
-    char msg[512] = {0};
-    if (j->rank == first) snprintf(msg, sizeof msg, "%s", mha_last_error());
-    MPI_Bcast(&code, 1, MPI_INT, first, j->comm);
-    MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, first, j->comm);
-    j->comm_s += MPI_Wtime() - t;
-    j->failed = (mha_status)code;
-    if (j->rank == first) return (mha_status)code;  // its own message stands
-    return mha__fail((mha_status)code, "rank %d: %s", first, msg);
-}
-
-static mha_status too_big(int64_t n) {
-    return mha__fail(MHA_ERR_OVERFLOW,
-                     "mha_mpi: %lld elements in one message exceed MPI's int counts",
-                     (long long)n);
-}
-
-// The KV heads of rank r.
-static void kv_range(const mha_module *m, int r, int P, int64_t *g0, int64_t *g1) {
-    const int64_t Hkv = mha_module_config(m)->num_kv_heads;
-    *g0 = Hkv * r / P;
-    *g1 = Hkv * (r + 1) / P;
-}
-
 // full (R, W), row-major: rank q's columns [c0 + u g0_q, c0 + u g1_q) come
 // from rank q, for every rank (allgather); u columns per KV head.
 static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int64_t c0,
@@ -118,12 +56,12 @@ static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int6
     const int P = j->P;
     int64_t total = 0, g0, g1;
     for (int q = 0; q < P; q++) {  // (the same sizes on every rank)
-        kv_range(m, q, P, &g0, &g1);
+        mha__mpi_kv_range(m, q, P, &g0, &g1);
         const int64_t n = R * u * (g1 - g0);
-        if (n > INT32_MAX || total > INT32_MAX - n) return too_big(n);
+        if (n > INT32_MAX || total > INT32_MAX - n) return mha__mpi_too_big(n);
         total += n;
     }
-    kv_range(m, j->rank, P, &g0, &g1);
+    mha__mpi_kv_range(m, j->rank, P, &g0, &g1);
     int *counts = mha__malloc(sizeof(int) * (size_t)P * 2);
     float *send = mha__malloc(sizeof(float) * (size_t)(R * u * (g1 - g0) + 1));
     float *recv = mha__malloc(sizeof(float) * (size_t)(total + 1));
@@ -131,13 +69,13 @@ static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int6
     if (!counts || !send || !recv)
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
                        (long long)(2 * total));
-    if ((st = agree(j, st))) {  // (before the collective: any rank's failure is every rank's)
+    if ((st = mha__mpi_agree(j, st))) {  // (before the collective: any rank's failure is every rank's)
         free(counts), free(send), free(recv);
         return st;
     }
     for (int q = 0, at = 0; q < P; q++) {
         int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
+        mha__mpi_kv_range(m, q, P, &a0, &a1);
         counts[q] = (int)(R * u * (a1 - a0));
         counts[P + q] = at;  // displacements
         at += counts[q];
@@ -149,62 +87,12 @@ static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int6
     j->comm_s += MPI_Wtime() - t;
     j->sent += 4.0 * counts[j->rank] * (P - 1);
     for (int q = 0; q < P; q++) {
-        kv_range(m, q, P, &g0, &g1);
+        mha__mpi_kv_range(m, q, P, &g0, &g1);
         const int64_t wq = u * (g1 - g0), cq = c0 + u * g0;
         const float *src = recv + counts[P + q];
         for (int64_t r = 0; r < R; r++) memcpy(full + r * W + cq, src + r * wq, sizeof(float) * (size_t)wq);
     }
     free(counts), free(send), free(recv);
-    return MHA_OK;
-}
-
-// MPI_Allreduce(SUM) of n floats in place.
-static mha_status allreduce(job *j, float *x, int64_t n) {
-    if (n > INT32_MAX) return too_big(n);
-    const double t = MPI_Wtime();
-    MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, j->comm);
-    j->comm_s += MPI_Wtime() - t;
-    j->sent += 4.0 * (double)n * 2.0 * (j->P - 1) / j->P;  // a ring allreduce's volume
-    return MHA_OK;
-}
-
-// dst (a view of up to 3 dims, any float dtype and strides) (+)= src, the
-// same shape contiguous.
-// Between a view of up to 3 dims (any float dtype and strides) and the same
-// shape contiguous in float32: into the view (+= with add) or out of it.
-static void view_xfer(const mha_tensor *t, float *buf, bool into_view, bool add) {
-    int64_t sh[3] = {1, 1, 1}, st[3] = {0, 0, 0};
-    const int o = 3 - t->ndim;
-    for (int i = 0; i < t->ndim; i++) sh[o + i] = t->shape[i], st[o + i] = t->stride[i];
-    const mha__mat v = mha__vmat(t->data, t->dtype, 0, 1);
-    int64_t k = 0;
-    for (int64_t a = 0; a < sh[0]; a++)
-        for (int64_t b = 0; b < sh[1]; b++)
-            for (int64_t c = 0; c < sh[2]; c++, k++) {
-                const int64_t off = a * st[0] + b * st[1] + c * st[2];
-                if (!into_view) buf[k] = (float)mha__ld(v, 0, off);
-                else mha__st(v, 0, off, add ? mha__ld(v, 0, off) + buf[k] : buf[k]);
-            }
-}
-
-// A rank's local views (masks aside, which are whole) and output gradient
-// checked as the fused path would, before the first collective that
-// depends on their shapes.
-static mha_status local_check(const mha_module *m, const mha_forward_args *a,
-                              const mha_tensor *gout) {
-    mha_forward_args al = *a;
-    al.key_padding_mask = NULL;
-    al.attn_mask = NULL;
-    mha_shape os, ws;
-    mha_status st = mha_forward_shapes(&os, &ws, m, &al);
-    if (st || !gout) return st;
-    bool same = gout->ndim == os.ndim;
-    for (int i = 0; same && i < os.ndim; i++) same = gout->shape[i] == os.dims[i];
-    if (!same)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi: grad_output has %d dims (first %lld), "
-                         "expected the output's shape (%d dims, first %lld)", gout->ndim,
-                         (long long)(gout->ndim ? gout->shape[0] : 0), os.ndim,
-                         (long long)os.dims[0]);
     return MHA_OK;
 }
 
@@ -223,896 +111,54 @@ static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "mha_mpi: a saved forward state (args.save) is kept by ring attention "
                          "only (%s recomputes its forward in the backward)", mha_parallel_name(s));
-    return local_check(m, a, gout);  // (the shapes, before anything is sized from them)
-}
-
-static void finish(job *j, mha_mpi_stats *stats, const mha_module *m, double model) {
-    if (!stats) return;
-    int64_t g0, g1;
-    kv_range(m, j->rank, j->P, &g0, &g1);
-    const mha_config *c = mha_module_config(m);
-    stats->seconds = MPI_Wtime() - j->t0;
-    stats->comm_seconds = j->comm_s;
-    stats->bytes_sent = j->sent;
-    stats->bytes_model = model;
-    stats->kv_head_begin = g0, stats->kv_head_end = g1;
-    stats->heads = (g1 - g0) * (c->num_heads / c->num_kv_heads);
-    stats->tiles = 0;
-    stats->wait_seconds = 0;
-}
-
-
-// ---------------------------------------------------------------------------
-// Ulysses: sequence shards, all-to-all between token owners and head owners
-
-// A sequence of T tokens (N batch elements) in consecutive blocks, one per
-// rank: t0[q] .. t0[q + 1]; rows t N + n (seq_first) or n T + t.
-typedef struct seq {
-    int64_t N, T;
-    bool seq_first;
-    int64_t *t0;  // (P + 1)
-} seq;
-
-static int64_t seq_rows(const seq *s, int q) { return (s->t0[q + 1] - s->t0[q]) * s->N; }
-
-// The global row of rank q's local row lr.
-static int64_t seq_grow(const seq *s, int q, int64_t lr) {
-    const int64_t Tl = s->t0[q + 1] - s->t0[q];
-    if (s->seq_first) return (s->t0[q] + lr / s->N) * s->N + lr % s->N;
-    return (lr / Tl) * s->T + s->t0[q] + lr % Tl;
-}
-
-// The shards of a local view (its sequence dim per the module's layout),
-// into s->t0 (P + 1 entries, allocated by the caller).
-static void seq_of(job *j, seq *s, const mha_tensor *t, bool batch_first) {
-    const int sd = t->ndim == 2 || !batch_first ? 0 : 1;
-    int64_t Tl = t->shape[sd];
-    s->N = t->ndim == 3 ? t->shape[1 - sd] : 1;
-    s->seq_first = sd == 0;
-    const double tm = MPI_Wtime();
-    MPI_Allgather(&Tl, 1, MPI_INT64_T, s->t0 + 1, 1, MPI_INT64_T, j->comm);
-    j->comm_s += MPI_Wtime() - tm;
-    s->t0[0] = 0;
-    for (int q = 0; q < j->P; q++) s->t0[q + 1] += s->t0[q];
-    s->T = s->t0[j->P];
-}
-
-// dir 0 (to the head owners): src (Rl_me, W) my tokens, every column ->
-// dst (R, W) every token, my columns. dir 1 (back to the token owners):
-// src (R, W) my columns -> dst (Rl_me, W) every column. Rank q's columns:
-// [c0 + u g0_q, c0 + u g1_q).
-static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, float *dst,
-                           int64_t W, int64_t u, const mha_module *m) {
-    const int P = j->P, me = j->rank;
-    int64_t g0, g1;
-    kv_range(m, me, P, &g0, &g1);
-    const int64_t wme = u * (g1 - g0), cme = u * g0, Rme = seq_rows(sq, me);
-    // my message sizes (they differ between ranks: agreed below, with the
-    // allocations, before the collective)
-    int64_t ns = 0, nr = 0, big = 0;
-    for (int q = 0; q < P && !big; q++) {
-        int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
-        const int64_t wq = u * (a1 - a0), Rq = seq_rows(sq, q);
-        const int64_t s_n = dir ? Rq * wme : Rme * wq, r_n = dir ? Rme * wq : Rq * wme;
-        if (s_n > INT32_MAX || r_n > INT32_MAX || ns > INT32_MAX - s_n || nr > INT32_MAX - r_n)
-            big = s_n > r_n ? s_n : r_n;
-        ns += s_n, nr += r_n;
-    }
-    int *cnt = NULL;
-    float *sb = NULL, *rb = NULL;
-    mha_status st = MHA_OK;
-    if (big) {
-        st = too_big(big);
-    } else {
-        cnt = mha__malloc(sizeof(int) * (size_t)P * 4);
-        sb = mha__malloc(sizeof(float) * (size_t)(ns + 1));
-        rb = mha__malloc(sizeof(float) * (size_t)(nr + 1));
-        if (!cnt || !sb || !rb)
-            st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats of messages",
-                           (long long)(ns + nr));
-    }
-    if ((st = agree(j, st))) {
-        free(cnt), free(sb), free(rb);
-        return st;
-    }
-    ns = nr = 0;
-    for (int q = 0; q < P; q++) {
-        int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
-        const int64_t wq = u * (a1 - a0), Rq = seq_rows(sq, q);
-        const int64_t s_n = dir ? Rq * wme : Rme * wq, r_n = dir ? Rme * wq : Rq * wme;
-        cnt[q] = (int)s_n, cnt[P + q] = (int)ns, cnt[2 * P + q] = (int)r_n, cnt[3 * P + q] = (int)nr;
-        ns += s_n, nr += r_n;
-    }
-    for (int q = 0; q < P; q++) {  // pack
-        int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
-        const int64_t wq = u * (a1 - a0), cq = u * a0;
-        float *o = sb + cnt[P + q];
-        if (!dir)
-            for (int64_t r = 0; r < Rme; r++, o += wq) memcpy(o, src + r * W + cq, sizeof(float) * (size_t)wq);
-        else
-            for (int64_t r = 0; r < seq_rows(sq, q); r++, o += wme)
-                memcpy(o, src + seq_grow(sq, q, r) * W + cme, sizeof(float) * (size_t)wme);
-    }
-    const double t = MPI_Wtime();
-    MPI_Alltoallv(sb, cnt, cnt + P, MPI_FLOAT, rb, cnt + 2 * P, cnt + 3 * P, MPI_FLOAT, j->comm);
-    j->comm_s += MPI_Wtime() - t;
-    j->sent += 4.0 * (double)(ns - cnt[me]);
-    for (int q = 0; q < P; q++) {  // unpack
-        int64_t a0, a1;
-        kv_range(m, q, P, &a0, &a1);
-        const int64_t wq = u * (a1 - a0), cq = u * a0;
-        const float *i = rb + cnt[3 * P + q];
-        if (!dir)
-            for (int64_t r = 0; r < seq_rows(sq, q); r++, i += wme)
-                memcpy(dst + seq_grow(sq, q, r) * W + cme, i, sizeof(float) * (size_t)wme);
-        else
-            for (int64_t r = 0; r < Rme; r++, i += wq) memcpy(dst + r * W + cq, i, sizeof(float) * (size_t)wq);
-    }
-    free(cnt), free(sb), free(rb);
-    return MHA_OK;
-}
-
-// Every token's rows of a local view, gathered: full (R, F) in the global
-// row order, float32.
-static mha_status allgather_rows(job *j, const seq *sq, const mha_tensor *t, float *full) {
-    const int P = j->P;
-    const int64_t F = t->shape[t->ndim - 1], Rme = seq_rows(sq, j->rank);
-    int64_t n = 0;
-    for (int q = 0; q < P; q++) {  // (the same sizes on every rank)
-        const int64_t c = seq_rows(sq, q) * F;
-        if (c > INT32_MAX || n > INT32_MAX - c) return too_big(c);
-        n += c;
-    }
-    int *cnt = mha__malloc(sizeof(int) * (size_t)P * 2);
-    float *loc = mha__malloc(sizeof(float) * (size_t)(Rme * F + 1)),
-          *rb = mha__malloc(sizeof(float) * (size_t)(sq->T * sq->N * F + 1));
-    mha_status st = MHA_OK;
-    if (!cnt || !loc || !rb)
-        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory for %lld floats", (long long)n);
-    if ((st = agree(j, st))) {  // (before the collective)
-        free(cnt), free(loc), free(rb);
-        return st;
-    }
-    n = 0;
-    for (int q = 0; q < P; q++) {
-        const int64_t c = seq_rows(sq, q) * F;
-        cnt[q] = (int)c, cnt[P + q] = (int)n;
-        n += c;
-    }
-    view_xfer(t, loc, false, false);  // the local view's rows, in row order
-    const double tm = MPI_Wtime();
-    MPI_Allgatherv(loc, cnt[j->rank], MPI_FLOAT, rb, cnt, cnt + P, MPI_FLOAT, j->comm);
-    j->comm_s += MPI_Wtime() - tm;
-    j->sent += 4.0 * cnt[j->rank] * (P - 1);
-    for (int q = 0; q < P; q++)
-        for (int64_t r = 0; r < seq_rows(sq, q); r++)
-            memcpy(full + seq_grow(sq, q, r) * F, rb + cnt[P + q] + r * F, sizeof(float) * (size_t)F);
-    free(cnt), free(loc), free(rb);
-    return MHA_OK;
-}
-
-// A contiguous float32 view of the whole sequence in the layout of the
-// local view t (data may be a stand-in that is never read).
-static mha_tensor whole_view(const mha_tensor *t, const seq *sq, bool batch_first, void *data) {
-    int64_t sh[3];
-    for (int i = 0; i < t->ndim; i++) sh[i] = t->shape[i];
-    sh[t->ndim == 2 || !batch_first ? 0 : 1] = sq->T;
-    return mha_tensor_contiguous(data, MHA_F32, t->ndim, sh);
-}
-
-// The local arguments: no masks (they are whole), RoPE at the shard's
-// global positions (starts: N entries).
-static void local_args(mha_forward_args *al, const mha_forward_args *a, const seq *sq, int rank,
-                       int64_t *starts) {
-    *al = *a;
-    al->key_padding_mask = NULL;
-    al->attn_mask = NULL;
-    al->is_causal = false;
-    al->window_left = al->window_right = -1;
-    al->alibi = false;
-    for (int64_t n = 0; n < sq->N; n++) starts[n] = (a->rope_start ? a->rope_start[n] : 0) + sq->t0[rank];
-    al->rope_start = starts;
-}
-
-// What the sequence-parallel schemes (Ulysses, ring) cannot do, refused.
-static mha_status seq_check(const mha_module *m, const mha_forward_args *a, const seq *sq,
-                            const seq *sk, bool ring) {
-    const mha_config *c = mha_module_config(m);
-    const char *name = ring ? "ring" : "ulysses";
-    if (a->training && c->out_dropout > 0.0f)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: output dropout is not available",
-                         name);
-    if (ring && (a->attn_mask || c->add_bias_kv || c->add_zero_attn ||
-                 (a->training && c->dropout > 0.0f)))
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_mpi ring: attn_mask, add_bias_kv, add_zero_attn and dropout are "
-                         "not available (key_padding_mask, causal, windows, RoPE, ALiBi and the "
-                         "soft cap are)");
-    if (a->rope.mode != MHA_ROPE_NONE && sq->T != sk->T)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: RoPE needs L == S (L %lld, S %lld)",
-                         name, (long long)sq->T, (long long)sk->T);
-    if (a->query->ndim != a->key->ndim || sq->N != sk->N)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi %s: query and key/value shards of "
-                         "different batch (%lld, %lld)", name, (long long)sq->N,
-                         (long long)sk->N);
-    return MHA_OK;
-}
-
-// The query's and the key/value's shards, checked, agreed on every rank;
-// on failure nothing is left to free.
-static mha_status shards_of(job *j, seq *sq, seq *sk, const mha_module *m,
-                            const mha_forward_args *a, bool ring) {
-    const bool bf = mha_module_config(m)->batch_first;
-    sq->t0 = mha__malloc(sizeof(int64_t) * (size_t)(j->P + 1));
-    sk->t0 = mha__malloc(sizeof(int64_t) * (size_t)(j->P + 1));
-    mha_status st = MHA_OK;
-    if (!sq->t0 || !sk->t0) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi: out of memory");
-    if (!(st = agree(j, st))) {
-        seq_of(j, sq, a->query, bf);
-        seq_of(j, sk, a->key, bf);
-        st = seq_check(m, a, sq, sk, ring);
-    }
-    if ((st = agree(j, st))) {
-        free(sq->t0), free(sk->t0);
-        sq->t0 = sk->t0 = NULL;
-    }
-    return st;
-}
-
-static mha_status ulysses_forward(job *j, mha_tensor *out, const mha_module *m,
-                                  const mha_forward_args *a, double *model) {
-    const mha_config *c = mha_module_config(m);
-    const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,
-                  Ekv = c->num_kv_heads * d;
-    const bool self = a->key == a->query && a->value == a->query;
-    seq sq = {0}, sk = {0};
-    mha_status st = shards_of(j, &sq, &sk, m, a, false);
-    if (st) return st;
-    const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
-                  Rk = sk.T * sk.N;
-    const size_t nf = (size_t)(Rl * E + 2 * Rkl * Ekv + R * E + 2 * Rk * Ekv + R * E + Rl * E);
-    float *buf = mha__malloc(sizeof(float) * (nf + 1));
-    int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)(sq.N + 1));
-    if (!buf || !starts)
-        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ulysses: out of memory for %zu floats", nf);
-    float *ql = buf, *kl = ql + Rl * E, *vl = kl + Rkl * Ekv, *qf = vl + Rkl * Ekv,
-          *kf = qf + R * E, *vf = kf + Rk * Ekv, *cf = vf + Rk * Ekv, *cl = cf + R * E;
-    mha_forward_args al;
-    if (!st) {  // 1. my tokens' projections, every head
-        local_args(&al, a, &sq, j->rank, starts);
-        mha__part pj = {.g0 = 0, .g1 = c->num_kv_heads, .q_out = ql, .k_out = kl, .v_out = vl};
-        st = mha__part_forward(NULL, m, &al, &pj);
-    }
-    // 2. to the head owners
-    if (!(st = agree(j, st))) st = alltoall(j, &sq, 0, ql, qf, E, G * d, m);
-    if (!st) st = alltoall(j, &sk, 0, kl, kf, Ekv, d, m);
-    if (!st) st = alltoall(j, &sk, 0, vl, vf, Ekv, d, m);
-    int64_t g0, g1;
-    kv_range(m, j->rank, j->P, &g0, &g1);
-    // (each all-to-all keeps 1/P of its data on the rank: q, k, v out, the
-    // context of my heads back)
-    *model = 4.0 * ((double)(Rl * E + 2 * Rkl * Ekv) + (double)(R * E) / j->P) * (j->P - 1) / j->P;
-    if (!(st = agree(j, st))) {  // 3. my heads, the whole sequence
-        memset(cf, 0, sizeof(float) * (size_t)(R * E));
-        mha_tensor qv = whole_view(a->query, &sq, c->batch_first, qf),
-                   kv = whole_view(a->key, &sk, c->batch_first, kf),
-                   vv = whole_view(a->value, &sk, c->batch_first, vf);
-        mha_forward_args af = *a;
-        af.query = &qv;
-        af.key = self ? &qv : &kv;
-        af.value = self ? &qv : &vv;
-        mha__part pa = {.g0 = g0, .g1 = g1, .ctx = cf, .q_in = qf, .k_in = kf, .v_in = vf};
-        st = mha__part_forward(NULL, m, &af, &pa);
-    }
-    // 4. back to the token owners, 5. W_O on my tokens
-    if (!(st = agree(j, st))) st = alltoall(j, &sq, 1, cf, cl, E, G * d, m);
-    if (!(st = agree(j, st))) st = mha__part_out_project(out, m, &al, cl);
-    free(buf), free(starts), free(sq.t0), free(sk.t0);
-    return st;
-}
-
-static mha_status ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
-                                   mha_module *gr, const mha_module *m,
-                                   const mha_forward_args *a, const mha_tensor *gout,
-                                   bool accumulate, double *model) {
-    const mha_config *c = mha_module_config(m);
-    const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,
-                  Ekv = c->num_kv_heads * d, kd = c->kdim, vd = c->vdim;
-    const bool self = a->key == a->query && a->value == a->query;
-    seq sq = {0}, sk = {0};
-    mha_status st = shards_of(j, &sq, &sk, m, a, false);
-    if (st) return st;
-    const int64_t Rl = seq_rows(&sq, j->rank), Rkl = seq_rows(&sk, j->rank), R = sq.T * sq.N,
-                  Rk = sk.T * sk.N;
-    const size_t nf = (size_t)(2 * R * E + (self ? 0 : Rk * (kd + vd)) + R * E + 2 * Rk * Ekv +
-                               R * H + Rl * E + 2 * Rkl * Ekv + Rl * H);
-    float *buf = mha__malloc(sizeof(float) * (nf + 1));
-    int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)(sq.N + 1));
-    if (!buf || !starts)
-        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ulysses: out of memory for %zu floats", nf);
-    float *xq = buf, *gy = xq + R * E, *xk = gy + R * E, *xv = self ? xk : xk + Rk * kd,
-          *dqf = self ? xk : xv + Rk * vd, *dkf = dqf + R * E, *dvf = dkf + Rk * Ekv,
-          *dzf = dvf + Rk * Ekv, *dql = dzf + R * H, *dkl = dql + Rl * E, *dvl = dkl + Rkl * Ekv,
-          *dzl = dvl + Rkl * Ekv;
-    // 1. the whole inputs and output gradient (the weight gradients sum over
-    //    every token in one order)
-    if (!(st = agree(j, st))) st = allgather_rows(j, &sq, a->query, xq);
-    if (!st) st = allgather_rows(j, &sq, gout, gy);
-    if (!st && !self) st = allgather_rows(j, &sk, a->key, xk);
-    if (!st && !self) st = allgather_rows(j, &sk, a->value, xv);
-    *model = 4.0 * (double)((Rl * 2 * E + (self ? 0 : Rkl * (kd + vd))) * (j->P - 1));
-    int64_t g0, g1;
-    kv_range(m, j->rank, j->P, &g0, &g1);
-    if (!(st = agree(j, st))) {  // 2. my heads' backward over the whole sequence
-        memset(dqf, 0, sizeof(float) * (size_t)(R * E + 2 * Rk * Ekv + R * H));
-        mha_tensor qv = whole_view(a->query, &sq, c->batch_first, xq),
-                   kv = whole_view(a->key, &sk, c->batch_first, xk),
-                   vv = whole_view(a->value, &sk, c->batch_first, xv),
-                   gyv = whole_view(gout, &sq, c->batch_first, gy);
-        mha_forward_args af = *a;
-        af.query = &qv;
-        af.key = self ? &qv : &kv;
-        af.value = self ? &qv : &vv;
-        mha__part pb = {.g0 = g0, .g1 = g1, .bias = j->rank == 0, .dq = dqf, .dk = dkf,
-                        .dv = dvf, .dz = dzf};
-        st = mha__part_backward(NULL, NULL, NULL, gr, m, &af, &gyv, &pb);
-    }
-    // 3. the projections' gradients back to the token owners, 4. dX there
-    if (!(st = agree(j, st)) && (gq || gk || gv)) {
-        st = alltoall(j, &sq, 1, dqf, dql, E, G * d, m);
-        if (!st) st = alltoall(j, &sk, 1, dkf, dkl, Ekv, d, m);
-        if (!st) st = alltoall(j, &sk, 1, dvf, dvl, Ekv, d, m);
-        if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = alltoall(j, &sq, 1, dzf, dzl, H, G, m);
-        *model += 4.0 * (double)(R * E + 2 * Rk * Ekv) / j->P * (j->P - 1) / j->P;
-        if (!(st = agree(j, st))) {
-            mha_forward_args al;
-            local_args(&al, a, &sq, j->rank, starts);
-            st = mha__part_input_grads(gq, gk, gv, m, &al, dql, dkl, dvl, dzl, accumulate);
-        }
-    }
-    free(buf), free(starts), free(sq.t0), free(sk.t0);
-    return st;
-}
-
-
-// ---------------------------------------------------------------------------
-// Ring attention (Liu et al. 2023) with zigzag balancing: the sequence in
-// 2P chunks, rank r holding chunks r and 2P-1-r (mha_mpi_ring_chunks), so
-// that under a causal mask every rank has the same number of visible
-// (query tile, key tile) pairs. One fused-path call on the rank's tokens
-// does the projections (RoPE at the chunks' global positions), the gates,
-// W_O and every gradient; its attention step is ring_attn below:
-//   forward:  the key/value block of every rank passes around the ring
-//             (MPI_Isend/Irecv of the next block posted before the current
-//             block's compute, MPI_Testall between tiles); each block's
-//             output is merged into the rows' running result by log-sum-exp
-//             in double.
-//   backward: the blocks pass around again with their dK/dV accumulators:
-//             each rank adds its queries' terms (FlashAttention-2's
-//             backward of the block with the whole softmax's row stats and
-//             Dsum = rowsum(dO O)) and passes the accumulator on; after P
-//             steps it reaches its owner. dQ sums in double over the steps.
-// Error agreement: each attention callback starts with agree(), each step
-// ends with one after its messages complete; a rank whose fused-path call
-// failed before a callback the others entered makes that agree() up.
-
-void mha_mpi_ring_chunks(int64_t T, int P, int rank, int64_t start[2], int64_t len[2]) {
-    const int64_t c[2] = {rank, 2 * (int64_t)P - 1 - rank};
-    for (int i = 0; i < 2; i++) {
-        start[i] = T * c[i] / (2 * (int64_t)P);
-        len[i] = T * (c[i] + 1) / (2 * (int64_t)P) - start[i];
-    }
-}
-
-typedef struct ring {
-    job *j;
-    const mha_module *m;
-    const mha_forward_args *a;  // the caller's: local views, whole masks
-    int64_t N, E, H, d, Hkv, Ekv, Tq, Tk;
-    int sd;  // the views' sequence dim
-    bool seq_first;
-    int64_t qs[2], ql[2];  // my query chunks: global start, length
-    int entered;           // attention callbacks entered
-    bool fwd_done;         // q, o, st hold this call's forward
-    // per query chunk (rows as the views', chunk-long): the projections,
-    // the context, the rows' stats (global max, 1/sum; (N, H, ql, 2))
-    float *q[2], *o[2], *st[2];
-    // a key/value block (k chunk 0, k chunk 1, v chunk 0, v chunk 1) held
-    // and next; room for the largest
-    float *blk, *nblk;
-    int64_t nmax;
-    MPI_Request req[4];
-    int nreq;
-    int64_t tiles;
-    double wait_s;
-} ring;
-
-// Rank q's key chunks, and the floats of its block (k and v).
-static int64_t ring_block(const ring *r, int q, int64_t ks[2], int64_t kl[2]) {
-    mha_mpi_ring_chunks(r->Tk, r->j->P, q, ks, kl);
-    return 2 * (kl[0] + kl[1]) * r->N * r->Ekv;
-}
-
-// Local tokens [off, off + len) of a row matrix laid out as the views (T
-// tokens; row stride ld) <-> a chunk-long one (row stride W), W floats a
-// row: into the chunk (out) or back.
-static void chunk_xfer(float *loc, int64_t ld, float *chunk, const ring *r, int64_t T,
-                       int64_t off, int64_t len, int64_t W, bool out) {
-    for (int64_t n = 0; n < r->N; n++)
-        for (int64_t t = 0; t < len; t++) {
-            float *l = loc + (r->seq_first ? (off + t) * r->N + n : n * T + off + t) * ld;
-            float *c = chunk + (r->seq_first ? t * r->N + n : n * len + t) * W;
-            memcpy(out ? c : l, out ? l : c, sizeof(float) * (size_t)W);
-        }
-}
-
-// n floats (a rank without tokens has a saved state without storage: NULL).
-static void copy_f(float *dst, const float *src, int64_t n) {
-    if (n > 0) memcpy(dst, src, sizeof(float) * (size_t)n);
-}
-
-static void ring_progress(void *arg) {
-    ring *r = arg;
-    if (!r->nreq) return;
-    int done = 0;
-    const double t = MPI_Wtime();
-    MPI_Testall(r->nreq, r->req, &done, MPI_STATUSES_IGNORE);
-    r->j->comm_s += MPI_Wtime() - t;
-}
-
-static mha_status ring_post(ring *r, bool send, const float *buf, int64_t n, int tag) {
-    if (n > INT32_MAX) return too_big(n);
-    const int P = r->j->P, me = r->j->rank;
-    const double t = MPI_Wtime();
-    if (send) {
-        MPI_Isend(buf, (int)n, MPI_FLOAT, (me + 1) % P, tag, r->j->comm, &r->req[r->nreq++]);
-        r->j->sent += 4.0 * (double)n;
-    } else {
-        MPI_Irecv((float *)buf, (int)n, MPI_FLOAT, (me - 1 + P) % P, tag, r->j->comm,
-                  &r->req[r->nreq++]);
-    }
-    r->j->comm_s += MPI_Wtime() - t;
-    return MHA_OK;
-}
-
-static void ring_wait(ring *r) {
-    const double t = MPI_Wtime();
-    MPI_Waitall(r->nreq, r->req, MPI_STATUSES_IGNORE);
-    const double w = MPI_Wtime() - t;
-    r->j->comm_s += w, r->wait_s += w;
-    r->nreq = 0;
-}
-
-// One block call: query chunk a against key chunk c of the block held.
-typedef struct ring_call {
-    mha_tensor v3[3];  // views of the right shapes (their data are not read)
-    mha_forward_args ab;
-    mha__part pa;
-} ring_call;
-
-// The call of query chunk a against key chunk c of the block held (its
-// chunks' starts ks, lengths kl): its args and part (the block's keys and
-// values in); false when the chunk sees none of those keys (empty, or all
-// after its last query under a causal mask).
-static bool ring_block_call(const ring *r, int a, int c, const int64_t ks_[2],
-                            const int64_t kl_[2], ring_call *rc) {
-    const int64_t ks = ks_[c], kl = kl_[c], at = (c ? kl_[0] : 0) * r->N * r->Ekv,
-                  half = (kl_[0] + kl_[1]) * r->N * r->Ekv;
-    if (!r->ql[a] || !kl || (r->a->is_causal && ks > r->qs[a] + r->ql[a] - 1)) return false;
-    mha_tensor *v3 = rc->v3;
-    mha_forward_args *ab = &rc->ab;
-    mha__part *pa = &rc->pa;
-    v3[0] = *r->a->query, v3[1] = *r->a->key, v3[2] = *r->a->value;
-    v3[0].shape[r->sd] = r->ql[a], v3[1].shape[r->sd] = kl, v3[2].shape[r->sd] = kl;
-    *ab = *r->a;
-    ab->query = &v3[0], ab->key = &v3[1], ab->value = &v3[2];
-    ab->key_padding_mask = NULL;
-    ab->rope.mode = MHA_ROPE_NONE;  // (applied by the projections)
-    ab->rope_start = NULL;
-    *pa = (mha__part){.g0 = 0, .g1 = r->Hkv, .q_in = r->q[a], .q_off = r->qs[a] - ks,
-                      .kpm_full = r->a->key_padding_mask, .kpm_off = ks,
-                      .progress = ring_progress, .progress_arg = (void *)r,
-                      .tiles = (int64_t *)&r->tiles, .k_in = r->blk + at,
-                      .v_in = r->blk + half + at};
-    return true;
-}
-
-// U, M, Ls (chunk a's accumulators) <- a block's normalised output cp and
-// its rows' stats: U = sum_blocks exp(m_b - M) l_b O_b, Ls = sum exp(m_b -
-// M) l_b, in double.
-static void ring_merge(const ring *r, int a, double *U, double *M, double *Ls, const float *cp,
-                       const float *stats) {
-    const int64_t N = r->N, H = r->H, d = r->d, E = r->E, ql = r->ql[a];
-    for (int64_t b = 0; b < N; b++)
-        for (int64_t h = 0; h < H; h++)
-            for (int64_t i = 0; i < ql; i++) {
-                const int64_t k = (b * H + h) * ql + i, row = r->seq_first ? i * N + b : b * ql + i;
-                const double mb = stats[2 * k], lb = stats[2 * k + 1] > 0 ? 1.0 / stats[2 * k + 1] : 0;
-                if (!(lb > 0)) continue;  // nothing visible in this block
-                const double Mn = mb > M[k] ? mb : M[k], a1 = exp(M[k] - Mn), a2 = exp(mb - Mn) * lb;
-                Ls[k] = Ls[k] * a1 + a2;
-                double *u = U + row * E + h * d;
-                const float *c = cp + row * E + h * d;
-                for (int64_t cc = 0; cc < d; cc++) u[cc] = u[cc] * a1 + a2 * (double)c[cc];
-                M[k] = Mn;
-            }
-}
-
-// This rank's key/value block from the fused path's rows.
-static void ring_pack_own(ring *r, const mha__attn_io *io) {
-    int64_t ks[2], kl[2];
-    ring_block(r, r->j->rank, ks, kl);
-    const int64_t S = kl[0] + kl[1], Ekv = r->Ekv, half = S * r->N * Ekv;
-    for (int c = 0; c < 2; c++) {
-        const int64_t off = c ? kl[0] : 0, at = off * r->N * Ekv;
-        chunk_xfer((float *)io->k, io->ldk, r->blk + at, r, S, off, kl[c], Ekv, true);
-        chunk_xfer((float *)io->v, io->ldk, r->blk + half + at, r, S, off, kl[c], Ekv, true);
-    }
-}
-
-static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
-    job *j = r->j;
-    const int P = j->P, me = j->rank;
-    const int64_t N = r->N, E = r->E, H = r->H, L = r->ql[0] + r->ql[1];
-    const int64_t qmax = r->ql[0] > r->ql[1] ? r->ql[0] : r->ql[1];
-    for (int a = 0; a < 2; a++)
-        chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
-    ring_pack_own(r, io);
-    const size_t nacc = (size_t)(L * N * E + 2 * N * H * L);
-    double *acc = mha__malloc(sizeof(double) * (nacc + 1));
-    float *cp = mha__malloc(sizeof(float) * (size_t)(qmax * N * (E + 2 * H) + 1)),
-          *stats = cp + qmax * N * E;
-    mha_status st = MHA_OK;
-    if (!acc || !cp)
-        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu doubles", nacc);
-    double *U[2], *M[2], *Ls[2];
-    for (int a = 0; !st && a < 2; a++) {
-        U[a] = acc + (a ? r->ql[0] * N * (E + 2 * H) : 0);
-        M[a] = U[a] + r->ql[a] * N * E, Ls[a] = M[a] + N * H * r->ql[a];
-        for (int64_t i = 0; i < r->ql[a] * N * E; i++) U[a][i] = 0.0;
-        for (int64_t i = 0; i < N * H * r->ql[a]; i++) M[a][i] = -INFINITY, Ls[a][i] = 0.0;
-    }
-    for (int s = 0; s < P; s++) {
-        if ((st = agree(j, st))) break;
-        const int src = (me - s + P) % P, nsrc = (me - s - 1 + P) % P;
-        int64_t ks[2], kl[2], ks2[2], kl2[2];
-        const int64_t nb = ring_block(r, src, ks, kl), nn = ring_block(r, nsrc, ks2, kl2);
-        if (s < P - 1) {  // the next block, while this one is computed
-            st = ring_post(r, true, r->blk, nb, 1);
-            if (!st) st = ring_post(r, false, r->nblk, nn, 1);
-        }
-        for (int a = 0; a < 2; a++)
-            for (int c = 0; c < 2 && !st; c++) {
-                ring_call rc;
-                if (!ring_block_call(r, a, c, ks, kl, &rc)) continue;
-                rc.pa.ctx = cp, rc.pa.stats = stats;
-                for (int64_t i = 0; i < N * H * r->ql[a]; i++)  // (pruned heads: nothing visible)
-                    stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
-                st = mha__part_forward(NULL, r->m, &rc.ab, &rc.pa);
-                if (!st) ring_merge(r, a, U[a], M[a], Ls[a], cp, stats);
-            }
-        ring_wait(r);
-        float *t = r->blk;
-        r->blk = r->nblk, r->nblk = t;
-    }
-    if (!(st = agree(j, st)))
-        for (int a = 0; a < 2; a++) {  // the context and the rows' stats
-            for (int64_t b = 0; b < N; b++)
-                for (int64_t h = 0; h < H; h++)
-                    for (int64_t i = 0; i < r->ql[a]; i++) {
-                        const int64_t k = (b * H + h) * r->ql[a] + i,
-                                      row = r->seq_first ? i * N + b : b * r->ql[a] + i;
-                        float *o = r->o[a] + row * E + h * r->d;
-                        const double *u = U[a] + row * E + h * r->d;
-                        for (int64_t cc = 0; cc < r->d; cc++)
-                            o[cc] = Ls[a][k] > 0 ? (float)(u[cc] / Ls[a][k]) : 0.0f;
-                        r->st[a][2 * k] = Ls[a][k] > 0 ? (float)M[a][k] : -INFINITY;
-                        r->st[a][2 * k + 1] = Ls[a][k] > 0 ? (float)(1.0 / Ls[a][k]) : 0.0f;
-                    }
-            chunk_xfer(io->ctx, E, r->o[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, false);
-        }
-    if (!st && io->stats) {  // a saved state keeps the rows' stats (chunk 0's, then 1's)
-        copy_f(io->stats, r->st[0], 2 * N * H * r->ql[0]);
-        copy_f(io->stats + 2 * N * H * r->ql[0], r->st[1], 2 * N * H * r->ql[1]);
-    }
-    r->fwd_done = !st;
-    free(acc), free(cp);
-    return st;
-}
-
-static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
-    job *j = r->j;
-    const int P = j->P, me = j->rank;
-    const int64_t N = r->N, E = r->E, H = r->H, d = r->d, Ekv = r->Ekv,
-                  L = r->ql[0] + r->ql[1], nmax = r->nmax;
-    const int64_t qmax = r->ql[0] > r->ql[1] ? r->ql[0] : r->ql[1];
-    int64_t mks[2], mkl[2];
-    ring_block(r, me, mks, mkl);
-    const int64_t kmax = nmax / (2 * N * Ekv > 0 ? 2 * N * Ekv : 1);
-    // per query chunk: dO and Dsum (floats), dQ (doubles); temporaries: a
-    // block's dq, dk, dv; the dK/dV accumulators: incoming, mine, previous
-    const size_t nf = (size_t)(L * N * (E + H) + qmax * N * E + 2 * kmax * N * Ekv + 3 * nmax);
-    float *fb = mha__malloc(sizeof(float) * (nf + 1));
-    double *dqa = mha__malloc(sizeof(double) * (size_t)(L * N * E + 1));
-    mha_status st = MHA_OK;
-    if (!fb || !dqa) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
-    float *dO[2], *ds[2];
-    double *dq[2];
-    float *p = fb;
-    for (int a = 0; a < 2; a++) dO[a] = p, p += r->ql[a] * N * E;
-    for (int a = 0; a < 2; a++) ds[a] = p, p += r->ql[a] * N * H;
-    float *tdq = p, *tdk = tdq + qmax * N * E, *tdv = tdk + kmax * N * Ekv,
-          *gin = tdv + kmax * N * Ekv, *gcur = gin + nmax, *gprev = gcur + nmax;
-    dq[0] = dqa, dq[1] = dqa + r->ql[0] * N * E;
-    if (!st && !r->fwd_done) {  // a saved forward: its projections, context and stats
-        for (int a = 0; a < 2; a++) {
-            chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
-            chunk_xfer(io->ctx, E, r->o[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
-        }
-        copy_f(r->st[0], io->stats, 2 * N * H * r->ql[0]);
-        copy_f(r->st[1], io->stats + 2 * N * H * r->ql[0], 2 * N * H * r->ql[1]);
-    }
-    if (!st) {
-        ring_pack_own(r, io);
-        for (int a = 0; a < 2; a++) {
-            chunk_xfer((float *)io->dctx, E, dO[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
-            for (int64_t b = 0; b < N; b++)  // Dsum = rowsum(dO O) per head
-                for (int64_t h = 0; h < H; h++)
-                    for (int64_t i = 0; i < r->ql[a]; i++) {
-                        const int64_t row = r->seq_first ? i * N + b : b * r->ql[a] + i;
-                        const float *x = dO[a] + row * E + h * d, *y = r->o[a] + row * E + h * d;
-                        double sum = 0.0;
-                        for (int64_t c = 0; c < d; c++) sum += (double)x[c] * y[c];
-                        ds[a][(b * H + h) * r->ql[a] + i] = (float)sum;
-                    }
-        }
-        for (int64_t i = 0; i < L * N * E; i++) dqa[i] = 0.0;
-    }
-    int64_t nprev = 0;
-    for (int s = 0; s < P; s++) {
-        if ((st = agree(j, st))) break;
-        const int src = (me - s + P) % P, nsrc = (me - s - 1 + P) % P;
-        int64_t ks[2], kl[2], ks2[2], kl2[2];
-        const int64_t nb = ring_block(r, src, ks, kl), nn = ring_block(r, nsrc, ks2, kl2);
-        if (s < P - 1) {  // the next block
-            st = ring_post(r, true, r->blk, nb, 1);
-            if (!st) st = ring_post(r, false, r->nblk, nn, 1);
-        }
-        if (s > 0 && !st) {  // the previous block's accumulator on, this one's in
-            st = ring_post(r, true, gprev, nprev, 2);
-            if (!st) st = ring_post(r, false, gin, nb, 2);
-        }
-        const int64_t half = (kl[0] + kl[1]) * N * Ekv;
-        for (int64_t i = 0; i < nb; i++) gcur[i] = 0.0f;
-        for (int c = 0; c < 2; c++)
-            for (int a = 0; a < 2 && !st; a++) {
-                ring_call rc;
-                if (!ring_block_call(r, a, c, ks, kl, &rc)) continue;
-                const int64_t at = (c ? kl[0] : 0) * N * Ekv, nk = kl[c] * N * Ekv;
-                mha__part *pa = &rc.pa;
-                pa->o_in = r->o[a], pa->do_in = dO[a], pa->stats = r->st[a], pa->dsum_in = ds[a];
-                pa->dq = tdq, pa->dk = tdk, pa->dv = tdv;
-                st = mha__part_attn_backward(r->m, &rc.ab, pa);
-                for (int64_t i = 0; !st && i < r->ql[a] * N * E; i++) dq[a][i] += tdq[i];
-                for (int64_t i = 0; !st && i < nk; i++)
-                    gcur[at + i] += tdk[i], gcur[half + at + i] += tdv[i];
-            }
-        ring_wait(r);
-        if (s > 0)  // what the ranks before added, then this rank's terms
-            for (int64_t i = 0; i < nb; i++) gcur[i] = gin[i] + gcur[i];
-        float *t = r->blk;
-        r->blk = r->nblk, r->nblk = t;
-        t = gprev, gprev = gcur, gcur = t;
-        nprev = nb;
-    }
-    if (!(st = agree(j, st)) && P > 1) {  // the accumulators home: from the previous rank
-        st = ring_post(r, true, gprev, nprev, 3);
-        if (!st) st = ring_post(r, false, gin, 2 * (mkl[0] + mkl[1]) * N * Ekv, 3);
-        ring_wait(r);
-        float *t = gprev;
-        gprev = gin, gin = t;
-    }
-    if (!(st = agree(j, st))) {
-        const int64_t S = mkl[0] + mkl[1], half = S * N * Ekv;
-        for (int c = 0; c < 2; c++) {
-            const int64_t off = c ? mkl[0] : 0, at = off * N * Ekv;
-            chunk_xfer(io->dk, io->ldk, gprev + at, r, S, off, mkl[c], Ekv, false);
-            chunk_xfer(io->dv, io->ldk, gprev + half + at, r, S, off, mkl[c], Ekv, false);
-        }
-        for (int a = 0; a < 2; a++) {
-            for (int64_t i = 0; i < r->ql[a] * N * E; i++) tdq[i] = (float)dq[a][i];
-            chunk_xfer(io->dq, io->ldq, tdq, r, L, a ? r->ql[0] : 0, r->ql[a], E, false);
-        }
-    }
-    free(fb), free(dqa);
-    return st;
-}
-
-static mha_status ring_attn(void *arg, const mha__attn_io *io) {
-    ring *r = arg;
-    r->entered++;
-    mha_status st = agree(r->j, MHA_OK);
-    if (st) return st;
-    return io->dctx ? ring_bwd(r, io) : ring_fwd(r, io);
-}
-
-// The zigzag shards checked: every rank's tokens are its two chunks.
-static mha_status ring_check(const job *j, const seq *s, const char *what) {
-    for (int q = 0; q < j->P; q++) {
-        int64_t cs[2], cl[2];
-        mha_mpi_ring_chunks(s->T, j->P, q, cs, cl);
-        if (s->t0[q + 1] - s->t0[q] != cl[0] + cl[1])
-            return mha__fail(MHA_ERR_SHAPE,
-                             "mha_mpi ring: rank %d holds %lld tokens of the %s; the zigzag "
-                             "split of %lld tokens over %d ranks gives it %lld (chunks %d and "
-                             "%d: mha_mpi_ring_chunks)", q, (long long)(s->t0[q + 1] - s->t0[q]),
-                             what, (long long)s->T, j->P, (long long)(cl[0] + cl[1]), q,
-                             2 * j->P - 1 - q);
-    }
-    return MHA_OK;
-}
-
-static mha_status stale_state(void) {
-    return mha__fail(MHA_ERR_INVALID_ARG,
-                     "mha_mpi ring: args.save holds the state of another forward (module, "
-                     "inputs, masks or RoPE differ, or not a ring forward); run "
-                     "mha_mpi_forward with these args first, or pass save = NULL");
-}
-
-// Ring attention's forward (out) or backward (gq, gk, gv: contiguous float32
-// of the local shapes, or NULL; gr the parameter gradients, this rank's
-// tokens' terms).
-static mha_status ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor *gk,
-                           mha_tensor *gv, mha_module *gr, const mha_module *m,
-                           const mha_forward_args *a, const mha_tensor *gout, double *model,
-                           ring *r) {
-    const mha_config *c = mha_module_config(m);
-    seq sq = {0}, sk = {0};
-    mha_status st = shards_of(j, &sq, &sk, m, a, true);
-    if (st) return st;
-    if (!(st = ring_check(j, &sq, "query"))) st = ring_check(j, &sk, "key and value");
-    if ((st = agree(j, st))) {
-        free(sq.t0), free(sk.t0);
-        return st;
-    }
-    const int me = j->rank;
-    *r = (ring){.j = j, .m = m, .a = a, .N = sq.N, .E = c->embed_dim, .H = c->num_heads,
-                .Hkv = c->num_kv_heads, .Tq = sq.T, .Tk = sk.T, .seq_first = sq.seq_first};
-    r->d = r->E / r->H, r->Ekv = r->Hkv * r->d;
-    r->sd = a->query->ndim == 2 || !c->batch_first ? 0 : 1;
-    mha_mpi_ring_chunks(sq.T, j->P, me, r->qs, r->ql);
-    for (int q = 0; q < j->P; q++) {
-        int64_t ks[2], kl[2];
-        const int64_t n = ring_block(r, q, ks, kl);
-        r->nmax = n > r->nmax ? n : r->nmax;
-    }
-    const int64_t N = r->N, E = r->E, L = r->ql[0] + r->ql[1];
-    const size_t nf = (size_t)(2 * L * N * E + 2 * N * r->H * L + 2 * r->nmax);
-    float *buf = mha__malloc(sizeof(float) * (nf + 1));
-    int64_t *pos = mha__malloc(sizeof(int64_t) * (size_t)(L + 1));
-    if (!buf || !pos) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
-    if (!(st = agree(j, st))) {  // (the backward's first step is a collective)
-        float *p = buf;
-        for (int a2 = 0; a2 < 2; a2++) r->q[a2] = p, p += r->ql[a2] * N * E;
-        for (int a2 = 0; a2 < 2; a2++) r->o[a2] = p, p += r->ql[a2] * N * E;
-        for (int a2 = 0; a2 < 2; a2++) r->st[a2] = p, p += 2 * N * r->H * r->ql[a2];
-        r->blk = p, r->nblk = p + r->nmax;
-        for (int64_t t = 0; t < L; t++)  // the tokens' global positions
-            pos[t] = t < r->ql[0] ? r->qs[0] + t : r->qs[1] + t - r->ql[0];
-        mha_forward_args al = *a;
-        al.key_padding_mask = NULL;  // (the masks apply in the blocks)
-        al.attn_mask = NULL;
-        al.is_causal = false;
-        al.window_left = al.window_right = -1;
-        al.alibi = false;
-        mha__part pr = {.g0 = 0, .g1 = r->Hkv, .bias = true, .attn = ring_attn,
-                        .attn_arg = r, .rope_pos = pos};
-        mha_saved *sv = a->save;
-        const bool saved = !out && sv && sv->valid;  // the backward of a saved forward
-        if (!out) {  // every rank's saved state, or none
-            int f[2] = {saved, -(int)saved}, g[2];
-            const double t = MPI_Wtime();
-            MPI_Allreduce(f, g, 2, MPI_INT, MPI_MAX, j->comm);
-            j->comm_s += MPI_Wtime() - t;
-            if (g[0] != -g[1])
-                st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi ring: args.save holds a forward's "
-                               "state on some ranks only: run mha_mpi_forward with it on "
-                               "every rank");
-        }
-        if (saved && !st && !sv->outer_valid) st = stale_state();
-        if (saved && !st) {
-            mha__saved_key key;
-            mha__saved_key_of(&key, m, a);
-            if (memcmp(&key, &sv->outer, sizeof key)) st = stale_state();
-        }
-        if (st) {
-        } else if (out) {
-            st = mha__part_forward(out, m, &al, &pr);
-            if (!st && sv) {  // the whole call's key: the masks included
-                mha__saved_key_of(&sv->outer, m, a);
-                sv->outer_valid = true;
-            }
-        } else {
-            st = mha__part_backward(gq, gk, gv, gr, m, &al, gout, &pr);
-        }
-        if (!out && saved) r->entered++;  // (no forward callback)
-    }
-    if (r->entered < (out ? 1 : 2)) (void)agree(j, st);  // the callback the others entered
-    st = agree(j, st);
-    // the model: rank me passes on the key/value blocks of ranks me, me-1,
-    // ..., me-P+2; the backward passes them again (after its forward's
-    // pass unless the forward was saved), with the dK/dV accumulators of
-    // the same blocks and, last, block me+1's home (each as big as its block)
-    const int P = j->P;
-    double kv = 0, home = 0;
-    for (int s = 0; s < P - 1; s++) {
-        int64_t ks[2], kl[2];
-        kv += 4.0 * (double)ring_block(r, (me - s + P) % P, ks, kl);
-    }
-    if (P > 1) {
-        int64_t ks[2], kl[2];
-        home = 4.0 * (double)ring_block(r, (me + 1) % P, ks, kl);
-    }
-    *model = out ? kv : (r->fwd_done ? 3 * kv : 2 * kv) + home;
-    free(buf), free(pos), free(sq.t0), free(sk.t0);
-    return st;
-}
-
-static void ring_stats(mha_mpi_stats *stats, const mha_module *m, const ring *r) {
-    if (!stats) return;
-    stats->heads = mha_module_config(m)->num_heads;  // every head, its tokens
-    stats->kv_head_begin = 0, stats->kv_head_end = mha_module_config(m)->num_kv_heads;
-    stats->tiles = r->tiles;
-    stats->wait_seconds = r->wait_s;
+    return mha__mpi_local_check(m, a, gout);  // (the shapes, before anything is sized from them)
 }
 
 mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
                            const mha_module *m, const mha_forward_args *a, mha_mpi_stats *stats) {
     job j;
-    mha_status st = job_init(&j, comm);
+    mha_status st = mha__mpi_job_init(&j, comm);
     if (st) return st;
     st = check_args(m, a, scheme, NULL);
     if (!st && !out) st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward: NULL output");
-    if ((st = agree(&j, st))) return st;
+    if ((st = mha__mpi_agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, Rq = mha__rows_of(a->query), n = Rq * E;
     mha__part pt = {.bias = j.rank == 0};
-    kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
+    mha__mpi_kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
     float *buf = mha__malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!buf) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward: out of memory for %lld floats",
                              (long long)n);
     double model = 0;
     ring rg = {0};
     if (scheme == MHA_PAR_RING) {
-        if (!(st = agree(&j, st))) st = ring_run(&j, out, NULL, NULL, NULL, NULL, m, a, NULL, &model, &rg);
+        if (!(st = mha__mpi_agree(&j, st)))
+            st = mha__mpi_ring_run(&j, out, NULL, NULL, NULL, NULL, m, a, NULL, &model, &rg);
     } else if (scheme == MHA_PAR_ULYSSES) {
-        if (!(st = agree(&j, st))) st = ulysses_forward(&j, out, m, a, &model);
+        if (!(st = mha__mpi_agree(&j, st))) st = mha__mpi_ulysses_forward(&j, out, m, a, &model);
     } else if (scheme == MHA_PAR_HEADS) {
         if (!st) {
             memset(buf, 0, sizeof(float) * (size_t)(n > 0 ? n : 1));
             pt.ctx = buf;
             st = mha__part_forward(NULL, m, a, &pt);
         }
-        if (!(st = agree(&j, st))) {
+        if (!(st = mha__mpi_agree(&j, st))) {
             const int64_t G = c->num_heads / c->num_kv_heads, d = E / c->num_heads;
             st = allgather_cols(&j, buf, Rq, E, 0, G * d, m);
             model = 4.0 * (double)(Rq * G * d * (pt.g1 - pt.g0)) * (j.P - 1);
         }
-        if (!(st = agree(&j, st))) st = mha__part_out_project(out, m, a, buf);
+        if (!(st = mha__mpi_agree(&j, st))) st = mha__part_out_project(out, m, a, buf);
     } else {
         mha_tensor t = mha_tensor_contiguous(buf, MHA_F32, out->ndim, out->shape);
         if (!st) st = mha__part_forward(&t, m, a, &pt);
-        if (!(st = agree(&j, st))) st = allreduce(&j, buf, n);
+        if (!(st = mha__mpi_agree(&j, st))) st = mha__mpi_allreduce(&j, buf, n);
         model = 4.0 * (double)n * 2.0 * (j.P - 1) / j.P;
-        if (!(st = agree(&j, st))) view_xfer(out, buf, true, false);
+        if (!(st = mha__mpi_agree(&j, st))) mha__mpi_view_xfer(out, buf, true, false);
     }
-    st = agree(&j, st);
+    st = mha__mpi_agree(&j, st);
     free(buf);
-    finish(&j, stats, m, model);
-    if (scheme == MHA_PAR_RING) ring_stats(stats, m, &rg);
+    mha__mpi_finish(&j, stats, m, model);
+    if (scheme == MHA_PAR_RING) mha__mpi_ring_stats(stats, m, &rg);
     return st;
 }
 
@@ -1121,10 +167,10 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
                             const mha_forward_args *a, const mha_tensor *gout, bool accumulate,
                             mha_mpi_stats *stats) {
     job j;
-    mha_status st = job_init(&j, comm);
+    mha_status st = mha__mpi_job_init(&j, comm);
     if (st) return st;
     st = check_args(m, a, scheme, gout);
-    if ((st = agree(&j, st))) return st;
+    if ((st = mha__mpi_agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,
                   Ekv = c->num_kv_heads * d, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
@@ -1144,19 +190,19 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     if (!st && grads) st = mha_module_create(&gr, c);
     double model = 0;
     mha__part pt = {.bias = j.rank == 0};
-    kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
+    mha__mpi_kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
     const bool ul = scheme == MHA_PAR_ULYSSES, rn = scheme == MHA_PAR_RING;
     ring rg = {0};
     mha_tensor tv[3];
     for (int i = 0; i < 3; i++)
         tv[i] = mha_tensor_contiguous(t[i], MHA_F32, in[i]->ndim, in[i]->shape);
     if (ul) {  // (the input gradients are done inside)
-        if (!(st = agree(&j, st)))
-            st = ulysses_backward(&j, gq, gk, gv, gr, m, a, gout, accumulate, &model);
+        if (!(st = mha__mpi_agree(&j, st)))
+            st = mha__mpi_ulysses_backward(&j, gq, gk, gv, gr, m, a, gout, accumulate, &model);
     } else if (rn) {  // this rank's tokens' gradients (into t), every parameter's terms
-        if (!(st = agree(&j, st)))
-            st = ring_run(&j, NULL, gq ? &tv[0] : NULL, gk ? &tv[1] : NULL, gv ? &tv[2] : NULL,
-                          gr, m, a, gout, &model, &rg);
+        if (!(st = mha__mpi_agree(&j, st)))
+            st = mha__mpi_ring_run(&j, NULL, gq ? &tv[0] : NULL, gk ? &tv[1] : NULL, gv ? &tv[2] : NULL,
+                                   gr, m, a, gout, &model, &rg);
     } else if (!st) {
         memset(dbuf, 0, sizeof(float) * (size_t)(nd + 1));
         pt.dq = dbuf, pt.dk = dbuf + Rq * E, pt.dv = pt.dk + Rk * Ekv, pt.dz = pt.dv + Rk * Ekv;
@@ -1166,16 +212,16 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     // parameter gradients: one non-zero term per element, summed
     for (int i = 0; grads && i < mha_module_num_params(grads); i++) {
         mha_param p, q;
-        if ((st = agree(&j, st))) break;
+        if ((st = mha__mpi_agree(&j, st))) break;
         if ((st = mha_module_param_at(&q, gr, i)) || (st = mha_module_param_at(&p, grads, i))) continue;
-        if ((st = allreduce(&j, q.data, q.numel))) continue;
+        if ((st = mha__mpi_allreduce(&j, q.data, q.numel))) continue;
         model += 4.0 * (double)q.numel * 2.0 * (j.P - 1) / j.P;
         for (int64_t e = 0; e < p.numel; e++) p.data[e] = accumulate ? p.data[e] + q.data[e] : q.data[e];
     }
-    if (!(st = agree(&j, st)) && !ul && (gq || gk || gv)) {
+    if (!(st = mha__mpi_agree(&j, st)) && !ul && (gq || gk || gv)) {
         if (rn) {  // each rank's own tokens
             for (int i = 0; i < 3; i++)
-                if (go[i]) view_xfer(go[i], t[i], true, accumulate);
+                if (go[i]) mha__mpi_view_xfer(go[i], t[i], true, accumulate);
         } else if (scheme == MHA_PAR_HEADS) {
             // the projections' gradients, whole, then dX as one process does
             st = allgather_cols(&j, pt.dq, Rq, E, 0, G * d, m);
@@ -1184,153 +230,23 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
             if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = allgather_cols(&j, pt.dz, Rq, H, 0, G, m);
             model += 4.0 * (double)((Rq * G * d + 2 * Rk * d) * (pt.g1 - pt.g0)) * (j.P - 1);
             // straight into the caller's views, in the backward's order
-            if (!(st = agree(&j, st)))
+            if (!(st = mha__mpi_agree(&j, st)))
                 st = mha__part_input_grads(gq, gk, gv, m, a, pt.dq, pt.dk, pt.dv, pt.dz,
                                            accumulate);
         } else {
             for (int i = 0; i < 3 && !st; i++)
-                if (go[i]) st = allreduce(&j, t[i], ng[i]), model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
-            if (!(st = agree(&j, st)))
+                if (go[i]) st = mha__mpi_allreduce(&j, t[i], ng[i]),
+                           model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
+            if (!(st = mha__mpi_agree(&j, st)))
                 for (int i = 0; i < 3; i++)
-                    if (go[i]) view_xfer(go[i], t[i], true, accumulate);
+                    if (go[i]) mha__mpi_view_xfer(go[i], t[i], true, accumulate);
         }
     }
-    st = agree(&j, st);
+    st = mha__mpi_agree(&j, st);
     mha_module_destroy(gr);
     free(dbuf);
     for (int i = 0; i < 3; i++) free(t[i]);
-    finish(&j, stats, m, model);
-    if (rn) ring_stats(stats, m, &rg);
+    mha__mpi_finish(&j, stats, m, model);
+    if (rn) mha__mpi_ring_stats(stats, m, &rg);
     return st;
 }
-
-
-// ---------------------------------------------------------------------------
-// Sharded-KV decode: partial attention per rank's cache, merged by
-// log-sum-exp in rank order.
-
-mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_module *m,
-                                  const mha_forward_args *a, mha_kv_cache *cache, int owner,
-                                  mha_mpi_stats *stats) {
-    job j;
-    mha_status st = job_init(&j, comm);
-    if (st) return st;
-    const int P = j.P, me = j.rank;
-    if (!out || !m || !a || !a->query || !cache)
-        st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward_cached: NULL argument");
-    else if (owner < 0 || owner >= P)
-        st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward_cached: owner %d is not a rank "
-                       "(0..%d)", owner, P - 1);
-    else if (a->window_left >= 0 || a->window_right >= 0 || a->alibi)
-        st = mha__fail(MHA_ERR_UNSUPPORTED,
-                       "mha_mpi_forward_cached: windows and ALiBi need the keys' global "
-                       "positions, which a sharded cache does not keep");
-    else if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32 || a->query->ndim < 2)
-        st = mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi_forward_cached: float32 query and "
-                       "output, (T, N, E), (N, T, E) or (T, E)");
-    if (!st) {  // the query's shape, before anything is sized from it
-        mha_forward_args aq = *a;
-        aq.key = aq.value = a->query;
-        st = local_check(m, &aq, NULL);
-    }
-    if ((st = agree(&j, st))) return st;
-    const mha_config *c = mha_module_config(m);
-    const int64_t E = c->embed_dim, H = c->num_heads, d = E / H, Hkv = c->num_kv_heads,
-                  Ekv = Hkv * d, R = mha__rows_of(a->query);
-    const bool seq_first = a->query->ndim == 2 || !c->batch_first;
-    const int64_t N = a->query->ndim == 3 ? a->query->shape[seq_first ? 1 : 0] : 1,
-                  T = a->query->shape[seq_first ? 0 : 1];
-    int64_t cB, cH, cD, cDv;
-    mha__kv_cache_dims(cache, &cB, &cH, &cD, &cDv);
-    if (cB != N || cH != Hkv || cD != d || cDv != d)
-        st = mha__fail(MHA_ERR_SHAPE,
-                       "mha_mpi_forward_cached: the cache holds batch %lld, %lld KV heads of "
-                       "dims %lld/%lld; this module and query need batch %lld, %lld KV heads "
-                       "of dim %lld", (long long)cB, (long long)cH, (long long)cD,
-                       (long long)cDv, (long long)N, (long long)Hkv, (long long)d);
-    const size_t nmsg = (size_t)(R * E + 2 * N * H * T);  // a rank's context and row stats
-    float *buf = mha__malloc(sizeof(float) * ((size_t)(R * E + 2 * R * Ekv) + nmsg * (size_t)(P + 1) + 1));
-    int64_t *len = mha__malloc(sizeof(int64_t) * (size_t)(2 * N + 1) + sizeof(double) * (size_t)d),
-            *glen = len + N;
-    if (!st && (!buf || !len))
-        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward_cached: out of memory for %zu floats",
-                       nmsg * (size_t)(P + 1));
-    if (!st && nmsg * (size_t)P > INT32_MAX) st = too_big((int64_t)(nmsg * (size_t)P));
-    if ((st = agree(&j, st))) {
-        free(buf), free(len);
-        return st;
-    }
-    float *q = buf, *k = q + R * E, *v = k + R * Ekv, *mine = v + R * Ekv, *all = mine + nmsg;
-    double *u = (double *)(len + 2 * N);  // (d doubles: a row's merged context)
-    // 1. the sequences' global lengths; every rank projects the new tokens
-    //    (RoPE at those positions)
-    for (int64_t n = 0; n < N; n++) len[n] = mha_kv_cache_length(cache, n);
-    double t0 = MPI_Wtime();
-    MPI_Allreduce(len, glen, (int)N, MPI_INT64_T, MPI_SUM, comm);
-    j.comm_s += MPI_Wtime() - t0;
-    mha_forward_args al = *a;
-    al.key = al.value = a->query;
-    al.is_causal = false;
-    al.rope_start = glen;
-    mha__part pj = {.g0 = 0, .g1 = Hkv, .q_out = q, .k_out = k, .v_out = v};
-    st = mha__part_forward(NULL, m, &al, &pj);
-    // 2. the owner appends the keys and values
-    const int64_t ns = seq_first ? 1 : T, ts = seq_first ? N : 1;
-    mha_tensor kv = {k, MHA_F32, 4, {N, Hkv, T, d}, {ns * Ekv, d, ts * Ekv, 1}}, vv = kv;
-    vv.data = v;
-    bool appended = false;
-    if (!st && me == owner) appended = !(st = mha_kv_cache_append(cache, &kv, &vv, NULL));
-    // 3. every rank's part: its cache (the owner's causal within the chunk)
-    if (!(st = agree(&j, st))) {
-        mha_tensor qv = {q, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}},
-                   cv = {mine, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
-        mha_cache_attend_args ca;
-        mha_cache_attend_args_init(&ca);
-        ca.softcap = a->softcap;
-        st = mha__kv_cache_attend_ex(&cv, &qv, cache, &ca, NULL, me == owner ? 0 : T,
-                                     mine + R * E);
-    }
-    // 4. gathered, merged in rank order, W_O
-    if (!(st = agree(&j, st))) {
-        t0 = MPI_Wtime();
-        MPI_Allgather(mine, (int)nmsg, MPI_FLOAT, all, (int)nmsg, MPI_FLOAT, comm);
-        j.comm_s += MPI_Wtime() - t0;
-        j.sent += 4.0 * (double)nmsg * (P - 1);
-        for (int64_t b = 0; b < N; b++)
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t t = 0; t < T; t++) {
-                    const int64_t row = seq_first ? t * N + b : b * T + t,
-                                  sk = 2 * ((b * H + h) * T + t);
-                    double M = -INFINITY, Ls = 0.0;
-                    for (int r = 0; r < P; r++) {
-                        const float *sr = all + (size_t)r * nmsg + R * E + sk;
-                        if (sr[1] > 0.0f && sr[0] > M) M = sr[0];
-                    }
-                    float *o = q + row * E + h * d;  // (q is spent: the merged context)
-                    for (int64_t e = 0; e < d; e++) o[e] = 0.0f;
-                    if (M == -INFINITY || mha_module_head_pruned(m, h)) continue;
-                    for (int64_t e = 0; e < d; e++) u[e] = 0.0;
-                    for (int r = 0; r < P; r++) {
-                        const float *pr = all + (size_t)r * nmsg, *sr = pr + R * E + sk;
-                        if (!(sr[1] > 0.0f)) continue;
-                        const double w = exp((double)sr[0] - M) / (double)sr[1];  // e^(m-M) l
-                        Ls += w;
-                        for (int64_t e = 0; e < d; e++) u[e] += w * pr[row * E + h * d + e];
-                    }
-                    for (int64_t e = 0; e < d; e++) o[e] = (float)(u[e] / Ls);
-                }
-        st = mha__part_out_project(out, m, a, q);
-    }
-    st = agree(&j, st);
-    if (st && appended)  // the owner's cache as it was
-        for (int64_t n = 0; n < N; n++)
-            if (mha_kv_cache_truncate(cache, n, len[n])) break;  // (cannot fail)
-    free(buf), free(len);
-    finish(&j, stats, m, 4.0 * (double)nmsg * (P - 1));
-    if (stats) {
-        stats->heads = H;
-        stats->kv_head_begin = 0, stats->kv_head_end = Hkv;
-    }
-    return st;
-}
-
