@@ -26,6 +26,8 @@ typedef struct st_entry {
     uint64_t begin, end;
 } st_entry;
 
+int mha__st_host_is_le(void);
+char *mha__st_str_dup(const char *s);
 size_t mha__st_utf8_valid_prefix(const char *str);
 const char *mha__st_json_describe(char *buf, size_t cap, const cJSON *v);
 int mha__st_shape_numel(int64_t *numel, int ndim, const int64_t *shape);
