@@ -1,5 +1,8 @@
-// safetensors.c: a strict reader and a writer of safetensors files
-// (https://github.com/huggingface/safetensors, "Format").
+// safetensors.c: a strict reader of safetensors files
+// (https://github.com/huggingface/safetensors, "Format"). The writer is
+// safetensors_write.c; the checks of the header's bytes, of each entry and
+// of "__metadata__" are safetensors_check.c; safetensors.h is what the three
+// share.
 //
 // Layout: 8-byte little-endian header length n, n bytes of JSON header
 // (padded with trailing spaces), then the data buffer. Each header entry is
@@ -8,7 +11,7 @@
 //
 // Reader. mha_st_open reads the whole file into one allocation (no mmap, no
 // lazy loading); mha_st_parse copies caller bytes into one. The JSON header
-// is parsed by cJSON; this file only checks what cJSON returns, plus three
+// is parsed by cJSON; the reader only checks what cJSON returns, plus three
 // byte-level rules cJSON does not enforce (no byte-order mark, no raw control
 // bytes, no \u0000 escape, which cJSON would silently cut a string at).
 // Everything is validated before anything is exposed, and nothing is

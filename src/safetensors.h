@@ -1,5 +1,6 @@
-// safetensors.h: what the files of the safetensors reader and writer
-// share (internal; the API is in mha.h).
+// safetensors.h: what the files of the safetensors reader (safetensors.c),
+// its header checks (safetensors_check.c) and the writer
+// (safetensors_write.c) share. Internal: the API is in mha.h.
 #ifndef MHA_SAFETENSORS_H
 #define MHA_SAFETENSORS_H
 
@@ -12,6 +13,7 @@
 #define ST_INT_LIMIT 9007199254740992.0  // 2^53
 #define ST_INT_LIMIT_U ((uint64_t)1 << 53)
 
+// Room for a name quoted by mha_escape in a message.
 #define QUOTE_CAP 400
 
 // One tensor entry while the header is being checked.
@@ -26,8 +28,11 @@ typedef struct st_entry {
     uint64_t begin, end;
 } st_entry;
 
-int mha__st_host_is_le(void);
-char *mha__st_str_dup(const char *s);
+// safetensors.c
+int mha__st_host_is_le(void);          // 1 on a little-endian host
+char *mha__st_str_dup(const char *s);  // a mha__malloc'ed copy, or NULL
+
+// safetensors_check.c (each function's comment there says what it checks)
 size_t mha__st_utf8_valid_prefix(const char *str);
 const char *mha__st_json_describe(char *buf, size_t cap, const cJSON *v);
 int mha__st_shape_numel(int64_t *numel, int ndim, const int64_t *shape);

@@ -1,5 +1,11 @@
-// safetensors_check.c: the checks of a safetensors header (split from
-// safetensors.c, which calls them).
+// safetensors_check.c: the checks of a safetensors header that the reader
+// (safetensors.c, st_load) makes before it builds anything: the byte-level
+// rules cJSON does not enforce, an allocation-free JSON syntax check (which
+// tells an invalid header from cJSON running out of memory), each tensor
+// entry and "__metadata__"; and the two checks the writer shares (UTF-8,
+// the overflow-checked element count). The rules are listed in the file
+// comment of safetensors.c; the layout of the tensors (sorted, contiguous,
+// no duplicate names) is checked there. Nothing here allocates.
 #include <math.h>
 #include <stdio.h>
 #include <string.h>

@@ -1,6 +1,7 @@
-// safetensors_write.c: the safetensors writer (split from safetensors.c).
+// safetensors_write.c: the safetensors writer (the reader is
+// safetensors.c).
 //
-// Writer. mha_st_writer_add copies the data (stored little-endian);
+// mha_st_writer_add copies the data (stored little-endian);
 // mha_st_writer_save builds the header with cJSON (integers written as exact
 // decimal literals), pads it with spaces to a multiple of 8, writes header
 // then data, checks every write and the fclose, and removes the partial file
