@@ -138,9 +138,9 @@ void mha_st_close(mha_st_file *f) {
     free(f);
 }
 
-// Validates f->bytes (f->len bytes) and builds the tables. On error the
-// caller closes f.
-static mha_status st_load(mha_st_file *f) {
+// The length field: *hlen, the JSON header's length, within the limit and
+// the file.
+static mha_status st_header_length(size_t *hlen, const mha_st_file *f) {
     const char *label = f->label;
     if (f->len < 8)
         return mha__fail(MHA_ERR_FORMAT,
@@ -159,18 +159,22 @@ static mha_status st_load(mha_st_file *f) {
                          "the length field (file truncated or not "
                          "safetensors?)",
                          label, (unsigned long long)n, f->len - 8);
-    const unsigned char *header = f->bytes + 8;
-    size_t hlen = (size_t)n;
-    const unsigned char *data = header + hlen;
-    size_t data_len = f->len - 8 - hlen;
+    *hlen = (size_t)n;
+    return MHA_OK;
+}
 
+// The hlen header bytes: the byte-level rules, then cJSON's tree into *root,
+// one JSON object followed only by whitespace. On error *root is NULL.
+static mha_status st_parse_header(cJSON **root, const unsigned char *header,
+                                  size_t hlen, const char *label) {
+    *root = NULL;
     mha_status st = mha__st_check_header_bytes(header, hlen, label);
     if (st) return st;
 
     const char *end = NULL;
-    cJSON *root =
+    cJSON *r =
         cJSON_ParseWithLengthOpts((const char *)header, hlen, &end, 0);
-    if (!root) {
+    if (!r) {
         // cJSON says NULL for both; valid JSON means memory ran out
         if (mha__st_json_value_valid(header, hlen))
             return mha__fail(MHA_ERR_NOMEM,
@@ -183,43 +187,53 @@ static mha_status st_load(mha_st_file *f) {
                          "error at byte %zu",
                          label, hlen, at);
     }
-    st_entry *entries = NULL;
-    st_name_index *by_name = NULL;
-    st_meta *meta = NULL, *meta_by_key = NULL;
-    char *strings = NULL;
-    char vb[64], qa[QUOTE_CAP], qb[QUOTE_CAP];
-
+    char vb[64];
     for (size_t i = (size_t)(end - (const char *)header); i < hlen; i++) {
         unsigned char c = header[i];
         if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
-            st = mha__fail(MHA_ERR_FORMAT,
-                           "%s: header byte %zu: unexpected 0x%02x after "
-                           "the JSON value (only whitespace may follow)",
-                           label, i, c);
-            goto done;
+            cJSON_Delete(r);
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: header byte %zu: unexpected 0x%02x after "
+                             "the JSON value (only whitespace may follow)",
+                             label, i, c);
         }
     }
-    if (!cJSON_IsObject(root)) {
+    if (!cJSON_IsObject(r)) {
         st = mha__fail(MHA_ERR_FORMAT,
                        "%s: header is %s, not a JSON object", label,
-                       mha__st_json_describe(vb, sizeof vb, root));
-        goto done;
+                       mha__st_json_describe(vb, sizeof vb, r));
+        cJSON_Delete(r);
+        return st;
     }
+    *root = r;
+    return MHA_OK;
+}
 
-    // Count tensors, find __metadata__, size the string table.
+// What st_load builds from the parsed header: counts, then the tables,
+// owned by st_load until st_build_tables hands them to the file.
+typedef struct st_tables {
+    const cJSON *meta_json;       // "__metadata__", or NULL
+    int64_t ntensors, nmeta;
+    size_t strings_len;           // every name, key and value, with its NUL
+    st_entry *entries;            // (ntensors + 1) header order, then by offset
+    st_name_index *by_name;       // (ntensors + 1)
+    st_meta *meta, *meta_by_key;  // (nmeta + 1)
+    char *strings;                // (strings_len + 1)
+} st_tables;
+
+// Counts tensors, finds (and checks) __metadata__, sizes the string table.
+static mha_status st_count(st_tables *t, const cJSON *root, const char *label) {
     const cJSON *meta_json = NULL;
     int64_t ntensors = 0;
     size_t strings_len = 0;
     for (const cJSON *it = root->child; it; it = it->next) {
         if (strcmp(it->string, "__metadata__") == 0) {
-            if (meta_json) {
-                st = mha__fail(MHA_ERR_FORMAT,
-                               "%s: \"__metadata__\" appears twice", label);
-                goto done;
-            }
+            if (meta_json)
+                return mha__fail(MHA_ERR_FORMAT,
+                                 "%s: \"__metadata__\" appears twice", label);
             meta_json = it;
-            st = mha__st_check_metadata(it, label);
-            if (st) goto done;
+            mha_status st = mha__st_check_metadata(it, label);
+            if (st) return st;
             for (const cJSON *k = it->child; k; k = k->next)
                 strings_len += strlen(k->string) + strlen(k->valuestring) + 2;
             continue;
@@ -227,130 +241,150 @@ static mha_status st_load(mha_st_file *f) {
         ntensors++;
         strings_len += strlen(it->string) + 1;
     }
-    // Every count below is bounded by the parsed header (<= 100 MiB).
-    int64_t nmeta = meta_json ? cJSON_GetArraySize(meta_json) : 0;
-    entries = mha__calloc((size_t)ntensors + 1, sizeof *entries);
-    by_name = mha__calloc((size_t)ntensors + 1, sizeof *by_name);
-    meta = mha__calloc((size_t)nmeta + 1, sizeof *meta);
-    meta_by_key = mha__calloc((size_t)nmeta + 1, sizeof *meta_by_key);
-    strings = mha__malloc(strings_len + 1);
-    if (!entries || !by_name || !meta || !meta_by_key || !strings) {
-        st = mha__fail(MHA_ERR_NOMEM,
-                       "%s: out of memory for %lld tensor entries", label,
-                       (long long)ntensors);
-        goto done;
-    }
+    t->meta_json = meta_json;
+    t->ntensors = ntensors;
+    t->strings_len = strings_len;
+    t->nmeta = meta_json ? cJSON_GetArraySize(meta_json) : 0;
+    return MHA_OK;
+}
 
-    // Check every entry.
+// Every count is bounded by the parsed header (<= 100 MiB).
+static mha_status st_alloc_tables(st_tables *t, const char *label) {
+    t->entries = mha__calloc((size_t)t->ntensors + 1, sizeof *t->entries);
+    t->by_name = mha__calloc((size_t)t->ntensors + 1, sizeof *t->by_name);
+    t->meta = mha__calloc((size_t)t->nmeta + 1, sizeof *t->meta);
+    t->meta_by_key = mha__calloc((size_t)t->nmeta + 1, sizeof *t->meta_by_key);
+    t->strings = mha__malloc(t->strings_len + 1);
+    if (!t->entries || !t->by_name || !t->meta || !t->meta_by_key || !t->strings)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "%s: out of memory for %lld tensor entries", label,
+                         (long long)t->ntensors);
+    return MHA_OK;
+}
+
+// Checks every entry (mha__st_check_entry), then that no name appears twice
+// (cJSON keeps repeated keys).
+static mha_status st_check_entries(st_tables *t, const cJSON *root,
+                                   const char *label, size_t data_len) {
     int64_t k = 0;
     for (const cJSON *it = root->child; it; it = it->next) {
-        if (it == meta_json) continue;
-        st_entry *e = &entries[k];
+        if (it == t->meta_json) continue;
+        st_entry *e = &t->entries[k];
         e->name = it->string;
         e->order = k++;
-        st = mha__st_check_entry(e, it, label, data_len);
-        if (st) goto done;
+        mha_status st = mha__st_check_entry(e, it, label, data_len);
+        if (st) return st;
     }
 
-    // Duplicate names (cJSON keeps repeated keys).
-    for (int64_t i = 0; i < ntensors; i++)
-        by_name[i] = (st_name_index){entries[i].name, i};
-    qsort(by_name, (size_t)ntensors, sizeof *by_name, cmp_name_index);
-    for (int64_t i = 1; i < ntensors; i++) {
-        if (strcmp(by_name[i - 1].name, by_name[i].name) == 0) {
-            st = mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice",
-                           label, mha_escape(qa, sizeof qa, by_name[i].name));
-            goto done;
-        }
+    char qa[QUOTE_CAP];
+    st_name_index *by_name = t->by_name;
+    for (int64_t i = 0; i < t->ntensors; i++)
+        by_name[i] = (st_name_index){t->entries[i].name, i};
+    qsort(by_name, (size_t)t->ntensors, sizeof *by_name, cmp_name_index);
+    for (int64_t i = 1; i < t->ntensors; i++) {
+        if (strcmp(by_name[i - 1].name, by_name[i].name) == 0)
+            return mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice",
+                             label, mha_escape(qa, sizeof qa, by_name[i].name));
     }
+    return MHA_OK;
+}
 
-    // Layout: sorted by offset, the tensors tile [0, data_len) exactly.
-    qsort(entries, (size_t)ntensors, sizeof *entries, cmp_entry_offset);
+// Layout: sorted by offset, the tensors tile [0, data_len) exactly.
+static mha_status st_check_layout(st_tables *t, const char *label,
+                                  size_t data_len) {
+    char qa[QUOTE_CAP], qb[QUOTE_CAP];
+    st_entry *entries = t->entries;
+    qsort(entries, (size_t)t->ntensors, sizeof *entries, cmp_entry_offset);
     uint64_t at = 0;
-    for (int64_t i = 0; i < ntensors; i++) {
+    for (int64_t i = 0; i < t->ntensors; i++) {
         const st_entry *e = &entries[i];
         if (e->begin < at) {
             const st_entry *p = &entries[i - 1];
-            st = mha__fail(MHA_ERR_FORMAT,
-                           "%s: tensors %s [%llu, %llu] and %s [%llu, %llu] "
-                           "overlap",
-                           label, mha_escape(qa, sizeof qa, p->name),
-                           (unsigned long long)p->begin,
-                           (unsigned long long)p->end,
-                           mha_escape(qb, sizeof qb, e->name),
-                           (unsigned long long)e->begin,
-                           (unsigned long long)e->end);
-            goto done;
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: tensors %s [%llu, %llu] and %s [%llu, %llu] "
+                             "overlap",
+                             label, mha_escape(qa, sizeof qa, p->name),
+                             (unsigned long long)p->begin,
+                             (unsigned long long)p->end,
+                             mha_escape(qb, sizeof qb, e->name),
+                             (unsigned long long)e->begin,
+                             (unsigned long long)e->end);
         }
-        if (e->begin > at) {
-            st = mha__fail(MHA_ERR_FORMAT,
-                           "%s: data bytes [%llu, %llu) belong to no tensor "
-                           "(tensor %s begins at %llu)",
-                           label, (unsigned long long)at,
-                           (unsigned long long)e->begin,
-                           mha_escape(qa, sizeof qa, e->name),
-                           (unsigned long long)e->begin);
-            goto done;
-        }
+        if (e->begin > at)
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: data bytes [%llu, %llu) belong to no tensor "
+                             "(tensor %s begins at %llu)",
+                             label, (unsigned long long)at,
+                             (unsigned long long)e->begin,
+                             mha_escape(qa, sizeof qa, e->name),
+                             (unsigned long long)e->begin);
         at = e->end;
     }
-    if (at != (uint64_t)data_len) {
-        st = mha__fail(MHA_ERR_FORMAT,
-                       "%s: the tensors cover %llu bytes but the data buffer "
-                       "is %zu bytes (%llu trailing bytes belong to no "
-                       "tensor)",
-                       label, (unsigned long long)at, data_len,
-                       (unsigned long long)((uint64_t)data_len - at));
-        goto done;
-    }
+    if (at != (uint64_t)data_len)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: the tensors cover %llu bytes but the data buffer "
+                         "is %zu bytes (%llu trailing bytes belong to no "
+                         "tensor)",
+                         label, (unsigned long long)at, data_len,
+                         (unsigned long long)((uint64_t)data_len - at));
+    return MHA_OK;
+}
 
-    // Metadata keys must be unique for mha_st_metadata to mean anything.
-    k = 0;
-    if (meta_json) {
-        for (const cJSON *m = meta_json->child; m; m = m->next, k++)
+// Metadata keys must be unique for mha_st_metadata to mean anything.
+static mha_status st_check_meta_keys(st_tables *t, const char *label) {
+    char qa[QUOTE_CAP];
+    st_meta *meta_by_key = t->meta_by_key;
+    int64_t k = 0;
+    if (t->meta_json) {
+        for (const cJSON *m = t->meta_json->child; m; m = m->next, k++)
             meta_by_key[k] = (st_meta){m->string, m->valuestring};
-        qsort(meta_by_key, (size_t)nmeta, sizeof *meta_by_key, cmp_meta_key);
-        for (int64_t i = 1; i < nmeta; i++) {
-            if (strcmp(meta_by_key[i - 1].key, meta_by_key[i].key) == 0) {
-                st = mha__fail(MHA_ERR_FORMAT,
-                               "%s: __metadata__ key %s appears twice", label,
-                               mha_escape(qa, sizeof qa, meta_by_key[i].key));
-                goto done;
-            }
+        qsort(meta_by_key, (size_t)t->nmeta, sizeof *meta_by_key, cmp_meta_key);
+        for (int64_t i = 1; i < t->nmeta; i++) {
+            if (strcmp(meta_by_key[i - 1].key, meta_by_key[i].key) == 0)
+                return mha__fail(MHA_ERR_FORMAT,
+                                 "%s: __metadata__ key %s appears twice", label,
+                                 mha_escape(qa, sizeof qa, meta_by_key[i].key));
         }
     }
+    return MHA_OK;
+}
 
-    // Valid: copy strings out of the cJSON tree and build the tables.
+// Valid: copy strings out of the cJSON tree and build the tables; the file
+// takes t's by_name, meta, meta_by_key and strings (NULL in t after).
+static mha_status st_build_tables(mha_st_file *f, st_tables *t,
+                                  const unsigned char *data,
+                                  const char *label) {
+    const int64_t ntensors = t->ntensors, nmeta = t->nmeta;
+    st_name_index *by_name = t->by_name;
+    st_meta *meta = t->meta, *meta_by_key = t->meta_by_key;
     f->tensors = mha__calloc((size_t)ntensors + 1, sizeof *f->tensors);
-    if (!f->tensors) {
-        st = mha__fail(MHA_ERR_NOMEM,
-                       "%s: out of memory for %lld tensor descriptors (%zu "
-                       "bytes)",
-                       label, (long long)ntensors,
-                       ((size_t)ntensors + 1) * sizeof *f->tensors);
-        goto done;
-    }
-    char *s = strings;
+    if (!f->tensors)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "%s: out of memory for %lld tensor descriptors (%zu "
+                         "bytes)",
+                         label, (long long)ntensors,
+                         ((size_t)ntensors + 1) * sizeof *f->tensors);
+    char *s = t->strings;
     for (int64_t i = 0; i < ntensors; i++) {
-        const st_entry *e = &entries[i];
-        mha_st_tensor *t = &f->tensors[i];
+        const st_entry *e = &t->entries[i];
+        mha_st_tensor *x = &f->tensors[i];
         size_t len = strlen(e->name) + 1;
         memcpy(s, e->name, len);
-        t->name = s;
+        x->name = s;
         s += len;
-        t->dtype = e->dtype;
-        t->ndim = e->ndim;
-        memcpy(t->shape, e->shape, sizeof t->shape);
-        t->numel = e->numel;
-        t->data = data + e->begin;
-        t->nbytes = e->nbytes;
+        x->dtype = e->dtype;
+        x->ndim = e->ndim;
+        memcpy(x->shape, e->shape, sizeof x->shape);
+        x->numel = e->numel;
+        x->data = data + e->begin;
+        x->nbytes = e->nbytes;
     }
     for (int64_t i = 0; i < ntensors; i++)
         by_name[i] = (st_name_index){f->tensors[i].name, i};
     qsort(by_name, (size_t)ntensors, sizeof *by_name, cmp_name_index);
-    k = 0;
-    if (meta_json) {
-        for (const cJSON *m = meta_json->child; m; m = m->next, k++) {
+    int64_t k = 0;
+    if (t->meta_json) {
+        for (const cJSON *m = t->meta_json->child; m; m = m->next, k++) {
             size_t kl = strlen(m->string) + 1, vl = strlen(m->valuestring) + 1;
             memcpy(s, m->string, kl);
             memcpy(s + kl, m->valuestring, vl);
@@ -365,19 +399,39 @@ static mha_status st_load(mha_st_file *f) {
     f->nmeta = nmeta;
     f->meta = meta;
     f->meta_by_key = meta_by_key;
-    f->strings = strings;
-    by_name = NULL;
-    meta = meta_by_key = NULL;
-    strings = NULL;
-    st = MHA_OK;
+    f->strings = t->strings;
+    t->by_name = NULL;
+    t->meta = t->meta_by_key = NULL;
+    t->strings = NULL;
+    return MHA_OK;
+}
 
-done:
+// Validates f->bytes (f->len bytes) and builds the tables, phase by phase
+// (each check in the order above). On error the caller closes f.
+static mha_status st_load(mha_st_file *f) {
+    const char *label = f->label;
+    size_t hlen = 0;
+    mha_status st = st_header_length(&hlen, f);
+    if (st) return st;
+    const unsigned char *header = f->bytes + 8;
+    const unsigned char *data = header + hlen;
+    size_t data_len = f->len - 8 - hlen;
+
+    cJSON *root;
+    if ((st = st_parse_header(&root, header, hlen, label))) return st;
+    st_tables t = {0};
+    st = st_count(&t, root, label);
+    if (!st) st = st_alloc_tables(&t, label);
+    if (!st) st = st_check_entries(&t, root, label, data_len);
+    if (!st) st = st_check_layout(&t, label, data_len);
+    if (!st) st = st_check_meta_keys(&t, label);
+    if (!st) st = st_build_tables(f, &t, data, label);
     cJSON_Delete(root);
-    free(entries);
-    free(by_name);
-    free(meta);
-    free(meta_by_key);
-    free(strings);
+    free(t.entries);
+    free(t.by_name);
+    free(t.meta);
+    free(t.meta_by_key);
+    free(t.strings);
     return st;
 }
 
