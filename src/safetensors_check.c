@@ -102,6 +102,9 @@ static int dtype_lookup(mha_dtype *out, const char *s) {
 }
 
 // Checks one header entry (name -> object) into e. data_len bounds offsets.
+// A cohesive validator: kept whole (the name, the keys, dtype, shape,
+// data_offsets and the size, each check returning its own message, top to
+// bottom).
 mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
                                const char *label, size_t data_len) {
     char qn[QUOTE_CAP], vb[64];
