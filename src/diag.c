@@ -200,43 +200,47 @@ typedef struct head_acc {
     double *c_sum, *c_sq;  // (d) context sums over rows
 } head_acc;
 
-mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_forward_args *args,
-                        const mha_diag_options *opt) {
-    if (!out || !m || !args)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_diagnose: NULL argument");
-    *out = NULL;
-    mha_diag_options o;
-    mha_diag_options_init(&o);
-    if (opt) o = *opt;
-    if (o.max_rows < 0 || !(o.dead_entropy >= 0 && o.dead_entropy <= 1) ||
-        !(o.dead_output >= 0) || !(o.rank_rtol >= 0))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_diagnose: options out of range (max_rows %lld >= 0, "
-                         "dead_entropy %g in [0, 1], dead_output %g >= 0, rank_rtol %g >= 0)",
-                         (long long)o.max_rows, o.dead_entropy, o.dead_output, o.rank_rtol);
-    mha_forward_args a = *args;
-    a.need_weights = false;
-    a.trace = NULL;
-    a.save = NULL;
-    a.training = false;
-    a.impl = MHA_IMPL_REFERENCE;
-    fwd_plan *p = mha__malloc(sizeof *p);
-    if (!p)
-        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory (%zu bytes)", sizeof *p);
-    mha_status st = mha__plan_forward(p, m, &a);
-    if (st) {
-        free(p);
-        return st;
-    }
+// What the phases of mha_diagnose share: the call (its plan, sizes and
+// arguments) and the buffers allocated once for it.
+typedef struct diag_run {
+    const fwd_plan *p;
+    const mha_module *m;
+    const mha_forward_args *a;  // the call's arguments, as planned
+    const mha_diag_options *o;
+    int64_t N, L, Sp, E, H, d, Ekv, G;
+    int64_t R;  // query rows per batch element
+    double scale;
+#ifdef MHA_HAVE_LAPACKE
+    int64_t kd, vd, fmax;
+    size_t lwork;
+#endif
+    int64_t nspec;
+    size_t nbuf, nwork;
+    double *q, *k, *v;   // q (N, L, E), k and v (N, Sp, Ekv): one block
+    double *work;        // P (H, Sp), a context row (d), the SVD's scratch
+    head_acc *acc;       // (H)
+    double *cbuf;        // (2 H d): every head's c_sum and c_sq
+    double *vvar;        // (Hkv)
+    bool *has;           // (H): the head's row has visible keys
+    int64_t *simcount;   // (H, H)
+} diag_run;
+
+// The sizes of the call and every buffer (and the diagnostics *out, with
+// its heads, similarity and spectra), allocated together.
+static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
+    const fwd_plan *p = r->p;
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d,
                   Ekv = p->Ekv, G = H / p->Hkv;
-    const double scale = 1.0 / sqrt((double)d);
-    const int64_t R = o.max_rows > 0 && o.max_rows < L ? o.max_rows : L;
+    r->N = N, r->L = L, r->Sp = Sp, r->E = E, r->H = H, r->d = d, r->Ekv = Ekv, r->G = G;
+    r->scale = 1.0 / sqrt((double)d);
+    r->R = r->o->max_rows > 0 && r->o->max_rows < L ? r->o->max_rows : L;
+    const int64_t R = r->R;
     // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
     // Sp), a context row (d), then (nsvd) the SVD's copy of a slice (d *
     // fmax), its work (lwork) and iwork (8 d lapack_ints, as doubles)
     const size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
 #ifdef MHA_HAVE_LAPACKE
+    const mha_module *m = r->m;
     const int64_t kd = m->cfg.kdim, vd = m->cfg.vdim;
     const int64_t fmax = mha__module_max_in(m);
     const int64_t nspec = d < fmax ? d : fmax;
@@ -246,19 +250,21 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
     if ((lw = svd_lwork(E, d)) > lwork) lwork = lw;
     const size_t niw = (size_t)(8 * d) * sizeof(lapack_int) / sizeof(double) + 1;
     const size_t nsvd = (size_t)(d * fmax) + lwork + niw;
+    r->kd = kd, r->vd = vd, r->fmax = fmax, r->lwork = lwork;
 #else
     const int64_t nspec = 0;  // no spectra (mha.h)
     const size_t nsvd = 0;
 #endif
     const size_t nwork = (size_t)(H * Sp + d) + nsvd;
+    r->nspec = nspec, r->nbuf = nbuf, r->nwork = nwork;
     mha_diagnostics *dg = mha__calloc(1, sizeof *dg);
-    double *q = mha__malloc(sizeof(double) * nbuf);
-    double *work = mha__malloc(sizeof(double) * nwork);
-    head_acc *acc = mha__calloc((size_t)H, sizeof *acc);
-    double *cbuf = mha__calloc((size_t)(2 * H * d), sizeof(double));
-    double *vvar = mha__malloc(sizeof(double) * (size_t)p->Hkv);
-    bool *has = mha__calloc((size_t)H, sizeof(bool));
-    int64_t *simcount = mha__calloc((size_t)(H * H), sizeof(int64_t));
+    r->q = mha__malloc(sizeof(double) * nbuf);
+    r->work = mha__malloc(sizeof(double) * nwork);
+    r->acc = mha__calloc((size_t)H, sizeof *r->acc);
+    r->cbuf = mha__calloc((size_t)(2 * H * d), sizeof(double));
+    r->vvar = mha__malloc(sizeof(double) * (size_t)p->Hkv);
+    r->has = mha__calloc((size_t)H, sizeof(bool));
+    r->simcount = mha__calloc((size_t)(H * H), sizeof(int64_t));
     if (dg) {
         dg->H = H;
         dg->nspec = nspec;
@@ -267,86 +273,110 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         dg->sim = mha__calloc((size_t)(H * H), sizeof(double));
         dg->spec = nspec ? mha__calloc((size_t)(H * 4 * nspec), sizeof(double)) : NULL;
     }
-    if (!dg || !dg->heads || !dg->sim || (nspec && !dg->spec) || !q || !work || !acc ||
-        !cbuf || !vvar || !has || !simcount) {
+    if (!dg || !dg->heads || !dg->sim || (nspec && !dg->spec) || !r->q || !r->work ||
+        !r->acc || !r->cbuf || !r->vvar || !r->has || !r->simcount) {
         mha_diagnostics_destroy(dg);
-        dg = NULL;
-        st = mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu + %zu doubles",
-                       nbuf, nwork);
-        goto done;
+        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu + %zu doubles",
+                         nbuf, nwork);
     }
-    double *k = q + N * L * E, *v = k + N * Sp * Ekv;
+    r->k = r->q + N * L * E, r->v = r->k + N * Sp * Ekv;
+    *out = dg;
+    return MHA_OK;
+}
 
-    // 1. Non-finite values: parameters, inputs, then the projections.
+// 1. Non-finite values: parameters, inputs, then the projections (computed
+//    here into q, k, v).
+static void diag_project(diag_run *r, mha_diagnostics *dg) {
+    const int64_t N = r->N, L = r->L, Sp = r->Sp, E = r->E, Ekv = r->Ekv;
+    double *q = r->q, *k = r->k, *v = r->v;
     char *nf = dg->nonfinite;
     const size_t nfc = sizeof dg->nonfinite;
-    if (!find_nonfinite_params(nf, nfc, m) &&
-        !find_nonfinite_view(nf, nfc, "query", a.query) &&
-        !find_nonfinite_view(nf, nfc, "key", a.key) &&
-        !find_nonfinite_view(nf, nfc, "value", a.value))
+    if (!find_nonfinite_params(nf, nfc, r->m) &&
+        !find_nonfinite_view(nf, nfc, "query", r->a->query) &&
+        !find_nonfinite_view(nf, nfc, "key", r->a->key) &&
+        !find_nonfinite_view(nf, nfc, "value", r->a->value))
         nf[0] = '\0';
-    mha__project_qkv(p, m, &a, q, k, v);
+    mha__project_qkv(r->p, r->m, r->a, q, k, v);
     if (!nf[0] && !find_nonfinite_buf(nf, nfc, "q", q, N, L, E) &&
         !find_nonfinite_buf(nf, nfc, "k", k, N, Sp, Ekv))
         find_nonfinite_buf(nf, nfc, "v", v, N, Sp, Ekv);
+}
 
-    // 2. Row by row: logits and weights (mha__ref_logit and
-    //    mha__ref_softmax_row: the reference's own steps), entropy,
-    //    distance, context; pairwise JS similarity.
+// Query row i of batch element b, head h: its logits and weights into ph
+// (Sp), then its entropy, distance and context into the head's sums; the
+// first non-finite logit into nf (when nothing was found before).
+static void diag_head_row(diag_run *r, char *nf, size_t nfc, int64_t b, int64_t i, int64_t h) {
+    const int64_t L = r->L, Sp = r->Sp, E = r->E, d = r->d, Ekv = r->Ekv, G = r->G;
+    const double scale = r->scale;
+    const double *q = r->q, *k = r->k, *v = r->v;
+    double *P = r->work, *ctx = r->work + r->H * Sp;
+    bool *has = r->has;
+    const fwd_plan *p = r->p;
+    const int64_t g = h / G;
+    const double *qi = q + (b * L + i) * E + h * d;
+    double *ph = P + h * Sp;
+    head_acc *A = &r->acc[h];
+    int64_t visible = 0;
+    for (int64_t j = 0; j < Sp; j++) {
+        const double *kj = k + (b * Sp + j) * Ekv + g * d;
+        double s = 0;
+        for (int64_t c = 0; c < d; c++) s += qi[c] * kj[c];
+        s *= scale;
+        if (isfinite(s)) {
+            if (s > A->lmax) A->lmax = s;
+            A->lsum += s, A->lsq += s * s, A->lcount++;
+        } else if (!nf[0]) {
+            snprintf(nf, nfc, "scaled logit (batch %lld, head %lld, row %lld, key "
+                     "%lld) = %g", (long long)b, (long long)h, (long long)i,
+                     (long long)j, s);
+        }
+        ph[j] = mha__ref_logit(&p->mask, s, b, h, i, j);
+        visible += ph[j] > -INFINITY;
+    }
+    mha__ref_softmax_row(ph, Sp);
+    has[h] = visible > 0;  // else the row is all 0 (fully masked)
+    if (!has[h]) return;
+    double ent = 0, dist = 0;
+    for (int64_t c = 0; c < d; c++) ctx[c] = 0;
+    for (int64_t j = 0; j < Sp; j++) {
+        const double pj = ph[j];
+        if (pj > 0) ent -= pj * log(pj);
+        dist += pj * fabs((double)(i - j));
+        const double *vj = v + (b * Sp + j) * Ekv + g * d;
+        for (int64_t c = 0; c < d; c++) ctx[c] += pj * vj[c];
+    }
+    A->ent_sum += ent;
+    if (ent < A->ent_min) A->ent_min = ent;
+    A->dist_sum += dist;
+    A->rows++;
+    if (visible > 1) A->ent_norm_sum += ent / log((double)visible), A->rows_norm++;
+    for (int64_t c = 0; c < d; c++) {
+        A->c_sum[c] += ctx[c];
+        A->c_sq[c] += ctx[c] * ctx[c];
+    }
+}
+
+// 2. Row by row: logits and weights (mha__ref_logit and
+//    mha__ref_softmax_row: the reference's own steps), entropy,
+//    distance, context; pairwise JS similarity.
+static void diag_rows(diag_run *r, mha_diagnostics *dg) {
+    const int64_t N = r->N, L = r->L, Sp = r->Sp, H = r->H, d = r->d, R = r->R;
+    head_acc *acc = r->acc;
+    const bool *has = r->has;
+    int64_t *simcount = r->simcount;
+    char *nf = dg->nonfinite;
+    const size_t nfc = sizeof dg->nonfinite;
     for (int64_t h = 0; h < H; h++) {
         acc[h].ent_min = INFINITY;
         acc[h].lmax = -INFINITY;
-        acc[h].c_sum = cbuf + 2 * h * d;
+        acc[h].c_sum = r->cbuf + 2 * h * d;
         acc[h].c_sq = acc[h].c_sum + d;
     }
-    double *P = work, *ctx = work + H * Sp, *simacc = dg->sim;
+    double *P = r->work, *simacc = dg->sim;
     for (int64_t b = 0; b < N; b++)
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t i = R == L ? r : r * L / R;  // evenly spread rows
-            for (int64_t h = 0; h < H; h++) {
-                const int64_t g = h / G;
-                const double *qi = q + (b * L + i) * E + h * d;
-                double *ph = P + h * Sp;
-                head_acc *A = &acc[h];
-                int64_t visible = 0;
-                for (int64_t j = 0; j < Sp; j++) {
-                    const double *kj = k + (b * Sp + j) * Ekv + g * d;
-                    double s = 0;
-                    for (int64_t c = 0; c < d; c++) s += qi[c] * kj[c];
-                    s *= scale;
-                    if (isfinite(s)) {
-                        if (s > A->lmax) A->lmax = s;
-                        A->lsum += s, A->lsq += s * s, A->lcount++;
-                    } else if (!nf[0]) {
-                        snprintf(nf, nfc, "scaled logit (batch %lld, head %lld, row %lld, key "
-                                 "%lld) = %g", (long long)b, (long long)h, (long long)i,
-                                 (long long)j, s);
-                    }
-                    ph[j] = mha__ref_logit(&p->mask, s, b, h, i, j);
-                    visible += ph[j] > -INFINITY;
-                }
-                mha__ref_softmax_row(ph, Sp);
-                has[h] = visible > 0;  // else the row is all 0 (fully masked)
-                if (!has[h]) continue;
-                double ent = 0, dist = 0;
-                for (int64_t c = 0; c < d; c++) ctx[c] = 0;
-                for (int64_t j = 0; j < Sp; j++) {
-                    const double pj = ph[j];
-                    if (pj > 0) ent -= pj * log(pj);
-                    dist += pj * fabs((double)(i - j));
-                    const double *vj = v + (b * Sp + j) * Ekv + g * d;
-                    for (int64_t c = 0; c < d; c++) ctx[c] += pj * vj[c];
-                }
-                A->ent_sum += ent;
-                if (ent < A->ent_min) A->ent_min = ent;
-                A->dist_sum += dist;
-                A->rows++;
-                if (visible > 1) A->ent_norm_sum += ent / log((double)visible), A->rows_norm++;
-                for (int64_t c = 0; c < d; c++) {
-                    A->c_sum[c] += ctx[c];
-                    A->c_sq[c] += ctx[c] * ctx[c];
-                }
-            }
+        for (int64_t rr = 0; rr < R; rr++) {
+            const int64_t i = R == L ? rr : rr * L / R;  // evenly spread rows
+            for (int64_t h = 0; h < H; h++) diag_head_row(r, nf, nfc, b, i, h);
             // Jensen-Shannon between every pair of heads' rows
             for (int64_t h1 = 0; h1 < H; h1++)
                 for (int64_t h2 = h1 + 1; h2 < H; h2++) {
@@ -370,10 +400,15 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
             dg->sim[h1 * H + h2] = dg->sim[h2 * H + h1] = s > 1.0 ? 1.0 : s;
         }
     }
+}
 
-    // Variance of the values (over keys and features of each KV head),
-    // the scale the heads' output variance is compared with.
-    for (int64_t g = 0; g < p->Hkv; g++) {
+// Variance of the values (over keys and features of each KV head),
+// the scale the heads' output variance is compared with.
+static void diag_value_var(diag_run *r) {
+    const int64_t N = r->N, Sp = r->Sp, d = r->d, Ekv = r->Ekv;
+    const double *v = r->v;
+    double *vvar = r->vvar;
+    for (int64_t g = 0; g < r->p->Hkv; g++) {
         double tv = 0;
         for (int64_t c = 0; c < d; c++) {
             double s = 0, s2 = 0;
@@ -387,23 +422,34 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         }
         vvar[g] = tv / (double)d;
     }
+}
 
-    // 3. Per head: the statistics, spectra, the dead flag, pruning and the
-    //    gates over every query row (in q's buffer, free now: H <= E).
+// 3. Per head: the statistics, spectra, the dead flag, pruning and the
+//    gates over every query row (in q's buffer, free now: H <= E).
+static void diag_heads(diag_run *r, mha_diagnostics *dg) {
+    const mha_module *m = r->m;
+    const mha_diag_options o = *r->o;
+    const int64_t N = r->N, L = r->L, H = r->H, d = r->d, G = r->G;
+    double *q = r->q;
+    const head_acc *acc = r->acc;
+    const double *vvar = r->vvar;
 #ifdef MHA_HAVE_LAPACKE
+    const int64_t E = r->E, kd = r->kd, vd = r->vd, fmax = r->fmax, nspec = r->nspec;
+    const size_t lwork = r->lwork;
+    double *ctx = r->work + H * r->Sp;
     const svd_ws ws = {ctx + d, ctx + d + d * fmax, (lapack_int)lwork,
                        (lapack_int *)(ctx + d + d * fmax + lwork)};
 #endif
     const bool gated = mha__module_gated(m);
-    if (gated) mha__gates_d(p, m, &a, q);
+    if (gated) mha__gates_d(r->p, m, r->a, q);
     for (int64_t h = 0; h < H; h++) {
         mha_head_diag *hd = &dg->heads[h];
-        head_acc *A = &acc[h];
+        const head_acc *A = &acc[h];
         const int64_t g = h / G;
         hd->head = h;
         hd->pruned = !mha__head_live(m, h);
         double gs = 0;
-        for (int64_t r = 0; gated && r < N * L; r++) gs += q[r * H + h];
+        for (int64_t rr = 0; gated && rr < N * L; rr++) gs += q[rr * H + h];
         hd->gate_mean = !gated ? 1.0 : N * L > 0 ? gs / (double)(N * L) : NAN;
         hd->rows = A->rows;
         hd->entropy_mean = A->rows ? A->ent_sum / (double)A->rows : NAN;
@@ -440,8 +486,47 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_fo
         hd->rank_q = hd->rank_k = hd->rank_v = hd->rank_o = -1;  // no SVD (mha.h)
 #endif
     }
-done:
-    free(q), free(work), free(acc), free(cbuf), free(vvar), free(has), free(simcount), free(p);
+}
+
+mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_forward_args *args,
+                        const mha_diag_options *opt) {
+    if (!out || !m || !args)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_diagnose: NULL argument");
+    *out = NULL;
+    mha_diag_options o;
+    mha_diag_options_init(&o);
+    if (opt) o = *opt;
+    if (o.max_rows < 0 || !(o.dead_entropy >= 0 && o.dead_entropy <= 1) ||
+        !(o.dead_output >= 0) || !(o.rank_rtol >= 0))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_diagnose: options out of range (max_rows %lld >= 0, "
+                         "dead_entropy %g in [0, 1], dead_output %g >= 0, rank_rtol %g >= 0)",
+                         (long long)o.max_rows, o.dead_entropy, o.dead_output, o.rank_rtol);
+    mha_forward_args a = *args;
+    a.need_weights = false;
+    a.trace = NULL;
+    a.save = NULL;
+    a.training = false;
+    a.impl = MHA_IMPL_REFERENCE;
+    fwd_plan *p = mha__malloc(sizeof *p);
+    if (!p)
+        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory (%zu bytes)", sizeof *p);
+    mha_status st = mha__plan_forward(p, m, &a);
+    if (st) {
+        free(p);
+        return st;
+    }
+    diag_run r = {.p = p, .m = m, .a = &a, .o = &o};
+    mha_diagnostics *dg = NULL;
+    st = diag_alloc(&r, &dg);
+    if (!st) {
+        diag_project(&r, dg);
+        diag_rows(&r, dg);
+        diag_value_var(&r);
+        diag_heads(&r, dg);
+    }
+    free(r.q), free(r.work), free(r.acc), free(r.cbuf), free(r.vvar), free(r.has),
+        free(r.simcount), free(p);
     *out = dg;
     return st;
 }

@@ -70,29 +70,21 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
     return st;
 }
 
-mha_status mha_module_load(mha_module **out, const mha_st_file *f,
-                           const mha_config *base) {
-    char s1[160];
-    if (!out || !f)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_load: NULL argument");
-    *out = NULL;
-    const char *lab = mha_st_label(f);
-    char qn[128];
-    mha_config cfg;
-    mha_config_init(&cfg, 0, 0);
-    if (base) cfg = *base;
-    mha_status st;
+// The parameters a file may hold, under their state_dict names.
+static const char *names[] = {"in_proj_weight", "q_proj_weight",
+                              "k_proj_weight",  "v_proj_weight",
+                              "in_proj_bias",   "out_proj.weight",
+                              "out_proj.bias",  "bias_k",
+                              "bias_v",         "head_gate",
+                              "gate_proj.weight", "gate_proj.bias"};
+enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, NP };
 
-    // Which parameters are present tells the configuration.
-    static const char *names[] = {"in_proj_weight", "q_proj_weight",
-                                  "k_proj_weight",  "v_proj_weight",
-                                  "in_proj_bias",   "out_proj.weight",
-                                  "out_proj.bias",  "bias_k",
-                                  "bias_v",         "head_gate",
-                                  "gate_proj.weight", "gate_proj.bias"};
-    enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, NP };
-    mha_st_tensor t[NP];
-    bool has[NP];
+// Which parameters are present (has, t), and every tensor of the file one
+// of them, in a float dtype.
+static mha_status find_params(mha_st_tensor t[NP], bool has[NP], const mha_st_file *f,
+                              const char *lab) {
+    char qn[128];
+    mha_status st;
     for (int i = 0; i < NP; i++)
         if ((st = find_opt(&t[i], &has[i], f, names[i]))) return st;
     for (int64_t i = 0; i < mha_st_num_tensors(f); i++) {
@@ -112,6 +104,14 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                              mha_escape(qn, sizeof qn, x.name),
                              mha_dtype_name(x.dtype));
     }
+    return MHA_OK;
+}
+
+// Which parameters are present tells the configuration: embed_dim, kdim,
+// vdim, bias, add_bias_kv, head_gate.
+static mha_status config_from_params(mha_config *cfg, const mha_st_tensor t[NP],
+                                     const bool has[NP], const char *lab) {
+    char s1[160];
     if (!has[OUT_W])
         return mha__fail(MHA_ERR_FORMAT, "%s: no \"out_proj.weight\" tensor", lab);
     if (t[OUT_W].ndim != 2 || t[OUT_W].shape[0] != t[OUT_W].shape[1] ||
@@ -120,13 +120,13 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                          "%s: out_proj.weight has shape %s, expected (E, E)", lab,
                          mha__shape_str(s1, sizeof s1, t[OUT_W].ndim, t[OUT_W].shape));
     const int64_t E = t[OUT_W].shape[0];
-    cfg.embed_dim = E;
+    cfg->embed_dim = E;
     if (has[IN_W]) {
         if (has[Q_W] || has[K_W] || has[V_W])
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: both in_proj_weight and separate "
                              "q/k/v_proj_weight tensors", lab);
-        cfg.kdim = cfg.vdim = E;
+        cfg->kdim = cfg->vdim = E;
     } else {
         if (!has[Q_W] || !has[K_W] || !has[V_W])
             return mha__fail(MHA_ERR_FORMAT,
@@ -136,48 +136,56 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: k_proj_weight and v_proj_weight must "
                              "be 2-D (E, kdim), (E, vdim)", lab);
-        cfg.kdim = t[K_W].shape[1];
-        cfg.vdim = t[V_W].shape[1];
+        cfg->kdim = t[K_W].shape[1];
+        cfg->vdim = t[V_W].shape[1];
     }
     if (has[IN_B] != has[OUT_B])
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: in_proj_bias and out_proj.bias must be "
                          "both present or both absent (has %s only)", lab,
                          has[IN_B] ? "in_proj_bias" : "out_proj.bias");
-    cfg.bias = has[IN_B];
+    cfg->bias = has[IN_B];
     if (has[BK] != has[BV])
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: bias_k and bias_v must be both present or "
                          "both absent (has %s only)", lab, has[BK] ? "bias_k" : "bias_v");
-    cfg.add_bias_kv = has[BK];
+    cfg->add_bias_kv = has[BK];
     if (has[GW] != has[GB] || (has[HG] && has[GW]))
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: gates are either head_gate (static) or both gate_proj.weight "
                          "and gate_proj.bias (dynamic); the file has%s%s%s", lab,
                          has[HG] ? " head_gate" : "", has[GW] ? " gate_proj.weight" : "",
                          has[GB] ? " gate_proj.bias" : "");
-    cfg.head_gate = has[HG] ? MHA_GATE_STATIC : has[GW] ? MHA_GATE_DYNAMIC : MHA_GATE_NONE;
-    if (cfg.num_heads == 0) {
+    cfg->head_gate = has[HG] ? MHA_GATE_STATIC : has[GW] ? MHA_GATE_DYNAMIC : MHA_GATE_NONE;
+    return MHA_OK;
+}
+
+// num_heads and num_kv_heads where base left them 0 (cfg->embed_dim set).
+static mha_status config_heads(mha_config *cfg, const mha_st_file *f, const mha_st_tensor t[NP],
+                               const bool has[NP], const char *lab) {
+    char qn[128];
+    const int64_t E = cfg->embed_dim;
+    if (cfg->num_heads == 0) {
         const char *h = mha_st_metadata(f, "num_heads");
         if (!h)
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "%s: the number of heads is not given and "
                              "the file has no __metadata__ \"num_heads\"", lab);
-        if (!parse_pos_int(h, &cfg.num_heads))
+        if (!parse_pos_int(h, &cfg->num_heads))
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: __metadata__ num_heads %s is not "
                              "a positive integer", lab, mha_escape(qn, sizeof qn, h));
     }
     // num_kv_heads: base, else __metadata__ "num_kv_heads", else from the
     // shapes of the K/V parameters (Ekv rows of features, d = E / H each).
-    if (cfg.num_kv_heads == 0) {
+    if (cfg->num_kv_heads == 0) {
         const char *kvh = mha_st_metadata(f, "num_kv_heads");
         if (kvh) {
-            if (!parse_pos_int(kvh, &cfg.num_kv_heads))
+            if (!parse_pos_int(kvh, &cfg->num_kv_heads))
                 return mha__fail(MHA_ERR_FORMAT,
                                  "%s: __metadata__ num_kv_heads %s is not a positive "
                                  "integer", lab, mha_escape(qn, sizeof qn, kvh));
-        } else if (cfg.num_heads > 0 && E % cfg.num_heads == 0) {
+        } else if (cfg->num_heads > 0 && E % cfg->num_heads == 0) {
             // Ekv from the first K/V-shaped tensor present (the others are
             // checked against the module's shapes below)
             int64_t ekv = -1;
@@ -188,25 +196,32 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
             else if (has[K_W] && t[K_W].ndim == 2)
                 ekv = t[K_W].shape[0], from = "k_proj_weight";
             if (ekv >= 0) {
-                const int64_t d = E / cfg.num_heads;
-                if (ekv == 0 || ekv % d != 0 || cfg.num_heads % (ekv / d) != 0)
+                const int64_t d = E / cfg->num_heads;
+                if (ekv == 0 || ekv % d != 0 || cfg->num_heads % (ekv / d) != 0)
                     return mha__fail(MHA_ERR_SHAPE,
                                      "%s: %s gives K/V width %lld, which is not num_kv_heads "
                                      "x head dim %lld with num_kv_heads dividing num_heads "
                                      "%lld (embed_dim %lld)", lab, from, (long long)ekv,
-                                     (long long)d, (long long)cfg.num_heads, (long long)E);
-                cfg.num_kv_heads = ekv / d;
+                                     (long long)d, (long long)cfg->num_heads, (long long)E);
+                cfg->num_kv_heads = ekv / d;
             }
         }
     }
-    // Before allocating: k/v_proj_weight must have Ekv rows, so that kdim and
-    // vdim (their columns) are bounded by the data in the file (a (0, 2^40)
-    // tensor has no bytes but would size the module). Skipped when H or
-    // num_kv_heads is invalid: mha_module_create refuses those first.
-    if (!has[IN_W] && cfg.num_heads > 0 && E % cfg.num_heads == 0) {
-        const int64_t hkv = cfg.num_kv_heads ? cfg.num_kv_heads : cfg.num_heads;
-        if (hkv > 0 && cfg.num_heads % hkv == 0) {
-            const int64_t ekv = hkv * (E / cfg.num_heads);
+    return MHA_OK;
+}
+
+// Before allocating: k/v_proj_weight must have Ekv rows, so that kdim and
+// vdim (their columns) are bounded by the data in the file (a (0, 2^40)
+// tensor has no bytes but would size the module). Skipped when H or
+// num_kv_heads is invalid: mha_module_create refuses those first.
+static mha_status check_kv_rows(const mha_config *cfg, const mha_st_tensor t[NP],
+                                const bool has[NP], const char *lab) {
+    char s1[160];
+    const int64_t E = cfg->embed_dim;
+    if (!has[IN_W] && cfg->num_heads > 0 && E % cfg->num_heads == 0) {
+        const int64_t hkv = cfg->num_kv_heads ? cfg->num_kv_heads : cfg->num_heads;
+        if (hkv > 0 && cfg->num_heads % hkv == 0) {
+            const int64_t ekv = hkv * (E / cfg->num_heads);
             for (int i = K_W; i <= V_W; i++)
                 if (t[i].shape[0] != ekv)
                     return mha__fail(MHA_ERR_SHAPE,
@@ -215,36 +230,65 @@ mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                                      lab, names[i],
                                      mha__shape_str(s1, sizeof s1, t[i].ndim, t[i].shape),
                                      (long long)ekv, i == K_W ? "kdim" : "vdim", (long long)hkv,
-                                     (long long)(E / cfg.num_heads), (long long)E,
-                                     (long long)cfg.num_heads);
+                                     (long long)(E / cfg->num_heads), (long long)E,
+                                     (long long)cfg->num_heads);
         }
     }
-    mha_module *m;
-    if ((st = mha_module_create(&m, &cfg))) return st;
-    // Every parameter of the module must be in the file with its exact shape.
+    return MHA_OK;
+}
+
+// Every parameter of the module must be in the file with its exact shape;
+// copied (converted to the parameter's dtype). cfg: what m was created from.
+static mha_status read_params(mha_module *m, const mha_st_file *f, const mha_config *cfg,
+                              const char *lab) {
+    char s1[160];
+    const int64_t E = cfg->embed_dim;
+    mha_status st;
     for (int i = 0; i < m->nparams; i++) {
         const mha_param *p = &m->params[i];
         mha_st_tensor x;
-        if ((st = mha_st_find(&x, f, p->name))) goto fail;
+        if ((st = mha_st_find(&x, f, p->name))) return st;
         bool same = x.ndim == p->ndim;
         for (int d = 0; same && d < p->ndim; d++) same = x.shape[d] == p->shape[d];
         if (!same) {
             char s2[160];
-            st = mha__fail(MHA_ERR_SHAPE,
-                           "%s: %s has shape %s, expected %s (embed_dim "
-                           "%lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
-                           "vdim %lld)", lab,
-                           p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
-                           mha__shape_str(s2, sizeof s2, p->ndim, p->shape),
-                           (long long)E, (long long)cfg.num_heads,
-                           (long long)m->cfg.num_kv_heads,
-                           (long long)m->cfg.kdim, (long long)m->cfg.vdim);
-            goto fail;
+            return mha__fail(MHA_ERR_SHAPE,
+                             "%s: %s has shape %s, expected %s (embed_dim "
+                             "%lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
+                             "vdim %lld)", lab,
+                             p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
+                             mha__shape_str(s2, sizeof s2, p->ndim, p->shape),
+                             (long long)E, (long long)cfg->num_heads,
+                             (long long)m->cfg.num_kv_heads,
+                             (long long)m->cfg.kdim, (long long)m->cfg.vdim);
         }
         if ((st = mha_st_read(p->storage, (size_t)p->numel * mha_dtype_size(p->dtype),
                               p->dtype, &x)))
-            goto fail;
+            return st;
     }
+    return MHA_OK;
+}
+
+mha_status mha_module_load(mha_module **out, const mha_st_file *f,
+                           const mha_config *base) {
+    if (!out || !f)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_load: NULL argument");
+    *out = NULL;
+    const char *lab = mha_st_label(f);
+    mha_config cfg;
+    mha_config_init(&cfg, 0, 0);
+    if (base) cfg = *base;
+    mha_status st;
+
+    mha_st_tensor t[NP];
+    bool has[NP];
+    if ((st = find_params(t, has, f, lab))) return st;
+    if ((st = config_from_params(&cfg, t, has, lab))) return st;
+    if ((st = config_heads(&cfg, f, t, has, lab))) return st;
+    if ((st = check_kv_rows(&cfg, t, has, lab))) return st;
+    mha_module *m;
+    if ((st = mha_module_create(&m, &cfg))) return st;
+    if ((st = read_params(m, f, &cfg, lab))) goto fail;
     if ((st = load_pruned(m, f, lab))) goto fail;
     *out = m;
     return MHA_OK;

@@ -1,5 +1,8 @@
-// safetensors.c: a strict reader and a writer of safetensors files
-// (https://github.com/huggingface/safetensors, "Format").
+// safetensors.c: a strict reader of safetensors files
+// (https://github.com/huggingface/safetensors, "Format"). The writer is
+// safetensors_write.c; the checks of the header's bytes, of each entry and
+// of "__metadata__" are safetensors_check.c; safetensors.h is what the three
+// share.
 //
 // Layout: 8-byte little-endian header length n, n bytes of JSON header
 // (padded with trailing spaces), then the data buffer. Each header entry is
@@ -8,7 +11,7 @@
 //
 // Reader. mha_st_open reads the whole file into one allocation (no mmap, no
 // lazy loading); mha_st_parse copies caller bytes into one. The JSON header
-// is parsed by cJSON; this file only checks what cJSON returns, plus three
+// is parsed by cJSON; the reader only checks what cJSON returns, plus three
 // byte-level rules cJSON does not enforce (no byte-order mark, no raw control
 // bytes, no \u0000 escape, which cJSON would silently cut a string at).
 // Everything is validated before anything is exposed, and nothing is
@@ -35,14 +38,7 @@
 // Tensors are exposed sorted by data offset; names and metadata live in one
 // string table owned by the file. mha_st_find and mha_st_metadata binary
 // search a name-sorted index.
-//
-// Writer. mha_st_writer_add copies the data (stored little-endian);
-// mha_st_writer_save builds the header with cJSON (integers written as exact
-// decimal literals), pads it with spaces to a multiple of 8, writes header
-// then data, checks every write and the fclose, and removes the partial file
-// on failure. It does not write to a temporary file and rename.
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,16 +47,12 @@
 #include <cjson/cJSON.h>
 
 #include "internal.h"
-
-// Largest integer (exclusive) a JSON number may hold here: doubles are exact
-// below 2^53.
-#define ST_INT_LIMIT 9007199254740992.0  // 2^53
-#define ST_INT_LIMIT_U ((uint64_t)1 << 53)
+#include "safetensors.h"
 
 // ---------------------------------------------------------------------------
 // Small helpers
 
-static int host_is_le(void) {
+int mha__st_host_is_le(void) {
     const uint16_t one = 1;
     unsigned char b;
     memcpy(&b, &one, 1);
@@ -80,87 +72,11 @@ static uint64_t ld_le64(const unsigned char *p) {
     return (uint64_t)ld_le32(p) | (uint64_t)ld_le32(p + 4) << 32;
 }
 
-static char *str_dup(const char *s) {
+char *mha__st_str_dup(const char *s) {
     size_t n = strlen(s) + 1;
     char *d = mha__malloc(n);
     if (d) memcpy(d, s, n);
     return d;
-}
-
-// Length of the valid UTF-8 prefix of s (RFC 3629: no overlong forms, no
-// surrogates, nothing above U+10FFFF). s is valid iff s[result] == '\0'.
-static size_t utf8_valid_prefix(const char *str) {
-    const unsigned char *s = (const unsigned char *)str;
-    size_t i = 0;
-    while (s[i]) {
-        unsigned c = s[i];
-        size_t n;
-        unsigned lo = 0x80, hi = 0xbf;  // allowed range of the 2nd byte
-        if (c < 0x80) {
-            i++;
-            continue;
-        } else if (c >= 0xc2 && c <= 0xdf) {
-            n = 2;
-        } else if (c >= 0xe0 && c <= 0xef) {
-            n = 3;
-            if (c == 0xe0) lo = 0xa0;  // overlong
-            if (c == 0xed) hi = 0x9f;  // surrogates U+D800..U+DFFF
-        } else if (c >= 0xf0 && c <= 0xf4) {
-            n = 4;
-            if (c == 0xf0) lo = 0x90;  // overlong
-            if (c == 0xf4) hi = 0x8f;  // above U+10FFFF
-        } else {
-            return i;  // 0x80..0xc1 (continuation, overlong lead), 0xf5..
-        }
-        if (s[i + 1] < lo || s[i + 1] > hi) return i;
-        for (size_t k = 2; k < n; k++)
-            if (s[i + k] < 0x80 || s[i + k] > 0xbf) return i;
-        i += n;
-    }
-    return i;
-}
-
-#define QUOTE_CAP 400
-
-// What a JSON value is, for messages: the number itself, or its kind.
-static const char *json_describe(char *buf, size_t cap, const cJSON *v) {
-    if (!v) return "missing";
-    if (cJSON_IsNumber(v)) {
-        snprintf(buf, cap, "%.17g", v->valuedouble);
-        return buf;
-    }
-    if (cJSON_IsString(v)) return "a string";
-    if (cJSON_IsArray(v)) return "an array";
-    if (cJSON_IsObject(v)) return "an object";
-    if (cJSON_IsBool(v)) return "a boolean";
-    if (cJSON_IsNull(v)) return "null";
-    return "an invalid value";
-}
-
-// A JSON number holding an exact integer in [0, 2^53): 1 and *out, else 0.
-static int json_uint(uint64_t *out, const cJSON *v) {
-    if (!cJSON_IsNumber(v)) return 0;
-    double d = v->valuedouble;
-    if (!(d >= 0.0) || signbit(d) || !(d < ST_INT_LIMIT) || d != floor(d))
-        return 0;
-    *out = (uint64_t)d;
-    return 1;
-}
-
-// Product of the dims with 0 counted as 1 (so that any row-major stride fits
-// in int64) into *span, and the true numel into *numel. 1 on overflow.
-static int shape_numel(int64_t *numel, int ndim, const int64_t *shape) {
-    int64_t span = 1;
-    int zero = 0;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] == 0) {
-            zero = 1;
-            continue;
-        }
-        if (mha__mul_overflow_i64(span, shape[i], &span)) return 1;
-    }
-    *numel = zero ? 0 : span;
-    return 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -188,18 +104,6 @@ struct mha_st_file {
     st_meta *meta_by_key;    // (nmeta) sorted by key
     char *strings;           // every name, key and value, NUL-terminated
 };
-
-// One tensor entry while the header is being checked.
-typedef struct st_entry {
-    const char *name;  // cJSON's string, until copied
-    int64_t order;     // position in the header
-    mha_dtype dtype;
-    int ndim;
-    int64_t shape[MHA_MAX_DIMS];
-    int64_t numel;
-    size_t nbytes;
-    uint64_t begin, end;
-} st_entry;
 
 static int cmp_entry_offset(const void *pa, const void *pb) {
     const st_entry *a = pa, *b = pb;
@@ -234,345 +138,9 @@ void mha_st_close(mha_st_file *f) {
     free(f);
 }
 
-// Is dtype name s known? Looked up through mha_dtype_name so that an
-// unknown name does not set (and log) a second, label-less error.
-static int dtype_lookup(mha_dtype *out, const char *s) {
-    for (int t = 0; t < MHA_DTYPE_COUNT; t++) {
-        if (strcmp(s, mha_dtype_name((mha_dtype)t)) == 0) {
-            *out = (mha_dtype)t;
-            return 1;
-        }
-    }
-    return 0;
-}
-
-// Checks one header entry (name -> object) into e. data_len bounds offsets.
-static mha_status check_entry(st_entry *e, const cJSON *item,
-                              const char *label, size_t data_len) {
-    char qn[QUOTE_CAP], vb[64];
-    const char *name = item->string;
-    mha_escape(qn, sizeof qn, name);
-
-    if (name[0] == '\0')
-        return mha__fail(MHA_ERR_FORMAT, "%s: a tensor has an empty name",
-                         label);
-    size_t ok = utf8_valid_prefix(name);
-    if (name[ok] != '\0')
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor name %s is not valid UTF-8 (bad byte "
-                         "0x%02x at offset %zu)",
-                         label, qn, (unsigned char)name[ok], ok);
-    if (!cJSON_IsObject(item))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: entry is %s, not an object", label,
-                         qn, json_describe(vb, sizeof vb, item));
-
-    const cJSON *dtype = NULL, *shape = NULL, *offsets = NULL;
-    for (const cJSON *k = item->child; k; k = k->next) {
-        const cJSON **slot = NULL;
-        if (strcmp(k->string, "dtype") == 0) slot = &dtype;
-        else if (strcmp(k->string, "shape") == 0) slot = &shape;
-        else if (strcmp(k->string, "data_offsets") == 0) slot = &offsets;
-        if (!slot) {
-            char qk[QUOTE_CAP];
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: tensor %s: unknown key %s (allowed: dtype, "
-                             "shape, data_offsets)",
-                             label, qn, mha_escape(qk, sizeof qk, k->string));
-        }
-        if (*slot)
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: tensor %s: key \"%s\" appears twice", label,
-                             qn, k->string);
-        *slot = k;
-    }
-    if (!dtype || !shape || !offsets)
-        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: missing key \"%s\"",
-                         label, qn,
-                         !dtype ? "dtype" : !shape ? "shape" : "data_offsets");
-
-    // dtype
-    if (!cJSON_IsString(dtype))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: dtype is %s, not a string", label, qn,
-                         json_describe(vb, sizeof vb, dtype));
-    if (!dtype_lookup(&e->dtype, dtype->valuestring)) {
-        char qd[QUOTE_CAP];
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: unknown dtype %s (known: F32, F16, "
-                         "BF16, BOOL, I64, I32, U8, F64)",
-                         label, qn, mha_escape(qd, sizeof qd, dtype->valuestring));
-    }
-
-    // shape
-    if (!cJSON_IsArray(shape))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: shape is %s, not an array", label, qn,
-                         json_describe(vb, sizeof vb, shape));
-    int ndim = cJSON_GetArraySize(shape);
-    if (ndim > MHA_MAX_DIMS)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: shape has %d dims, at most %d are "
-                         "supported",
-                         label, qn, ndim, MHA_MAX_DIMS);
-    e->ndim = ndim;
-    int i = 0;
-    for (const cJSON *d = shape->child; d; d = d->next, i++) {
-        uint64_t v;
-        if (!json_uint(&v, d))
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: tensor %s: shape[%d] is %s, not an integer "
-                             "in [0, 2^53)",
-                             label, qn, i, json_describe(vb, sizeof vb, d));
-        e->shape[i] = (int64_t)v;
-    }
-
-    // data_offsets
-    char sb[256];
-    mha__shape_str(sb, sizeof sb, e->ndim, e->shape);
-    if (!cJSON_IsArray(offsets))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: data_offsets is %s, not an array of "
-                         "2 integers",
-                         label, qn, json_describe(vb, sizeof vb, offsets));
-    if (cJSON_GetArraySize(offsets) != 2)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: data_offsets has %d elements, not 2",
-                         label, qn, cJSON_GetArraySize(offsets));
-    const cJSON *b = offsets->child, *en = b->next;
-    if (!json_uint(&e->begin, b))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: data_offsets[0] is %s, not an "
-                         "integer in [0, 2^53)",
-                         label, qn, json_describe(vb, sizeof vb, b));
-    if (!json_uint(&e->end, en))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: data_offsets[1] is %s, not an "
-                         "integer in [0, 2^53)",
-                         label, qn, json_describe(vb, sizeof vb, en));
-    if (e->begin > e->end)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: data_offsets [%llu, %llu] begin "
-                         "after their end",
-                         label, qn, (unsigned long long)e->begin,
-                         (unsigned long long)e->end);
-
-    // size: numel x dtype size == end - begin, every product checked
-    size_t esize = mha_dtype_size(e->dtype);
-    if (shape_numel(&e->numel, e->ndim, e->shape) ||
-        (uint64_t)e->numel > SIZE_MAX ||
-        mha__mul_overflow_size((size_t)e->numel, esize, &e->nbytes))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: shape %s x %s: the product of "
-                         "the dims overflows int64/size_t",
-                         label, qn, sb, mha_dtype_name(e->dtype));
-    uint64_t span = e->end - e->begin;
-    if ((uint64_t)e->nbytes != span)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: shape %s x %s = %zu bytes but "
-                         "data_offsets [%llu, %llu] span %llu",
-                         label, qn, sb, mha_dtype_name(e->dtype), e->nbytes,
-                         (unsigned long long)e->begin,
-                         (unsigned long long)e->end, (unsigned long long)span);
-    if (e->end > (uint64_t)data_len)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: data_offsets [%llu, %llu] past the "
-                         "end of the data buffer (%zu bytes; file truncated?)",
-                         label, qn, (unsigned long long)e->begin,
-                         (unsigned long long)e->end, data_len);
-    return MHA_OK;
-}
-
-// Checks "__metadata__" (an object of strings, no duplicate keys, UTF-8).
-static mha_status check_metadata(const cJSON *m, const char *label) {
-    char vb[64], qk[QUOTE_CAP];
-    if (!cJSON_IsObject(m))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: __metadata__ is %s, not an object of strings",
-                         label, json_describe(vb, sizeof vb, m));
-    for (const cJSON *k = m->child; k; k = k->next) {
-        mha_escape(qk, sizeof qk, k->string);
-        if (!cJSON_IsString(k))
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: __metadata__ value of %s is %s, not a "
-                             "string",
-                             label, qk, json_describe(vb, sizeof vb, k));
-        size_t ok = utf8_valid_prefix(k->string);
-        if (k->string[ok])
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: __metadata__ key %s is not valid UTF-8 (bad "
-                             "byte at offset %zu)",
-                             label, qk, ok);
-        ok = utf8_valid_prefix(k->valuestring);
-        if (k->valuestring[ok])
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: __metadata__ value of %s is not valid UTF-8 "
-                             "(bad byte at offset %zu)",
-                             label, qk, ok);
-    }
-    return MHA_OK;
-}
-
-// JSON syntax, allocation-free, for telling apart the two reasons cJSON
-// returns NULL: invalid text or out of memory. Each checker reads one token
-// at s[*i] (of n bytes), advances *i past it and says whether it is valid.
-// They are at least as strict as cJSON (so a text they accept failed in
-// cJSON for memory only): RFC 8259 numbers of at most 63 bytes (cJSON's
-// buffer in some versions), escapes with 4 hex digits and surrogates
-// paired.
-static bool json_hex4(const unsigned char *s, size_t n, size_t i, unsigned *code) {
-    if (n < 4 || i > n - 4) return false;
-    unsigned v = 0;
-    for (size_t k = 0; k < 4; k++) {
-        unsigned char c = s[i + k];
-        unsigned d = c >= '0' && c <= '9' ? (unsigned)(c - '0')
-                     : c >= 'a' && c <= 'f' ? (unsigned)(c - 'a' + 10)
-                     : c >= 'A' && c <= 'F' ? (unsigned)(c - 'A' + 10) : 16u;
-        if (d > 15) return false;
-        v = v * 16 + d;
-    }
-    *code = v;
-    return true;
-}
-
-static bool json_string(const unsigned char *s, size_t n, size_t *i) {
-    size_t k = *i + 1;  // s[*i] == '"'
-    while (k < n && s[k] != '"') {
-        if (s[k] < 0x20) return false;
-        if (s[k++] != '\\') continue;
-        if (k >= n) return false;
-        unsigned char e = s[k++];
-        if (strchr("\"\\/bfnrt", e) && e) continue;
-        unsigned c1, c2;
-        if (e != 'u' || !json_hex4(s, n, k, &c1) || (c1 >= 0xdc00 && c1 <= 0xdfff))
-            return false;
-        k += 4;
-        if (c1 >= 0xd800 && c1 <= 0xdbff) {  // a low surrogate must follow
-            if (k + 1 >= n || s[k] != '\\' || s[k + 1] != 'u' ||
-                !json_hex4(s, n, k + 2, &c2) || c2 < 0xdc00 || c2 > 0xdfff)
-                return false;
-            k += 6;
-        }
-    }
-    if (k >= n) return false;
-    *i = k + 1;
-    return true;
-}
-
-static bool json_number(const unsigned char *s, size_t n, size_t *i) {
-#define MHA__DIGIT(k) ((k) < n && s[k] >= '0' && s[k] <= '9')
-    size_t k = *i;
-    if (k < n && s[k] == '-') k++;
-    if (k < n && s[k] == '0') k++;
-    else if (MHA__DIGIT(k)) while (MHA__DIGIT(k)) k++;
-    else return false;
-    if (k < n && s[k] == '.') {
-        if (!MHA__DIGIT(k + 1)) return false;
-        for (k++; MHA__DIGIT(k); k++) {}
-    }
-    if (k < n && (s[k] == 'e' || s[k] == 'E')) {
-        k++;
-        if (k < n && (s[k] == '+' || s[k] == '-')) k++;
-        if (!MHA__DIGIT(k)) return false;
-        while (MHA__DIGIT(k)) k++;
-    }
-#undef MHA__DIGIT
-    if (k - *i > 63) return false;
-    *i = k;
-    return true;
-}
-
-// Whether the n bytes at s begin with one JSON value nested at most
-// CJSON_NESTING_LIMIT deep (what follows it is not looked at).
-static bool json_value_valid(const unsigned char *s, size_t n) {
-    bool in_object[CJSON_NESTING_LIMIT];  // per open container
-    size_t depth = 0, i = 0;
-#define MHA__WS() while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++
-    for (;;) {
-        // a value
-        MHA__WS();
-        if (i >= n) return false;
-        const unsigned char c = s[i];
-        if (c == '{' || c == '[') {
-            if (depth >= CJSON_NESTING_LIMIT) return false;
-            in_object[depth++] = c == '{';
-            i++;
-            MHA__WS();
-            if (i < n && s[i] == (c == '{' ? '}' : ']')) {
-                i++;
-                depth--;
-            } else if (c == '[') {
-                continue;  // the first element
-            } else {
-                goto key;
-            }
-        } else if (c == '"') {
-            if (!json_string(s, n, &i)) return false;
-        } else if (c == '-' || (c >= '0' && c <= '9')) {
-            if (!json_number(s, n, &i)) return false;
-        } else {
-            static const char *lit[3] = {"true", "false", "null"};
-            size_t l = 0;
-            for (int k = 0; k < 3 && !l; k++)
-                if (n - i >= strlen(lit[k]) && memcmp(s + i, lit[k], strlen(lit[k])) == 0)
-                    l = strlen(lit[k]);
-            if (!l) return false;
-            i += l;
-        }
-        // after a value: the end, a separator or a closing bracket
-        for (;;) {
-            MHA__WS();
-            if (depth == 0) return true;
-            if (i >= n) return false;
-            if (s[i] == (in_object[depth - 1] ? '}' : ']')) {
-                i++;
-                depth--;
-                continue;
-            }
-            if (s[i++] != ',') return false;
-            break;
-        }
-        if (!in_object[depth - 1]) continue;
-    key:
-        MHA__WS();
-        if (i >= n || s[i] != '"' || !json_string(s, n, &i)) return false;
-        MHA__WS();
-        if (i >= n || s[i] != ':') return false;
-        i++;
-    }
-#undef MHA__WS
-}
-
-// Byte-level rules cJSON does not enforce on the n header bytes h.
-static mha_status check_header_bytes(const unsigned char *h, size_t n,
-                                     const char *label) {
-    if (n >= 3 && h[0] == 0xef && h[1] == 0xbb && h[2] == 0xbf)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: header starts with a UTF-8 byte-order mark",
-                         label);
-    size_t backslashes = 0;  // run of '\' just before h[i]
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = h[i];
-        if (c < 0x20 && c != '\t' && c != '\n' && c != '\r')
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: header byte %zu is the control byte 0x%02x "
-                             "(not allowed in JSON)",
-                             label, i, c);
-        // "\u0000" (an odd run of backslashes): cJSON would cut the string
-        if (c == 'u' && (backslashes & 1) && i + 4 < n &&
-            memcmp(h + i + 1, "0000", 4) == 0)
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: header byte %zu: a string contains \\u0000 "
-                             "(NUL characters are not supported)",
-                             label, i - 1);
-        backslashes = c == '\\' ? backslashes + 1 : 0;
-    }
-    return MHA_OK;
-}
-
-// Validates f->bytes (f->len bytes) and builds the tables. On error the
-// caller closes f.
-static mha_status st_load(mha_st_file *f) {
+// The length field: *hlen, the JSON header's length, within the limit and
+// the file.
+static mha_status st_header_length(size_t *hlen, const mha_st_file *f) {
     const char *label = f->label;
     if (f->len < 8)
         return mha__fail(MHA_ERR_FORMAT,
@@ -591,20 +159,24 @@ static mha_status st_load(mha_st_file *f) {
                          "the length field (file truncated or not "
                          "safetensors?)",
                          label, (unsigned long long)n, f->len - 8);
-    const unsigned char *header = f->bytes + 8;
-    size_t hlen = (size_t)n;
-    const unsigned char *data = header + hlen;
-    size_t data_len = f->len - 8 - hlen;
+    *hlen = (size_t)n;
+    return MHA_OK;
+}
 
-    mha_status st = check_header_bytes(header, hlen, label);
+// The hlen header bytes: the byte-level rules, then cJSON's tree into *root,
+// one JSON object followed only by whitespace. On error *root is NULL.
+static mha_status st_parse_header(cJSON **root, const unsigned char *header,
+                                  size_t hlen, const char *label) {
+    *root = NULL;
+    mha_status st = mha__st_check_header_bytes(header, hlen, label);
     if (st) return st;
 
     const char *end = NULL;
-    cJSON *root =
+    cJSON *r =
         cJSON_ParseWithLengthOpts((const char *)header, hlen, &end, 0);
-    if (!root) {
+    if (!r) {
         // cJSON says NULL for both; valid JSON means memory ran out
-        if (json_value_valid(header, hlen))
+        if (mha__st_json_value_valid(header, hlen))
             return mha__fail(MHA_ERR_NOMEM,
                              "%s: out of memory parsing the header (%zu "
                              "bytes of JSON)",
@@ -615,43 +187,53 @@ static mha_status st_load(mha_st_file *f) {
                          "error at byte %zu",
                          label, hlen, at);
     }
-    st_entry *entries = NULL;
-    st_name_index *by_name = NULL;
-    st_meta *meta = NULL, *meta_by_key = NULL;
-    char *strings = NULL;
-    char vb[64], qa[QUOTE_CAP], qb[QUOTE_CAP];
-
+    char vb[64];
     for (size_t i = (size_t)(end - (const char *)header); i < hlen; i++) {
         unsigned char c = header[i];
         if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
-            st = mha__fail(MHA_ERR_FORMAT,
-                           "%s: header byte %zu: unexpected 0x%02x after "
-                           "the JSON value (only whitespace may follow)",
-                           label, i, c);
-            goto done;
+            cJSON_Delete(r);
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: header byte %zu: unexpected 0x%02x after "
+                             "the JSON value (only whitespace may follow)",
+                             label, i, c);
         }
     }
-    if (!cJSON_IsObject(root)) {
+    if (!cJSON_IsObject(r)) {
         st = mha__fail(MHA_ERR_FORMAT,
                        "%s: header is %s, not a JSON object", label,
-                       json_describe(vb, sizeof vb, root));
-        goto done;
+                       mha__st_json_describe(vb, sizeof vb, r));
+        cJSON_Delete(r);
+        return st;
     }
+    *root = r;
+    return MHA_OK;
+}
 
-    // Count tensors, find __metadata__, size the string table.
+// What st_load builds from the parsed header: counts, then the tables,
+// owned by st_load until st_build_tables hands them to the file.
+typedef struct st_tables {
+    const cJSON *meta_json;       // "__metadata__", or NULL
+    int64_t ntensors, nmeta;
+    size_t strings_len;           // every name, key and value, with its NUL
+    st_entry *entries;            // (ntensors + 1) header order, then by offset
+    st_name_index *by_name;       // (ntensors + 1)
+    st_meta *meta, *meta_by_key;  // (nmeta + 1)
+    char *strings;                // (strings_len + 1)
+} st_tables;
+
+// Counts tensors, finds (and checks) __metadata__, sizes the string table.
+static mha_status st_count(st_tables *t, const cJSON *root, const char *label) {
     const cJSON *meta_json = NULL;
     int64_t ntensors = 0;
     size_t strings_len = 0;
     for (const cJSON *it = root->child; it; it = it->next) {
         if (strcmp(it->string, "__metadata__") == 0) {
-            if (meta_json) {
-                st = mha__fail(MHA_ERR_FORMAT,
-                               "%s: \"__metadata__\" appears twice", label);
-                goto done;
-            }
+            if (meta_json)
+                return mha__fail(MHA_ERR_FORMAT,
+                                 "%s: \"__metadata__\" appears twice", label);
             meta_json = it;
-            st = check_metadata(it, label);
-            if (st) goto done;
+            mha_status st = mha__st_check_metadata(it, label);
+            if (st) return st;
             for (const cJSON *k = it->child; k; k = k->next)
                 strings_len += strlen(k->string) + strlen(k->valuestring) + 2;
             continue;
@@ -659,130 +241,150 @@ static mha_status st_load(mha_st_file *f) {
         ntensors++;
         strings_len += strlen(it->string) + 1;
     }
-    // Every count below is bounded by the parsed header (<= 100 MiB).
-    int64_t nmeta = meta_json ? cJSON_GetArraySize(meta_json) : 0;
-    entries = mha__calloc((size_t)ntensors + 1, sizeof *entries);
-    by_name = mha__calloc((size_t)ntensors + 1, sizeof *by_name);
-    meta = mha__calloc((size_t)nmeta + 1, sizeof *meta);
-    meta_by_key = mha__calloc((size_t)nmeta + 1, sizeof *meta_by_key);
-    strings = mha__malloc(strings_len + 1);
-    if (!entries || !by_name || !meta || !meta_by_key || !strings) {
-        st = mha__fail(MHA_ERR_NOMEM,
-                       "%s: out of memory for %lld tensor entries", label,
-                       (long long)ntensors);
-        goto done;
-    }
+    t->meta_json = meta_json;
+    t->ntensors = ntensors;
+    t->strings_len = strings_len;
+    t->nmeta = meta_json ? cJSON_GetArraySize(meta_json) : 0;
+    return MHA_OK;
+}
 
-    // Check every entry.
+// Every count is bounded by the parsed header (<= 100 MiB).
+static mha_status st_alloc_tables(st_tables *t, const char *label) {
+    t->entries = mha__calloc((size_t)t->ntensors + 1, sizeof *t->entries);
+    t->by_name = mha__calloc((size_t)t->ntensors + 1, sizeof *t->by_name);
+    t->meta = mha__calloc((size_t)t->nmeta + 1, sizeof *t->meta);
+    t->meta_by_key = mha__calloc((size_t)t->nmeta + 1, sizeof *t->meta_by_key);
+    t->strings = mha__malloc(t->strings_len + 1);
+    if (!t->entries || !t->by_name || !t->meta || !t->meta_by_key || !t->strings)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "%s: out of memory for %lld tensor entries", label,
+                         (long long)t->ntensors);
+    return MHA_OK;
+}
+
+// Checks every entry (mha__st_check_entry), then that no name appears twice
+// (cJSON keeps repeated keys).
+static mha_status st_check_entries(st_tables *t, const cJSON *root,
+                                   const char *label, size_t data_len) {
     int64_t k = 0;
     for (const cJSON *it = root->child; it; it = it->next) {
-        if (it == meta_json) continue;
-        st_entry *e = &entries[k];
+        if (it == t->meta_json) continue;
+        st_entry *e = &t->entries[k];
         e->name = it->string;
         e->order = k++;
-        st = check_entry(e, it, label, data_len);
-        if (st) goto done;
+        mha_status st = mha__st_check_entry(e, it, label, data_len);
+        if (st) return st;
     }
 
-    // Duplicate names (cJSON keeps repeated keys).
-    for (int64_t i = 0; i < ntensors; i++)
-        by_name[i] = (st_name_index){entries[i].name, i};
-    qsort(by_name, (size_t)ntensors, sizeof *by_name, cmp_name_index);
-    for (int64_t i = 1; i < ntensors; i++) {
-        if (strcmp(by_name[i - 1].name, by_name[i].name) == 0) {
-            st = mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice",
-                           label, mha_escape(qa, sizeof qa, by_name[i].name));
-            goto done;
-        }
+    char qa[QUOTE_CAP];
+    st_name_index *by_name = t->by_name;
+    for (int64_t i = 0; i < t->ntensors; i++)
+        by_name[i] = (st_name_index){t->entries[i].name, i};
+    qsort(by_name, (size_t)t->ntensors, sizeof *by_name, cmp_name_index);
+    for (int64_t i = 1; i < t->ntensors; i++) {
+        if (strcmp(by_name[i - 1].name, by_name[i].name) == 0)
+            return mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice",
+                             label, mha_escape(qa, sizeof qa, by_name[i].name));
     }
+    return MHA_OK;
+}
 
-    // Layout: sorted by offset, the tensors tile [0, data_len) exactly.
-    qsort(entries, (size_t)ntensors, sizeof *entries, cmp_entry_offset);
+// Layout: sorted by offset, the tensors tile [0, data_len) exactly.
+static mha_status st_check_layout(st_tables *t, const char *label,
+                                  size_t data_len) {
+    char qa[QUOTE_CAP], qb[QUOTE_CAP];
+    st_entry *entries = t->entries;
+    qsort(entries, (size_t)t->ntensors, sizeof *entries, cmp_entry_offset);
     uint64_t at = 0;
-    for (int64_t i = 0; i < ntensors; i++) {
+    for (int64_t i = 0; i < t->ntensors; i++) {
         const st_entry *e = &entries[i];
         if (e->begin < at) {
             const st_entry *p = &entries[i - 1];
-            st = mha__fail(MHA_ERR_FORMAT,
-                           "%s: tensors %s [%llu, %llu] and %s [%llu, %llu] "
-                           "overlap",
-                           label, mha_escape(qa, sizeof qa, p->name),
-                           (unsigned long long)p->begin,
-                           (unsigned long long)p->end,
-                           mha_escape(qb, sizeof qb, e->name),
-                           (unsigned long long)e->begin,
-                           (unsigned long long)e->end);
-            goto done;
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: tensors %s [%llu, %llu] and %s [%llu, %llu] "
+                             "overlap",
+                             label, mha_escape(qa, sizeof qa, p->name),
+                             (unsigned long long)p->begin,
+                             (unsigned long long)p->end,
+                             mha_escape(qb, sizeof qb, e->name),
+                             (unsigned long long)e->begin,
+                             (unsigned long long)e->end);
         }
-        if (e->begin > at) {
-            st = mha__fail(MHA_ERR_FORMAT,
-                           "%s: data bytes [%llu, %llu) belong to no tensor "
-                           "(tensor %s begins at %llu)",
-                           label, (unsigned long long)at,
-                           (unsigned long long)e->begin,
-                           mha_escape(qa, sizeof qa, e->name),
-                           (unsigned long long)e->begin);
-            goto done;
-        }
+        if (e->begin > at)
+            return mha__fail(MHA_ERR_FORMAT,
+                             "%s: data bytes [%llu, %llu) belong to no tensor "
+                             "(tensor %s begins at %llu)",
+                             label, (unsigned long long)at,
+                             (unsigned long long)e->begin,
+                             mha_escape(qa, sizeof qa, e->name),
+                             (unsigned long long)e->begin);
         at = e->end;
     }
-    if (at != (uint64_t)data_len) {
-        st = mha__fail(MHA_ERR_FORMAT,
-                       "%s: the tensors cover %llu bytes but the data buffer "
-                       "is %zu bytes (%llu trailing bytes belong to no "
-                       "tensor)",
-                       label, (unsigned long long)at, data_len,
-                       (unsigned long long)((uint64_t)data_len - at));
-        goto done;
-    }
+    if (at != (uint64_t)data_len)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: the tensors cover %llu bytes but the data buffer "
+                         "is %zu bytes (%llu trailing bytes belong to no "
+                         "tensor)",
+                         label, (unsigned long long)at, data_len,
+                         (unsigned long long)((uint64_t)data_len - at));
+    return MHA_OK;
+}
 
-    // Metadata keys must be unique for mha_st_metadata to mean anything.
-    k = 0;
-    if (meta_json) {
-        for (const cJSON *m = meta_json->child; m; m = m->next, k++)
+// Metadata keys must be unique for mha_st_metadata to mean anything.
+static mha_status st_check_meta_keys(st_tables *t, const char *label) {
+    char qa[QUOTE_CAP];
+    st_meta *meta_by_key = t->meta_by_key;
+    int64_t k = 0;
+    if (t->meta_json) {
+        for (const cJSON *m = t->meta_json->child; m; m = m->next, k++)
             meta_by_key[k] = (st_meta){m->string, m->valuestring};
-        qsort(meta_by_key, (size_t)nmeta, sizeof *meta_by_key, cmp_meta_key);
-        for (int64_t i = 1; i < nmeta; i++) {
-            if (strcmp(meta_by_key[i - 1].key, meta_by_key[i].key) == 0) {
-                st = mha__fail(MHA_ERR_FORMAT,
-                               "%s: __metadata__ key %s appears twice", label,
-                               mha_escape(qa, sizeof qa, meta_by_key[i].key));
-                goto done;
-            }
+        qsort(meta_by_key, (size_t)t->nmeta, sizeof *meta_by_key, cmp_meta_key);
+        for (int64_t i = 1; i < t->nmeta; i++) {
+            if (strcmp(meta_by_key[i - 1].key, meta_by_key[i].key) == 0)
+                return mha__fail(MHA_ERR_FORMAT,
+                                 "%s: __metadata__ key %s appears twice", label,
+                                 mha_escape(qa, sizeof qa, meta_by_key[i].key));
         }
     }
+    return MHA_OK;
+}
 
-    // Valid: copy strings out of the cJSON tree and build the tables.
+// Valid: copy strings out of the cJSON tree and build the tables; the file
+// takes t's by_name, meta, meta_by_key and strings (NULL in t after).
+static mha_status st_build_tables(mha_st_file *f, st_tables *t,
+                                  const unsigned char *data,
+                                  const char *label) {
+    const int64_t ntensors = t->ntensors, nmeta = t->nmeta;
+    st_name_index *by_name = t->by_name;
+    st_meta *meta = t->meta, *meta_by_key = t->meta_by_key;
     f->tensors = mha__calloc((size_t)ntensors + 1, sizeof *f->tensors);
-    if (!f->tensors) {
-        st = mha__fail(MHA_ERR_NOMEM,
-                       "%s: out of memory for %lld tensor descriptors (%zu "
-                       "bytes)",
-                       label, (long long)ntensors,
-                       ((size_t)ntensors + 1) * sizeof *f->tensors);
-        goto done;
-    }
-    char *s = strings;
+    if (!f->tensors)
+        return mha__fail(MHA_ERR_NOMEM,
+                         "%s: out of memory for %lld tensor descriptors (%zu "
+                         "bytes)",
+                         label, (long long)ntensors,
+                         ((size_t)ntensors + 1) * sizeof *f->tensors);
+    char *s = t->strings;
     for (int64_t i = 0; i < ntensors; i++) {
-        const st_entry *e = &entries[i];
-        mha_st_tensor *t = &f->tensors[i];
+        const st_entry *e = &t->entries[i];
+        mha_st_tensor *x = &f->tensors[i];
         size_t len = strlen(e->name) + 1;
         memcpy(s, e->name, len);
-        t->name = s;
+        x->name = s;
         s += len;
-        t->dtype = e->dtype;
-        t->ndim = e->ndim;
-        memcpy(t->shape, e->shape, sizeof t->shape);
-        t->numel = e->numel;
-        t->data = data + e->begin;
-        t->nbytes = e->nbytes;
+        x->dtype = e->dtype;
+        x->ndim = e->ndim;
+        memcpy(x->shape, e->shape, sizeof x->shape);
+        x->numel = e->numel;
+        x->data = data + e->begin;
+        x->nbytes = e->nbytes;
     }
     for (int64_t i = 0; i < ntensors; i++)
         by_name[i] = (st_name_index){f->tensors[i].name, i};
     qsort(by_name, (size_t)ntensors, sizeof *by_name, cmp_name_index);
-    k = 0;
-    if (meta_json) {
-        for (const cJSON *m = meta_json->child; m; m = m->next, k++) {
+    int64_t k = 0;
+    if (t->meta_json) {
+        for (const cJSON *m = t->meta_json->child; m; m = m->next, k++) {
             size_t kl = strlen(m->string) + 1, vl = strlen(m->valuestring) + 1;
             memcpy(s, m->string, kl);
             memcpy(s + kl, m->valuestring, vl);
@@ -797,19 +399,39 @@ static mha_status st_load(mha_st_file *f) {
     f->nmeta = nmeta;
     f->meta = meta;
     f->meta_by_key = meta_by_key;
-    f->strings = strings;
-    by_name = NULL;
-    meta = meta_by_key = NULL;
-    strings = NULL;
-    st = MHA_OK;
+    f->strings = t->strings;
+    t->by_name = NULL;
+    t->meta = t->meta_by_key = NULL;
+    t->strings = NULL;
+    return MHA_OK;
+}
 
-done:
+// Validates f->bytes (f->len bytes) and builds the tables, phase by phase
+// (each check in the order above). On error the caller closes f.
+static mha_status st_load(mha_st_file *f) {
+    const char *label = f->label;
+    size_t hlen = 0;
+    mha_status st = st_header_length(&hlen, f);
+    if (st) return st;
+    const unsigned char *header = f->bytes + 8;
+    const unsigned char *data = header + hlen;
+    size_t data_len = f->len - 8 - hlen;
+
+    cJSON *root;
+    if ((st = st_parse_header(&root, header, hlen, label))) return st;
+    st_tables t = {0};
+    st = st_count(&t, root, label);
+    if (!st) st = st_alloc_tables(&t, label);
+    if (!st) st = st_check_entries(&t, root, label, data_len);
+    if (!st) st = st_check_layout(&t, label, data_len);
+    if (!st) st = st_check_meta_keys(&t, label);
+    if (!st) st = st_build_tables(f, &t, data, label);
     cJSON_Delete(root);
-    free(entries);
-    free(by_name);
-    free(meta);
-    free(meta_by_key);
-    free(strings);
+    free(t.entries);
+    free(t.by_name);
+    free(t.meta);
+    free(t.meta_by_key);
+    free(t.strings);
     return st;
 }
 
@@ -817,7 +439,7 @@ done:
 static mha_status st_open_bytes(mha_st_file **out, unsigned char *bytes,
                                 size_t len, const char *label) {
     mha_st_file *f = mha__calloc(1, sizeof *f);
-    char *lab = str_dup(label);
+    char *lab = mha__st_str_dup(label);
     if (!f || !lab) {
         free(f);
         free(lab);
@@ -1068,7 +690,7 @@ mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,
         // Same dtype: bytes as stored, swapped on a big-endian host.
         if (!n) return MHA_OK;
         memcpy(out, src, need);
-        if (!host_is_le() && to_size > 1) {
+        if (!mha__st_host_is_le() && to_size > 1) {
             for (size_t i = 0; i < n; i++) {
                 unsigned char *e = out + i * to_size;
                 for (size_t a = 0, b = to_size - 1; a < b; a++, b--) {
@@ -1113,301 +735,6 @@ mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,
                      "(allowed: any to F32/F64, F32/F64/BF16/F16 to BF16/F16, BOOL/U8 "
                      "to BOOL/U8, same dtype)",
                      q, mha_dtype_name(t->dtype), mha_dtype_name(to));
-}
-
-// ---------------------------------------------------------------------------
-// Writer
-
-typedef struct st_wtensor {
-    char *name;
-    mha_dtype dtype;
-    int ndim;
-    int64_t shape[MHA_MAX_DIMS];
-    unsigned char *data;  // (nbytes) little-endian copy
-    size_t nbytes;
-} st_wtensor;
-
-typedef struct st_wmeta {
-    char *key;
-    char *value;
-} st_wmeta;
-
-struct mha_st_writer {
-    st_wtensor *tensors;
-    int64_t ntensors, tensors_cap;
-    st_wmeta *meta;
-    int64_t nmeta, meta_cap;
-    uint64_t data_total;  // sum of nbytes, < 2^53
-};
-
-mha_status mha_st_writer_create(mha_st_writer **out) {
-    if (!out)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_create: out is NULL");
-    *out = mha__calloc(1, sizeof **out);
-    if (!*out)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_create: out of memory (%zu bytes)",
-                         sizeof **out);
-    return MHA_OK;
-}
-
-void mha_st_writer_destroy(mha_st_writer *w) {
-    if (!w) return;
-    for (int64_t i = 0; i < w->ntensors; i++) {
-        free(w->tensors[i].name);
-        free(w->tensors[i].data);
-    }
-    for (int64_t i = 0; i < w->nmeta; i++) {
-        free(w->meta[i].key);
-        free(w->meta[i].value);
-    }
-    free(w->tensors);
-    free(w->meta);
-    free(w);
-}
-
-// Room for one more element after count: arr itself, or a larger copy of
-// it (then *cap is updated), or NULL on out of memory (arr still valid).
-static void *grow(void *arr, int64_t *cap, int64_t count, size_t elem) {
-    if (count < *cap) return arr;
-    int64_t ncap = *cap ? *cap * 2 : 8;
-    size_t bytes;
-    if (mha__mul_overflow_size((size_t)ncap, elem, &bytes)) return NULL;
-    void *p = mha__realloc(arr, bytes);
-    if (p) *cap = ncap;
-    return p;
-}
-
-mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
-                             mha_dtype dtype, int ndim, const int64_t *shape,
-                             const void *data) {
-    if (!w || !name)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: NULL argument");
-    char q[QUOTE_CAP];
-    mha_escape(q, sizeof q, name);
-    size_t ok = utf8_valid_prefix(name);
-    if (name[0] == '\0' || name[ok] != '\0' ||
-        strcmp(name, "__metadata__") == 0)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: tensor name %s is empty, not "
-                         "valid UTF-8 or reserved",
-                         q);
-    size_t esize = mha_dtype_size(dtype);
-    if (!esize)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: tensor %s: invalid dtype %d", q,
-                         (int)dtype);
-    if (ndim < 0 || ndim > MHA_MAX_DIMS || (ndim > 0 && !shape))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: tensor %s: ndim %d not in [0, "
-                         "%d] (or shape NULL)",
-                         q, ndim, MHA_MAX_DIMS);
-    char sb[256];
-    mha__shape_str(sb, sizeof sb, ndim, shape);
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0)
-            return mha__fail(MHA_ERR_INVALID_ARG,
-                             "mha_st_writer_add: tensor %s: shape %s has a "
-                             "negative dim",
-                             q, sb);
-        if ((uint64_t)shape[i] >= ST_INT_LIMIT_U)
-            return mha__fail(MHA_ERR_OVERFLOW,
-                             "mha_st_writer_add: tensor %s: shape %s has a "
-                             "dim >= 2^53",
-                             q, sb);
-    }
-    int64_t numel;
-    size_t nbytes;
-    uint64_t total = w->data_total;
-    if (shape_numel(&numel, ndim, shape) || (uint64_t)numel > SIZE_MAX ||
-        mha__mul_overflow_size((size_t)numel, esize, &nbytes) ||
-        (uint64_t)nbytes >= ST_INT_LIMIT_U - total)
-        return mha__fail(MHA_ERR_OVERFLOW,
-                         "mha_st_writer_add: tensor %s: shape %s x %s "
-                         "overflows the size types",
-                         q, sb, mha_dtype_name(dtype));
-    if (nbytes && !data)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: tensor %s: data is NULL", q);
-    for (int64_t i = 0; i < w->ntensors; i++)
-        if (strcmp(w->tensors[i].name, name) == 0)
-            return mha__fail(MHA_ERR_INVALID_ARG,
-                             "mha_st_writer_add: tensor %s added twice", q);
-
-    st_wtensor *grown =
-        grow(w->tensors, &w->tensors_cap, w->ntensors, sizeof *w->tensors);
-    if (!grown)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_add: tensor %s: out of memory growing "
-                         "the list of %lld tensors",
-                         q, (long long)w->ntensors);
-    w->tensors = grown;
-    st_wtensor *t = &w->tensors[w->ntensors];
-    memset(t, 0, sizeof *t);
-    t->name = str_dup(name);
-    t->data = mha__malloc(nbytes ? nbytes : 1);
-    if (!t->name || !t->data) {
-        free(t->name);
-        free(t->data);
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_add: tensor %s: out of memory for "
-                         "%zu bytes",
-                         q, nbytes);
-    }
-    if (nbytes) memcpy(t->data, data, nbytes);
-    if (!host_is_le() && esize > 1) {
-        for (size_t i = 0; i < (size_t)numel; i++) {
-            unsigned char *e = t->data + i * esize;
-            for (size_t a = 0, b = esize - 1; a < b; a++, b--) {
-                unsigned char c = e[a];
-                e[a] = e[b];
-                e[b] = c;
-            }
-        }
-    }
-    t->dtype = dtype;
-    t->ndim = ndim;
-    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
-    t->nbytes = nbytes;
-    w->ntensors++;
-    w->data_total = total + nbytes;
-    return MHA_OK;
-}
-
-mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
-                                      const char *value) {
-    if (!w || !key || !value)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_set_metadata: NULL argument");
-    char q[QUOTE_CAP];
-    if (key[utf8_valid_prefix(key)] || value[utf8_valid_prefix(value)])
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_set_metadata: key %s or its value is "
-                         "not valid UTF-8",
-                         mha_escape(q, sizeof q, key));
-    char *v = str_dup(value);
-    if (!v)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_set_metadata: key %s: out of memory "
-                         "for a %zu-byte value",
-                         mha_escape(q, sizeof q, key), strlen(value) + 1);
-    for (int64_t i = 0; i < w->nmeta; i++) {
-        if (strcmp(w->meta[i].key, key) == 0) {
-            free(w->meta[i].value);
-            w->meta[i].value = v;
-            return MHA_OK;
-        }
-    }
-    char *k = str_dup(key);
-    st_wmeta *grown = grow(w->meta, &w->meta_cap, w->nmeta, sizeof *w->meta);
-    if (grown) w->meta = grown;
-    if (!k || !grown) {
-        free(k);
-        free(v);
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_set_metadata: key %s: out of memory "
-                         "adding entry %lld",
-                         mha_escape(q, sizeof q, key), (long long)w->nmeta + 1);
-    }
-    w->meta[w->nmeta++] = (st_wmeta){k, v};
-    return MHA_OK;
-}
-
-// Appends an exact decimal integer literal (cJSON would print large doubles
-// in exponent form) to arr. 0 on out of memory.
-static int add_int(cJSON *arr, uint64_t v) {
-    char buf[32];
-    snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
-    cJSON *item = cJSON_CreateRaw(buf);
-    if (!item) return 0;
-    cJSON_AddItemToArray(arr, item);
-    return 1;
-}
-
-// The header JSON (NULL on out of memory); free with cJSON_free.
-static char *build_header(const mha_st_writer *w) {
-    cJSON *root = cJSON_CreateObject();
-    if (!root) return NULL;
-    if (w->nmeta) {
-        cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
-        if (!m) goto fail;
-        for (int64_t i = 0; i < w->nmeta; i++)
-            if (!cJSON_AddStringToObject(m, w->meta[i].key, w->meta[i].value))
-                goto fail;
-    }
-    uint64_t at = 0;
-    for (int64_t i = 0; i < w->ntensors; i++) {
-        const st_wtensor *t = &w->tensors[i];
-        cJSON *e = cJSON_AddObjectToObject(root, t->name);
-        if (!e ||
-            !cJSON_AddStringToObject(e, "dtype", mha_dtype_name(t->dtype)))
-            goto fail;
-        cJSON *shape = cJSON_AddArrayToObject(e, "shape");
-        if (!shape) goto fail;
-        for (int d = 0; d < t->ndim; d++)
-            if (!add_int(shape, (uint64_t)t->shape[d])) goto fail;
-        cJSON *off = cJSON_AddArrayToObject(e, "data_offsets");
-        if (!off || !add_int(off, at) || !add_int(off, at + t->nbytes))
-            goto fail;
-        at += t->nbytes;
-    }
-    char *text = cJSON_PrintUnformatted(root);
-    cJSON_Delete(root);
-    return text;
-fail:
-    cJSON_Delete(root);
-    return NULL;
-}
-
-mha_status mha_st_writer_save(const mha_st_writer *w, const char *path) {
-    if (!w || !path)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_save: NULL argument");
-    char *text = build_header(w);
-    if (!text)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "%s: out of memory building the header (%lld "
-                         "tensors, %lld metadata entries)",
-                         path, (long long)w->ntensors, (long long)w->nmeta);
-    size_t n = strlen(text);
-    size_t padded = (n + 7) & ~(size_t)7;
-    if (padded > MHA_ST_MAX_HEADER) {
-        cJSON_free(text);
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "%s: header of %zu bytes exceeds the limit of %u",
-                         path, padded, MHA_ST_MAX_HEADER);
-    }
-    FILE *fp = fopen(path, "wb");
-    if (!fp) {
-        int err = errno;
-        cJSON_free(text);
-        return mha__fail(MHA_ERR_IO, "%s: cannot open for writing: %s", path,
-                         strerror(err));
-    }
-    unsigned char len8[8];
-    for (int i = 0; i < 8; i++)
-        len8[i] = (unsigned char)((uint64_t)padded >> (8 * i));
-    static const char spaces[8] = {' ', ' ', ' ', ' ', ' ', ' ', ' ', ' '};
-    int ok = fwrite(len8, 1, 8, fp) == 8 && fwrite(text, 1, n, fp) == n &&
-             fwrite(spaces, 1, padded - n, fp) == padded - n;
-    for (int64_t i = 0; ok && i < w->ntensors; i++) {
-        const st_wtensor *t = &w->tensors[i];
-        ok = fwrite(t->data, 1, t->nbytes, fp) == t->nbytes;
-    }
-    int err = ok ? 0 : errno;
-    cJSON_free(text);
-    if (fclose(fp) != 0 && ok) {
-        ok = 0;
-        err = errno;
-    }
-    if (!ok) {
-        remove(path);
-        return mha__fail(MHA_ERR_IO, "%s: write failed: %s", path,
-                         err ? strerror(err) : "short write");
-    }
-    return MHA_OK;
 }
 
 const char *mha_st_label(const mha_st_file *f) { return f ? f->label : ""; }
