@@ -146,31 +146,41 @@ void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, dou
     }
 }
 
-void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                      const mha_module *m, const mha_forward_args *a, char *ws) {
+// The forward's scratch: the plan's one block, carved at p->off_*.
+typedef struct ref_fwd_bufs {
+    double *q;       // (N, L, E)
+    double *k, *v;   // (N, Sp, Ekv)
+    double *ctx;     // (N, L, E)
+    double *headw;   // (N, H, L, Sp)
+    double *scores;  // nthreads x (L, Sp)
+    float *tbuf;     // the trace's copies
+    double *gate;    // (N, L, H), gated
+} ref_fwd_bufs;
+
+// 1. Projections (one row per (n, t)); then the appended keys/values.
+//   q (N, L, E) = query W_q^T + b_q
+//   k (N, Sp, Ekv) = [key W_k^T + b_k; bias_k; 0], v alike
+static void fwd_project(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                        const ref_fwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
+    mha__project_qkv(p, m, a, buf->q, buf->k, buf->v);
+    trace_buffer(a, "q", buf->tbuf, buf->q, N, L, E);
+    trace_buffer(a, "k", buf->tbuf, buf->k, N, Sp, Ekv);
+    trace_buffer(a, "v", buf->tbuf, buf->v, N, Sp, Ekv);
+}
+
+// 2. Attention per (b, h) on strided head views of q, k, v, ctx:
+//   ctx (N, L, E) as (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v,
+//   query head h reading KV head h / G; each head's weights (L, Sp) into
+//   headw (via_headw) or straight into the output (perhead)
+static void fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                      mha_tensor *weights, const ref_fwd_bufs *buf, bool perhead, bool via_headw) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
-    double *q = (double *)(ws + p->off_q);      // (N, L, E)
-    double *k = (double *)(ws + p->off_k);      // (N, Sp, Ekv)
-    double *v = (double *)(ws + p->off_v);      // (N, Sp, Ekv)
-    double *ctx = (double *)(ws + p->off_ctx);  // (N, L, E)
-    double *headw = (double *)(ws + p->off_headw);   // (N, H, L, Sp)
-    double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
-    float *tbuf = (float *)(ws + p->off_trace);      // the trace's copies
-
-    // 1. Projections (one row per (n, t)); then the appended keys/values.
-    mha__project_qkv(p, m, a, q, k, v);
-    trace_buffer(a, "q", tbuf, q, N, L, E);
-    trace_buffer(a, "k", tbuf, k, N, Sp, Ekv);
-    trace_buffer(a, "v", tbuf, v, N, Sp, Ekv);
-
-    // 2. Attention per (b, h) on strided head views of q, k, v, ctx.
+    double *q = buf->q, *k = buf->k, *v = buf->v, *ctx = buf->ctx, *headw = buf->headw;
+    double *scores = buf->scores;
+    float *tbuf = buf->tbuf;
     const double scale = 1.0 / sqrt((double)d);
-    const bool avg = a->need_weights && a->average_attn_weights;
-    const bool perhead = a->need_weights && !a->average_attn_weights;
-    // every head's weights go to headw when they are averaged or a block of
-    // them is asked for; else straight into the output
-    const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
     mha__trace tr = {a->trace, a->trace_user, tbuf};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t bh = 0; bh < N * H; bh++) {
@@ -207,18 +217,29 @@ void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                                 scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
     }
     trace_buffer(a, "concat", tbuf, ctx, N, L, E);
-    // Gates: head h's context times g[n, t, h] (before W_O).
-    if (mha__module_gated(m)) {
-        double *gate = (double *)(ws + p->off_gate);
-        mha__gates_d(p, m, a, gate);
-        for (int64_t r = 0; r < N * L; r++)
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
-        trace_buffer(a, "gated", tbuf, ctx, N, L, E);
-    }
+}
 
-    // 3. Averaged weights: mean over the (selected) heads, summed in head
-    //    order; or the selected block of the per-head weights.
+// Gates: head h's context times g[n, t, h] (before W_O).
+//   ctx (N, L, E) as (N, L, H, d) *= gate (N, L, H)
+static void fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                      const ref_fwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    double *ctx = buf->ctx, *gate = buf->gate;
+    mha__gates_d(p, m, a, gate);
+    for (int64_t r = 0; r < N * L; r++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
+    trace_buffer(a, "gated", buf->tbuf, ctx, N, L, E);
+}
+
+// 3. Averaged weights: mean over the (selected) heads, summed in head
+//    order; or the selected block of the per-head weights.
+//   weights (N,) Ls, Sp (avg) or (N,) Hs, Ls, Sp from headw (N, H, L, Sp)
+static void fwd_weights(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                        mha_tensor *weights, const ref_fwd_bufs *buf, bool avg, bool via_headw) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, H = p->H;
+    double *headw = buf->headw;
+    double *scores = buf->scores;
     if (avg) {
         int o = p->unbatched ? 0 : 1;  // weights (N,) Ls, Sp
         const int64_t Ls = p->wr1 - p->wr0, live = mha__live_in(m, p->wh0, p->wh1);
@@ -249,9 +270,15 @@ void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                                              (i - p->wr0) * weights->stride[o + 1],
                                          headw + ((b * H + h) * L + i) * Sp, NULL, Sp);
     }
+}
 
-    // 4. Output projection, written in the query's layout; then the output
-    //    dropout (training only).
+// 4. Output projection, written in the query's layout; then the output
+//    dropout (training only).
+//   attn_output (L, N, E) or (N, L, E) = drop_o(ctx (N, L, E) W_o^T + b_o)
+static void fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
+                            const mha_forward_args *a, const ref_fwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E;
+    double *ctx = buf->ctx;
     int64_t os[3];
     mha__seq_batch_feat(os, out, m->cfg.batch_first);
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
@@ -268,8 +295,35 @@ void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     }
     if (a->trace) {
         const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
-        trace_view(a, "output", tbuf, out->data, out->dtype, st, N, L, E);
+        trace_view(a, "output", buf->tbuf, out->data, out->dtype, st, N, L, E);
     }
+}
+
+// The forward: passes 1 to 4 (the functions above) on the plan's scratch ws.
+void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                      const mha_module *m, const mha_forward_args *a, char *ws) {
+    const ref_fwd_bufs buf = {
+        .q = (double *)(ws + p->off_q),
+        .k = (double *)(ws + p->off_k),
+        .v = (double *)(ws + p->off_v),
+        .ctx = (double *)(ws + p->off_ctx),
+        .headw = (double *)(ws + p->off_headw),
+        .scores = (double *)(ws + p->off_scores),
+        .tbuf = (float *)(ws + p->off_trace),
+        .gate = (double *)(ws + p->off_gate),
+    };
+    // where the heads' weights go: every head's to headw when they are
+    // averaged or a block of them is asked for; else straight into the
+    // output
+    const bool avg = a->need_weights && a->average_attn_weights;
+    const bool perhead = a->need_weights && !a->average_attn_weights;
+    const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
+
+    fwd_project(p, m, a, &buf);                             // 1. q, k, v
+    fwd_heads(p, m, a, weights, &buf, perhead, via_headw);  // 2. ctx, heads' weights
+    if (mha__module_gated(m)) fwd_gates(p, m, a, &buf);     //    ctx *= gates
+    fwd_weights(p, m, a, weights, &buf, avg, via_headw);    // 3. the weights
+    fwd_out_project(p, out, m, a, &buf);                    // 4. the output
 }
 
 // ---------------------------------------------------------------------------
