@@ -381,17 +381,25 @@ static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc,
     }
 }
 
-// The reference module backward (mha_backward's reference path; see the
-// table at the top of this section).
-mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
-                             mha_module *grads, const mha_module *m, const mha_forward_args *a,
-                             const mha_tensor *gout, bool accumulate) {
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+// The backward's scratch, one block of doubles: per thread 2 (L, Sp) and,
+// with G > 1, 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy
+// (N, L, E); k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, E), gate and dg
+// (N, L, H).
+typedef struct ref_bwd_bufs {
+    double *block;                     // the allocation (free)
+    size_t lsp;                        // L Sp [+ Sp d]: half a thread's part
+    double *pw;                        // nt x (2 (L, Sp) [+ 2 (Sp, d)])
+    double *q, *dq, *ctx, *dctx, *dy;  // (N, L, E)
+    double *k, *v, *dk, *dv;           // (N, Sp, Ekv)
+    double *dgc;                       // (N, L, E), gated
+    double *gate, *dg;                 // (N, L, H), gated
+} ref_bwd_bufs;
+
+// Sizes, allocates and carves that block (freed by the caller: buf->block).
+static mha_status bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_module *m) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
-    // Scratch, one block of doubles: per thread 2 (L, Sp) and, with G > 1,
-    // 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy (N, L, E);
-    // k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, E), gate and dg (N, L, H).
     const bool gated = mha__module_gated(m);
     size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * Ekv),
            nlh = gated ? (size_t)(N * L * H) : 0,
@@ -409,10 +417,20 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
     double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
     double *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
     double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh;
+    *buf = (ref_bwd_bufs){block, lsp, pw, q, dq, ctx, dctx, dy, k, v, dk, dv, dgc, gate, dg};
+    return MHA_OK;
+}
 
-    // Forward step 1 again: the projections.
-    mha__project_qkv(p, m, a, q, k, v);
-
+// The output side:
+//   y = drop_o(ctx Wo^T + bo)       dy (N, L, E) = dY * keep_o / (1 - p_o)
+//                                   dctx (N, L, E) = dy Wo
+//   gated: gctx_h = ctx_h * g       dgc = dy Wo, dctx_h = dgc_h * g
+static void bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                        const mha_tensor *gout, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    const int nt = p->nthreads;
+    const bool gated = mha__module_gated(m);
+    double *dctx = buf->dctx, *dy = buf->dy, *dgc = buf->dgc, *gate = buf->gate;
     // y = drop_o(ctx Wo^T + bo):  dy = dY * keep_o / (1 - p_o), (N, L, E)
     int64_t gs[3];
     mha__seq_batch_feat(gs, gout, m->cfg.batch_first);
@@ -438,11 +456,22 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
                 for (int64_t c = 0; c < d; c++)
                     dctx[r * E + h * d + c] = dgc[r * E + h * d + c] * gate[r * H + h];
     }
+}
 
-    // Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
-    // (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
-    // the first writes dk_g, dv_g, each later one adds its share (so the
-    // sum's order is fixed, whatever the threads).
+// Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
+// (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
+// the first writes dk_g, dv_g, each later one adds its share (so the
+// sum's order is fixed, whatever the threads).
+//   ctx_h = attention(q_h, k_g, v_g)   dq (N, L, E), dk, dv (N, Sp, Ekv)
+//                                      (ref.c); dk_g = sum of the group's
+//                                      dk_h, summed in increasing h
+static void bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
+    const int nt = p->nthreads;
+    const size_t lsp = buf->lsp;
+    double *pw = buf->pw, *q = buf->q, *dq = buf->dq, *ctx = buf->ctx, *dctx = buf->dctx;
+    double *k = buf->k, *v = buf->v, *dk = buf->dk, *dv = buf->dv;
     const double scale = 1.0 / sqrt((double)d);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bg = 0; bg < N * Hkv; bg++) {
@@ -475,8 +504,20 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
                     }
         }
     }
+}
 
-    mha__rope_qk_d(p, a, dq, dk, true);  // through the rotation (orthogonal)
+// The gates' gradients (gated modules):
+//   gctx_h = ctx_h * g              dg (N, L, H) = sum_c dgc_h ctx_h
+//   g = sigmoid(z) (dynamic)        dz = dg g (1 - g), in dg
+//   g = head_gate[h] (static)       dgate_h = sum_{n,t} dg
+//   z = Xq W_g^T + b_g (dynamic)    dW_g = dz^T Xq, db_g = sum dz
+// and dgc <- gctx, the output projection's input, for its weight gradient.
+static void bwd_gate_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                           mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    const int nt = p->nthreads;
+    const bool gated = mha__module_gated(m);
+    double *ctx = buf->ctx, *dgc = buf->dgc, *gate = buf->gate, *dg = buf->dg;
     if (gated) {
         // dg[n, t, h] = sum_c dgc ctx (the ungated context); then dgc <- gctx.
         // Dynamic: dz = dg g (1 - g) in dg, z = x_q W_g^T + b_g.
@@ -502,33 +543,61 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
     if (grads && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = sum dz
         grad_linear(grads->gate_weight, grads->gate_bias, accumulate, dg, L, a->query->data,
                     a->query->dtype, p->qs, N, L, H, E, nt);
-    if (grads) {
-        float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
-              *gbv = gbq ? gbq + E + Ekv : NULL;
-        mha_dtype qf = a->query->dtype, kf = a->key->dtype, vf = a->value->dtype;
-        // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
-        // ctx is gctx, formed in dgc after dg)
-        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
-                    MHA_F64, cs, N, L, E, E, nt);
-        // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
-        grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs,
-                    N, L, E, E, nt);
-        grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks,
-                    N, S, Ekv, p->kdim, nt);
-        grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs,
-                    N, S, Ekv, p->vdim, nt);
-        // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
-        if (m->cfg.add_bias_kv)
-            for (int64_t e = 0; e < Ekv; e++) {
-                double sk = 0.0, sv = 0.0;
-                for (int64_t n = 0; n < N; n++) {
-                    sk += dk[(n * Sp + S) * Ekv + e];
-                    sv += dv[(n * Sp + S) * Ekv + e];
-                }
-                store(grads->bias_k, MHA_F32, e, sk, accumulate);
-                store(grads->bias_v, MHA_F32, e, sv, accumulate);
+}
+
+// The parameters' gradients (= or += by accumulate):
+//   y = ctx Wo^T + bo               dWo = dy^T ctx; dbo = sum dy
+//   q = Xq Wq^T + bq                dWq = dq^T Xq; dbq = sum dq
+//   k = [Xk Wk^T + bk; bias_k; 0]   rows < S as for q;
+//                                   dbias_k = sum_n dk[n, S]
+//   v = [Xv Wv^T + bv; bias_v; 0]   the same
+static void bwd_param_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                            mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
+    const int64_t Ekv = p->Ekv;
+    const int nt = p->nthreads;
+    const bool gated = mha__module_gated(m);
+    double *dq = buf->dq, *ctx = buf->ctx, *dy = buf->dy, *dk = buf->dk, *dv = buf->dv;
+    double *dgc = buf->dgc;
+    const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
+    float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
+          *gbv = gbq ? gbq + E + Ekv : NULL;
+    mha_dtype qf = a->query->dtype, kf = a->key->dtype, vf = a->value->dtype;
+    // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
+    // ctx is gctx, formed in dgc after dg)
+    grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
+                MHA_F64, cs, N, L, E, E, nt);
+    // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
+    grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs,
+                N, L, E, E, nt);
+    grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks,
+                N, S, Ekv, p->kdim, nt);
+    grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs,
+                N, S, Ekv, p->vdim, nt);
+    // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
+    if (m->cfg.add_bias_kv)
+        for (int64_t e = 0; e < Ekv; e++) {
+            double sk = 0.0, sv = 0.0;
+            for (int64_t n = 0; n < N; n++) {
+                sk += dk[(n * Sp + S) * Ekv + e];
+                sv += dv[(n * Sp + S) * Ekv + e];
             }
-    }
+            store(grads->bias_k, MHA_F32, e, sk, accumulate);
+            store(grads->bias_v, MHA_F32, e, sv, accumulate);
+        }
+}
+
+// The inputs' gradients (= or += by accumulate), each in its view's layout:
+//   q = Xq Wq^T + bq                dXq = dq Wq (+ dz W_g, dynamic gates)
+//   k = Xk Wk^T + bk                dXk = dk Wk (rows < S)
+//   v = Xv Wv^T + bv                dXv = dv Wv (rows < S)
+static void bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tensor *gq,
+                            mha_tensor *gk, mha_tensor *gv, bool accumulate,
+                            const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H;
+    const int64_t Ekv = p->Ekv;
+    const int nt = p->nthreads;
+    double *dq = buf->dq, *dk = buf->dk, *dv = buf->dv, *dg = buf->dg;
     // dXq = dq Wq, dXk = dk Wk (rows < S), dXv = dv Wv  (forward: projections)
     int64_t xs[3];
     if (gq) {
@@ -548,7 +617,28 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
         grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->v_weight,
                    N, S, Ekv, p->vdim, nt);
     }
-    free(block);
+}
+
+// The reference module backward (mha_backward's reference path; see the
+// table at the top of this section): the forward's projections again, then
+// dy/dctx, the heads, the gates', the parameters' and the inputs' gradients.
+mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                             mha_module *grads, const mha_module *m, const mha_forward_args *a,
+                             const mha_tensor *gout, bool accumulate) {
+    ref_bwd_bufs buf = {0};  // (initialised for the compiler: read only after MHA_OK)
+    mha_status st = bwd_alloc(&buf, p, m);
+    if (st) return st;
+
+    // Forward step 1 again: the projections.
+    mha__project_qkv(p, m, a, buf.q, buf.k, buf.v);
+
+    bwd_dy_dctx(p, m, a, gout, &buf);                   // dy, dctx (gated: dgc, gates)
+    bwd_heads(p, m, &buf);                              // dq, dk, dv; ctx recomputed
+    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);         // through the rotation (orthogonal)
+    bwd_gate_grads(p, m, a, grads, accumulate, &buf);   // dg, the gates' parameters
+    if (grads) bwd_param_grads(p, m, a, grads, accumulate, &buf);  // dW, db
+    bwd_input_grads(p, m, gq, gk, gv, accumulate, &buf);           // dX
+    free(buf.block);
     return MHA_OK;
 }
 
