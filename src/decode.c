@@ -10,8 +10,30 @@
 
 #include "kvcache.h"
 #include "linear.h"
-mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
-                              mha_kv_cache *cache) {
+
+// What the phases share: the plan, the kernels, the scratch and the views.
+typedef struct cached_call {
+    fwd_plan p;
+    const mha__kernels *kt;
+    int nt;
+    bool seq_first, gated;
+    int64_t R;                // rows of the query (N T)
+    // the scratch: blk (xg, wt, wo, gs, qkv, ctx, yt, wh), the start
+    // positions, gbuf (gated: gate (R, H), gctx (R, E), packed W_g)
+    float *blk, *gbuf;
+    int64_t *starts;
+    size_t pw, pwkv;          // floats of a packed (E, E) / (E, Ekv) weight
+    float *xg, *wt, *wo, *gs, *qkv, *ctx, *yt, *wh;
+    const float *X;           // the query rows (R, E), row stride ldx
+    int64_t ldx;
+    mha_tensor qv, cv;        // q and ctx as (N, H, T, d) views of the rows
+} cached_call;
+
+// Check: what a KV cache does not take, float32 query and output, the
+// plan (the key and value are the query, causal, fused), the output, the
+// cache's dims against the module's.
+static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_module *m,
+                               const mha_forward_args *a, const mha_kv_cache *cache) {
     if (!out || !m || !a || !cache || !a->query)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_cached: NULL argument");
     const mha_config *cfg = &m->cfg;
@@ -31,14 +53,14 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     a2.rope_start = NULL;
     a2.save = NULL;
     a2.impl = MHA_IMPL_FUSED;
-    fwd_plan p;
-    mha_status st = mha__plan_forward(&p, m, &a2);
+    fwd_plan *p = &c->p;
+    mha_status st = mha__plan_forward(p, m, &a2);
     if (st) return st;
-    if ((st = mha__check_output(out, "attn_output", &p.out_shape)) ||
+    if ((st = mha__check_output(out, "attn_output", &p->out_shape)) ||
         (st = mha__check_no_overlap(out, "attn_output", a->query, "query")))
         return st;
-    const int64_t N = p.N, T = p.L, E = p.E, H = p.H, d = p.d, R = mha__rows_of(a->query);
-    const int64_t Hkv = p.Hkv, Ekv = p.Ekv, W3 = E + 2 * Ekv;
+    const int64_t N = p->N, d = p->d, Hkv = p->Hkv;
+    c->R = mha__rows_of(a->query);
     int64_t cB, cH, cD, cDv;
     mha__kv_cache_dims(cache, &cB, &cH, &cD, &cDv);
     if (cB != N || cH != Hkv || cD != d || cDv != d)
@@ -48,9 +70,19 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
                          "heads (num_kv_heads) of dim %lld",
                          (long long)cB, (long long)cH, (long long)cD, (long long)cDv,
                          (long long)N, (long long)Hkv, (long long)d);
-    const mha__kernels *kt = mha__kernels_get();
-    const int nt = p.nthreads;
-    const bool seq_first = p.unbatched || !cfg->batch_first;
+    return MHA_OK;
+}
+
+// Scratch: the kernels and threads; one block, the start positions (N)
+// and, gated, gate (R, H), gctx (R, E) and the packed W_g, all allocated
+// before the cache changes; the block carved into c.
+static mha_status cached_scratch(cached_call *c, const mha_module *m) {
+    const fwd_plan *p = &c->p;
+    const int64_t N = p->N, E = p->E, H = p->H, R = c->R;
+    const int64_t Ekv = p->Ekv, W3 = E + 2 * Ekv;
+    const mha__kernels *kt = c->kt = mha__kernels_get();
+    const int nt = c->nt = p->nthreads;
+    c->seq_first = p->unbatched || !m->cfg.batch_first;
     // scratch: gathered x, packed weights (E (E + 2 Ekv) or separate) and
     // Wo, GEMM scratch, qkv (R, E + 2 Ekv), ctx (R, E), y (R, E), the start
     // positions
@@ -63,7 +95,7 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
         return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
     // (everything is allocated before the cache changes: a failure after
     // the append can only come from the attention, and is rolled back)
-    const bool gated = mha__module_gated(m);
+    const bool gated = c->gated = mha__module_gated(m);
     const size_t gfloats = gated ? (size_t)(R * H + R * E) + mha__gemm_packed_b_floats(kt, E, H) : 0;
     float *blk = mha__alloc(bytes);
     int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
@@ -78,6 +110,20 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     }
     float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pw, *qkv = gs + n_gs,
           *ctx = qkv + R * W3, *yt = ctx + R * E, *wh = yt + R * E;
+    c->blk = blk, c->gbuf = gbuf, c->starts = starts, c->pw = pw, c->pwkv = pwkv;
+    c->xg = xg, c->wt = wt, c->wo = wo, c->gs = gs, c->qkv = qkv, c->ctx = ctx, c->yt = yt;
+    c->wh = wh;
+    return MHA_OK;
+}
+
+// Project: qkv (R, E + 2 Ekv) = X W_in^T + b_in (one packed GEMM or three),
+// X the query's rows as they lie or gathered into xg.
+static void cached_project(cached_call *c, const mha_module *m, const mha_forward_args *a) {
+    const int64_t E = c->p.E, R = c->R, Ekv = c->p.Ekv, W3 = E + 2 * Ekv;
+    const mha__kernels *kt = c->kt;
+    const int nt = c->nt;
+    const size_t pw = c->pw, pwkv = c->pwkv;
+    float *xg = c->xg, *wt = c->wt, *gs = c->gs, *qkv = c->qkv, *wh = c->wh;
     int64_t ldx = E;
     const float *X = xg;
     if (mha__rows_direct(a->query, &ldx)) X = a->query->data;
@@ -92,6 +138,20 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
         mha__linear_rows(kt, qkv + E + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh), bq ? bq + E + Ekv : NULL,
                     R, E, Ekv, wt + pw + pwkv, gs, nt);
     }
+    c->X = X, c->ldx = ldx;
+}
+
+// RoPE and append: q, k, v, ctx as (N, H, T, d) and (N, Hkv, T, d) views
+// of the rows; RoPE on q and k at the cache's positions (starts, its
+// lengths before); k and v appended to the cache.
+static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
+                                     mha_kv_cache *cache) {
+    const int64_t N = c->p.N, T = c->p.L, E = c->p.E, H = c->p.H, d = c->p.d;
+    const int64_t Hkv = c->p.Hkv, Ekv = c->p.Ekv, W3 = E + 2 * Ekv;
+    const bool seq_first = c->seq_first;
+    float *qkv = c->qkv, *ctx = c->ctx;
+    int64_t *starts = c->starts;
+    mha_status st;
     // (N, H, T, d) and (N, Hkv, T, d) views of the rows: row r = t N + n
     // (seq first) or n T + t
     const int64_t ns = seq_first ? 1 : T, ts = seq_first ? N : 1;
@@ -99,7 +159,21 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     mha_tensor kv = {qkv + E, MHA_F32, 4, {N, Hkv, T, d}, {ns * W3, d, ts * W3, 1}};
     mha_tensor vv = kv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
     vv.data = qkv + E + Ekv;
+    c->qv = qv, c->cv = cv;  // (what the attention reads and writes)
     for (int64_t n = 0; n < N; n++) starts[n] = mha_kv_cache_length(cache, n);
+    if ((st = mha_rope_apply(&qv, &a->rope, starts, false)) ||
+        (st = mha_rope_apply(&kv, &a->rope, starts, false)) ||
+        (st = mha_kv_cache_append(cache, &kv, &vv, NULL)))
+        return st;
+    return MHA_OK;
+}
+
+// Attend: ctx (N, H, T, d) over the cache (window, soft cap, ALiBi); on
+// an error the cache rolled back to its lengths before the append.
+static mha_status cached_attend(cached_call *c, const mha_forward_args *a, mha_kv_cache *cache) {
+    const int64_t N = c->p.N, H = c->p.H;
+    const int64_t *starts = c->starts;
+    mha_status st;
     float slopes_buf[MHA__ALIBI_MAX_DEFAULT];
     mha_cache_attend_args ca;
     mha_cache_attend_args_init(&ca);
@@ -113,16 +187,26 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
             ca.alibi_slopes = slopes_buf;
         }
     }
-    if ((st = mha_rope_apply(&qv, &a->rope, starts, false)) ||
-        (st = mha_rope_apply(&kv, &a->rope, starts, false)) ||
-        (st = mha_kv_cache_append(cache, &kv, &vv, NULL)))
-        goto done;
-    if ((st = mha_kv_cache_attend(&cv, &qv, cache, &ca, NULL))) {
+    if ((st = mha_kv_cache_attend(&c->cv, &c->qv, cache, &ca, NULL))) {
         // the cache as it was: its lengths before the append
         for (int64_t n = 0; n < N; n++)
             if (mha_kv_cache_truncate(cache, n, starts[n])) break;  // (cannot fail)
-        goto done;
+        return st;
     }
+    return MHA_OK;
+}
+
+// Gates and out-project: pruned heads' context zeroed; gated: gctx =
+// ctx_h * gate; y (R, E) = gctx W_o^T + b_o, into out's rows directly or
+// through yt.
+static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module *m) {
+    const int64_t E = c->p.E, H = c->p.H, d = c->p.d, R = c->R;
+    const mha__kernels *kt = c->kt;
+    const int nt = c->nt;
+    const bool gated = c->gated;
+    float *gbuf = c->gbuf, *wo = c->wo, *gs = c->gs, *ctx = c->ctx, *yt = c->yt, *wh = c->wh;
+    const float *X = c->X;
+    const int64_t ldx = c->ldx;
     for (int64_t h = 0; h < H; h++)  // pruned heads: zero context (computed all the same)
         if (!mha__head_live(m, h)) mha__zero_head_rows(ctx + h * d, E, 0, R, d);
     const float *octx = ctx;
@@ -140,9 +224,20 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
             mha__mat row = mha__view_row(out, r);
             for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
         }
-done:
-    mha__free(gbuf);
-    mha__free(blk);
-    free(starts);
+}
+
+// The phases: check -> scratch -> project -> RoPE and append -> attend ->
+// gates and out-project; the scratch freed whatever happened.
+mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
+                              mha_kv_cache *cache) {
+    cached_call c = {0};  // (initialised for the compiler: read only after MHA_OK)
+    mha_status st;
+    if ((st = cached_check(&c, out, m, a, cache)) || (st = cached_scratch(&c, m))) return st;
+    cached_project(&c, m, a);
+    if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, a, cache)))
+        cached_out_project(&c, out, m);
+    mha__free(c.gbuf);
+    mha__free(c.blk);
+    free(c.starts);
     return st;
 }

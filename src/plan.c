@@ -62,12 +62,12 @@ static mha_status weights_block(fwd_plan *p, const mha_forward_args *a) {
     return MHA_OK;
 }
 
-mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
-                               const mha_forward_args *a) {
+// The inputs: the impl, the dtypes, query/key/value shapes against the
+// module; dims, (seq, batch, feature) strides, Sp = S + appended keys.
+//   query (L, N, E) or (N, L, E) (batch_first) or (L, E) unbatched;
+//   key (S, N, kdim), value (S, N, vdim) alike
+static mha_status plan_inputs(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     char s1[160], s2[160], s3[160];
-    if (!m || !a)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
-    memset(p, 0, sizeof *p);
     mha_status st;
     if ((st = mha__check_impl(a->impl))) return st;
     if (a->save && (st = mha__require_f32_weights(m, "mha_forward with save"))) return st;
@@ -125,8 +125,72 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     mha__seq_batch_feat(p->ks, k, c->batch_first);
     mha__seq_batch_feat(p->vs, v, c->batch_first);
     p->Sp = p->S + (c->add_bias_kv ? 1 : 0) + (c->add_zero_attn ? 1 : 0);
+    return MHA_OK;
+}
 
-    // Masks, as (b, h, i, j) strides.
+// key_padding_mask (N, S), or (S) unbatched, as (b, j) strides.
+static mha_status plan_kpm(fwd_plan *p, const mha_tensor *t) {
+    char s1[160], s2[160];
+    mha_status st;
+    if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;
+    bool ok = p->unbatched ? (t->ndim == 1 && t->shape[0] == p->S)
+                           : (t->ndim == 2 && t->shape[0] == p->N &&
+                              t->shape[1] == p->S);
+    if (!ok)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "key_padding_mask: shape %s, expected %s",
+                         mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                         p->unbatched
+                             ? mha__shape_str(s2, sizeof s2, 1, &p->S)
+                             : mha__shape_str(s2, sizeof s2, 2,
+                                              (int64_t[]){p->N, p->S}));
+    p->mask.kpm = t->data;
+    p->mask.kpm_dtype = t->dtype;
+    p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
+    p->mask.kpm_s[1] = t->stride[t->ndim - 1];
+    return MHA_OK;
+}
+
+// attn_mask (L, S), or (N H, L, S) ((H, L, S) unbatched), as (b, h, i, j)
+// strides.
+static mha_status plan_attn_mask(fwd_plan *p, const mha_tensor *t) {
+    char s1[160], s2[160], s3[160];
+    mha_status st;
+    if ((st = mha__check_mask_dtype(t, "attn_mask"))) return st;
+    int64_t nh = p->unbatched ? p->H : p->N * p->H;
+    bool ok2 = t->ndim == 2 && t->shape[0] == p->L && t->shape[1] == p->S;
+    bool ok3 = t->ndim == 3 && t->shape[0] == nh && t->shape[1] == p->L &&
+               t->shape[2] == p->S;
+    if (!ok2 && !ok3)
+        return mha__fail(MHA_ERR_SHAPE,
+                         "attn_mask: shape %s, expected (L, S) = %s or "
+                         "(%s, L, S) = %s",
+                         mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                         mha__shape_str(s2, sizeof s2, 2,
+                                        (int64_t[]){p->L, p->S}),
+                         p->unbatched ? "num_heads" : "N*num_heads",
+                         mha__shape_str(s3, sizeof s3, 3,
+                                        (int64_t[]){nh, p->L, p->S}));
+    p->mask.attn = t->data;
+    p->mask.attn_dtype = t->dtype;
+    if (ok2) {
+        p->mask.attn_s[0] = 0;
+        p->mask.attn_s[1] = 0;
+        p->mask.attn_s[2] = t->stride[0];
+        p->mask.attn_s[3] = t->stride[1];
+    } else {
+        p->mask.attn_s[0] = p->unbatched ? 0 : p->H * t->stride[0];
+        p->mask.attn_s[1] = t->stride[0];
+        p->mask.attn_s[2] = t->stride[1];
+        p->mask.attn_s[3] = t->stride[2];
+    }
+    return MHA_OK;
+}
+
+// Masks, as (b, h, i, j) strides: causal, the window, the soft cap, RoPE
+// and ALiBi, key_padding_mask, attn_mask.
+static mha_status plan_masks(fwd_plan *p, const mha_forward_args *a) {
+    mha_status st;
     p->mask.s_masked = p->S;
     p->mask.causal = a->is_causal;
     if ((st = mha__check_attn_opts("mha_forward", a->window_left, a->window_right, a->softcap,
@@ -136,57 +200,17 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     p->mask.win_right = a->window_right;
     if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, a, p->N, p->H, p->d)))
         return st;
-    if (a->key_padding_mask) {
-        const mha_tensor *t = a->key_padding_mask;
-        if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;
-        bool ok = p->unbatched ? (t->ndim == 1 && t->shape[0] == p->S)
-                               : (t->ndim == 2 && t->shape[0] == p->N &&
-                                  t->shape[1] == p->S);
-        if (!ok)
-            return mha__fail(MHA_ERR_SHAPE,
-                             "key_padding_mask: shape %s, expected %s",
-                             mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
-                             p->unbatched
-                                 ? mha__shape_str(s2, sizeof s2, 1, &p->S)
-                                 : mha__shape_str(s2, sizeof s2, 2,
-                                                  (int64_t[]){p->N, p->S}));
-        p->mask.kpm = t->data;
-        p->mask.kpm_dtype = t->dtype;
-        p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
-        p->mask.kpm_s[1] = t->stride[t->ndim - 1];
-    }
-    if (a->attn_mask) {
-        const mha_tensor *t = a->attn_mask;
-        if ((st = mha__check_mask_dtype(t, "attn_mask"))) return st;
-        int64_t nh = p->unbatched ? p->H : p->N * p->H;
-        bool ok2 = t->ndim == 2 && t->shape[0] == p->L && t->shape[1] == p->S;
-        bool ok3 = t->ndim == 3 && t->shape[0] == nh && t->shape[1] == p->L &&
-                   t->shape[2] == p->S;
-        if (!ok2 && !ok3)
-            return mha__fail(MHA_ERR_SHAPE,
-                             "attn_mask: shape %s, expected (L, S) = %s or "
-                             "(%s, L, S) = %s",
-                             mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
-                             mha__shape_str(s2, sizeof s2, 2,
-                                            (int64_t[]){p->L, p->S}),
-                             p->unbatched ? "num_heads" : "N*num_heads",
-                             mha__shape_str(s3, sizeof s3, 3,
-                                            (int64_t[]){nh, p->L, p->S}));
-        p->mask.attn = t->data;
-        p->mask.attn_dtype = t->dtype;
-        if (ok2) {
-            p->mask.attn_s[0] = 0;
-            p->mask.attn_s[1] = 0;
-            p->mask.attn_s[2] = t->stride[0];
-            p->mask.attn_s[3] = t->stride[1];
-        } else {
-            p->mask.attn_s[0] = p->unbatched ? 0 : p->H * t->stride[0];
-            p->mask.attn_s[1] = t->stride[0];
-            p->mask.attn_s[2] = t->stride[1];
-            p->mask.attn_s[3] = t->stride[2];
-        }
-    }
+    if (a->key_padding_mask && (st = plan_kpm(p, a->key_padding_mask))) return st;
+    if (a->attn_mask && (st = plan_attn_mask(p, a->attn_mask))) return st;
+    return MHA_OK;
+}
 
+// Dropout (training only), the output shape (the query's) and the weights'
+// ((N,) [Hs,] Ls, Sp: the weights block, heads averaged or not).
+static mha_status plan_shapes(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
+    const mha_config *c = &m->cfg;
+    const mha_tensor *q = a->query;
+    mha_status st;
     // Dropout (training only).
     if (a->training && c->dropout > 0.0f)
         p->drop = (mha__dropout){c->dropout, a->dropout_seed, a->dropout_offset,
@@ -202,7 +226,14 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     if (!a->average_attn_weights) w->dims[w->ndim++] = p->wh1 - p->wh0;
     w->dims[w->ndim++] = p->wr1 - p->wr0;
     w->dims[w->ndim++] = p->Sp;
+    return MHA_OK;
+}
 
+// The threads, and the reference's scratch layout (p->off_*, p->ws_bytes):
+//   q, ctx (N, L, E) and k, v (N, Sp, Ekv) doubles; headw (N, H, L, Sp)
+//   when the heads' weights are gathered; scores nthreads x (L, Sp); the
+//   trace's floats; gate (N, L, H) of a gated module
+static mha_status plan_scratch(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     // Scratch layout.
     // Threads: one for a trace, and for small problems, where waking a
     // thread team costs more than the work (results are the same either
@@ -248,6 +279,12 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
                          (long long)p->N, (long long)p->L, (long long)p->S,
                          (long long)p->E);
     p->ws_bytes = total + 64;  // + 64: the caller's block may be unaligned
+    return MHA_OK;
+}
+
+// The implementation: the fused path's plan (mha__fused_plan) or the
+// reference's (done).
+static mha_status plan_impl(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     // auto: the fused path where it applies (float32 inputs, no trace),
     // else the reference; MHA_IMPL=reference|fused in the environment
     // overrides auto.
@@ -265,6 +302,20 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
     }
     if (impl == MHA_IMPL_FUSED) return mha__fused_plan(p, m, a);
     return MHA_OK;
+}
+
+// The phases, in order: the inputs, the masks, dropout and the shapes, the
+// threads and the reference's scratch, the implementation.
+mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
+                               const mha_forward_args *a) {
+    if (!m || !a)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
+    memset(p, 0, sizeof *p);
+    mha_status st;
+    if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, a)) || (st = plan_shapes(p, m, a)) ||
+        (st = plan_scratch(p, m, a)))
+        return st;
+    return plan_impl(p, m, a);
 }
 
 // mha__carve in floats (the fused scratch is float32).

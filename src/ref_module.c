@@ -146,31 +146,41 @@ void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, dou
     }
 }
 
-void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                      const mha_module *m, const mha_forward_args *a, char *ws) {
+// The forward's scratch: the plan's one block, carved at p->off_*.
+typedef struct ref_fwd_bufs {
+    double *q;       // (N, L, E)
+    double *k, *v;   // (N, Sp, Ekv)
+    double *ctx;     // (N, L, E)
+    double *headw;   // (N, H, L, Sp)
+    double *scores;  // nthreads x (L, Sp)
+    float *tbuf;     // the trace's copies
+    double *gate;    // (N, L, H), gated
+} ref_fwd_bufs;
+
+// 1. Projections (one row per (n, t)); then the appended keys/values.
+//   q (N, L, E) = query W_q^T + b_q
+//   k (N, Sp, Ekv) = [key W_k^T + b_k; bias_k; 0], v alike
+static void fwd_project(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                        const ref_fwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
+    mha__project_qkv(p, m, a, buf->q, buf->k, buf->v);
+    trace_buffer(a, "q", buf->tbuf, buf->q, N, L, E);
+    trace_buffer(a, "k", buf->tbuf, buf->k, N, Sp, Ekv);
+    trace_buffer(a, "v", buf->tbuf, buf->v, N, Sp, Ekv);
+}
+
+// 2. Attention per (b, h) on strided head views of q, k, v, ctx:
+//   ctx (N, L, E) as (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v,
+//   query head h reading KV head h / G; each head's weights (L, Sp) into
+//   headw (via_headw) or straight into the output (perhead)
+static void fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                      mha_tensor *weights, const ref_fwd_bufs *buf, bool perhead, bool via_headw) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
-    double *q = (double *)(ws + p->off_q);      // (N, L, E)
-    double *k = (double *)(ws + p->off_k);      // (N, Sp, Ekv)
-    double *v = (double *)(ws + p->off_v);      // (N, Sp, Ekv)
-    double *ctx = (double *)(ws + p->off_ctx);  // (N, L, E)
-    double *headw = (double *)(ws + p->off_headw);   // (N, H, L, Sp)
-    double *scores = (double *)(ws + p->off_scores); // nthreads x (L, Sp)
-    float *tbuf = (float *)(ws + p->off_trace);      // the trace's copies
-
-    // 1. Projections (one row per (n, t)); then the appended keys/values.
-    mha__project_qkv(p, m, a, q, k, v);
-    trace_buffer(a, "q", tbuf, q, N, L, E);
-    trace_buffer(a, "k", tbuf, k, N, Sp, Ekv);
-    trace_buffer(a, "v", tbuf, v, N, Sp, Ekv);
-
-    // 2. Attention per (b, h) on strided head views of q, k, v, ctx.
+    double *q = buf->q, *k = buf->k, *v = buf->v, *ctx = buf->ctx, *headw = buf->headw;
+    double *scores = buf->scores;
+    float *tbuf = buf->tbuf;
     const double scale = 1.0 / sqrt((double)d);
-    const bool avg = a->need_weights && a->average_attn_weights;
-    const bool perhead = a->need_weights && !a->average_attn_weights;
-    // every head's weights go to headw when they are averaged or a block of
-    // them is asked for; else straight into the output
-    const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
     mha__trace tr = {a->trace, a->trace_user, tbuf};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t bh = 0; bh < N * H; bh++) {
@@ -207,18 +217,29 @@ void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                                 scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
     }
     trace_buffer(a, "concat", tbuf, ctx, N, L, E);
-    // Gates: head h's context times g[n, t, h] (before W_O).
-    if (mha__module_gated(m)) {
-        double *gate = (double *)(ws + p->off_gate);
-        mha__gates_d(p, m, a, gate);
-        for (int64_t r = 0; r < N * L; r++)
-            for (int64_t h = 0; h < H; h++)
-                for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
-        trace_buffer(a, "gated", tbuf, ctx, N, L, E);
-    }
+}
 
-    // 3. Averaged weights: mean over the (selected) heads, summed in head
-    //    order; or the selected block of the per-head weights.
+// Gates: head h's context times g[n, t, h] (before W_O).
+//   ctx (N, L, E) as (N, L, H, d) *= gate (N, L, H)
+static void fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                      const ref_fwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    double *ctx = buf->ctx, *gate = buf->gate;
+    mha__gates_d(p, m, a, gate);
+    for (int64_t r = 0; r < N * L; r++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
+    trace_buffer(a, "gated", buf->tbuf, ctx, N, L, E);
+}
+
+// 3. Averaged weights: mean over the (selected) heads, summed in head
+//    order; or the selected block of the per-head weights.
+//   weights (N,) Ls, Sp (avg) or (N,) Hs, Ls, Sp from headw (N, H, L, Sp)
+static void fwd_weights(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                        mha_tensor *weights, const ref_fwd_bufs *buf, bool avg, bool via_headw) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, H = p->H;
+    double *headw = buf->headw;
+    double *scores = buf->scores;
     if (avg) {
         int o = p->unbatched ? 0 : 1;  // weights (N,) Ls, Sp
         const int64_t Ls = p->wr1 - p->wr0, live = mha__live_in(m, p->wh0, p->wh1);
@@ -249,9 +270,15 @@ void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                                              (i - p->wr0) * weights->stride[o + 1],
                                          headw + ((b * H + h) * L + i) * Sp, NULL, Sp);
     }
+}
 
-    // 4. Output projection, written in the query's layout; then the output
-    //    dropout (training only).
+// 4. Output projection, written in the query's layout; then the output
+//    dropout (training only).
+//   attn_output (L, N, E) or (N, L, E) = drop_o(ctx (N, L, E) W_o^T + b_o)
+static void fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
+                            const mha_forward_args *a, const ref_fwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E;
+    double *ctx = buf->ctx;
     int64_t os[3];
     mha__seq_batch_feat(os, out, m->cfg.batch_first);
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
@@ -268,8 +295,35 @@ void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     }
     if (a->trace) {
         const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
-        trace_view(a, "output", tbuf, out->data, out->dtype, st, N, L, E);
+        trace_view(a, "output", buf->tbuf, out->data, out->dtype, st, N, L, E);
     }
+}
+
+// The forward: passes 1 to 4 (the functions above) on the plan's scratch ws.
+void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                      const mha_module *m, const mha_forward_args *a, char *ws) {
+    const ref_fwd_bufs buf = {
+        .q = (double *)(ws + p->off_q),
+        .k = (double *)(ws + p->off_k),
+        .v = (double *)(ws + p->off_v),
+        .ctx = (double *)(ws + p->off_ctx),
+        .headw = (double *)(ws + p->off_headw),
+        .scores = (double *)(ws + p->off_scores),
+        .tbuf = (float *)(ws + p->off_trace),
+        .gate = (double *)(ws + p->off_gate),
+    };
+    // where the heads' weights go: every head's to headw when they are
+    // averaged or a block of them is asked for; else straight into the
+    // output
+    const bool avg = a->need_weights && a->average_attn_weights;
+    const bool perhead = a->need_weights && !a->average_attn_weights;
+    const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
+
+    fwd_project(p, m, a, &buf);                             // 1. q, k, v
+    fwd_heads(p, m, a, weights, &buf, perhead, via_headw);  // 2. ctx, heads' weights
+    if (mha__module_gated(m)) fwd_gates(p, m, a, &buf);     //    ctx *= gates
+    fwd_weights(p, m, a, weights, &buf, avg, via_headw);    // 3. the weights
+    fwd_out_project(p, out, m, a, &buf);                    // 4. the output
 }
 
 // ---------------------------------------------------------------------------
@@ -327,17 +381,25 @@ static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc,
     }
 }
 
-// The reference module backward (mha_backward's reference path; see the
-// table at the top of this section).
-mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
-                             mha_module *grads, const mha_module *m, const mha_forward_args *a,
-                             const mha_tensor *gout, bool accumulate) {
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+// The backward's scratch, one block of doubles: per thread 2 (L, Sp) and,
+// with G > 1, 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy
+// (N, L, E); k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, E), gate and dg
+// (N, L, H).
+typedef struct ref_bwd_bufs {
+    double *block;                     // the allocation (free)
+    size_t lsp;                        // L Sp [+ Sp d]: half a thread's part
+    double *pw;                        // nt x (2 (L, Sp) [+ 2 (Sp, d)])
+    double *q, *dq, *ctx, *dctx, *dy;  // (N, L, E)
+    double *k, *v, *dk, *dv;           // (N, Sp, Ekv)
+    double *dgc;                       // (N, L, E), gated
+    double *gate, *dg;                 // (N, L, H), gated
+} ref_bwd_bufs;
+
+// Sizes, allocates and carves that block (freed by the caller: buf->block).
+static mha_status bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_module *m) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
-    // Scratch, one block of doubles: per thread 2 (L, Sp) and, with G > 1,
-    // 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy (N, L, E);
-    // k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, E), gate and dg (N, L, H).
     const bool gated = mha__module_gated(m);
     size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * Ekv),
            nlh = gated ? (size_t)(N * L * H) : 0,
@@ -355,10 +417,20 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
     double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
     double *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
     double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh;
+    *buf = (ref_bwd_bufs){block, lsp, pw, q, dq, ctx, dctx, dy, k, v, dk, dv, dgc, gate, dg};
+    return MHA_OK;
+}
 
-    // Forward step 1 again: the projections.
-    mha__project_qkv(p, m, a, q, k, v);
-
+// The output side:
+//   y = drop_o(ctx Wo^T + bo)       dy (N, L, E) = dY * keep_o / (1 - p_o)
+//                                   dctx (N, L, E) = dy Wo
+//   gated: gctx_h = ctx_h * g       dgc = dy Wo, dctx_h = dgc_h * g
+static void bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                        const mha_tensor *gout, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    const int nt = p->nthreads;
+    const bool gated = mha__module_gated(m);
+    double *dctx = buf->dctx, *dy = buf->dy, *dgc = buf->dgc, *gate = buf->gate;
     // y = drop_o(ctx Wo^T + bo):  dy = dY * keep_o / (1 - p_o), (N, L, E)
     int64_t gs[3];
     mha__seq_batch_feat(gs, gout, m->cfg.batch_first);
@@ -384,11 +456,22 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
                 for (int64_t c = 0; c < d; c++)
                     dctx[r * E + h * d + c] = dgc[r * E + h * d + c] * gate[r * H + h];
     }
+}
 
-    // Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
-    // (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
-    // the first writes dk_g, dv_g, each later one adds its share (so the
-    // sum's order is fixed, whatever the threads).
+// Heads: dq, dk, dv slices, and ctx recomputed. One item per KV head
+// (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
+// the first writes dk_g, dv_g, each later one adds its share (so the
+// sum's order is fixed, whatever the threads).
+//   ctx_h = attention(q_h, k_g, v_g)   dq (N, L, E), dk, dv (N, Sp, Ekv)
+//                                      (ref.c); dk_g = sum of the group's
+//                                      dk_h, summed in increasing h
+static void bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
+    const int nt = p->nthreads;
+    const size_t lsp = buf->lsp;
+    double *pw = buf->pw, *q = buf->q, *dq = buf->dq, *ctx = buf->ctx, *dctx = buf->dctx;
+    double *k = buf->k, *v = buf->v, *dk = buf->dk, *dv = buf->dv;
     const double scale = 1.0 / sqrt((double)d);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bg = 0; bg < N * Hkv; bg++) {
@@ -421,8 +504,20 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
                     }
         }
     }
+}
 
-    mha__rope_qk_d(p, a, dq, dk, true);  // through the rotation (orthogonal)
+// The gates' gradients (gated modules):
+//   gctx_h = ctx_h * g              dg (N, L, H) = sum_c dgc_h ctx_h
+//   g = sigmoid(z) (dynamic)        dz = dg g (1 - g), in dg
+//   g = head_gate[h] (static)       dgate_h = sum_{n,t} dg
+//   z = Xq W_g^T + b_g (dynamic)    dW_g = dz^T Xq, db_g = sum dz
+// and dgc <- gctx, the output projection's input, for its weight gradient.
+static void bwd_gate_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                           mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    const int nt = p->nthreads;
+    const bool gated = mha__module_gated(m);
+    double *ctx = buf->ctx, *dgc = buf->dgc, *gate = buf->gate, *dg = buf->dg;
     if (gated) {
         // dg[n, t, h] = sum_c dgc ctx (the ungated context); then dgc <- gctx.
         // Dynamic: dz = dg g (1 - g) in dg, z = x_q W_g^T + b_g.
@@ -448,33 +543,61 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
     if (grads && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = sum dz
         grad_linear(grads->gate_weight, grads->gate_bias, accumulate, dg, L, a->query->data,
                     a->query->dtype, p->qs, N, L, H, E, nt);
-    if (grads) {
-        float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
-              *gbv = gbq ? gbq + E + Ekv : NULL;
-        mha_dtype qf = a->query->dtype, kf = a->key->dtype, vf = a->value->dtype;
-        // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
-        // ctx is gctx, formed in dgc after dg)
-        grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
-                    MHA_F64, cs, N, L, E, E, nt);
-        // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
-        grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs,
-                    N, L, E, E, nt);
-        grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks,
-                    N, S, Ekv, p->kdim, nt);
-        grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs,
-                    N, S, Ekv, p->vdim, nt);
-        // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
-        if (m->cfg.add_bias_kv)
-            for (int64_t e = 0; e < Ekv; e++) {
-                double sk = 0.0, sv = 0.0;
-                for (int64_t n = 0; n < N; n++) {
-                    sk += dk[(n * Sp + S) * Ekv + e];
-                    sv += dv[(n * Sp + S) * Ekv + e];
-                }
-                store(grads->bias_k, MHA_F32, e, sk, accumulate);
-                store(grads->bias_v, MHA_F32, e, sv, accumulate);
+}
+
+// The parameters' gradients (= or += by accumulate):
+//   y = ctx Wo^T + bo               dWo = dy^T ctx; dbo = sum dy
+//   q = Xq Wq^T + bq                dWq = dq^T Xq; dbq = sum dq
+//   k = [Xk Wk^T + bk; bias_k; 0]   rows < S as for q;
+//                                   dbias_k = sum_n dk[n, S]
+//   v = [Xv Wv^T + bv; bias_v; 0]   the same
+static void bwd_param_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                            mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
+    const int64_t Ekv = p->Ekv;
+    const int nt = p->nthreads;
+    const bool gated = mha__module_gated(m);
+    double *dq = buf->dq, *ctx = buf->ctx, *dy = buf->dy, *dk = buf->dk, *dv = buf->dv;
+    double *dgc = buf->dgc;
+    const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
+    float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
+          *gbv = gbq ? gbq + E + Ekv : NULL;
+    mha_dtype qf = a->query->dtype, kf = a->key->dtype, vf = a->value->dtype;
+    // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
+    // ctx is gctx, formed in dgc after dg)
+    grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
+                MHA_F64, cs, N, L, E, E, nt);
+    // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
+    grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs,
+                N, L, E, E, nt);
+    grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks,
+                N, S, Ekv, p->kdim, nt);
+    grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs,
+                N, S, Ekv, p->vdim, nt);
+    // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
+    if (m->cfg.add_bias_kv)
+        for (int64_t e = 0; e < Ekv; e++) {
+            double sk = 0.0, sv = 0.0;
+            for (int64_t n = 0; n < N; n++) {
+                sk += dk[(n * Sp + S) * Ekv + e];
+                sv += dv[(n * Sp + S) * Ekv + e];
             }
-    }
+            store(grads->bias_k, MHA_F32, e, sk, accumulate);
+            store(grads->bias_v, MHA_F32, e, sv, accumulate);
+        }
+}
+
+// The inputs' gradients (= or += by accumulate), each in its view's layout:
+//   q = Xq Wq^T + bq                dXq = dq Wq (+ dz W_g, dynamic gates)
+//   k = Xk Wk^T + bk                dXk = dk Wk (rows < S)
+//   v = Xv Wv^T + bv                dXv = dv Wv (rows < S)
+static void bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tensor *gq,
+                            mha_tensor *gk, mha_tensor *gv, bool accumulate,
+                            const ref_bwd_bufs *buf) {
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H;
+    const int64_t Ekv = p->Ekv;
+    const int nt = p->nthreads;
+    double *dq = buf->dq, *dk = buf->dk, *dv = buf->dv, *dg = buf->dg;
     // dXq = dq Wq, dXk = dk Wk (rows < S), dXv = dv Wv  (forward: projections)
     int64_t xs[3];
     if (gq) {
@@ -494,7 +617,28 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
         grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->v_weight,
                    N, S, Ekv, p->vdim, nt);
     }
-    free(block);
+}
+
+// The reference module backward (mha_backward's reference path; see the
+// table at the top of this section): the forward's projections again, then
+// dy/dctx, the heads, the gates', the parameters' and the inputs' gradients.
+mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                             mha_module *grads, const mha_module *m, const mha_forward_args *a,
+                             const mha_tensor *gout, bool accumulate) {
+    ref_bwd_bufs buf = {0};  // (initialised for the compiler: read only after MHA_OK)
+    mha_status st = bwd_alloc(&buf, p, m);
+    if (st) return st;
+
+    // Forward step 1 again: the projections.
+    mha__project_qkv(p, m, a, buf.q, buf.k, buf.v);
+
+    bwd_dy_dctx(p, m, a, gout, &buf);                   // dy, dctx (gated: dgc, gates)
+    bwd_heads(p, m, &buf);                              // dq, dk, dv; ctx recomputed
+    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);         // through the rotation (orthogonal)
+    bwd_gate_grads(p, m, a, grads, accumulate, &buf);   // dg, the gates' parameters
+    if (grads) bwd_param_grads(p, m, a, grads, accumulate, &buf);  // dW, db
+    bwd_input_grads(p, m, gq, gk, gv, accumulate, &buf);           // dX
+    free(buf.block);
     return MHA_OK;
 }
 

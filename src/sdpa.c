@@ -29,9 +29,15 @@ static mha_status check_4d(const mha_tensor *t, const char *name) {
     return MHA_OK;
 }
 
-mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a) {
+// The dims of a call: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
+typedef struct sdpa_dims {
+    int64_t B, H, L, D, S, Dv, Hkv;
+} sdpa_dims;
+
+// q, k, v: 4-dim float views that fit together (Hkv dividing H); the
+// scale (custom, or 1/sqrt(D)) and the window.
+static mha_status sdpa_check(sdpa_dims *dm, double *scale_out, const mha_sdpa_args *a) {
     char s1[160], s2[160], s3[160];
-    if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
     mha_status st;
     if ((st = mha__check_impl(a->impl))) return st;
     if ((st = check_4d(a->q, "q")) || (st = check_4d(a->k, "k")) ||
@@ -49,6 +55,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
                          mha__shape_str(s1, sizeof s1, 4, q->shape),
                          mha__shape_str(s2, sizeof s2, 4, k->shape),
                          mha__shape_str(s3, sizeof s3, 4, v->shape));
+    *dm = (sdpa_dims){B, H, L, D, S, Dv, Hkv};
     double scale;
     if ((st = mha__check_attn_opts("sdpa", a->window_left, a->window_right, 0.0f,
                                    a->use_custom_scale, a->scale)))
@@ -62,6 +69,16 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
                              "1/sqrt(D) is undefined (pass a custom scale)");
         scale = 1.0 / sqrt((double)D);
     }
+    *scale_out = scale;
+    return MHA_OK;
+}
+
+// The mask as (b, h, i, j) strides: causal, the window, attn_mask
+// broadcast to (B, H, L, S), key_padding_mask (B, S).
+static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, const sdpa_dims *dm) {
+    char s1[160], s2[160];
+    mha_status st;
+    const int64_t B = dm->B, H = dm->H, L = dm->L, S = dm->S;
     mha__mask mk;
     memset(&mk, 0, sizeof mk);
     mk.s_masked = S;
@@ -104,19 +121,34 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         mk.kpm_s[0] = t->stride[0];
         mk.kpm_s[1] = t->stride[1];
     }
-    mha_shape os = {4, {B, H, L, Dv}}, wsh = {4, {B, H, L, S}};
+    *mk_out = mk;
+    return MHA_OK;
+}
+
+// The outputs: out (B, H, L, Dv), weights (B, H, L, S) when asked, neither
+// overlapping an input nor each other.
+static mha_status sdpa_check_outputs(mha_tensor *out, mha_tensor *weights,
+                                     const mha_sdpa_args *a, const sdpa_dims *dm) {
+    mha_status st;
+    mha_shape os = {4, {dm->B, dm->H, dm->L, dm->Dv}}, wsh = {4, {dm->B, dm->H, dm->L, dm->S}};
     if ((st = mha__check_output(out, "out", &os))) return st;
     if (weights && (st = mha__check_output(weights, "weights", &wsh))) return st;
-    const mha_tensor *ins[5] = {q, k, v, a->attn_mask, a->key_padding_mask};
+    const mha_tensor *ins[5] = {a->q, a->k, a->v, a->attn_mask, a->key_padding_mask};
     const char *names[5] = {"q", "k", "v", "attn_mask", "key_padding_mask"};
     for (int i = 0; i < 5; i++) {
         if ((st = mha__check_no_overlap(out, "out", ins[i], names[i]))) return st;
         if ((st = mha__check_no_overlap(weights, "weights", ins[i], names[i]))) return st;
     }
     if ((st = mha__check_no_overlap(weights, "weights", out, "out"))) return st;
+    return MHA_OK;
+}
 
-    // auto: fused when every tensor is F32 with unit feature stride (the
-    // rows it reads and writes); MHA_IMPL in the environment overrides.
+// The implementation: auto is fused when every tensor is F32 with unit
+// feature stride (the rows it reads and writes); MHA_IMPL in the
+// environment overrides. Fused asked for but not possible: an error.
+static mha_status sdpa_impl(mha_impl *impl_out, const mha_tensor *out,
+                            const mha_tensor *weights, const mha_sdpa_args *a) {
+    const mha_tensor *q = a->q, *k = a->k, *v = a->v;
     bool fusable = true;
     const mha_tensor *fts[5] = {q, k, v, out, weights};
     for (int i = 0; i < 5; i++)
@@ -131,20 +163,27 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
             (forced != MHA_IMPL_FUSED || fusable))
             impl = forced;
     }
-    if (impl == MHA_IMPL_FUSED) {
-        if (!fusable)
-            return mha__fail(MHA_ERR_UNSUPPORTED,
-                             "sdpa: the fused implementation takes F32 q, k, v, out "
-                             "(and weights) with unit stride along the last dim; got "
-                             "q %s stride %lld, k %s stride %lld, v %s stride %lld, "
-                             "out %s stride %lld",
-                             mha_dtype_name(q->dtype), (long long)q->stride[3],
-                             mha_dtype_name(k->dtype), (long long)k->stride[3],
-                             mha_dtype_name(v->dtype), (long long)v->stride[3],
-                             mha_dtype_name(out->dtype), (long long)out->stride[3]);
-        return mha__fused_sdpa(out, weights, q, k, v, &mk, scale);
-    }
+    *impl_out = impl;
+    if (impl == MHA_IMPL_FUSED && !fusable)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "sdpa: the fused implementation takes F32 q, k, v, out "
+                         "(and weights) with unit stride along the last dim; got "
+                         "q %s stride %lld, k %s stride %lld, v %s stride %lld, "
+                         "out %s stride %lld",
+                         mha_dtype_name(q->dtype), (long long)q->stride[3],
+                         mha_dtype_name(k->dtype), (long long)k->stride[3],
+                         mha_dtype_name(v->dtype), (long long)v->stride[3],
+                         mha_dtype_name(out->dtype), (long long)out->stride[3]);
+    return MHA_OK;
+}
 
+// The reference: one (b, h) at a time (ref.c), query head h on KV head
+// h / (H / Hkv); scores: nt x (L, S) doubles.
+static mha_status sdpa_reference(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a,
+                                 const sdpa_dims *dm, const mha__mask *mk, double scale) {
+    const mha_tensor *q = a->q, *k = a->k, *v = a->v;
+    const int64_t B = dm->B, H = dm->H, L = dm->L, D = dm->D, S = dm->S, Dv = dm->Dv,
+                  Hkv = dm->Hkv;
     int nt = (double)B * H * L * S * (D + Dv) < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
     int64_t ls;
     size_t bytes;
@@ -173,10 +212,27 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         qm.rs = q->stride[2];
         km.rs = k->stride[2];
         vm.rs = v->stride[2];
-        mha__ref_attention_head(o, w, qm, km, vm, L, S, D, Dv, scale, &mk, NULL, b, h,
+        mha__ref_attention_head(o, w, qm, km, vm, L, S, D, Dv, scale, mk, NULL, b, h,
                                 scores + (size_t)tid * ls, NULL);
 #undef MHA__HEAD
     }
     free(scores);
     return MHA_OK;
+}
+
+// The phases: check the shapes and the scale, the mask, the outputs; the
+// implementation; the fused driver (fused_fwd.c) or the reference.
+mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a) {
+    if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
+    mha_status st;
+    sdpa_dims dm = {0};  // (initialised for the compiler: read only after MHA_OK)
+    double scale = 0.0;
+    mha__mask mk;
+    mha_impl impl;
+    if ((st = sdpa_check(&dm, &scale, a)) || (st = sdpa_mask(&mk, a, &dm)) ||
+        (st = sdpa_check_outputs(out, weights, a, &dm)) ||
+        (st = sdpa_impl(&impl, out, weights, a)))
+        return st;
+    if (impl == MHA_IMPL_FUSED) return mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, scale);
+    return sdpa_reference(out, weights, a, &dm, &mk, scale);
 }
