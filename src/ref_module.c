@@ -160,7 +160,7 @@ typedef struct ref_fwd_bufs {
 // 1. Projections (one row per (n, t)); then the appended keys/values.
 //   q (N, L, E) = query W_q^T + b_q
 //   k (N, Sp, Ekv) = [key W_k^T + b_k; bias_k; 0], v alike
-static void fwd_project(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+static void ref_fwd_project(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                         const ref_fwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
     mha__project_qkv(p, m, a, buf->q, buf->k, buf->v);
@@ -173,7 +173,7 @@ static void fwd_project(const fwd_plan *p, const mha_module *m, const mha_forwar
 //   ctx (N, L, E) as (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v,
 //   query head h reading KV head h / G; each head's weights (L, Sp) into
 //   headw (via_headw) or straight into the output (perhead)
-static void fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                       mha_tensor *weights, const ref_fwd_bufs *buf, bool perhead, bool via_headw) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
@@ -221,7 +221,7 @@ static void fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forward_
 
 // Gates: head h's context times g[n, t, h] (before W_O).
 //   ctx (N, L, E) as (N, L, H, d) *= gate (N, L, H)
-static void fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+static void ref_fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                       const ref_fwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
     double *ctx = buf->ctx, *gate = buf->gate;
@@ -235,7 +235,7 @@ static void fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forward_
 // 3. Averaged weights: mean over the (selected) heads, summed in head
 //    order; or the selected block of the per-head weights.
 //   weights (N,) Ls, Sp (avg) or (N,) Hs, Ls, Sp from headw (N, H, L, Sp)
-static void fwd_weights(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+static void ref_fwd_weights(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                         mha_tensor *weights, const ref_fwd_bufs *buf, bool avg, bool via_headw) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, H = p->H;
     double *headw = buf->headw;
@@ -275,7 +275,7 @@ static void fwd_weights(const fwd_plan *p, const mha_module *m, const mha_forwar
 // 4. Output projection, written in the query's layout; then the output
 //    dropout (training only).
 //   attn_output (L, N, E) or (N, L, E) = drop_o(ctx (N, L, E) W_o^T + b_o)
-static void fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
+static void ref_fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
                             const mha_forward_args *a, const ref_fwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E;
     double *ctx = buf->ctx;
@@ -319,11 +319,11 @@ void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
     const bool perhead = a->need_weights && !a->average_attn_weights;
     const bool via_headw = avg || (perhead && (p->w_block || a->weights_scale));
 
-    fwd_project(p, m, a, &buf);                             // 1. q, k, v
-    fwd_heads(p, m, a, weights, &buf, perhead, via_headw);  // 2. ctx, heads' weights
-    if (mha__module_gated(m)) fwd_gates(p, m, a, &buf);     //    ctx *= gates
-    fwd_weights(p, m, a, weights, &buf, avg, via_headw);    // 3. the weights
-    fwd_out_project(p, out, m, a, &buf);                    // 4. the output
+    ref_fwd_project(p, m, a, &buf);                             // 1. q, k, v
+    ref_fwd_heads(p, m, a, weights, &buf, perhead, via_headw);  // 2. ctx, heads' weights
+    if (mha__module_gated(m)) ref_fwd_gates(p, m, a, &buf);     //    ctx *= gates
+    ref_fwd_weights(p, m, a, weights, &buf, avg, via_headw);    // 3. the weights
+    ref_fwd_out_project(p, out, m, a, &buf);                    // 4. the output
 }
 
 // ---------------------------------------------------------------------------
@@ -396,7 +396,7 @@ typedef struct ref_bwd_bufs {
 } ref_bwd_bufs;
 
 // Sizes, allocates and carves that block (freed by the caller: buf->block).
-static mha_status bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_module *m) {
+static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_module *m) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
@@ -425,7 +425,7 @@ static mha_status bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_modu
 //   y = drop_o(ctx Wo^T + bo)       dy (N, L, E) = dY * keep_o / (1 - p_o)
 //                                   dctx (N, L, E) = dy Wo
 //   gated: gctx_h = ctx_h * g       dgc = dy Wo, dctx_h = dgc_h * g
-static void bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                         const mha_tensor *gout, const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
     const int nt = p->nthreads;
@@ -465,7 +465,7 @@ static void bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_forwar
 //   ctx_h = attention(q_h, k_g, v_g)   dq (N, L, E), dk, dv (N, Sp, Ekv)
 //                                      (ref.c); dk_g = sum of the group's
 //                                      dk_h, summed in increasing h
-static void bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_bufs *buf) {
+static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
@@ -512,7 +512,7 @@ static void bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_bufs
 //   g = head_gate[h] (static)       dgate_h = sum_{n,t} dg
 //   z = Xq W_g^T + b_g (dynamic)    dW_g = dz^T Xq, db_g = sum dz
 // and dgc <- gctx, the output projection's input, for its weight gradient.
-static void bwd_gate_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                            mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
     const int nt = p->nthreads;
@@ -551,7 +551,7 @@ static void bwd_gate_grads(const fwd_plan *p, const mha_module *m, const mha_for
 //   k = [Xk Wk^T + bk; bias_k; 0]   rows < S as for q;
 //                                   dbias_k = sum_n dk[n, S]
 //   v = [Xv Wv^T + bv; bias_v; 0]   the same
-static void bwd_param_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                             mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
     const int64_t Ekv = p->Ekv;
@@ -591,7 +591,7 @@ static void bwd_param_grads(const fwd_plan *p, const mha_module *m, const mha_fo
 //   q = Xq Wq^T + bq                dXq = dq Wq (+ dz W_g, dynamic gates)
 //   k = Xk Wk^T + bk                dXk = dk Wk (rows < S)
 //   v = Xv Wv^T + bv                dXv = dv Wv (rows < S)
-static void bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tensor *gq,
+static void ref_bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tensor *gq,
                             mha_tensor *gk, mha_tensor *gv, bool accumulate,
                             const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H;
@@ -626,18 +626,18 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
                              mha_module *grads, const mha_module *m, const mha_forward_args *a,
                              const mha_tensor *gout, bool accumulate) {
     ref_bwd_bufs buf = {0};  // (initialised for the compiler: read only after MHA_OK)
-    mha_status st = bwd_alloc(&buf, p, m);
+    mha_status st = ref_bwd_alloc(&buf, p, m);
     if (st) return st;
 
     // Forward step 1 again: the projections.
     mha__project_qkv(p, m, a, buf.q, buf.k, buf.v);
 
-    bwd_dy_dctx(p, m, a, gout, &buf);                   // dy, dctx (gated: dgc, gates)
-    bwd_heads(p, m, &buf);                              // dq, dk, dv; ctx recomputed
+    ref_bwd_dy_dctx(p, m, a, gout, &buf);                   // dy, dctx (gated: dgc, gates)
+    ref_bwd_heads(p, m, &buf);                              // dq, dk, dv; ctx recomputed
     mha__rope_qk_d(p, a, buf.dq, buf.dk, true);         // through the rotation (orthogonal)
-    bwd_gate_grads(p, m, a, grads, accumulate, &buf);   // dg, the gates' parameters
-    if (grads) bwd_param_grads(p, m, a, grads, accumulate, &buf);  // dW, db
-    bwd_input_grads(p, m, gq, gk, gv, accumulate, &buf);           // dX
+    ref_bwd_gate_grads(p, m, a, grads, accumulate, &buf);   // dg, the gates' parameters
+    if (grads) ref_bwd_param_grads(p, m, a, grads, accumulate, &buf);  // dW, db
+    ref_bwd_input_grads(p, m, gq, gk, gv, accumulate, &buf);           // dX
     free(buf.block);
     return MHA_OK;
 }
