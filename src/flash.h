@@ -34,12 +34,12 @@ typedef struct mha__flash_head {
     const mha__mask *mask;     // over the S keys (s_masked = S)
     const mha__dropout *drop;  // NULL: none; its S is S + nx
     int64_t b, h;
-    // Backward: Dsum given (rowsum(dO * O) of the whole softmax; ring
-    // attention runs the backward one block of keys at a time) and only
-    // read; otherwise computed from this head's tiles (below).
+    // Backward: Dsum given (rowsum(dO * O) of the whole softmax, when the
+    // backward runs one block of keys at a time) and only read; otherwise
+    // computed from this head's tiles (below).
     bool dsum_fixed;
-    // Called between query tiles by mha__flash_bwd_head (NULL: none):
-    // ring attention drives its messages from there.
+    // Called between query tiles by mha__flash_bwd_head (NULL: none): a
+    // caller's progress callback (e.g. to drive its messages).
     void (*progress)(void *arg);
     void *progress_arg;
 } mha__flash_head;

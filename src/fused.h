@@ -8,62 +8,87 @@
 
 #include "plan.h"
 
-// A part of the heads, for the distributed layer (src/mpi): the KV heads
-// [g0, g1) and their query heads; every other head is skipped as if pruned
-// (zero context). Forward: only the range's Q/K/V projections and
-// attention; with ctx (Rq, E), the ungated context is written there (the
-// range's columns; the rest zero) and the forward stops before W_O; without,
-// the output is the range's share ctx_range W_O[:, range]^T (+
-// out_proj.bias only when bias). Backward: the range's share of every
-// gradient (the other heads' rows and columns exactly 0; out_proj.bias's
-// only when bias; grad_query/key/value the range's share dq W_Q[range] +
-// ...); dq, dk, dv (when non-NULL: (Rq, E), (Rk, Ekv), (Rk, Ekv)) get the
-// projections' gradients (the range's columns, the rest 0).
 struct mha__attn_io;
-typedef struct mha__part {
-    int64_t g0, g1;
+
+// The hooks the fused drivers offer a caller that runs only a part of a
+// call (the distributed layer, through part.c). Each is off when zeroed.
+
+// What a part hands back instead of finishing the call. Forward, with
+// ctx (Rq, E): the ungated context is written there (the range's columns;
+// the rest zero) and the forward stops before W_O. Backward: dq, dk, dv
+// (when non-NULL: (Rq, E), (Rk, Ekv), (Rk, Ekv)) get the projections'
+// gradients (the range's columns, the rest 0); dz (Rq, H), with dynamic
+// gates, the gates' logit gradients.
+typedef struct mha__part_out {
     float *ctx;
-    bool bias;
-    float *dq, *dk, *dv;
-    float *dz;  // backward, dynamic gates: (Rq, H) the gates' logit gradients
-    // Forward, sequence parallelism: with q_out, stop after the projections
-    // (of the range; RoPE applied at the views' positions) and copy them out:
-    // q_out (Rq, E), k_out, v_out (Rk, Ekv), rows as the views'. With q_in,
-    // skip the projections and RoPE and attend with these instead (rows as
-    // the plan's views, whose data are then not read: only their shapes
-    // count); the context goes to ctx.
+    float *dq, *dk, *dv, *dz;
+} mha__part_out;
+
+// Sequence parallelism (the forward). With q_out: stop after the
+// projections (of the range; RoPE applied at the views' positions) and copy
+// them out: q_out (Rq, E), k_out, v_out (Rk, Ekv), rows as the views'. With
+// q_in: skip the projections and RoPE and attend with these instead (rows
+// as the plan's views, whose data are then not read: only their shapes
+// count); the context goes to out.ctx.
+typedef struct mha__part_proj {
     float *q_out, *k_out, *v_out;
     const float *q_in, *k_in, *v_in;
-    // Ring attention (a block of keys): the queries' position minus the
-    // keys' (causal, window and ALiBi see global positions); the whole
-    // key_padding_mask and the block's first key in it (the args carry
-    // none); stats (N, H, L, 2): each row's max and 1/sum, as flash.h.
+} mha__part_proj;
+
+// Ring attention, one block of keys: q_off, the queries' position minus
+// the keys' (causal, window and ALiBi see global positions); the whole
+// key_padding_mask and the block's first key in it (the args carry none);
+// stats (N, H, L, 2): each row's max and 1/sum, as flash.h. The block's
+// attention backward (mha__part_attn_backward, proj.q_in/k_in/v_in as the
+// forward's) also reads o_in, do_in (Rq, E), the whole attention's context
+// and its gradient, and dsum_in (N, H, L), rowsum(do_in * o_in) per head;
+// out.dq, dk, dv are overwritten with this block's terms.
+typedef struct mha__part_block {
     int64_t q_off;
     const mha_tensor *kpm_full;
     int64_t kpm_off;
     float *stats;
-    // Ring attention, the whole call on a rank's tokens: attn replaces the
-    // attention step (mha__part_forward: called once to fill io->ctx;
-    // mha__part_backward: once so, then again with io->dctx to fill dq,
-    // dk, dv), the rest (projections, RoPE, gates, W_O, every gradient) is
-    // the fused path's. rope_pos (the view's T tokens): token t's position
-    // is rope_start[n] + rope_pos[t] (NULL: t).
-    mha_status (*attn)(void *arg, const struct mha__attn_io *io);
-    void *attn_arg;
-    const int64_t *rope_pos;
-    // Between tiles, on the calling thread (OpenMP thread 0; NULL: none):
-    // ring attention drives its messages from there.
-    void (*progress)(void *arg);
-    void *progress_arg;
-    // When non-NULL: += the (query tile, key tile) pairs whose scores the
-    // attention computed (mha__part_forward, mha__part_attn_backward).
-    int64_t *tiles;
-    // mha__part_attn_backward (a block of keys, q_in/k_in/v_in as the
-    // forward's): o_in, do_in (Rq, E) the whole attention's context and its
-    // gradient, stats (as above) its rows' max and 1/sum, dsum_in (N, H, L)
-    // rowsum(do_in * o_in) per head; dq (Rq, E), dk, dv (Rk, Ekv) are
-    // overwritten with this block's terms.
     const float *o_in, *do_in, *dsum_in;
+} mha__part_block;
+
+// Ring attention, the whole call on a rank's tokens: fn replaces the
+// attention step (mha__part_forward: called once to fill io->ctx;
+// mha__part_backward: once so, then again with io->dctx to fill dq, dk,
+// dv); the rest (projections, RoPE, gates, W_O, every gradient) is the
+// fused path's. rope_pos (the view's T tokens): token t's position is
+// rope_start[n] + rope_pos[t] (NULL: t).
+typedef struct mha__part_attn {
+    mha_status (*fn)(void *arg, const struct mha__attn_io *io);
+    void *arg;
+    const int64_t *rope_pos;
+} mha__part_attn;
+
+// Between tiles, on the calling thread (OpenMP thread 0): fn(arg) (ring
+// attention drives its messages from there); tiles, when non-NULL: += the
+// (query tile, key tile) pairs whose scores the attention computed
+// (mha__part_forward, mha__part_attn_backward).
+typedef struct mha__part_progress {
+    void (*fn)(void *arg);
+    void *arg;
+    int64_t *tiles;
+} mha__part_progress;
+
+// A part of a call: the KV heads [g0, g1) and their query heads (every
+// other head is skipped as if pruned: zero context), and the hooks above.
+// Forward: only the range's Q/K/V projections and attention; without
+// out.ctx, the output is the range's share ctx_range W_O[:, range]^T (+
+// out_proj.bias only when bias). Backward: the range's share of every
+// gradient (the other heads' rows and columns exactly 0; out_proj.bias's
+// only when bias; grad_query/key/value the range's share dq W_Q[range] +
+// ...).
+typedef struct mha__part {
+    int64_t g0, g1;
+    bool bias;
+    mha__part_out out;
+    mha__part_proj proj;
+    mha__part_block block;
+    mha__part_attn attn;
+    mha__part_progress progress;
 } mha__part;
 
 // What a part's attn callback sees: row matrices laid out as the views

@@ -175,7 +175,7 @@ static mha_status bwd_inputs(bwd_call *c) {
         mha__saved_key key;
         mha__saved_key_of(&key, c->m, a);
         if (!mha__saved_key_equal(&key, &sv->key) ||
-            sv->outer_valid != (c->pt && c->pt->attn) ||
+            sv->outer_valid != (c->pt && c->pt->attn.fn) ||
             sv->n_qkv != mha__qkv_floats(p, Rq, Rk) ||
             sv->n_lse != (size_t)(2 * N * H * L))
             return mha__fail(MHA_ERR_INVALID_ARG,
@@ -260,15 +260,15 @@ static mha_status bwd_forward(bwd_call *c) {
     c->dkm = (mha__rowmap){c->dk, ldkv, seq_first, N, Tk};
     c->dvm = (mha__rowmap){c->dv, ldkv, seq_first, N, Tk};
     if (!sv) {  // the saved q, k are rotated already
-        mha__rope_rows(p, a, &c->qm, L, H, false, pt ? pt->rope_pos : NULL);
-        mha__rope_rows(p, a, &c->km, S, Hkv, false, pt ? pt->rope_pos : NULL);
+        mha__rope_rows(p, a, &c->qm, L, H, false, pt ? pt->attn.rope_pos : NULL);
+        mha__rope_rows(p, a, &c->km, S, Hkv, false, pt ? pt->attn.rope_pos : NULL);
     }
     c->scale = (float)(1.0 / sqrt((double)d));
-    const bool ext = pt && pt->attn;  // attention done by the caller (ring)
+    const bool ext = pt && pt->attn.fn;  // attention done by the caller (ring)
     c->io = (mha__attn_io){.N = N, .L = L, .S = Tk, .seq_first = seq_first, .q = q, .k = k,
                            .v = v, .ldq = W3, .ldk = ldkv, .ctx = c->s.ctx,
                            .stats = sv ? c->s.lse : NULL};
-    mha_status est = ext && !sv ? pt->attn(pt->attn_arg, &c->io) : MHA_OK;
+    mha_status est = ext && !sv ? pt->attn.fn(pt->attn.arg, &c->io) : MHA_OK;
     if (est) return est;
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const size_t sf = c->s.sf;
@@ -445,15 +445,15 @@ static void bwd_rope_and_part_out(const bwd_call *c) {
     const int64_t L = p->L, S = p->S, E = p->E, H = p->H, Hkv = p->Hkv, Ekv = p->Ekv;
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     const int64_t W3 = c->W3, ldkv = c->ldkv;
-    mha__rope_rows(p, c->a, &c->dqm, L, H, true, pt ? pt->rope_pos : NULL);  // (orthogonal)
-    mha__rope_rows(p, c->a, &c->dkm, S, Hkv, true, pt ? pt->rope_pos : NULL);
-    if (pt && pt->dq)  // a part's projection gradients, for its caller
-        for (int64_t r = 0; r < Rq; r++) memcpy(pt->dq + r * E, c->dq + r * W3, sizeof(float) * (size_t)E);
-    if (pt && pt->dz && c->dg) memcpy(pt->dz, c->dg, sizeof(float) * (size_t)(Rq * H));
-    if (pt && pt->dk)
+    mha__rope_rows(p, c->a, &c->dqm, L, H, true, pt ? pt->attn.rope_pos : NULL);  // (orthogonal)
+    mha__rope_rows(p, c->a, &c->dkm, S, Hkv, true, pt ? pt->attn.rope_pos : NULL);
+    if (pt && pt->out.dq)  // a part's projection gradients, for its caller
+        for (int64_t r = 0; r < Rq; r++) memcpy(pt->out.dq + r * E, c->dq + r * W3, sizeof(float) * (size_t)E);
+    if (pt && pt->out.dz && c->dg) memcpy(pt->out.dz, c->dg, sizeof(float) * (size_t)(Rq * H));
+    if (pt && pt->out.dk)
         for (int64_t r = 0; r < Rk; r++) {
-            memcpy(pt->dk + r * Ekv, c->dk + r * ldkv, sizeof(float) * (size_t)Ekv);
-            memcpy(pt->dv + r * Ekv, c->dv + r * ldkv, sizeof(float) * (size_t)Ekv);
+            memcpy(pt->out.dk + r * Ekv, c->dk + r * ldkv, sizeof(float) * (size_t)Ekv);
+            memcpy(pt->out.dv + r * Ekv, c->dv + r * ldkv, sizeof(float) * (size_t)Ekv);
         }
 }
 
@@ -550,10 +550,10 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     // least as many as threads, else two passes over tiles: the same bits
     // either way (flash.h), no atomics. A part's attn hook instead: the
     // caller's attention backward.
-    const bool ext = pt && pt->attn;
+    const bool ext = pt && pt->attn.fn;
     if (ext) {
         c.io.dctx = c.s.dctx, c.io.dq = c.dq, c.io.dk = c.dk, c.io.dv = c.dv;
-        if ((st = pt->attn(pt->attn_arg, &c.io))) goto done;
+        if ((st = pt->attn.fn(pt->attn.arg, &c.io))) goto done;
     } else if (p->N * p->Hkv >= p->nthreads) {
         bwd_attention_per_head(&c);
     } else {

@@ -156,7 +156,7 @@ static void fwd_project(fwd_call *c) {
         c->km = (mha__rowmap){k, Ekv, seq_first, N, S};
         c->vm = (mha__rowmap){v, Ekv, seq_first, N, S};
     }
-    const int64_t *rope_pos = pt ? pt->rope_pos : NULL;
+    const int64_t *rope_pos = pt ? pt->attn.rope_pos : NULL;
     mha__rope_rows(p, a, &c->qm, L, H, false, rope_pos);
     mha__rope_rows(p, a, &c->km, S, Hkv, false, rope_pos);
 }
@@ -168,10 +168,10 @@ static void fwd_copy_projections(const fwd_call *c) {
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     const mha__part *pt = c->pt;
     for (int64_t r = 0; r < Rq; r++)
-        memcpy(pt->q_out + r * E, c->qm.base + r * c->qm.ld, sizeof(float) * (size_t)E);
+        memcpy(pt->proj.q_out + r * E, c->qm.base + r * c->qm.ld, sizeof(float) * (size_t)E);
     for (int64_t r = 0; r < Rk; r++) {
-        memcpy(pt->k_out + r * Ekv, c->km.base + r * c->km.ld, sizeof(float) * (size_t)Ekv);
-        memcpy(pt->v_out + r * Ekv, c->vm.base + r * c->vm.ld, sizeof(float) * (size_t)Ekv);
+        memcpy(pt->proj.k_out + r * Ekv, c->km.base + r * c->km.ld, sizeof(float) * (size_t)Ekv);
+        memcpy(pt->proj.v_out + r * Ekv, c->vm.base + r * c->vm.ld, sizeof(float) * (size_t)Ekv);
     }
 }
 
@@ -240,8 +240,8 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
     // the appended keys per KV head: (nx, d) for k, then for v
     float *extra = (float *)(ws + p->f.extra);
     mha__fill_extra(extra, m, Hkv, nx, d);
-    c->ctx = pt && pt->ctx ? pt->ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f.ctx);
-    c->lse = pt && pt->stats ? pt->stats
+    c->ctx = pt && pt->out.ctx ? pt->out.ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f.ctx);
+    c->lse = pt && pt->block.stats ? pt->block.stats
              : sv ? sbuf + sv->n_qkv + sv->n_ctx
                   : a->need_weights ? (float *)(ws + p->f.lse) : NULL;
     float *lse = c->lse;
@@ -250,12 +250,12 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, false);
     float *scratch = (float *)(ws + p->f.scratch);
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
-    const bool ext = pt && pt->attn;  // attention done by the caller (ring)
+    const bool ext = pt && pt->attn.fn;  // attention done by the caller (ring)
     if (ext) {
         const mha__attn_io io = {.N = N, .L = L, .S = S, .seq_first = seq_first, .q = qm.base,
                                  .k = km.base, .v = vm.base, .ldq = qm.ld, .ldk = km.ld,
                                  .ctx = c->ctx, .stats = sv ? lse : NULL};
-        mha_status st = pt->attn(pt->attn_arg, &io);
+        mha_status st = pt->attn.fn(pt->attn.arg, &io);
         if (st) return st;
     }
     int64_t ntiles = 0;
@@ -281,14 +281,14 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
         const bool live = mha__plan_head_live(p, m, h);  // pruned / not in the part: no work, zero context
         if (live) mha__flash_rows(kt, &fh, i0, i1, sc);
         else mha__zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
-        if (live && pt && pt->tiles) ntiles += mha__key_tiles(&fh, i0, i1);
-        if (pt && pt->progress && tid == 0) pt->progress(pt->progress_arg);
+        if (live && pt && pt->progress.tiles) ntiles += mha__key_tiles(&fh, i0, i1);
+        if (pt && pt->progress.fn && tid == 0) pt->progress.fn(pt->progress.arg);
         // the weights of this tile's rows in the selected block
         const int64_t r0 = i0 > p->wr0 ? i0 : p->wr0, r1 = i1 < p->wr1 ? i1 : p->wr1;
         if (a->need_weights && h >= p->wh0 && h < p->wh1 && r0 < r1)
             tile_weights(c, weights, &fh, b, h, r0, r1, live, sc, tid);
     }
-    if (pt && pt->tiles) *pt->tiles += ntiles;
+    if (pt && pt->progress.tiles) *pt->progress.tiles += ntiles;
     if (sv) sv->valid = true;
     return MHA_OK;
 }
@@ -341,16 +341,16 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
     const int64_t N = p->N, L = p->L, S = p->S, E = p->E, Ekv = p->Ekv;
     // the query rows: the view in place, or gathered
     if (p->q_direct) mha__rows_direct(a->query, &c.ldq), c.xq = a->query->data;
-    else if (!(pt && pt->q_in)) mha__gather_rows((float *)c.xq, a->query);
+    else if (!(pt && pt->proj.q_in)) mha__gather_rows((float *)c.xq, a->query);
     // 1. Projections (a part may bring its own: projected elsewhere, or
     //    want them back without attending).
-    if (pt && pt->q_in) {
-        c.qm = (mha__rowmap){(float *)pt->q_in, E, c.seq_first, N, L};
-        c.km = (mha__rowmap){(float *)pt->k_in, Ekv, c.seq_first, N, S};
-        c.vm = (mha__rowmap){(float *)pt->v_in, Ekv, c.seq_first, N, S};
+    if (pt && pt->proj.q_in) {
+        c.qm = (mha__rowmap){(float *)pt->proj.q_in, E, c.seq_first, N, L};
+        c.km = (mha__rowmap){(float *)pt->proj.k_in, Ekv, c.seq_first, N, S};
+        c.vm = (mha__rowmap){(float *)pt->proj.v_in, Ekv, c.seq_first, N, S};
     } else {
         fwd_project(&c);
-        if (pt && pt->q_out) {
+        if (pt && pt->proj.q_out) {
             fwd_copy_projections(&c);
             return MHA_OK;
         }
@@ -358,7 +358,7 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
     // 2. Attention.
     mha_status st = fwd_attend(&c, weights);
     if (st) return st;
-    if (pt && pt->ctx) return MHA_OK;  // a part's context: the caller goes on
+    if (pt && pt->out.ctx) return MHA_OK;  // a part's context: the caller goes on
     if (a->need_weights && a->average_attn_weights) fwd_average_weights(&c, weights);
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.

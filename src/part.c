@@ -20,7 +20,7 @@ mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m
     *a2 = *a;
     a2->impl = MHA_IMPL_FUSED;
     a2->need_weights = false;
-    if (!part->attn) a2->save = NULL;  // (ring attention keeps one)
+    if (!part->attn.fn) a2->save = NULL;  // (ring attention keeps one)
     a2->trace = NULL;
     mha_status st = mha__plan_forward(p, m, a2);
     if (st) return st;
@@ -34,11 +34,11 @@ mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m
                          (long long)part->g0, (long long)part->g1, (long long)p->Hkv);
     p->g0 = part->g0;
     p->g1 = part->g1;
-    p->mask.q_off = part->q_off;
-    if (part->kpm_full) {  // the block's columns of the whole mask
-        const mha_tensor *t = part->kpm_full;
+    p->mask.q_off = part->block.q_off;
+    if (part->block.kpm_full) {  // the block's columns of the whole mask
+        const mha_tensor *t = part->block.kpm_full;
         p->mask.kpm = (const char *)t->data +
-                      part->kpm_off * t->stride[t->ndim - 1] * (int64_t)mha_dtype_size(t->dtype);
+                      part->block.kpm_off * t->stride[t->ndim - 1] * (int64_t)mha_dtype_size(t->dtype);
         p->mask.kpm_dtype = t->dtype;
         p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
         p->mask.kpm_s[1] = t->stride[t->ndim - 1];
@@ -52,7 +52,7 @@ mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_for
     mha_forward_args a2;
     mha_status st = mha__part_plan(&p, &a2, m, a, part);
     if (st) return st;
-    if (!part->ctx && !part->q_out && (st = mha__check_forward_outputs(&p, out, NULL, &a2)))
+    if (!part->out.ctx && !part->proj.q_out && (st = mha__check_forward_outputs(&p, out, NULL, &a2)))
         return st;
     if (a2.save && (st = mha__saved_prepare(a2.save, &p, m, &a2))) return st;
     void *ws = mha__malloc(p.ws_bytes);
@@ -142,8 +142,8 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
     mha_forward_args a2;
     mha_status st = mha__part_plan(&p, &a2, m, a, part);
     if (st) return st;
-    if (!part->q_in || !part->k_in || !part->v_in || !part->o_in || !part->do_in ||
-        !part->stats || !part->dsum_in || !part->dq || !part->dk || !part->dv)
+    if (!part->proj.q_in || !part->proj.k_in || !part->proj.v_in || !part->block.o_in || !part->block.do_in ||
+        !part->block.stats || !part->block.dsum_in || !part->out.dq || !part->out.dk || !part->out.dv)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha parallel: a block's attention backward needs q, k, v, the "
                          "context, its gradient, the row stats and Dsum, and dq, dk, dv");
@@ -162,13 +162,13 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
         return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
                          sizeof(float) * sf * (size_t)nt);
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
-    const mha__rowmap qm = {(float *)part->q_in, E, seq_first, N, L},
-                 km = {(float *)part->k_in, Ekv, seq_first, N, S},
-                 vm = {(float *)part->v_in, Ekv, seq_first, N, S},
-                 om = {(float *)part->o_in, E, seq_first, N, L},
-                 dom = {(float *)part->do_in, E, seq_first, N, L},
-                 dqm = {part->dq, E, seq_first, N, L}, dkm = {part->dk, Ekv, seq_first, N, S},
-                 dvm = {part->dv, Ekv, seq_first, N, S};
+    const mha__rowmap qm = {(float *)part->proj.q_in, E, seq_first, N, L},
+                 km = {(float *)part->proj.k_in, Ekv, seq_first, N, S},
+                 vm = {(float *)part->proj.v_in, Ekv, seq_first, N, S},
+                 om = {(float *)part->block.o_in, E, seq_first, N, L},
+                 dom = {(float *)part->block.do_in, E, seq_first, N, L},
+                 dqm = {part->out.dq, E, seq_first, N, L}, dkm = {part->out.dk, Ekv, seq_first, N, S},
+                 dvm = {part->out.dv, Ekv, seq_first, N, S};
     const float scale = (float)(1.0 / sqrt((double)d));
     int64_t ntiles = 0;
     // one thread per KV head (b, g): its query heads in increasing order add
@@ -191,23 +191,23 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
                 .k = mha__head_row0(&km, b, g * d), .k_rs = mha__head_rs(&km),
                 .v = mha__head_row0(&vm, b, g * d), .v_rs = mha__head_rs(&vm),
                 .o = mha__head_row0(&om, b, h * d), .o_rs = mha__head_rs(&om),
-                .stats = (float *)part->stats + 2 * (b * H + h) * L,
+                .stats = (float *)part->block.stats + 2 * (b * H + h) * L,
                 .L = L, .S = S, .D = d, .Dv = d, .scale = scale, .mask = &p.mask,
                 .drop = mha__plan_drop(&p), .b = b, .h = h, .dsum_fixed = true,
-                .progress = tid == 0 ? part->progress : NULL,
-                .progress_arg = part->progress_arg,
+                .progress = tid == 0 ? part->progress.fn : NULL,
+                .progress_arg = part->progress.arg,
             };
             mha__flash_bwd_head(kt, &fh, mha__head_row0(&dom, b, h * d), mha__head_rs(&dom),
-                                (float *)part->dsum_in + (b * H + h) * L,
+                                (float *)part->block.dsum_in + (b * H + h) * L,
                                 mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm),
                                 mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
                                 mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm), NULL, NULL, h != h0,
                                 scratch + (size_t)tid * sf);
-            for (int64_t i0 = 0; part->tiles && i0 < L; i0 += MHA__FLASH_BR)
+            for (int64_t i0 = 0; part->progress.tiles && i0 < L; i0 += MHA__FLASH_BR)
                 ntiles += mha__key_tiles(&fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L));
         }
     }
-    if (part->tiles) *part->tiles += ntiles;
+    if (part->progress.tiles) *part->progress.tiles += ntiles;
     mha__free(scratch);
     return MHA_OK;
 }

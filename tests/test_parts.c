@@ -91,14 +91,14 @@ static void one_case(int id) {
             memset(p.data, 0, sizeof(float) * (size_t)p.numel);
         }
         for (int64_t r = 0; r < P; r++) {
-            mha__part pt = {.g0 = Hkv * r / P, .g1 = Hkv * (r + 1) / P, .ctx = cr, .bias = r == 0};
+            mha__part pt = {.g0 = Hkv * r / P, .g1 = Hkv * (r + 1) / P, .out.ctx = cr, .bias = r == 0};
             CHECK_OK(mha__part_forward(NULL, m, &a, &pt));
             for (int64_t i = 0; i < nq; i++) ctx[i] += cr[i];  // disjoint columns
-            pt.ctx = NULL;
+            pt.out.ctx = NULL;
             mha_tensor ypt = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){L, N, E});
             CHECK_OK(mha__part_forward(&ypt, m, &a, &pt));
             for (int64_t i = 0; i < nq; i++) ys[i] += yp[i];
-            pt.dq = dqr, pt.dk = dkr, pt.dv = dvr, pt.dz = dzr;
+            pt.out.dq = dqr, pt.out.dk = dkr, pt.out.dv = dvr, pt.out.dz = dzr;
             mha_tensor t1 = mha_tensor_contiguous(x1, MHA_F32, 3, (int64_t[]){L, N, E}),
                        t2 = mha_tensor_contiguous(x2, MHA_F32, 3, (int64_t[]){S, N, kd}),
                        t3 = mha_tensor_contiguous(x3, MHA_F32, 3, (int64_t[]){S, N, vd});
@@ -176,7 +176,7 @@ int main(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    mha__part pt = {.g0 = 1, .g1 = 3, .ctx = cx};
+    mha__part pt = {.g0 = 1, .g1 = 3, .out.ctx = cx};
     CHECK_FAILS(mha__part_forward(NULL, m, &a, &pt), MHA_ERR_INVALID_ARG);
     mha_module_destroy(m);
     return check_summary("test_parts");

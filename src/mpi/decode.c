@@ -118,7 +118,7 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
     al.key = al.value = a->query;
     al.is_causal = false;
     al.rope_start = glen;
-    mha__part pj = {.g0 = 0, .g1 = Hkv, .q_out = q, .k_out = k, .v_out = v};
+    mha__part pj = {.g0 = 0, .g1 = Hkv, .proj.q_out = q, .proj.k_out = k, .proj.v_out = v};
     st = mha__part_forward(NULL, m, &al, &pj);
     // 2. the owner appends the keys and values
     const int64_t ns = seq_first ? 1 : T, ts = seq_first ? N : 1;

@@ -139,7 +139,7 @@ mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
     } else if (scheme == MHA_PAR_HEADS) {
         if (!st) {
             memset(buf, 0, sizeof(float) * (size_t)(n > 0 ? n : 1));
-            pt.ctx = buf;
+            pt.out.ctx = buf;
             st = mha__part_forward(NULL, m, a, &pt);
         }
         if (!(st = mha__mpi_agree(&j, st))) {
@@ -205,7 +205,7 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
                                    gr, m, a, gout, &model, &rg);
     } else if (!st) {
         memset(dbuf, 0, sizeof(float) * (size_t)(nd + 1));
-        pt.dq = dbuf, pt.dk = dbuf + Rq * E, pt.dv = pt.dk + Rk * Ekv, pt.dz = pt.dv + Rk * Ekv;
+        pt.out.dq = dbuf, pt.out.dk = dbuf + Rq * E, pt.out.dv = pt.out.dk + Rk * Ekv, pt.out.dz = pt.out.dv + Rk * Ekv;
         st = mha__part_backward(gq ? &tv[0] : NULL, gk ? &tv[1] : NULL, gv ? &tv[2] : NULL, gr,
                                 m, a, gout, &pt);
     }
@@ -224,14 +224,14 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
                 if (go[i]) mha__mpi_view_xfer(go[i], t[i], true, accumulate);
         } else if (scheme == MHA_PAR_HEADS) {
             // the projections' gradients, whole, then dX as one process does
-            st = allgather_cols(&j, pt.dq, Rq, E, 0, G * d, m);
-            if (!st) st = allgather_cols(&j, pt.dk, Rk, Ekv, 0, d, m);
-            if (!st) st = allgather_cols(&j, pt.dv, Rk, Ekv, 0, d, m);
-            if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = allgather_cols(&j, pt.dz, Rq, H, 0, G, m);
+            st = allgather_cols(&j, pt.out.dq, Rq, E, 0, G * d, m);
+            if (!st) st = allgather_cols(&j, pt.out.dk, Rk, Ekv, 0, d, m);
+            if (!st) st = allgather_cols(&j, pt.out.dv, Rk, Ekv, 0, d, m);
+            if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = allgather_cols(&j, pt.out.dz, Rq, H, 0, G, m);
             model += 4.0 * (double)((Rq * G * d + 2 * Rk * d) * (pt.g1 - pt.g0)) * (j.P - 1);
             // straight into the caller's views, in the backward's order
             if (!(st = mha__mpi_agree(&j, st)))
-                st = mha__part_input_grads(gq, gk, gv, m, a, pt.dq, pt.dk, pt.dv, pt.dz,
+                st = mha__part_input_grads(gq, gk, gv, m, a, pt.out.dq, pt.out.dk, pt.out.dv, pt.out.dz,
                                            accumulate);
         } else {
             for (int i = 0; i < 3 && !st; i++)

@@ -122,11 +122,11 @@ static bool ring_block_call(const ring *r, int a, int c, const int64_t ks_[2],
     ab->key_padding_mask = NULL;
     ab->rope.mode = MHA_ROPE_NONE;  // (applied by the projections)
     ab->rope_start = NULL;
-    *pa = (mha__part){.g0 = 0, .g1 = r->Hkv, .q_in = r->q[a], .q_off = r->qs[a] - ks,
-                      .kpm_full = r->a->key_padding_mask, .kpm_off = ks,
-                      .progress = ring_progress, .progress_arg = (void *)r,
-                      .tiles = (int64_t *)&r->tiles, .k_in = r->blk + at,
-                      .v_in = r->blk + half + at};
+    *pa = (mha__part){.g0 = 0, .g1 = r->Hkv, .proj.q_in = r->q[a], .block.q_off = r->qs[a] - ks,
+                      .block.kpm_full = r->a->key_padding_mask, .block.kpm_off = ks,
+                      .progress.fn = ring_progress, .progress.arg = (void *)r,
+                      .progress.tiles = (int64_t *)&r->tiles, .proj.k_in = r->blk + at,
+                      .proj.v_in = r->blk + half + at};
     return true;
 }
 
@@ -198,7 +198,7 @@ static mha_status ring_fwd(ring *r, const mha__attn_io *io) {
             for (int c = 0; c < 2 && !st; c++) {
                 ring_call rc;
                 if (!ring_block_call(r, a, c, ks, kl, &rc)) continue;
-                rc.pa.ctx = cp, rc.pa.stats = stats;
+                rc.pa.out.ctx = cp, rc.pa.block.stats = stats;
                 for (int64_t i = 0; i < N * H * r->ql[a]; i++)  // (pruned heads: nothing visible)
                     stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
                 st = mha__part_forward(NULL, r->m, &rc.ab, &rc.pa);
@@ -303,8 +303,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
                 if (!ring_block_call(r, a, c, ks, kl, &rc)) continue;
                 const int64_t at = (c ? kl[0] : 0) * N * Ekv, nk = kl[c] * N * Ekv;
                 mha__part *pa = &rc.pa;
-                pa->o_in = r->o[a], pa->do_in = dO[a], pa->stats = r->st[a], pa->dsum_in = ds[a];
-                pa->dq = tdq, pa->dk = tdk, pa->dv = tdv;
+                pa->block.o_in = r->o[a], pa->block.do_in = dO[a], pa->block.stats = r->st[a], pa->block.dsum_in = ds[a];
+                pa->out.dq = tdq, pa->out.dk = tdk, pa->out.dv = tdv;
                 st = mha__part_attn_backward(r->m, &rc.ab, pa);
                 for (int64_t i = 0; !st && i < r->ql[a] * N * E; i++) dq[a][i] += tdq[i];
                 for (int64_t i = 0; !st && i < nk; i++)
@@ -418,8 +418,8 @@ mha_status mha__mpi_ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor
         al.is_causal = false;
         al.window_left = al.window_right = -1;
         al.alibi = false;
-        mha__part pr = {.g0 = 0, .g1 = r->Hkv, .bias = true, .attn = ring_attn,
-                        .attn_arg = r, .rope_pos = pos};
+        mha__part pr = {.g0 = 0, .g1 = r->Hkv, .bias = true, .attn.fn = ring_attn,
+                        .attn.arg = r, .attn.rope_pos = pos};
         mha_saved *sv = a->save;
         const bool saved = !out && sv && sv->valid;  // the backward of a saved forward
         if (!out) {  // every rank's saved state, or none

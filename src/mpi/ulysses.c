@@ -183,7 +183,7 @@ mha_status mha__mpi_ulysses_forward(job *j, mha_tensor *out, const mha_module *m
     mha_forward_args al;
     if (!st) {  // 1. my tokens' projections, every head
         local_args(&al, a, &sq, j->rank, starts);
-        mha__part pj = {.g0 = 0, .g1 = c->num_kv_heads, .q_out = ql, .k_out = kl, .v_out = vl};
+        mha__part pj = {.g0 = 0, .g1 = c->num_kv_heads, .proj.q_out = ql, .proj.k_out = kl, .proj.v_out = vl};
         st = mha__part_forward(NULL, m, &al, &pj);
     }
     // 2. to the head owners
@@ -204,7 +204,7 @@ mha_status mha__mpi_ulysses_forward(job *j, mha_tensor *out, const mha_module *m
         af.query = &qv;
         af.key = self ? &qv : &kv;
         af.value = self ? &qv : &vv;
-        mha__part pa = {.g0 = g0, .g1 = g1, .ctx = cf, .q_in = qf, .k_in = kf, .v_in = vf};
+        mha__part pa = {.g0 = g0, .g1 = g1, .out.ctx = cf, .proj.q_in = qf, .proj.k_in = kf, .proj.v_in = vf};
         st = mha__part_forward(NULL, m, &af, &pa);
     }
     // 4. back to the token owners, 5. W_O on my tokens
@@ -256,8 +256,8 @@ mha_status mha__mpi_ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha
         af.query = &qv;
         af.key = self ? &qv : &kv;
         af.value = self ? &qv : &vv;
-        mha__part pb = {.g0 = g0, .g1 = g1, .bias = j->rank == 0, .dq = dqf, .dk = dkf,
-                        .dv = dvf, .dz = dzf};
+        mha__part pb = {.g0 = g0, .g1 = g1, .bias = j->rank == 0, .out.dq = dqf, .out.dk = dkf,
+                        .out.dv = dvf, .out.dz = dzf};
         st = mha__part_backward(NULL, NULL, NULL, gr, m, &af, &gyv, &pb);
     }
     // 3. the projections' gradients back to the token owners, 4. dX there

@@ -932,12 +932,12 @@ static mha_status sc_parts(const void *argp) {
     static float ctx[4096], dq[4096], dk[4096], dv[4096], dz[1024];
     if (Rq * E > 4096 || Rk * Ekv > 4096 || Rq * H > 1024) return MHA_ERR_INVALID_ARG;
     memset(ctx, 0, sizeof ctx);
-    mha__part pt = {.g0 = 0, .g1 = (c->num_kv_heads + 1) / 2, .ctx = ctx, .bias = true};
+    mha__part pt = {.g0 = 0, .g1 = (c->num_kv_heads + 1) / 2, .out.ctx = ctx, .bias = true};
     mha_status st = mha__part_forward(NULL, a->m, &t.args, &pt);
     if (!st) st = mha__part_out_project(&t.y, a->m, &t.args, ctx);
     if (st) return st;
     res_put(a->y, mha_tensor_numel(&t.y) * mha_dtype_size(t.y.dtype));
-    pt.ctx = NULL, pt.dq = dq, pt.dk = dk, pt.dv = dv, pt.dz = dz;
+    pt.out.ctx = NULL, pt.out.dq = dq, pt.out.dk = dk, pt.out.dv = dv, pt.out.dz = dz;
     grads_reset(a, &t);
     if ((st = mha__part_backward(&t.dq, &t.dk, &t.dv, a->grads, a->m, &t.args, &t.dout, &pt)))
         return st;
@@ -950,14 +950,14 @@ static mha_status sc_parts(const void *argp) {
     static float qp[4096], kp[4096], vp[4096], rs[2048], ds[1024], bq[4096], bk[4096], bv[4096];
     const int64_t Hkv = c->num_kv_heads, nst = a->N * H * a->L;
     if (2 * nst > 2048) return MHA_ERR_INVALID_ARG;
-    mha__part pj = {.g0 = 0, .g1 = Hkv, .q_out = qp, .k_out = kp, .v_out = vp};
+    mha__part pj = {.g0 = 0, .g1 = Hkv, .proj.q_out = qp, .proj.k_out = kp, .proj.v_out = vp};
     if ((st = mha__part_forward(NULL, a->m, &t.args, &pj))) return st;
-    mha__part pb = {.g0 = 0, .g1 = Hkv, .ctx = ctx, .q_in = qp, .k_in = kp, .v_in = vp,
-                    .stats = rs};
+    mha__part pb = {.g0 = 0, .g1 = Hkv, .out.ctx = ctx, .proj.q_in = qp, .proj.k_in = kp, .proj.v_in = vp,
+                    .block.stats = rs};
     if ((st = mha__part_forward(NULL, a->m, &t.args, &pb))) return st;
     for (int64_t i = 0; i < nst; i++) ds[i] = 0.125f;
-    pb.ctx = NULL, pb.o_in = ctx, pb.do_in = ctx, pb.dsum_in = ds;
-    pb.dq = bq, pb.dk = bk, pb.dv = bv;
+    pb.out.ctx = NULL, pb.block.o_in = ctx, pb.block.do_in = ctx, pb.block.dsum_in = ds;
+    pb.out.dq = bq, pb.out.dk = bk, pb.out.dv = bv;
     if ((st = mha__part_attn_backward(a->m, &t.args, &pb))) return st;
     res_put(bq, sizeof(float) * (size_t)(Rq * E));
     res_put(bk, sizeof(float) * (size_t)(Rk * Ekv));
