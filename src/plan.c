@@ -229,7 +229,7 @@ static mha_status plan_shapes(fwd_plan *p, const mha_module *m, const mha_forwar
     return MHA_OK;
 }
 
-// The threads, and the reference's scratch layout (p->off_*, p->ws_bytes):
+// The threads, and the reference's scratch layout (p->r, p->ws_bytes):
 //   q, ctx (N, L, E) and k, v (N, Sp, Ekv) doubles; headw (N, H, L, Sp)
 //   when the heads' weights are gathered; scores nthreads x (L, Sp); the
 //   trace's floats; gate (N, L, H) of a gated module
@@ -261,18 +261,18 @@ static mha_status plan_scratch(fwd_plan *p, const mha_module *m, const mha_forwa
         if (nle > tr) tr = nle;
     }
     size_t total = 0;
-    if (mha__carve(&total, &p->off_q, nle, sizeof(double)) ||
-        mha__carve(&total, &p->off_k, nse, sizeof(double)) ||
-        mha__carve(&total, &p->off_v, nse, sizeof(double)) ||
-        mha__carve(&total, &p->off_ctx, nle, sizeof(double)) ||
-        mha__carve(&total, &p->off_headw,
+    if (mha__carve(&total, &p->r.q, nle, sizeof(double)) ||
+        mha__carve(&total, &p->r.k, nse, sizeof(double)) ||
+        mha__carve(&total, &p->r.v, nse, sizeof(double)) ||
+        mha__carve(&total, &p->r.ctx, nle, sizeof(double)) ||
+        mha__carve(&total, &p->r.headw,
               (a->need_weights && (a->average_attn_weights || p->w_block || a->weights_scale))
                   ? nhlsp
                   : 0,
               sizeof(double)) ||
-        mha__carve(&total, &p->off_scores, lsp * p->nthreads, sizeof(double)) ||
-        mha__carve(&total, &p->off_trace, tr, sizeof(float)) ||
-        mha__carve(&total, &p->off_gate, mha__module_gated(m) ? p->N * p->L * p->H : 0,
+        mha__carve(&total, &p->r.scores, lsp * p->nthreads, sizeof(double)) ||
+        mha__carve(&total, &p->r.trace, tr, sizeof(float)) ||
+        mha__carve(&total, &p->r.gate, mha__module_gated(m) ? p->N * p->L * p->H : 0,
               sizeof(double)))
         return mha__fail(MHA_ERR_OVERFLOW,
                          "scratch size overflows: N %lld, L %lld, S %lld, E %lld",

@@ -15,6 +15,21 @@
 #include "rope.h"
 #include "view.h"
 
+// The reference forward's scratch: byte offsets of its pieces in the one
+// block (64-byte aligned; laid out once, by the planner), in double unless
+// said.
+typedef struct mha__ref_layout {
+    size_t q;       // (N, L, E)
+    size_t k, v;    // (N, Sp, Ekv)
+    size_t ctx;     // (N, L, E)
+    size_t headw;   // (N, H, L, Sp) every head's weights, to average or to
+                    // write a block of (else none)
+    size_t scores;  // per thread one (L, Sp) score block
+    size_t trace;   // float32: the trace's copies (L * max(Sp, d), or a whole
+                    // (N, Sp, E) projection)
+    size_t gate;    // gated: (N, L, H)
+} mha__ref_layout;
+
 // The fused forward's scratch: byte offsets of its pieces in the one block
 // (64-byte aligned; laid out once, by mha__fused_plan). Rq, Rk: the rows of
 // the query and key views; sizes in floats.
@@ -55,8 +70,8 @@ typedef struct fwd_plan {
     // is not everything
     int64_t wh0, wh1, wr0, wr1;
     bool w_block;
-    // scratch layout, byte offsets into one block (64-byte aligned pieces)
-    size_t off_q, off_k, off_v, off_ctx, off_headw, off_scores, off_trace, off_gate;
+    // the reference's scratch layout (its pieces in one block)
+    mha__ref_layout r;
     size_t ws_bytes;
     int nthreads;
     // the KV heads [g0, g1) it runs (and their query heads): [0, Hkv) unless

@@ -84,7 +84,7 @@ void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args
 void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
                     bool inverse);
 // The forward into out (and weights when asked), ws the plan's scratch
-// (p->off_*, 64-byte aligned).
+// (p->r, 64-byte aligned).
 void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                       const mha_module *m, const mha_forward_args *a, char *ws);
 // The backward (every gradient; = or += by accumulate); allocates its

@@ -16,7 +16,7 @@
 //   query head h reads KV head h / (H / Hkv))
 //   ctx viewed as (N, L, E) is the concatenation of the heads
 //   attn_output = ctx W_o^T + b_o  written in the query's layout
-// Scratch memory is the plan's one block (fwd_plan.off_*); nothing else is
+// Scratch memory is the plan's one block (fwd_plan.r); nothing else is
 // allocated by the forward.
 //
 // The backward: the gradient of the module's forward. It recomputes the forward's projections and, head by head, the
@@ -146,7 +146,7 @@ void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, dou
     }
 }
 
-// The forward's scratch: the plan's one block, carved at p->off_*.
+// The forward's scratch: the plan's one block, carved at p->r.
 typedef struct ref_fwd_bufs {
     double *q;       // (N, L, E)
     double *k, *v;   // (N, Sp, Ekv)
@@ -303,14 +303,14 @@ static void ref_fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_mo
 void mha__ref_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                       const mha_module *m, const mha_forward_args *a, char *ws) {
     const ref_fwd_bufs buf = {
-        .q = (double *)(ws + p->off_q),
-        .k = (double *)(ws + p->off_k),
-        .v = (double *)(ws + p->off_v),
-        .ctx = (double *)(ws + p->off_ctx),
-        .headw = (double *)(ws + p->off_headw),
-        .scores = (double *)(ws + p->off_scores),
-        .tbuf = (float *)(ws + p->off_trace),
-        .gate = (double *)(ws + p->off_gate),
+        .q = (double *)(ws + p->r.q),
+        .k = (double *)(ws + p->r.k),
+        .v = (double *)(ws + p->r.v),
+        .ctx = (double *)(ws + p->r.ctx),
+        .headw = (double *)(ws + p->r.headw),
+        .scores = (double *)(ws + p->r.scores),
+        .tbuf = (float *)(ws + p->r.trace),
+        .gate = (double *)(ws + p->r.gate),
     };
     // where the heads' weights go: every head's to headw when they are
     // averaged or a block of them is asked for; else straight into the
