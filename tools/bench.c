@@ -413,105 +413,127 @@ static int probe_impl(const char **fwd_ran, const char **bwd_ran, const bench_op
 // ---------------------------------------------------------------------------
 // Options
 
-static int bench_parse(bench_opts *o, int argc, char **argv) {
-    static const struct option opts[] = {
-        {"batch", required_argument, 0, 'b'},     {"seq", required_argument, 0, 'l'},
-        {"kv-seq", required_argument, 0, 's'},    {"embed-dim", required_argument, 0, 'e'},
-        {"num-heads", required_argument, 0, 'n'}, {"causal", no_argument, 0, 'c'},
-        {"window", required_argument, 0, 'w'},    {"backward", no_argument, 0, 'B'},
-        {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
-        {"no-save", no_argument, 0, 'N'},         {"decode", no_argument, 0, 'D'},
-        {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
-        {"kv-dtype", required_argument, 0, 'T'},  {"weight-dtype", required_argument, 0, 'X'},
-        {"dtype", required_argument, 0, 'Y'},     {"prune-heads", required_argument, 0, 'P'},
-        {"head-gate", required_argument, 0, 'g'}, {"parallel", required_argument, 0, 'Z'},
-        {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
-        {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
-        {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
-        {"warmup", required_argument, 0, 'u'},    {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
-    memset(o, 0, sizeof *o);
-    o->B = 1;
-    o->repeat = 5;
-    o->warmup = 1;
-    o->impl = MHA_IMPL_AUTO;
+static const struct option bench_long_opts[] = {
+    {"batch", required_argument, 0, 'b'},     {"seq", required_argument, 0, 'l'},
+    {"kv-seq", required_argument, 0, 's'},    {"embed-dim", required_argument, 0, 'e'},
+    {"num-heads", required_argument, 0, 'n'}, {"causal", no_argument, 0, 'c'},
+    {"window", required_argument, 0, 'w'},    {"backward", no_argument, 0, 'B'},
+    {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
+    {"no-save", no_argument, 0, 'N'},         {"decode", no_argument, 0, 'D'},
+    {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
+    {"kv-dtype", required_argument, 0, 'T'},  {"weight-dtype", required_argument, 0, 'X'},
+    {"dtype", required_argument, 0, 'Y'},     {"prune-heads", required_argument, 0, 'P'},
+    {"head-gate", required_argument, 0, 'g'}, {"parallel", required_argument, 0, 'Z'},
+    {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
+    {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
+    {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
+    {"warmup", required_argument, 0, 'u'},    {"help", no_argument, 0, 'h'},
+    {0, 0, 0, 0}};
+
+// One handler per group of options: each takes option c (its value in
+// optarg) and returns -1 when it took it, the exit status when its value
+// is bad, or BENCH_NOT_MINE when c is not of its group.
+enum { BENCH_NOT_MINE = -2 };
+
+// The problem's sizes and masking: --batch, --seq, --kv-seq, --embed-dim,
+// --num-heads, --causal, --window, --kv-len, --num-kv-heads.
+static int bench_opt_problem(bench_opts *o, int c) {
     const int64_t big = (int64_t)1 << 31;
-    int64_t v;
-    int c;
-    opterr = 0;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case 'b': if (cli_parse_int(&o->B, optarg, 1, big)) return bench_usage("--batch needs a positive integer"); break;
-        case 'l': if (cli_parse_int(&o->L, optarg, 1, big)) return bench_usage("--seq needs a positive integer"); break;
-        case 's': if (cli_parse_int(&o->S, optarg, 1, big)) return bench_usage("--kv-seq needs a positive integer"); break;
-        case 'e': if (cli_parse_int(&o->E, optarg, 1, big)) return bench_usage("--embed-dim needs a positive integer"); break;
-        case 'n': if (cli_parse_int(&o->H, optarg, 1, big)) return bench_usage("--num-heads needs a positive integer"); break;
-        case 'c': o->causal = true; break;
-        case 'w': if (cli_parse_int(&o->window, optarg, 1, big)) return bench_usage("--window needs a positive integer"); break;
-        case 'B': o->backward = true; break;
-        case 'C': o->core = true; break;
-        case 'N': o->no_save = true; break;
-        case 'D': o->decode = true; break;
-        case 'T':
-            if (mha_kv_dtype_from_name(&o->kv_dtype, optarg))
-                return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
-            break;
-        case 'X':
-        case 'Y': {
-            if (cli_float_dtype(c == 'X' ? &o->wdtype : &o->dtype, optarg))
-                return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
-                                             : "--dtype needs f32, bf16 or f16");
-            break;
-        }
-        case 'Z': o->parallel = optarg; break;
-        case 'P': if (cli_parse_int(&o->prune, optarg, 0, big)) return bench_usage("--prune-heads needs a non-negative integer"); break;
-        case 'g':
-            if (mha_head_gate_from_name(&o->gate, optarg))
-                return bench_usage("--head-gate needs none, static or dynamic");
-            break;
-        case 'K': if (cli_parse_int(&o->kv_len, optarg, 1, big)) return bench_usage("--kv-len needs a positive integer"); break;
-        case 'G': if (cli_parse_int(&o->kv_heads, optarg, 1, big)) return bench_usage("--num-kv-heads needs a positive integer"); break;
-        case 't':
-            if (cli_parse_int(&v, optarg, 1, 4096)) return bench_usage("--threads needs an integer in [1, 4096]");
-            o->threads = (int)v;
-            break;
-        case 'i':
-            if (mha_impl_from_name(&o->impl, optarg)) {
-                char q[80];
-                fprintf(stderr, "mha bench: unknown --impl %s (available: auto, reference, fused)\n",
-                        mha_escape(q, sizeof q, optarg));
-                return 2;
-            }
-            break;
-        case 'I':
-            if (strcmp(optarg, "scalar") && strcmp(optarg, "avx2") && strcmp(optarg, "avx512")) {
-                char q[80];
-                fprintf(stderr, "mha bench: unknown --isa %s (available: scalar, avx2, avx512)\n",
-                        mha_escape(q, sizeof q, optarg));
-                return 2;
-            }
-            o->isa = optarg;
-            break;
-        case 'r':
-            if (cli_parse_int(&o->repeat, optarg, 1, BENCH_MAX_REPEAT))
-                return bench_usage("--repeat needs an integer in [1, 100000]");
-            break;
-        case 'u':
-            if (cli_parse_int(&o->warmup, optarg, 0, BENCH_MAX_REPEAT))
-                return bench_usage("--warmup needs an integer in [0, 100000]");
-            break;
-        case 'j': o->json = true; break;
-        case 'W': o->workspace = true; break;
-        case 'S':
-            if (cli_parse_int(&v, optarg, 0, INT64_MAX)) return bench_usage("--seed needs a non-negative integer");
-            o->seed = (uint64_t)v;
-            break;
-        case 'h': fputs(bench_help, stdout); return 0;
-        default: return bench_usage("unknown or incomplete option");
-        }
+    switch (c) {
+    case 'b': if (cli_parse_int(&o->B, optarg, 1, big)) return bench_usage("--batch needs a positive integer"); break;
+    case 'l': if (cli_parse_int(&o->L, optarg, 1, big)) return bench_usage("--seq needs a positive integer"); break;
+    case 's': if (cli_parse_int(&o->S, optarg, 1, big)) return bench_usage("--kv-seq needs a positive integer"); break;
+    case 'e': if (cli_parse_int(&o->E, optarg, 1, big)) return bench_usage("--embed-dim needs a positive integer"); break;
+    case 'n': if (cli_parse_int(&o->H, optarg, 1, big)) return bench_usage("--num-heads needs a positive integer"); break;
+    case 'c': o->causal = true; break;
+    case 'w': if (cli_parse_int(&o->window, optarg, 1, big)) return bench_usage("--window needs a positive integer"); break;
+    case 'K': if (cli_parse_int(&o->kv_len, optarg, 1, big)) return bench_usage("--kv-len needs a positive integer"); break;
+    case 'G': if (cli_parse_int(&o->kv_heads, optarg, 1, big)) return bench_usage("--num-kv-heads needs a positive integer"); break;
+    default: return BENCH_NOT_MINE;
     }
-    if (optind < argc) return bench_usage("unexpected argument");
+    return -1;
+}
+
+// What is timed: --backward, --core, --no-save, --decode, --kv-dtype,
+// --weight-dtype, --dtype, --parallel, --prune-heads, --head-gate,
+// --workspace.
+static int bench_opt_what(bench_opts *o, int c) {
+    const int64_t big = (int64_t)1 << 31;
+    switch (c) {
+    case 'B': o->backward = true; break;
+    case 'C': o->core = true; break;
+    case 'N': o->no_save = true; break;
+    case 'D': o->decode = true; break;
+    case 'T':
+        if (mha_kv_dtype_from_name(&o->kv_dtype, optarg))
+            return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
+        break;
+    case 'X':
+    case 'Y': {
+        if (cli_float_dtype(c == 'X' ? &o->wdtype : &o->dtype, optarg))
+            return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
+                                         : "--dtype needs f32, bf16 or f16");
+        break;
+    }
+    case 'Z': o->parallel = optarg; break;
+    case 'P': if (cli_parse_int(&o->prune, optarg, 0, big)) return bench_usage("--prune-heads needs a non-negative integer"); break;
+    case 'g':
+        if (mha_head_gate_from_name(&o->gate, optarg))
+            return bench_usage("--head-gate needs none, static or dynamic");
+        break;
+    case 'W': o->workspace = true; break;
+    default: return BENCH_NOT_MINE;
+    }
+    return -1;
+}
+
+// How it runs: --threads, --impl, --isa, --repeat, --warmup, --json,
+// --seed.
+static int bench_opt_how(bench_opts *o, int c) {
+    int64_t v;
+    switch (c) {
+    case 't':
+        if (cli_parse_int(&v, optarg, 1, 4096)) return bench_usage("--threads needs an integer in [1, 4096]");
+        o->threads = (int)v;
+        break;
+    case 'i':
+        if (mha_impl_from_name(&o->impl, optarg)) {
+            char q[80];
+            fprintf(stderr, "mha bench: unknown --impl %s (available: auto, reference, fused)\n",
+                    mha_escape(q, sizeof q, optarg));
+            return 2;
+        }
+        break;
+    case 'I':
+        if (strcmp(optarg, "scalar") && strcmp(optarg, "avx2") && strcmp(optarg, "avx512")) {
+            char q[80];
+            fprintf(stderr, "mha bench: unknown --isa %s (available: scalar, avx2, avx512)\n",
+                    mha_escape(q, sizeof q, optarg));
+            return 2;
+        }
+        o->isa = optarg;
+        break;
+    case 'r':
+        if (cli_parse_int(&o->repeat, optarg, 1, BENCH_MAX_REPEAT))
+            return bench_usage("--repeat needs an integer in [1, 100000]");
+        break;
+    case 'u':
+        if (cli_parse_int(&o->warmup, optarg, 0, BENCH_MAX_REPEAT))
+            return bench_usage("--warmup needs an integer in [0, 100000]");
+        break;
+    case 'j': o->json = true; break;
+    case 'S':
+        if (cli_parse_int(&v, optarg, 0, INT64_MAX)) return bench_usage("--seed needs a non-negative integer");
+        o->seed = (uint64_t)v;
+        break;
+    default: return BENCH_NOT_MINE;
+    }
+    return -1;
+}
+
+// The checks across options once all are read (and the defaults that
+// follow from others). Returns -1 to go on, else the exit status.
+static int bench_check(bench_opts *o) {
     if ((o->core || o->decode) && (o->prune || o->gate))
         return bench_usage("--prune-heads and --head-gate are for the module, not --core or --decode");
     if (o->decode) {
@@ -551,6 +573,30 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         return 2;
     }
     return -1;
+}
+
+static int bench_parse(bench_opts *o, int argc, char **argv) {
+    memset(o, 0, sizeof *o);
+    o->B = 1;
+    o->repeat = 5;
+    o->warmup = 1;
+    o->impl = MHA_IMPL_AUTO;
+    int c;
+    opterr = 0;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", bench_long_opts, NULL)) != -1) {
+        if (c == 'h') {
+            fputs(bench_help, stdout);
+            return 0;
+        }
+        int rc = bench_opt_problem(o, c);
+        if (rc == BENCH_NOT_MINE) rc = bench_opt_what(o, c);
+        if (rc == BENCH_NOT_MINE) rc = bench_opt_how(o, c);
+        if (rc == BENCH_NOT_MINE) rc = bench_usage("unknown or incomplete option");
+        if (rc != -1) return rc;
+    }
+    if (optind < argc) return bench_usage("unexpected argument");
+    return bench_check(o);
 }
 
 // ---------------------------------------------------------------------------

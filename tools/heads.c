@@ -79,22 +79,15 @@ static int write_tokens(const char *path, const int32_t *tok, int64_t T) {
     return fclose(f) != 0;
 }
 
-int demo_heads(int argc, char **argv) {
+// Parses demo heads' options into o and *out. Returns -1 to go on, else
+// the exit status.
+static int heads_parse(train_opts *o, const char **out, int argc, char **argv) {
     static const struct option opts[] = {
         {"out", required_argument, 0, 'o'},   {"steps", required_argument, 0, 'n'},
         {"heads", required_argument, 0, 'H'}, {"pairs", required_argument, 0, 'K'},
         {"layers", required_argument, 0, 'L'}, {"seed", required_argument, 0, 's'},
         {"quiet", no_argument, 0, 'q'},       {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
-    const char *cmd = "demo heads", *out = "heads_report";
-    train_opts o;
-    train_opts_default(&o);
-    o.cmd = cmd;
-    o.pairs = 2;
-    o.heads = 4;
-    o.causal = true;
-    o.steps = 3000;
-    o.eval_size = 500;
     int c;
     opterr = 0;
     optind = 1;
@@ -102,13 +95,13 @@ int demo_heads(int argc, char **argv) {
         int64_t v = 0;
         if (optarg && cli_parse_int(&v, optarg, INT64_MIN, INT64_MAX)) v = -1;
         switch (c) {
-        case 'o': out = optarg; break;
-        case 'n': if (v < 1) goto bad; o.steps = v; break;
-        case 'H': if (v < 1 || v > 64) goto bad; o.heads = v; break;
-        case 'K': if (v < 2 || v > 26) goto bad; o.pairs = v; break;
-        case 'L': if (v < 1 || v > 8) goto bad; o.layers = v; break;
-        case 's': if (v < 0) goto bad; o.seed = v; break;
-        case 'q': o.quiet = true; break;
+        case 'o': *out = optarg; break;
+        case 'n': if (v < 1) goto bad; o->steps = v; break;
+        case 'H': if (v < 1 || v > 64) goto bad; o->heads = v; break;
+        case 'K': if (v < 2 || v > 26) goto bad; o->pairs = v; break;
+        case 'L': if (v < 1 || v > 8) goto bad; o->layers = v; break;
+        case 's': if (v < 0) goto bad; o->seed = v; break;
+        case 'q': o->quiet = true; break;
         case 'h': fputs(heads_help, stdout); return 0;
         default:
         bad:
@@ -118,47 +111,24 @@ int demo_heads(int argc, char **argv) {
             return 2;
         }
     }
-    if (optind < argc || o.d_model % o.heads) {
+    if (optind < argc || o->d_model % o->heads) {
         fprintf(stderr, "mha demo heads: unexpected argument, or --heads not dividing d_model "
                 "64 (see mha demo heads --help)\n");
         return 2;
     }
-    o.eval_every = o.steps / 5 > 0 ? o.steps / 5 : 1;
-    printf("mha demo heads: train a %lld-layer, %lld-head tiny transformer on associative "
-           "recall (causal attention), then look at what each head attends to\n",
-           (long long)o.layers, (long long)o.heads);
-    fflush(stdout);
-    tiny_model *m = NULL;
-    double acc = 0;
-    if (train_run(&o, &m, &acc)) return 1;
+    return -1;
+}
 
-    // Held-out sequences, a stream of their own.
-    const int64_t T = tiny_task_seq_len(o.task, o.pairs), B = 200, H = o.heads,
-                  D = o.d_model, NL = o.layers;
-    int32_t *tok = malloc(sizeof(int32_t) * (size_t)(B * T + B));
-    float *w = malloc(sizeof(float) * (size_t)(H * T * T));
-    bool *is = malloc((size_t)T);
-    // per layer, head, pattern: mass sum, uniform sum, rows
-    double *score = calloc((size_t)(NL * H * NPAT * 3), sizeof(double));
-    int rc = 1;
+// Adds up, per layer, head and pattern, the attention mass of the B
+// held-out sequences tok (B, T) on the pattern's keys, the uniform share
+// and the rows: score (NL, H, NPAT, 3). w (H, T, T) and is (T) are scratch.
+static mha_status heads_score(double *score, tiny_model *m, const int32_t *tok, float *w,
+                              bool *is, int64_t T, int64_t B, int64_t H, int64_t NL) {
     mha_status st;
-    if (!tok || !w || !is || !score) {
-        fprintf(stderr, "mha demo heads: out of memory\n");
-        goto done;
-    }
-    tiny_rng r = {(uint64_t)o.seed * 0x9E3779B97F4A7C15ull + 0x4EAD5ull};
-    tiny_task_sample(tok, tok + B * T, o.task, o.pairs, B, &r);
-    if ((st = tiny_forward(m, NULL, tok, NULL, B, false, 0))) {
-        rc = cli_fail(cmd, st);
-        goto done;
-    }
     for (int64_t l = 0; l < NL; l++)
         for (int64_t b = 0; b < B; b++) {
             int64_t Lq;
-            if ((st = tiny_attention_weights(m, l, b, w, &Lq, NULL))) {
-                rc = cli_fail(cmd, st);
-                goto done;
-            }
+            if ((st = tiny_attention_weights(m, l, b, w, &Lq, NULL))) return st;
             const int32_t *tk = tok + b * T;
             for (int64_t h = 0; h < H; h++)
                 for (int64_t qi = 0; qi < Lq; qi++) {
@@ -176,6 +146,12 @@ int demo_heads(int argc, char **argv) {
                     }
                 }
         }
+    return MHA_OK;
+}
+
+// Prints the table of heads_score's numbers, per layer a row per head with
+// the pattern that stands out.
+static void heads_print(const double *score, int64_t B, int64_t H, int64_t NL) {
     printf("\nAttention mass per head on %lld held-out sequences (in %%; in brackets what "
            "uniform attention over the visible keys would give); a pattern stands out "
            "when it has at least 40%% of the mass and twice the uniform share:\n",
@@ -209,18 +185,24 @@ int demo_heads(int argc, char **argv) {
             printf("  %s\n", best >= 0 ? pat_name[best] : "no single pattern (spread out)");
         }
     }
+}
 
-    // mha inspect per layer: the module, the inputs it saw (B' sequences),
-    // the first sequence's tokens.
+// mha inspect per layer into out/layerL: the module, the inputs it saw
+// (B' sequences), the first sequence's tokens (of tok (B, T), targets
+// after them). w (H, T, T) is scratch. Returns 0, or 1 after printing.
+static int heads_reports(tiny_model *m, const char *out, const int32_t *tok, float *w,
+                         int64_t T, int64_t B, int64_t D, int64_t NL) {
+    const char *cmd = "demo heads";
+    mha_status st;
     if (mkdir(out, 0777) && errno != EEXIST) {
         fprintf(stderr, "mha demo heads: cannot create %s: %s\n", out, strerror(errno));
-        goto done;
+        return 1;
     }
     char tok_path[4096];
     snprintf(tok_path, sizeof tok_path, "%s/tokens.txt", out);
     if (write_tokens(tok_path, tok, T)) {
         fprintf(stderr, "mha demo heads: cannot write %s\n", tok_path);
-        goto done;
+        return 1;
     }
     char ex[128];
     tiny_task_render(ex, sizeof ex, tok, T);
@@ -233,31 +215,75 @@ int demo_heads(int argc, char **argv) {
         snprintf(dir, sizeof dir, "%s/layer%lld", out, (long long)l);
         if (mkdir(dir, 0777) && errno != EEXIST) {
             fprintf(stderr, "mha demo heads: cannot create %s: %s\n", dir, strerror(errno));
-            goto done;
+            return 1;
         }
         snprintf(wpath, sizeof wpath, "%s/weights.safetensors", dir);
         snprintf(xpath, sizeof xpath, "%s/inputs.safetensors", dir);
         int64_t Lq;
         const mha_module *mod;
         if ((st = tiny_attention_weights(m, l, 0, w, &Lq, &mod)) ||
-            (st = mha_module_save(mod, wpath))) {
-            rc = cli_fail(cmd, st);
-            goto done;
-        }
+            (st = mha_module_save(mod, wpath)))
+            return cli_fail(cmd, st);
         mha_st_writer *wr = NULL;
         if ((st = mha_st_writer_create(&wr)) ||
             (st = mha_st_writer_add(wr, "query", MHA_F32, 3, (int64_t[]){NB, T, D},
                                     tiny_attention_input(m, l))) ||
             (st = mha_st_writer_save(wr, xpath))) {
             mha_st_writer_destroy(wr);
-            rc = cli_fail(cmd, st);
-            goto done;
+            return cli_fail(cmd, st);
         }
         mha_st_writer_destroy(wr);
         char *iargv[] = {"inspect", "--weights", wpath, "--inputs", xpath, "--out", dir,
                          "--batch-first", "--causal", "--tokens", tok_path, NULL};
-        if (cmd_inspect(11, iargv)) goto done;
+        if (cmd_inspect(11, iargv)) return 1;
     }
+    return 0;
+}
+
+int demo_heads(int argc, char **argv) {
+    const char *cmd = "demo heads", *out = "heads_report";
+    train_opts o;
+    train_opts_default(&o);
+    o.cmd = cmd;
+    o.pairs = 2;
+    o.heads = 4;
+    o.causal = true;
+    o.steps = 3000;
+    o.eval_size = 500;
+    int prc = heads_parse(&o, &out, argc, argv);
+    if (prc >= 0) return prc;
+    o.eval_every = o.steps / 5 > 0 ? o.steps / 5 : 1;
+    printf("mha demo heads: train a %lld-layer, %lld-head tiny transformer on associative "
+           "recall (causal attention), then look at what each head attends to\n",
+           (long long)o.layers, (long long)o.heads);
+    fflush(stdout);
+    tiny_model *m = NULL;
+    double acc = 0;
+    if (train_run(&o, &m, &acc)) return 1;
+
+    // Held-out sequences, a stream of their own.
+    const int64_t T = tiny_task_seq_len(o.task, o.pairs), B = 200, H = o.heads,
+                  D = o.d_model, NL = o.layers;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)(B * T + B));
+    float *w = malloc(sizeof(float) * (size_t)(H * T * T));
+    bool *is = malloc((size_t)T);
+    // per layer, head, pattern: mass sum, uniform sum, rows
+    double *score = calloc((size_t)(NL * H * NPAT * 3), sizeof(double));
+    int rc = 1;
+    mha_status st;
+    if (!tok || !w || !is || !score) {
+        fprintf(stderr, "mha demo heads: out of memory\n");
+        goto done;
+    }
+    tiny_rng r = {(uint64_t)o.seed * 0x9E3779B97F4A7C15ull + 0x4EAD5ull};
+    tiny_task_sample(tok, tok + B * T, o.task, o.pairs, B, &r);
+    if ((st = tiny_forward(m, NULL, tok, NULL, B, false, 0)) ||
+        (st = heads_score(score, m, tok, w, is, T, B, H, NL))) {
+        rc = cli_fail(cmd, st);
+        goto done;
+    }
+    heads_print(score, B, H, NL);
+    if (heads_reports(m, out, tok, w, T, B, D, NL)) goto done;
     if (NL > 0)
         printf("(the last layer is inspected with every row, causal, although training only "
                "used its last row)\n");

@@ -179,180 +179,219 @@ float *run_alloc(run *r, int64_t n) {
     return p;
 }
 
-// Parses the options shared by forward and backward. Returns -1 to go on,
-// else the exit status.
-int run_parse(run *r, bool backward, int argc, char **argv) {
-    static const struct option opts[] = {
-        {"weights", required_argument, 0, 'w'},   {"inputs", required_argument, 0, 'x'},
-        {"out", required_argument, 0, 'o'},       {"num-heads", required_argument, 0, 'n'},
-        {"batch-first", no_argument, 0, 'b'},     {"causal", no_argument, 0, 'c'},
-        {"add-zero-attn", no_argument, 0, 'z'},   {"need-weights", no_argument, 0, 'W'},
-        {"no-average-weights", no_argument, 0, 'A'}, {"impl", required_argument, 0, 'i'},
-        {"dropout", required_argument, 0, 'd'},   {"out-dropout", required_argument, 0, 'D'},
-        {"train", no_argument, 0, 't'},           {"seed", required_argument, 0, 's'},
-        {"dropout-offset", required_argument, 0, 'O'},
-        {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
-        {"window-left", required_argument, 0, 'L'}, {"window-right", required_argument, 0, 'R'},
-        {"weights-heads", required_argument, 0, 'H'}, {"weights-rows", required_argument, 0, 'r'},
-        {"rope", required_argument, 0, 'P'},      {"rope-theta", required_argument, 0, 'T'},
-        {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
-        {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
-        {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
-        {"kv-dtype", required_argument, 0, 'Q'},  {"dtype", required_argument, 0, 'Y'},
-        {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'j'},
-        {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
-        {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
-        {"parallel", required_argument, 0, 'Z'},
-        {0, 0, 0, 0}};
-    // mha inspect's own options, and those of the forward it refuses (it
-    // diagnoses in eval mode, computing its own weights)
-    static const char inspect_only[] = "kmNp", not_inspect[] = "WAHrMKQitdDsOgZ";
-    const bool inspect = !strcmp(r->cmd, "inspect");
+// The options of forward, backward and inspect (one table; run_parse
+// refuses those of the other commands).
+static const struct option run_opts[] = {
+    {"weights", required_argument, 0, 'w'},   {"inputs", required_argument, 0, 'x'},
+    {"out", required_argument, 0, 'o'},       {"num-heads", required_argument, 0, 'n'},
+    {"batch-first", no_argument, 0, 'b'},     {"causal", no_argument, 0, 'c'},
+    {"add-zero-attn", no_argument, 0, 'z'},   {"need-weights", no_argument, 0, 'W'},
+    {"no-average-weights", no_argument, 0, 'A'}, {"impl", required_argument, 0, 'i'},
+    {"dropout", required_argument, 0, 'd'},   {"out-dropout", required_argument, 0, 'D'},
+    {"train", no_argument, 0, 't'},           {"seed", required_argument, 0, 's'},
+    {"dropout-offset", required_argument, 0, 'O'},
+    {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
+    {"window-left", required_argument, 0, 'L'}, {"window-right", required_argument, 0, 'R'},
+    {"weights-heads", required_argument, 0, 'H'}, {"weights-rows", required_argument, 0, 'r'},
+    {"rope", required_argument, 0, 'P'},      {"rope-theta", required_argument, 0, 'T'},
+    {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
+    {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
+    {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
+    {"kv-dtype", required_argument, 0, 'Q'},  {"dtype", required_argument, 0, 'Y'},
+    {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'j'},
+    {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
+    {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
+    {"parallel", required_argument, 0, 'Z'},
+    {0, 0, 0, 0}};
+
+// One handler per group of options: each takes option c (its value in
+// optarg) and returns -1 when it took it, the exit status when its value
+// is bad, or RUN_NOT_MINE when c is not of its group.
+enum { RUN_NOT_MINE = -2 };
+
+// The files: --weights, --inputs, --out, --grad-output.
+static int opt_files(run *r, bool backward, int c) {
+    switch (c) {
+    case 'w': r->wpath = optarg; break;
+    case 'x': r->xpath = optarg; break;
+    case 'o': r->ypath = optarg; break;
+    case 'g':
+        if (!backward) return cli_usage(r->cmd, "--grad-output is for mha backward");
+        r->gpath = optarg;
+        break;
+    default: return RUN_NOT_MINE;
+    }
+    return -1;
+}
+
+// The module's configuration (r->base): heads, layout, zero attention,
+// dropout, the weights' dtype.
+static int opt_module(run *r, int c) {
     const char *cmd = r->cmd;
-    mha_config_init(&r->base, 0, 0);
-    mha_forward_args_init(&r->a);
-    mha_diag_options_init(&r->diag);
-    r->argc = argc;
-    r->argv = argv;
-    r->plot_len = 64;
-    bool no_avg = false;
+    double f;
+    switch (c) {
+    case 'n':
+        if (cli_parse_int(&r->base.num_heads, optarg, 1, INT64_MAX))
+            return cli_usage(cmd, "--num-heads needs a positive integer");
+        break;
+    case 'G':
+        if (cli_parse_int(&r->base.num_kv_heads, optarg, 1, INT64_MAX))
+            return cli_usage(cmd, "--num-kv-heads needs a positive integer");
+        break;
+    case 'b': r->base.batch_first = true; break;
+    case 'z': r->base.add_zero_attn = true; break;
+    case 'd':
+    case 'D':
+        if (cli_parse_f64(&f, optarg) || !(f >= 0.0 && f < 1.0))
+            return cli_usage(cmd, "--dropout and --out-dropout need P in [0, 1)");
+        *(c == 'd' ? &r->base.dropout : &r->base.out_dropout) = (float)f;
+        break;
+    case 'j':
+        if (cli_float_dtype(&r->base.weight_dtype, optarg))
+            return cli_usage(cmd, "--weight-dtype needs f32, bf16 or f16");
+        break;
+    default: return RUN_NOT_MINE;
+    }
+    return -1;
+}
+
+// The call's arguments (r->a): masking, the weights output, the
+// implementation, training and its dropout stream.
+static int opt_call(run *r, int c, bool *no_avg) {
+    const char *cmd = r->cmd;
+    mha_status st;
     int64_t v;
     double f;
-    int c, li = -1;
-    opterr = 0;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "", opts, &li)) != -1) {
-        mha_status st;
-        if (c != '?' && c != ':' && li >= 0 &&
-            strchr(inspect ? not_inspect : inspect_only, c)) {
-            char msg[96];
-            snprintf(msg, sizeof msg, inspect ? "--%s is not an option of mha inspect"
-                                              : "--%s is for mha inspect", opts[li].name);
-            return cli_usage(cmd, msg);
-        }
-        li = -1;
-        switch (c) {
-        case 'w': r->wpath = optarg; break;
-        case 'x': r->xpath = optarg; break;
-        case 'o': r->ypath = optarg; break;
-        case 'g':
-            if (!backward) return cli_usage(cmd, "--grad-output is for mha backward");
-            r->gpath = optarg;
-            break;
-        case 'n':
-            if (cli_parse_int(&r->base.num_heads, optarg, 1, INT64_MAX))
-                return cli_usage(cmd, "--num-heads needs a positive integer");
-            break;
-        case 'G':
-            if (cli_parse_int(&r->base.num_kv_heads, optarg, 1, INT64_MAX))
-                return cli_usage(cmd, "--num-kv-heads needs a positive integer");
-            break;
-        case 'b': r->base.batch_first = true; break;
-        case 'c': r->a.is_causal = true; break;
-        case 'z': r->base.add_zero_attn = true; break;
-        case 'W': r->a.need_weights = true; break;
-        case 'A': no_avg = true; break;
-        case 'i':
-            if ((st = mha_impl_from_name(&r->a.impl, optarg))) return cli_fail(cmd, st);
-            break;
-        case 'd':
-        case 'D':
-            if (cli_parse_f64(&f, optarg) || !(f >= 0.0 && f < 1.0))
-                return cli_usage(cmd, "--dropout and --out-dropout need P in [0, 1)");
-            *(c == 'd' ? &r->base.dropout : &r->base.out_dropout) = (float)f;
-            break;
-        case 't': r->a.training = true; break;
-        case 'P':
-            if ((st = mha_rope_mode_from_name(&r->a.rope.mode, optarg))) return cli_fail(cmd, st);
-            break;
-        case 'T':
-            if (cli_parse_f64(&f, optarg) || !(f > 0.0))
-                return cli_usage(cmd, "--rope-theta needs a positive number");
-            r->a.rope.theta = f;
-            break;
-        case 'E':
-            if (cli_parse_int(&v, optarg, 1, INT64_MAX))
-                return cli_usage(cmd, "--rope-dim needs a positive even integer");
-            r->a.rope.dim = v;
-            break;
-        case 'X':
-            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
-                return cli_usage(cmd, "--rope-start needs a non-negative integer");
-            r->rope_start = v;
-            break;
-        case 'B': r->a.alibi = true; break;
-        case 'M': r->incremental = true; break;
-        case 'Y':
-            if (cli_float_dtype(&r->dtype, optarg))
-                return cli_usage(cmd, "--dtype needs f32, bf16 or f16");
-            break;
-        case 'j':
-            if (cli_float_dtype(&r->base.weight_dtype, optarg))
-                return cli_usage(cmd, "--weight-dtype needs f32, bf16 or f16");
-            break;
-        case 'Z':
-#ifdef MHA_HAVE_MPI
-            if ((st = mha_parallel_from_name(&r->par, optarg))) return cli_fail(cmd, st);
-            r->parallel = true;
-            break;
-#else
-            return cli_usage(cmd, "--parallel needs an mha built with MPI (install "
-                                  "libopenmpi-dev and rebuild)");
-#endif
-        case 'Q':
-            if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
-            break;
-        case 'K':
-            if (cli_parse_int(&v, optarg, 1, INT64_MAX))
-                return cli_usage(cmd, "--chunk needs a positive integer");
-            r->chunk = v;
-            break;
-        case 'C':
-            if (cli_parse_f64(&f, optarg) || !(f > 0.0))
-                return cli_usage(cmd, "--softcap needs a positive number");
-            r->a.softcap = (float)f;
-            break;
-        case 'L':
-        case 'R':
-            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
-                return cli_usage(cmd, "--window-left and --window-right need a non-negative integer");
-            *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
-            break;
-        case 'H':
-        case 'r': {
-            int64_t *b = c == 'H' ? &r->a.weights_head_begin : &r->a.weights_row_begin;
-            int64_t *e = c == 'H' ? &r->a.weights_head_end : &r->a.weights_row_end;
-            if (cli_parse_range(b, e, optarg))
-                return cli_usage(cmd, "--weights-heads and --weights-rows need A:B "
-                                      "(non-negative integers, B optional)");
-            break;
-        }
-        case 's':
-        case 'O':
-            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
-                return cli_usage(cmd, "--seed and --dropout-offset need a non-negative integer");
-            *(c == 's' ? &r->a.dropout_seed : &r->a.dropout_offset) = (uint64_t)v;
-            break;
-        case 'k': r->tokens_path = optarg; break;
-        case 'm':
-            if (cli_parse_int(&r->diag.max_rows, optarg, 0, INT64_MAX))
-                return cli_usage(cmd, "--max-rows needs a non-negative integer (0: every row)");
-            break;
-        case 'N':
-            if (cli_parse_int(&r->batch_index, optarg, 0, INT64_MAX))
-                return cli_usage(cmd, "--batch-index needs a non-negative integer");
-            break;
-        case 'p':
-            if (cli_parse_int(&r->plot_len, optarg, 1, INT64_MAX))
-                return cli_usage(cmd, "--plot-len needs a positive integer");
-            break;
-        case 'h':
-            fputs(inspect ? inspect_help : backward ? backward_help : forward_help, stdout);
-            return 0;
-        default: return cli_usage(cmd, "unknown or incomplete option");
-        }
+    switch (c) {
+    case 'c': r->a.is_causal = true; break;
+    case 'W': r->a.need_weights = true; break;
+    case 'A': *no_avg = true; break;
+    case 'i':
+        if ((st = mha_impl_from_name(&r->a.impl, optarg))) return cli_fail(cmd, st);
+        break;
+    case 't': r->a.training = true; break;
+    case 'C':
+        if (cli_parse_f64(&f, optarg) || !(f > 0.0))
+            return cli_usage(cmd, "--softcap needs a positive number");
+        r->a.softcap = (float)f;
+        break;
+    case 'L':
+    case 'R':
+        if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+            return cli_usage(cmd, "--window-left and --window-right need a non-negative integer");
+        *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
+        break;
+    case 'H':
+    case 'r': {
+        int64_t *b = c == 'H' ? &r->a.weights_head_begin : &r->a.weights_row_begin;
+        int64_t *e = c == 'H' ? &r->a.weights_head_end : &r->a.weights_row_end;
+        if (cli_parse_range(b, e, optarg))
+            return cli_usage(cmd, "--weights-heads and --weights-rows need A:B "
+                                  "(non-negative integers, B optional)");
+        break;
     }
-    if (optind < argc) return cli_usage(cmd, "unexpected argument");
+    case 's':
+    case 'O':
+        if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+            return cli_usage(cmd, "--seed and --dropout-offset need a non-negative integer");
+        *(c == 's' ? &r->a.dropout_seed : &r->a.dropout_offset) = (uint64_t)v;
+        break;
+    default: return RUN_NOT_MINE;
+    }
+    return -1;
+}
+
+// Positions: RoPE and ALiBi.
+static int opt_position(run *r, int c) {
+    const char *cmd = r->cmd;
+    mha_status st;
+    int64_t v;
+    double f;
+    switch (c) {
+    case 'P':
+        if ((st = mha_rope_mode_from_name(&r->a.rope.mode, optarg))) return cli_fail(cmd, st);
+        break;
+    case 'T':
+        if (cli_parse_f64(&f, optarg) || !(f > 0.0))
+            return cli_usage(cmd, "--rope-theta needs a positive number");
+        r->a.rope.theta = f;
+        break;
+    case 'E':
+        if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+            return cli_usage(cmd, "--rope-dim needs a positive even integer");
+        r->a.rope.dim = v;
+        break;
+    case 'X':
+        if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+            return cli_usage(cmd, "--rope-start needs a non-negative integer");
+        r->rope_start = v;
+        break;
+    case 'B': r->a.alibi = true; break;
+    default: return RUN_NOT_MINE;
+    }
+    return -1;
+}
+
+// How the run goes: the tensors' dtype, through a KV cache (--incremental,
+// --chunk, --kv-dtype), across MPI ranks (--parallel).
+static int opt_how(run *r, int c) {
+    const char *cmd = r->cmd;
+    mha_status st;
+    int64_t v;
+    switch (c) {
+    case 'M': r->incremental = true; break;
+    case 'Y':
+        if (cli_float_dtype(&r->dtype, optarg))
+            return cli_usage(cmd, "--dtype needs f32, bf16 or f16");
+        break;
+    case 'Z':
+#ifdef MHA_HAVE_MPI
+        if ((st = mha_parallel_from_name(&r->par, optarg))) return cli_fail(cmd, st);
+        r->parallel = true;
+        break;
+#else
+        return cli_usage(cmd, "--parallel needs an mha built with MPI (install "
+                              "libopenmpi-dev and rebuild)");
+#endif
+    case 'Q':
+        if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
+        break;
+    case 'K':
+        if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+            return cli_usage(cmd, "--chunk needs a positive integer");
+        r->chunk = v;
+        break;
+    default: return RUN_NOT_MINE;
+    }
+    return -1;
+}
+
+// mha inspect's own: --tokens, --max-rows, --batch-index, --plot-len.
+static int opt_inspect(run *r, int c) {
+    const char *cmd = r->cmd;
+    switch (c) {
+    case 'k': r->tokens_path = optarg; break;
+    case 'm':
+        if (cli_parse_int(&r->diag.max_rows, optarg, 0, INT64_MAX))
+            return cli_usage(cmd, "--max-rows needs a non-negative integer (0: every row)");
+        break;
+    case 'N':
+        if (cli_parse_int(&r->batch_index, optarg, 0, INT64_MAX))
+            return cli_usage(cmd, "--batch-index needs a non-negative integer");
+        break;
+    case 'p':
+        if (cli_parse_int(&r->plot_len, optarg, 1, INT64_MAX))
+            return cli_usage(cmd, "--plot-len needs a positive integer");
+        break;
+    default: return RUN_NOT_MINE;
+    }
+    return -1;
+}
+
+// The checks across options once all are read. Returns -1 to go on, else
+// the exit status.
+static int run_check(run *r, bool backward, bool no_avg) {
+    const char *cmd = r->cmd;
     if (!r->wpath || !r->xpath || !r->ypath || (backward && !r->gpath))
         return cli_usage(cmd, backward ? "--weights, --inputs, --grad-output and "
                                          "--out are required"
@@ -366,6 +405,50 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
         return cli_usage(cmd, "--no-average-weights needs --need-weights");
     r->a.average_attn_weights = !no_avg;
     return -1;
+}
+
+// Parses the options shared by forward and backward. Returns -1 to go on,
+// else the exit status.
+int run_parse(run *r, bool backward, int argc, char **argv) {
+    // mha inspect's own options, and those of the forward it refuses (it
+    // diagnoses in eval mode, computing its own weights)
+    static const char inspect_only[] = "kmNp", not_inspect[] = "WAHrMKQitdDsOgZ";
+    const bool inspect = !strcmp(r->cmd, "inspect");
+    const char *cmd = r->cmd;
+    mha_config_init(&r->base, 0, 0);
+    mha_forward_args_init(&r->a);
+    mha_diag_options_init(&r->diag);
+    r->argc = argc;
+    r->argv = argv;
+    r->plot_len = 64;
+    bool no_avg = false;
+    int c, li = -1;
+    opterr = 0;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", run_opts, &li)) != -1) {
+        if (c != '?' && c != ':' && li >= 0 &&
+            strchr(inspect ? not_inspect : inspect_only, c)) {
+            char msg[96];
+            snprintf(msg, sizeof msg, inspect ? "--%s is not an option of mha inspect"
+                                              : "--%s is for mha inspect", run_opts[li].name);
+            return cli_usage(cmd, msg);
+        }
+        li = -1;
+        if (c == 'h') {
+            fputs(inspect ? inspect_help : backward ? backward_help : forward_help, stdout);
+            return 0;
+        }
+        int rc = opt_files(r, backward, c);
+        if (rc == RUN_NOT_MINE) rc = opt_module(r, c);
+        if (rc == RUN_NOT_MINE) rc = opt_call(r, c, &no_avg);
+        if (rc == RUN_NOT_MINE) rc = opt_position(r, c);
+        if (rc == RUN_NOT_MINE) rc = opt_how(r, c);
+        if (rc == RUN_NOT_MINE) rc = opt_inspect(r, c);
+        if (rc == RUN_NOT_MINE) rc = cli_usage(cmd, "unknown or incomplete option");
+        if (rc != -1) return rc;
+    }
+    if (optind < argc) return cli_usage(cmd, "unexpected argument");
+    return run_check(r, backward, no_avg);
 }
 
 // Loads the module and the inputs into r->a. Returns 0, or 1 after printing.

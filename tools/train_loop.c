@@ -109,170 +109,240 @@ void train_opts_default(train_opts *o) {
                       .optim = MHA_OPTIM_ADAMW, .lr = 3e-3, .clip = 1.0, .cosine = true};
 }
 
-int train_run(const train_opts *o, tiny_model **keep, double *eval_acc) {
-    const char *cmd = o->cmd ? o->cmd : "train";
-    flush_subnormals();
+// One training run (train_run): the model, the optimizer, the CSV, the
+// batches, the clock and the running sums between evaluations.
+typedef struct train_state {
+    const train_opts *o;
+    train_opts oo;  // o with the peak learning rate the optimizer got
+    const char *cmd;
+    bool tty;
+    int64_t T, B, chunk, n_eval;
+    tiny_model *m;
+    mha_optimizer *opt;
+    FILE *csv;
+    int32_t *ints;  // one allocation for the five below
+    int32_t *tok, *tgt, *etok, *etgt, *pred;
+    tiny_rng data_rng;
+    uint64_t offset_stride;
+    double t_start, t_train, t_int;
+    double lsum, final_train_loss;
+    int64_t nsum, csum, n_int_steps;
+    double eacc, eloss, last_tacc, last_loss, rate;
+    double last_draw;
+} train_state;
+
+// A library call failed: ends the progress line, prints; returns 1.
+static int train_fail(const train_state *ts, mha_status st) {
+    if (ts->tty) fputc('\n', stderr);
+    return cli_fail(ts->cmd, st);
+}
+
+// The model, the optimizer, the CSV's header, the held-out set and the
+// header line. Returns 0, or 1 after printing (what it made is in ts).
+static int train_setup(train_state *ts, const train_opts *o) {
+    const char *cmd = ts->cmd;
+    mha_status st;
     int64_t T = tiny_task_seq_len(o->task, o->pairs), B = o->batch;
     int64_t chunk = B > 250 ? B : 250;  // eval batch
     tiny_config tc = {.vocab = TINY_VOCAB, .seq_len = T, .d_model = o->d_model,
                       .n_heads = o->heads, .n_layers = o->layers, .d_ff = o->d_ff,
                       .dropout = (float)o->dropout, .causal = o->causal,
                       .seed = (uint64_t)o->seed};
-    int rc = 1;
-    mha_status st;
-    bool tty = !o->quiet && isatty(fileno(stderr));
-    tiny_model *m = NULL;
-    mha_optimizer *opt = NULL;
-    FILE *csv = NULL;
-    int64_t n_eval = o->eval_size;
-    int32_t *ints = malloc(sizeof(int32_t) *
-                           (size_t)(B * T + B + n_eval * T + n_eval + chunk + B));
-    if (!ints) {
+    ts->T = T, ts->B = B, ts->chunk = chunk;
+    ts->tty = !o->quiet && isatty(fileno(stderr));
+    int64_t n_eval = ts->n_eval = o->eval_size;
+    ts->ints = malloc(sizeof(int32_t) *
+                      (size_t)(B * T + B + n_eval * T + n_eval + chunk + B));
+    if (!ts->ints) {
         fprintf(stderr, "mha %s: out of memory\n", cmd);
         return 1;
     }
-    int32_t *tok = ints;                   // (B, T)
-    int32_t *tgt = tok + B * T;            // (B)
-    int32_t *etok = tgt + B;               // (n_eval, T)
-    int32_t *etgt = etok + n_eval * T;     // (n_eval)
-    int32_t *pred = etgt + n_eval;         // (max(chunk, B))
+    ts->tok = ts->ints;                    // (B, T)
+    ts->tgt = ts->tok + B * T;             // (B)
+    ts->etok = ts->tgt + B;                // (n_eval, T)
+    ts->etgt = ts->etok + n_eval * T;      // (n_eval)
+    ts->pred = ts->etgt + n_eval;          // (max(chunk, B))
 
-    if ((st = tiny_create(&m, &tc, chunk))) goto fail;
+    if ((st = tiny_create(&ts->m, &tc, chunk))) return train_fail(ts, st);
     mha_optim_config oc;
     mha_optim_config_init(&oc, o->optim);
     oc.lr = o->lr_set ? o->lr : o->optim == MHA_OPTIM_SGD ? 0.1 : 3e-3;
     if (o->wd_set) oc.weight_decay = o->weight_decay;
     if (o->optim == MHA_OPTIM_SGD) oc.momentum = 0.9;
-    train_opts oo = *o;
-    oo.lr = oc.lr;
-    if ((st = mha_optimizer_create(&opt, &oc))) goto fail;
-    if ((st = tiny_optimizer_register(m, opt))) goto fail;
+    ts->oo = *o;
+    ts->oo.lr = oc.lr;
+    if ((st = mha_optimizer_create(&ts->opt, &oc))) return train_fail(ts, st);
+    if ((st = tiny_optimizer_register(ts->m, ts->opt))) return train_fail(ts, st);
 
     if (o->csv) {
-        csv = fopen(o->csv, "w");
-        if (!csv) {
+        ts->csv = fopen(o->csv, "w");
+        if (!ts->csv) {
             fprintf(stderr, "mha %s: cannot write %s: %s\n", cmd, o->csv, strerror(errno));
-            goto cleanup;
+            return 1;
         }
-        fprintf(csv, "step,loss,train_acc,eval_acc,tokens_per_s\n");
+        fprintf(ts->csv, "step,loss,train_acc,eval_acc,tokens_per_s\n");
     }
 
-    tiny_rng data_rng = {(uint64_t)o->seed * 0xD1B54A32D192ED03ull + 7};
+    ts->data_rng = (tiny_rng){(uint64_t)o->seed * 0xD1B54A32D192ED03ull + 7};
     tiny_rng eval_rng = {(uint64_t)o->seed * 0xD1B54A32D192ED03ull + 0xE7A1E7A1ull};
-    tiny_task_sample(etok, etgt, o->task, o->pairs, n_eval, &eval_rng);
+    tiny_task_sample(ts->etok, ts->etgt, o->task, o->pairs, n_eval, &eval_rng);
 
     if (!o->quiet) {
         char ex[64];
-        tiny_task_render(ex, sizeof ex, etok, T);
+        tiny_task_render(ex, sizeof ex, ts->etok, T);
         fprintf(stderr, "mha %s: task %s (T %lld, e.g. %s -> %d), d_model %lld, "
                 "heads %lld, layers %lld, %lld parameters, %s lr %g, batch %lld, "
-                "%lld steps\n", cmd, tiny_task_name(o->task), (long long)T, ex, etgt[0],
+                "%lld steps\n", cmd, tiny_task_name(o->task), (long long)T, ex, ts->etgt[0],
                 (long long)o->d_model, (long long)o->heads, (long long)o->layers,
-                (long long)tiny_num_params(m), o->optim == MHA_OPTIM_SGD ? "sgd" : "adamw",
+                (long long)tiny_num_params(ts->m), o->optim == MHA_OPTIM_SGD ? "sgd" : "adamw",
                 oc.lr, (long long)B, (long long)o->steps);
     }
 
     // dropout masks: a fresh (seed, offset) window per step, wider than any
     // element count of one forward
-    uint64_t offset_stride = (uint64_t)(B * o->heads * T * T + 1);
-    double t_start = cli_now(), t_train = 0.0, t_int = 0.0;
-    double lsum = 0.0, final_train_loss = 0.0;
-    int64_t nsum = 0, csum = 0, n_int_steps = 0;
-    double eacc = 0.0, eloss = 0.0, last_tacc = 0.0, last_loss = 0.0, rate = 0.0;
-    double last_draw = -1.0;
-    for (int64_t s = 1; s <= o->steps; s++) {
-        double t0 = cli_now();
-        tiny_task_sample(tok, tgt, o->task, o->pairs, B, &data_rng);
-        mha_optimizer_zero_grad(opt);
-        float loss;
-        if ((st = tiny_forward(m, &loss, tok, tgt, B, true, (uint64_t)s * offset_stride))) goto fail;
-        if (!isfinite(loss)) {
-            fprintf(stderr, "%smha %s: the loss is %g at step %lld (try a smaller --lr)\n",
-                    tty ? "\n" : "", cmd, (double)loss, (long long)s);
-            goto cleanup;
-        }
-        tiny_predict(m, pred);
-        for (int64_t b = 0; b < B; b++) csum += pred[b] == tgt[b];
-        if ((st = tiny_backward(m))) goto fail;
-        if (o->clip > 0 && (st = mha_optimizer_clip_grad_norm(opt, o->clip, NULL))) goto fail;
-        if ((st = mha_optimizer_set_lr(opt, lr_at(&oo, s)))) goto fail;
-        if ((st = mha_optimizer_step(opt))) goto fail;
-        double dt = cli_now() - t0;
-        t_train += dt;
-        t_int += dt;
-        n_int_steps++;
-        lsum += loss;
-        nsum++;
-        bool eval_now = s % o->eval_every == 0 || s == o->steps;
-        if (eval_now) {
-            if ((st = evaluate(&eacc, &eloss, m, etok, etgt, n_eval, T, chunk, pred))) goto fail;
-            last_loss = lsum / (double)nsum;
-            last_tacc = (double)csum / (double)(nsum * B);
-            rate = (double)(n_int_steps * B * T) / (t_int > 0 ? t_int : 1e-9);
-            if (csv) fprintf(csv, "%lld,%.6f,%.6f,%.6f,%.1f\n", (long long)s, last_loss,
-                             last_tacc, eacc, rate);
-            final_train_loss = last_loss;
-            lsum = 0.0;
-            nsum = 0;
-            csum = 0;
-            t_int = 0.0;
-            n_int_steps = 0;
-        }
-        double now = cli_now();
-        double eta = (now - t_start) / (double)s * (double)(o->steps - s);
-        if (!o->quiet) {
-            if (tty && (now - last_draw > 0.1 || eval_now)) {
-                double shown_loss = nsum ? lsum / (double)nsum : last_loss;
-                double shown_acc = nsum ? (double)csum / (double)(nsum * B) : last_tacc;
-                double shown_rate = rate > 0 ? rate : (double)(s * B * T) / t_train;
-                draw_progress(true, s, o->steps, shown_loss, shown_acc, eacc, shown_rate,
-                              eta, tiny_task_name(o->task));
-                last_draw = now;
-            } else if (!tty && eval_now) {
-                draw_progress(false, s, o->steps, last_loss, last_tacc, eacc, rate, eta,
-                              tiny_task_name(o->task));
-            }
+    ts->offset_stride = (uint64_t)(B * o->heads * T * T + 1);
+    ts->t_start = cli_now();
+    ts->last_draw = -1.0;
+    return 0;
+}
+
+// Step s (1-based): a fresh batch, forward, backward, clipping, the
+// learning rate, the optimizer's step; the running sums. Returns 0, or 1
+// after printing.
+static int train_step(train_state *ts, int64_t s) {
+    const train_opts *o = ts->o;
+    const int64_t B = ts->B;
+    mha_status st;
+    double t0 = cli_now();
+    tiny_task_sample(ts->tok, ts->tgt, o->task, o->pairs, B, &ts->data_rng);
+    mha_optimizer_zero_grad(ts->opt);
+    float loss;
+    if ((st = tiny_forward(ts->m, &loss, ts->tok, ts->tgt, B, true,
+                           (uint64_t)s * ts->offset_stride)))
+        return train_fail(ts, st);
+    if (!isfinite(loss)) {
+        fprintf(stderr, "%smha %s: the loss is %g at step %lld (try a smaller --lr)\n",
+                ts->tty ? "\n" : "", ts->cmd, (double)loss, (long long)s);
+        return 1;
+    }
+    tiny_predict(ts->m, ts->pred);
+    for (int64_t b = 0; b < B; b++) ts->csum += ts->pred[b] == ts->tgt[b];
+    if ((st = tiny_backward(ts->m))) return train_fail(ts, st);
+    if (o->clip > 0 && (st = mha_optimizer_clip_grad_norm(ts->opt, o->clip, NULL)))
+        return train_fail(ts, st);
+    if ((st = mha_optimizer_set_lr(ts->opt, lr_at(&ts->oo, s)))) return train_fail(ts, st);
+    if ((st = mha_optimizer_step(ts->opt))) return train_fail(ts, st);
+    double dt = cli_now() - t0;
+    ts->t_train += dt;
+    ts->t_int += dt;
+    ts->n_int_steps++;
+    ts->lsum += loss;
+    ts->nsum++;
+    return 0;
+}
+
+// After step s: the held-out evaluation, the CSV's row, the running sums
+// restarted. Returns 0, or 1 after printing.
+static int train_eval(train_state *ts, int64_t s) {
+    const int64_t B = ts->B, T = ts->T;
+    mha_status st;
+    if ((st = evaluate(&ts->eacc, &ts->eloss, ts->m, ts->etok, ts->etgt, ts->n_eval, T,
+                       ts->chunk, ts->pred)))
+        return train_fail(ts, st);
+    ts->last_loss = ts->lsum / (double)ts->nsum;
+    ts->last_tacc = (double)ts->csum / (double)(ts->nsum * B);
+    ts->rate = (double)(ts->n_int_steps * B * T) / (ts->t_int > 0 ? ts->t_int : 1e-9);
+    if (ts->csv) fprintf(ts->csv, "%lld,%.6f,%.6f,%.6f,%.1f\n", (long long)s, ts->last_loss,
+                         ts->last_tacc, ts->eacc, ts->rate);
+    ts->final_train_loss = ts->last_loss;
+    ts->lsum = 0.0;
+    ts->nsum = 0;
+    ts->csum = 0;
+    ts->t_int = 0.0;
+    ts->n_int_steps = 0;
+    return 0;
+}
+
+// The progress after step s: on a terminal redrawn at most every 0.1 s
+// (and at evaluations), else a line per evaluation.
+static void train_progress(train_state *ts, int64_t s, bool eval_now) {
+    const train_opts *o = ts->o;
+    const int64_t B = ts->B, T = ts->T;
+    double now = cli_now();
+    double eta = (now - ts->t_start) / (double)s * (double)(o->steps - s);
+    if (!o->quiet) {
+        if (ts->tty && (now - ts->last_draw > 0.1 || eval_now)) {
+            double shown_loss = ts->nsum ? ts->lsum / (double)ts->nsum : ts->last_loss;
+            double shown_acc = ts->nsum ? (double)ts->csum / (double)(ts->nsum * B)
+                                        : ts->last_tacc;
+            double shown_rate = ts->rate > 0 ? ts->rate : (double)(s * B * T) / ts->t_train;
+            draw_progress(true, s, o->steps, shown_loss, shown_acc, ts->eacc, shown_rate,
+                          eta, tiny_task_name(o->task));
+            ts->last_draw = now;
+        } else if (!ts->tty && eval_now) {
+            draw_progress(false, s, o->steps, ts->last_loss, ts->last_tacc, ts->eacc,
+                          ts->rate, eta, tiny_task_name(o->task));
         }
     }
-    if (tty) fputc('\n', stderr);
-    double elapsed = cli_now() - t_start;
-    if (csv) {
-        if (fclose(csv)) {
-            csv = NULL;
-            fprintf(stderr, "mha %s: error writing %s\n", cmd, o->csv);
-            goto cleanup;
+}
+
+// After the last step: the CSV closed, a few held-out examples with the
+// model's answers, the summary line. Returns 0, or 1 after printing.
+static int train_finish(train_state *ts) {
+    const train_opts *o = ts->o;
+    const int64_t B = ts->B, T = ts->T, n_eval = ts->n_eval;
+    mha_status st;
+    if (ts->tty) fputc('\n', stderr);
+    double elapsed = cli_now() - ts->t_start;
+    if (ts->csv) {
+        if (fclose(ts->csv)) {
+            ts->csv = NULL;
+            fprintf(stderr, "mha %s: error writing %s\n", ts->cmd, o->csv);
+            return 1;
         }
-        csv = NULL;
+        ts->csv = NULL;
     }
     if (!o->quiet) {
         // a few held-out examples with the model's answers
-        if ((st = tiny_forward(m, NULL, etok, NULL, 3 < n_eval ? 3 : n_eval, false, 0))) goto fail;
-        tiny_predict(m, pred);
+        if ((st = tiny_forward(ts->m, NULL, ts->etok, NULL, 3 < n_eval ? 3 : n_eval, false,
+                               0)))
+            return train_fail(ts, st);
+        tiny_predict(ts->m, ts->pred);
         for (int64_t i = 0; i < 3 && i < n_eval; i++) {
             char ex[64];
-            tiny_task_render(ex, sizeof ex, etok + i * T, T);
-            fprintf(stderr, "  %s -> %d (answer %d)\n", ex, pred[i], etgt[i]);
+            tiny_task_render(ex, sizeof ex, ts->etok + i * T, T);
+            fprintf(stderr, "  %s -> %d (answer %d)\n", ex, ts->pred[i], ts->etgt[i]);
         }
     }
     printf("train %s: heads %lld, d_model %lld, layers %lld, %lld params, %lld steps x "
            "batch %lld, seed %lld: eval accuracy %.2f%% (%lld held-out), eval loss %.4f, "
            "train loss %.4f, %.1f s (%.0f tokens/s)\n",
            tiny_task_name(o->task), (long long)o->heads, (long long)o->d_model,
-           (long long)o->layers, (long long)tiny_num_params(m), (long long)o->steps,
-           (long long)B, (long long)o->seed, 100.0 * eacc, (long long)n_eval, eloss,
-           final_train_loss, elapsed, (double)(o->steps * B * T) / t_train);
+           (long long)o->layers, (long long)tiny_num_params(ts->m), (long long)o->steps,
+           (long long)B, (long long)o->seed, 100.0 * ts->eacc, (long long)n_eval, ts->eloss,
+           ts->final_train_loss, elapsed, (double)(o->steps * B * T) / ts->t_train);
     fflush(stdout);
-    rc = 0;
-    if (eval_acc) *eval_acc = eacc;
-    if (keep) *keep = m, m = NULL;
-    goto cleanup;
-fail:
-    if (tty) fputc('\n', stderr);
-    rc = cli_fail(cmd, st);
-cleanup:
-    if (csv) fclose(csv);
-    mha_optimizer_destroy(opt);
-    tiny_destroy(m);
-    free(ints);
+    return 0;
+}
+
+int train_run(const train_opts *o, tiny_model **keep, double *eval_acc) {
+    flush_subnormals();
+    train_state ts = {.o = o, .cmd = o->cmd ? o->cmd : "train"};
+    int rc = train_setup(&ts, o);
+    for (int64_t s = 1; !rc && s <= o->steps; s++) {
+        rc = train_step(&ts, s);
+        const bool eval_now = s % o->eval_every == 0 || s == o->steps;
+        if (!rc && eval_now) rc = train_eval(&ts, s);
+        if (!rc) train_progress(&ts, s, eval_now);
+    }
+    if (!rc) rc = train_finish(&ts);
+    if (!rc) {
+        if (eval_acc) *eval_acc = ts.eacc;
+        if (keep) *keep = ts.m, ts.m = NULL;
+    }
+    if (ts.csv) fclose(ts.csv);
+    mha_optimizer_destroy(ts.opt);
+    tiny_destroy(ts.m);
+    free(ts.ints);
     return rc;
 }

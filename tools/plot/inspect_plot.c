@@ -475,13 +475,22 @@ static void x_marker(cairo_t *cr, double x, double y) {
     line(cr, x - 4, y + 4, x + 4, y - 4);
 }
 
-static cairo_status_t spectra_png(membuf *png, const inspect_report *r) {
-    const int64_t H = r->H;
-    const cJSON *heads = jget(r->diag, "heads");
-    // One log range for the four panels: the decades around the values
-    // above zero_tol = 1e-12 max (below it a value is zero to the SVD's
-    // precision), at most 16 decades; those at or below it go in a band
-    // marked 0 under the log axis.
+// The axes spectra.png's four panels share: one log range [ylo, yhi]
+// (log10) for the values above zero_tol, those at or below it in a band zb
+// pixels high under the log axis (when there are any: zeros), indices
+// 1..nmax on [xlo, xhi]; a panel is pw x ph pixels.
+typedef struct spec_axes {
+    double zero_tol, ylo, yhi, xlo, xhi;
+    int nmax;
+    bool zeros;
+    double pw, ph, zb;
+} spec_axes;
+
+// The range of spectra.png: the decades around the values above zero_tol
+// = 1e-12 max (below it a value is zero to the SVD's precision), at most
+// 16 decades; those at or below it go in a band marked 0 under the log
+// axis.
+static void spectra_range(spec_axes *ax, const cJSON *heads) {
     double vmax = 0, vmin = INFINITY;
     int nmax = 1;
     const cJSON *hd;
@@ -505,95 +514,97 @@ static cairo_status_t spectra_png(membuf *png, const inspect_report *r) {
     double ylo = isfinite(vmin) ? floor(log10(vmin)) : yhi - 1;
     if (yhi - ylo < 1) ylo = yhi - 1;
     if (yhi - ylo > 16) ylo = yhi - 16;
-    const double xlo = 0.5, xhi = nmax + 0.5;
+    ax->zero_tol = zero_tol, ax->ylo = ylo, ax->yhi = yhi;
+    ax->xlo = 0.5, ax->xhi = nmax + 0.5;
+    ax->nmax = nmax;
+    ax->zeros = zeros;
+}
 
-    const double pw = 440, ph = 260, left = 90, top = 96, gx = 100, gy = 96;
-    const double zb = zeros ? 30 : 0;  // the zero band at the bottom of a panel
-    const int64_t lcols = H > 20 ? 2 : 1, lrows = (H + lcols - 1) / lcols;
-    const double legend_x = left + 2 * pw + gx + 30, W = legend_x + lcols * 110 + 20;
-    const double Hh = fmax(top + 2 * ph + gy + 20, top + 40 + lrows * 20 + 90);
-    cairo_t *cr = canvas_create(W, Hh);
+// Panel w (W_Q, W_K, W_V, W_O) at (x0, y0): the grid, the zero band, the
+// index ticks, a line per head of the H heads, the frame and the titles.
+static void spectra_panel(cairo_t *cr, const spec_axes *ax, const cJSON *heads, int64_t H,
+                          int w, double x0, double y0) {
+    const double zero_tol = ax->zero_tol, ylo = ax->ylo, yhi = ax->yhi, xlo = ax->xlo,
+                 xhi = ax->xhi, pw = ax->pw, ph = ax->ph, zb = ax->zb;
+    const int nmax = ax->nmax;
+    const bool zeros = ax->zeros;
     char b[32];
-    cairo_set_source_rgb(cr, 0, 0, 0);
-    font(cr, 17, true);
-    plot_text(cr, 20, 30, "Singular values of each head's projection slices", 0, 0);
-    font(cr, 12, false);
-    plot_text(cr, 20, 54, zeros ? "log scale, largest first; \xc3\x97 in the band marked 0: a "
-              "zero singular value (the slice is rank-deficient)" : "log scale, largest first",
-              0, 0);
-    for (int w = 0; w < 4; w++) {
-        const double x0 = left + (w % 2) * (pw + gx), y0 = top + (w / 2) * (ph + gy);
-        const double lh = ph - zb;  // the log axis' height
+    const double lh = ph - zb;  // the log axis' height
 #define SX(x) (x0 + ((x) - xlo) / (xhi - xlo) * pw)
 #define SY(v) ((v) > zero_tol ? y0 + lh - (fmax(log10(v), ylo) - ylo) / (yhi - ylo) * lh \
                               : y0 + ph - zb / 2)
-        cairo_set_dash(cr, NULL, 0, 0);
-        // grid: decades, and 2 and 5 when the range is short
-        font(cr, 11, false);
-        for (double e = ylo; e <= yhi + 1e-9; e += 1)
-            for (int m = 1; m <= 5; m += m == 1 ? 1 : 3) {
-                double v = m * pow(10, e);
-                if (log10(v) > yhi + 1e-9 || (m > 1 && yhi - ylo > 3)) continue;
-                double Y = SY(v), g = m == 1 ? 0.82 : 0.92;
-                cairo_set_source_rgb(cr, g, g, g);
-                line(cr, x0, Y, x0 + pw, Y);
-                cairo_set_source_rgb(cr, 0, 0, 0);
-                snprintf(b, sizeof b, "%g", v);
-                plot_text(cr, x0 - 6, Y, b, 1.0, 0.5);
-            }
-        if (zeros) {
-            cairo_set_source_rgb(cr, 0.95, 0.95, 0.95);
-            cairo_rectangle(cr, x0, y0 + lh, pw, zb);
-            cairo_fill(cr);
-            cairo_set_source_rgb(cr, 0.5, 0.5, 0.5);
-            line(cr, x0, y0 + lh, x0 + pw, y0 + lh);
+    cairo_set_dash(cr, NULL, 0, 0);
+    // grid: decades, and 2 and 5 when the range is short
+    font(cr, 11, false);
+    for (double e = ylo; e <= yhi + 1e-9; e += 1)
+        for (int m = 1; m <= 5; m += m == 1 ? 1 : 3) {
+            double v = m * pow(10, e);
+            if (log10(v) > yhi + 1e-9 || (m > 1 && yhi - ylo > 3)) continue;
+            double Y = SY(v), g = m == 1 ? 0.82 : 0.92;
+            cairo_set_source_rgb(cr, g, g, g);
+            line(cr, x0, Y, x0 + pw, Y);
             cairo_set_source_rgb(cr, 0, 0, 0);
-            plot_text(cr, x0 - 6, y0 + ph - zb / 2, "0", 1.0, 0.5);
+            snprintf(b, sizeof b, "%g", v);
+            plot_text(cr, x0 - 6, Y, b, 1.0, 0.5);
         }
-        const double xs = fmax(1, round(plot_nice_step(nmax, 8)));
-        for (double x = 1; x <= nmax; x += xs) {
-            cairo_set_source_rgb(cr, 0, 0, 0);
-            line(cr, SX(x), y0 + ph, SX(x), y0 + ph + 4);
-            snprintf(b, sizeof b, "%g", x);
-            plot_text(cr, SX(x), y0 + ph + 7, b, 0.5, 1.0);
-        }
-        cairo_save(cr);
-        cairo_rectangle(cr, x0 - 6, y0 - 6, pw + 12, ph + 12);
-        cairo_clip(cr);
-        for (int64_t h = 0; h < H; h++) {
-            const cJSON *arr = jget(cJSON_GetArrayItem(heads, (int)h), spec_key[w]);
-            const int cnt = cJSON_GetArraySize(arr);
-            head_style(cr, h);
-            for (int i = 0; i < cnt; i++) {
-                double v = cJSON_GetArrayItem(arr, i)->valuedouble;
-                if (i == 0) cairo_move_to(cr, SX(i + 1), SY(v));
-                else cairo_line_to(cr, SX(i + 1), SY(v));
-            }
-            cairo_stroke(cr);
-            for (int i = 0; i < cnt; i++) {
-                double v = cJSON_GetArrayItem(arr, i)->valuedouble;
-                if (!(v > zero_tol)) {
-                    x_marker(cr, SX(i + 1), SY(v));
-                } else if (cnt <= 32) {
-                    cairo_arc(cr, SX(i + 1), SY(v), 2.2, 0, 2 * INSPECT_PI);
-                    cairo_fill(cr);
-                }
-            }
-        }
-        cairo_restore(cr);
-        cairo_set_dash(cr, NULL, 0, 0);
-        stroke_rect(cr, x0, y0, pw, ph, 0.2);
+    if (zeros) {
+        cairo_set_source_rgb(cr, 0.95, 0.95, 0.95);
+        cairo_rectangle(cr, x0, y0 + lh, pw, zb);
+        cairo_fill(cr);
+        cairo_set_source_rgb(cr, 0.5, 0.5, 0.5);
+        line(cr, x0, y0 + lh, x0 + pw, y0 + lh);
         cairo_set_source_rgb(cr, 0, 0, 0);
-        font(cr, 13, true);
-        plot_text(cr, x0, y0 - 10, spec_title[w], 0, 0);
-        font(cr, 11, false);
-        cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
-        plot_text(cr, x0 + pw / 2, y0 + ph + 26, "index (largest first)", 0.5, 1.0);
-        text_up(cr, x0 - 62, y0 + ph / 2, "singular value", 0.5, 1.0);
+        plot_text(cr, x0 - 6, y0 + ph - zb / 2, "0", 1.0, 0.5);
+    }
+    const double xs = fmax(1, round(plot_nice_step(nmax, 8)));
+    for (double x = 1; x <= nmax; x += xs) {
+        cairo_set_source_rgb(cr, 0, 0, 0);
+        line(cr, SX(x), y0 + ph, SX(x), y0 + ph + 4);
+        snprintf(b, sizeof b, "%g", x);
+        plot_text(cr, SX(x), y0 + ph + 7, b, 0.5, 1.0);
+    }
+    cairo_save(cr);
+    cairo_rectangle(cr, x0 - 6, y0 - 6, pw + 12, ph + 12);
+    cairo_clip(cr);
+    for (int64_t h = 0; h < H; h++) {
+        const cJSON *arr = jget(cJSON_GetArrayItem(heads, (int)h), spec_key[w]);
+        const int cnt = cJSON_GetArraySize(arr);
+        head_style(cr, h);
+        for (int i = 0; i < cnt; i++) {
+            double v = cJSON_GetArrayItem(arr, i)->valuedouble;
+            if (i == 0) cairo_move_to(cr, SX(i + 1), SY(v));
+            else cairo_line_to(cr, SX(i + 1), SY(v));
+        }
+        cairo_stroke(cr);
+        for (int i = 0; i < cnt; i++) {
+            double v = cJSON_GetArrayItem(arr, i)->valuedouble;
+            if (!(v > zero_tol)) {
+                x_marker(cr, SX(i + 1), SY(v));
+            } else if (cnt <= 32) {
+                cairo_arc(cr, SX(i + 1), SY(v), 2.2, 0, 2 * INSPECT_PI);
+                cairo_fill(cr);
+            }
+        }
+    }
+    cairo_restore(cr);
+    cairo_set_dash(cr, NULL, 0, 0);
+    stroke_rect(cr, x0, y0, pw, ph, 0.2);
+    cairo_set_source_rgb(cr, 0, 0, 0);
+    font(cr, 13, true);
+    plot_text(cr, x0, y0 - 10, spec_title[w], 0, 0);
+    font(cr, 11, false);
+    cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
+    plot_text(cr, x0 + pw / 2, y0 + ph + 26, "index (largest first)", 0.5, 1.0);
+    text_up(cr, x0 - 62, y0 + ph / 2, "singular value", 0.5, 1.0);
 #undef SX
 #undef SY
-    }
-    // legend
+}
+
+// The legend at (legend_x, top): the H heads' line styles, in columns of
+// lrows.
+static void spectra_legend(cairo_t *cr, int64_t H, double legend_x, double top,
+                           int64_t lrows) {
+    char b[32];
     cairo_set_source_rgb(cr, 0, 0, 0);
     font(cr, 13, true);
     plot_text(cr, legend_x, top - 4, "heads", 0, 0);
@@ -607,6 +618,33 @@ static cairo_status_t spectra_png(membuf *png, const inspect_report *r) {
         snprintf(b, sizeof b, "head %lld", (long long)h);
         plot_text(cr, x + 34, y, b, 0, 0.5);
     }
+}
+
+static cairo_status_t spectra_png(membuf *png, const inspect_report *r) {
+    const int64_t H = r->H;
+    const cJSON *heads = jget(r->diag, "heads");
+    spec_axes ax;
+    spectra_range(&ax, heads);
+    const double pw = 440, ph = 260, left = 90, top = 96, gx = 100, gy = 96;
+    const bool zeros = ax.zeros;
+    ax.pw = pw, ax.ph = ph;
+    ax.zb = zeros ? 30 : 0;  // the zero band at the bottom of a panel
+    const int64_t lcols = H > 20 ? 2 : 1, lrows = (H + lcols - 1) / lcols;
+    const double legend_x = left + 2 * pw + gx + 30, W = legend_x + lcols * 110 + 20;
+    const double Hh = fmax(top + 2 * ph + gy + 20, top + 40 + lrows * 20 + 90);
+    cairo_t *cr = canvas_create(W, Hh);
+    cairo_set_source_rgb(cr, 0, 0, 0);
+    font(cr, 17, true);
+    plot_text(cr, 20, 30, "Singular values of each head's projection slices", 0, 0);
+    font(cr, 12, false);
+    plot_text(cr, 20, 54, zeros ? "log scale, largest first; \xc3\x97 in the band marked 0: a "
+              "zero singular value (the slice is rank-deficient)" : "log scale, largest first",
+              0, 0);
+    for (int w = 0; w < 4; w++) {
+        const double x0 = left + (w % 2) * (pw + gx), y0 = top + (w / 2) * (ph + gy);
+        spectra_panel(cr, &ax, heads, H, w, x0, y0);
+    }
+    spectra_legend(cr, H, legend_x, top, lrows);
     return canvas_finish(cr, png);
 }
 

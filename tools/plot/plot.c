@@ -289,19 +289,14 @@ static void legend_line(cairo_t *cr, double x, double y, const double rgb[3],
     plot_text(cr, x + 36, y, label, 0.0, 0.5);
 }
 
-int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
-              const char *const *csv_paths, const char *const *labels) {
-    if (n < 1 || n > 16) {
-        fprintf(stderr, "mha %s: plot 1 to 16 runs (got %d)\n", cmd, n);
-        return 1;
-    }
-    curve cv[16];
-    memset(cv, 0, sizeof cv);
-    int rc = 1;
-    for (int i = 0; i < n; i++)
-        if (read_curve(&cv[i], cmd, csv_paths[i])) goto done;
+// The dash patterns of the accuracy panel and its legend: the chance level
+// dotted, the training accuracy dashed.
+static const double chance_dot[2] = {2, 4}, train_dash[2] = {6, 4};
 
-    // data ranges
+// The data ranges of the n curves: *xmax the last step, [*ylo, *yhi] the
+// loss axis (log10).
+static void curves_range(double *xmax_out, double *ylo_out, double *yhi_out, const curve *cv,
+                         int n) {
     double xmax = 0, lmin = INFINITY, lmax = -INFINITY;
     for (int i = 0; i < n; i++)
         for (int k = 0; k < cv[i].n; k++) {
@@ -316,16 +311,11 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
     // y range (log10): the nearest 1-2-5 values below lmin and above lmax
     double ylo = log10(nice125(lmin, false)), yhi = log10(nice125(lmax, true));
     if (yhi - ylo < 0.3) yhi = ylo + 0.3;
+    *xmax_out = xmax, *ylo_out = ylo, *yhi_out = yhi;
+}
 
-    const int W = 1000, H = 660;
-    cairo_surface_t *sf = cairo_image_surface_create(CAIRO_FORMAT_RGB24, W, H);
-    cairo_t *cr = cairo_create(sf);
-    cairo_set_source_rgb(cr, 0.97, 0.97, 0.97);
-    cairo_paint(cr);
-    cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
-                           CAIRO_FONT_WEIGHT_NORMAL);
-
-    // title
+// The title: title, or "mha train:" and the labels.
+static void draw_title(cairo_t *cr, const char *title, int n, const char *const *labels) {
     char tbuf[256];
     if (!title) {
         size_t k = (size_t)snprintf(tbuf, sizeof tbuf, "mha train:");
@@ -339,12 +329,13 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
     plot_text(cr, 85 + 350, 16, title, 0.5, 1.0);
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
                            CAIRO_FONT_WEIGHT_NORMAL);
+}
 
-    panel pl = {85, 52, 700, 250, 0, xmax, ylo, yhi, true};
-    panel pa = {85, 340, 700, 250, 0, xmax, 0, 100, false};
-
-    // loss panel (log scale): decades, plus 2 and 5 when the range is short
-    draw_frame(cr, &pl, "training loss (log scale)", false);
+// The loss panel pl (log scale): decades, plus 2 and 5 when the range is
+// short; a line per curve.
+static void draw_loss_panel(cairo_t *cr, const panel *pl, const curve *cv, int n) {
+    const double ylo = pl->ymin, yhi = pl->ymax;
+    draw_frame(cr, pl, "training loss (log scale)", false);
     for (double e = floor(ylo); e <= yhi + 1e-9; e += 1) {
         static const double mult[3] = {1, 2, 5};
         for (int j = 0; j < 3; j++) {
@@ -354,53 +345,57 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
                 continue;
             char b[32];
             snprintf(b, sizeof b, "%g", v);
-            y_tick(cr, &pl, v, b);
+            y_tick(cr, pl, v, b);
         }
     }
     cairo_save(cr);
-    cairo_rectangle(cr, pl.x0, pl.y0, pl.w, pl.h);
+    cairo_rectangle(cr, pl->x0, pl->y0, pl->w, pl->h);
     cairo_clip(cr);
     cairo_set_line_join(cr, CAIRO_LINE_JOIN_ROUND);
     for (int i = 0; i < n; i++) {
         const double *c = plot_palette[i % 8];
         cairo_set_source_rgb(cr, c[0], c[1], c[2]);
         cairo_set_line_width(cr, 2.0);
-        polyline(cr, &pl, cv[i].step, cv[i].loss, cv[i].n, 1.0);
+        polyline(cr, pl, cv[i].step, cv[i].loss, cv[i].n, 1.0);
     }
     cairo_restore(cr);
-    draw_border(cr, &pl);
+    draw_border(cr, pl);
+}
 
-    // accuracy panel, in percent
-    draw_frame(cr, &pa, "accuracy (%)", true);
+// The accuracy panel pa, in percent: the chance level, per curve the
+// training accuracy dashed and the held-out one solid.
+static void draw_acc_panel(cairo_t *cr, const panel *pa, const curve *cv, int n) {
+    draw_frame(cr, pa, "accuracy (%)", true);
     for (int v = 0; v <= 100; v += 20) {
         char b[16];
         snprintf(b, sizeof b, "%d", v);
-        y_tick(cr, &pa, v, b);
+        y_tick(cr, pa, v, b);
     }
     cairo_save(cr);
-    cairo_rectangle(cr, pa.x0, pa.y0, pa.w, pa.h);
+    cairo_rectangle(cr, pa->x0, pa->y0, pa->w, pa->h);
     cairo_clip(cr);
-    static const double dot[2] = {2, 4}, dash[2] = {6, 4};
     cairo_set_source_rgb(cr, 0.4, 0.4, 0.4);
     cairo_set_line_width(cr, 1.2);
-    cairo_set_dash(cr, dot, 2, 0);
-    cairo_move_to(cr, pa.x0, py(&pa, 10));
-    cairo_line_to(cr, pa.x0 + pa.w, py(&pa, 10));
+    cairo_set_dash(cr, chance_dot, 2, 0);
+    cairo_move_to(cr, pa->x0, py(pa, 10));
+    cairo_line_to(cr, pa->x0 + pa->w, py(pa, 10));
     cairo_stroke(cr);
     for (int i = 0; i < n; i++) {
         const double *c = plot_palette[i % 8];
         cairo_set_source_rgb(cr, c[0], c[1], c[2]);
         cairo_set_line_width(cr, 1.4);
-        cairo_set_dash(cr, dash, 2, 0);
-        polyline(cr, &pa, cv[i].step, cv[i].tacc, cv[i].n, 100.0);
-        cairo_set_dash(cr, dash, 0, 0);
+        cairo_set_dash(cr, train_dash, 2, 0);
+        polyline(cr, pa, cv[i].step, cv[i].tacc, cv[i].n, 100.0);
+        cairo_set_dash(cr, train_dash, 0, 0);
         cairo_set_line_width(cr, 2.4);
-        polyline(cr, &pa, cv[i].step, cv[i].eacc, cv[i].n, 100.0);
+        polyline(cr, pa, cv[i].step, cv[i].eacc, cv[i].n, 100.0);
     }
     cairo_restore(cr);
-    draw_border(cr, &pa);
+    draw_border(cr, pa);
+}
 
-    // legend column
+// The legend column: the runs, then the accuracy panel's line styles.
+static void draw_legend(cairo_t *cr, int n, const char *const *labels) {
     double lx = 805, ly = 60;
     cairo_set_source_rgb(cr, 0, 0, 0);
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_BOLD);
@@ -424,12 +419,41 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
                            CAIRO_FONT_WEIGHT_NORMAL);
     static const double grey2[3] = {0.4, 0.4, 0.4};
     legend_line(cr, lx, ly + 24, grey, NULL, "held-out eval");
-    legend_line(cr, lx, ly + 46, grey, dash, "train (running)");
-    legend_line(cr, lx, ly + 68, grey2, dot, "chance (10%)");
+    legend_line(cr, lx, ly + 46, grey, train_dash, "train (running)");
+    legend_line(cr, lx, ly + 68, grey2, chance_dot, "chance (10%)");
     cairo_set_font_size(cr, 11);
     cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
     plot_text(cr, lx, ly + 94, "loss, train acc: mean over", 0.0, 0.5);
     plot_text(cr, lx, ly + 109, "the steps since the last point", 0.0, 0.5);
+}
+
+int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
+              const char *const *csv_paths, const char *const *labels) {
+    if (n < 1 || n > 16) {
+        fprintf(stderr, "mha %s: plot 1 to 16 runs (got %d)\n", cmd, n);
+        return 1;
+    }
+    curve cv[16];
+    memset(cv, 0, sizeof cv);
+    int rc = 1;
+    for (int i = 0; i < n; i++)
+        if (read_curve(&cv[i], cmd, csv_paths[i])) goto done;
+    double xmax, ylo, yhi;
+    curves_range(&xmax, &ylo, &yhi, cv, n);
+
+    const int W = 1000, H = 660;
+    cairo_surface_t *sf = cairo_image_surface_create(CAIRO_FORMAT_RGB24, W, H);
+    cairo_t *cr = cairo_create(sf);
+    cairo_set_source_rgb(cr, 0.97, 0.97, 0.97);
+    cairo_paint(cr);
+    cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
+                           CAIRO_FONT_WEIGHT_NORMAL);
+    draw_title(cr, title, n, labels);
+    panel pl = {85, 52, 700, 250, 0, xmax, ylo, yhi, true};
+    panel pa = {85, 340, 700, 250, 0, xmax, 0, 100, false};
+    draw_loss_panel(cr, &pl, cv, n);
+    draw_acc_panel(cr, &pa, cv, n);
+    draw_legend(cr, n, labels);
 
     cairo_destroy(cr);
     cairo_surface_flush(sf);
