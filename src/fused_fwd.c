@@ -408,8 +408,8 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         float *sc = blk + (size_t)mha__thread_id() * sf;
         const int64_t hk = h / (H / k->shape[1]);  // grouped-query: the KV head
-#define HEAD_PTR(t) ((float *)(t)->data + b * (t)->stride[0] + h * (t)->stride[1])
-#define KV_PTR(t) ((float *)(t)->data + b * (t)->stride[0] + hk * (t)->stride[1])
+#define HEAD_PTR(t) ((float *)(t)->data + (t)->stride[0] * b + (t)->stride[1] * h)
+#define KV_PTR(t) ((float *)(t)->data + (t)->stride[0] * b + (t)->stride[1] * hk)
         mha__flash_head fh = {
             .q = HEAD_PTR(q), .q_rs = q->stride[2], .k = KV_PTR(k), .k_rs = k->stride[2],
             .v = KV_PTR(v), .v_rs = v->stride[2], .xk = NULL, .xv = NULL, .nx = 0,

@@ -200,7 +200,7 @@ static mha_status sdpa_reference(mha_tensor *out, mha_tensor *weights, const mha
         int tid = mha__thread_id();
         const int64_t hk = h / (H / Hkv);  // grouped-query: the KV head
 #define MHA__HEAD(t)                                                          \
-    mha__view_at((t), b * (t)->stride[0] + h * (t)->stride[1], 3)
+    mha__view_at((t), (t)->stride[0] * b + (t)->stride[1] * h, 3)
         mha__mat w = {NULL, false, 0, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),
                  km = mha__view_at(k, b * k->stride[0] + hk * k->stride[1], 3),
                  vm = mha__view_at(v, b * v->stride[0] + hk * v->stride[1], 3);

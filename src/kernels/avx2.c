@@ -33,13 +33,13 @@ static inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8
 // k in increasing order, then added to C.
 #define ROW_FMA(r)                                                            \
     do {                                                                      \
-        const __m256 a = _mm256_broadcast_ss(A + (r) * ars + k * aks);        \
+        const __m256 a = _mm256_broadcast_ss(A + ars * (r) + k * aks);        \
         c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                            \
         c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                            \
     } while (0)
 #define ROW_STORE(r)                                                          \
     do {                                                                      \
-        float *c = C + (r) * ldc;                                             \
+        float *c = C + ldc * (r);                                             \
         _mm256_maskstore_ps(c, m0, _mm256_add_ps(_mm256_maskload_ps(c, m0), c##r##0)); \
         _mm256_maskstore_ps(c + 8, m1, _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), c##r##1)); \
     } while (0)
@@ -180,7 +180,7 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
     }
 #define PK_STORE(r)                                                           \
     if ((r) < mr) {                                                           \
-        float *c = C + (r) * ldc;                                             \
+        float *c = C + ldc * (r);                                             \
         __m256 v0 = c##r##a, v1 = c##r##b;                                    \
         if (add) {                                                            \
             v0 = _mm256_add_ps(_mm256_maskload_ps(c, m0), v0);                \
@@ -195,7 +195,7 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
     }
 
 #define PK_PF(r) \
-    if ((r) < mr) _mm_prefetch((const char *)(C + (r) * ldc), _MM_HINT_T0);
+    if ((r) < mr) _mm_prefetch((const char *)(C + ldc * (r)), _MM_HINT_T0);
 // pf: a line to prefetch (into L2) every other k: part of the next panel
 static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, int64_t ldc,
                        int64_t mr, __m256i m0, __m256i m1, bool add, const float *bias,

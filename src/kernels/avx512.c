@@ -32,13 +32,13 @@
 // k in increasing order, then added to C.
 #define ROW_FMA(r)                                                            \
     do {                                                                      \
-        const __m512 a = _mm512_set1_ps(A[(r) * ars + k * aks]);              \
+        const __m512 a = _mm512_set1_ps(A[ars * (r) + k * aks]);              \
         c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);                            \
         c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);                            \
     } while (0)
 #define ROW_STORE(r)                                                          \
     do {                                                                      \
-        float *c = C + (r) * ldc;                                             \
+        float *c = C + ldc * (r);                                             \
         _mm512_mask_storeu_ps(c, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), c##r##0)); \
         _mm512_mask_storeu_ps(c + 16, m1,                                     \
                               _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), c##r##1)); \
@@ -203,7 +203,7 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
     }
 #define PK_STORE(r)                                                           \
     if ((r) < mr) {                                                           \
-        float *c = C + (r) * ldc;                                             \
+        float *c = C + ldc * (r);                                             \
         __m512 v0 = c##r##a, v1 = c##r##b;                                    \
         if (add) {                                                            \
             v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), v0);             \
@@ -221,8 +221,8 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
 // the C tile's lines, wanted by the stores at the end
 #define PK_PF(r)                                                              \
     if ((r) < mr) {                                                           \
-        _mm_prefetch((const char *)(C + (r) * ldc), _MM_HINT_T0);             \
-        _mm_prefetch((const char *)(C + (r) * ldc + 31), _MM_HINT_T0);        \
+        _mm_prefetch((const char *)(C + ldc * (r)), _MM_HINT_T0);             \
+        _mm_prefetch((const char *)(C + ldc * (r) + 31), _MM_HINT_T0);        \
     }
 // pf: kc lines to prefetch into L2, one per k (a part of the next panel:
 // B streams from L3 when it outgrows L2). Without this and the C
