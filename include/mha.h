@@ -118,8 +118,7 @@ MHA_API size_t mha_dtype_size(mha_dtype t);
 // safetensors name: "F32", "F16", "BF16", "BOOL", "I64", "I32", "U8", "F64".
 MHA_API const char *mha_dtype_name(mha_dtype t);
 // Inverse of mha_dtype_name; MHA_ERR_UNSUPPORTED for unknown names.
-MHA_API MHA_NODISCARD mha_status mha_dtype_from_name(mha_dtype *out,
-                                                     const char *name);
+MHA_API MHA_NODISCARD mha_status mha_dtype_from_name(mha_dtype *out, const char *name);
 
 #define MHA_MAX_DIMS 8
 
@@ -166,8 +165,7 @@ MHA_API const char *mha_isa(void);
 
 // "auto", "reference" (also "ref"), "fused" -> value;
 // MHA_ERR_UNSUPPORTED otherwise.
-MHA_API MHA_NODISCARD mha_status mha_impl_from_name(mha_impl *out,
-                                                    const char *name);
+MHA_API MHA_NODISCARD mha_status mha_impl_from_name(mha_impl *out, const char *name);
 MHA_API const char *mha_impl_name(mha_impl impl);
 
 // ---------------------------------------------------------------------------
@@ -188,41 +186,40 @@ typedef enum mha_head_gate {
     MHA_GATE_DYNAMIC = 2,
 } mha_head_gate;
 MHA_API const char *mha_head_gate_name(mha_head_gate g);  // "none", "static", "dynamic"
-MHA_API MHA_NODISCARD mha_status mha_head_gate_from_name(mha_head_gate *out,
-                                                         const char *name);
+MHA_API MHA_NODISCARD mha_status mha_head_gate_from_name(mha_head_gate *out, const char *name);
 
 typedef struct mha_config {
-    int64_t embed_dim;   // E
-    int64_t num_heads;   // H; must divide E
-    int64_t kdim;        // features of key; 0 means E
-    int64_t vdim;        // features of value; 0 means E
-    bool bias;           // in_proj_bias and out_proj.bias (default true)
-    bool add_bias_kv;    // learnable bias_k, bias_v appended as one key
-    bool add_zero_attn;  // one zero key/value appended (after bias_kv)
-    bool batch_first;    // query (N, L, E) instead of (L, N, E)
-    float dropout;       // p in [0, 1): dropout on the attention weights
-                         // after the softmax, before weighting V; only
-                         // when mha_forward_args.training
-    float out_dropout;   // p in [0, 1): dropout after the output
-                         // projection (not in PyTorch's module); training
-                         // only
-    int64_t num_kv_heads;  // Hkv: heads of the keys and values; 0 means H;
-                           // must divide H (grouped-query attention; 1:
-                           // multi-query). Query head h reads KV head
-                           // h / (H / Hkv); Ekv = Hkv * d. (Last, so the
-                           // layout of the fields above is unchanged.)
-    mha_dtype weight_dtype;  // storage of the weight matrices (in_proj_weight
-                             // or q/k/v_proj_weight, out_proj.weight):
-                             // MHA_F32 (the default, 0), MHA_BF16 or MHA_F16
-                             // (half the memory; values rounded to nearest
-                             // even; products and sums stay float32/float64).
-                             // Biases and bias_k/bias_v stay float32. A
-                             // module with half weights is for inference:
-                             // mha_forward (both implementations) and
-                             // mha_forward_cached run; mha_backward, a
-                             // forward with `save`, and the optimizers
-                             // refuse it (MHA_ERR_UNSUPPORTED): train in
-                             // float32, then mha_module_convert.
+    int64_t embed_dim;        // E
+    int64_t num_heads;        // H; must divide E
+    int64_t kdim;             // features of key; 0 means E
+    int64_t vdim;             // features of value; 0 means E
+    bool bias;                // in_proj_bias and out_proj.bias (default true)
+    bool add_bias_kv;         // learnable bias_k, bias_v appended as one key
+    bool add_zero_attn;       // one zero key/value appended (after bias_kv)
+    bool batch_first;         // query (N, L, E) instead of (L, N, E)
+    float dropout;            // p in [0, 1): dropout on the attention weights
+                              // after the softmax, before weighting V; only
+                              // when mha_forward_args.training
+    float out_dropout;        // p in [0, 1): dropout after the output
+                              // projection (not in PyTorch's module); training
+                              // only
+    int64_t num_kv_heads;     // Hkv: heads of the keys and values; 0 means H;
+                              // must divide H (grouped-query attention; 1:
+                              // multi-query). Query head h reads KV head
+                              // h / (H / Hkv); Ekv = Hkv * d. (Last, so the
+                              // layout of the fields above is unchanged.)
+    mha_dtype weight_dtype;   // storage of the weight matrices (in_proj_weight
+                              // or q/k/v_proj_weight, out_proj.weight):
+                              // MHA_F32 (the default, 0), MHA_BF16 or MHA_F16
+                              // (half the memory; values rounded to nearest
+                              // even; products and sums stay float32/float64).
+                              // Biases and bias_k/bias_v stay float32. A
+                              // module with half weights is for inference:
+                              // mha_forward (both implementations) and
+                              // mha_forward_cached run; mha_backward, a
+                              // forward with `save`, and the optimizers
+                              // refuse it (MHA_ERR_UNSUPPORTED): train in
+                              // float32, then mha_module_convert.
     mha_head_gate head_gate;  // per-head output gates (see mha_head_gate):
                               // MHA_GATE_NONE (the default, 0),
                               // MHA_GATE_STATIC or MHA_GATE_DYNAMIC
@@ -230,8 +227,7 @@ typedef struct mha_config {
 
 // Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
 // everything else off, kdim = vdim = embed_dim.
-MHA_API void mha_config_init(mha_config *cfg, int64_t embed_dim,
-                             int64_t num_heads);
+MHA_API void mha_config_init(mha_config *cfg, int64_t embed_dim, int64_t num_heads);
 
 typedef struct mha_module mha_module;
 typedef struct mha_st_file mha_st_file;  // a safetensors file (see below)
@@ -239,8 +235,7 @@ typedef struct mha_st_file mha_st_file;  // a safetensors file (see below)
 // Allocates the module and its parameters (all zero). Checks the config:
 // E > 0, H > 0, E % H == 0, 0 <= num_kv_heads (0: H) dividing H, kdim/vdim
 // >= 0, 0 <= dropout, out_dropout < 1.
-MHA_API MHA_NODISCARD mha_status mha_module_create(mha_module **out,
-                                                   const mha_config *cfg);
+MHA_API MHA_NODISCARD mha_status mha_module_create(mha_module **out, const mha_config *cfg);
 MHA_API void mha_module_destroy(mha_module *m);
 // The config with kdim/vdim and num_kv_heads resolved (never 0).
 MHA_API const mha_config *mha_module_config(const mha_module *m);
@@ -273,20 +268,16 @@ typedef struct mha_param {
 
 MHA_API int mha_module_num_params(const mha_module *m);
 // i in [0, mha_module_num_params()).
-MHA_API MHA_NODISCARD mha_status mha_module_param_at(mha_param *out,
-                                                     const mha_module *m,
-                                                     int i);
+MHA_API MHA_NODISCARD mha_status mha_module_param_at(mha_param *out, const mha_module *m, int i);
 // MHA_ERR_NOT_FOUND if the module has no parameter of that name.
-MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out,
-                                                  const mha_module *m,
+MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_module *m,
                                                   const char *name);
 
 // A copy of m whose weight matrices are stored as weight_dtype (MHA_F32,
 // MHA_BF16, MHA_F16): float32 -> half rounds to nearest even, half ->
 // float32 is exact, bf16 <-> f16 goes through float32. Everything else
 // (config, biases) is copied as is.
-MHA_API MHA_NODISCARD mha_status mha_module_convert(mha_module **out,
-                                                    const mha_module *m,
+MHA_API MHA_NODISCARD mha_status mha_module_convert(mha_module **out, const mha_module *m,
                                                     mha_dtype weight_dtype);
 
 // Head pruning: the heads listed (n of them, each in [0, H), repeats
@@ -320,15 +311,13 @@ MHA_API int64_t mha_module_num_pruned(const mha_module *m);
 // tensors present ("head_gate": static, "gate_proj.weight" and
 // "gate_proj.bias": dynamic); the pruned heads from __metadata__
 // "pruned_heads". F32, F16, BF16 and F64 tensors are accepted.
-MHA_API MHA_NODISCARD mha_status mha_module_load(mha_module **out,
-                                                 const mha_st_file *f,
+MHA_API MHA_NODISCARD mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                                                  const mha_config *base);
 // Writes every parameter in its storage dtype (F32; the weight matrices
 // as BF16/F16 in a module with half weights) and __metadata__ {"num_heads": "H"} (and
 // "num_kv_heads" when it differs from num_heads, "pruned_heads" when any
 // head is pruned).
-MHA_API MHA_NODISCARD mha_status mha_module_save(const mha_module *m,
-                                                 const char *path);
+MHA_API MHA_NODISCARD mha_status mha_module_save(const mha_module *m, const char *path);
 
 // Weight initialisation, seeded and reproducible (same seed, same values on
 // every machine; not bit-identical to torch's generator).
@@ -357,11 +346,10 @@ typedef struct mha_init_options {
 
 MHA_API void mha_init_options_default(mha_init_options *opt);
 // "xavier_uniform", "xavier_normal", "normal", "orthogonal", "zeros".
-MHA_API MHA_NODISCARD mha_status mha_init_scheme_from_name(
-    mha_init_scheme *out, const char *name);
+MHA_API MHA_NODISCARD mha_status mha_init_scheme_from_name(mha_init_scheme *out,
+                                                           const char *name);
 // Overwrites every parameter; on error (out of memory included) none.
-MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m,
-                                                 const mha_init_options *opt);
+MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m, const mha_init_options *opt);
 
 // Forward arguments. Shapes (E = embed_dim, N batch, L target, S source):
 //   query  (L, N, E), or (N, L, E) with batch_first, or unbatched (L, E)
@@ -393,8 +381,8 @@ MHA_API MHA_NODISCARD mha_status mha_module_init(mha_module *m,
 //   "concat"          the heads' contexts merged back (N, L, E)
 //   "output"          after the output projection (N, L, E)
 // Tracing runs the forward on one thread.
-typedef void (*mha_trace_fn)(void *user, const char *step, int64_t b,
-                             int64_t h, const mha_tensor *t);
+typedef void (*mha_trace_fn)(void *user, const char *step, int64_t b, int64_t h,
+                             const mha_tensor *t);
 
 // ---------------------------------------------------------------------------
 // Rotary position embeddings (RoPE), applied to projected q and k, after
@@ -453,8 +441,8 @@ typedef struct mha_forward_args {
     // scale / 2: 4x less memory than float32 for inspecting long sequences.
     // Required (non-NULL) exactly when the weights view is MHA_U8.
     float *weights_scale;
-    mha_impl impl;              // default MHA_IMPL_AUTO
-    mha_trace_fn trace;         // NULL: no trace
+    mha_impl impl;       // default MHA_IMPL_AUTO
+    mha_trace_fn trace;  // NULL: no trace
     void *trace_user;
     // Training mode: dropout (config.dropout, config.out_dropout) is applied
     // with inverted scaling 1/(1-p); off (eval), the result is exactly the
@@ -520,30 +508,27 @@ typedef struct mha_shape {
     int64_t dims[MHA_MAX_DIMS];
 } mha_shape;
 
-MHA_API MHA_NODISCARD mha_status mha_forward_shapes(
-    mha_shape *out_shape, mha_shape *weights_shape, const mha_module *m,
-    const mha_forward_args *a);
+MHA_API MHA_NODISCARD mha_status mha_forward_shapes(mha_shape *out_shape,
+                                                    mha_shape *weights_shape,
+                                                    const mha_module *m,
+                                                    const mha_forward_args *a);
 
 // Bytes of scratch memory mha_forward_ex needs for these arguments.
-MHA_API MHA_NODISCARD mha_status mha_forward_workspace_size(
-    size_t *bytes, const mha_module *m, const mha_forward_args *a);
+MHA_API MHA_NODISCARD mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
+                                                            const mha_forward_args *a);
 
 // Runs the forward. attn_output: a float view of the shape above (any
 // strides), overwritten. attn_weights: NULL, or (when need_weights) a
 // float view of the weights' shape, overwritten. Outputs must not overlap
 // inputs. Allocates its scratch memory (one block) and frees it on return.
-MHA_API MHA_NODISCARD mha_status mha_forward(mha_tensor *attn_output,
-                                             mha_tensor *attn_weights,
-                                             const mha_module *m,
-                                             const mha_forward_args *a);
+MHA_API MHA_NODISCARD mha_status mha_forward(mha_tensor *attn_output, mha_tensor *attn_weights,
+                                             const mha_module *m, const mha_forward_args *a);
 
 // As mha_forward, with caller-provided scratch memory of at least
 // mha_forward_workspace_size() bytes (any alignment): never allocates.
 MHA_API MHA_NODISCARD mha_status mha_forward_ex(mha_tensor *attn_output,
-                                                mha_tensor *attn_weights,
-                                                const mha_module *m,
-                                                const mha_forward_args *a,
-                                                void *workspace,
+                                                mha_tensor *attn_weights, const mha_module *m,
+                                                const mha_forward_args *a, void *workspace,
                                                 size_t workspace_bytes);
 
 // ---------------------------------------------------------------------------
@@ -567,18 +552,17 @@ MHA_API MHA_NODISCARD mha_status mha_forward_ex(mha_tensor *attn_output,
 // Fully masked query rows get gradient 0 through the attention (their
 // output is out_proj.bias, which still receives their gradient).
 // Allocates its scratch (one block) and frees it on return.
-MHA_API MHA_NODISCARD mha_status mha_backward(
-    mha_tensor *grad_query, mha_tensor *grad_key, mha_tensor *grad_value,
-    mha_module *grads, const mha_module *m, const mha_forward_args *a,
-    const mha_tensor *grad_output, bool accumulate);
+MHA_API MHA_NODISCARD mha_status mha_backward(mha_tensor *grad_query, mha_tensor *grad_key,
+                                              mha_tensor *grad_value, mha_module *grads,
+                                              const mha_module *m, const mha_forward_args *a,
+                                              const mha_tensor *grad_output, bool accumulate);
 
 // ---------------------------------------------------------------------------
 // Random numbers: Philox4x32-10 (Salmon et al., "Parallel random numbers:
 // as easy as 1, 2, 3", SC 2011), the counter-based generator behind the
 // dropout masks. out = philox(ctr, key), as Random123's philox4x32(ctr, key)
 // with 10 rounds.
-MHA_API void mha_philox4x32_10(uint32_t out[4], const uint32_t ctr[4],
-                               const uint32_t key[2]);
+MHA_API void mha_philox4x32_10(uint32_t out[4], const uint32_t ctr[4], const uint32_t key[2]);
 
 // ---------------------------------------------------------------------------
 // Optimizers (PyTorch's torch.optim semantics)
@@ -608,8 +592,8 @@ MHA_API void mha_optim_config_init(mha_optim_config *c, mha_optim_kind kind);
 
 typedef struct mha_optimizer mha_optimizer;
 
-MHA_API MHA_NODISCARD mha_status mha_optimizer_create(
-    mha_optimizer **out, const mha_optim_config *c);
+MHA_API MHA_NODISCARD mha_status mha_optimizer_create(mha_optimizer **out,
+                                                      const mha_optim_config *c);
 MHA_API void mha_optimizer_destroy(mha_optimizer *o);
 // Registers n floats of parameter and their gradient (caller memory, which
 // must outlive the optimizer). Allocates the tensor's state. n == 0 is
@@ -617,15 +601,12 @@ MHA_API void mha_optimizer_destroy(mha_optimizer *o);
 // registered is MHA_ERR_INVALID_ARG. AdamW counts steps per tensor (a
 // tensor added later starts at step 1, as in torch). An optimizer is not
 // to be used from two threads at once.
-MHA_API MHA_NODISCARD mha_status mha_optimizer_add(mha_optimizer *o,
-                                                   float *param, float *grad,
+MHA_API MHA_NODISCARD mha_status mha_optimizer_add(mha_optimizer *o, float *param, float *grad,
                                                    int64_t n);
 // Registers every parameter of m with the same-named one of grads.
-MHA_API MHA_NODISCARD mha_status mha_optimizer_add_module(mha_optimizer *o,
-                                                          mha_module *m,
+MHA_API MHA_NODISCARD mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m,
                                                           mha_module *grads);
-MHA_API MHA_NODISCARD mha_status mha_optimizer_set_lr(mha_optimizer *o,
-                                                      double lr);
+MHA_API MHA_NODISCARD mha_status mha_optimizer_set_lr(mha_optimizer *o, double lr);
 // One update of every registered parameter from its gradient.
 MHA_API MHA_NODISCARD mha_status mha_optimizer_step(mha_optimizer *o);
 // Sets every registered gradient to 0.
@@ -636,8 +617,8 @@ MHA_API void mha_optimizer_zero_grad(mha_optimizer *o);
 // non-finite norm is returned as it is and nothing is scaled. max_norm must
 // be >= 0 (+inf allowed). *total_norm (may be NULL) gets the norm before
 // clipping.
-MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(
-    mha_optimizer *o, double max_norm, double *total_norm);
+MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, double max_norm,
+                                                              double *total_norm);
 
 // ---------------------------------------------------------------------------
 // Scaled dot-product attention on projected tensors
@@ -666,7 +647,7 @@ typedef struct mha_sdpa_args {
     const mha_tensor *attn_mask;
     const mha_tensor *key_padding_mask;
     bool is_causal;
-    int64_t window_left;   // as in mha_forward_args (-1: unbounded)
+    int64_t window_left;  // as in mha_forward_args (-1: unbounded)
     int64_t window_right;
     bool use_custom_scale;
     double scale;
@@ -679,8 +660,7 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
 
 MHA_API void mha_rope_init(mha_rope *r, mha_rope_mode mode);
 // "neox" / "interleaved" / "none" -> mode (MHA_ERR_UNSUPPORTED otherwise).
-MHA_API MHA_NODISCARD mha_status mha_rope_mode_from_name(mha_rope_mode *mode,
-                                                         const char *name);
+MHA_API MHA_NODISCARD mha_status mha_rope_mode_from_name(mha_rope_mode *mode, const char *name);
 // Rotates x (B, H, T, D), a float32 or float64 view (any strides), in
 // place: element (b, h, t) has position start[b] + t (start NULL: t).
 // inverse: rotate by -angle (the gradient of the forward rotation, which is
@@ -779,8 +759,8 @@ typedef struct mha_cache_attend_args {
     bool use_custom_scale;  // else 1 / sqrt(D)
     double scale;
     int64_t window_left, window_right;  // as in mha_forward_args (-1)
-    const float *alibi_slopes;  // per query head, or NULL: no ALiBi
-    float softcap;              // as in mha_forward_args (0: none)
+    const float *alibi_slopes;          // per query head, or NULL: no ALiBi
+    float softcap;                      // as in mha_forward_args (0: none)
 } mha_cache_attend_args;
 
 MHA_API void mha_cache_attend_args_init(mha_cache_attend_args *a);
@@ -894,8 +874,8 @@ MHA_API double mha_diagnostics_similarity(const mha_diagnostics *d, int64_t h1, 
 // argument; and for every head when mha was built without LAPACKE (its
 // ranks are -1), with mha_last_error() then saying "singular values
 // unavailable: mha was built without LAPACKE".
-MHA_API const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h,
-                                               char which, int64_t *n);
+MHA_API const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h, char which,
+                                               int64_t *n);
 // The first non-finite value, e.g. "query[2, 1, 5] = nan", or NULL.
 MHA_API const char *mha_diagnostics_nonfinite(const mha_diagnostics *d);
 
@@ -924,11 +904,9 @@ typedef struct mha_st_tensor {
 } mha_st_tensor;
 
 // Reads and validates the whole file. Errors name the file.
-MHA_API MHA_NODISCARD mha_status mha_st_open(mha_st_file **out,
-                                             const char *path);
+MHA_API MHA_NODISCARD mha_status mha_st_open(mha_st_file **out, const char *path);
 // Same from memory (copied); label names the source in errors.
-MHA_API MHA_NODISCARD mha_status mha_st_parse(mha_st_file **out,
-                                              const void *bytes, size_t len,
+MHA_API MHA_NODISCARD mha_status mha_st_parse(mha_st_file **out, const void *bytes, size_t len,
                                               const char *label);
 MHA_API void mha_st_close(mha_st_file *f);
 // The path (or label) the file was opened with ("" for NULL).
@@ -936,19 +914,15 @@ MHA_API const char *mha_st_label(const mha_st_file *f);
 
 // Tensors in file order of their data offsets.
 MHA_API int64_t mha_st_num_tensors(const mha_st_file *f);
-MHA_API MHA_NODISCARD mha_status mha_st_tensor_at(mha_st_tensor *out,
-                                                  const mha_st_file *f,
+MHA_API MHA_NODISCARD mha_status mha_st_tensor_at(mha_st_tensor *out, const mha_st_file *f,
                                                   int64_t i);
 // MHA_ERR_NOT_FOUND (with a message naming file and tensor) if absent.
-MHA_API MHA_NODISCARD mha_status mha_st_find(mha_st_tensor *out,
-                                             const mha_st_file *f,
+MHA_API MHA_NODISCARD mha_status mha_st_find(mha_st_tensor *out, const mha_st_file *f,
                                              const char *name);
 // __metadata__ entries; mha_st_metadata returns NULL when key is absent.
 MHA_API int64_t mha_st_num_metadata(const mha_st_file *f);
-MHA_API MHA_NODISCARD mha_status mha_st_metadata_at(const char **key,
-                                                    const char **value,
-                                                    const mha_st_file *f,
-                                                    int64_t i);
+MHA_API MHA_NODISCARD mha_status mha_st_metadata_at(const char **key, const char **value,
+                                                    const mha_st_file *f, int64_t i);
 MHA_API const char *mha_st_metadata(const mha_st_file *f, const char *key);
 
 // Converts a tensor's elements to dtype `to` into dst (contiguous,
@@ -956,8 +930,7 @@ MHA_API const char *mha_st_metadata(const mha_st_file *f, const char *key);
 // MHA_F64 (bool/integers as numbers), a float dtype -> MHA_BF16/MHA_F16
 // (through float32, nearest even), MHA_BOOL/MHA_U8 -> MHA_BOOL/MHA_U8
 // (nonzero -> 1), identical dtypes.
-MHA_API MHA_NODISCARD mha_status mha_st_read(void *dst, size_t dst_bytes,
-                                             mha_dtype to,
+MHA_API MHA_NODISCARD mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,
                                              const mha_st_tensor *t);
 
 typedef struct mha_st_writer mha_st_writer;
@@ -966,19 +939,15 @@ MHA_API MHA_NODISCARD mha_status mha_st_writer_create(mha_st_writer **out);
 MHA_API void mha_st_writer_destroy(mha_st_writer *w);
 // Copies the data (numel * dtype size bytes, contiguous, native floats
 // written little-endian). Duplicate names are an error.
-MHA_API MHA_NODISCARD mha_status mha_st_writer_add(mha_st_writer *w,
-                                                   const char *name,
+MHA_API MHA_NODISCARD mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
                                                    mha_dtype dtype, int ndim,
-                                                   const int64_t *shape,
-                                                   const void *data);
+                                                   const int64_t *shape, const void *data);
 // Adds or replaces a __metadata__ entry.
-MHA_API MHA_NODISCARD mha_status mha_st_writer_set_metadata(mha_st_writer *w,
-                                                            const char *key,
+MHA_API MHA_NODISCARD mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
                                                             const char *value);
 // Writes the file (tensors in the order added; header padded with spaces
 // to a multiple of 8 bytes).
-MHA_API MHA_NODISCARD mha_status mha_st_writer_save(const mha_st_writer *w,
-                                                    const char *path);
+MHA_API MHA_NODISCARD mha_status mha_st_writer_save(const mha_st_writer *w, const char *path);
 
 #ifdef __cplusplus
 }

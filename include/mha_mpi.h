@@ -102,11 +102,11 @@ MHA_API const char *mha_parallel_name(mha_parallel p);
 
 // What one rank did in the last call.
 typedef struct mha_mpi_stats {
-    double seconds;          // the whole call on this rank
-    double comm_seconds;     // inside MPI calls (communication and waiting)
-    double bytes_sent;       // bytes this rank sent
-    double bytes_model;      // what the scheme's communication model predicts
-    int64_t heads;           // query heads this rank computed
+    double seconds;                      // the whole call on this rank
+    double comm_seconds;                 // inside MPI calls (communication and waiting)
+    double bytes_sent;                   // bytes this rank sent
+    double bytes_model;                  // what the scheme's communication model predicts
+    int64_t heads;                       // query heads this rank computed
     int64_t kv_head_begin, kv_head_end;  // its KV heads [begin, end)
     // ring: the (64-query, 128-key) score tiles this rank's attention
     // computed (forward and backward each count theirs), and the seconds
@@ -135,14 +135,10 @@ MHA_API MHA_NODISCARD mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel sch
 
 // The backward of mha_backward (accumulate as there); grad_query/key/value
 // and grads may be NULL; every rank receives all of them.
-MHA_API MHA_NODISCARD mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme,
-                                                  mha_tensor *grad_query,
-                                                  mha_tensor *grad_key,
-                                                  mha_tensor *grad_value, mha_module *grads,
-                                                  const mha_module *m,
-                                                  const mha_forward_args *a,
-                                                  const mha_tensor *grad_output,
-                                                  bool accumulate, mha_mpi_stats *stats);
+MHA_API MHA_NODISCARD mha_status mha_mpi_backward(
+    MPI_Comm comm, mha_parallel scheme, mha_tensor *grad_query, mha_tensor *grad_key,
+    mha_tensor *grad_value, mha_module *grads, const mha_module *m, const mha_forward_args *a,
+    const mha_tensor *grad_output, bool accumulate, mha_mpi_stats *stats);
 
 // Decoding with a sharded KV cache: each rank's cache holds its share of
 // every sequence's past tokens (any share: the keys' global positions are

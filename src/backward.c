@@ -10,10 +10,9 @@
 #include "plan.h"
 #include "ref.h"
 
-mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
-                        mha_module *grads, const mha_module *m,
-                        const mha_forward_args *args, const mha_tensor *gout,
-                        bool accumulate) {
+mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mha_module *grads,
+                        const mha_module *m, const mha_forward_args *args,
+                        const mha_tensor *gout, bool accumulate) {
     if (!m || !args)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_backward: NULL module or args");
     mha_status st = mha__require_f32_weights(m, "mha_backward");
@@ -25,7 +24,8 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     fwd_plan p;
     if ((st = mha__plan_forward(&p, m, &a))) return st;
     if ((st = mha__check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
-    if (p.fused) return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate, NULL);
+    if (p.fused)
+        return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate, NULL);
 
     return mha__ref_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
 }

@@ -10,8 +10,7 @@
 
 mha_status mha__check_impl(mha_impl impl) {
     if (impl != MHA_IMPL_AUTO && impl != MHA_IMPL_REFERENCE && impl != MHA_IMPL_FUSED)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "unknown implementation %d",
-                         (int)impl);
+        return mha__fail(MHA_ERR_UNSUPPORTED, "unknown implementation %d", (int)impl);
     return MHA_OK;
 }
 
@@ -20,19 +19,17 @@ mha_status mha__check_impl(mha_impl impl) {
 static mha_status check_view(const mha_tensor *t, const char *name) {
     if (!t) return mha__fail(MHA_ERR_INVALID_ARG, "%s: NULL tensor", name);
     if (t->ndim < 0 || t->ndim > MHA_MAX_DIMS)
-        return mha__fail(MHA_ERR_SHAPE, "%s: ndim %d out of range [0, %d]",
-                         name, t->ndim, MHA_MAX_DIMS);
+        return mha__fail(MHA_ERR_SHAPE, "%s: ndim %d out of range [0, %d]", name, t->ndim,
+                         MHA_MAX_DIMS);
     if ((unsigned)t->dtype >= MHA_DTYPE_COUNT)
-        return mha__fail(MHA_ERR_INVALID_ARG, "%s: invalid dtype %d", name,
-                         (int)t->dtype);
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: invalid dtype %d", name, (int)t->dtype);
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++) {
         if (t->shape[i] < 0)
-            return mha__fail(MHA_ERR_SHAPE, "%s: dim %d is negative (%lld)",
-                             name, i, (long long)t->shape[i]);
+            return mha__fail(MHA_ERR_SHAPE, "%s: dim %d is negative (%lld)", name, i,
+                             (long long)t->shape[i]);
         if (mha__mul_overflow_i64(n, t->shape[i], &n))
-            return mha__fail(MHA_ERR_OVERFLOW,
-                             "%s: the number of elements overflows", name);
+            return mha__fail(MHA_ERR_OVERFLOW, "%s: the number of elements overflows", name);
     }
     // The farthest element must be addressable.
     int64_t span = 0, e;
@@ -45,8 +42,7 @@ static mha_status check_view(const mha_tensor *t, const char *name) {
     size_t bytes;
     if (mha__mul_overflow_size((size_t)span + 1, mha_dtype_size(t->dtype), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "%s: strides overflow", name);
-    if (n > 0 && !t->data)
-        return mha__fail(MHA_ERR_INVALID_ARG, "%s: data is NULL", name);
+    if (n > 0 && !t->data) return mha__fail(MHA_ERR_INVALID_ARG, "%s: data is NULL", name);
     return MHA_OK;
 }
 
@@ -83,11 +79,11 @@ mha_status mha__check_attn_opts(const char *who, int64_t window_left, int64_t wi
 mha_status mha__check_mask_dtype(const mha_tensor *t, const char *name) {
     mha_status st = check_view(t, name);
     if (st) return st;
-    if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BOOL &&
-        t->dtype != MHA_U8)
+    if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BOOL && t->dtype != MHA_U8)
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "%s: dtype %s is not supported (expected BOOL, U8, "
-                         "F32 or F64)", name, mha_dtype_name(t->dtype));
+                         "F32 or F64)",
+                         name, mha_dtype_name(t->dtype));
     return MHA_OK;
 }
 
@@ -96,7 +92,8 @@ static void view_extent(const mha_tensor *t, uintptr_t *lo, uintptr_t *hi) {
     int64_t mn = 0, mx = 0;
     for (int i = 0; i < t->ndim; i++) {
         int64_t e = (t->shape[i] - 1) * t->stride[i];
-        if (e < 0) mn += e; else mx += e;
+        if (e < 0) mn += e;
+        else mx += e;
     }
     size_t es = mha_dtype_size(t->dtype);
     *lo = (uintptr_t)t->data + (uintptr_t)(mn * (int64_t)es);
@@ -105,21 +102,20 @@ static void view_extent(const mha_tensor *t, uintptr_t *lo, uintptr_t *hi) {
 
 // Outputs may not overlap inputs (nor each other).
 mha_status mha__check_no_overlap(const mha_tensor *out, const char *oname,
-                                   const mha_tensor *in, const char *iname) {
-    if (!out || !in || mha_tensor_numel(out) == 0 || mha_tensor_numel(in) == 0)
-        return MHA_OK;
+                                 const mha_tensor *in, const char *iname) {
+    if (!out || !in || mha_tensor_numel(out) == 0 || mha_tensor_numel(in) == 0) return MHA_OK;
     uintptr_t a0, a1, b0, b1;
     view_extent(out, &a0, &a1);
     view_extent(in, &b0, &b1);
     if (a0 < b1 && b0 < a1)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "%s overlaps %s in memory (outputs must not alias "
-                         "inputs)", oname, iname);
+                         "inputs)",
+                         oname, iname);
     return MHA_OK;
 }
 
-mha_status mha__check_output(const mha_tensor *t, const char *name,
-                               const mha_shape *want) {
+mha_status mha__check_output(const mha_tensor *t, const char *name, const mha_shape *want) {
     mha_status st = mha__check_float(t, name);
     if (st) return st;
     bool same = t->ndim == want->ndim;
@@ -134,14 +130,14 @@ mha_status mha__check_output(const mha_tensor *t, const char *name,
 }
 
 // The last dim of t (its features) must be `want`, the module's `what`.
-mha_status mha__check_features(const mha_tensor *t, const char *name,
-                                 const char *what, int64_t want) {
+mha_status mha__check_features(const mha_tensor *t, const char *name, const char *what,
+                               int64_t want) {
     char s1[160];
     int64_t got = t->shape[t->ndim - 1];
     if (got == want) return MHA_OK;
     return mha__fail(MHA_ERR_SHAPE,
                      "%s: feature dim %lld (shape %s) does not match the "
-                     "module's %s %lld", name, (long long)got,
-                     mha__shape_str(s1, sizeof s1, t->ndim, t->shape), what,
-                     (long long)want);
+                     "module's %s %lld",
+                     name, (long long)got, mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
+                     what, (long long)want);
 }

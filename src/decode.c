@@ -17,16 +17,16 @@ typedef struct cached_call {
     const mha__kernels *kt;
     int nt;
     bool seq_first, gated;
-    int64_t R;                // rows of the query (N T)
+    int64_t R;  // rows of the query (N T)
     // the scratch: blk (xg, wt, wo, gs, qkv, ctx, yt, wh), the start
     // positions, gbuf (gated: gate (R, H), gctx (R, E), packed W_g)
     float *blk, *gbuf;
     int64_t *starts;
-    size_t pw, pwkv;          // floats of a packed (E, E) / (E, Ekv) weight
+    size_t pw, pwkv;  // floats of a packed (E, E) / (E, Ekv) weight
     float *xg, *wt, *wo, *gs, *qkv, *ctx, *yt, *wh;
-    const float *X;           // the query rows (R, E), row stride ldx
+    const float *X;  // the query rows (R, E), row stride ldx
     int64_t ldx;
-    mha_tensor qv, cv;        // q and ctx as (N, H, T, d) views of the rows
+    mha_tensor qv, cv;  // q and ctx as (N, H, T, d) views of the rows
 } cached_call;
 
 // Check: what a KV cache does not take, float32 query and output, the
@@ -46,7 +46,8 @@ static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_
                          "add_bias_kv, add_zero_attn and kdim/vdim != embed_dim are not "
                          "available with a KV cache");
     if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32)
-        return mha__fail(MHA_ERR_UNSUPPORTED, "mha_forward_cached: float32 query and output only");
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_forward_cached: float32 query and output only");
     mha_forward_args a2 = *a;
     a2.key = a2.value = a->query;
     a2.is_causal = true;
@@ -86,7 +87,8 @@ static mha_status cached_scratch(cached_call *c, const mha_module *m) {
     // scratch: gathered x, packed weights (E (E + 2 Ekv) or separate) and
     // Wo, GEMM scratch, qkv (R, E + 2 Ekv), ctx (R, E), y (R, E), the start
     // positions
-    const size_t pw = mha__gemm_packed_b_floats(kt, E, E), n_gs = mha__gemm_scratch_floats(kt, nt),
+    const size_t pw = mha__gemm_packed_b_floats(kt, E, E),
+                 n_gs = mha__gemm_scratch_floats(kt, nt),
                  pwkv = mha__gemm_packed_b_floats(kt, E, Ekv);
     const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, W3) : pw + 2 * pwkv;
     const size_t n_wh = m->wdt == MHA_F32 ? 0 : mha__half_weight_floats(kt, m, nt);
@@ -96,7 +98,8 @@ static mha_status cached_scratch(cached_call *c, const mha_module *m) {
     // (everything is allocated before the cache changes: a failure after
     // the append can only come from the attention, and is rolled back)
     const bool gated = c->gated = mha__module_gated(m);
-    const size_t gfloats = gated ? (size_t)(R * H + R * E) + mha__gemm_packed_b_floats(kt, E, H) : 0;
+    const size_t gfloats = gated ? (size_t)(R * H + R * E) + mha__gemm_packed_b_floats(kt, E, H)
+                                 : 0;
     float *blk = mha__alloc(bytes);
     int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
     float *gbuf = gated ? mha__alloc(sizeof(float) * gfloats) : NULL;
@@ -130,13 +133,15 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
     else mha__gather_rows(xg, a->query), ldx = E;
     const float *bq = m->in_proj_bias;
     if (m->packed) {
-        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_in, wh), bq, R, E, W3, wt, gs, nt);
+        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_in, wh), bq, R, E, W3, wt,
+                         gs, nt);
     } else {
-        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_q, wh), bq, R, E, E, wt, gs, nt);
-        mha__linear_rows(kt, qkv + E, W3, X, ldx, mha__wmat_of(m, m->w_k, wh), bq ? bq + E : NULL, R, E, Ekv,
-                    wt + pw, gs, nt);
-        mha__linear_rows(kt, qkv + E + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh), bq ? bq + E + Ekv : NULL,
-                    R, E, Ekv, wt + pw + pwkv, gs, nt);
+        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_q, wh), bq, R, E, E, wt, gs,
+                         nt);
+        mha__linear_rows(kt, qkv + E, W3, X, ldx, mha__wmat_of(m, m->w_k, wh),
+                         bq ? bq + E : NULL, R, E, Ekv, wt + pw, gs, nt);
+        mha__linear_rows(kt, qkv + E + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh),
+                         bq ? bq + E + Ekv : NULL, R, E, Ekv, wt + pw + pwkv, gs, nt);
     }
     c->X = X, c->ldx = ldx;
 }
@@ -218,7 +223,8 @@ static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module
     const bool direct = mha__rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : yt;
     if (!direct) ldo = E;
-    mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh), m->out_bias, R, E, E, wo, gs, nt);
+    mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh), m->out_bias, R, E, E,
+                     wo, gs, nt);
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
             mha__mat row = mha__view_row(out, r);

@@ -28,12 +28,12 @@
 struct mha_diagnostics {
     int64_t H, nrows_total;
     mha_head_diag *heads;
-    double *sim;               // (H, H)
-    double *spec;              // per head: q, k, v, o spectra, d values each
-                               // (NULL: built without LAPACKE)
-    int64_t nspec;             // values per spectrum (min(d, features); 0
-                               // without LAPACKE)
-    char nonfinite[160];       // "" when every value was finite
+    double *sim;          // (H, H)
+    double *spec;         // per head: q, k, v, o spectra, d values each
+                          // (NULL: built without LAPACKE)
+    int64_t nspec;        // values per spectrum (min(d, features); 0
+                          // without LAPACKE)
+    char nonfinite[160];  // "" when every value was finite
 };
 
 void mha_diag_options_init(mha_diag_options *o) {
@@ -71,7 +71,8 @@ const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h, char
     if (n) *n = 0;
     if (!d || h < 0 || h >= d->H || !at || !which) return NULL;
     if (!d->spec) {
-        mha__fail(MHA_ERR_UNSUPPORTED, "mha_diagnostics_spectrum: singular values "
+        mha__fail(MHA_ERR_UNSUPPORTED,
+                  "mha_diagnostics_spectrum: singular values "
                   "unavailable: mha was built without LAPACKE (ranks are -1)");
         return NULL;
     }
@@ -102,8 +103,8 @@ static bool find_nonfinite_view(char *out, size_t cap, const char *name, const m
             for (int dd = 0; dd < t->ndim && k > 0 && (size_t)k < cap; dd++)
                 k += snprintf(out + k, cap - (size_t)k, "%s%lld", dd ? ", " : "",
                               (long long)idx[dd]);
-            if (k > 0 && (size_t)k < cap) snprintf(out + k, cap - (size_t)k, "] = %g",
-                                                   mha__ld(v, 0, 0));
+            if (k > 0 && (size_t)k < cap)
+                snprintf(out + k, cap - (size_t)k, "] = %g", mha__ld(v, 0, 0));
             return true;
         }
     }
@@ -216,21 +217,21 @@ typedef struct diag_run {
 #endif
     int64_t nspec;
     size_t nbuf, nwork;
-    double *q, *k, *v;   // q (N, L, E), k and v (N, Sp, Ekv): one block
-    double *work;        // P (H, Sp), a context row (d), the SVD's scratch
-    head_acc *acc;       // (H)
-    double *cbuf;        // (2 H d): every head's c_sum and c_sq
-    double *vvar;        // (Hkv)
-    bool *has;           // (H): the head's row has visible keys
-    int64_t *simcount;   // (H, H)
+    double *q, *k, *v;  // q (N, L, E), k and v (N, Sp, Ekv): one block
+    double *work;       // P (H, Sp), a context row (d), the SVD's scratch
+    head_acc *acc;      // (H)
+    double *cbuf;       // (2 H d): every head's c_sum and c_sq
+    double *vvar;       // (Hkv)
+    bool *has;          // (H): the head's row has visible keys
+    int64_t *simcount;  // (H, H)
 } diag_run;
 
 // The sizes of the call and every buffer (and the diagnostics *out, with
 // its heads, similarity and spectra), allocated together.
 static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
     const fwd_plan *p = r->p;
-    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d,
-                  Ekv = p->Ekv, G = H / p->Hkv;
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d, Ekv = p->Ekv,
+                  G = H / p->Hkv;
     r->N = N, r->L = L, r->Sp = Sp, r->E = E, r->H = H, r->d = d, r->Ekv = Ekv, r->G = G;
     r->scale = 1.0 / sqrt((double)d);
     r->R = r->o->max_rows > 0 && r->o->max_rows < L ? r->o->max_rows : L;
@@ -326,9 +327,10 @@ static void diag_head_row(diag_run *r, char *nf, size_t nfc, int64_t b, int64_t 
             if (s > A->lmax) A->lmax = s;
             A->lsum += s, A->lsq += s * s, A->lcount++;
         } else if (!nf[0]) {
-            snprintf(nf, nfc, "scaled logit (batch %lld, head %lld, row %lld, key "
-                     "%lld) = %g", (long long)b, (long long)h, (long long)i,
-                     (long long)j, s);
+            snprintf(nf, nfc,
+                     "scaled logit (batch %lld, head %lld, row %lld, key "
+                     "%lld) = %g",
+                     (long long)b, (long long)h, (long long)i, (long long)j, s);
         }
         ph[j] = mha__ref_logit(&p->mask, s, b, h, i, j);
         visible += ph[j] > -INFINITY;
@@ -476,10 +478,9 @@ static void diag_heads(diag_run *r, mha_diagnostics *dg) {
 #ifdef MHA_HAVE_LAPACKE
         double *sp = dg->spec + h * 4 * nspec;
         hd->rank_q = spectrum(sp, m->w_q, m->wdt, E, h * d, 0, d, E, o.rank_rtol, &ws);
-        hd->rank_k = spectrum(sp + nspec, m->w_k, m->wdt, kd, g * d, 0, d, kd, o.rank_rtol,
+        hd->rank_k = spectrum(sp + nspec, m->w_k, m->wdt, kd, g * d, 0, d, kd, o.rank_rtol, &ws);
+        hd->rank_v = spectrum(sp + 2 * nspec, m->w_v, m->wdt, vd, g * d, 0, d, vd, o.rank_rtol,
                               &ws);
-        hd->rank_v = spectrum(sp + 2 * nspec, m->w_v, m->wdt, vd, g * d, 0, d, vd,
-                              o.rank_rtol, &ws);
         hd->rank_o = spectrum(sp + 3 * nspec, m->w_out, m->wdt, E, 0, h * d, E, d, o.rank_rtol,
                               &ws);
 #else
@@ -488,8 +489,8 @@ static void diag_heads(diag_run *r, mha_diagnostics *dg) {
     }
 }
 
-mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m, const mha_forward_args *args,
-                        const mha_diag_options *opt) {
+mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m,
+                        const mha_forward_args *args, const mha_diag_options *opt) {
     if (!out || !m || !args)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_diagnose: NULL argument");
     *out = NULL;

@@ -9,9 +9,9 @@ static const struct {
     const char *name;
     size_t size;
 } g_dtypes[MHA_DTYPE_COUNT] = {
-    [MHA_F32] = {"F32", 4}, [MHA_F16] = {"F16", 2},  [MHA_BF16] = {"BF16", 2},
+    [MHA_F32] = {"F32", 4},   [MHA_F16] = {"F16", 2}, [MHA_BF16] = {"BF16", 2},
     [MHA_BOOL] = {"BOOL", 1}, [MHA_I64] = {"I64", 8}, [MHA_I32] = {"I32", 4},
-    [MHA_U8] = {"U8", 1},   [MHA_F64] = {"F64", 8},
+    [MHA_U8] = {"U8", 1},     [MHA_F64] = {"F64", 8},
 };
 
 size_t mha_dtype_size(mha_dtype t) {
@@ -34,8 +34,7 @@ mha_status mha_dtype_from_name(mha_dtype *out, const char *name) {
     return mha__fail(MHA_ERR_UNSUPPORTED, "unknown dtype \"%.64s\"", name);
 }
 
-mha_tensor mha_tensor_contiguous(void *data, mha_dtype dtype, int ndim,
-                                 const int64_t *shape) {
+mha_tensor mha_tensor_contiguous(void *data, mha_dtype dtype, int ndim, const int64_t *shape) {
     mha_tensor t;
     memset(&t, 0, sizeof t);
     t.data = data;

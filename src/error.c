@@ -20,8 +20,8 @@ static void *g_log_user;
 const char *mha_version(void) {
 #define MHA__STR2(x) #x
 #define MHA__STR(x) MHA__STR2(x)
-    return MHA__STR(MHA_VERSION_MAJOR) "." MHA__STR(MHA_VERSION_MINOR) "."
-        MHA__STR(MHA_VERSION_PATCH);
+    return MHA__STR(MHA_VERSION_MAJOR) "." MHA__STR(MHA_VERSION_MINOR) "." MHA__STR(
+        MHA_VERSION_PATCH);
 }
 
 const char *mha_status_string(mha_status s) {
@@ -101,16 +101,15 @@ long mha__fault_count(void) { return atomic_load(&g_fault_calls); }
 long mha__fault_failures(void) { return atomic_load(&g_fault_failed); }
 
 const void *mha__fault_site(long i) {
-    return i >= 0 && i < MHA__FAULT_SITES && i < atomic_load(&g_fault_calls)
-               ? g_fault_site[i] : NULL;
+    return i >= 0 && i < MHA__FAULT_SITES && i < atomic_load(&g_fault_calls) ? g_fault_site[i]
+                                                                             : NULL;
 }
 
 static int fault_now(const void *site) {
     long k = atomic_fetch_add(&g_fault_calls, 1) + 1;
     if (k <= MHA__FAULT_SITES) g_fault_site[k - 1] = site;
     long at = atomic_load(&g_fault_at);
-    if (at <= 0 || k < at || (k > at && !atomic_load(&g_fault_sticky)))
-        return 0;
+    if (at <= 0 || k < at || (k > at && !atomic_load(&g_fault_sticky))) return 0;
     atomic_fetch_add(&g_fault_failed, 1);
     return 1;
 }
@@ -144,13 +143,11 @@ void *mha__alloc(size_t bytes) {
 
 void mha__free(void *p) { free(p); }
 
-const char *mha__shape_str(char *buf, size_t cap, int ndim,
-                           const int64_t *shape) {
+const char *mha__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
     size_t n = 0;
     n += (size_t)snprintf(buf + n, cap - n, "(");
     for (int i = 0; i < ndim && n < cap; i++)
-        n += (size_t)snprintf(buf + n, cap - n, i ? ", %lld" : "%lld",
-                              (long long)shape[i]);
+        n += (size_t)snprintf(buf + n, cap - n, i ? ", %lld" : "%lld", (long long)shape[i]);
     if (n < cap) snprintf(buf + n, cap - n, ndim == 1 ? ",)" : ")");
     return buf;
 }
@@ -179,4 +176,3 @@ const char *mha_escape(char *buf, size_t cap, const char *name) {
     buf[n] = '\0';
     return buf;
 }
-

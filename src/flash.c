@@ -67,8 +67,7 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
     return m;
 }
 
-size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx,
-                                 bool backward) {
+size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx, bool backward) {
     const int64_t nt = n_tiles(S, nx);
     return 16 + round16((size_t)(BR * D)) + round16((size_t)(BR * Dv)) + 3 * BR * BC + 2 * BR +
            round16((size_t)(C_KINDS * nt + 3) / 4) +
@@ -128,8 +127,7 @@ static const float *packed_tile(const mha__flash_head *a, scratch_map *sm, int64
             const float *r = jj < a->S ? base + jj * rs : xb + (jj - a->S) * D;
             if (trans)
                 for (int64_t c = 0; c < D; c++) dst[c * w + j] = r[c];
-            else
-                memcpy(dst + j * D, r, (size_t)D * sizeof(float));
+            else memcpy(dst + j * D, r, (size_t)D * sizeof(float));
         }
         done[t] = 1;
     }
@@ -162,8 +160,8 @@ void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int6
 // (n at most the tile's width).
 // With a soft cap: s <- cap tanh(s / cap) first, and deriv (when not NULL)
 // gets 1 - tanh^2, the cap's derivative, for the backward.
-static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
-                   float *s, int64_t i0, int64_t br, int64_t j0, int64_t n, float *deriv) {
+static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm, float *s,
+                   int64_t i0, int64_t br, int64_t j0, int64_t n, float *deriv) {
     const float *ktile = packed_tile(a, sm, j0, C_KT);
     kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
     const mha__mask *mk = a->mask;
@@ -196,8 +194,7 @@ static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map
     }
 }
 
-static void drop_row(const mha__flash_head *a, float *row, int64_t i, int64_t j0,
-                     int64_t n) {
+static void drop_row(const mha__flash_head *a, float *row, int64_t i, int64_t j0, int64_t n) {
     const mha__dropout *d = a->drop;
     const float f = 1.0f / (1.0f - d->p);
     uint64_t base = (uint64_t)(((a->b * d->H + a->h) * d->L + i) * d->S + j0);
@@ -242,11 +239,12 @@ static bool next_tile(key_iter *it, int64_t *j0, int64_t *n) {
 // qs (br, D) = scale * q rows [i0, i0 + br)
 static void load_q(const mha__flash_head *a, float *qs, int64_t i0, int64_t br) {
     for (int64_t r = 0; r < br; r++)
-        for (int64_t c = 0; c < a->D; c++) qs[r * a->D + c] = a->scale * a->q[(i0 + r) * a->q_rs + c];
+        for (int64_t c = 0; c < a->D; c++)
+            qs[r * a->D + c] = a->scale * a->q[(i0 + r) * a->q_rs + c];
 }
 
-void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
-                     int64_t i0, int64_t i1, float *scratch) {
+void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i0, int64_t i1,
+                     float *scratch) {
     const int64_t br = i1 - i0, Dv = a->Dv;
     scratch_map sm = head_scratch(a, scratch);
     float *s = sm.s, *m = sm.m, *l = sm.l;
@@ -266,15 +264,15 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
             if (alpha[r] != 1.0f) kt->scale_row(a->o + (i0 + r) * a->o_rs, Dv, alpha[r]);
             if (a->drop) drop_row(a, s + r * n, i0 + r, j0, n);
         }
-        kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, packed_tile(a, &sm, j0, C_VR),
-                        Dv, br, Dv, n);
+        kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, packed_tile(a, &sm, j0, C_VR), Dv,
+                        br, Dv, n);
     }
     for (int64_t r = 0; r < br; r++) {
         float *o = a->o + (i0 + r) * a->o_rs;
         if (l[r] > 0.0f) {
             kt->scale_row(o, Dv, 1.0f / l[r]);
         } else if (!(l[r] == 0.0f)) {  // NaN: keep it
-        } else {  // every key masked: the fully-masked-row rule
+        } else {                       // every key masked: the fully-masked-row rule
             for (int64_t c = 0; c < Dv; c++) o[c] = 0.0f;
         }
         if (a->stats) {
@@ -284,8 +282,8 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
     }
 }
 
-void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
-                        int64_t i0, int64_t i1, mha__mat w, float *scratch) {
+void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_t i0,
+                        int64_t i1, mha__mat w, float *scratch) {
     const int64_t br = i1 - i0, total = a->S + a->nx;
     scratch_map sm = head_scratch(a, scratch);
     load_q(a, sm.qs, i0, br);
@@ -317,7 +315,7 @@ static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_m
                      const float *dOt, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
                      int64_t n, float *s, float *dp, float *deriv) {
     scores(kt, a, sm, s, i0, br, j0, n, deriv);  // S = cap(scale q k^T) + mask
-    for (int64_t r = 0; r < br; r++) {  // P = exp(S - m) / l
+    for (int64_t r = 0; r < br; r++) {           // P = exp(S - m) / l
         kt->exp_shift(s + r * n, n, a->stats[2 * (i0 + r)]);
         kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
     }
@@ -330,9 +328,8 @@ static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_m
 // dp <- dS = P (dP - Dsum) row by row (times the soft cap's derivative,
 // when there is one: the gradient of the raw scaled scores); then
 // s <- P' = P * drop.
-static void softmax_bwd(const mha__flash_head *a, const float *Dsum, int64_t i0,
-                        int64_t br, int64_t j0, int64_t n, float *s, float *dp,
-                        const float *deriv) {
+static void softmax_bwd(const mha__flash_head *a, const float *Dsum, int64_t i0, int64_t br,
+                        int64_t j0, int64_t n, float *s, float *dp, const float *deriv) {
     for (int64_t r = 0; r < br; r++) {
         float *pr = s + r * n, *dr = dp + r * n;
         const float dsum = Dsum[i0 + r];
@@ -359,10 +356,9 @@ static void rows_of_keys(const mha__flash_head *a, int64_t j0, int64_t n, int64_
     *hi = h;
 }
 
-void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
-                       const float *dO, int64_t do_rs, const float *Dsum,
-                       int64_t j0, int64_t n, float *dk, int64_t dk_rs,
-                       float *dv, int64_t dv_rs, bool acc, float *scratch) {
+void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                       int64_t do_rs, const float *Dsum, int64_t j0, int64_t n, float *dk,
+                       int64_t dk_rs, float *dv, int64_t dv_rs, bool acc, float *scratch) {
     const int64_t D = a->D, Dv = a->Dv;
     scratch_map sm = head_scratch(a, scratch);
     float *s = sm.s, *dp = sm.dp;
@@ -407,7 +403,8 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n, *dv_ = tile + 2 * br * n;
         bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, dv_);
-        for (int64_t r = 0; r < br && !a->dsum_fixed; r++) {  // 16 partial sums: vectorised, fixed order
+        for (int64_t r = 0; r < br && !a->dsum_fixed;
+             r++) {  // 16 partial sums: vectorised, fixed order
             float acc[16] = {0};
             const float *sr = s + r * n, *dr = dp + r * n;
             int64_t j = 0;
@@ -431,19 +428,17 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
         kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
         if (dk) {
             const bool x = j0 >= a->S;
-            kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dOt, Dv, n, Dv,
-                            br);
-            kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D,
-                            br);
+            kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dOt, Dv, n, Dv, br);
+            kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D, br);
         }
         tile += 3 * br * n;
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);
 }
 
-void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
-                      const float *dO, int64_t do_rs, float *Dsum, int64_t i0,
-                      int64_t i1, float *dq, int64_t dq_rs, float *scratch) {
+void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                      int64_t do_rs, float *Dsum, int64_t i0, int64_t i1, float *dq,
+                      int64_t dq_rs, float *scratch) {
     bwd_rows(kt, a, dO, do_rs, Dsum, i0, i1, dq, dq_rs, NULL, 0, NULL, 0, NULL, NULL, scratch);
 }
 
@@ -458,8 +453,8 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
         for (int64_t c = 0; c < a->Dv; c++) vr[c] = 0.0f;
     }
     for (int64_t i0 = 0; i0 < a->L; i0 += BR) {
-        bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end(i0, BR, a->L), dq + i0 * dq_rs, dq_rs,
-                 dk, dk_rs, dv, dv_rs, dxk, dxv, scratch);
+        bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end(i0, BR, a->L), dq + i0 * dq_rs,
+                 dq_rs, dk, dk_rs, dv, dv_rs, dxk, dxv, scratch);
         if (a->progress) a->progress(a->progress_arg);
     }
 }

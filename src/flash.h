@@ -50,26 +50,25 @@ typedef struct mha__flash_head {
 // mha__flash_scratch_reset must be called on a thread's scratch before
 // the first use in a call (the cache is keyed by the head's pointers).
 // backward: room for the V^T cache as well (the forward does not use it).
-size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx,
-                                 bool backward);
+size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx, bool backward);
 void mha__flash_scratch_reset(float *scratch);
 
 // The keys [0, S) that causal and window masks leave to rows [i0, i1):
 // [*lo, *hi) (empty when *lo >= *hi). Other masks apply inside.
-void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1,
-                          int64_t *lo, int64_t *hi);
+void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int64_t *lo,
+                          int64_t *hi);
 
 // Rows [i0, i1) of the head (at most MHA__FLASH_BR of them): O and stats.
 // A fully masked row gets O = 0.
-void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a,
-                     int64_t i0, int64_t i1, float *scratch);
+void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i0, int64_t i1,
+                     float *scratch);
 
 // The attention weights of rows [i0, i1) recomputed from stats (after a
 // forward): w (i, j) = exp(scale q_i k_j + mask - m_i) / l_i [* dropout],
 // written through w (rows i - i0, columns j < S + nx); keys outside the
 // causal/window band get 0 without being computed.
-void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
-                        int64_t i0, int64_t i1, mha__mat w, float *scratch);
+void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_t i0,
+                        int64_t i1, mha__mat w, float *scratch);
 
 
 // ---------------------------------------------------------------------------
@@ -86,18 +85,17 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a,
 // MHA__FLASH_BC, or the nx appended keys when j0 == S): dk (n, D) and dv
 // (n, Dv), overwritten (acc false) or added to (acc true: grouped-query
 // attention, the KV head's later query heads, in increasing order).
-void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a,
-                       const float *dO, int64_t do_rs, const float *Dsum,
-                       int64_t j0, int64_t n, float *dk, int64_t dk_rs,
-                       float *dv, int64_t dv_rs, bool acc, float *scratch);
+void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                       int64_t do_rs, const float *Dsum, int64_t j0, int64_t n, float *dk,
+                       int64_t dk_rs, float *dv, int64_t dv_rs, bool acc, float *scratch);
 
 // Pass B: rows [i0, i1) (at most MHA__FLASH_BR): Dsum[i0, i1) (written:
 // sum_j P dP over the same tiles, so a one-hot row gets dS = 0 exactly,
 // dropout or not) and dq (i1 - i0, D), overwritten. Runs before pass A,
 // which reads Dsum.
-void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a,
-                      const float *dO, int64_t do_rs, float *Dsum, int64_t i0,
-                      int64_t i1, float *dq, int64_t dq_rs, float *scratch);
+void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                      int64_t do_rs, float *Dsum, int64_t i0, int64_t i1, float *dq,
+                      int64_t dq_rs, float *scratch);
 
 // The whole backward of one head by one thread: pass B for each query tile
 // in order, and with each tile's P' and dS (kept from pass B) dk += dS^T q,

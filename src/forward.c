@@ -38,8 +38,7 @@ mha_status mha_forward_shapes(mha_shape *out_shape, mha_shape *weights_shape,
 mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
                                       const mha_forward_args *a) {
     if (!bytes)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_forward_workspace_size: NULL argument");
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_workspace_size: NULL argument");
     fwd_plan p;
     mha_status st = mha__plan_forward(&p, m, a);
     if (st) return st;
@@ -47,16 +46,14 @@ mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
     return MHA_OK;
 }
 
-mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights,
-                          const mha_module *m, const mha_forward_args *a,
-                          void *workspace, size_t workspace_bytes) {
+mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights, const mha_module *m,
+                          const mha_forward_args *a, void *workspace, size_t workspace_bytes) {
     fwd_plan p;
     mha_status st = mha__plan_forward(&p, m, a);
     if (st) return st;
     if ((st = mha__check_forward_outputs(&p, out, weights, a))) return st;
     if (!workspace || workspace_bytes < p.ws_bytes)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "workspace of %zu bytes is too small: %zu needed",
+        return mha__fail(MHA_ERR_INVALID_ARG, "workspace of %zu bytes is too small: %zu needed",
                          workspace ? workspace_bytes : 0, p.ws_bytes);
     char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
@@ -74,8 +71,7 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
     void *ws = mha__malloc(p.ws_bytes);
     if (!ws)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_forward: out of memory for %zu bytes of scratch",
+        return mha__fail(MHA_ERR_NOMEM, "mha_forward: out of memory for %zu bytes of scratch",
                          p.ws_bytes);
     char *al = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
     if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, al, NULL);

@@ -21,15 +21,16 @@ static void transpose_rows(float *dst, const float *src, int64_t lds, int64_t ro
         for (int64_t c = 0; c < cols; c++) dst[c * rows + r] = src[r * lds + c];
 }
 
-static inline void store_f(float *p, double v, bool acc) { *p = acc ? *p + (float)v : (float)v; }
+static inline void store_f(float *p, double v, bool acc) {
+    *p = acc ? *p + (float)v : (float)v;
+}
 
 // dW (O, I) (+)= d^T X: d (R, O) row stride ldd, X (R, I) row stride ldx;
 // db (O) (+)= colsum(d), summed in double over r in order. tmp: O*R
 // floats (d^T); bp: packed X; gs: GEMM scratch.
-static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc,
-                        const float *d, int64_t ldd, const float *X, int64_t ldx,
-                        int64_t R, int64_t O, int64_t I, float *tmp, float *bp, float *gs,
-                        int nt) {
+static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc, const float *d,
+                        int64_t ldd, const float *X, int64_t ldx, int64_t R, int64_t O,
+                        int64_t I, float *tmp, float *bp, float *gs, int nt) {
     float *dT = tmp;
     transpose_rows(dT, d, ldd, R, O);
     mha__gemm_pack_rows(kt, bp, X, ldx, R, I, nt);
@@ -46,8 +47,8 @@ static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc,
 
 // dX (view, rows in the view's order) (+)= d (R, O) W (O, I).
 void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, const float *d,
-                       int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
-                       float *tmp, float *bp, float *gs, int nt) {
+                          int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
+                          float *tmp, float *bp, float *gs, int nt) {
     mha__matmul_rows(kt, tmp, I, d, ldd, W, I, R, O, I, bp, gs, nt);
     for (int64_t r = 0; r < R; r++) {
         mha__mat row = mha__view_row(gx, r);
@@ -81,10 +82,10 @@ typedef struct bwd_call {
     const mha_forward_args *a;
     const mha__part *pt;  // a part's hooks (fused.h), or NULL
     const mha__kernels *kt;
-    bool acc;             // += instead of =
+    bool acc;  // += instead of =
     bwd_scratch s;
-    float *blk;           // the block s is carved from
-    float *gbuf;          // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, E), packed W_g
+    float *blk;   // the block s is carved from
+    float *gbuf;  // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, E), packed W_g
     float *gate, *dg, *gctx;
     const mha_saved *sv;  // a valid saved forward, or NULL
     // the input rows (in place or gathered) and their row strides
@@ -96,7 +97,7 @@ typedef struct bwd_call {
     int64_t W3, ldkv;
     mha__rowmap qm, km, vm, cm, dcm, dqm, dkm, dvm;
     float scale;
-    mha__attn_io io;      // what a part's attn hook sees
+    mha__attn_io io;  // what a part's attn hook sees
 } bwd_call;
 
 // Sizes and allocates the scratch (one block), carved into c->s.
@@ -114,7 +115,7 @@ static mha_status bwd_alloc(bwd_call *c) {
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
     // Scratch, floats, one block:
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, true);
-    size_t n_x = (size_t)(Rq * E + Rk * (kd + vd));          // gathered inputs
+    size_t n_x = (size_t)(Rq * E + Rk * (kd + vd));  // gathered inputs
     // packed weights (forward), packed B of the backward GEMMs, GEMM scratch
     const size_t pw_q = mha__gemm_packed_b_floats(kt, E, E),
                  pw_k = mha__gemm_packed_b_floats(kt, kd, Ekv),
@@ -126,7 +127,8 @@ static mha_status bwd_alloc(bwd_call *c) {
     if (n_bp2 > n_bp) n_bp = n_bp2;
     n_w += n_bp + n_gs;
     size_t n_qkv = mha__qkv_floats(p, Rq, Rk);
-    size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * Hkv * nx * d + 2 * Hkv * nx * d);
+    size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * Hkv * nx * d +
+                            2 * Hkv * nx * d);
     size_t n_tmp = (size_t)(3 * E * Rmax + 3 * E * Fmax + Rmax * Fmax);
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
     size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + 15) & ~(size_t)15;
@@ -176,8 +178,7 @@ static mha_status bwd_inputs(bwd_call *c) {
         mha__saved_key_of(&key, c->m, a);
         if (!mha__saved_key_equal(&key, &sv->key) ||
             sv->outer_valid != (c->pt && c->pt->attn.fn) ||
-            sv->n_qkv != mha__qkv_floats(p, Rq, Rk) ||
-            sv->n_lse != (size_t)(2 * N * H * L))
+            sv->n_qkv != mha__qkv_floats(p, Rq, Rk) || sv->n_lse != (size_t)(2 * N * H * L))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_backward: args.save holds the state of another forward "
                              "(module, inputs, masks or dropout differ); run the forward "
@@ -202,14 +203,27 @@ static mha__flash_head bwd_head(const bwd_call *c, int64_t b, int64_t h) {
     const int64_t nx = p->Sp - S;
     const float *extra = c->s.extra;
     return (mha__flash_head){
-        .q = mha__head_row0(&c->qm, b, h * d), .q_rs = mha__head_rs(&c->qm),
-        .k = mha__head_row0(&c->km, b, (h / G) * d), .k_rs = mha__head_rs(&c->km),
-        .v = mha__head_row0(&c->vm, b, (h / G) * d), .v_rs = mha__head_rs(&c->vm),
-        .xk = extra + (h / G) * nx * d, .xv = extra + (Hkv + h / G) * nx * d, .nx = nx,
-        .o = mha__head_row0(&c->cm, b, h * d), .o_rs = mha__head_rs(&c->cm),
+        .q = mha__head_row0(&c->qm, b, h * d),
+        .q_rs = mha__head_rs(&c->qm),
+        .k = mha__head_row0(&c->km, b, (h / G) * d),
+        .k_rs = mha__head_rs(&c->km),
+        .v = mha__head_row0(&c->vm, b, (h / G) * d),
+        .v_rs = mha__head_rs(&c->vm),
+        .xk = extra + (h / G) * nx * d,
+        .xv = extra + (Hkv + h / G) * nx * d,
+        .nx = nx,
+        .o = mha__head_row0(&c->cm, b, h * d),
+        .o_rs = mha__head_rs(&c->cm),
         .stats = c->s.lse + 2 * (b * H + h) * L,
-        .L = L, .S = S, .D = d, .Dv = d, .scale = c->scale, .mask = &p->mask,
-        .drop = mha__plan_drop(p), .b = b, .h = h,
+        .L = L,
+        .S = S,
+        .D = d,
+        .Dv = d,
+        .scale = c->scale,
+        .mask = &p->mask,
+        .drop = mha__plan_drop(p),
+        .b = b,
+        .h = h,
     };
 }
 
@@ -230,8 +244,7 @@ static mha_status bwd_forward(bwd_call *c) {
     const int64_t W3 = c->W3, ldkv = c->ldkv;
     const mha_saved *sv = c->sv;
     float *q = c->q, *k = c->k, *v = c->v, *wt = c->s.wt, *gs = c->s.gs;
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
-                *bv = bq ? bq + E + Ekv : NULL;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + E + Ekv : NULL;
     const size_t pw_q = mha__gemm_packed_b_floats(kt, E, E),
                  pw_k = mha__gemm_packed_b_floats(kt, kd, Ekv);
     const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
@@ -244,10 +257,12 @@ static mha_status bwd_forward(bwd_call *c) {
         float *wq = wt, *wk = sp ? wt : wq + pw_q, *wv = sp ? wt : wk + pw_k;
         mha__linear_rows(kt, q + oq, W3, c->Xq, c->ldq, mha__wmat_f32(m->q_weight + oq * E),
                          bq ? bq + oq : NULL, Rq, E, nq, wq, gs, nt);
-        mha__linear_rows(kt, k + okv, ldkv, c->Xk, c->ldk, mha__wmat_f32(m->k_weight + okv * kd),
-                         bk ? bk + okv : NULL, Rk, kd, nkv, wk, gs, nt);
-        mha__linear_rows(kt, v + okv, ldkv, c->Xv, c->ldv, mha__wmat_f32(m->v_weight + okv * vd),
-                         bv ? bv + okv : NULL, Rk, vd, nkv, wv, gs, nt);
+        mha__linear_rows(kt, k + okv, ldkv, c->Xk, c->ldk,
+                         mha__wmat_f32(m->k_weight + okv * kd), bk ? bk + okv : NULL, Rk, kd,
+                         nkv, wk, gs, nt);
+        mha__linear_rows(kt, v + okv, ldkv, c->Xv, c->ldv,
+                         mha__wmat_f32(m->v_weight + okv * vd), bv ? bv + okv : NULL, Rk, vd,
+                         nkv, wv, gs, nt);
     }
     mha__fill_extra(c->s.extra, m, Hkv, nx, d);
     const int64_t Tk = sp ? L : S;  // rows of k and v per batch element
@@ -265,8 +280,16 @@ static mha_status bwd_forward(bwd_call *c) {
     }
     c->scale = (float)(1.0 / sqrt((double)d));
     const bool ext = pt && pt->attn.fn;  // attention done by the caller (ring)
-    c->io = (mha__attn_io){.N = N, .L = L, .S = Tk, .seq_first = seq_first, .q = q, .k = k,
-                           .v = v, .ldq = W3, .ldk = ldkv, .ctx = c->s.ctx,
+    c->io = (mha__attn_io){.N = N,
+                           .L = L,
+                           .S = Tk,
+                           .seq_first = seq_first,
+                           .q = q,
+                           .k = k,
+                           .v = v,
+                           .ldq = W3,
+                           .ldk = ldkv,
+                           .ctx = c->s.ctx,
                            .stats = sv ? c->s.lse : NULL};
     mha_status est = ext && !sv ? pt->attn.fn(pt->attn.arg, &c->io) : MHA_OK;
     if (est) return est;
@@ -279,7 +302,8 @@ static mha_status bwd_forward(bwd_call *c) {
         int tid = mha__thread_id();
         mha__flash_head fh = bwd_head(c, b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
-        if (mha__plan_head_live(p, m, h)) mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
+        if (mha__plan_head_live(p, m, h))
+            mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)tid * sf);
         else mha__zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
     }
     return MHA_OK;
@@ -299,8 +323,8 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
         for (int64_t e = 0; e < E; e++) {
             float g = (float)mha__ld(row, 0, e);
             if (p->out_p > 0.0f)
-                g *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L, p->E, n,
-                                          t, e);
+                g *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L,
+                                          p->E, n, t, e);
             dy[r * E + e] = g;
         }
     }
@@ -317,8 +341,10 @@ static mha_status bwd_gates(bwd_call *c) {
     const size_t nwg = mha__gemm_packed_b_floats(c->kt, E, H);
     c->gbuf = mha__alloc(sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
     if (!c->gbuf)
-        return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for the gates (%zu "
-                         "bytes)", sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
+        return mha__fail(MHA_ERR_NOMEM,
+                         "fused backward: out of memory for the gates (%zu "
+                         "bytes)",
+                         sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
     float *gate = c->gbuf, *dg = gate + Rq * H, *gctx = dg + Rq * H;
     c->gate = gate, c->dg = dg, c->gctx = gctx;
     const float *ctx = c->s.ctx;
@@ -367,10 +393,11 @@ static void bwd_attention_per_head(const bwd_call *c) {
             mha__flash_head fh = bwd_head(c, b, h);
             mha__flash_bwd_head(c->kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
                                 dsum + (b * H + h) * L, mha__head_row0(&dqm, b, h * d),
-                                mha__head_rs(&dqm), mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
-                                mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm),
-                                dextra + bg * nx * d, dextra + (N * Hkv + bg) * nx * d,
-                                h != h0, scratch + (size_t)mha__thread_id() * sf);
+                                mha__head_rs(&dqm), mha__head_row0(&dkm, b, g * d),
+                                mha__head_rs(&dkm), mha__head_row0(&dvm, b, g * d),
+                                mha__head_rs(&dvm), dextra + bg * nx * d,
+                                dextra + (N * Hkv + bg) * nx * d, h != h0,
+                                scratch + (size_t)mha__thread_id() * sf);
         }
     }
 }
@@ -399,8 +426,9 @@ static void bwd_attention_tiles(const bwd_call *c) {
             mha__zero_head_rows(mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm), i0, i1, d);
             continue;
         }
-        mha__flash_bwd_q(c->kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm), dsum + bh * L,
-                         i0, i1, mha__head_row0(&dqm, b, h * d) + i0 * mha__head_rs(&dqm),
+        mha__flash_bwd_q(c->kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
+                         dsum + bh * L, i0, i1,
+                         mha__head_row0(&dqm, b, h * d) + i0 * mha__head_rs(&dqm),
                          mha__head_rs(&dqm), scratch + (size_t)tid * sf);
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
@@ -448,7 +476,8 @@ static void bwd_rope_and_part_out(const bwd_call *c) {
     mha__rope_rows(p, c->a, &c->dqm, L, H, true, pt ? pt->attn.rope_pos : NULL);  // (orthogonal)
     mha__rope_rows(p, c->a, &c->dkm, S, Hkv, true, pt ? pt->attn.rope_pos : NULL);
     if (pt && pt->out.dq)  // a part's projection gradients, for its caller
-        for (int64_t r = 0; r < Rq; r++) memcpy(pt->out.dq + r * E, c->dq + r * W3, sizeof(float) * (size_t)E);
+        for (int64_t r = 0; r < Rq; r++)
+            memcpy(pt->out.dq + r * E, c->dq + r * W3, sizeof(float) * (size_t)E);
     if (pt && pt->out.dz && c->dg) memcpy(pt->out.dz, c->dg, sizeof(float) * (size_t)(Rq * H));
     if (pt && pt->out.dk)
         for (int64_t r = 0; r < Rk; r++) {
@@ -478,8 +507,8 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
     // (a part without the bias: its share of out_proj.bias's gradient is 0)
     float *gbo = pt && !pt->bias ? NULL : grads->out_bias;
     if (grads->out_bias && !gbo && !acc) memset(grads->out_bias, 0, sizeof(float) * (size_t)E);
-    grad_weight(kt, grads->out_weight, gbo, acc, c->s.dy, E, c->gctx ? c->gctx : c->s.ctx, E, Rq,
-                E, E, tmp, bp, gs, nt);
+    grad_weight(kt, grads->out_weight, gbo, acc, c->s.dy, E, c->gctx ? c->gctx : c->s.ctx, E,
+                Rq, E, E, tmp, bp, gs, nt);
     if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
         for (int64_t h = 0; h < H; h++) {
             double sg = 0.0;
@@ -487,19 +516,19 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
             store_f(grads->head_gate + h, sg, acc);
         }
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
-        grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, c->Xq, c->ldq, Rq, H, E,
-                    tmp, bp, gs, nt);
+        grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, c->Xq, c->ldq, Rq, H,
+                    E, tmp, bp, gs, nt);
     if (sp) {
         // dWin (E + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
-        grad_weight(kt, grads->in_proj_weight, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3, E,
-                    tmp, bp, gs, nt);
+        grad_weight(kt, grads->in_proj_weight, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3,
+                    E, tmp, bp, gs, nt);
     } else {
-        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, E, c->Xq, c->ldq, Rq, E, E, tmp, bp, gs,
-                    nt);
-        grad_weight(kt, grads->k_weight, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd, tmp, bp,
+        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, E, c->Xq, c->ldq, Rq, E, E, tmp, bp,
                     gs, nt);
-        grad_weight(kt, grads->v_weight, gbv, acc, c->dv, Ekv, c->Xv, c->ldv, Rk, Ekv, vd, tmp, bp,
-                    gs, nt);
+        grad_weight(kt, grads->k_weight, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd, tmp,
+                    bp, gs, nt);
+        grad_weight(kt, grads->v_weight, gbv, acc, c->dv, Ekv, c->Xv, c->ldv, Rk, Ekv, vd, tmp,
+                    bp, gs, nt);
     }
     if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
         for (int64_t g = 0; g < Hkv; g++)
@@ -527,17 +556,22 @@ static void bwd_input_grads(const bwd_call *c, mha_tensor *gq, mha_tensor *gk, m
     const int64_t W3 = c->W3, ldkv = c->ldkv;
     const int nt = p->nthreads;
     float *tmp = c->s.tmp, *bp = c->s.bp, *gs = c->s.gs;
-    if (gq) mha__grad_input_rows(kt, gq, acc, c->dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+    if (gq)
+        mha__grad_input_rows(kt, gq, acc, c->dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
         mha__grad_input_rows(kt, gq, true, c->dg, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
-    if (gk) mha__grad_input_rows(kt, gk, acc, c->dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
-    if (gv) mha__grad_input_rows(kt, gv, acc, c->dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
+    if (gk)
+        mha__grad_input_rows(kt, gk, acc, c->dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs,
+                             nt);
+    if (gv)
+        mha__grad_input_rows(kt, gv, acc, c->dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs,
+                             nt);
 }
 
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
                                mha_tensor *gv, mha_module *grads, const mha_module *m,
-                               const mha_forward_args *a, const mha_tensor *gout,
-                               bool acc, const mha__part *pt) {
+                               const mha_forward_args *a, const mha_tensor *gout, bool acc,
+                               const mha__part *pt) {
     bwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
     mha_status st = bwd_alloc(&c);
     if (st) return st;

@@ -41,18 +41,18 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
                                  // unless the saved state keeps the ungated ctx)
         float *gctx = in_place ? ctx : (float *)(ws + p->f.gctx);
         mha__gate_rows(kt, (float *)(ws + p->f.gate), gctx, ctx, m, xq, ldq, Rq,
-                  (float *)(ws + p->f.wg), gs, nt);
+                       (float *)(ws + p->f.wg), gs, nt);
         octx = gctx;
     }
-    mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh), pt && !pt->bias ? NULL : m->out_bias,
-                Rq, E, E, wo, gs, nt);
+    mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh),
+                     pt && !pt->bias ? NULL : m->out_bias, Rq, E, E, wo, gs, nt);
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
             int64_t n, t;
             mha__row_nt(p, seq_first, out, r, &n, &t);
             for (int64_t e = 0; e < E; e++)
-                y[r * ldo + e] *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L,
-                                                       p->E, n, t, e);
+                y[r * ldo + e] *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset,
+                                                       p->out_p, p->L, p->E, n, t, e);
         }
     if (!direct)
         for (int64_t r = 0; r < Rq; r++) {
@@ -68,13 +68,13 @@ typedef struct fwd_call {
     const mha_forward_args *a;
     const mha__part *pt;  // a part's hooks (fused.h), or NULL
     const mha__kernels *kt;
-    char *ws;              // the plan's scratch (p->f_*)
-    bool seq_first;        // rows are (t, n) (else (n, t))
-    const float *xq;       // the query rows (Rq, E), row stride ldq
+    char *ws;         // the plan's scratch (p->f_*)
+    bool seq_first;   // rows are (t, n) (else (n, t))
+    const float *xq;  // the query rows (Rq, E), row stride ldq
     int64_t ldq;
     mha__rowmap qm, km, vm;  // q (Rq, E), k and v (Rk, Ekv) after RoPE
-    float *ctx;            // the context (Rq, E)
-    float *lse;            // each row's (max, 1/sum) (N, H, L, 2), or NULL
+    float *ctx;              // the context (Rq, E)
+    float *lse;              // each row's (max, 1/sum) (N, H, L, 2), or NULL
 } fwd_call;
 
 // Rows [0, n) of W (n rows of `in` elements) from row r, as a weight matrix.
@@ -108,8 +108,7 @@ static void fwd_project(fwd_call *c) {
     const int64_t ldq = c->ldq;
     float *wt = (float *)(ws + p->f.wt), *gs = (float *)(ws + p->f.gs),
           *wh = (float *)(ws + p->f.wh);
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
-                *bv = bq ? bq + E + Ekv : NULL;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + E + Ekv : NULL;
     mha_saved *sv = a->save;
     float *sbuf = sv ? sv->buf : NULL;
     // a part: only its heads' rows of the weights, into their columns
@@ -198,8 +197,7 @@ static void tile_weights(const fwd_call *c, mha_tensor *weights, const mha__flas
         int o = p->unbatched ? 0 : 1;
         w = mha__vmat((char *)weights->data +
                           ((p->unbatched ? 0 : b * weights->stride[0]) +
-                           hs * weights->stride[o] +
-                           (r0 - p->wr0) * weights->stride[o + 1]) *
+                           hs * weights->stride[o] + (r0 - p->wr0) * weights->stride[o + 1]) *
                               (int64_t)mha_dtype_size(weights->dtype),
                       weights->dtype, weights->stride[o + 1], weights->stride[o + 2]);
     }
@@ -210,8 +208,7 @@ static void tile_weights(const fwd_call *c, mha_tensor *weights, const mha__flas
     if (wq) {
         int o = p->unbatched ? 0 : 1;
         for (int64_t r = r0; r < r1; r++)
-            mha__weights_row_out(weights, a->weights_scale,
-                                 (b * Hs + hs) * Ls + r - p->wr0,
+            mha__weights_row_out(weights, a->weights_scale, (b * Hs + hs) * Ls + r - p->wr0,
                                  (p->unbatched ? 0 : b * weights->stride[0]) +
                                      hs * weights->stride[o] +
                                      (r - p->wr0) * weights->stride[o + 1],
@@ -240,10 +237,13 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
     // the appended keys per KV head: (nx, d) for k, then for v
     float *extra = (float *)(ws + p->f.extra);
     mha__fill_extra(extra, m, Hkv, nx, d);
-    c->ctx = pt && pt->out.ctx ? pt->out.ctx : sv ? sbuf + sv->n_qkv : (float *)(ws + p->f.ctx);
+    c->ctx = pt && pt->out.ctx ? pt->out.ctx
+             : sv              ? sbuf + sv->n_qkv
+                               : (float *)(ws + p->f.ctx);
     c->lse = pt && pt->block.stats ? pt->block.stats
-             : sv ? sbuf + sv->n_qkv + sv->n_ctx
-                  : a->need_weights ? (float *)(ws + p->f.lse) : NULL;
+             : sv                  ? sbuf + sv->n_qkv + sv->n_ctx
+             : a->need_weights     ? (float *)(ws + p->f.lse)
+                                   : NULL;
     float *lse = c->lse;
     const mha__rowmap qm = c->qm, km = c->km, vm = c->vm, cm = {c->ctx, E, seq_first, N, L};
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
@@ -252,9 +252,17 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
     const bool ext = pt && pt->attn.fn;  // attention done by the caller (ring)
     if (ext) {
-        const mha__attn_io io = {.N = N, .L = L, .S = S, .seq_first = seq_first, .q = qm.base,
-                                 .k = km.base, .v = vm.base, .ldq = qm.ld, .ldk = km.ld,
-                                 .ctx = c->ctx, .stats = sv ? lse : NULL};
+        const mha__attn_io io = {.N = N,
+                                 .L = L,
+                                 .S = S,
+                                 .seq_first = seq_first,
+                                 .q = qm.base,
+                                 .k = km.base,
+                                 .v = vm.base,
+                                 .ldq = qm.ld,
+                                 .ldk = km.ld,
+                                 .ctx = c->ctx,
+                                 .stats = sv ? lse : NULL};
         mha_status st = pt->attn.fn(pt->attn.arg, &io);
         if (st) return st;
     }
@@ -267,18 +275,32 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
         int tid = mha__thread_id();
         const int64_t g = h / G;  // the KV head
         mha__flash_head fh = {
-            .q = mha__head_row0(&qm, b, h * d), .q_rs = mha__head_rs(&qm),
-            .k = mha__head_row0(&km, b, g * d), .k_rs = mha__head_rs(&km),
-            .v = mha__head_row0(&vm, b, g * d), .v_rs = mha__head_rs(&vm),
-            .xk = extra + g * nx * d, .xv = extra + (Hkv + g) * nx * d, .nx = nx,
-            .o = mha__head_row0(&cm, b, h * d), .o_rs = mha__head_rs(&cm),
+            .q = mha__head_row0(&qm, b, h * d),
+            .q_rs = mha__head_rs(&qm),
+            .k = mha__head_row0(&km, b, g * d),
+            .k_rs = mha__head_rs(&km),
+            .v = mha__head_row0(&vm, b, g * d),
+            .v_rs = mha__head_rs(&vm),
+            .xk = extra + g * nx * d,
+            .xv = extra + (Hkv + g) * nx * d,
+            .nx = nx,
+            .o = mha__head_row0(&cm, b, h * d),
+            .o_rs = mha__head_rs(&cm),
             .stats = lse ? lse + 2 * bh * L : NULL,
-            .L = L, .S = S, .D = d, .Dv = d, .scale = (float)(1.0 / sqrt((double)d)),
-            .mask = &p->mask, .drop = mha__plan_drop(p), .b = b, .h = h,
+            .L = L,
+            .S = S,
+            .D = d,
+            .Dv = d,
+            .scale = (float)(1.0 / sqrt((double)d)),
+            .mask = &p->mask,
+            .drop = mha__plan_drop(p),
+            .b = b,
+            .h = h,
         };
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         float *sc = scratch + (size_t)tid * sf;
-        const bool live = mha__plan_head_live(p, m, h);  // pruned / not in the part: no work, zero context
+        const bool live =
+            mha__plan_head_live(p, m, h);  // pruned / not in the part: no work, zero context
         if (live) mha__flash_rows(kt, &fh, i0, i1, sc);
         else mha__zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
         if (live && pt && pt->progress.tiles) ntiles += mha__key_tiles(&fh, i0, i1);
@@ -303,7 +325,9 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
     const int64_t N = p->N, Sp = p->Sp;
     const float *headw = (const float *)(c->ws + p->f.headw);
     const int64_t Hs = p->wh1 - p->wh0, Ls = p->wr1 - p->wr0;
-    const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1) ? mha__live_in(m, p->wh0, p->wh1) : 1);
+    const float nlive = (float)(mha__live_in(m, p->wh0, p->wh1)
+                                    ? mha__live_in(m, p->wh0, p->wh1)
+                                    : 1);
     int o = p->unbatched ? 0 : 1;
     for (int64_t b = 0; b < N; b++)
         for (int64_t i = 0; i < Ls; i++) {
@@ -317,8 +341,7 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
                         s += headw[((b * Hs + h) * Ls + i) * Sp + j];
                     row[j] = s / nlive;
                 }
-                mha__weights_row_out(weights, a->weights_scale, b * Ls + i, off, NULL, row,
-                                     Sp);
+                mha__weights_row_out(weights, a->weights_scale, b * Ls + i, off, NULL, row, Sp);
                 continue;
             }
             mha__mat wr = mha__vmat((char *)weights->data +
@@ -335,8 +358,14 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
 mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                               const mha_module *m, const mha_forward_args *a, char *ws,
                               const mha__part *pt) {
-    fwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .ws = ws,
-                  .seq_first = p->unbatched || !m->cfg.batch_first, .ldq = p->E,
+    fwd_call c = {.p = p,
+                  .m = m,
+                  .a = a,
+                  .pt = pt,
+                  .kt = mha__kernels_get(),
+                  .ws = ws,
+                  .seq_first = p->unbatched || !m->cfg.batch_first,
+                  .ldq = p->E,
                   .xq = (const float *)(ws + p->f.xq)};
     const int64_t N = p->N, L = p->L, S = p->S, E = p->E, Ekv = p->Ekv;
     // the query rows: the view in place, or gathered
@@ -388,7 +417,8 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
     const mha__kernels *kt = mha__kernels_get();
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
                   S = k->shape[2], Dv = v->shape[3];
-    const int nt = (double)B * H * L * S * (D + Dv) < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
+    const int nt = (double)B * H * L * S * (D + Dv) < MHA__PAR_MIN_WORK ? 1
+                                                                        : mha__max_threads();
     const size_t sf = mha__flash_scratch_floats(D, Dv, S, 0, false);
     size_t n_stats = weights ? (size_t)(2 * B * H * L) : 0, floats, bytes;
     if (mha__mul_overflow_size(sf, (size_t)nt, &floats) ||
@@ -411,12 +441,27 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
 #define HEAD_PTR(t) ((float *)(t)->data + (t)->stride[0] * b + (t)->stride[1] * h)
 #define KV_PTR(t) ((float *)(t)->data + (t)->stride[0] * b + (t)->stride[1] * hk)
         mha__flash_head fh = {
-            .q = HEAD_PTR(q), .q_rs = q->stride[2], .k = KV_PTR(k), .k_rs = k->stride[2],
-            .v = KV_PTR(v), .v_rs = v->stride[2], .xk = NULL, .xv = NULL, .nx = 0,
-            .o = HEAD_PTR(out), .o_rs = out->stride[2],
+            .q = HEAD_PTR(q),
+            .q_rs = q->stride[2],
+            .k = KV_PTR(k),
+            .k_rs = k->stride[2],
+            .v = KV_PTR(v),
+            .v_rs = v->stride[2],
+            .xk = NULL,
+            .xv = NULL,
+            .nx = 0,
+            .o = HEAD_PTR(out),
+            .o_rs = out->stride[2],
             .stats = stats ? stats + 2 * bh * L : NULL,
-            .L = L, .S = S, .D = D, .Dv = Dv, .scale = (float)scale,
-            .mask = mk, .drop = NULL, .b = b, .h = h,
+            .L = L,
+            .S = S,
+            .D = D,
+            .Dv = Dv,
+            .scale = (float)scale,
+            .mask = mk,
+            .drop = NULL,
+            .b = b,
+            .h = h,
         };
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         mha__flash_rows(kt, &fh, i0, i1, sc);

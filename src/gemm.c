@@ -46,8 +46,8 @@ void mha__gemm_pack_b(const mha__kernels *kt, float *Bp, const float *B, int64_t
     }
 }
 
-void mha__gemm_pack_wt(const mha__kernels *kt, float *Bp, const float *W, int64_t O,
-                       int64_t I, int nt) {
+void mha__gemm_pack_wt(const mha__kernels *kt, float *Bp, const float *W, int64_t O, int64_t I,
+                       int nt) {
     mha__gemm_pack_b(kt, Bp, W, 1, I, I, O, nt);
 }
 
@@ -80,8 +80,7 @@ void mha__gemm_pack_rows(const mha__kernels *kt, float *Bp, const float *B, int6
 // groups. Row ranges: up to 4 per thread (dynamic balance on a shared
 // machine), balanced to within one tile. Few rows: split the panels too,
 // into column groups of at least 4 panels (the A copy is made per item).
-static void split(int64_t tiles, int64_t panels, int nt, int64_t *rchunks,
-                  int64_t *cchunks) {
+static void split(int64_t tiles, int64_t panels, int nt, int64_t *rchunks, int64_t *cchunks) {
     *rchunks = tiles < 4 * (int64_t)nt ? tiles : 4 * (int64_t)nt;
     *cchunks = 1;
     if (*rchunks < 2 * (int64_t)nt) {
@@ -97,8 +96,8 @@ typedef struct gemm_block {
     int64_t r0, r1, j0, j1;
 } gemm_block;
 
-static bool item_block(gemm_block *b, int64_t it, int64_t rchunks, int64_t cchunks,
-                       int64_t R, int64_t N, int64_t mr, int64_t nr) {
+static bool item_block(gemm_block *b, int64_t it, int64_t rchunks, int64_t cchunks, int64_t R,
+                       int64_t N, int64_t mr, int64_t nr) {
     const int64_t tiles = cdiv(R, mr), panels = cdiv(N, nr);
     const int64_t ri = it / cchunks, ci = it % cchunks;
     const int64_t t0 = ri * tiles / rchunks, t1 = (ri + 1) * tiles / rchunks;
@@ -127,9 +126,8 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
     for (int64_t it = 0; it < items; it++) {
         gemm_block b;
         if (!item_block(&b, it, rchunks, cchunks, R, N, mr, nr)) continue;
-        kt->gemm_packed(C + b.r0 * ldc + b.j0, ldc, X + b.r0 * ldx, ldx,
-                        K ? Bp + b.j0 * K : Bp, bias ? bias + b.j0 : NULL, b.r1 - b.r0,
-                        b.j1 - b.j0, K, accumulate,
+        kt->gemm_packed(C + b.r0 * ldc + b.j0, ldc, X + b.r0 * ldx, ldx, K ? Bp + b.j0 * K : Bp,
+                        bias ? bias + b.j0 : NULL, b.r1 - b.r0, b.j1 - b.j0, K, accumulate,
                         thread_scratch + per * (size_t)mha__thread_id());
     }
 }

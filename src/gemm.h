@@ -30,8 +30,8 @@ void mha__gemm_pack_b(const mha__kernels *kt, float *Bp, const float *B, int64_t
                       int64_t sn, int64_t K, int64_t N, int nt);
 // Bp <- W^T for a row-major W (O, I): B (K = I, N = O). Replaces
 // transpose(WT, W, O, I).
-void mha__gemm_pack_wt(const mha__kernels *kt, float *Bp, const float *W, int64_t O,
-                       int64_t I, int nt);
+void mha__gemm_pack_wt(const mha__kernels *kt, float *Bp, const float *W, int64_t O, int64_t I,
+                       int nt);
 // Bp <- W^T for a row-major W (O, I) of bf16 (kind 1) or f16 (kind 2)
 // elements: the same Bp as mha__gemm_pack_wt of W widened to float32 (the
 // widening is exact), a panel at a time through tmp

@@ -31,9 +31,7 @@ static uint64_t rng_next(rng *r) {
 }
 
 // Uniform in [0, 1) with 53 random bits.
-static double rng_uniform(rng *r) {
-    return (double)(rng_next(r) >> 11) * 0x1p-53;
-}
+static double rng_uniform(rng *r) { return (double)(rng_next(r) >> 11) * 0x1p-53; }
 
 static double rng_normal(rng *r) {
     if (r->has_spare) {
@@ -41,7 +39,8 @@ static double rng_normal(rng *r) {
         return r->spare;
     }
     double u1, u2;
-    do u1 = rng_uniform(r); while (u1 <= 0.0);
+    do u1 = rng_uniform(r);
+    while (u1 <= 0.0);
     u2 = rng_uniform(r);
     double rad = sqrt(-2.0 * log(u1));
     r->spare = rad * sin(MHA__TWO_PI * u2);
@@ -50,8 +49,7 @@ static double rng_normal(rng *r) {
 }
 
 static void fill_uniform(float *x, int64_t n, double bound, rng *r) {
-    for (int64_t i = 0; i < n; i++)
-        x[i] = (float)((2.0 * rng_uniform(r) - 1.0) * bound);
+    for (int64_t i = 0; i < n; i++) x[i] = (float)((2.0 * rng_uniform(r) - 1.0) * bound);
 }
 
 static void fill_normal(float *x, int64_t n, double std, rng *r) {
@@ -63,8 +61,8 @@ static void fill_normal(float *x, int64_t n, double std, rng *r) {
 // the signs that make diag(R) positive, scale by gain. Modified Gram-Schmidt
 // in double gives exactly that Q (R's diagonal is the positive norms).
 // a: rows * cols doubles of scratch.
-static void fill_orthogonal(float *w, int64_t rows, int64_t cols, double gain,
-                            rng *r, double *a) {
+static void fill_orthogonal(float *w, int64_t rows, int64_t cols, double gain, rng *r,
+                            double *a) {
     int transpose = rows < cols;
     int64_t m = transpose ? cols : rows;  // long side
     int64_t n = transpose ? rows : cols;  // short side: n columns of length m
@@ -87,14 +85,13 @@ static void fill_orthogonal(float *w, int64_t rows, int64_t cols, double gain,
     // Write back (rows, cols) row-major: w[i][j] = Q[i][j] or Q^T.
     for (int64_t i = 0; i < rows; i++)
         for (int64_t j = 0; j < cols; j++)
-            w[i * cols + j] = (float)(gain * (transpose ? a[i * m + j]
-                                                        : a[j * m + i]));
+            w[i * cols + j] = (float)(gain * (transpose ? a[i * m + j] : a[j * m + i]));
 }
 
 // One weight matrix (rows, cols) under a scheme; ortho: rows * cols doubles
 // of scratch for MHA_INIT_ORTHOGONAL.
-static mha_status init_matrix(float *w, int64_t rows, int64_t cols,
-                              const mha_init_options *o, rng *r, double *ortho) {
+static mha_status init_matrix(float *w, int64_t rows, int64_t cols, const mha_init_options *o,
+                              rng *r, double *ortho) {
     int64_t n = rows * cols;
     double fan_in = (double)cols, fan_out = (double)rows;
     switch (o->scheme) {
@@ -104,18 +101,11 @@ static mha_status init_matrix(float *w, int64_t rows, int64_t cols,
     case MHA_INIT_XAVIER_NORMAL:
         fill_normal(w, n, o->gain * sqrt(2.0 / (fan_in + fan_out)), r);
         return MHA_OK;
-    case MHA_INIT_NORMAL:
-        fill_normal(w, n, o->std, r);
-        return MHA_OK;
-    case MHA_INIT_ORTHOGONAL:
-        fill_orthogonal(w, rows, cols, o->gain, r, ortho);
-        return MHA_OK;
-    case MHA_INIT_ZEROS:
-        memset(w, 0, (size_t)n * sizeof *w);
-        return MHA_OK;
+    case MHA_INIT_NORMAL: fill_normal(w, n, o->std, r); return MHA_OK;
+    case MHA_INIT_ORTHOGONAL: fill_orthogonal(w, rows, cols, o->gain, r, ortho); return MHA_OK;
+    case MHA_INIT_ZEROS: memset(w, 0, (size_t)n * sizeof *w); return MHA_OK;
     }
-    return mha__fail(MHA_ERR_INVALID_ARG, "unknown init scheme %d",
-                     (int)o->scheme);
+    return mha__fail(MHA_ERR_INVALID_ARG, "unknown init scheme %d", (int)o->scheme);
 }
 
 void mha_init_options_default(mha_init_options *opt) {
@@ -127,11 +117,10 @@ void mha_init_options_default(mha_init_options *opt) {
 }
 
 mha_status mha_init_scheme_from_name(mha_init_scheme *out, const char *name) {
-    static const char *names[] = {"xavier_uniform", "xavier_normal", "normal",
-                                  "orthogonal", "zeros"};
+    static const char *names[] = {"xavier_uniform", "xavier_normal", "normal", "orthogonal",
+                                  "zeros"};
     if (!out || !name)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_init_scheme_from_name: NULL argument");
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_init_scheme_from_name: NULL argument");
     for (int i = 0; i < 5; i++) {
         if (strcmp(name, names[i]) == 0) {
             *out = (mha_init_scheme)i;
@@ -140,19 +129,19 @@ mha_status mha_init_scheme_from_name(mha_init_scheme *out, const char *name) {
     }
     return mha__fail(MHA_ERR_INVALID_ARG,
                      "unknown init scheme \"%.64s\" (expected xavier_uniform, "
-                     "xavier_normal, normal, orthogonal or zeros)", name);
+                     "xavier_normal, normal, orthogonal or zeros)",
+                     name);
 }
 
 mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
-    if (!m || !o)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_init: NULL argument");
+    if (!m || !o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_init: NULL argument");
     if ((unsigned)o->scheme > MHA_INIT_ZEROS)
-        return mha__fail(MHA_ERR_INVALID_ARG, "unknown init scheme %d",
-                         (int)o->scheme);
+        return mha__fail(MHA_ERR_INVALID_ARG, "unknown init scheme %d", (int)o->scheme);
     if (!isfinite(o->gain) || !isfinite(o->std) || o->std < 0.0)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "init: gain must be finite and std finite and >= 0, "
-                         "got gain %g, std %g", o->gain, o->std);
+                         "got gain %g, std %g",
+                         o->gain, o->std);
     if (m->wdt != MHA_F32) {
         // Half weights: the same values as a float32 module's, rounded.
         mha_module *f;
@@ -223,8 +212,7 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
     // default, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); else the scheme.
     if (o->scheme == MHA_INIT_XAVIER_UNIFORM)
         fill_uniform(m->out_weight, E * E, 1.0 / sqrt((double)E), &r);
-    else
-        st = init_matrix(m->out_weight, E, E, o, &r, ortho);
+    else st = init_matrix(m->out_weight, E, E, o, &r, ortho);
 done:
     free(ortho);
     return st;

@@ -56,8 +56,7 @@ const void *mha__fault_site(long i);
 #endif
 
 // Formats a shape as "(2, 3, 4)" into buf.
-const char *mha__shape_str(char *buf, size_t cap, int ndim,
-                           const int64_t *shape);
+const char *mha__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape);
 
 // Threads and tiles.
 //

@@ -58,8 +58,8 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
             free(heads);
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: __metadata__ pruned_heads \"%s\" is not a comma-separated "
-                             "list of at most %lld distinct heads in [0, %lld)", lab,
-                             mha_escape(qn, sizeof qn, s), (long long)H, (long long)H);
+                             "list of at most %lld distinct heads in [0, %lld)",
+                             lab, mha_escape(qn, sizeof qn, s), (long long)H, (long long)H);
         }
         heads[n++] = v;
         if (!*q) break;
@@ -71,12 +71,10 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
 }
 
 // The parameters a file may hold, under their state_dict names.
-static const char *names[] = {"in_proj_weight", "q_proj_weight",
-                              "k_proj_weight",  "v_proj_weight",
-                              "in_proj_bias",   "out_proj.weight",
-                              "out_proj.bias",  "bias_k",
-                              "bias_v",         "head_gate",
-                              "gate_proj.weight", "gate_proj.bias"};
+static const char *names[] = {"in_proj_weight", "q_proj_weight",    "k_proj_weight",
+                              "v_proj_weight",  "in_proj_bias",     "out_proj.weight",
+                              "out_proj.bias",  "bias_k",           "bias_v",
+                              "head_gate",      "gate_proj.weight", "gate_proj.bias"};
 enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, NP };
 
 // Which parameters are present (has, t), and every tensor of the file one
@@ -95,14 +93,13 @@ static mha_status find_params(mha_st_tensor t[NP], bool has[NP], const mha_st_fi
         if (!known)
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: unexpected tensor %s (not a "
-                             "MultiheadAttention parameter)", lab,
-                             mha_escape(qn, sizeof qn, x.name));
+                             "MultiheadAttention parameter)",
+                             lab, mha_escape(qn, sizeof qn, x.name));
         if (!is_float_dtype(x.dtype))
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: tensor %s has dtype %s (expected F32, "
-                             "F16, BF16 or F64)", lab,
-                             mha_escape(qn, sizeof qn, x.name),
-                             mha_dtype_name(x.dtype));
+                             "F16, BF16 or F64)",
+                             lab, mha_escape(qn, sizeof qn, x.name), mha_dtype_name(x.dtype));
     }
     return MHA_OK;
 }
@@ -114,55 +111,57 @@ static mha_status config_from_params(mha_config *cfg, const mha_st_tensor t[NP],
     char s1[160];
     if (!has[OUT_W])
         return mha__fail(MHA_ERR_FORMAT, "%s: no \"out_proj.weight\" tensor", lab);
-    if (t[OUT_W].ndim != 2 || t[OUT_W].shape[0] != t[OUT_W].shape[1] ||
-        t[OUT_W].shape[0] <= 0)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: out_proj.weight has shape %s, expected (E, E)", lab,
-                         mha__shape_str(s1, sizeof s1, t[OUT_W].ndim, t[OUT_W].shape));
+    if (t[OUT_W].ndim != 2 || t[OUT_W].shape[0] != t[OUT_W].shape[1] || t[OUT_W].shape[0] <= 0)
+        return mha__fail(MHA_ERR_FORMAT, "%s: out_proj.weight has shape %s, expected (E, E)",
+                         lab, mha__shape_str(s1, sizeof s1, t[OUT_W].ndim, t[OUT_W].shape));
     const int64_t E = t[OUT_W].shape[0];
     cfg->embed_dim = E;
     if (has[IN_W]) {
         if (has[Q_W] || has[K_W] || has[V_W])
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: both in_proj_weight and separate "
-                             "q/k/v_proj_weight tensors", lab);
+                             "q/k/v_proj_weight tensors",
+                             lab);
         cfg->kdim = cfg->vdim = E;
     } else {
         if (!has[Q_W] || !has[K_W] || !has[V_W])
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: need in_proj_weight, or all of "
-                             "q_proj_weight, k_proj_weight and v_proj_weight", lab);
+                             "q_proj_weight, k_proj_weight and v_proj_weight",
+                             lab);
         if (t[K_W].ndim != 2 || t[V_W].ndim != 2)
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: k_proj_weight and v_proj_weight must "
-                             "be 2-D (E, kdim), (E, vdim)", lab);
+                             "be 2-D (E, kdim), (E, vdim)",
+                             lab);
         cfg->kdim = t[K_W].shape[1];
         cfg->vdim = t[V_W].shape[1];
     }
     if (has[IN_B] != has[OUT_B])
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: in_proj_bias and out_proj.bias must be "
-                         "both present or both absent (has %s only)", lab,
-                         has[IN_B] ? "in_proj_bias" : "out_proj.bias");
+                         "both present or both absent (has %s only)",
+                         lab, has[IN_B] ? "in_proj_bias" : "out_proj.bias");
     cfg->bias = has[IN_B];
     if (has[BK] != has[BV])
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: bias_k and bias_v must be both present or "
-                         "both absent (has %s only)", lab, has[BK] ? "bias_k" : "bias_v");
+                         "both absent (has %s only)",
+                         lab, has[BK] ? "bias_k" : "bias_v");
     cfg->add_bias_kv = has[BK];
     if (has[GW] != has[GB] || (has[HG] && has[GW]))
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: gates are either head_gate (static) or both gate_proj.weight "
-                         "and gate_proj.bias (dynamic); the file has%s%s%s", lab,
-                         has[HG] ? " head_gate" : "", has[GW] ? " gate_proj.weight" : "",
+                         "and gate_proj.bias (dynamic); the file has%s%s%s",
+                         lab, has[HG] ? " head_gate" : "", has[GW] ? " gate_proj.weight" : "",
                          has[GB] ? " gate_proj.bias" : "");
     cfg->head_gate = has[HG] ? MHA_GATE_STATIC : has[GW] ? MHA_GATE_DYNAMIC : MHA_GATE_NONE;
     return MHA_OK;
 }
 
 // num_heads and num_kv_heads where base left them 0 (cfg->embed_dim set).
-static mha_status config_heads(mha_config *cfg, const mha_st_file *f, const mha_st_tensor t[NP],
-                               const bool has[NP], const char *lab) {
+static mha_status config_heads(mha_config *cfg, const mha_st_file *f,
+                               const mha_st_tensor t[NP], const bool has[NP], const char *lab) {
     char qn[128];
     const int64_t E = cfg->embed_dim;
     if (cfg->num_heads == 0) {
@@ -170,11 +169,13 @@ static mha_status config_heads(mha_config *cfg, const mha_st_file *f, const mha_
         if (!h)
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "%s: the number of heads is not given and "
-                             "the file has no __metadata__ \"num_heads\"", lab);
+                             "the file has no __metadata__ \"num_heads\"",
+                             lab);
         if (!parse_pos_int(h, &cfg->num_heads))
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: __metadata__ num_heads %s is not "
-                             "a positive integer", lab, mha_escape(qn, sizeof qn, h));
+                             "a positive integer",
+                             lab, mha_escape(qn, sizeof qn, h));
     }
     // num_kv_heads: base, else __metadata__ "num_kv_heads", else from the
     // shapes of the K/V parameters (Ekv rows of features, d = E / H each).
@@ -184,7 +185,8 @@ static mha_status config_heads(mha_config *cfg, const mha_st_file *f, const mha_
             if (!parse_pos_int(kvh, &cfg->num_kv_heads))
                 return mha__fail(MHA_ERR_FORMAT,
                                  "%s: __metadata__ num_kv_heads %s is not a positive "
-                                 "integer", lab, mha_escape(qn, sizeof qn, kvh));
+                                 "integer",
+                                 lab, mha_escape(qn, sizeof qn, kvh));
         } else if (cfg->num_heads > 0 && E % cfg->num_heads == 0) {
             // Ekv from the first K/V-shaped tensor present (the others are
             // checked against the module's shapes below)
@@ -201,8 +203,9 @@ static mha_status config_heads(mha_config *cfg, const mha_st_file *f, const mha_
                     return mha__fail(MHA_ERR_SHAPE,
                                      "%s: %s gives K/V width %lld, which is not num_kv_heads "
                                      "x head dim %lld with num_kv_heads dividing num_heads "
-                                     "%lld (embed_dim %lld)", lab, from, (long long)ekv,
-                                     (long long)d, (long long)cfg->num_heads, (long long)E);
+                                     "%lld (embed_dim %lld)",
+                                     lab, from, (long long)ekv, (long long)d,
+                                     (long long)cfg->num_heads, (long long)E);
                 cfg->num_kv_heads = ekv / d;
             }
         }
@@ -229,9 +232,9 @@ static mha_status check_kv_rows(const mha_config *cfg, const mha_st_tensor t[NP]
                                      "%lld x head dim %lld; embed_dim %lld, num_heads %lld)",
                                      lab, names[i],
                                      mha__shape_str(s1, sizeof s1, t[i].ndim, t[i].shape),
-                                     (long long)ekv, i == K_W ? "kdim" : "vdim", (long long)hkv,
-                                     (long long)(E / cfg->num_heads), (long long)E,
-                                     (long long)cfg->num_heads);
+                                     (long long)ekv, i == K_W ? "kdim" : "vdim",
+                                     (long long)hkv, (long long)(E / cfg->num_heads),
+                                     (long long)E, (long long)cfg->num_heads);
         }
     }
     return MHA_OK;
@@ -255,11 +258,10 @@ static mha_status read_params(mha_module *m, const mha_st_file *f, const mha_con
             return mha__fail(MHA_ERR_SHAPE,
                              "%s: %s has shape %s, expected %s (embed_dim "
                              "%lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
-                             "vdim %lld)", lab,
-                             p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
-                             mha__shape_str(s2, sizeof s2, p->ndim, p->shape),
-                             (long long)E, (long long)cfg->num_heads,
-                             (long long)m->cfg.num_kv_heads,
+                             "vdim %lld)",
+                             lab, p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
+                             mha__shape_str(s2, sizeof s2, p->ndim, p->shape), (long long)E,
+                             (long long)cfg->num_heads, (long long)m->cfg.num_kv_heads,
                              (long long)m->cfg.kdim, (long long)m->cfg.vdim);
         }
         if ((st = mha_st_read(p->storage, (size_t)p->numel * mha_dtype_size(p->dtype),
@@ -269,10 +271,8 @@ static mha_status read_params(mha_module *m, const mha_st_file *f, const mha_con
     return MHA_OK;
 }
 
-mha_status mha_module_load(mha_module **out, const mha_st_file *f,
-                           const mha_config *base) {
-    if (!out || !f)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_load: NULL argument");
+mha_status mha_module_load(mha_module **out, const mha_st_file *f, const mha_config *base) {
+    if (!out || !f) return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_load: NULL argument");
     *out = NULL;
     const char *lab = mha_st_label(f);
     mha_config cfg;
@@ -298,8 +298,7 @@ fail:
 }
 
 mha_status mha_module_save(const mha_module *m, const char *path) {
-    if (!m || !path)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_save: NULL argument");
+    if (!m || !path) return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_save: NULL argument");
     mha_st_writer *w;
     mha_status st = mha_st_writer_create(&w);
     if (st) return st;
@@ -317,8 +316,10 @@ mha_status mha_module_save(const mha_module *m, const char *path) {
     if (!st && m->npruned) {
         char *list = mha__malloc((size_t)m->cfg.num_heads * 21 + 1);
         if (!list)
-            st = mha__fail(MHA_ERR_NOMEM, "mha_module_save: out of memory for the pruned_heads "
-                           "list (%zu bytes)", (size_t)m->cfg.num_heads * 21 + 1);
+            st = mha__fail(MHA_ERR_NOMEM,
+                           "mha_module_save: out of memory for the pruned_heads "
+                           "list (%zu bytes)",
+                           (size_t)m->cfg.num_heads * 21 + 1);
         size_t k = 0;
         for (int64_t h = 0; list && h < m->cfg.num_heads; h++)
             if (m->pruned[h])

@@ -27,10 +27,10 @@
 struct mha_kv_cache {
     int64_t B, Hkv, D, Dv, cap;
     mha_kv_dtype dt;
-    size_t esz;    // bytes per stored element
-    void *k, *v;   // (B, Hkv, cap, D), (B, Hkv, cap, Dv) of dt
+    size_t esz;      // bytes per stored element
+    void *k, *v;     // (B, Hkv, cap, D), (B, Hkv, cap, Dv) of dt
     float *ks, *vs;  // int8: one scale per (b, head, token) row of K and V
-    int64_t *len;  // (B)
+    int64_t *len;    // (B)
 };
 
 static const char *const kv_names[] = {"f32", "bf16", "f16", "int8"};
@@ -78,15 +78,15 @@ mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num
     int64_t rows, nk, nv;
     size_t bk, bv, bs;
     if (mha__mul_overflow_i64(batch, num_kv_heads, &rows) ||
-        mha__mul_overflow_i64(rows, capacity, &rows) || mha__mul_overflow_i64(rows, v_head_dim, &nv) ||
+        mha__mul_overflow_i64(rows, capacity, &rows) ||
+        mha__mul_overflow_i64(rows, v_head_dim, &nv) ||
         mha__mul_overflow_i64(rows, head_dim, &nk) ||
         mha__mul_overflow_size((size_t)nk, kv_esz(dtype), &bk) ||
         mha__mul_overflow_size((size_t)nv, kv_esz(dtype), &bv) ||
         mha__mul_overflow_size((size_t)rows, sizeof(float), &bs))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache: size overflows");
     mha_kv_cache *c = mha__calloc(1, sizeof *c);
-    if (!c)
-        return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory (%zu bytes)", sizeof *c);
+    if (!c) return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory (%zu bytes)", sizeof *c);
     c->B = batch, c->Hkv = num_kv_heads, c->D = head_dim, c->Dv = v_head_dim, c->cap = capacity;
     c->dt = dtype;
     c->esz = kv_esz(dtype);
@@ -115,8 +115,8 @@ size_t mha_kv_cache_bytes(const mha_kv_cache *c) {
 // Stores one row x (n floats, element stride xs, from a float32 or float64
 // view) as row r of the cache's K (or V) in its storage type; row: n floats
 // of scratch.
-static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
-                      mha_dtype xdt, int64_t xs, int64_t n, float *row) {
+static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x, mha_dtype xdt,
+                      int64_t xs, int64_t n, float *row) {
     for (int64_t e = 0; e < n; e++)
         row[e] = (float)mha__ld(mha__vmat((void *)x, xdt, 0, xs), 0, e);
     char *dst = (char *)(isv ? c->v : c->k) + (size_t)(r * n) * c->esz;
@@ -210,9 +210,11 @@ static mha_status check_counts(const int64_t *counts, int64_t B, int64_t T, cons
 
 mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_tensor *v,
                                const int64_t *counts) {
-    if (!c || !k || !v) return mha__fail(MHA_ERR_INVALID_ARG, "kv cache append: NULL argument");
+    if (!c || !k || !v)
+        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache append: NULL argument");
     mha_status st;
-    if ((st = check_4(k, "k", c->B, c->Hkv, c->D)) || (st = check_4(v, "v", c->B, c->Hkv, c->Dv)))
+    if ((st = check_4(k, "k", c->B, c->Hkv, c->D)) ||
+        (st = check_4(v, "v", c->B, c->Hkv, c->Dv)))
         return st;
     const int64_t T = k->shape[2];
     if (v->shape[2] != T)
@@ -342,7 +344,8 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
     const mha__kernels *kt = mha__kernels_get();
     float *o = out->data;
     const float *qd = q->data;
-    for (int64_t i = 0; stats && i < B * H * T; i++) stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
+    for (int64_t i = 0; stats && i < B * H * T; i++)
+        stats[2 * i] = -INFINITY, stats[2 * i + 1] = 0.0f;
     // rows t >= counts[b] get 0
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++)
@@ -354,9 +357,24 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
     const double work = (double)B * H * T * (double)maxlen * (double)(D + Dv);
     const int nt = work < MHA__PAR_MIN_WORK ? 1 : mha__max_threads();
 
-    *ac = (attend_call){.c = c, .kt = kt, .a = a, .q = q, .out = out, .qd = qd, .o = o,
-                        .stats = stats, .counts = counts, .B = B, .H = H, .T = T, .G = G,
-                        .D = D, .Dv = Dv, .maxlen = maxlen, .q_shift = q_shift, .scale = scale,
+    *ac = (attend_call){.c = c,
+                        .kt = kt,
+                        .a = a,
+                        .q = q,
+                        .out = out,
+                        .qd = qd,
+                        .o = o,
+                        .stats = stats,
+                        .counts = counts,
+                        .B = B,
+                        .H = H,
+                        .T = T,
+                        .G = G,
+                        .D = D,
+                        .Dv = Dv,
+                        .maxlen = maxlen,
+                        .q_shift = q_shift,
+                        .scale = scale,
                         .nt = nt};
     return MHA_OK;
 }
@@ -384,8 +402,7 @@ static mha_status attend_prefill(const attend_call *ac) {
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
     float *blk = mha__alloc(bytes);
     if (!blk)
-        return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes",
-                         bytes);
+        return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", bytes);
     float *kf = blk + sf * (size_t)nt, *vf = kf + (size_t)(B * c->Hkv * maxlen * D);
     if (nkv) {
 #pragma omp parallel for schedule(static) num_threads(nt)
@@ -414,16 +431,25 @@ static mha_status attend_prefill(const attend_call *ac) {
         mk.softcap = a.softcap;
         const int64_t hk = h / G;
         mha__flash_head fh = {
-            .q = qd + b * q->stride[0] + h * q->stride[1], .q_rs = q->stride[2],
+            .q = qd + b * q->stride[0] + h * q->stride[1],
+            .q_rs = q->stride[2],
             .k = nkv ? kf + (b * c->Hkv + hk) * maxlen * D
                      : (const float *)c->k + (b * c->Hkv + hk) * c->cap * D,
             .k_rs = D,
             .v = nkv ? vf + (b * c->Hkv + hk) * maxlen * Dv
                      : (const float *)c->v + (b * c->Hkv + hk) * c->cap * Dv,
             .v_rs = Dv,
-            .o = o + b * out->stride[0] + h * out->stride[1], .o_rs = out->stride[2],
-            .L = Tb, .S = c->len[b], .D = D, .Dv = Dv, .scale = (float)scale,
-            .mask = &mk, .b = b, .h = h, .stats = stats ? stats + 2 * bh * T : NULL,
+            .o = o + b * out->stride[0] + h * out->stride[1],
+            .o_rs = out->stride[2],
+            .L = Tb,
+            .S = c->len[b],
+            .D = D,
+            .Dv = Dv,
+            .scale = (float)scale,
+            .mask = &mk,
+            .b = b,
+            .h = h,
+            .stats = stats ? stats + 2 * bh * T : NULL,
         };
         mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, Tb),
                         blk + (size_t)mha__thread_id() * sf);
@@ -465,10 +491,11 @@ static void attend_combine(const attend_call *ac, const float *part, int64_t nch
                 }
                 orow[e] = (float)(acc / L);
             }
-            if (stats) stats[2 * (bh * T + t)] = (float)M, stats[2 * (bh * T + t) + 1] = (float)(1.0 / L);
+            if (stats)
+                stats[2 * (bh * T + t)] = (float)M,
+                                    stats[2 * (bh * T + t) + 1] = (float)(1.0 / L);
         }
     }
-
 }
 
 // Decode (at most MHA__DECODE_MAX_T queries): split-KV over fixed chunks
@@ -520,8 +547,10 @@ static mha_status attend_decode(const attend_call *ac) {
             for (int64_t t = 0; t < Tb; t++) {
                 float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
                 int64_t lo, hi;  // query t sits at position n - Tb + t
-                const mha__mask band = {.causal = true, .win_left = a.window_left,
-                                        .win_right = a.window_right, .q_off = n - Tb + q_shift};
+                const mha__mask band = {.causal = true,
+                                        .win_left = a.window_left,
+                                        .win_right = a.window_right,
+                                        .q_off = n - Tb + q_shift};
                 mha__mask_band(&band, t, n, &lo, &hi);
                 if (lo < j0) lo = j0;
                 if (hi > j1) hi = j1;
@@ -534,8 +563,7 @@ static mha_status attend_decode(const attend_call *ac) {
                 if (inplace)
                     kt->dot_rows_q(s, Kq + (size_t)((lo - j0) * D) * c->esz, D, (int)c->dt,
                                    ksc ? ksc + (lo - j0) : NULL, qs, hi - lo, D);
-                else
-                    kt->dot_rows(s, K + (lo - j0) * D, D, qs, hi - lo, D);
+                else kt->dot_rows(s, K + (lo - j0) * D, D, qs, hi - lo, D);
                 if (a.softcap > 0.0f)
                     for (int64_t j = 0; j < hi - lo; j++)
                         s[j] = a.softcap * tanhf(s[j] / a.softcap);

@@ -25,8 +25,8 @@ void mha__fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx, i
 // of the packed kernel: a token's projection does not depend on how many
 // rows share the call.)
 void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
-                        int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
-                        int64_t O, float *Wp, float *gs, int nt) {
+                      int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
+                      int64_t O, float *Wp, float *gs, int nt) {
     if (W.dt == MHA_F32) mha__gemm_pack_wt(kt, Wp, W.p, O, I, nt);
     else mha__gemm_pack_wt_half(kt, Wp, W.p, W.dt == MHA_BF16 ? 1 : 2, O, I, nt, W.wh);
     mha__gemm_rows_packed(kt, C, ldc, X, ldx, Wp, b, R, I, O, false, nt, gs);
@@ -37,14 +37,17 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
 // Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, E) = each
 // head's ctx times its gate.
 void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
-                      const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
-                      float *gs, int nt) {
+                    const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
+                    float *gs, int nt) {
     const int64_t E = m->cfg.embed_dim, H = m->cfg.num_heads, d = m->head_dim;
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
-        mha__linear_rows(kt, gate, H, X, ldx, mha__wmat_f32(m->gate_weight), m->gate_bias, R, E, H, Wp, gs, nt);
-        for (int64_t i = 0; i < R * H; i++) gate[i] = (float)(1.0 / (1.0 + exp(-(double)gate[i])));
+        mha__linear_rows(kt, gate, H, X, ldx, mha__wmat_f32(m->gate_weight), m->gate_bias, R,
+                         E, H, Wp, gs, nt);
+        for (int64_t i = 0; i < R * H; i++)
+            gate[i] = (float)(1.0 / (1.0 + exp(-(double)gate[i])));
     } else {
-        for (int64_t r = 0; r < R; r++) memcpy(gate + r * H, m->head_gate, (size_t)H * sizeof(float));
+        for (int64_t r = 0; r < R; r++)
+            memcpy(gate + r * H, m->head_gate, (size_t)H * sizeof(float));
     }
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < R; r++)
@@ -56,8 +59,8 @@ void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const floa
 // C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
 // into Bp first.
 void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *A,
-                        int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
-                        int64_t N, float *Bp, float *gs, int nt) {
+                      int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
+                      int64_t N, float *Bp, float *gs, int nt) {
     mha__gemm_pack_rows(kt, Bp, B, ldb, K, N, nt);
     mha__gemm_rows_packed(kt, C, ldc, A, lda, Bp, NULL, R, K, N, false, nt, gs);
 }
@@ -79,7 +82,6 @@ void mha__rope_rows(const fwd_plan *p, const mha_forward_args *a, const mha__row
                               (double)(s0 + (pos ? pos[t] : t)), inverse);
     }
 }
-
 
 
 // The (query tile, key tile) pairs whose scores rows [i0, i1) of a head

@@ -14,8 +14,8 @@
 #include "plan.h"
 
 // The batch element n and position t of row r of a query-shaped view.
-static inline void mha__row_nt(const fwd_plan *p, bool seq_first, const mha_tensor *t, int64_t r,
-                   int64_t *n, int64_t *pos) {
+static inline void mha__row_nt(const fwd_plan *p, bool seq_first, const mha_tensor *t,
+                               int64_t r, int64_t *n, int64_t *pos) {
     const int64_t d1 = t->ndim == 3 ? t->shape[1] : 1, i0 = r / d1, i1 = r % d1;
     *n = p->unbatched ? 0 : (seq_first ? i1 : i0);
     *pos = p->unbatched ? r : (seq_first ? i0 : i1);
@@ -43,8 +43,8 @@ static inline mha__wmat mha__wmat_f32(const float *W) { return (mha__wmat){W, MH
 // of the packed kernel: a token's projection does not depend on how many
 // rows share the call.)
 void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
-                        int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
-                        int64_t O, float *Wp, float *gs, int nt);
+                      int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
+                      int64_t O, float *Wp, float *gs, int nt);
 
 // The module's weight matrix at p (one of m->w_*), with scratch wh.
 static inline mha__wmat mha__wmat_of(const mha_module *m, const void *p, float *wh) {
@@ -56,33 +56,36 @@ static inline mha__wmat mha__wmat_of(const mha_module *m, const void *p, float *
 // Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, E) = each
 // head's ctx times its gate.
 void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
-                      const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
-                      float *gs, int nt);
+                    const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
+                    float *gs, int nt);
 
 // Zeroes rows [i0, i1) of head column block [c0, c0 + d) of a row matrix.
-static inline void mha__zero_head_rows(float *row0, int64_t rs, int64_t i0, int64_t i1, int64_t d) {
+static inline void mha__zero_head_rows(float *row0, int64_t rs, int64_t i0, int64_t i1,
+                                       int64_t d) {
     for (int64_t i = i0; i < i1; i++) memset(row0 + i * rs, 0, (size_t)d * sizeof(float));
 }
 
 // C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
 // into Bp first.
 void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *A,
-                        int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
-                        int64_t N, float *Bp, float *gs, int nt);
+                      int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
+                      int64_t N, float *Bp, float *gs, int nt);
 
 // Head (b, h) rows of a row matrix laid out as its view: first row and
 // row stride.
 typedef struct mha__rowmap {
     float *base;
-    int64_t ld;       // row stride of the matrix
-    bool seq_first;   // rows are (t, n) (else (n, t))
+    int64_t ld;      // row stride of the matrix
+    bool seq_first;  // rows are (t, n) (else (n, t))
     int64_t N, T;
 } mha__rowmap;
 
 static inline float *mha__head_row0(const mha__rowmap *rm, int64_t b, int64_t col) {
     return rm->base + (rm->seq_first ? b : b * rm->T) * rm->ld + col;
 }
-static inline int64_t mha__head_rs(const mha__rowmap *rm) { return rm->seq_first ? rm->N * rm->ld : rm->ld; }
+static inline int64_t mha__head_rs(const mha__rowmap *rm) {
+    return rm->seq_first ? rm->N * rm->ld : rm->ld;
+}
 
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its

@@ -21,8 +21,7 @@ void mha__mask_band(const mha__mask *mk, int64_t i, int64_t S, int64_t *lo, int6
     *hi = h < 0 ? 0 : h;
 }
 
-double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
-                       int64_t j) {
+double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i, int64_t j) {
     double v = 0.0;
     if (mk->alibi) {
         const int64_t dist = i + mk->q_off - j;
@@ -35,9 +34,8 @@ double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
     if (mk->win_right >= 0 && j > p + mk->win_right) v = -INFINITY;
     if (mk->attn)
         v += mask_elem(mk->attn, mk->attn_dtype,
-                       b * mk->attn_s[0] + h * mk->attn_s[1] +
-                           i * mk->attn_s[2] + j * mk->attn_s[3]);
-    if (mk->kpm)
-        v += mask_elem(mk->kpm, mk->kpm_dtype, b * mk->kpm_s[0] + j * mk->kpm_s[1]);
+                       b * mk->attn_s[0] + h * mk->attn_s[1] + i * mk->attn_s[2] +
+                           j * mk->attn_s[3]);
+    if (mk->kpm) v += mask_elem(mk->kpm, mk->kpm_dtype, b * mk->kpm_s[0] + j * mk->kpm_s[1]);
     return v;
 }

@@ -47,7 +47,6 @@ void mha__mask_band(const mha__mask *mk, int64_t i, int64_t S, int64_t *lo, int6
 
 // The additive mask value at (b, h, i, j): 0, -inf or the float sum (ALiBi
 // included).
-double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i,
-                      int64_t j);
+double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i, int64_t j);
 
 #endif

@@ -32,19 +32,16 @@ void mha_config_init(mha_config *cfg, int64_t embed_dim, int64_t num_heads) {
 
 static mha_status check_config(const mha_config *c) {
     if (c->embed_dim <= 0)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "embed_dim must be positive, got %lld",
+        return mha__fail(MHA_ERR_INVALID_ARG, "embed_dim must be positive, got %lld",
                          (long long)c->embed_dim);
     if (c->num_heads <= 0)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "num_heads must be positive, got %lld",
+        return mha__fail(MHA_ERR_INVALID_ARG, "num_heads must be positive, got %lld",
                          (long long)c->num_heads);
     if (c->embed_dim % c->num_heads != 0)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "embed_dim %lld is not divisible by num_heads %lld",
                          (long long)c->embed_dim, (long long)c->num_heads);
-    if (c->num_kv_heads < 0 ||
-        (c->num_kv_heads > 0 && c->num_heads % c->num_kv_heads != 0))
+    if (c->num_kv_heads < 0 || (c->num_kv_heads > 0 && c->num_heads % c->num_kv_heads != 0))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "num_kv_heads %lld must divide num_heads %lld (0 = num_heads)",
                          (long long)c->num_kv_heads, (long long)c->num_heads);
@@ -54,41 +51,39 @@ static mha_status check_config(const mha_config *c) {
                          "kdim %lld, vdim %lld",
                          (long long)c->kdim, (long long)c->vdim);
     if (!(c->dropout >= 0.0f && c->dropout < 1.0f))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "dropout must be in [0, 1), got %g", (double)c->dropout);
+        return mha__fail(MHA_ERR_INVALID_ARG, "dropout must be in [0, 1), got %g",
+                         (double)c->dropout);
     if (!(c->out_dropout >= 0.0f && c->out_dropout < 1.0f))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "out_dropout must be in [0, 1), got %g",
+        return mha__fail(MHA_ERR_INVALID_ARG, "out_dropout must be in [0, 1), got %g",
                          (double)c->out_dropout);
-    if (c->weight_dtype != MHA_F32 && c->weight_dtype != MHA_BF16 &&
-        c->weight_dtype != MHA_F16)
+    if (c->weight_dtype != MHA_F32 && c->weight_dtype != MHA_BF16 && c->weight_dtype != MHA_F16)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "weight_dtype must be F32, BF16 or F16, got %s (%d)",
                          mha_dtype_name(c->weight_dtype), (int)c->weight_dtype);
     if ((unsigned)c->head_gate > MHA_GATE_DYNAMIC)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "head_gate must be MHA_GATE_NONE, MHA_GATE_STATIC or "
-                         "MHA_GATE_DYNAMIC, got %d", (int)c->head_gate);
+                         "MHA_GATE_DYNAMIC, got %d",
+                         (int)c->head_gate);
     // Every parameter must be addressable: at most (3E + 3) * max(E, kdim,
     // vdim) floats in all, checked without overflow.
     int64_t maxd = c->embed_dim, rows, n;
     if (c->kdim > maxd) maxd = c->kdim;
     if (c->vdim > maxd) maxd = c->vdim;
     size_t bytes;
-    if (mha__mul_overflow_i64(c->embed_dim, 3, &rows) ||
-        rows > INT64_MAX - 3 || mha__mul_overflow_i64(rows + 3, maxd, &n) ||
+    if (mha__mul_overflow_i64(c->embed_dim, 3, &rows) || rows > INT64_MAX - 3 ||
+        mha__mul_overflow_i64(rows + 3, maxd, &n) ||
         mha__mul_overflow_size((size_t)n, sizeof(float), &bytes) ||
         bytes > (size_t)PTRDIFF_MAX / 2)
         return mha__fail(MHA_ERR_OVERFLOW,
                          "parameters of embed_dim %lld, kdim %lld, vdim %lld "
                          "are too large to address",
-                         (long long)c->embed_dim, (long long)c->kdim,
-                         (long long)c->vdim);
+                         (long long)c->embed_dim, (long long)c->kdim, (long long)c->vdim);
     return MHA_OK;
 }
 
-static void add_param(mha_module *m, const char *name, int ndim, int64_t d0,
-                      int64_t d1, int64_t d2, mha_dtype dt) {
+static void add_param(mha_module *m, const char *name, int ndim, int64_t d0, int64_t d1,
+                      int64_t d2, mha_dtype dt) {
     mha_param *p = &m->params[m->nparams++];
     p->name = name;
     p->ndim = ndim;
@@ -214,7 +209,8 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
         free(m);
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_module_create: out of memory for %zu bytes of "
-                         "parameters", total);
+                         "parameters",
+                         total);
     }
     memset(m->block, 0, total);
     char *p = (char *)m->block;
@@ -247,8 +243,8 @@ mha_status mha_module_prune_heads(mha_module *m, const int64_t *heads, int64_t n
         if (heads[i] < 0 || heads[i] >= H)
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_module_prune_heads: heads[%lld] = %lld is not a head "
-                             "(num_heads %lld)", (long long)i, (long long)heads[i],
-                             (long long)H);
+                             "(num_heads %lld)",
+                             (long long)i, (long long)heads[i], (long long)H);
     memset(m->pruned, 0, (size_t)H * sizeof(bool));
     for (int64_t i = 0; i < n; i++) m->pruned[heads[i]] = true;
     m->npruned = mha__live_in(m, 0, H);
@@ -262,9 +258,7 @@ bool mha_module_head_pruned(const mha_module *m, int64_t h) {
 
 int64_t mha_module_num_pruned(const mha_module *m) { return m ? m->npruned : 0; }
 
-const mha_config *mha_module_config(const mha_module *m) {
-    return m ? &m->cfg : NULL;
-}
+const mha_config *mha_module_config(const mha_module *m) { return m ? &m->cfg : NULL; }
 
 int mha_module_num_params(const mha_module *m) { return m ? m->nparams : 0; }
 
@@ -272,15 +266,13 @@ mha_status mha_module_param_at(mha_param *out, const mha_module *m, int i) {
     if (!out || !m)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_param_at: NULL argument");
     if (i < 0 || i >= m->nparams)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "parameter index %d out of range [0, %d)", i,
+        return mha__fail(MHA_ERR_INVALID_ARG, "parameter index %d out of range [0, %d)", i,
                          m->nparams);
     *out = m->params[i];
     return MHA_OK;
 }
 
-mha_status mha_module_param(mha_param *out, const mha_module *m,
-                            const char *name) {
+mha_status mha_module_param(mha_param *out, const mha_module *m, const char *name) {
     if (!out || !m || !name)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_param: NULL argument");
     for (int i = 0; i < m->nparams; i++) {
@@ -289,8 +281,7 @@ mha_status mha_module_param(mha_param *out, const mha_module *m,
             return MHA_OK;
         }
     }
-    return mha__fail(MHA_ERR_NOT_FOUND, "the module has no parameter \"%.100s\"",
-                     name);
+    return mha__fail(MHA_ERR_NOT_FOUND, "the module has no parameter \"%.100s\"", name);
 }
 
 void mha__copy_params(mha_module *dst, const mha_module *src) {
@@ -309,8 +300,7 @@ void mha__copy_params(mha_module *dst, const mha_module *src) {
 }
 
 mha_status mha_module_convert(mha_module **out, const mha_module *m, mha_dtype weight_dtype) {
-    if (!out || !m)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_convert: NULL argument");
+    if (!out || !m) return mha__fail(MHA_ERR_INVALID_ARG, "mha_module_convert: NULL argument");
     *out = NULL;
     mha_config cfg = m->cfg;
     cfg.weight_dtype = weight_dtype;

@@ -8,13 +8,13 @@
 #define MHA__MAX_PARAMS 10
 
 struct mha_module {
-    mha_config cfg;       // kdim/vdim resolved
-    bool packed;          // in_proj_weight (kdim == vdim == E)
-    int64_t head_dim;     // d = E / H
-    int64_t kv_dim;       // Ekv = num_kv_heads * d (E without GQA)
+    mha_config cfg;    // kdim/vdim resolved
+    bool packed;       // in_proj_weight (kdim == vdim == E)
+    int64_t head_dim;  // d = E / H
+    int64_t kv_dim;    // Ekv = num_kv_heads * d (E without GQA)
     int nparams;
     mha_param params[MHA__MAX_PARAMS];
-    void *block;          // one allocation holding every parameter
+    void *block;  // one allocation holding every parameter
     // The weight matrices in their storage dtype wdt (cfg.weight_dtype):
     // w_in (E + 2 Ekv, E) when packed (w_q, w_k, w_v its rows), else
     // w_q (E, E), w_k (Ekv, kdim), w_v (Ekv, vdim); w_out (E, E).
@@ -22,16 +22,16 @@ struct mha_module {
     void *w_in, *w_q, *w_k, *w_v, *w_out;
     // Named float32 pointers into block (NULL when absent; the weight
     // matrices' are NULL unless wdt is MHA_F32):
-    float *in_proj_weight;                // (E + 2 Ekv, E) when packed
+    float *in_proj_weight;                  // (E + 2 Ekv, E) when packed
     float *q_weight, *k_weight, *v_weight;  // (E, E), (Ekv, kdim), (Ekv, vdim);
-                                          // rows of in_proj_weight if packed
-    float *in_proj_bias;                  // (E + 2 Ekv): Q, K, V biases
-    float *bias_k, *bias_v;               // (Ekv)
-    float *out_weight;                    // (E, E)
-    float *out_bias;                      // (E)
-    float *head_gate;                     // (H), MHA_GATE_STATIC
-    float *gate_weight, *gate_bias;       // (H, E), (H), MHA_GATE_DYNAMIC
-    bool *pruned;                         // (H): head h skipped
+                                            // rows of in_proj_weight if packed
+    float *in_proj_bias;                    // (E + 2 Ekv): Q, K, V biases
+    float *bias_k, *bias_v;                 // (Ekv)
+    float *out_weight;                      // (E, E)
+    float *out_bias;                        // (E)
+    float *head_gate;                       // (H), MHA_GATE_STATIC
+    float *gate_weight, *gate_bias;         // (H, E), (H), MHA_GATE_DYNAMIC
+    bool *pruned;                           // (H): head h skipped
     int64_t npruned;
 };
 

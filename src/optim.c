@@ -30,13 +30,13 @@
 #define MHA__OPTIM_PAR_MIN 65536
 
 typedef struct optim_entry {
-    float *param;    // (n), caller memory
-    float *grad;     // (n), caller memory
+    float *param;  // (n), caller memory
+    float *grad;   // (n), caller memory
     int64_t n;
-    float *state;    // SGD: momentum_buffer (n), NULL when momentum == 0;
-                     // AdamW: exp_avg (n) then exp_avg_sq (n)
-    int64_t steps;   // updates done on this tensor (torch's state["step"]);
-                     // SGD: 0 means the momentum buffer is not yet set
+    float *state;   // SGD: momentum_buffer (n), NULL when momentum == 0;
+                    // AdamW: exp_avg (n) then exp_avg_sq (n)
+    int64_t steps;  // updates done on this tensor (torch's state["step"]);
+                    // SGD: 0 means the momentum buffer is not yet set
 } optim_entry;
 
 struct mha_optimizer {
@@ -67,8 +67,8 @@ static const char *kind_name(mha_optim_kind k) {
 
 static mha_status check_lr(const char *who, double lr) {
     if (!(isfinite(lr) && lr >= 0.0))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "%s: lr must be finite and >= 0, got %.17g", who, lr);
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: lr must be finite and >= 0, got %.17g", who,
+                         lr);
     return MHA_OK;
 }
 
@@ -82,61 +82,60 @@ static mha_status check_config(const mha_optim_config *c) {
     if (c->kind != MHA_OPTIM_SGD && c->kind != MHA_OPTIM_ADAMW)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "%s: unknown optimizer kind %d (MHA_OPTIM_SGD = 0, "
-                         "MHA_OPTIM_ADAMW = 1)", who, (int)c->kind);
+                         "MHA_OPTIM_ADAMW = 1)",
+                         who, (int)c->kind);
     const char *k = kind_name(c->kind);
     if (!(isfinite(c->lr) && c->lr >= 0.0))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "%s: %s lr must be finite and >= 0, got %.17g", who,
-                         k, c->lr);
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: %s lr must be finite and >= 0, got %.17g",
+                         who, k, c->lr);
     if (!(isfinite(c->weight_decay) && c->weight_decay >= 0.0))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "%s: %s weight_decay must be finite and >= 0, got "
-                         "%.17g", who, k, c->weight_decay);
+                         "%.17g",
+                         who, k, c->weight_decay);
     if (c->kind == MHA_OPTIM_SGD) {
         if (!(isfinite(c->momentum) && c->momentum >= 0.0))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "%s: SGD momentum must be finite and >= 0, got "
-                             "%.17g", who, c->momentum);
+                             "%.17g",
+                             who, c->momentum);
         if (!isfinite(c->dampening))
             return mha__fail(MHA_ERR_INVALID_ARG,
-                             "%s: SGD dampening must be finite, got %.17g",
-                             who, c->dampening);
+                             "%s: SGD dampening must be finite, got %.17g", who, c->dampening);
         if (c->nesterov && !(c->momentum > 0.0 && c->dampening == 0.0))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "%s: SGD nesterov needs momentum > 0 and "
                              "dampening == 0, got momentum %.17g, dampening "
-                             "%.17g", who, c->momentum, c->dampening);
+                             "%.17g",
+                             who, c->momentum, c->dampening);
     } else {
         if (!(c->beta1 >= 0.0 && c->beta1 < 1.0))
             return mha__fail(MHA_ERR_INVALID_ARG,
-                             "%s: AdamW beta1 must be in [0, 1), got %.17g",
-                             who, c->beta1);
+                             "%s: AdamW beta1 must be in [0, 1), got %.17g", who, c->beta1);
         if (!(c->beta2 >= 0.0 && c->beta2 < 1.0))
             return mha__fail(MHA_ERR_INVALID_ARG,
-                             "%s: AdamW beta2 must be in [0, 1), got %.17g",
-                             who, c->beta2);
+                             "%s: AdamW beta2 must be in [0, 1), got %.17g", who, c->beta2);
         if (!(isfinite(c->eps) && c->eps >= 0.0))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "%s: AdamW eps must be finite and >= 0, got "
-                             "%.17g", who, c->eps);
+                             "%.17g",
+                             who, c->eps);
     }
     return MHA_OK;
 }
 
-mha_status mha_optimizer_create(mha_optimizer **out,
-                                const mha_optim_config *c) {
+mha_status mha_optimizer_create(mha_optimizer **out, const mha_optim_config *c) {
     if (!out || !c)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_optimizer_create: NULL argument (out %s, "
-                         "config %s)", out ? "set" : "NULL",
-                         c ? "set" : "NULL");
+                         "config %s)",
+                         out ? "set" : "NULL", c ? "set" : "NULL");
     *out = NULL;
     mha_status st = check_config(c);
     if (st != MHA_OK) return st;
     mha_optimizer *o = mha__calloc(1, sizeof *o);
     if (!o)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_optimizer_create: out of memory (%zu bytes)",
+        return mha__fail(MHA_ERR_NOMEM, "mha_optimizer_create: out of memory (%zu bytes)",
                          sizeof *o);
     o->cfg = *c;
     *out = o;
@@ -156,8 +155,7 @@ void mha_optimizer_destroy(mha_optimizer *o) {
 }
 
 // Whether [a, a + na) and [b, b + nb) (floats) share memory.
-static int ranges_overlap(const float *a, int64_t na, const float *b,
-                          int64_t nb) {
+static int ranges_overlap(const float *a, int64_t na, const float *b, int64_t nb) {
     if (na <= 0 || nb <= 0) return 0;
     uintptr_t a0 = (uintptr_t)a, b0 = (uintptr_t)b;
     uintptr_t a1 = a0 + (uintptr_t)na * sizeof(float);
@@ -167,42 +165,39 @@ static int ranges_overlap(const float *a, int64_t na, const float *b,
 
 // Checks and registers one tensor; `what` names it in messages ("" or the
 // parameter's name).
-static mha_status add_entry(mha_optimizer *o, float *param, float *grad,
-                            int64_t n, const char *what) {
+static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t n,
+                            const char *what) {
     char nm[96];
     const char *label = what[0] ? mha_escape(nm, sizeof nm, what) : "tensor";
     if (!param || !grad)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add: %s: NULL %s", label,
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add: %s: NULL %s", label,
                          !param ? "param" : "grad");
     if (n < 0)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add: %s: n must be >= 0, got %lld",
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add: %s: n must be >= 0, got %lld",
                          label, (long long)n);
-    size_t per = o->cfg.kind == MHA_OPTIM_ADAMW ? 2
-               : o->cfg.momentum != 0.0    ? 1
-                                           : 0;
+    size_t per = o->cfg.kind == MHA_OPTIM_ADAMW ? 2 : o->cfg.momentum != 0.0 ? 1 : 0;
     size_t bytes = 0;
     if (mha__mul_overflow_size((size_t)n, per * sizeof(float), &bytes) ||
         (uint64_t)n > (uint64_t)(SIZE_MAX / sizeof(float)))
         return mha__fail(MHA_ERR_OVERFLOW,
                          "mha_optimizer_add: %s: %lld elements overflow the "
-                         "address space", label, (long long)n);
+                         "address space",
+                         label, (long long)n);
     if (ranges_overlap(param, n, grad, n))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_optimizer_add: %s: param and grad overlap "
-                         "(%lld elements at %p and %p)", label, (long long)n,
-                         (void *)param, (void *)grad);
+                         "(%lld elements at %p and %p)",
+                         label, (long long)n, (void *)param, (void *)grad);
     for (int64_t i = 0; i < o->count; i++) {
         const optim_entry *e = &o->entries[i];
         if (ranges_overlap(param, n, e->param, e->n) ||
             ranges_overlap(param, n, e->grad, e->n) ||
-            ranges_overlap(grad, n, e->param, e->n) ||
-            ranges_overlap(grad, n, e->grad, e->n))
+            ranges_overlap(grad, n, e->param, e->n) || ranges_overlap(grad, n, e->grad, e->n))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_optimizer_add: %s overlaps the memory of "
                              "registered tensor %lld (a tensor may be "
-                             "registered once)", label, (long long)i);
+                             "registered once)",
+                             label, (long long)i);
     }
     if (o->count == o->cap) {
         int64_t cap = o->cap ? 2 * o->cap : 8;
@@ -210,7 +205,8 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad,
         if (!grown)
             return mha__fail(MHA_ERR_NOMEM,
                              "mha_optimizer_add: out of memory growing the "
-                             "tensor list to %lld", (long long)cap);
+                             "tensor list to %lld",
+                             (long long)cap);
         o->entries = grown;
         o->cap = cap;
     }
@@ -220,35 +216,30 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad,
         if (!state)
             return mha__fail(MHA_ERR_NOMEM,
                              "mha_optimizer_add: %s: out of memory for the "
-                             "optimizer state (%zu bytes)", label, bytes);
+                             "optimizer state (%zu bytes)",
+                             label, bytes);
         memset(state, 0, bytes);  // torch: zeros_like
     }
     o->entries[o->count++] = (optim_entry){param, grad, n, state, 0};
     return MHA_OK;
 }
 
-mha_status mha_optimizer_add(mha_optimizer *o, float *param, float *grad,
-                             int64_t n) {
-    if (!o)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add: NULL optimizer");
+mha_status mha_optimizer_add(mha_optimizer *o, float *param, float *grad, int64_t n) {
+    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add: NULL optimizer");
     return add_entry(o, param, grad, n, "");
 }
 
 // Pairs m's parameters with grads' by name; all or nothing (on failure the
 // tensors added by this call are removed again).
-mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m,
-                                    mha_module *grads) {
+mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m, mha_module *grads) {
     if (!o || !m || !grads)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_optimizer_add_module: NULL argument "
                          "(optimizer %s, module %s, grads %s)",
-                         o ? "set" : "NULL", m ? "set" : "NULL",
-                         grads ? "set" : "NULL");
+                         o ? "set" : "NULL", m ? "set" : "NULL", grads ? "set" : "NULL");
     if (m == grads)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add_module: the module is its own "
-                         "gradient module");
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add_module: the module is its own "
+                                              "gradient module");
     mha_status st0 = mha__require_f32_weights(m, "mha_optimizer_add_module");
     if (!st0) st0 = mha__require_f32_weights(grads, "mha_optimizer_add_module (grads)");
     if (st0) return st0;
@@ -257,12 +248,14 @@ mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m,
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_optimizer_add_module: the module has %d "
                          "parameters, grads has %d (create grads with the "
-                         "module's config)", np, ng);
+                         "module's config)",
+                         np, ng);
     mha_param pm[MHA__MAX_PARAMS], pg[MHA__MAX_PARAMS];
     if (np > MHA__MAX_PARAMS)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_optimizer_add_module: %d parameters (at most "
-                         "%d)", np, MHA__MAX_PARAMS);
+                         "%d)",
+                         np, MHA__MAX_PARAMS);
     // Check every pair first.
     for (int i = 0; i < np; i++) {
         mha_status st = mha_module_param_at(&pm[i], m, i);
@@ -278,18 +271,18 @@ mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m,
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_optimizer_add_module: grads has no "
                              "parameter %s (create grads with the module's "
-                             "config)", mha_escape(nm, sizeof nm, pm[i].name));
+                             "config)",
+                             mha_escape(nm, sizeof nm, pm[i].name));
         if (pg[i].numel != pm[i].numel)
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_optimizer_add_module: %s has %lld elements "
                              "in the module, %lld in grads",
-                             mha_escape(nm, sizeof nm, pm[i].name),
-                             (long long)pm[i].numel, (long long)pg[i].numel);
+                             mha_escape(nm, sizeof nm, pm[i].name), (long long)pm[i].numel,
+                             (long long)pg[i].numel);
     }
     int64_t before = o->count;
     for (int i = 0; i < np; i++) {
-        mha_status st = add_entry(o, pm[i].data, pg[i].data, pm[i].numel,
-                                  pm[i].name);
+        mha_status st = add_entry(o, pm[i].data, pg[i].data, pm[i].numel, pm[i].name);
         if (st != MHA_OK) {
             while (o->count > before) entry_free(&o->entries[--o->count]);
             return st;
@@ -299,9 +292,7 @@ mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m,
 }
 
 mha_status mha_optimizer_set_lr(mha_optimizer *o, double lr) {
-    if (!o)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_set_lr: NULL optimizer");
+    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_set_lr: NULL optimizer");
     mha_status st = check_lr("mha_optimizer_set_lr", lr);
     if (st != MHA_OK) return st;
     o->cfg.lr = lr;
@@ -380,14 +371,10 @@ static void adamw_step(const mha_optim_config *c, optim_entry *e) {
 }
 
 mha_status mha_optimizer_step(mha_optimizer *o) {
-    if (!o)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_step: NULL optimizer");
+    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_step: NULL optimizer");
     for (int64_t i = 0; i < o->count; i++) {
-        if (o->cfg.kind == MHA_OPTIM_ADAMW)
-            adamw_step(&o->cfg, &o->entries[i]);
-        else
-            sgd_step(&o->cfg, &o->entries[i]);
+        if (o->cfg.kind == MHA_OPTIM_ADAMW) adamw_step(&o->cfg, &o->entries[i]);
+        else sgd_step(&o->cfg, &o->entries[i]);
     }
     return MHA_OK;
 }
@@ -396,8 +383,7 @@ void mha_optimizer_zero_grad(mha_optimizer *o) {
     if (!o) return;
     for (int64_t i = 0; i < o->count; i++)
         if (o->entries[i].n > 0)
-            memset(o->entries[i].grad, 0,
-                   (size_t)o->entries[i].n * sizeof(float));
+            memset(o->entries[i].grad, 0, (size_t)o->entries[i].n * sizeof(float));
 }
 
 // torch.nn.utils.clip_grad_norm_(params, max_norm), norm_type 2:
@@ -409,20 +395,18 @@ void mha_optimizer_zero_grad(mha_optimizer *o) {
 // as they are and the call succeeds, *total_norm telling the caller (torch
 // would multiply every gradient by 0 or NaN). max_norm must be >= 0; +inf
 // is allowed (never clips).
-mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, double max_norm,
-                                        double *total_norm) {
+mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, double max_norm, double *total_norm) {
     if (!o)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_clip_grad_norm: NULL optimizer");
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_clip_grad_norm: NULL optimizer");
     if (!(max_norm >= 0.0))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_optimizer_clip_grad_norm: max_norm must be >= "
-                         "0, got %.17g", max_norm);
+                         "0, got %.17g",
+                         max_norm);
     double sum = 0.0;
     for (int64_t i = 0; i < o->count; i++) {
         const float *g = o->entries[i].grad;
-        for (int64_t j = 0; j < o->entries[i].n; j++)
-            sum += (double)g[j] * (double)g[j];
+        for (int64_t j = 0; j < o->entries[i].n; j++) sum += (double)g[j] * (double)g[j];
     }
     double total = sqrt(sum);
     if (total_norm) *total_norm = total;

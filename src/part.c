@@ -14,7 +14,7 @@
 // The plan of a part: the fused path, float32 weights, no weights output,
 // no saved state, no trace; the range checked.
 mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m,
-                            const mha_forward_args *a, const mha__part *part) {
+                          const mha_forward_args *a, const mha__part *part) {
     if (!m || !a || !part)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha parallel: NULL module, args or part");
     *a2 = *a;
@@ -37,8 +37,8 @@ mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m
     p->mask.q_off = part->block.q_off;
     if (part->block.kpm_full) {  // the block's columns of the whole mask
         const mha_tensor *t = part->block.kpm_full;
-        p->mask.kpm = (const char *)t->data +
-                      part->block.kpm_off * t->stride[t->ndim - 1] * (int64_t)mha_dtype_size(t->dtype);
+        p->mask.kpm = (const char *)t->data + part->block.kpm_off * t->stride[t->ndim - 1] *
+                                                  (int64_t)mha_dtype_size(t->dtype);
         p->mask.kpm_dtype = t->dtype;
         p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
         p->mask.kpm_s[1] = t->stride[t->ndim - 1];
@@ -52,15 +52,16 @@ mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_for
     mha_forward_args a2;
     mha_status st = mha__part_plan(&p, &a2, m, a, part);
     if (st) return st;
-    if (!part->out.ctx && !part->proj.q_out && (st = mha__check_forward_outputs(&p, out, NULL, &a2)))
+    if (!part->out.ctx && !part->proj.q_out &&
+        (st = mha__check_forward_outputs(&p, out, NULL, &a2)))
         return st;
     if (a2.save && (st = mha__saved_prepare(a2.save, &p, m, &a2))) return st;
     void *ws = mha__malloc(p.ws_bytes);
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
                          p.ws_bytes);
-    st = mha__fused_forward(&p, out, NULL, m, &a2, (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63),
-                            part);
+    st = mha__fused_forward(&p, out, NULL, m, &a2,
+                            (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63), part);
     free(ws);
     return st;
 }
@@ -94,7 +95,8 @@ mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mh
                               const mha_module *m, const mha_forward_args *args,
                               const mha_tensor *gout, const mha__part *part) {
     if (!m || !args || !part)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha parallel backward: NULL module, args or part");
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha parallel backward: NULL module, args or part");
     mha_status st = mha__require_f32_weights(m, "mha parallel backward");
     if (!st && grads) st = mha__require_f32_weights(grads, "mha parallel backward (grads)");
     if (st) return st;
@@ -116,11 +118,11 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (st) return st;
     const mha__kernels *kt = mha__kernels_get();
     const int64_t E = p.E, H = p.H, Ekv = p.Ekv, kd = p.kdim, vd = p.vdim;
-    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key), Rmax = Rq > Rk ? Rq : Rk;
+    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key),
+                  Rmax = Rq > Rk ? Rq : Rk;
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
     const size_t n_bp = mha__gemm_packed_b_floats(kt, E > Ekv ? E : Ekv, Fmax),
-                 n_gs = mha__gemm_scratch_floats(kt, p.nthreads),
-                 n_tmp = (size_t)(Rmax * Fmax);
+                 n_gs = mha__gemm_scratch_floats(kt, p.nthreads), n_tmp = (size_t)(Rmax * Fmax);
     float *blk = mha__alloc(sizeof(float) * (n_bp + n_gs + n_tmp));
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "mha parallel: out of memory for %zu bytes of scratch",
@@ -130,8 +132,10 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     if (gq) mha__grad_input_rows(kt, gq, acc, dq, E, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)
         mha__grad_input_rows(kt, gq, true, dz, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
-    if (gk) mha__grad_input_rows(kt, gk, acc, dk, Ekv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
-    if (gv) mha__grad_input_rows(kt, gv, acc, dv, Ekv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
+    if (gk)
+        mha__grad_input_rows(kt, gk, acc, dk, Ekv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
+    if (gv)
+        mha__grad_input_rows(kt, gv, acc, dv, Ekv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
     mha__free(blk);
     return MHA_OK;
 }
@@ -142,8 +146,9 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
     mha_forward_args a2;
     mha_status st = mha__part_plan(&p, &a2, m, a, part);
     if (st) return st;
-    if (!part->proj.q_in || !part->proj.k_in || !part->proj.v_in || !part->block.o_in || !part->block.do_in ||
-        !part->block.stats || !part->block.dsum_in || !part->out.dq || !part->out.dk || !part->out.dv)
+    if (!part->proj.q_in || !part->proj.k_in || !part->proj.v_in || !part->block.o_in ||
+        !part->block.do_in || !part->block.stats || !part->block.dsum_in || !part->out.dq ||
+        !part->out.dk || !part->out.dv)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha parallel: a block's attention backward needs q, k, v, the "
                          "context, its gradient, the row stats and Dsum, and dq, dk, dv");
@@ -163,12 +168,13 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
                          sizeof(float) * sf * (size_t)nt);
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(scratch + (size_t)t * sf);
     const mha__rowmap qm = {(float *)part->proj.q_in, E, seq_first, N, L},
-                 km = {(float *)part->proj.k_in, Ekv, seq_first, N, S},
-                 vm = {(float *)part->proj.v_in, Ekv, seq_first, N, S},
-                 om = {(float *)part->block.o_in, E, seq_first, N, L},
-                 dom = {(float *)part->block.do_in, E, seq_first, N, L},
-                 dqm = {part->out.dq, E, seq_first, N, L}, dkm = {part->out.dk, Ekv, seq_first, N, S},
-                 dvm = {part->out.dv, Ekv, seq_first, N, S};
+                      km = {(float *)part->proj.k_in, Ekv, seq_first, N, S},
+                      vm = {(float *)part->proj.v_in, Ekv, seq_first, N, S},
+                      om = {(float *)part->block.o_in, E, seq_first, N, L},
+                      dom = {(float *)part->block.do_in, E, seq_first, N, L},
+                      dqm = {part->out.dq, E, seq_first, N, L},
+                      dkm = {part->out.dk, Ekv, seq_first, N, S},
+                      dvm = {part->out.dv, Ekv, seq_first, N, S};
     const float scale = (float)(1.0 / sqrt((double)d));
     int64_t ntiles = 0;
     // one thread per KV head (b, g): its query heads in increasing order add
@@ -187,13 +193,25 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
                 continue;
             }
             mha__flash_head fh = {
-                .q = mha__head_row0(&qm, b, h * d), .q_rs = mha__head_rs(&qm),
-                .k = mha__head_row0(&km, b, g * d), .k_rs = mha__head_rs(&km),
-                .v = mha__head_row0(&vm, b, g * d), .v_rs = mha__head_rs(&vm),
-                .o = mha__head_row0(&om, b, h * d), .o_rs = mha__head_rs(&om),
+                .q = mha__head_row0(&qm, b, h * d),
+                .q_rs = mha__head_rs(&qm),
+                .k = mha__head_row0(&km, b, g * d),
+                .k_rs = mha__head_rs(&km),
+                .v = mha__head_row0(&vm, b, g * d),
+                .v_rs = mha__head_rs(&vm),
+                .o = mha__head_row0(&om, b, h * d),
+                .o_rs = mha__head_rs(&om),
                 .stats = (float *)part->block.stats + 2 * (b * H + h) * L,
-                .L = L, .S = S, .D = d, .Dv = d, .scale = scale, .mask = &p.mask,
-                .drop = mha__plan_drop(&p), .b = b, .h = h, .dsum_fixed = true,
+                .L = L,
+                .S = S,
+                .D = d,
+                .Dv = d,
+                .scale = scale,
+                .mask = &p.mask,
+                .drop = mha__plan_drop(&p),
+                .b = b,
+                .h = h,
+                .dsum_fixed = true,
                 .progress = tid == 0 ? part->progress.fn : NULL,
                 .progress_arg = part->progress.arg,
             };
@@ -201,8 +219,8 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
                                 (float *)part->block.dsum_in + (b * H + h) * L,
                                 mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm),
                                 mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
-                                mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm), NULL, NULL, h != h0,
-                                scratch + (size_t)tid * sf);
+                                mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm), NULL, NULL,
+                                h != h0, scratch + (size_t)tid * sf);
             for (int64_t i0 = 0; part->progress.tiles && i0 < L; i0 += MHA__FLASH_BR)
                 ntiles += mha__key_tiles(&fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L));
         }

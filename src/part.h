@@ -11,8 +11,8 @@
 // The distributed layer's entry points (fused path, float32).
 mha_status mha__part_forward(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
                              const mha__part *part);
-mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mha_module *grads,
-                              const mha_module *m, const mha_forward_args *a,
+mha_status mha__part_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
+                              mha_module *grads, const mha_module *m, const mha_forward_args *a,
                               const mha_tensor *gout, const mha__part *part);
 // The input gradients from the full projection gradients (what the
 // single-process fused backward computes from them, bit for bit):

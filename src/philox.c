@@ -5,8 +5,7 @@
 // forward and backward call mha__dropout_keep / mha__dropout_row.
 #include "philox.h"
 
-void mha_philox4x32_10(uint32_t out[4], const uint32_t ctr[4],
-                       const uint32_t key[2]) {
+void mha_philox4x32_10(uint32_t out[4], const uint32_t ctr[4], const uint32_t key[2]) {
     if (!out || !ctr || !key) return;  // void API: nothing to report
     uint32_t c[4] = {ctr[0], ctr[1], ctr[2], ctr[3]};
     uint32_t k[2] = {key[0], key[1]};
@@ -17,17 +16,16 @@ void mha_philox4x32_10(uint32_t out[4], const uint32_t ctr[4],
 // block's four words serve up to four consecutive elements, so each block is
 // computed once; the partial blocks at both ends are handled by the same
 // loop (lane starts at idx0 % 4 and the last block stops at n).
-void mha__dropout_row(uint8_t *keep, uint64_t seed, uint64_t offset,
-                      uint32_t xl, uint32_t xh, uint64_t idx0, int64_t n,
-                      float p) {
+void mha__dropout_row(uint8_t *keep, uint64_t seed, uint64_t offset, uint32_t xl, uint32_t xh,
+                      uint64_t idx0, int64_t n, float p) {
     if (n <= 0) return;
     uint32_t key[2] = {(uint32_t)seed ^ xl, (uint32_t)(seed >> 32) ^ xh};
     uint64_t block = idx0 / 4;
     unsigned lane = (unsigned)(idx0 % 4);
     int64_t i = 0;
     while (i < n) {
-        uint32_t ctr[4] = {(uint32_t)block, (uint32_t)(block >> 32),
-                           (uint32_t)offset, (uint32_t)(offset >> 32)};
+        uint32_t ctr[4] = {(uint32_t)block, (uint32_t)(block >> 32), (uint32_t)offset,
+                           (uint32_t)(offset >> 32)};
         uint32_t r[4];
         mha__philox4x32_10(r, ctr, key);
         for (; lane < 4 && i < n; lane++, i++)

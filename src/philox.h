@@ -84,18 +84,14 @@ static inline void mha__philox4x32_10(uint32_t out[4], const uint32_t ctr[4],
 }
 
 // u = (float)(r >> 8) * 2^-24, uniform on the 2^-24 grid of [0, 1).
-static inline float mha__philox_u01(uint32_t r) {
-    return (float)(r >> 8) * 0x1p-24f;
-}
+static inline float mha__philox_u01(uint32_t r) { return (float)(r >> 8) * 0x1p-24f; }
 
 // The keep decision for element idx of a stream (definition above).
-static inline bool mha__dropout_keep(uint64_t seed, uint64_t offset,
-                                     uint32_t stream_key_xor_lo,
-                                     uint32_t stream_key_xor_hi, uint64_t idx,
-                                     float p) {
+static inline bool mha__dropout_keep(uint64_t seed, uint64_t offset, uint32_t stream_key_xor_lo,
+                                     uint32_t stream_key_xor_hi, uint64_t idx, float p) {
     uint64_t block = idx / 4;
-    uint32_t ctr[4] = {(uint32_t)block, (uint32_t)(block >> 32),
-                       (uint32_t)offset, (uint32_t)(offset >> 32)};
+    uint32_t ctr[4] = {(uint32_t)block, (uint32_t)(block >> 32), (uint32_t)offset,
+                       (uint32_t)(offset >> 32)};
     uint32_t key[2] = {(uint32_t)seed ^ stream_key_xor_lo,
                        (uint32_t)(seed >> 32) ^ stream_key_xor_hi};
     uint32_t r[4];
@@ -106,9 +102,8 @@ static inline bool mha__dropout_keep(uint64_t seed, uint64_t offset,
 // keep[i] = mha__dropout_keep(seed, offset, xl, xh, idx0 + i, p) (1 or 0)
 // for i in [0, n), computing each Philox block once. keep: (n) bytes.
 // idx0 + n must not wrap around 2^64.
-void mha__dropout_row(uint8_t *keep, uint64_t seed, uint64_t offset,
-                      uint32_t xl, uint32_t xh, uint64_t idx0, int64_t n,
-                      float p);
+void mha__dropout_row(uint8_t *keep, uint64_t seed, uint64_t offset, uint32_t xl, uint32_t xh,
+                      uint64_t idx0, int64_t n, float p);
 
 // Output dropout factor of element (n, t, e) of an (N, L, E) output with
 // dropout p: 0 or 1/(1-p) (philox.c).

@@ -29,12 +29,12 @@ mha_status mha_impl_from_name(mha_impl *out, const char *name) {
     if (strcmp(name, "auto") == 0) *out = MHA_IMPL_AUTO;
     else if (strcmp(name, "reference") == 0 || strcmp(name, "ref") == 0)
         *out = MHA_IMPL_REFERENCE;
-    else if (strcmp(name, "fused") == 0)
-        *out = MHA_IMPL_FUSED;
+    else if (strcmp(name, "fused") == 0) *out = MHA_IMPL_FUSED;
     else
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "unknown implementation \"%.64s\" (available: auto, "
-                         "reference, fused)", name);
+                         "reference, fused)",
+                         name);
     return MHA_OK;
 }
 
@@ -112,14 +112,12 @@ static mha_status plan_inputs(fwd_plan *p, const mha_module *m, const mha_forwar
         return mha__fail(MHA_ERR_SHAPE,
                          "batch size mismatch: query %lld, key %lld, value "
                          "%lld (shapes %s, %s, %s)",
-                         (long long)p->N, (long long)k->shape[bd],
-                         (long long)v->shape[bd],
+                         (long long)p->N, (long long)k->shape[bd], (long long)v->shape[bd],
                          mha__shape_str(s1, sizeof s1, q->ndim, q->shape),
                          mha__shape_str(s2, sizeof s2, k->ndim, k->shape),
                          mha__shape_str(s3, sizeof s3, v->ndim, v->shape));
     if (v->shape[sd] != p->S)
-        return mha__fail(MHA_ERR_SHAPE,
-                         "key and value lengths differ: key %lld, value %lld",
+        return mha__fail(MHA_ERR_SHAPE, "key and value lengths differ: key %lld, value %lld",
                          (long long)p->S, (long long)v->shape[sd]);
     mha__seq_batch_feat(p->qs, q, c->batch_first);
     mha__seq_batch_feat(p->ks, k, c->batch_first);
@@ -134,16 +132,13 @@ static mha_status plan_kpm(fwd_plan *p, const mha_tensor *t) {
     mha_status st;
     if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;
     bool ok = p->unbatched ? (t->ndim == 1 && t->shape[0] == p->S)
-                           : (t->ndim == 2 && t->shape[0] == p->N &&
-                              t->shape[1] == p->S);
+                           : (t->ndim == 2 && t->shape[0] == p->N && t->shape[1] == p->S);
     if (!ok)
-        return mha__fail(MHA_ERR_SHAPE,
-                         "key_padding_mask: shape %s, expected %s",
+        return mha__fail(MHA_ERR_SHAPE, "key_padding_mask: shape %s, expected %s",
                          mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
                          p->unbatched
                              ? mha__shape_str(s2, sizeof s2, 1, &p->S)
-                             : mha__shape_str(s2, sizeof s2, 2,
-                                              (int64_t[]){p->N, p->S}));
+                             : mha__shape_str(s2, sizeof s2, 2, (int64_t[]){p->N, p->S}));
     p->mask.kpm = t->data;
     p->mask.kpm_dtype = t->dtype;
     p->mask.kpm_s[0] = p->unbatched ? 0 : t->stride[0];
@@ -159,18 +154,15 @@ static mha_status plan_attn_mask(fwd_plan *p, const mha_tensor *t) {
     if ((st = mha__check_mask_dtype(t, "attn_mask"))) return st;
     int64_t nh = p->unbatched ? p->H : p->N * p->H;
     bool ok2 = t->ndim == 2 && t->shape[0] == p->L && t->shape[1] == p->S;
-    bool ok3 = t->ndim == 3 && t->shape[0] == nh && t->shape[1] == p->L &&
-               t->shape[2] == p->S;
+    bool ok3 = t->ndim == 3 && t->shape[0] == nh && t->shape[1] == p->L && t->shape[2] == p->S;
     if (!ok2 && !ok3)
         return mha__fail(MHA_ERR_SHAPE,
                          "attn_mask: shape %s, expected (L, S) = %s or "
                          "(%s, L, S) = %s",
                          mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
-                         mha__shape_str(s2, sizeof s2, 2,
-                                        (int64_t[]){p->L, p->S}),
+                         mha__shape_str(s2, sizeof s2, 2, (int64_t[]){p->L, p->S}),
                          p->unbatched ? "num_heads" : "N*num_heads",
-                         mha__shape_str(s3, sizeof s3, 3,
-                                        (int64_t[]){nh, p->L, p->S}));
+                         mha__shape_str(s3, sizeof s3, 3, (int64_t[]){nh, p->L, p->S}));
     p->mask.attn = t->data;
     p->mask.attn_dtype = t->dtype;
     if (ok2) {
@@ -213,8 +205,8 @@ static mha_status plan_shapes(fwd_plan *p, const mha_module *m, const mha_forwar
     mha_status st;
     // Dropout (training only).
     if (a->training && c->dropout > 0.0f)
-        p->drop = (mha__dropout){c->dropout, a->dropout_seed, a->dropout_offset,
-                                 p->H, p->L, p->Sp};
+        p->drop = (mha__dropout){c->dropout, a->dropout_seed, a->dropout_offset, p->H, p->L,
+                                 p->Sp};
     p->out_p = a->training ? c->out_dropout : 0.0f;
 
     // Output shapes.
@@ -238,21 +230,17 @@ static mha_status plan_scratch(fwd_plan *p, const mha_module *m, const mha_forwa
     // Threads: one for a trace, and for small problems, where waking a
     // thread team costs more than the work (results are the same either
     // way). work ~ multiply-adds of the projections and the attention.
-    double work = (double)p->N * ((double)p->L * p->E * p->E +
-                                  (double)p->S * p->Ekv * (p->kdim + p->vdim) +
-                                  2.0 * p->L * p->Sp * p->E);
+    double work = (double)p->N *
+                  ((double)p->L * p->E * p->E + (double)p->S * p->Ekv * (p->kdim + p->vdim) +
+                   2.0 * p->L * p->Sp * p->E);
     p->nthreads = (a->trace || work < MHA__PAR_MIN_WORK) ? 1 : mha__max_threads();
     int64_t nle, nse, lsp, nhlsp, tr;
     if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) ||
-        mha__mul_overflow_i64(nle, p->E, &nle) ||
-        mha__mul_overflow_i64(p->N, p->Sp, &nse) ||
-        mha__mul_overflow_i64(nse, p->Ekv, &nse) ||
-        mha__mul_overflow_i64(p->L, p->Sp, &lsp) ||
+        mha__mul_overflow_i64(nle, p->E, &nle) || mha__mul_overflow_i64(p->N, p->Sp, &nse) ||
+        mha__mul_overflow_i64(nse, p->Ekv, &nse) || mha__mul_overflow_i64(p->L, p->Sp, &lsp) ||
         mha__mul_overflow_i64(lsp, p->N * p->H, &nhlsp))
-        return mha__fail(MHA_ERR_OVERFLOW,
-                         "sizes overflow: N %lld, L %lld, S %lld, E %lld",
-                         (long long)p->N, (long long)p->L, (long long)p->S,
-                         (long long)p->E);
+        return mha__fail(MHA_ERR_OVERFLOW, "sizes overflow: N %lld, L %lld, S %lld, E %lld",
+                         (long long)p->N, (long long)p->L, (long long)p->S, (long long)p->E);
     // the trace's float copies: (N, Sp, E) projections or one head's (L, Sp)
     tr = 0;
     if (a->trace) {
@@ -266,18 +254,18 @@ static mha_status plan_scratch(fwd_plan *p, const mha_module *m, const mha_forwa
         mha__carve(&total, &p->r.v, nse, sizeof(double)) ||
         mha__carve(&total, &p->r.ctx, nle, sizeof(double)) ||
         mha__carve(&total, &p->r.headw,
-              (a->need_weights && (a->average_attn_weights || p->w_block || a->weights_scale))
-                  ? nhlsp
-                  : 0,
-              sizeof(double)) ||
+                   (a->need_weights &&
+                    (a->average_attn_weights || p->w_block || a->weights_scale))
+                       ? nhlsp
+                       : 0,
+                   sizeof(double)) ||
         mha__carve(&total, &p->r.scores, lsp * p->nthreads, sizeof(double)) ||
         mha__carve(&total, &p->r.trace, tr, sizeof(float)) ||
         mha__carve(&total, &p->r.gate, mha__module_gated(m) ? p->N * p->L * p->H : 0,
-              sizeof(double)))
+                   sizeof(double)))
         return mha__fail(MHA_ERR_OVERFLOW,
                          "scratch size overflows: N %lld, L %lld, S %lld, E %lld",
-                         (long long)p->N, (long long)p->L, (long long)p->S,
-                         (long long)p->E);
+                         (long long)p->N, (long long)p->L, (long long)p->S, (long long)p->E);
     p->ws_bytes = total + 64;  // + 64: the caller's block may be unaligned
     return MHA_OK;
 }
@@ -306,14 +294,12 @@ static mha_status plan_impl(fwd_plan *p, const mha_module *m, const mha_forward_
 
 // The phases, in order: the inputs, the masks, dropout and the shapes, the
 // threads and the reference's scratch, the implementation.
-mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
-                               const mha_forward_args *a) {
-    if (!m || !a)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
+mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
+    if (!m || !a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
     memset(p, 0, sizeof *p);
     mha_status st;
-    if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, a)) || (st = plan_shapes(p, m, a)) ||
-        (st = plan_scratch(p, m, a)))
+    if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, a)) ||
+        (st = plan_shapes(p, m, a)) || (st = plan_scratch(p, m, a)))
         return st;
     return plan_impl(p, m, a);
 }
@@ -328,8 +314,7 @@ size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int 
     return mha__gemm_pack_half_tmp_floats(kt, mha__module_max_in(m), nt);
 }
 
-mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
-                           const mha_forward_args *a) {
+mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     if (a->trace)
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "the fused implementation has no trace (use reference)");
@@ -346,7 +331,8 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     int64_t ld;
     p->fused = true;
-    p->self_packed = m->packed && mha__same_view(a->query, a->key) && mha__same_view(a->query, a->value);
+    p->self_packed = m->packed && mha__same_view(a->query, a->key) &&
+                     mha__same_view(a->query, a->value);
     p->q_direct = mha__rows_direct(a->query, &ld);
     p->k_direct = mha__rows_direct(a->key, &ld);
     p->v_direct = mha__rows_direct(a->value, &ld);
@@ -361,11 +347,11 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
     if (carve_f(&t, &p->f.xq, p->q_direct ? 0 : Rq * E) ||
         carve_f(&t, &p->f.xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
         carve_f(&t, &p->f.xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
-        carve_f(&t, &p->f.wt, p->self_packed
-                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
-                                : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
-                                            mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
-                                            mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
+        carve_f(&t, &p->f.wt,
+                p->self_packed ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
+                               : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
+                                           mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
+                                           mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
         carve_f(&t, &p->f.wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
         carve_f(&t, &p->f.gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
         carve_f(&t, &p->f.qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
@@ -373,16 +359,18 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
         carve_f(&t, &p->f.v, p->self_packed ? 0 : Rk * Ekv) ||
         carve_f(&t, &p->f.ctx, Rq * E) || carve_f(&t, &p->f.extra, 2 * Hkv * nx * d) ||
         carve_f(&t, &p->f.lse, lse) || carve_f(&t, &p->f.headw, headw) ||
-        carve_f(&t, &p->f.wtmp, a->need_weights && a->weights_scale
-                                  ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
-                                  : 0) ||
+        carve_f(&t, &p->f.wtmp,
+                a->need_weights && a->weights_scale ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
+                                                    : 0) ||
         carve_f(&t, &p->f.out, Rq * E) || carve_f(&t, &p->f.scratch, scratch) ||
-        carve_f(&t, &p->f.wh, m->wdt == MHA_F32 ? 0 : (int64_t)mha__half_weight_floats(gk, m, p->nthreads)) ||
+        carve_f(&t, &p->f.wh,
+                m->wdt == MHA_F32 ? 0 : (int64_t)mha__half_weight_floats(gk, m, p->nthreads)) ||
         carve_f(&t, &p->f.gate, mha__module_gated(m) ? Rq * H : 0) ||
         carve_f(&t, &p->f.gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
-        carve_f(&t, &p->f.wg, m->cfg.head_gate == MHA_GATE_DYNAMIC
-                                ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
-                                : 0))
+        carve_f(&t, &p->f.wg,
+                m->cfg.head_gate == MHA_GATE_DYNAMIC
+                    ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
+                    : 0))
         return mha__fail(MHA_ERR_OVERFLOW, "fused: scratch size overflows");
     p->ws_bytes = t + 64;
     return MHA_OK;
@@ -392,7 +380,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
 // The outputs of a planned call
 
 mha_status mha__check_forward_outputs(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                                     const mha_forward_args *a) {
+                                      const mha_forward_args *a) {
     mha_status st;
     if ((st = mha__check_output(out, "attn_output", &p->out_shape))) return st;
     if (a->need_weights) {
@@ -415,13 +403,10 @@ mha_status mha__check_forward_outputs(const fwd_plan *p, mha_tensor *out, mha_te
                              mha_dtype_name(weights->dtype));
         }
     }
-    const mha_tensor *ins[5] = {a->query, a->key, a->value, a->key_padding_mask,
-                                a->attn_mask};
-    const char *names[5] = {"query", "key", "value", "key_padding_mask",
-                            "attn_mask"};
+    const mha_tensor *ins[5] = {a->query, a->key, a->value, a->key_padding_mask, a->attn_mask};
+    const char *names[5] = {"query", "key", "value", "key_padding_mask", "attn_mask"};
     for (int i = 0; i < 5; i++) {
-        if ((st = mha__check_no_overlap(out, "attn_output", ins[i], names[i])))
-            return st;
+        if ((st = mha__check_no_overlap(out, "attn_output", ins[i], names[i]))) return st;
         if (a->need_weights &&
             (st = mha__check_no_overlap(weights, "attn_output_weights", ins[i], names[i])))
             return st;
@@ -447,32 +432,27 @@ static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
                          "backward: the gradient module is the module itself");
     const mha_config *a = &g->cfg, *b = &m->cfg;
     if (a->embed_dim != b->embed_dim || a->num_heads != b->num_heads ||
-        a->num_kv_heads != b->num_kv_heads ||
-        a->kdim != b->kdim || a->vdim != b->vdim || a->bias != b->bias ||
-        a->add_bias_kv != b->add_bias_kv || a->head_gate != b->head_gate)
+        a->num_kv_heads != b->num_kv_heads || a->kdim != b->kdim || a->vdim != b->vdim ||
+        a->bias != b->bias || a->add_bias_kv != b->add_bias_kv || a->head_gate != b->head_gate)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "backward: the gradient module's configuration "
                          "(embed_dim %lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
                          "vdim %lld, bias %d, add_bias_kv %d, head_gate %s) differs from the "
                          "module's (%lld, %lld, %lld, %lld, %lld, %d, %d, %s)",
                          (long long)a->embed_dim, (long long)a->num_heads,
-                         (long long)a->num_kv_heads,
-                         (long long)a->kdim, (long long)a->vdim, a->bias,
-                         a->add_bias_kv, mha_head_gate_name(a->head_gate),
-                         (long long)b->embed_dim,
-                         (long long)b->num_heads, (long long)b->num_kv_heads,
-                         (long long)b->kdim,
-                         (long long)b->vdim, b->bias, b->add_bias_kv,
-                         mha_head_gate_name(b->head_gate));
+                         (long long)a->num_kv_heads, (long long)a->kdim, (long long)a->vdim,
+                         a->bias, a->add_bias_kv, mha_head_gate_name(a->head_gate),
+                         (long long)b->embed_dim, (long long)b->num_heads,
+                         (long long)b->num_kv_heads, (long long)b->kdim, (long long)b->vdim,
+                         b->bias, b->add_bias_kv, mha_head_gate_name(b->head_gate));
     return MHA_OK;
 }
 
 mha_status mha__check_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
-                              mha_tensor *gv, const mha_module *grads, const mha_module *m,
-                              const mha_forward_args *a, const mha_tensor *gout) {
+                               mha_tensor *gv, const mha_module *grads, const mha_module *m,
+                               const mha_forward_args *a, const mha_tensor *gout) {
     mha_status st;
-    if (!gout)
-        return mha__fail(MHA_ERR_INVALID_ARG, "backward: grad_output is NULL");
+    if (!gout) return mha__fail(MHA_ERR_INVALID_ARG, "backward: grad_output is NULL");
     if ((st = mha__check_output(gout, "grad_output", &p->out_shape)) ||
         (st = check_grad_view(gq, "grad_query", a->query)) ||
         (st = check_grad_view(gk, "grad_key", a->key)) ||
@@ -481,14 +461,13 @@ mha_status mha__check_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         return st;
     const mha_tensor *outs[3] = {gq, gk, gv};
     const char *onames[3] = {"grad_query", "grad_key", "grad_value"};
-    const mha_tensor *ins[6] = {a->query, a->key, a->value, a->key_padding_mask,
+    const mha_tensor *ins[6] = {a->query,     a->key, a->value, a->key_padding_mask,
                                 a->attn_mask, gout};
-    const char *inames[6] = {"query", "key", "value", "key_padding_mask",
+    const char *inames[6] = {"query",     "key",        "value", "key_padding_mask",
                              "attn_mask", "grad_output"};
     for (int o = 0; o < 3; o++) {
         for (int i = 0; i < 6; i++)
-            if ((st = mha__check_no_overlap(outs[o], onames[o], ins[i], inames[i])))
-                return st;
+            if ((st = mha__check_no_overlap(outs[o], onames[o], ins[i], inames[i]))) return st;
         for (int o2 = o + 1; o2 < 3; o2++)
             if ((st = mha__check_no_overlap(outs[o], onames[o], outs[o2], onames[o2])))
                 return st;

@@ -56,13 +56,13 @@ typedef struct mha__fused_layout {
 
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
-    int64_t Hkv, Ekv;  // KV heads (dividing H) and their width Hkv * d
+    int64_t Hkv, Ekv;                          // KV heads (dividing H) and their width Hkv * d
     bool unbatched;
     // element strides of query/key/value as (seq, batch, feature)
     int64_t qs[3], ks[3], vs[3];
     mha__mask mask;
-    mha__dropout drop;       // attention dropout (drop.p > 0 when active)
-    float out_p;             // output dropout p (0: none)
+    mha__dropout drop;  // attention dropout (drop.p > 0 when active)
+    float out_p;        // output dropout p (0: none)
     mha_shape out_shape, w_shape;
     // ALiBi slopes (mask.alibi points here or at the caller's)
     float alibi_default[MHA__ALIBI_MAX_DEFAULT];
@@ -79,7 +79,7 @@ typedef struct fwd_plan {
     int64_t g0, g1;
     // the fused path (fused_fwd.c, fused_bwd.c): its own scratch layout
     bool fused;
-    bool self_packed;            // one GEMM over the packed in_proj_weight
+    bool self_packed;                               // one GEMM over the packed in_proj_weight
     bool q_direct, k_direct, v_direct, out_direct;  // views usable as rows
     mha__fused_layout f;
 } fwd_plan;
@@ -98,24 +98,22 @@ static inline int64_t mha__plan_group_first_live(const fwd_plan *p, const mha_mo
 
 
 // Checks every forward argument and fills the plan.
-mha_status mha__plan_forward(fwd_plan *p, const mha_module *m,
-                             const mha_forward_args *a);
+mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward_args *a);
 // The fused path: checks what it needs (F32 views, no trace) and lays out
 // its scratch (p->ws_bytes).
-mha_status mha__fused_plan(fwd_plan *p, const mha_module *m,
-                           const mha_forward_args *a);
+mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_args *a);
 // The widening scratch of a module with half weights (floats; the GEMM's
 // packing of a half weight matrix, nt threads).
 size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt);
 // The output views of a planned forward (attn_output, and the weights when
 // asked: shape, dtype, int8 scales, no aliasing with the inputs).
 mha_status mha__check_forward_outputs(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                                     const mha_forward_args *a);
+                                      const mha_forward_args *a);
 // A backward's gradient views and gradient module against the plan of its
 // forward (shapes, configuration, no aliasing).
 mha_status mha__check_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
-                              mha_tensor *gv, const mha_module *grads, const mha_module *m,
-                              const mha_forward_args *a, const mha_tensor *gout);
+                               mha_tensor *gv, const mha_module *grads, const mha_module *m,
+                               const mha_forward_args *a, const mha_tensor *gout);
 // The dropout descriptor for the heads: NULL unless attention dropout is
 // active.
 static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
@@ -142,8 +140,8 @@ typedef struct mha__saved_key {
 
 struct mha_saved {
     float *buf;
-    size_t cap;   // floats
-    bool valid;   // filled by a fused forward
+    size_t cap;  // floats
+    bool valid;  // filled by a fused forward
     mha__saved_key key;
     size_t n_qkv, n_ctx, n_lse;
     // Set by the distributed layer (ring attention) after its forward: the

@@ -26,8 +26,8 @@ static double dot(mha__mat a, int64_t ra, mha__mat b, int64_t rb, int64_t n) {
     return (s0 + s1) + (s2 + s3);
 }
 
-void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt,
-                         const float *b, int64_t I, int64_t O) {
+void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt, const float *b,
+                         int64_t I, int64_t O) {
     const mha__mat w = mha__vmat((void *)W, wdt, I, 1);
     for (int64_t o = 0; o < O; o++) {
         double acc = dot(x, 0, w, o, I);
@@ -66,26 +66,22 @@ void mha__ref_softmax_row(double *row, int64_t S) {
 }
 
 // Passes the (rows, cols) doubles of m (row stride ld) to the trace.
-static void trace_doubles(const mha__trace *tr, const char *step, int64_t b,
-                          int64_t h, const double *m, int64_t rows,
-                          int64_t cols, int64_t ld) {
+static void trace_doubles(const mha__trace *tr, const char *step, int64_t b, int64_t h,
+                          const double *m, int64_t rows, int64_t cols, int64_t ld) {
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++)
-            tr->buf[r * cols + c] = (float)m[r * ld + c];
+        for (int64_t c = 0; c < cols; c++) tr->buf[r * cols + c] = (float)m[r * ld + c];
     int64_t shape[2] = {rows, cols};
     mha_tensor t = mha_tensor_contiguous(tr->buf, MHA_F32, 2, shape);
     tr->fn(tr->user, step, b, h, &t);
 }
 
 // Steps (1)-(3) of the forward for one (b, h): P (L, S) in P, row-major.
-static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L,
-                            int64_t S, int64_t D, double scale,
-                            const mha__mask *mk, int64_t b, int64_t h,
+static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L, int64_t S, int64_t D,
+                            double scale, const mha__mask *mk, int64_t b, int64_t h,
                             const mha__trace *tr) {
     // (1) scores (L, S) = q (L, D) k (S, D)^T
     for (int64_t i = 0; i < L; i++)
-        for (int64_t j = 0; j < S; j++)
-            P[i * S + j] = dot(q, i, k, j, D);
+        for (int64_t j = 0; j < S; j++) P[i * S + j] = dot(q, i, k, j, D);
     if (tr) trace_doubles(tr, "scores", b, h, P, L, S, S);
 
     // (2) scale (and soft-cap), then add the masks (-inf for hidden keys,
@@ -102,8 +98,7 @@ static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L,
 }
 
 // The dropout factor of weight (i, j): 0 (dropped) or 1 / (1 - p).
-static double drop_factor(const mha__dropout *d, int64_t b, int64_t h,
-                          int64_t i, int64_t j) {
+static double drop_factor(const mha__dropout *d, int64_t b, int64_t h, int64_t i, int64_t j) {
     uint64_t idx = (uint64_t)(((b * d->H + h) * d->L + i) * d->S + j);
     return mha__dropout_keep(d->seed, d->offset, MHA__DROPOUT_STREAM_ATTN_LO,
                              MHA__DROPOUT_STREAM_ATTN_HI, idx, d->p)
@@ -112,16 +107,16 @@ static double drop_factor(const mha__dropout *d, int64_t b, int64_t h,
 }
 
 // (3b) dropout after the softmax, in place on P (L, S).
-static void apply_dropout(double *P, const mha__dropout *d, int64_t L,
-                          int64_t S, int64_t b, int64_t h) {
+static void apply_dropout(double *P, const mha__dropout *d, int64_t L, int64_t S, int64_t b,
+                          int64_t h) {
     if (!d) return;
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < S; j++) P[i * S + j] *= drop_factor(d, b, h, i, j);
 }
 
 // out (L, Dv) = P (L, S) v (S, Dv), P row-major.
-static void weigh_values(mha__mat out, const double *P, mha__mat v, int64_t L,
-                         int64_t S, int64_t Dv) {
+static void weigh_values(mha__mat out, const double *P, mha__mat v, int64_t L, int64_t S,
+                         int64_t Dv) {
     for (int64_t i = 0; i < L; i++)
         for (int64_t c = 0; c < Dv; c++) {
             double acc = 0.0;
@@ -130,11 +125,10 @@ static void weigh_values(mha__mat out, const double *P, mha__mat v, int64_t L,
         }
 }
 
-void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
-                             mha__mat v, int64_t L, int64_t S, int64_t D,
-                             int64_t Dv, double scale, const mha__mask *mk,
-                             const mha__dropout *drop, int64_t b, int64_t h,
-                             double *P, const mha__trace *tr) {
+void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k, mha__mat v,
+                             int64_t L, int64_t S, int64_t D, int64_t Dv, double scale,
+                             const mha__mask *mk, const mha__dropout *drop, int64_t b,
+                             int64_t h, double *P, const mha__trace *tr) {
     attention_probs(P, q, k, L, S, D, scale, mk, b, h, tr);
     apply_dropout(P, drop, L, S, b, h);
     if (w.p)
@@ -145,20 +139,17 @@ void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
     weigh_values(out, P, v, L, S, Dv);
     if (tr) {
         for (int64_t i = 0; i < L; i++)
-            for (int64_t c = 0; c < Dv; c++)
-                tr->buf[i * Dv + c] = (float)mha__ld(out, i, c);
+            for (int64_t c = 0; c < Dv; c++) tr->buf[i * Dv + c] = (float)mha__ld(out, i, c);
         int64_t shape[2] = {L, Dv};
         mha_tensor t = mha_tensor_contiguous(tr->buf, MHA_F32, 2, shape);
         tr->fn(tr->user, "context", b, h, &t);
     }
 }
 
-void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
-                                      mha__mat out, mha__mat dout, mha__mat q,
-                                      mha__mat k, mha__mat v, int64_t L,
-                                      int64_t S, int64_t D, int64_t Dv,
-                                      double scale, const mha__mask *mk,
-                                      const mha__dropout *drop, int64_t b,
+void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv, mha__mat out,
+                                      mha__mat dout, mha__mat q, mha__mat k, mha__mat v,
+                                      int64_t L, int64_t S, int64_t D, int64_t Dv, double scale,
+                                      const mha__mask *mk, const mha__dropout *drop, int64_t b,
                                       int64_t h, double *ws) {
     double *P = ws;           // (L, S): softmax, then P' after dropout
     double *dP = ws + L * S;  // (L, S): dP', then dP, then dS
@@ -166,8 +157,7 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
 
     // dP' = dout v^T  (forward: out = P' v)
     for (int64_t i = 0; i < L; i++)
-        for (int64_t j = 0; j < S; j++)
-            dP[i * S + j] = dot(dout, i, v, j, Dv);
+        for (int64_t j = 0; j < S; j++) dP[i * S + j] = dot(dout, i, v, j, Dv);
     // dP = dP' * keep / (1 - p)  (forward: P' = P * keep / (1 - p))
     if (drop)
         for (int64_t i = 0; i < L; i++)
@@ -177,8 +167,7 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
     for (int64_t i = 0; i < L; i++) {
         double rs = 0.0;
         for (int64_t j = 0; j < S; j++) rs += P[i * S + j] * dP[i * S + j];
-        for (int64_t j = 0; j < S; j++)
-            dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - rs);
+        for (int64_t j = 0; j < S; j++) dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - rs);
     }
     // soft cap: dS_raw = dS * (1 - tanh^2(s / cap)) for the raw scaled s
     if (mk->softcap > 0.0f)

@@ -39,11 +39,10 @@ typedef struct mha__trace {
     float *buf;
 } mha__trace;
 
-void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
-                             mha__mat v, int64_t L, int64_t S, int64_t D,
-                             int64_t Dv, double scale, const mha__mask *mk,
-                             const mha__dropout *drop, int64_t b, int64_t h,
-                             double *scores_ws, const mha__trace *tr);
+void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k, mha__mat v,
+                             int64_t L, int64_t S, int64_t D, int64_t Dv, double scale,
+                             const mha__mask *mk, const mha__dropout *drop, int64_t b,
+                             int64_t h, double *scores_ws, const mha__trace *tr);
 
 // Backward of mha__ref_attention_head for one (b, h), recomputing P from q,
 // k and the masks (and the dropout mask from its seed):
@@ -54,31 +53,27 @@ void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k,
 //   dq (L, D) = scale * dS k;  dk (S, D) = scale * dS^T q
 // dq, dk, dv are overwritten. out (if out.p) receives the recomputed
 // forward result P' v. ws: 2*L*S doubles of scratch.
-void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv,
-                                      mha__mat out, mha__mat dout, mha__mat q,
-                                      mha__mat k, mha__mat v, int64_t L,
-                                      int64_t S, int64_t D, int64_t Dv,
-                                      double scale, const mha__mask *mk,
-                                      const mha__dropout *drop, int64_t b,
+void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv, mha__mat out,
+                                      mha__mat dout, mha__mat q, mha__mat k, mha__mat v,
+                                      int64_t L, int64_t S, int64_t D, int64_t Dv, double scale,
+                                      const mha__mask *mk, const mha__dropout *drop, int64_t b,
                                       int64_t h, double *ws);
 
 // y(0, o) = sum_i x(0, i) * W[o][i] + (b ? b[o] : 0) for o < O: row 0 of
 // y and x; W (O, I) row-major, elements of wdt (F32, BF16 or F16).
-void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt,
-                         const float *b, int64_t I, int64_t O);
+void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt, const float *b,
+                         int64_t I, int64_t O);
 
 // ---------------------------------------------------------------------------
 // The module-level reference (ref_module.c), in double, on a finished plan.
 
 // Step 1 of the forward: q (N, L, E), k and v (N, Sp, Ekv) from the inputs,
 // with bias_k/bias_v and the zero key/value appended (and RoPE applied).
-void mha__project_qkv(const fwd_plan *p, const mha_module *m,
-                      const mha_forward_args *a, double *q, double *k,
-                      double *v);
+void mha__project_qkv(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                      double *q, double *k, double *v);
 // The head gates of a gated module, (N, L, H) in double: g[(n L + t) H + h]
 // (static: head_gate[h]; dynamic: sigmoid(x_q[t, n, :] W_g[h, :] + b_g[h])).
-void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                  double *g);
+void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a, double *g);
 // RoPE on the reference's q (N, L, E) and k (N, Sp, Ekv) (keys t < S), or its
 // inverse (the gradients).
 void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,

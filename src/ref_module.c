@@ -48,14 +48,13 @@
 
 // Passes a (N, T, E) view (any strides, float or double) to the trace as
 // a float32 copy in buf.
-static void trace_view(const mha_forward_args *a, const char *step, float *buf,
-                       const void *p, mha_dtype dt, const int64_t st[3], int64_t N,
-                       int64_t T, int64_t E) {
+static void trace_view(const mha_forward_args *a, const char *step, float *buf, const void *p,
+                       mha_dtype dt, const int64_t st[3], int64_t N, int64_t T, int64_t E) {
     if (!a->trace) return;
     for (int64_t n = 0; n < N; n++)
         for (int64_t t = 0; t < T; t++) {
-            mha__mat row = mha__vmat((char *)p + (n * st[0] + t * st[1]) *
-                                                     (int64_t)mha_dtype_size(dt),
+            mha__mat row = mha__vmat((char *)p +
+                                         (n * st[0] + t * st[1]) * (int64_t)mha_dtype_size(dt),
                                      dt, 0, st[2]);
             for (int64_t e = 0; e < E; e++)
                 buf[(n * T + t) * E + e] = (float)mha__ld(row, 0, e);
@@ -66,9 +65,8 @@ static void trace_view(const mha_forward_args *a, const char *step, float *buf,
 }
 
 // The same for a contiguous (N, T, E) double buffer.
-static void trace_buffer(const mha_forward_args *a, const char *step,
-                         float *tbuf, const double *buf, int64_t N, int64_t T,
-                         int64_t E) {
+static void trace_buffer(const mha_forward_args *a, const char *step, float *tbuf,
+                         const double *buf, int64_t N, int64_t T, int64_t E) {
     const int64_t st[3] = {T * E, E, 1};
     trace_view(a, step, tbuf, buf, MHA_F64, st, N, T, E);
 }
@@ -76,9 +74,9 @@ static void trace_buffer(const mha_forward_args *a, const char *step,
 // Projects rows of the view x ((seq, batch, feature) strides xs, T rows
 // per batch element) into the first T of every Tp rows of buf (N, Tp, E):
 // buf[n, t, :] = x[t, n, :] W^T + b.
-static void project(double *buf, int64_t Tp, const mha_tensor *x,
-                    const int64_t xs[3], const void *W, mha_dtype wdt, const float *b,
-                    int64_t N, int64_t T, int64_t I, int64_t E, int nthreads) {
+static void project(double *buf, int64_t Tp, const mha_tensor *x, const int64_t xs[3],
+                    const void *W, mha_dtype wdt, const float *b, int64_t N, int64_t T,
+                    int64_t I, int64_t E, int nthreads) {
     const size_t es = mha_dtype_size(x->dtype);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t r = 0; r < N * T; r++) {
@@ -89,13 +87,11 @@ static void project(double *buf, int64_t Tp, const mha_tensor *x,
     }
 }
 
-void mha__project_qkv(const fwd_plan *p, const mha_module *m,
-                      const mha_forward_args *a, double *q, double *k,
-                      double *v) {
+void mha__project_qkv(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                      double *q, double *k, double *v) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
     // in_proj_bias (E + 2 Ekv): the Q, K, V biases one after the other
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL,
-                *bv = bq ? bq + E + Ekv : NULL;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + E + Ekv : NULL;
     project(q, L, a->query, p->qs, m->w_q, m->wdt, bq, N, L, E, E, p->nthreads);
     project(k, Sp, a->key, p->ks, m->w_k, m->wdt, bk, N, S, p->kdim, Ekv, p->nthreads);
     project(v, Sp, a->value, p->vs, m->w_v, m->wdt, bv, N, S, p->vdim, Ekv, p->nthreads);
@@ -116,8 +112,7 @@ void mha__project_qkv(const fwd_plan *p, const mha_module *m,
     mha__rope_qk_d(p, a, q, k, false);
 }
 
-void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                  double *g) {
+void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a, double *g) {
     const int64_t R = p->N * p->L, H = p->H;
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
         project(g, p->L, a->query, p->qs, m->gate_weight, MHA_F32, m->gate_bias, p->N, p->L,
@@ -161,7 +156,7 @@ typedef struct ref_fwd_bufs {
 //   q (N, L, E) = query W_q^T + b_q
 //   k (N, Sp, Ekv) = [key W_k^T + b_k; bias_k; 0], v alike
 static void ref_fwd_project(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                        const ref_fwd_bufs *buf) {
+                            const ref_fwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
     mha__project_qkv(p, m, a, buf->q, buf->k, buf->v);
     trace_buffer(a, "q", buf->tbuf, buf->q, N, L, E);
@@ -174,7 +169,8 @@ static void ref_fwd_project(const fwd_plan *p, const mha_module *m, const mha_fo
 //   query head h reading KV head h / G; each head's weights (L, Sp) into
 //   headw (via_headw) or straight into the output (perhead)
 static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                      mha_tensor *weights, const ref_fwd_bufs *buf, bool perhead, bool via_headw) {
+                          mha_tensor *weights, const ref_fwd_bufs *buf, bool perhead,
+                          bool via_headw) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
     double *q = buf->q, *k = buf->k, *v = buf->v, *ctx = buf->ctx, *headw = buf->headw;
@@ -193,8 +189,10 @@ static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forw
             if (via_headw) memset(headw + bh * L * Sp, 0, (size_t)(L * Sp) * sizeof(double));
             else if (perhead) {
                 int o = p->unbatched ? 0 : 1;
-                mha__mat w = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
-                                                   h * weights->stride[o], o + 2);
+                mha__mat w = mha__view_at(weights,
+                                          (p->unbatched ? 0 : b * weights->stride[0]) +
+                                              h * weights->stride[o],
+                                          o + 2);
                 w.rs = weights->stride[o + 1];
                 for (int64_t i = 0; i < L; i++)
                     for (int64_t j = 0; j < Sp; j++) mha__st(w, i, j, 0.0);
@@ -205,8 +203,10 @@ static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forw
             wh = mha__dmat(headw + bh * L * Sp, Sp);
         } else if (perhead) {
             int o = p->unbatched ? 0 : 1;  // weights (N,) H, L, Sp
-            wh = mha__view_at(weights, (p->unbatched ? 0 : b * weights->stride[0]) +
-                                       h * weights->stride[o], o + 2);
+            wh = mha__view_at(weights,
+                              (p->unbatched ? 0 : b * weights->stride[0]) +
+                                  h * weights->stride[o],
+                              o + 2);
             wh.rs = weights->stride[o + 1];
         }
         mha__ref_attention_head(mha__dmat(ctx + b * L * E + h * d, E), wh,
@@ -222,7 +222,7 @@ static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forw
 // Gates: head h's context times g[n, t, h] (before W_O).
 //   ctx (N, L, E) as (N, L, H, d) *= gate (N, L, H)
 static void ref_fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                      const ref_fwd_bufs *buf) {
+                          const ref_fwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
     double *ctx = buf->ctx, *gate = buf->gate;
     mha__gates_d(p, m, a, gate);
@@ -236,7 +236,8 @@ static void ref_fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forw
 //    order; or the selected block of the per-head weights.
 //   weights (N,) Ls, Sp (avg) or (N,) Hs, Ls, Sp from headw (N, H, L, Sp)
 static void ref_fwd_weights(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                        mha_tensor *weights, const ref_fwd_bufs *buf, bool avg, bool via_headw) {
+                            mha_tensor *weights, const ref_fwd_bufs *buf, bool avg,
+                            bool via_headw) {
     const int64_t N = p->N, L = p->L, Sp = p->Sp, H = p->H;
     double *headw = buf->headw;
     double *scores = buf->scores;
@@ -276,7 +277,7 @@ static void ref_fwd_weights(const fwd_plan *p, const mha_module *m, const mha_fo
 //    dropout (training only).
 //   attn_output (L, N, E) or (N, L, E) = drop_o(ctx (N, L, E) W_o^T + b_o)
 static void ref_fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
-                            const mha_forward_args *a, const ref_fwd_bufs *buf) {
+                                const mha_forward_args *a, const ref_fwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E;
     double *ctx = buf->ctx;
     int64_t os[3];
@@ -285,13 +286,13 @@ static void ref_fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_mo
     for (int64_t r = 0; r < N * L; r++) {
         int64_t n = r / L, t = r % L;
         mha__mat y = mha__view_at(out, t * os[0] + n * os[1], out->ndim - 1);
-        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->w_out, m->wdt, m->out_bias,
-                            E, E);
+        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->w_out, m->wdt, m->out_bias, E, E);
         if (p->out_p > 0.0f)
             for (int64_t e = 0; e < E; e++)
-                mha__st(y, 0, e, mha__ld(y, 0, e) *
-                                     mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
-                                                          p->L, p->E, n, t, e));
+                mha__st(y, 0, e,
+                        mha__ld(y, 0, e) * mha__out_drop_factor(a->dropout_seed,
+                                                                a->dropout_offset, p->out_p,
+                                                                p->L, p->E, n, t, e));
     }
     if (a->trace) {
         const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
@@ -339,10 +340,9 @@ static inline void store(void *base, mha_dtype dt, int64_t off, double v, bool a
 // db (O) (+)= sum_{n, t} dY[n, t, :], where dY is (N, Tp, O) row-major
 // (only its first T rows per n are used) and X is a float or double view
 // with (seq, batch, feature) strides xs.
-static void grad_linear(float *dW, float *db, bool acc, const double *dY,
-                        int64_t Tp, const void *X, mha_dtype xdt,
-                        const int64_t xs[3], int64_t N, int64_t T, int64_t O,
-                        int64_t I, int nt) {
+static void grad_linear(float *dW, float *db, bool acc, const double *dY, int64_t Tp,
+                        const void *X, mha_dtype xdt, const int64_t xs[3], int64_t N,
+                        int64_t T, int64_t O, int64_t I, int nt) {
     mha__mat x = mha__vmat((void *)X, xdt, 0, 1);
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t o = 0; o < O; o++) {
@@ -366,9 +366,9 @@ static void grad_linear(float *dW, float *db, bool acc, const double *dY,
 // dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major; dX is a
 // float or double view with (seq, batch, feature) strides xs; dY is
 // (N, Tp, O).
-static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc,
-                       const double *dY, int64_t Tp, const float *W, int64_t N,
-                       int64_t T, int64_t O, int64_t I, int nt) {
+static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc, const double *dY,
+                       int64_t Tp, const float *W, int64_t N, int64_t T, int64_t O, int64_t I,
+                       int nt) {
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < N * T; r++) {
         int64_t n = r / T, t = r % T;
@@ -410,8 +410,8 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
         return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
     double *block = mha__malloc(bytes ? bytes : 1);
     if (!block)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_backward: out of memory for %zu bytes of scratch", bytes);
+        return mha__fail(MHA_ERR_NOMEM, "mha_backward: out of memory for %zu bytes of scratch",
+                         bytes);
     double *pw = block;  // nt x (2 (L, Sp) [+ 2 (Sp, d)])
     double *q = block + 2 * lsp * (size_t)nt;
     double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
@@ -426,7 +426,7 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
 //                                   dctx (N, L, E) = dy Wo
 //   gated: gctx_h = ctx_h * g       dgc = dy Wo, dctx_h = dgc_h * g
 static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                        const mha_tensor *gout, const ref_bwd_bufs *buf) {
+                            const mha_tensor *gout, const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
     const int nt = p->nthreads;
     const bool gated = mha__module_gated(m);
@@ -440,8 +440,8 @@ static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_fo
             for (int64_t e = 0; e < E; e++) {
                 double gv_ = mha__ld(g, 0, t * gs[0] + n * gs[1] + e * gs[2]);
                 if (p->out_p > 0.0f)
-                    gv_ *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L, p->E,
-                                                n, t, e);
+                    gv_ *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
+                                                p->L, p->E, n, t, e);
                 dy[(n * L + t) * E + e] = gv_;
             }
     // dctx = dy Wo  (forward: y = ctx Wo^T + bo)
@@ -481,21 +481,23 @@ static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_
         const int64_t ok = b * Sp * Ekv + kvh * d, h0 = mha__group_first_live(m, kvh, G);
         if (h0 < 0)  // every query head of the group pruned: no gradient
             for (int64_t j = 0; j < Sp; j++)
-                for (int64_t c = 0; c < d; c++) dk[ok + j * Ekv + c] = dv[ok + j * Ekv + c] = 0.0;
+                for (int64_t c = 0; c < d; c++)
+                    dk[ok + j * Ekv + c] = dv[ok + j * Ekv + c] = 0.0;
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
             const int64_t oq = b * L * E + h * d;
             if (!mha__head_live(m, h)) {  // pruned: zero context (forward), zero dq
                 for (int64_t i = 0; i < L; i++)
-                    for (int64_t c = 0; c < d; c++) ctx[oq + i * E + c] = dq[oq + i * E + c] = 0.0;
+                    for (int64_t c = 0; c < d; c++)
+                        ctx[oq + i * E + c] = dq[oq + i * E + c] = 0.0;
                 continue;
             }
             const bool first = h == h0;
             mha__ref_attention_head_backward(
                 mha__dmat(dq + oq, E), first ? mha__dmat(dk + ok, Ekv) : mha__dmat(dkh, d),
-                first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d),
-                mha__dmat(ctx + oq, E), mha__dmat(dctx + oq, E), mha__dmat(q + oq, E),
-                mha__dmat(k + ok, Ekv), mha__dmat(v + ok, Ekv), L, Sp, d, d, scale, &p->mask,
-                mha__plan_drop(p), b, h, ws);
+                first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d), mha__dmat(ctx + oq, E),
+                mha__dmat(dctx + oq, E), mha__dmat(q + oq, E), mha__dmat(k + ok, Ekv),
+                mha__dmat(v + ok, Ekv), L, Sp, d, d, scale, &p->mask, mha__plan_drop(p), b, h,
+                ws);
             if (!first)  // dk_g += dk_h, dv_g += dv_h
                 for (int64_t j = 0; j < Sp; j++)
                     for (int64_t c = 0; c < d; c++) {
@@ -512,8 +514,9 @@ static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_
 //   g = head_gate[h] (static)       dgate_h = sum_{n,t} dg
 //   z = Xq W_g^T + b_g (dynamic)    dW_g = dz^T Xq, db_g = sum dz
 // and dgc <- gctx, the output projection's input, for its weight gradient.
-static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                           mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
+static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m,
+                               const mha_forward_args *a, mha_module *grads, bool accumulate,
+                               const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
     const int nt = p->nthreads;
     const bool gated = mha__module_gated(m);
@@ -551,8 +554,9 @@ static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m, const mha
 //   k = [Xk Wk^T + bk; bias_k; 0]   rows < S as for q;
 //                                   dbias_k = sum_n dk[n, S]
 //   v = [Xv Wv^T + bv; bias_v; 0]   the same
-static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                            mha_module *grads, bool accumulate, const ref_bwd_bufs *buf) {
+static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m,
+                                const mha_forward_args *a, mha_module *grads, bool accumulate,
+                                const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
     const int64_t Ekv = p->Ekv;
     const int nt = p->nthreads;
@@ -568,12 +572,12 @@ static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m, const mh
     grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
                 MHA_F64, cs, N, L, E, E, nt);
     // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
-    grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs,
-                N, L, E, E, nt);
-    grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks,
-                N, S, Ekv, p->kdim, nt);
-    grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs,
-                N, S, Ekv, p->vdim, nt);
+    grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs, N, L, E, E,
+                nt);
+    grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks, N, S, Ekv,
+                p->kdim, nt);
+    grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs, N, S, Ekv,
+                p->vdim, nt);
     // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
     if (m->cfg.add_bias_kv)
         for (int64_t e = 0; e < Ekv; e++) {
@@ -592,8 +596,8 @@ static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m, const mh
 //   k = Xk Wk^T + bk                dXk = dk Wk (rows < S)
 //   v = Xv Wv^T + bv                dXv = dv Wv (rows < S)
 static void ref_bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tensor *gq,
-                            mha_tensor *gk, mha_tensor *gv, bool accumulate,
-                            const ref_bwd_bufs *buf) {
+                                mha_tensor *gk, mha_tensor *gv, bool accumulate,
+                                const ref_bwd_bufs *buf) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H;
     const int64_t Ekv = p->Ekv;
     const int nt = p->nthreads;
@@ -602,20 +606,19 @@ static void ref_bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tens
     int64_t xs[3];
     if (gq) {
         mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
-        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight,
-                   N, L, E, E, nt);
+        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight, N, L, E, E, nt);
         if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
             grad_input(gq->data, gq->dtype, xs, true, dg, L, m->gate_weight, N, L, H, E, nt);
     }
     if (gk) {
         mha__seq_batch_feat(xs, gk, m->cfg.batch_first);
-        grad_input(gk->data, gk->dtype, xs, accumulate, dk, Sp, m->k_weight,
-                   N, S, Ekv, p->kdim, nt);
+        grad_input(gk->data, gk->dtype, xs, accumulate, dk, Sp, m->k_weight, N, S, Ekv,
+                   p->kdim, nt);
     }
     if (gv) {
         mha__seq_batch_feat(xs, gv, m->cfg.batch_first);
-        grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->v_weight,
-                   N, S, Ekv, p->vdim, nt);
+        grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->v_weight, N, S, Ekv,
+                   p->vdim, nt);
     }
 }
 
@@ -632,13 +635,12 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
     // Forward step 1 again: the projections.
     mha__project_qkv(p, m, a, buf.q, buf.k, buf.v);
 
-    ref_bwd_dy_dctx(p, m, a, gout, &buf);                   // dy, dctx (gated: dgc, gates)
-    ref_bwd_heads(p, m, &buf);                              // dq, dk, dv; ctx recomputed
-    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);         // through the rotation (orthogonal)
-    ref_bwd_gate_grads(p, m, a, grads, accumulate, &buf);   // dg, the gates' parameters
+    ref_bwd_dy_dctx(p, m, a, gout, &buf);                  // dy, dctx (gated: dgc, gates)
+    ref_bwd_heads(p, m, &buf);                             // dq, dk, dv; ctx recomputed
+    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);            // through the rotation (orthogonal)
+    ref_bwd_gate_grads(p, m, a, grads, accumulate, &buf);  // dg, the gates' parameters
     if (grads) ref_bwd_param_grads(p, m, a, grads, accumulate, &buf);  // dW, db
     ref_bwd_input_grads(p, m, gq, gk, gv, accumulate, &buf);           // dX
     free(buf.block);
     return MHA_OK;
 }
-

@@ -43,22 +43,22 @@ void mha__rope_inv_freq(double *inv_freq, const mha_rope *r, int64_t d) {
         inv_freq[i] = pow(r->theta, -2.0 * (double)i / (double)dim);
 }
 
-#define ROPE_TOKEN(NAME, T)                                                       \
-    void NAME(T *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,          \
-              const double *inv_freq, double pos, bool inverse) {                 \
-        const int64_t half = mha__rope_dim(r, d) / 2;                             \
-        const bool neox = r->mode == MHA_ROPE_NEOX;                               \
-        for (int64_t i = 0; i < half; i++) {                                      \
-            const double ang = pos * inv_freq[i], c = cos(ang);                   \
-            const double s = inverse ? -sin(ang) : sin(ang);                      \
+#define ROPE_TOKEN(NAME, T)                                                        \
+    void NAME(T *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,           \
+              const double *inv_freq, double pos, bool inverse) {                  \
+        const int64_t half = mha__rope_dim(r, d) / 2;                              \
+        const bool neox = r->mode == MHA_ROPE_NEOX;                                \
+        for (int64_t i = 0; i < half; i++) {                                       \
+            const double ang = pos * inv_freq[i], c = cos(ang);                    \
+            const double s = inverse ? -sin(ang) : sin(ang);                       \
             const int64_t c0 = neox ? i : 2 * i, c1 = neox ? i + half : 2 * i + 1; \
-            for (int64_t h = 0; h < H; h++) {                                     \
-                T *y = x + h * hs;                                                \
-                const double a = y[c0], e = y[c1];                                \
-                y[c0] = (T)(a * c - e * s);                                       \
-                y[c1] = (T)(e * c + a * s);                                       \
-            }                                                                     \
-        }                                                                         \
+            for (int64_t h = 0; h < H; h++) {                                      \
+                T *y = x + h * hs;                                                 \
+                const double a = y[c0], e = y[c1];                                 \
+                y[c0] = (T)(a * c - e * s);                                        \
+                y[c1] = (T)(e * c + a * s);                                        \
+            }                                                                      \
+        }                                                                          \
     }
 ROPE_TOKEN(mha__rope_token_f, float)
 ROPE_TOKEN(mha__rope_token_d, double)
@@ -69,13 +69,13 @@ ROPE_TOKEN(mha__rope_token_d, double)
 void mha__alibi_slopes(float *slopes, int64_t H) {
     int64_t n = 1;
     while (n * 2 <= H) n *= 2;
-    for (int64_t h = 0; h < n; h++) slopes[h] = (float)pow(2.0, -8.0 * (double)(h + 1) / (double)n);
+    for (int64_t h = 0; h < n; h++)
+        slopes[h] = (float)pow(2.0, -8.0 * (double)(h + 1) / (double)n);
     for (int64_t h = n, i = 0; h < H; h++, i += 2)
         slopes[h] = (float)pow(2.0, -8.0 * (double)(i + 1) / (double)(2 * n));
 }
 
-mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start,
-                          bool inverse) {
+mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start, bool inverse) {
     if (!x || !r) return mha__fail(MHA_ERR_INVALID_ARG, "mha_rope_apply: NULL argument");
     mha_status st = mha__check_float(x, "x");
     if (st) return st;
@@ -84,8 +84,7 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
         return mha__fail(MHA_ERR_SHAPE, "rope: x must be (B, H, T, D), got %s",
                          mha__shape_str(s, sizeof s, x->ndim, x->shape));
     }
-    if (r->mode != MHA_ROPE_NONE && r->mode != MHA_ROPE_NEOX &&
-        r->mode != MHA_ROPE_INTERLEAVED)
+    if (r->mode != MHA_ROPE_NONE && r->mode != MHA_ROPE_NEOX && r->mode != MHA_ROPE_INTERLEAVED)
         return mha__fail(MHA_ERR_INVALID_ARG, "rope: unknown mode %d", (int)r->mode);
     const int64_t B = x->shape[0], H = x->shape[1], T = x->shape[2], D = x->shape[3];
     const int64_t dim = r->dim == 0 ? D : r->dim;
@@ -95,8 +94,8 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
                          "rope: rotated dims %lld must be even and at most the head dim %lld",
                          (long long)r->dim, (long long)D);
     if (!(r->theta > 0.0) || !isfinite(r->theta))
-        return mha__fail(MHA_ERR_INVALID_ARG, "rope: theta must be positive and finite, got %g",
-                         r->theta);
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope: theta must be positive and finite, got %g", r->theta);
     if (start)
         for (int64_t b = 0; b < B; b++)
             if (start[b] < 0)
@@ -137,8 +136,8 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
     return MHA_OK;
 }
 
-mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default, const mha_forward_args *a,
-                                 int64_t N, int64_t H, int64_t d) {
+mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default,
+                                 const mha_forward_args *a, int64_t N, int64_t H, int64_t d) {
     const mha_rope *r = &a->rope;
     if (r->mode != MHA_ROPE_NONE) {
         if (r->mode != MHA_ROPE_NEOX && r->mode != MHA_ROPE_INTERLEAVED)

@@ -27,7 +27,7 @@ void mha__alibi_slopes(float *slopes, int64_t H);
 // A forward's RoPE (N batch elements, H heads of dim d), ALiBi and soft cap
 // arguments: checked, and the soft cap and the slopes (a's, or the default
 // ones computed into alibi_default, MHA__ALIBI_MAX_DEFAULT floats) set in mk.
-mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default, const mha_forward_args *a,
-                                 int64_t N, int64_t H, int64_t d);
+mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default,
+                                 const mha_forward_args *a, int64_t N, int64_t H, int64_t d);
 
 #endif

@@ -64,8 +64,7 @@ static uint16_t ld_le16(const unsigned char *p) {
 }
 
 static uint32_t ld_le32(const unsigned char *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-           (uint32_t)p[3] << 24;
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
 static uint64_t ld_le64(const unsigned char *p) {
@@ -93,16 +92,16 @@ typedef struct st_name_index {
 } st_name_index;
 
 struct mha_st_file {
-    char *label;             // path or caller's label, for messages
-    unsigned char *bytes;    // the whole file: 8 + header + data
+    char *label;           // path or caller's label, for messages
+    unsigned char *bytes;  // the whole file: 8 + header + data
     size_t len;
     int64_t ntensors;
     mha_st_tensor *tensors;  // (ntensors) sorted by data offset
     st_name_index *by_name;  // (ntensors) sorted by name
     int64_t nmeta;
-    st_meta *meta;           // (nmeta) in header order
-    st_meta *meta_by_key;    // (nmeta) sorted by key
-    char *strings;           // every name, key and value, NUL-terminated
+    st_meta *meta;         // (nmeta) in header order
+    st_meta *meta_by_key;  // (nmeta) sorted by key
+    char *strings;         // every name, key and value, NUL-terminated
 };
 
 static int cmp_entry_offset(const void *pa, const void *pb) {
@@ -165,15 +164,14 @@ static mha_status st_header_length(size_t *hlen, const mha_st_file *f) {
 
 // The hlen header bytes: the byte-level rules, then cJSON's tree into *root,
 // one JSON object followed only by whitespace. On error *root is NULL.
-static mha_status st_parse_header(cJSON **root, const unsigned char *header,
-                                  size_t hlen, const char *label) {
+static mha_status st_parse_header(cJSON **root, const unsigned char *header, size_t hlen,
+                                  const char *label) {
     *root = NULL;
     mha_status st = mha__st_check_header_bytes(header, hlen, label);
     if (st) return st;
 
     const char *end = NULL;
-    cJSON *r =
-        cJSON_ParseWithLengthOpts((const char *)header, hlen, &end, 0);
+    cJSON *r = cJSON_ParseWithLengthOpts((const char *)header, hlen, &end, 0);
     if (!r) {
         // cJSON says NULL for both; valid JSON means memory ran out
         if (mha__st_json_value_valid(header, hlen))
@@ -199,8 +197,7 @@ static mha_status st_parse_header(cJSON **root, const unsigned char *header,
         }
     }
     if (!cJSON_IsObject(r)) {
-        st = mha__fail(MHA_ERR_FORMAT,
-                       "%s: header is %s, not a JSON object", label,
+        st = mha__fail(MHA_ERR_FORMAT, "%s: header is %s, not a JSON object", label,
                        mha__st_json_describe(vb, sizeof vb, r));
         cJSON_Delete(r);
         return st;
@@ -212,7 +209,7 @@ static mha_status st_parse_header(cJSON **root, const unsigned char *header,
 // What st_load builds from the parsed header: counts, then the tables,
 // owned by st_load until st_build_tables hands them to the file.
 typedef struct st_tables {
-    const cJSON *meta_json;       // "__metadata__", or NULL
+    const cJSON *meta_json;  // "__metadata__", or NULL
     int64_t ntensors, nmeta;
     size_t strings_len;           // every name, key and value, with its NUL
     st_entry *entries;            // (ntensors + 1) header order, then by offset
@@ -229,8 +226,7 @@ static mha_status st_count(st_tables *t, const cJSON *root, const char *label) {
     for (const cJSON *it = root->child; it; it = it->next) {
         if (strcmp(it->string, "__metadata__") == 0) {
             if (meta_json)
-                return mha__fail(MHA_ERR_FORMAT,
-                                 "%s: \"__metadata__\" appears twice", label);
+                return mha__fail(MHA_ERR_FORMAT, "%s: \"__metadata__\" appears twice", label);
             meta_json = it;
             mha_status st = mha__st_check_metadata(it, label);
             if (st) return st;
@@ -256,16 +252,15 @@ static mha_status st_alloc_tables(st_tables *t, const char *label) {
     t->meta_by_key = mha__calloc((size_t)t->nmeta + 1, sizeof *t->meta_by_key);
     t->strings = mha__malloc(t->strings_len + 1);
     if (!t->entries || !t->by_name || !t->meta || !t->meta_by_key || !t->strings)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "%s: out of memory for %lld tensor entries", label,
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %lld tensor entries", label,
                          (long long)t->ntensors);
     return MHA_OK;
 }
 
 // Checks every entry (mha__st_check_entry), then that no name appears twice
 // (cJSON keeps repeated keys).
-static mha_status st_check_entries(st_tables *t, const cJSON *root,
-                                   const char *label, size_t data_len) {
+static mha_status st_check_entries(st_tables *t, const cJSON *root, const char *label,
+                                   size_t data_len) {
     int64_t k = 0;
     for (const cJSON *it = root->child; it; it = it->next) {
         if (it == t->meta_json) continue;
@@ -283,15 +278,14 @@ static mha_status st_check_entries(st_tables *t, const cJSON *root,
     qsort(by_name, (size_t)t->ntensors, sizeof *by_name, cmp_name_index);
     for (int64_t i = 1; i < t->ntensors; i++) {
         if (strcmp(by_name[i - 1].name, by_name[i].name) == 0)
-            return mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice",
-                             label, mha_escape(qa, sizeof qa, by_name[i].name));
+            return mha__fail(MHA_ERR_FORMAT, "%s: tensor name %s appears twice", label,
+                             mha_escape(qa, sizeof qa, by_name[i].name));
     }
     return MHA_OK;
 }
 
 // Layout: sorted by offset, the tensors tile [0, data_len) exactly.
-static mha_status st_check_layout(st_tables *t, const char *label,
-                                  size_t data_len) {
+static mha_status st_check_layout(st_tables *t, const char *label, size_t data_len) {
     char qa[QUOTE_CAP], qb[QUOTE_CAP];
     st_entry *entries = t->entries;
     qsort(entries, (size_t)t->ntensors, sizeof *entries, cmp_entry_offset);
@@ -304,20 +298,16 @@ static mha_status st_check_layout(st_tables *t, const char *label,
                              "%s: tensors %s [%llu, %llu] and %s [%llu, %llu] "
                              "overlap",
                              label, mha_escape(qa, sizeof qa, p->name),
-                             (unsigned long long)p->begin,
-                             (unsigned long long)p->end,
-                             mha_escape(qb, sizeof qb, e->name),
-                             (unsigned long long)e->begin,
+                             (unsigned long long)p->begin, (unsigned long long)p->end,
+                             mha_escape(qb, sizeof qb, e->name), (unsigned long long)e->begin,
                              (unsigned long long)e->end);
         }
         if (e->begin > at)
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: data bytes [%llu, %llu) belong to no tensor "
                              "(tensor %s begins at %llu)",
-                             label, (unsigned long long)at,
-                             (unsigned long long)e->begin,
-                             mha_escape(qa, sizeof qa, e->name),
-                             (unsigned long long)e->begin);
+                             label, (unsigned long long)at, (unsigned long long)e->begin,
+                             mha_escape(qa, sizeof qa, e->name), (unsigned long long)e->begin);
         at = e->end;
     }
     if (at != (uint64_t)data_len)
@@ -341,9 +331,8 @@ static mha_status st_check_meta_keys(st_tables *t, const char *label) {
         qsort(meta_by_key, (size_t)t->nmeta, sizeof *meta_by_key, cmp_meta_key);
         for (int64_t i = 1; i < t->nmeta; i++) {
             if (strcmp(meta_by_key[i - 1].key, meta_by_key[i].key) == 0)
-                return mha__fail(MHA_ERR_FORMAT,
-                                 "%s: __metadata__ key %s appears twice", label,
-                                 mha_escape(qa, sizeof qa, meta_by_key[i].key));
+                return mha__fail(MHA_ERR_FORMAT, "%s: __metadata__ key %s appears twice",
+                                 label, mha_escape(qa, sizeof qa, meta_by_key[i].key));
         }
     }
     return MHA_OK;
@@ -351,8 +340,7 @@ static mha_status st_check_meta_keys(st_tables *t, const char *label) {
 
 // Valid: copy strings out of the cJSON tree and build the tables; the file
 // takes t's by_name, meta, meta_by_key and strings (NULL in t after).
-static mha_status st_build_tables(mha_st_file *f, st_tables *t,
-                                  const unsigned char *data,
+static mha_status st_build_tables(mha_st_file *f, st_tables *t, const unsigned char *data,
                                   const char *label) {
     const int64_t ntensors = t->ntensors, nmeta = t->nmeta;
     st_name_index *by_name = t->by_name;
@@ -379,8 +367,7 @@ static mha_status st_build_tables(mha_st_file *f, st_tables *t,
         x->data = data + e->begin;
         x->nbytes = e->nbytes;
     }
-    for (int64_t i = 0; i < ntensors; i++)
-        by_name[i] = (st_name_index){f->tensors[i].name, i};
+    for (int64_t i = 0; i < ntensors; i++) by_name[i] = (st_name_index){f->tensors[i].name, i};
     qsort(by_name, (size_t)ntensors, sizeof *by_name, cmp_name_index);
     int64_t k = 0;
     if (t->meta_json) {
@@ -436,16 +423,15 @@ static mha_status st_load(mha_st_file *f) {
 }
 
 // Takes ownership of bytes (len bytes, malloc'ed) and validates them.
-static mha_status st_open_bytes(mha_st_file **out, unsigned char *bytes,
-                                size_t len, const char *label) {
+static mha_status st_open_bytes(mha_st_file **out, unsigned char *bytes, size_t len,
+                                const char *label) {
     mha_st_file *f = mha__calloc(1, sizeof *f);
     char *lab = mha__st_str_dup(label);
     if (!f || !lab) {
         free(f);
         free(lab);
         free(bytes);
-        return mha__fail(MHA_ERR_NOMEM,
-                         "%s: out of memory for the file object (%zu bytes)",
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for the file object (%zu bytes)",
                          label, sizeof *f + strlen(label) + 1);
     }
     f->label = lab;
@@ -460,40 +446,30 @@ static mha_status st_open_bytes(mha_st_file **out, unsigned char *bytes,
     return MHA_OK;
 }
 
-mha_status mha_st_parse(mha_st_file **out, const void *bytes, size_t len,
-                        const char *label) {
-    if (!out)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_parse: out is NULL");
+mha_status mha_st_parse(mha_st_file **out, const void *bytes, size_t len, const char *label) {
+    if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_parse: out is NULL");
     *out = NULL;
     if (!label) label = "<memory>";
     if (!bytes && len)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_parse: %s: bytes is NULL, len %zu", label,
-                         len);
-    unsigned char *copy = mha__malloc(len ? len : 1);
-    if (!copy)
-        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes",
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_parse: %s: bytes is NULL, len %zu",
                          label, len);
+    unsigned char *copy = mha__malloc(len ? len : 1);
+    if (!copy) return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes", label, len);
     if (len) memcpy(copy, bytes, len);
     return st_open_bytes(out, copy, len, label);
 }
 
 mha_status mha_st_open(mha_st_file **out, const char *path) {
-    if (!out)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_open: out is NULL");
+    if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_open: out is NULL");
     *out = NULL;
-    if (!path)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_open: path is NULL");
+    if (!path) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_open: path is NULL");
     FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return mha__fail(MHA_ERR_IO, "%s: cannot open: %s", path,
-                         strerror(errno));
+    if (!fp) return mha__fail(MHA_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fileno(fp), &sb) != 0) {
         int err = errno;
         fclose(fp);
-        return mha__fail(MHA_ERR_IO, "%s: cannot stat: %s", path,
-                         strerror(err));
+        return mha__fail(MHA_ERR_IO, "%s: cannot stat: %s", path, strerror(err));
     }
     if (!S_ISREG(sb.st_mode)) {
         fclose(fp);
@@ -501,15 +477,16 @@ mha_status mha_st_open(mha_st_file **out, const char *path) {
     }
     if (sb.st_size < 0 || (uintmax_t)sb.st_size >= (uintmax_t)SIZE_MAX) {
         fclose(fp);
-        return mha__fail(MHA_ERR_IO, "%s: file size %lld does not fit in "
-                         "memory", path, (long long)sb.st_size);
+        return mha__fail(MHA_ERR_IO,
+                         "%s: file size %lld does not fit in "
+                         "memory",
+                         path, (long long)sb.st_size);
     }
     size_t len = (size_t)sb.st_size;
     unsigned char *bytes = mha__malloc(len ? len : 1);
     if (!bytes) {
         fclose(fp);
-        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes",
-                         path, len);
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for %zu bytes", path, len);
     }
     size_t got = fread(bytes, 1, len, fp);
     if (got != len) {
@@ -517,34 +494,31 @@ mha_status mha_st_open(mha_st_file **out, const char *path) {
         fclose(fp);
         free(bytes);
         if (err)
-            return mha__fail(MHA_ERR_IO, "%s: read failed after %zu of %zu "
-                             "bytes: %s", path, got, len, strerror(err));
-        return mha__fail(MHA_ERR_IO, "%s: file shrank while reading (%zu of "
-                         "%zu bytes)", path, got, len);
+            return mha__fail(MHA_ERR_IO,
+                             "%s: read failed after %zu of %zu "
+                             "bytes: %s",
+                             path, got, len, strerror(err));
+        return mha__fail(MHA_ERR_IO,
+                         "%s: file shrank while reading (%zu of "
+                         "%zu bytes)",
+                         path, got, len);
     }
     fclose(fp);  // read-only: nothing to flush
     return st_open_bytes(out, bytes, len, path);
 }
 
-int64_t mha_st_num_tensors(const mha_st_file *f) {
-    return f ? f->ntensors : 0;
-}
+int64_t mha_st_num_tensors(const mha_st_file *f) { return f ? f->ntensors : 0; }
 
-mha_status mha_st_tensor_at(mha_st_tensor *out, const mha_st_file *f,
-                            int64_t i) {
-    if (!out || !f)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_tensor_at: NULL argument");
+mha_status mha_st_tensor_at(mha_st_tensor *out, const mha_st_file *f, int64_t i) {
+    if (!out || !f) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_tensor_at: NULL argument");
     if (i < 0 || i >= f->ntensors)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "%s: tensor index %lld out of range [0, %lld)",
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: tensor index %lld out of range [0, %lld)",
                          f->label, (long long)i, (long long)f->ntensors);
     *out = f->tensors[i];
     return MHA_OK;
 }
 
-mha_status mha_st_find(mha_st_tensor *out, const mha_st_file *f,
-                       const char *name) {
+mha_status mha_st_find(mha_st_tensor *out, const mha_st_file *f, const char *name) {
     if (!out || !f || !name)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_find: NULL argument");
     size_t lo = 0, hi = (size_t)f->ntensors;
@@ -563,18 +537,13 @@ mha_status mha_st_find(mha_st_tensor *out, const mha_st_file *f,
                      mha_escape(q, sizeof q, name));
 }
 
-int64_t mha_st_num_metadata(const mha_st_file *f) {
-    return f ? f->nmeta : 0;
-}
+int64_t mha_st_num_metadata(const mha_st_file *f) { return f ? f->nmeta : 0; }
 
-mha_status mha_st_metadata_at(const char **key, const char **value,
-                              const mha_st_file *f, int64_t i) {
-    if (!f)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_metadata_at: file is NULL");
+mha_status mha_st_metadata_at(const char **key, const char **value, const mha_st_file *f,
+                              int64_t i) {
+    if (!f) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_metadata_at: file is NULL");
     if (i < 0 || i >= f->nmeta)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "%s: metadata index %lld out of range [0, %lld)",
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: metadata index %lld out of range [0, %lld)",
                          f->label, (long long)i, (long long)f->nmeta);
     if (key) *key = f->meta[i].key;
     if (value) *value = f->meta[i].value;
@@ -650,36 +619,31 @@ static float elem_f32(mha_dtype t, const unsigned char *p) {
     return (float)elem_f64(t, p);
 }
 
-mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to,
-                       const mha_st_tensor *t) {
-    if (!t)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_read: tensor is NULL");
+mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to, const mha_st_tensor *t) {
+    if (!t) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_read: tensor is NULL");
     const char *name = t->name ? t->name : "?";
     char q[QUOTE_CAP];
     mha_escape(q, sizeof q, name);
     size_t from_size = mha_dtype_size(t->dtype), to_size = mha_dtype_size(to);
     if (!from_size || !to_size)
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_read: tensor %s: invalid dtype (%d -> %d)", q,
-                         (int)t->dtype, (int)to);
+                         "mha_st_read: tensor %s: invalid dtype (%d -> %d)", q, (int)t->dtype,
+                         (int)to);
     size_t need, have;
     if (t->numel < 0 || (uint64_t)t->numel > SIZE_MAX ||
-        mha__mul_overflow_size((size_t)t->numel, from_size, &have) ||
-        have != t->nbytes ||
+        mha__mul_overflow_size((size_t)t->numel, from_size, &have) || have != t->nbytes ||
         mha__mul_overflow_size((size_t)t->numel, to_size, &need))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_read: tensor %s: numel %lld inconsistent "
                          "with nbytes %zu",
                          q, (long long)t->numel, t->nbytes);
     if (need && (!dst || !t->data))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_read: tensor %s: NULL data pointer", q);
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_read: tensor %s: NULL data pointer", q);
     if (dst_bytes < need)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_read: tensor %s: dst has %zu bytes, %lld x "
                          "%s needs %zu",
-                         q, dst_bytes, (long long)t->numel,
-                         mha_dtype_name(to), need);
+                         q, dst_bytes, (long long)t->numel, mha_dtype_name(to), need);
 
     const unsigned char *src = t->data;
     unsigned char *out = dst;

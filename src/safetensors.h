@@ -40,7 +40,6 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item, const char *label
                                size_t data_len);
 mha_status mha__st_check_metadata(const cJSON *m, const char *label);
 bool mha__st_json_value_valid(const unsigned char *s, size_t n);
-mha_status mha__st_check_header_bytes(const unsigned char *h, size_t n,
-                                      const char *label);
+mha_status mha__st_check_header_bytes(const unsigned char *h, size_t n, const char *label);
 
 #endif

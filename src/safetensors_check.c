@@ -67,8 +67,7 @@ const char *mha__st_json_describe(char *buf, size_t cap, const cJSON *v) {
 static int json_uint(uint64_t *out, const cJSON *v) {
     if (!cJSON_IsNumber(v)) return 0;
     double d = v->valuedouble;
-    if (!(d >= 0.0) || signbit(d) || !(d < ST_INT_LIMIT) || d != floor(d))
-        return 0;
+    if (!(d >= 0.0) || signbit(d) || !(d < ST_INT_LIMIT) || d != floor(d)) return 0;
     *out = (uint64_t)d;
     return 1;
 }
@@ -105,15 +104,14 @@ static int dtype_lookup(mha_dtype *out, const char *s) {
 // A cohesive validator: kept whole (the name, the keys, dtype, shape,
 // data_offsets and the size, each check returning its own message, top to
 // bottom).
-mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
-                               const char *label, size_t data_len) {
+mha_status mha__st_check_entry(st_entry *e, const cJSON *item, const char *label,
+                               size_t data_len) {
     char qn[QUOTE_CAP], vb[64];
     const char *name = item->string;
     mha_escape(qn, sizeof qn, name);
 
     if (name[0] == '\0')
-        return mha__fail(MHA_ERR_FORMAT, "%s: a tensor has an empty name",
-                         label);
+        return mha__fail(MHA_ERR_FORMAT, "%s: a tensor has an empty name", label);
     size_t ok = mha__st_utf8_valid_prefix(name);
     if (name[ok] != '\0')
         return mha__fail(MHA_ERR_FORMAT,
@@ -121,8 +119,7 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
                          "0x%02x at offset %zu)",
                          label, qn, (unsigned char)name[ok], ok);
     if (!cJSON_IsObject(item))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: entry is %s, not an object", label,
+        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: entry is %s, not an object", label,
                          qn, mha__st_json_describe(vb, sizeof vb, item));
 
     const cJSON *dtype = NULL, *shape = NULL, *offsets = NULL;
@@ -139,20 +136,19 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
                              label, qn, mha_escape(qk, sizeof qk, k->string));
         }
         if (*slot)
-            return mha__fail(MHA_ERR_FORMAT,
-                             "%s: tensor %s: key \"%s\" appears twice", label,
+            return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: key \"%s\" appears twice", label,
                              qn, k->string);
         *slot = k;
     }
     if (!dtype || !shape || !offsets)
-        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: missing key \"%s\"",
-                         label, qn,
-                         !dtype ? "dtype" : !shape ? "shape" : "data_offsets");
+        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: missing key \"%s\"", label, qn,
+                         !dtype   ? "dtype"
+                         : !shape ? "shape"
+                                  : "data_offsets");
 
     // dtype
     if (!cJSON_IsString(dtype))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: dtype is %s, not a string", label, qn,
+        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: dtype is %s, not a string", label, qn,
                          mha__st_json_describe(vb, sizeof vb, dtype));
     if (!dtype_lookup(&e->dtype, dtype->valuestring)) {
         char qd[QUOTE_CAP];
@@ -164,8 +160,7 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
 
     // shape
     if (!cJSON_IsArray(shape))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: shape is %s, not an array", label, qn,
+        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: shape is %s, not an array", label, qn,
                          mha__st_json_describe(vb, sizeof vb, shape));
     int ndim = cJSON_GetArraySize(shape);
     if (ndim > MHA_MAX_DIMS)
@@ -194,8 +189,7 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
                          "2 integers",
                          label, qn, mha__st_json_describe(vb, sizeof vb, offsets));
     if (cJSON_GetArraySize(offsets) != 2)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: tensor %s: data_offsets has %d elements, not 2",
+        return mha__fail(MHA_ERR_FORMAT, "%s: tensor %s: data_offsets has %d elements, not 2",
                          label, qn, cJSON_GetArraySize(offsets));
     const cJSON *b = offsets->child, *en = b->next;
     if (!json_uint(&e->begin, b))
@@ -212,13 +206,11 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: tensor %s: data_offsets [%llu, %llu] begin "
                          "after their end",
-                         label, qn, (unsigned long long)e->begin,
-                         (unsigned long long)e->end);
+                         label, qn, (unsigned long long)e->begin, (unsigned long long)e->end);
 
     // size: numel x dtype size == end - begin, every product checked
     size_t esize = mha_dtype_size(e->dtype);
-    if (mha__st_shape_numel(&e->numel, e->ndim, e->shape) ||
-        (uint64_t)e->numel > SIZE_MAX ||
+    if (mha__st_shape_numel(&e->numel, e->ndim, e->shape) || (uint64_t)e->numel > SIZE_MAX ||
         mha__mul_overflow_size((size_t)e->numel, esize, &e->nbytes))
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: tensor %s: shape %s x %s: the product of "
@@ -230,14 +222,14 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
                          "%s: tensor %s: shape %s x %s = %zu bytes but "
                          "data_offsets [%llu, %llu] span %llu",
                          label, qn, sb, mha_dtype_name(e->dtype), e->nbytes,
-                         (unsigned long long)e->begin,
-                         (unsigned long long)e->end, (unsigned long long)span);
+                         (unsigned long long)e->begin, (unsigned long long)e->end,
+                         (unsigned long long)span);
     if (e->end > (uint64_t)data_len)
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: tensor %s: data_offsets [%llu, %llu] past the "
                          "end of the data buffer (%zu bytes; file truncated?)",
-                         label, qn, (unsigned long long)e->begin,
-                         (unsigned long long)e->end, data_len);
+                         label, qn, (unsigned long long)e->begin, (unsigned long long)e->end,
+                         data_len);
     return MHA_OK;
 }
 
@@ -245,8 +237,7 @@ mha_status mha__st_check_entry(st_entry *e, const cJSON *item,
 mha_status mha__st_check_metadata(const cJSON *m, const char *label) {
     char vb[64], qk[QUOTE_CAP];
     if (!cJSON_IsObject(m))
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: __metadata__ is %s, not an object of strings",
+        return mha__fail(MHA_ERR_FORMAT, "%s: __metadata__ is %s, not an object of strings",
                          label, mha__st_json_describe(vb, sizeof vb, m));
     for (const cJSON *k = m->child; k; k = k->next) {
         mha_escape(qk, sizeof qk, k->string);
@@ -283,9 +274,10 @@ static bool json_hex4(const unsigned char *s, size_t n, size_t i, unsigned *code
     unsigned v = 0;
     for (size_t k = 0; k < 4; k++) {
         unsigned char c = s[i + k];
-        unsigned d = c >= '0' && c <= '9' ? (unsigned)(c - '0')
+        unsigned d = c >= '0' && c <= '9'   ? (unsigned)(c - '0')
                      : c >= 'a' && c <= 'f' ? (unsigned)(c - 'a' + 10)
-                     : c >= 'A' && c <= 'F' ? (unsigned)(c - 'A' + 10) : 16u;
+                     : c >= 'A' && c <= 'F' ? (unsigned)(c - 'A' + 10)
+                                            : 16u;
         if (d > 15) return false;
         v = v * 16 + d;
     }
@@ -322,7 +314,8 @@ static bool json_number(const unsigned char *s, size_t n, size_t *i) {
     size_t k = *i;
     if (k < n && s[k] == '-') k++;
     if (k < n && s[k] == '0') k++;
-    else if (MHA__DIGIT(k)) while (MHA__DIGIT(k)) k++;
+    else if (MHA__DIGIT(k))
+        while (MHA__DIGIT(k)) k++;
     else return false;
     if (k < n && s[k] == '.') {
         if (!MHA__DIGIT(k + 1)) return false;
@@ -345,7 +338,8 @@ static bool json_number(const unsigned char *s, size_t n, size_t *i) {
 bool mha__st_json_value_valid(const unsigned char *s, size_t n) {
     bool in_object[CJSON_NESTING_LIMIT];  // per open container
     size_t depth = 0, i = 0;
-#define MHA__WS() while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++
+#define MHA__WS() \
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++
     for (;;) {
         // a value
         MHA__WS();
@@ -402,11 +396,9 @@ bool mha__st_json_value_valid(const unsigned char *s, size_t n) {
 }
 
 // Byte-level rules cJSON does not enforce on the n header bytes h.
-mha_status mha__st_check_header_bytes(const unsigned char *h, size_t n,
-                                      const char *label) {
+mha_status mha__st_check_header_bytes(const unsigned char *h, size_t n, const char *label) {
     if (n >= 3 && h[0] == 0xef && h[1] == 0xbb && h[2] == 0xbf)
-        return mha__fail(MHA_ERR_FORMAT,
-                         "%s: header starts with a UTF-8 byte-order mark",
+        return mha__fail(MHA_ERR_FORMAT, "%s: header starts with a UTF-8 byte-order mark",
                          label);
     size_t backslashes = 0;  // run of '\' just before h[i]
     for (size_t i = 0; i < n; i++) {
@@ -417,8 +409,7 @@ mha_status mha__st_check_header_bytes(const unsigned char *h, size_t n,
                              "(not allowed in JSON)",
                              label, i, c);
         // "\u0000" (an odd run of backslashes): cJSON would cut the string
-        if (c == 'u' && (backslashes & 1) && i + 4 < n &&
-            memcmp(h + i + 1, "0000", 4) == 0)
+        if (c == 'u' && (backslashes & 1) && i + 4 < n && memcmp(h + i + 1, "0000", 4) == 0)
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: header byte %zu: a string contains \\u0000 "
                              "(NUL characters are not supported)",

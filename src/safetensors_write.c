@@ -39,13 +39,10 @@ struct mha_st_writer {
 };
 
 mha_status mha_st_writer_create(mha_st_writer **out) {
-    if (!out)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_create: out is NULL");
+    if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_writer_create: out is NULL");
     *out = mha__calloc(1, sizeof **out);
     if (!*out)
-        return mha__fail(MHA_ERR_NOMEM,
-                         "mha_st_writer_create: out of memory (%zu bytes)",
+        return mha__fail(MHA_ERR_NOMEM, "mha_st_writer_create: out of memory (%zu bytes)",
                          sizeof **out);
     return MHA_OK;
 }
@@ -77,26 +74,21 @@ static void *grow(void *arr, int64_t *cap, int64_t count, size_t elem) {
     return p;
 }
 
-mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
-                             mha_dtype dtype, int ndim, const int64_t *shape,
-                             const void *data) {
-    if (!w || !name)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: NULL argument");
+mha_status mha_st_writer_add(mha_st_writer *w, const char *name, mha_dtype dtype, int ndim,
+                             const int64_t *shape, const void *data) {
+    if (!w || !name) return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_writer_add: NULL argument");
     char q[QUOTE_CAP];
     mha_escape(q, sizeof q, name);
     size_t ok = mha__st_utf8_valid_prefix(name);
-    if (name[0] == '\0' || name[ok] != '\0' ||
-        strcmp(name, "__metadata__") == 0)
+    if (name[0] == '\0' || name[ok] != '\0' || strcmp(name, "__metadata__") == 0)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_writer_add: tensor name %s is empty, not "
                          "valid UTF-8 or reserved",
                          q);
     size_t esize = mha_dtype_size(dtype);
     if (!esize)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: tensor %s: invalid dtype %d", q,
-                         (int)dtype);
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_writer_add: tensor %s: invalid dtype %d",
+                         q, (int)dtype);
     if (ndim < 0 || ndim > MHA_MAX_DIMS || (ndim > 0 && !shape))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "mha_st_writer_add: tensor %s: ndim %d not in [0, "
@@ -127,15 +119,12 @@ mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
                          "overflows the size types",
                          q, sb, mha_dtype_name(dtype));
     if (nbytes && !data)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_add: tensor %s: data is NULL", q);
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_writer_add: tensor %s: data is NULL", q);
     for (int64_t i = 0; i < w->ntensors; i++)
         if (strcmp(w->tensors[i].name, name) == 0)
-            return mha__fail(MHA_ERR_INVALID_ARG,
-                             "mha_st_writer_add: tensor %s added twice", q);
+            return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_writer_add: tensor %s added twice", q);
 
-    st_wtensor *grown =
-        grow(w->tensors, &w->tensors_cap, w->ntensors, sizeof *w->tensors);
+    st_wtensor *grown = grow(w->tensors, &w->tensors_cap, w->ntensors, sizeof *w->tensors);
     if (!grown)
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_st_writer_add: tensor %s: out of memory growing "
@@ -174,11 +163,9 @@ mha_status mha_st_writer_add(mha_st_writer *w, const char *name,
     return MHA_OK;
 }
 
-mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
-                                      const char *value) {
+mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key, const char *value) {
     if (!w || !key || !value)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_set_metadata: NULL argument");
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_writer_set_metadata: NULL argument");
     char q[QUOTE_CAP];
     if (key[mha__st_utf8_valid_prefix(key)] || value[mha__st_utf8_valid_prefix(value)])
         return mha__fail(MHA_ERR_INVALID_ARG,
@@ -232,23 +219,19 @@ static char *build_header(const mha_st_writer *w) {
         cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
         if (!m) goto fail;
         for (int64_t i = 0; i < w->nmeta; i++)
-            if (!cJSON_AddStringToObject(m, w->meta[i].key, w->meta[i].value))
-                goto fail;
+            if (!cJSON_AddStringToObject(m, w->meta[i].key, w->meta[i].value)) goto fail;
     }
     uint64_t at = 0;
     for (int64_t i = 0; i < w->ntensors; i++) {
         const st_wtensor *t = &w->tensors[i];
         cJSON *e = cJSON_AddObjectToObject(root, t->name);
-        if (!e ||
-            !cJSON_AddStringToObject(e, "dtype", mha_dtype_name(t->dtype)))
-            goto fail;
+        if (!e || !cJSON_AddStringToObject(e, "dtype", mha_dtype_name(t->dtype))) goto fail;
         cJSON *shape = cJSON_AddArrayToObject(e, "shape");
         if (!shape) goto fail;
         for (int d = 0; d < t->ndim; d++)
             if (!add_int(shape, (uint64_t)t->shape[d])) goto fail;
         cJSON *off = cJSON_AddArrayToObject(e, "data_offsets");
-        if (!off || !add_int(off, at) || !add_int(off, at + t->nbytes))
-            goto fail;
+        if (!off || !add_int(off, at) || !add_int(off, at + t->nbytes)) goto fail;
         at += t->nbytes;
     }
     char *text = cJSON_PrintUnformatted(root);
@@ -261,8 +244,7 @@ fail:
 
 mha_status mha_st_writer_save(const mha_st_writer *w, const char *path) {
     if (!w || !path)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_st_writer_save: NULL argument");
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_st_writer_save: NULL argument");
     char *text = build_header(w);
     if (!text)
         return mha__fail(MHA_ERR_NOMEM,
@@ -273,20 +255,17 @@ mha_status mha_st_writer_save(const mha_st_writer *w, const char *path) {
     size_t padded = (n + 7) & ~(size_t)7;
     if (padded > MHA_ST_MAX_HEADER) {
         cJSON_free(text);
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "%s: header of %zu bytes exceeds the limit of %u",
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: header of %zu bytes exceeds the limit of %u",
                          path, padded, MHA_ST_MAX_HEADER);
     }
     FILE *fp = fopen(path, "wb");
     if (!fp) {
         int err = errno;
         cJSON_free(text);
-        return mha__fail(MHA_ERR_IO, "%s: cannot open for writing: %s", path,
-                         strerror(err));
+        return mha__fail(MHA_ERR_IO, "%s: cannot open for writing: %s", path, strerror(err));
     }
     unsigned char len8[8];
-    for (int i = 0; i < 8; i++)
-        len8[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+    for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)padded >> (8 * i));
     static const char spaces[8] = {' ', ' ', ' ', ' ', ' ', ' ', ' ', ' '};
     int ok = fwrite(len8, 1, 8, fp) == 8 && fwrite(text, 1, n, fp) == n &&
              fwrite(spaces, 1, padded - n, fp) == padded - n;

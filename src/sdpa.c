@@ -23,8 +23,8 @@ static mha_status check_4d(const mha_tensor *t, const char *name) {
     if (st) return st;
     if (t->ndim != 4) {
         char s[160];
-        return mha__fail(MHA_ERR_SHAPE, "%s: expected 4 dims (B, H, T, D), got %s",
-                         name, mha__shape_str(s, sizeof s, t->ndim, t->shape));
+        return mha__fail(MHA_ERR_SHAPE, "%s: expected 4 dims (B, H, T, D), got %s", name,
+                         mha__shape_str(s, sizeof s, t->ndim, t->shape));
     }
     return MHA_OK;
 }
@@ -40,12 +40,11 @@ static mha_status sdpa_check(sdpa_dims *dm, double *scale_out, const mha_sdpa_ar
     char s1[160], s2[160], s3[160];
     mha_status st;
     if ((st = mha__check_impl(a->impl))) return st;
-    if ((st = check_4d(a->q, "q")) || (st = check_4d(a->k, "k")) ||
-        (st = check_4d(a->v, "v")))
+    if ((st = check_4d(a->q, "q")) || (st = check_4d(a->k, "k")) || (st = check_4d(a->v, "v")))
         return st;
     const mha_tensor *q = a->q, *k = a->k, *v = a->v;
-    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2],
-                  D = q->shape[3], S = k->shape[2], Dv = v->shape[3];
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
+                  S = k->shape[2], Dv = v->shape[3];
     const int64_t Hkv = k->shape[1];
     if (k->shape[0] != B || Hkv < 1 || H % Hkv != 0 || v->shape[0] != B ||
         v->shape[1] != Hkv || k->shape[3] != D || v->shape[2] != S)
@@ -64,9 +63,8 @@ static mha_status sdpa_check(sdpa_dims *dm, double *scale_out, const mha_sdpa_ar
         scale = a->scale;
     } else {
         if (D == 0)
-            return mha__fail(MHA_ERR_SHAPE,
-                             "sdpa: head dim D is 0, so the default scale "
-                             "1/sqrt(D) is undefined (pass a custom scale)");
+            return mha__fail(MHA_ERR_SHAPE, "sdpa: head dim D is 0, so the default scale "
+                                            "1/sqrt(D) is undefined (pass a custom scale)");
         scale = 1.0 / sqrt((double)D);
     }
     *scale_out = scale;
@@ -92,10 +90,14 @@ static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, const sdp
         if (t->ndim > 4)
             return mha__fail(MHA_ERR_SHAPE,
                              "attn_mask: %d dims, at most 4 broadcast to (B, H, "
-                             "L, S)", t->ndim);
+                             "L, S)",
+                             t->ndim);
         for (int i = 0; i < 4; i++) {
             int td = t->ndim - 4 + i;  // right-aligned
-            if (td < 0) { mk.attn_s[i] = 0; continue; }
+            if (td < 0) {
+                mk.attn_s[i] = 0;
+                continue;
+            }
             if (t->shape[td] == full[i]) mk.attn_s[i] = full[i] == 1 ? 0 : t->stride[td];
             else if (t->shape[td] == 1) mk.attn_s[i] = 0;
             else
@@ -112,8 +114,7 @@ static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, const sdp
         const mha_tensor *t = a->key_padding_mask;
         if ((st = mha__check_mask_dtype(t, "key_padding_mask"))) return st;
         if (t->ndim != 2 || t->shape[0] != B || t->shape[1] != S)
-            return mha__fail(MHA_ERR_SHAPE,
-                             "key_padding_mask: shape %s, expected (B, S) = %s",
+            return mha__fail(MHA_ERR_SHAPE, "key_padding_mask: shape %s, expected (B, S) = %s",
                              mha__shape_str(s1, sizeof s1, t->ndim, t->shape),
                              mha__shape_str(s2, sizeof s2, 2, (int64_t[]){B, S}));
         mk.kpm = t->data;
@@ -189,18 +190,16 @@ static mha_status sdpa_reference(mha_tensor *out, mha_tensor *weights, const mha
     size_t bytes;
     if (mha__mul_overflow_i64(L, S, &ls) ||
         mha__mul_overflow_size((size_t)ls, sizeof(double) * (size_t)nt, &bytes))
-        return mha__fail(MHA_ERR_OVERFLOW, "sdpa: L %lld x S %lld overflows",
-                         (long long)L, (long long)S);
+        return mha__fail(MHA_ERR_OVERFLOW, "sdpa: L %lld x S %lld overflows", (long long)L,
+                         (long long)S);
     double *scores = mha__malloc(bytes ? bytes : 1);
-    if (!scores)
-        return mha__fail(MHA_ERR_NOMEM, "sdpa: out of memory for %zu bytes", bytes);
+    if (!scores) return mha__fail(MHA_ERR_NOMEM, "sdpa: out of memory for %zu bytes", bytes);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         const int64_t hk = h / (H / Hkv);  // grouped-query: the KV head
-#define MHA__HEAD(t)                                                          \
-    mha__view_at((t), (t)->stride[0] * b + (t)->stride[1] * h, 3)
+#define MHA__HEAD(t) mha__view_at((t), (t)->stride[0] * b + (t)->stride[1] * h, 3)
         mha__mat w = {NULL, false, 0, 0, 0}, o = MHA__HEAD(out), qm = MHA__HEAD(q),
                  km = mha__view_at(k, b * k->stride[0] + hk * k->stride[1], 3),
                  vm = mha__view_at(v, b * v->stride[0] + hk * v->stride[1], 3);
@@ -233,6 +232,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         (st = sdpa_check_outputs(out, weights, a, &dm)) ||
         (st = sdpa_impl(&impl, out, weights, a)))
         return st;
-    if (impl == MHA_IMPL_FUSED) return mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, scale);
+    if (impl == MHA_IMPL_FUSED)
+        return mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, scale);
     return sdpa_reference(out, weights, a, &dm, &mk, scale);
 }

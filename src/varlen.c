@@ -55,7 +55,8 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
         return st;
     const int64_t H = q->shape[1], D = q->shape[2], Hkv = k->shape[1], Dv = v->shape[2];
     const int64_t nseq = a->num_seqs;
-    if (nseq < 0) return mha__fail(MHA_ERR_INVALID_ARG, "varlen: num_seqs %lld < 0", (long long)nseq);
+    if (nseq < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG, "varlen: num_seqs %lld < 0", (long long)nseq);
     if (Hkv < 1 || H % Hkv != 0 || k->shape[2] != D || v->shape[1] != Hkv ||
         v->shape[0] != k->shape[0] || out->shape[0] != q->shape[0] || out->shape[1] != H ||
         out->shape[2] != Dv) {
@@ -126,8 +127,14 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
             .v_rs = v->stride[0],
             .o = (float *)out->data + q0 * out->stride[0] + h * out->stride[1],
             .o_rs = out->stride[0],
-            .L = lq, .S = lk, .D = D, .Dv = Dv, .scale = (float)scale,
-            .mask = &mk, .b = b, .h = h,
+            .L = lq,
+            .S = lk,
+            .D = D,
+            .Dv = Dv,
+            .scale = (float)scale,
+            .mask = &mk,
+            .b = b,
+            .h = h,
         };
         mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, lq),
                         blk + (size_t)mha__thread_id() * sf);

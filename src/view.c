@@ -23,11 +23,17 @@ bool mha__same_view(const mha_tensor *a, const mha_tensor *b) {
 
 void mha__seq_batch_feat(int64_t s[3], const mha_tensor *t, bool batch_first) {
     if (t->ndim == 2) {
-        s[0] = t->stride[0]; s[1] = 0; s[2] = t->stride[1];
+        s[0] = t->stride[0];
+        s[1] = 0;
+        s[2] = t->stride[1];
     } else if (batch_first) {
-        s[0] = t->stride[1]; s[1] = t->stride[0]; s[2] = t->stride[2];
+        s[0] = t->stride[1];
+        s[1] = t->stride[0];
+        s[2] = t->stride[2];
     } else {
-        s[0] = t->stride[0]; s[1] = t->stride[1]; s[2] = t->stride[2];
+        s[0] = t->stride[0];
+        s[1] = t->stride[1];
+        s[2] = t->stride[2];
     }
 }
 
@@ -40,8 +46,7 @@ int mha__carve(size_t *total, size_t *off, int64_t n, size_t size) {
 }
 
 void mha__weights_row_out(const mha_tensor *w, float *scales, int64_t row_index,
-                          int64_t elem_off, const double *rowd, const float *rowf,
-                          int64_t n) {
+                          int64_t elem_off, const double *rowd, const float *rowf, int64_t n) {
     const int64_t cs = w->stride[w->ndim - 1];
     if (w->dtype == MHA_U8) {  // int8 weights: one scale per row
         double mx = 0.0;

@@ -32,7 +32,8 @@ static inline double mha__ld(mha__mat m, int64_t r, int64_t c) {
 static inline void mha__st(mha__mat m, int64_t r, int64_t c, double v) {
     int64_t o = r * m.rs + c * m.cs;
     if (m.half)
-        ((uint16_t *)m.p)[o] = m.half == 1 ? mha_f32_to_bf16((float)v) : mha_f32_to_f16((float)v);
+        ((uint16_t *)m.p)[o] = m.half == 1 ? mha_f32_to_bf16((float)v)
+                                           : mha_f32_to_f16((float)v);
     else if (m.f64) ((double *)m.p)[o] = v;
     else ((float *)m.p)[o] = (float)v;
 }
@@ -40,7 +41,9 @@ static inline void mha__st(mha__mat m, int64_t r, int64_t c, double v) {
 // The view of a tensor's elements from p (already offset) of type dt.
 static inline mha__mat mha__vmat(void *p, mha_dtype dt, int64_t rs, int64_t cs) {
     mha__mat m = {p, dt == MHA_F64, rs, cs,
-                  (uint8_t)(dt == MHA_BF16 ? 1 : dt == MHA_F16 ? 2 : 0)};
+                  (uint8_t)(dt == MHA_BF16  ? 1
+                            : dt == MHA_F16 ? 2
+                                            : 0)};
     return m;
 }
 
@@ -97,7 +100,6 @@ int mha__carve(size_t *total, size_t *off, int64_t n, size_t size);
 // type, or, for an MHA_U8 view, quantised with scales[row_index] =
 // max / 255 (mha_forward_args.weights_scale).
 void mha__weights_row_out(const mha_tensor *w, float *scales, int64_t row_index,
-                          int64_t elem_off, const double *rowd, const float *rowf,
-                          int64_t n);
+                          int64_t elem_off, const double *rowd, const float *rowf, int64_t n);
 
 #endif

@@ -31,38 +31,50 @@ static inline __m256i tail_mask(int64_t n) {  // lanes [0, n) of 8
 // gemm_nn_acc, (1, lda) for gemm_tn_acc (A stored transposed), the strides
 // constant in each after inlining. Every C element: an FMA chain from 0 over
 // k in increasing order, then added to C.
-#define ROW_FMA(r)                                                            \
-    do {                                                                      \
-        const __m256 a = _mm256_broadcast_ss(A + ars * (r) + k * aks);        \
-        c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                            \
-        c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                            \
+#define ROW_FMA(r)                                                     \
+    do {                                                               \
+        const __m256 a = _mm256_broadcast_ss(A + ars * (r) + k * aks); \
+        c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                     \
+        c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                     \
     } while (0)
-#define ROW_STORE(r)                                                          \
-    do {                                                                      \
-        float *c = C + ldc * (r);                                             \
-        _mm256_maskstore_ps(c, m0, _mm256_add_ps(_mm256_maskload_ps(c, m0), c##r##0)); \
+#define ROW_STORE(r)                                                                           \
+    do {                                                                                       \
+        float *c = C + ldc * (r);                                                              \
+        _mm256_maskstore_ps(c, m0, _mm256_add_ps(_mm256_maskload_ps(c, m0), c##r##0));         \
         _mm256_maskstore_ps(c + 8, m1, _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), c##r##1)); \
     } while (0)
-#define LOAD_B                                                                \
-    const __m256 b0 = _mm256_maskload_ps(B + k * ldb, m0);                    \
+#define LOAD_B                                             \
+    const __m256 b0 = _mm256_maskload_ps(B + k * ldb, m0); \
     const __m256 b1 = _mm256_maskload_ps(B + k * ldb + 8, m1)
 
-static inline __attribute__((always_inline)) void ukr6(
-    int64_t K, const float *A, int64_t ars, int64_t aks, const float *B, int64_t ldb,
-    float *C, int64_t ldc, __m256i m0, __m256i m1) {
+static inline __attribute__((always_inline)) void ukr6(int64_t K, const float *A, int64_t ars,
+                                                       int64_t aks, const float *B,
+                                                       int64_t ldb, float *C, int64_t ldc,
+                                                       __m256i m0, __m256i m1) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t k = 0; k < K; k++) {
         LOAD_B;
-        ROW_FMA(0); ROW_FMA(1); ROW_FMA(2); ROW_FMA(3); ROW_FMA(4); ROW_FMA(5);
+        ROW_FMA(0);
+        ROW_FMA(1);
+        ROW_FMA(2);
+        ROW_FMA(3);
+        ROW_FMA(4);
+        ROW_FMA(5);
     }
-    ROW_STORE(0); ROW_STORE(1); ROW_STORE(2); ROW_STORE(3); ROW_STORE(4); ROW_STORE(5);
+    ROW_STORE(0);
+    ROW_STORE(1);
+    ROW_STORE(2);
+    ROW_STORE(3);
+    ROW_STORE(4);
+    ROW_STORE(5);
 }
 
 // One row: the edge of M (fewer than MR rows left).
-static inline __attribute__((always_inline)) void ukr1(
-    int64_t K, const float *A, int64_t ars, int64_t aks, const float *B, int64_t ldb,
-    float *C, int64_t ldc, __m256i m0, __m256i m1) {
+static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A, int64_t ars,
+                                                       int64_t aks, const float *B,
+                                                       int64_t ldb, float *C, int64_t ldc,
+                                                       __m256i m0, __m256i m1) {
     (void)ars;
     (void)ldc;
     __m256 c00 = _mm256_setzero_ps(), c01 = c00;
@@ -74,9 +86,11 @@ static inline __attribute__((always_inline)) void ukr1(
 }
 
 // C (M, N) += A B in KC x NC blocks of MR x NR micro-tiles.
-static inline __attribute__((always_inline)) void gemm_acc(
-    float *C, int64_t ldc, const float *A, int64_t ars, int64_t aks, const float *B,
-    int64_t ldb, int64_t M, int64_t N, int64_t K) {
+static inline __attribute__((always_inline)) void gemm_acc(float *C, int64_t ldc,
+                                                           const float *A, int64_t ars,
+                                                           int64_t aks, const float *B,
+                                                           int64_t ldb, int64_t M, int64_t N,
+                                                           int64_t K) {
     for (int64_t j0 = 0; j0 < N; j0 += NC) {
         int64_t nc = N - j0 < NC ? N - j0 : NC;
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -100,24 +114,21 @@ static inline __attribute__((always_inline)) void gemm_acc(
     }
 }
 
-static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
     gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K);
 }
 
 // gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda:
 // the same blocking, micro-tiles and per-element sum order as gemm_nn_acc,
 // so it is bit-identical to transposing A and calling gemm_nn_acc.
-static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
     gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K);
 }
 
-static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
-                    const float *B, int64_t ldb, int64_t M, int64_t N,
-                    int64_t K) {
+static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j += 8)
             _mm256_maskstore_ps(C + i * ldc + j, tail_mask(N - j), _mm256_setzero_ps());
@@ -172,26 +183,26 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
 
 #define PK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define PK_DECL(r) __m256 c##r##a = _mm256_setzero_ps(), c##r##b = _mm256_setzero_ps();
-#define PK_FMA(r)                                                             \
-    {                                                                         \
-        const __m256 a = _mm256_broadcast_ss(Ap + (r));                       \
-        c##r##a = _mm256_fmadd_ps(a, b0, c##r##a);                            \
-        c##r##b = _mm256_fmadd_ps(a, b1, c##r##b);                            \
+#define PK_FMA(r)                                       \
+    {                                                   \
+        const __m256 a = _mm256_broadcast_ss(Ap + (r)); \
+        c##r##a = _mm256_fmadd_ps(a, b0, c##r##a);      \
+        c##r##b = _mm256_fmadd_ps(a, b1, c##r##b);      \
     }
-#define PK_STORE(r)                                                           \
-    if ((r) < mr) {                                                           \
-        float *c = C + ldc * (r);                                             \
-        __m256 v0 = c##r##a, v1 = c##r##b;                                    \
-        if (add) {                                                            \
-            v0 = _mm256_add_ps(_mm256_maskload_ps(c, m0), v0);                \
-            v1 = _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), v1);            \
-        }                                                                     \
-        if (bias) {                                                           \
-            v0 = _mm256_add_ps(v0, bb0);                                      \
-            v1 = _mm256_add_ps(v1, bb1);                                      \
-        }                                                                     \
-        _mm256_maskstore_ps(c, m0, v0);                                       \
-        _mm256_maskstore_ps(c + 8, m1, v1);                                   \
+#define PK_STORE(r)                                                \
+    if ((r) < mr) {                                                \
+        float *c = C + ldc * (r);                                  \
+        __m256 v0 = c##r##a, v1 = c##r##b;                         \
+        if (add) {                                                 \
+            v0 = _mm256_add_ps(_mm256_maskload_ps(c, m0), v0);     \
+            v1 = _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), v1); \
+        }                                                          \
+        if (bias) {                                                \
+            v0 = _mm256_add_ps(v0, bb0);                           \
+            v1 = _mm256_add_ps(v1, bb1);                           \
+        }                                                          \
+        _mm256_maskstore_ps(c, m0, v0);                            \
+        _mm256_maskstore_ps(c + 8, m1, v1);                        \
     }
 
 #define PK_PF(r) \
@@ -218,9 +229,9 @@ static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, i
     PK_ROWS(PK_STORE)
 }
 
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *Bp, const float *bias, int64_t M, int64_t N,
-                        int64_t K, bool accumulate, float *apack) {
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         for (int64_t i = 0; i < M; i++)
@@ -248,9 +259,8 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
                 // first two tiles; the others re-touch their own A
                 const float *nb = j0 + PNR < N ? Bb + PNR * K : Bb;
                 for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
-                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc,
-                               mc - t, m0, m1, add, bj,
-                               ti < 2 ? nb + ti * 8 * kc : apack + t * kc);
+                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc, mc - t,
+                               m0, m1, add, bj, ti < 2 ? nb + ti * 8 * kc : apack + t * kc);
             }
         }
     }

@@ -30,42 +30,56 @@
 // gemm_nn_acc, (1, lda) for gemm_tn_acc (A stored transposed), the strides
 // constant in each after inlining. Every C element: an FMA chain from 0 over
 // k in increasing order, then added to C.
-#define ROW_FMA(r)                                                            \
-    do {                                                                      \
-        const __m512 a = _mm512_set1_ps(A[ars * (r) + k * aks]);              \
-        c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);                            \
-        c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);                            \
+#define ROW_FMA(r)                                               \
+    do {                                                         \
+        const __m512 a = _mm512_set1_ps(A[ars * (r) + k * aks]); \
+        c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);               \
+        c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);               \
     } while (0)
-#define ROW_STORE(r)                                                          \
-    do {                                                                      \
-        float *c = C + ldc * (r);                                             \
+#define ROW_STORE(r)                                                                        \
+    do {                                                                                    \
+        float *c = C + ldc * (r);                                                           \
         _mm512_mask_storeu_ps(c, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), c##r##0)); \
-        _mm512_mask_storeu_ps(c + 16, m1,                                     \
-                              _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), c##r##1)); \
+        _mm512_mask_storeu_ps(c + 16, m1,                                                   \
+                              _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), c##r##1));   \
     } while (0)
-#define LOAD_B                                                                \
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb);                 \
+#define LOAD_B                                                \
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb); \
     const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16)
 
-static inline __attribute__((always_inline)) void ukr8(
-    int64_t K, const float *A, int64_t ars, int64_t aks, const float *B, int64_t ldb,
-    float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+static inline __attribute__((always_inline)) void ukr8(int64_t K, const float *A, int64_t ars,
+                                                       int64_t aks, const float *B,
+                                                       int64_t ldb, float *C, int64_t ldc,
+                                                       __mmask16 m0, __mmask16 m1) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00,
            c61 = c00, c70 = c00, c71 = c00;
     for (int64_t k = 0; k < K; k++) {
         LOAD_B;
-        ROW_FMA(0); ROW_FMA(1); ROW_FMA(2); ROW_FMA(3);
-        ROW_FMA(4); ROW_FMA(5); ROW_FMA(6); ROW_FMA(7);
+        ROW_FMA(0);
+        ROW_FMA(1);
+        ROW_FMA(2);
+        ROW_FMA(3);
+        ROW_FMA(4);
+        ROW_FMA(5);
+        ROW_FMA(6);
+        ROW_FMA(7);
     }
-    ROW_STORE(0); ROW_STORE(1); ROW_STORE(2); ROW_STORE(3);
-    ROW_STORE(4); ROW_STORE(5); ROW_STORE(6); ROW_STORE(7);
+    ROW_STORE(0);
+    ROW_STORE(1);
+    ROW_STORE(2);
+    ROW_STORE(3);
+    ROW_STORE(4);
+    ROW_STORE(5);
+    ROW_STORE(6);
+    ROW_STORE(7);
 }
 
 // One row: the edge of M (fewer than MR rows left).
-static inline __attribute__((always_inline)) void ukr1(
-    int64_t K, const float *A, int64_t ars, int64_t aks, const float *B, int64_t ldb,
-    float *C, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A, int64_t ars,
+                                                       int64_t aks, const float *B,
+                                                       int64_t ldb, float *C, int64_t ldc,
+                                                       __mmask16 m0, __mmask16 m1) {
     (void)ars;
     (void)ldc;
     __m512 c00 = _mm512_setzero_ps(), c01 = c00;
@@ -77,9 +91,11 @@ static inline __attribute__((always_inline)) void ukr1(
 }
 
 // C (M, N) += A B in KC x NC blocks of MR x NR micro-tiles.
-static inline __attribute__((always_inline)) void gemm_acc(
-    float *C, int64_t ldc, const float *A, int64_t ars, int64_t aks, const float *B,
-    int64_t ldb, int64_t M, int64_t N, int64_t K) {
+static inline __attribute__((always_inline)) void gemm_acc(float *C, int64_t ldc,
+                                                           const float *A, int64_t ars,
+                                                           int64_t aks, const float *B,
+                                                           int64_t ldb, int64_t M, int64_t N,
+                                                           int64_t K) {
     for (int64_t j0 = 0; j0 < N; j0 += NC) {
         int64_t nc = N - j0 < NC ? N - j0 : NC;
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -103,24 +119,21 @@ static inline __attribute__((always_inline)) void gemm_acc(
     }
 }
 
-static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
     gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K);
 }
 
 // gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda:
 // the same blocking, micro-tiles and per-element sum order as gemm_nn_acc,
 // so it is bit-identical to transposing A and calling gemm_nn_acc.
-static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
     gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K);
 }
 
-static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
-                    const float *B, int64_t ldb, int64_t M, int64_t N,
-                    int64_t K) {
+static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j += 16)
             _mm512_mask_storeu_ps(C + i * ldc + j, tail_mask(N - j), _mm512_setzero_ps());
@@ -153,9 +166,11 @@ static void transpose_rows(float *dst, int64_t ldd, __mmask16 store, const float
         const int64_t kk = kn - k0 < 16 ? kn - k0 : 16;
         const __mmask16 mk = tail_mask(kk);
         for (int i = 0; i < 16; i++)
-            r[i] = i < rows ? _mm512_maskz_loadu_ps(mk, src + i * lds + k0) : _mm512_setzero_ps();
+            r[i] = i < rows ? _mm512_maskz_loadu_ps(mk, src + i * lds + k0)
+                            : _mm512_setzero_ps();
         transpose16(r);
-        for (int64_t k = 0; k < kk; k++) _mm512_mask_storeu_ps(dst + (k0 + k) * ldd, store, r[k]);
+        for (int64_t k = 0; k < kk; k++)
+            _mm512_mask_storeu_ps(dst + (k0 + k) * ldd, store, r[k]);
     }
 }
 
@@ -195,41 +210,41 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
 
 #define PK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13)
 #define PK_DECL(r) __m512 c##r##a = _mm512_setzero_ps(), c##r##b = _mm512_setzero_ps();
-#define PK_FMA(r)                                                             \
-    {                                                                         \
-        const __m512 a = _mm512_set1_ps(Ap[r]);                               \
-        c##r##a = _mm512_fmadd_ps(a, b0, c##r##a);                            \
-        c##r##b = _mm512_fmadd_ps(a, b1, c##r##b);                            \
+#define PK_FMA(r)                                  \
+    {                                              \
+        const __m512 a = _mm512_set1_ps(Ap[r]);    \
+        c##r##a = _mm512_fmadd_ps(a, b0, c##r##a); \
+        c##r##b = _mm512_fmadd_ps(a, b1, c##r##b); \
     }
-#define PK_STORE(r)                                                           \
-    if ((r) < mr) {                                                           \
-        float *c = C + ldc * (r);                                             \
-        __m512 v0 = c##r##a, v1 = c##r##b;                                    \
-        if (add) {                                                            \
-            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), v0);             \
-            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), v1);        \
-        }                                                                     \
-        if (bias) {                                                           \
-            v0 = _mm512_add_ps(v0, bb0);                                      \
-            v1 = _mm512_add_ps(v1, bb1);                                      \
-        }                                                                     \
-        _mm512_mask_storeu_ps(c, m0, v0);                                     \
-        _mm512_mask_storeu_ps(c + 16, m1, v1);                                \
+#define PK_STORE(r)                                                    \
+    if ((r) < mr) {                                                    \
+        float *c = C + ldc * (r);                                      \
+        __m512 v0 = c##r##a, v1 = c##r##b;                             \
+        if (add) {                                                     \
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), v0);      \
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), v1); \
+        }                                                              \
+        if (bias) {                                                    \
+            v0 = _mm512_add_ps(v0, bb0);                               \
+            v1 = _mm512_add_ps(v1, bb1);                               \
+        }                                                              \
+        _mm512_mask_storeu_ps(c, m0, v0);                              \
+        _mm512_mask_storeu_ps(c + 16, m1, v1);                         \
     }
 
 // C[0:mr, 0:32 under m0, m1] = [C +] Ap (14, kc) Bp (kc, 32) [+ bias]
 // the C tile's lines, wanted by the stores at the end
-#define PK_PF(r)                                                              \
-    if ((r) < mr) {                                                           \
-        _mm_prefetch((const char *)(C + ldc * (r)), _MM_HINT_T0);             \
-        _mm_prefetch((const char *)(C + ldc * (r) + 31), _MM_HINT_T0);        \
+#define PK_PF(r)                                                       \
+    if ((r) < mr) {                                                    \
+        _mm_prefetch((const char *)(C + ldc * (r)), _MM_HINT_T0);      \
+        _mm_prefetch((const char *)(C + ldc * (r) + 31), _MM_HINT_T0); \
     }
 // pf: kc lines to prefetch into L2, one per k (a part of the next panel:
 // B streams from L3 when it outgrows L2). Without this and the C
 // prefetch, the N = 2304 projection ran ~8% slower.
 static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, int64_t ldc,
-                       int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
-                       const float *bias, const float *pf) {
+                       int64_t mr, __mmask16 m0, __mmask16 m1, bool add, const float *bias,
+                       const float *pf) {
     PK_ROWS(PK_DECL)
     PK_ROWS(PK_PF)
 #pragma GCC unroll 4
@@ -248,9 +263,9 @@ static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, i
     PK_ROWS(PK_STORE)
 }
 
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *Bp, const float *bias, int64_t M, int64_t N,
-                        int64_t K, bool accumulate, float *apack) {
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         for (int64_t i = 0; i < M; i++)
@@ -282,9 +297,8 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
                 // the first two tiles; the others re-touch their own A
                 const float *nb = j0 + PNR < N ? Bb + PNR * K : Bb;
                 for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
-                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc,
-                               mc - t, m0, m1, add, bj,
-                               ti < 2 ? nb + ti * 16 * kc : apack + t * kc);
+                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc, mc - t,
+                               m0, m1, add, bj, ti < 2 ? nb + ti * 16 * kc : apack + t * kc);
             }
         }
     }
@@ -297,7 +311,8 @@ static inline __m512 exp512(__m512 x) {
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
     x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN x is kept (2nd operand)
     x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
-    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x,
+                                                         _mm512_set1_ps(1.44269504088896341f)),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -385,8 +400,8 @@ static void softmax_rows(float *x, int64_t ldx, int64_t R, int64_t n, float *m, 
         // alpha per row, lane by lane as softmax_update's exp512(set1(.))
         float a[16];
         _mm512_storeu_ps(a, exp512(_mm512_setr_ps(m[r] - mx0, m[r + 1] - mx1, m[r + 2] - mx2,
-                                                  m[r + 3] - mx3, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                  0, 0, 0)));
+                                                  m[r + 3] - mx3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                  0, 0)));
         const float sum[4] = {_mm512_reduce_add_ps(s0), _mm512_reduce_add_ps(s1),
                               _mm512_reduce_add_ps(s2), _mm512_reduce_add_ps(s3)};
         const float mx[4] = {mx0, mx1, mx2, mx3};
@@ -425,7 +440,8 @@ static void dot_rows(float *s, const float *A, int64_t lda, const float *x, int6
         __m512 c0 = _mm512_setzero_ps();
         for (int64_t c = 0; c < D; c += 16) {
             const __mmask16 k = tail_mask(D - c);
-            c0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a0 + c), _mm512_maskz_loadu_ps(k, x + c), c0);
+            c0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a0 + c),
+                                 _mm512_maskz_loadu_ps(k, x + c), c0);
         }
         s[j] = _mm512_reduce_add_ps(c0);
     }
@@ -448,7 +464,8 @@ static void cvt_bf16(float *dst, const uint16_t *src, int64_t n) {
 static void cvt_f16(float *dst, const uint16_t *src, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+        _mm512_storeu_ps(dst + i,
+                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
     for (; i < n; i++) {
         uint16_t one[16] = {src[i]};
         float out[16];
@@ -468,10 +485,11 @@ static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
 }
 
 // 16 elements c..c+15 of row j as float32 (c + 16 <= row length).
-static inline __attribute__((always_inline)) __m512 q16(const void *A, int64_t lda, int kind, int64_t j, int64_t c) {
+static inline __attribute__((always_inline)) __m512 q16(const void *A, int64_t lda, int kind,
+                                                        int64_t j, int64_t c) {
     if (kind == 3)
-        return _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)A + j * lda + c))));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)((const int8_t *)A + j * lda + c))));
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)A + j * lda + c));
     if (kind == 2) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -513,7 +531,8 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44),
                                    _mm512_shuffle_ps(s01, s23, 0xEE));
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t),
+                                                                           1)));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
@@ -578,8 +597,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
             __m512 acc = _mm512_maskz_loadu_ps(m, o + c);
             for (int64_t j = 0; j < n; j++) {
                 const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
-                const __m512 v =
-                    c + 16 <= Dv ? q16(A, lda, kind, j, c) : q16_tail(A, lda, kind, j, c, Dv);
+                const __m512 v = c + 16 <= Dv ? q16(A, lda, kind, j, c)
+                                              : q16_tail(A, lda, kind, j, c, Dv);
                 acc = _mm512_fmadd_ps(f, v, acc);
             }
             _mm512_mask_storeu_ps(o + c, m, acc);

@@ -23,21 +23,18 @@ static void gemm_acc(float *C, int64_t ldc, const float *A, int64_t ars, int64_t
     }
 }
 
-static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
     gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K);
 }
 
-static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K) {
+static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
     gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K);
 }
 
-static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda,
-                    const float *B, int64_t ldb, int64_t M, int64_t N,
-                    int64_t K) {
+static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) C[i * ldc + j] = 0.0f;
     gemm_nn_acc(C, ldc, A, lda, B, ldb, M, N, K);
@@ -155,17 +152,16 @@ static void pack_b(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K,
     }
 }
 
-static void store_packed(float *c, const float *acc, const float *bias, int64_t nr,
-                         bool add) {
+static void store_packed(float *c, const float *acc, const float *bias, int64_t nr, bool add) {
     for (int64_t j = 0; j < nr; j++) {
         float v = add ? c[j] + acc[j] : acc[j];
         c[j] = bias ? v + bias[j] : v;
     }
 }
 
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *Bp, const float *bias, int64_t M, int64_t N,
-                        int64_t K, bool accumulate, float *apack) {
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack) {
     (void)apack;
     for (int64_t j0 = 0; j0 < N; j0 += GNR) {
         const int64_t nr = N - j0 < GNR ? N - j0 : GNR;

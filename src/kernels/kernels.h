@@ -26,13 +26,11 @@ typedef struct mha__kernels {
 
     // gemm_nn: C (M, N) = A (M, K) B (K, N)             overwrite
     //   (B row-major: the "packed" operand, e.g. K^T or W^T)
-    void (*gemm_nn)(float *C, int64_t ldc, const float *A, int64_t lda,
-                    const float *B, int64_t ldb, int64_t M, int64_t N,
-                    int64_t K);
+    void (*gemm_nn)(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K);
     // gemm_nn_acc: C (M, N) += A (M, K) B (K, N)        accumulate
-    void (*gemm_nn_acc)(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K);
+    void (*gemm_nn_acc)(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K);
     // gemm_tn_acc: C (M, N) += A^T B, where A is stored (K, M) row-major
     //   with row stride lda (so element (i, k) of the logical left operand
     //   is A[k*lda + i]), B (K, N) row-major with row stride ldb.
@@ -43,9 +41,8 @@ typedef struct mha__kernels {
     //   from 0 in increasing k and added to C; scalar: C += a*b in increasing
     //   k), without the transposed copy. Used by the flash backward for
     //   dV += P^T dO and dK += dS^T Q.
-    void (*gemm_tn_acc)(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K);
+    void (*gemm_tn_acc)(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, int64_t M, int64_t N, int64_t K);
     // softmax_update: one row x (n) of scaled, masked scores, the row's
     // running max *m and sum *l (online softmax):
     //   m' = max(*m, max_j x_j); x_j <- exp(x_j - m')
@@ -57,8 +54,8 @@ typedef struct mha__kernels {
     // n columns) with their m[r], l[r]; alpha[r] gets each row's return
     // value. Bit-identical to R calls of softmax_update (the ISA versions
     // interleave rows to hide the reductions' latency).
-    void (*softmax_rows)(float *x, int64_t ldx, int64_t R, int64_t n, float *m,
-                         float *l, float *alpha);
+    void (*softmax_rows)(float *x, int64_t ldx, int64_t R, int64_t n, float *m, float *l,
+                         float *alpha);
     // dot_rows: s[j] = sum_c A[j*lda + c] x[c] for j < n, c < D   overwrite
     //   (decode: one query against cached key rows, read once each)
     void (*dot_rows)(float *s, const float *A, int64_t lda, const float *x, int64_t n,
@@ -93,15 +90,14 @@ typedef struct mha__kernels {
     // [p*pk_nr, N) is that pointer, with the same K: callers slice column
     // ranges (and pack them) by panel. The format is per ISA: pack and
     // multiply with the same table.
-    int64_t pk_nr;    // panel width (columns)
-    int64_t pk_mr;    // micro-tile rows (a row split at a multiple of it wastes nothing)
-    int64_t pk_kc;    // k chunk of the sum order (see gemm_packed); 0: one chunk, all of K
-    int64_t pk_apack; // floats of the A-pack scratch one gemm_packed call needs
+    int64_t pk_nr;     // panel width (columns)
+    int64_t pk_mr;     // micro-tile rows (a row split at a multiple of it wastes nothing)
+    int64_t pk_kc;     // k chunk of the sum order (see gemm_packed); 0: one chunk, all of K
+    int64_t pk_apack;  // floats of the A-pack scratch one gemm_packed call needs
     // pack_b: Bp <- B (K, N) with B(k, n) = B[k*sk + n*sn] (any strides:
     //   sk = ldb, sn = 1 for a row-major B; sk = 1, sn = I for B = W^T of a
     //   PyTorch weight W (O, I), which replaces a transpose).
-    void (*pack_b)(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K,
-                   int64_t N);
+    void (*pack_b)(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K, int64_t N);
     // gemm_packed: C (M, N) = [C +] A (M, K) Bp + bias      (bias may be NULL)
     //   A row-major, row stride lda; the ISA kernels copy it block by block
     //   (rows x k chunk) into apack, pk_apack floats of caller scratch that
@@ -121,9 +117,9 @@ typedef struct mha__kernels {
     //   followed by C += bias; scalar uses kc = K and a*b + c unfused, as
     //   its gemm_nn does. Row r of C depends on row r of A only: any row
     //   split over threads gives the same bits.
-    void (*gemm_packed)(float *C, int64_t ldc, const float *A, int64_t lda,
-                        const float *Bp, const float *bias, int64_t M, int64_t N,
-                        int64_t K, bool accumulate, float *apack);
+    void (*gemm_packed)(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack);
 } mha__kernels;
 
 // The table chosen for this process (filled on first use, thread-safe).

@@ -20,15 +20,17 @@ static mha_status cached_check(const mha_tensor *out, const mha_module *m,
     if (!out || !m || !a || !a->query || !cache)
         st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward_cached: NULL argument");
     else if (owner < 0 || owner >= P)
-        st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi_forward_cached: owner %d is not a rank "
-                       "(0..%d)", owner, P - 1);
+        st = mha__fail(MHA_ERR_INVALID_ARG,
+                       "mha_mpi_forward_cached: owner %d is not a rank "
+                       "(0..%d)",
+                       owner, P - 1);
     else if (a->window_left >= 0 || a->window_right >= 0 || a->alibi)
         st = mha__fail(MHA_ERR_UNSUPPORTED,
                        "mha_mpi_forward_cached: windows and ALiBi need the keys' global "
                        "positions, which a sharded cache does not keep");
     else if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32 || a->query->ndim < 2)
         st = mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi_forward_cached: float32 query and "
-                       "output, (T, N, E), (N, T, E) or (T, E)");
+                                            "output, (T, N, E), (N, T, E) or (T, E)");
     if (!st) {  // the query's shape, before anything is sized from it
         mha_forward_args aq = *a;
         aq.key = aq.value = a->query;
@@ -92,16 +94,20 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
         st = mha__fail(MHA_ERR_SHAPE,
                        "mha_mpi_forward_cached: the cache holds batch %lld, %lld KV heads of "
                        "dims %lld/%lld; this module and query need batch %lld, %lld KV heads "
-                       "of dim %lld", (long long)cB, (long long)cH, (long long)cD,
-                       (long long)cDv, (long long)N, (long long)Hkv, (long long)d);
+                       "of dim %lld",
+                       (long long)cB, (long long)cH, (long long)cD, (long long)cDv,
+                       (long long)N, (long long)Hkv, (long long)d);
     const size_t nmsg = (size_t)(R * E + 2 * N * H * T);  // a rank's context and row stats
-    float *buf = mha__malloc(sizeof(float) * ((size_t)(R * E + 2 * R * Ekv) + nmsg * (size_t)(P + 1) + 1));
-    int64_t *len = mha__malloc(sizeof(int64_t) * (size_t)(2 * N + 1) + sizeof(double) * (size_t)d),
+    float *buf = mha__malloc(sizeof(float) *
+                             ((size_t)(R * E + 2 * R * Ekv) + nmsg * (size_t)(P + 1) + 1));
+    int64_t *len = mha__malloc(sizeof(int64_t) * (size_t)(2 * N + 1) +
+                               sizeof(double) * (size_t)d),
             *glen = len + N;
     if (!st && (!buf || !len))
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward_cached: out of memory for %zu floats",
                        nmsg * (size_t)(P + 1));
-    if (!st && nmsg * (size_t)P > INT32_MAX) st = mha__mpi_too_big((int64_t)(nmsg * (size_t)P));
+    if (!st && nmsg * (size_t)P > INT32_MAX)
+        st = mha__mpi_too_big((int64_t)(nmsg * (size_t)P));
     if ((st = mha__mpi_agree(&j, st))) {
         free(buf), free(len);
         return st;

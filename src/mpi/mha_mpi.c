@@ -37,7 +37,8 @@ const char *mha_parallel_name(mha_parallel p) {
 }
 
 mha_status mha_parallel_from_name(mha_parallel *out, const char *name) {
-    if (!out || !name) return mha__fail(MHA_ERR_INVALID_ARG, "mha_parallel_from_name: NULL argument");
+    if (!out || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_parallel_from_name: NULL argument");
     if (!strcmp(name, "heads")) *out = MHA_PAR_HEADS;
     else if (!strcmp(name, "heads-fast")) *out = MHA_PAR_HEADS_FAST;
     else if (!strcmp(name, "ulysses")) *out = MHA_PAR_ULYSSES;
@@ -45,7 +46,8 @@ mha_status mha_parallel_from_name(mha_parallel *out, const char *name) {
     else
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "unknown parallel scheme \"%.64s\" (available: heads, heads-fast, "
-                         "ulysses, ring)", name);
+                         "ulysses, ring)",
+                         name);
     return MHA_OK;
 }
 
@@ -81,16 +83,19 @@ static mha_status allgather_cols(job *j, float *full, int64_t R, int64_t W, int6
         at += counts[q];
     }
     const int64_t w = u * (g1 - g0), cm = c0 + u * g0;
-    for (int64_t r = 0; r < R; r++) memcpy(send + r * w, full + r * W + cm, sizeof(float) * (size_t)w);
+    for (int64_t r = 0; r < R; r++)
+        memcpy(send + r * w, full + r * W + cm, sizeof(float) * (size_t)w);
     const double t = MPI_Wtime();
-    MPI_Allgatherv(send, counts[j->rank], MPI_FLOAT, recv, counts, counts + P, MPI_FLOAT, j->comm);
+    MPI_Allgatherv(send, counts[j->rank], MPI_FLOAT, recv, counts, counts + P, MPI_FLOAT,
+                   j->comm);
     j->comm_s += MPI_Wtime() - t;
     j->sent += 4.0 * counts[j->rank] * (P - 1);
     for (int q = 0; q < P; q++) {
         mha__mpi_kv_range(m, q, P, &g0, &g1);
         const int64_t wq = u * (g1 - g0), cq = c0 + u * g0;
         const float *src = recv + counts[P + q];
-        for (int64_t r = 0; r < R; r++) memcpy(full + r * W + cq, src + r * wq, sizeof(float) * (size_t)wq);
+        for (int64_t r = 0; r < R; r++)
+            memcpy(full + r * W + cq, src + r * wq, sizeof(float) * (size_t)wq);
     }
     free(counts), free(send), free(recv);
     return MHA_OK;
@@ -100,7 +105,8 @@ static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha
                              const mha_tensor *gout) {
     if (!m || !a || !a->query || !a->key || !a->value)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: NULL module, args or input");
-    if (s != MHA_PAR_HEADS && s != MHA_PAR_HEADS_FAST && s != MHA_PAR_ULYSSES && s != MHA_PAR_RING)
+    if (s != MHA_PAR_HEADS && s != MHA_PAR_HEADS_FAST && s != MHA_PAR_ULYSSES &&
+        s != MHA_PAR_RING)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: unknown scheme %d", (int)s);
     if (a->need_weights)
         return mha__fail(MHA_ERR_UNSUPPORTED,
@@ -110,12 +116,14 @@ static mha_status check_args(const mha_module *m, const mha_forward_args *a, mha
     if (a->save && s != MHA_PAR_RING)
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "mha_mpi: a saved forward state (args.save) is kept by ring attention "
-                         "only (%s recomputes its forward in the backward)", mha_parallel_name(s));
+                         "only (%s recomputes its forward in the backward)",
+                         mha_parallel_name(s));
     return mha__mpi_local_check(m, a, gout);  // (the shapes, before anything is sized from them)
 }
 
 mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
-                           const mha_module *m, const mha_forward_args *a, mha_mpi_stats *stats) {
+                           const mha_module *m, const mha_forward_args *a,
+                           mha_mpi_stats *stats) {
     job j;
     mha_status st = mha__mpi_job_init(&j, comm);
     if (st) return st;
@@ -127,15 +135,17 @@ mha_status mha_mpi_forward(MPI_Comm comm, mha_parallel scheme, mha_tensor *out,
     mha__part pt = {.bias = j.rank == 0};
     mha__mpi_kv_range(m, j.rank, j.P, &pt.g0, &pt.g1);
     float *buf = mha__malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
-    if (!buf) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward: out of memory for %lld floats",
-                             (long long)n);
+    if (!buf)
+        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi_forward: out of memory for %lld floats",
+                       (long long)n);
     double model = 0;
     ring rg = {0};
     if (scheme == MHA_PAR_RING) {
         if (!(st = mha__mpi_agree(&j, st)))
             st = mha__mpi_ring_run(&j, out, NULL, NULL, NULL, NULL, m, a, NULL, &model, &rg);
     } else if (scheme == MHA_PAR_ULYSSES) {
-        if (!(st = mha__mpi_agree(&j, st))) st = mha__mpi_ulysses_forward(&j, out, m, a, &model);
+        if (!(st = mha__mpi_agree(&j, st)))
+            st = mha__mpi_ulysses_forward(&j, out, m, a, &model);
     } else if (scheme == MHA_PAR_HEADS) {
         if (!st) {
             memset(buf, 0, sizeof(float) * (size_t)(n > 0 ? n : 1));
@@ -173,7 +183,8 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     if ((st = mha__mpi_agree(&j, st))) return st;
     const mha_config *c = mha_module_config(m);
     const int64_t E = c->embed_dim, H = c->num_heads, G = H / c->num_kv_heads, d = E / H,
-                  Ekv = c->num_kv_heads * d, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
+                  Ekv = c->num_kv_heads * d, Rq = mha__rows_of(a->query),
+                  Rk = mha__rows_of(a->key);
     const mha_tensor *in[3] = {a->query, a->key, a->value};
     mha_tensor *go[3] = {gq, gk, gv};
     int64_t ng[3];
@@ -201,11 +212,12 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
             st = mha__mpi_ulysses_backward(&j, gq, gk, gv, gr, m, a, gout, accumulate, &model);
     } else if (rn) {  // this rank's tokens' gradients (into t), every parameter's terms
         if (!(st = mha__mpi_agree(&j, st)))
-            st = mha__mpi_ring_run(&j, NULL, gq ? &tv[0] : NULL, gk ? &tv[1] : NULL, gv ? &tv[2] : NULL,
-                                   gr, m, a, gout, &model, &rg);
+            st = mha__mpi_ring_run(&j, NULL, gq ? &tv[0] : NULL, gk ? &tv[1] : NULL,
+                                   gv ? &tv[2] : NULL, gr, m, a, gout, &model, &rg);
     } else if (!st) {
         memset(dbuf, 0, sizeof(float) * (size_t)(nd + 1));
-        pt.out.dq = dbuf, pt.out.dk = dbuf + Rq * E, pt.out.dv = pt.out.dk + Rk * Ekv, pt.out.dz = pt.out.dv + Rk * Ekv;
+        pt.out.dq = dbuf, pt.out.dk = dbuf + Rq * E, pt.out.dv = pt.out.dk + Rk * Ekv,
+        pt.out.dz = pt.out.dv + Rk * Ekv;
         st = mha__part_backward(gq ? &tv[0] : NULL, gk ? &tv[1] : NULL, gv ? &tv[2] : NULL, gr,
                                 m, a, gout, &pt);
     }
@@ -213,10 +225,12 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
     for (int i = 0; grads && i < mha_module_num_params(grads); i++) {
         mha_param p, q;
         if ((st = mha__mpi_agree(&j, st))) break;
-        if ((st = mha_module_param_at(&q, gr, i)) || (st = mha_module_param_at(&p, grads, i))) continue;
+        if ((st = mha_module_param_at(&q, gr, i)) || (st = mha_module_param_at(&p, grads, i)))
+            continue;
         if ((st = mha__mpi_allreduce(&j, q.data, q.numel))) continue;
         model += 4.0 * (double)q.numel * 2.0 * (j.P - 1) / j.P;
-        for (int64_t e = 0; e < p.numel; e++) p.data[e] = accumulate ? p.data[e] + q.data[e] : q.data[e];
+        for (int64_t e = 0; e < p.numel; e++)
+            p.data[e] = accumulate ? p.data[e] + q.data[e] : q.data[e];
     }
     if (!(st = mha__mpi_agree(&j, st)) && !ul && (gq || gk || gv)) {
         if (rn) {  // each rank's own tokens
@@ -227,16 +241,18 @@ mha_status mha_mpi_backward(MPI_Comm comm, mha_parallel scheme, mha_tensor *gq, 
             st = allgather_cols(&j, pt.out.dq, Rq, E, 0, G * d, m);
             if (!st) st = allgather_cols(&j, pt.out.dk, Rk, Ekv, 0, d, m);
             if (!st) st = allgather_cols(&j, pt.out.dv, Rk, Ekv, 0, d, m);
-            if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = allgather_cols(&j, pt.out.dz, Rq, H, 0, G, m);
+            if (!st && c->head_gate == MHA_GATE_DYNAMIC)
+                st = allgather_cols(&j, pt.out.dz, Rq, H, 0, G, m);
             model += 4.0 * (double)((Rq * G * d + 2 * Rk * d) * (pt.g1 - pt.g0)) * (j.P - 1);
             // straight into the caller's views, in the backward's order
             if (!(st = mha__mpi_agree(&j, st)))
-                st = mha__part_input_grads(gq, gk, gv, m, a, pt.out.dq, pt.out.dk, pt.out.dv, pt.out.dz,
-                                           accumulate);
+                st = mha__part_input_grads(gq, gk, gv, m, a, pt.out.dq, pt.out.dk, pt.out.dv,
+                                           pt.out.dz, accumulate);
         } else {
             for (int i = 0; i < 3 && !st; i++)
-                if (go[i]) st = mha__mpi_allreduce(&j, t[i], ng[i]),
-                           model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
+                if (go[i])
+                    st = mha__mpi_allreduce(&j, t[i], ng[i]),
+                    model += 4.0 * (double)ng[i] * 2.0 * (j.P - 1) / j.P;
             if (!(st = mha__mpi_agree(&j, st)))
                 for (int i = 0; i < 3; i++)
                     if (go[i]) mha__mpi_view_xfer(go[i], t[i], true, accumulate);

@@ -20,7 +20,8 @@
 mha_status mha__mpi_job_init(job *j, MPI_Comm comm) {
     int init = 0;
     MPI_Initialized(&init);
-    if (!init) return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: MPI is not initialised (MPI_Init)");
+    if (!init)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi: MPI is not initialised (MPI_Init)");
     j->comm = comm;
     MPI_Comm_rank(comm, &j->rank);
     MPI_Comm_size(comm, &j->P);
@@ -110,9 +111,10 @@ mha_status mha__mpi_local_check(const mha_module *m, const mha_forward_args *a,
     bool same = gout->ndim == os.ndim;
     for (int i = 0; same && i < os.ndim; i++) same = gout->shape[i] == os.dims[i];
     if (!same)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi: grad_output has %d dims (first %lld), "
-                         "expected the output's shape (%d dims, first %lld)", gout->ndim,
-                         (long long)(gout->ndim ? gout->shape[0] : 0), os.ndim,
+        return mha__fail(MHA_ERR_SHAPE,
+                         "mha_mpi: grad_output has %d dims (first %lld), "
+                         "expected the output's shape (%d dims, first %lld)",
+                         gout->ndim, (long long)(gout->ndim ? gout->shape[0] : 0), os.ndim,
                          (long long)os.dims[0]);
     return MHA_OK;
 }
@@ -165,9 +167,10 @@ static mha_status seq_check(const mha_module *m, const mha_forward_args *a, cons
         return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: RoPE needs L == S (L %lld, S %lld)",
                          name, (long long)sq->T, (long long)sk->T);
     if (a->query->ndim != a->key->ndim || sq->N != sk->N)
-        return mha__fail(MHA_ERR_SHAPE, "mha_mpi %s: query and key/value shards of "
-                         "different batch (%lld, %lld)", name, (long long)sq->N,
-                         (long long)sk->N);
+        return mha__fail(MHA_ERR_SHAPE,
+                         "mha_mpi %s: query and key/value shards of "
+                         "different batch (%lld, %lld)",
+                         name, (long long)sq->N, (long long)sk->N);
     return MHA_OK;
 }
 

@@ -122,10 +122,16 @@ static bool ring_block_call(const ring *r, int a, int c, const int64_t ks_[2],
     ab->key_padding_mask = NULL;
     ab->rope.mode = MHA_ROPE_NONE;  // (applied by the projections)
     ab->rope_start = NULL;
-    *pa = (mha__part){.g0 = 0, .g1 = r->Hkv, .proj.q_in = r->q[a], .block.q_off = r->qs[a] - ks,
-                      .block.kpm_full = r->a->key_padding_mask, .block.kpm_off = ks,
-                      .progress.fn = ring_progress, .progress.arg = (void *)r,
-                      .progress.tiles = (int64_t *)&r->tiles, .proj.k_in = r->blk + at,
+    *pa = (mha__part){.g0 = 0,
+                      .g1 = r->Hkv,
+                      .proj.q_in = r->q[a],
+                      .block.q_off = r->qs[a] - ks,
+                      .block.kpm_full = r->a->key_padding_mask,
+                      .block.kpm_off = ks,
+                      .progress.fn = ring_progress,
+                      .progress.arg = (void *)r,
+                      .progress.tiles = (int64_t *)&r->tiles,
+                      .proj.k_in = r->blk + at,
                       .proj.v_in = r->blk + half + at};
     return true;
 }
@@ -139,10 +145,13 @@ static void ring_merge(const ring *r, int a, double *U, double *M, double *Ls, c
     for (int64_t b = 0; b < N; b++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t i = 0; i < ql; i++) {
-                const int64_t k = (b * H + h) * ql + i, row = r->seq_first ? i * N + b : b * ql + i;
-                const double mb = stats[2 * k], lb = stats[2 * k + 1] > 0 ? 1.0 / stats[2 * k + 1] : 0;
+                const int64_t k = (b * H + h) * ql + i,
+                              row = r->seq_first ? i * N + b : b * ql + i;
+                const double mb = stats[2 * k],
+                             lb = stats[2 * k + 1] > 0 ? 1.0 / stats[2 * k + 1] : 0;
                 if (!(lb > 0)) continue;  // nothing visible in this block
-                const double Mn = mb > M[k] ? mb : M[k], a1 = exp(M[k] - Mn), a2 = exp(mb - Mn) * lb;
+                const double Mn = mb > M[k] ? mb : M[k], a1 = exp(M[k] - Mn),
+                             a2 = exp(mb - Mn) * lb;
                 Ls[k] = Ls[k] * a1 + a2;
                 double *u = U + row * E + h * d;
                 const float *c = cp + row * E + h * d;
@@ -248,7 +257,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
     float *fb = mha__malloc(sizeof(float) * (nf + 1));
     double *dqa = mha__malloc(sizeof(double) * (size_t)(L * N * E + 1));
     mha_status st = MHA_OK;
-    if (!fb || !dqa) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
+    if (!fb || !dqa)
+        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
     float *dO[2], *ds[2];
     double *dq[2];
     float *p = fb;
@@ -259,7 +269,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
     dq[0] = dqa, dq[1] = dqa + r->ql[0] * N * E;
     if (!st && !r->fwd_done) {  // a saved forward: its projections, context and stats
         for (int a = 0; a < 2; a++) {
-            chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
+            chunk_xfer((float *)io->q, io->ldq, r->q[a], r, L, a ? r->ql[0] : 0, r->ql[a], E,
+                       true);
             chunk_xfer(io->ctx, E, r->o[a], r, L, a ? r->ql[0] : 0, r->ql[a], E, true);
         }
         copy_f(r->st[0], io->stats, 2 * N * H * r->ql[0]);
@@ -273,7 +284,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
                 for (int64_t h = 0; h < H; h++)
                     for (int64_t i = 0; i < r->ql[a]; i++) {
                         const int64_t row = r->seq_first ? i * N + b : b * r->ql[a] + i;
-                        const float *x = dO[a] + row * E + h * d, *y = r->o[a] + row * E + h * d;
+                        const float *x = dO[a] + row * E + h * d,
+                                    *y = r->o[a] + row * E + h * d;
                         double sum = 0.0;
                         for (int64_t c = 0; c < d; c++) sum += (double)x[c] * y[c];
                         ds[a][(b * H + h) * r->ql[a] + i] = (float)sum;
@@ -303,7 +315,8 @@ static mha_status ring_bwd(ring *r, const mha__attn_io *io) {
                 if (!ring_block_call(r, a, c, ks, kl, &rc)) continue;
                 const int64_t at = (c ? kl[0] : 0) * N * Ekv, nk = kl[c] * N * Ekv;
                 mha__part *pa = &rc.pa;
-                pa->block.o_in = r->o[a], pa->block.do_in = dO[a], pa->block.stats = r->st[a], pa->block.dsum_in = ds[a];
+                pa->block.o_in = r->o[a], pa->block.do_in = dO[a], pa->block.stats = r->st[a],
+                pa->block.dsum_in = ds[a];
                 pa->out.dq = tdq, pa->out.dk = tdk, pa->out.dv = tdv;
                 st = mha__part_attn_backward(r->m, &rc.ab, pa);
                 for (int64_t i = 0; !st && i < r->ql[a] * N * E; i++) dq[a][i] += tdq[i];
@@ -358,9 +371,9 @@ static mha_status ring_check(const job *j, const seq *s, const char *what) {
             return mha__fail(MHA_ERR_SHAPE,
                              "mha_mpi ring: rank %d holds %lld tokens of the %s; the zigzag "
                              "split of %lld tokens over %d ranks gives it %lld (chunks %d and "
-                             "%d: mha_mpi_ring_chunks)", q, (long long)(s->t0[q + 1] - s->t0[q]),
-                             what, (long long)s->T, j->P, (long long)(cl[0] + cl[1]), q,
-                             2 * j->P - 1 - q);
+                             "%d: mha_mpi_ring_chunks)",
+                             q, (long long)(s->t0[q + 1] - s->t0[q]), what, (long long)s->T,
+                             j->P, (long long)(cl[0] + cl[1]), q, 2 * j->P - 1 - q);
     }
     return MHA_OK;
 }
@@ -389,8 +402,16 @@ mha_status mha__mpi_ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor
         return st;
     }
     const int me = j->rank;
-    *r = (ring){.j = j, .m = m, .a = a, .N = sq.N, .E = c->embed_dim, .H = c->num_heads,
-                .Hkv = c->num_kv_heads, .Tq = sq.T, .Tk = sk.T, .seq_first = sq.seq_first};
+    *r = (ring){.j = j,
+                .m = m,
+                .a = a,
+                .N = sq.N,
+                .E = c->embed_dim,
+                .H = c->num_heads,
+                .Hkv = c->num_kv_heads,
+                .Tq = sq.T,
+                .Tk = sk.T,
+                .seq_first = sq.seq_first};
     r->d = r->E / r->H, r->Ekv = r->Hkv * r->d;
     r->sd = a->query->ndim == 2 || !c->batch_first ? 0 : 1;
     mha_mpi_ring_chunks(sq.T, j->P, me, r->qs, r->ql);
@@ -403,7 +424,8 @@ mha_status mha__mpi_ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor
     const size_t nf = (size_t)(2 * L * N * E + 2 * N * r->H * L + 2 * r->nmax);
     float *buf = mha__malloc(sizeof(float) * (nf + 1));
     int64_t *pos = mha__malloc(sizeof(int64_t) * (size_t)(L + 1));
-    if (!buf || !pos) st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
+    if (!buf || !pos)
+        st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ring: out of memory for %zu floats", nf);
     if (!(st = mha__mpi_agree(j, st))) {  // (the backward's first step is a collective)
         float *p = buf;
         for (int a2 = 0; a2 < 2; a2++) r->q[a2] = p, p += r->ql[a2] * N * E;
@@ -418,17 +440,22 @@ mha_status mha__mpi_ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor
         al.is_causal = false;
         al.window_left = al.window_right = -1;
         al.alibi = false;
-        mha__part pr = {.g0 = 0, .g1 = r->Hkv, .bias = true, .attn.fn = ring_attn,
-                        .attn.arg = r, .attn.rope_pos = pos};
+        mha__part pr = {.g0 = 0,
+                        .g1 = r->Hkv,
+                        .bias = true,
+                        .attn.fn = ring_attn,
+                        .attn.arg = r,
+                        .attn.rope_pos = pos};
         mha_saved *sv = a->save;
         const bool saved = !out && sv && sv->valid;  // the backward of a saved forward
-        if (!out) {  // every rank's saved state, or none
+        if (!out) {                                  // every rank's saved state, or none
             int f[2] = {saved, -(int)saved}, g[2];
             const double t = MPI_Wtime();
             MPI_Allreduce(f, g, 2, MPI_INT, MPI_MAX, j->comm);
             j->comm_s += MPI_Wtime() - t;
             if (g[0] != -g[1])
-                st = mha__fail(MHA_ERR_INVALID_ARG, "mha_mpi ring: args.save holds a forward's "
+                st = mha__fail(MHA_ERR_INVALID_ARG,
+                               "mha_mpi ring: args.save holds a forward's "
                                "state on some ranks only: run mha_mpi_forward with it on "
                                "every rank");
         }
@@ -450,7 +477,8 @@ mha_status mha__mpi_ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor
         }
         if (!out && saved) r->entered++;  // (no forward callback)
     }
-    if (r->entered < (out ? 1 : 2)) (void)mha__mpi_agree(j, st);  // the callback the others entered
+    if (r->entered < (out ? 1 : 2))
+        (void)mha__mpi_agree(j, st);  // the callback the others entered
     st = mha__mpi_agree(j, st);
     // the model: rank me passes on the key/value blocks of ranks me, me-1,
     // ..., me-P+2; the backward passes them again (after its forward's

@@ -67,7 +67,8 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
         mha__mpi_kv_range(m, q, P, &a0, &a1);
         const int64_t wq = u * (a1 - a0), Rq = seq_rows(sq, q);
         const int64_t s_n = dir ? Rq * wme : Rme * wq, r_n = dir ? Rme * wq : Rq * wme;
-        cnt[q] = (int)s_n, cnt[P + q] = (int)ns, cnt[2 * P + q] = (int)r_n, cnt[3 * P + q] = (int)nr;
+        cnt[q] = (int)s_n, cnt[P + q] = (int)ns, cnt[2 * P + q] = (int)r_n,
+        cnt[3 * P + q] = (int)nr;
         ns += s_n, nr += r_n;
     }
     for (int q = 0; q < P; q++) {  // pack
@@ -76,7 +77,8 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
         const int64_t wq = u * (a1 - a0), cq = u * a0;
         float *o = sb + cnt[P + q];
         if (!dir)
-            for (int64_t r = 0; r < Rme; r++, o += wq) memcpy(o, src + r * W + cq, sizeof(float) * (size_t)wq);
+            for (int64_t r = 0; r < Rme; r++, o += wq)
+                memcpy(o, src + r * W + cq, sizeof(float) * (size_t)wq);
         else
             for (int64_t r = 0; r < seq_rows(sq, q); r++, o += wme)
                 memcpy(o, src + seq_grow(sq, q, r) * W + cme, sizeof(float) * (size_t)wme);
@@ -94,7 +96,8 @@ static mha_status alltoall(job *j, const seq *sq, int dir, const float *src, flo
             for (int64_t r = 0; r < seq_rows(sq, q); r++, i += wme)
                 memcpy(dst + seq_grow(sq, q, r) * W + cme, i, sizeof(float) * (size_t)wme);
         else
-            for (int64_t r = 0; r < Rme; r++, i += wq) memcpy(dst + r * W + cq, i, sizeof(float) * (size_t)wq);
+            for (int64_t r = 0; r < Rme; r++, i += wq)
+                memcpy(dst + r * W + cq, i, sizeof(float) * (size_t)wq);
     }
     free(cnt), free(sb), free(rb);
     return MHA_OK;
@@ -134,7 +137,8 @@ static mha_status allgather_rows(job *j, const seq *sq, const mha_tensor *t, flo
     j->sent += 4.0 * cnt[j->rank] * (P - 1);
     for (int q = 0; q < P; q++)
         for (int64_t r = 0; r < seq_rows(sq, q); r++)
-            memcpy(full + seq_grow(sq, q, r) * F, rb + cnt[P + q] + r * F, sizeof(float) * (size_t)F);
+            memcpy(full + seq_grow(sq, q, r) * F, rb + cnt[P + q] + r * F,
+                   sizeof(float) * (size_t)F);
     free(cnt), free(loc), free(rb);
     return MHA_OK;
 }
@@ -150,15 +154,16 @@ static mha_tensor whole_view(const mha_tensor *t, const seq *sq, bool batch_firs
 
 // The local arguments: no masks (they are whole), RoPE at the shard's
 // global positions (starts: N entries).
-static void local_args(mha_forward_args *al, const mha_forward_args *a, const seq *sq, int rank,
-                       int64_t *starts) {
+static void local_args(mha_forward_args *al, const mha_forward_args *a, const seq *sq,
+                       int rank, int64_t *starts) {
     *al = *a;
     al->key_padding_mask = NULL;
     al->attn_mask = NULL;
     al->is_causal = false;
     al->window_left = al->window_right = -1;
     al->alibi = false;
-    for (int64_t n = 0; n < sq->N; n++) starts[n] = (a->rope_start ? a->rope_start[n] : 0) + sq->t0[rank];
+    for (int64_t n = 0; n < sq->N; n++)
+        starts[n] = (a->rope_start ? a->rope_start[n] : 0) + sq->t0[rank];
     al->rope_start = starts;
 }
 
@@ -183,7 +188,8 @@ mha_status mha__mpi_ulysses_forward(job *j, mha_tensor *out, const mha_module *m
     mha_forward_args al;
     if (!st) {  // 1. my tokens' projections, every head
         local_args(&al, a, &sq, j->rank, starts);
-        mha__part pj = {.g0 = 0, .g1 = c->num_kv_heads, .proj.q_out = ql, .proj.k_out = kl, .proj.v_out = vl};
+        mha__part pj = {
+            .g0 = 0, .g1 = c->num_kv_heads, .proj.q_out = ql, .proj.k_out = kl, .proj.v_out = vl};
         st = mha__part_forward(NULL, m, &al, &pj);
     }
     // 2. to the head owners
@@ -194,7 +200,8 @@ mha_status mha__mpi_ulysses_forward(job *j, mha_tensor *out, const mha_module *m
     mha__mpi_kv_range(m, j->rank, j->P, &g0, &g1);
     // (each all-to-all keeps 1/P of its data on the rank: q, k, v out, the
     // context of my heads back)
-    *model = 4.0 * ((double)(Rl * E + 2 * Rkl * Ekv) + (double)(R * E) / j->P) * (j->P - 1) / j->P;
+    *model = 4.0 * ((double)(Rl * E + 2 * Rkl * Ekv) + (double)(R * E) / j->P) * (j->P - 1) /
+             j->P;
     if (!(st = mha__mpi_agree(j, st))) {  // 3. my heads, the whole sequence
         memset(cf, 0, sizeof(float) * (size_t)(R * E));
         mha_tensor qv = whole_view(a->query, &sq, c->batch_first, qf),
@@ -204,7 +211,8 @@ mha_status mha__mpi_ulysses_forward(job *j, mha_tensor *out, const mha_module *m
         af.query = &qv;
         af.key = self ? &qv : &kv;
         af.value = self ? &qv : &vv;
-        mha__part pa = {.g0 = g0, .g1 = g1, .out.ctx = cf, .proj.q_in = qf, .proj.k_in = kf, .proj.v_in = vf};
+        mha__part pa = {
+            .g0 = g0, .g1 = g1, .out.ctx = cf, .proj.q_in = qf, .proj.k_in = kf, .proj.v_in = vf};
         st = mha__part_forward(NULL, m, &af, &pa);
     }
     // 4. back to the token owners, 5. W_O on my tokens
@@ -235,8 +243,8 @@ mha_status mha__mpi_ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha
         st = mha__fail(MHA_ERR_NOMEM, "mha_mpi ulysses: out of memory for %zu floats", nf);
     float *xq = buf, *gy = xq + R * E, *xk = gy + R * E, *xv = self ? xk : xk + Rk * kd,
           *dqf = self ? xk : xv + Rk * vd, *dkf = dqf + R * E, *dvf = dkf + Rk * Ekv,
-          *dzf = dvf + Rk * Ekv, *dql = dzf + R * H, *dkl = dql + Rl * E, *dvl = dkl + Rkl * Ekv,
-          *dzl = dvl + Rkl * Ekv;
+          *dzf = dvf + Rk * Ekv, *dql = dzf + R * H, *dkl = dql + Rl * E,
+          *dvl = dkl + Rkl * Ekv, *dzl = dvl + Rkl * Ekv;
     // 1. the whole inputs and output gradient (the weight gradients sum over
     //    every token in one order)
     if (!(st = mha__mpi_agree(j, st))) st = allgather_rows(j, &sq, a->query, xq);
@@ -256,8 +264,13 @@ mha_status mha__mpi_ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha
         af.query = &qv;
         af.key = self ? &qv : &kv;
         af.value = self ? &qv : &vv;
-        mha__part pb = {.g0 = g0, .g1 = g1, .bias = j->rank == 0, .out.dq = dqf, .out.dk = dkf,
-                        .out.dv = dvf, .out.dz = dzf};
+        mha__part pb = {.g0 = g0,
+                        .g1 = g1,
+                        .bias = j->rank == 0,
+                        .out.dq = dqf,
+                        .out.dk = dkf,
+                        .out.dv = dvf,
+                        .out.dz = dzf};
         st = mha__part_backward(NULL, NULL, NULL, gr, m, &af, &gyv, &pb);
     }
     // 3. the projections' gradients back to the token owners, 4. dX there
@@ -265,7 +278,8 @@ mha_status mha__mpi_ulysses_backward(job *j, mha_tensor *gq, mha_tensor *gk, mha
         st = alltoall(j, &sq, 1, dqf, dql, E, G * d, m);
         if (!st) st = alltoall(j, &sk, 1, dkf, dkl, Ekv, d, m);
         if (!st) st = alltoall(j, &sk, 1, dvf, dvl, Ekv, d, m);
-        if (!st && c->head_gate == MHA_GATE_DYNAMIC) st = alltoall(j, &sq, 1, dzf, dzl, H, G, m);
+        if (!st && c->head_gate == MHA_GATE_DYNAMIC)
+            st = alltoall(j, &sq, 1, dzf, dzl, H, G, m);
         *model += 4.0 * (double)(R * E + 2 * Rk * Ekv) / j->P * (j->P - 1) / j->P;
         if (!(st = mha__mpi_agree(j, st))) {
             mha_forward_args al;
