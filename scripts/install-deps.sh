@@ -14,7 +14,7 @@ set -eu
 pkgs="build-essential cmake pkg-config libcjson-dev liblapacke-dev libcairo2-dev"
 pkgs="$pkgs openmpi-bin libopenmpi-dev"
 if [ "${1:-}" = "--test" ]; then
-    pkgs="$pkgs python3 python3-torch python3-numpy clang libclang-rt-dev"
+    pkgs="$pkgs python3 python3-torch python3-numpy clang libclang-rt-dev clang-format"
 fi
 missing=""
 for p in $pkgs; do

@@ -68,7 +68,7 @@ typedef struct fwd_call {
     const mha_forward_args *a;
     const mha__part *pt;  // a part's hooks (fused.h), or NULL
     const mha__kernels *kt;
-    char *ws;         // the plan's scratch (p->f_*)
+    char *ws;         // the plan's scratch (p->f)
     bool seq_first;   // rows are (t, n) (else (n, t))
     const float *xq;  // the query rows (Rq, E), row stride ldq
     int64_t ldq;
