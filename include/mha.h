@@ -658,6 +658,21 @@ MHA_API void mha_sdpa_args_init(mha_sdpa_args *a);
 MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
                                           const mha_sdpa_args *a);
 
+// Backward of mha_sdpa with the same args a: from dout (B, H, L, Dv), the
+// gradient of out, writes (overwrites) dq (B, H, L, D), dk (B, Hkv, S, D)
+// and dv (B, Hkv, S, Dv); all three are required, float views of any
+// strides. Grouped-query: KV head g's dk, dv sum its query heads' terms in
+// increasing head order. Fully masked rows get zero gradients. Every option
+// of mha_sdpa applies (masks, causal, windows, scale, GQA). impl: auto runs
+// the fused path (FlashAttention-2's backward, the forward's rows
+// recomputed) when q, k, v, dout, dq, dk, dv are MHA_F32 with unit stride
+// along the last dim, else the reference (in double); MHA_IMPL overrides.
+// Every gradient element is summed by one thread in a fixed order: the
+// same bits for any number of threads. Allocates its scratch and frees it.
+MHA_API MHA_NODISCARD mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk,
+                                                   mha_tensor *dv, const mha_tensor *dout,
+                                                   const mha_sdpa_args *a);
+
 MHA_API void mha_rope_init(mha_rope *r, mha_rope_mode mode);
 // "neox" / "interleaved" / "none" -> mode (MHA_ERR_UNSUPPORTED otherwise).
 MHA_API MHA_NODISCARD mha_status mha_rope_mode_from_name(mha_rope_mode *mode, const char *name);

@@ -601,3 +601,74 @@ done:
     mha__free(c.blk);
     return st;
 }
+
+// ---------------------------------------------------------------------------
+// The fused mha_sdpa backward: one item (one thread) per (b, KV head g);
+// for each query head h of the group in increasing order, its forward rows
+// again (the context O (L, Dv) and each row's stats into the thread's
+// scratch), then the head's whole backward (flash.h: dq written; dk, dv of
+// g overwritten by the group's first head, added to by the others). Every
+// dk, dv element is summed by one thread in a fixed order: the same bits
+// for any number of threads.
+mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+                                    const mha_tensor *dout, const mha_tensor *q,
+                                    const mha_tensor *k, const mha_tensor *v,
+                                    const mha__mask *mk, double scale) {
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
+                  S = k->shape[2], Dv = v->shape[3], Hkv = k->shape[1], G = H / Hkv;
+    const int nt = (double)B * H * L * S * (2 * D + 3 * Dv) < MHA__PAR_MIN_WORK
+                       ? 1
+                       : mha__max_threads();
+    // per thread: the flash scratch (64-byte aligned: it begins with
+    // pointers), then O (L, Dv), stats (L, 2), Dsum (L)
+    const size_t sf = (mha__flash_scratch_floats(D, Dv, S, 0, true) + 15) & ~(size_t)15;
+    size_t per, floats, bytes;
+    if (mha__mul_overflow_size((size_t)L, (size_t)Dv + 3, &per) ||
+        mha__add_overflow_size(per, sf + 15, &per))
+        return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: scratch size overflows");
+    per &= ~(size_t)15;  // (each thread's piece 64-byte aligned)
+    if (mha__mul_overflow_size(per, (size_t)nt, &floats) ||
+        mha__mul_overflow_size(floats, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: scratch size overflows");
+    float *blk = mha__alloc(bytes ? bytes : 1);
+    if (!blk)
+        return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * per);
+#define SDPA_PTR(t, h) ((float *)(t)->data + (t)->stride[0] * b + (t)->stride[1] * (h))
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t bg = 0; bg < B * Hkv; bg++) {
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        float *sc = blk + (size_t)mha__thread_id() * per, *o = sc + sf, *stats = o + L * Dv,
+              *dsum = stats + 2 * L;
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            mha__flash_head fh = {
+                .q = SDPA_PTR(q, h),
+                .q_rs = q->stride[2],
+                .k = SDPA_PTR(k, g),
+                .k_rs = k->stride[2],
+                .v = SDPA_PTR(v, g),
+                .v_rs = v->stride[2],
+                .o = o,
+                .o_rs = Dv,
+                .stats = stats,
+                .L = L,
+                .S = S,
+                .D = D,
+                .Dv = Dv,
+                .scale = (float)scale,
+                .mask = mk,
+                .b = b,
+                .h = h,
+            };
+            for (int64_t i0 = 0; i0 < L; i0 += MHA__FLASH_BR)
+                mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L), sc);
+            mha__flash_bwd_head(kt, &fh, SDPA_PTR(dout, h), dout->stride[2], dsum,
+                                SDPA_PTR(dq, h), dq->stride[2], SDPA_PTR(dk, g), dk->stride[2],
+                                SDPA_PTR(dv, g), dv->stride[2], NULL, NULL, h != g * G, sc);
+        }
+    }
+#undef SDPA_PTR
+    mha__free(blk);
+    return MHA_OK;
+}

@@ -236,3 +236,142 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         return mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, scale);
     return sdpa_reference(out, weights, a, &dm, &mk, scale);
 }
+
+// ---------------------------------------------------------------------------
+// mha_sdpa_backward
+
+// dq, dk, dv, dout: present, of the shapes q, k, v, out have; the
+// gradients overlapping neither an input nor each other.
+static mha_status sdpa_check_grads(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+                                   const mha_tensor *dout, const mha_sdpa_args *a,
+                                   const sdpa_dims *dm) {
+    mha_status st;
+    const mha_tensor *gs[4] = {dq, dk, dv, dout};
+    const char *gn[4] = {"dq", "dk", "dv", "dout"};
+    const mha_shape want[4] = {{4, {dm->B, dm->H, dm->L, dm->D}},
+                               {4, {dm->B, dm->Hkv, dm->S, dm->D}},
+                               {4, {dm->B, dm->Hkv, dm->S, dm->Dv}},
+                               {4, {dm->B, dm->H, dm->L, dm->Dv}}};
+    for (int i = 0; i < 4; i++) {
+        if (!gs[i])
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "mha_sdpa_backward: %s is NULL (dq, dk, dv are all written, "
+                             "from dout)",
+                             gn[i]);
+        if ((st = mha__check_output(gs[i], gn[i], &want[i]))) return st;
+    }
+    const mha_tensor *ins[6] = {a->q, a->k, a->v, a->attn_mask, a->key_padding_mask, dout};
+    const char *names[6] = {"q", "k", "v", "attn_mask", "key_padding_mask", "dout"};
+    for (int o = 0; o < 3; o++) {
+        for (int i = 0; i < 6; i++)
+            if ((st = mha__check_no_overlap(gs[o], gn[o], ins[i], names[i]))) return st;
+        for (int o2 = o + 1; o2 < 3; o2++)
+            if ((st = mha__check_no_overlap(gs[o], gn[o], gs[o2], gn[o2]))) return st;
+    }
+    return MHA_OK;
+}
+
+// As sdpa_impl, for the backward: fused when q, k, v, dout and the
+// gradients are all F32 with unit stride along the last dim.
+static mha_status sdpa_backward_impl(mha_impl *impl_out, const mha_tensor *const ts[7],
+                                     const mha_sdpa_args *a) {
+    static const char *names[7] = {"q", "k", "v", "dout", "dq", "dk", "dv"};
+    int bad = -1;
+    for (int i = 0; i < 7 && bad < 0; i++)
+        if (ts[i]->dtype != MHA_F32 || ts[i]->stride[3] != 1) bad = i;
+    mha_impl impl = a->impl;
+    if (impl == MHA_IMPL_AUTO) {
+        const char *env = getenv("MHA_IMPL");
+        mha_impl forced;
+        impl = bad < 0 ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK &&
+            (forced != MHA_IMPL_FUSED || bad < 0))
+            impl = forced;
+    }
+    *impl_out = impl;
+    if (impl == MHA_IMPL_FUSED && bad >= 0)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "sdpa backward: the fused implementation takes F32 q, k, v, dout, "
+                         "dq, dk, dv with unit stride along the last dim; %s is %s with "
+                         "stride %lld",
+                         names[bad], mha_dtype_name(ts[bad]->dtype),
+                         (long long)ts[bad]->stride[3]);
+    return MHA_OK;
+}
+
+// The reference backward: one item per (b, KV head g); each query head h of
+// the group in increasing order through ref.c's head backward (P
+// recomputed in double), dq written, the group's dk, dv summed in double
+// and written once. ws per thread: 2 (L, S) + 2 (S, D + Dv) doubles.
+static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+                                          const mha_tensor *dout, const mha_sdpa_args *a,
+                                          const sdpa_dims *dm, const mha__mask *mk,
+                                          double scale) {
+    const mha_tensor *q = a->q, *k = a->k, *v = a->v;
+    const int64_t B = dm->B, H = dm->H, L = dm->L, D = dm->D, S = dm->S, Dv = dm->Dv,
+                  Hkv = dm->Hkv, G = H / Hkv;
+    const int nt = (double)B * H * L * S * (2 * D + 3 * Dv) < MHA__PAR_MIN_WORK
+                       ? 1
+                       : mha__max_threads();
+    int64_t ls, skv, per;
+    size_t bytes;
+    if (mha__mul_overflow_i64(L, S, &ls) || mha__mul_overflow_i64(S, D + Dv, &skv) ||
+        __builtin_add_overflow(2 * ls, 2 * skv, &per) ||
+        mha__mul_overflow_size((size_t)per, sizeof(double) * (size_t)nt, &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: L %lld x S %lld overflows",
+                         (long long)L, (long long)S);
+    double *ws = mha__malloc(bytes ? bytes : 1);
+    if (!ws)
+        return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t bg = 0; bg < B * Hkv; bg++) {
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        double *w = ws + (size_t)mha__thread_id() * (size_t)per, *sdk = w + 2 * ls,
+               *sdv = sdk + S * D, *hdk = sdv + S * Dv, *hdv = hdk + S * D;
+        // head (b, h) of a view, rows along dim 2, columns along dim 3
+#define SDPA_VIEW(t, hh)                                                         \
+    mha__vmat((char *)(t)->data + ((t)->stride[0] * b + (t)->stride[1] * (hh)) * \
+                                      (int64_t)mha_dtype_size((t)->dtype),       \
+              (t)->dtype, (t)->stride[2], (t)->stride[3])
+        const mha__mat none = {NULL, false, 0, 0, 0};
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            // dk_g = sum over the group's heads of dk_h (the same for dv)
+            mha__ref_attention_head_backward(SDPA_VIEW(dq, h), mha__dmat(hdk, D),
+                                             mha__dmat(hdv, Dv), none, SDPA_VIEW(dout, h),
+                                             SDPA_VIEW(q, h), SDPA_VIEW(k, g), SDPA_VIEW(v, g),
+                                             L, S, D, Dv, scale, mk, NULL, b, h, w);
+            for (int64_t i = 0; i < S * D; i++) sdk[i] = h == g * G ? hdk[i] : sdk[i] + hdk[i];
+            for (int64_t i = 0; i < S * Dv; i++)
+                sdv[i] = h == g * G ? hdv[i] : sdv[i] + hdv[i];
+        }
+        const mha__mat dkm = SDPA_VIEW(dk, g), dvm = SDPA_VIEW(dv, g);
+#undef SDPA_VIEW
+        for (int64_t j = 0; j < S; j++) {
+            for (int64_t c = 0; c < D; c++) mha__st(dkm, j, c, sdk[j * D + c]);
+            for (int64_t c = 0; c < Dv; c++) mha__st(dvm, j, c, sdv[j * Dv + c]);
+        }
+    }
+    free(ws);
+    return MHA_OK;
+}
+
+// The phases: the forward's checks (shapes, scale, mask), the gradients'
+// views, the implementation, then the fused driver (fused_bwd.c) or the
+// reference.
+mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+                             const mha_tensor *dout, const mha_sdpa_args *a) {
+    if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa_backward: NULL args");
+    mha_status st;
+    sdpa_dims dm = {0};  // (initialised for the compiler: read only after MHA_OK)
+    double scale = 0.0;
+    mha__mask mk;
+    mha_impl impl;
+    if ((st = sdpa_check(&dm, &scale, a)) || (st = sdpa_mask(&mk, a, &dm)) ||
+        (st = sdpa_check_grads(dq, dk, dv, dout, a, &dm)))
+        return st;
+    const mha_tensor *ts[7] = {a->q, a->k, a->v, dout, dq, dk, dv};
+    if ((st = sdpa_backward_impl(&impl, ts, a))) return st;
+    if (impl == MHA_IMPL_FUSED)
+        return mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk, scale);
+    return sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, scale);
+}

@@ -14,9 +14,7 @@
 // bit for bit with the reference's and the fused one's (they differ in the
 // last bits: the reference computes in double).
 //
-// What it deliberately does not do: a backward of the core (mha_sdpa has
-// none),
-// or any comparison with PyTorch (bench/bench_torch.py and bench/compare.sh
+// What it deliberately does not do: any comparison with PyTorch (bench/bench_torch.py and bench/compare.sh
 // do that from the --json lines).
 // --parallel runs in bench_mpi.c.
 #include <getopt.h>
@@ -53,7 +51,8 @@ static const char *bench_help =
     "                     ([i - W, i] with --causal); FLOPs still counted\n"
     "                     dense, the visible fraction is printed\n"
     "  --backward         time forward + backward (mha_backward: gradients\n"
-    "                     of the inputs and of every parameter)\n"
+    "                     of the inputs and of every parameter; with --core,\n"
+    "                     mha_sdpa + mha_sdpa_backward: dq, dk, dv)\n"
     "  --core             the attention core alone (mha_sdpa)\n"
     "  --decode           one decode step instead: --seq (default 1) new\n"
     "                     queries per head against a KV cache of --kv-len N\n"
@@ -238,6 +237,16 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
         p->k = mha_tensor_contiguous(k, MHA_F32, 4, ks);
         p->v = mha_tensor_contiguous(v, MHA_F32, 4, ks);
         p->out = mha_tensor_contiguous(out, MHA_F32, 4, qs);
+        if (o->backward) {  // dout, and dq, dk, dv
+            float *g = bench_alloc(bb, B * H * L * d), *gq = bench_alloc(bb, B * H * L * d),
+                  *gk = bench_alloc(bb, B * H * S * d), *gv = bench_alloc(bb, B * H * S * d);
+            if (!g || !gq || !gk || !gv) return 1;
+            fill_uniform(g, B * H * L * d, &rng);
+            p->gout = mha_tensor_contiguous(g, MHA_F32, 4, qs);
+            p->gq = mha_tensor_contiguous(gq, MHA_F32, 4, qs);
+            p->gk = mha_tensor_contiguous(gk, MHA_F32, 4, ks);
+            p->gv = mha_tensor_contiguous(gv, MHA_F32, 4, ks);
+        }
         mha_sdpa_args_init(&p->sa);
         p->sa.q = &p->q;
         p->sa.k = &p->k;
@@ -325,7 +334,11 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
 // One run: the forward (and the backward), or the core.
 static mha_status problem_run(problem *p) {
     mha_status st;
-    if (p->o->core) return mha_sdpa(&p->out, NULL, &p->sa);
+    if (p->o->core) {
+        st = mha_sdpa(&p->out, NULL, &p->sa);
+        if (st || !p->o->backward) return st;
+        return mha_sdpa_backward(&p->gq, &p->gk, &p->gv, &p->gout, &p->sa);
+    }
     if (p->ws) st = mha_forward_ex(&p->out, NULL, p->m, &p->a, p->ws, p->ws_bytes);
     else st = mha_forward(&p->out, NULL, p->m, &p->a);
     if (st || !p->o->backward) return st;
@@ -371,7 +384,7 @@ static int probe_run(probe_out *po, bench_bufs *bb, const bench_opts *o, mha_imp
     }
     po->fwd = p.out.data;
     po->nf = mha_tensor_numel(&p.out);
-    po->bwd = o->backward && !o->core ? p.gq.data : NULL;
+    po->bwd = o->backward ? p.gq.data : NULL;
     po->nb = po->bwd ? mha_tensor_numel(&p.gq) : 0;
     problem_free(&p);
     return 0;
@@ -553,11 +566,7 @@ static int bench_check(bench_opts *o) {
                 (long long)o->E, (long long)o->H);
         return 2;
     }
-    if (o->core && o->backward) {
-        fprintf(stderr, "mha bench: --core --backward: mha_sdpa has no backward (time the "
-                "module's forward + backward without --core)\n");
-        return 2;
-    }
+    if (o->core && o->no_save) return bench_usage("--no-save is for the module, not --core");
     if (o->core && o->workspace) return bench_usage("--workspace is for the module, not --core");
     if (o->prune > o->H) {
         fprintf(stderr, "mha bench: --prune-heads %lld is more than --num-heads %lld\n",
@@ -611,6 +620,11 @@ typedef struct bench_result {
 } bench_result;
 
 static const char *flop_note(const bench_opts *o) {
+    if (o->core && o->backward)
+        return o->causal ? "core dense 4BLSE (QK^T + PV), x3 for forward + backward "
+                           "(mha_sdpa_backward = 2x forward); causal counted as dense"
+                         : "core dense 4BLSE (QK^T + PV), x3 for forward + backward "
+                           "(mha_sdpa_backward = 2x forward)";
     if (o->core)
         return o->causal ? "core dense 4BLSE (QK^T + PV); causal counted as dense"
                          : "core dense 4BLSE (QK^T + PV)";
@@ -664,7 +678,10 @@ static void print_text(const bench_opts *o, const bench_result *r) {
                    : o->backward ? "module forward + backward" : "module forward",
            mha_impl_name(o->impl), r->fwd_ran, r->isa, r->threads,
            r->threads == 1 ? "" : "s");
-    if (o->backward)
+    if (o->backward && o->core)
+        printf("  backward   mha_sdpa_backward ran the %s implementation (the forward's "
+               "rows recomputed)\n", r->bwd_ran);
+    else if (o->backward)
         printf("  backward   mha_backward ran the %s implementation%s\n", r->bwd_ran,
                o->no_save ? ", re-running the forward (--no-save)"
                           : ", from the forward's saved state (args.save)");

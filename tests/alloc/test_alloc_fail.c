@@ -722,6 +722,21 @@ static mha_status sc_sdpa(const void *argp) {
     if (st) return st;
     res_put(a->o, sizeof(float) * (size_t)mha_tensor_numel(&o));
     if (a->weights) res_put(a->w, sizeof(float) * (size_t)mha_tensor_numel(&w));
+    // the backward, dout = the output itself
+    const size_t nq = (size_t)mha_tensor_numel(&q), nk = (size_t)mha_tensor_numel(&k);
+    float *dq = malloc(sizeof(float) * nq), *dk = malloc(sizeof(float) * nk),
+          *dv = malloc(sizeof(float) * nk), *dout = malloc(sizeof(float) * nq);
+    memcpy(dout, a->o, sizeof(float) * nq);
+    mha_tensor tdq = q, tdk = k, tdv = v, tdo = o;
+    tdq.data = dq, tdk.data = dk, tdv.data = dv, tdo.data = dout;
+    st = mha_sdpa_backward(&tdq, &tdk, &tdv, &tdo, &sa);
+    if (!st) {
+        res_put(dq, sizeof(float) * nq);
+        res_put(dk, sizeof(float) * nk);
+        res_put(dv, sizeof(float) * nk);
+    }
+    free(dq), free(dk), free(dv), free(dout);
+    if (st) return st;
     // varlen over the same rows (batch element 0 as two sequences)
     const int64_t cq[3] = {0, a->L / 2, a->L}, ck[3] = {0, a->S / 2, a->S};
     mha_tensor q2 = {a->q, MHA_F32, 3, {a->L, a->H, a->D}, {a->D, a->L * a->D, 1}};
@@ -1249,7 +1264,9 @@ static void sweep_library(void) {
         s.q = new_floats(s.B * s.H * s.L * s.D), s.k = new_floats(s.B * s.Hkv * s.S * s.D);
         s.v = new_floats(s.B * s.Hkv * s.S * s.D), s.o = new_floats(s.B * s.H * s.L * s.D);
         s.w = new_floats(s.B * s.H * s.L * s.S);
-        sweep(impl ? "sdpa fused + varlen + rope" : "sdpa ref + varlen + rope", sc_sdpa, &s,
+        sweep(impl ? "sdpa fused (+ backward) + varlen + rope"
+                   : "sdpa ref (+ backward) + varlen + rope",
+              sc_sdpa, &s,
               NULL);
         free(s.q), free(s.k), free(s.v), free(s.o), free(s.w);
     }

@@ -8,6 +8,10 @@ Loads libmha with ctypes. References are computed in float64 with torch:
                 position offsets; the inverse rotation undoes it
   GQA / MQA     mha_sdpa (reference and fused) with Hkv dividing H against
                 softmax(q k^T / sqrt(d)) v with k, v repeat_interleave'd
+  sdpa backward mha_sdpa_backward (reference and fused): dq, dk, dv against
+                torch.autograd through softmax(scale q k^T + mask) v, GQA,
+                causal with L != S, windows, bool and float masks broadcast
+                from (L, S) or (1, H, L, S), key padding, custom scale
   KV cache      random chunk schedules (decode: 1..16 queries, split-KV;
                 prefill chunks: > 16, flash) with per-sequence counts,
                 windows, GQA: every chunk's output against full causal
@@ -37,7 +41,7 @@ except Exception as exc:  # pragma: no cover - environment problem
     sys.exit(1)
 
 MAX_DIMS = 8
-F32, F64 = 0, 7
+F32, BOOL, F64 = 0, 3, 7
 IMPL_AUTO, IMPL_REFERENCE, IMPL_FUSED = 0, 1, 2
 ROPE_NEOX, ROPE_INTERLEAVED = 1, 2
 
@@ -94,6 +98,7 @@ class Lib:
                                      C.POINTER(C.c_int64), C.c_bool]
         L.mha_sdpa_args_init.argtypes = [C.POINTER(SdpaArgs)]
         L.mha_sdpa.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.POINTER(SdpaArgs)]
+        L.mha_sdpa_backward.argtypes = [C.POINTER(Tensor)] * 4 + [C.POINTER(SdpaArgs)]
         L.mha_kv_cache_create.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5
         L.mha_kv_cache_create_ex.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5 + [C.c_int]
         L.mha_kv_cache_bytes.argtypes = [C.c_void_p]
@@ -270,6 +275,100 @@ def test_gqa(lib, ck, rng):
     rc = lib.L.mha_sdpa(C.byref(to), None, C.byref(a))
     ck.check(rc != 0 and "Hkv" in lib.err(), "gqa: 3 heads over 2 KV heads refused")
 
+
+
+def sdpa_grad_ref(q, k, v, dout, allowed, scale, dt):
+    """dq, dk, dv of sum(out * dout), out = softmax(scale q k^T + bias) v in
+    dtype dt (torch autograd), k and v repeat_interleave'd over the group;
+    allowed: the additive mask (0 or -inf, or float values) (B|1, H, L, S)."""
+    G = q.shape[1] // k.shape[1]
+    tq, tk, tv = (torch.tensor(x, dtype=dt, requires_grad=True) for x in (q, k, v))
+    kk, vv = tk.repeat_interleave(G, dim=1), tv.repeat_interleave(G, dim=1)
+    s = scale * tq @ kk.transpose(-1, -2) + torch.tensor(allowed, dtype=dt)
+    out = torch.softmax(s, dim=-1) @ vv
+    (out * torch.tensor(dout, dtype=dt)).sum().backward()
+    return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+
+
+def test_sdpa_backward(lib, ck, rng):
+    for case in range(40):
+        B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2, 3]))
+        H = Hkv * int(rng.choice([1, 2, 3]))
+        L, S = int(rng.integers(1, 90)), int(rng.integers(1, 90))
+        D = int(rng.choice([4, 8, 16, 64]))
+        Dv = D if case % 3 else int(rng.choice([4, 8, 16]))
+        causal, custom = bool(case % 2), case % 4 == 3
+        wl = int(rng.integers(0, 10)) if case % 5 == 2 else -1
+        wr = int(rng.integers(0, 10)) if case % 7 == 4 else -1
+        scale = 0.3 if custom else 1.0 / math.sqrt(D)
+        q = rng.standard_normal((B, H, L, D)).astype(np.float32)
+        k = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
+        v = rng.standard_normal((B, Hkv, S, Dv)).astype(np.float32)
+        dout = rng.standard_normal((B, H, L, Dv)).astype(np.float32)
+        # the mask as mha reads it, and the same as an additive bias
+        bias = np.zeros((B, H, L, S))
+        i = np.arange(L)[:, None]
+        j = np.arange(S)[None, :]
+        hidden = np.zeros((L, S), dtype=bool)
+        if causal:
+            hidden |= j > i
+        if wl >= 0:
+            hidden |= j < i - wl
+        if wr >= 0:
+            hidden |= j > i + wr
+        am = kpm = None
+        kind = case % 4
+        if kind == 1:  # bool (L, S): True hides
+            am = rng.random((L, S)) < 0.2
+            hidden = hidden | am
+        elif kind == 2:  # float (1, H, L, S), added
+            am = (0.5 * rng.standard_normal((1, H, L, S))).astype(np.float32)
+            bias += am
+        if case % 3 == 1:
+            kpm = rng.random((B, S)) < 0.2
+            bias[np.broadcast_to(kpm[:, None, None, :], bias.shape)] = -np.inf
+        bias[np.broadcast_to(hidden, bias.shape)] = -np.inf
+        # a row with no visible key: mha's rule is a zero gradient through it
+        # (softmax would give NaN); its dout is 0 for both, its bias 0 for torch
+        full = np.isinf(bias).all(axis=-1)
+        bias[full] = 0.0
+        dout[full] = 0.0
+        refs = [sdpa_grad_ref(q, k, v, dout, bias, scale, dt) for dt in (torch.float64, torch.float32)]
+        tq, tk, tv, tdo = tensor(q), tensor(k), tensor(v), tensor(dout)
+        keep = [am, kpm]
+        tam = tkpm = None
+        if am is not None:
+            amc = np.ascontiguousarray(am if am.dtype != bool else am.astype(np.uint8))
+            keep.append(amc)
+            tam = tensor(amc)
+            if am.dtype == bool:
+                tam.dtype = BOOL
+        if kpm is not None:
+            kpc = np.ascontiguousarray(kpm.astype(np.uint8))
+            keep.append(kpc)
+            tkpm = tensor(kpc)
+            tkpm.dtype = BOOL
+        for impl in (IMPL_REFERENCE, IMPL_FUSED):
+            dq = np.zeros_like(q)
+            dk = np.zeros_like(k)
+            dv = np.zeros_like(v)
+            tdq, tdk, tdv = tensor(dq), tensor(dk), tensor(dv)
+            a = SdpaArgs()
+            lib.L.mha_sdpa_args_init(C.byref(a))
+            a.q, a.k, a.v = C.pointer(tq), C.pointer(tk), C.pointer(tv)
+            a.attn_mask = C.pointer(tam) if tam is not None else None
+            a.key_padding_mask = C.pointer(tkpm) if tkpm is not None else None
+            a.is_causal, a.window_left, a.window_right = causal, wl, wr
+            a.use_custom_scale, a.scale = custom, scale
+            a.impl = impl
+            rc = lib.L.mha_sdpa_backward(C.byref(tdq), C.byref(tdk), C.byref(tdv), C.byref(tdo),
+                                         C.byref(a))
+            what = "sdpa backward %d %s (B %d H %d Hkv %d L %d S %d D %d Dv %d causal %d window %d/%d mask %d kpm %d)" % (
+                case, "reference" if impl == IMPL_REFERENCE else "fused", B, H, Hkv, L, S, D, Dv,
+                causal, wl, wr, kind, kpm is not None)
+            ck.check(rc == 0, "%s: status %d %s" % (what, rc, lib.err() if rc else ""))
+            for name, ours, r64, r32 in zip(("dq", "dk", "dv"), (dq, dk, dv), refs[0], refs[1]):
+                ck.close(what + " " + name, ours, r64, r32)
 
 def test_cache(lib, ck, rng, cases):
     for case in range(cases):
@@ -585,6 +684,7 @@ def main():
     rng = np.random.default_rng(args.seed)
     test_rope(lib, ck, rng)
     test_gqa(lib, ck, rng)
+    test_sdpa_backward(lib, ck, rng)
     test_cache(lib, ck, rng, args.cases)
     test_counts(lib, ck, rng)
     test_threads(lib, ck, rng)

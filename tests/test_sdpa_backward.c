@@ -1,0 +1,330 @@
+// test_sdpa_backward.c: mha_sdpa_backward. The reference (float64 views)
+// against finite differences of mha_sdpa's reference; the fused path
+// against the reference on random configurations (GQA, every mask kind and
+// broadcast, causal with L != S, windows, custom scale, strided views);
+// the same bits with 1 and 2 threads; fully masked rows; misuse.
+// Agreement with PyTorch autograd: tests/infer/test_infer.py.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "check.h"
+#include "mha.h"
+#include "util.h"
+
+typedef struct scase {
+    int64_t B, H, Hkv, L, S, D, Dv;
+    bool causal, custom_scale;
+    int64_t wl, wr;
+    int am;   // 0 none, 1 bool (L, S), 2 float (B, H, L, S), 3 float (1, H, L, S)
+    int kpm;  // 0 none, 1 bool (B, S)
+    int64_t pad;  // extra elements per row of q, k, v, dout (strided views)
+} scase;
+
+typedef struct sbufs {
+    void *q, *k, *v, *dout, *am, *kpm;
+    mha_tensor tq, tk, tv, tdo, tam, tkpm;
+} sbufs;
+
+static int64_t prod4(const int64_t d[4]) { return d[0] * d[1] * d[2] * d[3]; }
+
+// A (d0, d1, d2, d3) view of dtype dt whose rows carry pad extra elements,
+// filled with frand() * s.
+static void *make4(mha_tensor *t, mha_dtype dt, const int64_t d[4], int64_t pad, double s) {
+    const int64_t ld = d[3] + pad, n = d[0] * d[1] * d[2] * ld + 1;
+    const size_t es = mha_dtype_size(dt);
+    char *p = calloc((size_t)n, es);
+    for (int64_t i = 0; i < n; i++) {
+        const double x = s * frand();
+        if (dt == MHA_F64) ((double *)p)[i] = x;
+        else ((float *)p)[i] = (float)x;
+    }
+    memset(t, 0, sizeof *t);
+    *t = (mha_tensor){p, dt, 4, {d[0], d[1], d[2], d[3]},
+                      {d[1] * d[2] * ld, d[2] * ld, ld, 1}};
+    return p;
+}
+
+static void make_inputs(sbufs *s, const scase *c, mha_dtype dt) {
+    const int64_t qd[4] = {c->B, c->H, c->L, c->D}, kd[4] = {c->B, c->Hkv, c->S, c->D},
+                  vd[4] = {c->B, c->Hkv, c->S, c->Dv}, od[4] = {c->B, c->H, c->L, c->Dv};
+    s->q = make4(&s->tq, dt, qd, c->pad, 1.0);
+    s->k = make4(&s->tk, dt, kd, c->pad, 1.0);
+    s->v = make4(&s->tv, dt, vd, c->pad, 1.0);
+    s->dout = make4(&s->tdo, dt, od, c->pad, 1.0);
+    s->am = s->kpm = NULL;
+    if (c->am == 1) {
+        uint8_t *m = malloc((size_t)(c->L * c->S));
+        for (int64_t i = 0; i < c->L * c->S; i++) m[i] = next() % 6 == 0;
+        s->am = m;
+        s->tam = mha_tensor_contiguous(m, MHA_BOOL, 2, (int64_t[]){c->L, c->S});
+    } else if (c->am >= 2) {
+        const int64_t B = c->am == 2 ? c->B : 1, n = B * c->H * c->L * c->S;
+        float *m = malloc(sizeof(float) * (size_t)n);
+        for (int64_t i = 0; i < n; i++) m[i] = next() % 8 == 0 ? -INFINITY : 0.5f * frand();
+        s->am = m;
+        s->tam = mha_tensor_contiguous(m, MHA_F32, 4, (int64_t[]){B, c->H, c->L, c->S});
+    }
+    if (c->kpm) {
+        uint8_t *m = malloc((size_t)(c->B * c->S));
+        for (int64_t i = 0; i < c->B * c->S; i++) m[i] = next() % 5 == 0;
+        s->kpm = m;
+        s->tkpm = mha_tensor_contiguous(m, MHA_BOOL, 2, (int64_t[]){c->B, c->S});
+    }
+}
+
+static void free_inputs(sbufs *s) {
+    free(s->q), free(s->k), free(s->v), free(s->dout), free(s->am), free(s->kpm);
+}
+
+static void args_of(mha_sdpa_args *a, const scase *c, const sbufs *s, mha_impl impl) {
+    mha_sdpa_args_init(a);
+    a->q = &s->tq, a->k = &s->tk, a->v = &s->tv;
+    a->attn_mask = c->am ? &s->tam : NULL;
+    a->key_padding_mask = c->kpm ? &s->tkpm : NULL;
+    a->is_causal = c->causal;
+    a->window_left = c->wl, a->window_right = c->wr;
+    a->use_custom_scale = c->custom_scale, a->scale = 0.37;
+    a->impl = impl;
+}
+
+typedef struct sgrads {
+    void *dq, *dk, *dv;
+    mha_tensor tq, tk, tv;
+} sgrads;
+
+static void make_grads(sgrads *g, const scase *c, mha_dtype dt) {
+    const int64_t qd[4] = {c->B, c->H, c->L, c->D}, kd[4] = {c->B, c->Hkv, c->S, c->D},
+                  vd[4] = {c->B, c->Hkv, c->S, c->Dv};
+    g->dq = make4(&g->tq, dt, qd, 0, 9.0);  // (garbage: every element is written)
+    g->dk = make4(&g->tk, dt, kd, 0, 9.0);
+    g->dv = make4(&g->tv, dt, vd, 0, 9.0);
+}
+
+static void free_grads(sgrads *g) { free(g->dq), free(g->dk), free(g->dv); }
+
+static scase random_case(int i) {
+    scase c;
+    memset(&c, 0, sizeof c);
+    c.B = irand(1, 2);
+    c.Hkv = irand(1, 3);
+    c.H = c.Hkv * irand(1, 3);
+    c.L = i % 5 == 0 ? irand(60, 140) : irand(1, 20);
+    c.S = i % 7 == 0 ? irand(60, 200) : irand(1, 20);
+    c.D = i % 6 == 0 ? 64 : irand(1, 17);
+    c.Dv = i % 3 == 0 ? irand(1, 17) : c.D;
+    c.causal = i % 2 == 1;
+    c.custom_scale = i % 4 == 3;
+    c.wl = i % 5 == 2 ? irand(0, 8) : -1;
+    c.wr = i % 9 == 4 ? irand(0, 8) : -1;
+    c.am = (int)(i % 4);
+    c.kpm = i % 3 == 1;
+    c.pad = i % 8 == 5 ? 3 : 0;
+    return c;
+}
+
+static void print_case(const scase *c) {
+    printf("  case B %lld H %lld Hkv %lld L %lld S %lld D %lld Dv %lld causal %d scale %d "
+           "window %lld/%lld attn_mask %d kpm %d pad %lld\n",
+           (long long)c->B, (long long)c->H, (long long)c->Hkv, (long long)c->L,
+           (long long)c->S, (long long)c->D, (long long)c->Dv, c->causal, c->custom_scale,
+           (long long)c->wl, (long long)c->wr, c->am, c->kpm, (long long)c->pad);
+}
+
+// The largest |a - b| over a gradient, relative to 1 + max |b|.
+static double grad_err(const mha_tensor *a, const mha_tensor *b) {
+    double e = 0.0, mx = 0.0;
+    const int64_t *d = a->shape;
+    for (int64_t i0 = 0; i0 < d[0]; i0++)
+        for (int64_t i1 = 0; i1 < d[1]; i1++)
+            for (int64_t i2 = 0; i2 < d[2]; i2++)
+                for (int64_t i3 = 0; i3 < d[3]; i3++) {
+                    const int64_t oa = i0 * a->stride[0] + i1 * a->stride[1] +
+                                       i2 * a->stride[2] + i3 * a->stride[3];
+                    const int64_t ob = i0 * b->stride[0] + i1 * b->stride[1] +
+                                       i2 * b->stride[2] + i3 * b->stride[3];
+                    const double x = a->dtype == MHA_F64 ? ((double *)a->data)[oa]
+                                                         : ((float *)a->data)[oa];
+                    const double y = b->dtype == MHA_F64 ? ((double *)b->data)[ob]
+                                                         : ((float *)b->data)[ob];
+                    if (!(fabs(x - y) <= e)) e = fabs(x - y);  // (NaN: inf-like)
+                    mx = fmax(mx, fabs(y));
+                }
+    return e / (1.0 + mx);
+}
+
+// The fused path against the reference, float32 views; the fused bits with
+// 1 and 2 threads.
+static void fused_vs_reference(int i) {
+    scase c = random_case(i);
+    sbufs s;
+    make_inputs(&s, &c, MHA_F32);
+    sgrads gr, gf, g1;
+    make_grads(&gr, &c, MHA_F32), make_grads(&gf, &c, MHA_F32), make_grads(&g1, &c, MHA_F32);
+    mha_sdpa_args a;
+    args_of(&a, &c, &s, MHA_IMPL_REFERENCE);
+    CHECK_OK(mha_sdpa_backward(&gr.tq, &gr.tk, &gr.tv, &s.tdo, &a));
+    a.impl = c.pad ? MHA_IMPL_AUTO : MHA_IMPL_FUSED;  // (auto: fused, rows strided)
+    CHECK_OK(mha_sdpa_backward(&gf.tq, &gf.tk, &gf.tv, &s.tdo, &a));
+    const double eq = grad_err(&gf.tq, &gr.tq), ek = grad_err(&gf.tk, &gr.tk),
+                 ev = grad_err(&gf.tv, &gr.tv);
+    const double tol = 4e-6 * sqrt((double)(c.S + c.L));  // float32 sums of length ~S, L
+    CHECKF(eq <= tol && ek <= tol && ev <= tol,
+           "fused vs reference %d: dq %.3g dk %.3g dv %.3g > %.3g", i, eq, ek, ev, tol);
+    if (!(eq <= tol && ek <= tol && ev <= tol)) print_case(&c);
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    CHECK_OK(mha_sdpa_backward(&g1.tq, &g1.tk, &g1.tv, &s.tdo, &a));
+    omp_set_num_threads(nt < 2 ? 2 : nt);
+    CHECK_OK(mha_sdpa_backward(&gf.tq, &gf.tk, &gf.tv, &s.tdo, &a));
+    omp_set_num_threads(nt);
+    const size_t bq = sizeof(float) * (size_t)prod4(gf.tq.shape),
+                 bk = sizeof(float) * (size_t)prod4(gf.tk.shape),
+                 bv = sizeof(float) * (size_t)prod4(gf.tv.shape);
+    CHECKF(!memcmp(g1.dq, gf.dq, bq) && !memcmp(g1.dk, gf.dk, bk) && !memcmp(g1.dv, gf.dv, bv),
+           "fused %d: 1 and 2 threads give different bits", i);
+#endif
+    free_grads(&gr), free_grads(&gf), free_grads(&g1);
+    free_inputs(&s);
+}
+
+// sum(out * dout) of the reference forward on float64 views.
+static double loss(const mha_sdpa_args *a0, const sbufs *s, const scase *c) {
+    mha_sdpa_args a = *a0;
+    a.impl = MHA_IMPL_REFERENCE;
+    const int64_t od[4] = {c->B, c->H, c->L, c->Dv};
+    double *o = calloc((size_t)prod4(od), sizeof(double));
+    mha_tensor to = mha_tensor_contiguous(o, MHA_F64, 4, od);
+    CHECK_OK(mha_sdpa(&to, NULL, &a));
+    double l = 0.0;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t h = 0; h < c->H; h++)
+            for (int64_t t = 0; t < c->L; t++)
+                for (int64_t e = 0; e < c->Dv; e++)
+                    l += o[((b * c->H + h) * c->L + t) * c->Dv + e] *
+                         ((double *)s->dout)[b * s->tdo.stride[0] + h * s->tdo.stride[1] +
+                                             t * s->tdo.stride[2] + e];
+    free(o);
+    return l;
+}
+
+// The reference gradients (float64 views) against central differences of
+// the reference forward, a few elements of q, k and v per case.
+static void finite_differences(int i) {
+    scase c = random_case(i);
+    c.L = c.L > 12 ? 12 : c.L, c.S = c.S > 12 ? 12 : c.S, c.D = c.D > 9 ? 9 : c.D;
+    c.Dv = c.Dv > 9 ? 9 : c.Dv;
+    sbufs s;
+    make_inputs(&s, &c, MHA_F64);
+    sgrads g;
+    make_grads(&g, &c, MHA_F64);
+    mha_sdpa_args a;
+    args_of(&a, &c, &s, MHA_IMPL_AUTO);  // (auto on float64: the reference)
+    CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
+    double worst = 0.0;
+    for (int which = 0; which < 3; which++) {
+        const mha_tensor *x = which == 0 ? &s.tq : which == 1 ? &s.tk : &s.tv;
+        const mha_tensor *gx = which == 0 ? &g.tq : which == 1 ? &g.tk : &g.tv;
+        for (int r = 0; r < 4; r++) {
+            int64_t idx[4], off = 0, goff = 0;
+            for (int d = 0; d < 4; d++) {
+                idx[d] = irand(0, x->shape[d] - 1);
+                off += idx[d] * x->stride[d];
+                goff += idx[d] * gx->stride[d];
+            }
+            double *p = (double *)x->data + off, x0 = *p, h = 1e-5;
+            *p = x0 + h;
+            const double lp = loss(&a, &s, &c);
+            *p = x0 - h;
+            const double lm = loss(&a, &s, &c);
+            *p = x0;
+            const double fd = (lp - lm) / (2 * h), an = ((double *)gx->data)[goff];
+            const double err = fabs(fd - an) / (1.0 + fabs(an));
+            worst = fmax(worst, err);
+        }
+    }
+    CHECKF(worst <= 1e-6, "finite differences %d: worst relative error %.3g", i, worst);
+    if (!(worst <= 1e-6)) print_case(&c);
+    free_grads(&g);
+    free_inputs(&s);
+}
+
+// A row whose every key is masked: zero gradients from it (dq row 0), both
+// paths.
+static void fully_masked_row(void) {
+    scase c = {.B = 1, .H = 2, .Hkv = 1, .L = 5, .S = 7, .D = 4, .Dv = 4, .wl = -1, .wr = -1,
+               .am = 1};
+    sbufs s;
+    make_inputs(&s, &c, MHA_F32);
+    uint8_t *m = s.am;
+    for (int64_t j = 0; j < c.S; j++) m[2 * c.S + j] = 1;  // query row 2: every key masked
+    for (int impl = 0; impl < 2; impl++) {
+        sgrads g;
+        make_grads(&g, &c, MHA_F32);
+        mha_sdpa_args a;
+        args_of(&a, &c, &s, impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE);
+        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
+        bool zero = true, finite = true;
+        for (int64_t h = 0; h < c.H; h++)
+            for (int64_t e = 0; e < c.D; e++)
+                zero = zero && ((float *)g.dq)[(h * c.L + 2) * c.D + e] == 0.0f;
+        for (int64_t n = 0; n < c.S * c.D; n++)
+            finite = finite && isfinite(((float *)g.dk)[n]) && isfinite(((float *)g.dv)[n]);
+        CHECKF(zero && finite, "fully masked row (%s): dq row 0 and finite dk, dv",
+               impl ? "fused" : "reference");
+        free_grads(&g);
+    }
+    free_inputs(&s);
+}
+
+static void misuse(void) {
+    scase c = {.B = 1, .H = 4, .Hkv = 2, .L = 3, .S = 5, .D = 4, .Dv = 4, .wl = -1, .wr = -1};
+    sbufs s;
+    make_inputs(&s, &c, MHA_F32);
+    sgrads g;
+    make_grads(&g, &c, MHA_F32);
+    mha_sdpa_args a;
+    args_of(&a, &c, &s, MHA_IMPL_AUTO);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, NULL), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_sdpa_backward(NULL, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "dq is NULL") != NULL);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, NULL, &a), MHA_ERR_INVALID_ARG);
+    mha_tensor bad = g.tk;
+    bad.shape[1] = 4;  // dk shaped as q's heads
+    bad.stride[0] = 4 * c.S * c.D;
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &bad, &g.tv, &s.tdo, &a), MHA_ERR_SHAPE);
+    CHECK(strstr(mha_last_error(), "dk") != NULL);
+    CHECK_FAILS(mha_sdpa_backward(&s.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "overlaps") != NULL);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tk, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    a.window_left = -2;
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    a.window_left = -1;
+    sgrads g64;
+    make_grads(&g64, &c, MHA_F64);
+    a.impl = MHA_IMPL_FUSED;  // fused with float64 gradients: refused, naming one
+    CHECK_FAILS(mha_sdpa_backward(&g64.tq, &g64.tk, &g64.tv, &s.tdo, &a), MHA_ERR_UNSUPPORTED);
+    CHECK(strstr(mha_last_error(), "dq is F64") != NULL);
+    a.impl = MHA_IMPL_AUTO;  // auto: the reference writes float64 gradients
+    CHECK_OK(mha_sdpa_backward(&g64.tq, &g64.tk, &g64.tv, &s.tdo, &a));
+    free_grads(&g64);
+    mha_tensor k3 = s.tk;  // 3 KV heads for 4 query heads: refused
+    k3.shape[1] = 3;
+    a.k = &k3;
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_SHAPE);
+    free_grads(&g);
+    free_inputs(&s);
+}
+
+int main(void) {
+    seed_rng(20261201);
+    for (int i = 0; i < 80; i++) fused_vs_reference(i);
+    for (int i = 0; i < 40; i++) finite_differences(i);
+    fully_masked_row();
+    misuse();
+    return check_summary("test_sdpa_backward");
+}
