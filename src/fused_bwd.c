@@ -603,64 +603,65 @@ done:
 }
 
 // ---------------------------------------------------------------------------
-// The fused mha_sdpa backward: one item (one thread) per (b, KV head g);
-// for each query head h of the group in increasing order, its forward rows
-// again (the context O (L, Dv) and each row's stats into the thread's
-// scratch), then the head's whole backward (flash.h: dq written; dk, dv of
-// g overwritten by the group's first head, added to by the others). Every
-// dk, dv element is summed by one thread in a fixed order: the same bits
-// for any number of threads.
-mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
-                                    const mha_tensor *dout, const mha_tensor *q,
-                                    const mha_tensor *k, const mha_tensor *v,
-                                    const mha__mask *mk, double scale) {
-    const mha__kernels *kt = mha__kernels_get();
-    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
-                  S = k->shape[2], Dv = v->shape[3], Hkv = k->shape[1], G = H / Hkv;
-    const int nt = (double)B * H * L * S * (2 * D + 3 * Dv) < MHA__PAR_MIN_WORK
-                       ? 1
-                       : mha__max_threads();
-    // per thread: the flash scratch (64-byte aligned: it begins with
-    // pointers), then O (L, Dv), stats (L, 2), Dsum (L)
-    const size_t sf = (mha__flash_scratch_floats(D, Dv, S, 0, true) + 15) & ~(size_t)15;
-    size_t per, floats, bytes;
-    if (mha__mul_overflow_size((size_t)L, (size_t)Dv + 3, &per) ||
-        mha__add_overflow_size(per, sf + 15, &per))
-        return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: scratch size overflows");
-    per &= ~(size_t)15;  // (each thread's piece 64-byte aligned)
-    if (mha__mul_overflow_size(per, (size_t)nt, &floats) ||
-        mha__mul_overflow_size(floats, sizeof(float), &bytes))
-        return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: scratch size overflows");
-    float *blk = mha__alloc(bytes ? bytes : 1);
-    if (!blk)
-        return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
-    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * per);
+// The fused mha_sdpa backward. With at least as many (b, KV head) items as
+// threads: one item (one thread) per (b, KV head g); for each query head h
+// of the group in increasing order, its forward rows again (the context O
+// (L, Dv) and each row's stats into the thread's scratch), then the head's
+// whole backward (flash.h: dq written; dk, dv of g overwritten by the
+// group's first head, added to by the others). With fewer (a batch of one
+// and few KV heads): every head's forward rows over (b, h, query tile)
+// items into one block, pass B over the same items, then pass A over (b, g,
+// key tile) items, the group's heads in increasing order. The two give the
+// same bits (flash.h), and every gradient element is summed by one thread
+// in a fixed order: the same bits for any number of threads.
+
+// Flash head (b, h) of an sdpa backward; its KV head h / (H / Hkv); o and
+// stats: where its forward rows go.
+static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const mha_tensor *v,
+                                 const mha__mask *mk, double scale, int64_t b, int64_t h,
+                                 float *o, int64_t o_rs, float *stats) {
+    const int64_t g = h / (q->shape[1] / k->shape[1]);
+    return (mha__flash_head){
+        .q = (const float *)q->data + q->stride[0] * b + q->stride[1] * h,
+        .q_rs = q->stride[2],
+        .k = (const float *)k->data + k->stride[0] * b + k->stride[1] * g,
+        .k_rs = k->stride[2],
+        .v = (const float *)v->data + v->stride[0] * b + v->stride[1] * g,
+        .v_rs = v->stride[2],
+        .o = o,
+        .o_rs = o_rs,
+        .stats = stats,
+        .L = q->shape[2],
+        .S = k->shape[2],
+        .D = q->shape[3],
+        .Dv = v->shape[3],
+        .scale = (float)scale,
+        .mask = mk,
+        .b = b,
+        .h = h,
+    };
+}
+
 #define SDPA_PTR(t, h) ((float *)(t)->data + (t)->stride[0] * b + (t)->stride[1] * (h))
+
+// One thread per (b, KV head): per thread (per floats, from blk) the flash
+// scratch sf (64-byte aligned: it begins with pointers), then O (L, Dv),
+// stats (L, 2), Dsum (L).
+static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+                              const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
+                              const mha_tensor *v, const mha__mask *mk, double scale,
+                              size_t sf, size_t per, int nt, float *blk) {
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], Dv = v->shape[3],
+                  Hkv = k->shape[1], G = H / Hkv;
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * per);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bg = 0; bg < B * Hkv; bg++) {
         const int64_t b = bg / Hkv, g = bg % Hkv;
         float *sc = blk + (size_t)mha__thread_id() * per, *o = sc + sf, *stats = o + L * Dv,
               *dsum = stats + 2 * L;
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
-            mha__flash_head fh = {
-                .q = SDPA_PTR(q, h),
-                .q_rs = q->stride[2],
-                .k = SDPA_PTR(k, g),
-                .k_rs = k->stride[2],
-                .v = SDPA_PTR(v, g),
-                .v_rs = v->stride[2],
-                .o = o,
-                .o_rs = Dv,
-                .stats = stats,
-                .L = L,
-                .S = S,
-                .D = D,
-                .Dv = Dv,
-                .scale = (float)scale,
-                .mask = mk,
-                .b = b,
-                .h = h,
-            };
+            mha__flash_head fh = sdpa_head(q, k, v, mk, scale, b, h, o, Dv, stats);
             for (int64_t i0 = 0; i0 < L; i0 += MHA__FLASH_BR)
                 mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L), sc);
             mha__flash_bwd_head(kt, &fh, SDPA_PTR(dout, h), dout->stride[2], dsum,
@@ -668,7 +669,94 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
                                 SDPA_PTR(dv, g), dv->stride[2], NULL, NULL, h != g * G, sc);
         }
     }
+}
+
+// Over tiles: from blk, nt flash scratches sf, then every head's O (B, H,
+// L, Dv), stats (B, H, L, 2) and Dsum (B, H, L).
+static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+                           const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
+                           const mha_tensor *v, const mha__mask *mk, double scale, size_t sf,
+                           int nt, float *blk) {
+    const mha__kernels *kt = mha__kernels_get();
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], S = k->shape[2],
+                  Dv = v->shape[3], Hkv = k->shape[1], G = H / Hkv;
+    for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
+    float *O = blk + sf * (size_t)nt, *stats = O + B * H * L * Dv,
+          *dsum = stats + 2 * B * H * L;
+    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+    const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC;
+#define SDPA_HEAD(b, h)                                                 \
+    sdpa_head(q, k, v, mk, scale, b, h, O + ((b)*H + (h)) * L * Dv, Dv, \
+              stats + 2 * ((b)*H + (h)) * L)
+    // the forward rows, then pass B (Dsum, dq), per (b, h, query tile)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < B * H * tiles; it++) {
+        const int64_t bh = it / tiles, b = bh / H, h = bh % H,
+                      i0 = (it % tiles) * MHA__FLASH_BR;
+        mha__flash_head fh = SDPA_HEAD(b, h);
+        mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L),
+                        blk + (size_t)mha__thread_id() * sf);
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < B * H * tiles; it++) {
+        const int64_t bh = it / tiles, b = bh / H, h = bh % H,
+                      i0 = (it % tiles) * MHA__FLASH_BR;
+        mha__flash_head fh = SDPA_HEAD(b, h);
+        mha__flash_bwd_q(kt, &fh, SDPA_PTR(dout, h), dout->stride[2], dsum + bh * L, i0,
+                         mha__tile_end(i0, MHA__FLASH_BR, L),
+                         SDPA_PTR(dq, h) + i0 * dq->stride[2], dq->stride[2],
+                         blk + (size_t)mha__thread_id() * sf);
+    }
+    // pass A (dk, dv), per (b, KV head, key tile), the group's heads in
+    // increasing order
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < B * Hkv * ktiles; it++) {
+        const int64_t bg = it / ktiles, b = bg / Hkv, g = bg % Hkv,
+                      j0 = (it % ktiles) * MHA__FLASH_BC,
+                      n = S - j0 < MHA__FLASH_BC ? S - j0 : MHA__FLASH_BC;
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            mha__flash_head fh = SDPA_HEAD(b, h);
+            mha__flash_bwd_kv(kt, &fh, SDPA_PTR(dout, h), dout->stride[2],
+                              dsum + (b * H + h) * L, j0, n,
+                              SDPA_PTR(dk, g) + j0 * dk->stride[2], dk->stride[2],
+                              SDPA_PTR(dv, g) + j0 * dv->stride[2], dv->stride[2], h != g * G,
+                              blk + (size_t)mha__thread_id() * sf);
+        }
+    }
+#undef SDPA_HEAD
+}
+
 #undef SDPA_PTR
+
+mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+                                    const mha_tensor *dout, const mha_tensor *q,
+                                    const mha_tensor *k, const mha_tensor *v,
+                                    const mha__mask *mk, double scale) {
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
+                  S = k->shape[2], Dv = v->shape[3], Hkv = k->shape[1];
+    const int nt = (double)B * H * L * S * (2 * D + 3 * Dv) < MHA__PAR_MIN_WORK
+                       ? 1
+                       : mha__max_threads();
+    const size_t sf = (mha__flash_scratch_floats(D, Dv, S, 0, true) + 15) & ~(size_t)15;
+    const bool per_head = B * Hkv >= nt;
+    // the scratch, one block: per head, per thread sf + O (L, Dv), stats
+    // (L, 2), Dsum (L) (each thread's piece 64-byte aligned); over tiles,
+    // nt times sf, then every head's O, stats and Dsum
+    size_t per = 0, heads = 0, floats, bytes;
+    const bool over = per_head ? mha__mul_overflow_size((size_t)L, (size_t)Dv + 3, &per) ||
+                                     mha__add_overflow_size(per, sf + 15, &per)
+                               : mha__mul_overflow_size((size_t)(B * H),
+                                                        (size_t)L * ((size_t)Dv + 3), &heads);
+    per &= ~(size_t)15;
+    if (over || mha__mul_overflow_size(per_head ? per : sf, (size_t)nt, &floats) ||
+        mha__add_overflow_size(floats, heads, &floats) ||
+        mha__mul_overflow_size(floats, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: scratch size overflows");
+    float *blk = mha__alloc(bytes ? bytes : 1);
+    if (!blk)
+        return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
+    if (per_head) sdpa_bwd_per_head(dq, dk, dv, dout, q, k, v, mk, scale, sf, per, nt, blk);
+    else sdpa_bwd_tiles(dq, dk, dv, dout, q, k, v, mk, scale, sf, nt, blk);
     mha__free(blk);
     return MHA_OK;
 }

@@ -157,9 +157,9 @@ static double grad_err(const mha_tensor *a, const mha_tensor *b) {
 }
 
 // The fused path against the reference, float32 views; the fused bits with
-// 1 and 2 threads.
-static void fused_vs_reference(int i) {
-    scase c = random_case(i);
+// 1 and 2 threads (with 2, fewer (b, KV head) items than threads take the
+// path over tiles: the same bits).
+static void fused_vs_reference_case(int i, scase c) {
     sbufs s;
     make_inputs(&s, &c, MHA_F32);
     sgrads gr, gf, g1;
@@ -190,6 +190,17 @@ static void fused_vs_reference(int i) {
 #endif
     free_grads(&gr), free_grads(&gf), free_grads(&g1);
     free_inputs(&s);
+}
+
+static void fused_vs_reference(int i) { fused_vs_reference_case(i, random_case(i)); }
+
+// A batch of one over one KV head, large enough for two threads: the
+// fused path over tiles (grouped-query heads, masks, causal, windows).
+static void one_kv_head(int i) {
+    scase c = random_case(i);
+    c.B = 1, c.Hkv = 1, c.H = 1 + i % 3;
+    c.L = 70 + 37 * i, c.S = 65 + 41 * i;
+    fused_vs_reference_case(100 + i, c);
 }
 
 // sum(out * dout) of the reference forward on float64 views.
@@ -323,6 +334,7 @@ static void misuse(void) {
 int main(void) {
     seed_rng(20261201);
     for (int i = 0; i < 80; i++) fused_vs_reference(i);
+    for (int i = 0; i < 6; i++) one_kv_head(i);
     for (int i = 0; i < 40; i++) finite_differences(i);
     fully_masked_row();
     misuse();
