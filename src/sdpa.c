@@ -126,6 +126,14 @@ static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, const sdp
     return MHA_OK;
 }
 
+// The checks the forward and the backward share: the shapes and the scale,
+// then the mask.
+static mha_status sdpa_prepare(sdpa_dims *dm, double *scale, mha__mask *mk,
+                               const mha_sdpa_args *a) {
+    mha_status st = sdpa_check(dm, scale, a);
+    return st ? st : sdpa_mask(mk, a, dm);
+}
+
 // The outputs: out (B, H, L, Dv), weights (B, H, L, S) when asked, neither
 // overlapping an input nor each other.
 static mha_status sdpa_check_outputs(mha_tensor *out, mha_tensor *weights,
@@ -144,6 +152,19 @@ static mha_status sdpa_check_outputs(mha_tensor *out, mha_tensor *weights,
     return MHA_OK;
 }
 
+// What auto means for sdpa, forward and backward: fused when fusable, else
+// the reference; MHA_IMPL in the environment overrides it (fused only when
+// fusable; an unknown name is ignored). Any other impl stays as asked.
+static mha_impl sdpa_pick(mha_impl asked, bool fusable) {
+    if (asked != MHA_IMPL_AUTO) return asked;
+    const char *env = getenv("MHA_IMPL");
+    mha_impl forced;
+    if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK &&
+        (forced != MHA_IMPL_FUSED || fusable))
+        return forced;
+    return fusable ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+}
+
 // The implementation: auto is fused when every tensor is F32 with unit
 // feature stride (the rows it reads and writes); MHA_IMPL in the
 // environment overrides. Fused asked for but not possible: an error.
@@ -155,15 +176,7 @@ static mha_status sdpa_impl(mha_impl *impl_out, const mha_tensor *out,
     for (int i = 0; i < 5; i++)
         if (fts[i] && (fts[i]->dtype != MHA_F32 || (fts[i]->stride[3] != 1 && i < 4)))
             fusable = false;
-    mha_impl impl = a->impl;
-    if (impl == MHA_IMPL_AUTO) {
-        const char *env = getenv("MHA_IMPL");
-        mha_impl forced;
-        impl = fusable ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
-        if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK &&
-            (forced != MHA_IMPL_FUSED || fusable))
-            impl = forced;
-    }
+    const mha_impl impl = sdpa_pick(a->impl, fusable);
     *impl_out = impl;
     if (impl == MHA_IMPL_FUSED && !fusable)
         return mha__fail(MHA_ERR_UNSUPPORTED,
@@ -228,7 +241,7 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
     double scale = 0.0;
     mha__mask mk;
     mha_impl impl;
-    if ((st = sdpa_check(&dm, &scale, a)) || (st = sdpa_mask(&mk, a, &dm)) ||
+    if ((st = sdpa_prepare(&dm, &scale, &mk, a)) ||
         (st = sdpa_check_outputs(out, weights, a, &dm)) ||
         (st = sdpa_impl(&impl, out, weights, a)))
         return st;
@@ -279,15 +292,7 @@ static mha_status sdpa_backward_impl(mha_impl *impl_out, const mha_tensor *const
     int bad = -1;
     for (int i = 0; i < 7 && bad < 0; i++)
         if (ts[i]->dtype != MHA_F32 || ts[i]->stride[3] != 1) bad = i;
-    mha_impl impl = a->impl;
-    if (impl == MHA_IMPL_AUTO) {
-        const char *env = getenv("MHA_IMPL");
-        mha_impl forced;
-        impl = bad < 0 ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
-        if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK &&
-            (forced != MHA_IMPL_FUSED || bad < 0))
-            impl = forced;
-    }
+    const mha_impl impl = sdpa_pick(a->impl, bad < 0);
     *impl_out = impl;
     if (impl == MHA_IMPL_FUSED && bad >= 0)
         return mha__fail(MHA_ERR_UNSUPPORTED,
@@ -366,7 +371,7 @@ mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
     double scale = 0.0;
     mha__mask mk;
     mha_impl impl;
-    if ((st = sdpa_check(&dm, &scale, a)) || (st = sdpa_mask(&mk, a, &dm)) ||
+    if ((st = sdpa_prepare(&dm, &scale, &mk, a)) ||
         (st = sdpa_check_grads(dq, dk, dv, dout, a, &dm)))
         return st;
     const mha_tensor *ts[7] = {a->q, a->k, a->v, dout, dq, dk, dv};
