@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
                        os.path.join(os.path.dirname(__file__), ".."))
 TABLE = os.path.join(ROOT, "docs", "architecture.md")
-SCOPES = ("src", "tools")
+SCOPES = ("src", "tools", "python")
 
 
 def read_table():

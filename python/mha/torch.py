@@ -1,0 +1,419 @@
+"""mha.torch: mha for PyTorch, through torch.autograd.
+
+    mha.torch.MultiheadAttention(embed_dim, num_heads, ...)   # a torch.nn.Module
+    mha.torch.scaled_dot_product_attention(q, k, v, ...)       # as F.scaled_dot_product_attention
+
+MultiheadAttention has the constructor, parameters (same names, shapes and
+initialisation as torch.nn.MultiheadAttention, drawn from torch's generator),
+state_dict and forward (the 2.x signature, is_causal included) of PyTorch's
+module; its forward and backward run mha's fused C kernels (float32) or its
+float64 reference (float64 inputs), with gradients for query, key, value and
+every parameter. Dropout in training mode uses mha's Philox generator seeded
+from torch's, so torch.manual_seed makes runs repeatable. The parameters are
+views of the C module's storage (no copy per call); if they are replaced
+(e.g. param.data = ...), the next forward copies them back in.
+
+Works with PyTorch 1.13 (Debian's python3-torch) and 2.x, on CPU tensors.
+The attention weights (need_weights=True) are returned but not
+differentiated; an attn_mask that requires grad is refused.
+"""
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _mha
+from ._options import BF16, forward_kwargs, sdpa_kwargs, sdpa_layout
+import mha as _np_api
+
+__all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
+
+
+# ---------------------------------------------------------------------------
+# tensors in and out (no copies)
+
+def _alloc(shape, dt):
+    return np.empty(shape, _np_api._NP_OF[dt])
+
+
+def _t(a):
+    if a is None:
+        return None
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if a.dtype == np.int16 else t
+
+
+def _np(t, name):
+    """A CPU tensor as the binding's argument, sharing its memory."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
+    if t.device.type != "cpu":
+        raise TypeError("%s: mha runs on CPU tensors, got one on %s" % (name, t.device))
+    if t.layout != torch.strided:
+        raise TypeError("%s: expected a dense (strided) tensor, got layout %s" % (name, t.layout))
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return (t.view(torch.int16).numpy(), BF16)
+    if t.dtype.is_complex:
+        raise TypeError("%s: dtype %s is not supported (expected float32, float64, float16 or "
+                        "bfloat16)" % (name, t.dtype))
+    return t.resolve_neg().numpy() if t.is_neg() else t.numpy()
+
+
+def _grad_out(g):
+    # an expanded gradient (stride 0, e.g. from .sum()) is made contiguous:
+    # the library's inputs are views with real strides
+    return g.contiguous() if any(s == 0 for s in g.stride()) and g.numel() > 1 else g
+
+
+def _mask(m, name):
+    if m is None:
+        return None
+    if m.requires_grad and torch.is_grad_enabled():
+        raise ValueError("%s requires grad: mha gives masks no gradient (detach it)" % name)
+    if m.dtype in (torch.float16, torch.bfloat16):
+        m = m.float()
+    return _np(m, name)
+
+
+def _int64(x):
+    a = np.ascontiguousarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
+    if a.dtype.kind not in "iu":
+        raise TypeError("rope_start: expected integers, got dtype %s" % a.dtype)
+    return a.astype(np.int64, copy=False)
+
+
+def _float32(x):
+    a = np.ascontiguousarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
+    if a.dtype.kind != "f":
+        raise TypeError("alibi slopes: expected floats, got dtype %s" % a.dtype)
+    return a.astype(np.float32, copy=False)
+
+
+def _seed():
+    """A dropout seed drawn from torch's default generator."""
+    return int(torch.empty((), dtype=torch.int64).random_())
+
+
+# ---------------------------------------------------------------------------
+# autograd: the module
+
+class _MHAFunction(torch.autograd.Function):
+    """forward(ctx, owner, call, query, key, value, *params) -> (out, weights)"""
+
+    @staticmethod
+    def forward(ctx, owner, call, query, key, value, *params):
+        cmod = owner._cmod
+        q = _np(query, "query")
+        k = q if key is query else _np(key, "key")
+        v = k if value is key else _np(value, "value")
+        kw = call["kw"]
+        saved = None
+        if call["grad"] and query.dtype == torch.float32:
+            saved = _mha.Saved()  # the fused forward keeps what the backward needs
+            kw = dict(kw, saved=saved)
+        out, w = _mha.forward(cmod, q, k, v, call["kpm"], call["am"], _alloc, **kw)
+        ctx.owner, ctx.call, ctx.saved = owner, call, saved
+        ctx.self_attn = (key is query, value is key)
+        ctx.save_for_backward(query, key, value, *params)
+        out, w = _t(out), _t(w)
+        if w is None:
+            return out, None
+        ctx.mark_non_differentiable(w)
+        return out, w
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_w):
+        query, key, value, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        cmod, call = ctx.owner._cmod, ctx.call
+        if grad_out is None:
+            return (None,) * len(need)
+        q = _np(query, "query")
+        k = q if ctx.self_attn[0] else _np(key, "key")
+        v = k if ctx.self_attn[1] else _np(value, "value")
+        grads = cmod.like() if any(need[5:]) else None
+        kw = call["kw"] if ctx.saved is None else dict(call["kw"], saved=ctx.saved)
+        kw.pop("need_weights", None)
+        kw.pop("average_attn_weights", None)
+        dq, dk, dv = _mha.backward(cmod, grads, q, k, v, call["kpm"], call["am"],
+                                   _np(_grad_out(grad_out), "grad_output"), _alloc, need[2],
+                                   need[3], need[4], **kw)
+        pgrads = [None] * len(params)
+        if grads is not None:
+            for i, name in enumerate(call["names"]):
+                if need[5 + i]:
+                    pgrads[i] = torch.from_numpy(np.asarray(grads.param(name)))
+        ctx.saved = None
+        return (None, None, _t(dq), _t(dk), _t(dv), *pgrads)
+
+
+class _Holder(nn.Module):
+    """A submodule that only holds parameters (out_proj, gate_proj)."""
+
+    def forward(self, *args):  # pragma: no cover - never called
+        raise RuntimeError("a parameter holder, not a layer")
+
+
+class MultiheadAttention(nn.Module):
+    """torch.nn.MultiheadAttention, computed by mha.
+
+    MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True,
+        add_bias_kv=False, add_zero_attn=False, kdim=None, vdim=None,
+        batch_first=False, device=None, dtype=None, *, num_kv_heads=None,
+        impl="auto", **extras)
+
+    forward(query, key, value, key_padding_mask=None, need_weights=True,
+            attn_mask=None, average_attn_weights=True, is_causal=False,
+            **extras) -> (attn_output, attn_weights or None)
+
+    num_kv_heads < num_heads: grouped-query attention. extras (at
+    construction: defaults for every call; per call: override): rope,
+    rope_theta, rope_dim, rope_start, alibi, softcap, window,
+    window_left/right, weights_heads, weights_rows, impl.
+    """
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None, *, num_kv_heads=None, **extras):
+        super().__init__()
+        if device is not None and torch.device(device).type != "cpu":
+            raise TypeError("mha.torch.MultiheadAttention runs on the CPU, got device %s"
+                            % device)
+        if dtype is not None and dtype != torch.float32:
+            raise TypeError("mha.torch.MultiheadAttention keeps float32 parameters, got dtype %s"
+                            % dtype)
+        np_mod = _np_api.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv,
+                                            add_zero_attn, kdim, vdim, batch_first,
+                                            num_kv_heads)
+        self._cmod = np_mod._m
+        self.embed_dim, self.kdim, self.vdim = np_mod.embed_dim, np_mod.kdim, np_mod.vdim
+        self.num_heads, self.num_kv_heads = np_mod.num_heads, np_mod.num_kv_heads
+        self.head_dim = np_mod.head_dim
+        self.dropout = np_mod.dropout
+        self.batch_first = np_mod.batch_first
+        self.add_zero_attn = np_mod.add_zero_attn
+        # False keeps torch's fused encoder fast paths (which would read these
+        # weights and run torch's own kernels) from bypassing this forward.
+        self._qkv_same_embed_dim = False
+        self._mha_same_dims = np_mod._qkv_same_embed_dim
+        forward_kwargs(as_int64=_int64, as_float32=_float32, **extras)  # checked now
+        self._extras = dict(extras)
+        self._bind()
+        self._reset_parameters()
+
+    # -- parameters: views of the C module's storage ----------------------
+    def _bind(self):
+        names = [n for n, _, _ in self._cmod.params()]
+        self._names = names
+        self._views = {n: torch.from_numpy(np.asarray(self._cmod.param(n))) for n in names}
+        for n in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                  "in_proj_bias", "bias_k", "bias_v"):
+            if n not in names:
+                self.register_parameter(n, None)
+        if not hasattr(self, "out_proj"):
+            self.out_proj = _Holder()
+        for n in names:
+            owner, leaf = self._owner(n)
+            owner.register_parameter(leaf, nn.Parameter(self._views[n]))
+        if "out_proj.bias" not in names:
+            self.out_proj.register_parameter("bias", None)
+
+    def _owner(self, name):
+        if "." not in name:
+            return self, name
+        sub, leaf = name.split(".", 1)
+        if not hasattr(self, sub):
+            setattr(self, sub, _Holder())
+        return getattr(self, sub), leaf
+
+    def _param(self, name):
+        owner, leaf = self._owner(name)
+        return getattr(owner, leaf)
+
+    def _reset_parameters(self):
+        """torch.nn.MultiheadAttention's initialisation, in its order (the
+        out_proj Linear's own init first), from torch's generator."""
+        with torch.no_grad():
+            w = self._param("out_proj.weight")
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+            if self.out_proj.bias is not None:
+                bound = 1 / math.sqrt(w.shape[1])
+                nn.init.uniform_(self.out_proj.bias, -bound, bound)
+            if self._mha_same_dims:
+                nn.init.xavier_uniform_(self.in_proj_weight)
+            else:
+                nn.init.xavier_uniform_(self.q_proj_weight)
+                nn.init.xavier_uniform_(self.k_proj_weight)
+                nn.init.xavier_uniform_(self.v_proj_weight)
+            if self.in_proj_bias is not None:
+                nn.init.constant_(self.in_proj_bias, 0.0)
+                nn.init.constant_(self.out_proj.bias, 0.0)
+            if self.bias_k is not None:
+                nn.init.xavier_normal_(self.bias_k)
+                nn.init.xavier_normal_(self.bias_v)
+
+    def _mha_sync(self):
+        """The C module, with every parameter's current value in it (a
+        replaced parameter is copied back in and re-bound to the storage)."""
+        for n in self._names:
+            p, view = self._param(n), self._views[n]
+            if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and \
+                    p.shape == view.shape and p.is_contiguous():
+                continue
+            if p.dtype != torch.float32:
+                raise TypeError("mha.torch.MultiheadAttention computes with float32 "
+                                "parameters; %s is %s (call .float())" % (n, p.dtype))
+            if p.shape != view.shape:
+                raise ValueError("%s: shape %s, the module's is %s"
+                                 % (n, tuple(p.shape), tuple(view.shape)))
+            with torch.no_grad():
+                view.copy_(p.detach())
+            p.data = view
+        return self._cmod
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for k in ("_cmod", "_views"):
+            state.pop(k, None)
+        state["_mha_config"] = self._cmod.config()
+        return state
+
+    def __setstate__(self, state):
+        c = state.pop("_mha_config")
+        self.__dict__.update(state)
+        self._cmod = _mha.Module(c["embed_dim"], c["num_heads"], kdim=c["kdim"], vdim=c["vdim"],
+                                 bias=c["bias"], add_bias_kv=c["add_bias_kv"],
+                                 add_zero_attn=c["add_zero_attn"],
+                                 batch_first=c["batch_first"], dropout=c["dropout"],
+                                 num_kv_heads=c["num_kv_heads"], head_gate=c["head_gate"])
+        self._views = {n: torch.from_numpy(np.asarray(self._cmod.param(n)))
+                       for n in self._names}  # filled from the parameters by _mha_sync
+
+    def extra_repr(self):
+        return "embed_dim=%d, num_heads=%d, num_kv_heads=%d, batch_first=%s, dropout=%g" % (
+            self.embed_dim, self.num_heads, self.num_kv_heads, self.batch_first, self.dropout)
+
+    def save(self, path):
+        """The parameters as safetensors (PyTorch's names)."""
+        self._mha_sync().save(str(path))
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False, **extras):
+        if key is None and value is None:
+            key = value = query
+        elif key is None or value is None:
+            raise ValueError("give both key and value, or neither (self-attention)")
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
+        cmod = self._mha_sync()
+        opts = dict(self._extras, **extras)
+        kw = forward_kwargs(is_causal=is_causal, need_weights=need_weights,
+                            average_attn_weights=average_attn_weights, as_int64=_int64,
+                            as_float32=_float32, **opts)
+        if self.training and self.dropout > 0.0:
+            kw.update(training=True, dropout_seed=_seed())
+        params = [self._param(n) for n in self._names]
+        grad = torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad or
+            any(p.requires_grad for p in params))
+        call = {"kw": kw, "kpm": _mask(key_padding_mask, "key_padding_mask"),
+                "am": _mask(attn_mask, "attn_mask"), "grad": grad, "names": self._names}
+        if not grad:  # no graph: straight to the library
+            q = _np(query, "query")
+            k = q if key is query else _np(key, "key")
+            v = k if value is key else _np(value, "value")
+            out, w = _mha.forward(cmod, q, k, v, call["kpm"], call["am"], _alloc, **kw)
+            return _t(out), _t(w)
+        return _MHAFunction.apply(self, call, query, key, value, *params)
+
+
+# ---------------------------------------------------------------------------
+# autograd: scaled dot-product attention on (B, H, L, D) tensors
+
+class _SDPAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kw):
+        out, w = _mha.sdpa(_np(q, "query"), _np(k, "key"), _np(v, "value"), mask, None, _alloc,
+                           **kw)
+        ctx.mask, ctx.kw = mask, dict(kw)
+        ctx.kw.pop("need_weights", None)
+        ctx.save_for_backward(q, k, v)
+        out, w = _t(out), _t(w)
+        if w is None:
+            return out, None
+        ctx.mark_non_differentiable(w)
+        return out, w
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_w):
+        q, k, v = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None
+        dq, dk, dv = _mha.sdpa_backward(_np(q, "query"), _np(k, "key"), _np(v, "value"),
+                                        ctx.mask, None, _np(_grad_out(grad_out), "grad_out"),
+                                        _alloc, **ctx.kw)
+        return _t(dq), _t(dk), _t(dv), None, None
+
+
+def _collapse(x, lead, tail):
+    return x.expand(lead + tail).reshape((int(np.prod(lead, dtype=np.int64)),) + tail)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 return_weights=False, window=None, window_left=-1,
+                                 window_right=-1, impl="auto"):
+    """torch.nn.functional.scaled_dot_product_attention computed by mha,
+    differentiable in query, key and value (autograd).
+
+    Any leading dims (broadcast); a bool attn_mask's True takes part, a float
+    mask is added; is_causal is top-left for L != S; enable_gqa lets the
+    key's heads divide the query's. dropout_p > 0 draws its Philox seed
+    from torch's generator. Extras: return_weights (also the weights, not
+    differentiated), window / window_left / window_right, impl."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
+    lead, hq, hkv, q_heads = sdpa_layout(tuple(query.shape), tuple(key.shape),
+                                         tuple(value.shape), enable_gqa)
+    L, S = query.shape[-2], key.shape[-2]
+    q3, k3, v3 = (x if x.dim() >= 3 else x.unsqueeze(0) for x in (query, key, value))
+    q4 = _collapse(q3, lead, (q_heads,) + tuple(q3.shape[-2:]))
+    k4 = _collapse(k3, lead, tuple(k3.shape[-3:]))
+    v4 = _collapse(v3, lead, tuple(v3.shape[-3:]))
+    mask = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError("attn_mask: expected a torch.Tensor, got %s"
+                            % type(attn_mask).__name__)
+        m = attn_mask
+        if m.dtype == torch.bool:
+            m = ~m  # torch: True takes part; mha: nonzero is masked out
+        elif not m.dtype.is_floating_point:
+            raise TypeError("attn_mask: dtype %s is not supported (bool or float)" % m.dtype)
+        if m.dim() > 4 or len(lead) > 1:
+            try:
+                m = _collapse(m, lead, (q_heads, L, S))
+            except RuntimeError:
+                raise ValueError("attn_mask: shape %s does not broadcast to %s"
+                                 % (tuple(attn_mask.shape), lead + (q_heads, L, S))) from None
+        mask = _mask(m, "attn_mask")
+    kw = sdpa_kwargs(is_causal=is_causal, scale=scale, window=window, window_left=window_left,
+                     window_right=window_right, impl=impl, need_weights=return_weights,
+                     dropout_p=dropout_p)
+    if "dropout_p" in kw:
+        kw["dropout_seed"] = _seed()
+    out, w = _SDPAFunction.apply(q4, k4, v4, mask, kw)
+    out_shape = (lead + (q_heads, L, value.shape[-1]))[-max(query.dim(), key.dim()):]
+    out = out.reshape(out_shape)
+    if return_weights:
+        return out, w.reshape(out_shape[:-1] + (S,))
+    return out

@@ -1,0 +1,1515 @@
+// _mha.c: the CPython binding of libmha (the extension module mha._mha).
+// Public API only (include/mha.h); the Python layer (python/mha/__init__.py,
+// mha/torch.py) builds on it.
+//
+// Arrays: any object exporting the buffer protocol (numpy arrays, torch's
+// tensor.numpy() views, memoryviews) with any strides goes to the library
+// as an mha_tensor view of the same memory: nothing is copied. A tuple
+// (obj, dtype) reads obj's buffer as mha dtype `dtype` (same item size):
+// bfloat16, which has no buffer format, comes as int16/uint16 memory.
+// Outputs are allocated by the caller's `alloc(shape, dtype)` callable
+// (numpy.empty or torch.empty behind it), which returns an object
+// exporting a writable buffer; that object is what the call returns.
+//
+// The GIL is released while the library computes (Py_BEGIN_ALLOW_THREADS);
+// the buffers are held (the exporters cannot resize or free them) until
+// the call returns. Library errors become exceptions carrying mha's
+// message: MHA_ERR_NOMEM MemoryError, MHA_ERR_IO OSError,
+// MHA_ERR_NOT_FOUND KeyError, MHA_ERR_UNSUPPORTED TypeError when it is
+// about a dtype (else ValueError), every other status ValueError. The
+// binding checks what the library cannot see (an array's dtype kind, the
+// lengths of per-batch and per-head vectors) before calling it.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "mha.h"
+
+// ---------------------------------------------------------------------------
+// Errors
+
+// Whether an MHA_ERR_UNSUPPORTED message is about an element type.
+static bool about_dtype(const char *msg) {
+    return strstr(msg, "dtype") || strstr(msg, "F32") || strstr(msg, "float32");
+}
+
+static PyObject *raise_status(mha_status st) {
+    const char *msg = mha_last_error();
+    if (!msg || !*msg) msg = mha_status_string(st);
+    PyObject *type = PyExc_ValueError;
+    if (st == MHA_ERR_NOMEM) type = PyExc_MemoryError;
+    else if (st == MHA_ERR_IO) type = PyExc_OSError;
+    else if (st == MHA_ERR_NOT_FOUND) type = PyExc_KeyError;
+    else if (st == MHA_ERR_UNSUPPORTED && about_dtype(msg)) type = PyExc_TypeError;
+    PyErr_SetString(type, msg);
+    return NULL;
+}
+
+// ---------------------------------------------------------------------------
+// Buffers held for the length of one call
+
+#define MAX_HELD 24
+
+typedef struct held {
+    Py_buffer b[MAX_HELD];
+    int n;
+} held;
+
+static void release_all(held *h) {
+    for (int i = 0; i < h->n; i++) PyBuffer_Release(&h->b[i]);
+    h->n = 0;
+}
+
+// What an argument may hold.
+enum kind {
+    K_FLOAT,  // F32, F64, F16, BF16 (inputs and outputs)
+    K_MASK,   // BOOL, U8, F32, F64
+};
+
+// The mha dtype of a buffer format ("f", "<d", "=e", ...); -1 if none.
+static int dtype_of_format(const char *fmt, Py_ssize_t itemsize) {
+    if (!fmt) return MHA_U8;  // PyBUF_FORMAT not given: bytes
+    if (*fmt == '@' || *fmt == '=' || *fmt == '<') fmt++;
+    if (fmt[0] == '\0' || fmt[1] != '\0') return -1;
+    switch (fmt[0]) {
+    case 'f': return MHA_F32;
+    case 'd': return MHA_F64;
+    case 'e': return MHA_F16;
+    case '?': return MHA_BOOL;
+    case 'B': return MHA_U8;
+    case 'i': return itemsize == 4 ? MHA_I32 : -1;
+    case 'l':
+    case 'q': return itemsize == 8 ? MHA_I64 : (itemsize == 4 ? MHA_I32 : -1);
+    default: return -1;
+    }
+}
+
+static const char *kind_expects(enum kind k) {
+    return k == K_FLOAT ? "float32, float64, float16 or bfloat16"
+                        : "bool, uint8, float32 or float64";
+}
+
+static bool kind_allows(enum kind k, int dt) {
+    if (k == K_FLOAT) return dt == MHA_F32 || dt == MHA_F64 || dt == MHA_F16 || dt == MHA_BF16;
+    return dt == MHA_BOOL || dt == MHA_U8 || dt == MHA_F32 || dt == MHA_F64;
+}
+
+// Acquires obj's buffer (writable when `writable`) into h and describes it
+// as t. obj: a buffer exporter, or (exporter, mha dtype). Returns 0, or -1
+// with an exception set (TypeError for dtypes, ValueError for layouts).
+static int get_view(held *h, PyObject *obj, const char *name, enum kind k, bool writable,
+                    mha_tensor *t) {
+    int forced = -1;
+    if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 2) {
+        forced = (int)PyLong_AsLong(PyTuple_GET_ITEM(obj, 1));
+        if (forced == -1 && PyErr_Occurred()) return -1;
+        obj = PyTuple_GET_ITEM(obj, 0);
+    }
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an array (numpy or torch), got %.80s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (h->n == MAX_HELD) {
+        PyErr_SetString(PyExc_RuntimeError, "mha: too many arrays in one call");
+        return -1;
+    }
+    Py_buffer *b = &h->b[h->n];
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, b, flags) < 0) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_Format(writable ? PyExc_ValueError : PyExc_TypeError,
+                     "%s: cannot take its memory as a%s strided array (%S)", name,
+                     writable ? " writable" : "", value ? value : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    h->n++;
+    int dt = dtype_of_format(b->format, b->itemsize);
+    if (forced >= 0) {
+        if (forced >= MHA_DTYPE_COUNT ||
+            (Py_ssize_t)mha_dtype_size((mha_dtype)forced) != b->itemsize) {
+            PyErr_Format(PyExc_TypeError, "%s: cannot read %zd-byte elements as dtype %d",
+                         name, b->itemsize, forced);
+            return -1;
+        }
+        dt = forced;
+    }
+    if (dt < 0 || !kind_allows(k, dt)) {
+        PyErr_Format(PyExc_TypeError, "%s: dtype %s is not supported (expected %s)", name,
+                     dt < 0 ? (b->format ? b->format : "?") : mha_dtype_name((mha_dtype)dt),
+                     kind_expects(k));
+        return -1;
+    }
+    if (b->ndim > MHA_MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s: %d dims, at most %d", name, b->ndim, MHA_MAX_DIMS);
+        return -1;
+    }
+    memset(t, 0, sizeof *t);
+    t->data = b->buf;
+    t->dtype = (mha_dtype)dt;
+    t->ndim = b->ndim;
+    for (int i = 0; i < b->ndim; i++) {
+        t->shape[i] = b->shape[i];
+        if (b->strides[i] % b->itemsize) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: stride %zd bytes of dim %d is not a multiple of the element "
+                         "size %zd",
+                         name, b->strides[i], i, b->itemsize);
+            return -1;
+        }
+        t->stride[i] = b->strides[i] / b->itemsize;
+    }
+    return 0;
+}
+
+// As get_view for an optional input: None gives *out = NULL.
+static int get_opt_view(held *h, PyObject *obj, const char *name, enum kind k, mha_tensor *t,
+                        const mha_tensor **out) {
+    *out = NULL;
+    if (obj == Py_None) return 0;
+    if (get_view(h, obj, name, k, false, t) < 0) return -1;
+    *out = t;
+    return 0;
+}
+
+// A contiguous vector of n elements of dtype dt (int64 or float32) from
+// obj (None: *out = NULL). Its length must be n.
+static int get_vector(held *h, PyObject *obj, const char *name, mha_dtype dt, int64_t n,
+                      const void **out) {
+    *out = NULL;
+    if (obj == Py_None) return 0;
+    if (h->n == MAX_HELD) {
+        PyErr_SetString(PyExc_RuntimeError, "mha: too many arrays in one call");
+        return -1;
+    }
+    Py_buffer *b = &h->b[h->n];
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous %s array, got %.80s", name,
+                     mha_dtype_name(dt), Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    h->n++;
+    if (dtype_of_format(b->format, b->itemsize) != (int)dt) {
+        PyErr_Format(PyExc_TypeError, "%s: dtype %s is not supported (expected %s)", name,
+                     b->format ? b->format : "?", dt == MHA_I64 ? "int64" : "float32");
+        return -1;
+    }
+    if (b->len / b->itemsize != n) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd elements, expected %lld", name,
+                     b->len / b->itemsize, (long long)n);
+        return -1;
+    }
+    *out = b->buf;
+    return 0;
+}
+
+// An output of the given shape and dtype from alloc(shape, dtype), viewed
+// as t (its buffer held in h). Returns the new reference, or NULL.
+static PyObject *alloc_view(held *h, PyObject *alloc, const mha_shape *s, mha_dtype dt,
+                            const char *name, mha_tensor *t) {
+    PyObject *shape = PyTuple_New(s->ndim);
+    if (!shape) return NULL;
+    for (int i = 0; i < s->ndim; i++) {
+        PyObject *d = PyLong_FromLongLong(s->dims[i]);
+        if (!d) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shape, i, d);
+    }
+    PyObject *obj = PyObject_CallFunction(alloc, "(Oi)", shape, (int)dt);
+    Py_DECREF(shape);
+    if (!obj) return NULL;
+    PyObject *arg = obj;
+    PyObject *pair = NULL;
+    if (dt == MHA_BF16) {  // 2-byte integers read as bfloat16
+        pair = Py_BuildValue("(Oi)", obj, (int)dt);
+        if (!pair) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+        arg = pair;
+    }
+    int rc = get_view(h, arg, name, K_FLOAT, true, t);
+    Py_XDECREF(pair);
+    if (rc < 0) {
+        Py_DECREF(obj);
+        return NULL;
+    }
+    for (int i = 0; i < s->ndim; i++)
+        if (t->shape[i] != s->dims[i] || t->ndim != s->ndim) {
+            PyErr_Format(PyExc_RuntimeError, "%s: alloc returned the wrong shape", name);
+            Py_DECREF(obj);
+            return NULL;
+        }
+    return obj;
+}
+
+static mha_shape shape_of(const mha_tensor *t) {
+    mha_shape s;
+    s.ndim = t->ndim;
+    for (int i = 0; i < t->ndim; i++) s.dims[i] = t->shape[i];
+    return s;
+}
+
+// ---------------------------------------------------------------------------
+// Keyword options: a table of name -> typed destination
+
+typedef struct kwopt {
+    const char *name;
+    char type;  // 'b' bool, 'L' int64, 'K' uint64, 'd' double, 'f' float, 'O' object
+    void *dst;
+} kwopt;
+
+// Reads the keyword dict kw (may be NULL) into the table; an unknown
+// keyword or a value of the wrong type is a TypeError naming it.
+static int parse_opts(PyObject *kw, const kwopt *opts, int n, const char *fn) {
+    if (!kw) return 0;
+    PyObject *key, *val;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kw, &pos, &key, &val)) {
+        const char *k = PyUnicode_AsUTF8(key);
+        if (!k) return -1;
+        int i = 0;
+        while (i < n && strcmp(opts[i].name, k)) i++;
+        if (i == n) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%s'", fn, k);
+            return -1;
+        }
+        switch (opts[i].type) {
+        case 'b': {
+            int v = PyObject_IsTrue(val);
+            if (v < 0) return -1;
+            *(bool *)opts[i].dst = v;
+            break;
+        }
+        case 'L':
+        case 'K': {
+            if (!PyLong_Check(val)) {
+                PyErr_Format(PyExc_TypeError, "%s(): %s must be an integer, got %.80s", fn, k,
+                             Py_TYPE(val)->tp_name);
+                return -1;
+            }
+            if (opts[i].type == 'L') {
+                long long v = PyLong_AsLongLong(val);
+                if (v == -1 && PyErr_Occurred()) return -1;
+                *(int64_t *)opts[i].dst = v;
+            } else {
+                unsigned long long v = PyLong_AsUnsignedLongLongMask(val);
+                if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+                *(uint64_t *)opts[i].dst = v;
+            }
+            break;
+        }
+        case 'd':
+        case 'f': {
+            double v = PyFloat_AsDouble(val);
+            if (v == -1.0 && PyErr_Occurred()) return -1;
+            if (opts[i].type == 'd') *(double *)opts[i].dst = v;
+            else *(float *)opts[i].dst = (float)v;
+            break;
+        }
+        default: *(PyObject **)opts[i].dst = val; break;
+        }
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------
+// Module: an mha_module
+
+typedef struct ModuleObject {
+    PyObject_HEAD mha_module *m;
+    Py_ssize_t readers;  // calls reading it with the GIL released
+} ModuleObject;
+
+static PyTypeObject ModuleType;
+
+static PyObject *wrap_module(mha_module *m) {
+    ModuleObject *o = PyObject_New(ModuleObject, &ModuleType);
+    if (!o) {
+        mha_module_destroy(m);
+        return NULL;
+    }
+    o->m = m;
+    o->readers = 0;
+    return (PyObject *)o;
+}
+
+static int module_idle(ModuleObject *o, const char *what) {
+    if (o->readers == 0) return 0;
+    PyErr_Format(PyExc_RuntimeError,
+                 "mha module: cannot %s while %zd call(s) in other threads read it", what,
+                 o->readers);
+    return -1;
+}
+
+static int parse_dtype_name(const char *s, mha_dtype *out) {
+    mha_status st = mha_dtype_from_name(out, s);
+    if (st) {
+        PyErr_Format(PyExc_TypeError, "unknown dtype '%s' (expected F32, BF16 or F16)", s);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Module_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kws[] = {
+        "embed_dim",    "num_heads",     "kdim",        "vdim",    "bias",
+        "add_bias_kv",  "add_zero_attn", "batch_first", "dropout", "num_kv_heads",
+        "weight_dtype", "head_gate",     "out_dropout", NULL};
+    long long E, H, kdim = 0, vdim = 0, hkv = 0;
+    int bias = 1, bias_kv = 0, zero_attn = 0, batch_first = 0;
+    double dropout = 0.0, out_dropout = 0.0;
+    const char *wdt = "F32", *gate = "none";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LL|LLppppdLssd", kws, &E, &H, &kdim, &vdim,
+                                     &bias, &bias_kv, &zero_attn, &batch_first, &dropout, &hkv,
+                                     &wdt, &gate, &out_dropout))
+        return NULL;
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.kdim = kdim;
+    c.vdim = vdim;
+    c.bias = bias;
+    c.add_bias_kv = bias_kv;
+    c.add_zero_attn = zero_attn;
+    c.batch_first = batch_first;
+    c.dropout = (float)dropout;
+    c.out_dropout = (float)out_dropout;
+    c.num_kv_heads = hkv;
+    if (!(dropout >= 0.0 && dropout < 1.0) || !(out_dropout >= 0.0 && out_dropout < 1.0)) {
+        PyErr_Format(PyExc_ValueError, "dropout %g, out_dropout %g: each must be in [0, 1)",
+                     dropout, out_dropout);
+        return NULL;
+    }
+    if (parse_dtype_name(wdt, &c.weight_dtype) < 0) return NULL;
+    if (mha_head_gate_from_name(&c.head_gate, gate)) {
+        PyErr_Format(PyExc_ValueError, "head_gate '%s': expected none, static or dynamic", gate);
+        return NULL;
+    }
+    mha_module *m;
+    mha_status st = mha_module_create(&m, &c);
+    if (st) return raise_status(st);
+    (void)type;
+    return wrap_module(m);
+}
+
+static void Module_dealloc(ModuleObject *o) {
+    mha_module_destroy(o->m);
+    PyObject_Free(o);
+}
+
+static PyObject *Module_load(PyObject *cls, PyObject *args, PyObject *kw) {
+    static char *kws[] = {"path",          "num_heads", "num_kv_heads", "batch_first",
+                          "add_zero_attn", "dropout",   "weight_dtype", NULL};
+    const char *path, *wdt = "F32";
+    long long H = 0, hkv = 0;
+    int batch_first = 0, zero_attn = 0;
+    double dropout = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|LLppds", kws, &path, &H, &hkv, &batch_first,
+                                     &zero_attn, &dropout, &wdt))
+        return NULL;
+    mha_config base;
+    memset(&base, 0, sizeof base);
+    base.num_heads = H;
+    base.num_kv_heads = hkv;
+    base.batch_first = batch_first;
+    base.add_zero_attn = zero_attn;
+    base.dropout = (float)dropout;
+    if (parse_dtype_name(wdt, &base.weight_dtype) < 0) return NULL;
+    mha_st_file *f;
+    mha_module *m = NULL;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_st_open(&f, path);
+    if (!st) {
+        st = mha_module_load(&m, f, &base);
+        mha_st_close(f);
+    }
+    Py_END_ALLOW_THREADS if (st) return raise_status(st);
+    (void)cls;
+    return wrap_module(m);
+}
+
+static PyObject *Module_save(ModuleObject *o, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_module_save(o->m, path);
+    Py_END_ALLOW_THREADS if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Module_init(ModuleObject *o, PyObject *args, PyObject *kw) {
+    static char *kws[] = {"scheme", "gain", "std", "seed", NULL};
+    mha_init_options opt;
+    mha_init_options_default(&opt);
+    const char *scheme = "xavier_uniform";
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|sddK", kws, &scheme, &opt.gain, &opt.std,
+                                     &seed))
+        return NULL;
+    opt.seed = seed;
+    if (module_idle(o, "initialise it") < 0) return NULL;
+    mha_status st = mha_init_scheme_from_name(&opt.scheme, scheme);
+    if (!st) st = mha_module_init(o->m, &opt);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Module_params(ModuleObject *o, PyObject *unused) {
+    int n = mha_module_num_params(o->m);
+    PyObject *list = PyList_New(n);
+    if (!list) return NULL;
+    for (int i = 0; i < n; i++) {
+        mha_param p;
+        mha_status st = mha_module_param_at(&p, o->m, i);
+        if (st) {
+            Py_DECREF(list);
+            return raise_status(st);
+        }
+        PyObject *shape = PyTuple_New(p.ndim);
+        if (!shape) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        for (int d = 0; d < p.ndim; d++)
+            PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(p.shape[d]));
+        PyObject *item = Py_BuildValue("(sNs)", p.name, shape, mha_dtype_name(p.dtype));
+        if (!item) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+// A parameter's storage as a writable buffer; keeps its module alive.
+typedef struct ParamObject {
+    PyObject_HEAD ModuleObject *owner;
+    void *data;
+    int ndim;
+    Py_ssize_t shape[3], strides[3];
+    Py_ssize_t itemsize, len;
+    const char *format;
+} ParamObject;
+
+static PyTypeObject ParamType;
+
+static int Param_getbuffer(ParamObject *p, Py_buffer *view, int flags) {
+    if (PyBuffer_FillInfo(view, (PyObject *)p, p->data, p->len, 0, flags) < 0) return -1;
+    view->itemsize = p->itemsize;
+    view->ndim = p->ndim;
+    view->format = (flags & PyBUF_FORMAT) ? (char *)p->format : NULL;
+    view->shape = (flags & PyBUF_ND) ? p->shape : NULL;
+    view->strides = (flags & PyBUF_STRIDES) ? p->strides : NULL;
+    return 0;
+}
+
+static PyBufferProcs Param_as_buffer = {(getbufferproc)Param_getbuffer, NULL};
+
+static void Param_dealloc(ParamObject *p) {
+    Py_XDECREF(p->owner);
+    PyObject_Free(p);
+}
+
+static PyObject *Module_param(ModuleObject *o, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    mha_param p;
+    mha_status st = mha_module_param(&p, o->m, name);
+    if (st) return raise_status(st);
+    ParamObject *b = PyObject_New(ParamObject, &ParamType);
+    if (!b) return NULL;
+    Py_INCREF(o);
+    b->owner = o;
+    b->data = p.storage;
+    b->ndim = p.ndim;
+    b->itemsize = (Py_ssize_t)mha_dtype_size(p.dtype);
+    b->format = p.dtype == MHA_F32 ? "f" : (p.dtype == MHA_F16 ? "e" : "H");
+    Py_ssize_t stride = b->itemsize;
+    for (int d = p.ndim - 1; d >= 0; d--) {
+        b->shape[d] = p.shape[d];
+        b->strides[d] = stride;
+        stride *= p.shape[d];
+    }
+    b->len = (Py_ssize_t)p.numel * b->itemsize;
+    return (PyObject *)b;
+}
+
+static PyObject *Module_config(ModuleObject *o, PyObject *unused) {
+    const mha_config *c = mha_module_config(o->m);
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:O,s:O,s:O,s:O,s:d,s:d,s:L,s:s,s:s}", "embed_dim",
+                         (long long)c->embed_dim, "num_heads", (long long)c->num_heads, "kdim",
+                         (long long)c->kdim, "vdim", (long long)c->vdim, "bias",
+                         c->bias ? Py_True : Py_False, "add_bias_kv",
+                         c->add_bias_kv ? Py_True : Py_False, "add_zero_attn",
+                         c->add_zero_attn ? Py_True : Py_False, "batch_first",
+                         c->batch_first ? Py_True : Py_False, "dropout", (double)c->dropout,
+                         "out_dropout", (double)c->out_dropout, "num_kv_heads",
+                         (long long)c->num_kv_heads, "weight_dtype",
+                         mha_dtype_name(c->weight_dtype), "head_gate",
+                         mha_head_gate_name(c->head_gate));
+}
+
+// A module of the same configuration, every parameter zero (for gradients).
+static PyObject *Module_like(ModuleObject *o, PyObject *unused) {
+    mha_module *m;
+    mha_status st = mha_module_create(&m, mha_module_config(o->m));
+    if (st) return raise_status(st);
+    return wrap_module(m);
+}
+
+static PyObject *Module_convert(ModuleObject *o, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    mha_dtype dt;
+    if (parse_dtype_name(name, &dt) < 0) return NULL;
+    mha_module *m;
+    mha_status st = mha_module_convert(&m, o->m, dt);
+    if (st) return raise_status(st);
+    return wrap_module(m);
+}
+
+static PyObject *Module_prune_heads(ModuleObject *o, PyObject *args) {
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "O", &seq)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "prune_heads: expected a sequence of head indices");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int64_t *heads = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *heads);
+    if (!heads) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        heads[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (heads[i] == -1 && PyErr_Occurred()) {
+            PyMem_Free(heads);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    if (module_idle(o, "prune heads") < 0) {
+        PyMem_Free(heads);
+        return NULL;
+    }
+    mha_status st = mha_module_prune_heads(o->m, heads, (int64_t)n);
+    PyMem_Free(heads);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Module_pruned_heads(ModuleObject *o, PyObject *unused) {
+    int64_t H = mha_module_config(o->m)->num_heads;
+    PyObject *list = PyList_New(0);
+    for (int64_t h = 0; list && h < H; h++)
+        if (mha_module_head_pruned(o->m, h)) {
+            PyObject *v = PyLong_FromLongLong(h);
+            if (!v || PyList_Append(list, v) < 0) Py_CLEAR(list);
+            Py_XDECREF(v);
+        }
+    return list;
+}
+
+static PyMethodDef Module_methods[] = {
+    {"load", (PyCFunction)(void (*)(void))Module_load, METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "load(path, num_heads=0, ...): a module from a safetensors file"},
+    {"save", (PyCFunction)Module_save, METH_VARARGS, "save(path): safetensors"},
+    {"init", (PyCFunction)(void (*)(void))Module_init, METH_VARARGS | METH_KEYWORDS,
+     "init(scheme, gain, std, seed)"},
+    {"params", (PyCFunction)Module_params, METH_NOARGS, "[(name, shape, dtype)]"},
+    {"param", (PyCFunction)Module_param, METH_VARARGS, "param(name): a writable buffer"},
+    {"config", (PyCFunction)Module_config, METH_NOARGS, "the resolved configuration"},
+    {"like", (PyCFunction)Module_like, METH_NOARGS, "a zero module of the same configuration"},
+    {"convert", (PyCFunction)Module_convert, METH_VARARGS, "convert(dtype): a copy"},
+    {"prune_heads", (PyCFunction)Module_prune_heads, METH_VARARGS, "prune_heads(heads)"},
+    {"pruned_heads", (PyCFunction)Module_pruned_heads, METH_NOARGS, "the pruned heads"},
+    {NULL, NULL, 0, NULL}};
+
+// ---------------------------------------------------------------------------
+// Saved: an mha_saved (a training forward's state for the backward)
+
+typedef struct SavedObject {
+    PyObject_HEAD mha_saved *s;
+} SavedObject;
+
+static PyTypeObject SavedType;
+
+static PyObject *Saved_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    if (!PyArg_ParseTuple(args, "")) return NULL;
+    SavedObject *o = PyObject_New(SavedObject, type);
+    if (!o) return NULL;
+    mha_status st = mha_saved_create(&o->s);
+    if (st) {
+        o->s = NULL;
+        Py_DECREF(o);
+        return raise_status(st);
+    }
+    return (PyObject *)o;
+}
+
+static void Saved_dealloc(SavedObject *o) {
+    mha_saved_destroy(o->s);
+    PyObject_Free(o);
+}
+
+static PyObject *Saved_nbytes(SavedObject *o, void *unused) {
+    return PyLong_FromSize_t(mha_saved_bytes(o->s));
+}
+
+static PyGetSetDef Saved_getset[] = {
+    {"nbytes", (getter)Saved_nbytes, NULL, "bytes held", NULL}, {NULL, NULL, NULL, NULL, NULL}};
+
+// ---------------------------------------------------------------------------
+// The trace callback: each step copied into a new array and handed to a
+// Python callable (the forward runs on the calling thread; the GIL is
+// taken for the call).
+
+typedef struct trace_ctx {
+    PyObject *fn, *alloc;
+    bool failed;  // the first exception is kept and raised after the call
+} trace_ctx;
+
+static void copy_f32(float *dst, const mha_tensor *t) {
+    int64_t idx[MHA_MAX_DIMS] = {0};
+    int64_t n = mha_tensor_numel(t);
+    const float *src = t->data;
+    for (int64_t e = 0; e < n; e++) {
+        int64_t off = 0;
+        for (int d = 0; d < t->ndim; d++) off += idx[d] * t->stride[d];
+        dst[e] = src[off];
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            if (++idx[d] < t->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+}
+
+static void trace_trampoline(void *user, const char *step, int64_t b, int64_t h,
+                             const mha_tensor *t) {
+    trace_ctx *c = user;
+    PyGILState_STATE g = PyGILState_Ensure();
+    if (!c->failed) {
+        held hd = {.n = 0};
+        mha_tensor out;
+        mha_shape s = shape_of(t);
+        PyObject *arr = alloc_view(&hd, c->alloc, &s, MHA_F32, "trace", &out);
+        PyObject *r = NULL;
+        if (arr) {
+            copy_f32(out.data, t);
+            release_all(&hd);
+            r = PyObject_CallFunction(c->fn, "(sLLO)", step, (long long)b, (long long)h, arr);
+        }
+        release_all(&hd);
+        Py_XDECREF(arr);
+        if (!r) c->failed = true;  // the exception stays set until the end
+        Py_XDECREF(r);
+    }
+    PyGILState_Release(g);
+}
+
+// ---------------------------------------------------------------------------
+// Forward arguments shared by forward, backward, diagnose, forward_cached
+
+typedef struct fwd_call {
+    mha_forward_args a;
+    mha_tensor q, k, v, kpm, am;
+    int64_t wh[2], wr[2];
+    int64_t impl;
+    PyObject *saved, *rope_start, *alibi_slopes, *trace;
+    int64_t rope_mode;
+    // diagnose's options
+    mha_diag_options diag;
+} fwd_call;
+
+#define FWD_OPTS(c)                                                                            \
+    {"is_causal", 'b', &(c)->a.is_causal}, {"need_weights", 'b', &(c)->a.need_weights},        \
+        {"average_attn_weights", 'b', &(c)->a.average_attn_weights},                           \
+        {"window_left", 'L', &(c)->a.window_left},                                             \
+        {"window_right", 'L', &(c)->a.window_right}, {"weights_head_begin", 'L', &(c)->wh[0]}, \
+        {"weights_head_end", 'L', &(c)->wh[1]}, {"weights_row_begin", 'L', &(c)->wr[0]},       \
+        {"weights_row_end", 'L', &(c)->wr[1]}, {"impl", 'L', &(c)->impl},                      \
+        {"training", 'b', &(c)->a.training}, {"dropout_seed", 'K', &(c)->a.dropout_seed},      \
+        {"dropout_offset", 'K', &(c)->a.dropout_offset}, {"saved", 'O', &(c)->saved},          \
+        {"rope_mode", 'L', &(c)->rope_mode}, {"rope_theta", 'd', &(c)->a.rope.theta},          \
+        {"rope_dim", 'L', &(c)->a.rope.dim}, {"rope_start", 'O', &(c)->rope_start},            \
+        {"alibi", 'b', &(c)->a.alibi}, {"alibi_slopes", 'O', &(c)->alibi_slopes},              \
+        {"softcap", 'f', &(c)->a.softcap}, {                                                   \
+        "trace", 'O', &(c)->trace                                                              \
+    }
+
+static void fwd_call_init(fwd_call *c) {
+    memset(c, 0, sizeof *c);
+    mha_forward_args_init(&c->a);
+    c->wh[0] = c->wr[0] = 0;
+    c->wh[1] = c->wr[1] = -1;
+    c->saved = c->rope_start = c->alibi_slopes = c->trace = Py_None;
+    mha_diag_options_init(&c->diag);
+}
+
+// The batch size of a forward's query (for rope_start's length).
+static int64_t query_batch(const mha_module *m, const mha_tensor *q) {
+    if (q->ndim != 3) return 1;
+    return mha_module_config(m)->batch_first ? q->shape[0] : q->shape[1];
+}
+
+// Views of the inputs and the option objects into c->a.
+static int fwd_views(held *h, fwd_call *c, ModuleObject *mod, PyObject *q, PyObject *k,
+                     PyObject *v, PyObject *kpm, PyObject *am) {
+    if (get_view(h, q, "query", K_FLOAT, false, &c->q) < 0) return -1;
+    c->a.query = &c->q;
+    if (k) {
+        if (get_view(h, k, "key", K_FLOAT, false, &c->k) < 0) return -1;
+        if (get_view(h, v, "value", K_FLOAT, false, &c->v) < 0) return -1;
+        c->a.key = &c->k;
+        c->a.value = &c->v;
+    }
+    if (get_opt_view(h, kpm, "key_padding_mask", K_MASK, &c->kpm, &c->a.key_padding_mask) < 0 ||
+        get_opt_view(h, am, "attn_mask", K_MASK, &c->am, &c->a.attn_mask) < 0)
+        return -1;
+    const mha_config *cfg = mha_module_config(mod->m);
+    const void *p;
+    if (get_vector(h, c->rope_start, "rope_start", MHA_I64, query_batch(mod->m, &c->q), &p) < 0)
+        return -1;
+    c->a.rope_start = p;
+    if (get_vector(h, c->alibi_slopes, "alibi_slopes", MHA_F32, cfg->num_heads, &p) < 0)
+        return -1;
+    c->a.alibi_slopes = p;
+    c->a.rope.mode = (mha_rope_mode)c->rope_mode;
+    c->a.impl = (mha_impl)c->impl;
+    c->a.weights_head_begin = c->wh[0];
+    c->a.weights_head_end = c->wh[1];
+    c->a.weights_row_begin = c->wr[0];
+    c->a.weights_row_end = c->wr[1];
+    if (c->saved != Py_None) {
+        if (!PyObject_TypeCheck(c->saved, &SavedType)) {
+            PyErr_SetString(PyExc_TypeError, "saved: expected an mha._mha.Saved");
+            return -1;
+        }
+        c->a.save = ((SavedObject *)c->saved)->s;
+    }
+    return 0;
+}
+
+static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
+    ModuleObject *mod;
+    PyObject *q, *k, *v, *kpm, *am, *alloc;
+    if (!PyArg_ParseTuple(args, "O!OOOOOO", &ModuleType, &mod, &q, &k, &v, &kpm, &am, &alloc))
+        return NULL;
+    fwd_call c;
+    fwd_call_init(&c);
+    const kwopt opts[] = {FWD_OPTS(&c)};
+    if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "forward") < 0) return NULL;
+    held h = {.n = 0};
+    PyObject *out = NULL, *w = NULL;
+    trace_ctx tc = {c.trace, alloc, false};
+    if (fwd_views(&h, &c, mod, q, k, v, kpm, am) < 0) goto fail;
+    if (c.trace != Py_None) {
+        c.a.trace = trace_trampoline;
+        c.a.trace_user = &tc;
+    }
+    mha_shape os, ws;
+    mha_status st = mha_forward_shapes(&os, &ws, mod->m, &c.a);
+    if (st) {
+        raise_status(st);
+        goto fail;
+    }
+    mha_tensor to, tw;
+    if (!(out = alloc_view(&h, alloc, &os, c.q.dtype, "attn_output", &to))) goto fail;
+    if (c.a.need_weights && !(w = alloc_view(&h, alloc, &ws, c.q.dtype, "attn_weights", &tw)))
+        goto fail;
+    mod->readers++;
+    Py_BEGIN_ALLOW_THREADS st = mha_forward(&to, w ? &tw : NULL, mod->m, &c.a);
+    Py_END_ALLOW_THREADS mod->readers--;
+    if (tc.failed) goto fail;
+    if (st) {
+        raise_status(st);
+        goto fail;
+    }
+    release_all(&h);
+    return Py_BuildValue("(NN)", out, w ? w : (Py_INCREF(Py_None), Py_None));
+fail:
+    release_all(&h);
+    Py_XDECREF(out);
+    Py_XDECREF(w);
+    return NULL;
+}
+
+// backward(module, grads or None, q, k, v, kpm, am, grad_output, alloc,
+//          want_q, want_k, want_v, **forward options) -> (dq, dk, dv)
+static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
+    ModuleObject *mod;
+    PyObject *grads, *q, *k, *v, *kpm, *am, *gout, *alloc;
+    int want[3];
+    if (!PyArg_ParseTuple(args, "O!OOOOOOOOppp", &ModuleType, &mod, &grads, &q, &k, &v, &kpm,
+                          &am, &gout, &alloc, &want[0], &want[1], &want[2]))
+        return NULL;
+    if (grads != Py_None && !PyObject_TypeCheck(grads, &ModuleType)) {
+        PyErr_SetString(PyExc_TypeError, "grads: expected an mha._mha.Module or None");
+        return NULL;
+    }
+    fwd_call c;
+    fwd_call_init(&c);
+    const kwopt opts[] = {FWD_OPTS(&c)};
+    if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "backward") < 0) return NULL;
+    held h = {.n = 0};
+    PyObject *res[3] = {NULL, NULL, NULL};
+    mha_tensor tg, td[3];
+    if (fwd_views(&h, &c, mod, q, k, v, kpm, am) < 0) goto fail;
+    if (c.trace != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "backward: trace is a forward option");
+        goto fail;
+    }
+    if (get_view(&h, gout, "grad_output", K_FLOAT, false, &tg) < 0) goto fail;
+    const mha_tensor *ins[3] = {&c.q, c.a.key ? &c.k : &c.q, c.a.value ? &c.v : &c.q};
+    static const char *names[3] = {"grad_query", "grad_key", "grad_value"};
+    for (int i = 0; i < 3; i++) {
+        if (!want[i]) continue;
+        mha_shape s = shape_of(ins[i]);
+        if (!(res[i] = alloc_view(&h, alloc, &s, ins[i]->dtype, names[i], &td[i]))) goto fail;
+    }
+    ModuleObject *g = grads == Py_None ? NULL : (ModuleObject *)grads;
+    if (g && (g == mod || module_idle(g, "write gradients into it") < 0)) {
+        if (g == mod)
+            PyErr_SetString(PyExc_ValueError, "grads: must not be the module itself");
+        goto fail;
+    }
+    mha_status st;
+    mod->readers++;
+    if (g) g->readers++;
+    Py_BEGIN_ALLOW_THREADS st = mha_backward(want[0] ? &td[0] : NULL, want[1] ? &td[1] : NULL,
+                                             want[2] ? &td[2] : NULL, g ? g->m : NULL, mod->m,
+                                             &c.a, &tg, false);
+    Py_END_ALLOW_THREADS mod->readers--;
+    if (g) g->readers--;
+    if (st) {
+        raise_status(st);
+        goto fail;
+    }
+    release_all(&h);
+    for (int i = 0; i < 3; i++)
+        if (!res[i]) {
+            Py_INCREF(Py_None);
+            res[i] = Py_None;
+        }
+    return Py_BuildValue("(NNN)", res[0], res[1], res[2]);
+fail:
+    release_all(&h);
+    for (int i = 0; i < 3; i++) Py_XDECREF(res[i]);
+    return NULL;
+}
+
+// ---------------------------------------------------------------------------
+// Scaled dot-product attention on (B, H, L, D) views
+
+typedef struct sdpa_call {
+    mha_sdpa_args a;
+    mha_tensor q, k, v, am, kpm;
+    PyObject *scale;
+    int64_t impl;
+    bool need_weights;
+} sdpa_call;
+
+static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject *v,
+                      PyObject *am, PyObject *kpm, PyObject *kw, const char *fn) {
+    mha_sdpa_args_init(&c->a);
+    c->scale = Py_None;
+    c->impl = 0;
+    c->need_weights = false;
+    const kwopt opts[] = {{"is_causal", 'b', &c->a.is_causal},
+                          {"window_left", 'L', &c->a.window_left},
+                          {"window_right", 'L', &c->a.window_right},
+                          {"scale", 'O', &c->scale},
+                          {"impl", 'L', &c->impl},
+                          {"need_weights", 'b', &c->need_weights}};
+    if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), fn) < 0) return -1;
+    if (c->scale != Py_None) {
+        c->a.use_custom_scale = true;
+        c->a.scale = PyFloat_AsDouble(c->scale);
+        if (c->a.scale == -1.0 && PyErr_Occurred()) return -1;
+    }
+    c->a.impl = (mha_impl)c->impl;
+    if (get_view(h, q, "query", K_FLOAT, false, &c->q) < 0 ||
+        get_view(h, k, "key", K_FLOAT, false, &c->k) < 0 ||
+        get_view(h, v, "value", K_FLOAT, false, &c->v) < 0 ||
+        get_opt_view(h, am, "attn_mask", K_MASK, &c->am, &c->a.attn_mask) < 0 ||
+        get_opt_view(h, kpm, "key_padding_mask", K_MASK, &c->kpm, &c->a.key_padding_mask) < 0)
+        return -1;
+    c->a.q = &c->q;
+    c->a.k = &c->k;
+    c->a.v = &c->v;
+    return 0;
+}
+
+// The (B, H, L, Dv) output shape, after the library's own checks.
+static int sdpa_out_shape(const sdpa_call *c, mha_shape *os) {
+    if (c->q.ndim != 4 || c->v.ndim != 4) {
+        PyErr_Format(PyExc_ValueError, "sdpa: query and value must be 4-D, got %d and %d dims",
+                     c->q.ndim, c->v.ndim);
+        return -1;
+    }
+    os->ndim = 4;
+    os->dims[0] = c->q.shape[0];
+    os->dims[1] = c->q.shape[1];
+    os->dims[2] = c->q.shape[2];
+    os->dims[3] = c->v.shape[3];
+    return 0;
+}
+
+// sdpa(q, k, v, attn_mask, key_padding_mask, alloc, **options) -> (out, weights)
+static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kw) {
+    PyObject *q, *k, *v, *am, *kpm, *alloc;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &q, &k, &v, &am, &kpm, &alloc)) return NULL;
+    sdpa_call c;
+    held h = {.n = 0};
+    PyObject *out = NULL, *w = NULL;
+    mha_shape os, ws;
+    mha_tensor to, tw;
+    if (sdpa_views(&h, &c, q, k, v, am, kpm, kw, "sdpa") < 0 || sdpa_out_shape(&c, &os) < 0)
+        goto fail;
+    if (!(out = alloc_view(&h, alloc, &os, c.q.dtype, "out", &to))) goto fail;
+    if (c.need_weights) {
+        ws = os;
+        ws.dims[3] = c.k.ndim == 4 ? c.k.shape[2] : 0;
+        if (!(w = alloc_view(&h, alloc, &ws, c.q.dtype, "weights", &tw))) goto fail;
+    }
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_sdpa(&to, w ? &tw : NULL, &c.a);
+    Py_END_ALLOW_THREADS if (st) {
+        raise_status(st);
+        goto fail;
+    }
+    release_all(&h);
+    return Py_BuildValue("(NN)", out, w ? w : (Py_INCREF(Py_None), Py_None));
+fail:
+    release_all(&h);
+    Py_XDECREF(out);
+    Py_XDECREF(w);
+    return NULL;
+}
+
+// sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc,
+//               **options) -> (dq, dk, dv)
+static PyObject *py_sdpa_backward(PyObject *self, PyObject *args, PyObject *kw) {
+    PyObject *q, *k, *v, *am, *kpm, *dout, *alloc;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &q, &k, &v, &am, &kpm, &dout, &alloc)) return NULL;
+    sdpa_call c;
+    held h = {.n = 0};
+    PyObject *res[3] = {NULL, NULL, NULL};
+    mha_tensor tdo, td[3];
+    if (sdpa_views(&h, &c, q, k, v, am, kpm, kw, "sdpa_backward") < 0) goto fail;
+    if (get_view(&h, dout, "grad_out", K_FLOAT, false, &tdo) < 0) goto fail;
+    const mha_tensor *ins[3] = {&c.q, &c.k, &c.v};
+    static const char *names[3] = {"grad_query", "grad_key", "grad_value"};
+    for (int i = 0; i < 3; i++) {
+        mha_shape s = shape_of(ins[i]);
+        if (!(res[i] = alloc_view(&h, alloc, &s, ins[i]->dtype, names[i], &td[i]))) goto fail;
+    }
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_sdpa_backward(&td[0], &td[1], &td[2], &tdo, &c.a);
+    Py_END_ALLOW_THREADS if (st) {
+        raise_status(st);
+        goto fail;
+    }
+    release_all(&h);
+    return Py_BuildValue("(NNN)", res[0], res[1], res[2]);
+fail:
+    release_all(&h);
+    for (int i = 0; i < 3; i++) Py_XDECREF(res[i]);
+    return NULL;
+}
+
+// ---------------------------------------------------------------------------
+// KVCache: an mha_kv_cache
+
+typedef struct CacheObject {
+    PyObject_HEAD mha_kv_cache *c;
+    int64_t batch, num_kv_heads, v_head_dim;
+    bool busy;  // a call is running on it with the GIL released
+} CacheObject;
+
+static PyTypeObject CacheType;
+
+static PyObject *Cache_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kws[] = {"batch",    "num_kv_heads", "head_dim", "v_head_dim",
+                          "capacity", "dtype",        NULL};
+    long long B, Hkv, D, Dv = 0, cap;
+    const char *dtype = "f32";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLL|s", kws, &B, &Hkv, &D, &Dv, &cap, &dtype))
+        return NULL;
+    mha_kv_dtype dt;
+    if (mha_kv_dtype_from_name(&dt, dtype)) {
+        PyErr_Format(PyExc_TypeError, "KVCache dtype '%s': expected f32, bf16, f16 or int8",
+                     dtype);
+        return NULL;
+    }
+    CacheObject *o = PyObject_New(CacheObject, type);
+    if (!o) return NULL;
+    o->busy = false;
+    o->batch = B;
+    o->num_kv_heads = Hkv;
+    o->v_head_dim = Dv ? Dv : D;
+    mha_status st = mha_kv_cache_create_ex(&o->c, B, Hkv, D, Dv, cap, dt);
+    if (st) {
+        o->c = NULL;
+        Py_DECREF(o);
+        return raise_status(st);
+    }
+    return (PyObject *)o;
+}
+
+static void Cache_dealloc(CacheObject *o) {
+    mha_kv_cache_destroy(o->c);
+    PyObject_Free(o);
+}
+
+static int cache_claim(CacheObject *o) {
+    if (!o->busy) {
+        o->busy = true;
+        return 0;
+    }
+    PyErr_SetString(PyExc_RuntimeError, "mha.KVCache: in use by another thread");
+    return -1;
+}
+
+static PyObject *Cache_append(CacheObject *o, PyObject *args, PyObject *kw) {
+    static char *kws[] = {"k", "v", "counts", NULL};
+    PyObject *k, *v, *counts = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kws, &k, &v, &counts)) return NULL;
+    held h = {.n = 0};
+    mha_tensor tk, tv;
+    const void *cn;
+    if (get_view(&h, k, "k", K_FLOAT, false, &tk) < 0 ||
+        get_view(&h, v, "v", K_FLOAT, false, &tv) < 0 ||
+        get_vector(&h, counts, "counts", MHA_I64, o->batch, &cn) < 0 || cache_claim(o) < 0) {
+        release_all(&h);
+        return NULL;
+    }
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_kv_cache_append(o->c, &tk, &tv, cn);
+    Py_END_ALLOW_THREADS o->busy = false;
+    release_all(&h);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
+    PyObject *q, *alloc;
+    if (!PyArg_ParseTuple(args, "OO", &q, &alloc)) return NULL;
+    mha_cache_attend_args a;
+    mha_cache_attend_args_init(&a);
+    PyObject *scale = Py_None, *counts = Py_None, *slopes = Py_None;
+    const kwopt opts[] = {{"scale", 'O', &scale},
+                          {"counts", 'O', &counts},
+                          {"window_left", 'L', &a.window_left},
+                          {"window_right", 'L', &a.window_right},
+                          {"alibi_slopes", 'O', &slopes},
+                          {"softcap", 'f', &a.softcap}};
+    if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "attend") < 0) return NULL;
+    if (scale != Py_None) {
+        a.use_custom_scale = true;
+        a.scale = PyFloat_AsDouble(scale);
+        if (a.scale == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    held h = {.n = 0};
+    mha_tensor tq, to;
+    const void *cn, *sl;
+    PyObject *out = NULL;
+    if (get_view(&h, q, "q", K_FLOAT, false, &tq) < 0) goto fail;
+    if (tq.ndim != 4) {
+        PyErr_Format(PyExc_ValueError, "attend: q must be (B, H, T, D), got %d dims", tq.ndim);
+        goto fail;
+    }
+    if (get_vector(&h, counts, "counts", MHA_I64, o->batch, &cn) < 0 ||
+        get_vector(&h, slopes, "alibi_slopes", MHA_F32, tq.shape[1], &sl) < 0)
+        goto fail;
+    a.alibi_slopes = sl;
+    mha_shape os = shape_of(&tq);
+    os.dims[3] = o->v_head_dim;
+    if (!(out = alloc_view(&h, alloc, &os, MHA_F32, "out", &to))) goto fail;
+    if (cache_claim(o) < 0) goto fail;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_kv_cache_attend(&to, &tq, o->c, &a, cn);
+    Py_END_ALLOW_THREADS o->busy = false;
+    if (st) {
+        raise_status(st);
+        goto fail;
+    }
+    release_all(&h);
+    return out;
+fail:
+    release_all(&h);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject *Cache_truncate(CacheObject *o, PyObject *args) {
+    long long b, len;
+    if (!PyArg_ParseTuple(args, "LL", &b, &len)) return NULL;
+    if (cache_claim(o) < 0) return NULL;
+    mha_status st = mha_kv_cache_truncate(o->c, b, len);
+    o->busy = false;
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cache_length(CacheObject *o, PyObject *args) {
+    long long b;
+    if (!PyArg_ParseTuple(args, "L", &b)) return NULL;
+    int64_t n = mha_kv_cache_length(o->c, b);
+    if (n < 0) {
+        PyErr_Format(PyExc_IndexError, "KVCache.length: sequence %lld out of range [0, %lld)",
+                     b, (long long)o->batch);
+        return NULL;
+    }
+    return PyLong_FromLongLong(n);
+}
+
+static PyObject *Cache_capacity(CacheObject *o, void *unused) {
+    return PyLong_FromLongLong(mha_kv_cache_capacity(o->c));
+}
+
+static PyObject *Cache_nbytes(CacheObject *o, void *unused) {
+    return PyLong_FromSize_t(mha_kv_cache_bytes(o->c));
+}
+
+static PyMethodDef Cache_methods[] = {
+    {"append", (PyCFunction)(void (*)(void))Cache_append, METH_VARARGS | METH_KEYWORDS,
+     "append(k, v, counts=None)"},
+    {"attend", (PyCFunction)(void (*)(void))Cache_attend, METH_VARARGS | METH_KEYWORDS,
+     "attend(q, alloc, **options) -> out"},
+    {"truncate", (PyCFunction)Cache_truncate, METH_VARARGS, "truncate(b, length); b -1: all"},
+    {"length", (PyCFunction)Cache_length, METH_VARARGS, "length(b)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Cache_getset[] = {
+    {"capacity", (getter)Cache_capacity, NULL, "tokens per sequence", NULL},
+    {"nbytes", (getter)Cache_nbytes, NULL, "bytes of K and V at capacity", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+// forward_cached(module, query, cache, alloc, **options) -> out
+static PyObject *py_forward_cached(PyObject *self, PyObject *args, PyObject *kw) {
+    ModuleObject *mod;
+    CacheObject *cache;
+    PyObject *q, *alloc;
+    if (!PyArg_ParseTuple(args, "O!OO!O", &ModuleType, &mod, &q, &CacheType, &cache, &alloc))
+        return NULL;
+    fwd_call c;
+    fwd_call_init(&c);
+    const kwopt opts[] = {FWD_OPTS(&c)};
+    if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "forward_cached") < 0)
+        return NULL;
+    held h = {.n = 0};
+    PyObject *out = NULL;
+    mha_tensor to;
+    if (fwd_views(&h, &c, mod, q, NULL, NULL, Py_None, Py_None) < 0) goto fail;
+    mha_shape os = shape_of(&c.q);
+    if (!(out = alloc_view(&h, alloc, &os, MHA_F32, "out", &to))) goto fail;
+    if (cache_claim(cache) < 0) goto fail;
+    mha_status st;
+    mod->readers++;
+    Py_BEGIN_ALLOW_THREADS st = mha_forward_cached(&to, mod->m, &c.a, cache->c);
+    Py_END_ALLOW_THREADS mod->readers--;
+    cache->busy = false;
+    if (st) {
+        raise_status(st);
+        goto fail;
+    }
+    release_all(&h);
+    return out;
+fail:
+    release_all(&h);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+// ---------------------------------------------------------------------------
+// Diagnostics as a dict
+
+static PyObject *spectrum_list(const mha_diagnostics *d, int64_t h, char which) {
+    int64_t n = 0;
+    const double *s = mha_diagnostics_spectrum(d, h, which, &n);
+    PyObject *list = PyList_New(s ? n : 0);
+    for (int64_t i = 0; list && s && i < n; i++)
+        PyList_SET_ITEM(list, i, PyFloat_FromDouble(s[i]));
+    return list;
+}
+
+static PyObject *head_dict(const mha_diagnostics *d, int64_t h) {
+    const mha_head_diag *x = mha_diagnostics_head(d, h);
+    PyObject *dict =
+        Py_BuildValue("{s:L,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O,s:L,s:L,s:L,s:L,s:O,s:d}",
+                      "head", (long long)x->head, "rows", (long long)x->rows, "entropy_mean",
+                      x->entropy_mean, "entropy_min", x->entropy_min, "entropy_norm",
+                      x->entropy_norm, "mean_distance", x->mean_distance, "logit_max",
+                      x->logit_max, "logit_std", x->logit_std, "output_var_ratio",
+                      x->output_var_ratio, "dead", x->dead ? Py_True : Py_False, "rank_q",
+                      (long long)x->rank_q, "rank_k", (long long)x->rank_k, "rank_v",
+                      (long long)x->rank_v, "rank_o", (long long)x->rank_o, "pruned",
+                      x->pruned ? Py_True : Py_False, "gate_mean", x->gate_mean);
+    if (!dict) return NULL;
+    PyObject *spec = PyDict_New();
+    static const char which[4] = {'q', 'k', 'v', 'o'};
+    for (int i = 0; spec && i < 4; i++) {
+        PyObject *l = spectrum_list(d, h, which[i]);
+        char key[2] = {which[i], 0};
+        if (!l || PyDict_SetItemString(spec, key, l) < 0) Py_CLEAR(spec);
+        Py_XDECREF(l);
+    }
+    PyErr_Clear();  // built without LAPACKE: empty spectra, not an error
+    if (!spec || PyDict_SetItemString(dict, "singular_values", spec) < 0) Py_CLEAR(dict);
+    Py_XDECREF(spec);
+    return dict;
+}
+
+static PyObject *diag_dict(const mha_diagnostics *d) {
+    int64_t H = mha_diagnostics_num_heads(d);
+    PyObject *heads = PyList_New(H), *sim = PyList_New(H);
+    for (int64_t h = 0; heads && sim && h < H; h++) {
+        PyObject *row = PyList_New(H);
+        for (int64_t g = 0; row && g < H; g++)
+            PyList_SET_ITEM(row, g, PyFloat_FromDouble(mha_diagnostics_similarity(d, h, g)));
+        PyObject *hd = head_dict(d, h);
+        if (!row || !hd) {
+            Py_XDECREF(row);
+            Py_XDECREF(hd);
+            Py_CLEAR(heads);
+            break;
+        }
+        PyList_SET_ITEM(sim, h, row);
+        PyList_SET_ITEM(heads, h, hd);
+    }
+    const char *nf = mha_diagnostics_nonfinite(d);
+    PyObject *r = NULL;
+    if (heads && sim)
+        r = Py_BuildValue("{s:O,s:O,s:L,s:s}", "heads", heads, "similarity", sim, "rows",
+                          (long long)mha_diagnostics_rows(d), "nonfinite", nf);
+    Py_XDECREF(heads);
+    Py_XDECREF(sim);
+    return r;
+}
+
+// diagnose(module, q, k, v, kpm, am, **forward and diagnostics options)
+static PyObject *py_diagnose(PyObject *self, PyObject *args, PyObject *kw) {
+    ModuleObject *mod;
+    PyObject *q, *k, *v, *kpm, *am;
+    if (!PyArg_ParseTuple(args, "O!OOOOO", &ModuleType, &mod, &q, &k, &v, &kpm, &am))
+        return NULL;
+    fwd_call c;
+    fwd_call_init(&c);
+    const kwopt opts[] = {FWD_OPTS(&c),
+                          {"max_rows", 'L', &c.diag.max_rows},
+                          {"dead_entropy", 'd', &c.diag.dead_entropy},
+                          {"dead_output", 'd', &c.diag.dead_output},
+                          {"rank_rtol", 'd', &c.diag.rank_rtol}};
+    if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "diagnose") < 0) return NULL;
+    held h = {.n = 0};
+    if (fwd_views(&h, &c, mod, q, k, v, kpm, am) < 0) {
+        release_all(&h);
+        return NULL;
+    }
+    mha_diagnostics *d = NULL;
+    mha_status st;
+    mod->readers++;
+    Py_BEGIN_ALLOW_THREADS st = mha_diagnose(&d, mod->m, &c.a, &c.diag);
+    Py_END_ALLOW_THREADS mod->readers--;
+    release_all(&h);
+    if (st) return raise_status(st);
+    PyObject *r = diag_dict(d);
+    mha_diagnostics_destroy(d);
+    return r;
+}
+
+// ---------------------------------------------------------------------------
+// safetensors: save_tensors(path, [(name, array)], metadata) and
+// load_tensors(path) -> ([(name, dtype, shape, bytes)], metadata)
+
+static PyObject *py_save_tensors(PyObject *self, PyObject *args) {
+    const char *path;
+    PyObject *items, *meta;
+    if (!PyArg_ParseTuple(args, "sOO!", &path, &items, &PyDict_Type, &meta)) return NULL;
+    PyObject *fast = PySequence_Fast(items, "save_tensors: expected a list of (name, array)");
+    if (!fast) return NULL;
+    mha_st_writer *w;
+    mha_status st = mha_st_writer_create(&w);
+    if (st) {
+        Py_DECREF(fast);
+        return raise_status(st);
+    }
+    for (Py_ssize_t i = 0; !st && i < PySequence_Fast_GET_SIZE(fast); i++) {
+        const char *name;
+        PyObject *arr;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "sO", &name, &arr)) break;
+        Py_buffer b;
+        if (PyObject_GetBuffer(arr, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) break;
+        int dt = dtype_of_format(b.format, b.itemsize);
+        if (dt < 0) {
+            PyErr_Format(PyExc_TypeError, "save_tensors: %s: dtype %s is not supported", name,
+                         b.format ? b.format : "?");
+            PyBuffer_Release(&b);
+            break;
+        }
+        int64_t shape[MHA_MAX_DIMS];
+        for (int d = 0; d < b.ndim && d < MHA_MAX_DIMS; d++) shape[d] = b.shape[d];
+        if (b.ndim > MHA_MAX_DIMS) {
+            PyErr_Format(PyExc_ValueError, "save_tensors: %s: %d dims", name, b.ndim);
+            PyBuffer_Release(&b);
+            break;
+        }
+        st = mha_st_writer_add(w, name, (mha_dtype)dt, b.ndim, shape, b.buf);
+        PyBuffer_Release(&b);
+    }
+    Py_DECREF(fast);
+    PyObject *key, *val;
+    Py_ssize_t pos = 0;
+    while (!st && !PyErr_Occurred() && PyDict_Next(meta, &pos, &key, &val)) {
+        const char *k = PyUnicode_AsUTF8(key), *v = PyUnicode_AsUTF8(val);
+        if (k && v) st = mha_st_writer_set_metadata(w, k, v);
+    }
+    if (!st && !PyErr_Occurred()) {
+        Py_BEGIN_ALLOW_THREADS st = mha_st_writer_save(w, path);
+        Py_END_ALLOW_THREADS
+    }
+    mha_st_writer_destroy(w);
+    if (PyErr_Occurred()) return NULL;
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_load_tensors(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    mha_st_file *f;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_st_open(&f, path);
+    Py_END_ALLOW_THREADS if (st) return raise_status(st);
+    int64_t n = mha_st_num_tensors(f), nm = mha_st_num_metadata(f);
+    PyObject *list = PyList_New(n), *meta = PyDict_New();
+    for (int64_t i = 0; list && meta && i < n; i++) {
+        mha_st_tensor t;
+        if ((st = mha_st_tensor_at(&t, f, i))) break;
+        PyObject *shape = PyTuple_New(t.ndim);
+        for (int d = 0; shape && d < t.ndim; d++)
+            PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(t.shape[d]));
+        PyObject *item = shape
+                             ? Py_BuildValue("(ssNy#)", t.name, mha_dtype_name(t.dtype), shape,
+                                             (const char *)t.data, (Py_ssize_t)t.nbytes)
+                             : NULL;
+        if (!item) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    for (int64_t i = 0; !st && list && meta && i < nm; i++) {
+        const char *k, *v;
+        if ((st = mha_st_metadata_at(&k, &v, f, i))) break;
+        PyObject *pv = PyUnicode_FromString(v);
+        if (!pv || PyDict_SetItemString(meta, k, pv) < 0) Py_CLEAR(meta);
+        Py_XDECREF(pv);
+    }
+    mha_st_close(f);
+    if (st) {
+        Py_XDECREF(list);
+        Py_XDECREF(meta);
+        return raise_status(st);
+    }
+    if (!list || !meta) {
+        Py_XDECREF(list);
+        Py_XDECREF(meta);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", list, meta);
+}
+
+// ---------------------------------------------------------------------------
+// The module
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(mha_isa());
+}
+
+static PyMethodDef functions[] = {
+    {"forward", (PyCFunction)(void (*)(void))py_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(module, q, k, v, kpm, am, alloc, **options) -> (out, weights)"},
+    {"backward", (PyCFunction)(void (*)(void))py_backward, METH_VARARGS | METH_KEYWORDS,
+     "backward(module, grads, q, k, v, kpm, am, grad_output, alloc, wq, wk, wv, **options)"},
+    {"sdpa", (PyCFunction)(void (*)(void))py_sdpa, METH_VARARGS | METH_KEYWORDS,
+     "sdpa(q, k, v, attn_mask, key_padding_mask, alloc, **options) -> (out, weights)"},
+    {"sdpa_backward", (PyCFunction)(void (*)(void))py_sdpa_backward,
+     METH_VARARGS | METH_KEYWORDS,
+     "sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc, **options)"},
+    {"forward_cached", (PyCFunction)(void (*)(void))py_forward_cached,
+     METH_VARARGS | METH_KEYWORDS, "forward_cached(module, q, cache, alloc, **options)"},
+    {"diagnose", (PyCFunction)(void (*)(void))py_diagnose, METH_VARARGS | METH_KEYWORDS,
+     "diagnose(module, q, k, v, kpm, am, **options) -> dict"},
+    {"save_tensors", (PyCFunction)py_save_tensors, METH_VARARGS,
+     "save_tensors(path, [(name, array)], metadata)"},
+    {"load_tensors", (PyCFunction)py_load_tensors, METH_VARARGS,
+     "load_tensors(path) -> ([(name, dtype, shape, bytes)], metadata)"},
+    {"isa", (PyCFunction)py_isa, METH_NOARGS, "the SIMD kernels in use"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_mha",
+                                       "libmha's C API for Python (see mha)", -1, functions};
+
+PyMODINIT_FUNC PyInit__mha(void) {
+    ModuleType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mha._mha.Module",
+                                .tp_basicsize = sizeof(ModuleObject),
+                                .tp_dealloc = (destructor)Module_dealloc,
+                                .tp_flags = Py_TPFLAGS_DEFAULT,
+                                .tp_doc = "an mha_module",
+                                .tp_methods = Module_methods,
+                                .tp_new = Module_new};
+    ParamType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mha._mha.Param",
+                               .tp_basicsize = sizeof(ParamObject),
+                               .tp_dealloc = (destructor)Param_dealloc,
+                               .tp_flags = Py_TPFLAGS_DEFAULT,
+                               .tp_doc = "a parameter's storage (buffer protocol)",
+                               .tp_as_buffer = &Param_as_buffer};
+    SavedType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mha._mha.Saved",
+                               .tp_basicsize = sizeof(SavedObject),
+                               .tp_dealloc = (destructor)Saved_dealloc,
+                               .tp_flags = Py_TPFLAGS_DEFAULT,
+                               .tp_doc = "a training forward's saved state",
+                               .tp_getset = Saved_getset,
+                               .tp_new = Saved_new};
+    CacheType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mha._mha.KVCache",
+                               .tp_basicsize = sizeof(CacheObject),
+                               .tp_dealloc = (destructor)Cache_dealloc,
+                               .tp_flags = Py_TPFLAGS_DEFAULT,
+                               .tp_doc = "an mha_kv_cache",
+                               .tp_methods = Cache_methods,
+                               .tp_getset = Cache_getset,
+                               .tp_new = Cache_new};
+    if (PyType_Ready(&ModuleType) < 0 || PyType_Ready(&ParamType) < 0 ||
+        PyType_Ready(&SavedType) < 0 || PyType_Ready(&CacheType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    PyTypeObject *types[] = {&ModuleType, &ParamType, &SavedType, &CacheType};
+    const char *names[] = {"Module", "Param", "Saved", "KVCache"};
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    if (PyModule_AddStringConstant(m, "version", mha_version()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
