@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import types
 
 import numpy as np
 
@@ -140,8 +141,8 @@ class _hybridmethod:
 
     def __get__(self, obj, cls):
         if obj is None:
-            return self.fcls.__get__(cls, type(cls))
-        return self.finst.__get__(obj, cls)
+            return types.MethodType(self.fcls, cls)
+        return types.MethodType(self.finst, obj)
 
 
 # ---------------------------------------------------------------------------
@@ -303,7 +304,7 @@ class MultiheadAttention:
         self.load_state_dict(other.state_dict())
         return self
 
-    load = _hybridmethod(classmethod(_load_cls), _load_inst)
+    load = _hybridmethod(_load_cls, _load_inst)
 
     def save(self, path):
         """Writes the parameters as safetensors (PyTorch's names,

@@ -24,6 +24,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "mha.h"
@@ -386,8 +387,10 @@ static PyObject *Module_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     c.out_dropout = (float)out_dropout;
     c.num_kv_heads = hkv;
     if (!(dropout >= 0.0 && dropout < 1.0) || !(out_dropout >= 0.0 && out_dropout < 1.0)) {
-        PyErr_Format(PyExc_ValueError, "dropout %g, out_dropout %g: each must be in [0, 1)",
-                     dropout, out_dropout);
+        char msg[160];
+        snprintf(msg, sizeof msg, "dropout %g, out_dropout %g: each must be in [0, 1)",
+                 dropout, out_dropout);
+        PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
     if (parse_dtype_name(wdt, &c.weight_dtype) < 0) return NULL;

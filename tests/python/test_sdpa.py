@@ -1,0 +1,179 @@
+"""mha.scaled_dot_product_attention and mha.torch.scaled_dot_product_attention
+against PyTorch in float64 (the formula written out: PyTorch 1.13 has no
+scaled_dot_product_attention; where PyTorch has one, against it too), with
+the tolerance rule: every mask kind, broadcasting, leading dims, GQA,
+custom scale, causal with L != S; gradients; gradcheck; numpy == torch."""
+
+import numpy as np
+import pytest
+import torch
+
+import mha
+import mha.torch as mt
+from conftest import HAS_SDPA, assert_close, sdpa_ref
+
+
+def rand_mask(g, kind, shape):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        m = torch.from_numpy(g.random(shape) > 0.3)
+        m[..., 0] = True  # every row keeps a key
+        return m
+    m = torch.from_numpy(g.normal(size=shape))
+    m[torch.from_numpy(g.random(shape) < 0.2)] = float("-inf")
+    m[..., 0] = 0.0
+    return m.float()
+
+
+def config(seed):
+    g = np.random.default_rng(seed)
+    lead = tuple(int(x) for x in g.integers(1, 3, size=int(g.integers(0, 3))))
+    hkv = int(g.choice([1, 2, 3]))
+    gqa = bool(g.random() < 0.4)
+    hq = hkv * int(g.choice([1, 2, 3])) if gqa else hkv
+    L, S = int(g.integers(1, 30)), int(g.integers(1, 30))
+    E, Ev = int(g.choice([1, 4, 8, 16])), int(g.choice([3, 8, 16]))
+    causal = bool(g.random() < 0.3)
+    scale = float(g.choice([0.1, 0.5, 2.0])) if g.random() < 0.3 else None
+    kind = str(g.choice(["none", "bool", "float"]))
+    # the mask broadcast from a smaller shape: (L, S), (1, L, S), (H, L, S), full
+    full = lead + (hq, L, S)
+    mshape = [(L, S), (1, L, S), (hq, 1, S), full][int(g.integers(0, 4))]
+    if causal and kind == "none":
+        pass
+    return g, lead, hq, hkv, gqa, L, S, E, Ev, causal, scale, kind, mshape
+
+
+def tensors(g, lead, hq, hkv, L, S, E, Ev):
+    q = torch.from_numpy(g.normal(size=lead + (hq, L, E)))
+    k = torch.from_numpy(g.normal(size=lead + (hkv, S, E)))
+    v = torch.from_numpy(g.normal(size=lead + (hkv, S, Ev)))
+    return q, k, v
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_random_vs_float64(seed):
+    g, lead, hq, hkv, gqa, L, S, E, Ev, causal, scale, kind, mshape = config(seed)
+    if causal and L > S:
+        causal = False  # rows past S would be fully masked (torch: NaN)
+    q, k, v = tensors(g, lead, hq, hkv, L, S, E, Ev)
+    mask = rand_mask(g, kind, mshape)
+    gout = torch.from_numpy(g.normal(size=lead + (hq, L, Ev)))
+    res = {}
+    for name, dt in (("ours", torch.float32), ("t32", torch.float32), ("t64", torch.float64)):
+        qq, kk, vv = (x.detach().to(dt).clone().requires_grad_() for x in (q, k, v))
+        mm = None if mask is None else (mask if mask.dtype == torch.bool else mask.to(dt))
+        if name == "ours":
+            o = mt.scaled_dot_product_attention(qq, kk, vv, attn_mask=mm, is_causal=causal,
+                                                scale=scale, enable_gqa=gqa)
+        else:
+            o = sdpa_ref(qq, kk, vv, mm, causal, scale, gqa)
+        o.backward(gout.to(dt))
+        res[name] = (o.detach(), qq.grad, kk.grad, vv.grad)
+    for i, n in enumerate(("out", "dq", "dk", "dv")):
+        assert_close(n, res["ours"][i], res["t32"][i], res["t64"][i])
+    # the numpy API: the same bits as the torch API
+    qn, kn, vn = (x.float().numpy() for x in (q, k, v))
+    mn = None if mask is None else mask.numpy()
+    on = mha.scaled_dot_product_attention(qn, kn, vn, attn_mask=mn, is_causal=causal,
+                                          scale=scale, enable_gqa=gqa)
+    assert np.array_equal(on, res["ours"][0].numpy())
+
+
+@pytest.mark.skipif(not HAS_SDPA, reason="PyTorch 1.13 has no scaled_dot_product_attention")
+@pytest.mark.parametrize("seed", range(20))
+def test_against_torch_sdpa(seed):
+    """The same calls through torch's own function (PyTorch 2)."""
+    g, lead, hq, hkv, gqa, L, S, E, Ev, causal, scale, kind, mshape = config(500 + seed)
+    if causal and L > S:
+        causal = False
+    if gqa and "enable_gqa" not in torch.nn.functional.scaled_dot_product_attention.__doc__:
+        gqa = False
+        hq = hkv
+    q, k, v = (x.float() for x in tensors(g, lead, hq, hkv, L, S, E, Ev))
+    if causal:
+        kind = "none"  # torch refuses a mask with is_causal
+    mask = rand_mask(g, kind, mshape)
+    kw = dict(attn_mask=mask, is_causal=causal, scale=scale)
+    if gqa:
+        kw["enable_gqa"] = True
+    ours = mt.scaled_dot_product_attention(q, k, v, **kw)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    ref = sdpa_ref(q.double(), k.double(), v.double(),
+                   None if mask is None else (mask if mask.dtype == torch.bool else
+                                              mask.double()), causal, scale, gqa)
+    assert_close("out", ours, theirs, ref)
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 6, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(5, 6, dtype=torch.float64)
+
+    def f(q, k, v):
+        return mt.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                               scale=0.7)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+    def g(q, k, v):
+        return mt.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True)
+
+    assert torch.autograd.gradcheck(g, (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def test_shapes_2d_3d_and_broadcast():
+    g = np.random.default_rng(0)
+    q = g.normal(size=(5, 8)).astype(np.float32)
+    k = g.normal(size=(7, 8)).astype(np.float32)
+    v = g.normal(size=(7, 3)).astype(np.float32)
+    o = mha.scaled_dot_product_attention(q, k, v)
+    ref = sdpa_ref(*(torch.from_numpy(x).double() for x in (q, k, v)))
+    assert o.shape == (5, 3) and np.abs(o - ref.numpy()).max() < 1e-5
+    q3 = np.stack([q, 2 * q])
+    o3 = mha.scaled_dot_product_attention(q3, k[None], v[None])  # (N, L, E), keys broadcast
+    assert o3.shape == (2, 5, 3)
+    assert np.array_equal(o3[0], o)
+    o5 = mha.scaled_dot_product_attention(q3[None, :, None], k, v)  # (1, 2, 1, L, E)
+    assert o5.shape == (1, 2, 1, 5, 3)
+    assert np.array_equal(o5[0, :, 0], o3)
+
+
+def test_weights_and_fully_masked_rows():
+    g = np.random.default_rng(1)
+    q, k, v = (g.normal(size=(1, 2, 4, 8)).astype(np.float32) for _ in range(3))
+    mask = np.ones((4, 4), bool)
+    mask[2] = False  # row 2 sees no key
+    o, w = mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_weights=True)
+    assert w.shape == (1, 2, 4, 4)
+    assert np.all(w[:, :, 2] == 0) and np.all(o[:, :, 2] == 0)
+    assert np.allclose(w[:, :, [0, 1, 3]].sum(-1), 1, atol=1e-6)
+
+
+def test_strided_equals_contiguous():
+    g = np.random.default_rng(2)
+    base = g.normal(size=(2, 6, 3, 16)).astype(np.float32)  # (B, L, H, D) as a model holds it
+    q = base.transpose(0, 2, 1, 3)  # (B, H, L, D) without a copy
+    o1 = mha.scaled_dot_product_attention(q, q, q, is_causal=True)
+    o2 = mha.scaled_dot_product_attention(*(np.ascontiguousarray(q),) * 3, is_causal=True)
+    assert np.array_equal(o1, o2)
+    t = torch.from_numpy(base).transpose(1, 2).requires_grad_()
+    tc = torch.from_numpy(np.ascontiguousarray(q)).requires_grad_()
+    a = mt.scaled_dot_product_attention(t, t, t)
+    b = mt.scaled_dot_product_attention(tc, tc, tc)
+    assert torch.equal(a, b)
+    a.sum().backward()
+    b.sum().backward()
+    assert torch.equal(t.grad, tc.grad)
+
+
+def test_half_inputs():
+    g = np.random.default_rng(3)
+    q, k, v = (g.normal(size=(1, 2, 5, 8)).astype(np.float16) for _ in range(3))
+    o = mha.scaled_dot_product_attention(q, k, v)
+    assert o.dtype == np.float16
+    ref = sdpa_ref(*(torch.from_numpy(x).double() for x in (q, k, v)))
+    assert np.abs(o.astype(np.float64) - ref.numpy()).max() < 2e-3
