@@ -371,7 +371,9 @@ class MultiheadAttention:
     def backward(self, grad_output, query, key=None, value=None, key_padding_mask=None,
                  attn_mask=None, is_causal=False, *, dropout_seed=None, params=True, **extras):
         """Gradients of the forward with the same arguments: a Gradients
-        tuple (query, key, value, params) with params {name: array}. In
+        tuple (query, key, value, params) with params {name: array}; with
+        key and value None (self-attention) query is the input's whole
+        gradient and key, value are None. In
         training mode with dropout, the forward's mask is regenerated from
         dropout_seed (default: the last forward's)."""
         q, k, v, kpm, am = self._inputs(query, key, value, key_padding_mask, attn_mask)
@@ -383,10 +385,13 @@ class MultiheadAttention:
                                  "dropout_seed (no forward ran)")
             kw.update({"training": True, "dropout_seed": int(seed)})
         grads = self._m.like() if params else None
-        self_attn = key is None
         dq, dk, dv = _mha.backward(self._m, grads, q, k, v, kpm, am,
-                                   _arr(grad_output, "grad_output"), _alloc, True,
-                                   not self_attn, not self_attn, **kw)
+                                   _arr(grad_output, "grad_output"), _alloc, True, True, True,
+                                   **kw)
+        if key is None:  # self-attention: the input's gradient is the sum of its three parts
+            dq += dk
+            dq += dv
+            dk = dv = None
         pg = None
         if grads is not None:
             pg = collections.OrderedDict(

@@ -1,0 +1,215 @@
+"""The numpy API: the same bits as the PyTorch API, strided inputs, files,
+the backward, the KV cache, diagnostics, tracing, threads."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import mha
+import mha.torch as mt
+from conftest import assert_close
+
+
+def pair(seed=0, **cfg):
+    """A numpy module and a torch module with the same parameters."""
+    torch.manual_seed(seed)
+    t = mt.MultiheadAttention(cfg.pop("embed_dim", 16), cfg.pop("num_heads", 4), **cfg)
+    n = mha.MultiheadAttention(t.embed_dim, t.num_heads, kdim=t.kdim, vdim=t.vdim,
+                               batch_first=t.batch_first, add_bias_kv=t.bias_k is not None,
+                               num_kv_heads=t.num_kv_heads).eval()
+    n.load_state_dict({k: v.detach().numpy() for k, v in t.state_dict().items()})
+    return n, t.eval()
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_numpy_equals_torch_bitwise(batch_first):
+    n, t = pair(batch_first=batch_first, add_bias_kv=True)
+    g = np.random.default_rng(0)
+    x = g.normal(size=(3, 5, 16)).astype(np.float32)
+    N, L = (3, 5) if batch_first else (5, 3)
+    kpm = g.random((N, L)) < 0.2
+    kpm[:, 0] = False
+    am = g.normal(size=(L, L)).astype(np.float32)
+    on, wn = n(x, x, x, key_padding_mask=kpm, attn_mask=am, average_attn_weights=False)
+    xt = torch.from_numpy(x)
+    ot, wt = t(xt, xt, xt, key_padding_mask=torch.from_numpy(kpm), attn_mask=torch.from_numpy(am),
+               average_attn_weights=False)
+    assert np.array_equal(on, ot.detach().numpy()) and np.array_equal(wn, wt.numpy())
+    # backward: numpy API == autograd, bit for bit
+    gout = g.normal(size=on.shape).astype(np.float32)
+    grads = n.backward(gout, x, key_padding_mask=kpm, attn_mask=am)
+    xr = xt.clone().requires_grad_()
+    t.train()
+    o, _ = t(xr, xr, xr, key_padding_mask=torch.from_numpy(kpm), attn_mask=torch.from_numpy(am))
+    o.backward(torch.from_numpy(gout))
+    assert np.array_equal(grads.query, xr.grad.numpy())
+    for name, p in t.named_parameters():
+        assert np.array_equal(grads.params[name], p.grad.numpy()), name
+
+
+def test_strided_and_transposed_inputs():
+    n, _ = pair()
+    g = np.random.default_rng(1)
+    x = g.normal(size=(4, 6, 16)).astype(np.float32)
+    ref = n(x, need_weights=False)[0]
+    xt = np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2)  # other strides
+    assert np.array_equal(n(xt, need_weights=False)[0], ref)
+    big = np.zeros((4, 6, 48), np.float32)
+    big[:, :, ::3] = x  # a stride of 3 along the features
+    assert np.array_equal(n(big[:, :, ::3], need_weights=False)[0], ref)
+    rev = np.ascontiguousarray(x[::-1])[::-1]  # negative strides
+    assert np.array_equal(n(rev, need_weights=False)[0], ref)
+    assert np.abs(n(x.astype(np.float64), need_weights=False)[0] - ref).max() < 1e-5
+
+
+def test_files_and_state_dict(tmp_path):
+    n, _ = pair(add_bias_kv=True)
+    p = tmp_path / "m.safetensors"
+    n.save(p)
+    m = mha.MultiheadAttention.load(p)
+    assert m.num_heads == 4 and m.embed_dim == 16
+    for k, a in n.state_dict().items():
+        assert np.array_equal(a, m.state_dict()[k])
+    fresh = mha.MultiheadAttention(16, 4, add_bias_kv=True, seed=9)
+    fresh.load(p)  # on an instance: into it
+    x = np.ones((2, 1, 16), np.float32)
+    assert np.array_equal(fresh.eval()(x)[0], n(x)[0])
+    tensors, meta = mha.load_tensors(p)
+    assert meta["num_heads"] == "4" and set(tensors) == set(n.state_dict())
+    mha.save_tensors(tmp_path / "x.safetensors", {"a": np.arange(6, dtype=np.float32)}, {"k": "v"})
+    back, meta = mha.load_tensors(tmp_path / "x.safetensors")
+    assert np.array_equal(back["a"], np.arange(6)) and meta == {"k": "v"}
+
+
+def test_half_weights_and_pruning():
+    n, _ = pair()
+    x = np.random.default_rng(2).normal(size=(5, 2, 16)).astype(np.float32)
+    o = n(x)[0]
+    h = n.to("bf16")
+    assert h.weight_dtype == "bf16"
+    assert np.abs(h(x)[0] - o).max() < 0.05
+    n.prune_heads([1, 3])
+    assert n.pruned_heads == [1, 3]
+    _, w = n(x, average_attn_weights=False)
+    assert np.all(w[:, [1, 3]] == 0)
+
+
+def test_backward_vs_torch_float64():
+    """The numpy backward against PyTorch float64 (tolerance rule)."""
+    n, t = pair(kdim=5, vdim=7)
+    g = np.random.default_rng(4)
+    q = g.normal(size=(6, 2, 16)).astype(np.float32)
+    k = g.normal(size=(4, 2, 5)).astype(np.float32)
+    v = g.normal(size=(4, 2, 7)).astype(np.float32)
+    gout = g.normal(size=(6, 2, 16)).astype(np.float32)
+    gr = n.backward(gout, q, k, v)
+    ref = {}
+    for dt in (torch.float32, torch.float64):
+        tm = torch.nn.MultiheadAttention(16, 4, kdim=5, vdim=7).to(dt)
+        tm.load_state_dict(t.state_dict())
+        qq, kk, vv = (torch.from_numpy(a).to(dt).requires_grad_() for a in (q, k, v))
+        o, _ = tm(qq, kk, vv)
+        o.backward(torch.from_numpy(gout).to(dt))
+        ref[dt] = [qq.grad, kk.grad, vv.grad, {n_: p.grad for n_, p in tm.named_parameters()}]
+    for i, name in enumerate(("query", "key", "value")):
+        assert_close(name, torch.from_numpy(gr[i]), ref[torch.float32][i], ref[torch.float64][i])
+    for name, a in gr.params.items():
+        assert_close(name, torch.from_numpy(a), ref[torch.float32][3][name],
+                     ref[torch.float64][3][name])
+
+
+def test_kv_cache_decode_matches_full_forward():
+    n, _ = pair(batch_first=True, num_kv_heads=2)
+    g = np.random.default_rng(5)
+    x = g.normal(size=(2, 9, 16)).astype(np.float32)
+    full = n(x, is_causal=True, need_weights=False)[0]
+    cache = n.make_cache(batch=2, capacity=16)
+    chunks = [x[:, :4], x[:, 4:5], x[:, 5:9]]
+    outs = [n.forward_cached(c, cache) for c in chunks]
+    assert cache.length() == [9, 9]
+    assert np.abs(np.concatenate(outs, 1) - full).max() < 1e-5
+    cache.truncate(5)
+    again = n.forward_cached(x[:, 5:9], cache)
+    assert np.array_equal(again, outs[2])
+    # the raw cache: append then attend
+    c = mha.KVCache(1, 2, 4, capacity=3)
+    k = g.normal(size=(1, 2, 3, 4)).astype(np.float32)
+    c.append(k, k)
+    o = c.attend(g.normal(size=(1, 4, 1, 4)).astype(np.float32))
+    assert o.shape == (1, 4, 1, 4)
+    with pytest.raises(ValueError, match="capacity|full|length"):
+        c.append(k[:, :, :1], k[:, :, :1])
+    assert c.length(0) == 3
+
+
+def test_diagnose_and_report(tmp_path):
+    n, t = pair()
+    x = np.random.default_rng(6).normal(size=(8, 1, 16)).astype(np.float32)
+    d = mha.diagnose(n, x, is_causal=True)
+    assert len(d["heads"]) == 4 and len(d["similarity"]) == 4
+    h0 = d["heads"][0]
+    for key in ("entropy_mean", "entropy_norm", "mean_distance", "logit_max", "dead", "rank_q",
+                "singular_values"):
+        assert key in h0
+    assert abs(d["similarity"][1][1] - 1.0) < 1e-12 and d["nonfinite"] is None
+    dt = mha.diagnose(t, torch.from_numpy(x), is_causal=True)
+    assert dt["heads"] == d["heads"]
+    out = tmp_path / "report"
+    mha.diagnose(n, x, report=out, tokens=list("abcdefgh"))
+    assert (out / "diagnostics.json").exists()
+    x[3, 0, 2] = np.nan
+    assert "query" in mha.diagnose(n, x)["nonfinite"]
+
+
+def test_trace_steps():
+    n, _ = pair(embed_dim=8, num_heads=2)
+    x = np.random.default_rng(7).normal(size=(3, 1, 8)).astype(np.float32)
+    steps = []
+    o, _ = n(x, impl="reference", trace=lambda s, b, h, a: steps.append((s, b, h, a.shape)))
+    names = [s for s, _, _, _ in steps]
+    assert names[:3] == ["q", "k", "v"] and names[-2:] == ["concat", "output"]
+    assert ("weights", 0, 1, (3, 3)) in steps
+
+    def boom(*a):
+        raise RuntimeError("from the trace")
+
+    with pytest.raises(RuntimeError, match="from the trace"):
+        n(x, impl="reference", trace=boom)
+
+
+def test_two_threads_share_a_module():
+    """Two Python threads running one module at once (the GIL released) give
+    the serial bits."""
+    n, _ = pair(embed_dim=64, num_heads=4, batch_first=True)
+    g = np.random.default_rng(8)
+    xs = [g.normal(size=(2, 96, 64)).astype(np.float32) for _ in range(2)]
+    serial = [n(x, need_weights=False)[0] for x in xs]
+    results = [[None] * 8 for _ in range(2)]
+
+    def work(i):
+        for r in range(8):
+            results[i][r] = n(xs[i], need_weights=False)[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for i in range(2):
+        for r in range(8):
+            assert np.array_equal(results[i][r], serial[i])
+
+
+def test_dropout_seeded_backward():
+    n = mha.MultiheadAttention(8, 2, dropout=0.5, seed=3)  # training mode
+    x = np.random.default_rng(9).normal(size=(4, 2, 8)).astype(np.float32)
+    o1, _ = n(x, dropout_seed=5)
+    o2, _ = n(x, dropout_seed=5)
+    assert np.array_equal(o1, o2)
+    o3, _ = n(x)
+    assert not np.array_equal(o1, o3)
+    g = n.backward(np.ones_like(o3), x)  # the last forward's mask
+    assert np.isfinite(g.query).all()
+    assert np.array_equal(n.eval()(x)[0], n(x)[0])
