@@ -20,14 +20,16 @@ check test: all
 # any report fails the test)
 asan:
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=None \
-	  -DCMAKE_C_FLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+	  -DCMAKE_C_FLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" \
+	  -DMHA_PYTHON_TESTS=OFF
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ctest --output-on-failure -j $(JOBS)
 
 # Only the portable scalar kernels (no AVX2/AVX-512 code compiled), the
 # whole test suite in build-scalar/
 scalar:
-	cmake -S . -B build-scalar -DCMAKE_BUILD_TYPE=Release -DMHA_SCALAR_ONLY=ON
+	cmake -S . -B build-scalar -DCMAKE_BUILD_TYPE=Release -DMHA_SCALAR_ONLY=ON \
+	  -DMHA_PYTHON_TESTS=OFF
 	cmake --build build-scalar -j $(JOBS)
 	cd build-scalar && ctest --output-on-failure -j $(JOBS)
 

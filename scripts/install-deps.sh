@@ -9,12 +9,16 @@
 #   scripts/install-deps.sh --test   also what the test suite needs
 #                                    (PyTorch and numpy for the conformance
 #                                    suite against PyTorch; clang and its
-#                                    libFuzzer runtime for tests/fuzz/run.sh)
+#                                    libFuzzer runtime for tests/fuzz/run.sh;
+#                                    the Python package's two virtual
+#                                    environments, PyTorch 1.13 and 2.x
+#                                    (scripts/python-venvs.sh))
 set -eu
 pkgs="build-essential cmake pkg-config libcjson-dev liblapacke-dev libcairo2-dev"
 pkgs="$pkgs openmpi-bin libopenmpi-dev"
 if [ "${1:-}" = "--test" ]; then
-    pkgs="$pkgs python3 python3-torch python3-numpy clang libclang-rt-dev clang-format"
+    pkgs="$pkgs python3 python3-torch python3-numpy python3-venv python3-dev python3-pip"
+    pkgs="$pkgs libopenblas0-pthread clang libclang-rt-dev clang-format"
 fi
 missing=""
 for p in $pkgs; do
@@ -25,4 +29,7 @@ if [ -n "$missing" ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends $missing
+fi
+if [ "${1:-}" = "--test" ]; then
+    "$(dirname "$0")/python-venvs.sh"
 fi

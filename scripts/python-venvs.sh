@@ -1,0 +1,37 @@
+#!/bin/sh
+# Creates (or updates) the two virtual environments the Python suite runs
+# in, under ${MHA_VENVS:-/opt/mha-venvs}:
+#   torch1   Debian's python3 with --system-site-packages: Debian's
+#            python3-torch 1.13 and python3-numpy, plus pytest and
+#            scikit-build-core from PyPI
+#   torch2   python3 on PATH (or Debian's): PyTorch 2.x, numpy, pytest and
+#            scikit-build-core from PyPI, at the versions pinned below
+# Each is rebuilt only when missing or when its pins changed (a stamp file
+# records them). scripts/install-deps.sh --test runs this.
+set -eu
+root=${MHA_VENVS:-/opt/mha-venvs}
+PIN_COMMON="pytest==9.2.0 scikit-build-core==0.10.7"
+PIN_TORCH2="torch==2.15.0 numpy==2.4.6"
+
+# make NAME PYTHON VENV_FLAGS PACKAGES
+make_venv() {
+    dir=$root/$1 py=$2 flags=$3 pkgs=$4
+    stamp="$py $flags $pkgs"
+    if [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.mha-pins" 2>/dev/null)" = "$stamp" ]; then
+        echo "python venv $dir: up to date"
+        return 0
+    fi
+    echo "python venv $dir: creating ($pkgs)"
+    rm -rf "$dir"
+    mkdir -p "$root"
+    "$py" -m venv $flags "$dir"
+    "$dir/bin/python" -m pip install -q --disable-pip-version-check $pkgs
+    echo "$stamp" > "$dir/.mha-pins"
+}
+
+make_venv torch1 /usr/bin/python3 --system-site-packages "$PIN_COMMON"
+py2=$(command -v python3 || echo /usr/bin/python3)
+make_venv torch2 "$py2" "" "$PIN_COMMON $PIN_TORCH2"
+for v in torch1 torch2; do
+    "$root/$v/bin/python" -c "import torch, numpy; print('$v: torch', torch.__version__, 'numpy', numpy.__version__)"
+done
