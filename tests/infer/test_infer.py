@@ -61,7 +61,8 @@ class SdpaArgs(C.Structure):
                 ("key_padding_mask", C.POINTER(Tensor)), ("is_causal", C.c_bool),
                 ("window_left", C.c_int64), ("window_right", C.c_int64),
                 ("use_custom_scale", C.c_bool), ("scale", C.c_double),
-                ("impl", C.c_int)]
+                ("impl", C.c_int), ("dropout_p", C.c_float),
+                ("dropout_seed", C.c_uint64), ("dropout_offset", C.c_uint64)]
 
 
 class VarlenArgs(C.Structure):
