@@ -136,8 +136,14 @@ static mha_status sdpa_prepare(sdpa_dims *dm, double *scale, mha__mask *mk, mha_
                                const mha_sdpa_args *a) {
     mha_status st = sdpa_check(dm, scale, a);
     if (st) return st;
-    *drop = (mha__dropout){a->dropout_p, a->dropout_seed, a->dropout_offset,
-                           dm->H,        dm->L,           dm->S};
+    *drop = (mha__dropout){
+        .p = a->dropout_p,
+        .seed = a->dropout_seed,
+        .offset = a->dropout_offset,
+        .H = dm->H,  // the query heads: the mask is per query head
+        .L = dm->L,
+        .S = dm->S,
+    };
     return sdpa_mask(mk, a, dm);
 }
 
@@ -244,8 +250,8 @@ static mha_status sdpa_reference(mha_tensor *out, mha_tensor *weights, const mha
 }
 
 // The phases: check the shapes, the scale and dropout_p, the mask, the
-// outputs; the
-// implementation; the fused driver (fused_fwd.c) or the reference.
+// outputs; the implementation; the fused driver (fused_fwd.c) or the
+// reference.
 mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a) {
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
     mha_status st;
@@ -374,9 +380,8 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
 }
 
 // The phases: the forward's checks (shapes, scale, dropout_p, mask), the
-// gradients'
-// views, the implementation, then the fused driver (fused_bwd.c) or the
-// reference.
+// gradients' views, the implementation, then the fused driver (fused_bwd.c)
+// or the reference.
 mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                              const mha_tensor *dout, const mha_sdpa_args *a) {
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa_backward: NULL args");
