@@ -636,6 +636,19 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, 
 //     MHA_F32 added.
 //   is_causal: hides keys j > i (top-left aligned, as PyTorch).
 //   scale: used when use_custom_scale, else 1 / sqrt(D).
+//   dropout_p: p in [0, 1) (else MHA_ERR_INVALID_ARG naming it), default
+//     0: dropout on the attention weights after the softmax, before v,
+//     applied whenever p > 0 (sdpa is functional: no training flag, as
+//     torch's scaled_dot_product_attention(dropout_p=...)). Weight
+//     (b, h, i, j) of (B, H, L, S), h the query head, is kept (and scaled
+//     by 1/(1-p)) as the module's attention dropout decides: with
+//     idx = ((b H + h) L + i) S + j, r = word idx % 4 of
+//     mha_philox4x32_10(ctr {lo, hi of idx / 4, lo, hi of dropout_offset},
+//     key {lo, hi of dropout_seed}), kept iff (r >> 8) * 2^-24 >= p. The
+//     mask is never stored: mha_sdpa_backward with the same args
+//     regenerates it. weights (when asked) are the weights after dropout,
+//     as the module returns them. The fused path and the reference keep the
+//     same elements, for any number of threads.
 // The fully-masked-row rule holds. impl: auto runs the fused path when q,
 // k, v, out (and weights) are MHA_F32 with unit stride along the last dim,
 // else the reference (MHA_IMPL in the environment overrides auto); fused
@@ -652,6 +665,9 @@ typedef struct mha_sdpa_args {
     bool use_custom_scale;
     double scale;
     mha_impl impl;
+    float dropout_p;  // 0: none; in [0, 1)
+    uint64_t dropout_seed;
+    uint64_t dropout_offset;  // advance it between steps for fresh masks
 } mha_sdpa_args;
 
 MHA_API void mha_sdpa_args_init(mha_sdpa_args *a);
@@ -663,7 +679,9 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
 // and dv (B, Hkv, S, Dv); all three are required, float views of any
 // strides. Grouped-query: KV head g's dk, dv sum its query heads' terms in
 // increasing head order. Fully masked rows get zero gradients. Every option
-// of mha_sdpa applies (masks, causal, windows, scale, GQA). impl: auto runs
+// of mha_sdpa applies (masks, causal, windows, scale, GQA, dropout: the
+// same keep mask, regenerated from dropout_seed and dropout_offset, so the
+// gradients are those of the forward with that mask). impl: auto runs
 // the fused path (FlashAttention-2's backward, the forward's rows
 // recomputed) when q, k, v, dout, dq, dk, dv are MHA_F32 with unit stride
 // along the last dim, else the reference (in double); MHA_IMPL overrides.

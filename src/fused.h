@@ -119,17 +119,20 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
 void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
                             const mha_forward_args *a, float *ctx, char *ws);
 // The fused scaled-dot-product attention: F32 views with unit last stride
-// (checked by the caller), mask over (b, h, i, j). Allocates its scratch.
+// (checked by the caller), mask over (b, h, i, j), attention dropout drop
+// (NULL: none; over (B, H, L, S), h the query head). Allocates its scratch.
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
-                           double scale);
+                           const mha__dropout *drop, double scale);
 // The fused backward of mha__fused_sdpa: dq (B, H, L, D), dk (B, Hkv, S,
-// D), dv (B, Hkv, S, Dv) written from dout (B, H, L, Dv); F32 views with
-// unit last stride (checked by the caller). Allocates its scratch.
+// D), dv (B, Hkv, S, Dv) written from dout (B, H, L, Dv), drop the
+// forward's; F32 views with unit last stride (checked by the caller).
+// Allocates its scratch.
 mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                                     const mha_tensor *dout, const mha_tensor *q,
                                     const mha_tensor *k, const mha_tensor *v,
-                                    const mha__mask *mk, double scale);
+                                    const mha__mask *mk, const mha__dropout *drop,
+                                    double scale);
 // The fused backward (allocates its own scratch); pt as for the forward.
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
                                mha_tensor *gv, mha_module *grads, const mha_module *m,

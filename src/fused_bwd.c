@@ -618,8 +618,8 @@ done:
 // Flash head (b, h) of an sdpa backward; its KV head h / (H / Hkv); o and
 // stats: where its forward rows go.
 static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const mha_tensor *v,
-                                 const mha__mask *mk, double scale, int64_t b, int64_t h,
-                                 float *o, int64_t o_rs, float *stats) {
+                                 const mha__mask *mk, const mha__dropout *drop, double scale,
+                                 int64_t b, int64_t h, float *o, int64_t o_rs, float *stats) {
     const int64_t g = h / (q->shape[1] / k->shape[1]);
     return (mha__flash_head){
         .q = (const float *)q->data + q->stride[0] * b + q->stride[1] * h,
@@ -637,6 +637,7 @@ static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const
         .Dv = v->shape[3],
         .scale = (float)scale,
         .mask = mk,
+        .drop = drop,
         .b = b,
         .h = h,
     };
@@ -649,8 +650,9 @@ static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const
 // stats (L, 2), Dsum (L).
 static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                               const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
-                              const mha_tensor *v, const mha__mask *mk, double scale,
-                              size_t sf, size_t per, int nt, float *blk) {
+                              const mha_tensor *v, const mha__mask *mk,
+                              const mha__dropout *drop, double scale, size_t sf, size_t per,
+                              int nt, float *blk) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], Dv = v->shape[3],
                   Hkv = k->shape[1], G = H / Hkv;
@@ -661,7 +663,7 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
         float *sc = blk + (size_t)mha__thread_id() * per, *o = sc + sf, *stats = o + L * Dv,
               *dsum = stats + 2 * L;
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
-            mha__flash_head fh = sdpa_head(q, k, v, mk, scale, b, h, o, Dv, stats);
+            mha__flash_head fh = sdpa_head(q, k, v, mk, drop, scale, b, h, o, Dv, stats);
             for (int64_t i0 = 0; i0 < L; i0 += MHA__FLASH_BR)
                 mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L), sc);
             mha__flash_bwd_head(kt, &fh, SDPA_PTR(dout, h), dout->stride[2], dsum,
@@ -675,8 +677,8 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
 // L, Dv), stats (B, H, L, 2) and Dsum (B, H, L).
 static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                            const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
-                           const mha_tensor *v, const mha__mask *mk, double scale, size_t sf,
-                           int nt, float *blk) {
+                           const mha_tensor *v, const mha__mask *mk, const mha__dropout *drop,
+                           double scale, size_t sf, int nt, float *blk) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], S = k->shape[2],
                   Dv = v->shape[3], Hkv = k->shape[1], G = H / Hkv;
@@ -685,8 +687,8 @@ static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
           *dsum = stats + 2 * B * H * L;
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC;
-#define SDPA_HEAD(b, h)                                                 \
-    sdpa_head(q, k, v, mk, scale, b, h, O + ((b)*H + (h)) * L * Dv, Dv, \
+#define SDPA_HEAD(b, h)                                                       \
+    sdpa_head(q, k, v, mk, drop, scale, b, h, O + ((b)*H + (h)) * L * Dv, Dv, \
               stats + 2 * ((b)*H + (h)) * L)
     // the forward rows, then pass B (Dsum, dq), per (b, h, query tile)
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
@@ -731,7 +733,8 @@ static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
 mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                                     const mha_tensor *dout, const mha_tensor *q,
                                     const mha_tensor *k, const mha_tensor *v,
-                                    const mha__mask *mk, double scale) {
+                                    const mha__mask *mk, const mha__dropout *drop,
+                                    double scale) {
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
                   S = k->shape[2], Dv = v->shape[3], Hkv = k->shape[1];
     const int nt = (double)B * H * L * S * (2 * D + 3 * Dv) < MHA__PAR_MIN_WORK
@@ -755,8 +758,9 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
     float *blk = mha__alloc(bytes ? bytes : 1);
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
-    if (per_head) sdpa_bwd_per_head(dq, dk, dv, dout, q, k, v, mk, scale, sf, per, nt, blk);
-    else sdpa_bwd_tiles(dq, dk, dv, dout, q, k, v, mk, scale, sf, nt, blk);
+    if (per_head)
+        sdpa_bwd_per_head(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, per, nt, blk);
+    else sdpa_bwd_tiles(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, nt, blk);
     mha__free(blk);
     return MHA_OK;
 }

@@ -413,7 +413,7 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
 
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
-                           double scale) {
+                           const mha__dropout *drop, double scale) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
                   S = k->shape[2], Dv = v->shape[3];
@@ -459,7 +459,7 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
             .Dv = Dv,
             .scale = (float)scale,
             .mask = mk,
-            .drop = NULL,
+            .drop = drop,
             .b = b,
             .h = h,
         };

@@ -1,7 +1,7 @@
 // sdpa.c: mha_sdpa, scaled dot-product attention on projected (B, H, T, D)
 // views: every argument checked once (shapes, GQA, masks broadcast to
-// (b, h, i, j) strides, scale), then the fused driver (fused_fwd.c) or the
-// reference, one head at a time (ref.c).
+// (b, h, i, j) strides, scale, dropout), then the fused driver
+// (fused_fwd.c) or the reference, one head at a time (ref.c).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,6 +68,9 @@ static mha_status sdpa_check(sdpa_dims *dm, double *scale_out, const mha_sdpa_ar
         scale = 1.0 / sqrt((double)D);
     }
     *scale_out = scale;
+    if (!(a->dropout_p >= 0.0f && a->dropout_p < 1.0f))
+        return mha__fail(MHA_ERR_INVALID_ARG, "sdpa: dropout_p must be in [0, 1), got %g",
+                         (double)a->dropout_p);
     return MHA_OK;
 }
 
@@ -126,13 +129,26 @@ static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, const sdp
     return MHA_OK;
 }
 
-// The checks the forward and the backward share: the shapes and the scale,
-// then the mask.
-static mha_status sdpa_prepare(sdpa_dims *dm, double *scale, mha__mask *mk,
+// The checks the forward and the backward share: the shapes, the scale and
+// dropout_p, then the mask; the dropout descriptor (position ((b H + h) L
+// + i) S + j, h the query head; its p 0 when there is none).
+static mha_status sdpa_prepare(sdpa_dims *dm, double *scale, mha__mask *mk, mha__dropout *drop,
                                const mha_sdpa_args *a) {
     mha_status st = sdpa_check(dm, scale, a);
-    return st ? st : sdpa_mask(mk, a, dm);
+    if (st) return st;
+    *drop = (mha__dropout){
+        .p = a->dropout_p,
+        .seed = a->dropout_seed,
+        .offset = a->dropout_offset,
+        .H = dm->H,  // the query heads: the mask is per query head
+        .L = dm->L,
+        .S = dm->S,
+    };
+    return sdpa_mask(mk, a, dm);
 }
+
+// The descriptor the heads take: NULL without dropout.
+static const mha__dropout *sdpa_drop(const mha__dropout *d) { return d->p > 0.0f ? d : NULL; }
 
 // The outputs: out (B, H, L, Dv), weights (B, H, L, S) when asked, neither
 // overlapping an input nor each other.
@@ -194,7 +210,8 @@ static mha_status sdpa_impl(mha_impl *impl_out, const mha_tensor *out,
 // The reference: one (b, h) at a time (ref.c), query head h on KV head
 // h / (H / Hkv); scores: nt x (L, S) doubles.
 static mha_status sdpa_reference(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a,
-                                 const sdpa_dims *dm, const mha__mask *mk, double scale) {
+                                 const sdpa_dims *dm, const mha__mask *mk,
+                                 const mha__dropout *drop, double scale) {
     const mha_tensor *q = a->q, *k = a->k, *v = a->v;
     const int64_t B = dm->B, H = dm->H, L = dm->L, D = dm->D, S = dm->S, Dv = dm->Dv,
                   Hkv = dm->Hkv;
@@ -224,7 +241,7 @@ static mha_status sdpa_reference(mha_tensor *out, mha_tensor *weights, const mha
         qm.rs = q->stride[2];
         km.rs = k->stride[2];
         vm.rs = v->stride[2];
-        mha__ref_attention_head(o, w, qm, km, vm, L, S, D, Dv, scale, mk, NULL, b, h,
+        mha__ref_attention_head(o, w, qm, km, vm, L, S, D, Dv, scale, mk, drop, b, h,
                                 scores + (size_t)tid * ls, NULL);
 #undef MHA__HEAD
     }
@@ -232,22 +249,24 @@ static mha_status sdpa_reference(mha_tensor *out, mha_tensor *weights, const mha
     return MHA_OK;
 }
 
-// The phases: check the shapes and the scale, the mask, the outputs; the
-// implementation; the fused driver (fused_fwd.c) or the reference.
+// The phases: check the shapes, the scale and dropout_p, the mask, the
+// outputs; the implementation; the fused driver (fused_fwd.c) or the
+// reference.
 mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a) {
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa: NULL args");
     mha_status st;
     sdpa_dims dm = {0};  // (initialised for the compiler: read only after MHA_OK)
     double scale = 0.0;
     mha__mask mk;
+    mha__dropout drop;
     mha_impl impl;
-    if ((st = sdpa_prepare(&dm, &scale, &mk, a)) ||
+    if ((st = sdpa_prepare(&dm, &scale, &mk, &drop, a)) ||
         (st = sdpa_check_outputs(out, weights, a, &dm)) ||
         (st = sdpa_impl(&impl, out, weights, a)))
         return st;
     if (impl == MHA_IMPL_FUSED)
-        return mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, scale);
-    return sdpa_reference(out, weights, a, &dm, &mk, scale);
+        return mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, sdpa_drop(&drop), scale);
+    return sdpa_reference(out, weights, a, &dm, &mk, sdpa_drop(&drop), scale);
 }
 
 // ---------------------------------------------------------------------------
@@ -311,7 +330,7 @@ static mha_status sdpa_backward_impl(mha_impl *impl_out, const mha_tensor *const
 static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                                           const mha_tensor *dout, const mha_sdpa_args *a,
                                           const sdpa_dims *dm, const mha__mask *mk,
-                                          double scale) {
+                                          const mha__dropout *drop, double scale) {
     const mha_tensor *q = a->q, *k = a->k, *v = a->v;
     const int64_t B = dm->B, H = dm->H, L = dm->L, D = dm->D, S = dm->S, Dv = dm->Dv,
                   Hkv = dm->Hkv, G = H / Hkv;
@@ -344,7 +363,7 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
             mha__ref_attention_head_backward(SDPA_VIEW(dq, h), mha__dmat(hdk, D),
                                              mha__dmat(hdv, Dv), none, SDPA_VIEW(dout, h),
                                              SDPA_VIEW(q, h), SDPA_VIEW(k, g), SDPA_VIEW(v, g),
-                                             L, S, D, Dv, scale, mk, NULL, b, h, w);
+                                             L, S, D, Dv, scale, mk, drop, b, h, w);
             for (int64_t i = 0; i < S * D; i++) sdk[i] = h == g * G ? hdk[i] : sdk[i] + hdk[i];
             for (int64_t i = 0; i < S * Dv; i++)
                 sdv[i] = h == g * G ? hdv[i] : sdv[i] + hdv[i];
@@ -360,9 +379,9 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
     return MHA_OK;
 }
 
-// The phases: the forward's checks (shapes, scale, mask), the gradients'
-// views, the implementation, then the fused driver (fused_bwd.c) or the
-// reference.
+// The phases: the forward's checks (shapes, scale, dropout_p, mask), the
+// gradients' views, the implementation, then the fused driver (fused_bwd.c)
+// or the reference.
 mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                              const mha_tensor *dout, const mha_sdpa_args *a) {
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa_backward: NULL args");
@@ -370,13 +389,15 @@ mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
     sdpa_dims dm = {0};  // (initialised for the compiler: read only after MHA_OK)
     double scale = 0.0;
     mha__mask mk;
+    mha__dropout drop;
     mha_impl impl;
-    if ((st = sdpa_prepare(&dm, &scale, &mk, a)) ||
+    if ((st = sdpa_prepare(&dm, &scale, &mk, &drop, a)) ||
         (st = sdpa_check_grads(dq, dk, dv, dout, a, &dm)))
         return st;
     const mha_tensor *ts[7] = {a->q, a->k, a->v, dout, dq, dk, dv};
     if ((st = sdpa_backward_impl(&impl, ts, a))) return st;
     if (impl == MHA_IMPL_FUSED)
-        return mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk, scale);
-    return sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, scale);
+        return mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk,
+                                        sdpa_drop(&drop), scale);
+    return sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, sdpa_drop(&drop), scale);
 }

@@ -3,6 +3,11 @@
 // against the reference on random configurations (GQA, every mask kind and
 // broadcast, causal with L != S, windows, custom scale, strided views);
 // the same bits with 1 and 2 threads; fully masked rows; misuse.
+// Attention dropout (dropout_p): fused vs reference forward (out, weights)
+// and backward with the same keep mask, finite differences of the
+// reference with the mask fixed by its seed, 1 vs 2 threads, p = 0 the
+// same bits as no dropout, the zeroed fraction against p and the zeros
+// against the documented Philox rule, bad p refused.
 // Agreement with PyTorch autograd: tests/infer/test_infer.py.
 #include <math.h>
 #include <stdlib.h>
@@ -22,6 +27,8 @@ typedef struct scase {
     int am;   // 0 none, 1 bool (L, S), 2 float (B, H, L, S), 3 float (1, H, L, S)
     int kpm;  // 0 none, 1 bool (B, S)
     int64_t pad;  // extra elements per row of q, k, v, dout (strided views)
+    float p;      // dropout_p (0: none)
+    uint64_t seed, offset;
 } scase;
 
 typedef struct sbufs {
@@ -89,6 +96,7 @@ static void args_of(mha_sdpa_args *a, const scase *c, const sbufs *s, mha_impl i
     a->window_left = c->wl, a->window_right = c->wr;
     a->use_custom_scale = c->custom_scale, a->scale = 0.37;
     a->impl = impl;
+    a->dropout_p = c->p, a->dropout_seed = c->seed, a->dropout_offset = c->offset;
 }
 
 typedef struct sgrads {
@@ -128,10 +136,11 @@ static scase random_case(int i) {
 
 static void print_case(const scase *c) {
     printf("  case B %lld H %lld Hkv %lld L %lld S %lld D %lld Dv %lld causal %d scale %d "
-           "window %lld/%lld attn_mask %d kpm %d pad %lld\n",
+           "window %lld/%lld attn_mask %d kpm %d pad %lld dropout %g seed %llu offset %llu\n",
            (long long)c->B, (long long)c->H, (long long)c->Hkv, (long long)c->L,
            (long long)c->S, (long long)c->D, (long long)c->Dv, c->causal, c->custom_scale,
-           (long long)c->wl, (long long)c->wr, c->am, c->kpm, (long long)c->pad);
+           (long long)c->wl, (long long)c->wr, c->am, c->kpm, (long long)c->pad,
+           (double)c->p, (unsigned long long)c->seed, (unsigned long long)c->offset);
 }
 
 // The largest |a - b| over a gradient, relative to 1 + max |b|.
@@ -225,8 +234,7 @@ static double loss(const mha_sdpa_args *a0, const sbufs *s, const scase *c) {
 
 // The reference gradients (float64 views) against central differences of
 // the reference forward, a few elements of q, k and v per case.
-static void finite_differences(int i) {
-    scase c = random_case(i);
+static void finite_differences_case(int i, scase c) {
     c.L = c.L > 12 ? 12 : c.L, c.S = c.S > 12 ? 12 : c.S, c.D = c.D > 9 ? 9 : c.D;
     c.Dv = c.Dv > 9 ? 9 : c.Dv;
     sbufs s;
@@ -263,6 +271,8 @@ static void finite_differences(int i) {
     free_grads(&g);
     free_inputs(&s);
 }
+
+static void finite_differences(int i) { finite_differences_case(i, random_case(i)); }
 
 // A row whose every key is masked: zero gradients from it (dq row 0), both
 // paths.
@@ -331,6 +341,219 @@ static void misuse(void) {
     free_inputs(&s);
 }
 
+// ---------------------------------------------------------------------------
+// Attention dropout
+
+// Case i with dropout: p among 0.1 .. 0.9, a random seed and offset.
+static scase dropout_case(int i) {
+    static const float ps[4] = {0.1f, 0.25f, 0.5f, 0.9f};
+    scase c = random_case(i);
+    c.p = ps[(i / 2) % 4];
+    c.seed = next();
+    c.offset = next() % 1000;
+    return c;
+}
+
+// out (B, H, L, Dv) and weights (B, H, L, S) of mha_sdpa, contiguous.
+typedef struct sfwd {
+    float *o, *w;
+    mha_tensor to, tw;
+} sfwd;
+
+static void run_fwd(sfwd *f, const scase *c, const mha_sdpa_args *a) {
+    const int64_t od[4] = {c->B, c->H, c->L, c->Dv}, wd[4] = {c->B, c->H, c->L, c->S};
+    f->o = malloc(sizeof(float) * (size_t)prod4(od) + 1);
+    f->w = malloc(sizeof(float) * (size_t)prod4(wd) + 1);
+    f->to = mha_tensor_contiguous(f->o, MHA_F32, 4, od);
+    f->tw = mha_tensor_contiguous(f->w, MHA_F32, 4, wd);
+    CHECK_OK(mha_sdpa(&f->to, &f->tw, a));
+}
+
+static void free_fwd(sfwd *f) { free(f->o), free(f->w); }
+
+// The number of elements where exactly one of a, b is 0 (the keep masks
+// disagree; masked weights are 0 in both).
+static int64_t zero_mismatches(const float *a, const float *b, int64_t n) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) m += (a[i] == 0.0f) != (b[i] == 0.0f);
+    return m;
+}
+
+// The forward with dropout, fused against the reference: out and weights
+// (after dropout: the same zeros), and the fused bits with 1 and 2 threads.
+static void dropout_forward_case(int i, const scase *c) {
+    sbufs s;
+    make_inputs(&s, c, MHA_F32);
+    mha_sdpa_args a;
+    args_of(&a, c, &s, MHA_IMPL_REFERENCE);
+    sfwd r, f;
+    run_fwd(&r, c, &a);
+    a.impl = MHA_IMPL_FUSED;
+    run_fwd(&f, c, &a);
+    const int64_t no = prod4(r.to.shape), nw = prod4(r.tw.shape);
+    const double eo = rel_err(r.o, f.o, no), ew = rel_err(r.w, f.w, nw);
+    const int64_t zm = zero_mismatches(r.w, f.w, nw);
+    CHECKF(eo <= 2e-5 && ew <= 2e-5 && zm == 0,
+           "dropout forward %d: out %.3g weights %.3g (> 2e-5), %lld weights zero in one "
+           "only",
+           i, eo, ew, (long long)zm);
+    if (!(eo <= 2e-5 && ew <= 2e-5 && zm == 0)) print_case(c);
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+    sfwd f1;
+    omp_set_num_threads(1);
+    run_fwd(&f1, c, &a);
+    omp_set_num_threads(nt < 2 ? 2 : nt);
+    free_fwd(&f);
+    run_fwd(&f, c, &a);
+    omp_set_num_threads(nt);
+    CHECKF(!memcmp(f1.o, f.o, sizeof(float) * (size_t)no) &&
+               !memcmp(f1.w, f.w, sizeof(float) * (size_t)nw),
+           "dropout forward %d: 1 and 2 threads give different bits", i);
+    free_fwd(&f1);
+#endif
+    free_fwd(&r), free_fwd(&f);
+    free_inputs(&s);
+}
+
+// Forward and backward with dropout, fused against the reference, on
+// random configurations (GQA, masks, causal, windows, strided rows).
+static void dropout_fused_vs_reference(int i) {
+    const scase c = dropout_case(i);
+    dropout_forward_case(200 + i, &c);
+    fused_vs_reference_case(200 + i, c);
+}
+
+// A batch of one over one KV head with dropout, large enough for two
+// threads (the backward over tiles).
+static void dropout_one_kv_head(int i) {
+    scase c = dropout_case(i);
+    c.B = 1, c.Hkv = 1, c.H = 1 + i % 3;
+    c.L = 70 + 37 * i, c.S = 65 + 41 * i;
+    dropout_forward_case(300 + i, &c);
+    fused_vs_reference_case(300 + i, c);
+}
+
+// dropout_p = 0 with any seed and offset: the very bits of the call
+// without dropout (args_init's), forward and backward, both paths.
+static void dropout_zero_same_bits(int i) {
+    scase c = random_case(i), c0 = c;
+    c.seed = next(), c.offset = next();
+    sbufs s;
+    make_inputs(&s, &c, MHA_F32);
+    for (int impl = 0; impl < 2; impl++) {
+        mha_sdpa_args a, a0;
+        const mha_impl im = impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        args_of(&a, &c, &s, im), args_of(&a0, &c0, &s, im);
+        sfwd f, f0;
+        run_fwd(&f, &c, &a), run_fwd(&f0, &c0, &a0);
+        sgrads g, g0;
+        make_grads(&g, &c, MHA_F32), make_grads(&g0, &c, MHA_F32);
+        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
+        CHECK_OK(mha_sdpa_backward(&g0.tq, &g0.tk, &g0.tv, &s.tdo, &a0));
+        CHECKF(!memcmp(f.o, f0.o, sizeof(float) * (size_t)prod4(f.to.shape)) &&
+                   !memcmp(f.w, f0.w, sizeof(float) * (size_t)prod4(f.tw.shape)) &&
+                   !memcmp(g.dq, g0.dq, sizeof(float) * (size_t)prod4(g.tq.shape)) &&
+                   !memcmp(g.dk, g0.dk, sizeof(float) * (size_t)prod4(g.tk.shape)) &&
+                   !memcmp(g.dv, g0.dv, sizeof(float) * (size_t)prod4(g.tv.shape)),
+               "dropout_p 0 (%s) %d: not the bits of no dropout", impl ? "fused" : "reference",
+               i);
+        free_fwd(&f), free_fwd(&f0), free_grads(&g), free_grads(&g0);
+    }
+    free_inputs(&s);
+}
+
+// The keep rule mha.h documents for weight (b, h, i, j), from the public
+// Philox: word idx % 4 of philox(ctr {idx / 4, offset}, key seed).
+static bool documented_keep(const scase *c, int64_t b, int64_t h, int64_t i, int64_t j) {
+    const uint64_t idx = (uint64_t)(((b * c->H + h) * c->L + i) * c->S + j), blk = idx / 4;
+    const uint32_t ctr[4] = {(uint32_t)blk, (uint32_t)(blk >> 32), (uint32_t)c->offset,
+                             (uint32_t)(c->offset >> 32)},
+                   key[2] = {(uint32_t)c->seed, (uint32_t)(c->seed >> 32)};
+    uint32_t r[4];
+    mha_philox4x32_10(r, ctr, key);
+    return (float)(r[idx % 4] >> 8) * 0x1p-24f >= c->p;
+}
+
+// No masks, grouped-query heads: the weights after dropout are 0 exactly
+// where the documented rule drops (per query head), elsewhere the
+// no-dropout weights times 1/(1-p); the zeroed fraction within 5 standard
+// deviations of p; a new offset, a new mask.
+static void dropout_statistics(void) {
+    scase c = {.B = 2, .H = 4, .Hkv = 2, .L = 90, .S = 110, .D = 16, .Dv = 8, .wl = -1,
+               .wr = -1, .p = 0.3f, .seed = 0x9E3779B97F4A7C15ull, .offset = 5};
+    scase c0 = c;
+    c0.p = 0.0f;
+    sbufs s;
+    make_inputs(&s, &c, MHA_F32);
+    const int64_t n = c.B * c.H * c.L * c.S;
+    for (int impl = 0; impl < 2; impl++) {
+        const mha_impl im = impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        mha_sdpa_args a, a0;
+        args_of(&a, &c, &s, im), args_of(&a0, &c0, &s, im);
+        sfwd f, f0, f2;
+        run_fwd(&f, &c, &a), run_fwd(&f0, &c0, &a0);
+        int64_t zeros = 0, rule = 0, scaled = 0;
+        for (int64_t b = 0; b < c.B; b++)
+            for (int64_t h = 0; h < c.H; h++)
+                for (int64_t i = 0; i < c.L; i++)
+                    for (int64_t j = 0; j < c.S; j++) {
+                        const int64_t e = ((b * c.H + h) * c.L + i) * c.S + j;
+                        const bool keep = documented_keep(&c, b, h, i, j);
+                        zeros += f.w[e] == 0.0f;
+                        rule += keep != (f.w[e] != 0.0f);
+                        const double want = f0.w[e] / (1.0 - (double)c.p);
+                        scaled += keep && !(fabs(f.w[e] - want) <= 1e-6 * want);
+                    }
+        const double frac = (double)zeros / (double)n,
+                     sd = sqrt((double)c.p * (1.0 - c.p) / (double)n);
+        const char *name = impl ? "fused" : "reference";
+        CHECKF(rule == 0, "dropout (%s): %lld weights against the documented keep rule", name,
+               (long long)rule);
+        CHECKF(scaled == 0, "dropout (%s): %lld kept weights not w / (1 - p)", name,
+               (long long)scaled);
+        CHECKF(fabs(frac - c.p) <= 5 * sd, "dropout (%s): zeroed fraction %.4f, p %.2f", name,
+               frac, (double)c.p);
+        a.dropout_offset++;  // the next step's mask
+        run_fwd(&f2, &c, &a);
+        const int64_t moved = zero_mismatches(f.w, f2.w, n);
+        CHECKF(fabs((double)moved / n - 2 * c.p * (1 - c.p)) <= 10 * sd,
+               "dropout (%s): offset + 1 changes %lld of %lld keep decisions", name,
+               (long long)moved, (long long)n);
+        free_fwd(&f), free_fwd(&f0), free_fwd(&f2);
+    }
+    free_inputs(&s);
+}
+
+// dropout_p out of [0, 1) or NaN: refused by both entry points, naming it.
+static void dropout_misuse(void) {
+    scase c = {.B = 1, .H = 4, .Hkv = 2, .L = 3, .S = 5, .D = 4, .Dv = 4, .wl = -1, .wr = -1};
+    sbufs s;
+    make_inputs(&s, &c, MHA_F32);
+    sgrads g;
+    make_grads(&g, &c, MHA_F32);
+    float o[48];
+    mha_tensor to = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){1, 4, 3, 4});
+    const float bad[3] = {-0.1f, 1.0f, NAN};
+    for (int impl = 0; impl < 3; impl++)
+        for (int i = 0; i < 3; i++) {
+            mha_sdpa_args a;
+            args_of(&a, &c, &s, (mha_impl)impl);
+            a.dropout_p = bad[i];
+            CHECK_FAILS(mha_sdpa(&to, NULL, &a), MHA_ERR_INVALID_ARG);
+            CHECK(strstr(mha_last_error(), "dropout_p") != NULL);
+            CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+            CHECK(strstr(mha_last_error(), "dropout_p") != NULL);
+        }
+    mha_sdpa_args a;
+    args_of(&a, &c, &s, MHA_IMPL_AUTO);
+    a.dropout_p = 0.999f;  // just below 1: allowed
+    CHECK_OK(mha_sdpa(&to, NULL, &a));
+    CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
+    free_grads(&g);
+    free_inputs(&s);
+}
+
 int main(void) {
     seed_rng(20261201);
     for (int i = 0; i < 80; i++) fused_vs_reference(i);
@@ -338,5 +561,11 @@ int main(void) {
     for (int i = 0; i < 40; i++) finite_differences(i);
     fully_masked_row();
     misuse();
+    for (int i = 0; i < 60; i++) dropout_fused_vs_reference(i);
+    for (int i = 0; i < 4; i++) dropout_one_kv_head(i);
+    for (int i = 0; i < 30; i++) finite_differences_case(400 + i, dropout_case(i));
+    for (int i = 0; i < 8; i++) dropout_zero_same_bits(i);
+    dropout_statistics();
+    dropout_misuse();
     return check_summary("test_sdpa_backward");
 }

@@ -12,6 +12,11 @@ Loads libmha with ctypes. References are computed in float64 with torch:
                 torch.autograd through softmax(scale q k^T + mask) v, GQA,
                 causal with L != S, windows, bool and float masks broadcast
                 from (L, S) or (1, H, L, S), key padding, custom scale
+  sdpa dropout  mha_sdpa (out, weights) and mha_sdpa_backward with dropout_p
+                (reference and fused) against torch with the same keep mask,
+                rebuilt here from mha.h's documented Philox4x32-10 rule
+                (itself checked against mha_philox4x32_10 and Random123's
+                known answer)
   KV cache      random chunk schedules (decode: 1..16 queries, split-KV;
                 prefill chunks: > 16, flash) with per-sequence counts,
                 windows, GQA: every chunk's output against full causal
@@ -61,7 +66,8 @@ class SdpaArgs(C.Structure):
                 ("key_padding_mask", C.POINTER(Tensor)), ("is_causal", C.c_bool),
                 ("window_left", C.c_int64), ("window_right", C.c_int64),
                 ("use_custom_scale", C.c_bool), ("scale", C.c_double),
-                ("impl", C.c_int)]
+                ("impl", C.c_int), ("dropout_p", C.c_float),
+                ("dropout_seed", C.c_uint64), ("dropout_offset", C.c_uint64)]
 
 
 class VarlenArgs(C.Structure):
@@ -99,6 +105,7 @@ class Lib:
         L.mha_sdpa_args_init.argtypes = [C.POINTER(SdpaArgs)]
         L.mha_sdpa.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.POINTER(SdpaArgs)]
         L.mha_sdpa_backward.argtypes = [C.POINTER(Tensor)] * 4 + [C.POINTER(SdpaArgs)]
+        L.mha_philox4x32_10.argtypes = [C.POINTER(C.c_uint32)] * 3
         L.mha_kv_cache_create.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5
         L.mha_kv_cache_create_ex.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5 + [C.c_int]
         L.mha_kv_cache_bytes.argtypes = [C.c_void_p]
@@ -369,6 +376,134 @@ def test_sdpa_backward(lib, ck, rng):
             ck.check(rc == 0, "%s: status %d %s" % (what, rc, lib.err() if rc else ""))
             for name, ours, r64, r32 in zip(("dq", "dk", "dv"), (dq, dk, dv), refs[0], refs[1]):
                 ck.close(what + " " + name, ours, r64, r32)
+
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+U32 = 0xFFFFFFFF
+
+
+def philox4x32_10(ctr, key):
+    """Random123's philox4x32 with 10 rounds on arrays: ctr four uint64
+    arrays of 32-bit words, key two ints; returns four arrays."""
+    c0, c1, c2, c3 = (np.asarray(x, dtype=np.uint64) for x in ctr)
+    k0, k1 = key
+    for r in range(10):
+        if r > 0:
+            k0, k1 = (k0 + PHILOX_W0) & U32, (k1 + PHILOX_W1) & U32
+        p0 = np.uint64(PHILOX_M0) * c0
+        p1 = np.uint64(PHILOX_M1) * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & np.uint64(U32),
+                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(U32))
+    return c0, c1, c2, c3
+
+
+def dropout_keep(shape, p, seed, offset):
+    """The keep mask (B, H, L, S) of mha.h's rule: element idx = ((b H + h)
+    L + i) S + j kept iff (r >> 8) 2^-24 >= p, r = word idx % 4 of
+    philox(ctr {lo, hi of idx / 4, lo, hi of offset}, key {lo, hi of seed})."""
+    idx = np.arange(int(np.prod(shape)), dtype=np.uint64)
+    blk = idx // np.uint64(4)
+    n = idx.size
+    words = philox4x32_10((blk & np.uint64(U32), blk >> np.uint64(32),
+                           np.full(n, offset & U32, dtype=np.uint64),
+                           np.full(n, offset >> 32, dtype=np.uint64)),
+                          (seed & U32, seed >> 32))
+    r = np.choose((idx % np.uint64(4)).astype(np.int64), words)
+    u = (r >> np.uint64(8)).astype(np.float64) * 2.0 ** -24
+    return (u >= float(np.float32(p))).reshape(shape)
+
+
+def lib_philox(lib, ctr, key):
+    out = (C.c_uint32 * 4)()
+    c = (C.c_uint32 * 4)(*ctr)
+    k = (C.c_uint32 * 2)(*key)
+    lib.L.mha_philox4x32_10(out, c, k)
+    return list(out)
+
+
+def sdpa_dropout_ref(q, k, v, dout, bias, full, keep, p, scale, dt):
+    """out, weights and dq, dk, dv of sum(out * dout) with out = P' v,
+    P' = softmax(scale q k^T + bias) * keep / (1 - p) (rows in full: 0), in
+    dtype dt (torch autograd), k and v repeat_interleave'd over the group."""
+    G = q.shape[1] // k.shape[1]
+    tq, tk, tv = (torch.tensor(x, dtype=dt, requires_grad=True) for x in (q, k, v))
+    kk, vv = tk.repeat_interleave(G, dim=1), tv.repeat_interleave(G, dim=1)
+    s = scale * tq @ kk.transpose(-1, -2) + torch.tensor(bias, dtype=dt)
+    factor = keep * (~full)[..., None] / (1.0 - float(np.float32(p)))
+    w = torch.softmax(s, dim=-1) * torch.tensor(factor, dtype=dt)
+    out = w @ vv
+    (out * torch.tensor(dout, dtype=dt)).sum().backward()
+    return (out.detach().numpy(), w.detach().numpy(), tq.grad.numpy(), tk.grad.numpy(),
+            tv.grad.numpy())
+
+
+def test_sdpa_dropout(lib, ck, rng):
+    # the Python Philox against Random123's known answer and mha's
+    kat = [int(w) for w in np.array(philox4x32_10(([0x243f6a88], [0x85a308d3], [0x13198a2e],
+                                                    [0x03707344]), (0xa4093822, 0x299f31d0)))[:, 0]]
+    ck.check(kat == [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1],
+             "philox (Python) vs Random123's known answer: %s" % [hex(w) for w in kat])
+    for t in range(20):
+        ctr = [int(x) for x in rng.integers(0, 2 ** 32, 4)]
+        key = [int(x) for x in rng.integers(0, 2 ** 32, 2)]
+        mine = [int(w[0]) for w in philox4x32_10(tuple([c] for c in ctr), tuple(key))]
+        ck.check(mine == lib_philox(lib, ctr, key), "philox (Python) vs mha_philox4x32_10 %d" % t)
+    for case in range(16):
+        B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+        H = Hkv * int(rng.choice([1, 2, 3]))
+        L, S = int(rng.integers(1, 80)), int(rng.integers(1, 150))
+        D = int(rng.choice([4, 8, 16, 64]))
+        Dv = D if case % 3 else int(rng.choice([4, 8, 16]))
+        causal, custom = bool(case % 2), case % 4 == 3
+        p = float(rng.choice([0.1, 0.3, 0.5, 0.8]))
+        seed, offset = int(rng.integers(0, 2 ** 63)), int(rng.integers(0, 2 ** 40))
+        scale = 0.3 if custom else 1.0 / math.sqrt(D)
+        q = rng.standard_normal((B, H, L, D)).astype(np.float32)
+        k = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
+        v = rng.standard_normal((B, Hkv, S, Dv)).astype(np.float32)
+        dout = rng.standard_normal((B, H, L, Dv)).astype(np.float32)
+        bias = np.zeros((B, H, L, S))
+        if causal:
+            bias[..., np.arange(S)[None, :] > np.arange(L)[:, None]] = -np.inf
+        kpm = rng.random((B, S)) < 0.2 if case % 3 == 1 else None
+        if kpm is not None:
+            bias[np.broadcast_to(kpm[:, None, None, :], bias.shape)] = -np.inf
+        full = np.isinf(bias).all(axis=-1)  # no visible key: mha gives 0
+        bias[full] = 0.0
+        keep = dropout_keep((B, H, L, S), p, seed, offset)
+        refs = [sdpa_dropout_ref(q, k, v, dout, bias, full, keep, p, scale, dt)
+                for dt in (torch.float64, torch.float32)]
+        tq, tk, tv, tdo = tensor(q), tensor(k), tensor(v), tensor(dout)
+        tkpm = None
+        if kpm is not None:
+            kpc = np.ascontiguousarray(kpm.astype(np.uint8))
+            tkpm = tensor(kpc)
+            tkpm.dtype = BOOL
+        for impl in (IMPL_REFERENCE, IMPL_FUSED):
+            a = SdpaArgs()
+            lib.L.mha_sdpa_args_init(C.byref(a))
+            a.q, a.k, a.v = C.pointer(tq), C.pointer(tk), C.pointer(tv)
+            a.key_padding_mask = C.pointer(tkpm) if tkpm is not None else None
+            a.is_causal = causal
+            a.use_custom_scale, a.scale = custom, scale
+            a.impl = impl
+            a.dropout_p, a.dropout_seed, a.dropout_offset = p, seed, offset
+            out = np.zeros((B, H, L, Dv), dtype=np.float32)
+            w = np.zeros((B, H, L, S), dtype=np.float32)
+            to, tw = tensor(out), tensor(w)
+            rc = lib.L.mha_sdpa(C.byref(to), C.byref(tw), C.byref(a))
+            dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+            tdq, tdk, tdv = tensor(dq), tensor(dk), tensor(dv)
+            rc = rc or lib.L.mha_sdpa_backward(C.byref(tdq), C.byref(tdk), C.byref(tdv),
+                                               C.byref(tdo), C.byref(a))
+            what = "sdpa dropout %d %s (B %d H %d Hkv %d L %d S %d D %d Dv %d causal %d kpm %d p %g)" % (
+                case, "reference" if impl == IMPL_REFERENCE else "fused", B, H, Hkv, L, S, D, Dv,
+                causal, kpm is not None, p)
+            ck.check(rc == 0, "%s: status %d %s" % (what, rc, lib.err() if rc else ""))
+            for name, ours, r64, r32 in zip(("out", "weights", "dq", "dk", "dv"),
+                                            (out, w, dq, dk, dv), refs[0], refs[1]):
+                ck.close(what + " " + name, ours, r64, r32)
+
 
 def test_cache(lib, ck, rng, cases):
     for case in range(cases):
@@ -690,6 +825,7 @@ def main():
     test_threads(lib, ck, rng)
     test_varlen(lib, ck, rng)
     test_cache_dtypes(lib, ck, rng)
+    test_sdpa_dropout(lib, ck, np.random.default_rng(args.seed + 1000))
     print("%d passed, %d failed" % (ck.passed, ck.failed))
     return 1 if ck.failed else 0
 
