@@ -99,6 +99,15 @@ def _seed():
     return int(torch.empty((), dtype=torch.int64).random_())
 
 
+def _outputs(ctx, out, w):
+    """A Function's (out, weights) as tensors; the weights are returned but
+    not differentiated."""
+    out, w = _t(out), _t(w)
+    if w is not None:
+        ctx.mark_non_differentiable(w)
+    return out, w
+
+
 # ---------------------------------------------------------------------------
 # autograd: the module
 
@@ -120,11 +129,7 @@ class _MHAFunction(torch.autograd.Function):
         ctx.owner, ctx.call, ctx.saved = owner, call, saved
         ctx.self_attn = (key is query, value is key)
         ctx.save_for_backward(query, key, value, *params)
-        out, w = _t(out), _t(w)
-        if w is None:
-            return out, None
-        ctx.mark_non_differentiable(w)
-        return out, w
+        return _outputs(ctx, out, w)
 
     @staticmethod
     def backward(ctx, grad_out, grad_w):
@@ -346,11 +351,7 @@ class _SDPAFunction(torch.autograd.Function):
         ctx.mask, ctx.kw = mask, dict(kw)
         ctx.kw.pop("need_weights", None)
         ctx.save_for_backward(q, k, v)
-        out, w = _t(out), _t(w)
-        if w is None:
-            return out, None
-        ctx.mark_non_differentiable(w)
-        return out, w
+        return _outputs(ctx, out, w)
 
     @staticmethod
     def backward(ctx, grad_out, grad_w):

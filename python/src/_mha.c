@@ -804,6 +804,42 @@ static int fwd_views(held *h, fwd_call *c, ModuleObject *mod, PyObject *q, PyObj
     return 0;
 }
 
+// The end of a call that made the outputs res[0..n) (NULL: not wanted):
+// releases the held buffers; when ok and st is MHA_OK returns res[0] (n
+// 1) or a tuple of them (None for the NULL ones); otherwise (an exception
+// set, or the library's error, raised here) drops them and returns NULL.
+static PyObject *finish(held *h, bool ok, mha_status st, PyObject **res, int n) {
+    release_all(h);
+    if (ok && st) raise_status(st);
+    PyObject *t = ok && !st && n > 1 ? PyTuple_New(n) : NULL;
+    if (ok && !st && (n == 1 || t)) {
+        if (n == 1) return res[0];
+        for (int i = 0; i < n; i++) {
+            if (!res[i]) {
+                Py_INCREF(Py_None);
+                res[i] = Py_None;
+            }
+            PyTuple_SET_ITEM(t, i, res[i]);
+        }
+        return t;
+    }
+    for (int i = 0; i < n; i++) Py_XDECREF(res[i]);
+    return NULL;
+}
+
+// Gradient outputs shaped and typed as their inputs: res[i] and td[i] for
+// each wanted i (want NULL: all three). Returns 0 or -1.
+static int alloc_grads(held *h, PyObject *alloc, const mha_tensor *const ins[3],
+                       const int *want, PyObject *res[3], mha_tensor td[3]) {
+    static const char *names[3] = {"grad_query", "grad_key", "grad_value"};
+    for (int i = 0; i < 3; i++) {
+        if (want && !want[i]) continue;
+        mha_shape s = shape_of(ins[i]);
+        if (!(res[i] = alloc_view(h, alloc, &s, ins[i]->dtype, names[i], &td[i]))) return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     ModuleObject *mod;
     PyObject *q, *k, *v, *kpm, *am, *alloc;
@@ -814,38 +850,25 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     const kwopt opts[] = {FWD_OPTS(&c)};
     if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "forward") < 0) return NULL;
     held h = {.n = 0};
-    PyObject *out = NULL, *w = NULL;
+    PyObject *res[2] = {NULL, NULL};
     trace_ctx tc = {c.trace, alloc, false};
-    if (fwd_views(&h, &c, mod, q, k, v, kpm, am) < 0) goto fail;
+    if (fwd_views(&h, &c, mod, q, k, v, kpm, am) < 0) return finish(&h, false, MHA_OK, res, 2);
     if (c.trace != Py_None) {
         c.a.trace = trace_trampoline;
         c.a.trace_user = &tc;
     }
     mha_shape os, ws;
-    mha_status st = mha_forward_shapes(&os, &ws, mod->m, &c.a);
-    if (st) {
-        raise_status(st);
-        goto fail;
-    }
     mha_tensor to, tw;
-    if (!(out = alloc_view(&h, alloc, &os, c.q.dtype, "attn_output", &to))) goto fail;
-    if (c.a.need_weights && !(w = alloc_view(&h, alloc, &ws, c.q.dtype, "attn_weights", &tw)))
-        goto fail;
+    mha_status st = mha_forward_shapes(&os, &ws, mod->m, &c.a);
+    if (st) return finish(&h, true, st, res, 2);
+    if (!(res[0] = alloc_view(&h, alloc, &os, c.q.dtype, "attn_output", &to)) ||
+        (c.a.need_weights &&
+         !(res[1] = alloc_view(&h, alloc, &ws, c.q.dtype, "attn_weights", &tw))))
+        return finish(&h, false, MHA_OK, res, 2);
     mod->readers++;
-    Py_BEGIN_ALLOW_THREADS st = mha_forward(&to, w ? &tw : NULL, mod->m, &c.a);
+    Py_BEGIN_ALLOW_THREADS st = mha_forward(&to, res[1] ? &tw : NULL, mod->m, &c.a);
     Py_END_ALLOW_THREADS mod->readers--;
-    if (tc.failed) goto fail;
-    if (st) {
-        raise_status(st);
-        goto fail;
-    }
-    release_all(&h);
-    return Py_BuildValue("(NN)", out, w ? w : (Py_INCREF(Py_None), Py_None));
-fail:
-    release_all(&h);
-    Py_XDECREF(out);
-    Py_XDECREF(w);
-    return NULL;
+    return finish(&h, !tc.failed, st, res, 2);  // a trace's exception wins
 }
 
 // backward(module, grads or None, q, k, v, kpm, am, grad_output, alloc,
@@ -857,10 +880,13 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "O!OOOOOOOOppp", &ModuleType, &mod, &grads, &q, &k, &v, &kpm,
                           &am, &gout, &alloc, &want[0], &want[1], &want[2]))
         return NULL;
-    if (grads != Py_None && !PyObject_TypeCheck(grads, &ModuleType)) {
-        PyErr_SetString(PyExc_TypeError, "grads: expected an mha._mha.Module or None");
+    if (grads != Py_None &&
+        (!PyObject_TypeCheck(grads, &ModuleType) || grads == (PyObject *)mod)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "grads: expected None or an mha._mha.Module other than the module");
         return NULL;
     }
+    ModuleObject *g = grads == Py_None ? NULL : (ModuleObject *)grads;
     fwd_call c;
     fwd_call_init(&c);
     const kwopt opts[] = {FWD_OPTS(&c)};
@@ -868,25 +894,14 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     held h = {.n = 0};
     PyObject *res[3] = {NULL, NULL, NULL};
     mha_tensor tg, td[3];
-    if (fwd_views(&h, &c, mod, q, k, v, kpm, am) < 0) goto fail;
-    if (c.trace != Py_None) {
-        PyErr_SetString(PyExc_ValueError, "backward: trace is a forward option");
-        goto fail;
-    }
-    if (get_view(&h, gout, "grad_output", K_FLOAT, false, &tg) < 0) goto fail;
+    if (fwd_views(&h, &c, mod, q, k, v, kpm, am) < 0) return finish(&h, false, MHA_OK, res, 3);
     const mha_tensor *ins[3] = {&c.q, c.a.key ? &c.k : &c.q, c.a.value ? &c.v : &c.q};
-    static const char *names[3] = {"grad_query", "grad_key", "grad_value"};
-    for (int i = 0; i < 3; i++) {
-        if (!want[i]) continue;
-        mha_shape s = shape_of(ins[i]);
-        if (!(res[i] = alloc_view(&h, alloc, &s, ins[i]->dtype, names[i], &td[i]))) goto fail;
-    }
-    ModuleObject *g = grads == Py_None ? NULL : (ModuleObject *)grads;
-    if (g && (g == mod || module_idle(g, "write gradients into it") < 0)) {
-        if (g == mod)
-            PyErr_SetString(PyExc_ValueError, "grads: must not be the module itself");
-        goto fail;
-    }
+    if (c.trace != Py_None)
+        PyErr_SetString(PyExc_ValueError, "backward: trace is a forward option");
+    if (c.trace != Py_None || get_view(&h, gout, "grad_output", K_FLOAT, false, &tg) < 0 ||
+        alloc_grads(&h, alloc, ins, want, res, td) < 0 ||
+        (g && module_idle(g, "write gradients into it") < 0))
+        return finish(&h, false, MHA_OK, res, 3);
     mha_status st;
     mod->readers++;
     if (g) g->readers++;
@@ -895,21 +910,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
                                              &c.a, &tg, false);
     Py_END_ALLOW_THREADS mod->readers--;
     if (g) g->readers--;
-    if (st) {
-        raise_status(st);
-        goto fail;
-    }
-    release_all(&h);
-    for (int i = 0; i < 3; i++)
-        if (!res[i]) {
-            Py_INCREF(Py_None);
-            res[i] = Py_None;
-        }
-    return Py_BuildValue("(NNN)", res[0], res[1], res[2]);
-fail:
-    release_all(&h);
-    for (int i = 0; i < 3; i++) Py_XDECREF(res[i]);
-    return NULL;
+    return finish(&h, true, st, res, 3);
 }
 
 // ---------------------------------------------------------------------------
@@ -934,7 +935,10 @@ static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject 
                           {"window_right", 'L', &c->a.window_right},
                           {"scale", 'O', &c->scale},
                           {"impl", 'L', &c->impl},
-                          {"need_weights", 'b', &c->need_weights}};
+                          {"need_weights", 'b', &c->need_weights},
+                          {"dropout_p", 'f', &c->a.dropout_p},
+                          {"dropout_seed", 'K', &c->a.dropout_seed},
+                          {"dropout_offset", 'K', &c->a.dropout_offset}};
     if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), fn) < 0) return -1;
     if (c->scale != Py_None) {
         c->a.use_custom_scale = true;
@@ -951,21 +955,12 @@ static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject 
     c->a.q = &c->q;
     c->a.k = &c->k;
     c->a.v = &c->v;
-    return 0;
-}
-
-// The (B, H, L, Dv) output shape, after the library's own checks.
-static int sdpa_out_shape(const sdpa_call *c, mha_shape *os) {
-    if (c->q.ndim != 4 || c->v.ndim != 4) {
-        PyErr_Format(PyExc_ValueError, "sdpa: query and value must be 4-D, got %d and %d dims",
-                     c->q.ndim, c->v.ndim);
+    if (c->q.ndim != 4 || c->k.ndim != 4 || c->v.ndim != 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "sdpa: query, key and value must be 4-D, got %d, %d, %d dims", c->q.ndim,
+                     c->k.ndim, c->v.ndim);
         return -1;
     }
-    os->ndim = 4;
-    os->dims[0] = c->q.shape[0];
-    os->dims[1] = c->q.shape[1];
-    os->dims[2] = c->q.shape[2];
-    os->dims[3] = c->v.shape[3];
     return 0;
 }
 
@@ -975,30 +970,19 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "OOOOOO", &q, &k, &v, &am, &kpm, &alloc)) return NULL;
     sdpa_call c;
     held h = {.n = 0};
-    PyObject *out = NULL, *w = NULL;
-    mha_shape os, ws;
+    PyObject *res[2] = {NULL, NULL};
     mha_tensor to, tw;
-    if (sdpa_views(&h, &c, q, k, v, am, kpm, kw, "sdpa") < 0 || sdpa_out_shape(&c, &os) < 0)
-        goto fail;
-    if (!(out = alloc_view(&h, alloc, &os, c.q.dtype, "out", &to))) goto fail;
-    if (c.need_weights) {
-        ws = os;
-        ws.dims[3] = c.k.ndim == 4 ? c.k.shape[2] : 0;
-        if (!(w = alloc_view(&h, alloc, &ws, c.q.dtype, "weights", &tw))) goto fail;
-    }
+    if (sdpa_views(&h, &c, q, k, v, am, kpm, kw, "sdpa") < 0)
+        return finish(&h, false, MHA_OK, res, 2);
+    mha_shape os = shape_of(&c.q), ws = os;
+    os.dims[3] = c.v.shape[3];  // (B, H, L, Dv); the library checks the rest
+    ws.dims[3] = c.k.shape[2];  // (B, H, L, S)
+    if (!(res[0] = alloc_view(&h, alloc, &os, c.q.dtype, "out", &to)) ||
+        (c.need_weights && !(res[1] = alloc_view(&h, alloc, &ws, c.q.dtype, "weights", &tw))))
+        return finish(&h, false, MHA_OK, res, 2);
     mha_status st;
-    Py_BEGIN_ALLOW_THREADS st = mha_sdpa(&to, w ? &tw : NULL, &c.a);
-    Py_END_ALLOW_THREADS if (st) {
-        raise_status(st);
-        goto fail;
-    }
-    release_all(&h);
-    return Py_BuildValue("(NN)", out, w ? w : (Py_INCREF(Py_None), Py_None));
-fail:
-    release_all(&h);
-    Py_XDECREF(out);
-    Py_XDECREF(w);
-    return NULL;
+    Py_BEGIN_ALLOW_THREADS st = mha_sdpa(&to, res[1] ? &tw : NULL, &c.a);
+    Py_END_ALLOW_THREADS return finish(&h, true, st, res, 2);
 }
 
 // sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc,
@@ -1010,26 +994,15 @@ static PyObject *py_sdpa_backward(PyObject *self, PyObject *args, PyObject *kw) 
     held h = {.n = 0};
     PyObject *res[3] = {NULL, NULL, NULL};
     mha_tensor tdo, td[3];
-    if (sdpa_views(&h, &c, q, k, v, am, kpm, kw, "sdpa_backward") < 0) goto fail;
-    if (get_view(&h, dout, "grad_out", K_FLOAT, false, &tdo) < 0) goto fail;
+    if (sdpa_views(&h, &c, q, k, v, am, kpm, kw, "sdpa_backward") < 0 ||
+        get_view(&h, dout, "grad_out", K_FLOAT, false, &tdo) < 0)
+        return finish(&h, false, MHA_OK, res, 3);
     const mha_tensor *ins[3] = {&c.q, &c.k, &c.v};
-    static const char *names[3] = {"grad_query", "grad_key", "grad_value"};
-    for (int i = 0; i < 3; i++) {
-        mha_shape s = shape_of(ins[i]);
-        if (!(res[i] = alloc_view(&h, alloc, &s, ins[i]->dtype, names[i], &td[i]))) goto fail;
-    }
+    if (alloc_grads(&h, alloc, ins, NULL, res, td) < 0)
+        return finish(&h, false, MHA_OK, res, 3);
     mha_status st;
     Py_BEGIN_ALLOW_THREADS st = mha_sdpa_backward(&td[0], &td[1], &td[2], &tdo, &c.a);
-    Py_END_ALLOW_THREADS if (st) {
-        raise_status(st);
-        goto fail;
-    }
-    release_all(&h);
-    return Py_BuildValue("(NNN)", res[0], res[1], res[2]);
-fail:
-    release_all(&h);
-    for (int i = 0; i < 3; i++) Py_XDECREF(res[i]);
-    return NULL;
+    Py_END_ALLOW_THREADS return finish(&h, true, st, res, 3);
 }
 
 // ---------------------------------------------------------------------------
@@ -1144,16 +1117,9 @@ static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
     mha_status st;
     Py_BEGIN_ALLOW_THREADS st = mha_kv_cache_attend(&to, &tq, o->c, &a, cn);
     Py_END_ALLOW_THREADS o->busy = false;
-    if (st) {
-        raise_status(st);
-        goto fail;
-    }
-    release_all(&h);
-    return out;
+    return finish(&h, true, st, &out, 1);
 fail:
-    release_all(&h);
-    Py_XDECREF(out);
-    return NULL;
+    return finish(&h, false, MHA_OK, &out, 1);
 }
 
 static PyObject *Cache_truncate(CacheObject *o, PyObject *args) {
@@ -1224,16 +1190,9 @@ static PyObject *py_forward_cached(PyObject *self, PyObject *args, PyObject *kw)
     Py_BEGIN_ALLOW_THREADS st = mha_forward_cached(&to, mod->m, &c.a, cache->c);
     Py_END_ALLOW_THREADS mod->readers--;
     cache->busy = false;
-    if (st) {
-        raise_status(st);
-        goto fail;
-    }
-    release_all(&h);
-    return out;
+    return finish(&h, true, st, &out, 1);
 fail:
-    release_all(&h);
-    Py_XDECREF(out);
-    return NULL;
+    return finish(&h, false, MHA_OK, &out, 1);
 }
 
 // ---------------------------------------------------------------------------

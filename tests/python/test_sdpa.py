@@ -177,3 +177,35 @@ def test_half_inputs():
     assert o.dtype == np.float16
     ref = sdpa_ref(*(torch.from_numpy(x).double() for x in (q, k, v)))
     assert np.abs(o.astype(np.float64) - ref.numpy()).max() < 2e-3
+
+
+def test_dropout():
+    """dropout_p: repeatable under a seed (numpy: dropout_seed; torch: its
+    generator), the dropped fraction near p, kept weights scaled by 1/(1-p),
+    p = 0 the dropout-free bits; gradcheck with the mask fixed by the seed."""
+    g = np.random.default_rng(4)
+    q, k, v = (g.normal(size=(2, 3, 40, 8)).astype(np.float32) for _ in range(3))
+    o1, w1 = mha.scaled_dot_product_attention(q, k, v, dropout_p=0.3, dropout_seed=9,
+                                              return_weights=True)
+    o2, w2 = mha.scaled_dot_product_attention(q, k, v, dropout_p=0.3, dropout_seed=9,
+                                              return_weights=True)
+    assert np.array_equal(o1, o2) and np.array_equal(w1, w2)
+    _, w0 = mha.scaled_dot_product_attention(q, k, v, return_weights=True)
+    dropped = w1 == 0
+    assert abs(dropped.mean() - 0.3) < 0.02, dropped.mean()
+    assert np.allclose(w1[~dropped], w0[~dropped] / 0.7, rtol=1e-5)
+    assert np.array_equal(mha.scaled_dot_product_attention(q, k, v, dropout_p=0.0),
+                          mha.scaled_dot_product_attention(q, k, v))
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    torch.manual_seed(5)
+    a = mt.scaled_dot_product_attention(tq, tk, tv, dropout_p=0.3)
+    torch.manual_seed(5)
+    b = mt.scaled_dot_product_attention(tq, tk, tv, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.equal(a, mt.scaled_dot_product_attention(tq, tk, tv))
+    x = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        torch.manual_seed(3)
+        return mt.scaled_dot_product_attention(x, x, x, dropout_p=0.4, is_causal=True)
+
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-5, rtol=1e-4)
