@@ -159,10 +159,11 @@ static void store_packed(float *c, const float *acc, const float *bias, int64_t 
     }
 }
 
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                        float *apack) {
-    (void)apack;
+// Element (i, k) of A at A[i*ars + k*aks]: (lda, 1) for gemm_packed,
+// (1, lda) for gemm_packed_tn (A stored transposed); the same sums.
+static inline void gemm_packed_any(float *C, int64_t ldc, const float *A, int64_t ars,
+                                   int64_t aks, const float *Bp, const float *bias, int64_t M,
+                                   int64_t N, int64_t K, bool accumulate) {
     for (int64_t j0 = 0; j0 < N; j0 += GNR) {
         const int64_t nr = N - j0 < GNR ? N - j0 : GNR;
         const float *P = Bp + j0 * K, *bj = bias ? bias + j0 : NULL;
@@ -172,7 +173,7 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
             for (int64_t k = 0; k < K; k++) {
                 const float *b = P + k * GNR;
                 for (int r = 0; r < GMR; r++) {
-                    const float a = A[(i + r) * lda + k];
+                    const float a = A[(i + r) * ars + k * aks];
                     for (int j = 0; j < GNR; j++) acc[r][j] = acc[r][j] + a * b[j];
                 }
             }
@@ -182,12 +183,26 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
         for (; i < M; i++) {
             float acc[GNR] = {0};
             for (int64_t k = 0; k < K; k++) {
-                const float a = A[i * lda + k], *b = P + k * GNR;
+                const float a = A[i * ars + k * aks], *b = P + k * GNR;
                 for (int j = 0; j < GNR; j++) acc[j] = acc[j] + a * b[j];
             }
             store_packed(C + i * ldc + j0, acc, bj, nr, accumulate);
         }
     }
+}
+
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack) {
+    (void)apack;
+    gemm_packed_any(C, ldc, A, lda, 1, Bp, bias, M, N, K, accumulate);
+}
+
+static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                           const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                           float *apack) {
+    (void)apack;
+    gemm_packed_any(C, ldc, A, 1, lda, Bp, bias, M, N, K, accumulate);
 }
 
 void mha__kernels_fill_generic(mha__kernels *k) {
@@ -211,4 +226,5 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->pk_apack = 0;
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
+    k->gemm_packed_tn = gemm_packed_tn;
 }
