@@ -457,6 +457,27 @@ static void test_packed_tn(const mha__kernels *k) {
         }
 }
 
+// transpose: an exact copy, every shape around the 16 x 16 blocks, strides
+// wider than the rows; nothing outside the destination written.
+static void test_transpose(const mha__kernels *k) {
+    const int64_t dims[] = {1, 5, 16, 17, 64, 130};
+    int bad = 0;
+    for (int a = 0; a < 6; a++)
+        for (int b = 0; b < 6; b++) {
+            const int64_t rows = dims[a], cols = dims[b], lds = cols + 3, ldd = rows + 2;
+            float *src = falloc((size_t)(rows * lds)), *dst = falloc((size_t)(cols * ldd));
+            for (int64_t i = 0; i < rows * lds; i++) src[i] = frand();
+            for (int64_t i = 0; i < cols * ldd; i++) dst[i] = NAN;
+            k->transpose(dst, ldd, src, lds, rows, cols);
+            for (int64_t c = 0; c < cols; c++)
+                for (int64_t r = 0; r < ldd; r++)
+                    bad += r < rows ? memcmp(&dst[c * ldd + r], &src[r * lds + c], 4) != 0
+                                    : !isnan(dst[c * ldd + r]);
+            free(src), free(dst);
+        }
+    CHECKF(bad == 0, "%s transpose: %d elements wrong", k->isa, bad);
+}
+
 static void test_packed(const mha__kernels *k) {
     CHECK(k->pk_nr > 0 && k->pk_mr > 0 && k->pk_apack >= 0 && k->pack_b && k->gemm_packed &&
           k->gemm_packed_tn);
@@ -588,12 +609,14 @@ int main(void) {
         test_rows_q(k, g);
         test_gemm_tn(k);
         test_packed(k);
+        test_transpose(k);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_gemm_tn(g);
     test_softmax_rows(g);
     test_packed(g);
+    test_transpose(g);
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     return check_summary("test_kernels");
 }

@@ -203,6 +203,15 @@ static void transpose_rows(float *dst, int64_t ldd, __mmask16 store, const float
     }
 }
 
+// transpose (kernels.h): 16 rows of src at a time through transpose_rows.
+static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                      int64_t cols) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t n = rows - r0 < 16 ? rows - r0 : 16;
+        transpose_rows(dst + r0, ldd, tail_mask(n), src + r0 * lds, lds, n, cols);
+    }
+}
+
 static void pack_b(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K, int64_t N) {
     for (int64_t j0 = 0; j0 < N; j0 += PNR) {
         const int64_t nr = N - j0 < PNR ? N - j0 : PNR;
@@ -703,6 +712,7 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->transpose = transpose;
     k->pk_nr = PNR;
     k->pk_mr = PMR;
     k->pk_kc = PKC;

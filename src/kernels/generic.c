@@ -136,6 +136,18 @@ static void exp_shift(float *x, int64_t n, float c) {
     for (int64_t j = 0; j < n; j++) x[j] = expf(x[j] - c);
 }
 
+// In 16 x 16 blocks: each block's reads and writes stay in a few lines.
+static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                      int64_t cols) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+            const int64_t r1 = r0 + 16 < rows ? r0 + 16 : rows,
+                          c1 = c0 + 16 < cols ? c0 + 16 : cols;
+            for (int64_t c = c0; c < c1; c++)
+                for (int64_t r = r0; r < r1; r++) dst[c * ldd + r] = src[r * lds + c];
+        }
+}
+
 // Packed-B GEMM (kernels.h): 16-wide panels, no A copy (apack unused), one
 // chunk over the whole K (pk_kc = 0), each C element's sum 0 + a*b + a*b
 // ... in increasing k as gemm_nn computes it (then C + sum, then + bias).
@@ -220,6 +232,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->transpose = transpose;
     k->pk_nr = GNR;
     k->pk_mr = GMR;
     k->pk_kc = 0;  // the whole K

@@ -77,6 +77,11 @@ typedef struct mha__kernels {
                         const float *scales, int64_t n, int64_t Dv);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
+    // transpose: dst[c*ldd + r] = src[r*lds + c] for r < rows, c < cols
+    //   (a copy: exact on every table)                overwrite
+    //   (the flash tiles' K^T and V^T, packed once per thread and head)
+    void (*transpose)(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                      int64_t cols);
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf
     // (a fully masked row) gives 0 everywhere.
     void (*exp_shift)(float *x, int64_t n, float c);
