@@ -110,8 +110,8 @@ static void tile_keys(const mha__flash_head *a, int64_t t, int64_t *j0, int64_t 
 // The tile holding key j0 (a multiple of BC, or S) in cache `kind`
 // (transposed (D, w) for C_KT/C_VT, contiguous rows (w, D) for C_VR/C_KR),
 // packed on first use.
-static const float *packed_tile(const mha__flash_head *a, scratch_map *sm, int64_t j0,
-                                int kind) {
+static const float *packed_tile(const mha__kernels *kt, const mha__flash_head *a,
+                                scratch_map *sm, int64_t j0, int kind) {
     const int64_t nt = n_tiles(a->S, a->nx), t = j0 >= a->S ? nt - 1 : j0 / BC;
     float *dst = sm->cache[kind] + (size_t)t * sm->tile_floats[kind];
     unsigned char *done = sm->done + kind * nt;
@@ -120,15 +120,16 @@ static const float *packed_tile(const mha__flash_head *a, scratch_map *sm, int64
         const int64_t D = isk ? a->D : a->Dv;
         int64_t k0, w;
         tile_keys(a, t, &k0, &w);
-        const float *base = isk ? a->k : a->v, *xb = isk ? a->xk : a->xv;
-        const int64_t rs = isk ? a->k_rs : a->v_rs;
-        for (int64_t j = 0; j < w; j++) {
-            const int64_t jj = k0 + j;
-            const float *r = jj < a->S ? base + jj * rs : xb + (jj - a->S) * D;
-            if (trans)
-                for (int64_t c = 0; c < D; c++) dst[c * w + j] = r[c];
-            else memcpy(dst + j * D, r, (size_t)D * sizeof(float));
-        }
+        // a tile is either keys of the head (row stride rs) or the
+        // appended ones (contiguous), never both
+        const bool extra = k0 >= a->S;
+        const float *rows = extra ? (isk ? a->xk : a->xv) + (k0 - a->S) * D
+                                  : (isk ? a->k : a->v) + k0 * (isk ? a->k_rs : a->v_rs);
+        const int64_t rs = extra ? D : isk ? a->k_rs : a->v_rs;
+        if (trans) kt->transpose(dst, w, rows, rs, w, D);
+        else
+            for (int64_t j = 0; j < w; j++)
+                memcpy(dst + j * D, rows + j * rs, (size_t)D * sizeof(float));
         done[t] = 1;
     }
     return dst;
@@ -162,7 +163,7 @@ void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int6
 // gets 1 - tanh^2, the cap's derivative, for the backward.
 static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm, float *s,
                    int64_t i0, int64_t br, int64_t j0, int64_t n, float *deriv) {
-    const float *ktile = packed_tile(a, sm, j0, C_KT);
+    const float *ktile = packed_tile(kt, a, sm, j0, C_KT);
     kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
     const mha__mask *mk = a->mask;
     if (mk->softcap > 0.0f) {
@@ -264,8 +265,8 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
             if (alpha[r] != 1.0f) kt->scale_row(a->o + (i0 + r) * a->o_rs, Dv, alpha[r]);
             if (a->drop) drop_row(a, s + r * n, i0 + r, j0, n);
         }
-        kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, packed_tile(a, &sm, j0, C_VR), Dv,
-                        br, Dv, n);
+        kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, packed_tile(kt, a, &sm, j0, C_VR),
+                        Dv, br, Dv, n);
     }
     for (int64_t r = 0; r < br; r++) {
         float *o = a->o + (i0 + r) * a->o_rs;
@@ -319,7 +320,7 @@ static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_m
         kt->exp_shift(s + r * n, n, a->stats[2 * (i0 + r)]);
         kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
     }
-    const float *vtile = packed_tile(a, sm, j0, C_VT);  // dP' = dO v^T
+    const float *vtile = packed_tile(kt, a, sm, j0, C_VT);  // dP' = dO v^T
     kt->gemm_nn(dp, n, dOt, do_rs, vtile, width_of(a, j0), br, n, a->Dv);
     if (a->drop)  // dP = dP' * drop (the factor is 0 or 1/(1-p))
         for (int64_t r = 0; r < br; r++) drop_row(a, dp + r * n, i0 + r, j0, n);
@@ -425,7 +426,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
         float *s = tile, *dp = tile + br * n;
         softmax_bwd(a, Dsum, i0, br, j0, n, s, dp, tile + 2 * br * n);  // dp <- dS, s <- P'
         // dq (br, D) += dS (br, n) k (n, D), then * scale below
-        kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(a, &sm, j0, C_KR), D, br, D, n);
+        kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(kt, a, &sm, j0, C_KR), D, br, D, n);
         if (dk) {
             const bool x = j0 >= a->S;
             kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dOt, Dv, n, Dv, br);

@@ -14,42 +14,57 @@
 #include "fused.h"
 #include "linear.h"
 
-// dst (cols, rows) = src (rows, cols)^T; src row stride lds.
-static void transpose_rows(float *dst, const float *src, int64_t lds, int64_t rows,
-                           int64_t cols) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) dst[c * rows + r] = src[r * lds + c];
-}
-
 static inline void store_f(float *p, double v, bool acc) {
     *p = acc ? *p + (float)v : (float)v;
 }
 
-// dW (O, I) (+)= d^T X: d (R, O) row stride ldd, X (R, I) row stride ldx;
-// db (O) (+)= colsum(d), summed in double over r in order. tmp: O*R
-// floats (d^T); bp: packed X; gs: GEMM scratch.
-static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc, const float *d,
-                        int64_t ldd, const float *X, int64_t ldx, int64_t R, int64_t O,
-                        int64_t I, float *tmp, float *bp, float *gs, int nt) {
-    float *dT = tmp;
-    transpose_rows(dT, d, ldd, R, O);
-    mha__gemm_pack_rows(kt, bp, X, ldx, R, I, nt);
-    mha__gemm_rows_packed(kt, dW, I, dT, R, bp, NULL, O, R, I, acc, nt, gs);
-    if (db)
-        for (int64_t o0 = 0; o0 < O; o0 += 256) {  // independent sums, vectorised over o
-            const int64_t w = O - o0 < 256 ? O - o0 : 256;
-            double s[256] = {0};
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t o = 0; o < w; o++) s[o] += d[r * ldd + o0 + o];
-            for (int64_t o = 0; o < w; o++) store_f(db + o0 + o, s[o], acc);
+// db (O) (+)= colsum(d (R, O), row stride ldd), each column summed in
+// double over r in order by one thread: columns in groups of 64 (the
+// independent sums vectorise) over nt threads.
+static void col_sums(float *db, bool acc, const float *d, int64_t ldd, int64_t R, int64_t O,
+                     int nt) {
+    const int64_t groups = (O + 63) / 64;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(groups > 1 ? nt : 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o0 = g * 64, w = O - o0 < 64 ? O - o0 : 64;
+        double s[64] = {0};
+        for (int64_t r = 0; r < R; r++) {
+            const float *dr = d + r * ldd + o0;
+            for (int64_t o = 0; o < w; o++) s[o] += dr[o];
         }
+        for (int64_t o = 0; o < w; o++) store_f(db + o0 + o, s[o], acc);
+    }
 }
 
-// dX (view, rows in the view's order) (+)= d (R, O) W (O, I).
+// dW (O, I) (+)= d^T X: d (R, O) row stride ldd, X (R, I) row stride ldx;
+// db (O) (+)= colsum(d), summed in double over r in order. bp: packed X;
+// gs: GEMM scratch. (d^T is read in place: gemm.h's _tn GEMM.)
+static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc, const float *d,
+                        int64_t ldd, const float *X, int64_t ldx, int64_t R, int64_t O,
+                        int64_t I, float *bp, float *gs, int nt) {
+    mha__gemm_pack_rows(kt, bp, X, ldx, R, I, nt);
+    mha__gemm_rows_packed_tn(kt, dW, I, d, ldd, bp, NULL, O, R, I, acc, nt, gs);
+    if (db) col_sums(db, acc, d, ldd, R, O, nt);
+}
+
+// dX (view, rows in the view's order) (+)= d (R, O) W (O, I): straight
+// into a float32 view of unit column stride when it overwrites; else
+// through tmp (R, I) (a float sum of two floats rounds as the double one).
 void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, const float *d,
                           int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
                           float *tmp, float *bp, float *gs, int nt) {
+    int64_t ldx;
+    if (mha__rows_direct(gx, &ldx) && !acc) {
+        mha__matmul_rows(kt, gx->data, ldx, d, ldd, W, I, R, O, I, bp, gs, nt);
+        return;
+    }
     mha__matmul_rows(kt, tmp, I, d, ldd, W, I, R, O, I, bp, gs, nt);
+    if (mha__rows_direct(gx, &ldx)) {
+        float *x = gx->data;
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < I; i++) x[r * ldx + i] += tmp[r * I + i];
+        return;
+    }
     for (int64_t r = 0; r < R; r++) {
         mha__mat row = mha__view_row(gx, r);
         for (int64_t i = 0; i < I; i++)
@@ -66,7 +81,7 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
 //   lse (N, H, L, 2)  each row's (max, 1/sum); dsum (N, H, L)
 //   dextra            the appended keys' dk (N, Hkv, nx, d), then dv
 //   extra             the appended keys (Hkv, nx, d) for k, then v
-//   tmp               3 E Rmax + 3 E Fmax + Rmax Fmax (transposes, dX rows)
+//   tmp               Rmax Fmax (dX rows)
 //   scratch           nt flash scratches (64-byte aligned: it begins with
 //                     pointers)
 typedef struct bwd_scratch {
@@ -87,6 +102,8 @@ typedef struct bwd_call {
     float *blk;   // the block s is carved from
     float *gbuf;  // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, E), packed W_g
     float *gate, *dg, *gctx;
+    const float *dy;  // dy (Rq, E), row stride lddy: dY's rows or s.dy
+    int64_t lddy;
     const mha_saved *sv;  // a valid saved forward, or NULL
     // the input rows (in place or gathered) and their row strides
     const float *Xq, *Xk, *Xv;
@@ -129,7 +146,7 @@ static mha_status bwd_alloc(bwd_call *c) {
     size_t n_qkv = mha__qkv_floats(p, Rq, Rk);
     size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * Hkv * nx * d +
                             2 * Hkv * nx * d);
-    size_t n_tmp = (size_t)(3 * E * Rmax + 3 * E * Fmax + Rmax * Fmax);
+    size_t n_tmp = (size_t)(Rmax * Fmax);
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
     size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + 15) & ~(size_t)15;
     size_t total = n_pre + sf * (size_t)nt;
@@ -309,14 +326,18 @@ static mha_status bwd_forward(bwd_call *c) {
     return MHA_OK;
 }
 
-// dy = dY * drop_o (rows in the query's order); dctx = dy Wo.
+// dy = dY * drop_o (rows in the query's order: dY's own float32 rows in
+// place when there is no output dropout, else copied); dctx = dy Wo.
 static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
     const fwd_plan *p = c->p;
     const mha_forward_args *a = c->a;
     const int64_t E = p->E, Rq = mha__rows_of(a->query);
     const bool seq_first = p->unbatched || !c->m->cfg.batch_first;
     float *dy = c->s.dy;
-    for (int64_t r = 0; r < Rq; r++) {
+    c->dy = dy, c->lddy = E;
+    if (p->out_p == 0.0f && mha__rows_direct(gout, &c->lddy)) c->dy = gout->data;
+    else c->lddy = E;
+    for (int64_t r = 0; r < (c->dy == dy ? Rq : 0); r++) {
         mha__mat row = mha__view_row(gout, r);
         int64_t n, t;
         mha__row_nt(p, seq_first, gout, r, &n, &t);
@@ -328,8 +349,8 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
             dy[r * E + e] = g;
         }
     }
-    mha__matmul_rows(c->kt, c->s.dctx, E, dy, E, c->m->out_weight, E, Rq, E, E, c->s.bp,
-                     c->s.gs, p->nthreads);
+    mha__matmul_rows(c->kt, c->s.dctx, E, c->dy, c->lddy, c->m->out_weight, E, Rq, E, E,
+                     c->s.bp, c->s.gs, p->nthreads);
 }
 
 // Gated: W_O saw gctx = ctx_h * g, so dg = sum_c dctx_h ctx_h (dynamic:
@@ -500,15 +521,15 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
     const int64_t nx = p->Sp - p->S, kd = p->kdim, vd = p->vdim, W3 = c->W3;
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     const int nt = p->nthreads;
-    float *tmp = c->s.tmp, *bp = c->s.bp, *gs = c->s.gs, *dextra = c->s.dextra;
+    float *bp = c->s.bp, *gs = c->s.gs, *dextra = c->s.dextra;
     const float *dg = c->dg;
     float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
           *gbv = gbq ? gbq + E + Ekv : NULL;
     // (a part without the bias: its share of out_proj.bias's gradient is 0)
     float *gbo = pt && !pt->bias ? NULL : grads->out_bias;
     if (grads->out_bias && !gbo && !acc) memset(grads->out_bias, 0, sizeof(float) * (size_t)E);
-    grad_weight(kt, grads->out_weight, gbo, acc, c->s.dy, E, c->gctx ? c->gctx : c->s.ctx, E,
-                Rq, E, E, tmp, bp, gs, nt);
+    grad_weight(kt, grads->out_weight, gbo, acc, c->dy, c->lddy, c->gctx ? c->gctx : c->s.ctx,
+                E, Rq, E, E, bp, gs, nt);
     if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
         for (int64_t h = 0; h < H; h++) {
             double sg = 0.0;
@@ -517,18 +538,18 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
         }
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
         grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, c->Xq, c->ldq, Rq, H,
-                    E, tmp, bp, gs, nt);
+                    E, bp, gs, nt);
     if (sp) {
         // dWin (E + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
         grad_weight(kt, grads->in_proj_weight, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3,
-                    E, tmp, bp, gs, nt);
+                    E, bp, gs, nt);
     } else {
-        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, E, c->Xq, c->ldq, Rq, E, E, tmp, bp,
+        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, E, c->Xq, c->ldq, Rq, E, E, bp, gs,
+                    nt);
+        grad_weight(kt, grads->k_weight, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd, bp,
                     gs, nt);
-        grad_weight(kt, grads->k_weight, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd, tmp,
-                    bp, gs, nt);
-        grad_weight(kt, grads->v_weight, gbv, acc, c->dv, Ekv, c->Xv, c->ldv, Rk, Ekv, vd, tmp,
-                    bp, gs, nt);
+        grad_weight(kt, grads->v_weight, gbv, acc, c->dv, Ekv, c->Xv, c->ldv, Rk, Ekv, vd, bp,
+                    gs, nt);
     }
     if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
         for (int64_t g = 0; g < Hkv; g++)

@@ -107,27 +107,45 @@ static bool item_block(gemm_block *b, int64_t it, int64_t rchunks, int64_t cchun
     return b->r1 > b->r0 && b->j1 > b->j0;
 }
 
-void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
-                           int64_t ldx, const float *Bp, const float *bias, int64_t R,
-                           int64_t K, int64_t N, bool accumulate, int nt,
-                           float *thread_scratch) {
+// The driver of both: X row-major (at false: rows r0.. at X + r0*ldx) or
+// stored transposed (at true: X (K, R), rows r0.. at X + r0).
+static void rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                        int64_t ldx, bool at, const float *Bp, const float *bias, int64_t R,
+                        int64_t K, int64_t N, bool accumulate, int nt, float *thread_scratch) {
     if (R <= 0 || N <= 0) return;
     if (nt < 1) nt = 1;
     const int64_t mr = kt->pk_mr, nr = kt->pk_nr;
     const size_t per = mha__gemm_thread_scratch_floats(kt);
+    void (*gemm)(float *, int64_t, const float *, int64_t, const float *, const float *,
+                 int64_t, int64_t, int64_t, bool, float *) = at ? kt->gemm_packed_tn
+                                                                : kt->gemm_packed;
     int64_t rchunks, cchunks;
     split(cdiv(R, mr), cdiv(N, nr), nt, &rchunks, &cchunks);
     const int64_t items = rchunks * cchunks;
     if (nt == 1 || items == 1) {
-        kt->gemm_packed(C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
+        gemm(C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
         return;
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < items; it++) {
         gemm_block b;
         if (!item_block(&b, it, rchunks, cchunks, R, N, mr, nr)) continue;
-        kt->gemm_packed(C + b.r0 * ldc + b.j0, ldc, X + b.r0 * ldx, ldx, K ? Bp + b.j0 * K : Bp,
-                        bias ? bias + b.j0 : NULL, b.r1 - b.r0, b.j1 - b.j0, K, accumulate,
-                        thread_scratch + per * (size_t)mha__thread_id());
+        gemm(C + b.r0 * ldc + b.j0, ldc, at ? X + b.r0 : X + b.r0 * ldx, ldx,
+             K ? Bp + b.j0 * K : Bp, bias ? bias + b.j0 : NULL, b.r1 - b.r0, b.j1 - b.j0, K,
+             accumulate, thread_scratch + per * (size_t)mha__thread_id());
     }
+}
+
+void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                           int64_t ldx, const float *Bp, const float *bias, int64_t R,
+                           int64_t K, int64_t N, bool accumulate, int nt,
+                           float *thread_scratch) {
+    rows_packed(kt, C, ldc, X, ldx, false, Bp, bias, R, K, N, accumulate, nt, thread_scratch);
+}
+
+void mha__gemm_rows_packed_tn(const mha__kernels *kt, float *C, int64_t ldc, const float *XT,
+                              int64_t ldx, const float *Bp, const float *bias, int64_t R,
+                              int64_t K, int64_t N, bool accumulate, int nt,
+                              float *thread_scratch) {
+    rows_packed(kt, C, ldc, XT, ldx, true, Bp, bias, R, K, N, accumulate, nt, thread_scratch);
 }

@@ -51,5 +51,12 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
                            int64_t ldx, const float *Bp, const float *bias, int64_t R,
                            int64_t K, int64_t N, bool accumulate, int nt,
                            float *thread_scratch);
+// The same with X stored transposed: XT (K, R) row-major, row stride ldx
+// (C = XT^T B, e.g. a weight gradient dW = dY^T X with XT = dY); the same
+// bits as mha__gemm_rows_packed on the transposed copy.
+void mha__gemm_rows_packed_tn(const mha__kernels *kt, float *C, int64_t ldc, const float *XT,
+                              int64_t ldx, const float *Bp, const float *bias, int64_t R,
+                              int64_t K, int64_t N, bool accumulate, int nt,
+                              float *thread_scratch);
 
 #endif

@@ -414,12 +414,78 @@ static void test_packed_splits(const mha__kernels *k) {
     }
 }
 
+// gemm_packed_tn (A stored transposed) is bit for bit gemm_packed on the
+// transposed copy, overwrite and accumulate, with and without bias, odd
+// shapes and strides; and mha__gemm_rows_packed_tn the same for 1, 2 and
+// 3 threads.
+static void test_packed_tn(const mha__kernels *k) {
+    const int64_t shapes[][3] = {{1, 1, 1},     {13, 33, 7},   {14, 32, 256}, {29, 70, 257},
+                                 {300, 65, 31}, {768, 40, 600}, {5, 17, 0}};
+    int bad = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int mode = 0; mode < 4; mode++) {
+            const int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+            const int64_t lda = M + 3, ldc = N + 2;
+            const bool acc = mode & 1, use_bias = mode & 2;
+            float *A = falloc((size_t)(K * lda + 1)), *T = falloc((size_t)(M * K + 1));
+            float *B = falloc((size_t)(K * N + 1)), *b = falloc((size_t)N);
+            float *C1 = falloc((size_t)(M * ldc)), *C2 = falloc((size_t)(M * ldc));
+            float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N) + 1);
+            float *sc = falloc(mha__gemm_scratch_floats(k, 3));
+            for (int64_t i = 0; i < K * lda; i++) A[i] = frand();
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t kk = 0; kk < K; kk++) T[i * K + kk] = A[kk * lda + i];
+            for (int64_t i = 0; i < K * N; i++) B[i] = frand();
+            for (int64_t i = 0; i < N; i++) b[i] = frand();
+            for (int64_t i = 0; i < M * ldc; i++) C1[i] = frand();
+            mha__gemm_pack_rows(k, Bp, B, N, K, N, 1);
+            const float *bias = use_bias ? b : NULL;
+            memcpy(C2, C1, sizeof(float) * (size_t)(M * ldc));
+            k->gemm_packed(C1, ldc, T, K, Bp, bias, M, N, K, acc, sc);
+            k->gemm_packed_tn(C2, ldc, A, lda, Bp, bias, M, N, K, acc, sc);
+            bad += memcmp(C1, C2, sizeof(float) * (size_t)(M * ldc)) != 0;
+            for (int nt = 1; nt <= 3; nt++) {
+                for (int64_t i = 0; i < M * ldc; i++) C2[i] = frand();
+                memcpy(C1, C2, sizeof(float) * (size_t)(M * ldc));
+                mha__gemm_rows_packed(k, C1, ldc, T, K, Bp, bias, M, K, N, acc, 1, sc);
+                mha__gemm_rows_packed_tn(k, C2, ldc, A, lda, Bp, bias, M, K, N, acc, nt, sc);
+                bad += memcmp(C1, C2, sizeof(float) * (size_t)(M * ldc)) != 0;
+            }
+            CHECKF(bad == 0, "%s gemm_packed_tn M %lld N %lld K %lld acc %d bias %d differs",
+                   k->isa, (long long)M, (long long)N, (long long)K, acc, use_bias);
+            free(A), free(T), free(B), free(b), free(C1), free(C2), free(Bp), free(sc);
+        }
+}
+
+// transpose: an exact copy, every shape around the 16 x 16 blocks, strides
+// wider than the rows; nothing outside the destination written.
+static void test_transpose(const mha__kernels *k) {
+    const int64_t dims[] = {1, 5, 16, 17, 64, 130};
+    int bad = 0;
+    for (int a = 0; a < 6; a++)
+        for (int b = 0; b < 6; b++) {
+            const int64_t rows = dims[a], cols = dims[b], lds = cols + 3, ldd = rows + 2;
+            float *src = falloc((size_t)(rows * lds)), *dst = falloc((size_t)(cols * ldd));
+            for (int64_t i = 0; i < rows * lds; i++) src[i] = frand();
+            for (int64_t i = 0; i < cols * ldd; i++) dst[i] = NAN;
+            k->transpose(dst, ldd, src, lds, rows, cols);
+            for (int64_t c = 0; c < cols; c++)
+                for (int64_t r = 0; r < ldd; r++)
+                    bad += r < rows ? memcmp(&dst[c * ldd + r], &src[r * lds + c], 4) != 0
+                                    : !isnan(dst[c * ldd + r]);
+            free(src), free(dst);
+        }
+    CHECKF(bad == 0, "%s transpose: %d elements wrong", k->isa, bad);
+}
+
 static void test_packed(const mha__kernels *k) {
-    CHECK(k->pk_nr > 0 && k->pk_mr > 0 && k->pk_apack >= 0 && k->pack_b && k->gemm_packed);
+    CHECK(k->pk_nr > 0 && k->pk_mr > 0 && k->pk_apack >= 0 && k->pack_b && k->gemm_packed &&
+          k->gemm_packed_tn);
     test_pack_layout(k);
     test_packed_vs_double(k);
     test_packed_vs_gemm_nn(k);
     test_packed_splits(k);
+    test_packed_tn(k);
 }
 
 // softmax_rows: bit for bit softmax_update row by row, with rows whose
@@ -543,12 +609,14 @@ int main(void) {
         test_rows_q(k, g);
         test_gemm_tn(k);
         test_packed(k);
+        test_transpose(k);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_gemm_tn(g);
     test_softmax_rows(g);
     test_packed(g);
+    test_transpose(g);
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     return check_summary("test_kernels");
 }

@@ -229,9 +229,24 @@ static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, i
     PK_ROWS(PK_STORE)
 }
 
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                        float *apack) {
+// Ap (tiles of 6 rows, k-major) <- the (mc, kc) block of a transposed A
+// (element (i, k) at A[k*lda + i]), rows past mc zero: the same Ap as
+// pack_a of the transposed copy.
+static void pack_a_t(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
+    for (int64_t i0 = 0; i0 < mc; i0 += PMR, Ap += PMR * kc) {
+        const int64_t rows = mc - i0 < PMR ? mc - i0 : PMR;
+        for (int64_t k = 0; k < kc; k++) {
+            const float *a = A + k * lda + i0;
+            for (int64_t r = 0; r < PMR; r++) Ap[k * PMR + r] = r < rows ? a[r] : 0.0f;
+        }
+    }
+}
+
+// gemm_packed and gemm_packed_tn: A row-major (at false) or stored
+// transposed (at true); only the A copy differs.
+static inline __attribute__((always_inline)) void gemm_packed_any(
+    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const float *Bp,
+    const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate, float *apack) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         for (int64_t i = 0; i < M; i++)
@@ -249,7 +264,8 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
         for (int64_t k0 = 0; k0 < K; k0 += PKC) {
             const int64_t kc = K - k0 < PKC ? K - k0 : PKC;
             const bool add = accumulate || k0 > 0, last = k0 + kc == K;
-            pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
+            if (at) pack_a_t(apack, A + k0 * lda + i0, lda, mc, kc);
+            else pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
             for (int64_t j0 = 0; j0 < N; j0 += PNR) {
                 const int64_t nr = N - j0;
                 const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
@@ -264,6 +280,18 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
             }
         }
     }
+}
+
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack) {
+    gemm_packed_any(C, ldc, A, lda, false, Bp, bias, M, N, K, accumulate, apack);
+}
+
+static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                           const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                           float *apack) {
+    gemm_packed_any(C, ldc, A, lda, true, Bp, bias, M, N, K, accumulate, apack);
 }
 
 // exp(x) for 8 lanes: Cephes expf. NaN propagates; x < -87.3 gives 0.
@@ -373,5 +401,6 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->pk_apack = PMC * PKC;
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
+    k->gemm_packed_tn = gemm_packed_tn;
 }
 #endif

@@ -24,33 +24,50 @@
 #define NC 512
 
 
-// C[0:MR, 0:nr] += A B[0:K, 0:nr]: 8 x 32 (16 accumulators in named
+// C[0:MR, 0:nr] (+)= A B[0:K, 0:nr]: 8 x 32 (16 accumulators in named
 // registers: an array would be spilled), B rows loaded under the column
-// masks m0, m1. Element (r, k) of A is A[r*ars + k*aks]: (lda, 1) for
-// gemm_nn_acc, (1, lda) for gemm_tn_acc (A stored transposed), the strides
-// constant in each after inlining. Every C element: an FMA chain from 0 over
-// k in increasing order, then added to C.
+// masks m0, m1 (full: all 32 columns, plain loads and stores: no mask
+// register in the loop). Element (r, k) of A is A[r*ars + k*aks]: (lda, 1)
+// for gemm_nn_acc, (1, lda) for gemm_tn_acc (A stored transposed), the
+// strides constant in each after inlining. Every C element: an FMA chain
+// from 0 over k in increasing order, then added to C (add), or stored
+// (the value of 0 + chain; the bits too, but for a zero whose sign only a
+// chain of products that all underflow to -0 could make negative).
 #define ROW_FMA(r)                                               \
     do {                                                         \
         const __m512 a = _mm512_set1_ps(A[ars * (r) + k * aks]); \
         c##r##0 = _mm512_fmadd_ps(a, b0, c##r##0);               \
         c##r##1 = _mm512_fmadd_ps(a, b1, c##r##1);               \
     } while (0)
-#define ROW_STORE(r)                                                                        \
-    do {                                                                                    \
-        float *c = C + ldc * (r);                                                           \
-        _mm512_mask_storeu_ps(c, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), c##r##0)); \
-        _mm512_mask_storeu_ps(c + 16, m1,                                                   \
-                              _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), c##r##1));   \
+#define ROW_STORE(r)                                                   \
+    do {                                                               \
+        float *c = C + ldc * (r);                                      \
+        __m512 v0 = c##r##0, v1 = c##r##1;                             \
+        if (add && full) {                                             \
+            v0 = _mm512_add_ps(_mm512_loadu_ps(c), v0);                \
+            v1 = _mm512_add_ps(_mm512_loadu_ps(c + 16), v1);           \
+        } else if (add) {                                              \
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), v0);      \
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), v1); \
+        }                                                              \
+        if (full) {                                                    \
+            _mm512_storeu_ps(c, v0);                                   \
+            _mm512_storeu_ps(c + 16, v1);                              \
+        } else {                                                       \
+            _mm512_mask_storeu_ps(c, m0, v0);                          \
+            _mm512_mask_storeu_ps(c + 16, m1, v1);                     \
+        }                                                              \
     } while (0)
-#define LOAD_B                                                \
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + k * ldb); \
-    const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + k * ldb + 16)
+#define LOAD_B                                                       \
+    const __m512 b0 = full ? _mm512_loadu_ps(B + k * ldb)            \
+                           : _mm512_maskz_loadu_ps(m0, B + k * ldb); \
+    const __m512 b1 = full ? _mm512_loadu_ps(B + k * ldb + 16)       \
+                           : _mm512_maskz_loadu_ps(m1, B + k * ldb + 16)
 
 static inline __attribute__((always_inline)) void ukr8(int64_t K, const float *A, int64_t ars,
-                                                       int64_t aks, const float *B,
-                                                       int64_t ldb, float *C, int64_t ldc,
-                                                       __mmask16 m0, __mmask16 m1) {
+                                                       int64_t aks, const float *B, int64_t ldb,
+                                                       float *C, int64_t ldc, __mmask16 m0,
+                                                       __mmask16 m1, bool full, bool add) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00,
            c61 = c00, c70 = c00, c71 = c00;
@@ -79,9 +96,10 @@ static inline __attribute__((always_inline)) void ukr8(int64_t K, const float *A
 static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A, int64_t ars,
                                                        int64_t aks, const float *B,
                                                        int64_t ldb, float *C, int64_t ldc,
-                                                       __mmask16 m0, __mmask16 m1) {
+                                                       __mmask16 m0, __mmask16 m1, bool add) {
     (void)ars;
     (void)ldc;
+    const bool full = false;
     __m512 c00 = _mm512_setzero_ps(), c01 = c00;
     for (int64_t k = 0; k < K; k++) {
         LOAD_B;
@@ -90,30 +108,39 @@ static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A
     ROW_STORE(0);
 }
 
-// C (M, N) += A B in KC x NC blocks of MR x NR micro-tiles.
+// One micro-tile row block: C[0:mr, 0:nr] (+)= A B, mr <= MR.
+static inline __attribute__((always_inline)) void tile_acc(int64_t kc, const float *A,
+                                                           int64_t ars, int64_t aks,
+                                                           const float *B, int64_t ldb,
+                                                           float *C, int64_t ldc, int64_t mr,
+                                                           int64_t nr, bool add) {
+    const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
+    if (mr == MR && nr >= NR && add) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, true, true);
+    else if (mr == MR && nr >= NR) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, true, false);
+    else if (mr == MR && add) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, false, true);
+    else if (mr == MR) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, false, false);
+    else
+        for (int64_t r = 0; r < mr; r++)
+            ukr1(kc, A + r * ars, ars, aks, B, ldb, C + r * ldc, ldc, m0, m1, add);
+}
+
+// C (M, N) += A B (overwrite: C = A B, C never read) in KC x NC blocks of
+// MR x NR micro-tiles.
 static inline __attribute__((always_inline)) void gemm_acc(float *C, int64_t ldc,
                                                            const float *A, int64_t ars,
                                                            int64_t aks, const float *B,
                                                            int64_t ldb, int64_t M, int64_t N,
-                                                           int64_t K) {
+                                                           int64_t K, bool overwrite) {
     for (int64_t j0 = 0; j0 < N; j0 += NC) {
         int64_t nc = N - j0 < NC ? N - j0 : NC;
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             int64_t kc = K - k0 < KC ? K - k0 : KC;
+            const bool add = !overwrite || k0 > 0;
             for (int64_t i0 = 0; i0 < M; i0 += MR) {
                 int64_t mr = M - i0 < MR ? M - i0 : MR;
-                for (int64_t j1 = 0; j1 < nc; j1 += NR) {
-                    int64_t nr = nc - j1;
-                    const float *Ab = A + i0 * ars + k0 * aks, *Bb = B + k0 * ldb + j0 + j1;
-                    float *Cb = C + i0 * ldc + j0 + j1;
-                    if (mr == MR)
-                        ukr8(kc, Ab, ars, aks, Bb, ldb, Cb, ldc, tail_mask(nr),
-                             tail_mask(nr - 16));
-                    else
-                        for (int64_t r = 0; r < mr; r++)
-                            ukr1(kc, Ab + r * ars, ars, aks, Bb, ldb, Cb + r * ldc, ldc,
-                                 tail_mask(nr), tail_mask(nr - 16));
-                }
+                for (int64_t j1 = 0; j1 < nc; j1 += NR)
+                    tile_acc(kc, A + i0 * ars + k0 * aks, ars, aks, B + k0 * ldb + j0 + j1,
+                             ldb, C + i0 * ldc + j0 + j1, ldc, mr, nc - j1, add);
             }
         }
     }
@@ -121,7 +148,7 @@ static inline __attribute__((always_inline)) void gemm_acc(float *C, int64_t ldc
 
 static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
                         int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K);
+    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K, false);
 }
 
 // gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda:
@@ -129,15 +156,17 @@ static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda, cons
 // so it is bit-identical to transposing A and calling gemm_nn_acc.
 static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
                         int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K);
+    gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K, false);
 }
 
+// gemm_nn: the first k chunk stored, not added to zeros (the same bits).
 static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
                     int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t j = 0; j < N; j += 16)
-            _mm512_mask_storeu_ps(C + i * ldc + j, tail_mask(N - j), _mm512_setzero_ps());
-    gemm_nn_acc(C, ldc, A, lda, B, ldb, M, N, K);
+    if (K <= 0)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j += 16)
+                _mm512_mask_storeu_ps(C + i * ldc + j, tail_mask(N - j), _mm512_setzero_ps());
+    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K, true);
 }
 
 // ---------------------------------------------------------------------------
@@ -171,6 +200,15 @@ static void transpose_rows(float *dst, int64_t ldd, __mmask16 store, const float
         transpose16(r);
         for (int64_t k = 0; k < kk; k++)
             _mm512_mask_storeu_ps(dst + (k0 + k) * ldd, store, r[k]);
+    }
+}
+
+// transpose (kernels.h): 16 rows of src at a time through transpose_rows.
+static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                      int64_t cols) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t n = rows - r0 < 16 ? rows - r0 : 16;
+        transpose_rows(dst + r0, ldd, tail_mask(n), src + r0 * lds, lds, n, cols);
     }
 }
 
@@ -263,9 +301,24 @@ static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, i
     PK_ROWS(PK_STORE)
 }
 
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                        float *apack) {
+// Ap (tiles of 14 rows, k-major) <- the (mc, kc) block of a transposed A
+// (element (i, k) at A[k*lda + i]): 14 contiguous floats per tile and k,
+// rows past mc zero; each row of A read once, left to right. The same Ap
+// as pack_a of the transposed copy.
+static void pack_a_t(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
+    const __mmask16 st = (__mmask16)((1u << PMR) - 1u);
+    for (int64_t k = 0; k < kc; k++)
+        for (int64_t i0 = 0; i0 < mc; i0 += PMR)
+            _mm512_mask_storeu_ps(Ap + i0 * kc + k * PMR, st,
+                                  _mm512_maskz_loadu_ps(st & tail_mask(mc - i0),
+                                                        A + k * lda + i0));
+}
+
+// gemm_packed and gemm_packed_tn: A row-major (at false) or stored
+// transposed (at true); only the A copy differs.
+static inline __attribute__((always_inline)) void gemm_packed_any(
+    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const float *Bp,
+    const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate, float *apack) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         for (int64_t i = 0; i < M; i++)
@@ -287,7 +340,8 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
         for (int64_t k0 = 0; k0 < K; k0 += PKC) {
             const int64_t kc = K - k0 < PKC ? K - k0 : PKC;
             const bool add = accumulate || k0 > 0, last = k0 + kc == K;
-            pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
+            if (at) pack_a_t(apack, A + k0 * lda + i0, lda, mc, kc);
+            else pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
             for (int64_t j0 = 0; j0 < N; j0 += PNR) {
                 const int64_t nr = N - j0;
                 const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
@@ -302,6 +356,18 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
             }
         }
     }
+}
+
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack) {
+    gemm_packed_any(C, ldc, A, lda, false, Bp, bias, M, N, K, accumulate, apack);
+}
+
+static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                           const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                           float *apack) {
+    gemm_packed_any(C, ldc, A, lda, true, Bp, bias, M, N, K, accumulate, apack);
 }
 
 // exp(x) for 16 lanes: Cephes expf. NaN propagates; x < -87.3 (where
@@ -646,11 +712,13 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->transpose = transpose;
     k->pk_nr = PNR;
     k->pk_mr = PMR;
     k->pk_kc = PKC;
     k->pk_apack = PMC * PKC;
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
+    k->gemm_packed_tn = gemm_packed_tn;
 }
 #endif

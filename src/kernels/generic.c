@@ -136,6 +136,18 @@ static void exp_shift(float *x, int64_t n, float c) {
     for (int64_t j = 0; j < n; j++) x[j] = expf(x[j] - c);
 }
 
+// In 16 x 16 blocks: each block's reads and writes stay in a few lines.
+static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                      int64_t cols) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+            const int64_t r1 = r0 + 16 < rows ? r0 + 16 : rows,
+                          c1 = c0 + 16 < cols ? c0 + 16 : cols;
+            for (int64_t c = c0; c < c1; c++)
+                for (int64_t r = r0; r < r1; r++) dst[c * ldd + r] = src[r * lds + c];
+        }
+}
+
 // Packed-B GEMM (kernels.h): 16-wide panels, no A copy (apack unused), one
 // chunk over the whole K (pk_kc = 0), each C element's sum 0 + a*b + a*b
 // ... in increasing k as gemm_nn computes it (then C + sum, then + bias).
@@ -159,10 +171,11 @@ static void store_packed(float *c, const float *acc, const float *bias, int64_t 
     }
 }
 
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                        float *apack) {
-    (void)apack;
+// Element (i, k) of A at A[i*ars + k*aks]: (lda, 1) for gemm_packed,
+// (1, lda) for gemm_packed_tn (A stored transposed); the same sums.
+static inline void gemm_packed_any(float *C, int64_t ldc, const float *A, int64_t ars,
+                                   int64_t aks, const float *Bp, const float *bias, int64_t M,
+                                   int64_t N, int64_t K, bool accumulate) {
     for (int64_t j0 = 0; j0 < N; j0 += GNR) {
         const int64_t nr = N - j0 < GNR ? N - j0 : GNR;
         const float *P = Bp + j0 * K, *bj = bias ? bias + j0 : NULL;
@@ -172,7 +185,7 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
             for (int64_t k = 0; k < K; k++) {
                 const float *b = P + k * GNR;
                 for (int r = 0; r < GMR; r++) {
-                    const float a = A[(i + r) * lda + k];
+                    const float a = A[(i + r) * ars + k * aks];
                     for (int j = 0; j < GNR; j++) acc[r][j] = acc[r][j] + a * b[j];
                 }
             }
@@ -182,12 +195,26 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
         for (; i < M; i++) {
             float acc[GNR] = {0};
             for (int64_t k = 0; k < K; k++) {
-                const float a = A[i * lda + k], *b = P + k * GNR;
+                const float a = A[i * ars + k * aks], *b = P + k * GNR;
                 for (int j = 0; j < GNR; j++) acc[j] = acc[j] + a * b[j];
             }
             store_packed(C + i * ldc + j0, acc, bj, nr, accumulate);
         }
     }
+}
+
+static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                        float *apack) {
+    (void)apack;
+    gemm_packed_any(C, ldc, A, lda, 1, Bp, bias, M, N, K, accumulate);
+}
+
+static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                           const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                           float *apack) {
+    (void)apack;
+    gemm_packed_any(C, ldc, A, 1, lda, Bp, bias, M, N, K, accumulate);
 }
 
 void mha__kernels_fill_generic(mha__kernels *k) {
@@ -205,10 +232,12 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->transpose = transpose;
     k->pk_nr = GNR;
     k->pk_mr = GMR;
     k->pk_kc = 0;  // the whole K
     k->pk_apack = 0;
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
+    k->gemm_packed_tn = gemm_packed_tn;
 }

@@ -77,6 +77,11 @@ typedef struct mha__kernels {
                         const float *scales, int64_t n, int64_t Dv);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
+    // transpose: dst[c*ldd + r] = src[r*lds + c] for r < rows, c < cols
+    //   (a copy: exact on every table)                overwrite
+    //   (the flash tiles' K^T and V^T, packed once per thread and head)
+    void (*transpose)(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                      int64_t cols);
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf
     // (a fully masked row) gives 0 everywhere.
     void (*exp_shift)(float *x, int64_t n, float c);
@@ -120,6 +125,15 @@ typedef struct mha__kernels {
     void (*gemm_packed)(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                         const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                         float *apack);
+    // gemm_packed_tn: C (M, N) = [C +] A^T Bp + bias, A stored transposed:
+    //   (K, M) row-major with row stride lda, element (i, k) of the left
+    //   operand at A[k*lda + i] (the weight gradient dW = dY^T X without a
+    //   copy of dY^T). Bit-identical, on every table, to gemm_packed on the
+    //   transposed copy T (M, K), T[i*K + k] = A[k*lda + i]: only the A copy
+    //   differs. Otherwise as gemm_packed (C must not overlap A, Bp, apack).
+    void (*gemm_packed_tn)(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
+                           const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
+                           float *apack);
 } mha__kernels;
 
 // The table chosen for this process (filled on first use, thread-safe).
