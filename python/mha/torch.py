@@ -21,8 +21,13 @@ differentiated; an attn_mask that requires grad is refused.
 import math
 
 import numpy as np
-import torch
-from torch import nn
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # the numpy API (mha) works without it
+    raise ImportError("mha.torch needs PyTorch (pip install torch, or Debian's python3-torch "
+                      "in a venv made with --system-site-packages): %s" % exc) from exc
 
 from . import _mha
 from ._options import BF16, forward_kwargs, sdpa_kwargs, sdpa_layout
