@@ -7,7 +7,6 @@
 //   packed in_proj_weight with self-attention)
 // Every sum has a fixed order: GEMMs split over output rows, attention
 // over (b, h, tile) items.
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -113,7 +112,6 @@ typedef struct bwd_call {
     float *q, *k, *v, *dq, *dk, *dv;
     int64_t W3, ldkv;
     mha__rowmap qm, km, vm, cm, dcm, dqm, dkm, dvm;
-    float scale;
     mha__attn_io io;  // what a part's attn hook sees
 } bwd_call;
 
@@ -215,33 +213,7 @@ static mha_status bwd_inputs(bwd_call *c) {
 
 // The flash head (b, h) of the recomputed (or saved) forward.
 static mha__flash_head bwd_head(const bwd_call *c, int64_t b, int64_t h) {
-    const fwd_plan *p = c->p;
-    const int64_t L = p->L, S = p->S, H = p->H, d = p->d, Hkv = p->Hkv, G = H / Hkv;
-    const int64_t nx = p->Sp - S;
-    const float *extra = c->s.extra;
-    return (mha__flash_head){
-        .q = mha__head_row0(&c->qm, b, h * d),
-        .q_rs = mha__head_rs(&c->qm),
-        .k = mha__head_row0(&c->km, b, (h / G) * d),
-        .k_rs = mha__head_rs(&c->km),
-        .v = mha__head_row0(&c->vm, b, (h / G) * d),
-        .v_rs = mha__head_rs(&c->vm),
-        .xk = extra + (h / G) * nx * d,
-        .xv = extra + (Hkv + h / G) * nx * d,
-        .nx = nx,
-        .o = mha__head_row0(&c->cm, b, h * d),
-        .o_rs = mha__head_rs(&c->cm),
-        .stats = c->s.lse + 2 * (b * H + h) * L,
-        .L = L,
-        .S = S,
-        .D = d,
-        .Dv = d,
-        .scale = c->scale,
-        .mask = &p->mask,
-        .drop = mha__plan_drop(p),
-        .b = b,
-        .h = h,
-    };
+    return mha__plan_head(c->p, &c->qm, &c->km, &c->vm, &c->cm, c->s.extra, c->s.lse, b, h);
 }
 
 // The forward again (unless saved): the projections (a part: its heads'
@@ -295,7 +267,6 @@ static mha_status bwd_forward(bwd_call *c) {
         mha__rope_rows(p, a, &c->qm, L, H, false, pt ? pt->attn.rope_pos : NULL);
         mha__rope_rows(p, a, &c->km, S, Hkv, false, pt ? pt->attn.rope_pos : NULL);
     }
-    c->scale = (float)(1.0 / sqrt((double)d));
     const bool ext = pt && pt->attn.fn;  // attention done by the caller (ring)
     c->io = (mha__attn_io){.N = N,
                            .L = L,

@@ -229,7 +229,7 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
     const mha__kernels *kt = c->kt;
     char *ws = c->ws;
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
-    const int64_t nx = Sp - S, Hkv = p->Hkv, G = H / Hkv;
+    const int64_t nx = Sp - S, Hkv = p->Hkv;
     const int nt = p->nthreads;
     const bool seq_first = c->seq_first;
     mha_saved *sv = a->save;
@@ -273,30 +273,7 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
         int64_t it = p->mask.causal ? N * H * tiles - 1 - item : item;
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
-        const int64_t g = h / G;  // the KV head
-        mha__flash_head fh = {
-            .q = mha__head_row0(&qm, b, h * d),
-            .q_rs = mha__head_rs(&qm),
-            .k = mha__head_row0(&km, b, g * d),
-            .k_rs = mha__head_rs(&km),
-            .v = mha__head_row0(&vm, b, g * d),
-            .v_rs = mha__head_rs(&vm),
-            .xk = extra + g * nx * d,
-            .xv = extra + (Hkv + g) * nx * d,
-            .nx = nx,
-            .o = mha__head_row0(&cm, b, h * d),
-            .o_rs = mha__head_rs(&cm),
-            .stats = lse ? lse + 2 * bh * L : NULL,
-            .L = L,
-            .S = S,
-            .D = d,
-            .Dv = d,
-            .scale = (float)(1.0 / sqrt((double)d)),
-            .mask = &p->mask,
-            .drop = mha__plan_drop(p),
-            .b = b,
-            .h = h,
-        };
+        mha__flash_head fh = mha__plan_head(p, &qm, &km, &vm, &cm, extra, lse, b, h);
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         float *sc = scratch + (size_t)tid * sf;
         const bool live =

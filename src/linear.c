@@ -91,3 +91,32 @@ int64_t mha__key_tiles(const mha__flash_head *fh, int64_t i0, int64_t i1) {
     mha__flash_key_range(fh, i0, i1, &lo, &hi);
     return (lo < hi ? (hi - 1) / MHA__FLASH_BC - lo / MHA__FLASH_BC + 1 : 0) + (fh->nx > 0);
 }
+
+mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const mha__rowmap *km,
+                               const mha__rowmap *vm, const mha__rowmap *om,
+                               const float *extra, float *stats, int64_t b, int64_t h) {
+    const int64_t d = p->d, g = h / (p->H / p->Hkv), nx = extra ? p->Sp - p->S : 0;
+    return (mha__flash_head){
+        .q = mha__head_row0(qm, b, h * d),
+        .q_rs = mha__head_rs(qm),
+        .k = mha__head_row0(km, b, g * d),
+        .k_rs = mha__head_rs(km),
+        .v = mha__head_row0(vm, b, g * d),
+        .v_rs = mha__head_rs(vm),
+        .xk = extra ? extra + g * nx * d : NULL,
+        .xv = extra ? extra + (p->Hkv + g) * nx * d : NULL,
+        .nx = nx,
+        .o = mha__head_row0(om, b, h * d),
+        .o_rs = mha__head_rs(om),
+        .stats = stats ? stats + 2 * (b * p->H + h) * p->L : NULL,
+        .L = p->L,
+        .S = p->S,
+        .D = d,
+        .Dv = d,
+        .scale = (float)(1.0 / sqrt((double)d)),
+        .mask = &p->mask,
+        .drop = mha__plan_drop(p),
+        .b = b,
+        .h = h,
+    };
+}

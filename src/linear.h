@@ -87,6 +87,15 @@ static inline int64_t mha__head_rs(const mha__rowmap *rm) {
     return rm->seq_first ? rm->N * rm->ld : rm->ld;
 }
 
+// Query head h of batch element b of a module call as a flash head: its q
+// rows (qm), its KV head's k and v rows (km, vm) and appended keys (extra:
+// mha__fill_extra's layout, NULL when the plan has none), its output rows
+// (om), its softmax statistics (stats (N H, L, 2) or NULL), the plan's
+// scale 1/sqrt(d), mask and dropout. Callers set what else they need.
+mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const mha__rowmap *km,
+                               const mha__rowmap *vm, const mha__rowmap *om,
+                               const float *extra, float *stats, int64_t b, int64_t h);
+
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
 // inverse (gradients). Token t of batch element n is at position rope_start[n] + pos[t]

@@ -4,7 +4,6 @@
 // through the fused drivers' hooks, and the pieces the schemes combine:
 // the output projection from a whole context, the input gradients from
 // whole projection gradients, a key block's attention backward.
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -175,7 +174,6 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
                       dqm = {part->out.dq, E, seq_first, N, L},
                       dkm = {part->out.dk, Ekv, seq_first, N, S},
                       dvm = {part->out.dv, Ekv, seq_first, N, S};
-    const float scale = (float)(1.0 / sqrt((double)d));
     int64_t ntiles = 0;
     // one thread per KV head (b, g): its query heads in increasing order add
     // to dk_g, dv_g (the fused backward's order), no atomics
@@ -192,29 +190,11 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
                 mha__zero_head_rows(mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm), 0, L, d);
                 continue;
             }
-            mha__flash_head fh = {
-                .q = mha__head_row0(&qm, b, h * d),
-                .q_rs = mha__head_rs(&qm),
-                .k = mha__head_row0(&km, b, g * d),
-                .k_rs = mha__head_rs(&km),
-                .v = mha__head_row0(&vm, b, g * d),
-                .v_rs = mha__head_rs(&vm),
-                .o = mha__head_row0(&om, b, h * d),
-                .o_rs = mha__head_rs(&om),
-                .stats = (float *)part->block.stats + 2 * (b * H + h) * L,
-                .L = L,
-                .S = S,
-                .D = d,
-                .Dv = d,
-                .scale = scale,
-                .mask = &p.mask,
-                .drop = mha__plan_drop(&p),
-                .b = b,
-                .h = h,
-                .dsum_fixed = true,
-                .progress = tid == 0 ? part->progress.fn : NULL,
-                .progress_arg = part->progress.arg,
-            };
+            mha__flash_head fh = mha__plan_head(&p, &qm, &km, &vm, &om, NULL,
+                                                (float *)part->block.stats, b, h);
+            fh.dsum_fixed = true;
+            fh.progress = tid == 0 ? part->progress.fn : NULL;
+            fh.progress_arg = part->progress.arg;
             mha__flash_bwd_head(kt, &fh, mha__head_row0(&dom, b, h * d), mha__head_rs(&dom),
                                 (float *)part->block.dsum_in + (b * H + h) * L,
                                 mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm),
