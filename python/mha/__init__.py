@@ -95,10 +95,10 @@ def _mask(x, name):
     return x
 
 
-def _int64(x):
+def _int64(x, name="rope_start"):
     a = np.ascontiguousarray(x)
     if a.dtype.kind not in "iu":
-        raise TypeError("rope_start: expected integers, got dtype %s" % a.dtype)
+        raise TypeError("%s: expected integers, got dtype %s" % (name, a.dtype))
     return a.astype(np.int64, copy=False)
 
 
@@ -517,7 +517,7 @@ class KVCache:
         return self._c.length(int(b))
 
     def _counts(self, counts):
-        return None if counts is None else _int64(counts)
+        return None if counts is None else _int64(counts, "counts")
 
     def append(self, k, v, counts=None):
         """Appends k (B, Hkv, T, D) and v (B, Hkv, T, Dv); counts[b] tokens

@@ -39,8 +39,7 @@ __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
 # ---------------------------------------------------------------------------
 # tensors in and out (no copies)
 
-def _alloc(shape, dt):
-    return np.empty(shape, _np_api._NP_OF[dt])
+_alloc = _np_api._alloc  # outputs: numpy arrays, wrapped by _t without a copy
 
 
 def _t(a):
@@ -85,18 +84,25 @@ def _mask(m, name):
     return _np(m, name)
 
 
+def _host(x):
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+
 def _int64(x):
-    a = np.ascontiguousarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
-    if a.dtype.kind not in "iu":
-        raise TypeError("rope_start: expected integers, got dtype %s" % a.dtype)
-    return a.astype(np.int64, copy=False)
+    return _np_api._int64(_host(x))
 
 
 def _float32(x):
-    a = np.ascontiguousarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
-    if a.dtype.kind != "f":
-        raise TypeError("alibi slopes: expected floats, got dtype %s" % a.dtype)
-    return a.astype(np.float32, copy=False)
+    return _np_api._float32(_host(x))
+
+
+def _qkv(query, key, value, k_is_q, v_is_k):
+    """The inputs as the binding's arguments; a tensor passed again gives the
+    same array (self-attention: the library's packed projection)."""
+    q = _np(query, "query")
+    k = q if k_is_q else _np(key, "key")
+    v = k if v_is_k else _np(value, "value")
+    return q, k, v
 
 
 def _seed():
@@ -122,9 +128,7 @@ class _MHAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner, call, query, key, value, *params):
         cmod = owner._cmod
-        q = _np(query, "query")
-        k = q if key is query else _np(key, "key")
-        v = k if value is key else _np(value, "value")
+        q, k, v = _qkv(query, key, value, key is query, value is key)
         kw = call["kw"]
         saved = None
         if call["grad"] and query.dtype == torch.float32:
@@ -143,9 +147,7 @@ class _MHAFunction(torch.autograd.Function):
         cmod, call = ctx.owner._cmod, ctx.call
         if grad_out is None:
             return (None,) * len(need)
-        q = _np(query, "query")
-        k = q if ctx.self_attn[0] else _np(key, "key")
-        v = k if ctx.self_attn[1] else _np(value, "value")
+        q, k, v = _qkv(query, key, value, *ctx.self_attn)
         grads = cmod.like() if any(need[5:]) else None
         kw = call["kw"] if ctx.saved is None else dict(call["kw"], saved=ctx.saved)
         kw.pop("need_weights", None)
@@ -337,9 +339,7 @@ class MultiheadAttention(nn.Module):
         call = {"kw": kw, "kpm": _mask(key_padding_mask, "key_padding_mask"),
                 "am": _mask(attn_mask, "attn_mask"), "grad": grad, "names": self._names}
         if not grad:  # no graph: straight to the library
-            q = _np(query, "query")
-            k = q if key is query else _np(key, "key")
-            v = k if value is key else _np(value, "value")
+            q, k, v = _qkv(query, key, value, key is query, value is key)
             out, w = _mha.forward(cmod, q, k, v, call["kpm"], call["am"], _alloc, **kw)
             return _t(out), _t(w)
         return _MHAFunction.apply(self, call, query, key, value, *params)

@@ -324,6 +324,14 @@ static int parse_opts(PyObject *kw, const kwopt *opts, int n, const char *fn) {
     return 0;
 }
 
+// A scale keyword: None keeps 1/sqrt(D), a number is used as given.
+static int custom_scale(PyObject *obj, bool *use, double *scale) {
+    if (obj == Py_None) return 0;
+    *use = true;
+    *scale = PyFloat_AsDouble(obj);
+    return *scale == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 // ---------------------------------------------------------------------------
 // Module: an mha_module
 
@@ -940,11 +948,7 @@ static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject 
                           {"dropout_seed", 'K', &c->a.dropout_seed},
                           {"dropout_offset", 'K', &c->a.dropout_offset}};
     if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), fn) < 0) return -1;
-    if (c->scale != Py_None) {
-        c->a.use_custom_scale = true;
-        c->a.scale = PyFloat_AsDouble(c->scale);
-        if (c->a.scale == -1.0 && PyErr_Occurred()) return -1;
-    }
+    if (custom_scale(c->scale, &c->a.use_custom_scale, &c->a.scale) < 0) return -1;
     c->a.impl = (mha_impl)c->impl;
     if (get_view(h, q, "query", K_FLOAT, false, &c->q) < 0 ||
         get_view(h, k, "key", K_FLOAT, false, &c->k) < 0 ||
@@ -1092,11 +1096,7 @@ static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
                           {"alibi_slopes", 'O', &slopes},
                           {"softcap", 'f', &a.softcap}};
     if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "attend") < 0) return NULL;
-    if (scale != Py_None) {
-        a.use_custom_scale = true;
-        a.scale = PyFloat_AsDouble(scale);
-        if (a.scale == -1.0 && PyErr_Occurred()) return NULL;
-    }
+    if (custom_scale(scale, &a.use_custom_scale, &a.scale) < 0) return NULL;
     held h = {.n = 0};
     mha_tensor tq, to;
     const void *cn, *sl;
