@@ -294,10 +294,9 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
         scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL);
+        kt->exp_scale_rows(sm.s, n, br, n, a->stats + 2 * i0);  // P = exp(S - m) / l
         for (int64_t r = 0; r < br; r++) {
             float *row = sm.s + r * n;
-            kt->exp_shift(row, n, a->stats[2 * (i0 + r)]);
-            kt->scale_row(row, n, a->stats[2 * (i0 + r) + 1]);
             if (a->drop) drop_row(a, row, i0 + r, j0, n);
             for (int64_t j = 0; j < n; j++) mha__st(w, r, j0 + j, row[j]);
         }
@@ -315,11 +314,8 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
 static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
                      const float *dOt, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
                      int64_t n, float *s, float *dp, float *deriv) {
-    scores(kt, a, sm, s, i0, br, j0, n, deriv);  // S = cap(scale q k^T) + mask
-    for (int64_t r = 0; r < br; r++) {           // P = exp(S - m) / l
-        kt->exp_shift(s + r * n, n, a->stats[2 * (i0 + r)]);
-        kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
-    }
+    scores(kt, a, sm, s, i0, br, j0, n, deriv);             // S = cap(scale q k^T) + mask
+    kt->exp_scale_rows(s, n, br, n, a->stats + 2 * i0);     // P = exp(S - m) / l
     const float *vtile = packed_tile(kt, a, sm, j0, C_VT);  // dP' = dO v^T
     kt->gemm_nn(dp, n, dOt, do_rs, vtile, width_of(a, j0), br, n, a->Dv);
     if (a->drop)  // dP = dP' * drop (the factor is 0 or 1/(1-p))
@@ -329,16 +325,14 @@ static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_m
 // dp <- dS = P (dP - Dsum) row by row (times the soft cap's derivative,
 // when there is one: the gradient of the raw scaled scores); then
 // s <- P' = P * drop.
-static void softmax_bwd(const mha__flash_head *a, const float *Dsum, int64_t i0, int64_t br,
-                        int64_t j0, int64_t n, float *s, float *dp, const float *deriv) {
-    for (int64_t r = 0; r < br; r++) {
-        float *pr = s + r * n, *dr = dp + r * n;
-        const float dsum = Dsum[i0 + r];
-        for (int64_t j = 0; j < n; j++) dr[j] = pr[j] * (dr[j] - dsum);
-        if (a->mask->softcap > 0.0f)
-            for (int64_t j = 0; j < n; j++) dr[j] *= deriv[r * n + j];
-        if (a->drop) drop_row(a, pr, i0 + r, j0, n);
-    }
+static void softmax_bwd(const mha__kernels *kt, const mha__flash_head *a, const float *Dsum,
+                        int64_t i0, int64_t br, int64_t j0, int64_t n, float *s, float *dp,
+                        const float *deriv) {
+    kt->dsoftmax_rows(dp, s, n, br, n, Dsum + i0);
+    if (a->mask->softcap > 0.0f)
+        for (int64_t e = 0; e < br * n; e++) dp[e] *= deriv[e];
+    if (a->drop)
+        for (int64_t r = 0; r < br; r++) drop_row(a, s + r * n, i0 + r, j0, n);
 }
 
 // The query rows that can see keys [j0, j0 + n) through the band: tiles
@@ -373,7 +367,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const f
         int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
         load_q(a, sm.qs, i0, br);
         bwd_tile(kt, a, &sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, s, dp, sm.tr);
-        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp, sm.tr);
+        softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, sm.tr);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
         kt->gemm_tn_acc(dv, dv_rs, s, n, dO + i0 * do_rs, do_rs, n, Dv, br);
         // dk (n, D) += dS^T (n, br) (scale q) (br, D)
@@ -401,22 +395,15 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
     float *tile = sm.rows;
+    // each tile's P, dP (and soft-cap derivative) back to back: the row
+    // block's tiles contiguous, no gap for a derivative that is not there
+    const int64_t per = (a->mask->softcap > 0.0f ? 3 : 2) * br;
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n, *dv_ = tile + 2 * br * n;
         bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, dv_);
-        for (int64_t r = 0; r < br && !a->dsum_fixed;
-             r++) {  // 16 partial sums: vectorised, fixed order
-            float acc[16] = {0};
-            const float *sr = s + r * n, *dr = dp + r * n;
-            int64_t j = 0;
-            for (; j + 16 <= n; j += 16)
-                for (int u = 0; u < 16; u++) acc[u] += sr[j + u] * dr[j + u];
-            for (int u = 0; j < n; j++, u++) acc[u] += sr[j] * dr[j];
-            float sum = 0.0f;
-            for (int u = 0; u < 16; u++) sum += acc[u];
-            Dsum[i0 + r] += sum;
-        }
-        tile += 3 * br * n;
+        // 16 partial sums per row, one order on every table
+        if (!a->dsum_fixed) kt->dot_acc_rows(Dsum + i0, s, dp, n, br, n);
+        tile += per * n;
     }
     for (int64_t r = 0; r < br; r++)
         for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
@@ -424,7 +411,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     tile = sm.rows;
     while (next_tile(&it, &j0, &n)) {
         float *s = tile, *dp = tile + br * n;
-        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp, tile + 2 * br * n);  // dp <- dS, s <- P'
+        softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, tile + 2 * br * n);  // dp <- dS, s <- P'
         // dq (br, D) += dS (br, n) k (n, D), then * scale below
         kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(kt, a, &sm, j0, C_KR), D, br, D, n);
         if (dk) {
@@ -432,7 +419,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
             kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dOt, Dv, n, Dv, br);
             kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D, br);
         }
-        tile += 3 * br * n;
+        tile += per * n;
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);
 }
