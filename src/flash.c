@@ -21,8 +21,7 @@
 //   header (16 floats: the cache's identity) | qs (BR, D) | s (BR, BC) |
 //   dp (BR, BC) | tr (BC, BR) | m, l (BR each) | flags (4 nt bytes) |
 //   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
-//   backward V^T (Dv, w), K rows (w, D), then the P, dP (and soft-cap
-//   derivative) tiles of one block of query rows (3 BR nt BC)
+//   backward V^T (Dv, w), K rows (w, D)
 // with nt = ceil(S / BC) + (nx > 0) key tiles; tile t holds keys
 // [t BC, min(t BC + BC, S)) (the last one the nx appended keys), w wide.
 // A cached tile is packed once per thread and head, on first use.
@@ -40,7 +39,6 @@ typedef struct scratch_map {
     cache_hdr *hdr;
     float *qs, *dos, *s, *dp, *tr, *m, *l;
     float *cache[C_KINDS];
-    float *rows;  // backward: P and dP of a row block, tile after tile
     size_t tile_floats[C_KINDS];
     unsigned char *done;  // (C_KINDS, nt)
 } scratch_map;
@@ -63,7 +61,6 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
         m.cache[c] = p;
         p += (size_t)nt * m.tile_floats[c];
     }
-    m.rows = p;
     return m;
 }
 
@@ -72,8 +69,7 @@ size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx, b
     return 16 + round16((size_t)(BR * D)) + round16((size_t)(BR * Dv)) + 3 * BR * BC + 2 * BR +
            round16((size_t)(C_KINDS * nt + 3) / 4) +
            (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
-               (backward ? 2 : 1) +
-           (backward ? (size_t)(3 * BR * BC) * (size_t)nt : 0);
+               (backward ? 2 : 1);
 }
 
 void mha__flash_scratch_reset(float *scratch) {
@@ -375,8 +371,29 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const f
     }
 }
 
+// Dsum[i0, i1) = rowsum(dO * O) (FlashAttention-2's D, from the
+// forward's context O = a->o), each row through the very kernel dP = dO
+// v^T uses (gemm_nn, one (1, Dv) x (Dv, 1) product: the same per-element
+// sum order), so that a one-hot row (O = v_j exactly) gets Dsum = dP_j. A
+// fully masked row (O = 0) gets 0.
+static void dsum_rows(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                      int64_t do_rs, float *Dsum, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++)
+        kt->gemm_nn(Dsum + i, 1, dO + i * do_rs, a->Dv, a->o + i * a->o_rs, 1, 1, 1, a->Dv);
+}
+
+// Whether a row of [i0, i1) is near one-hot: its largest weight P = 1/l
+// (exp(0) / l) above 1 - MHA__FLASH_SAT (flash.h).
+static bool block_saturated(const mha__flash_head *a, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++)
+        if (a->stats[2 * i + 1] > 1.0f - MHA__FLASH_SAT) return true;
+    return false;
+}
+
 // Pass B for rows [i0, i1) (see flash.h); with dk != NULL also the rows'
-// share of dk, dv, dxk, dxv (accumulated: the caller zeroes them).
+// share of dk, dv, dxk, dxv (accumulated: the caller zeroes them). One
+// sweep over the key tiles: each tile's P, dP, dS recomputed into the
+// (BR, BC) tiles of the scratch and used at once.
 static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                      int64_t do_rs, float *Dsum, int64_t i0, int64_t i1, float *dq,
                      int64_t dq_rs, float *dk, int64_t dk_rs, float *dv, int64_t dv_rs,
@@ -388,30 +405,25 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     for (int64_t r = 0; r < br; r++)
         memcpy(sm.dos + r * Dv, dO + (i0 + r) * do_rs, sizeof(float) * (size_t)Dv);
     const float *dOt = sm.dos;  // the tile's dO rows, row stride Dv
-    // Dsum_i = sum_j P_ij dP_ij from the very tiles the dS use, the P and
-    // dP tiles kept in sm.rows for the second sweep.
-    if (!a->dsum_fixed)
-        for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
-    key_iter it = keys_of(a, i0, i1);
+    key_iter it;
     int64_t j0, n;
-    float *tile = sm.rows;
-    // each tile's P, dP (and soft-cap derivative) back to back: the row
-    // block's tiles contiguous, no gap for a derivative that is not there
-    const int64_t per = (a->mask->softcap > 0.0f ? 3 : 2) * br;
-    while (next_tile(&it, &j0, &n)) {
-        float *s = tile, *dp = tile + br * n, *dv_ = tile + 2 * br * n;
-        bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, dv_);
-        // 16 partial sums per row, one order on every table
-        if (!a->dsum_fixed) kt->dot_acc_rows(Dsum + i0, s, dp, n, br, n);
-        tile += per * n;
+    float *s = sm.s, *dp = sm.dp, *deriv = sm.tr;
+    if (a->dsum_fixed) {
+    } else if (!block_saturated(a, i0, i1)) {
+        dsum_rows(kt, a, dO, do_rs, Dsum, i0, i1);
+    } else {  // Dsum = sum_j P dP from the very tiles the dS use: a sweep more
+        for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
+        for (it = keys_of(a, i0, i1); next_tile(&it, &j0, &n);) {
+            bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, deriv);
+            kt->dot_acc_rows(Dsum + i0, s, dp, n, br, n);  // 16 partial sums per row
+        }
     }
     for (int64_t r = 0; r < br; r++)
         for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
     it = keys_of(a, i0, i1);
-    tile = sm.rows;
     while (next_tile(&it, &j0, &n)) {
-        float *s = tile, *dp = tile + br * n;
-        softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, tile + 2 * br * n);  // dp <- dS, s <- P'
+        bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, deriv);  // s <- P, dp <- dP
+        softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);       // dp <- dS, s <- P'
         // dq (br, D) += dS (br, n) k (n, D), then * scale below
         kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(kt, a, &sm, j0, C_KR), D, br, D, n);
         if (dk) {
@@ -419,7 +431,6 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
             kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dOt, Dv, n, Dv, br);
             kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D, br);
         }
-        tile += per * n;
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);
 }
