@@ -390,6 +390,27 @@ static bool block_saturated(const mha__flash_head *a, int64_t i0, int64_t i1) {
     return false;
 }
 
+// Dsum[i0, i1) of one query tile (at most BR rows): rowsum(dO * O), or
+// for a near one-hot tile (flash.h) sum_j P dP over the tiles the dS use
+// (a sweep more; q_loaded: sm->qs holds the tile's scaled q already).
+static void block_dsum(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
+                       const float *dO, int64_t do_rs, float *Dsum, int64_t i0, int64_t i1,
+                       bool q_loaded) {
+    const int64_t br = i1 - i0;
+    if (!block_saturated(a, i0, i1)) {
+        dsum_rows(kt, a, dO, do_rs, Dsum, i0, i1);
+        return;
+    }
+    if (!q_loaded) load_q(a, sm->qs, i0, br);
+    for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
+    key_iter it = keys_of(a, i0, i1);
+    int64_t j0, n;
+    while (next_tile(&it, &j0, &n)) {
+        bwd_tile(kt, a, sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, sm->s, sm->dp, sm->tr);
+        kt->dot_acc_rows(Dsum + i0, sm->s, sm->dp, n, br, n);  // 16 partial sums per row
+    }
+}
+
 // Pass B for rows [i0, i1) (see flash.h); with dk != NULL also the rows'
 // share of dk, dv, dxk, dxv (accumulated: the caller zeroes them). One
 // sweep over the key tiles: each tile's P, dP, dS recomputed into the
@@ -405,22 +426,12 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     for (int64_t r = 0; r < br; r++)
         memcpy(sm.dos + r * Dv, dO + (i0 + r) * do_rs, sizeof(float) * (size_t)Dv);
     const float *dOt = sm.dos;  // the tile's dO rows, row stride Dv
-    key_iter it;
-    int64_t j0, n;
+    if (!a->dsum_fixed) block_dsum(kt, a, &sm, dO, do_rs, Dsum, i0, i1, true);
     float *s = sm.s, *dp = sm.dp, *deriv = sm.tr;
-    if (a->dsum_fixed) {
-    } else if (!block_saturated(a, i0, i1)) {
-        dsum_rows(kt, a, dO, do_rs, Dsum, i0, i1);
-    } else {  // Dsum = sum_j P dP from the very tiles the dS use: a sweep more
-        for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
-        for (it = keys_of(a, i0, i1); next_tile(&it, &j0, &n);) {
-            bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, deriv);
-            kt->dot_acc_rows(Dsum + i0, s, dp, n, br, n);  // 16 partial sums per row
-        }
-    }
+    int64_t j0, n;
     for (int64_t r = 0; r < br; r++)
         for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
-    it = keys_of(a, i0, i1);
+    key_iter it = keys_of(a, i0, i1);
     while (next_tile(&it, &j0, &n)) {
         bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, deriv);  // s <- P, dp <- dP
         softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);       // dp <- dS, s <- P'
@@ -441,19 +452,62 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a, const fl
     bwd_rows(kt, a, dO, do_rs, Dsum, i0, i1, dq, dq_rs, NULL, 0, NULL, 0, NULL, NULL, scratch);
 }
 
+// The width of key tile j0 (a multiple of BC, or S: the appended keys)
+// that query tile [i0, i1) visits, as keys_of gives it; 0: not visited.
+static int64_t pair_width(const mha__flash_head *a, int64_t i0, int64_t i1, int64_t j0) {
+    if (j0 >= a->S) return a->nx;
+    int64_t lo, hi;
+    mha__flash_key_range(a, i0, i1, &lo, &hi);
+    if (lo >= hi || j0 < (lo / BC) * BC || j0 >= hi) return 0;
+    return hi - j0 < BC ? hi - j0 : BC;
+}
+
+// Key tile outer, query tile inner (FlashAttention-2's loop order): while
+// a key tile's dk, dv rows and its K^T, V^T, K tiles stay in cache, the
+// query tiles' q, dO and dq rows stream by. Every (query tile, key tile)
+// pair of pass B, with the same widths: each dq element receives the same
+// terms in the same (key tile) order as in pass B, each dk, dv element the
+// same (query tile) order as in pass A.
 void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                          int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
                          int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
                          bool acc, float *scratch) {
+    const int64_t D = a->D, Dv = a->Dv, L = a->L;
     for (int64_t j = 0; j < a->S + a->nx && !acc; j++) {
-        float *kr = j < a->S ? dk + j * dk_rs : dxk + (j - a->S) * a->D;
-        float *vr = j < a->S ? dv + j * dv_rs : dxv + (j - a->S) * a->Dv;
-        for (int64_t c = 0; c < a->D; c++) kr[c] = 0.0f;
-        for (int64_t c = 0; c < a->Dv; c++) vr[c] = 0.0f;
+        float *kr = j < a->S ? dk + j * dk_rs : dxk + (j - a->S) * D;
+        float *vr = j < a->S ? dv + j * dv_rs : dxv + (j - a->S) * Dv;
+        for (int64_t c = 0; c < D; c++) kr[c] = 0.0f;
+        for (int64_t c = 0; c < Dv; c++) vr[c] = 0.0f;
     }
-    for (int64_t i0 = 0; i0 < a->L; i0 += BR) {
-        bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end(i0, BR, a->L), dq + i0 * dq_rs,
-                 dq_rs, dk, dk_rs, dv, dv_rs, dxk, dxv, scratch);
+    scratch_map sm = head_scratch(a, scratch);
+    for (int64_t i0 = 0; i0 < L; i0 += BR) {
+        const int64_t i1 = mha__tile_end(i0, BR, L);
+        if (!a->dsum_fixed) block_dsum(kt, a, &sm, dO, do_rs, Dsum, i0, i1, false);
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t c = 0; c < D; c++) dq[i * dq_rs + c] = 0.0f;
+    }
+    float *s = sm.s, *dp = sm.dp, *deriv = sm.tr;
+    for (int64_t t = 0; t < n_tiles(a->S, a->nx); t++) {
+        int64_t j0, w;
+        tile_keys(a, t, &j0, &w);
+        const bool x = j0 >= a->S;
+        float *dvt = x ? dxv : dv + j0 * dv_rs, *dkt = x ? dxk : dk + j0 * dk_rs;
+        const int64_t dvs = x ? Dv : dv_rs, dks = x ? D : dk_rs;
+        for (int64_t i0 = 0; i0 < L; i0 += BR) {
+            const int64_t i1 = mha__tile_end(i0, BR, L), br = i1 - i0;
+            const int64_t n = pair_width(a, i0, i1, j0);
+            if (n <= 0) continue;
+            const float *dOt = dO + i0 * do_rs;
+            load_q(a, sm.qs, i0, br);
+            bwd_tile(kt, a, &sm, dOt, do_rs, i0, br, j0, n, s, dp, deriv);  // P, dP
+            softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);          // dS, P'
+            // dq (br, D) += dS (br, n) k (n, D), then * scale below
+            kt->gemm_nn_acc(dq + i0 * dq_rs, dq_rs, dp, n, packed_tile(kt, a, &sm, j0, C_KR),
+                            D, br, D, n);
+            kt->gemm_tn_acc(dvt, dvs, s, n, dOt, do_rs, n, Dv, br);  // dv += P'^T dO
+            kt->gemm_tn_acc(dkt, dks, dp, n, sm.qs, D, n, D, br);    // dk += dS^T (scale q)
+        }
         if (a->progress) a->progress(a->progress_arg);
     }
+    for (int64_t i = 0; i < L; i++) kt->scale_row(dq + i * dq_rs, D, a->scale);
 }

@@ -40,7 +40,7 @@ typedef struct mha__flash_head {
     // otherwise written by pass B / the head's backward from dO and o, the
     // forward's context of the head (read, not written, by the backward).
     bool dsum_fixed;
-    // Called between query tiles by mha__flash_bwd_head (NULL: none): a
+    // Called between key tiles by mha__flash_bwd_head (NULL: none): a
     // caller's progress callback (e.g. to drive its messages).
     void (*progress)(void *arg);
     void *progress_arg;
@@ -116,16 +116,20 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a, const fl
                       int64_t do_rs, float *Dsum, int64_t i0, int64_t i1, float *dq,
                       int64_t dq_rs, float *scratch);
 
-// The whole backward of one head by one thread: pass B for each query tile
-// in order, and with each tile pair's P' and dS dk += dS^T q, dv += P'^T dO
-// at once, so S and dP are computed once per tile pair (5 GEMMs per tile
-// pair instead of 7). Writes Dsum (L) (unless dsum_fixed), dq (L, D), dk,
-// dv (S, D / Dv) and the appended keys' dxk, dxv (nx, D / Dv, contiguous),
-// all overwritten (dk, dv, dxk, dxv added to with acc: grouped-query
-// attention, a KV head's query heads one after the other in increasing
-// order). Bit-identical to pass B + pass A: every dk, dv element receives
-// the same terms in the same order (query heads, then query tiles,
-// increasing).
+// The whole backward of one head by one thread: Dsum of every query tile
+// first (unless dsum_fixed), then FlashAttention-2's loop order, key tile
+// outer (its dk, dv rows and K^T, V^T, K tiles stay in cache) and query
+// tile inner (q, dO, dq rows stream by), each tile pair's P' and dS used
+// for dq += dS k, dk += dS^T q, dv += P'^T dO at once, so S and dP are
+// computed once per tile pair (5 GEMMs per tile pair instead of 7). Writes
+// Dsum (L) (unless dsum_fixed), dq (L, D), dk, dv (S, D / Dv) and the
+// appended keys' dxk, dxv (nx, D / Dv, contiguous), all overwritten (dk,
+// dv, dxk, dxv added to with acc: grouped-query attention, a KV head's
+// query heads one after the other in increasing order). progress is called
+// after each key tile. Bit-identical to pass B + pass A: the same tile
+// pairs with the same widths; every dq element receives the same terms in
+// the same (key tile) order as in pass B, every dk, dv element in the same
+// (query heads, then query tiles, increasing) order as in pass A.
 void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                          int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
                          int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
