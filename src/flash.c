@@ -21,8 +21,7 @@
 //   header (16 floats: the cache's identity) | qs (BR, D) | s (BR, BC) |
 //   dp (BR, BC) | tr (BC, BR) | m, l (BR each) | flags (4 nt bytes) |
 //   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
-//   backward V^T (Dv, w), K rows (w, D), then the P, dP (and soft-cap
-//   derivative) tiles of one block of query rows (3 BR nt BC)
+//   backward V^T (Dv, w), K rows (w, D)
 // with nt = ceil(S / BC) + (nx > 0) key tiles; tile t holds keys
 // [t BC, min(t BC + BC, S)) (the last one the nx appended keys), w wide.
 // A cached tile is packed once per thread and head, on first use.
@@ -40,7 +39,6 @@ typedef struct scratch_map {
     cache_hdr *hdr;
     float *qs, *dos, *s, *dp, *tr, *m, *l;
     float *cache[C_KINDS];
-    float *rows;  // backward: P and dP of a row block, tile after tile
     size_t tile_floats[C_KINDS];
     unsigned char *done;  // (C_KINDS, nt)
 } scratch_map;
@@ -63,7 +61,6 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
         m.cache[c] = p;
         p += (size_t)nt * m.tile_floats[c];
     }
-    m.rows = p;
     return m;
 }
 
@@ -72,8 +69,7 @@ size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx, b
     return 16 + round16((size_t)(BR * D)) + round16((size_t)(BR * Dv)) + 3 * BR * BC + 2 * BR +
            round16((size_t)(C_KINDS * nt + 3) / 4) +
            (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
-               (backward ? 2 : 1) +
-           (backward ? (size_t)(3 * BR * BC) * (size_t)nt : 0);
+               (backward ? 2 : 1);
 }
 
 void mha__flash_scratch_reset(float *scratch) {
@@ -294,10 +290,9 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
         scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL);
+        kt->exp_scale_rows(sm.s, n, br, n, a->stats + 2 * i0);  // P = exp(S - m) / l
         for (int64_t r = 0; r < br; r++) {
             float *row = sm.s + r * n;
-            kt->exp_shift(row, n, a->stats[2 * (i0 + r)]);
-            kt->scale_row(row, n, a->stats[2 * (i0 + r) + 1]);
             if (a->drop) drop_row(a, row, i0 + r, j0, n);
             for (int64_t j = 0; j < n; j++) mha__st(w, r, j0 + j, row[j]);
         }
@@ -315,11 +310,8 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
 static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
                      const float *dOt, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
                      int64_t n, float *s, float *dp, float *deriv) {
-    scores(kt, a, sm, s, i0, br, j0, n, deriv);  // S = cap(scale q k^T) + mask
-    for (int64_t r = 0; r < br; r++) {           // P = exp(S - m) / l
-        kt->exp_shift(s + r * n, n, a->stats[2 * (i0 + r)]);
-        kt->scale_row(s + r * n, n, a->stats[2 * (i0 + r) + 1]);
-    }
+    scores(kt, a, sm, s, i0, br, j0, n, deriv);             // S = cap(scale q k^T) + mask
+    kt->exp_scale_rows(s, n, br, n, a->stats + 2 * i0);     // P = exp(S - m) / l
     const float *vtile = packed_tile(kt, a, sm, j0, C_VT);  // dP' = dO v^T
     kt->gemm_nn(dp, n, dOt, do_rs, vtile, width_of(a, j0), br, n, a->Dv);
     if (a->drop)  // dP = dP' * drop (the factor is 0 or 1/(1-p))
@@ -329,16 +321,14 @@ static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_m
 // dp <- dS = P (dP - Dsum) row by row (times the soft cap's derivative,
 // when there is one: the gradient of the raw scaled scores); then
 // s <- P' = P * drop.
-static void softmax_bwd(const mha__flash_head *a, const float *Dsum, int64_t i0, int64_t br,
-                        int64_t j0, int64_t n, float *s, float *dp, const float *deriv) {
-    for (int64_t r = 0; r < br; r++) {
-        float *pr = s + r * n, *dr = dp + r * n;
-        const float dsum = Dsum[i0 + r];
-        for (int64_t j = 0; j < n; j++) dr[j] = pr[j] * (dr[j] - dsum);
-        if (a->mask->softcap > 0.0f)
-            for (int64_t j = 0; j < n; j++) dr[j] *= deriv[r * n + j];
-        if (a->drop) drop_row(a, pr, i0 + r, j0, n);
-    }
+static void softmax_bwd(const mha__kernels *kt, const mha__flash_head *a, const float *Dsum,
+                        int64_t i0, int64_t br, int64_t j0, int64_t n, float *s, float *dp,
+                        const float *deriv) {
+    kt->dsoftmax_rows(dp, s, n, br, n, Dsum + i0);
+    if (a->mask->softcap > 0.0f)
+        for (int64_t e = 0; e < br * n; e++) dp[e] *= deriv[e];
+    if (a->drop)
+        for (int64_t r = 0; r < br; r++) drop_row(a, s + r * n, i0 + r, j0, n);
 }
 
 // The query rows that can see keys [j0, j0 + n) through the band: tiles
@@ -373,7 +363,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const f
         int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
         load_q(a, sm.qs, i0, br);
         bwd_tile(kt, a, &sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, s, dp, sm.tr);
-        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp, sm.tr);
+        softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, sm.tr);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
         kt->gemm_tn_acc(dv, dv_rs, s, n, dO + i0 * do_rs, do_rs, n, Dv, br);
         // dk (n, D) += dS^T (n, br) (scale q) (br, D)
@@ -381,8 +371,50 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const f
     }
 }
 
+// Dsum[i0, i1) = rowsum(dO * O) (FlashAttention-2's D, from the
+// forward's context O = a->o), each row through the very kernel dP = dO
+// v^T uses (gemm_nn, one (1, Dv) x (Dv, 1) product: the same per-element
+// sum order), so that a one-hot row (O = v_j exactly) gets Dsum = dP_j. A
+// fully masked row (O = 0) gets 0.
+static void dsum_rows(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                      int64_t do_rs, float *Dsum, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++)
+        kt->gemm_nn(Dsum + i, 1, dO + i * do_rs, a->Dv, a->o + i * a->o_rs, 1, 1, 1, a->Dv);
+}
+
+// Whether a row of [i0, i1) is near one-hot: its largest weight P = 1/l
+// (exp(0) / l) above 1 - MHA__FLASH_SAT (flash.h).
+static bool block_saturated(const mha__flash_head *a, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++)
+        if (a->stats[2 * i + 1] > 1.0f - MHA__FLASH_SAT) return true;
+    return false;
+}
+
+// Dsum[i0, i1) of one query tile (at most BR rows): rowsum(dO * O), or
+// for a near one-hot tile (flash.h) sum_j P dP over the tiles the dS use
+// (a sweep more; q_loaded: sm->qs holds the tile's scaled q already).
+static void block_dsum(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
+                       const float *dO, int64_t do_rs, float *Dsum, int64_t i0, int64_t i1,
+                       bool q_loaded) {
+    const int64_t br = i1 - i0;
+    if (!block_saturated(a, i0, i1)) {
+        dsum_rows(kt, a, dO, do_rs, Dsum, i0, i1);
+        return;
+    }
+    if (!q_loaded) load_q(a, sm->qs, i0, br);
+    for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
+    key_iter it = keys_of(a, i0, i1);
+    int64_t j0, n;
+    while (next_tile(&it, &j0, &n)) {
+        bwd_tile(kt, a, sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, sm->s, sm->dp, sm->tr);
+        kt->dot_acc_rows(Dsum + i0, sm->s, sm->dp, n, br, n);  // 16 partial sums per row
+    }
+}
+
 // Pass B for rows [i0, i1) (see flash.h); with dk != NULL also the rows'
-// share of dk, dv, dxk, dxv (accumulated: the caller zeroes them).
+// share of dk, dv, dxk, dxv (accumulated: the caller zeroes them). One
+// sweep over the key tiles: each tile's P, dP, dS recomputed into the
+// (BR, BC) tiles of the scratch and used at once.
 static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                      int64_t do_rs, float *Dsum, int64_t i0, int64_t i1, float *dq,
                      int64_t dq_rs, float *dk, int64_t dk_rs, float *dv, int64_t dv_rs,
@@ -394,37 +426,15 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
     for (int64_t r = 0; r < br; r++)
         memcpy(sm.dos + r * Dv, dO + (i0 + r) * do_rs, sizeof(float) * (size_t)Dv);
     const float *dOt = sm.dos;  // the tile's dO rows, row stride Dv
-    // Dsum_i = sum_j P_ij dP_ij from the very tiles the dS use, the P and
-    // dP tiles kept in sm.rows for the second sweep.
-    if (!a->dsum_fixed)
-        for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
-    key_iter it = keys_of(a, i0, i1);
+    if (!a->dsum_fixed) block_dsum(kt, a, &sm, dO, do_rs, Dsum, i0, i1, true);
+    float *s = sm.s, *dp = sm.dp, *deriv = sm.tr;
     int64_t j0, n;
-    float *tile = sm.rows;
-    while (next_tile(&it, &j0, &n)) {
-        float *s = tile, *dp = tile + br * n, *dv_ = tile + 2 * br * n;
-        bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, dv_);
-        for (int64_t r = 0; r < br && !a->dsum_fixed;
-             r++) {  // 16 partial sums: vectorised, fixed order
-            float acc[16] = {0};
-            const float *sr = s + r * n, *dr = dp + r * n;
-            int64_t j = 0;
-            for (; j + 16 <= n; j += 16)
-                for (int u = 0; u < 16; u++) acc[u] += sr[j + u] * dr[j + u];
-            for (int u = 0; j < n; j++, u++) acc[u] += sr[j] * dr[j];
-            float sum = 0.0f;
-            for (int u = 0; u < 16; u++) sum += acc[u];
-            Dsum[i0 + r] += sum;
-        }
-        tile += 3 * br * n;
-    }
     for (int64_t r = 0; r < br; r++)
         for (int64_t c = 0; c < D; c++) dq[r * dq_rs + c] = 0.0f;
-    it = keys_of(a, i0, i1);
-    tile = sm.rows;
+    key_iter it = keys_of(a, i0, i1);
     while (next_tile(&it, &j0, &n)) {
-        float *s = tile, *dp = tile + br * n;
-        softmax_bwd(a, Dsum, i0, br, j0, n, s, dp, tile + 2 * br * n);  // dp <- dS, s <- P'
+        bwd_tile(kt, a, &sm, dOt, Dv, i0, br, j0, n, s, dp, deriv);  // s <- P, dp <- dP
+        softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);       // dp <- dS, s <- P'
         // dq (br, D) += dS (br, n) k (n, D), then * scale below
         kt->gemm_nn_acc(dq, dq_rs, dp, n, packed_tile(kt, a, &sm, j0, C_KR), D, br, D, n);
         if (dk) {
@@ -432,7 +442,6 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
             kt->gemm_tn_acc(x ? dxv : dv + j0 * dv_rs, x ? Dv : dv_rs, s, n, dOt, Dv, n, Dv, br);
             kt->gemm_tn_acc(x ? dxk : dk + j0 * dk_rs, x ? D : dk_rs, dp, n, sm.qs, D, n, D, br);
         }
-        tile += 3 * br * n;
     }
     for (int64_t r = 0; r < br; r++) kt->scale_row(dq + r * dq_rs, D, a->scale);
 }
@@ -443,19 +452,62 @@ void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a, const fl
     bwd_rows(kt, a, dO, do_rs, Dsum, i0, i1, dq, dq_rs, NULL, 0, NULL, 0, NULL, NULL, scratch);
 }
 
+// The width of key tile j0 (a multiple of BC, or S: the appended keys)
+// that query tile [i0, i1) visits, as keys_of gives it; 0: not visited.
+static int64_t pair_width(const mha__flash_head *a, int64_t i0, int64_t i1, int64_t j0) {
+    if (j0 >= a->S) return a->nx;
+    int64_t lo, hi;
+    mha__flash_key_range(a, i0, i1, &lo, &hi);
+    if (lo >= hi || j0 < (lo / BC) * BC || j0 >= hi) return 0;
+    return hi - j0 < BC ? hi - j0 : BC;
+}
+
+// Key tile outer, query tile inner (FlashAttention-2's loop order): while
+// a key tile's dk, dv rows and its K^T, V^T, K tiles stay in cache, the
+// query tiles' q, dO and dq rows stream by. Every (query tile, key tile)
+// pair of pass B, with the same widths: each dq element receives the same
+// terms in the same (key tile) order as in pass B, each dk, dv element the
+// same (query tile) order as in pass A.
 void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                          int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
                          int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
                          bool acc, float *scratch) {
+    const int64_t D = a->D, Dv = a->Dv, L = a->L;
     for (int64_t j = 0; j < a->S + a->nx && !acc; j++) {
-        float *kr = j < a->S ? dk + j * dk_rs : dxk + (j - a->S) * a->D;
-        float *vr = j < a->S ? dv + j * dv_rs : dxv + (j - a->S) * a->Dv;
-        for (int64_t c = 0; c < a->D; c++) kr[c] = 0.0f;
-        for (int64_t c = 0; c < a->Dv; c++) vr[c] = 0.0f;
+        float *kr = j < a->S ? dk + j * dk_rs : dxk + (j - a->S) * D;
+        float *vr = j < a->S ? dv + j * dv_rs : dxv + (j - a->S) * Dv;
+        for (int64_t c = 0; c < D; c++) kr[c] = 0.0f;
+        for (int64_t c = 0; c < Dv; c++) vr[c] = 0.0f;
     }
-    for (int64_t i0 = 0; i0 < a->L; i0 += BR) {
-        bwd_rows(kt, a, dO, do_rs, Dsum, i0, mha__tile_end(i0, BR, a->L), dq + i0 * dq_rs,
-                 dq_rs, dk, dk_rs, dv, dv_rs, dxk, dxv, scratch);
+    scratch_map sm = head_scratch(a, scratch);
+    for (int64_t i0 = 0; i0 < L; i0 += BR) {
+        const int64_t i1 = mha__tile_end(i0, BR, L);
+        if (!a->dsum_fixed) block_dsum(kt, a, &sm, dO, do_rs, Dsum, i0, i1, false);
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t c = 0; c < D; c++) dq[i * dq_rs + c] = 0.0f;
+    }
+    float *s = sm.s, *dp = sm.dp, *deriv = sm.tr;
+    for (int64_t t = 0; t < n_tiles(a->S, a->nx); t++) {
+        int64_t j0, w;
+        tile_keys(a, t, &j0, &w);
+        const bool x = j0 >= a->S;
+        float *dvt = x ? dxv : dv + j0 * dv_rs, *dkt = x ? dxk : dk + j0 * dk_rs;
+        const int64_t dvs = x ? Dv : dv_rs, dks = x ? D : dk_rs;
+        for (int64_t i0 = 0; i0 < L; i0 += BR) {
+            const int64_t i1 = mha__tile_end(i0, BR, L), br = i1 - i0;
+            const int64_t n = pair_width(a, i0, i1, j0);
+            if (n <= 0) continue;
+            const float *dOt = dO + i0 * do_rs;
+            load_q(a, sm.qs, i0, br);
+            bwd_tile(kt, a, &sm, dOt, do_rs, i0, br, j0, n, s, dp, deriv);  // P, dP
+            softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);          // dS, P'
+            // dq (br, D) += dS (br, n) k (n, D), then * scale below
+            kt->gemm_nn_acc(dq + i0 * dq_rs, dq_rs, dp, n, packed_tile(kt, a, &sm, j0, C_KR),
+                            D, br, D, n);
+            kt->gemm_tn_acc(dvt, dvs, s, n, dOt, do_rs, n, Dv, br);  // dv += P'^T dO
+            kt->gemm_tn_acc(dkt, dks, dp, n, sm.qs, D, n, D, br);    // dk += dS^T (scale q)
+        }
         if (a->progress) a->progress(a->progress_arg);
     }
+    for (int64_t i = 0; i < L; i++) kt->scale_row(dq + i * dq_rs, D, a->scale);
 }

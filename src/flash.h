@@ -23,7 +23,8 @@ typedef struct mha__flash_head {
     // masked; xk (nx, D), xv (nx, Dv), contiguous
     const float *xk, *xv;
     int64_t nx;
-    float *o;  // (L, Dv), row stride o_rs: overwritten
+    float *o;  // (L, Dv), row stride o_rs: overwritten by the forward, read by
+               // the backward (Dsum)
     int64_t o_rs;
     float *stats;  // (L, 2) or NULL: each row's score max m and 1/l (l the
                    // sum of exp(s - m)), so P = exp(s - m) / l is
@@ -34,11 +35,12 @@ typedef struct mha__flash_head {
     const mha__mask *mask;     // over the S keys (s_masked = S)
     const mha__dropout *drop;  // NULL: none; its S is S + nx
     int64_t b, h;
-    // Backward: Dsum given (rowsum(dO * O) of the whole softmax, when the
-    // backward runs one block of keys at a time) and only read; otherwise
-    // computed from this head's tiles (below).
+    // Backward: Dsum given (rowsum(dO * O) of the whole softmax, e.g. when
+    // the backward runs one block of keys at a time) and only read;
+    // otherwise written by pass B / the head's backward from dO and o, the
+    // forward's context of the head (read, not written, by the backward).
     bool dsum_fixed;
-    // Called between query tiles by mha__flash_bwd_head (NULL: none): a
+    // Called between key tiles by mha__flash_bwd_head (NULL: none): a
     // caller's progress callback (e.g. to drive its messages).
     void (*progress)(void *arg);
     void *progress_arg;
@@ -72,40 +74,62 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
 
 
 // ---------------------------------------------------------------------------
-// Backward (FlashAttention-2's, in two passes so that no sum's order depends
-// on the threads: every dk, dv row is summed by its key tile's pass, every
-// dq row by its query tile's pass). dO (L, Dv) is the context's gradient,
-// Dsum (L) = sum_j P dP (= rowsum(dO * O) in exact arithmetic), stats from
-// the forward.
+// Backward: FlashAttention-2's (https://arxiv.org/abs/2307.08691, alg. 2),
+// one sweep per (query tile, key tile) with nothing of the (L, S) matrices
+// kept beyond the (BR, BC) tiles in use. dO (L, Dv) is the context's
+// gradient, stats from the forward, and
+//   Dsum_i = rowsum(dO_i * O_i)   (= sum_j P_ij dP_ij; dropout included,
+//                                  as O = P' v), computed up front from the
+//                                  forward's context O = a->o (or given)
+// then per tile pair, recomputed and used at once:
 //   S = scale q k^T + mask;  P = exp(S - m) / l;  P' = P * drop
 //   dv += P'^T dO;  dP = (dO v^T) * drop;  dS = P (dP - Dsum)
 //   dk += scale dS^T q;  dq += scale dS k
+// No sum's order depends on the threads: every dk, dv row is summed by its
+// key tile's owner, every dq row by its query tile's, in increasing tile
+// order.
+//
+// Dsum from O is not the sum of the very (rounded) P dP products the dS
+// use: a row's dS carry ~2^-24 |dO| |v| of its rounding, which swamps them
+// where the row is near one-hot (dS ~ (1 - max P) |dP|; PyTorch's math
+// path, Dsum = sum_j P dP, cancels there). So a query tile with a row whose
+// largest weight 1/l exceeds 1 - MHA__FLASH_SAT takes Dsum = sum_j P dP
+// (the same tiles, a sweep of 2 GEMMs more per tile pair, nothing stored):
+// a one-hot row then gets dS = 0 exactly, dropout or not. A fully masked
+// row (P = 0, O = 0, Dsum = 0) gets dS = 0 exactly either way: zero dq and
+// no share of dk, dv.
+#define MHA__FLASH_SAT 0x1p-10f
 
 // Pass A: keys [j0, j0 + n) (j0 a multiple of MHA__FLASH_BC, n <=
 // MHA__FLASH_BC, or the nx appended keys when j0 == S): dk (n, D) and dv
 // (n, Dv), overwritten (acc false) or added to (acc true: grouped-query
-// attention, the KV head's later query heads, in increasing order).
+// attention, the KV head's later query heads, in increasing order). Reads
+// Dsum of every row the keys see.
 void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                        int64_t do_rs, const float *Dsum, int64_t j0, int64_t n, float *dk,
                        int64_t dk_rs, float *dv, int64_t dv_rs, bool acc, float *scratch);
 
-// Pass B: rows [i0, i1) (at most MHA__FLASH_BR): Dsum[i0, i1) (written:
-// sum_j P dP over the same tiles, so a one-hot row gets dS = 0 exactly,
-// dropout or not) and dq (i1 - i0, D), overwritten. Runs before pass A,
-// which reads Dsum.
+// Pass B: rows [i0, i1) (at most MHA__FLASH_BR): Dsum[i0, i1) (written
+// from dO and O unless dsum_fixed) and dq (i1 - i0, D), overwritten. Runs
+// before pass A when pass A reads the Dsum it writes.
 void mha__flash_bwd_q(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                       int64_t do_rs, float *Dsum, int64_t i0, int64_t i1, float *dq,
                       int64_t dq_rs, float *scratch);
 
-// The whole backward of one head by one thread: pass B for each query tile
-// in order, and with each tile's P' and dS (kept from pass B) dk += dS^T q,
-// dv += P'^T dO at once, so S and dP are computed once per tile pair (5
-// GEMMs per tile pair instead of 7). Writes Dsum (L), dq (L, D), dk, dv
-// (S, D / Dv) and the appended keys' dxk, dxv (nx, D / Dv, contiguous), all
-// overwritten (dk, dv, dxk, dxv added to with acc: grouped-query attention,
-// a KV head's query heads one after the other in increasing order).
-// Bit-identical to pass B + pass A: every dk, dv element receives the same
-// terms in the same order (query heads, then query tiles, increasing).
+// The whole backward of one head by one thread: Dsum of every query tile
+// first (unless dsum_fixed), then FlashAttention-2's loop order, key tile
+// outer (its dk, dv rows and K^T, V^T, K tiles stay in cache) and query
+// tile inner (q, dO, dq rows stream by), each tile pair's P' and dS used
+// for dq += dS k, dk += dS^T q, dv += P'^T dO at once, so S and dP are
+// computed once per tile pair (5 GEMMs per tile pair instead of 7). Writes
+// Dsum (L) (unless dsum_fixed), dq (L, D), dk, dv (S, D / Dv) and the
+// appended keys' dxk, dxv (nx, D / Dv, contiguous), all overwritten (dk,
+// dv, dxk, dxv added to with acc: grouped-query attention, a KV head's
+// query heads one after the other in increasing order). progress is called
+// after each key tile. Bit-identical to pass B + pass A: the same tile
+// pairs with the same widths; every dq element receives the same terms in
+// the same (key tile) order as in pass B, every dk, dv element in the same
+// (query heads, then query tiles, increasing) order as in pass A.
 void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                          int64_t do_rs, float *Dsum, float *dq, int64_t dq_rs, float *dk,
                          int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,

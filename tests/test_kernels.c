@@ -1,7 +1,7 @@
 // test_kernels.c: every ISA kernel this machine has against the generic
 // (scalar) one, on random odd shapes and strides: gemm (overwrite and
 // accumulate), the online-softmax update (including -inf, fully masked and
-// huge inputs) and scale_row. The packed-B GEMM (pack_b, gemm_packed and
+// huge inputs), scale_row and the flash backward's row passes. The packed-B GEMM (pack_b, gemm_packed and
 // the threaded driver of gemm.h), every ISA and scalar: the packed layout,
 // results against a double-precision loop (edges, strides, accumulate,
 // bias, K = 0), bit-identity with gemm_nn + bias, and the same bits for
@@ -525,6 +525,64 @@ static void test_softmax_rows(const mha__kernels *k) {
         }
 }
 
+// The flash backward's row passes: exp_scale_rows bit for bit exp_shift +
+// scale_row of the same table (and close to the generic one), dot_acc_rows
+// and dsoftmax_rows bit for bit the generic ones (their order is the
+// contract's), on tails, row strides wider than n, fully masked rows
+// (m = -inf), -inf scores and values of every size.
+static void test_bwd_rows(const mha__kernels *k, const mha__kernels *g) {
+    const int64_t Rs[] = {1, 3, 64}, ns[] = {1, 7, 15, 16, 17, 33, 128, 130};
+    for (size_t a = 0; a < sizeof Rs / sizeof Rs[0]; a++)
+        for (size_t b = 0; b < sizeof ns / sizeof ns[0]; b++) {
+            const int64_t R = Rs[a], n = ns[b], ld = n + 5, sz = R * ld;
+            float *x1 = falloc(sz), *x2 = falloc(sz), *x3 = falloc(sz), *y1 = falloc(sz),
+                  *y2 = falloc(sz), st[128], s1[64], s2[64];
+            for (int64_t r = 0; r < R; r++) {
+                st[2 * r] = r % 4 == 1 ? -INFINITY : 3.0f * frand();
+                st[2 * r + 1] = r % 4 == 1 ? 0.0f : 0.01f + frand() * frand();
+                s1[r] = s2[r] = frand();
+                for (int64_t j = 0; j < ld; j++) {
+                    float v = 20.0f * frand() - 10.0f;
+                    if (j % 7 == 3) v = -INFINITY;
+                    x1[r * ld + j] = x2[r * ld + j] = x3[r * ld + j] = v;
+                    y1[r * ld + j] = y2[r * ld + j] = (j % 5 == 0 ? 1e4f : 1.0f) * frand();
+                }
+            }
+            k->exp_scale_rows(x1, ld, R, n, st);
+            g->exp_scale_rows(x3, ld, R, n, st);
+            int bad = 0;
+            double e = 0;
+            for (int64_t r = 0; r < R; r++) {
+                k->exp_shift(x2 + r * ld, n, st[2 * r]);
+                k->scale_row(x2 + r * ld, n, st[2 * r + 1]);
+                bad += memcmp(x1 + r * ld, x2 + r * ld, sizeof(float) * (size_t)ld) != 0;
+                for (int64_t j = 0; j < n; j++)
+                    e = fmax(e, fabs((double)x1[r * ld + j] - x3[r * ld + j]) /
+                                    (fabs(x3[r * ld + j]) + 1e-30));
+            }
+            CHECKF(bad == 0, "%s exp_scale_rows R %lld n %lld: %d rows differ from exp_shift + scale_row",
+                   k->isa, (long long)R, (long long)n, bad);
+            CHECKF(e < 6e-7, "%s exp_scale_rows R %lld n %lld: max rel diff %g from scalar", k->isa,
+                   (long long)R, (long long)n, e);
+            // P (x3, the generic's, so both tables see the same input) and dP (y)
+            k->dot_acc_rows(s1, x3, y1, ld, R, n);
+            g->dot_acc_rows(s2, x3, y2, ld, R, n);
+            CHECKF(memcmp(s1, s2, sizeof(float) * (size_t)R) == 0,
+                   "%s dot_acc_rows R %lld n %lld: not the scalar bits", k->isa, (long long)R,
+                   (long long)n);
+            k->dsoftmax_rows(y1, x3, ld, R, n, s1);
+            g->dsoftmax_rows(y2, x3, ld, R, n, s2);
+            CHECKF(memcmp(y1, y2, sizeof(float) * (size_t)sz) == 0,
+                   "%s dsoftmax_rows R %lld n %lld: not the scalar bits", k->isa, (long long)R,
+                   (long long)n);
+            free(x1);
+            free(x2);
+            free(x3);
+            free(y1);
+            free(y2);
+        }
+}
+
 // cvt_bf16 / cvt_f16 / cvt_i8: bit for bit the scalar conversions (every
 // finite f16 and a spread of bf16 patterns, lengths with tails).
 static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
@@ -605,6 +663,7 @@ int main(void) {
         test_gemm(k, g);
         test_softmax(k, g);
         test_softmax_rows(k);
+        test_bwd_rows(k, g);
         test_cvt(k, g);
         test_rows_q(k, g);
         test_gemm_tn(k);
@@ -615,6 +674,7 @@ int main(void) {
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_gemm_tn(g);
     test_softmax_rows(g);
+    test_bwd_rows(g, g);
     test_packed(g);
     test_transpose(g);
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());

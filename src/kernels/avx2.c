@@ -386,6 +386,59 @@ static void exp_shift(float *x, int64_t n, float c) {
     }
 }
 
+// exp_shift then scale_row, row by row, each vector in one go (the same
+// operations, so the same bits).
+static void exp_scale_rows(float *x, int64_t ld, int64_t R, int64_t n, const float *st) {
+    for (int64_t r = 0; r < R; r++) {
+        float *xr = x + r * ld;
+        const float c = st[2 * r];
+        const __m256 vc = _mm256_set1_ps(c), va = _mm256_set1_ps(st[2 * r + 1]);
+        for (int64_t j = 0; j < n; j += 8) {
+            const __m256i k = tail_mask(n - j);
+            __m256 e = c == -INFINITY
+                           ? _mm256_setzero_ps()
+                           : exp256(_mm256_sub_ps(_mm256_maskload_ps(xr + j, k), vc));
+            _mm256_maskstore_ps(xr + j, k, _mm256_mul_ps(e, va));
+        }
+    }
+}
+
+// Two 8-lane accumulators = the contract's 16 partial sums (lanes 0-7 and
+// 8-15; masked tail lanes add 0 * 0), then summed in order.
+static void dot_acc_rows(float *sum, const float *a, const float *b, int64_t ld, int64_t R,
+                         int64_t n) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *ar = a + r * ld, *br = b + r * ld;
+        __m256 lo = _mm256_setzero_ps(), hi = lo;
+        for (int64_t j = 0; j < n; j += 16) {
+            const __m256i k0 = tail_mask(n - j), k1 = tail_mask(n - j - 8);
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_maskload_ps(ar + j, k0),
+                                                 _mm256_maskload_ps(br + j, k0)));
+            hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_maskload_ps(ar + j + 8, k1),
+                                                 _mm256_maskload_ps(br + j + 8, k1)));
+        }
+        float p[16], t = 0.0f;
+        _mm256_storeu_ps(p, lo);
+        _mm256_storeu_ps(p + 8, hi);
+        for (int u = 0; u < 16; u++) t += p[u];
+        sum[r] += t;
+    }
+}
+
+static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64_t n,
+                          const float *ds) {
+    for (int64_t r = 0; r < R; r++) {
+        float *dr = d + r * ld;
+        const float *pr = p + r * ld;
+        const __m256 c = _mm256_set1_ps(ds[r]);
+        for (int64_t j = 0; j < n; j += 8) {
+            const __m256i k = tail_mask(n - j);
+            const __m256 v = _mm256_sub_ps(_mm256_maskload_ps(dr + j, k), c);
+            _mm256_maskstore_ps(dr + j, k, _mm256_mul_ps(_mm256_maskload_ps(pr + j, k), v));
+        }
+    }
+}
+
 void mha__kernels_fill_avx2(mha__kernels *k) {
     k->isa = "avx2";
     k->gemm_nn = gemm_nn;
@@ -395,6 +448,9 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->softmax_rows = softmax_rows;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->exp_scale_rows = exp_scale_rows;
+    k->dot_acc_rows = dot_acc_rows;
+    k->dsoftmax_rows = dsoftmax_rows;
     k->pk_nr = PNR;
     k->pk_mr = PMR;
     k->pk_kc = PKC;

@@ -697,6 +697,56 @@ static void exp_shift(float *x, int64_t n, float c) {
     }
 }
 
+// exp_shift then scale_row, row by row, each vector in one go (the same
+// operations, so the same bits).
+static void exp_scale_rows(float *x, int64_t ld, int64_t R, int64_t n, const float *st) {
+    for (int64_t r = 0; r < R; r++) {
+        float *xr = x + r * ld;
+        const float c = st[2 * r];
+        const __m512 vc = _mm512_set1_ps(c), va = _mm512_set1_ps(st[2 * r + 1]);
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            __m512 e = c == -INFINITY
+                           ? _mm512_setzero_ps()
+                           : exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, xr + j), vc));
+            _mm512_mask_storeu_ps(xr + j, k, _mm512_mul_ps(e, va));
+        }
+    }
+}
+
+// 16 lanes = the contract's 16 partial sums (masked tail lanes add 0 * 0);
+// the lanes then summed in order, as the contract says.
+static void dot_acc_rows(float *sum, const float *a, const float *b, int64_t ld, int64_t R,
+                         int64_t n) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *ar = a + r * ld, *br = b + r * ld;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, ar + j),
+                                                   _mm512_maskz_loadu_ps(k, br + j)));
+        }
+        float p[16], t = 0.0f;
+        _mm512_storeu_ps(p, acc);
+        for (int u = 0; u < 16; u++) t += p[u];
+        sum[r] += t;
+    }
+}
+
+static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64_t n,
+                          const float *ds) {
+    for (int64_t r = 0; r < R; r++) {
+        float *dr = d + r * ld;
+        const float *pr = p + r * ld;
+        const __m512 c = _mm512_set1_ps(ds[r]);
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dr + j), c);
+            _mm512_mask_storeu_ps(dr + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + j), v));
+        }
+    }
+}
+
 void mha__kernels_fill_avx512(mha__kernels *k) {
     k->isa = "avx512";
     k->gemm_nn = gemm_nn;
@@ -712,6 +762,9 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->exp_scale_rows = exp_scale_rows;
+    k->dot_acc_rows = dot_acc_rows;
+    k->dsoftmax_rows = dsoftmax_rows;
     k->transpose = transpose;
     k->pk_nr = PNR;
     k->pk_mr = PMR;

@@ -136,6 +136,43 @@ static void exp_shift(float *x, int64_t n, float c) {
     for (int64_t j = 0; j < n; j++) x[j] = expf(x[j] - c);
 }
 
+static void exp_scale_rows(float *x, int64_t ld, int64_t R, int64_t n, const float *st) {
+    for (int64_t r = 0; r < R; r++) {
+        exp_shift(x + r * ld, n, st[2 * r]);
+        scale_row(x + r * ld, n, st[2 * r + 1]);
+    }
+}
+
+static void dot_acc_rows(float *sum, const float *a, const float *b, int64_t ld, int64_t R,
+                         int64_t n) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *ar = a + r * ld, *br = b + r * ld;
+        float acc[16] = {0};
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16)
+            for (int u = 0; u < 16; u++) {
+                const float t = ar[j + u] * br[j + u];
+                acc[u] = acc[u] + t;
+            }
+        for (int u = 0; j < n; j++, u++) {
+            const float t = ar[j] * br[j];
+            acc[u] = acc[u] + t;
+        }
+        float t = 0.0f;
+        for (int u = 0; u < 16; u++) t += acc[u];
+        sum[r] += t;
+    }
+}
+
+static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64_t n,
+                          const float *ds) {
+    for (int64_t r = 0; r < R; r++) {
+        float *dr = d + r * ld;
+        const float *pr = p + r * ld, c = ds[r];
+        for (int64_t j = 0; j < n; j++) dr[j] = pr[j] * (dr[j] - c);
+    }
+}
+
 // In 16 x 16 blocks: each block's reads and writes stay in a few lines.
 static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
                       int64_t cols) {
@@ -232,6 +269,9 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
+    k->exp_scale_rows = exp_scale_rows;
+    k->dot_acc_rows = dot_acc_rows;
+    k->dsoftmax_rows = dsoftmax_rows;
     k->transpose = transpose;
     k->pk_nr = GNR;
     k->pk_mr = GMR;

@@ -85,6 +85,24 @@ typedef struct mha__kernels {
     // exp_shift: x_j <- exp(x_j - c) for j < n; -inf gives 0; c = -inf
     // (a fully masked row) gives 0 everywhere.
     void (*exp_shift)(float *x, int64_t n, float c);
+    // The flash backward's row passes over a (R, n) tile, row stride ld:
+    // exp_scale_rows: row r <- exp_shift(row, n, st[2r]), then
+    //   scale_row(row, n, st[2r + 1]) (P = exp(s - m) / l from the
+    //   forward's (m, 1/l) pairs): bit-identical, on every table, to those
+    //   two calls of the same table.                   overwrite (in place)
+    void (*exp_scale_rows)(float *x, int64_t ld, int64_t R, int64_t n, const float *st);
+    // dot_acc_rows: sum[r] += sum_j a[r*ld + j] b[r*ld + j]    accumulate
+    //   in one order on every table (bit-identical everywhere): 16 partial
+    //   sums from 0, p_u = p_u + a_j b_j (the product rounded, then the
+    //   sum: no FMA) for j = u mod 16 in increasing j; then
+    //   t = ((0 + p_0) + p_1) ... + p_15; sum[r] = sum[r] + t.
+    void (*dot_acc_rows)(float *sum, const float *a, const float *b, int64_t ld, int64_t R,
+                         int64_t n);
+    // dsoftmax_rows: d[r*ld + j] = p[r*ld + j] * (d[r*ld + j] - ds[r])
+    //   (the softmax backward dS = P (dP - Dsum)); bit-identical on every
+    //   table.                                         overwrite (in place)
+    void (*dsoftmax_rows)(float *d, const float *p, int64_t ld, int64_t R, int64_t n,
+                          const float *ds);
 
     // ---- Packed-B GEMM (the projections; threaded driver in gemm.c) ----
     // B (K, N) is packed once into pk_nr-wide column panels, each
