@@ -14,8 +14,12 @@ absolute and relative difference between them and the initial and final
 losses; --csv FILE writes step, loss_torch, loss_mha for every step.
 
 With --dropout 0 the two runs differ only by float32 rounding in the
-attention (mha's fused kernels against torch's GEMMs and softmax), so the
-curves agree to ~1e-5 relative. With --dropout p > 0 they draw different
+attention (mha's fused kernels against torch's GEMMs and softmax), and
+Adam carries those differences on from step to step: measured over 200
+steps (2026-12-01), the curves agree to 2.6e-7 relative with PyTorch 1.13
+and to 1.4e-4 relative with 2.15 (the differences grow from ~1e-7 in the
+first 50 steps as the loss falls steeply); at step 1 every gradient is
+within 4x torch's own float32 error against a float64 run. With --dropout p > 0 they draw different
 masks (torch's dropout in the layer and mha's Philox dropout in the
 attention, both seeded from torch's generator) and differ by randomness.
 
