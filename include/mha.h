@@ -188,9 +188,24 @@ typedef enum mha_head_gate {
 MHA_API const char *mha_head_gate_name(mha_head_gate g);  // "none", "static", "dynamic"
 MHA_API MHA_NODISCARD mha_status mha_head_gate_from_name(mha_head_gate *out, const char *name);
 
+// QK-norm (mha_config.qk_norm): RMSNorm of the projected q and k, after
+// their biases and before RoPE, as Qwen3 and OLMo 2 do:
+// x <- x / sqrt(mean(x^2) + eps) * w, the mean (in float32 or double, as
+// the path computes) over
+//   MHA_QK_NORM_HEAD: each head's d features; parameters "q_norm.weight"
+//                     and "k_norm.weight", both (d) (Qwen3)
+//   MHA_QK_NORM_ALL:  all of q's H d features and all of k's Hkv d;
+//                     "q_norm.weight" (H d), "k_norm.weight" (Hkv d) (OLMo 2)
+// The keys appended by add_bias_kv / add_zero_attn are not normalised.
+typedef enum mha_qk_norm {
+    MHA_QK_NORM_NONE = 0,
+    MHA_QK_NORM_HEAD = 1,
+    MHA_QK_NORM_ALL = 2,
+} mha_qk_norm;
+
 typedef struct mha_config {
     int64_t embed_dim;        // E
-    int64_t num_heads;        // H; must divide E
+    int64_t num_heads;        // H; must divide E (unless head_dim is set)
     int64_t kdim;             // features of key; 0 means E
     int64_t vdim;             // features of value; 0 means E
     bool bias;                // in_proj_bias and out_proj.bias (default true)
@@ -223,6 +238,28 @@ typedef struct mha_config {
     mha_head_gate head_gate;  // per-head output gates (see mha_head_gate):
                               // MHA_GATE_NONE (the default, 0),
                               // MHA_GATE_STATIC or MHA_GATE_DYNAMIC
+    // The layouts and options of real checkpoints (Hugging Face models;
+    // every field's zero is the nn.MultiheadAttention behaviour):
+    int64_t head_dim;     // d: 0 means E / H (then H must divide E); else
+                          // q projects to Eq = H d features, k and v to
+                          // Ekv = Hkv d, and out_proj.weight is (E, Eq)
+                          // (Gemma, Qwen3: d is not E / H). The parameter
+                          // shapes below read E + 2 Ekv as Eq + 2 Ekv and
+                          // q_proj_weight (E, E) as (Eq, E).
+    bool separate_qkv;    // q_proj_weight, k_proj_weight and v_proj_weight
+                          // even when kdim == vdim == E (a checkpoint's
+                          // separate matrices, kept as they are)
+    bool no_out_bias;     // with bias: in_proj_bias but no out_proj.bias
+                          // (Qwen2: biased q, k, v; unbiased o)
+    mha_qk_norm qk_norm;  // RMSNorm of q and k before RoPE (see mha_qk_norm)
+    float qk_norm_eps;    // its epsilon; 0 means 1e-6
+    bool sinks;           // attention sinks (GPT-OSS): a parameter "sinks"
+                          // (H), one learned logit per head that joins each
+                          // row's softmax denominator and carries no value:
+                          // p_ij = exp(s_ij - m) / (exp(sink_h - m) +
+                          // sum_j exp(s_ij - m)), m the max over the row
+                          // and the sink; the weights returned are p (rows
+                          // sum to less than 1); trainable (mha_backward)
 } mha_config;
 
 // Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
@@ -233,7 +270,7 @@ typedef struct mha_module mha_module;
 typedef struct mha_st_file mha_st_file;  // a safetensors file (see below)
 
 // Allocates the module and its parameters (all zero). Checks the config:
-// E > 0, H > 0, E % H == 0, 0 <= num_kv_heads (0: H) dividing H, kdim/vdim
+// E > 0, H > 0, E % H == 0 (or head_dim > 0), 0 <= num_kv_heads (0: H) dividing H, kdim/vdim
 // >= 0, 0 <= dropout, out_dropout < 1.
 MHA_API MHA_NODISCARD mha_status mha_module_create(mha_module **out, const mha_config *cfg);
 MHA_API void mha_module_destroy(mha_module *m);
@@ -250,6 +287,11 @@ MHA_API const mha_config *mha_module_config(const mha_module *m);
 //   add_bias_kv:       "bias_k" (1, 1, Ekv), "bias_v" (1, 1, Ekv)
 //   MHA_GATE_STATIC:   "head_gate" (H)
 //   MHA_GATE_DYNAMIC:  "gate_proj.weight" (H, E), "gate_proj.bias" (H)
+//   qk_norm:           "q_norm.weight", "k_norm.weight" (see mha_qk_norm)
+//   sinks:             "sinks" (H)
+// (with head_dim set, read E + 2 Ekv as Eq + 2 Ekv, q_proj_weight as
+// (Eq, E) and out_proj.weight as (E, Eq); separate_qkv gives the q/k/v
+// matrices whatever kdim and vdim; no_out_bias drops out_proj.bias)
 // Query head h uses features [h*d, (h+1)*d) of the projected Q; KV head
 // g = h / (H / Hkv) features [g*d, (g+1)*d) of the projected K and V.
 // storage points into the module (contiguous, 64-byte aligned, elements of
@@ -408,6 +450,62 @@ typedef struct mha_rope {
     int64_t dim;   // rotated features per head (even); 0: all
 } mha_rope;
 
+// RoPE scaling, as transformers' ROPE_INIT_FUNCTIONS compute it (the
+// config's rope_scaling / rope_parameters). With dim the rotated features
+// and inv_freq_i = theta^(-2i / dim), i < dim / 2:
+//   MHA_ROPE_SCALING_LINEAR:  inv_freq_i / factor
+//   MHA_ROPE_SCALING_DYNAMIC: dynamic NTK: for a call whose largest
+//       position + 1 (seq) exceeds original_max_position, theta becomes
+//       theta ((factor seq / original_max_position) - (factor - 1))^(dim /
+//       (dim - 2)); unchanged otherwise (transformers keeps the largest
+//       seq seen by the module; mha decides per call, which agrees while
+//       the sequences only grow, as in decoding)
+//   MHA_ROPE_SCALING_YARN: inv_freq blended between inv_freq_i and
+//       inv_freq_i / factor by the linear ramp between the correction dims
+//       of beta_fast and beta_slow (floored / ceiled when truncate), and cos
+//       and sin multiplied by attention_factor (0: 0.1 ln(factor) + 1, or
+//       from mscale / mscale_all_dim when both are set)
+//   MHA_ROPE_SCALING_LLAMA3: wavelengths 2 pi / inv_freq_i above
+//       original_max_position / low_freq_factor divided by factor, below
+//       original_max_position / high_freq_factor kept, smoothly blended
+//       in between
+typedef enum mha_rope_scaling_type {
+    MHA_ROPE_SCALING_NONE = 0,
+    MHA_ROPE_SCALING_LINEAR = 1,
+    MHA_ROPE_SCALING_DYNAMIC = 2,
+    MHA_ROPE_SCALING_YARN = 3,
+    MHA_ROPE_SCALING_LLAMA3 = 4,
+} mha_rope_scaling_type;
+
+typedef struct mha_rope_scaling {
+    mha_rope_scaling_type type;
+    double factor;                  // > 0 (linear, dynamic, yarn, llama3)
+    int64_t original_max_position;  // original_max_position_embeddings
+                                    // (dynamic, yarn, llama3), > 0
+    double low_freq_factor;         // llama3 (default 1)
+    double high_freq_factor;        // llama3 (default 4)
+    double beta_fast, beta_slow;    // yarn (defaults 32, 1)
+    double mscale, mscale_all_dim;  // yarn (0: unset)
+    double attention_factor;        // yarn (0: derived as above)
+    bool truncate;                  // yarn (default true)
+} mha_rope_scaling;
+
+// Type and the defaults above (factor 1, original_max_position 0).
+MHA_API void mha_rope_scaling_init(mha_rope_scaling *s, mha_rope_scaling_type type);
+// "default"/"none", "linear", "dynamic", "yarn", "llama3" -> type;
+// MHA_ERR_UNSUPPORTED (naming it) otherwise.
+MHA_API MHA_NODISCARD mha_status mha_rope_scaling_type_from_name(mha_rope_scaling_type *out,
+                                                                 const char *name);
+// The frequencies a call uses: inv_freq (dim / 2 of them, dim = r->dim or
+// head_dim when 0) and the factor cos and sin are multiplied by (1 unless
+// YaRN), for a call whose positions are below seq (dynamic NTK). s may be
+// NULL. Checks every field (MHA_ERR_INVALID_ARG naming it).
+MHA_API MHA_NODISCARD mha_status mha_rope_frequencies(double *inv_freq,
+                                                      double *attention_factor,
+                                                      const mha_rope *r,
+                                                      const mha_rope_scaling *s,
+                                                      int64_t head_dim, int64_t seq);
+
 typedef struct mha_forward_args {
     const mha_tensor *query;
     const mha_tensor *key;
@@ -480,6 +578,22 @@ typedef struct mha_forward_args {
     bool alibi;
     const float *alibi_slopes;
     float softcap;
+    // The query scale: scale when use_custom_scale (> 0, finite; Gemma 2's
+    // query_pre_attn_scalar^-1/2, GPT-2's 1 / (sqrt(d) (layer + 1))), else
+    // 1 / sqrt(d).
+    bool use_custom_scale;
+    double scale;
+    // RoPE positions per token (transformers' position_ids): NULL, or
+    // N * L of them, row-major (n, t) ((L) for an unbatched query); token t
+    // of batch element n of the query, and of the key (which must then
+    // have the query's length), has position rope_positions[n L + t]
+    // (>= 0). Overrides rope_start. Under mha_forward_cached: the T new
+    // tokens' positions (N * T), instead of len_n + t.
+    const int64_t *rope_positions;
+    // RoPE frequency scaling (linear, dynamic NTK, YaRN, llama3): NULL or
+    // a scaling of type MHA_ROPE_SCALING_NONE is none (see
+    // mha_rope_scaling).
+    const struct mha_rope_scaling *rope_scaling;
 } mha_forward_args;
 
 MHA_API void mha_forward_args_init(mha_forward_args *a);
@@ -794,6 +908,8 @@ typedef struct mha_cache_attend_args {
     int64_t window_left, window_right;  // as in mha_forward_args (-1)
     const float *alibi_slopes;          // per query head, or NULL: no ALiBi
     float softcap;                      // as in mha_forward_args (0: none)
+    const float *sinks;                 // per query head (H), or NULL: none
+                                        // (see mha_config.sinks)
 } mha_cache_attend_args;
 
 MHA_API void mha_cache_attend_args_init(mha_cache_attend_args *a);
@@ -981,6 +1097,74 @@ MHA_API MHA_NODISCARD mha_status mha_st_writer_set_metadata(mha_st_writer *w, co
 // Writes the file (tensors in the order added; header padded with spaces
 // to a multiple of 8 bytes).
 MHA_API MHA_NODISCARD mha_status mha_st_writer_save(const mha_st_writer *w, const char *path);
+
+// ---------------------------------------------------------------------------
+// Hugging Face checkpoints: the attention of one layer of a real model
+//
+// A checkpoint directory holds config.json and either model.safetensors or
+// the shards listed by model.safetensors.index.json (its weight_map; every
+// shard path must stay inside the directory: no "..", no absolute paths, no
+// symlink leading out of it). Architectures (config.json "model_type"):
+// bert, gpt2, llama, mistral, qwen2, qwen3, gemma2, gpt_oss. A layer's
+// tensors are found under the architecture's own names, with or without
+// the usual prefixes ("bert.", "model.", "transformer."), and every shape is
+// checked against the config; F32, F16 and BF16 tensors load (converted to
+// the module's weight_dtype). Errors name the file and the tensor.
+typedef struct mha_checkpoint mha_checkpoint;
+
+// Opens dir: reads and checks config.json and the index (or the single
+// file), opening the shards. Nothing outside dir is read.
+MHA_API MHA_NODISCARD mha_status mha_checkpoint_open(mha_checkpoint **out, const char *dir);
+MHA_API void mha_checkpoint_close(mha_checkpoint *c);
+// config.json's "model_type" ("bert", ...) and num_hidden_layers (or n_layer).
+MHA_API const char *mha_checkpoint_model_type(const mha_checkpoint *c);
+MHA_API int64_t mha_checkpoint_num_layers(const mha_checkpoint *c);
+// A tensor by its full name in the checkpoint (any shard); MHA_ERR_NOT_FOUND
+// naming it otherwise. The view stays valid until mha_checkpoint_close.
+MHA_API MHA_NODISCARD mha_status mha_checkpoint_find(mha_st_tensor *out,
+                                                     const mha_checkpoint *c, const char *name);
+// A number of config.json by key ("hidden_size", "layer_norm_eps", ...):
+// MHA_ERR_NOT_FOUND when absent, MHA_ERR_FORMAT when not a number.
+MHA_API MHA_NODISCARD mha_status mha_checkpoint_config_number(double *out,
+                                                              const mha_checkpoint *c,
+                                                              const char *key);
+
+// What a layer's attention does beyond its parameters, from the config:
+// apply it to a call's arguments with mha_checkpoint_layer_apply.
+typedef struct mha_checkpoint_layer {
+    char model_type[32];
+    int64_t layer;   // the index loaded
+    bool is_causal;  // decoders: true; bert: false
+    // Sliding window of this layer (Mistral's sliding_window, Gemma 2's and
+    // GPT-OSS's layer_types): query i sees keys i - W < j <= i, i.e.
+    // window_left = W - 1; -1: none.
+    int64_t window_left;
+    mha_rope rope;                  // mode NONE for bert and gpt2
+    mha_rope_scaling rope_scaling;  // type NONE when unscaled
+    float softcap;                  // attn_logit_softcapping (0: none)
+    bool use_custom_scale;          // query_pre_attn_scalar, GPT-2's
+    double scale;                   // scale_attn_by_inverse_layer_idx, ...
+} mha_checkpoint_layer;
+
+// Loads layer `layer` (0-based) of an open checkpoint: the module (with
+// the architecture's layout: head_dim, separate q/k/v, biases, QK-norm,
+// sinks, GQA) and, when info is not NULL, its options. base may be NULL;
+// from it only batch_first (NULL: true, transformers' (N, L, E)) and
+// weight_dtype are taken.
+MHA_API MHA_NODISCARD mha_status mha_checkpoint_load_layer(mha_module **out,
+                                                           mha_checkpoint_layer *info,
+                                                           const mha_checkpoint *c,
+                                                           int64_t layer,
+                                                           const mha_config *base);
+// mha_checkpoint_open + mha_checkpoint_load_layer + close.
+MHA_API MHA_NODISCARD mha_status mha_module_load_checkpoint(mha_module **out,
+                                                            mha_checkpoint_layer *info,
+                                                            const char *dir, int64_t layer,
+                                                            const mha_config *base);
+// Sets a's is_causal, window_left (window_right -1), rope, rope_scaling
+// (pointing into info, which must outlive the call), softcap and scale
+// from info; the rest of a is left as it is.
+MHA_API void mha_checkpoint_layer_apply(const mha_checkpoint_layer *info, mha_forward_args *a);
 
 #ifdef __cplusplus
 }

@@ -311,6 +311,8 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
     else mha_cache_attend_args_init(&a);
     mha_status st = mha__check_attn_opts("kv cache attend", a.window_left, a.window_right,
                                          a.softcap, a.use_custom_scale, a.scale);
+    if (!st && a.sinks)  // declared for checkpoints (issue 17), not implemented yet
+        st = mha__fail(MHA_ERR_UNSUPPORTED, "kv cache attend: sinks are not implemented yet");
     if (st) return st;
     if ((st = mha__check_float(q, "q"))) return st;
     const int64_t B = c->B, D = c->D, Dv = c->Dv;

@@ -60,6 +60,13 @@ static mha_status check_config(const mha_config *c) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "weight_dtype must be F32, BF16 or F16, got %s (%d)",
                          mha_dtype_name(c->weight_dtype), (int)c->weight_dtype);
+    // Declared for checkpoints (issue 17), not implemented yet: refused
+    // rather than ignored.
+    if ((c->head_dim != 0 && c->head_dim * c->num_heads != c->embed_dim) || c->separate_qkv ||
+        c->no_out_bias || c->qk_norm != MHA_QK_NORM_NONE || c->sinks)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_module_create: head_dim != embed_dim / num_heads, separate_qkv, "
+                         "no_out_bias, qk_norm and sinks are not implemented yet");
     if ((unsigned)c->head_gate > MHA_GATE_DYNAMIC)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "head_gate must be MHA_GATE_NONE, MHA_GATE_STATIC or "

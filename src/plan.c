@@ -188,6 +188,13 @@ static mha_status plan_masks(fwd_plan *p, const mha_forward_args *a) {
     if ((st = mha__check_attn_opts("mha_forward", a->window_left, a->window_right, a->softcap,
                                    false, 0.0)))
         return st;
+    // Declared for checkpoints (issue 17), not implemented yet: refused
+    // rather than ignored.
+    if (a->use_custom_scale || a->rope_positions ||
+        (a->rope_scaling && a->rope_scaling->type != MHA_ROPE_SCALING_NONE))
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_forward: use_custom_scale, rope_positions and rope_scaling are "
+                         "not implemented yet");
     p->mask.win_left = a->window_left;
     p->mask.win_right = a->window_right;
     if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, a, p->N, p->H, p->d)))
