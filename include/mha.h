@@ -259,7 +259,10 @@ typedef struct mha_config {
                           // p_ij = exp(s_ij - m) / (exp(sink_h - m) +
                           // sum_j exp(s_ij - m)), m the max over the row
                           // and the sink; the weights returned are p (rows
-                          // sum to less than 1); trainable (mha_backward)
+                          // sum to less than 1); trainable (mha_backward);
+                          // mha_forward_cached applies them; the MPI layer
+                          // refuses them and head_dim != E / H
+                          // (MHA_ERR_UNSUPPORTED)
 } mha_config;
 
 // Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
@@ -345,7 +348,8 @@ MHA_API int64_t mha_module_num_pruned(const mha_module *m);
 // which tensors are present and their shapes, and so the layouts of real
 // checkpoints: head_dim = Eq / num_heads when out_proj.weight is (E, Eq)
 // with Eq != E, separate_qkv when q/k/v_proj_weight come with kdim ==
-// vdim == E, no_out_bias when in_proj_bias has no out_proj.bias (every
+// vdim == E, no_out_bias when in_proj_bias has no out_proj.bias, sinks
+// when a "sinks" tensor is there (every
 // shape is checked; a
 // tensor that is not a parameter is an error); num_heads from
 // base->num_heads, or, when that is 0, from the file's __metadata__

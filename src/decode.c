@@ -178,9 +178,10 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
 }
 
 // Attend: ctx (N, H, T, d) over the cache (window, soft cap, ALiBi, the
-// custom scale); on an error the cache rolled back to its lengths before
+// custom scale, the module's sinks); on an error the cache rolled back to its lengths before
 // the append.
-static mha_status cached_attend(cached_call *c, const mha_forward_args *a, mha_kv_cache *cache) {
+static mha_status cached_attend(cached_call *c, const mha_module *m, const mha_forward_args *a,
+                                mha_kv_cache *cache) {
     const int64_t N = c->p.N, H = c->p.H;
     const int64_t *starts = c->starts;
     mha_status st;
@@ -192,6 +193,7 @@ static mha_status cached_attend(cached_call *c, const mha_forward_args *a, mha_k
     ca.softcap = a->softcap;
     ca.use_custom_scale = a->use_custom_scale;  // (checked by the plan: > 0, finite)
     ca.scale = a->scale;
+    ca.sinks = m->sinks;  // (NULL without attention sinks)
     if (a->alibi) {
         if (a->alibi_slopes) ca.alibi_slopes = a->alibi_slopes;
         else {
@@ -247,7 +249,7 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     mha_status st;
     if ((st = cached_check(&c, out, m, a, cache)) || (st = cached_scratch(&c, m))) return st;
     cached_project(&c, m, a);
-    if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, a, cache)))
+    if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, m, a, cache)))
         cached_out_project(&c, out, m);
     mha__free(c.gbuf);
     mha__free(c.blk);

@@ -336,7 +336,7 @@ static void diag_head_row(diag_run *r, char *nf, size_t nfc, int64_t b, int64_t 
         ph[j] = mha__ref_logit(&p->mask, s, b, h, i, j);
         visible += ph[j] > -INFINITY;
     }
-    mha__ref_softmax_row(ph, Sp);
+    mha__ref_softmax_row(ph, Sp, p->mask.sinks ? (double)p->mask.sinks[h] : -INFINITY);
     has[h] = visible > 0;  // else the row is all 0 (fully masked)
     if (!has[h]) return;
     double ent = 0, dist = 0;

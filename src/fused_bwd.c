@@ -7,6 +7,7 @@
 //   packed in_proj_weight with self-attention)
 // Every sum has a fixed order: GEMMs split over output rows, attention
 // over (b, h, tile) items.
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -516,6 +517,20 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
             double sg = 0.0;
             for (int64_t r = 0; r < Rq; r++) sg += dg[r * H + h];
             store_f(grads->head_gate + h, sg, acc);
+        }
+    // sinks: a sink is one more logit of each row's softmax, of value 0:
+    // dsink_h = -sum_{b, i} P_sink Dsum_i, P_sink = exp(sink_h - m_i) / l_i
+    // from the rows' stats (heads outside the part or pruned: 0)
+    if (grads->sinks)
+        for (int64_t h = 0; h < H; h++) {
+            double sg = 0.0;
+            for (int64_t b = 0; b < N && mha__plan_head_live(p, m, h); b++)
+                for (int64_t i = 0; i < p->L; i++) {
+                    const int64_t row = (b * H + h) * p->L + i;
+                    const float *st = c->s.lse + 2 * row;
+                    sg -= exp((double)m->sinks[h] - st[0]) * st[1] * c->s.dsum[row];
+                }
+            store_f(grads->sinks + h, sg, acc);
         }
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
         grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, c->Xq, c->ldq, Rq, H,

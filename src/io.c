@@ -71,11 +71,11 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
 }
 
 // The parameters a file may hold, under their state_dict names.
-static const char *names[] = {"in_proj_weight", "q_proj_weight",    "k_proj_weight",
-                              "v_proj_weight",  "in_proj_bias",     "out_proj.weight",
-                              "out_proj.bias",  "bias_k",           "bias_v",
-                              "head_gate",      "gate_proj.weight", "gate_proj.bias"};
-enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, NP };
+static const char *names[] = {
+    "in_proj_weight",   "q_proj_weight",  "k_proj_weight", "v_proj_weight", "in_proj_bias",
+    "out_proj.weight",  "out_proj.bias",  "bias_k",        "bias_v",        "head_gate",
+    "gate_proj.weight", "gate_proj.bias", "sinks"};
+enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, SK, NP };
 
 // Which parameters are present (has, t), and every tensor of the file one
 // of them, in a float dtype.
@@ -164,6 +164,7 @@ static mha_status config_from_params(mha_config *cfg, const mha_st_tensor t[NP],
                          lab, has[HG] ? " head_gate" : "", has[GW] ? " gate_proj.weight" : "",
                          has[GB] ? " gate_proj.bias" : "");
     cfg->head_gate = has[HG] ? MHA_GATE_STATIC : has[GW] ? MHA_GATE_DYNAMIC : MHA_GATE_NONE;
+    cfg->sinks = has[SK];
     return MHA_OK;
 }
 

@@ -16,6 +16,7 @@
 //   out_proj.bias (E)                         when bias and not no_out_bias
 //   head_gate (H)                             MHA_GATE_STATIC
 //   gate_proj.weight (H, E), gate_proj.bias (H)  MHA_GATE_DYNAMIC
+//   sinks (H)                                 sinks
 // The pruned-head flags (H) are a separate allocation.
 #include <math.h>
 #include <stdlib.h>
@@ -72,9 +73,9 @@ static mha_status check_config(const mha_config *c) {
                          "(in_proj_bias), which is false");
     // Declared for checkpoints (issue 17), not implemented yet: refused
     // rather than ignored.
-    if (c->qk_norm != MHA_QK_NORM_NONE || c->sinks)
+    if (c->qk_norm != MHA_QK_NORM_NONE)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_module_create: qk_norm and sinks are not implemented yet");
+                         "mha_module_create: qk_norm is not implemented yet");
     if ((unsigned)c->head_gate > MHA_GATE_DYNAMIC)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "head_gate must be MHA_GATE_NONE, MHA_GATE_STATIC or "
@@ -154,6 +155,7 @@ static void bind_named(mha_module *m) {
     m->head_gate = storage_of(m, "head_gate");
     m->gate_weight = storage_of(m, "gate_proj.weight");
     m->gate_bias = storage_of(m, "gate_proj.bias");
+    m->sinks = storage_of(m, "sinks");
 }
 
 const char *mha_head_gate_name(mha_head_gate g) {
@@ -222,6 +224,7 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
         add_param(m, "gate_proj.weight", 2, H, E, 0, MHA_F32);
         add_param(m, "gate_proj.bias", 1, H, 0, 0, MHA_F32);
     }
+    if (cfg->sinks) add_param(m, "sinks", 1, H, 0, 0, MHA_F32);
 
     size_t total = 0;
     for (int i = 0; i < m->nparams; i++)

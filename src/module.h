@@ -5,7 +5,7 @@
 
 #include "internal.h"
 
-#define MHA__MAX_PARAMS 10
+#define MHA__MAX_PARAMS 16  // (q, k, v, biases, bias_k/v, out, gates, sinks, norms)
 
 struct mha_module {
     mha_config cfg;    // kdim/vdim resolved
@@ -32,6 +32,7 @@ struct mha_module {
     float *out_bias;                        // (E); NULL with no_out_bias
     float *head_gate;                       // (H), MHA_GATE_STATIC
     float *gate_weight, *gate_bias;         // (H, E), (H), MHA_GATE_DYNAMIC
+    float *sinks;                           // (H), cfg.sinks
     bool *pruned;                           // (H): head h skipped
     int64_t npruned;
 };

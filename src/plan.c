@@ -182,9 +182,10 @@ static mha_status plan_attn_mask(fwd_plan *p, const mha_tensor *t) {
 
 // Masks, as (b, h, i, j) strides: causal, the window, the soft cap, the
 // query scale, RoPE and ALiBi, key_padding_mask, attn_mask.
-static mha_status plan_masks(fwd_plan *p, const mha_forward_args *a) {
+static mha_status plan_masks(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     mha_status st;
     p->mask.s_masked = p->S;
+    p->mask.sinks = m->sinks;  // (NULL without attention sinks)
     p->mask.causal = a->is_causal;
     if ((st = mha__check_attn_opts("mha_forward", a->window_left, a->window_right, a->softcap,
                                    false, 0.0)))
@@ -312,7 +313,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward
     if (!m || !a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
     memset(p, 0, sizeof *p);
     mha_status st;
-    if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, a)) ||
+    if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, m, a)) ||
         (st = plan_shapes(p, m, a)) || (st = plan_scratch(p, m, a)))
         return st;
     return plan_impl(p, m, a);
@@ -459,15 +460,18 @@ static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
                          (long long)b->embed_dim, (long long)b->num_heads,
                          (long long)b->num_kv_heads, (long long)b->kdim, (long long)b->vdim,
                          b->bias, b->add_bias_kv, mha_head_gate_name(b->head_gate));
-    if (g->head_dim != m->head_dim || g->packed != m->packed || a->no_out_bias != b->no_out_bias)
+    if (g->head_dim != m->head_dim || g->packed != m->packed ||
+        a->no_out_bias != b->no_out_bias || a->sinks != b->sinks)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "backward: the gradient module's layout (head_dim %lld, %s, "
-                         "out_proj.bias %s) differs from the module's (%lld, %s, %s)",
+                         "out_proj.bias %s, sinks %s) differs from the module's (%lld, %s, "
+                         "%s, %s)",
                          (long long)g->head_dim,
                          g->packed ? "in_proj_weight" : "q/k/v_proj_weight",
-                         a->no_out_bias ? "no" : "yes", (long long)m->head_dim,
+                         a->no_out_bias ? "no" : "yes", a->sinks ? "yes" : "no",
+                         (long long)m->head_dim,
                          m->packed ? "in_proj_weight" : "q/k/v_proj_weight",
-                         b->no_out_bias ? "no" : "yes");
+                         b->no_out_bias ? "no" : "yes", b->sinks ? "yes" : "no");
     return MHA_OK;
 }
 

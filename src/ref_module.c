@@ -36,6 +36,8 @@
 //   k = [Xk Wk^T + bk; bias_k; 0]           rows < S as for q;
 //                                           dbias_k = sum_n dk[n, S]
 //   v = [Xv Wv^T + bv; bias_v; 0]           the same
+//   P_h = softmax over [s_h, sink_h],       dsink_h = -sum_{b, i} P_sink rowsum(dP P)
+//   the sink's column dropped (sinks)       (ref.c), summed over b in order
 // Each output element is summed by one thread in a fixed order, so the
 // result does not depend on the number of threads.
 #include <math.h>
@@ -387,7 +389,7 @@ static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc, co
 // The backward's scratch, one block of doubles: per thread 2 (L, Sp) and,
 // with G > 1, 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx (N, L,
 // Eq); dy (N, L, E); k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, Eq), gate
-// and dg (N, L, H).
+// and dg (N, L, H); sinks: dsink (N, H).
 typedef struct ref_bwd_bufs {
     double *block;                // the allocation (free)
     size_t lsp;                   // L Sp [+ Sp d]: half a thread's part
@@ -397,6 +399,7 @@ typedef struct ref_bwd_bufs {
     double *k, *v, *dk, *dv;      // (N, Sp, Ekv)
     double *dgc;                  // (N, L, Eq), gated
     double *gate, *dg;            // (N, L, H), gated
+    double *dsink;                // (N, H), sinks: each (b, h)'s sink gradient
 } ref_bwd_bufs;
 
 // Sizes, allocates and carves that block (freed by the caller: buf->block).
@@ -410,6 +413,7 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
            lsp = (size_t)(L * Sp) + (G > 1 ? (size_t)(Sp * d) : 0), count, bytes;
     if (mha__mul_overflow_size(2 * lsp, (size_t)nt, &count) ||
         mha__add_overflow_size(count, (gated ? 5 : 4) * nle + nlo + 4 * nse + 2 * nlh, &count) ||
+        mha__add_overflow_size(count, m->sinks ? (size_t)(N * H) : 0, &count) ||
         mha__mul_overflow_size(count, sizeof(double), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
     double *block = mha__malloc(bytes ? bytes : 1);
@@ -420,8 +424,10 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
     double *q = block + 2 * lsp * (size_t)nt;
     double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
     double *k = dy + nlo, *v = k + nse, *dk = v + nse, *dv = dk + nse;
-    double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh;
-    *buf = (ref_bwd_bufs){block, lsp, pw, q, dq, ctx, dctx, dy, k, v, dk, dv, dgc, gate, dg};
+    double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh,
+           *dsink = dg + nlh;
+    *buf = (ref_bwd_bufs){block, lsp, pw, q,  dq,  ctx,  dctx, dy,
+                          k,     v,   dk, dv, dgc, gate, dg,   m->sinks ? dsink : NULL};
     return MHA_OK;
 }
 
@@ -489,10 +495,12 @@ static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_
                     dk[ok + j * Ekv + c] = dv[ok + j * Ekv + c] = 0.0;
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
             const int64_t oq = b * L * Eq + h * d;
+            double *dsink = buf->dsink ? buf->dsink + b * H + h : NULL;
             if (!mha__head_live(m, h)) {  // pruned: zero context (forward), zero dq
                 for (int64_t i = 0; i < L; i++)
                     for (int64_t c = 0; c < d; c++)
                         ctx[oq + i * Eq + c] = dq[oq + i * Eq + c] = 0.0;
+                if (dsink) *dsink = 0.0;
                 continue;
             }
             const bool first = h == h0;
@@ -501,7 +509,7 @@ static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_
                 first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d), mha__dmat(ctx + oq, Eq),
                 mha__dmat(dctx + oq, Eq), mha__dmat(q + oq, Eq), mha__dmat(k + ok, Ekv),
                 mha__dmat(v + ok, Ekv), L, Sp, d, d, scale, &p->mask, mha__plan_drop(p), b, h,
-                ws);
+                ws, dsink);
             if (!first)  // dk_g += dk_h, dv_g += dv_h
                 for (int64_t j = 0; j < Sp; j++)
                     for (int64_t c = 0; c < d; c++) {
@@ -582,6 +590,13 @@ static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m,
                 p->kdim, nt);
     grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs, N, S, Ekv,
                 p->vdim, nt);
+    // sinks: dsink_h = sum_n of each batch element's (ref_bwd_heads)
+    if (m->sinks)
+        for (int64_t h = 0; h < p->H; h++) {
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++) s += buf->dsink[n * p->H + h];
+            store(grads->sinks, MHA_F32, h, s, accumulate);
+        }
     // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
     if (m->cfg.add_bias_kv)
         for (int64_t e = 0; e < Ekv; e++) {

@@ -39,7 +39,7 @@ typedef struct fd_case {
     // the checkpoint layouts: head dim (0: E / H), separate q/k/v matrices,
     // no out_proj.bias, a custom scale (0: none); and RoPE, ALiBi, soft cap
     int head_dim;
-    bool sep, no_out_bias, rope, alibi, softcap;
+    bool sep, no_out_bias, rope, alibi, softcap, sinks;
     double scale;
 } fd_case;
 
@@ -86,6 +86,7 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     cfg.head_dim = c->head_dim;
     cfg.separate_qkv = c->sep;
     cfg.no_out_bias = c->no_out_bias && c->bias;
+    cfg.sinks = c->sinks;
     CHECK_OK(mha_module_create(&p->m, &cfg));
     const int64_t nh = c->heads ? c->heads : H, G = nh / (c->kv_heads ? c->kv_heads : nh);
     int64_t pruned[HMAX], np = 0;
@@ -200,10 +201,10 @@ static void check_fd(const fd_case *c) {
     snprintf(desc, sizeof desc,
              "packed %d bias %d bkv %d zero %d bf %d unb %d causal %d drop %d kpm %d am %d "
              "heads %d kv_heads %d gate %d prune %d head_dim %d sep %d no_out_bias %d "
-             "scale %g rope %d alibi %d softcap %d",
+             "scale %g rope %d alibi %d softcap %d sinks %d",
              c->packed, c->bias, c->bkv, c->zero, c->batch_first, c->unbatched, c->causal,
              c->dropout, c->kpm, c->am, c->heads, c->kv_heads, c->gate, c->prune, c->head_dim,
-             c->sep, c->no_out_bias, c->scale, c->rope, c->alibi, c->softcap);
+             c->sep, c->no_out_bias, c->scale, c->rope, c->alibi, c->softcap, c->sinks);
     const double tol = 1e-6;
     double e, worst = 0;
     e = fd_rel_error(p, p->q, true, gq, true, mha_tensor_numel(&p->qt));
@@ -281,6 +282,7 @@ static void test_fd_grid(void) {
             .sep = i % 2 == 1, .no_out_bias = i % 3 == 1, .scale = i % 4 == 2 ? 0.37 : 0.0,
             .rope = i % 5 == 1 && lay[i % 6][2] % 2 == 0, .alibi = i % 6 == 3,
             .softcap = i % 7 == 4, .gate = i % 8 == 5 ? 2 : i % 9 == 1, .prune = i % 10 == 3,
+            .sinks = i % 3 == 2,
         };
         if (i % 10 == 9) c.heads = 2, c.kv_heads = 1, c.head_dim = 0, c.sep = true;  // E / H
         check_fd(&c);

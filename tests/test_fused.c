@@ -833,9 +833,11 @@ static void layout_case(int id) {
                cap = next() % 4 == 0, prune = next() % 4 == 0, half = next() % 5 == 0,
                self = next() % 2 == 0;
     const int gate = (int)(next() % 3);
+    const bool sinks = next() % 3 == 0;
     const int64_t S = self ? L : irand(1, 90);
     mha_config c;
     mha_config_init(&c, E, H);
+    c.sinks = sinks;  // attention sinks (random logits: random_module)
     c.head_dim = d;
     c.num_kv_heads = Hkv;
     c.separate_qkv = sep;
@@ -934,12 +936,12 @@ static void layout_case(int id) {
              "layout case %d (E %lld H %lld Hkv %lld d %lld L %lld S %lld N %lld kdim %lld "
              "vdim %lld sep %d bias %d no_out_bias %d scale %g bf %d unb %d bkv %d zero %d "
              "causal %d window (%lld, %lld) drop %d kpm %d am %d self %d rope %d alibi %d "
-             "softcap %d gate %d prune %d half %d)",
+             "softcap %d gate %d prune %d half %d sinks %d)",
              id, (long long)E, (long long)H, (long long)Hkv, (long long)d, (long long)L,
              (long long)S, (long long)N, (long long)kd, (long long)vd, sep, bias, nob,
              scale ? a.scale : 0.0, bf, unb, bkv, zero, causal, (long long)a.window_left,
              (long long)a.window_right, drop, kpm, am, self, rope, alibi, cap, gate, prune,
-             half);
+             half, sinks);
     double e = rel_err(y[0], y[1], on);
     CHECKF(e < 2e-5, "%s: output err %g", desc, e);
     if (need) {
@@ -986,6 +988,7 @@ static void test_cached_layouts(void) {
         c.separate_qkv = cfg & 1;
         c.no_out_bias = cfg % 3 != 2;
         c.head_gate = (mha_head_gate)(cfg % 3);
+        c.sinks = cfg % 2 == 0;
         mha_module *m = random_module(&c, 77 + (uint64_t)cfg);
         if (cfg == 4) {
             mha_module *mh = NULL;
@@ -1008,7 +1011,7 @@ static void test_cached_layouts(void) {
         a.alibi = cfg == 3;
         a.softcap = cfg == 5 ? 4.0f : 0.0f;
         CHECK_OK(mha_forward(&yt, NULL, m, &a));
-        for (int chunk = 1; chunk <= 8; chunk += 7) {
+        for (int chunk = 1; chunk <= 22; chunk += chunk == 1 ? 7 : 14) {  // 1, 8 (decode), 22
             mha_kv_cache *cache = NULL;
             CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
             for (int t0 = 0; t0 < T; t0 += chunk) {

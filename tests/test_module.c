@@ -423,6 +423,7 @@ static mha_module *layout_module(int64_t E, int64_t H, int64_t Hkv, int64_t d, b
     c.no_out_bias = nob;
     c.kdim = kdim;
     c.add_bias_kv = seed % 2 == 1;
+    c.sinks = seed % 3 == 0;  // "sinks" (H)
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
     mha_init_options o;
@@ -444,7 +445,7 @@ static void check_same_module(const mha_module *a, const mha_module *b, const ch
                x->num_kv_heads == y->num_kv_heads && x->head_dim == y->head_dim &&
                x->kdim == y->kdim && x->vdim == y->vdim && x->bias == y->bias &&
                x->no_out_bias == y->no_out_bias && x->separate_qkv == y->separate_qkv &&
-               x->add_bias_kv == y->add_bias_kv,
+               x->add_bias_kv == y->add_bias_kv && x->sinks == y->sinks,
            "%s: config differs (E %lld/%lld H %lld/%lld Hkv %lld/%lld d %lld/%lld sep %d/%d "
            "no_out_bias %d/%d)",
            what, (long long)x->embed_dim, (long long)y->embed_dim, (long long)x->num_heads,
@@ -500,6 +501,11 @@ static void test_layouts(void) {
     CHECK_OK(mha_module_param(&p, m, "in_proj_bias"));
     CHECK(p.numel == 24);
     CHECK(mha_module_num_params(m) == 5);
+    mha_module_destroy(m);
+    // attention sinks: "sinks" (H), zero after init, saved and loaded
+    m = layout_module(10, 3, 1, 4, false, true, false, 0, 3);
+    CHECK_OK(mha_module_param(&p, m, "sinks"));
+    CHECK(p.ndim == 1 && p.shape[0] == 3 && mha_module_config(m)->sinks);
     mha_module_destroy(m);
     // the checks
     mha_config c;

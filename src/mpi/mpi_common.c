@@ -109,6 +109,10 @@ mha_status mha__mpi_local_check(const mha_module *m, const mha_forward_args *a,
                          "supported across ranks (run the single-process calls)",
                          (long long)c->head_dim, (long long)c->embed_dim,
                          (long long)c->num_heads);
+    if (c && c->sinks)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi: attention sinks (mha_config.sinks) are not supported "
+                         "across ranks (run the single-process calls)");
     mha_forward_args al = *a;
     al.key_padding_mask = NULL;
     al.attn_mask = NULL;

@@ -331,6 +331,7 @@ def with_layout(c, seed, i):
     c.no_out_bias = bool(c.bias and r.random() < 0.5)
     if r.random() < 0.5:
         c.qscale = float(r.choice([0.05, 0.2, 0.5, 1.0, 2.0]))
+    c.sinks = bool(r.random() < 0.35)
     c.set_params_random(r)
     return c
 
@@ -462,7 +463,11 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
         dist = (torch.arange(L)[:, None] - torch.arange(Sp)[None, :]).abs().to(dtype)
         A = A - (slopes[:, None, None] * dist[None]).repeat(Nb, 1, 1)
     A = A + _to_torch(Mp, dtype)
-    W = torch.softmax(A, dim=-1)
+    if c.sinks:  # one more logit per head in each row's softmax, no value
+        sk = P["sinks"].repeat(Nb).view(Nb * H, 1, 1).expand(Nb * H, L, 1)
+        W = torch.softmax(torch.cat([A, sk], dim=-1), dim=-1)[..., :Sp]
+    else:
+        W = torch.softmax(A, dim=-1)
     if FM.any():
         W = torch.where(torch.from_numpy(FM)[:, :, None],
                         torch.zeros((), dtype=dtype), W)
@@ -653,7 +658,7 @@ def references(b, info=None):
                 errors.append("harness: mirror gradients differ from central "
                               "differences by %.3g (rel)" % e)
     if (c.rope is not None or c.alibi or c.softcap > 0 or c.num_kv_heads
-            or c.head_dim or c.separate_qkv or c.no_out_bias or c.qscale):
+            or c.head_dim or c.separate_qkv or c.no_out_bias or c.qscale or c.sinks):
         # F.multi_head_attention_forward has none of these: the reference is
         # the mirror (RoPE, ALiBi and the soft cap written from the papers'
         # formulas, grouped-query attention as repeat_interleave of the KV

@@ -219,6 +219,7 @@ class Case:
         self.separate_qkv = False
         self.no_out_bias = False
         self.qscale = None
+        self.sinks = False        # attention sinks: a "sinks" (H) parameter
         self.params = []      # list of (name, float32 array), file order
         self.query = self.key = self.value = None
         self.key_padding_mask = None
@@ -282,7 +283,8 @@ class Case:
                 + (" kv_heads=%d" % self.num_kv_heads if self.num_kv_heads else "")
                 + (" separate_qkv" if self.separate_qkv else "")
                 + (" no_out_bias" if self.no_out_bias else "")
-                + (" qscale=%g" % self.qscale if self.qscale else ""))
+                + (" qscale=%g" % self.qscale if self.qscale else "")
+                + (" sinks" if self.sinks else ""))
 
     @property
     def windowed(self):
@@ -329,6 +331,8 @@ class Case:
         if self.add_bias_kv:
             ps.append(("bias_k", rng.standard_normal((1, 1, Ekv)).astype(np.float32)))
             ps.append(("bias_v", rng.standard_normal((1, 1, Ekv)).astype(np.float32)))
+        if self.sinks:
+            ps.append(("sinks", rng.standard_normal(self.H).astype(np.float32)))
         # shuffle the file order a little: the CLI must find tensors by name
         if rng.random() < 0.3:
             order = rng.permutation(len(ps))

@@ -639,7 +639,7 @@ static int kill_mode(bool ring) {
 // no out_proj.bias and a custom scale run (head parallelism: the single
 // process's bits; the others within the tolerance); head_dim != E / H is
 // refused (MHA_ERR_UNSUPPORTED naming head_dim) by every scheme and the
-// sharded cache, on every rank alike.
+// sharded cache, on every rank alike; attention sinks are refused too.
 static void test_layouts(void) {
     seed_rng(777);
     enum { E = 24, H = 4, L = 19, N = 2 };
@@ -697,6 +697,14 @@ static void test_layouts(void) {
     CHECK_FAILS(mha_mpi_forward_cached(MPI_COMM_WORLD, &y2t, m, &ac, kc, 0, NULL),
                 MHA_ERR_UNSUPPORTED);
     mha_kv_cache_destroy(kc);
+    mha_module_destroy(m);
+    // attention sinks: refused too
+    c.head_dim = 0;
+    c.sinks = true;
+    m = random_module(&c, 7);
+    CHECK_FAILS(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &y2t, m, &a, NULL),
+                MHA_ERR_UNSUPPORTED);
+    CHECK(strstr(mha_last_error(), "sinks") != NULL);
     mha_module_destroy(m);
 }
 
