@@ -51,6 +51,23 @@ static atomic_uint_fast64_t g_tmp_counter;
 
 enum { TMP_NAME_MAX = 200, PIECE = 1 << 20, TMP_TRIES = 1000 };
 
+#ifdef MHA_FAULT_INJECTION
+static atomic_int g_io_step, g_io_err;
+
+void mha__fault_io_arm(mha__io_step step, int err) {
+    atomic_store(&g_io_err, err);
+    atomic_store(&g_io_step, (int)step);
+}
+
+// The armed errno when step is the armed one (then disarmed), else 0.
+static int io_fault(mha__io_step step) {
+    int want = (int)step;
+    return atomic_compare_exchange_strong(&g_io_step, &want, 0) ? atomic_load(&g_io_err) : 0;
+}
+#else
+#define io_fault(step) 0
+#endif
+
 // Writes all n bytes of p to fd. 0, or errno (EIO for a write of 0 bytes).
 static int write_all(int fd, const unsigned char *p, size_t n) {
     while (n) {
@@ -70,8 +87,8 @@ static int write_all(int fd, const unsigned char *p, size_t n) {
 static int sync_dir(const char *dir) {
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return errno == EACCES ? 0 : errno;
-    int err = 0;
-    if (fsync(fd) != 0 && errno != EINVAL && errno != EROFS) err = errno;
+    int err = io_fault(MHA__IO_DIR_FSYNC);
+    if (!err && fsync(fd) != 0 && errno != EINVAL && errno != EROFS) err = errno;
     close(fd);
     return err;
 }
@@ -116,8 +133,9 @@ mha_status mha__file_write_parts(const char *path, const mha__file_part *parts, 
         unsigned long long n = (unsigned long long)atomic_fetch_add(&g_tmp_counter, 1);
         snprintf(tmp, cap, "%.*s.%.*s.tmp.%ld.%llu", (int)dlen, path, (int)nlen, name,
                  (long)getpid(), n);
-        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-        err = fd < 0 ? errno : 0;
+        err = io_fault(MHA__IO_OPEN);
+        fd = err ? -1 : open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        if (fd < 0 && !err) err = errno;
         if (fd < 0 && err != EEXIST && err != EINTR) break;
     }
     mha_status st = MHA_OK;
@@ -129,10 +147,13 @@ mha_status mha__file_write_parts(const char *path, const mha__file_part *parts, 
 
     // 2. every byte, then fsync and close
     for (int64_t i = 0; !err && i < nparts; i++)
-        err = write_all(fd, parts[i].data, parts[i].nbytes);
+        if (!(i == nparts - 1 && (err = io_fault(MHA__IO_WRITE))))
+            err = write_all(fd, parts[i].data, parts[i].nbytes);
     const char *what = "write failed";
-    if (!err && fsync(fd) != 0) err = errno, what = "fsync failed";
-    if (close(fd) != 0 && !err) err = errno, what = "close failed";
+    if (!err && ((err = io_fault(MHA__IO_FSYNC)) || (fsync(fd) != 0 && (err = errno))))
+        what = "fsync failed";
+    const int cerr = io_fault(MHA__IO_CLOSE);
+    if ((close(fd) != 0 || cerr) && !err) err = cerr ? cerr : errno, what = "close failed";
     if (err) {
         unlink(tmp);
         st = mha__fail(MHA_ERR_IO, "%s: %s: %s (the old file, if any, is unchanged)", path,
@@ -141,8 +162,8 @@ mha_status mha__file_write_parts(const char *path, const mha__file_part *parts, 
     }
 
     // 3. the rename, 4. the directory
-    if (rename(tmp, path) != 0) {
-        err = errno;
+    if ((err = io_fault(MHA__IO_RENAME)) || rename(tmp, path) != 0) {
+        if (!err) err = errno;
         unlink(tmp);
         st = mha__fail(MHA_ERR_IO, "%s: cannot replace it with the temporary file %s: %s",
                        path, tmp, strerror(err));
