@@ -104,6 +104,12 @@ def test_saves_are_atomic(tmp_path):
     assert p.read_bytes() == old
     assert sorted(x.name for x in tmp_path.iterdir()) == ["adir", "w.safetensors"]
     assert list(d.iterdir()) == []
+    # a symbolic link at the target is replaced, the file it names untouched
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to("w.safetensors")
+    mha.save_tensors(link, {"a": np.zeros(3, np.float32)})
+    assert not link.is_symlink() and p.read_bytes() == old
+    assert np.array_equal(mha.load_tensors(link)[0]["a"], np.zeros(3))
 
 
 def test_half_weights_and_pruning():
