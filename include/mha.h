@@ -1095,8 +1095,22 @@ MHA_API MHA_NODISCARD mha_status mha_st_writer_add(mha_st_writer *w, const char 
 MHA_API MHA_NODISCARD mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
                                                             const char *value);
 // Writes the file (tensors in the order added; header padded with spaces
-// to a multiple of 8 bytes).
+// to a multiple of 8 bytes), atomically as mha_file_write does.
 MHA_API MHA_NODISCARD mha_status mha_st_writer_save(const mha_st_writer *w, const char *path);
+
+// Writes nbytes of data as the new contents of path, atomically: into a new
+// temporary file ".<name>.tmp.<pid>.<n>" in path's directory (mode 0666
+// less the umask), fsync'ed, renamed over path, then the directory
+// fsync'ed. Every file the library and the CLI write goes this way
+// (mha_st_writer_save, mha_module_save). On an error (MHA_ERR_IO, the
+// message naming path and the OS error: no such directory, permission,
+// path a directory, no space left, a failing fsync or rename) the temporary
+// file is removed and the old file at path is unchanged. A process killed
+// while writing leaves the old file (or none) at path and may leave its
+// temporary file behind. A symbolic link at path is replaced by the new
+// file; the file it pointed to is untouched.
+MHA_API MHA_NODISCARD mha_status mha_file_write(const char *path, const void *data,
+                                                size_t nbytes);
 
 // ---------------------------------------------------------------------------
 // Hugging Face checkpoints: the attention of one layer of a real model
