@@ -342,6 +342,17 @@ static mha_status cfg_bool(bool *out, const mha_checkpoint *c, const cJSON *obj,
     return MHA_OK;
 }
 
+// The sliding_window (-1: none): absent takes the class default def, null
+// is none (transformers' None).
+static mha_status cfg_window(int64_t *out, const mha_checkpoint *c, int64_t def) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(c->config, "sliding_window");
+    if (v && cJSON_IsNull(v)) {
+        *out = -1;
+        return MHA_OK;
+    }
+    return cfg_int(out, NULL, c, c->config, "", "sliding_window", def, 1);
+}
+
 static mha_status cfg_str(const char **out, const mha_checkpoint *c, const cJSON *obj,
                           const char *pre, const char *key) {
     const cJSON *v = item(obj, key);
@@ -854,14 +865,14 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
         break;
     }
     case ARCH_MISTRAL:
-        if ((st = cfg_int(&W, NULL, c, cfg, "", "sliding_window", ad->window, 1))) return st;
+        if ((st = cfg_window(&W, c, ad->window))) return st;
         default_sliding = true;
         break;
     case ARCH_QWEN2:
     case ARCH_QWEN3: {
         int64_t mwl;
         if ((st = cfg_bool(&use_sw, c, cfg, "", "use_sliding_window", false)) ||
-            (st = cfg_int(&W, NULL, c, cfg, "", "sliding_window", ad->window, 1)) ||
+            (st = cfg_window(&W, c, ad->window)) ||
             (st = cfg_int(&mwl, NULL, c, cfg, "", "max_window_layers", 28, 0)))
             return st;
         if (!use_sw) W = -1;
@@ -872,7 +883,7 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
         bool bidir;
         double qpas, cap;
         if ((st = cfg_bool(&bidir, c, cfg, "", "use_bidirectional_attention", false)) ||
-            (st = cfg_int(&W, NULL, c, cfg, "", "sliding_window", ad->window, 1)) ||
+            (st = cfg_window(&W, c, ad->window)) ||
             (st = cfg_num(&qpas, NULL, c, cfg, "", "query_pre_attn_scalar", 256.0)) ||
             (st = cfg_num(&cap, NULL, c, cfg, "", "attn_logit_softcapping", 0.0)))
             return st;
@@ -897,7 +908,7 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
         break;
     }
     case ARCH_GPT_OSS:
-        if ((st = cfg_int(&W, NULL, c, cfg, "", "sliding_window", ad->window, 1))) return st;
+        if ((st = cfg_window(&W, c, ad->window))) return st;
         default_sliding = layer % 2 == 0;
         s->sinks = true;
         break;

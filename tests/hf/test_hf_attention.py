@@ -155,15 +155,14 @@ def inputs(mode, mt):
     return ids, mask, pos
 
 
-def run_block(model, mt, layer, ids, mask, pos, hidden=None):
-    """Runs the model, capturing the attention block's input and keyword
-    arguments at `layer`; returns (hidden states in, block output on
-    `hidden` (default: those captured))."""
+def capture(model, mt, layer, ids, mask, pos):
+    """Runs the model, capturing the attention block's positional and
+    keyword arguments at `layer`."""
     mod = target_module(model, mt, layer)
     cap = {}
 
     def pre(m, args, kwargs):
-        cap["args"], cap["kwargs"] = args, kwargs
+        cap["args"], cap["kwargs"] = list(args), dict(kwargs)
 
     h = mod.register_forward_pre_hook(pre, with_kwargs=True)
     try:
@@ -175,20 +174,43 @@ def run_block(model, mt, layer, ids, mask, pos, hidden=None):
             model(**kw)
     finally:
         h.remove()
-    args, kwargs = list(cap["args"]), dict(cap["kwargs"])
-    x = args[0] if args else kwargs["hidden_states"]
-    dt = next(model.parameters()).dtype
-    hin = (x if hidden is None else hidden).to(dt)
+    return cap["args"], cap["kwargs"]
+
+
+def hidden_of(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def call_block(model, mt, layer, args, kwargs, hidden):
+    """The block's output on `hidden` with the captured arguments."""
+    mod = target_module(model, mt, layer)
+    args, kwargs = list(args), dict(kwargs)
     if args:
-        args[0] = hin
+        args[0] = hidden
     else:
-        kwargs["hidden_states"] = hin
+        kwargs["hidden_states"] = hidden
     with torch.no_grad():
         out = mod(*args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         if mt == "bert":
             out = dense_of(model, layer)(out)
-    return x, out
+    return out
+
+
+def to_double(model, args, kwargs, pos):
+    """The float32 run's arguments for the float64 model: tensors cast, the
+    rotary cos/sin recomputed in float64 (gpt_oss: its experts do not run
+    in float64, so the whole model cannot)."""
+    def cast(v):
+        return v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+
+    args = [cast(a) for a in args]
+    kwargs = {k: cast(v) for k, v in kwargs.items()}
+    if "position_embeddings" in kwargs:
+        rot = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
+        with torch.no_grad():
+            kwargs["position_embeddings"] = rot(hidden_of(args, kwargs), pos)
+    return args, kwargs
 
 
 def run_mha(mha, ckpt, layer, hidden, mask, pos, mode, tmp):
@@ -220,10 +242,14 @@ def test_layer(name, layer, mode, mha_bin, hf_tmp):
     m64 = cls.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="eager").eval()
     m32 = cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
     ids, mask, pos = inputs(mode, mt)
-    x32, _ = run_block(m32, mt, layer, ids, mask, pos)
-    hidden = x32.float()
-    _, ref = run_block(m64, mt, layer, ids, mask, pos, hidden.double())
-    _, peer = run_block(m32, mt, layer, ids, mask, pos, hidden)
+    a32, k32 = capture(m32, mt, layer, ids, mask, pos)
+    hidden = hidden_of(a32, k32).float()
+    if mt == "gpt_oss":
+        a64, k64 = to_double(m64, a32, k32, pos)
+    else:
+        a64, k64 = capture(m64, mt, layer, ids, mask, pos)
+    ref = call_block(m64, mt, layer, a64, k64, hidden.double())
+    peer = call_block(m32, mt, layer, a32, k32, hidden)
     with tempfile.TemporaryDirectory(dir=hf_tmp) as tmp:
         got = run_mha(mha_bin, ckpt, layer, hidden, mask, pos, mode, tmp)
     rows = mask.bool()  # real tokens only: a padding query's output is not defined
