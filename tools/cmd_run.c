@@ -36,7 +36,8 @@ static int run_incremental(run *r, mha_tensor *ot) {
         return 1;
     }
     mha_kv_cache *cache = NULL;
-    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1, r->kv_dtype);
+    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1,
+                                           r->kv_dtype);
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
         const int64_t n = L - t0 < step ? L - t0 : step;
         mha_tensor qc = *q, oc = *ot;  // views of tokens [t0, t0 + n)
@@ -145,7 +146,7 @@ static mha_status gather_spans(const mha_tensor *t, const mha_tensor *loc, bool 
     MPI_Comm_size(MPI_COMM_WORLD, &P);
     const int sd = t->ndim == 2 || !bf ? 0 : 1;
     const int64_t T = t->shape[sd], per = mha_tensor_numel(t) / (T ? T : 1) *
-                                          (int64_t)mha_dtype_size(t->dtype);  // bytes a token
+                                         (int64_t)mha_dtype_size(t->dtype);  // bytes a token
     int *cnt = malloc(sizeof(int) * (size_t)P * 2);
     char *all = rank == 0 ? malloc((size_t)(T * per) + 1) : NULL;
     int bad = !cnt || (rank == 0 && !all), any = 0;
@@ -209,8 +210,9 @@ static int run_forward_into(run *r) {
     }
     if ((st = cli_forward(r, &ot, r->a.need_weights ? &wt : NULL)) ||
         (st = mha_st_writer_add(r->wr, "attn_output", r->dtype, os.ndim, os.dims, yo)) ||
-        (r->a.need_weights && (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype,
-                                                      wsh.ndim, wsh.dims, yw))))
+        (r->a.need_weights &&
+         (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype, wsh.ndim,
+                                 wsh.dims, yw))))
         return cli_fail(r->cmd, st);
     return 0;
 }
@@ -224,10 +226,8 @@ static int run_backward_into(run *r) {
     if ((st = mha_st_find(&gt, r->gf, "grad_attn_output"))) return cli_fail(cmd, st);
     if (gt.dtype != MHA_F32 && gt.dtype != MHA_F16 && gt.dtype != MHA_BF16 &&
         gt.dtype != MHA_F64) {
-        fprintf(stderr,
-                "mha %s: %s: grad_attn_output has dtype %s (expected a float "
-                "type)\n",
-                cmd, r->gpath, mha_dtype_name(gt.dtype));
+        fprintf(stderr, "mha %s: %s: grad_attn_output has dtype %s (expected a float "
+                "type)\n", cmd, r->gpath, mha_dtype_name(gt.dtype));
         return 1;
     }
     float *g = run_alloc(r, gt.numel);

@@ -12,8 +12,9 @@
 // Loads input `name` of file `path` if present. kind 0: float data (->
 // fto: F32, BF16 or F16 in memory); kind 1: a mask (BOOL/U8 -> BOOL,
 // float -> F32). Returns 0, or 1 after printing the error.
-static int load_input(cli_tensor *out, bool *found, const mha_st_file *f, const char *cmd,
-                      const char *path, const char *name, int kind, mha_dtype fto) {
+static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
+                      const char *cmd, const char *path, const char *name,
+                      int kind, mha_dtype fto) {
     memset(out, 0, sizeof *out);
     *found = false;
     mha_st_tensor t;
@@ -21,23 +22,21 @@ static int load_input(cli_tensor *out, bool *found, const mha_st_file *f, const 
     if (st == MHA_ERR_NOT_FOUND) return 0;
     if (st) return cli_fail(cmd, st);
     mha_dtype to = MHA_F32;
-    bool is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 || t.dtype == MHA_BF16 ||
-                    t.dtype == MHA_F64;
+    bool is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 ||
+                    t.dtype == MHA_BF16 || t.dtype == MHA_F64;
     if (kind == 1 && (t.dtype == MHA_BOOL || t.dtype == MHA_U8)) {
         to = MHA_BOOL;
     } else if (!is_float) {
-        fprintf(stderr,
-                "mha %s: %s: \"%s\" has dtype %s (expected F32, "
-                "F16, BF16 or F64%s)\n",
-                cmd, path, name, mha_dtype_name(t.dtype),
+        fprintf(stderr, "mha %s: %s: \"%s\" has dtype %s (expected F32, "
+                "F16, BF16 or F64%s)\n", cmd, path, name, mha_dtype_name(t.dtype),
                 kind == 1 ? ", or BOOL/U8 for a mask" : "");
         return 1;
     }
     size_t bytes = (size_t)t.numel * mha_dtype_size(to);
     out->buf = malloc(bytes ? bytes : 1);
     if (!out->buf) {
-        fprintf(stderr, "mha %s: %s: out of memory for \"%s\" (%zu bytes)\n", cmd, path, name,
-                bytes);
+        fprintf(stderr, "mha %s: %s: out of memory for \"%s\" (%zu bytes)\n",
+                cmd, path, name, bytes);
         return 1;
     }
     if ((st = mha_st_read(out->buf, bytes, to, &t))) return cli_fail(cmd, st);
@@ -196,47 +195,29 @@ float *run_alloc(run *r, int64_t n) {
 
 // The options of forward, backward and inspect (one table; run_parse
 // refuses those of the other commands).
-static const struct option run_opts[] = {{"weights", required_argument, 0, 'w'},
-                                         {"inputs", required_argument, 0, 'x'},
-                                         {"out", required_argument, 0, 'o'},
-                                         {"num-heads", required_argument, 0, 'n'},
-                                         {"batch-first", no_argument, 0, 'b'},
-                                         {"causal", no_argument, 0, 'c'},
-                                         {"add-zero-attn", no_argument, 0, 'z'},
-                                         {"need-weights", no_argument, 0, 'W'},
-                                         {"no-average-weights", no_argument, 0, 'A'},
-                                         {"impl", required_argument, 0, 'i'},
-                                         {"dropout", required_argument, 0, 'd'},
-                                         {"out-dropout", required_argument, 0, 'D'},
-                                         {"train", no_argument, 0, 't'},
-                                         {"seed", required_argument, 0, 's'},
-                                         {"dropout-offset", required_argument, 0, 'O'},
-                                         {"grad-output", required_argument, 0, 'g'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {"window-left", required_argument, 0, 'L'},
-                                         {"window-right", required_argument, 0, 'R'},
-                                         {"weights-heads", required_argument, 0, 'H'},
-                                         {"weights-rows", required_argument, 0, 'r'},
-                                         {"rope", required_argument, 0, 'P'},
-                                         {"rope-theta", required_argument, 0, 'T'},
-                                         {"rope-dim", required_argument, 0, 'E'},
-                                         {"rope-start", required_argument, 0, 'X'},
-                                         {"alibi", no_argument, 0, 'B'},
-                                         {"softcap", required_argument, 0, 'C'},
-                                         {"incremental", no_argument, 0, 'M'},
-                                         {"chunk", required_argument, 0, 'K'},
-                                         {"kv-dtype", required_argument, 0, 'Q'},
-                                         {"dtype", required_argument, 0, 'Y'},
-                                         {"num-kv-heads", required_argument, 0, 'G'},
-                                         {"weight-dtype", required_argument, 0, 'j'},
-                                         {"tokens", required_argument, 0, 'k'},
-                                         {"max-rows", required_argument, 0, 'm'},
-                                         {"batch-index", required_argument, 0, 'N'},
-                                         {"plot-len", required_argument, 0, 'p'},
-                                         {"parallel", required_argument, 0, 'Z'},
-                                         {"checkpoint", required_argument, 0, 'a'},
-                                         {"layer", required_argument, 0, 'l'},
-                                         {0, 0, 0, 0}};
+static const struct option run_opts[] = {
+    {"weights", required_argument, 0, 'w'},   {"inputs", required_argument, 0, 'x'},
+    {"out", required_argument, 0, 'o'},       {"num-heads", required_argument, 0, 'n'},
+    {"batch-first", no_argument, 0, 'b'},     {"causal", no_argument, 0, 'c'},
+    {"add-zero-attn", no_argument, 0, 'z'},   {"need-weights", no_argument, 0, 'W'},
+    {"no-average-weights", no_argument, 0, 'A'}, {"impl", required_argument, 0, 'i'},
+    {"dropout", required_argument, 0, 'd'},   {"out-dropout", required_argument, 0, 'D'},
+    {"train", no_argument, 0, 't'},           {"seed", required_argument, 0, 's'},
+    {"dropout-offset", required_argument, 0, 'O'},
+    {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
+    {"window-left", required_argument, 0, 'L'}, {"window-right", required_argument, 0, 'R'},
+    {"weights-heads", required_argument, 0, 'H'}, {"weights-rows", required_argument, 0, 'r'},
+    {"rope", required_argument, 0, 'P'},      {"rope-theta", required_argument, 0, 'T'},
+    {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
+    {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
+    {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
+    {"kv-dtype", required_argument, 0, 'Q'},  {"dtype", required_argument, 0, 'Y'},
+    {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'j'},
+    {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
+    {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
+    {"parallel", required_argument, 0, 'Z'},
+    {"checkpoint", required_argument, 0, 'a'}, {"layer", required_argument, 0, 'l'},
+    {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
 // optarg) and returns -1 when it took it, the exit status when its value
@@ -320,8 +301,7 @@ static int opt_call(run *r, int c, bool *no_avg) {
     case 'L':
     case 'R':
         if (cli_parse_int(&v, optarg, 0, INT64_MAX))
-            return cli_usage(cmd,
-                             "--window-left and --window-right need a non-negative integer");
+            return cli_usage(cmd, "--window-left and --window-right need a non-negative integer");
         *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
         break;
     case 'H':
@@ -437,13 +417,15 @@ static int run_check(run *r, bool backward, bool no_avg) {
     const char *cmd = r->cmd;
     if (r->ckpt && r->wpath)
         return cli_usage(cmd, "--checkpoint and --weights do not combine");
-    if (r->ckpt && !r->xpath) return cli_usage(cmd, "--checkpoint needs --inputs and --out");
+    if (r->ckpt && !r->xpath)
+        return cli_usage(cmd, "--checkpoint needs --inputs and --out");
     if (r->ckpt) r->wpath = r->ckpt;  // (named in messages and reports)
     if (!r->wpath || !r->xpath || !r->ypath || (backward && !r->gpath))
         return cli_usage(cmd, backward ? "--weights, --inputs, --grad-output and "
                                          "--out are required"
                                        : "--weights, --inputs and --out are required");
-    if (backward && r->incremental) return cli_usage(cmd, "--incremental is for mha forward");
+    if (backward && r->incremental)
+        return cli_usage(cmd, "--incremental is for mha forward");
     if (r->parallel && (r->incremental || r->a.need_weights))
         return cli_usage(cmd, "--parallel does not combine with --incremental or "
                               "--need-weights");
@@ -472,12 +454,11 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", run_opts, &li)) != -1) {
-        if (c != '?' && c != ':' && li >= 0 && strchr(inspect ? not_inspect : inspect_only, c)) {
+        if (c != '?' && c != ':' && li >= 0 &&
+            strchr(inspect ? not_inspect : inspect_only, c)) {
             char msg[96];
-            snprintf(msg, sizeof msg,
-                     inspect ? "--%s is not an option of mha inspect"
-                             : "--%s is for mha inspect",
-                     run_opts[li].name);
+            snprintf(msg, sizeof msg, inspect ? "--%s is not an option of mha inspect"
+                                              : "--%s is for mha inspect", run_opts[li].name);
             return cli_usage(cmd, msg);
         }
         li = -1;
@@ -520,10 +501,9 @@ static int load_checkpoint_inputs(run *r) {
         mha_st_tensor u;
         if ((st = mha_st_tensor_at(&u, r->xf, i))) return cli_fail(cmd, st);
         if (strcmp(u.name, names[0]) && strcmp(u.name, names[1]) && strcmp(u.name, names[2])) {
-            fprintf(stderr,
-                    "mha %s: %s: unexpected tensor %s (the inputs of a checkpoint "
-                    "layer are hidden_states, position_ids, attention_mask)\n",
-                    cmd, xpath, mha_escape(qn, sizeof qn, u.name));
+            fprintf(stderr, "mha %s: %s: unexpected tensor %s (the inputs of a checkpoint "
+                    "layer are hidden_states, position_ids, attention_mask)\n", cmd, xpath,
+                    mha_escape(qn, sizeof qn, u.name));
             return 1;
         }
     }
@@ -594,7 +574,8 @@ static int load_checkpoint_inputs(run *r) {
 
 // Loads the module and the inputs into r->a. Returns 0, or 1 after printing.
 int run_load(run *r) {
-    static const char *names[5] = {"query", "key", "value", "key_padding_mask", "attn_mask"};
+    static const char *names[5] = {"query", "key", "value", "key_padding_mask",
+                                   "attn_mask"};
     const char *cmd = r->cmd, *xpath = r->xpath;
     mha_status st;
     if (r->ckpt) {
@@ -605,8 +586,8 @@ int run_load(run *r) {
         mha_checkpoint_layer_apply(&r->ck, &r->a);
         return load_checkpoint_inputs(r);
     }
-    if ((st = mha_st_open(&r->wf, r->wpath)) ||
-        (st = mha_module_load(&r->m, r->wf, &r->base)) || (st = mha_st_open(&r->xf, xpath)))
+    if ((st = mha_st_open(&r->wf, r->wpath)) || (st = mha_module_load(&r->m, r->wf, &r->base)) ||
+        (st = mha_st_open(&r->xf, xpath)))
         return cli_fail(cmd, st);
     bool found[5];
     for (int i = 0; i < 5; i++)
@@ -619,10 +600,9 @@ int run_load(run *r) {
         for (int j = 0; j < 5; j++) known |= strcmp(t.name, names[j]) == 0;
         if (!known) {
             char qn[128];
-            fprintf(stderr,
-                    "mha %s: %s: unexpected tensor %s (inputs are query, key, "
-                    "value, key_padding_mask, attn_mask)\n",
-                    cmd, xpath, mha_escape(qn, sizeof qn, t.name));
+            fprintf(stderr, "mha %s: %s: unexpected tensor %s (inputs are query, key, "
+                    "value, key_padding_mask, attn_mask)\n", cmd, xpath,
+                    mha_escape(qn, sizeof qn, t.name));
             return 1;
         }
     }
@@ -631,10 +611,9 @@ int run_load(run *r) {
         return 1;
     }
     if (found[1] != found[2]) {
-        fprintf(stderr,
-                "mha %s: %s: has \"%s\" but no \"%s\" (give both, or neither "
-                "for self-attention)\n",
-                cmd, xpath, found[1] ? "key" : "value", found[1] ? "value" : "key");
+        fprintf(stderr, "mha %s: %s: has \"%s\" but no \"%s\" (give both, or neither "
+                "for self-attention)\n", cmd, xpath, found[1] ? "key" : "value",
+                found[1] ? "value" : "key");
         return 1;
     }
     r->a.query = &r->in[0].view;
