@@ -26,6 +26,13 @@ static int run_incremental(run *r, mha_tensor *ot) {
                                            r->kv_dtype);
     if (st) return cli_fail(r->cmd, st);
     const int64_t step = r->chunk ? r->chunk : 1;
+    // position_ids: each chunk's (N, n) slice
+    int64_t *pos = r->a.rope_positions ? malloc(sizeof(int64_t) * (size_t)(N * step)) : NULL;
+    if (r->a.rope_positions && !pos) {
+        mha_kv_cache_destroy(cache);
+        fprintf(stderr, "mha %s: out of memory\n", r->cmd);
+        return 1;
+    }
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
         const int64_t n = L - t0 < step ? L - t0 : step;
         mha_tensor qc = *q, oc = *ot;  // views of tokens [t0, t0 + n)
@@ -34,8 +41,15 @@ static int run_incremental(run *r, mha_tensor *ot) {
         qc.shape[sd] = oc.shape[sd] = n;
         mha_forward_args a = r->a;
         a.query = a.key = a.value = &qc;
+        if (pos) {
+            for (int64_t b = 0; b < N; b++)
+                for (int64_t t = 0; t < n; t++)
+                    pos[b * n + t] = r->a.rope_positions[b * L + t0 + t];
+            a.rope_positions = pos;
+        }
         st = mha_forward_cached(&oc, r->m, &a, cache);
     }
+    free(pos);
     mha_kv_cache_destroy(cache);
     return st ? cli_fail(r->cmd, st) : 0;
 }

@@ -62,7 +62,9 @@ static const char *forward_help =
     "   key (S, N, kdim), value (S, N, vdim) (both absent: self-attention,\n"
     "   key = value = query), optional key_padding_mask (N, S) and\n"
     "   attn_mask (L, S) or (N*H, L, S): BOOL/U8 (true = masked) or float\n"
-    "   (added).\n"
+    "   (added); optional position_ids (N, L) or (1, L) (L unbatched),\n"
+    "   integers: the RoPE position of every token (transformers'\n"
+    "   position_ids; self-attention or L == S).\n"
     "Y: attn_output, and with --need-weights attn_output_weights.\n"
     "  --num-heads H        heads (default: the weights' __metadata__)\n"
     "  --num-kv-heads K     key/value heads (default: the weights' __metadata__\n"
@@ -87,6 +89,17 @@ static const char *forward_help =
     "  --rope-theta T       RoPE base (default 10000)\n"
     "  --rope-dim D         rotate only the first D features of each head\n"
     "  --rope-start P       position of the first token (default 0)\n"
+    "  --rope-scaling TYPE  RoPE scaling as transformers' rope_type: linear,\n"
+    "                       dynamic (NTK, from the call's largest position),\n"
+    "                       yarn or llama3 (default: none), with:\n"
+    "  --rope-factor F      its factor (default 1)\n"
+    "  --rope-original-max N  original_max_position_embeddings (dynamic:\n"
+    "                       max_position_embeddings); dynamic, yarn, llama3\n"
+    "  --rope-low-freq-factor F, --rope-high-freq-factor F  llama3 (1, 4)\n"
+    "  --rope-beta-fast F, --rope-beta-slow F  yarn (32, 1)\n"
+    "  --rope-mscale F, --rope-mscale-all-dim F  yarn (unset)\n"
+    "  --rope-attention-factor F  yarn's cos/sin factor (default: derived)\n"
+    "  --rope-no-truncate   yarn: do not round the correction range\n"
     "  --alibi              ALiBi biases (the paper's slopes)\n"
     "  --softcap C          logit soft cap C tanh(s / C)\n"
     "  --need-weights       also write attn_output_weights (mean over heads)\n"
@@ -146,7 +159,8 @@ static const char *inspect_help =
     "W, X and these options are as in mha forward (see mha forward --help):\n"
     "  --num-heads, --num-kv-heads, --batch-first, --causal, --window-left,\n"
     "  --window-right, --add-zero-attn, --dtype, --weight-dtype, --rope,\n"
-    "  --rope-theta, --rope-dim, --rope-start, --alibi, --softcap\n"
+    "  --rope-theta, --rope-dim, --rope-start, --rope-scaling and its\n"
+    "  parameters, --alibi, --softcap (and the inputs' position_ids)\n"
     "Inspect's own:\n"
     "  --tokens FILE        one label per line for the positions (the query's,\n"
     "                       and the keys' in self-attention); positions past\n"
@@ -161,6 +175,7 @@ void run_free(run *r) {
     for (int64_t i = 0; i < r->ntokens; i++) free(r->tokens[i]);
     free(r->tokens);
     free(r->rope_starts);
+    free(r->rope_positions);
     mha_st_writer_destroy(r->wr);
     for (int i = 0; i < r->nbufs; i++) free(r->bufs[i]);
     for (int i = 0; i < 5; i++) free(r->in[i].buf);
@@ -202,6 +217,17 @@ static const struct option run_opts[] = {
     {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
     {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
     {"parallel", required_argument, 0, 'Z'},
+    // RoPE scaling (values past the characters)
+    {"rope-scaling", required_argument, 0, 0x100}, {"rope-factor", required_argument, 0, 0x101},
+    {"rope-original-max", required_argument, 0, 0x102},
+    {"rope-low-freq-factor", required_argument, 0, 0x103},
+    {"rope-high-freq-factor", required_argument, 0, 0x104},
+    {"rope-beta-fast", required_argument, 0, 0x105},
+    {"rope-beta-slow", required_argument, 0, 0x106},
+    {"rope-mscale", required_argument, 0, 0x107},
+    {"rope-mscale-all-dim", required_argument, 0, 0x108},
+    {"rope-attention-factor", required_argument, 0, 0x109},
+    {"rope-no-truncate", no_argument, 0, 0x10a},
     {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
@@ -327,7 +353,28 @@ static int opt_position(run *r, int c) {
         r->rope_start = v;
         break;
     case 'B': r->a.alibi = true; break;
-    default: return RUN_NOT_MINE;
+    case 0x100:
+        if ((st = mha_rope_scaling_type_from_name(&r->rope_scaling.type, optarg)))
+            return cli_fail(cmd, st);
+        break;
+    case 0x102:
+        if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+            return cli_usage(cmd, "--rope-original-max needs a positive integer");
+        r->rope_scaling.original_max_position = v;
+        break;
+    case 0x10a: r->rope_scaling.truncate = false; break;
+    default: {
+        if (c < 0x101 || c > 0x109) return RUN_NOT_MINE;
+        // the numbers (checked by the library, which names the field)
+        double *fields[] = {&r->rope_scaling.factor, NULL, &r->rope_scaling.low_freq_factor,
+                            &r->rope_scaling.high_freq_factor, &r->rope_scaling.beta_fast,
+                            &r->rope_scaling.beta_slow, &r->rope_scaling.mscale,
+                            &r->rope_scaling.mscale_all_dim,
+                            &r->rope_scaling.attention_factor};
+        if (cli_parse_f64(&f, optarg)) return cli_usage(cmd, "--rope-* needs a number");
+        *fields[c - 0x101] = f;
+        break;
+    }
     }
     return -1;
 }
@@ -417,6 +464,7 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
     mha_forward_args_init(&r->a);
+    mha_rope_scaling_init(&r->rope_scaling, MHA_ROPE_SCALING_NONE);
     mha_diag_options_init(&r->diag);
     r->argc = argc;
     r->argv = argv;
@@ -426,7 +474,7 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", run_opts, &li)) != -1) {
-        if (c != '?' && c != ':' && li >= 0 &&
+        if (c != '?' && c != ':' && li >= 0 && c < 0x100 &&
             strchr(inspect ? not_inspect : inspect_only, c)) {
             char msg[96];
             snprintf(msg, sizeof msg, inspect ? "--%s is not an option of mha inspect"
@@ -448,7 +496,50 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
         if (rc != -1) return rc;
     }
     if (optind < argc) return cli_usage(cmd, "unexpected argument");
+    if (r->rope_scaling.type != MHA_ROPE_SCALING_NONE) r->a.rope_scaling = &r->rope_scaling;
     return run_check(r, backward, no_avg);
+}
+
+// The inputs' position_ids (integers >= 0; (N, L), (1, L) for every batch
+// element, or (L) unbatched) as the (N, L) array r->a.rope_positions.
+// Returns 0, or 1 after printing.
+static int load_positions(run *r, const mha_st_tensor *t) {
+    const mha_tensor *q = r->a.query;
+    const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;
+    const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
+    const bool ok = (t->ndim == 2 && (t->shape[0] == N || t->shape[0] == 1) &&
+                     t->shape[1] == L) || (t->ndim == 1 && q->ndim == 2 && t->shape[0] == L);
+    if (!ok) {
+        fprintf(stderr, "mha %s: %s: position_ids must be (N, L) = (%lld, %lld) or (1, L)%s\n",
+                r->cmd, r->xpath, (long long)N, (long long)L,
+                q->ndim == 2 ? " or (L) for an unbatched query" : "");
+        return 1;
+    }
+    double *p = malloc(sizeof(double) * (size_t)(t->numel + 1));
+    r->rope_positions = malloc(sizeof(int64_t) * (size_t)(N * L + 1));
+    if (!p || !r->rope_positions) {
+        free(p);
+        fprintf(stderr, "mha %s: out of memory\n", r->cmd);
+        return 1;
+    }
+    mha_status st = mha_st_read(p, sizeof(double) * (size_t)t->numel, MHA_F64, t);
+    if (st) {
+        free(p);
+        return cli_fail(r->cmd, st);
+    }
+    for (int64_t i = 0; i < N * L; i++) {
+        const double v = p[t->numel == L ? i % L : i];
+        if (!(v >= 0.0 && v < 9.0e15) || v != (double)(int64_t)v) {
+            fprintf(stderr, "mha %s: %s: position_ids[%lld] = %g is not an integer >= 0\n",
+                    r->cmd, r->xpath, (long long)i, v);
+            free(p);
+            return 1;
+        }
+        r->rope_positions[i] = (int64_t)v;
+    }
+    free(p);
+    r->a.rope_positions = r->rope_positions;
+    return 0;
 }
 
 // Loads the module and the inputs into r->a. Returns 0, or 1 after printing.
@@ -467,12 +558,12 @@ int run_load(run *r) {
     for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
         mha_st_tensor t;
         if ((st = mha_st_tensor_at(&t, r->xf, i))) return cli_fail(cmd, st);
-        bool known = false;
+        bool known = strcmp(t.name, "position_ids") == 0;
         for (int j = 0; j < 5; j++) known |= strcmp(t.name, names[j]) == 0;
         if (!known) {
             char qn[128];
             fprintf(stderr, "mha %s: %s: unexpected tensor %s (inputs are query, key, "
-                    "value, key_padding_mask, attn_mask)\n", cmd, xpath,
+                    "value, key_padding_mask, attn_mask, position_ids)\n", cmd, xpath,
                     mha_escape(qn, sizeof qn, t.name));
             return 1;
         }
@@ -503,6 +594,9 @@ int run_load(run *r) {
         for (int64_t n = 0; n < N; n++) r->rope_starts[n] = r->rope_start;
         r->a.rope_start = r->rope_starts;
     }
+    mha_st_tensor pt;
+    if ((st = mha_st_find(&pt, r->xf, "position_ids")) == MHA_OK) return load_positions(r, &pt);
+    if (st != MHA_ERR_NOT_FOUND) return cli_fail(cmd, st);
     return 0;
 }
 

@@ -36,6 +36,8 @@ typedef struct run {
     int64_t chunk;         // --chunk: tokens per step (default 1)
     int64_t rope_start;    // --rope-start, for every batch element
     int64_t *rope_starts;  // ... as the per-element array the API takes
+    mha_rope_scaling rope_scaling;  // --rope-scaling and its parameters
+    int64_t *rope_positions;        // the inputs' position_ids (N, L), or NULL
     mha_st_file *wf, *xf, *gf;
     mha_module *m;
     cli_tensor in[5];
