@@ -371,7 +371,13 @@ static int opt_position(run *r, int c) {
                             &r->rope_scaling.beta_slow, &r->rope_scaling.mscale,
                             &r->rope_scaling.mscale_all_dim,
                             &r->rope_scaling.attention_factor};
-        if (cli_parse_f64(&f, optarg)) return cli_usage(cmd, "--rope-* needs a number");
+        static const char *msgs[] = {
+            "--rope-factor needs a number",         NULL,
+            "--rope-low-freq-factor needs a number", "--rope-high-freq-factor needs a number",
+            "--rope-beta-fast needs a number",       "--rope-beta-slow needs a number",
+            "--rope-mscale needs a number",          "--rope-mscale-all-dim needs a number",
+            "--rope-attention-factor needs a number"};
+        if (cli_parse_f64(&f, optarg)) return cli_usage(cmd, msgs[c - 0x101]);
         *fields[c - 0x101] = f;
         break;
     }
