@@ -508,7 +508,9 @@ MHA_API MHA_NODISCARD mha_status mha_rope_scaling_type_from_name(mha_rope_scalin
 // The frequencies a call uses: inv_freq (dim / 2 of them, dim = r->dim or
 // head_dim when 0) and the factor cos and sin are multiplied by (1 unless
 // YaRN), for a call whose positions are below seq (dynamic NTK). s may be
-// NULL. Checks every field (MHA_ERR_INVALID_ARG naming it).
+// NULL; r's mode is not used (its theta and dim are). Checks every field
+// (MHA_ERR_INVALID_ARG naming it). Computed in double (transformers
+// computes them in float32: they agree within float32 rounding).
 MHA_API MHA_NODISCARD mha_status mha_rope_frequencies(double *inv_freq,
                                                       double *attention_factor,
                                                       const mha_rope *r,
