@@ -130,6 +130,7 @@ static int inspect_attention(run *r, int64_t b, int64_t rows, float **w, int64_t
             a.attn_mask = &am;
         }
         if (a.rope_start) a.rope_start += b;
+        if (a.rope_positions) a.rope_positions += b * q.shape[1 - bd];  // (N, L): row b
     }
     a.query = &q;
     a.key = r->a.key == r->a.query ? &q : &k;
