@@ -195,15 +195,10 @@ static mha_status plan_masks(fwd_plan *p, const mha_module *m, const mha_forward
                          "mha_forward: the custom scale must be positive and finite, got %g",
                          a->scale);
     p->scale = a->use_custom_scale ? a->scale : 1.0 / sqrt((double)p->d);
-    // Declared for checkpoints (issue 17), not implemented yet: refused
-    // rather than ignored.
-    if (a->rope_positions || (a->rope_scaling && a->rope_scaling->type != MHA_ROPE_SCALING_NONE))
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_forward: rope_positions and rope_scaling are not implemented "
-                         "yet");
     p->mask.win_left = a->window_left;
     p->mask.win_right = a->window_right;
-    if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, a, p->N, p->H, p->d)))
+    if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, &p->rope_seq, a, p->N, p->L,
+                                    p->S, p->H, p->d)))
         return st;
     if (a->key_padding_mask && (st = plan_kpm(p, a->key_padding_mask))) return st;
     if (a->attn_mask && (st = plan_attn_mask(p, a->attn_mask))) return st;

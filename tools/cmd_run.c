@@ -12,20 +12,29 @@
 #include "run.h"
 
 // --incremental: the query's tokens chunk by chunk through a KV cache.
+// position_ids (the inputs' or a checkpoint's) go to each chunk as its
+// (N, n) slice of rope_positions.
 static int run_incremental(run *r, mha_tensor *ot) {
     const mha_tensor *q = r->a.query;
     if (r->a.key != q || r->a.value != q || r->a.need_weights)
         return cli_usage(r->cmd, "--incremental is causal self-attention (no key/value "
                                  "tensors, no --need-weights)");
+    if (r->a.key_padding_mask || r->a.attn_mask)
+        return cli_usage(r->cmd, "--incremental takes no masks (no attention_mask)");
     const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;  // the sequence dim
     const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
     const mha_config *c = mha_module_config(r->m);
     const int64_t Hkv = c->num_kv_heads, d = c->head_dim;  // (resolved: E / H unless set)
     mha_kv_cache *cache = NULL;
-    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1,
-                                           r->kv_dtype);
+    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1, r->kv_dtype);
     if (st) return cli_fail(r->cmd, st);
     const int64_t step = r->chunk ? r->chunk : 1;
+    int64_t *pos = r->a.rope_positions ? malloc(sizeof(int64_t) * (size_t)(N * step)) : NULL;
+    if (r->a.rope_positions && !pos) {
+        mha_kv_cache_destroy(cache);
+        fprintf(stderr, "mha %s: out of memory\n", r->cmd);
+        return 1;
+    }
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
         const int64_t n = L - t0 < step ? L - t0 : step;
         mha_tensor qc = *q, oc = *ot;  // views of tokens [t0, t0 + n)
@@ -34,8 +43,15 @@ static int run_incremental(run *r, mha_tensor *ot) {
         qc.shape[sd] = oc.shape[sd] = n;
         mha_forward_args a = r->a;
         a.query = a.key = a.value = &qc;
+        if (pos) {
+            for (int64_t b = 0; b < N; b++)
+                for (int64_t t = 0; t < n; t++)
+                    pos[b * n + t] = r->a.rope_positions[b * L + t0 + t];
+            a.rope_positions = pos;
+        }
         st = mha_forward_cached(&oc, r->m, &a, cache);
     }
+    free(pos);
     mha_kv_cache_destroy(cache);
     return st ? cli_fail(r->cmd, st) : 0;
 }
@@ -126,7 +142,7 @@ static mha_status gather_spans(const mha_tensor *t, const mha_tensor *loc, bool 
     MPI_Comm_size(MPI_COMM_WORLD, &P);
     const int sd = t->ndim == 2 || !bf ? 0 : 1;
     const int64_t T = t->shape[sd], per = mha_tensor_numel(t) / (T ? T : 1) *
-                                         (int64_t)mha_dtype_size(t->dtype);  // bytes a token
+                                          (int64_t)mha_dtype_size(t->dtype);  // bytes a token
     int *cnt = malloc(sizeof(int) * (size_t)P * 2);
     char *all = rank == 0 ? malloc((size_t)(T * per) + 1) : NULL;
     int bad = !cnt || (rank == 0 && !all), any = 0;
@@ -190,9 +206,8 @@ static int run_forward_into(run *r) {
     }
     if ((st = cli_forward(r, &ot, r->a.need_weights ? &wt : NULL)) ||
         (st = mha_st_writer_add(r->wr, "attn_output", r->dtype, os.ndim, os.dims, yo)) ||
-        (r->a.need_weights &&
-         (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype, wsh.ndim,
-                                 wsh.dims, yw))))
+        (r->a.need_weights && (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype,
+                                                      wsh.ndim, wsh.dims, yw))))
         return cli_fail(r->cmd, st);
     return 0;
 }
@@ -206,8 +221,10 @@ static int run_backward_into(run *r) {
     if ((st = mha_st_find(&gt, r->gf, "grad_attn_output"))) return cli_fail(cmd, st);
     if (gt.dtype != MHA_F32 && gt.dtype != MHA_F16 && gt.dtype != MHA_BF16 &&
         gt.dtype != MHA_F64) {
-        fprintf(stderr, "mha %s: %s: grad_attn_output has dtype %s (expected a float "
-                "type)\n", cmd, r->gpath, mha_dtype_name(gt.dtype));
+        fprintf(stderr,
+                "mha %s: %s: grad_attn_output has dtype %s (expected a float "
+                "type)\n",
+                cmd, r->gpath, mha_dtype_name(gt.dtype));
         return 1;
     }
     float *g = run_alloc(r, gt.numel);
