@@ -342,6 +342,17 @@ def layout_case(seed, i):
     even head dim) and, for i % 4 == 3, dropout."""
     sa = i % 6 == 5
     c = conf.random_case(LAYOUT_SEED_BASE + seed, i, self_attn=sa)
+    # inputs of moderate scale (at most 3, where the mirror's gradients are
+    # also checked by finite differences): the grid group covers the
+    # extreme scales (up to 300, near one-hot rows), where PyTorch's own
+    # float32 error, the tolerance's yardstick, varies between runs
+    xs = float(c.info.split("=")[1])
+    if xs > 3.0:
+        f = np.float32(3.0 / xs)
+        c.query, c.key, c.value = (c.query * f, c.key * f, c.value * f)
+        if sa:
+            c.key = c.value = c.query
+        c.info = "scale=%g" % 3.0
     with_layout(c, LAYOUT_SEED_BASE + seed, i)
     with_position_options(c, LAYOUT_SEED_BASE + seed, i)
     rng = np.random.default_rng([seed, 0x6c6179, i])
