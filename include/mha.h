@@ -259,7 +259,10 @@ typedef struct mha_config {
                           // p_ij = exp(s_ij - m) / (exp(sink_h - m) +
                           // sum_j exp(s_ij - m)), m the max over the row
                           // and the sink; the weights returned are p (rows
-                          // sum to less than 1); trainable (mha_backward)
+                          // sum to less than 1); trainable (mha_backward);
+                          // mha_forward_cached applies them; the MPI layer
+                          // refuses them and head_dim != E / H
+                          // (MHA_ERR_UNSUPPORTED)
 } mha_config;
 
 // Defaults as nn.MultiheadAttention(embed_dim, num_heads): bias = true,
@@ -274,7 +277,7 @@ typedef struct mha_st_file mha_st_file;  // a safetensors file (see below)
 // >= 0, 0 <= dropout, out_dropout < 1.
 MHA_API MHA_NODISCARD mha_status mha_module_create(mha_module **out, const mha_config *cfg);
 MHA_API void mha_module_destroy(mha_module *m);
-// The config with kdim/vdim and num_kv_heads resolved (never 0).
+// The config with kdim/vdim, num_kv_heads and head_dim resolved (never 0).
 MHA_API const mha_config *mha_module_config(const mha_module *m);
 
 // Parameters, with PyTorch's names and layouts (y = x W^T + b); Ekv =
@@ -342,7 +345,12 @@ MHA_API int64_t mha_module_num_pruned(const mha_module *m);
 // Loading and saving parameters as safetensors, under PyTorch's
 // state_dict names (so torch's `save_file(mha.state_dict(), ...)` loads).
 // mha_module_load reads embed_dim, kdim, vdim, bias and add_bias_kv from
-// which tensors are present and their shapes (every shape is checked; a
+// which tensors are present and their shapes, and so the layouts of real
+// checkpoints: head_dim = Eq / num_heads when out_proj.weight is (E, Eq)
+// with Eq != E, separate_qkv when q/k/v_proj_weight come with kdim ==
+// vdim == E, no_out_bias when in_proj_bias has no out_proj.bias, sinks
+// when a "sinks" tensor is there (every
+// shape is checked; a
 // tensor that is not a parameter is an error); num_heads from
 // base->num_heads, or, when that is 0, from the file's __metadata__
 // "num_heads"; num_kv_heads from base->num_kv_heads, or, when that is 0,
@@ -960,7 +968,8 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 // the context into out (the query's shape). Running a sequence chunk by
 // chunk (or token by token) gives the full causal forward's result (within
 // float rounding). The cache needs batch N, the module's num_kv_heads,
-// head dims E / H. Not available: masks, need_weights, dropout, add_bias_kv,
+// head dims the module's head_dim (a->use_custom_scale / scale apply).
+// Not available: masks, need_weights, dropout, add_bias_kv,
 // add_zero_attn, kdim/vdim != E (MHA_ERR_UNSUPPORTED). On any error (out
 // of memory included) the cache keeps the lengths it had.
 MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_module *m,
@@ -981,7 +990,8 @@ MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_m
 //                               with more than one visible key (1: uniform)
 //   mean_distance               mean over rows of sum_j p_ij |i - j| (small:
 //                               local head; ~S/3: global)
-//   logit_max, logit_std        of the scaled logits q.k / sqrt(d) over the
+//   logit_max, logit_std        of the scaled logits scale q.k (1 / sqrt(d)
+//                               or the custom scale) over the
 //                               rows examined and every key, before soft
 //                               cap, ALiBi and masks (the overflow check)
 //   output_var_ratio            variance over rows of the head's context

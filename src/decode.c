@@ -19,10 +19,10 @@ typedef struct cached_call {
     bool seq_first, gated;
     int64_t R;  // rows of the query (N T)
     // the scratch: blk (xg, wt, wo, gs, qkv, ctx, yt, wh), the start
-    // positions, gbuf (gated: gate (R, H), gctx (R, E), packed W_g)
+    // positions, gbuf (gated: gate (R, H), gctx (R, Eq), packed W_g)
     float *blk, *gbuf;
     int64_t *starts;
-    size_t pw, pwkv;  // floats of a packed (E, E) / (E, Ekv) weight
+    size_t pw, pwkv;  // floats of a packed (E, Eq) / (E, Ekv) weight
     float *xg, *wt, *wo, *gs, *qkv, *ctx, *yt, *wh;
     const float *X;  // the query rows (R, E), row stride ldx
     int64_t ldx;
@@ -75,31 +75,35 @@ static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_
 }
 
 // Scratch: the kernels and threads; one block, the start positions (N)
-// and, gated, gate (R, H), gctx (R, E) and the packed W_g, all allocated
+// and, gated, gate (R, H), gctx (R, Eq) and the packed W_g, all allocated
 // before the cache changes; the block carved into c.
 static mha_status cached_scratch(cached_call *c, const mha_module *m) {
     const fwd_plan *p = &c->p;
-    const int64_t N = p->N, E = p->E, H = p->H, R = c->R;
-    const int64_t Ekv = p->Ekv, W3 = E + 2 * Ekv;
+    const int64_t N = p->N, E = p->E, Eq = p->Eq, H = p->H, R = c->R;
+    const int64_t Ekv = p->Ekv, W3 = Eq + 2 * Ekv;
     const mha__kernels *kt = c->kt = mha__kernels_get();
     const int nt = c->nt = p->nthreads;
     c->seq_first = p->unbatched || !m->cfg.batch_first;
-    // scratch: gathered x, packed weights (E (E + 2 Ekv) or separate) and
-    // Wo, GEMM scratch, qkv (R, E + 2 Ekv), ctx (R, E), y (R, E), the start
-    // positions
-    const size_t pw = mha__gemm_packed_b_floats(kt, E, E),
+    // scratch: gathered x, packed weights (E (Eq + 2 Ekv) or separate) and
+    // Wo (Eq, E), GEMM scratch, qkv (R, Eq + 2 Ekv), ctx (R, Eq), y (R, E),
+    // the start positions
+    const size_t pw = mha__gemm_packed_b_floats(kt, E, Eq),
+                 pwo = mha__gemm_packed_b_floats(kt, Eq, E),
                  n_gs = mha__gemm_scratch_floats(kt, nt),
                  pwkv = mha__gemm_packed_b_floats(kt, E, Ekv);
     const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, W3) : pw + 2 * pwkv;
     const size_t n_wh = m->wdt == MHA_F32 ? 0 : mha__half_weight_floats(kt, m, nt);
-    size_t total = (size_t)(R * E) * 3 + (size_t)(R * W3) + n_w + pw + n_gs + n_wh, bytes;
+    size_t total = (size_t)(R * E) * 2 + (size_t)(R * Eq) + (size_t)(R * W3) + n_w + pwo +
+                   n_gs + n_wh,
+           bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "mha_forward_cached: scratch overflows");
     // (everything is allocated before the cache changes: a failure after
     // the append can only come from the attention, and is rolled back)
     const bool gated = c->gated = mha__module_gated(m);
-    const size_t gfloats = gated ? (size_t)(R * H + R * E) + mha__gemm_packed_b_floats(kt, E, H)
-                                 : 0;
+    const size_t gfloats = gated
+                               ? (size_t)(R * H + R * Eq) + mha__gemm_packed_b_floats(kt, E, H)
+                               : 0;
     float *blk = mha__alloc(bytes);
     int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
     float *gbuf = gated ? mha__alloc(sizeof(float) * gfloats) : NULL;
@@ -111,18 +115,18 @@ static mha_status cached_scratch(cached_call *c, const mha_module *m) {
                          "mha_forward_cached: out of memory for %zu bytes of scratch",
                          bytes + sizeof(float) * gfloats + sizeof(int64_t) * (size_t)N);
     }
-    float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pw, *qkv = gs + n_gs,
-          *ctx = qkv + R * W3, *yt = ctx + R * E, *wh = yt + R * E;
+    float *xg = blk, *wt = xg + R * E, *wo = wt + n_w, *gs = wo + pwo, *qkv = gs + n_gs,
+          *ctx = qkv + R * W3, *yt = ctx + R * Eq, *wh = yt + R * E;
     c->blk = blk, c->gbuf = gbuf, c->starts = starts, c->pw = pw, c->pwkv = pwkv;
     c->xg = xg, c->wt = wt, c->wo = wo, c->gs = gs, c->qkv = qkv, c->ctx = ctx, c->yt = yt;
     c->wh = wh;
     return MHA_OK;
 }
 
-// Project: qkv (R, E + 2 Ekv) = X W_in^T + b_in (one packed GEMM or three),
+// Project: qkv (R, Eq + 2 Ekv) = X W_in^T + b_in (one packed GEMM or three),
 // X the query's rows as they lie or gathered into xg.
 static void cached_project(cached_call *c, const mha_module *m, const mha_forward_args *a) {
-    const int64_t E = c->p.E, R = c->R, Ekv = c->p.Ekv, W3 = E + 2 * Ekv;
+    const int64_t E = c->p.E, Eq = c->p.Eq, R = c->R, Ekv = c->p.Ekv, W3 = Eq + 2 * Ekv;
     const mha__kernels *kt = c->kt;
     const int nt = c->nt;
     const size_t pw = c->pw, pwkv = c->pwkv;
@@ -136,12 +140,12 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
         mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_in, wh), bq, R, E, W3, wt,
                          gs, nt);
     } else {
-        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_q, wh), bq, R, E, E, wt, gs,
-                         nt);
-        mha__linear_rows(kt, qkv + E, W3, X, ldx, mha__wmat_of(m, m->w_k, wh),
-                         bq ? bq + E : NULL, R, E, Ekv, wt + pw, gs, nt);
-        mha__linear_rows(kt, qkv + E + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh),
-                         bq ? bq + E + Ekv : NULL, R, E, Ekv, wt + pw + pwkv, gs, nt);
+        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_q, wh), bq, R, E, Eq, wt,
+                         gs, nt);
+        mha__linear_rows(kt, qkv + Eq, W3, X, ldx, mha__wmat_of(m, m->w_k, wh),
+                         bq ? bq + Eq : NULL, R, E, Ekv, wt + pw, gs, nt);
+        mha__linear_rows(kt, qkv + Eq + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh),
+                         bq ? bq + Eq + Ekv : NULL, R, E, Ekv, wt + pw + pwkv, gs, nt);
     }
     c->X = X, c->ldx = ldx;
 }
@@ -151,8 +155,8 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
 // lengths before); k and v appended to the cache.
 static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
                                      mha_kv_cache *cache) {
-    const int64_t N = c->p.N, T = c->p.L, E = c->p.E, H = c->p.H, d = c->p.d;
-    const int64_t Hkv = c->p.Hkv, Ekv = c->p.Ekv, W3 = E + 2 * Ekv;
+    const int64_t N = c->p.N, T = c->p.L, Eq = c->p.Eq, H = c->p.H, d = c->p.d;
+    const int64_t Hkv = c->p.Hkv, Ekv = c->p.Ekv, W3 = Eq + 2 * Ekv;
     const bool seq_first = c->seq_first;
     float *qkv = c->qkv, *ctx = c->ctx;
     int64_t *starts = c->starts;
@@ -161,9 +165,9 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
     // (seq first) or n T + t
     const int64_t ns = seq_first ? 1 : T, ts = seq_first ? N : 1;
     mha_tensor qv = {qkv, MHA_F32, 4, {N, H, T, d}, {ns * W3, d, ts * W3, 1}};
-    mha_tensor kv = {qkv + E, MHA_F32, 4, {N, Hkv, T, d}, {ns * W3, d, ts * W3, 1}};
-    mha_tensor vv = kv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
-    vv.data = qkv + E + Ekv;
+    mha_tensor kv = {qkv + Eq, MHA_F32, 4, {N, Hkv, T, d}, {ns * W3, d, ts * W3, 1}};
+    mha_tensor vv = kv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * Eq, d, ts * Eq, 1}};
+    vv.data = qkv + Eq + Ekv;
     c->qv = qv, c->cv = cv;  // (what the attention reads and writes)
     for (int64_t n = 0; n < N; n++) starts[n] = mha_kv_cache_length(cache, n);
     // (rope_positions: the new tokens' positions; dynamic NTK scaling from
@@ -177,9 +181,11 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
     return MHA_OK;
 }
 
-// Attend: ctx (N, H, T, d) over the cache (window, soft cap, ALiBi); on
-// an error the cache rolled back to its lengths before the append.
-static mha_status cached_attend(cached_call *c, const mha_forward_args *a, mha_kv_cache *cache) {
+// Attend: ctx (N, H, T, d) over the cache (window, soft cap, ALiBi, the
+// custom scale, the module's sinks); on an error the cache rolled back to its lengths before
+// the append.
+static mha_status cached_attend(cached_call *c, const mha_module *m, const mha_forward_args *a,
+                                mha_kv_cache *cache) {
     const int64_t N = c->p.N, H = c->p.H;
     const int64_t *starts = c->starts;
     mha_status st;
@@ -189,6 +195,9 @@ static mha_status cached_attend(cached_call *c, const mha_forward_args *a, mha_k
     ca.window_left = a->window_left;
     ca.window_right = a->window_right;
     ca.softcap = a->softcap;
+    ca.use_custom_scale = a->use_custom_scale;  // (checked by the plan: > 0, finite)
+    ca.scale = a->scale;
+    ca.sinks = m->sinks;  // (NULL without attention sinks)
     if (a->alibi) {
         if (a->alibi_slopes) ca.alibi_slopes = a->alibi_slopes;
         else {
@@ -206,10 +215,10 @@ static mha_status cached_attend(cached_call *c, const mha_forward_args *a, mha_k
 }
 
 // Gates and out-project: pruned heads' context zeroed; gated: gctx =
-// ctx_h * gate; y (R, E) = gctx W_o^T + b_o, into out's rows directly or
-// through yt.
+// ctx_h * gate; y (R, E) = gctx (R, Eq) W_o^T + b_o, into out's rows
+// directly or through yt.
 static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module *m) {
-    const int64_t E = c->p.E, H = c->p.H, d = c->p.d, R = c->R;
+    const int64_t E = c->p.E, Eq = c->p.Eq, H = c->p.H, d = c->p.d, R = c->R;
     const mha__kernels *kt = c->kt;
     const int nt = c->nt;
     const bool gated = c->gated;
@@ -217,18 +226,18 @@ static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module
     const float *X = c->X;
     const int64_t ldx = c->ldx;
     for (int64_t h = 0; h < H; h++)  // pruned heads: zero context (computed all the same)
-        if (!mha__head_live(m, h)) mha__zero_head_rows(ctx + h * d, E, 0, R, d);
+        if (!mha__head_live(m, h)) mha__zero_head_rows(ctx + h * d, Eq, 0, R, d);
     const float *octx = ctx;
     if (gated) {
-        mha__gate_rows(kt, gbuf, gbuf + R * H, ctx, m, X, ldx, R, gbuf + R * H + R * E, gs, nt);
+        mha__gate_rows(kt, gbuf, gbuf + R * H, ctx, m, X, ldx, R, gbuf + R * H + R * Eq, gs, nt);
         octx = gbuf + R * H;
     }
     int64_t ldo = E;
     const bool direct = mha__rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : yt;
     if (!direct) ldo = E;
-    mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh), m->out_bias, R, E, E,
-                     wo, gs, nt);
+    mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh), m->out_bias, R, Eq,
+                     E, wo, gs, nt);
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
             mha__mat row = mha__view_row(out, r);
@@ -244,7 +253,7 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     mha_status st;
     if ((st = cached_check(&c, out, m, a, cache)) || (st = cached_scratch(&c, m))) return st;
     cached_project(&c, m, a);
-    if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, a, cache)))
+    if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, m, a, cache)))
         cached_out_project(&c, out, m);
     mha__free(c.gbuf);
     mha__free(c.blk);

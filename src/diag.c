@@ -208,7 +208,7 @@ typedef struct diag_run {
     const mha_module *m;
     const mha_forward_args *a;  // the call's arguments, as planned
     const mha_diag_options *o;
-    int64_t N, L, Sp, E, H, d, Ekv, G;
+    int64_t N, L, Sp, E, Eq, H, d, Ekv, G;
     int64_t R;  // query rows per batch element
     double scale;
 #ifdef MHA_HAVE_LAPACKE
@@ -217,7 +217,7 @@ typedef struct diag_run {
 #endif
     int64_t nspec;
     size_t nbuf, nwork;
-    double *q, *k, *v;  // q (N, L, E), k and v (N, Sp, Ekv): one block
+    double *q, *k, *v;  // q (N, L, Eq), k and v (N, Sp, Ekv): one block
     double *work;       // P (H, Sp), a context row (d), the SVD's scratch
     head_acc *acc;      // (H)
     double *cbuf;       // (2 H d): every head's c_sum and c_sq
@@ -231,15 +231,16 @@ typedef struct diag_run {
 static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
     const fwd_plan *p = r->p;
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d, Ekv = p->Ekv,
-                  G = H / p->Hkv;
-    r->N = N, r->L = L, r->Sp = Sp, r->E = E, r->H = H, r->d = d, r->Ekv = Ekv, r->G = G;
-    r->scale = 1.0 / sqrt((double)d);
+                  G = H / p->Hkv, Eq = p->Eq;
+    r->N = N, r->L = L, r->Sp = Sp, r->E = E, r->Eq = Eq, r->H = H, r->d = d, r->Ekv = Ekv,
+    r->G = G;
+    r->scale = p->scale;  // 1 / sqrt(d), or the custom one
     r->R = r->o->max_rows > 0 && r->o->max_rows < L ? r->o->max_rows : L;
     const int64_t R = r->R;
-    // q (N, L, E), k and v (N, Sp, Ekv); work: one row of every head P (H,
+    // q (N, L, Eq), k and v (N, Sp, Ekv); work: one row of every head P (H,
     // Sp), a context row (d), then (nsvd) the SVD's copy of a slice (d *
     // fmax), its work (lwork) and iwork (8 d lapack_ints, as doubles)
-    const size_t nbuf = (size_t)(N * L * E + 2 * N * Sp * Ekv);
+    const size_t nbuf = (size_t)(N * L * Eq + 2 * N * Sp * Ekv);
 #ifdef MHA_HAVE_LAPACKE
     const mha_module *m = r->m;
     const int64_t kd = m->cfg.kdim, vd = m->cfg.vdim;
@@ -280,7 +281,7 @@ static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
         return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu + %zu doubles",
                          nbuf, nwork);
     }
-    r->k = r->q + N * L * E, r->v = r->k + N * Sp * Ekv;
+    r->k = r->q + N * L * Eq, r->v = r->k + N * Sp * Ekv;
     *out = dg;
     return MHA_OK;
 }
@@ -288,7 +289,7 @@ static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
 // 1. Non-finite values: parameters, inputs, then the projections (computed
 //    here into q, k, v).
 static void diag_project(diag_run *r, mha_diagnostics *dg) {
-    const int64_t N = r->N, L = r->L, Sp = r->Sp, E = r->E, Ekv = r->Ekv;
+    const int64_t N = r->N, L = r->L, Sp = r->Sp, Eq = r->Eq, Ekv = r->Ekv;
     double *q = r->q, *k = r->k, *v = r->v;
     char *nf = dg->nonfinite;
     const size_t nfc = sizeof dg->nonfinite;
@@ -298,7 +299,7 @@ static void diag_project(diag_run *r, mha_diagnostics *dg) {
         !find_nonfinite_view(nf, nfc, "value", r->a->value))
         nf[0] = '\0';
     mha__project_qkv(r->p, r->m, r->a, q, k, v);
-    if (!nf[0] && !find_nonfinite_buf(nf, nfc, "q", q, N, L, E) &&
+    if (!nf[0] && !find_nonfinite_buf(nf, nfc, "q", q, N, L, Eq) &&
         !find_nonfinite_buf(nf, nfc, "k", k, N, Sp, Ekv))
         find_nonfinite_buf(nf, nfc, "v", v, N, Sp, Ekv);
 }
@@ -307,14 +308,14 @@ static void diag_project(diag_run *r, mha_diagnostics *dg) {
 // (Sp), then its entropy, distance and context into the head's sums; the
 // first non-finite logit into nf (when nothing was found before).
 static void diag_head_row(diag_run *r, char *nf, size_t nfc, int64_t b, int64_t i, int64_t h) {
-    const int64_t L = r->L, Sp = r->Sp, E = r->E, d = r->d, Ekv = r->Ekv, G = r->G;
+    const int64_t L = r->L, Sp = r->Sp, Eq = r->Eq, d = r->d, Ekv = r->Ekv, G = r->G;
     const double scale = r->scale;
     const double *q = r->q, *k = r->k, *v = r->v;
     double *P = r->work, *ctx = r->work + r->H * Sp;
     bool *has = r->has;
     const fwd_plan *p = r->p;
     const int64_t g = h / G;
-    const double *qi = q + (b * L + i) * E + h * d;
+    const double *qi = q + (b * L + i) * Eq + h * d;
     double *ph = P + h * Sp;
     head_acc *A = &r->acc[h];
     int64_t visible = 0;
@@ -335,7 +336,7 @@ static void diag_head_row(diag_run *r, char *nf, size_t nfc, int64_t b, int64_t 
         ph[j] = mha__ref_logit(&p->mask, s, b, h, i, j);
         visible += ph[j] > -INFINITY;
     }
-    mha__ref_softmax_row(ph, Sp);
+    mha__ref_softmax_row(ph, Sp, p->mask.sinks ? (double)p->mask.sinks[h] : -INFINITY);
     has[h] = visible > 0;  // else the row is all 0 (fully masked)
     if (!has[h]) return;
     double ent = 0, dist = 0;
@@ -427,7 +428,7 @@ static void diag_value_var(diag_run *r) {
 }
 
 // 3. Per head: the statistics, spectra, the dead flag, pruning and the
-//    gates over every query row (in q's buffer, free now: H <= E).
+//    gates over every query row (in q's buffer, free now: H <= Eq).
 static void diag_heads(diag_run *r, mha_diagnostics *dg) {
     const mha_module *m = r->m;
     const mha_diag_options o = *r->o;
@@ -481,8 +482,9 @@ static void diag_heads(diag_run *r, mha_diagnostics *dg) {
         hd->rank_k = spectrum(sp + nspec, m->w_k, m->wdt, kd, g * d, 0, d, kd, o.rank_rtol, &ws);
         hd->rank_v = spectrum(sp + 2 * nspec, m->w_v, m->wdt, vd, g * d, 0, d, vd, o.rank_rtol,
                               &ws);
-        hd->rank_o = spectrum(sp + 3 * nspec, m->w_out, m->wdt, E, 0, h * d, E, d, o.rank_rtol,
-                              &ws);
+        // W_O (E, Eq): the head's columns [h d, (h + 1) d)
+        hd->rank_o = spectrum(sp + 3 * nspec, m->w_out, m->wdt, r->Eq, 0, h * d, E, d,
+                              o.rank_rtol, &ws);
 #else
         hd->rank_q = hd->rank_k = hd->rank_v = hd->rank_o = -1;  // no SVD (mha.h)
 #endif

@@ -246,10 +246,13 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
     scratch_map sm = head_scratch(a, scratch);
     float *s = sm.s, *m = sm.m, *l = sm.l;
     load_q(a, sm.qs, i0, br);
+    // an attention sink (mask->sinks) is a first key of logit sink and
+    // value 0: the online softmax starts from (m, l) = (sink, 1)
+    const float sink = a->mask && a->mask->sinks ? a->mask->sinks[a->h] : -INFINITY;
     for (int64_t r = 0; r < br; r++) {
         for (int64_t c = 0; c < Dv; c++) a->o[(i0 + r) * a->o_rs + c] = 0.0f;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+        m[r] = sink;
+        l[r] = sink > -INFINITY ? 1.0f : 0.0f;
     }
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;

@@ -29,7 +29,9 @@ typedef struct mha__flash_head {
     float *stats;  // (L, 2) or NULL: each row's score max m and 1/l (l the
                    // sum of exp(s - m)), so P = exp(s - m) / l is
                    // recomputed with the forward's own rounding; (-inf, 0)
-                   // for a fully masked row
+                   // for a fully masked row. With an attention sink
+                   // (mask->sinks[h]) m and l include it: (sink, 1) for a
+                   // fully masked row
     int64_t L, S, D, Dv;
     float scale;
     const mha__mask *mask;     // over the S keys (s_masked = S)

@@ -7,6 +7,7 @@
 //   packed in_proj_weight with self-attention)
 // Every sum has a fixed order: GEMMs split over output rows, attention
 // over (b, h, tile) items.
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -76,7 +77,7 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
 //   wt                the packed weights of the forward's projections
 //   bp, gs            the packed B of the backward's GEMMs, GEMM scratch
 //   qkv, dqkv         the projections and their gradients (mha__qkv_floats)
-//   ctx, dctx, dy     (Rq, E) each
+//   ctx, dctx, dy     (Rq, Eq), (Rq, Eq), (Rq, E)
 //   lse (N, H, L, 2)  each row's (max, 1/sum); dsum (N, H, L)
 //   dextra            the appended keys' dk (N, Hkv, nx, d), then dv
 //   extra             the appended keys (Hkv, nx, d) for k, then v
@@ -99,7 +100,7 @@ typedef struct bwd_call {
     bool acc;  // += instead of =
     bwd_scratch s;
     float *blk;   // the block s is carved from
-    float *gbuf;  // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, E), packed W_g
+    float *gbuf;  // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, Eq), packed W_g
     float *gate, *dg, *gctx;
     const float *dy;  // dy (Rq, E), row stride lddy: dY's rows or s.dy
     int64_t lddy;
@@ -123,26 +124,29 @@ static mha_status bwd_alloc(bwd_call *c) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     const int64_t kd = p->kdim, vd = p->vdim, Rmax = Rq > Rk ? Rq : Rk;
-    const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv, Eq = p->Eq;
     const int nt = p->nthreads;
     const bool sp = p->self_packed;
-    const int64_t W3 = sp ? E + 2 * Ekv : E;  // row stride of q (and k, v when packed)
+    const int64_t W3 = sp ? Eq + 2 * Ekv : Eq;  // row stride of q (and k, v when packed)
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
+    // the widest B of a backward GEMM: X (R, I) of I <= max(Fmax, Eq) (Eq:
+    // the context, dWo), W (O, I) of O <= max(E, Eq) (dX = d W, dctx = dy Wo)
+    const int64_t Bmax = Fmax > Eq ? Fmax : Eq, Omax = E > Eq ? E : Eq;
     // Scratch, floats, one block:
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, true);
     size_t n_x = (size_t)(Rq * E + Rk * (kd + vd));  // gathered inputs
     // packed weights (forward), packed B of the backward GEMMs, GEMM scratch
-    const size_t pw_q = mha__gemm_packed_b_floats(kt, E, E),
+    const size_t pw_q = mha__gemm_packed_b_floats(kt, E, Eq),
                  pw_k = mha__gemm_packed_b_floats(kt, kd, Ekv),
                  pw_v = mha__gemm_packed_b_floats(kt, vd, Ekv);
     size_t n_w = sp ? mha__gemm_packed_b_floats(kt, E, W3) : pw_q + pw_k + pw_v;
-    size_t n_bp = mha__gemm_packed_b_floats(kt, Rmax, Fmax),
-           n_bp2 = mha__gemm_packed_b_floats(kt, E, Fmax),
+    size_t n_bp = mha__gemm_packed_b_floats(kt, Rmax, Bmax),
+           n_bp2 = mha__gemm_packed_b_floats(kt, Omax, Bmax),
            n_gs = mha__gemm_scratch_floats(kt, nt);
     if (n_bp2 > n_bp) n_bp = n_bp2;
     n_w += n_bp + n_gs;
     size_t n_qkv = mha__qkv_floats(p, Rq, Rk);
-    size_t n_att = (size_t)(Rq * E * 3 + N * H * L * 3 + 2 * N * Hkv * nx * d +
+    size_t n_att = (size_t)(Rq * (2 * Eq + E) + N * H * L * 3 + 2 * N * Hkv * nx * d +
                             2 * Hkv * nx * d);
     size_t n_tmp = (size_t)(Rmax * Fmax);
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
@@ -160,7 +164,7 @@ static mha_status bwd_alloc(bwd_call *c) {
     s->xq = blk, s->xk = s->xq + Rq * E, s->xv = s->xk + Rk * kd;
     s->wt = s->xv + Rk * vd, s->bp = s->wt + (n_w - n_bp - n_gs), s->gs = s->bp + n_bp;
     s->qkv = s->wt + n_w, s->dqkv = s->qkv + n_qkv;
-    s->ctx = s->dqkv + n_qkv, s->dctx = s->ctx + Rq * E, s->dy = s->dctx + Rq * E;
+    s->ctx = s->dqkv + n_qkv, s->dctx = s->ctx + Rq * Eq, s->dy = s->dctx + Rq * Eq;
     s->lse = s->dy + Rq * E, s->dsum = s->lse + 2 * N * H * L;  // lse: (m, 1/l) rows
     s->dextra = s->dsum + N * H * L, s->extra = s->dextra + 2 * N * Hkv * nx * d;
     s->tmp = s->extra + 2 * Hkv * nx * d, s->scratch = blk + n_pre;
@@ -177,6 +181,7 @@ static mha_status bwd_inputs(bwd_call *c) {
     const mha_forward_args *a = c->a;
     const int64_t N = p->N, L = p->L, H = p->H, E = p->E, kd = p->kdim, vd = p->vdim;
     const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key), Ekv = p->Ekv;
+    const int64_t Eq = p->Eq;
     bwd_scratch *s = &c->s;
     c->ldq = E, c->ldk = kd, c->ldv = vd;
     c->Xq = s->xq, c->Xk = s->xk, c->Xv = s->xv;
@@ -204,9 +209,10 @@ static mha_status bwd_inputs(bwd_call *c) {
     }
     const bool sp = p->self_packed;
     float *qkv = s->qkv, *dqkv = s->dqkv;
-    c->q = qkv, c->k = sp ? qkv + E : qkv + Rq * E, c->v = sp ? qkv + E + Ekv : c->k + Rk * Ekv;
-    c->dq = dqkv, c->dk = sp ? dqkv + E : dqkv + Rq * E;
-    c->dv = sp ? dqkv + E + Ekv : c->dk + Rk * Ekv;
+    c->q = qkv, c->k = sp ? qkv + Eq : qkv + Rq * Eq;
+    c->v = sp ? qkv + Eq + Ekv : c->k + Rk * Ekv;
+    c->dq = dqkv, c->dk = sp ? dqkv + Eq : dqkv + Rq * Eq;
+    c->dv = sp ? dqkv + Eq + Ekv : c->dk + Rk * Ekv;
     c->ldkv = sp ? c->W3 : Ekv;
     return MHA_OK;
 }
@@ -228,13 +234,15 @@ static mha_status bwd_forward(bwd_call *c) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     const int64_t kd = p->kdim, vd = p->vdim, Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv;
+    const int64_t Eq = p->Eq;
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first, sp = p->self_packed;
     const int64_t W3 = c->W3, ldkv = c->ldkv;
     const mha_saved *sv = c->sv;
     float *q = c->q, *k = c->k, *v = c->v, *wt = c->s.wt, *gs = c->s.gs;
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + E + Ekv : NULL;
-    const size_t pw_q = mha__gemm_packed_b_floats(kt, E, E),
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + Eq : NULL,
+                *bv = bq ? bq + Eq + Ekv : NULL;
+    const size_t pw_q = mha__gemm_packed_b_floats(kt, E, Eq),
                  pw_k = mha__gemm_packed_b_floats(kt, kd, Ekv);
     const int64_t g0 = pt ? pt->g0 : 0, g1 = pt ? pt->g1 : Hkv, nq = (g1 - g0) * G * d,
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
@@ -258,8 +266,8 @@ static mha_status bwd_forward(bwd_call *c) {
     c->qm = (mha__rowmap){q, W3, seq_first, N, L};
     c->km = (mha__rowmap){k, ldkv, seq_first, N, Tk};
     c->vm = (mha__rowmap){v, ldkv, seq_first, N, Tk};
-    c->cm = (mha__rowmap){c->s.ctx, E, seq_first, N, L};
-    c->dcm = (mha__rowmap){c->s.dctx, E, seq_first, N, L};
+    c->cm = (mha__rowmap){c->s.ctx, Eq, seq_first, N, L};
+    c->dcm = (mha__rowmap){c->s.dctx, Eq, seq_first, N, L};
     c->dqm = (mha__rowmap){c->dq, W3, seq_first, N, L};
     c->dkm = (mha__rowmap){c->dk, ldkv, seq_first, N, Tk};
     c->dvm = (mha__rowmap){c->dv, ldkv, seq_first, N, Tk};
@@ -320,8 +328,9 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
             dy[r * E + e] = g;
         }
     }
-    mha__matmul_rows(c->kt, c->s.dctx, E, c->dy, c->lddy, c->m->out_weight, E, Rq, E, E,
-                     c->s.bp, c->s.gs, p->nthreads);
+    // dctx (Rq, Eq) = dy (Rq, E) Wo (E, Eq)
+    mha__matmul_rows(c->kt, c->s.dctx, p->Eq, c->dy, c->lddy, c->m->out_weight, p->Eq, Rq, E,
+                     p->Eq, c->s.bp, c->s.gs, p->nthreads);
 }
 
 // Gated: W_O saw gctx = ctx_h * g, so dg = sum_c dctx_h ctx_h (dynamic:
@@ -329,25 +338,26 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
 static mha_status bwd_gates(bwd_call *c) {
     const mha_module *m = c->m;
     if (!mha__module_gated(m)) return MHA_OK;
-    const int64_t E = c->p->E, H = c->p->H, d = c->p->d, Rq = mha__rows_of(c->a->query);
+    const int64_t E = c->p->E, Eq = c->p->Eq, H = c->p->H, d = c->p->d,
+                  Rq = mha__rows_of(c->a->query);
     const size_t nwg = mha__gemm_packed_b_floats(c->kt, E, H);
-    c->gbuf = mha__alloc(sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
+    c->gbuf = mha__alloc(sizeof(float) * ((size_t)(2 * Rq * H + Rq * Eq) + nwg));
     if (!c->gbuf)
         return mha__fail(MHA_ERR_NOMEM,
                          "fused backward: out of memory for the gates (%zu "
                          "bytes)",
-                         sizeof(float) * ((size_t)(2 * Rq * H + Rq * E) + nwg));
+                         sizeof(float) * ((size_t)(2 * Rq * H + Rq * Eq) + nwg));
     float *gate = c->gbuf, *dg = gate + Rq * H, *gctx = dg + Rq * H;
     c->gate = gate, c->dg = dg, c->gctx = gctx;
     const float *ctx = c->s.ctx;
     float *dctx = c->s.dctx;
-    mha__gate_rows(c->kt, gate, gctx, ctx, m, c->Xq, c->ldq, Rq, gctx + Rq * E, c->s.gs,
+    mha__gate_rows(c->kt, gate, gctx, ctx, m, c->Xq, c->ldq, Rq, gctx + Rq * Eq, c->s.gs,
                    c->p->nthreads);
     const bool dyn = m->cfg.head_gate == MHA_GATE_DYNAMIC;
     for (int64_t r = 0; r < Rq; r++)
         for (int64_t h = 0; h < H; h++) {
-            float *dc = dctx + r * E + h * d;
-            const float *cx = ctx + r * E + h * d, g = gate[r * H + h];
+            float *dc = dctx + r * Eq + h * d;
+            const float *cx = ctx + r * Eq + h * d, g = gate[r * H + h];
             double sdg = 0.0;
             for (int64_t i = 0; i < d; i++) sdg += (double)dc[i] * cx[i];
             dg[r * H + h] = (float)(dyn ? sdg * g * (1.0 - g) : sdg);
@@ -462,14 +472,14 @@ static void bwd_attention_tiles(const bwd_call *c) {
 static void bwd_rope_and_part_out(const bwd_call *c) {
     const fwd_plan *p = c->p;
     const mha__part *pt = c->pt;
-    const int64_t L = p->L, S = p->S, E = p->E, H = p->H, Hkv = p->Hkv, Ekv = p->Ekv;
+    const int64_t L = p->L, S = p->S, Eq = p->Eq, H = p->H, Hkv = p->Hkv, Ekv = p->Ekv;
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     const int64_t W3 = c->W3, ldkv = c->ldkv;
     mha__rope_rows(p, c->a, &c->dqm, L, H, true, pt ? pt->attn.rope_pos : NULL);  // (transposed)
     mha__rope_rows(p, c->a, &c->dkm, S, Hkv, true, pt ? pt->attn.rope_pos : NULL);
     if (pt && pt->out.dq)  // a part's projection gradients, for its caller
         for (int64_t r = 0; r < Rq; r++)
-            memcpy(pt->out.dq + r * E, c->dq + r * W3, sizeof(float) * (size_t)E);
+            memcpy(pt->out.dq + r * Eq, c->dq + r * W3, sizeof(float) * (size_t)Eq);
     if (pt && pt->out.dz && c->dg) memcpy(pt->out.dz, c->dg, sizeof(float) * (size_t)(Rq * H));
     if (pt && pt->out.dk)
         for (int64_t r = 0; r < Rk; r++) {
@@ -489,33 +499,48 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
     const mha__kernels *kt = c->kt;
     const bool acc = c->acc, sp = p->self_packed;
     const int64_t N = p->N, E = p->E, H = p->H, d = p->d, Hkv = p->Hkv, Ekv = p->Ekv;
-    const int64_t nx = p->Sp - p->S, kd = p->kdim, vd = p->vdim, W3 = c->W3;
+    const int64_t nx = p->Sp - p->S, kd = p->kdim, vd = p->vdim, W3 = c->W3, Eq = p->Eq;
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     const int nt = p->nthreads;
     float *bp = c->s.bp, *gs = c->s.gs, *dextra = c->s.dextra;
     const float *dg = c->dg;
-    float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
-          *gbv = gbq ? gbq + E + Ekv : NULL;
+    float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + Eq : NULL,
+          *gbv = gbq ? gbq + Eq + Ekv : NULL;
     // (a part without the bias: its share of out_proj.bias's gradient is 0)
     float *gbo = pt && !pt->bias ? NULL : grads->out_bias;
     if (grads->out_bias && !gbo && !acc) memset(grads->out_bias, 0, sizeof(float) * (size_t)E);
+    // dWo (E, Eq) = dy^T gctx
     grad_weight(kt, grads->out_weight, gbo, acc, c->dy, c->lddy, c->gctx ? c->gctx : c->s.ctx,
-                E, Rq, E, E, bp, gs, nt);
+                Eq, Rq, E, Eq, bp, gs, nt);
     if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
         for (int64_t h = 0; h < H; h++) {
             double sg = 0.0;
             for (int64_t r = 0; r < Rq; r++) sg += dg[r * H + h];
             store_f(grads->head_gate + h, sg, acc);
         }
+    // sinks: a sink is one more logit of each row's softmax, of value 0:
+    // dsink_h = -sum_{b, i} P_sink Dsum_i, P_sink = exp(sink_h - m_i) / l_i
+    // from the rows' stats (heads outside the part or pruned: 0)
+    if (grads->sinks)
+        for (int64_t h = 0; h < H; h++) {
+            double sg = 0.0;
+            for (int64_t b = 0; b < N && mha__plan_head_live(p, m, h); b++)
+                for (int64_t i = 0; i < p->L; i++) {
+                    const int64_t row = (b * H + h) * p->L + i;
+                    const float *st = c->s.lse + 2 * row;
+                    sg -= exp((double)m->sinks[h] - st[0]) * st[1] * c->s.dsum[row];
+                }
+            store_f(grads->sinks + h, sg, acc);
+        }
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
         grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, c->Xq, c->ldq, Rq, H,
                     E, bp, gs, nt);
     if (sp) {
-        // dWin (E + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
+        // dWin (Eq + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
         grad_weight(kt, grads->in_proj_weight, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3,
                     E, bp, gs, nt);
     } else {
-        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, E, c->Xq, c->ldq, Rq, E, E, bp, gs,
+        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, W3, c->Xq, c->ldq, Rq, Eq, E, bp, gs,
                     nt);
         grad_weight(kt, grads->k_weight, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd, bp,
                     gs, nt);
@@ -549,7 +574,7 @@ static void bwd_input_grads(const bwd_call *c, mha_tensor *gq, mha_tensor *gk, m
     const int nt = p->nthreads;
     float *tmp = c->s.tmp, *bp = c->s.bp, *gs = c->s.gs;
     if (gq)
-        mha__grad_input_rows(kt, gq, acc, c->dq, W3, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+        mha__grad_input_rows(kt, gq, acc, c->dq, W3, m->q_weight, Rq, p->Eq, E, tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
         mha__grad_input_rows(kt, gq, true, c->dg, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
     if (gk)

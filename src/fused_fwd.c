@@ -1,13 +1,13 @@
 // fused_fwd.c: the fused module forward (MHA_IMPL_FUSED), float32, and the
 // fused mha_sdpa:
-//   1. projections as GEMMs over row matrices: X (R, F) W^T (F, E) (k, v:
-//      (F, Ekv), Ekv = Hkv d); with self-attention and the packed
-//      in_proj_weight, one GEMM X (R, E) in_proj_weight^T (E, E + 2 Ekv)
-//      -> qkv (R, E + 2 Ekv)
+//   1. projections as GEMMs over row matrices: X (R, F) W^T (F, Eq) (k, v:
+//      (F, Ekv), Ekv = Hkv d; Eq = H d, E unless head_dim is set); with
+//      self-attention and the packed in_proj_weight, one GEMM X (R, E)
+//      in_proj_weight^T (E, Eq + 2 Ekv) -> qkv (R, Eq + 2 Ekv)
 //   2. per (b, h, tile of 64 query rows): flash.c on strided head views of
 //      q, k, v (no split, no copy; query head h reads KV head h / (H / Hkv)),
 //      writing the context in place
-//   3. ctx (R, E) out_proj.weight^T (E, E) + bias, into the output
+//   3. ctx (R, Eq) out_proj.weight^T (Eq, E) + bias, into the output
 // Rows of an input view (d0, d1, F) are r = i0*d1 + i1; a view whose rows
 // are evenly spaced with unit feature stride is used in place, any other
 // is copied once. Work is split over rows (GEMMs) and over (b, h, tile)
@@ -20,14 +20,14 @@
 #include "fused.h"
 #include "linear.h"
 
-// The forward's step 3 from the context ctx (Rq, E; gated in place when
+// The forward's step 3 from the context ctx (Rq, Eq; gated in place when
 // in_place, else into the scratch): the gates, W_O (+ out_proj.bias unless a
 // part without it: pt), the output dropout, into out. xq: the query rows.
 static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
                         const mha_module *m, const mha_forward_args *a, float *ctx,
                         bool in_place, const float *xq, int64_t ldq, char *ws,
                         const mha__part *pt) {
-    const int64_t E = p->E, Rq = mha__rows_of(a->query);
+    const int64_t E = p->E, Eq = p->Eq, Rq = mha__rows_of(a->query);
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
     float *wo = (float *)(ws + p->f.wo), *gs = (float *)(ws + p->f.gs),
@@ -44,8 +44,8 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
                        (float *)(ws + p->f.wg), gs, nt);
         octx = gctx;
     }
-    mha__linear_rows(kt, y, ldo, octx, E, mha__wmat_of(m, m->w_out, wh),
-                     pt && !pt->bias ? NULL : m->out_bias, Rq, E, E, wo, gs, nt);
+    mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh),
+                     pt && !pt->bias ? NULL : m->out_bias, Rq, Eq, E, wo, gs, nt);
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
             int64_t n, t;
@@ -72,8 +72,8 @@ typedef struct fwd_call {
     bool seq_first;   // rows are (t, n) (else (n, t))
     const float *xq;  // the query rows (Rq, E), row stride ldq
     int64_t ldq;
-    mha__rowmap qm, km, vm;  // q (Rq, E), k and v (Rk, Ekv) after RoPE
-    float *ctx;              // the context (Rq, E)
+    mha__rowmap qm, km, vm;  // q (Rq, Eq), k and v (Rk, Ekv) after RoPE
+    float *ctx;              // the context (Rq, Eq)
     float *lse;              // each row's (max, 1/sum) (N, H, L, 2), or NULL
 } fwd_call;
 
@@ -101,14 +101,15 @@ static void fwd_project(fwd_call *c) {
     char *ws = c->ws;
     const int64_t N = p->N, L = p->L, S = p->S, E = p->E, H = p->H, d = p->d;
     const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
-    const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv, W3 = E + 2 * Ekv;
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv, G = H / Hkv, Eq = p->Eq, W3 = Eq + 2 * Ekv;
     const int nt = p->nthreads;
     const bool seq_first = c->seq_first;
     const float *xq = c->xq;
     const int64_t ldq = c->ldq;
     float *wt = (float *)(ws + p->f.wt), *gs = (float *)(ws + p->f.gs),
           *wh = (float *)(ws + p->f.wh);
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + E + Ekv : NULL;
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + Eq : NULL,
+                *bv = bq ? bq + Eq + Ekv : NULL;
     mha_saved *sv = a->save;
     float *sbuf = sv ? sv->buf : NULL;
     // a part: only its heads' rows of the weights, into their columns
@@ -118,21 +119,21 @@ static void fwd_project(fwd_call *c) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f.qkv);
         mha__linear_rows(kt, qkv + oq, W3, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
                          bias_at(bq, oq), Rq, E, nq, wt, gs, nt);
-        mha__linear_rows(kt, qkv + E + okv, W3, xq, ldq, weight_rows(m, m->w_k, okv, E, wh),
+        mha__linear_rows(kt, qkv + Eq + okv, W3, xq, ldq, weight_rows(m, m->w_k, okv, E, wh),
                          bias_at(bk, okv), Rq, E, nkv, wt, gs, nt);
-        mha__linear_rows(kt, qkv + E + Ekv + okv, W3, xq, ldq,
+        mha__linear_rows(kt, qkv + Eq + Ekv + okv, W3, xq, ldq,
                          weight_rows(m, m->w_v, okv, E, wh), bias_at(bv, okv), Rq, E, nkv, wt,
                          gs, nt);
         c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
-        c->km = (mha__rowmap){qkv + E, W3, seq_first, N, L};
-        c->vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
+        c->km = (mha__rowmap){qkv + Eq, W3, seq_first, N, L};
+        c->vm = (mha__rowmap){qkv + Eq + Ekv, W3, seq_first, N, L};
     } else if (p->self_packed) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f.qkv);
         mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh), bq, Rq, E, W3, wt,
                          gs, nt);
         c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
-        c->km = (mha__rowmap){qkv + E, W3, seq_first, N, L};
-        c->vm = (mha__rowmap){qkv + E + Ekv, W3, seq_first, N, L};
+        c->km = (mha__rowmap){qkv + Eq, W3, seq_first, N, L};
+        c->vm = (mha__rowmap){qkv + Eq + Ekv, W3, seq_first, N, L};
     } else {
         int64_t ldk = p->kdim, ldv = p->vdim;
         const float *xk = (const float *)(ws + p->f.xk), *xv = (const float *)(ws + p->f.xv);
@@ -140,18 +141,18 @@ static void fwd_project(fwd_call *c) {
         else mha__gather_rows((float *)xk, a->key);
         if (p->v_direct) mha__rows_direct(a->value, &ldv), xv = a->value->data;
         else mha__gather_rows((float *)xv, a->value);
-        float *wq = wt, *wk = wq + mha__gemm_packed_b_floats(kt, E, E),
+        float *wq = wt, *wk = wq + mha__gemm_packed_b_floats(kt, E, Eq),
               *wv = wk + mha__gemm_packed_b_floats(kt, p->kdim, Ekv);
         float *q = sv ? sbuf : (float *)(ws + p->f.qkv),
-              *k = sv ? sbuf + Rq * E : (float *)(ws + p->f.k),
-              *v = sv ? sbuf + Rq * E + Rk * Ekv : (float *)(ws + p->f.v);
-        mha__linear_rows(kt, q + oq, E, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
+              *k = sv ? sbuf + Rq * Eq : (float *)(ws + p->f.k),
+              *v = sv ? sbuf + Rq * Eq + Rk * Ekv : (float *)(ws + p->f.v);
+        mha__linear_rows(kt, q + oq, Eq, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
                          bias_at(bq, oq), Rq, E, nq, wq, gs, nt);
         mha__linear_rows(kt, k + okv, Ekv, xk, ldk, weight_rows(m, m->w_k, okv, p->kdim, wh),
                          bias_at(bk, okv), Rk, p->kdim, nkv, wk, gs, nt);
         mha__linear_rows(kt, v + okv, Ekv, xv, ldv, weight_rows(m, m->w_v, okv, p->vdim, wh),
                          bias_at(bv, okv), Rk, p->vdim, nkv, wv, gs, nt);
-        c->qm = (mha__rowmap){q, E, seq_first, N, L};
+        c->qm = (mha__rowmap){q, Eq, seq_first, N, L};
         c->km = (mha__rowmap){k, Ekv, seq_first, N, S};
         c->vm = (mha__rowmap){v, Ekv, seq_first, N, S};
     }
@@ -160,14 +161,14 @@ static void fwd_project(fwd_call *c) {
     mha__rope_rows(p, a, &c->km, S, Hkv, false, rope_pos);
 }
 
-// A part that wants the projections (sequence parallelism): q_out (Rq, E),
+// A part that wants the projections (sequence parallelism): q_out (Rq, Eq),
 // k_out, v_out (Rk, Ekv), rows as the views'.
 static void fwd_copy_projections(const fwd_call *c) {
-    const int64_t E = c->p->E, Ekv = c->p->Ekv;
+    const int64_t Eq = c->p->Eq, Ekv = c->p->Ekv;
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     const mha__part *pt = c->pt;
     for (int64_t r = 0; r < Rq; r++)
-        memcpy(pt->proj.q_out + r * E, c->qm.base + r * c->qm.ld, sizeof(float) * (size_t)E);
+        memcpy(pt->proj.q_out + r * Eq, c->qm.base + r * c->qm.ld, sizeof(float) * (size_t)Eq);
     for (int64_t r = 0; r < Rk; r++) {
         memcpy(pt->proj.k_out + r * Ekv, c->km.base + r * c->km.ld, sizeof(float) * (size_t)Ekv);
         memcpy(pt->proj.v_out + r * Ekv, c->vm.base + r * c->vm.ld, sizeof(float) * (size_t)Ekv);
@@ -228,7 +229,7 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
     const mha__part *pt = c->pt;
     const mha__kernels *kt = c->kt;
     char *ws = c->ws;
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, Eq = p->Eq, H = p->H, d = p->d;
     const int64_t nx = Sp - S, Hkv = p->Hkv;
     const int nt = p->nthreads;
     const bool seq_first = c->seq_first;
@@ -245,7 +246,7 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
              : a->need_weights     ? (float *)(ws + p->f.lse)
                                    : NULL;
     float *lse = c->lse;
-    const mha__rowmap qm = c->qm, km = c->km, vm = c->vm, cm = {c->ctx, E, seq_first, N, L};
+    const mha__rowmap qm = c->qm, km = c->km, vm = c->vm, cm = {c->ctx, Eq, seq_first, N, L};
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const size_t sf = mha__flash_scratch_floats(d, d, S, nx, false);
     float *scratch = (float *)(ws + p->f.scratch);
@@ -344,14 +345,14 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
                   .seq_first = p->unbatched || !m->cfg.batch_first,
                   .ldq = p->E,
                   .xq = (const float *)(ws + p->f.xq)};
-    const int64_t N = p->N, L = p->L, S = p->S, E = p->E, Ekv = p->Ekv;
+    const int64_t N = p->N, L = p->L, S = p->S, Eq = p->Eq, Ekv = p->Ekv;
     // the query rows: the view in place, or gathered
     if (p->q_direct) mha__rows_direct(a->query, &c.ldq), c.xq = a->query->data;
     else if (!(pt && pt->proj.q_in)) mha__gather_rows((float *)c.xq, a->query);
     // 1. Projections (a part may bring its own: projected elsewhere, or
     //    want them back without attending).
     if (pt && pt->proj.q_in) {
-        c.qm = (mha__rowmap){(float *)pt->proj.q_in, E, c.seq_first, N, L};
+        c.qm = (mha__rowmap){(float *)pt->proj.q_in, Eq, c.seq_first, N, L};
         c.km = (mha__rowmap){(float *)pt->proj.k_in, Ekv, c.seq_first, N, S};
         c.vm = (mha__rowmap){(float *)pt->proj.v_in, Ekv, c.seq_first, N, S};
     } else {

@@ -7,8 +7,8 @@
 //
 // Fans follow torch.nn.init._calculate_fan_in_and_fan_out: for a 2-D
 // (out, in) matrix fan_in = in, fan_out = out (the packed in_proj_weight
-// (E + 2 Ekv, E) as one matrix); for bias_k (1, 1, Ekv) fan_in = fan_out =
-// Ekv.
+// (Eq + 2 Ekv, E) as one matrix); for bias_k (1, 1, Ekv) fan_in = fan_out =
+// Ekv. (Eq = H d, the query's width: E unless head_dim is set.)
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,12 +151,12 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
         mha_module_destroy(f);
         return st;
     }
-    const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim, H = m->cfg.num_heads;
+    const int64_t E = m->cfg.embed_dim, Eq = m->q_dim, Ekv = m->kv_dim, H = m->cfg.num_heads;
     // Orthogonal: scratch for the largest matrix, allocated before anything
     // changes (on failure the module keeps its values).
     double *ortho = NULL;
     if (o->scheme == MHA_INIT_ORTHOGONAL) {
-        int64_t big = m->packed ? (E + 2 * Ekv) * E : E * E;
+        int64_t big = m->packed ? (Eq + 2 * Ekv) * E : Eq * E;  // (out_proj: E x Eq)
         if (!m->packed) {
             if (Ekv * m->cfg.kdim > big) big = Ekv * m->cfg.kdim;
             if (Ekv * m->cfg.vdim > big) big = Ekv * m->cfg.vdim;
@@ -167,8 +167,9 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
                              "orthogonal init: out of memory for a %lld-double scratch",
                              (long long)big);
     }
-    // Gates (no random draws): static ones open (1), dynamic W_g, b_g zero
-    // (every gate sigmoid(0) = 0.5).
+    // Gates and sinks (no random draws): static gates open (1), dynamic
+    // W_g, b_g zero (every gate sigmoid(0) = 0.5); sinks 0.
+    if (m->sinks) memset(m->sinks, 0, (size_t)H * sizeof(float));
     if (m->head_gate)
         for (int64_t h = 0; h < H; h++) m->head_gate[h] = 1.0f;
     if (m->gate_weight) {
@@ -177,16 +178,16 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
     }
     rng r = {o->seed, 0, 0.0};
     mha_status st;
-    // In-projection: the packed (E + 2 Ekv, E) matrix as one, or each matrix.
+    // In-projection: the packed (Eq + 2 Ekv, E) matrix as one, or each matrix.
     if (m->packed) {
-        st = init_matrix(m->in_proj_weight, E + 2 * Ekv, E, o, &r, ortho);
+        st = init_matrix(m->in_proj_weight, Eq + 2 * Ekv, E, o, &r, ortho);
     } else {
-        st = init_matrix(m->q_weight, E, E, o, &r, ortho);
+        st = init_matrix(m->q_weight, Eq, E, o, &r, ortho);
         if (!st) st = init_matrix(m->k_weight, Ekv, m->cfg.kdim, o, &r, ortho);
         if (!st) st = init_matrix(m->v_weight, Ekv, m->cfg.vdim, o, &r, ortho);
     }
     if (st) goto done;
-    if (m->in_proj_bias) memset(m->in_proj_bias, 0, (size_t)(E + 2 * Ekv) * sizeof(float));
+    if (m->in_proj_bias) memset(m->in_proj_bias, 0, (size_t)(Eq + 2 * Ekv) * sizeof(float));
     if (m->out_bias) memset(m->out_bias, 0, (size_t)E * sizeof(float));
     // bias_k, bias_v: xavier_normal (fan_in = fan_out = Ekv) under the
     // default, else the scheme itself on a (1, Ekv) matrix.
@@ -208,11 +209,12 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
             }
         }
     }
-    // out_proj.weight: nn.Linear's kaiming_uniform(a = sqrt(5)) under the
-    // default, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); else the scheme.
+    // out_proj.weight (E, Eq): nn.Linear's kaiming_uniform(a = sqrt(5))
+    // under the default, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in =
+    // Eq; else the scheme.
     if (o->scheme == MHA_INIT_XAVIER_UNIFORM)
-        fill_uniform(m->out_weight, E * E, 1.0 / sqrt((double)E), &r);
-    else st = init_matrix(m->out_weight, E, E, o, &r, ortho);
+        fill_uniform(m->out_weight, E * Eq, 1.0 / sqrt((double)Eq), &r);
+    else st = init_matrix(m->out_weight, E, Eq, o, &r, ortho);
 done:
     free(ortho);
     return st;

@@ -71,11 +71,11 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
 }
 
 // The parameters a file may hold, under their state_dict names.
-static const char *names[] = {"in_proj_weight", "q_proj_weight",    "k_proj_weight",
-                              "v_proj_weight",  "in_proj_bias",     "out_proj.weight",
-                              "out_proj.bias",  "bias_k",           "bias_v",
-                              "head_gate",      "gate_proj.weight", "gate_proj.bias"};
-enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, NP };
+static const char *names[] = {
+    "in_proj_weight",   "q_proj_weight",  "k_proj_weight", "v_proj_weight", "in_proj_bias",
+    "out_proj.weight",  "out_proj.bias",  "bias_k",        "bias_v",        "head_gate",
+    "gate_proj.weight", "gate_proj.bias", "sinks"};
+enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, SK, NP };
 
 // Which parameters are present (has, t), and every tensor of the file one
 // of them, in a float dtype.
@@ -105,17 +105,22 @@ static mha_status find_params(mha_st_tensor t[NP], bool has[NP], const mha_st_fi
 }
 
 // Which parameters are present tells the configuration: embed_dim, kdim,
-// vdim, bias, add_bias_kv, head_gate.
+// vdim, bias, no_out_bias, add_bias_kv, head_gate, separate_qkv (q/k/v
+// matrices with kdim == vdim == E). out_proj.weight is (E, Eq): Eq != E
+// means head_dim = Eq / H (config_heads, once H is known).
 static mha_status config_from_params(mha_config *cfg, const mha_st_tensor t[NP],
                                      const bool has[NP], const char *lab) {
     char s1[160];
     if (!has[OUT_W])
         return mha__fail(MHA_ERR_FORMAT, "%s: no \"out_proj.weight\" tensor", lab);
-    if (t[OUT_W].ndim != 2 || t[OUT_W].shape[0] != t[OUT_W].shape[1] || t[OUT_W].shape[0] <= 0)
-        return mha__fail(MHA_ERR_FORMAT, "%s: out_proj.weight has shape %s, expected (E, E)",
+    if (t[OUT_W].ndim != 2 || t[OUT_W].shape[0] <= 0 || t[OUT_W].shape[1] <= 0)
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: out_proj.weight has shape %s, expected (E, Eq) (Eq = num_heads "
+                         "x head_dim, E unless head_dim is set)",
                          lab, mha__shape_str(s1, sizeof s1, t[OUT_W].ndim, t[OUT_W].shape));
     const int64_t E = t[OUT_W].shape[0];
     cfg->embed_dim = E;
+    cfg->separate_qkv = false;
     if (has[IN_W]) {
         if (has[Q_W] || has[K_W] || has[V_W])
             return mha__fail(MHA_ERR_FORMAT,
@@ -136,13 +141,16 @@ static mha_status config_from_params(mha_config *cfg, const mha_st_tensor t[NP],
                              lab);
         cfg->kdim = t[K_W].shape[1];
         cfg->vdim = t[V_W].shape[1];
+        // separate matrices of a module that could pack them: kept so
+        cfg->separate_qkv = cfg->kdim == E && cfg->vdim == E;
     }
-    if (has[IN_B] != has[OUT_B])
+    if (has[OUT_B] && !has[IN_B])
         return mha__fail(MHA_ERR_FORMAT,
-                         "%s: in_proj_bias and out_proj.bias must be "
-                         "both present or both absent (has %s only)",
-                         lab, has[IN_B] ? "in_proj_bias" : "out_proj.bias");
+                         "%s: out_proj.bias without in_proj_bias (a module has both, "
+                         "in_proj_bias only (no_out_bias), or neither)",
+                         lab);
     cfg->bias = has[IN_B];
+    cfg->no_out_bias = has[IN_B] && !has[OUT_B];
     if (has[BK] != has[BV])
         return mha__fail(MHA_ERR_FORMAT,
                          "%s: bias_k and bias_v must be both present or "
@@ -156,14 +164,16 @@ static mha_status config_from_params(mha_config *cfg, const mha_st_tensor t[NP],
                          lab, has[HG] ? " head_gate" : "", has[GW] ? " gate_proj.weight" : "",
                          has[GB] ? " gate_proj.bias" : "");
     cfg->head_gate = has[HG] ? MHA_GATE_STATIC : has[GW] ? MHA_GATE_DYNAMIC : MHA_GATE_NONE;
+    cfg->sinks = has[SK];
     return MHA_OK;
 }
 
-// num_heads and num_kv_heads where base left them 0 (cfg->embed_dim set).
+// num_heads and num_kv_heads where base left them 0 (cfg->embed_dim set);
+// head_dim = Eq / H when out_proj.weight (E, Eq) has Eq != E.
 static mha_status config_heads(mha_config *cfg, const mha_st_file *f,
                                const mha_st_tensor t[NP], const bool has[NP], const char *lab) {
     char qn[128];
-    const int64_t E = cfg->embed_dim;
+    const int64_t E = cfg->embed_dim, Eq = t[OUT_W].shape[1];
     if (cfg->num_heads == 0) {
         const char *h = mha_st_metadata(f, "num_heads");
         if (!h)
@@ -177,8 +187,17 @@ static mha_status config_heads(mha_config *cfg, const mha_st_file *f,
                              "a positive integer",
                              lab, mha_escape(qn, sizeof qn, h));
     }
+    if (Eq != E) {  // head_dim != E / H: d = Eq / H
+        if (cfg->num_heads <= 0 || Eq % cfg->num_heads != 0)
+            return mha__fail(MHA_ERR_SHAPE,
+                             "%s: out_proj.weight is (%lld, %lld): its %lld input features "
+                             "are not num_heads %lld x a head dim",
+                             lab, (long long)E, (long long)Eq, (long long)Eq,
+                             (long long)cfg->num_heads);
+        cfg->head_dim = Eq / cfg->num_heads;
+    }
     // num_kv_heads: base, else __metadata__ "num_kv_heads", else from the
-    // shapes of the K/V parameters (Ekv rows of features, d = E / H each).
+    // shapes of the K/V parameters (Ekv rows of features, d = Eq / H each).
     if (cfg->num_kv_heads == 0) {
         const char *kvh = mha_st_metadata(f, "num_kv_heads");
         if (kvh) {
@@ -187,18 +206,18 @@ static mha_status config_heads(mha_config *cfg, const mha_st_file *f,
                                  "%s: __metadata__ num_kv_heads %s is not a positive "
                                  "integer",
                                  lab, mha_escape(qn, sizeof qn, kvh));
-        } else if (cfg->num_heads > 0 && E % cfg->num_heads == 0) {
+        } else if (cfg->num_heads > 0 && Eq % cfg->num_heads == 0) {
             // Ekv from the first K/V-shaped tensor present (the others are
             // checked against the module's shapes below)
             int64_t ekv = -1;
             const char *from = NULL;
-            if (has[IN_W] && t[IN_W].ndim == 2 && t[IN_W].shape[0] > E &&
-                (t[IN_W].shape[0] - E) % 2 == 0)
-                ekv = (t[IN_W].shape[0] - E) / 2, from = "in_proj_weight";
+            if (has[IN_W] && t[IN_W].ndim == 2 && t[IN_W].shape[0] > Eq &&
+                (t[IN_W].shape[0] - Eq) % 2 == 0)
+                ekv = (t[IN_W].shape[0] - Eq) / 2, from = "in_proj_weight";
             else if (has[K_W] && t[K_W].ndim == 2)
                 ekv = t[K_W].shape[0], from = "k_proj_weight";
             if (ekv >= 0) {
-                const int64_t d = E / cfg->num_heads;
+                const int64_t d = Eq / cfg->num_heads;
                 if (ekv == 0 || ekv % d != 0 || cfg->num_heads % (ekv / d) != 0)
                     return mha__fail(MHA_ERR_SHAPE,
                                      "%s: %s gives K/V width %lld, which is not num_kv_heads "
@@ -221,10 +240,13 @@ static mha_status check_kv_rows(const mha_config *cfg, const mha_st_tensor t[NP]
                                 const bool has[NP], const char *lab) {
     char s1[160];
     const int64_t E = cfg->embed_dim;
-    if (!has[IN_W] && cfg->num_heads > 0 && E % cfg->num_heads == 0) {
+    const int64_t d = cfg->head_dim > 0                               ? cfg->head_dim
+                      : cfg->num_heads > 0 && E % cfg->num_heads == 0 ? E / cfg->num_heads
+                                                                      : 0;
+    if (!has[IN_W] && d > 0) {
         const int64_t hkv = cfg->num_kv_heads ? cfg->num_kv_heads : cfg->num_heads;
-        if (hkv > 0 && cfg->num_heads % hkv == 0) {
-            const int64_t ekv = hkv * (E / cfg->num_heads);
+        int64_t ekv;
+        if (hkv > 0 && cfg->num_heads % hkv == 0 && !mha__mul_overflow_i64(hkv, d, &ekv)) {
             for (int i = K_W; i <= V_W; i++)
                 if (t[i].shape[0] != ekv)
                     return mha__fail(MHA_ERR_SHAPE,
@@ -232,9 +254,8 @@ static mha_status check_kv_rows(const mha_config *cfg, const mha_st_tensor t[NP]
                                      "%lld x head dim %lld; embed_dim %lld, num_heads %lld)",
                                      lab, names[i],
                                      mha__shape_str(s1, sizeof s1, t[i].ndim, t[i].shape),
-                                     (long long)ekv, i == K_W ? "kdim" : "vdim",
-                                     (long long)hkv, (long long)(E / cfg->num_heads),
-                                     (long long)E, (long long)cfg->num_heads);
+                                     (long long)ekv, i == K_W ? "kdim" : "vdim", (long long)hkv,
+                                     (long long)d, (long long)E, (long long)cfg->num_heads);
         }
     }
     return MHA_OK;
@@ -257,12 +278,13 @@ static mha_status read_params(mha_module *m, const mha_st_file *f, const mha_con
             char s2[160];
             return mha__fail(MHA_ERR_SHAPE,
                              "%s: %s has shape %s, expected %s (embed_dim "
-                             "%lld, num_heads %lld, num_kv_heads %lld, kdim %lld, "
-                             "vdim %lld)",
+                             "%lld, num_heads %lld, num_kv_heads %lld, head_dim %lld, "
+                             "kdim %lld, vdim %lld)",
                              lab, p->name, mha__shape_str(s1, sizeof s1, x.ndim, x.shape),
                              mha__shape_str(s2, sizeof s2, p->ndim, p->shape), (long long)E,
                              (long long)cfg->num_heads, (long long)m->cfg.num_kv_heads,
-                             (long long)m->cfg.kdim, (long long)m->cfg.vdim);
+                             (long long)m->head_dim, (long long)m->cfg.kdim,
+                             (long long)m->cfg.vdim);
         }
         if ((st = mha_st_read(p->storage, (size_t)p->numel * mha_dtype_size(p->dtype),
                               p->dtype, &x)))

@@ -311,8 +311,6 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
     else mha_cache_attend_args_init(&a);
     mha_status st = mha__check_attn_opts("kv cache attend", a.window_left, a.window_right,
                                          a.softcap, a.use_custom_scale, a.scale);
-    if (!st && a.sinks)  // declared for checkpoints (issue 17), not implemented yet
-        st = mha__fail(MHA_ERR_UNSUPPORTED, "kv cache attend: sinks are not implemented yet");
     if (st) return st;
     if ((st = mha__check_float(q, "q"))) return st;
     const int64_t B = c->B, D = c->D, Dv = c->Dv;
@@ -431,6 +429,7 @@ static mha_status attend_prefill(const attend_call *ac) {
         mk.s_masked = c->len[b];
         mk.alibi = a.alibi_slopes;
         mk.softcap = a.softcap;
+        mk.sinks = a.sinks;
         const int64_t hk = h / G;
         mha__flash_head fh = {
             .q = qd + b * q->stride[0] + h * q->stride[1],
@@ -461,7 +460,8 @@ static mha_status attend_prefill(const attend_call *ac) {
 }
 
 // The chunks' partials combined in chunk order: O = sum_c e^(m_c - M) o_c /
-// sum_c e^(m_c - M) l_c (and each row's max and 1/sum into stats).
+// (sum_c e^(m_c - M) l_c [+ e^(sink - M)]) (and each row's max and 1/sum
+// into stats); an attention sink joins the max M and the denominator once.
 static void attend_combine(const attend_call *ac, const float *part, int64_t nch, size_t per) {
     const int64_t B = ac->B, H = ac->H, T = ac->T, Dv = ac->Dv;
     const int64_t *counts = ac->counts;
@@ -471,6 +471,7 @@ static void attend_combine(const attend_call *ac, const float *part, int64_t nch
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, Tb = counts ? counts[b] : T;
+        const double sink = ac->a.sinks ? (double)ac->a.sinks[h] : -INFINITY;
         for (int64_t t = 0; t < Tb; t++) {
             float *orow = o + b * out->stride[0] + h * out->stride[1] + t * out->stride[2];
             double M = -INFINITY;
@@ -478,9 +479,10 @@ static void attend_combine(const attend_call *ac, const float *part, int64_t nch
                 const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
                 if (pp[1] > 0.0f && pp[0] > M) M = pp[0];
             }
+            if (sink > M) M = sink;
             for (int64_t e = 0; e < Dv; e++) orow[e] = 0.0f;
             if (M == -INFINITY) continue;  // nothing visible: 0
-            double L = 0.0;
+            double L = sink > -INFINITY ? exp(sink - M) : 0.0;
             for (int64_t ch = 0; ch < nch; ch++) {
                 const float *pp = part + ((size_t)((bh * nch + ch) * T + t)) * per;
                 if (pp[1] > 0.0f) L += exp(pp[0] - M) * pp[1];

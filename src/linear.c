@@ -34,12 +34,12 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
 
 // The gates of a gated module's R query rows X (R, E), gate (R, H):
 // head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g packed into
-// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, E) = each
-// head's ctx times its gate.
+// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, Eq) = each
+// head's ctx (R, Eq) times its gate.
 void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
                     const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
                     float *gs, int nt) {
-    const int64_t E = m->cfg.embed_dim, H = m->cfg.num_heads, d = m->head_dim;
+    const int64_t E = m->cfg.embed_dim, Eq = m->q_dim, H = m->cfg.num_heads, d = m->head_dim;
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
         mha__linear_rows(kt, gate, H, X, ldx, mha__wmat_f32(m->gate_weight), m->gate_bias, R,
                          E, H, Wp, gs, nt);
@@ -53,7 +53,7 @@ void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const floa
     for (int64_t r = 0; r < R; r++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t c = 0; c < d; c++)
-                gctx[r * E + h * d + c] = ctx[r * E + h * d + c] * gate[r * H + h];
+                gctx[r * Eq + h * d + c] = ctx[r * Eq + h * d + c] * gate[r * H + h];
 }
 
 // C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
@@ -118,7 +118,7 @@ mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const m
         .S = p->S,
         .D = d,
         .Dv = d,
-        .scale = (float)(1.0 / sqrt((double)d)),
+        .scale = (float)p->scale,
         .mask = &p->mask,
         .drop = mha__plan_drop(p),
         .b = b,

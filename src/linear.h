@@ -53,8 +53,8 @@ static inline mha__wmat mha__wmat_of(const mha_module *m, const void *p, float *
 
 // The gates of a gated module's R query rows X (R, E), gate (R, H):
 // head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g packed into
-// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, E) = each
-// head's ctx times its gate.
+// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, Eq) = each
+// head's ctx (R, Eq) times its gate.
 void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
                     const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
                     float *gs, int nt);
@@ -91,7 +91,7 @@ static inline int64_t mha__head_rs(const mha__rowmap *rm) {
 // rows (qm), its KV head's k and v rows (km, vm) and appended keys (extra:
 // mha__fill_extra's layout, NULL when the plan has none), its output rows
 // (om), its softmax statistics (stats (N H, L, 2) or NULL), the plan's
-// scale 1/sqrt(d), mask and dropout. Callers set what else they need.
+// scale (1/sqrt(d) or the custom one), mask and dropout. Callers set what else they need.
 mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const mha__rowmap *km,
                                const mha__rowmap *vm, const mha__rowmap *om,
                                const float *extra, float *stats, int64_t b, int64_t h);

@@ -39,6 +39,10 @@ typedef struct mha__mask {
     // scores, before any bias or mask (0: none)
     float softcap;
     int64_t s_masked;
+    // attention sinks: sinks[h], one logit of query head h that joins every
+    // row's softmax denominator and carries no value (NULL: none); it
+    // changes no score (the mask value above does not include it)
+    const float *sinks;
 } mha__mask;
 
 // The keys [*lo, *hi) of [0, S) that causal and window masks leave to row

@@ -3,17 +3,20 @@
 //
 // Parameter block layout (float32, or cfg.weight_dtype for the weight
 // matrices; each piece 64-byte aligned), in the order
-// of PyTorch's state_dict; Ekv = num_kv_heads * d (= E without grouped-query
-// attention):
-//   in_proj_weight (E + 2 Ekv, E)             when kdim == vdim == E
-//   q_proj_weight (E, E), k_proj_weight (Ekv, kdim), v_proj_weight (Ekv, vdim)
+// of PyTorch's state_dict; d = head_dim (E / H unless set), Eq = H d (= E
+// unless head_dim is set), Ekv = num_kv_heads * d (= Eq without
+// grouped-query attention):
+//   in_proj_weight (Eq + 2 Ekv, E)            when kdim == vdim == E and not
+//                                             separate_qkv
+//   q_proj_weight (Eq, E), k_proj_weight (Ekv, kdim), v_proj_weight (Ekv, vdim)
 //                                             otherwise
-//   in_proj_bias (E + 2 Ekv)                  when bias
+//   in_proj_bias (Eq + 2 Ekv)                 when bias
 //   bias_k (1, 1, Ekv), bias_v (1, 1, Ekv)    when add_bias_kv
-//   out_proj.weight (E, E)
-//   out_proj.bias (E)                         when bias
+//   out_proj.weight (E, Eq)
+//   out_proj.bias (E)                         when bias and not no_out_bias
 //   head_gate (H)                             MHA_GATE_STATIC
 //   gate_proj.weight (H, E), gate_proj.bias (H)  MHA_GATE_DYNAMIC
+//   sinks (H)                                 sinks
 // The pruned-head flags (H) are a separate allocation.
 #include <math.h>
 #include <stdlib.h>
@@ -37,7 +40,11 @@ static mha_status check_config(const mha_config *c) {
     if (c->num_heads <= 0)
         return mha__fail(MHA_ERR_INVALID_ARG, "num_heads must be positive, got %lld",
                          (long long)c->num_heads);
-    if (c->embed_dim % c->num_heads != 0)
+    if (c->head_dim < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "head_dim must be >= 0 (0 = embed_dim / num_heads), got %lld",
+                         (long long)c->head_dim);
+    if (c->head_dim == 0 && c->embed_dim % c->num_heads != 0)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "embed_dim %lld is not divisible by num_heads %lld",
                          (long long)c->embed_dim, (long long)c->num_heads);
@@ -60,32 +67,42 @@ static mha_status check_config(const mha_config *c) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "weight_dtype must be F32, BF16 or F16, got %s (%d)",
                          mha_dtype_name(c->weight_dtype), (int)c->weight_dtype);
+    if (c->no_out_bias && !c->bias)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "no_out_bias drops out_proj.bias of a biased module: it needs bias "
+                         "(in_proj_bias), which is false");
     // Declared for checkpoints (issue 17), not implemented yet: refused
     // rather than ignored.
-    if ((c->head_dim != 0 && c->head_dim * c->num_heads != c->embed_dim) || c->separate_qkv ||
-        c->no_out_bias || c->qk_norm != MHA_QK_NORM_NONE || c->sinks)
+    if (c->qk_norm != MHA_QK_NORM_NONE)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_module_create: head_dim != embed_dim / num_heads, separate_qkv, "
-                         "no_out_bias, qk_norm and sinks are not implemented yet");
+                         "mha_module_create: qk_norm is not implemented yet");
     if ((unsigned)c->head_gate > MHA_GATE_DYNAMIC)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "head_gate must be MHA_GATE_NONE, MHA_GATE_STATIC or "
                          "MHA_GATE_DYNAMIC, got %d",
                          (int)c->head_gate);
-    // Every parameter must be addressable: at most (3E + 3) * max(E, kdim,
-    // vdim) floats in all, checked without overflow.
-    int64_t maxd = c->embed_dim, rows, n;
+    // Every parameter must be addressable: with M = max(E, Eq), at most
+    // (3M + 3) * max(M, kdim, vdim) floats in all (Eq = H head_dim; every
+    // matrix has at most 3M rows (Ekv <= Eq) and M of them at most 4 M^2
+    // floats, the bound's bytes at most PTRDIFF_MAX / 2), checked without
+    // overflow.
+    int64_t eq = c->embed_dim, rows, n;
+    if (c->head_dim > 0 && mha__mul_overflow_i64(c->head_dim, c->num_heads, &eq))
+        return mha__fail(MHA_ERR_OVERFLOW, "head_dim %lld x num_heads %lld overflows",
+                         (long long)c->head_dim, (long long)c->num_heads);
+    int64_t maxd = c->embed_dim > eq ? c->embed_dim : eq, mrow = maxd;
     if (c->kdim > maxd) maxd = c->kdim;
     if (c->vdim > maxd) maxd = c->vdim;
     size_t bytes;
-    if (mha__mul_overflow_i64(c->embed_dim, 3, &rows) || rows > INT64_MAX - 3 ||
+    if (mha__mul_overflow_i64(mrow, 3, &rows) || rows > INT64_MAX - 3 ||
         mha__mul_overflow_i64(rows + 3, maxd, &n) ||
         mha__mul_overflow_size((size_t)n, sizeof(float), &bytes) ||
         bytes > (size_t)PTRDIFF_MAX / 2)
         return mha__fail(MHA_ERR_OVERFLOW,
-                         "parameters of embed_dim %lld, kdim %lld, vdim %lld "
-                         "are too large to address",
-                         (long long)c->embed_dim, (long long)c->kdim, (long long)c->vdim);
+                         "parameters of embed_dim %lld, kdim %lld, vdim %lld, "
+                         "num_heads x head_dim %lld are too large to address",
+                         (long long)c->embed_dim, (long long)c->kdim, (long long)c->vdim,
+                         (long long)eq);
     return MHA_OK;
 }
 
@@ -111,13 +128,13 @@ static void *storage_of(const mha_module *m, const char *name) {
 
 // The named pointers from the allocated params.
 static void bind_named(mha_module *m) {
-    const int64_t E = m->cfg.embed_dim, Ekv = m->kv_dim;
+    const int64_t E = m->cfg.embed_dim, Eq = m->q_dim, Ekv = m->kv_dim;
     const size_t es = mha_dtype_size(m->wdt);
     m->w_in = storage_of(m, "in_proj_weight");
     if (m->w_in) {
         m->w_q = m->w_in;
-        m->w_k = (char *)m->w_in + (size_t)(E * E) * es;
-        m->w_v = (char *)m->w_in + (size_t)((E + Ekv) * E) * es;
+        m->w_k = (char *)m->w_in + (size_t)(Eq * E) * es;
+        m->w_v = (char *)m->w_in + (size_t)((Eq + Ekv) * E) * es;
     } else {
         m->w_q = storage_of(m, "q_proj_weight");
         m->w_k = storage_of(m, "k_proj_weight");
@@ -138,6 +155,7 @@ static void bind_named(mha_module *m) {
     m->head_gate = storage_of(m, "head_gate");
     m->gate_weight = storage_of(m, "gate_proj.weight");
     m->gate_bias = storage_of(m, "gate_proj.bias");
+    m->sinks = storage_of(m, "sinks");
 }
 
 const char *mha_head_gate_name(mha_head_gate g) {
@@ -177,33 +195,36 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     const int64_t E = cfg->embed_dim;
     if (m->cfg.kdim == 0) m->cfg.kdim = E;
     if (m->cfg.vdim == 0) m->cfg.vdim = E;
-    m->packed = (m->cfg.kdim == E && m->cfg.vdim == E);
-    m->head_dim = E / cfg->num_heads;
+    m->packed = (m->cfg.kdim == E && m->cfg.vdim == E && !cfg->separate_qkv);
+    m->head_dim = cfg->head_dim ? cfg->head_dim : E / cfg->num_heads;
+    m->cfg.head_dim = m->head_dim;
+    m->q_dim = cfg->num_heads * m->head_dim;
     if (m->cfg.num_kv_heads == 0) m->cfg.num_kv_heads = cfg->num_heads;
-    const int64_t Ekv = m->cfg.num_kv_heads * m->head_dim;
+    const int64_t Eq = m->q_dim, Ekv = m->cfg.num_kv_heads * m->head_dim;
     m->kv_dim = Ekv;
     const mha_dtype wd = m->wdt = cfg->weight_dtype;
 
     if (m->packed) {
-        add_param(m, "in_proj_weight", 2, E + 2 * Ekv, E, 0, wd);
+        add_param(m, "in_proj_weight", 2, Eq + 2 * Ekv, E, 0, wd);
     } else {
-        add_param(m, "q_proj_weight", 2, E, E, 0, wd);
+        add_param(m, "q_proj_weight", 2, Eq, E, 0, wd);
         add_param(m, "k_proj_weight", 2, Ekv, m->cfg.kdim, 0, wd);
         add_param(m, "v_proj_weight", 2, Ekv, m->cfg.vdim, 0, wd);
     }
-    if (cfg->bias) add_param(m, "in_proj_bias", 1, E + 2 * Ekv, 0, 0, MHA_F32);
+    if (cfg->bias) add_param(m, "in_proj_bias", 1, Eq + 2 * Ekv, 0, 0, MHA_F32);
     if (cfg->add_bias_kv) {
         add_param(m, "bias_k", 3, 1, 1, Ekv, MHA_F32);
         add_param(m, "bias_v", 3, 1, 1, Ekv, MHA_F32);
     }
-    add_param(m, "out_proj.weight", 2, E, E, 0, wd);
-    if (cfg->bias) add_param(m, "out_proj.bias", 1, E, 0, 0, MHA_F32);
+    add_param(m, "out_proj.weight", 2, E, Eq, 0, wd);
+    if (cfg->bias && !cfg->no_out_bias) add_param(m, "out_proj.bias", 1, E, 0, 0, MHA_F32);
     const int64_t H = cfg->num_heads;
     if (cfg->head_gate == MHA_GATE_STATIC) add_param(m, "head_gate", 1, H, 0, 0, MHA_F32);
     if (cfg->head_gate == MHA_GATE_DYNAMIC) {
         add_param(m, "gate_proj.weight", 2, H, E, 0, MHA_F32);
         add_param(m, "gate_proj.bias", 1, H, 0, 0, MHA_F32);
     }
+    if (cfg->sinks) add_param(m, "sinks", 1, H, 0, 0, MHA_F32);
 
     size_t total = 0;
     for (int i = 0; i < m->nparams; i++)

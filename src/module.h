@@ -5,32 +5,34 @@
 
 #include "internal.h"
 
-#define MHA__MAX_PARAMS 10
+#define MHA__MAX_PARAMS 16  // (q, k, v, biases, bias_k/v, out, gates, sinks, norms)
 
 struct mha_module {
     mha_config cfg;    // kdim/vdim resolved
-    bool packed;       // in_proj_weight (kdim == vdim == E)
-    int64_t head_dim;  // d = E / H
-    int64_t kv_dim;    // Ekv = num_kv_heads * d (E without GQA)
+    bool packed;       // in_proj_weight (kdim == vdim == E, not separate_qkv)
+    int64_t head_dim;  // d: cfg.head_dim, or E / H
+    int64_t q_dim;     // Eq = H d (E unless head_dim is set)
+    int64_t kv_dim;    // Ekv = num_kv_heads * d (Eq without GQA)
     int nparams;
     mha_param params[MHA__MAX_PARAMS];
     void *block;  // one allocation holding every parameter
     // The weight matrices in their storage dtype wdt (cfg.weight_dtype):
-    // w_in (E + 2 Ekv, E) when packed (w_q, w_k, w_v its rows), else
-    // w_q (E, E), w_k (Ekv, kdim), w_v (Ekv, vdim); w_out (E, E).
+    // w_in (Eq + 2 Ekv, E) when packed (w_q, w_k, w_v its rows), else
+    // w_q (Eq, E), w_k (Ekv, kdim), w_v (Ekv, vdim); w_out (E, Eq).
     mha_dtype wdt;
     void *w_in, *w_q, *w_k, *w_v, *w_out;
     // Named float32 pointers into block (NULL when absent; the weight
     // matrices' are NULL unless wdt is MHA_F32):
-    float *in_proj_weight;                  // (E + 2 Ekv, E) when packed
-    float *q_weight, *k_weight, *v_weight;  // (E, E), (Ekv, kdim), (Ekv, vdim);
+    float *in_proj_weight;                  // (Eq + 2 Ekv, E) when packed
+    float *q_weight, *k_weight, *v_weight;  // (Eq, E), (Ekv, kdim), (Ekv, vdim);
                                             // rows of in_proj_weight if packed
-    float *in_proj_bias;                    // (E + 2 Ekv): Q, K, V biases
+    float *in_proj_bias;                    // (Eq + 2 Ekv): Q, K, V biases
     float *bias_k, *bias_v;                 // (Ekv)
-    float *out_weight;                      // (E, E)
-    float *out_bias;                        // (E)
+    float *out_weight;                      // (E, Eq)
+    float *out_bias;                        // (E); NULL with no_out_bias
     float *head_gate;                       // (H), MHA_GATE_STATIC
     float *gate_weight, *gate_bias;         // (H, E), (H), MHA_GATE_DYNAMIC
+    float *sinks;                           // (H), cfg.sinks
     bool *pruned;                           // (H): head h skipped
     int64_t npruned;
 };
@@ -56,9 +58,11 @@ static inline bool mha__module_gated(const mha_module *m) {
     return m->cfg.head_gate != MHA_GATE_NONE;
 }
 
-// The widest input of the projections: max(E, kdim, vdim).
+// The widest input of the projections: max(E, kdim, vdim, Eq) (Eq: the
+// output projection's).
 static inline int64_t mha__module_max_in(const mha_module *m) {
     int64_t I = m->cfg.embed_dim;
+    if (m->q_dim > I) I = m->q_dim;
     if (m->cfg.kdim > I) I = m->cfg.kdim;
     if (m->cfg.vdim > I) I = m->cfg.vdim;
     return I;

@@ -73,7 +73,7 @@ mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
     mha_status st = mha__part_plan(&p, &a2, m, a, &all);
     if (st) return st;
     if ((st = mha__check_forward_outputs(&p, out, NULL, &a2))) return st;
-    const int64_t n = p.N * p.L * p.E;
+    const int64_t n = p.N * p.L * p.Eq;  // ctx (Rq, Eq)
     void *ws = mha__malloc(p.ws_bytes);
     float *c = mha__malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!ws || !c) {
@@ -116,11 +116,12 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
     mha_status st = mha__plan_forward(&p, m, &a2);
     if (st) return st;
     const mha__kernels *kt = mha__kernels_get();
-    const int64_t E = p.E, H = p.H, Ekv = p.Ekv, kd = p.kdim, vd = p.vdim;
+    const int64_t E = p.E, Eq = p.Eq, H = p.H, Ekv = p.Ekv, kd = p.kdim, vd = p.vdim;
     const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key),
                   Rmax = Rq > Rk ? Rq : Rk;
     const int64_t Fmax = E > kd ? (E > vd ? E : vd) : (kd > vd ? kd : vd);
-    const size_t n_bp = mha__gemm_packed_b_floats(kt, E > Ekv ? E : Ekv, Fmax),
+    const int64_t Omax = E > Eq ? (E > Ekv ? E : Ekv) : (Eq > Ekv ? Eq : Ekv);
+    const size_t n_bp = mha__gemm_packed_b_floats(kt, Omax, Fmax),
                  n_gs = mha__gemm_scratch_floats(kt, p.nthreads), n_tmp = (size_t)(Rmax * Fmax);
     float *blk = mha__alloc(sizeof(float) * (n_bp + n_gs + n_tmp));
     if (!blk)
@@ -128,7 +129,7 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                          sizeof(float) * (n_bp + n_gs + n_tmp));
     float *bp = blk, *gs = bp + n_bp, *tmp = gs + n_gs;
     const int nt = p.nthreads;
-    if (gq) mha__grad_input_rows(kt, gq, acc, dq, E, m->q_weight, Rq, E, E, tmp, bp, gs, nt);
+    if (gq) mha__grad_input_rows(kt, gq, acc, dq, Eq, m->q_weight, Rq, Eq, E, tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)
         mha__grad_input_rows(kt, gq, true, dz, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
     if (gk)
@@ -156,8 +157,8 @@ mha_status mha__part_attn_backward(const mha_module *m, const mha_forward_args *
                          "mha parallel: a block's attention backward has no appended keys "
                          "(add_bias_kv, add_zero_attn)");
     const mha__kernels *kt = mha__kernels_get();
-    const int64_t N = p.N, L = p.L, S = p.S, E = p.E, H = p.H, d = p.d, Hkv = p.Hkv,
-                  G = H / Hkv, Ekv = p.Ekv;
+    const int64_t N = p.N, L = p.L, S = p.S, E = p.Eq, H = p.H, d = p.d, Hkv = p.Hkv,
+                  G = H / Hkv, Ekv = p.Ekv;  // (E: the queries' width Eq)
     const int nt = p.nthreads;
     const bool seq_first = p.unbatched || !m->cfg.batch_first;
     const size_t sf = mha__flash_scratch_floats(d, d, S, 0, true);

@@ -23,7 +23,7 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                                  const mha_module *m, const mha_forward_args *a,
                                  const float *dq, const float *dk, const float *dv,
                                  const float *dz, bool accumulate);
-// The rest of the forward from a full context ctx (Rq, E, ungated): the
+// The rest of the forward from a full context ctx (Rq, Eq, ungated): the
 // gates, W_O and the output dropout, into out (what the single-process
 // fused forward computes from its context, bit for bit).
 mha_status mha__part_out_project(mha_tensor *out, const mha_module *m,
@@ -40,6 +40,6 @@ mha_status mha__part_plan(fwd_plan *p, mha_forward_args *a2, const mha_module *m
 
 // The state a training forward keeps (mha_forward_args.save). Layout of
 // buf (floats): the projections as the fused backward lays them out
-// (self_packed: (Rq, E + 2 Ekv); else q (Rq, E), k (Rk, Ekv), v (Rk, Ekv)),
+// (self_packed: (Rq, Eq + 2 Ekv); else q (Rq, Eq), k (Rk, Ekv), v (Rk, Ekv)),
 
 #endif

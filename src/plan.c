@@ -99,6 +99,7 @@ static mha_status plan_inputs(fwd_plan *p, const mha_module *m, const mha_forwar
     p->g0 = 0;
     p->g1 = p->Hkv;
     p->Ekv = m->kv_dim;
+    p->Eq = m->q_dim;
     p->kdim = c->kdim;
     p->vdim = c->vdim;
     p->L = q->shape[sd];
@@ -179,20 +180,21 @@ static mha_status plan_attn_mask(fwd_plan *p, const mha_tensor *t) {
     return MHA_OK;
 }
 
-// Masks, as (b, h, i, j) strides: causal, the window, the soft cap, RoPE
-// and ALiBi, key_padding_mask, attn_mask.
-static mha_status plan_masks(fwd_plan *p, const mha_forward_args *a) {
+// Masks, as (b, h, i, j) strides: causal, the window, the soft cap, the
+// query scale, RoPE and ALiBi, key_padding_mask, attn_mask.
+static mha_status plan_masks(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     mha_status st;
     p->mask.s_masked = p->S;
+    p->mask.sinks = m->sinks;  // (NULL without attention sinks)
     p->mask.causal = a->is_causal;
     if ((st = mha__check_attn_opts("mha_forward", a->window_left, a->window_right, a->softcap,
                                    false, 0.0)))
         return st;
-    // Declared for checkpoints (issue 17), not implemented yet: refused
-    // rather than ignored.
-    if (a->use_custom_scale)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_forward: use_custom_scale is not implemented yet");
+    if (a->use_custom_scale && !(a->scale > 0.0 && isfinite(a->scale)))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_forward: the custom scale must be positive and finite, got %g",
+                         a->scale);
+    p->scale = a->use_custom_scale ? a->scale : 1.0 / sqrt((double)p->d);
     p->mask.win_left = a->window_left;
     p->mask.win_right = a->window_right;
     if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, &p->rope_seq, a, p->N, p->L,
@@ -228,7 +230,7 @@ static mha_status plan_shapes(fwd_plan *p, const mha_module *m, const mha_forwar
 }
 
 // The threads, and the reference's scratch layout (p->r, p->ws_bytes):
-//   q, ctx (N, L, E) and k, v (N, Sp, Ekv) doubles; headw (N, H, L, Sp)
+//   q, ctx (N, L, Eq) and k, v (N, Sp, Ekv) doubles; headw (N, H, L, Sp)
 //   when the heads' weights are gathered; scores nthreads x (L, Sp); the
 //   trace's floats; gate (N, L, H) of a gated module
 static mha_status plan_scratch(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
@@ -237,22 +239,24 @@ static mha_status plan_scratch(fwd_plan *p, const mha_module *m, const mha_forwa
     // thread team costs more than the work (results are the same either
     // way). work ~ multiply-adds of the projections and the attention.
     double work = (double)p->N *
-                  ((double)p->L * p->E * p->E + (double)p->S * p->Ekv * (p->kdim + p->vdim) +
-                   2.0 * p->L * p->Sp * p->E);
+                  ((double)p->L * p->E * p->Eq + (double)p->S * p->Ekv * (p->kdim + p->vdim) +
+                   2.0 * p->L * p->Sp * p->Eq);
     p->nthreads = (a->trace || work < MHA__PAR_MIN_WORK) ? 1 : mha__max_threads();
-    int64_t nle, nse, lsp, nhlsp, tr;
-    if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) ||
-        mha__mul_overflow_i64(nle, p->E, &nle) || mha__mul_overflow_i64(p->N, p->Sp, &nse) ||
+    int64_t nle, nlo, nse, lsp, nhlsp, tr;  // nle: (N, L, Eq); nlo: (N, L, E)
+    if (mha__mul_overflow_i64(p->N * 1, p->L, &nle) || mha__mul_overflow_i64(nle, p->E, &nlo) ||
+        mha__mul_overflow_i64(nle, p->Eq, &nle) || mha__mul_overflow_i64(p->N, p->Sp, &nse) ||
         mha__mul_overflow_i64(nse, p->Ekv, &nse) || mha__mul_overflow_i64(p->L, p->Sp, &lsp) ||
         mha__mul_overflow_i64(lsp, p->N * p->H, &nhlsp))
         return mha__fail(MHA_ERR_OVERFLOW, "sizes overflow: N %lld, L %lld, S %lld, E %lld",
                          (long long)p->N, (long long)p->L, (long long)p->S, (long long)p->E);
-    // the trace's float copies: (N, Sp, E) projections or one head's (L, Sp)
+    // the trace's float copies: (N, Sp, Ekv), (N, L, Eq) projections, the
+    // (N, L, E) output, or one head's (L, Sp)
     tr = 0;
     if (a->trace) {
         tr = p->L * (p->Sp > p->d ? p->Sp : p->d);
         if (nse > tr) tr = nse;
         if (nle > tr) tr = nle;
+        if (nlo > tr) tr = nlo;
     }
     size_t total = 0;
     if (mha__carve(&total, &p->r.q, nle, sizeof(double)) ||
@@ -304,7 +308,7 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward
     if (!m || !a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
     memset(p, 0, sizeof *p);
     mha_status st;
-    if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, a)) ||
+    if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, m, a)) ||
         (st = plan_shapes(p, m, a)) || (st = plan_scratch(p, m, a)))
         return st;
     return plan_impl(p, m, a);
@@ -333,7 +337,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_a
                              "(computing in float32), %s is %s",
                              names[i], mha_dtype_name(in[i]->dtype));
     const int64_t E = p->E, H = p->H, d = p->d, N = p->N, L = p->L, Sp = p->Sp;
-    const int64_t Ekv = p->Ekv, Hkv = p->Hkv;
+    const int64_t Ekv = p->Ekv, Hkv = p->Hkv, Eq = p->Eq;
     const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     int64_t ld;
     p->fused = true;
@@ -354,16 +358,16 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_a
         carve_f(&t, &p->f.xk, p->k_direct || p->self_packed ? 0 : Rk * p->kdim) ||
         carve_f(&t, &p->f.xv, p->v_direct || p->self_packed ? 0 : Rk * p->vdim) ||
         carve_f(&t, &p->f.wt,
-                p->self_packed ? (int64_t)mha__gemm_packed_b_floats(gk, E, E + 2 * Ekv)
-                               : (int64_t)(mha__gemm_packed_b_floats(gk, E, E) +
+                p->self_packed ? (int64_t)mha__gemm_packed_b_floats(gk, E, Eq + 2 * Ekv)
+                               : (int64_t)(mha__gemm_packed_b_floats(gk, E, Eq) +
                                            mha__gemm_packed_b_floats(gk, p->kdim, Ekv) +
                                            mha__gemm_packed_b_floats(gk, p->vdim, Ekv))) ||
-        carve_f(&t, &p->f.wo, (int64_t)mha__gemm_packed_b_floats(gk, E, E)) ||
+        carve_f(&t, &p->f.wo, (int64_t)mha__gemm_packed_b_floats(gk, Eq, E)) ||
         carve_f(&t, &p->f.gs, (int64_t)mha__gemm_scratch_floats(gk, p->nthreads)) ||
-        carve_f(&t, &p->f.qkv, p->self_packed ? Rq * (E + 2 * Ekv) : Rq * E) ||
+        carve_f(&t, &p->f.qkv, p->self_packed ? Rq * (Eq + 2 * Ekv) : Rq * Eq) ||
         carve_f(&t, &p->f.k, p->self_packed ? 0 : Rk * Ekv) ||
         carve_f(&t, &p->f.v, p->self_packed ? 0 : Rk * Ekv) ||
-        carve_f(&t, &p->f.ctx, Rq * E) || carve_f(&t, &p->f.extra, 2 * Hkv * nx * d) ||
+        carve_f(&t, &p->f.ctx, Rq * Eq) || carve_f(&t, &p->f.extra, 2 * Hkv * nx * d) ||
         carve_f(&t, &p->f.lse, lse) || carve_f(&t, &p->f.headw, headw) ||
         carve_f(&t, &p->f.wtmp,
                 a->need_weights && a->weights_scale ? (int64_t)p->nthreads * MHA__FLASH_BR * Sp
@@ -372,7 +376,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_a
         carve_f(&t, &p->f.wh,
                 m->wdt == MHA_F32 ? 0 : (int64_t)mha__half_weight_floats(gk, m, p->nthreads)) ||
         carve_f(&t, &p->f.gate, mha__module_gated(m) ? Rq * H : 0) ||
-        carve_f(&t, &p->f.gctx, mha__module_gated(m) && a->save ? Rq * E : 0) ||
+        carve_f(&t, &p->f.gctx, mha__module_gated(m) && a->save ? Rq * Eq : 0) ||
         carve_f(&t, &p->f.wg,
                 m->cfg.head_gate == MHA_GATE_DYNAMIC
                     ? (int64_t)mha__gemm_packed_b_floats(gk, E, H)
@@ -451,6 +455,18 @@ static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
                          (long long)b->embed_dim, (long long)b->num_heads,
                          (long long)b->num_kv_heads, (long long)b->kdim, (long long)b->vdim,
                          b->bias, b->add_bias_kv, mha_head_gate_name(b->head_gate));
+    if (g->head_dim != m->head_dim || g->packed != m->packed ||
+        a->no_out_bias != b->no_out_bias || a->sinks != b->sinks)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "backward: the gradient module's layout (head_dim %lld, %s, "
+                         "out_proj.bias %s, sinks %s) differs from the module's (%lld, %s, "
+                         "%s, %s)",
+                         (long long)g->head_dim,
+                         g->packed ? "in_proj_weight" : "q/k/v_proj_weight",
+                         a->no_out_bias ? "no" : "yes", a->sinks ? "yes" : "no",
+                         (long long)m->head_dim,
+                         m->packed ? "in_proj_weight" : "q/k/v_proj_weight",
+                         b->no_out_bias ? "no" : "yes", b->sinks ? "yes" : "no");
     return MHA_OK;
 }
 

@@ -19,14 +19,14 @@
 // block (64-byte aligned; laid out once, by the planner), in double unless
 // said.
 typedef struct mha__ref_layout {
-    size_t q;       // (N, L, E)
+    size_t q;       // (N, L, Eq)
     size_t k, v;    // (N, Sp, Ekv)
-    size_t ctx;     // (N, L, E)
+    size_t ctx;     // (N, L, Eq)
     size_t headw;   // (N, H, L, Sp) every head's weights, to average or to
                     // write a block of (else none)
     size_t scores;  // per thread one (L, Sp) score block
     size_t trace;   // float32: the trace's copies (L * max(Sp, d), or a whole
-                    // (N, Sp, E) projection)
+                    // (N, Sp, Ekv) / (N, L, Eq) / (N, L, E) one)
     size_t gate;    // gated: (N, L, H)
 } mha__ref_layout;
 
@@ -38,11 +38,11 @@ typedef struct mha__fused_layout {
                         // when a view cannot be read in place
     size_t wt;          // the packed projection weights: in_proj_weight^T, or
                         // W_q^T, W_k^T, W_v^T one after the other
-    size_t wo, wg;      // the packed W_o^T; W_g^T (dynamic gates)
+    size_t wo, wg;      // the packed W_o^T (Eq, E); W_g^T (dynamic gates)
     size_t gs;          // the GEMM's per-thread scratch
-    size_t qkv, k, v;   // the projections: (Rq, E + 2 Ekv) packed, else q (Rq, E)
+    size_t qkv, k, v;   // the projections: (Rq, Eq + 2 Ekv) packed, else q (Rq, Eq)
                         // here and k, v (Rk, Ekv)
-    size_t ctx;         // the context (Rq, E)
+    size_t ctx;         // the context (Rq, Eq)
     size_t extra;       // the appended keys per KV head: (Hkv, nx, d) for k, then v
     size_t lse;         // each row's (max, 1/sum) (N, H, L, 2), for the weights
     size_t headw;       // the selected heads' weights, to average (N, Hs, Ls, Sp)
@@ -51,12 +51,14 @@ typedef struct mha__fused_layout {
     size_t scratch;     // per thread the flash scratch
     size_t wh;          // half weights: the widening scratch
     size_t gate, gctx;  // gated: the gates (Rq, H); with a saved state, the gated
-                        // context (Rq, E) (the state keeps the ungated one)
+                        // context (Rq, Eq) (the state keeps the ungated one)
 } mha__fused_layout;
 
 typedef struct fwd_plan {
     int64_t L, S, Sp, N, E, H, d, kdim, vdim;  // Sp = S + appended keys
     int64_t Hkv, Ekv;                          // KV heads (dividing H) and their width Hkv * d
+    int64_t Eq;                                // the queries' width H d (E unless head_dim)
+    double scale;                              // the query scale: custom, or 1 / sqrt(d)
     bool unbatched;
     // element strides of query/key/value as (seq, batch, feature)
     int64_t qs[3], ks[3], vs[3];
@@ -123,14 +125,15 @@ static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
 }
 
 
-// then the context (Rq, E), then the row stats (N H L, 2).
+// then the context (Rq, Eq), then the row stats (N H L, 2).
 typedef struct mha__saved_key {
     const mha_module *m;
     mha_tensor q, k, v, kpm, am;  // zeroed when absent
     bool causal, training;
     int64_t window_left, window_right;
     uint64_t seed, offset;
-    // what shapes the saved q, k (RoPE) and the row stats (ALiBi, soft cap)
+    // what shapes the saved q, k (RoPE) and the row stats (ALiBi, soft cap,
+    // the scale)
     mha_rope_mode rope_mode;
     double rope_theta;
     int64_t rope_dim;
@@ -140,6 +143,8 @@ typedef struct mha__saved_key {
     bool alibi;
     const float *alibi_slopes;
     float softcap;
+    bool custom_scale;
+    double scale;
 } mha__saved_key;
 
 struct mha_saved {
@@ -165,7 +170,7 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
 // mha_kv_cache_attend with the queries q_shift positions later (q_shift >=
 
 // Floats of the projections as the fused backward (and the saved state)
-// lay them out: (Rq, E + 2 Ekv) packed, else q (Rq, E), k and v (Rk, Ekv).
+// lay them out: (Rq, Eq + 2 Ekv) packed, else q (Rq, Eq), k and v (Rk, Ekv).
 size_t mha__qkv_floats(const fwd_plan *p, int64_t Rq, int64_t Rk);
 // Two saved keys are the same forward's (both filled by mha__saved_key_of).
 bool mha__saved_key_equal(const mha__saved_key *x, const mha__saved_key *y);

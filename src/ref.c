@@ -42,9 +42,9 @@ double mha__ref_logit(const mha__mask *mk, double scaled, int64_t b, int64_t h, 
     return scaled + mha__mask_value(mk, b, h, i, j);
 }
 
-void mha__ref_softmax_row(double *row, int64_t S) {
-    double mx = -INFINITY;
-    bool nan = false;
+void mha__ref_softmax_row(double *row, int64_t S, double sink) {
+    double mx = sink;  // (-inf without a sink)
+    bool nan = isnan(sink);
     for (int64_t j = 0; j < S; j++) {
         if (isnan(row[j])) nan = true;
         else if (row[j] > mx) mx = row[j];
@@ -57,12 +57,18 @@ void mha__ref_softmax_row(double *row, int64_t S) {
         for (int64_t j = 0; j < S; j++) row[j] = 0.0;
         return;
     }
-    double sum = 0.0;
+    // the sink joins the denominator: exp(sink - mx) (0 without one)
+    double sum = sink > -INFINITY ? exp(sink - mx) : 0.0;
     for (int64_t j = 0; j < S; j++) {
         row[j] = exp(row[j] - mx);
         sum += row[j];
     }
     for (int64_t j = 0; j < S; j++) row[j] /= sum;
+}
+
+// Query head h's sink logit, or -inf without sinks.
+static double sink_of(const mha__mask *mk, int64_t h) {
+    return mk->sinks ? (double)mk->sinks[h] : -INFINITY;
 }
 
 // Passes the (rows, cols) doubles of m (row stride ld) to the trace.
@@ -92,8 +98,9 @@ static void attention_probs(double *P, mha__mat q, mha__mat k, int64_t L, int64_
     if (tr) trace_doubles(tr, "scaled_scores", b, h, P, L, S, S);
 
     // (3) softmax of each row: subtract the row max so exp never overflows;
-    //     a row with every score -inf (all keys masked) becomes all 0.
-    for (int64_t i = 0; i < L; i++) mha__ref_softmax_row(P + i * S, S);
+    //     a row with every score -inf (all keys masked) becomes all 0. An
+    //     attention sink joins each row's denominator (rows sum to < 1).
+    for (int64_t i = 0; i < L; i++) mha__ref_softmax_row(P + i * S, S, sink_of(mk, h));
     if (tr) trace_doubles(tr, "weights", b, h, P, L, S, S);
 }
 
@@ -150,7 +157,7 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv, mha
                                       mha__mat dout, mha__mat q, mha__mat k, mha__mat v,
                                       int64_t L, int64_t S, int64_t D, int64_t Dv, double scale,
                                       const mha__mask *mk, const mha__dropout *drop, int64_t b,
-                                      int64_t h, double *ws) {
+                                      int64_t h, double *ws, double *dsink) {
     double *P = ws;           // (L, S): softmax, then P' after dropout
     double *dP = ws + L * S;  // (L, S): dP', then dP, then dS
     attention_probs(P, q, k, L, S, D, scale, mk, b, h, NULL);
@@ -164,11 +171,17 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv, mha
             for (int64_t j = 0; j < S; j++) dP[i * S + j] *= drop_factor(drop, b, h, i, j);
     // dS = P * (dP - sum_j P dP)  (forward: P = softmax(S) row by row);
     // masked entries have P = 0, so dS = 0 there and on fully masked rows.
+    // A sink is one more logit of the softmax whose value is 0 (its dP is
+    // 0): dsink = sum_i P_sink,i (0 - rs_i), P_sink,i = 1 - sum_j P_ij.
+    double ds = 0.0;
     for (int64_t i = 0; i < L; i++) {
-        double rs = 0.0;
-        for (int64_t j = 0; j < S; j++) rs += P[i * S + j] * dP[i * S + j];
+        double rs = 0.0, psum = 0.0;
+        for (int64_t j = 0; j < S; j++)
+            rs += P[i * S + j] * dP[i * S + j], psum += P[i * S + j];
         for (int64_t j = 0; j < S; j++) dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - rs);
+        if (mk->sinks) ds -= (1.0 - psum) * rs;
     }
+    if (dsink) *dsink = ds;
     // soft cap: dS_raw = dS * (1 - tanh^2(s / cap)) for the raw scaled s
     if (mk->softcap > 0.0f)
         for (int64_t i = 0; i < L; i++)

@@ -19,8 +19,11 @@ double mha__ref_logit(const mha__mask *mk, double scaled, int64_t b, int64_t h, 
                       int64_t j);
 // Softmax of one row of S scores in place, the reference's step (3): the
 // row max subtracted; every score -inf (all keys masked) gives all 0; a
-// NaN score makes the whole row NaN (as PyTorch).
-void mha__ref_softmax_row(double *row, int64_t S);
+// NaN score makes the whole row NaN (as PyTorch). sink: an attention
+// sink's logit joining the denominator (mha_config.sinks), -inf for none:
+// p_j = exp(s_j - m) / (exp(sink - m) + sum exp(s - m)), m the max of the
+// row and the sink.
+void mha__ref_softmax_row(double *row, int64_t S, double sink);
 
 // Attention of one (b, h):
 //   scores (L, S) = scale * q (L, D) k (S, D)^T + mask(b, h, ., .)
@@ -51,13 +54,14 @@ void mha__ref_attention_head(mha__mat out, mha__mat w, mha__mat q, mha__mat k, m
 //   dP = dP' * keep / (1 - p)
 //   dS = P * (dP - rowsum(dP * P))          (softmax backward; 0 where P = 0)
 //   dq (L, D) = scale * dS k;  dk (S, D) = scale * dS^T q
+//   with a sink (mk->sinks): *dsink = -sum_i P_sink,i rowsum(dP * P)_i
 // dq, dk, dv are overwritten. out (if out.p) receives the recomputed
-// forward result P' v. ws: 2*L*S doubles of scratch.
+// forward result P' v. ws: 2*L*S doubles of scratch. dsink may be NULL.
 void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv, mha__mat out,
                                       mha__mat dout, mha__mat q, mha__mat k, mha__mat v,
                                       int64_t L, int64_t S, int64_t D, int64_t Dv, double scale,
                                       const mha__mask *mk, const mha__dropout *drop, int64_t b,
-                                      int64_t h, double *ws);
+                                      int64_t h, double *ws, double *dsink);
 
 // y(0, o) = sum_i x(0, i) * W[o][i] + (b ? b[o] : 0) for o < O: row 0 of
 // y and x; W (O, I) row-major, elements of wdt (F32, BF16 or F16).

@@ -6,15 +6,16 @@
 // backward.c) check the arguments and plan the scratch, then call these.
 //
 // The forward (F.multi_head_attention_forward, need_weights path):
-//   q = query W_q^T + b_q        (N, L, E)   one row per (n, l)
+//   q = query W_q^T + b_q        (N, L, Eq)  one row per (n, l)
 //   k = key W_k^T + b_k          (N, S, Ekv) [+ bias_k] [+ zero row]
 //   v = value W_v^T + b_v        (N, S, Ekv) [+ bias_v] [+ zero row]
-//   heads: q as (N, H, L, d) is the strided view (L*E, d, E, 1) of the
+//   heads: q as (N, H, L, d) is the strided view (L*Eq, d, Eq, 1) of the
 //   same buffer: the split is a view, not a copy; so are k and v, as
-//   (N, Hkv, S, d) (Ekv = Hkv d; Hkv = H unless grouped-query)
-//   ctx (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v   (per b, h;
-//   query head h reads KV head h / (H / Hkv))
-//   ctx viewed as (N, L, E) is the concatenation of the heads
+//   (N, Hkv, S, d) (Eq = H d, = E unless head_dim is set; Ekv = Hkv d;
+//   Hkv = H unless grouped-query)
+//   ctx (N, H, L, d) = softmax(scale q k^T + masks) v   (per b, h; scale
+//   1 / sqrt(d) or the custom one; query head h reads KV head h / (H / Hkv))
+//   ctx viewed as (N, L, Eq) is the concatenation of the heads
 //   attn_output = ctx W_o^T + b_o  written in the query's layout
 // Scratch memory is the plan's one block (fwd_plan.r); nothing else is
 // allocated by the forward.
@@ -35,6 +36,8 @@
 //   k = [Xk Wk^T + bk; bias_k; 0]           rows < S as for q;
 //                                           dbias_k = sum_n dk[n, S]
 //   v = [Xv Wv^T + bv; bias_v; 0]           the same
+//   P_h = softmax over [s_h, sink_h],       dsink_h = -sum_{b, i} P_sink rowsum(dP P)
+//   the sink's column dropped (sinks)       (ref.c), summed over b in order
 // Each output element is summed by one thread in a fixed order, so the
 // result does not depend on the number of threads.
 #include <math.h>
@@ -89,10 +92,11 @@ static void project(double *buf, int64_t Tp, const mha_tensor *x, const int64_t 
 
 void mha__project_qkv(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                       double *q, double *k, double *v) {
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
-    // in_proj_bias (E + 2 Ekv): the Q, K, V biases one after the other
-    const float *bq = m->in_proj_bias, *bk = bq ? bq + E : NULL, *bv = bq ? bq + E + Ekv : NULL;
-    project(q, L, a->query, p->qs, m->w_q, m->wdt, bq, N, L, E, E, p->nthreads);
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Eq = p->Eq, Ekv = p->Ekv;
+    // in_proj_bias (Eq + 2 Ekv): the Q, K, V biases one after the other
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + Eq : NULL,
+                *bv = bq ? bq + Eq + Ekv : NULL;
+    project(q, L, a->query, p->qs, m->w_q, m->wdt, bq, N, L, E, Eq, p->nthreads);
     project(k, Sp, a->key, p->ks, m->w_k, m->wdt, bk, N, S, p->kdim, Ekv, p->nthreads);
     project(v, Sp, a->value, p->vs, m->w_v, m->wdt, bv, N, S, p->vdim, Ekv, p->nthreads);
     for (int64_t n = 0; n < N; n++) {
@@ -131,11 +135,11 @@ void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, dou
     // largest position + 1, YaRN, llama3) and cos/sin factor af (YaRN)
     double inv[MHA__ROPE_MAX_HALF], af;
     mha__rope_freqs(inv, &af, &a->rope, a->rope_scaling, p->d, p->rope_seq);
-    const int64_t L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
+    const int64_t L = p->L, S = p->S, Sp = p->Sp, Eq = p->Eq, Ekv = p->Ekv;
     for (int64_t n = 0; n < p->N; n++) {
         // token t at rope_positions[n L + t], else rope_start[n] + t
         for (int64_t t = 0; t < L; t++)
-            mha__rope_token_d(q + (n * L + t) * E, p->d, p->H, &a->rope, p->d, inv, af,
+            mha__rope_token_d(q + (n * L + t) * Eq, p->d, p->H, &a->rope, p->d, inv, af,
                               (double)mha__rope_pos(a, L, n, t), inverse);
         for (int64_t t = 0; t < S; t++)  // not the appended keys
             mha__rope_token_d(k + (n * Sp + t) * Ekv, p->d, p->Hkv, &a->rope, p->d, inv, af,
@@ -145,9 +149,9 @@ void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, dou
 
 // The forward's scratch: the plan's one block, carved at p->r.
 typedef struct ref_fwd_bufs {
-    double *q;       // (N, L, E)
+    double *q;       // (N, L, Eq)
     double *k, *v;   // (N, Sp, Ekv)
-    double *ctx;     // (N, L, E)
+    double *ctx;     // (N, L, Eq)
     double *headw;   // (N, H, L, Sp)
     double *scores;  // nthreads x (L, Sp)
     float *tbuf;     // the trace's copies
@@ -155,30 +159,30 @@ typedef struct ref_fwd_bufs {
 } ref_fwd_bufs;
 
 // 1. Projections (one row per (n, t)); then the appended keys/values.
-//   q (N, L, E) = query W_q^T + b_q
+//   q (N, L, Eq) = query W_q^T + b_q
 //   k (N, Sp, Ekv) = [key W_k^T + b_k; bias_k; 0], v alike
 static void ref_fwd_project(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                             const ref_fwd_bufs *buf) {
-    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, Eq = p->Eq, Ekv = p->Ekv;
     mha__project_qkv(p, m, a, buf->q, buf->k, buf->v);
-    trace_buffer(a, "q", buf->tbuf, buf->q, N, L, E);
+    trace_buffer(a, "q", buf->tbuf, buf->q, N, L, Eq);
     trace_buffer(a, "k", buf->tbuf, buf->k, N, Sp, Ekv);
     trace_buffer(a, "v", buf->tbuf, buf->v, N, Sp, Ekv);
 }
 
 // 2. Attention per (b, h) on strided head views of q, k, v, ctx:
-//   ctx (N, L, E) as (N, H, L, d) = softmax(q k^T / sqrt(d) + masks) v,
+//   ctx (N, L, Eq) as (N, H, L, d) = softmax(scale q k^T + masks) v,
 //   query head h reading KV head h / G; each head's weights (L, Sp) into
 //   headw (via_headw) or straight into the output (perhead)
 static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                           mha_tensor *weights, const ref_fwd_bufs *buf, bool perhead,
                           bool via_headw) {
-    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, Eq = p->Eq, H = p->H, d = p->d;
     const int64_t Ekv = p->Ekv, G = H / p->Hkv;  // G query heads per KV head
     double *q = buf->q, *k = buf->k, *v = buf->v, *ctx = buf->ctx, *headw = buf->headw;
     double *scores = buf->scores;
     float *tbuf = buf->tbuf;
-    const double scale = 1.0 / sqrt((double)d);
+    const double scale = p->scale;  // 1 / sqrt(d), or the custom one
     mha__trace tr = {a->trace, a->trace_user, tbuf};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->nthreads)
     for (int64_t bh = 0; bh < N * H; bh++) {
@@ -187,7 +191,7 @@ static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forw
         mha__mat wh = {NULL, false, 0, 0, 0};
         if (!mha__head_live(m, h)) {  // pruned: zero context, zero weights, no work
             for (int64_t i = 0; i < L; i++)
-                memset(ctx + b * L * E + i * E + h * d, 0, (size_t)d * sizeof(double));
+                memset(ctx + b * L * Eq + i * Eq + h * d, 0, (size_t)d * sizeof(double));
             if (via_headw) memset(headw + bh * L * Sp, 0, (size_t)(L * Sp) * sizeof(double));
             else if (perhead) {
                 int o = p->unbatched ? 0 : 1;
@@ -211,27 +215,27 @@ static void ref_fwd_heads(const fwd_plan *p, const mha_module *m, const mha_forw
                               o + 2);
             wh.rs = weights->stride[o + 1];
         }
-        mha__ref_attention_head(mha__dmat(ctx + b * L * E + h * d, E), wh,
-                                mha__dmat(q + b * L * E + h * d, E),
+        mha__ref_attention_head(mha__dmat(ctx + b * L * Eq + h * d, Eq), wh,
+                                mha__dmat(q + b * L * Eq + h * d, Eq),
                                 mha__dmat(k + b * Sp * Ekv + (h / G) * d, Ekv),
                                 mha__dmat(v + b * Sp * Ekv + (h / G) * d, Ekv), L, Sp, d, d,
                                 scale, &p->mask, mha__plan_drop(p), b, h,
                                 scores + (size_t)tid * L * Sp, a->trace ? &tr : NULL);
     }
-    trace_buffer(a, "concat", tbuf, ctx, N, L, E);
+    trace_buffer(a, "concat", tbuf, ctx, N, L, Eq);
 }
 
 // Gates: head h's context times g[n, t, h] (before W_O).
-//   ctx (N, L, E) as (N, L, H, d) *= gate (N, L, H)
+//   ctx (N, L, Eq) as (N, L, H, d) *= gate (N, L, H)
 static void ref_fwd_gates(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                           const ref_fwd_bufs *buf) {
-    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    const int64_t N = p->N, L = p->L, Eq = p->Eq, H = p->H, d = p->d;
     double *ctx = buf->ctx, *gate = buf->gate;
     mha__gates_d(p, m, a, gate);
     for (int64_t r = 0; r < N * L; r++)
         for (int64_t h = 0; h < H; h++)
-            for (int64_t c = 0; c < d; c++) ctx[r * E + h * d + c] *= gate[r * H + h];
-    trace_buffer(a, "gated", buf->tbuf, ctx, N, L, E);
+            for (int64_t c = 0; c < d; c++) ctx[r * Eq + h * d + c] *= gate[r * H + h];
+    trace_buffer(a, "gated", buf->tbuf, ctx, N, L, Eq);
 }
 
 // 3. Averaged weights: mean over the (selected) heads, summed in head
@@ -277,10 +281,10 @@ static void ref_fwd_weights(const fwd_plan *p, const mha_module *m, const mha_fo
 
 // 4. Output projection, written in the query's layout; then the output
 //    dropout (training only).
-//   attn_output (L, N, E) or (N, L, E) = drop_o(ctx (N, L, E) W_o^T + b_o)
+//   attn_output (L, N, E) or (N, L, E) = drop_o(ctx (N, L, Eq) W_o^T + b_o)
 static void ref_fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
                                 const mha_forward_args *a, const ref_fwd_bufs *buf) {
-    const int64_t N = p->N, L = p->L, E = p->E;
+    const int64_t N = p->N, L = p->L, E = p->E, Eq = p->Eq;
     double *ctx = buf->ctx;
     int64_t os[3];
     mha__seq_batch_feat(os, out, m->cfg.batch_first);
@@ -288,7 +292,8 @@ static void ref_fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_mo
     for (int64_t r = 0; r < N * L; r++) {
         int64_t n = r / L, t = r % L;
         mha__mat y = mha__view_at(out, t * os[0] + n * os[1], out->ndim - 1);
-        mha__ref_linear_row(y, mha__dmat(ctx + r * E, E), m->w_out, m->wdt, m->out_bias, E, E);
+        mha__ref_linear_row(y, mha__dmat(ctx + r * Eq, Eq), m->w_out, m->wdt, m->out_bias, Eq,
+                            E);
         if (p->out_p > 0.0f)
             for (int64_t e = 0; e < E; e++)
                 mha__st(y, 0, e,
@@ -384,17 +389,19 @@ static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc, co
 }
 
 // The backward's scratch, one block of doubles: per thread 2 (L, Sp) and,
-// with G > 1, 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx, dy
-// (N, L, E); k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, E), gate and dg
-// (N, L, H).
+// with G > 1, 2 (Sp, d) (one query head's dk, dv); q, dq, ctx, dctx (N, L,
+// Eq); dy (N, L, E); k, v, dk, dv (N, Sp, Ekv); gated: dgc (N, L, Eq), gate
+// and dg (N, L, H); sinks: dsink (N, H).
 typedef struct ref_bwd_bufs {
-    double *block;                     // the allocation (free)
-    size_t lsp;                        // L Sp [+ Sp d]: half a thread's part
-    double *pw;                        // nt x (2 (L, Sp) [+ 2 (Sp, d)])
-    double *q, *dq, *ctx, *dctx, *dy;  // (N, L, E)
-    double *k, *v, *dk, *dv;           // (N, Sp, Ekv)
-    double *dgc;                       // (N, L, E), gated
-    double *gate, *dg;                 // (N, L, H), gated
+    double *block;                // the allocation (free)
+    size_t lsp;                   // L Sp [+ Sp d]: half a thread's part
+    double *pw;                   // nt x (2 (L, Sp) [+ 2 (Sp, d)])
+    double *q, *dq, *ctx, *dctx;  // (N, L, Eq)
+    double *dy;                   // (N, L, E)
+    double *k, *v, *dk, *dv;      // (N, Sp, Ekv)
+    double *dgc;                  // (N, L, Eq), gated
+    double *gate, *dg;            // (N, L, H), gated
+    double *dsink;                // (N, H), sinks: each (b, h)'s sink gradient
 } ref_bwd_bufs;
 
 // Sizes, allocates and carves that block (freed by the caller: buf->block).
@@ -403,11 +410,12 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
     const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
     const bool gated = mha__module_gated(m);
-    size_t nle = (size_t)(N * L * E), nse = (size_t)(N * Sp * Ekv),
-           nlh = gated ? (size_t)(N * L * H) : 0,
+    size_t nle = (size_t)(N * L * p->Eq), nlo = (size_t)(N * L * E),
+           nse = (size_t)(N * Sp * Ekv), nlh = gated ? (size_t)(N * L * H) : 0,
            lsp = (size_t)(L * Sp) + (G > 1 ? (size_t)(Sp * d) : 0), count, bytes;
     if (mha__mul_overflow_size(2 * lsp, (size_t)nt, &count) ||
-        mha__add_overflow_size(count, (gated ? 6 : 5) * nle + 4 * nse + 2 * nlh, &count) ||
+        mha__add_overflow_size(count, (gated ? 5 : 4) * nle + nlo + 4 * nse + 2 * nlh, &count) ||
+        mha__add_overflow_size(count, m->sinks ? (size_t)(N * H) : 0, &count) ||
         mha__mul_overflow_size(count, sizeof(double), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
     double *block = mha__malloc(bytes ? bytes : 1);
@@ -417,19 +425,21 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
     double *pw = block;  // nt x (2 (L, Sp) [+ 2 (Sp, d)])
     double *q = block + 2 * lsp * (size_t)nt;
     double *dq = q + nle, *ctx = dq + nle, *dctx = ctx + nle, *dy = dctx + nle;
-    double *k = dy + nle, *v = k + nse, *dk = v + nse, *dv = dk + nse;
-    double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh;
-    *buf = (ref_bwd_bufs){block, lsp, pw, q, dq, ctx, dctx, dy, k, v, dk, dv, dgc, gate, dg};
+    double *k = dy + nlo, *v = k + nse, *dk = v + nse, *dv = dk + nse;
+    double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh,
+           *dsink = dg + nlh;
+    *buf = (ref_bwd_bufs){block, lsp, pw, q,  dq,  ctx,  dctx, dy,
+                          k,     v,   dk, dv, dgc, gate, dg,   m->sinks ? dsink : NULL};
     return MHA_OK;
 }
 
 // The output side:
 //   y = drop_o(ctx Wo^T + bo)       dy (N, L, E) = dY * keep_o / (1 - p_o)
-//                                   dctx (N, L, E) = dy Wo
+//                                   dctx (N, L, Eq) = dy Wo
 //   gated: gctx_h = ctx_h * g       dgc = dy Wo, dctx_h = dgc_h * g
 static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
                             const mha_tensor *gout, const ref_bwd_bufs *buf) {
-    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    const int64_t N = p->N, L = p->L, E = p->E, Eq = p->Eq, H = p->H, d = p->d;
     const int nt = p->nthreads;
     const bool gated = mha__module_gated(m);
     double *dctx = buf->dctx, *dy = buf->dy, *dgc = buf->dgc, *gate = buf->gate;
@@ -446,9 +456,9 @@ static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_fo
                                                 p->L, p->E, n, t, e);
                 dy[(n * L + t) * E + e] = gv_;
             }
-    // dctx = dy Wo  (forward: y = ctx Wo^T + bo)
-    const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
-    grad_input(gated ? dgc : dctx, MHA_F64, cs, false, dy, L, m->out_weight, N, L, E, E, nt);
+    // dctx = dy Wo  (forward: y = ctx Wo^T + bo; Wo (E, Eq))
+    const int64_t cs[3] = {Eq, L * Eq, 1};  // (seq, batch, feature) of (N, L, Eq)
+    grad_input(gated ? dgc : dctx, MHA_F64, cs, false, dy, L, m->out_weight, N, L, E, Eq, nt);
     // gated: the forward's ctx_h * g (gctx) went into W_O, so
     // dctx_h = dgc_h * g and dg = sum_c dgc_h ctx_h (after the heads)
     if (gated) {
@@ -456,7 +466,7 @@ static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_fo
         for (int64_t r = 0; r < N * L; r++)
             for (int64_t h = 0; h < H; h++)
                 for (int64_t c = 0; c < d; c++)
-                    dctx[r * E + h * d + c] = dgc[r * E + h * d + c] * gate[r * H + h];
+                    dctx[r * Eq + h * d + c] = dgc[r * Eq + h * d + c] * gate[r * H + h];
     }
 }
 
@@ -464,17 +474,17 @@ static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_fo
 // (b, kvh): its G query heads h = kvh G ... kvh G + G - 1 in increasing order;
 // the first writes dk_g, dv_g, each later one adds its share (so the
 // sum's order is fixed, whatever the threads).
-//   ctx_h = attention(q_h, k_g, v_g)   dq (N, L, E), dk, dv (N, Sp, Ekv)
+//   ctx_h = attention(q_h, k_g, v_g)   dq (N, L, Eq), dk, dv (N, Sp, Ekv)
 //                                      (ref.c); dk_g = sum of the group's
 //                                      dk_h, summed in increasing h
 static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_bufs *buf) {
-    const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
+    const int64_t N = p->N, L = p->L, Sp = p->Sp, Eq = p->Eq, H = p->H, d = p->d;
     const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
     const size_t lsp = buf->lsp;
     double *pw = buf->pw, *q = buf->q, *dq = buf->dq, *ctx = buf->ctx, *dctx = buf->dctx;
     double *k = buf->k, *v = buf->v, *dk = buf->dk, *dv = buf->dv;
-    const double scale = 1.0 / sqrt((double)d);
+    const double scale = p->scale;  // 1 / sqrt(d), or the custom one
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bg = 0; bg < N * Hkv; bg++) {
         int64_t b = bg / Hkv, kvh = bg % Hkv;
@@ -486,20 +496,22 @@ static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_
                 for (int64_t c = 0; c < d; c++)
                     dk[ok + j * Ekv + c] = dv[ok + j * Ekv + c] = 0.0;
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
-            const int64_t oq = b * L * E + h * d;
+            const int64_t oq = b * L * Eq + h * d;
+            double *dsink = buf->dsink ? buf->dsink + b * H + h : NULL;
             if (!mha__head_live(m, h)) {  // pruned: zero context (forward), zero dq
                 for (int64_t i = 0; i < L; i++)
                     for (int64_t c = 0; c < d; c++)
-                        ctx[oq + i * E + c] = dq[oq + i * E + c] = 0.0;
+                        ctx[oq + i * Eq + c] = dq[oq + i * Eq + c] = 0.0;
+                if (dsink) *dsink = 0.0;
                 continue;
             }
             const bool first = h == h0;
             mha__ref_attention_head_backward(
-                mha__dmat(dq + oq, E), first ? mha__dmat(dk + ok, Ekv) : mha__dmat(dkh, d),
-                first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d), mha__dmat(ctx + oq, E),
-                mha__dmat(dctx + oq, E), mha__dmat(q + oq, E), mha__dmat(k + ok, Ekv),
+                mha__dmat(dq + oq, Eq), first ? mha__dmat(dk + ok, Ekv) : mha__dmat(dkh, d),
+                first ? mha__dmat(dv + ok, Ekv) : mha__dmat(dvh, d), mha__dmat(ctx + oq, Eq),
+                mha__dmat(dctx + oq, Eq), mha__dmat(q + oq, Eq), mha__dmat(k + ok, Ekv),
                 mha__dmat(v + ok, Ekv), L, Sp, d, d, scale, &p->mask, mha__plan_drop(p), b, h,
-                ws);
+                ws, dsink);
             if (!first)  // dk_g += dk_h, dv_g += dv_h
                 for (int64_t j = 0; j < Sp; j++)
                     for (int64_t c = 0; c < d; c++) {
@@ -519,7 +531,7 @@ static void ref_bwd_heads(const fwd_plan *p, const mha_module *m, const ref_bwd_
 static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m,
                                const mha_forward_args *a, mha_module *grads, bool accumulate,
                                const ref_bwd_bufs *buf) {
-    const int64_t N = p->N, L = p->L, E = p->E, H = p->H, d = p->d;
+    const int64_t N = p->N, L = p->L, E = p->E, Eq = p->Eq, H = p->H, d = p->d;
     const int nt = p->nthreads;
     const bool gated = mha__module_gated(m);
     double *ctx = buf->ctx, *dgc = buf->dgc, *gate = buf->gate, *dg = buf->dg;
@@ -530,7 +542,7 @@ static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m,
             for (int64_t h = 0; h < H; h++) {
                 double sdg = 0.0;
                 for (int64_t c = 0; c < d; c++) {
-                    const int64_t i = r * E + h * d + c;
+                    const int64_t i = r * Eq + h * d + c;
                     sdg += dgc[i] * ctx[i];
                     dgc[i] = ctx[i] * gate[r * H + h];
                 }
@@ -559,27 +571,34 @@ static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m,
 static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m,
                                 const mha_forward_args *a, mha_module *grads, bool accumulate,
                                 const ref_bwd_bufs *buf) {
-    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E;
+    const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Eq = p->Eq;
     const int64_t Ekv = p->Ekv;
     const int nt = p->nthreads;
     const bool gated = mha__module_gated(m);
     double *dq = buf->dq, *ctx = buf->ctx, *dy = buf->dy, *dk = buf->dk, *dv = buf->dv;
     double *dgc = buf->dgc;
-    const int64_t cs[3] = {E, L * E, 1};  // (seq, batch, feature) of (N, L, E)
-    float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + E : NULL,
-          *gbv = gbq ? gbq + E + Ekv : NULL;
+    const int64_t cs[3] = {Eq, L * Eq, 1};  // (seq, batch, feature) of (N, L, Eq)
+    float *gbq = grads->in_proj_bias, *gbk = gbq ? gbq + Eq : NULL,
+          *gbv = gbq ? gbq + Eq + Ekv : NULL;
     mha_dtype qf = a->query->dtype, kf = a->key->dtype, vf = a->value->dtype;
     // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
-    // ctx is gctx, formed in dgc after dg)
+    // ctx is gctx, formed in dgc after dg; no bo with no_out_bias)
     grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
-                MHA_F64, cs, N, L, E, E, nt);
+                MHA_F64, cs, N, L, E, Eq, nt);
     // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
-    grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs, N, L, E, E,
-                nt);
+    grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs, N, L, Eq,
+                E, nt);
     grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks, N, S, Ekv,
                 p->kdim, nt);
     grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs, N, S, Ekv,
                 p->vdim, nt);
+    // sinks: dsink_h = sum_n of each batch element's (ref_bwd_heads)
+    if (m->sinks)
+        for (int64_t h = 0; h < p->H; h++) {
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++) s += buf->dsink[n * p->H + h];
+            store(grads->sinks, MHA_F32, h, s, accumulate);
+        }
     // k = cat([k, bias_k]): dbias_k = sum_n dk[n, S, :]; same for v
     if (m->cfg.add_bias_kv)
         for (int64_t e = 0; e < Ekv; e++) {
@@ -608,7 +627,7 @@ static void ref_bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tens
     int64_t xs[3];
     if (gq) {
         mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
-        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight, N, L, E, E, nt);
+        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight, N, L, p->Eq, E, nt);
         if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
             grad_input(gq->data, gq->dtype, xs, true, dg, L, m->gate_weight, N, L, H, E, nt);
     }

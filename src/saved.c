@@ -9,9 +9,9 @@
 #include "plan.h"
 
 // Floats of the projections as the backward (and the saved state) lay
-// them out: (Rq, E + 2 Ekv) packed, else q (Rq, E), k and v (Rk, Ekv).
+// them out: (Rq, Eq + 2 Ekv) packed, else q (Rq, Eq), k and v (Rk, Ekv).
 size_t mha__qkv_floats(const fwd_plan *p, int64_t Rq, int64_t Rk) {
-    return (size_t)(p->self_packed ? Rq * (p->E + 2 * p->Ekv) : Rq * p->E + 2 * Rk * p->Ekv);
+    return (size_t)(p->self_packed ? Rq * (p->Eq + 2 * p->Ekv) : Rq * p->Eq + 2 * Rk * p->Ekv);
 }
 
 static void key_tensor(mha_tensor *dst, const mha_tensor *t) {
@@ -62,6 +62,8 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
     k->alibi = a->alibi;
     k->alibi_slopes = a->alibi_slopes;
     k->softcap = a->softcap;
+    k->custom_scale = a->use_custom_scale;
+    k->scale = a->use_custom_scale ? a->scale : 0.0;
 }
 
 bool mha__saved_key_equal(const mha__saved_key *x, const mha__saved_key *y) {
@@ -73,9 +75,9 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
     s->valid = false;
     s->outer_valid = false;
     if (!p->fused) return MHA_OK;  // only the fused path keeps state
-    const int64_t E = p->E, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
+    const int64_t Eq = p->Eq, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     s->n_qkv = mha__qkv_floats(p, Rq, Rk);
-    s->n_ctx = (size_t)(Rq * E);
+    s->n_ctx = (size_t)(Rq * Eq);
     s->n_lse = (size_t)(2 * p->N * p->H * p->L);
     const size_t need = s->n_qkv + s->n_ctx + s->n_lse;
     if (need > s->cap) {

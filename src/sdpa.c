@@ -363,7 +363,7 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
             mha__ref_attention_head_backward(SDPA_VIEW(dq, h), mha__dmat(hdk, D),
                                              mha__dmat(hdv, Dv), none, SDPA_VIEW(dout, h),
                                              SDPA_VIEW(q, h), SDPA_VIEW(k, g), SDPA_VIEW(v, g),
-                                             L, S, D, Dv, scale, mk, drop, b, h, w);
+                                             L, S, D, Dv, scale, mk, drop, b, h, w, NULL);
             for (int64_t i = 0; i < S * D; i++) sdk[i] = h == g * G ? hdk[i] : sdk[i] + hdk[i];
             for (int64_t i = 0; i < S * Dv; i++)
                 sdv[i] = h == g * G ? hdv[i] : sdv[i] + hdv[i];

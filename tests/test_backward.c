@@ -36,6 +36,11 @@ typedef struct fd_case {
     int heads, kv_heads;  // 0: H and H (grouped-query attention otherwise)
     int gate;   // mha_head_gate: none, static, dynamic
     int prune;  // 0 none, 1 head 1, 2 the first KV group's heads
+    // the checkpoint layouts: head dim (0: E / H), separate q/k/v matrices,
+    // no out_proj.bias, a custom scale (0: none); and RoPE, ALiBi, soft cap
+    int head_dim;
+    bool sep, no_out_bias, rope, alibi, softcap, sinks;
+    double scale;
 } fd_case;
 
 enum { HMAX = 6 };  // the most heads of a grid case (E = 6)
@@ -78,6 +83,10 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     cfg.dropout = c->dropout ? 0.3f : 0.0f;
     cfg.out_dropout = c->dropout ? 0.2f : 0.0f;
     cfg.head_gate = (mha_head_gate)c->gate;
+    cfg.head_dim = c->head_dim;
+    cfg.separate_qkv = c->sep;
+    cfg.no_out_bias = c->no_out_bias && c->bias;
+    cfg.sinks = c->sinks;
     CHECK_OK(mha_module_create(&p->m, &cfg));
     const int64_t nh = c->heads ? c->heads : H, G = nh / (c->kv_heads ? c->kv_heads : nh);
     int64_t pruned[HMAX], np = 0;
@@ -106,6 +115,10 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     p->a.training = c->dropout;
     p->a.dropout_seed = 1234;
     p->a.dropout_offset = 7;
+    if (c->scale > 0) p->a.use_custom_scale = true, p->a.scale = c->scale;
+    if (c->rope) mha_rope_init(&p->a.rope, MHA_ROPE_NEOX);
+    p->a.alibi = c->alibi;
+    p->a.softcap = c->softcap ? 2.5f : 0.0f;
     // masks: hide a few keys, never a whole row (fully masked rows have a
     // kink-free but zero gradient; test_fully_masked covers them)
     for (int i = 0; i < N * H * L * S; i++) {
@@ -187,9 +200,11 @@ static void check_fd(const fd_case *c) {
     char desc[200];
     snprintf(desc, sizeof desc,
              "packed %d bias %d bkv %d zero %d bf %d unb %d causal %d drop %d kpm %d am %d "
-             "heads %d kv_heads %d gate %d prune %d",
+             "heads %d kv_heads %d gate %d prune %d head_dim %d sep %d no_out_bias %d "
+             "scale %g rope %d alibi %d softcap %d sinks %d",
              c->packed, c->bias, c->bkv, c->zero, c->batch_first, c->unbatched, c->causal,
-             c->dropout, c->kpm, c->am, c->heads, c->kv_heads, c->gate, c->prune);
+             c->dropout, c->kpm, c->am, c->heads, c->kv_heads, c->gate, c->prune, c->head_dim,
+             c->sep, c->no_out_bias, c->scale, c->rope, c->alibi, c->softcap, c->sinks);
     const double tol = 1e-6;
     double e, worst = 0;
     e = fd_rel_error(p, p->q, true, gq, true, mha_tensor_numel(&p->qt));
@@ -251,6 +266,25 @@ static void test_fd_grid(void) {
         };
         if (i >= 12) c.gate = 0;  // pruning alone
         if (i >= 12 && !c.prune) c.prune = 1;
+        check_fd(&c);
+    }
+    // the checkpoint layouts: head_dim != E / H (E = 6: (heads, kv_heads,
+    // d) with and without grouped-query attention), separate q/k/v
+    // matrices with kdim = vdim = E, no out_proj.bias, a custom scale;
+    // with RoPE, ALiBi, the soft cap, gates, pruning and the options above
+    static const int lay[6][3] = {{2, 0, 4}, {4, 2, 2}, {3, 1, 4}, {2, 1, 5}, {1, 0, 8}, {3, 3, 1}};
+    for (int i = 0; i < 30; i++) {
+        fd_case c = {
+            .packed = i % 3 != 0, .bias = i % 5 != 4, .bkv = i % 4 == 1, .zero = i % 6 == 2,
+            .batch_first = (i >> 1) & 1, .unbatched = i % 7 == 0, .causal = (i >> 2) & 1,
+            .dropout = i % 4 == 0, .kpm = i % 3, .am = i % 5,
+            .heads = lay[i % 6][0], .kv_heads = lay[i % 6][1], .head_dim = lay[i % 6][2],
+            .sep = i % 2 == 1, .no_out_bias = i % 3 == 1, .scale = i % 4 == 2 ? 0.37 : 0.0,
+            .rope = i % 5 == 1 && lay[i % 6][2] % 2 == 0, .alibi = i % 6 == 3,
+            .softcap = i % 7 == 4, .gate = i % 8 == 5 ? 2 : i % 9 == 1, .prune = i % 10 == 3,
+            .sinks = i % 3 == 2,
+        };
+        if (i % 10 == 9) c.heads = 2, c.kv_heads = 1, c.head_dim = 0, c.sep = true;  // E / H
         check_fd(&c);
     }
     printf("finite differences (float64 reference, 4th order, h = 2^-10): %d configs, "

@@ -298,10 +298,74 @@ static void test_options(void) {
     mha_module_destroy(m);
 }
 
+// head_dim != E / H (E 10, H 3, d 4, one KV head, separate q/k/v): the
+// ranks of each head's W_Q rows, W_K / W_V rows and W_O columns of the
+// (E, Eq) out_proj.weight; a custom scale scales the logits it reports.
+static void test_rank_head_dim(void) {
+    const int64_t E = 10, H = 3, d = 4, Eq = 12, L = 7;
+    mha_config cfg;
+    mha_config_init(&cfg, E, H);
+    cfg.head_dim = d;
+    cfg.num_kv_heads = 1;
+    cfg.separate_qkv = true;
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &cfg));
+    if (!m) return;
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = 9;
+    CHECK_OK(mha_module_init(m, &io));
+    float *Wq = pdata(m, "q_proj_weight"), *Wo = pdata(m, "out_proj.weight");
+    for (int64_t i = 0; i < d; i++)  // head 1: rows 5..7 copies of row 4 (rank 1)
+        for (int64_t c = 0; c < E; c++) Wq[(d + i) * E + c] = Wq[d * E + c] * (float)(i + 1);
+    memset(Wq + 2 * d * E, 0, sizeof(float) * (size_t)(d * E));  // head 2: zero
+    for (int64_t row = 0; row < E; row++)  // head 0's W_O columns: rank 1
+        for (int64_t c = 1; c < d; c++) Wo[row * Eq + c] = Wo[row * Eq] * 0.5f * (float)c;
+    float x[L * 10];
+    mha_tensor xt = input(x, L, E);
+    mha_diagnostics *dg = diagnose(m, &xt, false, NULL);
+    if (dg && HAVE_SVD) {
+        static const int64_t want_q[3] = {4, 1, 0}, want_o[3] = {1, 4, 4};
+        for (int64_t h = 0; h < H; h++) {
+            const mha_head_diag *hd = mha_diagnostics_head(dg, h);
+            CHECKF(hd->rank_q == want_q[h] && hd->rank_o == want_o[h] && hd->rank_k == d &&
+                       hd->rank_v == d,
+                   "head_dim head %lld: ranks q %lld k %lld v %lld o %lld", (long long)h,
+                   (long long)hd->rank_q, (long long)hd->rank_k, (long long)hd->rank_v,
+                   (long long)hd->rank_o);
+            int64_t n = 0;
+            CHECK(mha_diagnostics_spectrum(dg, h, 'o', &n) && n == d);
+        }
+    }
+    if (dg && !HAVE_SVD) CHECK(mha_diagnostics_head(dg, 0)->rank_q == -1);
+    // the scale: 2 / sqrt(d) doubles the logits (max and std)
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.use_custom_scale = true;
+    a.scale = 2.0 / sqrt((double)d);
+    mha_diagnostics *d2 = NULL;
+    CHECK_OK(mha_diagnose(&d2, m, &a, NULL));
+    for (int64_t h = 0; dg && d2 && h < 2; h++) {
+        const mha_head_diag *h1 = mha_diagnostics_head(dg, h), *h2 = mha_diagnostics_head(d2, h);
+        CHECKF(fabs(h2->logit_max - 2 * h1->logit_max) <= 1e-9 * (1 + fabs(h1->logit_max)) &&
+                   fabs(h2->logit_std - 2 * h1->logit_std) <= 1e-9 * (1 + h1->logit_std),
+               "scale: logit max %g -> %g, std %g -> %g", h1->logit_max, h2->logit_max,
+               h1->logit_std, h2->logit_std);
+    }
+    a.scale = -1.0;
+    mha_diagnostics *d3 = NULL;
+    CHECK_FAILS(mha_diagnose(&d3, m, &a, NULL), MHA_ERR_INVALID_ARG);
+    mha_diagnostics_destroy(d2);
+    mha_diagnostics_destroy(dg);
+    mha_module_destroy(m);
+}
+
 int main(void) {
     test_uniform();
     test_similarity();
     test_rank();
+    test_rank_head_dim();
     test_nonfinite();
     test_options();
     return check_summary("test_diag");

@@ -391,6 +391,22 @@ static void test_trace(void) {
     CHECK(lg.rows[3] == L && lg.cols[3] == S);
     CHECK(lg.rows[6] == L && lg.cols[6] == E / H);
     mha_module_destroy(m);
+    // head_dim != E / H: "q" and "concat" are (N, L, Eq), Eq = H d; k, v
+    // (N, S, Ekv); "context" (L, d); "output" (N, L, E)
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.head_dim = 5;
+    c.num_kv_heads = 1;
+    CHECK_OK(mha_module_create(&m, &c));
+    memset(&lg, 0, sizeof lg);
+    CHECK_OK(mha_forward(&yt, NULL, m, &a));
+    CHECK(lg.n == 13);
+    CHECKF(lg.cols[0] == 10 && lg.cols[1] == 5 && lg.cols[2] == 5 && lg.cols[6] == 5 &&
+               lg.cols[11] == 10 && lg.cols[12] == E && lg.rows[11] == L,
+           "head_dim trace: q %lld k %lld v %lld context %lld concat %lld output %lld",
+           (long long)lg.cols[0], (long long)lg.cols[1], (long long)lg.cols[2],
+           (long long)lg.cols[6], (long long)lg.cols[11], (long long)lg.cols[12]);
+    mha_module_destroy(m);
 }
 
 int main(void) {

@@ -807,6 +807,267 @@ static void test_cached_gqa(void) {
     mha_module_destroy(m);
 }
 
+// The layouts of real checkpoints (issue 17): head_dim != E / H (with and
+// without grouped-query attention; E need not be a multiple of H), separate
+// q/k/v matrices with kdim = vdim = E, no out_proj.bias, a custom query
+// scale, combined with masks, causal, windows, RoPE, ALiBi, the soft cap,
+// dropout, gates, pruning and half weights: the fused forward, weights and
+// backward against the reference on random configurations (run last, so
+// the other tests' random streams are unchanged). Half weights: forward
+// only (the backward refuses them).
+static void layout_case(int id) {
+    const int64_t H = irand(1, 6);
+    int64_t divs[6], nd = 0;
+    for (int64_t k = 1; k <= H; k++)
+        if (H % k == 0) divs[nd++] = k;
+    const int64_t Hkv = divs[next() % (uint64_t)nd];
+    const bool rope = next() % 3 == 0;
+    const int64_t d = rope ? 2 * irand(1, 6) : irand(1, 12);
+    const int64_t E = next() % 5 == 0 ? H * d : irand(1, 40), L = irand(1, 90),
+                  N = irand(1, 3);
+    const bool bf = next() & 1, unb = next() % 4 == 0, bkv = next() % 4 == 0,
+               zero = next() % 4 == 0, causal = next() & 1, drop = next() % 4 == 0,
+               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0,
+               am = next() % 3 == 0, sep = next() & 1, bias = next() % 4 != 0,
+               nob = bias && (next() & 1), scale = next() & 1, alibi = next() % 4 == 0,
+               cap = next() % 4 == 0, prune = next() % 4 == 0, half = next() % 5 == 0,
+               self = next() % 2 == 0;
+    const int gate = (int)(next() % 3);
+    const bool sinks = next() % 3 == 0;
+    const int64_t S = self ? L : irand(1, 90);
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.sinks = sinks;  // attention sinks (random logits: random_module)
+    c.head_dim = d;
+    c.num_kv_heads = Hkv;
+    c.separate_qkv = sep;
+    c.bias = bias;
+    c.no_out_bias = nob;
+    c.batch_first = bf;
+    c.add_bias_kv = bkv;
+    c.add_zero_attn = zero;
+    c.head_gate = (mha_head_gate)gate;
+    c.dropout = drop ? 0.25f : 0.0f;
+    if (!self && next() % 3 == 0) c.kdim = irand(1, 20);
+    if (!self && next() % 4 == 0) c.vdim = irand(1, 20);
+    mha_module *m = random_module(&c, (uint64_t)id + 5000);
+    if (prune) {
+        const int64_t pr = irand(0, H - 1);
+        CHECK_OK(mha_module_prune_heads(m, &pr, 1));
+    }
+    if (half) {  // half weights: the same module, its matrices rounded
+        mha_module *mh = NULL;
+        CHECK_OK(mha_module_convert(&mh, m, next() & 1 ? MHA_BF16 : MHA_F16));
+        mha_module_destroy(m);
+        m = mh;
+    }
+    CHECK(mha_module_config(m)->head_dim == d);
+    const int64_t kd = mha_module_config(m)->kdim, vd = mha_module_config(m)->vdim,
+                  nb = unb ? 1 : N;
+    float *q = malloc(sizeof(float) * (size_t)(L * nb * E));
+    float *k = malloc(sizeof(float) * (size_t)(S * nb * kd));
+    float *v = malloc(sizeof(float) * (size_t)(S * nb * vd));
+    float *gy = malloc(sizeof(float) * (size_t)(L * nb * E));
+    for (int64_t i = 0; i < L * nb * E; i++) q[i] = frand(), gy[i] = frand();
+    for (int64_t i = 0; i < S * nb * kd; i++) k[i] = frand();
+    for (int64_t i = 0; i < S * nb * vd; i++) v[i] = frand();
+#define LVIEW(p, T, F)                                                                     \
+    (unb ? mha_tensor_contiguous(p, MHA_F32, 2, (int64_t[]){T, F})                         \
+         : mha_tensor_contiguous(p, MHA_F32, 3,                                            \
+                                 (int64_t[]){bf ? nb : T, bf ? T : nb, F}))
+    mha_tensor qt = LVIEW(q, L, E), kt = LVIEW(k, S, kd), vt = LVIEW(v, S, vd),
+               gyt = LVIEW(gy, L, E);
+    uint8_t *kb = malloc((size_t)(nb * S));
+    float *fm = malloc(sizeof(float) * (size_t)(nb * H * L * S));
+    for (int64_t i = 0; i < nb * S; i++) kb[i] = next() % 4 == 0;
+    for (int64_t i = 0; i < nb * H * L * S; i++) fm[i] = next() % 7 == 0 ? -INFINITY : frand();
+    mha_tensor kpt = unb ? mha_tensor_contiguous(kb, MHA_BOOL, 1, (int64_t[]){S})
+                         : mha_tensor_contiguous(kb, MHA_BOOL, 2, (int64_t[]){nb, S});
+    mha_tensor amt = mha_tensor_contiguous(fm, MHA_F32, 3, (int64_t[]){nb * H, L, S});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = &qt;
+    a.key = self ? &qt : &kt;
+    a.value = self ? &qt : &vt;
+    a.is_causal = causal;
+    a.need_weights = need;
+    a.average_attn_weights = avg;
+    a.training = drop;
+    a.dropout_seed = (uint64_t)id * 17 + 3;
+    if (kpm) a.key_padding_mask = &kpt;
+    if (am) a.attn_mask = &amt;
+    if (next() % 3 == 0) a.window_left = irand(0, 30);
+    if (next() % 4 == 0) a.window_right = irand(0, 30);
+    if (scale) a.use_custom_scale = true, a.scale = 0.05 + 0.5 * (frand() + 1.0);
+    if (rope) {
+        mha_rope_init(&a.rope, next() & 1 ? MHA_ROPE_NEOX : MHA_ROPE_INTERLEAVED);
+        if (next() & 1) a.rope.dim = 2 * irand(1, d / 2);
+    }
+    a.alibi = alibi;
+    if (cap) a.softcap = 3.0f;
+    mha_shape os, wsh;
+    CHECK_OK(mha_forward_shapes(&os, &wsh, m, &a));
+    int64_t on = 1, wn = 1;
+    for (int i = 0; i < os.ndim; i++) on *= os.dims[i];
+    for (int i = 0; i < wsh.ndim; i++) wn *= wsh.dims[i];
+    const mha_tensor *xin[3] = {a.query, a.key, a.value};
+    int64_t xn[3];
+    for (int j = 0; j < 3; j++) xn[j] = mha_tensor_numel(xin[j]);
+    float *y[2], *w[2], *gx[2][3];
+    mha_module *g[2] = {NULL, NULL};
+    for (int r = 0; r < 2; r++) {
+        y[r] = malloc(sizeof(float) * (size_t)on);
+        w[r] = malloc(sizeof(float) * (size_t)wn);
+        mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, os.ndim, os.dims);
+        mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, wsh.ndim, wsh.dims);
+        mha_tensor gt[3];
+        for (int j = 0; j < 3; j++) {
+            gx[r][j] = malloc(sizeof(float) * (size_t)xn[j]);
+            gt[j] = mha_tensor_contiguous(gx[r][j], MHA_F32, xin[j]->ndim, xin[j]->shape);
+        }
+        a.impl = r ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        CHECK_OK(mha_forward(&yt, need ? &wt : NULL, m, &a));
+        if (half) continue;
+        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+        CHECK_OK(mha_backward(&gt[0], &gt[1], &gt[2], g[r], m, &a, &gyt, false));
+    }
+    char desc[320];
+    snprintf(desc, sizeof desc,
+             "layout case %d (E %lld H %lld Hkv %lld d %lld L %lld S %lld N %lld kdim %lld "
+             "vdim %lld sep %d bias %d no_out_bias %d scale %g bf %d unb %d bkv %d zero %d "
+             "causal %d window (%lld, %lld) drop %d kpm %d am %d self %d rope %d alibi %d "
+             "softcap %d gate %d prune %d half %d sinks %d)",
+             id, (long long)E, (long long)H, (long long)Hkv, (long long)d, (long long)L,
+             (long long)S, (long long)N, (long long)kd, (long long)vd, sep, bias, nob,
+             scale ? a.scale : 0.0, bf, unb, bkv, zero, causal, (long long)a.window_left,
+             (long long)a.window_right, drop, kpm, am, self, rope, alibi, cap, gate, prune,
+             half, sinks);
+    double e = rel_err(y[0], y[1], on);
+    CHECKF(e < 2e-5, "%s: output err %g", desc, e);
+    if (need) {
+        e = rel_err(w[0], w[1], wn);
+        CHECKF(e < 2e-5, "%s: weights err %g", desc, e);
+    }
+    static const char *gn[3] = {"grad_query", "grad_key", "grad_value"};
+    for (int j = 0; j < 3 && !half; j++) {
+        e = rel_err(gx[0][j], gx[1][j], xn[j]);
+        CHECKF(e < 1e-4, "%s: %s err %g", desc, gn[j], e);
+    }
+    for (int i = 0; !half && i < mha_module_num_params(g[0]); i++) {
+        mha_param p0, p1;
+        CHECK_OK(mha_module_param_at(&p0, g[0], i));
+        CHECK_OK(mha_module_param_at(&p1, g[1], i));
+        e = rel_err(p0.data, p1.data, p0.numel);
+        CHECKF(e < 1e-4, "%s: grad %s err %g", desc, p0.name, e);
+    }
+    for (int r = 0; r < 2; r++) {
+        free(y[r]), free(w[r]);
+        for (int j = 0; j < 3; j++) free(gx[r][j]);
+        mha_module_destroy(g[r]);
+    }
+#undef LVIEW
+    free(q), free(k), free(v), free(gy), free(kb), free(fm);
+    mha_module_destroy(m);
+}
+
+// mha_forward_cached with the checkpoint layouts (head_dim != E / H with
+// GQA, separate q/k/v, no out_proj.bias, a custom scale; RoPE, ALiBi, the
+// soft cap, gates, half weights): token by token and in chunks it gives the
+// fused causal forward's result; a forward with save and its backward give
+// the recomputing backward's bits; another scale than the saved forward's
+// is refused.
+static void test_cached_layouts(void) {
+    enum { T = 29, N = 2 };
+    for (int cfg = 0; cfg < 6; cfg++) {
+        const int64_t E = 20 + 3 * cfg, H = 4, Hkv = cfg % 3 == 0 ? 1 : cfg % 3 == 1 ? 2 : 4,
+                      d = 6 + 2 * (cfg % 2);
+        mha_config c;
+        mha_config_init(&c, E, H);
+        c.head_dim = d;
+        c.num_kv_heads = Hkv;
+        c.separate_qkv = cfg & 1;
+        c.no_out_bias = cfg % 3 != 2;
+        c.head_gate = (mha_head_gate)(cfg % 3);
+        c.sinks = cfg % 2 == 0;
+        mha_module *m = random_module(&c, 77 + (uint64_t)cfg);
+        if (cfg == 4) {
+            mha_module *mh = NULL;
+            CHECK_OK(mha_module_convert(&mh, m, MHA_BF16));
+            mha_module_destroy(m);
+            m = mh;
+        }
+        float *x = malloc(sizeof(float) * T * N * E), *y0 = malloc(sizeof(float) * T * N * E),
+              *y1 = malloc(sizeof(float) * T * N * E);
+        for (int i = 0; i < T * N * E; i++) x[i] = frand();
+        mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){T, N, E});
+        mha_tensor yt = mha_tensor_contiguous(y0, MHA_F32, 3, (int64_t[]){T, N, E});
+        mha_forward_args a;
+        mha_forward_args_init(&a);
+        a.query = a.key = a.value = &xt;
+        a.is_causal = true;
+        a.impl = MHA_IMPL_FUSED;
+        if (cfg != 2) a.use_custom_scale = true, a.scale = 0.11 * (cfg + 1);
+        if (cfg % 2 == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+        a.alibi = cfg == 3;
+        a.softcap = cfg == 5 ? 4.0f : 0.0f;
+        CHECK_OK(mha_forward(&yt, NULL, m, &a));
+        for (int chunk = 1; chunk <= 22; chunk += chunk == 1 ? 7 : 14) {  // 1, 8 (decode), 22
+            mha_kv_cache *cache = NULL;
+            CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
+            for (int t0 = 0; t0 < T; t0 += chunk) {
+                const int n = T - t0 < chunk ? T - t0 : chunk;
+                mha_tensor qc = mha_tensor_contiguous(x + t0 * N * E, MHA_F32, 3,
+                                                      (int64_t[]){n, N, E});
+                mha_tensor oc = mha_tensor_contiguous(y1 + t0 * N * E, MHA_F32, 3,
+                                                      (int64_t[]){n, N, E});
+                mha_forward_args ac = a;
+                ac.query = ac.key = ac.value = &qc;
+                ac.is_causal = false;
+                CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
+            }
+            double e = rel_err(y0, y1, T * N * E);
+            CHECKF(e < 2e-5, "cached layout %d (chunk %d): err %g", cfg, chunk, e);
+            mha_kv_cache_destroy(cache);
+        }
+        if (cfg != 4) {  // the saved state (float32 weights)
+            float *gy = malloc(sizeof(float) * T * N * E), *g[2];
+            for (int i = 0; i < T * N * E; i++) gy[i] = frand();
+            mha_tensor gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){T, N, E});
+            mha_saved *sv = NULL;
+            CHECK_OK(mha_saved_create(&sv));
+            mha_module *gr[2];
+            for (int r = 0; r < 2; r++) {
+                g[r] = malloc(sizeof(float) * T * N * E);
+                mha_tensor gq = mha_tensor_contiguous(g[r], MHA_F32, 3, (int64_t[]){T, N, E});
+                a.save = r ? sv : NULL;
+                CHECK_OK(mha_forward(&yt, NULL, m, &a));
+                CHECK_OK(mha_module_create(&gr[r], mha_module_config(m)));
+                CHECK_OK(mha_backward(&gq, NULL, NULL, gr[r], m, &a, &gyt, false));
+            }
+            CHECKF(!memcmp(g[0], g[1], sizeof(float) * T * N * E),
+                   "saved layout %d: grad_query differs from the recomputing backward", cfg);
+            for (int i = 0; i < mha_module_num_params(gr[0]); i++) {
+                mha_param p0, p1;
+                CHECK_OK(mha_module_param_at(&p0, gr[0], i));
+                CHECK_OK(mha_module_param_at(&p1, gr[1], i));
+                CHECKF(!memcmp(p0.data, p1.data, (size_t)p0.numel * 4),
+                       "saved layout %d: grad %s differs", cfg, p0.name);
+            }
+            mha_tensor gq = mha_tensor_contiguous(g[1], MHA_F32, 3, (int64_t[]){T, N, E});
+            a.use_custom_scale = true;
+            a.scale = 0.9;  // another scale than the saved forward's
+            CHECK_FAILS(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false),
+                        MHA_ERR_INVALID_ARG);
+            a.save = NULL;
+            for (int r = 0; r < 2; r++) free(g[r]), mha_module_destroy(gr[r]);
+            free(gy);
+            mha_saved_destroy(sv);
+        }
+        free(x), free(y0), free(y1);
+        mha_module_destroy(m);
+    }
+}
+
 int main(void) {
     seed_rng(2024);
     for (int i = 0; i < 300; i++) one_case(i);
@@ -824,6 +1085,9 @@ int main(void) {
     test_cached_gqa();
     test_half();
     test_weights_u8();
+    // the checkpoint layouts (issue 17), last: the draws above are unchanged
+    for (int i = 0; i < 160; i++) layout_case(i);
+    test_cached_layouts();
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }

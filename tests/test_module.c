@@ -405,6 +405,247 @@ static void test_gqa(void) {
     mha_module_destroy(m);
 }
 
+// The checkpoint layouts (issue 17): head_dim != E / H (E need not be a
+// multiple of H), separate q/k/v matrices with kdim = vdim = E, no
+// out_proj.bias: parameter shapes, the config checks (and the overflow
+// check with Eq = H head_dim), out_proj.weight's init fan (Eq), save ->
+// load round trips of each layout (the layout inferred from the file, with
+// or without __metadata__ num_kv_heads), load errors, conversion, and a
+// gradient module of another layout refused.
+static mha_module *layout_module(int64_t E, int64_t H, int64_t Hkv, int64_t d, bool sep,
+                                 bool bias, bool nob, int64_t kdim, uint64_t seed) {
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = Hkv;
+    c.head_dim = d;
+    c.separate_qkv = sep;
+    c.bias = bias;
+    c.no_out_bias = nob;
+    c.kdim = kdim;
+    c.add_bias_kv = seed % 2 == 1;
+    c.sinks = seed % 3 == 0;  // "sinks" (H)
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_init_options o;
+    mha_init_options_default(&o);
+    o.seed = seed;
+    if (m) CHECK_OK(mha_module_init(m, &o));
+    for (int i = 0; m && i < mha_module_num_params(m); i++) {  // biases non-zero too
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, m, i));
+        if (p.ndim == 1)
+            for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.01f * (float)(j % 13) - 0.05f;
+    }
+    return m;
+}
+
+static void check_same_module(const mha_module *a, const mha_module *b, const char *what) {
+    const mha_config *x = mha_module_config(a), *y = mha_module_config(b);
+    CHECKF(x->embed_dim == y->embed_dim && x->num_heads == y->num_heads &&
+               x->num_kv_heads == y->num_kv_heads && x->head_dim == y->head_dim &&
+               x->kdim == y->kdim && x->vdim == y->vdim && x->bias == y->bias &&
+               x->no_out_bias == y->no_out_bias && x->separate_qkv == y->separate_qkv &&
+               x->add_bias_kv == y->add_bias_kv && x->sinks == y->sinks,
+           "%s: config differs (E %lld/%lld H %lld/%lld Hkv %lld/%lld d %lld/%lld sep %d/%d "
+           "no_out_bias %d/%d)",
+           what, (long long)x->embed_dim, (long long)y->embed_dim, (long long)x->num_heads,
+           (long long)y->num_heads, (long long)x->num_kv_heads, (long long)y->num_kv_heads,
+           (long long)x->head_dim, (long long)y->head_dim, x->separate_qkv, y->separate_qkv,
+           x->no_out_bias, y->no_out_bias);
+    CHECK(mha_module_num_params(a) == mha_module_num_params(b));
+    for (int i = 0; i < mha_module_num_params(a) && i < mha_module_num_params(b); i++) {
+        mha_param p, q;
+        CHECK_OK(mha_module_param_at(&p, a, i));
+        CHECK_OK(mha_module_param_at(&q, b, i));
+        CHECKF(!strcmp(p.name, q.name) && p.numel == q.numel && p.ndim == q.ndim &&
+                   memcmp(p.shape, q.shape, sizeof p.shape) == 0 &&
+                   memcmp(p.storage, q.storage, (size_t)p.numel * mha_dtype_size(p.dtype)) == 0,
+               "%s: parameter %s differs", what, p.name);
+    }
+}
+
+static void test_layouts(void) {
+    const char *dir = getenv("MHA_TEST_TMPDIR");
+    char path[512];
+    snprintf(path, sizeof path, "%s/test_module_layout.safetensors", dir ? dir : "/tmp");
+    // head_dim 4 with E = 10, H = 3 (E % H != 0), Hkv 1: Eq 12, Ekv 4
+    mha_module *m = layout_module(10, 3, 1, 4, false, true, false, 0, 1);
+    CHECK(m && mha_module_config(m)->head_dim == 4);
+    const char *want[] = {"in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
+                          "out_proj.weight", "out_proj.bias"};
+    const int64_t shp[6][3] = {{20, 10}, {20}, {1, 1, 4}, {1, 1, 4}, {10, 12}, {10}};
+    for (int i = 0; m && i < 6; i++) {
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, m, i));
+        CHECKF(!strcmp(p.name, want[i]) && p.shape[0] == shp[i][0] &&
+                   (p.ndim < 2 || p.shape[1] == shp[i][1]) && (p.ndim < 3 || p.shape[2] == shp[i][2]),
+               "head_dim module: param %d is %s (%lld, %lld)", i, p.name, (long long)p.shape[0],
+               (long long)p.shape[1]);
+    }
+    // out_proj.weight (E, Eq): U(-1/sqrt(Eq), 1/sqrt(Eq)) (nn.Linear's fan_in)
+    mha_param po;
+    CHECK_OK(mha_module_param(&po, m, "out_proj.weight"));
+    stats st = stats_of(po.data, po.numel);
+    CHECKF(st.maxabs <= 1.0 / sqrt(12.0) && st.maxabs > 0.85 / sqrt(12.0),
+           "out_proj.weight max %g, bound 1/sqrt(Eq) %g", st.maxabs, 1.0 / sqrt(12.0));
+    mha_module_destroy(m);
+    // separate q/k/v with kdim = vdim = E; no out_proj.bias
+    m = layout_module(8, 2, 0, 0, true, true, true, 0, 2);
+    mha_param p;
+    CHECK_FAILS(mha_module_param(&p, m, "in_proj_weight"), MHA_ERR_NOT_FOUND);
+    CHECK_FAILS(mha_module_param(&p, m, "out_proj.bias"), MHA_ERR_NOT_FOUND);
+    CHECK_OK(mha_module_param(&p, m, "q_proj_weight"));
+    CHECK(p.shape[0] == 8 && p.shape[1] == 8);
+    CHECK_OK(mha_module_param(&p, m, "k_proj_weight"));
+    CHECK(p.shape[0] == 8 && p.shape[1] == 8);
+    CHECK_OK(mha_module_param(&p, m, "in_proj_bias"));
+    CHECK(p.numel == 24);
+    CHECK(mha_module_num_params(m) == 5);
+    mha_module_destroy(m);
+    // attention sinks: "sinks" (H), zero after init, saved and loaded
+    m = layout_module(10, 3, 1, 4, false, true, false, 0, 3);
+    CHECK_OK(mha_module_param(&p, m, "sinks"));
+    CHECK(p.ndim == 1 && p.shape[0] == 3 && mha_module_config(m)->sinks);
+    mha_module_destroy(m);
+    // the checks
+    mha_config c;
+    mha_config_init(&c, 10, 3);
+    c.head_dim = -1;
+    m = NULL;
+    CHECK_FAILS(mha_module_create(&m, &c), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "head_dim") != NULL);
+    mha_config_init(&c, 8, 2);
+    c.bias = false;
+    c.no_out_bias = true;
+    CHECK_FAILS(mha_module_create(&m, &c), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "no_out_bias") != NULL);
+    mha_config_init(&c, 8, 4);
+    c.head_dim = INT64_MAX / 2;  // H head_dim overflows
+    CHECK_FAILS(mha_module_create(&m, &c), MHA_ERR_OVERFLOW);
+    c.head_dim = ((int64_t)1 << 40);  // Eq 2^42: the parameters are too large to address
+    CHECK_FAILS(mha_module_create(&m, &c), MHA_ERR_OVERFLOW);
+    CHECK(strstr(mha_last_error(), "num_heads x head_dim") != NULL);
+    CHECK(m == NULL);
+    // save -> load round trips: (E, H, Hkv, d, sep, bias, no_out_bias, kdim)
+    static const int64_t cases[][8] = {
+        {10, 3, 1, 4, 0, 1, 0, 0}, {10, 3, 3, 4, 1, 1, 1, 0}, {12, 4, 2, 5, 1, 1, 0, 0},
+        {12, 4, 2, 0, 1, 0, 0, 0}, {8, 2, 1, 0, 0, 1, 1, 0},  {9, 2, 2, 7, 0, 1, 1, 5},
+        {16, 4, 4, 2, 0, 0, 0, 0}, {6, 1, 1, 6, 1, 1, 1, 0},
+    };
+    for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++) {
+        const int64_t *k = cases[i];
+        mha_module *a = layout_module(k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7],
+                                      (uint64_t)i + 10);
+        for (int meta = 0; meta < 2 && a; meta++) {
+            char what[64];
+            snprintf(what, sizeof what, "layout round trip %d (metadata %d)", i, meta);
+            if (meta) {
+                CHECK_OK(mha_module_save(a, path));
+            } else {  // only num_heads: the rest from the shapes
+                mha_st_writer *w = NULL;
+                CHECK_OK(mha_st_writer_create(&w));
+                for (int j = 0; j < mha_module_num_params(a); j++) {
+                    CHECK_OK(mha_module_param_at(&p, a, j));
+                    CHECK_OK(mha_st_writer_add(w, p.name, MHA_F32, p.ndim, p.shape, p.data));
+                }
+                CHECK_OK(mha_st_writer_save(w, path));
+                mha_st_writer_destroy(w);
+            }
+            mha_st_file *f = NULL;
+            CHECK_OK(mha_st_open(&f, path));
+            mha_config base;
+            mha_config_init(&base, 0, meta ? 0 : k[1]);  // heads: the metadata, else given
+            mha_module *b = NULL;
+            CHECK_OK(mha_module_load(&b, f, &base));
+            if (b) check_same_module(a, b, what);
+            // the same outputs
+            enum { L = 5 };
+            float x[L * 16], y0[L * 16], y1[L * 16];
+            const int64_t E = k[0];
+            for (int e = 0; e < L * E; e++) x[e] = 0.1f * (float)((e * 7) % 11) - 0.5f;
+            mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){L, E});
+            mha_tensor kt = xt;
+            float kx[L * 16];
+            if (k[7]) {
+                for (int e = 0; e < L * k[7]; e++) kx[e] = 0.05f * (float)(e % 9);
+                kt = mha_tensor_contiguous(kx, MHA_F32, 2, (int64_t[]){L, k[7]});
+            }
+            mha_tensor yt0 = mha_tensor_contiguous(y0, MHA_F32, 2, (int64_t[]){L, E}),
+                       yt1 = mha_tensor_contiguous(y1, MHA_F32, 2, (int64_t[]){L, E});
+            mha_forward_args fa;
+            mha_forward_args_init(&fa);
+            fa.query = fa.value = &xt;
+            fa.key = &kt;
+            CHECK_OK(mha_forward(&yt0, NULL, a, &fa));
+            if (b) CHECK_OK(mha_forward(&yt1, NULL, b, &fa));
+            CHECKF(b && !memcmp(y0, y1, sizeof(float) * (size_t)(L * E)), "%s: outputs differ",
+                   what);
+            mha_module_destroy(b);
+            mha_st_close(f);
+        }
+        // half weights keep the layout
+        mha_module *h = NULL;
+        CHECK_OK(mha_module_convert(&h, a, MHA_BF16));
+        if (h) {
+            const mha_config *x = mha_module_config(a), *y = mha_module_config(h);
+            CHECK(x->head_dim == y->head_dim && x->separate_qkv == y->separate_qkv &&
+                  x->no_out_bias == y->no_out_bias && mha_module_num_params(a) == mha_module_num_params(h));
+        }
+        mha_module_destroy(h);
+        mha_module_destroy(a);
+    }
+    // load errors: out_proj.weight (E, Eq) with Eq no multiple of H; an
+    // out_proj.bias without in_proj_bias
+    {
+        float wq[7 * 6] = {0}, wk[7 * 6] = {0}, wo[6 * 7] = {0}, bo[6] = {0};
+        mha_st_writer *w = NULL;
+        CHECK_OK(mha_st_writer_create(&w));
+        CHECK_OK(mha_st_writer_add(w, "q_proj_weight", MHA_F32, 2, (int64_t[]){7, 6}, wq));
+        CHECK_OK(mha_st_writer_add(w, "k_proj_weight", MHA_F32, 2, (int64_t[]){7, 6}, wk));
+        CHECK_OK(mha_st_writer_add(w, "v_proj_weight", MHA_F32, 2, (int64_t[]){7, 6}, wk));
+        CHECK_OK(mha_st_writer_add(w, "out_proj.weight", MHA_F32, 2, (int64_t[]){6, 7}, wo));
+        CHECK_OK(mha_st_writer_set_metadata(w, "num_heads", "2"));
+        CHECK_OK(mha_st_writer_save(w, path));
+        mha_st_file *f = NULL;
+        CHECK_OK(mha_st_open(&f, path));
+        m = NULL;
+        CHECK_FAILS(mha_module_load(&m, f, NULL), MHA_ERR_SHAPE);
+        CHECKF(strstr(mha_last_error(), "out_proj.weight") && strstr(mha_last_error(), "num_heads 2"),
+               "message: %s", mha_last_error());
+        mha_st_close(f);
+        CHECK_OK(mha_st_writer_add(w, "out_proj.bias", MHA_F32, 1, (int64_t[]){6}, bo));
+        CHECK_OK(mha_st_writer_set_metadata(w, "num_heads", "7"));
+        CHECK_OK(mha_st_writer_save(w, path));
+        mha_st_writer_destroy(w);
+        CHECK_OK(mha_st_open(&f, path));
+        CHECK_FAILS(mha_module_load(&m, f, NULL), MHA_ERR_FORMAT);
+        CHECK(strstr(mha_last_error(), "out_proj.bias without in_proj_bias") != NULL);
+        mha_st_close(f);
+    }
+    // a gradient module of another layout
+    m = layout_module(8, 2, 0, 0, true, true, false, 0, 4);
+    mha_module *g = layout_module(8, 2, 0, 0, false, true, false, 0, 4);
+    float x[3 * 8] = {0}, y[3 * 8] = {0};
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){3, 8});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){3, 8});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    CHECK_FAILS(mha_backward(NULL, NULL, NULL, g, m, &a, &yt, false), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "layout") != NULL);
+    // a custom scale must be positive and finite
+    a.use_custom_scale = true;
+    a.scale = 0.0;
+    CHECK_FAILS(mha_forward(&yt, NULL, m, &a), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "scale") != NULL);
+    a.scale = NAN;
+    CHECK_FAILS(mha_forward(&yt, NULL, m, &a), MHA_ERR_INVALID_ARG);
+    a.scale = -1.0;
+    CHECK_FAILS(mha_backward(NULL, NULL, NULL, NULL, m, &a, &yt, false), MHA_ERR_INVALID_ARG);
+    mha_module_destroy(g);
+    mha_module_destroy(m);
+}
+
 int main(void) {
     test_params_packed();
     test_params_separate();
@@ -416,5 +657,6 @@ int main(void) {
     test_init_errors();
     test_save_load();
     test_gqa();
+    test_layouts();
     return check_summary("test_module");
 }

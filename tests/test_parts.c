@@ -21,15 +21,20 @@
 #include "part.h"
 
 
-static void one_case(int id) {
+// layout: the checkpoint layouts too (head_dim != E / H, separate q/k/v,
+// no out_proj.bias, a custom scale; their draws only then).
+static void one_case(int id, bool layout) {
     const int64_t Hkv = irand(1, 4), G = irand(1, 3), H = Hkv * G, d = irand(2, 8) * 2,
-                  E = H * d, L = irand(1, 70), N = irand(1, 2);
+                  E = layout ? irand(1, 40) : H * d, L = irand(1, 70), N = irand(1, 2),
+                  Eq = H * d;
     const bool self = next() % 3 != 0, causal = next() & 1, kpm = next() % 3 == 0,
                rope = next() % 3 == 0, bkv = next() % 4 == 0;
     const int64_t S = self ? L : irand(1, 70);
     mha_config c;
     mha_config_init(&c, E, H);
     c.num_kv_heads = Hkv;
+    c.head_dim = d;
+    if (layout) c.separate_qkv = next() & 1, c.no_out_bias = next() & 1;
     c.head_gate = (mha_head_gate)(next() % 3);
     c.add_bias_kv = bkv;
     if (!self && next() % 2) c.kdim = irand(1, 20), c.vdim = irand(1, 20);
@@ -51,6 +56,8 @@ static void one_case(int id) {
     a.impl = MHA_IMPL_FUSED;
     if (kpm) a.key_padding_mask = &kpt;
     if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+    if (layout && next() % 2) a.use_custom_scale = true, a.scale = 0.3;
+    const int64_t nqq = L * N * Eq;  // the context and dq (Rq, Eq)
     const int64_t nq = L * N * E, nk = S * N * kd, nv = S * N * vd, nkv = S * N * (Hkv * d);
     // the single-process fused results
     float *y = malloc(sizeof(float) * (size_t)nq), *gq = malloc(sizeof(float) * (size_t)nq),
@@ -63,19 +70,19 @@ static void one_case(int id) {
     CHECK_OK(mha_module_create(&g, mha_module_config(m)));
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
     CHECK_OK(mha_backward(&gqt, self ? NULL : &gkt, self ? NULL : &gvt, g, m, &a, &gyt, false));
-    float *ctx = malloc(sizeof(float) * (size_t)nq), *cr = malloc(sizeof(float) * (size_t)nq),
+    float *ctx = malloc(sizeof(float) * (size_t)nqq), *cr = malloc(sizeof(float) * (size_t)nqq),
           *yp = malloc(sizeof(float) * (size_t)nq), *ys = malloc(sizeof(float) * (size_t)nq),
-          *dq = malloc(sizeof(float) * (size_t)nq), *dk = malloc(sizeof(float) * (size_t)nkv),
-          *dv = malloc(sizeof(float) * (size_t)nkv), *dqr = malloc(sizeof(float) * (size_t)nq),
+          *dq = malloc(sizeof(float) * (size_t)nqq), *dk = malloc(sizeof(float) * (size_t)nkv),
+          *dv = malloc(sizeof(float) * (size_t)nkv), *dqr = malloc(sizeof(float) * (size_t)nqq),
           *dkr = malloc(sizeof(float) * (size_t)nkv), *dvr = malloc(sizeof(float) * (size_t)nkv),
           *dz = malloc(sizeof(float) * (size_t)(L * N * H)), *dzr = malloc(sizeof(float) * (size_t)(L * N * H)),
           *x1 = malloc(sizeof(float) * (size_t)nq), *x2 = malloc(sizeof(float) * (size_t)nk),
           *x3 = malloc(sizeof(float) * (size_t)nv), *s1 = malloc(sizeof(float) * (size_t)nq),
           *s2 = malloc(sizeof(float) * (size_t)nk), *s3 = malloc(sizeof(float) * (size_t)nv);
     for (int64_t P = 1; P <= 4 && P <= Hkv; P++) {
-        memset(ctx, 0, sizeof(float) * (size_t)nq);
+        memset(ctx, 0, sizeof(float) * (size_t)nqq);
         memset(ys, 0, sizeof(float) * (size_t)nq);
-        memset(dq, 0, sizeof(float) * (size_t)nq);
+        memset(dq, 0, sizeof(float) * (size_t)nqq);
         memset(dk, 0, sizeof(float) * (size_t)nkv);
         memset(dv, 0, sizeof(float) * (size_t)nkv);
         memset(dz, 0, sizeof(float) * (size_t)(L * N * H));
@@ -93,7 +100,7 @@ static void one_case(int id) {
         for (int64_t r = 0; r < P; r++) {
             mha__part pt = {.g0 = Hkv * r / P, .g1 = Hkv * (r + 1) / P, .out.ctx = cr, .bias = r == 0};
             CHECK_OK(mha__part_forward(NULL, m, &a, &pt));
-            for (int64_t i = 0; i < nq; i++) ctx[i] += cr[i];  // disjoint columns
+            for (int64_t i = 0; i < nqq; i++) ctx[i] += cr[i];  // disjoint columns
             pt.out.ctx = NULL;
             mha_tensor ypt = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){L, N, E});
             CHECK_OK(mha__part_forward(&ypt, m, &a, &pt));
@@ -104,7 +111,8 @@ static void one_case(int id) {
                        t3 = mha_tensor_contiguous(x3, MHA_F32, 3, (int64_t[]){S, N, vd});
             CHECK_OK(mha__part_backward(&t1, self ? NULL : &t2, self ? NULL : &t3, gr, m, &a,
                                         &gyt, &pt));
-            for (int64_t i = 0; i < nq; i++) dq[i] += dqr[i], s1[i] += x1[i];
+            for (int64_t i = 0; i < nqq; i++) dq[i] += dqr[i];
+            for (int64_t i = 0; i < nq; i++) s1[i] += x1[i];
             for (int64_t i = 0; i < nkv; i++) dk[i] += dkr[i], dv[i] += dvr[i];
             if (c.head_gate == MHA_GATE_DYNAMIC)
                 for (int64_t i = 0; i < L * N * H; i++) dz[i] += dzr[i];
@@ -119,9 +127,10 @@ static void one_case(int id) {
         }
         char desc[200];
         snprintf(desc, sizeof desc, "case %d P %lld (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
-                 "self %d causal %d kpm %d rope %d bkv %d gate %d)", id, (long long)P,
-                 (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)S,
-                 (long long)N, self, causal, kpm, rope, bkv, (int)c.head_gate);
+                 "self %d causal %d kpm %d rope %d bkv %d gate %d d %lld sep %d nob %d)", id,
+                 (long long)P, (long long)E, (long long)H, (long long)Hkv, (long long)L,
+                 (long long)S, (long long)N, self, causal, kpm, rope, bkv, (int)c.head_gate,
+                 (long long)d, c.separate_qkv, c.no_out_bias);
         mha_tensor yet = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){L, N, E});
         CHECK_OK(mha__part_out_project(&yet, m, &a, ctx));
         CHECKF(!memcmp(yp, y, sizeof(float) * (size_t)nq), "%s: exact output differs", desc);
@@ -165,7 +174,8 @@ static void one_case(int id) {
 
 int main(void) {
     seed_rng(4242);
-    for (int id = 0; id < 40; id++) one_case(id);
+    for (int id = 0; id < 40; id++) one_case(id, false);
+    for (int id = 40; id < 70; id++) one_case(id, true);
     // a bad range
     mha_config c;
     mha_config_init(&c, 8, 2);

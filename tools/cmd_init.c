@@ -15,13 +15,17 @@ static const char *init_help =
     "Writes freshly initialised nn.MultiheadAttention parameters under\n"
     "PyTorch's names (in_proj_weight, in_proj_bias, out_proj.weight, ...)\n"
     "with __metadata__ num_heads (and num_kv_heads when it is not H).\n"
-    "  --embed-dim E      model dimension (divisible by H)\n"
+    "  --embed-dim E      model dimension (divisible by H unless --head-dim)\n"
     "  --num-heads H      number of heads\n"
     "  --num-kv-heads K   key/value heads, dividing H (grouped-query attention;\n"
-    "                     default H): K/V weights of K * E / H rows\n"
+    "                     default H): K/V weights of K * d rows\n"
+    "  --head-dim D       per-head dim d (default E / H): q projects to H * D\n"
+    "                     features, out_proj.weight is (E, H * D)\n"
     "  --kdim K, --vdim V key / value feature sizes (default E; when either\n"
     "                     differs, q/k/v_proj_weight are written separately)\n"
+    "  --separate-qkv     q/k/v_proj_weight even when kdim = vdim = E\n"
     "  --no-bias          no in_proj_bias / out_proj.bias\n"
+    "  --no-out-bias      in_proj_bias but no out_proj.bias\n"
     "  --add-bias-kv      add bias_k and bias_v\n"
     "  --init SCHEME      xavier_uniform (PyTorch's default), xavier_normal,\n"
     "                     normal, orthogonal, zeros\n"
@@ -47,6 +51,8 @@ int cmd_init(int argc, char **argv) {
         {"out", required_argument, 0, 'o'},       {"help", no_argument, 0, 'h'},
         {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'W'},
         {"head-gate", required_argument, 0, 'T'}, {"prune-heads", required_argument, 0, 'P'},
+        {"head-dim", required_argument, 0, 'd'},  {"separate-qkv", no_argument, 0, 'Q'},
+        {"no-out-bias", no_argument, 0, 'O'},
         {0, 0, 0, 0}};
     const char *prune = NULL;
     mha_config cfg;
@@ -70,6 +76,12 @@ int cmd_init(int argc, char **argv) {
         case 'k': if (cli_parse_int(&cfg.kdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--kdim needs an integer"); break;
         case 'v': if (cli_parse_int(&cfg.vdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--vdim needs an integer"); break;
         case 'B': cfg.bias = false; break;
+        case 'd':
+            if (cli_parse_int(&cfg.head_dim, optarg, 1, INT64_MAX))
+                return cli_usage("init", "--head-dim needs a positive integer");
+            break;
+        case 'Q': cfg.separate_qkv = true; break;
+        case 'O': cfg.no_out_bias = true; break;
         case 'K': cfg.add_bias_kv = true; break;
         case 'i':
             if ((st = mha_init_scheme_from_name(&io.scheme, optarg))) return cli_fail("init", st);

@@ -191,7 +191,7 @@ static void inspect_info(info_table *t, const run *r, int64_t N, int64_t L, int6
     info_add(t, "module", "E %lld, %lld heads, %lld KV heads, head dim %lld, kdim %lld, "
              "vdim %lld, bias %s, add_bias_kv %s, add_zero_attn %s, weights %s",
              (long long)c->embed_dim, (long long)c->num_heads, (long long)c->num_kv_heads,
-             (long long)(c->embed_dim / c->num_heads), (long long)c->kdim, (long long)c->vdim,
+             (long long)c->head_dim, (long long)c->kdim, (long long)c->vdim,
              c->bias ? "yes" : "no", c->add_bias_kv ? "yes" : "no",
              c->add_zero_attn ? "yes" : "no", mha_dtype_name(c->weight_dtype));
     info_add(t, "inputs", "%s", r->xpath);

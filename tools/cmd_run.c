@@ -24,8 +24,7 @@ static int run_incremental(run *r, mha_tensor *ot) {
     const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;  // the sequence dim
     const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
     const mha_config *c = mha_module_config(r->m);
-    const int64_t Hkv = c->num_kv_heads,
-                  d = c->head_dim ? c->head_dim : c->embed_dim / c->num_heads;
+    const int64_t Hkv = c->num_kv_heads, d = c->head_dim;  // (resolved: E / H unless set)
     mha_kv_cache *cache = NULL;
     mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1, r->kv_dtype);
     if (st) return cli_fail(r->cmd, st);

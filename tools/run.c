@@ -2,6 +2,7 @@
 // their help texts, their options, and loading the weights and inputs
 // files into a run. Public API only.
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,8 +58,9 @@ static const char *forward_help =
     "Usage: mha forward --weights W.safetensors --inputs X.safetensors\n"
     "                   --out Y.safetensors [options]\n"
     "Runs nn.MultiheadAttention's forward (PyTorch semantics).\n"
-    "W: parameters under PyTorch's names; bias, kdim/vdim and add_bias_kv\n"
-    "   follow from which tensors are present.\n"
+    "W: parameters under PyTorch's names; bias, kdim/vdim, add_bias_kv, the\n"
+    "   head dim (out_proj.weight (E, H d)), separate q/k/v_proj_weight and\n"
+    "   no out_proj.bias follow from which tensors are present.\n"
     "X: query (L, N, E) [(N, L, E) with --batch-first; (L, E) unbatched],\n"
     "   key (S, N, kdim), value (S, N, vdim) (both absent: self-attention,\n"
     "   key = value = query), optional key_padding_mask (N, S) and\n"
@@ -103,6 +105,7 @@ static const char *forward_help =
     "  --rope-no-truncate   yarn: do not round the correction range\n"
     "  --alibi              ALiBi biases (the paper's slopes)\n"
     "  --softcap C          logit soft cap C tanh(s / C)\n"
+    "  --scale S            the query scale (default 1 / sqrt(head dim); > 0)\n"
     "  --need-weights       also write attn_output_weights (mean over heads)\n"
     "  --no-average-weights per-head weights (N, H, L, S)\n"
     "  --weights-heads A:B  only heads [A, B) in the weights (averaged: their\n"
@@ -174,7 +177,7 @@ static const char *inspect_help =
     "  --num-heads, --num-kv-heads, --batch-first, --causal, --window-left,\n"
     "  --window-right, --add-zero-attn, --dtype, --weight-dtype, --rope,\n"
     "  --rope-theta, --rope-dim, --rope-start, --rope-scaling and its\n"
-    "  parameters, --alibi, --softcap (and the inputs' position_ids)\n"
+    "  parameters, --alibi, --softcap, --scale (and the inputs' position_ids)\n"
     "Inspect's own:\n"
     "  --tokens FILE        one label per line for the positions (the query's,\n"
     "                       and the keys' in self-attention); positions past\n"
@@ -262,6 +265,7 @@ static const struct option run_opts[] = {{"weights", required_argument, 0, 'w'},
                                          {"rope-mscale-all-dim", required_argument, 0, 0x108},
                                          {"rope-attention-factor", required_argument, 0, 0x109},
                                          {"rope-no-truncate", no_argument, 0, 0x10a},
+                                         {"scale", required_argument, 0, 'F'},
                                          {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
@@ -342,6 +346,12 @@ static int opt_call(run *r, int c, bool *no_avg) {
         if (cli_parse_f64(&f, optarg) || !(f > 0.0))
             return cli_usage(cmd, "--softcap needs a positive number");
         r->a.softcap = (float)f;
+        break;
+    case 'F':
+        if (cli_parse_f64(&f, optarg) || !(f > 0.0) || !isfinite(f))
+            return cli_usage(cmd, "--scale needs a positive finite number");
+        r->a.use_custom_scale = true;
+        r->a.scale = f;
         break;
     case 'L':
     case 'R':

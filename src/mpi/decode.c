@@ -139,6 +139,8 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
         mha_cache_attend_args ca;
         mha_cache_attend_args_init(&ca);
         ca.softcap = a->softcap;
+        ca.use_custom_scale = a->use_custom_scale;  // (checked by the plan: > 0, finite)
+        ca.scale = a->scale;
         st = mha__kv_cache_attend_ex(&cv, &qv, cache, &ca, NULL, me == owner ? 0 : T,
                                      mine + R * E);
     }

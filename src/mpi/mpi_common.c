@@ -102,6 +102,17 @@ void mha__mpi_view_xfer(const mha_tensor *t, float *buf, bool into_view, bool ad
 // depends on their shapes.
 mha_status mha__mpi_local_check(const mha_module *m, const mha_forward_args *a,
                                 const mha_tensor *gout) {
+    const mha_config *c = mha_module_config(m);
+    if (c && c->head_dim * c->num_heads != c->embed_dim)  // (head_dim: resolved)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi: head_dim %lld != embed_dim %lld / num_heads %lld is not "
+                         "supported across ranks (run the single-process calls)",
+                         (long long)c->head_dim, (long long)c->embed_dim,
+                         (long long)c->num_heads);
+    if (c && c->sinks)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi: attention sinks (mha_config.sinks) are not supported "
+                         "across ranks (run the single-process calls)");
     mha_forward_args al = *a;
     al.key_padding_mask = NULL;
     al.attn_mask = NULL;

@@ -96,6 +96,7 @@ INPUT_NAMES = ("query", "key", "value")
 GRID_SEED_BASE = 0x62770000
 IMPL = [None]  # --impl, passed on to every CLI run
 DROPOUT_SEED_BASE = 0x64700000
+LAYOUT_SEED_BASE = 0x6c790000
 
 # ---------------------------------------------------------------------------
 # Philox4x32-10 (Random123) and libmha's dropout masks (src/philox.h)
@@ -291,7 +292,7 @@ def rope_torch(x, H, rope):
 def with_position_options(c, seed, i):
     """Some configurations get RoPE, ALiBi and/or a soft cap (own stream)."""
     r = np.random.default_rng([seed, 0x726f7065, i])
-    d = c.E // c.H
+    d = c.d
     if r.random() < 0.3 and d % 2 == 0:
         dim = int(r.choice([0, 2 * int(r.integers(1, d // 2 + 1))]))
         c.rope = (str(r.choice(["neox", "interleaved"])), float(r.choice([10000.0, 100.0])),
@@ -313,6 +314,56 @@ def with_gqa(c, seed, i):
         c.num_kv_heads = int(r.choice(divs))
         c.set_params_random(r)
     return c
+
+
+def with_layout(c, seed, i):
+    """The layouts of real checkpoints (own stream): a head dim other than
+    E / H (Eq = H d features of q, out_proj.weight (E, Eq)), grouped-query
+    heads or not, separate q/k/v matrices (with kdim = vdim = E too), no
+    out_proj.bias, a custom query scale; parameters of those shapes drawn
+    again."""
+    r = np.random.default_rng([seed, 0x6c6179, i])
+    c.head_dim = int(r.choice([1, 2, 3, 4, 5, 6, 8]))
+    divs = [k for k in range(1, c.H + 1) if c.H % k == 0]
+    kv = int(r.choice(divs))
+    c.num_kv_heads = kv if kv < c.H else None
+    c.separate_qkv = bool(r.random() < 0.5)
+    c.no_out_bias = bool(c.bias and r.random() < 0.5)
+    if r.random() < 0.5:
+        c.qscale = float(r.choice([0.05, 0.2, 0.5, 1.0, 2.0]))
+    c.sinks = bool(r.random() < 0.35)
+    c.set_params_random(r)
+    return c
+
+
+def layout_case(seed, i):
+    """A grid configuration with a checkpoint layout (with_layout), RoPE,
+    ALiBi and the soft cap (with_position_options, after it: RoPE needs an
+    even head dim) and, for i % 4 == 3, dropout."""
+    sa = i % 6 == 5
+    c = conf.random_case(LAYOUT_SEED_BASE + seed, i, self_attn=sa)
+    # inputs of moderate scale (at most 3, where the mirror's gradients are
+    # also checked by finite differences): the grid group covers the
+    # extreme scales (up to 300, near one-hot rows), where PyTorch's own
+    # float32 error, the tolerance's yardstick, varies between runs
+    xs = float(c.info.split("=")[1])
+    if xs > 3.0:
+        f = np.float32(3.0 / xs)
+        c.query, c.key, c.value = (c.query * f, c.key * f, c.value * f)
+        if sa:
+            c.key = c.value = c.query
+        c.info = "scale=%g" % 3.0
+    with_layout(c, LAYOUT_SEED_BASE + seed, i)
+    with_position_options(c, LAYOUT_SEED_BASE + seed, i)
+    rng = np.random.default_rng([seed, 0x6c6179, i])
+    b = BCase(c, "layout", "y:%d" % i, rng, self_attn=sa)
+    if i % 4 == 3:
+        b.train = True
+        b.p = float(rng.choice([0.1, 0.25, 0.5]))
+        b.p_out = float(rng.choice([0.0, 0.2]))
+        b.seed = int(rng.integers(0, 2 ** 63 - 1))
+        b.offset = int(rng.integers(0, 1000))
+    return b
 
 
 def grid_case(seed, i):
@@ -371,7 +422,8 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     query's layout, weights (Nb, H, L, S') after dropout)."""
     c = b.c
     E, H, L, S, Nb = c.E, c.H, c.L, c.S, c.Nb
-    d = E // H
+    # the head dim d (E / H unless head_dim) and the queries' width Eq = H d
+    d, Eq = c.d, c.Eq
     # grouped-query attention: K and V have Hkv heads (Ekv features); query
     # head h reads KV head h // (H / Hkv) (repeat_interleave)
     Hkv, Ekv = c.Hkv, c.Ekv
@@ -381,11 +433,11 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     elif c.batch_first:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if "in_proj_weight" in P:
-        Wq, Wk, Wv = P["in_proj_weight"].split([E, Ekv, Ekv])
+        Wq, Wk, Wv = P["in_proj_weight"].split([Eq, Ekv, Ekv])
     else:
         Wq, Wk, Wv = P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"]
     if "in_proj_bias" in P:
-        bq, bk, bv = P["in_proj_bias"].split([E, Ekv, Ekv])
+        bq, bk, bv = P["in_proj_bias"].split([Eq, Ekv, Ekv])
     else:
         bq = bk = bv = None
     Q, K, V = F.linear(q, Wq, bq), F.linear(k, Wk, bk), F.linear(v, Wv, bv)
@@ -411,7 +463,10 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     Mp = np.zeros((Nb * H, L, Sp))
     Mp[:, :, :S] = M
     Mp[FM] = 0.0  # finite fill: no NaN from an all -inf softmax
-    A = torch.bmm(Qh / math.sqrt(d), Kh.transpose(-2, -1))
+    if c.qscale:  # a custom query scale instead of 1 / sqrt(d)
+        A = torch.bmm(Qh * c.qscale, Kh.transpose(-2, -1))
+    else:
+        A = torch.bmm(Qh / math.sqrt(d), Kh.transpose(-2, -1))
     if c.softcap > 0:
         A = c.softcap * torch.tanh(A / c.softcap)
     if c.alibi:
@@ -419,7 +474,11 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
         dist = (torch.arange(L)[:, None] - torch.arange(Sp)[None, :]).abs().to(dtype)
         A = A - (slopes[:, None, None] * dist[None]).repeat(Nb, 1, 1)
     A = A + _to_torch(Mp, dtype)
-    W = torch.softmax(A, dim=-1)
+    if c.sinks:  # one more logit per head in each row's softmax, no value
+        sk = P["sinks"].repeat(Nb).view(Nb * H, 1, 1).expand(Nb * H, L, 1)
+        W = torch.softmax(torch.cat([A, sk], dim=-1), dim=-1)[..., :Sp]
+    else:
+        W = torch.softmax(A, dim=-1)
     if FM.any():
         W = torch.where(torch.from_numpy(FM)[:, :, None],
                         torch.zeros((), dtype=dtype), W)
@@ -427,7 +486,7 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     if ka is not None:
         pa = float(np.float32(b.p))
         W = W * _to_torch(ka.astype(np.float64) / (1.0 - pa), dtype)
-    ctx = torch.bmm(W, Vh).transpose(0, 1).contiguous().view(L * Nb, E)
+    ctx = torch.bmm(W, Vh).transpose(0, 1).contiguous().view(L * Nb, Eq)
     out = F.linear(ctx, P["out_proj.weight"], P.get("out_proj.bias"))
     out = out.view(L, Nb, E)
     if ko is not None:
@@ -609,14 +668,16 @@ def references(b, info=None):
             if e > FD_TOL:
                 errors.append("harness: mirror gradients differ from central "
                               "differences by %.3g (rel)" % e)
-    if c.rope is not None or c.alibi or c.softcap > 0 or c.num_kv_heads:
+    if (c.rope is not None or c.alibi or c.softcap > 0 or c.num_kv_heads
+            or c.head_dim or c.separate_qkv or c.no_out_bias or c.qscale or c.sinks):
         # F.multi_head_attention_forward has none of these: the reference is
         # the mirror (RoPE, ALiBi and the soft cap written from the papers'
         # formulas, grouped-query attention as repeat_interleave of the KV
-        # heads) under torch autograd, its gradients checked by finite
-        # differences
+        # heads, the checkpoint layouts: head dim, separate matrices, no
+        # out_proj.bias, the query scale) under torch autograd, its
+        # gradients checked by finite differences
         t32 = mirror_expected(b, torch.float32, keeps)
-        notes.append("torch32: the mirror in float32 (rope/alibi/softcap/gqa)")
+        notes.append("torch32: the mirror in float32 (rope/alibi/softcap/gqa/layout)")
         check_mirror_by_fd()
         return ref, t32, notes, errors
     if b.train:
@@ -1101,10 +1162,13 @@ def main():
                     help="dropout group size (default configs / 2)")
     ap.add_argument("--large-configs", type=int, default=12,
                     help="large group size (default 12)")
+    ap.add_argument("--layout-configs", type=int, default=None,
+                    help="layout group size (default configs / 3): head_dim, "
+                         "separate q/k/v, no out_proj.bias, custom scale")
     ap.add_argument("--impl", default=None, help="pass --impl NAME to the CLI")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--only", default=None,
-                    help="comma-separated ids: N, d:N, e:N, l:N, philox, "
+                    help="comma-separated ids: N, d:N, e:N, y:N, l:N, philox, "
                          "seeds, fraction")
     ap.add_argument("--jobs", type=int, default=2, help="parallel CLI runs")
     ap.add_argument("--timeout", type=int, default=60,
@@ -1133,6 +1197,8 @@ def main():
     IMPL[0] = args.impl
     n_drop = (args.dropout_configs if args.dropout_configs is not None
               else max(1, args.configs // 2))
+    n_layout = (args.layout_configs if args.layout_configs is not None
+                else max(1, args.configs // 3))
 
     t0 = time.time()
     only = None
@@ -1175,6 +1241,12 @@ def main():
     timings["dropout"] = time.time() - t
 
     t = time.time()
+    for i in ids("y:", n_layout):
+        runner.submit(layout_case(args.seed, i))
+    runner.drain()
+    timings["layout"] = time.time() - t
+
+    t = time.time()
     for i in ids("l:", args.large_configs):
         runner.submit(large_case(args.seed, i))
     runner.drain()
@@ -1189,14 +1261,14 @@ def main():
     runner.pool.shutdown()
 
     total_p = total_f = 0
-    for g in ("grid", "eval", "dropout", "large", "masks"):
+    for g in ("grid", "eval", "dropout", "layout", "large", "masks"):
         p, f = runner.counts.get(g, [0, 0])
         total_p, total_f = total_p + p, total_f + f
         wst = runner.worst.get(g)
         print("%-8s %4d passed, %d failed  (%.1fs)%s"
               % (g + ":", p, f, timings.get(g, 0.0),
                  ("  largest err/tol %.3g ([%s] %s)" % wst) if wst else ""))
-    for g in ("grid", "dropout", "large"):
+    for g in ("grid", "dropout", "layout", "large"):
         st = runner.stats.get(g)
         if st:
             print("%-8s %d with fully masked rows, %d self-attention, %d "

@@ -211,6 +211,15 @@ class Case:
         # grouped-query attention (backward.py's mirror checks it; PyTorch's
         # module has none): None or a divisor of H below H
         self.num_kv_heads = None
+        # the layouts of real checkpoints (backward.py's mirror checks them):
+        # a head dim other than E / H (None: E / H), separate q/k/v matrices
+        # with kdim = vdim = E, no out_proj.bias, a custom query scale
+        # (None: 1 / sqrt(d))
+        self.head_dim = None
+        self.separate_qkv = False
+        self.no_out_bias = False
+        self.qscale = None
+        self.sinks = False        # attention sinks: a "sinks" (H) parameter
         self.params = []      # list of (name, float32 array), file order
         self.query = self.key = self.value = None
         self.key_padding_mask = None
@@ -229,8 +238,16 @@ class Case:
         return self.num_kv_heads if self.num_kv_heads else self.H
 
     @property
+    def d(self):
+        return self.head_dim if self.head_dim else self.E // self.H
+
+    @property
+    def Eq(self):
+        return self.H * self.d
+
+    @property
     def Ekv(self):
-        return self.Hkv * (self.E // self.H)
+        return self.Hkv * self.d
 
     def param(self, name):
         for n, a in self.params:
@@ -247,7 +264,7 @@ class Case:
         return ("[%s] E=%d H=%d d=%d kdim=%d vdim=%d L=%d S=%d N=%s bias=%d "
                 "bias_kv=%d zero_attn=%d batch_first=%d kpm=%s attn_mask=%s "
                 "causal=%d need_weights=%d average=%d heads=%s%s"
-                % (self.cid, self.E, self.H, self.E // self.H, self.kdim,
+                % (self.cid, self.E, self.H, self.d, self.kdim,
                    self.vdim, self.L, self.S,
                    self.N if self.batched else "unbatched", self.bias,
                    self.add_bias_kv, self.add_zero_attn, self.batch_first,
@@ -263,7 +280,11 @@ class Case:
                 + (" rope=%s" % (self.rope,) if self.rope else "")
                 + (" alibi" if self.alibi else "")
                 + (" softcap=%g" % self.softcap if self.softcap > 0 else "")
-                + (" kv_heads=%d" % self.num_kv_heads if self.num_kv_heads else ""))
+                + (" kv_heads=%d" % self.num_kv_heads if self.num_kv_heads else "")
+                + (" separate_qkv" if self.separate_qkv else "")
+                + (" no_out_bias" if self.no_out_bias else "")
+                + (" qscale=%g" % self.qscale if self.qscale else "")
+                + (" sinks" if self.sinks else ""))
 
     @property
     def windowed(self):
@@ -285,30 +306,33 @@ class Case:
         return W if self.batched else W[0]
 
     def set_params_random(self, rng, wscale=1.0):
-        # Ekv: the K/V projections' width (E unless grouped-query)
-        E, k, v, Ekv = self.E, self.kdim, self.vdim, self.Ekv
+        # Ekv: the K/V projections' width (E unless grouped-query); Eq the
+        # queries' (E unless head_dim)
+        E, k, v, Ekv, Eq = self.E, self.kdim, self.vdim, self.Ekv, self.Eq
 
         def unif(shape, fan_in, fan_out):
             a = math.sqrt(6.0 / (fan_in + fan_out)) * wscale
             return rng.uniform(-a, a, size=shape).astype(np.float32)
 
         ps = []
-        if k == E and v == E:
-            ps.append(("in_proj_weight", unif((E + 2 * Ekv, E), E, E + 2 * Ekv)))
+        if k == E and v == E and not self.separate_qkv:
+            ps.append(("in_proj_weight", unif((Eq + 2 * Ekv, E), E, Eq + 2 * Ekv)))
         else:
-            ps.append(("q_proj_weight", unif((E, E), E, E)))
+            ps.append(("q_proj_weight", unif((Eq, E), E, Eq)))
             ps.append(("k_proj_weight", unif((Ekv, k), k, Ekv)))
             ps.append(("v_proj_weight", unif((Ekv, v), v, Ekv)))
         if self.bias:
             ps.append(("in_proj_bias",
-                       (0.5 * rng.standard_normal(E + 2 * Ekv)).astype(np.float32)))
-        ps.append(("out_proj.weight", unif((E, E), E, E)))
-        if self.bias:
+                       (0.5 * rng.standard_normal(Eq + 2 * Ekv)).astype(np.float32)))
+        ps.append(("out_proj.weight", unif((E, Eq), Eq, E)))
+        if self.bias and not self.no_out_bias:
             ps.append(("out_proj.bias",
                        (0.5 * rng.standard_normal(E)).astype(np.float32)))
         if self.add_bias_kv:
             ps.append(("bias_k", rng.standard_normal((1, 1, Ekv)).astype(np.float32)))
             ps.append(("bias_v", rng.standard_normal((1, 1, Ekv)).astype(np.float32)))
+        if self.sinks:
+            ps.append(("sinks", rng.standard_normal(self.H).astype(np.float32)))
         # shuffle the file order a little: the CLI must find tensors by name
         if rng.random() < 0.3:
             order = rng.permutation(len(ps))
@@ -367,6 +391,8 @@ class Case:
             cmd.append("--alibi")
         if self.softcap > 0:
             cmd += ["--softcap", repr(self.softcap)]
+        if self.qscale:
+            cmd += ["--scale", repr(self.qscale)]
         if self.window_left >= 0:
             cmd += ["--window-left", str(self.window_left)]
         if self.window_right >= 0:

@@ -720,6 +720,79 @@ static int kill_mode(bool ring) {
     return 0;
 }
 
+// The checkpoint layouts across ranks: separate q/k/v with kdim = vdim = E,
+// no out_proj.bias and a custom scale run (head parallelism: the single
+// process's bits; the others within the tolerance); head_dim != E / H is
+// refused (MHA_ERR_UNSUPPORTED naming head_dim) by every scheme and the
+// sharded cache, on every rank alike; attention sinks are refused too.
+static void test_layouts(void) {
+    seed_rng(777);
+    enum { E = 24, H = 4, L = 19, N = 2 };
+    mha_config c;
+    mha_config_init(&c, E, H);
+    c.num_kv_heads = 2;
+    c.separate_qkv = true;
+    c.no_out_bias = true;
+    mha_module *m = random_module(&c, 5);
+    float x[L * N * E], gy[L * N * E], y1[L * N * E], y2[L * N * E], g1[L * N * E],
+        g2[L * N * E];
+    for (int i = 0; i < L * N * E; i++) x[i] = frand(), gy[i] = frand();
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E}),
+               gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){L, N, E}),
+               y1t = mha_tensor_contiguous(y1, MHA_F32, 3, (int64_t[]){L, N, E}),
+               y2t = mha_tensor_contiguous(y2, MHA_F32, 3, (int64_t[]){L, N, E}),
+               g1t = mha_tensor_contiguous(g1, MHA_F32, 3, (int64_t[]){L, N, E}),
+               g2t = mha_tensor_contiguous(g2, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    a.impl = MHA_IMPL_FUSED;
+    a.use_custom_scale = true;
+    a.scale = 0.3;
+    CHECK_OK(mha_forward(&y1t, NULL, m, &a));
+    mha_module *gr1 = NULL, *gr2 = NULL;
+    CHECK_OK(mha_module_create(&gr1, mha_module_config(m)));
+    CHECK_OK(mha_module_create(&gr2, mha_module_config(m)));
+    CHECK_OK(mha_backward(&g1t, NULL, NULL, gr1, m, &a, &gyt, false));
+    CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &y2t, m, &a, NULL));
+    CHECKF(!memcmp(y1, y2, sizeof y1), "layouts on %d ranks: heads forward differs", g_P);
+    CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_HEADS, &g2t, NULL, NULL, gr2, m, &a, &gyt,
+                              false, NULL));
+    CHECKF(!memcmp(g1, g2, sizeof g1), "layouts on %d ranks: heads grad_query differs", g_P);
+    same_grads("layouts (heads)", gr1, gr2);
+    CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS_FAST, &y2t, m, &a, NULL));
+    CHECKF(rel_err(y1, y2, L * N * E) < 2e-5, "layouts on %d ranks: heads-fast err %g", g_P,
+           rel_err(y1, y2, L * N * E));
+    mha_module_destroy(gr1), mha_module_destroy(gr2), mha_module_destroy(m);
+    // head_dim != E / H: refused
+    c.head_dim = 5;
+    m = random_module(&c, 6);
+    static const mha_parallel sch[4] = {MHA_PAR_HEADS, MHA_PAR_HEADS_FAST, MHA_PAR_ULYSSES,
+                                        MHA_PAR_RING};
+    for (int i = 0; i < 4; i++) {
+        CHECK_FAILS(mha_mpi_forward(MPI_COMM_WORLD, sch[i], &y2t, m, &a, NULL),
+                    MHA_ERR_UNSUPPORTED);
+        CHECK(strstr(mha_last_error(), "head_dim") != NULL);
+    }
+    mha_kv_cache *kc = NULL;
+    CHECK_OK(mha_kv_cache_create(&kc, N, 2, 5, 5, L));
+    mha_forward_args ac = a;
+    ac.is_causal = false;
+    CHECK_FAILS(mha_mpi_forward_cached(MPI_COMM_WORLD, &y2t, m, &ac, kc, 0, NULL),
+                MHA_ERR_UNSUPPORTED);
+    mha_kv_cache_destroy(kc);
+    mha_module_destroy(m);
+    // attention sinks: refused too
+    c.head_dim = 0;
+    c.sinks = true;
+    m = random_module(&c, 7);
+    CHECK_FAILS(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &y2t, m, &a, NULL),
+                MHA_ERR_UNSUPPORTED);
+    CHECK(strstr(mha_last_error(), "sinks") != NULL);
+    mha_module_destroy(m);
+}
+
 int main(int argc, char **argv) {
     int provided = 0;  // (OpenMP threads; only the main one calls MPI)
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
@@ -731,6 +804,7 @@ int main(int argc, char **argv) {
     for (int id = 0; id < 6; id++) test_rope_positions(id);
     test_ring_balance();
     test_failure();
+    test_layouts();
     int counts[2] = {check_passed_, check_failed_}, total[2];
     MPI_Reduce(counts, total, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
     int any = check_failed_ > 0, all_any = 0;
