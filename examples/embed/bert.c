@@ -308,11 +308,13 @@ fail:
 // bias plus its products in the order k = 0, 1, ...: the same bits for
 // any thread count (threads take whole panels). The body is compiled per
 // ISA (AVX-512, AVX2 + FMA, portable) and picked by mha_isa(), so one
-// binary runs anywhere and MHA_ISA=scalar forces the portable one.
+// binary runs anywhere and MHA_ISA=scalar forces the portable one. The
+// AVX versions fuse each multiply-add (one rounding, as MKL's sgemm); the
+// portable one rounds the product and the sum (ISO C: no contraction).
 
 static inline __attribute__((always_inline)) void gemm_panel(
     float *C, int64_t ldc, const float *X, int64_t ldx, const float *panel, const float *bias,
-    int64_t R, int64_t K, int64_t ncols, const int RB) {
+    int64_t R, int64_t K, int64_t ncols, const int RB, const int use_fma) {
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int64_t r0 = 0; r0 < R; r0 += RB) {
@@ -330,7 +332,9 @@ static inline __attribute__((always_inline)) void gemm_panel(
             for (int64_t k = 0; k < kc; k++, pk += NR)
                 for (int r = 0; r < RB; r++) {
                     float a = xr[r][k];
-                    for (int j = 0; j < NR; j++) acc[r][j] += a * pk[j];
+                    for (int j = 0; j < NR; j++)
+                        acc[r][j] = use_fma ? __builtin_fmaf(a, pk[j], acc[r][j])
+                                            : acc[r][j] + a * pk[j];
                 }
             for (int r = 0; r < rb; r++)
                 for (int j = 0; j < ncols; j++) C[(r0 + r) * ldc + j] = acc[r][j];
@@ -338,22 +342,22 @@ static inline __attribute__((always_inline)) void gemm_panel(
     }
 }
 
-#define GEMM_DRIVER(NAME, ATTR, RBV)                                                    \
+#define GEMM_DRIVER(NAME, ATTR, RBV, FMA)                                               \
     ATTR static void NAME(float *C, const float *X, const dense *d, int64_t R) {        \
         int64_t np = (d->out + NR - 1) / NR;                                            \
         _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < np; p++) { \
             int64_t nc = d->out - p * NR < NR ? d->out - p * NR : NR;                   \
             gemm_panel(C + p * NR, d->out, X, d->in, d->panels + p * d->in * NR,        \
-                       d->bias + p * NR, R, d->in, nc, RBV);                            \
+                       d->bias + p * NR, R, d->in, nc, RBV, FMA);                       \
         }                                                                               \
     }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(MHA_SCALAR_ONLY)
 #define EMBED_X86 1
-GEMM_DRIVER(gemm_avx512, __attribute__((target("avx512f,avx2,fma"))), 6)
-GEMM_DRIVER(gemm_avx2, __attribute__((target("avx2,fma"))), 4)
+GEMM_DRIVER(gemm_avx512, __attribute__((target("avx512f,avx2,fma"))), 6, 1)
+GEMM_DRIVER(gemm_avx2, __attribute__((target("avx2,fma"))), 4, 1)
 #endif
-GEMM_DRIVER(gemm_generic, , 4)
+GEMM_DRIVER(gemm_generic, , 4, 0)
 
 static void linear(float *C, const float *X, const dense *d, int64_t R) {
 #ifdef EMBED_X86

@@ -16,6 +16,7 @@ special tokens in the text, empty, very long: truncated at 256 tokens):
   - cosine(mha, sentence-transformers) >= 0.99999 and max |mha - st| <=
     1e-5 on every normalised embedding;
   - the same bits with 1 and 2 threads, and from a file as from arguments;
+    the portable kernels (MHA_ISA=scalar) within the same bounds;
   - errors: invalid UTF-8 (naming the line), a model without vocab.txt.
 Prints a per-sentence table and the summary.
 """
@@ -111,8 +112,10 @@ SENTENCES = [
 ]
 
 
-def run(cmd, env_threads=2):
+def run(cmd, env_threads=2, isa=None):
     env = dict(os.environ, OMP_NUM_THREADS=str(env_threads))
+    if isa:
+        env["MHA_ISA"] = isa
     return subprocess.run(cmd, capture_output=True, text=True, env=env)
 
 
@@ -136,8 +139,14 @@ def main():
     if r.returncode:
         print(r.stdout, r.stderr)
         sys.exit("FAIL: mha embed (1 thread) failed")
+    outs = os.path.join(args.tmp, "embs.safetensors")
+    r = run([args.mha, "embed", "--model", MODEL, "--out", outs, "--"] + SENTENCES, isa="scalar")
+    if r.returncode:
+        print(r.stdout, r.stderr)
+        sys.exit("FAIL: mha embed (MHA_ISA=scalar) failed")
     got = load_file(out2)
     got1 = load_file(out1)
+    Es = load_file(outs)["embeddings"]
     E, ids, mask = got["embeddings"], got["input_ids"], got["attention_mask"]
     N = len(SENTENCES)
     if E.shape != (N, 384) or E.dtype != np.float32 or ids.dtype != np.int64:
@@ -174,7 +183,7 @@ def main():
                             convert_to_tensor=True).double().numpy()
 
     ids_ok = 0
-    worst_cos, worst_err, worst_err64, st_err64 = 1.0, 0.0, 0.0, 0.0
+    worst_cos, worst_err, worst_err64, st_err64, worst_scalar = 1.0, 0.0, 0.0, 0.0, 0.0
     print(f"{'#':>3} {'tokens':>6} {'ids':>4} {'cosine':>12} {'max|err|':>10}  sentence")
     for i, s in enumerate(SENTENCES):
         n = int(mask[i].sum())
@@ -194,6 +203,10 @@ def main():
         st_err64 = max(st_err64, float(np.abs(rf - ref64[i]).max()))
         if cos < 0.99999 or err > 1e-5:
             failures.append(f"sentence {i} {s[:40]!r}: cosine {cos:.8f}, max |err| {err:.3g}")
+        err_s = float(np.abs(Es[i].astype(np.float64) - rf).max())  # the portable kernels
+        worst_scalar = max(worst_scalar, err_s)
+        if err_s > 1e-5:
+            failures.append(f"sentence {i} {s[:40]!r}: MHA_ISA=scalar max |err| {err_s:.3g}")
         print(f"{i:3d} {n:6d} {'ok' if same else 'DIFF':>4} {cos:12.9f} {err:10.3g}  {s[:50]!r}")
 
     # errors: invalid UTF-8 names the line; a model without vocab.txt
@@ -223,6 +236,7 @@ def main():
     print("|---|---|---|---|---|---|")
     print(f"| {N} | {ids_ok}/{N} | {worst_cos:.9f} | {worst_err:.3g} | {worst_err64:.3g} "
           f"| {st_err64:.3g} |")
+    print(f"MHA_ISA=scalar (portable kernels): worst max abs error {worst_scalar:.3g}")
     if failures:
         for f_ in failures:
             print("FAIL:", f_)
