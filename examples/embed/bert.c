@@ -359,6 +359,62 @@ GEMM_DRIVER(gemm_avx2, __attribute__((target("avx2,fma"))), 4, 1)
 #endif
 GEMM_DRIVER(gemm_generic, , 4, 0)
 
+// GELU(u) = u / 2 (1 + erf(u / sqrt 2)) over n floats in place, erf by
+// Abramowitz and Stegun 7.1.26 (Handbook of Mathematical Functions, 1964;
+// |error| <= 1.5e-7, the formula of PyTorch's vectorised CPU erf):
+//   erf(z) = 1 - (a1 t + a2 t^2 + a3 t^3 + a4 t^4 + a5 t^5) exp(-z^2),
+//   t = 1 / (1 + p z), z >= 0; erf(-z) = -erf(z)
+// with exp(-z^2) = 2^k e^r, k = round(-z^2 / ln 2), |r| <= ln 2 / 2, e^r
+// by its Taylor series to r^7 (relative error < 1e-8). Branch-free, so
+// that the loop vectorises (compiled per ISA as the GEMM).
+static inline __attribute__((always_inline)) void gelu_body(float *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float u = h[i], z = fabsf(u) * SQRT1_2;
+        float w = -z * z;
+        w = w < -87.0f ? -87.0f : w;
+        float kf = (w * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(w / ln 2)
+        float r = (w - kf * 0.693145752f) - kf * 1.42860677e-6f;   // ln 2 in two parts
+        float er = 1.0f +
+                   r * (1.0f +
+                        r * (0.5f + r * (1.0f / 6 +
+                                         r * (1.0f / 24 +
+                                              r * (1.0f / 120 +
+                                                   r * (1.0f / 720 + r * (1.0f / 5040)))))));
+        int32_t bits = ((int32_t)kf + 127) * (1 << 23);
+        float scale;
+        memcpy(&scale, &bits, sizeof scale);
+        float t = 1.0f / (1.0f + 0.3275911f * z);
+        float poly = t * (0.254829592f +
+                          t * (-0.284496736f +
+                               t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+        float erfz = 1.0f - poly * (er * scale);
+        h[i] = 0.5f * u * (1.0f + (u < 0 ? -erfz : erfz));
+    }
+}
+
+#define GELU_DRIVER(NAME, ATTR)                                                   \
+    ATTR static void NAME(float *h, int64_t n) {                                  \
+        int64_t chunk = 4096;                                                     \
+        _Pragma("omp parallel for schedule(static)") for (int64_t c0 = 0; c0 < n; \
+                                                          c0 += chunk) {          \
+            gelu_body(h + c0, n - c0 < chunk ? n - c0 : chunk);                   \
+        }                                                                         \
+    }
+#ifdef EMBED_X86
+GELU_DRIVER(gelu_avx512, __attribute__((target("avx512f,avx2,fma"))))
+GELU_DRIVER(gelu_avx2, __attribute__((target("avx2,fma"))))
+#endif
+GELU_DRIVER(gelu_generic, )
+
+static void gelu(float *h, int64_t n) {
+#ifdef EMBED_X86
+    const char *isa = mha_isa();
+    if (!strcmp(isa, "avx512")) return gelu_avx512(h, n);
+    if (!strcmp(isa, "avx2")) return gelu_avx2(h, n);
+#endif
+    gelu_generic(h, n);
+}
+
 static void linear(float *C, const float *X, const dense *d, int64_t R) {
 #ifdef EMBED_X86
     const char *isa = mha_isa();
@@ -409,60 +465,73 @@ int embed_model_encode(float *out, const embed_model *m, const int64_t *ids,
         if (!ones)
             return embed_fail("sequence %lld has no token (its mask is all 0)", (long long)n);
     }
-    // scratch: x (R, E), a (R, E), h (R, I), pad (R) (1 = padding)
-    size_t floats = (size_t)R * (size_t)(2 * E + I);
-    float *x = malloc(floats * sizeof(float));
+    // Only attention sees the padded (N, L, E) layout; every other step is
+    // row-wise, so it runs on the T real tokens alone, packed: row k of the
+    // packed activations is padded row rows[k] (transformers computes the
+    // padding rows too; they never reach the pooled result).
+    int64_t T = 0;
+    for (int64_t r = 0; r < R; r++) T += mask[r] != 0;
+    // scratch: xp, ap (R, E) padded; x, a (T, E) and h (T, I) packed
+    size_t floats = (size_t)R * (size_t)(2 * E) + (size_t)T * (size_t)(2 * E + I);
+    float *xp = calloc(floats, sizeof(float));  // padding rows stay 0
     uint8_t *pad = malloc((size_t)R);
+    int64_t *rows = malloc((size_t)T * sizeof *rows);
     double *acc = malloc((size_t)E * sizeof *acc);  // a pooled row
-    if (!x || !pad || !acc) {
-        free(x);
+    if (!xp || !pad || !rows || !acc) {
+        free(xp);
         free(pad);
+        free(rows);
         free(acc);
         return embed_fail("out of memory for a batch of %lld x %lld tokens", (long long)N,
                           (long long)L);
     }
-    float *a = x + R * E, *h = a + R * E;
-    for (int64_t r = 0; r < R; r++) pad[r] = mask[r] == 0;
-    // embeddings: (word + token_type[0]) + position, as transformers adds
-    for (int64_t r = 0; r < R; r++) {
-        const float *we = m->word + ids[r] * E, *pe = m->position + (r % L) * E;
-        for (int64_t i = 0; i < E; i++) x[r * E + i] = (we[i] + m->token_type[i]) + pe[i];
+    float *ap = xp + R * E, *x = ap + R * E, *a = x + T * E, *h = a + T * E;
+    for (int64_t r = 0, k = 0; r < R; r++) {
+        pad[r] = mask[r] == 0;
+        if (mask[r]) rows[k++] = r;
     }
-    layernorm(x, x, m->ln_w, m->ln_b, R, E, c->layer_norm_eps);
+    // embeddings: (word + token_type[0]) + position, as transformers adds
+    for (int64_t k = 0; k < T; k++) {
+        int64_t r = rows[k];
+        const float *we = m->word + ids[r] * E, *pe = m->position + (r % L) * E;
+        for (int64_t i = 0; i < E; i++) x[k * E + i] = (we[i] + m->token_type[i]) + pe[i];
+    }
+    layernorm(x, x, m->ln_w, m->ln_b, T, E, c->layer_norm_eps);
 
     int64_t shape[3] = {N, L, E}, mshape[2] = {N, L};
-    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, shape);
-    mha_tensor at = mha_tensor_contiguous(a, MHA_F32, 3, shape);
+    mha_tensor xt = mha_tensor_contiguous(xp, MHA_F32, 3, shape);
+    mha_tensor at = mha_tensor_contiguous(ap, MHA_F32, 3, shape);
     mha_tensor kpm = mha_tensor_contiguous(pad, MHA_U8, 2, mshape);
     mha_forward_args fa;
     mha_forward_args_init(&fa);
     fa.query = fa.key = fa.value = &xt;
     fa.key_padding_mask = &kpm;
     int rc = 0;
+    size_t row_bytes = (size_t)E * sizeof(float);
     for (int64_t l = 0; l < c->num_layers && !rc; l++) {
         const layer *ly = &m->layers[l];
+        for (int64_t k = 0; k < T; k++) memcpy(xp + rows[k] * E, x + k * E, row_bytes);
         if (mha_forward(&at, NULL, ly->attn, &fa)) {
             rc = embed_fail("layer %lld attention: %s", (long long)l, mha_last_error());
             break;
         }
-        for (int64_t i = 0; i < R * E; i++) a[i] += x[i];  // residual
-        layernorm(x, a, ly->ln1_w, ly->ln1_b, R, E, c->layer_norm_eps);
-        linear(h, x, &ly->inter, R);  // (R, I)
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < R * I; i++)  // exact GELU
-            h[i] = 0.5f * h[i] * (1.0f + erff(h[i] * SQRT1_2));
-        linear(a, h, &ly->output, R);  // (R, E)
-        for (int64_t i = 0; i < R * E; i++) a[i] += x[i];
-        layernorm(x, a, ly->ln2_w, ly->ln2_b, R, E, c->layer_norm_eps);
+        for (int64_t k = 0; k < T; k++)  // a = attention + residual
+            for (int64_t i = 0; i < E; i++) a[k * E + i] = ap[rows[k] * E + i] + x[k * E + i];
+        layernorm(x, a, ly->ln1_w, ly->ln1_b, T, E, c->layer_norm_eps);
+        linear(h, x, &ly->inter, T);   // (T, I)
+        gelu(h, T * I);                // the exact (erf) GELU
+        linear(a, h, &ly->output, T);  // (T, E)
+        for (int64_t i = 0; i < T * E; i++) a[i] += x[i];
+        layernorm(x, a, ly->ln2_w, ly->ln2_b, T, E, c->layer_norm_eps);
     }
-    // mean pooling over the mask, then L2 normalisation
-    for (int64_t n = 0; n < N && !rc; n++) {
+    // mean pooling over the mask, then L2 normalisation (the packed rows
+    // of sequence n are consecutive)
+    for (int64_t n = 0, k = 0; n < N && !rc; n++) {
         double cnt = 0, norm = 0;
         for (int64_t i = 0; i < E; i++) acc[i] = 0;
-        for (int64_t t = 0; t < L; t++) {
-            if (!mask[n * L + t]) continue;
+        for (; k < T && rows[k] < (n + 1) * L; k++) {
             cnt += 1;
-            for (int64_t i = 0; i < E; i++) acc[i] += x[(n * L + t) * E + i];
+            for (int64_t i = 0; i < E; i++) acc[i] += x[k * E + i];
         }
         cnt = cnt > 1e-9 ? cnt : 1e-9;
         for (int64_t i = 0; i < E; i++) {
@@ -473,8 +542,9 @@ int embed_model_encode(float *out, const embed_model *m, const int64_t *ids,
         norm = norm > 1e-12 ? norm : 1e-12;
         for (int64_t i = 0; i < E; i++) out[n * E + i] = (float)(acc[i] / norm);
     }
-    free(x);
+    free(xp);
     free(pad);
+    free(rows);
     free(acc);
     return rc;
 }
