@@ -12,20 +12,32 @@
 #include "run.h"
 
 // --incremental: the query's tokens chunk by chunk through a KV cache.
+// Positions given as position_ids other than 0, 1, ... (a checkpoint's
+// inputs) go to each chunk as its rope_positions.
 static int run_incremental(run *r, mha_tensor *ot) {
     const mha_tensor *q = r->a.query;
     if (r->a.key != q || r->a.value != q || r->a.need_weights)
         return cli_usage(r->cmd, "--incremental is causal self-attention (no key/value "
                                  "tensors, no --need-weights)");
+    if (r->a.key_padding_mask || r->a.attn_mask)
+        return cli_usage(r->cmd, "--incremental takes no masks (no attention_mask)");
     const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;  // the sequence dim
     const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
     const mha_config *c = mha_module_config(r->m);
-    const int64_t Hkv = c->num_kv_heads, d = c->embed_dim / c->num_heads;
+    const int64_t Hkv = c->num_kv_heads,
+                  d = c->head_dim ? c->head_dim : c->embed_dim / c->num_heads;
+    bool own_pos = r->positions && r->a.rope_positions;
+    for (int64_t n = 0; r->positions && r->a.rope_start && n < N; n++)
+        own_pos |= r->a.rope_start[n] != 0;
+    const int64_t step = r->chunk ? r->chunk : 1;
+    int64_t *pos = own_pos ? malloc(sizeof(int64_t) * (size_t)(N * step)) : NULL;
+    if (own_pos && !pos) {
+        fprintf(stderr, "mha %s: out of memory\n", r->cmd);
+        return 1;
+    }
     mha_kv_cache *cache = NULL;
     mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1,
                                            r->kv_dtype);
-    if (st) return cli_fail(r->cmd, st);
-    const int64_t step = r->chunk ? r->chunk : 1;
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
         const int64_t n = L - t0 < step ? L - t0 : step;
         mha_tensor qc = *q, oc = *ot;  // views of tokens [t0, t0 + n)
@@ -34,8 +46,16 @@ static int run_incremental(run *r, mha_tensor *ot) {
         qc.shape[sd] = oc.shape[sd] = n;
         mha_forward_args a = r->a;
         a.query = a.key = a.value = &qc;
+        a.rope_start = NULL;
+        a.rope_positions = NULL;
+        if (pos) {
+            for (int64_t b = 0; b < N; b++)
+                for (int64_t t = 0; t < n; t++) pos[b * n + t] = r->positions[b * L + t0 + t];
+            a.rope_positions = pos;
+        }
         st = mha_forward_cached(&oc, r->m, &a, cache);
     }
+    free(pos);
     mha_kv_cache_destroy(cache);
     return st ? cli_fail(r->cmd, st) : 0;
 }

@@ -111,6 +111,19 @@ static const char *forward_help =
     "A query row whose keys are all masked gets weights 0 and output\n"
     "out_proj.bias.\n";
 
+static const char *checkpoint_help =
+    "A Hugging Face checkpoint instead of --weights (mha forward, mha inspect):\n"
+    "  --checkpoint DIR     config.json + model.safetensors (or the shards of\n"
+    "                       model.safetensors.index.json): bert, gpt2, llama,\n"
+    "                       mistral, qwen2, qwen3, gemma2, gpt_oss\n"
+    "  --layer I            the layer whose attention runs (default 0); its\n"
+    "                       causal mask, sliding window, RoPE (and scaling),\n"
+    "                       soft cap and scale come from config.json\n"
+    "  X then holds hidden_states (N, L, E), optional position_ids (N, L)\n"
+    "  (integers: RoPE positions) and attention_mask (N, L) (1 = token, 0 =\n"
+    "  padding: hidden as keys); Y holds attn_output (N, L, E), the attention\n"
+    "  block's output before any residual or norm.\n";
+
 static const char *backward_help =
     "Usage: mha backward --weights W.safetensors --inputs X.safetensors\n"
     "                    --grad-output G.safetensors --out grads.safetensors\n"
@@ -161,6 +174,7 @@ void run_free(run *r) {
     for (int64_t i = 0; i < r->ntokens; i++) free(r->tokens[i]);
     free(r->tokens);
     free(r->rope_starts);
+    free(r->positions);
     mha_st_writer_destroy(r->wr);
     for (int i = 0; i < r->nbufs; i++) free(r->bufs[i]);
     for (int i = 0; i < 5; i++) free(r->in[i].buf);
@@ -202,6 +216,7 @@ static const struct option run_opts[] = {
     {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
     {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
     {"parallel", required_argument, 0, 'Z'},
+    {"checkpoint", required_argument, 0, 'a'}, {"layer", required_argument, 0, 'l'},
     {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
@@ -215,6 +230,14 @@ static int opt_files(run *r, bool backward, int c) {
     case 'w': r->wpath = optarg; break;
     case 'x': r->xpath = optarg; break;
     case 'o': r->ypath = optarg; break;
+    case 'a':
+        if (backward) return cli_usage(r->cmd, "--checkpoint is for mha forward and inspect");
+        r->ckpt = optarg;
+        break;
+    case 'l':
+        if (cli_parse_int(&r->layer, optarg, 0, INT64_MAX))
+            return cli_usage(r->cmd, "--layer needs a non-negative integer");
+        break;
     case 'g':
         if (!backward) return cli_usage(r->cmd, "--grad-output is for mha backward");
         r->gpath = optarg;
@@ -392,6 +415,11 @@ static int opt_inspect(run *r, int c) {
 // the exit status.
 static int run_check(run *r, bool backward, bool no_avg) {
     const char *cmd = r->cmd;
+    if (r->ckpt && r->wpath)
+        return cli_usage(cmd, "--checkpoint and --weights do not combine");
+    if (r->ckpt && !r->xpath)
+        return cli_usage(cmd, "--checkpoint needs --inputs and --out");
+    if (r->ckpt) r->wpath = r->ckpt;  // (named in messages and reports)
     if (!r->wpath || !r->xpath || !r->ypath || (backward && !r->gpath))
         return cli_usage(cmd, backward ? "--weights, --inputs, --grad-output and "
                                          "--out are required"
@@ -436,6 +464,7 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
         li = -1;
         if (c == 'h') {
             fputs(inspect ? inspect_help : backward ? backward_help : forward_help, stdout);
+            if (!backward) fputs(checkpoint_help, stdout);
             return 0;
         }
         int rc = opt_files(r, backward, c);
@@ -451,12 +480,112 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
     return run_check(r, backward, no_avg);
 }
 
+// The inputs of a checkpoint's layer: hidden_states (N, L, E) as query,
+// key and value; attention_mask (N, L) (nonzero = token) as the key
+// padding mask; position_ids (N, L) as rope_start when every row counts up
+// by one from a start >= 0, else as rope_positions. Returns 0, or 1 after
+// printing.
+static int load_checkpoint_inputs(run *r) {
+    const char *cmd = r->cmd, *xpath = r->xpath;
+    static const char *names[3] = {"hidden_states", "position_ids", "attention_mask"};
+    mha_status st;
+    char qn[128];
+    mha_st_tensor t[3];
+    bool found[3];
+    for (int i = 0; i < 3; i++) {
+        st = mha_st_find(&t[i], r->xf, names[i]);
+        found[i] = st == MHA_OK;
+        if (st && st != MHA_ERR_NOT_FOUND) return cli_fail(cmd, st);
+    }
+    for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
+        mha_st_tensor u;
+        if ((st = mha_st_tensor_at(&u, r->xf, i))) return cli_fail(cmd, st);
+        if (strcmp(u.name, names[0]) && strcmp(u.name, names[1]) && strcmp(u.name, names[2])) {
+            fprintf(stderr, "mha %s: %s: unexpected tensor %s (the inputs of a checkpoint "
+                    "layer are hidden_states, position_ids, attention_mask)\n", cmd, xpath,
+                    mha_escape(qn, sizeof qn, u.name));
+            return 1;
+        }
+    }
+    if (!found[0]) {
+        fprintf(stderr, "mha %s: %s: no \"hidden_states\" tensor\n", cmd, xpath);
+        return 1;
+    }
+    bool any;
+    if (load_input(&r->in[0], &any, r->xf, cmd, xpath, names[0], 0, r->dtype)) return 1;
+    const mha_tensor *q = &r->in[0].view;
+    if (q->ndim != 3) {
+        fprintf(stderr, "mha %s: %s: hidden_states has %d dims, expected (N, L, E)\n", cmd,
+                xpath, q->ndim);
+        return 1;
+    }
+    const int64_t N = q->shape[0], L = q->shape[1];
+    for (int i = 1; i < 3; i++)
+        if (found[i] && (t[i].ndim != 2 || t[i].shape[0] != N || t[i].shape[1] != L)) {
+            char s1[64];
+            snprintf(s1, sizeof s1, "(%lld, %lld)", (long long)N, (long long)L);
+            fprintf(stderr, "mha %s: %s: %s must be (N, L) = %s like hidden_states\n", cmd,
+                    xpath, names[i], s1);
+            return 1;
+        }
+    r->a.query = r->a.key = r->a.value = q;
+    if (found[2]) {  // attention_mask: 1 = token -> key_padding_mask: true = padding
+        float *m = run_alloc(r, N * L);
+        if (!m) return 1;
+        if ((st = mha_st_read(m, sizeof(float) * (size_t)(N * L), MHA_F32, &t[2])))
+            return cli_fail(cmd, st);
+        unsigned char *kpm = (unsigned char *)m;  // byte i lies before float i
+        for (int64_t i = 0; i < N * L; i++) kpm[i] = m[i] == 0.0f;
+        r->in[3].view = mha_tensor_contiguous(kpm, MHA_BOOL, 2, (int64_t[]){N, L});
+        r->a.key_padding_mask = &r->in[3].view;
+    }
+    if (found[1] && r->a.rope.mode != MHA_ROPE_NONE) {  // (only RoPE reads positions)
+        if (t[1].dtype != MHA_I64 && t[1].dtype != MHA_I32) {
+            fprintf(stderr, "mha %s: %s: position_ids has dtype %s (expected I64 or I32)\n",
+                    cmd, xpath, mha_dtype_name(t[1].dtype));
+            return 1;
+        }
+        double *p = malloc(sizeof(double) * (size_t)(N * L > 0 ? N * L : 1));
+        r->positions = malloc(sizeof(int64_t) * (size_t)(N * L > 0 ? N * L : 1));
+        r->rope_starts = malloc(sizeof(int64_t) * (size_t)(N > 0 ? N : 1));
+        if (!p || !r->positions || !r->rope_starts) {
+            free(p);
+            fprintf(stderr, "mha %s: out of memory\n", cmd);
+            return 1;
+        }
+        if ((st = mha_st_read(p, sizeof(double) * (size_t)(N * L), MHA_F64, &t[1]))) {
+            free(p);
+            return cli_fail(cmd, st);
+        }
+        bool rows = true;  // every row start, start + 1, ... with start >= 0
+        for (int64_t n = 0; n < N; n++) {
+            r->rope_starts[n] = L ? (int64_t)p[n * L] : 0;
+            for (int64_t l = 0; l < L; l++) {
+                r->positions[n * L + l] = (int64_t)p[n * L + l];
+                rows &= p[n * L + l] == p[n * L] + (double)l && p[n * L] >= 0;
+            }
+        }
+        free(p);
+        if (rows) r->a.rope_start = r->rope_starts;
+        else r->a.rope_positions = r->positions;
+    }
+    return 0;
+}
+
 // Loads the module and the inputs into r->a. Returns 0, or 1 after printing.
 int run_load(run *r) {
     static const char *names[5] = {"query", "key", "value", "key_padding_mask",
                                    "attn_mask"};
     const char *cmd = r->cmd, *xpath = r->xpath;
     mha_status st;
+    if (r->ckpt) {
+        r->base.batch_first = true;  // transformers' (N, L, E)
+        if ((st = mha_module_load_checkpoint(&r->m, &r->ck, r->ckpt, r->layer, &r->base)) ||
+            (st = mha_st_open(&r->xf, xpath)))
+            return cli_fail(cmd, st);
+        mha_checkpoint_layer_apply(&r->ck, &r->a);
+        return load_checkpoint_inputs(r);
+    }
     if ((st = mha_st_open(&r->wf, r->wpath)) || (st = mha_module_load(&r->m, r->wf, &r->base)) ||
         (st = mha_st_open(&r->xf, xpath)))
         return cli_fail(cmd, st);

@@ -36,6 +36,12 @@ typedef struct run {
     int64_t chunk;         // --chunk: tokens per step (default 1)
     int64_t rope_start;    // --rope-start, for every batch element
     int64_t *rope_starts;  // ... as the per-element array the API takes
+    // --checkpoint DIR --layer I: a Hugging Face checkpoint's layer (the
+    // inputs then hold hidden_states, position_ids, attention_mask)
+    const char *ckpt;
+    int64_t layer;
+    mha_checkpoint_layer ck;
+    int64_t *positions;  // position_ids (N * L) when not arithmetic rows
     mha_st_file *wf, *xf, *gf;
     mha_module *m;
     cli_tensor in[5];

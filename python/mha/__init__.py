@@ -38,7 +38,8 @@ from ._options import (BF16, F16, F32, F64, forward_kwargs, real, sdpa_kwargs, s
 
 __version__ = _mha.version
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention", "KVCache", "diagnose",
-           "save_tensors", "load_tensors", "isa", "__version__"]
+           "save_tensors", "load_tensors", "isa", "from_pretrained", "CheckpointAttention",
+           "__version__"]
 
 try:  # numpy has no bfloat16; ml_dtypes (from jax) adds one
     import ml_dtypes as _ml_dtypes
@@ -410,6 +411,90 @@ class MultiheadAttention:
     def make_cache(self, batch, capacity, dtype="f32"):
         """A KVCache for this module (batch sequences, capacity tokens)."""
         return KVCache(batch, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face checkpoints
+
+def _positions(position_ids, n, l, rope_mode):
+    """position_ids (N, L) as the binding's keywords: rope_start when every
+    row counts up by one from a start >= 0, else rope_positions; nothing
+    when the layer has no RoPE (only RoPE reads positions)."""
+    if position_ids is None or rope_mode == 0:
+        return {}
+    p = _int64(position_ids, "position_ids")
+    if p.shape != (n, l):
+        raise ValueError("position_ids: shape %s, expected (N, L) = (%d, %d) like "
+                         "hidden_states" % (p.shape, n, l))
+    start = p[:, :1] if l else np.zeros((n, 1), np.int64)
+    if (start >= 0).all() and (p == start + np.arange(l, dtype=np.int64)).all():
+        return {"rope_start": np.ascontiguousarray(start[:, 0])}
+    return {"rope_positions": np.ascontiguousarray(p.reshape(-1))}
+
+
+def _padding(attention_mask, n, l):
+    """transformers' attention_mask (N, L), 1 = token, as a key padding mask
+    (True = padding)."""
+    if attention_mask is None:
+        return None
+    m = np.asarray(attention_mask)
+    if m.shape != (n, l):
+        raise ValueError("attention_mask: shape %s, expected (N, L) = (%d, %d) like "
+                         "hidden_states" % (m.shape, n, l))
+    return np.ascontiguousarray(m == 0)
+
+
+class CheckpointAttention:
+    """The attention of one layer of a Hugging Face checkpoint (bert, gpt2,
+    llama, mistral, qwen2, qwen3, gemma2, gpt_oss), loaded under the
+    architecture's own tensor names (mha_checkpoint_load_layer).
+
+    CheckpointAttention(path, layer=0, *, weight_dtype="f32")
+    __call__(hidden_states, position_ids=None, attention_mask=None, *,
+             impl="auto") -> attn_output
+
+    hidden_states (N, L, E); position_ids (N, L) integers (RoPE positions,
+    transformers' position_ids); attention_mask (N, L), 1 = token, 0 =
+    padding (hidden as a key). The output is the attention block's (before
+    any residual or norm): BERT's attention.output.dense, the decoders'
+    self_attn. The layer's causal mask, sliding window, RoPE (and its
+    scaling), soft cap and scale come from config.json (.config). .module is
+    the MultiheadAttention holding the parameters.
+    """
+
+    def __init__(self, path, layer=0, *, weight_dtype="f32"):
+        m, info = _mha.load_checkpoint(os.fspath(path), _check_int("layer", layer, 0),
+                                       weight_dtype=str(weight_dtype).upper())
+        self.module = MultiheadAttention(0, 0, _module=m).eval()
+        self._layer = info
+        self.config = info.info()
+
+    def __repr__(self):
+        return "CheckpointAttention(%s, layer %d: %r)" % (self.config["model_type"],
+                                                         self.config["layer"], self.module)
+
+    def __call__(self, hidden_states, position_ids=None, attention_mask=None, *,
+                 impl="auto"):
+        q = _arr(hidden_states, "hidden_states")
+        shape = q[0].shape if isinstance(q, tuple) else q.shape
+        if len(shape) != 3:
+            raise ValueError("hidden_states: expected (N, L, E), got shape %s" % (shape,))
+        n, l = shape[0], shape[1]
+        kw = forward_kwargs(impl=impl)
+        kw["checkpoint"] = self._layer
+        kw.update(_positions(position_ids, n, l, self.config["rope_mode"]))
+        kpm = _padding(attention_mask, n, l)
+        out, _ = _mha.forward(self.module._m, q, q, q, kpm, None, _alloc, **kw)
+        return _result(out)
+
+    forward = __call__
+
+
+def from_pretrained(path, layer=0, *, weight_dtype="f32"):
+    """The attention of layer `layer` of the Hugging Face checkpoint in
+    directory `path`: a CheckpointAttention (call it on hidden_states,
+    position_ids, attention_mask)."""
+    return CheckpointAttention(path, layer, weight_dtype=weight_dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from . import _mha
 from ._options import BF16, forward_kwargs, sdpa_kwargs, sdpa_layout
 import mha as _np_api
 
-__all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
+__all__ = ["MultiheadAttention", "scaled_dot_product_attention", "from_pretrained",
+           "CheckpointAttention"]
 
 
 # ---------------------------------------------------------------------------
@@ -204,6 +205,19 @@ class MultiheadAttention(nn.Module):
         np_mod = _np_api.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv,
                                             add_zero_attn, kdim, vdim, batch_first,
                                             num_kv_heads)
+        self._adopt(np_mod, extras)
+        self._reset_parameters()
+
+    @classmethod
+    def _from_cmod(cls, cmod):
+        """A module around an existing C module, its parameters as they are
+        (a checkpoint's)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._adopt(_np_api.MultiheadAttention(0, 0, _module=cmod), {})
+        return self
+
+    def _adopt(self, np_mod, extras):
         self._cmod = np_mod._m
         self.embed_dim, self.kdim, self.vdim = np_mod.embed_dim, np_mod.kdim, np_mod.vdim
         self.num_heads, self.num_kv_heads = np_mod.num_heads, np_mod.num_kv_heads
@@ -218,7 +232,6 @@ class MultiheadAttention(nn.Module):
         forward_kwargs(as_int64=_int64, as_float32=_float32, **extras)  # checked now
         self._extras = dict(extras)
         self._bind()
-        self._reset_parameters()
 
     # -- parameters: views of the C module's storage ----------------------
     def _bind(self):
@@ -343,6 +356,67 @@ class MultiheadAttention(nn.Module):
             out, w = _mha.forward(cmod, q, k, v, call["kpm"], call["am"], _alloc, **kw)
             return _t(out), _t(w)
         return _MHAFunction.apply(self, call, query, key, value, *params)
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face checkpoints
+
+class CheckpointAttention(nn.Module):
+    """The attention of one layer of a Hugging Face checkpoint, as a
+    torch.nn.Module with autograd (mha.CheckpointAttention's counterpart).
+
+    CheckpointAttention(path, layer=0)
+    forward(hidden_states, position_ids=None, attention_mask=None, *,
+            impl="auto") -> attn_output
+
+    hidden_states (N, L, E) float32 (or float64: the reference); the
+    parameters (.attn, a MultiheadAttention: in_proj_weight with the q, k, v
+    rows packed, out_proj, ...) and hidden_states get gradients.
+    """
+
+    def __init__(self, path, layer=0):
+        super().__init__()
+        if isinstance(layer, bool) or int(layer) != layer or layer < 0:
+            raise ValueError("layer must be a non-negative integer, got %r" % (layer,))
+        cmod, info = _mha.load_checkpoint(str(path), int(layer))
+        self.attn = MultiheadAttention._from_cmod(cmod)
+        self._layer = info
+        self.config = info.info()
+
+    def extra_repr(self):
+        return "model_type=%s, layer=%d" % (self.config["model_type"], self.config["layer"])
+
+    def forward(self, hidden_states, position_ids=None, attention_mask=None, *, impl="auto"):
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError("hidden_states: expected a torch.Tensor, got %s"
+                            % type(hidden_states).__name__)
+        if hidden_states.dim() != 3:
+            raise ValueError("hidden_states: expected (N, L, E), got shape %s"
+                             % (tuple(hidden_states.shape),))
+        n, l = hidden_states.shape[0], hidden_states.shape[1]
+        attn = self.attn
+        cmod = attn._mha_sync()
+        kw = forward_kwargs(impl=impl)
+        kw["checkpoint"] = self._layer
+        kw.update(_np_api._positions(_host(position_ids), n, l, self.config["rope_mode"]))
+        kpm = _np_api._padding(_host(attention_mask), n, l)
+        params = [attn._param(nm) for nm in attn._names]
+        grad = torch.is_grad_enabled() and (hidden_states.requires_grad or
+                                            any(p.requires_grad for p in params))
+        call = {"kw": kw, "kpm": kpm, "am": None, "grad": grad, "names": attn._names}
+        if not grad:
+            q = _np(hidden_states, "hidden_states")
+            out, _ = _mha.forward(cmod, q, q, q, kpm, None, _alloc, **kw)
+            return _t(out)
+        out, _ = _MHAFunction.apply(attn, call, hidden_states, hidden_states, hidden_states,
+                                    *params)
+        return out
+
+
+def from_pretrained(path, layer=0):
+    """The attention of layer `layer` of the Hugging Face checkpoint in
+    directory `path`, as a torch.nn.Module (CheckpointAttention)."""
+    return CheckpointAttention(path, layer)
 
 
 # ---------------------------------------------------------------------------

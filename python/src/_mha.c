@@ -730,6 +730,79 @@ static void trace_trampoline(void *user, const char *step, int64_t b, int64_t h,
 }
 
 // ---------------------------------------------------------------------------
+// CheckpointLayer: what a Hugging Face checkpoint's layer does beyond its
+// parameters (mha_checkpoint_layer), for the forward options "checkpoint"
+
+typedef struct CheckpointLayerObject {
+    PyObject_HEAD mha_checkpoint_layer info;
+} CheckpointLayerObject;
+
+static PyTypeObject CheckpointLayerType;
+
+static void CheckpointLayer_dealloc(CheckpointLayerObject *o) { PyObject_Free(o); }
+
+static const char *scaling_name(mha_rope_scaling_type t) {
+    switch (t) {
+    case MHA_ROPE_SCALING_NONE: return "default";
+    case MHA_ROPE_SCALING_LINEAR: return "linear";
+    case MHA_ROPE_SCALING_DYNAMIC: return "dynamic";
+    case MHA_ROPE_SCALING_YARN: return "yarn";
+    case MHA_ROPE_SCALING_LLAMA3: return "llama3";
+    }
+    return "?";
+}
+
+// info() -> dict of the layer's options
+static PyObject *CheckpointLayer_info(CheckpointLayerObject *o, PyObject *unused) {
+    const mha_checkpoint_layer *i = &o->info;
+    const mha_rope_scaling *s = &i->rope_scaling;
+    return Py_BuildValue(
+        "{s:s,s:L,s:O,s:L,s:i,s:d,s:L,s:{s:s,s:d,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O},s:d,s:O,"
+        "s:d}",
+        "model_type", i->model_type, "layer", (long long)i->layer, "is_causal",
+        i->is_causal ? Py_True : Py_False, "window_left", (long long)i->window_left,
+        "rope_mode", (int)i->rope.mode, "rope_theta", i->rope.theta, "rope_dim",
+        (long long)i->rope.dim, "rope_scaling", "type", scaling_name(s->type), "factor",
+        s->factor, "original_max_position", (long long)s->original_max_position,
+        "low_freq_factor", s->low_freq_factor, "high_freq_factor", s->high_freq_factor,
+        "beta_fast", s->beta_fast, "beta_slow", s->beta_slow, "mscale", s->mscale,
+        "mscale_all_dim", s->mscale_all_dim, "attention_factor", s->attention_factor,
+        "truncate", s->truncate ? Py_True : Py_False, "softcap", (double)i->softcap,
+        "use_custom_scale", i->use_custom_scale ? Py_True : Py_False, "scale", i->scale);
+}
+
+static PyMethodDef CheckpointLayer_methods[] = {
+    {"info", (PyCFunction)CheckpointLayer_info, METH_NOARGS, "the layer's options (a dict)"},
+    {NULL, NULL, 0, NULL}};
+
+// load_checkpoint(dir, layer, weight_dtype="F32") -> (Module, CheckpointLayer)
+static PyObject *py_load_checkpoint(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kws[] = {"dir", "layer", "weight_dtype", NULL};
+    const char *dir, *wdt = "F32";
+    long long layer = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|Ls", kws, &dir, &layer, &wdt)) return NULL;
+    mha_config base;
+    mha_config_init(&base, 0, 0);
+    base.batch_first = true;  // transformers' (N, L, E)
+    if (parse_dtype_name(wdt, &base.weight_dtype) < 0) return NULL;
+    CheckpointLayerObject *info = PyObject_New(CheckpointLayerObject, &CheckpointLayerType);
+    if (!info) return NULL;
+    mha_module *m = NULL;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS st = mha_module_load_checkpoint(&m, &info->info, dir, layer, &base);
+    Py_END_ALLOW_THREADS if (st) {
+        Py_DECREF(info);
+        return raise_status(st);
+    }
+    PyObject *mod = wrap_module(m);
+    if (!mod) {
+        Py_DECREF(info);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", mod, (PyObject *)info);
+}
+
+// ---------------------------------------------------------------------------
 // Forward arguments shared by forward, backward, diagnose, forward_cached
 
 typedef struct fwd_call {
@@ -738,6 +811,7 @@ typedef struct fwd_call {
     int64_t wh[2], wr[2];
     int64_t impl;
     PyObject *saved, *rope_start, *alibi_slopes, *trace;
+    PyObject *checkpoint, *rope_positions;  // a CheckpointLayer; int64 (N L)
     int64_t rope_mode;
     // diagnose's options
     mha_diag_options diag;
@@ -755,7 +829,8 @@ typedef struct fwd_call {
         {"rope_mode", 'L', &(c)->rope_mode}, {"rope_theta", 'd', &(c)->a.rope.theta},          \
         {"rope_dim", 'L', &(c)->a.rope.dim}, {"rope_start", 'O', &(c)->rope_start},            \
         {"alibi", 'b', &(c)->a.alibi}, {"alibi_slopes", 'O', &(c)->alibi_slopes},              \
-        {"softcap", 'f', &(c)->a.softcap}, {                                                   \
+        {"softcap", 'f', &(c)->a.softcap}, {"checkpoint", 'O', &(c)->checkpoint},              \
+        {"rope_positions", 'O', &(c)->rope_positions}, {                                       \
         "trace", 'O', &(c)->trace                                                              \
     }
 
@@ -765,6 +840,7 @@ static void fwd_call_init(fwd_call *c) {
     c->wh[0] = c->wr[0] = 0;
     c->wh[1] = c->wr[1] = -1;
     c->saved = c->rope_start = c->alibi_slopes = c->trace = Py_None;
+    c->checkpoint = c->rope_positions = Py_None;
     mha_diag_options_init(&c->diag);
 }
 
@@ -808,6 +884,19 @@ static int fwd_views(held *h, fwd_call *c, ModuleObject *mod, PyObject *q, PyObj
             return -1;
         }
         c->a.save = ((SavedObject *)c->saved)->s;
+    }
+    // the token positions (N * L of them, L the query's length)
+    const int64_t N = query_batch(mod->m, &c->q),
+                  Lq = c->q.ndim == 3 ? c->q.shape[cfg->batch_first ? 1 : 0] : c->q.shape[0];
+    if (get_vector(h, c->rope_positions, "rope_positions", MHA_I64, N * Lq, &p) < 0) return -1;
+    c->a.rope_positions = p;
+    // a checkpoint layer's options (after the others: they are the layer's)
+    if (c->checkpoint != Py_None) {
+        if (!PyObject_TypeCheck(c->checkpoint, &CheckpointLayerType)) {
+            PyErr_SetString(PyExc_TypeError, "checkpoint: expected an mha._mha.CheckpointLayer");
+            return -1;
+        }
+        mha_checkpoint_layer_apply(&((CheckpointLayerObject *)c->checkpoint)->info, &c->a);
     }
     return 0;
 }
@@ -1420,6 +1509,9 @@ static PyMethodDef functions[] = {
     {"load_tensors", (PyCFunction)py_load_tensors, METH_VARARGS,
      "load_tensors(path) -> ([(name, dtype, shape, bytes)], metadata)"},
     {"isa", (PyCFunction)py_isa, METH_NOARGS, "the SIMD kernels in use"},
+    {"load_checkpoint", (PyCFunction)(void (*)(void))py_load_checkpoint,
+     METH_VARARGS | METH_KEYWORDS,
+     "load_checkpoint(dir, layer, weight_dtype) -> (Module, CheckpointLayer)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_mha",
@@ -1454,14 +1546,23 @@ PyMODINIT_FUNC PyInit__mha(void) {
                                .tp_methods = Cache_methods,
                                .tp_getset = Cache_getset,
                                .tp_new = Cache_new};
+    CheckpointLayerType = (PyTypeObject){
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mha._mha.CheckpointLayer",
+        .tp_basicsize = sizeof(CheckpointLayerObject),
+        .tp_dealloc = (destructor)CheckpointLayer_dealloc,
+        .tp_flags = Py_TPFLAGS_DEFAULT,
+        .tp_doc = "a checkpoint layer's options (mha_checkpoint_layer)",
+        .tp_methods = CheckpointLayer_methods};
     if (PyType_Ready(&ModuleType) < 0 || PyType_Ready(&ParamType) < 0 ||
-        PyType_Ready(&SavedType) < 0 || PyType_Ready(&CacheType) < 0)
+        PyType_Ready(&SavedType) < 0 || PyType_Ready(&CacheType) < 0 ||
+        PyType_Ready(&CheckpointLayerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    PyTypeObject *types[] = {&ModuleType, &ParamType, &SavedType, &CacheType};
-    const char *names[] = {"Module", "Param", "Saved", "KVCache"};
-    for (int i = 0; i < 4; i++) {
+    PyTypeObject *types[] = {&ModuleType, &ParamType, &SavedType, &CacheType,
+                             &CheckpointLayerType};
+    const char *names[] = {"Module", "Param", "Saved", "KVCache", "CheckpointLayer"};
+    for (int i = 0; i < 5; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);
