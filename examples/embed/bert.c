@@ -1,6 +1,9 @@
 // bert.c: the BERT encoder of sentence embeddings (bert.h): loading
-// config.json and model.safetensors through libmha's safetensors reader,
-// the forward over a padded batch, mean pooling and L2 normalisation.
+// config.json and the weights through libmha's checkpoint reader
+// (mha_checkpoint_open: model.safetensors or its shards; each layer's
+// attention by mha_checkpoint_load_layer, every other tensor by
+// mha_checkpoint_find + mha_st_read), the forward over a padded batch,
+// mean pooling and L2 normalisation.
 //
 // Layout: activations row-major (N L, E), the row of token t of sequence n
 // at n L + t, which is libmha's batch_first (N, L, E). Each dense layer's
@@ -145,22 +148,23 @@ static int read_config(embed_bert_config *c, const char *dir) {
 // ---------------------------------------------------------------------------
 // Tensors
 
-// A float tensor of the file by name ("bert." prefix optional) with
+#define LABEL "the checkpoint"
+
+// A float tensor of the checkpoint by name ("bert." prefix optional) with
 // exactly the shape (d0) or (d0, d1) (d1 = 0: one dimension), into dst
 // (numel floats). full: the name found, for messages.
-static int read_into(float *dst, const mha_st_file *f, const char *name, int64_t d0,
+static int read_into(float *dst, const mha_checkpoint *f, const char *name, int64_t d0,
                      int64_t d1) {
     mha_st_tensor t;
     char full[256];
     snprintf(full, sizeof full, "%s", name);
-    mha_status st = mha_st_find(&t, f, full);
+    mha_status st = mha_checkpoint_find(&t, f, full);
     if (st == MHA_ERR_NOT_FOUND) {
         snprintf(full, sizeof full, "bert.%s", name);
-        st = mha_st_find(&t, f, full);
+        st = mha_checkpoint_find(&t, f, full);
     }
     if (st)
-        return embed_fail("%s: tensor \"%s\" not found (nor \"bert.%s\")", mha_st_label(f),
-                          name, name);
+        return embed_fail("%s: tensor \"%s\" not found (nor \"bert.%s\")", LABEL, name, name);
     int want_ndim = d1 ? 2 : 1;
     if (t.ndim != want_ndim || t.shape[0] != d0 || (d1 && t.shape[1] != d1)) {
         char got[128] = "";
@@ -169,21 +173,21 @@ static int read_into(float *dst, const mha_st_file *f, const char *name, int64_t
                           (long long)t.shape[i]);
         if (d1)
             return embed_fail("%s: \"%s\" has shape (%s), config.json says (%lld, %lld)",
-                              mha_st_label(f), full, got, (long long)d0, (long long)d1);
-        return embed_fail("%s: \"%s\" has shape (%s), config.json says (%lld)",
-                          mha_st_label(f), full, got, (long long)d0);
+                              LABEL, full, got, (long long)d0, (long long)d1);
+        return embed_fail("%s: \"%s\" has shape (%s), config.json says (%lld)", LABEL, full,
+                          got, (long long)d0);
     }
     if (t.dtype != MHA_F32 && t.dtype != MHA_F16 && t.dtype != MHA_BF16)
-        return embed_fail("%s: \"%s\" has dtype %s (expected F32, F16 or BF16)",
-                          mha_st_label(f), full, mha_dtype_name(t.dtype));
+        return embed_fail("%s: \"%s\" has dtype %s (expected F32, F16 or BF16)", LABEL, full,
+                          mha_dtype_name(t.dtype));
     size_t bytes = (size_t)t.numel * sizeof(float);
     if (mha_st_read(dst, bytes, MHA_F32, &t))
-        return embed_fail("%s: reading \"%s\": %s", mha_st_label(f), full, mha_last_error());
+        return embed_fail("%s: reading \"%s\": %s", LABEL, full, mha_last_error());
     return 0;
 }
 
 // As read_into, allocating *dst.
-static int read_new(float **dst, const mha_st_file *f, const char *name, int64_t d0,
+static int read_new(float **dst, const mha_checkpoint *f, const char *name, int64_t d0,
                     int64_t d1) {
     size_t n = (size_t)d0 * (size_t)(d1 ? d1 : 1);
     *dst = malloc(n * sizeof(float));
@@ -192,7 +196,8 @@ static int read_new(float **dst, const mha_st_file *f, const char *name, int64_t
 }
 
 // A dense layer "<name>.weight" (O, I), "<name>.bias" (O), packed.
-static int read_dense(dense *d, const mha_st_file *f, const char *name, int64_t O, int64_t I) {
+static int read_dense(dense *d, const mha_checkpoint *f, const char *name, int64_t O,
+                      int64_t I) {
     char wn[200], bn[200];
     snprintf(wn, sizeof wn, "%s.weight", name);
     snprintf(bn, sizeof bn, "%s.bias", name);
@@ -214,53 +219,41 @@ static int read_dense(dense *d, const mha_st_file *f, const char *name, int64_t 
     return 0;
 }
 
-// The attention of layer l: BERT's separate query/key/value weights and
-// biases packed into the module's in_proj_weight (3E, E) / in_proj_bias
-// (3E), rows Q then K then V; attention.output.dense is out_proj. (The one
-// place that knows BERT's attention names: mha_checkpoint_load_layer can
-// replace it once it loads bert.)
-static int load_attention_layer(mha_module **out, const mha_st_file *f, int64_t l,
+// The attention of layer l: libmha's checkpoint loader packs BERT's
+// separate query/key/value weights and biases into the module's
+// in_proj_weight (3E, E) / in_proj_bias (3E), rows Q then K then V, and
+// attention.output.dense into out_proj, checking every shape against
+// config.json. What the layer does beyond its parameters must be plain
+// BERT: bidirectional, no RoPE, window, soft cap or custom scale.
+static int load_attention_layer(mha_module **out, const mha_checkpoint *ck, int64_t l,
                                 const embed_bert_config *c) {
-    int64_t E = c->hidden_size;
-    mha_config mc;
-    mha_config_init(&mc, E, c->num_heads);
-    mc.batch_first = true;
-    if (mha_module_create(out, &mc))
+    mha_config base;
+    mha_config_init(&base, 0, 0);
+    base.batch_first = true;  // (N, L, E), the activations' layout
+    mha_checkpoint_layer info;
+    if (mha_checkpoint_load_layer(out, &info, ck, l, &base))
         return embed_fail("layer %lld attention: %s", (long long)l, mha_last_error());
-    mha_param in_w, in_b, out_w, out_b;
-    if (mha_module_param(&in_w, *out, "in_proj_weight") ||
-        mha_module_param(&in_b, *out, "in_proj_bias") ||
-        mha_module_param(&out_w, *out, "out_proj.weight") ||
-        mha_module_param(&out_b, *out, "out_proj.bias"))
-        return embed_fail("layer %lld attention: %s", (long long)l, mha_last_error());
-    static const char *qkv[3] = {"query", "key", "value"};
-    char name[200];
-    for (int k = 0; k < 3; k++) {
-        snprintf(name, sizeof name, "encoder.layer.%lld.attention.self.%s.weight",
-                 (long long)l, qkv[k]);
-        if (read_into(in_w.data + k * E * E, f, name, E, E)) return -1;
-        snprintf(name, sizeof name, "encoder.layer.%lld.attention.self.%s.bias", (long long)l,
-                 qkv[k]);
-        if (read_into(in_b.data + k * E, f, name, E, 0)) return -1;
-    }
-    snprintf(name, sizeof name, "encoder.layer.%lld.attention.output.dense.weight",
-             (long long)l);
-    if (read_into(out_w.data, f, name, E, E)) return -1;
-    snprintf(name, sizeof name, "encoder.layer.%lld.attention.output.dense.bias", (long long)l);
-    return read_into(out_b.data, f, name, E, 0);
+    const mha_config *mc = mha_module_config(*out);
+    if (mc->embed_dim != c->hidden_size || mc->num_heads != c->num_heads ||
+        mc->num_kv_heads != c->num_heads || !mc->bias || mc->no_out_bias || info.is_causal ||
+        info.rope.mode != MHA_ROPE_NONE || info.window_left >= 0 || info.softcap != 0 ||
+        info.use_custom_scale)
+        return embed_fail("layer %lld attention: not a BERT self-attention of E = %lld, H = %lld "
+                          "(model_type %s)",
+                          (long long)l, (long long)c->hidden_size, (long long)c->num_heads,
+                          info.model_type);
+    return 0;
 }
 
 int embed_model_load(embed_model **out, const char *dir) {
     *out = NULL;
     embed_model *m = calloc(1, sizeof *m);
     if (!m) return embed_fail("out of memory for the model");
-    mha_st_file *f = NULL;
+    mha_checkpoint *f = NULL;
     if (read_config(&m->cfg, dir)) goto fail;
     const embed_bert_config *c = &m->cfg;
     int64_t E = c->hidden_size, I = c->intermediate_size;
-    char path[4096];
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    if (mha_st_open(&f, path)) {
+    if (mha_checkpoint_open(&f, dir)) {
         embed_fail("%s", mha_last_error());
         goto fail;
     }
@@ -290,11 +283,11 @@ int embed_model_load(embed_model **out, const char *dir) {
             goto fail;
 #undef P
     }
-    mha_st_close(f);
+    mha_checkpoint_close(f);
     *out = m;
     return 0;
 fail:
-    mha_st_close(f);
+    mha_checkpoint_close(f);
     embed_model_destroy(m);
     return -1;
 }

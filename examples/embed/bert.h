@@ -33,9 +33,9 @@ typedef struct embed_bert_config {
 typedef struct embed_model embed_model;
 
 // Reads dir/config.json (model_type "bert", hidden_act "gelu",
-// position_embedding_type "absolute") and dir/model.safetensors (names with
-// or without the "bert." prefix; F32, F16 or BF16), checking every shape
-// against the config.
+// position_embedding_type "absolute") and the weights, dir/model.safetensors
+// or its shards (names with or without the "bert." prefix; F32, F16 or
+// BF16), checking every shape against the config.
 int embed_model_load(embed_model **out, const char *dir);
 void embed_model_destroy(embed_model *m);
 const embed_bert_config *embed_model_config(const embed_model *m);

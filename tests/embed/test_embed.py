@@ -17,11 +17,13 @@ special tokens in the text, empty, very long: truncated at 256 tokens):
     1e-5 on every normalised embedding;
   - the same bits with 1 and 2 threads, and from a file as from arguments;
     the portable kernels (MHA_ISA=scalar) within the same bounds;
-  - errors: invalid UTF-8 (naming the line), a model without vocab.txt.
+  - errors: invalid UTF-8 (naming the line), a model without vocab.txt, a
+    config.json that disagrees with the weights or is not BERT's.
 Prints a per-sentence table and the summary.
 """
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,6 +112,17 @@ SENTENCES = [
     "U.N.I.T.E.D. S.T.A.T.E.S.",
     "emoji\U0001F600without\U0001F601spaces",
 ]
+
+
+def place(src, dst):
+    """dst: a hard link to src, or a copy (the checkpoint reader refuses a
+    symlink that leads out of the model directory)."""
+    if os.path.lexists(dst):
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def run(cmd, env_threads=2, isa=None):
@@ -221,14 +234,30 @@ def main():
     novocab = os.path.join(args.tmp, "novocab")
     os.makedirs(novocab, exist_ok=True)
     for fn in ("config.json", "model.safetensors", "tokenizer_config.json"):
-        dst = os.path.join(novocab, fn)
-        if not os.path.lexists(dst):
-            os.symlink(os.path.join(MODEL, fn), dst)
+        place(os.path.join(MODEL, fn), os.path.join(novocab, fn))
     r = run([args.mha, "embed", "--model", novocab, "--out", out1, "hello"])
     if r.returncode != 1 or "vocab.txt" not in r.stderr:
         failures.append(f"missing vocab.txt: status {r.returncode}, {r.stderr.strip()!r}")
     else:
         print(f"missing vocab.txt: status 1, {r.stderr.strip()!r}")
+
+    # a config.json that disagrees with the weights, or is not BERT's
+    import json
+    cfg = json.load(open(os.path.join(MODEL, "config.json")))
+    for tag, change, want in (("inter", {"intermediate_size": 1000}, "intermediate.dense"),
+                              ("act", {"hidden_act": "relu"}, "hidden_act"),
+                              ("type", {"model_type": "gpt2"}, "model_type")):
+        d = os.path.join(args.tmp, "bad_" + tag)
+        os.makedirs(d, exist_ok=True)
+        for fn in ("model.safetensors", "vocab.txt", "tokenizer_config.json"):
+            place(os.path.join(MODEL, fn), os.path.join(d, fn))
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(dict(cfg, **change), f)
+        r = run([args.mha, "embed", "--model", d, "--out", out1, "hello"])
+        if r.returncode != 1 or want not in r.stderr:
+            failures.append(f"config {change}: status {r.returncode}, {r.stderr.strip()!r}")
+        else:
+            print(f"config {change}: status 1, {r.stderr.strip()!r}")
 
     print()
     print("| sentences | token ids identical | worst cosine | worst max abs error "
