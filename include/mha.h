@@ -1109,7 +1109,10 @@ MHA_API MHA_NODISCARD mha_status mha_st_writer_save(const mha_st_writer *w, cons
 // tensors are found under the architecture's own names, with or without
 // the usual prefixes ("bert.", "model.", "transformer."), and every shape is
 // checked against the config; F32, F16 and BF16 tensors load (converted to
-// the module's weight_dtype). Errors name the file and the tensor.
+// the module's weight_dtype; separate q/k/v matrices are packed, exactly,
+// into in_proj_weight). Errors name the file and the tensor. Shards are
+// read when first needed, so a checkpoint is not to be used from two
+// threads at once.
 typedef struct mha_checkpoint mha_checkpoint;
 
 // Opens dir: reads and checks config.json and the index (or the single

@@ -593,6 +593,55 @@ def main():
                    init + ["--embed-dim", "8", "--num-heads", "2", "--kdim",
                            "-1"], Wi)
 
+    # ---- Hugging Face checkpoints (--checkpoint DIR --layer I) --------------
+    ck = P("ck_llama")
+    os.makedirs(ck)
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "hidden_size": E, "num_attention_heads": H,
+                   "num_key_value_heads": 1, "num_hidden_layers": 1}, f)
+    d = E // H
+    write(os.path.join(ck, "model.safetensors"), build([
+        tensor("model.layers.0.self_attn.q_proj.weight", (E, E)),
+        tensor("model.layers.0.self_attn.k_proj.weight", (d, E), seed=1),
+        tensor("model.layers.0.self_attn.v_proj.weight", (d, E), seed=2),
+        tensor("model.layers.0.self_attn.o_proj.weight", (E, E), seed=3)]))
+    hs = tensor("hidden_states", (N, L, E))
+    pos = tensor("position_ids", (N, L), "I64", [0, 1, 2, 5, 6, 7])
+    am = tensor("attention_mask", (N, L), "I64", [1, 1, 1, 1, 1, 0])
+    X_ck = write(P("x_ck.safetensors"), build([hs, pos, am]))
+    X_ck0 = write(P("x_ck0.safetensors"), build([hs]))
+    ckf = fwd + ["--checkpoint", ck, "--layer", "0"]
+    r.expect_ok("control: forward --checkpoint (positions, attention_mask)",
+                ckf + ["--inputs", X_ck], check_out((N, L, E)))
+    r.expect_ok("control: forward --checkpoint --incremental",
+                ckf + ["--inputs", X_ck0, "--incremental"], check_out((N, L, E)))
+    r.expect_ok("control: inspect --checkpoint",
+                ["inspect", "--checkpoint", ck, "--inputs", X_ck, "--out", P("ck_inspect")])
+
+    def bad_ck(name, tensors, extra_args=(), layer="0", dir_=None):
+        path = write(P("ck_%03d.safetensors" % r.count), build(tensors))
+        r.count += 1
+        r.expect_error("checkpoint: " + name,
+                       fwd + ["--checkpoint", dir_ or ck, "--layer", layer, "--inputs",
+                              path] + list(extra_args), Y)
+
+    bad_ck("no hidden_states", [pos])
+    bad_ck("hidden_states (L, E)", [tensor("hidden_states", (L, E))])
+    bad_ck("hidden_states of the wrong E", [tensor("hidden_states", (N, L, E + 2))])
+    bad_ck("position_ids (N, L + 1)", [hs, tensor("position_ids", (N, L + 1), "I64")])
+    bad_ck("position_ids float", [hs, tensor("position_ids", (N, L), "F32")])
+    bad_ck("attention_mask (L, N)", [hs, tensor("attention_mask", (L, N), "I64")])
+    bad_ck("an unexpected input tensor", [hs, tensor("query", (N, L, E))])
+    bad_ck("layer out of range", [hs], layer="1")
+    bad_ck("--incremental with attention_mask", [hs, am], ["--incremental"])
+    bad_ck("--checkpoint with --weights", [hs], ["--weights", W])
+    bad_ck("a missing directory", [hs], dir_=P("no_such_checkpoint"))
+    bad_ck("a directory without config.json", [hs], dir_=tmp)
+    r.expect_error("checkpoint: --checkpoint is not for backward",
+                   ["backward", "--checkpoint", ck, "--inputs", X_ck0, "--grad-output", X,
+                    "--out", Y], Y)
+    r.expect_error("checkpoint: --layer -1", ckf[:-1] + ["-1", "--inputs", X_ck0], Y)
+
     print("%d passed, %d failed" % (r.passed, r.failed))
     return 1 if r.failed else 0
 

@@ -24,6 +24,14 @@ safetensors/ (fuzz_safetensors: the reader on arbitrary bytes):
   header, invalid JSON, junk after the JSON, a byte-order mark, a control
   byte, \\u0000 in a name, deep nesting.
 
+checkpoint/ (fuzz_checkpoint: config.json and the index of a Hugging Face
+checkpoint, beside fixed shard files): every architecture's config, single
+file, index, shards in a subdirectory, RoPE scaling spellings; and shard
+paths with "..", absolute, a symlink out, missing, not safetensors, lacking
+its tensor; configs and indexes that are not JSON, of wrong types, with
+unknown model_type / rope_type / layer type, shapes the tensors disagree
+with.
+
 forward/ (fuzz_forward: weights + inputs files to mha_forward; layout in
 tests/fuzz/fuzz_forward.c): 12 control bytes (flags, num_heads, window,
 weights block, cached path, seed, W) + a weights file of W bytes + an
@@ -449,13 +457,88 @@ def safetensors_seeds():
     return s
 
 
+def checkpoint_seeds():
+    """fuzz_checkpoint: flags byte, config.json, 0, index, 0, model file
+    (layout in tests/fuzz/fuzz_checkpoint.c; its fixed shards a, b, g, e,
+    bad, link and sub/a .safetensors)."""
+    def ck(flags, config, index=None, model=b""):
+        c = config if isinstance(config, bytes) else json.dumps(config).encode()
+        i = b"" if index is None else (index if isinstance(index, bytes) else
+                                       json.dumps(index).encode())
+        return bytes([flags | (0x10 if index is not None else 0)]) + c + b"\0" + i + b"\0" + model
+
+    llama = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "num_hidden_layers": 2}
+    q = "model.layers.%d.self_attn.%s_proj.%s"
+    both = {q % (l, p, w): ("a" if l == 0 else "b") + ".safetensors"
+            for l in (0, 1) for p in "qkvo" for w in ("weight",)}
+    both.update({q % (1, p, "bias"): "b.safetensors" for p in "qkvo"})
+    s = {}
+    s["llama-single"] = ck(0, llama)
+    s["llama-single-bf16-layer1"] = ck(0x41, llama)
+    s["llama-index"] = ck(0, llama, {"metadata": {}, "weight_map": both})
+    s["llama-index-layer1-bias"] = ck(1, dict(llama, attention_bias=True), {"weight_map": both})
+    s["llama-sub"] = ck(0, llama, {"weight_map": {q % (0, p, "weight"): "sub/a.safetensors"
+                                                  for p in "qkvo"}})
+    s["llama-rope-scaling"] = ck(0, dict(llama, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                              "low_freq_factor": 1.0,
+                                                              "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 32}))
+    s["llama-rope-parameters-yarn"] = ck(0, dict(llama, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "truncate": False}))
+    s["llama-rope-type-old"] = ck(0, dict(llama, rope_theta=500.0,
+                                          rope_scaling={"type": "dynamic", "factor": 2.0}))
+    s["mistral"] = ck(0, dict(llama, model_type="mistral", sliding_window=4))
+    s["qwen2"] = ck(1, dict(llama, model_type="qwen2", use_sliding_window=True,
+                            sliding_window=3, max_window_layers=1), {"weight_map": both})
+    s["qwen3"] = ck(0, dict(llama, model_type="qwen3", head_dim=4, rms_norm_eps=1e-6))
+    s["gemma2"] = ck(0, dict(llama, model_type="gemma2", head_dim=4, query_pre_attn_scalar=4,
+                             sliding_window=6, layer_types=["sliding_attention",
+                                                            "full_attention"]))
+    s["gpt-oss"] = ck(0, dict(llama, model_type="gpt_oss", head_dim=4, sliding_window=4))
+    gpt2 = {"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1}
+    gmap = {"h.0.attn.%s.%s" % (a, w): "g.safetensors" for a in ("c_attn", "c_proj")
+            for w in ("weight", "bias")}
+    s["gpt2"] = ck(0, gpt2, {"weight_map": gmap})
+    s["gpt2-inverse-layer"] = ck(0, dict(gpt2, scale_attn_by_inverse_layer_idx=True,
+                                         scale_attn_weights=False), {"weight_map": gmap})
+    bert = {"model_type": "bert", "hidden_size": 8, "num_attention_heads": 2,
+            "num_hidden_layers": 1, "position_embedding_type": "absolute"}
+    emap = {"encoder.layer.0.attention.%s.%s" % (a, w): "e.safetensors"
+            for a in ("self.query", "self.key", "self.value", "output.dense")
+            for w in ("weight", "bias")}
+    s["bert"] = ck(0, bert, {"weight_map": emap})
+    one = lambda f: {"weight_map": {q % (0, "q", "weight"): f}}  # noqa: E731
+    s["bad-shard-dotdot"] = ck(0, llama, one("../outside.safetensors"))
+    s["bad-shard-absolute"] = ck(0, llama, one("/etc/passwd"))
+    s["bad-shard-symlink-out"] = ck(0, llama, one("link.safetensors"))
+    s["bad-shard-missing"] = ck(0, llama, one("nothing.safetensors"))
+    s["bad-shard-not-safetensors"] = ck(0, llama, one("bad.safetensors"))
+    s["bad-shard-lacks-tensor"] = ck(0, llama, one("b.safetensors"))
+    s["bad-index-not-json"] = ck(0, llama, b"{\"weight_map\": ")
+    s["bad-index-map-array"] = ck(0, llama, {"weight_map": ["a.safetensors"]})
+    s["bad-index-value-number"] = ck(0, llama, {"weight_map": {"x": 1}})
+    s["bad-config-not-json"] = ck(0, b"{model_type: llama}")
+    s["bad-config-array"] = ck(0, b"[]")
+    s["bad-config-unknown-type"] = ck(0, {"model_type": "t5"})
+    s["bad-config-types"] = ck(0, dict(llama, hidden_size="8", attention_bias=1))
+    s["bad-config-heads"] = ck(0, dict(llama, num_key_value_heads=3))
+    s["bad-config-layer-types"] = ck(0, dict(llama, model_type="gemma2",
+                                            layer_types=["chunked_attention", 3]))
+    s["bad-config-rope-type"] = ck(0, dict(llama, rope_parameters={"rope_type": "longrope"}))
+    s["bad-config-shapes"] = ck(0, dict(llama, hidden_size=16))
+    s["bad-model-file"] = ck(0x20, llama, None, b"\x08\0\0\0\0\0\0\0{}      ")
+    return s
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(here, "corpus"))
     args = ap.parse_args()
     for target, seeds in (("safetensors", safetensors_seeds()),
-                          ("forward", forward_seeds())):
+                          ("forward", forward_seeds()),
+                          ("checkpoint", checkpoint_seeds())):
         d = os.path.join(args.out, target)
         os.makedirs(d, exist_ok=True)
         for name in os.listdir(d):

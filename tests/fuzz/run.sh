@@ -21,7 +21,8 @@
 # status line), new units, and whether it found anything. Exit status 1 if
 # any target found something (or failed to run), else 0.
 #
-# Targets: safetensors (the reader on arbitrary bytes), forward (weights +
+# Targets: safetensors (the reader on arbitrary bytes), checkpoint
+# (config.json and the index of a Hugging Face checkpoint), forward (weights +
 # inputs files to mha_forward). Regenerate the seeds with
 # tests/fuzz/make_corpus.py.
 set -eu
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 SECS=${1:-60}
 if [ $# -gt 0 ]; then shift; fi
-TARGETS=${*:-"safetensors forward"}
+TARGETS=${*:-"safetensors forward checkpoint"}
 case "$SECS" in
     '' | *[!0-9]* | 0) echo "run.sh: SECONDS must be a positive whole number, got '$SECS'" >&2
         exit 2 ;;
