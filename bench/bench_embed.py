@@ -93,9 +93,12 @@ def main():
     st_ms = statistics.median(times)
     err = float(np.abs(got["embeddings"] - ref).max())
 
+    info = subprocess.run([args.mha, "info"], capture_output=True, text=True).stdout
+    isa = re.search(r"SIMD kernels: (\w+)", info)
     print(f"all-MiniLM-L6-v2, batch {args.batch} sentences ({tokens} tokens, longest "
           f"{got['input_ids'].shape[1]}), {args.threads} threads, median of {args.repeats}; "
-          f"torch {torch.__version__}, mha ISA {r.stdout and os.environ.get('MHA_ISA', 'auto')}")
+          f"torch {torch.__version__}, mha kernels {isa.group(1) if isa else '?'}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("| | ms per batch | sentences/s |")
     print("|---|---|---|")
     print(f"| mha embed (C, in-process) | {mha_ms:.2f} | {args.batch / mha_ms * 1e3:.0f} |")
