@@ -459,7 +459,8 @@ typedef struct mha_rope {
 //       theta ((factor seq / original_max_position) - (factor - 1))^(dim /
 //       (dim - 2)); unchanged otherwise (transformers keeps the largest
 //       seq seen by the module; mha decides per call, which agrees while
-//       the sequences only grow, as in decoding)
+//       the sequences only grow, as in decoding). original_max_position is
+//       transformers' config.max_position_embeddings here; dim > 2.
 //   MHA_ROPE_SCALING_YARN: inv_freq blended between inv_freq_i and
 //       inv_freq_i / factor by the linear ramp between the correction dims
 //       of beta_fast and beta_slow (floored / ceiled when truncate), and cos
@@ -468,7 +469,15 @@ typedef struct mha_rope {
 //   MHA_ROPE_SCALING_LLAMA3: wavelengths 2 pi / inv_freq_i above
 //       original_max_position / low_freq_factor divided by factor, below
 //       original_max_position / high_freq_factor kept, smoothly blended
-//       in between
+//       in between (0 < low_freq_factor < high_freq_factor)
+// YaRN: beta_fast / beta_slow 0 mean the defaults 32 / 1 (as transformers'
+// "or"); theta != 1. Every field is checked where its type uses it
+// (MHA_ERR_INVALID_ARG naming the field and its value); fields a type does
+// not use are ignored. The attention factor multiplies cos and sin of the
+// rotated features only (partial rotary: the rest pass through unscaled),
+// so the scores of rotated features scale by its square, as in
+// transformers. A scaling other than NONE needs a RoPE mode: with
+// MHA_ROPE_NONE it is refused (MHA_ERR_INVALID_ARG), not ignored.
 typedef enum mha_rope_scaling_type {
     MHA_ROPE_SCALING_NONE = 0,
     MHA_ROPE_SCALING_LINEAR = 1,
@@ -499,7 +508,9 @@ MHA_API MHA_NODISCARD mha_status mha_rope_scaling_type_from_name(mha_rope_scalin
 // The frequencies a call uses: inv_freq (dim / 2 of them, dim = r->dim or
 // head_dim when 0) and the factor cos and sin are multiplied by (1 unless
 // YaRN), for a call whose positions are below seq (dynamic NTK). s may be
-// NULL. Checks every field (MHA_ERR_INVALID_ARG naming it).
+// NULL; r's mode is not used (its theta and dim are). Checks every field
+// (MHA_ERR_INVALID_ARG naming it). Computed in double (transformers
+// computes them in float32: they agree within float32 rounding).
 MHA_API MHA_NODISCARD mha_status mha_rope_frequencies(double *inv_freq,
                                                       double *attention_factor,
                                                       const mha_rope *r,
@@ -588,11 +599,17 @@ typedef struct mha_forward_args {
     // of batch element n of the query, and of the key (which must then
     // have the query's length), has position rope_positions[n L + t]
     // (>= 0). Overrides rope_start. Under mha_forward_cached: the T new
-    // tokens' positions (N * T), instead of len_n + t.
+    // tokens' positions (N * T), instead of len_n + t. A key of another
+    // length (cross-attention) is refused (MHA_ERR_INVALID_ARG). Ignored,
+    // as rope_start, when rope.mode is MHA_ROPE_NONE. Not available with
+    // the sequence-parallel MPI schemes (Ulysses, ring).
     const int64_t *rope_positions;
     // RoPE frequency scaling (linear, dynamic NTK, YaRN, llama3): NULL or
     // a scaling of type MHA_ROPE_SCALING_NONE is none (see
-    // mha_rope_scaling).
+    // mha_rope_scaling). Dynamic NTK takes the call's largest position + 1
+    // (over the query and key tokens; mha_forward_cached: over the new
+    // tokens); it is not available with the sequence-parallel MPI schemes,
+    // whose ranks see a part of the positions.
     const struct mha_rope_scaling *rope_scaling;
 } mha_forward_args;
 
@@ -814,6 +831,18 @@ MHA_API MHA_NODISCARD mha_status mha_rope_mode_from_name(mha_rope_mode *mode, co
 // orthogonal).
 MHA_API MHA_NODISCARD mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r,
                                                 const int64_t *start, bool inverse);
+// mha_rope_apply with a scaling s (NULL: none) and, when positions is not
+// NULL, element (b, h, t) at positions[b T + t] (>= 0; start is then
+// ignored). The frequencies are mha_rope_frequencies' for seq (dynamic NTK:
+// the call's largest position + 1; 0: the largest position of x's tokens
+// + 1), cos and sin multiplied by the attention factor (YaRN); inverse
+// applies the transpose, factor R(-angle) (the gradient of the forward).
+// A scaling of type other than NONE with mode MHA_ROPE_NONE is refused.
+MHA_API MHA_NODISCARD mha_status mha_rope_apply_ex(mha_tensor *x, const mha_rope *r,
+                                                   const struct mha_rope_scaling *s,
+                                                   const int64_t *start,
+                                                   const int64_t *positions, int64_t seq,
+                                                   bool inverse);
 
 // ---------------------------------------------------------------------------
 // Variable-length batches without padding (FlashAttention's cu_seqlens)
@@ -924,8 +953,9 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 
 // The module's causal self-attention over the T new tokens of a->query
 // ((T, N, E), or (N, T, E) with batch_first; float32), through the cache:
-// project q, k, v; rotate q and k (a->rope) at positions len_n + t (the
-// cache's lengths before the call, rope_start ignored); append k, v; attend
+// project q, k, v; rotate q and k (a->rope, a->rope_scaling) at positions
+// len_n + t (the cache's lengths before the call, rope_start ignored), or
+// a->rope_positions (N T, the new tokens'); append k, v; attend
 // to everything cached (a->alibi, a->softcap, a->window_* apply); project
 // the context into out (the query's shape). Running a sequence chunk by
 // chunk (or token by token) gives the full causal forward's result (within
@@ -1095,8 +1125,22 @@ MHA_API MHA_NODISCARD mha_status mha_st_writer_add(mha_st_writer *w, const char 
 MHA_API MHA_NODISCARD mha_status mha_st_writer_set_metadata(mha_st_writer *w, const char *key,
                                                             const char *value);
 // Writes the file (tensors in the order added; header padded with spaces
-// to a multiple of 8 bytes).
+// to a multiple of 8 bytes), atomically as mha_file_write does.
 MHA_API MHA_NODISCARD mha_status mha_st_writer_save(const mha_st_writer *w, const char *path);
+
+// Writes nbytes of data as the new contents of path, atomically: into a new
+// temporary file ".<name>.tmp.<pid>.<n>" in path's directory (mode 0666
+// less the umask), fsync'ed, renamed over path, then the directory
+// fsync'ed. Every file the library and the CLI write goes this way
+// (mha_st_writer_save, mha_module_save). On an error (MHA_ERR_IO, the
+// message naming path and the OS error: no such directory, permission,
+// path a directory, no space left, a failing fsync or rename) the temporary
+// file is removed and the old file at path is unchanged. A process killed
+// while writing leaves the old file (or none) at path and may leave its
+// temporary file behind. A symbolic link at path is replaced by the new
+// file; the file it pointed to is untouched.
+MHA_API MHA_NODISCARD mha_status mha_file_write(const char *path, const void *data,
+                                                size_t nbytes);
 
 // ---------------------------------------------------------------------------
 // Hugging Face checkpoints: the attention of one layer of a real model

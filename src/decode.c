@@ -166,8 +166,12 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
     vv.data = qkv + E + Ekv;
     c->qv = qv, c->cv = cv;  // (what the attention reads and writes)
     for (int64_t n = 0; n < N; n++) starts[n] = mha_kv_cache_length(cache, n);
-    if ((st = mha_rope_apply(&qv, &a->rope, starts, false)) ||
-        (st = mha_rope_apply(&kv, &a->rope, starts, false)) ||
+    // (rope_positions: the new tokens' positions; dynamic NTK scaling from
+    // their largest + 1, the same for q and k)
+    if ((st = mha_rope_apply_ex(&qv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
+                                false)) ||
+        (st = mha_rope_apply_ex(&kv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
+                                false)) ||
         (st = mha_kv_cache_append(cache, &kv, &vv, NULL)))
         return st;
     return MHA_OK;

@@ -457,7 +457,7 @@ static void bwd_attention_tiles(const bwd_call *c) {
     }
 }
 
-// Through the rotation (orthogonal); then a part's projection gradients
+// Through the rotation (its transpose); then a part's projection gradients
 // (and dz) copied out for its caller.
 static void bwd_rope_and_part_out(const bwd_call *c) {
     const fwd_plan *p = c->p;
@@ -465,7 +465,7 @@ static void bwd_rope_and_part_out(const bwd_call *c) {
     const int64_t L = p->L, S = p->S, E = p->E, H = p->H, Hkv = p->Hkv, Ekv = p->Ekv;
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     const int64_t W3 = c->W3, ldkv = c->ldkv;
-    mha__rope_rows(p, c->a, &c->dqm, L, H, true, pt ? pt->attn.rope_pos : NULL);  // (orthogonal)
+    mha__rope_rows(p, c->a, &c->dqm, L, H, true, pt ? pt->attn.rope_pos : NULL);  // (transposed)
     mha__rope_rows(p, c->a, &c->dkm, S, Hkv, true, pt ? pt->attn.rope_pos : NULL);
     if (pt && pt->out.dq)  // a part's projection gradients, for its caller
         for (int64_t r = 0; r < Rq; r++)

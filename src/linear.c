@@ -71,15 +71,20 @@ void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
 void mha__rope_rows(const fwd_plan *p, const mha_forward_args *a, const mha__rowmap *rm,
                     int64_t T, int64_t H, bool inverse, const int64_t *pos) {
     if (a->rope.mode == MHA_ROPE_NONE) return;
-    double inv[MHA__ROPE_MAX_HALF];
-    mha__rope_inv_freq(inv, &a->rope, p->d);
+    double inv[MHA__ROPE_MAX_HALF], af;
+    mha__rope_freqs(inv, &af, &a->rope, a->rope_scaling, p->d, p->rope_seq);
 #pragma omp parallel for schedule(static) num_threads(p->nthreads)
     for (int64_t n = 0; n < p->N; n++) {
         const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
         float *row0 = mha__head_row0(rm, n, 0);
-        for (int64_t t = 0; t < T; t++)
-            mha__rope_token_f(row0 + t * mha__head_rs(rm), p->d, H, &a->rope, p->d, inv,
-                              (double)(s0 + (pos ? pos[t] : t)), inverse);
+        for (int64_t t = 0; t < T; t++) {
+            // rope_positions (the same for q and k: T == p->L), else
+            // rope_start[n] + pos[t]
+            const int64_t ps = a->rope_positions ? a->rope_positions[n * p->L + t]
+                                                 : s0 + (pos ? pos[t] : t);
+            mha__rope_token_f(row0 + t * mha__head_rs(rm), p->d, H, &a->rope, p->d, inv, af,
+                              (double)ps, inverse);
+        }
     }
 }
 

@@ -98,8 +98,9 @@ mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const m
 
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
-// inverse (gradients). Token t of batch element n is at position rope_start[n] + pos[t]
-// (pos NULL: t).
+// inverse (gradients: the transpose). Token t of batch element n is at
+// position rope_positions[n L + t], else rope_start[n] + pos[t] (pos NULL:
+// t); the frequencies and cos/sin factor of a->rope_scaling.
 void mha__rope_rows(const fwd_plan *p, const mha_forward_args *a, const mha__rowmap *rm,
                     int64_t T, int64_t H, bool inverse, const int64_t *pos);
 

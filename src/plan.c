@@ -190,14 +190,13 @@ static mha_status plan_masks(fwd_plan *p, const mha_forward_args *a) {
         return st;
     // Declared for checkpoints (issue 17), not implemented yet: refused
     // rather than ignored.
-    if (a->use_custom_scale || a->rope_positions ||
-        (a->rope_scaling && a->rope_scaling->type != MHA_ROPE_SCALING_NONE))
+    if (a->use_custom_scale)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_forward: use_custom_scale, rope_positions and rope_scaling are "
-                         "not implemented yet");
+                         "mha_forward: use_custom_scale is not implemented yet");
     p->mask.win_left = a->window_left;
     p->mask.win_right = a->window_right;
-    if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, a, p->N, p->H, p->d)))
+    if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, &p->rope_seq, a, p->N, p->L,
+                                    p->S, p->H, p->d)))
         return st;
     if (a->key_padding_mask && (st = plan_kpm(p, a->key_padding_mask))) return st;
     if (a->attn_mask && (st = plan_attn_mask(p, a->attn_mask))) return st;

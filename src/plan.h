@@ -66,6 +66,8 @@ typedef struct fwd_plan {
     mha_shape out_shape, w_shape;
     // ALiBi slopes (mask.alibi points here or at the caller's)
     float alibi_default[MHA__ALIBI_MAX_DEFAULT];
+    // RoPE: the call's largest position + 1 (dynamic NTK scaling's seq)
+    int64_t rope_seq;
     // the weights block: heads [wh0, wh1), rows [wr0, wr1); w_block when it
     // is not everything
     int64_t wh0, wh1, wr0, wr1;
@@ -133,6 +135,8 @@ typedef struct mha__saved_key {
     double rope_theta;
     int64_t rope_dim;
     const int64_t *rope_start;
+    const int64_t *rope_positions;
+    mha_rope_scaling rope_scaling;  // type NONE when none (fields set one by one)
     bool alibi;
     const float *alibi_slopes;
     float softcap;

@@ -75,7 +75,7 @@ void mha__project_qkv(const fwd_plan *p, const mha_module *m, const mha_forward_
 // (static: head_gate[h]; dynamic: sigmoid(x_q[t, n, :] W_g[h, :] + b_g[h])).
 void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args *a, double *g);
 // RoPE on the reference's q (N, L, E) and k (N, Sp, Ekv) (keys t < S), or its
-// inverse (the gradients).
+// transpose (inverse: the gradients).
 void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
                     bool inverse);
 // The forward into out (and weights when asked), ws the plan's scratch

@@ -127,17 +127,19 @@ void mha__gates_d(const fwd_plan *p, const mha_module *m, const mha_forward_args
 void mha__rope_qk_d(const fwd_plan *p, const mha_forward_args *a, double *q, double *k,
                     bool inverse) {
     if (a->rope.mode == MHA_ROPE_NONE) return;
-    double inv[MHA__ROPE_MAX_HALF];
-    mha__rope_inv_freq(inv, &a->rope, p->d);
+    // the call's frequencies (scaled: linear, dynamic NTK for the call's
+    // largest position + 1, YaRN, llama3) and cos/sin factor af (YaRN)
+    double inv[MHA__ROPE_MAX_HALF], af;
+    mha__rope_freqs(inv, &af, &a->rope, a->rope_scaling, p->d, p->rope_seq);
     const int64_t L = p->L, S = p->S, Sp = p->Sp, E = p->E, Ekv = p->Ekv;
     for (int64_t n = 0; n < p->N; n++) {
-        const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
+        // token t at rope_positions[n L + t], else rope_start[n] + t
         for (int64_t t = 0; t < L; t++)
-            mha__rope_token_d(q + (n * L + t) * E, p->d, p->H, &a->rope, p->d, inv,
-                              (double)(s0 + t), inverse);
+            mha__rope_token_d(q + (n * L + t) * E, p->d, p->H, &a->rope, p->d, inv, af,
+                              (double)mha__rope_pos(a, L, n, t), inverse);
         for (int64_t t = 0; t < S; t++)  // not the appended keys
-            mha__rope_token_d(k + (n * Sp + t) * Ekv, p->d, p->Hkv, &a->rope, p->d, inv,
-                              (double)(s0 + t), inverse);
+            mha__rope_token_d(k + (n * Sp + t) * Ekv, p->d, p->Hkv, &a->rope, p->d, inv, af,
+                              (double)mha__rope_pos(a, L, n, t), inverse);
     }
 }
 
@@ -637,7 +639,7 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
 
     ref_bwd_dy_dctx(p, m, a, gout, &buf);                  // dy, dctx (gated: dgc, gates)
     ref_bwd_heads(p, m, &buf);                             // dq, dk, dv; ctx recomputed
-    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);            // through the rotation (orthogonal)
+    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);            // through the rotation (transposed)
     ref_bwd_gate_grads(p, m, a, grads, accumulate, &buf);  // dg, the gates' parameters
     if (grads) ref_bwd_param_grads(p, m, a, grads, accumulate, &buf);  // dW, db
     ref_bwd_input_grads(p, m, gq, gk, gv, accumulate, &buf);           // dX

@@ -13,6 +13,9 @@
 #include "rope.h"
 #include "view.h"
 
+// (M_PI is not C11)
+#define ROPE_PI 3.14159265358979323846
+
 
 void mha_rope_init(mha_rope *r, mha_rope_mode mode) {
     if (!r) return;
@@ -43,14 +46,222 @@ void mha__rope_inv_freq(double *inv_freq, const mha_rope *r, int64_t d) {
         inv_freq[i] = pow(r->theta, -2.0 * (double)i / (double)dim);
 }
 
+// ---------------------------------------------------------------------------
+// RoPE scaling: transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py:
+// _compute_linear_scaling_rope_parameters, _compute_dynamic_ntk_parameters,
+// _compute_yarn_parameters, _compute_llama3_parameters), in double where
+// transformers computes the frequencies in float32.
+
+void mha_rope_scaling_init(mha_rope_scaling *s, mha_rope_scaling_type type) {
+    if (!s) return;
+    memset(s, 0, sizeof *s);
+    s->type = type;
+    s->factor = 1.0;
+    s->original_max_position = 0;
+    s->low_freq_factor = 1.0;
+    s->high_freq_factor = 4.0;
+    s->beta_fast = 32.0;
+    s->beta_slow = 1.0;
+    s->truncate = true;
+}
+
+static const char *scaling_name(mha_rope_scaling_type t) {
+    switch (t) {
+    case MHA_ROPE_SCALING_NONE: return "none";
+    case MHA_ROPE_SCALING_LINEAR: return "linear";
+    case MHA_ROPE_SCALING_DYNAMIC: return "dynamic";
+    case MHA_ROPE_SCALING_YARN: return "yarn";
+    case MHA_ROPE_SCALING_LLAMA3: return "llama3";
+    }
+    return "unknown";
+}
+
+mha_status mha_rope_scaling_type_from_name(mha_rope_scaling_type *out, const char *name) {
+    if (!out || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "rope scaling type: NULL argument");
+    if (!strcmp(name, "default") || !strcmp(name, "none")) *out = MHA_ROPE_SCALING_NONE;
+    else if (!strcmp(name, "linear")) *out = MHA_ROPE_SCALING_LINEAR;
+    else if (!strcmp(name, "dynamic")) *out = MHA_ROPE_SCALING_DYNAMIC;
+    else if (!strcmp(name, "yarn")) *out = MHA_ROPE_SCALING_YARN;
+    else if (!strcmp(name, "llama3")) *out = MHA_ROPE_SCALING_LLAMA3;
+    else {
+        char e[64];
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "rope scaling type %s: expected default (none), linear, dynamic, "
+                         "yarn or llama3",
+                         mha_escape(e, sizeof e, name));
+    }
+    return MHA_OK;
+}
+
+// YaRN's mscale (get_mscale): 0.1 m ln(scale) + 1, 1 for scale <= 1.
+static double yarn_mscale(double scale, double m) {
+    return scale <= 1.0 ? 1.0 : 0.1 * m * log(scale) + 1.0;
+}
+
+// YaRN's cos/sin factor: attention_factor, or from mscale / mscale_all_dim
+// when both are set (non-zero), else 0.1 ln(factor) + 1.
+static double yarn_attention_factor(const mha_rope_scaling *s) {
+    if (s->attention_factor != 0.0) return s->attention_factor;
+    if (s->mscale != 0.0 && s->mscale_all_dim != 0.0)
+        return yarn_mscale(s->factor, s->mscale) / yarn_mscale(s->factor, s->mscale_all_dim);
+    return yarn_mscale(s->factor, 1.0);
+}
+
+mha_status mha__check_rope_scaling(const mha_rope_scaling *s, const mha_rope *r, int64_t dim) {
+    if (!s || s->type == MHA_ROPE_SCALING_NONE) return MHA_OK;
+    const char *tn = scaling_name(s->type);
+    if (s->type < MHA_ROPE_SCALING_NONE || s->type > MHA_ROPE_SCALING_LLAMA3)
+        return mha__fail(MHA_ERR_INVALID_ARG, "rope_scaling: unknown type %d", (int)s->type);
+    if (!(s->factor > 0.0) || !isfinite(s->factor))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope_scaling (%s): factor must be positive and finite, got %g", tn,
+                         s->factor);
+    if (s->type != MHA_ROPE_SCALING_LINEAR && s->original_max_position <= 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope_scaling (%s): original_max_position must be positive, got %lld",
+                         tn, (long long)s->original_max_position);
+    if (s->type == MHA_ROPE_SCALING_DYNAMIC && dim <= 2)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope_scaling (dynamic): needs more than 2 rotated dims (its exponent "
+                         "is dim / (dim - 2)), got dim %lld",
+                         (long long)dim);
+    if (s->type == MHA_ROPE_SCALING_LLAMA3 &&
+        (!(s->low_freq_factor > 0.0) || !isfinite(s->high_freq_factor) ||
+         !(s->low_freq_factor < s->high_freq_factor)))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope_scaling (llama3): needs 0 < low_freq_factor < high_freq_factor "
+                         "(finite), got low_freq_factor %g, high_freq_factor %g",
+                         s->low_freq_factor, s->high_freq_factor);
+    if (s->type == MHA_ROPE_SCALING_YARN) {
+        const double v[5] = {s->beta_fast, s->beta_slow, s->mscale, s->mscale_all_dim,
+                             s->attention_factor};
+        static const char *names[5] = {"beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                       "attention_factor"};
+        for (int i = 0; i < 5; i++)
+            if (!isfinite(v[i]) || ((i < 2 || i == 4) && v[i] < 0.0))
+                return mha__fail(MHA_ERR_INVALID_ARG,
+                                 "rope_scaling (yarn): %s must be finite%s, got %g", names[i],
+                                 i < 2 || i == 4 ? " and >= 0 (0: the default)" : "", v[i]);
+        if (r->theta == 1.0)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "rope_scaling (yarn): needs theta != 1 (its correction dims divide "
+                             "by ln theta)");
+        const double af = yarn_attention_factor(s);
+        if (!(af > 0.0) || !isfinite(af))
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "rope_scaling (yarn): the attention factor %g (factor %g, mscale "
+                             "%g, mscale_all_dim %g) must be positive and finite",
+                             af, s->factor, s->mscale, s->mscale_all_dim);
+    }
+    return MHA_OK;
+}
+
+// YaRN's correction dim (find_correction_dim): the dim whose wavelength
+// makes nrot rotations over the original length.
+static double yarn_corr_dim(double nrot, double dim, double theta, double orig) {
+    return dim * log(orig / (nrot * 2.0 * ROPE_PI)) / (2.0 * log(theta));
+}
+
+void mha__rope_freqs(double *inv_freq, double *attention_factor, const mha_rope *r,
+                     const mha_rope_scaling *s, int64_t d, int64_t seq) {
+    const int64_t dim = mha__rope_dim(r, d), half = dim / 2;
+    const mha_rope_scaling_type type = s ? s->type : MHA_ROPE_SCALING_NONE;
+    *attention_factor = 1.0;
+    if (type == MHA_ROPE_SCALING_DYNAMIC) {
+        // base' = base ((factor seq / orig) - (factor - 1))^(dim / (dim - 2)),
+        // seq = max(seq, orig)
+        const double orig = (double)s->original_max_position;
+        const double sl = seq > s->original_max_position ? (double)seq : orig;
+        const double base = r->theta * pow(s->factor * sl / orig - (s->factor - 1.0),
+                                           (double)dim / (double)(dim - 2));
+        for (int64_t i = 0; i < half; i++)
+            inv_freq[i] = pow(base, -2.0 * (double)i / (double)dim);
+        return;
+    }
+    mha__rope_inv_freq(inv_freq, r, d);
+    if (type == MHA_ROPE_SCALING_LINEAR) {
+        for (int64_t i = 0; i < half; i++) inv_freq[i] /= s->factor;
+    } else if (type == MHA_ROPE_SCALING_YARN) {
+        // inv = inv_i / factor (1 - e_i) + inv_i e_i, e_i = 1 - ramp_i: the
+        // linear ramp between the correction dims of beta_fast and beta_slow
+        const double bf = s->beta_fast != 0.0 ? s->beta_fast : 32.0,
+                     bs = s->beta_slow != 0.0 ? s->beta_slow : 1.0,
+                     orig = (double)s->original_max_position;
+        double lo = yarn_corr_dim(bf, (double)dim, r->theta, orig),
+               hi = yarn_corr_dim(bs, (double)dim, r->theta, orig);
+        if (s->truncate) lo = floor(lo), hi = ceil(hi);
+        if (lo < 0.0) lo = 0.0;
+        if (hi > (double)(dim - 1)) hi = (double)(dim - 1);
+        if (lo == hi) hi += 0.001;  // (transformers' guard against a singularity)
+        for (int64_t i = 0; i < half; i++) {
+            double ramp = ((double)i - lo) / (hi - lo);
+            ramp = ramp < 0.0 ? 0.0 : ramp > 1.0 ? 1.0 : ramp;
+            const double e = 1.0 - ramp;
+            inv_freq[i] = inv_freq[i] / s->factor * (1.0 - e) + inv_freq[i] * e;
+        }
+        *attention_factor = yarn_attention_factor(s);
+    } else if (type == MHA_ROPE_SCALING_LLAMA3) {
+        // wavelength 2 pi / inv: below orig / high_freq_factor kept, above
+        // orig / low_freq_factor divided by factor, blended in between
+        const double orig = (double)s->original_max_position, lw = orig / s->low_freq_factor,
+                     hw = orig / s->high_freq_factor;
+        for (int64_t i = 0; i < half; i++) {
+            const double f = inv_freq[i], wl = 2.0 * ROPE_PI / f;
+            if (wl > lw) inv_freq[i] = f / s->factor;
+            else if (!(wl < hw)) {
+                const double sm = (orig / wl - s->low_freq_factor) /
+                                  (s->high_freq_factor - s->low_freq_factor);
+                inv_freq[i] = (1.0 - sm) * f / s->factor + sm * f;
+            }
+        }
+    }
+}
+
+// The RoPE itself: mode, rotated dims (at most the head dim d), theta.
+static mha_status check_rope(const mha_rope *r, int64_t d) {
+    if (r->mode != MHA_ROPE_NONE && r->mode != MHA_ROPE_NEOX && r->mode != MHA_ROPE_INTERLEAVED)
+        return mha__fail(MHA_ERR_INVALID_ARG, "rope: unknown mode %d", (int)r->mode);
+    const int64_t dim = mha__rope_dim(r, d);
+    if (dim <= 0 || dim > d || dim % 2 != 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope: rotated dims %lld must be even, positive and at most the head "
+                         "dim %lld",
+                         (long long)dim, (long long)d);
+    if (!(r->theta > 0.0) || !isfinite(r->theta))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope: theta must be positive and finite, got %g", r->theta);
+    return MHA_OK;
+}
+
+mha_status mha_rope_frequencies(double *inv_freq, double *attention_factor, const mha_rope *r,
+                                const mha_rope_scaling *s, int64_t head_dim, int64_t seq) {
+    if (!inv_freq || !attention_factor || !r)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_rope_frequencies: NULL argument");
+    if (head_dim <= 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_rope_frequencies: head_dim must be positive, got %lld",
+                         (long long)head_dim);
+    if (seq < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_rope_frequencies: seq must be >= 0, got %lld", (long long)seq);
+    mha_status st;
+    if ((st = check_rope(r, head_dim)) ||
+        (st = mha__check_rope_scaling(s, r, mha__rope_dim(r, head_dim))))
+        return st;
+    mha__rope_freqs(inv_freq, attention_factor, r, s, head_dim, seq);
+    return MHA_OK;
+}
+
 #define ROPE_TOKEN(NAME, T)                                                        \
     void NAME(T *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,           \
-              const double *inv_freq, double pos, bool inverse) {                  \
+              const double *inv_freq, double af, double pos, bool inverse) {       \
         const int64_t half = mha__rope_dim(r, d) / 2;                              \
         const bool neox = r->mode == MHA_ROPE_NEOX;                                \
         for (int64_t i = 0; i < half; i++) {                                       \
-            const double ang = pos * inv_freq[i], c = cos(ang);                    \
-            const double s = inverse ? -sin(ang) : sin(ang);                       \
+            const double ang = pos * inv_freq[i];                                  \
+            double c = cos(ang), s = inverse ? -sin(ang) : sin(ang);               \
+            if (af != 1.0) c *= af, s *= af;                                       \
             const int64_t c0 = neox ? i : 2 * i, c1 = neox ? i + half : 2 * i + 1; \
             for (int64_t h = 0; h < H; h++) {                                      \
                 T *y = x + h * hs;                                                 \
@@ -76,6 +287,12 @@ void mha__alibi_slopes(float *slopes, int64_t H) {
 }
 
 mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start, bool inverse) {
+    return mha_rope_apply_ex(x, r, NULL, start, NULL, 0, inverse);
+}
+
+mha_status mha_rope_apply_ex(mha_tensor *x, const mha_rope *r, const mha_rope_scaling *sc,
+                             const int64_t *start, const int64_t *positions, int64_t seq,
+                             bool inverse) {
     if (!x || !r) return mha__fail(MHA_ERR_INVALID_ARG, "mha_rope_apply: NULL argument");
     mha_status st = mha__check_float(x, "x");
     if (st) return st;
@@ -88,7 +305,13 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
         return mha__fail(MHA_ERR_INVALID_ARG, "rope: unknown mode %d", (int)r->mode);
     const int64_t B = x->shape[0], H = x->shape[1], T = x->shape[2], D = x->shape[3];
     const int64_t dim = r->dim == 0 ? D : r->dim;
-    if (r->mode == MHA_ROPE_NONE) return MHA_OK;
+    if (r->mode == MHA_ROPE_NONE) {
+        if (sc && sc->type != MHA_ROPE_SCALING_NONE)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "rope: a rope_scaling (type %s) needs a RoPE mode, got none",
+                             scaling_name(sc->type));
+        return MHA_OK;
+    }
     if (dim < 0 || dim > D || dim % 2 != 0)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "rope: rotated dims %lld must be even and at most the head dim %lld",
@@ -96,24 +319,47 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
     if (!(r->theta > 0.0) || !isfinite(r->theta))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "rope: theta must be positive and finite, got %g", r->theta);
-    if (start)
-        for (int64_t b = 0; b < B; b++)
-            if (start[b] < 0)
-                return mha__fail(MHA_ERR_INVALID_ARG, "rope: start[%lld] = %lld is negative",
-                                 (long long)b, (long long)start[b]);
+    if ((st = mha__check_rope_scaling(sc, r, dim))) return st;
+    if (seq < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG, "rope: seq must be >= 0, got %lld",
+                         (long long)seq);
+    int64_t maxpos = -1;  // the largest position + 1 here (dynamic NTK's seq when 0)
+    for (int64_t b = 0; b < B; b++) {
+        if (positions) {
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t v = positions[b * T + t];
+                if (v < 0)
+                    return mha__fail(MHA_ERR_INVALID_ARG,
+                                     "rope: positions[%lld] = %lld is negative",
+                                     (long long)(b * T + t), (long long)v);
+                if (v > maxpos) maxpos = v;
+            }
+        } else if (start && start[b] < 0) {
+            return mha__fail(MHA_ERR_INVALID_ARG, "rope: start[%lld] = %lld is negative",
+                             (long long)b, (long long)start[b]);
+        } else if (T > 0) {
+            const int64_t s0 = start ? start[b] : 0;
+            if (s0 > INT64_MAX - T)
+                return mha__fail(MHA_ERR_INVALID_ARG, "rope: start[%lld] = %lld overflows",
+                                 (long long)b, (long long)s0);
+            if (s0 + T - 1 > maxpos) maxpos = s0 + T - 1;
+        }
+    }
     const int64_t half = dim / 2;
     const bool f64 = x->dtype == MHA_F64;
-    double *inv = mha__malloc(sizeof(double) * (size_t)(half > 0 ? half : 1));
+    double *inv = mha__malloc(sizeof(double) * (size_t)(half > 0 ? half : 1)), af;
     if (!inv)
         return mha__fail(MHA_ERR_NOMEM, "rope: out of memory for %lld frequencies",
                          (long long)half);
-    mha__rope_inv_freq(inv, r, D);
+    mha__rope_freqs(inv, &af, r, sc, D, seq > 0 ? seq : maxpos + 1);
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
-            const double pos = (double)((start ? start[b] : 0) + t);
+            const double pos = (double)(positions ? positions[b * T + t]
+                                                  : (start ? start[b] : 0) + t);
             for (int64_t i = 0; i < half; i++) {
                 const double ang = pos * inv[i];
-                const double c = cos(ang), s = inverse ? -sin(ang) : sin(ang);
+                double c = cos(ang), s = inverse ? -sin(ang) : sin(ang);
+                if (af != 1.0) c *= af, s *= af;
                 const int64_t c0 = r->mode == MHA_ROPE_NEOX ? i : 2 * i,
                               c1 = r->mode == MHA_ROPE_NEOX ? i + half : 2 * i + 1;
                 for (int64_t h = 0; h < H; h++) {
@@ -136,9 +382,16 @@ mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start
     return MHA_OK;
 }
 
-mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default,
-                                 const mha_forward_args *a, int64_t N, int64_t H, int64_t d) {
+mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default, int64_t *rope_seq,
+                                 const mha_forward_args *a, int64_t N, int64_t L, int64_t S,
+                                 int64_t H, int64_t d) {
     const mha_rope *r = &a->rope;
+    const mha_rope_scaling *sc = a->rope_scaling;
+    *rope_seq = 0;
+    if (r->mode == MHA_ROPE_NONE && sc && sc->type != MHA_ROPE_SCALING_NONE)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "rope_scaling (type %s) given without RoPE (rope.mode is none)",
+                         scaling_name(sc->type));
     if (r->mode != MHA_ROPE_NONE) {
         if (r->mode != MHA_ROPE_NEOX && r->mode != MHA_ROPE_INTERLEAVED)
             return mha__fail(MHA_ERR_INVALID_ARG, "rope: unknown mode %d", (int)r->mode);
@@ -151,11 +404,41 @@ mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default,
         if (!(r->theta > 0.0) || !isfinite(r->theta))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "rope: theta must be positive and finite, got %g", r->theta);
-        if (a->rope_start)
-            for (int64_t n = 0; n < N; n++)
-                if (a->rope_start[n] < 0)
+        mha_status st = mha__check_rope_scaling(sc, r, dim);
+        if (st) return st;
+        // the call's largest position + 1 (dynamic NTK decides from it)
+        int64_t maxpos = -1;
+        if (a->rope_positions) {
+            if (S != L)
+                return mha__fail(MHA_ERR_INVALID_ARG,
+                                 "rope_positions: the key must have the query's length "
+                                 "(cross-attention: L %lld, S %lld); use rope_start",
+                                 (long long)L, (long long)S);
+            for (int64_t i = 0; i < N * L; i++) {
+                const int64_t v = a->rope_positions[i];
+                if (v < 0)
+                    return mha__fail(MHA_ERR_INVALID_ARG,
+                                     "rope_positions[%lld] = %lld < 0 (token %lld of batch "
+                                     "element %lld)",
+                                     (long long)i, (long long)v, (long long)(i % L),
+                                     (long long)(i / L));
+                if (v > maxpos) maxpos = v;
+            }
+        } else {
+            const int64_t T = L > S ? L : S;
+            for (int64_t n = 0; n < N; n++) {
+                const int64_t s0 = a->rope_start ? a->rope_start[n] : 0;
+                if (s0 < 0)
                     return mha__fail(MHA_ERR_INVALID_ARG, "rope: rope_start[%lld] = %lld < 0",
-                                     (long long)n, (long long)a->rope_start[n]);
+                                     (long long)n, (long long)s0);
+                if (s0 > INT64_MAX - T)
+                    return mha__fail(MHA_ERR_INVALID_ARG,
+                                     "rope: rope_start[%lld] = %lld overflows", (long long)n,
+                                     (long long)s0);
+                if (T > 0 && s0 + T - 1 > maxpos) maxpos = s0 + T - 1;
+            }
+        }
+        *rope_seq = maxpos + 1;
     }
     mk->softcap = a->softcap;
     mk->alibi = NULL;

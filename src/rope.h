@@ -14,20 +14,41 @@
 #define MHA__ROPE_MAX_HALF 4096
 
 // RoPE: the rotated dims of r for head dim d; inv_freq (dim / 2 doubles)
-// for r and head dim d; rotate one token's H heads (head h at x + h * hs,
-// features contiguous) at position pos, in place (inverse: by -angle).
+// for r and head dim d (unscaled); rotate one token's H heads (head h at
+// x + h * hs, features contiguous) at position pos, in place, cos and sin
+// multiplied by af (1: none; inverse: the transpose af R(-angle), the
+// gradient of the forward rotation).
 int64_t mha__rope_dim(const mha_rope *r, int64_t d);
 void mha__rope_inv_freq(double *inv_freq, const mha_rope *r, int64_t d);
 void mha__rope_token_f(float *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
-                       const double *inv_freq, double pos, bool inverse);
+                       const double *inv_freq, double af, double pos, bool inverse);
 void mha__rope_token_d(double *x, int64_t hs, int64_t H, const mha_rope *r, int64_t d,
-                       const double *inv_freq, double pos, bool inverse);
+                       const double *inv_freq, double af, double pos, bool inverse);
+// RoPE scaling s (NULL or type NONE: none) for RoPE r with dim rotated
+// dims: every field checked (MHA_ERR_INVALID_ARG naming it and its value).
+mha_status mha__check_rope_scaling(const mha_rope_scaling *s, const mha_rope *r, int64_t dim);
+// mha_rope_frequencies without the checks (r and s already checked): the
+// call's inv_freq (dim / 2) and cos/sin factor, for head dim d and a call
+// whose largest position + 1 is seq (dynamic NTK).
+void mha__rope_freqs(double *inv_freq, double *attention_factor, const mha_rope *r,
+                     const mha_rope_scaling *s, int64_t d, int64_t seq);
+// The position of token t of batch element n of a forward whose query has
+// L tokens: rope_positions[n L + t] when given, else rope_start[n] + t
+// (rope_start NULL: t).
+static inline int64_t mha__rope_pos(const mha_forward_args *a, int64_t L, int64_t n, int64_t t) {
+    if (a->rope_positions) return a->rope_positions[n * L + t];
+    return (a->rope_start ? a->rope_start[n] : 0) + t;
+}
 // The ALiBi paper's slopes for H heads.
 void mha__alibi_slopes(float *slopes, int64_t H);
-// A forward's RoPE (N batch elements, H heads of dim d), ALiBi and soft cap
-// arguments: checked, and the soft cap and the slopes (a's, or the default
-// ones computed into alibi_default, MHA__ALIBI_MAX_DEFAULT floats) set in mk.
-mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default,
-                                 const mha_forward_args *a, int64_t N, int64_t H, int64_t d);
+// A forward's RoPE (N batch elements, query length L, key length S, H
+// heads of dim d: mode, dims, theta, rope_scaling, rope_positions or
+// rope_start), ALiBi and soft cap arguments: checked; the soft cap and the
+// slopes (a's, or the default ones computed into alibi_default,
+// MHA__ALIBI_MAX_DEFAULT floats) set in mk; rope_seq: the call's largest
+// RoPE position + 1 (0 without RoPE), what dynamic NTK scaling decides from.
+mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default, int64_t *rope_seq,
+                                 const mha_forward_args *a, int64_t N, int64_t L, int64_t S,
+                                 int64_t H, int64_t d);
 
 #endif

@@ -3,16 +3,17 @@
 //
 // mha_st_writer_add copies the data (stored little-endian);
 // mha_st_writer_save builds the header with cJSON (integers written as exact
-// decimal literals), pads it with spaces to a multiple of 8, writes header
-// then data, checks every write and the fclose, and removes the partial file
-// on failure. It does not write to a temporary file and rename.
-#include <errno.h>
+// decimal literals), pads it with spaces to a multiple of 8 and hands the
+// length, header and tensors' data to the atomic writer of file.c (a
+// temporary file renamed over the target: the old file survives any
+// failure).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
+#include "file.h"
 #include "internal.h"
 #include "safetensors.h"
 
@@ -258,31 +259,23 @@ mha_status mha_st_writer_save(const mha_st_writer *w, const char *path) {
         return mha__fail(MHA_ERR_INVALID_ARG, "%s: header of %zu bytes exceeds the limit of %u",
                          path, padded, MHA_ST_MAX_HEADER);
     }
-    FILE *fp = fopen(path, "wb");
-    if (!fp) {
-        int err = errno;
+    // the pieces: length, header, padding, then every tensor's data
+    mha__file_part *parts = mha__malloc(sizeof *parts * (size_t)(w->ntensors + 3));
+    if (!parts) {
         cJSON_free(text);
-        return mha__fail(MHA_ERR_IO, "%s: cannot open for writing: %s", path, strerror(err));
+        return mha__fail(MHA_ERR_NOMEM, "%s: out of memory listing %lld tensors to write",
+                         path, (long long)w->ntensors);
     }
     unsigned char len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)padded >> (8 * i));
     static const char spaces[8] = {' ', ' ', ' ', ' ', ' ', ' ', ' ', ' '};
-    int ok = fwrite(len8, 1, 8, fp) == 8 && fwrite(text, 1, n, fp) == n &&
-             fwrite(spaces, 1, padded - n, fp) == padded - n;
-    for (int64_t i = 0; ok && i < w->ntensors; i++) {
-        const st_wtensor *t = &w->tensors[i];
-        ok = fwrite(t->data, 1, t->nbytes, fp) == t->nbytes;
-    }
-    int err = ok ? 0 : errno;
+    parts[0] = (mha__file_part){len8, 8};
+    parts[1] = (mha__file_part){text, n};
+    parts[2] = (mha__file_part){spaces, padded - n};
+    for (int64_t i = 0; i < w->ntensors; i++)
+        parts[3 + i] = (mha__file_part){w->tensors[i].data, w->tensors[i].nbytes};
+    mha_status st = mha__file_write_parts(path, parts, w->ntensors + 3);
+    free(parts);
     cJSON_free(text);
-    if (fclose(fp) != 0 && ok) {
-        ok = 0;
-        err = errno;
-    }
-    if (!ok) {
-        remove(path);
-        return mha__fail(MHA_ERR_IO, "%s: write failed: %s", path,
-                         err ? strerror(err) : "short write");
-    }
-    return MHA_OK;
+    return st;
 }

@@ -44,6 +44,21 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
     k->rope_theta = a->rope.theta;
     k->rope_dim = a->rope.dim;
     k->rope_start = a->rope_start;
+    k->rope_positions = a->rope_positions;
+    const mha_rope_scaling *rs = a->rope_scaling;
+    if (rs && rs->type != MHA_ROPE_SCALING_NONE) {  // (field by field: padding stays 0)
+        k->rope_scaling.type = rs->type;
+        k->rope_scaling.factor = rs->factor;
+        k->rope_scaling.original_max_position = rs->original_max_position;
+        k->rope_scaling.low_freq_factor = rs->low_freq_factor;
+        k->rope_scaling.high_freq_factor = rs->high_freq_factor;
+        k->rope_scaling.beta_fast = rs->beta_fast;
+        k->rope_scaling.beta_slow = rs->beta_slow;
+        k->rope_scaling.mscale = rs->mscale;
+        k->rope_scaling.mscale_all_dim = rs->mscale_all_dim;
+        k->rope_scaling.attention_factor = rs->attention_factor;
+        k->rope_scaling.truncate = rs->truncate;
+    }
     k->alibi = a->alibi;
     k->alibi_slopes = a->alibi_slopes;
     k->softcap = a->softcap;

@@ -42,7 +42,8 @@ static void write_text(const char *dir, const char *name, const char *text) {
 static void fresh_dir(char *buf, size_t cap, const char *name) {
     snprintf(buf, cap, "%s/%s", g_root, name);
     char cmd[1400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", buf, buf);
+    int n = snprintf(cmd, sizeof cmd, "rm -rf '%.600s' && mkdir -p '%.600s'", buf, buf);
+    CHECK(n > 0 && (size_t)n < sizeof cmd && strlen(buf) <= 600);
     CHECK(system(cmd) == 0);
 }
 

@@ -130,6 +130,7 @@ static int inspect_attention(run *r, int64_t b, int64_t rows, float **w, int64_t
             a.attn_mask = &am;
         }
         if (a.rope_start) a.rope_start += b;
+        if (a.rope_positions) a.rope_positions += b * q.shape[1 - bd];  // (N, L): row b
     }
     a.query = &q;
     a.key = r->a.key == r->a.query ? &q : &k;
@@ -229,12 +230,20 @@ static void inspect_info(info_table *t, const run *r, int64_t N, int64_t L, int6
     else info_add(t, "tokens", "none: positions are labelled by index");
 }
 
+// text and a newline as the new contents of path (mha_file_write:
+// atomically). 0, or 1 after printing.
 static int write_text(const char *cmd, const char *path, const char *text) {
-    FILE *f = text ? fopen(path, "w") : NULL;
-    int rc = !f || fputs(text, f) < 0 || fputc('\n', f) < 0;
-    if (f && fclose(f)) rc = 1;
-    if (rc) fprintf(stderr, "mha %s: cannot write %s\n", cmd, path);
-    return rc;
+    size_t n = text ? strlen(text) : 0;
+    char *buf = text ? malloc(n + 1) : NULL;
+    if (!buf) {
+        fprintf(stderr, "mha %s: out of memory writing %s\n", cmd, path);
+        return 1;
+    }
+    memcpy(buf, text, n);
+    buf[n] = '\n';
+    mha_status st = mha_file_write(path, buf, n + 1);
+    free(buf);
+    return st ? cli_fail(cmd, st) : 0;
 }
 
 static int run_inspect(run *r) {

@@ -12,8 +12,8 @@
 #include "run.h"
 
 // --incremental: the query's tokens chunk by chunk through a KV cache.
-// Positions given as position_ids other than 0, 1, ... (a checkpoint's
-// inputs) go to each chunk as its rope_positions.
+// position_ids (the inputs' or a checkpoint's) go to each chunk as its
+// (N, n) slice of rope_positions.
 static int run_incremental(run *r, mha_tensor *ot) {
     const mha_tensor *q = r->a.query;
     if (r->a.key != q || r->a.value != q || r->a.need_weights)
@@ -26,18 +26,16 @@ static int run_incremental(run *r, mha_tensor *ot) {
     const mha_config *c = mha_module_config(r->m);
     const int64_t Hkv = c->num_kv_heads,
                   d = c->head_dim ? c->head_dim : c->embed_dim / c->num_heads;
-    bool own_pos = r->positions && r->a.rope_positions;
-    for (int64_t n = 0; r->positions && r->a.rope_start && n < N; n++)
-        own_pos |= r->a.rope_start[n] != 0;
+    mha_kv_cache *cache = NULL;
+    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1, r->kv_dtype);
+    if (st) return cli_fail(r->cmd, st);
     const int64_t step = r->chunk ? r->chunk : 1;
-    int64_t *pos = own_pos ? malloc(sizeof(int64_t) * (size_t)(N * step)) : NULL;
-    if (own_pos && !pos) {
+    int64_t *pos = r->a.rope_positions ? malloc(sizeof(int64_t) * (size_t)(N * step)) : NULL;
+    if (r->a.rope_positions && !pos) {
+        mha_kv_cache_destroy(cache);
         fprintf(stderr, "mha %s: out of memory\n", r->cmd);
         return 1;
     }
-    mha_kv_cache *cache = NULL;
-    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1,
-                                           r->kv_dtype);
     for (int64_t t0 = 0; !st && t0 < L; t0 += step) {
         const int64_t n = L - t0 < step ? L - t0 : step;
         mha_tensor qc = *q, oc = *ot;  // views of tokens [t0, t0 + n)
@@ -46,11 +44,10 @@ static int run_incremental(run *r, mha_tensor *ot) {
         qc.shape[sd] = oc.shape[sd] = n;
         mha_forward_args a = r->a;
         a.query = a.key = a.value = &qc;
-        a.rope_start = NULL;
-        a.rope_positions = NULL;
         if (pos) {
             for (int64_t b = 0; b < N; b++)
-                for (int64_t t = 0; t < n; t++) pos[b * n + t] = r->positions[b * L + t0 + t];
+                for (int64_t t = 0; t < n; t++)
+                    pos[b * n + t] = r->a.rope_positions[b * L + t0 + t];
             a.rope_positions = pos;
         }
         st = mha_forward_cached(&oc, r->m, &a, cache);
@@ -146,7 +143,7 @@ static mha_status gather_spans(const mha_tensor *t, const mha_tensor *loc, bool 
     MPI_Comm_size(MPI_COMM_WORLD, &P);
     const int sd = t->ndim == 2 || !bf ? 0 : 1;
     const int64_t T = t->shape[sd], per = mha_tensor_numel(t) / (T ? T : 1) *
-                                         (int64_t)mha_dtype_size(t->dtype);  // bytes a token
+                                          (int64_t)mha_dtype_size(t->dtype);  // bytes a token
     int *cnt = malloc(sizeof(int) * (size_t)P * 2);
     char *all = rank == 0 ? malloc((size_t)(T * per) + 1) : NULL;
     int bad = !cnt || (rank == 0 && !all), any = 0;
@@ -210,9 +207,8 @@ static int run_forward_into(run *r) {
     }
     if ((st = cli_forward(r, &ot, r->a.need_weights ? &wt : NULL)) ||
         (st = mha_st_writer_add(r->wr, "attn_output", r->dtype, os.ndim, os.dims, yo)) ||
-        (r->a.need_weights &&
-         (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype, wsh.ndim,
-                                 wsh.dims, yw))))
+        (r->a.need_weights && (st = mha_st_writer_add(r->wr, "attn_output_weights", r->dtype,
+                                                      wsh.ndim, wsh.dims, yw))))
         return cli_fail(r->cmd, st);
     return 0;
 }
@@ -226,8 +222,10 @@ static int run_backward_into(run *r) {
     if ((st = mha_st_find(&gt, r->gf, "grad_attn_output"))) return cli_fail(cmd, st);
     if (gt.dtype != MHA_F32 && gt.dtype != MHA_F16 && gt.dtype != MHA_BF16 &&
         gt.dtype != MHA_F64) {
-        fprintf(stderr, "mha %s: %s: grad_attn_output has dtype %s (expected a float "
-                "type)\n", cmd, r->gpath, mha_dtype_name(gt.dtype));
+        fprintf(stderr,
+                "mha %s: %s: grad_attn_output has dtype %s (expected a float "
+                "type)\n",
+                cmd, r->gpath, mha_dtype_name(gt.dtype));
         return 1;
     }
     float *g = run_alloc(r, gt.numel);

@@ -70,13 +70,17 @@ static int pattern_keys(bool *is, int p, const int32_t *tok, int64_t i) {
 }
 
 // One character per token (tiny_task_render), as a label file for inspect.
+// 0, or 1 after printing.
 static int write_tokens(const char *path, const int32_t *tok, int64_t T) {
-    char s[128];
+    char s[128], lines[256];
     tiny_task_render(s, sizeof s, tok, T);
-    FILE *f = fopen(path, "w");
-    if (!f) return 1;
-    for (int64_t t = 0; t < T; t++) fprintf(f, "%c\n", s[t]);
-    return fclose(f) != 0;
+    int64_t n = 0;
+    for (int64_t t = 0; t < T && n + 2 <= (int64_t)sizeof lines; t++) {
+        lines[n++] = s[t];
+        lines[n++] = '\n';
+    }
+    mha_status st = mha_file_write(path, lines, (size_t)n);
+    return st ? cli_fail("demo heads", st) : 0;
 }
 
 // Parses demo heads' options into o and *out. Returns -1 to go on, else
@@ -200,10 +204,7 @@ static int heads_reports(tiny_model *m, const char *out, const int32_t *tok, flo
     }
     char tok_path[4096];
     snprintf(tok_path, sizeof tok_path, "%s/tokens.txt", out);
-    if (write_tokens(tok_path, tok, T)) {
-        fprintf(stderr, "mha demo heads: cannot write %s\n", tok_path);
-        return 1;
-    }
+    if (write_tokens(tok_path, tok, T)) return 1;
     char ex[128];
     tiny_task_render(ex, sizeof ex, tok, T);
     printf("\nReports (mha inspect on each layer's attention with the inputs it saw on 64 "

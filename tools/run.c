@@ -12,9 +12,8 @@
 // Loads input `name` of file `path` if present. kind 0: float data (->
 // fto: F32, BF16 or F16 in memory); kind 1: a mask (BOOL/U8 -> BOOL,
 // float -> F32). Returns 0, or 1 after printing the error.
-static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
-                      const char *cmd, const char *path, const char *name,
-                      int kind, mha_dtype fto) {
+static int load_input(cli_tensor *out, bool *found, const mha_st_file *f, const char *cmd,
+                      const char *path, const char *name, int kind, mha_dtype fto) {
     memset(out, 0, sizeof *out);
     *found = false;
     mha_st_tensor t;
@@ -22,21 +21,23 @@ static int load_input(cli_tensor *out, bool *found, const mha_st_file *f,
     if (st == MHA_ERR_NOT_FOUND) return 0;
     if (st) return cli_fail(cmd, st);
     mha_dtype to = MHA_F32;
-    bool is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 ||
-                    t.dtype == MHA_BF16 || t.dtype == MHA_F64;
+    bool is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 || t.dtype == MHA_BF16 ||
+                    t.dtype == MHA_F64;
     if (kind == 1 && (t.dtype == MHA_BOOL || t.dtype == MHA_U8)) {
         to = MHA_BOOL;
     } else if (!is_float) {
-        fprintf(stderr, "mha %s: %s: \"%s\" has dtype %s (expected F32, "
-                "F16, BF16 or F64%s)\n", cmd, path, name, mha_dtype_name(t.dtype),
+        fprintf(stderr,
+                "mha %s: %s: \"%s\" has dtype %s (expected F32, "
+                "F16, BF16 or F64%s)\n",
+                cmd, path, name, mha_dtype_name(t.dtype),
                 kind == 1 ? ", or BOOL/U8 for a mask" : "");
         return 1;
     }
     size_t bytes = (size_t)t.numel * mha_dtype_size(to);
     out->buf = malloc(bytes ? bytes : 1);
     if (!out->buf) {
-        fprintf(stderr, "mha %s: %s: out of memory for \"%s\" (%zu bytes)\n",
-                cmd, path, name, bytes);
+        fprintf(stderr, "mha %s: %s: out of memory for \"%s\" (%zu bytes)\n", cmd, path, name,
+                bytes);
         return 1;
     }
     if ((st = mha_st_read(out->buf, bytes, to, &t))) return cli_fail(cmd, st);
@@ -62,7 +63,9 @@ static const char *forward_help =
     "   key (S, N, kdim), value (S, N, vdim) (both absent: self-attention,\n"
     "   key = value = query), optional key_padding_mask (N, S) and\n"
     "   attn_mask (L, S) or (N*H, L, S): BOOL/U8 (true = masked) or float\n"
-    "   (added).\n"
+    "   (added); optional position_ids (N, L) or (1, L) (L unbatched),\n"
+    "   integers: the RoPE position of every token (transformers'\n"
+    "   position_ids; self-attention or L == S).\n"
     "Y: attn_output, and with --need-weights attn_output_weights.\n"
     "  --num-heads H        heads (default: the weights' __metadata__)\n"
     "  --num-kv-heads K     key/value heads (default: the weights' __metadata__\n"
@@ -87,6 +90,17 @@ static const char *forward_help =
     "  --rope-theta T       RoPE base (default 10000)\n"
     "  --rope-dim D         rotate only the first D features of each head\n"
     "  --rope-start P       position of the first token (default 0)\n"
+    "  --rope-scaling TYPE  RoPE scaling as transformers' rope_type: linear,\n"
+    "                       dynamic (NTK, from the call's largest position),\n"
+    "                       yarn or llama3 (default: none), with:\n"
+    "  --rope-factor F      its factor (default 1)\n"
+    "  --rope-original-max N  original_max_position_embeddings (dynamic:\n"
+    "                       max_position_embeddings); dynamic, yarn, llama3\n"
+    "  --rope-low-freq-factor F, --rope-high-freq-factor F  llama3 (1, 4)\n"
+    "  --rope-beta-fast F, --rope-beta-slow F  yarn (32, 1)\n"
+    "  --rope-mscale F, --rope-mscale-all-dim F  yarn (unset)\n"
+    "  --rope-attention-factor F  yarn's cos/sin factor (default: derived)\n"
+    "  --rope-no-truncate   yarn: do not round the correction range\n"
     "  --alibi              ALiBi biases (the paper's slopes)\n"
     "  --softcap C          logit soft cap C tanh(s / C)\n"
     "  --need-weights       also write attn_output_weights (mean over heads)\n"
@@ -159,7 +173,8 @@ static const char *inspect_help =
     "W, X and these options are as in mha forward (see mha forward --help):\n"
     "  --num-heads, --num-kv-heads, --batch-first, --causal, --window-left,\n"
     "  --window-right, --add-zero-attn, --dtype, --weight-dtype, --rope,\n"
-    "  --rope-theta, --rope-dim, --rope-start, --alibi, --softcap\n"
+    "  --rope-theta, --rope-dim, --rope-start, --rope-scaling and its\n"
+    "  parameters, --alibi, --softcap (and the inputs' position_ids)\n"
     "Inspect's own:\n"
     "  --tokens FILE        one label per line for the positions (the query's,\n"
     "                       and the keys' in self-attention); positions past\n"
@@ -174,7 +189,7 @@ void run_free(run *r) {
     for (int64_t i = 0; i < r->ntokens; i++) free(r->tokens[i]);
     free(r->tokens);
     free(r->rope_starts);
-    free(r->positions);
+    free(r->rope_positions);
     mha_st_writer_destroy(r->wr);
     for (int i = 0; i < r->nbufs; i++) free(r->bufs[i]);
     for (int i = 0; i < 5; i++) free(r->in[i].buf);
@@ -195,29 +210,59 @@ float *run_alloc(run *r, int64_t n) {
 
 // The options of forward, backward and inspect (one table; run_parse
 // refuses those of the other commands).
-static const struct option run_opts[] = {
-    {"weights", required_argument, 0, 'w'},   {"inputs", required_argument, 0, 'x'},
-    {"out", required_argument, 0, 'o'},       {"num-heads", required_argument, 0, 'n'},
-    {"batch-first", no_argument, 0, 'b'},     {"causal", no_argument, 0, 'c'},
-    {"add-zero-attn", no_argument, 0, 'z'},   {"need-weights", no_argument, 0, 'W'},
-    {"no-average-weights", no_argument, 0, 'A'}, {"impl", required_argument, 0, 'i'},
-    {"dropout", required_argument, 0, 'd'},   {"out-dropout", required_argument, 0, 'D'},
-    {"train", no_argument, 0, 't'},           {"seed", required_argument, 0, 's'},
-    {"dropout-offset", required_argument, 0, 'O'},
-    {"grad-output", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
-    {"window-left", required_argument, 0, 'L'}, {"window-right", required_argument, 0, 'R'},
-    {"weights-heads", required_argument, 0, 'H'}, {"weights-rows", required_argument, 0, 'r'},
-    {"rope", required_argument, 0, 'P'},      {"rope-theta", required_argument, 0, 'T'},
-    {"rope-dim", required_argument, 0, 'E'},  {"rope-start", required_argument, 0, 'X'},
-    {"alibi", no_argument, 0, 'B'},           {"softcap", required_argument, 0, 'C'},
-    {"incremental", no_argument, 0, 'M'},     {"chunk", required_argument, 0, 'K'},
-    {"kv-dtype", required_argument, 0, 'Q'},  {"dtype", required_argument, 0, 'Y'},
-    {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'j'},
-    {"tokens", required_argument, 0, 'k'},    {"max-rows", required_argument, 0, 'm'},
-    {"batch-index", required_argument, 0, 'N'}, {"plot-len", required_argument, 0, 'p'},
-    {"parallel", required_argument, 0, 'Z'},
-    {"checkpoint", required_argument, 0, 'a'}, {"layer", required_argument, 0, 'l'},
-    {0, 0, 0, 0}};
+static const struct option run_opts[] = {{"weights", required_argument, 0, 'w'},
+                                         {"inputs", required_argument, 0, 'x'},
+                                         {"out", required_argument, 0, 'o'},
+                                         {"num-heads", required_argument, 0, 'n'},
+                                         {"batch-first", no_argument, 0, 'b'},
+                                         {"causal", no_argument, 0, 'c'},
+                                         {"add-zero-attn", no_argument, 0, 'z'},
+                                         {"need-weights", no_argument, 0, 'W'},
+                                         {"no-average-weights", no_argument, 0, 'A'},
+                                         {"impl", required_argument, 0, 'i'},
+                                         {"dropout", required_argument, 0, 'd'},
+                                         {"out-dropout", required_argument, 0, 'D'},
+                                         {"train", no_argument, 0, 't'},
+                                         {"seed", required_argument, 0, 's'},
+                                         {"dropout-offset", required_argument, 0, 'O'},
+                                         {"grad-output", required_argument, 0, 'g'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {"window-left", required_argument, 0, 'L'},
+                                         {"window-right", required_argument, 0, 'R'},
+                                         {"weights-heads", required_argument, 0, 'H'},
+                                         {"weights-rows", required_argument, 0, 'r'},
+                                         {"rope", required_argument, 0, 'P'},
+                                         {"rope-theta", required_argument, 0, 'T'},
+                                         {"rope-dim", required_argument, 0, 'E'},
+                                         {"rope-start", required_argument, 0, 'X'},
+                                         {"alibi", no_argument, 0, 'B'},
+                                         {"softcap", required_argument, 0, 'C'},
+                                         {"incremental", no_argument, 0, 'M'},
+                                         {"chunk", required_argument, 0, 'K'},
+                                         {"kv-dtype", required_argument, 0, 'Q'},
+                                         {"dtype", required_argument, 0, 'Y'},
+                                         {"num-kv-heads", required_argument, 0, 'G'},
+                                         {"weight-dtype", required_argument, 0, 'j'},
+                                         {"tokens", required_argument, 0, 'k'},
+                                         {"max-rows", required_argument, 0, 'm'},
+                                         {"batch-index", required_argument, 0, 'N'},
+                                         {"plot-len", required_argument, 0, 'p'},
+                                         {"parallel", required_argument, 0, 'Z'},
+                                         {"checkpoint", required_argument, 0, 'a'},
+                                         {"layer", required_argument, 0, 'l'},
+                                         // RoPE scaling (values past the characters)
+                                         {"rope-scaling", required_argument, 0, 0x100},
+                                         {"rope-factor", required_argument, 0, 0x101},
+                                         {"rope-original-max", required_argument, 0, 0x102},
+                                         {"rope-low-freq-factor", required_argument, 0, 0x103},
+                                         {"rope-high-freq-factor", required_argument, 0, 0x104},
+                                         {"rope-beta-fast", required_argument, 0, 0x105},
+                                         {"rope-beta-slow", required_argument, 0, 0x106},
+                                         {"rope-mscale", required_argument, 0, 0x107},
+                                         {"rope-mscale-all-dim", required_argument, 0, 0x108},
+                                         {"rope-attention-factor", required_argument, 0, 0x109},
+                                         {"rope-no-truncate", no_argument, 0, 0x10a},
+                                         {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
 // optarg) and returns -1 when it took it, the exit status when its value
@@ -301,7 +346,8 @@ static int opt_call(run *r, int c, bool *no_avg) {
     case 'L':
     case 'R':
         if (cli_parse_int(&v, optarg, 0, INT64_MAX))
-            return cli_usage(cmd, "--window-left and --window-right need a non-negative integer");
+            return cli_usage(cmd,
+                             "--window-left and --window-right need a non-negative integer");
         *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
         break;
     case 'H':
@@ -350,7 +396,35 @@ static int opt_position(run *r, int c) {
         r->rope_start = v;
         break;
     case 'B': r->a.alibi = true; break;
-    default: return RUN_NOT_MINE;
+    case 0x100:
+        if ((st = mha_rope_scaling_type_from_name(&r->rope_scaling.type, optarg)))
+            return cli_fail(cmd, st);
+        break;
+    case 0x102:
+        if (cli_parse_int(&v, optarg, 1, INT64_MAX))
+            return cli_usage(cmd, "--rope-original-max needs a positive integer");
+        r->rope_scaling.original_max_position = v;
+        break;
+    case 0x10a: r->rope_scaling.truncate = false; break;
+    default: {
+        if (c < 0x101 || c > 0x109) return RUN_NOT_MINE;
+        // the numbers (checked by the library, which names the field)
+        double *fields[] = {
+            &r->rope_scaling.factor,          NULL,
+            &r->rope_scaling.low_freq_factor, &r->rope_scaling.high_freq_factor,
+            &r->rope_scaling.beta_fast,       &r->rope_scaling.beta_slow,
+            &r->rope_scaling.mscale,          &r->rope_scaling.mscale_all_dim,
+            &r->rope_scaling.attention_factor};
+        static const char *msgs[] = {
+            "--rope-factor needs a number",          NULL,
+            "--rope-low-freq-factor needs a number", "--rope-high-freq-factor needs a number",
+            "--rope-beta-fast needs a number",       "--rope-beta-slow needs a number",
+            "--rope-mscale needs a number",          "--rope-mscale-all-dim needs a number",
+            "--rope-attention-factor needs a number"};
+        if (cli_parse_f64(&f, optarg)) return cli_usage(cmd, msgs[c - 0x101]);
+        *fields[c - 0x101] = f;
+        break;
+    }
     }
     return -1;
 }
@@ -417,15 +491,13 @@ static int run_check(run *r, bool backward, bool no_avg) {
     const char *cmd = r->cmd;
     if (r->ckpt && r->wpath)
         return cli_usage(cmd, "--checkpoint and --weights do not combine");
-    if (r->ckpt && !r->xpath)
-        return cli_usage(cmd, "--checkpoint needs --inputs and --out");
+    if (r->ckpt && !r->xpath) return cli_usage(cmd, "--checkpoint needs --inputs and --out");
     if (r->ckpt) r->wpath = r->ckpt;  // (named in messages and reports)
     if (!r->wpath || !r->xpath || !r->ypath || (backward && !r->gpath))
         return cli_usage(cmd, backward ? "--weights, --inputs, --grad-output and "
                                          "--out are required"
                                        : "--weights, --inputs and --out are required");
-    if (backward && r->incremental)
-        return cli_usage(cmd, "--incremental is for mha forward");
+    if (backward && r->incremental) return cli_usage(cmd, "--incremental is for mha forward");
     if (r->parallel && (r->incremental || r->a.need_weights))
         return cli_usage(cmd, "--parallel does not combine with --incremental or "
                               "--need-weights");
@@ -445,6 +517,7 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
     const char *cmd = r->cmd;
     mha_config_init(&r->base, 0, 0);
     mha_forward_args_init(&r->a);
+    mha_rope_scaling_init(&r->rope_scaling, MHA_ROPE_SCALING_NONE);
     mha_diag_options_init(&r->diag);
     r->argc = argc;
     r->argv = argv;
@@ -454,11 +527,13 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", run_opts, &li)) != -1) {
-        if (c != '?' && c != ':' && li >= 0 &&
+        if (c != '?' && c != ':' && li >= 0 && c < 0x100 &&
             strchr(inspect ? not_inspect : inspect_only, c)) {
             char msg[96];
-            snprintf(msg, sizeof msg, inspect ? "--%s is not an option of mha inspect"
-                                              : "--%s is for mha inspect", run_opts[li].name);
+            snprintf(msg, sizeof msg,
+                     inspect ? "--%s is not an option of mha inspect"
+                             : "--%s is for mha inspect",
+                     run_opts[li].name);
             return cli_usage(cmd, msg);
         }
         li = -1;
@@ -477,14 +552,57 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
         if (rc != -1) return rc;
     }
     if (optind < argc) return cli_usage(cmd, "unexpected argument");
+    if (r->rope_scaling.type != MHA_ROPE_SCALING_NONE) r->a.rope_scaling = &r->rope_scaling;
     return run_check(r, backward, no_avg);
+}
+
+// The inputs' position_ids (integers >= 0; (N, L), (1, L) for every batch
+// element, or (L) unbatched) as the (N, L) array r->a.rope_positions.
+// Returns 0, or 1 after printing.
+static int load_positions(run *r, const mha_st_tensor *t) {
+    const mha_tensor *q = r->a.query;
+    const int sd = q->ndim == 2 || !r->base.batch_first ? 0 : 1;
+    const int64_t L = q->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
+    const bool ok = (t->ndim == 2 && (t->shape[0] == N || t->shape[0] == 1) &&
+                     t->shape[1] == L) ||
+                    (t->ndim == 1 && q->ndim == 2 && t->shape[0] == L);
+    if (!ok) {
+        fprintf(stderr, "mha %s: %s: position_ids must be (N, L) = (%lld, %lld) or (1, L)%s\n",
+                r->cmd, r->xpath, (long long)N, (long long)L,
+                q->ndim == 2 ? " or (L) for an unbatched query" : "");
+        return 1;
+    }
+    double *p = malloc(sizeof(double) * (size_t)(t->numel + 1));
+    r->rope_positions = malloc(sizeof(int64_t) * (size_t)(N * L + 1));
+    if (!p || !r->rope_positions) {
+        free(p);
+        fprintf(stderr, "mha %s: out of memory\n", r->cmd);
+        return 1;
+    }
+    mha_status st = mha_st_read(p, sizeof(double) * (size_t)t->numel, MHA_F64, t);
+    if (st) {
+        free(p);
+        return cli_fail(r->cmd, st);
+    }
+    for (int64_t i = 0; i < N * L; i++) {
+        const double v = p[t->numel == L ? i % L : i];
+        if (!(v >= 0.0 && v < 9.0e15) || v != (double)(int64_t)v) {
+            fprintf(stderr, "mha %s: %s: position_ids[%lld] = %g is not an integer >= 0\n",
+                    r->cmd, r->xpath, (long long)i, v);
+            free(p);
+            return 1;
+        }
+        r->rope_positions[i] = (int64_t)v;
+    }
+    free(p);
+    r->a.rope_positions = r->rope_positions;
+    return 0;
 }
 
 // The inputs of a checkpoint's layer: hidden_states (N, L, E) as query,
 // key and value; attention_mask (N, L) (nonzero = token) as the key
-// padding mask; position_ids (N, L) as rope_start when every row counts up
-// by one from a start >= 0, else as rope_positions. Returns 0, or 1 after
-// printing.
+// padding mask; position_ids (N, L) as rope_positions. Returns 0, or 1
+// after printing.
 static int load_checkpoint_inputs(run *r) {
     const char *cmd = r->cmd, *xpath = r->xpath;
     static const char *names[3] = {"hidden_states", "position_ids", "attention_mask"};
@@ -501,9 +619,10 @@ static int load_checkpoint_inputs(run *r) {
         mha_st_tensor u;
         if ((st = mha_st_tensor_at(&u, r->xf, i))) return cli_fail(cmd, st);
         if (strcmp(u.name, names[0]) && strcmp(u.name, names[1]) && strcmp(u.name, names[2])) {
-            fprintf(stderr, "mha %s: %s: unexpected tensor %s (the inputs of a checkpoint "
-                    "layer are hidden_states, position_ids, attention_mask)\n", cmd, xpath,
-                    mha_escape(qn, sizeof qn, u.name));
+            fprintf(stderr,
+                    "mha %s: %s: unexpected tensor %s (the inputs of a checkpoint "
+                    "layer are hidden_states, position_ids, attention_mask)\n",
+                    cmd, xpath, mha_escape(qn, sizeof qn, u.name));
             return 1;
         }
     }
@@ -545,37 +664,14 @@ static int load_checkpoint_inputs(run *r) {
                     cmd, xpath, mha_dtype_name(t[1].dtype));
             return 1;
         }
-        double *p = malloc(sizeof(double) * (size_t)(N * L > 0 ? N * L : 1));
-        r->positions = malloc(sizeof(int64_t) * (size_t)(N * L > 0 ? N * L : 1));
-        r->rope_starts = malloc(sizeof(int64_t) * (size_t)(N > 0 ? N : 1));
-        if (!p || !r->positions || !r->rope_starts) {
-            free(p);
-            fprintf(stderr, "mha %s: out of memory\n", cmd);
-            return 1;
-        }
-        if ((st = mha_st_read(p, sizeof(double) * (size_t)(N * L), MHA_F64, &t[1]))) {
-            free(p);
-            return cli_fail(cmd, st);
-        }
-        bool rows = true;  // every row start, start + 1, ... with start >= 0
-        for (int64_t n = 0; n < N; n++) {
-            r->rope_starts[n] = L ? (int64_t)p[n * L] : 0;
-            for (int64_t l = 0; l < L; l++) {
-                r->positions[n * L + l] = (int64_t)p[n * L + l];
-                rows &= p[n * L + l] == p[n * L] + (double)l && p[n * L] >= 0;
-            }
-        }
-        free(p);
-        if (rows) r->a.rope_start = r->rope_starts;
-        else r->a.rope_positions = r->positions;
+        if (load_positions(r, &t[1])) return 1;
     }
     return 0;
 }
 
 // Loads the module and the inputs into r->a. Returns 0, or 1 after printing.
 int run_load(run *r) {
-    static const char *names[5] = {"query", "key", "value", "key_padding_mask",
-                                   "attn_mask"};
+    static const char *names[5] = {"query", "key", "value", "key_padding_mask", "attn_mask"};
     const char *cmd = r->cmd, *xpath = r->xpath;
     mha_status st;
     if (r->ckpt) {
@@ -586,8 +682,8 @@ int run_load(run *r) {
         mha_checkpoint_layer_apply(&r->ck, &r->a);
         return load_checkpoint_inputs(r);
     }
-    if ((st = mha_st_open(&r->wf, r->wpath)) || (st = mha_module_load(&r->m, r->wf, &r->base)) ||
-        (st = mha_st_open(&r->xf, xpath)))
+    if ((st = mha_st_open(&r->wf, r->wpath)) ||
+        (st = mha_module_load(&r->m, r->wf, &r->base)) || (st = mha_st_open(&r->xf, xpath)))
         return cli_fail(cmd, st);
     bool found[5];
     for (int i = 0; i < 5; i++)
@@ -596,13 +692,14 @@ int run_load(run *r) {
     for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
         mha_st_tensor t;
         if ((st = mha_st_tensor_at(&t, r->xf, i))) return cli_fail(cmd, st);
-        bool known = false;
+        bool known = strcmp(t.name, "position_ids") == 0;
         for (int j = 0; j < 5; j++) known |= strcmp(t.name, names[j]) == 0;
         if (!known) {
             char qn[128];
-            fprintf(stderr, "mha %s: %s: unexpected tensor %s (inputs are query, key, "
-                    "value, key_padding_mask, attn_mask)\n", cmd, xpath,
-                    mha_escape(qn, sizeof qn, t.name));
+            fprintf(stderr,
+                    "mha %s: %s: unexpected tensor %s (inputs are query, key, "
+                    "value, key_padding_mask, attn_mask, position_ids)\n",
+                    cmd, xpath, mha_escape(qn, sizeof qn, t.name));
             return 1;
         }
     }
@@ -611,9 +708,10 @@ int run_load(run *r) {
         return 1;
     }
     if (found[1] != found[2]) {
-        fprintf(stderr, "mha %s: %s: has \"%s\" but no \"%s\" (give both, or neither "
-                "for self-attention)\n", cmd, xpath, found[1] ? "key" : "value",
-                found[1] ? "value" : "key");
+        fprintf(stderr,
+                "mha %s: %s: has \"%s\" but no \"%s\" (give both, or neither "
+                "for self-attention)\n",
+                cmd, xpath, found[1] ? "key" : "value", found[1] ? "value" : "key");
         return 1;
     }
     r->a.query = &r->in[0].view;
@@ -632,6 +730,10 @@ int run_load(run *r) {
         for (int64_t n = 0; n < N; n++) r->rope_starts[n] = r->rope_start;
         r->a.rope_start = r->rope_starts;
     }
+    mha_st_tensor pt;
+    if ((st = mha_st_find(&pt, r->xf, "position_ids")) == MHA_OK)
+        return load_positions(r, &pt);
+    if (st != MHA_ERR_NOT_FOUND) return cli_fail(cmd, st);
     return 0;
 }
 

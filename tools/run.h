@@ -26,22 +26,23 @@ typedef struct run {
     const char *wpath, *xpath, *ypath, *gpath;
     mha_config base;
     mha_forward_args a;
-    bool incremental;      // --incremental: through a KV cache
-    bool parallel;         // --parallel: over MPI ranks (mha_mpi.h)
+    bool incremental;  // --incremental: through a KV cache
+    bool parallel;     // --parallel: over MPI ranks (mha_mpi.h)
 #ifdef MHA_HAVE_MPI
     mha_parallel par;
 #endif
-    mha_kv_dtype kv_dtype; // --kv-dtype: the cache's storage
-    mha_dtype dtype;       // --dtype: inputs and outputs in memory (F32, BF16, F16)
-    int64_t chunk;         // --chunk: tokens per step (default 1)
-    int64_t rope_start;    // --rope-start, for every batch element
-    int64_t *rope_starts;  // ... as the per-element array the API takes
+    mha_kv_dtype kv_dtype;  // --kv-dtype: the cache's storage
+    mha_dtype dtype;        // --dtype: inputs and outputs in memory (F32, BF16, F16)
+    int64_t chunk;          // --chunk: tokens per step (default 1)
+    int64_t rope_start;     // --rope-start, for every batch element
+    int64_t *rope_starts;   // ... as the per-element array the API takes
     // --checkpoint DIR --layer I: a Hugging Face checkpoint's layer (the
     // inputs then hold hidden_states, position_ids, attention_mask)
     const char *ckpt;
     int64_t layer;
     mha_checkpoint_layer ck;
-    int64_t *positions;  // position_ids (N * L) when not arithmetic rows
+    mha_rope_scaling rope_scaling;  // --rope-scaling and its parameters
+    int64_t *rope_positions;        // the inputs' position_ids (N, L), or NULL
     mha_st_file *wf, *xf, *gf;
     mha_module *m;
     cli_tensor in[5];

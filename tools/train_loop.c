@@ -119,7 +119,9 @@ typedef struct train_state {
     int64_t T, B, chunk, n_eval;
     tiny_model *m;
     mha_optimizer *opt;
-    FILE *csv;
+    FILE *csv;  // the CSV composed in memory (csv_text, csv_n), written at the end
+    char *csv_text;
+    size_t csv_n;
     int32_t *ints;  // one allocation for the five below
     int32_t *tok, *tgt, *etok, *etgt, *pred;
     tiny_rng data_rng;
@@ -175,9 +177,9 @@ static int train_setup(train_state *ts, const train_opts *o) {
     if ((st = tiny_optimizer_register(ts->m, ts->opt))) return train_fail(ts, st);
 
     if (o->csv) {
-        ts->csv = fopen(o->csv, "w");
+        ts->csv = open_memstream(&ts->csv_text, &ts->csv_n);
         if (!ts->csv) {
-            fprintf(stderr, "mha %s: cannot write %s: %s\n", cmd, o->csv, strerror(errno));
+            fprintf(stderr, "mha %s: cannot compose %s: %s\n", cmd, o->csv, strerror(errno));
             return 1;
         }
         fprintf(ts->csv, "step,loss,train_acc,eval_acc,tokens_per_s\n");
@@ -286,7 +288,7 @@ static void train_progress(train_state *ts, int64_t s, bool eval_now) {
     }
 }
 
-// After the last step: the CSV closed, a few held-out examples with the
+// After the last step: the CSV written, a few held-out examples with the
 // model's answers, the summary line. Returns 0, or 1 after printing.
 static int train_finish(train_state *ts) {
     const train_opts *o = ts->o;
@@ -294,13 +296,14 @@ static int train_finish(train_state *ts) {
     mha_status st;
     if (ts->tty) fputc('\n', stderr);
     double elapsed = cli_now() - ts->t_start;
-    if (ts->csv) {
-        if (fclose(ts->csv)) {
-            ts->csv = NULL;
-            fprintf(stderr, "mha %s: error writing %s\n", ts->cmd, o->csv);
+    if (ts->csv) {  // written whole, atomically: a failed run leaves an old file as it was
+        int bad = fclose(ts->csv);
+        ts->csv = NULL;
+        if (bad) {
+            fprintf(stderr, "mha %s: out of memory composing %s\n", ts->cmd, o->csv);
             return 1;
         }
-        ts->csv = NULL;
+        if ((st = mha_file_write(o->csv, ts->csv_text, ts->csv_n))) return cli_fail(ts->cmd, st);
     }
     if (!o->quiet) {
         // a few held-out examples with the model's answers
@@ -341,6 +344,7 @@ int train_run(const train_opts *o, tiny_model **keep, double *eval_acc) {
         if (keep) *keep = ts.m, ts.m = NULL;
     }
     if (ts.csv) fclose(ts.csv);
+    free(ts.csv_text);
     mha_optimizer_destroy(ts.opt);
     tiny_destroy(ts.m);
     free(ts.ints);

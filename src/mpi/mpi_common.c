@@ -166,6 +166,16 @@ static mha_status seq_check(const mha_module *m, const mha_forward_args *a, cons
     if (a->rope.mode != MHA_ROPE_NONE && sq->T != sk->T)
         return mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi %s: RoPE needs L == S (L %lld, S %lld)",
                          name, (long long)sq->T, (long long)sk->T);
+    // (a rank sees its tokens only: the positions of the whole sequence and
+    // its largest, which dynamic NTK scaling decides from, are not there)
+    if (a->rope.mode != MHA_ROPE_NONE &&
+        (a->rope_positions ||
+         (a->rope_scaling && a->rope_scaling->type == MHA_ROPE_SCALING_DYNAMIC)))
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi %s: rope_positions and dynamic NTK rope_scaling are not "
+                         "available (head parallelism has them; rope_start and the linear, "
+                         "yarn and llama3 scalings work here)",
+                         name);
     if (a->query->ndim != a->key->ndim || sq->N != sk->N)
         return mha__fail(MHA_ERR_SHAPE,
                          "mha_mpi %s: query and key/value shards of "

@@ -122,6 +122,7 @@ static bool ring_block_call(const ring *r, int a, int c, const int64_t ks_[2],
     ab->key_padding_mask = NULL;
     ab->rope.mode = MHA_ROPE_NONE;  // (applied by the projections)
     ab->rope_start = NULL;
+    ab->rope_scaling = NULL;
     *pa = (mha__part){.g0 = 0,
                       .g1 = r->Hkv,
                       .proj.q_in = r->q[a],

@@ -15,6 +15,9 @@
 // cJSON's allocations (the safetensors header, parsed and written) are
 // counted and failed too, through cJSON_InitHooks: the header's parse
 // failing for memory must be MHA_ERR_NOMEM as well, not a format error.
+// The atomic writer's system calls (src/file.c) are made to fail too, one
+// step at a time (mha__fault_io_arm, io_faults below): MHA_ERR_IO naming
+// the file and the OS error, the old file intact, no temporary file left.
 // Not the library's and not swept: the C library's own (fopen's buffer) and
 // OpenMP's runtime (run it with OMP_NUM_THREADS=1 for a single-threaded
 // sweep; the counts do not depend on the thread count). LAPACK's workspace
@@ -34,8 +37,10 @@
 // nobody left waiting; each rank then reruns clean to its own result.
 // Sites go to path.<rank>.
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <elf.h>
+#include <errno.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -43,9 +48,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/stat.h>
+
 #include <cjson/cJSON.h>
 
 #include "../check.h"
+#include "file.h"
 #include "internal.h"
 #include "part.h"
 #include "mha.h"
@@ -389,6 +397,70 @@ static mha_status sc_st_write(const void *argp) {
     mha_st_writer_destroy(wr);
     if (!st) res_put_file(path);
     return st;
+}
+
+// I/O faults: each step of the atomic writer (src/file.c) made to fail
+// with ENOSPC and with EIO (mha__fault_io_arm) under mha_st_writer_save and
+// mha_file_write: MHA_ERR_IO with a message naming the file and the OS
+// error, the old file byte for byte as it was (after a failing directory
+// fsync, the last step, the new file is already in place: the message
+// says so), no temporary file left; the next save works.
+static size_t file_bytes(const char *path, unsigned char *buf, size_t cap) {
+    FILE *f = fopen(path, "rb");
+    size_t n = f ? fread(buf, 1, cap, f) : 0;
+    if (f) fclose(f);
+    return n;
+}
+static int dir_entries(const char *dir) {  // besides . and ..
+    DIR *d = opendir(dir);
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d));)
+        n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    if (d) closedir(d);
+    return n;
+}
+static mha_status sc_st_write(const void *argp);
+static void io_faults(void) {
+    char dir[600], path[700];
+    tmp_path(dir, sizeof dir, "io");
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) perror(dir);
+    snprintf(path, sizeof path, "%s/t.safetensors", dir);
+    static const char old[] = "the old file";
+    static const char *const steps[] = {"", "open", "write", "fsync", "close", "rename",
+                                        "directory fsync"};
+    const int errs[2] = {ENOSPC, EIO};
+    int runs = 0;
+    for (int step = MHA__IO_OPEN; step <= MHA__IO_DIR_FSYNC; step++) {
+        for (int e = 0; e < 4; e++) {
+            CHECK_OK(mha_file_write(path, old, sizeof old - 1));
+            mha__fault_io_arm((mha__io_step)step, errs[e % 2]);
+            mha_status st = e < 2 ? sc_st_write(path) : mha_file_write(path, "new!", 4);
+            g_len = 0;
+            mha__fault_io_arm(0, 0);
+            const char *msg = mha_last_error();
+            if (g_verbose) printf("  %s fault: %s\n", steps[step], msg);
+            CHECKF(st == MHA_ERR_IO && strstr(msg, path) && strstr(msg, strerror(errs[e % 2])),
+                   "%s fault (%s): %s: %s", steps[step], strerror(errs[e % 2]),
+                   mha_status_string(st), msg);
+            unsigned char buf[4096];
+            size_t n = file_bytes(path, buf, sizeof buf);
+            if (step == MHA__IO_DIR_FSYNC)
+                CHECKF(n > 0 && !(n == sizeof old - 1 && !memcmp(buf, old, n)) &&
+                           strstr(msg, "renamed into place"),
+                       "directory fsync fault: the new file should be in place: %s", msg);
+            else
+                CHECKF(n == sizeof old - 1 && !memcmp(buf, old, n),
+                       "%s fault: the old file changed (%zu bytes)", steps[step], n);
+            const int entries = dir_entries(dir);
+            CHECKF(entries == 1, "%s fault: %d entries left in %s", steps[step], entries, dir);
+            runs++;
+        }
+        CHECK_OK(sc_st_write(path));  // and then a clean save
+        g_len = 0;
+    }
+    remove(path);
+    printf("I/O faults: %d failing saves (6 steps x ENOSPC/EIO x st writer/mha_file_write)\n",
+           runs);
 }
 
 // mha_module_load from a file saved by mha_module_save.
@@ -1157,6 +1229,7 @@ static void sweep_library(void) {
     char p1[600];
     tmp_path(p1, sizeof p1, "tensors.safetensors");
     sweep("safetensors write", sc_st_write, p1, NULL);
+    io_faults();
     st_arg sa = {p1, false, NULL, 0};
     sweep("safetensors open+read", sc_st_read, &sa, NULL);
     {

@@ -530,6 +530,41 @@ def main():
                input_tensors(extra=[tensor("x\ny", (1,))]))
     bad_inputs("num_heads missing everywhere", input_tensors(),
                weights=W_py)
+    # RoPE scaling and position_ids
+    r.expect_ok("control: position_ids (N, L) I64, --rope-scaling yarn",
+                fwd + ["--weights", W, "--inputs", write(P("x_pos.safetensors"), build(
+                    input_tensors(k=None, v=None, extra=[
+                        tensor("position_ids", (N, L), "I64", [0, 1, 2, 1, 1, 0])]))),
+                       "--rope", "neox", "--rope-scaling", "yarn", "--rope-factor", "4",
+                       "--rope-original-max", "2", "--causal"],
+                check_out((L, N, E)))
+    rope = ["--rope", "neox"]
+    bad_inputs("--rope-scaling longrope", input_tensors(),
+               rope + ["--rope-scaling", "longrope"])
+    bad_inputs("--rope-scaling without --rope", input_tensors(),
+               ["--rope-scaling", "linear", "--rope-factor", "2"])
+    bad_inputs("--rope-factor 0", input_tensors(),
+               rope + ["--rope-scaling", "linear", "--rope-factor", "0"])
+    bad_inputs("--rope-factor not a number", input_tensors(),
+               rope + ["--rope-scaling", "linear", "--rope-factor", "x"])
+    bad_inputs("dynamic without --rope-original-max", input_tensors(),
+               rope + ["--rope-scaling", "dynamic", "--rope-factor", "2"])
+    bad_inputs("--rope-original-max 0", input_tensors(),
+               rope + ["--rope-scaling", "yarn", "--rope-original-max", "0"])
+    bad_inputs("llama3 low >= high freq factor", input_tensors(),
+               rope + ["--rope-scaling", "llama3", "--rope-original-max", "8",
+                       "--rope-low-freq-factor", "4"])
+    bad_inputs("yarn --rope-beta-fast -1", input_tensors(),
+               rope + ["--rope-scaling", "yarn", "--rope-original-max", "8",
+                       "--rope-beta-fast", "-1"])
+    bad_inputs("position_ids (N, L+1)", input_tensors(k=None, v=None, extra=[
+        tensor("position_ids", (N, L + 1), "I64")]), rope)
+    bad_inputs("position_ids negative", input_tensors(k=None, v=None, extra=[
+        tensor("position_ids", (N, L), "I64", [0, 1, -2, 0, 1, 2])]), rope)
+    bad_inputs("position_ids not integers", input_tensors(k=None, v=None, extra=[
+        tensor("position_ids", (N, L), "F32", [0, 1, 2.5, 0, 1, 2])]), rope)
+    bad_inputs("position_ids with cross-attention (S != L)", input_tensors(extra=[
+        tensor("position_ids", (N, L), "I64", [0, 1, 2, 0, 1, 2])]), rope)
     bad_inputs("unknown --impl", input_tensors(), ["--impl", "fast"])
     bad_inputs("--impl empty", input_tensors(), ["--impl", ""])
 

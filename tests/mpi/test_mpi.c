@@ -113,6 +113,18 @@ static void same_grads(const char *desc, const mha_module *a, const mha_module *
     }
 }
 
+// RoPE scalings the cases use: 0 none, 1 linear, 2 YaRN, 3 llama3, 4 dynamic.
+static mha_rope_scaling rope_scaling_of(int k) {
+    static const mha_rope_scaling_type t[5] = {MHA_ROPE_SCALING_NONE, MHA_ROPE_SCALING_LINEAR,
+                                               MHA_ROPE_SCALING_YARN, MHA_ROPE_SCALING_LLAMA3,
+                                               MHA_ROPE_SCALING_DYNAMIC};
+    mha_rope_scaling s;
+    mha_rope_scaling_init(&s, t[k]);
+    s.factor = k == 1 ? 2.0 : 4.0;
+    s.original_max_position = k == 4 ? 6 : 8;
+    return s;
+}
+
 static void one_case(int id) {
     seed_rng(1000 + (uint64_t)id);  // the same problem on every rank
     const int64_t Hkv = irand(1, 5), G = irand(1, 2), H = Hkv * G, d = irand(2, 6) * 2,
@@ -159,6 +171,10 @@ static void one_case(int id) {
     a.impl = MHA_IMPL_FUSED;
     if (kpm) a.key_padding_mask = &kpt;
     if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+    // RoPE scaled (by the case's id: none, linear, YaRN, llama3), which every
+    // scheme applies as the single process does
+    mha_rope_scaling rsc = rope_scaling_of(id % 4);
+    if (rope && id % 4) a.rope_scaling = &rsc;
     ad = a;
     ad.query = &ind[0];
     ad.key = self ? &ind[0] : &ind[1];
@@ -202,9 +218,10 @@ static void one_case(int id) {
                           &ind[3], acc));
     char desc[200];
     snprintf(desc, sizeof desc, "case %d on %d ranks (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
-             "self %d causal %d kpm %d rope %d bkv %d gate %d acc %d)", id, g_P, (long long)E,
-             (long long)H, (long long)Hkv, (long long)L, (long long)S, (long long)N, self, causal,
-             kpm, rope, bkv, (int)c.head_gate, acc);
+             "self %d causal %d kpm %d rope %d scaling %d bkv %d gate %d acc %d)", id, g_P,
+             (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)S,
+             (long long)N, self, causal, kpm, rope, rope ? id % 4 : 0, bkv, (int)c.head_gate,
+             acc);
     // Ulysses: this rank's block of tokens (the even split), views into the
     // whole tensors; its slice of the output and the input gradients must
     // be the single-process bits
@@ -397,6 +414,59 @@ static void one_case(int id) {
     mha_module_destroy(m);
 }
 
+// rope_positions and dynamic NTK scaling: refused by the sequence-parallel
+// schemes (a rank sees a part of the positions), the single process's bits
+// under head parallelism.
+static void test_rope_positions(int id) {
+    seed_rng(9000 + (uint64_t)id);
+    const int64_t H = 2 * irand(1, 2), d = 8, E = H * d, L = irand(4, 30), N = irand(1, 2);
+    mha_config c;
+    mha_config_init(&c, E, H);
+    mha_module *m = random_module(&c, 31 + (uint64_t)id);
+    const int64_t n = L * N * E;
+    float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n),
+          *yp = malloc(sizeof(float) * (size_t)n), *gy = malloc(sizeof(float) * (size_t)n),
+          *g1 = malloc(sizeof(float) * (size_t)n), *g2 = malloc(sizeof(float) * (size_t)n);
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(N * L));
+    for (int64_t i = 0; i < n; i++) x[i] = frand(), gy[i] = frand();
+    for (int64_t i = 0; i < N * L; i++) pos[i] = (int64_t)(next() % 40);
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E}),
+               yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){L, N, E}),
+               ypt = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){L, N, E}),
+               gyt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){L, N, E}),
+               g1t = mha_tensor_contiguous(g1, MHA_F32, 3, (int64_t[]){L, N, E}),
+               g2t = mha_tensor_contiguous(g2, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_rope_scaling s = rope_scaling_of(id % 2 ? 4 : 2);
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    a.impl = MHA_IMPL_FUSED;
+    mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+    a.rope_scaling = &s;
+    if (id % 3 != 1) a.rope_positions = pos;  // (dynamic alone when not)
+    CHECK_OK(mha_forward(&yt, NULL, m, &a));
+    CHECK_OK(mha_backward(&g1t, NULL, NULL, NULL, m, &a, &gyt, false));
+    const bool refused = a.rope_positions || s.type == MHA_ROPE_SCALING_DYNAMIC;
+    for (int sch = 0; sch < 2; sch++) {  // (the ranks' own tokens do not matter: refused)
+        const mha_parallel p = sch ? MHA_PAR_RING : MHA_PAR_ULYSSES;
+        if (refused) {
+            CHECK_FAILS(mha_mpi_forward(MPI_COMM_WORLD, p, &ypt, m, &a, NULL),
+                        MHA_ERR_UNSUPPORTED);
+            CHECK(strstr(mha_last_error(), "rope_positions") != NULL);
+        }
+    }
+    CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &ypt, m, &a, NULL));
+    CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_HEADS, &g2t, NULL, NULL, NULL, m, &a,
+                              &gyt, false, NULL));
+    CHECKF(!memcmp(y, yp, sizeof(float) * (size_t)n) && !memcmp(g1, g2, sizeof(float) * (size_t)n),
+           "rope positions %d on %d ranks (L %lld N %lld H %lld scaling %d positions %d): heads "
+           "differ from the single process", id, g_P, (long long)L, (long long)N, (long long)H,
+           (int)s.type, a.rope_positions != NULL);
+    free(x), free(y), free(yp), free(gy), free(g1), free(g2), free(pos);
+    mha_module_destroy(m);
+}
+
 // Sharded-KV decode: the sequence arrives in chunks of 1-20 tokens, chunk
 // c's keys and values kept by rank c % P; the outputs put together must
 // match the single-process causal forward (tolerance rule, error vs
@@ -433,6 +503,16 @@ static void test_sharded_decode(int id) {
     a.impl = MHA_IMPL_FUSED;
     if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
     if (cap) a.softcap = 4.0f;
+    // RoPE with a scaling (linear, YaRN) and, for some, positions of their
+    // own (every chunk given its slice)
+    mha_rope_scaling rsc = rope_scaling_of(1 + id % 2);
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(N * L)),
+            *pc = malloc(sizeof(int64_t) * (size_t)(N * L));
+    for (int64_t b = 0; b < N; b++)
+        for (int64_t t = 0; t < L; t++) pos[b * L + t] = t < 3 * b ? 1 : t - 3 * b + 2;
+    const bool own_pos = rope && id % 4 == 1;
+    if (rope && id % 3 != 2) a.rope_scaling = &rsc;
+    if (own_pos) a.rope_positions = pos;
     mha_forward_args ad = a;
     ad.query = ad.key = ad.value = &xdt;
     ad.impl = MHA_IMPL_REFERENCE;
@@ -449,15 +529,20 @@ static void test_sharded_decode(int id) {
         q.shape[sd] = o.shape[sd] = T1;
         mha_forward_args ac = a;
         ac.query = ac.key = ac.value = &q;
+        if (own_pos) {
+            for (int64_t b = 0; b < N; b++)
+                for (int64_t t = 0; t < T1; t++) pc[b * T1 + t] = pos[b * L + t0 + t];
+            ac.rope_positions = pc;
+        }
         mha_mpi_stats ms;
         CHECK_OK(mha_mpi_forward_cached(MPI_COMM_WORLD, &o, m, &ac, kc, chunks % g_P, &ms));
         t0 += T1;
     }
     char desc[200];
     snprintf(desc, sizeof desc, "sharded decode %d on %d ranks (E %lld H %lld Hkv %lld L %lld N "
-             "%lld rope %d bf %d softcap %d gate %d, %d chunks)", id, g_P, (long long)E,
-             (long long)H, (long long)Hkv, (long long)L, (long long)N, rope, bf, cap,
-             (int)c.head_gate, chunks);
+             "%lld rope %d scaling %d positions %d bf %d softcap %d gate %d, %d chunks)", id,
+             g_P, (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)N, rope,
+             a.rope_scaling ? (int)rsc.type : 0, own_pos, bf, cap, (int)c.head_gate, chunks);
     compare(desc, "output", ys, y, yd, n);
     memcpy(y0, ys, sizeof(float) * (size_t)n);
     MPI_Bcast(y0, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD);
@@ -497,7 +582,7 @@ static void test_sharded_decode(int id) {
     mha_kv_cache_destroy(small);
     mha_kv_cache_destroy(kc);
     mha_module_destroy(m);
-    free(x), free(y), free(ys), free(y0), free(xd), free(yd);
+    free(x), free(y), free(ys), free(y0), free(xd), free(yd), free(pos), free(pc);
 }
 
 // Zigzag balancing: a causal ring forward and backward with chunks of 256
@@ -643,6 +728,7 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode(argc > 2 && !strcmp(argv[2], "ring"));
     for (int id = 0; id < 40; id++) one_case(id);
     for (int id = 0; id < 12; id++) test_sharded_decode(id);
+    for (int id = 0; id < 6; id++) test_rope_positions(id);
     test_ring_balance();
     test_failure();
     int counts[2] = {check_passed_, check_failed_}, total[2];

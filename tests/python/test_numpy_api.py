@@ -83,6 +83,35 @@ def test_files_and_state_dict(tmp_path):
     assert np.array_equal(back["a"], np.arange(6)) and meta == {"k": "v"}
 
 
+def test_saves_are_atomic(tmp_path):
+    """save / save_tensors go through the C library's atomic writer: a save
+    over a file replaces it whole, a failing one raises OSError naming the
+    path and leaves the old file and no temporary file."""
+    n, _ = pair()
+    p = tmp_path / "w.safetensors"
+    n.save(p)
+    n.save(p)  # over the old one
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["w.safetensors"]
+    old = p.read_bytes()
+    d = tmp_path / "adir"
+    d.mkdir()
+    with pytest.raises(OSError, match="Is a directory") as e:
+        n.save(d)
+    assert str(d) in str(e.value)
+    with pytest.raises(OSError, match="No such file or directory") as e:
+        mha.save_tensors(tmp_path / "none" / "x.safetensors", {"a": np.zeros(3, np.float32)})
+    assert str(tmp_path / "none" / "x.safetensors") in str(e.value)
+    assert p.read_bytes() == old
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["adir", "w.safetensors"]
+    assert list(d.iterdir()) == []
+    # a symbolic link at the target is replaced, the file it names untouched
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to("w.safetensors")
+    mha.save_tensors(link, {"a": np.zeros(3, np.float32)})
+    assert not link.is_symlink() and p.read_bytes() == old
+    assert np.array_equal(mha.load_tensors(link)[0]["a"], np.zeros(3))
+
+
 def test_half_weights_and_pruning():
     n, _ = pair()
     x = np.random.default_rng(2).normal(size=(5, 2, 16)).astype(np.float32)

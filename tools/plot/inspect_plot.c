@@ -4,7 +4,8 @@
 // (MHA_HAVE_CAIRO, MHA_HAVE_GLIB); otherwise inspect_write_pictures says that
 // the pictures need them. Nothing here computes attention: every number
 // comes from tools/cmd_inspect.c, as inspect_report (inspect_plot.h)
-// describes.
+// describes. Each file is written whole by mha_file_write (atomically: an
+// old file of the same name survives a failed write).
 //
 //   heads.png       a grid of per-head heatmaps (query rows x key columns),
 //                   one viridis scale for every head with its colour bar,
@@ -44,6 +45,7 @@ int inspect_write_pictures(const char *cmd, const char *dir, const inspect_repor
 
 #include <glib.h>
 
+#include "mha.h"
 #include "plot.h"
 
 #define INSPECT_PI 3.14159265358979323846
@@ -53,26 +55,7 @@ bool inspect_pictures_available(void) { return true; }
 // ---------------------------------------------------------------------------
 // Small pieces: PNG bytes in memory, fonts, labels, the colormap
 
-typedef struct membuf {
-    unsigned char *p;
-    size_t n, cap;
-} membuf;
-
-static cairo_status_t membuf_write(void *closure, const unsigned char *data,
-                                   unsigned int len) {
-    membuf *b = closure;
-    if (b->n + len > b->cap) {
-        size_t cap = b->cap ? b->cap : 65536;
-        while (cap < b->n + len) cap *= 2;
-        unsigned char *p = realloc(b->p, cap);
-        if (!p) return CAIRO_STATUS_NO_MEMORY;
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, data, len);
-    b->n += len;
-    return CAIRO_STATUS_SUCCESS;
-}
+typedef plot_membuf membuf;
 
 static void font(cairo_t *cr, double size, bool bold) {
     cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
@@ -103,7 +86,7 @@ static cairo_status_t canvas_finish(cairo_t *cr, membuf *png) {
     cairo_status_t st = cairo_status(cr);
     cairo_surface_t *sf = cairo_get_target(cr);
     cairo_surface_flush(sf);
-    if (st == CAIRO_STATUS_SUCCESS) st = cairo_surface_write_to_png_stream(sf, membuf_write, png);
+    if (st == CAIRO_STATUS_SUCCESS) st = cairo_surface_write_to_png_stream(sf, plot_membuf_write, png);
     cairo_destroy(cr);
     return st;
 }
@@ -827,13 +810,16 @@ static int write_report(FILE *f, const inspect_report *r, const membuf png[3]) {
 
 // ---------------------------------------------------------------------------
 
+// data as the new contents of path (mha_file_write: atomically). 0, or 1
+// after printing.
 static int write_file(const char *cmd, const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    int bad = !f || fwrite(data, 1, n, f) != n;
-    if (f && fclose(f)) bad = 1;
-    if (bad) fprintf(stderr, "mha %s: cannot write %s\n", cmd, path);
-    else printf("wrote %s\n", path);
-    return bad;
+    mha_status st = mha_file_write(path, data, n);
+    if (st) {
+        fprintf(stderr, "mha %s: %s\n", cmd, mha_last_error());
+        return 1;
+    }
+    printf("wrote %s\n", path);
+    return 0;
 }
 
 int inspect_write_pictures(const char *cmd, const char *dir, const inspect_report *r) {
@@ -854,15 +840,17 @@ int inspect_write_pictures(const char *cmd, const char *dir, const inspect_repor
         snprintf(path, sizeof path, "%s/%s", dir, names[i]);
         if (write_file(cmd, path, png[i].p, png[i].n)) goto done;
     }
+    // the report composed in memory, then written as one file
     snprintf(path, sizeof path, "%s/report.html", dir);
-    FILE *f = fopen(path, "w");
+    char *html = NULL;
+    size_t html_n = 0;
+    FILE *f = open_memstream(&html, &html_n);
     int bad = !f || write_report(f, r, png);
     if (f && fclose(f)) bad = 1;
-    if (bad) {
-        fprintf(stderr, "mha %s: cannot write %s\n", cmd, path);
-        goto done;
-    }
-    printf("wrote %s\n", path);
+    if (bad) fprintf(stderr, "mha %s: out of memory composing %s\n", cmd, path);
+    else bad = write_file(cmd, path, html, html_n);
+    free(html);
+    if (bad) goto done;
     rc = 0;
 done:
     for (int i = 0; i < 3; i++) free(png[i].p);

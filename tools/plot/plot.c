@@ -1,5 +1,6 @@
 // plot.c: PNG learning curves for `mha train --plot` and `mha train plot`,
-// drawn with cairo (2D vector graphics; PNG written by cairo's own writer).
+// drawn with cairo (2D vector graphics; the PNG encoded by cairo in memory
+// and written atomically by mha_file_write).
 // Built only when CMake finds cairo (MHA_HAVE_CAIRO); otherwise plot_runs
 // reports that plotting is not available. The core library never links
 // cairo.
@@ -32,6 +33,23 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
 
 #include <cairo.h>
 #include <fontconfig/fontconfig.h>
+
+#include "mha.h"
+
+cairo_status_t plot_membuf_write(void *closure, const unsigned char *data, unsigned int len) {
+    plot_membuf *b = closure;
+    if (b->n + len > b->cap) {
+        size_t cap = b->cap ? b->cap : 65536;
+        while (cap < b->n + len) cap *= 2;
+        unsigned char *p = realloc(b->p, cap);
+        if (!p) return CAIRO_STATUS_NO_MEMORY;
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, data, len);
+    b->n += len;
+    return CAIRO_STATUS_SUCCESS;
+}
 
 #define PLOT_PI 3.14159265358979323846
 
@@ -457,12 +475,21 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
 
     cairo_destroy(cr);
     cairo_surface_flush(sf);
-    cairo_status_t cs = cairo_surface_write_to_png(sf, out_png);
+    // encoded in memory, then written as one file (mha_file_write: atomically)
+    plot_membuf png = {0};
+    cairo_status_t cs = cairo_surface_write_to_png_stream(sf, plot_membuf_write, &png);
     cairo_surface_destroy(sf);
     plot_release_fonts();
     if (cs != CAIRO_STATUS_SUCCESS) {
-        fprintf(stderr, "mha %s: cannot write %s: %s\n", cmd, out_png,
+        fprintf(stderr, "mha %s: cannot encode %s: %s\n", cmd, out_png,
                 cairo_status_to_string(cs));
+        free(png.p);
+        goto done;
+    }
+    mha_status st = mha_file_write(out_png, png.p, png.n);
+    free(png.p);
+    if (st) {
+        fprintf(stderr, "mha %s: %s\n", cmd, mha_last_error());
         goto done;
     }
     rc = 0;

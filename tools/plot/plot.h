@@ -5,6 +5,7 @@
 #define MHA_PLOT_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 // True when the CLI was built with cairo (MHA_HAVE_CAIRO).
 bool plot_available(void);
@@ -31,6 +32,16 @@ double plot_nice_step(double range, int n);
 // Releases cairo's and fontconfig's font caches once no cairo object is
 // left, so leak checkers (ASan) see a clean exit.
 void plot_release_fonts(void);
+
+// Bytes in memory (p from malloc, n used of cap; all 0 to start, free(p)
+// after), such as an encoded PNG.
+typedef struct plot_membuf {
+    unsigned char *p;
+    size_t n, cap;
+} plot_membuf;
+// cairo's write function (cairo_surface_write_to_png_stream) appending to
+// the plot_membuf given as closure.
+cairo_status_t plot_membuf_write(void *closure, const unsigned char *data, unsigned int len);
 #endif
 
 #endif
