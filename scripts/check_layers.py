@@ -4,7 +4,8 @@
 Reads the layer table of docs/architecture.md (the rows between the
 `<!-- layers -->` and `<!-- /layers -->` markers: | layer | name | files |)
 and fails, naming file, line and target, on
-  - a source file of src/ or tools/ the table does not place,
+  - a source file of src/, tools/, python/ or examples/ the table does not
+    place,
   - an #include "..." of a file in a higher layer,
   - a call (or use of a macro or inline function) of something defined in
     a file of a higher layer,
@@ -20,7 +21,7 @@ import sys
 ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
                        os.path.join(os.path.dirname(__file__), ".."))
 TABLE = os.path.join(ROOT, "docs", "architecture.md")
-SCOPES = ("src", "tools", "python")
+SCOPES = ("src", "tools", "python", "examples")
 
 
 def read_table():
@@ -85,14 +86,14 @@ def strip(text):
     return "".join(out)
 
 
-DEF_FN = re.compile(r"^(?!static\b)(?:[A-Za-z_][\w\s\*]*?[\s\*])?((?:mha|cli|tiny|plot|train|bench|cmd|run|demo|inspect)_\w+)\s*\(([^;{]*?)\)\s*\{",
+DEF_FN = re.compile(r"^(?!static\b)(?:[A-Za-z_][\w\s\*]*?[\s\*])?((?:mha|cli|tiny|plot|train|bench|cmd|run|demo|inspect|embed)_\w+)\s*\(([^;{]*?)\)\s*\{",
                     re.M | re.S)
 DEF_INLINE = re.compile(r"^static\s+inline\b[^;{(]*?\b(\w+)\s*\(", re.M)
 DEF_MACRO = re.compile(r"^\s*#\s*define\s+(MHA_\w+|mha_\w+)\b", re.M)
 DEF_TYPE = re.compile(r"^typedef\s+(?:struct|enum)\s+\w*\s*\{.*?\}\s*(\w+)\s*;", re.M | re.S)
 DEF_ROPE_MACRO = re.compile(r"^[A-Z_]+\((mha_\w+),", re.M)
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
-IDENT = re.compile(r"\b(mha_\w+|MHA_\w+|cli_\w+|tiny_\w+|plot_\w+|train_\w+|bench_\w+|cmd_\w+|run_\w+|demo_\w+|inspect_\w+)\b")
+IDENT = re.compile(r"\b(mha_\w+|MHA_\w+|cli_\w+|tiny_\w+|plot_\w+|train_\w+|bench_\w+|cmd_\w+|run_\w+|demo_\w+|inspect_\w+|embed_\w+)\b")
 # A prototype at the start of a line of a header: declares, does not use.
 PROTO = re.compile(r"^(?!static\b|typedef\b|return\b|#)[A-Za-z_][\w \t\*]*?\b(\w+)\s*\(", re.M)
 

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Installs the Debian 12 packages mha needs. Run as root.
 #   scripts/install-deps.sh          build dependencies (C compiler with OpenMP, CMake,
-#                                    pkg-config, cJSON, LAPACKE (optional at
+#                                    pkg-config, cJSON, utf8proc (the
+#                                    tokenizer of mha embed), LAPACKE (optional at
 #                                    build time: the diagnostics' singular
 #                                    values, CMake MHA_LAPACKE); cairo for the
 #                                    CLI's pictures; Open MPI for libmha_mpi
@@ -14,7 +15,7 @@
 #                                    environments, PyTorch 1.13 and 2.x
 #                                    (scripts/python-venvs.sh))
 set -eu
-pkgs="build-essential cmake pkg-config libcjson-dev liblapacke-dev libcairo2-dev"
+pkgs="build-essential cmake pkg-config libcjson-dev libutf8proc-dev liblapacke-dev libcairo2-dev"
 pkgs="$pkgs openmpi-bin libopenmpi-dev"
 if [ "${1:-}" = "--test" ]; then
     pkgs="$pkgs python3 python3-torch python3-numpy python3-venv python3-dev python3-pip"

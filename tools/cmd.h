@@ -13,6 +13,7 @@ int cmd_inspect(int argc, char **argv);   // cmd_inspect.c
 int cmd_train(int argc, char **argv);     // train.c (and mha train plot)
 int cmd_demo(int argc, char **argv);      // demo.c
 int cmd_bench(int argc, char **argv);     // bench.c
+int cmd_embed(int argc, char **argv);     // cmd_embed.c (examples/embed)
 // mha demo heads (heads.c; argv[0] is "heads"), run by cmd_demo.
 int demo_heads(int argc, char **argv);
 

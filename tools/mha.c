@@ -14,6 +14,8 @@
 //                (demo.c; mha demo heads: heads.c)
 //   mha bench    time the module or the core (bench.c, bench_peak.c,
 //                bench_mpi.c)
+//   mha embed    sentence embeddings of a BERT model directory
+//                (all-MiniLM-L6-v2; cmd_embed.c, examples/embed/)
 //   mha info     version, implementations, threads
 //
 // The calls go one way, down: mha.c -> the commands (cmd_*.c, train.c,
@@ -64,6 +66,7 @@ static const char *main_help =
     "            head similarity, weight spectra (PNG) and report.html\n"
     "  train     train a tiny transformer on a synthetic task\n"
     "  bench     time the module or the attention core (GFLOP/s, peak)\n"
+    "  embed     sentence embeddings of a BERT model (all-MiniLM-L6-v2)\n"
     "  info      version, implementations, threads\n"
     "  version   print the version\n";
 
@@ -74,7 +77,7 @@ static const struct command {
 } commands[] = {
     {"init", cmd_init},       {"forward", cmd_forward}, {"backward", cmd_backward},
     {"inspect", cmd_inspect}, {"train", cmd_train},     {"demo", cmd_demo},
-    {"bench", cmd_bench},     {"info", cmd_info},
+    {"bench", cmd_bench},     {"info", cmd_info},       {"embed", cmd_embed},
 };
 
 int main(int argc, char **argv) {
