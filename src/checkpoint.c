@@ -624,19 +624,7 @@ typedef struct ck_spec {
 // "default" -> NONE, and the scaled types transformers names.
 static mha_status rope_type_of(mha_rope_scaling_type *out, const mha_checkpoint *c,
                                const char *rname, const char *name) {
-    static const struct {
-        const char *name;
-        mha_rope_scaling_type type;
-    } types[] = {{"default", MHA_ROPE_SCALING_NONE},
-                 {"linear", MHA_ROPE_SCALING_LINEAR},
-                 {"dynamic", MHA_ROPE_SCALING_DYNAMIC},
-                 {"yarn", MHA_ROPE_SCALING_YARN},
-                 {"llama3", MHA_ROPE_SCALING_LLAMA3}};
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-        if (strcmp(name, types[i].name) == 0) {
-            *out = types[i].type;
-            return MHA_OK;
-        }
+    if (mha_rope_scaling_type_from_name(out, name) == MHA_OK) return MHA_OK;
     char q[CK_Q];
     return mha__fail(MHA_ERR_UNSUPPORTED,
                      "%s: %s rope_type %s is not supported (supported: default, linear, "
@@ -688,12 +676,7 @@ static mha_status spec_rope(ck_spec *s, const mha_checkpoint *c) {
     if (r && (st = cfg_str(&tname, c, r, pre, "rope_type"))) return st;
     if (r && !tname && (st = cfg_str(&tname, c, r, pre, "type"))) return st;
     mha_rope_scaling *sc = &info->rope_scaling;
-    sc->factor = 1.0;
-    sc->low_freq_factor = 1.0;
-    sc->high_freq_factor = 4.0;
-    sc->beta_fast = 32.0;
-    sc->beta_slow = 1.0;
-    sc->truncate = true;
+    mha_rope_scaling_init(sc, MHA_ROPE_SCALING_NONE);
     if (!r && c->arch == ARCH_GPT_OSS) {
         sc->type = MHA_ROPE_SCALING_YARN;
         sc->factor = 32.0;
