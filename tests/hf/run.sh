@@ -11,5 +11,6 @@ if [ ! -x "$PY" ] || ! "$PY" -c "import torch, transformers, safetensors, pytest
     echo "tests/hf: $VENV lacks torch, transformers, safetensors or pytest: skipped"
     exit 77
 fi
+case $MHA in /*) ;; *) MHA=$(pwd)/$MHA ;; esac  # (relative to the caller's directory)
 cd "$(dirname "$0")"
 exec "$PY" -m pytest -q -rxf -p no:cacheprovider . --mha "$MHA"
