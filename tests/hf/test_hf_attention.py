@@ -494,12 +494,11 @@ def hf_params(model, mt, layer):
 
 
 def hf_attention_params(model, mt, layer):
-    """Every parameter of transformers' attention block (the ones mha must
-    give a gradient for)."""
-    mod = target_module(model, mt, layer)
-    ps = [p for p in mod.parameters()]
+    """Every parameter of transformers' attention block, by name (the ones
+    mha must give a gradient for): BERT's attention.output.dense too."""
+    ps = list(target_module(model, mt, layer).named_parameters())
     if mt == "bert":
-        ps += list(dense_of(model, layer).parameters())
+        ps += [("output.dense." + n, p) for n, p in dense_of(model, layer).named_parameters()]
     return ps
 
 
@@ -572,8 +571,7 @@ def test_backward(name, layer, hf_tmp):
     assert not missing, f"mha parameters with no transformers counterpart: {missing}"
     # every transformers attention parameter must be covered by one of mha's
     covered = {id(x[1] if isinstance(x, tuple) else x) for n in mine for x in ref_map[n]}
-    uncovered = [n for n, p in target_module(m64, mt, layer).named_parameters()
-                 if id(p) not in covered]
+    uncovered = [n for n, p in hf_attention_params(m64, mt, layer) if id(p) not in covered]
     assert not uncovered, f"transformers attention parameters mha has no gradient for: " \
                           f"{uncovered}"
     for n, p in mine.items():
