@@ -199,7 +199,18 @@ class MultiheadAttention:
         self.embed_dim, self.num_heads = c["embed_dim"], c["num_heads"]
         self.kdim, self.vdim = c["kdim"], c["vdim"]
         self.num_kv_heads = c["num_kv_heads"]
-        self.head_dim = self.embed_dim // self.num_heads
+        # the head dims as the parameters have them (a config's head_dim may
+        # differ from E / H: a checkpoint's; the binding's config omits it)
+        shapes = {n: tuple(sh) for n, sh, _ in _module.params()}
+        h, hkv = self.num_heads, self.num_kv_heads
+        if "q_proj_weight" in shapes:
+            self.head_dim = shapes["q_proj_weight"][0] // h
+        elif "in_proj_weight" in shapes:
+            self.head_dim = shapes["in_proj_weight"][0] // (h + 2 * hkv)
+        else:
+            self.head_dim = self.embed_dim // h
+        ow = shapes.get("out_proj.weight")
+        self.v_head_dim = ow[1] // h if ow else self.head_dim
         self.batch_first = c["batch_first"]
         self.dropout = c["dropout"]
         self.add_zero_attn = c["add_zero_attn"]
@@ -410,7 +421,8 @@ class MultiheadAttention:
 
     def make_cache(self, batch, capacity, dtype="f32"):
         """A KVCache for this module (batch sequences, capacity tokens)."""
-        return KVCache(batch, self.num_kv_heads, self.head_dim, capacity=capacity, dtype=dtype)
+        return KVCache(batch, self.num_kv_heads, self.head_dim, self.v_head_dim,
+                       capacity=capacity, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -452,6 +464,8 @@ class CheckpointAttention:
     CheckpointAttention(path, layer=0, *, weight_dtype="f32")
     __call__(hidden_states, position_ids=None, attention_mask=None, *,
              impl="auto") -> attn_output
+    make_cache(batch, capacity); forward_cached(hidden_states, cache,
+             position_ids=None) -> attn_output of the new tokens (no padding)
 
     hidden_states (N, L, E); position_ids (N, L) integers (RoPE positions,
     transformers' position_ids); attention_mask (N, L), 1 = token, 0 =
@@ -488,6 +502,30 @@ class CheckpointAttention:
         return _result(out)
 
     forward = __call__
+
+    def make_cache(self, batch, capacity, dtype="f32"):
+        """A KVCache for this layer (batch sequences, capacity tokens)."""
+        return self.module.make_cache(batch, capacity, dtype)
+
+    def forward_cached(self, hidden_states, cache, position_ids=None):
+        """Incremental decoding: the new tokens hidden_states (N, T, E)
+        appended to `cache` (make_cache), attending causally to everything
+        cached, with the layer's window, RoPE (position_ids (N, T): the new
+        tokens' positions; None: the cache's length onwards), soft cap and
+        scale. No padding (the cached path takes no masks)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError("cache: expected an mha.KVCache")
+        q = _arr(hidden_states, "hidden_states")
+        shape = q[0].shape if isinstance(q, tuple) else q.shape
+        if len(shape) != 3:
+            raise ValueError("hidden_states: expected (N, T, E), got shape %s" % (shape,))
+        kw = {"checkpoint": self._layer}
+        pk = _positions(position_ids, shape[0], shape[1], self.config["rope_mode"])
+        if "rope_start" in pk:  # (the cached path reads rope_positions only)
+            pk = {"rope_positions": np.ascontiguousarray(
+                (pk["rope_start"][:, None] + np.arange(shape[1], dtype=np.int64)).reshape(-1))}
+        kw.update(pk)
+        return _result(_mha.forward_cached(self.module._m, q, cache._c, _alloc, **kw))
 
 
 def from_pretrained(path, layer=0, *, weight_dtype="f32"):
