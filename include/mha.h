@@ -197,6 +197,11 @@ MHA_API MHA_NODISCARD mha_status mha_head_gate_from_name(mha_head_gate *out, con
 //   MHA_QK_NORM_ALL:  all of q's H d features and all of k's Hkv d;
 //                     "q_norm.weight" (H d), "k_norm.weight" (Hkv d) (OLMo 2)
 // The keys appended by add_bias_kv / add_zero_attn are not normalised.
+// The weights start at 1 (mha_module_create, mha_module_init), as torch's
+// RMSNorm. Paths: the reference (forward, backward with both weights'
+// gradients; auto takes it for such a module), mha_forward_cached and
+// mha_diagnose; the fused forward/backward and the MPI layer refuse it
+// (MHA_ERR_UNSUPPORTED).
 typedef enum mha_qk_norm {
     MHA_QK_NORM_NONE = 0,
     MHA_QK_NORM_HEAD = 1,
@@ -360,7 +365,10 @@ MHA_API int64_t mha_module_num_pruned(const mha_module *m);
 // a BF16 file into a BF16 module is copied exactly); head_gate from the
 // tensors present ("head_gate": static, "gate_proj.weight" and
 // "gate_proj.bias": dynamic); the pruned heads from __metadata__
-// "pruned_heads". F32, F16, BF16 and F64 tensors are accepted.
+// "pruned_heads"; qk_norm from "q_norm.weight" and "k_norm.weight" (both
+// or neither): MHA_QK_NORM_HEAD when q_norm.weight is (d), else
+// MHA_QK_NORM_ALL; qk_norm_eps from base (a file cannot carry it; 0:
+// 1e-6). F32, F16, BF16 and F64 tensors are accepted.
 MHA_API MHA_NODISCARD mha_status mha_module_load(mha_module **out, const mha_st_file *f,
                                                  const mha_config *base);
 // Writes every parameter in its storage dtype (F32; the weight matrices

@@ -1,7 +1,7 @@
 // diag.c: per-head diagnostics (mha_diagnose, mha.h). Everything is
 // recomputed here from the module's projections in double, the way the
 // reference computes them (mha__project_qkv: biases, add_bias_kv,
-// add_zero_attn, RoPE), one query row at a time: memory O(S) per row and
+// add_zero_attn, qk_norm, RoPE), one query row at a time: memory O(S) per row and
 // head, so long sequences work with max_rows subsampling. Singular values
 // come from LAPACK (dgesdd, values only), with its workspace in the one
 // block allocated here (LAPACKE's own wrapper would allocate it). Built

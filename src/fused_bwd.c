@@ -589,6 +589,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                                mha_tensor *gv, mha_module *grads, const mha_module *m,
                                const mha_forward_args *a, const mha_tensor *gout, bool acc,
                                const mha__part *pt) {
+    mha_status qst = mha__fused_no_qk_norm(m);
+    if (qst) return qst;
     bwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
     mha_status st = bwd_alloc(&c);
     if (st) return st;

@@ -336,6 +336,8 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
 mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                               const mha_module *m, const mha_forward_args *a, char *ws,
                               const mha__part *pt) {
+    mha_status qst = mha__fused_no_qk_norm(m);
+    if (qst) return qst;
     fwd_call c = {.p = p,
                   .m = m,
                   .a = a,

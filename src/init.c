@@ -168,8 +168,9 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
                              (long long)big);
     }
     // Gates and sinks (no random draws): static gates open (1), dynamic
-    // W_g, b_g zero (every gate sigmoid(0) = 0.5); sinks 0.
+    // W_g, b_g zero (every gate sigmoid(0) = 0.5); sinks 0; qk_norm weights 1.
     if (m->sinks) memset(m->sinks, 0, (size_t)H * sizeof(float));
+    mha__qk_norm_reset(m);  // qk_norm weights 1
     if (m->head_gate)
         for (int64_t h = 0; h < H; h++) m->head_gate[h] = 1.0f;
     if (m->gate_weight) {

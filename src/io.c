@@ -74,8 +74,8 @@ static mha_status load_pruned(mha_module *m, const mha_st_file *f, const char *l
 static const char *names[] = {
     "in_proj_weight",   "q_proj_weight",  "k_proj_weight", "v_proj_weight", "in_proj_bias",
     "out_proj.weight",  "out_proj.bias",  "bias_k",        "bias_v",        "head_gate",
-    "gate_proj.weight", "gate_proj.bias", "sinks"};
-enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, SK, NP };
+    "gate_proj.weight", "gate_proj.bias", "sinks",         "q_norm.weight", "k_norm.weight"};
+enum { IN_W, Q_W, K_W, V_W, IN_B, OUT_W, OUT_B, BK, BV, HG, GW, GB, SK, QN, KN, NP };
 
 // Which parameters are present (has, t), and every tensor of the file one
 // of them, in a float dtype.
@@ -228,6 +228,22 @@ static mha_status config_heads(mha_config *cfg, const mha_st_file *f,
                 cfg->num_kv_heads = ekv / d;
             }
         }
+    }
+    // qk_norm from q_norm.weight / k_norm.weight: (d) per head (Qwen3),
+    // else over all features (OLMo 2: (Eq), (Ekv)); with H = Hkv = 1 both
+    // are the same normalisation (read as per head). Its epsilon cannot be
+    // read from the file: base's qk_norm_eps (0: 1e-6) stands. The shapes
+    // are checked against the module's when loading.
+    if (has[QN] != has[KN])
+        return mha__fail(MHA_ERR_FORMAT,
+                         "%s: q_norm.weight and k_norm.weight must be both present or both "
+                         "absent (has %s only)",
+                         lab, has[QN] ? "q_norm.weight" : "k_norm.weight");
+    cfg->qk_norm = MHA_QK_NORM_NONE;
+    if (has[QN]) {
+        const int64_t d = cfg->num_heads > 0 ? Eq / cfg->num_heads : 0;
+        cfg->qk_norm = t[QN].ndim == 1 && t[QN].shape[0] == d ? MHA_QK_NORM_HEAD
+                                                              : MHA_QK_NORM_ALL;
     }
     return MHA_OK;
 }

@@ -65,6 +65,20 @@ void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
     mha__gemm_rows_packed(kt, C, ldc, A, lda, Bp, NULL, R, K, N, false, nt, gs);
 }
 
+void mha__qk_norm_rows(float *x, int64_t ld, int64_t R, int64_t W, int64_t gs, const float *w,
+                       double eps, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g0 = 0; g0 < W; g0 += gs) {
+            float *xg = x + r * ld + g0;
+            double ms = 0.0;
+            for (int64_t c = 0; c < gs; c++) ms += (double)xg[c] * (double)xg[c];
+            const double rr = 1.0 / sqrt(ms / (double)gs + eps);
+            for (int64_t c = 0; c < gs; c++)
+                xg[c] = (float)((double)xg[c] * rr * (double)w[c]);
+        }
+}
+
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
 // inverse (gradients).

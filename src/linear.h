@@ -96,6 +96,12 @@ mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const m
                                const mha__rowmap *vm, const mha__rowmap *om,
                                const float *extra, float *stats, int64_t b, int64_t h);
 
+// QK-norm (mha_config.qk_norm) in place on R rows of x (row stride ld, W
+// features each): every group of gs features (d, or W) x <- x /
+// sqrt(mean(x^2) + eps) * w (w (gs)); the mean summed in double.
+void mha__qk_norm_rows(float *x, int64_t ld, int64_t R, int64_t W, int64_t gs, const float *w,
+                       double eps, int nt);
+
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
 // inverse (gradients: the transpose). Token t of batch element n is at

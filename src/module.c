@@ -17,6 +17,8 @@
 //   head_gate (H)                             MHA_GATE_STATIC
 //   gate_proj.weight (H, E), gate_proj.bias (H)  MHA_GATE_DYNAMIC
 //   sinks (H)                                 sinks
+//   q_norm.weight (d), k_norm.weight (d)      MHA_QK_NORM_HEAD
+//   q_norm.weight (Eq), k_norm.weight (Ekv)   MHA_QK_NORM_ALL
 // The pruned-head flags (H) are a separate allocation.
 #include <math.h>
 #include <stdlib.h>
@@ -71,11 +73,15 @@ static mha_status check_config(const mha_config *c) {
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "no_out_bias drops out_proj.bias of a biased module: it needs bias "
                          "(in_proj_bias), which is false");
-    // Declared for checkpoints (issue 17), not implemented yet: refused
-    // rather than ignored.
-    if (c->qk_norm != MHA_QK_NORM_NONE)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_module_create: qk_norm is not implemented yet");
+    if ((unsigned)c->qk_norm > MHA_QK_NORM_ALL)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "qk_norm must be MHA_QK_NORM_NONE, MHA_QK_NORM_HEAD or "
+                         "MHA_QK_NORM_ALL, got %d",
+                         (int)c->qk_norm);
+    if (!(c->qk_norm_eps >= 0.0f && c->qk_norm_eps < INFINITY))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "qk_norm_eps must be finite and >= 0 (0 = 1e-6), got %g",
+                         (double)c->qk_norm_eps);
     if ((unsigned)c->head_gate > MHA_GATE_DYNAMIC)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "head_gate must be MHA_GATE_NONE, MHA_GATE_STATIC or "
@@ -156,6 +162,8 @@ static void bind_named(mha_module *m) {
     m->gate_weight = storage_of(m, "gate_proj.weight");
     m->gate_bias = storage_of(m, "gate_proj.bias");
     m->sinks = storage_of(m, "sinks");
+    m->q_norm = storage_of(m, "q_norm.weight");
+    m->k_norm = storage_of(m, "k_norm.weight");
 }
 
 const char *mha_head_gate_name(mha_head_gate g) {
@@ -177,6 +185,13 @@ mha_status mha_head_gate_from_name(mha_head_gate *out, const char *name) {
         }
     return mha__fail(MHA_ERR_INVALID_ARG,
                      "unknown head gate \"%.64s\" (expected none, static or dynamic)", name);
+}
+
+void mha__qk_norm_reset(mha_module *m) {
+    for (int i = 0; i < m->nparams; i++)
+        if (strcmp(m->params[i].name, "q_norm.weight") == 0 ||
+            strcmp(m->params[i].name, "k_norm.weight") == 0)
+            for (int64_t j = 0; j < m->params[i].numel; j++) m->params[i].data[j] = 1.0f;
 }
 
 static size_t round64(size_t b) { return (b + 63) & ~(size_t)63; }
@@ -225,6 +240,11 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
         add_param(m, "gate_proj.bias", 1, H, 0, 0, MHA_F32);
     }
     if (cfg->sinks) add_param(m, "sinks", 1, H, 0, 0, MHA_F32);
+    if (cfg->qk_norm != MHA_QK_NORM_NONE) {
+        const bool all = cfg->qk_norm == MHA_QK_NORM_ALL;
+        add_param(m, "q_norm.weight", 1, all ? Eq : m->head_dim, 0, 0, MHA_F32);
+        add_param(m, "k_norm.weight", 1, all ? Ekv : m->head_dim, 0, 0, MHA_F32);
+    }
 
     size_t total = 0;
     for (int i = 0; i < m->nparams; i++)
@@ -251,6 +271,7 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
     bind_named(m);
     if (m->head_gate)  // static gates start open: the ungated module
         for (int64_t h = 0; h < H; h++) m->head_gate[h] = 1.0f;
+    mha__qk_norm_reset(m);  // the norms' weights start at 1 (torch's RMSNorm)
     *out = m;
     return MHA_OK;
 }

@@ -33,9 +33,16 @@ struct mha_module {
     float *head_gate;                       // (H), MHA_GATE_STATIC
     float *gate_weight, *gate_bias;         // (H, E), (H), MHA_GATE_DYNAMIC
     float *sinks;                           // (H), cfg.sinks
+    float *q_norm, *k_norm;                 // qk_norm: (d), (d) per head, or
+                                            // (Eq), (Ekv) over all features
     bool *pruned;                           // (H): head h skipped
     int64_t npruned;
 };
+
+// The qk_norm epsilon: cfg.qk_norm_eps, 0 meaning 1e-6.
+static inline double mha__qk_norm_eps(const mha_module *m) {
+    return m->cfg.qk_norm_eps > 0.0f ? (double)m->cfg.qk_norm_eps : 1e-6;
+}
 
 static inline bool mha__head_live(const mha_module *m, int64_t h) { return !m->pruned[h]; }
 
@@ -67,6 +74,9 @@ static inline int64_t mha__module_max_in(const mha_module *m) {
     if (m->cfg.vdim > I) I = m->cfg.vdim;
     return I;
 }
+
+// q_norm.weight, k_norm.weight <- 1 (qk_norm; nothing otherwise).
+void mha__qk_norm_reset(mha_module *m);
 
 // dst's parameters <- src's (same config but for weight_dtype), converted
 // to dst's storage.

@@ -293,7 +293,9 @@ static mha_status plan_impl(fwd_plan *p, const mha_module *m, const mha_forward_
     if (impl == MHA_IMPL_AUTO) {
         const char *env = getenv("MHA_IMPL");
         mha_impl forced;
-        impl = (f32 && !a->trace) ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        // (qk_norm: the reference; the fused path has no norm yet)
+        impl = (f32 && !a->trace && m->cfg.qk_norm == MHA_QK_NORM_NONE) ? MHA_IMPL_FUSED
+                                                                        : MHA_IMPL_REFERENCE;
         // (an unknown name is ignored; the log callback hears about it)
         if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK)
             impl = forced;
@@ -322,6 +324,14 @@ static int carve_f(size_t *total, size_t *off, int64_t n) {
 // The widening scratch of a module with half weights.
 size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt) {
     return mha__gemm_pack_half_tmp_floats(kt, mha__module_max_in(m), nt);
+}
+
+mha_status mha__fused_no_qk_norm(const mha_module *m) {
+    if (m->cfg.qk_norm == MHA_QK_NORM_NONE) return MHA_OK;
+    return mha__fail(MHA_ERR_UNSUPPORTED,
+                     "the fused implementation has no qk_norm (mha_config.qk_norm %s; use "
+                     "the reference, which auto picks; mha_forward_cached applies it)",
+                     m->cfg.qk_norm == MHA_QK_NORM_HEAD ? "head" : "all");
 }
 
 mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
@@ -456,17 +466,18 @@ static mha_status check_grads_module(const mha_module *g, const mha_module *m) {
                          (long long)b->num_kv_heads, (long long)b->kdim, (long long)b->vdim,
                          b->bias, b->add_bias_kv, mha_head_gate_name(b->head_gate));
     if (g->head_dim != m->head_dim || g->packed != m->packed ||
-        a->no_out_bias != b->no_out_bias || a->sinks != b->sinks)
+        a->no_out_bias != b->no_out_bias || a->sinks != b->sinks || a->qk_norm != b->qk_norm)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "backward: the gradient module's layout (head_dim %lld, %s, "
-                         "out_proj.bias %s, sinks %s) differs from the module's (%lld, %s, "
-                         "%s, %s)",
+                         "out_proj.bias %s, sinks %s, qk_norm %d) differs from the module's "
+                         "(%lld, %s, %s, %s, %d)",
                          (long long)g->head_dim,
                          g->packed ? "in_proj_weight" : "q/k/v_proj_weight",
                          a->no_out_bias ? "no" : "yes", a->sinks ? "yes" : "no",
-                         (long long)m->head_dim,
+                         (int)a->qk_norm, (long long)m->head_dim,
                          m->packed ? "in_proj_weight" : "q/k/v_proj_weight",
-                         b->no_out_bias ? "no" : "yes", b->sinks ? "yes" : "no");
+                         b->no_out_bias ? "no" : "yes", b->sinks ? "yes" : "no",
+                         (int)b->qk_norm);
     return MHA_OK;
 }
 

@@ -106,6 +106,10 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward
 // The fused path: checks what it needs (F32 views, no trace) and lays out
 // its scratch (p->ws_bytes).
 mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_args *a);
+// MHA_ERR_UNSUPPORTED for a module with qk_norm: the fused forward and
+// backward (and so the parts and the MPI layer) have no norm; auto takes
+// the reference; the cached decode (its own projections) applies it.
+mha_status mha__fused_no_qk_norm(const mha_module *m);
 // The widening scratch of a module with half weights (floats; the GEMM's
 // packing of a half weight matrix, nt threads).
 size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt);

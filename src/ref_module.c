@@ -90,8 +90,54 @@ static void project(double *buf, int64_t Tp, const mha_tensor *x, const int64_t 
     }
 }
 
-void mha__project_qkv(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
-                      double *q, double *k, double *v) {
+// QK-norm (mha_config.qk_norm), in place on the first T of every Tp rows
+// (N, Tp, W) of x: each group of gs features (d per head, or the whole
+// row) x <- x / sqrt(mean(x^2) + eps) * w, w (gs) the norm's weight.
+static void qk_norm_d(double *x, int64_t Tp, int64_t T, int64_t N, int64_t W, int64_t gs,
+                      const float *w, double eps) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g0 = 0; g0 < W; g0 += gs) {
+                double *xg = x + (n * Tp + t) * W + g0, ms = 0.0;
+                for (int64_t c = 0; c < gs; c++) ms += xg[c] * xg[c];
+                const double r = 1.0 / sqrt(ms / (double)gs + eps);
+                for (int64_t c = 0; c < gs; c++) xg[c] = xg[c] * r * (double)w[c];
+            }
+}
+
+// Its backward, the same rows: x the forward's input (before the norm),
+// dx the gradient of its output in, of its input out; dw (gs) += the
+// weight's gradient (rows in order). With r = 1 / sqrt(mean(x^2) + eps),
+// u = x r, y = u w:
+//   dw += dy u;  du = dy w;  dx = r (du - u mean(du u))
+static void qk_norm_bwd_d(double *dx, double *dw, const double *x, int64_t Tp, int64_t T,
+                          int64_t N, int64_t W, int64_t gs, const float *w, double eps) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g0 = 0; g0 < W; g0 += gs) {
+                const double *xg = x + (n * Tp + t) * W + g0;
+                double *dg = dx + (n * Tp + t) * W + g0, ms = 0.0, s = 0.0;
+                for (int64_t c = 0; c < gs; c++) ms += xg[c] * xg[c];
+                const double r = 1.0 / sqrt(ms / (double)gs + eps);
+                for (int64_t c = 0; c < gs; c++) {
+                    dw[c] += dg[c] * xg[c] * r;
+                    s += dg[c] * (double)w[c] * xg[c] * r;
+                }
+                s /= (double)gs;
+                for (int64_t c = 0; c < gs; c++)
+                    dg[c] = r * (dg[c] * (double)w[c] - xg[c] * r * s);
+            }
+}
+
+// The groups' width: d (MHA_QK_NORM_HEAD) or all of a row's W features.
+static int64_t qk_norm_group(const fwd_plan *p, const mha_module *m, int64_t W) {
+    return m->cfg.qk_norm == MHA_QK_NORM_HEAD ? p->d : W;
+}
+
+// The projections with their biases and the appended keys, before the
+// norm and RoPE (mha__project_qkv's first part).
+static void project_raw(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                        double *q, double *k, double *v) {
     const int64_t N = p->N, L = p->L, S = p->S, Sp = p->Sp, E = p->E, Eq = p->Eq, Ekv = p->Ekv;
     // in_proj_bias (Eq + 2 Ekv): the Q, K, V biases one after the other
     const float *bq = m->in_proj_bias, *bk = bq ? bq + Eq : NULL,
@@ -112,6 +158,16 @@ void mha__project_qkv(const fwd_plan *p, const mha_module *m, const mha_forward_
             memset(k + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
             memset(v + (n * Sp + t) * Ekv, 0, (size_t)Ekv * sizeof(double));
         }
+    }
+}
+
+void mha__project_qkv(const fwd_plan *p, const mha_module *m, const mha_forward_args *a,
+                      double *q, double *k, double *v) {
+    project_raw(p, m, a, q, k, v);
+    if (m->cfg.qk_norm != MHA_QK_NORM_NONE) {  // q, k <- RMSNorm (not the appended keys)
+        const double eps = mha__qk_norm_eps(m);
+        qk_norm_d(q, p->L, p->L, p->N, p->Eq, qk_norm_group(p, m, p->Eq), m->q_norm, eps);
+        qk_norm_d(k, p->Sp, p->S, p->N, p->Ekv, qk_norm_group(p, m, p->Ekv), m->k_norm, eps);
     }
     mha__rope_qk_d(p, a, q, k, false);
 }
@@ -402,6 +458,9 @@ typedef struct ref_bwd_bufs {
     double *dgc;                  // (N, L, Eq), gated
     double *gate, *dg;            // (N, L, H), gated
     double *dsink;                // (N, H), sinks: each (b, h)'s sink gradient
+    double *xq, *xk;              // (N, L, Eq), (N, Sp, Ekv), qk_norm: q, k
+                                  // before the norm
+    double *dqn, *dkn;            // (Eq), (Ekv), qk_norm: the weights' gradients
 } ref_bwd_bufs;
 
 // Sizes, allocates and carves that block (freed by the caller: buf->block).
@@ -409,13 +468,14 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d;
     const int64_t Hkv = p->Hkv, Ekv = p->Ekv, G = H / Hkv;  // G query heads per KV head
     const int nt = p->nthreads;
-    const bool gated = mha__module_gated(m);
+    const bool gated = mha__module_gated(m), qkn = m->cfg.qk_norm != MHA_QK_NORM_NONE;
     size_t nle = (size_t)(N * L * p->Eq), nlo = (size_t)(N * L * E),
            nse = (size_t)(N * Sp * Ekv), nlh = gated ? (size_t)(N * L * H) : 0,
            lsp = (size_t)(L * Sp) + (G > 1 ? (size_t)(Sp * d) : 0), count, bytes;
     if (mha__mul_overflow_size(2 * lsp, (size_t)nt, &count) ||
         mha__add_overflow_size(count, (gated ? 5 : 4) * nle + nlo + 4 * nse + 2 * nlh, &count) ||
         mha__add_overflow_size(count, m->sinks ? (size_t)(N * H) : 0, &count) ||
+        mha__add_overflow_size(count, qkn ? nle + nse + (size_t)(p->Eq + Ekv) : 0, &count) ||
         mha__mul_overflow_size(count, sizeof(double), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "backward: scratch size overflows");
     double *block = mha__malloc(bytes ? bytes : 1);
@@ -428,8 +488,13 @@ static mha_status ref_bwd_alloc(ref_bwd_bufs *buf, const fwd_plan *p, const mha_
     double *k = dy + nlo, *v = k + nse, *dk = v + nse, *dv = dk + nse;
     double *dgc = dv + nse, *gate = dgc + (gated ? nle : 0), *dg = gate + nlh,
            *dsink = dg + nlh;
-    *buf = (ref_bwd_bufs){block, lsp, pw, q,  dq,  ctx,  dctx, dy,
-                          k,     v,   dk, dv, dgc, gate, dg,   m->sinks ? dsink : NULL};
+    *buf = (ref_bwd_bufs){block, lsp,  pw,   q,   dq,  ctx,  dctx, dy,
+                          k,     v,    dk,   dv,  dgc, gate, dg,   m->sinks ? dsink : NULL,
+                          NULL,  NULL, NULL, NULL};
+    if (qkn) {
+        double *xq = dsink + (m->sinks ? N * H : 0), *xk = xq + nle, *dqn = xk + nse;
+        buf->xq = xq, buf->xk = xk, buf->dqn = dqn, buf->dkn = dqn + p->Eq;
+    }
     return MHA_OK;
 }
 
@@ -653,12 +718,35 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
     mha_status st = ref_bwd_alloc(&buf, p, m);
     if (st) return st;
 
-    // Forward step 1 again: the projections.
-    mha__project_qkv(p, m, a, buf.q, buf.k, buf.v);
+    // Forward step 1 again: the projections (with qk_norm, their values
+    // before the norm kept: xq, xk).
+    const bool qkn = m->cfg.qk_norm != MHA_QK_NORM_NONE;
+    const double eps = mha__qk_norm_eps(m);
+    const int64_t gq_ = qk_norm_group(p, m, p->Eq), gk_ = qk_norm_group(p, m, p->Ekv);
+    if (qkn) {
+        project_raw(p, m, a, buf.q, buf.k, buf.v);
+        memcpy(buf.xq, buf.q, (size_t)(p->N * p->L * p->Eq) * sizeof(double));
+        memcpy(buf.xk, buf.k, (size_t)(p->N * p->Sp * p->Ekv) * sizeof(double));
+        qk_norm_d(buf.q, p->L, p->L, p->N, p->Eq, gq_, m->q_norm, eps);
+        qk_norm_d(buf.k, p->Sp, p->S, p->N, p->Ekv, gk_, m->k_norm, eps);
+        mha__rope_qk_d(p, a, buf.q, buf.k, false);
+    } else {
+        mha__project_qkv(p, m, a, buf.q, buf.k, buf.v);
+    }
 
-    ref_bwd_dy_dctx(p, m, a, gout, &buf);                  // dy, dctx (gated: dgc, gates)
-    ref_bwd_heads(p, m, &buf);                             // dq, dk, dv; ctx recomputed
-    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);            // through the rotation (transposed)
+    ref_bwd_dy_dctx(p, m, a, gout, &buf);        // dy, dctx (gated: dgc, gates)
+    ref_bwd_heads(p, m, &buf);                   // dq, dk, dv; ctx recomputed
+    mha__rope_qk_d(p, a, buf.dq, buf.dk, true);  // through the rotation (transposed)
+    if (qkn) {  // through the norms: q = RMSNorm(xq) w_q, k alike (rows < S)
+        memset(buf.dqn, 0, (size_t)(gq_ + gk_) * sizeof(double));
+        double *dkn = buf.dqn + gq_;
+        qk_norm_bwd_d(buf.dq, buf.dqn, buf.xq, p->L, p->L, p->N, p->Eq, gq_, m->q_norm, eps);
+        qk_norm_bwd_d(buf.dk, dkn, buf.xk, p->Sp, p->S, p->N, p->Ekv, gk_, m->k_norm, eps);
+        if (grads)
+            for (int64_t c = 0; c < gq_ + gk_; c++)
+                store(c < gq_ ? grads->q_norm : grads->k_norm, MHA_F32, c < gq_ ? c : c - gq_,
+                      buf.dqn[c], accumulate);
+    }
     ref_bwd_gate_grads(p, m, a, grads, accumulate, &buf);  // dg, the gates' parameters
     if (grads) ref_bwd_param_grads(p, m, a, grads, accumulate, &buf);  // dW, db
     ref_bwd_input_grads(p, m, gq, gk, gv, accumulate, &buf);           // dX

@@ -41,6 +41,8 @@ typedef struct fd_case {
     int head_dim;
     bool sep, no_out_bias, rope, alibi, softcap, sinks;
     double scale;
+    int qk_norm;        // mha_qk_norm: none, per head, all features
+    float qk_norm_eps;  // 0: 1e-6
 } fd_case;
 
 enum { HMAX = 6 };  // the most heads of a grid case (E = 6)
@@ -87,6 +89,8 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     cfg.separate_qkv = c->sep;
     cfg.no_out_bias = c->no_out_bias && c->bias;
     cfg.sinks = c->sinks;
+    cfg.qk_norm = (mha_qk_norm)c->qk_norm;
+    cfg.qk_norm_eps = c->qk_norm_eps;
     CHECK_OK(mha_module_create(&p->m, &cfg));
     const int64_t nh = c->heads ? c->heads : H, G = nh / (c->kv_heads ? c->kv_heads : nh);
     int64_t pruned[HMAX], np = 0;
@@ -197,14 +201,15 @@ static void check_fd(const fd_case *c) {
     mha_module *g = NULL;
     CHECK_OK(mha_module_create(&g, mha_module_config(p->m)));
     CHECK_OK(mha_backward(&gqt, &gkt, &gvt, g, p->m, &p->a, &p->gyt, false));
-    char desc[200];
+    char desc[320];
     snprintf(desc, sizeof desc,
              "packed %d bias %d bkv %d zero %d bf %d unb %d causal %d drop %d kpm %d am %d "
              "heads %d kv_heads %d gate %d prune %d head_dim %d sep %d no_out_bias %d "
-             "scale %g rope %d alibi %d softcap %d sinks %d",
+             "scale %g rope %d alibi %d softcap %d sinks %d qk_norm %d eps %g",
              c->packed, c->bias, c->bkv, c->zero, c->batch_first, c->unbatched, c->causal,
              c->dropout, c->kpm, c->am, c->heads, c->kv_heads, c->gate, c->prune, c->head_dim,
-             c->sep, c->no_out_bias, c->scale, c->rope, c->alibi, c->softcap, c->sinks);
+             c->sep, c->no_out_bias, c->scale, c->rope, c->alibi, c->softcap, c->sinks,
+             c->qk_norm, (double)c->qk_norm_eps);
     const double tol = 1e-6;
     double e, worst = 0;
     e = fd_rel_error(p, p->q, true, gq, true, mha_tensor_numel(&p->qt));
@@ -285,6 +290,37 @@ static void test_fd_grid(void) {
             .sinks = i % 3 == 2,
         };
         if (i % 10 == 9) c.heads = 2, c.kv_heads = 1, c.head_dim = 0, c.sep = true;  // E / H
+        check_fd(&c);
+    }
+    // QK-norm (per head, over all features; the default eps and a large
+    // one) on the layouts above (every q/k_norm.weight element checked
+    // with the other parameters); d = 1 only over all features (one
+    // feature's RMSNorm is a near-step)
+    for (int i = 0; i < 18; i++) {
+        const int *l = lay[i % 6];
+        fd_case c = {
+            .packed = i % 3 != 0,
+            .bias = i % 5 != 4,
+            .bkv = i % 4 == 1,
+            .zero = i % 6 == 2,
+            .batch_first = (i >> 1) & 1,
+            .unbatched = i % 7 == 0,
+            .causal = (i >> 2) & 1,
+            .dropout = i % 4 == 0,
+            .kpm = i % 3,
+            .am = i % 5,
+            .heads = l[0],
+            .kv_heads = l[1],
+            .head_dim = l[2],
+            .sep = i % 2 == 1,
+            .rope = i % 4 == 1 && l[2] % 2 == 0,
+            .gate = i % 5 == 3 ? 2 : 0,
+            .prune = i % 7 == 3,
+            .sinks = i % 5 == 2,
+            .qk_norm = l[2] == 1 || i % 2 ? MHA_QK_NORM_ALL : MHA_QK_NORM_HEAD,
+            .qk_norm_eps = i % 3 == 0 ? 0.25f : 0.0f,
+        };
+        if (i == 17) c.heads = 2, c.kv_heads = 0, c.head_dim = 0, c.qk_norm = 1;  // E / H
         check_fd(&c);
     }
     printf("finite differences (float64 reference, 4th order, h = 2^-10): %d configs, "

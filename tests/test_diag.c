@@ -361,6 +361,51 @@ static void test_rank_head_dim(void) {
     mha_module_destroy(m);
 }
 
+// qk_norm: the diagnostics see the normalised q and k. RMSNorm makes
+// each head's q scale-free, so W_Q and b_Q times 8 leave every head's entropy as
+// it was (to 1e-4: eps aside); a zero q_norm.weight makes q zero, every row uniform:
+// entropy ln L.
+static void test_qk_norm(void) {
+    const int64_t E = 16, H = 2, L = 10;
+    for (int kind = MHA_QK_NORM_HEAD; kind <= MHA_QK_NORM_ALL; kind++) {
+        mha_config cfg;
+        mha_config_init(&cfg, E, H);
+        cfg.qk_norm = (mha_qk_norm)kind;
+        mha_module *m = NULL;
+        CHECK_OK(mha_module_create(&m, &cfg));
+        mha_init_options io;
+        mha_init_options_default(&io);
+        io.seed = 7;
+        CHECK_OK(mha_module_init(m, &io));
+        float x[L * E];
+        mha_tensor xt = input(x, L, E);
+        mha_diagnostics *d0 = diagnose(m, &xt, false, NULL);
+        float *W = pdata(m, "in_proj_weight");
+        float *b = pdata(m, "in_proj_bias");
+        for (int64_t i = 0; i < E * E; i++) W[i] *= 8.0f;  // W_Q and b_Q
+        for (int64_t i = 0; i < E; i++) b[i] *= 8.0f;
+        mha_diagnostics *d1 = diagnose(m, &xt, false, NULL);
+        for (int64_t h = 0; d0 && d1 && h < H; h++) {
+            const double e0 = mha_diagnostics_head(d0, h)->entropy_mean,
+                         e1 = mha_diagnostics_head(d1, h)->entropy_mean;
+            CHECKF(fabs(e0 - e1) < 1e-4 && e0 < log((double)L) - 1e-3,
+                   "qk_norm %d head %lld: entropy %g, W_Q x 8: %g (ln L %g)", kind,
+                   (long long)h, e0, e1, log((double)L));
+        }
+        mha_diagnostics_destroy(d0);
+        mha_diagnostics_destroy(d1);
+        float *qn = pdata(m, "q_norm.weight");
+        memset(qn, 0, sizeof(float) * (size_t)(kind == MHA_QK_NORM_HEAD ? E / H : E));
+        mha_diagnostics *dz = diagnose(m, &xt, false, NULL);
+        for (int64_t h = 0; dz && h < H; h++)
+            CHECKF(fabs(mha_diagnostics_head(dz, h)->entropy_mean - log((double)L)) < 1e-12,
+                   "qk_norm %d head %lld: zero q_norm.weight, entropy %g vs ln L", kind,
+                   (long long)h, mha_diagnostics_head(dz, h)->entropy_mean);
+        mha_diagnostics_destroy(dz);
+        mha_module_destroy(m);
+    }
+}
+
 int main(void) {
     test_uniform();
     test_similarity();
@@ -368,5 +413,6 @@ int main(void) {
     test_rank_head_dim();
     test_nonfinite();
     test_options();
+    test_qk_norm();
     return check_summary("test_diag");
 }

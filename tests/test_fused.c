@@ -1068,6 +1068,132 @@ static void test_cached_layouts(void) {
     }
 }
 
+// QK-norm (mha_config.qk_norm, per head and over all features, the
+// default eps and a large one) with the checkpoint layouts, GQA, RoPE and
+// half weights: auto takes the reference (bit for bit), the fused path
+// refuses it (MHA_ERR_UNSUPPORTED naming qk_norm); mha_forward_cached
+// token by token and in chunks gives the reference forward's result;
+// a fresh module's norm weights are 1 (and mha_module_init's); a save and
+// load round trip gives the same config (qk_norm inferred, eps from base)
+// and the same outputs.
+static void test_qk_norm(void) {
+    enum { T = 23, N = 2 };
+    const char *dir = getenv("MHA_TEST_TMPDIR");
+    char path[512];
+    snprintf(path, sizeof path, "%s/test_fused_qk_norm.safetensors", dir ? dir : "/tmp");
+    for (int cfg = 0; cfg < 8; cfg++) {
+        const int64_t H = cfg % 4 == 3 ? 1 : 4,
+                      Hkv = H == 1         ? 1
+                            : cfg % 3 == 0 ? 1
+                                           : 2,
+                      d = 4 + 2 * (cfg % 3), E = cfg == 5 ? H * d : 18 + cfg;
+        mha_config c;
+        mha_config_init(&c, E, H);
+        c.head_dim = d;
+        c.num_kv_heads = Hkv;
+        c.separate_qkv = cfg % 4 == 1;
+        c.bias = cfg != 6;
+        c.qk_norm = cfg % 2 ? MHA_QK_NORM_ALL : MHA_QK_NORM_HEAD;
+        c.qk_norm_eps = cfg % 3 == 2 ? 0.5f : 0.0f;
+        c.sinks = cfg == 2;
+        {  // the norms' weights start at 1: the module is created and initialised so
+            mha_module *m0 = NULL;
+            CHECK_OK(mha_module_create(&m0, &c));
+            for (int pass = 0; pass < 2; pass++) {
+                mha_param qn, kn;
+                CHECK_OK(mha_module_param(&qn, m0, "q_norm.weight"));
+                CHECK_OK(mha_module_param(&kn, m0, "k_norm.weight"));
+                const bool all = c.qk_norm == MHA_QK_NORM_ALL;
+                CHECK(qn.ndim == 1 && qn.shape[0] == (all ? H * d : d));
+                CHECK(kn.ndim == 1 && kn.shape[0] == (all ? Hkv * d : d));
+                bool ones = true;
+                for (int64_t j = 0; j < qn.numel; j++) ones &= qn.data[j] == 1.0f;
+                for (int64_t j = 0; j < kn.numel; j++) ones &= kn.data[j] == 1.0f;
+                CHECKF(ones, "qk_norm %d: norm weights not 1 (pass %d)", cfg, pass);
+                for (int64_t j = 0; j < qn.numel; j++) qn.data[j] = 3.0f;
+                mha_init_options io;
+                mha_init_options_default(&io);
+                CHECK_OK(mha_module_init(m0, &io));
+            }
+            mha_module_destroy(m0);
+        }
+        mha_module *m = random_module(&c, 900 + (uint64_t)cfg);
+        if (cfg == 7) {
+            mha_module *mh = NULL;
+            CHECK_OK(mha_module_convert(&mh, m, MHA_BF16));
+            mha_module_destroy(m);
+            m = mh;
+        }
+        float *x = malloc(sizeof(float) * T * N * E), *y0 = malloc(sizeof(float) * T * N * E),
+              *y1 = malloc(sizeof(float) * T * N * E), *y2 = malloc(sizeof(float) * T * N * E);
+        for (int i = 0; i < T * N * E; i++) x[i] = frand();
+        mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){T, N, E});
+        mha_tensor yt = mha_tensor_contiguous(y0, MHA_F32, 3, (int64_t[]){T, N, E});
+        mha_tensor y2t = mha_tensor_contiguous(y2, MHA_F32, 3, (int64_t[]){T, N, E});
+        mha_forward_args a;
+        mha_forward_args_init(&a);
+        a.query = a.key = a.value = &xt;
+        a.is_causal = true;
+        if (cfg % 3 != 1)
+            mha_rope_init(&a.rope, cfg & 1 ? MHA_ROPE_INTERLEAVED : MHA_ROPE_NEOX);
+        a.impl = MHA_IMPL_REFERENCE;
+        CHECK_OK(mha_forward(&yt, NULL, m, &a));
+        a.impl = MHA_IMPL_AUTO;  // the reference, bit for bit
+        CHECK_OK(mha_forward(&y2t, NULL, m, &a));
+        CHECKF(!memcmp(y0, y2, sizeof(float) * T * N * E), "qk_norm %d: auto != reference", cfg);
+        a.impl = MHA_IMPL_FUSED;  // refused, naming qk_norm
+        CHECK_FAILS(mha_forward(&y2t, NULL, m, &a), MHA_ERR_UNSUPPORTED);
+        CHECK(strstr(mha_last_error(), "qk_norm") != NULL);
+        if (cfg != 7) {
+            mha_tensor gq = mha_tensor_contiguous(y2, MHA_F32, 3, (int64_t[]){T, N, E});
+            CHECK_FAILS(mha_backward(&gq, NULL, NULL, NULL, m, &a, &xt, false),
+                        MHA_ERR_UNSUPPORTED);
+            CHECK(strstr(mha_last_error(), "qk_norm") != NULL);
+        }
+        a.impl = MHA_IMPL_AUTO;
+        for (int chunk = 1; chunk <= 22; chunk += chunk == 1 ? 7 : 14) {  // 1, 8 (decode), 22
+            mha_kv_cache *cache = NULL;
+            CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
+            for (int t0 = 0; t0 < T; t0 += chunk) {
+                const int n = T - t0 < chunk ? T - t0 : chunk;
+                mha_tensor qc = mha_tensor_contiguous(x + t0 * N * E, MHA_F32, 3,
+                                                      (int64_t[]){n, N, E});
+                mha_tensor oc = mha_tensor_contiguous(y1 + t0 * N * E, MHA_F32, 3,
+                                                      (int64_t[]){n, N, E});
+                mha_forward_args ac = a;
+                ac.query = ac.key = ac.value = &qc;
+                ac.is_causal = false;
+                CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
+            }
+            double e = rel_err(y0, y1, T * N * E);
+            CHECKF(e < 2e-5, "cached qk_norm %d (chunk %d): err %g", cfg, chunk, e);
+            mha_kv_cache_destroy(cache);
+        }
+        // save and load: qk_norm inferred from the tensors, eps from base
+        CHECK_OK(mha_module_save(m, path));
+        mha_st_file *f = NULL;
+        CHECK_OK(mha_st_open(&f, path));
+        mha_config base;
+        mha_config_init(&base, 0, 0);
+        base.qk_norm_eps = c.qk_norm_eps;
+        mha_module *m2 = NULL;
+        CHECK_OK(mha_module_load(&m2, f, &base));
+        mha_st_close(f);
+        const mha_config *c2 = mha_module_config(m2);
+        CHECKF(c2->qk_norm == (H == 1 ? MHA_QK_NORM_HEAD : c.qk_norm) &&
+                   c2->qk_norm_eps == c.qk_norm_eps,
+               "qk_norm %d: loaded qk_norm %d eps %g", cfg, (int)c2->qk_norm,
+               (double)c2->qk_norm_eps);
+        CHECK_OK(mha_forward(&y2t, NULL, m2, &a));
+        CHECKF(!memcmp(y0, y2, sizeof(float) * T * N * E), "qk_norm %d: loaded module differs",
+               cfg);
+        mha_module_destroy(m2);
+        free(x), free(y0), free(y1), free(y2);
+        mha_module_destroy(m);
+    }
+    remove(path);
+}
+
 int main(void) {
     seed_rng(2024);
     for (int i = 0; i < 300; i++) one_case(i);
@@ -1088,6 +1214,7 @@ int main(void) {
     // the checkpoint layouts (issue 17), last: the draws above are unchanged
     for (int i = 0; i < 160; i++) layout_case(i);
     test_cached_layouts();
+    test_qk_norm();  // (last: the draws above are unchanged)
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }

@@ -37,6 +37,10 @@ static const char *init_help =
     "  --head-gate G      none (default), static (\"head_gate\" (H), ones) or\n"
     "                     dynamic (\"gate_proj.weight\" (H, E) and\n"
     "                     \"gate_proj.bias\" (H), zeros: every gate 0.5)\n"
+    "  --qk-norm N        none (default), head (\"q_norm.weight\", \"k_norm.weight\"\n"
+    "                     (D) each: RMSNorm of each head's q and k, Qwen3) or\n"
+    "                     all ((H * D), (K * D): over all features, OLMo 2);\n"
+    "                     weights 1; eps 1e-6 (a file cannot carry it)\n"
     "  --prune-heads LIST heads to skip, comma-separated (__metadata__\n"
     "                     pruned_heads; mha forward/inspect honour it)\n"
     "  --out FILE         output safetensors file\n";
@@ -52,7 +56,7 @@ int cmd_init(int argc, char **argv) {
         {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'W'},
         {"head-gate", required_argument, 0, 'T'}, {"prune-heads", required_argument, 0, 'P'},
         {"head-dim", required_argument, 0, 'd'},  {"separate-qkv", no_argument, 0, 'Q'},
-        {"no-out-bias", no_argument, 0, 'O'},
+        {"no-out-bias", no_argument, 0, 'O'},     {"qk-norm", required_argument, 0, 'N'},
         {0, 0, 0, 0}};
     const char *prune = NULL;
     mha_config cfg;
@@ -101,6 +105,12 @@ int cmd_init(int argc, char **argv) {
             if (mha_head_gate_from_name(&cfg.head_gate, optarg)) return cli_fail("init", MHA_ERR_INVALID_ARG);
             break;
         case 'P': prune = optarg; break;
+        case 'N':
+            if (!strcmp(optarg, "none")) cfg.qk_norm = MHA_QK_NORM_NONE;
+            else if (!strcmp(optarg, "head")) cfg.qk_norm = MHA_QK_NORM_HEAD;
+            else if (!strcmp(optarg, "all")) cfg.qk_norm = MHA_QK_NORM_ALL;
+            else return cli_usage("init", "--qk-norm needs none, head or all");
+            break;
         case 'h': fputs(init_help, stdout); return 0;
         default: return cli_usage("init", "unknown or incomplete option");
         }

@@ -109,6 +109,10 @@ mha_status mha__mpi_local_check(const mha_module *m, const mha_forward_args *a,
                          "supported across ranks (run the single-process calls)",
                          (long long)c->head_dim, (long long)c->embed_dim,
                          (long long)c->num_heads);
+    if (c && c->qk_norm != MHA_QK_NORM_NONE)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_mpi: qk_norm (mha_config.qk_norm) is not supported across ranks "
+                         "(run the single-process calls)");
     if (c && c->sinks)
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "mha_mpi: attention sinks (mha_config.sinks) are not supported "

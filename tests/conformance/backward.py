@@ -333,7 +333,31 @@ def with_layout(c, seed, i):
         c.qscale = float(r.choice([0.05, 0.2, 0.5, 1.0, 2.0]))
     c.sinks = bool(r.random() < 0.35)
     c.set_params_random(r)
+    # QK-norm (a stream of its own: the draws above unchanged), its
+    # weights appended to the parameters
+    # (not with --impl fused: that path refuses qk_norm, auto takes the
+    # reference)
+    r2 = np.random.default_rng([seed, 0x716b6e, i])
+    if r2.random() < 0.35 and IMPL[0] != "fused":
+        c.qk_norm = "head" if r2.random() < 0.5 else "all"
+        nq, nk = (c.d, c.d) if c.qk_norm == "head" else (c.Eq, c.Ekv)
+        c.params = c.params + [
+            ("q_norm.weight", r2.uniform(0.5, 1.5, nq).astype(np.float32)),
+            ("k_norm.weight", r2.uniform(0.5, 1.5, nk).astype(np.float32))]
     return c
+
+
+QK_NORM_EPS = 1e-6  # the loader's default (mha_config.qk_norm_eps 0)
+
+
+def qk_norm_torch(x, w, groups):
+    """RMSNorm of x (..., F) over `groups` equal groups of its F features
+    (F / groups each): x / sqrt(mean(x^2) + eps) * w (Qwen3RMSNorm, OLMo 2)."""
+    s = x.shape
+    xg = x.reshape(*s[:-1], groups, s[-1] // groups)
+    ms = (xg * xg).mean(dim=-1, keepdim=True)
+    # w: (F / groups) per group ("head"), or (F) with groups = 1 ("all")
+    return (xg * torch.rsqrt(ms + QK_NORM_EPS) * w).reshape(s)
 
 
 def layout_case(seed, i):
@@ -441,6 +465,9 @@ def mirror_forward(b, X, P, dtype, keeps=(None, None)):
     else:
         bq = bk = bv = None
     Q, K, V = F.linear(q, Wq, bq), F.linear(k, Wk, bk), F.linear(v, Wv, bv)
+    if c.qk_norm:  # after the biases, before RoPE and the bias key
+        Q = qk_norm_torch(Q, P["q_norm.weight"], H if c.qk_norm == "head" else 1)
+        K = qk_norm_torch(K, P["k_norm.weight"], Hkv if c.qk_norm == "head" else 1)
     if c.rope is not None:  # after the projections, before the bias key
         Q = rope_torch(Q, H, c.rope)
         K = rope_torch(K, Hkv, c.rope)
@@ -669,7 +696,8 @@ def references(b, info=None):
                 errors.append("harness: mirror gradients differ from central "
                               "differences by %.3g (rel)" % e)
     if (c.rope is not None or c.alibi or c.softcap > 0 or c.num_kv_heads
-            or c.head_dim or c.separate_qkv or c.no_out_bias or c.qscale or c.sinks):
+            or c.head_dim or c.separate_qkv or c.no_out_bias or c.qscale or c.sinks
+            or c.qk_norm):
         # F.multi_head_attention_forward has none of these: the reference is
         # the mirror (RoPE, ALiBi and the soft cap written from the papers'
         # formulas, grouped-query attention as repeat_interleave of the KV

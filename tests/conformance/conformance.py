@@ -220,6 +220,10 @@ class Case:
         self.no_out_bias = False
         self.qscale = None
         self.sinks = False        # attention sinks: a "sinks" (H) parameter
+        # QK-norm (backward.py's mirror checks it): None, "head" (q_norm /
+        # k_norm.weight (d)) or "all" ((Eq), (Ekv)); eps 1e-6 (the
+        # loader's default: a file cannot carry it)
+        self.qk_norm = None
         self.params = []      # list of (name, float32 array), file order
         self.query = self.key = self.value = None
         self.key_padding_mask = None
@@ -284,7 +288,8 @@ class Case:
                 + (" separate_qkv" if self.separate_qkv else "")
                 + (" no_out_bias" if self.no_out_bias else "")
                 + (" qscale=%g" % self.qscale if self.qscale else "")
-                + (" sinks" if self.sinks else ""))
+                + (" sinks" if self.sinks else "")
+                + (" qk_norm=%s" % self.qk_norm if self.qk_norm else ""))
 
     @property
     def windowed(self):
