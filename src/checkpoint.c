@@ -181,7 +181,9 @@ static mha_status resolve_inside(char **out, const mha_checkpoint *c, const char
     if (!real) {
         int err = errno;
         mha_status st = mha__fail(err == ENOMEM ? MHA_ERR_NOMEM : MHA_ERR_IO,
-                                  "%s: %s %s: cannot open: %s", joined, what, q, strerror(err));
+                                  "%s: %s %s: cannot open: %s",
+                                  c->index_path ? c->index_path : c->dir, what, q,
+                                  strerror(err));
         free(joined);
         return st;
     }
@@ -193,7 +195,8 @@ static mha_status resolve_inside(char **out, const mha_checkpoint *c, const char
         mha_status st = mha__fail(MHA_ERR_FORMAT,
                                   "%s: %s %s resolves to %s, outside the checkpoint "
                                   "directory %s",
-                                  joined, what, q, mha_escape(qr, sizeof qr, real), c->dir);
+                                  c->index_path ? c->index_path : c->dir, what, q,
+                                  mha_escape(qr, sizeof qr, real), c->dir);
         free(real);
         free(joined);
         return st;

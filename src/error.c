@@ -51,6 +51,10 @@ mha_status mha__fail(mha_status status, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(g_errmsg, sizeof g_errmsg, fmt, ap);
     va_end(ap);
+    // One line, whatever a caller's string held: a control byte left
+    // unescaped (a name that missed mha_escape) becomes '?'.
+    for (char *p = g_errmsg; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = '?';
     if (g_log_fn) g_log_fn(status, g_errmsg, g_log_user);
     return status;
 }
