@@ -203,14 +203,20 @@ def hidden_of(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
-def call_block(model, mt, layer, args, kwargs, hidden):
-    """The block's output on `hidden` with the captured arguments."""
-    mod = target_module(model, mt, layer)
+def with_hidden(args, kwargs, hidden):
+    """Copies of the captured call arguments with hidden_states replaced."""
     args, kwargs = list(args), dict(kwargs)
     if args:
         args[0] = hidden
     else:
         kwargs["hidden_states"] = hidden
+    return args, kwargs
+
+
+def call_block(model, mt, layer, args, kwargs, hidden):
+    """The block's output on `hidden` with the captured arguments."""
+    mod = target_module(model, mt, layer)
+    args, kwargs = with_hidden(args, kwargs, hidden)
     with torch.no_grad():
         out = mod(*args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
@@ -520,11 +526,7 @@ def hf_backward(model, mt, layer, args, kwargs, hidden, g):
     h = hidden.clone().requires_grad_(True)
     with torch.enable_grad():
         mod = target_module(model, mt, layer)
-        a, kw = list(args), dict(kwargs)
-        if a:
-            a[0] = h
-        else:
-            kw["hidden_states"] = h
+        a, kw = with_hidden(args, kwargs, h)
         out = mod(*a, **kw)
         out = out[0] if isinstance(out, tuple) else out
         if mt == "bert":
