@@ -198,10 +198,10 @@ MHA_API MHA_NODISCARD mha_status mha_head_gate_from_name(mha_head_gate *out, con
 //                     "q_norm.weight" (H d), "k_norm.weight" (Hkv d) (OLMo 2)
 // The keys appended by add_bias_kv / add_zero_attn are not normalised.
 // The weights start at 1 (mha_module_create, mha_module_init), as torch's
-// RMSNorm. Paths: the reference (forward, backward with both weights'
-// gradients; auto takes it for such a module), mha_forward_cached and
-// mha_diagnose; the fused forward/backward and the MPI layer refuse it
-// (MHA_ERR_UNSUPPORTED).
+// RMSNorm. Paths: the reference and the fused forward and backward (both
+// weights' gradients; a training forward's saved state keeps q and k
+// before the norm), mha_forward_cached and mha_diagnose; the MPI layer
+// refuses it (MHA_ERR_UNSUPPORTED: its parts project only their heads).
 typedef enum mha_qk_norm {
     MHA_QK_NORM_NONE = 0,
     MHA_QK_NORM_HEAD = 1,
@@ -634,7 +634,7 @@ MHA_API void mha_forward_args_init(mha_forward_args *a);
 // The saved state of a training forward (mha_forward_args.save). One
 // object holds one forward at a time (the next forward given it replaces
 // it); it owns its memory, about (3 L + L) E floats per batch element plus
-// 2 H L, grown when needed and kept until mha_saved_destroy. A backward
+// 2 H L (with qk_norm, q and k before the norm too: 2 L E more), grown when needed and kept until mha_saved_destroy. A backward
 // whose args do not match the forward that filled it (module, input views,
 // masks, causal, window, training, dropout seed and offset) fails with
 // MHA_ERR_INVALID_ARG rather than using stale state.

@@ -2,7 +2,8 @@
 // fused_bwd.c: the fused backward (MHA_IMPL_FUSED): the forward's projections and attention again
 // (keeping each row's softmax stats), then
 //   dy = dY * drop_o;  dctx = dy Wo;  dWo = dy^T ctx;  dbo = colsum(dy)
-//   attention backward (flash.c, two passes) -> dq, dk, dv
+//   attention backward (flash.c, two passes) -> dq, dk, dv; through RoPE
+//   and the QK-norm
 //   dW = d^T X and dX = d W for each projection (one GEMM each over the
 //   packed in_proj_weight with self-attention)
 // Every sum has a fixed order: GEMMs split over output rows, attention
@@ -82,11 +83,14 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
 //   dextra            the appended keys' dk (N, Hkv, nx, d), then dv
 //   extra             the appended keys (Hkv, nx, d) for k, then v
 //   tmp               Rmax Fmax (dX rows)
+//   xqk, rr           qk_norm: q (Rq, Eq) and k (Rk, Ekv) before the norm;
+//                     per row and group 1 / rms (doubles, the q's or the k's)
 //   scratch           nt flash scratches (64-byte aligned: it begins with
 //                     pointers)
 typedef struct bwd_scratch {
     float *xq, *xk, *xv, *wt, *bp, *gs, *qkv, *dqkv, *ctx, *dctx, *dy, *lse, *dsum, *dextra,
-        *extra, *tmp, *scratch;
+        *extra, *tmp, *xqk, *scratch;
+    double *rr;
     size_t sf;  // floats of one flash scratch
 } bwd_scratch;
 
@@ -149,8 +153,15 @@ static mha_status bwd_alloc(bwd_call *c) {
     size_t n_att = (size_t)(Rq * (2 * Eq + E) + N * H * L * 3 + 2 * N * Hkv * nx * d +
                             2 * Hkv * nx * d);
     size_t n_tmp = (size_t)(Rmax * Fmax);
+    // qk_norm: q, k before the norm; 1 / rms per row and group (doubles,
+    // from an even float)
+    const bool qkn = c->m->cfg.qk_norm != MHA_QK_NORM_NONE,
+               head = c->m->cfg.qk_norm == MHA_QK_NORM_HEAD;
+    const int64_t nrr = head ? (Rq * H > Rk * Hkv ? Rq * H : Rk * Hkv) : Rmax;
+    const size_t n_qn = qkn ? (size_t)(Rq * Eq + Rk * Ekv) : 0,
+                 n_rr = qkn ? (size_t)(2 * nrr + 1) : 0;
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
-    size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + 15) & ~(size_t)15;
+    size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + n_qn + n_rr + 15) & ~(size_t)15;
     size_t total = n_pre + sf * (size_t)nt;
     size_t bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
@@ -167,7 +178,8 @@ static mha_status bwd_alloc(bwd_call *c) {
     s->ctx = s->dqkv + n_qkv, s->dctx = s->ctx + Rq * Eq, s->dy = s->dctx + Rq * Eq;
     s->lse = s->dy + Rq * E, s->dsum = s->lse + 2 * N * H * L;  // lse: (m, 1/l) rows
     s->dextra = s->dsum + N * H * L, s->extra = s->dextra + 2 * N * Hkv * nx * d;
-    s->tmp = s->extra + 2 * Hkv * nx * d, s->scratch = blk + n_pre;
+    s->tmp = s->extra + 2 * Hkv * nx * d, s->xqk = s->tmp + n_tmp, s->scratch = blk + n_pre;
+    s->rr = (double *)(blk + ((size_t)(s->xqk + n_qn - blk + 1) & ~(size_t)1));
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(s->scratch + (size_t)t * sf);
     c->W3 = W3;
     return MHA_OK;
@@ -198,7 +210,9 @@ static mha_status bwd_inputs(bwd_call *c) {
         mha__saved_key_of(&key, c->m, a);
         if (!mha__saved_key_equal(&key, &sv->key) ||
             sv->outer_valid != (c->pt && c->pt->attn.fn) ||
-            sv->n_qkv != mha__qkv_floats(p, Rq, Rk) || sv->n_lse != (size_t)(2 * N * H * L))
+            sv->n_qkv != mha__qkv_floats(p, Rq, Rk) || sv->n_lse != (size_t)(2 * N * H * L) ||
+            sv->n_xqk !=
+                (c->m->cfg.qk_norm != MHA_QK_NORM_NONE ? (size_t)(Rq * Eq + Rk * Ekv) : 0))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_backward: args.save holds the state of another forward "
                              "(module, inputs, masks or dropout differ); run the forward "
@@ -206,6 +220,7 @@ static mha_status bwd_inputs(bwd_call *c) {
         s->qkv = sv->buf;
         s->ctx = sv->buf + sv->n_qkv;
         s->lse = s->ctx + sv->n_ctx;
+        s->xqk = s->lse + sv->n_lse;
     }
     const bool sp = p->self_packed;
     float *qkv = s->qkv, *dqkv = s->dqkv;
@@ -271,7 +286,9 @@ static mha_status bwd_forward(bwd_call *c) {
     c->dqm = (mha__rowmap){c->dq, W3, seq_first, N, L};
     c->dkm = (mha__rowmap){c->dk, ldkv, seq_first, N, Tk};
     c->dvm = (mha__rowmap){c->dv, ldkv, seq_first, N, Tk};
-    if (!sv) {  // the saved q, k are rotated already
+    if (!sv) {  // the saved q, k are normalised and rotated already
+        if (m->cfg.qk_norm != MHA_QK_NORM_NONE)
+            mha__fused_qk_norm(p, m, &c->qm, &c->km, Rq, Rk, c->s.xqk);
         mha__rope_rows(p, a, &c->qm, L, H, false, pt ? pt->attn.rope_pos : NULL);
         mha__rope_rows(p, a, &c->km, S, Hkv, false, pt ? pt->attn.rope_pos : NULL);
     }
@@ -488,6 +505,23 @@ static void bwd_rope_and_part_out(const bwd_call *c) {
         }
 }
 
+// Through the QK-norm (after the rotation's transpose): dq, dk in place,
+// from q, k before the norm; the norms' weights' gradients.
+static void bwd_qk_norm(const bwd_call *c, mha_module *grads) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    if (m->cfg.qk_norm == MHA_QK_NORM_NONE) return;
+    const int64_t Eq = p->Eq, Ekv = p->Ekv, Rq = mha__rows_of(c->a->query),
+                  Rk = mha__rows_of(c->a->key);
+    const bool head = m->cfg.qk_norm == MHA_QK_NORM_HEAD;
+    const double eps = mha__qk_norm_eps(m);
+    mha__qk_norm_rows_bwd(c->dq, c->W3, c->s.xqk, Eq, Rq, Eq, head ? p->d : Eq, m->q_norm, eps,
+                          grads ? grads->q_norm : NULL, c->acc, c->s.rr, p->nthreads);
+    mha__qk_norm_rows_bwd(c->dk, c->ldkv, c->s.xqk + Rq * Eq, Ekv, Rk, Ekv, head ? p->d : Ekv,
+                          m->k_norm, eps, grads ? grads->k_norm : NULL, c->acc, c->s.rr,
+                          p->nthreads);
+}
+
 // Parameter gradients: dWo = dy^T gctx, dbo = colsum(dy); the gates'; the
 // projections' dW = d^T X, db = colsum(d) (one GEMM over the packed
 // in_proj_weight with self-attention); bias_k, bias_v from the appended
@@ -589,7 +623,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                                mha_tensor *gv, mha_module *grads, const mha_module *m,
                                const mha_forward_args *a, const mha_tensor *gout, bool acc,
                                const mha__part *pt) {
-    mha_status qst = mha__fused_no_qk_norm(m);
+    mha_status qst = mha__fused_part_qk_norm(m, pt);
     if (qst) return qst;
     bwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
     mha_status st = bwd_alloc(&c);
@@ -613,6 +647,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
         bwd_attention_tiles(&c);
     }
     bwd_rope_and_part_out(&c);
+    bwd_qk_norm(&c, grads);
     if (grads) bwd_param_grads(&c, grads);
     bwd_input_grads(&c, gq, gk, gv);
 done:

@@ -3,7 +3,8 @@
 //   1. projections as GEMMs over row matrices: X (R, F) W^T (F, Eq) (k, v:
 //      (F, Ekv), Ekv = Hkv d; Eq = H d, E unless head_dim is set); with
 //      self-attention and the packed in_proj_weight, one GEMM X (R, E)
-//      in_proj_weight^T (E, Eq + 2 Ekv) -> qkv (R, Eq + 2 Ekv)
+//      in_proj_weight^T (E, Eq + 2 Ekv) -> qkv (R, Eq + 2 Ekv); then the
+//      QK-norm (mha_config.qk_norm) and RoPE on the q and k rows
 //   2. per (b, h, tile of 64 query rows): flash.c on strided head views of
 //      q, k, v (no split, no copy; query head h reads KV head h / (H / Hkv)),
 //      writing the context in place
@@ -91,7 +92,7 @@ static const float *bias_at(const float *b, int64_t o) { return b ? b + o : NULL
 //    b_v (one GEMM over the packed in_proj_weight for self-attention; a
 //    part: only its heads' rows of the weights, into their columns), into
 //    the scratch or, with a saved state, straight into it (the backward's
-//    layout); then RoPE on q and k.
+//    layout); then the QK-norm and RoPE on q and k.
 static void fwd_project(fwd_call *c) {
     const fwd_plan *p = c->p;
     const mha_module *m = c->m;
@@ -156,6 +157,9 @@ static void fwd_project(fwd_call *c) {
         c->km = (mha__rowmap){k, Ekv, seq_first, N, S};
         c->vm = (mha__rowmap){v, Ekv, seq_first, N, S};
     }
+    if (m->cfg.qk_norm != MHA_QK_NORM_NONE)
+        mha__fused_qk_norm(p, m, &c->qm, &c->km, Rq, Rk,
+                           sv ? sbuf + sv->n_qkv + sv->n_ctx + sv->n_lse : NULL);
     const int64_t *rope_pos = pt ? pt->attn.rope_pos : NULL;
     mha__rope_rows(p, a, &c->qm, L, H, false, rope_pos);
     mha__rope_rows(p, a, &c->km, S, Hkv, false, rope_pos);
@@ -336,7 +340,7 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
 mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
                               const mha_module *m, const mha_forward_args *a, char *ws,
                               const mha__part *pt) {
-    mha_status qst = mha__fused_no_qk_norm(m);
+    mha_status qst = mha__fused_part_qk_norm(m, pt);
     if (qst) return qst;
     fwd_call c = {.p = p,
                   .m = m,

@@ -79,6 +79,66 @@ void mha__qk_norm_rows(float *x, int64_t ld, int64_t R, int64_t W, int64_t gs, c
         }
 }
 
+void mha__qk_norm_rows_bwd(float *dx, int64_t ldd, const float *x, int64_t ldx, int64_t R,
+                           int64_t W, int64_t gs, const float *w, double eps, float *dw,
+                           bool acc, double *rr, int nt) {
+    const int64_t ng = W / gs;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < R; r++)  // each group's 1 / rms
+        for (int64_t g = 0; g < ng; g++) {
+            const float *xg = x + r * ldx + g * gs;
+            double ms = 0.0;
+            for (int64_t c = 0; c < gs; c++) ms += (double)xg[c] * (double)xg[c];
+            rr[r * ng + g] = 1.0 / sqrt(ms / (double)gs + eps);
+        }
+    if (dw) {  // dw[c] = sum over rows r, groups g of dy u, columns in blocks of 16
+        const int64_t blocks = (gs + 15) / 16;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(blocks > 1 ? nt : 1)
+        for (int64_t bl = 0; bl < blocks; bl++) {
+            const int64_t c0 = bl * 16, n = gs - c0 < 16 ? gs - c0 : 16;
+            double s[16] = {0};
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t g = 0; g < ng; g++) {
+                    const float *xg = x + r * ldx + g * gs + c0,
+                                *dg = dx + r * ldd + g * gs + c0;
+                    const double rg = rr[r * ng + g];
+                    for (int64_t c = 0; c < n; c++)
+                        s[c] += (double)dg[c] * ((double)xg[c] * rg);
+                }
+            for (int64_t c = 0; c < n; c++)
+                dw[c0 + c] = acc ? dw[c0 + c] + (float)s[c] : (float)s[c];
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < ng; g++) {
+            const float *xg = x + r * ldx + g * gs;
+            float *dg = dx + r * ldd + g * gs;
+            const double rg = rr[r * ng + g];
+            double s = 0.0;
+            for (int64_t c = 0; c < gs; c++)
+                s += (double)dg[c] * (double)w[c] * ((double)xg[c] * rg);
+            s /= (double)gs;
+            for (int64_t c = 0; c < gs; c++)
+                dg[c] = (float)(rg * ((double)dg[c] * (double)w[c] - (double)xg[c] * rg * s));
+        }
+}
+
+void mha__fused_qk_norm(const fwd_plan *p, const mha_module *m, const mha__rowmap *qm,
+                        const mha__rowmap *km, int64_t Rq, int64_t Rk, float *keep) {
+    const int64_t Eq = p->Eq, Ekv = p->Ekv;
+    const bool head = m->cfg.qk_norm == MHA_QK_NORM_HEAD;
+    const double eps = mha__qk_norm_eps(m);
+    if (keep) {
+        for (int64_t r = 0; r < Rq; r++)
+            memcpy(keep + r * Eq, qm->base + r * qm->ld, sizeof(float) * (size_t)Eq);
+        for (int64_t r = 0; r < Rk; r++)
+            memcpy(keep + Rq * Eq + r * Ekv, km->base + r * km->ld, sizeof(float) * (size_t)Ekv);
+    }
+    mha__qk_norm_rows(qm->base, qm->ld, Rq, Eq, head ? p->d : Eq, m->q_norm, eps, p->nthreads);
+    mha__qk_norm_rows(km->base, km->ld, Rk, Ekv, head ? p->d : Ekv, m->k_norm, eps, p->nthreads);
+}
+
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its
 // inverse (gradients).

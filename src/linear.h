@@ -101,6 +101,22 @@ mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const m
 // sqrt(mean(x^2) + eps) * w (w (gs)); the mean summed in double.
 void mha__qk_norm_rows(float *x, int64_t ld, int64_t R, int64_t W, int64_t gs, const float *w,
                        double eps, int nt);
+// Its backward on the same R rows: x (row stride ldx) the forward's input
+// (before the norm), dx (row stride ldd) the gradient of its output in, of
+// its input out; dw (gs) the weight's gradient, summed in double over the
+// rows and groups in order, each column by one thread (acc: added to; NULL:
+// not wanted); rr (R W / gs doubles) scratch. With r = 1 / sqrt(mean(x^2) +
+// eps), u = x r, y = u w:  dw += dy u;  dx = r (dy w - u mean(dy w u)).
+void mha__qk_norm_rows_bwd(float *dx, int64_t ldd, const float *x, int64_t ldx, int64_t R,
+                           int64_t W, int64_t gs, const float *w, double eps, float *dw,
+                           bool acc, double *rr, int nt);
+
+// The fused path's QK-norm: q (Rq rows of qm) and k (Rk rows of km) in
+// place, each group of d features (MHA_QK_NORM_HEAD) or the whole row;
+// their values before the norm first copied to keep (q (Rq, Eq), then k
+// (Rk, Ekv)) unless it is NULL.
+void mha__fused_qk_norm(const fwd_plan *p, const mha_module *m, const mha__rowmap *qm,
+                        const mha__rowmap *km, int64_t Rq, int64_t Rk, float *keep);
 
 // RoPE on the first T tokens of each batch element of a q or k row matrix
 // (all H heads of a token contiguous: p->H for q, p->Hkv for k), or its

@@ -293,9 +293,7 @@ static mha_status plan_impl(fwd_plan *p, const mha_module *m, const mha_forward_
     if (impl == MHA_IMPL_AUTO) {
         const char *env = getenv("MHA_IMPL");
         mha_impl forced;
-        // (qk_norm: the reference; the fused path has no norm yet)
-        impl = (f32 && !a->trace && m->cfg.qk_norm == MHA_QK_NORM_NONE) ? MHA_IMPL_FUSED
-                                                                        : MHA_IMPL_REFERENCE;
+        impl = f32 && !a->trace ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
         // (an unknown name is ignored; the log callback hears about it)
         if (env && strcmp(env, "auto") != 0 && mha_impl_from_name(&forced, env) == MHA_OK)
             impl = forced;
@@ -326,11 +324,11 @@ size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int 
     return mha__gemm_pack_half_tmp_floats(kt, mha__module_max_in(m), nt);
 }
 
-mha_status mha__fused_no_qk_norm(const mha_module *m) {
-    if (m->cfg.qk_norm == MHA_QK_NORM_NONE) return MHA_OK;
+mha_status mha__fused_part_qk_norm(const mha_module *m, const void *pt) {
+    if (!pt || m->cfg.qk_norm == MHA_QK_NORM_NONE) return MHA_OK;
     return mha__fail(MHA_ERR_UNSUPPORTED,
-                     "the fused implementation has no qk_norm (mha_config.qk_norm %s; use "
-                     "the reference, which auto picks; mha_forward_cached applies it)",
+                     "a part of a call (heads or sequence split across ranks) has no qk_norm "
+                     "(mha_config.qk_norm %s): run the whole call on one rank",
                      m->cfg.qk_norm == MHA_QK_NORM_HEAD ? "head" : "all");
 }
 

@@ -106,10 +106,11 @@ mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward
 // The fused path: checks what it needs (F32 views, no trace) and lays out
 // its scratch (p->ws_bytes).
 mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_args *a);
-// MHA_ERR_UNSUPPORTED for a module with qk_norm: the fused forward and
-// backward (and so the parts and the MPI layer) have no norm; auto takes
-// the reference; the cached decode (its own projections) applies it.
-mha_status mha__fused_no_qk_norm(const mha_module *m);
+// MHA_ERR_UNSUPPORTED for a part of a call (the distributed layer's hooks,
+// pt != NULL) of a module with qk_norm: a part projects only its heads'
+// columns, and the norm over all features needs every head's; the whole
+// call (pt NULL) applies it.
+mha_status mha__fused_part_qk_norm(const mha_module *m, const void *pt);
 // The widening scratch of a module with half weights (floats; the GEMM's
 // packing of a half weight matrix, nt threads).
 size_t mha__half_weight_floats(const mha__kernels *kt, const mha_module *m, int nt);
@@ -128,8 +129,11 @@ static inline const mha__dropout *mha__plan_drop(const fwd_plan *p) {
     return p->drop.p > 0.0f ? &p->drop : NULL;
 }
 
-
-// then the context (Rq, Eq), then the row stats (N H L, 2).
+// The saved state of a training forward (mha_forward_args.save): the key
+// of the forward it belongs to, and one buffer: the projections as the
+// backward lays them out (mha__qkv_floats, after the norm and RoPE), then
+// the context (Rq, Eq), then the row stats (N H L, 2), then (qk_norm) q
+// (Rq, Eq) and k (Rk, Ekv) before the norm.
 typedef struct mha__saved_key {
     const mha_module *m;
     mha_tensor q, k, v, kpm, am;  // zeroed when absent
@@ -157,6 +161,7 @@ struct mha_saved {
     bool valid;  // filled by a fused forward
     mha__saved_key key;
     size_t n_qkv, n_ctx, n_lse;
+    size_t n_xqk;  // qk_norm: q (Rq, Eq) and k (Rk, Ekv) before the norm; else 0
     // Set by the distributed layer (ring attention) after its forward: the
     // whole call's key (the masks its fused-path call does not see). Such a
     // state (its row stats in that layer's layout) serves only that layer's

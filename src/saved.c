@@ -2,7 +2,8 @@
 // plan.h): its key (what identifies the forward: module, views, masks,
 // dropout, position encodings), its sizing from the plan, and the public
 // mha_saved_* calls. The fused forward fills it, the fused backward reads
-// it.
+// it: the projections (after the norm and RoPE), the context, the row
+// stats, then (qk_norm) q and k before the norm.
 #include <stdlib.h>
 #include <string.h>
 
@@ -79,7 +80,8 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
     s->n_qkv = mha__qkv_floats(p, Rq, Rk);
     s->n_ctx = (size_t)(Rq * Eq);
     s->n_lse = (size_t)(2 * p->N * p->H * p->L);
-    const size_t need = s->n_qkv + s->n_ctx + s->n_lse;
+    s->n_xqk = m->cfg.qk_norm != MHA_QK_NORM_NONE ? (size_t)(Rq * Eq + Rk * p->Ekv) : 0;
+    const size_t need = s->n_qkv + s->n_ctx + s->n_lse + s->n_xqk;
     if (need > s->cap) {
         size_t bytes;
         if (mha__mul_overflow_size(need, sizeof(float), &bytes))

@@ -815,7 +815,7 @@ static void test_cached_gqa(void) {
 // backward against the reference on random configurations (run last, so
 // the other tests' random streams are unchanged). Half weights: forward
 // only (the backward refuses them).
-static void layout_case(int id) {
+static void layout_case(int id, mha_qk_norm qkn) {
     const int64_t H = irand(1, 6);
     int64_t divs[6], nd = 0;
     for (int64_t k = 1; k <= H; k++)
@@ -850,6 +850,8 @@ static void layout_case(int id) {
     c.dropout = drop ? 0.25f : 0.0f;
     if (!self && next() % 3 == 0) c.kdim = irand(1, 20);
     if (!self && next() % 4 == 0) c.vdim = irand(1, 20);
+    c.qk_norm = qkn;  // (no draw: the cases without it are unchanged)
+    c.qk_norm_eps = id % 3 == 0 ? 0.25f : 0.0f;
     mha_module *m = random_module(&c, (uint64_t)id + 5000);
     if (prune) {
         const int64_t pr = irand(0, H - 1);
@@ -936,12 +938,12 @@ static void layout_case(int id) {
              "layout case %d (E %lld H %lld Hkv %lld d %lld L %lld S %lld N %lld kdim %lld "
              "vdim %lld sep %d bias %d no_out_bias %d scale %g bf %d unb %d bkv %d zero %d "
              "causal %d window (%lld, %lld) drop %d kpm %d am %d self %d rope %d alibi %d "
-             "softcap %d gate %d prune %d half %d sinks %d)",
+             "softcap %d gate %d prune %d half %d sinks %d qk_norm %d)",
              id, (long long)E, (long long)H, (long long)Hkv, (long long)d, (long long)L,
              (long long)S, (long long)N, (long long)kd, (long long)vd, sep, bias, nob,
              scale ? a.scale : 0.0, bf, unb, bkv, zero, causal, (long long)a.window_left,
              (long long)a.window_right, drop, kpm, am, self, rope, alibi, cap, gate, prune,
-             half, sinks);
+             half, sinks, (int)qkn);
     double e = rel_err(y[0], y[1], on);
     CHECKF(e < 2e-5, "%s: output err %g", desc, e);
     if (need) {
@@ -1068,10 +1070,83 @@ static void test_cached_layouts(void) {
     }
 }
 
+// The backward of a self-attention call a (x: n floats) of module m with
+// the QK-norm: the fused path (2 threads) against the reference (every
+// input and parameter gradient, the norms' weights included); with a saved
+// forward, with 1 thread: the same bits; accumulating into its own result:
+// exactly twice it.
+static void qk_norm_backward(const mha_module *m, mha_forward_args *a, int64_t n, int cfg) {
+    float *gy = malloc(sizeof(float) * (size_t)n), *out = malloc(sizeof(float) * (size_t)n),
+          *gx[5][3];
+    for (int64_t i = 0; i < n; i++) gy[i] = frand();
+    const mha_tensor *x = a->query;
+    mha_tensor gyt = mha_tensor_contiguous(gy, MHA_F32, x->ndim, x->shape),
+               yt = mha_tensor_contiguous(out, MHA_F32, x->ndim, x->shape);
+    mha_saved *sv = NULL;
+    CHECK_OK(mha_saved_create(&sv));
+    mha_module *g[5];
+    // runs: 0 reference, 1 fused, 2 fused after a saved forward, 3 fused
+    // with 1 thread, 4 run 1 again accumulating into its results
+    for (int r = 0; r < 5; r++) {
+#ifdef _OPENMP
+        omp_set_num_threads(r == 3 ? 1 : 2);
+#endif
+        mha_tensor gt[3];
+        for (int j = 0; j < 3; j++) {
+            gx[r][j] = malloc(sizeof(float) * (size_t)n);
+            if (r == 4) memcpy(gx[r][j], gx[1][j], sizeof(float) * (size_t)n);
+            gt[j] = mha_tensor_contiguous(gx[r][j], MHA_F32, x->ndim, x->shape);
+        }
+        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+        for (int i = 0; r == 4 && i < mha_module_num_params(g[r]); i++) {
+            mha_param pd, ps;
+            CHECK_OK(mha_module_param_at(&pd, g[r], i));
+            CHECK_OK(mha_module_param_at(&ps, g[1], i));
+            memcpy(pd.data, ps.data, sizeof(float) * (size_t)pd.numel);
+        }
+        a->impl = r ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        a->save = r == 2 ? sv : NULL;
+        if (r == 2) CHECK_OK(mha_forward(&yt, NULL, m, a));
+        CHECK_OK(mha_backward(&gt[0], &gt[1], &gt[2], g[r], m, a, &gyt, r == 4));
+    }
+    a->save = NULL;
+    a->impl = MHA_IMPL_AUTO;
+    static const char *gn[3] = {"grad_query", "grad_key", "grad_value"};
+    for (int j = 0; j < 3; j++) {
+        const double e = rel_err(gx[0][j], gx[1][j], n);
+        CHECKF(e < 1e-4, "qk_norm %d: fused %s err %g", cfg, gn[j], e);
+        bool twice = true;
+        for (int64_t i = 0; i < n; i++) twice &= gx[4][j][i] == 2.0f * gx[1][j][i];
+        CHECKF(twice, "qk_norm %d: accumulated %s is not twice it", cfg, gn[j]);
+        for (int r = 2; r < 4; r++)
+            CHECKF(!memcmp(gx[1][j], gx[r][j], sizeof(float) * (size_t)n),
+                   "qk_norm %d: %s of run %d differs from the fused backward's", cfg, gn[j], r);
+    }
+    for (int i = 0; i < mha_module_num_params(g[0]); i++) {
+        mha_param p[5];
+        for (int r = 0; r < 5; r++) CHECK_OK(mha_module_param_at(&p[r], g[r], i));
+        const double e = rel_err(p[0].data, p[1].data, p[0].numel);
+        CHECKF(e < 1e-4, "qk_norm %d: fused grad %s err %g", cfg, p[0].name, e);
+        bool twice = true;
+        for (int64_t k = 0; k < p[0].numel; k++) twice &= p[4].data[k] == 2.0f * p[1].data[k];
+        CHECKF(twice, "qk_norm %d: accumulated grad %s is not twice it", cfg, p[0].name);
+        for (int r = 2; r < 4; r++)
+            CHECKF(!memcmp(p[1].data, p[r].data, sizeof(float) * (size_t)p[0].numel),
+                   "qk_norm %d: grad %s of run %d differs from the fused backward's", cfg,
+                   p[0].name, r);
+    }
+    for (int r = 0; r < 5; r++) {
+        for (int j = 0; j < 3; j++) free(gx[r][j]);
+        mha_module_destroy(g[r]);
+    }
+    mha_saved_destroy(sv);
+    free(gy), free(out);
+}
+
 // QK-norm (mha_config.qk_norm, per head and over all features, the
 // default eps and a large one) with the checkpoint layouts, GQA, RoPE and
-// half weights: auto takes the reference (bit for bit), the fused path
-// refuses it (MHA_ERR_UNSUPPORTED naming qk_norm); mha_forward_cached
+// half weights: the fused forward against the reference, auto taking it;
+// the backward (qk_norm_backward); mha_forward_cached
 // token by token and in chunks gives the reference forward's result;
 // a fresh module's norm weights are 1 (and mha_module_init's); a save and
 // load round trip gives the same config (qk_norm inferred, eps from base)
@@ -1138,18 +1213,15 @@ static void test_qk_norm(void) {
             mha_rope_init(&a.rope, cfg & 1 ? MHA_ROPE_INTERLEAVED : MHA_ROPE_NEOX);
         a.impl = MHA_IMPL_REFERENCE;
         CHECK_OK(mha_forward(&yt, NULL, m, &a));
-        a.impl = MHA_IMPL_AUTO;  // the reference, bit for bit
+        a.impl = MHA_IMPL_FUSED;  // the fused forward against the reference
         CHECK_OK(mha_forward(&y2t, NULL, m, &a));
-        CHECKF(!memcmp(y0, y2, sizeof(float) * T * N * E), "qk_norm %d: auto != reference", cfg);
-        a.impl = MHA_IMPL_FUSED;  // refused, naming qk_norm
-        CHECK_FAILS(mha_forward(&y2t, NULL, m, &a), MHA_ERR_UNSUPPORTED);
-        CHECK(strstr(mha_last_error(), "qk_norm") != NULL);
-        if (cfg != 7) {
-            mha_tensor gq = mha_tensor_contiguous(y2, MHA_F32, 3, (int64_t[]){T, N, E});
-            CHECK_FAILS(mha_backward(&gq, NULL, NULL, NULL, m, &a, &xt, false),
-                        MHA_ERR_UNSUPPORTED);
-            CHECK(strstr(mha_last_error(), "qk_norm") != NULL);
-        }
+        const double ef = rel_err(y0, y2, T * N * E);
+        CHECKF(ef < 2e-5, "qk_norm %d: fused forward err %g", cfg, ef);
+        a.impl = MHA_IMPL_AUTO;  // auto takes the fused path, bit for bit
+        mha_tensor y1t = mha_tensor_contiguous(y1, MHA_F32, 3, (int64_t[]){T, N, E});
+        CHECK_OK(mha_forward(&y1t, NULL, m, &a));
+        CHECKF(!memcmp(y1, y2, sizeof(float) * T * N * E), "qk_norm %d: auto != fused", cfg);
+        if (cfg != 7) qk_norm_backward(m, &a, T * N * E, cfg);
         a.impl = MHA_IMPL_AUTO;
         for (int chunk = 1; chunk <= 22; chunk += chunk == 1 ? 7 : 14) {  // 1, 8 (decode), 22
             mha_kv_cache *cache = NULL;
@@ -1184,9 +1256,11 @@ static void test_qk_norm(void) {
                    c2->qk_norm_eps == c.qk_norm_eps,
                "qk_norm %d: loaded qk_norm %d eps %g", cfg, (int)c2->qk_norm,
                (double)c2->qk_norm_eps);
+        a.impl = MHA_IMPL_REFERENCE;
         CHECK_OK(mha_forward(&y2t, NULL, m2, &a));
         CHECKF(!memcmp(y0, y2, sizeof(float) * T * N * E), "qk_norm %d: loaded module differs",
                cfg);
+        a.impl = MHA_IMPL_AUTO;
         mha_module_destroy(m2);
         free(x), free(y0), free(y1), free(y2);
         mha_module_destroy(m);
@@ -1212,9 +1286,11 @@ int main(void) {
     test_half();
     test_weights_u8();
     // the checkpoint layouts (issue 17), last: the draws above are unchanged
-    for (int i = 0; i < 160; i++) layout_case(i);
+    for (int i = 0; i < 160; i++) layout_case(i, MHA_QK_NORM_NONE);
     test_cached_layouts();
     test_qk_norm();  // (last: the draws above are unchanged)
+    for (int i = 0; i < 80; i++)  // the layouts again, with the QK-norm
+        layout_case(1000 + i, i % 2 ? MHA_QK_NORM_ALL : MHA_QK_NORM_HEAD);
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }
