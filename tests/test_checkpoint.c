@@ -112,10 +112,15 @@ static void make_llama(const char *dir, const char *config, const char *prefix) 
 
 // mha_module_load_checkpoint must fail with status st and a message
 // containing want.
+static int g_bad, g_bad_rejected;  // bad checkpoints tried; rejected as wanted
+
 static void expect_fail(const char *dir, int64_t layer, mha_status st, const char *want) {
     mha_module *m = (mha_module *)1;
     mha_status got = mha_module_load_checkpoint(&m, NULL, dir, layer, NULL);
     const char *msg = mha_last_error();
+    g_bad++;
+    g_bad_rejected += got == st && strstr(msg, want) != NULL && m == NULL &&
+                      strchr(msg, '\n') == NULL;
     CHECKF(got == st, "%s layer %lld: got %s (want %s): %s", dir, (long long)layer,
            mha_status_string(got), mha_status_string(st), msg);
     CHECKF(strstr(msg, want) != NULL, "%s: message \"%s\" does not name \"%s\"", dir, msg, want);
@@ -635,5 +640,8 @@ int main(void) {
     test_layer_options();
     test_bad_configs();
     test_bad_tensors();
+    printf("bad checkpoints: %d cases, %d rejected with the wanted status and a one-line "
+           "message naming the problem\n",
+           g_bad, g_bad_rejected);
     return check_summary("test_checkpoint");
 }
