@@ -31,13 +31,14 @@ static int threads_for(double work) {
 
 // F32, BF16 or F16 (the weight's and bias's dtypes), name in messages.
 static mha_status check_param(const mha_tensor *t, const char *name, int ndim) {
-    mha_status st = mha__check_float(t, name);
-    if (st) return st;
-    if (t->dtype != MHA_F32 && t->dtype != MHA_BF16 && t->dtype != MHA_F16)
+    if ((unsigned)t->dtype < MHA_DTYPE_COUNT && t->dtype != MHA_F32 && t->dtype != MHA_BF16 &&
+        t->dtype != MHA_F16)
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "linear: %s: dtype %s is not supported (expected F32, BF16 or F16; "
                          "round float64 parameters to float32 first)",
                          name, mha_dtype_name(t->dtype));
+    mha_status st = mha__check_float(t, name);
+    if (st) return st;
     if (t->ndim != ndim) {
         char s[160];
         return mha__fail(MHA_ERR_SHAPE, "linear: %s: expected %d dim%s %s, got shape %s", name,
@@ -182,13 +183,15 @@ static mha_status check_forward(const mha_linear *l, const mha_tensor *y, const 
     if (!l) return mha__fail(MHA_ERR_INVALID_ARG, "linear: the layer is NULL");
     if (!y) return mha__fail(MHA_ERR_INVALID_ARG, "linear: y is NULL");
     if (!x) return mha__fail(MHA_ERR_INVALID_ARG, "linear: x is NULL");
+    for (int k = 0; k < 2; k++) {  // a known dtype but not F32: say so first
+        const mha_dtype dt = k ? y->dtype : x->dtype;
+        if ((unsigned)dt < MHA_DTYPE_COUNT && dt != MHA_F32)
+            return mha__fail(MHA_ERR_UNSUPPORTED,
+                             "linear: %s is %s: x and y must be F32 (the weight may be half)",
+                             k ? "y" : "x", mha_dtype_name(dt));
+    }
     mha_status st;
     if ((st = mha__check_float(x, "x")) || (st = mha__check_float(y, "y"))) return st;
-    if (x->dtype != MHA_F32 || y->dtype != MHA_F32)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "linear: x is %s and y is %s: both must be F32 (the weight may be "
-                         "half)",
-                         mha_dtype_name(x->dtype), mha_dtype_name(y->dtype));
     char s1[160], s2[160], s3[160];
     if (x->ndim < 1)
         return mha__fail(MHA_ERR_SHAPE, "linear: x has 0 dims: expected (..., %lld)",
@@ -223,7 +226,7 @@ static mha_status check_forward(const mha_linear *l, const mha_tensor *y, const 
 mha_status mha_linear_forward(const mha_linear *l, mha_tensor *y, const mha_tensor *x) {
     mha_status st = check_forward(l, y, x);
     if (st) return st;
-    const int64_t I = l->in, O = l->out, R = x->ndim == 1 ? 1 : mha__rows_of(x);
+    const int64_t I = l->in, O = l->out, R = mha__rows_of(x);
     if (R == 0 || O == 0) return MHA_OK;
     const mha__kernels *kt = l->kt;
     const int nt = threads_for((double)R * (double)I * (double)O);

@@ -557,7 +557,7 @@ static void forward_errors(void) {
     t = xt;
     t.dtype = MHA_F64;
     CHECK_FAILS(mha_linear_forward(l, &yt, &t), MHA_ERR_UNSUPPORTED);
-    msg_has("x is F64", "must be F32", NULL);
+    msg_has("x is F64", "x and y must be F32", NULL);
     t = yt;
     t.dtype = MHA_BF16;
     CHECK_FAILS(mha_linear_forward(l, &t, &xt), MHA_ERR_UNSUPPORTED);
@@ -565,7 +565,11 @@ static void forward_errors(void) {
     t = xt;
     t.dtype = MHA_U8;
     CHECK_FAILS(mha_linear_forward(l, &yt, &t), MHA_ERR_UNSUPPORTED);
-    msg_has("x", "U8", NULL);
+    msg_has("x is U8", NULL, NULL);
+    t = xt;
+    t.dtype = (mha_dtype)77;
+    CHECK_FAILS(mha_linear_forward(l, &yt, &t), MHA_ERR_INVALID_ARG);
+    msg_has("x", "invalid dtype 77", NULL);
     t = mha_tensor_contiguous(x, MHA_F32, 0, NULL);
     CHECK_FAILS(mha_linear_forward(l, &yt, &t), MHA_ERR_SHAPE);
     msg_has("x has 0 dims", "(..., 3)", NULL);
