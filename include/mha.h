@@ -768,6 +768,54 @@ MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, 
                                                               double *total_norm);
 
 // ---------------------------------------------------------------------------
+// Dense layers: nn.Linear's forward, y = x W^T + b
+//
+// A weight W (O, I) and an optional bias b (O) packed once, at create, into
+// the layout of the GEMM that computes the module's projections, then
+// applied to the rows of any number of inputs:
+//   y[..., o] = sum_i x[..., i] W[o, i] + b[o]
+// Numerics: float32 products and sums in the order of the fused path's
+// projections (per output element, a chain of fused multiply-adds over
+// i = 0, 1, ... in chunks of 256 added in order (AVX2, AVX-512), or one
+// chain of rounded products and sums (scalar, MHA_ISA=scalar); then + b[o]):
+// the same bits as the fused projections of a module holding the same
+// weight and bias (e.g. out_proj), whatever the number of threads, the
+// number of rows in a call or a row's place among them. ISAs may differ in
+// the last bits. BF16/F16 weights are widened to float32 exactly. Against
+// a float64 x W^T + b the error is float32's: within the tests' rule
+// max(4 x float32 PyTorch's error, 2e-5 (1 + max|y|)) (tests/test_dense.c).
+typedef struct mha_linear mha_linear;
+
+// weight (O, I): MHA_F32, MHA_BF16 or MHA_F16, any strides; bias (O):
+// NULL (none) or MHA_F32, MHA_BF16 or MHA_F16, any stride. O or I may be 0
+// (then y = b, or y is empty). Both are copied (packed; a half bias
+// widened): the caller's memory is not read after the call. Errors:
+// MHA_ERR_INVALID_ARG (out or weight NULL, data NULL), MHA_ERR_UNSUPPORTED
+// (another dtype, e.g. F64), MHA_ERR_SHAPE (weight not 2-D, bias not (O)),
+// MHA_ERR_OVERFLOW (the packed size), MHA_ERR_NOMEM; *out is NULL then.
+// Threads: packs with OpenMP threads.
+MHA_API MHA_NODISCARD mha_status mha_linear_create(mha_linear **out, const mha_tensor *weight,
+                                                   const mha_tensor *bias);
+// y (..., O) = x (..., I) W^T + b over every leading index (x of 1 to
+// MHA_MAX_DIMS dims: (I) is one row; y the same leading dims), overwriting
+// y. x and y MHA_F32; any strides: x's rows are read in place when they are
+// evenly spaced with unit feature stride (else gathered first), y's
+// written in place likewise (else staged and scattered, row by row in
+// order). y must not overlap x, nor itself through a stride of 0. Errors:
+// MHA_ERR_INVALID_ARG (a NULL argument or data, y overlapping x or
+// itself), MHA_ERR_UNSUPPORTED (a dtype other than F32), MHA_ERR_SHAPE (x's
+// last dim not I, y's shape not x's with O last), MHA_ERR_OVERFLOW,
+// MHA_ERR_NOMEM (the scratch); y is then unchanged. Memory: allocates
+// per-call scratch (the GEMM's packing buffers, and the gathered or staged
+// rows) and frees it. Threads: OpenMP inside (the bits do not depend on
+// their number); the layer is never written after create, so any number of
+// threads may run forwards on one layer at once.
+MHA_API MHA_NODISCARD mha_status mha_linear_forward(const mha_linear *l, mha_tensor *y,
+                                                    const mha_tensor *x);
+// Frees the layer (NULL: nothing).
+MHA_API void mha_linear_destroy(mha_linear *l);
+
+// ---------------------------------------------------------------------------
 // Scaled dot-product attention on projected tensors
 //
 //   out = softmax(scale * q k^T + mask) v, per (b, h)

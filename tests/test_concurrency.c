@@ -3,9 +3,10 @@
 // inputs are read-only; each thread has its own outputs, gradient module,
 // saved state, KV cache and diagnostics. Every result must be bit for bit
 // the serial one: forward (fused and reference, per-head weights), backward
-// (fused, with and without a saved forward), cached decoding, mha_sdpa and
-// mha_diagnose. The last-error message is per thread: each thread provokes
-// its own error and must read its own message back while the others work.
+// (fused, with and without a saved forward), cached decoding, mha_sdpa,
+// mha_diagnose and a shared dense layer (mha_linear, BF16 weight). The
+// last-error message is per thread: each thread provokes its own error and
+// must read its own message back while the others work.
 // Run under ThreadSanitizer by tests/tsan.sh (a build without OpenMP, whose
 // runtime is not instrumented); here it checks the results.
 #include <pthread.h>
@@ -21,6 +22,7 @@ enum { E = 32, H = 4, HKV = 2, L = 24, N = 2, NIN = 3, WORKERS = 8, ITERS = 40 }
 enum { D = E / H };
 
 static mha_module *g_m;
+static mha_linear *g_lin;  // (E + 5, E) BF16 weight, F32 bias
 static float g_x[NIN][L * N * E];
 static float g_gy[L * N * E];
 
@@ -32,6 +34,7 @@ typedef struct result {
     float y_dec[L * N * E];
     float sdpa[N * H * L * D];
     double entropy[H];
+    float y_lin[L * N * (E + 5)];
 } result;
 
 static result g_want[NIN];
@@ -114,8 +117,12 @@ static int run_all(result *r, int i) {
     // diagnostics
     mha_diagnostics *dg = NULL;
     bad += mha_diagnose(&dg, g_m, &a, NULL) != MHA_OK;
-    for (int h = 0; dg && h < H; h++) r->entropy[h] = mha_diagnostics_head(dg, h)->entropy_mean;
+    for (int h = 0; dg && h < H; h++)
+        r->entropy[h] = mha_diagnostics_head(dg, h)->entropy_mean;
     mha_diagnostics_destroy(dg);
+    // the dense layer over the input's (L, N, E) rows
+    mha_tensor yl = mha_tensor_contiguous(r->y_lin, MHA_F32, 3, (int64_t[]){L, N, E + 5});
+    bad += mha_linear_forward(g_lin, &yl, &xt) != MHA_OK;
     return bad;
 }
 
@@ -127,7 +134,8 @@ static bool same(const result *a, const result *b) {
            !memcmp(a->gparams, b->gparams, sizeof(float) * (size_t)g_nparam_floats) &&
            !memcmp(a->y_dec, b->y_dec, sizeof a->y_dec) &&
            !memcmp(a->sdpa, b->sdpa, sizeof a->sdpa) &&
-           !memcmp(a->entropy, b->entropy, sizeof a->entropy);
+           !memcmp(a->entropy, b->entropy, sizeof a->entropy) &&
+           !memcmp(a->y_lin, b->y_lin, sizeof a->y_lin);
 }
 
 typedef struct worker {
@@ -155,7 +163,8 @@ static void *work(void *arg) {
         mha_module *m = NULL;
         const bool refused = mha_module_create(&m, &c) == MHA_ERR_INVALID_ARG;
         char want[64];
-        snprintf(want, sizeof want, "embed_dim %d is not divisible by num_heads 64", 100 + w->id);
+        snprintf(want, sizeof want, "embed_dim %d is not divisible by num_heads 64",
+                 100 + w->id);
         w->wrong_errors += !refused || !strstr(mha_last_error(), want);
         mha_module_destroy(m);
     }
@@ -179,6 +188,13 @@ int main(void) {
     for (int64_t k = 0; k < gw.numel; k++) gw.data[k] = 0.3f * frand();
     const int64_t pruned = 3;
     CHECK_OK(mha_module_prune_heads(g_m, &pruned, 1));
+    static uint16_t lw[(E + 5) * E];
+    static float lb[E + 5];
+    for (int k = 0; k < (E + 5) * E; k++) lw[k] = mha_f32_to_bf16(frand());
+    for (int k = 0; k < E + 5; k++) lb[k] = frand();
+    mha_tensor lwt = mha_tensor_contiguous(lw, MHA_BF16, 2, (int64_t[]){E + 5, E});
+    mha_tensor lbt = mha_tensor_contiguous(lb, MHA_F32, 1, (int64_t[]){E + 5});
+    CHECK_OK(mha_linear_create(&g_lin, &lwt, &lbt));
     for (int i = 0; i < NIN; i++)
         for (int k = 0; k < L * N * E; k++) g_x[i][k] = frand();
     for (int k = 0; k < L * N * E; k++) g_gy[k] = frand();
@@ -207,18 +223,22 @@ int main(void) {
     int mism = 0, fails = 0, wrong = 0;
     for (int t = 0; t < WORKERS; t++) {
         CHECK(pthread_join(w[t].th, NULL) == 0);
-        CHECKF(w[t].mismatches == 0, "thread %d: %d of %d iterations differ from the serial "
-               "results", t, w[t].mismatches, ITERS);
+        CHECKF(w[t].mismatches == 0,
+               "thread %d: %d of %d iterations differ from the serial "
+               "results",
+               t, w[t].mismatches, ITERS);
         CHECKF(w[t].failures == 0, "thread %d: %d calls failed", t, w[t].failures);
         CHECKF(w[t].wrong_errors == 0, "thread %d: %d last-error messages were not its own", t,
                w[t].wrong_errors);
         mism += w[t].mismatches, fails += w[t].failures, wrong += w[t].wrong_errors;
     }
     printf("%d threads x %d iterations on one shared module (forward fused/reference with "
-           "weights, backward recomputed/saved, cached decode, sdpa, diagnose): %d results "
+           "weights, backward recomputed/saved, cached decode, sdpa, diagnose, dense layer): %d "
+           "results "
            "differing from serial, %d failed calls, %d foreign error messages\n",
            WORKERS, ITERS, mism, fails, wrong);
     for (int i = 0; i < NIN; i++) free(g_want[i].gparams);
     mha_module_destroy(g_m);
+    mha_linear_destroy(g_lin);
     return check_summary("test_concurrency");
 }

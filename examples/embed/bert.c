@@ -6,12 +6,12 @@
 // mean pooling and L2 normalisation.
 //
 // Layout: activations row-major (N L, E), the row of token t of sequence n
-// at n L + t, which is libmha's batch_first (N, L, E). Each dense layer's
-// weight W (O, I) is packed once at load into column panels of its
-// transpose, panel p = W^T[:, 32 p : 32 p + 32] as (I, 32) rows (zero
-// columns past O), so the GEMM streams them (gemm below).
+// at n L + t, which is libmha's batch_first (N, L, E). Each dense layer
+// (intermediate.dense, output.dense) is libmha's mha_linear: its weight
+// packed once at load, applied to the activations' rows.
 //
-// Numerics: float32 storage and products, as transformers; LayerNorm's
+// Numerics: float32 storage and products, as transformers (the dense
+// layers' sums in the order of libmha's projections, mha.h); LayerNorm's
 // mean and variance, the pooling sums and the norm in double (closer to
 // the exact result than float, well inside the test's 1e-5).
 #include "bert.h"
@@ -25,20 +25,13 @@
 
 #include "mha.h"
 
-enum { NR = 32, KC = 256, RB_MAX = 6 };
 #define SQRT1_2 0.70710678118654752440f
 
-typedef struct dense {
-    float *panels;  // (ceil(O / NR), I, NR)
-    float *bias;    // (O)
-    int64_t in, out;
-} dense;
-
 typedef struct layer {
-    mha_module *attn;      // query/key/value -> in_proj, output.dense -> out_proj
-    float *ln1_w, *ln1_b;  // attention.output.LayerNorm (E)
-    dense inter, output;   // intermediate.dense (E -> I), output.dense (I -> E)
-    float *ln2_w, *ln2_b;  // output.LayerNorm (E)
+    mha_module *attn;            // query/key/value -> in_proj, output.dense -> out_proj
+    float *ln1_w, *ln1_b;        // attention.output.LayerNorm (E)
+    mha_linear *inter, *output;  // intermediate.dense (E -> I), output.dense (I -> E)
+    float *ln2_w, *ln2_b;        // output.LayerNorm (E)
 } layer;
 
 struct embed_model {
@@ -51,11 +44,6 @@ struct embed_model {
 };
 
 const embed_bert_config *embed_model_config(const embed_model *m) { return &m->cfg; }
-
-static void dense_free(dense *d) {
-    free(d->panels);
-    free(d->bias);
-}
 
 void embed_model_destroy(embed_model *m) {
     if (!m) return;
@@ -72,8 +60,8 @@ void embed_model_destroy(embed_model *m) {
             free(ly->ln1_b);
             free(ly->ln2_w);
             free(ly->ln2_b);
-            dense_free(&ly->inter);
-            dense_free(&ly->output);
+            mha_linear_destroy(ly->inter);
+            mha_linear_destroy(ly->output);
         }
     free(m->layers);
     free(m);
@@ -195,28 +183,23 @@ static int read_new(float **dst, const mha_checkpoint *f, const char *name, int6
     return read_into(*dst, f, name, d0, d1);
 }
 
-// A dense layer "<name>.weight" (O, I), "<name>.bias" (O), packed.
-static int read_dense(dense *d, const mha_checkpoint *f, const char *name, int64_t O,
+// A dense layer "<name>.weight" (O, I), "<name>.bias" (O), read as float32
+// and packed by mha_linear_create (which copies them).
+static int read_dense(mha_linear **d, const mha_checkpoint *f, const char *name, int64_t O,
                       int64_t I) {
     char wn[200], bn[200];
     snprintf(wn, sizeof wn, "%s.weight", name);
     snprintf(bn, sizeof bn, "%s.bias", name);
-    d->in = I;
-    d->out = O;
-    if (read_new(&d->bias, f, bn, O, 0)) return -1;
-    float *w;
-    if (read_new(&w, f, wn, O, I)) return -1;
-    int64_t np = (O + NR - 1) / NR;
-    d->panels = calloc((size_t)(np * I * NR), sizeof(float));
-    if (!d->panels) {
-        free(w);
-        return embed_fail("out of memory packing \"%s\"", wn);
+    float *w = NULL, *b = NULL;
+    int rc = read_new(&b, f, bn, O, 0) || read_new(&w, f, wn, O, I) ? -1 : 0;
+    if (!rc) {
+        mha_tensor wt = mha_tensor_contiguous(w, MHA_F32, 2, (int64_t[]){O, I});
+        mha_tensor bt = mha_tensor_contiguous(b, MHA_F32, 1, (int64_t[]){O});
+        if (mha_linear_create(d, &wt, &bt)) rc = embed_fail("%s: %s", name, mha_last_error());
     }
-    for (int64_t o = 0; o < O; o++)  // panels[p][i][j] = W[p NR + j][i]
-        for (int64_t i = 0; i < I; i++)
-            d->panels[((o / NR) * I + i) * NR + o % NR] = w[o * I + i];
     free(w);
-    return 0;
+    free(b);
+    return rc;
 }
 
 // The attention of layer l: libmha's checkpoint loader packs BERT's
@@ -293,64 +276,7 @@ fail:
 }
 
 // ---------------------------------------------------------------------------
-// The GEMM: C (R, O) = X (R, I) W^T + b, W packed (dense above).
-//
-// Per panel (NR columns), K in blocks of KC, rows in blocks of RB: the RB x
-// NR accumulators start from the bias (first K block) or C, add X[r, k]
-// panel[k, :] for k in order, and go back to C. Every C element is the
-// bias plus its products in the order k = 0, 1, ...: the same bits for
-// any thread count (threads take whole panels). The body is compiled per
-// ISA (AVX-512, AVX2 + FMA, portable) and picked by mha_isa(), so one
-// binary runs anywhere and MHA_ISA=scalar forces the portable one. The
-// AVX versions fuse each multiply-add (one rounding, as MKL's sgemm); the
-// portable one rounds the product and the sum (ISO C: no contraction).
-
-static inline __attribute__((always_inline)) void gemm_panel(
-    float *C, int64_t ldc, const float *X, int64_t ldx, const float *panel, const float *bias,
-    int64_t R, int64_t K, int64_t ncols, const int RB, const int use_fma) {
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int64_t r0 = 0; r0 < R; r0 += RB) {
-            int64_t rb = R - r0 < RB ? R - r0 : RB;
-            float acc[RB_MAX][NR];
-            const float *xr[RB_MAX];
-            for (int r = 0; r < RB; r++) {
-                int64_t row = r < rb ? r0 + r : r0;  // past the end: recompute row r0
-                xr[r] = X + row * ldx + k0;
-                for (int j = 0; j < NR; j++)
-                    acc[r][j] = k0 ? (j < ncols ? C[row * ldc + j] : 0.0f)
-                                   : (bias && j < ncols ? bias[j] : 0.0f);
-            }
-            const float *pk = panel + k0 * NR;
-            for (int64_t k = 0; k < kc; k++, pk += NR)
-                for (int r = 0; r < RB; r++) {
-                    float a = xr[r][k];
-                    for (int j = 0; j < NR; j++)
-                        acc[r][j] = use_fma ? __builtin_fmaf(a, pk[j], acc[r][j])
-                                            : acc[r][j] + a * pk[j];
-                }
-            for (int r = 0; r < rb; r++)
-                for (int j = 0; j < ncols; j++) C[(r0 + r) * ldc + j] = acc[r][j];
-        }
-    }
-}
-
-#define GEMM_DRIVER(NAME, ATTR, RBV, FMA)                                               \
-    ATTR static void NAME(float *C, const float *X, const dense *d, int64_t R) {        \
-        int64_t np = (d->out + NR - 1) / NR;                                            \
-        _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < np; p++) { \
-            int64_t nc = d->out - p * NR < NR ? d->out - p * NR : NR;                   \
-            gemm_panel(C + p * NR, d->out, X, d->in, d->panels + p * d->in * NR,        \
-                       d->bias + p * NR, R, d->in, nc, RBV, FMA);                       \
-        }                                                                               \
-    }
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(MHA_SCALAR_ONLY)
-#define EMBED_X86 1
-GEMM_DRIVER(gemm_avx512, __attribute__((target("avx512f,avx2,fma"))), 6, 1)
-GEMM_DRIVER(gemm_avx2, __attribute__((target("avx2,fma"))), 4, 1)
-#endif
-GEMM_DRIVER(gemm_generic, , 4, 0)
+// GELU
 
 // GELU(u) = u / 2 (1 + erf(u / sqrt 2)) over n floats in place, erf by
 // Abramowitz and Stegun 7.1.26 (Handbook of Mathematical Functions, 1964;
@@ -359,7 +285,9 @@ GEMM_DRIVER(gemm_generic, , 4, 0)
 //   t = 1 / (1 + p z), z >= 0; erf(-z) = -erf(z)
 // with exp(-z^2) = 2^k e^r, k = round(-z^2 / ln 2), |r| <= ln 2 / 2, e^r
 // by its Taylor series to r^7 (relative error < 1e-8). Branch-free, so
-// that the loop vectorises (compiled per ISA as the GEMM).
+// that the loop vectorises: the body is compiled per ISA (AVX-512, AVX2 +
+// FMA, portable) and picked by mha_isa(), so one binary runs anywhere and
+// MHA_ISA=scalar forces the portable one.
 static inline __attribute__((always_inline)) void gelu_body(float *h, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         float u = h[i], z = fabsf(u) * SQRT1_2;
@@ -385,6 +313,10 @@ static inline __attribute__((always_inline)) void gelu_body(float *h, int64_t n)
     }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(MHA_SCALAR_ONLY)
+#define EMBED_X86 1
+#endif
+
 #define GELU_DRIVER(NAME, ATTR)                                                   \
     ATTR static void NAME(float *h, int64_t n) {                                  \
         int64_t chunk = 4096;                                                     \
@@ -408,13 +340,14 @@ static void gelu(float *h, int64_t n) {
     gelu_generic(h, n);
 }
 
-static void linear(float *C, const float *X, const dense *d, int64_t R) {
-#ifdef EMBED_X86
-    const char *isa = mha_isa();
-    if (!strcmp(isa, "avx512")) return gemm_avx512(C, X, d, R);
-    if (!strcmp(isa, "avx2")) return gemm_avx2(C, X, d, R);
-#endif
-    gemm_generic(C, X, d, R);
+// h (R, O) = x (R, I) W^T + b, both row-major, through libmha's dense layer.
+static int linear(float *h, const float *x, const mha_linear *d, int64_t R, int64_t I,
+                  int64_t O, const char *what, int64_t l) {
+    mha_tensor xt = mha_tensor_contiguous((void *)x, MHA_F32, 2, (int64_t[]){R, I});
+    mha_tensor ht = mha_tensor_contiguous(h, MHA_F32, 2, (int64_t[]){R, O});
+    if (mha_linear_forward(d, &ht, &xt))
+        return embed_fail("layer %lld %s: %s", (long long)l, what, mha_last_error());
+    return 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -511,9 +444,11 @@ int embed_model_encode(float *out, const embed_model *m, const int64_t *ids,
         for (int64_t k = 0; k < T; k++)  // a = attention + residual
             for (int64_t i = 0; i < E; i++) a[k * E + i] = ap[rows[k] * E + i] + x[k * E + i];
         layernorm(x, a, ly->ln1_w, ly->ln1_b, T, E, c->layer_norm_eps);
-        linear(h, x, &ly->inter, T);   // (T, I)
-        gelu(h, T * I);                // the exact (erf) GELU
-        linear(a, h, &ly->output, T);  // (T, E)
+        if ((rc = linear(h, x, ly->inter, T, E, I, "intermediate.dense", l)))  // (T, I)
+            break;
+        gelu(h, T * I);  // the exact (erf) GELU
+        if ((rc = linear(a, h, ly->output, T, I, E, "output.dense", l)))  // (T, E)
+            break;
         for (int64_t i = 0; i < T * E; i++) a[i] += x[i];
         layernorm(x, a, ly->ln2_w, ly->ln2_b, T, E, c->layer_norm_eps);
     }

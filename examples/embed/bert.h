@@ -1,8 +1,9 @@
 // bert.h: a BERT encoder with mean pooling and L2 normalisation, the
 // sentence embeddings of sentence-transformers' all-MiniLM-L6-v2
 // (examples/embed/bert.c). Attention is libmha's module (mha_forward with
-// a key padding mask); the rest (embeddings, LayerNorm, the feed-forward
-// GEMMs, exact GELU, pooling) is here, float32 throughout.
+// a key padding mask) and the feed-forward's dense layers libmha's
+// mha_linear; the rest (embeddings, LayerNorm, exact GELU, pooling) is
+// here, float32 throughout.
 //
 //   x = LayerNorm(word[id] + token_type[0] + position[t])          (N, L, E)
 //   per layer:

@@ -867,6 +867,38 @@ static mha_status sc_kv(const void *argp) {
     return st;
 }
 
+// mha_linear: create (a BF16 weight, contiguous: widened a panel at a
+// time; or transposed: widened whole first) and forwards with x and y in
+// place and through a gathered x and a staged y, destroy.
+typedef struct dense_arg {
+    bool transposed;
+    float *x, *y, *b;  // x (3, 7, 37) (and a seq-first copy), y (3, 7, 29), b (29)
+    uint16_t *w;       // (29, 37) or its transpose
+} dense_arg;
+
+static mha_status sc_dense(const void *argp) {
+    const dense_arg *a = argp;
+    enum { B = 3, L = 7, I = 37, O = 29 };
+    mha_tensor w = mha_tensor_contiguous(a->w, MHA_BF16, 2, (int64_t[]){O, I});
+    if (a->transposed) w.stride[0] = 1, w.stride[1] = O;
+    mha_tensor b = mha_tensor_contiguous(a->b, MHA_F32, 1, (int64_t[]){O});
+    mha_linear *l;
+    mha_status st = mha_linear_create(&l, &w, &b);
+    if (st) return st;
+    mha_tensor x = mha_tensor_contiguous(a->x, MHA_F32, 3, (int64_t[]){B, L, I});
+    mha_tensor y = mha_tensor_contiguous(a->y, MHA_F32, 3, (int64_t[]){B, L, O});
+    st = mha_linear_forward(l, &y, &x);
+    if (!st) res_put(a->y, sizeof(float) * B * L * O);
+    mha_tensor xs = x, ys = y;  // (B, L) over (L, B) storage: gathered, staged
+    xs.data = a->x + B * L * I;
+    xs.stride[0] = I, xs.stride[1] = B * I;
+    ys.stride[0] = O, ys.stride[1] = B * O;
+    if (!st) st = mha_linear_forward(l, &ys, &xs);
+    if (!st) res_put(a->y, sizeof(float) * B * L * O);
+    mha_linear_destroy(l);
+    return st;
+}
+
 // A cache that persists between runs: mha_forward_cached (or an append)
 // on it; on failure its lengths must stay.
 typedef struct cached_arg {
@@ -1354,6 +1386,17 @@ static void sweep_library(void) {
                  mha_kv_dtype_name((mha_kv_dtype)dt));
         sweep(name, sc_kv, &k, NULL);
         free(k.k), free(k.v), free(k.q), free(k.o);
+    }
+    for (int tr = 0; tr < 2; tr++) {  // the dense layer
+        dense_arg d = {.transposed = tr};
+        d.x = new_floats(2 * 3 * 7 * 37), d.y = new_floats(3 * 7 * 29), d.b = new_floats(29);
+        d.w = calloc(29 * 37, sizeof *d.w);
+        if (!d.w) abort();
+        for (int k = 0; k < 29 * 37; k++) d.w[k] = mha_f32_to_bf16(frand());
+        sweep(tr ? "linear create (transposed BF16 weight) + forwards"
+                 : "linear create (BF16 weight) + forwards",
+              sc_dense, &d, NULL);
+        free(d.x), free(d.y), free(d.b), free(d.w);
     }
     {
         const mod_spec cs[2] = {{.E = 16, .H = 4, .Hkv = 2, .bias = true},
