@@ -297,42 +297,59 @@ class OrtPeer:
                 return lambda: s.run(["y"], feeds)[0]
 
             yield "com.microsoft.MultiHeadAttention", build_mha, from_bsnh
-        # GroupQueryAttention: prefill (no past) or decode (past = the cache)
+        # GroupQueryAttention: prefill (no past), or decode with the cache as
+        # past_key/past_value sharing one buffer with present_key/value (the
+        # way ORT runs it for LLMs: the op writes the new token's k, v at
+        # row S - 1 of the buffer in place and attends to all S rows)
         i32 = T.INT32
+        sl, tl = np.full((B,), S - 1, np.int32), np.array([S], np.int32)
         if c["kind"] == "decode":
-            # the new token's k, v appended to a past of S - 1 tokens (BNSH);
-            # its query attends to all S
-            pk = np.ascontiguousarray(k4[:, :, :S - 1])
-            pv = np.ascontiguousarray(v4[:, :, :S - 1])
-            nk = bsnh(k4[:, :, S - 1:])
-            nv = bsnh(v4[:, :, S - 1:])
-            feeds = {"q": q3, "k": nk, "v": nv, "pk": pk, "pv": pv,
-                     "sl": np.full((B,), S - 1, np.int32), "tl": np.array([S], np.int32)}
             shapes = [("q", F32, [B, 1, H * d]), ("k", F32, [B, 1, Hkv * d]),
-                      ("v", F32, [B, 1, Hkv * d]), ("pk", F32, [B, Hkv, S - 1, d]),
-                      ("pv", F32, [B, Hkv, S - 1, d]), ("sl", i32, [B]), ("tl", i32, [1])]
-            ins = ["q", "k", "v", "pk", "pv", "sl", "tl"]
-            outs = ["y", "pko", "pvo"]
-            name = "com.microsoft.GroupQueryAttention (past + 1)"
+                      ("v", F32, [B, 1, Hkv * d]), ("pk", F32, [B, Hkv, S, d]),
+                      ("pv", F32, [B, Hkv, S, d]), ("sl", i32, [B]), ("tl", i32, [1])]
+            gnode = h.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "sl", "tl"],
+                                ["y", "pko", "pvo"], domain="com.microsoft", num_heads=H,
+                                kv_num_heads=Hkv)
+
+            def build_gqa():
+                ort = self.ort
+                s = self.session([gnode], shapes, ["y", "pko", "pvo"])
+                kb = ort.OrtValue.ortvalue_from_numpy(k4.copy())
+                vb = ort.OrtValue.ortvalue_from_numpy(v4.copy())
+                io = s.io_binding()
+                io.bind_cpu_input("q", q3)
+                io.bind_cpu_input("k", bsnh(k4[:, :, S - 1:]))
+                io.bind_cpu_input("v", bsnh(v4[:, :, S - 1:]))
+                io.bind_ortvalue_input("pk", kb)
+                io.bind_ortvalue_input("pv", vb)
+                io.bind_cpu_input("sl", sl)
+                io.bind_cpu_input("tl", tl)
+                y = ort.OrtValue.ortvalue_from_shape_and_type([B, 1, H * d], np.float32)
+                io.bind_ortvalue_output("y", y)
+                io.bind_ortvalue_output("pko", kb)
+                io.bind_ortvalue_output("pvo", vb)
+
+                def run():
+                    s.run_with_iobinding(io)
+                    return y.numpy()
+
+                return run
+
+            yield "com.microsoft.GroupQueryAttention (shared KV buffer)", build_gqa, from_bsnh
         else:
-            feeds = {"q": q3, "k": k3, "v": v3, "sl": np.full((B,), S - 1, np.int32),
-                     "tl": np.array([S], np.int32)}
+            feeds = {"q": q3, "k": k3, "v": v3, "sl": sl, "tl": tl}
             shapes = [("q", F32, [B, L, H * d]), ("k", F32, [B, S, Hkv * d]),
                       ("v", F32, [B, S, Hkv * d]), ("sl", i32, [B]), ("tl", i32, [1])]
-            ins = ["q", "k", "v", "", "", "sl", "tl"]
-            outs = ["y", "pko", "pvo"]
-            name = "com.microsoft.GroupQueryAttention"
-        # causal=0: bidirectional (decode: the one query sees the whole cache
-        # either way)
-        gnode = h.make_node("GroupQueryAttention", ins, outs, domain="com.microsoft",
-                            num_heads=H, kv_num_heads=Hkv,
-                            causal=1 if c["kind"] == "decode" else causal)
+            # causal=0: bidirectional
+            gnode = h.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "sl", "tl"],
+                                ["y", "pko", "pvo"], domain="com.microsoft", num_heads=H,
+                                kv_num_heads=Hkv, causal=causal)
 
-        def build_gqa():
-            s = self.session([gnode], shapes, outs)
-            return lambda: s.run(["y"], feeds)[0]
+            def build_gqa():
+                s = self.session([gnode], shapes, ["y", "pko", "pvo"])
+                return lambda: s.run(["y"], feeds)[0]
 
-        yield name, build_gqa, from_bsnh
+            yield "com.microsoft.GroupQueryAttention", build_gqa, from_bsnh
         # ONNX's own Attention (opset 23): 4D (B, H, L, d) inputs, GQA by
         # kv heads dividing q heads
         anode = h.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=causal)
@@ -401,13 +418,17 @@ class OpenVinoPeer:
 
             yield "MatMul + ScaledDotProductAttention + MatMul", build, lambda r: (r,)
             return
-        q = op.parameter([B, H, L, d], np.float32, name="q")
-        k = op.parameter([B, Hkv, S, d], np.float32, name="k")
-        v = op.parameter([B, Hkv, S, d], np.float32, name="v")
-        if H == Hkv:
-            a = op.scaled_dot_product_attention(q, k, v, causal=causal)
-            name = "ScaledDotProductAttention"
-        else:
+        feeds = [inp["q"], inp["k"], inp["v"]]
+
+        def graphs():
+            """(name, output, params) of each way to say the case in ops."""
+            q = op.parameter([B, H, L, d], np.float32, name="q")
+            k = op.parameter([B, Hkv, S, d], np.float32, name="k")
+            v = op.parameter([B, Hkv, S, d], np.float32, name="v")
+            if H == Hkv:
+                yield ("ScaledDotProductAttention",
+                       op.scaled_dot_product_attention(q, k, v, causal=causal), [q, k, v])
+                return
             # GQA: q as (B, Hkv, G, L, d) against k, v (B, Hkv, 1, S, d),
             # broadcast by the op (no copy of k, v)
             G = H // Hkv
@@ -416,15 +437,27 @@ class OpenVinoPeer:
             v5 = op.unsqueeze(v, op.constant(np.array([2])))
             a = op.scaled_dot_product_attention(q5, k5, v5, causal=causal)
             a = op.reshape(a, op.constant(np.array([B, H, L, d])), False)
-            name = "ScaledDotProductAttention (5D broadcast GQA)"
-        feeds = [inp["q"], inp["k"], inp["v"]]
+            yield "ScaledDotProductAttention (5D broadcast GQA)", a, [q, k, v]
+            if c["kind"] == "decode":
+                return  # repeating the whole cache per step: not a decode
+            # or k, v repeated to H heads in the graph, then the 4D op
+            rep = lambda t: op.reshape(
+                op.broadcast(op.unsqueeze(t, op.constant(np.array([2]))),
+                             op.constant(np.array([B, Hkv, G, S, d]))),
+                op.constant(np.array([B, H, S, d])), False)
+            q = op.parameter([B, H, L, d], np.float32, name="q")
+            k = op.parameter([B, Hkv, S, d], np.float32, name="k")
+            v = op.parameter([B, Hkv, S, d], np.float32, name="v")
+            yield ("ScaledDotProductAttention (k, v repeated to %d heads)" % H,
+                   op.scaled_dot_product_attention(q, rep(k), rep(v), causal=causal), [q, k, v])
 
-        def build():
-            cm = self.compile([a], [q, k, v])
-            req = cm.create_infer_request()
-            return lambda: req.infer(feeds, share_inputs=True)[0]
+        for name, a, params in graphs():
+            def build(a=a, params=params):
+                cm = self.compile([a], params)
+                req = cm.create_infer_request()
+                return lambda: req.infer(feeds, share_inputs=True)[0]
 
-        yield name, build, lambda r: (r,)
+            yield name, build, lambda r: (r,)
 
 
 # ---------------------------------------------------------------------------
