@@ -159,9 +159,14 @@ def fmt_ms(x):
 
 
 def fmt_diff(d):
+    """The differences; '(!)' after one over 1e-3 (all inputs are O(1):
+    such a peer computed something else)."""
     if isinstance(d, str):
         return d
-    return " / ".join("%.1e" % x if isinstance(x, float) else str(x) for x in d)
+    out = " / ".join("%.1e" % x if isinstance(x, float) else str(x) for x in d)
+    if any(not isinstance(x, float) or x > 1e-3 for x in d):
+        out += " (!)"
+    return out
 
 
 def table(results, by_id, peaks):
@@ -306,7 +311,7 @@ def main():
           "counted dense, backward = 2x forward) over the FMA peak; decode rows: K and V "
           "bytes read per second over the read bandwidth (over 100% when the cache fits in "
           "the CPU caches). max abs diff: largest |peer - mha| of the output (fwd+bwd: "
-          "output / query gradient).")
+          "output / query gradient; (!): over 1e-3, the peer disagrees).")
     if notes:
         print("\nNot run:")
         print("\n".join(notes))
