@@ -94,4 +94,71 @@ static inline void test_inputs_free(test_inputs *t) {
     free(t->q), free(t->gy), free(t->k), free(t->v), free(t->kpm);
 }
 
+// The fused path against the reference on one case (module m, arguments a;
+// a->impl is set here, the rest is the caller's): the forward's output, and
+// its weights when a->need_weights, to 2e-5 in rel_err; then, unless
+// fwd_only, each one's backward with dY = gy into a fresh gradient module:
+// the input gradients (the query's alone when kv_grads is false: the key's
+// and value's are not asked for) and every parameter's gradient to 1e-4.
+// desc names the case in every message. When grad is not NULL, *grad is the
+// fused backward's gradient module (NULL when fwd_only), the caller's to
+// destroy.
+static inline void check_fused_vs_ref(mha_module **grad, const mha_module *m,
+                                      mha_forward_args *a, const mha_tensor *gy, bool fwd_only,
+                                      bool kv_grads, const char *desc) {
+    mha_shape os, wsh;
+    CHECK_OK(mha_forward_shapes(&os, &wsh, m, a));
+    int64_t on = 1, wn = 1;
+    for (int i = 0; i < os.ndim; i++) on *= os.dims[i];
+    for (int i = 0; i < wsh.ndim; i++) wn *= wsh.dims[i];
+    const bool need = a->need_weights;
+    const mha_tensor *xin[3] = {a->query, a->key, a->value};
+    int64_t xn[3];
+    for (int j = 0; j < 3; j++) xn[j] = mha_tensor_numel(xin[j]);
+    float *y[2], *w[2], *gx[2][3];
+    mha_module *g[2] = {NULL, NULL};
+    for (int r = 0; r < 2; r++) {
+        y[r] = malloc(sizeof(float) * (size_t)on);
+        w[r] = malloc(sizeof(float) * (size_t)wn);
+        mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, os.ndim, os.dims);
+        mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, wsh.ndim, wsh.dims);
+        mha_tensor gt[3];
+        for (int j = 0; j < 3; j++) {
+            gx[r][j] = malloc(sizeof(float) * (size_t)xn[j]);
+            gt[j] = mha_tensor_contiguous(gx[r][j], MHA_F32, xin[j]->ndim, xin[j]->shape);
+        }
+        a->impl = r ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        CHECK_OK(mha_forward(&yt, need ? &wt : NULL, m, a));
+        if (fwd_only) continue;
+        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+        CHECK_OK(mha_backward(&gt[0], kv_grads ? &gt[1] : NULL, kv_grads ? &gt[2] : NULL, g[r],
+                              m, a, gy, false));
+    }
+    double e = rel_err(y[0], y[1], on);
+    CHECKF(e < 2e-5, "%s: output err %g", desc, e);
+    if (need) {
+        e = rel_err(w[0], w[1], wn);
+        CHECKF(e < 2e-5, "%s: weights err %g", desc, e);
+    }
+    static const char *gn[3] = {"grad_query", "grad_key", "grad_value"};
+    for (int j = 0; !fwd_only && j < (kv_grads ? 3 : 1); j++) {
+        e = rel_err(gx[0][j], gx[1][j], xn[j]);
+        CHECKF(e < 1e-4, "%s: %s err %g", desc, gn[j], e);
+    }
+    for (int i = 0; !fwd_only && i < mha_module_num_params(g[0]); i++) {
+        mha_param p0, p1;
+        CHECK_OK(mha_module_param_at(&p0, g[0], i));
+        CHECK_OK(mha_module_param_at(&p1, g[1], i));
+        e = rel_err(p0.data, p1.data, p0.numel);
+        CHECKF(e < 1e-4, "%s: grad %s err %g", desc, p0.name, e);
+    }
+    for (int r = 0; r < 2; r++) {
+        free(y[r]), free(w[r]);
+        for (int j = 0; j < 3; j++) free(gx[r][j]);
+    }
+    mha_module_destroy(g[0]);
+    if (grad) *grad = g[1];
+    else mha_module_destroy(g[1]);
+}
+
 #endif
