@@ -609,6 +609,28 @@ static int load_positions(run *r, const mha_st_tensor *t) {
     return 0;
 }
 
+// Returns 0 when every tensor of the inputs file r->xf is one of the n
+// names, else 1 after printing the first other one: "unexpected tensor T
+// (WHAT NAME, NAME, ...)".
+static int only_inputs(run *r, const char *const *names, int n, const char *what) {
+    for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
+        mha_st_tensor t;
+        mha_status st = mha_st_tensor_at(&t, r->xf, i);
+        if (st) return cli_fail(r->cmd, st);
+        int j = 0;
+        while (j < n && strcmp(t.name, names[j])) j++;
+        if (j < n) continue;
+        char qn[128], list[256] = "";
+        for (j = 0; j < n; j++)
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", j ? ", " : "",
+                     names[j]);
+        fprintf(stderr, "mha %s: %s: unexpected tensor %s (%s %s)\n", r->cmd, r->xpath,
+                mha_escape(qn, sizeof qn, t.name), what, list);
+        return 1;
+    }
+    return 0;
+}
+
 // The inputs of a checkpoint's layer: hidden_states (N, L, E) as query,
 // key and value; attention_mask (N, L) (nonzero = token) as the key
 // padding mask; position_ids (N, L) as rope_positions. Returns 0, or 1
@@ -617,7 +639,6 @@ static int load_checkpoint_inputs(run *r) {
     const char *cmd = r->cmd, *xpath = r->xpath;
     static const char *names[3] = {"hidden_states", "position_ids", "attention_mask"};
     mha_status st;
-    char qn[128];
     mha_st_tensor t[3];
     bool found[3];
     for (int i = 0; i < 3; i++) {
@@ -625,17 +646,7 @@ static int load_checkpoint_inputs(run *r) {
         found[i] = st == MHA_OK;
         if (st && st != MHA_ERR_NOT_FOUND) return cli_fail(cmd, st);
     }
-    for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
-        mha_st_tensor u;
-        if ((st = mha_st_tensor_at(&u, r->xf, i))) return cli_fail(cmd, st);
-        if (strcmp(u.name, names[0]) && strcmp(u.name, names[1]) && strcmp(u.name, names[2])) {
-            fprintf(stderr,
-                    "mha %s: %s: unexpected tensor %s (the inputs of a checkpoint "
-                    "layer are hidden_states, position_ids, attention_mask)\n",
-                    cmd, xpath, mha_escape(qn, sizeof qn, u.name));
-            return 1;
-        }
-    }
+    if (only_inputs(r, names, 3, "the inputs of a checkpoint layer are")) return 1;
     if (!found[0]) {
         fprintf(stderr, "mha %s: %s: no \"hidden_states\" tensor\n", cmd, xpath);
         return 1;
@@ -681,7 +692,9 @@ static int load_checkpoint_inputs(run *r) {
 
 // Loads the module and the inputs into r->a. Returns 0, or 1 after printing.
 int run_load(run *r) {
-    static const char *names[5] = {"query", "key", "value", "key_padding_mask", "attn_mask"};
+    // (the first five loaded here, position_ids by load_positions)
+    static const char *names[6] = {"query",     "key",         "value", "key_padding_mask",
+                                   "attn_mask", "position_ids"};
     const char *cmd = r->cmd, *xpath = r->xpath;
     mha_status st;
     if (r->ckpt) {
@@ -699,20 +712,7 @@ int run_load(run *r) {
     for (int i = 0; i < 5; i++)
         if (load_input(&r->in[i], &found[i], r->xf, cmd, xpath, names[i], i >= 3, r->dtype))
             return 1;
-    for (int64_t i = 0; i < mha_st_num_tensors(r->xf); i++) {
-        mha_st_tensor t;
-        if ((st = mha_st_tensor_at(&t, r->xf, i))) return cli_fail(cmd, st);
-        bool known = strcmp(t.name, "position_ids") == 0;
-        for (int j = 0; j < 5; j++) known |= strcmp(t.name, names[j]) == 0;
-        if (!known) {
-            char qn[128];
-            fprintf(stderr,
-                    "mha %s: %s: unexpected tensor %s (inputs are query, key, "
-                    "value, key_padding_mask, attn_mask, position_ids)\n",
-                    cmd, xpath, mha_escape(qn, sizeof qn, t.name));
-            return 1;
-        }
-    }
+    if (only_inputs(r, names, 6, "inputs are")) return 1;
     if (!found[0]) {
         fprintf(stderr, "mha %s: %s: no \"query\" tensor\n", cmd, xpath);
         return 1;
