@@ -17,26 +17,13 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "checkpoint_util.h"
 #include "mha.h"
 
 static char g_root[256];
 
 // ---------------------------------------------------------------------------
 // Building directories
-
-static void path_of(char *buf, size_t cap, const char *dir, const char *name) {
-    snprintf(buf, cap, "%s/%s", dir, name);
-}
-
-static void write_text(const char *dir, const char *name, const char *text) {
-    char p[1024];
-    path_of(p, sizeof p, dir, name);
-    FILE *f = fopen(p, "wb");
-    CHECKF(f != NULL, "cannot write %s", p);
-    if (!f) return;
-    fputs(text, f);
-    fclose(f);
-}
 
 // A fresh empty directory g_root/name in buf.
 static void fresh_dir(char *buf, size_t cap, const char *name) {
@@ -45,69 +32,6 @@ static void fresh_dir(char *buf, size_t cap, const char *name) {
     int n = snprintf(cmd, sizeof cmd, "rm -rf '%.600s' && mkdir -p '%.600s'", buf, buf);
     CHECK(n > 0 && (size_t)n < sizeof cmd && strlen(buf) <= 600);
     CHECK(system(cmd) == 0);
-}
-
-// Element i of tensor `name`: a value that tells tensors and positions apart.
-static float value_of(const char *name, int64_t i) {
-    unsigned h = 0;
-    for (const char *c = name; *c; c++) h = h * 31u + (unsigned char)*c;
-    return (float)((h % 97u) + 1) * 0.01f + (float)i * 0.001f;
-}
-
-typedef struct tensor_spec {
-    const char *name;
-    int ndim;
-    int64_t shape[2];
-    mha_dtype dtype;
-} tensor_spec;
-
-// Writes the tensors into dir/file (values value_of; F32, BF16 or I64).
-static void write_tensors(const char *dir, const char *file, const tensor_spec *t, int n) {
-    mha_st_writer *w;
-    CHECK_OK(mha_st_writer_create(&w));
-    for (int k = 0; k < n; k++) {
-        int64_t numel = t[k].shape[0] * (t[k].ndim > 1 ? t[k].shape[1] : 1);
-        void *buf = calloc((size_t)numel, 8);
-        for (int64_t i = 0; i < numel; i++) {
-            float v = value_of(t[k].name, i);
-            if (t[k].dtype == MHA_F32) ((float *)buf)[i] = v;
-            else if (t[k].dtype == MHA_BF16) ((uint16_t *)buf)[i] = mha_f32_to_bf16(v);
-            else ((int64_t *)buf)[i] = i;
-        }
-        CHECK_OK(mha_st_writer_add(w, t[k].name, t[k].dtype, t[k].ndim, t[k].shape, buf));
-        free(buf);
-    }
-    char p[1024];
-    path_of(p, sizeof p, dir, file);
-    CHECK_OK(mha_st_writer_save(w, p));
-    mha_st_writer_destroy(w);
-}
-
-// A LLaMA layer: E 8, H 2, Hkv 1, d 4.
-static const char *llama_config =
-    "{\"model_type\": \"llama\", \"hidden_size\": 8, \"num_attention_heads\": 2,\n"
-    " \"num_key_value_heads\": 1, \"num_hidden_layers\": 2, \"rope_theta\": 500.0,\n"
-    " \"attention_bias\": false, \"rope_scaling\": null}\n";
-
-static int llama_tensors(tensor_spec *t, int layer, const char *prefix) {
-    static char names[2][4][96];
-    const char *suf[4] = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"};
-    const int64_t rows[4] = {8, 4, 4, 8}, cols[4] = {8, 8, 8, 8};
-    for (int k = 0; k < 4; k++) {
-        snprintf(names[layer][k], sizeof names[layer][k], "%slayers.%d.self_attn.%s", prefix,
-                 layer, suf[k]);
-        t[k] = (tensor_spec){names[layer][k], 2, {rows[k], cols[k]}, MHA_F32};
-    }
-    return 4;
-}
-
-// A two-layer llama checkpoint in dir (one file), with the given config.
-static void make_llama(const char *dir, const char *config, const char *prefix) {
-    tensor_spec t[8];
-    int n = llama_tensors(t, 0, prefix);
-    n += llama_tensors(t + n, 1, prefix);
-    write_tensors(dir, "model.safetensors", t, n);
-    write_text(dir, "config.json", config ? config : llama_config);
 }
 
 // mha_module_load_checkpoint must fail with status st and a message
@@ -215,22 +139,8 @@ static void test_sharded(void) {
     char dir[700];
     fresh_dir(dir, sizeof dir, "ck_sharded");
     tensor_spec t[8];
-    llama_tensors(t, 0, "model.");
-    llama_tensors(t + 4, 1, "model.");
-    write_tensors(dir, "model-00001-of-00002.safetensors", t, 4);
-    CHECK(mkdir(strcat(strcpy((char[800]){0}, dir), "/sub"), 0755) == 0);
-    write_tensors(dir, "sub/model-00002-of-00002.safetensors", t + 4, 4);
-    write_text(dir, "config.json", llama_config);
-    char index[4096] = "{\"metadata\": {\"total_size\": 1}, \"weight_map\": {";
-    for (int k = 0; k < 8; k++) {
-        char e[300];
-        snprintf(e, sizeof e, "%s\"%s\": \"%s\"", k ? ", " : "", t[k].name,
-                 k < 4 ? "model-00001-of-00002.safetensors"
-                       : "sub/model-00002-of-00002.safetensors");
-        strcat(index, e);
-    }
-    strcat(index, "}}");
-    write_text(dir, "model.safetensors.index.json", index);
+    char index[4096];
+    make_llama_sharded(index, sizeof index, t, dir);
     for (int layer = 0; layer < 2; layer++) {
         mha_module *m = NULL;
         CHECK_OK(mha_module_load_checkpoint(&m, NULL, dir, layer, NULL));
@@ -305,22 +215,8 @@ static void test_sharded(void) {
 static void test_gpt2_loads(void) {
     char dir[700];
     fresh_dir(dir, sizeof dir, "ck_gpt2");
-    tensor_spec t[] = {
-        {"transformer.h.0.attn.c_attn.weight", 2, {8, 24}, MHA_F32},
-        {"transformer.h.0.attn.c_attn.bias", 1, {24, 0}, MHA_F32},
-        {"transformer.h.0.attn.c_proj.weight", 2, {8, 8}, MHA_BF16},
-        {"transformer.h.0.attn.c_proj.bias", 1, {8, 0}, MHA_F32},
-        {"transformer.h.0.attn.bias", 2, {4, 4}, MHA_F32},  // an old causal-mask buffer
-        {"transformer.h.0.ln_1.weight", 1, {8, 0}, MHA_F32},
-        {"transformer.h.1.attn.c_attn.weight", 2, {8, 24}, MHA_F32},
-        {"transformer.h.1.attn.c_attn.bias", 1, {24, 0}, MHA_F32},
-        {"transformer.h.1.attn.c_proj.weight", 2, {8, 8}, MHA_F32},
-        {"transformer.h.1.attn.c_proj.bias", 1, {8, 0}, MHA_F32},
-    };
-    write_tensors(dir, "model.safetensors", t, 10);
-    write_text(dir, "config.json",
-               "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 2,\n"
-               " \"scale_attn_by_inverse_layer_idx\": true}");
+    make_gpt2(dir);
+    const tensor_spec *t = gpt2_tensors;
     mha_checkpoint *c;
     CHECK_OK(mha_checkpoint_open(&c, dir));
     if (!c) return;
