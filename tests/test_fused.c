@@ -49,20 +49,17 @@ static void one_case(int id) {
     bool self = !strided && kd == E && S == L && next() % 2 == 0;
     if (self) memcpy(k, q, sizeof(float) * (size_t)(L * nb * E));
     mha_tensor qt, kt, vt;
-#define VIEW(t, p, T, F)                                          \
-    do {                                                          \
-        int64_t sh3[3] = {bf ? nb : T, bf ? T : nb, F};           \
-        int64_t sh2[2] = {T, F};                                  \
-        t = unb ? mha_tensor_contiguous(p, MHA_F32, 2, sh2)       \
-                : mha_tensor_contiguous(p, MHA_F32, 3, sh3);      \
-        if (pad) { /* rows of F + pad floats, the first F used */ \
-            if (unb) t.stride[0] = F + pad;                       \
-            else {                                                \
-                t.stride[1] = F + pad;                            \
-                t.stride[0] = sh3[1] * (F + pad);                 \
-            }                                                     \
-        }                                                         \
-    } while (0)
+    #define VIEW(t, p, T, F)                                                          \
+        do {                                                                          \
+            int64_t sh3[3] = {bf ? nb : T, bf ? T : nb, F};                           \
+            int64_t sh2[2] = {T, F};                                                  \
+            t = unb ? mha_tensor_contiguous(p, MHA_F32, 2, sh2)                       \
+                    : mha_tensor_contiguous(p, MHA_F32, 3, sh3);                      \
+            if (pad) {  /* rows of F + pad floats, the first F used */               \
+                if (unb) t.stride[0] = F + pad;                                       \
+                else { t.stride[1] = F + pad; t.stride[0] = sh3[1] * (F + pad); }     \
+            }                                                                         \
+        } while (0)
     VIEW(qt, q, L, E);
     VIEW(kt, self ? q : k, S, kd);
     VIEW(vt, self ? q : v, S, E);
@@ -132,13 +129,11 @@ static void one_case(int id) {
     double e = 0;
     for (int64_t i = 0; i < on; i++) e = fmax(e, fabs((double)y1[i] - y2[i]));
     double tol = 2e-5 * (1 + max_abs(y1, on));
-    CHECKF(e <= tol,
-           "case %d (E %lld H %lld L %lld S %lld N %lld bf %d unb %d bkv %d zero %d "
+    CHECKF(e <= tol, "case %d (E %lld H %lld L %lld S %lld N %lld bf %d unb %d bkv %d zero %d "
            "causal %d window (%lld, %lld) drop %d am %d kpm %d strided %d self %d): output "
-           "err %g tol %g",
-           id, (long long)E, (long long)H, (long long)L, (long long)S, (long long)N, bf, unb,
-           bkv, zero, causal, (long long)a.window_left, (long long)a.window_right, drop,
-           am_kind, kpm_kind, strided, self, e, tol);
+           "err %g tol %g", id, (long long)E, (long long)H, (long long)L, (long long)S,
+           (long long)N, bf, unb, bkv, zero, causal, (long long)a.window_left,
+           (long long)a.window_right, drop, am_kind, kpm_kind, strided, self, e, tol);
     if (need) {
         double ew = 0;
         for (int64_t i = 0; i < wn; i++) ew = fmax(ew, fabs((double)w1[i] - w2[i]));
@@ -146,16 +141,8 @@ static void one_case(int id) {
         CHECKF(ew <= wtol, "case %d: weights err %g tol %g", id, ew, wtol);
     }
     (void)Sp;
-    free(q);
-    free(k);
-    free(v);
-    free(bm);
-    free(fm);
-    free(bk);
-    free(y1);
-    free(y2);
-    free(w1);
-    free(w2);
+    free(q); free(k); free(v); free(bm); free(fm); free(bk);
+    free(y1); free(y2); free(w1); free(w2);
     mha_module_destroy(m);
 }
 
@@ -163,8 +150,7 @@ static void one_case(int id) {
 // fused forward, weights and backward against the reference.
 static void test_windows(void) {
     enum { E = 32, H = 2, L = 700, N = 1 };
-    static const int64_t win[][2] = {{0, 0},    {100, -1},  {-1, 50},
-                                     {37, 200}, {300, 300}, {5, 0}};
+    static const int64_t win[][2] = {{0, 0}, {100, -1}, {-1, 50}, {37, 200}, {300, 300}, {5, 0}};
     mha_config c;
     mha_config_init(&c, E, H);
     mha_module *m = new_module(&c);
@@ -200,24 +186,21 @@ static void test_windows(void) {
             }
             CHECKF(rel_err(y[0], y[1], L * E) < 2e-5, "window (%lld, %lld) causal %d: output",
                    (long long)win[t][0], (long long)win[t][1], causal);
-            CHECKF(rel_err(w[0], w[1], H * L * L) < 2e-5,
-                   "window (%lld, %lld) causal %d: weights", (long long)win[t][0],
-                   (long long)win[t][1], causal);
+            CHECKF(rel_err(w[0], w[1], H * L * L) < 2e-5, "window (%lld, %lld) causal %d: weights",
+                   (long long)win[t][0], (long long)win[t][1], causal);
             // the band itself: every weight outside it is exactly 0
             int64_t outside = 0;
             for (int64_t h = 0; h < H; h++)
                 for (int64_t i = 0; i < L; i++)
                     for (int64_t j = 0; j < L; j++) {
-                        bool vis = !(causal && j > i) &&
-                                   !(win[t][0] >= 0 && j < i - win[t][0]) &&
+                        bool vis = !(causal && j > i) && !(win[t][0] >= 0 && j < i - win[t][0]) &&
                                    !(win[t][1] >= 0 && j > i + win[t][1]);
                         if (!vis && w[1][(h * L + i) * L + j] != 0.0f) outside++;
                     }
             CHECKF(outside == 0, "window (%lld, %lld) causal %d: %lld weights outside the band",
                    (long long)win[t][0], (long long)win[t][1], causal, (long long)outside);
-            CHECKF(rel_err(gx[0], gx[1], L * E) < 1e-4,
-                   "window (%lld, %lld) causal %d: grad_query %g", (long long)win[t][0],
-                   (long long)win[t][1], causal, rel_err(gx[0], gx[1], L * E));
+            CHECKF(rel_err(gx[0], gx[1], L * E) < 1e-4, "window (%lld, %lld) causal %d: grad_query %g",
+                   (long long)win[t][0], (long long)win[t][1], causal, rel_err(gx[0], gx[1], L * E));
             for (int i = 0; i < mha_module_num_params(g[0]); i++) {
                 mha_param p0, p1;
                 CHECK_OK(mha_module_param_at(&p0, g[0], i));
@@ -271,8 +254,7 @@ static void test_weights_block(void) {
                 for (int64_t j = 0; j < L; j++)
                     diff += wb[((b * (h1 - h0) + h - h0) * (r1 - r0) + i - r0) * L + j] !=
                             wf[((b * H + h) * L + i) * L + j];
-    CHECKF(diff == 0, "weights block: %lld elements differ from the full weights",
-           (long long)diff);
+    CHECKF(diff == 0, "weights block: %lld elements differ from the full weights", (long long)diff);
     a.average_attn_weights = true;
     CHECK_OK(mha_forward_shapes(NULL, &ws, m, &a));
     CHECK(ws.ndim == 3 && ws.dims[0] == N && ws.dims[1] == r1 - r0 && ws.dims[2] == L);
@@ -345,9 +327,9 @@ static void test_sdpa(void) {
         double eo = rel_err(o[0], o[1], no), ew = rel_err(w[0], w[1], B * H * L * S);
         CHECKF(eo < 2e-5 && ew < 2e-5,
                "sdpa %d (B %lld H %lld L %lld S %lld D %lld Dv %lld causal %d window (%lld, "
-               "%lld) mask %d kpm %d): out err %g, weights err %g",
-               id, (long long)B, (long long)H, (long long)L, (long long)S, (long long)D,
-               (long long)Dv, a.is_causal, (long long)a.window_left, (long long)a.window_right,
+               "%lld) mask %d kpm %d): out err %g, weights err %g", id, (long long)B,
+               (long long)H, (long long)L, (long long)S, (long long)D, (long long)Dv,
+               a.is_causal, (long long)a.window_left, (long long)a.window_right,
                a.attn_mask != NULL, a.key_padding_mask != NULL, eo, ew);
         for (int r = 0; r < 2; r++) free(o[r]), free(w[r]);
         free(q), free(k), free(v), free(am), free(kp);
@@ -410,8 +392,7 @@ static void test_saved_cfg(int64_t Hkv) {
                    memcmp(g[0][1], g[1][1], sizeof(float) * Sx * N * kd) == 0 &&
                    memcmp(g[0][2], g[1][2], sizeof(float) * Sx * N * E) == 0,
                "saved forward (packed %d, kv heads %lld): input gradients differ from the "
-               "recomputing backward",
-               packed, (long long)Hkv);
+               "recomputing backward", packed, (long long)Hkv);
         for (int i = 0; i < mha_module_num_params(gr[0]); i++) {
             mha_param p0, p1;
             CHECK_OK(mha_module_param_at(&p0, gr[0], i));
@@ -500,10 +481,8 @@ static void test_half(void) {
             }
             for (int i = 0; i < N * L * L; i++)
                 bad += wh[i] != (bf ? mha_f32_to_bf16(wf[i]) : mha_f32_to_f16(wf[i]));
-            CHECKF(bad == 0,
-                   "%s views, impl %d: %d values differ from the float32 run "
-                   "rounded",
-                   bf ? "bf16" : "f16", impl, bad);
+            CHECKF(bad == 0, "%s views, impl %d: %d values differ from the float32 run "
+                   "rounded", bf ? "bf16" : "f16", impl, bad);
         }
     mha_module_destroy(m);
 }
@@ -556,10 +535,8 @@ static void test_weights_u8(void) {
                         bad += fabs((double)sc[r] * wq[r * S + j] - wf[r * S + j]) >
                                0.5 * sc[r] * (1 + 1e-5) + 1e-7;
                 }
-                CHECKF(bad == 0,
-                       "int8 weights (impl %d avg %d block %d): %lld values or "
-                       "scales off",
-                       impl, avg, block, (long long)bad);
+                CHECKF(bad == 0, "int8 weights (impl %d avg %d block %d): %lld values or "
+                       "scales off", impl, avg, block, (long long)bad);
             }
     mha_module_destroy(m);
 }
@@ -569,7 +546,8 @@ static void test_weights_u8(void) {
 // threads the one-sweep-per-head route: the same bits are required.
 // Grouped-query attention (Hkv KV heads): the routes are chosen by the
 // number of KV heads (N Hkv >= threads: one sweep per KV head).
-static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv, int64_t Hkv);
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv,
+                             int64_t Hkv);
 
 static void test_threads(void) {
     test_threads_cfg(96, 4, 200, 2, false, 0);
@@ -582,7 +560,8 @@ static void test_threads_gqa(void) {
     test_threads_cfg(64, 8, 300, 1, false, 4);  // 4 items: 8 threads two-pass
 }
 
-static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv, int64_t Hkv) {
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv,
+                             int64_t Hkv) {
     mha_config c;
     mha_config_init(&c, E, H);
     c.add_bias_kv = bkv;
@@ -648,50 +627,56 @@ static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bk
 }
 
 // ---------------------------------------------------------------------------
-// The random cases of gqa_case and layout_case: what their inputs and shared
-// arguments depend on, the inputs (drawn in one order), and the comparison
-// (check_fused_vs_ref).
+// The random cases of gqa_case and layout_case: their inputs, drawn in one
+// order, with the arguments they share; the comparison is
+// check_fused_vs_ref (util.h).
 
-// The sizes (query and output gradient (L, nb, E), key (S, nb, kd), value
-// (S, nb, vd), H heads), the layout (unb: (T, F); bf: (nb, T, F); else
-// (T, nb, F)) and the flags of a case's call.
+// What a case's inputs and shared arguments depend on: the sizes (query and
+// output gradient (L, nb, E), key and value (S, nb, kdim or vdim of the
+// module), nb = 1 when unb, else N; H heads), the layout (unb: (T, F); bf:
+// (nb, T, F); else (T, nb, F)) and the call's flags.
 typedef struct case_shape {
-    int64_t E, H, L, S, nb, kd, vd;
+    int64_t E, H, L, S, N;
     bool unb, bf, self, causal, need, avg, drop, kpm, am;
     uint64_t dropout_seed;
 } case_shape;
 
 // A case's inputs: test_inputs (a key padding mask hiding about one key in
 // four) in the case's layout, then a float mask (nb * H, L, S) with about
-// one -inf in seven.
+// one -inf in seven; a: the arguments every case shares, pointing into the
+// struct (not to be copied).
 typedef struct case_inputs {
     test_inputs t;
     float *fm;
     mha_tensor amt;
+    int64_t nb, kd, vd;
+    mha_forward_args a;
 } case_inputs;
 
-static mha_tensor case_view(float *p, const case_shape *s, int64_t T, int64_t F) {
+static mha_tensor case_view(float *p, const case_shape *s, int64_t nb, int64_t T, int64_t F) {
     return s->unb ? mha_tensor_contiguous(p, MHA_F32, 2, (int64_t[]){T, F})
                   : mha_tensor_contiguous(p, MHA_F32, 3,
-                                          (int64_t[]){s->bf ? s->nb : T, s->bf ? T : s->nb, F});
+                                          (int64_t[]){s->bf ? nb : T, s->bf ? T : nb, F});
 }
 
-// Draws the inputs of case s into in, and sets the arguments every case
-// shares in a (initialised here; a points into in): the query, key and
-// value (the query alone when s->self), causal, weights, dropout, masks.
-static void case_inputs_make(case_inputs *in, mha_forward_args *a, const case_shape *s) {
+// Draws the inputs of case s for module m into in, and sets in->a: the
+// query, key and value (the query alone when s->self), causal, weights,
+// dropout, masks.
+static void case_inputs_make(case_inputs *in, const case_shape *s, const mha_module *m) {
     test_inputs *t = &in->t;
-    const int64_t nb = s->nb, L = s->L, S = s->S;
-    test_inputs_make(t, L, S, nb, s->E, s->kd, s->vd, 4);
-    t->qt = case_view(t->q, s, L, s->E);
-    t->kt = case_view(t->k, s, S, s->kd);
-    t->vt = case_view(t->v, s, S, s->vd);
-    t->gyt = case_view(t->gy, s, L, s->E);
+    const int64_t nb = in->nb = s->unb ? 1 : s->N, L = s->L, S = s->S, H = s->H;
+    in->kd = mha_module_config(m)->kdim, in->vd = mha_module_config(m)->vdim;
+    test_inputs_make(t, L, S, nb, s->E, in->kd, in->vd, 4);
+    t->qt = case_view(t->q, s, nb, L, s->E);
+    t->kt = case_view(t->k, s, nb, S, in->kd);
+    t->vt = case_view(t->v, s, nb, S, in->vd);
+    t->gyt = case_view(t->gy, s, nb, L, s->E);
     if (s->unb) t->kpt = mha_tensor_contiguous(t->kpm, MHA_BOOL, 1, (int64_t[]){S});
-    in->fm = malloc(sizeof(float) * (size_t)(nb * s->H * L * S));
-    for (int64_t i = 0; i < nb * s->H * L * S; i++)
+    in->fm = malloc(sizeof(float) * (size_t)(nb * H * L * S));
+    for (int64_t i = 0; i < nb * H * L * S; i++)
         in->fm[i] = next() % 7 == 0 ? -INFINITY : frand();
-    in->amt = mha_tensor_contiguous(in->fm, MHA_F32, 3, (int64_t[]){nb * s->H, L, S});
+    in->amt = mha_tensor_contiguous(in->fm, MHA_F32, 3, (int64_t[]){nb * H, L, S});
+    mha_forward_args *a = &in->a;
     mha_forward_args_init(a);
     a->query = &t->qt;
     a->key = s->self ? &t->qt : &t->kt;
@@ -726,7 +711,8 @@ static void gqa_case(int id) {
                   N = irand(1, 3);
     const bool bf = next() & 1, unb = next() % 4 == 0, bkv = next() % 3 == 0,
                zero = next() % 3 == 0, causal = next() & 1, drop = next() % 4 == 0,
-               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0, am = next() % 3 == 0;
+               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0,
+               am = next() % 3 == 0;
     mha_config c;
     mha_config_init(&c, E, H);
     c.num_kv_heads = Hkv;
@@ -742,38 +728,21 @@ static void gqa_case(int id) {
         CHECK_OK(mha_module_param(&pk, m, "bias_k"));
         CHECK(pk.shape[2] == Hkv * d);
     }
-    const int64_t kd = mha_module_config(m)->kdim, vd = mha_module_config(m)->vdim,
-                  nb = unb ? 1 : N;
-    const bool self = kd == E && vd == E && S == L && next() % 2 == 0;
-    const case_shape cs = {.E = E,
-                           .H = H,
-                           .L = L,
-                           .S = S,
-                           .nb = nb,
-                           .kd = kd,
-                           .vd = vd,
-                           .unb = unb,
-                           .bf = bf,
-                           .self = self,
-                           .causal = causal,
-                           .need = need,
-                           .avg = avg,
-                           .drop = drop,
-                           .kpm = kpm,
-                           .am = am,
-                           .dropout_seed = (uint64_t)id * 31 + 5};
+    const mha_config *mc = mha_module_config(m);
+    const bool self = mc->kdim == E && mc->vdim == E && S == L && next() % 2 == 0;
+    const case_shape cs = {
+        E, H, L, S, N, unb, bf, self, causal, need, avg, drop, kpm, am, (uint64_t)id * 31 + 5};
     case_inputs in;
-    mha_forward_args a;
-    case_inputs_make(&in, &a, &cs);
-    if (next() % 3 == 0) a.window_left = irand(0, 40);
+    case_inputs_make(&in, &cs, m);
+    if (next() % 3 == 0) in.a.window_left = irand(0, 40);
     char desc[256];
     snprintf(desc, sizeof desc,
              "gqa case %d (E %lld H %lld Hkv %lld L %lld S %lld N %lld kdim %lld vdim %lld bf %d "
              "unb %d bkv %d zero %d causal %d window %lld drop %d kpm %d am %d self %d)",
              id, (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)S,
-             (long long)N, (long long)kd, (long long)vd, bf, unb, bkv, zero, causal,
-             (long long)a.window_left, drop, kpm, am, self);
-    check_fused_vs_ref(NULL, m, &a, &in.t.gyt, false, true, desc);
+             (long long)N, (long long)in.kd, (long long)in.vd, bf, unb, bkv, zero, causal,
+             (long long)in.a.window_left, drop, kpm, am, self);
+    check_fused_vs_ref(NULL, m, &in.a, &in.t.gyt, false, true, desc);
     case_inputs_free(&in);
     mha_module_destroy(m);
 }
@@ -841,13 +810,15 @@ static void layout_case(int id, mha_qk_norm qkn) {
     const int64_t Hkv = divs[next() % (uint64_t)nd];
     const bool rope = next() % 3 == 0;
     const int64_t d = rope ? 2 * irand(1, 6) : irand(1, 12);
-    const int64_t E = next() % 5 == 0 ? H * d : irand(1, 40), L = irand(1, 90), N = irand(1, 3);
+    const int64_t E = next() % 5 == 0 ? H * d : irand(1, 40), L = irand(1, 90),
+                  N = irand(1, 3);
     const bool bf = next() & 1, unb = next() % 4 == 0, bkv = next() % 4 == 0,
                zero = next() % 4 == 0, causal = next() & 1, drop = next() % 4 == 0,
-               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0, am = next() % 3 == 0,
-               sep = next() & 1, bias = next() % 4 != 0, nob = bias && (next() & 1),
-               scale = next() & 1, alibi = next() % 4 == 0, cap = next() % 4 == 0,
-               prune = next() % 4 == 0, half = next() % 5 == 0, self = next() % 2 == 0;
+               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0,
+               am = next() % 3 == 0, sep = next() & 1, bias = next() % 4 != 0,
+               nob = bias && (next() & 1), scale = next() & 1, alibi = next() % 4 == 0,
+               cap = next() % 4 == 0, prune = next() % 4 == 0, half = next() % 5 == 0,
+               self = next() % 2 == 0;
     const int gate = (int)(next() % 3);
     const bool sinks = next() % 3 == 0;
     const int64_t S = self ? L : irand(1, 90);
@@ -880,37 +851,19 @@ static void layout_case(int id, mha_qk_norm qkn) {
         m = mh;
     }
     CHECK(mha_module_config(m)->head_dim == d);
-    const int64_t kd = mha_module_config(m)->kdim, vd = mha_module_config(m)->vdim,
-                  nb = unb ? 1 : N;
-    const case_shape cs = {.E = E,
-                           .H = H,
-                           .L = L,
-                           .S = S,
-                           .nb = nb,
-                           .kd = kd,
-                           .vd = vd,
-                           .unb = unb,
-                           .bf = bf,
-                           .self = self,
-                           .causal = causal,
-                           .need = need,
-                           .avg = avg,
-                           .drop = drop,
-                           .kpm = kpm,
-                           .am = am,
-                           .dropout_seed = (uint64_t)id * 17 + 3};
+    const case_shape cs = {
+        E, H, L, S, N, unb, bf, self, causal, need, avg, drop, kpm, am, (uint64_t)id * 17 + 3};
     case_inputs in;
-    mha_forward_args a;
-    case_inputs_make(&in, &a, &cs);
-    if (next() % 3 == 0) a.window_left = irand(0, 30);
-    if (next() % 4 == 0) a.window_right = irand(0, 30);
-    if (scale) a.use_custom_scale = true, a.scale = 0.05 + 0.5 * (frand() + 1.0);
+    case_inputs_make(&in, &cs, m);
+    if (next() % 3 == 0) in.a.window_left = irand(0, 30);
+    if (next() % 4 == 0) in.a.window_right = irand(0, 30);
+    if (scale) in.a.use_custom_scale = true, in.a.scale = 0.05 + 0.5 * (frand() + 1.0);
     if (rope) {
-        mha_rope_init(&a.rope, next() & 1 ? MHA_ROPE_NEOX : MHA_ROPE_INTERLEAVED);
-        if (next() & 1) a.rope.dim = 2 * irand(1, d / 2);
+        mha_rope_init(&in.a.rope, next() & 1 ? MHA_ROPE_NEOX : MHA_ROPE_INTERLEAVED);
+        if (next() & 1) in.a.rope.dim = 2 * irand(1, d / 2);
     }
-    a.alibi = alibi;
-    if (cap) a.softcap = 3.0f;
+    in.a.alibi = alibi;
+    if (cap) in.a.softcap = 3.0f;
     char desc[320];
     snprintf(desc, sizeof desc,
              "layout case %d (E %lld H %lld Hkv %lld d %lld L %lld S %lld N %lld kdim %lld "
@@ -918,11 +871,11 @@ static void layout_case(int id, mha_qk_norm qkn) {
              "causal %d window (%lld, %lld) drop %d kpm %d am %d self %d rope %d alibi %d "
              "softcap %d gate %d prune %d half %d sinks %d qk_norm %d)",
              id, (long long)E, (long long)H, (long long)Hkv, (long long)d, (long long)L,
-             (long long)S, (long long)N, (long long)kd, (long long)vd, sep, bias, nob,
-             scale ? a.scale : 0.0, bf, unb, bkv, zero, causal, (long long)a.window_left,
-             (long long)a.window_right, drop, kpm, am, self, rope, alibi, cap, gate, prune,
+             (long long)S, (long long)N, (long long)in.kd, (long long)in.vd, sep, bias, nob,
+             scale ? in.a.scale : 0.0, bf, unb, bkv, zero, causal, (long long)in.a.window_left,
+             (long long)in.a.window_right, drop, kpm, am, self, rope, alibi, cap, gate, prune,
              half, sinks, (int)qkn);
-    check_fused_vs_ref(NULL, m, &a, &in.t.gyt, half, true, desc);
+    check_fused_vs_ref(NULL, m, &in.a, &in.t.gyt, half, true, desc);
     case_inputs_free(&in);
     mha_module_destroy(m);
 }
@@ -936,10 +889,7 @@ static void layout_case(int id, mha_qk_norm qkn) {
 static void test_cached_layouts(void) {
     enum { T = 29, N = 2 };
     for (int cfg = 0; cfg < 6; cfg++) {
-        const int64_t E = 20 + 3 * cfg, H = 4,
-                      Hkv = cfg % 3 == 0   ? 1
-                            : cfg % 3 == 1 ? 2
-                                           : 4,
+        const int64_t E = 20 + 3 * cfg, H = 4, Hkv = cfg % 3 == 0 ? 1 : cfg % 3 == 1 ? 2 : 4,
                       d = 6 + 2 * (cfg % 2);
         mha_config c;
         mha_config_init(&c, E, H);
@@ -1246,7 +1196,7 @@ int main(void) {
     // the checkpoint layouts (issue 17), last: the draws above are unchanged
     for (int i = 0; i < 160; i++) layout_case(i, MHA_QK_NORM_NONE);
     test_cached_layouts();
-    test_qk_norm();               // (last: the draws above are unchanged)
+    test_qk_norm();  // (last: the draws above are unchanged)
     for (int i = 0; i < 80; i++)  // the layouts again, with the QK-norm
         layout_case(1000 + i, i % 2 ? MHA_QK_NORM_ALL : MHA_QK_NORM_HEAD);
     printf("ISA: %s\n", mha_isa());
