@@ -566,14 +566,8 @@ static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bk
     mha_config_init(&c, E, H);
     c.add_bias_kv = bkv;
     c.num_kv_heads = Hkv;
-    const int64_t Sp = L + bkv;
     mha_module *m = new_module(&c);
-    float *x = malloc(sizeof(float) * (size_t)(L * N * E)), *y[3], *w[3], *gx[3];
-    for (int r = 0; r < 3; r++) {
-        y[r] = malloc(sizeof(float) * (size_t)(L * N * E));
-        w[r] = malloc(sizeof(float) * (size_t)(N * L * Sp));
-        gx[r] = malloc(sizeof(float) * (size_t)(L * N * E));
-    }
+    float *x = malloc(sizeof(float) * (size_t)(L * N * E));
     for (int64_t i = 0; i < L * N * E; i++) x[i] = frand();
     mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
     mha_forward_args a;
@@ -583,46 +577,10 @@ static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bk
     a.window_left = 150;  // tiles outside the band skipped in some rows
     a.need_weights = true;
     a.impl = MHA_IMPL_FUSED;
-    const int threads[3] = {1, 2, 8};
-    mha_module *g[3];
-    for (int r = 0; r < 3; r++) {
-#ifdef _OPENMP
-        omp_set_num_threads(threads[r]);
-#endif
-        mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, 3, (int64_t[]){L, N, E});
-        mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, 3, (int64_t[]){N, L, Sp});
-        mha_tensor gt = mha_tensor_contiguous(gx[r], MHA_F32, 3, (int64_t[]){L, N, E});
-        CHECK_OK(mha_forward(&yt, &wt, m, &a));
-        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
-        CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], m, &a, &xt, false));  // dY = x
-    }
-    for (int r = 1; r < 3; r++) {
-        const size_t ny = sizeof(float) * (size_t)(L * N * E),
-                     nw = sizeof(float) * (size_t)(N * L * Sp);
-        CHECKF(memcmp(y[0], y[r], ny) == 0, "fused output (H %lld Hkv %lld): 1 vs %d threads",
-               (long long)H, (long long)Hkv, threads[r]);
-        CHECKF(memcmp(w[0], w[r], nw) == 0, "fused weights (H %lld Hkv %lld): 1 vs %d threads",
-               (long long)H, (long long)Hkv, threads[r]);
-        CHECKF(memcmp(gx[0], gx[r], ny) == 0,
-               "fused grad_query (H %lld Hkv %lld): 1 vs %d threads", (long long)H,
-               (long long)Hkv, threads[r]);
-        for (int i = 0; i < mha_module_num_params(g[0]); i++) {
-            mha_param p0, pr;
-            CHECK_OK(mha_module_param_at(&p0, g[0], i));
-            CHECK_OK(mha_module_param_at(&pr, g[r], i));
-            CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0,
-                   "fused grad %s (H %lld Hkv %lld): 1 vs %d threads", p0.name, (long long)H,
-                   (long long)Hkv, threads[r]);
-        }
-    }
-    for (int r = 0; r < 3; r++) {
-        mha_module_destroy(g[r]);
-        free(y[r]), free(w[r]), free(gx[r]);
-    }
+    char desc[64];
+    snprintf(desc, sizeof desc, "fused (H %lld Hkv %lld)", (long long)H, (long long)Hkv);
+    check_threads_bits(m, &a, &xt, desc);  // dY = x
     free(x);
-#ifdef _OPENMP
-    omp_set_num_threads(2);
-#endif
     mha_module_destroy(m);
 }
 
@@ -747,6 +705,36 @@ static void gqa_case(int id) {
     mha_module_destroy(m);
 }
 
+// mha_forward_cached over the self-attention input xt (T, N, E), fed to a
+// fresh cache (Hkv heads of dim d) in chunks of 1, 8 and 22 tokens up to
+// max_chunk (decode and prefill), with a's options (not causal: the cache
+// is) into y1 (T, N, E): the causal forward's y0 within 2e-5. desc names the
+// case in the messages.
+static void check_cached_chunks(const mha_module *m, const mha_forward_args *a,
+                                const mha_tensor *xt, const float *y0, float *y1, int64_t Hkv,
+                                int64_t d, int max_chunk, const char *desc) {
+    const int64_t T = xt->shape[0], N = xt->shape[1], E = xt->shape[2];
+    const float *x = xt->data;
+    for (int chunk = 1; chunk <= max_chunk; chunk += chunk == 1 ? 7 : 14) {
+        mha_kv_cache *cache = NULL;
+        CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
+        for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+            const int64_t n = T - t0 < chunk ? T - t0 : chunk;
+            mha_tensor qc = mha_tensor_contiguous((float *)x + t0 * N * E, MHA_F32, 3,
+                                                  (int64_t[]){n, N, E});
+            mha_tensor oc = mha_tensor_contiguous(y1 + t0 * N * E, MHA_F32, 3,
+                                                  (int64_t[]){n, N, E});
+            mha_forward_args ac = *a;
+            ac.query = ac.key = ac.value = &qc;
+            ac.is_causal = false;
+            CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
+        }
+        double e = rel_err(y0, y1, T * N * E);
+        CHECKF(e < 2e-5, "%s (chunk %d): err %g", desc, chunk, e);
+        mha_kv_cache_destroy(cache);
+    }
+}
+
 // mha_forward_cached with grouped-query attention: a cache of num_kv_heads
 // heads, token by token and in chunks, gives the causal forward's result;
 // a cache with num_heads KV heads is refused.
@@ -766,24 +754,7 @@ static void test_cached_gqa(void) {
     a.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
-    for (int chunk = 1; chunk <= 8; chunk += 7) {
-        mha_kv_cache *cache = NULL;
-        CHECK_OK(mha_kv_cache_create(&cache, N, HKV, E / H, E / H, T));
-        for (int t0 = 0; t0 < T; t0 += chunk) {
-            const int n = T - t0 < chunk ? T - t0 : chunk;
-            mha_tensor qc = mha_tensor_contiguous(x + t0 * N * E, MHA_F32, 3,
-                                                  (int64_t[]){n, N, E});
-            mha_tensor oc = mha_tensor_contiguous(y1 + t0 * N * E, MHA_F32, 3,
-                                                  (int64_t[]){n, N, E});
-            mha_forward_args ac;
-            mha_forward_args_init(&ac);
-            ac.query = ac.key = ac.value = &qc;
-            CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
-        }
-        double e = rel_err(y0, y1, T * N * E);
-        CHECKF(e < 2e-5, "cached gqa (chunk %d): err %g", chunk, e);
-        mha_kv_cache_destroy(cache);
-    }
+    check_cached_chunks(m, &a, &xt, y0, y1, HKV, E / H, 8, "cached gqa");
     mha_kv_cache *bad = NULL;
     CHECK_OK(mha_kv_cache_create(&bad, N, H, E / H, E / H, T));
     mha_forward_args ac;
@@ -921,24 +892,9 @@ static void test_cached_layouts(void) {
         a.alibi = cfg == 3;
         a.softcap = cfg == 5 ? 4.0f : 0.0f;
         CHECK_OK(mha_forward(&yt, NULL, m, &a));
-        for (int chunk = 1; chunk <= 22; chunk += chunk == 1 ? 7 : 14) {  // 1, 8 (decode), 22
-            mha_kv_cache *cache = NULL;
-            CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
-            for (int t0 = 0; t0 < T; t0 += chunk) {
-                const int n = T - t0 < chunk ? T - t0 : chunk;
-                mha_tensor qc = mha_tensor_contiguous(x + t0 * N * E, MHA_F32, 3,
-                                                      (int64_t[]){n, N, E});
-                mha_tensor oc = mha_tensor_contiguous(y1 + t0 * N * E, MHA_F32, 3,
-                                                      (int64_t[]){n, N, E});
-                mha_forward_args ac = a;
-                ac.query = ac.key = ac.value = &qc;
-                ac.is_causal = false;
-                CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
-            }
-            double e = rel_err(y0, y1, T * N * E);
-            CHECKF(e < 2e-5, "cached layout %d (chunk %d): err %g", cfg, chunk, e);
-            mha_kv_cache_destroy(cache);
-        }
+        char desc[64];
+        snprintf(desc, sizeof desc, "cached layout %d", cfg);
+        check_cached_chunks(m, &a, &xt, y0, y1, Hkv, d, 22, desc);
         if (cfg != 4) {  // the saved state (float32 weights)
             float *gy = malloc(sizeof(float) * T * N * E), *g[2];
             for (int i = 0; i < T * N * E; i++) gy[i] = frand();
@@ -1131,24 +1087,9 @@ static void test_qk_norm(void) {
         CHECKF(!memcmp(y1, y2, sizeof(float) * T * N * E), "qk_norm %d: auto != fused", cfg);
         if (cfg != 7) qk_norm_backward(m, &a, T * N * E, cfg);
         a.impl = MHA_IMPL_AUTO;
-        for (int chunk = 1; chunk <= 22; chunk += chunk == 1 ? 7 : 14) {  // 1, 8 (decode), 22
-            mha_kv_cache *cache = NULL;
-            CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
-            for (int t0 = 0; t0 < T; t0 += chunk) {
-                const int n = T - t0 < chunk ? T - t0 : chunk;
-                mha_tensor qc = mha_tensor_contiguous(x + t0 * N * E, MHA_F32, 3,
-                                                      (int64_t[]){n, N, E});
-                mha_tensor oc = mha_tensor_contiguous(y1 + t0 * N * E, MHA_F32, 3,
-                                                      (int64_t[]){n, N, E});
-                mha_forward_args ac = a;
-                ac.query = ac.key = ac.value = &qc;
-                ac.is_causal = false;
-                CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
-            }
-            double e = rel_err(y0, y1, T * N * E);
-            CHECKF(e < 2e-5, "cached qk_norm %d (chunk %d): err %g", cfg, chunk, e);
-            mha_kv_cache_destroy(cache);
-        }
+        char desc[64];
+        snprintf(desc, sizeof desc, "cached qk_norm %d", cfg);
+        check_cached_chunks(m, &a, &xt, y0, y1, Hkv, d, 22, desc);
         // save and load: qk_norm inferred from the tensors, eps from base
         CHECK_OK(mha_module_save(m, path));
         mha_st_file *f = NULL;

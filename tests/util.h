@@ -8,6 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "check.h"
 #include "mha.h"
 
@@ -159,6 +163,63 @@ static inline void check_fused_vs_ref(mha_module **grad, const mha_module *m,
     mha_module_destroy(g[0]);
     if (grad) *grad = g[1];
     else mha_module_destroy(g[1]);
+}
+
+// The forward (its weights too when a->need_weights) and the backward (dY
+// = dy, into a fresh gradient module; the query's gradient alone: a is
+// self-attention) of m on a with 1, 2 and 8 OpenMP threads: the output,
+// the weights and every gradient with 2 and 8 threads the same bits as
+// with 1. desc names the case in the messages. Leaves 2 threads set.
+static inline void check_threads_bits(const mha_module *m, const mha_forward_args *a,
+                                      const mha_tensor *dy, const char *desc) {
+    mha_shape os, wsh;
+    mha_status st = mha_forward_shapes(&os, &wsh, m, a);
+    if (st) {
+        CHECK_OK(st);
+        return;
+    }
+    const int64_t ny = mha_tensor_numel(a->query);
+    int64_t nw = 1;
+    for (int i = 0; i < wsh.ndim; i++) nw *= wsh.dims[i];
+    const int threads[3] = {1, 2, 8};
+    float *y[3], *w[3], *gx[3];
+    mha_module *g[3];
+    for (int r = 0; r < 3; r++) {
+#ifdef _OPENMP
+        omp_set_num_threads(threads[r]);
+#endif
+        y[r] = malloc(sizeof(float) * (size_t)ny);
+        w[r] = malloc(sizeof(float) * (size_t)nw);
+        gx[r] = malloc(sizeof(float) * (size_t)ny);
+        mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, os.ndim, os.dims);
+        mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, wsh.ndim, wsh.dims);
+        mha_tensor gt = mha_tensor_contiguous(gx[r], MHA_F32, a->query->ndim, a->query->shape);
+        CHECK_OK(mha_forward(&yt, a->need_weights ? &wt : NULL, m, a));
+        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
+        CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], m, a, dy, false));
+    }
+    for (int r = 1; r < 3; r++) {
+        const size_t by = sizeof(float) * (size_t)ny, bw = sizeof(float) * (size_t)nw;
+        CHECKF(memcmp(y[0], y[r], by) == 0, "%s output: 1 vs %d threads", desc, threads[r]);
+        if (a->need_weights)
+            CHECKF(memcmp(w[0], w[r], bw) == 0, "%s weights: 1 vs %d threads", desc, threads[r]);
+        CHECKF(memcmp(gx[0], gx[r], by) == 0, "%s grad_query: 1 vs %d threads", desc,
+               threads[r]);
+        for (int i = 0; i < mha_module_num_params(g[0]); i++) {
+            mha_param p0, pr;
+            CHECK_OK(mha_module_param_at(&p0, g[0], i));
+            CHECK_OK(mha_module_param_at(&pr, g[r], i));
+            CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0,
+                   "%s grad %s: 1 vs %d threads", desc, p0.name, threads[r]);
+        }
+    }
+    for (int r = 0; r < 3; r++) {
+        mha_module_destroy(g[r]);
+        free(y[r]), free(w[r]), free(gx[r]);
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(2);
+#endif
 }
 
 #endif
