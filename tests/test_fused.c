@@ -635,10 +635,7 @@ static void case_inputs_make(case_inputs *in, const case_shape *s, const mha_mod
         in->fm[i] = next() % 7 == 0 ? -INFINITY : frand();
     in->amt = mha_tensor_contiguous(in->fm, MHA_F32, 3, (int64_t[]){nb * H, L, S});
     mha_forward_args *a = &in->a;
-    mha_forward_args_init(a);
-    a->query = &t->qt;
-    a->key = s->self ? &t->qt : &t->kt;
-    a->value = s->self ? &t->qt : &t->vt;
+    test_inputs_args(a, t, s->self);
     a->is_causal = s->causal;
     a->need_weights = s->need;
     a->average_attn_weights = s->avg;
@@ -815,12 +812,7 @@ static void layout_case(int id, mha_qk_norm qkn) {
         const int64_t pr = irand(0, H - 1);
         CHECK_OK(mha_module_prune_heads(m, &pr, 1));
     }
-    if (half) {  // half weights: the same module, its matrices rounded
-        mha_module *mh = NULL;
-        CHECK_OK(mha_module_convert(&mh, m, next() & 1 ? MHA_BF16 : MHA_F16));
-        mha_module_destroy(m);
-        m = mh;
-    }
+    if (half) m = module_as(m, next() & 1 ? MHA_BF16 : MHA_F16);  // its matrices rounded
     CHECK(mha_module_config(m)->head_dim == d);
     const case_shape cs = {
         E, H, L, S, N, unb, bf, self, causal, need, avg, drop, kpm, am, (uint64_t)id * 17 + 3};
@@ -871,12 +863,7 @@ static void test_cached_layouts(void) {
         c.head_gate = (mha_head_gate)(cfg % 3);
         c.sinks = cfg % 2 == 0;
         mha_module *m = random_module(&c, 77 + (uint64_t)cfg);
-        if (cfg == 4) {
-            mha_module *mh = NULL;
-            CHECK_OK(mha_module_convert(&mh, m, MHA_BF16));
-            mha_module_destroy(m);
-            m = mh;
-        }
+        if (cfg == 4) m = module_as(m, MHA_BF16);
         float *x = malloc(sizeof(float) * T * N * E), *y0 = malloc(sizeof(float) * T * N * E),
               *y1 = malloc(sizeof(float) * T * N * E);
         for (int i = 0; i < T * N * E; i++) x[i] = frand();
@@ -1057,12 +1044,7 @@ static void test_qk_norm(void) {
             mha_module_destroy(m0);
         }
         mha_module *m = random_module(&c, 900 + (uint64_t)cfg);
-        if (cfg == 7) {
-            mha_module *mh = NULL;
-            CHECK_OK(mha_module_convert(&mh, m, MHA_BF16));
-            mha_module_destroy(m);
-            m = mh;
-        }
+        if (cfg == 7) m = module_as(m, MHA_BF16);
         float *x = malloc(sizeof(float) * T * N * E), *y0 = malloc(sizeof(float) * T * N * E),
               *y1 = malloc(sizeof(float) * T * N * E), *y2 = malloc(sizeof(float) * T * N * E);
         for (int i = 0; i < T * N * E; i++) x[i] = frand();

@@ -293,18 +293,14 @@ static void random_case(int id) {
     const bool self = kd == E && S == L && next() % 2 == 0;
     test_inputs ti;
     test_inputs_make(&ti, L, S, N, E, kd, E, 4);
-    mha_tensor qt = ti.qt, kt = ti.kt, vt = ti.vt, gyt = ti.gyt, kpt = ti.kpt;
     mha_forward_args a;
-    mha_forward_args_init(&a);
-    a.query = &qt;
-    a.key = self ? &qt : &kt;
-    a.value = self ? &qt : &vt;
+    test_inputs_args(&a, &ti, self);
     a.is_causal = causal;
     a.need_weights = need;
     a.average_attn_weights = avg;
     a.training = drop;
     a.dropout_seed = (uint64_t)id * 17 + 3;
-    if (kpm) a.key_padding_mask = &kpt;
+    if (kpm) a.key_padding_mask = &ti.kpt;
     char desc[200];
     snprintf(desc, sizeof desc,
              "case %d (E %lld H %lld Hkv %lld L %lld S %lld N %lld gate %s pruned %lld kind %d "
@@ -313,7 +309,7 @@ static void random_case(int id) {
              (long long)N, mha_head_gate_name(c.head_gate), (long long)np, kind, causal, drop,
              bkv, kpm, self);
     mha_module *g1 = NULL;  // the fused backward's gradients
-    check_fused_vs_ref(&g1, m, &a, &gyt, false, !self, desc);
+    check_fused_vs_ref(&g1, m, &a, &ti.gyt, false, !self, desc);
     // a pruned head's W_Q rows get no gradient (packed or separate)
     mha_param gqp;
     if (mha_module_param(&gqp, g1, "in_proj_weight") != MHA_OK)

@@ -46,15 +46,11 @@ static void one_case(int id, bool layout) {
     const int64_t kd = mha_module_config(m)->kdim, vd = mha_module_config(m)->vdim;
     test_inputs in;
     test_inputs_make(&in, L, S, N, E, kd, vd, 5);
-    mha_tensor qt = in.qt, kt = in.kt, vt = in.vt, gyt = in.gyt, kpt = in.kpt;
     mha_forward_args a;
-    mha_forward_args_init(&a);
-    a.query = &qt;
-    a.key = self ? &qt : &kt;
-    a.value = self ? &qt : &vt;
+    test_inputs_args(&a, &in, self);
     a.is_causal = causal;
     a.impl = MHA_IMPL_FUSED;
-    if (kpm) a.key_padding_mask = &kpt;
+    if (kpm) a.key_padding_mask = &in.kpt;
     if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
     if (layout && next() % 2) a.use_custom_scale = true, a.scale = 0.3;
     const int64_t nqq = L * N * Eq;  // the context and dq (Rq, Eq)
@@ -69,7 +65,8 @@ static void one_case(int id, bool layout) {
     mha_module *g = NULL;
     CHECK_OK(mha_module_create(&g, mha_module_config(m)));
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
-    CHECK_OK(mha_backward(&gqt, self ? NULL : &gkt, self ? NULL : &gvt, g, m, &a, &gyt, false));
+    CHECK_OK(mha_backward(&gqt, self ? NULL : &gkt, self ? NULL : &gvt, g, m, &a, &in.gyt,
+                          false));
     float *ctx = malloc(sizeof(float) * (size_t)nqq), *cr = malloc(sizeof(float) * (size_t)nqq),
           *yp = malloc(sizeof(float) * (size_t)nq), *ys = malloc(sizeof(float) * (size_t)nq),
           *dq = malloc(sizeof(float) * (size_t)nqq), *dk = malloc(sizeof(float) * (size_t)nkv),
@@ -110,7 +107,7 @@ static void one_case(int id, bool layout) {
                        t2 = mha_tensor_contiguous(x2, MHA_F32, 3, (int64_t[]){S, N, kd}),
                        t3 = mha_tensor_contiguous(x3, MHA_F32, 3, (int64_t[]){S, N, vd});
             CHECK_OK(mha__part_backward(&t1, self ? NULL : &t2, self ? NULL : &t3, gr, m, &a,
-                                        &gyt, &pt));
+                                        &in.gyt, &pt));
             for (int64_t i = 0; i < nqq; i++) dq[i] += dqr[i];
             for (int64_t i = 0; i < nq; i++) s1[i] += x1[i];
             for (int64_t i = 0; i < nkv; i++) dk[i] += dkr[i], dv[i] += dvr[i];

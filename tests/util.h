@@ -94,6 +94,24 @@ static inline void test_inputs_make(test_inputs *t, int64_t L, int64_t S, int64_
     t->kpt = mha_tensor_contiguous(t->kpm, MHA_BOOL, 2, (int64_t[]){N, S});
 }
 
+// a initialised (mha_forward_args_init) with t's query, key and value (the
+// query as all three when self); a points into t.
+static inline void test_inputs_args(mha_forward_args *a, test_inputs *t, bool self) {
+    mha_forward_args_init(a);
+    a->query = &t->qt;
+    a->key = self ? &t->qt : &t->kt;
+    a->value = self ? &t->qt : &t->vt;
+}
+
+// m with its matrices converted to dtype (mha_module_convert: BF16 or
+// F16 weights); m is destroyed.
+static inline mha_module *module_as(mha_module *m, mha_dtype dtype) {
+    mha_module *mh = NULL;
+    CHECK_OK(mha_module_convert(&mh, m, dtype));
+    mha_module_destroy(m);
+    return mh;
+}
+
 static inline void test_inputs_free(test_inputs *t) {
     free(t->q), free(t->gy), free(t->k), free(t->v), free(t->kpm);
 }
