@@ -49,6 +49,27 @@ static mha_module *module(int64_t E, int64_t H, bool batch_first, bool bkv,
     return m;
 }
 
+// Contiguous views for mha_sdpa, q (B, H, L, D), k (B, H, S, D), v (B, H,
+// S, Dv), o (B, H, L, Dv) and w (B, H, L, S), and default arguments on
+// them (a points into the struct).
+typedef struct sdpa_call {
+    mha_tensor qt, kt, vt, ot, wt;
+    mha_sdpa_args a;
+} sdpa_call;
+
+static void sdpa_call_init(sdpa_call *c, float *q, float *k, float *v, float *o, float *w,
+                           int64_t B, int64_t H, int64_t L, int64_t S, int64_t D, int64_t Dv) {
+    c->qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, L, D});
+    c->kt = mha_tensor_contiguous(k, MHA_F32, 4, (int64_t[]){B, H, S, D});
+    c->vt = mha_tensor_contiguous(v, MHA_F32, 4, (int64_t[]){B, H, S, Dv});
+    c->ot = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){B, H, L, Dv});
+    c->wt = mha_tensor_contiguous(w, MHA_F32, 4, (int64_t[]){B, H, L, S});
+    mha_sdpa_args_init(&c->a);
+    c->a.q = &c->qt;
+    c->a.k = &c->kt;
+    c->a.v = &c->vt;
+}
+
 // SDPA: identical keys -> uniform weights and output = mean of values;
 // causal row 0 -> v[0].
 static void test_sdpa_closed_form(void) {
@@ -60,17 +81,9 @@ static void test_sdpa_closed_form(void) {
         for (int j = 0; j < S; j++)
             for (int c = 0; c < D; c++) k[(bh * S + j) * D + c] = (float)(c + bh) * 0.1f;
     fill(v, B * H * S * Dv, 1.0f);
-    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, L, D});
-    mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, (int64_t[]){B, H, S, D});
-    mha_tensor vt = mha_tensor_contiguous(v, MHA_F32, 4, (int64_t[]){B, H, S, Dv});
-    mha_tensor ot = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){B, H, L, Dv});
-    mha_tensor wt = mha_tensor_contiguous(w, MHA_F32, 4, (int64_t[]){B, H, L, S});
-    mha_sdpa_args a;
-    mha_sdpa_args_init(&a);
-    a.q = &qt;
-    a.k = &kt;
-    a.v = &vt;
-    CHECK_OK(mha_sdpa(&ot, &wt, &a));
+    sdpa_call sc;
+    sdpa_call_init(&sc, q, k, v, o, w, B, H, L, S, D, Dv);
+    CHECK_OK(mha_sdpa(&sc.ot, &sc.wt, &sc.a));
     double ew = 0, eo = 0;
     for (int bh = 0; bh < B * H; bh++)
         for (int i = 0; i < L; i++) {
@@ -82,9 +95,9 @@ static void test_sdpa_closed_form(void) {
             }
         }
     CHECKF(ew < 1e-6 && eo < 1e-6, "uniform weights err %g, mean err %g", ew, eo);
-    a.is_causal = true;
+    sc.a.is_causal = true;
     fill(k, B * H * S * D, 1.0f);
-    CHECK_OK(mha_sdpa(&ot, &wt, &a));
+    CHECK_OK(mha_sdpa(&sc.ot, &sc.wt, &sc.a));
     eo = 0;
     for (int bh = 0; bh < B * H; bh++) {
         CHECK(w[bh * L * S] == 1.0f);
@@ -104,16 +117,16 @@ static void test_sdpa_closed_form(void) {
     mha_tensor m2t = mha_tensor_contiguous(m2, MHA_F32, 2, (int64_t[]){L, S});
     mha_tensor m4t = mha_tensor_contiguous(m4, MHA_F32, 4, (int64_t[]){B, H, L, S});
     mha_tensor o2t = mha_tensor_contiguous(o2, MHA_F32, 4, (int64_t[]){B, H, L, Dv});
-    a.is_causal = false;
-    a.attn_mask = &m2t;
-    CHECK_OK(mha_sdpa(&ot, NULL, &a));
-    a.attn_mask = &m4t;
-    CHECK_OK(mha_sdpa(&o2t, NULL, &a));
+    sc.a.is_causal = false;
+    sc.a.attn_mask = &m2t;
+    CHECK_OK(mha_sdpa(&sc.ot, NULL, &sc.a));
+    sc.a.attn_mask = &m4t;
+    CHECK_OK(mha_sdpa(&o2t, NULL, &sc.a));
     CHECK(maxdiff(o, o2, B * H * L * Dv) == 0.0);
-    a.attn_mask = NULL;
-    a.use_custom_scale = true;
-    a.scale = 0.0;
-    CHECK_OK(mha_sdpa(&ot, &wt, &a));
+    sc.a.attn_mask = NULL;
+    sc.a.use_custom_scale = true;
+    sc.a.scale = 0.0;
+    CHECK_OK(mha_sdpa(&sc.ot, &sc.wt, &sc.a));
     ew = 0;
     for (int i = 0; i < B * H * L * S; i++) ew = fmax(ew, fabs(w[i] - 0.2));
     CHECKF(ew < 1e-7, "scale 0 -> uniform, err %g", ew);
@@ -329,17 +342,9 @@ static void test_huge_logits(void) {
     enum { B = 1, H = 1, L = 3, S = 3, D = 1 };
     float q[3] = {100.0f, -100.0f, 100.0f}, k[3] = {100.0f, 90.0f, -100.0f},
           v[3] = {1.0f, 2.0f, 3.0f}, o[3], w[9];
-    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, L, D});
-    mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, (int64_t[]){B, H, S, D});
-    mha_tensor vt = mha_tensor_contiguous(v, MHA_F32, 4, (int64_t[]){B, H, S, D});
-    mha_tensor ot = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){B, H, L, D});
-    mha_tensor wt = mha_tensor_contiguous(w, MHA_F32, 4, (int64_t[]){B, H, L, S});
-    mha_sdpa_args a;
-    mha_sdpa_args_init(&a);
-    a.q = &qt;
-    a.k = &kt;
-    a.v = &vt;
-    CHECK_OK(mha_sdpa(&ot, &wt, &a));  // scores 1e4, 9e3, -1e4, ...
+    sdpa_call sc;
+    sdpa_call_init(&sc, q, k, v, o, w, B, H, L, S, D, D);
+    CHECK_OK(mha_sdpa(&sc.ot, &sc.wt, &sc.a));  // scores 1e4, 9e3, -1e4, ...
     for (int i = 0; i < 9; i++) CHECK(isfinite(w[i]));
     CHECK(w[0] == 1.0f && w[1] == 0.0f && w[2] == 0.0f);
     CHECK(o[0] == 1.0f && o[1] == 3.0f && o[2] == 1.0f);

@@ -264,20 +264,39 @@ def run_mha(mha, ckpt, layer, hidden, mask, pos, mode, tmp):
     return load_file(yout)["attn_output"].double()
 
 
-@pytest.mark.parametrize("name,layer,mode", PARAMS)
-def test_layer(name, layer, mode, mha_bin, hf_tmp):
+def models(name):
     mt, cls_name, _, _ = CASES[name]
-    ckpt = build(name, hf_tmp)
     cls = getattr(transformers, cls_name)
+    return mt, cls
+
+
+def layer_case(name, layer, mode, hf_tmp, gap=False):
+    """Case name's checkpoint (built in hf_tmp), its model in float64 (the
+    reference) and float32 (the peer) with eager attention, mode's inputs
+    (position_ids jumping by 4 after the prefill when gap) and layer's call
+    arguments captured in both precisions (GPT-OSS's float64 ones cast from
+    the float32 ones), with the float32 hidden states they carry:
+    (mt, ckpt, m64, m32, mask, pos, a32, k32, a64, k64, hidden)."""
+    mt, cls = models(name)
+    ckpt = build(name, hf_tmp)
     m64 = cls.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="eager").eval()
     m32 = cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
     ids, mask, pos = inputs(mode, mt)
+    if gap:
+        pos[:, STEPS[0]:] += 4
     a32, k32 = capture(m32, mt, layer, ids, mask, pos)
     hidden = hidden_of(a32, k32).float()
     if mt == "gpt_oss":
         a64, k64 = to_double(m64, a32, k32, pos)
     else:
         a64, k64 = capture(m64, mt, layer, ids, mask, pos)
+    return mt, ckpt, m64, m32, mask, pos, a32, k32, a64, k64, hidden
+
+
+@pytest.mark.parametrize("name,layer,mode", PARAMS)
+def test_layer(name, layer, mode, mha_bin, hf_tmp):
+    mt, ckpt, m64, m32, mask, pos, a32, k32, a64, k64, hidden = layer_case(name, layer, mode,
+                                                                         hf_tmp)
     ref = call_block(m64, mt, layer, a64, k64, hidden.double())
     peer = call_block(m32, mt, layer, a32, k32, hidden)
     with tempfile.TemporaryDirectory(dir=hf_tmp) as tmp:
@@ -287,7 +306,7 @@ def test_layer(name, layer, mode, mha_bin, hf_tmp):
     got = got[rows]
     err = (got - ref).abs().max().item()
     err_pt = (peer - ref).abs().max().item()
-    bound = max(4 * err_pt, 2e-5 * (1 + ref.abs().max().item()))
+    bound = bound_of(err_pt, ref)
     print(f"{name} layer {layer} {mode}: mha err {err:.3g}, float32 torch err {err_pt:.3g}, "
           f"bound {bound:.3g}")
     assert err <= bound, f"mha error {err:.3g} > bound {bound:.3g} (torch f32 {err_pt:.3g})"
@@ -420,12 +439,6 @@ def bound_of(err_pt, ref):
     return max(4 * err_pt, 2e-5 * (1 + ref.abs().max().item()))
 
 
-def models(name):
-    mt, cls_name, _, _ = CASES[name]
-    cls = getattr(transformers, cls_name)
-    return mt, cls
-
-
 DEC_PARAMS = [pytest.param(n, i, False, id=f"{n}-L{i}") for n, (mt, _, cfg, _) in CASES.items()
               if mt != "bert" for i in range(n_layers(cfg))]
 # position_ids that jump by 4 after the prefill (the decoded tokens' RoPE
@@ -435,19 +448,8 @@ DEC_PARAMS += [pytest.param(n, 0, True, id=f"{n}-L0-gap") for n in ("llama", "ge
 
 @pytest.mark.parametrize("name,layer,gap", DEC_PARAMS)
 def test_cached(name, layer, gap, hf_tmp):
-    mt, cls = models(name)
-    ckpt = build(name, hf_tmp)
-    m64 = cls.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="eager").eval()
-    m32 = cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
-    ids, mask, pos = inputs("incremental", mt)
-    if gap:
-        pos[:, STEPS[0]:] += 4
-    a32, k32 = capture(m32, mt, layer, ids, mask, pos)
-    hidden = hidden_of(a32, k32).float()
-    if mt == "gpt_oss":
-        a64, k64 = to_double(m64, a32, k32, pos)
-    else:
-        a64, k64 = capture(m64, mt, layer, ids, mask, pos)
+    mt, ckpt, m64, m32, mask, pos, a32, k32, a64, k64, hidden = layer_case(
+        name, layer, "incremental", hf_tmp, gap)
     ref = hf_cached(m64, mt, layer, k64, hidden.double()).double()
     peer = hf_cached(m32, mt, layer, k32, hidden).double()
     # transformers' cache equals its own causal full forward
@@ -541,17 +543,8 @@ BWD_PARAMS = [pytest.param(n, i, id=f"{n}-L{i}") for n, (mt, _, cfg, _) in CASES
 
 @pytest.mark.parametrize("name,layer", BWD_PARAMS)
 def test_backward(name, layer, hf_tmp):
-    mt, cls = models(name)
-    ckpt = build(name, hf_tmp)
-    m64 = cls.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="eager").eval()
-    m32 = cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
-    ids, mask, pos = inputs("incremental", mt)
-    a32, k32 = capture(m32, mt, layer, ids, mask, pos)
-    hidden = hidden_of(a32, k32).float()
-    if mt == "gpt_oss":
-        a64, k64 = to_double(m64, a32, k32, pos)
-    else:
-        a64, k64 = capture(m64, mt, layer, ids, mask, pos)
+    mt, ckpt, m64, m32, mask, pos, a32, k32, a64, k64, hidden = layer_case(
+        name, layer, "incremental", hf_tmp)
     gen = torch.Generator().manual_seed(11)
     g = torch.randn(hidden.shape, generator=gen, dtype=torch.float64)
     dh_ref = hf_backward(m64, mt, layer, a64, k64, hidden.double(), g)
