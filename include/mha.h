@@ -324,7 +324,8 @@ typedef struct mha_param {
 MHA_API int mha_module_num_params(const mha_module *m);
 // i in [0, mha_module_num_params()). Both calls hand out a writable pointer,
 // so each counts as mha_module_params_changed(m) (a cheap mark: the next
-// call that uses the packed weights fills them again).
+// call that uses the packed weights fills them again; like it, safe while
+// other threads' calls read m).
 MHA_API MHA_NODISCARD mha_status mha_module_param_at(mha_param *out, const mha_module *m, int i);
 // MHA_ERR_NOT_FOUND if the module has no parameter of that name.
 MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_module *m,
@@ -340,7 +341,9 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_modu
 // filled from the parameters by the first such call after they changed
 // (mha_forward_ex included: it still never allocates); a call that finds
 // another thread filling it, or still reading an outdated copy, packs into
-// its scratch as before (nobody waits).
+// its scratch as before (nobody waits). So the first call after a change
+// packs the weights as every call did before, and the calls after it do
+// not.
 // Memory: about the float32 weight matrices' size again: for each matrix
 // W (O, I), ceil(O / w) * w * I floats, w the kernels' panel width (16
 // scalar and AVX2, 32 AVX-512). Weight matrices stored as BF16/F16 are not

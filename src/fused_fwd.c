@@ -393,7 +393,10 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
                   .seq_first = p->unbatched || !m->cfg.batch_first,
                   .ldq = p->E,
                   .xq = (const float *)(ws + p->f.xq)};
-    c.pk = mha__packs_acquire(m, c.kt, p->nthreads);
+    // (a part that brings its projections and takes the context multiplies
+    // by no weight)
+    const bool multiplies = !(pt && pt->proj.q_in && pt->out.ctx);
+    c.pk = multiplies ? mha__packs_acquire(m, c.kt, p->nthreads) : NULL;
     st = fused_forward(&c, out, weights);
     mha__packs_release(c.pk);
     return st;
