@@ -33,9 +33,9 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
 }
 
 // The gates of a gated module's R query rows X (R, E), gate (R, H):
-// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g packed into
-// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, Eq) = each
-// head's ctx (R, Eq) times its gate.
+// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g from pk,
+// or packed into Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx
+// (R, Eq) = each head's ctx (R, Eq) times its gate.
 void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
                     const mha_module *m, const mha__packs *pk, const float *X, int64_t ldx,
                     int64_t R, float *Wp, float *gs, int nt) {
