@@ -23,7 +23,9 @@
 //    module and the inputs may be shared read-only by concurrent forwards
 //    and backwards. Changing a module (init, pruning, an optimizer step,
 //    writing parameters) must not overlap a call that reads it. Results are
-//    bit-identical whatever the number of OpenMP threads.
+//    bit-identical whatever the number of OpenMP threads. (A module's packed
+//    weights, see mha_module_params_changed, are filled inside such calls
+//    without a lock: the promise holds.)
 //  - Versions: semantic versioning (MHA_VERSION_*, mha_version()). While
 //    the major version is 0, a minor release may change the ABI: structs
 //    only grow at their end (source compatible), but programs must be
@@ -305,7 +307,10 @@ MHA_API const mha_config *mha_module_config(const mha_module *m);
 // storage points into the module (contiguous, 64-byte aligned, elements of
 // dtype: MHA_F32, or for the weight matrices the config's weight_dtype) and
 // may be read and written by the caller while no forward runs; data is the
-// same pointer when dtype is MHA_F32, else NULL.
+// same pointer when dtype is MHA_F32, else NULL. Writing parameters: see
+// mha_module_params_changed (the pointers from mha_module_param and
+// mha_module_param_at may be written until the next call that reads the
+// module; after that, call mha_module_params_changed once done writing).
 typedef struct mha_param {
     const char *name;
     int ndim;
@@ -317,11 +322,50 @@ typedef struct mha_param {
 } mha_param;
 
 MHA_API int mha_module_num_params(const mha_module *m);
-// i in [0, mha_module_num_params()).
+// i in [0, mha_module_num_params()). Both calls hand out a writable pointer,
+// so each counts as mha_module_params_changed(m) (a cheap mark: the next
+// call that uses the packed weights fills them again; like it, safe while
+// other threads' calls read m).
 MHA_API MHA_NODISCARD mha_status mha_module_param_at(mha_param *out, const mha_module *m, int i);
 // MHA_ERR_NOT_FOUND if the module has no parameter of that name.
 MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_module *m,
                                                   const char *name);
+
+// The packed weights. A module keeps a copy of each float32 projection
+// weight (in_proj_weight, or q/k/v_proj_weight; out_proj.weight;
+// gate_proj.weight) in the layout of the GEMM kernels the process uses, so
+// that the fused forward, backward and mha_forward_cached multiply by it
+// without packing the weight first on every call (the same bits as packing
+// it: results never depend on whether the copy was used). The copy is
+// allocated with the module (mha_module_create, _load, _convert, ...) and
+// filled from the parameters by the first such call after they changed
+// (mha_forward_ex included: it still never allocates); a call that finds
+// another thread filling it, or still reading an outdated copy, packs into
+// its scratch as before (nobody waits). So the first call after a change
+// packs the weights as every call did before, and the calls after it do
+// not.
+// Memory: about the float32 weight matrices' size again: for each matrix
+// W (O, I), ceil(O / w) * w * I floats, w the kernels' panel width (16
+// scalar and AVX2, 32 AVX-512). Weight matrices stored as BF16/F16 are not
+// kept (their point is the memory): each call widens and packs them, as
+// before (convert to MHA_F32 for the fastest decode); a half module's
+// float32 gate_proj.weight is kept.
+// The library marks the copy outdated itself whenever it changes
+// parameters: mha_module_init, mha_optimizer_step (the modules registered
+// with mha_optimizer_add_module; and zero_grad / clip_grad_norm their
+// gradient modules), mha_backward (its grads module), loading and
+// converting (new modules), and mha_module_param / mha_module_param_at
+// (which hand out writable pointers: "get the pointer, write, forward" is
+// safe). Head pruning changes no parameter. What remains the caller's duty:
+// after writing parameter memory through a pointer obtained *before* a
+// call that read the module (a forward, backward, cached decode ran since
+// the pointer was obtained), or through tensors registered with
+// mha_optimizer_add (rather than _add_module) by mha_optimizer_step, call
+// mha_module_params_changed(m) before the next call that reads m;
+// otherwise that call may use the outdated copy. m NULL: nothing. Safe to
+// call from any thread at any time, even while other threads run calls on
+// m (the writes themselves must still not overlap such calls).
+MHA_API void mha_module_params_changed(mha_module *m);
 
 // A copy of m whose weight matrices are stored as weight_dtype (MHA_F32,
 // MHA_BF16, MHA_F16): float32 -> half rounds to nearest even, half ->

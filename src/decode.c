@@ -15,11 +15,13 @@
 typedef struct cached_call {
     fwd_plan p;
     const mha__kernels *kt;
+    const mha__packs *pk;  // the module's packed weights, or NULL (packs.c)
     int nt;
     bool seq_first, gated;
     int64_t R;  // rows of the query (N T)
     // the scratch: blk (xg, wt, wo, gs, qkv, ctx, yt, wh), the start
-    // positions, gbuf (gated: gate (R, H), gctx (R, Eq), packed W_g)
+    // positions, gbuf (gated: gate (R, H), gctx (R, Eq), packed W_g); wt,
+    // wo and W_g empty when the module's packed weights hold them
     float *blk, *gbuf;
     int64_t *starts;
     size_t pw, pwkv;  // floats of a packed (E, Eq) / (E, Ekv) weight
@@ -74,24 +76,30 @@ static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_
     return MHA_OK;
 }
 
-// Scratch: the kernels and threads; one block, the start positions (N)
-// and, gated, gate (R, H), gctx (R, Eq) and the packed W_g, all allocated
-// before the cache changes; the block carved into c.
+// Scratch (c->kt and c->pk set): the threads; one block, the start
+// positions (N) and, gated, gate (R, H), gctx (R, Eq) and the packed W_g,
+// all allocated before the cache changes; the block carved into c. The
+// packed weights' room only when the module's packed copy is not held.
 static mha_status cached_scratch(cached_call *c, const mha_module *m) {
     const fwd_plan *p = &c->p;
     const int64_t N = p->N, E = p->E, Eq = p->Eq, H = p->H, R = c->R;
     const int64_t Ekv = p->Ekv, W3 = Eq + 2 * Ekv;
-    const mha__kernels *kt = c->kt = mha__kernels_get();
+    const mha__kernels *kt = c->kt;
     const int nt = c->nt = p->nthreads;
+    // (the copy holds every float32 matrix whole: found at row 0, see
+    // mha__packs_find)
+    const bool held = c->pk && m->wdt == MHA_F32, gheld = c->pk != NULL;
     c->seq_first = p->unbatched || !m->cfg.batch_first;
     // scratch: gathered x, packed weights (E (Eq + 2 Ekv) or separate) and
     // Wo (Eq, E), GEMM scratch, qkv (R, Eq + 2 Ekv), ctx (R, Eq), y (R, E),
     // the start positions
-    const size_t pw = mha__gemm_packed_b_floats(kt, E, Eq),
-                 pwo = mha__gemm_packed_b_floats(kt, Eq, E),
+    const size_t pw = held ? 0 : mha__gemm_packed_b_floats(kt, E, Eq),
+                 pwo = held ? 0 : mha__gemm_packed_b_floats(kt, Eq, E),
                  n_gs = mha__gemm_scratch_floats(kt, nt),
-                 pwkv = mha__gemm_packed_b_floats(kt, E, Ekv);
-    const size_t n_w = m->packed ? mha__gemm_packed_b_floats(kt, E, W3) : pw + 2 * pwkv;
+                 pwkv = held ? 0 : mha__gemm_packed_b_floats(kt, E, Ekv);
+    const size_t n_w = held        ? 0
+                       : m->packed ? mha__gemm_packed_b_floats(kt, E, W3)
+                                   : pw + 2 * pwkv;
     const size_t n_wh = m->wdt == MHA_F32 ? 0 : mha__half_weight_floats(kt, m, nt);
     size_t total = (size_t)(R * E) * 2 + (size_t)(R * Eq) + (size_t)(R * W3) + n_w + pwo +
                    n_gs + n_wh,
@@ -101,9 +109,9 @@ static mha_status cached_scratch(cached_call *c, const mha_module *m) {
     // (everything is allocated before the cache changes: a failure after
     // the append can only come from the attention, and is rolled back)
     const bool gated = c->gated = mha__module_gated(m);
-    const size_t gfloats = gated
-                               ? (size_t)(R * H + R * Eq) + mha__gemm_packed_b_floats(kt, E, H)
-                               : 0;
+    const size_t gfloats = gated ? (size_t)(R * H + R * Eq) +
+                                       (gheld ? 0 : mha__gemm_packed_b_floats(kt, E, H))
+                                 : 0;
     float *blk = mha__alloc(bytes);
     int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
     float *gbuf = gated ? mha__alloc(sizeof(float) * gfloats) : NULL;
@@ -137,14 +145,14 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
     else mha__gather_rows(xg, a->query), ldx = E;
     const float *bq = m->in_proj_bias;
     if (m->packed) {
-        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_in, wh), bq, R, E, W3, wt,
-                         gs, nt);
+        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_in, wh, c->pk), bq, R, E,
+                         W3, wt, gs, nt);
     } else {
-        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_q, wh), bq, R, E, Eq, wt,
-                         gs, nt);
-        mha__linear_rows(kt, qkv + Eq, W3, X, ldx, mha__wmat_of(m, m->w_k, wh),
+        mha__linear_rows(kt, qkv, W3, X, ldx, mha__wmat_of(m, m->w_q, wh, c->pk), bq, R, E, Eq,
+                         wt, gs, nt);
+        mha__linear_rows(kt, qkv + Eq, W3, X, ldx, mha__wmat_of(m, m->w_k, wh, c->pk),
                          bq ? bq + Eq : NULL, R, E, Ekv, wt + pw, gs, nt);
-        mha__linear_rows(kt, qkv + Eq + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh),
+        mha__linear_rows(kt, qkv + Eq + Ekv, W3, X, ldx, mha__wmat_of(m, m->w_v, wh, c->pk),
                          bq ? bq + Eq + Ekv : NULL, R, E, Ekv, wt + pw + pwkv, gs, nt);
     }
     if (m->cfg.qk_norm != MHA_QK_NORM_NONE) {  // q, k <- RMSNorm, before RoPE
@@ -235,15 +243,16 @@ static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module
         if (!mha__head_live(m, h)) mha__zero_head_rows(ctx + h * d, Eq, 0, R, d);
     const float *octx = ctx;
     if (gated) {
-        mha__gate_rows(kt, gbuf, gbuf + R * H, ctx, m, X, ldx, R, gbuf + R * H + R * Eq, gs, nt);
+        mha__gate_rows(kt, gbuf, gbuf + R * H, ctx, m, c->pk, X, ldx, R, gbuf + R * H + R * Eq,
+                       gs, nt);
         octx = gbuf + R * H;
     }
     int64_t ldo = E;
     const bool direct = mha__rows_direct(out, &ldo);
     float *y = direct ? (float *)out->data : yt;
     if (!direct) ldo = E;
-    mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh), m->out_bias, R, Eq,
-                     E, wo, gs, nt);
+    mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh, c->pk), m->out_bias,
+                     R, Eq, E, wo, gs, nt);
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
             mha__mat row = mha__view_row(out, r);
@@ -251,16 +260,22 @@ static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module
         }
 }
 
-// The phases: check -> scratch -> project -> RoPE and append -> attend ->
-// gates and out-project; the scratch freed whatever happened.
+// The phases: check -> the packed weights -> scratch -> project -> RoPE and
+// append -> attend -> gates and out-project; the packed weights given back
+// and the scratch freed whatever happened.
 mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
                               mha_kv_cache *cache) {
     cached_call c = {0};  // (initialised for the compiler: read only after MHA_OK)
     mha_status st;
-    if ((st = cached_check(&c, out, m, a, cache)) || (st = cached_scratch(&c, m))) return st;
-    cached_project(&c, m, a);
-    if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, m, a, cache)))
-        cached_out_project(&c, out, m);
+    if ((st = cached_check(&c, out, m, a, cache))) return st;
+    c.kt = mha__kernels_get();
+    c.pk = mha__packs_acquire(m, c.kt, c.p.nthreads);
+    if (!(st = cached_scratch(&c, m))) {
+        cached_project(&c, m, a);
+        if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, m, a, cache)))
+            cached_out_project(&c, out, m);
+    }
+    mha__packs_release(c.pk);
     mha__free(c.gbuf);
     mha__free(c.blk);
     free(c.starts);

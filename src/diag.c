@@ -112,9 +112,9 @@ static bool find_nonfinite_view(char *out, size_t cap, const char *name, const m
 }
 
 static bool find_nonfinite_params(char *out, size_t cap, const mha_module *m) {
-    for (int i = 0; i < mha_module_num_params(m); i++) {
-        mha_param p;
-        if (mha_module_param_at(&p, m, i)) continue;
+    for (int i = 0; i < m->nparams; i++) {
+        const mha_param p = m->params[i];  // (read only: not mha_module_param_at,
+                                           // which marks the packed weights stale)
         mha_tensor t = mha_tensor_contiguous(p.storage, p.dtype, p.ndim, p.shape);
         if (find_nonfinite_view(out, cap, p.name, &t)) return true;
     }

@@ -101,7 +101,8 @@ typedef struct bwd_call {
     const mha_forward_args *a;
     const mha__part *pt;  // a part's hooks (fused.h), or NULL
     const mha__kernels *kt;
-    bool acc;  // += instead of =
+    const mha__packs *pk;  // the module's packed weights, or NULL (packs.c)
+    bool acc;              // += instead of =
     bwd_scratch s;
     float *blk;   // the block s is carved from
     float *gbuf;  // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, Eq), packed W_g
@@ -263,18 +264,19 @@ static mha_status bwd_forward(bwd_call *c) {
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
     if (sv) {
     } else if (sp && !pt) {
-        mha__linear_rows(kt, c->s.qkv, W3, c->Xq, c->ldq, mha__wmat_f32(m->in_proj_weight), bq,
-                         Rq, E, W3, wt, gs, nt);
+        mha__linear_rows(kt, c->s.qkv, W3, c->Xq, c->ldq,
+                         mha__wmat_f32(m->in_proj_weight, c->pk), bq, Rq, E, W3, wt, gs, nt);
     } else {
         float *wq = wt, *wk = sp ? wt : wq + pw_q, *wv = sp ? wt : wk + pw_k;
-        mha__linear_rows(kt, q + oq, W3, c->Xq, c->ldq, mha__wmat_f32(m->q_weight + oq * E),
-                         bq ? bq + oq : NULL, Rq, E, nq, wq, gs, nt);
+        mha__linear_rows(kt, q + oq, W3, c->Xq, c->ldq,
+                         mha__wmat_f32(m->q_weight + oq * E, c->pk), bq ? bq + oq : NULL, Rq,
+                         E, nq, wq, gs, nt);
         mha__linear_rows(kt, k + okv, ldkv, c->Xk, c->ldk,
-                         mha__wmat_f32(m->k_weight + okv * kd), bk ? bk + okv : NULL, Rk, kd,
-                         nkv, wk, gs, nt);
+                         mha__wmat_f32(m->k_weight + okv * kd, c->pk), bk ? bk + okv : NULL,
+                         Rk, kd, nkv, wk, gs, nt);
         mha__linear_rows(kt, v + okv, ldkv, c->Xv, c->ldv,
-                         mha__wmat_f32(m->v_weight + okv * vd), bv ? bv + okv : NULL, Rk, vd,
-                         nkv, wv, gs, nt);
+                         mha__wmat_f32(m->v_weight + okv * vd, c->pk), bv ? bv + okv : NULL,
+                         Rk, vd, nkv, wv, gs, nt);
     }
     mha__fill_extra(c->s.extra, m, Hkv, nx, d);
     const int64_t Tk = sp ? L : S;  // rows of k and v per batch element
@@ -368,8 +370,8 @@ static mha_status bwd_gates(bwd_call *c) {
     c->gate = gate, c->dg = dg, c->gctx = gctx;
     const float *ctx = c->s.ctx;
     float *dctx = c->s.dctx;
-    mha__gate_rows(c->kt, gate, gctx, ctx, m, c->Xq, c->ldq, Rq, gctx + Rq * Eq, c->s.gs,
-                   c->p->nthreads);
+    mha__gate_rows(c->kt, gate, gctx, ctx, m, c->pk, c->Xq, c->ldq, Rq, gctx + Rq * Eq,
+                   c->s.gs, c->p->nthreads);
     const bool dyn = m->cfg.head_gate == MHA_GATE_DYNAMIC;
     for (int64_t r = 0; r < Rq; r++)
         for (int64_t h = 0; h < H; h++) {
@@ -628,6 +630,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     bwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
     mha_status st = bwd_alloc(&c);
     if (st) return st;
+    if (grads) mha__packs_stale(grads);  // (its parameters are written below)
+    c.pk = mha__packs_acquire(m, c.kt, p->nthreads);
     // Forward: inputs as rows (or the saved state), projections, attention
     // with the row stats.
     if ((st = bwd_inputs(&c)) || (st = bwd_forward(&c))) goto done;
@@ -651,6 +655,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (grads) bwd_param_grads(&c, grads);
     bwd_input_grads(&c, gq, gk, gv);
 done:
+    mha__packs_release(c.pk);
     mha__free(c.gbuf);
     mha__free(c.blk);
     return st;

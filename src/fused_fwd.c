@@ -23,10 +23,11 @@
 
 // The forward's step 3 from the context ctx (Rq, Eq; gated in place when
 // in_place, else into the scratch): the gates, W_O (+ out_proj.bias unless a
-// part without it: pt), the output dropout, into out. xq: the query rows.
+// part without it: pt), the output dropout, into out. xq: the query rows;
+// pk: the module's packed weights held by the call, or NULL.
 static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
-                        const mha_module *m, const mha_forward_args *a, float *ctx,
-                        bool in_place, const float *xq, int64_t ldq, char *ws,
+                        const mha_module *m, const mha__packs *pk, const mha_forward_args *a,
+                        float *ctx, bool in_place, const float *xq, int64_t ldq, char *ws,
                         const mha__part *pt) {
     const int64_t E = p->E, Eq = p->Eq, Rq = mha__rows_of(a->query);
     const int nt = p->nthreads;
@@ -41,11 +42,11 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
     if (mha__module_gated(m)) {  // the heads' contexts times their gates (in place
                                  // unless the saved state keeps the ungated ctx)
         float *gctx = in_place ? ctx : (float *)(ws + p->f.gctx);
-        mha__gate_rows(kt, (float *)(ws + p->f.gate), gctx, ctx, m, xq, ldq, Rq,
+        mha__gate_rows(kt, (float *)(ws + p->f.gate), gctx, ctx, m, pk, xq, ldq, Rq,
                        (float *)(ws + p->f.wg), gs, nt);
         octx = gctx;
     }
-    mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh),
+    mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh, pk),
                      pt && !pt->bias ? NULL : m->out_bias, Rq, Eq, E, wo, gs, nt);
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
@@ -69,9 +70,10 @@ typedef struct fwd_call {
     const mha_forward_args *a;
     const mha__part *pt;  // a part's hooks (fused.h), or NULL
     const mha__kernels *kt;
-    char *ws;         // the plan's scratch (p->f)
-    bool seq_first;   // rows are (t, n) (else (n, t))
-    const float *xq;  // the query rows (Rq, E), row stride ldq
+    const mha__packs *pk;  // the module's packed weights, or NULL (packs.c)
+    char *ws;              // the plan's scratch (p->f)
+    bool seq_first;        // rows are (t, n) (else (n, t))
+    const float *xq;       // the query rows (Rq, E), row stride ldq
     int64_t ldq;
     mha__rowmap qm, km, vm;  // q (Rq, Eq), k and v (Rk, Ekv) after RoPE
     float *ctx;              // the context (Rq, Eq)
@@ -80,9 +82,9 @@ typedef struct fwd_call {
 
 // Rows [0, n) of W (n rows of `in` elements) from row r, as a weight matrix.
 static mha__wmat weight_rows(const mha_module *m, const void *w, int64_t r, int64_t in,
-                             float *wh) {
+                             float *wh, const mha__packs *pk) {
     const size_t es = mha_dtype_size(m->wdt);
-    return mha__wmat_of(m, (const char *)w + (size_t)r * (size_t)in * es, wh);
+    return mha__wmat_of(m, (const char *)w + (size_t)r * (size_t)in * es, wh, pk);
 }
 
 // A bias from element o, or NULL without one.
@@ -99,6 +101,7 @@ static void fwd_project(fwd_call *c) {
     const mha_forward_args *a = c->a;
     const mha__part *pt = c->pt;
     const mha__kernels *kt = c->kt;
+    const mha__packs *pk = c->pk;
     char *ws = c->ws;
     const int64_t N = p->N, L = p->L, S = p->S, E = p->E, H = p->H, d = p->d;
     const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
@@ -118,20 +121,21 @@ static void fwd_project(fwd_call *c) {
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
     if (p->self_packed && pt) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f.qkv);
-        mha__linear_rows(kt, qkv + oq, W3, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
+        mha__linear_rows(kt, qkv + oq, W3, xq, ldq, weight_rows(m, m->w_q, oq, E, wh, pk),
                          bias_at(bq, oq), Rq, E, nq, wt, gs, nt);
-        mha__linear_rows(kt, qkv + Eq + okv, W3, xq, ldq, weight_rows(m, m->w_k, okv, E, wh),
-                         bias_at(bk, okv), Rq, E, nkv, wt, gs, nt);
+        mha__linear_rows(kt, qkv + Eq + okv, W3, xq, ldq,
+                         weight_rows(m, m->w_k, okv, E, wh, pk), bias_at(bk, okv), Rq, E, nkv,
+                         wt, gs, nt);
         mha__linear_rows(kt, qkv + Eq + Ekv + okv, W3, xq, ldq,
-                         weight_rows(m, m->w_v, okv, E, wh), bias_at(bv, okv), Rq, E, nkv, wt,
-                         gs, nt);
+                         weight_rows(m, m->w_v, okv, E, wh, pk), bias_at(bv, okv), Rq, E, nkv,
+                         wt, gs, nt);
         c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
         c->km = (mha__rowmap){qkv + Eq, W3, seq_first, N, L};
         c->vm = (mha__rowmap){qkv + Eq + Ekv, W3, seq_first, N, L};
     } else if (p->self_packed) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f.qkv);
-        mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh), bq, Rq, E, W3, wt,
-                         gs, nt);
+        mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh, pk), bq, Rq, E, W3,
+                         wt, gs, nt);
         c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
         c->km = (mha__rowmap){qkv + Eq, W3, seq_first, N, L};
         c->vm = (mha__rowmap){qkv + Eq + Ekv, W3, seq_first, N, L};
@@ -147,12 +151,14 @@ static void fwd_project(fwd_call *c) {
         float *q = sv ? sbuf : (float *)(ws + p->f.qkv),
               *k = sv ? sbuf + Rq * Eq : (float *)(ws + p->f.k),
               *v = sv ? sbuf + Rq * Eq + Rk * Ekv : (float *)(ws + p->f.v);
-        mha__linear_rows(kt, q + oq, Eq, xq, ldq, weight_rows(m, m->w_q, oq, E, wh),
+        mha__linear_rows(kt, q + oq, Eq, xq, ldq, weight_rows(m, m->w_q, oq, E, wh, pk),
                          bias_at(bq, oq), Rq, E, nq, wq, gs, nt);
-        mha__linear_rows(kt, k + okv, Ekv, xk, ldk, weight_rows(m, m->w_k, okv, p->kdim, wh),
-                         bias_at(bk, okv), Rk, p->kdim, nkv, wk, gs, nt);
-        mha__linear_rows(kt, v + okv, Ekv, xv, ldv, weight_rows(m, m->w_v, okv, p->vdim, wh),
-                         bias_at(bv, okv), Rk, p->vdim, nkv, wv, gs, nt);
+        mha__linear_rows(kt, k + okv, Ekv, xk, ldk,
+                         weight_rows(m, m->w_k, okv, p->kdim, wh, pk), bias_at(bk, okv), Rk,
+                         p->kdim, nkv, wk, gs, nt);
+        mha__linear_rows(kt, v + okv, Ekv, xv, ldv,
+                         weight_rows(m, m->w_v, okv, p->vdim, wh, pk), bias_at(bv, okv), Rk,
+                         p->vdim, nkv, wv, gs, nt);
         c->qm = (mha__rowmap){q, Eq, seq_first, N, L};
         c->km = (mha__rowmap){k, Ekv, seq_first, N, S};
         c->vm = (mha__rowmap){v, Ekv, seq_first, N, S};
@@ -337,20 +343,14 @@ static void fwd_average_weights(const fwd_call *c, mha_tensor *weights) {
         }
 }
 
-mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
-                              const mha_module *m, const mha_forward_args *a, char *ws,
-                              const mha__part *pt) {
-    mha_status qst = mha__fused_part_qk_norm(m, pt);
-    if (qst) return qst;
-    fwd_call c = {.p = p,
-                  .m = m,
-                  .a = a,
-                  .pt = pt,
-                  .kt = mha__kernels_get(),
-                  .ws = ws,
-                  .seq_first = p->unbatched || !m->cfg.batch_first,
-                  .ldq = p->E,
-                  .xq = (const float *)(ws + p->f.xq)};
+// The forward's phases, with the module's packed weights held (c->pk).
+static mha_status fused_forward(fwd_call *cp, mha_tensor *out, mha_tensor *weights) {
+    fwd_call c = *cp;
+    const fwd_plan *p = c.p;
+    const mha_module *m = c.m;
+    const mha_forward_args *a = c.a;
+    const mha__part *pt = c.pt;
+    char *ws = c.ws;
     const int64_t N = p->N, L = p->L, S = p->S, Eq = p->Eq, Ekv = p->Ekv;
     // the query rows: the view in place, or gathered
     if (p->q_direct) mha__rows_direct(a->query, &c.ldq), c.xq = a->query->data;
@@ -375,8 +375,31 @@ mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *we
     if (a->need_weights && a->average_attn_weights) fwd_average_weights(&c, weights);
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
-    out_project(c.kt, p, out, m, a, c.ctx, !a->save, c.xq, c.ldq, ws, pt);
+    out_project(c.kt, p, out, m, c.pk, a, c.ctx, !a->save, c.xq, c.ldq, ws, pt);
     return MHA_OK;
+}
+
+mha_status mha__fused_forward(const fwd_plan *p, mha_tensor *out, mha_tensor *weights,
+                              const mha_module *m, const mha_forward_args *a, char *ws,
+                              const mha__part *pt) {
+    mha_status st = mha__fused_part_qk_norm(m, pt);
+    if (st) return st;
+    fwd_call c = {.p = p,
+                  .m = m,
+                  .a = a,
+                  .pt = pt,
+                  .kt = mha__kernels_get(),
+                  .ws = ws,
+                  .seq_first = p->unbatched || !m->cfg.batch_first,
+                  .ldq = p->E,
+                  .xq = (const float *)(ws + p->f.xq)};
+    // (a part that brings its projections and takes the context multiplies
+    // by no weight)
+    const bool multiplies = !(pt && pt->proj.q_in && pt->out.ctx);
+    c.pk = multiplies ? mha__packs_acquire(m, c.kt, p->nthreads) : NULL;
+    st = fused_forward(&c, out, weights);
+    mha__packs_release(c.pk);
+    return st;
 }
 
 void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module *m,
@@ -385,7 +408,10 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
     const float *xq = (const float *)(ws + p->f.xq);
     if (p->q_direct) mha__rows_direct(a->query, &ldq), xq = a->query->data;
     else mha__gather_rows((float *)xq, a->query);
-    out_project(mha__kernels_get(), p, out, m, a, ctx, true, xq, ldq, ws, NULL);
+    const mha__kernels *kt = mha__kernels_get();
+    const mha__packs *pk = mha__packs_acquire(m, kt, p->nthreads);
+    out_project(kt, p, out, m, pk, a, ctx, true, xq, ldq, ws, NULL);
+    mha__packs_release(pk);
 }
 
 

@@ -217,6 +217,7 @@ mha_status mha_module_init(mha_module *m, const mha_init_options *o) {
         fill_uniform(m->out_weight, E * Eq, 1.0 / sqrt((double)Eq), &r);
     else st = init_matrix(m->out_weight, E, Eq, o, &r, ortho);
 done:
+    mha__packs_stale(m);  // (whatever was written)
     free(ortho);
     return st;
 }

@@ -18,31 +18,31 @@ void mha__fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx, i
             }
 }
 
-// C (R, O) = X (R, I) W^T + b for a PyTorch weight W (O, I): W packed into
-// Wp (mha__gemm_packed_b_floats(kt, I, O) floats; half weights widened on
-// the way), then the packed GEMM (gemm.h), rows over nt threads with gs as
-// its scratch. (Packing even for one row keeps every row's sum order that
-// of the packed kernel: a token's projection does not depend on how many
-// rows share the call.)
+// C (R, O) = X (R, I) W^T + b (linear.h): W's packed form from the
+// module's copy, else packed into Wp now.
 void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
                       int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
                       int64_t O, float *Wp, float *gs, int nt) {
-    if (W.dt == MHA_F32) mha__gemm_pack_wt(kt, Wp, W.p, O, I, nt);
-    else mha__gemm_pack_wt_half(kt, Wp, W.p, W.dt == MHA_BF16 ? 1 : 2, O, I, nt, W.wh);
-    mha__gemm_rows_packed(kt, C, ldc, X, ldx, Wp, b, R, I, O, false, nt, gs);
+    const float *Bp = W.dt == MHA_F32 ? mha__packs_find(W.pk, W.p, O, I) : NULL;
+    if (!Bp) {
+        if (W.dt == MHA_F32) mha__gemm_pack_wt(kt, Wp, W.p, O, I, nt);
+        else mha__gemm_pack_wt_half(kt, Wp, W.p, W.dt == MHA_BF16 ? 1 : 2, O, I, nt, W.wh);
+        Bp = Wp;
+    }
+    mha__gemm_rows_packed(kt, C, ldc, X, ldx, Bp, b, R, I, O, false, nt, gs);
 }
 
 // The gates of a gated module's R query rows X (R, E), gate (R, H):
-// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g packed into
-// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, Eq) = each
-// head's ctx (R, Eq) times its gate.
+// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g from pk,
+// or packed into Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx
+// (R, Eq) = each head's ctx (R, Eq) times its gate.
 void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
-                    const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
-                    float *gs, int nt) {
+                    const mha_module *m, const mha__packs *pk, const float *X, int64_t ldx,
+                    int64_t R, float *Wp, float *gs, int nt) {
     const int64_t E = m->cfg.embed_dim, Eq = m->q_dim, H = m->cfg.num_heads, d = m->head_dim;
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC) {
-        mha__linear_rows(kt, gate, H, X, ldx, mha__wmat_f32(m->gate_weight), m->gate_bias, R,
-                         E, H, Wp, gs, nt);
+        mha__linear_rows(kt, gate, H, X, ldx, mha__wmat_f32(m->gate_weight, pk), m->gate_bias,
+                         R, E, H, Wp, gs, nt);
         for (int64_t i = 0; i < R * H; i++)
             gate[i] = (float)(1.0 / (1.0 + exp(-(double)gate[i])));
     } else {

@@ -27,37 +27,46 @@ static inline void mha__row_nt(const fwd_plan *p, bool seq_first, const mha_tens
 void mha__fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx, int64_t d);
 
 // A weight matrix in its storage: elements of dt (F32, BF16, F16); wh:
-// the widening scratch of half ones (mha__gemm_pack_half_tmp_floats).
+// the widening scratch of half ones (mha__gemm_pack_half_tmp_floats); pk:
+// the module's packed weights held by the call (mha__packs_acquire), or
+// NULL.
 typedef struct mha__wmat {
     const void *p;
     mha_dtype dt;
     float *wh;
+    const mha__packs *pk;
 } mha__wmat;
 
-static inline mha__wmat mha__wmat_f32(const float *W) { return (mha__wmat){W, MHA_F32, NULL}; }
+static inline mha__wmat mha__wmat_f32(const float *W, const mha__packs *pk) {
+    return (mha__wmat){W, MHA_F32, NULL, pk};
+}
 
-// C (R, O) = X (R, I) W^T + b for a PyTorch weight W (O, I): W packed into
-// Wp (mha__gemm_packed_b_floats(kt, I, O) floats; half weights widened on
-// the way), then the packed GEMM (gemm.h), rows over nt threads with gs as
-// its scratch. (Packing even for one row keeps every row's sum order that
-// of the packed kernel: a token's projection does not depend on how many
-// rows share the call.)
+// C (R, O) = X (R, I) W^T + b for a PyTorch weight W (O, I): W's packed
+// form from the module's packed weights (W.pk) when they hold it, else W
+// packed into Wp (mha__gemm_packed_b_floats(kt, I, O) floats; half weights
+// widened on the way); then the packed GEMM (gemm.h), rows over nt threads
+// with gs as its scratch. The two give the same bits (the same layout).
+// (Packing even for one row keeps every row's sum order that of the packed
+// kernel: a token's projection does not depend on how many rows share the
+// call.)
 void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
                       int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
                       int64_t O, float *Wp, float *gs, int nt);
 
-// The module's weight matrix at p (one of m->w_*), with scratch wh.
-static inline mha__wmat mha__wmat_of(const mha_module *m, const void *p, float *wh) {
-    return (mha__wmat){p, m->wdt, wh};
+// The module's weight matrix at p (one of m->w_*, or rows of one), with
+// scratch wh and the packed weights pk (or NULL).
+static inline mha__wmat mha__wmat_of(const mha_module *m, const void *p, float *wh,
+                                     const mha__packs *pk) {
+    return (mha__wmat){p, m->wdt, wh, pk};
 }
 
 // The gates of a gated module's R query rows X (R, E), gate (R, H):
-// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g packed into
-// Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx (R, Eq) = each
-// head's ctx (R, Eq) times its gate.
+// head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g from pk,
+// or packed into Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx
+// (R, Eq) = each head's ctx (R, Eq) times its gate.
 void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const float *ctx,
-                    const mha_module *m, const float *X, int64_t ldx, int64_t R, float *Wp,
-                    float *gs, int nt);
+                    const mha_module *m, const mha__packs *pk, const float *X, int64_t ldx,
+                    int64_t R, float *Wp, float *gs, int nt);
 
 // Zeroes rows [i0, i1) of head column block [c0, c0 + d) of a row matrix.
 static inline void mha__zero_head_rows(float *row0, int64_t rs, int64_t i0, int64_t i1,

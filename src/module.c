@@ -269,6 +269,12 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
         p += round64((size_t)q->numel * mha_dtype_size(q->dtype));
     }
     bind_named(m);
+    if ((st = mha__packs_create(m))) {
+        mha__free(m->block);
+        free(m->pruned);
+        free(m);
+        return st;
+    }
     if (m->head_gate)  // static gates start open: the ungated module
         for (int64_t h = 0; h < H; h++) m->head_gate[h] = 1.0f;
     mha__qk_norm_reset(m);  // the norms' weights start at 1 (torch's RMSNorm)
@@ -278,6 +284,7 @@ mha_status mha_module_create(mha_module **out, const mha_config *cfg) {
 
 void mha_module_destroy(mha_module *m) {
     if (!m) return;
+    mha__packs_destroy(m->packs);
     mha__free(m->block);
     free(m->pruned);
     free(m);
@@ -318,6 +325,7 @@ mha_status mha_module_param_at(mha_param *out, const mha_module *m, int i) {
         return mha__fail(MHA_ERR_INVALID_ARG, "parameter index %d out of range [0, %d)", i,
                          m->nparams);
     *out = m->params[i];
+    mha__packs_stale(m);  // (the caller may write through out->data)
     return MHA_OK;
 }
 
@@ -327,6 +335,7 @@ mha_status mha_module_param(mha_param *out, const mha_module *m, const char *nam
     for (int i = 0; i < m->nparams; i++) {
         if (strcmp(m->params[i].name, name) == 0) {
             *out = m->params[i];
+            mha__packs_stale(m);  // (the caller may write through out->data)
             return MHA_OK;
         }
     }
@@ -334,6 +343,7 @@ mha_status mha_module_param(mha_param *out, const mha_module *m, const char *nam
 }
 
 void mha__copy_params(mha_module *dst, const mha_module *src) {
+    mha__packs_stale(dst);
     for (int i = 0; i < src->nparams; i++) {
         const mha_param *s = &src->params[i], *d = &dst->params[i];
         if (s->dtype == d->dtype) {

@@ -4,6 +4,7 @@
 #define MHA_MODULE_H
 
 #include "internal.h"
+#include "kernels/kernels.h"
 
 #define MHA__MAX_PARAMS 16  // (q, k, v, biases, bias_k/v, out, gates, sinks, norms)
 
@@ -37,7 +38,36 @@ struct mha_module {
                                             // (Eq), (Ekv) over all features
     bool *pruned;                           // (H): head h skipped
     int64_t npruned;
+    struct mha__packs *packs;  // the packed float32 weights (packs.c), or NULL
 };
+
+// The packed projection weights (packs.c): every float32 weight matrix of
+// the projections (in_proj_weight or q/k/v_proj_weight, out_proj.weight,
+// gate_proj.weight) as mha__gemm_pack_wt lays it out for the process's
+// kernel table, filled by the first call that wants it after a change, so
+// that calls multiply by it without packing first (the same bits).
+typedef struct mha__packs mha__packs;
+
+// At mha_module_create, after the parameters are bound: allocates the
+// packed copy (m->packs; NULL when nothing is float32), stale.
+mha_status mha__packs_create(mha_module *m);
+void mha__packs_destroy(mha__packs *pk);
+// Bytes the packed copy takes (0: none).
+size_t mha__packs_bytes(const mha_module *m);
+// The parameters changed (or may change): the copy is not used again until
+// it is filled anew. Any thread, any time (one atomic operation).
+void mha__packs_stale(const mha_module *m);
+// The packed copy for reading during one call (kt: the call's kernel
+// table; nt: threads to fill it with when it is stale), or NULL: pack per
+// call (half weights, another table, or another thread filling it or still
+// reading the stale one). Never blocks; a non-NULL result must be given
+// back with mha__packs_release once the call no longer reads it.
+const mha__packs *mha__packs_acquire(const mha_module *m, const mha__kernels *kt, int nt);
+void mha__packs_release(const mha__packs *pk);  // (NULL: nothing)
+// The packed form of rows [r0, r0 + O) of a packed weight, w pointing at
+// row r0 of it (I columns), when r0 is a multiple of the panel width
+// (kernels.h: a panel-aligned slice); else NULL (pk NULL included).
+const float *mha__packs_find(const mha__packs *pk, const void *w, int64_t O, int64_t I);
 
 // The qk_norm epsilon: cfg.qk_norm_eps, 0 meaning 1e-6.
 static inline double mha__qk_norm_eps(const mha_module *m) {

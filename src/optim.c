@@ -37,6 +37,9 @@ typedef struct optim_entry {
                     // AdamW: exp_avg (n) then exp_avg_sq (n)
     int64_t steps;  // updates done on this tensor (torch's state["step"]);
                     // SGD: 0 means the momentum buffer is not yet set
+    // mha_optimizer_add_module: the modules param and grad belong to (their
+    // packed weights go stale when the optimizer writes them), else NULL
+    const mha_module *pmod, *gmod;
 } optim_entry;
 
 struct mha_optimizer {
@@ -166,7 +169,7 @@ static int ranges_overlap(const float *a, int64_t na, const float *b, int64_t nb
 // Checks and registers one tensor; `what` names it in messages ("" or the
 // parameter's name).
 static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t n,
-                            const char *what) {
+                            const char *what, const mha_module *pmod, const mha_module *gmod) {
     char nm[96];
     const char *label = what[0] ? mha_escape(nm, sizeof nm, what) : "tensor";
     if (!param || !grad)
@@ -220,13 +223,13 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t
                              label, bytes);
         memset(state, 0, bytes);  // torch: zeros_like
     }
-    o->entries[o->count++] = (optim_entry){param, grad, n, state, 0};
+    o->entries[o->count++] = (optim_entry){param, grad, n, state, 0, pmod, gmod};
     return MHA_OK;
 }
 
 mha_status mha_optimizer_add(mha_optimizer *o, float *param, float *grad, int64_t n) {
     if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add: NULL optimizer");
-    return add_entry(o, param, grad, n, "");
+    return add_entry(o, param, grad, n, "", NULL, NULL);
 }
 
 // Pairs m's parameters with grads' by name; all or nothing (on failure the
@@ -282,7 +285,7 @@ mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m, mha_module 
     }
     int64_t before = o->count;
     for (int i = 0; i < np; i++) {
-        mha_status st = add_entry(o, pm[i].data, pg[i].data, pm[i].numel, pm[i].name);
+        mha_status st = add_entry(o, pm[i].data, pg[i].data, pm[i].numel, pm[i].name, m, grads);
         if (st != MHA_OK) {
             while (o->count > before) entry_free(&o->entries[--o->count]);
             return st;
@@ -375,15 +378,18 @@ mha_status mha_optimizer_step(mha_optimizer *o) {
     for (int64_t i = 0; i < o->count; i++) {
         if (o->cfg.kind == MHA_OPTIM_ADAMW) adamw_step(&o->cfg, &o->entries[i]);
         else sgd_step(&o->cfg, &o->entries[i]);
+        mha__packs_stale(o->entries[i].pmod);  // (NULL: a tensor of mha_optimizer_add)
     }
     return MHA_OK;
 }
 
 void mha_optimizer_zero_grad(mha_optimizer *o) {
     if (!o) return;
-    for (int64_t i = 0; i < o->count; i++)
+    for (int64_t i = 0; i < o->count; i++) {
         if (o->entries[i].n > 0)
             memset(o->entries[i].grad, 0, (size_t)o->entries[i].n * sizeof(float));
+        mha__packs_stale(o->entries[i].gmod);
+    }
 }
 
 // torch.nn.utils.clip_grad_norm_(params, max_norm), norm_type 2:
@@ -421,6 +427,7 @@ mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, double max_norm, doubl
 #pragma omp parallel for schedule(static) if (n >= MHA__OPTIM_PAR_MIN)
 #endif
             for (int64_t j = 0; j < n; j++) g[j] *= cf;
+            mha__packs_stale(o->entries[i].gmod);
         }
     }
     return MHA_OK;

@@ -717,6 +717,7 @@ mha_status mha__ref_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk, 
     ref_bwd_bufs buf = {0};  // (initialised for the compiler: read only after MHA_OK)
     mha_status st = ref_bwd_alloc(&buf, p, m);
     if (st) return st;
+    if (grads) mha__packs_stale(grads);  // (its parameters are written below)
 
     // Forward step 1 again: the projections (with qk_norm, their values
     // before the norm kept: xq, xk).

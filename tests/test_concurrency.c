@@ -7,6 +7,11 @@
 // mha_diagnose and a shared dense layer (mha_linear, BF16 weight). The
 // last-error message is per thread: each thread provokes its own error and
 // must read its own message back while the others work.
+// The module's packed weights (mha_module_params_changed) start stale, so
+// the threads race to fill them, and the threads keep marking them stale
+// (mha_module_params_changed, mha_module_param_at: allowed while others
+// run) so that fills, readers of the old copy and fallbacks to per-call
+// packing overlap all along.
 // Run under ThreadSanitizer by tests/tsan.sh (a build without OpenMP, whose
 // runtime is not instrumented); here it checks the results.
 #include <pthread.h>
@@ -157,6 +162,11 @@ static void *work(void *arg) {
         const int i = (w->id + it) % NIN;
         w->failures += run_all(r, i);
         w->mismatches += !same(r, &g_want[i]);
+        // the packed weights stale again, while the others compute (the
+        // parameters themselves do not change)
+        if (it % 3 == w->id % 3) mha_module_params_changed(g_m);
+        mha_param p;
+        w->failures += mha_module_param_at(&p, g_m, it % mha_module_num_params(g_m)) != MHA_OK;
         // a thread's own error message, while the others run
         mha_config c;
         mha_config_init(&c, 100 + w->id, 64);
@@ -214,6 +224,7 @@ int main(void) {
     CHECK(run_all(again, 1) == 0 && same(again, &g_want[1]));
     free(again->gparams);
     free(again);
+    mha_module_params_changed(g_m);  // (the threads race to fill the copy)
     worker w[WORKERS];
     memset(w, 0, sizeof w);
     for (int t = 0; t < WORKERS; t++) {

@@ -285,6 +285,7 @@ typedef struct model_ctx {
 // Mean cross-entropy in double from the model's float logits.
 static double model_eval(void *p) {
     model_ctx *c = p;
+    tiny_params_changed(c->m);  // (grad_check writes the parameters between calls)
     mha_status st = tiny_forward(c->m, NULL, c->tok, NULL, c->B, c->training, 77);
     if (st) return NAN;
     const float *z = tiny_logits(c->m);

@@ -61,6 +61,14 @@ static const char *bench_help =
     "                     K and V bytes read per second against this machine's\n"
     "                     read bandwidth measured in the same process;\n"
     "                     --kv-dtype f32|bf16|f16|int8 the cache's storage\n"
+    "  --module           with --decode: the module's decode step instead\n"
+    "                     (mha_forward_cached: the q, k, v projections, the\n"
+    "                     append, attention over the cache, W_O), --seq new\n"
+    "                     tokens per sequence, the cache cut back to --kv-len\n"
+    "                     after each step (untimed); prints the bytes a step\n"
+    "                     must read (the weights in their storage dtype + K\n"
+    "                     and V) per token and against the read bandwidth;\n"
+    "                     takes --weight-dtype, --head-gate, --prune-heads\n"
     "  --weight-dtype T   f32 (default), bf16 or f16: the module's weight\n"
     "                     matrices stored in T (mha_config.weight_dtype)\n"
     "  --dtype T          f32 (default), bf16 or f16: query/key/value and\n"
@@ -102,6 +110,7 @@ static const char *bench_help =
 typedef struct bench_opts {
     int64_t B, L, S, E, H;
     bool causal, backward, core, json, workspace, no_save, decode;
+    bool module;               // --decode --module: mha_forward_cached
     int64_t kv_len, kv_heads;  // --decode
     mha_kv_dtype kv_dtype;     // --kv-dtype
     mha_dtype wdtype, dtype;   // --weight-dtype, --dtype (module forward)
@@ -441,7 +450,7 @@ static const struct option bench_long_opts[] = {
     {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
     {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
     {"warmup", required_argument, 0, 'u'},    {"help", no_argument, 0, 'h'},
-    {0, 0, 0, 0}};
+    {"module", no_argument, 0, 'M'},          {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
 // optarg) and returns -1 when it took it, the exit status when its value
@@ -467,9 +476,9 @@ static int bench_opt_problem(bench_opts *o, int c) {
     return -1;
 }
 
-// What is timed: --backward, --core, --no-save, --decode, --kv-dtype,
-// --weight-dtype, --dtype, --parallel, --prune-heads, --head-gate,
-// --workspace.
+// What is timed: --backward, --core, --no-save, --decode, --module,
+// --kv-dtype, --weight-dtype, --dtype, --parallel, --prune-heads,
+// --head-gate, --workspace.
 static int bench_opt_what(bench_opts *o, int c) {
     const int64_t big = (int64_t)1 << 31;
     switch (c) {
@@ -477,6 +486,7 @@ static int bench_opt_what(bench_opts *o, int c) {
     case 'C': o->core = true; break;
     case 'N': o->no_save = true; break;
     case 'D': o->decode = true; break;
+    case 'M': o->module = true; break;
     case 'T':
         if (mha_kv_dtype_from_name(&o->kv_dtype, optarg))
             return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
@@ -547,7 +557,8 @@ static int bench_opt_how(bench_opts *o, int c) {
 // The checks across options once all are read (and the defaults that
 // follow from others). Returns -1 to go on, else the exit status.
 static int bench_check(bench_opts *o) {
-    if ((o->core || o->decode) && (o->prune || o->gate))
+    if (o->module && !o->decode) return bench_usage("--module goes with --decode");
+    if ((o->core || (o->decode && !o->module)) && (o->prune || o->gate))
         return bench_usage("--prune-heads and --head-gate are for the module, not --core or --decode");
     if (o->decode) {
         if (!o->kv_len || !o->E || !o->H)
@@ -557,6 +568,7 @@ static int bench_check(bench_opts *o) {
             return bench_usage("--decode: --num-heads must divide --embed-dim and "
                                "--num-kv-heads must divide --num-heads");
         if (!o->L) o->L = 1;
+        if (o->prune > o->H) return bench_usage("--prune-heads is more than --num-heads");
         return -1;
     }
     if (!o->L || !o->E || !o->H) return bench_usage("--seq, --embed-dim and --num-heads are required");
@@ -796,6 +808,134 @@ static int bench_decode(const bench_opts *o, int threads) {
     return rc;
 }
 
+// mha bench --decode --module: one module decode step (mha_forward_cached,
+// projections included) of T = --seq new tokens per sequence over a cache
+// holding --kv-len N tokens; the cache is cut back to N after every step
+// (untimed), so each step sees the same context. What a step must read:
+// every parameter in its storage dtype (the weights dominate) and the K and
+// V of the N + T cached tokens.
+static int bench_decode_module(const bench_opts *o, int threads) {
+    const int64_t B = o->B, E = o->E, H = o->H, Hkv = o->kv_heads, d = E / H, N = o->kv_len,
+                  T = o->L;
+    mha_config cfg;
+    mha_config_init(&cfg, E, H);
+    cfg.num_kv_heads = Hkv;
+    cfg.weight_dtype = o->wdtype;
+    cfg.head_gate = o->gate;
+    mha_module *m = NULL;
+    mha_kv_cache *c = NULL;
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = o->seed;
+    mha_status st = mha_module_create(&m, &cfg);
+    if (!st) st = mha_module_init(m, &io);
+    if (!st && o->prune) {  // the last --prune-heads heads
+        int64_t *heads = malloc(sizeof(int64_t) * (size_t)o->prune);
+        if (!heads) {
+            mha_module_destroy(m);
+            fprintf(stderr, "mha bench: out of memory\n");
+            return 1;
+        }
+        for (int64_t i = 0; i < o->prune; i++) heads[i] = H - o->prune + i;
+        st = mha_module_prune_heads(m, heads, o->prune);
+        free(heads);
+    }
+    if (!st) st = mha_kv_cache_create_ex(&c, B, Hkv, d, d, N + T, o->kv_dtype);
+    if (st) {
+        mha_module_destroy(m);
+        return cli_fail("bench", st);
+    }
+    uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
+    const int64_t chunk = 4096;  // the context filled chunk by chunk (bounded temporary)
+    float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
+    float *x = malloc(sizeof(float) * (size_t)(T * B * E)),
+          *y = malloc(sizeof(float) * (size_t)(T * B * E));
+    double *times = malloc(sizeof(double) * (size_t)o->repeat);
+    int rc = 0;
+    if (!kv || !x || !y || !times) {
+        fprintf(stderr, "mha bench: out of memory\n");
+        rc = 1;
+    }
+    for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
+        const int64_t n = N - n0 < chunk ? N - n0 : chunk;
+        fill_uniform(kv, B * Hkv * n * d, &rng);
+        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
+        if ((st = mha_kv_cache_append(c, &kt, &kt, NULL))) rc = cli_fail("bench", st);
+    }
+    if (!rc) fill_uniform(x, T * B * E, &rng);
+    double wbytes = 0;  // every parameter in its storage dtype
+    for (int i = 0; !rc && i < mha_module_num_params(m); i++) {
+        mha_param p;  // (before the warm-up: handing out p marks the packed weights stale)
+        if ((st = mha_module_param_at(&p, m, i))) rc = cli_fail("bench", st);
+        else wbytes += (double)p.numel * (double)mha_dtype_size(p.dtype);
+    }
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){T, B, E});
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){T, B, E});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    for (int64_t i = 0; !rc && i < o->warmup + o->repeat; i++) {
+        const double t0 = cli_now();
+        if ((st = mha_forward_cached(&yt, m, &a, c))) rc = cli_fail("bench", st);
+        const double ms = (cli_now() - t0) * 1e3;
+        if (!rc && i >= o->warmup) times[i - o->warmup] = ms;
+        if (!rc && (st = mha_kv_cache_truncate(c, -1, N))) rc = cli_fail("bench", st);
+    }
+    if (!rc) {
+        qsort(times, (size_t)o->repeat, sizeof *times, cli_cmp_double);
+        const int64_t n = o->repeat;
+        const double med = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+        const double kvbytes = (double)mha_kv_cache_bytes(c);  // N + T rows: all in use
+        const double bytes = wbytes + kvbytes, gbs = bytes / (med * 1e-3) * 1e-9;
+        size_t bw_bytes = (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576);
+        const double bw = read_bandwidth(threads, bw_bytes);
+        const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
+        if (o->json)
+            printf("{\"what\": \"mha\", \"decode\": true, \"module\": true, \"threads\": %d, "
+                   "\"isa\": \"%s\", \"batch\": %lld, \"embed_dim\": %lld, "
+                   "\"num_heads\": %lld, \"num_kv_heads\": %lld, \"head_dim\": %lld, "
+                   "\"tokens\": %lld, \"kv_len\": %lld, \"weight_dtype\": \"%s\", "
+                   "\"kv_dtype\": \"%s\", \"head_gate\": \"%s\", \"pruned\": %lld, "
+                   "\"repeat\": %lld, \"median_ms\": %.4f, \"min_ms\": %.4f, "
+                   "\"max_ms\": %.4f, \"ms_per_token\": %.4f, \"weight_bytes\": %.6g, "
+                   "\"kv_bytes\": %.6g, \"bytes_per_token\": %.6g, \"gbps\": %.3f, "
+                   "\"read_bandwidth_gbps\": %.3f, \"bandwidth_fraction\": %.4f, "
+                   "\"max_rss_mib\": %.1f}\n",
+                   threads, mha_isa(), (long long)B, (long long)E, (long long)H,
+                   (long long)Hkv, (long long)d, (long long)T, (long long)N,
+                   dtype_label(o->wdtype), kv_name, mha_head_gate_name(o->gate),
+                   (long long)o->prune, (long long)o->repeat, med, times[0], times[n - 1],
+                   med / (double)(B * T), wbytes, kvbytes, bytes / (double)(B * T), gbs, bw,
+                   bw > 0 ? gbs / bw : 0.0, max_rss_mib());
+        else
+            printf("mha bench: module decode step (mha_forward_cached), %d thread%s, kernels "
+                   "%s\n"
+                   "  shape      batch %lld x %lld new token%s, E %lld, %lld head%s (%lld KV), "
+                   "d %lld, %lld cached tokens, weights %s, cache %s\n"
+                   "  time       median %.3f ms (min %.3f, max %.3f; %lld runs) = %.3f ms per "
+                   "token\n"
+                   "  reads      weights %.2f MiB + K and V %.2f MiB = %.2f MiB per step "
+                   "(%.2f MiB per token)\n"
+                   "             = %.1f GB/s = %.1f%% of the read bandwidth %.1f GB/s measured "
+                   "here (%d thread%s)\n"
+                   "  memory     process max RSS %.1f MiB\n",
+                   threads, threads == 1 ? "" : "s", mha_isa(), (long long)B, (long long)T,
+                   T == 1 ? "" : "s", (long long)E, (long long)H, H == 1 ? "" : "s",
+                   (long long)Hkv, (long long)d, (long long)N, dtype_label(o->wdtype), kv_name,
+                   med, times[0], times[n - 1], (long long)o->repeat, med / (double)(B * T),
+                   wbytes / 1048576.0, kvbytes / 1048576.0, bytes / 1048576.0,
+                   bytes / (double)(B * T) / 1048576.0, gbs, bw > 0 ? 100.0 * gbs / bw : 0.0,
+                   bw, threads, threads == 1 ? "" : "s", max_rss_mib());
+    }
+    free(kv);
+    free(x);
+    free(y);
+    free(times);
+    mha_kv_cache_destroy(c);
+    mha_module_destroy(m);
+    return rc;
+}
+
 int cmd_bench(int argc, char **argv) {
     bench_opts o;
     int rc = bench_parse(&o, argc, argv);
@@ -805,6 +945,8 @@ int cmd_bench(int argc, char **argv) {
         fprintf(stderr, "mha bench: cannot set MHA_ISA\n");
         return 1;
     }
+    if (o.parallel && o.module)
+        return bench_usage("--module times one process (no --parallel)");
     if (o.parallel) {
         const bool kv = !strcmp(o.parallel, "kv");
         if (kv != o.decode)
@@ -832,7 +974,8 @@ int cmd_bench(int argc, char **argv) {
                 o.threads);
 #endif
     r.isa = mha_isa();
-    if (o.decode) return bench_decode(&o, r.threads);
+    if (o.decode)
+        return o.module ? bench_decode_module(&o, r.threads) : bench_decode(&o, r.threads);
 
     // Which implementation runs (and whether the library accepts it).
     char why[512] = "";

@@ -338,6 +338,8 @@ static int custom_scale(PyObject *obj, bool *use, double *scale) {
 typedef struct ModuleObject {
     PyObject_HEAD mha_module *m;
     Py_ssize_t readers;  // calls reading it with the GIL released
+    Py_ssize_t views;    // live writable buffers of its parameters (Param)
+    bool exposed;        // one lived since the last call that read it
 } ModuleObject;
 
 static PyTypeObject ModuleType;
@@ -350,7 +352,20 @@ static PyObject *wrap_module(mha_module *m) {
     }
     o->m = m;
     o->readers = 0;
+    o->views = 0;
+    o->exposed = false;
     return (PyObject *)o;
+}
+
+// Before a call that reads the module (GIL held): its parameters may have
+// been written through a Param buffer (numpy arrays, torch tensors on its
+// storage: torch's optimizers write there) since the last such call, so
+// its packed weights are marked stale (mha_module_params_changed; safe
+// while other threads' calls read it). Without a buffer alive or died
+// since, nothing could have written it and the packed copy is kept.
+static void module_sync(ModuleObject *o) {
+    if (o->views > 0 || o->exposed) mha_module_params_changed(o->m);
+    o->exposed = false;
 }
 
 static int module_idle(ModuleObject *o, const char *what) {
@@ -528,6 +543,10 @@ static int Param_getbuffer(ParamObject *p, Py_buffer *view, int flags) {
 static PyBufferProcs Param_as_buffer = {(getbufferproc)Param_getbuffer, NULL};
 
 static void Param_dealloc(ParamObject *p) {
+    if (p->owner) {  // (a write may have come after the module's last call)
+        p->owner->views--;
+        p->owner->exposed = true;
+    }
     Py_XDECREF(p->owner);
     PyObject_Free(p);
 }
@@ -542,6 +561,7 @@ static PyObject *Module_param(ModuleObject *o, PyObject *args) {
     if (!b) return NULL;
     Py_INCREF(o);
     b->owner = o;
+    o->views++;
     b->data = p.storage;
     b->ndim = p.ndim;
     b->itemsize = (Py_ssize_t)mha_dtype_size(p.dtype);
@@ -962,6 +982,7 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
         (c.a.need_weights &&
          !(res[1] = alloc_view(&h, alloc, &ws, c.q.dtype, "attn_weights", &tw))))
         return finish(&h, false, MHA_OK, res, 2);
+    module_sync(mod);
     mod->readers++;
     Py_BEGIN_ALLOW_THREADS st = mha_forward(&to, res[1] ? &tw : NULL, mod->m, &c.a);
     Py_END_ALLOW_THREADS mod->readers--;
@@ -1000,6 +1021,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
         (g && module_idle(g, "write gradients into it") < 0))
         return finish(&h, false, MHA_OK, res, 3);
     mha_status st;
+    module_sync(mod);  // (g: mha_backward marks its packed weights stale itself)
     mod->readers++;
     if (g) g->readers++;
     Py_BEGIN_ALLOW_THREADS st = mha_backward(want[0] ? &td[0] : NULL, want[1] ? &td[1] : NULL,
@@ -1275,6 +1297,7 @@ static PyObject *py_forward_cached(PyObject *self, PyObject *args, PyObject *kw)
     if (!(out = alloc_view(&h, alloc, &os, MHA_F32, "out", &to))) goto fail;
     if (cache_claim(cache) < 0) goto fail;
     mha_status st;
+    module_sync(mod);
     mod->readers++;
     Py_BEGIN_ALLOW_THREADS st = mha_forward_cached(&to, mod->m, &c.a, cache->c);
     Py_END_ALLOW_THREADS mod->readers--;

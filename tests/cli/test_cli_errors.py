@@ -610,6 +610,14 @@ def main():
     r.expect_error("usage: stray argument",
                    fwd + ["--weights", W, "--inputs", X, "extra"], Y)
     r.expect_error("usage: unknown command", ["frobnicate"])
+    r.expect_error("bench: --module without --decode",
+                   ["bench", "--module", "--embed-dim", "8", "--num-heads", "2", "--seq", "2"])
+    r.expect_error("bench: --decode --module --prune-heads 3 of 2 heads",
+                   ["bench", "--decode", "--module", "--embed-dim", "8", "--num-heads", "2",
+                    "--kv-len", "4", "--prune-heads", "3"])
+    r.expect_error("bench: --decode --module --parallel kv",
+                   ["bench", "--decode", "--module", "--embed-dim", "8", "--num-heads", "2",
+                    "--kv-len", "4", "--parallel", "kv"])
     r.expect_error("--out in a missing directory",
                    ["forward", "--weights", W, "--inputs", X, "--out",
                     P("no_such_dir/y.safetensors")])

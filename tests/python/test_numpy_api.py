@@ -242,3 +242,63 @@ def test_dropout_seeded_backward():
     g = n.backward(np.ones_like(o3), x)  # the last forward's mask
     assert np.isfinite(g.query).all()
     assert np.array_equal(n.eval()(x)[0], n(x)[0])
+
+
+def test_packed_weights_follow_parameter_writes():
+    """The module's packed weights (mha_module_params_changed) never go stale
+    under Python: after a write through a parameter view (kept alive, or
+    dropped before the next call) and after a torch optimizer step on
+    mha.torch's parameters (views of the C storage), the fused forward,
+    backward and cached decode equal a fresh module's with those
+    parameters, bit for bit."""
+    g = np.random.default_rng(11)
+    x = g.normal(size=(2, 6, 32)).astype(np.float32)
+    gout = g.normal(size=(2, 6, 32)).astype(np.float32)
+
+    def results(m):
+        y = m(x, is_causal=True, need_weights=False, impl="fused")[0]
+        gr = m.backward(gout, x, is_causal=True, impl="fused")
+        cache = m.make_cache(batch=2, capacity=8)
+        dec = [m.forward_cached(x[:, t:t + 1], cache) for t in range(6)]
+        return [y, gr.query] + [gr.params[k] for k in sorted(gr.params)] + dec
+
+    def fresh(m):
+        f = mha.MultiheadAttention(32, 4, batch_first=True, num_kv_heads=2)
+        f.load_state_dict(m.state_dict())
+        return f
+
+    def same(a, b):
+        return all(np.array_equal(u, v) for u, v in zip(a, b))
+
+    n = mha.MultiheadAttention(32, 4, batch_first=True, num_kv_heads=2)
+    before = results(n)
+    w = dict(n.named_parameters())["in_proj_weight"]  # a view, kept alive
+    results(n)  # (the packed copy filled again)
+    w *= 0.5
+    after = results(n)
+    assert not same(before, after) and same(after, results(fresh(n)))
+    results(n)
+    w += 0.01  # written after a call, then dropped before the next
+    del w
+    assert same(results(n), results(fresh(n)))
+    o = dict(n.named_parameters())["out_proj.weight"]
+    results(n)
+    o -= 0.02
+    o = None
+    assert same(results(n), results(fresh(n)))
+
+    # mha.torch: torch's optimizer writes the C module's storage in place
+    torch.manual_seed(0)
+    t = mt.MultiheadAttention(32, 4, batch_first=True)
+    ref = mt.MultiheadAttention(32, 4, batch_first=True)
+    xt = torch.from_numpy(x)
+    opt = torch.optim.SGD(t.parameters(), lr=0.1)
+    for _ in range(2):
+        y, _ = t(xt, xt, xt, need_weights=False)
+        y.backward(torch.from_numpy(gout))
+        opt.step()
+        opt.zero_grad()
+        ref.load_state_dict(t.state_dict())
+        with torch.no_grad():
+            assert torch.equal(t(xt, xt, xt, need_weights=False)[0],
+                               ref(xt, xt, xt, need_weights=False)[0])

@@ -606,6 +606,10 @@ const tiny_tensor *tiny_tensors(const tiny_model *m, int *n_tensors) {
     return m->tensors;
 }
 
+void tiny_params_changed(tiny_model *m) {
+    for (int64_t l = 0; l < m->cfg.n_layers; l++) mha_module_params_changed(m->blocks[l].attn);
+}
+
 int64_t tiny_num_params(const tiny_model *m) {
     int64_t n = 0;
     for (int i = 0; i < m->n_tensors; i++) n += m->tensors[i].n;

@@ -128,7 +128,14 @@ const tiny_config *tiny_get_config(const tiny_model *m);
 
 // Every parameter tensor: our own (wte, wpe, ln*, fc*, proj*, head*) and the
 // attention modules' (l0.attn.in_proj_weight, ...). n_tensors gets the count.
+// The param pointers may be written; after a forward, writes to the
+// attention modules' tensors need tiny_params_changed before the next
+// forward (the modules keep packed copies of their weights:
+// mha_module_params_changed). Steps of the optimizer tiny_optimizer_register
+// set up need nothing.
 const tiny_tensor *tiny_tensors(const tiny_model *m, int *n_tensors);
+// The attention modules' parameters were written through tiny_tensors.
+void tiny_params_changed(tiny_model *m);
 int64_t tiny_num_params(const tiny_model *m);
 
 // Forward on B <= max_batch sequences. tokens (B, T) in [0, V); targets (B)
