@@ -33,8 +33,8 @@ import types
 import numpy as np
 
 from . import _mha
-from ._options import (BF16, F16, F32, F64, forward_kwargs, real, sdpa_kwargs, sdpa_layout,
-                       numel)
+from ._options import (BF16, F16, F32, F64, causal_hint, forward_kwargs, real, sdpa_kwargs,
+                       sdpa_layout, numel)
 
 __version__ = _mha.version
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention", "KVCache", "diagnose",
@@ -370,6 +370,7 @@ class MultiheadAttention:
         weights_rows=(a, b) (a block of the weights); impl ('auto',
         'reference', 'fused'); trace(step, b, h, array) called with every
         intermediate step (reference path); dropout_seed (training)."""
+        is_causal, attn_mask = causal_hint(is_causal, attn_mask, key_padding_mask, need_weights)
         q, k, v, kpm, am = self._inputs(query, key, value, key_padding_mask, attn_mask)
         kw = forward_kwargs(is_causal=is_causal, need_weights=need_weights,
                             average_attn_weights=average_attn_weights, as_int64=_int64,
@@ -388,6 +389,7 @@ class MultiheadAttention:
         gradient and key, value are None. In
         training mode with dropout, the forward's mask is regenerated from
         dropout_seed (default: the last forward's)."""
+        is_causal, attn_mask = causal_hint(is_causal, attn_mask, key_padding_mask, False)
         q, k, v, kpm, am = self._inputs(query, key, value, key_padding_mask, attn_mask)
         kw = forward_kwargs(is_causal=is_causal, as_int64=_int64, as_float32=_float32, **extras)
         if self.training and self.dropout > 0.0:

@@ -56,6 +56,20 @@ def real(name, v):
     return float(v)
 
 
+def causal_hint(is_causal, attn_mask, key_padding_mask, need_weights):
+    """(is_causal, attn_mask) as torch.nn.MultiheadAttention uses them:
+    with both given, is_causal is a hint that attn_mask is the causal mask,
+    and PyTorch 2 keeps one of the two: is_causal (the mask dropped) when
+    there is no key_padding_mask and no weights are asked for, else the
+    mask (the hint dropped). (is_causal alone, which PyTorch refuses, stays
+    mha's causal mask.)"""
+    if not is_causal or attn_mask is None:
+        return is_causal, attn_mask
+    if key_padding_mask is None and not need_weights:
+        return True, None
+    return False, attn_mask
+
+
 def forward_kwargs(*, is_causal=False, need_weights=False, average_attn_weights=True,
                    rope=None, rope_theta=10000.0, rope_dim=0, rope_start=None, alibi=False,
                    softcap=0.0, window=None, window_left=-1, window_right=-1,

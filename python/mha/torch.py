@@ -30,7 +30,7 @@ except ImportError as exc:  # the numpy API (mha) works without it
                       "in a venv made with --system-site-packages): %s" % exc) from exc
 
 from . import _mha
-from ._options import BF16, forward_kwargs, sdpa_kwargs, sdpa_layout
+from ._options import BF16, causal_hint, forward_kwargs, sdpa_kwargs, sdpa_layout
 import mha as _np_api
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention", "from_pretrained",
@@ -340,6 +340,7 @@ class MultiheadAttention(nn.Module):
                 raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
         cmod = self._mha_sync()
         opts = dict(self._extras, **extras)
+        is_causal, attn_mask = causal_hint(is_causal, attn_mask, key_padding_mask, need_weights)
         kw = forward_kwargs(is_causal=is_causal, need_weights=need_weights,
                             average_attn_weights=average_attn_weights, as_int64=_int64,
                             as_float32=_float32, **opts)

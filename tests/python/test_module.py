@@ -300,3 +300,47 @@ def test_torch2_signature():
     a = ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
     b = t32(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not TORCH2, reason="is_causal is PyTorch 2's")
+def test_is_causal_hint_as_torch():
+    """is_causal with an attn_mask is PyTorch 2's hint: without a
+    key_padding_mask and weights the mask is dropped (causal attention,
+    whatever the mask), else the hint is (the mask alone); the numpy API
+    and its backward the same."""
+    torch.manual_seed(1)
+    ours, t32, t64 = make_pair(0, batch_first=True)
+    x = torch.randn(2, 6, E, requires_grad=True)
+    mask = torch.randn(6, 6)  # not causal: shows which of the two is used
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 0] = True
+    causal_only = ours(x, x, x, is_causal=True, need_weights=False)[0]
+    mask_only = ours(x, x, x, attn_mask=mask, need_weights=False)[0]
+    for need, pad in ((False, None), (True, None), (False, kpm), (True, kpm)):
+        a, aw = ours(x, x, x, attn_mask=mask, is_causal=True, need_weights=need,
+                     key_padding_mask=pad)
+        b, bw = t32(x, x, x, attn_mask=mask, is_causal=True, need_weights=need,
+                    key_padding_mask=pad)
+        assert (a - b).abs().max().item() < 1e-5, (need, pad is not None)
+        if need:
+            assert (aw - bw).abs().max().item() < 1e-5
+        if pad is None:
+            want = mask_only if need else causal_only
+            assert (a - want).abs().max().item() == 0.0, need
+    # autograd through the hint: the gradient of the causal attention
+    g = torch.randn(2, 6, E)
+    gx = torch.autograd.grad(ours(x, x, x, attn_mask=mask, is_causal=True,
+                                  need_weights=False)[0], x, g)[0]
+    gt = torch.autograd.grad(t32(x, x, x, attn_mask=mask, is_causal=True,
+                                 need_weights=False)[0], x, g)[0]
+    assert (gx - gt).abs().max().item() < 1e-4
+    # the numpy API: forward and backward take the hint alike
+    n = mha.MultiheadAttention(E, H, batch_first=True)
+    n.load_state_dict({k: v.detach().numpy() for k, v in t32.state_dict().items()})
+    xn, mn = x.detach().numpy(), mask.numpy()
+    ya = n(xn, xn, xn, attn_mask=mn, is_causal=True, need_weights=False)[0]
+    yb = n(xn, xn, xn, is_causal=True, need_weights=False)[0]
+    assert np.array_equal(ya, yb)
+    ga = n.backward(g.numpy(), xn, attn_mask=mn, is_causal=True)
+    gb = n.backward(g.numpy(), xn, is_causal=True)
+    assert np.array_equal(ga.query, gb.query)
