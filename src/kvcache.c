@@ -581,9 +581,8 @@ static mha_status attend_decode(const attend_call *ac) {
                 if (inplace)
                     kt->axpy_rows_q(pp + 2, s, Vq + (size_t)((lo - j0) * Dv) * c->esz, Dv,
                                     (int)c->dt, vsc ? vsc + (lo - j0) : NULL, hi - lo, Dv);
-                else
-                    kt->gemm_nn_acc(pp + 2, Dv, s, hi - lo, V + (lo - j0) * Dv, Dv, 1, Dv,
-                                    hi - lo);
+                else  // (float32 rows: kind 0)
+                    kt->axpy_rows_q(pp + 2, s, V + (lo - j0) * Dv, Dv, 0, NULL, hi - lo, Dv);
                 pp[0] = m;
                 pp[1] = l;
             }

@@ -612,25 +612,29 @@ static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
     }
 }
 
-// dot_rows_q / axpy_rows_q (bf16, f16, int8 rows) against the scalar ones:
+// dot_rows_q / axpy_rows_q (float32, bf16, f16, int8 rows) against the scalar ones:
 // bf16/f16 dot products bit for bit where the order matches is not
 // required; a relative bound is.
 static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
     enum { N = 70, W = 80 };
     static uint16_t h[N * W];
     static int8_t b8[N * W];
+    static float f32[N * W];
     float x[W], sc[N], p[N], s1[N], s2[N], o1[W], o2[W];
     for (int i = 0; i < N * W; i++) {
         h[i] = (uint16_t)(0x3c00 + (i * 7919) % 0x0800);  // f16/bf16 values of moderate size
         b8[i] = (int8_t)((i * 31) % 255 - 127);
+        f32[i] = (float)((i * 7919) % 2001 - 1000) * 1e-3f;
     }
     for (int i = 0; i < W; i++) x[i] = (float)((i % 13) - 6) * 0.25f;
     for (int i = 0; i < N; i++) sc[i] = 0.01f * (float)(i + 1), p[i] = 1.0f / (float)(i + 1);
     const int64_t dims[] = {1, 15, 16, 17, 64, 80};
-    for (int kind = 1; kind <= 3; kind++)
+    for (int kind = 0; kind <= 3; kind++)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
             const int64_t D = dims[di];
-            const void *A = kind == 3 ? (const void *)b8 : (const void *)h;
+            const void *A = kind == 0   ? (const void *)f32
+                            : kind == 3 ? (const void *)b8
+                                        : (const void *)h;
             k->dot_rows_q(s1, A, W, kind, sc, x, N, D);
             g->dot_rows_q(s2, A, W, kind, sc, x, N, D);
             double e = 0, m = 0;

@@ -96,8 +96,9 @@ static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) dst[i] = scale * (float)src[i];
 }
 
-// element c of row j of a bf16 (1), f16 (2) or int8 (3) matrix
+// element c of row j of a float32 (0), bf16 (1), f16 (2) or int8 (3) matrix
 static inline float q_at(const void *A, int64_t lda, int kind, int64_t j, int64_t c) {
+    if (kind == 0) return ((const float *)A)[j * lda + c];
     if (kind == 3) return (float)((const int8_t *)A)[j * lda + c];
     const uint16_t h = ((const uint16_t *)A)[j * lda + c];
     if (kind == 2) return mha_f16_to_f32(h);
@@ -116,8 +117,8 @@ static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const flo
     }
 }
 
-static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv) {
+void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t lda, int kind,
+                              const float *scales, int64_t n, int64_t Dv) {
     for (int64_t j = 0; j < n; j++) {
         const float w = p[j] * (kind == 3 ? scales[j] : 1.0f);
         for (int64_t c = 0; c < Dv; c++) o[c] += w * q_at(A, lda, kind, j, c);
@@ -266,7 +267,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->cvt_f16 = cvt_f16;
     k->cvt_i8 = cvt_i8;
     k->dot_rows_q = dot_rows_q;
-    k->axpy_rows_q = axpy_rows_q;
+    k->axpy_rows_q = mha__axpy_rows_q_generic;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->exp_scale_rows = exp_scale_rows;

@@ -66,11 +66,14 @@ typedef struct mha__kernels {
     void (*cvt_bf16)(float *dst, const uint16_t *src, int64_t n);
     void (*cvt_f16)(float *dst, const uint16_t *src, int64_t n);
     void (*cvt_i8)(float *dst, const int8_t *src, int64_t n, float scale);
-    // Decode over a reduced-precision cache, without a float32 copy:
+    // Decode over a cache's rows in place (reduced precision without a
+    // float32 copy):
     // dot_rows_q: s[j] = scale_j * sum_c A(j, c) x[c] for j < n, c < D
     // axpy_rows_q: o[c] += sum_j p[j] scale_j A(j, c) for c < Dv (j in order)
-    // A rows of lda elements of type kind: 1 bf16, 2 f16, 3 int8 (scale_j =
-    // scales[j]; 1 for bf16/f16, scales may be NULL)
+    // A rows of lda elements of type kind: 0 float32, 1 bf16, 2 f16, 3 int8
+    // (scale_j = scales[j]; 1 for the others, scales may be NULL). The ISA
+    // versions prefetch the rows ahead of those they read (decode streams
+    // the cache from memory).
     void (*dot_rows_q)(float *s, const void *A, int64_t lda, int kind, const float *scales,
                        const float *x, int64_t n, int64_t D);
     void (*axpy_rows_q)(float *o, const float *p, const void *A, int64_t lda, int kind,
@@ -159,6 +162,11 @@ const mha__kernels *mha__kernels_get(void);
 // A table by ISA name ("scalar", "avx2", "avx512"); NULL if this build or
 // this CPU lacks it. For tests, which compare every ISA with scalar.
 const mha__kernels *mha__kernels_for(const char *isa);
+
+// The portable axpy_rows_q (generic.c), for an ISA version that handles
+// some kinds itself and hands it the others.
+void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t lda, int kind,
+                              const float *scales, int64_t n, int64_t Dv);
 
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);
