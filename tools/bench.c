@@ -733,30 +733,69 @@ static void print_text(const bench_opts *o, const bench_result *r) {
 
 // ---------------------------------------------------------------------------
 // mha bench --decode: one step of cached attention.
+// The median of n sorted times.
+static double median_sorted(const double *t, int64_t n) {
+    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+// The read bandwidth on these threads, over a buffer of twice the bytes a
+// step reads (at least 512 MiB: beyond the caches).
+static double bandwidth_over(int threads, double bytes) {
+    return read_bandwidth(threads,
+                          (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576));
+}
+
+// Fills cache c with N random tokens per (batch, KV head), K = V, appended
+// in chunks of 4096 (a bounded temporary). 0, or 1 after printing why.
+static int fill_cache(mha_kv_cache *c, int64_t B, int64_t Hkv, int64_t d, int64_t N,
+                      uint64_t *rng) {
+    const int64_t chunk = 4096;
+    float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
+    if (!kv) {
+        fprintf(stderr, "mha bench: out of memory\n");
+        return 1;
+    }
+    int rc = 0;
+    for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
+        const int64_t n = N - n0 < chunk ? N - n0 : chunk;
+        fill_uniform(kv, B * Hkv * n * d, rng);
+        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
+        mha_status st = mha_kv_cache_append(c, &kt, &kt, NULL);
+        if (st) rc = cli_fail("bench", st);
+    }
+    free(kv);
+    return rc;
+}
+
+// A decode bench's buffers: the input (nin random floats, after the
+// cache's N tokens from the same generator) and the output (nin floats),
+// the run times (o->repeat); cache c filled (fill_cache). 0, or 1 after
+// printing why (the buffers are still freed by the caller).
+static int decode_setup(const bench_opts *o, mha_kv_cache *c, int64_t B, int64_t Hkv,
+                        int64_t d, int64_t N, int64_t nin, float **in, float **out,
+                        double **times) {
+    uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
+    *in = malloc(sizeof(float) * (size_t)nin);
+    *out = malloc(sizeof(float) * (size_t)nin);
+    *times = malloc(sizeof(double) * (size_t)o->repeat);
+    if (!*in || !*out || !*times) {
+        fprintf(stderr, "mha bench: out of memory\n");
+        return 1;
+    }
+    if (fill_cache(c, B, Hkv, d, N, &rng)) return 1;
+    fill_uniform(*in, nin, &rng);
+    return 0;
+}
+
 static int bench_decode(const bench_opts *o, int threads) {
     const int64_t B = o->B, H = o->H, Hkv = o->kv_heads, d = o->E / o->H, N = o->kv_len,
                   T = o->L;
     mha_kv_cache *c = NULL;
     mha_status st = mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
     if (st) return cli_fail("bench", st);
-    uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
-    const int64_t chunk = 4096;  // filled chunk by chunk (bounded temporary)
-    float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
-    float *q = malloc(sizeof(float) * (size_t)(B * H * T * d)),
-          *out = malloc(sizeof(float) * (size_t)(B * H * T * d));
-    double *times = malloc(sizeof(double) * (size_t)o->repeat);
-    int rc = 0;
-    if (!kv || !q || !out || !times) {
-        fprintf(stderr, "mha bench: out of memory\n");
-        rc = 1;
-    }
-    for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
-        const int64_t n = N - n0 < chunk ? N - n0 : chunk;
-        fill_uniform(kv, B * Hkv * n * d, &rng);
-        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
-        if ((st = mha_kv_cache_append(c, &kt, &kt, NULL))) rc = cli_fail("bench", st);
-    }
-    if (!rc) fill_uniform(q, B * H * T * d, &rng);
+    float *q, *out;
+    double *times;
+    int rc = decode_setup(o, c, B, Hkv, d, N, B * H * T * d, &q, &out, &times);
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, T, d});
     mha_tensor ot = mha_tensor_contiguous(out, MHA_F32, 4, (int64_t[]){B, H, T, d});
     for (int64_t i = 0; !rc && i < o->warmup; i++)
@@ -769,10 +808,9 @@ static int bench_decode(const bench_opts *o, int threads) {
     if (!rc) {
         qsort(times, (size_t)o->repeat, sizeof *times, cli_cmp_double);
         const int64_t n = o->repeat;
-        const double med = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+        const double med = median_sorted(times, n);
         const double bytes = (double)mha_kv_cache_bytes(c);  // all N rows are in use
-        size_t bw_bytes = (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576);
-        const double bw = read_bandwidth(threads, bw_bytes), gbs = bytes / (med * 1e-3) * 1e-9;
+        const double bw = bandwidth_over(threads, bytes), gbs = bytes / (med * 1e-3) * 1e-9;
         const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
@@ -800,7 +838,6 @@ static int bench_decode(const bench_opts *o, int threads) {
                    (long long)o->repeat, bytes / 1048576.0, gbs, bw > 0 ? 100.0 * gbs / bw : 0.0,
                    bw, threads, threads == 1 ? "" : "s", max_rss_mib());
     }
-    free(kv);
     free(q);
     free(out);
     free(times);
@@ -845,24 +882,9 @@ static int bench_decode_module(const bench_opts *o, int threads) {
         mha_module_destroy(m);
         return cli_fail("bench", st);
     }
-    uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
-    const int64_t chunk = 4096;  // the context filled chunk by chunk (bounded temporary)
-    float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
-    float *x = malloc(sizeof(float) * (size_t)(T * B * E)),
-          *y = malloc(sizeof(float) * (size_t)(T * B * E));
-    double *times = malloc(sizeof(double) * (size_t)o->repeat);
-    int rc = 0;
-    if (!kv || !x || !y || !times) {
-        fprintf(stderr, "mha bench: out of memory\n");
-        rc = 1;
-    }
-    for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
-        const int64_t n = N - n0 < chunk ? N - n0 : chunk;
-        fill_uniform(kv, B * Hkv * n * d, &rng);
-        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
-        if ((st = mha_kv_cache_append(c, &kt, &kt, NULL))) rc = cli_fail("bench", st);
-    }
-    if (!rc) fill_uniform(x, T * B * E, &rng);
+    float *x, *y;
+    double *times;
+    int rc = decode_setup(o, c, B, Hkv, d, N, T * B * E, &x, &y, &times);
     double wbytes = 0;  // every parameter in its storage dtype
     for (int i = 0; !rc && i < mha_module_num_params(m); i++) {
         mha_param p;  // (before the warm-up: handing out p marks the packed weights stale)
@@ -884,11 +906,10 @@ static int bench_decode_module(const bench_opts *o, int threads) {
     if (!rc) {
         qsort(times, (size_t)o->repeat, sizeof *times, cli_cmp_double);
         const int64_t n = o->repeat;
-        const double med = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+        const double med = median_sorted(times, n);
         const double kvbytes = (double)mha_kv_cache_bytes(c);  // N + T rows: all in use
         const double bytes = wbytes + kvbytes, gbs = bytes / (med * 1e-3) * 1e-9;
-        size_t bw_bytes = (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576);
-        const double bw = read_bandwidth(threads, bw_bytes);
+        const double bw = bandwidth_over(threads, bytes);
         const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"module\": true, \"threads\": %d, "
@@ -927,7 +948,6 @@ static int bench_decode_module(const bench_opts *o, int threads) {
                    bytes / (double)(B * T) / 1048576.0, gbs, bw > 0 ? 100.0 * gbs / bw : 0.0,
                    bw, threads, threads == 1 ? "" : "s", max_rss_mib());
     }
-    free(kv);
     free(x);
     free(y);
     free(times);
@@ -1011,7 +1031,7 @@ int cmd_bench(int argc, char **argv) {
         r.rss_max = max_rss_mib();
         qsort(times, (size_t)o.repeat, sizeof *times, cli_cmp_double);
         int64_t n = o.repeat;
-        r.median = n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+        r.median = median_sorted(times, n);
         r.min = times[0];
         r.max = times[n - 1];
         const double B = (double)o.B, L = (double)o.L, S = (double)o.S, E = (double)o.E;

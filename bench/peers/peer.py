@@ -112,20 +112,27 @@ def mha_op(c, inp):
         import torch
         import mha.torch as mt
 
-        q, k, v = (torch.from_numpy(inp[n]).requires_grad_(True) for n in "qkv")
-        g = torch.from_numpy(inp["g"])
-
-        def run():
-            for t in (q, k, v):
-                t.grad = None
-            y = mt.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-            y.backward(g)
-            return y.detach().numpy(), q.grad.numpy()
-
-        return run, lambda r: r
+        return sdpa_fwd_bwd(torch, mt.scaled_dot_product_attention, inp, causal, gqa), \
+            lambda r: r
     q, k, v = inp["q"], inp["k"], inp["v"]
     return (lambda: mha.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                      enable_gqa=gqa)), (lambda r: (r,))
+
+
+def sdpa_fwd_bwd(torch, sdpa, inp, causal, gqa):
+    """A call of sdpa (torch's or mha.torch's) forward + backward on copies
+    of inp's q, k, v that require grad: (output, the query's gradient)."""
+    q, k, v = (torch.from_numpy(inp[n]).clone().requires_grad_(True) for n in "qkv")
+    g = torch.from_numpy(inp["g"])
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        y = sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+        y.backward(g)
+        return y.detach().numpy(), q.grad.numpy()
+
+    return run
 
 
 def causal_mask_torch(c):
@@ -186,16 +193,7 @@ class TorchPeer:
         # last position)
         causal = causal and c["kind"] != "decode"
         if c["backward"]:
-            q, k, v = (torch.from_numpy(inp[n]).clone().requires_grad_(True) for n in "qkv")
-            g = torch.from_numpy(inp["g"])
-
-            def run():
-                for t in (q, k, v):
-                    t.grad = None
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-                y.backward(g)
-                return y.detach().numpy(), q.grad.numpy()
-
+            run = sdpa_fwd_bwd(torch, F.scaled_dot_product_attention, inp, causal, gqa)
             yield "F.scaled_dot_product_attention", (lambda run=run: run), lambda r: r
             return
         q, k, v = (torch.from_numpy(inp[n]) for n in "qkv")
