@@ -156,10 +156,8 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
                          bq ? bq + Eq + Ekv : NULL, R, E, Ekv, wt + pw + pwkv, gs, nt);
     }
     if (m->cfg.qk_norm != MHA_QK_NORM_NONE) {  // q, k <- RMSNorm, before RoPE
-        const bool head = m->cfg.qk_norm == MHA_QK_NORM_HEAD;
-        const double eps = mha__qk_norm_eps(m);
-        mha__qk_norm_rows(qkv, W3, R, Eq, head ? c->p.d : Eq, m->q_norm, eps, nt);
-        mha__qk_norm_rows(qkv + Eq, W3, R, Ekv, head ? c->p.d : Ekv, m->k_norm, eps, nt);
+        const mha__rowmap qm = {qkv, W3, true, 1, R}, km = {qkv + Eq, W3, true, 1, R};
+        mha__fused_qk_norm(&c->p, m, &qm, &km, R, R, NULL);
     }
     c->X = X, c->ldx = ldx;
 }

@@ -159,7 +159,7 @@ static mha_status bwd_alloc(bwd_call *c) {
     const bool qkn = c->m->cfg.qk_norm != MHA_QK_NORM_NONE,
                head = c->m->cfg.qk_norm == MHA_QK_NORM_HEAD;
     const int64_t nrr = head ? (Rq * H > Rk * Hkv ? Rq * H : Rk * Hkv) : Rmax;
-    const size_t n_qn = qkn ? (size_t)(Rq * Eq + Rk * Ekv) : 0,
+    const size_t n_qn = mha__xqk_floats(p, c->m, Rq, Rk),
                  n_rr = qkn ? (size_t)(2 * nrr + 1) : 0;
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
     size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + n_qn + n_rr + 15) & ~(size_t)15;
@@ -212,8 +212,7 @@ static mha_status bwd_inputs(bwd_call *c) {
         if (!mha__saved_key_equal(&key, &sv->key) ||
             sv->outer_valid != (c->pt && c->pt->attn.fn) ||
             sv->n_qkv != mha__qkv_floats(p, Rq, Rk) || sv->n_lse != (size_t)(2 * N * H * L) ||
-            sv->n_xqk !=
-                (c->m->cfg.qk_norm != MHA_QK_NORM_NONE ? (size_t)(Rq * Eq + Rk * Ekv) : 0))
+            sv->n_xqk != mha__xqk_floats(p, c->m, Rq, Rk))
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_backward: args.save holds the state of another forward "
                              "(module, inputs, masks or dropout differ); run the forward "

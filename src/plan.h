@@ -181,6 +181,9 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
 // Floats of the projections as the fused backward (and the saved state)
 // lay them out: (Rq, Eq + 2 Ekv) packed, else q (Rq, Eq), k and v (Rk, Ekv).
 size_t mha__qkv_floats(const fwd_plan *p, int64_t Rq, int64_t Rk);
+// Floats of q (Rq, Eq) and k (Rk, Ekv) before the QK-norm, which the
+// saved state and the fused backward keep (0 without qk_norm).
+size_t mha__xqk_floats(const fwd_plan *p, const mha_module *m, int64_t Rq, int64_t Rk);
 // Two saved keys are the same forward's (both filled by mha__saved_key_of).
 bool mha__saved_key_equal(const mha__saved_key *x, const mha__saved_key *y);
 

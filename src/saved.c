@@ -15,6 +15,10 @@ size_t mha__qkv_floats(const fwd_plan *p, int64_t Rq, int64_t Rk) {
     return (size_t)(p->self_packed ? Rq * (p->Eq + 2 * p->Ekv) : Rq * p->Eq + 2 * Rk * p->Ekv);
 }
 
+size_t mha__xqk_floats(const fwd_plan *p, const mha_module *m, int64_t Rq, int64_t Rk) {
+    return m->cfg.qk_norm != MHA_QK_NORM_NONE ? (size_t)(Rq * p->Eq + Rk * p->Ekv) : 0;
+}
+
 static void key_tensor(mha_tensor *dst, const mha_tensor *t) {
     memset(dst, 0, sizeof *dst);
     if (!t) return;
@@ -80,7 +84,7 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
     s->n_qkv = mha__qkv_floats(p, Rq, Rk);
     s->n_ctx = (size_t)(Rq * Eq);
     s->n_lse = (size_t)(2 * p->N * p->H * p->L);
-    s->n_xqk = m->cfg.qk_norm != MHA_QK_NORM_NONE ? (size_t)(Rq * Eq + Rk * p->Ekv) : 0;
+    s->n_xqk = mha__xqk_floats(p, m, Rq, Rk);
     const size_t need = s->n_qkv + s->n_ctx + s->n_lse + s->n_xqk;
     if (need > s->cap) {
         size_t bytes;

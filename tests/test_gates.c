@@ -344,7 +344,7 @@ static void test_threads(void) {
         a.impl = MHA_IMPL_FUSED;
         char desc[32];
         snprintf(desc, sizeof desc, "gate %d", gate);
-        check_threads_bits(m, &a, &xt, desc);  // dY = x
+        check_threads_bits(m, &a, &xt, false, desc);  // dY = x
         mha_module_destroy(m);
     }
 }

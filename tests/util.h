@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -183,13 +184,82 @@ static inline void check_fused_vs_ref(mha_module **grad, const mha_module *m,
     else mha_module_destroy(g[1]);
 }
 
+// The gradients of a backward of m on a (dY = dy, a->impl as the caller
+// set it) into gx[0..2] (the query's, then with kv_grads the key's and
+// value's; a->query, key, value's shapes) and a fresh gradient module *g.
+static inline void backward_into(float *gx[3], mha_module **g, const mha_module *m,
+                                 const mha_forward_args *a, const mha_tensor *dy,
+                                 bool kv_grads) {
+    const mha_tensor *xin[3] = {a->query, a->key, a->value};
+    mha_tensor gt[3];
+    for (int j = 0; j < 3; j++)
+        if (j == 0 || kv_grads)
+            gt[j] = mha_tensor_contiguous(gx[j], MHA_F32, xin[j]->ndim, xin[j]->shape);
+    CHECK_OK(mha_module_create(g, mha_module_config(m)));
+    CHECK_OK(mha_backward(&gt[0], kv_grads ? &gt[1] : NULL, kv_grads ? &gt[2] : NULL, *g, m, a,
+                          dy, false));
+}
+
+// Runs rb's gradients (gx, g) the same bits as run 0's: the input
+// gradients (the query's, with kv_grads the key's and value's too) and
+// every parameter's; what names run rb in the messages.
+static inline void check_grads_bits(float *gx[][3], mha_module **g, const mha_forward_args *a,
+                                    int rb, bool kv_grads, const char *desc, const char *what) {
+    static const char *gn[3] = {"grad_query", "grad_key", "grad_value"};
+    const mha_tensor *xin[3] = {a->query, a->key, a->value};
+    for (int j = 0; j < (kv_grads ? 3 : 1); j++)
+        CHECKF(memcmp(gx[0][j], gx[rb][j], sizeof(float) * (size_t)mha_tensor_numel(xin[j])) ==
+                   0,
+               "%s %s: %s", desc, gn[j], what);
+    for (int i = 0; i < mha_module_num_params(g[0]); i++) {
+        mha_param p0, pr;
+        CHECK_OK(mha_module_param_at(&p0, g[0], i));
+        CHECK_OK(mha_module_param_at(&pr, g[rb], i));
+        CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0, "%s grad %s: %s", desc,
+               p0.name, what);
+    }
+}
+
+// The backward of m on a (dY = dy, a->impl as the caller set it, a->save
+// NULL) recomputing its forward and after a forward that kept its saved
+// state in sv: the same bits (check_grads_bits; kv_grads as there). Leaves
+// a->save NULL and sv holding that forward.
+static inline void check_saved_bits(const mha_module *m, mha_forward_args *a,
+                                    const mha_tensor *dy, mha_saved *sv, bool kv_grads,
+                                    const char *desc) {
+    mha_shape os, wsh;
+    CHECK_OK(mha_forward_shapes(&os, &wsh, m, a));
+    const mha_tensor *xin[3] = {a->query, a->key, a->value};
+    int64_t ny = 1;
+    for (int i = 0; i < os.ndim; i++) ny *= os.dims[i];
+    float *y = malloc(sizeof(float) * (size_t)ny), *gx[2][3];
+    mha_module *g[2];
+    for (int r = 0; r < 2; r++) {
+        for (int j = 0; j < 3; j++)
+            gx[r][j] = malloc(sizeof(float) * (size_t)mha_tensor_numel(xin[j]));
+        mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, os.ndim, os.dims);
+        a->save = r ? sv : NULL;
+        CHECK_OK(mha_forward(&yt, NULL, m, a));
+        backward_into(gx[r], &g[r], m, a, dy, kv_grads);
+    }
+    a->save = NULL;
+    check_grads_bits(gx, g, a, 1, kv_grads, desc,
+                     "after a saved forward, differs from the recomputing backward");
+    for (int r = 0; r < 2; r++) {
+        for (int j = 0; j < 3; j++) free(gx[r][j]);
+        mha_module_destroy(g[r]);
+    }
+    free(y);
+}
+
 // The forward (its weights too when a->need_weights) and the backward (dY
-// = dy, into a fresh gradient module; the query's gradient alone: a is
-// self-attention) of m on a with 1, 2 and 8 OpenMP threads: the output,
-// the weights and every gradient with 2 and 8 threads the same bits as
-// with 1. desc names the case in the messages. Leaves 2 threads set.
+// = dy, into a fresh gradient module; the query's gradient, with kv_grads
+// the key's and value's too) of m on a with 1, 2 and 8 OpenMP threads:
+// the output, the weights and every gradient with 2 and 8 threads the same
+// bits as with 1. desc names the case in the messages. Leaves 2 threads
+// set.
 static inline void check_threads_bits(const mha_module *m, const mha_forward_args *a,
-                                      const mha_tensor *dy, const char *desc) {
+                                      const mha_tensor *dy, bool kv_grads, const char *desc) {
     mha_shape os, wsh;
     mha_status st = mha_forward_shapes(&os, &wsh, m, a);
     if (st) {
@@ -200,7 +270,8 @@ static inline void check_threads_bits(const mha_module *m, const mha_forward_arg
     int64_t nw = 1;
     for (int i = 0; i < wsh.ndim; i++) nw *= wsh.dims[i];
     const int threads[3] = {1, 2, 8};
-    float *y[3], *w[3], *gx[3];
+    const mha_tensor *xin[3] = {a->query, a->key, a->value};
+    float *y[3], *w[3], *gx[3][3];
     mha_module *g[3];
     for (int r = 0; r < 3; r++) {
 #ifdef _OPENMP
@@ -208,32 +279,26 @@ static inline void check_threads_bits(const mha_module *m, const mha_forward_arg
 #endif
         y[r] = malloc(sizeof(float) * (size_t)ny);
         w[r] = malloc(sizeof(float) * (size_t)nw);
-        gx[r] = malloc(sizeof(float) * (size_t)ny);
+        for (int j = 0; j < 3; j++)
+            gx[r][j] = malloc(sizeof(float) * (size_t)mha_tensor_numel(xin[j]));
         mha_tensor yt = mha_tensor_contiguous(y[r], MHA_F32, os.ndim, os.dims);
         mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, wsh.ndim, wsh.dims);
-        mha_tensor gt = mha_tensor_contiguous(gx[r], MHA_F32, a->query->ndim, a->query->shape);
         CHECK_OK(mha_forward(&yt, a->need_weights ? &wt : NULL, m, a));
-        CHECK_OK(mha_module_create(&g[r], mha_module_config(m)));
-        CHECK_OK(mha_backward(&gt, NULL, NULL, g[r], m, a, dy, false));
+        backward_into(gx[r], &g[r], m, a, dy, kv_grads);
     }
     for (int r = 1; r < 3; r++) {
         const size_t by = sizeof(float) * (size_t)ny, bw = sizeof(float) * (size_t)nw;
         CHECKF(memcmp(y[0], y[r], by) == 0, "%s output: 1 vs %d threads", desc, threads[r]);
         if (a->need_weights)
             CHECKF(memcmp(w[0], w[r], bw) == 0, "%s weights: 1 vs %d threads", desc, threads[r]);
-        CHECKF(memcmp(gx[0], gx[r], by) == 0, "%s grad_query: 1 vs %d threads", desc,
-               threads[r]);
-        for (int i = 0; i < mha_module_num_params(g[0]); i++) {
-            mha_param p0, pr;
-            CHECK_OK(mha_module_param_at(&p0, g[0], i));
-            CHECK_OK(mha_module_param_at(&pr, g[r], i));
-            CHECKF(memcmp(p0.data, pr.data, (size_t)p0.numel * 4) == 0,
-                   "%s grad %s: 1 vs %d threads", desc, p0.name, threads[r]);
-        }
+        char what[32];
+        snprintf(what, sizeof what, "1 vs %d threads", threads[r]);
+        check_grads_bits(gx, g, a, r, kv_grads, desc, what);
     }
     for (int r = 0; r < 3; r++) {
         mha_module_destroy(g[r]);
-        free(y[r]), free(w[r]), free(gx[r]);
+        free(y[r]), free(w[r]);
+        for (int j = 0; j < 3; j++) free(gx[r][j]);
     }
 #ifdef _OPENMP
     omp_set_num_threads(2);
