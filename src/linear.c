@@ -65,15 +65,20 @@ void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
     mha__gemm_rows_packed(kt, C, ldc, A, lda, Bp, NULL, R, K, N, false, nt, gs);
 }
 
+// 1 / sqrt(mean(x^2) + eps) over the gs features of xg, summed in double.
+static double inv_rms(const float *xg, int64_t gs, double eps) {
+    double ms = 0.0;
+    for (int64_t c = 0; c < gs; c++) ms += (double)xg[c] * (double)xg[c];
+    return 1.0 / sqrt(ms / (double)gs + eps);
+}
+
 void mha__qk_norm_rows(float *x, int64_t ld, int64_t R, int64_t W, int64_t gs, const float *w,
                        double eps, int nt) {
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < R; r++)
         for (int64_t g0 = 0; g0 < W; g0 += gs) {
             float *xg = x + r * ld + g0;
-            double ms = 0.0;
-            for (int64_t c = 0; c < gs; c++) ms += (double)xg[c] * (double)xg[c];
-            const double rr = 1.0 / sqrt(ms / (double)gs + eps);
+            const double rr = inv_rms(xg, gs, eps);
             for (int64_t c = 0; c < gs; c++)
                 xg[c] = (float)((double)xg[c] * rr * (double)w[c]);
         }
@@ -85,12 +90,8 @@ void mha__qk_norm_rows_bwd(float *dx, int64_t ldd, const float *x, int64_t ldx, 
     const int64_t ng = W / gs;
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < R; r++)  // each group's 1 / rms
-        for (int64_t g = 0; g < ng; g++) {
-            const float *xg = x + r * ldx + g * gs;
-            double ms = 0.0;
-            for (int64_t c = 0; c < gs; c++) ms += (double)xg[c] * (double)xg[c];
-            rr[r * ng + g] = 1.0 / sqrt(ms / (double)gs + eps);
-        }
+        for (int64_t g = 0; g < ng; g++)
+            rr[r * ng + g] = inv_rms(x + r * ldx + g * gs, gs, eps);
     if (dw) {  // dw[c] = sum over rows r, groups g of dy u, columns in blocks of 16
         const int64_t blocks = (gs + 15) / 16;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(blocks > 1 ? nt : 1)
