@@ -1000,8 +1000,9 @@ typedef struct mha_kv_cache mha_kv_cache;
 
 // Storage of the cached K and V: float32, bfloat16 or float16 (rounded to
 // nearest even on append), or int8 with one float scale per (sequence,
-// head, token) row (symmetric: max|row| / 127). Attention dequantises a
-// chunk of rows at a time and computes in float32. The error against a
+// head, token) row (symmetric: max|row| / 127). Attention computes in
+// float32: decode converts the rows in registers as it reads them, a longer
+// chunk of queries (prefill) dequantises the rows once per chunk. The error against a
 // float32 cache, tested: max|out - out_f32| <= 4 u (1 + max|s|) max|v| with
 // u = 2^-8 (bf16), 2^-11 (f16), 1/127 (int8), s the scaled scores.
 typedef enum mha_kv_dtype {

@@ -3,11 +3,12 @@
 // of new queries over it:
 //  - decode (at most MHA__DECODE_MAX_T queries per sequence): split-KV. The
 //    keys of each sequence are cut into fixed chunks of MHA__DECODE_CHUNK;
-//    each (b, KV head, chunk) item reads its K and V rows once for every
-//    query head of the group, keeping per query the chunk's max m, sum l and
-//    unnormalised output; the chunks are then combined in chunk order. The
-//    chunking depends on the lengths only, so the bits do not depend on the
-//    number of threads.
+//    each (b, KV head, chunk) item reads its K and V rows from memory once
+//    for all the queries of the group (query heads x new tokens: the group
+//    kernels, rows in their storage type converted in registers), keeping
+//    per query the chunk's max m, sum l and unnormalised output; the chunks
+//    are then combined in chunk order. The chunking depends on the lengths
+//    only, so the bits do not depend on the number of threads.
 //  - longer chunks (prefill): the flash kernel per (b, h, tile of queries)
 //    with the queries' positions offset by len_b - T_b.
 #include <math.h>
@@ -502,9 +503,47 @@ static void attend_combine(const attend_call *ac, const float *part, int64_t nch
     }
 }
 
+// One query (head h, query t) of a group against a chunk: its visible keys
+// [lo, hi) and its partial (m, l, O).
+typedef struct dec_query {
+    int64_t h, t, lo, hi;
+    float *pp;
+} dec_query;
+
+// A chunk's rows (K, V and their int8 scales from the chunk's first key
+// j0) and the thread's per-query floats: qf per query, scores (indexed
+// from j0), scaled query, unnormalised output.
+typedef struct dec_chunk {
+    const mha__kernels *kt;
+    const char *K, *V;
+    const float *ksc, *vsc;
+    int64_t j0, D, Dv;
+    size_t esz;
+    int kind;
+    float *sc;
+    size_t qf;
+} dec_chunk;
+
+// Rows [r, r1) for query v alone: its scores (isk), else O += P V.
+static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk) {
+    if (r >= r1) return;
+    float *s = dc->sc + (size_t)v * dc->qf, *x = s + MHA__DECODE_CHUNK, *o = x + dc->D;
+    const int64_t i = r - dc->j0;
+    if (isk)
+        dc->kt->dot_rows_q(s + i, dc->K + (size_t)(i * dc->D) * dc->esz, dc->D, dc->kind,
+                           dc->ksc ? dc->ksc + i : NULL, x, r1 - r, dc->D);
+    else
+        dc->kt->axpy_rows_q(o, s + i, dc->V + (size_t)(i * dc->Dv) * dc->esz, dc->Dv, dc->kind,
+                            dc->vsc ? dc->vsc + i : NULL, r1 - r, dc->Dv);
+}
+
 // Decode (at most MHA__DECODE_MAX_T queries): split-KV over fixed chunks
 // of the keys, per (b, KV head, chunk): each chunk's partial (m, l, O) per
-// query, then combined in chunk order (attend_combine).
+// query, then combined in chunk order (attend_combine). The G T queries of
+// a KV head's group read the chunk's rows in place (the _q kernels: no
+// float32 copy of a reduced-precision cache), through the group kernels
+// where their bands overlap (each row from memory once for all of them),
+// query by query at the edges of the bands.
 static mha_status attend_decode(const attend_call *ac) {
     const mha_kv_cache *c = ac->c;
     const mha__kernels *kt = ac->kt;
@@ -518,35 +557,45 @@ static mha_status attend_decode(const attend_call *ac) {
     const int nt = ac->nt;
     const int64_t CH = MHA__DECODE_CHUNK, nch = (maxlen + CH - 1) / CH;
     if (nch == 0) return MHA_OK;  // nothing cached, so no queries either
-    // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O
-    const size_t per = (size_t)(Dv + 2), items = (size_t)(B * c->Hkv * (nch > 0 ? nch : 1));
-    size_t np, bytes;
-    if (mha__mul_overflow_size((size_t)(B * H * (nch > 0 ? nch : 1) * T), per, &np) ||
-        mha__add_overflow_size(np, (size_t)(CH + D + CH * (D + Dv)) * (size_t)nt, &np) ||
-        mha__mul_overflow_size(np, sizeof(float), &bytes))
+    // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O;
+    // per thread, for each of the G T queries: scores (CH, indexed from the
+    // chunk's first key), scaled query (D), unnormalised output (Dv)
+    const size_t per = (size_t)(Dv + 2), items = (size_t)(B * c->Hkv * nch);
+    const size_t nq = (size_t)(G * T), qf = (size_t)(CH + D + Dv), tfl = nq * qf;
+    // (floats: the partials, then the threads' scores from a multiple of
+    // 16, then their queries' records)
+    size_t off_sc, off_q, nd, bytes;
+    if (mha__mul_overflow_size((size_t)(B * H * nch * T), per, &off_sc) ||
+        mha__add_overflow_size(off_sc, 15, &off_sc) ||
+        mha__mul_overflow_size(tfl, (size_t)nt, &nd) ||
+        mha__add_overflow_size(off_sc & ~(size_t)15, nd + 15, &off_q) ||
+        mha__mul_overflow_size(off_q & ~(size_t)15, sizeof(float), &bytes) ||
+        mha__mul_overflow_size(nq * (size_t)nt, sizeof(dec_query), &nd) ||
+        mha__add_overflow_size(bytes, nd, &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
+    off_sc &= ~(size_t)15, off_q &= ~(size_t)15;
     float *part = mha__alloc(bytes);
     if (!part)
         return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", bytes);
-    float *tsc = part + (size_t)(B * H * (nch > 0 ? nch : 1) * T) * per;
+    float *tsc = part + off_sc;
+    dec_query *tq = (dec_query *)(void *)(part + off_q);
+    const int kind = (int)c->dt;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < (int64_t)items; it++) {
         const int64_t b = it / (c->Hkv * nch), hk = (it / nch) % c->Hkv, ch = it % nch;
         const int64_t n = c->len[b], Tb = counts ? counts[b] : T, j0 = ch * CH;
         const int64_t j1 = j0 + CH < n ? j0 + CH : n;
-        float *s = tsc + (size_t)mha__thread_id() * (size_t)(CH + D + CH * (D + Dv)),
-              *qs = s + CH, *kbuf = qs + D, *vbuf = kbuf + CH * D;
-        // this chunk's rows as float32 (dequantised once for every query
-        // head of the group); K, V index rows from j0
-        // (a reduced-precision chunk read by at most 2 (head, query) pairs
-        // is used in place by the _q kernels instead: no float32 copy)
-        const int64_t r0 = (b * c->Hkv + hk) * c->cap + j0, nrows = j1 > j0 ? j1 - j0 : 0;
-        const bool inplace = c->dt != MHA_KV_F32 && G * T <= 2;
-        const float *K = inplace ? NULL : load_rows(kt, c, false, r0, nrows, kbuf),
-                    *V = inplace ? NULL : load_rows(kt, c, true, r0, nrows, vbuf);
-        const char *Kq = (const char *)c->k + (size_t)(r0 * D) * c->esz,
-                   *Vq = (const char *)c->v + (size_t)(r0 * Dv) * c->esz;
+        const int id = mha__thread_id();
+        float *sc = tsc + (size_t)id * tfl;
+        dec_query *qs = tq + (size_t)id * nq;
+        // K, V index rows from j0
+        const int64_t r0 = (b * c->Hkv + hk) * c->cap + j0;
+        const char *K = (const char *)c->k + (size_t)(r0 * D) * c->esz,
+                   *V = (const char *)c->v + (size_t)(r0 * Dv) * c->esz;
         const float *ksc = c->ks ? c->ks + r0 : NULL, *vsc = c->vs ? c->vs + r0 : NULL;
+        // the queries that see a key here (v < nv), and the keys all of them
+        // see: [clo, chi)
+        int64_t nv = 0, clo = j0, chi = j1;
         for (int64_t h = hk * G; h < (hk + 1) * G; h++)
             for (int64_t t = 0; t < Tb; t++) {
                 float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
@@ -562,30 +611,56 @@ static mha_status attend_decode(const attend_call *ac) {
                 pp[1] = 0.0f;
                 for (int64_t e = 0; e < Dv; e++) pp[2 + e] = 0.0f;
                 if (lo >= hi) continue;
+                qs[nv] = (dec_query){h, t, lo, hi, pp};
+                float *x = sc + (size_t)nv * qf + CH, *o = x + D;
                 const float *qr = qd + b * q->stride[0] + h * q->stride[1] + t * q->stride[2];
-                for (int64_t e = 0; e < D; e++) qs[e] = (float)scale * qr[e];
-                if (inplace)
-                    kt->dot_rows_q(s, Kq + (size_t)((lo - j0) * D) * c->esz, D, (int)c->dt,
-                                   ksc ? ksc + (lo - j0) : NULL, qs, hi - lo, D);
-                else kt->dot_rows(s, K + (lo - j0) * D, D, qs, hi - lo, D);
-                if (a.softcap > 0.0f)
-                    for (int64_t j = 0; j < hi - lo; j++)
-                        s[j] = a.softcap * tanhf(s[j] / a.softcap);
-                if (a.alibi_slopes) {  // -slope |position - j|
-                    const int64_t p = n - Tb + t + q_shift;
-                    for (int64_t j = lo; j < hi; j++)
-                        s[j - lo] -= a.alibi_slopes[h] * (float)(p >= j ? p - j : j - p);
-                }
-                float m = -INFINITY, l = 0.0f;
-                (void)kt->softmax_update(s, hi - lo, &m, &l);  // s <- exp(s - m)
-                if (inplace)
-                    kt->axpy_rows_q(pp + 2, s, Vq + (size_t)((lo - j0) * Dv) * c->esz, Dv,
-                                    (int)c->dt, vsc ? vsc + (lo - j0) : NULL, hi - lo, Dv);
-                else  // (float32 rows: kind 0)
-                    kt->axpy_rows_q(pp + 2, s, V + (lo - j0) * Dv, Dv, 0, NULL, hi - lo, Dv);
-                pp[0] = m;
-                pp[1] = l;
+                for (int64_t e = 0; e < D; e++) x[e] = (float)scale * qr[e];
+                for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
+                clo = lo > clo ? lo : clo;
+                chi = hi < chi ? hi : chi;
+                nv++;
             }
+        if (nv == 0) continue;
+        // (one query, or none shared: each query alone)
+        const bool shared = nv > 1 && chi > clo;
+        const dec_chunk dc = {kt, K, V, ksc, vsc, j0, D, Dv, c->esz, kind, sc, qf};
+        // scores: the shared keys for all, then each query's others
+        if (shared)
+            kt->dot_rows_qg(sc + (clo - j0), (int64_t)qf, K + (size_t)(clo - j0) * D * c->esz,
+                            D, kind, ksc ? ksc + (clo - j0) : NULL, sc + CH, (int64_t)qf, nv,
+                            chi - clo, D);
+        for (int64_t v = 0; v < nv; v++) {
+            alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, true);
+            if (shared) alone(&dc, v, chi, qs[v].hi, true);
+        }
+        for (int64_t v = 0; v < nv; v++) {
+            const dec_query *dq = &qs[v];
+            float *s = sc + (size_t)v * qf + (dq->lo - j0);
+            const int64_t w = dq->hi - dq->lo;
+            if (a.softcap > 0.0f)
+                for (int64_t j = 0; j < w; j++) s[j] = a.softcap * tanhf(s[j] / a.softcap);
+            if (a.alibi_slopes) {  // -slope |position - j|
+                const int64_t p = n - Tb + dq->t + q_shift;
+                for (int64_t j = dq->lo; j < dq->hi; j++)
+                    s[j - dq->lo] -= a.alibi_slopes[dq->h] * (float)(p >= j ? p - j : j - p);
+            }
+            float m = -INFINITY, l = 0.0f;
+            (void)kt->softmax_update(s, w, &m, &l);  // s <- exp(s - m)
+            dq->pp[0] = m;
+            dq->pp[1] = l;
+        }
+        // O += P V over each query's keys in order: before the shared ones,
+        // the shared ones for all, after them
+        for (int64_t v = 0; v < nv; v++)
+            alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, false);
+        if (shared)
+            kt->axpy_rows_qg(sc + CH + D, (int64_t)qf, sc + (clo - j0), (int64_t)qf,
+                             V + (size_t)(clo - j0) * Dv * c->esz, Dv, kind,
+                             vsc ? vsc + (clo - j0) : NULL, nv, chi - clo, Dv);
+        for (int64_t v = 0; v < nv; v++) {
+            if (shared) alone(&dc, v, chi, qs[v].hi, false);
+            memcpy(qs[v].pp + 2, sc + (size_t)v * qf + CH + D, sizeof(float) * (size_t)Dv);
+        }
     }
     attend_combine(ac, part, nch, per);
     mha__free(part);

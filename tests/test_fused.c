@@ -1070,6 +1070,106 @@ static void test_qk_norm(void) {
     remove(path);
 }
 
+// Decode over a long cache, against a float64 oracle: B 2 sequences of
+// different lengths (several 512-key chunks, many row blocks), GQA groups
+// G = H / Hkv of 1, 3 and 4, head dims 64 and 40 (not a multiple of 16),
+// 1 and 5 queries per sequence (the causal band moves within a block), no
+// window and left windows of 300 and 2 (5 queries' bands apart), every
+// storage type. K and V are k / 64
+// with integer |k| <= 127 (each row's max 127): exact in bf16, f16 and
+// int8 (scale 1/64), so the oracle reads the same numbers. And the same
+// bits with 1, 2 and 8 threads.
+static void test_decode_groups(void) {
+    enum { B = 2, CAP = 1400, TMAX = 5 };
+    const int64_t lens[B] = {1300, 517};
+    const int64_t cfgs[][3] = {{4, 4, 64}, {12, 4, 40}, {8, 2, 64}};  // H, Hkv, D
+    for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++)
+        for (int dt = MHA_KV_F32; dt <= MHA_KV_INT8; dt++)
+            for (int T = 1; T <= TMAX; T += 4)
+                for (int wi = 0; wi < 3; wi++) {
+                    const int64_t H = cfgs[ci][0], Hkv = cfgs[ci][1], D = cfgs[ci][2];
+                    const int64_t win = wi == 2 ? 2 : wi ? 300 : -1;
+                    mha_kv_cache *c = NULL;
+                    CHECK_OK(mha_kv_cache_create_ex(&c, B, Hkv, D, D, CAP, (mha_kv_dtype)dt));
+                    const size_t nkv = (size_t)(B * Hkv * CAP * D);
+                    float *k = malloc(sizeof(float) * nkv), *v = malloc(sizeof(float) * nkv);
+                    for (size_t r = 0; r < nkv / (size_t)D; r++)
+                        for (int64_t e = 0; e < D; e++) {
+                            const int64_t top = (int64_t)(r % (size_t)D);  // the row's 127
+                            k[r * (size_t)D + (size_t)e] =
+                                (float)(e == top ? 127 : irand(-127, 127)) / 64.0f;
+                            v[r * (size_t)D + (size_t)e] =
+                                (float)(e == (top + 1) % D ? -127 : irand(-127, 127)) / 64.0f;
+                        }
+                    mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4,
+                                                          (int64_t[]){B, Hkv, CAP, D}),
+                               vt = mha_tensor_contiguous(v, MHA_F32, 4,
+                                                          (int64_t[]){B, Hkv, CAP, D});
+                    CHECK_OK(mha_kv_cache_append(c, &kt, &vt, lens));
+                    const size_t nq = (size_t)(B * H * T * D);
+                    float *q = malloc(sizeof(float) * nq), *o[3];
+                    for (size_t i = 0; i < nq; i++) q[i] = frand();
+                    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, T, D});
+                    mha_cache_attend_args a;
+                    mha_cache_attend_args_init(&a);
+                    a.window_left = win;
+                    const int threads[3] = {1, 2, 8};
+                    for (int r = 0; r < 3; r++) {
+                        o[r] = malloc(sizeof(float) * nq);
+                        mha_tensor ot = mha_tensor_contiguous(o[r], MHA_F32, 4,
+                                                              (int64_t[]){B, H, T, D});
+#ifdef _OPENMP
+                        omp_set_num_threads(threads[r]);
+#endif
+                        CHECK_OK(mha_kv_cache_attend(&ot, &qt, c, &a, NULL));
+                    }
+#ifdef _OPENMP
+                    omp_set_num_threads(2);
+#endif
+                    double err = 0.0, mx = 0.0;
+                    double *sc = malloc(sizeof(double) * CAP);
+                    for (int64_t b = 0; b < B; b++)
+                        for (int64_t h = 0; h < H; h++)
+                            for (int64_t t = 0; t < T; t++) {
+                                const int64_t pos = lens[b] - T + t, hk = h / (H / Hkv);
+                                const int64_t lo = win >= 0 && pos - win > 0 ? pos - win : 0;
+                                const float *qr = q + ((b * H + h) * T + t) * D;
+                                double m = -INFINITY, l = 0.0;
+                                for (int64_t j = lo; j <= pos; j++) {
+                                    const float *kr = k + ((b * Hkv + hk) * CAP + j) * D;
+                                    double dot = 0.0;
+                                    for (int64_t e = 0; e < D; e++) dot += (double)qr[e] * kr[e];
+                                    sc[j] = dot / sqrt((double)D);
+                                    m = sc[j] > m ? sc[j] : m;
+                                }
+                                for (int64_t j = lo; j <= pos; j++)
+                                    l += (sc[j] = exp(sc[j] - m));
+                                for (int64_t e = 0; e < D; e++) {
+                                    double y = 0.0;
+                                    for (int64_t j = lo; j <= pos; j++)
+                                        y += sc[j] * v[((b * Hkv + hk) * CAP + j) * D + e];
+                                    y /= l;
+                                    const double g = o[0][((b * H + h) * T + t) * D + e];
+                                    err = fabs(g - y) > err ? fabs(g - y) : err;
+                                    mx = fabs(y) > mx ? fabs(y) : mx;
+                                }
+                            }
+                    CHECKF(err <= 2e-5 * (1.0 + mx),
+                           "decode groups H %lld Hkv %lld D %lld %s T %d window %lld: err %g "
+                           "(max|ref| %g)",
+                           (long long)H, (long long)Hkv, (long long)D,
+                           mha_kv_dtype_name((mha_kv_dtype)dt), T, (long long)win, err, mx);
+                    for (int r = 1; r < 3; r++)
+                        CHECKF(memcmp(o[0], o[r], sizeof(float) * nq) == 0,
+                               "decode groups H %lld Hkv %lld D %lld %s T %d: 1 vs %d threads",
+                               (long long)H, (long long)Hkv, (long long)D,
+                               mha_kv_dtype_name((mha_kv_dtype)dt), T, threads[r]);
+                    for (int r = 0; r < 3; r++) free(o[r]);
+                    free(sc), free(q), free(k), free(v);
+                    mha_kv_cache_destroy(c);
+                }
+}
+
 int main(void) {
     seed_rng(2024);
     for (int i = 0; i < 300; i++) one_case(i);
@@ -1093,6 +1193,7 @@ int main(void) {
     test_qk_norm();  // (last: the draws above are unchanged)
     for (int i = 0; i < 80; i++)  // the layouts again, with the QK-norm
         layout_case(1000 + i, i % 2 ? MHA_QK_NORM_ALL : MHA_QK_NORM_HEAD);
+    test_decode_groups();  // (last: the draws above are unchanged)
     printf("ISA: %s\n", mha_isa());
     return check_summary("test_fused");
 }

@@ -652,6 +652,50 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
         }
 }
 
+// dot_rows_qg / axpy_rows_qg: the same bits as ng calls of the table's
+// dot_rows_q / axpy_rows_q, query by query (ng 1..9: the 4-query blocks
+// and every remainder; n 70 and 3: the 4-row groups and their tail; head
+// dims with and without a 16-lane tail, and past 64 columns), the outputs'
+// padding untouched.
+static void test_rows_qg(const mha__kernels *k) {
+    enum { N = 70, W = 150, G = 9, LD = 160 };
+    static uint16_t h[N * W];
+    static int8_t b8[N * W];
+    static float f32[N * W], X[G * LD], P[G * LD], s1[G * LD], s2[G * LD], o1[G * LD],
+        o2[G * LD];
+    float sc[N];
+    for (int i = 0; i < N * W; i++) {
+        h[i] = (uint16_t)(0x3c00 + (i * 7919) % 0x0800);
+        b8[i] = (int8_t)((i * 31) % 255 - 127);
+        f32[i] = (float)((i * 7919) % 2001 - 1000) * 1e-3f;
+    }
+    for (int i = 0; i < G * LD; i++) X[i] = frand(), P[i] = frand();
+    for (int i = 0; i < N; i++) sc[i] = 0.01f * (float)(i + 1);
+    const int64_t dims[] = {1, 16, 40, 64, 128, 150}, rows[] = {N, 3};
+    for (int kind = 0; kind <= 3; kind++)
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+            for (int ri = 0; ri < 2; ri++)
+                for (int64_t ng = 1; ng <= G; ng++) {
+                    const int64_t D = dims[di], n = rows[ri];
+                    const void *A = kind == 0   ? (const void *)f32
+                                    : kind == 3 ? (const void *)b8
+                                                : (const void *)h;
+                    for (int i = 0; i < G * LD; i++) s1[i] = s2[i] = o1[i] = o2[i] = 0.5f;
+                    k->dot_rows_qg(s1, LD, A, W, kind, sc, X, LD, ng, n, D);
+                    k->axpy_rows_qg(o1, LD, P, LD, A, W, kind, sc, ng, n, D);
+                    for (int64_t g = 0; g < ng; g++) {
+                        k->dot_rows_q(s2 + g * LD, A, W, kind, sc, X + g * LD, n, D);
+                        k->axpy_rows_q(o2 + g * LD, P + g * LD, A, W, kind, sc, n, D);
+                    }
+                    const int d1 = memcmp(s1, s2, sizeof s1) != 0,
+                              d2 = memcmp(o1, o2, sizeof o1) != 0;
+                    CHECKF(!d1 && !d2,
+                           "%s %s kind %d D %lld n %lld ng %lld: not the per-query bits",
+                           k->isa, d1 ? "dot_rows_qg" : "axpy_rows_qg", kind, (long long)D,
+                           (long long)n, (long long)ng);
+                }
+}
+
 int main(void) {
     seed_rng(7);
     const mha__kernels *g = mha__kernels_for("scalar");
@@ -670,12 +714,14 @@ int main(void) {
         test_bwd_rows(k, g);
         test_cvt(k, g);
         test_rows_q(k, g);
+        test_rows_qg(k);
         test_gemm_tn(k);
         test_packed(k);
         test_transpose(k);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
+    test_rows_qg(g);
     test_gemm_tn(g);
     test_softmax_rows(g);
     test_bwd_rows(g, g);

@@ -476,6 +476,15 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
     }
 }
 
+// The group version: query by query through axpy_rows_q (dot_rows_q, and
+// so dot_rows_qg, stay the portable ones).
+static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
+                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
+                         int64_t Dv) {
+    for (int64_t g = 0; g < ng; g++)
+        axpy_rows_q(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv);
+}
+
 void mha__kernels_fill_avx2(mha__kernels *k) {
     k->isa = "avx2";
     k->gemm_nn = gemm_nn;
@@ -489,6 +498,7 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->dot_acc_rows = dot_acc_rows;
     k->dsoftmax_rows = dsoftmax_rows;
     k->axpy_rows_q = axpy_rows_q;
+    k->axpy_rows_qg = axpy_rows_qg;
     k->pk_nr = PNR;
     k->pk_mr = PMR;
     k->pk_kc = PKC;

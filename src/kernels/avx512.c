@@ -659,6 +659,68 @@ static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const flo
     else dot_rows_qk(s, A, lda, 3, scales, x, n, D);
 }
 
+// The group version: 4 rows x up to 4 queries at a time, 16 accumulators
+// (each row's vector converted once for the queries; independent chains
+// hide the FMA latency), the same operations per (query, row) as
+// dot_rows_qk: the same bits. nq (1..4) a constant after inlining.
+static inline __attribute__((always_inline)) void dot4_q(float *s, int64_t lds, const void *A,
+                                                         int64_t lda, int kind,
+                                                         const float *scales, const float *X,
+                                                         int64_t ldx, int nq, int64_t j,
+                                                         int64_t D) {
+    __m512 acc[4][4];
+    for (int g = 0; g < nq; g++)
+        for (int r = 0; r < 4; r++) acc[g][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512 a0 = q16(A, lda, kind, j, c), a1 = q16(A, lda, kind, j + 1, c),
+                     a2 = q16(A, lda, kind, j + 2, c), a3 = q16(A, lda, kind, j + 3, c);
+        for (int g = 0; g < nq; g++) {
+            const __m512 xv = _mm512_loadu_ps(X + g * ldx + c);
+            acc[g][0] = _mm512_fmadd_ps(a0, xv, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(a1, xv, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(a2, xv, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(a3, xv, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < nq; g++) {
+        __m128 r = reduce4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+        if (kind == 3) r = _mm_mul_ps(r, _mm_loadu_ps(scales + j));
+        _mm_storeu_ps(s + g * lds + j, r);
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows_qgk(
+    float *s, int64_t lds, const void *A, int64_t lda, int kind, const float *scales,
+    const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D) {
+    int64_t j = 0;
+    const int64_t Dv = D & ~(int64_t)15;
+    for (; j + 4 <= n && Dv == D; j += 4) {
+        prefetch_ahead(A, lda, kind_size(kind), j, 4, n);
+        int64_t g = 0;
+        for (; g + 4 <= ng; g += 4)
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 4, j, D);
+        if (ng - g == 3)
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 3, j, D);
+        if (ng - g == 2)
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 2, j, D);
+        if (ng - g == 1)
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, j, D);
+    }
+    for (; j < n; j++)
+        for (int64_t g = 0; g < ng; g++)
+            s[g * lds + j] = (kind == 3 ? scales[j] : 1.0f) *
+                             dot_q1(A, lda, kind, j, X + g * ldx, D);
+}
+
+static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D) {
+    if (kind == 0) dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D);
+    else if (kind == 1) dot_rows_qgk(s, lds, A, lda, 1, scales, X, ldx, ng, n, D);
+    else if (kind == 2) dot_rows_qgk(s, lds, A, lda, 2, scales, X, ldx, ng, n, D);
+    else dot_rows_qgk(s, lds, A, lda, 3, scales, X, ldx, ng, n, D);
+}
+
 // o[c] += p[j] scale_j A(j, c), j in order for every c (the contract's
 // order); up to 64 columns' accumulators live across the j loop.
 static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const float *p,
@@ -704,6 +766,86 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
     else if (kind == 1) axpy_rows_qk(o, p, A, lda, 1, scales, n, Dv);
     else if (kind == 2) axpy_rows_qk(o, p, A, lda, 2, scales, n, Dv);
     else axpy_rows_qk(o, p, A, lda, 3, scales, n, Dv);
+}
+
+// The group version: blocks of AXB rows (in L1 once read); for each block,
+// 64 columns of up to 4 queries at a time, 16 accumulators (each row's
+// vectors converted once for the queries): per (query, column) the same
+// chain over the rows in order as axpy_rows_qk (the accumulators stored
+// and reloaded between blocks: exact). nq (1..4) a constant after inlining.
+#define AXB 32
+static inline __attribute__((always_inline)) void axpy64_q(
+    float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
+    const float *scales, int nq, int64_t jb, int64_t je, int64_t c0, int64_t n, bool pf) {
+    __m512 acc[4][4];
+    for (int g = 0; g < nq; g++)
+        for (int u = 0; u < 4; u++) acc[g][u] = _mm512_loadu_ps(O + g * ldo + c0 + 16 * u);
+    for (int64_t j = jb; j < je; j++) {
+        if (pf) prefetch_ahead(A, lda, kind_size(kind), j, 1, n);
+        const __m512 a0 = q16(A, lda, kind, j, c0), a1 = q16(A, lda, kind, j, c0 + 16),
+                     a2 = q16(A, lda, kind, j, c0 + 32), a3 = q16(A, lda, kind, j, c0 + 48);
+        for (int g = 0; g < nq; g++) {
+            const __m512 f = _mm512_set1_ps(P[g * ldp + j] * (kind == 3 ? scales[j] : 1.0f));
+            acc[g][0] = _mm512_fmadd_ps(f, a0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(f, a1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(f, a2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(f, a3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < nq; g++)
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(O + g * ldo + c0 + 16 * u, acc[g][u]);
+}
+
+static inline __attribute__((always_inline)) void axpy_rows_qgk(
+    float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
+    const float *scales, int64_t ng, int64_t n, int64_t Dv) {
+    for (int64_t jb = 0; jb < n; jb += AXB) {
+        const int64_t je = n - jb < AXB ? n : jb + AXB;
+        if (Dv < 64)  // (else the first 64 columns' first queries ask for them)
+            for (int64_t j = jb; j < je; j++) prefetch_ahead(A, lda, kind_size(kind), j, 1, n);
+        for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+            if (Dv - c0 >= 64) {
+                int64_t g = 0;
+                for (; g + 4 <= ng; g += 4)
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 4, jb,
+                             je, c0, n, c0 == 0 && g == 0);
+                if (ng - g == 3)
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 3, jb,
+                             je, c0, n, c0 == 0 && g == 0);
+                if (ng - g == 2)
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 2, jb,
+                             je, c0, n, c0 == 0 && g == 0);
+                if (ng - g == 1)
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 1, jb,
+                             je, c0, n, c0 == 0 && g == 0);
+                continue;
+            }
+            for (int64_t g = 0; g < ng; g++) {  // the last < 64 columns, query by query
+                float *o = O + g * ldo;
+                const float *p = P + g * ldp;
+                for (int64_t c = c0; c < Dv; c += 16) {
+                    const __mmask16 m = tail_mask(Dv - c);
+                    __m512 acc = _mm512_maskz_loadu_ps(m, o + c);
+                    for (int64_t j = jb; j < je; j++) {
+                        const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+                        const __m512 v = c + 16 <= Dv ? q16(A, lda, kind, j, c)
+                                                      : q16_tail(A, lda, kind, j, c, Dv);
+                        acc = _mm512_fmadd_ps(f, v, acc);
+                    }
+                    _mm512_mask_storeu_ps(o + c, m, acc);
+                }
+            }
+        }
+    }
+}
+
+static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
+                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
+                         int64_t Dv) {
+    if (kind == 0) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv);
+    else if (kind == 1) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, ng, n, Dv);
+    else if (kind == 2) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, ng, n, Dv);
+    else axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, ng, n, Dv);
 }
 
 static void scale_row(float *y, int64_t n, float a) {
@@ -787,6 +929,8 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->cvt_i8 = cvt_i8;
     k->dot_rows_q = dot_rows_q;
     k->axpy_rows_q = axpy_rows_q;
+    k->dot_rows_qg = dot_rows_qg;
+    k->axpy_rows_qg = axpy_rows_qg;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->exp_scale_rows = exp_scale_rows;

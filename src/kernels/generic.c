@@ -125,6 +125,21 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
     }
 }
 
+// The group versions: query by query (the rows read once per query).
+static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D) {
+    for (int64_t g = 0; g < ng; g++)
+        dot_rows_q(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D);
+}
+
+static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
+                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
+                         int64_t Dv) {
+    for (int64_t g = 0; g < ng; g++)
+        mha__axpy_rows_q_generic(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv);
+}
+
 static void scale_row(float *y, int64_t n, float a) {
     for (int64_t j = 0; j < n; j++) y[j] *= a;
 }
@@ -268,6 +283,8 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->cvt_i8 = cvt_i8;
     k->dot_rows_q = dot_rows_q;
     k->axpy_rows_q = mha__axpy_rows_q_generic;
+    k->dot_rows_qg = dot_rows_qg;
+    k->axpy_rows_qg = axpy_rows_qg;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->exp_scale_rows = exp_scale_rows;

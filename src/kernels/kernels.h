@@ -78,6 +78,19 @@ typedef struct mha__kernels {
                        const float *x, int64_t n, int64_t D);
     void (*axpy_rows_q)(float *o, const float *p, const void *A, int64_t lda, int kind,
                         const float *scales, int64_t n, int64_t Dv);
+    // The same for the ng queries of a GQA group over the same rows, each row
+    // read once for all of them (decode: the cache streams from memory once
+    // per group, not once per query head):
+    // dot_rows_qg: s[g*lds + j] = scale_j sum_c A(j, c) X[g*ldx + c]
+    // axpy_rows_qg: O[g*ldo + c] += sum_j P[g*ldp + j] scale_j A(j, c)
+    //   (j in order), for g < ng. Bit-identical, on every table, to ng calls
+    //   of that table's dot_rows_q / axpy_rows_q on query g's rows.
+    void (*dot_rows_qg)(float *s, int64_t lds, const void *A, int64_t lda, int kind,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D);
+    void (*axpy_rows_qg)(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
+                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
+                         int64_t Dv);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // transpose: dst[c*ldd + r] = src[r*lds + c] for r < rows, c < cols
