@@ -1060,6 +1060,60 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
                                                      const mha_cache_attend_args *a,
                                                      const int64_t *counts);
 
+// ---------------------------------------------------------------------------
+// Paged KV cache (serving many sequences): a pool of num_blocks blocks of
+// block_size tokens (K and V of every KV head, in the storage type; int8
+// with one scale per row), per-sequence block tables, blocks shared by
+// reference count. A fork shares its source's blocks; the first write into
+// a shared block copies it (copy on write). A sequence's attention gives
+// the bits of a contiguous cache (mha_kv_cache) holding the same tokens.
+// Every call checks and allocates all it needs first: a failed call
+// (an exhausted pool included) changes nothing. Concurrency: attends may
+// run at the same time; a call that changes the cache (add, fork, free,
+// truncate, append) while another call uses it fails with
+// MHA_ERR_INVALID_ARG and changes nothing. Sequence ids are opaque (a
+// freed id stays unknown even when its slot is reused).
+typedef struct mha_paged_cache mha_paged_cache;
+
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_create(mha_paged_cache **out,
+                                                        int64_t num_blocks, int64_t block_size,
+                                                        int64_t num_kv_heads, int64_t head_dim,
+                                                        int64_t v_head_dim, mha_kv_dtype dtype);
+MHA_API void mha_paged_cache_destroy(mha_paged_cache *c);
+// A new, empty sequence: its id.
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_add(mha_paged_cache *c, int64_t *id);
+// A new sequence holding src's tokens (its blocks shared, none copied).
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_fork(mha_paged_cache *c, int64_t src,
+                                                      int64_t *id);
+// Frees sequence id (the blocks no other sequence holds return to the pool).
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_free(mha_paged_cache *c, int64_t id);
+// Cuts sequence id back to length tokens (<= its length; rollback).
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id,
+                                                          int64_t length);
+// Tokens of sequence id (-1: no such sequence).
+MHA_API int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id);
+// Blocks held by some sequence / free; bytes of one block.
+MHA_API int64_t mha_paged_cache_blocks_in_use(const mha_paged_cache *c);
+MHA_API int64_t mha_paged_cache_blocks_free(const mha_paged_cache *c);
+MHA_API size_t mha_paged_cache_block_bytes(const mha_paged_cache *c);
+// Appends k (n, Hkv, T, D) and v (n, Hkv, T, Dv) (float32/float64 views,
+// any strides): counts[i] tokens (the first of T; NULL: T) to sequence
+// ids[i], the n ids distinct. All or nothing: an exhausted pool fails with
+// MHA_ERR_NOMEM naming the blocks needed and free.
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n,
+                                                        const int64_t *ids,
+                                                        const int64_t *counts,
+                                                        const mha_tensor *k,
+                                                        const mha_tensor *v);
+// As mha_kv_cache_attend, entry i of q (n, H, T, D) and out (n, H, T, Dv)
+// being sequence ids[i]: queries t < counts[i] at positions
+// length - counts[i] + t, causal over that sequence's tokens.
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q,
+                                                        mha_paged_cache *c, int64_t n,
+                                                        const int64_t *ids,
+                                                        const int64_t *counts,
+                                                        const mha_cache_attend_args *a);
+
 // The module's causal self-attention over the T new tokens of a->query
 // ((T, N, E), or (N, T, E) with batch_first; float32), through the cache:
 // project q, k, v; rotate q and k (a->rope, a->rope_scaling) at positions

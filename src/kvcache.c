@@ -114,14 +114,13 @@ size_t mha_kv_cache_bytes(const mha_kv_cache *c) {
 }
 
 // Stores one row x (n floats, element stride xs, from a float32 or float64
-// view) as row r of the cache's K (or V) in its storage type; row: n floats
-// of scratch.
-static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x, mha_dtype xdt,
-                      int64_t xs, int64_t n, float *row) {
+// view) at dst in storage type dt (int8: its scale into *scale); row: n
+// floats of scratch.
+void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, mha_dtype xdt,
+                       int64_t xs, int64_t n, float *row) {
     for (int64_t e = 0; e < n; e++)
         row[e] = (float)mha__ld(mha__vmat((void *)x, xdt, 0, xs), 0, e);
-    char *dst = (char *)(isv ? c->v : c->k) + (size_t)(r * n) * c->esz;
-    switch (c->dt) {
+    switch (dt) {
     case MHA_KV_F32: memcpy(dst, row, sizeof(float) * (size_t)n); break;
     case MHA_KV_BF16:
         for (int64_t e = 0; e < n; e++) ((uint16_t *)dst)[e] = mha_f32_to_bf16(row[e]);
@@ -133,7 +132,7 @@ static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
         float mx = 0.0f;
         for (int64_t e = 0; e < n; e++) mx = fabsf(row[e]) > mx ? fabsf(row[e]) : mx;
         const float sc = mx > 0.0f ? mx / 127.0f : 1.0f;
-        (isv ? c->vs : c->ks)[r] = sc;
+        *scale = sc;
         for (int64_t e = 0; e < n; e++) {
             float qv = nearbyintf(row[e] / sc);
             // (NaN, from a NaN element or an infinite row's inf / inf, is
@@ -146,23 +145,39 @@ static void store_row(const mha_kv_cache *c, bool isv, int64_t r, const void *x,
     }
 }
 
-// Rows [r0, r0 + n) of K (or V) as float32: a pointer into the cache (f32),
-// or dequantised into buf.
-static const float *load_rows(const mha__kernels *kt, const mha_kv_cache *c, bool isv,
-                              int64_t r0, int64_t n, float *buf) {
-    const int64_t w = isv ? c->Dv : c->D;
-    const char *src = (const char *)(isv ? c->v : c->k) + (size_t)(r0 * w) * c->esz;
-    switch (c->dt) {
-    case MHA_KV_F32: return (const float *)src;
-    case MHA_KV_BF16: kt->cvt_bf16(buf, (const uint16_t *)src, n * w); break;
-    case MHA_KV_F16: kt->cvt_f16(buf, (const uint16_t *)src, n * w); break;
+// n rows of w elements at src (storage type dt, int8 scales sc) as float32
+// into dst.
+static void rows_to_f32(const mha__kernels *kt, mha_kv_dtype dt, const char *src,
+                        const float *sc, int64_t n, int64_t w, float *dst) {
+    switch (dt) {
+    case MHA_KV_F32: memcpy(dst, src, sizeof(float) * (size_t)(n * w)); break;
+    case MHA_KV_BF16: kt->cvt_bf16(dst, (const uint16_t *)src, n * w); break;
+    case MHA_KV_F16: kt->cvt_f16(dst, (const uint16_t *)src, n * w); break;
     case MHA_KV_INT8:
         for (int64_t j = 0; j < n; j++)
-            kt->cvt_i8(buf + j * w, (const int8_t *)src + j * w, w,
-                       (isv ? c->vs : c->ks)[r0 + j]);
+            kt->cvt_i8(dst + j * w, (const int8_t *)src + j * w, w, sc[j]);
         break;
     }
-    return buf;
+}
+
+size_t mha__kv_esz(mha_kv_dtype dt) { return kv_esz(dt); }
+
+// The contiguous cache as a row source: one segment of cap rows per
+// (sequence, KV head).
+static void cache_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const char **k,
+                     const char **v, const float **ks, const float **vs) {
+    const mha_kv_cache *c = ctx;
+    (void)s;
+    const int64_t r0 = (b * c->Hkv + hk) * c->cap;
+    *k = (const char *)c->k + (size_t)(r0 * c->D) * c->esz;
+    *v = (const char *)c->v + (size_t)(r0 * c->Dv) * c->esz;
+    *ks = c->ks ? c->ks + r0 : NULL;
+    *vs = c->vs ? c->vs + r0 : NULL;
+}
+
+static mha__kv_rows cache_rows(const mha_kv_cache *c) {
+    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,
+                          c->dt, c->esz, c->len, c,     cache_at};
 }
 
 void mha_kv_cache_destroy(mha_kv_cache *c) {
@@ -249,12 +264,14 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_t
                 const int64_t r = (b * c->Hkv + h) * c->cap + c->len[b] + t;
                 const int64_t ko = b * k->stride[0] + h * k->stride[1] + t * k->stride[2];
                 const int64_t vo = b * v->stride[0] + h * v->stride[1] + t * v->stride[2];
-                store_row(c, false, r,
-                          (const char *)k->data + ko * (int64_t)mha_dtype_size(k->dtype),
-                          k->dtype, k->stride[3], c->D, row);
-                store_row(c, true, r,
-                          (const char *)v->data + vo * (int64_t)mha_dtype_size(v->dtype),
-                          v->dtype, v->stride[3], c->Dv, row);
+                mha__kv_store_row(c->dt, (char *)c->k + (size_t)(r * c->D) * c->esz,
+                                  c->ks ? c->ks + r : NULL,
+                                  (const char *)k->data + ko * (int64_t)mha_dtype_size(k->dtype),
+                                  k->dtype, k->stride[3], c->D, row);
+                mha__kv_store_row(c->dt, (char *)c->v + (size_t)(r * c->Dv) * c->esz,
+                                  c->vs ? c->vs + r : NULL,
+                                  (const char *)v->data + vo * (int64_t)mha_dtype_size(v->dtype),
+                                  v->dtype, v->stride[3], c->Dv, row);
             }
         c->len[b] += n;
     }
@@ -289,7 +306,7 @@ mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_k
 
 // What the phases of a cache attention share (attend_check fills it).
 typedef struct attend_call {
-    const mha_kv_cache *c;
+    const mha__kv_rows *c;
     const mha__kernels *kt;
     mha_cache_attend_args a;
     const mha_tensor *q, *out;
@@ -303,7 +320,7 @@ typedef struct attend_call {
 
 // Checks a cache attention's arguments (once) and fills ac.
 static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tensor *q,
-                               const mha_kv_cache *c, const mha_cache_attend_args *args,
+                               const mha__kv_rows *c, const mha_cache_attend_args *args,
                                const int64_t *counts, int64_t q_shift, float *stats) {
     if (!out || !q || !c)
         return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: NULL argument");
@@ -383,7 +400,7 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
 // A prefill chunk (more than MHA__DECODE_MAX_T queries): flash tiles per
 // (b, h, tile of queries), the queries' positions offset by len_b - T_b.
 static mha_status attend_prefill(const attend_call *ac) {
-    const mha_kv_cache *c = ac->c;
+    const mha__kv_rows *c = ac->c;
     const mha__kernels *kt = ac->kt;
     const mha_cache_attend_args a = ac->a;
     const mha_tensor *q = ac->q, *out = ac->out;
@@ -394,9 +411,12 @@ static mha_status attend_prefill(const attend_call *ac) {
                   maxlen = ac->maxlen, q_shift = ac->q_shift;
     const double scale = ac->scale;
     const int nt = ac->nt;
-    const size_t sf = mha__flash_scratch_floats(D, Dv, c->cap, 0, false);
-    // a reduced-precision cache is dequantised first (the rows in use)
-    const size_t nkv = c->dt == MHA_KV_F32 ? 0 : (size_t)(B * c->Hkv * maxlen * (D + Dv));
+    const size_t sf = mha__flash_scratch_floats(D, Dv, maxlen, 0, false);
+    // a reduced-precision cache, or one in more than one segment, is
+    // converted into float32 rows first (the rows in use); else the flash
+    // tiles read the cache's rows where they are
+    const bool direct = c->dt == MHA_KV_F32 && maxlen <= c->seg;
+    const size_t nkv = direct ? 0 : (size_t)(B * c->Hkv * maxlen * (D + Dv));
     size_t bytes;
     if (mha__mul_overflow_size(sf * sizeof(float), (size_t)nt, &bytes) ||
         mha__add_overflow_size(bytes, nkv * sizeof(float), &bytes))
@@ -408,10 +428,16 @@ static mha_status attend_prefill(const attend_call *ac) {
     if (nkv) {
 #pragma omp parallel for schedule(static) num_threads(nt)
         for (int64_t bh = 0; bh < B * c->Hkv; bh++) {
-            const int64_t r0 = bh * c->cap, n = c->len[bh / c->Hkv];
+            const int64_t n = c->len[bh / c->Hkv];
             float *kd = kf + bh * maxlen * D, *vd = vf + bh * maxlen * Dv;
-            load_rows(kt, c, false, r0, n, kd);  // (not f32: into kd, vd)
-            load_rows(kt, c, true, r0, n, vd);
+            for (int64_t j = 0; j < n; j += c->seg) {  // segment by segment
+                const char *k, *v;
+                const float *ks, *vs;
+                c->at(c->ctx, bh / c->Hkv, bh % c->Hkv, j / c->seg, &k, &v, &ks, &vs);
+                const int64_t w = n - j < c->seg ? n - j : c->seg;
+                rows_to_f32(kt, c->dt, k, ks, w, D, kd + j * D);
+                rows_to_f32(kt, c->dt, v, vs, w, Dv, vd + j * Dv);
+            }
         }
     }
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
@@ -432,14 +458,15 @@ static mha_status attend_prefill(const attend_call *ac) {
         mk.softcap = a.softcap;
         mk.sinks = a.sinks;
         const int64_t hk = h / G;
+        const char *kc = NULL, *vc = NULL;
+        const float *ks, *vs;
+        if (direct) c->at(c->ctx, b, hk, 0, &kc, &vc, &ks, &vs);
         mha__flash_head fh = {
             .q = qd + b * q->stride[0] + h * q->stride[1],
             .q_rs = q->stride[2],
-            .k = nkv ? kf + (b * c->Hkv + hk) * maxlen * D
-                     : (const float *)c->k + (b * c->Hkv + hk) * c->cap * D,
+            .k = nkv ? kf + (b * c->Hkv + hk) * maxlen * D : (const float *)(const void *)kc,
             .k_rs = D,
-            .v = nkv ? vf + (b * c->Hkv + hk) * maxlen * Dv
-                     : (const float *)c->v + (b * c->Hkv + hk) * c->cap * Dv,
+            .v = nkv ? vf + (b * c->Hkv + hk) * maxlen * Dv : (const float *)(const void *)vc,
             .v_rs = Dv,
             .o = o + b * out->stride[0] + h * out->stride[1],
             .o_rs = out->stride[2],
@@ -510,31 +537,60 @@ typedef struct dec_query {
     float *pp;
 } dec_query;
 
-// A chunk's rows (K, V and their int8 scales from the chunk's first key
-// j0) and the thread's per-query floats: qf per query, scores (indexed
-// from j0), scaled query, unnormalised output.
+// A chunk's rows (those of sequence b, KV head hk, from the chunk's first
+// key j0, in the source's segments) and the thread's per-query floats: qf
+// per query, scores (indexed from j0), scaled query, unnormalised output.
 typedef struct dec_chunk {
     const mha__kernels *kt;
-    const char *K, *V;
-    const float *ksc, *vsc;
-    int64_t j0, D, Dv;
-    size_t esz;
+    const mha__kv_rows *c;
+    int64_t b, hk, j0;
     int kind;
     float *sc;
     size_t qf;
 } dec_chunk;
 
+// The piece of rows [r, hi) within r's segment: its end (returned) and
+// where row r's K, V (and int8 scales) are.
+static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
+                     const char **v, const float **ks, const float **vs) {
+    const mha__kv_rows *c = dc->c;
+    const int64_t s = r / c->seg, i = r - s * c->seg, end = (s + 1) * c->seg;
+    c->at(c->ctx, dc->b, dc->hk, s, k, v, ks, vs);
+    *k += (size_t)(i * c->D) * c->esz;
+    *v += (size_t)(i * c->Dv) * c->esz;
+    if (*ks) *ks += i, *vs += i;
+    return end < hi ? end : hi;
+}
+
 // Rows [r, r1) for query v alone: its scores (isk), else O += P V.
 static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk) {
-    if (r >= r1) return;
-    float *s = dc->sc + (size_t)v * dc->qf, *x = s + MHA__DECODE_CHUNK, *o = x + dc->D;
-    const int64_t i = r - dc->j0;
-    if (isk)
-        dc->kt->dot_rows_q(s + i, dc->K + (size_t)(i * dc->D) * dc->esz, dc->D, dc->kind,
-                           dc->ksc ? dc->ksc + i : NULL, x, r1 - r, dc->D);
-    else
-        dc->kt->axpy_rows_q(o, s + i, dc->V + (size_t)(i * dc->Dv) * dc->esz, dc->Dv, dc->kind,
-                            dc->vsc ? dc->vsc + i : NULL, r1 - r, dc->Dv);
+    const int64_t D = dc->c->D, Dv = dc->c->Dv;
+    float *s = dc->sc + (size_t)v * dc->qf, *x = s + MHA__DECODE_CHUNK, *o = x + D;
+    for (int64_t p1; r < r1; r = p1) {
+        const char *k, *vr;
+        const float *ks, *vs;
+        p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
+        if (isk) dc->kt->dot_rows_q(s + (r - dc->j0), k, D, dc->kind, ks, x, p1 - r, D);
+        else dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, Dv, dc->kind, vs, p1 - r, Dv);
+    }
+}
+
+// Rows [r, r1) for all nv queries (their keys in common): the scores (isk),
+// else O += P V.
+static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, bool isk) {
+    const int64_t D = dc->c->D, Dv = dc->c->Dv, qf = (int64_t)dc->qf;
+    float *sc = dc->sc;
+    for (int64_t p1; r < r1; r = p1) {
+        const char *k, *vr;
+        const float *ks, *vs;
+        p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
+        if (isk)
+            dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, D, dc->kind, ks,
+                                sc + MHA__DECODE_CHUNK, qf, nv, p1 - r, D);
+        else
+            dc->kt->axpy_rows_qg(sc + MHA__DECODE_CHUNK + D, qf, sc + (r - dc->j0), qf, vr, Dv,
+                                 dc->kind, vs, nv, p1 - r, Dv);
+    }
 }
 
 // Decode (at most MHA__DECODE_MAX_T queries): split-KV over fixed chunks
@@ -545,7 +601,7 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
 // where their bands overlap (each row from memory once for all of them),
 // query by query at the edges of the bands.
 static mha_status attend_decode(const attend_call *ac) {
-    const mha_kv_cache *c = ac->c;
+    const mha__kv_rows *c = ac->c;
     const mha__kernels *kt = ac->kt;
     const mha_cache_attend_args a = ac->a;
     const mha_tensor *q = ac->q;
@@ -588,11 +644,6 @@ static mha_status attend_decode(const attend_call *ac) {
         const int id = mha__thread_id();
         float *sc = tsc + (size_t)id * tfl;
         dec_query *qs = tq + (size_t)id * nq;
-        // K, V index rows from j0
-        const int64_t r0 = (b * c->Hkv + hk) * c->cap + j0;
-        const char *K = (const char *)c->k + (size_t)(r0 * D) * c->esz,
-                   *V = (const char *)c->v + (size_t)(r0 * Dv) * c->esz;
-        const float *ksc = c->ks ? c->ks + r0 : NULL, *vsc = c->vs ? c->vs + r0 : NULL;
         // the queries that see a key here (v < nv), and the keys all of them
         // see: [clo, chi)
         int64_t nv = 0, clo = j0, chi = j1;
@@ -623,12 +674,9 @@ static mha_status attend_decode(const attend_call *ac) {
         if (nv == 0) continue;
         // (one query, or none shared: each query alone)
         const bool shared = nv > 1 && chi > clo;
-        const dec_chunk dc = {kt, K, V, ksc, vsc, j0, D, Dv, c->esz, kind, sc, qf};
+        const dec_chunk dc = {kt, c, b, hk, j0, kind, sc, qf};
         // scores: the shared keys for all, then each query's others
-        if (shared)
-            kt->dot_rows_qg(sc + (clo - j0), (int64_t)qf, K + (size_t)(clo - j0) * D * c->esz,
-                            D, kind, ksc ? ksc + (clo - j0) : NULL, sc + CH, (int64_t)qf, nv,
-                            chi - clo, D);
+        if (shared) shared_rows(&dc, nv, clo, chi, true);
         for (int64_t v = 0; v < nv; v++) {
             alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, true);
             if (shared) alone(&dc, v, chi, qs[v].hi, true);
@@ -653,10 +701,7 @@ static mha_status attend_decode(const attend_call *ac) {
         // the shared ones for all, after them
         for (int64_t v = 0; v < nv; v++)
             alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, false);
-        if (shared)
-            kt->axpy_rows_qg(sc + CH + D, (int64_t)qf, sc + (clo - j0), (int64_t)qf,
-                             V + (size_t)(clo - j0) * Dv * c->esz, Dv, kind,
-                             vsc ? vsc + (clo - j0) : NULL, nv, chi - clo, Dv);
+        if (shared) shared_rows(&dc, nv, clo, chi, false);
         for (int64_t v = 0; v < nv; v++) {
             if (shared) alone(&dc, v, chi, qs[v].hi, false);
             memcpy(qs[v].pp + 2, sc + (size_t)v * qf + CH + D, sizeof(float) * (size_t)Dv);
@@ -667,11 +712,19 @@ static mha_status attend_decode(const attend_call *ac) {
     return MHA_OK;
 }
 
+mha_status mha__kv_attend_rows(mha_tensor *out, const mha_tensor *q, const mha__kv_rows *rows,
+                               const mha_cache_attend_args *args, const int64_t *counts,
+                               int64_t q_shift, float *stats) {
+    attend_call ac = {0};
+    mha_status st = attend_check(&ac, out, q, rows, args, counts, q_shift, stats);
+    if (st) return st;
+    return ac.T > MHA__DECODE_MAX_T ? attend_prefill(&ac) : attend_decode(&ac);
+}
+
 mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
                                    const mha_cache_attend_args *args, const int64_t *counts,
                                    int64_t q_shift, float *stats) {
-    attend_call ac = {0};
-    mha_status st = attend_check(&ac, out, q, c, args, counts, q_shift, stats);
-    if (st) return st;
-    return ac.T > MHA__DECODE_MAX_T ? attend_prefill(&ac) : attend_decode(&ac);
+    if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: NULL argument");
+    const mha__kv_rows rows = cache_rows(c);
+    return mha__kv_attend_rows(out, q, &rows, args, counts, q_shift, stats);
 }

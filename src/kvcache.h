@@ -13,6 +13,34 @@
 mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
                                    const mha_cache_attend_args *args, const int64_t *counts,
                                    int64_t q_shift, float *stats);
+// Where a cache's rows lie (the contiguous cache, kvcache.c; the paged one,
+// paged.c): sequence b's rows of KV head hk in segments of seg tokens, at()
+// giving segment s's first K and V rows (and, int8, their scales; else
+// NULL); len[b] rows in use.
+typedef struct mha__kv_rows {
+    int64_t B, Hkv, D, Dv, seg;
+    mha_kv_dtype dt;
+    size_t esz;  // bytes per stored element
+    const int64_t *len;
+    const void *ctx;
+    void (*at)(const void *ctx, int64_t b, int64_t hk, int64_t s, const char **k,
+               const char **v, const float **ks, const float **vs);
+} mha__kv_rows;
+
+// mha__kv_cache_attend_ex over any row source. Bit-identical for the same
+// rows whatever their segments (the decode kernels sum each score over its
+// row alone and each output over the rows in order; prefill converts the
+// rows into float32 tiles first).
+mha_status mha__kv_attend_rows(mha_tensor *out, const mha_tensor *q, const mha__kv_rows *rows,
+                               const mha_cache_attend_args *args, const int64_t *counts,
+                               int64_t q_shift, float *stats);
+// One row x (n floats, element stride xs, of a float32 or float64 view)
+// stored at dst in storage type dt (int8: its scale into *scale); row: n
+// floats of scratch.
+void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, mha_dtype xdt,
+                       int64_t xs, int64_t n, float *row);
+// Bytes per stored element of dt.
+size_t mha__kv_esz(mha_kv_dtype dt);
 // A cache's batch, KV heads and head dims.
 void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
                         int64_t *Dv);

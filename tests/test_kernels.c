@@ -653,7 +653,8 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
 }
 
 // dot_rows_qg / axpy_rows_qg: the same bits as ng calls of the table's
-// dot_rows_q / axpy_rows_q, query by query (ng 1..9: the 4-query blocks
+// dot_rows_q / axpy_rows_q, query by query, and those the bits of the same
+// rows in two calls split anywhere (ng 1..9: the 4-query blocks
 // and every remainder; n 70 and 3: the 4-row groups and their tail; head
 // dims with and without a 16-lane tail, and past 64 columns), the outputs'
 // padding untouched.
@@ -686,6 +687,24 @@ static void test_rows_qg(const mha__kernels *k) {
                     for (int64_t g = 0; g < ng; g++) {
                         k->dot_rows_q(s2 + g * LD, A, W, kind, sc, X + g * LD, n, D);
                         k->axpy_rows_q(o2 + g * LD, P + g * LD, A, W, kind, sc, n, D);
+                    }
+                    // a range in pieces: the bits of one call (any split point)
+                    if (ng == 1) {
+                        const int64_t cut = 1 + (int64_t)(next() % (uint64_t)n);
+                        float p1[N], p2[LD];
+                        for (int c = 0; c < LD; c++) p2[c] = 0.5f;
+                        k->dot_rows_q(p1, A, W, kind, sc, X, cut, D);
+                        k->axpy_rows_q(p2, P, A, W, kind, sc, cut, D);
+                        if (cut < n) {
+                            const char *Ac = (const char *)A + (size_t)(cut * W) *
+                                                                   (kind == 0 ? 4 : kind == 3 ? 1 : 2);
+                            k->dot_rows_q(p1 + cut, Ac, W, kind, sc + cut, X, n - cut, D);
+                            k->axpy_rows_q(p2, P + cut, Ac, W, kind, sc + cut, n - cut, D);
+                        }
+                        CHECKF(memcmp(p1, s2, sizeof(float) * (size_t)n) == 0 &&
+                                   memcmp(p2, o2, sizeof(float) * (size_t)LD) == 0,
+                               "%s kind %d D %lld n %lld: rows split at %lld, not one call's bits",
+                               k->isa, kind, (long long)D, (long long)n, (long long)cut);
                     }
                     const int d1 = memcmp(s1, s2, sizeof s1) != 0,
                               d2 = memcmp(o1, o2, sizeof o1) != 0;

@@ -596,20 +596,6 @@ static inline __m512 q16_tail(const void *A, int64_t lda, int kind, int64_t j, i
     return kind == 3 ? q16(b, 0, 3, 0, 0) : q16(h, 0, kind, 0, 0);
 }
 
-// One row's dot with x (the contract's order: 16-lane partial sums over c
-// in order, then the lane reduction).
-static inline __attribute__((always_inline)) float dot_q1(const void *A, int64_t lda, int kind,
-                                                          int64_t j, const float *x, int64_t D) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= D; c += 16)
-        acc = _mm512_fmadd_ps(q16(A, lda, kind, j, c), _mm512_loadu_ps(x + c), acc);
-    if (c < D)
-        acc = _mm512_fmadd_ps(q16_tail(A, lda, kind, j, c, D),
-                              _mm512_maskz_loadu_ps(tail_mask(D - c), x + c), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
 // The lane sums of four vectors, (sum a0, sum a1, sum a2, sum a3): one
 // transpose-and-add tree for the four (a third of four separate
 // reductions' instructions).
@@ -624,6 +610,24 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
                                                                            1)));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+
+// One row's dot with x (the contract's order: 16-lane partial sums over c
+// in order, then the lane reduction).
+static inline __attribute__((always_inline)) float dot_q1(const void *A, int64_t lda, int kind,
+                                                          int64_t j, const float *x, int64_t D) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16)
+        acc = _mm512_fmadd_ps(q16(A, lda, kind, j, c), _mm512_loadu_ps(x + c), acc);
+    if (c < D)
+        acc = _mm512_fmadd_ps(q16_tail(A, lda, kind, j, c, D),
+                              _mm512_maskz_loadu_ps(tail_mask(D - c), x + c), acc);
+    // (the four-row tree of reduce4 for one row: a row's bits do not depend
+    // on whether it falls in a group of four or not)
+    const __m512 z = _mm512_setzero_ps();
+    return _mm_cvtss_f32(reduce4(acc, z, z, z));
+}
+
 
 // Four rows at once (independent chains hide the FMA latency, one
 // reduction tree for the four); kind a constant after inlining.

@@ -71,7 +71,10 @@ typedef struct mha__kernels {
     // dot_rows_q: s[j] = scale_j * sum_c A(j, c) x[c] for j < n, c < D
     // axpy_rows_q: o[c] += sum_j p[j] scale_j A(j, c) for c < Dv (j in order)
     // A rows of lda elements of type kind: 0 float32, 1 bf16, 2 f16, 3 int8
-    // (scale_j = scales[j]; 1 for the others, scales may be NULL). The ISA
+    // (scale_j = scales[j]; 1 for the others, scales may be NULL). Each
+    // s[j] depends on row j and x alone (the same bits whatever n and the
+    // row's place in the call), and axpy's sum runs over the rows in order:
+    // a range split into pieces gives the bits of one call. The ISA
     // versions prefetch the rows ahead of those they read (decode streams
     // the cache from memory).
     void (*dot_rows_q)(float *s, const void *A, int64_t lda, int kind, const float *scales,

@@ -1,0 +1,479 @@
+// paged.c: the paged KV cache (mha.h: mha_paged_cache): a pool of blocks of
+// bs tokens (each block: K rows (Hkv, bs, D) and V rows (Hkv, bs, Dv) in the
+// storage type, int8 scales per row), per-sequence block tables, blocks
+// counted by the sequences that hold them. A fork shares its source's
+// blocks; a write into a shared block copies it first (copy on write).
+// Attention goes through kvcache.c's drivers with the blocks as the row
+// source's segments, so a sequence's results are the bits of a contiguous
+// cache holding the same tokens.
+//
+// Every call checks everything and allocates everything it needs before
+// it changes anything: a failed call leaves the cache as it was.
+// Concurrency: attends may run together; a call that changes the cache
+// while another call is using it is refused (the state word below).
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kvcache.h"
+
+typedef struct pseq {
+    bool live;
+    uint32_t gen;  // bumped when the slot's sequence is freed (ids name a slot's generation)
+    int64_t len;   // tokens
+    int64_t nb, cap;  // blocks in the table, its room
+    int32_t *blocks;
+} pseq;
+
+struct mha_paged_cache {
+    int64_t nblocks, bs, Hkv, D, Dv;
+    mha_kv_dtype dt;
+    size_t esz;
+    char *k, *v;     // (nblocks, Hkv, bs, D) and (.., Dv) elements
+    float *ks, *vs;  // int8: (nblocks, Hkv, bs) row scales
+    int32_t *ref;    // per block: the sequences holding it (0: free)
+    int32_t *freel;  // the free blocks, a stack of nfree
+    int64_t nfree;
+    pseq *seq;  // nseq slots; id = generation << 32 | slot
+    int64_t nseq;
+    atomic_int state;  // 0 idle, n > 0: n attends, -1: a change
+};
+
+// ---------------------------------------------------------------------------
+// The state word: one change at a time, alone; attends together.
+
+static mha_status enter_change(mha_paged_cache *c, const char *what) {
+    int idle = 0;
+    if (!atomic_compare_exchange_strong(&c->state, &idle, -1))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s: the paged cache is in use by another call (a call that "
+                         "changes it runs alone)",
+                         what);
+    return MHA_OK;
+}
+
+static void leave_change(mha_paged_cache *c) { atomic_store(&c->state, 0); }
+
+static mha_status enter_read(mha_paged_cache *c, const char *what) {
+    int s = atomic_load(&c->state);
+    do {
+        if (s < 0)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "%s: the paged cache is being changed by another call", what);
+    } while (!atomic_compare_exchange_weak(&c->state, &s, s + 1));
+    return MHA_OK;
+}
+
+static void leave_read(mha_paged_cache *c) { atomic_fetch_sub(&c->state, 1); }
+
+// ---------------------------------------------------------------------------
+// Create, destroy, sequences
+
+mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
+                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t v_head_dim, mha_kv_dtype dtype) {
+    if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_create: NULL out");
+    *out = NULL;
+    if (num_blocks < 1 || num_blocks > INT32_MAX || block_size < 1 || num_kv_heads < 1 ||
+        head_dim < 1 || v_head_dim < 1)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "paged cache: num_blocks %lld (1..%ld), block_size %lld, "
+                         "num_kv_heads %lld, head_dim %lld, v_head_dim %lld must all be >= 1",
+                         (long long)num_blocks, (long)INT32_MAX, (long long)block_size,
+                         (long long)num_kv_heads, (long long)head_dim, (long long)v_head_dim);
+    if (dtype != MHA_KV_F32 && dtype != MHA_KV_BF16 && dtype != MHA_KV_F16 &&
+        dtype != MHA_KV_INT8)
+        return mha__fail(MHA_ERR_INVALID_ARG, "paged cache: unknown storage type %d",
+                         (int)dtype);
+    const size_t esz = mha__kv_esz(dtype);
+    int64_t rows, nk, nv;
+    size_t bk, bv, bs;
+    if (mha__mul_overflow_i64(num_blocks, num_kv_heads, &rows) ||
+        mha__mul_overflow_i64(rows, block_size, &rows) ||
+        mha__mul_overflow_i64(rows, head_dim, &nk) ||
+        mha__mul_overflow_i64(rows, v_head_dim, &nv) ||
+        mha__mul_overflow_size((size_t)nk, esz, &bk) ||
+        mha__mul_overflow_size((size_t)nv, esz, &bv) ||
+        mha__mul_overflow_size((size_t)rows, sizeof(float), &bs))
+        return mha__fail(MHA_ERR_OVERFLOW, "paged cache: size overflows");
+    mha_paged_cache *c = mha__calloc(1, sizeof *c);
+    if (!c) return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory");
+    c->nblocks = num_blocks, c->bs = block_size, c->Hkv = num_kv_heads;
+    c->D = head_dim, c->Dv = v_head_dim, c->dt = dtype, c->esz = esz;
+    atomic_init(&c->state, 0);
+    c->k = mha__alloc(bk);
+    c->v = mha__alloc(bv);
+    if (dtype == MHA_KV_INT8) c->ks = mha__alloc(bs), c->vs = mha__alloc(bs);
+    c->ref = mha__calloc((size_t)num_blocks, sizeof *c->ref);
+    c->freel = mha__malloc(sizeof *c->freel * (size_t)num_blocks);
+    if (!c->k || !c->v || !c->ref || !c->freel || (dtype == MHA_KV_INT8 && (!c->ks || !c->vs))) {
+        mha_paged_cache_destroy(c);
+        return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory for %zu bytes",
+                         bk + bv + (dtype == MHA_KV_INT8 ? 2 * bs : 0));
+    }
+    for (int64_t i = 0; i < num_blocks; i++)  // block 0 on top
+        c->freel[i] = (int32_t)(num_blocks - 1 - i);
+    c->nfree = num_blocks;
+    *out = c;
+    return MHA_OK;
+}
+
+void mha_paged_cache_destroy(mha_paged_cache *c) {
+    if (!c) return;
+    for (int64_t i = 0; i < c->nseq; i++) free(c->seq[i].blocks);
+    free(c->seq);
+    mha__free(c->k);
+    mha__free(c->v);
+    mha__free(c->ks);
+    mha__free(c->vs);
+    free(c->ref);
+    free(c->freel);
+    free(c);
+}
+
+// A sequence's id: its slot and the slot's generation (a freed id stays
+// unknown when its slot is reused).
+static int64_t seq_id(const mha_paged_cache *c, int64_t slot) {
+    return (int64_t)((uint64_t)c->seq[slot].gen << 32 | (uint64_t)slot);
+}
+
+static pseq *live_seq(const mha_paged_cache *c, int64_t id) {
+    if (id < 0) return NULL;
+    const int64_t slot = id & 0xffffffff;
+    const uint32_t gen = (uint32_t)((uint64_t)id >> 32);
+    return slot < c->nseq && c->seq[slot].live && c->seq[slot].gen == gen ? &c->seq[slot]
+                                                                          : NULL;
+}
+
+static mha_status no_seq(const char *what, int64_t id) {
+    return mha__fail(MHA_ERR_INVALID_ARG, "%s: no sequence %lld (never added, or freed)", what,
+                     (long long)id);
+}
+
+// A free slot for a new sequence (the slots grown if none).
+static mha_status new_slot(mha_paged_cache *c, int64_t *slot, const char *what) {
+    for (int64_t i = 0; i < c->nseq; i++)
+        if (!c->seq[i].live) {
+            *slot = i;
+            return MHA_OK;
+        }
+    if (c->nseq >= INT32_MAX)
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: %lld sequences at once is the most", what,
+                         (long long)INT32_MAX);
+    pseq *s = mha__realloc(c->seq, sizeof *s * (size_t)(c->nseq + 1));
+    if (!s) return mha__fail(MHA_ERR_NOMEM, "%s: out of memory for a sequence", what);
+    c->seq = s;
+    memset(&s[c->nseq], 0, sizeof *s);
+    *slot = c->nseq++;
+    return MHA_OK;
+}
+
+mha_status mha_paged_cache_add(mha_paged_cache *c, int64_t *id) {
+    if (!c || !id) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_add: NULL argument");
+    mha_status st = enter_change(c, "mha_paged_cache_add");
+    if (st) return st;
+    int64_t slot = 0;
+    if (!(st = new_slot(c, &slot, "mha_paged_cache_add"))) {
+        c->seq[slot].live = true;
+        *id = seq_id(c, slot);
+    }
+    leave_change(c);
+    return st;
+}
+
+mha_status mha_paged_cache_fork(mha_paged_cache *c, int64_t src, int64_t *id) {
+    if (!c || !id)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_fork: NULL argument");
+    mha_status st = enter_change(c, "mha_paged_cache_fork");
+    if (st) return st;
+    int64_t slot = 0;
+    if (!live_seq(c, src)) {
+        st = no_seq("mha_paged_cache_fork", src);
+    } else if (!(st = new_slot(c, &slot, "mha_paged_cache_fork"))) {
+        pseq *s = live_seq(c, src), *d = &c->seq[slot];  // (after new_slot: seq may move)
+        int32_t *t = s->nb ? mha__malloc(sizeof *t * (size_t)s->nb) : NULL;
+        if (s->nb && !t) {
+            st = mha__fail(MHA_ERR_NOMEM,
+                           "mha_paged_cache_fork: out of memory for a table "
+                           "of %lld blocks",
+                           (long long)s->nb);
+        } else {
+            if (s->nb) memcpy(t, s->blocks, sizeof *t * (size_t)s->nb);
+            for (int64_t i = 0; i < s->nb; i++) c->ref[t[i]]++;
+            *d = (pseq){true, d->gen, s->len, s->nb, s->nb, t};
+            *id = seq_id(c, slot);
+        }
+    }
+    leave_change(c);
+    return st;
+}
+
+// Drops sequence s's blocks from index b on (a block no sequence holds any
+// more goes back to the pool).
+static void release_from(mha_paged_cache *c, pseq *s, int64_t b) {
+    for (int64_t i = s->nb - 1; i >= b; i--)
+        if (--c->ref[s->blocks[i]] == 0) c->freel[c->nfree++] = s->blocks[i];
+    if (s->nb > b) s->nb = b;
+}
+
+mha_status mha_paged_cache_free(mha_paged_cache *c, int64_t id) {
+    if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_free: NULL cache");
+    mha_status st = enter_change(c, "mha_paged_cache_free");
+    if (st) return st;
+    pseq *s = live_seq(c, id);
+    if (!s) {
+        st = no_seq("mha_paged_cache_free", id);
+    } else {
+        release_from(c, s, 0);
+        free(s->blocks);
+        *s = (pseq){.gen = s->gen + 1};
+    }
+    leave_change(c);
+    return st;
+}
+
+mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t length) {
+    if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_truncate: NULL cache");
+    mha_status st = enter_change(c, "mha_paged_cache_truncate");
+    if (st) return st;
+    pseq *s = live_seq(c, id);
+    if (!s) {
+        st = no_seq("mha_paged_cache_truncate", id);
+    } else if (length < 0 || length > s->len) {
+        st = mha__fail(MHA_ERR_INVALID_ARG,
+                       "mha_paged_cache_truncate: length %lld, sequence %lld holds %lld",
+                       (long long)length, (long long)id, (long long)s->len);
+    } else {
+        release_from(c, s, (length + c->bs - 1) / c->bs);
+        s->len = length;
+    }
+    leave_change(c);
+    return st;
+}
+
+int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id) {
+    const pseq *s = c ? live_seq(c, id) : NULL;
+    return s ? s->len : -1;
+}
+
+int64_t mha_paged_cache_blocks_in_use(const mha_paged_cache *c) {
+    return c ? c->nblocks - c->nfree : -1;
+}
+
+int64_t mha_paged_cache_blocks_free(const mha_paged_cache *c) { return c ? c->nfree : -1; }
+
+size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
+    if (!c) return 0;
+    const size_t rows = (size_t)(c->Hkv * c->bs);
+    return rows * (size_t)(c->D + c->Dv) * c->esz +
+           (c->dt == MHA_KV_INT8 ? 2 * rows * sizeof(float) : 0);
+}
+
+// ---------------------------------------------------------------------------
+// Append
+
+// Block blk's row of head h, slot i: K (isv false) or V, and its scale.
+static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, int64_t i,
+                    float **scale) {
+    const int64_t r = (blk * c->Hkv + h) * c->bs + i;
+    float *sc = isv ? c->vs : c->ks;
+    *scale = sc ? sc + r : NULL;
+    return (isv ? c->v : c->k) + (size_t)(r * (isv ? c->Dv : c->D)) * c->esz;
+}
+
+static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
+    const size_t rows = (size_t)(c->Hkv * c->bs);
+    memcpy(c->k + (size_t)dst * rows * (size_t)c->D * c->esz,
+           c->k + (size_t)src * rows * (size_t)c->D * c->esz, rows * (size_t)c->D * c->esz);
+    memcpy(c->v + (size_t)dst * rows * (size_t)c->Dv * c->esz,
+           c->v + (size_t)src * rows * (size_t)c->Dv * c->esz, rows * (size_t)c->Dv * c->esz);
+    if (c->ks) {
+        memcpy(c->ks + (size_t)dst * rows, c->ks + (size_t)src * rows, rows * sizeof(float));
+        memcpy(c->vs + (size_t)dst * rows, c->vs + (size_t)src * rows, rows * sizeof(float));
+    }
+}
+
+// The blocks sequence s needs for `add` more tokens: new ones, and one copy
+// of a shared last block it would write into.
+static int64_t blocks_needed(const mha_paged_cache *c, const pseq *s, int64_t add) {
+    if (add == 0) return 0;
+    const int64_t nb = (s->len + add + c->bs - 1) / c->bs;
+    const bool cow = s->len % c->bs != 0 && c->ref[s->blocks[s->nb - 1]] > 1;
+    return nb - s->nb + (cow ? 1 : 0);
+}
+
+static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_t *ids,
+                               const int64_t *counts, const mha_tensor *k, const mha_tensor *v) {
+    const char *w = "mha_paged_cache_append";
+    if (n < 1 || !ids)
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: n %lld, ids %s", w, (long long)n,
+                         ids ? "given" : "NULL");
+    mha_status st;
+    if ((st = mha__check_float(k, "k")) || (st = mha__check_float(v, "v"))) return st;
+    if (k->ndim != 4 || k->shape[0] != n || k->shape[1] != c->Hkv || k->shape[3] != c->D ||
+        v->ndim != 4 || v->shape[0] != n || v->shape[1] != c->Hkv || v->shape[3] != c->Dv ||
+        v->shape[2] != k->shape[2]) {
+        char a[160], b[160];
+        return mha__fail(MHA_ERR_SHAPE,
+                         "%s: k %s, v %s; expected (%lld, %lld, T, %lld) and (%lld, %lld, T, "
+                         "%lld)",
+                         w, mha__shape_str(a, sizeof a, k->ndim, k->shape),
+                         mha__shape_str(b, sizeof b, v->ndim, v->shape), (long long)n,
+                         (long long)c->Hkv, (long long)c->D, (long long)n, (long long)c->Hkv,
+                         (long long)c->Dv);
+    }
+    const int64_t T = k->shape[2];
+    for (int64_t i = 0; i < n; i++) {
+        if (!live_seq(c, ids[i])) return no_seq(w, ids[i]);
+        for (int64_t j = 0; j < i; j++)
+            if (ids[j] == ids[i])
+                return mha__fail(MHA_ERR_INVALID_ARG,
+                                 "%s: sequence %lld appears twice (entries %lld and %lld)", w,
+                                 (long long)ids[i], (long long)j, (long long)i);
+        const int64_t a = counts ? counts[i] : T;
+        if (a < 0 || a > T)
+            return mha__fail(MHA_ERR_INVALID_ARG, "%s: counts[%lld] = %lld, expected 0..%lld",
+                             w, (long long)i, (long long)a, (long long)T);
+        if (live_seq(c, ids[i])->len > INT64_MAX - a)
+            return mha__fail(MHA_ERR_OVERFLOW, "%s: sequence %lld's length overflows", w,
+                             (long long)ids[i]);
+    }
+    return MHA_OK;
+}
+
+mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *ids,
+                                  const int64_t *counts, const mha_tensor *k,
+                                  const mha_tensor *v) {
+    if (!c || !k || !v)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_append: NULL argument");
+    mha_status st = enter_change(c, "mha_paged_cache_append");
+    if (st) return st;
+    if ((st = append_check(c, n, ids, counts, k, v))) goto out;
+    const int64_t T = k->shape[2];
+    // every block the call takes, counted before anything changes
+    int64_t need = 0;
+    for (int64_t i = 0; i < n; i++)
+        need += blocks_needed(c, live_seq(c, ids[i]), counts ? counts[i] : T);
+    if (need > c->nfree) {
+        st = mha__fail(MHA_ERR_NOMEM,
+                       "mha_paged_cache_append: the pool is exhausted: the call needs %lld "
+                       "blocks, %lld of %lld are free (nothing was appended)",
+                       (long long)need, (long long)c->nfree, (long long)c->nblocks);
+        goto out;
+    }
+    // the tables' room and a row's scratch, before anything changes
+    const int64_t wmax = c->D > c->Dv ? c->D : c->Dv;
+    float *row = mha__malloc(sizeof(float) * (size_t)wmax);
+    if (!row) {
+        st = mha__fail(MHA_ERR_NOMEM, "mha_paged_cache_append: out of memory");
+        goto out;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        pseq *s = live_seq(c, ids[i]);
+        const int64_t a = counts ? counts[i] : T, nb = (s->len + a + c->bs - 1) / c->bs;
+        if (nb > s->cap) {
+            int32_t *t = mha__realloc(s->blocks, sizeof *t * (size_t)nb);
+            if (!t) {  // (the tables grown so far hold the same blocks: no change)
+                free(row);
+                st = mha__fail(MHA_ERR_NOMEM,
+                               "mha_paged_cache_append: out of memory for a table of %lld "
+                               "blocks",
+                               (long long)nb);
+                goto out;
+            }
+            s->blocks = t, s->cap = nb;
+        }
+    }
+    // nothing fails from here on
+    for (int64_t i = 0; i < n; i++) {
+        pseq *s = live_seq(c, ids[i]);
+        const int64_t a = counts ? counts[i] : T;
+        if (a == 0) continue;
+        if (s->len % c->bs != 0 && c->ref[s->blocks[s->nb - 1]] > 1) {  // copy on write
+            const int32_t old = s->blocks[s->nb - 1], nw = c->freel[--c->nfree];
+            copy_block(c, nw, old);
+            c->ref[old]--;
+            c->ref[nw] = 1;
+            s->blocks[s->nb - 1] = nw;
+        }
+        for (int64_t t = 0; t < a; t++) {
+            const int64_t pos = s->len + t, bi = pos / c->bs, slot = pos % c->bs;
+            if (bi == s->nb) {
+                const int32_t nw = c->freel[--c->nfree];
+                c->ref[nw] = 1;
+                s->blocks[s->nb++] = nw;
+            }
+            for (int64_t h = 0; h < c->Hkv; h++) {
+                const int64_t ko = i * k->stride[0] + h * k->stride[1] + t * k->stride[2];
+                const int64_t vo = i * v->stride[0] + h * v->stride[1] + t * v->stride[2];
+                float *sc;
+                char *dst = row_at(c, false, s->blocks[bi], h, slot, &sc);
+                mha__kv_store_row(c->dt, dst, sc,
+                                  (const char *)k->data + ko * (int64_t)mha_dtype_size(k->dtype),
+                                  k->dtype, k->stride[3], c->D, row);
+                dst = row_at(c, true, s->blocks[bi], h, slot, &sc);
+                mha__kv_store_row(c->dt, dst, sc,
+                                  (const char *)v->data + vo * (int64_t)mha_dtype_size(v->dtype),
+                                  v->dtype, v->stride[3], c->Dv, row);
+            }
+        }
+        s->len += a;
+    }
+    free(row);
+out:
+    leave_change(c);
+    return st;
+}
+
+// ---------------------------------------------------------------------------
+// Attend
+
+// The row source of one call: entry b is sequence ids[b].
+typedef struct paged_call {
+    const mha_paged_cache *c;
+    const int64_t *ids;
+} paged_call;
+
+static void paged_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const char **k,
+                     const char **v, const float **ks, const float **vs) {
+    const paged_call *pc = ctx;
+    const mha_paged_cache *c = pc->c;
+    const int64_t blk = live_seq(c, pc->ids[b])->blocks[s];
+    float *sc;
+    *k = row_at(c, false, blk, hk, 0, &sc);
+    *ks = sc;
+    *v = row_at(c, true, blk, hk, 0, &sc);
+    *vs = sc;
+}
+
+mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_paged_cache *c,
+                                  int64_t n, const int64_t *ids, const int64_t *counts,
+                                  const mha_cache_attend_args *args) {
+    if (!c || !ids || n < 1)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_paged_cache_attend: NULL cache or ids, or "
+                         "n %lld < 1",
+                         (long long)n);
+    mha_status st = enter_read(c, "mha_paged_cache_attend");
+    if (st) return st;
+    int64_t *len = mha__malloc(sizeof *len * (size_t)n);
+    if (!len) {
+        leave_read(c);
+        return mha__fail(MHA_ERR_NOMEM, "mha_paged_cache_attend: out of memory");
+    }
+    for (int64_t i = 0; i < n && !st; i++) {
+        const pseq *s = live_seq(c, ids[i]);
+        if (!s) st = no_seq("mha_paged_cache_attend", ids[i]);
+        else len[i] = s->len;
+    }
+    if (!st) {
+        const paged_call pc = {c, ids};
+        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,
+                                   c->dt, c->esz, len,  &pc,   paged_at};
+        st = mha__kv_attend_rows(out, q, &rows, args, counts, 0, NULL);
+    }
+    free(len);
+    leave_read(c);
+    return st;
+}

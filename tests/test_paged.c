@@ -1,0 +1,378 @@
+// test_paged.c: the paged KV cache (mha_paged_cache) against the contiguous
+// one. Random schedules of adds, forks, frees, truncations and appends over
+// a small pool (block sizes 1, 3, 16 and 64; every storage type); after
+// each step a random group of sequences attends (decode and prefill,
+// windows) and must give exactly the bits of a contiguous cache holding the
+// same tokens. A mirror of every sequence's tokens (float32 rows) is the
+// model. Then the block accounting (forks share, copy on write costs one
+// block), the error cases (each leaving lengths, blocks and attention
+// results as they were) and attends and changes from two threads at once.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "check.h"
+#include "util.h"
+#include "mha.h"
+
+enum { HKV = 2, H = 4, MAXSEQ = 12, MAXLEN = 700 };
+
+typedef struct mirror {
+    int64_t id, len;
+    float *k, *v;  // (HKV, MAXLEN, D)
+} mirror;
+
+typedef struct world {
+    mha_paged_cache *c;
+    mha_kv_dtype dt;
+    int64_t D, bs;
+    mirror seq[MAXSEQ];
+    int n;
+} world;
+
+static void mirror_init(mirror *m, int64_t D) {
+    m->k = calloc((size_t)(HKV * MAXLEN * D), sizeof(float));
+    m->v = calloc((size_t)(HKV * MAXLEN * D), sizeof(float));
+    m->len = 0;
+}
+
+static void mirror_free(mirror *m) { free(m->k), free(m->v); }
+
+// The n sequences sel[] attend (T new queries each, counts random): the
+// paged cache and a contiguous cache of their tokens, the same bits.
+static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win,
+                         const char *what) {
+    const int64_t D = w->D;
+    int64_t ids[MAXSEQ], counts[MAXSEQ], cap = 1;
+    for (int i = 0; i < n; i++) {
+        const mirror *m = &w->seq[sel[i]];
+        ids[i] = m->id;
+        counts[i] = m->len < T ? m->len : irand(m->len ? 1 : 0, T);
+        cap = m->len > cap ? m->len : cap;
+    }
+    mha_kv_cache *kc = NULL;
+    CHECK_OK(mha_kv_cache_create_ex(&kc, n, HKV, D, D, cap, w->dt));
+    const size_t nkv = (size_t)(n * HKV * cap * D);
+    float *kb = calloc(nkv, sizeof(float)), *vb = calloc(nkv, sizeof(float));
+    int64_t lens[MAXSEQ];
+    for (int i = 0; i < n; i++) {
+        const mirror *m = &w->seq[sel[i]];
+        lens[i] = m->len;
+        for (int64_t h = 0; h < HKV; h++)
+            for (int64_t t = 0; t < m->len; t++)
+                for (int64_t e = 0; e < D; e++) {
+                    const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) * (size_t)D + (size_t)e;
+                    kb[dst] = m->k[((size_t)h * MAXLEN + (size_t)t) * (size_t)D + (size_t)e];
+                    vb[dst] = m->v[((size_t)h * MAXLEN + (size_t)t) * (size_t)D + (size_t)e];
+                }
+    }
+    mha_tensor kt = mha_tensor_contiguous(kb, MHA_F32, 4, (int64_t[]){n, HKV, cap, D}),
+               vt = mha_tensor_contiguous(vb, MHA_F32, 4, (int64_t[]){n, HKV, cap, D});
+    CHECK_OK(mha_kv_cache_append(kc, &kt, &vt, lens));
+    const size_t nq = (size_t)(n * H * T * D);
+    float *q = malloc(sizeof(float) * nq), *o1 = malloc(sizeof(float) * nq),
+          *o2 = malloc(sizeof(float) * nq);
+    for (size_t i = 0; i < nq; i++) q[i] = frand(), o1[i] = 1.0f, o2[i] = 2.0f;
+    const int64_t sh[4] = {n, H, T, D};
+    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, sh),
+               t1 = mha_tensor_contiguous(o1, MHA_F32, 4, sh),
+               t2 = mha_tensor_contiguous(o2, MHA_F32, 4, sh);
+    mha_cache_attend_args a;
+    mha_cache_attend_args_init(&a);
+    a.window_left = win;
+    CHECK_OK(mha_kv_cache_attend(&t1, &qt, kc, &a, counts));
+    CHECK_OK(mha_paged_cache_attend(&t2, &qt, w->c, n, ids, counts, &a));
+    CHECKF(memcmp(o1, o2, sizeof(float) * nq) == 0,
+           "%s: %s block %lld D %lld, %d sequences, T %lld, window %lld: paged != contiguous",
+           what, mha_kv_dtype_name(w->dt), (long long)w->bs, (long long)D, n, (long long)T,
+           (long long)win);
+    free(q), free(o1), free(o2), free(kb), free(vb);
+    mha_kv_cache_destroy(kc);
+}
+
+// Appends cnt[i] random tokens to sequences sel[i] (paged and mirrors).
+static mha_status append_some(world *w, const int *sel, int n, const int64_t *cnt) {
+    const int64_t D = w->D;
+    int64_t T = 1, ids[MAXSEQ];
+    for (int i = 0; i < n; i++) T = cnt[i] > T ? cnt[i] : T, ids[i] = w->seq[sel[i]].id;
+    const size_t nr = (size_t)(n * HKV * T * D);
+    float *k = malloc(sizeof(float) * nr), *v = malloc(sizeof(float) * nr);
+    for (size_t i = 0; i < nr; i++) k[i] = frand(), v[i] = frand();
+    const int64_t sh[4] = {n, HKV, T, D};
+    mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, sh),
+               vt = mha_tensor_contiguous(v, MHA_F32, 4, sh);
+    mha_status st = mha_paged_cache_append(w->c, n, ids, cnt, &kt, &vt);
+    for (int i = 0; i < n && st == MHA_OK; i++) {
+        mirror *m = &w->seq[sel[i]];
+        for (int64_t h = 0; h < HKV; h++)
+            for (int64_t t = 0; t < cnt[i]; t++)
+                for (int64_t e = 0; e < D; e++) {
+                    const size_t src = (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D + (size_t)e;
+                    const size_t dst = ((size_t)h * MAXLEN + (size_t)(m->len + t)) * (size_t)D + (size_t)e;
+                    m->k[dst] = k[src];
+                    m->v[dst] = v[src];
+                }
+        m->len += cnt[i];
+    }
+    free(k), free(v);
+    return st;
+}
+
+// A random group of distinct live sequences.
+static int pick(const world *w, int *sel, int most) {
+    int n = 0;
+    for (int i = 0; i < w->n && n < most; i++)
+        if (next() % 2) sel[n++] = i;
+    if (n == 0 && w->n > 0) sel[n++] = (int)irand(0, w->n - 1);
+    return n;
+}
+
+static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
+    world w = {.dt = dt, .D = D, .bs = bs};
+    CHECK_OK(mha_paged_cache_create(&w.c, (MAXSEQ * MAXLEN) / bs + 8, bs, HKV, D, D, dt));
+    for (int step = 0; step < steps; step++) {
+        const int op = (int)(next() % 10);
+        int sel[MAXSEQ];
+        if ((op == 0 || w.n == 0) && w.n < MAXSEQ) {  // add
+            mirror_init(&w.seq[w.n], D);
+            CHECK_OK(mha_paged_cache_add(w.c, &w.seq[w.n].id));
+            w.n++;
+        } else if (op == 1 && w.n < MAXSEQ) {  // fork: shares every block
+            const int s = (int)irand(0, w.n - 1);
+            const int64_t used = mha_paged_cache_blocks_in_use(w.c);
+            mirror *m = &w.seq[w.n];
+            mirror_init(m, D);
+            CHECK_OK(mha_paged_cache_fork(w.c, w.seq[s].id, &m->id));
+            memcpy(m->k, w.seq[s].k, sizeof(float) * (size_t)(HKV * MAXLEN * D));
+            memcpy(m->v, w.seq[s].v, sizeof(float) * (size_t)(HKV * MAXLEN * D));
+            m->len = w.seq[s].len;
+            CHECK(mha_paged_cache_blocks_in_use(w.c) == used);
+            CHECK(mha_paged_cache_length(w.c, m->id) == m->len);
+            w.n++;
+        } else if (op == 2 && w.n > 1) {  // free
+            const int s = (int)irand(0, w.n - 1);
+            const int64_t id = w.seq[s].id;
+            CHECK_OK(mha_paged_cache_free(w.c, id));
+            CHECK(mha_paged_cache_length(w.c, id) == -1);
+            mirror_free(&w.seq[s]);
+            w.seq[s] = w.seq[--w.n];
+        } else if (op == 3) {  // truncate
+            mirror *m = &w.seq[irand(0, w.n - 1)];
+            const int64_t len = irand(0, m->len);
+            CHECK_OK(mha_paged_cache_truncate(w.c, m->id, len));
+            m->len = len;
+        } else {  // append to a few (lengths within MAXLEN)
+            const int n = pick(&w, sel, 4);
+            int64_t cnt[MAXSEQ];
+            for (int i = 0; i < n; i++) {
+                const int64_t room = MAXLEN - w.seq[sel[i]].len;
+                cnt[i] = room <= 0 ? 0 : irand(0, room < 40 ? room : (next() % 5 ? 8 : 40));
+            }
+            CHECK_OK(append_some(&w, sel, n, cnt));
+        }
+        for (int i = 0; i < w.n; i++)
+            CHECKF(mha_paged_cache_length(w.c, w.seq[i].id) == w.seq[i].len,
+                   "step %d: sequence length", step);
+        if (step % 3 == 2) {
+            const int n = pick(&w, sel, MAXSEQ);
+            const int64_t T = next() % 4 ? irand(1, 5) : irand(17, 40);  // decode / prefill
+            check_attend(&w, sel, n, T, next() % 3 ? -1 : irand(0, 300), "random schedule");
+        }
+    }
+    for (int i = 0; i < w.n; i++) {
+        CHECK_OK(mha_paged_cache_free(w.c, w.seq[i].id));
+        mirror_free(&w.seq[i]);
+    }
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 0);
+    mha_paged_cache_destroy(w.c);
+}
+
+// Block counts: a fork shares every block; its first write into a shared
+// partial block copies that one block; a write into a block of its own does
+// not; truncation returns the blocks past the new length.
+static void test_blocks(void) {
+    enum { BS = 16, D = 8 };
+    mha_paged_cache *c = NULL;
+    CHECK_OK(mha_paged_cache_create(&c, 40, BS, HKV, D, D, MHA_KV_F32));
+    world w = {.c = c, .dt = MHA_KV_F32, .D = D, .bs = BS};
+    mirror_init(&w.seq[0], D);
+    CHECK_OK(mha_paged_cache_add(c, &w.seq[0].id));
+    w.n = 1;
+    int sel[2] = {0, 1};
+    int64_t cnt[2] = {100, 0};  // 100 tokens: 7 blocks, the last partial
+    CHECK_OK(append_some(&w, sel, 1, cnt));
+    CHECK(mha_paged_cache_blocks_in_use(c) == 7);
+    mirror_init(&w.seq[1], D);
+    CHECK_OK(mha_paged_cache_fork(c, w.seq[0].id, &w.seq[1].id));
+    memcpy(w.seq[1].k, w.seq[0].k, sizeof(float) * (size_t)(HKV * MAXLEN * D));
+    memcpy(w.seq[1].v, w.seq[0].v, sizeof(float) * (size_t)(HKV * MAXLEN * D));
+    w.seq[1].len = 100;
+    w.n = 2;
+    CHECK(mha_paged_cache_blocks_in_use(c) == 7);  // the fork: no block
+    cnt[0] = 1;
+    CHECK_OK(append_some(&w, sel + 1, 1, cnt));    // one token into the shared last block
+    CHECK(mha_paged_cache_blocks_in_use(c) == 8);  // its copy
+    CHECK_OK(append_some(&w, sel + 1, 1, cnt));    // its own block now
+    CHECK(mha_paged_cache_blocks_in_use(c) == 8);
+    check_attend(&w, sel, 2, 3, -1, "fork and copy on write");
+    CHECK_OK(mha_paged_cache_truncate(c, w.seq[1].id, 20));  // keeps 2 shared blocks
+    w.seq[1].len = 20;
+    CHECK(mha_paged_cache_blocks_in_use(c) == 7);  // its copy returned; the rest sequence 0's
+    CHECK_OK(mha_paged_cache_free(c, w.seq[0].id));
+    CHECK(mha_paged_cache_blocks_in_use(c) == 2);
+    CHECK(mha_paged_cache_block_bytes(c) == (size_t)(HKV * BS * 2 * D) * sizeof(float));
+    mirror_free(&w.seq[0]);
+    mirror_free(&w.seq[1]);
+    mha_paged_cache_destroy(c);
+}
+
+// The failing calls: each changes nothing (lengths, blocks in use and the
+// attention's bits as before).
+static void test_errors(void) {
+    enum { BS = 4, D = 8 };
+    mha_paged_cache *c = NULL;
+    CHECK(mha_paged_cache_create(&c, 0, BS, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_create(&c, 4, 0, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_create(&c, 4, BS, HKV, D, D, (mha_kv_dtype)9) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_create(NULL, 4, BS, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
+    CHECK_OK(mha_paged_cache_create(&c, 6, BS, HKV, D, D, MHA_KV_F32));
+    world w = {.c = c, .dt = MHA_KV_F32, .D = D, .bs = BS};
+    for (int i = 0; i < 2; i++) {
+        mirror_init(&w.seq[i], D);
+        CHECK_OK(mha_paged_cache_add(c, &w.seq[i].id));
+    }
+    w.n = 2;
+    int sel[2] = {0, 1};
+    int64_t cnt[2] = {9, 5};  // 3 + 2 blocks of 6
+    CHECK_OK(append_some(&w, sel, 2, cnt));
+    const int64_t used = mha_paged_cache_blocks_in_use(c);
+    CHECK(used == 5);
+    // the snapshot: the attention of both over their tokens
+    float q[2 * H * 1 * D], before[2 * H * D], after[2 * H * D];
+    for (int i = 0; i < 2 * H * D; i++) q[i] = frand();
+    const int64_t sh[4] = {2, H, 1, D}, ids[2] = {w.seq[0].id, w.seq[1].id};
+    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, sh),
+               bt = mha_tensor_contiguous(before, MHA_F32, 4, sh),
+               at = mha_tensor_contiguous(after, MHA_F32, 4, sh);
+    CHECK_OK(mha_paged_cache_attend(&bt, &qt, c, 2, ids, NULL, NULL));
+#define UNCHANGED(what)                                                                   \
+    do {                                                                                  \
+        CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);     \
+        CHECKF(mha_paged_cache_length(c, ids[0]) == 9 && mha_paged_cache_length(c, ids[1]) == 5, \
+               "%s: lengths changed", what);                                              \
+        CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));                \
+        CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what);  \
+    } while (0)
+    // an exhausted pool: 0 + 3 blocks needed, 1 free; nothing appended
+    cnt[0] = 3, cnt[1] = 12;
+    CHECK(append_some(&w, sel, 2, cnt) == MHA_ERR_NOMEM);
+    CHECKF(strstr(mha_last_error(), "needs 3 blocks, 1 of 6 are free") != NULL, "message: %s",
+           mha_last_error());
+    UNCHANGED("exhausted pool");
+    // the same id twice, an unknown id, a freed id, bad counts, shapes
+    int64_t dup[2] = {ids[0], ids[0]}, one = 1, bad = -1;
+    float kv[2 * HKV * 1 * D] = {0};
+    mha_tensor k2 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){2, HKV, 1, D}),
+               k1 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D}),
+               kbad = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D - 1});
+    CHECK(mha_paged_cache_append(c, 2, dup, NULL, &k2, &k2) == MHA_ERR_INVALID_ARG);
+    UNCHANGED("an id twice");
+    int64_t unknown = 12345;
+    CHECK(mha_paged_cache_append(c, 1, &unknown, NULL, &k1, &k1) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_append(c, 1, &bad, NULL, &k1, &k1) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_append(c, 1, ids, (int64_t[]){2}, &k1, &k1) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_append(c, 1, ids, &one, &kbad, &k1) == MHA_ERR_SHAPE);
+    CHECK(mha_paged_cache_append(c, 2, ids, NULL, &k1, &k1) == MHA_ERR_SHAPE);
+    CHECK(mha_paged_cache_append(c, 0, ids, NULL, &k1, &k1) == MHA_ERR_INVALID_ARG);
+    UNCHANGED("bad appends");
+    CHECK(mha_paged_cache_truncate(c, ids[0], 10) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_truncate(c, ids[0], -1) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_truncate(c, unknown, 0) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_fork(c, unknown, &one) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_free(c, unknown) == MHA_ERR_INVALID_ARG);
+    UNCHANGED("bad truncate, fork, free");
+    // a freed id stays unknown, also once its slot is reused
+    int64_t tmp, again;
+    CHECK_OK(mha_paged_cache_add(c, &tmp));
+    CHECK_OK(mha_paged_cache_free(c, tmp));
+    CHECK(mha_paged_cache_free(c, tmp) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_fork(c, tmp, &again) == MHA_ERR_INVALID_ARG);
+    CHECK_OK(mha_paged_cache_add(c, &again));
+    CHECK(again != tmp && mha_paged_cache_length(c, tmp) == -1 &&
+          mha_paged_cache_length(c, again) == 0);
+    CHECK(mha_paged_cache_attend(&at, &qt, c, 2, (int64_t[]){ids[0], tmp}, NULL, NULL) ==
+          MHA_ERR_INVALID_ARG);
+    CHECK_OK(mha_paged_cache_free(c, again));
+    UNCHANGED("freed ids");
+#undef UNCHANGED
+    for (int i = 0; i < 2; i++) mirror_free(&w.seq[i]);
+    mha_paged_cache_destroy(c);
+    CHECK(mha_paged_cache_length(NULL, 0) == -1 && mha_paged_cache_blocks_in_use(NULL) == -1);
+}
+
+// Two threads: one attends sequence 0 over and over (its results always the
+// same bits), the other appends to sequence 1. Each append either lands or
+// is refused with the in-use message (changing nothing); at the end
+// sequence 1 holds exactly the tokens of the appends that landed.
+static void test_threads(void) {
+#ifdef _OPENMP
+    enum { BS = 8, D = 16, ROUNDS = 300 };
+    mha_paged_cache *c = NULL;
+    CHECK_OK(mha_paged_cache_create(&c, 200, BS, HKV, D, D, MHA_KV_F32));
+    int64_t ids[2];
+    CHECK_OK(mha_paged_cache_add(c, &ids[0]));
+    CHECK_OK(mha_paged_cache_add(c, &ids[1]));
+    float kv[HKV * 40 * D];
+    for (int i = 0; i < HKV * 40 * D; i++) kv[i] = frand();
+    mha_tensor t40 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 40, D}),
+               t1 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D});
+    CHECK_OK(mha_paged_cache_append(c, 1, ids, NULL, &t40, &t40));
+    float q[H * D], o0[H * D];
+    for (int i = 0; i < H * D; i++) q[i] = frand();
+    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
+               ot = mha_tensor_contiguous(o0, MHA_F32, 4, (int64_t[]){1, H, 1, D});
+    CHECK_OK(mha_paged_cache_attend(&ot, &qt, c, 1, ids, NULL, NULL));
+    int landed = 0, refused = 0, bad = 0, diff = 0;
+    omp_set_num_threads(2);
+#pragma omp parallel num_threads(2) reduction(+ : landed, refused, bad, diff)
+    {
+        float o[H * D];
+        mha_tensor tt = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){1, H, 1, D});
+        for (int r = 0; r < ROUNDS; r++) {
+            if (omp_get_thread_num() == 0) {
+                const mha_status st = mha_paged_cache_attend(&tt, &qt, c, 1, ids, NULL, NULL);
+                if (st == MHA_OK) diff += memcmp(o, o0, sizeof o) != 0;
+                else if (strstr(mha_last_error(), "being changed")) refused++;
+                else bad++;
+            } else {
+                const mha_status st = mha_paged_cache_append(c, 1, ids + 1, NULL, &t1, &t1);
+                if (st == MHA_OK) landed++;
+                else if (strstr(mha_last_error(), "in use")) refused++;
+                else bad++;
+            }
+        }
+    }
+    CHECKF(bad == 0 && diff == 0, "threads: %d unexpected errors, %d differing results", bad,
+           diff);
+    CHECKF(mha_paged_cache_length(c, ids[1]) == landed, "threads: %lld tokens, %d appends landed",
+           (long long)mha_paged_cache_length(c, ids[1]), landed);
+    printf("two threads: %d appends landed, %d calls refused while the other ran\n", landed,
+           refused);
+    mha_paged_cache_destroy(c);
+#endif
+}
+
+int main(void) {
+    seed_rng(19);
+    const int64_t blocks[] = {1, 3, 16, 64};
+    for (int dt = MHA_KV_F32; dt <= MHA_KV_INT8; dt++)
+        for (int b = 0; b < 4; b++)
+            random_schedule((mha_kv_dtype)dt, blocks[b], b % 2 ? 40 : 16, dt == 0 ? 90 : 45);
+    test_blocks();
+    test_errors();
+    test_threads();
+    return check_summary("test_paged");
+}
