@@ -1105,6 +1105,21 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_append(mha_paged_cache *c, int6
                                                         const int64_t *counts,
                                                         const mha_tensor *k,
                                                         const mha_tensor *v);
+// Prefix sharing: mha_paged_cache_append with the new tokens' ids
+// (tokens[i*T + t], the first counts[i] of row i): every block it fills
+// whose tokens' ids are all known joins the cache's prefix index, keyed by
+// its whole prefix. mha_paged_cache_add_prompt starts a new sequence for a
+// prompt of n token ids with the longest run of indexed blocks holding the
+// same first tokens (shared, not copied; at most n - 1 tokens, so that the
+// last is left to compute): *cached tokens, whose K and V need not be
+// computed again; append the others. A block leaves the index when no
+// sequence holds it.
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_append_tokens(
+    mha_paged_cache *c, int64_t n, const int64_t *ids, const int64_t *counts,
+    const mha_tensor *k, const mha_tensor *v, const int32_t *tokens);
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_add_prompt(mha_paged_cache *c,
+                                                            const int32_t *tokens, int64_t n,
+                                                            int64_t *id, int64_t *cached);
 // As mha_kv_cache_attend, entry i of q (n, H, T, D) and out (n, H, T, Dv)
 // being sequence ids[i]: queries t < counts[i] at positions
 // length - counts[i] + t, causal over that sequence's tokens.

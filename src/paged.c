@@ -7,6 +7,12 @@
 // source's segments, so a sequence's results are the bits of a contiguous
 // cache holding the same tokens.
 //
+// The prefix index: a full block whose tokens' ids are all known is keyed
+// by (the block before it in its sequence, its bs token ids); a new
+// prompt walks the index from the first block and shares every block
+// that matches (the key of a block names its whole prefix). A block leaves
+// the index when it returns to the pool or is about to be rewritten.
+//
 // Every call checks everything and allocates everything it needs before
 // it changes anything: a failed call leaves the cache as it was.
 // Concurrency: attends may run together; a call that changes the cache
@@ -24,6 +30,8 @@ typedef struct pseq {
     int64_t len;   // tokens
     int64_t nb, cap;  // blocks in the table, its room
     int32_t *blocks;
+    int64_t known, tcap;  // the first `known` tokens' ids are in tok (room tcap)
+    int32_t *tok;
 } pseq;
 
 struct mha_paged_cache {
@@ -36,6 +44,11 @@ struct mha_paged_cache {
     int32_t *freel;  // the free blocks, a stack of nfree
     int64_t nfree;
     pseq *seq;  // nseq slots; id = generation << 32 | slot
+    // the prefix index: chains per bucket through next; per block its key
+    // (parent block or -1, bs token ids in btok) while indexed
+    int64_t nbuck;
+    int32_t *bucket, *next, *parent, *btok;
+    bool *indexed;
     int64_t nseq;
     atomic_int state;  // 0 idle, n > 0: n attends, -1: a change
 };
@@ -107,13 +120,26 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
     if (dtype == MHA_KV_INT8) c->ks = mha__alloc(bs), c->vs = mha__alloc(bs);
     c->ref = mha__calloc((size_t)num_blocks, sizeof *c->ref);
     c->freel = mha__malloc(sizeof *c->freel * (size_t)num_blocks);
-    if (!c->k || !c->v || !c->ref || !c->freel || (dtype == MHA_KV_INT8 && (!c->ks || !c->vs))) {
+    size_t nbt;
+    c->nbuck = num_blocks;
+    c->bucket = mha__malloc(sizeof *c->bucket * (size_t)num_blocks);
+    c->next = mha__malloc(sizeof *c->next * (size_t)num_blocks);
+    c->parent = mha__malloc(sizeof *c->parent * (size_t)num_blocks);
+    c->indexed = mha__calloc((size_t)num_blocks, sizeof *c->indexed);
+    c->btok = mha__mul_overflow_size((size_t)num_blocks, (size_t)block_size * sizeof(int32_t),
+                                     &nbt)
+                  ? NULL
+                  : mha__malloc(nbt);
+    if (!c->k || !c->v || !c->ref || !c->freel || (dtype == MHA_KV_INT8 && (!c->ks || !c->vs)) ||
+        !c->bucket || !c->next || !c->parent || !c->indexed || !c->btok) {
         mha_paged_cache_destroy(c);
         return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory for %zu bytes",
                          bk + bv + (dtype == MHA_KV_INT8 ? 2 * bs : 0));
     }
-    for (int64_t i = 0; i < num_blocks; i++)  // block 0 on top
+    for (int64_t i = 0; i < num_blocks; i++) {  // block 0 on top
         c->freel[i] = (int32_t)(num_blocks - 1 - i);
+        c->bucket[i] = -1;
+    }
     c->nfree = num_blocks;
     *out = c;
     return MHA_OK;
@@ -121,8 +147,13 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
 
 void mha_paged_cache_destroy(mha_paged_cache *c) {
     if (!c) return;
-    for (int64_t i = 0; i < c->nseq; i++) free(c->seq[i].blocks);
+    for (int64_t i = 0; i < c->nseq; i++) free(c->seq[i].blocks), free(c->seq[i].tok);
     free(c->seq);
+    free(c->bucket);
+    free(c->next);
+    free(c->parent);
+    free(c->indexed);
+    free(c->btok);
     mha__free(c->k);
     mha__free(c->v);
     mha__free(c->ks);
@@ -149,6 +180,60 @@ static pseq *live_seq(const mha_paged_cache *c, int64_t id) {
 static mha_status no_seq(const char *what, int64_t id) {
     return mha__fail(MHA_ERR_INVALID_ARG, "%s: no sequence %lld (never added, or freed)", what,
                      (long long)id);
+}
+
+// ---------------------------------------------------------------------------
+// The prefix index
+
+static uint64_t key_hash(int64_t parent, const int32_t *tok, int64_t bs) {
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)(parent + 1);  // FNV-1a over the key
+    for (int64_t i = 0; i < bs; i++) {
+        h ^= (uint32_t)tok[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static int64_t bucket_of(const mha_paged_cache *c, int64_t parent, const int32_t *tok) {
+    return (int64_t)(key_hash(parent, tok, c->bs) % (uint64_t)c->nbuck);
+}
+
+// The indexed block with this key, or -1.
+static int32_t index_find(const mha_paged_cache *c, int64_t parent, const int32_t *tok) {
+    for (int32_t b = c->bucket[bucket_of(c, parent, tok)]; b >= 0; b = c->next[b])
+        if (c->parent[b] == parent && memcmp(c->btok + (size_t)b * (size_t)c->bs, tok,
+                                             sizeof(int32_t) * (size_t)c->bs) == 0)
+            return b;
+    return -1;
+}
+
+// Block b (full, its tokens tok, after block parent) into the index, unless
+// an equal key is there already.
+static void index_add(mha_paged_cache *c, int32_t b, int64_t parent, const int32_t *tok) {
+    if (c->indexed[b] || index_find(c, parent, tok) >= 0) return;
+    const int64_t bk = bucket_of(c, parent, tok);
+    memcpy(c->btok + (size_t)b * (size_t)c->bs, tok, sizeof(int32_t) * (size_t)c->bs);
+    c->parent[b] = (int32_t)parent;
+    c->next[b] = c->bucket[bk];
+    c->bucket[bk] = b;
+    c->indexed[b] = true;
+}
+
+static void index_remove(mha_paged_cache *c, int32_t b) {
+    if (!c->indexed[b]) return;
+    int32_t *p = &c->bucket[bucket_of(c, c->parent[b], c->btok + (size_t)b * (size_t)c->bs)];
+    while (*p != b) p = &c->next[*p];
+    *p = c->next[b];
+    c->indexed[b] = false;
+}
+
+// The full blocks of s from index `from` on whose tokens are known, into
+// the index (each after the block before it, which must be keyed itself).
+static void index_seq(mha_paged_cache *c, const pseq *s, int64_t from) {
+    for (int64_t i = from; i < s->nb && (i + 1) * c->bs <= s->known; i++) {
+        if (i > 0 && !c->indexed[s->blocks[i - 1]]) return;  // (its prefix is not keyed)
+        index_add(c, s->blocks[i], i > 0 ? s->blocks[i - 1] : -1, s->tok + i * c->bs);
+    }
 }
 
 // A free slot for a new sequence (the slots grown if none).
@@ -193,18 +278,60 @@ mha_status mha_paged_cache_fork(mha_paged_cache *c, int64_t src, int64_t *id) {
     } else if (!(st = new_slot(c, &slot, "mha_paged_cache_fork"))) {
         pseq *s = live_seq(c, src), *d = &c->seq[slot];  // (after new_slot: seq may move)
         int32_t *t = s->nb ? mha__malloc(sizeof *t * (size_t)s->nb) : NULL;
-        if (s->nb && !t) {
+        int32_t *tk = s->known ? mha__malloc(sizeof *tk * (size_t)s->known) : NULL;
+        if ((s->nb && !t) || (s->known && !tk)) {
+            free(t), free(tk);
             st = mha__fail(MHA_ERR_NOMEM,
                            "mha_paged_cache_fork: out of memory for a table "
                            "of %lld blocks",
                            (long long)s->nb);
         } else {
             if (s->nb) memcpy(t, s->blocks, sizeof *t * (size_t)s->nb);
+            if (s->known) memcpy(tk, s->tok, sizeof *tk * (size_t)s->known);
             for (int64_t i = 0; i < s->nb; i++) c->ref[t[i]]++;
-            *d = (pseq){true, d->gen, s->len, s->nb, s->nb, t};
+            *d = (pseq){true, d->gen, s->len, s->nb, s->nb, t, s->known, s->known, tk};
             *id = seq_id(c, slot);
         }
     }
+    leave_change(c);
+    return st;
+}
+
+mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens, int64_t n,
+                                      int64_t *id, int64_t *cached) {
+    if (!c || !id || !cached || (n > 0 && !tokens) || n < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_paged_cache_add_prompt: NULL argument or n %lld < 0",
+                         (long long)n);
+    mha_status st = enter_change(c, "mha_paged_cache_add_prompt");
+    if (st) return st;
+    // the longest run of keyed blocks holding the prompt's first tokens,
+    // leaving at least one token to compute
+    int64_t nb = 0;
+    for (int64_t parent = -1; (nb + 1) * c->bs <= n - 1; nb++) {
+        const int32_t b = index_find(c, parent, tokens + nb * c->bs);
+        if (b < 0) break;
+        parent = b;
+    }
+    int64_t slot = 0;
+    int32_t *t = nb ? mha__malloc(sizeof *t * (size_t)nb) : NULL;
+    int32_t *tk = nb ? mha__malloc(sizeof *tk * (size_t)(nb * c->bs)) : NULL;
+    if (nb && (!t || !tk)) {
+        st = mha__fail(MHA_ERR_NOMEM, "mha_paged_cache_add_prompt: out of memory");
+    } else if (!(st = new_slot(c, &slot, "mha_paged_cache_add_prompt"))) {
+        for (int64_t i = 0, parent = -1; i < nb; i++) {  // (the same walk: found above)
+            t[i] = index_find(c, parent, tokens + i * c->bs);
+            parent = t[i];
+            c->ref[t[i]]++;
+        }
+        if (nb) memcpy(tk, tokens, sizeof *tk * (size_t)(nb * c->bs));
+        pseq *d = &c->seq[slot];
+        *d = (pseq){true, d->gen, nb * c->bs, nb, nb, t, nb * c->bs, nb * c->bs, tk};
+        *id = seq_id(c, slot);
+        *cached = nb * c->bs;
+        t = tk = NULL;
+    }
+    free(t), free(tk);
     leave_change(c);
     return st;
 }
@@ -213,7 +340,10 @@ mha_status mha_paged_cache_fork(mha_paged_cache *c, int64_t src, int64_t *id) {
 // more goes back to the pool).
 static void release_from(mha_paged_cache *c, pseq *s, int64_t b) {
     for (int64_t i = s->nb - 1; i >= b; i--)
-        if (--c->ref[s->blocks[i]] == 0) c->freel[c->nfree++] = s->blocks[i];
+        if (--c->ref[s->blocks[i]] == 0) {
+            index_remove(c, s->blocks[i]);
+            c->freel[c->nfree++] = s->blocks[i];
+        }
     if (s->nb > b) s->nb = b;
 }
 
@@ -227,6 +357,7 @@ mha_status mha_paged_cache_free(mha_paged_cache *c, int64_t id) {
     } else {
         release_from(c, s, 0);
         free(s->blocks);
+        free(s->tok);
         *s = (pseq){.gen = s->gen + 1};
     }
     leave_change(c);
@@ -247,6 +378,10 @@ mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t leng
     } else {
         release_from(c, s, (length + c->bs - 1) / c->bs);
         s->len = length;
+        s->known = s->known < length ? s->known : length;
+        // a partial last block of its own will be rewritten: out of the index
+        if (length % c->bs && c->ref[s->blocks[s->nb - 1]] == 1)
+            index_remove(c, s->blocks[s->nb - 1]);
     }
     leave_change(c);
     return st;
@@ -345,6 +480,12 @@ static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_
 mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *ids,
                                   const int64_t *counts, const mha_tensor *k,
                                   const mha_tensor *v) {
+    return mha_paged_cache_append_tokens(c, n, ids, counts, k, v, NULL);
+}
+
+mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const int64_t *ids,
+                                         const int64_t *counts, const mha_tensor *k,
+                                         const mha_tensor *v, const int32_t *tokens) {
     if (!c || !k || !v)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_append: NULL argument");
     mha_status st = enter_change(c, "mha_paged_cache_append");
@@ -384,6 +525,17 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
             }
             s->blocks = t, s->cap = nb;
         }
+        if (tokens && s->known == s->len && s->len + a > s->tcap) {  // the ids' room
+            int32_t *t = mha__realloc(s->tok, sizeof *t * (size_t)(s->len + a));
+            if (!t) {
+                free(row);
+                st = mha__fail(MHA_ERR_NOMEM,
+                               "mha_paged_cache_append: out of memory for %lld token ids",
+                               (long long)(s->len + a));
+                goto out;
+            }
+            s->tok = t, s->tcap = s->len + a;
+        }
     }
     // nothing fails from here on
     for (int64_t i = 0; i < n; i++) {
@@ -418,7 +570,13 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
                                   v->dtype, v->stride[3], c->Dv, row);
             }
         }
+        if (tokens && s->known == s->len) {  // the ids, and the blocks they fill keyed
+            memcpy(s->tok + s->len, tokens + i * T, sizeof(int32_t) * (size_t)a);
+            s->known += a;
+        }
+        const int64_t first = s->len / c->bs;  // (the first block this append can fill)
         s->len += a;
+        if (tokens) index_seq(c, s, first);
     }
     free(row);
 out:

@@ -18,11 +18,13 @@
 #include "util.h"
 #include "mha.h"
 
-enum { HKV = 2, H = 4, MAXSEQ = 12, MAXLEN = 700 };
+enum { HKV = 2, H = 4, MAXSEQ = 12, MAXLEN = 700, CAPL = 2100 };  // CAPL: a mirror's room
 
 typedef struct mirror {
     int64_t id, len;
-    float *k, *v;  // (HKV, MAXLEN, D)
+    float *k, *v;      // (HKV, MAXLEN, D)
+    int32_t *tok;      // the token ids (MAXLEN)
+    uint64_t *prefix;  // prefix[t]: the hash of tok[0..t]
 } mirror;
 
 typedef struct world {
@@ -34,12 +36,47 @@ typedef struct world {
 } world;
 
 static void mirror_init(mirror *m, int64_t D) {
-    m->k = calloc((size_t)(HKV * MAXLEN * D), sizeof(float));
-    m->v = calloc((size_t)(HKV * MAXLEN * D), sizeof(float));
+    m->k = calloc((size_t)(HKV * CAPL * D), sizeof(float));
+    m->v = calloc((size_t)(HKV * CAPL * D), sizeof(float));
+    m->tok = calloc(CAPL, sizeof(int32_t));
+    m->prefix = calloc(CAPL, sizeof(uint64_t));
     m->len = 0;
 }
 
-static void mirror_free(mirror *m) { free(m->k), free(m->v); }
+static void mirror_free(mirror *m) { free(m->k), free(m->v), free(m->tok), free(m->prefix); }
+
+static void mirror_copy(mirror *d, const mirror *s, int64_t D) {
+    memcpy(d->k, s->k, sizeof(float) * (size_t)(HKV * CAPL * D));
+    memcpy(d->v, s->v, sizeof(float) * (size_t)(HKV * CAPL * D));
+    memcpy(d->tok, s->tok, sizeof(int32_t) * CAPL);
+    memcpy(d->prefix, s->prefix, sizeof(uint64_t) * CAPL);
+    d->len = s->len;
+}
+
+static uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// A token's K or V element as a model would make it: a function of the
+// whole prefix up to it (so that equal prefixes hold equal rows).
+static float kv_of(uint64_t prefix, int64_t h, int64_t e, int isv) {
+    const uint64_t r = mix(prefix ^ mix((uint64_t)(h * 4096 + e * 2 + isv)));
+    return (float)((double)(r >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+// Token t of m gets id `tok` and its K, V rows.
+static void mirror_put(mirror *m, int64_t t, int32_t tok, int64_t D) {
+    m->tok[t] = tok;
+    m->prefix[t] = mix((t ? m->prefix[t - 1] : 0x1234) ^ (uint64_t)(uint32_t)tok);
+    for (int64_t h = 0; h < HKV; h++)
+        for (int64_t e = 0; e < D; e++) {
+            m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 0);
+            m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 1);
+        }
+}
 
 // The n sequences sel[] attend (T new queries each, counts random): the
 // paged cache and a contiguous cache of their tokens, the same bits.
@@ -65,8 +102,8 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
             for (int64_t t = 0; t < m->len; t++)
                 for (int64_t e = 0; e < D; e++) {
                     const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) * (size_t)D + (size_t)e;
-                    kb[dst] = m->k[((size_t)h * MAXLEN + (size_t)t) * (size_t)D + (size_t)e];
-                    vb[dst] = m->v[((size_t)h * MAXLEN + (size_t)t) * (size_t)D + (size_t)e];
+                    kb[dst] = m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
+                    vb[dst] = m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
                 }
     }
     mha_tensor kt = mha_tensor_contiguous(kb, MHA_F32, 4, (int64_t[]){n, HKV, cap, D}),
@@ -93,32 +130,53 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
     mha_kv_cache_destroy(kc);
 }
 
-// Appends cnt[i] random tokens to sequences sel[i] (paged and mirrors).
-static mha_status append_some(world *w, const int *sel, int n, const int64_t *cnt) {
+// Appends cnt[i] tokens to sequences sel[i] (paged and mirrors): the ids
+// given[i] (NULL: drawn from a vocabulary of 3, so that prefixes repeat),
+// their K, V from the prefix (kv_of); with_ids: through
+// mha_paged_cache_append_tokens (else without the ids). The mirrors change
+// only if the append lands.
+static mha_status append_ids(world *w, const int *sel, int n, const int64_t *cnt,
+                             const int32_t *const *given, bool with_ids) {
     const int64_t D = w->D;
     int64_t T = 1, ids[MAXSEQ];
     for (int i = 0; i < n; i++) T = cnt[i] > T ? cnt[i] : T, ids[i] = w->seq[sel[i]].id;
     const size_t nr = (size_t)(n * HKV * T * D);
-    float *k = malloc(sizeof(float) * nr), *v = malloc(sizeof(float) * nr);
-    for (size_t i = 0; i < nr; i++) k[i] = frand(), v[i] = frand();
+    float *k = calloc(nr, sizeof(float)), *v = calloc(nr, sizeof(float));
+    int32_t *tok = calloc((size_t)(n * T), sizeof(int32_t));
+    mirror scratch;
+    mirror_init(&scratch, D);
+    for (int i = 0; i < n; i++) {  // the rows, as the mirror would hold them
+        mirror_copy(&scratch, &w->seq[sel[i]], D);
+        for (int64_t t = 0; t < cnt[i]; t++) {
+            const int32_t id = given && given[i] ? given[i][t] : (int32_t)irand(0, 2);
+            tok[i * T + t] = id;
+            mirror_put(&scratch, scratch.len + t, id, D);
+            for (int64_t h = 0; h < HKV; h++)
+                memcpy(k + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
+                       scratch.k + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
+                       sizeof(float) * (size_t)D),
+                    memcpy(v + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
+                           scratch.v + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
+                           sizeof(float) * (size_t)D);
+        }
+    }
     const int64_t sh[4] = {n, HKV, T, D};
     mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, sh),
                vt = mha_tensor_contiguous(v, MHA_F32, 4, sh);
-    mha_status st = mha_paged_cache_append(w->c, n, ids, cnt, &kt, &vt);
+    mha_status st = with_ids ? mha_paged_cache_append_tokens(w->c, n, ids, cnt, &kt, &vt, tok)
+                             : mha_paged_cache_append(w->c, n, ids, cnt, &kt, &vt);
     for (int i = 0; i < n && st == MHA_OK; i++) {
         mirror *m = &w->seq[sel[i]];
-        for (int64_t h = 0; h < HKV; h++)
-            for (int64_t t = 0; t < cnt[i]; t++)
-                for (int64_t e = 0; e < D; e++) {
-                    const size_t src = (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D + (size_t)e;
-                    const size_t dst = ((size_t)h * MAXLEN + (size_t)(m->len + t)) * (size_t)D + (size_t)e;
-                    m->k[dst] = k[src];
-                    m->v[dst] = v[src];
-                }
+        for (int64_t t = 0; t < cnt[i]; t++) mirror_put(m, m->len + t, tok[i * T + t], D);
         m->len += cnt[i];
     }
-    free(k), free(v);
+    mirror_free(&scratch);
+    free(k), free(v), free(tok);
     return st;
+}
+
+static mha_status append_some(world *w, const int *sel, int n, const int64_t *cnt) {
+    return append_ids(w, sel, n, cnt, NULL, true);
 }
 
 // A random group of distinct live sequences.
@@ -129,6 +187,8 @@ static int pick(const world *w, int *sel, int most) {
     if (n == 0 && w->n > 0) sel[n++] = (int)irand(0, w->n - 1);
     return n;
 }
+
+static int64_t prompts, reused;  // over every schedule: prompts added, tokens they reused
 
 static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
     world w = {.dt = dt, .D = D, .bs = bs};
@@ -146,9 +206,7 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
             mirror *m = &w.seq[w.n];
             mirror_init(m, D);
             CHECK_OK(mha_paged_cache_fork(w.c, w.seq[s].id, &m->id));
-            memcpy(m->k, w.seq[s].k, sizeof(float) * (size_t)(HKV * MAXLEN * D));
-            memcpy(m->v, w.seq[s].v, sizeof(float) * (size_t)(HKV * MAXLEN * D));
-            m->len = w.seq[s].len;
+            mirror_copy(m, &w.seq[s], D);
             CHECK(mha_paged_cache_blocks_in_use(w.c) == used);
             CHECK(mha_paged_cache_length(w.c, m->id) == m->len);
             w.n++;
@@ -164,6 +222,30 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
             const int64_t len = irand(0, m->len);
             CHECK_OK(mha_paged_cache_truncate(w.c, m->id, len));
             m->len = len;
+        } else if (op == 4 && w.n < MAXSEQ) {  // a prompt: another's first tokens + new ones
+            const mirror *src = &w.seq[irand(0, w.n - 1)];
+            const int64_t keep = irand(0, src->len), extra = irand(1, 20);
+            int32_t prompt[MAXLEN];
+            if (keep + extra > MAXLEN) continue;
+            memcpy(prompt, src->tok, sizeof(int32_t) * (size_t)keep);
+            for (int64_t t = keep; t < keep + extra; t++) prompt[t] = (int32_t)irand(0, 2);
+            mirror *m = &w.seq[w.n];
+            mirror_init(m, D);
+            int64_t cached = -1;
+            const int64_t used = mha_paged_cache_blocks_in_use(w.c);
+            CHECK_OK(mha_paged_cache_add_prompt(w.c, prompt, keep + extra, &m->id, &cached));
+            CHECKF(cached >= 0 && cached < keep + extra && cached % bs == 0,
+                   "prompt of %lld: %lld cached", (long long)(keep + extra), (long long)cached);
+            CHECK(mha_paged_cache_blocks_in_use(w.c) == used);  // shared, nothing new
+            CHECK(mha_paged_cache_length(w.c, m->id) == cached);
+            for (int64_t t = 0; t < cached; t++) mirror_put(m, t, prompt[t], D);
+            m->len = cached;
+            w.n++;
+            int s1[1] = {w.n - 1};
+            const int64_t rest = keep + extra - cached;
+            const int32_t *given[1] = {prompt + cached};
+            CHECK_OK(append_ids(&w, s1, 1, &rest, given, true));
+            prompts++, reused += cached;
         } else {  // append to a few (lengths within MAXLEN)
             const int n = pick(&w, sel, 4);
             int64_t cnt[MAXSEQ];
@@ -171,7 +253,7 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
                 const int64_t room = MAXLEN - w.seq[sel[i]].len;
                 cnt[i] = room <= 0 ? 0 : irand(0, room < 40 ? room : (next() % 5 ? 8 : 40));
             }
-            CHECK_OK(append_some(&w, sel, n, cnt));
+            CHECK_OK(append_ids(&w, sel, n, cnt, NULL, next() % 8 != 0));
         }
         for (int i = 0; i < w.n; i++)
             CHECKF(mha_paged_cache_length(w.c, w.seq[i].id) == w.seq[i].len,
@@ -207,8 +289,8 @@ static void test_blocks(void) {
     CHECK(mha_paged_cache_blocks_in_use(c) == 7);
     mirror_init(&w.seq[1], D);
     CHECK_OK(mha_paged_cache_fork(c, w.seq[0].id, &w.seq[1].id));
-    memcpy(w.seq[1].k, w.seq[0].k, sizeof(float) * (size_t)(HKV * MAXLEN * D));
-    memcpy(w.seq[1].v, w.seq[0].v, sizeof(float) * (size_t)(HKV * MAXLEN * D));
+    memcpy(w.seq[1].k, w.seq[0].k, sizeof(float) * (size_t)(HKV * CAPL * D));
+    memcpy(w.seq[1].v, w.seq[0].v, sizeof(float) * (size_t)(HKV * CAPL * D));
     w.seq[1].len = 100;
     w.n = 2;
     CHECK(mha_paged_cache_blocks_in_use(c) == 7);  // the fork: no block
@@ -227,6 +309,95 @@ static void test_blocks(void) {
     mirror_free(&w.seq[0]);
     mirror_free(&w.seq[1]);
     mha_paged_cache_destroy(c);
+}
+
+// Prefix sharing: a 2k-token prompt stored once for 32 sequences, each of
+// which then generates its own tokens; memory against the distinct tokens;
+// every sequence attends as a contiguous cache of its tokens would.
+static void test_prefix(void) {
+    enum { BS = 16, D = 16, P = 2048, NS = 32, GEN = 40 };
+    world w = {.dt = MHA_KV_F32, .D = D, .bs = BS};
+    CHECK_OK(mha_paged_cache_create(&w.c, 400, BS, HKV, D, D, MHA_KV_F32));
+    static int32_t prompt[P];
+    for (int t = 0; t < P; t++) prompt[t] = (int32_t)irand(0, 50000);
+    for (int i = 0; i < NS && i < MAXSEQ; i++) {
+        mirror *m = &w.seq[i];
+        mirror_init(m, D);
+        int64_t cached;
+        CHECK_OK(mha_paged_cache_add_prompt(w.c, prompt, P, &m->id, &cached));
+        CHECKF(cached == (i == 0 ? 0 : (P - 1) / BS * BS), "sequence %d: %lld cached", i,
+               (long long)cached);
+        for (int64_t t = 0; t < cached; t++) mirror_put(m, t, prompt[t], D);
+        m->len = cached;
+        w.n = i + 1;
+        int s1[1] = {i};
+        const int64_t rest = P - cached;
+        const int32_t *given[1] = {prompt + cached};
+        CHECK_OK(append_ids(&w, s1, 1, &rest, given, true));
+    }
+    const int n = w.n;  // (MAXSEQ of them)
+    int sel[MAXSEQ];
+    int64_t cnt[MAXSEQ];
+    for (int i = 0; i < n; i++) sel[i] = i, cnt[i] = GEN;
+    CHECK_OK(append_ids(&w, sel, n, cnt, NULL, true));  // each its own tokens
+    const int64_t used = mha_paged_cache_blocks_in_use(w.c);
+    const double distinct = (double)(P + n * GEN) / BS;  // blocks' worth of distinct tokens
+    printf("prefix: %d sequences sharing a %d-token prompt, %d tokens each after it: %lld "
+           "blocks in use, %.2f x the distinct tokens (%d separate caches: %.1f x)\n",
+           n, P, GEN, (long long)used, (double)used / distinct, n,
+           (double)(n * ((P + GEN + BS - 1) / BS)) / distinct);
+    CHECKF((double)used <= 1.1 * distinct + n, "prefix: %lld blocks for %.1f blocks of tokens",
+           (long long)used, distinct);
+    check_attend(&w, sel, n, 1, -1, "shared prompt, decode");
+    check_attend(&w, sel, 4, 20, -1, "shared prompt, prefill");
+    // a truncated sequence rewrites its own copy, not the shared blocks
+    CHECK_OK(mha_paged_cache_truncate(w.c, w.seq[1].id, 1000));
+    w.seq[1].len = 1000;
+    int s1[1] = {1};
+    int64_t c5 = 5;
+    CHECK_OK(append_ids(&w, s1, 1, &c5, NULL, true));
+    check_attend(&w, sel, n, 1, -1, "after a truncation into the shared prompt");
+    // the prompt's blocks stay indexed while held; freed by all, they leave
+    for (int i = 0; i < n; i++) CHECK_OK(mha_paged_cache_free(w.c, w.seq[i].id));
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 0);
+    int64_t id, cached;
+    CHECK_OK(mha_paged_cache_add_prompt(w.c, prompt, P, &id, &cached));
+    CHECK(cached == 0);
+    for (int i = 0; i < n; i++) mirror_free(&w.seq[i]);
+    mha_paged_cache_destroy(w.c);
+
+    // a block held alone, cut into and rewritten, leaves the index: a prompt
+    // with its old tokens shares only the block before it
+    world x = {.dt = MHA_KV_F32, .D = D, .bs = BS};
+    CHECK_OK(mha_paged_cache_create(&x.c, 10, BS, HKV, D, D, MHA_KV_F32));
+    mirror_init(&x.seq[0], D);
+    CHECK_OK(mha_paged_cache_add(x.c, &x.seq[0].id));
+    x.n = 1;
+    int s0[1] = {0};
+    int64_t c32 = 32, c12 = 12;
+    const int32_t *given[1] = {prompt};
+    CHECK_OK(append_ids(&x, s0, 1, &c32, given, true));  // blocks 0 and 1, keyed
+    CHECK_OK(mha_paged_cache_truncate(x.c, x.seq[0].id, 20));
+    x.seq[0].len = 20;
+    int32_t other[12];
+    for (int t = 0; t < 12; t++) other[t] = prompt[20 + t] + 1;  // other tokens
+    given[0] = other;
+    CHECK_OK(append_ids(&x, s0, 1, &c12, given, true));  // block 1 rewritten
+    mirror_init(&x.seq[1], D);
+    CHECK_OK(mha_paged_cache_add_prompt(x.c, prompt, 33, &x.seq[1].id, &cached));
+    CHECKF(cached == 16, "a prompt after a rewrite: %lld cached, expected 16", (long long)cached);
+    for (int64_t t = 0; t < cached; t++) mirror_put(&x.seq[1], t, prompt[t], D);
+    x.seq[1].len = cached;
+    x.n = 2;
+    int s1b[1] = {1};
+    int64_t rest = 33 - cached;
+    given[0] = prompt + cached;
+    CHECK_OK(append_ids(&x, s1b, 1, &rest, given, true));
+    int both[2] = {0, 1};
+    check_attend(&x, both, 2, 3, -1, "a prompt after a rewrite");
+    mirror_free(&x.seq[0]);
+    mirror_free(&x.seq[1]);
+    mha_paged_cache_destroy(x.c);
 }
 
 // The failing calls: each changes nothing (lengths, blocks in use and the
@@ -371,7 +542,11 @@ int main(void) {
     for (int dt = MHA_KV_F32; dt <= MHA_KV_INT8; dt++)
         for (int b = 0; b < 4; b++)
             random_schedule((mha_kv_dtype)dt, blocks[b], b % 2 ? 40 : 16, dt == 0 ? 90 : 45);
+    printf("random schedules: %lld prompts added, %lld of their tokens found in the cache\n",
+           (long long)prompts, (long long)reused);
+    CHECK(reused > 0);
     test_blocks();
+    test_prefix();
     test_errors();
     test_threads();
     return check_summary("test_paged");
