@@ -1145,6 +1145,18 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_attend(mha_tensor *out, const m
 MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_module *m,
                                                     const mha_forward_args *a,
                                                     mha_kv_cache *cache);
+// mha_forward_cached over a paged cache (continuous batching): entry n of
+// the query's batch is sequence ids[n] (distinct) with its first counts[n]
+// of the T new tokens (NULL: all T; mixing prefill chunks and decode steps
+// in one call), each at its own positions (its cached length on). Output
+// rows of the tokens past counts[n] are 0. The cache's num_kv_heads and
+// head dims must be the module's. As mha_forward_cached otherwise: on any
+// error (an exhausted pool included) every sequence keeps the length it
+// had.
+MHA_API MHA_NODISCARD mha_status mha_forward_paged(mha_tensor *out, const mha_module *m,
+                                                   const mha_forward_args *a,
+                                                   mha_paged_cache *cache, const int64_t *ids,
+                                                   const int64_t *counts);
 
 // ---------------------------------------------------------------------------
 // Diagnostics: looking inside the heads

@@ -1,7 +1,9 @@
-// decode.c: mha_forward_cached, the module's causal self-attention over a
-// chunk of new tokens through a KV cache (incremental decoding, chunked
-// prefill): the projections (linear.h), RoPE at the cache's positions,
-// append, attention over the cache (kvcache.c), gates and W_O. Every
+// decode.c: mha_forward_cached and mha_forward_paged, the module's causal
+// self-attention over a chunk of new tokens through a KV cache (incremental
+// decoding, chunked prefill; the paged cache: sequences of their own
+// lengths in one call): the projections (linear.h), RoPE at the cache's
+// positions, append, attention over the cache (kvcache.c, paged.c), gates
+// and W_O. Every
 // allocation happens before the cache changes; an error after the append
 // rolls it back.
 #include <math.h>
@@ -10,6 +12,40 @@
 
 #include "kvcache.h"
 #include "linear.h"
+
+// The cache of a call: the contiguous one, or the paged one with entry n of
+// the batch being sequence ids[n], its first counts[n] new tokens real
+// (counts NULL: all T).
+typedef struct cache_ref {
+    mha_kv_cache *kv;
+    mha_paged_cache *pg;
+    const int64_t *ids, *counts;
+} cache_ref;
+
+static int64_t ref_length(const cache_ref *r, int64_t n) {
+    return r->kv ? mha_kv_cache_length(r->kv, n) : mha_paged_cache_length(r->pg, r->ids[n]);
+}
+
+static mha_status ref_append(const cache_ref *r, int64_t N, const mha_tensor *k,
+                             const mha_tensor *v) {
+    return r->kv ? mha_kv_cache_append(r->kv, k, v, NULL)
+                 : mha_paged_cache_append(r->pg, N, r->ids, r->counts, k, v);
+}
+
+static mha_status ref_attend(const cache_ref *r, int64_t N, mha_tensor *out,
+                             const mha_tensor *q, const mha_cache_attend_args *a) {
+    return r->kv ? mha_kv_cache_attend(out, q, r->kv, a, NULL)
+                 : mha_paged_cache_attend(out, q, r->pg, N, r->ids, r->counts, a);
+}
+
+// The cache back to the lengths it had (cannot fail: they are shorter).
+static void ref_rollback(const cache_ref *r, int64_t N, const int64_t *starts) {
+    for (int64_t n = 0; n < N; n++) {
+        const mha_status st = r->kv ? mha_kv_cache_truncate(r->kv, n, starts[n])
+                                    : mha_paged_cache_truncate(r->pg, r->ids[n], starts[n]);
+        if (st) break;
+    }
+}
 
 // What the phases share: the plan, the kernels, the scratch and the views.
 typedef struct cached_call {
@@ -35,8 +71,8 @@ typedef struct cached_call {
 // plan (the key and value are the query, causal, fused), the output, the
 // cache's dims against the module's.
 static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_module *m,
-                               const mha_forward_args *a, const mha_kv_cache *cache) {
-    if (!out || !m || !a || !cache || !a->query)
+                               const mha_forward_args *a, const cache_ref *cache) {
+    if (!out || !m || !a || !(cache->kv || cache->pg) || !a->query || (cache->pg && !cache->ids))
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_cached: NULL argument");
     const mha_config *cfg = &m->cfg;
     if (a->key_padding_mask || a->attn_mask || a->need_weights || a->trace ||
@@ -64,8 +100,14 @@ static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_
         return st;
     const int64_t N = p->N, d = p->d, Hkv = p->Hkv;
     c->R = mha__rows_of(a->query);
-    int64_t cB, cH, cD, cDv;
-    mha__kv_cache_dims(cache, &cB, &cH, &cD, &cDv);
+    int64_t cB = N, cH, cD, cDv;
+    if (cache->kv) mha__kv_cache_dims(cache->kv, &cB, &cH, &cD, &cDv);
+    else mha__paged_cache_dims(cache->pg, &cH, &cD, &cDv);
+    for (int64_t n = 0; cache->counts && n < N; n++)
+        if (cache->counts[n] < 0 || cache->counts[n] > p->L)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "mha_forward_paged: counts[%lld] = %lld, expected 0..%lld",
+                             (long long)n, (long long)cache->counts[n], (long long)p->L);
     if (cB != N || cH != Hkv || cD != d || cDv != d)
         return mha__fail(MHA_ERR_SHAPE,
                          "mha_forward_cached: the cache holds batch %lld, %lld KV heads of "
@@ -166,7 +208,7 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
 // of the rows; RoPE on q and k at the cache's positions (starts, its
 // lengths before); k and v appended to the cache.
 static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
-                                     mha_kv_cache *cache) {
+                                     const cache_ref *cache) {
     const int64_t N = c->p.N, T = c->p.L, Eq = c->p.Eq, H = c->p.H, d = c->p.d;
     const int64_t Hkv = c->p.Hkv, Ekv = c->p.Ekv, W3 = Eq + 2 * Ekv;
     const bool seq_first = c->seq_first;
@@ -181,14 +223,14 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
     mha_tensor vv = kv, cv = {ctx, MHA_F32, 4, {N, H, T, d}, {ns * Eq, d, ts * Eq, 1}};
     vv.data = qkv + Eq + Ekv;
     c->qv = qv, c->cv = cv;  // (what the attention reads and writes)
-    for (int64_t n = 0; n < N; n++) starts[n] = mha_kv_cache_length(cache, n);
+    for (int64_t n = 0; n < N; n++) starts[n] = ref_length(cache, n);
     // (rope_positions: the new tokens' positions; dynamic NTK scaling from
     // their largest + 1, the same for q and k)
     if ((st = mha_rope_apply_ex(&qv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
                                 false)) ||
         (st = mha_rope_apply_ex(&kv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
                                 false)) ||
-        (st = mha_kv_cache_append(cache, &kv, &vv, NULL)))
+        (st = ref_append(cache, N, &kv, &vv)))
         return st;
     return MHA_OK;
 }
@@ -197,7 +239,7 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
 // custom scale, the module's sinks); on an error the cache rolled back to its lengths before
 // the append.
 static mha_status cached_attend(cached_call *c, const mha_module *m, const mha_forward_args *a,
-                                mha_kv_cache *cache) {
+                                const cache_ref *cache) {
     const int64_t N = c->p.N, H = c->p.H;
     const int64_t *starts = c->starts;
     mha_status st;
@@ -217,10 +259,8 @@ static mha_status cached_attend(cached_call *c, const mha_module *m, const mha_f
             ca.alibi_slopes = slopes_buf;
         }
     }
-    if ((st = mha_kv_cache_attend(&c->cv, &c->qv, cache, &ca, NULL))) {
-        // the cache as it was: its lengths before the append
-        for (int64_t n = 0; n < N; n++)
-            if (mha_kv_cache_truncate(cache, n, starts[n])) break;  // (cannot fail)
+    if ((st = ref_attend(cache, N, &c->cv, &c->qv, &ca))) {
+        ref_rollback(cache, N, starts);  // the cache as it was: its lengths before the append
         return st;
     }
     return MHA_OK;
@@ -258,11 +298,21 @@ static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module
         }
 }
 
+// The output rows of entry n's tokens t >= counts[n] (padding): 0.
+static void zero_past_counts(const cached_call *c, mha_tensor *out, const int64_t *counts) {
+    const int64_t N = c->p.N, T = c->p.L, E = c->p.E;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = counts[n]; t < T; t++) {
+            mha__mat row = mha__view_row(out, c->seq_first ? t * N + n : n * T + t);
+            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, 0.0);
+        }
+}
+
 // The phases: check -> the packed weights -> scratch -> project -> RoPE and
 // append -> attend -> gates and out-project; the packed weights given back
 // and the scratch freed whatever happened.
-mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
-                              mha_kv_cache *cache) {
+static mha_status forward_cache(mha_tensor *out, const mha_module *m,
+                                const mha_forward_args *a, const cache_ref *cache) {
     cached_call c = {0};  // (initialised for the compiler: read only after MHA_OK)
     mha_status st;
     if ((st = cached_check(&c, out, m, a, cache))) return st;
@@ -270,12 +320,29 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
     c.pk = mha__packs_acquire(m, c.kt, c.p.nthreads);
     if (!(st = cached_scratch(&c, m))) {
         cached_project(&c, m, a);
-        if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, m, a, cache)))
+        if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, m, a, cache))) {
             cached_out_project(&c, out, m);
+            if (cache->counts) zero_past_counts(&c, out, cache->counts);
+        }
     }
     mha__packs_release(c.pk);
     mha__free(c.gbuf);
     mha__free(c.blk);
     free(c.starts);
     return st;
+}
+
+mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
+                              mha_kv_cache *cache) {
+    const cache_ref r = {cache, NULL, NULL, NULL};
+    if (!cache) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_cached: NULL argument");
+    return forward_cache(out, m, a, &r);
+}
+
+mha_status mha_forward_paged(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
+                             mha_paged_cache *cache, const int64_t *ids, const int64_t *counts) {
+    const cache_ref r = {NULL, cache, ids, counts};
+    if (!cache || !ids)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_paged: NULL argument");
+    return forward_cache(out, m, a, &r);
 }

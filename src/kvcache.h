@@ -41,6 +41,8 @@ void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, 
                        int64_t xs, int64_t n, float *row);
 // Bytes per stored element of dt.
 size_t mha__kv_esz(mha_kv_dtype dt);
+// A paged cache's KV heads and head dims (paged.c).
+void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, int64_t *Dv);
 // A cache's batch, KV heads and head dims.
 void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
                         int64_t *Dv);

@@ -392,6 +392,10 @@ int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id) {
     return s ? s->len : -1;
 }
 
+void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, int64_t *Dv) {
+    *Hkv = c->Hkv, *D = c->D, *Dv = c->Dv;
+}
+
 int64_t mha_paged_cache_blocks_in_use(const mha_paged_cache *c) {
     return c ? c->nblocks - c->nfree : -1;
 }

@@ -536,6 +536,158 @@ static void test_threads(void) {
 #endif
 }
 
+// mha_forward_paged: continuous batching. NS sequences of their own lengths
+// (a module with GQA and RoPE; a window in one round) get their tokens in
+// chunks, each call a mix of sequences and chunk sizes (prefill chunks of
+// up to 30 tokens next to decode steps of 1), padded to the call's longest;
+// every sequence's outputs must be its full causal forward's (2e-5), and
+// the padding rows 0. Then calls where every sequence takes the same count
+// give exactly the bits of mha_forward_cached over a contiguous cache fed
+// the same chunks. An exhausted pool changes no sequence.
+static void test_forward_paged(void) {
+    enum { E = 32, NH = 4, NKV = 2, NS = 5, TMAX = 90 };
+    const int64_t d = E / NH;
+    mha_config cfg;
+    mha_config_init(&cfg, E, NH);
+    cfg.num_kv_heads = NKV;
+    cfg.batch_first = true;
+    mha_module *m = torch_module(&cfg, 3);
+    for (int round = 0; round < 2; round++) {
+        const int64_t win = round ? 12 : -1;
+        int64_t len[NS];
+        float *x[NS], *yf[NS], *yp[NS];
+        for (int i = 0; i < NS; i++) {
+            len[i] = irand(20, TMAX);
+            x[i] = malloc(sizeof(float) * (size_t)(len[i] * E));
+            yf[i] = malloc(sizeof(float) * (size_t)(len[i] * E));
+            yp[i] = malloc(sizeof(float) * (size_t)(len[i] * E));
+            for (int64_t j = 0; j < len[i] * E; j++) x[i][j] = frand();
+            mha_tensor xt = mha_tensor_contiguous(x[i], MHA_F32, 3, (int64_t[]){1, len[i], E}),
+                       yt = mha_tensor_contiguous(yf[i], MHA_F32, 3, (int64_t[]){1, len[i], E});
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.query = a.key = a.value = &xt;
+            a.is_causal = true;
+            a.window_left = win;
+            mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+            CHECK_OK(mha_forward(&yt, NULL, m, &a));
+        }
+        mha_paged_cache *pc = NULL;
+        CHECK_OK(mha_paged_cache_create(&pc, 200, 8, NKV, d, d, MHA_KV_F32));
+        int64_t ids[NS], done[NS] = {0};
+        for (int i = 0; i < NS; i++) CHECK_OK(mha_paged_cache_add(pc, &ids[i]));
+        int calls = 0, mixed = 0;
+        for (;;) {
+            int64_t cid[NS], cnt[NS], T = 0;
+            int sel[NS], n = 0;
+            for (int i = 0; i < NS; i++)
+                if (done[i] < len[i] && next() % 3) {
+                    const int64_t left = len[i] - done[i];
+                    const int64_t k = next() % 2 ? 1 : irand(1, left < 30 ? left : 30);
+                    sel[n] = i, cid[n] = ids[i], cnt[n] = k < left ? k : left;
+                    T = cnt[n] > T ? cnt[n] : T;
+                    n++;
+                }
+            if (n == 0) {
+                bool all = true;
+                for (int i = 0; i < NS; i++) all = all && done[i] == len[i];
+                if (all) break;
+                continue;
+            }
+            float *xb = calloc((size_t)(n * T * E), sizeof(float)),
+                  *yb = malloc(sizeof(float) * (size_t)(n * T * E));
+            for (size_t j = 0; j < (size_t)(n * T * E); j++) yb[j] = 9.0f;
+            for (int j = 0; j < n; j++)
+                memcpy(xb + (size_t)(j * T * E), x[sel[j]] + done[sel[j]] * E,
+                       sizeof(float) * (size_t)(cnt[j] * E));
+            mha_tensor xt = mha_tensor_contiguous(xb, MHA_F32, 3, (int64_t[]){n, T, E}),
+                       yt = mha_tensor_contiguous(yb, MHA_F32, 3, (int64_t[]){n, T, E});
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.query = a.key = a.value = &xt;
+            a.window_left = win;
+            mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+            CHECK_OK(mha_forward_paged(&yt, m, &a, pc, cid, cnt));
+            bool pad_zero = true, mix = false;
+            for (int j = 0; j < n; j++) {
+                memcpy(yp[sel[j]] + done[sel[j]] * E, yb + (size_t)(j * T * E),
+                       sizeof(float) * (size_t)(cnt[j] * E));
+                for (int64_t e = cnt[j] * E; e < T * E; e++)
+                    pad_zero = pad_zero && yb[(size_t)(j * T * E + e)] == 0.0f;
+                done[sel[j]] += cnt[j];
+                mix = mix || cnt[j] != cnt[0];
+            }
+            CHECKF(pad_zero, "forward_paged: padding rows not 0");
+            calls++, mixed += mix;
+            free(xb), free(yb);
+        }
+        for (int i = 0; i < NS; i++) {
+            CHECK(mha_paged_cache_length(pc, ids[i]) == len[i]);
+            const double e = rel_err(yf[i], yp[i], len[i] * E);
+            CHECKF(e <= 2e-5, "forward_paged window %lld: sequence %d (%lld tokens): rel err %g",
+                   (long long)win, i, (long long)len[i], e);
+        }
+        printf("forward_paged (window %lld): %d calls, %d of them mixing chunk sizes\n",
+               (long long)win, calls, mixed);
+        // an exhausted pool: a call that needs more blocks than are free
+        {
+            const int64_t free0 = mha_paged_cache_blocks_free(pc), big = 8 * free0 + 8;
+            float *xb = calloc((size_t)(big * E), sizeof(float)),
+                  *yb = calloc((size_t)(big * E), sizeof(float));
+            mha_tensor xt = mha_tensor_contiguous(xb, MHA_F32, 3, (int64_t[]){1, big, E}),
+                       yt = mha_tensor_contiguous(yb, MHA_F32, 3, (int64_t[]){1, big, E});
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.query = a.key = a.value = &xt;
+            CHECK(mha_forward_paged(&yt, m, &a, pc, ids, NULL) == MHA_ERR_NOMEM);
+            CHECK(mha_paged_cache_length(pc, ids[0]) == len[0] &&
+                  mha_paged_cache_blocks_free(pc) == free0);
+            free(xb), free(yb);
+        }
+        // equal counts per call: the contiguous cache's bits
+        {
+            mha_paged_cache *p2 = NULL;
+            mha_kv_cache *kc = NULL;
+            const int64_t L = 40;
+            CHECK_OK(mha_paged_cache_create(&p2, 64, 8, NKV, d, d, MHA_KV_F32));
+            CHECK_OK(mha_kv_cache_create(&kc, 2, NKV, d, d, L));
+            int64_t id2[2];
+            CHECK_OK(mha_paged_cache_add(p2, &id2[0]));
+            CHECK_OK(mha_paged_cache_add(p2, &id2[1]));
+            float *xb = malloc(sizeof(float) * 2 * L * E), *y1 = malloc(sizeof(float) * 2 * L * E),
+                  *y2 = malloc(sizeof(float) * 2 * L * E);
+            for (int64_t j = 0; j < 2 * L * E; j++) xb[j] = frand();
+            const int64_t chunks[] = {17, 1, 5, 1, 1, 15};  // prefill, decode, small chunks
+            float *xc = malloc(sizeof(float) * 2 * 17 * E);
+            for (int64_t c0 = 0, ci = 0; c0 < L && ci < 6; c0 += chunks[ci], ci++) {
+                const int64_t k = chunks[ci] < L - c0 ? chunks[ci] : L - c0;
+                for (int b = 0; b < 2; b++)
+                    memcpy(xc + b * k * E, xb + (b * L + c0) * E, sizeof(float) * (size_t)(k * E));
+                mha_tensor xt = mha_tensor_contiguous(xc, MHA_F32, 3, (int64_t[]){2, k, E});
+                float o1[2 * 17 * E], o2[2 * 17 * E];
+                mha_tensor t1 = mha_tensor_contiguous(o1, MHA_F32, 3, (int64_t[]){2, k, E}),
+                           t2 = mha_tensor_contiguous(o2, MHA_F32, 3, (int64_t[]){2, k, E});
+                mha_forward_args a;
+                mha_forward_args_init(&a);
+                a.query = a.key = a.value = &xt;
+                a.window_left = win;
+                mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+                CHECK_OK(mha_forward_cached(&t1, m, &a, kc));
+                CHECK_OK(mha_forward_paged(&t2, m, &a, p2, id2, NULL));
+                CHECKF(memcmp(o1, o2, sizeof(float) * (size_t)(2 * k * E)) == 0,
+                       "forward_paged chunk %lld (%lld tokens): not the contiguous cache's bits",
+                       (long long)ci, (long long)k);
+            }
+            free(xb), free(y1), free(y2), free(xc);
+            mha_kv_cache_destroy(kc);
+            mha_paged_cache_destroy(p2);
+        }
+        for (int i = 0; i < NS; i++) free(x[i]), free(yf[i]), free(yp[i]);
+        mha_paged_cache_destroy(pc);
+    }
+    mha_module_destroy(m);
+}
+
 int main(void) {
     seed_rng(19);
     const int64_t blocks[] = {1, 3, 16, 64};
@@ -549,5 +701,6 @@ int main(void) {
     test_prefix();
     test_errors();
     test_threads();
+    test_forward_paged();
     return check_summary("test_paged");
 }
