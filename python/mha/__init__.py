@@ -6,6 +6,7 @@ The same names and semantics as PyTorch:
     mha.MultiheadAttention(embed_dim, num_heads, ...)   # nn.MultiheadAttention
     mha.scaled_dot_product_attention(q, k, v, ...)       # F.scaled_dot_product_attention
     mha.KVCache(batch, num_kv_heads, head_dim, ...)      # incremental decoding
+    mha.PagedKVCache(num_blocks, block_size, ...)        # serving: forks, continuous batching
     mha.diagnose(module, query, ...)                     # per-head diagnostics
 
 Arrays of float32, float64, float16 (and bfloat16 through ml_dtypes) with
@@ -37,7 +38,8 @@ from ._options import (BF16, F16, F32, F64, causal_hint, forward_kwargs, real, s
                        sdpa_layout, numel)
 
 __version__ = _mha.version
-__all__ = ["MultiheadAttention", "scaled_dot_product_attention", "KVCache", "diagnose",
+__all__ = ["MultiheadAttention", "scaled_dot_product_attention", "KVCache", "PagedKVCache",
+           "diagnose",
            "save_tensors", "load_tensors", "isa", "from_pretrained", "CheckpointAttention",
            "__version__"]
 
@@ -426,6 +428,43 @@ class MultiheadAttention:
         return KVCache(batch, self.num_kv_heads, self.head_dim, self.v_head_dim,
                        capacity=capacity, dtype=dtype)
 
+    def make_paged_cache(self, num_blocks, block_size, dtype="f32"):
+        """A PagedKVCache for this module (num_blocks blocks of block_size tokens)."""
+        return PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                            self.v_head_dim, dtype=dtype)
+
+    def forward_paged(self, cache, ids, chunks, **extras):
+        """Continuous batching through a PagedKVCache: chunks[i] is the new
+        tokens (L_i, E) (float32) of sequence ids[i]; their keys and values
+        are appended and each attends causally over its sequence's whole
+        history, at its own positions. Returns the list of outputs (L_i, E).
+        All or nothing: an exhausted pool raises and no sequence changes."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError("cache: expected an mha.PagedKVCache")
+        ids = [int(i) for i in ids]
+        chunks = [np.asarray(c, dtype=np.float32) for c in chunks]
+        if len(ids) != len(chunks) or not ids:
+            raise ValueError("forward_paged: %d ids for %d chunks (at least one each)"
+                             % (len(ids), len(chunks)))
+        for i, c in enumerate(chunks):
+            if c.ndim != 2 or c.shape[1] != self.embed_dim:
+                raise ValueError("forward_paged: chunks[%d] has shape %s, expected (L, %d)"
+                                 % (i, c.shape, self.embed_dim))
+        n, T = len(chunks), max(c.shape[0] for c in chunks)
+        q = np.zeros((n, T, self.embed_dim) if self.batch_first else (T, n, self.embed_dim),
+                     dtype=np.float32)
+        for i, c in enumerate(chunks):
+            if self.batch_first:
+                q[i, :c.shape[0]] = c
+            else:
+                q[:c.shape[0], i] = c
+        kw = forward_kwargs(as_int64=_int64, as_float32=_float32, **extras)
+        out = _mha.forward_paged(self._m, q, cache._c, np.asarray(ids, dtype=np.int64),
+                                 np.asarray([c.shape[0] for c in chunks], dtype=np.int64),
+                                 _alloc, **kw)
+        return [np.array(out[i, :c.shape[0]] if self.batch_first else out[:c.shape[0], i])
+                for i, c in enumerate(chunks)]
+
 
 # ---------------------------------------------------------------------------
 # Hugging Face checkpoints
@@ -667,6 +706,57 @@ class KVCache:
     def truncate(self, length, b=None):
         """Rolls sequence b (None: every sequence) back to length tokens."""
         self._c.truncate(-1 if b is None else int(b), int(length))
+
+
+class PagedKVCache:
+    """A paged KV cache for serving many sequences: num_blocks blocks of
+    block_size tokens (K and V of num_kv_heads heads, stored as 'f32',
+    'bf16', 'f16' or 'int8'), per-sequence block tables, blocks shared by
+    forks (copy on write). MultiheadAttention.forward_paged runs a module
+    through it. A sequence attends exactly as a KVCache holding the same
+    tokens would."""
+
+    def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, v_head_dim=None, *,
+                 dtype="f32"):
+        self.num_blocks = _check_int("num_blocks", num_blocks)
+        self.block_size = _check_int("block_size", block_size)
+        self.num_kv_heads = _check_int("num_kv_heads", num_kv_heads)
+        self.head_dim = _check_int("head_dim", head_dim)
+        self.v_head_dim = self.head_dim if v_head_dim is None else _check_int("v_head_dim",
+                                                                              v_head_dim)
+        self.dtype = dtype
+        self._c = _mha.PagedKVCache(self.num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, self.v_head_dim, str(dtype))
+
+    def add_sequence(self):
+        """A new, empty sequence: its id."""
+        return self._c.add_sequence()
+
+    def fork(self, id):
+        """A new sequence holding sequence id's tokens (no block copied)."""
+        return self._c.fork(int(id))
+
+    def free(self, id):
+        """Frees sequence id (its blocks no one else holds return to the pool)."""
+        self._c.free(int(id))
+
+    def truncate(self, id, length):
+        """Rolls sequence id back to length tokens."""
+        self._c.truncate(int(id), int(length))
+
+    def length(self, id):
+        """Sequence id's tokens (KeyError: no such sequence)."""
+        return self._c.length(int(id))
+
+    def blocks_in_use(self):
+        return self._c.blocks_in_use()
+
+    def blocks_free(self):
+        return self._c.blocks_free()
+
+    @property
+    def block_bytes(self):
+        return self._c.block_bytes
 
 
 # ---------------------------------------------------------------------------

@@ -1308,6 +1308,149 @@ fail:
 }
 
 // ---------------------------------------------------------------------------
+// PagedKVCache: an mha_paged_cache (the library refuses concurrent changes
+// itself: no busy flag)
+
+typedef struct PagedObject {
+    PyObject_HEAD mha_paged_cache *c;
+} PagedObject;
+
+static PyTypeObject PagedType;
+
+static PyObject *Paged_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kws[] = {"num_blocks", "block_size", "num_kv_heads", "head_dim",
+                          "v_head_dim", "dtype",      NULL};
+    long long nb, bs, Hkv, D, Dv = 0;
+    const char *dtype = "f32";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|Ls", kws, &nb, &bs, &Hkv, &D, &Dv, &dtype))
+        return NULL;
+    mha_kv_dtype dt;
+    if (mha_kv_dtype_from_name(&dt, dtype)) {
+        PyErr_Format(PyExc_TypeError,
+                     "PagedKVCache dtype '%s': expected f32, bf16, f16 or int8", dtype);
+        return NULL;
+    }
+    PagedObject *o = PyObject_New(PagedObject, type);
+    if (!o) return NULL;
+    mha_status st = mha_paged_cache_create(&o->c, nb, bs, Hkv, D, Dv ? Dv : D, dt);
+    if (st) {
+        o->c = NULL;
+        Py_DECREF(o);
+        return raise_status(st);
+    }
+    return (PyObject *)o;
+}
+
+static void Paged_dealloc(PagedObject *o) {
+    mha_paged_cache_destroy(o->c);
+    PyObject_Free(o);
+}
+
+static PyObject *Paged_add(PagedObject *o, PyObject *unused) {
+    int64_t id;
+    mha_status st = mha_paged_cache_add(o->c, &id);
+    if (st) return raise_status(st);
+    return PyLong_FromLongLong(id);
+}
+
+static PyObject *Paged_fork(PagedObject *o, PyObject *args) {
+    long long src;
+    if (!PyArg_ParseTuple(args, "L", &src)) return NULL;
+    int64_t id;
+    mha_status st = mha_paged_cache_fork(o->c, src, &id);
+    if (st) return raise_status(st);
+    return PyLong_FromLongLong(id);
+}
+
+static PyObject *Paged_free(PagedObject *o, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    mha_status st = mha_paged_cache_free(o->c, id);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Paged_truncate(PagedObject *o, PyObject *args) {
+    long long id, len;
+    if (!PyArg_ParseTuple(args, "LL", &id, &len)) return NULL;
+    mha_status st = mha_paged_cache_truncate(o->c, id, len);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Paged_length(PagedObject *o, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    const int64_t n = mha_paged_cache_length(o->c, id);
+    if (n < 0) {
+        PyErr_Format(PyExc_KeyError, "PagedKVCache: no sequence %lld (never added, or freed)",
+                     id);
+        return NULL;
+    }
+    return PyLong_FromLongLong(n);
+}
+
+static PyObject *Paged_blocks_in_use(PagedObject *o, PyObject *unused) {
+    return PyLong_FromLongLong(mha_paged_cache_blocks_in_use(o->c));
+}
+
+static PyObject *Paged_blocks_free(PagedObject *o, PyObject *unused) {
+    return PyLong_FromLongLong(mha_paged_cache_blocks_free(o->c));
+}
+
+static PyObject *Paged_block_bytes(PagedObject *o, void *unused) {
+    return PyLong_FromSize_t(mha_paged_cache_block_bytes(o->c));
+}
+
+static PyMethodDef Paged_methods[] = {
+    {"add_sequence", (PyCFunction)Paged_add, METH_NOARGS, "add_sequence() -> id"},
+    {"fork", (PyCFunction)Paged_fork, METH_VARARGS, "fork(id) -> id"},
+    {"free", (PyCFunction)Paged_free, METH_VARARGS, "free(id)"},
+    {"truncate", (PyCFunction)Paged_truncate, METH_VARARGS, "truncate(id, length)"},
+    {"length", (PyCFunction)Paged_length, METH_VARARGS, "length(id)"},
+    {"blocks_in_use", (PyCFunction)Paged_blocks_in_use, METH_NOARGS, "blocks_in_use()"},
+    {"blocks_free", (PyCFunction)Paged_blocks_free, METH_NOARGS, "blocks_free()"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Paged_getset[] = {
+    {"block_bytes", (getter)Paged_block_bytes, NULL, "bytes of one block", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+// forward_paged(module, query, cache, ids, counts, alloc, **options) -> out
+static PyObject *py_forward_paged(PyObject *self, PyObject *args, PyObject *kw) {
+    ModuleObject *mod;
+    PagedObject *cache;
+    PyObject *q, *ids, *counts, *alloc;
+    if (!PyArg_ParseTuple(args, "O!OO!OOO", &ModuleType, &mod, &q, &PagedType, &cache, &ids,
+                          &counts, &alloc))
+        return NULL;
+    fwd_call c;
+    fwd_call_init(&c);
+    const kwopt opts[] = {FWD_OPTS(&c)};
+    if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "forward_paged") < 0)
+        return NULL;
+    held h = {.n = 0};
+    PyObject *out = NULL;
+    mha_tensor to;
+    const void *iv, *cv;
+    if (fwd_views(&h, &c, mod, q, NULL, NULL, Py_None, Py_None) < 0) goto fail;
+    const int64_t N = c.q.ndim == 3 ? c.q.shape[mha_module_config(mod->m)->batch_first ? 0 : 1] : 1;
+    if (get_vector(&h, ids, "ids", MHA_I64, N, &iv) < 0 ||
+        get_vector(&h, counts, "counts", MHA_I64, N, &cv) < 0)
+        goto fail;
+    mha_shape os = shape_of(&c.q);
+    if (!(out = alloc_view(&h, alloc, &os, MHA_F32, "out", &to))) goto fail;
+    mha_status st;
+    module_sync(mod);
+    mod->readers++;
+    Py_BEGIN_ALLOW_THREADS st = mha_forward_paged(&to, mod->m, &c.a, cache->c, iv, cv);
+    Py_END_ALLOW_THREADS mod->readers--;
+    return finish(&h, true, st, &out, 1);
+fail:
+    return finish(&h, false, MHA_OK, &out, 1);
+}
+
+// ---------------------------------------------------------------------------
 // Diagnostics as a dict
 
 static PyObject *spectrum_list(const mha_diagnostics *d, int64_t h, char which) {
@@ -1525,6 +1668,8 @@ static PyMethodDef functions[] = {
      "sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc, **options)"},
     {"forward_cached", (PyCFunction)(void (*)(void))py_forward_cached,
      METH_VARARGS | METH_KEYWORDS, "forward_cached(module, q, cache, alloc, **options)"},
+    {"forward_paged", (PyCFunction)(void (*)(void))py_forward_paged, METH_VARARGS | METH_KEYWORDS,
+     "forward_paged(module, q, cache, ids, counts, alloc, **options)"},
     {"diagnose", (PyCFunction)(void (*)(void))py_diagnose, METH_VARARGS | METH_KEYWORDS,
      "diagnose(module, q, k, v, kpm, am, **options) -> dict"},
     {"save_tensors", (PyCFunction)py_save_tensors, METH_VARARGS,
@@ -1569,6 +1714,14 @@ PyMODINIT_FUNC PyInit__mha(void) {
                                .tp_methods = Cache_methods,
                                .tp_getset = Cache_getset,
                                .tp_new = Cache_new};
+    PagedType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mha._mha.PagedKVCache",
+                               .tp_basicsize = sizeof(PagedObject),
+                               .tp_dealloc = (destructor)Paged_dealloc,
+                               .tp_flags = Py_TPFLAGS_DEFAULT,
+                               .tp_doc = "an mha_paged_cache",
+                               .tp_methods = Paged_methods,
+                               .tp_getset = Paged_getset,
+                               .tp_new = Paged_new};
     CheckpointLayerType = (PyTypeObject){
         PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mha._mha.CheckpointLayer",
         .tp_basicsize = sizeof(CheckpointLayerObject),
@@ -1578,14 +1731,15 @@ PyMODINIT_FUNC PyInit__mha(void) {
         .tp_methods = CheckpointLayer_methods};
     if (PyType_Ready(&ModuleType) < 0 || PyType_Ready(&ParamType) < 0 ||
         PyType_Ready(&SavedType) < 0 || PyType_Ready(&CacheType) < 0 ||
-        PyType_Ready(&CheckpointLayerType) < 0)
+        PyType_Ready(&CheckpointLayerType) < 0 || PyType_Ready(&PagedType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     PyTypeObject *types[] = {&ModuleType, &ParamType, &SavedType, &CacheType,
-                             &CheckpointLayerType};
-    const char *names[] = {"Module", "Param", "Saved", "KVCache", "CheckpointLayer"};
-    for (int i = 0; i < 5; i++) {
+                             &CheckpointLayerType, &PagedType};
+    const char *names[] = {"Module", "Param", "Saved", "KVCache", "CheckpointLayer",
+                           "PagedKVCache"};
+    for (int i = 0; i < 6; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -173,6 +173,50 @@ def test_kv_cache_decode_matches_full_forward():
     assert c.length(0) == 3
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_paged_cache_continuous_batching(batch_first):
+    # three sequences of their own lengths, fed in mixed calls (a prefill
+    # chunk next to decode steps), equal their full causal forwards; a fork
+    # shares its blocks; freed ids and an exhausted pool raise and change
+    # nothing
+    n, _ = pair(batch_first=batch_first, num_kv_heads=2)
+    g = np.random.default_rng(7)
+    lens = [23, 9, 15]
+    xs = [g.normal(size=(L, 16)).astype(np.float32) for L in lens]
+    full = []
+    for x in xs:
+        xb = x[None] if batch_first else x[:, None]
+        y = n(xb, is_causal=True, need_weights=False)[0]
+        full.append(y[0] if batch_first else y[:, 0])
+    cache = n.make_paged_cache(num_blocks=16, block_size=4)
+    ids = [cache.add_sequence() for _ in xs]
+    done, outs = [0, 0, 0], [[], [], []]
+    schedule = [[(0, 17), (1, 1), (2, 5)], [(0, 1), (1, 8), (2, 1)], [(0, 5), (2, 9)]]
+    for call in schedule:
+        res = n.forward_paged(cache, [ids[i] for i, _ in call],
+                              [xs[i][done[i]:done[i] + k] for i, k in call])
+        for (i, k), y in zip(call, res):
+            assert y.shape == (k, 16)
+            outs[i].append(y)
+            done[i] += k
+    for i in range(3):
+        assert cache.length(ids[i]) == lens[i]
+        assert np.abs(np.concatenate(outs[i]) - full[i]).max() < 1e-5
+    used = cache.blocks_in_use()
+    f = cache.fork(ids[0])
+    assert cache.blocks_in_use() == used and cache.length(f) == lens[0]
+    cache.free(f)
+    with pytest.raises(KeyError):
+        cache.length(f)
+    with pytest.raises(ValueError, match="no sequence"):
+        n.forward_paged(cache, [f], [xs[0][:1]])
+    with pytest.raises(MemoryError, match="needs .* blocks"):
+        n.forward_paged(cache, [ids[1]], [g.normal(size=(80, 16)).astype(np.float32)])
+    assert [cache.length(i) for i in ids] == lens and cache.blocks_in_use() == used
+    with pytest.raises(ValueError, match="chunks"):
+        n.forward_paged(cache, [ids[0]], [xs[0][:, :3]])
+
+
 def test_diagnose_and_report(tmp_path):
     n, t = pair()
     x = np.random.default_rng(6).normal(size=(8, 1, 16)).astype(np.float32)
