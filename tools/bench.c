@@ -61,6 +61,18 @@ static const char *bench_help =
     "                     K and V bytes read per second against this machine's\n"
     "                     read bandwidth measured in the same process;\n"
     "                     --kv-dtype f32|bf16|f16|int8 the cache's storage\n"
+    "  --serve            a serving workload instead: --sequences N (default\n"
+    "                     32) sequences sharing a prompt of --seq P tokens\n"
+    "                     (default 2048), prefilled once and forked, then\n"
+    "                     decoding together through a paged KV cache\n"
+    "                     (mha_forward_paged, one call per step for every\n"
+    "                     running sequence), each up to --gen G new tokens\n"
+    "                     (default 256; stops uniform in [G/4, G]), blocks of\n"
+    "                     --block-size tokens (default 16), --kv-dtype,\n"
+    "                     --num-kv-heads; prints tokens/s, the step time\n"
+    "                     against the bytes it reads over the read bandwidth,\n"
+    "                     and the cache's memory against one contiguous cache\n"
+    "                     per sequence\n"
     "  --module           with --decode: the module's decode step instead\n"
     "                     (mha_forward_cached: the q, k, v projections, the\n"
     "                     append, attention over the cache, W_O), --seq new\n"
@@ -111,6 +123,8 @@ typedef struct bench_opts {
     int64_t B, L, S, E, H;
     bool causal, backward, core, json, workspace, no_save, decode;
     bool module;               // --decode --module: mha_forward_cached
+    bool serve;                // --serve
+    int64_t sequences, gen, block;  // --serve
     int64_t kv_len, kv_heads;  // --decode
     mha_kv_dtype kv_dtype;     // --kv-dtype
     mha_dtype wdtype, dtype;   // --weight-dtype, --dtype (module forward)
@@ -450,7 +464,9 @@ static const struct option bench_long_opts[] = {
     {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
     {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
     {"warmup", required_argument, 0, 'u'},    {"help", no_argument, 0, 'h'},
-    {"module", no_argument, 0, 'M'},          {0, 0, 0, 0}};
+    {"module", no_argument, 0, 'M'},          {"serve", no_argument, 0, 'V'},
+    {"sequences", required_argument, 0, 'q'}, {"gen", required_argument, 0, 'Q'},
+    {"block-size", required_argument, 0, 'k'}, {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
 // optarg) and returns -1 when it took it, the exit status when its value
@@ -471,6 +487,9 @@ static int bench_opt_problem(bench_opts *o, int c) {
     case 'w': if (cli_parse_int(&o->window, optarg, 1, big)) return bench_usage("--window needs a positive integer"); break;
     case 'K': if (cli_parse_int(&o->kv_len, optarg, 1, big)) return bench_usage("--kv-len needs a positive integer"); break;
     case 'G': if (cli_parse_int(&o->kv_heads, optarg, 1, big)) return bench_usage("--num-kv-heads needs a positive integer"); break;
+    case 'q': if (cli_parse_int(&o->sequences, optarg, 1, 1 << 20)) return bench_usage("--sequences needs a positive integer"); break;
+    case 'Q': if (cli_parse_int(&o->gen, optarg, 1, big)) return bench_usage("--gen needs a positive integer"); break;
+    case 'k': if (cli_parse_int(&o->block, optarg, 1, 1 << 20)) return bench_usage("--block-size needs a positive integer"); break;
     default: return BENCH_NOT_MINE;
     }
     return -1;
@@ -487,6 +506,7 @@ static int bench_opt_what(bench_opts *o, int c) {
     case 'N': o->no_save = true; break;
     case 'D': o->decode = true; break;
     case 'M': o->module = true; break;
+    case 'V': o->serve = true; break;
     case 'T':
         if (mha_kv_dtype_from_name(&o->kv_dtype, optarg))
             return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
@@ -558,6 +578,24 @@ static int bench_opt_how(bench_opts *o, int c) {
 // follow from others). Returns -1 to go on, else the exit status.
 static int bench_check(bench_opts *o) {
     if (o->module && !o->decode) return bench_usage("--module goes with --decode");
+    if (!o->serve && (o->sequences || o->gen || o->block))
+        return bench_usage("--sequences, --gen and --block-size go with --serve");
+    if (o->serve) {
+        if (o->decode || o->core || o->backward || o->parallel || o->prune || o->gate)
+            return bench_usage("--serve times its own workload (no --decode, --core, "
+                               "--backward, --parallel, --prune-heads, --head-gate)");
+        if (!o->E || !o->H) return bench_usage("--serve needs --embed-dim and --num-heads");
+        if (!o->kv_heads) o->kv_heads = o->H;
+        if (o->E % o->H || o->H % o->kv_heads)
+            return bench_usage("--serve: --num-heads must divide --embed-dim and "
+                               "--num-kv-heads must divide --num-heads");
+        if (!o->L) o->L = 2048;
+        if (!o->sequences) o->sequences = 32;
+        if (!o->gen) o->gen = 256;
+        if (!o->block) o->block = 16;
+        if (o->gen < 2) return bench_usage("--serve: --gen must be at least 2");
+        return -1;
+    }
     if ((o->core || (o->decode && !o->module)) && (o->prune || o->gate))
         return bench_usage("--prune-heads and --head-gate are for the module, not --core or --decode");
     if (o->decode) {
@@ -994,6 +1032,12 @@ int cmd_bench(int argc, char **argv) {
                 o.threads);
 #endif
     r.isa = mha_isa();
+    if (o.serve) {
+        const bench_serve_opts so = {o.sequences, o.L,        o.gen,  o.E,       o.H,
+                                     o.kv_heads,  o.block,    o.kv_dtype, o.seed, o.json,
+                                     r.threads};
+        return bench_serve(&so);
+    }
     if (o.decode)
         return o.module ? bench_decode_module(&o, r.threads) : bench_decode(&o, r.threads);
 

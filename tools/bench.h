@@ -6,11 +6,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mha.h"
+
 // bench_peak.c: this machine's fp32 FMA peak in GFLOP/s on nt threads
 // (*isa: the kernel's ISA, "avx512", "avx2" or "scalar"), and its read
 // bandwidth in GB/s on nt threads over a buffer of `bytes`.
 double peak_gflops(int nt, const char **isa);
 double read_bandwidth(int nt, size_t bytes);
+
+// mha bench --serve (bench_serve.c): nseq sequences sharing a prompt of
+// `prompt` tokens, each decoding up to gen tokens, through a paged cache of
+// `block`-token blocks.
+typedef struct bench_serve_opts {
+    int64_t nseq, prompt, gen, E, H, Hkv, block;
+    mha_kv_dtype kv_dtype;
+    uint64_t seed;
+    bool json;
+    int threads;
+} bench_serve_opts;
+int bench_serve(const bench_serve_opts *o);
 
 // mha bench --parallel (bench_mpi.c).
 // kv_len > 0 (--parallel kv --decode): a decode step over a sharded KV cache.
