@@ -55,7 +55,8 @@ int bench_serve(const bench_serve_opts *o) {
         return cli_fail("bench --serve", st);
     }
     const int64_t chunk = P < 512 ? P : 512;
-    int64_t *ids = malloc(sizeof(int64_t) * (size_t)N), *stop = malloc(sizeof(int64_t) * (size_t)N),
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)N),
+            *stop = malloc(sizeof(int64_t) * (size_t)N),
             *live = malloc(sizeof(int64_t) * (size_t)N);
     float *x = malloc(sizeof(float) * (size_t)((chunk > N ? chunk : N) * E)),
           *y = malloc(sizeof(float) * (size_t)((chunk > N ? chunk : N) * E));
@@ -84,7 +85,8 @@ int bench_serve(const bench_serve_opts *o) {
     for (int64_t i = 1; i < N; i++)
         if ((st = mha_paged_cache_fork(c, ids[0], &ids[i]))) goto fail;
     const int64_t after_fork = mha_paged_cache_blocks_in_use(c);
-    for (int64_t i = 0; i < N; i++) stop[i] = G / 4 + (int64_t)(serve_next(&rng) % (uint64_t)(G - G / 4 + 1));
+    for (int64_t i = 0; i < N; i++)
+        stop[i] = G / 4 + (int64_t)(serve_next(&rng) % (uint64_t)(G - G / 4 + 1));
     // decode together, each to its stop
     int64_t nlive = N, tokens = 0, peak = after_fork, step = 0;
     for (int64_t i = 0; i < N; i++) live[i] = ids[i];
@@ -98,7 +100,9 @@ int bench_serve(const bench_serve_opts *o) {
         if (step == 0)  // the bytes of the first full step: weights + every history
             first_bytes = (double)sizeof(float) * (double)(2 * E * E + 2 * E * Hkv * d) +
                           (double)N * (double)(P + 1) * (double)(Hkv * 2 * d) *
-                              (o->kv_dtype == MHA_KV_F32 ? 4.0 : o->kv_dtype == MHA_KV_INT8 ? 1.0 : 2.0);
+                              (o->kv_dtype == MHA_KV_F32    ? 4.0
+                               : o->kv_dtype == MHA_KV_INT8 ? 1.0
+                                                            : 2.0);
         const double s0 = cli_now();
         if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL))) goto fail;
         steps[step++] = (cli_now() - s0) * 1e3;
@@ -135,9 +139,9 @@ int bench_serve(const bench_serve_opts *o) {
                "\"peak_cache_mib\": %.2f, \"contiguous_mib\": %.2f}\n",
                (long long)N, (long long)P, (long long)G, (long long)E, (long long)H,
                (long long)Hkv, (long long)bs, mha_kv_dtype_name(o->kv_dtype), o->threads,
-               prefill_ms, (long long)tokens, decode_s, (double)tokens / decode_s, (long long)step,
-               steps[step / 2], full_ms, first_bytes, bw, (double)peak * blockb / 1048576.0,
-               contiguous / 1048576.0);
+               prefill_ms, (long long)tokens, decode_s, (double)tokens / decode_s,
+               (long long)step, steps[step / 2], full_ms, first_bytes, bw,
+               (double)peak * blockb / 1048576.0, contiguous / 1048576.0);
     } else {
         printf("mha bench --serve: %lld sequences sharing a %lld-token prompt, up to %lld new "
                "tokens each (stops uniform in [%lld, %lld]); E %lld, %lld heads, %lld KV heads, "
