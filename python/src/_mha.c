@@ -1318,8 +1318,8 @@ typedef struct PagedObject {
 static PyTypeObject PagedType;
 
 static PyObject *Paged_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kws[] = {"num_blocks", "block_size", "num_kv_heads", "head_dim",
-                          "v_head_dim", "dtype",      NULL};
+    static char *kws[] = {"num_blocks", "block_size", "num_kv_heads", "head_dim", "v_head_dim",
+                          "dtype",      NULL};
     long long nb, bs, Hkv, D, Dv = 0;
     const char *dtype = "f32";
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|Ls", kws, &nb, &bs, &Hkv, &D, &Dv, &dtype))
@@ -1434,7 +1434,8 @@ static PyObject *py_forward_paged(PyObject *self, PyObject *args, PyObject *kw) 
     mha_tensor to;
     const void *iv, *cv;
     if (fwd_views(&h, &c, mod, q, NULL, NULL, Py_None, Py_None) < 0) goto fail;
-    const int64_t N = c.q.ndim == 3 ? c.q.shape[mha_module_config(mod->m)->batch_first ? 0 : 1] : 1;
+    const int64_t N = c.q.ndim == 3 ? c.q.shape[mha_module_config(mod->m)->batch_first ? 0 : 1]
+                                    : 1;
     if (get_vector(&h, ids, "ids", MHA_I64, N, &iv) < 0 ||
         get_vector(&h, counts, "counts", MHA_I64, N, &cv) < 0)
         goto fail;
@@ -1668,7 +1669,8 @@ static PyMethodDef functions[] = {
      "sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc, **options)"},
     {"forward_cached", (PyCFunction)(void (*)(void))py_forward_cached,
      METH_VARARGS | METH_KEYWORDS, "forward_cached(module, q, cache, alloc, **options)"},
-    {"forward_paged", (PyCFunction)(void (*)(void))py_forward_paged, METH_VARARGS | METH_KEYWORDS,
+    {"forward_paged", (PyCFunction)(void (*)(void))py_forward_paged,
+     METH_VARARGS | METH_KEYWORDS,
      "forward_paged(module, q, cache, ids, counts, alloc, **options)"},
     {"diagnose", (PyCFunction)(void (*)(void))py_diagnose, METH_VARARGS | METH_KEYWORDS,
      "diagnose(module, q, k, v, kpm, am, **options) -> dict"},
@@ -1735,10 +1737,10 @@ PyMODINIT_FUNC PyInit__mha(void) {
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    PyTypeObject *types[] = {&ModuleType, &ParamType, &SavedType, &CacheType,
-                             &CheckpointLayerType, &PagedType};
-    const char *names[] = {"Module", "Param", "Saved", "KVCache", "CheckpointLayer",
-                           "PagedKVCache"};
+    PyTypeObject *types[] = {&ModuleType, &ParamType,           &SavedType,
+                             &CacheType,  &CheckpointLayerType, &PagedType};
+    const char *names[] = {"Module",  "Param",           "Saved",
+                           "KVCache", "CheckpointLayer", "PagedKVCache"};
     for (int i = 0; i < 6; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
