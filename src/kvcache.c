@@ -56,6 +56,20 @@ static size_t kv_esz(mha_kv_dtype dt) {
     return dt == MHA_KV_F32 ? 4 : dt == MHA_KV_INT8 ? 1 : 2;
 }
 
+mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2, int64_t D,
+                           int64_t Dv, mha_kv_dtype dt, size_t *bk, size_t *bv, size_t *bs) {
+    if (dt != MHA_KV_F32 && dt != MHA_KV_BF16 && dt != MHA_KV_F16 && dt != MHA_KV_INT8)
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: unknown storage type %d", what, (int)dt);
+    int64_t rows, nk, nv;
+    if (mha__mul_overflow_i64(n0, n1, &rows) || mha__mul_overflow_i64(rows, n2, &rows) ||
+        mha__mul_overflow_i64(rows, Dv, &nv) || mha__mul_overflow_i64(rows, D, &nk) ||
+        mha__mul_overflow_size((size_t)nk, kv_esz(dt), bk) ||
+        mha__mul_overflow_size((size_t)nv, kv_esz(dt), bv) ||
+        mha__mul_overflow_size((size_t)rows, sizeof(float), bs))
+        return mha__fail(MHA_ERR_OVERFLOW, "%s: size overflows", what);
+    return MHA_OK;
+}
+
 mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch, int64_t num_kv_heads,
                                int64_t head_dim, int64_t v_head_dim, int64_t capacity) {
     return mha_kv_cache_create_ex(out, batch, num_kv_heads, head_dim, v_head_dim, capacity,
@@ -73,19 +87,10 @@ mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num
                          "v_head_dim %lld, capacity %lld must all be >= 1",
                          (long long)batch, (long long)num_kv_heads, (long long)head_dim,
                          (long long)v_head_dim, (long long)capacity);
-    if (dtype != MHA_KV_F32 && dtype != MHA_KV_BF16 && dtype != MHA_KV_F16 &&
-        dtype != MHA_KV_INT8)
-        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache: unknown storage type %d", (int)dtype);
-    int64_t rows, nk, nv;
     size_t bk, bv, bs;
-    if (mha__mul_overflow_i64(batch, num_kv_heads, &rows) ||
-        mha__mul_overflow_i64(rows, capacity, &rows) ||
-        mha__mul_overflow_i64(rows, v_head_dim, &nv) ||
-        mha__mul_overflow_i64(rows, head_dim, &nk) ||
-        mha__mul_overflow_size((size_t)nk, kv_esz(dtype), &bk) ||
-        mha__mul_overflow_size((size_t)nv, kv_esz(dtype), &bv) ||
-        mha__mul_overflow_size((size_t)rows, sizeof(float), &bs))
-        return mha__fail(MHA_ERR_OVERFLOW, "kv cache: size overflows");
+    mha_status st = mha__kv_storage("kv cache", batch, num_kv_heads, capacity, head_dim,
+                                    v_head_dim, dtype, &bk, &bv, &bs);
+    if (st) return st;
     mha_kv_cache *c = mha__calloc(1, sizeof *c);
     if (!c) return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory (%zu bytes)", sizeof *c);
     c->B = batch, c->Hkv = num_kv_heads, c->D = head_dim, c->Dv = v_head_dim, c->cap = capacity;

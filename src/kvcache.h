@@ -39,6 +39,11 @@ mha_status mha__kv_attend_rows(mha_tensor *out, const mha_tensor *q, const mha__
 // floats of scratch.
 void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, mha_dtype xdt,
                        int64_t xs, int64_t n, float *row);
+// Checks storage type dt and sizes n0 n1 n2 rows of K (D elements) and V
+// (Dv) in it: bytes of K, V and of the rows' int8 scales (MHA_ERR_INVALID_ARG
+// / MHA_ERR_OVERFLOW naming `what`).
+mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2, int64_t D,
+                           int64_t Dv, mha_kv_dtype dt, size_t *bk, size_t *bv, size_t *bs);
 // Bytes per stored element of dt.
 size_t mha__kv_esz(mha_kv_dtype dt);
 // A paged cache's KV heads and head dims (paged.c).

@@ -95,21 +95,11 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
                          "num_kv_heads %lld, head_dim %lld, v_head_dim %lld must all be >= 1",
                          (long long)num_blocks, (long)INT32_MAX, (long long)block_size,
                          (long long)num_kv_heads, (long long)head_dim, (long long)v_head_dim);
-    if (dtype != MHA_KV_F32 && dtype != MHA_KV_BF16 && dtype != MHA_KV_F16 &&
-        dtype != MHA_KV_INT8)
-        return mha__fail(MHA_ERR_INVALID_ARG, "paged cache: unknown storage type %d",
-                         (int)dtype);
-    const size_t esz = mha__kv_esz(dtype);
-    int64_t rows, nk, nv;
     size_t bk, bv, bs;
-    if (mha__mul_overflow_i64(num_blocks, num_kv_heads, &rows) ||
-        mha__mul_overflow_i64(rows, block_size, &rows) ||
-        mha__mul_overflow_i64(rows, head_dim, &nk) ||
-        mha__mul_overflow_i64(rows, v_head_dim, &nv) ||
-        mha__mul_overflow_size((size_t)nk, esz, &bk) ||
-        mha__mul_overflow_size((size_t)nv, esz, &bv) ||
-        mha__mul_overflow_size((size_t)rows, sizeof(float), &bs))
-        return mha__fail(MHA_ERR_OVERFLOW, "paged cache: size overflows");
+    mha_status st = mha__kv_storage("paged cache", num_blocks, num_kv_heads, block_size,
+                                    head_dim, v_head_dim, dtype, &bk, &bv, &bs);
+    if (st) return st;
+    const size_t esz = mha__kv_esz(dtype);
     mha_paged_cache *c = mha__calloc(1, sizeof *c);
     if (!c) return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory");
     c->nblocks = num_blocks, c->bs = block_size, c->Hkv = num_kv_heads;
