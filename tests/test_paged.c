@@ -536,6 +536,18 @@ static void test_threads(void) {
 #endif
 }
 
+// The forward arguments of test_forward_paged: self-attention of x, left
+// window win (-1: none), RoPE (neox); causal for the full forward.
+static mha_forward_args rope_args(const mha_tensor *x, int64_t win, bool causal) {
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = x;
+    a.is_causal = causal;
+    a.window_left = win;
+    mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+    return a;
+}
+
 // mha_forward_paged: continuous batching. NS sequences of their own lengths
 // (a module with GQA and RoPE; a window in one round) get their tokens in
 // chunks, each call a mix of sequences and chunk sizes (prefill chunks of
@@ -564,12 +576,7 @@ static void test_forward_paged(void) {
             for (int64_t j = 0; j < len[i] * E; j++) x[i][j] = frand();
             mha_tensor xt = mha_tensor_contiguous(x[i], MHA_F32, 3, (int64_t[]){1, len[i], E}),
                        yt = mha_tensor_contiguous(yf[i], MHA_F32, 3, (int64_t[]){1, len[i], E});
-            mha_forward_args a;
-            mha_forward_args_init(&a);
-            a.query = a.key = a.value = &xt;
-            a.is_causal = true;
-            a.window_left = win;
-            mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+            const mha_forward_args a = rope_args(&xt, win, true);
             CHECK_OK(mha_forward(&yt, NULL, m, &a));
         }
         mha_paged_cache *pc = NULL;
@@ -602,11 +609,7 @@ static void test_forward_paged(void) {
                        sizeof(float) * (size_t)(cnt[j] * E));
             mha_tensor xt = mha_tensor_contiguous(xb, MHA_F32, 3, (int64_t[]){n, T, E}),
                        yt = mha_tensor_contiguous(yb, MHA_F32, 3, (int64_t[]){n, T, E});
-            mha_forward_args a;
-            mha_forward_args_init(&a);
-            a.query = a.key = a.value = &xt;
-            a.window_left = win;
-            mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+            const mha_forward_args a = rope_args(&xt, win, false);
             CHECK_OK(mha_forward_paged(&yt, m, &a, pc, cid, cnt));
             bool pad_zero = true, mix = false;
             for (int j = 0; j < n; j++) {
@@ -667,11 +670,7 @@ static void test_forward_paged(void) {
                 float o1[2 * 17 * E], o2[2 * 17 * E];
                 mha_tensor t1 = mha_tensor_contiguous(o1, MHA_F32, 3, (int64_t[]){2, k, E}),
                            t2 = mha_tensor_contiguous(o2, MHA_F32, 3, (int64_t[]){2, k, E});
-                mha_forward_args a;
-                mha_forward_args_init(&a);
-                a.query = a.key = a.value = &xt;
-                a.window_left = win;
-                mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+                const mha_forward_args a = rope_args(&xt, win, false);
                 CHECK_OK(mha_forward_cached(&t1, m, &a, kc));
                 CHECK_OK(mha_forward_paged(&t2, m, &a, p2, id2, NULL));
                 CHECKF(memcmp(o1, o2, sizeof(float) * (size_t)(2 * k * E)) == 0,
