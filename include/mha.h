@@ -1090,6 +1090,13 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_free(mha_paged_cache *c, int64_
 // Cuts sequence id back to length tokens (<= its length; rollback).
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id,
                                                           int64_t length);
+// Bounded memory for a sliding window: frees sequence id's blocks that lie
+// wholly before token pos (the tokens its window can no longer reach); its
+// length and positions stay. An attend whose window would reach a released
+// token fails (MHA_ERR_INVALID_ARG, naming the first kept token), and so
+// does a truncation into the released tokens (other than to 0).
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id,
+                                                                int64_t pos);
 // Tokens of sequence id (-1: no such sequence).
 MHA_API int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id);
 // Blocks held by some sequence / free; bytes of one block.

@@ -440,6 +440,11 @@ static mha_status attend_prefill(const attend_call *ac) {
                 const float *ks, *vs;
                 c->at(c->ctx, bh / c->Hkv, bh % c->Hkv, j / c->seg, &k, &v, &ks, &vs);
                 const int64_t w = n - j < c->seg ? n - j : c->seg;
+                if (!k) {  // a released segment (no query sees it): zeros
+                    memset(kd + j * D, 0, sizeof(float) * (size_t)(w * D));
+                    memset(vd + j * Dv, 0, sizeof(float) * (size_t)(w * Dv));
+                    continue;
+                }
                 rows_to_f32(kt, c->dt, k, ks, w, D, kd + j * D);
                 rows_to_f32(kt, c->dt, v, vs, w, Dv, vd + j * Dv);
             }

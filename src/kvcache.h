@@ -16,7 +16,8 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
 // Where a cache's rows lie (the contiguous cache, kvcache.c; the paged one,
 // paged.c): sequence b's rows of KV head hk in segments of seg tokens, at()
 // giving segment s's first K and V rows (and, int8, their scales; else
-// NULL); len[b] rows in use.
+// NULL; all NULL: a released segment, which no query may see); len[b] rows
+// in use.
 typedef struct mha__kv_rows {
     int64_t B, Hkv, D, Dv, seg;
     mha_kv_dtype dt;

@@ -32,6 +32,7 @@ typedef struct pseq {
     int32_t *blocks;
     int64_t known, tcap;  // the first `known` tokens' ids are in tok (room tcap)
     int32_t *tok;
+    int64_t kept;  // the first token still held (blocks before it released: -1)
 } pseq;
 
 struct mha_paged_cache {
@@ -221,7 +222,9 @@ static void index_remove(mha_paged_cache *c, int32_t b) {
 // the index (each after the block before it, which must be keyed itself).
 static void index_seq(mha_paged_cache *c, const pseq *s, int64_t from) {
     for (int64_t i = from; i < s->nb && (i + 1) * c->bs <= s->known; i++) {
-        if (i > 0 && !c->indexed[s->blocks[i - 1]]) return;  // (its prefix is not keyed)
+        if (s->blocks[i] < 0 ||
+            (i > 0 && (s->blocks[i - 1] < 0 || !c->indexed[s->blocks[i - 1]])))
+            return;  // (released, or its prefix is not keyed)
         index_add(c, s->blocks[i], i > 0 ? s->blocks[i - 1] : -1, s->tok + i * c->bs);
     }
 }
@@ -278,8 +281,10 @@ mha_status mha_paged_cache_fork(mha_paged_cache *c, int64_t src, int64_t *id) {
         } else {
             if (s->nb) memcpy(t, s->blocks, sizeof *t * (size_t)s->nb);
             if (s->known) memcpy(tk, s->tok, sizeof *tk * (size_t)s->known);
-            for (int64_t i = 0; i < s->nb; i++) c->ref[t[i]]++;
-            *d = (pseq){true, d->gen, s->len, s->nb, s->nb, t, s->known, s->known, tk};
+            for (int64_t i = 0; i < s->nb; i++)
+                if (t[i] >= 0) c->ref[t[i]]++;
+            *d = (pseq){true, d->gen,   s->len,   s->nb, s->nb,
+                        t,    s->known, s->known, tk,    s->kept};
             *id = seq_id(c, slot);
         }
     }
@@ -316,7 +321,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
         }
         if (nb) memcpy(tk, tokens, sizeof *tk * (size_t)(nb * c->bs));
         pseq *d = &c->seq[slot];
-        *d = (pseq){true, d->gen, nb * c->bs, nb, nb, t, nb * c->bs, nb * c->bs, tk};
+        *d = (pseq){true, d->gen, nb * c->bs, nb, nb, t, nb * c->bs, nb * c->bs, tk, 0};
         *id = seq_id(c, slot);
         *cached = nb * c->bs;
         t = tk = NULL;
@@ -330,7 +335,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
 // more goes back to the pool).
 static void release_from(mha_paged_cache *c, pseq *s, int64_t b) {
     for (int64_t i = s->nb - 1; i >= b; i--)
-        if (--c->ref[s->blocks[i]] == 0) {
+        if (s->blocks[i] >= 0 && --c->ref[s->blocks[i]] == 0) {
             index_remove(c, s->blocks[i]);
             c->freel[c->nfree++] = s->blocks[i];
         }
@@ -365,13 +370,47 @@ mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t leng
         st = mha__fail(MHA_ERR_INVALID_ARG,
                        "mha_paged_cache_truncate: length %lld, sequence %lld holds %lld",
                        (long long)length, (long long)id, (long long)s->len);
+    } else if (length > 0 && length < s->kept) {
+        st = mha__fail(MHA_ERR_INVALID_ARG,
+                       "mha_paged_cache_truncate: sequence %lld released its tokens before %lld: "
+                       "truncate it to 0 or to at least %lld, not %lld",
+                       (long long)id, (long long)s->kept, (long long)s->kept,
+                       (long long)length);
     } else {
         release_from(c, s, (length + c->bs - 1) / c->bs);
         s->len = length;
+        if (length == 0) s->kept = 0;
         s->known = s->known < length ? s->known : length;
         // a partial last block of its own will be rewritten: out of the index
         if (length % c->bs && c->ref[s->blocks[s->nb - 1]] == 1)
             index_remove(c, s->blocks[s->nb - 1]);
+    }
+    leave_change(c);
+    return st;
+}
+
+mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id, int64_t pos) {
+    if (!c)
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_release_before: NULL cache");
+    mha_status st = enter_change(c, "mha_paged_cache_release_before");
+    if (st) return st;
+    pseq *s = live_seq(c, id);
+    if (!s) {
+        st = no_seq("mha_paged_cache_release_before", id);
+    } else if (pos < 0 || pos > s->len) {
+        st = mha__fail(MHA_ERR_INVALID_ARG,
+                       "mha_paged_cache_release_before: token %lld, sequence %lld holds %lld",
+                       (long long)pos, (long long)id, (long long)s->len);
+    } else {
+        for (int64_t b = s->kept / c->bs; b < pos / c->bs; b++) {  // whole blocks only
+            const int32_t blk = s->blocks[b];
+            if (blk >= 0 && --c->ref[blk] == 0) {
+                index_remove(c, blk);
+                c->freel[c->nfree++] = blk;
+            }
+            s->blocks[b] = -1;
+        }
+        if (pos / c->bs * c->bs > s->kept) s->kept = pos / c->bs * c->bs;
     }
     leave_change(c);
     return st;
@@ -593,6 +632,11 @@ static void paged_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const ch
     const mha_paged_cache *c = pc->c;
     const int64_t blk = live_seq(c, pc->ids[b])->blocks[s];
     float *sc;
+    if (blk < 0) {  // released: nothing to read (the attend checked no query reaches it)
+        *k = *v = NULL;
+        *ks = *vs = NULL;
+        return;
+    }
     *k = row_at(c, false, blk, hk, 0, &sc);
     *ks = sc;
     *v = row_at(c, true, blk, hk, 0, &sc);
@@ -614,10 +658,25 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
         leave_read(c);
         return mha__fail(MHA_ERR_NOMEM, "mha_paged_cache_attend: out of memory");
     }
+    const int64_t T = q && q->ndim == 4 ? q->shape[2] : 0;
+    const int64_t wl = args ? args->window_left : -1;
     for (int64_t i = 0; i < n && !st; i++) {
         const pseq *s = live_seq(c, ids[i]);
-        if (!s) st = no_seq("mha_paged_cache_attend", ids[i]);
-        else len[i] = s->len;
+        if (!s) {
+            st = no_seq("mha_paged_cache_attend", ids[i]);
+            break;
+        }
+        len[i] = s->len;
+        // released tokens: no query may reach back to them
+        const int64_t cnt = counts && counts[i] >= 0 && counts[i] <= T ? counts[i] : T;
+        const int64_t reach = wl < 0 ? 0 : s->len - cnt - wl;
+        if (s->kept > 0 && cnt > 0 && reach < s->kept)
+            st = mha__fail(MHA_ERR_INVALID_ARG,
+                           "mha_paged_cache_attend: sequence %lld released its tokens before "
+                           "%lld, but its first query (position %lld) sees back to %lld (window "
+                           "left %lld)",
+                           (long long)ids[i], (long long)s->kept, (long long)(s->len - cnt),
+                           (long long)(reach > 0 ? reach : 0), (long long)wl);
     }
     if (!st) {
         const paged_call pc = {c, ids};

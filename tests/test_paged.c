@@ -78,6 +78,8 @@ static void mirror_put(mirror *m, int64_t t, int32_t tok, int64_t D) {
         }
 }
 
+static int64_t g_count;  // > 0: every sequence's count in check_attend
+
 // The n sequences sel[] attend (T new queries each, counts random): the
 // paged cache and a contiguous cache of their tokens, the same bits.
 static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win,
@@ -87,7 +89,7 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
     for (int i = 0; i < n; i++) {
         const mirror *m = &w->seq[sel[i]];
         ids[i] = m->id;
-        counts[i] = m->len < T ? m->len : irand(m->len ? 1 : 0, T);
+        counts[i] = g_count ? g_count : m->len < T ? m->len : irand(m->len ? 1 : 0, T);
         cap = m->len > cap ? m->len : cap;
     }
     mha_kv_cache *kc = NULL;
@@ -687,6 +689,71 @@ static void test_forward_paged(void) {
     mha_module_destroy(m);
 }
 
+// A sliding window (left 20) with bounded memory: two sequences (one a
+// fork) decode 300 tokens each, releasing after every step the blocks
+// their window can no longer reach: at most 4 blocks each; every step's
+// attention the contiguous cache's bits (same window). Reaching back past
+// the released tokens fails and changes nothing.
+static void test_window_release(void) {
+    enum { BS = 8, D = 16, W = 20, STEPS = 300 };
+    world w = {.dt = MHA_KV_BF16, .D = D, .bs = BS};
+    CHECK_OK(mha_paged_cache_create(&w.c, 64, BS, HKV, D, D, MHA_KV_BF16));
+    mirror_init(&w.seq[0], D);
+    CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
+    w.n = 1;
+    int s0[1] = {0}, both[2] = {0, 1};
+    int64_t c30 = 30, one[2] = {1, 1};
+    CHECK_OK(append_some(&w, s0, 1, &c30));
+    mirror_init(&w.seq[1], D);
+    CHECK_OK(mha_paged_cache_fork(w.c, w.seq[0].id, &w.seq[1].id));
+    mirror_copy(&w.seq[1], &w.seq[0], D);
+    w.n = 2;
+    int64_t most = 0;
+    for (int step = 0; step < STEPS && w.seq[0].len < CAPL; step++) {
+        CHECK_OK(append_some(&w, both, 2, one));
+        for (int i = 0; i < 2; i++)
+            CHECK_OK(mha_paged_cache_release_before(w.c, w.seq[i].id, w.seq[i].len - W - 1));
+        const int64_t used = mha_paged_cache_blocks_in_use(w.c);
+        most = used > most ? used : most;
+        if (step % 7 == 0) check_attend(&w, both, 2, 1, W, "sliding window");
+        if (step % 50 == 49) {  // the prefill path (more than 16 queries), one of them real
+            g_count = 1;
+            check_attend(&w, both, 2, 20, W, "sliding window, prefill path");
+            g_count = 0;
+        }
+    }
+    CHECKF(most <= 2 * ((W + 1 + BS - 1) / BS + 1), "sliding window: %lld blocks at most",
+           (long long)most);
+    printf("sliding window %d over %d tokens: at most %lld blocks in use for 2 sequences\n", W,
+           STEPS, (long long)most);
+    // reaching back past the released tokens: refused, nothing changes
+    const int64_t ids[1] = {w.seq[0].id}, len0 = w.seq[0].len, used = mha_paged_cache_blocks_in_use(w.c);
+    float q[H * D], o[H * D];
+    for (int i = 0; i < H * D; i++) q[i] = frand();
+    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
+               ot = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){1, H, 1, D});
+    mha_cache_attend_args a;
+    mha_cache_attend_args_init(&a);
+    CHECK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a) == MHA_ERR_INVALID_ARG);
+    CHECKF(strstr(mha_last_error(), "released its tokens before") != NULL, "message: %s",
+           mha_last_error());
+    a.window_left = W + 20;
+    CHECK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a) == MHA_ERR_INVALID_ARG);
+    a.window_left = W;
+    CHECK_OK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a));
+    CHECK(mha_paged_cache_truncate(w.c, ids[0], 5) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_release_before(w.c, ids[0], len0 + 1) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 && mha_paged_cache_blocks_in_use(w.c) == used);
+    CHECK_OK(mha_paged_cache_truncate(w.c, ids[0], 0));  // to 0: starts again
+    CHECK(mha_paged_cache_length(w.c, ids[0]) == 0);
+    w.seq[0].len = 0;
+    int64_t c5 = 5;
+    CHECK_OK(append_some(&w, s0, 1, &c5));
+    check_attend(&w, s0, 1, 2, -1, "after a release and a truncation to 0");
+    for (int i = 0; i < 2; i++) mirror_free(&w.seq[i]);
+    mha_paged_cache_destroy(w.c);
+}
+
 int main(void) {
     seed_rng(19);
     const int64_t blocks[] = {1, 3, 16, 64};
@@ -701,5 +768,6 @@ int main(void) {
     test_errors();
     test_threads();
     test_forward_paged();
+    test_window_release();
     return check_summary("test_paged");
 }
