@@ -1164,6 +1164,12 @@ MHA_API MHA_NODISCARD mha_status mha_forward_paged(mha_tensor *out, const mha_mo
                                                    const mha_forward_args *a,
                                                    mha_paged_cache *cache, const int64_t *ids,
                                                    const int64_t *counts);
+// As mha_forward_paged, with the new tokens' ids (tokens[n*T + t], as
+// mha_paged_cache_append_tokens takes them): the blocks they fill join the
+// prefix index, so that mha_paged_cache_add_prompt finds them.
+MHA_API MHA_NODISCARD mha_status mha_forward_paged_tokens(
+    mha_tensor *out, const mha_module *m, const mha_forward_args *a, mha_paged_cache *cache,
+    const int64_t *ids, const int64_t *counts, const int32_t *tokens);
 
 // ---------------------------------------------------------------------------
 // Diagnostics: looking inside the heads

@@ -20,6 +20,7 @@ typedef struct cache_ref {
     mha_kv_cache *kv;
     mha_paged_cache *pg;
     const int64_t *ids, *counts;
+    const int32_t *tokens;  // paged: the new tokens' ids (N, T), or NULL
 } cache_ref;
 
 static int64_t ref_length(const cache_ref *r, int64_t n) {
@@ -29,7 +30,7 @@ static int64_t ref_length(const cache_ref *r, int64_t n) {
 static mha_status ref_append(const cache_ref *r, int64_t N, const mha_tensor *k,
                              const mha_tensor *v) {
     return r->kv ? mha_kv_cache_append(r->kv, k, v, NULL)
-                 : mha_paged_cache_append(r->pg, N, r->ids, r->counts, k, v);
+                 : mha_paged_cache_append_tokens(r->pg, N, r->ids, r->counts, k, v, r->tokens);
 }
 
 static mha_status ref_attend(const cache_ref *r, int64_t N, mha_tensor *out,
@@ -334,14 +335,21 @@ static mha_status forward_cache(mha_tensor *out, const mha_module *m,
 
 mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
                               mha_kv_cache *cache) {
-    const cache_ref r = {cache, NULL, NULL, NULL};
+    const cache_ref r = {cache, NULL, NULL, NULL, NULL};
     if (!cache) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_cached: NULL argument");
     return forward_cache(out, m, a, &r);
 }
 
 mha_status mha_forward_paged(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
                              mha_paged_cache *cache, const int64_t *ids, const int64_t *counts) {
-    const cache_ref r = {NULL, cache, ids, counts};
+    return mha_forward_paged_tokens(out, m, a, cache, ids, counts, NULL);
+}
+
+mha_status mha_forward_paged_tokens(mha_tensor *out, const mha_module *m,
+                                    const mha_forward_args *a, mha_paged_cache *cache,
+                                    const int64_t *ids, const int64_t *counts,
+                                    const int32_t *tokens) {
+    const cache_ref r = {NULL, cache, ids, counts, tokens};
     if (!cache || !ids)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_paged: NULL argument");
     return forward_cache(out, m, a, &r);

@@ -433,11 +433,13 @@ class MultiheadAttention:
         return PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim,
                             self.v_head_dim, dtype=dtype)
 
-    def forward_paged(self, cache, ids, chunks, **extras):
+    def forward_paged(self, cache, ids, chunks, tokens=None, **extras):
         """Continuous batching through a PagedKVCache: chunks[i] is the new
         tokens (L_i, E) (float32) of sequence ids[i]; their keys and values
         are appended and each attends causally over its sequence's whole
         history, at its own positions. Returns the list of outputs (L_i, E).
+        tokens[i] (optional): the L_i token ids of chunks[i]; the blocks
+        they fill join the cache's prefix index (PagedKVCache.add_prompt).
         All or nothing: an exhausted pool raises and no sequence changes."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError("cache: expected an mha.PagedKVCache")
@@ -458,10 +460,21 @@ class MultiheadAttention:
                 q[i, :c.shape[0]] = c
             else:
                 q[:c.shape[0], i] = c
+        tk = None
+        if tokens is not None:
+            if len(tokens) != n:
+                raise ValueError("forward_paged: %d token lists for %d chunks" % (len(tokens), n))
+            tk = np.zeros((n, T), dtype=np.int32)
+            for i, t in enumerate(tokens):
+                t = np.asarray(t, dtype=np.int32).ravel()
+                if t.shape[0] != chunks[i].shape[0]:
+                    raise ValueError("forward_paged: tokens[%d] has %d ids for %d rows"
+                                     % (i, t.shape[0], chunks[i].shape[0]))
+                tk[i, :t.shape[0]] = t
         kw = forward_kwargs(as_int64=_int64, as_float32=_float32, **extras)
         out = _mha.forward_paged(self._m, q, cache._c, np.asarray(ids, dtype=np.int64),
                                  np.asarray([c.shape[0] for c in chunks], dtype=np.int64),
-                                 _alloc, **kw)
+                                 tk, _alloc, **kw)
         return [np.array(out[i, :c.shape[0]] if self.batch_first else out[:c.shape[0], i])
                 for i, c in enumerate(chunks)]
 
@@ -731,6 +744,14 @@ class PagedKVCache:
     def add_sequence(self):
         """A new, empty sequence: its id."""
         return self._c.add_sequence()
+
+    def add_prompt(self, tokens):
+        """A new sequence for a prompt of token ids: it starts with the
+        longest run of indexed blocks holding the same first tokens (shared;
+        at most all but the last token). Returns (id, cached): the tokens
+        from `cached` on still need their keys and values (forward_paged
+        with their ids)."""
+        return self._c.add_prompt(np.ascontiguousarray(tokens, dtype=np.int32))
 
     def fork(self, id):
         """A new sequence holding sequence id's tokens (no block copied)."""

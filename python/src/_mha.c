@@ -200,7 +200,10 @@ static int get_vector(held *h, PyObject *obj, const char *name, mha_dtype dt, in
     h->n++;
     if (dtype_of_format(b->format, b->itemsize) != (int)dt) {
         PyErr_Format(PyExc_TypeError, "%s: dtype %s is not supported (expected %s)", name,
-                     b->format ? b->format : "?", dt == MHA_I64 ? "int64" : "float32");
+                     b->format ? b->format : "?",
+                     dt == MHA_I64   ? "int64"
+                     : dt == MHA_I32 ? "int32"
+                                     : "float32");
         return -1;
     }
     if (b->len / b->itemsize != n) {
@@ -1390,6 +1393,23 @@ static PyObject *Paged_length(PagedObject *o, PyObject *args) {
     return PyLong_FromLongLong(n);
 }
 
+static PyObject *Paged_add_prompt(PagedObject *o, PyObject *args) {
+    PyObject *tokens;
+    if (!PyArg_ParseTuple(args, "O", &tokens)) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(tokens, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (dtype_of_format(b.format, b.itemsize) != MHA_I32) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_TypeError, "add_prompt: tokens must be a contiguous int32 array");
+        return NULL;
+    }
+    int64_t id, cached;
+    mha_status st = mha_paged_cache_add_prompt(o->c, b.buf, (int64_t)(b.len / 4), &id, &cached);
+    PyBuffer_Release(&b);
+    if (st) return raise_status(st);
+    return Py_BuildValue("(LL)", (long long)id, (long long)cached);
+}
+
 static PyObject *Paged_blocks_in_use(PagedObject *o, PyObject *unused) {
     return PyLong_FromLongLong(mha_paged_cache_blocks_in_use(o->c));
 }
@@ -1404,6 +1424,8 @@ static PyObject *Paged_block_bytes(PagedObject *o, void *unused) {
 
 static PyMethodDef Paged_methods[] = {
     {"add_sequence", (PyCFunction)Paged_add, METH_NOARGS, "add_sequence() -> id"},
+    {"add_prompt", (PyCFunction)Paged_add_prompt, METH_VARARGS,
+     "add_prompt(tokens int32) -> (id, cached)"},
     {"fork", (PyCFunction)Paged_fork, METH_VARARGS, "fork(id) -> id"},
     {"free", (PyCFunction)Paged_free, METH_VARARGS, "free(id)"},
     {"truncate", (PyCFunction)Paged_truncate, METH_VARARGS, "truncate(id, length)"},
@@ -1416,13 +1438,14 @@ static PyGetSetDef Paged_getset[] = {
     {"block_bytes", (getter)Paged_block_bytes, NULL, "bytes of one block", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
-// forward_paged(module, query, cache, ids, counts, alloc, **options) -> out
+// forward_paged(module, query, cache, ids, counts, tokens, alloc, **options)
+// -> out (tokens: int32 (N, T) ids, or None)
 static PyObject *py_forward_paged(PyObject *self, PyObject *args, PyObject *kw) {
     ModuleObject *mod;
     PagedObject *cache;
-    PyObject *q, *ids, *counts, *alloc;
-    if (!PyArg_ParseTuple(args, "O!OO!OOO", &ModuleType, &mod, &q, &PagedType, &cache, &ids,
-                          &counts, &alloc))
+    PyObject *q, *ids, *counts, *tokens, *alloc;
+    if (!PyArg_ParseTuple(args, "O!OO!OOOO", &ModuleType, &mod, &q, &PagedType, &cache, &ids,
+                          &counts, &tokens, &alloc))
         return NULL;
     fwd_call c;
     fwd_call_init(&c);
@@ -1432,19 +1455,22 @@ static PyObject *py_forward_paged(PyObject *self, PyObject *args, PyObject *kw) 
     held h = {.n = 0};
     PyObject *out = NULL;
     mha_tensor to;
-    const void *iv, *cv;
+    const void *iv, *cv, *tv;
     if (fwd_views(&h, &c, mod, q, NULL, NULL, Py_None, Py_None) < 0) goto fail;
-    const int64_t N = c.q.ndim == 3 ? c.q.shape[mha_module_config(mod->m)->batch_first ? 0 : 1]
-                                    : 1;
+    const bool bf = mha_module_config(mod->m)->batch_first;
+    const int64_t N = c.q.ndim == 3 ? c.q.shape[bf ? 0 : 1] : 1;
+    const int64_t T = c.q.ndim == 3 ? c.q.shape[bf ? 1 : 0] : c.q.shape[0];
     if (get_vector(&h, ids, "ids", MHA_I64, N, &iv) < 0 ||
-        get_vector(&h, counts, "counts", MHA_I64, N, &cv) < 0)
+        get_vector(&h, counts, "counts", MHA_I64, N, &cv) < 0 ||
+        get_vector(&h, tokens, "tokens", MHA_I32, N * T, &tv) < 0)
         goto fail;
     mha_shape os = shape_of(&c.q);
     if (!(out = alloc_view(&h, alloc, &os, MHA_F32, "out", &to))) goto fail;
     mha_status st;
     module_sync(mod);
     mod->readers++;
-    Py_BEGIN_ALLOW_THREADS st = mha_forward_paged(&to, mod->m, &c.a, cache->c, iv, cv);
+    Py_BEGIN_ALLOW_THREADS st = mha_forward_paged_tokens(&to, mod->m, &c.a, cache->c, iv, cv,
+                                                         tv);
     Py_END_ALLOW_THREADS mod->readers--;
     return finish(&h, true, st, &out, 1);
 fail:

@@ -217,6 +217,29 @@ def test_paged_cache_continuous_batching(batch_first):
         n.forward_paged(cache, [ids[0]], [xs[0][:, :3]])
 
 
+def test_paged_cache_prefix_sharing():
+    # a prompt's blocks, given with their token ids, are found by a second
+    # sequence starting with the same tokens: it computes only the rest and
+    # equals its full causal forward
+    n, _ = pair(batch_first=True, num_kv_heads=2)
+    g = np.random.default_rng(9)
+    x = g.normal(size=(45, 16)).astype(np.float32)
+    tok = g.integers(0, 1000, size=45).astype(np.int32)
+    full = n(x[None], is_causal=True, need_weights=False)[0][0]
+    cache = n.make_paged_cache(num_blocks=32, block_size=8)
+    a = cache.add_sequence()
+    n.forward_paged(cache, [a], [x[:40]], tokens=[tok[:40]])
+    used = cache.blocks_in_use()
+    b, cached = cache.add_prompt(tok)
+    assert cached == 40 and cache.length(b) == 40 and cache.blocks_in_use() == used
+    (y,) = n.forward_paged(cache, [b], [x[cached:]], tokens=[tok[cached:]])
+    assert np.abs(y - full[cached:]).max() < 1e-5
+    c, cached = cache.add_prompt(np.array([5, 6, 7], dtype=np.int32))
+    assert cached == 0
+    with pytest.raises(ValueError, match="token"):
+        n.forward_paged(cache, [c], [x[:3]], tokens=[tok[:2]])
+
+
 def test_diagnose_and_report(tmp_path):
     n, t = pair()
     x = np.random.default_rng(6).normal(size=(8, 1, 16)).astype(np.float32)
