@@ -754,6 +754,50 @@ static void test_window_release(void) {
     mha_paged_cache_destroy(w.c);
 }
 
+// Prefix sharing through the module: sequence A's prompt (ids and hidden
+// states) goes through mha_forward_paged_tokens; B starts with the same
+// prompt + 5 tokens of its own via mha_paged_cache_add_prompt, takes A's
+// blocks for the first 96 tokens and computes only the rest: its outputs
+// equal the full causal forward of its whole input.
+static void test_forward_prefix(void) {
+    enum { E = 32, NH = 4, NKV = 2, P = 100, EXTRA = 5, BS = 16 };
+    mha_config cfg;
+    mha_config_init(&cfg, E, NH);
+    cfg.num_kv_heads = NKV;
+    cfg.batch_first = true;
+    mha_module *m = torch_module(&cfg, 4);
+    static float x[(P + EXTRA) * E], yf[(P + EXTRA) * E], yb[(P + EXTRA) * E];
+    int32_t tok[P + EXTRA];
+    for (int i = 0; i < (P + EXTRA) * E; i++) x[i] = frand();
+    for (int t = 0; t < P + EXTRA; t++) tok[t] = (int32_t)irand(0, 1000);
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, P + EXTRA, E}),
+               yt = mha_tensor_contiguous(yf, MHA_F32, 3, (int64_t[]){1, P + EXTRA, E});
+    const mha_forward_args af = rope_args(&xt, -1, true);
+    CHECK_OK(mha_forward(&yt, NULL, m, &af));
+    mha_paged_cache *c = NULL;
+    CHECK_OK(mha_paged_cache_create(&c, 32, BS, NKV, E / NH, E / NH, MHA_KV_F32));
+    int64_t a, b, cached;
+    CHECK_OK(mha_paged_cache_add(c, &a));
+    mha_tensor xa = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, P, E}),
+               ya = mha_tensor_contiguous(yb, MHA_F32, 3, (int64_t[]){1, P, E});
+    const mha_forward_args aa = rope_args(&xa, -1, false);
+    CHECK_OK(mha_forward_paged_tokens(&ya, m, &aa, c, &a, NULL, tok));
+    const int64_t used = mha_paged_cache_blocks_in_use(c);
+    CHECK_OK(mha_paged_cache_add_prompt(c, tok, P + EXTRA, &b, &cached));
+    CHECKF(cached == P / BS * BS, "module prefix: %lld cached", (long long)cached);
+    CHECK(mha_paged_cache_blocks_in_use(c) == used);
+    const int64_t rest = P + EXTRA - cached;
+    mha_tensor xr = mha_tensor_contiguous(x + cached * E, MHA_F32, 3, (int64_t[]){1, rest, E}),
+               yr = mha_tensor_contiguous(yb + cached * E, MHA_F32, 3, (int64_t[]){1, rest, E});
+    const mha_forward_args ar = rope_args(&xr, -1, false);
+    CHECK_OK(mha_forward_paged_tokens(&yr, m, &ar, c, &b, NULL, tok + cached));
+    const double e = rel_err(yf + cached * E, yb + cached * E, rest * E);
+    CHECKF(e <= 2e-5, "module prefix: rel err %g", e);
+    CHECK(mha_paged_cache_length(c, b) == P + EXTRA);
+    mha_paged_cache_destroy(c);
+    mha_module_destroy(m);
+}
+
 int main(void) {
     seed_rng(19);
     const int64_t blocks[] = {1, 3, 16, 64};
@@ -769,5 +813,6 @@ int main(void) {
     test_threads();
     test_forward_paged();
     test_window_release();
+    test_forward_prefix();
     return check_summary("test_paged");
 }
