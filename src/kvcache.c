@@ -572,6 +572,25 @@ static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
     return end < hi ? end : hi;
 }
 
+// Asks for the next piece's rows (from r1 on, up to hi, within its
+// segment) before the current one is read: segments lie apart (a paged
+// cache's blocks), so neither the kernels' prefetch (within a call) nor the
+// hardware's (within a page) reaches them.
+static void prefetch_piece(const dec_chunk *dc, int64_t r1, int64_t hi, bool isk) {
+#if defined(__GNUC__) || defined(__clang__)
+    if (r1 >= hi || dc->c->seg >= MHA__DECODE_CHUNK) return;  // (one segment: the kernels')
+    const char *k, *v;
+    const float *ks, *vs;
+    const int64_t e = piece(dc, r1, hi, &k, &v, &ks, &vs);
+    if (!k) return;
+    const size_t bytes = (size_t)((e - r1) * (isk ? dc->c->D : dc->c->Dv)) * dc->c->esz;
+    const char *p = isk ? k : v;
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+#else
+    (void)dc, (void)r1, (void)hi, (void)isk;
+#endif
+}
+
 // Rows [r, r1) for query v alone: its scores (isk), else O += P V.
 static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk) {
     const int64_t D = dc->c->D, Dv = dc->c->Dv;
@@ -580,6 +599,7 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
         const char *k, *vr;
         const float *ks, *vs;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
+        prefetch_piece(dc, p1, r1, isk);
         if (isk) dc->kt->dot_rows_q(s + (r - dc->j0), k, D, dc->kind, ks, x, p1 - r, D);
         else dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, Dv, dc->kind, vs, p1 - r, Dv);
     }
@@ -594,6 +614,7 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         const char *k, *vr;
         const float *ks, *vs;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
+        prefetch_piece(dc, p1, r1, isk);
         if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, D, dc->kind, ks,
                                 sc + MHA__DECODE_CHUNK, qf, nv, p1 - r, D);

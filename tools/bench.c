@@ -73,6 +73,8 @@ static const char *bench_help =
     "                     against the bytes it reads over the read bandwidth,\n"
     "                     and the cache's memory against one contiguous cache\n"
     "                     per sequence\n"
+    "  --block-size B     with --decode: a paged KV cache of B-token blocks\n"
+    "                     (mha_paged_cache_attend) instead of a contiguous one\n"
     "  --module           with --decode: the module's decode step instead\n"
     "                     (mha_forward_cached: the q, k, v projections, the\n"
     "                     append, attention over the cache, W_O), --seq new\n"
@@ -578,8 +580,10 @@ static int bench_opt_how(bench_opts *o, int c) {
 // follow from others). Returns -1 to go on, else the exit status.
 static int bench_check(bench_opts *o) {
     if (o->module && !o->decode) return bench_usage("--module goes with --decode");
-    if (!o->serve && (o->sequences || o->gen || o->block))
-        return bench_usage("--sequences, --gen and --block-size go with --serve");
+    if (!o->serve && (o->sequences || o->gen))
+        return bench_usage("--sequences and --gen go with --serve");
+    if (o->block && !o->serve && (!o->decode || o->module))
+        return bench_usage("--block-size goes with --serve or --decode (not --module)");
     if (o->serve) {
         if (o->decode || o->core || o->backward || o->parallel || o->prune || o->gate)
             return bench_usage("--serve times its own workload (no --decode, --core, "
@@ -805,13 +809,35 @@ static int fill_cache(mha_kv_cache *c, int64_t B, int64_t Hkv, int64_t d, int64_
     return rc;
 }
 
+// Fills paged cache c with N random tokens for each of the B sequences ids
+// (chunks of 4096), as fill_cache does for a contiguous cache.
+static int fill_paged(mha_paged_cache *c, const int64_t *ids, int64_t B, int64_t Hkv, int64_t d,
+                      int64_t N, uint64_t *rng) {
+    const int64_t chunk = 4096;
+    float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
+    if (!kv) {
+        fprintf(stderr, "mha bench: out of memory\n");
+        return 1;
+    }
+    int rc = 0;
+    for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
+        const int64_t n = N - n0 < chunk ? N - n0 : chunk;
+        fill_uniform(kv, B * Hkv * n * d, rng);
+        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
+        mha_status st = mha_paged_cache_append(c, B, ids, NULL, &kt, &kt);
+        if (st) rc = cli_fail("bench", st);
+    }
+    free(kv);
+    return rc;
+}
+
 // A decode bench's buffers: the input (nin random floats, after the
 // cache's N tokens from the same generator) and the output (nin floats),
 // the run times (o->repeat); cache c filled (fill_cache). 0, or 1 after
 // printing why (the buffers are still freed by the caller).
-static int decode_setup(const bench_opts *o, mha_kv_cache *c, int64_t B, int64_t Hkv,
-                        int64_t d, int64_t N, int64_t nin, float **in, float **out,
-                        double **times) {
+static int decode_setup(const bench_opts *o, mha_kv_cache *c, mha_paged_cache *pc,
+                        const int64_t *ids, int64_t B, int64_t Hkv, int64_t d, int64_t N,
+                        int64_t nin, float **in, float **out, double **times) {
     uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
     *in = malloc(sizeof(float) * (size_t)nin);
     *out = malloc(sizeof(float) * (size_t)nin);
@@ -820,7 +846,7 @@ static int decode_setup(const bench_opts *o, mha_kv_cache *c, int64_t B, int64_t
         fprintf(stderr, "mha bench: out of memory\n");
         return 1;
     }
-    if (fill_cache(c, B, Hkv, d, N, &rng)) return 1;
+    if (pc ? fill_paged(pc, ids, B, Hkv, d, N, &rng) : fill_cache(c, B, Hkv, d, N, &rng)) return 1;
     fill_uniform(*in, nin, &rng);
     return 0;
 }
@@ -829,47 +855,62 @@ static int bench_decode(const bench_opts *o, int threads) {
     const int64_t B = o->B, H = o->H, Hkv = o->kv_heads, d = o->E / o->H, N = o->kv_len,
                   T = o->L;
     mha_kv_cache *c = NULL;
-    mha_status st = mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
-    if (st) return cli_fail("bench", st);
+    mha_paged_cache *pc = NULL;  // --block-size: the paged cache, sequences ids
+    int64_t *ids = o->block ? calloc((size_t)B, sizeof *ids) : NULL;
+    if (o->block && !ids) return cli_fail("bench", MHA_ERR_NOMEM);
+    mha_status st = o->block ? mha_paged_cache_create(&pc, B * ((N + o->block - 1) / o->block),
+                                                      o->block, Hkv, d, d, o->kv_dtype)
+                             : mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
+    for (int64_t b = 0; !st && pc && b < B; b++) st = mha_paged_cache_add(pc, &ids[b]);
+    if (st) {
+        mha_paged_cache_destroy(pc);
+        free(ids);
+        return cli_fail("bench", st);
+    }
     float *q, *out;
     double *times;
-    int rc = decode_setup(o, c, B, Hkv, d, N, B * H * T * d, &q, &out, &times);
+    int rc = decode_setup(o, c, pc, ids, B, Hkv, d, N, B * H * T * d, &q, &out, &times);
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, T, d});
     mha_tensor ot = mha_tensor_contiguous(out, MHA_F32, 4, (int64_t[]){B, H, T, d});
-    for (int64_t i = 0; !rc && i < o->warmup; i++)
-        if ((st = mha_kv_cache_attend(&ot, &qt, c, NULL, NULL))) rc = cli_fail("bench", st);
-    for (int64_t i = 0; !rc && i < o->repeat; i++) {
+    for (int64_t i = 0; !rc && i < o->warmup + o->repeat; i++) {
         double t0 = cli_now();
-        if ((st = mha_kv_cache_attend(&ot, &qt, c, NULL, NULL))) rc = cli_fail("bench", st);
-        times[i] = (cli_now() - t0) * 1e3;
+        st = pc ? mha_paged_cache_attend(&ot, &qt, pc, B, ids, NULL, NULL)
+                : mha_kv_cache_attend(&ot, &qt, c, NULL, NULL);
+        if (st) rc = cli_fail("bench", st);
+        else if (i >= o->warmup) times[i - o->warmup] = (cli_now() - t0) * 1e3;
     }
     if (!rc) {
         qsort(times, (size_t)o->repeat, sizeof *times, cli_cmp_double);
         const int64_t n = o->repeat;
         const double med = median_sorted(times, n);
-        const double bytes = (double)mha_kv_cache_bytes(c);  // all N rows are in use
+        const double bytes =  // all N rows are in use
+            pc ? (double)mha_paged_cache_blocks_in_use(pc) * (double)mha_paged_cache_block_bytes(pc)
+               : (double)mha_kv_cache_bytes(c);
         const double bw = bandwidth_over(threads, bytes), gbs = bytes / (med * 1e-3) * 1e-9;
         const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
                    "\"batch\": %lld, \"num_heads\": %lld, \"num_kv_heads\": %lld, "
                    "\"head_dim\": %lld, \"queries\": %lld, \"kv_len\": %lld, "
-                   "\"kv_dtype\": \"%s\", \"repeat\": %lld, \"median_ms\": %.4f, "
+                   "\"kv_dtype\": \"%s\", \"block_size\": %lld, \"repeat\": %lld, "
+                   "\"median_ms\": %.4f, "
                    "\"min_ms\": %.4f, \"max_ms\": %.4f, \"kv_bytes\": %.6g, "
                    "\"kv_gbps\": %.3f, \"read_bandwidth_gbps\": %.3f, "
                    "\"bandwidth_fraction\": %.4f, \"max_rss_mib\": %.1f}\n",
                    threads, mha_isa(), (long long)B, (long long)H, (long long)Hkv, (long long)d,
-                   (long long)T, (long long)N, kv_name, (long long)o->repeat, med, times[0],
+                   (long long)T, (long long)N, kv_name, (long long)o->block, (long long)o->repeat,
+                   med, times[0],
                    times[n - 1], bytes, gbs, bw, bw > 0 ? gbs / bw : 0.0, max_rss_mib());
         else
-            printf("mha bench: decode step (mha_kv_cache_attend), %d thread%s, kernels %s\n"
+            printf("mha bench: decode step (%s), %d thread%s, kernels %s\n"
                    "  shape      batch %lld, %lld query head%s x %lld quer%s, %lld KV head%s, "
                    "d %lld, %lld cached tokens (%s)\n"
                    "  time       median %.3f ms (min %.3f, max %.3f; %lld runs)\n"
                    "  reads      K and V: %.1f MiB per step = %.1f GB/s = %.1f%% of the read "
                    "bandwidth %.1f GB/s measured here (%d thread%s)\n"
                    "  memory     process max RSS %.1f MiB\n",
-                   threads, threads == 1 ? "" : "s", mha_isa(), (long long)B, (long long)H,
+                   pc ? "mha_paged_cache_attend" : "mha_kv_cache_attend", threads,
+                   threads == 1 ? "" : "s", mha_isa(), (long long)B, (long long)H,
                    H == 1 ? "" : "s", (long long)T, T == 1 ? "y" : "ies", (long long)Hkv,
                    Hkv == 1 ? "" : "s", (long long)d, (long long)N, kv_name, med, times[0],
                    times[n - 1],
@@ -879,7 +920,9 @@ static int bench_decode(const bench_opts *o, int threads) {
     free(q);
     free(out);
     free(times);
+    free(ids);
     mha_kv_cache_destroy(c);
+    mha_paged_cache_destroy(pc);
     return rc;
 }
 
@@ -922,7 +965,7 @@ static int bench_decode_module(const bench_opts *o, int threads) {
     }
     float *x, *y;
     double *times;
-    int rc = decode_setup(o, c, B, Hkv, d, N, T * B * E, &x, &y, &times);
+    int rc = decode_setup(o, c, NULL, NULL, B, Hkv, d, N, T * B * E, &x, &y, &times);
     double wbytes = 0;  // every parameter in its storage dtype
     for (int i = 0; !rc && i < mha_module_num_params(m); i++) {
         mha_param p;  // (before the warm-up: handing out p marks the packed weights stale)

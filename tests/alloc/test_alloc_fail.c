@@ -869,6 +869,48 @@ static mha_status sc_kv(const void *argp) {
     return st;
 }
 
+// A paged cache: create, add two sequences, append with token ids (two
+// chunks), a prompt sharing the first's blocks, a fork written into (copy
+// on write), attends (decode and prefill), a release and a truncation,
+// free, destroy.
+static mha_status sc_paged(const void *argp) {
+    const kv_arg *a = argp;
+    const int64_t T = 24;
+    mha_paged_cache *c;
+    mha_status st = mha_paged_cache_create(&c, 40, 4, a->Hkv, a->D, a->D, a->dt);
+    if (st) return st;
+    int64_t ids[2], p = -1, f = -1, cached = 0;
+    int32_t tok[2 * 24];
+    for (int i = 0; i < 2 * 24; i++) tok[i] = i % 24;
+    mha_tensor k = mha_tensor_contiguous(a->k, MHA_F32, 4, (int64_t[]){2, a->Hkv, T, a->D});
+    mha_tensor v = mha_tensor_contiguous(a->v, MHA_F32, 4, (int64_t[]){2, a->Hkv, T, a->D});
+    int64_t counts[2] = {T, T - 3};
+    if (!st) st = mha_paged_cache_add(c, &ids[0]);
+    if (!st) st = mha_paged_cache_add(c, &ids[1]);
+    if (!st) st = mha_paged_cache_append_tokens(c, 2, ids, counts, &k, &v, tok);
+    if (!st) st = mha_paged_cache_add_prompt(c, tok, 20, &p, &cached);
+    if (!st) st = mha_paged_cache_fork(c, ids[1], &f);
+    mha_tensor k1 = k, v1 = v;
+    k1.shape[0] = v1.shape[0] = 1, k1.shape[2] = v1.shape[2] = 1;
+    if (!st) st = mha_paged_cache_append(c, 1, &f, NULL, &k1, &v1);  // copy on write
+    mha_tensor q = mha_tensor_contiguous(a->q, MHA_F32, 4, (int64_t[]){2, a->H, T, a->D});
+    mha_tensor o = mha_tensor_contiguous(a->o, MHA_F32, 4, (int64_t[]){2, a->H, T, a->D});
+    if (!st) st = mha_paged_cache_attend(&o, &q, c, 2, ids, counts, NULL);  // prefill
+    if (!st) res_put(a->o, sizeof(float) * (size_t)mha_tensor_numel(&o));
+    mha_tensor q1 = q, o1 = o;
+    q1.shape[2] = o1.shape[2] = 1;
+    const int64_t two[2] = {ids[0], f};
+    if (!st) st = mha_paged_cache_attend(&o1, &q1, c, 2, two, NULL, NULL);  // decode
+    if (!st) res_put(a->o, sizeof(float) * (size_t)mha_tensor_numel(&o1));
+    if (!st) st = mha_paged_cache_release_before(c, ids[0], 9);
+    if (!st) st = mha_paged_cache_truncate(c, ids[1], 10);
+    if (!st) st = mha_paged_cache_free(c, p);
+    int64_t used = mha_paged_cache_blocks_in_use(c);
+    res_put(&used, sizeof used);
+    mha_paged_cache_destroy(c);
+    return st;
+}
+
 // mha_linear: create (a BF16 weight, contiguous: widened a panel at a
 // time; or transposed: widened whole first) and forwards with x and y in
 // place and through a gathered x and a staged y, destroy.
@@ -1476,6 +1518,9 @@ static void sweep_library(void) {
         snprintf(name, sizeof name, "kv cache %s create/append/attend",
                  mha_kv_dtype_name((mha_kv_dtype)dt));
         sweep(name, sc_kv, &k, NULL);
+        snprintf(name, sizeof name, "paged cache %s add/append/prompt/fork/attend",
+                 mha_kv_dtype_name((mha_kv_dtype)dt));
+        sweep(name, sc_paged, &k, NULL);
         free(k.k), free(k.v), free(k.q), free(k.o);
     }
     for (int tr = 0; tr < 2; tr++) {  // the dense layer
