@@ -572,34 +572,49 @@ static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
     return end < hi ? end : hi;
 }
 
-// Asks for the next piece's rows (from r1 on, up to hi, within its
-// segment) before the current one is read: segments lie apart (a paged
-// cache's blocks), so neither the kernels' prefetch (within a call) nor the
-// hardware's (within a page) reaches them.
-static void prefetch_piece(const dec_chunk *dc, int64_t r1, int64_t hi, bool isk) {
+// Decode over a cache in segments (a paged cache's blocks): the rows after
+// a piece lie apart, so neither the kernels' prefetch (within a call) nor
+// the hardware's (within a page) reaches them. The driver asks for them:
+// of the stream of rows from r1 on (to hi), the bytes at offsets [from, to)
+// (a sliding window: each piece read moves it on by that piece's bytes).
+#define DEC_PF_BYTES 12288
+static void prefetch_stream(const dec_chunk *dc, int64_t r1, int64_t hi, bool isk, size_t from,
+                            size_t to) {
 #if defined(__GNUC__) || defined(__clang__)
-    if (r1 >= hi || dc->c->seg >= MHA__DECODE_CHUNK) return;  // (one segment: the kernels')
-    const char *k, *v;
-    const float *ks, *vs;
-    const int64_t e = piece(dc, r1, hi, &k, &v, &ks, &vs);
-    if (!k) return;
-    const size_t bytes = (size_t)((e - r1) * (isk ? dc->c->D : dc->c->Dv)) * dc->c->esz;
-    const char *p = isk ? k : v;
-    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    if (dc->c->seg >= MHA__DECODE_CHUNK) return;  // (one segment: the kernels' prefetch)
+    size_t off = 0;
+    for (int64_t r = r1, e; r < hi && off < to; r = e) {
+        const char *k, *v;
+        const float *ks, *vs;
+        e = piece(dc, r, hi, &k, &v, &ks, &vs);
+        const size_t bytes = (size_t)((e - r) * (isk ? dc->c->D : dc->c->Dv)) * dc->c->esz;
+        const char *p = isk ? k : v;
+        for (size_t b = from > off ? from - off : 0; p && b < bytes && off + b < to; b += 64)
+            __builtin_prefetch(p + b);
+        off += bytes;
+    }
 #else
-    (void)dc, (void)r1, (void)hi, (void)isk;
+    (void)dc, (void)r1, (void)hi, (void)isk, (void)from, (void)to;
 #endif
+}
+
+// Before the piece [r, p1) is read: the window of the rows after it.
+static void prefetch_after(const dec_chunk *dc, int64_t r, int64_t p1, int64_t hi, bool isk,
+                           bool first) {
+    const size_t pb = (size_t)((p1 - r) * (isk ? dc->c->D : dc->c->Dv)) * dc->c->esz;
+    prefetch_stream(dc, p1, hi, isk, first || pb >= DEC_PF_BYTES ? 0 : DEC_PF_BYTES - pb,
+                    DEC_PF_BYTES);
 }
 
 // Rows [r, r1) for query v alone: its scores (isk), else O += P V.
 static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk) {
     const int64_t D = dc->c->D, Dv = dc->c->Dv;
     float *s = dc->sc + (size_t)v * dc->qf, *x = s + MHA__DECODE_CHUNK, *o = x + D;
-    for (int64_t p1; r < r1; r = p1) {
+    for (int64_t p1, r0 = r; r < r1; r = p1) {
         const char *k, *vr;
         const float *ks, *vs;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_piece(dc, p1, r1, isk);
+        prefetch_after(dc, r, p1, r1, isk, r == r0);
         if (isk) dc->kt->dot_rows_q(s + (r - dc->j0), k, D, dc->kind, ks, x, p1 - r, D);
         else dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, Dv, dc->kind, vs, p1 - r, Dv);
     }
@@ -610,11 +625,11 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
 static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, bool isk) {
     const int64_t D = dc->c->D, Dv = dc->c->Dv, qf = (int64_t)dc->qf;
     float *sc = dc->sc;
-    for (int64_t p1; r < r1; r = p1) {
+    for (int64_t p1, r0 = r; r < r1; r = p1) {
         const char *k, *vr;
         const float *ks, *vs;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_piece(dc, p1, r1, isk);
+        prefetch_after(dc, r, p1, r1, isk, r == r0);
         if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, D, dc->kind, ks,
                                 sc + MHA__DECODE_CHUNK, qf, nv, p1 - r, D);
