@@ -333,12 +333,30 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
 
 // Drops sequence s's blocks from index b on (a block no sequence holds any
 // more goes back to the pool).
+// One holder less for block blk (-1: a released one, nothing); held by no
+// one, it leaves the index and returns to the pool.
+static void drop_block(mha_paged_cache *c, int32_t blk) {
+    if (blk >= 0 && --c->ref[blk] == 0) {
+        index_remove(c, blk);
+        c->freel[c->nfree++] = blk;
+    }
+}
+
+// A block from the pool, held once (the caller counted that one is free).
+static int32_t take_block(mha_paged_cache *c) {
+    const int32_t b = c->freel[--c->nfree];
+    c->ref[b] = 1;
+    return b;
+}
+
+// Whether sequence s's next token goes into a last block others hold too
+// (so that it is copied first).
+static bool last_shared(const mha_paged_cache *c, const pseq *s) {
+    return s->len % c->bs != 0 && c->ref[s->blocks[s->nb - 1]] > 1;
+}
+
 static void release_from(mha_paged_cache *c, pseq *s, int64_t b) {
-    for (int64_t i = s->nb - 1; i >= b; i--)
-        if (s->blocks[i] >= 0 && --c->ref[s->blocks[i]] == 0) {
-            index_remove(c, s->blocks[i]);
-            c->freel[c->nfree++] = s->blocks[i];
-        }
+    for (int64_t i = s->nb - 1; i >= b; i--) drop_block(c, s->blocks[i]);
     if (s->nb > b) s->nb = b;
 }
 
@@ -403,11 +421,7 @@ mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id, int64_
                        (long long)pos, (long long)id, (long long)s->len);
     } else {
         for (int64_t b = s->kept / c->bs; b < pos / c->bs; b++) {  // whole blocks only
-            const int32_t blk = s->blocks[b];
-            if (blk >= 0 && --c->ref[blk] == 0) {
-                index_remove(c, blk);
-                c->freel[c->nfree++] = blk;
-            }
+            drop_block(c, s->blocks[b]);
             s->blocks[b] = -1;
         }
         if (pos / c->bs * c->bs > s->kept) s->kept = pos / c->bs * c->bs;
@@ -467,8 +481,7 @@ static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
 static int64_t blocks_needed(const mha_paged_cache *c, const pseq *s, int64_t add) {
     if (add == 0) return 0;
     const int64_t nb = (s->len + add + c->bs - 1) / c->bs;
-    const bool cow = s->len % c->bs != 0 && c->ref[s->blocks[s->nb - 1]] > 1;
-    return nb - s->nb + (cow ? 1 : 0);
+    return nb - s->nb + (last_shared(c, s) ? 1 : 0);
 }
 
 static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_t *ids,
@@ -575,20 +588,15 @@ mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const in
         pseq *s = live_seq(c, ids[i]);
         const int64_t a = counts ? counts[i] : T;
         if (a == 0) continue;
-        if (s->len % c->bs != 0 && c->ref[s->blocks[s->nb - 1]] > 1) {  // copy on write
-            const int32_t old = s->blocks[s->nb - 1], nw = c->freel[--c->nfree];
+        if (last_shared(c, s)) {  // copy on write (the old block stays with the others)
+            const int32_t old = s->blocks[s->nb - 1], nw = take_block(c);
             copy_block(c, nw, old);
             c->ref[old]--;
-            c->ref[nw] = 1;
             s->blocks[s->nb - 1] = nw;
         }
         for (int64_t t = 0; t < a; t++) {
             const int64_t pos = s->len + t, bi = pos / c->bs, slot = pos % c->bs;
-            if (bi == s->nb) {
-                const int32_t nw = c->freel[--c->nfree];
-                c->ref[nw] = 1;
-                s->blocks[s->nb++] = nw;
-            }
+            if (bi == s->nb) s->blocks[s->nb++] = take_block(c);
             for (int64_t h = 0; h < c->Hkv; h++) {
                 const int64_t ko = i * k->stride[0] + h * k->stride[1] + t * k->stride[2];
                 const int64_t vo = i * v->stride[0] + h * v->stride[1] + t * v->stride[2];
