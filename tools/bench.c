@@ -144,15 +144,15 @@ typedef struct bench_opts {
 static int bench_usage(const char *msg) { return cli_usage("bench", msg); }
 
 // ---------------------------------------------------------------------------
-// Buffers and random data
+// Buffers and random data (the seeded floats: bench_rand.c)
 
-// splitmix64: a seeded, portable stream of uniform floats in [-1, 1).
-static uint64_t mix_next(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+// Every buffer the benchmark allocates, freed together.
+typedef struct bench_bufs {
+    void *p[64];
+    int n;
+    double bytes;  // total, for the memory report
+    bool failed;   // an allocation failed (reported once)
+} bench_bufs;
 
 // x (n floats) rewritten in place as n elements of d (BF16/F16: 2-byte
 // elements at the front of the buffer; F32: unchanged).
@@ -164,19 +164,6 @@ static void to_dtype(float *x, int64_t n, mha_dtype d) {
         h[i] = d == MHA_BF16 ? mha_f32_to_bf16(v) : mha_f32_to_f16(v);
     }
 }
-
-static void fill_uniform(float *x, int64_t n, uint64_t *s) {
-    for (int64_t i = 0; i < n; i++)
-        x[i] = (float)((double)(mix_next(s) >> 40) * 0x1p-23 - 1.0);
-}
-
-// Every buffer the benchmark allocates, freed together.
-typedef struct bench_bufs {
-    void *p[64];
-    int n;
-    double bytes;  // total, for the memory report
-    bool failed;   // an allocation failed (reported once)
-} bench_bufs;
 
 // n floats (64-byte aligned, written so the pages are resident and counted
 // in the RSS before the first timed call), or NULL after printing.
@@ -255,9 +242,9 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
         float *q = bench_alloc(bb, B * H * L * d), *k = bench_alloc(bb, B * H * S * d),
               *v = bench_alloc(bb, B * H * S * d), *out = bench_alloc(bb, B * H * L * d);
         if (!q || !k || !v || !out) return 1;
-        fill_uniform(q, B * H * L * d, &rng);
-        fill_uniform(k, B * H * S * d, &rng);
-        fill_uniform(v, B * H * S * d, &rng);
+        bench_fill_uniform(q, B * H * L * d, &rng);
+        bench_fill_uniform(k, B * H * S * d, &rng);
+        bench_fill_uniform(v, B * H * S * d, &rng);
         p->q = mha_tensor_contiguous(q, MHA_F32, 4, qs);
         p->k = mha_tensor_contiguous(k, MHA_F32, 4, ks);
         p->v = mha_tensor_contiguous(v, MHA_F32, 4, ks);
@@ -266,7 +253,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
             float *g = bench_alloc(bb, B * H * L * d), *gq = bench_alloc(bb, B * H * L * d),
                   *gk = bench_alloc(bb, B * H * S * d), *gv = bench_alloc(bb, B * H * S * d);
             if (!g || !gq || !gk || !gv) return 1;
-            fill_uniform(g, B * H * L * d, &rng);
+            bench_fill_uniform(g, B * H * L * d, &rng);
             p->gout = mha_tensor_contiguous(g, MHA_F32, 4, qs);
             p->gq = mha_tensor_contiguous(gq, MHA_F32, 4, qs);
             p->gk = mha_tensor_contiguous(gk, MHA_F32, 4, ks);
@@ -303,7 +290,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
     int64_t qs[3] = {B, L, E}, ks[3] = {B, S, E};
     float *q = bench_alloc(bb, B * L * E), *out = bench_alloc(bb, B * L * E);
     if (!q || !out) return 1;
-    fill_uniform(q, B * L * E, &rng);
+    bench_fill_uniform(q, B * L * E, &rng);
     to_dtype(q, B * L * E, o->dtype);
     p->q = mha_tensor_contiguous(q, o->dtype, 3, qs);
     p->out = mha_tensor_contiguous(out, o->dtype, 3, qs);
@@ -312,8 +299,8 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
     } else {
         float *k = bench_alloc(bb, B * S * E), *v = bench_alloc(bb, B * S * E);
         if (!k || !v) return 1;
-        fill_uniform(k, B * S * E, &rng);
-        fill_uniform(v, B * S * E, &rng);
+        bench_fill_uniform(k, B * S * E, &rng);
+        bench_fill_uniform(v, B * S * E, &rng);
         to_dtype(k, B * S * E, o->dtype);
         to_dtype(v, B * S * E, o->dtype);
         p->k = mha_tensor_contiguous(k, o->dtype, 3, ks);
@@ -341,7 +328,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
         float *g = bench_alloc(bb, B * L * E), *gq = bench_alloc(bb, B * L * E),
               *gk = bench_alloc(bb, B * S * E), *gv = bench_alloc(bb, B * S * E);
         if (!g || !gq || !gk || !gv) return 1;
-        fill_uniform(g, B * L * E, &rng);
+        bench_fill_uniform(g, B * L * E, &rng);
         p->gout = mha_tensor_contiguous(g, MHA_F32, 3, qs);
         p->gq = mha_tensor_contiguous(gq, MHA_F32, 3, qs);
         p->gk = mha_tensor_contiguous(gk, MHA_F32, 3, ks);
@@ -789,8 +776,10 @@ static double bandwidth_over(int threads, double bytes) {
 
 // Fills cache c with N random tokens per (batch, KV head), K = V, appended
 // in chunks of 4096 (a bounded temporary). 0, or 1 after printing why.
-static int fill_cache(mha_kv_cache *c, int64_t B, int64_t Hkv, int64_t d, int64_t N,
-                      uint64_t *rng) {
+// Fills a decode bench's cache with N random tokens per sequence, in chunks
+// of 4096: contiguous cache c, or (c NULL) paged cache pc's sequences ids.
+static int fill_cache(mha_kv_cache *c, mha_paged_cache *pc, const int64_t *ids, int64_t B,
+                      int64_t Hkv, int64_t d, int64_t N, uint64_t *rng) {
     const int64_t chunk = 4096;
     float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
     if (!kv) {
@@ -800,31 +789,10 @@ static int fill_cache(mha_kv_cache *c, int64_t B, int64_t Hkv, int64_t d, int64_
     int rc = 0;
     for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
         const int64_t n = N - n0 < chunk ? N - n0 : chunk;
-        fill_uniform(kv, B * Hkv * n * d, rng);
+        bench_fill_uniform(kv, B * Hkv * n * d, rng);
         mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
-        mha_status st = mha_kv_cache_append(c, &kt, &kt, NULL);
-        if (st) rc = cli_fail("bench", st);
-    }
-    free(kv);
-    return rc;
-}
-
-// Fills paged cache c with N random tokens for each of the B sequences ids
-// (chunks of 4096), as fill_cache does for a contiguous cache.
-static int fill_paged(mha_paged_cache *c, const int64_t *ids, int64_t B, int64_t Hkv, int64_t d,
-                      int64_t N, uint64_t *rng) {
-    const int64_t chunk = 4096;
-    float *kv = malloc(sizeof(float) * (size_t)(B * Hkv * chunk * d));
-    if (!kv) {
-        fprintf(stderr, "mha bench: out of memory\n");
-        return 1;
-    }
-    int rc = 0;
-    for (int64_t n0 = 0; !rc && n0 < N; n0 += chunk) {
-        const int64_t n = N - n0 < chunk ? N - n0 : chunk;
-        fill_uniform(kv, B * Hkv * n * d, rng);
-        mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
-        mha_status st = mha_paged_cache_append(c, B, ids, NULL, &kt, &kt);
+        mha_status st = c ? mha_kv_cache_append(c, &kt, &kt, NULL)
+                          : mha_paged_cache_append(pc, B, ids, NULL, &kt, &kt);
         if (st) rc = cli_fail("bench", st);
     }
     free(kv);
@@ -846,8 +814,8 @@ static int decode_setup(const bench_opts *o, mha_kv_cache *c, mha_paged_cache *p
         fprintf(stderr, "mha bench: out of memory\n");
         return 1;
     }
-    if (pc ? fill_paged(pc, ids, B, Hkv, d, N, &rng) : fill_cache(c, B, Hkv, d, N, &rng)) return 1;
-    fill_uniform(*in, nin, &rng);
+    if (fill_cache(c, pc, ids, B, Hkv, d, N, &rng)) return 1;
+    bench_fill_uniform(*in, nin, &rng);
     return 0;
 }
 

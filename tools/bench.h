@@ -14,6 +14,11 @@
 double peak_gflops(int nt, const char **isa);
 double read_bandwidth(int nt, size_t bytes);
 
+// bench_rand.c: the seeded generator (splitmix64) and uniform floats in
+// [-1, 1).
+uint64_t bench_next(uint64_t *s);
+void bench_fill_uniform(float *x, int64_t n, uint64_t *s);
+
 // mha bench --serve (bench_serve.c): nseq sequences sharing a prompt of
 // `prompt` tokens, each decoding up to gen tokens, through a paged cache of
 // `block`-token blocks.

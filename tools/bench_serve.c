@@ -16,21 +16,6 @@
 #include "cli.h"
 #include "mha.h"
 
-static uint64_t serve_next(uint64_t *s) {
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return *s >> 11;
-}
-
-static void serve_fill(float *x, int64_t n, uint64_t *s) {
-    for (int64_t i = 0; i < n; i++)
-        x[i] = (float)((double)serve_next(s) * 0x1p-53 * 2.0 - 1.0);
-}
-
-static int serve_cmp(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 int bench_serve(const bench_serve_opts *o) {
     const int64_t N = o->nseq, P = o->prompt, G = o->gen, E = o->E, H = o->H, bs = o->block;
     const int64_t Hkv = o->Hkv ? o->Hkv : H, d = E / H;
@@ -75,7 +60,7 @@ int bench_serve(const bench_serve_opts *o) {
     const double t0 = cli_now();
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t k = P - p0 < chunk ? P - p0 : chunk;
-        serve_fill(x, k * E, &rng);
+        bench_fill_uniform(x, k * E, &rng);
         mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, k, E}),
                    yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){1, k, E});
         a.query = a.key = a.value = &xt;
@@ -86,14 +71,14 @@ int bench_serve(const bench_serve_opts *o) {
         if ((st = mha_paged_cache_fork(c, ids[0], &ids[i]))) goto fail;
     const int64_t after_fork = mha_paged_cache_blocks_in_use(c);
     for (int64_t i = 0; i < N; i++)
-        stop[i] = G / 4 + (int64_t)(serve_next(&rng) % (uint64_t)(G - G / 4 + 1));
+        stop[i] = G / 4 + (int64_t)(bench_next(&rng) % (uint64_t)(G - G / 4 + 1));
     // decode together, each to its stop
     int64_t nlive = N, tokens = 0, peak = after_fork, step = 0;
     for (int64_t i = 0; i < N; i++) live[i] = ids[i];
     const double t1 = cli_now();
     double first_bytes = 0;
     while (nlive > 0) {
-        serve_fill(x, nlive * E, &rng);
+        bench_fill_uniform(x, nlive * E, &rng);
         mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){nlive, 1, E}),
                    yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){nlive, 1, E});
         a.query = a.key = a.value = &xt;
@@ -125,7 +110,7 @@ int bench_serve(const bench_serve_opts *o) {
     const double decode_s = cli_now() - t1;
     // (the second step: every sequence still runs, the weights are packed)
     const double full_ms = step > 1 ? steps[1] : steps[0];
-    qsort(steps, (size_t)step, sizeof *steps, serve_cmp);
+    qsort(steps, (size_t)step, sizeof *steps, cli_cmp_double);
     const double bw = read_bandwidth(o->threads, first_bytes * 2);
     const double blockb = (double)mha_paged_cache_block_bytes(c);
     const double contiguous = (double)N * (double)(P + G) * blockb / (double)bs;
