@@ -1,6 +1,9 @@
 // error.c: status strings, the per-thread last-error message, the log
 // callback, checked size arithmetic and the allocation wrappers (with
 // optional fault injection for tests).
+#if defined(__linux__) && !defined(_DEFAULT_SOURCE)
+#define _DEFAULT_SOURCE  // madvise
+#endif
 #include <stdarg.h>
 #ifdef MHA_FAULT_INJECTION
 #include <stdatomic.h>
@@ -10,6 +13,10 @@
 #include <string.h>
 
 #include "internal.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #define MHA__ERRMSG_CAP 1024
 
@@ -137,12 +144,28 @@ void *mha__realloc(void *p, size_t bytes) {
     return realloc(p, bytes);
 }
 
+// A buffer of at least MHA__HUGE_MIN bytes (a KV cache, a paged cache's
+// pool, the weights) starts on a 2 MiB boundary and asks the kernel for
+// transparent huge pages (Linux: honoured where THP is "madvise" or
+// "always"; a hint, its failure harmless). Decode reads such a buffer in
+// pieces scattered over it (a paged cache's blocks): with 4 KiB pages each
+// piece would cost a TLB miss.
+#define MHA__HUGE_PAGE ((size_t)2 << 20)
+#define MHA__HUGE_MIN ((size_t)16 << 20)
+
 void *mha__alloc(size_t bytes) {
     if (bytes == 0) bytes = 1;
     size_t rounded = (bytes + 63) & ~(size_t)63;
     if (rounded < bytes) return NULL;
     if (MHA__FAULT_NOW()) return NULL;
-    return aligned_alloc(64, rounded);
+    if (rounded < MHA__HUGE_MIN) return aligned_alloc(64, rounded);
+    const size_t huge = (rounded + MHA__HUGE_PAGE - 1) & ~(MHA__HUGE_PAGE - 1);
+    if (huge < rounded) return NULL;
+    void *p = aligned_alloc(MHA__HUGE_PAGE, huge);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (p) (void)madvise(p, huge, MADV_HUGEPAGE);
+#endif
+    return p;
 }
 
 void mha__free(void *p) { free(p); }

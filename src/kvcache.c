@@ -547,16 +547,25 @@ typedef struct dec_query {
     float *pp;
 } dec_query;
 
+// Where a segment's rows are (mha__kv_rows.at): its first K and V rows and
+// their int8 scales (all NULL: released).
+typedef struct dec_seg {
+    const char *k, *v;
+    const float *ks, *vs;
+} dec_seg;
+
 // A chunk's rows (those of sequence b, KV head hk, from the chunk's first
-// key j0, in the source's segments) and the thread's per-query floats: qf
-// per query, scores (indexed from j0), scaled query, unnormalised output.
+// key j0, in the source's segments: those from segment s0 on, looked up
+// once, in seg) and the thread's per-query floats: qf per query, scores
+// (indexed from j0), scaled query, unnormalised output.
 typedef struct dec_chunk {
     const mha__kernels *kt;
     const mha__kv_rows *c;
-    int64_t b, hk, j0;
+    int64_t b, hk, j0, s0;
     int kind;
     float *sc;
     size_t qf;
+    const dec_seg *seg;
 } dec_chunk;
 
 // The piece of rows [r, hi) within r's segment: its end (returned) and
@@ -565,45 +574,70 @@ static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
                      const char **v, const float **ks, const float **vs) {
     const mha__kv_rows *c = dc->c;
     const int64_t s = r / c->seg, i = r - s * c->seg, end = (s + 1) * c->seg;
-    c->at(c->ctx, dc->b, dc->hk, s, k, v, ks, vs);
-    *k += (size_t)(i * c->D) * c->esz;
-    *v += (size_t)(i * c->Dv) * c->esz;
-    if (*ks) *ks += i, *vs += i;
+    const dec_seg *g = &dc->seg[s - dc->s0];
+    *k = g->k + (size_t)(i * c->D) * c->esz;
+    *v = g->v + (size_t)(i * c->Dv) * c->esz;
+    *ks = g->ks ? g->ks + i : NULL;
+    *vs = g->vs ? g->vs + i : NULL;
     return end < hi ? end : hi;
 }
 
 // Decode over a cache in segments (a paged cache's blocks): the rows after
-// a piece lie apart, so neither the kernels' prefetch (within a call) nor
-// the hardware's (within a page) reaches them. The driver asks for them:
-// of the stream of rows from r1 on (to hi), the bytes at offsets [from, to)
-// (a sliding window: each piece read moves it on by that piece's bytes).
-#define DEC_PF_BYTES 12288
-static void prefetch_stream(const dec_chunk *dc, int64_t r1, int64_t hi, bool isk, size_t from,
-                            size_t to) {
+// a piece lie apart, so neither the kernels' look-ahead (within a call) nor
+// the hardware's (within a page) reaches them. While the piece in segment s
+// is read, the kernel fetches segment s + near (the one DEC_NEAR bytes
+// ahead: the pf argument, spread over the call) and the driver touches the
+// first lines of segment s + far (DEC_FAR bytes ahead, into L2: the
+// hardware's streamer then brings the rest of its page); the first piece
+// of a range fetches those in between at once. Measured on the Xeon, a
+// 256k-token decode over 16-token blocks scattered over the pool: 1.6x
+// faster than a window of plain prefetches ahead of each piece.
+#define DEC_NEAR 12288
+#define DEC_FAR 65536
+#define DEC_FAR_LINES 2
+
+// Rows of segment s in [.., hi): where its K (isk) or V rows start and
+// their bytes (0: none, or released).
+static size_t seg_bytes(const dec_chunk *dc, int64_t s, int64_t hi, bool isk, const char **p) {
+    const mha__kv_rows *c = dc->c;
+    const int64_t r = s * c->seg, e = (s + 1) * c->seg < hi ? (s + 1) * c->seg : hi;
+    if (r >= hi) return 0;
+    const dec_seg *g = &dc->seg[s - dc->s0];
+    *p = isk ? g->k : g->v;
+    return *p ? (size_t)((e - r) * (isk ? c->D : c->Dv)) * c->esz : 0;
+}
+
+static void touch(const char *p, size_t bytes, int lines) {
 #if defined(__GNUC__) || defined(__clang__)
-    if (dc->c->seg >= MHA__DECODE_CHUNK) return;  // (one segment: the kernels' prefetch)
-    size_t off = 0;
-    for (int64_t r = r1, e; r < hi && off < to; r = e) {
-        const char *k, *v;
-        const float *ks, *vs;
-        e = piece(dc, r, hi, &k, &v, &ks, &vs);
-        const size_t bytes = (size_t)((e - r) * (isk ? dc->c->D : dc->c->Dv)) * dc->c->esz;
-        const char *p = isk ? k : v;
-        for (size_t b = from > off ? from - off : 0; p && b < bytes && off + b < to; b += 64)
-            __builtin_prefetch(p + b);
-        off += bytes;
+    for (size_t b = 0; b < bytes && (lines < 0 || b < (size_t)lines * 64); b += 64) {
+        if (lines < 0) __builtin_prefetch(p + b, 0, 3);
+        else __builtin_prefetch(p + b, 0, 1);
     }
 #else
-    (void)dc, (void)r1, (void)hi, (void)isk, (void)from, (void)to;
+    (void)p, (void)bytes, (void)lines;
 #endif
 }
 
-// Before the piece [r, p1) is read: the window of the rows after it.
-static void prefetch_after(const dec_chunk *dc, int64_t r, int64_t p1, int64_t hi, bool isk,
-                           bool first) {
-    const size_t pb = (size_t)((p1 - r) * (isk ? dc->c->D : dc->c->Dv)) * dc->c->esz;
-    prefetch_stream(dc, p1, hi, isk, first || pb >= DEC_PF_BYTES ? 0 : DEC_PF_BYTES - pb,
-                    DEC_PF_BYTES);
+// Before the piece [r, p1) of the range [.., hi) is read: the segments
+// ahead (above); *pf, *pfb: the one for the kernel to fetch while it runs
+// (NULL, 0: the range lies in one segment).
+static void prefetch_ahead(const dec_chunk *dc, int64_t r, int64_t p1, int64_t hi, bool isk,
+                           bool first, const void **pf, size_t *pfb) {
+    const mha__kv_rows *c = dc->c;
+    *pf = NULL, *pfb = 0;
+    if (p1 >= hi) return;  // the range's last piece
+    const size_t sb = (size_t)(c->seg * (isk ? c->D : c->Dv)) * c->esz;
+    const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
+                  kf = (int64_t)((DEC_FAR + sb - 1) / sb);
+    const int64_t s = r / c->seg;
+    const char *p = NULL;
+    for (int64_t i = first ? 1 : kf; i <= kf; i++) {
+        const size_t n = seg_bytes(dc, s + i, hi, isk, &p);
+        if (!n) break;
+        if (i < kn) touch(p, n, -1);
+        else if (i > kn || kn == kf) touch(p, n, DEC_FAR_LINES);
+    }
+    if ((*pfb = seg_bytes(dc, s + kn, hi, isk, &p))) *pf = p;
 }
 
 // Rows [r, r1) for query v alone: its scores (isk), else O += P V.
@@ -613,10 +647,14 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
     for (int64_t p1, r0 = r; r < r1; r = p1) {
         const char *k, *vr;
         const float *ks, *vs;
+        const void *pf;
+        size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_after(dc, r, p1, r1, isk, r == r0);
-        if (isk) dc->kt->dot_rows_q(s + (r - dc->j0), k, D, dc->kind, ks, x, p1 - r, D);
-        else dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, Dv, dc->kind, vs, p1 - r, Dv);
+        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
+        if (isk)
+            dc->kt->dot_rows_q(s + (r - dc->j0), k, D, dc->kind, ks, x, p1 - r, D, pf, pfb);
+        else
+            dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, Dv, dc->kind, vs, p1 - r, Dv, pf, pfb);
     }
 }
 
@@ -628,14 +666,16 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
     for (int64_t p1, r0 = r; r < r1; r = p1) {
         const char *k, *vr;
         const float *ks, *vs;
+        const void *pf;
+        size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_after(dc, r, p1, r1, isk, r == r0);
+        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, D, dc->kind, ks,
-                                sc + MHA__DECODE_CHUNK, qf, nv, p1 - r, D);
+                                sc + MHA__DECODE_CHUNK, qf, nv, p1 - r, D, pf, pfb);
         else
             dc->kt->axpy_rows_qg(sc + MHA__DECODE_CHUNK + D, qf, sc + (r - dc->j0), qf, vr, Dv,
-                                 dc->kind, vs, nv, p1 - r, Dv);
+                                 dc->kind, vs, nv, p1 - r, Dv, pf, pfb);
     }
 }
 
@@ -664,8 +704,10 @@ static mha_status attend_decode(const attend_call *ac) {
     // chunk's first key), scaled query (D), unnormalised output (Dv)
     const size_t per = (size_t)(Dv + 2), items = (size_t)(B * c->Hkv * nch);
     const size_t nq = (size_t)(G * T), qf = (size_t)(CH + D + Dv), tfl = nq * qf;
+    // (and per thread the segments a chunk's rows lie in)
+    const size_t ns = (size_t)((CH + c->seg - 1) / c->seg + 1);
     // (floats: the partials, then the threads' scores from a multiple of
-    // 16, then their queries' records)
+    // 16, then their queries' records, then their segments)
     size_t off_sc, off_q, nd, bytes;
     if (mha__mul_overflow_size((size_t)(B * H * nch * T), per, &off_sc) ||
         mha__add_overflow_size(off_sc, 15, &off_sc) ||
@@ -673,6 +715,8 @@ static mha_status attend_decode(const attend_call *ac) {
         mha__add_overflow_size(off_sc & ~(size_t)15, nd + 15, &off_q) ||
         mha__mul_overflow_size(off_q & ~(size_t)15, sizeof(float), &bytes) ||
         mha__mul_overflow_size(nq * (size_t)nt, sizeof(dec_query), &nd) ||
+        mha__add_overflow_size(bytes, nd, &bytes) ||
+        mha__mul_overflow_size(ns * (size_t)nt, sizeof(dec_seg), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
     off_sc &= ~(size_t)15, off_q &= ~(size_t)15;
@@ -681,6 +725,7 @@ static mha_status attend_decode(const attend_call *ac) {
         return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", bytes);
     float *tsc = part + off_sc;
     dec_query *tq = (dec_query *)(void *)(part + off_q);
+    dec_seg *tseg = (dec_seg *)(void *)(tq + nq * (size_t)nt);
     const int kind = (int)c->dt;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < (int64_t)items; it++) {
@@ -720,7 +765,14 @@ static mha_status attend_decode(const attend_call *ac) {
         if (nv == 0) continue;
         // (one query, or none shared: each query alone)
         const bool shared = nv > 1 && chi > clo;
-        const dec_chunk dc = {kt, c, b, hk, j0, kind, sc, qf};
+        // the chunk's segments, looked up once
+        const int64_t s0 = j0 / c->seg, s1 = (j1 - 1) / c->seg;
+        dec_seg *sg = tseg + (size_t)id * ns;
+        for (int64_t g = s0; g <= s1; g++) {
+            dec_seg *e = &sg[g - s0];
+            c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
+        }
+        const dec_chunk dc = {kt, c, b, hk, j0, s0, kind, sc, qf, sg};
         // scores: the shared keys for all, then each query's others
         if (shared) shared_rows(&dc, nv, clo, chi, true);
         for (int64_t v = 0; v < nv; v++) {

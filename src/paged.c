@@ -1,6 +1,8 @@
 // paged.c: the paged KV cache (mha.h: mha_paged_cache): a pool of blocks of
-// bs tokens (each block: K rows (Hkv, bs, D) and V rows (Hkv, bs, Dv) in the
-// storage type, int8 scales per row), per-sequence block tables, blocks
+// bs tokens (K rows (Hkv, nblocks, bs, D) and V rows (Hkv, nblocks, bs, Dv)
+// in the storage type, int8 scales per row: a KV head's blocks side by
+// side, so blocks taken in order are one stream per head, as in a
+// contiguous cache), per-sequence block tables, blocks
 // counted by the sequences that hold them. A fork shares its source's
 // blocks; a write into a shared block copies it first (copy on write).
 // Attention goes through kvcache.c's drivers with the blocks as the row
@@ -39,8 +41,8 @@ struct mha_paged_cache {
     int64_t nblocks, bs, Hkv, D, Dv;
     mha_kv_dtype dt;
     size_t esz;
-    char *k, *v;     // (nblocks, Hkv, bs, D) and (.., Dv) elements
-    float *ks, *vs;  // int8: (nblocks, Hkv, bs) row scales
+    char *k, *v;     // (Hkv, nblocks, bs, D) and (.., Dv) elements
+    float *ks, *vs;  // int8: (Hkv, nblocks, bs) row scales
     int32_t *ref;    // per block: the sequences holding it (0: free)
     int32_t *freel;  // the free blocks, a stack of nfree
     int64_t nfree;
@@ -458,22 +460,21 @@ size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
 // Block blk's row of head h, slot i: K (isv false) or V, and its scale.
 static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, int64_t i,
                     float **scale) {
-    const int64_t r = (blk * c->Hkv + h) * c->bs + i;
+    const int64_t r = (h * c->nblocks + blk) * c->bs + i;
     float *sc = isv ? c->vs : c->ks;
     *scale = sc ? sc + r : NULL;
     return (isv ? c->v : c->k) + (size_t)(r * (isv ? c->Dv : c->D)) * c->esz;
 }
 
 static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
-    const size_t rows = (size_t)(c->Hkv * c->bs);
-    memcpy(c->k + (size_t)dst * rows * (size_t)c->D * c->esz,
-           c->k + (size_t)src * rows * (size_t)c->D * c->esz, rows * (size_t)c->D * c->esz);
-    memcpy(c->v + (size_t)dst * rows * (size_t)c->Dv * c->esz,
-           c->v + (size_t)src * rows * (size_t)c->Dv * c->esz, rows * (size_t)c->Dv * c->esz);
-    if (c->ks) {
-        memcpy(c->ks + (size_t)dst * rows, c->ks + (size_t)src * rows, rows * sizeof(float));
-        memcpy(c->vs + (size_t)dst * rows, c->vs + (size_t)src * rows, rows * sizeof(float));
-    }
+    for (int64_t h = 0; h < c->Hkv; h++)
+        for (int isv = 0; isv < 2; isv++) {
+            float *sd, *ss;
+            char *d = row_at(c, isv, dst, h, 0, &sd);
+            const char *sr = row_at(c, isv, src, h, 0, &ss);
+            memcpy(d, sr, (size_t)(c->bs * (isv ? c->Dv : c->D)) * c->esz);
+            if (sd) memcpy(sd, ss, sizeof(float) * (size_t)c->bs);
+        }
 }
 
 // The blocks sequence s needs for `add` more tokens: new ones, and one copy

@@ -635,15 +635,15 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
             const void *A = kind == 0   ? (const void *)f32
                             : kind == 3 ? (const void *)b8
                                         : (const void *)h;
-            k->dot_rows_q(s1, A, W, kind, sc, x, N, D);
-            g->dot_rows_q(s2, A, W, kind, sc, x, N, D);
+            k->dot_rows_q(s1, A, W, kind, sc, x, N, D, NULL, 0);
+            g->dot_rows_q(s2, A, W, kind, sc, x, N, D, NULL, 0);
             double e = 0, m = 0;
             for (int j = 0; j < N; j++) e = fmax(e, fabs((double)s1[j] - s2[j])), m = fmax(m, fabs(s2[j]));
             CHECKF(e <= 1e-5 * (1 + m), "%s dot_rows_q kind %d D %lld: err %g", k->isa, kind,
                    (long long)D, e);
             for (int c = 0; c < W; c++) o1[c] = o2[c] = 0.5f;
-            k->axpy_rows_q(o1, p, A, W, kind, sc, N, D);
-            g->axpy_rows_q(o2, p, A, W, kind, sc, N, D);
+            k->axpy_rows_q(o1, p, A, W, kind, sc, N, D, NULL, 0);
+            g->axpy_rows_q(o2, p, A, W, kind, sc, N, D, NULL, 0);
             e = m = 0;
             for (int c = 0; c < W; c++) e = fmax(e, fabs((double)o1[c] - o2[c])), m = fmax(m, fabs(o2[c]));
             CHECKF(e <= 1e-5 * (1 + m), "%s axpy_rows_q kind %d Dv %lld: err %g", k->isa, kind,
@@ -682,24 +682,31 @@ static void test_rows_qg(const mha__kernels *k) {
                                     : kind == 3 ? (const void *)b8
                                                 : (const void *)h;
                     for (int i = 0; i < G * LD; i++) s1[i] = s2[i] = o1[i] = o2[i] = 0.5f;
-                    k->dot_rows_qg(s1, LD, A, W, kind, sc, X, LD, ng, n, D);
-                    k->axpy_rows_qg(o1, LD, P, LD, A, W, kind, sc, ng, n, D);
+                    // (the group calls fetch other rows while they run, of
+                    // any length: pf changes no result)
+                    const size_t pfb = (size_t)(next() % sizeof f32);
+                    k->dot_rows_qg(s1, LD, A, W, kind, sc, X, LD, ng, n, D, f32, pfb);
+                    k->axpy_rows_qg(o1, LD, P, LD, A, W, kind, sc, ng, n, D, h, pfb / 2);
                     for (int64_t g = 0; g < ng; g++) {
-                        k->dot_rows_q(s2 + g * LD, A, W, kind, sc, X + g * LD, n, D);
-                        k->axpy_rows_q(o2 + g * LD, P + g * LD, A, W, kind, sc, n, D);
+                        k->dot_rows_q(s2 + g * LD, A, W, kind, sc, X + g * LD, n, D, NULL, 0);
+                        k->axpy_rows_q(o2 + g * LD, P + g * LD, A, W, kind, sc, n, D, NULL, 0);
                     }
                     // a range in pieces: the bits of one call (any split point)
                     if (ng == 1) {
                         const int64_t cut = 1 + (int64_t)(next() % (uint64_t)n);
                         float p1[N], p2[LD];
                         for (int c = 0; c < LD; c++) p2[c] = 0.5f;
-                        k->dot_rows_q(p1, A, W, kind, sc, X, cut, D);
-                        k->axpy_rows_q(p2, P, A, W, kind, sc, cut, D);
+                        const size_t esz = kind == 0 ? 4 : kind == 3 ? 1 : 2;
+                        const char *Ac = (const char *)A + (size_t)(cut * W) * esz;
+                        const size_t rest = (size_t)((n - cut) * W) * esz;
+                        // (the first piece fetching the second, as decode asks)
+                        k->dot_rows_q(p1, A, W, kind, sc, X, cut, D, cut < n ? Ac : NULL, rest);
+                        k->axpy_rows_q(p2, P, A, W, kind, sc, cut, D, cut < n ? Ac : NULL, rest);
                         if (cut < n) {
-                            const char *Ac = (const char *)A + (size_t)(cut * W) *
-                                                                   (kind == 0 ? 4 : kind == 3 ? 1 : 2);
-                            k->dot_rows_q(p1 + cut, Ac, W, kind, sc + cut, X, n - cut, D);
-                            k->axpy_rows_q(p2, P + cut, Ac, W, kind, sc + cut, n - cut, D);
+                            k->dot_rows_q(p1 + cut, Ac, W, kind, sc + cut, X, n - cut, D, NULL,
+                                          0);
+                            k->axpy_rows_q(p2, P + cut, Ac, W, kind, sc + cut, n - cut, D, NULL,
+                                           0);
                         }
                         CHECKF(memcmp(p1, s2, sizeof(float) * (size_t)n) == 0 &&
                                    memcmp(p2, o2, sizeof(float) * (size_t)LD) == 0,

@@ -75,6 +75,9 @@ static const char *bench_help =
     "                     per sequence\n"
     "  --block-size B     with --decode: a paged KV cache of B-token blocks\n"
     "                     (mha_paged_cache_attend) instead of a contiguous one\n"
+    "  --pool-order O     with --block-size: scattered (default: the pool's\n"
+    "                     blocks taken in a random order, as a busy server's\n"
+    "                     are) or sequential (each block after the one before)\n"
     "  --module           with --decode: the module's decode step instead\n"
     "                     (mha_forward_cached: the q, k, v projections, the\n"
     "                     append, attention over the cache, W_O), --seq new\n"
@@ -127,6 +130,7 @@ typedef struct bench_opts {
     bool module;               // --decode --module: mha_forward_cached
     bool serve;                // --serve
     int64_t sequences, gen, block;  // --serve
+    bool contiguous_pool;           // --pool-order sequential (--decode --block-size)
     int64_t kv_len, kv_heads;  // --decode
     mha_kv_dtype kv_dtype;     // --kv-dtype
     mha_dtype wdtype, dtype;   // --weight-dtype, --dtype (module forward)
@@ -455,7 +459,8 @@ static const struct option bench_long_opts[] = {
     {"warmup", required_argument, 0, 'u'},    {"help", no_argument, 0, 'h'},
     {"module", no_argument, 0, 'M'},          {"serve", no_argument, 0, 'V'},
     {"sequences", required_argument, 0, 'q'}, {"gen", required_argument, 0, 'Q'},
-    {"block-size", required_argument, 0, 'k'}, {0, 0, 0, 0}};
+    {"block-size", required_argument, 0, 'k'}, {"pool-order", required_argument, 0, 'O'},
+    {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
 // optarg) and returns -1 when it took it, the exit status when its value
@@ -479,6 +484,11 @@ static int bench_opt_problem(bench_opts *o, int c) {
     case 'q': if (cli_parse_int(&o->sequences, optarg, 1, 1 << 20)) return bench_usage("--sequences needs a positive integer"); break;
     case 'Q': if (cli_parse_int(&o->gen, optarg, 1, big)) return bench_usage("--gen needs a positive integer"); break;
     case 'k': if (cli_parse_int(&o->block, optarg, 1, 1 << 20)) return bench_usage("--block-size needs a positive integer"); break;
+    case 'O':
+        if (strcmp(optarg, "sequential") && strcmp(optarg, "scattered"))
+            return bench_usage("--pool-order needs sequential or scattered");
+        o->contiguous_pool = strcmp(optarg, "sequential") == 0;
+        break;
     default: return BENCH_NOT_MINE;
     }
     return -1;
@@ -799,6 +809,40 @@ static int fill_cache(mha_kv_cache *c, mha_paged_cache *pc, const int64_t *ids, 
     return rc;
 }
 
+// A busy server's pool: its blocks in a random order. Every block of pc
+// (nb of bs tokens) goes to a one-block sequence, then the sequences are
+// freed in a random order (the free blocks are taken back last freed
+// first), so the sequences filled next hold blocks scattered over the
+// pool, none next to the one before it but by chance. 0, or 1 after
+// printing why.
+static int scatter_pool(mha_paged_cache *pc, int64_t nb, int64_t bs, int64_t Hkv, int64_t d,
+                        uint64_t *rng) {
+    int64_t *sid = malloc(sizeof *sid * (size_t)nb);
+    float *kv = calloc((size_t)(Hkv * bs * d), sizeof(float));
+    int rc = 0;
+    if (!sid || !kv) {
+        fprintf(stderr, "mha bench: out of memory\n");
+        rc = 1;
+    }
+    mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, Hkv, bs, d});
+    int64_t n = 0;
+    for (mha_status st; !rc && n < nb; n++)
+        if ((st = mha_paged_cache_add(pc, &sid[n])) ||
+            (st = mha_paged_cache_append(pc, 1, &sid[n], NULL, &kt, &kt)))
+            rc = cli_fail("bench", st);
+    for (int64_t i = n - 1; i > 0; i--) {  // Fisher-Yates
+        const int64_t j = (int64_t)(bench_next(rng) % (uint64_t)(i + 1)), t = sid[i];
+        sid[i] = sid[j], sid[j] = t;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        mha_status st = mha_paged_cache_free(pc, sid[i]);
+        if (st && !rc) rc = cli_fail("bench", st);
+    }
+    free(sid);
+    free(kv);
+    return rc;
+}
+
 // A decode bench's buffers: the input (nin random floats, after the
 // cache's N tokens from the same generator) and the output (nin floats),
 // the run times (o->repeat); cache c filled (fill_cache). 0, or 1 after
@@ -807,6 +851,9 @@ static int decode_setup(const bench_opts *o, mha_kv_cache *c, mha_paged_cache *p
                         const int64_t *ids, int64_t B, int64_t Hkv, int64_t d, int64_t N,
                         int64_t nin, float **in, float **out, double **times) {
     uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 7;
+    if (pc && !o->contiguous_pool &&
+        scatter_pool(pc, B * ((N + o->block - 1) / o->block), o->block, Hkv, d, &rng))
+        return 1;
     *in = malloc(sizeof(float) * (size_t)nin);
     *out = malloc(sizeof(float) * (size_t)nin);
     *times = malloc(sizeof(double) * (size_t)o->repeat);

@@ -2,6 +2,9 @@
 // same process on the same threads (bench.h): the machine's fp32 FMA peak
 // and its read bandwidth. x86-64 kernels (target attributes: one binary
 // runs on any x86-64 and picks them at run time) with portable fallbacks.
+#if defined(__linux__) && !defined(_DEFAULT_SOURCE)
+#define _DEFAULT_SOURCE  // madvise
+#endif
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -10,6 +13,10 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define BENCH_X86 1
+#endif
+
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 
 #include "bench.h"
@@ -147,9 +154,14 @@ __attribute__((target("avx512f"))) static double sum_avx512(const float *buf, si
 // Read bandwidth of this machine on nt threads: a parallel sum over a buffer
 // of `bytes` (median of 5 passes after one), in GB/s.
 double read_bandwidth(int nt, size_t bytes) {
-    const size_t n = bytes / sizeof(float);
-    float *buf = malloc(n * sizeof(float));
+    // on huge pages where the kernel gives them, as the library's large
+    // buffers are (mha__alloc): the read bandwidth of the same kind of memory
+    const size_t huge = (size_t)2 << 20, n = (bytes + huge - 1) / huge * huge / sizeof(float);
+    float *buf = aligned_alloc(huge, n * sizeof(float));
     if (!buf) return 0.0;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    (void)madvise(buf, n * sizeof(float), MADV_HUGEPAGE);
+#endif
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (size_t i = 0; i < n; i++) buf[i] = (float)(i & 1023) * 1e-3f;
     double t[6];

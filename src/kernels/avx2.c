@@ -444,13 +444,16 @@ static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64
 // prefetched; the other kinds stay the portable version's.
 
 static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv) {
+                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
     if (kind != 0) {
-        mha__axpy_rows_q_generic(o, p, A, lda, kind, scales, n, Dv);
+        mha__axpy_rows_q_generic(o, p, A, lda, kind, scales, n, Dv, pf, pfb);
         return;
     }
     const float *F = A;
     const int64_t ahead = lda * 4 >= 12288 ? 1 : 12288 / (lda * 4);
+    // the caller's next rows (pf), a step per row of the first columns
+    const char *pp = pf, *pe = pf ? (const char *)pf + pfb : NULL;
+    const size_t pstep = ((pfb / (size_t)(n > 0 ? n : 1)) + 64) & ~(size_t)63;
     for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
         const int64_t w = Dv - c0 < 32 ? Dv - c0 : 32;
         const __m256i m0 = tail_mask(w), m1 = tail_mask(w - 8), m2 = tail_mask(w - 16),
@@ -463,6 +466,8 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
             if (c0 == 0 && j + ahead < n)
                 for (int64_t b = 0; b < lda * 4; b += 64)
                     _mm_prefetch((const char *)(F + (j + ahead) * lda) + b, _MM_HINT_T0);
+            for (size_t b = 0; c0 == 0 && b < pstep && pp < pe; b += 64, pp += 64)
+                _mm_prefetch(pp, _MM_HINT_T0);
             const __m256 f = _mm256_set1_ps(p[j]);
             a0 = _mm256_fmadd_ps(f, _mm256_maskload_ps(r, m0), a0);
             a1 = _mm256_fmadd_ps(f, _mm256_maskload_ps(r + 8, m1), a1);
@@ -480,9 +485,9 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
 // so dot_rows_qg, stay the portable ones).
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv) {
+                         int64_t Dv, const void *pf, size_t pfb) {
     for (int64_t g = 0; g < ng; g++)
-        axpy_rows_q(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv);
+        axpy_rows_q(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv, g ? NULL : pf, pfb);
 }
 
 void mha__kernels_fill_avx2(mha__kernels *k) {

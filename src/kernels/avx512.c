@@ -496,6 +496,28 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, 
     for (size_t b = 0; b < (size_t)nr * rb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+// The caller's next rows (pfb bytes at pf, elsewhere: a paged cache's next
+// block), prefetched a step at a time while the call reads its own rows
+// (spread over the call: a burst would stall on the line fill buffers).
+typedef struct pf_spread {
+    const char *p, *e;
+    size_t step;
+} pf_spread;
+
+static inline pf_spread pf_begin(const void *pf, size_t pfb, int64_t steps) {
+    const size_t per = pfb / (size_t)(steps > 0 ? steps : 1) + 64;
+    return (pf_spread){pf, pf ? (const char *)pf + pfb : NULL, per & ~(size_t)63};
+}
+
+static inline __attribute__((always_inline)) void pf_step(pf_spread *f) {
+    for (size_t b = 0; b < f->step && f->p < f->e; b += 64, f->p += 64)
+        _mm_prefetch(f->p, _MM_HINT_T0);
+}
+
+static inline void pf_rest(pf_spread *f) {
+    for (; f->p < f->e; f->p += 64) _mm_prefetch(f->p, _MM_HINT_T0);
+}
+
 // The bytes of an element of kind (0 f32, 1 bf16, 2 f16, 3 int8).
 static inline size_t kind_size(int kind) { return kind == 0 ? 4 : kind == 3 ? 1 : 2; }
 
@@ -631,15 +653,15 @@ static inline __attribute__((always_inline)) float dot_q1(const void *A, int64_t
 
 // Four rows at once (independent chains hide the FMA latency, one
 // reduction tree for the four); kind a constant after inlining.
-static inline __attribute__((always_inline)) void dot_rows_qk(float *s, const void *A,
-                                                              int64_t lda, int kind,
-                                                              const float *scales,
-                                                              const float *x, int64_t n,
-                                                              int64_t D) {
+static inline __attribute__((always_inline)) void dot_rows_qk(
+    float *s, const void *A, int64_t lda, int kind, const float *scales, const float *x,
+    int64_t n, int64_t D, const void *pf, size_t pfb) {
     int64_t j = 0;
     const int64_t Dv = D & ~(int64_t)15;
+    pf_spread pfs = pf_begin(pf, pfb, n / 4);
     for (; j + 4 <= n && Dv == D; j += 4) {
         prefetch_ahead(A, lda, kind_size(kind), j, 4, n);
+        pf_step(&pfs);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t c = 0; c < D; c += 16) {
             const __m512 xv = _mm512_loadu_ps(x + c);
@@ -652,15 +674,16 @@ static inline __attribute__((always_inline)) void dot_rows_qk(float *s, const vo
         if (kind == 3) r = _mm_mul_ps(r, _mm_loadu_ps(scales + j));
         _mm_storeu_ps(s + j, r);
     }
+    pf_rest(&pfs);
     for (; j < n; j++) s[j] = (kind == 3 ? scales[j] : 1.0f) * dot_q1(A, lda, kind, j, x, D);
 }
 
 static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D) {
-    if (kind == 0) dot_rows_qk(s, A, lda, 0, scales, x, n, D);
-    else if (kind == 1) dot_rows_qk(s, A, lda, 1, scales, x, n, D);
-    else if (kind == 2) dot_rows_qk(s, A, lda, 2, scales, x, n, D);
-    else dot_rows_qk(s, A, lda, 3, scales, x, n, D);
+                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    if (kind == 0) dot_rows_qk(s, A, lda, 0, scales, x, n, D, pf, pfb);
+    else if (kind == 1) dot_rows_qk(s, A, lda, 1, scales, x, n, D, pf, pfb);
+    else if (kind == 2) dot_rows_qk(s, A, lda, 2, scales, x, n, D, pf, pfb);
+    else dot_rows_qk(s, A, lda, 3, scales, x, n, D, pf, pfb);
 }
 
 // The group version: 4 rows x up to 4 queries at a time, 16 accumulators
@@ -695,11 +718,13 @@ static inline __attribute__((always_inline)) void dot4_q(float *s, int64_t lds, 
 
 static inline __attribute__((always_inline)) void dot_rows_qgk(
     float *s, int64_t lds, const void *A, int64_t lda, int kind, const float *scales,
-    const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D) {
+    const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
     int64_t j = 0;
     const int64_t Dv = D & ~(int64_t)15;
+    pf_spread pfs = pf_begin(pf, pfb, n / 4);
     for (; j + 4 <= n && Dv == D; j += 4) {
         prefetch_ahead(A, lda, kind_size(kind), j, 4, n);
+        pf_step(&pfs);
         int64_t g = 0;
         for (; g + 4 <= ng; g += 4)
             dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 4, j, D);
@@ -710,6 +735,7 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
         if (ng - g == 1)
             dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, j, D);
     }
+    pf_rest(&pfs);
     for (; j < n; j++)
         for (int64_t g = 0; g < ng; g++)
             s[g * lds + j] = (kind == 3 ? scales[j] : 1.0f) *
@@ -718,11 +744,11 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
 
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
                         const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D) {
-    if (kind == 0) dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D);
-    else if (kind == 1) dot_rows_qgk(s, lds, A, lda, 1, scales, X, ldx, ng, n, D);
-    else if (kind == 2) dot_rows_qgk(s, lds, A, lda, 2, scales, X, ldx, ng, n, D);
-    else dot_rows_qgk(s, lds, A, lda, 3, scales, X, ldx, ng, n, D);
+                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+    if (kind == 0) dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D, pf, pfb);
+    else if (kind == 1) dot_rows_qgk(s, lds, A, lda, 1, scales, X, ldx, ng, n, D, pf, pfb);
+    else if (kind == 2) dot_rows_qgk(s, lds, A, lda, 2, scales, X, ldx, ng, n, D, pf, pfb);
+    else dot_rows_qgk(s, lds, A, lda, 3, scales, X, ldx, ng, n, D, pf, pfb);
 }
 
 // o[c] += p[j] scale_j A(j, c), j in order for every c (the contract's
@@ -730,14 +756,17 @@ static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int k
 static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const float *p,
                                                                const void *A, int64_t lda,
                                                                int kind, const float *scales,
-                                                               int64_t n, int64_t Dv) {
+                                                               int64_t n, int64_t Dv,
+                                                               const void *pf, size_t pfb) {
+    pf_spread pfs = pf_begin(pf, pfb, Dv >= 64 ? n : 1);
+    if (Dv < 64) pf_rest(&pfs);
     for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
         const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64;
         if (w == 64) {
             __m512 a0 = _mm512_loadu_ps(o + c0), a1 = _mm512_loadu_ps(o + c0 + 16),
                    a2 = _mm512_loadu_ps(o + c0 + 32), a3 = _mm512_loadu_ps(o + c0 + 48);
             for (int64_t j = 0; j < n; j++) {
-                if (c0 == 0) prefetch_ahead(A, lda, kind_size(kind), j, 1, n);
+                if (c0 == 0) prefetch_ahead(A, lda, kind_size(kind), j, 1, n), pf_step(&pfs);
                 const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
                 a0 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0), a0);
                 a1 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 16), a1);
@@ -748,6 +777,7 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
             _mm512_storeu_ps(o + c0 + 16, a1);
             _mm512_storeu_ps(o + c0 + 32, a2);
             _mm512_storeu_ps(o + c0 + 48, a3);
+            pf_rest(&pfs);
             continue;
         }
         for (int64_t c = c0; c < c0 + w; c += 16) {
@@ -765,11 +795,11 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
 }
 
 static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv) {
-    if (kind == 0) axpy_rows_qk(o, p, A, lda, 0, scales, n, Dv);
-    else if (kind == 1) axpy_rows_qk(o, p, A, lda, 1, scales, n, Dv);
-    else if (kind == 2) axpy_rows_qk(o, p, A, lda, 2, scales, n, Dv);
-    else axpy_rows_qk(o, p, A, lda, 3, scales, n, Dv);
+                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    if (kind == 0) axpy_rows_qk(o, p, A, lda, 0, scales, n, Dv, pf, pfb);
+    else if (kind == 1) axpy_rows_qk(o, p, A, lda, 1, scales, n, Dv, pf, pfb);
+    else if (kind == 2) axpy_rows_qk(o, p, A, lda, 2, scales, n, Dv, pf, pfb);
+    else axpy_rows_qk(o, p, A, lda, 3, scales, n, Dv, pf, pfb);
 }
 
 // The group version: blocks of AXB rows (in L1 once read); for each block,
@@ -780,12 +810,12 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
 #define AXB 32
 static inline __attribute__((always_inline)) void axpy64_q(
     float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
-    const float *scales, int nq, int64_t jb, int64_t je, int64_t c0, int64_t n, bool pf) {
+    const float *scales, int nq, int64_t jb, int64_t je, int64_t c0, int64_t n, pf_spread *pf) {
     __m512 acc[4][4];
     for (int g = 0; g < nq; g++)
         for (int u = 0; u < 4; u++) acc[g][u] = _mm512_loadu_ps(O + g * ldo + c0 + 16 * u);
     for (int64_t j = jb; j < je; j++) {
-        if (pf) prefetch_ahead(A, lda, kind_size(kind), j, 1, n);
+        if (pf) prefetch_ahead(A, lda, kind_size(kind), j, 1, n), pf_step(pf);
         const __m512 a0 = q16(A, lda, kind, j, c0), a1 = q16(A, lda, kind, j, c0 + 16),
                      a2 = q16(A, lda, kind, j, c0 + 32), a3 = q16(A, lda, kind, j, c0 + 48);
         for (int g = 0; g < nq; g++) {
@@ -802,7 +832,9 @@ static inline __attribute__((always_inline)) void axpy64_q(
 
 static inline __attribute__((always_inline)) void axpy_rows_qgk(
     float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
-    const float *scales, int64_t ng, int64_t n, int64_t Dv) {
+    const float *scales, int64_t ng, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    pf_spread pfs = pf_begin(pf, pfb, Dv >= 64 ? n : 1);
+    if (Dv < 64) pf_rest(&pfs);
     for (int64_t jb = 0; jb < n; jb += AXB) {
         const int64_t je = n - jb < AXB ? n : jb + AXB;
         if (Dv < 64)  // (else the first 64 columns' first queries ask for them)
@@ -812,16 +844,16 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
                 int64_t g = 0;
                 for (; g + 4 <= ng; g += 4)
                     axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 4, jb,
-                             je, c0, n, c0 == 0 && g == 0);
+                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 if (ng - g == 3)
                     axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 3, jb,
-                             je, c0, n, c0 == 0 && g == 0);
+                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 if (ng - g == 2)
                     axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 2, jb,
-                             je, c0, n, c0 == 0 && g == 0);
+                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 if (ng - g == 1)
                     axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 1, jb,
-                             je, c0, n, c0 == 0 && g == 0);
+                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 continue;
             }
             for (int64_t g = 0; g < ng; g++) {  // the last < 64 columns, query by query
@@ -845,11 +877,11 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
 
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv) {
-    if (kind == 0) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv);
-    else if (kind == 1) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, ng, n, Dv);
-    else if (kind == 2) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, ng, n, Dv);
-    else axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, ng, n, Dv);
+                         int64_t Dv, const void *pf, size_t pfb) {
+    if (kind == 0) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv, pf, pfb);
+    else if (kind == 1) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, ng, n, Dv, pf, pfb);
+    else if (kind == 2) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, ng, n, Dv, pf, pfb);
+    else axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, ng, n, Dv, pf, pfb);
 }
 
 static void scale_row(float *y, int64_t n, float a) {

@@ -108,8 +108,19 @@ static inline float q_at(const void *A, int64_t lda, int kind, int64_t j, int64_
     return f;
 }
 
+// The caller's next rows (pf): asked for at once, where the compiler can
+// (a hint; the portable versions do no look-ahead of their own).
+static void prefetch_next(const void *pf, size_t pfb) {
+#if defined(__GNUC__) || defined(__clang__)
+    for (size_t b = 0; pf && b < pfb; b += 64) __builtin_prefetch((const char *)pf + b);
+#else
+    (void)pf, (void)pfb;
+#endif
+}
+
 static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D) {
+                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    prefetch_next(pf, pfb);
     for (int64_t j = 0; j < n; j++) {
         float acc = 0.0f;
         for (int64_t c = 0; c < D; c++) acc += q_at(A, lda, kind, j, c) * x[c];
@@ -118,7 +129,9 @@ static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const flo
 }
 
 void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t lda, int kind,
-                              const float *scales, int64_t n, int64_t Dv) {
+                              const float *scales, int64_t n, int64_t Dv, const void *pf,
+                              size_t pfb) {
+    prefetch_next(pf, pfb);
     for (int64_t j = 0; j < n; j++) {
         const float w = p[j] * (kind == 3 ? scales[j] : 1.0f);
         for (int64_t c = 0; c < Dv; c++) o[c] += w * q_at(A, lda, kind, j, c);
@@ -128,16 +141,17 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
 // The group versions: query by query (the rows read once per query).
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
                         const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D) {
+                        int64_t n, int64_t D, const void *pf, size_t pfb) {
     for (int64_t g = 0; g < ng; g++)
-        dot_rows_q(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D);
+        dot_rows_q(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D, g ? NULL : pf, pfb);
 }
 
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv) {
+                         int64_t Dv, const void *pf, size_t pfb) {
     for (int64_t g = 0; g < ng; g++)
-        mha__axpy_rows_q_generic(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv);
+        mha__axpy_rows_q_generic(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv,
+                                 g ? NULL : pf, pfb);
 }
 
 static void scale_row(float *y, int64_t n, float a) {

@@ -76,11 +76,13 @@ typedef struct mha__kernels {
     // row's place in the call), and axpy's sum runs over the rows in order:
     // a range split into pieces gives the bits of one call. The ISA
     // versions prefetch the rows ahead of those they read (decode streams
-    // the cache from memory).
+    // the cache from memory) and, while they run, the pfb bytes at pf (the
+    // rows the caller reads next, elsewhere: a paged cache's next block;
+    // NULL, 0: none), a step at a time. pf never changes a result.
     void (*dot_rows_q)(float *s, const void *A, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D);
+                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb);
     void (*axpy_rows_q)(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv);
+                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb);
     // The same for the ng queries of a GQA group over the same rows, each row
     // read once for all of them (decode: the cache streams from memory once
     // per group, not once per query head):
@@ -90,10 +92,10 @@ typedef struct mha__kernels {
     //   of that table's dot_rows_q / axpy_rows_q on query g's rows.
     void (*dot_rows_qg)(float *s, int64_t lds, const void *A, int64_t lda, int kind,
                         const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D);
+                        int64_t n, int64_t D, const void *pf, size_t pfb);
     void (*axpy_rows_qg)(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv);
+                         int64_t Dv, const void *pf, size_t pfb);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // transpose: dst[c*ldd + r] = src[r*lds + c] for r < rows, c < cols
@@ -182,7 +184,8 @@ const mha__kernels *mha__kernels_for(const char *isa);
 // The portable axpy_rows_q (generic.c), for an ISA version that handles
 // some kinds itself and hands it the others.
 void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t lda, int kind,
-                              const float *scales, int64_t n, int64_t Dv);
+                              const float *scales, int64_t n, int64_t Dv, const void *pf,
+                              size_t pfb);
 
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);
