@@ -1048,6 +1048,20 @@ typedef struct mha_cache_attend_args {
     float softcap;                      // as in mha_forward_args (0: none)
     const float *sinks;                 // per query head (H), or NULL: none
                                         // (see mha_config.sinks)
+    // StreamingLLM (Xiao et al., "Efficient Streaming Language Models with
+    // Attention Sinks"): with window_left = w >= 0, the first sink_tokens
+    // = k tokens stay visible to every query beside its window, at the
+    // positions the paper gives (those within the cache: the tokens
+    // between the sinks and the window evicted). A query at position p
+    // sees keys [0, min(k, p - w)) and [p - w, p]; the sinks are seen as
+    // if at positions j + delta, delta = max(0, p - w - k), so that they
+    // sit just before the window: ALiBi takes that distance, and sink_q
+    // (NULL: q itself) holds the queries to score them with (a RoPE model:
+    // each query rotated at its position - delta, which scores the keys
+    // stored at their own positions as the paper's re-rotated cache does).
+    // 0 (the default) or window_left < 0: none. Not with a sharded cache.
+    int64_t sink_tokens;
+    const mha_tensor *sink_q;  // (B, H, T, D) as q, or NULL
 } mha_cache_attend_args;
 
 MHA_API void mha_cache_attend_args_init(mha_cache_attend_args *a);
@@ -1097,6 +1111,14 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_truncate(mha_paged_cache *c, in
 // does a truncation into the released tokens (other than to 0).
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id,
                                                                 int64_t pos);
+// StreamingLLM's bounded memory (mha_cache_attend_args.sink_tokens): as
+// mha_paged_cache_release_before, keeping the blocks that hold the first
+// keep tokens (the sinks): frees the blocks wholly within [ceil(keep /
+// block_size) * block_size, pos). The kept start must be the same in every
+// call for a sequence (MHA_ERR_INVALID_ARG otherwise); an attend whose
+// window or sinks reach a released token fails, naming them.
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_release_keep(mha_paged_cache *c, int64_t id,
+                                                              int64_t keep, int64_t pos);
 // Tokens of sequence id (-1: no such sequence).
 MHA_API int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id);
 // Blocks held by some sequence / free; bytes of one block.

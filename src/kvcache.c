@@ -337,6 +337,13 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
     if (st) return st;
     if ((st = mha__check_float(q, "q"))) return st;
     const int64_t B = c->B, D = c->D, Dv = c->Dv;
+    if (a.sink_tokens < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: sink_tokens %lld < 0",
+                         (long long)a.sink_tokens);
+    if (a.sink_tokens > 0 && a.window_left >= 0 && (q_shift != 0 || a.window_right >= 0))
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "kv cache attend: sink_tokens (StreamingLLM) with %s",
+                         q_shift ? "a sharded cache" : "window_right >= 0");
     if (q->ndim != 4 || q->shape[0] != B || q->shape[3] != D || q->shape[1] < 1 ||
         q->shape[1] % c->Hkv != 0) {
         char s[160];
@@ -355,6 +362,19 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
                          "kv cache attend: q and out must be F32 with unit stride along "
                          "the head dim");
     if ((st = check_counts(counts, B, T, "kv cache attend"))) return st;
+    const mha_tensor *sq = a.sink_tokens > 0 && a.window_left >= 0 ? a.sink_q : NULL;
+    if (sq) {
+        if ((st = mha__check_float(sq, "sink_q"))) return st;
+        if (sq->ndim != 4 || sq->shape[0] != B || sq->shape[1] != H || sq->shape[2] != T ||
+            sq->shape[3] != D || sq->dtype != MHA_F32 || sq->stride[3] != 1) {
+            char s1[160], s2[160];
+            return mha__fail(MHA_ERR_SHAPE,
+                             "kv cache attend: sink_q %s, expected q's shape %s (F32, unit "
+                             "stride along the head dim)",
+                             mha__shape_str(s1, sizeof s1, sq->ndim, sq->shape),
+                             mha__shape_str(s2, sizeof s2, q->ndim, q->shape));
+        }
+    }
     for (int64_t b = 0; b < B && q_shift == 0; b++)
         if ((counts ? counts[b] : T) > c->len[b])
             return mha__fail(MHA_ERR_INVALID_ARG,
@@ -810,13 +830,99 @@ static mha_status attend_decode(const attend_call *ac) {
     return MHA_OK;
 }
 
+// StreamingLLM's sinks (mha_cache_attend_args.sink_tokens): the keys
+// [0, min(k, p - w)) of a query at position p, seen at positions j +
+// delta, scored with sq's row (float64), merged with the window's result
+// (out, its row max and 1/sum in stats): O = (l_w e^(m_w - M) O_w + sum_j
+// e^(s_j - M) v_j) / (l_w e^(m_w - M) + sum_j e^(s_j - M)).
+static mha_status attend_stream_sinks(const attend_call *ac, const mha_tensor *sq) {
+    const mha__kv_rows *c = ac->c;
+    const int64_t B = ac->B, H = ac->H, T = ac->T, G = ac->G, D = ac->D, Dv = ac->Dv;
+    const int64_t k = ac->a.sink_tokens, w = ac->a.window_left;
+    const int64_t kmax = k < ac->maxlen ? k : ac->maxlen;
+    if (kmax <= 0) return MHA_OK;
+    // per thread: the sinks' scores (float64), their K and V rows as float32
+    const size_t per = (size_t)kmax * (sizeof(double) + sizeof(float) * (size_t)(D + Dv));
+    char *buf = mha__alloc(per * (size_t)ac->nt);
+    if (!buf)
+        return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for the sink tokens");
+    const float *sqd = sq ? sq->data : ac->qd;
+    const int64_t *qs = sq ? sq->stride : ac->q->stride;
+#pragma omp parallel for schedule(static) num_threads(ac->nt)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H, hk = h / G, n = c->len[b];
+        const int64_t Tb = ac->counts ? ac->counts[b] : T;
+        double *s = (double *)(void *)(buf + (size_t)mha__thread_id() * per);
+        float *kf = (float *)(void *)(s + kmax), *vf = kf + kmax * D;
+        int64_t have = 0;  // the sink rows converted so far
+        for (int64_t t = 0; t < Tb; t++) {
+            const int64_t p = n - Tb + t, ns = k < p - w ? k : p - w;
+            if (ns <= 0) continue;  // the window reaches back to them
+            const int64_t delta = p - w - k > 0 ? p - w - k : 0;
+            for (; have < ns; have++) {  // row `have`, segment by segment
+                const char *kr, *vr;
+                const float *ks, *vs;
+                const int64_t sgi = have / c->seg, i = have - sgi * c->seg;
+                c->at(c->ctx, b, hk, sgi, &kr, &vr, &ks, &vs);
+                rows_to_f32(ac->kt, c->dt, kr + (size_t)(i * D) * c->esz, ks ? ks + i : NULL,
+                            1, D, kf + have * D);
+                rows_to_f32(ac->kt, c->dt, vr + (size_t)(i * Dv) * c->esz, vs ? vs + i : NULL,
+                            1, Dv, vf + have * Dv);
+            }
+            const float *x = sqd + b * qs[0] + h * qs[1] + t * qs[2];
+            double ms = -INFINITY;
+            for (int64_t j = 0; j < ns; j++) {
+                double d = 0.0;
+                for (int64_t e = 0; e < D; e++) d += (double)x[e] * kf[j * D + e];
+                d *= ac->scale;
+                if (ac->a.softcap > 0.0f) d = ac->a.softcap * tanh(d / ac->a.softcap);
+                if (ac->a.alibi_slopes) {
+                    const int64_t at = j + delta;
+                    d -= ac->a.alibi_slopes[h] * (double)(p >= at ? p - at : at - p);
+                }
+                s[j] = d;
+                if (d > ms) ms = d;
+            }
+            float *orow = ac->o + b * ac->out->stride[0] + h * ac->out->stride[1] +
+                          t * ac->out->stride[2];
+            float *st = ac->stats + 2 * ((b * H + h) * T + t);
+            const double mw = st[0], ilw = st[1];
+            const double M = ilw > 0.0 && mw > ms ? mw : ms;
+            const double ww = ilw > 0.0 ? exp(mw - M) / ilw : 0.0;
+            double L = ww;
+            for (int64_t j = 0; j < ns; j++) L += exp(s[j] - M);
+            for (int64_t e = 0; e < Dv; e++) {
+                double acc = ww * orow[e];
+                for (int64_t j = 0; j < ns; j++) acc += exp(s[j] - M) * vf[j * Dv + e];
+                orow[e] = (float)(acc / L);
+            }
+            st[0] = (float)M;
+            st[1] = (float)(1.0 / L);
+        }
+    }
+    mha__free(buf);
+    return MHA_OK;
+}
+
 mha_status mha__kv_attend_rows(mha_tensor *out, const mha_tensor *q, const mha__kv_rows *rows,
                                const mha_cache_attend_args *args, const int64_t *counts,
                                int64_t q_shift, float *stats) {
     attend_call ac = {0};
+    const bool stream = args && args->sink_tokens > 0 && args->window_left >= 0;
+    float *own = NULL;  // the window's row stats, when the caller wants none
+    if (stream && !stats && q && q->ndim == 4 && rows) {
+        size_t nst;
+        if (mha__mul_overflow_size((size_t)(rows->B * q->shape[1] * q->shape[2]),
+                                   2 * sizeof(float), &nst))
+            return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
+        if (!(stats = own = mha__alloc(nst)))
+            return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", nst);
+    }
     mha_status st = attend_check(&ac, out, q, rows, args, counts, q_shift, stats);
-    if (st) return st;
-    return ac.T > MHA__DECODE_MAX_T ? attend_prefill(&ac) : attend_decode(&ac);
+    if (!st) st = ac.T > MHA__DECODE_MAX_T ? attend_prefill(&ac) : attend_decode(&ac);
+    if (!st && stream) st = attend_stream_sinks(&ac, args->sink_q);
+    mha__free(own);
+    return st;
 }
 
 mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,

@@ -34,7 +34,10 @@ typedef struct pseq {
     int32_t *blocks;
     int64_t known, tcap;  // the first `known` tokens' ids are in tok (room tcap)
     int32_t *tok;
-    int64_t kept;  // the first token still held (blocks before it released: -1)
+    // released tokens [hole, kept) (whole blocks; none while kept <= hole):
+    // release_before frees from the start, release_keep after the first
+    // blocks (StreamingLLM's sinks)
+    int64_t hole, kept;
 } pseq;
 
 struct mha_paged_cache {
@@ -52,6 +55,10 @@ struct mha_paged_cache {
     int64_t nbuck;
     int32_t *bucket, *next, *parent, *btok;
     bool *indexed;
+    // per block: its generation (bumped when it returns to the pool) and,
+    // indexed, its parent's generation when it was keyed (a parent freed
+    // and reused for other tokens no longer leads to it)
+    uint32_t *gen, *pgen;
     int64_t nseq;
     atomic_int state;  // 0 idle, n > 0: n attends, -1: a change
 };
@@ -119,12 +126,15 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
     c->next = mha__malloc(sizeof *c->next * (size_t)num_blocks);
     c->parent = mha__malloc(sizeof *c->parent * (size_t)num_blocks);
     c->indexed = mha__calloc((size_t)num_blocks, sizeof *c->indexed);
+    c->gen = mha__calloc((size_t)num_blocks, sizeof *c->gen);
+    c->pgen = mha__calloc((size_t)num_blocks, sizeof *c->pgen);
     c->btok = mha__mul_overflow_size((size_t)num_blocks, (size_t)block_size * sizeof(int32_t),
                                      &nbt)
                   ? NULL
                   : mha__malloc(nbt);
-    if (!c->k || !c->v || !c->ref || !c->freel || (dtype == MHA_KV_INT8 && (!c->ks || !c->vs)) ||
-        !c->bucket || !c->next || !c->parent || !c->indexed || !c->btok) {
+    if (!c->k || !c->v || !c->ref || !c->freel ||
+        (dtype == MHA_KV_INT8 && (!c->ks || !c->vs)) || !c->bucket || !c->next || !c->parent ||
+        !c->indexed || !c->btok || !c->gen || !c->pgen) {
         mha_paged_cache_destroy(c);
         return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory for %zu bytes",
                          bk + bv + (dtype == MHA_KV_INT8 ? 2 * bs : 0));
@@ -147,6 +157,8 @@ void mha_paged_cache_destroy(mha_paged_cache *c) {
     free(c->parent);
     free(c->indexed);
     free(c->btok);
+    free(c->gen);
+    free(c->pgen);
     mha__free(c->k);
     mha__free(c->v);
     mha__free(c->ks);
@@ -194,8 +206,9 @@ static int64_t bucket_of(const mha_paged_cache *c, int64_t parent, const int32_t
 // The indexed block with this key, or -1.
 static int32_t index_find(const mha_paged_cache *c, int64_t parent, const int32_t *tok) {
     for (int32_t b = c->bucket[bucket_of(c, parent, tok)]; b >= 0; b = c->next[b])
-        if (c->parent[b] == parent && memcmp(c->btok + (size_t)b * (size_t)c->bs, tok,
-                                             sizeof(int32_t) * (size_t)c->bs) == 0)
+        if (c->parent[b] == parent && (parent < 0 || c->pgen[b] == c->gen[parent]) &&
+            memcmp(c->btok + (size_t)b * (size_t)c->bs, tok,
+                   sizeof(int32_t) * (size_t)c->bs) == 0)
             return b;
     return -1;
 }
@@ -207,6 +220,7 @@ static void index_add(mha_paged_cache *c, int32_t b, int64_t parent, const int32
     const int64_t bk = bucket_of(c, parent, tok);
     memcpy(c->btok + (size_t)b * (size_t)c->bs, tok, sizeof(int32_t) * (size_t)c->bs);
     c->parent[b] = (int32_t)parent;
+    c->pgen[b] = parent >= 0 ? c->gen[parent] : 0;
     c->next[b] = c->bucket[bk];
     c->bucket[bk] = b;
     c->indexed[b] = true;
@@ -285,8 +299,8 @@ mha_status mha_paged_cache_fork(mha_paged_cache *c, int64_t src, int64_t *id) {
             if (s->known) memcpy(tk, s->tok, sizeof *tk * (size_t)s->known);
             for (int64_t i = 0; i < s->nb; i++)
                 if (t[i] >= 0) c->ref[t[i]]++;
-            *d = (pseq){true, d->gen,   s->len,   s->nb, s->nb,
-                        t,    s->known, s->known, tk,    s->kept};
+            *d = (pseq){true,     d->gen,   s->len, s->nb,   s->nb,  t,
+                        s->known, s->known, tk,     s->hole, s->kept};
             *id = seq_id(c, slot);
         }
     }
@@ -323,7 +337,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
         }
         if (nb) memcpy(tk, tokens, sizeof *tk * (size_t)(nb * c->bs));
         pseq *d = &c->seq[slot];
-        *d = (pseq){true, d->gen, nb * c->bs, nb, nb, t, nb * c->bs, nb * c->bs, tk, 0};
+        *d = (pseq){true, d->gen, nb * c->bs, nb, nb, t, nb * c->bs, nb * c->bs, tk, 0, 0};
         *id = seq_id(c, slot);
         *cached = nb * c->bs;
         t = tk = NULL;
@@ -340,6 +354,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
 static void drop_block(mha_paged_cache *c, int32_t blk) {
     if (blk >= 0 && --c->ref[blk] == 0) {
         index_remove(c, blk);
+        c->gen[blk]++;
         c->freel[c->nfree++] = blk;
     }
 }
@@ -390,16 +405,16 @@ mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t leng
         st = mha__fail(MHA_ERR_INVALID_ARG,
                        "mha_paged_cache_truncate: length %lld, sequence %lld holds %lld",
                        (long long)length, (long long)id, (long long)s->len);
-    } else if (length > 0 && length < s->kept) {
+    } else if (length > s->hole && length < s->kept) {
         st = mha__fail(MHA_ERR_INVALID_ARG,
-                       "mha_paged_cache_truncate: sequence %lld released its tokens before %lld: "
-                       "truncate it to 0 or to at least %lld, not %lld",
-                       (long long)id, (long long)s->kept, (long long)s->kept,
-                       (long long)length);
+                       "mha_paged_cache_truncate: sequence %lld released its tokens %lld to "
+                       "%lld: truncate it to at most %lld or to at least %lld, not %lld",
+                       (long long)id, (long long)s->hole, (long long)(s->kept - 1),
+                       (long long)s->hole, (long long)s->kept, (long long)length);
     } else {
         release_from(c, s, (length + c->bs - 1) / c->bs);
         s->len = length;
-        if (length == 0) s->kept = 0;
+        if (length <= s->hole) s->hole = s->kept = 0;  // (the released tokens gone too)
         s->known = s->known < length ? s->known : length;
         // a partial last block of its own will be rewritten: out of the index
         if (length % c->bs && c->ref[s->blocks[s->nb - 1]] == 1)
@@ -409,27 +424,43 @@ mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t leng
     return st;
 }
 
-mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id, int64_t pos) {
-    if (!c)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_release_before: NULL cache");
-    mha_status st = enter_change(c, "mha_paged_cache_release_before");
+mha_status mha_paged_cache_release_keep(mha_paged_cache *c, int64_t id, int64_t keep,
+                                        int64_t pos) {
+    if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_release: NULL cache");
+    mha_status st = enter_change(c, "mha_paged_cache_release");
     if (st) return st;
     pseq *s = live_seq(c, id);
+    // the hole starts after the blocks holding the first keep tokens
+    const int64_t from = keep >= 0 ? (keep + c->bs - 1) / c->bs * c->bs : 0;
     if (!s) {
-        st = no_seq("mha_paged_cache_release_before", id);
-    } else if (pos < 0 || pos > s->len) {
+        st = no_seq("mha_paged_cache_release", id);
+    } else if (pos < 0 || pos > s->len || keep < 0 || keep > pos) {
         st = mha__fail(MHA_ERR_INVALID_ARG,
-                       "mha_paged_cache_release_before: token %lld, sequence %lld holds %lld",
-                       (long long)pos, (long long)id, (long long)s->len);
+                       "mha_paged_cache_release: keep %lld, token %lld: expected 0 <= keep <= "
+                       "token <= %lld (sequence %lld's length)",
+                       (long long)keep, (long long)pos, (long long)s->len, (long long)id);
+    } else if (s->kept > s->hole && from != s->hole) {
+        st = mha__fail(MHA_ERR_INVALID_ARG,
+                       "mha_paged_cache_release: sequence %lld released its tokens from %lld; "
+                       "keeping %lld would start at %lld (the kept tokens must stay the same)",
+                       (long long)id, (long long)s->hole, (long long)keep, (long long)from);
     } else {
-        for (int64_t b = s->kept / c->bs; b < pos / c->bs; b++) {  // whole blocks only
+        const int64_t b0 = (s->kept > from ? s->kept : from) / c->bs;
+        for (int64_t b = b0; b < pos / c->bs; b++) {  // whole blocks only
             drop_block(c, s->blocks[b]);
             s->blocks[b] = -1;
         }
-        if (pos / c->bs * c->bs > s->kept) s->kept = pos / c->bs * c->bs;
+        if (pos / c->bs * c->bs > from) {
+            s->hole = from;
+            if (pos / c->bs * c->bs > s->kept) s->kept = pos / c->bs * c->bs;
+        }
     }
     leave_change(c);
     return st;
+}
+
+mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id, int64_t pos) {
+    return mha_paged_cache_release_keep(c, id, 0, pos);
 }
 
 int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id) {
@@ -676,16 +707,23 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
             break;
         }
         len[i] = s->len;
-        // released tokens: no query may reach back to them
+        // released tokens: no query may reach back to them (its window, and
+        // StreamingLLM's sinks before the window, must miss them)
         const int64_t cnt = counts && counts[i] >= 0 && counts[i] <= T ? counts[i] : T;
         const int64_t reach = wl < 0 ? 0 : s->len - cnt - wl;
-        if (s->kept > 0 && cnt > 0 && reach < s->kept)
+        const int64_t sinks = wl >= 0 && args ? args->sink_tokens : 0;
+        // (the sinks its last query sees: [0, see))
+        const int64_t last = s->len - 1 - wl, see = sinks < last ? sinks : last;
+        if (s->kept > s->hole && cnt > 0 && (reach < s->kept || see > s->hole))
             st = mha__fail(MHA_ERR_INVALID_ARG,
-                           "mha_paged_cache_attend: sequence %lld released its tokens before "
-                           "%lld, but its first query (position %lld) sees back to %lld (window "
-                           "left %lld)",
-                           (long long)ids[i], (long long)s->kept, (long long)(s->len - cnt),
-                           (long long)(reach > 0 ? reach : 0), (long long)wl);
+                           "mha_paged_cache_attend: sequence %lld released its tokens %lld to "
+                           "%lld, but its first query (position %lld) sees %s %lld (window "
+                           "left %lld, sink tokens %lld)",
+                           (long long)ids[i], (long long)s->hole, (long long)(s->kept - 1),
+                           (long long)(s->len - cnt),
+                           reach < s->kept ? "back to" : "the sinks to",
+                           (long long)(reach < s->kept ? (reach > 0 ? reach : 0) : see - 1),
+                           (long long)wl, (long long)sinks);
     }
     if (!st) {
         const paged_call pc = {c, ids};
