@@ -671,6 +671,14 @@ typedef struct mha_forward_args {
     // tokens); it is not available with the sequence-parallel MPI schemes,
     // whose ranks see a part of the positions.
     const struct mha_rope_scaling *rope_scaling;
+    // StreamingLLM (mha_forward_cached, mha_forward_paged; needs
+    // window_left >= 0): the first stream_sinks tokens of every sequence
+    // stay visible beside the window, at the positions within the cache as
+    // the paper gives them (mha_cache_attend_args.sink_tokens; with RoPE the
+    // sinks are scored by each query rotated at its position - delta).
+    // Pair it with mha_paged_cache_release_keep(cache, id, stream_sinks,
+    // length - window_left) after each call for bounded memory. 0: off.
+    int64_t stream_sinks;
 } mha_forward_args;
 
 MHA_API void mha_forward_args_init(mha_forward_args *a);
@@ -1114,8 +1122,9 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_release_before(mha_paged_cache 
 // StreamingLLM's bounded memory (mha_cache_attend_args.sink_tokens): as
 // mha_paged_cache_release_before, keeping the blocks that hold the first
 // keep tokens (the sinks): frees the blocks wholly within [ceil(keep /
-// block_size) * block_size, pos). The kept start must be the same in every
-// call for a sequence (MHA_ERR_INVALID_ARG otherwise); an attend whose
+// block_size) * block_size, pos) (none when that is empty). The kept start
+// must be the same in every call that frees blocks of a sequence
+// (MHA_ERR_INVALID_ARG otherwise); an attend whose
 // window or sinks reach a released token fails, naming them.
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_release_keep(mha_paged_cache *c, int64_t id,
                                                               int64_t keep, int64_t pos);

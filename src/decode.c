@@ -61,11 +61,16 @@ typedef struct cached_call {
     // wo and W_g empty when the module's packed weights hold them
     float *blk, *gbuf;
     int64_t *starts;
+    // StreamingLLM with RoPE: the queries rotated for the sinks (R, Eq) and
+    // their positions (N T)
+    float *qsink;
+    int64_t *spos;
     size_t pw, pwkv;  // floats of a packed (E, Eq) / (E, Ekv) weight
     float *xg, *wt, *wo, *gs, *qkv, *ctx, *yt, *wh;
     const float *X;  // the query rows (R, E), row stride ldx
     int64_t ldx;
     mha_tensor qv, cv;  // q and ctx as (N, H, T, d) views of the rows
+    mha_tensor sv;      // qsink as such a view
 } cached_call;
 
 // Check: what a KV cache does not take, float32 query and output, the
@@ -87,11 +92,17 @@ static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_
     if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32)
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "mha_forward_cached: float32 query and output only");
+    if (a->stream_sinks < 0 || (a->stream_sinks > 0 && a->window_left < 0))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_forward_cached: stream_sinks %lld needs >= 0 and, > 0, a window "
+                         "(window_left %lld)",
+                         (long long)a->stream_sinks, (long long)a->window_left);
     mha_forward_args a2 = *a;
     a2.key = a2.value = a->query;
     a2.is_causal = true;
     a2.rope_start = NULL;
     a2.save = NULL;
+    a2.stream_sinks = 0;  // (the cache attention's, below)
     a2.impl = MHA_IMPL_FUSED;
     fwd_plan *p = &c->p;
     mha_status st = mha__plan_forward(p, m, &a2);
@@ -123,7 +134,8 @@ static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_
 // positions (N) and, gated, gate (R, H), gctx (R, Eq) and the packed W_g,
 // all allocated before the cache changes; the block carved into c. The
 // packed weights' room only when the module's packed copy is not held.
-static mha_status cached_scratch(cached_call *c, const mha_module *m) {
+static mha_status cached_scratch(cached_call *c, const mha_module *m,
+                                 const mha_forward_args *a) {
     const fwd_plan *p = &c->p;
     const int64_t N = p->N, E = p->E, Eq = p->Eq, H = p->H, R = c->R;
     const int64_t Ekv = p->Ekv, W3 = Eq + 2 * Ekv;
@@ -158,10 +170,17 @@ static mha_status cached_scratch(cached_call *c, const mha_module *m) {
     float *blk = mha__alloc(bytes);
     int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
     float *gbuf = gated ? mha__alloc(sizeof(float) * gfloats) : NULL;
-    if (!blk || !starts || (gated && !gbuf)) {
+    // (StreamingLLM with RoPE: the sinks' queries and positions)
+    const bool sq = a->stream_sinks > 0 && a->rope.mode != MHA_ROPE_NONE;
+    c->qsink = sq ? mha__alloc(sizeof(float) * (size_t)(R * Eq)) : NULL;
+    c->spos = sq ? mha__malloc(sizeof(int64_t) * (size_t)R) : NULL;
+    if (!blk || !starts || (gated && !gbuf) || (sq && (!c->qsink || !c->spos))) {
         mha__free(blk);
         free(starts);
         mha__free(gbuf);
+        mha__free(c->qsink);
+        free(c->spos);
+        c->qsink = NULL, c->spos = NULL;
         return mha__fail(MHA_ERR_NOMEM,
                          "mha_forward_cached: out of memory for %zu bytes of scratch",
                          bytes + sizeof(float) * gfloats + sizeof(int64_t) * (size_t)N);
@@ -205,6 +224,36 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
     c->X = X, c->ldx = ldx;
 }
 
+// StreamingLLM with RoPE: the queries that score the sinks, q before its
+// rotation rotated at position - delta instead (delta = max(0, i - w - k),
+// i the token's place in its cache), so that they score the sinks' keys,
+// stored at their own positions, as at the positions just before the
+// window (mha_cache_attend_args.sink_tokens); dynamic NTK scaling from the
+// call's largest position + 1, as for q.
+static mha_status sink_queries(cached_call *c, const mha_forward_args *a, const mha_tensor *qv) {
+    const int64_t N = c->p.N, T = c->p.L, Eq = c->p.Eq, H = c->p.H, d = c->p.d;
+    const int64_t k = a->stream_sinks, w = a->window_left;
+    const int64_t ns = c->seq_first ? 1 : T, ts = c->seq_first ? N : 1;
+    int64_t seq = 0;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = c->starts[n] + t,
+                          pos = a->rope_positions ? a->rope_positions[n * T + t] : i;
+            const int64_t delta = i - w - k > 0 ? i - w - k : 0;
+            c->spos[n * T + t] = pos - delta;
+            seq = pos + 1 > seq ? pos + 1 : seq;
+        }
+    c->sv = (mha_tensor){c->qsink, MHA_F32, 4, {N, H, T, d}, {ns * Eq, d, ts * Eq, 1}};
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++)
+                memcpy(c->qsink + n * c->sv.stride[0] + h * d + t * c->sv.stride[2],
+                       (const float *)qv->data + n * qv->stride[0] + h * qv->stride[1] +
+                           t * qv->stride[2],
+                       sizeof(float) * (size_t)d);
+    return mha_rope_apply_ex(&c->sv, &a->rope, a->rope_scaling, NULL, c->spos, seq, false);
+}
+
 // RoPE and append: q, k, v, ctx as (N, H, T, d) and (N, Hkv, T, d) views
 // of the rows; RoPE on q and k at the cache's positions (starts, its
 // lengths before); k and v appended to the cache.
@@ -225,6 +274,7 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
     vv.data = qkv + Eq + Ekv;
     c->qv = qv, c->cv = cv;  // (what the attention reads and writes)
     for (int64_t n = 0; n < N; n++) starts[n] = ref_length(cache, n);
+    if (c->qsink && (st = sink_queries(c, a, &qv))) return st;
     // (rope_positions: the new tokens' positions; dynamic NTK scaling from
     // their largest + 1, the same for q and k)
     if ((st = mha_rope_apply_ex(&qv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
@@ -253,6 +303,9 @@ static mha_status cached_attend(cached_call *c, const mha_module *m, const mha_f
     ca.use_custom_scale = a->use_custom_scale;  // (checked by the plan: > 0, finite)
     ca.scale = a->scale;
     ca.sinks = m->sinks;  // (NULL without attention sinks)
+    ca.sink_tokens = a->stream_sinks;
+    ca.sink_q = c->qsink ? &c->sv : NULL;
+    if (a->stream_sinks > 0) ca.window_right = -1;  // (causal: it hides nothing more)
     if (a->alibi) {
         if (a->alibi_slopes) ca.alibi_slopes = a->alibi_slopes;
         else {
@@ -319,7 +372,7 @@ static mha_status forward_cache(mha_tensor *out, const mha_module *m,
     if ((st = cached_check(&c, out, m, a, cache))) return st;
     c.kt = mha__kernels_get();
     c.pk = mha__packs_acquire(m, c.kt, c.p.nthreads);
-    if (!(st = cached_scratch(&c, m))) {
+    if (!(st = cached_scratch(&c, m, a))) {
         cached_project(&c, m, a);
         if (!(st = cached_rope_append(&c, a, cache)) && !(st = cached_attend(&c, m, a, cache))) {
             cached_out_project(&c, out, m);
@@ -330,6 +383,8 @@ static mha_status forward_cache(mha_tensor *out, const mha_module *m,
     mha__free(c.gbuf);
     mha__free(c.blk);
     free(c.starts);
+    mha__free(c.qsink);
+    free(c.spos);
     return st;
 }
 

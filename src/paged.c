@@ -434,12 +434,12 @@ mha_status mha_paged_cache_release_keep(mha_paged_cache *c, int64_t id, int64_t 
     const int64_t from = keep >= 0 ? (keep + c->bs - 1) / c->bs * c->bs : 0;
     if (!s) {
         st = no_seq("mha_paged_cache_release", id);
-    } else if (pos < 0 || pos > s->len || keep < 0 || keep > pos) {
+    } else if (pos < 0 || pos > s->len || keep < 0) {
         st = mha__fail(MHA_ERR_INVALID_ARG,
-                       "mha_paged_cache_release: keep %lld, token %lld: expected 0 <= keep <= "
-                       "token <= %lld (sequence %lld's length)",
+                       "mha_paged_cache_release: keep %lld, token %lld: expected keep >= 0, "
+                       "0 <= token <= %lld (sequence %lld's length)",
                        (long long)keep, (long long)pos, (long long)s->len, (long long)id);
-    } else if (s->kept > s->hole && from != s->hole) {
+    } else if (s->kept > s->hole && from != s->hole && pos / c->bs * c->bs > from) {
         st = mha__fail(MHA_ERR_INVALID_ARG,
                        "mha_paged_cache_release: sequence %lld released its tokens from %lld; "
                        "keeping %lld would start at %lld (the kept tokens must stay the same)",

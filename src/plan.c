@@ -306,6 +306,11 @@ static mha_status plan_impl(fwd_plan *p, const mha_module *m, const mha_forward_
 // threads and the reference's scratch, the implementation.
 mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     if (!m || !a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
+    if (a->stream_sinks)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "mha_forward: stream_sinks %lld: StreamingLLM's sinks go with a KV "
+                         "cache (mha_forward_cached, mha_forward_paged)",
+                         (long long)a->stream_sinks);
     memset(p, 0, sizeof *p);
     mha_status st;
     if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, m, a)) ||

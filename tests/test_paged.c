@@ -798,6 +798,160 @@ static void test_forward_prefix(void) {
     mha_module_destroy(m);
 }
 
+// StreamingLLM (Xiao et al., "Efficient Streaming Language Models with
+// Attention Sinks"): K sinks + a window of W through mha_forward_paged with
+// stream_sinks, the blocks between them released after every call
+// (mha_paged_cache_release_keep). Memory stays bounded, and every token's
+// output is the paper's: the reference path's causal forward over the
+// cache the paper would hold for it (the sinks' hidden states, then the
+// window's) at positions 0.. within that cache, its last row. RoPE (neox:
+// the keys re-rotated at their cache positions) and ALiBi (the distances
+// within the cache), GQA; decode steps, small chunks and chunks of more
+// than 16 (the prefill path).
+static void test_streaming(void) {
+    enum { E = 32, NH = 4, NKV = 2, K = 4, W = 20, BS = 8, L = 170 };
+    for (int variant = 0; variant < 2; variant++) {
+        mha_config cfg;
+        mha_config_init(&cfg, E, NH);
+        cfg.num_kv_heads = NKV;
+        cfg.batch_first = true;
+        mha_module *m = torch_module(&cfg, 5 + (uint64_t)variant);
+        float *x = malloc(sizeof(float) * L * E), *yp = malloc(sizeof(float) * L * E),
+              *yo = malloc(sizeof(float) * L * E), *xs = malloc(sizeof(float) * L * E),
+              *ys = malloc(sizeof(float) * L * E);
+        for (int64_t j = 0; j < L * E; j++) x[j] = frand();
+        mha_paged_cache *pc = NULL;
+        CHECK_OK(mha_paged_cache_create(&pc, 64, BS, NKV, E / NH, E / NH, MHA_KV_F32));
+        int64_t id, done = 0, most = 0, calls = 0;
+        CHECK_OK(mha_paged_cache_add(pc, &id));
+        while (done < L) {
+            int64_t cnt = calls % 9 == 4 ? 18 : next() % 3 ? 1 : irand(2, 6);
+            if (cnt > L - done) cnt = L - done;
+            mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E}),
+                       yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E});
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.query = a.key = a.value = &xt;
+            a.window_left = W;
+            a.stream_sinks = K;
+            if (variant == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+            else a.alibi = true;
+            CHECK_OK(mha_forward_paged(&yt, m, &a, pc, &id, NULL));
+            done += cnt, calls++;
+            if (done - W > 0) CHECK_OK(mha_paged_cache_release_keep(pc, id, K, done - W));
+            const int64_t used = mha_paged_cache_blocks_in_use(pc);
+            most = used > most ? used : most;
+        }
+        // the paper's cache for each token p: sinks [0, min(K, p - W)), then
+        // the window [max(0, p - W), p], at positions 0..n-1
+        for (int64_t p = 0; p < L; p++) {
+            int64_t n = 0;
+            for (int64_t j = 0; j < K && j < p - W; j++) memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
+            for (int64_t j = p - W > 0 ? p - W : 0; j <= p; j++)
+                memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
+            mha_tensor st = mha_tensor_contiguous(xs, MHA_F32, 3, (int64_t[]){1, n, E}),
+                       yt = mha_tensor_contiguous(ys, MHA_F32, 3, (int64_t[]){1, n, E});
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.query = a.key = a.value = &st;
+            a.is_causal = true;
+            a.impl = MHA_IMPL_REFERENCE;
+            if (variant == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+            else a.alibi = true;
+            CHECK_OK(mha_forward(&yt, NULL, m, &a));
+            memcpy(yo + p * E, ys + (n - 1) * E, sizeof(float) * E);
+        }
+        const double e = rel_err(yo, yp, L * E);
+        CHECKF(e <= 2e-5, "StreamingLLM (%s): rel err %g against the paper's caches",
+               variant ? "ALiBi" : "RoPE", e);
+        // the blocks: the sinks' first block, the window's and the chunk's
+        const int64_t bound = (K + BS - 1) / BS + (W + 18 + BS - 1) / BS + 2;
+        CHECKF(most <= bound, "StreamingLLM: %lld blocks at most, expected <= %lld",
+               (long long)most, (long long)bound);
+        printf("StreamingLLM (%s, %d sinks, window %d, %d tokens in %lld calls): rel err %.2g, "
+               "at most %lld blocks of %d tokens in use\n",
+               variant ? "ALiBi" : "RoPE", K, W, L, (long long)calls, e, (long long)most, BS);
+        // what reaches the released tokens is refused and changes nothing
+        {
+            float q[NH * (E / NH)], o[NH * (E / NH)];
+            for (int i = 0; i < NH * (E / NH); i++) q[i] = frand();
+            mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, NH, 1, E / NH}),
+                       ot = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){1, NH, 1, E / NH});
+            mha_cache_attend_args ca;
+            mha_cache_attend_args_init(&ca);
+            ca.window_left = W;  // (no sinks: the window alone is fine)
+            CHECK_OK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca));
+            ca.sink_tokens = BS + 1;  // sinks past the kept block
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
+            CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s", mha_last_error());
+            ca.sink_tokens = K, ca.window_left = W + 30;  // a window past the hole
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
+            const int64_t used = mha_paged_cache_blocks_in_use(pc);
+            CHECK(mha_paged_cache_release_keep(pc, id, 2 * BS, L - W) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_release_keep(pc, id, -1, 3) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_truncate(pc, id, BS + 2) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_blocks_in_use(pc) == used && mha_paged_cache_length(pc, id) == L);
+            CHECK_OK(mha_paged_cache_truncate(pc, id, BS));  // into the kept block: fine
+            CHECK(mha_paged_cache_length(pc, id) == BS);
+        }
+        // stream_sinks without a window, or with a plain forward: refused
+        {
+            mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, 2, E}),
+                       yt = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){1, 2, E});
+            mha_forward_args a;
+            mha_forward_args_init(&a);
+            a.query = a.key = a.value = &xt;
+            a.stream_sinks = K;
+            CHECK(mha_forward_paged(&yt, m, &a, pc, &id, NULL) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_length(pc, id) == BS);
+            a.window_left = W;
+            CHECK(mha_forward(&yt, NULL, m, &a) == MHA_ERR_UNSUPPORTED);
+        }
+        mha_paged_cache_destroy(pc);
+        mha_module_destroy(m);
+        free(x), free(yp), free(yo), free(xs), free(ys);
+    }
+}
+
+// A released block's successor in the prefix index: once the released
+// block returns to the pool and holds other tokens, a prompt with those
+// tokens and then the successor's must not reach the successor (its keys
+// and values were computed after other tokens).
+static void test_released_parent(void) {
+    enum { BS = 4, D = 8 };
+    mha_paged_cache *c = NULL;
+    CHECK_OK(mha_paged_cache_create(&c, 8, BS, 1, D, D, MHA_KV_F32));
+    float ka[3 * BS * D], kb[3 * BS * D];
+    for (int i = 0; i < 3 * BS * D; i++) ka[i] = frand(), kb[i] = frand();
+    mha_tensor ta = mha_tensor_contiguous(ka, MHA_F32, 4, (int64_t[]){1, 1, 3 * BS, D}),
+               tb = mha_tensor_contiguous(kb, MHA_F32, 4, (int64_t[]){1, 1, 3 * BS, D});
+    int32_t a_tok[3 * BS], b_tok[3 * BS];
+    for (int i = 0; i < 3 * BS; i++) a_tok[i] = 100 + i, b_tok[i] = i < BS ? 500 + i : 100 + i;
+    int64_t a, b, p, fb, cached;
+    CHECK_OK(mha_paged_cache_add(c, &a));
+    CHECK_OK(mha_paged_cache_append_tokens(c, 1, &a, NULL, &ta, &ta, a_tok));
+    CHECK_OK(mha_paged_cache_release_before(c, a, BS));  // A's first block back to the pool
+    // B: its own first block (the freed one, reused), then A's later tokens' ids (other
+    // keys and values: they follow other tokens)
+    CHECK_OK(mha_paged_cache_add(c, &b));
+    CHECK_OK(mha_paged_cache_append_tokens(c, 1, &b, NULL, &tb, &tb, b_tok));
+    // B's prompt again: its blocks, not A's second one (whose parent was the freed block)
+    CHECK_OK(mha_paged_cache_add_prompt(c, b_tok, 3 * BS, &p, &cached));
+    CHECKF(cached == 2 * BS, "B's prompt: %lld cached", (long long)cached);
+    CHECK_OK(mha_paged_cache_fork(c, b, &fb));
+    CHECK_OK(mha_paged_cache_truncate(c, fb, 2 * BS));
+    float q[D], o1[D], o2[D];
+    for (int i = 0; i < D; i++) q[i] = frand();
+    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, 1, 1, D}),
+               t1 = mha_tensor_contiguous(o1, MHA_F32, 4, (int64_t[]){1, 1, 1, D}),
+               t2 = mha_tensor_contiguous(o2, MHA_F32, 4, (int64_t[]){1, 1, 1, D});
+    CHECK_OK(mha_paged_cache_attend(&t1, &qt, c, 1, &p, NULL, NULL));
+    CHECK_OK(mha_paged_cache_attend(&t2, &qt, c, 1, &fb, NULL, NULL));
+    CHECKF(memcmp(o1, o2, sizeof o1) == 0,
+           "a prompt took a block whose parent was released and reused");
+    mha_paged_cache_destroy(c);
+}
+
 int main(void) {
     seed_rng(19);
     const int64_t blocks[] = {1, 3, 16, 64};
@@ -814,5 +968,7 @@ int main(void) {
     test_forward_paged();
     test_window_release();
     test_forward_prefix();
+    test_streaming();
+    test_released_parent();
     return check_summary("test_paged");
 }
