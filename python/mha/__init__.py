@@ -440,7 +440,10 @@ class MultiheadAttention:
         history, at its own positions. Returns the list of outputs (L_i, E).
         tokens[i] (optional): the L_i token ids of chunks[i]; the blocks
         they fill join the cache's prefix index (PagedKVCache.add_prompt).
-        All or nothing: an exhausted pool raises and no sequence changes."""
+        All or nothing: an exhausted pool raises and no sequence changes.
+        StreamingLLM: stream_sinks=k with window_left=w keeps the first k
+        tokens visible beside the window, at the paper's positions; pair it
+        with cache.release(id, length - w, keep=k) for bounded memory."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError("cache: expected an mha.PagedKVCache")
         ids = [int(i) for i in ids]
@@ -764,6 +767,14 @@ class PagedKVCache:
     def truncate(self, id, length):
         """Rolls sequence id back to length tokens."""
         self._c.truncate(int(id), int(length))
+
+    def release(self, id, pos, keep=0):
+        """Bounded memory: frees sequence id's blocks that lie wholly in
+        [ceil(keep / block_size) * block_size, pos) (a sliding window: keep
+        0, pos = length - window; StreamingLLM: keep = its stream_sinks, the
+        blocks of the first keep tokens stay). Its length and positions stay;
+        an attention that would see a released token raises ValueError."""
+        self._c.release(int(id), int(keep), int(pos))
 
     def length(self, id):
         """Sequence id's tokens (KeyError: no such sequence)."""

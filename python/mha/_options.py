@@ -74,7 +74,7 @@ def forward_kwargs(*, is_causal=False, need_weights=False, average_attn_weights=
                    rope=None, rope_theta=10000.0, rope_dim=0, rope_start=None, alibi=False,
                    softcap=0.0, window=None, window_left=-1, window_right=-1,
                    weights_heads=None, weights_rows=None, impl="auto", trace=None,
-                   as_int64=None, as_float32=None):
+                   stream_sinks=0, as_int64=None, as_float32=None):
     """The C binding's forward keywords from the public extras.
     as_int64 / as_float32 turn rope_start / alibi slopes into contiguous
     arrays (numpy or torch, as the caller's API)."""
@@ -115,6 +115,8 @@ def forward_kwargs(*, is_causal=False, need_weights=False, average_attn_weights=
     softcap = real("softcap", softcap)
     if softcap != 0.0:
         kw["softcap"] = softcap
+    if stream_sinks:
+        kw["stream_sinks"] = int(stream_sinks)
     if trace is not None:
         if not callable(trace):
             raise TypeError("trace must be callable(step, b, h, array)")

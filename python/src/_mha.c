@@ -853,7 +853,8 @@ typedef struct fwd_call {
         {"rope_dim", 'L', &(c)->a.rope.dim}, {"rope_start", 'O', &(c)->rope_start},            \
         {"alibi", 'b', &(c)->a.alibi}, {"alibi_slopes", 'O', &(c)->alibi_slopes},              \
         {"softcap", 'f', &(c)->a.softcap}, {"checkpoint", 'O', &(c)->checkpoint},              \
-        {"rope_positions", 'O', &(c)->rope_positions}, {                                       \
+        {"rope_positions", 'O', &(c)->rope_positions},                                         \
+        {"stream_sinks", 'L', &(c)->a.stream_sinks}, {                                         \
         "trace", 'O', &(c)->trace                                                              \
     }
 
@@ -1381,6 +1382,14 @@ static PyObject *Paged_truncate(PagedObject *o, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Paged_release(PagedObject *o, PyObject *args) {
+    long long id, keep, pos;
+    if (!PyArg_ParseTuple(args, "LLL", &id, &keep, &pos)) return NULL;
+    mha_status st = mha_paged_cache_release_keep(o->c, id, keep, pos);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Paged_length(PagedObject *o, PyObject *args) {
     long long id;
     if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
@@ -1429,6 +1438,7 @@ static PyMethodDef Paged_methods[] = {
     {"fork", (PyCFunction)Paged_fork, METH_VARARGS, "fork(id) -> id"},
     {"free", (PyCFunction)Paged_free, METH_VARARGS, "free(id)"},
     {"truncate", (PyCFunction)Paged_truncate, METH_VARARGS, "truncate(id, length)"},
+    {"release", (PyCFunction)Paged_release, METH_VARARGS, "release(id, keep, pos)"},
     {"length", (PyCFunction)Paged_length, METH_VARARGS, "length(id)"},
     {"blocks_in_use", (PyCFunction)Paged_blocks_in_use, METH_NOARGS, "blocks_in_use()"},
     {"blocks_free", (PyCFunction)Paged_blocks_free, METH_NOARGS, "blocks_free()"},

@@ -240,6 +240,34 @@ def test_paged_cache_prefix_sharing():
         n.forward_paged(cache, [c], [x[:3]], tokens=[tok[:2]])
 
 
+def test_paged_cache_streaming_llm():
+    # StreamingLLM: 2 sinks and a window of 6 with RoPE; the blocks between
+    # them released after each step; every token's output equals the
+    # module's causal forward over the cache the paper holds for it (sinks,
+    # then the window, at positions 0..)
+    n, _ = pair(batch_first=True, num_kv_heads=2)
+    g = np.random.default_rng(11)
+    K, W, L = 2, 6, 40
+    x = g.normal(size=(L, 16)).astype(np.float32)
+    cache = n.make_paged_cache(num_blocks=8, block_size=4)
+    s = cache.add_sequence()
+    most = 0
+    for p in range(L):
+        (y,) = n.forward_paged(cache, [s], [x[p:p + 1]], rope="neox", window_left=W,
+                               stream_sinks=K)
+        cache.release(s, max(0, p + 1 - W), keep=K)
+        most = max(most, cache.blocks_in_use())
+        seen = list(range(min(K, max(0, p - W)))) + list(range(max(0, p - W), p + 1))
+        ref = n(x[seen][None], is_causal=True, need_weights=False, rope="neox")[0][0]
+        assert np.abs(y[0] - ref[-1]).max() < 1e-5, p
+    assert most <= 4
+    with pytest.raises(ValueError, match="released"):
+        n.forward_paged(cache, [s], [x[:1]], rope="neox", window_left=W + 8, stream_sinks=K)
+    assert cache.length(s) == L
+    with pytest.raises(ValueError, match="stream_sinks"):
+        n.forward_paged(cache, [s], [x[:1]], rope="neox", stream_sinks=K)
+
+
 def test_diagnose_and_report(tmp_path):
     n, t = pair()
     x = np.random.default_rng(6).normal(size=(8, 1, 16)).astype(np.float32)
