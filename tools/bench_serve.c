@@ -76,7 +76,8 @@ int bench_serve(const bench_serve_opts *o) {
     int64_t nlive = N, tokens = 0, peak = after_fork, step = 0;
     for (int64_t i = 0; i < N; i++) live[i] = ids[i];
     const double t1 = cli_now();
-    double first_bytes = 0;
+    // worst: the largest blocks / distinct tokens; at_peak: at the peak of blocks
+    double first_bytes = 0, worst = 0.0, at_peak = 0.0;
     while (nlive > 0) {
         bench_fill_uniform(x, nlive * E, &rng);
         mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){nlive, 1, E}),
@@ -94,6 +95,13 @@ int bench_serve(const bench_serve_opts *o) {
         tokens += nlive;
         const int64_t used = mha_paged_cache_blocks_in_use(c);
         peak = used > peak ? used : peak;
+        // the tokens held, each once (the prompt, then every running
+        // sequence's own): what the blocks in use hold against them
+        int64_t distinct = P;
+        for (int64_t i = 0; i < nlive; i++) distinct += mha_paged_cache_length(c, live[i]) - P;
+        const double over = (double)(used * bs) / (double)distinct;
+        worst = over > worst ? over : worst;
+        if (used >= peak) at_peak = over;
         int64_t w = 0;
         for (int64_t i = 0; i < nlive; i++) {
             const int64_t seq = live[i];
@@ -121,12 +129,13 @@ int bench_serve(const bench_serve_opts *o) {
                "\"prefill_ms\": %.3f, \"decode_tokens\": %lld, \"decode_s\": %.4f, "
                "\"tokens_per_s\": %.1f, \"steps\": %lld, \"step_ms_median\": %.4f, "
                "\"full_step_ms\": %.4f, \"full_step_bytes\": %.0f, \"read_bandwidth_gbps\": %.3f, "
-               "\"peak_cache_mib\": %.2f, \"contiguous_mib\": %.2f}\n",
+               "\"peak_cache_mib\": %.2f, \"contiguous_mib\": %.2f, "
+               "\"peak_blocks_over_distinct\": %.4f, \"max_blocks_over_distinct\": %.4f}\n",
                (long long)N, (long long)P, (long long)G, (long long)E, (long long)H,
                (long long)Hkv, (long long)bs, mha_kv_dtype_name(o->kv_dtype), o->threads,
                prefill_ms, (long long)tokens, decode_s, (double)tokens / decode_s,
                (long long)step, steps[step / 2], full_ms, first_bytes, bw,
-               (double)peak * blockb / 1048576.0, contiguous / 1048576.0);
+               (double)peak * blockb / 1048576.0, contiguous / 1048576.0, at_peak, worst);
     } else {
         printf("mha bench --serve: %lld sequences sharing a %lld-token prompt, up to %lld new "
                "tokens each (stops uniform in [%lld, %lld]); E %lld, %lld heads, %lld KV heads, "
@@ -153,6 +162,10 @@ int bench_serve(const bench_serve_opts *o) {
                (double)peak * blockb / 1048576.0, (long long)peak, (long long)nblocks,
                contiguous / 1048576.0, (long long)N, (long long)(P + G),
                contiguous / ((double)peak * blockb));
+        printf("  sharing    at the peak the blocks hold %.3fx the bytes of the distinct tokens "
+               "(the prompt once, each sequence's own after it; at most %.3fx over every step, "
+               "the first steps' part-filled blocks)\n",
+               at_peak, worst);
     }
     goto done;
 fail:
