@@ -588,17 +588,26 @@ typedef struct dec_chunk {
     const dec_seg *seg;
 } dec_chunk;
 
-// The piece of rows [r, hi) within r's segment: its end (returned) and
-// where row r's K, V (and int8 scales) are.
+// The piece of rows [r, hi) that lies in one run of memory (r's segment,
+// and the segments after it that follow it in memory: a paged cache's
+// blocks taken in order): its end (returned) and where row r's K, V (and
+// int8 scales) are.
 static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
                      const char **v, const float **ks, const float **vs) {
     const mha__kv_rows *c = dc->c;
-    const int64_t s = r / c->seg, i = r - s * c->seg, end = (s + 1) * c->seg;
+    const int64_t s = r / c->seg, i = r - s * c->seg;
     const dec_seg *g = &dc->seg[s - dc->s0];
     *k = g->k + (size_t)(i * c->D) * c->esz;
     *v = g->v + (size_t)(i * c->Dv) * c->esz;
     *ks = g->ks ? g->ks + i : NULL;
     *vs = g->vs ? g->vs + i : NULL;
+    int64_t end = (s + 1) * c->seg;
+    const size_t kb = (size_t)(c->seg * c->D) * c->esz, vb = (size_t)(c->seg * c->Dv) * c->esz;
+    for (const dec_seg *e = g + 1;
+         end < hi && g->k && e->k == g->k + kb && e->v == g->v + vb &&
+         (!g->ks || (e->ks == g->ks + c->seg && e->vs == g->vs + c->seg));
+         g = e++)
+        end += c->seg;
     return end < hi ? end : hi;
 }
 
@@ -639,17 +648,18 @@ static void touch(const char *p, size_t bytes, int lines) {
 }
 
 // Before the piece [r, p1) of the range [.., hi) is read: the segments
-// ahead (above); *pf, *pfb: the one for the kernel to fetch while it runs
-// (NULL, 0: the range lies in one segment).
+// ahead (above), counted from the one after the piece; *pf, *pfb: the one
+// for the kernel to fetch while it runs (NULL, 0: the range's last piece).
 static void prefetch_ahead(const dec_chunk *dc, int64_t r, int64_t p1, int64_t hi, bool isk,
                            bool first, const void **pf, size_t *pfb) {
     const mha__kv_rows *c = dc->c;
     *pf = NULL, *pfb = 0;
+    (void)r;
     if (p1 >= hi) return;  // the range's last piece
     const size_t sb = (size_t)(c->seg * (isk ? c->D : c->Dv)) * c->esz;
     const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
                   kf = (int64_t)((DEC_FAR + sb - 1) / sb);
-    const int64_t s = r / c->seg;
+    const int64_t s = p1 / c->seg - 1;  // (p1 starts a segment: the piece ends at one)
     const char *p = NULL;
     for (int64_t i = first ? 1 : kf; i <= kf; i++) {
         const size_t n = seg_bytes(dc, s + i, hi, isk, &p);
