@@ -1007,23 +1007,42 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tens
 typedef struct mha_kv_cache mha_kv_cache;
 
 // Storage of the cached K and V: float32, bfloat16 or float16 (rounded to
-// nearest even on append), or int8 with one float scale per (sequence,
-// head, token) row (symmetric: max|row| / 127). Attention computes in
-// float32: decode converts the rows in registers as it reads them, a longer
-// chunk of queries (prefill) dequantises the rows once per chunk. The error against a
-// float32 cache, tested: max|out - out_f32| <= 4 u (1 + max|s|) max|v| with
-// u = 2^-8 (bf16), 2^-11 (f16), 1/127 (int8), s the scaled scores.
+// nearest even on append), int8 with one float scale per (sequence, head,
+// token) row (symmetric: max|row| / 127), or int4 with one float scale per
+// group of 32 elements of a row. Attention computes in float32: decode
+// converts the rows in registers as it reads them, a longer chunk of
+// queries (prefill) dequantises the rows once per chunk. The error against
+// a float32 cache, tested: max|out - out_f32| <= 4 u (1 + max|s|) max|v|
+// with u = 2^-8 (bf16), 2^-11 (f16), 1/127 (int8), s the scaled scores.
+//
+// int4: each row of n elements is cut into groups of 32 along the head dim
+// (the last one shorter when 32 does not divide n); group g has the scale
+// s_g = max|x_c| / 7 over its elements (1 if all are 0) and each element
+// q_c = clamp(round(x_c / s_g), -7, 7) (a NaN element stores 0; a group
+// holding an infinity reads back as NaN), 4-bit two's complement, two per
+// byte: element 2i in the low nibble of byte i, 2i + 1 in the high one. A
+// row takes ceil(n / 2) bytes (n odd: the last high nibble is unused, 0)
+// and ceil(n / 32) scales. It reads back as x^_c = s_g q_c, so per element
+//   |x_c - x^_c| <= s_g / 2 = max|group| / 14
+// (up to float32 rounding: a relative 2^-21 of s_g). For an output of
+// query x (scaled: x = q / sqrt(D)) over the visible keys j, with K's
+// group scales s^K_jg and V's s^V_jg, this gives (tested, from the data):
+//   |s^_j - s_j| <= e_j = sum_g (s^K_jg / 2) sum_{c in g} |x_c|
+//   |out^_c - out_c| <= max_j s^V_j,g(c) / 2 + (exp(2 max_j e_j) - 1) max_j |v_jc|
+// (the first term V's rounding, the second the softmax's relative change
+// under scores moved by at most max_j e_j), plus float32 rounding.
 typedef enum mha_kv_dtype {
     MHA_KV_F32 = 0,
     MHA_KV_BF16 = 1,
     MHA_KV_F16 = 2,
-    MHA_KV_INT8 = 3
+    MHA_KV_INT8 = 3,
+    MHA_KV_INT4 = 4
 } mha_kv_dtype;
 
 MHA_API MHA_NODISCARD mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch,
                                                      int64_t num_kv_heads, int64_t head_dim,
                                                      int64_t v_head_dim, int64_t capacity);
-// "f32" / "bf16" / "f16" / "int8" -> type (MHA_ERR_UNSUPPORTED otherwise),
+// "f32" / "bf16" / "f16" / "int8" / "int4" -> type (MHA_ERR_UNSUPPORTED otherwise),
 // and back.
 MHA_API MHA_NODISCARD mha_status mha_kv_dtype_from_name(mha_kv_dtype *dtype, const char *name);
 MHA_API const char *mha_kv_dtype_name(mha_kv_dtype dtype);
@@ -1032,7 +1051,7 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int6
                                                         int64_t num_kv_heads, int64_t head_dim,
                                                         int64_t v_head_dim, int64_t capacity,
                                                         mha_kv_dtype dtype);
-// Bytes of K, V (and int8 scales) the cache holds at capacity.
+// Bytes of K, V (and int8 / int4 scales) the cache holds at capacity.
 MHA_API size_t mha_kv_cache_bytes(const mha_kv_cache *c);
 MHA_API void mha_kv_cache_destroy(mha_kv_cache *c);
 // Length of sequence b (-1 if b is out of range).
@@ -1085,7 +1104,8 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 // ---------------------------------------------------------------------------
 // Paged KV cache (serving many sequences): a pool of num_blocks blocks of
 // block_size tokens (K and V of every KV head, in the storage type; int8
-// with one scale per row), per-sequence block tables, blocks shared by
+// with one scale per row, int4 one per group of 32 of a row: see
+// mha_kv_dtype), per-sequence block tables, blocks shared by
 // reference count. A fork shares its source's blocks; the first write into
 // a shared block copies it (copy on write). A sequence's attention gives
 // the bits of a contiguous cache (mha_kv_cache) holding the same tokens.

@@ -1,5 +1,5 @@
 // kvcache.c: the KV cache for incremental decoding (create, append,
-// truncate; float32, bfloat16, float16 or int8 storage) and the attention
+// truncate; float32, bfloat16, float16, int8 or int4 storage) and the attention
 // of new queries over it:
 //  - decode (at most MHA__DECODE_MAX_T queries per sequence): split-KV. The
 //    keys of each sequence are cut into fixed chunks of MHA__DECODE_CHUNK;
@@ -28,44 +28,69 @@
 struct mha_kv_cache {
     int64_t B, Hkv, D, Dv, cap;
     mha_kv_dtype dt;
-    size_t esz;      // bytes per stored element
-    void *k, *v;     // (B, Hkv, cap, D), (B, Hkv, cap, Dv) of dt
-    float *ks, *vs;  // int8: one scale per (b, head, token) row of K and V
-    int64_t *len;    // (B)
+    mha__kv_layout lk, lv;  // the K and V rows' layout
+    void *k, *v;            // (B, Hkv, cap) rows of lk.rb and lv.rb bytes
+    float *ks, *vs;         // int8 / int4: (B, Hkv, cap) rows of lk.ns, lv.ns scales
+    int64_t *len;           // (B)
 };
 
-static const char *const kv_names[] = {"f32", "bf16", "f16", "int8"};
+static const char *const kv_names[] = {"f32", "bf16", "f16", "int8", "int4"};
 
 mha_status mha_kv_dtype_from_name(mha_kv_dtype *dtype, const char *name) {
     if (!dtype || !name) return mha__fail(MHA_ERR_INVALID_ARG, "kv dtype: NULL argument");
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         if (strcmp(name, kv_names[i]) == 0) {
             *dtype = (mha_kv_dtype)i;
             return MHA_OK;
         }
     char e[64];
-    return mha__fail(MHA_ERR_UNSUPPORTED, "kv dtype %s: expected f32, bf16, f16 or int8",
+    return mha__fail(MHA_ERR_UNSUPPORTED, "kv dtype %s: expected f32, bf16, f16, int8 or int4",
                      mha_escape(e, sizeof e, name));
 }
 
 const char *mha_kv_dtype_name(mha_kv_dtype dtype) {
-    return (int)dtype >= 0 && (int)dtype < 4 ? kv_names[dtype] : "unknown";
+    return (int)dtype >= 0 && (int)dtype < 5 ? kv_names[dtype] : "unknown";
 }
 
-static size_t kv_esz(mha_kv_dtype dt) {
-    return dt == MHA_KV_F32 ? 4 : dt == MHA_KV_INT8 ? 1 : 2;
+// int4 (MHA_KV_INT4): a row of n elements is cut into groups of 32 along
+// the head dim (the last one shorter when 32 does not divide n); group g
+// has the float32 scale s_g = max|x_c| / 7 over its elements (1 when they
+// are all 0) and each element the 4-bit two's complement value
+// q_c = clamp(nearbyint(x_c / s_g), -7, 7) (a NaN element, or any of a
+// group holding an infinity, gives 0, as in int8), two per byte: element
+// 2i in the low nibble of byte i, 2i + 1 in the high one. A row takes
+// ceil(n / 2) bytes (odd n: the last byte's high nibble is 0, unused) and
+// ceil(n / 32) scales; it reads back as x^_c = s_g q_c (rounded to
+// float32), so |x_c - x^_c| <= s_g / 2 = max|group| / 14 (up to float32's
+// rounding of x_c / s_g, a relative 2^-21 of s_g).
+mha__kv_layout mha__kv_layout_of(mha_kv_dtype dt, int64_t n) {
+    switch (dt) {
+    case MHA_KV_F32: return (mha__kv_layout){4 * (size_t)n, 0, n};
+    case MHA_KV_INT8: return (mha__kv_layout){(size_t)n, 1, n};
+    case MHA_KV_INT4:
+        return (mha__kv_layout){(size_t)((n + 1) / 2), (n + 31) / 32, n + (n & 1)};
+    default: return (mha__kv_layout){2 * (size_t)n, 0, n};
+    }
 }
 
 mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2, int64_t D,
-                           int64_t Dv, mha_kv_dtype dt, size_t *bk, size_t *bv, size_t *bs) {
-    if (dt != MHA_KV_F32 && dt != MHA_KV_BF16 && dt != MHA_KV_F16 && dt != MHA_KV_INT8)
+                           int64_t Dv, mha_kv_dtype dt, size_t *bk, size_t *bv, size_t *bks,
+                           size_t *bvs) {
+    if (dt != MHA_KV_F32 && dt != MHA_KV_BF16 && dt != MHA_KV_F16 && dt != MHA_KV_INT8 &&
+        dt != MHA_KV_INT4)
         return mha__fail(MHA_ERR_INVALID_ARG, "%s: unknown storage type %d", what, (int)dt);
     int64_t rows, nk, nv;
-    if (mha__mul_overflow_i64(n0, n1, &rows) || mha__mul_overflow_i64(rows, n2, &rows) ||
-        mha__mul_overflow_i64(rows, Dv, &nv) || mha__mul_overflow_i64(rows, D, &nk) ||
-        mha__mul_overflow_size((size_t)nk, kv_esz(dt), bk) ||
-        mha__mul_overflow_size((size_t)nv, kv_esz(dt), bv) ||
-        mha__mul_overflow_size((size_t)rows, sizeof(float), bs))
+    // (D, Dv < 2^62 so that a row's element count rounded up to even
+    // cannot overflow; the bytes per row are at most 4 D)
+    if (D > INT64_MAX / 8 || Dv > INT64_MAX / 8 || mha__mul_overflow_i64(n0, n1, &rows) ||
+        mha__mul_overflow_i64(rows, n2, &rows) || mha__mul_overflow_i64(rows, Dv, &nv) ||
+        mha__mul_overflow_i64(rows, D, &nk))
+        return mha__fail(MHA_ERR_OVERFLOW, "%s: size overflows", what);
+    const mha__kv_layout lk = mha__kv_layout_of(dt, D), lv = mha__kv_layout_of(dt, Dv);
+    if (mha__mul_overflow_size((size_t)rows, lk.rb, bk) ||
+        mha__mul_overflow_size((size_t)rows, lv.rb, bv) ||
+        mha__mul_overflow_size((size_t)rows, (size_t)lk.ns * sizeof(float), bks) ||
+        mha__mul_overflow_size((size_t)rows, (size_t)lv.ns * sizeof(float), bvs))
         return mha__fail(MHA_ERR_OVERFLOW, "%s: size overflows", what);
     return MHA_OK;
 }
@@ -87,23 +112,24 @@ mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num
                          "v_head_dim %lld, capacity %lld must all be >= 1",
                          (long long)batch, (long long)num_kv_heads, (long long)head_dim,
                          (long long)v_head_dim, (long long)capacity);
-    size_t bk, bv, bs;
+    size_t bk, bv, bks, bvs;
     mha_status st = mha__kv_storage("kv cache", batch, num_kv_heads, capacity, head_dim,
-                                    v_head_dim, dtype, &bk, &bv, &bs);
+                                    v_head_dim, dtype, &bk, &bv, &bks, &bvs);
     if (st) return st;
     mha_kv_cache *c = mha__calloc(1, sizeof *c);
     if (!c) return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory (%zu bytes)", sizeof *c);
     c->B = batch, c->Hkv = num_kv_heads, c->D = head_dim, c->Dv = v_head_dim, c->cap = capacity;
     c->dt = dtype;
-    c->esz = kv_esz(dtype);
+    c->lk = mha__kv_layout_of(dtype, head_dim);
+    c->lv = mha__kv_layout_of(dtype, v_head_dim);
     c->k = mha__alloc(bk);
     c->v = mha__alloc(bv);
-    if (dtype == MHA_KV_INT8) {
-        c->ks = mha__alloc(bs);
-        c->vs = mha__alloc(bs);
+    if (bks) {
+        c->ks = mha__alloc(bks);
+        c->vs = mha__alloc(bvs);
     }
     c->len = mha__calloc((size_t)batch, sizeof *c->len);
-    if (!c->k || !c->v || !c->len || (dtype == MHA_KV_INT8 && (!c->ks || !c->vs))) {
+    if (!c->k || !c->v || !c->len || (bks && (!c->ks || !c->vs))) {
         mha_kv_cache_destroy(c);
         return mha__fail(MHA_ERR_NOMEM, "kv cache: out of memory for %zu bytes", bk + bv);
     }
@@ -114,13 +140,29 @@ mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num
 size_t mha_kv_cache_bytes(const mha_kv_cache *c) {
     if (!c) return 0;
     const size_t rows = (size_t)(c->B * c->Hkv * c->cap);
-    return rows * (size_t)(c->D + c->Dv) * c->esz +
-           (c->dt == MHA_KV_INT8 ? 2 * rows * sizeof(float) : 0);
+    return rows * (c->lk.rb + c->lv.rb + (size_t)(c->lk.ns + c->lv.ns) * sizeof(float));
+}
+
+// The symmetric scale of n values: max|x| / qmax (1 when all are 0; NaN
+// values are skipped, an infinite one gives an infinite scale).
+static float sym_scale(const float *x, int64_t n, float qmax) {
+    float mx = 0.0f;
+    for (int64_t e = 0; e < n; e++) mx = fabsf(x[e]) > mx ? fabsf(x[e]) : mx;
+    return mx > 0.0f ? mx / qmax : 1.0f;
+}
+
+// x / sc rounded to the nearest integer in [-qmax, qmax] (NaN, from a NaN
+// element or an infinite group's inf / inf, is stored as 0: converting
+// NaN to an integer is undefined).
+static int sym_quant(float x, float sc, float qmax) {
+    const float qv = nearbyintf(x / sc);
+    return (int)(qv > qmax ? qmax : qv < -qmax ? -qmax : isnan(qv) ? 0.0f : qv);
 }
 
 // Stores one row x (n floats, element stride xs, from a float32 or float64
-// view) at dst in storage type dt (int8: its scale into *scale); row: n
-// floats of scratch.
+// view) at dst in storage type dt (int8: its scale into scale[0]; int4:
+// its group scales into scale[0 .. ceil(n / 32))); row: n floats of
+// scratch.
 void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, mha_dtype xdt,
                        int64_t xs, int64_t n, float *row) {
     for (int64_t e = 0; e < n; e++)
@@ -134,26 +176,33 @@ void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, 
         for (int64_t e = 0; e < n; e++) ((uint16_t *)dst)[e] = mha_f32_to_f16(row[e]);
         break;
     case MHA_KV_INT8: {  // symmetric, one scale per row: max|x| / 127
-        float mx = 0.0f;
-        for (int64_t e = 0; e < n; e++) mx = fabsf(row[e]) > mx ? fabsf(row[e]) : mx;
-        const float sc = mx > 0.0f ? mx / 127.0f : 1.0f;
+        const float sc = sym_scale(row, n, 127.0f);
         *scale = sc;
-        for (int64_t e = 0; e < n; e++) {
-            float qv = nearbyintf(row[e] / sc);
-            // (NaN, from a NaN element or an infinite row's inf / inf, is
-            // stored as 0: converting NaN to int8_t is undefined)
-            qv = qv > 127.0f ? 127.0f : qv < -127.0f ? -127.0f : isnan(qv) ? 0.0f : qv;
-            ((int8_t *)dst)[e] = (int8_t)qv;
+        for (int64_t e = 0; e < n; e++)
+            ((int8_t *)dst)[e] = (int8_t)sym_quant(row[e], sc, 127.0f);
+        break;
+    }
+    case MHA_KV_INT4: {  // symmetric, one scale per group of 32: max|group| / 7
+        uint8_t *d = dst;
+        memset(d, 0, ((size_t)n + 1) / 2);
+        for (int64_t g = 0; g * 32 < n; g++) {
+            const int64_t c0 = g * 32, w = n - c0 < 32 ? n - c0 : 32;
+            const float sc = sym_scale(row + c0, w, 7.0f);
+            scale[g] = sc;
+            for (int64_t c = c0; c < c0 + w; c++) {  // two's complement nibbles
+                const unsigned q = (unsigned)sym_quant(row[c], sc, 7.0f) & 15u;
+                d[c / 2] |= (uint8_t)(c & 1 ? q << 4 : q);
+            }
         }
         break;
     }
     }
 }
 
-// n rows of w elements at src (storage type dt, int8 scales sc) as float32
-// into dst.
-static void rows_to_f32(const mha__kernels *kt, mha_kv_dtype dt, const char *src,
-                        const float *sc, int64_t n, int64_t w, float *dst) {
+// n rows of w elements at src (storage type dt, layout l, int8 / int4
+// scales sc) as float32 into dst.
+static void rows_to_f32(const mha__kernels *kt, mha_kv_dtype dt, mha__kv_layout l,
+                        const char *src, const float *sc, int64_t n, int64_t w, float *dst) {
     switch (dt) {
     case MHA_KV_F32: memcpy(dst, src, sizeof(float) * (size_t)(n * w)); break;
     case MHA_KV_BF16: kt->cvt_bf16(dst, (const uint16_t *)src, n * w); break;
@@ -162,10 +211,12 @@ static void rows_to_f32(const mha__kernels *kt, mha_kv_dtype dt, const char *src
         for (int64_t j = 0; j < n; j++)
             kt->cvt_i8(dst + j * w, (const int8_t *)src + j * w, w, sc[j]);
         break;
+    case MHA_KV_INT4:
+        for (int64_t j = 0; j < n; j++)
+            kt->cvt_i4(dst + j * w, (const uint8_t *)src + (size_t)j * l.rb, w, sc + j * l.ns);
+        break;
     }
 }
-
-size_t mha__kv_esz(mha_kv_dtype dt) { return kv_esz(dt); }
 
 // The contiguous cache as a row source: one segment of cap rows per
 // (sequence, KV head).
@@ -174,15 +225,15 @@ static void cache_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const ch
     const mha_kv_cache *c = ctx;
     (void)s;
     const int64_t r0 = (b * c->Hkv + hk) * c->cap;
-    *k = (const char *)c->k + (size_t)(r0 * c->D) * c->esz;
-    *v = (const char *)c->v + (size_t)(r0 * c->Dv) * c->esz;
-    *ks = c->ks ? c->ks + r0 : NULL;
-    *vs = c->vs ? c->vs + r0 : NULL;
+    *k = (const char *)c->k + (size_t)r0 * c->lk.rb;
+    *v = (const char *)c->v + (size_t)r0 * c->lv.rb;
+    *ks = c->ks ? c->ks + r0 * c->lk.ns : NULL;
+    *vs = c->vs ? c->vs + r0 * c->lv.ns : NULL;
 }
 
 static mha__kv_rows cache_rows(const mha_kv_cache *c) {
-    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,
-                          c->dt, c->esz, c->len, c,     cache_at};
+    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,  c->dt,
+                          c->lk, c->lv,  c->len, c,     cache_at};
 }
 
 void mha_kv_cache_destroy(mha_kv_cache *c) {
@@ -269,12 +320,12 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, const mha_tensor *k, const mha_t
                 const int64_t r = (b * c->Hkv + h) * c->cap + c->len[b] + t;
                 const int64_t ko = b * k->stride[0] + h * k->stride[1] + t * k->stride[2];
                 const int64_t vo = b * v->stride[0] + h * v->stride[1] + t * v->stride[2];
-                mha__kv_store_row(c->dt, (char *)c->k + (size_t)(r * c->D) * c->esz,
-                                  c->ks ? c->ks + r : NULL,
+                mha__kv_store_row(c->dt, (char *)c->k + (size_t)r * c->lk.rb,
+                                  c->ks ? c->ks + r * c->lk.ns : NULL,
                                   (const char *)k->data + ko * (int64_t)mha_dtype_size(k->dtype),
                                   k->dtype, k->stride[3], c->D, row);
-                mha__kv_store_row(c->dt, (char *)c->v + (size_t)(r * c->Dv) * c->esz,
-                                  c->vs ? c->vs + r : NULL,
+                mha__kv_store_row(c->dt, (char *)c->v + (size_t)r * c->lv.rb,
+                                  c->vs ? c->vs + r * c->lv.ns : NULL,
                                   (const char *)v->data + vo * (int64_t)mha_dtype_size(v->dtype),
                                   v->dtype, v->stride[3], c->Dv, row);
             }
@@ -465,8 +516,8 @@ static mha_status attend_prefill(const attend_call *ac) {
                     memset(vd + j * Dv, 0, sizeof(float) * (size_t)(w * Dv));
                     continue;
                 }
-                rows_to_f32(kt, c->dt, k, ks, w, D, kd + j * D);
-                rows_to_f32(kt, c->dt, v, vs, w, Dv, vd + j * Dv);
+                rows_to_f32(kt, c->dt, c->lk, k, ks, w, D, kd + j * D);
+                rows_to_f32(kt, c->dt, c->lv, v, vs, w, Dv, vd + j * Dv);
             }
         }
     }
@@ -568,7 +619,7 @@ typedef struct dec_query {
 } dec_query;
 
 // Where a segment's rows are (mha__kv_rows.at): its first K and V rows and
-// their int8 scales (all NULL: released).
+// their int8 / int4 scales (all NULL: released).
 typedef struct dec_seg {
     const char *k, *v;
     const float *ks, *vs;
@@ -591,21 +642,21 @@ typedef struct dec_chunk {
 // The piece of rows [r, hi) that lies in one run of memory (r's segment,
 // and the segments after it that follow it in memory: a paged cache's
 // blocks taken in order): its end (returned) and where row r's K, V (and
-// int8 scales) are.
+// int8 / int4 scales) are.
 static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
                      const char **v, const float **ks, const float **vs) {
     const mha__kv_rows *c = dc->c;
     const int64_t s = r / c->seg, i = r - s * c->seg;
     const dec_seg *g = &dc->seg[s - dc->s0];
-    *k = g->k + (size_t)(i * c->D) * c->esz;
-    *v = g->v + (size_t)(i * c->Dv) * c->esz;
-    *ks = g->ks ? g->ks + i : NULL;
-    *vs = g->vs ? g->vs + i : NULL;
+    *k = g->k + (size_t)i * c->lk.rb;
+    *v = g->v + (size_t)i * c->lv.rb;
+    *ks = g->ks ? g->ks + i * c->lk.ns : NULL;
+    *vs = g->vs ? g->vs + i * c->lv.ns : NULL;
     int64_t end = (s + 1) * c->seg;
-    const size_t kb = (size_t)(c->seg * c->D) * c->esz, vb = (size_t)(c->seg * c->Dv) * c->esz;
+    const size_t kb = (size_t)c->seg * c->lk.rb, vb = (size_t)c->seg * c->lv.rb;
     for (const dec_seg *e = g + 1;
          end < hi && g->k && e->k == g->k + kb && e->v == g->v + vb &&
-         (!g->ks || (e->ks == g->ks + c->seg && e->vs == g->vs + c->seg));
+         (!g->ks || (e->ks == g->ks + c->seg * c->lk.ns && e->vs == g->vs + c->seg * c->lv.ns));
          g = e++)
         end += c->seg;
     return end < hi ? end : hi;
@@ -633,7 +684,7 @@ static size_t seg_bytes(const dec_chunk *dc, int64_t s, int64_t hi, bool isk, co
     if (r >= hi) return 0;
     const dec_seg *g = &dc->seg[s - dc->s0];
     *p = isk ? g->k : g->v;
-    return *p ? (size_t)((e - r) * (isk ? c->D : c->Dv)) * c->esz : 0;
+    return *p ? (size_t)(e - r) * (isk ? c->lk.rb : c->lv.rb) : 0;
 }
 
 static void touch(const char *p, size_t bytes, int lines) {
@@ -656,7 +707,7 @@ static void prefetch_ahead(const dec_chunk *dc, int64_t r, int64_t p1, int64_t h
     *pf = NULL, *pfb = 0;
     (void)r;
     if (p1 >= hi) return;  // the range's last piece
-    const size_t sb = (size_t)(c->seg * (isk ? c->D : c->Dv)) * c->esz;
+    const size_t sb = (size_t)c->seg * (isk ? c->lk.rb : c->lv.rb);
     const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
                   kf = (int64_t)((DEC_FAR + sb - 1) / sb);
     const int64_t s = p1 / c->seg - 1;  // (p1 starts a segment: the piece ends at one)
@@ -682,9 +733,11 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
         prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
-            dc->kt->dot_rows_q(s + (r - dc->j0), k, D, dc->kind, ks, x, p1 - r, D, pf, pfb);
+            dc->kt->dot_rows_q(s + (r - dc->j0), k, dc->c->lk.lda, dc->kind, ks, x, p1 - r, D,
+                               pf, pfb);
         else
-            dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, Dv, dc->kind, vs, p1 - r, Dv, pf, pfb);
+            dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, dc->c->lv.lda, dc->kind, vs, p1 - r,
+                                Dv, pf, pfb);
     }
 }
 
@@ -701,11 +754,11 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
         prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
-            dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, D, dc->kind, ks,
+            dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, dc->c->lk.lda, dc->kind, ks,
                                 sc + MHA__DECODE_CHUNK, qf, nv, p1 - r, D, pf, pfb);
         else
-            dc->kt->axpy_rows_qg(sc + MHA__DECODE_CHUNK + D, qf, sc + (r - dc->j0), qf, vr, Dv,
-                                 dc->kind, vs, nv, p1 - r, Dv, pf, pfb);
+            dc->kt->axpy_rows_qg(sc + MHA__DECODE_CHUNK + D, qf, sc + (r - dc->j0), qf, vr,
+                                 dc->c->lv.lda, dc->kind, vs, nv, p1 - r, Dv, pf, pfb);
     }
 }
 
@@ -874,10 +927,10 @@ static mha_status attend_stream_sinks(const attend_call *ac, const mha_tensor *s
                 const float *ks, *vs;
                 const int64_t sgi = have / c->seg, i = have - sgi * c->seg;
                 c->at(c->ctx, b, hk, sgi, &kr, &vr, &ks, &vs);
-                rows_to_f32(ac->kt, c->dt, kr + (size_t)(i * D) * c->esz, ks ? ks + i : NULL,
-                            1, D, kf + have * D);
-                rows_to_f32(ac->kt, c->dt, vr + (size_t)(i * Dv) * c->esz, vs ? vs + i : NULL,
-                            1, Dv, vf + have * Dv);
+                rows_to_f32(ac->kt, c->dt, c->lk, kr + (size_t)i * c->lk.rb,
+                            ks ? ks + i * c->lk.ns : NULL, 1, D, kf + have * D);
+                rows_to_f32(ac->kt, c->dt, c->lv, vr + (size_t)i * c->lv.rb,
+                            vs ? vs + i * c->lv.ns : NULL, 1, Dv, vf + have * Dv);
             }
             const float *x = sqd + b * qs[0] + h * qs[1] + t * qs[2];
             double ms = -INFINITY;

@@ -6,6 +6,18 @@
 
 #include "internal.h"
 
+// How rows of n elements of a storage type lie: bytes per row, scales
+// (floats) per row (int8: 1; int4: ceil(n / 32); else 0) and the row
+// stride the decode kernels take (kernels.h: elements; int4: n rounded up
+// to even, so a row is lda / 2 bytes).
+typedef struct mha__kv_layout {
+    size_t rb;
+    int64_t ns, lda;
+} mha__kv_layout;
+
+// The layout of rows of n elements in dt (a valid type, n >= 1).
+mha__kv_layout mha__kv_layout_of(mha_kv_dtype dt, int64_t n);
+
 // T: every cached key visible; the check that each sequence holds its
 // queries skipped when q_shift > 0) and, when stats is non-NULL, each
 // row's max and 1/sum into stats (B, H, T, 2) ((-inf, 0): nothing
@@ -15,13 +27,14 @@ mha_status mha__kv_cache_attend_ex(mha_tensor *out, const mha_tensor *q, const m
                                    int64_t q_shift, float *stats);
 // Where a cache's rows lie (the contiguous cache, kvcache.c; the paged one,
 // paged.c): sequence b's rows of KV head hk in segments of seg tokens, at()
-// giving segment s's first K and V rows (and, int8, their scales; else
-// NULL; all NULL: a released segment, which no query may see); len[b] rows
-// in use.
+// giving segment s's first K and V rows (and, int8 / int4, their scales;
+// else NULL; all NULL: a released segment, which no query may see); len[b]
+// rows in use. Row r of a segment starts r * kb (K) or r * vb (V) bytes
+// after its first, its scales r * kns (r * vns) floats after the first's.
 typedef struct mha__kv_rows {
     int64_t B, Hkv, D, Dv, seg;
     mha_kv_dtype dt;
-    size_t esz;  // bytes per stored element
+    mha__kv_layout lk, lv;  // the K and V rows' layout (mha__kv_layout_of)
     const int64_t *len;
     const void *ctx;
     void (*at)(const void *ctx, int64_t b, int64_t hk, int64_t s, const char **k,
@@ -36,17 +49,17 @@ mha_status mha__kv_attend_rows(mha_tensor *out, const mha_tensor *q, const mha__
                                const mha_cache_attend_args *args, const int64_t *counts,
                                int64_t q_shift, float *stats);
 // One row x (n floats, element stride xs, of a float32 or float64 view)
-// stored at dst in storage type dt (int8: its scale into *scale); row: n
-// floats of scratch.
+// stored at dst in storage type dt (int8: its scale into scale[0]; int4:
+// its ceil(n / 32) group scales into scale[0 ..]); row: n floats of
+// scratch.
 void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, mha_dtype xdt,
                        int64_t xs, int64_t n, float *row);
 // Checks storage type dt and sizes n0 n1 n2 rows of K (D elements) and V
-// (Dv) in it: bytes of K, V and of the rows' int8 scales (MHA_ERR_INVALID_ARG
-// / MHA_ERR_OVERFLOW naming `what`).
+// (Dv) in it: bytes of K, V and of the K and V rows' scales (int8, int4;
+// else 0) (MHA_ERR_INVALID_ARG / MHA_ERR_OVERFLOW naming `what`).
 mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2, int64_t D,
-                           int64_t Dv, mha_kv_dtype dt, size_t *bk, size_t *bv, size_t *bs);
-// Bytes per stored element of dt.
-size_t mha__kv_esz(mha_kv_dtype dt);
+                           int64_t Dv, mha_kv_dtype dt, size_t *bk, size_t *bv, size_t *bks,
+                           size_t *bvs);
 // A paged cache's KV heads and head dims (paged.c).
 void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, int64_t *Dv);
 // A cache's batch, KV heads and head dims.

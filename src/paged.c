@@ -1,6 +1,6 @@
 // paged.c: the paged KV cache (mha.h: mha_paged_cache): a pool of blocks of
 // bs tokens (K rows (Hkv, nblocks, bs, D) and V rows (Hkv, nblocks, bs, Dv)
-// in the storage type, int8 scales per row: a KV head's blocks side by
+// in the storage type, int8 / int4 scales per row: a KV head's blocks side by
 // side, so blocks taken in order are one stream per head, as in a
 // contiguous cache), per-sequence block tables, blocks
 // counted by the sequences that hold them. A fork shares its source's
@@ -43,11 +43,11 @@ typedef struct pseq {
 struct mha_paged_cache {
     int64_t nblocks, bs, Hkv, D, Dv;
     mha_kv_dtype dt;
-    size_t esz;
-    char *k, *v;     // (Hkv, nblocks, bs, D) and (.., Dv) elements
-    float *ks, *vs;  // int8: (Hkv, nblocks, bs) row scales
-    int32_t *ref;    // per block: the sequences holding it (0: free)
-    int32_t *freel;  // the free blocks, a stack of nfree
+    mha__kv_layout lk, lv;  // the K and V rows' layout
+    char *k, *v;            // (Hkv, nblocks, bs) rows of lk.rb and lv.rb bytes
+    float *ks, *vs;         // int8 / int4: (Hkv, nblocks, bs) rows of lk.ns, lv.ns scales
+    int32_t *ref;           // per block: the sequences holding it (0: free)
+    int32_t *freel;         // the free blocks, a stack of nfree
     int64_t nfree;
     pseq *seq;  // nseq slots; id = generation << 32 | slot
     // the prefix index: chains per bucket through next; per block its key
@@ -105,19 +105,19 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
                          "num_kv_heads %lld, head_dim %lld, v_head_dim %lld must all be >= 1",
                          (long long)num_blocks, (long)INT32_MAX, (long long)block_size,
                          (long long)num_kv_heads, (long long)head_dim, (long long)v_head_dim);
-    size_t bk, bv, bs;
+    size_t bk, bv, bks, bvs;
     mha_status st = mha__kv_storage("paged cache", num_blocks, num_kv_heads, block_size,
-                                    head_dim, v_head_dim, dtype, &bk, &bv, &bs);
+                                    head_dim, v_head_dim, dtype, &bk, &bv, &bks, &bvs);
     if (st) return st;
-    const size_t esz = mha__kv_esz(dtype);
     mha_paged_cache *c = mha__calloc(1, sizeof *c);
     if (!c) return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory");
     c->nblocks = num_blocks, c->bs = block_size, c->Hkv = num_kv_heads;
-    c->D = head_dim, c->Dv = v_head_dim, c->dt = dtype, c->esz = esz;
+    c->D = head_dim, c->Dv = v_head_dim, c->dt = dtype;
+    c->lk = mha__kv_layout_of(dtype, head_dim), c->lv = mha__kv_layout_of(dtype, v_head_dim);
     atomic_init(&c->state, 0);
     c->k = mha__alloc(bk);
     c->v = mha__alloc(bv);
-    if (dtype == MHA_KV_INT8) c->ks = mha__alloc(bs), c->vs = mha__alloc(bs);
+    if (bks) c->ks = mha__alloc(bks), c->vs = mha__alloc(bvs);
     c->ref = mha__calloc((size_t)num_blocks, sizeof *c->ref);
     c->freel = mha__malloc(sizeof *c->freel * (size_t)num_blocks);
     size_t nbt;
@@ -132,12 +132,11 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
                                      &nbt)
                   ? NULL
                   : mha__malloc(nbt);
-    if (!c->k || !c->v || !c->ref || !c->freel ||
-        (dtype == MHA_KV_INT8 && (!c->ks || !c->vs)) || !c->bucket || !c->next || !c->parent ||
-        !c->indexed || !c->btok || !c->gen || !c->pgen) {
+    if (!c->k || !c->v || !c->ref || !c->freel || (bks && (!c->ks || !c->vs)) || !c->bucket ||
+        !c->next || !c->parent || !c->indexed || !c->btok || !c->gen || !c->pgen) {
         mha_paged_cache_destroy(c);
         return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory for %zu bytes",
-                         bk + bv + (dtype == MHA_KV_INT8 ? 2 * bs : 0));
+                         bk + bv + bks + bvs);
     }
     for (int64_t i = 0; i < num_blocks; i++) {  // block 0 on top
         c->freel[i] = (int32_t)(num_blocks - 1 - i);
@@ -481,20 +480,20 @@ int64_t mha_paged_cache_blocks_free(const mha_paged_cache *c) { return c ? c->nf
 size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
     if (!c) return 0;
     const size_t rows = (size_t)(c->Hkv * c->bs);
-    return rows * (size_t)(c->D + c->Dv) * c->esz +
-           (c->dt == MHA_KV_INT8 ? 2 * rows * sizeof(float) : 0);
+    return rows * (c->lk.rb + c->lv.rb + (size_t)(c->lk.ns + c->lv.ns) * sizeof(float));
 }
 
 // ---------------------------------------------------------------------------
 // Append
 
-// Block blk's row of head h, slot i: K (isv false) or V, and its scale.
+// Block blk's row of head h, slot i: K (isv false) or V, and its scales.
 static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, int64_t i,
                     float **scale) {
     const int64_t r = (h * c->nblocks + blk) * c->bs + i;
+    const mha__kv_layout l = isv ? c->lv : c->lk;
     float *sc = isv ? c->vs : c->ks;
-    *scale = sc ? sc + r : NULL;
-    return (isv ? c->v : c->k) + (size_t)(r * (isv ? c->Dv : c->D)) * c->esz;
+    *scale = sc ? sc + r * l.ns : NULL;
+    return (isv ? c->v : c->k) + (size_t)r * l.rb;
 }
 
 static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
@@ -503,8 +502,9 @@ static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
             float *sd, *ss;
             char *d = row_at(c, isv, dst, h, 0, &sd);
             const char *sr = row_at(c, isv, src, h, 0, &ss);
-            memcpy(d, sr, (size_t)(c->bs * (isv ? c->Dv : c->D)) * c->esz);
-            if (sd) memcpy(sd, ss, sizeof(float) * (size_t)c->bs);
+            const mha__kv_layout l = isv ? c->lv : c->lk;
+            memcpy(d, sr, (size_t)c->bs * l.rb);
+            if (sd) memcpy(sd, ss, sizeof(float) * (size_t)(c->bs * l.ns));
         }
 }
 
@@ -727,8 +727,8 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
     }
     if (!st) {
         const paged_call pc = {c, ids};
-        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,
-                                   c->dt, c->esz, len,  &pc,   paged_at};
+        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,   c->dt,
+                                   c->lk, c->lv,  len,  &pc,   paged_at};
         st = mha__kv_attend_rows(out, q, &rows, args, counts, 0, NULL);
     }
     free(len);

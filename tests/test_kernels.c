@@ -17,6 +17,7 @@
 #include "util.h"
 #include "gemm.h"
 #include "kernels/kernels.h"
+#include "kvcache.h"
 #include "mha.h"
 
 
@@ -583,16 +584,101 @@ static void test_bwd_rows(const mha__kernels *k, const mha__kernels *g) {
         }
 }
 
+// The int4 row format (mha.h, mha_kv_dtype) as mha__kv_store_row writes
+// it: a hand-made row's exact bytes (element 2i in the low nibble of byte
+// i) and scales; then random rows of lengths across the groups of 32:
+// scale max|group| / 7 (1 for a zero group), |q| <= 7, every element within
+// the documented s / 2 (times 1 + 2^-20: float32's x / s) of its input, an
+// odd row's unused nibble 0, nothing written past ceil(n / 2) bytes or
+// ceil(n / 32) scales; a NaN element stores 0, a group holding an infinity
+// has scale inf and stores 0s. And every table's cvt_i4 reads them back as
+// fl(s q).
+static void test_int4_store(void) {
+    enum { NMAX = 100 };
+    float row[NMAX], x[NMAX], sc[8], deq[NMAX];
+    uint8_t d[NMAX / 2 + 8];
+    // hand-made: 1, -1, 7, -7, 3, 0 (scale 1), then a second group all 0
+    for (int e = 0; e < 40; e++) x[e] = 0.0f;
+    x[0] = 1, x[1] = -1, x[2] = 7, x[3] = -7, x[4] = 3;
+    memset(d, 0xAA, sizeof d);
+    mha__kv_store_row(MHA_KV_INT4, d, sc, x, MHA_F32, 1, 40, row);
+    CHECKF(d[0] == 0xF1 && d[1] == 0x97 && d[2] == 0x03 && d[3] == 0 && d[19] == 0 &&
+               d[20] == 0xAA,
+           "int4 hand-made row: bytes %02x %02x %02x %02x .. %02x %02x", d[0], d[1], d[2], d[3],
+           d[19], d[20]);
+    CHECKF(sc[0] == 1.0f && sc[1] == 1.0f, "int4 hand-made row: scales %g %g", sc[0], sc[1]);
+    const int64_t lens[] = {1, 2, 7, 31, 32, 33, 64, 65, 77, 96, 100};
+    const char *isas[] = {"scalar", "avx2", "avx512"};
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+        for (int rep = 0; rep < 20; rep++) {
+            const int64_t n = lens[li], ng = (n + 31) / 32, nb = (n + 1) / 2;
+            for (int64_t e = 0; e < n; e++) {  // groups of different magnitudes
+                const float mag = powf(10.0f, (float)((e / 32 + rep) % 7 - 3));
+                x[e] = mag * frand();
+            }
+            if (rep == 1) for (int64_t e = 0; e < n && e < 32; e++) x[e] = 0.0f;  // a zero group
+            if (rep == 2) x[n / 2] = NAN;
+            if (rep == 3) x[n - 1] = -INFINITY;
+            memset(d, 0xAA, sizeof d);
+            for (int g = 0; g < 8; g++) sc[g] = -5.0f;
+            mha__kv_store_row(MHA_KV_INT4, d, sc, x, MHA_F32, 1, n, row);
+            int bad = 0;
+            for (int64_t b = nb; b < (int64_t)sizeof d; b++) bad += d[b] != 0xAA;
+            for (int64_t g = ng; g < 8; g++) bad += sc[g] != -5.0f;
+            CHECKF(bad == 0, "int4 store n %lld: wrote past its bytes or scales", (long long)n);
+            if (n % 2) CHECKF((d[nb - 1] >> 4) == 0, "int4 n %lld: the unused nibble not 0", (long long)n);
+            const int64_t ginf = rep == 3 ? (n - 1) / 32 : -1;
+            for (int64_t g = 0; g < ng; g++) {
+                float mx = 0.0f;
+                for (int64_t e = g * 32; e < n && e < g * 32 + 32; e++)
+                    if (!isnan(x[e])) mx = fmaxf(mx, fabsf(x[e]));
+                const float want = g == ginf ? INFINITY : mx > 0.0f ? mx / 7.0f : 1.0f;
+                CHECKF(sc[g] == want, "int4 n %lld group %lld: scale %g, expected %g", (long long)n,
+                       (long long)g, sc[g], want);
+            }
+            double worst = 0.0;
+            for (int64_t e = 0; e < n; e++) {
+                const int u = e % 2 ? d[e / 2] >> 4 : d[e / 2] & 15, q = u >= 8 ? u - 16 : u;
+                const double s = sc[e / 32];
+                bad += q < -7 || q > 7;
+                if (isnan(x[e]) || e / 32 == ginf) {
+                    bad += q != 0;
+                    continue;
+                }
+                worst = fmax(worst, fabs((double)x[e] - s * q) / s);
+            }
+            CHECKF(bad == 0 && worst <= 0.5 + 0x1p-20,
+                   "int4 n %lld: %d bad nibbles, worst |x - s q| = %.9g s (bound s / 2)",
+                   (long long)n, bad, worst);
+            for (int t = 0; t < 3; t++) {
+                const mha__kernels *k = mha__kernels_for(isas[t]);
+                if (!k) continue;
+                deq[n] = 9.0f;
+                k->cvt_i4(deq, d, n, sc);
+                int off = deq[n] != 9.0f;
+                for (int64_t e = 0; e < n; e++) {
+                    const int u = e % 2 ? d[e / 2] >> 4 : d[e / 2] & 15, q = u >= 8 ? u - 16 : u;
+                    const float want = sc[e / 32] * (float)q;
+                    off += !(isnan(want) && isnan(deq[e])) && memcmp(&want, deq + e, 4) != 0;
+                }
+                CHECKF(off == 0, "%s cvt_i4 n %lld: %d values not s q", isas[t], (long long)n, off);
+            }
+        }
+}
+
 // cvt_bf16 / cvt_f16 / cvt_i8: bit for bit the scalar conversions (every
 // finite f16 and a spread of bf16 patterns, lengths with tails).
 static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
     enum { N = 65536 };
     static uint16_t h[N];
     static int8_t i8[N];
-    static float a[N], b[N];
+    static uint8_t u4[N / 2];
+    static float a[N], b[N], s4[N / 32];
     for (int i = 0; i < N; i++) {
         h[i] = (uint16_t)i;
         i8[i] = (int8_t)(i * 37);
+        if (i < N / 2) u4[i] = (uint8_t)(i * 37 + (i >> 8));  // every nibble pair
+        if (i < N / 32) s4[i] = 0.01f * (float)(i % 97) - 0.3f;
     }
     const int64_t lens[] = {0, 1, 15, 17, 1000, N};
     for (size_t l = 0; l < sizeof lens / sizeof lens[0]; l++) {
@@ -608,33 +694,45 @@ static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
         k->cvt_i8(a, i8, n, 0.37f);
         g->cvt_i8(b, i8, n, 0.37f);
         for (int64_t i = 0; i < n; i++) bad += memcmp(a + i, b + i, 4) != 0;
+        a[n] = b[n] = 7.0f;  // (past n: untouched)
+        k->cvt_i4(a, u4, n, s4);
+        g->cvt_i4(b, u4, n, s4);
+        for (int64_t i = 0; i < n; i++) bad += memcmp(a + i, b + i, 4) != 0;
+        bad += n < N && (a[n] != 7.0f || b[n] != 7.0f);
         CHECKF(bad == 0, "%s cvt n %lld: %d values differ from scalar", k->isa, (long long)n, bad);
     }
 }
 
-// dot_rows_q / axpy_rows_q (float32, bf16, f16, int8 rows) against the scalar ones:
+// dot_rows_q / axpy_rows_q (float32, bf16, f16, int8, int4 rows: random
+// bytes, so every nibble, -8 included, with per-group scales; head dims
+// across the 32-element groups) against the scalar ones:
 // bf16/f16 dot products bit for bit where the order matches is not
 // required; a relative bound is.
 static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
     enum { N = 70, W = 80 };
     static uint16_t h[N * W];
     static int8_t b8[N * W];
-    static float f32[N * W];
-    float x[W], sc[N], p[N], s1[N], s2[N], o1[W], o2[W];
+    static uint8_t b4[N * W / 2];
+    static float f32[N * W], sc4[N * ((W + 31) / 32)];
+    float x[W], sc1[N], p[N], s1[N], s2[N], o1[W], o2[W];
     for (int i = 0; i < N * W; i++) {
         h[i] = (uint16_t)(0x3c00 + (i * 7919) % 0x0800);  // f16/bf16 values of moderate size
         b8[i] = (int8_t)((i * 31) % 255 - 127);
         f32[i] = (float)((i * 7919) % 2001 - 1000) * 1e-3f;
+        if (i < N * W / 2) b4[i] = (uint8_t)(next() & 255);  // every nibble, -8 included
     }
     for (int i = 0; i < W; i++) x[i] = (float)((i % 13) - 6) * 0.25f;
-    for (int i = 0; i < N; i++) sc[i] = 0.01f * (float)(i + 1), p[i] = 1.0f / (float)(i + 1);
-    const int64_t dims[] = {1, 15, 16, 17, 64, 80};
-    for (int kind = 0; kind <= 3; kind++)
+    for (int i = 0; i < N; i++) sc1[i] = 0.01f * (float)(i + 1), p[i] = 1.0f / (float)(i + 1);
+    for (int i = 0; i < N * ((W + 31) / 32); i++) sc4[i] = 0.01f * (float)(i % 37 + 1);
+    const int64_t dims[] = {1, 15, 16, 17, 31, 33, 64, 80};
+    for (int kind = 0; kind <= 4; kind++)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
             const int64_t D = dims[di];
             const void *A = kind == 0   ? (const void *)f32
                             : kind == 3 ? (const void *)b8
+                            : kind == 4 ? (const void *)b4
                                         : (const void *)h;
+            const float *sc = kind == 4 ? sc4 : sc1;
             k->dot_rows_q(s1, A, W, kind, sc, x, N, D, NULL, 0);
             g->dot_rows_q(s2, A, W, kind, sc, x, N, D, NULL, 0);
             double e = 0, m = 0;
@@ -656,31 +754,36 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
 // dot_rows_q / axpy_rows_q, query by query, and those the bits of the same
 // rows in two calls split anywhere (ng 1..9: the 4-query blocks
 // and every remainder; n 70 and 3: the 4-row groups and their tail; head
-// dims with and without a 16-lane tail, and past 64 columns), the outputs'
-// padding untouched.
+// dims with and without a 16-lane tail, int4 groups of 32 whole and cut,
+// and past 64 columns), the outputs' padding untouched.
 static void test_rows_qg(const mha__kernels *k) {
-    enum { N = 70, W = 150, G = 9, LD = 160 };
+    enum { N = 70, W = 150, G = 9, LD = 160, NS = (W + 31) / 32 };
     static uint16_t h[N * W];
     static int8_t b8[N * W];
+    static uint8_t b4[N * W / 2];
     static float f32[N * W], X[G * LD], P[G * LD], s1[G * LD], s2[G * LD], o1[G * LD],
-        o2[G * LD];
-    float sc[N];
+        o2[G * LD], sc4[N * NS];
+    float sc1[N];
     for (int i = 0; i < N * W; i++) {
         h[i] = (uint16_t)(0x3c00 + (i * 7919) % 0x0800);
         b8[i] = (int8_t)((i * 31) % 255 - 127);
         f32[i] = (float)((i * 7919) % 2001 - 1000) * 1e-3f;
+        if (i < N * W / 2) b4[i] = (uint8_t)(next() & 255);
     }
     for (int i = 0; i < G * LD; i++) X[i] = frand(), P[i] = frand();
-    for (int i = 0; i < N; i++) sc[i] = 0.01f * (float)(i + 1);
-    const int64_t dims[] = {1, 16, 40, 64, 128, 150}, rows[] = {N, 3};
-    for (int kind = 0; kind <= 3; kind++)
+    for (int i = 0; i < N; i++) sc1[i] = 0.01f * (float)(i + 1);
+    for (int i = 0; i < N * NS; i++) sc4[i] = 0.01f * (float)(i % 37 + 1);
+    const int64_t dims[] = {1, 16, 33, 40, 64, 95, 128, 150}, rows[] = {N, 3};
+    for (int kind = 0; kind <= 4; kind++)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
             for (int ri = 0; ri < 2; ri++)
                 for (int64_t ng = 1; ng <= G; ng++) {
                     const int64_t D = dims[di], n = rows[ri];
                     const void *A = kind == 0   ? (const void *)f32
                                     : kind == 3 ? (const void *)b8
+                                    : kind == 4 ? (const void *)b4
                                                 : (const void *)h;
+                    const float *sc = kind == 4 ? sc4 : sc1;
                     for (int i = 0; i < G * LD; i++) s1[i] = s2[i] = o1[i] = o2[i] = 0.5f;
                     // (the group calls fetch other rows while they run, of
                     // any length: pf changes no result)
@@ -696,17 +799,20 @@ static void test_rows_qg(const mha__kernels *k) {
                         const int64_t cut = 1 + (int64_t)(next() % (uint64_t)n);
                         float p1[N], p2[LD];
                         for (int c = 0; c < LD; c++) p2[c] = 0.5f;
-                        const size_t esz = kind == 0 ? 4 : kind == 3 ? 1 : 2;
-                        const char *Ac = (const char *)A + (size_t)(cut * W) * esz;
-                        const size_t rest = (size_t)((n - cut) * W) * esz;
+                        // (row bytes; int4: half a byte an element, NS
+                        // scales a row)
+                        const size_t rb = kind == 0 ? 4 * W : kind == 3 ? W : kind == 4 ? W / 2 : 2 * W;
+                        const int64_t ns = kind == 4 ? NS : 1;
+                        const char *Ac = (const char *)A + (size_t)cut * rb;
+                        const size_t rest = (size_t)(n - cut) * rb;
                         // (the first piece fetching the second, as decode asks)
                         k->dot_rows_q(p1, A, W, kind, sc, X, cut, D, cut < n ? Ac : NULL, rest);
                         k->axpy_rows_q(p2, P, A, W, kind, sc, cut, D, cut < n ? Ac : NULL, rest);
                         if (cut < n) {
-                            k->dot_rows_q(p1 + cut, Ac, W, kind, sc + cut, X, n - cut, D, NULL,
-                                          0);
-                            k->axpy_rows_q(p2, P + cut, Ac, W, kind, sc + cut, n - cut, D, NULL,
-                                           0);
+                            k->dot_rows_q(p1 + cut, Ac, W, kind, sc + cut * ns, X, n - cut, D,
+                                          NULL, 0);
+                            k->axpy_rows_q(p2, P + cut, Ac, W, kind, sc + cut * ns, n - cut, D,
+                                           NULL, 0);
                         }
                         CHECKF(memcmp(p1, s2, sizeof(float) * (size_t)n) == 0 &&
                                    memcmp(p2, o2, sizeof(float) * (size_t)LD) == 0,
@@ -748,6 +854,7 @@ int main(void) {
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_rows_qg(g);
+    test_int4_store();
     test_gemm_tn(g);
     test_softmax_rows(g);
     test_bwd_rows(g, g);

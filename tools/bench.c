@@ -60,7 +60,7 @@ static const char *bench_help =
     "                     --num-kv-heads K (default: --num-heads); prints the\n"
     "                     K and V bytes read per second against this machine's\n"
     "                     read bandwidth measured in the same process;\n"
-    "                     --kv-dtype f32|bf16|f16|int8 the cache's storage\n"
+    "                     --kv-dtype f32|bf16|f16|int8|int4 the cache's storage\n"
     "  --serve            a serving workload instead: --sequences N (default\n"
     "                     32) sequences sharing a prompt of --seq P tokens\n"
     "                     (default 2048), prefilled once and forked, then\n"
@@ -508,7 +508,7 @@ static int bench_opt_what(bench_opts *o, int c) {
     case 'V': o->serve = true; break;
     case 'T':
         if (mha_kv_dtype_from_name(&o->kv_dtype, optarg))
-            return bench_usage("--kv-dtype needs f32, bf16, f16 or int8");
+            return bench_usage("--kv-dtype needs f32, bf16, f16, int8 or int4");
         break;
     case 'X':
     case 'Y': {

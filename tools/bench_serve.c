@@ -88,6 +88,7 @@ int bench_serve(const bench_serve_opts *o) {
                           (double)N * (double)(P + 1) * (double)(Hkv * 2 * d) *
                               (o->kv_dtype == MHA_KV_F32    ? 4.0
                                : o->kv_dtype == MHA_KV_INT8 ? 1.0
+                               : o->kv_dtype == MHA_KV_INT4 ? 0.5
                                                             : 2.0);
         const double s0 = cli_now();
         if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL))) goto fail;

@@ -80,7 +80,7 @@ static const char *forward_help =
     "  --incremental        causal self-attention through a KV cache, token by\n"
     "                       token (mha_forward_cached): the result equals\n"
     "                       --causal's; --chunk N feeds N tokens per step\n"
-    "                       (chunked prefill); --kv-dtype f32|bf16|f16|int8\n"
+    "                       (chunked prefill); --kv-dtype f32|bf16|f16|int8|int4\n"
     "                       the cache's storage\n"
     "  --dtype T            f32 (default), bf16 or f16: query/key/value and\n"
     "                       the outputs stored in T (computation in float32)\n"

@@ -666,7 +666,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 class KVCache:
     """Keys and values of `batch` sequences for incremental decoding:
     K (batch, num_kv_heads, capacity, head_dim), V (..., v_head_dim),
-    stored as 'f32', 'bf16', 'f16' or 'int8'. append(k, v) adds tokens
+    stored as 'f32', 'bf16', 'f16', 'int8' or 'int4' (groups of 32 with
+    one scale each: see mha.h's mha_kv_dtype for the error bound).
+    append(k, v) adds tokens
     ((B, Hkv, T, D) arrays), attend(q) attends (B, H, T, D) queries (the
     last T positions of each sequence, causal) to everything cached;
     MultiheadAttention.forward_cached runs a whole module through it."""
@@ -727,7 +729,7 @@ class KVCache:
 class PagedKVCache:
     """A paged KV cache for serving many sequences: num_blocks blocks of
     block_size tokens (K and V of num_kv_heads heads, stored as 'f32',
-    'bf16', 'f16' or 'int8'), per-sequence block tables, blocks shared by
+    'bf16', 'f16', 'int8' or 'int4'), per-sequence block tables, blocks shared by
     forks (copy on write). MultiheadAttention.forward_paged runs a module
     through it. A sequence attends exactly as a KVCache holding the same
     tokens would."""

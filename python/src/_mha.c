@@ -1144,8 +1144,8 @@ static PyObject *Cache_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     mha_kv_dtype dt;
     if (mha_kv_dtype_from_name(&dt, dtype)) {
-        PyErr_Format(PyExc_TypeError, "KVCache dtype '%s': expected f32, bf16, f16 or int8",
-                     dtype);
+        PyErr_Format(PyExc_TypeError,
+                     "KVCache dtype '%s': expected f32, bf16, f16, int8 or int4", dtype);
         return NULL;
     }
     CacheObject *o = PyObject_New(CacheObject, type);
@@ -1331,7 +1331,7 @@ static PyObject *Paged_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     mha_kv_dtype dt;
     if (mha_kv_dtype_from_name(&dt, dtype)) {
         PyErr_Format(PyExc_TypeError,
-                     "PagedKVCache dtype '%s': expected f32, bf16, f16 or int8", dtype);
+                     "PagedKVCache dtype '%s': expected f32, bf16, f16, int8 or int4", dtype);
         return NULL;
     }
     PagedObject *o = PyObject_New(PagedObject, type);

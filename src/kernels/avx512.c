@@ -484,12 +484,11 @@ static void softmax_rows(float *x, int64_t ldx, int64_t R, int64_t n, float *m, 
 // rows about PF_BYTES ahead of the ones it reads (the hardware prefetchers
 // stop at page boundaries and ramp up again on every chunk the threads
 // take in turn; measured on the Xeon: the 256k-token decode 30% faster).
-// Rows j .. j + nr - 1 of lda elements of esz bytes, ahead, if they exist.
+// Rows j .. j + nr - 1 of rb bytes each, ahead, if they exist.
 #define PF_BYTES 12288
-static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, int64_t lda,
-                                                                 size_t esz, int64_t j,
-                                                                 int64_t nr, int64_t n) {
-    const size_t rb = (size_t)lda * esz;
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, size_t rb,
+                                                                 int64_t j, int64_t nr,
+                                                                 int64_t n) {
     const int64_t ahead = rb >= PF_BYTES ? 1 : (int64_t)(PF_BYTES / rb);
     if (j + ahead + nr > n) return;
     const char *p = (const char *)A + (size_t)(j + ahead) * rb;
@@ -529,7 +528,7 @@ static void dot_rows(float *s, const float *A, int64_t lda, const float *x, int6
     for (; j + 4 <= n; j += 4) {
         const float *a0 = A + j * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
         __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-        prefetch_ahead(A, lda, 4, j, 4, n);
+        prefetch_ahead(A, (size_t)lda * 4, j, 4, n);
         for (int64_t c = 0; c < D; c += 16) {
             const __mmask16 k = tail_mask(D - c);
             const __m512 xv = _mm512_maskz_loadu_ps(k, x + c);
@@ -651,6 +650,224 @@ static inline __attribute__((always_inline)) float dot_q1(const void *A, int64_t
 }
 
 
+// ---- int4 rows (kind 4; kernels.h): groups of 32 elements, 16 bytes, one
+// scale each. A group's bytes widen to 16 lanes (byte i in lane i); the
+// low nibbles (elements 2i) and, shifted down, the high ones (2i + 1)
+// index a 16-entry table of the group's dequantised values s * q
+// (vpermps reads a lane's low 4 bits only): one table multiply per group,
+// two permutes, and the FMAs on the even and odd elements apart. The
+// query (dot) is split into its even and odd elements once per group for
+// the rows in flight; the outputs (axpy) stay split across the rows and
+// are interleaved back at the end. Per (row, query): acc = fma(e, x_even,
+// acc), acc = fma(o, x_odd, acc) over the groups in order, then reduce4
+// (dot); o_c = fma(p_j, A(j, c), o_c) over the rows in order (axpy): the
+// same operations whatever the rows or queries around it.
+static const float I4_LUT[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+
+// Group g of the int4 row at p, w (1..32) of its elements, as 16 lanes of
+// bytes (past w: 0; no byte past the row's ceil(w / 2) read).
+static inline __attribute__((always_inline)) __m512i i4_group(const uint8_t *p, int64_t g,
+                                                              int64_t w) {
+    if (w >= 32) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * g)));
+    uint8_t b[16] = {0};
+    memcpy(b, p + 16 * g, (size_t)(w + 1) / 2);
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+}
+
+// The group's even (*e) and odd (*o) elements, dequantised by scale s.
+static inline __attribute__((always_inline)) void i4_deq(__m512i d, float s, __m512 *e,
+                                                         __m512 *o) {
+    const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(I4_LUT), _mm512_set1_ps(s));
+    *e = _mm512_permutexvar_ps(d, t);
+    *o = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), t);
+}
+
+// 32 floats at v (w of them, 1..32; past w: 0) split into even (*e) and
+// odd (*o) elements.
+static inline __attribute__((always_inline)) void split32(const float *v, int64_t w, __m512 *e,
+                                                          __m512 *o) {
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                         30),
+                  io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                         31);
+    const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(w), v),
+                 hi = _mm512_maskz_loadu_ps(tail_mask(w - 16), v + 16);
+    *e = _mm512_permutex2var_ps(lo, ie, hi);
+    *o = _mm512_permutex2var_ps(lo, io, hi);
+}
+
+// The inverse: even e and odd o elements interleaved into the 32 floats at
+// v (w of them stored).
+static inline __attribute__((always_inline)) void merge32(float *v, int64_t w, __m512 e,
+                                                          __m512 o) {
+    const __m512i il = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                  ih = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                         15, 31);
+    _mm512_mask_storeu_ps(v, tail_mask(w), _mm512_permutex2var_ps(e, il, o));
+    _mm512_mask_storeu_ps(v + 16, tail_mask(w - 16), _mm512_permutex2var_ps(e, ih, o));
+}
+
+static void cvt_i4(float *dst, const uint8_t *src, int64_t n, const float *scales) {
+    for (int64_t g = 0; g * 32 < n; g++) {
+        const int64_t w = n - 32 * g < 32 ? n - 32 * g : 32;
+        __m512 e, o;
+        i4_deq(i4_group(src, g, w), scales[g], &e, &o);
+        merge32(dst + 32 * g, w, e, o);
+    }
+}
+
+// The scales of rows j .. j + nr - 1 (ns each), ahead as prefetch_ahead
+// takes the rows (rb bytes each).
+static inline __attribute__((always_inline)) void i4_prefetch(const void *A, size_t rb,
+                                                              const float *scales, int64_t ns,
+                                                              int64_t j, int64_t nr, int64_t n) {
+    prefetch_ahead(A, rb, j, nr, n);
+    const int64_t ahead = rb >= PF_BYTES ? 1 : (int64_t)(PF_BYTES / rb);
+    if (j + ahead + nr > n) return;
+    const char *p = (const char *)(scales + (j + ahead) * ns);
+    // (a line holds the scales of several rows: the first of each line)
+    const size_t sb = (size_t)(nr * ns) * sizeof(float);
+    for (size_t b = 0; b < sb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// Scores of rows j .. j + nr - 1 (nr 1 or 4) for nq (1..4) queries:
+// s[q*lds + j + r] (both constants after inlining).
+static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
+                                                         const uint8_t *A, int64_t lda,
+                                                         const float *scales, const float *X,
+                                                         int64_t ldx, int nq, int nr,
+                                                         int64_t j, int64_t D) {
+    const int64_t ns = (lda + 31) / 32;
+    __m512 acc[4][4];
+    for (int q = 0; q < nq; q++)
+        for (int r = 0; r < nr; r++) acc[q][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g * 32 < D; g++) {
+        const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
+        __m512 xe[4], xo[4];
+        for (int q = 0; q < nq; q++) split32(X + q * ldx + 32 * g, w, &xe[q], &xo[q]);
+        for (int r = 0; r < nr; r++) {
+            __m512 e, o;
+            i4_deq(i4_group(A + (j + r) * (lda / 2), g, w), scales[(j + r) * ns + g], &e, &o);
+            for (int q = 0; q < nq; q++) {
+                acc[q][r] = _mm512_fmadd_ps(e, xe[q], acc[q][r]);
+                acc[q][r] = _mm512_fmadd_ps(o, xo[q], acc[q][r]);
+            }
+        }
+    }
+    const __m512 z = _mm512_setzero_ps();
+    for (int q = 0; q < nq; q++) {
+        if (nr == 4)
+            _mm_storeu_ps(s + q * lds + j, reduce4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]));
+        else s[q * lds + j] = _mm_cvtss_f32(reduce4(acc[q][0], z, z, z));
+    }
+}
+
+// dot_rows_qg for int4 (dot_rows_q: ng = 1): 4 rows at a time, the queries
+// 4 at a time; the last n % 4 rows one by one.
+static void dot_rows_i4(float *s, int64_t lds, const void *Av, int64_t lda,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+    const uint8_t *A = Av;
+    const size_t rb = (size_t)(lda / 2);
+    const int64_t ns = (lda + 31) / 32;
+    pf_spread pfs = pf_begin(pf, pfb, n / 4);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        i4_prefetch(A, rb, scales, ns, j, 4, n);
+        pf_step(&pfs);
+        int64_t g = 0;
+        for (; g + 4 <= ng; g += 4)
+            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 4, 4, j, D);
+        if (ng - g == 3)
+            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 3, 4, j, D);
+        if (ng - g == 2)
+            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 2, 4, j, D);
+        if (ng - g == 1)
+            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 1, 4, j, D);
+    }
+    pf_rest(&pfs);
+    for (; j < n; j++)
+        for (int64_t g = 0; g < ng; g++)
+            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 1, 1, j, D);
+}
+
+// O[q*ldo + c] += sum_j P[q*ldp + j] A(j, c) for the columns [c0, c0 + w)
+// (w 1..64: one or two groups, c0 a multiple of 32), rows jb .. je - 1 in
+// order, nq (1..4) queries (a constant after inlining); pf: the caller's
+// spread prefetch (NULL: another call of the block asks for the rows).
+static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
+                                                          const float *P, int64_t ldp,
+                                                          const uint8_t *A, int64_t lda,
+                                                          const float *scales, int nq,
+                                                          int64_t jb, int64_t je, int64_t c0,
+                                                          int64_t w, int64_t n, pf_spread *pf) {
+    const int64_t ns = (lda + 31) / 32, g0 = c0 / 32, w1 = w - 32;
+    const size_t rb = (size_t)(lda / 2);
+    __m512 acc[4][4];  // per query: group 0 even, odd, group 1 even, odd
+    for (int q = 0; q < nq; q++) {
+        split32(O + q * ldo + c0, w, &acc[q][0], &acc[q][1]);
+        if (w1 > 0) split32(O + q * ldo + c0 + 32, w1, &acc[q][2], &acc[q][3]);
+        else acc[q][2] = acc[q][3] = _mm512_setzero_ps();
+    }
+    for (int64_t j = jb; j < je; j++) {
+        if (pf) i4_prefetch(A, rb, scales, ns, j, 1, n), pf_step(pf);
+        const uint8_t *row = A + j * (lda / 2);
+        __m512 e0, o0, e1 = _mm512_setzero_ps(), o1 = e1;
+        i4_deq(i4_group(row, g0, w), scales[j * ns + g0], &e0, &o0);
+        if (w1 > 0) i4_deq(i4_group(row, g0 + 1, w1), scales[j * ns + g0 + 1], &e1, &o1);
+        for (int q = 0; q < nq; q++) {
+            const __m512 f = _mm512_set1_ps(P[q * ldp + j]);
+            acc[q][0] = _mm512_fmadd_ps(f, e0, acc[q][0]);
+            acc[q][1] = _mm512_fmadd_ps(f, o0, acc[q][1]);
+            if (w1 > 0) {
+                acc[q][2] = _mm512_fmadd_ps(f, e1, acc[q][2]);
+                acc[q][3] = _mm512_fmadd_ps(f, o1, acc[q][3]);
+            }
+        }
+    }
+    for (int q = 0; q < nq; q++) {
+        merge32(O + q * ldo + c0, w, acc[q][0], acc[q][1]);
+        if (w1 > 0) merge32(O + q * ldo + c0 + 32, w1, acc[q][2], acc[q][3]);
+    }
+}
+
+// axpy_rows_qg for int4 (axpy_rows_q: ng = 1): blocks of AXB rows (in L1
+// once read), for each 64 columns of up to 4 queries at a time (the
+// accumulators stored and reloaded between blocks: exact).
+#define AXB4 32
+static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, const void *Av,
+                         int64_t lda, const float *scales, int64_t ng, int64_t n, int64_t Dv,
+                         const void *pf, size_t pfb) {
+    const uint8_t *A = Av;
+    pf_spread pfs = pf_begin(pf, pfb, n);
+    for (int64_t jb = 0; jb < n; jb += AXB4) {
+        const int64_t je = n - jb < AXB4 ? n : jb + AXB4;
+        for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+            const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64;
+            // (64 columns: a constant width, the masks and the second
+            // group's tests folded away)
+#define AXPY_I4(NQ)                                                                           \
+    do {                                                                                      \
+        pf_spread *f = c0 == 0 && g == 0 ? &pfs : NULL;                                       \
+        if (w == 64)                                                                          \
+            axpy_i4(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, scales, NQ, jb, je, c0, 64,   \
+                    n, f);                                                                    \
+        else                                                                                  \
+            axpy_i4(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, scales, NQ, jb, je, c0, w, n, \
+                    f);                                                                       \
+    } while (0)
+            int64_t g = 0;
+            for (; g + 4 <= ng; g += 4) AXPY_I4(4);
+            if (ng - g == 3) AXPY_I4(3);
+            if (ng - g == 2) AXPY_I4(2);
+            if (ng - g == 1) AXPY_I4(1);
+#undef AXPY_I4
+        }
+    }
+    pf_rest(&pfs);
+}
+
+
 // Four rows at once (independent chains hide the FMA latency, one
 // reduction tree for the four); kind a constant after inlining.
 static inline __attribute__((always_inline)) void dot_rows_qk(
@@ -660,7 +877,7 @@ static inline __attribute__((always_inline)) void dot_rows_qk(
     const int64_t Dv = D & ~(int64_t)15;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
     for (; j + 4 <= n && Dv == D; j += 4) {
-        prefetch_ahead(A, lda, kind_size(kind), j, 4, n);
+        prefetch_ahead(A, (size_t)lda * kind_size(kind), j, 4, n);
         pf_step(&pfs);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t c = 0; c < D; c += 16) {
@@ -680,7 +897,8 @@ static inline __attribute__((always_inline)) void dot_rows_qk(
 
 static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
                        const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
-    if (kind == 0) dot_rows_qk(s, A, lda, 0, scales, x, n, D, pf, pfb);
+    if (kind == 4) dot_rows_i4(s, 0, A, lda, scales, x, 0, 1, n, D, pf, pfb);
+    else if (kind == 0) dot_rows_qk(s, A, lda, 0, scales, x, n, D, pf, pfb);
     else if (kind == 1) dot_rows_qk(s, A, lda, 1, scales, x, n, D, pf, pfb);
     else if (kind == 2) dot_rows_qk(s, A, lda, 2, scales, x, n, D, pf, pfb);
     else dot_rows_qk(s, A, lda, 3, scales, x, n, D, pf, pfb);
@@ -723,7 +941,7 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
     const int64_t Dv = D & ~(int64_t)15;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
     for (; j + 4 <= n && Dv == D; j += 4) {
-        prefetch_ahead(A, lda, kind_size(kind), j, 4, n);
+        prefetch_ahead(A, (size_t)lda * kind_size(kind), j, 4, n);
         pf_step(&pfs);
         int64_t g = 0;
         for (; g + 4 <= ng; g += 4)
@@ -745,7 +963,8 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
                         const float *scales, const float *X, int64_t ldx, int64_t ng,
                         int64_t n, int64_t D, const void *pf, size_t pfb) {
-    if (kind == 0) dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D, pf, pfb);
+    if (kind == 4) dot_rows_i4(s, lds, A, lda, scales, X, ldx, ng, n, D, pf, pfb);
+    else if (kind == 0) dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D, pf, pfb);
     else if (kind == 1) dot_rows_qgk(s, lds, A, lda, 1, scales, X, ldx, ng, n, D, pf, pfb);
     else if (kind == 2) dot_rows_qgk(s, lds, A, lda, 2, scales, X, ldx, ng, n, D, pf, pfb);
     else dot_rows_qgk(s, lds, A, lda, 3, scales, X, ldx, ng, n, D, pf, pfb);
@@ -766,7 +985,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
             __m512 a0 = _mm512_loadu_ps(o + c0), a1 = _mm512_loadu_ps(o + c0 + 16),
                    a2 = _mm512_loadu_ps(o + c0 + 32), a3 = _mm512_loadu_ps(o + c0 + 48);
             for (int64_t j = 0; j < n; j++) {
-                if (c0 == 0) prefetch_ahead(A, lda, kind_size(kind), j, 1, n), pf_step(&pfs);
+                if (c0 == 0)
+                    prefetch_ahead(A, (size_t)lda * kind_size(kind), j, 1, n), pf_step(&pfs);
                 const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
                 a0 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0), a0);
                 a1 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 16), a1);
@@ -796,7 +1016,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
 
 static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
                         const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
-    if (kind == 0) axpy_rows_qk(o, p, A, lda, 0, scales, n, Dv, pf, pfb);
+    if (kind == 4) axpy_rows_i4(o, 0, p, 0, A, lda, scales, 1, n, Dv, pf, pfb);
+    else if (kind == 0) axpy_rows_qk(o, p, A, lda, 0, scales, n, Dv, pf, pfb);
     else if (kind == 1) axpy_rows_qk(o, p, A, lda, 1, scales, n, Dv, pf, pfb);
     else if (kind == 2) axpy_rows_qk(o, p, A, lda, 2, scales, n, Dv, pf, pfb);
     else axpy_rows_qk(o, p, A, lda, 3, scales, n, Dv, pf, pfb);
@@ -815,7 +1036,7 @@ static inline __attribute__((always_inline)) void axpy64_q(
     for (int g = 0; g < nq; g++)
         for (int u = 0; u < 4; u++) acc[g][u] = _mm512_loadu_ps(O + g * ldo + c0 + 16 * u);
     for (int64_t j = jb; j < je; j++) {
-        if (pf) prefetch_ahead(A, lda, kind_size(kind), j, 1, n), pf_step(pf);
+        if (pf) prefetch_ahead(A, (size_t)lda * kind_size(kind), j, 1, n), pf_step(pf);
         const __m512 a0 = q16(A, lda, kind, j, c0), a1 = q16(A, lda, kind, j, c0 + 16),
                      a2 = q16(A, lda, kind, j, c0 + 32), a3 = q16(A, lda, kind, j, c0 + 48);
         for (int g = 0; g < nq; g++) {
@@ -838,7 +1059,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
     for (int64_t jb = 0; jb < n; jb += AXB) {
         const int64_t je = n - jb < AXB ? n : jb + AXB;
         if (Dv < 64)  // (else the first 64 columns' first queries ask for them)
-            for (int64_t j = jb; j < je; j++) prefetch_ahead(A, lda, kind_size(kind), j, 1, n);
+            for (int64_t j = jb; j < je; j++)
+                prefetch_ahead(A, (size_t)lda * kind_size(kind), j, 1, n);
         for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
             if (Dv - c0 >= 64) {
                 int64_t g = 0;
@@ -878,7 +1100,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
                          int64_t Dv, const void *pf, size_t pfb) {
-    if (kind == 0) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv, pf, pfb);
+    if (kind == 4) axpy_rows_i4(O, ldo, P, ldp, A, lda, scales, ng, n, Dv, pf, pfb);
+    else if (kind == 0) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv, pf, pfb);
     else if (kind == 1) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, ng, n, Dv, pf, pfb);
     else if (kind == 2) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, ng, n, Dv, pf, pfb);
     else axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, ng, n, Dv, pf, pfb);
@@ -963,6 +1186,7 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->cvt_bf16 = cvt_bf16;
     k->cvt_f16 = cvt_f16;
     k->cvt_i8 = cvt_i8;
+    k->cvt_i4 = cvt_i4;
     k->dot_rows_q = dot_rows_q;
     k->axpy_rows_q = axpy_rows_q;
     k->dot_rows_qg = dot_rows_qg;

@@ -96,9 +96,25 @@ static void cvt_i8(float *dst, const int8_t *src, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) dst[i] = scale * (float)src[i];
 }
 
-// element c of row j of a float32 (0), bf16 (1), f16 (2) or int8 (3) matrix
-static inline float q_at(const void *A, int64_t lda, int kind, int64_t j, int64_t c) {
+// 4-bit two's complement nibble c of the bytes at p (element 2i low in
+// byte i, 2i + 1 high)
+static inline int i4_at(const uint8_t *p, int64_t c) {
+    const int u = c & 1 ? p[c / 2] >> 4 : p[c / 2] & 15;
+    return u >= 8 ? u - 16 : u;
+}
+
+static void cvt_i4(float *dst, const uint8_t *src, int64_t n, const float *scales) {
+    for (int64_t c = 0; c < n; c++) dst[c] = scales[c / 32] * (float)i4_at(src, c);
+}
+
+// element c of row j of a float32 (0), bf16 (1), f16 (2), int8 (3) or int4
+// (4: with its group's scale; kernels.h) matrix
+static inline float q_at(const void *A, int64_t lda, int kind, const float *scales, int64_t j,
+                         int64_t c) {
     if (kind == 0) return ((const float *)A)[j * lda + c];
+    if (kind == 4)
+        return scales[j * ((lda + 31) / 32) + c / 32] *
+               (float)i4_at((const uint8_t *)A + j * (lda / 2), c);
     if (kind == 3) return (float)((const int8_t *)A)[j * lda + c];
     const uint16_t h = ((const uint16_t *)A)[j * lda + c];
     if (kind == 2) return mha_f16_to_f32(h);
@@ -123,7 +139,7 @@ static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const flo
     prefetch_next(pf, pfb);
     for (int64_t j = 0; j < n; j++) {
         float acc = 0.0f;
-        for (int64_t c = 0; c < D; c++) acc += q_at(A, lda, kind, j, c) * x[c];
+        for (int64_t c = 0; c < D; c++) acc += q_at(A, lda, kind, scales, j, c) * x[c];
         s[j] = (kind == 3 ? scales[j] : 1.0f) * acc;
     }
 }
@@ -134,7 +150,7 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
     prefetch_next(pf, pfb);
     for (int64_t j = 0; j < n; j++) {
         const float w = p[j] * (kind == 3 ? scales[j] : 1.0f);
-        for (int64_t c = 0; c < Dv; c++) o[c] += w * q_at(A, lda, kind, j, c);
+        for (int64_t c = 0; c < Dv; c++) o[c] += w * q_at(A, lda, kind, scales, j, c);
     }
 }
 
@@ -295,6 +311,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->cvt_bf16 = cvt_bf16;
     k->cvt_f16 = cvt_f16;
     k->cvt_i8 = cvt_i8;
+    k->cvt_i4 = cvt_i4;
     k->dot_rows_q = dot_rows_q;
     k->axpy_rows_q = mha__axpy_rows_q_generic;
     k->dot_rows_qg = dot_rows_qg;

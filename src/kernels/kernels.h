@@ -66,12 +66,22 @@ typedef struct mha__kernels {
     void (*cvt_bf16)(float *dst, const uint16_t *src, int64_t n);
     void (*cvt_f16)(float *dst, const uint16_t *src, int64_t n);
     void (*cvt_i8)(float *dst, const int8_t *src, int64_t n, float scale);
+    // cvt_i4: dst[c] = scales[c / 32] * q_c (rounded to float32), c < n,
+    //   q_c the 4-bit two's complement nibble c of src (element 2i in the
+    //   low nibble of byte i, 2i + 1 in the high one: kvcache.c's int4 row)
+    //   (bit-identical on every table)                   overwrite
+    void (*cvt_i4)(float *dst, const uint8_t *src, int64_t n, const float *scales);
     // Decode over a cache's rows in place (reduced precision without a
     // float32 copy):
     // dot_rows_q: s[j] = scale_j * sum_c A(j, c) x[c] for j < n, c < D
     // axpy_rows_q: o[c] += sum_j p[j] scale_j A(j, c) for c < Dv (j in order)
     // A rows of lda elements of type kind: 0 float32, 1 bf16, 2 f16, 3 int8
-    // (scale_j = scales[j]; 1 for the others, scales may be NULL). Each
+    // (scale_j = scales[j]; 1 for the others, scales may be NULL), 4 int4:
+    // lda even, row j at byte j * lda / 2, A(j, c) = fl(s * q) with q its
+    // nibble c (as cvt_i4 reads it) and s = scales[j * ceil(lda / 32) +
+    // c / 32] (its group's scale; scale_j = 1); no byte past a row's
+    // ceil(D / 2) (ceil(Dv / 2)) is read (D odd: the last byte's high
+    // nibble is read and weighs 0). Each
     // s[j] depends on row j and x alone (the same bits whatever n and the
     // row's place in the call), and axpy's sum runs over the rows in order:
     // a range split into pieces gives the bits of one call. The ISA
