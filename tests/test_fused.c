@@ -1070,21 +1070,78 @@ static void test_qk_norm(void) {
     remove(path);
 }
 
+// The int4 format of mha.h (mha_kv_dtype), written again here: row x (n)
+// as it reads back (xq: s_g q_c) and its group scales (sc).
+static void int4_row(float *xq, float *sc, const float *x, int64_t n) {
+    for (int64_t g = 0; g * 32 < n; g++) {
+        const int64_t c1 = g * 32 + 32 < n ? g * 32 + 32 : n;
+        float mx = 0.0f;
+        for (int64_t c = g * 32; c < c1; c++) mx = fmaxf(mx, fabsf(x[c]));
+        sc[g] = mx > 0.0f ? mx / 7.0f : 1.0f;
+        for (int64_t c = g * 32; c < c1; c++)
+            xq[c] = sc[g] * fminf(7.0f, fmaxf(-7.0f, nearbyintf(x[c] / sc[g])));
+    }
+}
+
+// The float64 attention of query qr (D) over keys [lo, hi] of one head's
+// rows kr, vr (D each): y (D); sc: scratch for the scores.
+static void oracle_row(double *y, const float *qr, const float *kr, const float *vr, int64_t lo,
+                       int64_t hi, int64_t D, double *sc) {
+    double m = -INFINITY, l = 0.0;
+    for (int64_t j = lo; j <= hi; j++) {
+        double dot = 0.0;
+        for (int64_t e = 0; e < D; e++) dot += (double)qr[e] * kr[j * D + e];
+        sc[j] = dot / sqrt((double)D);
+        m = sc[j] > m ? sc[j] : m;
+    }
+    for (int64_t j = lo; j <= hi; j++) l += (sc[j] = exp(sc[j] - m));
+    for (int64_t e = 0; e < D; e++) {
+        y[e] = 0.0;
+        for (int64_t j = lo; j <= hi; j++) y[e] += sc[j] * vr[j * D + e];
+        y[e] /= l;
+    }
+}
+
+// mha.h's bound on an int4 cache's output error for query qr over keys
+// [lo, hi] (K, V rows kr, vr, their group scales ks, vs: ng a row), per
+// element c: max_j s^V_j,g(c) / 2 + (exp(2 max_j e_j) - 1) max_j |v_jc| with
+// e_j = sum_g (s^K_jg / 2) sum_{c in g} |x_c|, x = q / sqrt(D).
+static void int4_bound(double *bnd, const float *qr, const float *vr, const float *ks,
+                       const float *vs, int64_t lo, int64_t hi, int64_t D) {
+    const int64_t ng = (D + 31) / 32;
+    double emax = 0.0;
+    for (int64_t j = lo; j <= hi; j++) {
+        double ej = 0.0;
+        for (int64_t e = 0; e < D; e++)
+            ej += ks[j * ng + e / 32] / 2.0 * fabs((double)qr[e]) / sqrt((double)D);
+        emax = fmax(emax, ej);
+    }
+    for (int64_t e = 0; e < D; e++) {
+        double sv = 0.0, vm = 0.0;
+        for (int64_t j = lo; j <= hi; j++)
+            sv = fmax(sv, vs[j * ng + e / 32] / 2.0), vm = fmax(vm, fabs((double)vr[j * D + e]));
+        bnd[e] = sv + expm1(2.0 * emax) * vm;
+    }
+}
+
 // Decode over a long cache, against a float64 oracle: B 2 sequences of
 // different lengths (several 512-key chunks, many row blocks), GQA groups
-// G = H / Hkv of 1, 3 and 4, head dims 64 and 40 (not a multiple of 16),
-// 1 and 5 queries per sequence (the causal band moves within a block), no
-// window and left windows of 300 and 2 (5 queries' bands apart), every
-// storage type. K and V are k / 64
+// G = H / Hkv of 1, 3 and 4, head dims 64 and 40 (not a multiple of 16 or
+// 32), 1 and 5 queries per sequence (the causal band moves within a
+// block), no window and left windows of 300 and 2 (5 queries' bands
+// apart), every storage type. K and V are k / 64
 // with integer |k| <= 127 (each row's max 127): exact in bf16, f16 and
-// int8 (scale 1/64), so the oracle reads the same numbers. And the same
-// bits with 1, 2 and 8 threads.
+// int8 (scale 1/64), so the oracle reads the same numbers. int4 is checked
+// twice: against the oracle over the values it stores (int4_row: the
+// format written again), within the same tolerance, and against the oracle
+// over the inputs, within mha.h's documented bound computed from the data
+// (int4_bound). And the same bits with 1, 2 and 8 threads.
 static void test_decode_groups(void) {
     enum { B = 2, CAP = 1400, TMAX = 5 };
     const int64_t lens[B] = {1300, 517};
     const int64_t cfgs[][3] = {{4, 4, 64}, {12, 4, 40}, {8, 2, 64}};  // H, Hkv, D
     for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++)
-        for (int dt = MHA_KV_F32; dt <= MHA_KV_INT8; dt++)
+        for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++)
             for (int T = 1; T <= TMAX; T += 4)
                 for (int wi = 0; wi < 3; wi++) {
                     const int64_t H = cfgs[ci][0], Hkv = cfgs[ci][1], D = cfgs[ci][2];
@@ -1106,6 +1163,18 @@ static void test_decode_groups(void) {
                                vt = mha_tensor_contiguous(v, MHA_F32, 4,
                                                           (int64_t[]){B, Hkv, CAP, D});
                     CHECK_OK(mha_kv_cache_append(c, &kt, &vt, lens));
+                    // int4: the values stored, and their group scales
+                    const int64_t ng = (D + 31) / 32;
+                    float *kq = NULL, *vq = NULL, *ks = NULL, *vs = NULL;
+                    if (dt == MHA_KV_INT4) {
+                        kq = malloc(sizeof(float) * nkv), vq = malloc(sizeof(float) * nkv);
+                        ks = malloc(sizeof(float) * (nkv / (size_t)D) * (size_t)ng);
+                        vs = malloc(sizeof(float) * (nkv / (size_t)D) * (size_t)ng);
+                        for (size_t r = 0; r < nkv / (size_t)D; r++) {
+                            int4_row(kq + r * (size_t)D, ks + r * (size_t)ng, k + r * (size_t)D, D);
+                            int4_row(vq + r * (size_t)D, vs + r * (size_t)ng, v + r * (size_t)D, D);
+                        }
+                    }
                     const size_t nq = (size_t)(B * H * T * D);
                     float *q = malloc(sizeof(float) * nq), *o[3];
                     for (size_t i = 0; i < nq; i++) q[i] = frand();
@@ -1126,34 +1195,45 @@ static void test_decode_groups(void) {
 #ifdef _OPENMP
                     omp_set_num_threads(2);
 #endif
-                    double err = 0.0, mx = 0.0;
-                    double *sc = malloc(sizeof(double) * CAP);
+                    double err = 0.0, mx = 0.0, over = 0.0, ratio = 0.0;
+                    double *sc = malloc(sizeof(double) * CAP), y[64], yq[64], bnd[64];
                     for (int64_t b = 0; b < B; b++)
                         for (int64_t h = 0; h < H; h++)
                             for (int64_t t = 0; t < T; t++) {
                                 const int64_t pos = lens[b] - T + t, hk = h / (H / Hkv);
                                 const int64_t lo = win >= 0 && pos - win > 0 ? pos - win : 0;
                                 const float *qr = q + ((b * H + h) * T + t) * D;
-                                double m = -INFINITY, l = 0.0;
-                                for (int64_t j = lo; j <= pos; j++) {
-                                    const float *kr = k + ((b * Hkv + hk) * CAP + j) * D;
-                                    double dot = 0.0;
-                                    for (int64_t e = 0; e < D; e++) dot += (double)qr[e] * kr[e];
-                                    sc[j] = dot / sqrt((double)D);
-                                    m = sc[j] > m ? sc[j] : m;
+                                const size_t r0 = (size_t)((b * Hkv + hk) * CAP);
+                                oracle_row(y, qr, k + r0 * (size_t)D, v + r0 * (size_t)D, lo, pos,
+                                           D, sc);
+                                if (kq) {
+                                    oracle_row(yq, qr, kq + r0 * (size_t)D, vq + r0 * (size_t)D, lo,
+                                               pos, D, sc);
+                                    int4_bound(bnd, qr, v + r0 * (size_t)D, ks + r0 * (size_t)ng,
+                                               vs + r0 * (size_t)ng, lo, pos, D);
                                 }
-                                for (int64_t j = lo; j <= pos; j++)
-                                    l += (sc[j] = exp(sc[j] - m));
                                 for (int64_t e = 0; e < D; e++) {
-                                    double y = 0.0;
-                                    for (int64_t j = lo; j <= pos; j++)
-                                        y += sc[j] * v[((b * Hkv + hk) * CAP + j) * D + e];
-                                    y /= l;
                                     const double g = o[0][((b * H + h) * T + t) * D + e];
-                                    err = fabs(g - y) > err ? fabs(g - y) : err;
-                                    mx = fabs(y) > mx ? fabs(y) : mx;
+                                    const double ye = kq ? yq[e] : y[e];
+                                    err = fabs(g - ye) > err ? fabs(g - ye) : err;
+                                    mx = fabs(ye) > mx ? fabs(ye) : mx;
+                                    if (kq) {  // (the float32 rounding's share: the test's rule)
+                                        const double d = fabs(g - y[e]);
+                                        over = fmax(over, d - bnd[e] - 2e-5 * (1.0 + fabs(y[e])));
+                                        ratio = fmax(ratio, d / bnd[e]);
+                                    }
                                 }
                             }
+                    if (kq && T == 1 && wi == 0)
+                        printf("int4 decode H %lld Hkv %lld D %lld: err vs the stored values' "
+                               "oracle %.3g, largest err / documented bound %.3g\n",
+                               (long long)H, (long long)Hkv, (long long)D, err, ratio);
+                    if (kq)
+                        CHECKF(over <= 0.0,
+                               "decode groups H %lld Hkv %lld D %lld int4 T %d window %lld: "
+                               "outside the documented bound by %g (largest err / bound %g)",
+                               (long long)H, (long long)Hkv, (long long)D, T, (long long)win,
+                               over, ratio);
                     CHECKF(err <= 2e-5 * (1.0 + mx),
                            "decode groups H %lld Hkv %lld D %lld %s T %d window %lld: err %g "
                            "(max|ref| %g)",
@@ -1166,6 +1246,7 @@ static void test_decode_groups(void) {
                                mha_kv_dtype_name((mha_kv_dtype)dt), T, threads[r]);
                     for (int r = 0; r < 3; r++) free(o[r]);
                     free(sc), free(q), free(k), free(v);
+                    free(kq), free(vq), free(ks), free(vs);
                     mha_kv_cache_destroy(c);
                 }
 }

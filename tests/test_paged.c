@@ -952,12 +952,30 @@ static void test_released_parent(void) {
     mha_paged_cache_destroy(c);
 }
 
+// An int4 row of n elements: ceil(n / 2) bytes and ceil(n / 32) float
+// scales (mha.h), in a block and in a contiguous cache.
+static void test_int4_bytes(void) {
+    mha_paged_cache *c = NULL;
+    CHECK_OK(mha_paged_cache_create(&c, 4, 5, 3, 33, 70, MHA_KV_INT4));
+    CHECKF(mha_paged_cache_block_bytes(c) == (size_t)(3 * 5) * (17 + 35 + 4 * (2 + 3)),
+           "int4 block bytes %zu", mha_paged_cache_block_bytes(c));
+    mha_paged_cache_destroy(c);
+    mha_kv_cache *kc = NULL;
+    CHECK_OK(mha_kv_cache_create_ex(&kc, 2, 3, 33, 70, 7, MHA_KV_INT4));
+    CHECKF(mha_kv_cache_bytes(kc) == (size_t)(2 * 3 * 7) * (17 + 35 + 4 * (2 + 3)),
+           "int4 cache bytes %zu", mha_kv_cache_bytes(kc));
+    mha_kv_cache_destroy(kc);
+}
+
 int main(void) {
     seed_rng(19);
     const int64_t blocks[] = {1, 3, 16, 64};
-    for (int dt = MHA_KV_F32; dt <= MHA_KV_INT8; dt++)
+    // (int4: head dims 33, odd, cut into a group of 32 and one of 1, and 40)
+    for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++)
         for (int b = 0; b < 4; b++)
-            random_schedule((mha_kv_dtype)dt, blocks[b], b % 2 ? 40 : 16, dt == 0 ? 90 : 45);
+            random_schedule((mha_kv_dtype)dt, blocks[b],
+                            b % 2 ? 40 : dt == MHA_KV_INT4 ? 33 : 16, dt == 0 ? 90 : 45);
+    test_int4_bytes();
     printf("random schedules: %lld prompts added, %lld of their tokens found in the cache\n",
            (long long)prompts, (long long)reused);
     CHECK(reused > 0);

@@ -1510,7 +1510,7 @@ static void sweep_library(void) {
     }
 
     // KV cache
-    for (int dt = 0; dt < 4; dt++) {
+    for (int dt = 0; dt <= MHA_KV_INT4; dt++) {
         kv_arg k = {.dt = (mha_kv_dtype)dt, .B = 2, .Hkv = 2, .H = 4, .D = 8, .cap = 32};
         k.k = new_floats(k.B * k.Hkv * 24 * k.D), k.v = new_floats(k.B * k.Hkv * 24 * k.D);
         k.q = new_floats(k.B * k.H * 24 * k.D), k.o = new_floats(k.B * k.H * 24 * k.D);

@@ -127,8 +127,8 @@ CASES = [
     ("cache_full", "import numpy as np, mha\nc = mha.KVCache(1, 1, 4, capacity=2)\n"
      "k = np.zeros((1, 1, 2, 4), np.float32)\nc.append(k, k)", "c.append(k, k)", "ValueError",
      ""),
-    ("cache_dtype", "import mha", "mha.KVCache(1, 1, 4, capacity=2, dtype='int4')", "TypeError",
-     "int4"),
+    ("cache_dtype", "import mha", "mha.KVCache(1, 1, 4, capacity=2, dtype='int3')", "TypeError",
+     "int3"),
     ("cache_counts", "import numpy as np, mha\nc = mha.KVCache(2, 1, 4, capacity=2)\n"
      "k = np.zeros((2, 1, 1, 4), np.float32)", "c.append(k, k, counts=[1])", "ValueError",
      "counts"),

@@ -173,6 +173,54 @@ def test_kv_cache_decode_matches_full_forward():
     assert c.length(0) == 3
 
 
+def int4_values(x):
+    """What an int4 cache stores for x (..., D), as mha.h describes it: per
+    group of 32 along D the scale max|x| / 7 (1 if all 0), values
+    clamp(round(x / scale), -7, 7) * scale (float32 arithmetic)."""
+    D = x.shape[-1]
+    pad = np.zeros(x.shape[:-1] + (-D % 32,), np.float32)
+    g = np.concatenate([x, pad], -1).reshape(x.shape[:-1] + (-1, 32))
+    mx = np.abs(g).max(-1, keepdims=True)
+    sc = np.where(mx > 0, mx / np.float32(7), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(g / sc), -7, 7)
+    return (q * sc).reshape(x.shape[:-1] + (-1,))[..., :D], sc[..., 0]
+
+
+def test_kv_cache_int4():
+    # dtype="int4": the attention over it equals a float64 oracle over the
+    # values it stores (within 2e-5), decode (1 query) and prefill (20), a
+    # head dim of 40 (a group of 32 and one of 8); every value within half
+    # its group's scale; 20 + 16 bytes a row; a paged int4 cache gives the
+    # contiguous one's bits through the module
+    g = np.random.default_rng(11)
+    B, Hkv, G, D, L = 2, 2, 2, 40, 70
+    k = g.normal(size=(B, Hkv, L, D)).astype(np.float32)
+    v = g.normal(size=(B, Hkv, L, D)).astype(np.float32)
+    kq, ks = int4_values(k)
+    vq, _ = int4_values(v)
+    assert np.all(np.abs(kq - k) <= ks.repeat(32, -1)[..., :D] * (0.5 + 2.0 ** -20))
+    c = mha.KVCache(B, Hkv, D, capacity=L, dtype="int4")
+    assert c.nbytes == B * Hkv * L * (2 * 20 + 2 * 2 * 4)
+    c.append(k, v)
+    for T in (1, 20):
+        q = g.normal(size=(B, Hkv * G, T, D)).astype(np.float32)
+        o = c.attend(q)
+        kr, vr = np.repeat(kq, G, 1).astype(np.float64), np.repeat(vq, G, 1).astype(np.float64)
+        s = q.astype(np.float64) @ kr.transpose(0, 1, 3, 2) / np.sqrt(D)
+        s[..., np.arange(L)[None, :] > np.arange(L - T, L)[:, None]] = -np.inf
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = (p / p.sum(-1, keepdims=True)) @ vr
+        assert np.abs(o - want).max() <= 2e-5 * (1 + np.abs(want).max())
+    n, _ = pair(num_kv_heads=2, batch_first=True)
+    x = g.normal(size=(1, 30, 16)).astype(np.float32)
+    cc, pc = n.make_cache(batch=1, capacity=32, dtype="int4"), n.make_paged_cache(8, 4, dtype="int4")
+    sid = pc.add_sequence()
+    for a, b in ((0, 20), (20, 21), (21, 30)):
+        y1 = n.forward_cached(x[:, a:b], cc)
+        (y2,) = n.forward_paged(pc, [sid], [x[0, a:b]])
+        assert np.array_equal(y1[0], y2)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_paged_cache_continuous_batching(batch_first):
     # three sequences of their own lengths, fed in mixed calls (a prefill
