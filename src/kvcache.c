@@ -719,6 +719,17 @@ static void prefetch_ahead(const dec_chunk *dc, int64_t r, int64_t p1, int64_t h
         else if (i > kn || kn == kf) touch(p, n, DEC_FAR_LINES);
     }
     if ((*pfb = seg_bytes(dc, s + kn, hi, isk, &p))) *pf = p;
+    // (int8 / int4: the scales of the segments up to the kernel's, which
+    // fetches rows only: the first piece those from the next on, then each
+    // piece the kernel's segment's)
+    const int64_t ns = isk ? c->lk.ns : c->lv.ns;
+    for (int64_t i = first ? 1 : kn; ns && i <= kn; i++) {
+        const int64_t e = (s + i + 1) * c->seg < hi ? (s + i + 1) * c->seg : hi;
+        if (!seg_bytes(dc, s + i, hi, isk, &p)) break;
+        const dec_seg *g = &dc->seg[s + i - dc->s0];
+        touch((const char *)(isk ? g->ks : g->vs), (size_t)((e - (s + i) * c->seg) * ns) * 4,
+              -1);
+    }
 }
 
 // Rows [r, r1) for query v alone: its scores (isk), else O += P V.

@@ -157,6 +157,19 @@ static void forward_errors(void) {
     msg_has("fp8", "int8");
     CHECK_OK(mha_kv_dtype_from_name(&kvd, "bf16"));
     CHECK(kvd == MHA_KV_BF16 && strcmp(mha_kv_dtype_name(kvd), "bf16") == 0);
+    CHECK_OK(mha_kv_dtype_from_name(&kvd, "int4"));
+    CHECK(kvd == MHA_KV_INT4 && strcmp(mha_kv_dtype_name(kvd), "int4") == 0);
+    CHECK(strcmp(mha_kv_dtype_name((mha_kv_dtype)5), "unknown") == 0);
+    {
+        mha_kv_cache *bad = NULL;
+        CHECK_FAILS(mha_kv_cache_create_ex(&bad, 1, 1, 8, 8, 4, (mha_kv_dtype)5),
+                    MHA_ERR_INVALID_ARG);
+        msg_has("storage type 5", NULL);
+        CHECK(bad == NULL);
+        // int4 sizes that overflow: refused, not wrapped
+        CHECK_FAILS(mha_kv_cache_create_ex(&bad, 1, 1, INT64_MAX / 2, 8, 4, MHA_KV_INT4),
+                    MHA_ERR_OVERFLOW);
+    }
     mha_rope_mode rm;
     CHECK_FAILS(mha_rope_mode_from_name(&rm, "yarn"), MHA_ERR_UNSUPPORTED);
     msg_has("yarn", "neox");

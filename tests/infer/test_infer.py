@@ -763,8 +763,11 @@ def test_varlen(lib, ck, rng):
 def test_cache_dtypes(lib, ck, rng):
     """bf16 / f16 / int8 caches against a float32 cache on the same stream
     (decode steps and prefill chunks): the documented bound
-    max|out - out_f32| <= 4 u (1 + max|s|) max|v|."""
-    units = {1: ("bf16", 2.0 ** -8, 2), 2: ("f16", 2.0 ** -11, 2), 3: ("int8", 1.0 / 127, 1)}
+    max|out - out_f32| <= 4 u (1 + max|s|) max|v|; int4 within mha.h's
+    bound computed from the data (its maxima taken over every key, a
+    superset of each query's: still a bound), plus float32's 2e-5."""
+    units = {1: ("bf16", 2.0 ** -8, 2), 2: ("f16", 2.0 ** -11, 2), 3: ("int8", 1.0 / 127, 1),
+             4: ("int4", None, 0.5)}
     for case in range(12):
         B, Hkv, G, D = int(rng.integers(1, 3)), int(rng.choice([1, 2])), int(rng.choice([1, 3])), 64
         H, total = Hkv * G, int(rng.integers(20, 1500))
@@ -777,12 +780,13 @@ def test_cache_dtypes(lib, ck, rng):
             sched.append((n, T))
             n += T
         outs = {}
-        for dt in (0, 1, 2, 3):
+        for dt in (0, 1, 2, 3, 4):
             cache = C.c_void_p()
             rc = lib.L.mha_kv_cache_create_ex(C.byref(cache), B, Hkv, D, D, total, dt)
             ck.check(rc == 0, "cache dtype %d: create (%s)" % (dt, lib.err() if rc else ""))
             if dt:
-                want = B * Hkv * total * 2 * D * units[dt][2] + (B * Hkv * total * 8 if dt == 3 else 0)
+                want = int(B * Hkv * total * 2 * D * units[dt][2]) + \
+                    (B * Hkv * total * 8 if dt == 3 else B * Hkv * total * 8 * (D // 32) if dt == 4 else 0)
                 ck.check(lib.L.mha_kv_cache_bytes(cache) == want,
                          "cache %s: %d bytes held" % (units[dt][0], lib.L.mha_kv_cache_bytes(cache)))
             out = np.zeros((B, H, total, D), dtype=np.float32)
@@ -800,6 +804,19 @@ def test_cache_dtypes(lib, ck, rng):
         Kr = np.repeat(K, G, axis=1)  # the scaled scores' largest magnitude
         smax = max(float(np.max(np.abs(Q[b] @ Kr[b].transpose(0, 2, 1)))) for b in range(B)) / math.sqrt(D)
         vmax = float(np.max(np.abs(V)))
+        # int4: the group scales, e_j per (query, key), the bound per element
+        def scales(X):
+            return np.maximum(np.abs(X.reshape(X.shape[:-1] + (D // 32, 32))).max(-1), 1e-30) / 7.0
+        sk, sv = np.repeat(scales(K), G, 1), np.repeat(scales(V), G, 1)  # (B, H, total, D / 32)
+        xa = np.abs(Q.astype(np.float64)).reshape(B, H, total, D // 32, 32).sum(-1) / math.sqrt(D)
+        emax = (xa @ (sk / 2).transpose(0, 1, 3, 2)).max(-1)  # (B, H, total)
+        vterm = np.repeat(sv.max(2) / 2, 32, -1)  # (B, H, D)
+        vabs = np.repeat(np.abs(V).max(2), G, 1)  # (B, H, D)
+        bnd4 = vterm[:, :, None] + np.expm1(2 * emax)[..., None] * vabs[:, :, None]
+        e4 = np.abs(outs[4].astype(np.float64) - outs[0])
+        over = float(np.max(e4 - bnd4 - 2e-5 * (1 + np.abs(outs[0]))))
+        ck.check(over <= 0, "cache int4 %d (B %d H %d Hkv %d tokens %d): err vs f32 %.3g, "
+                 "outside the bound by %.3g" % (case, B, H, Hkv, total, float(e4.max()), over))
         for dt in (1, 2, 3):
             name, u, _ = units[dt]
             e = float(np.max(np.abs(outs[dt].astype(np.float64) - outs[0])))
