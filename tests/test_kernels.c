@@ -828,6 +828,26 @@ static void test_rows_qg(const mha__kernels *k) {
                 }
 }
 
+// int4 with many queries (30 x 160 floats: past what the AVX-512 kernel
+// splits once on its stack, so split group by group): the bits of one
+// dot_rows_q call per query (which split once), every head dim's groups.
+static void test_rows_qg_many(const mha__kernels *k) {
+    enum { N = 70, W = 150, NQ = 30, LD = 160, NS = (W + 31) / 32 };
+    static uint8_t b4[N * W / 2];
+    static float X[NQ * LD], s1[NQ * N], s2[NQ * N], sc4[N * NS];
+    for (int i = 0; i < N * W / 2; i++) b4[i] = (uint8_t)(next() & 255);
+    for (int i = 0; i < NQ * LD; i++) X[i] = frand();
+    for (int i = 0; i < N * NS; i++) sc4[i] = 0.01f * (float)(i % 37 + 1);
+    const int64_t dims[] = {129, 150};
+    for (int di = 0; di < 2; di++) {
+        k->dot_rows_qg(s1, N, b4, W, 4, sc4, X, LD, NQ, N, dims[di], NULL, 0);
+        for (int q = 0; q < NQ; q++)
+            k->dot_rows_q(s2 + q * N, b4, W, 4, sc4, X + q * LD, N, dims[di], NULL, 0);
+        CHECKF(memcmp(s1, s2, sizeof s1) == 0, "%s int4 dot_rows_qg, %d queries, D %lld: not the per-query bits",
+               k->isa, NQ, (long long)dims[di]);
+    }
+}
+
 int main(void) {
     seed_rng(7);
     const mha__kernels *g = mha__kernels_for("scalar");
@@ -847,6 +867,7 @@ int main(void) {
         test_cvt(k, g);
         test_rows_q(k, g);
         test_rows_qg(k);
+        test_rows_qg_many(k);
         test_gemm_tn(k);
         test_packed(k);
         test_transpose(k);

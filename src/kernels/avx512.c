@@ -731,11 +731,14 @@ static inline __attribute__((always_inline)) void i4_prefetch(const void *A, siz
 }
 
 // Scores of rows j .. j + nr - 1 (nr 1 or 4) for nq (1..4) queries:
-// s[q*lds + j + r] (both constants after inlining).
+// s[q*lds + j + r] (both constants after inlining). The queries X (row
+// stride ldx) as given (pre false: split here, group by group), or split
+// already (pre: group g's even elements at X + q*ldx + 32g, its odd ones
+// 16 after; past D, 0): the same floats either way, so the same bits.
 static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
                                                          const uint8_t *A, int64_t lda,
                                                          const float *scales, const float *X,
-                                                         int64_t ldx, int nq, int nr,
+                                                         int64_t ldx, bool pre, int nq, int nr,
                                                          int64_t j, int64_t D) {
     const int64_t ns = (lda + 31) / 32;
     __m512 acc[4][4];
@@ -744,7 +747,14 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
     for (int64_t g = 0; g * 32 < D; g++) {
         const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
         __m512 xe[4], xo[4];
-        for (int q = 0; q < nq; q++) split32(X + q * ldx + 32 * g, w, &xe[q], &xo[q]);
+        for (int q = 0; q < nq; q++) {
+            if (pre) {
+                xe[q] = _mm512_loadu_ps(X + q * ldx + 32 * g);
+                xo[q] = _mm512_loadu_ps(X + q * ldx + 32 * g + 16);
+            } else {
+                split32(X + q * ldx + 32 * g, w, &xe[q], &xo[q]);
+            }
+        }
         for (int r = 0; r < nr; r++) {
             __m512 e, o;
             i4_deq(i4_group(A + (j + r) * (lda / 2), g, w), scales[(j + r) * ns + g], &e, &o);
@@ -762,33 +772,56 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
     }
 }
 
-// dot_rows_qg for int4 (dot_rows_q: ng = 1): 4 rows at a time, the queries
-// 4 at a time; the last n % 4 rows one by one.
-static void dot_rows_i4(float *s, int64_t lds, const void *Av, int64_t lda,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb) {
-    const uint8_t *A = Av;
+// The rows with the queries split once for the call (pre) or group by
+// group.
+static inline __attribute__((always_inline)) void dot_rows_i4k(
+    float *s, int64_t lds, const uint8_t *A, int64_t lda, const float *scales, const float *X,
+    int64_t ldx, bool pre, int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
     const size_t rb = (size_t)(lda / 2);
     const int64_t ns = (lda + 31) / 32;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
     int64_t j = 0;
+#define DOT_I4(NQ, NR) \
+    dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, pre, NQ, NR, j, D)
     for (; j + 4 <= n; j += 4) {
         i4_prefetch(A, rb, scales, ns, j, 4, n);
         pf_step(&pfs);
         int64_t g = 0;
-        for (; g + 4 <= ng; g += 4)
-            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 4, 4, j, D);
-        if (ng - g == 3)
-            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 3, 4, j, D);
-        if (ng - g == 2)
-            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 2, 4, j, D);
-        if (ng - g == 1)
-            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 1, 4, j, D);
+        for (; g + 4 <= ng; g += 4) DOT_I4(4, 4);
+        if (ng - g == 3) DOT_I4(3, 4);
+        if (ng - g == 2) DOT_I4(2, 4);
+        if (ng - g == 1) DOT_I4(1, 4);
     }
     pf_rest(&pfs);
     for (; j < n; j++)
-        for (int64_t g = 0; g < ng; g++)
-            dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, 1, 1, j, D);
+        for (int64_t g = 0; g < ng; g++) DOT_I4(1, 1);
+#undef DOT_I4
+}
+
+// dot_rows_qg for int4 (dot_rows_q: ng = 1): 4 rows at a time, the queries
+// 4 at a time; the last n % 4 rows one by one. The queries are split into
+// their even and odd elements once for the call when they fit in
+// XS_FLOATS on the stack (else group by group for the four rows in
+// flight): the same bits either way.
+#define XS_FLOATS 4096
+static void dot_rows_i4(float *s, int64_t lds, const void *Av, int64_t lda,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+    const uint8_t *A = Av;
+    const int64_t dp = (D + 31) / 32 * 32;  // a query split, zero-padded
+    if (ng * dp > XS_FLOATS || n < 4) {
+        dot_rows_i4k(s, lds, A, lda, scales, X, ldx, false, ng, n, D, pf, pfb);
+        return;
+    }
+    float xs[XS_FLOATS];
+    for (int64_t q = 0; q < ng; q++)
+        for (int64_t g = 0; g * 32 < D; g++) {
+            __m512 e, o;
+            split32(X + q * ldx + 32 * g, D - 32 * g, &e, &o);
+            _mm512_storeu_ps(xs + q * dp + 32 * g, e);
+            _mm512_storeu_ps(xs + q * dp + 32 * g + 16, o);
+        }
+    dot_rows_i4k(s, lds, A, lda, scales, xs, dp, true, ng, n, D, pf, pfb);
 }
 
 // O[q*ldo + c] += sum_j P[q*ldp + j] A(j, c) for the columns [c0, c0 + w)
