@@ -281,7 +281,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (c5 & 1) {
         static const mha_kv_dtype kvs[4] = {MHA_KV_F32, MHA_KV_BF16, MHA_KV_F16,
                                             MHA_KV_INT8};
-        run_cached(m, &a, in_dt, kvs[(c5 >> 1) & 3]);
+        mha_kv_dtype kd = kvs[(c5 >> 1) & 3];
+        if (kd == MHA_KV_INT8 && (c5 >> 4) & 1) kd = MHA_KV_INT4;  // (bit 4: int4 for int8)
+        run_cached(m, &a, in_dt, kd);
     }
 
 done:

@@ -229,6 +229,7 @@ def forward_seeds():
     s["packed-causal-cached"] = fwd(control(flags0=0x02, flags5=0x01), packed,
                                     inputs(L=4))
     s["packed-cached-int8-chunks"] = fwd(control(flags5=0x07), packed, inputs(L=5))
+    s["packed-cached-int4-chunks"] = fwd(control(flags5=0x17), packed, inputs(L=5))
     s["packed-batch-first-window"] = fwd(
         control(flags0=0x01, flags2=0x10, window=0x21), packed,
         inputs(batch_first=True, S=4, attn="U8-3d"))
