@@ -84,12 +84,11 @@ int bench_serve(const bench_serve_opts *o) {
                    yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){nlive, 1, E});
         a.query = a.key = a.value = &xt;
         if (step == 0)  // the bytes of the first full step: weights + every history
+            // (a token's K and V rows of every KV head, with their int8 /
+            // int4 scales: a block's bytes over its tokens)
             first_bytes = (double)sizeof(float) * (double)(2 * E * E + 2 * E * Hkv * d) +
-                          (double)N * (double)(P + 1) * (double)(Hkv * 2 * d) *
-                              (o->kv_dtype == MHA_KV_F32    ? 4.0
-                               : o->kv_dtype == MHA_KV_INT8 ? 1.0
-                               : o->kv_dtype == MHA_KV_INT4 ? 0.5
-                                                            : 2.0);
+                          (double)N * (double)(P + 1) * (double)mha_paged_cache_block_bytes(c) /
+                              (double)bs;
         const double s0 = cli_now();
         if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL))) goto fail;
         steps[step++] = (cli_now() - s0) * 1e3;
