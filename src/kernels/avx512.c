@@ -730,6 +730,31 @@ static inline __attribute__((always_inline)) void i4_prefetch(const void *A, siz
     for (size_t b = 0; b < sb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+// Group g (w of its elements, 1..32: a constant for whole groups) of rows
+// j .. j + nr - 1 into the accumulators acc[q][r].
+static inline __attribute__((always_inline)) void dot_i4_group(
+    __m512 acc[4][4], const uint8_t *A, int64_t lda, const float *scales, const float *X,
+    int64_t ldx, bool pre, int nq, int nr, int64_t j, int64_t g, int64_t w) {
+    const int64_t ns = (lda + 31) / 32;
+    __m512 xe[4], xo[4];
+    for (int q = 0; q < nq; q++) {
+        if (pre) {
+            xe[q] = _mm512_loadu_ps(X + q * ldx + 32 * g);
+            xo[q] = _mm512_loadu_ps(X + q * ldx + 32 * g + 16);
+        } else {
+            split32(X + q * ldx + 32 * g, w, &xe[q], &xo[q]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        __m512 e, o;
+        i4_deq(i4_group(A + (j + r) * (lda / 2), g, w), scales[(j + r) * ns + g], &e, &o);
+        for (int q = 0; q < nq; q++) {
+            acc[q][r] = _mm512_fmadd_ps(e, xe[q], acc[q][r]);
+            acc[q][r] = _mm512_fmadd_ps(o, xo[q], acc[q][r]);
+        }
+    }
+}
+
 // Scores of rows j .. j + nr - 1 (nr 1 or 4) for nq (1..4) queries:
 // s[q*lds + j + r] (both constants after inlining). The queries X (row
 // stride ldx) as given (pre false: split here, group by group), or split
@@ -740,30 +765,14 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
                                                          const float *scales, const float *X,
                                                          int64_t ldx, bool pre, int nq, int nr,
                                                          int64_t j, int64_t D) {
-    const int64_t ns = (lda + 31) / 32;
     __m512 acc[4][4];
     for (int q = 0; q < nq; q++)
         for (int r = 0; r < nr; r++) acc[q][r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g * 32 < D; g++) {
-        const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
-        __m512 xe[4], xo[4];
-        for (int q = 0; q < nq; q++) {
-            if (pre) {
-                xe[q] = _mm512_loadu_ps(X + q * ldx + 32 * g);
-                xo[q] = _mm512_loadu_ps(X + q * ldx + 32 * g + 16);
-            } else {
-                split32(X + q * ldx + 32 * g, w, &xe[q], &xo[q]);
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            __m512 e, o;
-            i4_deq(i4_group(A + (j + r) * (lda / 2), g, w), scales[(j + r) * ns + g], &e, &o);
-            for (int q = 0; q < nq; q++) {
-                acc[q][r] = _mm512_fmadd_ps(e, xe[q], acc[q][r]);
-                acc[q][r] = _mm512_fmadd_ps(o, xo[q], acc[q][r]);
-            }
-        }
-    }
+    // (the whole groups with a constant width: no tail in their loop)
+    int64_t g = 0;
+    for (; 32 * g + 32 <= D; g++)
+        dot_i4_group(acc, A, lda, scales, X, ldx, pre, nq, nr, j, g, 32);
+    if (32 * g < D) dot_i4_group(acc, A, lda, scales, X, ldx, pre, nq, nr, j, g, D - 32 * g);
     const __m512 z = _mm512_setzero_ps();
     for (int q = 0; q < nq; q++) {
         if (nr == 4)
