@@ -11,6 +11,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -439,12 +440,139 @@ static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64
     }
 }
 
+// int4 rows (kind 4; kernels.h): a group of 32 is 16 bytes; its low and
+// high nibbles (elements 2i, 2i + 1) map to their signed values through a
+// byte table (vpshufb), are interleaved back into element order and
+// widened to 4 x 8 floats, each multiplied by the group's scale: A(j, c) =
+// fl(s q) as the contract has it. Group g of the row at p, w (1..32) of
+// its elements (no byte past the row's ceil(w / 2) read), into v[0..3].
+static inline __attribute__((always_inline)) void i4_group8(__m256 v[4], const uint8_t *p,
+                                                            int64_t g, int64_t w, float s) {
+    __m128i b;
+    if (w >= 32) {
+        b = _mm_loadu_si128((const __m128i *)(p + 16 * g));
+    } else {
+        uint8_t t[16] = {0};
+        memcpy(t, p + 16 * g, (size_t)(w + 1) / 2);
+        b = _mm_loadu_si128((const __m128i *)t);
+    }
+    const __m128i m = _mm_set1_epi8(0x0F),
+                  lut = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m)),
+                  hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m128i i0 = _mm_unpacklo_epi8(lo, hi), i1 = _mm_unpackhi_epi8(lo, hi);
+    const __m256 sv = _mm256_set1_ps(s);
+    v[0] = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i0)));
+    v[1] = _mm256_mul_ps(sv,
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(i0, i0))));
+    v[2] = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i1)));
+    v[3] = _mm256_mul_ps(sv,
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(i1, i1))));
+}
+
+// The rows ahead (about 12 KiB) and their scales, for row j of n (rb bytes
+// a row, ns scales).
+static inline void i4_prefetch(const void *A, size_t rb, const float *scales, int64_t ns,
+                               int64_t j, int64_t n) {
+    const int64_t ahead = rb >= 12288 ? 1 : (int64_t)(12288 / rb);
+    if (j + ahead >= n) return;
+    for (size_t b = 0; b < rb; b += 64)
+        _mm_prefetch((const char *)A + (size_t)(j + ahead) * rb + b, _MM_HINT_T0);
+    _mm_prefetch((const char *)(scales + (j + ahead) * ns), _MM_HINT_T0);
+}
+
+// dot_rows_q over int4 rows: per row four 8-lane chains (one per quarter
+// of each group) over the groups in order, then (c0 + c1) + (c2 + c3)
+// and its lane sum: a row's bits depend on the row and x alone. The other
+// kinds stay the portable version's.
+static void dot_rows_q(float *s, const void *Av, int64_t lda, int kind, const float *scales,
+                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    if (kind != 4) {
+        mha__dot_rows_q_generic(s, Av, lda, kind, scales, x, n, D, pf, pfb);
+        return;
+    }
+    const uint8_t *A = Av;
+    const size_t rb = (size_t)(lda / 2);
+    const int64_t ns = (lda + 31) / 32;
+    const char *pp = pf, *pe = pf ? (const char *)pf + pfb : NULL;
+    const size_t pstep = ((pfb / (size_t)(n > 0 ? n : 1)) + 64) & ~(size_t)63;
+    for (int64_t j = 0; j < n; j++) {
+        i4_prefetch(A, rb, scales, ns, j, n);
+        for (size_t b = 0; b < pstep && pp < pe; b += 64, pp += 64)
+            _mm_prefetch(pp, _MM_HINT_T0);
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        for (int64_t g = 0; 32 * g < D; g++) {
+            const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
+            __m256 v[4];
+            i4_group8(v, A + (size_t)j * rb, g, w, scales[j * ns + g]);
+            for (int u = 0; u < 4; u++) {  // (x past D: 0)
+                const __m256 xv = w == 32 ? _mm256_loadu_ps(x + 32 * g + 8 * u)
+                                          : _mm256_maskload_ps(x + 32 * g + 8 * u,
+                                                               tail_mask(w - 8 * u));
+                acc[u] = _mm256_fmadd_ps(v[u], xv, acc[u]);
+            }
+        }
+        const __m256 t = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
+                                       _mm256_add_ps(acc[2], acc[3]));
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        s[j] = _mm_cvtss_f32(h);
+    }
+}
+
+// The group version: query by query (the rows read once per query).
+static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+    for (int64_t g = 0; g < ng; g++)
+        dot_rows_q(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D, g ? NULL : pf, pfb);
+}
+
+// axpy_rows_q over int4 rows: 32 columns (a group) at a time, o[c] =
+// fma(p[j], A(j, c), o[c]) over the rows in order.
+static void axpy_rows_i4(float *o, const float *p, const uint8_t *A, int64_t lda,
+                         const float *scales, int64_t n, int64_t Dv, const void *pf,
+                         size_t pfb) {
+    const size_t rb = (size_t)(lda / 2);
+    const int64_t ns = (lda + 31) / 32;
+    const char *pp = pf, *pe = pf ? (const char *)pf + pfb : NULL;
+    const size_t pstep = ((pfb / (size_t)(n > 0 ? n : 1)) + 64) & ~(size_t)63;
+    for (int64_t g = 0; 32 * g < Dv; g++) {
+        const int64_t c0 = 32 * g, w = Dv - c0 < 32 ? Dv - c0 : 32;
+        __m256i m[4];
+        __m256 acc[4];
+        for (int u = 0; u < 4; u++) {
+            m[u] = tail_mask(w - 8 * u);
+            acc[u] = _mm256_maskload_ps(o + c0 + 8 * u, m[u]);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            if (g == 0) {
+                i4_prefetch(A, rb, scales, ns, j, n);
+                for (size_t b = 0; b < pstep && pp < pe; b += 64, pp += 64)
+                    _mm_prefetch(pp, _MM_HINT_T0);
+            }
+            __m256 v[4];
+            i4_group8(v, A + (size_t)j * rb, g, w, scales[j * ns + g]);
+            const __m256 f = _mm256_set1_ps(p[j]);
+            for (int u = 0; u < 4; u++) acc[u] = _mm256_fmadd_ps(f, v[u], acc[u]);
+        }
+        for (int u = 0; u < 4; u++) _mm256_maskstore_ps(o + c0 + 8 * u, m[u], acc[u]);
+    }
+    for (; pp && pp < pe; pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
+}
+
 // axpy_rows_q over float32 rows (kind 0, decode's P V): o[c] += sum_j p[j]
 // A(j, c), j in order per column, 8 lanes, the rows about 12 KiB ahead
-// prefetched; the other kinds stay the portable version's.
-
+// prefetched; int4 (kind 4) above; the other kinds stay the portable
+// version's.
 static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
                         const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    if (kind == 4) {
+        axpy_rows_i4(o, p, A, lda, scales, n, Dv, pf, pfb);
+        return;
+    }
     if (kind != 0) {
         mha__axpy_rows_q_generic(o, p, A, lda, kind, scales, n, Dv, pf, pfb);
         return;
@@ -481,8 +609,7 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
     }
 }
 
-// The group version: query by query through axpy_rows_q (dot_rows_q, and
-// so dot_rows_qg, stay the portable ones).
+// The group version: query by query through axpy_rows_q.
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
                          int64_t Dv, const void *pf, size_t pfb) {
@@ -502,6 +629,8 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->exp_scale_rows = exp_scale_rows;
     k->dot_acc_rows = dot_acc_rows;
     k->dsoftmax_rows = dsoftmax_rows;
+    k->dot_rows_q = dot_rows_q;
+    k->dot_rows_qg = dot_rows_qg;
     k->axpy_rows_q = axpy_rows_q;
     k->axpy_rows_qg = axpy_rows_qg;
     k->pk_nr = PNR;

@@ -134,8 +134,9 @@ static void prefetch_next(const void *pf, size_t pfb) {
 #endif
 }
 
-static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
+void mha__dot_rows_q_generic(float *s, const void *A, int64_t lda, int kind,
+                             const float *scales, const float *x, int64_t n, int64_t D,
+                             const void *pf, size_t pfb) {
     prefetch_next(pf, pfb);
     for (int64_t j = 0; j < n; j++) {
         float acc = 0.0f;
@@ -159,7 +160,8 @@ static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int k
                         const float *scales, const float *X, int64_t ldx, int64_t ng,
                         int64_t n, int64_t D, const void *pf, size_t pfb) {
     for (int64_t g = 0; g < ng; g++)
-        dot_rows_q(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D, g ? NULL : pf, pfb);
+        mha__dot_rows_q_generic(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D,
+                                g ? NULL : pf, pfb);
 }
 
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
@@ -312,7 +314,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->cvt_f16 = cvt_f16;
     k->cvt_i8 = cvt_i8;
     k->cvt_i4 = cvt_i4;
-    k->dot_rows_q = dot_rows_q;
+    k->dot_rows_q = mha__dot_rows_q_generic;
     k->axpy_rows_q = mha__axpy_rows_q_generic;
     k->dot_rows_qg = dot_rows_qg;
     k->axpy_rows_qg = axpy_rows_qg;

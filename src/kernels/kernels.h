@@ -191,8 +191,11 @@ const mha__kernels *mha__kernels_get(void);
 // this CPU lacks it. For tests, which compare every ISA with scalar.
 const mha__kernels *mha__kernels_for(const char *isa);
 
-// The portable axpy_rows_q (generic.c), for an ISA version that handles
-// some kinds itself and hands it the others.
+// The portable dot_rows_q and axpy_rows_q (generic.c), for an ISA version
+// that handles some kinds itself and hands them the others.
+void mha__dot_rows_q_generic(float *s, const void *A, int64_t lda, int kind,
+                             const float *scales, const float *x, int64_t n, int64_t D,
+                             const void *pf, size_t pfb);
 void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t lda, int kind,
                               const float *scales, int64_t n, int64_t Dv, const void *pf,
                               size_t pfb);
