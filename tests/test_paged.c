@@ -798,6 +798,16 @@ static void test_forward_prefix(void) {
     mha_module_destroy(m);
 }
 
+// Self-attention of x with RoPE (neox; variant 0) or ALiBi (1).
+static mha_forward_args position_args(const mha_tensor *x, int variant) {
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = x;
+    if (variant == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
+    else a.alibi = true;
+    return a;
+}
+
 // StreamingLLM (Xiao et al., "Efficient Streaming Language Models with
 // Attention Sinks"): K sinks + a window of W through mha_forward_paged with
 // stream_sinks, the blocks between them released after every call
@@ -829,13 +839,9 @@ static void test_streaming(void) {
             if (cnt > L - done) cnt = L - done;
             mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E}),
                        yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E});
-            mha_forward_args a;
-            mha_forward_args_init(&a);
-            a.query = a.key = a.value = &xt;
+            mha_forward_args a = position_args(&xt, variant);
             a.window_left = W;
             a.stream_sinks = K;
-            if (variant == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
-            else a.alibi = true;
             CHECK_OK(mha_forward_paged(&yt, m, &a, pc, &id, NULL));
             done += cnt, calls++;
             if (done - W > 0) CHECK_OK(mha_paged_cache_release_keep(pc, id, K, done - W));
@@ -851,13 +857,9 @@ static void test_streaming(void) {
                 memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
             mha_tensor st = mha_tensor_contiguous(xs, MHA_F32, 3, (int64_t[]){1, n, E}),
                        yt = mha_tensor_contiguous(ys, MHA_F32, 3, (int64_t[]){1, n, E});
-            mha_forward_args a;
-            mha_forward_args_init(&a);
-            a.query = a.key = a.value = &st;
+            mha_forward_args a = position_args(&st, variant);
             a.is_causal = true;
             a.impl = MHA_IMPL_REFERENCE;
-            if (variant == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
-            else a.alibi = true;
             CHECK_OK(mha_forward(&yt, NULL, m, &a));
             memcpy(yo + p * E, ys + (n - 1) * E, sizeof(float) * E);
         }
