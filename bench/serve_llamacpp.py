@@ -7,7 +7,8 @@ every sequence still running), each stopping at its own length (uniform in
 [G/4, G], seeded). Both sides run in this process, one after the other, on
 the same number of threads:
 
-- mha: one attention module (E, H heads, Hkv KV heads, RoPE neox, f32),
+- mha: one attention module (E, H heads, Hkv KV heads, RoPE neox, f32
+  weights),
   `MultiheadAttention.forward_paged` over a `PagedKVCache` (the prompt
   prefilled once in chunks of 512, then forked: its blocks shared; a
   finished sequence's blocks freed), serve_common.run_mha;
@@ -24,7 +25,7 @@ the same number of threads:
   with one KV stream per sequence (kv_unified false: seq_cp copies the
   prompt's K/V into each stream, a copy llama.cpp defers to the next
   llama_decode, i.e. into the first step's time; each token attends to
-  its own stream only).
+  its own stream only; n_ctx = N (P + G)).
 
 The GGUF model (general.architecture "llama", f32 tensors, written with
 gguf's GGUFWriter into a temporary directory, deleted at the end):
@@ -53,14 +54,25 @@ models); instead every step's batch size is checked against the workload's
 (and mha's), and each sequence's last position in llama.cpp's memory
 (llama_memory_seq_pos_max) against its stop before it is removed.
 
-The KV cache is float32 on both sides (llama.cpp type_k = type_v =
-GGML_TYPE_F32; mha's cache dtype f32); `--kv-dtype f16` makes both f16.
+KV dtype and flash attention: `--llama f32/off,f32/on,f16/on` (the
+default) runs llama.cpp three times, in contexts of their own on the same
+model: KV cache f32 (type_k = type_v = GGML_TYPE_F32) with flash attention
+off (kq, softmax, kqv as f32 matrix products) and on, and f16 (llama.cpp's
+default cache type) with flash attention on. "auto" is accepted too (the
+table then shows what llama.cpp resolved it to: enabled, here). Over an
+f32 cache, the llama.cpp that llama-cpp-python 0.3.36 vendors casts every
+cached K and V a step attends to to f16 before its flash attention
+(ggml_cast in build_attn_mha; `--profile-ops` shows the two CPY nodes).
+mha runs once per KV dtype named (its paged cache in f32, f16), and each
+llama.cpp row's ratio is against mha at the same KV dtype.
 llama.cpp's memory is its KV buffer as it logs it ("KV buffer size"),
 checked against n_ctx x layers x 2 x Hkv x d x bytes; it is allocated
 whole at context creation (n_ctx = P + N G, rounded up to 256 by
 llama.cpp: room for every sequence at its longest); mha's is its peak
-blocks x block bytes. Flash attention: llama.cpp's auto (resolved at
-context creation; the log line is printed), `--flash-attn on|off`.
+blocks x block bytes. `--profile-ops` reruns each llama.cpp configuration
+with ggml's eval callback on every node and reports its time by op and
+the attention's share (of the node time of that perturbed run: each node
+is then computed alone; see the comment at the code).
 
 Run with the venv that bench/peers/setup_llamacpp.sh makes (llama-cpp-python
 0.3.36 built from source for this CPU, gguf, numpy, and this tree's mha):
@@ -83,12 +95,20 @@ def extra_args(ap):
     ap.add_argument("--vocab", type=int, default=256, help="llama.cpp model's vocabulary size")
     ap.add_argument("--kv", choices=["unified", "split"], default="unified",
                     help="llama.cpp's KV cache: one unified buffer, or a stream per sequence")
-    ap.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32")
-    ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--llama", default="f32/off,f32/on,f16/on",
+                    help="llama.cpp's runs, KV-DTYPE/FLASH-ATTN each (f32|f16 / off|on|auto); "
+                         "mha runs once per KV dtype named")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp's n_ubatch")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="then each llama.cpp run once more, op by op: its time by ggml op")
 
 
 args = serve_common.parse(__doc__, extra_args)
+configs = [tuple(c.split("/")) for c in args.llama.split(",")]
+for c in configs:
+    if len(c) != 2 or c[0] not in ("f32", "f16") or c[1] not in ("off", "on", "auto"):
+        sys.exit("--llama: %r is not KV-DTYPE/FLASH-ATTN (f32|f16 / off|on|auto)" % "/".join(c))
+kv_dtypes = sorted({c[0] for c in configs}, reverse=True)  # f32 first
 
 import numpy as np  # noqa: E402
 import gguf  # noqa: E402
@@ -106,15 +126,19 @@ tok_rng = np.random.default_rng([args.seed, 1])  # llama.cpp's token ids: their 
 prompt_ids = tok_rng.integers(0, args.vocab, size=P, dtype=np.int32)
 step_ids = tok_rng.integers(0, args.vocab, size=(G, N), dtype=np.int32)
 
-# ---- mha (a short untimed warm-up on a throwaway cache first, as
-# llama.cpp's own tools warm a context up before serving)
-wc = m.make_paged_cache(num_blocks=4, block_size=args.block_size, dtype=args.kv_dtype)
-m.forward_paged(wc, [wc.add_sequence()], [w.prompt[:8]], rope="neox")
-del wc
-r = serve_common.run_mha(m, w, kv_dtype=args.kv_dtype)
-assert r.batch_sizes == sizes, (r.batch_sizes, sizes)
 
-# ---- llama.cpp
+def serve_mha(kv_dtype):
+    """mha's side (a short untimed warm-up on a throwaway cache first, as
+    llama.cpp's own tools warm a context up before serving)."""
+    wc = m.make_paged_cache(num_blocks=4, block_size=args.block_size, dtype=kv_dtype)
+    m.forward_paged(wc, [wc.add_sequence()], [w.prompt[:8]], rope="neox")
+    del wc
+    r = serve_common.run_mha(m, w, kv_dtype=kv_dtype)
+    assert r.batch_sizes == sizes, (r.batch_sizes, sizes)
+    return r
+
+
+# ---- llama.cpp: the model
 log_lines = []
 
 
@@ -174,121 +198,212 @@ mp.n_gpu_layers = 0
 model = L.llama_model_load_from_file(path.encode(), mp)
 if not model:
     sys.exit("llama.cpp could not load %s:\n%s" % (path, "".join(log_lines[-20:])))
-cp = L.llama_context_default_params()
-cp.n_ctx = n_ctx
-cp.n_batch = max(P, N)
-cp.n_ubatch = args.ubatch
-cp.n_seq_max = N
-cp.n_threads = cp.n_threads_batch = args.threads
-cp.kv_unified = unified
-cp.type_k = cp.type_v = L.GGML_TYPE_F32 if args.kv_dtype == "f32" else L.GGML_TYPE_F16
-cp.flash_attn_type = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                      "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[args.flash_attn]
-cp.no_perf = False
-ctx = L.llama_init_from_model(model, cp)
-if not ctx:
-    sys.exit("llama.cpp could not make the context:\n%s" % "".join(log_lines[-20:]))
-mem = L.llama_get_memory(ctx)
-n_ctx_real = L.llama_n_ctx(ctx)
 assert L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)) == V
 
-batch = L.llama_batch_init(max(P, N), 0, 1)
-b_tok = np.ctypeslib.as_array(batch.token, shape=(max(P, N),))
-b_pos = np.ctypeslib.as_array(batch.pos, shape=(max(P, N),))
-b_nseq = np.ctypeslib.as_array(batch.n_seq_id, shape=(max(P, N),))
-b_out = np.ctypeslib.as_array(batch.logits, shape=(max(P, N),))
-b_nseq[:] = 1
+
+class LlamaRun:
+    """Results of serve_llama: times in seconds."""
 
 
-def decode(n, what):
-    """One llama_decode of the batch's first n tokens, then its outputs
-    (the logits of the tokens asked for: what a server samples from; this
-    also synchronizes, which is where llama.cpp's own timer adds the call)."""
-    batch.n_tokens = n
-    rc = L.llama_decode(ctx, batch)
-    if rc != 0:
-        sys.exit("llama_decode (%s, %d tokens) returned %d:\n%s"
-                 % (what, n, rc, "".join(log_lines[-20:])))
-    return L.llama_get_logits(ctx)
+def serve_llama(kv_dtype, flash, cb_eval=None):
+    """The workload through one llama.cpp context (made here, freed at the
+    end) with its KV cache in kv_dtype and flash attention off/on/auto;
+    cb_eval: ggml's per-node callback (the op-by-op profile)."""
+    cp = L.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = max(P, N)
+    cp.n_ubatch = args.ubatch
+    cp.n_seq_max = N
+    cp.n_threads = cp.n_threads_batch = args.threads
+    cp.kv_unified = unified
+    cp.type_k = cp.type_v = L.GGML_TYPE_F32 if kv_dtype == "f32" else L.GGML_TYPE_F16
+    cp.flash_attn_type = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO,
+                          "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                          "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash]
+    cp.no_perf = False
+    if cb_eval is not None:
+        cp.cb_eval = cb_eval
+    log0 = len(log_lines)
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        sys.exit("llama.cpp could not make the context:\n%s" % "".join(log_lines[-20:]))
+    o = LlamaRun()
+    logs = "".join(log_lines[log0:])
+    o.kv_mib = sum(float(x) for x in re.findall(r"KV buffer size =\s*([0-9.]+) MiB", logs))
+    o.fa = flash if flash != "auto" else "auto: " + "/".join(
+        re.findall(r"Flash Attention (enabled|not supported)", logs))
+    mem = L.llama_get_memory(ctx)
+    o.n_ctx = L.llama_n_ctx(ctx)
+    nb = max(P, N)
+    batch = L.llama_batch_init(nb, 0, 1)
+    b_tok = np.ctypeslib.as_array(batch.token, shape=(nb,))
+    b_pos = np.ctypeslib.as_array(batch.pos, shape=(nb,))
+    b_nseq = np.ctypeslib.as_array(batch.n_seq_id, shape=(nb,))
+    b_out = np.ctypeslib.as_array(batch.logits, shape=(nb,))
+    b_nseq[:] = 1
+
+    def decode(n, what):
+        """One llama_decode of the batch's first n tokens, then its outputs
+        (the logits of the tokens asked for: what a server samples from;
+        this also synchronizes, where llama.cpp's own timer adds the call)."""
+        batch.n_tokens = n
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            sys.exit("llama_decode (%s, %d tokens) returned %d:\n%s"
+                     % (what, n, rc, "".join(log_lines[-20:])))
+        return L.llama_get_logits(ctx)
+
+    # warm-up (untimed, as llama.cpp's common_init does): one token, then cleared
+    b_tok[0], b_pos[0], b_out[0] = 0, 0, 1
+    batch.seq_id[0][0] = 0
+    decode(1, "warm-up")
+    L.llama_memory_clear(mem, True)
+
+    t0 = time.perf_counter()
+    b_tok[:P] = prompt_ids
+    b_pos[:P] = np.arange(P, dtype=np.int32)
+    b_out[:P] = 0
+    b_out[P - 1] = 1
+    for i in range(P):
+        batch.seq_id[i][0] = 0
+    decode(P, "prefill")
+    for i in range(1, N):
+        L.llama_memory_seq_cp(mem, 0, i, -1, -1)
+    o.prefill_s = time.perf_counter() - t0
+    assert L.llama_memory_seq_pos_max(mem, N - 1) == P - 1
+    L.llama_perf_context_reset(ctx)
+    if cb_eval is not None:
+        profile.clear()
+
+    live = list(range(N))
+    o.tokens, o.sizes = 0, []
+    t0 = time.perf_counter()
+    for s in range(G):
+        if not live:
+            break
+        n = len(live)
+        b_tok[:n] = step_ids[s, live]
+        b_pos[:n] = P + s
+        b_out[:n] = 1
+        for j, i in enumerate(live):
+            batch.seq_id[j][0] = i
+        logits = decode(n, "step %d" % s)
+        if s == 0:  # one row per sequence, finite (different models: not compared with mha's)
+            assert np.isfinite(np.ctypeslib.as_array(logits, shape=(n, V))).all()
+        o.sizes.append(n)
+        o.tokens += n
+        keep = []
+        for i in live:
+            if s + 1 >= stops[i]:
+                assert L.llama_memory_seq_pos_max(mem, i) == P + s, (i, s)
+                L.llama_memory_seq_rm(mem, i, -1, -1)
+            else:
+                keep.append(i)
+        live = keep
+    o.decode_s = time.perf_counter() - t0
+    perf = L.llama_perf_context(ctx)
+    o.own_s, o.own_tokens = (perf.t_p_eval_ms + perf.t_eval_ms) / 1e3, perf.n_p_eval + perf.n_eval
+    assert o.sizes == sizes, (o.sizes, sizes)
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    return o
 
 
-# warm-up (untimed, as llama.cpp's common_init does): one token, then cleared
-b_tok[0], b_pos[0], b_out[0] = 0, 0, 1
-batch.seq_id[0][0] = 0
-decode(1, "warm-up")
-L.llama_memory_clear(mem, True)
+# ---- the runs: per KV dtype, mha then each llama.cpp configuration
+load0 = os.getloadavg()
+res_mha, res_ll = {}, []
+for kvd in kv_dtypes:
+    res_mha[kvd] = serve_mha(kvd)
+    for c in configs:
+        if c[0] == kvd:
+            res_ll.append((c, serve_llama(*c)))
 
-t0 = time.perf_counter()
-b_tok[:P] = prompt_ids
-b_pos[:P] = np.arange(P, dtype=np.int32)
-b_out[:P] = 0
-b_out[P - 1] = 1
-for i in range(P):
-    batch.seq_id[i][0] = 0
-decode(P, "prefill")
-for i in range(1, N):
-    L.llama_memory_seq_cp(mem, 0, i, -1, -1)
-prefill_ll = time.perf_counter() - t0
-assert L.llama_memory_seq_pos_max(mem, N - 1) == P - 1
-L.llama_perf_context_reset(ctx)
+# ---- llama.cpp again, op by op (--profile-ops): ggml's eval callback asks
+# for every node, so the scheduler computes each node alone and returns to
+# the callback after it; a node's time = from the callback's return after
+# the node before to its call after this one (the first node of each graph,
+# the token embedding lookup, is not timed). The nodes no longer share one
+# compute call, so the sum is above the whole-step time: shares, not times.
+profile, profiles = {}, []
+if args.profile_ops:
+    gb = ctypes.CDLL(os.path.join(os.path.dirname(L.__file__), "lib", "libggml-base.so"))
+    for fn in (gb.ggml_op_desc, gb.ggml_get_name):
+        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    last = [None]
 
-live = list(range(N))
-tokens_ll, sizes_ll = 0, []
-t0 = time.perf_counter()
-for s in range(G):
-    if not live:
-        break
-    n = len(live)
-    b_tok[:n] = step_ids[s, live]
-    b_pos[:n] = P + s
-    b_out[:n] = 1
-    for j, i in enumerate(live):
-        batch.seq_id[j][0] = i
-    logits = decode(n, "step %d" % s)
-    if s == 0:  # one row per sequence, finite (different models: not compared with mha's)
-        assert np.isfinite(np.ctypeslib.as_array(logits, shape=(n, V))).all()
-    sizes_ll.append(n)
-    tokens_ll += n
-    keep = []
-    for i in live:
-        if s + 1 >= stops[i]:
-            assert L.llama_memory_seq_pos_max(mem, i) == P + s, (i, s)
-            L.llama_memory_seq_rm(mem, i, -1, -1)
-        else:
-            keep.append(i)
-    live = keep
-t_ll = time.perf_counter() - t0
-perf = L.llama_perf_context(ctx)
-assert sizes_ll == sizes, (sizes_ll, sizes)
+    @L.ggml_backend_sched_eval_callback
+    def _node(t, ask, user):
+        if ask:
+            return True
+        now = time.perf_counter()
+        if last[0] is not None:
+            key = (gb.ggml_op_desc(t).decode(), re.sub(r"-\d+$", "", gb.ggml_get_name(t).decode()))
+            profile[key] = profile.get(key, 0.0) + now - last[0]
+        last[0] = time.perf_counter()
+        return True
 
-logs = "".join(log_lines)
-kv_mib = [float(x) for x in re.findall(r"KV buffer size =\s*([0-9.]+) MiB", logs)]
-fa = sorted({ln.strip() for ln in log_lines
-             if re.search(r"flash_attn *=|Flash Attention (enabled|not supported)", ln)})
-kv_bytes = n_ctx_real * 1 * 2 * Hkv * d * (4 if args.kv_dtype == "f32" else 2)
+    _decode = L.llama_decode
+
+    def _timed_decode(c, b):  # the first node of each graph: untimed
+        last[0] = None
+        return _decode(c, b)
+
+    L.llama_decode = _timed_decode
+    for c, _ in res_ll:
+        o = serve_llama(*c, cb_eval=_node)
+        profiles.append((c, o, dict(profile)))
+    L.llama_decode = _decode
 sysinfo = L.llama_print_system_info().decode().strip()
-L.llama_batch_free(batch)
-L.llama_free(ctx)
 L.llama_model_free(model)
 shutil.rmtree(tmp)
 
-print(f"serving: {w.describe(args.threads)}; KV {args.kv_dtype} on both sides")
-print(f"mha {mha.__version__} ({mha.isa()}), block size {args.block_size}")
+print(f"serving: {w.describe(args.threads)}; load average before the runs "
+      f"{load0[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+print(f"mha {mha.__version__} ({mha.isa()}), paged cache, block size {args.block_size}")
 print(f"llama.cpp through llama-cpp-python {L.__version__}: {sysinfo}")
-print(f"llama.cpp context: n_ctx {n_ctx_real}, n_seq_max {N}, kv_unified {unified}, "
-      f"n_batch {max(P, N)}, n_ubatch {args.ubatch}, threads {args.threads}; model: 1 layer, "
-      f"FFN {F_}, vocab {V}; flash attention: {' | '.join(fa) or 'no log line'}")
-print("| | decode tokens/s | decode s | prefill ms | cache MiB |")
-print("|---|---:|---:|---:|---:|")
-print(f"| mha paged (forks share the prompt) | {r.tokens / r.decode_s:.0f} | {r.decode_s:.3f} | "
-      f"{r.prefill_s * 1e3:.1f} | {r.mem_bytes / 2**20:.1f} (peak blocks) |")
-print(f"| llama.cpp, {args.kv} KV, whole 1-layer model | {tokens_ll / t_ll:.0f} | {t_ll:.3f} | "
-      f"{prefill_ll * 1e3:.1f} | {sum(kv_mib):.1f} (its KV buffer, allocated) |")
-print(f"mha / llama.cpp tokens/s: {(r.tokens / r.decode_s) / (tokens_ll / t_ll):.2f}; "
-      f"memory llama.cpp / mha: {sum(kv_mib) * 2**20 / r.mem_bytes:.1f}; "
-      f"{tokens_ll} tokens in {len(sizes_ll)} steps on both sides (batch sizes checked)")
-print(f"llama.cpp's own decode timer (llama_perf_context, the C++ side of the same steps): "
-      f"{(perf.t_p_eval_ms + perf.t_eval_ms) / 1e3:.3f} s for {perf.n_p_eval + perf.n_eval} tokens; "
-      f"KV buffer logged {kv_mib} MiB, n_ctx x 1 layer x 2 x Hkv x d x bytes = "
-      f"{kv_bytes / 2**20:.2f} MiB")
-assert r.tokens == tokens_ll
+print(f"llama.cpp context: n_ctx {res_ll[0][1].n_ctx}, n_seq_max {N}, kv_unified {unified}, "
+      f"n_batch {max(P, N)}, n_ubatch {args.ubatch}, threads {args.threads}; model: 1 layer "
+      f"(attention with mha's weights + RMS norms + SwiGLU FFN {F_} + LM head over {V} tokens)")
+print("| | KV | flash attn | decode tokens/s | decode s | prefill ms | cache MiB "
+      "| mha / this tokens/s |")
+print("|---|---|---|---:|---:|---:|---:|---:|")
+for kvd in kv_dtypes:
+    r = res_mha[kvd]
+    print(f"| mha paged (forks share the prompt) | {kvd} | - | {r.tokens / r.decode_s:.0f} | "
+          f"{r.decode_s:.3f} | {r.prefill_s * 1e3:.1f} | {r.mem_bytes / 2**20:.1f} (peak blocks) "
+          f"| |")
+for (kvd, fl), o in res_ll:
+    r = res_mha[kvd]
+    print(f"| llama.cpp, {args.kv} KV, whole 1-layer model | {kvd} | {o.fa} | "
+          f"{o.tokens / o.decode_s:.0f} | {o.decode_s:.3f} | {o.prefill_s * 1e3:.1f} | "
+          f"{o.kv_mib:.1f} (KV buffer, allocated) | "
+          f"{(r.tokens / r.decode_s) / (o.tokens / o.decode_s):.2f} |")
+r = res_mha[kv_dtypes[0]]
+print(f"{r.tokens} tokens in {len(sizes)} steps on every row (batch sizes checked per step); "
+      f"mha's prefill: chunks of 512, llama.cpp's: one llama_decode (n_ubatch {args.ubatch}) + "
+      f"{N - 1} llama_memory_seq_cp")
+for (kvd, fl), o in res_ll:
+    kv_bytes = o.n_ctx * 1 * 2 * Hkv * d * (4 if kvd == "f32" else 2)
+    print(f"llama.cpp {kvd}/{fl}: its own decode timer (llama_perf_context, the C++ side of the "
+          f"same steps) {o.own_s:.3f} s for {o.own_tokens} tokens; KV buffer logged {o.kv_mib:.2f} "
+          f"MiB = n_ctx x 1 layer x 2 x Hkv x d x bytes {kv_bytes / 2**20:.2f} MiB; memory "
+          f"llama.cpp / mha {o.kv_mib * 2**20 / res_mha[kvd].mem_bytes:.1f}")
+    assert o.tokens == r.tokens
+
+
+def attention_op(op, name):
+    """The attention proper in llama.cpp's graph: flash attention, or
+    kq / softmax / kqv (+ the copy of its output) without; and the casts
+    of the cached K/V to f16 that flash attention does over an f32 cache."""
+    return (op in ("FLASH_ATTN_EXT", "SOFT_MAX") or (op == "MUL_MAT" and name in ("kq", "kqv"))
+            or (op in ("CPY", "CONT") and (name.startswith("cache_") or name == "kqv_out")))
+
+
+for (kvd, fl), o, prof in profiles:
+    tot = sum(prof.values())
+    att = sum(t for (op, name), t in prof.items() if attention_op(op, name))
+    top = sorted(prof.items(), key=lambda kv: -kv[1])
+    print(f"llama.cpp {kvd}/{fl} op by op (--profile-ops, a second run: {o.decode_s:.3f} s decode, "
+          f"{tot:.3f} s in the timed nodes): attention {att:.3f} s = {100 * att / tot:.0f}% of "
+          f"node time; the nodes over 2%: " + ", ".join(
+              f"{op} {name} {100 * t / tot:.0f}%" for (op, name), t in top if t >= 0.02 * tot))

@@ -17,8 +17,8 @@ same weights) in this process, on the same threads:
   mask hiding the others' padding (GQA via enable_gqa where torch has it).
 
 mha's side and the workload's inputs are bench/serve_common.py's (shared
-with bench/serve_llamacpp.py). Prints tokens/s of both, their ratio, the caches' memory, and the largest
-difference of the first step's outputs. Run with the torch2 venv, e.g.
+with bench/serve_llamacpp.py). Prints tokens/s of both, their ratio, the
+caches' memory, and the largest difference of the first step's outputs. Run with the torch2 venv, e.g.
     /opt/mha-venvs/torch2/bin/python bench/serve_torch.py
 (PYTHONPATH pointing at an installed mha, as scripts/python-tests.sh builds
 it)."""
@@ -52,7 +52,8 @@ prompt, steps_x = w.prompt, w.steps_x
 
 # ---- mha: paged cache, prefill once, forks, continuous batching (serve_common)
 r = serve_common.run_mha(m, w)
-prefill_mha, t_mha, tokens, mem_mha, first_mha = r.prefill_s, r.decode_s, r.tokens, r.mem_bytes, r.first
+prefill_mha, t_mha, tokens, mem_mha = r.prefill_s, r.decode_s, r.tokens, r.mem_bytes
+first_mha = r.first
 
 # ---- torch: a contiguous cache per sequence
 inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
