@@ -69,7 +69,11 @@ llama.cpp's memory is its KV buffer as it logs it ("KV buffer size"),
 checked against n_ctx x layers x 2 x Hkv x d x bytes; it is allocated
 whole at context creation (n_ctx = P + N G, rounded up to 256 by
 llama.cpp: room for every sequence at its longest); mha's is its peak
-blocks x block bytes. `--profile-ops` reruns each llama.cpp configuration
+blocks x block bytes. `--rounds R` (default 3) runs all of it R times
+over, in turn (mha, llama.cpp's configurations, mha, ...): each row shows
+its round with the shortest decode and every round's decode time is
+printed (the machine this was written on is shared: a round that another
+process slowed shows as an outlier there). `--profile-ops` reruns each llama.cpp configuration
 with ggml's eval callback on every node and reports its time by op and
 the attention's share (of the node time of that perturbed run: each node
 is then computed alone; see the comment at the code).
@@ -98,6 +102,8 @@ def extra_args(ap):
     ap.add_argument("--llama", default="f32/off,f32/on,f16/on",
                     help="llama.cpp's runs, KV-DTYPE/FLASH-ATTN each (f32|f16 / off|on|auto); "
                          "mha runs once per KV dtype named")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="run everything this many times over, in turn; report each row's fastest")
     ap.add_argument("--ubatch", type=int, default=512, help="llama.cpp's n_ubatch")
     ap.add_argument("--profile-ops", action="store_true",
                     help="then each llama.cpp run once more, op by op: its time by ggml op")
@@ -311,12 +317,18 @@ def serve_llama(kv_dtype, flash, cb_eval=None):
 
 # ---- the runs: per KV dtype, mha then each llama.cpp configuration
 load0 = os.getloadavg()
-res_mha, res_ll = {}, []
-for kvd in kv_dtypes:
-    res_mha[kvd] = serve_mha(kvd)
-    for c in configs:
-        if c[0] == kvd:
-            res_ll.append((c, serve_llama(*c)))
+# (--rounds R: all of it R times over, in turn; each row shows its round
+# with the shortest decode, and every round's decode seconds are listed)
+rounds_mha = {kvd: [] for kvd in kv_dtypes}
+rounds_ll = {c: [] for c in configs}
+for _ in range(args.rounds):
+    for kvd in kv_dtypes:
+        rounds_mha[kvd].append(serve_mha(kvd))
+        for c in configs:
+            if c[0] == kvd:
+                rounds_ll[c].append(serve_llama(*c))
+res_mha = {k: min(v, key=lambda o: o.decode_s) for k, v in rounds_mha.items()}
+res_ll = [(c, min(rounds_ll[c], key=lambda o: o.decode_s)) for c in configs]
 
 # ---- llama.cpp again, op by op (--profile-ops): ggml's eval callback asks
 # for every node, so the scheduler computes each node alone and returns to
@@ -378,6 +390,10 @@ for (kvd, fl), o in res_ll:
           f"{o.tokens / o.decode_s:.0f} | {o.decode_s:.3f} | {o.prefill_s * 1e3:.1f} | "
           f"{o.kv_mib:.1f} (KV buffer, allocated) | "
           f"{(r.tokens / r.decode_s) / (o.tokens / o.decode_s):.2f} |")
+print(f"decode s in each of the {args.rounds} rounds (the table: the shortest): " + "; ".join(
+    [f"mha {k}: " + " ".join(f"{o.decode_s:.3f}" for o in v) for k, v in rounds_mha.items()]
+    + [f"llama.cpp {'/'.join(c)}: " + " ".join(f"{o.decode_s:.3f}" for o in v)
+       for c, v in rounds_ll.items()]))
 r = res_mha[kv_dtypes[0]]
 print(f"{r.tokens} tokens in {len(sizes)} steps on every row (batch sizes checked per step); "
       f"mha's prefill: chunks of 512, llama.cpp's: one llama_decode (n_ubatch {args.ubatch}) + "
