@@ -16,29 +16,21 @@ same weights) in this process, on the same threads:
   and one F.scaled_dot_product_attention over the longest history with a
   mask hiding the others' padding (GQA via enable_gqa where torch has it).
 
-Prints tokens/s of both, their ratio, the caches' memory, and the largest
-difference of the first step's outputs. Run with the torch2 venv, e.g.
+mha's side and the workload's inputs are bench/serve_common.py's (shared
+with bench/serve_llamacpp.py). Prints tokens/s of both, their ratio, the
+caches' memory, and the largest difference of the first step's outputs. Run with the torch2 venv, e.g.
     /opt/mha-venvs/torch2/bin/python bench/serve_torch.py
 (PYTHONPATH pointing at an installed mha, as scripts/python-tests.sh builds
 it)."""
 
-import argparse
-import math
 import os
+import sys
 import time
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--sequences", type=int, default=32)
-ap.add_argument("--prompt", type=int, default=2048)
-ap.add_argument("--gen", type=int, default=256)
-ap.add_argument("--embed-dim", type=int, default=768)
-ap.add_argument("--num-heads", type=int, default=12)
-ap.add_argument("--num-kv-heads", type=int, default=0)
-ap.add_argument("--block-size", type=int, default=16)
-ap.add_argument("--threads", type=int, default=2)
-ap.add_argument("--seed", type=int, default=0)
-args = ap.parse_args()
-os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve_common  # noqa: E402
+
+args = serve_common.parse(__doc__)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -47,50 +39,21 @@ import torch.nn.functional as F  # noqa: E402
 import mha  # noqa: E402
 
 torch.set_num_threads(args.threads)
-N, P, G, E, H = args.sequences, args.prompt, args.gen, args.embed_dim, args.num_heads
-Hkv = args.num_kv_heads or H
-d = E // H
-rng = np.random.default_rng(args.seed)
-stops = rng.integers(G // 4, G + 1, size=N)
+w = serve_common.Workload(args)
+N, P, G, E, H, Hkv, d, stops = w.N, w.P, w.G, w.E, w.H, w.Hkv, w.d, w.stops
 m = mha.MultiheadAttention(E, H, num_kv_heads=Hkv, batch_first=True)
 sd = m.state_dict()
 w_in = torch.from_numpy(np.asarray(sd["in_proj_weight"])).clone()
 b_in = torch.from_numpy(np.asarray(sd["in_proj_bias"])).clone()
 w_out = torch.from_numpy(np.asarray(sd["out_proj.weight"])).clone()
 b_out = torch.from_numpy(np.asarray(sd["out_proj.bias"])).clone()
-prompt = rng.standard_normal((P, E), dtype=np.float32)
-steps_x = [rng.standard_normal((N, E), dtype=np.float32) for _ in range(G)]
+w.make_inputs()
+prompt, steps_x = w.prompt, w.steps_x
 
-# ---- mha: paged cache, prefill once, forks, continuous batching
-cache = m.make_paged_cache(num_blocks=(P + 15) // 16 * 16 // args.block_size + N * (G // args.block_size + 3) + 8,
-                           block_size=args.block_size)
-t0 = time.perf_counter()
-root = cache.add_sequence()
-for p0 in range(0, P, 512):
-    m.forward_paged(cache, [root], [prompt[p0:p0 + 512]], rope="neox")
-prefill_mha = time.perf_counter() - t0
-ids = [root] + [cache.fork(root) for _ in range(N - 1)]
-live = list(range(N))
-first_mha, tokens, peak = None, 0, cache.blocks_in_use()
-t0 = time.perf_counter()
-for s in range(G):
-    if not live:
-        break
-    outs = m.forward_paged(cache, [ids[i] for i in live], [steps_x[s][i:i + 1] for i in live],
-                           rope="neox")
-    if s == 0:
-        first_mha = np.concatenate(outs)
-    tokens += len(live)
-    peak = max(peak, cache.blocks_in_use())
-    keep = []
-    for i in live:
-        if s + 1 >= stops[i]:
-            cache.free(ids[i])
-        else:
-            keep.append(i)
-    live = keep
-t_mha = time.perf_counter() - t0
-mem_mha = peak * cache.block_bytes
+# ---- mha: paged cache, prefill once, forks, continuous batching (serve_common)
+r = serve_common.run_mha(m, w)
+prefill_mha, t_mha, tokens, mem_mha = r.prefill_s, r.decode_s, r.tokens, r.mem_bytes
+first_mha = r.first
 
 # ---- torch: a contiguous cache per sequence
 inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
