@@ -82,7 +82,8 @@ class AttendArgs(C.Structure):
     _fields_ = [("use_custom_scale", C.c_bool), ("scale", C.c_double),
                 ("window_left", C.c_int64), ("window_right", C.c_int64),
                 ("alibi_slopes", C.POINTER(C.c_float)), ("softcap", C.c_float),
-                ("sinks", C.POINTER(C.c_float))]
+                ("sinks", C.POINTER(C.c_float)), ("sink_tokens", C.c_int64),
+                ("sink_q", C.POINTER(Tensor))]
 
 
 def tensor(a):
