@@ -950,7 +950,7 @@ typedef struct cached_arg {
     mha_kv_cache *c;
     int64_t N, T, prefix;  // the cache holds prefix tokens of each sequence
     float *x, *y;          // (T, N, E)
-    bool extras;           // RoPE + ALiBi + window
+    bool extras;           // RoPE + ALiBi + window + 2 StreamingLLM sinks
     bool append_only;      // mha_kv_cache_append of (N, 1, T, D) x, y
     int64_t D;             // (append_only) head dim
 } cached_arg;
@@ -985,10 +985,11 @@ static mha_status sc_cached(const void *argp) {
         mha_forward_args f;
         self_attention(&f, &x, &y, a->m, a->x, a->y, a->T, a->N);
         f.is_causal = true;
-        if (a->extras) {
+        if (a->extras) {  // (and StreamingLLM's sinks: their queries and scratch)
             mha_rope_init(&f.rope, MHA_ROPE_NEOX);
             f.alibi = true;
             f.window_left = 7;
+            f.stream_sinks = 2;
         }
         if ((st = mha_forward_cached(&y, a->m, &f, a->c))) return st;
         res_put(a->y, sizeof(float) * (size_t)(a->T * a->N * E));
