@@ -698,14 +698,13 @@ static void touch(const char *p, size_t bytes, int lines) {
 #endif
 }
 
-// Before the piece [r, p1) of the range [.., hi) is read: the segments
+// Before the piece ending at p1 of the range [.., hi) is read: the segments
 // ahead (above), counted from the one after the piece; *pf, *pfb: the one
 // for the kernel to fetch while it runs (NULL, 0: the range's last piece).
-static void prefetch_ahead(const dec_chunk *dc, int64_t r, int64_t p1, int64_t hi, bool isk,
-                           bool first, const void **pf, size_t *pfb) {
+static void prefetch_ahead(const dec_chunk *dc, int64_t p1, int64_t hi, bool isk, bool first,
+                           const void **pf, size_t *pfb) {
     const mha__kv_rows *c = dc->c;
     *pf = NULL, *pfb = 0;
-    (void)r;
     if (p1 >= hi) return;  // the range's last piece
     const size_t sb = (size_t)c->seg * (isk ? c->lk.rb : c->lv.rb);
     const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
@@ -742,7 +741,7 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
+        prefetch_ahead(dc, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_q(s + (r - dc->j0), k, dc->c->lk.lda, dc->kind, ks, x, p1 - r, D,
                                pf, pfb);
@@ -763,7 +762,7 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
+        prefetch_ahead(dc, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, dc->c->lk.lda, dc->kind, ks,
                                 sc + MHA__DECODE_CHUNK, qf, nv, p1 - r, D, pf, pfb);
