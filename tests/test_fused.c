@@ -1125,7 +1125,8 @@ static void int4_bound(double *bnd, const float *qr, const float *vr, const floa
 }
 
 // Decode over a long cache, against a float64 oracle: B 2 sequences of
-// different lengths (several 512-key chunks, many row blocks), GQA groups
+// different lengths (9000 keys: several split-KV chunks for every storage
+// type, whose chunks hold 512 to 4096 keys; many row blocks), GQA groups
 // G = H / Hkv of 1, 3 and 4, head dims 64 and 40 (not a multiple of 16 or
 // 32), 1 and 5 queries per sequence (the causal band moves within a
 // block), no window and left windows of 300 and 2 (5 queries' bands
@@ -1137,8 +1138,8 @@ static void int4_bound(double *bnd, const float *qr, const float *vr, const floa
 // over the inputs, within mha.h's documented bound computed from the data
 // (int4_bound). And the same bits with 1, 2 and 8 threads.
 static void test_decode_groups(void) {
-    enum { B = 2, CAP = 1400, TMAX = 5 };
-    const int64_t lens[B] = {1300, 517};
+    enum { B = 2, CAP = 9100, TMAX = 5 };
+    const int64_t lens[B] = {9000, 517};
     const int64_t cfgs[][3] = {{4, 4, 64}, {12, 4, 40}, {8, 2, 64}};  // H, Hkv, D
     for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++)
         for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++)
