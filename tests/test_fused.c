@@ -1125,8 +1125,8 @@ static void int4_bound(double *bnd, const float *qr, const float *vr, const floa
 }
 
 // Decode over a long cache, against a float64 oracle: B 2 sequences of
-// different lengths (9000 keys: several split-KV chunks for every storage
-// type, whose chunks hold 512 to 4096 keys; many row blocks), GQA groups
+// different lengths (9000 keys: two or more split-KV chunks for every
+// storage type, whose chunks hold 512 to 8192 keys; many row blocks), GQA groups
 // G = H / Hkv of 1, 3 and 4, head dims 64 and 40 (not a multiple of 16 or
 // 32), 1 and 5 queries per sequence (the causal band moves within a
 // block), no window and left windows of 300 and 2 (5 queries' bands

@@ -13,6 +13,9 @@
 // bandwidth in GB/s on nt threads over a buffer of `bytes`.
 double peak_gflops(int nt, const char **isa);
 double read_bandwidth(int nt, size_t bytes);
+// The read bandwidth over pieces of `piece` bytes of a buffer of `bytes`,
+// taken in a random order (seeded): a scattered pool's ceiling.
+double read_bandwidth_pieces(int nt, size_t bytes, size_t piece, uint64_t seed);
 
 // bench_rand.c: the seeded generator (splitmix64) and uniform floats in
 // [-1, 1).
