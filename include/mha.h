@@ -1001,9 +1001,10 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tens
 // within the chunk) and within the window if one is set. Appending past the
 // capacity fails (MHA_ERR_INVALID_ARG naming the lengths) and changes
 // nothing; truncate rolls a sequence back (speculative decoding).
-// Decoding (at most 16 queries) splits the keys into fixed chunks of 512
-// spread over the threads and combines them in chunk order: the same bits
-// for any number of threads.
+// Decoding (at most 16 queries) splits the keys into fixed chunks (256 KiB
+// of key rows: 512 to 8192 rows, by the storage type and head dim) spread
+// over the threads and combines them in chunk order: the same bits for any
+// number of threads.
 typedef struct mha_kv_cache mha_kv_cache;
 
 // Storage of the cached K and V: float32, bfloat16 or float16 (rounded to
