@@ -244,8 +244,8 @@ static void cache_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const ch
 }
 
 static mha__kv_rows cache_rows(const mha_kv_cache *c) {
-    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,   c->dt,
-                          c->lk, c->lv,  c->len, c,     cache_at, false};
+    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,  c->dt,
+                          c->lk, c->lv,  c->len, c,     cache_at};
 }
 
 void mha_kv_cache_destroy(mha_kv_cache *c) {
@@ -723,7 +723,7 @@ static void prefetch_ahead(const dec_chunk *dc, int64_t p1, int64_t hi, bool isk
     const size_t sb = (size_t)c->seg * (isk ? c->lk.rb : c->lv.rb);
     const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
                   kf = (int64_t)((DEC_FAR + sb - 1) / sb);
-    const int64_t s = (p1 - 1) / c->seg;  // the piece's last segment
+    const int64_t s = p1 / c->seg - 1;  // (p1 starts a segment: the piece ends at one)
     const char *p = NULL;
     for (int64_t i = first ? 1 : kf; i <= kf; i++) {
         const size_t n = seg_bytes(dc, s + i, hi, isk, &p);
@@ -745,11 +745,8 @@ static void prefetch_ahead(const dec_chunk *dc, int64_t p1, int64_t hi, bool isk
     }
 }
 
-// Rows [r, r1) for query v alone: its scores (isk), else O += P V; the
-// look-ahead reaches the rows before pf_hi (-1: r1), first: the first
-// piece starts it (fetches all the segments up to the far one).
-static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, int64_t pf_hi,
-                  bool first, bool isk) {
+// Rows [r, r1) for query v alone: its scores (isk), else O += P V.
+static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk) {
     const int64_t D = dc->c->D, Dv = dc->c->Dv;
     float *s = dc->sc + (size_t)v * dc->qf, *x = s + dc->ch, *o = x + D;
     for (int64_t p1, r0 = r; r < r1; r = p1) {
@@ -758,7 +755,7 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, int64_t
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, p1, pf_hi < 0 ? r1 : pf_hi, isk, first && r == r0, &pf, &pfb);
+        prefetch_ahead(dc, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_q(s + (r - dc->j0), k, dc->c->lk.lda, dc->kind, ks, x, p1 - r, D,
                                pf, pfb);
@@ -769,9 +766,8 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, int64_t
 }
 
 // Rows [r, r1) for all nv queries (their keys in common): the scores (isk),
-// else O += P V (pf_hi, first: as alone's).
-static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, int64_t pf_hi,
-                        bool first, bool isk) {
+// else O += P V.
+static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, bool isk) {
     const int64_t D = dc->c->D, Dv = dc->c->Dv, qf = (int64_t)dc->qf;
     float *sc = dc->sc;
     for (int64_t p1, r0 = r; r < r1; r = p1) {
@@ -780,7 +776,7 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, p1, pf_hi < 0 ? r1 : pf_hi, isk, first && r == r0, &pf, &pfb);
+        prefetch_ahead(dc, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, dc->c->lk.lda, dc->kind, ks,
                                 sc + dc->ch, qf, nv, p1 - r, D, pf, pfb);
@@ -797,51 +793,13 @@ static int64_t decode_chunk(const mha__kv_rows *c) {
     return ch;
 }
 
-// One KV head of a decode item: its chunk's rows, the queries that see a
-// key there (nv records, their scores, scaled queries and outputs) and the
-// keys all of them see, [clo, chi) (shared: more than one query, and some
-// keys in common).
-typedef struct dec_head {
-    dec_chunk dc;
-    dec_query *qs;
-    int64_t nv, clo, chi;
-    bool shared;
-} dec_head;
-
-// Rows [r, r1) of a head's chunk for its queries: the scores (isk), else
-// O += P V: each query's keys before the shared ones, the shared ones for
-// all, each query's keys after them (every query's rows in order: rows
-// taken range by range, in order, give the bits of one range).
-static void head_rows(const dec_head *dh, int64_t r, int64_t r1, int64_t pf_hi, bool first,
-                      bool isk) {
-    const dec_query *qs = dh->qs;
-    for (int64_t v = 0; v < dh->nv; v++) {
-        const int64_t lo = qs[v].lo > r ? qs[v].lo : r, e = dh->shared ? dh->clo : qs[v].hi,
-                      hi = e < r1 ? e : r1;
-        if (lo < hi) alone(&dh->dc, v, lo, hi, pf_hi, first, isk);
-    }
-    if (!dh->shared) return;
-    const int64_t lo = dh->clo > r ? dh->clo : r, hi = dh->chi < r1 ? dh->chi : r1;
-    if (lo < hi) shared_rows(&dh->dc, dh->nv, lo, hi, pf_hi, first, isk);
-    for (int64_t v = 0; v < dh->nv; v++) {
-        const int64_t lo2 = dh->chi > r ? dh->chi : r, hi2 = qs[v].hi < r1 ? qs[v].hi : r1;
-        if (lo2 < hi2) alone(&dh->dc, v, lo2, hi2, pf_hi, first, isk);
-    }
-}
-
 // Decode (at most MHA__DECODE_MAX_T queries): split-KV over fixed chunks
 // of the keys, per (b, KV head, chunk): each chunk's partial (m, l, O) per
 // query, then combined in chunk order (attend_combine). The G T queries of
 // a KV head's group read the chunk's rows in place (the _q kernels: no
 // float32 copy of a reduced-precision cache), through the group kernels
 // where their bands overlap (each row from memory once for all of them),
-// query by query at the edges of the bands. A source whose segments hold
-// their KV heads together (mha__kv_rows.heads_together: a paged cache's
-// block) is read per (b, chunk) instead, segment by segment and, in each,
-// head by head: one run of memory a segment, where the heads' pieces of a
-// segment are small and scattered (the bits are those of the per-head
-// order: each score depends on its row alone, and each output still sums
-// its rows in order).
+// query by query at the edges of the bands.
 static mha_status attend_decode(const attend_call *ac) {
     const mha__kv_rows *c = ac->c;
     const mha__kernels *kt = ac->kt;
@@ -855,29 +813,25 @@ static mha_status attend_decode(const attend_call *ac) {
     const int nt = ac->nt;
     const int64_t CH = decode_chunk(c), nch = (maxlen + CH - 1) / CH;
     if (nch == 0) return MHA_OK;  // nothing cached, so no queries either
-    // KV heads per item: all of them where a segment holds them together
-    const int64_t HI = c->heads_together ? c->Hkv : 1;
     // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O;
-    // per thread, for each of the HI G T queries: scores (CH, indexed from
-    // the chunk's first key), scaled query (D), unnormalised output (Dv)
-    const size_t per = (size_t)(Dv + 2), items = (size_t)(B * (c->Hkv / HI) * nch);
-    const size_t nq = (size_t)(G * T), qf = (size_t)(CH + D + Dv), tfl = (size_t)HI * nq * qf;
-    // (and per thread and head the segments a chunk's rows lie in)
+    // per thread, for each of the G T queries: scores (CH, indexed from the
+    // chunk's first key), scaled query (D), unnormalised output (Dv)
+    const size_t per = (size_t)(Dv + 2), items = (size_t)(B * c->Hkv * nch);
+    const size_t nq = (size_t)(G * T), qf = (size_t)(CH + D + Dv), tfl = nq * qf;
+    // (and per thread the segments a chunk's rows lie in)
     const size_t ns = (size_t)((CH + c->seg - 1) / c->seg + 1);
     // (floats: the partials, then the threads' scores from a multiple of
     // 16, then their queries' records, then their segments, then their
-    // heads, then their combine sums)
+    // combine sums)
     size_t off_sc, off_q, nd, bytes;
     if (mha__mul_overflow_size((size_t)(B * H * nch * T), per, &off_sc) ||
         mha__add_overflow_size(off_sc, 15, &off_sc) ||
         mha__mul_overflow_size(tfl, (size_t)nt, &nd) ||
         mha__add_overflow_size(off_sc & ~(size_t)15, nd + 15, &off_q) ||
         mha__mul_overflow_size(off_q & ~(size_t)15, sizeof(float), &bytes) ||
-        mha__mul_overflow_size(nq * (size_t)(HI * nt), sizeof(dec_query), &nd) ||
+        mha__mul_overflow_size(nq * (size_t)nt, sizeof(dec_query), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
-        mha__mul_overflow_size(ns * (size_t)(HI * nt), sizeof(dec_seg), &nd) ||
-        mha__add_overflow_size(bytes, nd, &bytes) ||
-        mha__mul_overflow_size((size_t)(HI * nt), sizeof(dec_head), &nd) ||
+        mha__mul_overflow_size(ns * (size_t)nt, sizeof(dec_seg), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
         mha__mul_overflow_size((size_t)Dv * (size_t)nt, sizeof(double), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes))
@@ -888,107 +842,86 @@ static mha_status attend_decode(const attend_call *ac) {
         return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", bytes);
     float *tsc = part + off_sc;
     dec_query *tq = (dec_query *)(void *)(part + off_q);
-    dec_seg *tseg = (dec_seg *)(void *)(tq + nq * (size_t)(HI * nt));
-    dec_head *thd = (dec_head *)(void *)(tseg + ns * (size_t)(HI * nt));
-    double *tacc = (double *)(void *)(thd + (size_t)(HI * nt));
+    dec_seg *tseg = (dec_seg *)(void *)(tq + nq * (size_t)nt);
+    double *tacc = (double *)(void *)(tseg + ns * (size_t)nt);
     const int kind = (int)c->dt;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < (int64_t)items; it++) {
-        const int64_t b = it / ((c->Hkv / HI) * nch), hk0 = (it / nch) % (c->Hkv / HI) * HI,
-                      ch = it % nch;
+        const int64_t b = it / (c->Hkv * nch), hk = (it / nch) % c->Hkv, ch = it % nch;
         const int64_t n = c->len[b], Tb = counts ? counts[b] : T, j0 = ch * CH;
         const int64_t j1 = j0 + CH < n ? j0 + CH : n;
-        const int64_t s0 = j0 / c->seg, s1 = (j1 - 1) / c->seg;
         const int id = mha__thread_id();
-        dec_head *dh = thd + (size_t)id * (size_t)HI;
-        int64_t live = 0;  // heads with a query that sees a key here
-        for (int64_t i = 0; i < HI; i++) {
-            const int64_t hk = hk0 + i;
-            float *sc = tsc + (size_t)id * tfl + (size_t)i * nq * qf;
-            dec_query *qs = tq + ((size_t)id * (size_t)HI + (size_t)i) * nq;
-            // the queries that see a key here (v < nv), and the keys all of
-            // them see: [clo, chi)
-            int64_t nv = 0, clo = j0, chi = j1;
-            for (int64_t h = hk * G; h < (hk + 1) * G; h++)
-                for (int64_t t = 0; t < Tb; t++) {
-                    float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
-                    int64_t lo, hi;  // query t sits at position n - Tb + t
-                    const mha__mask band = {.causal = true,
-                                            .win_left = a.window_left,
-                                            .win_right = a.window_right,
-                                            .q_off = n - Tb + q_shift};
-                    mha__mask_band(&band, t, n, &lo, &hi);
-                    if (lo < j0) lo = j0;
-                    if (hi > j1) hi = j1;
-                    pp[0] = -INFINITY;
-                    pp[1] = 0.0f;
-                    for (int64_t e = 0; e < Dv; e++) pp[2 + e] = 0.0f;
-                    if (lo >= hi) continue;
-                    qs[nv] = (dec_query){h, t, lo, hi, pp};
-                    float *x = sc + (size_t)nv * qf + CH, *o = x + D;
-                    const float *qr = qd + b * q->stride[0] + h * q->stride[1] +
-                                      t * q->stride[2];
-                    for (int64_t e = 0; e < D; e++) x[e] = (float)scale * qr[e];
-                    for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
-                    clo = lo > clo ? lo : clo;
-                    chi = hi < chi ? hi : chi;
-                    nv++;
-                }
-            // the chunk's segments, looked up once
-            dec_seg *sg = tseg + ((size_t)id * (size_t)HI + (size_t)i) * ns;
-            for (int64_t g = s0; nv && g <= s1; g++) {
-                dec_seg *e = &sg[g - s0];
-                c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
+        float *sc = tsc + (size_t)id * tfl;
+        dec_query *qs = tq + (size_t)id * nq;
+        // the queries that see a key here (v < nv), and the keys all of them
+        // see: [clo, chi)
+        int64_t nv = 0, clo = j0, chi = j1;
+        for (int64_t h = hk * G; h < (hk + 1) * G; h++)
+            for (int64_t t = 0; t < Tb; t++) {
+                float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
+                int64_t lo, hi;  // query t sits at position n - Tb + t
+                const mha__mask band = {.causal = true,
+                                        .win_left = a.window_left,
+                                        .win_right = a.window_right,
+                                        .q_off = n - Tb + q_shift};
+                mha__mask_band(&band, t, n, &lo, &hi);
+                if (lo < j0) lo = j0;
+                if (hi > j1) hi = j1;
+                pp[0] = -INFINITY;
+                pp[1] = 0.0f;
+                for (int64_t e = 0; e < Dv; e++) pp[2 + e] = 0.0f;
+                if (lo >= hi) continue;
+                qs[nv] = (dec_query){h, t, lo, hi, pp};
+                float *x = sc + (size_t)nv * qf + CH, *o = x + D;
+                const float *qr = qd + b * q->stride[0] + h * q->stride[1] + t * q->stride[2];
+                for (int64_t e = 0; e < D; e++) x[e] = (float)scale * qr[e];
+                for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
+                clo = lo > clo ? lo : clo;
+                chi = hi < chi ? hi : chi;
+                nv++;
             }
-            // (one query, or none shared: each query alone)
-            dh[i] = (dec_head){{kt, c, b, hk, j0, s0, CH, kind, sc, qf, sg},
-                               qs,
-                               nv,
-                               clo,
-                               chi,
-                               nv > 1 && chi > clo};
-            live += nv > 0;
+        if (nv == 0) continue;
+        // (one query, or none shared: each query alone)
+        const bool shared = nv > 1 && chi > clo;
+        // the chunk's segments, looked up once
+        const int64_t s0 = j0 / c->seg, s1 = (j1 - 1) / c->seg;
+        dec_seg *sg = tseg + (size_t)id * ns;
+        for (int64_t g = s0; g <= s1; g++) {
+            dec_seg *e = &sg[g - s0];
+            c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
         }
-        if (live == 0) continue;
-        // the scores; then the softmax; then O += P V: per head over the
-        // chunk, or segment by segment with the heads inside
-        for (int pass = 0; pass < 2; pass++) {
-            const bool isk = pass == 0;
-            if (HI == 1) {
-                if (dh[0].nv) head_rows(&dh[0], j0, j1, -1, true, isk);
-            } else {
-                for (int64_t g = s0; g <= s1; g++) {
-                    const int64_t r = g * c->seg > j0 ? g * c->seg : j0,
-                                  r1 = (g + 1) * c->seg < j1 ? (g + 1) * c->seg : j1;
-                    for (int64_t i = 0; i < HI; i++)
-                        if (dh[i].nv) head_rows(&dh[i], r, r1, j1, g == s0, isk);
-                }
+        const dec_chunk dc = {kt, c, b, hk, j0, s0, CH, kind, sc, qf, sg};
+        // scores: the shared keys for all, then each query's others
+        if (shared) shared_rows(&dc, nv, clo, chi, true);
+        for (int64_t v = 0; v < nv; v++) {
+            alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, true);
+            if (shared) alone(&dc, v, chi, qs[v].hi, true);
+        }
+        for (int64_t v = 0; v < nv; v++) {
+            const dec_query *dq = &qs[v];
+            float *s = sc + (size_t)v * qf + (dq->lo - j0);
+            const int64_t w = dq->hi - dq->lo;
+            if (a.softcap > 0.0f)
+                for (int64_t j = 0; j < w; j++) s[j] = a.softcap * tanhf(s[j] / a.softcap);
+            if (a.alibi_slopes) {  // -slope |position - j|
+                const int64_t p = n - Tb + dq->t + q_shift;
+                for (int64_t j = dq->lo; j < dq->hi; j++)
+                    s[j - dq->lo] -= a.alibi_slopes[dq->h] * (float)(p >= j ? p - j : j - p);
             }
-            if (!isk) break;
-            for (int64_t i = 0; i < HI; i++)
-                for (int64_t v = 0; v < dh[i].nv; v++) {
-                    const dec_query *dq = &dh[i].qs[v];
-                    float *s = dh[i].dc.sc + (size_t)v * qf + (dq->lo - j0);
-                    const int64_t w = dq->hi - dq->lo;
-                    if (a.softcap > 0.0f)
-                        for (int64_t j = 0; j < w; j++)
-                            s[j] = a.softcap * tanhf(s[j] / a.softcap);
-                    if (a.alibi_slopes) {  // -slope |position - j|
-                        const int64_t p = n - Tb + dq->t + q_shift;
-                        for (int64_t j = dq->lo; j < dq->hi; j++)
-                            s[j - dq->lo] -= a.alibi_slopes[dq->h] *
-                                             (float)(p >= j ? p - j : j - p);
-                    }
-                    float m = -INFINITY, l = 0.0f;
-                    (void)kt->softmax_update(s, w, &m, &l);  // s <- exp(s - m)
-                    dq->pp[0] = m;
-                    dq->pp[1] = l;
-                }
+            float m = -INFINITY, l = 0.0f;
+            (void)kt->softmax_update(s, w, &m, &l);  // s <- exp(s - m)
+            dq->pp[0] = m;
+            dq->pp[1] = l;
         }
-        for (int64_t i = 0; i < HI; i++)
-            for (int64_t v = 0; v < dh[i].nv; v++)
-                memcpy(dh[i].qs[v].pp + 2, dh[i].dc.sc + (size_t)v * qf + CH + D,
-                       sizeof(float) * (size_t)Dv);
+        // O += P V over each query's keys in order: before the shared ones,
+        // the shared ones for all, after them
+        for (int64_t v = 0; v < nv; v++)
+            alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, false);
+        if (shared) shared_rows(&dc, nv, clo, chi, false);
+        for (int64_t v = 0; v < nv; v++) {
+            if (shared) alone(&dc, v, chi, qs[v].hi, false);
+            memcpy(qs[v].pp + 2, sc + (size_t)v * qf + CH + D, sizeof(float) * (size_t)Dv);
+        }
     }
     attend_combine(ac, part, nch, per, tacc);
     mha__free(part);

@@ -39,10 +39,6 @@ typedef struct mha__kv_rows {
     const void *ctx;
     void (*at)(const void *ctx, int64_t b, int64_t hk, int64_t s, const char **k,
                const char **v, const float **ks, const float **vs);
-    // a segment's KV heads lie together (a paged cache's block: head hk's
-    // rows follow head hk - 1's): decode reads a segment's heads one after
-    // the other (the same bits)
-    bool heads_together;
 } mha__kv_rows;
 
 // mha__kv_cache_attend_ex over any row source. Bit-identical for the same

@@ -1,10 +1,8 @@
 // paged.c: the paged KV cache (mha.h: mha_paged_cache): a pool of blocks of
-// bs tokens (K rows (nblocks, Hkv, bs, D) and V rows (nblocks, Hkv, bs, Dv)
-// in the storage type, int8 / int4 scales per row: a block's KV heads side
-// by side, so that decode reads a block as one run of memory, heads one
-// after the other, however the blocks lie in the pool: a head's 16-token
-// piece alone is a few KiB, and memory read in random pieces of a few KiB
-// runs at half its speed), per-sequence block tables, blocks
+// bs tokens (K rows (Hkv, nblocks, bs, D) and V rows (Hkv, nblocks, bs, Dv)
+// in the storage type, int8 / int4 scales per row: a KV head's blocks side by
+// side, so blocks taken in order are one stream per head, as in a
+// contiguous cache), per-sequence block tables, blocks
 // counted by the sequences that hold them. A fork shares its source's
 // blocks; a write into a shared block copies it first (copy on write).
 // Attention goes through kvcache.c's drivers with the blocks as the row
@@ -46,8 +44,8 @@ struct mha_paged_cache {
     int64_t nblocks, bs, Hkv, D, Dv;
     mha_kv_dtype dt;
     mha__kv_layout lk, lv;  // the K and V rows' layout
-    char *k, *v;            // (nblocks, Hkv, bs) rows of lk.rb and lv.rb bytes
-    float *ks, *vs;         // int8 / int4: (nblocks, Hkv, bs) rows of lk.ns, lv.ns scales
+    char *k, *v;            // (Hkv, nblocks, bs) rows of lk.rb and lv.rb bytes
+    float *ks, *vs;         // int8 / int4: (Hkv, nblocks, bs) rows of lk.ns, lv.ns scales
     int32_t *ref;           // per block: the sequences holding it (0: free)
     int32_t *freel;         // the free blocks, a stack of nfree
     int64_t nfree;
@@ -491,7 +489,7 @@ size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
 // Block blk's row of head h, slot i: K (isv false) or V, and its scales.
 static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, int64_t i,
                     float **scale) {
-    const int64_t r = (blk * c->Hkv + h) * c->bs + i;
+    const int64_t r = (h * c->nblocks + blk) * c->bs + i;
     const mha__kv_layout l = isv ? c->lv : c->lk;
     float *sc = isv ? c->vs : c->ks;
     *scale = sc ? sc + r * l.ns : NULL;
@@ -729,8 +727,8 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
     }
     if (!st) {
         const paged_call pc = {c, ids};
-        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,    c->dt,
-                                   c->lk, c->lv,  len,  &pc,   paged_at, true};
+        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,   c->dt,
+                                   c->lk, c->lv,  len,  &pc,   paged_at};
         st = mha__kv_attend_rows(out, q, &rows, args, counts, 0, NULL);
     }
     free(len);
