@@ -976,10 +976,10 @@ static int bench_decode(const bench_opts *o, int threads) {
                      (double)mha_paged_cache_block_bytes(pc)
                : (double)mha_kv_cache_bytes(c);
         const double bw = bandwidth_over(threads, bytes), gbs = bytes / (med * 1e-3) * 1e-9;
-        // scattered blocks: the same memory read as pieces of a block's K
-        // rows (its KV heads together: the pool's layout), in a random
-        // order (the layout's ceiling)
-        const size_t piece = (size_t)(o->block * Hkv) * kv_row_bytes(o->kv_dtype, d);
+        // scattered blocks: the same memory read as pieces of a head's
+        // block of K rows (the pool is head-major), in a random order (the
+        // layout's ceiling)
+        const size_t piece = (size_t)o->block * kv_row_bytes(o->kv_dtype, d);
         const double pbw = pc && !o->contiguous_pool
                                ? read_bandwidth_pieces(threads,
                                                        bytes * 2 > 512.0 * 1048576
@@ -1018,10 +1018,10 @@ static int bench_decode(const bench_opts *o, int threads) {
                    bw > 0 ? 100.0 * gbs / bw : 0.0, bw, threads, threads == 1 ? "" : "s",
                    max_rss_mib());
         if (!o->json && pbw > 0)
-            printf("  pieces     the same bytes read as random %zu-byte pieces (a block's "
-                   "K rows, its heads\n"
-                   "             together; the pool's blocks scattered): %.1f GB/s here; the "
-                   "step reads %.1f%% of that\n",
+            printf("  pieces     the same bytes read as random %zu-byte pieces (a head's "
+                   "block of K rows; the\n"
+                   "             pool's blocks scattered): %.1f GB/s here; the step reads "
+                   "%.1f%% of that\n",
                    piece, pbw, 100.0 * gbs / pbw);
     }
     free(q);
