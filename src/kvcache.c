@@ -244,8 +244,8 @@ static void cache_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const ch
 }
 
 static mha__kv_rows cache_rows(const mha_kv_cache *c) {
-    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,  c->dt,
-                          c->lk, c->lv,  c->len, c,     cache_at};
+    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,   c->dt,
+                          c->lk, c->lv,  c->len, c,     cache_at, false};
 }
 
 void mha_kv_cache_destroy(mha_kv_cache *c) {
@@ -793,13 +793,114 @@ static int64_t decode_chunk(const mha__kv_rows *c) {
     return ch;
 }
 
+// Sequences decoded together whose chunk starts with the same rows in
+// memory (a paged cache's forks of one prompt: the same blocks) form one
+// item: those rows are read once for all their queries (the group
+// kernels), each sequence's other rows for its own. At most DEC_GROUP_Q
+// queries an item (bounds the scratch; a larger set is cut into items).
+#define DEC_GROUP_Q 64
+
+// An item's chunk: chunk ch of the m sequences memb[0 .. m) (in increasing
+// order), whose rows [j0, js) are the same in memory and seen by all their
+// queries (js = j0: nothing shared; m = 1 then).
+typedef struct dec_group {
+    int64_t ch, m, js;
+    const int64_t *memb;
+} dec_group;
+
+// A sequence's chunk and the first row of its segment s (KV head 0): the
+// key the sequences sharing rows are found by.
+typedef struct dec_key {
+    const char *k;
+    int64_t b;
+} dec_key;
+
+static int dec_key_cmp(const void *x, const void *y) {
+    const dec_key *a = x, *b = y;
+    const uintptr_t pa = (uintptr_t)a->k, pb = (uintptr_t)b->k;
+    if (pa != pb) return pa < pb ? -1 : 1;
+    return a->b < b->b ? -1 : a->b > b->b;
+}
+
+// The groups of one call (ng of them into g, their members into memb,
+// key: B records of scratch): per chunk, every sequence, those whose
+// chunk begins in the same segment of memory together (at
+// most mmax of them an item) with the rows they share: the segments that
+// are the same for every one of them, up to the first row any of their
+// queries sits at (rows before it are seen by all of their queries: no
+// window). share false: each sequence alone.
+static int64_t decode_groups(const mha__kv_rows *c, const int64_t *counts, int64_t T,
+                             int64_t CH, int64_t nch, bool share, int64_t mmax, dec_group *g,
+                             int64_t *memb, dec_key *key) {
+    int64_t ng = 0, nm = 0;
+    const float *fs;
+    const char *kk, *vv;
+    const float *ks;
+    for (int64_t ch = 0; ch < nch; ch++) {
+        const int64_t j0 = ch * CH;
+        int64_t nk = 0;
+        // (every sequence: an item also marks its queries' partials empty
+        // where the chunk holds none of its rows)
+        for (int64_t b = 0; b < c->B; b++) {
+            key[nk].b = b, key[nk].k = NULL;
+            if (share && c->len[b] > j0)
+                c->at(c->ctx, b, 0, j0 / c->seg, &key[nk].k, &vv, &ks, &fs);
+            nk++;
+        }
+        if (share) qsort(key, (size_t)nk, sizeof *key, dec_key_cmp);
+        for (int64_t i = 0; i < nk;) {
+            int64_t e = i + 1;  // [i, e): the same first segment
+            while (share && key[i].k && e < nk && key[e].k == key[i].k) e++;
+            for (int64_t f = i; f < e;) {
+                const int64_t m = e - f < mmax ? e - f : mmax;
+                int64_t js = j0;
+                if (m > 1) {
+                    // rows seen by every query, and within the chunk
+                    int64_t lim = j0 + CH;
+                    for (int64_t u = f; u < f + m; u++) {
+                        const int64_t bu = key[u].b, n = c->len[bu];
+                        const int64_t first = n - (counts ? counts[bu] : T);
+                        lim = first < lim ? first : lim;
+                        lim = n < lim ? n : lim;
+                    }
+                    // whole segments the same for all of them
+                    while (js < lim) {
+                        const int64_t s = js / c->seg;
+                        const char *k0 = NULL;
+                        bool same = true;
+                        for (int64_t u = f; u < f + m && same; u++) {
+                            c->at(c->ctx, key[u].b, 0, s, &kk, &vv, &ks, &fs);
+                            if (u == f) k0 = kk;
+                            same = kk && kk == k0;
+                        }
+                        if (!same) break;
+                        js = (s + 1) * c->seg;
+                    }
+                    if (js > lim) js = lim;
+                }
+                // nothing shared: the first alone, the others after it
+                const int64_t take = js > j0 ? m : 1;
+                g[ng++] = (dec_group){ch, take, js > j0 ? js : j0, memb + nm};
+                for (int64_t u = f; u < f + take; u++) memb[nm++] = key[u].b;
+                f += take;
+            }
+            i = e;
+        }
+    }
+    return ng;
+}
+
 // Decode (at most MHA__DECODE_MAX_T queries): split-KV over fixed chunks
 // of the keys, per (b, KV head, chunk): each chunk's partial (m, l, O) per
 // query, then combined in chunk order (attend_combine). The G T queries of
 // a KV head's group read the chunk's rows in place (the _q kernels: no
 // float32 copy of a reduced-precision cache), through the group kernels
 // where their bands overlap (each row from memory once for all of them),
-// query by query at the edges of the bands.
+// query by query at the edges of the bands. Sequences that share their
+// chunk's first rows in memory (decode_groups) read those once for all
+// their queries. The bits are those of each sequence alone: a score
+// depends on its row and query only, and each output sums its rows in
+// order, however the rows are cut into calls.
 static mha_status attend_decode(const attend_call *ac) {
     const mha__kv_rows *c = ac->c;
     const mha__kernels *kt = ac->kt;
@@ -813,27 +914,39 @@ static mha_status attend_decode(const attend_call *ac) {
     const int nt = ac->nt;
     const int64_t CH = decode_chunk(c), nch = (maxlen + CH - 1) / CH;
     if (nch == 0) return MHA_OK;  // nothing cached, so no queries either
+    // sharing: several sequences, rows in memory that may coincide, every
+    // query seeing every row before its own (no window, not a shard)
+    const int64_t nq = G * T;
+    const bool share = c->shares && B > 1 && a.window_left < 0 && a.window_right < 0 &&
+                       q_shift == 0 && nq <= DEC_GROUP_Q / 2;
+    const int64_t mmax = share ? DEC_GROUP_Q / nq : 1, qn = mmax * nq;
     // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O;
-    // per thread, for each of the G T queries: scores (CH, indexed from the
-    // chunk's first key), scaled query (D), unnormalised output (Dv)
-    const size_t per = (size_t)(Dv + 2), items = (size_t)(B * c->Hkv * nch);
-    const size_t nq = (size_t)(G * T), qf = (size_t)(CH + D + Dv), tfl = nq * qf;
-    // (and per thread the segments a chunk's rows lie in)
+    // per thread, for each of an item's qn queries: scores (CH, indexed
+    // from the chunk's first key), scaled query (D), unnormalised output (Dv)
+    const size_t per = (size_t)(Dv + 2);
+    const size_t qf = (size_t)(CH + D + Dv), tfl = (size_t)qn * qf;
+    // (and per thread and sequence of an item the segments its chunk's
+    // rows lie in)
     const size_t ns = (size_t)((CH + c->seg - 1) / c->seg + 1);
     // (floats: the partials, then the threads' scores from a multiple of
     // 16, then their queries' records, then their segments, then their
-    // combine sums)
+    // combine sums, then the groups, their members and the sort's keys)
+    const size_t ngmax = (size_t)(B * nch);
     size_t off_sc, off_q, nd, bytes;
     if (mha__mul_overflow_size((size_t)(B * H * nch * T), per, &off_sc) ||
         mha__add_overflow_size(off_sc, 15, &off_sc) ||
         mha__mul_overflow_size(tfl, (size_t)nt, &nd) ||
         mha__add_overflow_size(off_sc & ~(size_t)15, nd + 15, &off_q) ||
         mha__mul_overflow_size(off_q & ~(size_t)15, sizeof(float), &bytes) ||
-        mha__mul_overflow_size(nq * (size_t)nt, sizeof(dec_query), &nd) ||
+        mha__mul_overflow_size((size_t)qn * (size_t)nt, sizeof(dec_query), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
-        mha__mul_overflow_size(ns * (size_t)nt, sizeof(dec_seg), &nd) ||
+        mha__mul_overflow_size(ns * (size_t)(mmax * nt), sizeof(dec_seg), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
         mha__mul_overflow_size((size_t)Dv * (size_t)nt, sizeof(double), &nd) ||
+        mha__add_overflow_size(bytes, nd, &bytes) ||
+        mha__mul_overflow_size(ngmax, sizeof(dec_group) + sizeof(int64_t), &nd) ||
+        mha__add_overflow_size(bytes, nd, &bytes) ||
+        mha__mul_overflow_size((size_t)B, sizeof(dec_key), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
     off_sc &= ~(size_t)15, off_q &= ~(size_t)15;
@@ -842,86 +955,116 @@ static mha_status attend_decode(const attend_call *ac) {
         return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", bytes);
     float *tsc = part + off_sc;
     dec_query *tq = (dec_query *)(void *)(part + off_q);
-    dec_seg *tseg = (dec_seg *)(void *)(tq + nq * (size_t)nt);
-    double *tacc = (double *)(void *)(tseg + ns * (size_t)nt);
+    dec_seg *tseg = (dec_seg *)(void *)(tq + (size_t)qn * (size_t)nt);
+    double *tacc = (double *)(void *)(tseg + ns * (size_t)(mmax * nt));
+    dec_group *grp = (dec_group *)(void *)(tacc + (size_t)Dv * (size_t)nt);
+    int64_t *memb = (int64_t *)(void *)(grp + ngmax);
+    dec_key *keys = (dec_key *)(void *)(memb + ngmax);
+    const int64_t ngr = decode_groups(c, counts, T, CH, nch, share, mmax, grp, memb, keys);
     const int kind = (int)c->dt;
+    // items: (KV head, group), a sequence's chunks after each other
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < (int64_t)items; it++) {
-        const int64_t b = it / (c->Hkv * nch), hk = (it / nch) % c->Hkv, ch = it % nch;
-        const int64_t n = c->len[b], Tb = counts ? counts[b] : T, j0 = ch * CH;
-        const int64_t j1 = j0 + CH < n ? j0 + CH : n;
+    for (int64_t it = 0; it < c->Hkv * ngr; it++) {
+        const int64_t hk = it / ngr;
+        const dec_group *gr = &grp[it % ngr];
+        const int64_t ch = gr->ch, j0 = ch * CH, js = gr->js;
         const int id = mha__thread_id();
         float *sc = tsc + (size_t)id * tfl;
-        dec_query *qs = tq + (size_t)id * nq;
-        // the queries that see a key here (v < nv), and the keys all of them
-        // see: [clo, chi)
-        int64_t nv = 0, clo = j0, chi = j1;
-        for (int64_t h = hk * G; h < (hk + 1) * G; h++)
-            for (int64_t t = 0; t < Tb; t++) {
-                float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
-                int64_t lo, hi;  // query t sits at position n - Tb + t
-                const mha__mask band = {.causal = true,
-                                        .win_left = a.window_left,
-                                        .win_right = a.window_right,
-                                        .q_off = n - Tb + q_shift};
-                mha__mask_band(&band, t, n, &lo, &hi);
-                if (lo < j0) lo = j0;
-                if (hi > j1) hi = j1;
-                pp[0] = -INFINITY;
-                pp[1] = 0.0f;
-                for (int64_t e = 0; e < Dv; e++) pp[2 + e] = 0.0f;
-                if (lo >= hi) continue;
-                qs[nv] = (dec_query){h, t, lo, hi, pp};
-                float *x = sc + (size_t)nv * qf + CH, *o = x + D;
-                const float *qr = qd + b * q->stride[0] + h * q->stride[1] + t * q->stride[2];
-                for (int64_t e = 0; e < D; e++) x[e] = (float)scale * qr[e];
-                for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
-                clo = lo > clo ? lo : clo;
-                chi = hi < chi ? hi : chi;
-                nv++;
+        dec_query *qs = tq + (size_t)id * (size_t)qn;
+        int64_t nv = 0;  // the item's queries so far
+        dec_chunk dcs[DEC_GROUP_Q];
+        int64_t v0s[DEC_GROUP_Q + 1];
+        for (int64_t u = 0; u < gr->m; u++) {
+            const int64_t b = gr->memb[u], n = c->len[b], Tb = counts ? counts[b] : T;
+            const int64_t j1 = j0 + CH < n ? j0 + CH : n;
+            v0s[u] = nv;
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++)
+                for (int64_t t = 0; t < Tb; t++) {
+                    float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
+                    int64_t lo, hi;  // query t sits at position n - Tb + t
+                    const mha__mask band = {.causal = true,
+                                            .win_left = a.window_left,
+                                            .win_right = a.window_right,
+                                            .q_off = n - Tb + q_shift};
+                    mha__mask_band(&band, t, n, &lo, &hi);
+                    if (lo < j0) lo = j0;
+                    if (hi > j1) hi = j1;
+                    pp[0] = -INFINITY;
+                    pp[1] = 0.0f;
+                    for (int64_t e = 0; e < Dv; e++) pp[2 + e] = 0.0f;
+                    if (lo >= hi) continue;
+                    qs[nv] = (dec_query){h, t, lo, hi, pp};
+                    float *x = sc + (size_t)nv * qf + CH, *o = x + D;
+                    const float *qr = qd + b * q->stride[0] + h * q->stride[1] +
+                                      t * q->stride[2];
+                    for (int64_t e = 0; e < D; e++) x[e] = (float)scale * qr[e];
+                    for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
+                    nv++;
+                }
+            // the segments of its chunk's rows, looked up once
+            const int64_t s0 = j0 / c->seg, s1 = (j1 - 1) / c->seg;
+            dec_seg *sg = tseg + ((size_t)id * (size_t)mmax + (size_t)u) * ns;
+            for (int64_t g = s0; nv > v0s[u] && g <= s1; g++) {
+                dec_seg *e = &sg[g - s0];
+                c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
             }
+            dcs[u] = (dec_chunk){kt, c, b, hk, j0, s0, CH, kind, sc + (size_t)v0s[u] * qf,
+                                 qf, sg};
+        }
+        v0s[gr->m] = nv;
         if (nv == 0) continue;
-        // (one query, or none shared: each query alone)
-        const bool shared = nv > 1 && chi > clo;
-        // the chunk's segments, looked up once
-        const int64_t s0 = j0 / c->seg, s1 = (j1 - 1) / c->seg;
-        dec_seg *sg = tseg + (size_t)id * ns;
-        for (int64_t g = s0; g <= s1; g++) {
-            dec_seg *e = &sg[g - s0];
-            c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
-        }
-        const dec_chunk dc = {kt, c, b, hk, j0, s0, CH, kind, sc, qf, sg};
-        // scores: the shared keys for all, then each query's others
-        if (shared) shared_rows(&dc, nv, clo, chi, true);
-        for (int64_t v = 0; v < nv; v++) {
-            alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, true);
-            if (shared) alone(&dc, v, chi, qs[v].hi, true);
-        }
-        for (int64_t v = 0; v < nv; v++) {
-            const dec_query *dq = &qs[v];
-            float *s = sc + (size_t)v * qf + (dq->lo - j0);
-            const int64_t w = dq->hi - dq->lo;
-            if (a.softcap > 0.0f)
-                for (int64_t j = 0; j < w; j++) s[j] = a.softcap * tanhf(s[j] / a.softcap);
-            if (a.alibi_slopes) {  // -slope |position - j|
-                const int64_t p = n - Tb + dq->t + q_shift;
-                for (int64_t j = dq->lo; j < dq->hi; j++)
-                    s[j - dq->lo] -= a.alibi_slopes[dq->h] * (float)(p >= j ? p - j : j - p);
+        // the shared rows [j0, js) for all (every query sees them): through
+        // the first sequence's segments, the scores and outputs indexed
+        // from the item's first query
+        dec_chunk all = dcs[0];
+        all.sc = sc;
+        for (int pass = 0; pass < 2; pass++) {
+            const bool isk = pass == 0;
+            if (js > j0) shared_rows(&all, nv, j0, js, isk);
+            // each sequence's other rows [js, ..): the keys its queries all
+            // see for all of them, each query's others alone, in order
+            for (int64_t u = 0; u < gr->m; u++) {
+                const dec_chunk *dc = &dcs[u];
+                const dec_query *uq = qs + v0s[u];
+                const int64_t un = v0s[u + 1] - v0s[u];
+                int64_t clo = js, chi = INT64_MAX;
+                for (int64_t v = 0; v < un; v++) {
+                    const int64_t lo = uq[v].lo > js ? uq[v].lo : js;
+                    clo = lo > clo ? lo : clo;
+                    chi = uq[v].hi < chi ? uq[v].hi : chi;
+                }
+                // (one query, or none shared: each query alone)
+                const bool shared = un > 1 && chi > clo;
+                for (int64_t v = 0; v < un; v++) {
+                    const int64_t lo = uq[v].lo > js ? uq[v].lo : js;
+                    alone(dc, v, lo, shared ? clo : uq[v].hi, isk);
+                }
+                if (shared) shared_rows(dc, un, clo, chi, isk);
+                for (int64_t v = 0; shared && v < un; v++) alone(dc, v, chi, uq[v].hi, isk);
             }
-            float m = -INFINITY, l = 0.0f;
-            (void)kt->softmax_update(s, w, &m, &l);  // s <- exp(s - m)
-            dq->pp[0] = m;
-            dq->pp[1] = l;
+            if (!isk) break;
+            for (int64_t v = 0; v < nv; v++) {
+                const dec_query *dq = &qs[v];
+                float *s = sc + (size_t)v * qf + (dq->lo - j0);
+                const int64_t w = dq->hi - dq->lo;
+                if (a.softcap > 0.0f)
+                    for (int64_t j = 0; j < w; j++) s[j] = a.softcap * tanhf(s[j] / a.softcap);
+                if (a.alibi_slopes) {  // -slope |position - j|
+                    int64_t u = 0;
+                    while (v >= v0s[u + 1]) u++;
+                    const int64_t bu = dcs[u].b, n = c->len[bu], Tb = counts ? counts[bu] : T;
+                    const int64_t p = n - Tb + dq->t + q_shift;
+                    for (int64_t j = dq->lo; j < dq->hi; j++)
+                        s[j - dq->lo] -= a.alibi_slopes[dq->h] * (float)(p >= j ? p - j : j - p);
+                }
+                float m = -INFINITY, l = 0.0f;
+                (void)kt->softmax_update(s, w, &m, &l);  // s <- exp(s - m)
+                dq->pp[0] = m;
+                dq->pp[1] = l;
+            }
         }
-        // O += P V over each query's keys in order: before the shared ones,
-        // the shared ones for all, after them
         for (int64_t v = 0; v < nv; v++)
-            alone(&dc, v, qs[v].lo, shared ? clo : qs[v].hi, false);
-        if (shared) shared_rows(&dc, nv, clo, chi, false);
-        for (int64_t v = 0; v < nv; v++) {
-            if (shared) alone(&dc, v, chi, qs[v].hi, false);
             memcpy(qs[v].pp + 2, sc + (size_t)v * qf + CH + D, sizeof(float) * (size_t)Dv);
-        }
     }
     attend_combine(ac, part, nch, per, tacc);
     mha__free(part);

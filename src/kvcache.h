@@ -39,6 +39,10 @@ typedef struct mha__kv_rows {
     const void *ctx;
     void (*at)(const void *ctx, int64_t b, int64_t hk, int64_t s, const char **k,
                const char **v, const float **ks, const float **vs);
+    // sequences' segments may be the same memory (a paged cache's shared
+    // blocks: decode reads such rows once for all their queries); a
+    // segment that is the same for KV head 0 is the same for every head
+    bool shares;
 } mha__kv_rows;
 
 // mha__kv_cache_attend_ex over any row source. Bit-identical for the same

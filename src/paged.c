@@ -727,8 +727,8 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
     }
     if (!st) {
         const paged_call pc = {c, ids};
-        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,   c->dt,
-                                   c->lk, c->lv,  len,  &pc,   paged_at};
+        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,    c->dt,
+                                   c->lk, c->lv,  len,  &pc,   paged_at, true};
         st = mha__kv_attend_rows(out, q, &rows, args, counts, 0, NULL);
     }
     free(len);

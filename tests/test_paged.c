@@ -73,12 +73,16 @@ static void mirror_put(mirror *m, int64_t t, int32_t tok, int64_t D) {
     m->prefix[t] = mix((t ? m->prefix[t - 1] : 0x1234) ^ (uint64_t)(uint32_t)tok);
     for (int64_t h = 0; h < HKV; h++)
         for (int64_t e = 0; e < D; e++) {
-            m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 0);
-            m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 1);
+            m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t],
+                                                                                 h, e, 0);
+            m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t],
+                                                                                 h, e, 1);
         }
 }
 
-static int64_t g_count;  // > 0: every sequence's count in check_attend
+static int64_t g_count;       // > 0: every sequence's count in check_attend
+static float g_softcap;       // check_attend's soft cap (0: none)
+static const float *g_alibi;  // check_attend's ALiBi slopes (H of them; NULL: none)
 
 // The n sequences sel[] attend (T new queries each, counts random): the
 // paged cache and a contiguous cache of their tokens, the same bits.
@@ -103,7 +107,9 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
         for (int64_t h = 0; h < HKV; h++)
             for (int64_t t = 0; t < m->len; t++)
                 for (int64_t e = 0; e < D; e++) {
-                    const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) * (size_t)D + (size_t)e;
+                    const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) *
+                                           (size_t)D +
+                                       (size_t)e;
                     kb[dst] = m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
                     vb[dst] = m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
                 }
@@ -122,6 +128,8 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
     mha_cache_attend_args a;
     mha_cache_attend_args_init(&a);
     a.window_left = win;
+    a.softcap = g_softcap;
+    a.alibi_slopes = g_alibi;
     CHECK_OK(mha_kv_cache_attend(&t1, &qt, kc, &a, counts));
     CHECK_OK(mha_paged_cache_attend(&t2, &qt, w->c, n, ids, counts, &a));
     CHECKF(memcmp(o1, o2, sizeof(float) * nq) == 0,
@@ -157,8 +165,10 @@ static mha_status append_ids(world *w, const int *sel, int n, const int64_t *cnt
                 memcpy(k + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
                        scratch.k + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
                        sizeof(float) * (size_t)D),
-                    memcpy(v + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
-                           scratch.v + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
+                    memcpy(v + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) *
+                                   (size_t)D,
+                           scratch.v +
+                               ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
                            sizeof(float) * (size_t)D);
         }
     }
@@ -274,6 +284,62 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
     mha_paged_cache_destroy(w.c);
 }
 
+// Sequences that share their first blocks (forks of one 600-token prompt,
+// some with tokens of their own, some not, and two others) attend in one
+// call: decode reads the shared rows once for all of their queries, and
+// every sequence gets exactly the bits of a contiguous cache holding its
+// tokens. Every storage type; 1 and up to 4 queries a sequence (an attend
+// without an append puts queries inside the shared blocks: those rows are
+// then not seen by all); no window (the sharing's case) and a window; soft
+// cap and ALiBi (per query position).
+static void test_shared_decode(void) {
+    const float slopes[H] = {0.5f, 0.25f, 0.125f, 0.0625f};
+    for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++) {
+        world w = {.dt = (mha_kv_dtype)dt, .D = 40, .bs = 16};
+        CHECK_OK(mha_paged_cache_create(&w.c, (MAXSEQ * MAXLEN) / 16 + 8, 16, HKV, 40, 40,
+                                        (mha_kv_dtype)dt));
+        int sel[MAXSEQ];
+        for (int i = 0; i < 10; i++) sel[i] = i;
+        mirror_init(&w.seq[0], 40);
+        CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
+        w.n = 1;
+        const int64_t plen = 600;
+        CHECK_OK(append_some(&w, sel, 1, &plen));
+        for (int i = 1; i < 8; i++) {  // the forks
+            mirror_init(&w.seq[i], 40);
+            CHECK_OK(mha_paged_cache_fork(w.c, w.seq[0].id, &w.seq[i].id));
+            mirror_copy(&w.seq[i], &w.seq[0], 40);
+            w.n++;
+        }
+        for (int i = 8; i < 10; i++) {  // two others
+            mirror_init(&w.seq[i], 40);
+            CHECK_OK(mha_paged_cache_add(w.c, &w.seq[i].id));
+            w.n++;
+            const int64_t len = i == 8 ? 100 : 300;
+            CHECK_OK(append_some(&w, sel + i, 1, &len));
+        }
+        for (int round = 0; round < 2; round++) {
+            for (int64_t T = 1; T <= 4; T += 3)
+                for (int v = 0; v < 4; v++) {
+                    g_softcap = v == 1 ? 5.0f : 0.0f;
+                    g_alibi = v == 2 ? slopes : NULL;
+                    check_attend(&w, sel, 10, T, v == 3 ? 100 : -1, "shared decode");
+                }
+            // the forks' own tokens (0 for fork 1: it still shares the
+            // prompt's last, partial block with the prompt's sequence)
+            int64_t own[MAXSEQ] = {0};
+            for (int i = 2; i < 8; i++) own[i - 1] = 3 * i;
+            CHECK_OK(append_some(&w, sel + 1, 7, own));
+        }
+        g_softcap = 0.0f, g_alibi = NULL;
+        for (int i = 0; i < w.n; i++) {
+            CHECK_OK(mha_paged_cache_free(w.c, w.seq[i].id));
+            mirror_free(&w.seq[i]);
+        }
+        mha_paged_cache_destroy(w.c);
+    }
+}
+
 // Block counts: a fork shares every block; its first write into a shared
 // partial block copies that one block; a write into a block of its own does
 // not; truncation returns the blocks past the new length.
@@ -387,7 +453,8 @@ static void test_prefix(void) {
     CHECK_OK(append_ids(&x, s0, 1, &c12, given, true));  // block 1 rewritten
     mirror_init(&x.seq[1], D);
     CHECK_OK(mha_paged_cache_add_prompt(x.c, prompt, 33, &x.seq[1].id, &cached));
-    CHECKF(cached == 16, "a prompt after a rewrite: %lld cached, expected 16", (long long)cached);
+    CHECKF(cached == 16, "a prompt after a rewrite: %lld cached, expected 16",
+           (long long)cached);
     for (int64_t t = 0; t < cached; t++) mirror_put(&x.seq[1], t, prompt[t], D);
     x.seq[1].len = cached;
     x.n = 2;
@@ -431,13 +498,14 @@ static void test_errors(void) {
                bt = mha_tensor_contiguous(before, MHA_F32, 4, sh),
                at = mha_tensor_contiguous(after, MHA_F32, 4, sh);
     CHECK_OK(mha_paged_cache_attend(&bt, &qt, c, 2, ids, NULL, NULL));
-#define UNCHANGED(what)                                                                   \
-    do {                                                                                  \
-        CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);     \
-        CHECKF(mha_paged_cache_length(c, ids[0]) == 9 && mha_paged_cache_length(c, ids[1]) == 5, \
-               "%s: lengths changed", what);                                              \
-        CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));                \
-        CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what);  \
+#define UNCHANGED(what)                                                                  \
+    do {                                                                                 \
+        CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);    \
+        CHECKF(mha_paged_cache_length(c, ids[0]) == 9 &&                                 \
+                   mha_paged_cache_length(c, ids[1]) == 5,                               \
+               "%s: lengths changed", what);                                             \
+        CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));               \
+        CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what); \
     } while (0)
     // an exhausted pool: 0 + 3 blocks needed, 1 free; nothing appended
     cnt[0] = 3, cnt[1] = 12;
@@ -530,7 +598,8 @@ static void test_threads(void) {
     }
     CHECKF(bad == 0 && diff == 0, "threads: %d unexpected errors, %d differing results", bad,
            diff);
-    CHECKF(mha_paged_cache_length(c, ids[1]) == landed, "threads: %lld tokens, %d appends landed",
+    CHECKF(mha_paged_cache_length(c, ids[1]) == landed,
+           "threads: %lld tokens, %d appends landed",
            (long long)mha_paged_cache_length(c, ids[1]), landed);
     printf("two threads: %d appends landed, %d calls refused while the other ran\n", landed,
            refused);
@@ -629,7 +698,8 @@ static void test_forward_paged(void) {
         for (int i = 0; i < NS; i++) {
             CHECK(mha_paged_cache_length(pc, ids[i]) == len[i]);
             const double e = rel_err(yf[i], yp[i], len[i] * E);
-            CHECKF(e <= 2e-5, "forward_paged window %lld: sequence %d (%lld tokens): rel err %g",
+            CHECKF(e <= 2e-5,
+                   "forward_paged window %lld: sequence %d (%lld tokens): rel err %g",
                    (long long)win, i, (long long)len[i], e);
         }
         printf("forward_paged (window %lld): %d calls, %d of them mixing chunk sizes\n",
@@ -659,7 +729,8 @@ static void test_forward_paged(void) {
             int64_t id2[2];
             CHECK_OK(mha_paged_cache_add(p2, &id2[0]));
             CHECK_OK(mha_paged_cache_add(p2, &id2[1]));
-            float *xb = malloc(sizeof(float) * 2 * L * E), *y1 = malloc(sizeof(float) * 2 * L * E),
+            float *xb = malloc(sizeof(float) * 2 * L * E),
+                  *y1 = malloc(sizeof(float) * 2 * L * E),
                   *y2 = malloc(sizeof(float) * 2 * L * E);
             for (int64_t j = 0; j < 2 * L * E; j++) xb[j] = frand();
             const int64_t chunks[] = {17, 1, 5, 1, 1, 15};  // prefill, decode, small chunks
@@ -667,7 +738,8 @@ static void test_forward_paged(void) {
             for (int64_t c0 = 0, ci = 0; c0 < L && ci < 6; c0 += chunks[ci], ci++) {
                 const int64_t k = chunks[ci] < L - c0 ? chunks[ci] : L - c0;
                 for (int b = 0; b < 2; b++)
-                    memcpy(xc + b * k * E, xb + (b * L + c0) * E, sizeof(float) * (size_t)(k * E));
+                    memcpy(xc + b * k * E, xb + (b * L + c0) * E,
+                           sizeof(float) * (size_t)(k * E));
                 mha_tensor xt = mha_tensor_contiguous(xc, MHA_F32, 3, (int64_t[]){2, k, E});
                 float o1[2 * 17 * E], o2[2 * 17 * E];
                 mha_tensor t1 = mha_tensor_contiguous(o1, MHA_F32, 3, (int64_t[]){2, k, E}),
@@ -727,7 +799,8 @@ static void test_window_release(void) {
     printf("sliding window %d over %d tokens: at most %lld blocks in use for 2 sequences\n", W,
            STEPS, (long long)most);
     // reaching back past the released tokens: refused, nothing changes
-    const int64_t ids[1] = {w.seq[0].id}, len0 = w.seq[0].len, used = mha_paged_cache_blocks_in_use(w.c);
+    const int64_t ids[1] = {w.seq[0].id}, len0 = w.seq[0].len,
+                  used = mha_paged_cache_blocks_in_use(w.c);
     float q[H * D], o[H * D];
     for (int i = 0; i < H * D; i++) q[i] = frand();
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
@@ -743,7 +816,8 @@ static void test_window_release(void) {
     CHECK_OK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a));
     CHECK(mha_paged_cache_truncate(w.c, ids[0], 5) == MHA_ERR_INVALID_ARG);
     CHECK(mha_paged_cache_release_before(w.c, ids[0], len0 + 1) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 && mha_paged_cache_blocks_in_use(w.c) == used);
+    CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 &&
+          mha_paged_cache_blocks_in_use(w.c) == used);
     CHECK_OK(mha_paged_cache_truncate(w.c, ids[0], 0));  // to 0: starts again
     CHECK(mha_paged_cache_length(w.c, ids[0]) == 0);
     w.seq[0].len = 0;
@@ -837,8 +911,10 @@ static void test_streaming(void) {
         while (done < L) {
             int64_t cnt = calls % 9 == 4 ? 18 : next() % 3 ? 1 : irand(2, 6);
             if (cnt > L - done) cnt = L - done;
-            mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E}),
-                       yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E});
+            mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3,
+                                                  (int64_t[]){1, cnt, E}),
+                       yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3,
+                                                  (int64_t[]){1, cnt, E});
             mha_forward_args a = position_args(&xt, variant);
             a.window_left = W;
             a.stream_sinks = K;
@@ -852,7 +928,8 @@ static void test_streaming(void) {
         // the window [max(0, p - W), p], at positions 0..n-1
         for (int64_t p = 0; p < L; p++) {
             int64_t n = 0;
-            for (int64_t j = 0; j < K && j < p - W; j++) memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
+            for (int64_t j = 0; j < K && j < p - W; j++)
+                memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
             for (int64_t j = p - W > 0 ? p - W : 0; j <= p; j++)
                 memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
             mha_tensor st = mha_tensor_contiguous(xs, MHA_F32, 3, (int64_t[]){1, n, E}),
@@ -884,15 +961,19 @@ static void test_streaming(void) {
             ca.window_left = W;  // (no sinks: the window alone is fine)
             CHECK_OK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca));
             ca.sink_tokens = BS + 1;  // sinks past the kept block
-            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
-            CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s", mha_last_error());
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
+                  MHA_ERR_INVALID_ARG);
+            CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s",
+                   mha_last_error());
             ca.sink_tokens = K, ca.window_left = W + 30;  // a window past the hole
-            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
+                  MHA_ERR_INVALID_ARG);
             const int64_t used = mha_paged_cache_blocks_in_use(pc);
             CHECK(mha_paged_cache_release_keep(pc, id, 2 * BS, L - W) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_release_keep(pc, id, -1, 3) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_truncate(pc, id, BS + 2) == MHA_ERR_INVALID_ARG);
-            CHECK(mha_paged_cache_blocks_in_use(pc) == used && mha_paged_cache_length(pc, id) == L);
+            CHECK(mha_paged_cache_blocks_in_use(pc) == used &&
+                  mha_paged_cache_length(pc, id) == L);
             CHECK_OK(mha_paged_cache_truncate(pc, id, BS));  // into the kept block: fine
             CHECK(mha_paged_cache_length(pc, id) == BS);
         }
@@ -976,8 +1057,12 @@ int main(void) {
     for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++)
         for (int b = 0; b < 4; b++)
             random_schedule((mha_kv_dtype)dt, blocks[b],
-                            b % 2 ? 40 : dt == MHA_KV_INT4 ? 33 : 16, dt == 0 ? 90 : 45);
+                            b % 2               ? 40
+                            : dt == MHA_KV_INT4 ? 33
+                                                : 16,
+                            dt == 0 ? 90 : 45);
     test_int4_bytes();
+    test_shared_decode();
     printf("random schedules: %lld prompts added, %lld of their tokens found in the cache\n",
            (long long)prompts, (long long)reused);
     CHECK(reused > 0);
