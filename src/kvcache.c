@@ -797,8 +797,10 @@ static int64_t decode_chunk(const mha__kv_rows *c) {
 // memory (a paged cache's forks of one prompt: the same blocks) form one
 // item: those rows are read once for all their queries (the group
 // kernels), each sequence's other rows for its own. At most DEC_GROUP_Q
-// queries an item (bounds the scratch; a larger set is cut into items).
+// queries an item, and DEC_GROUP_FLOATS of their scores (a thread's
+// scratch: a larger set is cut into items).
 #define DEC_GROUP_Q 64
+#define DEC_GROUP_FLOATS 65536
 
 // An item's chunk: chunk ch of the m sequences memb[0 .. m) (in increasing
 // order), whose rows [j0, js) are the same in memory and seen by all their
@@ -917,9 +919,11 @@ static mha_status attend_decode(const attend_call *ac) {
     // sharing: several sequences, rows in memory that may coincide, every
     // query seeing every row before its own (no window, not a shard)
     const int64_t nq = G * T;
+    const int64_t qcap = DEC_GROUP_FLOATS / CH < DEC_GROUP_Q ? DEC_GROUP_FLOATS / CH
+                                                             : DEC_GROUP_Q;
     const bool share = c->shares && B > 1 && a.window_left < 0 && a.window_right < 0 &&
-                       q_shift == 0 && nq <= DEC_GROUP_Q / 2;
-    const int64_t mmax = share ? DEC_GROUP_Q / nq : 1, qn = mmax * nq;
+                       q_shift == 0 && qcap / nq >= 2;
+    const int64_t mmax = share ? qcap / nq : 1, qn = mmax * nq;
     // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O;
     // per thread, for each of an item's qn queries: scores (CH, indexed
     // from the chunk's first key), scaled query (D), unnormalised output (Dv)
