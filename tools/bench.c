@@ -960,22 +960,45 @@ static int bench_decode(const bench_opts *o, int threads) {
     int rc = decode_setup(o, c, pc, ids, B, Hkv, d, N, B * H * T * d, &q, &out, &times);
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, T, d});
     mha_tensor ot = mha_tensor_contiguous(out, MHA_F32, 4, (int64_t[]){B, H, T, d});
+    const double bytes =  // all N rows are in use
+        rc   ? 0.0
+        : pc ? (double)mha_paged_cache_blocks_in_use(pc) *
+                   (double)mha_paged_cache_block_bytes(pc)
+             : (double)mha_kv_cache_bytes(c);
+    // after every timed step, one pass of the read bandwidth over twice its
+    // bytes (at least 512 MiB: beyond the caches): each step's fraction
+    // against the bandwidth of the same moment (the machine's memory is
+    // shared, its bandwidth moves with the neighbours')
+    bench_bw *bwb = rc ? NULL
+                       : bench_bw_create(threads, bytes * 2 > 512.0 * 1048576
+                                                      ? (size_t)(bytes * 2)
+                                                      : (size_t)512 << 20);
+    double *bws = malloc(sizeof(double) * (size_t)(2 * o->repeat)), *fr = bws + o->repeat;
+    if (!rc && (!bwb || !bws)) {
+        fprintf(stderr, "mha bench: out of memory for the bandwidth buffer\n");
+        rc = 1;
+    }
     for (int64_t i = 0; !rc && i < o->warmup + o->repeat; i++) {
         double t0 = cli_now();
         st = pc ? mha_paged_cache_attend(&ot, &qt, pc, B, ids, NULL, NULL)
                 : mha_kv_cache_attend(&ot, &qt, c, NULL, NULL);
         if (st) rc = cli_fail("bench", st);
-        else if (i >= o->warmup) times[i - o->warmup] = (cli_now() - t0) * 1e3;
+        else if (i >= o->warmup) {
+            const int64_t k = i - o->warmup;
+            times[k] = (cli_now() - t0) * 1e3;
+            bws[k] = bench_bw_pass(bwb);
+            fr[k] = bws[k] > 0 ? bytes / (times[k] * 1e-3) * 1e-9 / bws[k] : 0.0;
+        }
     }
+    bench_bw_free(bwb);
     if (!rc) {
         qsort(times, (size_t)o->repeat, sizeof *times, cli_cmp_double);
+        qsort(bws, (size_t)o->repeat, sizeof *bws, cli_cmp_double);
+        qsort(fr, (size_t)o->repeat, sizeof *fr, cli_cmp_double);
         const int64_t n = o->repeat;
         const double med = median_sorted(times, n);
-        const double bytes =  // all N rows are in use
-            pc ? (double)mha_paged_cache_blocks_in_use(pc) *
-                     (double)mha_paged_cache_block_bytes(pc)
-               : (double)mha_kv_cache_bytes(c);
-        const double bw = bandwidth_over(threads, bytes), gbs = bytes / (med * 1e-3) * 1e-9;
+        const double bw = median_sorted(bws, n), frac = median_sorted(fr, n),
+                     gbs = bytes / (med * 1e-3) * 1e-9;
         // scattered blocks: the same memory read as pieces of a head's
         // block of K rows (the pool is head-major), in a random order (the
         // layout's ceiling)
@@ -1000,23 +1023,24 @@ static int bench_decode(const bench_opts *o, int threads) {
                    "\"random_pieces_gbps\": %.3f, \"max_rss_mib\": %.1f}\n",
                    threads, mha_isa(), (long long)B, (long long)H, (long long)Hkv,
                    (long long)d, (long long)T, (long long)N, kv_name, (long long)o->block,
-                   (long long)o->repeat, med, times[0], times[n - 1], bytes, gbs, bw,
-                   bw > 0 ? gbs / bw : 0.0, pbw > 0 ? piece : 0, pbw, max_rss_mib());
+                   (long long)o->repeat, med, times[0], times[n - 1], bytes, gbs, bw, frac,
+                   pbw > 0 ? piece : 0, pbw, max_rss_mib());
         else
             printf("mha bench: decode step (%s), %d thread%s, kernels %s\n"
                    "  shape      batch %lld, %lld query head%s x %lld quer%s, %lld KV head%s, "
                    "d %lld, %lld cached tokens (%s)\n"
                    "  time       median %.3f ms (min %.3f, max %.3f; %lld runs)\n"
-                   "  reads      K and V: %.1f MiB per step = %.1f GB/s = %.1f%% of the read "
-                   "bandwidth %.1f GB/s measured here (%d thread%s)\n"
+                   "  reads      K and V: %.1f MiB per step = %.1f GB/s; %.1f%% of the read "
+                   "bandwidth (the median over the steps of each step's\n"
+                   "             against a read pass right after it; median %.1f GB/s, %d "
+                   "thread%s)\n"
                    "  memory     process max RSS %.1f MiB\n",
                    pc ? "mha_paged_cache_attend" : "mha_kv_cache_attend", threads,
                    threads == 1 ? "" : "s", mha_isa(), (long long)B, (long long)H,
                    H == 1 ? "" : "s", (long long)T, T == 1 ? "y" : "ies", (long long)Hkv,
                    Hkv == 1 ? "" : "s", (long long)d, (long long)N, kv_name, med, times[0],
-                   times[n - 1], (long long)o->repeat, bytes / 1048576.0, gbs,
-                   bw > 0 ? 100.0 * gbs / bw : 0.0, bw, threads, threads == 1 ? "" : "s",
-                   max_rss_mib());
+                   times[n - 1], (long long)o->repeat, bytes / 1048576.0, gbs, 100.0 * frac,
+                   bw, threads, threads == 1 ? "" : "s", max_rss_mib());
         if (!o->json && pbw > 0)
             printf("  pieces     the same bytes read as random %zu-byte pieces (a head's "
                    "block of K rows; the\n"
@@ -1027,6 +1051,7 @@ static int bench_decode(const bench_opts *o, int threads) {
     free(q);
     free(out);
     free(times);
+    free(bws);
     free(ids);
     mha_kv_cache_destroy(c);
     mha_paged_cache_destroy(pc);

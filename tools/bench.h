@@ -13,6 +13,14 @@
 // bandwidth in GB/s on nt threads over a buffer of `bytes`.
 double peak_gflops(int nt, const char **isa);
 double read_bandwidth(int nt, size_t bytes);
+// A bandwidth buffer of `bytes` to measure the read bandwidth between the
+// steps of a benchmark (the machine's memory is shared: its bandwidth moves
+// with its neighbours'): one pass of the sum each bench_bw_pass, in GB/s
+// (0 where the buffer could not be had).
+typedef struct bench_bw bench_bw;
+bench_bw *bench_bw_create(int nt, size_t bytes);
+double bench_bw_pass(bench_bw *b);
+void bench_bw_free(bench_bw *b);
 // The read bandwidth over pieces of `piece` bytes of a buffer of `bytes`,
 // taken in a random order (seeded): a scattered pool's ceiling.
 double read_bandwidth_pieces(int nt, size_t bytes, size_t piece, uint64_t seed);

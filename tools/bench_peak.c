@@ -200,6 +200,18 @@ static bool wide_loads(void) {
 #endif
 }
 
+// One pass of the parallel sum over a bandwidth buffer of n floats: GB/s.
+static double bandwidth_pass(const float *buf, size_t n, int nt, bool wide) {
+    double t0 = cli_now(), total = 0.0;
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
+    for (size_t b = 0; b < n; b += 4096)
+        total += sum_range(buf, b, b + 4096 < n ? b + 4096 : n, wide && b + 4096 <= n);
+    const double t = cli_now() - t0;
+    volatile float sink = (float)total;
+    (void)sink;
+    return (double)(n * sizeof(float)) / t * 1e-9;
+}
+
 // Read bandwidth of this machine on nt threads: a parallel sum over a buffer
 // of `bytes` (median of 5 passes after one), in GB/s.
 double read_bandwidth(int nt, size_t bytes) {
@@ -207,20 +219,39 @@ double read_bandwidth(int nt, size_t bytes) {
     float *buf = bandwidth_buffer(nt, bytes, &n);
     if (!buf) return 0.0;
     const bool wide = wide_loads();
-    double t[6];
-    volatile float sink = 0.0f;
-    for (int r = 0; r < 6; r++) {
-        double t0 = cli_now(), total = 0.0;
-#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
-        for (size_t b = 0; b < n; b += 4096)
-            total += sum_range(buf, b, b + 4096 < n ? b + 4096 : n, wide && b + 4096 <= n);
-        t[r] = cli_now() - t0;
-        sink += (float)total;
-    }
-    (void)sink;
+    double g[6];
+    for (int r = 0; r < 6; r++) g[r] = bandwidth_pass(buf, n, nt, wide);
     free(buf);
-    qsort(t + 1, 5, sizeof t[0], cli_cmp_double);
-    return (double)(n * sizeof(float)) / t[3] * 1e-9;
+    qsort(g + 1, 5, sizeof g[0], cli_cmp_double);
+    return g[3];
+}
+
+struct bench_bw {
+    float *buf;
+    size_t n;
+    int nt;
+    bool wide;
+};
+
+bench_bw *bench_bw_create(int nt, size_t bytes) {
+    bench_bw *b = malloc(sizeof *b);
+    if (!b) return NULL;
+    b->nt = nt, b->wide = wide_loads();
+    if (!(b->buf = bandwidth_buffer(nt, bytes, &b->n))) {
+        free(b);
+        return NULL;
+    }
+    (void)bandwidth_pass(b->buf, b->n, nt, b->wide);  // (the first pass faults pages in)
+    return b;
+}
+
+double bench_bw_pass(bench_bw *b) {
+    return b ? bandwidth_pass(b->buf, b->n, b->nt, b->wide) : 0.0;
+}
+
+void bench_bw_free(bench_bw *b) {
+    if (b) free(b->buf);
+    free(b);
 }
 
 // The read bandwidth over pieces of `piece` bytes taken in a random order

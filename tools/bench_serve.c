@@ -77,7 +77,8 @@ int bench_serve(const bench_serve_opts *o) {
     for (int64_t i = 0; i < N; i++) live[i] = ids[i];
     const double t1 = cli_now();
     // worst: the largest blocks / distinct tokens; at_peak: at the peak of blocks
-    double first_bytes = 0, worst = 0.0, at_peak = 0.0;
+    // first_bytes: every sequence's history; first_distinct: each block once
+    double first_bytes = 0, first_distinct = 0, worst = 0.0, at_peak = 0.0;
     while (nlive > 0) {
         bench_fill_uniform(x, nlive * E, &rng);
         mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){nlive, 1, E}),
@@ -87,13 +88,16 @@ int bench_serve(const bench_serve_opts *o) {
             // (a token's K and V rows of every KV head, with their int8 /
             // int4 scales: a block's bytes over its tokens)
             first_bytes = (double)sizeof(float) * (double)(2 * E * E + 2 * E * Hkv * d) +
-                          (double)N * (double)(P + 1) * (double)mha_paged_cache_block_bytes(c) /
-                              (double)bs;
+                          (double)N * (double)(P + 1) *
+                              (double)mha_paged_cache_block_bytes(c) / (double)bs;
         const double s0 = cli_now();
         if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL))) goto fail;
         steps[step++] = (cli_now() - s0) * 1e3;
         tokens += nlive;
         const int64_t used = mha_paged_cache_blocks_in_use(c);
+        if (step <= 2)  // (the step timed as full: its blocks in use, each once)
+            first_distinct = (double)sizeof(float) * (double)(2 * E * E + 2 * E * Hkv * d) +
+                             (double)used * (double)mha_paged_cache_block_bytes(c);
         peak = used > peak ? used : peak;
         // the tokens held, each once (the prompt, then every running
         // sequence's own): what the blocks in use hold against them
@@ -128,13 +132,14 @@ int bench_serve(const bench_serve_opts *o) {
                "\"block_size\": %lld, \"kv_dtype\": \"%s\", \"threads\": %d, "
                "\"prefill_ms\": %.3f, \"decode_tokens\": %lld, \"decode_s\": %.4f, "
                "\"tokens_per_s\": %.1f, \"steps\": %lld, \"step_ms_median\": %.4f, "
-               "\"full_step_ms\": %.4f, \"full_step_bytes\": %.0f, \"read_bandwidth_gbps\": %.3f, "
+               "\"full_step_ms\": %.4f, \"full_step_bytes\": %.0f, "
+               "\"full_step_distinct_bytes\": %.0f, \"read_bandwidth_gbps\": %.3f, "
                "\"peak_cache_mib\": %.2f, \"contiguous_mib\": %.2f, "
                "\"peak_blocks_over_distinct\": %.4f, \"max_blocks_over_distinct\": %.4f}\n",
                (long long)N, (long long)P, (long long)G, (long long)E, (long long)H,
                (long long)Hkv, (long long)bs, mha_kv_dtype_name(o->kv_dtype), o->threads,
                prefill_ms, (long long)tokens, decode_s, (double)tokens / decode_s,
-               (long long)step, steps[step / 2], full_ms, first_bytes, bw,
+               (long long)step, steps[step / 2], full_ms, first_bytes, first_distinct, bw,
                (double)peak * blockb / 1048576.0, contiguous / 1048576.0, at_peak, worst);
     } else {
         printf("mha bench --serve: %lld sequences sharing a %lld-token prompt, up to %lld new "
@@ -151,12 +156,16 @@ int bench_serve(const bench_serve_opts *o) {
         printf("  decode     %lld tokens in %lld steps, %.3f s: %.0f tokens/s (continuous "
                "batching: one call per step for every running sequence)\n",
                (long long)tokens, (long long)step, decode_s, (double)tokens / decode_s);
-        printf("  step       all %lld running: %.3f ms; it reads %.1f MiB (weights + every "
-               "sequence's K and V) = %.1f GB/s against the read bandwidth %.1f GB/s measured "
-               "here (the shared prompt's blocks are read by every sequence: from the CPU "
-               "caches, so above 100%% is possible); median over all steps %.3f ms\n",
+        printf("  step       all %lld running: %.3f ms; the weights and every sequence's K "
+               "and V are %.1f MiB (%.1f GB/s), the weights and the blocks in use, each once, "
+               "%.1f MiB (%.1f GB/s = %.1f%% of the read bandwidth %.1f GB/s measured here: "
+               "decode reads a block that sequences share once for a group of them); median "
+               "over all steps %.3f ms\n",
                (long long)N, full_ms, first_bytes / 1048576.0,
-               first_bytes / (full_ms * 1e-3) * 1e-9, bw, steps[step / 2]);
+               first_bytes / (full_ms * 1e-3) * 1e-9, first_distinct / 1048576.0,
+               first_distinct / (full_ms * 1e-3) * 1e-9,
+               bw > 0 ? 100.0 * first_distinct / (full_ms * 1e-3) * 1e-9 / bw : 0.0, bw,
+               steps[step / 2]);
         printf("  memory     peak %.1f MiB of blocks (%lld of %lld) vs %.1f MiB for %lld "
                "contiguous caches of %lld tokens: %.2fx less\n",
                (double)peak * blockb / 1048576.0, (long long)peak, (long long)nblocks,
