@@ -73,10 +73,8 @@ static void mirror_put(mirror *m, int64_t t, int32_t tok, int64_t D) {
     m->prefix[t] = mix((t ? m->prefix[t - 1] : 0x1234) ^ (uint64_t)(uint32_t)tok);
     for (int64_t h = 0; h < HKV; h++)
         for (int64_t e = 0; e < D; e++) {
-            m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t],
-                                                                                 h, e, 0);
-            m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t],
-                                                                                 h, e, 1);
+            m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 0);
+            m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 1);
         }
 }
 
@@ -107,9 +105,7 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
         for (int64_t h = 0; h < HKV; h++)
             for (int64_t t = 0; t < m->len; t++)
                 for (int64_t e = 0; e < D; e++) {
-                    const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) *
-                                           (size_t)D +
-                                       (size_t)e;
+                    const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) * (size_t)D + (size_t)e;
                     kb[dst] = m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
                     vb[dst] = m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
                 }
@@ -165,10 +161,8 @@ static mha_status append_ids(world *w, const int *sel, int n, const int64_t *cnt
                 memcpy(k + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
                        scratch.k + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
                        sizeof(float) * (size_t)D),
-                    memcpy(v + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) *
-                                   (size_t)D,
-                           scratch.v +
-                               ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
+                    memcpy(v + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
+                           scratch.v + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
                            sizeof(float) * (size_t)D);
         }
     }
@@ -453,8 +447,7 @@ static void test_prefix(void) {
     CHECK_OK(append_ids(&x, s0, 1, &c12, given, true));  // block 1 rewritten
     mirror_init(&x.seq[1], D);
     CHECK_OK(mha_paged_cache_add_prompt(x.c, prompt, 33, &x.seq[1].id, &cached));
-    CHECKF(cached == 16, "a prompt after a rewrite: %lld cached, expected 16",
-           (long long)cached);
+    CHECKF(cached == 16, "a prompt after a rewrite: %lld cached, expected 16", (long long)cached);
     for (int64_t t = 0; t < cached; t++) mirror_put(&x.seq[1], t, prompt[t], D);
     x.seq[1].len = cached;
     x.n = 2;
@@ -498,14 +491,13 @@ static void test_errors(void) {
                bt = mha_tensor_contiguous(before, MHA_F32, 4, sh),
                at = mha_tensor_contiguous(after, MHA_F32, 4, sh);
     CHECK_OK(mha_paged_cache_attend(&bt, &qt, c, 2, ids, NULL, NULL));
-#define UNCHANGED(what)                                                                  \
-    do {                                                                                 \
-        CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);    \
-        CHECKF(mha_paged_cache_length(c, ids[0]) == 9 &&                                 \
-                   mha_paged_cache_length(c, ids[1]) == 5,                               \
-               "%s: lengths changed", what);                                             \
-        CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));               \
-        CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what); \
+#define UNCHANGED(what)                                                                   \
+    do {                                                                                  \
+        CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);     \
+        CHECKF(mha_paged_cache_length(c, ids[0]) == 9 && mha_paged_cache_length(c, ids[1]) == 5, \
+               "%s: lengths changed", what);                                              \
+        CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));                \
+        CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what);  \
     } while (0)
     // an exhausted pool: 0 + 3 blocks needed, 1 free; nothing appended
     cnt[0] = 3, cnt[1] = 12;
@@ -598,8 +590,7 @@ static void test_threads(void) {
     }
     CHECKF(bad == 0 && diff == 0, "threads: %d unexpected errors, %d differing results", bad,
            diff);
-    CHECKF(mha_paged_cache_length(c, ids[1]) == landed,
-           "threads: %lld tokens, %d appends landed",
+    CHECKF(mha_paged_cache_length(c, ids[1]) == landed, "threads: %lld tokens, %d appends landed",
            (long long)mha_paged_cache_length(c, ids[1]), landed);
     printf("two threads: %d appends landed, %d calls refused while the other ran\n", landed,
            refused);
@@ -698,8 +689,7 @@ static void test_forward_paged(void) {
         for (int i = 0; i < NS; i++) {
             CHECK(mha_paged_cache_length(pc, ids[i]) == len[i]);
             const double e = rel_err(yf[i], yp[i], len[i] * E);
-            CHECKF(e <= 2e-5,
-                   "forward_paged window %lld: sequence %d (%lld tokens): rel err %g",
+            CHECKF(e <= 2e-5, "forward_paged window %lld: sequence %d (%lld tokens): rel err %g",
                    (long long)win, i, (long long)len[i], e);
         }
         printf("forward_paged (window %lld): %d calls, %d of them mixing chunk sizes\n",
@@ -729,8 +719,7 @@ static void test_forward_paged(void) {
             int64_t id2[2];
             CHECK_OK(mha_paged_cache_add(p2, &id2[0]));
             CHECK_OK(mha_paged_cache_add(p2, &id2[1]));
-            float *xb = malloc(sizeof(float) * 2 * L * E),
-                  *y1 = malloc(sizeof(float) * 2 * L * E),
+            float *xb = malloc(sizeof(float) * 2 * L * E), *y1 = malloc(sizeof(float) * 2 * L * E),
                   *y2 = malloc(sizeof(float) * 2 * L * E);
             for (int64_t j = 0; j < 2 * L * E; j++) xb[j] = frand();
             const int64_t chunks[] = {17, 1, 5, 1, 1, 15};  // prefill, decode, small chunks
@@ -738,8 +727,7 @@ static void test_forward_paged(void) {
             for (int64_t c0 = 0, ci = 0; c0 < L && ci < 6; c0 += chunks[ci], ci++) {
                 const int64_t k = chunks[ci] < L - c0 ? chunks[ci] : L - c0;
                 for (int b = 0; b < 2; b++)
-                    memcpy(xc + b * k * E, xb + (b * L + c0) * E,
-                           sizeof(float) * (size_t)(k * E));
+                    memcpy(xc + b * k * E, xb + (b * L + c0) * E, sizeof(float) * (size_t)(k * E));
                 mha_tensor xt = mha_tensor_contiguous(xc, MHA_F32, 3, (int64_t[]){2, k, E});
                 float o1[2 * 17 * E], o2[2 * 17 * E];
                 mha_tensor t1 = mha_tensor_contiguous(o1, MHA_F32, 3, (int64_t[]){2, k, E}),
@@ -799,8 +787,7 @@ static void test_window_release(void) {
     printf("sliding window %d over %d tokens: at most %lld blocks in use for 2 sequences\n", W,
            STEPS, (long long)most);
     // reaching back past the released tokens: refused, nothing changes
-    const int64_t ids[1] = {w.seq[0].id}, len0 = w.seq[0].len,
-                  used = mha_paged_cache_blocks_in_use(w.c);
+    const int64_t ids[1] = {w.seq[0].id}, len0 = w.seq[0].len, used = mha_paged_cache_blocks_in_use(w.c);
     float q[H * D], o[H * D];
     for (int i = 0; i < H * D; i++) q[i] = frand();
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
@@ -816,8 +803,7 @@ static void test_window_release(void) {
     CHECK_OK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a));
     CHECK(mha_paged_cache_truncate(w.c, ids[0], 5) == MHA_ERR_INVALID_ARG);
     CHECK(mha_paged_cache_release_before(w.c, ids[0], len0 + 1) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 &&
-          mha_paged_cache_blocks_in_use(w.c) == used);
+    CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 && mha_paged_cache_blocks_in_use(w.c) == used);
     CHECK_OK(mha_paged_cache_truncate(w.c, ids[0], 0));  // to 0: starts again
     CHECK(mha_paged_cache_length(w.c, ids[0]) == 0);
     w.seq[0].len = 0;
@@ -911,10 +897,8 @@ static void test_streaming(void) {
         while (done < L) {
             int64_t cnt = calls % 9 == 4 ? 18 : next() % 3 ? 1 : irand(2, 6);
             if (cnt > L - done) cnt = L - done;
-            mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3,
-                                                  (int64_t[]){1, cnt, E}),
-                       yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3,
-                                                  (int64_t[]){1, cnt, E});
+            mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E}),
+                       yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E});
             mha_forward_args a = position_args(&xt, variant);
             a.window_left = W;
             a.stream_sinks = K;
@@ -928,8 +912,7 @@ static void test_streaming(void) {
         // the window [max(0, p - W), p], at positions 0..n-1
         for (int64_t p = 0; p < L; p++) {
             int64_t n = 0;
-            for (int64_t j = 0; j < K && j < p - W; j++)
-                memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
+            for (int64_t j = 0; j < K && j < p - W; j++) memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
             for (int64_t j = p - W > 0 ? p - W : 0; j <= p; j++)
                 memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
             mha_tensor st = mha_tensor_contiguous(xs, MHA_F32, 3, (int64_t[]){1, n, E}),
@@ -961,19 +944,15 @@ static void test_streaming(void) {
             ca.window_left = W;  // (no sinks: the window alone is fine)
             CHECK_OK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca));
             ca.sink_tokens = BS + 1;  // sinks past the kept block
-            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
-                  MHA_ERR_INVALID_ARG);
-            CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s",
-                   mha_last_error());
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
+            CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s", mha_last_error());
             ca.sink_tokens = K, ca.window_left = W + 30;  // a window past the hole
-            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
-                  MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
             const int64_t used = mha_paged_cache_blocks_in_use(pc);
             CHECK(mha_paged_cache_release_keep(pc, id, 2 * BS, L - W) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_release_keep(pc, id, -1, 3) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_truncate(pc, id, BS + 2) == MHA_ERR_INVALID_ARG);
-            CHECK(mha_paged_cache_blocks_in_use(pc) == used &&
-                  mha_paged_cache_length(pc, id) == L);
+            CHECK(mha_paged_cache_blocks_in_use(pc) == used && mha_paged_cache_length(pc, id) == L);
             CHECK_OK(mha_paged_cache_truncate(pc, id, BS));  // into the kept block: fine
             CHECK(mha_paged_cache_length(pc, id) == BS);
         }
@@ -1057,10 +1036,7 @@ int main(void) {
     for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++)
         for (int b = 0; b < 4; b++)
             random_schedule((mha_kv_dtype)dt, blocks[b],
-                            b % 2               ? 40
-                            : dt == MHA_KV_INT4 ? 33
-                                                : 16,
-                            dt == 0 ? 90 : 45);
+                            b % 2 ? 40 : dt == MHA_KV_INT4 ? 33 : 16, dt == 0 ? 90 : 45);
     test_int4_bytes();
     test_shared_decode();
     printf("random schedules: %lld prompts added, %lld of their tokens found in the cache\n",

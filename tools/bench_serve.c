@@ -88,8 +88,8 @@ int bench_serve(const bench_serve_opts *o) {
             // (a token's K and V rows of every KV head, with their int8 /
             // int4 scales: a block's bytes over its tokens)
             first_bytes = (double)sizeof(float) * (double)(2 * E * E + 2 * E * Hkv * d) +
-                          (double)N * (double)(P + 1) *
-                              (double)mha_paged_cache_block_bytes(c) / (double)bs;
+                          (double)N * (double)(P + 1) * (double)mha_paged_cache_block_bytes(c) /
+                              (double)bs;
         const double s0 = cli_now();
         if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL))) goto fail;
         steps[step++] = (cli_now() - s0) * 1e3;
