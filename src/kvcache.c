@@ -625,10 +625,10 @@ static void attend_combine(const attend_call *ac, const float *part, int64_t nch
     }
 }
 
-// One query (head h, query t) of a group against a chunk: its visible keys
-// [lo, hi) and its partial (m, l, O).
+// One query (head h, at position p) of a group against a chunk: its visible
+// keys [lo, hi) and its partial (m, l, O).
 typedef struct dec_query {
-    int64_t h, t, lo, hi;
+    int64_t h, p, lo, hi;
     float *pp;
 } dec_query;
 
@@ -840,14 +840,13 @@ static int64_t decode_groups(const mha__kv_rows *c, const int64_t *counts, int64
     const float *ks;
     for (int64_t ch = 0; ch < nch; ch++) {
         const int64_t j0 = ch * CH;
-        int64_t nk = 0;
+        const int64_t nk = c->B;
         // (every sequence: an item also marks its queries' partials empty
         // where the chunk holds none of its rows)
-        for (int64_t b = 0; b < c->B; b++) {
-            key[nk].b = b, key[nk].k = NULL;
+        for (int64_t b = 0; b < nk; b++) {
+            key[b].b = b, key[b].k = NULL;
             if (share && c->len[b] > j0)
-                c->at(c->ctx, b, 0, j0 / c->seg, &key[nk].k, &vv, &ks, &fs);
-            nk++;
+                c->at(c->ctx, b, 0, j0 / c->seg, &key[b].k, &vv, &ks, &fs);
         }
         if (share) qsort(key, (size_t)nk, sizeof *key, dec_key_cmp);
         for (int64_t i = 0; i < nk;) {
@@ -857,14 +856,15 @@ static int64_t decode_groups(const mha__kv_rows *c, const int64_t *counts, int64
                 const int64_t m = e - f < mmax ? e - f : mmax;
                 int64_t js = j0;
                 if (m > 1) {
-                    // rows seen by every query, and within the chunk
+                    // rows seen by every query (those before each member's
+                    // first query), and within the chunk
                     int64_t lim = j0 + CH;
                     for (int64_t u = f; u < f + m; u++) {
-                        const int64_t bu = key[u].b, n = c->len[bu];
-                        const int64_t first = n - (counts ? counts[bu] : T);
+                        const int64_t bu = key[u].b;
+                        const int64_t first = c->len[bu] - (counts ? counts[bu] : T);
                         lim = first < lim ? first : lim;
-                        lim = n < lim ? n : lim;
                     }
+                    lim = lim > j0 ? lim : j0;  // (a query before the chunk: none shared)
                     // whole segments the same for all of them
                     while (js < lim) {
                         const int64_t s = js / c->seg;
@@ -882,7 +882,7 @@ static int64_t decode_groups(const mha__kv_rows *c, const int64_t *counts, int64
                 }
                 // nothing shared: the first alone, the others after it
                 const int64_t take = js > j0 ? m : 1;
-                g[ng++] = (dec_group){ch, take, js > j0 ? js : j0, memb + nm};
+                g[ng++] = (dec_group){ch, take, js, memb + nm};
                 for (int64_t u = f; u < f + take; u++) memb[nm++] = key[u].b;
                 f += take;
             }
@@ -997,7 +997,7 @@ static mha_status attend_decode(const attend_call *ac) {
                     pp[1] = 0.0f;
                     for (int64_t e = 0; e < Dv; e++) pp[2 + e] = 0.0f;
                     if (lo >= hi) continue;
-                    qs[nv] = (dec_query){h, t, lo, hi, pp};
+                    qs[nv] = (dec_query){h, n - Tb + t + q_shift, lo, hi, pp};
                     float *x = sc + (size_t)nv * qf + CH, *o = x + D;
                     const float *qr = qd + b * q->stride[0] + h * q->stride[1] +
                                       t * q->stride[2];
@@ -1054,10 +1054,7 @@ static mha_status attend_decode(const attend_call *ac) {
                 if (a.softcap > 0.0f)
                     for (int64_t j = 0; j < w; j++) s[j] = a.softcap * tanhf(s[j] / a.softcap);
                 if (a.alibi_slopes) {  // -slope |position - j|
-                    int64_t u = 0;
-                    while (v >= v0s[u + 1]) u++;
-                    const int64_t bu = dcs[u].b, n = c->len[bu], Tb = counts ? counts[bu] : T;
-                    const int64_t p = n - Tb + dq->t + q_shift;
+                    const int64_t p = dq->p;
                     for (int64_t j = dq->lo; j < dq->hi; j++)
                         s[j - dq->lo] -= a.alibi_slopes[dq->h] * (float)(p >= j ? p - j : j - p);
                 }

@@ -285,28 +285,29 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
 // tokens. Every storage type; 1 and up to 4 queries a sequence (an attend
 // without an append puts queries inside the shared blocks: those rows are
 // then not seen by all); no window (the sharing's case) and a window; soft
-// cap and ALiBi (per query position).
-static void test_shared_decode(void) {
+// cap and ALiBi (per query position). Head dim D, a prompt of plen tokens,
+// storage types dt0 .. dt1 (D 128 in float32: chunks of 512 keys, so that a
+// 514-token prompt's queries start before the second chunk).
+static void test_shared_decode(int64_t D, int64_t plen, int dt0, int dt1) {
     const float slopes[H] = {0.5f, 0.25f, 0.125f, 0.0625f};
-    for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++) {
-        world w = {.dt = (mha_kv_dtype)dt, .D = 40, .bs = 16};
-        CHECK_OK(mha_paged_cache_create(&w.c, (MAXSEQ * MAXLEN) / 16 + 8, 16, HKV, 40, 40,
+    for (int dt = dt0; dt <= dt1; dt++) {
+        world w = {.dt = (mha_kv_dtype)dt, .D = D, .bs = 16};
+        CHECK_OK(mha_paged_cache_create(&w.c, (MAXSEQ * MAXLEN) / 16 + 8, 16, HKV, D, D,
                                         (mha_kv_dtype)dt));
         int sel[MAXSEQ];
         for (int i = 0; i < 10; i++) sel[i] = i;
-        mirror_init(&w.seq[0], 40);
+        mirror_init(&w.seq[0], D);
         CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
         w.n = 1;
-        const int64_t plen = 600;
         CHECK_OK(append_some(&w, sel, 1, &plen));
         for (int i = 1; i < 8; i++) {  // the forks
-            mirror_init(&w.seq[i], 40);
+            mirror_init(&w.seq[i], D);
             CHECK_OK(mha_paged_cache_fork(w.c, w.seq[0].id, &w.seq[i].id));
-            mirror_copy(&w.seq[i], &w.seq[0], 40);
+            mirror_copy(&w.seq[i], &w.seq[0], D);
             w.n++;
         }
         for (int i = 8; i < 10; i++) {  // two others
-            mirror_init(&w.seq[i], 40);
+            mirror_init(&w.seq[i], D);
             CHECK_OK(mha_paged_cache_add(w.c, &w.seq[i].id));
             w.n++;
             const int64_t len = i == 8 ? 100 : 300;
@@ -1038,7 +1039,8 @@ int main(void) {
             random_schedule((mha_kv_dtype)dt, blocks[b],
                             b % 2 ? 40 : dt == MHA_KV_INT4 ? 33 : 16, dt == 0 ? 90 : 45);
     test_int4_bytes();
-    test_shared_decode();
+    test_shared_decode(40, 600, MHA_KV_F32, MHA_KV_INT4);
+    test_shared_decode(128, 514, MHA_KV_F32, MHA_KV_F32);
     printf("random schedules: %lld prompts added, %lld of their tokens found in the cache\n",
            (long long)prompts, (long long)reused);
     CHECK(reused > 0);

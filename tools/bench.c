@@ -788,11 +788,15 @@ static size_t kv_row_bytes(mha_kv_dtype dt, int64_t d) {
     }
 }
 
-// The read bandwidth on these threads, over a buffer of twice the bytes a
-// step reads (at least 512 MiB: beyond the caches).
+// The bytes of a bandwidth buffer for a step that reads `bytes`: twice
+// those (at least 512 MiB: beyond the caches).
+static size_t bandwidth_bytes(double bytes) {
+    return (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576);
+}
+
+// The read bandwidth on these threads, over a buffer of bandwidth_bytes.
 static double bandwidth_over(int threads, double bytes) {
-    return read_bandwidth(threads,
-                          (size_t)(bytes * 2 > 512.0 * 1048576 ? bytes * 2 : 512.0 * 1048576));
+    return read_bandwidth(threads, bandwidth_bytes(bytes));
 }
 
 // Fills cache c with N random tokens per (batch, KV head), K = V, appended
@@ -907,10 +911,7 @@ static int bench_decode(const bench_opts *o, int threads) {
     // bytes (at least 512 MiB: beyond the caches): each step's fraction
     // against the bandwidth of the same moment (the machine's memory is
     // shared, its bandwidth moves with the neighbours')
-    bench_bw *bwb = rc ? NULL
-                       : bench_bw_create(threads, bytes * 2 > 512.0 * 1048576
-                                                      ? (size_t)(bytes * 2)
-                                                      : (size_t)512 << 20);
+    bench_bw *bwb = rc ? NULL : bench_bw_create(threads, bandwidth_bytes(bytes));
     double *bws = malloc(sizeof(double) * (size_t)(2 * o->repeat)), *fr = bws + o->repeat;
     if (!rc && (!bwb || !bws)) {
         fprintf(stderr, "mha bench: out of memory for the bandwidth buffer\n");
@@ -941,13 +942,10 @@ static int bench_decode(const bench_opts *o, int threads) {
         // block of K rows (the pool is head-major), in a random order (the
         // layout's ceiling)
         const size_t piece = (size_t)o->block * kv_row_bytes(o->kv_dtype, d);
-        const double pbw = pc && !o->contiguous_pool
-                               ? read_bandwidth_pieces(threads,
-                                                       bytes * 2 > 512.0 * 1048576
-                                                           ? (size_t)(bytes * 2)
-                                                           : (size_t)512 << 20,
-                                                       piece, o->seed + 1)
-                               : 0.0;
+        const double pbw =
+            pc && !o->contiguous_pool
+                ? read_bandwidth_pieces(threads, bandwidth_bytes(bytes), piece, o->seed + 1)
+                : 0.0;
         const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
