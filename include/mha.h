@@ -1171,8 +1171,11 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_append(mha_paged_cache *c, int6
 // prompt of n token ids with the longest run of indexed blocks holding the
 // same first tokens (shared, not copied; at most n - 1 tokens, so that the
 // last is left to compute): *cached tokens, whose K and V need not be
-// computed again; append the others. A block leaves the index when no
-// sequence holds it.
+// computed again; append the others. The block holding the last token is
+// shared too when it is indexed: appended with their ids, tokens that a
+// shared, indexed last block holds already (after the same prefix) keep its
+// rows (the given K and V are not written, and the block is not copied). A
+// block leaves the index when no sequence holds it or its holder rewrites it.
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_append_tokens(
     mha_paged_cache *c, int64_t n, const int64_t *ids, const int64_t *counts,
     const mha_tensor *k, const mha_tensor *v, const int32_t *tokens);

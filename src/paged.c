@@ -315,10 +315,12 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
                          (long long)n);
     mha_status st = enter_change(c, "mha_paged_cache_add_prompt");
     if (st) return st;
-    // the longest run of keyed blocks holding the prompt's first tokens,
-    // leaving at least one token to compute
+    // the longest run of keyed blocks holding the prompt's first tokens; at
+    // most n - 1 tokens cached, so that the last is left to compute (a last
+    // block that holds it is shared too: appending its token with its id
+    // keeps the row there, mha_paged_cache_append_tokens)
     int64_t nb = 0;
-    for (int64_t parent = -1; (nb + 1) * c->bs <= n - 1; nb++) {
+    for (int64_t parent = -1; (nb + 1) * c->bs <= n && nb * c->bs < n - 1; nb++) {
         const int32_t b = index_find(c, parent, tokens + nb * c->bs);
         if (b < 0) break;
         parent = b;
@@ -336,9 +338,10 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
         }
         if (nb) memcpy(tk, tokens, sizeof *tk * (size_t)(nb * c->bs));
         pseq *d = &c->seq[slot];
-        *d = (pseq){true, d->gen, nb * c->bs, nb, nb, t, nb * c->bs, nb * c->bs, tk, 0, 0};
+        const int64_t len = nb * c->bs < n ? nb * c->bs : n - 1;
+        *d = (pseq){true, d->gen, len, nb, nb, t, len, nb * c->bs, tk, 0, 0};
         *id = seq_id(c, slot);
-        *cached = nb * c->bs;
+        *cached = len;
         t = tk = NULL;
     }
     free(t), free(tk);
@@ -508,12 +511,36 @@ static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
         }
 }
 
-// The blocks sequence s needs for `add` more tokens: new ones, and one copy
-// of a shared last block it would write into.
-static int64_t blocks_needed(const mha_paged_cache *c, const pseq *s, int64_t add) {
+// Whether the `add` tokens (ids tok, NULL: unknown) that sequence s appends
+// to its partial last block are the ones that block already holds: an
+// indexed block (full, keyed by its whole prefix) after s's own block
+// before it, whose first tokens are s's and whose next ones are tok. Their
+// K and V rows are then those rows (the same tokens after the same
+// prefix, at the same positions): nothing is written or copied. This is
+// the block mha_paged_cache_add_prompt shares when the whole prompt is
+// indexed (its last token left to compute).
+static bool last_holds(const mha_paged_cache *c, const pseq *s, const int32_t *tok,
+                       int64_t add) {
+    const int64_t at = s->len % c->bs;
+    if (!tok || at == 0 || s->known != s->len || s->kept > s->hole) return false;
+    const int32_t b = s->blocks[s->nb - 1];
+    const int64_t parent = s->nb > 1 ? s->blocks[s->nb - 2] : -1;
+    if (b < 0 || !c->indexed[b] || c->parent[b] != parent ||
+        (parent >= 0 && c->pgen[b] != c->gen[parent]))
+        return false;
+    const int32_t *bt = c->btok + (size_t)b * (size_t)c->bs;
+    const int64_t m = add < c->bs - at ? add : c->bs - at;
+    return memcmp(bt, s->tok + (s->nb - 1) * c->bs, sizeof(int32_t) * (size_t)at) == 0 &&
+           memcmp(bt + at, tok, sizeof(int32_t) * (size_t)m) == 0;
+}
+
+// The blocks sequence s needs for `add` more tokens (ids tok or NULL): new
+// ones, and one copy of a shared last block it would write into.
+static int64_t blocks_needed(const mha_paged_cache *c, const pseq *s, int64_t add,
+                             const int32_t *tok) {
     if (add == 0) return 0;
     const int64_t nb = (s->len + add + c->bs - 1) / c->bs;
-    return nb - s->nb + (last_shared(c, s) ? 1 : 0);
+    return nb - s->nb + (last_shared(c, s) && !last_holds(c, s, tok, add) ? 1 : 0);
 }
 
 static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_t *ids,
@@ -573,7 +600,8 @@ mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const in
     // every block the call takes, counted before anything changes
     int64_t need = 0;
     for (int64_t i = 0; i < n; i++)
-        need += blocks_needed(c, live_seq(c, ids[i]), counts ? counts[i] : T);
+        need += blocks_needed(c, live_seq(c, ids[i]), counts ? counts[i] : T,
+                              tokens ? tokens + i * T : NULL);
     if (need > c->nfree) {
         st = mha__fail(MHA_ERR_NOMEM,
                        "mha_paged_cache_append: the pool is exhausted: the call needs %lld "
@@ -620,13 +648,19 @@ mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const in
         pseq *s = live_seq(c, ids[i]);
         const int64_t a = counts ? counts[i] : T;
         if (a == 0) continue;
-        if (last_shared(c, s)) {  // copy on write (the old block stays with the others)
+        const int32_t *tk = tokens ? tokens + i * T : NULL;
+        // rows the shared last block holds already: kept, not written
+        const int64_t room = c->bs - s->len % c->bs;
+        const int64_t held = last_holds(c, s, tk, a) ? (a < room ? a : room) : 0;
+        if (!held && last_shared(c, s)) {  // copy on write (the old block stays with the others)
             const int32_t old = s->blocks[s->nb - 1], nw = take_block(c);
             copy_block(c, nw, old);
             c->ref[old]--;
             s->blocks[s->nb - 1] = nw;
+        } else if (!held && s->len % c->bs) {  // rewritten in place: its key is no more
+            index_remove(c, s->blocks[s->nb - 1]);
         }
-        for (int64_t t = 0; t < a; t++) {
+        for (int64_t t = held; t < a; t++) {
             const int64_t pos = s->len + t, bi = pos / c->bs, slot = pos % c->bs;
             if (bi == s->nb) s->blocks[s->nb++] = take_block(c);
             for (int64_t h = 0; h < c->Hkv; h++) {

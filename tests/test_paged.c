@@ -194,7 +194,9 @@ static int pick(const world *w, int *sel, int most) {
     return n;
 }
 
-static int64_t prompts, reused;  // over every schedule: prompts added, tokens they reused
+// over every schedule: prompts added, tokens they reused, prompts whose last
+// token's row a shared block held
+static int64_t prompts, reused, held;
 
 static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
     world w = {.dt = dt, .D = D, .bs = bs};
@@ -229,8 +231,11 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
             CHECK_OK(mha_paged_cache_truncate(w.c, m->id, len));
             m->len = len;
         } else if (op == 4 && w.n < MAXSEQ) {  // a prompt: another's first tokens + new ones
+            // (half of them exactly another's first blocks: found whole, when indexed)
             const mirror *src = &w.seq[irand(0, w.n - 1)];
-            const int64_t keep = irand(0, src->len), extra = irand(1, 20);
+            const bool whole = next() % 2 && src->len >= 2 * bs;
+            const int64_t keep = whole ? irand(2, src->len / bs) * bs : irand(0, src->len),
+                          extra = whole ? 0 : irand(1, 20);
             int32_t prompt[MAXLEN];
             if (keep + extra > MAXLEN) continue;
             memcpy(prompt, src->tok, sizeof(int32_t) * (size_t)keep);
@@ -240,7 +245,9 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
             int64_t cached = -1;
             const int64_t used = mha_paged_cache_blocks_in_use(w.c);
             CHECK_OK(mha_paged_cache_add_prompt(w.c, prompt, keep + extra, &m->id, &cached));
-            CHECKF(cached >= 0 && cached < keep + extra && cached % bs == 0,
+            // whole blocks, or the prompt but its last token when blocks hold all of it
+            CHECKF(cached >= 0 && cached < keep + extra &&
+                       (cached % bs == 0 || (cached == keep + extra - 1 && (cached + 1) % bs == 0)),
                    "prompt of %lld: %lld cached", (long long)(keep + extra), (long long)cached);
             CHECK(mha_paged_cache_blocks_in_use(w.c) == used);  // shared, nothing new
             CHECK(mha_paged_cache_length(w.c, m->id) == cached);
@@ -251,7 +258,12 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
             const int64_t rest = keep + extra - cached;
             const int32_t *given[1] = {prompt + cached};
             CHECK_OK(append_ids(&w, s1, 1, &rest, given, true));
-            prompts++, reused += cached;
+            if (cached % bs)  // the last token's row was in the shared block: nothing new
+                CHECKF(mha_paged_cache_blocks_in_use(w.c) == used,
+                       "prompt of %lld, %lld cached: %lld blocks, %lld before",
+                       (long long)(keep + extra), (long long)cached,
+                       (long long)mha_paged_cache_blocks_in_use(w.c), (long long)used);
+            prompts++, reused += cached, held += cached % bs != 0;
         } else {  // append to a few (lengths within MAXLEN)
             const int n = pick(&w, sel, 4);
             int64_t cnt[MAXSEQ];
@@ -388,7 +400,8 @@ static void test_prefix(void) {
         mirror_init(m, D);
         int64_t cached;
         CHECK_OK(mha_paged_cache_add_prompt(w.c, prompt, P, &m->id, &cached));
-        CHECKF(cached == (i == 0 ? 0 : (P - 1) / BS * BS), "sequence %d: %lld cached", i,
+        // (P a whole number of blocks: every one shared, the last token's row kept)
+        CHECKF(cached == (i == 0 ? 0 : P - 1), "sequence %d: %lld cached", i,
                (long long)cached);
         for (int64_t t = 0; t < cached; t++) mirror_put(m, t, prompt[t], D);
         m->len = cached;
@@ -409,7 +422,11 @@ static void test_prefix(void) {
            "blocks in use, %.2f x the distinct tokens (%d separate caches: %.1f x)\n",
            n, P, GEN, (long long)used, (double)used / distinct, n,
            (double)(n * ((P + GEN + BS - 1) / BS)) / distinct);
-    CHECKF((double)used <= 1.1 * distinct + n, "prefix: %lld blocks for %.1f blocks of tokens",
+    // the prompt once, and each sequence's own tokens in blocks of its own
+    // (their last one partly full)
+    CHECKF(used == P / BS + n * ((GEN + BS - 1) / BS),
+           "prefix: %lld blocks for %.1f blocks of tokens", (long long)used, distinct);
+    CHECKF((double)used <= 1.1 * distinct, "prefix: %lld blocks for %.1f blocks of tokens",
            (long long)used, distinct);
     check_attend(&w, sel, n, 1, -1, "shared prompt, decode");
     check_attend(&w, sel, 4, 20, -1, "shared prompt, prefill");
@@ -461,6 +478,92 @@ static void test_prefix(void) {
     mirror_free(&x.seq[0]);
     mirror_free(&x.seq[1]);
     mha_paged_cache_destroy(x.c);
+}
+
+// A prompt that indexed blocks hold whole: add_prompt shares its last block
+// too and leaves the last token to compute; appended with its id, that
+// token keeps the block's row (the K and V given are not written: here they
+// are zeros, and the attends still see the first sequence's rows) and costs
+// no block. A different last token copies the block; without ids, too. A
+// sequence that holds an indexed block alone and rewrites its last rows
+// takes it out of the index (a later prompt shares only the block before).
+static void test_prompt_last_row(void) {
+    enum { BS = 4, D = 8 };
+    world w = {.dt = MHA_KV_F32, .D = D, .bs = BS};
+    CHECK_OK(mha_paged_cache_create(&w.c, 20, BS, HKV, D, D, MHA_KV_F32));
+    int32_t p8[8] = {11, 12, 13, 14, 15, 16, 17, 18};
+    for (int i = 0; i < 6; i++) mirror_init(&w.seq[i], D);
+    CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
+    w.n = 1;
+    int s0[1] = {0}, sel[5] = {0, 1, 2, 3, 4};
+    int64_t c8 = 8, c1 = 1, cached = -1;
+    const int32_t *g8[1] = {p8};
+    CHECK_OK(append_ids(&w, s0, 1, &c8, g8, true));
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 2);
+    // 1: the same prompt; its last token's K and V given as zeros
+    CHECK_OK(mha_paged_cache_add_prompt(w.c, p8, 8, &w.seq[1].id, &cached));
+    CHECKF(cached == 7, "whole prompt: %lld cached", (long long)cached);
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 2);
+    CHECK(mha_paged_cache_length(w.c, w.seq[1].id) == 7);
+    mirror_copy(&w.seq[1], &w.seq[0], D);
+    w.n = 2;
+    float zk[HKV * D] = {0}, zv[HKV * D] = {0};
+    const int64_t sh[4] = {1, HKV, 1, D};
+    mha_tensor zkt = mha_tensor_contiguous(zk, MHA_F32, 4, sh),
+               zvt = mha_tensor_contiguous(zv, MHA_F32, 4, sh);
+    CHECK_OK(mha_paged_cache_append_tokens(w.c, 1, &w.seq[1].id, NULL, &zkt, &zvt, p8 + 7));
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 2);
+    CHECK(mha_paged_cache_length(w.c, w.seq[1].id) == 8);
+    check_attend(&w, sel, 2, 1, -1, "the last row kept");
+    // 2: the prompt, then another last token: the block copied
+    int32_t t99 = 99;
+    CHECK_OK(mha_paged_cache_add_prompt(w.c, p8, 8, &w.seq[2].id, &cached));
+    CHECK(cached == 7);
+    mirror_copy(&w.seq[2], &w.seq[0], D);
+    w.seq[2].len = 7;
+    w.n = 3;
+    int s2[1] = {2};
+    const int32_t *g99[1] = {&t99};
+    CHECK_OK(append_ids(&w, s2, 1, &c1, g99, true));
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 3);
+    // 3: the same prompt appended without its ids: copied as well
+    CHECK_OK(mha_paged_cache_add_prompt(w.c, p8, 8, &w.seq[3].id, &cached));
+    CHECKF(cached == 7, "third prompt: %lld cached", (long long)cached);
+    mirror_copy(&w.seq[3], &w.seq[0], D);
+    w.seq[3].len = 7;
+    w.n = 4;
+    int s3[1] = {3};
+    const int32_t *g18[1] = {p8 + 7};
+    CHECK_OK(append_ids(&w, s3, 1, &c1, g18, false));
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 4);
+    check_attend(&w, sel, 4, 1, -1, "shared last blocks, copied");
+    check_attend(&w, sel, 4, 3, -1, "shared last blocks, copied (prefill)");
+    // 4: a fourth copy of the prompt; once 0 and 1 are freed it holds the
+    // indexed blocks alone and rewrites its last row in place
+    CHECK_OK(mha_paged_cache_add_prompt(w.c, p8, 8, &w.seq[4].id, &cached));
+    CHECK(cached == 7);
+    mirror_copy(&w.seq[4], &w.seq[0], D);
+    w.seq[4].len = 7;
+    CHECK_OK(mha_paged_cache_free(w.c, w.seq[0].id));
+    CHECK_OK(mha_paged_cache_free(w.c, w.seq[1].id));
+    int s4[1] = {4};
+    CHECK_OK(append_ids(&w, s4, 1, &c1, g99, true));  // token 99 over token 18, in place
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 4);
+    CHECK_OK(mha_paged_cache_add_prompt(w.c, p8, 8, &w.seq[5].id, &cached));
+    CHECKF(cached == 4, "after the rewrite: %lld cached (the rewritten block left the index)",
+           (long long)cached);
+    for (int64_t t = 0; t < 4; t++) mirror_put(&w.seq[5], t, p8[t], D);
+    w.seq[5].len = 4;
+    int s5[1] = {5};
+    int64_t c4 = 4;
+    const int32_t *g4[1] = {p8 + 4};
+    CHECK_OK(append_ids(&w, s5, 1, &c4, g4, true));
+    CHECK(mha_paged_cache_blocks_in_use(w.c) == 5);
+    int live[4] = {2, 3, 4, 5};
+    check_attend(&w, live, 4, 1, -1, "after a rewrite of an indexed block");
+    check_attend(&w, live, 4, 2, -1, "after a rewrite of an indexed block (prefill)");
+    for (int i = 0; i < 6; i++) mirror_free(&w.seq[i]);
+    mha_paged_cache_destroy(w.c);
 }
 
 // The failing calls: each changes nothing (lengths, blocks in use and the
@@ -855,6 +958,22 @@ static void test_forward_prefix(void) {
     const double e = rel_err(yf + cached * E, yb + cached * E, rest * E);
     CHECKF(e <= 2e-5, "module prefix: rel err %g", e);
     CHECK(mha_paged_cache_length(c, b) == P + EXTRA);
+    // a prompt that the blocks hold whole (P / BS of them): its last token
+    // computed (its output), its row kept, no block taken
+    enum { W = P / BS * BS };
+    int64_t d;
+    const int64_t used2 = mha_paged_cache_blocks_in_use(c);
+    CHECK_OK(mha_paged_cache_add_prompt(c, tok, W, &d, &cached));
+    CHECKF(cached == W - 1, "module prefix, whole: %lld cached", (long long)cached);
+    float y1[E];
+    mha_tensor x1 = mha_tensor_contiguous(x + (W - 1) * E, MHA_F32, 3, (int64_t[]){1, 1, E}),
+               y1t = mha_tensor_contiguous(y1, MHA_F32, 3, (int64_t[]){1, 1, E});
+    const mha_forward_args a1 = rope_args(&x1, -1, false);
+    CHECK_OK(mha_forward_paged_tokens(&y1t, m, &a1, c, &d, NULL, tok + W - 1));
+    const double e1 = rel_err(yf + (W - 1) * E, y1, E);
+    CHECKF(e1 <= 2e-5, "module prefix, whole: rel err %g", e1);
+    CHECK(mha_paged_cache_blocks_in_use(c) == used2);
+    CHECK(mha_paged_cache_length(c, d) == W);
     mha_paged_cache_destroy(c);
     mha_module_destroy(m);
 }
@@ -999,10 +1118,11 @@ static void test_released_parent(void) {
     CHECK_OK(mha_paged_cache_add(c, &b));
     CHECK_OK(mha_paged_cache_append_tokens(c, 1, &b, NULL, &tb, &tb, b_tok));
     // B's prompt again: its blocks, not A's second one (whose parent was the freed block)
+    // (all three blocks: the last token's row is in the third)
     CHECK_OK(mha_paged_cache_add_prompt(c, b_tok, 3 * BS, &p, &cached));
-    CHECKF(cached == 2 * BS, "B's prompt: %lld cached", (long long)cached);
+    CHECKF(cached == 3 * BS - 1, "B's prompt: %lld cached", (long long)cached);
     CHECK_OK(mha_paged_cache_fork(c, b, &fb));
-    CHECK_OK(mha_paged_cache_truncate(c, fb, 2 * BS));
+    CHECK_OK(mha_paged_cache_truncate(c, fb, 3 * BS - 1));
     float q[D], o1[D], o2[D];
     for (int i = 0; i < D; i++) q[i] = frand();
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, 1, 1, D}),
@@ -1041,11 +1161,13 @@ int main(void) {
     test_int4_bytes();
     test_shared_decode(40, 600, MHA_KV_F32, MHA_KV_INT4);
     test_shared_decode(128, 514, MHA_KV_F32, MHA_KV_F32);
-    printf("random schedules: %lld prompts added, %lld of their tokens found in the cache\n",
-           (long long)prompts, (long long)reused);
-    CHECK(reused > 0);
+    printf("random schedules: %lld prompts added, %lld of their tokens found in the cache, "
+           "%lld whose last row was held\n",
+           (long long)prompts, (long long)reused, (long long)held);
+    CHECK(reused > 0 && held > 0);
     test_blocks();
     test_prefix();
+    test_prompt_last_row();
     test_errors();
     test_threads();
     test_forward_paged();

@@ -755,7 +755,9 @@ class PagedKVCache:
         longest run of indexed blocks holding the same first tokens (shared;
         at most all but the last token). Returns (id, cached): the tokens
         from `cached` on still need their keys and values (forward_paged
-        with their ids)."""
+        with their ids). When the blocks hold the whole prompt, the last
+        one is shared too: forward_paged with the last token's id computes
+        its output and keeps the block's keys and values (no block taken)."""
         return self._c.add_prompt(np.ascontiguousarray(tokens, dtype=np.int32))
 
     def fork(self, id):

@@ -282,6 +282,14 @@ def test_paged_cache_prefix_sharing():
     assert cached == 40 and cache.length(b) == 40 and cache.blocks_in_use() == used
     (y,) = n.forward_paged(cache, [b], [x[cached:]], tokens=[tok[cached:]])
     assert np.abs(y - full[cached:]).max() < 1e-5
+    # a prompt the blocks hold whole: all but its last token cached, and
+    # that token's keys and values kept from the shared block (no block taken)
+    used = cache.blocks_in_use()
+    w, cached = cache.add_prompt(tok[:40])
+    assert cached == 39 and cache.blocks_in_use() == used
+    (y,) = n.forward_paged(cache, [w], [x[39:40]], tokens=[tok[39:40]])
+    assert np.abs(y - full[39:40]).max() < 1e-5
+    assert cache.length(w) == 40 and cache.blocks_in_use() == used
     c, cached = cache.add_prompt(np.array([5, 6, 7], dtype=np.int32))
     assert cached == 0
     with pytest.raises(ValueError, match="token"):
