@@ -1,5 +1,5 @@
-// avx2.c: AVX2 + FMA kernels (built with -mavx2 -mfma for this file only;
-// used only when the CPU has both, see cpu.c).
+// avx2.c: AVX2 + FMA kernels (built with -mavx2 -mfma -mf16c for this file
+// only; used only when the CPU has all three, see cpu.c).
 //
 // gemm: a register-blocked 6 x 16 micro-kernel (12 ymm accumulators),
 // partial column tiles by maskload/maskstore, cache blocking KC x NC. Every
@@ -483,15 +483,9 @@ static inline void i4_prefetch(const void *A, size_t rb, const float *scales, in
 
 // dot_rows_q over int4 rows: per row four 8-lane chains (one per quarter
 // of each group) over the groups in order, then (c0 + c1) + (c2 + c3)
-// and its lane sum: a row's bits depend on the row and x alone. The other
-// kinds stay the portable version's.
-static void dot_rows_q(float *s, const void *Av, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
-    if (kind != 4) {
-        mha__dot_rows_q_generic(s, Av, lda, kind, scales, x, n, D, pf, pfb);
-        return;
-    }
-    const uint8_t *A = Av;
+// and its lane sum: a row's bits depend on the row and x alone.
+static void dot_rows_i4(float *s, const uint8_t *A, int64_t lda, const float *scales,
+                        const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
     const size_t rb = (size_t)(lda / 2);
     const int64_t ns = (lda + 31) / 32;
     const char *pp = pf, *pe = pf ? (const char *)pf + pfb : NULL;
@@ -520,14 +514,6 @@ static void dot_rows_q(float *s, const void *Av, int64_t lda, int kind, const fl
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
         s[j] = _mm_cvtss_f32(h);
     }
-}
-
-// The group version: query by query (the rows read once per query).
-static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb) {
-    for (int64_t g = 0; g < ng; g++)
-        dot_rows_q(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D, g ? NULL : pf, pfb);
 }
 
 // axpy_rows_q over int4 rows: 32 columns (a group) at a time, o[c] =
@@ -563,58 +549,244 @@ static void axpy_rows_i4(float *o, const float *p, const uint8_t *A, int64_t lda
     for (; pp && pp < pe; pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
 }
 
-// axpy_rows_q over float32 rows (kind 0, decode's P V): o[c] += sum_j p[j]
-// A(j, c), j in order per column, 8 lanes, the rows about 12 KiB ahead
-// prefetched; int4 (kind 4) above; the other kinds stay the portable
-// version's.
-static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
-    if (kind == 4) {
-        axpy_rows_i4(o, p, A, lda, scales, n, Dv, pf, pfb);
-        return;
+// ---- float32, bf16, f16 and int8 rows (kinds 0..3; kernels.h)
+//
+// Decode streams the cache's rows from memory: each kernel prefetches the
+// rows about PF_BYTES ahead of the ones it reads, and spreads the caller's
+// next rows (pf) over its steps, as the AVX-512 kernels do.
+#define PF_BYTES 12288
+static inline int64_t pf_rows(size_t rb) {  // PF_BYTES / rb by a shift (rb a power of two: exact)
+    if (rb >= PF_BYTES) return 1;
+    return (int64_t)(PF_BYTES >> (63 - __builtin_clzll((unsigned long long)rb)));
+}
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, size_t rb,
+                                                                 int64_t j, int64_t nr,
+                                                                 int64_t n) {
+    const int64_t ahead = pf_rows(rb);
+    if (j + ahead + nr > n) return;
+    const char *p = (const char *)A + (size_t)(j + ahead) * rb;
+    for (size_t b = 0; b < (size_t)nr * rb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+typedef struct pf_spread {
+    const char *p, *e;
+    size_t step;
+} pf_spread;
+
+static inline pf_spread pf_begin(const void *pf, size_t pfb, int64_t steps) {
+    const size_t per = pfb / (size_t)(steps > 0 ? steps : 1) + 64;
+    return (pf_spread){pf, pf ? (const char *)pf + pfb : NULL, per & ~(size_t)63};
+}
+
+static inline __attribute__((always_inline)) void pf_step(pf_spread *f) {
+    for (size_t b = 0; b < f->step && f->p < f->e; b += 64, f->p += 64)
+        _mm_prefetch(f->p, _MM_HINT_T0);
+}
+
+static inline void pf_rest(pf_spread *f) {
+    for (; f->p < f->e; f->p += 64) _mm_prefetch(f->p, _MM_HINT_T0);
+}
+
+// The bytes of an element of kind (0 f32, 1 bf16, 2 f16, 3 int8).
+static inline size_t kind_size(int kind) { return kind == 0 ? 4 : kind == 3 ? 1 : 2; }
+
+// 8 elements c..c+7 of row j as float32 (c + 8 <= the row's length).
+static inline __attribute__((always_inline)) __m256 q8(const void *A, int64_t lda, int kind,
+                                                       int64_t j, int64_t c) {
+    if (kind == 0) return _mm256_loadu_ps((const float *)A + j * lda + c);
+    if (kind == 3)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const int8_t *)A + j * lda + c))));
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)A + j * lda + c));
+    if (kind == 2) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The tail c..D-1 (< 8 elements) of row j, zero-padded (no element past D
+// read).
+static inline __m256 q8_tail(const void *A, int64_t lda, int kind, int64_t j, int64_t c,
+                             int64_t D) {
+    if (kind == 0) return _mm256_maskload_ps((const float *)A + j * lda + c, tail_mask(D - c));
+    uint16_t h[8] = {0};
+    int8_t b[8] = {0};
+    for (int64_t e = c; e < D; e++) {
+        if (kind == 3) b[e - c] = ((const int8_t *)A)[j * lda + e];
+        else h[e - c] = ((const uint16_t *)A)[j * lda + e];
     }
-    if (kind != 0) {
-        mha__axpy_rows_q_generic(o, p, A, lda, kind, scales, n, Dv, pf, pfb);
-        return;
-    }
-    const float *F = A;
-    const int64_t ahead = lda * 4 >= 12288 ? 1 : 12288 / (lda * 4);
-    // the caller's next rows (pf), a step per row of the first columns
-    const char *pp = pf, *pe = pf ? (const char *)pf + pfb : NULL;
-    const size_t pstep = ((pfb / (size_t)(n > 0 ? n : 1)) + 64) & ~(size_t)63;
-    for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
-        const int64_t w = Dv - c0 < 32 ? Dv - c0 : 32;
-        const __m256i m0 = tail_mask(w), m1 = tail_mask(w - 8), m2 = tail_mask(w - 16),
-                      m3 = tail_mask(w - 24);
-        __m256 a0 = _mm256_maskload_ps(o + c0, m0), a1 = _mm256_maskload_ps(o + c0 + 8, m1),
-               a2 = _mm256_maskload_ps(o + c0 + 16, m2),
-               a3 = _mm256_maskload_ps(o + c0 + 24, m3);
-        for (int64_t j = 0; j < n; j++) {
-            const float *r = F + j * lda + c0;
-            if (c0 == 0 && j + ahead < n)
-                for (int64_t b = 0; b < lda * 4; b += 64)
-                    _mm_prefetch((const char *)(F + (j + ahead) * lda) + b, _MM_HINT_T0);
-            for (size_t b = 0; c0 == 0 && b < pstep && pp < pe; b += 64, pp += 64)
-                _mm_prefetch(pp, _MM_HINT_T0);
-            const __m256 f = _mm256_set1_ps(p[j]);
-            a0 = _mm256_fmadd_ps(f, _mm256_maskload_ps(r, m0), a0);
-            a1 = _mm256_fmadd_ps(f, _mm256_maskload_ps(r + 8, m1), a1);
-            a2 = _mm256_fmadd_ps(f, _mm256_maskload_ps(r + 16, m2), a2);
-            a3 = _mm256_fmadd_ps(f, _mm256_maskload_ps(r + 24, m3), a3);
+    return kind == 3 ? q8(b, 0, 3, 0, 0) : q8(h, 0, kind, 0, 0);
+}
+
+// The lane sums of four vectors, (sum a0, sum a1, sum a2, sum a3): one
+// transpose-and-add tree; each sum's tree involves its own vector alone
+// (a row's bits do not depend on the rows beside it).
+static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44),
+                                   _mm256_shuffle_ps(s01, s23, 0xEE));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Rows j .. j + nr - 1 (nr 1 or 4) against nq (1 or 2) queries: s[q*lds + j
+// + r] = scale_j * (the lane sum of one 8-lane FMA chain over c in order)
+// (nr, nq constants after inlining; each (query, row) the same operations
+// whatever nr and nq: the same bits).
+static inline __attribute__((always_inline)) void dot_qk(float *s, int64_t lds, const void *A,
+                                                        int64_t lda, int kind,
+                                                        const float *scales, const float *X,
+                                                        int64_t ldx, int nq, int nr, int64_t j,
+                                                        int64_t D) {
+    __m256 acc[2][4];
+    for (int q = 0; q < nq; q++)
+        for (int r = 0; r < nr; r++) acc[q][r] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= D; c += 8) {
+        __m256 a[4];
+        for (int r = 0; r < nr; r++) a[r] = q8(A, lda, kind, j + r, c);
+        for (int q = 0; q < nq; q++) {
+            const __m256 xv = _mm256_loadu_ps(X + q * ldx + c);
+            for (int r = 0; r < nr; r++) acc[q][r] = _mm256_fmadd_ps(a[r], xv, acc[q][r]);
         }
-        _mm256_maskstore_ps(o + c0, m0, a0);
-        _mm256_maskstore_ps(o + c0 + 8, m1, a1);
-        _mm256_maskstore_ps(o + c0 + 16, m2, a2);
-        _mm256_maskstore_ps(o + c0 + 24, m3, a3);
+    }
+    if (c < D) {
+        __m256 a[4];
+        for (int r = 0; r < nr; r++) a[r] = q8_tail(A, lda, kind, j + r, c, D);
+        for (int q = 0; q < nq; q++) {
+            const __m256 xv = _mm256_maskload_ps(X + q * ldx + c, tail_mask(D - c));
+            for (int r = 0; r < nr; r++) acc[q][r] = _mm256_fmadd_ps(a[r], xv, acc[q][r]);
+        }
+    }
+    const __m256 z = _mm256_setzero_ps();
+    for (int q = 0; q < nq; q++) {
+        if (nr == 4) {
+            __m128 t = reduce4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+            if (kind == 3) t = _mm_mul_ps(t, _mm_loadu_ps(scales + j));
+            _mm_storeu_ps(s + q * lds + j, t);
+        } else {
+            __m128 t = reduce4(acc[q][0], z, z, z);
+            if (kind == 3) t = _mm_mul_ss(t, _mm_load_ss(scales + j));
+            s[q * lds + j] = _mm_cvtss_f32(t);
+        }
     }
 }
 
-// The group version: query by query through axpy_rows_q.
+// dot_rows_qg for kinds 0..3 (dot_rows_q: ng = 1): 4 rows at a time, the
+// queries 2 at a time (each row converted once per pair); the last n % 4
+// rows one by one. kind a constant after inlining.
+static inline __attribute__((always_inline)) void dot_rows_qgk(
+    float *s, int64_t lds, const void *A, int64_t lda, int kind, const float *scales,
+    const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    const size_t rb = (size_t)lda * kind_size(kind);
+    pf_spread pfs = pf_begin(pf, pfb, n / 4);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        prefetch_ahead(A, rb, j, 4, n);
+        pf_step(&pfs);
+        int64_t g = 0;
+        for (; g + 2 <= ng; g += 2)
+            dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 2, 4, j, D);
+        if (g < ng) dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, 4, j, D);
+    }
+    pf_rest(&pfs);
+    for (; j < n; j++)
+        for (int64_t g = 0; g < ng; g++)
+            dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, 1, j, D);
+}
+
+static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+    if (kind == 4) {  // (int4: query by query, the rows read once per query)
+        for (int64_t g = 0; g < ng; g++)
+            dot_rows_i4(s + g * lds, A, lda, scales, X + g * ldx, n, D, g ? NULL : pf, pfb);
+    } else if (kind == 0) {
+        dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D, pf, pfb);
+    } else if (kind == 1) {
+        dot_rows_qgk(s, lds, A, lda, 1, scales, X, ldx, ng, n, D, pf, pfb);
+    } else if (kind == 2) {
+        dot_rows_qgk(s, lds, A, lda, 2, scales, X, ldx, ng, n, D, pf, pfb);
+    } else {
+        dot_rows_qgk(s, lds, A, lda, 3, scales, X, ldx, ng, n, D, pf, pfb);
+    }
+}
+
+static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
+                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    dot_rows_qg(s, 0, A, lda, kind, scales, x, 0, 1, n, D, pf, pfb);
+}
+
+// O[q*ldo + c] += P[q*ldp + j] scale_j A(j, c) for the columns [c0, c0 + w)
+// (w 1..32, a constant 32 after inlining where whole), rows jb .. je - 1
+// in order: per column one FMA chain over the rows (the accumulators
+// stored and reloaded between calls: exact); pf: the call's prefetch
+// (NULL: another pass over the block asked for the rows).
+static inline __attribute__((always_inline)) void axpy_qk(float *o, const float *p,
+                                                         const void *A, int64_t lda, int kind,
+                                                         const float *scales, int64_t jb,
+                                                         int64_t je, int64_t c0, int64_t w,
+                                                         int64_t n, pf_spread *pf) {
+    __m256i m[4];
+    __m256 acc[4];
+    for (int u = 0; u < 4; u++) {
+        m[u] = tail_mask(w - 8 * u);
+        acc[u] = _mm256_maskload_ps(o + c0 + 8 * u, m[u]);
+    }
+    for (int64_t j = jb; j < je; j++) {
+        if (pf) prefetch_ahead(A, (size_t)lda * kind_size(kind), j, 1, n), pf_step(pf);
+        const __m256 f = _mm256_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+        for (int u = 0; u < 4; u++) {
+            const int64_t c = c0 + 8 * u;
+            if (w >= 8 * u + 8) acc[u] = _mm256_fmadd_ps(f, q8(A, lda, kind, j, c), acc[u]);
+            else if (w > 8 * u)
+                acc[u] = _mm256_fmadd_ps(f, q8_tail(A, lda, kind, j, c, c0 + w), acc[u]);
+        }
+    }
+    for (int u = 0; u < 4; u++) _mm256_maskstore_ps(o + c0 + 8 * u, m[u], acc[u]);
+}
+
+// axpy_rows_qg for kinds 0..3 (axpy_rows_q: ng = 1): blocks of AXB rows (in
+// L1 once read); for each block, query by query, 32 columns at a time.
+#define AXB 32
+static inline __attribute__((always_inline)) void axpy_rows_qgk(
+    float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
+    const float *scales, int64_t ng, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    pf_spread pfs = pf_begin(pf, pfb, n);
+    for (int64_t jb = 0; jb < n; jb += AXB) {
+        const int64_t je = n - jb < AXB ? n : jb + AXB;
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
+                pf_spread *f = g == 0 && c0 == 0 ? &pfs : NULL;
+                if (Dv - c0 >= 32)
+                    axpy_qk(O + g * ldo, P + g * ldp, A, lda, kind, scales, jb, je, c0, 32, n,
+                            f);
+                else
+                    axpy_qk(O + g * ldo, P + g * ldp, A, lda, kind, scales, jb, je, c0,
+                            Dv - c0, n, f);
+            }
+    }
+    pf_rest(&pfs);
+}
+
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
                          int64_t Dv, const void *pf, size_t pfb) {
-    for (int64_t g = 0; g < ng; g++)
-        axpy_rows_q(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv, g ? NULL : pf, pfb);
+    if (kind == 4) {  // (int4: query by query, the rows read once per query)
+        for (int64_t g = 0; g < ng; g++)
+            axpy_rows_i4(O + g * ldo, P + g * ldp, A, lda, scales, n, Dv, g ? NULL : pf, pfb);
+    } else if (kind == 0) {
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv, pf, pfb);
+    } else if (kind == 1) {
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, ng, n, Dv, pf, pfb);
+    } else if (kind == 2) {
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, ng, n, Dv, pf, pfb);
+    } else {
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, ng, n, Dv, pf, pfb);
+    }
+}
+
+static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
+                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    axpy_rows_qg(o, 0, p, 0, A, lda, kind, scales, 1, n, Dv, pf, pfb);
 }
 
 void mha__kernels_fill_avx2(mha__kernels *k) {

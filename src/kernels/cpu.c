@@ -19,11 +19,13 @@ static bool cpu_has(const char *isa) {
     if (strcmp(isa, "scalar") == 0) return true;
 #ifdef MHA__X86
     __builtin_cpu_init();
+    // (F16C: the f16 rows' conversion; every AVX2 CPU has it)
     if (strcmp(isa, "avx2") == 0)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
     if (strcmp(isa, "avx512") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-               __builtin_cpu_supports("fma");
+               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
     return false;
 }
