@@ -632,10 +632,10 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // (nr, nq constants after inlining; each (query, row) the same operations
 // whatever nr and nq: the same bits).
 static inline __attribute__((always_inline)) void dot_qk(float *s, int64_t lds, const void *A,
-                                                        int64_t lda, int kind,
-                                                        const float *scales, const float *X,
-                                                        int64_t ldx, int nq, int nr, int64_t j,
-                                                        int64_t D) {
+                                                         int64_t lda, int kind,
+                                                         const float *scales, const float *X,
+                                                         int64_t ldx, int nq, int nr,
+                                                         int64_t j, int64_t D) {
     __m256 acc[2][4];
     for (int q = 0; q < nq; q++)
         for (int r = 0; r < nr; r++) acc[q][r] = _mm256_setzero_ps();
@@ -685,7 +685,8 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
         int64_t g = 0;
         for (; g + 2 <= ng; g += 2)
             dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 2, 4, j, D);
-        if (g < ng) dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, 4, j, D);
+        if (g < ng)
+            dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, 4, j, D);
     }
     pf_rest(&pfs);
     for (; j < n; j++)
@@ -721,10 +722,10 @@ static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const flo
 // stored and reloaded between calls: exact); pf: the call's prefetch
 // (NULL: another pass over the block asked for the rows).
 static inline __attribute__((always_inline)) void axpy_qk(float *o, const float *p,
-                                                         const void *A, int64_t lda, int kind,
-                                                         const float *scales, int64_t jb,
-                                                         int64_t je, int64_t c0, int64_t w,
-                                                         int64_t n, pf_spread *pf) {
+                                                          const void *A, int64_t lda, int kind,
+                                                          const float *scales, int64_t jb,
+                                                          int64_t je, int64_t c0, int64_t w,
+                                                          int64_t n, pf_spread *pf) {
     __m256i m[4];
     __m256 acc[4];
     for (int u = 0; u < 4; u++) {
