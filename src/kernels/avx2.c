@@ -440,115 +440,6 @@ static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64
     }
 }
 
-// int4 rows (kind 4; kernels.h): a group of 32 is 16 bytes; its low and
-// high nibbles (elements 2i, 2i + 1) map to their signed values through a
-// byte table (vpshufb), are interleaved back into element order and
-// widened to 4 x 8 floats, each multiplied by the group's scale: A(j, c) =
-// fl(s q) as the contract has it. Group g of the row at p, w (1..32) of
-// its elements (no byte past the row's ceil(w / 2) read), into v[0..3].
-static inline __attribute__((always_inline)) void i4_group8(__m256 v[4], const uint8_t *p,
-                                                            int64_t g, int64_t w, float s) {
-    __m128i b;
-    if (w >= 32) {
-        b = _mm_loadu_si128((const __m128i *)(p + 16 * g));
-    } else {
-        uint8_t t[16] = {0};
-        memcpy(t, p + 16 * g, (size_t)(w + 1) / 2);
-        b = _mm_loadu_si128((const __m128i *)t);
-    }
-    const __m128i m = _mm_set1_epi8(0x0F),
-                  lut = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m)),
-                  hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
-    const __m128i i0 = _mm_unpacklo_epi8(lo, hi), i1 = _mm_unpackhi_epi8(lo, hi);
-    const __m256 sv = _mm256_set1_ps(s);
-    v[0] = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i0)));
-    v[1] = _mm256_mul_ps(sv,
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(i0, i0))));
-    v[2] = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i1)));
-    v[3] = _mm256_mul_ps(sv,
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(i1, i1))));
-}
-
-// The rows ahead (about 12 KiB) and their scales, for row j of n (rb bytes
-// a row, ns scales).
-static inline void i4_prefetch(const void *A, size_t rb, const float *scales, int64_t ns,
-                               int64_t j, int64_t n) {
-    const int64_t ahead = rb >= 12288 ? 1 : (int64_t)(12288 / rb);
-    if (j + ahead >= n) return;
-    for (size_t b = 0; b < rb; b += 64)
-        _mm_prefetch((const char *)A + (size_t)(j + ahead) * rb + b, _MM_HINT_T0);
-    _mm_prefetch((const char *)(scales + (j + ahead) * ns), _MM_HINT_T0);
-}
-
-// dot_rows_q over int4 rows: per row four 8-lane chains (one per quarter
-// of each group) over the groups in order, then (c0 + c1) + (c2 + c3)
-// and its lane sum: a row's bits depend on the row and x alone.
-static void dot_rows_i4(float *s, const uint8_t *A, int64_t lda, const float *scales,
-                        const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
-    const size_t rb = (size_t)(lda / 2);
-    const int64_t ns = (lda + 31) / 32;
-    const char *pp = pf, *pe = pf ? (const char *)pf + pfb : NULL;
-    const size_t pstep = ((pfb / (size_t)(n > 0 ? n : 1)) + 64) & ~(size_t)63;
-    for (int64_t j = 0; j < n; j++) {
-        i4_prefetch(A, rb, scales, ns, j, n);
-        for (size_t b = 0; b < pstep && pp < pe; b += 64, pp += 64)
-            _mm_prefetch(pp, _MM_HINT_T0);
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                         _mm256_setzero_ps()};
-        for (int64_t g = 0; 32 * g < D; g++) {
-            const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
-            __m256 v[4];
-            i4_group8(v, A + (size_t)j * rb, g, w, scales[j * ns + g]);
-            for (int u = 0; u < 4; u++) {  // (x past D: 0)
-                const __m256 xv = w == 32 ? _mm256_loadu_ps(x + 32 * g + 8 * u)
-                                          : _mm256_maskload_ps(x + 32 * g + 8 * u,
-                                                               tail_mask(w - 8 * u));
-                acc[u] = _mm256_fmadd_ps(v[u], xv, acc[u]);
-            }
-        }
-        const __m256 t = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
-                                       _mm256_add_ps(acc[2], acc[3]));
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        s[j] = _mm_cvtss_f32(h);
-    }
-}
-
-// axpy_rows_q over int4 rows: 32 columns (a group) at a time, o[c] =
-// fma(p[j], A(j, c), o[c]) over the rows in order.
-static void axpy_rows_i4(float *o, const float *p, const uint8_t *A, int64_t lda,
-                         const float *scales, int64_t n, int64_t Dv, const void *pf,
-                         size_t pfb) {
-    const size_t rb = (size_t)(lda / 2);
-    const int64_t ns = (lda + 31) / 32;
-    const char *pp = pf, *pe = pf ? (const char *)pf + pfb : NULL;
-    const size_t pstep = ((pfb / (size_t)(n > 0 ? n : 1)) + 64) & ~(size_t)63;
-    for (int64_t g = 0; 32 * g < Dv; g++) {
-        const int64_t c0 = 32 * g, w = Dv - c0 < 32 ? Dv - c0 : 32;
-        __m256i m[4];
-        __m256 acc[4];
-        for (int u = 0; u < 4; u++) {
-            m[u] = tail_mask(w - 8 * u);
-            acc[u] = _mm256_maskload_ps(o + c0 + 8 * u, m[u]);
-        }
-        for (int64_t j = 0; j < n; j++) {
-            if (g == 0) {
-                i4_prefetch(A, rb, scales, ns, j, n);
-                for (size_t b = 0; b < pstep && pp < pe; b += 64, pp += 64)
-                    _mm_prefetch(pp, _MM_HINT_T0);
-            }
-            __m256 v[4];
-            i4_group8(v, A + (size_t)j * rb, g, w, scales[j * ns + g]);
-            const __m256 f = _mm256_set1_ps(p[j]);
-            for (int u = 0; u < 4; u++) acc[u] = _mm256_fmadd_ps(f, v[u], acc[u]);
-        }
-        for (int u = 0; u < 4; u++) _mm256_maskstore_ps(o + c0 + 8 * u, m[u], acc[u]);
-    }
-    for (; pp && pp < pe; pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
-}
-
 // ---- float32, bf16, f16 and int8 rows (kinds 0..3; kernels.h)
 //
 // Decode streams the cache's rows from memory: each kernel prefetches the
@@ -585,6 +476,11 @@ static inline __attribute__((always_inline)) void pf_step(pf_spread *f) {
 
 static inline void pf_rest(pf_spread *f) {
     for (; f->p < f->e; f->p += 64) _mm_prefetch(f->p, _MM_HINT_T0);
+}
+
+static inline void prefetch_next(const void *pf, size_t pfb) {
+    pf_spread f = pf_begin(pf, pfb, 1);
+    pf_rest(&f);
 }
 
 // The bytes of an element of kind (0 f32, 1 bf16, 2 f16, 3 int8).
@@ -694,12 +590,207 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
             dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, 1, j, D);
 }
 
+// ---- int4 rows (kind 4; kernels.h): a group of 32 elements is 16 bytes
+// and one scale. Each 8 elements' 4 bytes are broadcast to 8 lanes and
+// shifted by 0, 4, .., 28: lane k holds nibble k (element k) in its low 4
+// bits. XOR with 0x4B000008 gives the float 2^23 + (q + 8) (q the nibble's
+// two's complement value); subtracting 2^23 + 8 gives q exactly, and the
+// product with the group's scale is fl(s q), the contract's A(j, c). The
+// queries (dot) are copied once per call, zero past D; the outputs (axpy)
+// are copied over a block of rows and back after it (exact).
+
+// Group g of the row at p, w (1..32) of its elements (no byte past the
+// row's ceil(w / 2) read; past w, the high nibble of an odd w's last byte
+// is read and its query element or output is 0 / not kept): elements 8u
+// .. 8u + 7 in v[u].
+static inline __attribute__((always_inline)) void i4_deq(const uint8_t *p, int64_t g,
+                                                         int64_t w, float s, __m256 v[4]) {
+    uint8_t t[16] = {0};
+    const uint8_t *b = p + 16 * g;
+    if (w < 32) {
+        memcpy(t, b, (size_t)(w + 1) / 2);
+        b = t;
+    }
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+                  m = _mm256_set1_epi32(0xF), mg = _mm256_set1_epi32(0x4B000008);
+    const __m256 off = _mm256_set1_ps(8388616.0f), sv = _mm256_set1_ps(s);
+    for (int u = 0; u < 4; u++) {
+        int32_t word;
+        memcpy(&word, b + 4 * u, 4);
+        __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(word), sh);
+        q = _mm256_xor_si256(_mm256_and_si256(q, m), mg);
+        v[u] = _mm256_mul_ps(sv, _mm256_sub_ps(_mm256_castsi256_ps(q), off));
+    }
+}
+
+// 32 floats of a row (w of them; past w, 0) copied, and back.
+static inline void i4_split(float *d, const float *x, int64_t w) {
+    for (int64_t k = 0; k < 32; k++) d[k] = k < w ? x[k] : 0.0f;
+}
+static inline void i4_merge(float *x, const float *d, int64_t w) {
+    for (int64_t k = 0; k < w; k++) x[k] = d[k];
+}
+
+// The rows ahead (about PF_BYTES) and their scales, for rows j .. j + nr - 1.
+static inline __attribute__((always_inline)) void i4_prefetch(const void *A, size_t rb,
+                                                              const float *scales, int64_t ns,
+                                                              int64_t j, int64_t nr, int64_t n) {
+    const int64_t ahead = pf_rows(rb);
+    if (j + ahead + nr > n) return;
+    prefetch_ahead(A, rb, j, nr, n);
+    const char *sp = (const char *)(scales + (j + ahead) * ns);
+    for (size_t b = 0; b < (size_t)(nr * ns) * sizeof(float); b += 64)
+        _mm_prefetch(sp + b, _MM_HINT_T0);
+}
+
+// Scores of rows j .. j + nr - 1 (nr 1 or 4) for nq (1 or 2) split queries
+// (xs, dp floats apart): per (query, row) one 8-lane FMA chain over the
+// groups in order (e0, e1, o0, o1 against the split query), then its lane
+// sum (reduce4: the same tree whatever nr and nq, so the same bits).
+static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
+                                                         const uint8_t *A, int64_t lda,
+                                                         const float *scales, const float *xs,
+                                                         int64_t dp, int nq, int nr, int64_t j,
+                                                         int64_t D) {
+    const size_t rb = (size_t)(lda / 2);
+    const int64_t ns = (lda + 31) / 32;
+    __m256 acc[2][4];
+    for (int q = 0; q < nq; q++)
+        for (int r = 0; r < nr; r++) acc[q][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; 32 * g < D; g++) {
+        const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
+        for (int r = 0; r < nr; r++) {
+            __m256 v[4];
+            i4_deq(A + (size_t)(j + r) * rb, g, w, scales[(j + r) * ns + g], v);
+            for (int q = 0; q < nq; q++) {
+                const float *x = xs + q * dp + 32 * g;
+                for (int u = 0; u < 4; u++)
+                    acc[q][r] = _mm256_fmadd_ps(v[u], _mm256_loadu_ps(x + 8 * u), acc[q][r]);
+            }
+        }
+    }
+    const __m256 z = _mm256_setzero_ps();
+    for (int q = 0; q < nq; q++) {
+        if (nr == 4)
+            _mm_storeu_ps(s + q * lds + j, reduce4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]));
+        else s[q * lds + j] = _mm_cvtss_f32(reduce4(acc[q][0], z, z, z));
+    }
+}
+
+// dot_rows_qg for int4: the queries split on the stack, XS_FLOATS at a time
+// (a query too long for it: its elements in order, group by group, through
+// a split of one group at a time), 4 rows by 2 queries at a time.
+#define XS_FLOATS 4096
+static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t lda,
+                        const float *scales, const float *X, int64_t ldx, int64_t ng,
+                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+    const size_t rb = (size_t)(lda / 2);
+    const int64_t ns = (lda + 31) / 32, dp = (D + 31) / 32 * 32;
+    float xs[XS_FLOATS];
+    if (dp > XS_FLOATS) {  // (D > 4096: rare; row by row, one query at a time)
+        prefetch_next(pf, pfb);
+        for (int64_t q = 0; q < ng; q++)
+            for (int64_t j = 0; j < n; j++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t g = 0; 32 * g < D; g++) {
+                    const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
+                    __m256 v[4];
+                    i4_split(xs, X + q * ldx + 32 * g, w);
+                    i4_deq(A + (size_t)j * rb, g, w, scales[j * ns + g], v);
+                    for (int u = 0; u < 4; u++)
+                        acc = _mm256_fmadd_ps(v[u], _mm256_loadu_ps(xs + 8 * u), acc);
+                }
+                const __m256 z = _mm256_setzero_ps();
+                s[q * lds + j] = _mm_cvtss_f32(reduce4(acc, z, z, z));
+            }
+        return;
+    }
+    const int64_t per = XS_FLOATS / dp;  // queries a split holds
+    for (int64_t q0 = 0; q0 < ng; q0 += per) {
+        const int64_t nq = ng - q0 < per ? ng - q0 : per;
+        for (int64_t q = 0; q < nq; q++)
+            for (int64_t g = 0; 32 * g < D; g++)
+                i4_split(xs + q * dp + 32 * g, X + (q0 + q) * ldx + 32 * g,
+                         D - 32 * g < 32 ? D - 32 * g : 32);
+        float *so = s + q0 * lds;
+        pf_spread pfs = pf_begin(q0 == 0 ? pf : NULL, pfb, n / 4);
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            i4_prefetch(A, rb, scales, ns, j, 4, n);
+            pf_step(&pfs);
+            int64_t q = 0;
+            for (; q + 2 <= nq; q += 2)
+                dot_i4(so + q * lds, lds, A, lda, scales, xs + q * dp, dp, 2, 4, j, D);
+            if (q < nq) dot_i4(so + q * lds, lds, A, lda, scales, xs + q * dp, dp, 1, 4, j, D);
+        }
+        pf_rest(&pfs);
+        for (; j < n; j++)
+            for (int64_t q = 0; q < nq; q++)
+                dot_i4(so + q * lds, lds, A, lda, scales, xs + q * dp, dp, 1, 1, j, D);
+    }
+}
+
+// O[q*ldo + c] += sum_j P[q*ldp + j] A(j, c) over group g's columns (w of
+// 32), rows jb .. je - 1 in order, nq (1 or 2) queries: per column one FMA
+// chain over the rows (the split accumulators stored between blocks:
+// exact); pf: the call's prefetch (NULL: another pass asked for the rows).
+static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
+                                                          const float *P, int64_t ldp,
+                                                          const uint8_t *A, int64_t lda,
+                                                          const float *scales, int nq,
+                                                          int64_t jb, int64_t je, int64_t g,
+                                                          int64_t w, int64_t n, pf_spread *pf) {
+    const size_t rb = (size_t)(lda / 2);
+    const int64_t ns = (lda + 31) / 32;
+    float t[2][32];
+    __m256 acc[2][4];
+    for (int q = 0; q < nq; q++) {
+        i4_split(t[q], O + q * ldo + 32 * g, w);
+        for (int u = 0; u < 4; u++) acc[q][u] = _mm256_loadu_ps(t[q] + 8 * u);
+    }
+    for (int64_t j = jb; j < je; j++) {
+        if (pf) i4_prefetch(A, rb, scales, ns, j, 1, n), pf_step(pf);
+        __m256 v[4];
+        i4_deq(A + (size_t)j * rb, g, w, scales[j * ns + g], v);
+        for (int q = 0; q < nq; q++) {
+            const __m256 f = _mm256_set1_ps(P[q * ldp + j]);
+            for (int u = 0; u < 4; u++) acc[q][u] = _mm256_fmadd_ps(f, v[u], acc[q][u]);
+        }
+    }
+    for (int q = 0; q < nq; q++) {
+        for (int u = 0; u < 4; u++) _mm256_storeu_ps(t[q] + 8 * u, acc[q][u]);
+        i4_merge(O + q * ldo + 32 * g, t[q], w);
+    }
+}
+
+// axpy_rows_qg for int4: blocks of AXB4 rows (in L1 once read); for each
+// block, group by group, 2 queries at a time.
+#define AXB4 128
+static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, const uint8_t *A,
+                         int64_t lda, const float *scales, int64_t ng, int64_t n, int64_t Dv,
+                         const void *pf, size_t pfb) {
+    pf_spread pfs = pf_begin(pf, pfb, n);
+    for (int64_t jb = 0; jb < n; jb += AXB4) {
+        const int64_t je = n - jb < AXB4 ? n : jb + AXB4;
+        for (int64_t g = 0; 32 * g < Dv; g++) {
+            const int64_t w = Dv - 32 * g < 32 ? Dv - 32 * g : 32;
+            int64_t q = 0;
+            for (; q + 2 <= ng; q += 2)
+                axpy_i4(O + q * ldo, ldo, P + q * ldp, ldp, A, lda, scales, 2, jb, je, g, w, n,
+                        g == 0 && q == 0 ? &pfs : NULL);
+            if (q < ng)
+                axpy_i4(O + q * ldo, ldo, P + q * ldp, ldp, A, lda, scales, 1, jb, je, g, w, n,
+                        g == 0 && q == 0 ? &pfs : NULL);
+        }
+    }
+    pf_rest(&pfs);
+}
+
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
                         const float *scales, const float *X, int64_t ldx, int64_t ng,
                         int64_t n, int64_t D, const void *pf, size_t pfb) {
-    if (kind == 4) {  // (int4: query by query, the rows read once per query)
-        for (int64_t g = 0; g < ng; g++)
-            dot_rows_i4(s + g * lds, A, lda, scales, X + g * ldx, n, D, g ? NULL : pf, pfb);
+    if (kind == 4) {
+        dot_rows_i4(s, lds, A, lda, scales, X, ldx, ng, n, D, pf, pfb);
     } else if (kind == 0) {
         dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D, pf, pfb);
     } else if (kind == 1) {
@@ -771,9 +862,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
                          int64_t Dv, const void *pf, size_t pfb) {
-    if (kind == 4) {  // (int4: query by query, the rows read once per query)
-        for (int64_t g = 0; g < ng; g++)
-            axpy_rows_i4(O + g * ldo, P + g * ldp, A, lda, scales, n, Dv, g ? NULL : pf, pfb);
+    if (kind == 4) {
+        axpy_rows_i4(O, ldo, P, ldp, A, lda, scales, ng, n, Dv, pf, pfb);
     } else if (kind == 0) {
         axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv, pf, pfb);
     } else if (kind == 1) {
