@@ -452,9 +452,13 @@ def test_cached(name, layer, gap, hf_tmp):
         name, layer, "incremental", hf_tmp, gap)
     ref = hf_cached(m64, mt, layer, k64, hidden.double()).double()
     peer = hf_cached(m32, mt, layer, k32, hidden).double()
-    # transformers' cache equals its own causal full forward
+    # transformers' cache equals its own causal full forward (within float32
+    # rounding: its eager attention takes the softmax in float32 even for a
+    # float64 model, and the sums over a row's keys then depend on the row's
+    # length, which the cache's steps and the masked full forward differ in:
+    # on an 8-lane AVX2 CPU, 4e-8 here; on AVX-512, the same bits)
     full = call_block(m64, mt, layer, a64, k64, hidden.double()).double()
-    assert (full - ref).abs().max().item() <= 1e-10 * (1 + full.abs().max().item())
+    assert (full - ref).abs().max().item() <= 1e-6 * (1 + full.abs().max().item())
     got = mha_cached(ckpt, layer, hidden, pos)
     err = (got - ref).abs().max().item()
     err_pt = (peer - ref).abs().max().item()
