@@ -591,35 +591,34 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
 }
 
 // ---- int4 rows (kind 4; kernels.h): a group of 32 elements is 16 bytes
-// and one scale. Each 8 elements' 4 bytes are broadcast to 8 lanes and
-// shifted by 0, 4, .., 28: lane k holds nibble k (element k) in its low 4
-// bits. XOR with 0x4B000008 gives the float 2^23 + (q + 8) (q the nibble's
-// two's complement value); subtracting 2^23 + 8 gives q exactly, and the
-// product with the group's scale is fl(s q), the contract's A(j, c). The
-// queries (dot) are copied once per call, zero past D; the outputs (axpy)
-// are copied over a block of rows and back after it (exact).
+// and one scale. Each 8 elements' 4 bytes are broadcast to 8 lanes; lane k
+// shifted left by 28 - 4k and arithmetically right by 28 holds nibble k's
+// signed value q, converted to float exactly. The group's scale s then
+// weighs the group's partial sum (dot: s * sum q x, per group in order) or
+// the row's weight (axpy: fl(p s) q): one multiply per group, not per
+// element (the values are s q; the rounding differs from the portable
+// fl(s q) per element by the usual float32 dot product's). The queries
+// (dot) are copied once per call, zero past D; the outputs (axpy) are
+// copied over a block of rows and back after it (exact).
 
 // Group g of the row at p, w (1..32) of its elements (no byte past the
 // row's ceil(w / 2) read; past w, the high nibble of an odd w's last byte
-// is read and its query element or output is 0 / not kept): elements 8u
-// .. 8u + 7 in v[u].
-static inline __attribute__((always_inline)) void i4_deq(const uint8_t *p, int64_t g,
-                                                         int64_t w, float s, __m256 v[4]) {
+// is read and its query element or output is 0 / not kept): the signed
+// values of elements 8u .. 8u + 7 in v[u].
+static inline __attribute__((always_inline)) void i4_q(const uint8_t *p, int64_t g, int64_t w,
+                                                       __m256 v[4]) {
     uint8_t t[16] = {0};
     const uint8_t *b = p + 16 * g;
     if (w < 32) {
         memcpy(t, b, (size_t)(w + 1) / 2);
         b = t;
     }
-    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-                  m = _mm256_set1_epi32(0xF), mg = _mm256_set1_epi32(0x4B000008);
-    const __m256 off = _mm256_set1_ps(8388616.0f), sv = _mm256_set1_ps(s);
+    const __m256i sh = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
     for (int u = 0; u < 4; u++) {
         int32_t word;
         memcpy(&word, b + 4 * u, 4);
-        __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(word), sh);
-        q = _mm256_xor_si256(_mm256_and_si256(q, m), mg);
-        v[u] = _mm256_mul_ps(sv, _mm256_sub_ps(_mm256_castsi256_ps(q), off));
+        const __m256i q = _mm256_sllv_epi32(_mm256_set1_epi32(word), sh);
+        v[u] = _mm256_cvtepi32_ps(_mm256_srai_epi32(q, 28));
     }
 }
 
@@ -629,6 +628,14 @@ static inline void i4_split(float *d, const float *x, int64_t w) {
 }
 static inline void i4_merge(float *x, const float *d, int64_t w) {
     for (int64_t k = 0; k < w; k++) x[k] = d[k];
+}
+
+// A group's 32 values against 32 query elements: sum_u v[u] x[8u..], one
+// 8-lane chain (a multiply, then three FMAs).
+static inline __attribute__((always_inline)) __m256 i4_dot32(const __m256 v[4], const float *x) {
+    __m256 a = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+    for (int u = 1; u < 4; u++) a = _mm256_fmadd_ps(v[u], _mm256_loadu_ps(x + 8 * u), a);
+    return a;
 }
 
 // The rows ahead (about PF_BYTES) and their scales, for rows j .. j + nr - 1.
@@ -661,12 +668,10 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
         const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
         for (int r = 0; r < nr; r++) {
             __m256 v[4];
-            i4_deq(A + (size_t)(j + r) * rb, g, w, scales[(j + r) * ns + g], v);
-            for (int q = 0; q < nq; q++) {
-                const float *x = xs + q * dp + 32 * g;
-                for (int u = 0; u < 4; u++)
-                    acc[q][r] = _mm256_fmadd_ps(v[u], _mm256_loadu_ps(x + 8 * u), acc[q][r]);
-            }
+            i4_q(A + (size_t)(j + r) * rb, g, w, v);
+            const __m256 sv = _mm256_set1_ps(scales[(j + r) * ns + g]);
+            for (int q = 0; q < nq; q++)
+                acc[q][r] = _mm256_fmadd_ps(sv, i4_dot32(v, xs + q * dp + 32 * g), acc[q][r]);
         }
     }
     const __m256 z = _mm256_setzero_ps();
@@ -696,9 +701,9 @@ static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t lda,
                     const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
                     __m256 v[4];
                     i4_split(xs, X + q * ldx + 32 * g, w);
-                    i4_deq(A + (size_t)j * rb, g, w, scales[j * ns + g], v);
-                    for (int u = 0; u < 4; u++)
-                        acc = _mm256_fmadd_ps(v[u], _mm256_loadu_ps(xs + 8 * u), acc);
+                    i4_q(A + (size_t)j * rb, g, w, v);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scales[j * ns + g]), i4_dot32(v, xs),
+                                          acc);
                 }
                 const __m256 z = _mm256_setzero_ps();
                 s[q * lds + j] = _mm_cvtss_f32(reduce4(acc, z, z, z));
@@ -751,9 +756,10 @@ static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
     for (int64_t j = jb; j < je; j++) {
         if (pf) i4_prefetch(A, rb, scales, ns, j, 1, n), pf_step(pf);
         __m256 v[4];
-        i4_deq(A + (size_t)j * rb, g, w, scales[j * ns + g], v);
+        i4_q(A + (size_t)j * rb, g, w, v);
+        const float sg = scales[j * ns + g];
         for (int q = 0; q < nq; q++) {
-            const __m256 f = _mm256_set1_ps(P[q * ldp + j]);
+            const __m256 f = _mm256_set1_ps(P[q * ldp + j] * sg);
             for (int u = 0; u < 4; u++) acc[q][u] = _mm256_fmadd_ps(f, v[u], acc[q][u]);
         }
     }
