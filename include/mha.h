@@ -1110,6 +1110,9 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 // reference count. A fork shares its source's blocks; the first write into
 // a shared block copies it (copy on write). A sequence's attention gives
 // the bits of a contiguous cache (mha_kv_cache) holding the same tokens.
+// Placement: a sequence's next block is the one after its last when that
+// is free, else the middle of the longest run of free blocks (decode reads
+// blocks that follow each other in memory in one pass).
 // Every call checks and allocates all it needs first: a failed call
 // (an exhausted pool included) changes nothing. Concurrency: attends may
 // run at the same time; a call that changes the cache (add, fork, free,

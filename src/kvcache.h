@@ -66,6 +66,9 @@ mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2,
                            size_t *bvs);
 // A paged cache's KV heads and head dims (paged.c).
 void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, int64_t *Dv);
+// Block i of sequence id's table (-1: released, or no such block or
+// sequence) (paged.c; the tests' view of where blocks go).
+int64_t mha__paged_cache_block(const mha_paged_cache *c, int64_t id, int64_t i);
 // A cache's batch, KV heads and head dims.
 void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
                         int64_t *Dv);

@@ -47,7 +47,7 @@ struct mha_paged_cache {
     char *k, *v;            // (Hkv, nblocks, bs) rows of lk.rb and lv.rb bytes
     float *ks, *vs;         // int8 / int4: (Hkv, nblocks, bs) rows of lk.ns, lv.ns scales
     int32_t *ref;           // per block: the sequences holding it (0: free)
-    int32_t *freel;         // the free blocks, a stack of nfree
+    uint64_t *freemap;      // per block a bit: free (nfree of them)
     int64_t nfree;
     pseq *seq;  // nseq slots; id = generation << 32 | slot
     // the prefix index: chains per bucket through next; per block its key
@@ -119,7 +119,7 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
     c->v = mha__alloc(bv);
     if (bks) c->ks = mha__alloc(bks), c->vs = mha__alloc(bvs);
     c->ref = mha__calloc((size_t)num_blocks, sizeof *c->ref);
-    c->freel = mha__malloc(sizeof *c->freel * (size_t)num_blocks);
+    c->freemap = mha__calloc((size_t)(num_blocks + 63) / 64, sizeof *c->freemap);
     size_t nbt;
     c->nbuck = num_blocks;
     c->bucket = mha__malloc(sizeof *c->bucket * (size_t)num_blocks);
@@ -132,14 +132,14 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
                                      &nbt)
                   ? NULL
                   : mha__malloc(nbt);
-    if (!c->k || !c->v || !c->ref || !c->freel || (bks && (!c->ks || !c->vs)) || !c->bucket ||
+    if (!c->k || !c->v || !c->ref || !c->freemap || (bks && (!c->ks || !c->vs)) || !c->bucket ||
         !c->next || !c->parent || !c->indexed || !c->btok || !c->gen || !c->pgen) {
         mha_paged_cache_destroy(c);
         return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory for %zu bytes",
                          bk + bv + bks + bvs);
     }
-    for (int64_t i = 0; i < num_blocks; i++) {  // block 0 on top
-        c->freel[i] = (int32_t)(num_blocks - 1 - i);
+    for (int64_t i = 0; i < num_blocks; i++) {
+        c->freemap[i / 64] |= 1ull << (i % 64);
         c->bucket[i] = -1;
     }
     c->nfree = num_blocks;
@@ -163,7 +163,7 @@ void mha_paged_cache_destroy(mha_paged_cache *c) {
     mha__free(c->ks);
     mha__free(c->vs);
     free(c->ref);
-    free(c->freel);
+    free(c->freemap);
     free(c);
 }
 
@@ -357,15 +357,64 @@ static void drop_block(mha_paged_cache *c, int32_t blk) {
     if (blk >= 0 && --c->ref[blk] == 0) {
         index_remove(c, blk);
         c->gen[blk]++;
-        c->freel[c->nfree++] = blk;
+        c->freemap[blk / 64] |= 1ull << (blk % 64);
+        c->nfree++;
     }
 }
 
-// A block from the pool, held once (the caller counted that one is free).
-static int32_t take_block(mha_paged_cache *c) {
-    const int32_t b = c->freel[--c->nfree];
+static bool block_free(const mha_paged_cache *c, int64_t b) {
+    return c->freemap[b / 64] >> (b % 64) & 1;
+}
+
+// The longest run of free blocks (the first of the longest): its start and
+// length (one pass over the map, whole words at a time where they are all
+// free or all held).
+static int64_t longest_free_run(const mha_paged_cache *c, int64_t *len) {
+    int64_t best = -1, blen = 0, start = -1;
+    for (int64_t i = 0; i < c->nblocks;) {
+        const uint64_t w = c->freemap[i / 64];
+        if (i % 64 == 0 && i + 64 <= c->nblocks && (w == 0 || w == ~0ull)) {
+            if (w == ~0ull && start < 0) start = i;
+            if (w == 0 && start >= 0) {
+                if (i - start > blen) blen = i - start, best = start;
+                start = -1;
+            }
+            i += 64;
+            continue;
+        }
+        const bool f = w >> (i % 64) & 1;
+        if (f && start < 0) start = i;
+        if (!f && start >= 0) {
+            if (i - start > blen) blen = i - start, best = start;
+            start = -1;
+        }
+        i++;
+    }
+    if (start >= 0 && c->nblocks - start > blen) blen = c->nblocks - start, best = start;
+    *len = blen;
+    return best;
+}
+
+// A block from the pool for a sequence whose block before it is prev (-1:
+// none, or released), held once (the caller counted that one is free): the
+// block right after prev when it is free, so that a sequence's blocks
+// follow each other in memory (decode reads such blocks in one pass, as
+// a contiguous cache's rows); else a new run: the first block of the pool
+// when it is free and starts the longest run, otherwise the middle of the
+// longest run (room to grow on both sides: for the sequence ending before
+// the run and for this one). Deterministic: the same calls, the same
+// blocks.
+static int32_t take_block(mha_paged_cache *c, int64_t prev) {
+    int64_t b = prev + 1;
+    if (prev < 0 || b >= c->nblocks || !block_free(c, b)) {
+        int64_t len;
+        b = longest_free_run(c, &len);
+        if (b > 0) b += len / 2;
+    }
+    c->freemap[b / 64] &= ~(1ull << (b % 64));
+    c->nfree--;
     c->ref[b] = 1;
-    return b;
+    return (int32_t)b;
 }
 
 // Whether sequence s's next token goes into a last block others hold too
@@ -472,6 +521,11 @@ int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id) {
 
 void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, int64_t *Dv) {
     *Hkv = c->Hkv, *D = c->D, *Dv = c->Dv;
+}
+
+int64_t mha__paged_cache_block(const mha_paged_cache *c, int64_t id, int64_t i) {
+    const pseq *s = c ? live_seq(c, id) : NULL;
+    return s && i >= 0 && i < s->nb ? s->blocks[i] : -1;
 }
 
 int64_t mha_paged_cache_blocks_in_use(const mha_paged_cache *c) {
@@ -653,7 +707,8 @@ mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const in
         const int64_t room = c->bs - s->len % c->bs;
         const int64_t held = last_holds(c, s, tk, a) ? (a < room ? a : room) : 0;
         if (!held && last_shared(c, s)) {  // copy on write (the old block stays with the others)
-            const int32_t old = s->blocks[s->nb - 1], nw = take_block(c);
+            const int32_t old = s->blocks[s->nb - 1],
+                          nw = take_block(c, s->nb > 1 ? s->blocks[s->nb - 2] : -1);
             copy_block(c, nw, old);
             c->ref[old]--;
             s->blocks[s->nb - 1] = nw;
@@ -662,7 +717,10 @@ mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const in
         }
         for (int64_t t = held; t < a; t++) {
             const int64_t pos = s->len + t, bi = pos / c->bs, slot = pos % c->bs;
-            if (bi == s->nb) s->blocks[s->nb++] = take_block(c);
+            if (bi == s->nb) {
+                s->blocks[s->nb] = take_block(c, s->nb ? s->blocks[s->nb - 1] : -1);
+                s->nb++;
+            }
             for (int64_t h = 0; h < c->Hkv; h++) {
                 const int64_t ko = i * k->stride[0] + h * k->stride[1] + t * k->stride[2];
                 const int64_t vo = i * v->stride[0] + h * v->stride[1] + t * v->stride[2];

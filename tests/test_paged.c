@@ -16,6 +16,7 @@
 
 #include "check.h"
 #include "util.h"
+#include "kvcache.h"
 #include "mha.h"
 
 enum { HKV = 2, H = 4, MAXSEQ = 12, MAXLEN = 700, CAPL = 2100 };  // CAPL: a mirror's room
@@ -563,6 +564,61 @@ static void test_prompt_last_row(void) {
     check_attend(&w, live, 4, 1, -1, "after a rewrite of an indexed block");
     check_attend(&w, live, 4, 2, -1, "after a rewrite of an indexed block (prefill)");
     for (int i = 0; i < 6; i++) mirror_free(&w.seq[i]);
+    mha_paged_cache_destroy(w.c);
+}
+
+// Where blocks go: a sequence's next block is the one after its last when
+// that is free (its blocks follow each other in memory, as a contiguous
+// cache's rows; decode reads them in one pass); a sequence starting a run
+// takes the middle of the longest free run, so that sequences growing in
+// turns (continuous batching) each keep a run of their own; a copy on
+// write takes a block of its own. Every sequence still attends as a
+// contiguous cache of its tokens.
+static void test_placement(void) {
+    enum { BS = 4, D = 8, NB = 64 };
+    world w = {.dt = MHA_KV_F32, .D = D, .bs = BS};
+    CHECK_OK(mha_paged_cache_create(&w.c, NB, BS, HKV, D, D, MHA_KV_F32));
+    for (int i = 0; i < 5; i++) mirror_init(&w.seq[i], D);
+    CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
+    w.n = 1;
+    int s0[1] = {0};
+    int64_t c40 = 40;
+    CHECK_OK(append_ids(&w, s0, 1, &c40, NULL, true));
+    for (int64_t i = 0; i < 10; i++)
+        CHECKF(mha__paged_cache_block(w.c, w.seq[0].id, i) == i, "the first sequence's block %lld: %lld",
+               (long long)i, (long long)mha__paged_cache_block(w.c, w.seq[0].id, i));
+    // three sequences growing in turns, a block each per round
+    for (int i = 1; i <= 3; i++) CHECK_OK(mha_paged_cache_add(w.c, &w.seq[i].id));
+    w.n = 4;
+    int three[3] = {1, 2, 3};
+    int64_t c4[3] = {BS, BS, BS};
+    for (int r = 0; r < 8; r++) CHECK_OK(append_ids(&w, three, 3, c4, NULL, true));
+    for (int i = 1; i <= 3; i++) {
+        const int64_t b0 = mha__paged_cache_block(w.c, w.seq[i].id, 0);
+        int runs = 1;
+        for (int64_t b = 1; b < 8; b++)
+            runs += mha__paged_cache_block(w.c, w.seq[i].id, b) !=
+                    mha__paged_cache_block(w.c, w.seq[i].id, b - 1) + 1;
+        CHECKF(runs == 1, "sequence %d (first block %lld): its 8 blocks in %d runs", i,
+               (long long)b0, runs);
+    }
+    // a fork of the first sequence halfway into its last block writes a
+    // copy of that block
+    CHECK_OK(mha_paged_cache_truncate(w.c, w.seq[0].id, 38));
+    w.seq[0].len = 38;
+    mirror *f = &w.seq[4];
+    CHECK_OK(mha_paged_cache_fork(w.c, w.seq[0].id, &f->id));
+    mirror_copy(f, &w.seq[0], D);
+    w.n = 5;
+    int s4[1] = {4};
+    int64_t c1 = 1;
+    CHECK_OK(append_ids(&w, s4, 1, &c1, NULL, true));
+    const int64_t cow = mha__paged_cache_block(w.c, f->id, 9);
+    CHECKF(cow != 9 && cow >= 0, "the fork's copy: block %lld", (long long)cow);
+    int all[5] = {0, 1, 2, 3, 4};
+    check_attend(&w, all, 5, 1, -1, "placement");
+    check_attend(&w, all, 5, 3, -1, "placement (prefill)");
+    for (int i = 0; i < 5; i++) mirror_free(&w.seq[i]);
     mha_paged_cache_destroy(w.c);
 }
 
@@ -1168,6 +1224,7 @@ int main(void) {
     test_blocks();
     test_prefix();
     test_prompt_last_row();
+    test_placement();
     test_errors();
     test_threads();
     test_forward_paged();

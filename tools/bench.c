@@ -75,9 +75,11 @@ static const char *bench_help =
     "                     per sequence\n"
     "  --block-size B     with --decode: a paged KV cache of B-token blocks\n"
     "                     (mha_paged_cache_attend) instead of a contiguous one\n"
-    "  --pool-order O     with --block-size: scattered (default: the pool's\n"
-    "                     blocks taken in a random order, as a busy server's\n"
-    "                     are) or sequential (each block after the one before)\n"
+    "  --pool-order O     with --block-size: scattered (default: a pool of\n"
+    "                     twice the blocks, half of them held by other\n"
+    "                     sequences at random, as a busy server's: the cache's\n"
+    "                     blocks in short runs at random places) or sequential\n"
+    "                     (a pool of the cache's blocks alone)\n"
     "  --module           with --decode: the module's decode step instead\n"
     "                     (mha_forward_cached: the q, k, v projections, the\n"
     "                     append, attention over the cache, W_O), --seq new\n"
@@ -824,15 +826,15 @@ static int fill_cache(mha_kv_cache *c, mha_paged_cache *pc, const int64_t *ids, 
     return rc;
 }
 
-// A busy server's pool: its blocks in a random order. Every block of pc
-// (nb of bs tokens) goes to a one-block sequence, then the sequences are
-// freed in a random order (the free blocks are taken back last freed
-// first), so the sequences filled next hold blocks scattered over the
-// pool, none next to the one before it but by chance. 0, or 1 after
-// printing why.
+// A busy server's pool: half its blocks held by other sequences at random.
+// Every block of pc (2 nb of bs tokens) goes to a one-block sequence, then
+// a random half of those sequences is freed (the others stay until the
+// pool goes), so the nb blocks filled next come in short runs (the free
+// runs: 2 blocks on average) at random places. 0, or 1 after printing
+// why.
 static int scatter_pool(mha_paged_cache *pc, int64_t nb, int64_t bs, int64_t Hkv, int64_t d,
                         uint64_t *rng) {
-    int64_t *sid = malloc(sizeof *sid * (size_t)nb);
+    int64_t *sid = malloc(sizeof *sid * (size_t)(2 * nb));
     float *kv = calloc((size_t)(Hkv * bs * d), sizeof(float));
     int rc = 0;
     if (!sid || !kv) {
@@ -841,7 +843,7 @@ static int scatter_pool(mha_paged_cache *pc, int64_t nb, int64_t bs, int64_t Hkv
     }
     mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, Hkv, bs, d});
     int64_t n = 0;
-    for (mha_status st; !rc && n < nb; n++)
+    for (mha_status st; !rc && n < 2 * nb; n++)
         if ((st = mha_paged_cache_add(pc, &sid[n])) ||
             (st = mha_paged_cache_append(pc, 1, &sid[n], NULL, &kt, &kt)))
             rc = cli_fail("bench", st);
@@ -849,7 +851,7 @@ static int scatter_pool(mha_paged_cache *pc, int64_t nb, int64_t bs, int64_t Hkv
         const int64_t j = (int64_t)(bench_next(rng) % (uint64_t)(i + 1)), t = sid[i];
         sid[i] = sid[j], sid[j] = t;
     }
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n && i < nb; i++) {
         mha_status st = mha_paged_cache_free(pc, sid[i]);
         if (st && !rc) rc = cli_fail("bench", st);
     }
@@ -888,7 +890,9 @@ static int bench_decode(const bench_opts *o, int threads) {
     mha_paged_cache *pc = NULL;  // --block-size: the paged cache, sequences ids
     int64_t *ids = o->block ? calloc((size_t)B, sizeof *ids) : NULL;
     if (o->block && !ids) return cli_fail("bench", MHA_ERR_NOMEM);
-    mha_status st = o->block ? mha_paged_cache_create(&pc, B * ((N + o->block - 1) / o->block),
+    // (scattered: a pool of twice the blocks, half of them held by others)
+    const int64_t nblk = o->block ? B * ((N + o->block - 1) / o->block) : 0;
+    mha_status st = o->block ? mha_paged_cache_create(&pc, o->contiguous_pool ? nblk : 2 * nblk,
                                                       o->block, Hkv, d, d, o->kv_dtype)
                              : mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
     for (int64_t b = 0; !st && pc && b < B; b++) st = mha_paged_cache_add(pc, &ids[b]);
@@ -904,8 +908,7 @@ static int bench_decode(const bench_opts *o, int threads) {
     mha_tensor ot = mha_tensor_contiguous(out, MHA_F32, 4, (int64_t[]){B, H, T, d});
     const double bytes =  // all N rows are in use
         rc   ? 0.0
-        : pc ? (double)mha_paged_cache_blocks_in_use(pc) *
-                   (double)mha_paged_cache_block_bytes(pc)
+        : pc ? (double)nblk * (double)mha_paged_cache_block_bytes(pc)
              : (double)mha_kv_cache_bytes(c);
     // after every timed step, one pass of the read bandwidth over twice its
     // bytes (at least 512 MiB: beyond the caches): each step's fraction
