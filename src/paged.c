@@ -367,28 +367,27 @@ static bool block_free(const mha_paged_cache *c, int64_t b) {
 }
 
 // The longest run of free blocks (the first of the longest): its start and
-// length (one pass over the map, whole words at a time where they are all
-// free or all held).
+// length. One pass over the map, from one change between free and held
+// to the next (count-trailing-zeros within a word, whole words where
+// nothing changes): its time grows with the pool's words and its runs.
 static int64_t longest_free_run(const mha_paged_cache *c, int64_t *len) {
     int64_t best = -1, blen = 0, start = -1;
     for (int64_t i = 0; i < c->nblocks;) {
-        const uint64_t w = c->freemap[i / 64];
-        if (i % 64 == 0 && i + 64 <= c->nblocks && (w == 0 || w == ~0ull)) {
-            if (w == ~0ull && start < 0) start = i;
-            if (w == 0 && start >= 0) {
-                if (i - start > blen) blen = i - start, best = start;
-                start = -1;
-            }
-            i += 64;
+        const int64_t avail = c->nblocks - i < 64 - i % 64 ? c->nblocks - i : 64 - i % 64;
+        uint64_t w = c->freemap[i / 64] >> (i % 64);  // (free bits from i on)
+        if (start >= 0) w = ~w;                       // (in a run: the held ones)
+        if (avail < 64) w &= (1ull << avail) - 1;
+        if (w == 0) {  // nothing changes in this word
+            i += avail;
             continue;
         }
-        const bool f = w >> (i % 64) & 1;
-        if (f && start < 0) start = i;
-        if (!f && start >= 0) {
+        i += __builtin_ctzll(w);
+        if (start < 0) {
+            start = i;
+        } else {
             if (i - start > blen) blen = i - start, best = start;
             start = -1;
         }
-        i++;
     }
     if (start >= 0 && c->nblocks - start > blen) blen = c->nblocks - start, best = start;
     *len = blen;
