@@ -13,19 +13,27 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(MHA_SCALAR_ONLY)
 #define MHA__X86 1
+#include <cpuid.h>
+#endif
+
+#ifdef MHA__X86
+// F16C (the f16 rows' conversion; every AVX2 CPU has it): CPUID leaf 1,
+// ECX bit 29 (clang's __builtin_cpu_supports does not know "f16c").
+static bool has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
+}
 #endif
 
 static bool cpu_has(const char *isa) {
     if (strcmp(isa, "scalar") == 0) return true;
 #ifdef MHA__X86
     __builtin_cpu_init();
-    // (F16C: the f16 rows' conversion; every AVX2 CPU has it)
     if (strcmp(isa, "avx2") == 0)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
     if (strcmp(isa, "avx512") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+               __builtin_cpu_supports("fma") && has_f16c();
 #endif
     return false;
 }
