@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "x86_prefetch.h"
 
 #define MR 6
 #define NR 16
@@ -442,49 +443,13 @@ static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64
 
 // ---- float32, bf16, f16 and int8 rows (kinds 0..3; kernels.h)
 //
-// Decode streams the cache's rows from memory: each kernel prefetches the
-// rows about PF_BYTES ahead of the ones it reads, and spreads the caller's
-// next rows (pf) over its steps, as the AVX-512 kernels do.
-#define PF_BYTES 12288
-static inline int64_t pf_rows(size_t rb) {  // PF_BYTES / rb by a shift (rb a power of two: exact)
-    if (rb >= PF_BYTES) return 1;
-    return (int64_t)(PF_BYTES >> (63 - __builtin_clzll((unsigned long long)rb)));
-}
-static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, size_t rb,
-                                                                 int64_t j, int64_t nr,
-                                                                 int64_t n) {
-    const int64_t ahead = pf_rows(rb);
-    if (j + ahead + nr > n) return;
-    const char *p = (const char *)A + (size_t)(j + ahead) * rb;
-    for (size_t b = 0; b < (size_t)nr * rb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
+// (Prefetching the rows ahead and the caller's next rows: x86_prefetch.h.)
 
-typedef struct pf_spread {
-    const char *p, *e;
-    size_t step;
-} pf_spread;
-
-static inline pf_spread pf_begin(const void *pf, size_t pfb, int64_t steps) {
-    const size_t per = pfb / (size_t)(steps > 0 ? steps : 1) + 64;
-    return (pf_spread){pf, pf ? (const char *)pf + pfb : NULL, per & ~(size_t)63};
-}
-
-static inline __attribute__((always_inline)) void pf_step(pf_spread *f) {
-    for (size_t b = 0; b < f->step && f->p < f->e; b += 64, f->p += 64)
-        _mm_prefetch(f->p, _MM_HINT_T0);
-}
-
-static inline void pf_rest(pf_spread *f) {
-    for (; f->p < f->e; f->p += 64) _mm_prefetch(f->p, _MM_HINT_T0);
-}
-
+// The caller's next rows at once (a call that does not spread them).
 static inline void prefetch_next(const void *pf, size_t pfb) {
     pf_spread f = pf_begin(pf, pfb, 1);
     pf_rest(&f);
 }
-
-// The bytes of an element of kind (0 f32, 1 bf16, 2 f16, 3 int8).
-static inline size_t kind_size(int kind) { return kind == 0 ? 4 : kind == 3 ? 1 : 2; }
 
 // 8 elements c..c+7 of row j as float32 (c + 8 <= the row's length).
 static inline __attribute__((always_inline)) __m256 q8(const void *A, int64_t lda, int kind,

@@ -17,6 +17,7 @@
 
 #include "avx512_common.h"
 #include "kernels.h"
+#include "x86_prefetch.h"
 
 #define MR 8
 #define NR 32
@@ -480,53 +481,7 @@ static void softmax_rows(float *x, int64_t ldx, int64_t R, int64_t n, float *m, 
     for (; r < R; r++) alpha[r] = softmax_update(x + r * ldx, n, &m[r], &l[r]);
 }
 
-// Decode streams the cache's rows from memory: each kernel prefetches the
-// rows about PF_BYTES ahead of the ones it reads (the hardware prefetchers
-// stop at page boundaries and ramp up again on every chunk the threads
-// take in turn; measured on the Xeon: the 256k-token decode 30% faster).
-// Rows j .. j + nr - 1 of rb bytes each, ahead, if they exist.
-#define PF_BYTES 12288
-// Rows of rb bytes about PF_BYTES ahead: PF_BYTES / rb rounded to a power
-// of two's quotient (a shift: no integer division in the loops, where the
-// compiler may not hoist one out of a conditional call; rb a power of two,
-// as a row of 64 or 128 elements is, gives the exact quotient).
-static inline int64_t pf_rows(size_t rb) {
-    if (rb >= PF_BYTES) return 1;
-    return (int64_t)(PF_BYTES >> (63 - __builtin_clzll((unsigned long long)rb)));
-}
-static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, size_t rb,
-                                                                 int64_t j, int64_t nr,
-                                                                 int64_t n) {
-    const int64_t ahead = pf_rows(rb);
-    if (j + ahead + nr > n) return;
-    const char *p = (const char *)A + (size_t)(j + ahead) * rb;
-    for (size_t b = 0; b < (size_t)nr * rb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
-
-// The caller's next rows (pfb bytes at pf, elsewhere: a paged cache's next
-// block), prefetched a step at a time while the call reads its own rows
-// (spread over the call: a burst would stall on the line fill buffers).
-typedef struct pf_spread {
-    const char *p, *e;
-    size_t step;
-} pf_spread;
-
-static inline pf_spread pf_begin(const void *pf, size_t pfb, int64_t steps) {
-    const size_t per = pfb / (size_t)(steps > 0 ? steps : 1) + 64;
-    return (pf_spread){pf, pf ? (const char *)pf + pfb : NULL, per & ~(size_t)63};
-}
-
-static inline __attribute__((always_inline)) void pf_step(pf_spread *f) {
-    for (size_t b = 0; b < f->step && f->p < f->e; b += 64, f->p += 64)
-        _mm_prefetch(f->p, _MM_HINT_T0);
-}
-
-static inline void pf_rest(pf_spread *f) {
-    for (; f->p < f->e; f->p += 64) _mm_prefetch(f->p, _MM_HINT_T0);
-}
-
-// The bytes of an element of kind (0 f32, 1 bf16, 2 f16, 3 int8).
-static inline size_t kind_size(int kind) { return kind == 0 ? 4 : kind == 3 ? 1 : 2; }
+// (Prefetching the rows ahead and the caller's next rows: x86_prefetch.h.)
 
 // One key row per step: D in 16-lane pieces (masked tail), FMA, then the
 // lane sum; 4 rows in flight to hide the reduction's latency.
