@@ -564,27 +564,30 @@ static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
         }
 }
 
-// Whether the `add` tokens (ids tok, NULL: unknown) that sequence s appends
-// to its partial last block are the ones that block already holds: an
+// How many of the `add` tokens (ids tok, NULL: unknown) that sequence s
+// appends the rows of its partial last block hold already (0 or all those
+// that fall in that block): when the block is an
 // indexed block (full, keyed by its whole prefix) after s's own block
 // before it, whose first tokens are s's and whose next ones are tok. Their
 // K and V rows are then those rows (the same tokens after the same
 // prefix, at the same positions): nothing is written or copied. This is
 // the block mha_paged_cache_add_prompt shares when the whole prompt is
 // indexed (its last token left to compute).
-static bool last_holds(const mha_paged_cache *c, const pseq *s, const int32_t *tok,
-                       int64_t add) {
+static int64_t last_held(const mha_paged_cache *c, const pseq *s, const int32_t *tok,
+                         int64_t add) {
     const int64_t at = s->len % c->bs;
-    if (!tok || at == 0 || s->known != s->len || s->kept > s->hole) return false;
+    if (!tok || at == 0 || s->known != s->len || s->kept > s->hole) return 0;
     const int32_t b = s->blocks[s->nb - 1];
     const int64_t parent = s->nb > 1 ? s->blocks[s->nb - 2] : -1;
     if (b < 0 || !c->indexed[b] || c->parent[b] != parent ||
         (parent >= 0 && c->pgen[b] != c->gen[parent]))
-        return false;
+        return 0;
     const int32_t *bt = c->btok + (size_t)b * (size_t)c->bs;
     const int64_t m = add < c->bs - at ? add : c->bs - at;
-    return memcmp(bt, s->tok + (s->nb - 1) * c->bs, sizeof(int32_t) * (size_t)at) == 0 &&
-           memcmp(bt + at, tok, sizeof(int32_t) * (size_t)m) == 0;
+    if (memcmp(bt, s->tok + (s->nb - 1) * c->bs, sizeof(int32_t) * (size_t)at) != 0 ||
+        memcmp(bt + at, tok, sizeof(int32_t) * (size_t)m) != 0)
+        return 0;
+    return m;
 }
 
 // The blocks sequence s needs for `add` more tokens (ids tok or NULL): new
@@ -593,7 +596,7 @@ static int64_t blocks_needed(const mha_paged_cache *c, const pseq *s, int64_t ad
                              const int32_t *tok) {
     if (add == 0) return 0;
     const int64_t nb = (s->len + add + c->bs - 1) / c->bs;
-    return nb - s->nb + (last_shared(c, s) && !last_holds(c, s, tok, add) ? 1 : 0);
+    return nb - s->nb + (last_shared(c, s) && !last_held(c, s, tok, add) ? 1 : 0);
 }
 
 static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_t *ids,
@@ -703,8 +706,7 @@ mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const in
         if (a == 0) continue;
         const int32_t *tk = tokens ? tokens + i * T : NULL;
         // rows the shared last block holds already: kept, not written
-        const int64_t room = c->bs - s->len % c->bs;
-        const int64_t held = last_holds(c, s, tk, a) ? (a < room ? a : room) : 0;
+        const int64_t held = last_held(c, s, tk, a);
         if (!held && last_shared(c, s)) {  // copy on write (the old block stays with the others)
             const int32_t old = s->blocks[s->nb - 1],
                           nw = take_block(c, s->nb > 1 ? s->blocks[s->nb - 2] : -1);
