@@ -559,12 +559,13 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
 // and one scale. Each 8 elements' 4 bytes are broadcast to 8 lanes; lane k
 // shifted left by 28 - 4k and arithmetically right by 28 holds nibble k's
 // signed value q, converted to float exactly. The group's scale s then
-// weighs the group's partial sum (dot: s * sum q x, per group in order) or
-// the row's weight (axpy: fl(p s) q): one multiply per group, not per
-// element (the values are s q; the rounding differs from the portable
-// fl(s q) per element by the usual float32 dot product's). The queries
-// (dot) are copied once per call, zero past D; the outputs (axpy) are
-// copied over a block of rows and back after it (exact).
+// weighs partial sums over the group's elements (dot: s * sum q x) or the
+// row's weight (axpy: fl(p s) q): no multiply per element (the values are
+// s q; the rounding differs from the portable fl(s q) per element by the
+// usual float32 dot product's). The queries (dot) are copied once per
+// call, zero past D; the outputs (axpy) are copied over a block of rows
+// and back after it (exact). Whole chunks of 64 elements go faster below
+// (i4c_*); this is for a head's tail (D % 64) and D > 4096.
 
 // Group g of the row at p, w (1..32) of its elements (no byte past the
 // row's ceil(w / 2) read; past w, the high nibble of an odd w's last byte
@@ -603,6 +604,47 @@ static inline __attribute__((always_inline)) __m256 i4_dot32(const __m256 v[4], 
     return a;
 }
 
+// ---- Whole chunks of 64 elements (two groups, 32 bytes): one load, and
+// no broadcast. Dword i of the chunk holds elements 8i .. 8i + 7, so every
+// lane shifted left by 28 - 4k and arithmetically right by 28 holds
+// element 8i + k: lanes 0-3 are in group 2c, lanes 4-7 in group 2c + 1,
+// and the two scales weigh the lanes ([s0 s0 s0 s0 s1 s1 s1 s1]). The
+// queries (dot) are copied transposed to match (vector k of chunk c: lane
+// i = x[64c + 8i + k]), the outputs (axpy) transposed so and back. A
+// head's tail (D % 64 elements) goes group by group as above.
+
+// Vector k (0..7, a constant after inlining) of a chunk's bytes.
+static inline __attribute__((always_inline)) __m256 i4c_v(__m256i w, int k) {
+    const __m256i t = k == 7 ? w : _mm256_slli_epi32(w, 28 - 4 * k);
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(t, 28));
+}
+
+// The chunk's lane scales from its two groups' (at sp).
+static inline __m256 i4c_scale(const float *sp) {
+    const __m128 t = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)sp));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(t),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// 64 floats at x to d transposed (d[8k + i] = x[8i + k]), and back.
+static inline void i4c_split(float *d, const float *x) {
+    for (int i = 0; i < 8; i++)
+        for (int k = 0; k < 8; k++) d[8 * k + i] = x[8 * i + k];
+}
+static inline void i4c_merge(float *x, const float *d) {
+    for (int i = 0; i < 8; i++)
+        for (int k = 0; k < 8; k++) x[8 * i + k] = d[8 * k + i];
+}
+
+// A query's split copy (dp floats): the whole chunks transposed, then the
+// tail's groups (w each, zero past w).
+static inline void i4_split_query(float *xs, const float *x, int64_t D) {
+    int64_t c = 0;
+    for (; 64 * c + 64 <= D; c++) i4c_split(xs + 64 * c, x + 64 * c);
+    for (int64_t g = 2 * c; 32 * g < D; g++)
+        i4_split(xs + 32 * g, x + 32 * g, D - 32 * g < 32 ? D - 32 * g : 32);
+}
+
 // The rows ahead (about PF_BYTES) and their scales, for rows j .. j + nr - 1.
 static inline __attribute__((always_inline)) void i4_prefetch(const void *A, size_t rb,
                                                               const float *scales, int64_t ns,
@@ -629,7 +671,38 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
     __m256 acc[2][4];
     for (int q = 0; q < nq; q++)
         for (int r = 0; r < nr; r++) acc[q][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; 32 * g < D; g++) {
+    const int64_t nc = D / 64;
+    for (int64_t c = 0; c < nc; c++) {
+        // rows side by side, RB at a time (their chains interleaved; 4 for
+        // one query, 2 for two: the registers)
+        const int RB = nq == 1 ? 4 : 2;
+        for (int r0 = 0; r0 < nr; r0 += RB) {
+            const int m = nr < RB ? nr : RB;  // (nr 1 or 4: a constant)
+            __m256i w[4];
+            __m256 t[2][4];
+            for (int r = 0; r < m; r++)
+                w[r] = _mm256_loadu_si256((const __m256i *)(A + (size_t)(j + r0 + r) * rb +
+                                                            32 * c));
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                __m256 x[2];
+                for (int q = 0; q < nq; q++)
+                    x[q] = _mm256_loadu_ps(xs + q * dp + 64 * c + 8 * k);
+                for (int r = 0; r < m; r++) {
+                    const __m256 v = i4c_v(w[r], k);
+                    for (int q = 0; q < nq; q++)
+                        t[q][r] = k == 0 ? _mm256_mul_ps(v, x[q])
+                                         : _mm256_fmadd_ps(v, x[q], t[q][r]);
+                }
+            }
+            for (int r = 0; r < m; r++) {
+                const __m256 sv = i4c_scale(scales + (j + r0 + r) * ns + 2 * c);
+                for (int q = 0; q < nq; q++)
+                    acc[q][r0 + r] = _mm256_fmadd_ps(t[q][r], sv, acc[q][r0 + r]);
+            }
+        }
+    }
+    for (int64_t g = 2 * nc; 32 * g < D; g++) {
         const int64_t w = D - 32 * g < 32 ? D - 32 * g : 32;
         for (int r = 0; r < nr; r++) {
             __m256 v[4];
@@ -678,10 +751,7 @@ static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t lda,
     const int64_t per = XS_FLOATS / dp;  // queries a split holds
     for (int64_t q0 = 0; q0 < ng; q0 += per) {
         const int64_t nq = ng - q0 < per ? ng - q0 : per;
-        for (int64_t q = 0; q < nq; q++)
-            for (int64_t g = 0; 32 * g < D; g++)
-                i4_split(xs + q * dp + 32 * g, X + (q0 + q) * ldx + 32 * g,
-                         D - 32 * g < 32 ? D - 32 * g : 32);
+        for (int64_t q = 0; q < nq; q++) i4_split_query(xs + q * dp, X + (q0 + q) * ldx, D);
         float *so = s + q0 * lds;
         pf_spread pfs = pf_begin(q0 == 0 ? pf : NULL, pfb, n / 4);
         int64_t j = 0;
@@ -734,6 +804,34 @@ static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
     }
 }
 
+// The same over chunk c's vectors k0 .. k0 + KH - 1 (KH 8 for one query,
+// 4 for two: the accumulators in registers), into the transposed outputs
+// t (64 floats a query): per column the same chain as axpy_i4, so the
+// same bits.
+static inline __attribute__((always_inline)) void axpy_i4c(
+    float *t, const float *P, int64_t ldp, const uint8_t *A, int64_t lda, const float *scales,
+    int nq, int64_t jb, int64_t je, int64_t c, int k0, int KH, int64_t n, pf_spread *pf) {
+    const size_t rb = (size_t)(lda / 2);
+    const int64_t ns = (lda + 31) / 32;
+    __m256 acc[2][8];
+    for (int q = 0; q < nq; q++)
+        for (int u = 0; u < KH; u++) acc[q][u] = _mm256_loadu_ps(t + 64 * q + 8 * (k0 + u));
+    for (int64_t j = jb; j < je; j++) {
+        if (pf) i4_prefetch(A, rb, scales, ns, j, 1, n), pf_step(pf);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(A + (size_t)j * rb + 32 * c));
+        const __m256 sv = i4c_scale(scales + j * ns + 2 * c);
+        __m256 f[2];
+        for (int q = 0; q < nq; q++) f[q] = _mm256_mul_ps(_mm256_set1_ps(P[q * ldp + j]), sv);
+#pragma GCC unroll 8
+        for (int u = 0; u < KH; u++) {
+            const __m256 v = i4c_v(w, k0 + u);
+            for (int q = 0; q < nq; q++) acc[q][u] = _mm256_fmadd_ps(f[q], v, acc[q][u]);
+        }
+    }
+    for (int q = 0; q < nq; q++)
+        for (int u = 0; u < KH; u++) _mm256_storeu_ps(t + 64 * q + 8 * (k0 + u), acc[q][u]);
+}
+
 // axpy_rows_qg for int4: blocks of AXB4 rows (in L1 once read); for each
 // block, group by group, 2 queries at a time.
 #define AXB4 128
@@ -741,9 +839,29 @@ static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, con
                          int64_t lda, const float *scales, int64_t ng, int64_t n, int64_t Dv,
                          const void *pf, size_t pfb) {
     pf_spread pfs = pf_begin(pf, pfb, n);
+    const int64_t nc = Dv / 64;
     for (int64_t jb = 0; jb < n; jb += AXB4) {
         const int64_t je = n - jb < AXB4 ? n : jb + AXB4;
-        for (int64_t g = 0; 32 * g < Dv; g++) {
+        for (int64_t c = 0; c < nc; c++) {
+            float t[2 * 64];
+            int64_t q = 0;
+            for (; q + 2 <= ng; q += 2) {
+                pf_spread *f = c == 0 && q == 0 ? &pfs : NULL;
+                i4c_split(t, O + q * ldo + 64 * c);
+                i4c_split(t + 64, O + (q + 1) * ldo + 64 * c);
+                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, 2, jb, je, c, 0, 4, n, f);
+                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, 2, jb, je, c, 4, 4, n, NULL);
+                i4c_merge(O + q * ldo + 64 * c, t);
+                i4c_merge(O + (q + 1) * ldo + 64 * c, t + 64);
+            }
+            if (q < ng) {
+                i4c_split(t, O + q * ldo + 64 * c);
+                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, 1, jb, je, c, 0, 8, n,
+                         c == 0 && q == 0 ? &pfs : NULL);
+                i4c_merge(O + q * ldo + 64 * c, t);
+            }
+        }
+        for (int64_t g = 2 * nc; 32 * g < Dv; g++) {
             const int64_t w = Dv - 32 * g < 32 ? Dv - 32 * g : 32;
             int64_t q = 0;
             for (; q + 2 <= ng; q += 2)

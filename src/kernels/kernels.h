@@ -82,8 +82,9 @@ typedef struct mha__kernels {
     // c / 32] (its group's scale; scale_j = 1); no byte past a row's
     // ceil(D / 2) (ceil(Dv / 2)) is read (D odd: the last byte's high
     // nibble is read and weighs 0); a table may apply s to each element
-    // (fl(s q)), to a group's partial sum (dot) or to the row's weight
-    // (axpy: fl(p[j] s) q): the same values, other roundings. Each
+    // (fl(s q)), to partial sums over elements of one group (dot) or to
+    // the row's weight (axpy: fl(p[j] s) q): the same values, other
+    // roundings. Each
     // s[j] depends on row j and x alone (the same bits whatever n and the
     // row's place in the call), and axpy's sum runs over the rows in order:
     // a range split into pieces gives the bits of one call. The ISA
