@@ -709,7 +709,7 @@ static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
 // bf16/f16 dot products bit for bit where the order matches is not
 // required; a relative bound is.
 static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
-    enum { N = 70, W = 80 };
+    enum { N = 70, W = 160 };
     static uint16_t h[N * W];
     static int8_t b8[N * W];
     static uint8_t b4[N * W / 2];
@@ -724,7 +724,8 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
     for (int i = 0; i < W; i++) x[i] = (float)((i % 13) - 6) * 0.25f;
     for (int i = 0; i < N; i++) sc1[i] = 0.01f * (float)(i + 1), p[i] = 1.0f / (float)(i + 1);
     for (int i = 0; i < N * ((W + 31) / 32); i++) sc4[i] = 0.01f * (float)(i % 37 + 1);
-    const int64_t dims[] = {1, 15, 16, 17, 31, 33, 64, 80};
+    // (int4 on AVX2: whole chunks of 64, then a tail group by group)
+    const int64_t dims[] = {1, 15, 16, 17, 31, 33, 64, 80, 96, 128, 150, 160};
     for (int kind = 0; kind <= 4; kind++)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
             const int64_t D = dims[di];
