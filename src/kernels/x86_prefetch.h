@@ -13,23 +13,32 @@
 #include <stdint.h>
 
 #define PF_BYTES 12288
-// Rows of rb bytes about PF_BYTES ahead: PF_BYTES / rb rounded to a power
+// Rows of rb bytes about dist bytes ahead: dist / rb rounded to a power
 // of two's quotient (a shift: no integer division in the loops, where the
 // compiler may not hoist one out of a conditional call; rb a power of two,
 // as a row of 64 or 128 elements is, gives the exact quotient).
-static inline int64_t pf_rows(size_t rb) {
-    if (rb >= PF_BYTES) return 1;
-    return (int64_t)(PF_BYTES >> (63 - __builtin_clzll((unsigned long long)rb)));
+static inline int64_t pf_rows_at(size_t rb, size_t dist) {
+    if (rb >= dist) return 1;
+    return (int64_t)(dist >> (63 - __builtin_clzll((unsigned long long)rb)));
 }
 
-// Rows j .. j + nr - 1 of rb bytes each, PF_BYTES ahead, if they exist.
-static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, size_t rb,
-                                                                 int64_t j, int64_t nr,
-                                                                 int64_t n) {
-    const int64_t ahead = pf_rows(rb);
+static inline int64_t pf_rows(size_t rb) { return pf_rows_at(rb, PF_BYTES); }
+
+// Rows j .. j + nr - 1 of rb bytes each, dist bytes ahead, if they exist.
+static inline __attribute__((always_inline)) void prefetch_ahead_at(const void *A, size_t rb,
+                                                                    size_t dist, int64_t j,
+                                                                    int64_t nr, int64_t n) {
+    const int64_t ahead = pf_rows_at(rb, dist);
     if (j + ahead + nr > n) return;
     const char *p = (const char *)A + (size_t)(j + ahead) * rb;
     for (size_t b = 0; b < (size_t)nr * rb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// The same PF_BYTES ahead.
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *A, size_t rb,
+                                                                 int64_t j, int64_t nr,
+                                                                 int64_t n) {
+    prefetch_ahead_at(A, rb, PF_BYTES, j, nr, n);
 }
 
 // The caller's next rows (pfb bytes at pf, elsewhere: a paged cache's next
