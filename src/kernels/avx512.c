@@ -28,7 +28,9 @@
 // 78-81 -> 84-86 ms: the look-ahead then falls inside the block that the
 // caller's fetch has brought already).
 #define PF_BYTES_16 1024
-static inline size_t pf_dist(int kind) { return kind == 1 || kind == 2 ? PF_BYTES_16 : PF_BYTES; }
+static inline size_t pf_dist(int kind) {
+    return kind == 1 || kind == 2 ? PF_BYTES_16 : PF_BYTES;
+}
 
 #define MR 8
 #define NR 32
@@ -1002,7 +1004,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
                    a2 = _mm512_loadu_ps(o + c0 + 32), a3 = _mm512_loadu_ps(o + c0 + 48);
             for (int64_t j = 0; j < n; j++) {
                 if (c0 == 0)
-                    prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 1, n), pf_step(&pfs);
+                    prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 1, n),
+                        pf_step(&pfs);
                 const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
                 a0 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0), a0);
                 a1 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 16), a1);
@@ -1052,7 +1055,9 @@ static inline __attribute__((always_inline)) void axpy64_q(
     for (int g = 0; g < nq; g++)
         for (int u = 0; u < 4; u++) acc[g][u] = _mm512_loadu_ps(O + g * ldo + c0 + 16 * u);
     for (int64_t j = jb; j < je; j++) {
-        if (pf) prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 1, n), pf_step(pf);
+        if (pf)
+            prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 1, n),
+                pf_step(pf);
         const __m512 a0 = q16(A, lda, kind, j, c0), a1 = q16(A, lda, kind, j, c0 + 16),
                      a2 = q16(A, lda, kind, j, c0 + 32), a3 = q16(A, lda, kind, j, c0 + 48);
         for (int g = 0; g < nq; g++) {
