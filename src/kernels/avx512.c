@@ -32,6 +32,14 @@ static inline size_t pf_dist(int kind) {
     return kind == 1 || kind == 2 ? PF_BYTES_16 : PF_BYTES;
 }
 
+// Rows j .. j + nr - 1 of a decode kernel's rows of kind (stride lda
+// elements), pf_dist(kind) ahead.
+static inline __attribute__((always_inline)) void prefetch_kind(const void *A, int64_t lda,
+                                                                int kind, int64_t j,
+                                                                int64_t nr, int64_t n) {
+    prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, nr, n);
+}
+
 #define MR 8
 #define NR 32
 #define KC 256
@@ -895,7 +903,7 @@ static inline __attribute__((always_inline)) void dot_rows_qk(
     const int64_t Dv = D & ~(int64_t)15;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
     for (; j + 4 <= n && Dv == D; j += 4) {
-        prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 4, n);
+        prefetch_kind(A, lda, kind, j, 4, n);
         pf_step(&pfs);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t c = 0; c < D; c += 16) {
@@ -959,7 +967,7 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
     const int64_t Dv = D & ~(int64_t)15;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
     for (; j + 4 <= n && Dv == D; j += 4) {
-        prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 4, n);
+        prefetch_kind(A, lda, kind, j, 4, n);
         pf_step(&pfs);
         int64_t g = 0;
         for (; g + 4 <= ng; g += 4)
@@ -1003,9 +1011,7 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
             __m512 a0 = _mm512_loadu_ps(o + c0), a1 = _mm512_loadu_ps(o + c0 + 16),
                    a2 = _mm512_loadu_ps(o + c0 + 32), a3 = _mm512_loadu_ps(o + c0 + 48);
             for (int64_t j = 0; j < n; j++) {
-                if (c0 == 0)
-                    prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 1, n),
-                        pf_step(&pfs);
+                if (c0 == 0) prefetch_kind(A, lda, kind, j, 1, n), pf_step(&pfs);
                 const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
                 a0 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0), a0);
                 a1 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 16), a1);
@@ -1055,9 +1061,7 @@ static inline __attribute__((always_inline)) void axpy64_q(
     for (int g = 0; g < nq; g++)
         for (int u = 0; u < 4; u++) acc[g][u] = _mm512_loadu_ps(O + g * ldo + c0 + 16 * u);
     for (int64_t j = jb; j < je; j++) {
-        if (pf)
-            prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 1, n),
-                pf_step(pf);
+        if (pf) prefetch_kind(A, lda, kind, j, 1, n), pf_step(pf);
         const __m512 a0 = q16(A, lda, kind, j, c0), a1 = q16(A, lda, kind, j, c0 + 16),
                      a2 = q16(A, lda, kind, j, c0 + 32), a3 = q16(A, lda, kind, j, c0 + 48);
         for (int g = 0; g < nq; g++) {
@@ -1080,8 +1084,7 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
     for (int64_t jb = 0; jb < n; jb += AXB) {
         const int64_t je = n - jb < AXB ? n : jb + AXB;
         if (Dv < 64)  // (else the first 64 columns' first queries ask for them)
-            for (int64_t j = jb; j < je; j++)
-                prefetch_ahead_at(A, (size_t)lda * kind_size(kind), pf_dist(kind), j, 1, n);
+            for (int64_t j = jb; j < je; j++) prefetch_kind(A, lda, kind, j, 1, n);
         for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
             if (Dv - c0 >= 64) {
                 int64_t g = 0;

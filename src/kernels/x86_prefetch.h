@@ -2,7 +2,8 @@
 // AVX-512 tables (avx2.c, avx512.c); include after <immintrin.h>.
 //
 // Decode streams the cache's rows from memory: each kernel prefetches the
-// rows about PF_BYTES ahead of the ones it reads (the hardware prefetchers
+// rows about PF_BYTES ahead of the ones it reads (prefetch_ahead_at: a
+// table's own distance, as avx512.c's for bf16 and f16 rows) (the hardware prefetchers
 // stop at page boundaries and ramp up again on every chunk the threads
 // take in turn; measured on the Xeon: the 256k-token decode 30% faster),
 // and spreads the caller's next rows (pf) over its steps.
