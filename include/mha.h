@@ -1106,10 +1106,13 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 // Paged KV cache (serving many sequences): a pool of num_blocks blocks of
 // block_size tokens (K and V of every KV head, in the storage type; int8
 // with one scale per row, int4 one per group of 32 of a row: see
-// mha_kv_dtype), per-sequence block tables, blocks shared by
-// reference count. A fork shares its source's blocks; the first write into
-// a shared block copies it (copy on write). A sequence's attention gives
-// the bits of a contiguous cache (mha_kv_cache) holding the same tokens.
+// mha_kv_dtype; each row's scales kept after its elements, rounded up to 4
+// bytes, so that a KV head's part of a block is one run of memory;
+// mha_paged_cache_block_bytes counts that padding), per-sequence block
+// tables, blocks shared by reference count. A fork shares its source's
+// blocks; the first write into a shared block copies it (copy on write). A
+// sequence's attention gives the bits of a contiguous cache (mha_kv_cache)
+// holding the same tokens.
 // Placement: a sequence's next block is the one after its last when that
 // is free, else the middle of the longest run of free blocks (decode reads
 // blocks that follow each other in memory in one pass).

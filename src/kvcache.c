@@ -77,12 +77,24 @@ const char *mha_kv_dtype_name(mha_kv_dtype dtype) {
 // rounding of x_c / s_g, a relative 2^-21 of s_g).
 mha__kv_layout mha__kv_layout_of(mha_kv_dtype dt, int64_t n) {
     switch (dt) {
-    case MHA_KV_F32: return (mha__kv_layout){4 * (size_t)n, 0, n};
-    case MHA_KV_INT8: return (mha__kv_layout){(size_t)n, 1, n};
-    case MHA_KV_INT4:
-        return (mha__kv_layout){(size_t)((n + 1) / 2), (n + 31) / 32, n + (n & 1)};
-    default: return (mha__kv_layout){2 * (size_t)n, 0, n};
+    case MHA_KV_F32: return (mha__kv_layout){4 * (size_t)n, 0, 0, n, 0};
+    case MHA_KV_INT8: return (mha__kv_layout){(size_t)n, 0, 1, n, 1};
+    case MHA_KV_INT4: {
+        const int64_t ns = (n + 31) / 32;
+        return (mha__kv_layout){(size_t)((n + 1) / 2), 0, ns, n + (n & 1), ns};
     }
+    default: return (mha__kv_layout){2 * (size_t)n, 0, 0, n, 0};
+    }
+}
+
+mha__kv_layout mha__kv_layout_in_rows(mha_kv_dtype dt, int64_t n) {
+    mha__kv_layout l = mha__kv_layout_of(dt, n);
+    if (!l.ns) return l;
+    l.so = (l.rb + 3) & ~(size_t)3;
+    l.rb = l.so + (size_t)l.ns * sizeof(float);
+    l.lda = dt == MHA_KV_INT4 ? 2 * (int64_t)l.rb : (int64_t)l.rb;
+    l.sld = (int64_t)(l.rb / sizeof(float));
+    return l;
 }
 
 mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2, int64_t D,
@@ -221,11 +233,11 @@ static void rows_to_f32(const mha__kernels *kt, mha_kv_dtype dt, mha__kv_layout 
     case MHA_KV_F16: kt->cvt_f16(dst, (const uint16_t *)src, n * w); break;
     case MHA_KV_INT8:
         for (int64_t j = 0; j < n; j++)
-            kt->cvt_i8(dst + j * w, (const int8_t *)src + j * w, w, sc[j]);
+            kt->cvt_i8(dst + j * w, (const int8_t *)src + (size_t)j * l.rb, w, sc[j * l.sld]);
         break;
     case MHA_KV_INT4:
         for (int64_t j = 0; j < n; j++)
-            kt->cvt_i4(dst + j * w, (const uint8_t *)src + (size_t)j * l.rb, w, sc + j * l.ns);
+            kt->cvt_i4(dst + j * w, (const uint8_t *)src + (size_t)j * l.rb, w, sc + j * l.sld);
         break;
     }
 }
@@ -664,13 +676,13 @@ static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
     const dec_seg *g = &dc->seg[s - dc->s0];
     *k = g->k + (size_t)i * c->lk.rb;
     *v = g->v + (size_t)i * c->lv.rb;
-    *ks = g->ks ? g->ks + i * c->lk.ns : NULL;
-    *vs = g->vs ? g->vs + i * c->lv.ns : NULL;
+    *ks = g->ks ? g->ks + i * c->lk.sld : NULL;
+    *vs = g->vs ? g->vs + i * c->lv.sld : NULL;
     int64_t end = (s + 1) * c->seg;
     const size_t kb = (size_t)c->seg * c->lk.rb, vb = (size_t)c->seg * c->lv.rb;
-    for (const dec_seg *e = g + 1;
-         end < hi && g->k && e->k == g->k + kb && e->v == g->v + vb &&
-         (!g->ks || (e->ks == g->ks + c->seg * c->lk.ns && e->vs == g->vs + c->seg * c->lv.ns));
+    for (const dec_seg *e = g + 1; end < hi && g->k && e->k == g->k + kb && e->v == g->v + vb &&
+                                   (!g->ks || (e->ks == g->ks + c->seg * c->lk.sld &&
+                                               e->vs == g->vs + c->seg * c->lv.sld));
          g = e++)
         end += c->seg;
     return end < hi ? end : hi;
@@ -712,31 +724,40 @@ static void touch(const char *p, size_t bytes, int lines) {
 #endif
 }
 
-// Before the piece ending at p1 of the range [.., hi) is read: the segments
-// ahead (above), counted from the one after the piece; *pf, *pfb: the one
-// for the kernel to fetch while it runs (NULL, 0: the range's last piece).
-static void prefetch_ahead(const dec_chunk *dc, int64_t p1, int64_t hi, bool isk, bool first,
-                           const void **pf, size_t *pfb) {
+// Before the piece [p0, p1) of the range [.., hi) is read: the segments
+// ahead (above), counted from the piece's last, as many new ones near and
+// far as the piece has segments (a piece of several segments moves the
+// look-ahead on by as many); *pf, *pfb: the one for the kernel to fetch
+// while it runs (NULL, 0: the range's last piece).
+static void prefetch_ahead(const dec_chunk *dc, int64_t p0, int64_t p1, int64_t hi, bool isk,
+                           bool first, const void **pf, size_t *pfb) {
     const mha__kv_rows *c = dc->c;
     *pf = NULL, *pfb = 0;
     if (p1 >= hi) return;  // the range's last piece
     const size_t sb = (size_t)c->seg * (isk ? c->lk.rb : c->lv.rb);
     const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
                   kf = (int64_t)((DEC_FAR + sb - 1) / sb);
-    const int64_t s = p1 / c->seg - 1;  // (p1 starts a segment: the piece ends at one)
+    // (p1 starts a segment: the piece ends at one; m: its segments before
+    // its last)
+    const int64_t s = p1 / c->seg - 1, m = s - p0 / c->seg;
     const char *p = NULL;
-    for (int64_t i = first ? 1 : kf; i <= kf; i++) {
+    for (int64_t i = first ? 1 : kf - m; i <= kf; i++) {
         const size_t n = seg_bytes(dc, s + i, hi, isk, &p);
         if (!n) break;
-        if (i < kn) touch(p, n, -1);
+        if (i < kn) touch(p, n, first ? -1 : DEC_FAR_LINES);
         else if (i > kn || kn == kf) touch(p, n, DEC_FAR_LINES);
+    }
+    for (int64_t i = kn - m; !first && i < kn; i++) {  // the near ones the kernel's skip
+        const size_t n = seg_bytes(dc, s + i, hi, isk, &p);
+        if (!n) break;
+        touch(p, n, -1);
     }
     if ((*pfb = seg_bytes(dc, s + kn, hi, isk, &p))) *pf = p;
     // (int8 / int4: the scales of the segments up to the kernel's, which
     // fetches rows only: the first piece those from the next on, then each
-    // piece the kernel's segment's)
-    const int64_t ns = isk ? c->lk.ns : c->lv.ns;
-    for (int64_t i = first ? 1 : kn; ns && i <= kn; i++) {
+    // piece the new ones; none when they lie in the rows)
+    const int64_t ns = (isk ? c->lk.so : c->lv.so) ? 0 : isk ? c->lk.ns : c->lv.ns;
+    for (int64_t i = first ? 1 : kn - m; ns && i <= kn; i++) {
         const int64_t e = (s + i + 1) * c->seg < hi ? (s + i + 1) * c->seg : hi;
         if (!seg_bytes(dc, s + i, hi, isk, &p)) break;
         const dec_seg *g = &dc->seg[s + i - dc->s0];
@@ -755,13 +776,13 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, p1, r1, isk, r == r0, &pf, &pfb);
+        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
-            dc->kt->dot_rows_q(s + (r - dc->j0), k, dc->c->lk.lda, dc->kind, ks, x, p1 - r, D,
-                               pf, pfb);
+            dc->kt->dot_rows_q(s + (r - dc->j0), k, dc->c->lk.lda, dc->kind, ks, dc->c->lk.sld,
+                               x, p1 - r, D, pf, pfb);
         else
-            dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, dc->c->lv.lda, dc->kind, vs, p1 - r,
-                                Dv, pf, pfb);
+            dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, dc->c->lv.lda, dc->kind, vs,
+                                dc->c->lv.sld, p1 - r, Dv, pf, pfb);
     }
 }
 
@@ -776,13 +797,13 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, p1, r1, isk, r == r0, &pf, &pfb);
+        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, dc->c->lk.lda, dc->kind, ks,
-                                sc + dc->ch, qf, nv, p1 - r, D, pf, pfb);
+                                dc->c->lk.sld, sc + dc->ch, qf, nv, p1 - r, D, pf, pfb);
         else
             dc->kt->axpy_rows_qg(sc + dc->ch + D, qf, sc + (r - dc->j0), qf, vr, dc->c->lv.lda,
-                                 dc->kind, vs, nv, p1 - r, Dv, pf, pfb);
+                                 dc->kind, vs, dc->c->lv.sld, nv, p1 - r, Dv, pf, pfb);
     }
 }
 
@@ -1107,9 +1128,9 @@ static mha_status attend_stream_sinks(const attend_call *ac, const mha_tensor *s
                 const int64_t sgi = have / c->seg, i = have - sgi * c->seg;
                 c->at(c->ctx, b, hk, sgi, &kr, &vr, &ks, &vs);
                 rows_to_f32(ac->kt, c->dt, c->lk, kr + (size_t)i * c->lk.rb,
-                            ks ? ks + i * c->lk.ns : NULL, 1, D, kf + have * D);
+                            ks ? ks + i * c->lk.sld : NULL, 1, D, kf + have * D);
                 rows_to_f32(ac->kt, c->dt, c->lv, vr + (size_t)i * c->lv.rb,
-                            vs ? vs + i * c->lv.ns : NULL, 1, Dv, vf + have * Dv);
+                            vs ? vs + i * c->lv.sld : NULL, 1, Dv, vf + have * Dv);
             }
             const float *x = sqd + b * qs[0] + h * qs[1] + t * qs[2];
             double ms = -INFINITY;

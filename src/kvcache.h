@@ -6,17 +6,25 @@
 
 #include "internal.h"
 
-// How rows of n elements of a storage type lie: bytes per row, scales
-// (floats) per row (int8: 1; int4: ceil(n / 32); else 0) and the row
-// stride the decode kernels take (kernels.h: elements; int4: n rounded up
-// to even, so a row is lda / 2 bytes).
+// How rows of n elements of a storage type lie: bytes from a row to the
+// next (rb), scales (floats) per row (int8: 1; int4: ceil(n / 32); else
+// 0), the row stride the decode kernels take (kernels.h: elements; int4:
+// twice the bytes, so a row is lda / 2 bytes) and the floats from a row's
+// scales to the next's (sld: ns when they are an array of their own). so:
+// 0, the scales in an array of their own; else each row's scales are in
+// the row, so bytes after its start (after its elements, rounded up to 4
+// bytes: a head's block of rows and their scales one run of memory, as the
+// paged cache keeps them).
 typedef struct mha__kv_layout {
-    size_t rb;
-    int64_t ns, lda;
+    size_t rb, so;
+    int64_t ns, lda, sld;
 } mha__kv_layout;
 
-// The layout of rows of n elements in dt (a valid type, n >= 1).
+// The layout of rows of n elements in dt (a valid type, n >= 1), with
+// their scales apart (mha__kv_layout_of) or in the rows (_in_rows; the
+// same as _of for the types without scales).
 mha__kv_layout mha__kv_layout_of(mha_kv_dtype dt, int64_t n);
+mha__kv_layout mha__kv_layout_in_rows(mha_kv_dtype dt, int64_t n);
 
 // T: every cached key visible; the check that each sequence holds its
 // queries skipped when q_shift > 0) and, when stats is non-NULL, each

@@ -1,7 +1,8 @@
 // paged.c: the paged KV cache (mha.h: mha_paged_cache): a pool of blocks of
 // bs tokens (K rows (Hkv, nblocks, bs, D) and V rows (Hkv, nblocks, bs, Dv)
-// in the storage type, int8 / int4 scales per row: a KV head's blocks side by
-// side, so blocks taken in order are one stream per head, as in a
+// in the storage type, int8 / int4 scales in each row after its elements,
+// so that a KV head's block is one run of memory: a KV head's blocks side
+// by side, so blocks taken in order are one stream per head, as in a
 // contiguous cache), per-sequence block tables, blocks
 // counted by the sequences that hold them. A fork shares its source's
 // blocks; a write into a shared block copies it first (copy on write).
@@ -44,10 +45,11 @@ struct mha_paged_cache {
     int64_t nblocks, bs, Hkv, D, Dv;
     mha_kv_dtype dt;
     mha__kv_layout lk, lv;  // the K and V rows' layout
-    char *k, *v;            // (Hkv, nblocks, bs) rows of lk.rb and lv.rb bytes
-    float *ks, *vs;         // int8 / int4: (Hkv, nblocks, bs) rows of lk.ns, lv.ns scales
-    int32_t *ref;           // per block: the sequences holding it (0: free)
-    uint64_t *freemap;      // per block a bit: free (nfree of them)
+    // (Hkv, nblocks, bs) rows of lk.rb and lv.rb bytes, int8 / int4 scales
+    // in the rows (mha__kv_layout_in_rows: a head's block one run of memory)
+    char *k, *v;
+    int32_t *ref;       // per block: the sequences holding it (0: free)
+    uint64_t *freemap;  // per block a bit: free (nfree of them)
     int64_t nfree;
     pseq *seq;  // nseq slots; id = generation << 32 | slot
     // the prefix index: chains per bucket through next; per block its key
@@ -109,15 +111,23 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
     mha_status st = mha__kv_storage("paged cache", num_blocks, num_kv_heads, block_size,
                                     head_dim, v_head_dim, dtype, &bk, &bv, &bks, &bvs);
     if (st) return st;
+    // (mha__kv_storage checked the rows' count; here their bytes with
+    // their scales in them)
+    (void)bk, (void)bv, (void)bks, (void)bvs;
+    const size_t rows = (size_t)(num_blocks * num_kv_heads * block_size);
+    const mha__kv_layout lk = mha__kv_layout_in_rows(dtype, head_dim),
+                         lv = mha__kv_layout_in_rows(dtype, v_head_dim);
+    size_t nk, nv;
+    if (mha__mul_overflow_size(rows, lk.rb, &nk) || mha__mul_overflow_size(rows, lv.rb, &nv))
+        return mha__fail(MHA_ERR_OVERFLOW, "paged cache: size overflows");
     mha_paged_cache *c = mha__calloc(1, sizeof *c);
     if (!c) return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory");
     c->nblocks = num_blocks, c->bs = block_size, c->Hkv = num_kv_heads;
     c->D = head_dim, c->Dv = v_head_dim, c->dt = dtype;
-    c->lk = mha__kv_layout_of(dtype, head_dim), c->lv = mha__kv_layout_of(dtype, v_head_dim);
+    c->lk = lk, c->lv = lv;
     atomic_init(&c->state, 0);
-    c->k = mha__alloc(bk);
-    c->v = mha__alloc(bv);
-    if (bks) c->ks = mha__alloc(bks), c->vs = mha__alloc(bvs);
+    c->k = mha__alloc(nk);
+    c->v = mha__alloc(nv);
     c->ref = mha__calloc((size_t)num_blocks, sizeof *c->ref);
     c->freemap = mha__calloc((size_t)(num_blocks + 63) / 64, sizeof *c->freemap);
     size_t nbt;
@@ -132,11 +142,10 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
                                      &nbt)
                   ? NULL
                   : mha__malloc(nbt);
-    if (!c->k || !c->v || !c->ref || !c->freemap || (bks && (!c->ks || !c->vs)) || !c->bucket ||
-        !c->next || !c->parent || !c->indexed || !c->btok || !c->gen || !c->pgen) {
+    if (!c->k || !c->v || !c->ref || !c->freemap || !c->bucket || !c->next || !c->parent ||
+        !c->indexed || !c->btok || !c->gen || !c->pgen) {
         mha_paged_cache_destroy(c);
-        return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory for %zu bytes",
-                         bk + bv + bks + bvs);
+        return mha__fail(MHA_ERR_NOMEM, "paged cache: out of memory for %zu bytes", nk + nv);
     }
     for (int64_t i = 0; i < num_blocks; i++) {
         c->freemap[i / 64] |= 1ull << (i % 64);
@@ -160,8 +169,6 @@ void mha_paged_cache_destroy(mha_paged_cache *c) {
     free(c->pgen);
     mha__free(c->k);
     mha__free(c->v);
-    mha__free(c->ks);
-    mha__free(c->vs);
     free(c->ref);
     free(c->freemap);
     free(c);
@@ -536,7 +543,7 @@ int64_t mha_paged_cache_blocks_free(const mha_paged_cache *c) { return c ? c->nf
 size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
     if (!c) return 0;
     const size_t rows = (size_t)(c->Hkv * c->bs);
-    return rows * (c->lk.rb + c->lv.rb + (size_t)(c->lk.ns + c->lv.ns) * sizeof(float));
+    return rows * (c->lk.rb + c->lv.rb);
 }
 
 // ---------------------------------------------------------------------------
@@ -547,9 +554,9 @@ static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, 
                     float **scale) {
     const int64_t r = (h * c->nblocks + blk) * c->bs + i;
     const mha__kv_layout l = isv ? c->lv : c->lk;
-    float *sc = isv ? c->vs : c->ks;
-    *scale = sc ? sc + r * l.ns : NULL;
-    return (isv ? c->v : c->k) + (size_t)r * l.rb;
+    char *row = (isv ? c->v : c->k) + (size_t)r * l.rb;
+    *scale = l.so ? (float *)(row + l.so) : NULL;
+    return row;
 }
 
 static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
@@ -559,8 +566,7 @@ static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
             char *d = row_at(c, isv, dst, h, 0, &sd);
             const char *sr = row_at(c, isv, src, h, 0, &ss);
             const mha__kv_layout l = isv ? c->lv : c->lk;
-            memcpy(d, sr, (size_t)c->bs * l.rb);
-            if (sd) memcpy(sd, ss, sizeof(float) * (size_t)(c->bs * l.ns));
+            memcpy(d, sr, (size_t)c->bs * l.rb);  // (the scales with the rows)
         }
 }
 

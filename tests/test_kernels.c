@@ -39,7 +39,7 @@ static double rel_diff(const float *a, const float *b, int64_t n, int64_t ld, in
 }
 
 static void test_gemm(const mha__kernels *k, const mha__kernels *g) {
-    const int64_t shapes[][3] = {{1, 1, 1},   {7, 5, 3},    {8, 32, 64},  {9, 33, 65},
+    const int64_t shapes[][3] = {{1, 1, 1},     {7, 5, 3},     {8, 32, 64},   {9, 33, 65},
                                  {64, 128, 64}, {13, 47, 300}, {70, 520, 17}, {6, 16, 0}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
@@ -84,32 +84,37 @@ static void test_softmax(const mha__kernels *k, const mha__kernels *g) {
             for (int64_t j = 0; j < n; j++) {
                 float v = 5.0f * frand();
                 if (kind == 2) v = (j % 3 == 0) ? -INFINITY : v * 2000.0f;  // huge, masked
-                if (kind == 3) v = -INFINITY;                              // all masked
+                if (kind == 3) v = -INFINITY;                               // all masked
                 x1[j] = x2[j] = v;
             }
             float a1 = k->softmax_update(x1, n, &m1, &l1);
             float a2 = g->softmax_update(x2, n, &m2, &l2);
-            CHECKF(m1 == m2, "%s softmax n %lld kind %d: m %g vs %g", k->isa, (long long)n, kind, m1, m2);
-            CHECKF(fabsf(a1 - a2) <= 1e-6f * fabsf(a2) + 1e-30f, "%s softmax alpha %g vs %g", k->isa, a1, a2);
-            CHECKF(fabsf(l1 - l2) <= 2e-6f * fabsf(l2), "%s softmax n %lld kind %d: l %g vs %g",
-                   k->isa, (long long)n, kind, l1, l2);
+            CHECKF(m1 == m2, "%s softmax n %lld kind %d: m %g vs %g", k->isa, (long long)n,
+                   kind, m1, m2);
+            CHECKF(fabsf(a1 - a2) <= 1e-6f * fabsf(a2) + 1e-30f, "%s softmax alpha %g vs %g",
+                   k->isa, a1, a2);
+            CHECKF(fabsf(l1 - l2) <= 2e-6f * fabsf(l2),
+                   "%s softmax n %lld kind %d: l %g vs %g", k->isa, (long long)n, kind, l1, l2);
             double e = 0;
             for (int64_t j = 0; j < n; j++) {
                 CHECK(isfinite(x1[j]));
                 e = fmax(e, fabs((double)x1[j] - x2[j]) / (fabs(x2[j]) + 1e-30));
             }
-            CHECKF(e < 4e-7, "%s softmax n %lld kind %d: max rel diff %g", k->isa, (long long)n, kind, e);
+            CHECKF(e < 4e-7, "%s softmax n %lld kind %d: max rel diff %g", k->isa,
+                   (long long)n, kind, e);
         }
         float y1[200], y2[200];
         for (int64_t j = 0; j < n; j++) y1[j] = y2[j] = frand();
         k->scale_row(y1, n, 0.37f);
         g->scale_row(y2, n, 0.37f);
         CHECK(memcmp(y1, y2, (size_t)n * 4) == 0);
-        for (int64_t j = 0; j < n; j++) y1[j] = y2[j] = j % 5 == 1 ? -INFINITY : 30.0f * frand();
+        for (int64_t j = 0; j < n; j++)
+            y1[j] = y2[j] = j % 5 == 1 ? -INFINITY : 30.0f * frand();
         k->exp_shift(y1, n, 2.5f);
         g->exp_shift(y2, n, 2.5f);
         double e = 0;
-        for (int64_t j = 0; j < n; j++) e = fmax(e, fabs((double)y1[j] - y2[j]) / (fabs(y2[j]) + 1e-30));
+        for (int64_t j = 0; j < n; j++)
+            e = fmax(e, fabs((double)y1[j] - y2[j]) / (fabs(y2[j]) + 1e-30));
         CHECKF(e < 4e-7, "%s exp_shift n %lld: max rel diff %g", k->isa, (long long)n, e);
         k->exp_shift(y1, n, -INFINITY);
         for (int64_t j = 0; j < n; j++) CHECK(y1[j] == 0.0f);
@@ -174,12 +179,14 @@ static bool tn_case(const mha__kernels *k, int64_t M, int64_t N, int64_t K, int6
     const bool ok_pad = c_pad_untouched(C1, M, N, ldc, guard);
     const bool ok_bits = memcmp(C1, C2, sizeof(float) * (size_t)(M * ldc + guard)) == 0;
     CHECKF(ok_d, "%s gemm_tn_acc M %lld N %lld K %lld lda %lld ldb %lld: error %g of the bound",
-           k->isa, (long long)M, (long long)N, (long long)K, (long long)lda, (long long)ldb, worst);
+           k->isa, (long long)M, (long long)N, (long long)K, (long long)lda, (long long)ldb,
+           worst);
     CHECKF(ok_pad, "%s gemm_tn_acc M %lld N %lld K %lld wrote outside C", k->isa, (long long)M,
            (long long)N, (long long)K);
-    CHECKF(ok_bits, "%s gemm_tn_acc M %lld N %lld K %lld lda %lld ldb %lld: differs from "
-           "transpose + gemm_nn_acc", k->isa, (long long)M, (long long)N, (long long)K,
-           (long long)lda, (long long)ldb);
+    CHECKF(ok_bits,
+           "%s gemm_tn_acc M %lld N %lld K %lld lda %lld ldb %lld: differs from "
+           "transpose + gemm_nn_acc",
+           k->isa, (long long)M, (long long)N, (long long)K, (long long)lda, (long long)ldb);
     free(A), free(B), free(T), free(C1), free(C2), free(C0);
     return ok_d && ok_pad && ok_bits;
 }
@@ -201,9 +208,9 @@ static void test_gemm_tn(const mha__kernels *k) {
             }
     // the flash backward's shapes (P^T dO, dS^T Q), K across the k chunks
     // (256) and N across the column blocks (512) of the ISA kernels
-    const int64_t shapes[][6] = {{128, 64, 64, 128, 64, 64},  {128, 64, 64, 128, 768, 64},
+    const int64_t shapes[][6] = {{128, 64, 64, 128, 64, 64},   {128, 64, 64, 128, 768, 64},
                                  {128, 64, 64, 128, 2304, 64}, {96, 64, 64, 128, 768, 768},
-                                 {128, 64, 300, 130, 64, 64},   {37, 600, 513, 40, 601, 603},
+                                 {128, 64, 300, 130, 64, 64},  {37, 600, 513, 40, 601, 603},
                                  {14, 33, 257, 14, 40, 33}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++, cases++)
         failed += !tn_case(k, shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
@@ -227,7 +234,8 @@ static void b_layout(int kind, int64_t K, int64_t N, int64_t *sk, int64_t *sn, s
 
 // The packed layout, exactly: Bp[(p*K + k)*nr + j] = B(k, p*nr + j), 0 past N.
 static void test_pack_layout(const mha__kernels *k) {
-    const int64_t shapes[][2] = {{1, 1}, {7, 33}, {65, 31}, {17, 100}, {300, 7}, {0, 5}, {5, 0}};
+    const int64_t shapes[][2] = {{1, 1},   {7, 33}, {65, 31}, {17, 100},
+                                 {300, 7}, {0, 5},  {5, 0}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int kind = 0; kind < 3; kind++) {
             const int64_t K = shapes[s][0], N = shapes[s][1], nr = k->pk_nr;
@@ -270,14 +278,16 @@ static void test_packed_vs_double(const mha__kernels *k) {
         for (int in = 0; in < nd; in++)
             for (int ik = 0; ik < nd; ik++) {
                 const int64_t M = dims[im], N = dims[in], K = dims[ik];
-                if (M * N * K > 300 * 65 * 65 && (im + in + ik) % 3) continue;  // keep it quick
+                if (M * N * K > 300 * 65 * 65 && (im + in + ik) % 3)
+                    continue;  // keep it quick
                 const int kind = (im + 2 * in + ik) % 3;
                 const bool acc = (im + in + ik) % 2, use_bias = (im + ik) % 2 == 0 || K == 0;
                 const int64_t lda = K + 1 + im, ldc = N + 2 + ik;
                 int64_t sk, sn;
                 size_t nb;
                 b_layout(kind, K, N, &sk, &sn, &nb);
-                float *A = falloc((size_t)(M * lda)), *B = falloc(nb), *bias = falloc((size_t)N);
+                float *A = falloc((size_t)(M * lda)), *B = falloc(nb),
+                      *bias = falloc((size_t)N);
                 float *C = falloc((size_t)(M * ldc)), *C0 = falloc((size_t)(M * ldc));
                 float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N));
                 float *ap = falloc((size_t)k->pk_apack);
@@ -300,14 +310,17 @@ static void test_packed_vs_double(const mha__kernels *k) {
                             mag += fabs(t);
                         }
                         if (use_bias) s += bias[j], mag += fabs(bias[j]);
-                        const double e = fabs(C[i * ldc + j] - s) / ((K + 2) * 0x1p-23 * mag + 1e-30);
+                        const double e = fabs(C[i * ldc + j] - s) /
+                                         ((K + 2) * 0x1p-23 * mag + 1e-30);
                         if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
                     }
                     for (int64_t j = N; j < ldc; j++) pad &= isnan(C[i * ldc + j]);
                 }
-                CHECKF(worst <= 1.0, "%s gemm_packed M %lld N %lld K %lld layout %d acc %d bias %d: "
-                       "error %g of the bound", k->isa, (long long)M, (long long)N, (long long)K,
-                       kind, acc, use_bias, worst);
+                CHECKF(worst <= 1.0,
+                       "%s gemm_packed M %lld N %lld K %lld layout %d acc %d bias %d: "
+                       "error %g of the bound",
+                       k->isa, (long long)M, (long long)N, (long long)K, kind, acc, use_bias,
+                       worst);
                 CHECKF(pad, "%s gemm_packed M %lld N %lld K %lld wrote outside C", k->isa,
                        (long long)M, (long long)N, (long long)K);
                 cases++;
@@ -322,9 +335,12 @@ static void test_packed_vs_gemm_nn(const mha__kernels *k) {
     const int64_t shapes[][3] = {{33, 70, 300}, {64, 768, 768}, {17, 2304, 65}, {5, 33, 513}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
-        float *A = falloc((size_t)(M * K)), *W = falloc((size_t)(N * K)), *WT = falloc((size_t)(N * K));
-        float *b = falloc((size_t)N), *C1 = falloc((size_t)(M * N)), *C2 = falloc((size_t)(M * N));
-        float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N)), *ap = falloc((size_t)k->pk_apack);
+        float *A = falloc((size_t)(M * K)), *W = falloc((size_t)(N * K)),
+              *WT = falloc((size_t)(N * K));
+        float *b = falloc((size_t)N), *C1 = falloc((size_t)(M * N)),
+              *C2 = falloc((size_t)(M * N));
+        float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N)),
+              *ap = falloc((size_t)k->pk_apack);
         for (int64_t i = 0; i < M * K; i++) A[i] = frand();
         for (int64_t i = 0; i < N * K; i++) W[i] = frand();
         for (int64_t i = 0; i < N; i++) b[i] = frand();
@@ -344,12 +360,13 @@ static void test_packed_vs_gemm_nn(const mha__kernels *k) {
 
 // The same bits for every row split, panel split and number of threads.
 static void test_packed_splits(const mha__kernels *k) {
-    const int64_t shapes[][3] = {{300, 100, 65}, {1000, 70, 300}, {5, 2304, 33},
-                                 {129, 768, 768}, {1, 40, 7}};
+    const int64_t shapes[][3] = {
+        {300, 100, 65}, {1000, 70, 300}, {5, 2304, 33}, {129, 768, 768}, {1, 40, 7}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int64_t R = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
         const int64_t ldx = K + 3, ldc = N + 1;
-        float *X = falloc((size_t)(R * ldx)), *B = falloc((size_t)(K * N)), *b = falloc((size_t)N);
+        float *X = falloc((size_t)(R * ldx)), *B = falloc((size_t)(K * N)),
+              *b = falloc((size_t)N);
         float *Bp = falloc(mha__gemm_packed_b_floats(k, K, N));
         float *sc = falloc(mha__gemm_scratch_floats(k, 8));
         float *Cr = falloc((size_t)(R * ldc)), *C = falloc((size_t)(R * ldc));
@@ -376,7 +393,8 @@ static void test_packed_splits(const mha__kernels *k) {
         memcpy(C, Cacc0, sizeof(float) * (size_t)(R * ldc));
         mha__gemm_rows_packed(k, C, ldc, X, ldx, Bp, NULL, R, K, N, true, 3, sc);
         CHECKF(memcmp(C, Cacc, sizeof(float) * (size_t)(R * ldc)) == 0,
-               "%s gemm_rows_packed accumulate R %lld: nt 3 differs from nt 1", k->isa, (long long)R);
+               "%s gemm_rows_packed accumulate R %lld: nt 3 differs from nt 1", k->isa,
+               (long long)R);
         // odd row splits (not multiples of pk_mr) and panel splits, by hand
         for (int trial = 0; trial < 4; trial++) {
             for (int64_t i = 0; i < R * ldc; i++) C[i] = 0.0f;
@@ -395,8 +413,8 @@ static void test_packed_splits(const mha__kernels *k) {
                 r0 = r1;
             }
             CHECKF(memcmp(C, Cr, sizeof(float) * (size_t)(R * ldc)) == 0,
-                   "%s gemm_packed R %lld N %lld K %lld: split %d differs", k->isa, (long long)R,
-                   (long long)N, (long long)K, trial);
+                   "%s gemm_packed R %lld N %lld K %lld: split %d differs", k->isa,
+                   (long long)R, (long long)N, (long long)K, trial);
         }
         // and against double precision
         double worst = 0;
@@ -407,11 +425,13 @@ static void test_packed_splits(const mha__kernels *k) {
                     v += (double)X[i * ldx + kk] * B[kk * N + j];
                     mag += fabs((double)X[i * ldx + kk] * B[kk * N + j]);
                 }
-                worst = fmax(worst, fabs(Cr[i * ldc + j] - v) / ((K + 2) * 0x1p-23 * mag + 1e-30));
+                worst = fmax(worst,
+                             fabs(Cr[i * ldc + j] - v) / ((K + 2) * 0x1p-23 * mag + 1e-30));
             }
         CHECKF(worst <= 1.0, "%s gemm_rows_packed R %lld N %lld K %lld: error %g of the bound",
                k->isa, (long long)R, (long long)N, (long long)K, worst);
-        free(X), free(B), free(b), free(Bp), free(sc), free(Cr), free(C), free(Cacc0), free(Cacc);
+        free(X), free(B), free(b), free(Bp), free(sc), free(Cr), free(C), free(Cacc0),
+            free(Cacc);
     }
 }
 
@@ -420,7 +440,7 @@ static void test_packed_splits(const mha__kernels *k) {
 // shapes and strides; and mha__gemm_rows_packed_tn the same for 1, 2 and
 // 3 threads.
 static void test_packed_tn(const mha__kernels *k) {
-    const int64_t shapes[][3] = {{1, 1, 1},     {13, 33, 7},   {14, 32, 256}, {29, 70, 257},
+    const int64_t shapes[][3] = {{1, 1, 1},     {13, 33, 7},    {14, 32, 256}, {29, 70, 257},
                                  {300, 65, 31}, {768, 40, 600}, {5, 17, 0}};
     int bad = 0;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
@@ -504,7 +524,7 @@ static void test_softmax_rows(const mha__kernels *k) {
                 for (int64_t j = 0; j < ld; j++) {
                     rng = rng * 6364136223846793005ull + 1442695040888963407ull;
                     float v = (float)((double)(rng >> 11) * 0x1p-53 * 40.0 - 20.0);
-                    if (r % 5 == 2) v = -INFINITY;            // nothing visible
+                    if (r % 5 == 2) v = -INFINITY;                // nothing visible
                     else if ((rng >> 7) % 9 == 0) v = -INFINITY;  // masked entries
                     x1[r * ld + j] = x2[r * ld + j] = v;
                 }
@@ -512,15 +532,17 @@ static void test_softmax_rows(const mha__kernels *k) {
                 l1[r] = l2[r] = r % 3 == 0 ? 0.0f : 1.5f;
             }
             k->softmax_rows(x1, ld, R, n, m1, l1, al1);
-            for (int64_t r = 0; r < R; r++) al2[r] = k->softmax_update(x2 + r * ld, n, &m2[r], &l2[r]);
+            for (int64_t r = 0; r < R; r++)
+                al2[r] = k->softmax_update(x2 + r * ld, n, &m2[r], &l2[r]);
             int bad = 0;
             for (int64_t r = 0; r < R; r++) {
                 bad += memcmp(&m1[r], &m2[r], 4) != 0 || memcmp(&l1[r], &l2[r], 4) != 0 ||
                        memcmp(&al1[r], &al2[r], 4) != 0;
                 bad += memcmp(x1 + r * ld, x2 + r * ld, sizeof(float) * (size_t)ld) != 0;
             }
-            CHECKF(bad == 0, "%s softmax_rows R %lld n %lld: %d rows differ from softmax_update",
-                   k->isa, (long long)R, (long long)n, bad);
+            CHECKF(bad == 0,
+                   "%s softmax_rows R %lld n %lld: %d rows differ from softmax_update", k->isa,
+                   (long long)R, (long long)n, bad);
             free(x1);
             free(x2);
         }
@@ -561,10 +583,11 @@ static void test_bwd_rows(const mha__kernels *k, const mha__kernels *g) {
                     e = fmax(e, fabs((double)x1[r * ld + j] - x3[r * ld + j]) /
                                     (fabs(x3[r * ld + j]) + 1e-30));
             }
-            CHECKF(bad == 0, "%s exp_scale_rows R %lld n %lld: %d rows differ from exp_shift + scale_row",
+            CHECKF(bad == 0,
+                   "%s exp_scale_rows R %lld n %lld: %d rows differ from exp_shift + scale_row",
                    k->isa, (long long)R, (long long)n, bad);
-            CHECKF(e < 6e-7, "%s exp_scale_rows R %lld n %lld: max rel diff %g from scalar", k->isa,
-                   (long long)R, (long long)n, e);
+            CHECKF(e < 6e-7, "%s exp_scale_rows R %lld n %lld: max rel diff %g from scalar",
+                   k->isa, (long long)R, (long long)n, e);
             // P (x3, the generic's, so both tables see the same input) and dP (y)
             k->dot_acc_rows(s1, x3, y1, ld, R, n);
             g->dot_acc_rows(s2, x3, y2, ld, R, n);
@@ -604,8 +627,8 @@ static void test_int4_store(void) {
     mha__kv_store_row(MHA_KV_INT4, d, sc, x, MHA_F32, 1, 40, row);
     CHECKF(d[0] == 0xF1 && d[1] == 0x97 && d[2] == 0x03 && d[3] == 0 && d[19] == 0 &&
                d[20] == 0xAA,
-           "int4 hand-made row: bytes %02x %02x %02x %02x .. %02x %02x", d[0], d[1], d[2], d[3],
-           d[19], d[20]);
+           "int4 hand-made row: bytes %02x %02x %02x %02x .. %02x %02x", d[0], d[1], d[2],
+           d[3], d[19], d[20]);
     CHECKF(sc[0] == 1.0f && sc[1] == 1.0f, "int4 hand-made row: scales %g %g", sc[0], sc[1]);
     const int64_t lens[] = {1, 2, 7, 31, 32, 33, 64, 65, 77, 96, 100};
     const char *isas[] = {"scalar", "avx2", "avx512"};
@@ -616,7 +639,8 @@ static void test_int4_store(void) {
                 const float mag = powf(10.0f, (float)((e / 32 + rep) % 7 - 3));
                 x[e] = mag * frand();
             }
-            if (rep == 1) for (int64_t e = 0; e < n && e < 32; e++) x[e] = 0.0f;  // a zero group
+            if (rep == 1)
+                for (int64_t e = 0; e < n && e < 32; e++) x[e] = 0.0f;  // a zero group
             if (rep == 2) x[n / 2] = NAN;
             if (rep == 3) x[n - 1] = -INFINITY;
             memset(d, 0xAA, sizeof d);
@@ -626,15 +650,17 @@ static void test_int4_store(void) {
             for (int64_t b = nb; b < (int64_t)sizeof d; b++) bad += d[b] != 0xAA;
             for (int64_t g = ng; g < 8; g++) bad += sc[g] != -5.0f;
             CHECKF(bad == 0, "int4 store n %lld: wrote past its bytes or scales", (long long)n);
-            if (n % 2) CHECKF((d[nb - 1] >> 4) == 0, "int4 n %lld: the unused nibble not 0", (long long)n);
+            if (n % 2)
+                CHECKF((d[nb - 1] >> 4) == 0, "int4 n %lld: the unused nibble not 0",
+                       (long long)n);
             const int64_t ginf = rep == 3 ? (n - 1) / 32 : -1;
             for (int64_t g = 0; g < ng; g++) {
                 float mx = 0.0f;
                 for (int64_t e = g * 32; e < n && e < g * 32 + 32; e++)
                     if (!isnan(x[e])) mx = fmaxf(mx, fabsf(x[e]));
                 const float want = g == ginf ? INFINITY : mx > 0.0f ? mx / 7.0f : 1.0f;
-                CHECKF(sc[g] == want, "int4 n %lld group %lld: scale %g, expected %g", (long long)n,
-                       (long long)g, sc[g], want);
+                CHECKF(sc[g] == want, "int4 n %lld group %lld: scale %g, expected %g",
+                       (long long)n, (long long)g, sc[g], want);
             }
             double worst = 0.0;
             for (int64_t e = 0; e < n; e++) {
@@ -657,11 +683,13 @@ static void test_int4_store(void) {
                 k->cvt_i4(deq, d, n, sc);
                 int off = deq[n] != 9.0f;
                 for (int64_t e = 0; e < n; e++) {
-                    const int u = e % 2 ? d[e / 2] >> 4 : d[e / 2] & 15, q = u >= 8 ? u - 16 : u;
+                    const int u = e % 2 ? d[e / 2] >> 4 : d[e / 2] & 15,
+                              q = u >= 8 ? u - 16 : u;
                     const float want = sc[e / 32] * (float)q;
                     off += !(isnan(want) && isnan(deq[e])) && memcmp(&want, deq + e, 4) != 0;
                 }
-                CHECKF(off == 0, "%s cvt_i4 n %lld: %d values not s q", isas[t], (long long)n, off);
+                CHECKF(off == 0, "%s cvt_i4 n %lld: %d values not s q", isas[t], (long long)n,
+                       off);
             }
         }
 }
@@ -699,7 +727,8 @@ static void test_cvt(const mha__kernels *k, const mha__kernels *g) {
         g->cvt_i4(b, u4, n, s4);
         for (int64_t i = 0; i < n; i++) bad += memcmp(a + i, b + i, 4) != 0;
         bad += n < N && (a[n] != 7.0f || b[n] != 7.0f);
-        CHECKF(bad == 0, "%s cvt n %lld: %d values differ from scalar", k->isa, (long long)n, bad);
+        CHECKF(bad == 0, "%s cvt n %lld: %d values differ from scalar", k->isa, (long long)n,
+               bad);
     }
 }
 
@@ -734,17 +763,20 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
                             : kind == 4 ? (const void *)b4
                                         : (const void *)h;
             const float *sc = kind == 4 ? sc4 : sc1;
-            k->dot_rows_q(s1, A, W, kind, sc, x, N, D, NULL, 0);
-            g->dot_rows_q(s2, A, W, kind, sc, x, N, D, NULL, 0);
+            const int64_t sl = kind == 4 ? (W + 31) / 32 : 1;  // (floats a row's scales apart)
+            k->dot_rows_q(s1, A, W, kind, sc, sl, x, N, D, NULL, 0);
+            g->dot_rows_q(s2, A, W, kind, sc, sl, x, N, D, NULL, 0);
             double e = 0, m = 0;
-            for (int j = 0; j < N; j++) e = fmax(e, fabs((double)s1[j] - s2[j])), m = fmax(m, fabs(s2[j]));
+            for (int j = 0; j < N; j++)
+                e = fmax(e, fabs((double)s1[j] - s2[j])), m = fmax(m, fabs(s2[j]));
             CHECKF(e <= 1e-5 * (1 + m), "%s dot_rows_q kind %d D %lld: err %g", k->isa, kind,
                    (long long)D, e);
             for (int c = 0; c < W; c++) o1[c] = o2[c] = 0.5f;
-            k->axpy_rows_q(o1, p, A, W, kind, sc, N, D, NULL, 0);
-            g->axpy_rows_q(o2, p, A, W, kind, sc, N, D, NULL, 0);
+            k->axpy_rows_q(o1, p, A, W, kind, sc, sl, N, D, NULL, 0);
+            g->axpy_rows_q(o2, p, A, W, kind, sc, sl, N, D, NULL, 0);
             e = m = 0;
-            for (int c = 0; c < W; c++) e = fmax(e, fabs((double)o1[c] - o2[c])), m = fmax(m, fabs(o2[c]));
+            for (int c = 0; c < W; c++)
+                e = fmax(e, fabs((double)o1[c] - o2[c])), m = fmax(m, fabs(o2[c]));
             CHECKF(e <= 1e-5 * (1 + m), "%s axpy_rows_q kind %d Dv %lld: err %g", k->isa, kind,
                    (long long)D, e);
             CHECKF(o1[W - 1] == 0.5f || D == W, "%s axpy_rows_q wrote past Dv", k->isa);
@@ -785,15 +817,18 @@ static void test_rows_qg(const mha__kernels *k) {
                                     : kind == 4 ? (const void *)b4
                                                 : (const void *)h;
                     const float *sc = kind == 4 ? sc4 : sc1;
+                    const int64_t sl = kind == 4 ? NS : 1;
                     for (int i = 0; i < G * LD; i++) s1[i] = s2[i] = o1[i] = o2[i] = 0.5f;
                     // (the group calls fetch other rows while they run, of
                     // any length: pf changes no result)
                     const size_t pfb = (size_t)(next() % sizeof f32);
-                    k->dot_rows_qg(s1, LD, A, W, kind, sc, X, LD, ng, n, D, f32, pfb);
-                    k->axpy_rows_qg(o1, LD, P, LD, A, W, kind, sc, ng, n, D, h, pfb / 2);
+                    k->dot_rows_qg(s1, LD, A, W, kind, sc, sl, X, LD, ng, n, D, f32, pfb);
+                    k->axpy_rows_qg(o1, LD, P, LD, A, W, kind, sc, sl, ng, n, D, h, pfb / 2);
                     for (int64_t g = 0; g < ng; g++) {
-                        k->dot_rows_q(s2 + g * LD, A, W, kind, sc, X + g * LD, n, D, NULL, 0);
-                        k->axpy_rows_q(o2 + g * LD, P + g * LD, A, W, kind, sc, n, D, NULL, 0);
+                        k->dot_rows_q(s2 + g * LD, A, W, kind, sc, sl, X + g * LD, n, D, NULL,
+                                      0);
+                        k->axpy_rows_q(o2 + g * LD, P + g * LD, A, W, kind, sc, sl, n, D, NULL,
+                                       0);
                     }
                     // a range in pieces: the bits of one call (any split point)
                     if (ng == 1) {
@@ -802,18 +837,23 @@ static void test_rows_qg(const mha__kernels *k) {
                         for (int c = 0; c < LD; c++) p2[c] = 0.5f;
                         // (row bytes; int4: half a byte an element, NS
                         // scales a row)
-                        const size_t rb = kind == 0 ? 4 * W : kind == 3 ? W : kind == 4 ? W / 2 : 2 * W;
+                        const size_t rb = kind == 0   ? 4 * W
+                                          : kind == 3 ? W
+                                          : kind == 4 ? W / 2
+                                                      : 2 * W;
                         const int64_t ns = kind == 4 ? NS : 1;
                         const char *Ac = (const char *)A + (size_t)cut * rb;
                         const size_t rest = (size_t)(n - cut) * rb;
                         // (the first piece fetching the second, as decode asks)
-                        k->dot_rows_q(p1, A, W, kind, sc, X, cut, D, cut < n ? Ac : NULL, rest);
-                        k->axpy_rows_q(p2, P, A, W, kind, sc, cut, D, cut < n ? Ac : NULL, rest);
+                        k->dot_rows_q(p1, A, W, kind, sc, sl, X, cut, D, cut < n ? Ac : NULL,
+                                      rest);
+                        k->axpy_rows_q(p2, P, A, W, kind, sc, sl, cut, D, cut < n ? Ac : NULL,
+                                       rest);
                         if (cut < n) {
-                            k->dot_rows_q(p1 + cut, Ac, W, kind, sc + cut * ns, X, n - cut, D,
-                                          NULL, 0);
-                            k->axpy_rows_q(p2, P + cut, Ac, W, kind, sc + cut * ns, n - cut, D,
-                                           NULL, 0);
+                            k->dot_rows_q(p1 + cut, Ac, W, kind, sc + cut * ns, sl, X, n - cut,
+                                          D, NULL, 0);
+                            k->axpy_rows_q(p2, P + cut, Ac, W, kind, sc + cut * ns, sl,
+                                           n - cut, D, NULL, 0);
                         }
                         CHECKF(memcmp(p1, s2, sizeof(float) * (size_t)n) == 0 &&
                                    memcmp(p2, o2, sizeof(float) * (size_t)LD) == 0,
@@ -829,6 +869,68 @@ static void test_rows_qg(const mha__kernels *k) {
                 }
 }
 
+// int8 and int4 scales kept in the rows (each row's after its elements,
+// rounded up to 4 bytes: the paged cache's layout, sld floats from row to
+// row) against the same rows and scales in arrays of their own: the same
+// bits from every call (one query, a group of 1..5, the rows split in two
+// pieces), and nothing read past a row's bytes into the next's scales
+// changes a result (the scales are finite numbers the int8 / int4 reads
+// would otherwise pick up).
+static void test_rows_in_rows(const mha__kernels *k) {
+    enum { N = 37, DMAX = 150, G = 5, LD = 160 };
+    static uint8_t sep[N * DMAX], in[N * (DMAX + 4 + 4 * 5)];
+    static float sc[N * 5], X[G * LD], P[G * LD], s1[G * LD], s2[G * LD], o1[G * LD],
+        o2[G * LD];
+    for (int i = 0; i < G * LD; i++) X[i] = frand(), P[i] = frand();
+    const int64_t dims[] = {1, 16, 33, 64, 150};
+    for (int kind = 3; kind <= 4; kind++)
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+            const int64_t D = dims[di], ns = kind == 4 ? (D + 31) / 32 : 1;
+            const int64_t lda = kind == 4 ? D + (D & 1) : D;  // the separate rows' stride
+            const size_t rb = kind == 4 ? (size_t)lda / 2 : (size_t)D;
+            const size_t so = (rb + 3) & ~(size_t)3, rbi = so + 4 * (size_t)ns;
+            const int64_t ldai = kind == 4 ? 2 * (int64_t)rbi : (int64_t)rbi,
+                          sld = (int64_t)(rbi / 4);
+            for (int64_t j = 0; j < N; j++) {
+                for (size_t b = 0; b < rb; b++) sep[j * rb + b] = (uint8_t)(next() & 255);
+                memcpy(in + j * rbi, sep + j * rb, rb);
+                memset(in + j * rbi + rb, 0, so - rb);
+                for (int64_t g = 0; g < ns; g++)
+                    sc[j * ns + g] = 0.01f * (float)((j + g) % 37 + 1);
+                memcpy(in + j * rbi + so, sc + j * ns, 4 * (size_t)ns);
+            }
+            const float *sci = (const float *)(in + so);
+            for (int64_t ng = 1; ng <= G; ng++) {
+                for (int i = 0; i < G * LD; i++) s1[i] = s2[i] = o1[i] = o2[i] = 0.5f;
+                k->dot_rows_qg(s1, LD, sep, lda, kind, sc, ns, X, LD, ng, N, D, NULL, 0);
+                k->dot_rows_qg(s2, LD, in, ldai, kind, sci, sld, X, LD, ng, N, D, in, 64);
+                k->axpy_rows_qg(o1, LD, P, LD, sep, lda, kind, sc, ns, ng, N, D, NULL, 0);
+                k->axpy_rows_qg(o2, LD, P, LD, in, ldai, kind, sci, sld, ng, N, D, in, 64);
+                CHECKF(memcmp(s1, s2, sizeof s1) == 0 && memcmp(o1, o2, sizeof o1) == 0,
+                       "%s kind %d D %lld ng %lld: scales in the rows, other bits", k->isa,
+                       kind, (long long)D, (long long)ng);
+            }
+            // one query, the rows in two pieces (as decode calls a paged
+            // cache's blocks)
+            const int64_t cut = 1 + (int64_t)(next() % (N - 1));
+            for (int i = 0; i < LD; i++) o1[i] = o2[i] = 0.5f;
+            k->dot_rows_q(s1, sep, lda, kind, sc, ns, X, N, D, NULL, 0);
+            k->axpy_rows_q(o1, P, sep, lda, kind, sc, ns, N, D, NULL, 0);
+            const uint8_t *ic = in + (size_t)cut * rbi;
+            k->dot_rows_q(s2, in, ldai, kind, sci, sld, X, cut, D, ic, (N - cut) * rbi);
+            k->dot_rows_q(s2 + cut, ic, ldai, kind, sci + cut * sld, sld, X, N - cut, D, NULL,
+                          0);
+            k->axpy_rows_q(o2, P, in, ldai, kind, sci, sld, cut, D, ic, (N - cut) * rbi);
+            k->axpy_rows_q(o2, P + cut, ic, ldai, kind, sci + cut * sld, sld, N - cut, D, NULL,
+                           0);
+            CHECKF(memcmp(s1, s2, sizeof(float) * N) == 0 &&
+                       memcmp(o1, o2, sizeof(float) * LD) == 0,
+                   "%s kind %d D %lld: scales in the rows, split at %lld, other bits", k->isa,
+                   kind, (long long)D, (long long)cut);
+        }
+}
+
+
 // int4 with many queries (30 x 160 floats: past what the AVX-512 kernel
 // splits once on its stack, so split group by group): the bits of one
 // dot_rows_q call per query (which split once), every head dim's groups.
@@ -841,11 +943,13 @@ static void test_rows_qg_many(const mha__kernels *k) {
     for (int i = 0; i < N * NS; i++) sc4[i] = 0.01f * (float)(i % 37 + 1);
     const int64_t dims[] = {129, 150};
     for (int di = 0; di < 2; di++) {
-        k->dot_rows_qg(s1, N, b4, W, 4, sc4, X, LD, NQ, N, dims[di], NULL, 0);
+        k->dot_rows_qg(s1, N, b4, W, 4, sc4, (W + 31) / 32, X, LD, NQ, N, dims[di], NULL, 0);
         for (int q = 0; q < NQ; q++)
-            k->dot_rows_q(s2 + q * N, b4, W, 4, sc4, X + q * LD, N, dims[di], NULL, 0);
-        CHECKF(memcmp(s1, s2, sizeof s1) == 0, "%s int4 dot_rows_qg, %d queries, D %lld: not the per-query bits",
-               k->isa, NQ, (long long)dims[di]);
+            k->dot_rows_q(s2 + q * N, b4, W, 4, sc4, (W + 31) / 32, X + q * LD, N, dims[di],
+                          NULL, 0);
+        CHECKF(memcmp(s1, s2, sizeof s1) == 0,
+               "%s int4 dot_rows_qg, %d queries, D %lld: not the per-query bits", k->isa, NQ,
+               (long long)dims[di]);
     }
 }
 
@@ -869,6 +973,7 @@ int main(void) {
         test_rows_q(k, g);
         test_rows_qg(k);
         test_rows_qg_many(k);
+        test_rows_in_rows(k);
         test_gemm_tn(k);
         test_packed(k);
         test_transpose(k);
@@ -876,6 +981,7 @@ int main(void) {
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_rows_qg(g);
+    test_rows_in_rows(g);
     test_int4_store();
     test_gemm_tn(g);
     test_softmax_rows(g);

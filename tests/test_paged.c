@@ -1192,11 +1192,12 @@ static void test_released_parent(void) {
 }
 
 // An int4 row of n elements: ceil(n / 2) bytes and ceil(n / 32) float
-// scales (mha.h), in a block and in a contiguous cache.
+// scales (mha.h), in a block (the scales in the row, after its bytes
+// rounded up to 4: 17 -> 20, 35 -> 36) and in a contiguous cache.
 static void test_int4_bytes(void) {
     mha_paged_cache *c = NULL;
     CHECK_OK(mha_paged_cache_create(&c, 4, 5, 3, 33, 70, MHA_KV_INT4));
-    CHECKF(mha_paged_cache_block_bytes(c) == (size_t)(3 * 5) * (17 + 35 + 4 * (2 + 3)),
+    CHECKF(mha_paged_cache_block_bytes(c) == (size_t)(3 * 5) * (20 + 36 + 4 * (2 + 3)),
            "int4 block bytes %zu", mha_paged_cache_block_bytes(c));
     mha_paged_cache_destroy(c);
     mha_kv_cache *kc = NULL;

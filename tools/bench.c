@@ -129,18 +129,18 @@ static const char *bench_help =
 typedef struct bench_opts {
     int64_t B, L, S, E, H;
     bool causal, backward, core, json, workspace, no_save, decode;
-    bool module;               // --decode --module: mha_forward_cached
-    bool serve;                // --serve
+    bool module;                    // --decode --module: mha_forward_cached
+    bool serve;                     // --serve
     int64_t sequences, gen, block;  // --serve
     bool contiguous_pool;           // --pool-order sequential (--decode --block-size)
-    int64_t kv_len, kv_heads;  // --decode
-    mha_kv_dtype kv_dtype;     // --kv-dtype
-    mha_dtype wdtype, dtype;   // --weight-dtype, --dtype (module forward)
-    int64_t prune;             // --prune-heads: the last K heads pruned
-    const char *parallel;      // --parallel SCHEME (under mpirun)
-    mha_head_gate gate;        // --head-gate
-    int64_t window;  // 0: none
-    int threads;     // 0: the default
+    int64_t kv_len, kv_heads;       // --decode
+    mha_kv_dtype kv_dtype;          // --kv-dtype
+    mha_dtype wdtype, dtype;        // --weight-dtype, --dtype (module forward)
+    int64_t prune;                  // --prune-heads: the last K heads pruned
+    const char *parallel;           // --parallel SCHEME (under mpirun)
+    mha_head_gate gate;             // --head-gate
+    int64_t window;                 // 0: none
+    int threads;                    // 0: the default
     mha_impl impl;
     const char *isa;
     int64_t repeat, warmup;
@@ -236,8 +236,7 @@ static void problem_free(problem *p) {
 
 // Allocates and fills the tensors of a problem of the options' shape (o's
 // fields B, L, S, E, H) with impl `impl`. Returns 0, or 1 after printing.
-static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o,
-                         mha_impl impl) {
+static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_impl impl) {
     memset(p, 0, sizeof *p);
     p->o = o;
     uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 12345;
@@ -409,8 +408,7 @@ static int probe_run(probe_out *po, bench_bufs *bb, const bench_opts *o, mha_imp
 }
 
 // "reference", "fused" or "unknown": which of the two x equals, bit for bit.
-static const char *probe_match(const float *x, const float *ref, const float *fus,
-                               int64_t n) {
+static const char *probe_match(const float *x, const float *ref, const float *fus, int64_t n) {
     if (!x) return "unknown";
     if (ref && memcmp(x, ref, (size_t)n * sizeof *x) == 0) return "reference";
     if (fus && memcmp(x, fus, (size_t)n * sizeof *x) == 0) return "fused";
@@ -444,25 +442,41 @@ static int probe_impl(const char **fwd_ran, const char **bwd_ran, const bench_op
 // ---------------------------------------------------------------------------
 // Options
 
-static const struct option bench_long_opts[] = {
-    {"batch", required_argument, 0, 'b'},     {"seq", required_argument, 0, 'l'},
-    {"kv-seq", required_argument, 0, 's'},    {"embed-dim", required_argument, 0, 'e'},
-    {"num-heads", required_argument, 0, 'n'}, {"causal", no_argument, 0, 'c'},
-    {"window", required_argument, 0, 'w'},    {"backward", no_argument, 0, 'B'},
-    {"core", no_argument, 0, 'C'},            {"threads", required_argument, 0, 't'},
-    {"no-save", no_argument, 0, 'N'},         {"decode", no_argument, 0, 'D'},
-    {"kv-len", required_argument, 0, 'K'},    {"num-kv-heads", required_argument, 0, 'G'},
-    {"kv-dtype", required_argument, 0, 'T'},  {"weight-dtype", required_argument, 0, 'X'},
-    {"dtype", required_argument, 0, 'Y'},     {"prune-heads", required_argument, 0, 'P'},
-    {"head-gate", required_argument, 0, 'g'}, {"parallel", required_argument, 0, 'Z'},
-    {"impl", required_argument, 0, 'i'},      {"isa", required_argument, 0, 'I'},
-    {"repeat", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
-    {"workspace", no_argument, 0, 'W'},       {"seed", required_argument, 0, 'S'},
-    {"warmup", required_argument, 0, 'u'},    {"help", no_argument, 0, 'h'},
-    {"module", no_argument, 0, 'M'},          {"serve", no_argument, 0, 'V'},
-    {"sequences", required_argument, 0, 'q'}, {"gen", required_argument, 0, 'Q'},
-    {"block-size", required_argument, 0, 'k'}, {"pool-order", required_argument, 0, 'O'},
-    {0, 0, 0, 0}};
+static const struct option bench_long_opts[] = {{"batch", required_argument, 0, 'b'},
+                                                {"seq", required_argument, 0, 'l'},
+                                                {"kv-seq", required_argument, 0, 's'},
+                                                {"embed-dim", required_argument, 0, 'e'},
+                                                {"num-heads", required_argument, 0, 'n'},
+                                                {"causal", no_argument, 0, 'c'},
+                                                {"window", required_argument, 0, 'w'},
+                                                {"backward", no_argument, 0, 'B'},
+                                                {"core", no_argument, 0, 'C'},
+                                                {"threads", required_argument, 0, 't'},
+                                                {"no-save", no_argument, 0, 'N'},
+                                                {"decode", no_argument, 0, 'D'},
+                                                {"kv-len", required_argument, 0, 'K'},
+                                                {"num-kv-heads", required_argument, 0, 'G'},
+                                                {"kv-dtype", required_argument, 0, 'T'},
+                                                {"weight-dtype", required_argument, 0, 'X'},
+                                                {"dtype", required_argument, 0, 'Y'},
+                                                {"prune-heads", required_argument, 0, 'P'},
+                                                {"head-gate", required_argument, 0, 'g'},
+                                                {"parallel", required_argument, 0, 'Z'},
+                                                {"impl", required_argument, 0, 'i'},
+                                                {"isa", required_argument, 0, 'I'},
+                                                {"repeat", required_argument, 0, 'r'},
+                                                {"json", no_argument, 0, 'j'},
+                                                {"workspace", no_argument, 0, 'W'},
+                                                {"seed", required_argument, 0, 'S'},
+                                                {"warmup", required_argument, 0, 'u'},
+                                                {"help", no_argument, 0, 'h'},
+                                                {"module", no_argument, 0, 'M'},
+                                                {"serve", no_argument, 0, 'V'},
+                                                {"sequences", required_argument, 0, 'q'},
+                                                {"gen", required_argument, 0, 'Q'},
+                                                {"block-size", required_argument, 0, 'k'},
+                                                {"pool-order", required_argument, 0, 'O'},
+                                                {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
 // optarg) and returns -1 when it took it, the exit status when its value
@@ -474,18 +488,51 @@ enum { BENCH_NOT_MINE = -2 };
 static int bench_opt_problem(bench_opts *o, int c) {
     const int64_t big = (int64_t)1 << 31;
     switch (c) {
-    case 'b': if (cli_parse_int(&o->B, optarg, 1, big)) return bench_usage("--batch needs a positive integer"); break;
-    case 'l': if (cli_parse_int(&o->L, optarg, 1, big)) return bench_usage("--seq needs a positive integer"); break;
-    case 's': if (cli_parse_int(&o->S, optarg, 1, big)) return bench_usage("--kv-seq needs a positive integer"); break;
-    case 'e': if (cli_parse_int(&o->E, optarg, 1, big)) return bench_usage("--embed-dim needs a positive integer"); break;
-    case 'n': if (cli_parse_int(&o->H, optarg, 1, big)) return bench_usage("--num-heads needs a positive integer"); break;
+    case 'b':
+        if (cli_parse_int(&o->B, optarg, 1, big))
+            return bench_usage("--batch needs a positive integer");
+        break;
+    case 'l':
+        if (cli_parse_int(&o->L, optarg, 1, big))
+            return bench_usage("--seq needs a positive integer");
+        break;
+    case 's':
+        if (cli_parse_int(&o->S, optarg, 1, big))
+            return bench_usage("--kv-seq needs a positive integer");
+        break;
+    case 'e':
+        if (cli_parse_int(&o->E, optarg, 1, big))
+            return bench_usage("--embed-dim needs a positive integer");
+        break;
+    case 'n':
+        if (cli_parse_int(&o->H, optarg, 1, big))
+            return bench_usage("--num-heads needs a positive integer");
+        break;
     case 'c': o->causal = true; break;
-    case 'w': if (cli_parse_int(&o->window, optarg, 1, big)) return bench_usage("--window needs a positive integer"); break;
-    case 'K': if (cli_parse_int(&o->kv_len, optarg, 1, big)) return bench_usage("--kv-len needs a positive integer"); break;
-    case 'G': if (cli_parse_int(&o->kv_heads, optarg, 1, big)) return bench_usage("--num-kv-heads needs a positive integer"); break;
-    case 'q': if (cli_parse_int(&o->sequences, optarg, 1, 1 << 20)) return bench_usage("--sequences needs a positive integer"); break;
-    case 'Q': if (cli_parse_int(&o->gen, optarg, 1, big)) return bench_usage("--gen needs a positive integer"); break;
-    case 'k': if (cli_parse_int(&o->block, optarg, 1, 1 << 20)) return bench_usage("--block-size needs a positive integer"); break;
+    case 'w':
+        if (cli_parse_int(&o->window, optarg, 1, big))
+            return bench_usage("--window needs a positive integer");
+        break;
+    case 'K':
+        if (cli_parse_int(&o->kv_len, optarg, 1, big))
+            return bench_usage("--kv-len needs a positive integer");
+        break;
+    case 'G':
+        if (cli_parse_int(&o->kv_heads, optarg, 1, big))
+            return bench_usage("--num-kv-heads needs a positive integer");
+        break;
+    case 'q':
+        if (cli_parse_int(&o->sequences, optarg, 1, 1 << 20))
+            return bench_usage("--sequences needs a positive integer");
+        break;
+    case 'Q':
+        if (cli_parse_int(&o->gen, optarg, 1, big))
+            return bench_usage("--gen needs a positive integer");
+        break;
+    case 'k':
+        if (cli_parse_int(&o->block, optarg, 1, 1 << 20))
+            return bench_usage("--block-size needs a positive integer");
+        break;
     case 'O':
         if (strcmp(optarg, "sequential") && strcmp(optarg, "scattered"))
             return bench_usage("--pool-order needs sequential or scattered");
@@ -516,11 +563,14 @@ static int bench_opt_what(bench_opts *o, int c) {
     case 'Y': {
         if (cli_float_dtype(c == 'X' ? &o->wdtype : &o->dtype, optarg))
             return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
-                                         : "--dtype needs f32, bf16 or f16");
+                                        : "--dtype needs f32, bf16 or f16");
         break;
     }
     case 'Z': o->parallel = optarg; break;
-    case 'P': if (cli_parse_int(&o->prune, optarg, 0, big)) return bench_usage("--prune-heads needs a non-negative integer"); break;
+    case 'P':
+        if (cli_parse_int(&o->prune, optarg, 0, big))
+            return bench_usage("--prune-heads needs a non-negative integer");
+        break;
     case 'g':
         if (mha_head_gate_from_name(&o->gate, optarg))
             return bench_usage("--head-gate needs none, static or dynamic");
@@ -537,13 +587,15 @@ static int bench_opt_how(bench_opts *o, int c) {
     int64_t v;
     switch (c) {
     case 't':
-        if (cli_parse_int(&v, optarg, 1, 4096)) return bench_usage("--threads needs an integer in [1, 4096]");
+        if (cli_parse_int(&v, optarg, 1, 4096))
+            return bench_usage("--threads needs an integer in [1, 4096]");
         o->threads = (int)v;
         break;
     case 'i':
         if (mha_impl_from_name(&o->impl, optarg)) {
             char q[80];
-            fprintf(stderr, "mha bench: unknown --impl %s (available: auto, reference, fused)\n",
+            fprintf(stderr,
+                    "mha bench: unknown --impl %s (available: auto, reference, fused)\n",
                     mha_escape(q, sizeof q, optarg));
             return 2;
         }
@@ -567,7 +619,8 @@ static int bench_opt_how(bench_opts *o, int c) {
         break;
     case 'j': o->json = true; break;
     case 'S':
-        if (cli_parse_int(&v, optarg, 0, INT64_MAX)) return bench_usage("--seed needs a non-negative integer");
+        if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+            return bench_usage("--seed needs a non-negative integer");
         o->seed = (uint64_t)v;
         break;
     default: return BENCH_NOT_MINE;
@@ -600,7 +653,8 @@ static int bench_check(bench_opts *o) {
         return -1;
     }
     if ((o->core || (o->decode && !o->module)) && (o->prune || o->gate))
-        return bench_usage("--prune-heads and --head-gate are for the module, not --core or --decode");
+        return bench_usage(
+            "--prune-heads and --head-gate are for the module, not --core or --decode");
     if (o->decode) {
         if (!o->kv_len || !o->E || !o->H)
             return bench_usage("--decode needs --kv-len, --embed-dim and --num-heads");
@@ -612,7 +666,8 @@ static int bench_check(bench_opts *o) {
         if (o->prune > o->H) return bench_usage("--prune-heads is more than --num-heads");
         return -1;
     }
-    if (!o->L || !o->E || !o->H) return bench_usage("--seq, --embed-dim and --num-heads are required");
+    if (!o->L || !o->E || !o->H)
+        return bench_usage("--seq, --embed-dim and --num-heads are required");
     if (!o->S) o->S = o->L;
     if (o->E % o->H) {
         fprintf(stderr, "mha bench: --embed-dim %lld is not divisible by --num-heads %lld\n",
@@ -620,7 +675,8 @@ static int bench_check(bench_opts *o) {
         return 2;
     }
     if (o->core && o->no_save) return bench_usage("--no-save is for the module, not --core");
-    if (o->core && o->workspace) return bench_usage("--workspace is for the module, not --core");
+    if (o->core && o->workspace)
+        return bench_usage("--workspace is for the module, not --core");
     if (o->prune > o->H) {
         fprintf(stderr, "mha bench: --prune-heads %lld is more than --num-heads %lld\n",
                 (long long)o->prune, (long long)o->H);
@@ -711,15 +767,16 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            "\"window\": %lld, \"visible_fraction\": %.6f, \"saved_forward\": %s, "
            "\"dtype\": \"%s\", \"weight_dtype\": \"%s\", \"pruned_heads\": %lld, "
            "\"head_gate\": \"%s\", \"flop_count_note\": \"%s\"}\n",
-           mha_impl_name(o->impl), r->fwd_ran, r->bwd_ran, r->isa, r->threads,
-           (long long)o->B, (long long)o->L, (long long)o->S, (long long)o->E,
-           (long long)o->H, o->causal ? "true" : "false", o->backward ? "true" : "false",
+           mha_impl_name(o->impl), r->fwd_ran, r->bwd_ran, r->isa, r->threads, (long long)o->B,
+           (long long)o->L, (long long)o->S, (long long)o->E, (long long)o->H,
+           o->causal ? "true" : "false", o->backward ? "true" : "false",
            o->core ? "true" : "false",
-           o->core ? "n/a" : o->workspace ? "preallocated" : "per-call",
-           (long long)o->repeat, (long long)o->warmup, r->median, r->min, r->max,
-           r->flops, r->gflops,
-           r->peak, r->peak_isa, r->peak > 0 ? r->gflops / r->peak : 0.0, r->rss_max,
-           r->rss_before, r->inputs_mib, (long long)o->window, r->visible,
+           o->core        ? "n/a"
+           : o->workspace ? "preallocated"
+                          : "per-call",
+           (long long)o->repeat, (long long)o->warmup, r->median, r->min, r->max, r->flops,
+           r->gflops, r->peak, r->peak_isa, r->peak > 0 ? r->gflops / r->peak : 0.0,
+           r->rss_max, r->rss_before, r->inputs_mib, (long long)o->window, r->visible,
            o->backward && !o->no_save ? "true" : "false", dtype_label(o->dtype),
            dtype_label(o->wdtype), (long long)o->prune, mha_head_gate_name(o->gate),
            flop_note(o));
@@ -727,13 +784,14 @@ static void print_json(const bench_opts *o, const bench_result *r) {
 
 static void print_text(const bench_opts *o, const bench_result *r) {
     printf("mha bench: %s, impl %s (ran: %s), fused kernels %s, %d thread%s\n",
-           o->core ? "attention core (mha_sdpa)"
-                   : o->backward ? "module forward + backward" : "module forward",
-           mha_impl_name(o->impl), r->fwd_ran, r->isa, r->threads,
-           r->threads == 1 ? "" : "s");
+           o->core       ? "attention core (mha_sdpa)"
+           : o->backward ? "module forward + backward"
+                         : "module forward",
+           mha_impl_name(o->impl), r->fwd_ran, r->isa, r->threads, r->threads == 1 ? "" : "s");
     if (o->backward && o->core)
         printf("  backward   mha_sdpa_backward ran the %s implementation (the forward's "
-               "rows recomputed)\n", r->bwd_ran);
+               "rows recomputed)\n",
+               r->bwd_ran);
     else if (o->backward)
         printf("  backward   mha_backward ran the %s implementation%s\n", r->bwd_ran,
                o->no_save ? ", re-running the forward (--no-save)"
@@ -745,26 +803,30 @@ static void print_text(const bench_opts *o, const bench_result *r) {
                o->causal ? ", causal" : "");
     else
         printf("  shape      batch %lld, seq %lld, kv_seq %lld, embed_dim %lld, heads %lld "
-               "(d %lld)%s%s\n", (long long)o->B, (long long)o->L, (long long)o->S,
-               (long long)o->E, (long long)o->H, (long long)(o->E / o->H),
-               o->causal ? ", causal" : "", o->S == o->L ? ", self-attention" : "");
+               "(d %lld)%s%s\n",
+               (long long)o->B, (long long)o->L, (long long)o->S, (long long)o->E,
+               (long long)o->H, (long long)(o->E / o->H), o->causal ? ", causal" : "",
+               o->S == o->L ? ", self-attention" : "");
     if (o->prune || o->gate)
         printf("  heads      %lld of %lld pruned (the last; their attention skipped), "
-               "gates %s\n", (long long)o->prune, (long long)o->H,
-               mha_head_gate_name(o->gate));
+               "gates %s\n",
+               (long long)o->prune, (long long)o->H, mha_head_gate_name(o->gate));
     printf("  time       median %.3f ms (min %.3f, max %.3f; %lld run%s after %lld "
-           "warm-up%s)\n", r->median, r->min, r->max, (long long)o->repeat,
-           o->repeat == 1 ? "" : "s", (long long)o->warmup, o->warmup == 1 ? "" : "s");
+           "warm-up%s)\n",
+           r->median, r->min, r->max, (long long)o->repeat, o->repeat == 1 ? "" : "s",
+           (long long)o->warmup, o->warmup == 1 ? "" : "s");
     printf("  work       %.3f GFLOP: %s\n", r->flops * 1e-9, flop_note(o));
     if (o->causal || o->window)
         printf("  band       %s%s: %.1f%% of the (i, j) score pairs are visible\n",
-               o->causal ? (o->window ? "causal, " : "causal") : "",
-               o->window ? "window" : "", 100.0 * r->visible);
+               o->causal ? (o->window ? "causal, " : "causal") : "", o->window ? "window" : "",
+               100.0 * r->visible);
     printf("  speed      %.1f GFLOP/s = %.1f%% of the measured fp32 FMA peak %.1f GFLOP/s "
-           "(%s, %d thread%s)\n", r->gflops, r->peak > 0 ? 100.0 * r->gflops / r->peak : 0.0,
-           r->peak, r->peak_isa, r->threads, r->threads == 1 ? "" : "s");
+           "(%s, %d thread%s)\n",
+           r->gflops, r->peak > 0 ? 100.0 * r->gflops / r->peak : 0.0, r->peak, r->peak_isa,
+           r->threads, r->threads == 1 ? "" : "s");
     printf("  memory     process max RSS %.1f MiB (%.1f MiB before the first call; the "
-           "benchmark's own tensors %.1f MiB)\n", r->rss_max, r->rss_before, r->inputs_mib);
+           "benchmark's own tensors %.1f MiB)\n",
+           r->rss_max, r->rss_before, r->inputs_mib);
     if (!o->core)
         printf("  scratch    %s\n", o->workspace ? "allocated once (mha_forward_ex)"
                                                  : "allocated by every call (mha_forward)");
@@ -777,17 +839,6 @@ static void print_text(const bench_opts *o, const bench_result *r) {
 // The median of n sorted times.
 static double median_sorted(const double *t, int64_t n) {
     return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
-}
-
-// The bytes of a cached row of d elements in dt (mha.h: mha_kv_dtype; int8
-// and int4 scales apart).
-static size_t kv_row_bytes(mha_kv_dtype dt, int64_t d) {
-    switch (dt) {
-    case MHA_KV_F32: return 4 * (size_t)d;
-    case MHA_KV_INT8: return (size_t)d;
-    case MHA_KV_INT4: return (size_t)(d + 1) / 2;
-    default: return 2 * (size_t)d;
-    }
 }
 
 // The bytes of a bandwidth buffer for a step that reads `bytes`: twice
@@ -942,13 +993,13 @@ static int bench_decode(const bench_opts *o, int threads) {
         const double bw = median_sorted(bws, n), frac = median_sorted(fr, n),
                      gbs = bytes / (med * 1e-3) * 1e-9;
         // scattered blocks: the same memory read as pieces of a head's
-        // block of K rows (the pool is head-major), in a random order (the
-        // layout's ceiling)
-        const size_t piece = (size_t)o->block * kv_row_bytes(o->kv_dtype, d);
-        const double pbw =
-            pc && !o->contiguous_pool
-                ? read_bandwidth_pieces(threads, bandwidth_bytes(bytes), piece, o->seed + 1)
-                : 0.0;
+        // block of K rows (the pool is head-major; int8 / int4: their
+        // scales in the rows), in a random order (the layout's ceiling)
+        const size_t piece = pc ? mha_paged_cache_block_bytes(pc) / (size_t)(2 * Hkv) : 0;
+        const double pbw = pc && !o->contiguous_pool
+                               ? read_bandwidth_pieces(threads, bandwidth_bytes(bytes), piece,
+                                                       o->seed + 1)
+                               : 0.0;
         const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
@@ -1074,12 +1125,11 @@ static int bench_decode_module(const bench_opts *o, int threads) {
                    "\"kv_bytes\": %.6g, \"bytes_per_token\": %.6g, \"gbps\": %.3f, "
                    "\"read_bandwidth_gbps\": %.3f, \"bandwidth_fraction\": %.4f, "
                    "\"max_rss_mib\": %.1f}\n",
-                   threads, mha_isa(), (long long)B, (long long)E, (long long)H,
-                   (long long)Hkv, (long long)d, (long long)T, (long long)N,
-                   dtype_label(o->wdtype), kv_name, mha_head_gate_name(o->gate),
-                   (long long)o->prune, (long long)o->repeat, med, times[0], times[n - 1],
-                   med / (double)(B * T), wbytes, kvbytes, bytes / (double)(B * T), gbs, bw,
-                   bw > 0 ? gbs / bw : 0.0, max_rss_mib());
+                   threads, mha_isa(), (long long)B, (long long)E, (long long)H, (long long)Hkv,
+                   (long long)d, (long long)T, (long long)N, dtype_label(o->wdtype), kv_name,
+                   mha_head_gate_name(o->gate), (long long)o->prune, (long long)o->repeat, med,
+                   times[0], times[n - 1], med / (double)(B * T), wbytes, kvbytes,
+                   bytes / (double)(B * T), gbs, bw, bw > 0 ? gbs / bw : 0.0, max_rss_mib());
         else
             printf("mha bench: module decode step (mha_forward_cached), %d thread%s, kernels "
                    "%s\n"
@@ -1147,9 +1197,9 @@ int cmd_bench(int argc, char **argv) {
 #endif
     r.isa = mha_isa();
     if (o.serve) {
-        const bench_serve_opts so = {o.sequences, o.L,        o.gen,  o.E,       o.H,
-                                     o.kv_heads,  o.block,    o.kv_dtype, o.seed, o.json,
-                                     r.threads};
+        const bench_serve_opts so = {o.sequences, o.L,        o.gen,    o.E,
+                                     o.H,         o.kv_heads, o.block,  o.kv_dtype,
+                                     o.seed,      o.json,     r.threads};
         return bench_serve(&so);
     }
     if (o.decode)

@@ -494,9 +494,9 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // whatever nr and nq: the same bits).
 static inline __attribute__((always_inline)) void dot_qk(float *s, int64_t lds, const void *A,
                                                          int64_t lda, int kind,
-                                                         const float *scales, const float *X,
-                                                         int64_t ldx, int nq, int nr,
-                                                         int64_t j, int64_t D) {
+                                                         const float *scales, int64_t sld,
+                                                         const float *X, int64_t ldx, int nq,
+                                                         int nr, int64_t j, int64_t D) {
     __m256 acc[2][4];
     for (int q = 0; q < nq; q++)
         for (int r = 0; r < nr; r++) acc[q][r] = _mm256_setzero_ps();
@@ -521,11 +521,11 @@ static inline __attribute__((always_inline)) void dot_qk(float *s, int64_t lds, 
     for (int q = 0; q < nq; q++) {
         if (nr == 4) {
             __m128 t = reduce4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
-            if (kind == 3) t = _mm_mul_ps(t, _mm_loadu_ps(scales + j));
+            if (kind == 3) t = _mm_mul_ps(t, scales4(scales, j, sld));
             _mm_storeu_ps(s + q * lds + j, t);
         } else {
             __m128 t = reduce4(acc[q][0], z, z, z);
-            if (kind == 3) t = _mm_mul_ss(t, _mm_load_ss(scales + j));
+            if (kind == 3) t = _mm_mul_ss(t, _mm_load_ss(scales + j * sld));
             s[q * lds + j] = _mm_cvtss_f32(t);
         }
     }
@@ -536,7 +536,8 @@ static inline __attribute__((always_inline)) void dot_qk(float *s, int64_t lds, 
 // rows one by one. kind a constant after inlining.
 static inline __attribute__((always_inline)) void dot_rows_qgk(
     float *s, int64_t lds, const void *A, int64_t lda, int kind, const float *scales,
-    const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    int64_t sld, const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D, const void *pf,
+    size_t pfb) {
     const size_t rb = (size_t)lda * kind_size(kind);
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
     int64_t j = 0;
@@ -545,14 +546,14 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
         pf_step(&pfs);
         int64_t g = 0;
         for (; g + 2 <= ng; g += 2)
-            dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 2, 4, j, D);
+            dot_qk(s + g * lds, lds, A, lda, kind, scales, sld, X + g * ldx, ldx, 2, 4, j, D);
         if (g < ng)
-            dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, 4, j, D);
+            dot_qk(s + g * lds, lds, A, lda, kind, scales, sld, X + g * ldx, ldx, 1, 4, j, D);
     }
     pf_rest(&pfs);
     for (; j < n; j++)
         for (int64_t g = 0; g < ng; g++)
-            dot_qk(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, 1, j, D);
+            dot_qk(s + g * lds, lds, A, lda, kind, scales, sld, X + g * ldx, ldx, 1, 1, j, D);
 }
 
 // ---- int4 rows (kind 4; kernels.h): a group of 32 elements is 16 bytes
@@ -645,15 +646,17 @@ static inline void i4_split_query(float *xs, const float *x, int64_t D) {
         i4_split(xs + 32 * g, x + 32 * g, D - 32 * g < 32 ? D - 32 * g : 32);
 }
 
-// The rows ahead (about PF_BYTES) and their scales, for rows j .. j + nr - 1.
+// The rows ahead (about PF_BYTES) and their scales (sld floats apart;
+// unless they lie in the rows), for rows j .. j + nr - 1.
 static inline __attribute__((always_inline)) void i4_prefetch(const void *A, size_t rb,
-                                                              const float *scales, int64_t ns,
+                                                              const float *scales, int64_t sld,
                                                               int64_t j, int64_t nr, int64_t n) {
     const int64_t ahead = pf_rows(rb);
     if (j + ahead + nr > n) return;
     prefetch_ahead(A, rb, j, nr, n);
-    const char *sp = (const char *)(scales + (j + ahead) * ns);
-    for (size_t b = 0; b < (size_t)(nr * ns) * sizeof(float); b += 64)
+    if (scales_in_rows(A, rb, scales)) return;
+    const char *sp = (const char *)(scales + (j + ahead) * sld);
+    for (size_t b = 0; b < (size_t)(nr * sld) * sizeof(float); b += 64)
         _mm_prefetch(sp + b, _MM_HINT_T0);
 }
 
@@ -663,11 +666,10 @@ static inline __attribute__((always_inline)) void i4_prefetch(const void *A, siz
 // sum (reduce4: the same tree whatever nr and nq, so the same bits).
 static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
                                                          const uint8_t *A, int64_t lda,
-                                                         const float *scales, const float *xs,
-                                                         int64_t dp, int nq, int nr, int64_t j,
-                                                         int64_t D) {
+                                                         const float *scales, int64_t sld,
+                                                         const float *xs, int64_t dp, int nq,
+                                                         int nr, int64_t j, int64_t D) {
     const size_t rb = (size_t)(lda / 2);
-    const int64_t ns = (lda + 31) / 32;
     __m256 acc[2][4];
     for (int q = 0; q < nq; q++)
         for (int r = 0; r < nr; r++) acc[q][r] = _mm256_setzero_ps();
@@ -696,7 +698,7 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
                 }
             }
             for (int r = 0; r < m; r++) {
-                const __m256 sv = i4c_scale(scales + (j + r0 + r) * ns + 2 * c);
+                const __m256 sv = i4c_scale(scales + (j + r0 + r) * sld + 2 * c);
                 for (int q = 0; q < nq; q++)
                     acc[q][r0 + r] = _mm256_fmadd_ps(t[q][r], sv, acc[q][r0 + r]);
             }
@@ -707,7 +709,7 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
         for (int r = 0; r < nr; r++) {
             __m256 v[4];
             i4_q(A + (size_t)(j + r) * rb, g, w, v);
-            const __m256 sv = _mm256_set1_ps(scales[(j + r) * ns + g]);
+            const __m256 sv = _mm256_set1_ps(scales[(j + r) * sld + g]);
             for (int q = 0; q < nq; q++)
                 acc[q][r] = _mm256_fmadd_ps(sv, i4_dot32(v, xs + q * dp + 32 * g), acc[q][r]);
         }
@@ -725,10 +727,10 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
 // a split of one group at a time), 4 rows by 2 queries at a time.
 #define XS_FLOATS 4096
 static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t lda,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+                        const float *scales, int64_t sld, const float *X, int64_t ldx,
+                        int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
     const size_t rb = (size_t)(lda / 2);
-    const int64_t ns = (lda + 31) / 32, dp = (D + 31) / 32 * 32;
+    const int64_t dp = (D + 31) / 32 * 32;
     float xs[XS_FLOATS];
     if (dp > XS_FLOATS) {  // (D > 4096: rare; row by row, one query at a time)
         prefetch_next(pf, pfb);
@@ -740,7 +742,7 @@ static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t lda,
                     __m256 v[4];
                     i4_split(xs, X + q * ldx + 32 * g, w);
                     i4_q(A + (size_t)j * rb, g, w, v);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scales[j * ns + g]), i4_dot32(v, xs),
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scales[j * sld + g]), i4_dot32(v, xs),
                                           acc);
                 }
                 const __m256 z = _mm256_setzero_ps();
@@ -756,17 +758,18 @@ static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t lda,
         pf_spread pfs = pf_begin(q0 == 0 ? pf : NULL, pfb, n / 4);
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) {
-            i4_prefetch(A, rb, scales, ns, j, 4, n);
+            i4_prefetch(A, rb, scales, sld, j, 4, n);
             pf_step(&pfs);
             int64_t q = 0;
             for (; q + 2 <= nq; q += 2)
-                dot_i4(so + q * lds, lds, A, lda, scales, xs + q * dp, dp, 2, 4, j, D);
-            if (q < nq) dot_i4(so + q * lds, lds, A, lda, scales, xs + q * dp, dp, 1, 4, j, D);
+                dot_i4(so + q * lds, lds, A, lda, scales, sld, xs + q * dp, dp, 2, 4, j, D);
+            if (q < nq)
+                dot_i4(so + q * lds, lds, A, lda, scales, sld, xs + q * dp, dp, 1, 4, j, D);
         }
         pf_rest(&pfs);
         for (; j < n; j++)
             for (int64_t q = 0; q < nq; q++)
-                dot_i4(so + q * lds, lds, A, lda, scales, xs + q * dp, dp, 1, 1, j, D);
+                dot_i4(so + q * lds, lds, A, lda, scales, sld, xs + q * dp, dp, 1, 1, j, D);
     }
 }
 
@@ -774,14 +777,13 @@ static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t lda,
 // 32), rows jb .. je - 1 in order, nq (1 or 2) queries: per column one FMA
 // chain over the rows (the split accumulators stored between blocks:
 // exact); pf: the call's prefetch (NULL: another pass asked for the rows).
-static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
-                                                          const float *P, int64_t ldp,
-                                                          const uint8_t *A, int64_t lda,
-                                                          const float *scales, int nq,
-                                                          int64_t jb, int64_t je, int64_t g,
-                                                          int64_t w, int64_t n, pf_spread *pf) {
+static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo, const float *P,
+                                                          int64_t ldp, const uint8_t *A,
+                                                          int64_t lda, const float *scales,
+                                                          int64_t sld, int nq, int64_t jb,
+                                                          int64_t je, int64_t g, int64_t w,
+                                                          int64_t n, pf_spread *pf) {
     const size_t rb = (size_t)(lda / 2);
-    const int64_t ns = (lda + 31) / 32;
     float t[2][32];
     __m256 acc[2][4];
     for (int q = 0; q < nq; q++) {
@@ -789,10 +791,10 @@ static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
         for (int u = 0; u < 4; u++) acc[q][u] = _mm256_loadu_ps(t[q] + 8 * u);
     }
     for (int64_t j = jb; j < je; j++) {
-        if (pf) i4_prefetch(A, rb, scales, ns, j, 1, n), pf_step(pf);
+        if (pf) i4_prefetch(A, rb, scales, sld, j, 1, n), pf_step(pf);
         __m256 v[4];
         i4_q(A + (size_t)j * rb, g, w, v);
-        const float sg = scales[j * ns + g];
+        const float sg = scales[j * sld + g];
         for (int q = 0; q < nq; q++) {
             const __m256 f = _mm256_set1_ps(P[q * ldp + j] * sg);
             for (int u = 0; u < 4; u++) acc[q][u] = _mm256_fmadd_ps(f, v[u], acc[q][u]);
@@ -808,18 +810,20 @@ static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
 // 4 for two: the accumulators in registers), into the transposed outputs
 // t (64 floats a query): per column the same chain as axpy_i4, so the
 // same bits.
-static inline __attribute__((always_inline)) void axpy_i4c(
-    float *t, const float *P, int64_t ldp, const uint8_t *A, int64_t lda, const float *scales,
-    int nq, int64_t jb, int64_t je, int64_t c, int k0, int KH, int64_t n, pf_spread *pf) {
+static inline __attribute__((always_inline)) void axpy_i4c(float *t, const float *P,
+                                                           int64_t ldp, const uint8_t *A,
+                                                           int64_t lda, const float *scales,
+                                                           int64_t sld, int nq, int64_t jb,
+                                                           int64_t je, int64_t c, int k0,
+                                                           int KH, int64_t n, pf_spread *pf) {
     const size_t rb = (size_t)(lda / 2);
-    const int64_t ns = (lda + 31) / 32;
     __m256 acc[2][8];
     for (int q = 0; q < nq; q++)
         for (int u = 0; u < KH; u++) acc[q][u] = _mm256_loadu_ps(t + 64 * q + 8 * (k0 + u));
     for (int64_t j = jb; j < je; j++) {
-        if (pf) i4_prefetch(A, rb, scales, ns, j, 1, n), pf_step(pf);
+        if (pf) i4_prefetch(A, rb, scales, sld, j, 1, n), pf_step(pf);
         const __m256i w = _mm256_loadu_si256((const __m256i *)(A + (size_t)j * rb + 32 * c));
-        const __m256 sv = i4c_scale(scales + j * ns + 2 * c);
+        const __m256 sv = i4c_scale(scales + j * sld + 2 * c);
         __m256 f[2];
         for (int q = 0; q < nq; q++) f[q] = _mm256_mul_ps(_mm256_set1_ps(P[q * ldp + j]), sv);
 #pragma GCC unroll 8
@@ -836,8 +840,8 @@ static inline __attribute__((always_inline)) void axpy_i4c(
 // block, group by group, 2 queries at a time.
 #define AXB4 128
 static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, const uint8_t *A,
-                         int64_t lda, const float *scales, int64_t ng, int64_t n, int64_t Dv,
-                         const void *pf, size_t pfb) {
+                         int64_t lda, const float *scales, int64_t sld, int64_t ng, int64_t n,
+                         int64_t Dv, const void *pf, size_t pfb) {
     pf_spread pfs = pf_begin(pf, pfb, n);
     const int64_t nc = Dv / 64;
     for (int64_t jb = 0; jb < n; jb += AXB4) {
@@ -849,14 +853,14 @@ static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, con
                 pf_spread *f = c == 0 && q == 0 ? &pfs : NULL;
                 i4c_split(t, O + q * ldo + 64 * c);
                 i4c_split(t + 64, O + (q + 1) * ldo + 64 * c);
-                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, 2, jb, je, c, 0, 4, n, f);
-                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, 2, jb, je, c, 4, 4, n, NULL);
+                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, sld, 2, jb, je, c, 0, 4, n, f);
+                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, sld, 2, jb, je, c, 4, 4, n, NULL);
                 i4c_merge(O + q * ldo + 64 * c, t);
                 i4c_merge(O + (q + 1) * ldo + 64 * c, t + 64);
             }
             if (q < ng) {
                 i4c_split(t, O + q * ldo + 64 * c);
-                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, 1, jb, je, c, 0, 8, n,
+                axpy_i4c(t, P + q * ldp, ldp, A, lda, scales, sld, 1, jb, je, c, 0, 8, n,
                          c == 0 && q == 0 ? &pfs : NULL);
                 i4c_merge(O + q * ldo + 64 * c, t);
             }
@@ -865,35 +869,36 @@ static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, con
             const int64_t w = Dv - 32 * g < 32 ? Dv - 32 * g : 32;
             int64_t q = 0;
             for (; q + 2 <= ng; q += 2)
-                axpy_i4(O + q * ldo, ldo, P + q * ldp, ldp, A, lda, scales, 2, jb, je, g, w, n,
-                        g == 0 && q == 0 ? &pfs : NULL);
+                axpy_i4(O + q * ldo, ldo, P + q * ldp, ldp, A, lda, scales, sld, 2, jb, je, g,
+                        w, n, g == 0 && q == 0 ? &pfs : NULL);
             if (q < ng)
-                axpy_i4(O + q * ldo, ldo, P + q * ldp, ldp, A, lda, scales, 1, jb, je, g, w, n,
-                        g == 0 && q == 0 ? &pfs : NULL);
+                axpy_i4(O + q * ldo, ldo, P + q * ldp, ldp, A, lda, scales, sld, 1, jb, je, g,
+                        w, n, g == 0 && q == 0 ? &pfs : NULL);
         }
     }
     pf_rest(&pfs);
 }
 
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+                        const float *scales, int64_t sld, const float *X, int64_t ldx,
+                        int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
     if (kind == 4) {
-        dot_rows_i4(s, lds, A, lda, scales, X, ldx, ng, n, D, pf, pfb);
+        dot_rows_i4(s, lds, A, lda, scales, sld, X, ldx, ng, n, D, pf, pfb);
     } else if (kind == 0) {
-        dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D, pf, pfb);
+        dot_rows_qgk(s, lds, A, lda, 0, scales, sld, X, ldx, ng, n, D, pf, pfb);
     } else if (kind == 1) {
-        dot_rows_qgk(s, lds, A, lda, 1, scales, X, ldx, ng, n, D, pf, pfb);
+        dot_rows_qgk(s, lds, A, lda, 1, scales, sld, X, ldx, ng, n, D, pf, pfb);
     } else if (kind == 2) {
-        dot_rows_qgk(s, lds, A, lda, 2, scales, X, ldx, ng, n, D, pf, pfb);
+        dot_rows_qgk(s, lds, A, lda, 2, scales, sld, X, ldx, ng, n, D, pf, pfb);
     } else {
-        dot_rows_qgk(s, lds, A, lda, 3, scales, X, ldx, ng, n, D, pf, pfb);
+        dot_rows_qgk(s, lds, A, lda, 3, scales, sld, X, ldx, ng, n, D, pf, pfb);
     }
 }
 
 static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
-    dot_rows_qg(s, 0, A, lda, kind, scales, x, 0, 1, n, D, pf, pfb);
+                       int64_t sld, const float *x, int64_t n, int64_t D, const void *pf,
+                       size_t pfb) {
+    dot_rows_qg(s, 0, A, lda, kind, scales, sld, x, 0, 1, n, D, pf, pfb);
 }
 
 // O[q*ldo + c] += P[q*ldp + j] scale_j A(j, c) for the columns [c0, c0 + w)
@@ -903,9 +908,9 @@ static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const flo
 // (NULL: another pass over the block asked for the rows).
 static inline __attribute__((always_inline)) void axpy_qk(float *o, const float *p,
                                                           const void *A, int64_t lda, int kind,
-                                                          const float *scales, int64_t jb,
-                                                          int64_t je, int64_t c0, int64_t w,
-                                                          int64_t n, pf_spread *pf) {
+                                                          const float *scales, int64_t sld,
+                                                          int64_t jb, int64_t je, int64_t c0,
+                                                          int64_t w, int64_t n, pf_spread *pf) {
     __m256i m[4];
     __m256 acc[4];
     for (int u = 0; u < 4; u++) {
@@ -914,7 +919,7 @@ static inline __attribute__((always_inline)) void axpy_qk(float *o, const float 
     }
     for (int64_t j = jb; j < je; j++) {
         if (pf) prefetch_ahead(A, (size_t)lda * kind_size(kind), j, 1, n), pf_step(pf);
-        const __m256 f = _mm256_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+        const __m256 f = _mm256_set1_ps(p[j] * (kind == 3 ? scales[j * sld] : 1.0f));
         for (int u = 0; u < 4; u++) {
             const int64_t c = c0 + 8 * u;
             if (w >= 8 * u + 8) acc[u] = _mm256_fmadd_ps(f, q8(A, lda, kind, j, c), acc[u]);
@@ -930,7 +935,8 @@ static inline __attribute__((always_inline)) void axpy_qk(float *o, const float 
 #define AXB 32
 static inline __attribute__((always_inline)) void axpy_rows_qgk(
     float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
-    const float *scales, int64_t ng, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    const float *scales, int64_t sld, int64_t ng, int64_t n, int64_t Dv, const void *pf,
+    size_t pfb) {
     pf_spread pfs = pf_begin(pf, pfb, n);
     for (int64_t jb = 0; jb < n; jb += AXB) {
         const int64_t je = n - jb < AXB ? n : jb + AXB;
@@ -938,10 +944,10 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
             for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
                 pf_spread *f = g == 0 && c0 == 0 ? &pfs : NULL;
                 if (Dv - c0 >= 32)
-                    axpy_qk(O + g * ldo, P + g * ldp, A, lda, kind, scales, jb, je, c0, 32, n,
-                            f);
+                    axpy_qk(O + g * ldo, P + g * ldp, A, lda, kind, scales, sld, jb, je, c0,
+                            32, n, f);
                 else
-                    axpy_qk(O + g * ldo, P + g * ldp, A, lda, kind, scales, jb, je, c0,
+                    axpy_qk(O + g * ldo, P + g * ldp, A, lda, kind, scales, sld, jb, je, c0,
                             Dv - c0, n, f);
             }
     }
@@ -949,24 +955,25 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
 }
 
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
-                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv, const void *pf, size_t pfb) {
+                         int64_t lda, int kind, const float *scales, int64_t sld, int64_t ng,
+                         int64_t n, int64_t Dv, const void *pf, size_t pfb) {
     if (kind == 4) {
-        axpy_rows_i4(O, ldo, P, ldp, A, lda, scales, ng, n, Dv, pf, pfb);
+        axpy_rows_i4(O, ldo, P, ldp, A, lda, scales, sld, ng, n, Dv, pf, pfb);
     } else if (kind == 0) {
-        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv, pf, pfb);
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, sld, ng, n, Dv, pf, pfb);
     } else if (kind == 1) {
-        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, ng, n, Dv, pf, pfb);
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, sld, ng, n, Dv, pf, pfb);
     } else if (kind == 2) {
-        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, ng, n, Dv, pf, pfb);
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, sld, ng, n, Dv, pf, pfb);
     } else {
-        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, ng, n, Dv, pf, pfb);
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, sld, ng, n, Dv, pf, pfb);
     }
 }
 
 static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
-    axpy_rows_qg(o, 0, p, 0, A, lda, kind, scales, 1, n, Dv, pf, pfb);
+                        const float *scales, int64_t sld, int64_t n, int64_t Dv,
+                        const void *pf, size_t pfb) {
+    axpy_rows_qg(o, 0, p, 0, A, lda, kind, scales, sld, 1, n, Dv, pf, pfb);
 }
 
 void mha__kernels_fill_avx2(mha__kernels *k) {

@@ -700,26 +700,27 @@ static void cvt_i4(float *dst, const uint8_t *src, int64_t n, const float *scale
     }
 }
 
-// The scales of rows j .. j + nr - 1 (ns each), ahead as prefetch_ahead
-// takes the rows (rb bytes each).
+// The scales of rows j .. j + nr - 1 (sld floats apart), ahead as
+// prefetch_ahead takes the rows (rb bytes each), unless they lie in the
+// rows.
 static inline __attribute__((always_inline)) void i4_prefetch(const void *A, size_t rb,
-                                                              const float *scales, int64_t ns,
+                                                              const float *scales, int64_t sld,
                                                               int64_t j, int64_t nr, int64_t n) {
     prefetch_ahead(A, rb, j, nr, n);
     const int64_t ahead = pf_rows(rb);
     if (j + ahead + nr > n) return;
-    const char *p = (const char *)(scales + (j + ahead) * ns);
+    if (scales_in_rows(A, rb, scales)) return;
+    const char *p = (const char *)(scales + (j + ahead) * sld);
     // (a line holds the scales of several rows: the first of each line)
-    const size_t sb = (size_t)(nr * ns) * sizeof(float);
+    const size_t sb = (size_t)(nr * sld) * sizeof(float);
     for (size_t b = 0; b < sb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 // Group g (w of its elements, 1..32: a constant for whole groups) of rows
 // j .. j + nr - 1 into the accumulators acc[q][r].
 static inline __attribute__((always_inline)) void dot_i4_group(
-    __m512 acc[4][4], const uint8_t *A, int64_t lda, const float *scales, const float *X,
-    int64_t ldx, bool pre, int nq, int nr, int64_t j, int64_t g, int64_t w) {
-    const int64_t ns = (lda + 31) / 32;
+    __m512 acc[4][4], const uint8_t *A, int64_t lda, const float *scales, int64_t sld,
+    const float *X, int64_t ldx, bool pre, int nq, int nr, int64_t j, int64_t g, int64_t w) {
     __m512 xe[4], xo[4];
     for (int q = 0; q < nq; q++) {
         if (pre) {
@@ -731,7 +732,7 @@ static inline __attribute__((always_inline)) void dot_i4_group(
     }
     for (int r = 0; r < nr; r++) {
         __m512 e, o;
-        i4_deq(i4_group(A + (j + r) * (lda / 2), g, w), scales[(j + r) * ns + g], &e, &o);
+        i4_deq(i4_group(A + (j + r) * (lda / 2), g, w), scales[(j + r) * sld + g], &e, &o);
         for (int q = 0; q < nq; q++) {
             acc[q][r] = _mm512_fmadd_ps(e, xe[q], acc[q][r]);
             acc[q][r] = _mm512_fmadd_ps(o, xo[q], acc[q][r]);
@@ -746,17 +747,18 @@ static inline __attribute__((always_inline)) void dot_i4_group(
 // 16 after; past D, 0): the same floats either way, so the same bits.
 static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
                                                          const uint8_t *A, int64_t lda,
-                                                         const float *scales, const float *X,
-                                                         int64_t ldx, bool pre, int nq, int nr,
-                                                         int64_t j, int64_t D) {
+                                                         const float *scales, int64_t sld,
+                                                         const float *X, int64_t ldx, bool pre,
+                                                         int nq, int nr, int64_t j, int64_t D) {
     __m512 acc[4][4];
     for (int q = 0; q < nq; q++)
         for (int r = 0; r < nr; r++) acc[q][r] = _mm512_setzero_ps();
     // (the whole groups with a constant width: no tail in their loop)
     int64_t g = 0;
     for (; 32 * g + 32 <= D; g++)
-        dot_i4_group(acc, A, lda, scales, X, ldx, pre, nq, nr, j, g, 32);
-    if (32 * g < D) dot_i4_group(acc, A, lda, scales, X, ldx, pre, nq, nr, j, g, D - 32 * g);
+        dot_i4_group(acc, A, lda, scales, sld, X, ldx, pre, nq, nr, j, g, 32);
+    if (32 * g < D)
+        dot_i4_group(acc, A, lda, scales, sld, X, ldx, pre, nq, nr, j, g, D - 32 * g);
     const __m512 z = _mm512_setzero_ps();
     for (int q = 0; q < nq; q++) {
         if (nr == 4)
@@ -768,16 +770,16 @@ static inline __attribute__((always_inline)) void dot_i4(float *s, int64_t lds,
 // The rows with the queries split once for the call (pre) or group by
 // group.
 static inline __attribute__((always_inline)) void dot_rows_i4k(
-    float *s, int64_t lds, const uint8_t *A, int64_t lda, const float *scales, const float *X,
-    int64_t ldx, bool pre, int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    float *s, int64_t lds, const uint8_t *A, int64_t lda, const float *scales, int64_t sld,
+    const float *X, int64_t ldx, bool pre, int64_t ng, int64_t n, int64_t D, const void *pf,
+    size_t pfb) {
     const size_t rb = (size_t)(lda / 2);
-    const int64_t ns = (lda + 31) / 32;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
     int64_t j = 0;
 #define DOT_I4(NQ, NR) \
-    dot_i4(s + g * lds, lds, A, lda, scales, X + g * ldx, ldx, pre, NQ, NR, j, D)
+    dot_i4(s + g * lds, lds, A, lda, scales, sld, X + g * ldx, ldx, pre, NQ, NR, j, D)
     for (; j + 4 <= n; j += 4) {
-        i4_prefetch(A, rb, scales, ns, j, 4, n);
+        i4_prefetch(A, rb, scales, sld, j, 4, n);
         pf_step(&pfs);
         int64_t g = 0;
         for (; g + 4 <= ng; g += 4) DOT_I4(4, 4);
@@ -798,12 +800,12 @@ static inline __attribute__((always_inline)) void dot_rows_i4k(
 // flight): the same bits either way.
 #define XS_FLOATS 4096
 static void dot_rows_i4(float *s, int64_t lds, const void *Av, int64_t lda,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+                        const float *scales, int64_t sld, const float *X, int64_t ldx,
+                        int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
     const uint8_t *A = Av;
     const int64_t dp = (D + 31) / 32 * 32;  // a query split, zero-padded
     if (ng * dp > XS_FLOATS || n < 4) {
-        dot_rows_i4k(s, lds, A, lda, scales, X, ldx, false, ng, n, D, pf, pfb);
+        dot_rows_i4k(s, lds, A, lda, scales, sld, X, ldx, false, ng, n, D, pf, pfb);
         return;
     }
     float xs[XS_FLOATS];
@@ -814,20 +816,20 @@ static void dot_rows_i4(float *s, int64_t lds, const void *Av, int64_t lda,
             _mm512_storeu_ps(xs + q * dp + 32 * g, e);
             _mm512_storeu_ps(xs + q * dp + 32 * g + 16, o);
         }
-    dot_rows_i4k(s, lds, A, lda, scales, xs, dp, true, ng, n, D, pf, pfb);
+    dot_rows_i4k(s, lds, A, lda, scales, sld, xs, dp, true, ng, n, D, pf, pfb);
 }
 
 // O[q*ldo + c] += sum_j P[q*ldp + j] A(j, c) for the columns [c0, c0 + w)
 // (w 1..64: one or two groups, c0 a multiple of 32), rows jb .. je - 1 in
 // order, nq (1..4) queries (a constant after inlining); pf: the caller's
 // spread prefetch (NULL: another call of the block asks for the rows).
-static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
-                                                          const float *P, int64_t ldp,
-                                                          const uint8_t *A, int64_t lda,
-                                                          const float *scales, int nq,
-                                                          int64_t jb, int64_t je, int64_t c0,
-                                                          int64_t w, int64_t n, pf_spread *pf) {
-    const int64_t ns = (lda + 31) / 32, g0 = c0 / 32, w1 = w - 32;
+static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo, const float *P,
+                                                          int64_t ldp, const uint8_t *A,
+                                                          int64_t lda, const float *scales,
+                                                          int64_t sld, int nq, int64_t jb,
+                                                          int64_t je, int64_t c0, int64_t w,
+                                                          int64_t n, pf_spread *pf) {
+    const int64_t g0 = c0 / 32, w1 = w - 32;
     const size_t rb = (size_t)(lda / 2);
     __m512 acc[4][4];  // per query: group 0 even, odd, group 1 even, odd
     for (int q = 0; q < nq; q++) {
@@ -836,11 +838,11 @@ static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
         else acc[q][2] = acc[q][3] = _mm512_setzero_ps();
     }
     for (int64_t j = jb; j < je; j++) {
-        if (pf) i4_prefetch(A, rb, scales, ns, j, 1, n), pf_step(pf);
+        if (pf) i4_prefetch(A, rb, scales, sld, j, 1, n), pf_step(pf);
         const uint8_t *row = A + j * (lda / 2);
         __m512 e0, o0, e1 = _mm512_setzero_ps(), o1 = e1;
-        i4_deq(i4_group(row, g0, w), scales[j * ns + g0], &e0, &o0);
-        if (w1 > 0) i4_deq(i4_group(row, g0 + 1, w1), scales[j * ns + g0 + 1], &e1, &o1);
+        i4_deq(i4_group(row, g0, w), scales[j * sld + g0], &e0, &o0);
+        if (w1 > 0) i4_deq(i4_group(row, g0 + 1, w1), scales[j * sld + g0 + 1], &e1, &o1);
         for (int q = 0; q < nq; q++) {
             const __m512 f = _mm512_set1_ps(P[q * ldp + j]);
             acc[q][0] = _mm512_fmadd_ps(f, e0, acc[q][0]);
@@ -862,8 +864,8 @@ static inline __attribute__((always_inline)) void axpy_i4(float *O, int64_t ldo,
 // accumulators stored and reloaded between blocks: exact).
 #define AXB4 32
 static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, const void *Av,
-                         int64_t lda, const float *scales, int64_t ng, int64_t n, int64_t Dv,
-                         const void *pf, size_t pfb) {
+                         int64_t lda, const float *scales, int64_t sld, int64_t ng, int64_t n,
+                         int64_t Dv, const void *pf, size_t pfb) {
     const uint8_t *A = Av;
     pf_spread pfs = pf_begin(pf, pfb, n);
     for (int64_t jb = 0; jb < n; jb += AXB4) {
@@ -872,15 +874,15 @@ static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, con
             const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64;
             // (64 columns: a constant width, the masks and the second
             // group's tests folded away)
-#define AXPY_I4(NQ)                                                                           \
-    do {                                                                                      \
-        pf_spread *f = c0 == 0 && g == 0 ? &pfs : NULL;                                       \
-        if (w == 64)                                                                          \
-            axpy_i4(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, scales, NQ, jb, je, c0, 64,   \
-                    n, f);                                                                    \
-        else                                                                                  \
-            axpy_i4(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, scales, NQ, jb, je, c0, w, n, \
-                    f);                                                                       \
+#define AXPY_I4(NQ)                                                                          \
+    do {                                                                                     \
+        pf_spread *f = c0 == 0 && g == 0 ? &pfs : NULL;                                      \
+        if (w == 64)                                                                         \
+            axpy_i4(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, scales, sld, NQ, jb, je, c0, \
+                    64, n, f);                                                               \
+        else                                                                                 \
+            axpy_i4(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, scales, sld, NQ, jb, je, c0, \
+                    w, n, f);                                                                \
     } while (0)
             int64_t g = 0;
             for (; g + 4 <= ng; g += 4) AXPY_I4(4);
@@ -897,8 +899,8 @@ static void axpy_rows_i4(float *O, int64_t ldo, const float *P, int64_t ldp, con
 // Four rows at once (independent chains hide the FMA latency, one
 // reduction tree for the four); kind a constant after inlining.
 static inline __attribute__((always_inline)) void dot_rows_qk(
-    float *s, const void *A, int64_t lda, int kind, const float *scales, const float *x,
-    int64_t n, int64_t D, const void *pf, size_t pfb) {
+    float *s, const void *A, int64_t lda, int kind, const float *scales, int64_t sld,
+    const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
     int64_t j = 0;
     const int64_t Dv = D & ~(int64_t)15;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
@@ -914,20 +916,22 @@ static inline __attribute__((always_inline)) void dot_rows_qk(
             a3 = _mm512_fmadd_ps(q16(A, lda, kind, j + 3, c), xv, a3);
         }
         __m128 r = reduce4(a0, a1, a2, a3);
-        if (kind == 3) r = _mm_mul_ps(r, _mm_loadu_ps(scales + j));
+        if (kind == 3) r = _mm_mul_ps(r, scales4(scales, j, sld));
         _mm_storeu_ps(s + j, r);
     }
     pf_rest(&pfs);
-    for (; j < n; j++) s[j] = (kind == 3 ? scales[j] : 1.0f) * dot_q1(A, lda, kind, j, x, D);
+    for (; j < n; j++)
+        s[j] = (kind == 3 ? scales[j * sld] : 1.0f) * dot_q1(A, lda, kind, j, x, D);
 }
 
 static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb) {
-    if (kind == 4) dot_rows_i4(s, 0, A, lda, scales, x, 0, 1, n, D, pf, pfb);
-    else if (kind == 0) dot_rows_qk(s, A, lda, 0, scales, x, n, D, pf, pfb);
-    else if (kind == 1) dot_rows_qk(s, A, lda, 1, scales, x, n, D, pf, pfb);
-    else if (kind == 2) dot_rows_qk(s, A, lda, 2, scales, x, n, D, pf, pfb);
-    else dot_rows_qk(s, A, lda, 3, scales, x, n, D, pf, pfb);
+                       int64_t sld, const float *x, int64_t n, int64_t D, const void *pf,
+                       size_t pfb) {
+    if (kind == 4) dot_rows_i4(s, 0, A, lda, scales, sld, x, 0, 1, n, D, pf, pfb);
+    else if (kind == 0) dot_rows_qk(s, A, lda, 0, scales, sld, x, n, D, pf, pfb);
+    else if (kind == 1) dot_rows_qk(s, A, lda, 1, scales, sld, x, n, D, pf, pfb);
+    else if (kind == 2) dot_rows_qk(s, A, lda, 2, scales, sld, x, n, D, pf, pfb);
+    else dot_rows_qk(s, A, lda, 3, scales, sld, x, n, D, pf, pfb);
 }
 
 // The group version: 4 rows x up to 4 queries at a time, 16 accumulators
@@ -936,9 +940,9 @@ static void dot_rows_q(float *s, const void *A, int64_t lda, int kind, const flo
 // dot_rows_qk: the same bits. nq (1..4) a constant after inlining.
 static inline __attribute__((always_inline)) void dot4_q(float *s, int64_t lds, const void *A,
                                                          int64_t lda, int kind,
-                                                         const float *scales, const float *X,
-                                                         int64_t ldx, int nq, int64_t j,
-                                                         int64_t D) {
+                                                         const float *scales, int64_t sld,
+                                                         const float *X, int64_t ldx, int nq,
+                                                         int64_t j, int64_t D) {
     __m512 acc[4][4];
     for (int g = 0; g < nq; g++)
         for (int r = 0; r < 4; r++) acc[g][r] = _mm512_setzero_ps();
@@ -955,14 +959,15 @@ static inline __attribute__((always_inline)) void dot4_q(float *s, int64_t lds, 
     }
     for (int g = 0; g < nq; g++) {
         __m128 r = reduce4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-        if (kind == 3) r = _mm_mul_ps(r, _mm_loadu_ps(scales + j));
+        if (kind == 3) r = _mm_mul_ps(r, scales4(scales, j, sld));
         _mm_storeu_ps(s + g * lds + j, r);
     }
 }
 
 static inline __attribute__((always_inline)) void dot_rows_qgk(
     float *s, int64_t lds, const void *A, int64_t lda, int kind, const float *scales,
-    const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    int64_t sld, const float *X, int64_t ldx, int64_t ng, int64_t n, int64_t D, const void *pf,
+    size_t pfb) {
     int64_t j = 0;
     const int64_t Dv = D & ~(int64_t)15;
     pf_spread pfs = pf_begin(pf, pfb, n / 4);
@@ -971,38 +976,39 @@ static inline __attribute__((always_inline)) void dot_rows_qgk(
         pf_step(&pfs);
         int64_t g = 0;
         for (; g + 4 <= ng; g += 4)
-            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 4, j, D);
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, sld, X + g * ldx, ldx, 4, j, D);
         if (ng - g == 3)
-            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 3, j, D);
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, sld, X + g * ldx, ldx, 3, j, D);
         if (ng - g == 2)
-            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 2, j, D);
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, sld, X + g * ldx, ldx, 2, j, D);
         if (ng - g == 1)
-            dot4_q(s + g * lds, lds, A, lda, kind, scales, X + g * ldx, ldx, 1, j, D);
+            dot4_q(s + g * lds, lds, A, lda, kind, scales, sld, X + g * ldx, ldx, 1, j, D);
     }
     pf_rest(&pfs);
     for (; j < n; j++)
         for (int64_t g = 0; g < ng; g++)
-            s[g * lds + j] = (kind == 3 ? scales[j] : 1.0f) *
+            s[g * lds + j] = (kind == 3 ? scales[j * sld] : 1.0f) *
                              dot_q1(A, lda, kind, j, X + g * ldx, D);
 }
 
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb) {
-    if (kind == 4) dot_rows_i4(s, lds, A, lda, scales, X, ldx, ng, n, D, pf, pfb);
-    else if (kind == 0) dot_rows_qgk(s, lds, A, lda, 0, scales, X, ldx, ng, n, D, pf, pfb);
-    else if (kind == 1) dot_rows_qgk(s, lds, A, lda, 1, scales, X, ldx, ng, n, D, pf, pfb);
-    else if (kind == 2) dot_rows_qgk(s, lds, A, lda, 2, scales, X, ldx, ng, n, D, pf, pfb);
-    else dot_rows_qgk(s, lds, A, lda, 3, scales, X, ldx, ng, n, D, pf, pfb);
+                        const float *scales, int64_t sld, const float *X, int64_t ldx,
+                        int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
+    if (kind == 4) dot_rows_i4(s, lds, A, lda, scales, sld, X, ldx, ng, n, D, pf, pfb);
+    else if (kind == 0)
+        dot_rows_qgk(s, lds, A, lda, 0, scales, sld, X, ldx, ng, n, D, pf, pfb);
+    else if (kind == 1)
+        dot_rows_qgk(s, lds, A, lda, 1, scales, sld, X, ldx, ng, n, D, pf, pfb);
+    else if (kind == 2)
+        dot_rows_qgk(s, lds, A, lda, 2, scales, sld, X, ldx, ng, n, D, pf, pfb);
+    else dot_rows_qgk(s, lds, A, lda, 3, scales, sld, X, ldx, ng, n, D, pf, pfb);
 }
 
 // o[c] += p[j] scale_j A(j, c), j in order for every c (the contract's
 // order); up to 64 columns' accumulators live across the j loop.
-static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const float *p,
-                                                               const void *A, int64_t lda,
-                                                               int kind, const float *scales,
-                                                               int64_t n, int64_t Dv,
-                                                               const void *pf, size_t pfb) {
+static inline __attribute__((always_inline)) void axpy_rows_qk(
+    float *o, const float *p, const void *A, int64_t lda, int kind, const float *scales,
+    int64_t sld, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
     pf_spread pfs = pf_begin(pf, pfb, Dv >= 64 ? n : 1);
     if (Dv < 64) pf_rest(&pfs);
     for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
@@ -1012,7 +1018,7 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
                    a2 = _mm512_loadu_ps(o + c0 + 32), a3 = _mm512_loadu_ps(o + c0 + 48);
             for (int64_t j = 0; j < n; j++) {
                 if (c0 == 0) prefetch_kind(A, lda, kind, j, 1, n), pf_step(&pfs);
-                const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+                const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j * sld] : 1.0f));
                 a0 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0), a0);
                 a1 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 16), a1);
                 a2 = _mm512_fmadd_ps(f, q16(A, lda, kind, j, c0 + 32), a2);
@@ -1029,7 +1035,7 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
             const __mmask16 m = tail_mask(Dv - c);
             __m512 acc = _mm512_maskz_loadu_ps(m, o + c);
             for (int64_t j = 0; j < n; j++) {
-                const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+                const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j * sld] : 1.0f));
                 const __m512 v = c + 16 <= Dv ? q16(A, lda, kind, j, c)
                                               : q16_tail(A, lda, kind, j, c, Dv);
                 acc = _mm512_fmadd_ps(f, v, acc);
@@ -1040,12 +1046,13 @@ static inline __attribute__((always_inline)) void axpy_rows_qk(float *o, const f
 }
 
 static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
-    if (kind == 4) axpy_rows_i4(o, 0, p, 0, A, lda, scales, 1, n, Dv, pf, pfb);
-    else if (kind == 0) axpy_rows_qk(o, p, A, lda, 0, scales, n, Dv, pf, pfb);
-    else if (kind == 1) axpy_rows_qk(o, p, A, lda, 1, scales, n, Dv, pf, pfb);
-    else if (kind == 2) axpy_rows_qk(o, p, A, lda, 2, scales, n, Dv, pf, pfb);
-    else axpy_rows_qk(o, p, A, lda, 3, scales, n, Dv, pf, pfb);
+                        const float *scales, int64_t sld, int64_t n, int64_t Dv,
+                        const void *pf, size_t pfb) {
+    if (kind == 4) axpy_rows_i4(o, 0, p, 0, A, lda, scales, sld, 1, n, Dv, pf, pfb);
+    else if (kind == 0) axpy_rows_qk(o, p, A, lda, 0, scales, sld, n, Dv, pf, pfb);
+    else if (kind == 1) axpy_rows_qk(o, p, A, lda, 1, scales, sld, n, Dv, pf, pfb);
+    else if (kind == 2) axpy_rows_qk(o, p, A, lda, 2, scales, sld, n, Dv, pf, pfb);
+    else axpy_rows_qk(o, p, A, lda, 3, scales, sld, n, Dv, pf, pfb);
 }
 
 // The group version: blocks of AXB rows (in L1 once read); for each block,
@@ -1056,7 +1063,8 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
 #define AXB 32
 static inline __attribute__((always_inline)) void axpy64_q(
     float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
-    const float *scales, int nq, int64_t jb, int64_t je, int64_t c0, int64_t n, pf_spread *pf) {
+    const float *scales, int64_t sld, int nq, int64_t jb, int64_t je, int64_t c0, int64_t n,
+    pf_spread *pf) {
     __m512 acc[4][4];
     for (int g = 0; g < nq; g++)
         for (int u = 0; u < 4; u++) acc[g][u] = _mm512_loadu_ps(O + g * ldo + c0 + 16 * u);
@@ -1065,7 +1073,8 @@ static inline __attribute__((always_inline)) void axpy64_q(
         const __m512 a0 = q16(A, lda, kind, j, c0), a1 = q16(A, lda, kind, j, c0 + 16),
                      a2 = q16(A, lda, kind, j, c0 + 32), a3 = q16(A, lda, kind, j, c0 + 48);
         for (int g = 0; g < nq; g++) {
-            const __m512 f = _mm512_set1_ps(P[g * ldp + j] * (kind == 3 ? scales[j] : 1.0f));
+            const __m512 f = _mm512_set1_ps(P[g * ldp + j] *
+                                            (kind == 3 ? scales[j * sld] : 1.0f));
             acc[g][0] = _mm512_fmadd_ps(f, a0, acc[g][0]);
             acc[g][1] = _mm512_fmadd_ps(f, a1, acc[g][1]);
             acc[g][2] = _mm512_fmadd_ps(f, a2, acc[g][2]);
@@ -1078,7 +1087,8 @@ static inline __attribute__((always_inline)) void axpy64_q(
 
 static inline __attribute__((always_inline)) void axpy_rows_qgk(
     float *O, int64_t ldo, const float *P, int64_t ldp, const void *A, int64_t lda, int kind,
-    const float *scales, int64_t ng, int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    const float *scales, int64_t sld, int64_t ng, int64_t n, int64_t Dv, const void *pf,
+    size_t pfb) {
     pf_spread pfs = pf_begin(pf, pfb, Dv >= 64 ? n : 1);
     if (Dv < 64) pf_rest(&pfs);
     for (int64_t jb = 0; jb < n; jb += AXB) {
@@ -1089,17 +1099,17 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
             if (Dv - c0 >= 64) {
                 int64_t g = 0;
                 for (; g + 4 <= ng; g += 4)
-                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 4, jb,
-                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, sld, 4,
+                             jb, je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 if (ng - g == 3)
-                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 3, jb,
-                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, sld, 3,
+                             jb, je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 if (ng - g == 2)
-                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 2, jb,
-                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, sld, 2,
+                             jb, je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 if (ng - g == 1)
-                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, 1, jb,
-                             je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
+                    axpy64_q(O + g * ldo, ldo, P + g * ldp, ldp, A, lda, kind, scales, sld, 1,
+                             jb, je, c0, n, c0 == 0 && g == 0 ? &pfs : NULL);
                 continue;
             }
             for (int64_t g = 0; g < ng; g++) {  // the last < 64 columns, query by query
@@ -1109,7 +1119,8 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
                     const __mmask16 m = tail_mask(Dv - c);
                     __m512 acc = _mm512_maskz_loadu_ps(m, o + c);
                     for (int64_t j = jb; j < je; j++) {
-                        const __m512 f = _mm512_set1_ps(p[j] * (kind == 3 ? scales[j] : 1.0f));
+                        const __m512 f = _mm512_set1_ps(p[j] *
+                                                        (kind == 3 ? scales[j * sld] : 1.0f));
                         const __m512 v = c + 16 <= Dv ? q16(A, lda, kind, j, c)
                                                       : q16_tail(A, lda, kind, j, c, Dv);
                         acc = _mm512_fmadd_ps(f, v, acc);
@@ -1122,13 +1133,16 @@ static inline __attribute__((always_inline)) void axpy_rows_qgk(
 }
 
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
-                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv, const void *pf, size_t pfb) {
-    if (kind == 4) axpy_rows_i4(O, ldo, P, ldp, A, lda, scales, ng, n, Dv, pf, pfb);
-    else if (kind == 0) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, ng, n, Dv, pf, pfb);
-    else if (kind == 1) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, ng, n, Dv, pf, pfb);
-    else if (kind == 2) axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, ng, n, Dv, pf, pfb);
-    else axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, ng, n, Dv, pf, pfb);
+                         int64_t lda, int kind, const float *scales, int64_t sld, int64_t ng,
+                         int64_t n, int64_t Dv, const void *pf, size_t pfb) {
+    if (kind == 4) axpy_rows_i4(O, ldo, P, ldp, A, lda, scales, sld, ng, n, Dv, pf, pfb);
+    else if (kind == 0)
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 0, scales, sld, ng, n, Dv, pf, pfb);
+    else if (kind == 1)
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 1, scales, sld, ng, n, Dv, pf, pfb);
+    else if (kind == 2)
+        axpy_rows_qgk(O, ldo, P, ldp, A, lda, 2, scales, sld, ng, n, Dv, pf, pfb);
+    else axpy_rows_qgk(O, ldo, P, ldp, A, lda, 3, scales, sld, ng, n, Dv, pf, pfb);
 }
 
 static void scale_row(float *y, int64_t n, float a) {

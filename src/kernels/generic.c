@@ -109,12 +109,11 @@ static void cvt_i4(float *dst, const uint8_t *src, int64_t n, const float *scale
 
 // element c of row j of a float32 (0), bf16 (1), f16 (2), int8 (3) or int4
 // (4: with its group's scale; kernels.h) matrix
-static inline float q_at(const void *A, int64_t lda, int kind, const float *scales, int64_t j,
-                         int64_t c) {
+static inline float q_at(const void *A, int64_t lda, int kind, const float *scales,
+                         int64_t sld, int64_t j, int64_t c) {
     if (kind == 0) return ((const float *)A)[j * lda + c];
     if (kind == 4)
-        return scales[j * ((lda + 31) / 32) + c / 32] *
-               (float)i4_at((const uint8_t *)A + j * (lda / 2), c);
+        return scales[j * sld + c / 32] * (float)i4_at((const uint8_t *)A + j * (lda / 2), c);
     if (kind == 3) return (float)((const int8_t *)A)[j * lda + c];
     const uint16_t h = ((const uint16_t *)A)[j * lda + c];
     if (kind == 2) return mha_f16_to_f32(h);
@@ -135,40 +134,40 @@ static void prefetch_next(const void *pf, size_t pfb) {
 }
 
 void mha__dot_rows_q_generic(float *s, const void *A, int64_t lda, int kind,
-                             const float *scales, const float *x, int64_t n, int64_t D,
-                             const void *pf, size_t pfb) {
+                             const float *scales, int64_t sld, const float *x, int64_t n,
+                             int64_t D, const void *pf, size_t pfb) {
     prefetch_next(pf, pfb);
     for (int64_t j = 0; j < n; j++) {
         float acc = 0.0f;
-        for (int64_t c = 0; c < D; c++) acc += q_at(A, lda, kind, scales, j, c) * x[c];
-        s[j] = (kind == 3 ? scales[j] : 1.0f) * acc;
+        for (int64_t c = 0; c < D; c++) acc += q_at(A, lda, kind, scales, sld, j, c) * x[c];
+        s[j] = (kind == 3 ? scales[j * sld] : 1.0f) * acc;
     }
 }
 
 void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t lda, int kind,
-                              const float *scales, int64_t n, int64_t Dv, const void *pf,
-                              size_t pfb) {
+                              const float *scales, int64_t sld, int64_t n, int64_t Dv,
+                              const void *pf, size_t pfb) {
     prefetch_next(pf, pfb);
     for (int64_t j = 0; j < n; j++) {
-        const float w = p[j] * (kind == 3 ? scales[j] : 1.0f);
-        for (int64_t c = 0; c < Dv; c++) o[c] += w * q_at(A, lda, kind, scales, j, c);
+        const float w = p[j] * (kind == 3 ? scales[j * sld] : 1.0f);
+        for (int64_t c = 0; c < Dv; c++) o[c] += w * q_at(A, lda, kind, scales, sld, j, c);
     }
 }
 
 // The group versions: query by query (the rows read once per query).
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb) {
+                        const float *scales, int64_t sld, const float *X, int64_t ldx,
+                        int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb) {
     for (int64_t g = 0; g < ng; g++)
-        mha__dot_rows_q_generic(s + g * lds, A, lda, kind, scales, X + g * ldx, n, D,
+        mha__dot_rows_q_generic(s + g * lds, A, lda, kind, scales, sld, X + g * ldx, n, D,
                                 g ? NULL : pf, pfb);
 }
 
 static void axpy_rows_qg(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
-                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv, const void *pf, size_t pfb) {
+                         int64_t lda, int kind, const float *scales, int64_t sld, int64_t ng,
+                         int64_t n, int64_t Dv, const void *pf, size_t pfb) {
     for (int64_t g = 0; g < ng; g++)
-        mha__axpy_rows_q_generic(O + g * ldo, P + g * ldp, A, lda, kind, scales, n, Dv,
+        mha__axpy_rows_q_generic(O + g * ldo, P + g * ldp, A, lda, kind, scales, sld, n, Dv,
                                  g ? NULL : pf, pfb);
 }
 

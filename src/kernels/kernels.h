@@ -76,10 +76,13 @@ typedef struct mha__kernels {
     // dot_rows_q: s[j] = scale_j * sum_c A(j, c) x[c] for j < n, c < D
     // axpy_rows_q: o[c] += sum_j p[j] scale_j A(j, c) for c < Dv (j in order)
     // A rows of lda elements of type kind: 0 float32, 1 bf16, 2 f16, 3 int8
-    // (scale_j = scales[j]; 1 for the others, scales may be NULL), 4 int4:
-    // lda even, row j at byte j * lda / 2, A(j, c) = fl(s * q) with q its
-    // nibble c (as cvt_i4 reads it) and s = scales[j * ceil(lda / 32) +
-    // c / 32] (its group's scale; scale_j = 1); no byte past a row's
+    // (scale_j = scales[j * sld]; 1 for the others, scales may be NULL), 4
+    // int4: lda even, row j at byte j * lda / 2, A(j, c) = fl(s * q) with q
+    // its nibble c (as cvt_i4 reads it) and s = scales[j * sld + c / 32]
+    // (its group's scale; scale_j = 1). sld: the floats from one row's
+    // scales to the next's (1, or ceil(D / 32), for scales in an array of
+    // their own; more for scales kept in each row after its elements, as
+    // the paged cache's are); no byte past a row's
     // ceil(D / 2) (ceil(Dv / 2)) is read (D odd: the last byte's high
     // nibble is read and weighs 0); a table may apply s to each element
     // (fl(s q)), to partial sums over elements of one group (dot) or to
@@ -93,9 +96,11 @@ typedef struct mha__kernels {
     // rows the caller reads next, elsewhere: a paged cache's next block;
     // NULL, 0: none), a step at a time. pf never changes a result.
     void (*dot_rows_q)(float *s, const void *A, int64_t lda, int kind, const float *scales,
-                       const float *x, int64_t n, int64_t D, const void *pf, size_t pfb);
+                       int64_t sld, const float *x, int64_t n, int64_t D, const void *pf,
+                       size_t pfb);
     void (*axpy_rows_q)(float *o, const float *p, const void *A, int64_t lda, int kind,
-                        const float *scales, int64_t n, int64_t Dv, const void *pf, size_t pfb);
+                        const float *scales, int64_t sld, int64_t n, int64_t Dv,
+                        const void *pf, size_t pfb);
     // The same for the ng queries of a GQA group over the same rows, each row
     // read once for all of them (decode: the cache streams from memory once
     // per group, not once per query head):
@@ -104,11 +109,11 @@ typedef struct mha__kernels {
     //   (j in order), for g < ng. Bit-identical, on every table, to ng calls
     //   of that table's dot_rows_q / axpy_rows_q on query g's rows.
     void (*dot_rows_qg)(float *s, int64_t lds, const void *A, int64_t lda, int kind,
-                        const float *scales, const float *X, int64_t ldx, int64_t ng,
-                        int64_t n, int64_t D, const void *pf, size_t pfb);
+                        const float *scales, int64_t sld, const float *X, int64_t ldx,
+                        int64_t ng, int64_t n, int64_t D, const void *pf, size_t pfb);
     void (*axpy_rows_qg)(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
-                         int64_t lda, int kind, const float *scales, int64_t ng, int64_t n,
-                         int64_t Dv, const void *pf, size_t pfb);
+                         int64_t lda, int kind, const float *scales, int64_t sld, int64_t ng,
+                         int64_t n, int64_t Dv, const void *pf, size_t pfb);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // transpose: dst[c*ldd + r] = src[r*lds + c] for r < rows, c < cols
@@ -197,11 +202,11 @@ const mha__kernels *mha__kernels_for(const char *isa);
 // The portable dot_rows_q and axpy_rows_q (generic.c), for an ISA version
 // that handles some kinds itself and hands them the others.
 void mha__dot_rows_q_generic(float *s, const void *A, int64_t lda, int kind,
-                             const float *scales, const float *x, int64_t n, int64_t D,
-                             const void *pf, size_t pfb);
+                             const float *scales, int64_t sld, const float *x, int64_t n,
+                             int64_t D, const void *pf, size_t pfb);
 void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t lda, int kind,
-                              const float *scales, int64_t n, int64_t Dv, const void *pf,
-                              size_t pfb);
+                              const float *scales, int64_t sld, int64_t n, int64_t Dv,
+                              const void *pf, size_t pfb);
 
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);

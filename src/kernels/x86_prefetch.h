@@ -64,6 +64,22 @@ static inline void pf_rest(pf_spread *f) {
     for (; f->p < f->e; f->p += 64) _mm_prefetch(f->p, _MM_HINT_T0);
 }
 
+// Whether a decode call's int8 / int4 scales lie in its rows (each row's
+// after its elements, as the paged cache keeps them: the rows' look-ahead
+// brings them) rather than in an array of their own.
+static inline int scales_in_rows(const void *A, size_t rb, const float *scales) {
+    const uintptr_t a = (uintptr_t)A, s = (uintptr_t)scales;
+    return s >= a && s < a + rb;
+}
+
+// The int8 scales of rows j .. j + 3, sld floats apart (kernels.h).
+static inline __attribute__((always_inline)) __m128 scales4(const float *scales, int64_t j,
+                                                            int64_t sld) {
+    if (sld == 1) return _mm_loadu_ps(scales + j);
+    return _mm_setr_ps(scales[j * sld], scales[(j + 1) * sld], scales[(j + 2) * sld],
+                       scales[(j + 3) * sld]);
+}
+
 // The bytes of an element of kind (0 f32, 1 bf16, 2 f16, 3 int8).
 static inline size_t kind_size(int kind) { return kind == 0 ? 4 : kind == 3 ? 1 : 2; }
 
