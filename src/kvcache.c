@@ -741,13 +741,16 @@ static void prefetch_ahead(const dec_chunk *dc, int64_t p0, int64_t p1, int64_t 
     // its last)
     const int64_t s = p1 / c->seg - 1, m = s - p0 / c->seg;
     const char *p = NULL;
-    for (int64_t i = first ? 1 : kf - m; i <= kf; i++) {
+    // (the first piece: all of them; then the new far ones, and the new
+    // near ones before the kernel's, the pieces' kernels having fetched one
+    // each)
+    for (int64_t i = first ? 1 : kf - m > kn ? kf - m : kn; i <= kf; i++) {
         const size_t n = seg_bytes(dc, s + i, hi, isk, &p);
         if (!n) break;
-        if (i < kn) touch(p, n, first ? -1 : DEC_FAR_LINES);
+        if (i < kn) touch(p, n, -1);
         else if (i > kn || kn == kf) touch(p, n, DEC_FAR_LINES);
     }
-    for (int64_t i = kn - m; !first && i < kn; i++) {  // the near ones the kernel's skip
+    for (int64_t i = kn - m; !first && i < kn; i++) {
         const size_t n = seg_bytes(dc, s + i, hi, isk, &p);
         if (!n) break;
         touch(p, n, -1);
