@@ -657,7 +657,7 @@ static inline __attribute__((always_inline)) void i4_prefetch(const void *A, siz
     if (scales_in_rows(A, rb, scales)) return;
     const char *sp = (const char *)(scales + (j + ahead) * sld);
     for (size_t b = 0; b < (size_t)(nr * sld) * sizeof(float); b += 64)
-        _mm_prefetch(sp + b, _MM_HINT_T0);
+        _mm_prefetch(sp + b, PF_HINT);
 }
 
 // Scores of rows j .. j + nr - 1 (nr 1 or 4) for nq (1 or 2) split queries

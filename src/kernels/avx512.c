@@ -26,8 +26,10 @@
 // 37.3-37.6 with 1024, 40.1-41.5 with 2048; f32, int8 and int4 the same
 // or slower at the shorter distances (f32 over scattered 16-token blocks
 // 78-81 -> 84-86 ms: the look-ahead then falls inside the block that the
-// caller's fetch has brought already).
-#define PF_BYTES_16 1024
+// caller's fetch has brought already). Those were prefetches into L1;
+// into L2 (x86_prefetch.h's PF_HINT), bf16 contiguous 30.3 ms at 4096
+// bytes, 32.5 at 2048, 31.5 at 8192 (one run each, the same machine).
+#define PF_BYTES_16 4096
 static inline size_t pf_dist(int kind) {
     return kind == 1 || kind == 2 ? PF_BYTES_16 : PF_BYTES;
 }
@@ -713,7 +715,7 @@ static inline __attribute__((always_inline)) void i4_prefetch(const void *A, siz
     const char *p = (const char *)(scales + (j + ahead) * sld);
     // (a line holds the scales of several rows: the first of each line)
     const size_t sb = (size_t)(nr * sld) * sizeof(float);
-    for (size_t b = 0; b < sb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (size_t b = 0; b < sb; b += 64) _mm_prefetch(p + b, PF_HINT);
 }
 
 // Group g (w of its elements, 1..32: a constant for whole groups) of rows
