@@ -14,7 +14,9 @@ bf16's in the same layout and length, per round and as the median over the
 rounds (each ratio from times taken minutes apart at most).
 
 Layouts: `c` the contiguous cache, `B` blocks of B tokens scattered over the
-pool (mha bench's default), `Bs` blocks of B taken in order.
+pool (mha bench's default), `Bs` blocks of B taken in order; a trailing `b`
+(`16b`, `16sb`): the block-major pool (`--pool-layout block-major`), else
+head-major.
 
     bench/decode_table.py                             # 32k and 256k, f32 bf16 int4, c 16 16s
     bench/decode_table.py --lens 262144 --dtypes bf16 int4 --layouts c --rounds 7
@@ -34,6 +36,9 @@ def run_one(mha, length, dtype, layout, threads, repeat, extra):
            "--num-heads", "12", "--threads", str(threads), "--kv-dtype", dtype,
            "--repeat", str(repeat)] + extra
     if layout != "c":
+        if layout.endswith("b"):
+            cmd += ["--pool-layout", "block-major"]
+            layout = layout[:-1]
         if layout.endswith("s"):
             cmd += ["--block-size", layout[:-1], "--pool-order", "sequential"]
         else:
@@ -80,8 +85,10 @@ def main():
         pieces = [d["kv_gbps"] / d["random_pieces_gbps"] for d in ds
                   if d.get("random_pieces_gbps", 0) > 0]
         pc = f"{100 * statistics.median(pieces):.0f}%" if pieces else ""
-        name = {"c": "contiguous"}.get(c[2], f"blocks of {c[2].rstrip('s')}, "
-                                       + ("in order" if c[2].endswith("s") else "scattered"))
+        lay = c[2].rstrip("b")
+        name = {"c": "contiguous"}.get(c[2], f"blocks of {lay.rstrip('s')}, "
+                                       + ("in order" if lay.endswith("s") else "scattered")
+                                       + (", block-major" if c[2].endswith("b") else ""))
         print(f"| {c[0]} | {c[1]} | {name} | {med[c]:.2f} | {100 * frac:.0f}% | {pc} |")
     if "bf16" in a.dtypes:
         print("\nbf16 time / this type's time (> 1: faster than bf16), per round and median:")

@@ -1124,10 +1124,38 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_attend(mha_tensor *out, const mha_
 // freed id stays unknown even when its slot is reused).
 typedef struct mha_paged_cache mha_paged_cache;
 
+// How the pool lays its blocks out (the results are the same bits either
+// way; only the speed differs):
+// - MHA_PAGED_HEAD_MAJOR (mha_paged_cache_create): a KV head's blocks side
+//   by side, so a sequence's blocks taken in order are one stream per head
+//   read in long passes. A block scattered in the pool is a small piece per
+//   head (2-4 KiB at 16 tokens, d 64), and memory read in random pieces
+//   that small runs at about 70-75% of its streaming speed.
+// - MHA_PAGED_BLOCK_MAJOR: a block's KV heads side by side; decode reads a
+//   sequence's heads together, block by block, so a block is one run of
+//   memory (48 KiB of K at f32, 12 heads of 64, 16 tokens) wherever it
+//   lies. For pools whose blocks end up scattered (a busy server's); its
+//   shorter kernel calls cost a few percent where the blocks lie in order
+//   (README: the decode table).
+typedef enum mha_paged_layout {
+    MHA_PAGED_HEAD_MAJOR = 0,
+    MHA_PAGED_BLOCK_MAJOR = 1,
+} mha_paged_layout;
+
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_create(mha_paged_cache **out,
                                                         int64_t num_blocks, int64_t block_size,
                                                         int64_t num_kv_heads, int64_t head_dim,
                                                         int64_t v_head_dim, mha_kv_dtype dtype);
+// As mha_paged_cache_create (which is MHA_PAGED_HEAD_MAJOR), with the
+// pool's layout.
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_create_ex(
+    mha_paged_cache **out, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+    int64_t head_dim, int64_t v_head_dim, mha_kv_dtype dtype, mha_paged_layout layout);
+// The layout's name ("head-major", "block-major"; NULL: not a layout) and
+// back (MHA_ERR_INVALID_ARG naming the name).
+MHA_API const char *mha_paged_layout_name(mha_paged_layout layout);
+MHA_API MHA_NODISCARD mha_status mha_paged_layout_from_name(mha_paged_layout *layout,
+                                                            const char *name);
 MHA_API void mha_paged_cache_destroy(mha_paged_cache *c);
 // A new, empty sequence: its id.
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_add(mha_paged_cache *c, int64_t *id);
@@ -1161,6 +1189,8 @@ MHA_API int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id);
 MHA_API int64_t mha_paged_cache_blocks_in_use(const mha_paged_cache *c);
 MHA_API int64_t mha_paged_cache_blocks_free(const mha_paged_cache *c);
 MHA_API size_t mha_paged_cache_block_bytes(const mha_paged_cache *c);
+// The pool's layout (MHA_PAGED_HEAD_MAJOR for a NULL cache).
+MHA_API mha_paged_layout mha_paged_cache_layout(const mha_paged_cache *c);
 // Appends k (n, Hkv, T, D) and v (n, Hkv, T, Dv) (float32/float64 views,
 // any strides): counts[i] tokens (the first of T; NULL: T) to sequence
 // ids[i], the n ids distinct. All or nothing: an exhausted pool fails with

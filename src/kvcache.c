@@ -256,8 +256,8 @@ static void cache_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const ch
 }
 
 static mha__kv_rows cache_rows(const mha_kv_cache *c) {
-    return (mha__kv_rows){c->B,  c->Hkv, c->D,   c->Dv, c->cap,   c->dt,
-                          c->lk, c->lv,  c->len, c,     cache_at, false};
+    return (mha__kv_rows){c->B,  c->Hkv, c->D, c->Dv,    c->cap, c->dt, c->lk,
+                          c->lv, c->len, c,    cache_at, false,  false};
 }
 
 void mha_kv_cache_destroy(mha_kv_cache *c) {
@@ -774,8 +774,30 @@ static void prefetch_ahead(const dec_chunk *dc, int64_t p0, int64_t p1, int64_t 
     }
 }
 
+// The look-ahead of a heads-together read (attend_decode): the rows for
+// the next kernel call to fetch while it runs (the first call takes them;
+// NULL: none).
+typedef struct dec_ahead {
+    const void *pf;
+    size_t pfb;
+} dec_ahead;
+
+// The look-ahead for the piece [r, p1) of the range [r0, r1): the caller's
+// (ah non-NULL: its rows for the first call, then none), else the piece's
+// own (prefetch_ahead).
+static void look_ahead(const dec_chunk *dc, int64_t r0, int64_t r, int64_t p1, int64_t r1,
+                       bool isk, dec_ahead *ah, const void **pf, size_t *pfb) {
+    if (!ah) {
+        prefetch_ahead(dc, r, p1, r1, isk, r == r0, pf, pfb);
+        return;
+    }
+    *pf = ah->pf, *pfb = ah->pfb;
+    ah->pf = NULL, ah->pfb = 0;
+}
+
 // Rows [r, r1) for query v alone: its scores (isk), else O += P V.
-static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk) {
+static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk,
+                  dec_ahead *ah) {
     const int64_t D = dc->c->D, Dv = dc->c->Dv;
     float *s = dc->sc + (size_t)v * dc->qf, *x = s + dc->ch, *o = x + D;
     for (int64_t p1, r0 = r; r < r1; r = p1) {
@@ -784,7 +806,7 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
+        look_ahead(dc, r0, r, p1, r1, isk, ah, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_q(s + (r - dc->j0), k, dc->c->lk.lda, dc->kind, ks, dc->c->lk.sld,
                                x, p1 - r, D, pf, pfb);
@@ -796,7 +818,8 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
 
 // Rows [r, r1) for all nv queries (their keys in common): the scores (isk),
 // else O += P V.
-static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, bool isk) {
+static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, bool isk,
+                        dec_ahead *ah) {
     const int64_t D = dc->c->D, Dv = dc->c->Dv, qf = (int64_t)dc->qf;
     float *sc = dc->sc;
     for (int64_t p1, r0 = r; r < r1; r = p1) {
@@ -805,7 +828,7 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         const void *pf;
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
-        prefetch_ahead(dc, r, p1, r1, isk, r == r0, &pf, &pfb);
+        look_ahead(dc, r0, r, p1, r1, isk, ah, &pf, &pfb);
         if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, dc->c->lk.lda, dc->kind, ks,
                                 dc->c->lk.sld, sc + dc->ch, qf, nv, p1 - r, D, pf, pfb);
@@ -813,6 +836,96 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
             dc->kt->axpy_rows_qg(sc + dc->ch + D, qf, sc + (r - dc->j0), qf, vr, dc->c->lv.lda,
                                  dc->kind, vs, dc->c->lv.sld, nv, p1 - r, Dv, pf, pfb);
     }
+}
+
+// One sequence's rows from js on, those in [r, r1), for its un queries uq
+// (their scores and outputs at dc): the keys all of them see for all of
+// them (the group kernels), each query's others alone. Taken range by
+// range in order, every query's rows stay in order (the bits of one range).
+static void unit_rows(const dec_chunk *dc, const dec_query *uq, int64_t un, int64_t js,
+                      int64_t r, int64_t r1, bool isk, dec_ahead *ah) {
+    int64_t clo = js, chi = INT64_MAX;
+    for (int64_t v = 0; v < un; v++) {
+        const int64_t lo = uq[v].lo > js ? uq[v].lo : js;
+        clo = lo > clo ? lo : clo;
+        chi = uq[v].hi < chi ? uq[v].hi : chi;
+    }
+    // (one query, or none shared: each query alone)
+    const bool shared = un > 1 && chi > clo;
+    for (int64_t v = 0; v < un; v++) {
+        const int64_t lo = uq[v].lo > js ? uq[v].lo : js, hi = shared ? clo : uq[v].hi;
+        alone(dc, v, lo > r ? lo : r, hi < r1 ? hi : r1, isk, ah);
+    }
+    if (shared) shared_rows(dc, un, clo > r ? clo : r, chi < r1 ? chi : r1, isk, ah);
+    for (int64_t v = 0; shared && v < un; v++)
+        alone(dc, v, chi > r ? chi : r, uq[v].hi < r1 ? uq[v].hi : r1, isk, ah);
+}
+
+// The rows from js on of an item's nu units: KV heads of one sequence (the
+// same chunk, their pieces of a segment side by side in memory), segment
+// by segment and, in each, head by head: one run of memory a segment, where
+// a head's piece alone is a few KiB at a random place (units with no query
+// here skipped). The pieces in the order read, each kernel call fetches
+// the piece kn on (DEC_NEAR bytes ahead) while it runs and touches the
+// first lines of the one kf on (DEC_FAR; into L2: the hardware's streamer
+// brings the rest of its page); the first kn are fetched at once. A head
+// with one query calls its kernel on the segment's rows directly (no
+// division on the way: a step over 16-token blocks makes hundreds of
+// thousands of calls).
+static void heads_rows(const dec_chunk *dcs, const dec_query *qs, const int64_t *v0s,
+                       int64_t nu, int64_t js, bool isk) {
+    const dec_chunk *d0 = &dcs[0];
+    const mha__kv_rows *c = d0->c;
+    const int64_t seg = c->seg, n = c->len[d0->b];
+    const int64_t j1 = d0->j0 + d0->ch < n ? d0->j0 + d0->ch : n, s1 = (j1 - 1) / seg;
+    const mha__kv_layout l = isk ? c->lk : c->lv;
+    const size_t sb = (size_t)seg * l.rb;
+    const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
+                  kf = (int64_t)((DEC_FAR + sb - 1) / sb);
+    const char *p;
+    // (a piece: unit u of segment g; (gn, unx) and (gf, uf) the look-ahead's)
+    int64_t g = js / seg, gn = g + kn / nu, unx = kn % nu, gf = g + kf / nu, uf = kf % nu;
+#define PIECE(g, u) (v0s[(u) + 1] > v0s[u] ? seg_bytes(&dcs[u], g, j1, isk, &p) : 0)
+    for (int64_t i = 0, gi = g, ui = 0; i < kf && gi <= s1; i++) {
+        const size_t nb = PIECE(gi, ui);
+        if (nb && i < kn) touch(p, nb, -1);
+        else if (nb) touch(p, nb, DEC_FAR_LINES);
+        if (++ui == nu) ui = 0, gi++;
+    }
+    for (; g <= s1; g++) {
+        const int64_t r = g * seg > js ? g * seg : js,
+                      r1 = (g + 1) * seg < j1 ? (g + 1) * seg : j1;
+        for (int64_t u = 0; u < nu; u++) {
+            const int64_t nq = v0s[u + 1] - v0s[u];
+            dec_ahead ah = {NULL, 0};
+            if (nq && gn <= s1 && (ah.pfb = PIECE(gn, unx))) ah.pf = p;
+            size_t nf;
+            if (nq && gf <= s1 && (nf = PIECE(gf, uf))) touch(p, nf, DEC_FAR_LINES);
+            if (++unx == nu) unx = 0, gn++;
+            if (++uf == nu) uf = 0, gf++;
+            if (!nq) continue;
+            const dec_chunk *dc = &dcs[u];
+            const dec_query *q = qs + v0s[u];
+            if (nq > 1) {
+                unit_rows(dc, q, nq, js, r, r1, isk, &ah);
+                continue;
+            }
+            const int64_t lo = q->lo > r ? q->lo : r, hi = q->hi < r1 ? q->hi : r1;
+            if (lo >= hi) continue;
+            const dec_seg *e = &dc->seg[g - dc->s0];
+            const size_t off = (size_t)(lo - g * seg);
+            float *sv = dc->sc + (lo - dc->j0), *x = dc->sc + dc->ch;
+            if (isk)
+                dc->kt->dot_rows_q(sv, e->k + off * l.rb, l.lda, dc->kind,
+                                   e->ks ? e->ks + off * (size_t)l.sld : NULL, l.sld, x,
+                                   hi - lo, c->D, ah.pf, ah.pfb);
+            else
+                dc->kt->axpy_rows_q(x + c->D, sv, e->v + off * l.rb, l.lda, dc->kind,
+                                    e->vs ? e->vs + off * (size_t)l.sld : NULL, l.sld, hi - lo,
+                                    c->Dv, ah.pf, ah.pfb);
+        }
+    }
+#undef PIECE
 }
 
 // The rows of a decode chunk (DECODE_CHUNK_BYTES).
@@ -838,6 +951,12 @@ typedef struct dec_group {
     int64_t ch, m, js;
     const int64_t *memb;
 } dec_group;
+
+// An item of a decode call: group g's chunk for its KV heads [hk, hk + nh)
+// (nh > 1: a sequence alone, its heads read together).
+typedef struct dec_item {
+    int64_t g, hk, nh;
+} dec_item;
 
 // A sequence's chunk and the first row of its segment s (KV head 0): the
 // key the sequences sharing rows are found by.
@@ -952,19 +1071,28 @@ static mha_status attend_decode(const attend_call *ac) {
                                                              : DEC_GROUP_Q;
     const bool share = c->shares && B > 1 && a.window_left < 0 && a.window_right < 0 &&
                        q_shift == 0 && qcap / nq >= 2;
-    const int64_t mmax = share ? qcap / nq : 1, qn = mmax * nq;
+    const int64_t mmax = share ? qcap / nq : 1;
+    // heads-together rows (mha__kv_rows.heads_together): an item of a
+    // sequence alone takes up to HI of its KV heads (as many as a group's
+    // queries), each segment's heads one after the other
+    const int64_t HI = !c->heads_together   ? 1
+                       : c->Hkv < qcap / nq ? c->Hkv
+                       : qcap / nq > 1      ? qcap / nq
+                                            : 1;
+    const int64_t um = mmax > HI ? mmax : HI, qn = um * nq;  // units and queries an item
     // partials per (b, h, chunk, t): m, l, then Dv floats of unnormalised O;
     // per thread, for each of an item's qn queries: scores (CH, indexed
     // from the chunk's first key), scaled query (D), unnormalised output (Dv)
     const size_t per = (size_t)(Dv + 2);
     const size_t qf = (size_t)(CH + D + Dv), tfl = (size_t)qn * qf;
-    // (and per thread and sequence of an item the segments its chunk's
-    // rows lie in)
+    // (and per thread and unit of an item the segments its chunk's rows
+    // lie in)
     const size_t ns = (size_t)((CH + c->seg - 1) / c->seg + 1);
     // (floats: the partials, then the threads' scores from a multiple of
     // 16, then their queries' records, then their segments, then their
-    // combine sums, then the groups, their members and the sort's keys)
-    const size_t ngmax = (size_t)(B * nch);
+    // combine sums, then the groups, their members, the sort's keys and the
+    // items)
+    const size_t ngmax = (size_t)(B * nch), itmax = ngmax * (size_t)c->Hkv;
     size_t off_sc, off_q, nd, bytes;
     if (mha__mul_overflow_size((size_t)(B * H * nch * T), per, &off_sc) ||
         mha__add_overflow_size(off_sc, 15, &off_sc) ||
@@ -973,13 +1101,15 @@ static mha_status attend_decode(const attend_call *ac) {
         mha__mul_overflow_size(off_q & ~(size_t)15, sizeof(float), &bytes) ||
         mha__mul_overflow_size((size_t)qn * (size_t)nt, sizeof(dec_query), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
-        mha__mul_overflow_size(ns * (size_t)(mmax * nt), sizeof(dec_seg), &nd) ||
+        mha__mul_overflow_size(ns * (size_t)(um * nt), sizeof(dec_seg), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
         mha__mul_overflow_size((size_t)Dv * (size_t)nt, sizeof(double), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
         mha__mul_overflow_size(ngmax, sizeof(dec_group) + sizeof(int64_t), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes) ||
         mha__mul_overflow_size((size_t)B, sizeof(dec_key), &nd) ||
+        mha__add_overflow_size(bytes, nd, &bytes) ||
+        mha__mul_overflow_size(itmax, sizeof(dec_item), &nd) ||
         mha__add_overflow_size(bytes, nd, &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
     off_sc &= ~(size_t)15, off_q &= ~(size_t)15;
@@ -989,26 +1119,38 @@ static mha_status attend_decode(const attend_call *ac) {
     float *tsc = part + off_sc;
     dec_query *tq = (dec_query *)(void *)(part + off_q);
     dec_seg *tseg = (dec_seg *)(void *)(tq + (size_t)qn * (size_t)nt);
-    double *tacc = (double *)(void *)(tseg + ns * (size_t)(mmax * nt));
+    double *tacc = (double *)(void *)(tseg + ns * (size_t)(um * nt));
     dec_group *grp = (dec_group *)(void *)(tacc + (size_t)Dv * (size_t)nt);
     int64_t *memb = (int64_t *)(void *)(grp + ngmax);
     dec_key *keys = (dec_key *)(void *)(memb + ngmax);
+    dec_item *items = (dec_item *)(void *)(keys + B);
     const int64_t ngr = decode_groups(c, counts, T, CH, nch, share, mmax, grp, memb, keys);
+    // items: (KV heads, group), a sequence's chunks after each other; a
+    // sequence alone takes HI heads an item
+    int64_t nit = 0;
+    for (int64_t hk = 0; hk < c->Hkv; hk += HI) {
+        const int64_t nh = c->Hkv - hk < HI ? c->Hkv - hk : HI;  // (this block of heads)
+        for (int64_t g = 0; g < ngr; g++)
+            if (grp[g].m == 1) items[nit++] = (dec_item){g, hk, nh};
+            else
+                for (int64_t h = hk; h < hk + nh; h++) items[nit++] = (dec_item){g, h, 1};
+    }
     const int kind = (int)c->dt;
-    // items: (KV head, group), a sequence's chunks after each other
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < c->Hkv * ngr; it++) {
-        const int64_t hk = it / ngr;
-        const dec_group *gr = &grp[it % ngr];
-        const int64_t ch = gr->ch, j0 = ch * CH, js = gr->js;
+    for (int64_t it = 0; it < nit; it++) {
+        const dec_group *gr = &grp[items[it].g];
+        const int64_t ch = gr->ch, j0 = ch * CH, js = gr->js, nh = items[it].nh;
         const int id = mha__thread_id();
         float *sc = tsc + (size_t)id * tfl;
         dec_query *qs = tq + (size_t)id * (size_t)qn;
         int64_t nv = 0;  // the item's queries so far
+        // units: (KV head, member), one of the two alone
+        const int64_t nu = gr->m * nh;
         dec_chunk dcs[DEC_GROUP_Q];
         int64_t v0s[DEC_GROUP_Q + 1];
-        for (int64_t u = 0; u < gr->m; u++) {
-            const int64_t b = gr->memb[u], n = c->len[b], Tb = counts ? counts[b] : T;
+        for (int64_t u = 0; u < nu; u++) {
+            const int64_t hk = items[it].hk + u / gr->m, b = gr->memb[u % gr->m],
+                          n = c->len[b], Tb = counts ? counts[b] : T;
             const int64_t j1 = j0 + CH < n ? j0 + CH : n;
             v0s[u] = nv;
             for (int64_t h = hk * G; h < (hk + 1) * G; h++)
@@ -1036,7 +1178,7 @@ static mha_status attend_decode(const attend_call *ac) {
                 }
             // the segments of its chunk's rows, looked up once
             const int64_t s0 = j0 / c->seg, s1 = (j1 - 1) / c->seg;
-            dec_seg *sg = tseg + ((size_t)id * (size_t)mmax + (size_t)u) * ns;
+            dec_seg *sg = tseg + ((size_t)id * (size_t)um + (size_t)u) * ns;
             for (int64_t g = s0; nv > v0s[u] && g <= s1; g++) {
                 dec_seg *e = &sg[g - s0];
                 c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
@@ -1044,7 +1186,7 @@ static mha_status attend_decode(const attend_call *ac) {
             dcs[u] = (dec_chunk){kt, c, b, hk, j0, s0, CH, kind, sc + (size_t)v0s[u] * qf,
                                  qf, sg};
         }
-        v0s[gr->m] = nv;
+        v0s[nu] = nv;
         if (nv == 0) continue;
         // the shared rows [j0, js) for all (every query sees them): through
         // the first sequence's segments, the scores and outputs indexed
@@ -1053,28 +1195,14 @@ static mha_status attend_decode(const attend_call *ac) {
         all.sc = sc;
         for (int pass = 0; pass < 2; pass++) {
             const bool isk = pass == 0;
-            if (js > j0) shared_rows(&all, nv, j0, js, isk);
+            if (js > j0) shared_rows(&all, nv, j0, js, isk, NULL);
             // each sequence's other rows [js, ..): the keys its queries all
             // see for all of them, each query's others alone, in order
-            for (int64_t u = 0; u < gr->m; u++) {
-                const dec_chunk *dc = &dcs[u];
-                const dec_query *uq = qs + v0s[u];
-                const int64_t un = v0s[u + 1] - v0s[u];
-                int64_t clo = js, chi = INT64_MAX;
-                for (int64_t v = 0; v < un; v++) {
-                    const int64_t lo = uq[v].lo > js ? uq[v].lo : js;
-                    clo = lo > clo ? lo : clo;
-                    chi = uq[v].hi < chi ? uq[v].hi : chi;
-                }
-                // (one query, or none shared: each query alone)
-                const bool shared = un > 1 && chi > clo;
-                for (int64_t v = 0; v < un; v++) {
-                    const int64_t lo = uq[v].lo > js ? uq[v].lo : js;
-                    alone(dc, v, lo, shared ? clo : uq[v].hi, isk);
-                }
-                if (shared) shared_rows(dc, un, clo, chi, isk);
-                for (int64_t v = 0; shared && v < un; v++) alone(dc, v, chi, uq[v].hi, isk);
-            }
+            if (nh == 1)
+                for (int64_t u = 0; u < nu; u++)
+                    unit_rows(&dcs[u], qs + v0s[u], v0s[u + 1] - v0s[u], js, js, INT64_MAX,
+                              isk, NULL);
+            else heads_rows(dcs, qs, v0s, nu, js, isk);
             if (!isk) break;
             for (int64_t v = 0; v < nv; v++) {
                 const dec_query *dq = &qs[v];

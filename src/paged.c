@@ -1,9 +1,11 @@
 // paged.c: the paged KV cache (mha.h: mha_paged_cache): a pool of blocks of
-// bs tokens (K rows (Hkv, nblocks, bs, D) and V rows (Hkv, nblocks, bs, Dv)
-// in the storage type, int8 / int4 scales in each row after its elements,
-// so that a KV head's block is one run of memory: a KV head's blocks side
-// by side, so blocks taken in order are one stream per head, as in a
-// contiguous cache), per-sequence block tables, blocks
+// bs tokens (K rows (Hkv, nblocks, bs, D) and V rows (Hkv, nblocks, bs, Dv),
+// head-major: a KV head's blocks side by side, blocks taken in order one
+// stream per head; or (nblocks, Hkv, bs, .), block-major: a block's KV
+// heads side by side, a block's K (or V) one run of memory wherever it
+// lies, read heads together by decode; mha.h: mha_paged_layout) in the
+// storage type, int8 / int4 scales in each row after its elements,
+// per-sequence block tables, blocks
 // counted by the sequences that hold them. A fork shares its source's
 // blocks; a write into a shared block copies it first (copy on write).
 // Attention goes through kvcache.c's drivers with the blocks as the row
@@ -44,9 +46,11 @@ typedef struct pseq {
 struct mha_paged_cache {
     int64_t nblocks, bs, Hkv, D, Dv;
     mha_kv_dtype dt;
+    bool block_major;       // the pool's layout (mha_paged_layout)
     mha__kv_layout lk, lv;  // the K and V rows' layout
-    // (Hkv, nblocks, bs) rows of lk.rb and lv.rb bytes, int8 / int4 scales
-    // in the rows (mha__kv_layout_in_rows: a head's block one run of memory)
+    // (Hkv, nblocks, bs) or, block-major, (nblocks, Hkv, bs) rows of lk.rb
+    // and lv.rb bytes, int8 / int4 scales in the rows
+    // (mha__kv_layout_in_rows: a head's block one run of memory)
     char *k, *v;
     int32_t *ref;       // per block: the sequences holding it (0: free)
     uint64_t *freemap;  // per block a bit: free (nfree of them)
@@ -95,11 +99,42 @@ static void leave_read(mha_paged_cache *c) { atomic_fetch_sub(&c->state, 1); }
 // ---------------------------------------------------------------------------
 // Create, destroy, sequences
 
+static const char *const layout_names[] = {"head-major", "block-major"};
+
+const char *mha_paged_layout_name(mha_paged_layout layout) {
+    return (unsigned)layout < 2 ? layout_names[layout] : NULL;
+}
+
+mha_status mha_paged_layout_from_name(mha_paged_layout *layout, const char *name) {
+    if (!layout || !name)
+        return mha__fail(MHA_ERR_INVALID_ARG, "paged layout: NULL layout or name");
+    for (int i = 0; i < 2; i++)
+        if (strcmp(name, layout_names[i]) == 0) {
+            *layout = (mha_paged_layout)i;
+            return MHA_OK;
+        }
+    return mha__fail(MHA_ERR_INVALID_ARG,
+                     "paged layout '%s': expected head-major or block-major", name);
+}
+
 mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t v_head_dim, mha_kv_dtype dtype) {
+    return mha_paged_cache_create_ex(out, num_blocks, block_size, num_kv_heads, head_dim,
+                                     v_head_dim, dtype, MHA_PAGED_HEAD_MAJOR);
+}
+
+mha_status mha_paged_cache_create_ex(mha_paged_cache **out, int64_t num_blocks,
+                                     int64_t block_size, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t v_head_dim, mha_kv_dtype dtype,
+                                     mha_paged_layout layout) {
     if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_create: NULL out");
     *out = NULL;
+    if ((unsigned)layout > MHA_PAGED_BLOCK_MAJOR)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "paged cache: layout %d (expected MHA_PAGED_HEAD_MAJOR 0 or "
+                         "MHA_PAGED_BLOCK_MAJOR 1)",
+                         (int)layout);
     if (num_blocks < 1 || num_blocks > INT32_MAX || block_size < 1 || num_kv_heads < 1 ||
         head_dim < 1 || v_head_dim < 1)
         return mha__fail(MHA_ERR_INVALID_ARG,
@@ -125,6 +160,7 @@ mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
     c->nblocks = num_blocks, c->bs = block_size, c->Hkv = num_kv_heads;
     c->D = head_dim, c->Dv = v_head_dim, c->dt = dtype;
     c->lk = lk, c->lv = lv;
+    c->block_major = layout == MHA_PAGED_BLOCK_MAJOR;
     atomic_init(&c->state, 0);
     c->k = mha__alloc(nk);
     c->v = mha__alloc(nv);
@@ -540,6 +576,10 @@ int64_t mha_paged_cache_blocks_in_use(const mha_paged_cache *c) {
 
 int64_t mha_paged_cache_blocks_free(const mha_paged_cache *c) { return c ? c->nfree : -1; }
 
+mha_paged_layout mha_paged_cache_layout(const mha_paged_cache *c) {
+    return c && c->block_major ? MHA_PAGED_BLOCK_MAJOR : MHA_PAGED_HEAD_MAJOR;
+}
+
 size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
     if (!c) return 0;
     const size_t rows = (size_t)(c->Hkv * c->bs);
@@ -552,7 +592,7 @@ size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
 // Block blk's row of head h, slot i: K (isv false) or V, and its scales.
 static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, int64_t i,
                     float **scale) {
-    const int64_t r = (h * c->nblocks + blk) * c->bs + i;
+    const int64_t r = (c->block_major ? blk * c->Hkv + h : h * c->nblocks + blk) * c->bs + i;
     const mha__kv_layout l = isv ? c->lv : c->lk;
     char *row = (isv ? c->v : c->k) + (size_t)r * l.rb;
     *scale = l.so ? (float *)(row + l.so) : NULL;
@@ -560,13 +600,15 @@ static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, 
 }
 
 static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
-    for (int64_t h = 0; h < c->Hkv; h++)
+    // (the scales with the rows; block-major: every head at once)
+    const int64_t nh = c->block_major ? c->Hkv : 1;
+    for (int64_t h = 0; h < c->Hkv; h += nh)
         for (int isv = 0; isv < 2; isv++) {
             float *sd, *ss;
             char *d = row_at(c, isv, dst, h, 0, &sd);
             const char *sr = row_at(c, isv, src, h, 0, &ss);
             const mha__kv_layout l = isv ? c->lv : c->lk;
-            memcpy(d, sr, (size_t)c->bs * l.rb);  // (the scales with the rows)
+            memcpy(d, sr, (size_t)(nh * c->bs) * l.rb);
         }
 }
 
@@ -826,8 +868,8 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
     }
     if (!st) {
         const paged_call pc = {c, ids};
-        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv, c->bs,    c->dt,
-                                   c->lk, c->lv,  len,  &pc,   paged_at, true};
+        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv,    c->bs, c->dt,         c->lk,
+                                   c->lv, len,    &pc,  paged_at, true,  c->block_major};
         st = mha__kv_attend_rows(out, q, &rows, args, counts, 0, NULL);
     }
     free(len);

@@ -7,6 +7,7 @@
 // model. Then the block accounting (forks share, copy on write costs one
 // block), the error cases (each leaving lengths, blocks and attention
 // results as they were) and attends and changes from two threads at once.
+// All of it for both pool layouts (mha_paged_layout): the same bits.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,15 @@ typedef struct mirror {
     int32_t *tok;      // the token ids (MAXLEN)
     uint64_t *prefix;  // prefix[t]: the hash of tok[0..t]
 } mirror;
+
+// The pool's layout every test here creates its caches with (main runs
+// the whole suite once for each).
+static mha_paged_layout g_layout;
+
+static mha_status paged_create(mha_paged_cache **c, int64_t nb, int64_t bs, int64_t hkv,
+                               int64_t d, int64_t dv, mha_kv_dtype dt) {
+    return mha_paged_cache_create_ex(c, nb, bs, hkv, d, dv, dt, g_layout);
+}
 
 typedef struct world {
     mha_paged_cache *c;
@@ -201,7 +211,7 @@ static int64_t prompts, reused, held;
 
 static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
     world w = {.dt = dt, .D = D, .bs = bs};
-    CHECK_OK(mha_paged_cache_create(&w.c, (MAXSEQ * MAXLEN) / bs + 8, bs, HKV, D, D, dt));
+    CHECK_OK(paged_create(&w.c, (MAXSEQ * MAXLEN) / bs + 8, bs, HKV, D, D, dt));
     for (int step = 0; step < steps; step++) {
         const int op = (int)(next() % 10);
         int sel[MAXSEQ];
@@ -305,7 +315,7 @@ static void test_shared_decode(int64_t D, int64_t plen, int dt0, int dt1) {
     const float slopes[H] = {0.5f, 0.25f, 0.125f, 0.0625f};
     for (int dt = dt0; dt <= dt1; dt++) {
         world w = {.dt = (mha_kv_dtype)dt, .D = D, .bs = 16};
-        CHECK_OK(mha_paged_cache_create(&w.c, (MAXSEQ * MAXLEN) / 16 + 8, 16, HKV, D, D,
+        CHECK_OK(paged_create(&w.c, (MAXSEQ * MAXLEN) / 16 + 8, 16, HKV, D, D,
                                         (mha_kv_dtype)dt));
         int sel[MAXSEQ];
         for (int i = 0; i < 10; i++) sel[i] = i;
@@ -354,7 +364,7 @@ static void test_shared_decode(int64_t D, int64_t plen, int dt0, int dt1) {
 static void test_blocks(void) {
     enum { BS = 16, D = 8 };
     mha_paged_cache *c = NULL;
-    CHECK_OK(mha_paged_cache_create(&c, 40, BS, HKV, D, D, MHA_KV_F32));
+    CHECK_OK(paged_create(&c, 40, BS, HKV, D, D, MHA_KV_F32));
     world w = {.c = c, .dt = MHA_KV_F32, .D = D, .bs = BS};
     mirror_init(&w.seq[0], D);
     CHECK_OK(mha_paged_cache_add(c, &w.seq[0].id));
@@ -393,7 +403,7 @@ static void test_blocks(void) {
 static void test_prefix(void) {
     enum { BS = 16, D = 16, P = 2048, NS = 32, GEN = 40 };
     world w = {.dt = MHA_KV_F32, .D = D, .bs = BS};
-    CHECK_OK(mha_paged_cache_create(&w.c, 400, BS, HKV, D, D, MHA_KV_F32));
+    CHECK_OK(paged_create(&w.c, 400, BS, HKV, D, D, MHA_KV_F32));
     static int32_t prompt[P];
     for (int t = 0; t < P; t++) prompt[t] = (int32_t)irand(0, 50000);
     for (int i = 0; i < NS && i < MAXSEQ; i++) {
@@ -450,7 +460,7 @@ static void test_prefix(void) {
     // a block held alone, cut into and rewritten, leaves the index: a prompt
     // with its old tokens shares only the block before it
     world x = {.dt = MHA_KV_F32, .D = D, .bs = BS};
-    CHECK_OK(mha_paged_cache_create(&x.c, 10, BS, HKV, D, D, MHA_KV_F32));
+    CHECK_OK(paged_create(&x.c, 10, BS, HKV, D, D, MHA_KV_F32));
     mirror_init(&x.seq[0], D);
     CHECK_OK(mha_paged_cache_add(x.c, &x.seq[0].id));
     x.n = 1;
@@ -491,7 +501,7 @@ static void test_prefix(void) {
 static void test_prompt_last_row(void) {
     enum { BS = 4, D = 8 };
     world w = {.dt = MHA_KV_F32, .D = D, .bs = BS};
-    CHECK_OK(mha_paged_cache_create(&w.c, 20, BS, HKV, D, D, MHA_KV_F32));
+    CHECK_OK(paged_create(&w.c, 20, BS, HKV, D, D, MHA_KV_F32));
     int32_t p8[8] = {11, 12, 13, 14, 15, 16, 17, 18};
     for (int i = 0; i < 6; i++) mirror_init(&w.seq[i], D);
     CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
@@ -577,7 +587,7 @@ static void test_prompt_last_row(void) {
 static void test_placement(void) {
     enum { BS = 4, D = 8, NB = 64 };
     world w = {.dt = MHA_KV_F32, .D = D, .bs = BS};
-    CHECK_OK(mha_paged_cache_create(&w.c, NB, BS, HKV, D, D, MHA_KV_F32));
+    CHECK_OK(paged_create(&w.c, NB, BS, HKV, D, D, MHA_KV_F32));
     for (int i = 0; i < 5; i++) mirror_init(&w.seq[i], D);
     CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
     w.n = 1;
@@ -627,11 +637,11 @@ static void test_placement(void) {
 static void test_errors(void) {
     enum { BS = 4, D = 8 };
     mha_paged_cache *c = NULL;
-    CHECK(mha_paged_cache_create(&c, 0, BS, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_create(&c, 4, 0, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_create(&c, 4, BS, HKV, D, D, (mha_kv_dtype)9) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_create(NULL, 4, BS, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
-    CHECK_OK(mha_paged_cache_create(&c, 6, BS, HKV, D, D, MHA_KV_F32));
+    CHECK(paged_create(&c, 0, BS, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
+    CHECK(paged_create(&c, 4, 0, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
+    CHECK(paged_create(&c, 4, BS, HKV, D, D, (mha_kv_dtype)9) == MHA_ERR_INVALID_ARG);
+    CHECK(paged_create(NULL, 4, BS, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
+    CHECK_OK(paged_create(&c, 6, BS, HKV, D, D, MHA_KV_F32));
     world w = {.c = c, .dt = MHA_KV_F32, .D = D, .bs = BS};
     for (int i = 0; i < 2; i++) {
         mirror_init(&w.seq[i], D);
@@ -714,7 +724,7 @@ static void test_threads(void) {
 #ifdef _OPENMP
     enum { BS = 8, D = 16, ROUNDS = 300 };
     mha_paged_cache *c = NULL;
-    CHECK_OK(mha_paged_cache_create(&c, 200, BS, HKV, D, D, MHA_KV_F32));
+    CHECK_OK(paged_create(&c, 200, BS, HKV, D, D, MHA_KV_F32));
     int64_t ids[2];
     CHECK_OK(mha_paged_cache_add(c, &ids[0]));
     CHECK_OK(mha_paged_cache_add(c, &ids[1]));
@@ -802,7 +812,7 @@ static void test_forward_paged(void) {
             CHECK_OK(mha_forward(&yt, NULL, m, &a));
         }
         mha_paged_cache *pc = NULL;
-        CHECK_OK(mha_paged_cache_create(&pc, 200, 8, NKV, d, d, MHA_KV_F32));
+        CHECK_OK(paged_create(&pc, 200, 8, NKV, d, d, MHA_KV_F32));
         int64_t ids[NS], done[NS] = {0};
         for (int i = 0; i < NS; i++) CHECK_OK(mha_paged_cache_add(pc, &ids[i]));
         int calls = 0, mixed = 0;
@@ -874,7 +884,7 @@ static void test_forward_paged(void) {
             mha_paged_cache *p2 = NULL;
             mha_kv_cache *kc = NULL;
             const int64_t L = 40;
-            CHECK_OK(mha_paged_cache_create(&p2, 64, 8, NKV, d, d, MHA_KV_F32));
+            CHECK_OK(paged_create(&p2, 64, 8, NKV, d, d, MHA_KV_F32));
             CHECK_OK(mha_kv_cache_create(&kc, 2, NKV, d, d, L));
             int64_t id2[2];
             CHECK_OK(mha_paged_cache_add(p2, &id2[0]));
@@ -917,7 +927,7 @@ static void test_forward_paged(void) {
 static void test_window_release(void) {
     enum { BS = 8, D = 16, W = 20, STEPS = 300 };
     world w = {.dt = MHA_KV_BF16, .D = D, .bs = BS};
-    CHECK_OK(mha_paged_cache_create(&w.c, 64, BS, HKV, D, D, MHA_KV_BF16));
+    CHECK_OK(paged_create(&w.c, 64, BS, HKV, D, D, MHA_KV_BF16));
     mirror_init(&w.seq[0], D);
     CHECK_OK(mha_paged_cache_add(w.c, &w.seq[0].id));
     w.n = 1;
@@ -995,7 +1005,7 @@ static void test_forward_prefix(void) {
     const mha_forward_args af = rope_args(&xt, -1, true);
     CHECK_OK(mha_forward(&yt, NULL, m, &af));
     mha_paged_cache *c = NULL;
-    CHECK_OK(mha_paged_cache_create(&c, 32, BS, NKV, E / NH, E / NH, MHA_KV_F32));
+    CHECK_OK(paged_create(&c, 32, BS, NKV, E / NH, E / NH, MHA_KV_F32));
     int64_t a, b, cached;
     CHECK_OK(mha_paged_cache_add(c, &a));
     mha_tensor xa = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, P, E}),
@@ -1067,7 +1077,7 @@ static void test_streaming(void) {
               *ys = malloc(sizeof(float) * L * E);
         for (int64_t j = 0; j < L * E; j++) x[j] = frand();
         mha_paged_cache *pc = NULL;
-        CHECK_OK(mha_paged_cache_create(&pc, 64, BS, NKV, E / NH, E / NH, MHA_KV_F32));
+        CHECK_OK(paged_create(&pc, 64, BS, NKV, E / NH, E / NH, MHA_KV_F32));
         int64_t id, done = 0, most = 0, calls = 0;
         CHECK_OK(mha_paged_cache_add(pc, &id));
         while (done < L) {
@@ -1158,7 +1168,7 @@ static void test_streaming(void) {
 static void test_released_parent(void) {
     enum { BS = 4, D = 8 };
     mha_paged_cache *c = NULL;
-    CHECK_OK(mha_paged_cache_create(&c, 8, BS, 1, D, D, MHA_KV_F32));
+    CHECK_OK(paged_create(&c, 8, BS, 1, D, D, MHA_KV_F32));
     float ka[3 * BS * D], kb[3 * BS * D];
     for (int i = 0; i < 3 * BS * D; i++) ka[i] = frand(), kb[i] = frand();
     mha_tensor ta = mha_tensor_contiguous(ka, MHA_F32, 4, (int64_t[]){1, 1, 3 * BS, D}),
@@ -1196,7 +1206,7 @@ static void test_released_parent(void) {
 // rounded up to 4: 17 -> 20, 35 -> 36) and in a contiguous cache.
 static void test_int4_bytes(void) {
     mha_paged_cache *c = NULL;
-    CHECK_OK(mha_paged_cache_create(&c, 4, 5, 3, 33, 70, MHA_KV_INT4));
+    CHECK_OK(paged_create(&c, 4, 5, 3, 33, 70, MHA_KV_INT4));
     CHECKF(mha_paged_cache_block_bytes(c) == (size_t)(3 * 5) * (20 + 36 + 4 * (2 + 3)),
            "int4 block bytes %zu", mha_paged_cache_block_bytes(c));
     mha_paged_cache_destroy(c);
@@ -1207,14 +1217,94 @@ static void test_int4_bytes(void) {
     mha_kv_cache_destroy(kc);
 }
 
-int main(void) {
-    seed_rng(19);
+// The layouts' names, their errors and the getter; mha_paged_cache_create
+// is head-major.
+static void test_layout_api(void) {
+    mha_paged_layout l = MHA_PAGED_HEAD_MAJOR;
+    CHECK(strcmp(mha_paged_layout_name(MHA_PAGED_HEAD_MAJOR), "head-major") == 0);
+    CHECK(strcmp(mha_paged_layout_name(MHA_PAGED_BLOCK_MAJOR), "block-major") == 0);
+    CHECK(mha_paged_layout_name((mha_paged_layout)2) == NULL);
+    CHECK_OK(mha_paged_layout_from_name(&l, "block-major"));
+    CHECK(l == MHA_PAGED_BLOCK_MAJOR);
+    CHECK(mha_paged_layout_from_name(&l, "blocks") == MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "'blocks'") != NULL);
+    CHECK(l == MHA_PAGED_BLOCK_MAJOR);
+    CHECK(mha_paged_layout_from_name(NULL, "head-major") == MHA_ERR_INVALID_ARG);
+    mha_paged_cache *c = (mha_paged_cache *)&l;
+    CHECK(mha_paged_cache_create_ex(&c, 4, 4, 1, 8, 8, MHA_KV_F32, (mha_paged_layout)2) ==
+          MHA_ERR_INVALID_ARG);
+    CHECK(c == NULL && strstr(mha_last_error(), "layout 2") != NULL);
+    CHECK(mha_paged_cache_create_ex(&c, 4, 4, 1, 8, 8, MHA_KV_F32, (mha_paged_layout)-1) ==
+          MHA_ERR_INVALID_ARG);
+    CHECK_OK(mha_paged_cache_create(&c, 4, 4, 1, 8, 8, MHA_KV_F32));
+    CHECK(mha_paged_cache_layout(c) == MHA_PAGED_HEAD_MAJOR);
+    mha_paged_cache_destroy(c);
+    CHECK_OK(mha_paged_cache_create_ex(&c, 4, 4, 1, 8, 8, MHA_KV_F32, MHA_PAGED_BLOCK_MAJOR));
+    CHECK(mha_paged_cache_layout(c) == MHA_PAGED_BLOCK_MAJOR);
+    mha_paged_cache_destroy(c);
+    CHECK(mha_paged_cache_layout(NULL) == MHA_PAGED_HEAD_MAJOR);
+}
+
+// One query per KV head (H = Hkv: a block-major pool's decode calls its
+// kernels on each head's rows of a block directly): three sequences over
+// several of decode's chunks, blocks of 1, 7 and 16, no window and a
+// window, against a contiguous cache of the same rows, the same bits.
+static void test_one_query_a_head(void) {
+    enum { NK = 3, NSEQ = 3, D = 16 };
+    const int64_t lens[NSEQ] = {9000, 300, 4100}, cap = 9000, bss[] = {1, 7, 16};
+    const mha_kv_dtype dts[] = {MHA_KV_F32, MHA_KV_BF16, MHA_KV_INT4};
+    const size_t nkv = (size_t)(NSEQ * NK * cap * D), nq = (size_t)(NSEQ * NK * D);
+    float *kb = malloc(sizeof(float) * nkv), *vb = malloc(sizeof(float) * nkv),
+          *q = malloc(sizeof(float) * nq), *o1 = malloc(sizeof(float) * nq),
+          *o2 = malloc(sizeof(float) * nq);
+    for (size_t i = 0; i < nkv; i++) kb[i] = frand(), vb[i] = frand();
+    for (size_t i = 0; i < nq; i++) q[i] = frand();
+    const int64_t sh[4] = {NSEQ, NK, 1, D};
+    mha_tensor kt = mha_tensor_contiguous(kb, MHA_F32, 4, (int64_t[]){NSEQ, NK, cap, D}),
+               vt = mha_tensor_contiguous(vb, MHA_F32, 4, (int64_t[]){NSEQ, NK, cap, D}),
+               qt = mha_tensor_contiguous(q, MHA_F32, 4, sh),
+               t1 = mha_tensor_contiguous(o1, MHA_F32, 4, sh),
+               t2 = mha_tensor_contiguous(o2, MHA_F32, 4, sh);
+    for (int di = 0; di < 3; di++)
+        for (int bi = 0; bi < 3; bi++) {
+            const int64_t bs = bss[bi];
+            mha_kv_cache *kc = NULL;
+            mha_paged_cache *pc = NULL;
+            CHECK_OK(mha_kv_cache_create_ex(&kc, NSEQ, NK, D, D, cap, dts[di]));
+            CHECK_OK(mha_kv_cache_append(kc, &kt, &vt, lens));
+            CHECK_OK(paged_create(&pc, (13400 + 3 * bs) / bs, bs, NK, D, D, dts[di]));
+            int64_t ids[NSEQ];
+            for (int i = 0; i < NSEQ; i++) CHECK_OK(mha_paged_cache_add(pc, &ids[i]));
+            CHECK_OK(mha_paged_cache_append(pc, NSEQ, ids, lens, &kt, &vt));
+            for (int w = 0; w < 2; w++) {
+                mha_cache_attend_args a;
+                mha_cache_attend_args_init(&a);
+                a.window_left = w ? 700 : -1;
+                for (size_t i = 0; i < nq; i++) o1[i] = 1.0f, o2[i] = 2.0f;
+                CHECK_OK(mha_kv_cache_attend(&t1, &qt, kc, &a, NULL));
+                CHECK_OK(mha_paged_cache_attend(&t2, &qt, pc, NSEQ, ids, NULL, &a));
+                CHECKF(memcmp(o1, o2, sizeof(float) * nq) == 0,
+                       "one query a head: %s, blocks of %lld, window %lld: paged != contiguous",
+                       mha_kv_dtype_name(dts[di]), (long long)bs, (long long)a.window_left);
+            }
+            mha_paged_cache_destroy(pc);
+            mha_kv_cache_destroy(kc);
+        }
+    free(kb), free(vb), free(q), free(o1), free(o2);
+}
+
+// The whole suite under one layout (g_layout).
+static void suite(void) {
+    printf("pool layout %s\n", mha_paged_layout_name(g_layout));
     const int64_t blocks[] = {1, 3, 16, 64};
     // (int4: head dims 33, odd, cut into a group of 32 and one of 1, and 40)
     for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++)
         for (int b = 0; b < 4; b++)
             random_schedule((mha_kv_dtype)dt, blocks[b],
-                            b % 2 ? 40 : dt == MHA_KV_INT4 ? 33 : 16, dt == 0 ? 90 : 45);
+                            b % 2               ? 40
+                            : dt == MHA_KV_INT4 ? 33
+                                                : 16,
+                            dt == 0 ? 90 : 45);
     test_int4_bytes();
     test_shared_decode(40, 600, MHA_KV_F32, MHA_KV_INT4);
     test_shared_decode(128, 514, MHA_KV_F32, MHA_KV_F32);
@@ -1233,5 +1323,15 @@ int main(void) {
     test_forward_prefix();
     test_streaming();
     test_released_parent();
+    test_one_query_a_head();
+}
+
+int main(void) {
+    seed_rng(19);
+    test_layout_api();
+    g_layout = MHA_PAGED_HEAD_MAJOR;
+    suite();
+    g_layout = MHA_PAGED_BLOCK_MAJOR;
+    suite();
     return check_summary("test_paged");
 }

@@ -80,6 +80,10 @@ static const char *bench_help =
     "                     sequences at random, as a busy server's: the cache's\n"
     "                     blocks in short runs at random places) or sequential\n"
     "                     (a pool of the cache's blocks alone)\n"
+    "  --pool-layout L    with --block-size (--decode, --serve): head-major\n"
+    "                     (default: a KV head's blocks side by side) or\n"
+    "                     block-major (a block's KV heads side by side, read\n"
+    "                     heads together; mha_paged_layout)\n"
     "  --module           with --decode: the module's decode step instead\n"
     "                     (mha_forward_cached: the q, k, v projections, the\n"
     "                     append, attention over the cache, W_O), --seq new\n"
@@ -133,6 +137,7 @@ typedef struct bench_opts {
     bool serve;                     // --serve
     int64_t sequences, gen, block;  // --serve
     bool contiguous_pool;           // --pool-order sequential (--decode --block-size)
+    mha_paged_layout layout;        // --pool-layout
     int64_t kv_len, kv_heads;       // --decode
     mha_kv_dtype kv_dtype;          // --kv-dtype
     mha_dtype wdtype, dtype;        // --weight-dtype, --dtype (module forward)
@@ -476,6 +481,7 @@ static const struct option bench_long_opts[] = {{"batch", required_argument, 0, 
                                                 {"gen", required_argument, 0, 'Q'},
                                                 {"block-size", required_argument, 0, 'k'},
                                                 {"pool-order", required_argument, 0, 'O'},
+                                                {"pool-layout", required_argument, 0, 'Y'},
                                                 {0, 0, 0, 0}};
 
 // One handler per group of options: each takes option c (its value in
@@ -537,6 +543,10 @@ static int bench_opt_problem(bench_opts *o, int c) {
         if (strcmp(optarg, "sequential") && strcmp(optarg, "scattered"))
             return bench_usage("--pool-order needs sequential or scattered");
         o->contiguous_pool = strcmp(optarg, "sequential") == 0;
+        break;
+    case 'Y':
+        if (mha_paged_layout_from_name(&o->layout, optarg))
+            return bench_usage("--pool-layout needs head-major or block-major");
         break;
     default: return BENCH_NOT_MINE;
     }
@@ -943,9 +953,10 @@ static int bench_decode(const bench_opts *o, int threads) {
     if (o->block && !ids) return cli_fail("bench", MHA_ERR_NOMEM);
     // (scattered: a pool of twice the blocks, half of them held by others)
     const int64_t nblk = o->block ? B * ((N + o->block - 1) / o->block) : 0;
-    mha_status st = o->block ? mha_paged_cache_create(&pc, o->contiguous_pool ? nblk : 2 * nblk,
-                                                      o->block, Hkv, d, d, o->kv_dtype)
-                             : mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
+    mha_status st = o->block
+                        ? mha_paged_cache_create_ex(&pc, o->contiguous_pool ? nblk : 2 * nblk,
+                                                    o->block, Hkv, d, d, o->kv_dtype, o->layout)
+                        : mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
     for (int64_t b = 0; !st && pc && b < B; b++) st = mha_paged_cache_add(pc, &ids[b]);
     if (st) {
         mha_paged_cache_destroy(pc);
@@ -993,19 +1004,29 @@ static int bench_decode(const bench_opts *o, int threads) {
         const double bw = median_sorted(bws, n), frac = median_sorted(fr, n),
                      gbs = bytes / (med * 1e-3) * 1e-9;
         // scattered blocks: the same memory read as pieces of a head's
-        // block of K rows (the pool is head-major; int8 / int4: their
-        // scales in the rows), in a random order (the layout's ceiling)
-        const size_t piece = pc ? mha_paged_cache_block_bytes(pc) / (size_t)(2 * Hkv) : 0;
+        // block of K rows (head-major; block-major: a block's K rows of
+        // every head; int8 / int4: their scales in the rows), in a random
+        // order (the layout's ceiling)
+        const bool bm = mha_paged_cache_layout(pc) == MHA_PAGED_BLOCK_MAJOR;
+        const size_t piece = pc ? mha_paged_cache_block_bytes(pc) / (size_t)(bm ? 2 : 2 * Hkv)
+                                : 0;
         const double pbw = pc && !o->contiguous_pool
                                ? read_bandwidth_pieces(threads, bandwidth_bytes(bytes), piece,
                                                        o->seed + 1)
                                : 0.0;
         const char *kv_name = mha_kv_dtype_name(o->kv_dtype);
+        char what[96];  // the storage type and, paged, the blocks
+        if (pc)
+            snprintf(what, sizeof what, "%s; blocks of %lld, %s, %s", kv_name,
+                     (long long)o->block, o->contiguous_pool ? "in order" : "scattered",
+                     mha_paged_layout_name(o->layout));
+        else snprintf(what, sizeof what, "%s", kv_name);
         if (o->json)
             printf("{\"what\": \"mha\", \"decode\": true, \"threads\": %d, \"isa\": \"%s\", "
                    "\"batch\": %lld, \"num_heads\": %lld, \"num_kv_heads\": %lld, "
                    "\"head_dim\": %lld, \"queries\": %lld, \"kv_len\": %lld, "
-                   "\"kv_dtype\": \"%s\", \"block_size\": %lld, \"repeat\": %lld, "
+                   "\"kv_dtype\": \"%s\", \"block_size\": %lld, \"pool_layout\": \"%s\", "
+                   "\"repeat\": %lld, "
                    "\"median_ms\": %.4f, "
                    "\"min_ms\": %.4f, \"max_ms\": %.4f, \"kv_bytes\": %.6g, "
                    "\"kv_gbps\": %.3f, \"read_bandwidth_gbps\": %.3f, "
@@ -1013,8 +1034,9 @@ static int bench_decode(const bench_opts *o, int threads) {
                    "\"random_pieces_gbps\": %.3f, \"max_rss_mib\": %.1f}\n",
                    threads, mha_isa(), (long long)B, (long long)H, (long long)Hkv,
                    (long long)d, (long long)T, (long long)N, kv_name, (long long)o->block,
-                   (long long)o->repeat, med, times[0], times[n - 1], bytes, gbs, bw, frac,
-                   pbw > 0 ? piece : 0, pbw, max_rss_mib());
+                   pc ? mha_paged_layout_name(o->layout) : "", (long long)o->repeat, med,
+                   times[0], times[n - 1], bytes, gbs, bw, frac, pbw > 0 ? piece : 0, pbw,
+                   max_rss_mib());
         else
             printf("mha bench: decode step (%s), %d thread%s, kernels %s\n"
                    "  shape      batch %lld, %lld query head%s x %lld quer%s, %lld KV head%s, "
@@ -1028,15 +1050,15 @@ static int bench_decode(const bench_opts *o, int threads) {
                    pc ? "mha_paged_cache_attend" : "mha_kv_cache_attend", threads,
                    threads == 1 ? "" : "s", mha_isa(), (long long)B, (long long)H,
                    H == 1 ? "" : "s", (long long)T, T == 1 ? "y" : "ies", (long long)Hkv,
-                   Hkv == 1 ? "" : "s", (long long)d, (long long)N, kv_name, med, times[0],
+                   Hkv == 1 ? "" : "s", (long long)d, (long long)N, what, med, times[0],
                    times[n - 1], (long long)o->repeat, bytes / 1048576.0, gbs, 100.0 * frac,
                    bw, threads, threads == 1 ? "" : "s", max_rss_mib());
         if (!o->json && pbw > 0)
-            printf("  pieces     the same bytes read as random %zu-byte pieces (a head's "
+            printf("  pieces     the same bytes read as random %zu-byte pieces (%s "
                    "block of K rows; the\n"
                    "             pool's blocks scattered): %.1f GB/s here; the step reads "
                    "%.1f%% of that\n",
-                   piece, pbw, 100.0 * gbs / pbw);
+                   piece, bm ? "a" : "a head's", pbw, 100.0 * gbs / pbw);
     }
     free(q);
     free(out);
@@ -1197,9 +1219,9 @@ int cmd_bench(int argc, char **argv) {
 #endif
     r.isa = mha_isa();
     if (o.serve) {
-        const bench_serve_opts so = {o.sequences, o.L,        o.gen,    o.E,
-                                     o.H,         o.kv_heads, o.block,  o.kv_dtype,
-                                     o.seed,      o.json,     r.threads};
+        const bench_serve_opts so = {o.sequences, o.L,        o.gen,   o.E,
+                                     o.H,         o.kv_heads, o.block, o.kv_dtype,
+                                     o.layout,    o.seed,     o.json,  r.threads};
         return bench_serve(&so);
     }
     if (o.decode)

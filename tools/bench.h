@@ -36,6 +36,7 @@ void bench_fill_uniform(float *x, int64_t n, uint64_t *s);
 typedef struct bench_serve_opts {
     int64_t nseq, prompt, gen, E, H, Hkv, block;
     mha_kv_dtype kv_dtype;
+    mha_paged_layout layout;
     uint64_t seed;
     bool json;
     int threads;

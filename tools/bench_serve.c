@@ -35,7 +35,7 @@ int bench_serve(const bench_serve_opts *o) {
     // blocks: the prompt once, each sequence's own tokens (and a copy of the
     // prompt's last block), with room to spare
     const int64_t nblocks = (P + bs - 1) / bs + N * ((G + bs - 1) / bs + 2) + 8;
-    if ((st = mha_paged_cache_create(&c, nblocks, bs, Hkv, d, d, o->kv_dtype))) {
+    if ((st = mha_paged_cache_create_ex(&c, nblocks, bs, Hkv, d, d, o->kv_dtype, o->layout))) {
         mha_module_destroy(m);
         return cli_fail("bench --serve", st);
     }
@@ -129,7 +129,8 @@ int bench_serve(const bench_serve_opts *o) {
     if (o->json) {
         printf("{\"serve\": true, \"sequences\": %lld, \"prompt\": %lld, \"max_new\": %lld, "
                "\"embed_dim\": %lld, \"num_heads\": %lld, \"num_kv_heads\": %lld, "
-               "\"block_size\": %lld, \"kv_dtype\": \"%s\", \"threads\": %d, "
+               "\"block_size\": %lld, \"pool_layout\": \"%s\", \"kv_dtype\": \"%s\", "
+               "\"threads\": %d, "
                "\"prefill_ms\": %.3f, \"decode_tokens\": %lld, \"decode_s\": %.4f, "
                "\"tokens_per_s\": %.1f, \"steps\": %lld, \"step_ms_median\": %.4f, "
                "\"full_step_ms\": %.4f, \"full_step_bytes\": %.0f, "
@@ -137,18 +138,19 @@ int bench_serve(const bench_serve_opts *o) {
                "\"peak_cache_mib\": %.2f, \"contiguous_mib\": %.2f, "
                "\"peak_blocks_over_distinct\": %.4f, \"max_blocks_over_distinct\": %.4f}\n",
                (long long)N, (long long)P, (long long)G, (long long)E, (long long)H,
-               (long long)Hkv, (long long)bs, mha_kv_dtype_name(o->kv_dtype), o->threads,
-               prefill_ms, (long long)tokens, decode_s, (double)tokens / decode_s,
-               (long long)step, steps[step / 2], full_ms, first_bytes, first_distinct, bw,
-               (double)peak * blockb / 1048576.0, contiguous / 1048576.0, at_peak, worst);
+               (long long)Hkv, (long long)bs, mha_paged_layout_name(o->layout),
+               mha_kv_dtype_name(o->kv_dtype), o->threads, prefill_ms, (long long)tokens,
+               decode_s, (double)tokens / decode_s, (long long)step, steps[step / 2], full_ms,
+               first_bytes, first_distinct, bw, (double)peak * blockb / 1048576.0,
+               contiguous / 1048576.0, at_peak, worst);
     } else {
         printf("mha bench --serve: %lld sequences sharing a %lld-token prompt, up to %lld new "
                "tokens each (stops uniform in [%lld, %lld]); E %lld, %lld heads, %lld KV heads, "
-               "RoPE; paged cache of %lld-token blocks (%s), %d thread%s, kernels %s\n",
+               "RoPE; paged cache of %lld-token blocks (%s, %s), %d thread%s, kernels %s\n",
                (long long)N, (long long)P, (long long)G, (long long)(G / 4), (long long)G,
                (long long)E, (long long)H, (long long)Hkv, (long long)bs,
-               mha_kv_dtype_name(o->kv_dtype), o->threads, o->threads == 1 ? "" : "s",
-               mha_isa());
+               mha_kv_dtype_name(o->kv_dtype), mha_paged_layout_name(o->layout), o->threads,
+               o->threads == 1 ? "" : "s", mha_isa());
         printf("  prefill    the prompt once: %.1f ms (%.0f tokens/s), then %lld forks: %lld "
                "blocks in use (no copy)\n",
                prefill_ms, (double)P / (prefill_ms * 1e-3), (long long)(N - 1),

@@ -428,10 +428,10 @@ class MultiheadAttention:
         return KVCache(batch, self.num_kv_heads, self.head_dim, self.v_head_dim,
                        capacity=capacity, dtype=dtype)
 
-    def make_paged_cache(self, num_blocks, block_size, dtype="f32"):
+    def make_paged_cache(self, num_blocks, block_size, dtype="f32", layout="head-major"):
         """A PagedKVCache for this module (num_blocks blocks of block_size tokens)."""
         return PagedKVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                            self.v_head_dim, dtype=dtype)
+                            self.v_head_dim, dtype=dtype, layout=layout)
 
     def forward_paged(self, cache, ids, chunks, tokens=None, **extras):
         """Continuous batching through a PagedKVCache: chunks[i] is the new
@@ -732,10 +732,13 @@ class PagedKVCache:
     'bf16', 'f16', 'int8' or 'int4'), per-sequence block tables, blocks shared by
     forks (copy on write). MultiheadAttention.forward_paged runs a module
     through it. A sequence attends exactly as a KVCache holding the same
-    tokens would."""
+    tokens would. layout: 'head-major' (a KV head's blocks side by side:
+    long passes where a sequence's blocks lie in order) or 'block-major' (a
+    block's KV heads side by side, read together: faster where the blocks
+    end up scattered over the pool); the same results either way."""
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, v_head_dim=None, *,
-                 dtype="f32"):
+                 dtype="f32", layout="head-major"):
         self.num_blocks = _check_int("num_blocks", num_blocks)
         self.block_size = _check_int("block_size", block_size)
         self.num_kv_heads = _check_int("num_kv_heads", num_kv_heads)
@@ -743,8 +746,9 @@ class PagedKVCache:
         self.v_head_dim = self.head_dim if v_head_dim is None else _check_int("v_head_dim",
                                                                               v_head_dim)
         self.dtype = dtype
+        self.layout = layout
         self._c = _mha.PagedKVCache(self.num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, self.v_head_dim, str(dtype))
+                                    self.head_dim, self.v_head_dim, str(dtype), str(layout))
 
     def add_sequence(self):
         """A new, empty sequence: its id."""

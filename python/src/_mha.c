@@ -1322,11 +1322,12 @@ typedef struct PagedObject {
 static PyTypeObject PagedType;
 
 static PyObject *Paged_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kws[] = {"num_blocks", "block_size", "num_kv_heads", "head_dim", "v_head_dim",
-                          "dtype",      NULL};
+    static char *kws[] = {"num_blocks", "block_size", "num_kv_heads", "head_dim",
+                          "v_head_dim", "dtype",      "layout",       NULL};
     long long nb, bs, Hkv, D, Dv = 0;
-    const char *dtype = "f32";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|Ls", kws, &nb, &bs, &Hkv, &D, &Dv, &dtype))
+    const char *dtype = "f32", *layout = "head-major";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|Lss", kws, &nb, &bs, &Hkv, &D, &Dv,
+                                     &dtype, &layout))
         return NULL;
     mha_kv_dtype dt;
     if (mha_kv_dtype_from_name(&dt, dtype)) {
@@ -1334,9 +1335,16 @@ static PyObject *Paged_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                      "PagedKVCache dtype '%s': expected f32, bf16, f16, int8 or int4", dtype);
         return NULL;
     }
+    mha_paged_layout lay;
+    if (mha_paged_layout_from_name(&lay, layout)) {
+        PyErr_Format(PyExc_ValueError,
+                     "PagedKVCache layout '%s': expected 'head-major' or 'block-major'",
+                     layout);
+        return NULL;
+    }
     PagedObject *o = PyObject_New(PagedObject, type);
     if (!o) return NULL;
-    mha_status st = mha_paged_cache_create(&o->c, nb, bs, Hkv, D, Dv ? Dv : D, dt);
+    mha_status st = mha_paged_cache_create_ex(&o->c, nb, bs, Hkv, D, Dv ? Dv : D, dt, lay);
     if (st) {
         o->c = NULL;
         Py_DECREF(o);

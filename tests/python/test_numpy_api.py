@@ -265,6 +265,27 @@ def test_paged_cache_continuous_batching(batch_first):
         n.forward_paged(cache, [ids[0]], [xs[0][:, :3]])
 
 
+def test_paged_cache_layouts():
+    # the block-major pool (a block's KV heads side by side, read heads
+    # together) gives the head-major pool's bits, forks and sharing
+    # included; an unknown layout raises
+    n, _ = pair(batch_first=True, num_kv_heads=2)
+    g = np.random.default_rng(11)
+    xs = [g.normal(size=(L, 16)).astype(np.float32) for L in (21, 13)]
+    outs = {}
+    for layout in ("head-major", "block-major"):
+        cache = n.make_paged_cache(num_blocks=24, block_size=4, layout=layout)
+        assert cache.layout == layout
+        a, b = cache.add_sequence(), cache.add_sequence()
+        ys = n.forward_paged(cache, [a, b], [xs[0][:17], xs[1][:6]])
+        f = cache.fork(a)
+        ys += n.forward_paged(cache, [a, b, f], [xs[0][17:], xs[1][6:], xs[1][:2]])
+        outs[layout] = ys
+    assert all(np.array_equal(p, q) for p, q in zip(outs["head-major"], outs["block-major"]))
+    with pytest.raises(ValueError, match="layout 'diagonal'"):
+        n.make_paged_cache(num_blocks=4, block_size=4, layout="diagonal")
+
+
 def test_paged_cache_prefix_sharing():
     # a prompt's blocks, given with their token ids, are found by a second
     # sequence starting with the same tokens: it computes only the rest and
