@@ -1176,12 +1176,24 @@ static mha_status attend_decode(const attend_call *ac) {
                     for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
                     nv++;
                 }
-            // the segments of its chunk's rows, looked up once
+            // the segments of its chunk's rows, looked up once (heads read
+            // together: head u's those of the item's first head moved on by
+            // u heads, as such a source lays them out)
             const int64_t s0 = j0 / c->seg, s1 = (j1 - 1) / c->seg;
             dec_seg *sg = tseg + ((size_t)id * (size_t)um + (size_t)u) * ns;
+            const dec_seg *sf = nh > 1 && u > 0 ? sg - (size_t)u * ns : NULL;
+            const size_t kb = (size_t)(u * c->seg) * c->lk.rb,
+                         vb = (size_t)(u * c->seg) * c->lv.rb;
             for (int64_t g = s0; nv > v0s[u] && g <= s1; g++) {
                 dec_seg *e = &sg[g - s0];
-                c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
+                const dec_seg *f = sf ? &sf[g - s0] : NULL;
+                if (!f) c->at(c->ctx, b, hk, g, &e->k, &e->v, &e->ks, &e->vs);
+                else if (!f->k) *e = *f;  // (released)
+                else
+                    *e = (dec_seg){
+                        f->k + kb, f->v + vb,
+                        f->ks ? (const float *)(const void *)((const char *)f->ks + kb) : NULL,
+                        f->vs ? (const float *)(const void *)((const char *)f->vs + vb) : NULL};
             }
             dcs[u] = (dec_chunk){kt, c, b, hk, j0, s0, CH, kind, sc + (size_t)v0s[u] * qf,
                                  qf, sg};

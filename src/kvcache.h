@@ -51,10 +51,10 @@ typedef struct mha__kv_rows {
     // blocks: decode reads such rows once for all their queries); a
     // segment that is the same for KV head 0 is the same for every head
     bool shares;
-    // a segment's KV heads lie side by side (a paged cache's block: head
-    // hk's rows right after head hk - 1's): decode reads a segment's heads
-    // one after the other, one run of memory, where a head's piece alone
-    // is a few KiB at a random place
+    // a segment's KV heads lie side by side (a paged cache's block-major
+    // block: head hk's segment, rows and scales, seg rows after head hk -
+    // 1's): decode reads a segment's heads one after the other, one run of
+    // memory, where a head's piece alone is a few KiB at a random place
     bool heads_together;
 } mha__kv_rows;
 
