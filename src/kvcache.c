@@ -665,6 +665,16 @@ typedef struct dec_chunk {
     const dec_seg *seg;
 } dec_chunk;
 
+// Row i of segment g: where its K and V rows (and int8 / int4 scales;
+// else NULL) are.
+static void seg_rows(const mha__kv_rows *c, const dec_seg *g, int64_t i, const char **k,
+                     const char **v, const float **ks, const float **vs) {
+    *k = g->k + (size_t)i * c->lk.rb;
+    *v = g->v + (size_t)i * c->lv.rb;
+    *ks = g->ks ? g->ks + i * c->lk.sld : NULL;
+    *vs = g->vs ? g->vs + i * c->lv.sld : NULL;
+}
+
 // The piece of rows [r, hi) that lies in one run of memory (r's segment,
 // and the segments after it that follow it in memory: a paged cache's
 // blocks taken in order): its end (returned) and where row r's K, V (and
@@ -672,12 +682,9 @@ typedef struct dec_chunk {
 static int64_t piece(const dec_chunk *dc, int64_t r, int64_t hi, const char **k,
                      const char **v, const float **ks, const float **vs) {
     const mha__kv_rows *c = dc->c;
-    const int64_t s = r / c->seg, i = r - s * c->seg;
+    const int64_t s = r / c->seg;
     const dec_seg *g = &dc->seg[s - dc->s0];
-    *k = g->k + (size_t)i * c->lk.rb;
-    *v = g->v + (size_t)i * c->lv.rb;
-    *ks = g->ks ? g->ks + i * c->lk.sld : NULL;
-    *vs = g->vs ? g->vs + i * c->lv.sld : NULL;
+    seg_rows(c, g, r - s * c->seg, k, v, ks, vs);
     int64_t end = (s + 1) * c->seg;
     const size_t kb = (size_t)c->seg * c->lk.rb, vb = (size_t)c->seg * c->lv.rb;
     for (const dec_seg *e = g + 1; end < hi && g->k && e->k == g->k + kb && e->v == g->v + vb &&
@@ -795,11 +802,24 @@ static void look_ahead(const dec_chunk *dc, int64_t r0, int64_t r, int64_t p1, i
     ah->pf = NULL, ah->pfb = 0;
 }
 
+// The n rows from row r at k (K, with their scales ks) or vr (V, vs) for
+// query v alone, in one kernel call: its scores (isk), else O += P V.
+static void rows_alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t n, const char *k,
+                       const char *vr, const float *ks, const float *vs, bool isk,
+                       const void *pf, size_t pfb) {
+    const mha__kv_rows *c = dc->c;
+    float *s = dc->sc + (size_t)v * dc->qf, *x = s + dc->ch, *o = x + c->D;
+    if (isk)
+        dc->kt->dot_rows_q(s + (r - dc->j0), k, c->lk.lda, dc->kind, ks, c->lk.sld, x, n, c->D,
+                           pf, pfb);
+    else
+        dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, c->lv.lda, dc->kind, vs, c->lv.sld, n,
+                            c->Dv, pf, pfb);
+}
+
 // Rows [r, r1) for query v alone: its scores (isk), else O += P V.
 static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool isk,
                   dec_ahead *ah) {
-    const int64_t D = dc->c->D, Dv = dc->c->Dv;
-    float *s = dc->sc + (size_t)v * dc->qf, *x = s + dc->ch, *o = x + D;
     for (int64_t p1, r0 = r; r < r1; r = p1) {
         const char *k, *vr;
         const float *ks, *vs;
@@ -807,12 +827,7 @@ static void alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t r1, bool is
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
         look_ahead(dc, r0, r, p1, r1, isk, ah, &pf, &pfb);
-        if (isk)
-            dc->kt->dot_rows_q(s + (r - dc->j0), k, dc->c->lk.lda, dc->kind, ks, dc->c->lk.sld,
-                               x, p1 - r, D, pf, pfb);
-        else
-            dc->kt->axpy_rows_q(o, s + (r - dc->j0), vr, dc->c->lv.lda, dc->kind, vs,
-                                dc->c->lv.sld, p1 - r, Dv, pf, pfb);
+        rows_alone(dc, v, r, p1 - r, k, vr, ks, vs, isk, pf, pfb);
     }
 }
 
@@ -878,8 +893,7 @@ static void heads_rows(const dec_chunk *dcs, const dec_query *qs, const int64_t 
     const mha__kv_rows *c = d0->c;
     const int64_t seg = c->seg, n = c->len[d0->b];
     const int64_t j1 = d0->j0 + d0->ch < n ? d0->j0 + d0->ch : n, s1 = (j1 - 1) / seg;
-    const mha__kv_layout l = isk ? c->lk : c->lv;
-    const size_t sb = (size_t)seg * l.rb;
+    const size_t sb = (size_t)seg * (isk ? c->lk.rb : c->lv.rb);
     const int64_t kn = (int64_t)((DEC_NEAR + sb - 1) / sb),
                   kf = (int64_t)((DEC_FAR + sb - 1) / sb);
     const char *p;
@@ -912,17 +926,10 @@ static void heads_rows(const dec_chunk *dcs, const dec_query *qs, const int64_t 
             }
             const int64_t lo = q->lo > r ? q->lo : r, hi = q->hi < r1 ? q->hi : r1;
             if (lo >= hi) continue;
-            const dec_seg *e = &dc->seg[g - dc->s0];
-            const size_t off = (size_t)(lo - g * seg);
-            float *sv = dc->sc + (lo - dc->j0), *x = dc->sc + dc->ch;
-            if (isk)
-                dc->kt->dot_rows_q(sv, e->k + off * l.rb, l.lda, dc->kind,
-                                   e->ks ? e->ks + off * (size_t)l.sld : NULL, l.sld, x,
-                                   hi - lo, c->D, ah.pf, ah.pfb);
-            else
-                dc->kt->axpy_rows_q(x + c->D, sv, e->v + off * l.rb, l.lda, dc->kind,
-                                    e->vs ? e->vs + off * (size_t)l.sld : NULL, l.sld, hi - lo,
-                                    c->Dv, ah.pf, ah.pfb);
+            const char *k, *vr;
+            const float *ks, *vs;
+            seg_rows(c, &dc->seg[g - dc->s0], lo - g * seg, &k, &vr, &ks, &vs);
+            rows_alone(dc, 0, lo, hi - lo, k, vr, ks, vs, isk, ah.pf, ah.pfb);
         }
     }
 #undef PIECE
