@@ -913,6 +913,7 @@ static void heads_rows(const dec_chunk *dcs, const dec_query *qs, const int64_t 
             const int64_t nq = v0s[u + 1] - v0s[u];
             dec_ahead ah = {NULL, 0};
             if (nq && gn <= s1 && (ah.pfb = PIECE(gn, unx))) ah.pf = p;
+            if (ah.pfb > DEC_NEAR) ah.pfb = DEC_NEAR;  // (as prefetch_ahead's)
             size_t nf;
             if (nq && gf <= s1 && (nf = PIECE(gf, uf))) touch(p, nf, DEC_FAR_LINES);
             if (++unx == nu) unx = 0, gn++;
