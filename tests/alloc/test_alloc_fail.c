@@ -1631,6 +1631,8 @@ int main(int argc, char **argv) {
         if (mpi) snprintf(path, sizeof path, "%s.%d", sites, g_rank);
         else snprintf(path, sizeof path, "%s", sites);
         g_sites_out = fopen(path, "w");
+        CHECKF(g_sites_out != NULL, "MHA_ALLOC_SITES: cannot write %s: %s", path,
+               strerror(errno));
     }
 #ifdef MHA_TEST_MPI
     if (mpi) sweep_mpi();
