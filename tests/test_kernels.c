@@ -8,7 +8,12 @@
 // any row / panel split and any number of threads. gemm_tn_acc (C += A^T B,
 // A stored transposed), every ISA and scalar: edge shapes and wide strides
 // against a double-precision loop, bit-identity with transpose +
-// gemm_nn_acc of the same table, C outside its tile untouched.
+// gemm_nn_acc of the same table, C outside its tile untouched. Across
+// tables: every slot kernels.h promises the same bits on every table
+// (cvt_i4, dot_acc_rows, dsoftmax_rows; the exact transpose and widenings;
+// cvt_i8; gemm_nn / gemm_packed / gemm_packed_tn between the tables of one
+// FMA sum order), every pair of tables memcmp-equal on shapes with tails.
+// Prints the ISAs covered and those this build or CPU lacks.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -953,6 +958,304 @@ static void test_rows_qg_many(const mha__kernels *k) {
     }
 }
 
+// ---- Cross-ISA bit identity ----
+// kernels.h promises some slots the same bits on every table: cvt_i4,
+// dot_acc_rows, dsoftmax_rows ("bit-identical on every table"), transpose,
+// cvt_bf16, cvt_f16 (exact: a copy, a widening) and cvt_i8 (one product
+// each). And gemm_packed's sum order is fixed by K and pk_kc alone (an fma
+// chain per k chunk): the AVX2 and AVX-512 tables share pk_kc = 256, so
+// their gemm_packed, gemm_packed_tn (gemm_packed on the transposed copy)
+// and gemm_nn (gemm_packed without bias, their contract says) give the same
+// bits; scalar (unfused, kc = K) is not expected to. Each slot runs on every
+// table this build and CPU have, on the same random inputs (shapes with
+// tails, strides wider than the rows, unaligned pointers), and every pair of
+// outputs (padding included) must be memcmp-equal.
+enum { NTAB = 3 };
+static const char *const xisa_names[NTAB] = {"scalar", "avx2", "avx512"};
+static int xisa_shapes[2];  // shapes compared: [0] every table, [1] the FMA tables
+
+// Uniform bits, as a float (any pattern: NaN payloads, denormals, -0).
+static float rbits(void) {
+    uint32_t u = (uint32_t)next();
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// Finite values across magnitudes (2^-30 .. 2^30), some 0 and -0.
+static float rmag(void) {
+    const int64_t c = irand(0, 15);
+    if (c == 0) return 0.0f;
+    if (c == 1) return -0.0f;
+    return ldexpf(frand(), (int)irand(-30, 30));
+}
+
+// out[t] (n floats each, t < NTAB; NULL where tab[t] is) compared pairwise,
+// bit for bit; a difference names the slot, the pair, the shape and the
+// first differing index with both values.
+static void same_bits(const char *slot, const char *shape, const mha__kernels *const *tab,
+                      float *const *out, size_t n) {
+    for (int i = 0; i < NTAB; i++)
+        for (int j = i + 1; j < NTAB; j++) {
+            if (!tab[i] || !tab[j]) continue;
+            size_t at = n;
+            if (memcmp(out[i], out[j], sizeof(float) * n) != 0)
+                for (at = 0; at < n && memcmp(out[i] + at, out[j] + at, 4) == 0; at++) {}
+            uint32_t u = 0, v = 0;
+            if (at < n) memcpy(&u, out[i] + at, 4), memcpy(&v, out[j] + at, 4);
+            CHECKF(at == n,
+                   "%s: %s and %s differ, %s: first at index %zu: %a (0x%08x) vs %a "
+                   "(0x%08x)",
+                   slot, tab[i]->isa, tab[j]->isa, shape, at,
+                   (double)(at < n ? out[i][at] : 0), u, (double)(at < n ? out[j][at] : 0), v);
+        }
+}
+
+static void xisa_free(float **out) {
+    for (int t = 0; t < NTAB; t++) free(out[t]), out[t] = NULL;
+}
+
+// cvt_i4 (every nibble; scale groups of many magnitudes, negative, 0 and inf
+// ones), cvt_bf16 and cvt_f16 (every 16-bit pattern but the f16 NaNs: the
+// AVX-512 widening quiets a signalling one, 0x7c01 gives 0x7fc02000 there
+// and 0x7f802000 on scalar and AVX2; test_cvt requires NaN of them), cvt_i8.
+static void xisa_cvt(const mha__kernels *const *tab) {
+    const int64_t lens[] = {0,  1,  2,  7,  15,  16,  17,   31,  32,
+                            33, 63, 64, 65, 100, 129, 1000, 4097};
+    enum { NMAX = 65536 + 1 };
+    static uint16_t h[NMAX];
+    static int8_t i8[NMAX];
+    static uint8_t u4[NMAX / 2 + 1];
+    static float sc[NMAX / 32 + 2];
+    float *out[NTAB] = {0};
+    char shape[96];
+    for (size_t l = 0; l < sizeof lens / sizeof lens[0]; l++)
+        for (int off = 0; off < 2; off++) {
+            const int64_t n = lens[l], pad = 3;
+            for (int64_t i = 0; i < (n + 1) / 2 + 1; i++) u4[i] = (uint8_t)next();
+            for (int64_t g = 0; g < n / 32 + 2; g++) {
+                const int64_t c = irand(0, 9);
+                sc[g] = c == 0 ? 0.0f : c == 1 ? INFINITY : rmag();
+            }
+            for (int64_t i = 0; i < n + 1; i++) i8[i] = (int8_t)next();
+            for (int t = 0; t < NTAB; t++) {
+                if (!tab[t]) continue;
+                out[t] = falloc((size_t)(n + off + pad));
+                for (int64_t i = 0; i < n + off + pad; i++) out[t][i] = -3.0f;
+                tab[t]->cvt_i4(out[t] + off, u4 + off, n, sc + off);
+            }
+            snprintf(shape, sizeof shape, "n %lld, offset %d", (long long)n, off);
+            same_bits("cvt_i4", shape, tab, out, (size_t)(n + off + pad));
+            for (int t = 0; t < NTAB; t++)
+                if (tab[t]) tab[t]->cvt_i8(out[t] + off, i8 + off, n, 0.37f);
+            same_bits("cvt_i8", shape, tab, out, (size_t)(n + off + pad));
+            xisa_free(out);
+            xisa_shapes[0]++;
+        }
+    // the widenings: every pattern, in pieces with tails and offsets
+    static float big[NTAB][NMAX + 4];
+    for (int i = 0; i < 65536; i++) h[i] = (uint16_t)i;
+    const int64_t cuts[] = {65536, 1, 17, 33, 1000, 4097};
+    for (size_t c = 0; c < sizeof cuts / sizeof cuts[0]; c++)
+        for (int kind = 0; kind < 2; kind++) {
+            const int64_t piece = cuts[c];
+            for (int t = 0; t < NTAB; t++) {
+                out[t] = tab[t] ? big[t] : NULL;
+                if (!tab[t]) continue;
+                for (int64_t s = 0; s < 65536; s += piece) {
+                    const int64_t m = 65536 - s < piece ? 65536 - s : piece;
+                    float *dst = big[t] + s + (s / piece) % 2;  // every other piece unaligned
+                    (kind ? tab[t]->cvt_f16 : tab[t]->cvt_bf16)(dst, h + s, m);
+                    if ((s / piece) % 2) memmove(big[t] + s, dst, sizeof(float) * (size_t)m);
+                }
+                if (kind)  // f16 NaN (exponent 31, mantissa != 0): not compared here
+                    for (int i = 0; i < 65536; i++)
+                        if ((h[i] & 0x7c00) == 0x7c00 && (h[i] & 0x3ff)) big[t][i] = 0.0f;
+            }
+            snprintf(shape, sizeof shape, "every pattern, pieces of %lld", (long long)piece);
+            same_bits(kind ? "cvt_f16" : "cvt_bf16", shape, tab, out, 65536);
+            xisa_shapes[0]++;
+        }
+}
+
+// transpose: random bit patterns (NaN payloads included) copied exactly.
+static void xisa_transpose(const mha__kernels *const *tab) {
+    const int64_t dims[] = {0, 1, 3, 8, 15, 16, 17, 33, 64, 130};
+    const int nd = (int)(sizeof dims / sizeof dims[0]);
+    float *out[NTAB] = {0};
+    char shape[96];
+    for (int a = 0; a < nd; a++)
+        for (int b = 0; b < nd; b++) {
+            const int64_t rows = dims[a], cols = dims[b], off = (a + b) % 2;
+            const int64_t lds = cols + 1 + b % 3, ldd = rows + a % 4;
+            const int64_t ns = rows * lds + off + 1, nd_ = cols * ldd + off + 1;
+            float *src = falloc((size_t)ns);
+            for (int64_t i = 0; i < ns; i++) src[i] = rbits();
+            for (int t = 0; t < NTAB; t++) {
+                if (!tab[t]) continue;
+                out[t] = falloc((size_t)nd_);
+                for (int64_t i = 0; i < nd_; i++) out[t][i] = -5.0f;
+                tab[t]->transpose(out[t] + off, ldd, src + off, lds, rows, cols);
+            }
+            snprintf(shape, sizeof shape, "%lld x %lld, lds %lld, ldd %lld, offset %lld",
+                     (long long)rows, (long long)cols, (long long)lds, (long long)ldd,
+                     (long long)off);
+            same_bits("transpose", shape, tab, out, (size_t)nd_);
+            xisa_free(out);
+            free(src);
+            xisa_shapes[0]++;
+        }
+}
+
+// dot_acc_rows and dsoftmax_rows: P in [0, 1] (some 0), dP across
+// magnitudes with a few infinities, running sums and Dsum random.
+static void xisa_bwd_rows(const mha__kernels *const *tab) {
+    const int64_t Rs[] = {1, 2, 5, 64},
+                  ns[] = {0, 1, 7, 15, 16, 17, 31, 32, 33, 100, 128, 130};
+    float *out[NTAB] = {0};
+    char shape[96];
+    for (size_t a = 0; a < sizeof Rs / sizeof Rs[0]; a++)
+        for (size_t b = 0; b < sizeof ns / sizeof ns[0]; b++) {
+            const int64_t R = Rs[a], n = ns[b], ld = n + (int64_t)(a + b) % 4, off = b % 2;
+            const int64_t sz = R * ld + off + 1;
+            float *p = falloc((size_t)sz), *dp = falloc((size_t)sz), *s0 = falloc((size_t)R),
+                  *ds = falloc((size_t)R);
+            for (int64_t i = 0; i < sz; i++) {
+                p[i] = irand(0, 7) == 0 ? 0.0f
+                                        : fabsf(frand()) * ldexpf(1.0f, -(int)irand(0, 20));
+                dp[i] = irand(0, 50) == 0 ? (irand(0, 1) ? INFINITY : -INFINITY) : rmag();
+            }
+            for (int64_t r = 0; r < R; r++) s0[r] = rmag(), ds[r] = rmag();
+            snprintf(shape, sizeof shape, "R %lld, n %lld, ld %lld, offset %lld", (long long)R,
+                     (long long)n, (long long)ld, (long long)off);
+            for (int t = 0; t < NTAB; t++) {
+                if (!tab[t]) continue;
+                out[t] = falloc((size_t)R);
+                memcpy(out[t], s0, sizeof(float) * (size_t)R);
+                tab[t]->dot_acc_rows(out[t], p + off, dp + off, ld, R, n);
+            }
+            same_bits("dot_acc_rows", shape, tab, out, (size_t)R);
+            xisa_free(out);
+            for (int t = 0; t < NTAB; t++) {
+                if (!tab[t]) continue;
+                out[t] = falloc((size_t)sz);
+                memcpy(out[t], dp, sizeof(float) * (size_t)sz);
+                tab[t]->dsoftmax_rows(out[t] + off, p + off, ld, R, n, ds);
+            }
+            same_bits("dsoftmax_rows", shape, tab, out, (size_t)sz);
+            xisa_free(out);
+            free(p), free(dp), free(s0), free(ds);
+            xisa_shapes[0]++;
+        }
+}
+
+// gemm_nn, gemm_packed and gemm_packed_tn on the FMA tables (K across the
+// 256 chunk; bias, accumulate; tails in M and N).
+static void xisa_gemm(const mha__kernels *const *tab) {
+    const int64_t Ms[] = {1, 5, 17}, Ns[] = {1, 15, 33, 70},
+                  Ks[] = {0, 1, 31, 255, 256, 257, 600};
+    float *out[NTAB] = {0};
+    char shape[128];
+    for (size_t a = 0; a < sizeof Ms / sizeof Ms[0]; a++)
+        for (size_t b = 0; b < sizeof Ns / sizeof Ns[0]; b++)
+            for (size_t c = 0; c < sizeof Ks / sizeof Ks[0]; c++) {
+                const int64_t M = Ms[a], N = Ns[b], K = Ks[c], lda = K + 1, ldb = N + 2,
+                              ldc = N + 3, ldt = M + 1, nc = M * ldc;
+                float *A = falloc((size_t)(M * lda)), *At = falloc((size_t)(K * ldt)),
+                      *B = falloc((size_t)(K * ldb)), *C0 = falloc((size_t)nc),
+                      *bias = falloc((size_t)N);
+                for (int64_t i = 0; i < M * lda; i++) A[i] = frand();
+                for (int64_t k = 0; k < K; k++)
+                    for (int64_t i = 0; i < ldt; i++)
+                        At[k * ldt + i] = i < M ? A[i * lda + k] : NAN;
+                for (int64_t i = 0; i < K * ldb; i++) B[i] = frand();
+                for (int64_t i = 0; i < nc; i++) C0[i] = frand();
+                for (int64_t j = 0; j < N; j++) bias[j] = frand();
+                for (int mode = 0; mode < 5; mode++) {
+                    // 0 gemm_nn; 1, 2 gemm_packed (overwrite + bias, accumulate);
+                    // 3, 4 gemm_packed_tn (the same)
+                    static const char *const slot[5] = {"gemm_nn", "gemm_packed", "gemm_packed",
+                                                        "gemm_packed_tn", "gemm_packed_tn"};
+                    for (int t = 1; t < NTAB; t++) {
+                        if (!tab[t]) continue;
+                        const mha__kernels *k = tab[t];
+                        out[t] = falloc((size_t)nc);
+                        memcpy(out[t], C0, sizeof(float) * (size_t)nc);
+                        if (mode == 0) {
+                            k->gemm_nn(out[t], ldc, A, lda, B, ldb, M, N, K);
+                            continue;
+                        }
+                        float *Bp = falloc((size_t)mha__gemm_packed_b_floats(k, K, N)),
+                              *ap = falloc((size_t)k->pk_apack);
+                        k->pack_b(Bp, B, ldb, 1, K, N);
+                        const bool acc = mode % 2 == 0;
+                        if (mode <= 2)
+                            k->gemm_packed(out[t], ldc, A, lda, Bp, acc ? NULL : bias, M, N, K,
+                                           acc, ap);
+                        else
+                            k->gemm_packed_tn(out[t], ldc, At, ldt, Bp, acc ? NULL : bias, M,
+                                              N, K, acc, ap);
+                        free(Bp), free(ap);
+                    }
+                    snprintf(shape, sizeof shape, "M %lld, N %lld, K %lld, %s", (long long)M,
+                             (long long)N, (long long)K,
+                             mode == 0  ? "overwrite"
+                             : mode % 2 ? "overwrite + bias"
+                                        : "accumulate");
+                    const mha__kernels *ft[NTAB] = {NULL, tab[1], tab[2]};
+                    same_bits(slot[mode], shape, ft, out, (size_t)nc);
+                    xisa_free(out);
+                }
+                free(A), free(At), free(B), free(C0), free(bias);
+                xisa_shapes[1]++;
+            }
+}
+
+static void test_cross_isa(void) {
+    const mha__kernels *tab[NTAB];
+    for (int t = 0; t < NTAB; t++) tab[t] = mha__kernels_for(xisa_names[t]);
+    xisa_cvt(tab);
+    xisa_transpose(tab);
+    xisa_bwd_rows(tab);
+    if (tab[1] && tab[2]) {
+        CHECKF(tab[1]->pk_kc == tab[2]->pk_kc,
+               "avx2 pk_kc %lld, avx512 pk_kc %lld: the "
+               "gemm sum orders differ",
+               (long long)tab[1]->pk_kc, (long long)tab[2]->pk_kc);
+        xisa_gemm(tab);
+    }
+    char have[64] = "";
+    for (int t = 0; t < NTAB; t++)
+        if (tab[t]) strcat(strcat(have, " "), xisa_names[t]);
+    printf("cross-ISA bits (memcmp, every pair of%s): cvt_i4 cvt_i8 cvt_bf16 cvt_f16 transpose "
+           "dot_acc_rows dsoftmax_rows on %d shapes; gemm_nn gemm_packed gemm_packed_tn, "
+           "avx2 = avx512, on %d shapes%s\n",
+           have, xisa_shapes[0], xisa_shapes[1],
+           tab[1] && tab[2] ? "" : " (needs both: skipped)");
+}
+
+// One line: the tables this run covered and those this build or CPU lacks
+// (which the tests above skipped, an AVX2 machine's AVX-512 say), and why.
+static void isa_coverage(void) {
+    char have[64] = "", lack[192] = "";
+    for (int t = 0; t < NTAB; t++) {
+        if (mha__kernels_for(xisa_names[t])) {
+            strcat(strcat(have, " "), xisa_names[t]);
+            continue;
+        }
+        const char *why = "not in this build or CPU";
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        __builtin_cpu_init();
+        const bool cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         (t < 2 || __builtin_cpu_supports("avx512f"));
+        why = cpu ? "not in this build" : "this CPU lacks it";
+#endif
+        snprintf(lack + strlen(lack), sizeof lack - strlen(lack), "%s%s (%s)",
+                 lack[0] ? ", " : " ", xisa_names[t], why);
+    }
+    printf("test_kernels: ISAs covered:%s; lacking:%s\n", have, lack[0] ? lack : " none");
+}
+
 int main(void) {
     seed_rng(7);
     const mha__kernels *g = mha__kernels_for("scalar");
@@ -988,6 +1291,8 @@ int main(void) {
     test_bwd_rows(g, g);
     test_packed(g);
     test_transpose(g);
+    test_cross_isa();
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
+    isa_coverage();
     return check_summary("test_kernels");
 }
