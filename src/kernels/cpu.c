@@ -83,3 +83,5 @@ const mha__kernels *mha__kernels_for(const char *isa) {
 }
 
 const char *mha_isa(void) { return mha__kernels_get()->isa; }
+
+int mha_isa_supported(const char *name) { return name && mha__kernels_for(name) ? 1 : 0; }
