@@ -82,6 +82,32 @@ void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, i
 // Block i of sequence id's table (-1: released, or no such block or
 // sequence) (paged.c; the tests' view of where blocks go).
 int64_t mha__paged_cache_block(const mha_paged_cache *c, int64_t id, int64_t i);
+// Tests only (paged.c): hook(user, what) is called by every call on c
+// that took the cache (a change alone, or an attend among attends: the
+// state word) right after taking it, while it holds it; `what` names the
+// call ("mha_paged_cache_append", ...); NULL: no hook (the default). A
+// hook that waits holds the call open: a test runs another call against
+// it (refused, or an attend beside an attend) whatever the timing. Set it
+// while no other thread uses c.
+typedef void (*mha__paged_hook)(void *user, const char *what);
+void mha__paged_cache_set_hook(mha_paged_cache *c, mha__paged_hook hook, void *user);
+// Tests only (paged.c): a digest (FNV-1a) of c's whole state, one per part
+// into d, and the digest of them all returned: the K and V bytes (scales
+// with them) of every held block; the sequences (slots used, generations,
+// lengths, block tables, token ids, released tokens; not the tables'
+// room); the blocks' reference counts and generations; the prefix index
+// (buckets, chains, keys); the pool (free map, free count, state word). A
+// call that fails leaves every part as it was (test_paged). Call it while
+// no other call uses c.
+enum {
+    MHA__PAGED_DIGEST_KV,
+    MHA__PAGED_DIGEST_TABLES,
+    MHA__PAGED_DIGEST_REFS,
+    MHA__PAGED_DIGEST_INDEX,
+    MHA__PAGED_DIGEST_POOL,
+    MHA__PAGED_DIGEST_PARTS
+};
+uint64_t mha__paged_cache_digest(const mha_paged_cache *c, uint64_t d[MHA__PAGED_DIGEST_PARTS]);
 // A cache's batch, KV heads and head dims.
 void mha__kv_cache_dims(const mha_kv_cache *c, int64_t *B, int64_t *Hkv, int64_t *D,
                         int64_t *Dv);

@@ -67,6 +67,10 @@ struct mha_paged_cache {
     uint32_t *gen, *pgen;
     int64_t nseq;
     atomic_int state;  // 0 idle, n > 0: n attends, -1: a change
+    // tests only (mha__paged_cache_set_hook): called by every call that
+    // took the state word, while it holds it; NULL: none
+    mha__paged_hook hook;
+    void *hook_user;
 };
 
 // ---------------------------------------------------------------------------
@@ -79,6 +83,7 @@ static mha_status enter_change(mha_paged_cache *c, const char *what) {
                          "%s: the paged cache is in use by another call (a call that "
                          "changes it runs alone)",
                          what);
+    if (c->hook) c->hook(c->hook_user, what);
     return MHA_OK;
 }
 
@@ -91,6 +96,7 @@ static mha_status enter_read(mha_paged_cache *c, const char *what) {
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "%s: the paged cache is being changed by another call", what);
     } while (!atomic_compare_exchange_weak(&c->state, &s, s + 1));
+    if (c->hook) c->hook(c->hook_user, what);
     return MHA_OK;
 }
 
@@ -570,6 +576,10 @@ int64_t mha__paged_cache_block(const mha_paged_cache *c, int64_t id, int64_t i) 
     return s && i >= 0 && i < s->nb ? s->blocks[i] : -1;
 }
 
+void mha__paged_cache_set_hook(mha_paged_cache *c, mha__paged_hook hook, void *user) {
+    c->hook = hook, c->hook_user = user;
+}
+
 int64_t mha_paged_cache_blocks_in_use(const mha_paged_cache *c) {
     return c ? c->nblocks - c->nfree : -1;
 }
@@ -876,3 +886,68 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
     leave_read(c);
     return st;
 }
+
+// ---------------------------------------------------------------------------
+// The tests' view: a digest of the whole state (kvcache.h)
+
+// FNV-1a, n bytes of p into h.
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+#define FNV(h, x) ((h) = fnv((h), &(x), sizeof(x)))
+
+uint64_t mha__paged_cache_digest(const mha_paged_cache *c, uint64_t d[MHA__PAGED_DIGEST_PARTS]) {
+    for (int p = 0; p < MHA__PAGED_DIGEST_PARTS; p++) d[p] = 1469598103934665603ull;
+    // the K and V rows (their scales in them) of every held block, every head
+    uint64_t *h = &d[MHA__PAGED_DIGEST_KV];
+    for (int64_t b = 0; b < c->nblocks; b++) {
+        if (c->ref[b] == 0) continue;
+        FNV(*h, b);
+        for (int64_t hk = 0; hk < c->Hkv; hk++)
+            for (int isv = 0; isv < 2; isv++) {
+                float *sc;
+                const char *r = row_at(c, isv, b, hk, 0, &sc);
+                *h = fnv(*h, r, (size_t)c->bs * (isv ? c->lv.rb : c->lk.rb));
+            }
+    }
+    // the sequences: each slot that is or was used (a slot never used and
+    // one not there yet give the same ids), its generation, length, block
+    // table, token ids and released tokens (not the tables' room)
+    h = &d[MHA__PAGED_DIGEST_TABLES];
+    for (int64_t i = 0; i < c->nseq; i++) {
+        const pseq *s = &c->seq[i];
+        if (!s->live && s->gen == 0) continue;
+        FNV(*h, i), FNV(*h, s->live), FNV(*h, s->gen);
+        if (!s->live) continue;
+        FNV(*h, s->len), FNV(*h, s->nb), FNV(*h, s->known), FNV(*h, s->hole), FNV(*h, s->kept);
+        *h = fnv(*h, s->blocks, sizeof *s->blocks * (size_t)s->nb);
+        *h = fnv(*h, s->tok, sizeof *s->tok * (size_t)s->known);
+    }
+    // per block: its holders and its generation
+    h = &d[MHA__PAGED_DIGEST_REFS];
+    *h = fnv(*h, c->ref, sizeof *c->ref * (size_t)c->nblocks);
+    *h = fnv(*h, c->gen, sizeof *c->gen * (size_t)c->nblocks);
+    // the prefix index: the buckets' chains and each indexed block's key
+    h = &d[MHA__PAGED_DIGEST_INDEX];
+    *h = fnv(*h, c->bucket, sizeof *c->bucket * (size_t)c->nbuck);
+    for (int64_t b = 0; b < c->nblocks; b++) {
+        FNV(*h, c->indexed[b]);
+        if (!c->indexed[b]) continue;
+        FNV(*h, c->next[b]), FNV(*h, c->parent[b]), FNV(*h, c->pgen[b]);
+        *h = fnv(*h, c->btok + (size_t)b * (size_t)c->bs, sizeof *c->btok * (size_t)c->bs);
+    }
+    // the pool: the free map (where the next blocks go), its count, the
+    // state word
+    h = &d[MHA__PAGED_DIGEST_POOL];
+    *h = fnv(*h, c->freemap, sizeof *c->freemap * (size_t)((c->nblocks + 63) / 64));
+    FNV(*h, c->nfree);
+    const int state = atomic_load(&c->state);
+    FNV(*h, state);
+    uint64_t all = 1469598103934665603ull;
+    return fnv(all, d, sizeof *d * MHA__PAGED_DIGEST_PARTS);
+}
+
+#undef FNV

@@ -5,15 +5,18 @@
 // windows) and must give exactly the bits of a contiguous cache holding the
 // same tokens. A mirror of every sequence's tokens (float32 rows) is the
 // model. Then the block accounting (forks share, copy on write costs one
-// block), the error cases (each leaving lengths, blocks and attention
-// results as they were) and attends and changes from two threads at once.
+// block), the error cases (each leaving the whole state as it was: a
+// digest of it, mha__paged_cache_digest, before and after) and attends and
+// changes from two threads at once (each overlap forced by a hook that
+// holds a call open inside the cache).
 // All of it for both pool layouts (mha_paged_layout): the same bits.
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <time.h>
 
 #include "check.h"
 #include "util.h"
@@ -632,8 +635,33 @@ static void test_placement(void) {
     mha_paged_cache_destroy(w.c);
 }
 
-// The failing calls: each changes nothing (lengths, blocks in use and the
-// attention's bits as before).
+// The parts of mha__paged_cache_digest, as a failure names them.
+static const char *const digest_part[MHA__PAGED_DIGEST_PARTS] = {
+    "the K/V bytes of a held block", "the sequences (lengths, block tables, token ids, slots)",
+    "the blocks' reference counts or generations", "the prefix index",
+    "the pool (free map, free count, state word)"};
+
+// The parts of c's state that differ from the digest d0 (taken before a
+// failing call), into buf ("" when none); whether any did.
+static bool digest_changed(const mha_paged_cache *c, const uint64_t *d0, char *buf, size_t n) {
+    uint64_t d1[MHA__PAGED_DIGEST_PARTS];
+    mha__paged_cache_digest(c, d1);
+    buf[0] = '\0';
+    for (int p = 0; p < MHA__PAGED_DIGEST_PARTS; p++)
+        if (d1[p] != d0[p]) {
+            const size_t at = strlen(buf);
+            snprintf(buf + at, n - at, "%s%s", at ? ", " : "", digest_part[p]);
+        }
+    return buf[0] != '\0';
+}
+
+// The failing calls: each fails with its status and changes nothing: the
+// digest of the cache's whole state (every held block's K/V bytes, the
+// block tables, the reference counts, the prefix index, the free map) the
+// same after it as before; and at the end of each group the lengths,
+// blocks in use and the attention's bits as before. The cache holds
+// shared blocks (a fork) and indexed ones (tokens appended with their
+// ids), so that a failed copy on write or index change would show.
 static void test_errors(void) {
     enum { BS = 4, D = 8 };
     mha_paged_cache *c = NULL;
@@ -643,14 +671,17 @@ static void test_errors(void) {
     CHECK(paged_create(NULL, 4, BS, HKV, D, D, MHA_KV_F32) == MHA_ERR_INVALID_ARG);
     CHECK_OK(paged_create(&c, 6, BS, HKV, D, D, MHA_KV_F32));
     world w = {.c = c, .dt = MHA_KV_F32, .D = D, .bs = BS};
-    for (int i = 0; i < 2; i++) {
-        mirror_init(&w.seq[i], D);
-        CHECK_OK(mha_paged_cache_add(c, &w.seq[i].id));
-    }
+    for (int i = 0; i < 3; i++) mirror_init(&w.seq[i], D);
+    for (int i = 0; i < 2; i++) CHECK_OK(mha_paged_cache_add(c, &w.seq[i].id));
     w.n = 2;
     int sel[2] = {0, 1};
     int64_t cnt[2] = {9, 5};  // 3 + 2 blocks of 6
     CHECK_OK(append_some(&w, sel, 2, cnt));
+    // sequence 2, a fork of 0: its 3 blocks held twice, the last one partial
+    CHECK_OK(mha_paged_cache_fork(c, w.seq[0].id, &w.seq[2].id));
+    const int64_t fork_id = w.seq[2].id;
+    mirror_copy(&w.seq[2], &w.seq[0], D);
+    w.n = 3;
     const int64_t used = mha_paged_cache_blocks_in_use(c);
     CHECK(used == 5);
     // the snapshot: the attention of both over their tokens
@@ -661,6 +692,18 @@ static void test_errors(void) {
                bt = mha_tensor_contiguous(before, MHA_F32, 4, sh),
                at = mha_tensor_contiguous(after, MHA_F32, 4, sh);
     CHECK_OK(mha_paged_cache_attend(&bt, &qt, c, 2, ids, NULL, NULL));
+    // call fails with status, and every part of the state is as before it
+#define FAILS_UNCHANGED(call, status)                                                     \
+    do {                                                                                  \
+        uint64_t d0_[MHA__PAGED_DIGEST_PARTS];                                            \
+        char changed_[256];                                                               \
+        mha__paged_cache_digest(c, d0_);                                                  \
+        const mha_status st_ = (call);                                                    \
+        CHECKF(st_ == (status), "%s -> %s (want %s): %s", #call, mha_status_string(st_), \
+               mha_status_string(status), mha_last_error());                              \
+        CHECKF(!digest_changed(c, d0_, changed_, sizeof changed_),                        \
+               "the failing %s changed %s", #call, changed_);                             \
+    } while (0)
 #define UNCHANGED(what)                                                                   \
     do {                                                                                  \
         CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);     \
@@ -669,11 +712,18 @@ static void test_errors(void) {
         CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));                \
         CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what);  \
     } while (0)
-    // an exhausted pool: 0 + 3 blocks needed, 1 free; nothing appended
+    // an exhausted pool: 0 + 3 blocks needed, and a copy of sequence 0's
+    // shared last block: 4 needed, 1 free; nothing appended
     cnt[0] = 3, cnt[1] = 12;
-    CHECK(append_some(&w, sel, 2, cnt) == MHA_ERR_NOMEM);
+    FAILS_UNCHANGED(append_some(&w, sel, 2, cnt), MHA_ERR_NOMEM);
+    CHECKF(strstr(mha_last_error(), "needs 4 blocks, 1 of 6 are free") != NULL, "message: %s",
+           mha_last_error());
+    // the fork alone: its last block copied and 2 more (17 tokens)
+    FAILS_UNCHANGED(append_some(&w, (int[]){2}, 1, (int64_t[]){8}), MHA_ERR_NOMEM);
     CHECKF(strstr(mha_last_error(), "needs 3 blocks, 1 of 6 are free") != NULL, "message: %s",
            mha_last_error());
+    // without token ids
+    FAILS_UNCHANGED(append_ids(&w, sel, 2, cnt, NULL, false), MHA_ERR_NOMEM);
     UNCHANGED("exhausted pool");
     // the same id twice, an unknown id, a freed id, bad counts, shapes
     int64_t dup[2] = {ids[0], ids[0]}, one = 1, bad = -1;
@@ -681,91 +731,290 @@ static void test_errors(void) {
     mha_tensor k2 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){2, HKV, 1, D}),
                k1 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D}),
                kbad = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D - 1});
-    CHECK(mha_paged_cache_append(c, 2, dup, NULL, &k2, &k2) == MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 2, dup, NULL, &k2, &k2), MHA_ERR_INVALID_ARG);
     UNCHANGED("an id twice");
     int64_t unknown = 12345;
-    CHECK(mha_paged_cache_append(c, 1, &unknown, NULL, &k1, &k1) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_append(c, 1, &bad, NULL, &k1, &k1) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_append(c, 1, ids, (int64_t[]){2}, &k1, &k1) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_append(c, 1, ids, &one, &kbad, &k1) == MHA_ERR_SHAPE);
-    CHECK(mha_paged_cache_append(c, 2, ids, NULL, &k1, &k1) == MHA_ERR_SHAPE);
-    CHECK(mha_paged_cache_append(c, 0, ids, NULL, &k1, &k1) == MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, &unknown, NULL, &k1, &k1), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, &bad, NULL, &k1, &k1), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, ids, (int64_t[]){2}, &k1, &k1),
+                    MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, ids, &one, &kbad, &k1), MHA_ERR_SHAPE);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 2, ids, NULL, &k1, &k1), MHA_ERR_SHAPE);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 0, ids, NULL, &k1, &k1), MHA_ERR_INVALID_ARG);
     UNCHANGED("bad appends");
-    CHECK(mha_paged_cache_truncate(c, ids[0], 10) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_truncate(c, ids[0], -1) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_truncate(c, unknown, 0) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_fork(c, unknown, &one) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_free(c, unknown) == MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_truncate(c, ids[0], 10), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_truncate(c, ids[0], -1), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_truncate(c, unknown, 0), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_fork(c, unknown, &one), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_free(c, unknown), MHA_ERR_INVALID_ARG);
     UNCHANGED("bad truncate, fork, free");
+    // bad releases and prompts; then, the fork's first block released,
+    // the calls that would reach into the released tokens
+    FAILS_UNCHANGED(mha_paged_cache_release_keep(c, ids[0], -1, 4), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_release_before(c, ids[0], 10), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_release_before(c, unknown, 0), MHA_ERR_INVALID_ARG);
+    int64_t pid, cached;
+    FAILS_UNCHANGED(mha_paged_cache_add_prompt(c, NULL, 3, &pid, &cached), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_add_prompt(c, w.seq[0].tok, -1, &pid, &cached),
+                    MHA_ERR_INVALID_ARG);
+    CHECK_OK(mha_paged_cache_release_before(c, fork_id, BS));
+    FAILS_UNCHANGED(mha_paged_cache_truncate(c, fork_id, 2), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_release_keep(c, fork_id, 1, 2 * BS), MHA_ERR_INVALID_ARG);
+    float o1[H * D];
+    mha_tensor q1 = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
+               o1t = mha_tensor_contiguous(o1, MHA_F32, 4, (int64_t[]){1, H, 1, D});
+    FAILS_UNCHANGED(mha_paged_cache_attend(&o1t, &q1, c, 1, &fork_id, NULL, NULL),
+                    MHA_ERR_INVALID_ARG);
+    UNCHANGED("bad releases and prompts, released tokens");
     // a freed id stays unknown, also once its slot is reused
     int64_t tmp, again;
     CHECK_OK(mha_paged_cache_add(c, &tmp));
     CHECK_OK(mha_paged_cache_free(c, tmp));
-    CHECK(mha_paged_cache_free(c, tmp) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_fork(c, tmp, &again) == MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_free(c, tmp), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_fork(c, tmp, &again), MHA_ERR_INVALID_ARG);
     CHECK_OK(mha_paged_cache_add(c, &again));
     CHECK(again != tmp && mha_paged_cache_length(c, tmp) == -1 &&
           mha_paged_cache_length(c, again) == 0);
-    CHECK(mha_paged_cache_attend(&at, &qt, c, 2, (int64_t[]){ids[0], tmp}, NULL, NULL) ==
-          MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_attend(&at, &qt, c, 2, (int64_t[]){ids[0], tmp}, NULL, NULL),
+                    MHA_ERR_INVALID_ARG);
     CHECK_OK(mha_paged_cache_free(c, again));
     UNCHANGED("freed ids");
 #undef UNCHANGED
-    for (int i = 0; i < 2; i++) mirror_free(&w.seq[i]);
+#undef FAILS_UNCHANGED
+    for (int i = 0; i < 3; i++) mirror_free(&w.seq[i]);
     mha_paged_cache_destroy(c);
     CHECK(mha_paged_cache_length(NULL, 0) == -1 && mha_paged_cache_blocks_in_use(NULL) == -1);
 }
 
-// Two threads: one attends sequence 0 over and over (its results always the
-// same bits), the other appends to sequence 1. Each append either lands or
-// is refused with the in-use message (changing nothing); at the end
-// sequence 1 holds exactly the tokens of the appends that landed.
+// test_threads: one forced overlap of two calls. The holder's call, inside
+// the cache (the hook, mha__paged_cache_set_hook, called while the call
+// holds the state word), says so (inside) and waits until the other
+// thread's call has returned (go); the other thread starts its call only
+// once the holder is inside, or has returned (done: no hook, no overlap).
+typedef struct overlap {
+    atomic_int inside, go, done;
+    const char *where;  // the call the hook held
+} overlap;
+
+static _Thread_local overlap *t_hold;  // this thread's next call holds on it
+static atomic_int g_stuck;            // waits that ran over a minute
+
+// Until *a >= v or, b given, *b is set; false (and g_stuck counted) after a
+// minute: a deadlock fails the test rather than hang it.
+static bool wait_for(atomic_int *a, int v, atomic_int *b) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned i = 1;; i++) {
+        if (atomic_load(a) >= v || (b && atomic_load(b))) return true;
+        sched_yield();
+        if (i % 4096 == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if (t.tv_sec - t0.tv_sec > 60) {
+                atomic_fetch_add(&g_stuck, 1);
+                return false;
+            }
+        }
+    }
+}
+
+static void hold_hook(void *user, const char *what) {
+    (void)user;
+    overlap *o = t_hold;
+    if (!o) return;  // (not this thread's held call, or the call it holds beside)
+    t_hold = NULL;
+    o->where = what;
+    atomic_store(&o->inside, 1);
+    wait_for(&o->go, 1, NULL);
+}
+
+// The calls of test_threads: thread 0 attends sequence 0 or appends a token
+// to sequence 2; thread 1 attends sequence 0 or appends to sequence 1.
+enum { T_ATTEND, T_APPEND };
+enum { T_OK, T_REFUSED, T_BAD };
+
+// The forced overlaps of a round: which thread holds its call open, each
+// thread's call, and whether the other's is refused (a change beside
+// anything) or runs (an attend beside an attend).
+static const struct {
+    int holder, call[2];
+    bool refused;
+    const char *what;
+} t_forced[] = {
+    {0, {T_ATTEND, T_APPEND}, true, "an append while an attend runs"},
+    {1, {T_ATTEND, T_APPEND}, true, "an attend while an append runs"},
+    {0, {T_APPEND, T_APPEND}, true, "an append while another append runs"},
+    {1, {T_APPEND, T_APPEND}, true, "an append while another append runs (the other way)"},
+    {1, {T_ATTEND, T_ATTEND}, false, "an attend while an attend runs"},
+};
+enum { T_NFORCED = sizeof t_forced / sizeof t_forced[0], T_ROUNDS = 60, T_D = 16 };
+
+typedef struct threads_ctx {
+    mha_paged_cache *c;
+    int64_t ids[3];
+    const mha_tensor *t1, *qt;
+    const float *o0;
+    overlap ov[T_ROUNDS][T_NFORCED];
+    atomic_int bar[T_ROUNDS];  // the free-running calls of a round returned
+} threads_ctx;
+
+typedef struct threads_arg {
+    threads_ctx *x;
+    int me;
+    // what this thread saw: per forced overlap, its calls' outcomes as
+    // holder ([0]) and as the other ([1]); the free-running calls'; the
+    // appends that landed; results whose bits differed
+    int forced[T_NFORCED][2][3], free_run[3], landed, diff;
+} threads_arg;
+
+static int threads_call(threads_arg *a, int call) {
+    const threads_ctx *x = a->x;
+    if (call == T_ATTEND) {
+        float o[H * T_D];
+        mha_tensor ot = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){1, H, 1, T_D});
+        const mha_status st = mha_paged_cache_attend(&ot, x->qt, x->c, 1, x->ids, NULL, NULL);
+        if (st == MHA_OK) {
+            a->diff += memcmp(o, x->o0, sizeof o) != 0;
+            return T_OK;
+        }
+        return strstr(mha_last_error(), "being changed") ? T_REFUSED : T_BAD;
+    }
+    const mha_status st =
+        mha_paged_cache_append(x->c, 1, &x->ids[a->me ? 1 : 2], NULL, x->t1, x->t1);
+    if (st == MHA_OK) {
+        a->landed++;
+        return T_OK;
+    }
+    return strstr(mha_last_error(), "in use") ? T_REFUSED : T_BAD;
+}
+
+static void *threads_run(void *arg) {
+    threads_arg *a = arg;
+    threads_ctx *x = a->x;
+    for (int r = 0; r < T_ROUNDS; r++) {
+        for (int p = 0; p < T_NFORCED; p++) {
+            overlap *o = &x->ov[r][p];
+            const int call = t_forced[p].call[a->me];
+            if (t_forced[p].holder == a->me) {
+                t_hold = o;
+                a->forced[p][0][threads_call(a, call)]++;
+                t_hold = NULL;  // (a call that did not reach the hook)
+                atomic_store(&o->done, 1);
+                wait_for(&o->go, 1, NULL);
+            } else {
+                wait_for(&o->inside, 1, &o->done);
+                a->forced[p][1][threads_call(a, call)]++;
+                atomic_store(&o->go, 1);
+                wait_for(&o->done, 1, NULL);
+            }
+        }
+        // free-running: thread 0 attends while thread 1 appends, nothing
+        // forced (whatever overlaps by chance, the same rules); then both
+        // wait until both calls returned
+        a->free_run[threads_call(a, a->me ? T_APPEND : T_ATTEND)]++;
+        atomic_fetch_add(&x->bar[r], 1);
+        wait_for(&x->bar[r], 2, NULL);
+    }
+    return NULL;
+}
+
+// Two threads call into one cache at once, each pair of calls overlapping
+// for certain: the cache's hook holds one call open (the state word held)
+// while the other thread's call runs. A change beside any call is refused
+// with the in-use message and changes nothing; an attend beside an attend
+// runs; every attend of sequence 0 gives the same bits. Each round, the
+// forced overlaps (t_forced), then one unforced pair (an attend and an
+// append, overlapping or not). At the end each sequence holds exactly the
+// tokens of the appends that landed for it. Always two threads (POSIX
+// threads; the attends may use OpenMP inside): the counts the same on
+// every machine.
 static void test_threads(void) {
-#ifdef _OPENMP
-    enum { BS = 8, D = 16, ROUNDS = 300 };
+    enum { BS = 8, D = T_D };
     mha_paged_cache *c = NULL;
     CHECK_OK(paged_create(&c, 200, BS, HKV, D, D, MHA_KV_F32));
-    int64_t ids[2];
-    CHECK_OK(mha_paged_cache_add(c, &ids[0]));
-    CHECK_OK(mha_paged_cache_add(c, &ids[1]));
+    threads_ctx *x = calloc(1, sizeof *x);
+    x->c = c;
+    for (int i = 0; i < 3; i++) CHECK_OK(mha_paged_cache_add(c, &x->ids[i]));
+    for (int r = 0; r < T_ROUNDS; r++) {
+        atomic_init(&x->bar[r], 0);
+        for (int p = 0; p < T_NFORCED; p++) {
+            atomic_init(&x->ov[r][p].inside, 0);
+            atomic_init(&x->ov[r][p].go, 0);
+            atomic_init(&x->ov[r][p].done, 0);
+        }
+    }
     float kv[HKV * 40 * D];
     for (int i = 0; i < HKV * 40 * D; i++) kv[i] = frand();
     mha_tensor t40 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 40, D}),
                t1 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D});
-    CHECK_OK(mha_paged_cache_append(c, 1, ids, NULL, &t40, &t40));
+    CHECK_OK(mha_paged_cache_append(c, 1, x->ids, NULL, &t40, &t40));
     float q[H * D], o0[H * D];
     for (int i = 0; i < H * D; i++) q[i] = frand();
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
                ot = mha_tensor_contiguous(o0, MHA_F32, 4, (int64_t[]){1, H, 1, D});
-    CHECK_OK(mha_paged_cache_attend(&ot, &qt, c, 1, ids, NULL, NULL));
-    int landed = 0, refused = 0, bad = 0, diff = 0;
-    omp_set_num_threads(2);
-#pragma omp parallel num_threads(2) reduction(+ : landed, refused, bad, diff)
-    {
-        float o[H * D];
-        mha_tensor tt = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){1, H, 1, D});
-        for (int r = 0; r < ROUNDS; r++) {
-            if (omp_get_thread_num() == 0) {
-                const mha_status st = mha_paged_cache_attend(&tt, &qt, c, 1, ids, NULL, NULL);
-                if (st == MHA_OK) diff += memcmp(o, o0, sizeof o) != 0;
-                else if (strstr(mha_last_error(), "being changed")) refused++;
-                else bad++;
-            } else {
-                const mha_status st = mha_paged_cache_append(c, 1, ids + 1, NULL, &t1, &t1);
-                if (st == MHA_OK) landed++;
-                else if (strstr(mha_last_error(), "in use")) refused++;
-                else bad++;
-            }
-        }
+    CHECK_OK(mha_paged_cache_attend(&ot, &qt, c, 1, x->ids, NULL, NULL));
+    x->t1 = &t1, x->qt = &qt, x->o0 = o0;
+    threads_arg arg[2] = {{.x = x, .me = 0}, {.x = x, .me = 1}};
+    pthread_t th[2];
+    atomic_store(&g_stuck, 0);
+    mha__paged_cache_set_hook(c, hold_hook, NULL);
+    bool started[2];
+    for (int t = 0; t < 2; t++)
+        started[t] = pthread_create(&th[t], NULL, threads_run, &arg[t]) == 0;
+    CHECK(started[0] && started[1]);
+    for (int t = 0; t < 2; t++)
+        if (started[t]) CHECK(pthread_join(th[t], NULL) == 0);
+    mha__paged_cache_set_hook(c, NULL, NULL);
+    CHECKF(atomic_load(&g_stuck) == 0, "threads: %d waits for the other thread ran over a minute",
+           atomic_load(&g_stuck));
+    // every forced overlap, every round: the holder's call ran (held inside
+    // the cache by the hook, in the call it names), the other's was refused
+    // or ran as the table says
+    static const char *const name[2] = {"mha_paged_cache_attend", "mha_paged_cache_append"};
+    int refused = 0, beside = 0, bad = 0, diff = arg[0].diff + arg[1].diff;
+    for (int p = 0; p < T_NFORCED; p++) {
+        const threads_arg *h = &arg[t_forced[p].holder], *o = &arg[1 - t_forced[p].holder];
+        const int want = t_forced[p].refused ? T_REFUSED : T_OK;
+        int inside = 0;
+        for (int r = 0; r < T_ROUNDS; r++)
+            inside += x->ov[r][p].where &&
+                    strcmp(x->ov[r][p].where, name[t_forced[p].call[t_forced[p].holder]]) == 0;
+        CHECKF(h->forced[p][0][T_OK] == T_ROUNDS && inside == T_ROUNDS,
+               "threads: %s: the held call ran %d times of %d, was held inside the cache %d "
+               "times",
+               t_forced[p].what, h->forced[p][0][T_OK], T_ROUNDS, inside);
+        CHECKF(o->forced[p][1][want] == T_ROUNDS,
+               "threads: %s: %d of %d calls %s, %d ran, %d refused (the overlap did not happen)",
+               t_forced[p].what, o->forced[p][1][want], T_ROUNDS,
+               want == T_REFUSED ? "refused" : "ran beside it", o->forced[p][1][T_OK],
+               o->forced[p][1][T_REFUSED]);
+        refused += o->forced[p][1][T_REFUSED];
+        beside += t_forced[p].refused ? 0 : o->forced[p][1][T_OK];
+        bad += h->forced[p][0][T_BAD] + o->forced[p][1][T_BAD];
     }
+    bad += arg[0].free_run[T_BAD] + arg[1].free_run[T_BAD];
     CHECKF(bad == 0 && diff == 0, "threads: %d unexpected errors, %d differing results", bad,
            diff);
-    CHECKF(mha_paged_cache_length(c, ids[1]) == landed, "threads: %lld tokens, %d appends landed",
-           (long long)mha_paged_cache_length(c, ids[1]), landed);
-    printf("two threads: %d appends landed, %d calls refused while the other ran\n", landed,
-           refused);
+    // both kinds of outcome happened (the overlap, for certain), and each
+    // sequence holds exactly the appends that landed for it
+    const int landed = arg[0].landed + arg[1].landed;
+    CHECKF(refused > 0 && landed > 0, "threads: %d calls refused, %d appends landed", refused,
+           landed);
+    const int64_t len[3] = {mha_paged_cache_length(c, x->ids[0]),
+                            mha_paged_cache_length(c, x->ids[1]),
+                            mha_paged_cache_length(c, x->ids[2])};
+    CHECKF(len[0] == 40 && len[1] == arg[1].landed && len[2] == arg[0].landed,
+           "threads: sequences of %lld, %lld, %lld tokens; 40, %d and %d appends landed",
+           (long long)len[0], (long long)len[1], (long long)len[2], arg[1].landed,
+           arg[0].landed);
+    const int free_landed = arg[1].free_run[T_OK],
+              free_refused = arg[0].free_run[T_REFUSED] + arg[1].free_run[T_REFUSED];
+    printf("two threads, %d rounds: forced overlaps: %d calls refused, %d appends landed, %d "
+           "attends beside an attend; free-running: %d appends landed, %d calls refused; "
+           "sequences 1 and 2 hold %lld and %lld tokens\n",
+           T_ROUNDS, refused, landed - free_landed, beside, free_landed, free_refused,
+           (long long)len[1], (long long)len[2]);
+    free(x);
     mha_paged_cache_destroy(c);
-#endif
 }
 
 // The forward arguments of test_forward_paged: self-attention of x, left
