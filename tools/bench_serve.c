@@ -124,6 +124,13 @@ int bench_serve(const bench_serve_opts *o) {
     const double full_ms = step > 1 ? steps[1] : steps[0];
     qsort(steps, (size_t)step, sizeof *steps, cli_cmp_double);
     const double bw = read_bandwidth(o->threads, first_bytes * 2);
+    // the step's rate over the bandwidth, never above 1 silently: above,
+    // the probe was disturbed (or its kernels are not the fastest way to
+    // the ceiling): capped at 1 and said so
+    const double bw_raw =
+        bw > 0 && full_ms > 0 ? first_distinct / (full_ms * 1e-3) * 1e-9 / bw : 0.0;
+    const bool bw_disturbed = bw_raw > 1.0;
+    const double bw_frac = bw_disturbed ? 1.0 : bw_raw;
     const double blockb = (double)mha_paged_cache_block_bytes(c);
     const double contiguous = (double)N * (double)(P + G) * blockb / (double)bs;
     if (o->json) {
@@ -135,13 +142,16 @@ int bench_serve(const bench_serve_opts *o) {
                "\"tokens_per_s\": %.1f, \"steps\": %lld, \"step_ms_median\": %.4f, "
                "\"full_step_ms\": %.4f, \"full_step_bytes\": %.0f, "
                "\"full_step_distinct_bytes\": %.0f, \"read_bandwidth_gbps\": %.3f, "
+               "\"bandwidth_fraction\": %.4f, \"bandwidth_fraction_raw\": %.4f, "
+               "\"bandwidth_probe_disturbed\": %s, "
                "\"peak_cache_mib\": %.2f, \"contiguous_mib\": %.2f, "
                "\"peak_blocks_over_distinct\": %.4f, \"max_blocks_over_distinct\": %.4f}\n",
                (long long)N, (long long)P, (long long)G, (long long)E, (long long)H,
                (long long)Hkv, (long long)bs, mha_paged_layout_name(o->layout),
                mha_kv_dtype_name(o->kv_dtype), o->threads, prefill_ms, (long long)tokens,
                decode_s, (double)tokens / decode_s, (long long)step, steps[step / 2], full_ms,
-               first_bytes, first_distinct, bw, (double)peak * blockb / 1048576.0,
+               first_bytes, first_distinct, bw, bw_frac, bw_raw,
+               bw_disturbed ? "true" : "false", (double)peak * blockb / 1048576.0,
                contiguous / 1048576.0, at_peak, worst);
     } else {
         printf("mha bench --serve: %lld sequences sharing a %lld-token prompt, up to %lld new "
@@ -160,14 +170,18 @@ int bench_serve(const bench_serve_opts *o) {
                (long long)tokens, (long long)step, decode_s, (double)tokens / decode_s);
         printf("  step       all %lld running: %.3f ms; the weights and every sequence's K "
                "and V are %.1f MiB (%.1f GB/s), the weights and the blocks in use, each once, "
-               "%.1f MiB (%.1f GB/s = %.1f%% of the read bandwidth %.1f GB/s measured here: "
+               "%.1f MiB (%.1f GB/s = %.1f%%%s of the read bandwidth %.1f GB/s measured here: "
                "decode reads a block that sequences share once for a group of them); median "
                "over all steps %.3f ms\n",
                (long long)N, full_ms, first_bytes / 1048576.0,
                first_bytes / (full_ms * 1e-3) * 1e-9, first_distinct / 1048576.0,
                first_distinct / (full_ms * 1e-3) * 1e-9,
-               bw > 0 ? 100.0 * first_distinct / (full_ms * 1e-3) * 1e-9 / bw : 0.0, bw,
+               100.0 * bw_frac, bw_disturbed ? " (capped, see the warning)" : "", bw,
                steps[step / 2]);
+        if (bw_disturbed)
+            printf("  warning    probe disturbed: the step read at %.1f%% of the read bandwidth "
+                   "measured here (a noisy neighbour during the probe, or a step from cache)\n",
+                   100.0 * bw_raw);
         printf("  memory     peak %.1f MiB of blocks (%lld of %lld) vs %.1f MiB for %lld "
                "contiguous caches of %lld tokens: %.2fx less\n",
                (double)peak * blockb / 1048576.0, (long long)peak, (long long)nblocks,
