@@ -11,12 +11,14 @@
 // Every output (attn_output, attn_output_weights) and gradient (grad_query,
 // grad_key, grad_value, grad_<parameter>) must meet the project's rule
 // against the float64 reference ref64:
-//   float32:  max|mha - ref64| <= max(4 * torch32_err, 2e-5 * (1 + max|ref64|))
+//   float32:  max|mha - ref64| <= max(4 * torch32_err, 4e-6 * (1 + max|ref64|))
 //   ref64:    max|mha - ref64| <= 1e-12 * (1 + max|ref64|), and for the
 //             parameter gradients (float32 storage in the module) the
 //             float32 rounding of that: 2^-23 * (1 + max|ref64|)
 // It does not generate anything: the configurations and their coverage are
-// gen_golden.py's (regenerate there).
+// gen_golden.py's (regenerate there). The summary states the worst err/tol
+// per run and, on its last line before check_summary's, over the float32
+// runs.
 //
 // Usage: test_golden [DIR]   (default MHA_GOLDEN_DIR, compiled in); the
 // parameter files it writes for mha_module_load go to MHA_TEST_TMPDIR.
@@ -37,6 +39,8 @@
 #define GOLDEN_VERSION "1"
 // The committed set has 22 files; fewer means some went missing.
 #define GOLDEN_MIN_FILES 22
+// The float32 rule's floor: F32_FLOOR * (1 + max|ref64|).
+#define F32_FLOOR 4e-6
 
 static const char *const PARAM_NAMES[] = {
     "in_proj_weight", "q_proj_weight",  "k_proj_weight",
@@ -151,7 +155,7 @@ static void compare(golden *g, int r, const char *name, const void *got, mha_dty
         if (d > err) err = d, worst = i;
         mref = fmax(mref, fabs(ref[i]));
     }
-    double tol = RUNS[r].dtype == MHA_F32 ? fmax(4.0 * e32, 2e-5 * (1.0 + mref))
+    double tol = RUNS[r].dtype == MHA_F32 ? fmax(4.0 * e32, F32_FLOOR * (1.0 + mref))
                  : f32_storage            ? 0x1p-23 * (1.0 + mref)
                                           : 1e-12 * (1.0 + mref);
     CHECKF(err <= tol,
@@ -392,8 +396,13 @@ int main(int argc, char **argv) {
         free(names[i]);
     }
     printf("test_golden: %d files in %s, fused ISA %s\n", n, dir, mha_isa());
-    for (int r = 0; r < NRUNS; r++)
+    int wr = 0;  // the worst float32 run
+    for (int r = 0; r < NRUNS; r++) {
         printf("  %-9s %3d tensors compared, worst err/tol %.3f (%s)\n", RUNS[r].name,
                g_compared[r], g_worst[r], g_worst_at[r][0] ? g_worst_at[r] : "-");
+        if (RUNS[r].dtype == MHA_F32 && g_worst[r] > g_worst[wr]) wr = r;
+    }
+    printf("test_golden: worst float32 error/bound %.3g (%s, %s, ISA %s)\n", g_worst[wr],
+           g_worst_at[wr][0] ? g_worst_at[wr] : "-", RUNS[wr].name, mha_isa());
     return check_summary("test_golden");
 }

@@ -19,7 +19,14 @@ random_case). The same numbers go to three computations:
 Rule, per output tensor (attn_output, attn_output_weights, grad_query,
 grad_key, grad_value, grad_<parameter>):
 
-  max|ours - ref64| <= max(4 * max|torch32 - ref64|, 2e-5 * (1 + max|ref64|))
+  max|ours - ref64| <= max(4 * max|torch32 - ref64|, 4e-6 * (1 + max|ref64|))
+
+(conf.tolerance, conformance.py's FLOOR). A tensor outside it gets
+conformance.py's second measure of torch32's error (the largest over
+perturbations of the inputs by at most 2 ulps: conf.PERTURBATIONS,
+conf.peer_errors), which stands in when larger; such cases are listed at
+the end. The line before the last one states the worst err/tol over every
+group, "backward: worst error/bound R (config ID, TENSOR)".
 
 The mirror is checked against PyTorch itself on every case: without fully
 masked rows its output and every gradient must agree with float64
@@ -61,6 +68,7 @@ torch cannot be imported.
 """
 
 import argparse
+import copy
 import math
 import os
 import re
@@ -755,12 +763,40 @@ def references(b, info=None):
 # Comparison and running
 
 
-def compare(ref, t32, ours, expect_names):
+def peer_expected(b, need_weights=None):
+    """conf.peer_errors' expected(k) for BCase b: the references of b
+    with its inputs perturbed (conf.perturbed_inputs), torch32 chosen as
+    references() does (PyTorch's autograd where it applies, else the mirror
+    in float32); need_weights: as mirror_expected's."""
+    def expected(k):
+        bp = copy.copy(b)
+        bp.c = copy.copy(b.c)
+        c = bp.c
+        c.query, c.key, c.value = conf.perturbed_inputs(b.c, k)
+        keeps = bp.masks()
+        ref = mirror_expected(bp, torch.float64, keeps, need_weights)
+        _, FM = conf.combined_mask(c)
+        if (need_weights is not None or bp.train or FM.any() or c.rope is not None
+                or c.alibi or c.softcap > 0 or c.num_kv_heads or c.head_dim
+                or c.separate_qkv or c.no_out_bias or c.qscale or c.sinks or c.qk_norm):
+            t32 = mirror_expected(bp, torch.float32, keeps, need_weights)
+        else:
+            t32 = torch_expected(bp, torch.float32)
+        return ref, t32
+    return expected
+
+
+def compare(ref, t32, ours, expect_names, peer=None, first=None):
     """Every tensor of ref against ours by the rule. Returns (ok, lines,
-    stats name -> (err, tol))."""
+    stats name -> (err, tol)). peer: conf.peer_errors' expected(k) for the
+    second measure of torch32's error of a tensor outside its bound (None:
+    none); first (a dict) receives name -> err / (the first bound) of such
+    a tensor."""
     if isinstance(ours, str):
         return False, [ours], {}
     ok, lines, stats = True, [], {}
+    again = {}  # name -> the re-measured torch32 error
+    redone = set()  # the tensors it stands in for
     extra = sorted(set(ours) - set(expect_names))
     if extra:
         ok = False
@@ -778,13 +814,25 @@ def compare(ref, t32, ours, expect_names):
             continue
         err = conf.max_err(got, r)
         tol, e32 = conf.tolerance(r, t)
+        if not err <= tol and peer is not None and math.isfinite(err):
+            if not again:
+                again.update(conf.peer_errors(peer, [n for n in expect_names
+                                                     if n in ref]))
+            if first is not None:
+                first[name] = err / tol
+            redone.add(name)
+            tol, e32 = conf.tolerance(r, t, again[name])
         stats[name] = (err, tol)
         good = err <= tol
         ok &= good
         line = ("%s: max|ours-ref64|=%.3g tol=%.3g (torch32 err %.3g, "
-                "max|ref64| %.3g)%s"
+                "max|ref64| %.3g)%s%s"
                 % (name, err, tol, e32,
                    float(np.max(np.abs(r))) if r.size else 0.0,
+                   "" if name not in redone else
+                   " (torch32 err re-measured on %d perturbations of the inputs "
+                   "by <= %d ulps: largest %.3g)"
+                   % (conf.PERTURBATIONS, conf.PERTURB_ULPS, again[name]),
                    "" if good else "  FAIL"))
         if not good and got.size:
             diff = np.abs(got.astype(np.float64) - r)
@@ -841,6 +889,7 @@ class Runner:
         self.counts = {}    # group -> [passed, failed]
         self.failures = []
         self.worst = {}     # group -> (err/tol, cid, tensor)
+        self.remeasured = []  # tensors whose torch32 error was re-measured
         self.keep_ours = {}  # cid -> ours (for the eval checks)
         self.stats = {}      # group -> case counts and harness checks
         self.want_ours = set()
@@ -894,19 +943,26 @@ class Runner:
         ok = not herr
         lines = list(herr) + list(notes)
         ref_w = None
+        n_remeasured = len(self.remeasured)
         for (cmd, yp, backward, need_w), fut in zip(runs, futs):
             ours = fut.result()
-            r, t = ref, t32
+            r, t, peer = ref, t32, peer_expected(b)
             if need_w and "attn_output_weights" not in ref:
                 if ref_w is None:
                     keeps = b.masks()
                     ref_w = (mirror_expected(b, torch.float64, keeps, True),
                              mirror_expected(b, torch.float32, keeps, True))
                 r, t = ref_w
+                peer = peer_expected(b, True)
             names = expected_names(b, backward, need_w)
-            good, ls, stats = compare(r, t, ours, names)
+            first = {}
+            good, ls, stats = compare(r, t, ours, names, peer, first)
             tag = "backward" if backward else "forward"
             lines += ["%s %s" % (tag, ln) for ln in ls]
+            for name, fr in first.items():
+                self.remeasured.append("%s %s %s (%.3g of the first bound, %.3g of "
+                                       "the second)" % (b.cid, tag, name, fr,
+                                                        stats[name][0] / stats[name][1]))
             for name, (err, tol) in stats.items():
                 wst = self.worst.get(b.group)
                 if wst is None or err / tol > wst[0]:
@@ -923,15 +979,16 @@ class Runner:
                     os.remove(f)
                 except OSError:
                     pass
-        self.record(b, ok, lines)
+        # a case whose torch32 error was re-measured is shown even when it passes
+        self.record(b, ok, lines, show=len(self.remeasured) > n_remeasured)
 
-    def record(self, b, ok, lines, group=None, cid=None, what=None):
+    def record(self, b, ok, lines, group=None, cid=None, what=None, show=False):
         group = group or b.group
         cnt = self.counts.setdefault(group, [0, 0])
         cnt[0 if ok else 1] += 1
         if not ok:
             self.failures.append(cid or b.cid)
-        if not ok or self.args.verbose:
+        if not ok or show or self.args.verbose:
             print("%s %s" % ("ok  " if ok else "FAIL",
                              what or b.describe()))
             for ln in lines:
@@ -1310,6 +1367,12 @@ def main():
         print("failed: %s%s" % (", ".join(shown),
                                 " ..." if len(runner.failures) > 40 else ""))
     print("time: %.1fs (seed %d)" % (time.time() - t0, args.seed))
+    if runner.remeasured:
+        print("torch32 error re-measured on perturbed inputs (a tensor outside "
+              "its first bound): %s" % ", ".join(runner.remeasured))
+    if runner.worst:
+        wst = max(runner.worst.values(), key=lambda w: w[0])
+        print("backward: worst error/bound %.3g (config %s, %s)" % wst)
     if total_p + total_f == 0:
         print("backward: no cases ran")
         total_f = 1

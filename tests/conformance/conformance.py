@@ -11,7 +11,12 @@ same numbers go to three computations:
 
 Rule, per output tensor (attn_output, attn_output_weights):
 
-  max|ours - ref64| <= max(4 * max|torch32 - ref64|, 2e-5 * (1 + max|ref64|))
+  max|ours - ref64| <= max(4 * max|torch32 - ref64|, 4e-6 * (1 + max|ref64|))
+
+A tensor outside that bound gets a second measure of torch32's error: the
+largest over 8 copies of the case with the inputs moved by at most 2 ulps
+(PERTURBATIONS, peer_errors below), which stands in when larger; such
+tensors are listed at the end with both ratios.
 
 Fully masked rows (every score of a (batch, head, query) row is -inf) follow
 libmha's rule: weights 0 and head result 0, so the module's output there is
@@ -29,11 +34,14 @@ Usage:
       --tmp /tmp/conf --configs 500 [--seed 1] [--only ID[,ID...]] [-v]
   /usr/bin/python3 tests/conformance/conformance.py --self-test
 
-Ends with the line "N passed, M failed"; exits 1 when anything failed or
-torch cannot be imported.
+The line before the last one states the worst err/tol over every case,
+"conformance: worst error/bound R (config ID, TENSOR)". Ends with the line
+"N passed, M failed"; exits 1 when anything failed or torch cannot be
+imported.
 """
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -939,10 +947,74 @@ def pytorch_cases(seed, iters):
 # Comparison
 
 
-def tolerance(ref, t32):
+# The floor of the rule: 4e-6 (about 34 float32 ulps at 1) times 1 + max|ref64|.
+FLOOR = 4e-6
+
+
+def tolerance(ref, t32, e32_more=0.0):
+    """(bound, torch32's error); e32_more: a re-measured torch32 error
+    (peer_errors) that stands in when larger."""
     e32 = float(np.max(np.abs(t32 - ref))) if ref.size else 0.0
     mref = float(np.max(np.abs(ref))) if ref.size else 0.0
-    return max(4.0 * e32, 2e-5 * (1.0 + mref)), e32
+    return max(4.0 * max(e32, e32_more), FLOOR * (1.0 + mref)), e32
+
+
+# PyTorch float32's error on one input is one draw: where the scores are
+# large (inputs of scale 30 to 300, near one-hot softmax rows) a one-ulp
+# change of an input moves it by 10x and more either way. A tensor outside
+# its bound therefore gets a second measure of the peer error: torch32's
+# error (each against its own float64 reference) on PERTURBATIONS copies of
+# the case whose float32 inputs (query, key, value) are moved by at most
+# PERTURB_ULPS ulps each; the largest of them stands in for torch32's error
+# when larger (the ours-vs-ref64 error stays the one on the case itself).
+# On a well-conditioned case those errors stay torch32's own size (inputs of
+# scale 1: within 2x of it, and under the floor), so a 10x loss of accuracy
+# still fails; the line of such a case says so.
+PERTURBATIONS = 8
+PERTURB_ULPS = 2
+
+
+def perturbed_inputs(c, k):
+    """Copies (query, key, value) of Case c's inputs moved by at most
+    PERTURB_ULPS ulps each (perturbation k, seeded); self-attention's shared
+    array stays shared."""
+    rng = np.random.default_rng([0x756c70, k])
+
+    def bump(a):
+        a = np.asarray(a, dtype=np.float32)
+        n = rng.integers(-PERTURB_ULPS, PERTURB_ULPS + 1, size=a.shape)
+        out = a.copy()
+        for _ in range(PERTURB_ULPS):
+            out = np.where(n > 0, np.nextafter(out, np.float32(np.inf)),
+                           np.where(n < 0, np.nextafter(out, np.float32(-np.inf)), out))
+            n = n - np.sign(n)
+        return out.astype(np.float32)
+
+    q = bump(c.query)
+    k_ = q if c.key is c.query else bump(c.key)
+    v = q if c.value is c.query else (k_ if c.value is c.key else bump(c.value))
+    return q, k_, v
+
+
+def peer_errors(expected, names):
+    """The largest torch32 error per tensor name over PERTURBATIONS
+    perturbed copies; expected(k) -> (ref64, torch32) dicts of copy k."""
+    worst = dict.fromkeys(names, 0.0)
+    for k in range(PERTURBATIONS):
+        r, t = expected(k)
+        for n in names:
+            if n in r and n in t:
+                worst[n] = max(worst[n], max_err(t[n], r[n]))
+    return worst
+
+
+def forward_peer(case):
+    """peer_errors' expected(k) for the forward suite's Case."""
+    def expected(k):
+        c = copy.copy(case)
+        c.query, c.key, c.value = perturbed_inputs(case, k)
+        return torch_expected(c, torch.float64), torch_expected(c, torch.float32)
+    return expected
 
 
 def max_err(a, b):
@@ -954,12 +1026,17 @@ def max_err(a, b):
     return float(np.max(diff))
 
 
-def compare(case, ours, ref, t32):
+def compare(case, ours, ref, t32, peer=None, first=None):
     """ours: dict name -> array (or an error string). Returns (ok, lines,
-    stats) where stats maps tensor name -> (err, tol)."""
+    stats) where stats maps tensor name -> (err, tol). peer: peer_errors'
+    expected(k), for the second measure of the peer error of a tensor
+    outside its bound (None: no second measure); first (a dict) receives
+    name -> err / (the first bound) of such a tensor."""
     if isinstance(ours, str):
         return False, [ours], {}
     lines, stats, ok = [], {}, True
+    again = {}  # name -> the re-measured torch32 error
+    redone = set()  # the tensors it stands in for
     for name in ("attn_output", "attn_output_weights"):
         if name not in ref:
             if name in ours:
@@ -978,14 +1055,28 @@ def compare(case, ours, ref, t32):
             continue
         err = max_err(got, ref[name])
         tol, e32 = tolerance(ref[name], t32[name])
+        if not err <= tol and peer is not None and math.isfinite(err):
+            if not again:
+                again.update(peer_errors(peer, [n for n in ("attn_output",
+                                                            "attn_output_weights")
+                                                if n in ref]))
+            if first is not None:
+                first[name] = err / tol
+            redone.add(name)
+            tol, e32 = tolerance(ref[name], t32[name], again[name])
         stats[name] = (err, tol)
         good = err <= tol
         ok &= good
         line = ("%s: max|ours-ref64|=%.3g tol=%.3g (torch32 err %.3g, "
-                "max|ref64| %.3g)%s" % (name, err, tol, e32,
-                                        float(np.max(np.abs(ref[name])))
-                                        if ref[name].size else 0.0,
-                                        "" if good else "  FAIL"))
+                "max|ref64| %.3g)%s%s" % (name, err, tol, e32,
+                                          float(np.max(np.abs(ref[name])))
+                                          if ref[name].size else 0.0,
+                                          "" if name not in redone else
+                                          " (torch32 err re-measured on %d "
+                                          "perturbations of the inputs by <= %d "
+                                          "ulps: largest %.3g)"
+                                          % (PERTURBATIONS, PERTURB_ULPS, again[name]),
+                                          "" if good else "  FAIL"))
         if not good and got.size:
             diff = np.abs(got.astype(np.float64) - ref[name])
             diff = np.where(np.isnan(diff), np.inf, diff)
@@ -1032,6 +1123,7 @@ class Runner:
         self.counts = {}    # group -> [passed, failed]
         self.failures = []
         self.worst = {}     # group -> (err/tol, cid, tensor)
+        self.remeasured = []  # cases whose torch32 error was re-measured
 
     def submit(self, case):
         a = self.args
@@ -1059,7 +1151,15 @@ class Runner:
     def _finish_one(self):
         case, ref, t32, fut, cmd, files = self.pending.pop(0)
         ours = fut.result()
-        ok, lines, stats = compare(case, ours, ref, t32)
+        first = {}
+        ok, lines, stats = compare(case, ours, ref, t32, forward_peer(case), first)
+        for name, r in first.items():
+            self.remeasured.append("%s %s (%.3g of the first bound, %.3g of the second)"
+                                   % (case.cid, name, r, stats[name][0] / stats[name][1]))
+        if first and ok and not self.args.verbose:  # say so even when it passes
+            print("ok   %s" % case.describe())
+            for ln in lines:
+                print("      " + ln)
         for name, (err, tol) in stats.items():
             w = self.worst.get(case.group)
             if w is None or err / tol > w[0]:
@@ -1359,6 +1459,12 @@ def main():
         print("failed: %s%s" % (", ".join(shown),
                                 " ..." if len(runner.failures) > 40 else ""))
     print("time: %.1fs (random grid %.1fs)" % (time.time() - t0, t_random))
+    if runner.remeasured:
+        print("torch32 error re-measured on perturbed inputs (a tensor outside "
+              "its first bound): %s" % ", ".join(runner.remeasured))
+    if runner.worst:
+        wst = max(runner.worst.values(), key=lambda w: w[0])
+        print("conformance: worst error/bound %.3g (config %s, %s)" % wst)
     total_p, total_f = rp + pp, rf + pf
     if total_p + total_f == 0:
         print("conformance: no cases ran")

@@ -35,7 +35,9 @@ save_pretrained into a temporary directory. Then for every layer:
     parameter mha gives no gradient for, or an mha parameter with no
     counterpart, fails the case by name; no padding;
   - on the rows of real tokens, for the output and for each gradient:
-    max|mha - ref| <= max(4 max|peer - ref|, 2e-5 (1 + max|ref|)).
+    max|mha - ref| <= max(4 max|peer - ref|, 4e-6 (1 + max|ref|)).
+The worst err/bound over every comparison of the session is reported at
+its end ("hf: worst error/bound R (TEST, TENSOR)").
 
 A case whose architecture needs a feature main does not have yet (mha
 answers MHA_ERR_UNSUPPORTED "... not implemented yet") is an expected
@@ -57,6 +59,40 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
+
+# The floor of the rule: FLOOR * (1 + max|ref|).
+FLOOR = 4e-6
+
+
+def bound_of(err_pt, ref):
+    return max(4 * err_pt, FLOOR * (1 + ref.abs().max().item()))
+
+
+# The worst err/bound of the session: [ratio, test id, tensor].
+_WORST = [0.0, None, None]
+
+
+def note(err, bound, what):
+    """Records err / bound for the session's summary line."""
+    ratio = err / bound if err == err else float("inf")  # bound >= FLOOR; NaN: inf
+    if _WORST[1] is None or ratio > _WORST[0]:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        _WORST[:] = [ratio, test, what]
+
+
+class _WorstReport:
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter):
+        if _WORST[1] is not None:
+            terminalreporter.write_line("hf: worst error/bound %.3g (%s, %s)" % tuple(_WORST))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worst_report(request):
+    # a plugin of this module's (tests/hf/conftest.py has the table)
+    pm = request.config.pluginmanager
+    if not pm.has_plugin("mha_hf_worst"):
+        pm.register(_WorstReport(), "mha_hf_worst")
 
 N, L, VOCAB, PAD = 2, 12, 96, 3
 CHUNK = 5  # --incremental --chunk: 12 tokens as 5 + 5 + 2
@@ -307,6 +343,7 @@ def test_layer(name, layer, mode, mha_bin, hf_tmp):
     err = (got - ref).abs().max().item()
     err_pt = (peer - ref).abs().max().item()
     bound = bound_of(err_pt, ref)
+    note(err, bound, "attn_output")
     print(f"{name} layer {layer} {mode}: mha err {err:.3g}, float32 torch err {err_pt:.3g}, "
           f"bound {bound:.3g}")
     assert err <= bound, f"mha error {err:.3g} > bound {bound:.3g} (torch f32 {err_pt:.3g})"
@@ -349,7 +386,8 @@ def test_real_minilm(layer, mha_bin, hf_tmp):
     ref, peer, got = ref.double()[rows], peer.double()[rows], got[rows]
     err = (got - ref).abs().max().item()
     err_pt = (peer - ref).abs().max().item()
-    bound = max(4 * err_pt, 2e-5 * (1 + ref.abs().max().item()))
+    bound = bound_of(err_pt, ref)
+    note(err, bound, "attn_output")
     print(f"all-MiniLM-L6-v2 layer {layer}: mha err {err:.3g}, float32 torch err "
           f"{err_pt:.3g}, bound {bound:.3g}")
     assert err <= bound
@@ -435,10 +473,6 @@ def mha_cached(ckpt, layer, hidden, pos):
     return torch.cat(outs, 1).double()
 
 
-def bound_of(err_pt, ref):
-    return max(4 * err_pt, 2e-5 * (1 + ref.abs().max().item()))
-
-
 DEC_PARAMS = [pytest.param(n, i, False, id=f"{n}-L{i}") for n, (mt, _, cfg, _) in CASES.items()
               if mt != "bert" for i in range(n_layers(cfg))]
 # position_ids that jump by 4 after the prefill (the decoded tokens' RoPE
@@ -463,6 +497,7 @@ def test_cached(name, layer, gap, hf_tmp):
     err = (got - ref).abs().max().item()
     err_pt = (peer - ref).abs().max().item()
     bound = bound_of(err_pt, ref)
+    note(err, bound, "attn_output")
     print(f"{name} layer {layer} cached {STEPS}{' gap' if gap else ''}: mha err {err:.3g}, float32 torch err "
           f"{err_pt:.3g}, bound {bound:.3g}")
     assert err <= bound, f"mha error {err:.3g} > bound {bound:.3g} (torch f32 {err_pt:.3g})"
@@ -584,6 +619,7 @@ def test_backward(name, layer, hf_tmp):
         err = (got - ref).abs().max().item()
         err_pt = (peer - ref).abs().max().item()
         bound = bound_of(err_pt, ref)
+        note(err, bound, "grad " + n)
         lines.append(f"  d/d {n}: mha err {err:.3g}, float32 torch err {err_pt:.3g}, "
                      f"bound {bound:.3g}")
         if not err <= bound:

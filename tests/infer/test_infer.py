@@ -26,15 +26,19 @@ Loads libmha with ctypes. References are computed in float64 with torch:
 
 Tolerance, per output tensor (the project's rule; torch32 is the same
 formula in float32):
-    max|ours - ref64| <= max(4 * max|torch32 - ref64|, 2e-5 * (1 + max|ref64|))
+    max|ours - ref64| <= max(4 * max|torch32 - ref64|, 4e-6 * (1 + max|ref64|))
 
 Usage: /usr/bin/python3 tests/infer/test_infer.py --lib build/libmha.so [-v]
-Ends with "N passed, M failed"; exits 1 when anything failed.
+Before its last line it states the worst err/tol of that rule, "infer: worst
+error/bound R (CHECK)", and of the narrow caches' bounds (bf16, f16, int8,
+int4 against a float32 cache). Ends with "N passed, M failed"; exits 1 when
+anything failed.
 """
 
 import argparse
 import ctypes as C
 import math
+import os
 import sys
 
 try:
@@ -44,6 +48,9 @@ except Exception as exc:  # pragma: no cover - environment problem
     print("test_infer: cannot import torch/numpy (%s: %s)" % (type(exc).__name__, exc))
     print("0 passed, 1 failed")
     sys.exit(1)
+
+# The floor of the rule: FLOOR * (1 + max|ref64|).
+FLOOR = 4e-6
 
 MAX_DIMS = 8
 F32, BOOL, F64 = 0, 3, 7
@@ -133,6 +140,13 @@ class Checker:
     def __init__(self, verbose):
         self.passed = self.failed = 0
         self.verbose = verbose
+        self.worst = {}  # kind -> (err / bound, what)
+
+    def note(self, kind, ratio, what):
+        if ratio != ratio:  # NaN
+            ratio = float("inf")
+        if kind not in self.worst or ratio > self.worst[kind][0]:
+            self.worst[kind] = (ratio, what)
 
     def check(self, ok, what):
         if ok:
@@ -152,7 +166,8 @@ class Checker:
             return
         err = float(np.max(np.abs(ours - ref64)))
         tol = max(4.0 * float(np.max(np.abs(t32 - ref64))),
-                  2e-5 * (1.0 + float(np.max(np.abs(ref64)))))
+                  FLOOR * (1.0 + float(np.max(np.abs(ref64)))))
+        self.note("rule", err / tol, what)
         self.check(err <= tol, "%s: err %.3g tol %.3g" % (what, err, tol))
 
 
@@ -648,8 +663,8 @@ def test_threads(lib, ck, rng):
     1, 2 and 8 OpenMP threads."""
     try:
         gomp = C.CDLL("libgomp.so.1")
-    except OSError:
-        ck.check(True, "threads: no libgomp, skipped")
+    except OSError:  # (a skip; under CI=true, where the install has it, a failure)
+        ck.check(os.environ.get("CI") != "true", "threads: no libgomp, skipped")
         return
     B, Hkv, G, D, n = 1, 2, 3, 64, 5000
     H = Hkv * G
@@ -766,7 +781,8 @@ def test_cache_dtypes(lib, ck, rng):
     (decode steps and prefill chunks): the documented bound
     max|out - out_f32| <= 4 u (1 + max|s|) max|v|; int4 within mha.h's
     bound computed from the data (its maxima taken over every key, a
-    superset of each query's: still a bound), plus float32's 2e-5."""
+    superset of each query's: still a bound), plus float32's rounding,
+    FLOOR (1 + |out_f32|) per element."""
     units = {1: ("bf16", 2.0 ** -8, 2), 2: ("f16", 2.0 ** -11, 2), 3: ("int8", 1.0 / 127, 1),
              4: ("int4", None, 0.5)}
     for case in range(12):
@@ -815,13 +831,16 @@ def test_cache_dtypes(lib, ck, rng):
         vabs = np.repeat(np.abs(V).max(2), G, 1)  # (B, H, D)
         bnd4 = vterm[:, :, None] + np.expm1(2 * emax)[..., None] * vabs[:, :, None]
         e4 = np.abs(outs[4].astype(np.float64) - outs[0])
-        over = float(np.max(e4 - bnd4 - 2e-5 * (1 + np.abs(outs[0]))))
+        full4 = bnd4 + FLOOR * (1 + np.abs(outs[0]))
+        over = float(np.max(e4 - full4))
+        ck.note("narrow", float(np.max(e4 / full4)), "int4 case %d" % case)
         ck.check(over <= 0, "cache int4 %d (B %d H %d Hkv %d tokens %d): err vs f32 %.3g, "
                  "outside the bound by %.3g" % (case, B, H, Hkv, total, float(e4.max()), over))
         for dt in (1, 2, 3):
             name, u, _ = units[dt]
             e = float(np.max(np.abs(outs[dt].astype(np.float64) - outs[0])))
             bound = 4 * u * (1 + smax) * vmax
+            ck.note("narrow", e / bound, "%s case %d" % (name, case))
             ck.check(e <= bound, "cache %s %d (B %d H %d Hkv %d tokens %d): err vs f32 %.3g "
                      "bound %.3g" % (name, case, B, H, Hkv, total, e, bound))
 
@@ -845,6 +864,11 @@ def main():
     test_varlen(lib, ck, rng)
     test_cache_dtypes(lib, ck, rng)
     test_sdpa_dropout(lib, ck, np.random.default_rng(args.seed + 1000))
+    if "narrow" in ck.worst:
+        print("infer: narrow caches (bf16, f16, int8, int4 vs a float32 cache): worst "
+              "error/bound %.3g (%s)" % ck.worst["narrow"])
+    if "rule" in ck.worst:
+        print("infer: worst error/bound %.3g (%s)" % ck.worst["rule"])
     print("%d passed, %d failed" % (ck.passed, ck.failed))
     return 1 if ck.failed else 0
 
