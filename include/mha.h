@@ -89,6 +89,12 @@ MHA_API const char *mha_status_string(mha_status s);
 // Valid until the next failing call on the same thread.
 MHA_API const char *mha_last_error(void);
 
+// What the calling thread's last successful mha_forward (_ex),
+// mha_backward, mha_sdpa or mha_sdpa_backward ran: "reference", or
+// "fused " and the SIMD kernels ("fused avx512"); "" before any. Each of
+// those calls sets it when it succeeds; no other call changes it.
+MHA_API const char *mha_last_impl(void);
+
 // Writes s into buf (cap >= 16 bytes) as a quoted, printable, one-line
 // string for messages: bytes outside printable ASCII, quotes and
 // backslashes become \xNN; long strings are cut with "...". Returns buf.
@@ -879,7 +885,8 @@ MHA_API void mha_linear_destroy(mha_linear *l);
 //   Hkv dividing H: grouped-query attention (Hkv = 1: multi-query), query
 //   head h reading KV head h / (H / Hkv), as PyTorch (enable_gqa),
 //   FlashAttention and ggml do;
-//   weights (B, H, L, S) optional; all 4-D MHA_F32/F64 views, any strides.
+//   weights (B, H, L, S) optional; all 4-D MHA_F32/F64/BF16/F16 views (each
+//   its own), any strides.
 //   attn_mask: NULL or a view of up to 4 dims, broadcast to (B, H, L, S)
 //     as PyTorch broadcasts (right-aligned; a dim of size 1 or stride 0
 //     broadcasts). MHA_BOOL/MHA_U8 nonzero = not allowed; MHA_F32 added.
@@ -901,9 +908,14 @@ MHA_API void mha_linear_destroy(mha_linear *l);
 //     as the module returns them. The fused path and the reference keep the
 //     same elements, for any number of threads.
 // The fully-masked-row rule holds. impl: auto runs the fused path when q,
-// k, v, out (and weights) are MHA_F32 with unit stride along the last dim,
-// else the reference (MHA_IMPL in the environment overrides auto); fused
-// on other views is MHA_ERR_UNSUPPORTED.
+// k, v, out (and weights) are MHA_F32, MHA_BF16 or MHA_F16 with unit stride
+// along the last dim, else the reference (F64 views; MHA_IMPL in the
+// environment overrides auto); fused on other views is
+// MHA_ERR_UNSUPPORTED. Half views compute in float32: their rows are
+// converted exactly as the tiles load them (no float32 copy of a tensor)
+// and a half out is the float32 result rounded once (nearest even), so
+// its error against float64 on the same values is half an ulp of its type
+// plus the float32 path's. mha_last_impl() says which ran.
 typedef struct mha_sdpa_args {
     const mha_tensor *q;
     const mha_tensor *k;
@@ -934,8 +946,11 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
 // same keep mask, regenerated from dropout_seed and dropout_offset, so the
 // gradients are those of the forward with that mask). impl: auto runs
 // the fused path (FlashAttention-2's backward, the forward's rows
-// recomputed) when q, k, v, dout, dq, dk, dv are MHA_F32 with unit stride
-// along the last dim, else the reference (in double); MHA_IMPL overrides.
+// recomputed) when q, k, v, dout, dq, dk, dv are MHA_F32, MHA_BF16 or
+// MHA_F16 (each its own) with unit stride along the last dim, else the
+// reference (in double); MHA_IMPL overrides. Half tensors compute in
+// float32 (rows converted as they load; each gradient summed in float32
+// and rounded once into its tensor).
 // Every gradient element is summed by one thread in a fixed order: the
 // same bits for any number of threads. Allocates its scratch and frees it.
 MHA_API MHA_NODISCARD mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk,

@@ -25,7 +25,8 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mha_modu
     if ((st = mha__plan_forward(&p, m, &a))) return st;
     if ((st = mha__check_backward(&p, gq, gk, gv, grads, m, &a, gout))) return st;
     if (p.fused)
-        return mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate, NULL);
-
-    return mha__ref_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
+        st = mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate, NULL);
+    else st = mha__ref_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
+    if (!st) mha__set_impl(p.fused, mha_isa());
+    return st;
 }

@@ -48,6 +48,15 @@ const char *mha_status_string(mha_status s) {
 
 const char *mha_last_error(void) { return g_errmsg; }
 
+static _Thread_local char g_impl[32];
+
+const char *mha_last_impl(void) { return g_impl; }
+
+void mha__set_impl(bool fused, const char *isa) {
+    if (fused) snprintf(g_impl, sizeof g_impl, "fused %s", isa);
+    else snprintf(g_impl, sizeof g_impl, "reference");
+}
+
 void mha_set_log_callback(mha_log_fn fn, void *user) {
     g_log_fn = fn;
     g_log_user = user;

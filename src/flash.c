@@ -18,8 +18,9 @@
 #define BC MHA__FLASH_BC
 
 // Scratch layout (floats), 64-byte pieces:
-//   header (16 floats: the cache's identity) | qs (BR, D) | s (BR, BC) |
-//   dp (BR, BC) | tr (BC, BR) | m, l (BR each) | flags (4 nt bytes) |
+//   header (16 floats: the cache's identity) | qs (BR, D) | dos (BR, Dv) |
+//   s (BR, BC) | dp (BR, BC) | tr (BC, BR) | m, l (BR each) | cv
+//   (max(D, Dv): a half row converted) | flags (4 nt bytes) |
 //   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
 //   backward V^T (Dv, w), K rows (w, D)
 // with nt = ceil(S / BC) + (nx > 0) key tiles; tile t holds keys
@@ -37,7 +38,7 @@ static size_t round16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 typedef struct scratch_map {
     cache_hdr *hdr;
-    float *qs, *dos, *s, *dp, *tr, *m, *l;
+    float *qs, *dos, *s, *dp, *tr, *m, *l, *cv;
     float *cache[C_KINDS];
     size_t tile_floats[C_KINDS];
     unsigned char *done;  // (C_KINDS, nt)
@@ -54,6 +55,7 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
     m.tr = p, p += BR * BC;
     m.m = p, p += BR;
     m.l = p, p += BR;
+    m.cv = p, p += round16((size_t)(D > Dv ? D : Dv));
     m.done = (unsigned char *)(void *)p;
     p += round16((size_t)(C_KINDS * nt + 3) / 4);
     for (int c = 0; c < C_KINDS; c++) {
@@ -67,7 +69,7 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
 size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx, bool backward) {
     const int64_t nt = n_tiles(S, nx);
     return 16 + round16((size_t)(BR * D)) + round16((size_t)(BR * Dv)) + 3 * BR * BC + 2 * BR +
-           round16((size_t)(C_KINDS * nt + 3) / 4) +
+           round16((size_t)(D > Dv ? D : Dv)) + round16((size_t)(C_KINDS * nt + 3) / 4) +
            (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
                (backward ? 2 : 1);
 }
@@ -103,6 +105,21 @@ static void tile_keys(const mha__flash_head *a, int64_t t, int64_t *j0, int64_t 
     }
 }
 
+// Row i of a view of float32 (half 0) or uint16_t (half 1, 2) elements,
+// row stride rs.
+static const void *row_at(const void *p, uint8_t half, int64_t i, int64_t rs) {
+    return half ? (const void *)((const uint16_t *)p + i * rs)
+                : (const void *)((const float *)p + i * rs);
+}
+
+// dst (n) = the row src of float32 or half elements, as float32 (exact).
+static void load_row(const mha__kernels *kt, float *dst, const void *src, uint8_t half,
+                     int64_t n) {
+    if (half == 1) kt->cvt_bf16(dst, src, n);
+    else if (half == 2) kt->cvt_f16(dst, src, n);
+    else memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
 // The tile holding key j0 (a multiple of BC, or S) in cache `kind`
 // (transposed (D, w) for C_KT/C_VT, contiguous rows (w, D) for C_VR/C_KR),
 // packed on first use.
@@ -119,13 +136,21 @@ static const float *packed_tile(const mha__kernels *kt, const mha__flash_head *a
         // a tile is either keys of the head (row stride rs) or the
         // appended ones (contiguous), never both
         const bool extra = k0 >= a->S;
-        const float *rows = extra ? (isk ? a->xk : a->xv) + (k0 - a->S) * D
-                                  : (isk ? a->k : a->v) + k0 * (isk ? a->k_rs : a->v_rs);
+        const uint8_t half = extra ? 0 : isk ? a->k_half : a->v_half;
         const int64_t rs = extra ? D : isk ? a->k_rs : a->v_rs;
-        if (trans) kt->transpose(dst, w, rows, rs, w, D);
-        else
+        const void *rows = extra ? (const void *)((isk ? a->xk : a->xv) + (k0 - a->S) * D)
+                                 : row_at(isk ? a->k : a->v, half, k0, rs);
+        if (half && trans) {  // each row converted, then into its column
+            for (int64_t j = 0; j < w; j++) {
+                load_row(kt, sm->cv, row_at(rows, half, j, rs), half, D);
+                kt->transpose(dst + j, w, sm->cv, D, 1, D);
+            }
+        } else if (trans) {
+            kt->transpose(dst, w, rows, rs, w, D);
+        } else {
             for (int64_t j = 0; j < w; j++)
-                memcpy(dst + j * D, rows + j * rs, (size_t)D * sizeof(float));
+                load_row(kt, dst + j * D, row_at(rows, half, j, rs), half, D);
+        }
         done[t] = 1;
     }
     return dst;
@@ -233,11 +258,17 @@ static bool next_tile(key_iter *it, int64_t *j0, int64_t *n) {
     return false;
 }
 
-// qs (br, D) = scale * q rows [i0, i0 + br)
-static void load_q(const mha__flash_head *a, float *qs, int64_t i0, int64_t br) {
-    for (int64_t r = 0; r < br; r++)
-        for (int64_t c = 0; c < a->D; c++)
-            qs[r * a->D + c] = a->scale * a->q[(i0 + r) * a->q_rs + c];
+// qs (br, D) = scale * q rows [i0, i0 + br) (half rows converted first:
+// cv, max(D, Dv) floats of scratch)
+static void load_q(const mha__kernels *kt, const mha__flash_head *a, float *qs, int64_t i0,
+                   int64_t br, float *cv) {
+    for (int64_t r = 0; r < br; r++) {
+        const float *q = cv;
+        if (a->q_half)
+            load_row(kt, cv, row_at(a->q, a->q_half, i0 + r, a->q_rs), a->q_half, a->D);
+        else q = a->q + (i0 + r) * a->q_rs;
+        for (int64_t c = 0; c < a->D; c++) qs[r * a->D + c] = a->scale * q[c];
+    }
 }
 
 void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i0, int64_t i1,
@@ -245,12 +276,16 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
     const int64_t br = i1 - i0, Dv = a->Dv;
     scratch_map sm = head_scratch(a, scratch);
     float *s = sm.s, *m = sm.m, *l = sm.l;
-    load_q(a, sm.qs, i0, br);
+    load_q(kt, a, sm.qs, i0, br, sm.cv);
+    // the output rows: o's own, or float32 scratch (dos) for a half o,
+    // rounded into it at the end
+    float *ob = a->o_half ? sm.dos : a->o + i0 * a->o_rs;
+    const int64_t ob_rs = a->o_half ? Dv : a->o_rs;
     // an attention sink (mask->sinks) is a first key of logit sink and
     // value 0: the online softmax starts from (m, l) = (sink, 1)
     const float sink = a->mask && a->mask->sinks ? a->mask->sinks[a->h] : -INFINITY;
     for (int64_t r = 0; r < br; r++) {
-        for (int64_t c = 0; c < Dv; c++) a->o[(i0 + r) * a->o_rs + c] = 0.0f;
+        for (int64_t c = 0; c < Dv; c++) ob[r * ob_rs + c] = 0.0f;
         m[r] = sink;
         l[r] = sink > -INFINITY ? 1.0f : 0.0f;
     }
@@ -261,14 +296,13 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
         float *alpha = sm.tr;  // (BR)
         kt->softmax_rows(s, n, br, n, m, l, alpha);
         for (int64_t r = 0; r < br; r++) {
-            if (alpha[r] != 1.0f) kt->scale_row(a->o + (i0 + r) * a->o_rs, Dv, alpha[r]);
+            if (alpha[r] != 1.0f) kt->scale_row(ob + r * ob_rs, Dv, alpha[r]);
             if (a->drop) drop_row(a, s + r * n, i0 + r, j0, n);
         }
-        kt->gemm_nn_acc(a->o + i0 * a->o_rs, a->o_rs, s, n, packed_tile(kt, a, &sm, j0, C_VR),
-                        Dv, br, Dv, n);
+        kt->gemm_nn_acc(ob, ob_rs, s, n, packed_tile(kt, a, &sm, j0, C_VR), Dv, br, Dv, n);
     }
     for (int64_t r = 0; r < br; r++) {
-        float *o = a->o + (i0 + r) * a->o_rs;
+        float *o = ob + r * ob_rs;
         if (l[r] > 0.0f) {
             kt->scale_row(o, Dv, 1.0f / l[r]);
         } else if (!(l[r] == 0.0f)) {  // NaN: keep it
@@ -279,6 +313,11 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
             a->stats[2 * (i0 + r)] = m[r];
             a->stats[2 * (i0 + r) + 1] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
         }
+        if (a->o_half) {  // rounded once, nearest even
+            uint16_t *oh = (uint16_t *)(void *)a->o + (i0 + r) * a->o_rs;
+            for (int64_t c = 0; c < Dv; c++)
+                oh[c] = a->o_half == 1 ? mha_f32_to_bf16(o[c]) : mha_f32_to_f16(o[c]);
+        }
     }
 }
 
@@ -286,7 +325,7 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
                         int64_t i1, mha__mat w, float *scratch) {
     const int64_t br = i1 - i0, total = a->S + a->nx;
     scratch_map sm = head_scratch(a, scratch);
-    load_q(a, sm.qs, i0, br);
+    load_q(kt, a, sm.qs, i0, br, sm.cv);
     for (int64_t r = 0; r < br; r++)  // zeros outside the band
         for (int64_t j = 0; j < total; j++) mha__st(w, r, j, 0.0);
     key_iter it = keys_of(a, i0, i1);
@@ -364,7 +403,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const f
     rows_of_keys(a, j0, n, &rlo, &rhi);
     for (int64_t i0 = rlo; i0 < rhi; i0 += BR) {
         int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
-        load_q(a, sm.qs, i0, br);
+        load_q(kt, a, sm.qs, i0, br, sm.cv);
         bwd_tile(kt, a, &sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, s, dp, sm.tr);
         softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, sm.tr);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
@@ -404,7 +443,7 @@ static void block_dsum(const mha__kernels *kt, const mha__flash_head *a, scratch
         dsum_rows(kt, a, dO, do_rs, Dsum, i0, i1);
         return;
     }
-    if (!q_loaded) load_q(a, sm->qs, i0, br);
+    if (!q_loaded) load_q(kt, a, sm->qs, i0, br, sm->cv);
     for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
@@ -424,7 +463,7 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
                      float *dxk, float *dxv, float *scratch) {
     const int64_t D = a->D, Dv = a->Dv, br = i1 - i0;
     scratch_map sm = head_scratch(a, scratch);
-    load_q(a, sm.qs, i0, br);
+    load_q(kt, a, sm.qs, i0, br, sm.cv);
     // the rows' dO, contiguous (the GEMMs below read it as rows of Dv)
     for (int64_t r = 0; r < br; r++)
         memcpy(sm.dos + r * Dv, dO + (i0 + r) * do_rs, sizeof(float) * (size_t)Dv);
@@ -501,7 +540,7 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
             const int64_t n = pair_width(a, i0, i1, j0);
             if (n <= 0) continue;
             const float *dOt = dO + i0 * do_rs;
-            load_q(a, sm.qs, i0, br);
+            load_q(kt, a, sm.qs, i0, br, sm.cv);
             bwd_tile(kt, a, &sm, dOt, do_rs, i0, br, j0, n, s, dp, deriv);  // P, dP
             softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);          // dS, P'
             // dq (br, D) += dS (br, n) k (n, D), then * scale below

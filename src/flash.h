@@ -33,6 +33,16 @@ typedef struct mha__flash_head {
                    // (mask->sinks[h]) m and l include it: (sink, 1) for a
                    // fully masked row
     int64_t L, S, D, Dv;
+    // The element types of q, k, v (the head's S keys; xk, xv are float32)
+    // and o, in the forward (mha__flash_rows, mha__flash_weights) only: 0
+    // float32; 1 bfloat16, 2 float16, where the pointer then points at
+    // uint16_t elements (cast) and the row strides count them. Half rows
+    // are converted to float32 exactly as they are loaded (the table's
+    // cvt_bf16 / cvt_f16), o's rows accumulate in float32 scratch and are
+    // rounded (nearest even) once, as they are stored: the bits of the
+    // float32 head on the converted inputs, then rounded. The backward
+    // takes float32 heads only (all 0, as zero-initialised heads are).
+    uint8_t q_half, k_half, v_half, o_half;
     float scale;
     const mha__mask *mask;     // over the S keys (s_masked = S)
     const mha__dropout *drop;  // NULL: none; its S is S + nx

@@ -57,9 +57,10 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights, const mha_module
                          workspace ? workspace_bytes : 0, p.ws_bytes);
     char *ws = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
-    if (p.fused) return mha__fused_forward(&p, out, weights, m, a, ws, NULL);
-    mha__ref_forward(&p, out, weights, m, a, ws);
-    return MHA_OK;
+    if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, ws, NULL);
+    else mha__ref_forward(&p, out, weights, m, a, ws);
+    if (!st) mha__set_impl(p.fused, mha_isa());
+    return st;
 }
 
 mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m,
@@ -77,6 +78,7 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
     if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, al, NULL);
     else mha__ref_forward(&p, out, weights, m, a, al);
     free(ws);
+    if (!st) mha__set_impl(p.fused, mha_isa());
     return st;
 }
 

@@ -672,6 +672,37 @@ done:
 // key tile) items, the group's heads in increasing order. The two give the
 // same bits (flash.h), and every gradient element is summed by one thread
 // in a fixed order: the same bits for any number of threads.
+//
+// bfloat16 / float16 tensors (any of q, k, v, dout, dq, dk, dv, each its
+// own type) take the per-head way whatever the threads (the same bits):
+// q, k, v rows are converted as the head loads them (flash.h), a head's
+// dout rows into float32 scratch (L, Dv) as the head starts, and dq (L,
+// D), the group's dk (S, D) and dv (S, Dv) are summed in float32 scratch
+// and rounded once (nearest even) into their tensors: per thread, not a
+// float32 copy of a tensor.
+
+// The flash head's element type of a tensor's (flash.h: 0 F32, 1 BF16, 2
+// F16).
+static uint8_t half_of(mha_dtype dt) { return dt == MHA_BF16 ? 1 : dt == MHA_F16 ? 2 : 0; }
+
+// The address of element (b, h, 0, 0) of a 4-D view, as the head's pointer
+// (float32, or uint16_t elements cast).
+static float *head_at(const mha_tensor *t, int64_t b, int64_t h) {
+    return (float *)(void *)((char *)t->data + (t->stride[0] * b + t->stride[1] * h) *
+                                                   (int64_t)mha_dtype_size(t->dtype));
+}
+
+// Rows x (n, c) of a half view's head (row stride rs) from float32 f
+// (row stride c), rounded.
+static void store_half(const mha_tensor *t, int64_t b, int64_t h, const float *f, int64_t n,
+                       int64_t c) {
+    uint16_t *p = (uint16_t *)(void *)head_at(t, b, h);
+    const bool bf = t->dtype == MHA_BF16;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < c; j++)
+            p[i * t->stride[2] + j] = bf ? mha_f32_to_bf16(f[i * c + j])
+                                         : mha_f32_to_f16(f[i * c + j]);
+}
 
 // Flash head (b, h) of an sdpa backward; its KV head h / (H / Hkv); o and
 // stats: where its forward rows go.
@@ -680,12 +711,15 @@ static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const
                                  int64_t b, int64_t h, float *o, int64_t o_rs, float *stats) {
     const int64_t g = h / (q->shape[1] / k->shape[1]);
     return (mha__flash_head){
-        .q = (const float *)q->data + q->stride[0] * b + q->stride[1] * h,
+        .q = head_at(q, b, h),
         .q_rs = q->stride[2],
-        .k = (const float *)k->data + k->stride[0] * b + k->stride[1] * g,
+        .k = head_at(k, b, g),
         .k_rs = k->stride[2],
-        .v = (const float *)v->data + v->stride[0] * b + v->stride[1] * g,
+        .v = head_at(v, b, g),
         .v_rs = v->stride[2],
+        .q_half = half_of(q->dtype),
+        .k_half = half_of(k->dtype),
+        .v_half = half_of(v->dtype),
         .o = o,
         .o_rs = o_rs,
         .stats = stats,
@@ -705,29 +739,48 @@ static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const
 
 // One thread per (b, KV head): per thread (per floats, from blk) the flash
 // scratch sf (64-byte aligned: it begins with pointers), then O (L, Dv),
-// stats (L, 2), Dsum (L).
+// stats (L, 2), Dsum (L), and with half tensors dO (L, Dv), dq (L, D), dk
+// (S, D), dv (S, Dv) in float32.
 static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                               const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
                               const mha_tensor *v, const mha__mask *mk,
                               const mha__dropout *drop, double scale, size_t sf, size_t per,
                               int nt, float *blk) {
     const mha__kernels *kt = mha__kernels_get();
-    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], Dv = v->shape[3],
-                  Hkv = k->shape[1], G = H / Hkv;
+    const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
+                  S = k->shape[2], Dv = v->shape[3], Hkv = k->shape[1], G = H / Hkv;
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * per);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bg = 0; bg < B * Hkv; bg++) {
         const int64_t b = bg / Hkv, g = bg % Hkv;
         float *sc = blk + (size_t)mha__thread_id() * per, *o = sc + sf, *stats = o + L * Dv,
-              *dsum = stats + 2 * L;
+              *dsum = stats + 2 * L, *hdo = dsum + L, *hdq = hdo + L * Dv, *hdk = hdq + L * D,
+              *hdv = hdk + S * D;
+        // the gradients' rows: the tensors' own, or float32 scratch for a
+        // half one (rounded into it below)
+        const bool ho = dout->dtype != MHA_F32, hq = dq->dtype != MHA_F32,
+                   hk = dk->dtype != MHA_F32, hv = dv->dtype != MHA_F32;
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
             mha__flash_head fh = sdpa_head(q, k, v, mk, drop, scale, b, h, o, Dv, stats);
             for (int64_t i0 = 0; i0 < L; i0 += MHA__FLASH_BR)
                 mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L), sc);
-            mha__flash_bwd_head(kt, &fh, SDPA_PTR(dout, h), dout->stride[2], dsum,
-                                SDPA_PTR(dq, h), dq->stride[2], SDPA_PTR(dk, g), dk->stride[2],
-                                SDPA_PTR(dv, g), dv->stride[2], NULL, NULL, h != g * G, sc);
+            if (ho) {
+                const uint16_t *d16 = (const uint16_t *)(const void *)head_at(dout, b, h);
+                for (int64_t i = 0; i < L; i++) {
+                    if (dout->dtype == MHA_BF16)
+                        kt->cvt_bf16(hdo + i * Dv, d16 + i * dout->stride[2], Dv);
+                    else kt->cvt_f16(hdo + i * Dv, d16 + i * dout->stride[2], Dv);
+                }
+            }
+            mha__flash_bwd_head(kt, &fh, ho ? hdo : SDPA_PTR(dout, h),
+                                ho ? Dv : dout->stride[2], dsum, hq ? hdq : SDPA_PTR(dq, h),
+                                hq ? D : dq->stride[2], hk ? hdk : SDPA_PTR(dk, g),
+                                hk ? D : dk->stride[2], hv ? hdv : SDPA_PTR(dv, g),
+                                hv ? Dv : dv->stride[2], NULL, NULL, h != g * G, sc);
+            if (hq) store_half(dq, b, h, hdq, L, D);
         }
+        if (hk) store_half(dk, b, g, hdk, S, D);
+        if (hv) store_half(dv, b, g, hdv, S, Dv);
     }
 }
 
@@ -799,15 +852,23 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
                        ? 1
                        : mha__max_threads();
     const size_t sf = (mha__flash_scratch_floats(D, Dv, S, 0, true) + 15) & ~(size_t)15;
-    const bool per_head = B * Hkv >= nt;
+    const mha_tensor *all[7] = {q, k, v, dout, dq, dk, dv};
+    bool half = false;
+    for (int i = 0; i < 7; i++) half |= all[i]->dtype != MHA_F32;
+    const bool per_head = half || B * Hkv >= nt;
     // the scratch, one block: per head, per thread sf + O (L, Dv), stats
     // (L, 2), Dsum (L) (each thread's piece 64-byte aligned); over tiles,
     // nt times sf, then every head's O, stats and Dsum
     size_t per = 0, heads = 0, floats, bytes;
-    const bool over = per_head ? mha__mul_overflow_size((size_t)L, (size_t)Dv + 3, &per) ||
-                                     mha__add_overflow_size(per, sf + 15, &per)
-                               : mha__mul_overflow_size((size_t)(B * H),
-                                                        (size_t)L * ((size_t)Dv + 3), &heads);
+    // (half: the float32 dO, dq, dk, dv as well)
+    size_t hx = 0;
+    const bool over =
+        per_head
+            ? mha__mul_overflow_size((size_t)L, (size_t)Dv + 3, &per) ||
+                  mha__add_overflow_size(per, sf + 15, &per) ||
+                  (half && (mha__mul_overflow_size((size_t)(L + S), (size_t)(D + Dv), &hx) ||
+                            mha__add_overflow_size(per, hx, &per)))
+            : mha__mul_overflow_size((size_t)(B * H), (size_t)L * ((size_t)Dv + 3), &heads);
     per &= ~(size_t)15;
     if (over || mha__mul_overflow_size(per_head ? per : sf, (size_t)nt, &floats) ||
         mha__add_overflow_size(floats, heads, &floats) ||

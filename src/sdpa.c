@@ -181,7 +181,8 @@ static mha_impl sdpa_pick(mha_impl asked, bool fusable) {
     return fusable ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
 }
 
-// The implementation: auto is fused when every tensor is F32 with unit
+// The implementation: auto is fused when every tensor is F32, BF16 or F16
+// (each its own: half rows are computed in float32, fused_fwd.c) with unit
 // feature stride (the rows it reads and writes); MHA_IMPL in the
 // environment overrides. Fused asked for but not possible: an error.
 static mha_status sdpa_impl(mha_impl *impl_out, const mha_tensor *out,
@@ -190,14 +191,16 @@ static mha_status sdpa_impl(mha_impl *impl_out, const mha_tensor *out,
     bool fusable = true;
     const mha_tensor *fts[5] = {q, k, v, out, weights};
     for (int i = 0; i < 5; i++)
-        if (fts[i] && (fts[i]->dtype != MHA_F32 || (fts[i]->stride[3] != 1 && i < 4)))
+        if (fts[i] && ((fts[i]->dtype != MHA_F32 && fts[i]->dtype != MHA_BF16 &&
+                        fts[i]->dtype != MHA_F16) ||
+                       (fts[i]->stride[3] != 1 && i < 4)))
             fusable = false;
     const mha_impl impl = sdpa_pick(a->impl, fusable);
     *impl_out = impl;
     if (impl == MHA_IMPL_FUSED && !fusable)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "sdpa: the fused implementation takes F32 q, k, v, out "
-                         "(and weights) with unit stride along the last dim; got "
+                         "sdpa: the fused implementation takes F32, BF16 or F16 q, k, v, "
+                         "out (and weights) with unit stride along the last dim; got "
                          "q %s stride %lld, k %s stride %lld, v %s stride %lld, "
                          "out %s stride %lld",
                          mha_dtype_name(q->dtype), (long long)q->stride[3],
@@ -265,8 +268,10 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         (st = sdpa_impl(&impl, out, weights, a)))
         return st;
     if (impl == MHA_IMPL_FUSED)
-        return mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, sdpa_drop(&drop), scale);
-    return sdpa_reference(out, weights, a, &dm, &mk, sdpa_drop(&drop), scale);
+        st = mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, sdpa_drop(&drop), scale);
+    else st = sdpa_reference(out, weights, a, &dm, &mk, sdpa_drop(&drop), scale);
+    if (!st) mha__set_impl(impl == MHA_IMPL_FUSED, mha_isa());
+    return st;
 }
 
 // ---------------------------------------------------------------------------
@@ -304,20 +309,22 @@ static mha_status sdpa_check_grads(mha_tensor *dq, mha_tensor *dk, mha_tensor *d
 }
 
 // As sdpa_impl, for the backward: fused when q, k, v, dout and the
-// gradients are all F32 with unit stride along the last dim.
+// gradients are all F32, BF16 or F16 with unit stride along the last dim.
 static mha_status sdpa_backward_impl(mha_impl *impl_out, const mha_tensor *const ts[7],
                                      const mha_sdpa_args *a) {
     static const char *names[7] = {"q", "k", "v", "dout", "dq", "dk", "dv"};
     int bad = -1;
     for (int i = 0; i < 7 && bad < 0; i++)
-        if (ts[i]->dtype != MHA_F32 || ts[i]->stride[3] != 1) bad = i;
+        if ((ts[i]->dtype != MHA_F32 && ts[i]->dtype != MHA_BF16 && ts[i]->dtype != MHA_F16) ||
+            ts[i]->stride[3] != 1)
+            bad = i;
     const mha_impl impl = sdpa_pick(a->impl, bad < 0);
     *impl_out = impl;
     if (impl == MHA_IMPL_FUSED && bad >= 0)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "sdpa backward: the fused implementation takes F32 q, k, v, dout, "
-                         "dq, dk, dv with unit stride along the last dim; %s is %s with "
-                         "stride %lld",
+                         "sdpa backward: the fused implementation takes F32, BF16 or F16 q, "
+                         "k, v, dout, dq, dk, dv with unit stride along the last dim; %s is %s "
+                         "with stride %lld",
                          names[bad], mha_dtype_name(ts[bad]->dtype),
                          (long long)ts[bad]->stride[3]);
     return MHA_OK;
@@ -397,7 +404,9 @@ mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
     const mha_tensor *ts[7] = {a->q, a->k, a->v, dout, dq, dk, dv};
     if ((st = sdpa_backward_impl(&impl, ts, a))) return st;
     if (impl == MHA_IMPL_FUSED)
-        return mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk,
-                                        sdpa_drop(&drop), scale);
-    return sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, sdpa_drop(&drop), scale);
+        st = mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk,
+                                      sdpa_drop(&drop), scale);
+    else st = sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, sdpa_drop(&drop), scale);
+    if (!st) mha__set_impl(impl == MHA_IMPL_FUSED, mha_isa());
+    return st;
 }

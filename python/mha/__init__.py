@@ -57,6 +57,13 @@ def isa():
     return _mha.isa()
 
 
+def last_impl():
+    """What this thread's last successful forward, backward, sdpa or
+    sdpa_backward ran: 'reference', or 'fused ' and the SIMD kernels
+    ('fused avx512'); '' before any (mha_last_impl)."""
+    return _mha.last_impl()
+
+
 # ---------------------------------------------------------------------------
 # arrays in and out
 

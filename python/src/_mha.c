@@ -1701,6 +1701,10 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(mha_isa());
 }
 
+static PyObject *py_last_impl(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(mha_last_impl());
+}
+
 static PyMethodDef functions[] = {
     {"forward", (PyCFunction)(void (*)(void))py_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(module, q, k, v, kpm, am, alloc, **options) -> (out, weights)"},
@@ -1723,6 +1727,8 @@ static PyMethodDef functions[] = {
     {"load_tensors", (PyCFunction)py_load_tensors, METH_VARARGS,
      "load_tensors(path) -> ([(name, dtype, shape, bytes)], metadata)"},
     {"isa", (PyCFunction)py_isa, METH_NOARGS, "the SIMD kernels in use"},
+    {"last_impl", (PyCFunction)py_last_impl, METH_NOARGS,
+     "what this thread's last forward, backward, sdpa or sdpa_backward ran"},
     {"load_checkpoint", (PyCFunction)(void (*)(void))py_load_checkpoint,
      METH_VARARGS | METH_KEYWORDS,
      "load_checkpoint(dir, layer, weight_dtype) -> (Module, CheckpointLayer)"},

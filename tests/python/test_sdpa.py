@@ -209,3 +209,70 @@ def test_dropout():
         return mt.scaled_dot_product_attention(x, x, x, dropout_p=0.4, is_causal=True)
 
     assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_fused_vs_torch_same_dtype(dtype, causal):
+    """bf16 / f16 tensors take the fused path (never the reference), and its
+    error against float64 on the same rounded inputs is at most 2x that of
+    PyTorch computing the same call in the same dtype (the brief's rule for
+    bf16/f16 paths)."""
+    if dtype == torch.float16 and not HAS_SDPA:
+        pytest.skip("PyTorch 1.13 has no float16 matmul on CPU (the peer)")
+    g = np.random.default_rng(11 + causal)
+    q, k, v = (torch.from_numpy(g.normal(size=(2, 4, 200, 64))).to(dtype) for _ in range(3))
+    o = mt.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert mha.last_impl().startswith("fused "), mha.last_impl()
+    assert o.dtype == dtype
+    ref = sdpa_ref(q.double(), k.double(), v.double(), causal=causal)
+    if HAS_SDPA:
+        peer = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:  # PyTorch 1.13: its math path in the dtype
+        s = (q @ k.transpose(-1, -2)) * (1.0 / 8.0)
+        if causal:
+            s = s.masked_fill(torch.ones(200, 200, dtype=torch.bool).triu(1), float("-inf"))
+        peer = torch.softmax(s, -1) @ v
+    err = (o.double() - ref).abs().max().item()
+    err_pt = (peer.double() - ref).abs().max().item()
+    print("%s causal %s: mha err %.3g, torch %s err %.3g" % (dtype, causal, err, dtype, err_pt))
+    assert err <= 2 * err_pt, (err, err_pt)
+    # numpy: the same bits
+    qn, kn, vn = (x.view(torch.int16).numpy() if dtype == torch.bfloat16 else x.numpy()
+                  for x in (q, k, v))
+    if dtype == torch.float16:
+        on = mha.scaled_dot_product_attention(qn, kn, vn, is_causal=causal)
+        assert mha.last_impl().startswith("fused ")
+        assert np.array_equal(on, o.numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_backward_fused_vs_torch_same_dtype(dtype):
+    """The gradients of bf16 / f16 tensors take the fused backward, and their
+    error against float64 autograd on the same rounded inputs is at most 2x
+    that of PyTorch's autograd in the same dtype."""
+    if dtype == torch.float16 and not HAS_SDPA:
+        pytest.skip("PyTorch 1.13 has no float16 matmul on CPU (the peer)")
+    g = np.random.default_rng(5)
+    q, k, v = (torch.from_numpy(g.normal(size=(1, 4, 150, 32))).to(dtype) for _ in range(3))
+    go = torch.from_numpy(g.normal(size=(1, 4, 150, 32))).to(dtype)
+
+    def grads(fn, dt):
+        xs = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        fn(*xs).backward(go.to(dt))
+        return [x.grad for x in xs]
+
+    ours = grads(lambda a, b, c: mt.scaled_dot_product_attention(a, b, c, is_causal=True), dtype)
+    assert mha.last_impl().startswith("fused "), mha.last_impl()
+    ref = grads(lambda a, b, c: sdpa_ref(a, b, c, causal=True), torch.float64)
+    if HAS_SDPA:
+        peer = grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+            a, b, c, is_causal=True), dtype)
+    else:
+        peer = grads(lambda a, b, c: sdpa_ref(a, b, c, causal=True), dtype)
+    for name, o, r, p in zip(("dq", "dk", "dv"), ours, ref, peer):
+        assert o.dtype == dtype
+        err = (o.double() - r).abs().max().item()
+        err_pt = (p.double() - r).abs().max().item()
+        print("%s %s: mha err %.3g, torch %s err %.3g" % (dtype, name, err, dtype, err_pt))
+        assert err <= 2 * err_pt, (name, err, err_pt)

@@ -1,0 +1,298 @@
+// test_half_sdpa: mha_sdpa on bfloat16 and float16 views takes the fused
+// path (auto), never the reference, and computes in float32 what it
+// computes for float32 views holding the same (converted) values:
+//   - a half output is that float32 output rounded once (nearest even),
+//     bit for bit; a float32 output from half inputs is it exactly; so are
+//     the attention weights (half or float32);
+//   - against the float64 reference on the same rounded inputs, the error
+//     is the output's rounding (half an ulp of the half type) plus the
+//     float32 path's own (4e-6 (1 + max|ref|));
+//   - the same bits with 1, 2 and 8 threads;
+//   - mha_sdpa_backward likewise: half dout, dq, dk, dv are the float32
+//     path's gradients on the same values, rounded once;
+//   - mha_last_impl() names the fused path for F32, BF16 and F16 views and
+//     the reference for F64 ones, and an explicit reference stays one.
+// Over causal, windows, key padding and float masks, GQA, D != Dv, dropout
+// and mixed types (half q, float32 k, half out, ...).
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "check.h"
+#include "mha.h"
+#include "util.h"
+
+static uint16_t to_half(float x, mha_dtype dt) {
+    return dt == MHA_BF16 ? mha_f32_to_bf16(x) : mha_f32_to_f16(x);
+}
+static float from_half(uint16_t h, mha_dtype dt) {
+    return dt == MHA_BF16 ? mha_bf16_to_f32(h) : mha_f16_to_f32(h);
+}
+
+// A buffer of n elements of dt holding x (rounded to dt); x itself becomes
+// the values the buffer holds (as float32).
+static void *as_dtype(float *x, int64_t n, mha_dtype dt) {
+    if (dt == MHA_F32) {
+        float *p = malloc(sizeof(float) * (size_t)n);
+        memcpy(p, x, sizeof(float) * (size_t)n);
+        return p;
+    }
+    uint16_t *p = malloc(sizeof(uint16_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        p[i] = to_half(x[i], dt);
+        x[i] = from_half(p[i], dt);
+    }
+    return p;
+}
+
+static float elem(const void *p, mha_dtype dt, int64_t i) {
+    return dt == MHA_F32 ? ((const float *)p)[i] : from_half(((const uint16_t *)p)[i], dt);
+}
+
+typedef struct hcase {
+    int64_t B, H, Hkv, L, S, D, Dv;
+    bool causal, kpm, attn, dropout, weights;
+    int64_t win;  // -1: none
+    mha_dtype qd, kd, vd, od;
+} hcase;
+
+static const char *dn(mha_dtype d) { return mha_dtype_name(d); }
+
+static void run_case(const hcase *c, int id) {
+    const int64_t B = c->B, H = c->H, Hkv = c->Hkv, L = c->L, S = c->S, D = c->D, Dv = c->Dv;
+    const int64_t nq = B * H * L * D, nk = B * Hkv * S * D, nv = B * Hkv * S * Dv,
+                  no = B * H * L * Dv, nw = B * H * L * S;
+    float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk),
+          *v = malloc(sizeof(float) * (size_t)nv);
+    for (int64_t i = 0; i < nq; i++) q[i] = 2.0f * frand();
+    for (int64_t i = 0; i < nk; i++) k[i] = 2.0f * frand();
+    for (int64_t i = 0; i < nv; i++) v[i] = frand();
+    void *qh = as_dtype(q, nq, c->qd), *kh = as_dtype(k, nk, c->kd), *vh = as_dtype(v, nv, c->vd);
+    mha_tensor qt = mha_tensor_contiguous(qh, c->qd, 4, (int64_t[]){B, H, L, D});
+    mha_tensor kt = mha_tensor_contiguous(kh, c->kd, 4, (int64_t[]){B, Hkv, S, D});
+    mha_tensor vt = mha_tensor_contiguous(vh, c->vd, 4, (int64_t[]){B, Hkv, S, Dv});
+    // the same values as float32 and float64 views
+    mha_tensor q32 = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, L, D});
+    mha_tensor k32 = mha_tensor_contiguous(k, MHA_F32, 4, (int64_t[]){B, Hkv, S, D});
+    mha_tensor v32 = mha_tensor_contiguous(v, MHA_F32, 4, (int64_t[]){B, Hkv, S, Dv});
+    double *q64 = malloc(sizeof(double) * (size_t)nq), *k64 = malloc(sizeof(double) * (size_t)nk),
+           *v64 = malloc(sizeof(double) * (size_t)nv);
+    for (int64_t i = 0; i < nq; i++) q64[i] = q[i];
+    for (int64_t i = 0; i < nk; i++) k64[i] = k[i];
+    for (int64_t i = 0; i < nv; i++) v64[i] = v[i];
+    mha_tensor qd = mha_tensor_contiguous(q64, MHA_F64, 4, (int64_t[]){B, H, L, D});
+    mha_tensor kd = mha_tensor_contiguous(k64, MHA_F64, 4, (int64_t[]){B, Hkv, S, D});
+    mha_tensor vd = mha_tensor_contiguous(v64, MHA_F64, 4, (int64_t[]){B, Hkv, S, Dv});
+    // masks
+    uint8_t *kpm = malloc((size_t)(B * S));
+    for (int64_t i = 0; i < B * S; i++) kpm[i] = (next() % 5) == 0;
+    for (int64_t b = 0; b < B; b++) kpm[b * S] = 0;  // (no row left fully masked by it)
+    float *am = malloc(sizeof(float) * (size_t)(L * S));
+    for (int64_t i = 0; i < L * S; i++) am[i] = 0.5f * frand();
+    mha_tensor kpmt = mha_tensor_contiguous(kpm, MHA_BOOL, 2, (int64_t[]){B, S});
+    mha_tensor amt = mha_tensor_contiguous(am, MHA_F32, 2, (int64_t[]){L, S});
+    mha_sdpa_args a;
+    mha_sdpa_args_init(&a);
+    a.is_causal = c->causal;
+    a.key_padding_mask = c->kpm ? &kpmt : NULL;
+    a.attn_mask = c->attn ? &amt : NULL;
+    a.window_left = c->win;
+    if (c->dropout) a.dropout_p = 0.25f, a.dropout_seed = 7 + (uint64_t)id;
+    char desc[200];
+    snprintf(desc, sizeof desc,
+             "case %d (B %lld H %lld/%lld L %lld S %lld D %lld/%lld%s%s%s%s win %lld; q %s k %s "
+             "v %s out %s)",
+             id, (long long)B, (long long)H, (long long)Hkv, (long long)L, (long long)S,
+             (long long)D, (long long)Dv, c->causal ? " causal" : "", c->kpm ? " kpm" : "",
+             c->attn ? " attn_mask" : "", c->dropout ? " dropout" : "", (long long)c->win,
+             dn(c->qd), dn(c->kd), dn(c->vd), dn(c->od));
+    // 1. float32 views of the same values: the fused path's bits
+    float *o32 = malloc(sizeof(float) * (size_t)no), *w32 = malloc(sizeof(float) * (size_t)nw);
+    mha_tensor o32t = mha_tensor_contiguous(o32, MHA_F32, 4, (int64_t[]){B, H, L, Dv});
+    mha_tensor w32t = mha_tensor_contiguous(w32, MHA_F32, 4, (int64_t[]){B, H, L, S});
+    a.q = &q32, a.k = &k32, a.v = &v32;
+    a.impl = MHA_IMPL_FUSED;
+    CHECK_OK(mha_sdpa(&o32t, c->weights ? &w32t : NULL, &a));
+    // 2. the half views, auto, with 1, 2 and 8 threads
+    const size_t osz = c->od == MHA_F32 ? 4 : 2;
+    void *oh[3], *wh[3];
+    const int threads[3] = {1, 2, 8};
+    a.q = &qt, a.k = &kt, a.v = &vt;
+    a.impl = MHA_IMPL_AUTO;
+    for (int r = 0; r < 3; r++) {
+#ifdef _OPENMP
+        omp_set_num_threads(threads[r]);
+#endif
+        oh[r] = calloc((size_t)no, osz);
+        wh[r] = calloc((size_t)nw, osz);
+        mha_tensor ot = mha_tensor_contiguous(oh[r], c->od, 4, (int64_t[]){B, H, L, Dv});
+        mha_tensor wt = mha_tensor_contiguous(wh[r], c->od, 4, (int64_t[]){B, H, L, S});
+        CHECK_OK(mha_sdpa(&ot, c->weights ? &wt : NULL, &a));
+        CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: auto ran \"%s\", not fused", desc,
+               mha_last_impl());
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(2);
+#endif
+    for (int r = 1; r < 3; r++) {
+        CHECKF(memcmp(oh[0], oh[r], osz * (size_t)no) == 0, "%s: output bits differ at %d threads",
+               desc, threads[r]);
+        if (c->weights)
+            CHECKF(memcmp(wh[0], wh[r], osz * (size_t)nw) == 0,
+                   "%s: weights bits differ at %d threads", desc, threads[r]);
+    }
+    // the float32 path's bits, rounded once
+    int64_t bad = -1;
+    for (int64_t i = 0; i < no && bad < 0; i++) {
+        const float want = c->od == MHA_F32 ? o32[i] : from_half(to_half(o32[i], c->od), c->od);
+        const float got = elem(oh[0], c->od, i);
+        if (memcmp(&want, &got, sizeof want) != 0) bad = i;
+    }
+    CHECKF(bad < 0, "%s: output %lld is not the float32 path's rounded: %a vs %a", desc,
+           (long long)bad, bad < 0 ? 0.0 : (double)elem(oh[0], c->od, bad),
+           bad < 0 ? 0.0 : (double)o32[bad]);
+    if (c->weights) {
+        bad = -1;
+        for (int64_t i = 0; i < nw && bad < 0; i++) {
+            const float want =
+                c->od == MHA_F32 ? w32[i] : from_half(to_half(w32[i], c->od), c->od);
+            const float got = elem(wh[0], c->od, i);
+            if (memcmp(&want, &got, sizeof want) != 0) bad = i;
+        }
+        CHECKF(bad < 0, "%s: weight %lld is not the float32 path's rounded", desc,
+               (long long)bad);
+    }
+    // 3. against the float64 reference on the same values (no dropout: the
+    // reference's keep mask is the same, but keep the bound simple)
+    if (!c->dropout) {
+        double *o64 = malloc(sizeof(double) * (size_t)no);
+        mha_tensor o64t = mha_tensor_contiguous(o64, MHA_F64, 4, (int64_t[]){B, H, L, Dv});
+        a.q = &qd, a.k = &kd, a.v = &vd;
+        CHECK_OK(mha_sdpa(&o64t, NULL, &a));
+        CHECKF(strcmp(mha_last_impl(), "reference") == 0, "%s: F64 views ran \"%s\"", desc,
+               mha_last_impl());
+        double mref = 0, over = 0, worst = 0;
+        for (int64_t i = 0; i < no; i++) mref = fmax(mref, fabs(o64[i]));
+        const double half_ulp = c->od == MHA_BF16 ? 0x1p-8 : c->od == MHA_F16 ? 0x1p-11 : 0.0;
+        for (int64_t i = 0; i < no; i++) {
+            const double e = fabs((double)elem(oh[0], c->od, i) - o64[i]);
+            // the output's rounding (relative half ulp; subnormal f16: its
+            // spacing) and the float32 path's own error
+            const double bnd = half_ulp * fabs(o64[i]) + (c->od == MHA_F16 ? 0x1p-25 : 0.0) +
+                               4e-6 * (1.0 + mref);
+            over = fmax(over, e - bnd);
+            worst = fmax(worst, e / bnd);
+        }
+        CHECKF(over <= 0.0, "%s: against float64 over its bound by %g (worst err/bound %g)", desc,
+               over, worst);
+        free(o64);
+    }
+    // 4. the backward: half dout (out's type) and dq, dk, dv (q's, k's,
+    // v's): the float32 path's gradients on the same values, each rounded
+    // once; fused; the same bits with 1, 2 and 8 threads
+    {
+        float *g = malloc(sizeof(float) * (size_t)no);
+        for (int64_t i = 0; i < no; i++) g[i] = frand();
+        void *gh = as_dtype(g, no, c->od);
+        mha_tensor gt = mha_tensor_contiguous(gh, c->od, 4, (int64_t[]){B, H, L, Dv});
+        mha_tensor g32 = mha_tensor_contiguous(g, MHA_F32, 4, (int64_t[]){B, H, L, Dv});
+        const int64_t n3[3] = {nq, nk, nv};
+        const mha_dtype t3[3] = {c->qd, c->kd, c->vd};
+        const char *nm[3] = {"dq", "dk", "dv"};
+        float *f[3];
+        void *hg[3][3];
+        for (int j = 0; j < 3; j++) f[j] = malloc(sizeof(float) * (size_t)n3[j]);
+        mha_tensor f0 = mha_tensor_contiguous(f[0], MHA_F32, 4, (int64_t[]){B, H, L, D});
+        mha_tensor f1 = mha_tensor_contiguous(f[1], MHA_F32, 4, (int64_t[]){B, Hkv, S, D});
+        mha_tensor f2 = mha_tensor_contiguous(f[2], MHA_F32, 4, (int64_t[]){B, Hkv, S, Dv});
+        a.q = &q32, a.k = &k32, a.v = &v32;
+        a.impl = MHA_IMPL_FUSED;
+        CHECK_OK(mha_sdpa_backward(&f0, &f1, &f2, &g32, &a));
+        a.q = &qt, a.k = &kt, a.v = &vt;
+        a.impl = MHA_IMPL_AUTO;
+        for (int r = 0; r < 3; r++) {
+#ifdef _OPENMP
+            omp_set_num_threads(threads[r]);
+#endif
+            for (int j = 0; j < 3; j++) hg[r][j] = calloc((size_t)n3[j], t3[j] == MHA_F32 ? 4 : 2);
+            mha_tensor h0 = mha_tensor_contiguous(hg[r][0], c->qd, 4, (int64_t[]){B, H, L, D});
+            mha_tensor h1 = mha_tensor_contiguous(hg[r][1], c->kd, 4, (int64_t[]){B, Hkv, S, D});
+            mha_tensor h2 = mha_tensor_contiguous(hg[r][2], c->vd, 4, (int64_t[]){B, Hkv, S, Dv});
+            CHECK_OK(mha_sdpa_backward(&h0, &h1, &h2, &gt, &a));
+            CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: backward ran \"%s\"", desc,
+                   mha_last_impl());
+        }
+#ifdef _OPENMP
+        omp_set_num_threads(2);
+#endif
+        for (int j = 0; j < 3; j++) {
+            const size_t bytes = (size_t)n3[j] * (t3[j] == MHA_F32 ? 4 : 2);
+            for (int r = 1; r < 3; r++)
+                CHECKF(memcmp(hg[0][j], hg[r][j], bytes) == 0, "%s: %s bits differ at %d threads",
+                       desc, nm[j], threads[r]);
+            int64_t bj = -1;
+            for (int64_t i = 0; i < n3[j] && bj < 0; i++) {
+                const float want =
+                    t3[j] == MHA_F32 ? f[j][i] : from_half(to_half(f[j][i], t3[j]), t3[j]);
+                const float got = elem(hg[0][j], t3[j], i);
+                if (memcmp(&want, &got, sizeof want) != 0) bj = i;
+            }
+            CHECKF(bj < 0, "%s: %s %lld is not the float32 path's rounded: %a vs %a", desc, nm[j],
+                   (long long)bj, bj < 0 ? 0.0 : (double)elem(hg[0][j], t3[j], bj),
+                   bj < 0 ? 0.0 : (double)f[j][bj]);
+        }
+        for (int j = 0; j < 3; j++) {
+            free(f[j]);
+            for (int r = 0; r < 3; r++) free(hg[r][j]);
+        }
+        free(g), free(gh);
+    }
+    // 5. an explicit reference stays the reference
+    {
+        a.q = &qt, a.k = &kt, a.v = &vt;
+        a.impl = MHA_IMPL_REFERENCE;
+        mha_tensor ot = mha_tensor_contiguous(oh[1], c->od, 4, (int64_t[]){B, H, L, Dv});
+        CHECK_OK(mha_sdpa(&ot, NULL, &a));
+        CHECKF(strcmp(mha_last_impl(), "reference") == 0, "%s: impl reference ran \"%s\"", desc,
+               mha_last_impl());
+    }
+    for (int r = 0; r < 3; r++) free(oh[r]), free(wh[r]);
+    free(q), free(k), free(v), free(qh), free(kh), free(vh), free(q64), free(k64), free(v64);
+    free(kpm), free(am), free(o32), free(w32);
+}
+
+int main(void) {
+    seed_rng(0x5eed4a1f);
+    static const mha_dtype halves[2] = {MHA_BF16, MHA_F16};
+    int id = 0;
+    for (int hi = 0; hi < 2; hi++) {
+        const mha_dtype h = halves[hi];
+        const hcase cases[] = {
+            {1, 2, 2, 5, 7, 8, 8, false, false, false, false, true, -1, h, h, h, h},
+            {2, 4, 2, 70, 130, 16, 24, true, false, false, false, true, -1, h, h, h, h},
+            {1, 3, 1, 64, 300, 32, 32, false, true, true, false, false, -1, h, h, h, MHA_F32},
+            {2, 2, 2, 40, 40, 64, 64, true, true, false, false, true, 9, h, MHA_F32, h, h},
+            {1, 4, 4, 129, 257, 20, 12, false, false, false, true, true, -1, h, h, MHA_F32, h},
+            {1, 2, 1, 33, 200, 128, 64, false, false, true, false, false, -1, MHA_F32, h, h, h},
+        };
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], id++);
+    }
+    // float32 views: auto is fused; float64: the reference
+    {
+        float x[2 * 3 * 4] = {0}, y[2 * 3 * 4];
+        mha_tensor t = mha_tensor_contiguous(x, MHA_F32, 4, (int64_t[]){1, 2, 3, 4});
+        mha_tensor o = mha_tensor_contiguous(y, MHA_F32, 4, (int64_t[]){1, 2, 3, 4});
+        mha_sdpa_args a;
+        mha_sdpa_args_init(&a);
+        a.q = a.k = a.v = &t;
+        CHECK_OK(mha_sdpa(&o, NULL, &a));
+        CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0 &&
+                   strcmp(mha_last_impl() + 6, mha_isa()) == 0,
+               "F32 views ran \"%s\" (kernels %s)", mha_last_impl(), mha_isa());
+    }
+    printf("test_half_sdpa: %d cases, bf16 and f16, kernels %s\n", id, mha_isa());
+    return check_summary("test_half_sdpa");
+}
