@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -977,7 +978,8 @@ static void test_qk_norm(void) {
     enum { T = 23, N = 2 };
     const char *dir = getenv("MHA_TEST_TMPDIR");
     char path[512];
-    snprintf(path, sizeof path, "%s/test_fused_qk_norm.safetensors", dir ? dir : "/tmp");
+    snprintf(path, sizeof path, "%s/test_fused_qk_norm_%ld.safetensors", dir ? dir : "/tmp",
+             (long)getpid());  // (the per-ISA runs go side by side)
     for (int cfg = 0; cfg < 8; cfg++) {
         const int64_t H = cfg % 4 == 3 ? 1 : 4,
                       Hkv = H == 1         ? 1
