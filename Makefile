@@ -16,9 +16,12 @@ $(BUILD)/CMakeCache.txt:
 # the backstop for one that would lack it). The last line names the
 # suites that were skipped and why (under CI=true a skip is a failure).
 CTEST = ctest --output-on-failure -j $(JOBS) --timeout 1800
+# $(call ctest_in,DIR,ARGS): the suite in DIR, then its skipped line; the
+# shell's rc holds ctest's status
+ctest_in = rm -rf $(1)/Testing/skips; cd $(1) && $(CTEST) $(2); rc=$$?; \
+  cd $(CURDIR) && sh scripts/skipped.sh $(1)
 check test: all
-	rm -rf $(BUILD)/Testing/skips
-	cd $(BUILD) && $(CTEST); rc=$$?; cd $(CURDIR) && sh scripts/skipped.sh $(BUILD); exit $$rc
+	$(call ctest_in,$(BUILD)); exit $$rc
 
 # What the sanitizer and scalar builds leave out, and why (each stage tests
 # its own build: pip builds the Python extension with its own flags, not
@@ -39,9 +42,7 @@ asan:
 	  -DCMAKE_C_FLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" \
 	  -DMHA_PYTHON_TESTS=OFF -DMHA_TEST_TIMEOUT_SCALE=4
 	cmake --build build-asan -j $(JOBS)
-	rm -rf build-asan/Testing/skips
-	cd build-asan && $(CTEST) $(if $(ASAN_SKIP),-E '$(ASAN_SKIP)'); rc=$$?; \
-	  cd $(CURDIR) && sh scripts/skipped.sh build-asan; echo "$(LEFT_OUT)"; \
+	$(call ctest_in,build-asan,$(if $(ASAN_SKIP),-E '$(ASAN_SKIP)')); echo "$(LEFT_OUT)"; \
 	  echo "left out of make asan: $(ASAN_SKIP) (5 minutes under the sanitizers;" \
 	       "its tokenizer is test_embed_tokenizer's, its attention the library suites')"; \
 	  exit $$rc
@@ -52,9 +53,7 @@ scalar:
 	cmake -S . -B build-scalar -DCMAKE_BUILD_TYPE=Release -DMHA_SCALAR_ONLY=ON \
 	  -DMHA_PYTHON_TESTS=OFF -DMHA_TEST_TIMEOUT_SCALE=2
 	cmake --build build-scalar -j $(JOBS)
-	rm -rf build-scalar/Testing/skips
-	cd build-scalar && $(CTEST); rc=$$?; cd $(CURDIR) && sh scripts/skipped.sh build-scalar; \
-	  echo "$(LEFT_OUT)"; exit $$rc
+	$(call ctest_in,build-scalar); echo "$(LEFT_OUT)"; exit $$rc
 
 # The concurrency stress under ThreadSanitizer (tests/tsan.sh)
 tsan:

@@ -313,10 +313,9 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
             a->stats[2 * (i0 + r)] = m[r];
             a->stats[2 * (i0 + r) + 1] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
         }
-        if (a->o_half) {  // rounded once, nearest even
-            uint16_t *oh = (uint16_t *)(void *)a->o + (i0 + r) * a->o_rs;
-            for (int64_t c = 0; c < Dv; c++)
-                oh[c] = a->o_half == 1 ? mha_f32_to_bf16(o[c]) : mha_f32_to_f16(o[c]);
+        if (a->o_half) {  // rounded once, nearest even (mha__st of a float32 value)
+            const mha__mat oh = {a->o, false, a->o_rs, 1, a->o_half};
+            for (int64_t c = 0; c < Dv; c++) mha__st(oh, i0 + r, c, o[c]);
         }
     }
 }

@@ -681,27 +681,20 @@ done:
 // and rounded once (nearest even) into their tensors: per thread, not a
 // float32 copy of a tensor.
 
-// The flash head's element type of a tensor's (flash.h: 0 F32, 1 BF16, 2
-// F16).
-static uint8_t half_of(mha_dtype dt) { return dt == MHA_BF16 ? 1 : dt == MHA_F16 ? 2 : 0; }
-
 // The address of element (b, h, 0, 0) of a 4-D view, as the head's pointer
 // (float32, or uint16_t elements cast).
 static float *head_at(const mha_tensor *t, int64_t b, int64_t h) {
-    return (float *)(void *)((char *)t->data + (t->stride[0] * b + t->stride[1] * h) *
-                                                   (int64_t)mha_dtype_size(t->dtype));
+    return (float *)mha__view_at(t, t->stride[0] * b + t->stride[1] * h, 3).p;
 }
 
-// Rows x (n, c) of a half view's head (row stride rs) from float32 f
-// (row stride c), rounded.
+// Rows (n, c) of a half view's head from float32 f (row stride c), rounded
+// (mha__st: a float32 value rounds once).
 static void store_half(const mha_tensor *t, int64_t b, int64_t h, const float *f, int64_t n,
                        int64_t c) {
-    uint16_t *p = (uint16_t *)(void *)head_at(t, b, h);
-    const bool bf = t->dtype == MHA_BF16;
+    mha__mat m = mha__view_at(t, t->stride[0] * b + t->stride[1] * h, 3);
+    m.rs = t->stride[2];
     for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < c; j++)
-            p[i * t->stride[2] + j] = bf ? mha_f32_to_bf16(f[i * c + j])
-                                         : mha_f32_to_f16(f[i * c + j]);
+        for (int64_t j = 0; j < c; j++) mha__st(m, i, j, f[i * c + j]);
 }
 
 // Flash head (b, h) of an sdpa backward; its KV head h / (H / Hkv); o and
@@ -717,9 +710,9 @@ static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const
         .k_rs = k->stride[2],
         .v = head_at(v, b, g),
         .v_rs = v->stride[2],
-        .q_half = half_of(q->dtype),
-        .k_half = half_of(k->dtype),
-        .v_half = half_of(v->dtype),
+        .q_half = mha__half_of(q->dtype),
+        .k_half = mha__half_of(k->dtype),
+        .v_half = mha__half_of(v->dtype),
         .o = o,
         .o_rs = o_rs,
         .stats = stats,

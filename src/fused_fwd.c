@@ -424,10 +424,6 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
 // flash scratch (O((S) (D + Dv))), plus the row stats (B H L 2 floats) when
 // the weights are asked for.
 
-// The flash head's element type of a tensor's (flash.h: 0 F32, 1 BF16, 2
-// F16).
-static uint8_t half_of(mha_dtype dt) { return dt == MHA_BF16 ? 1 : dt == MHA_F16 ? 2 : 0; }
-
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
                            const mha__dropout *drop, double scale) {
@@ -455,9 +451,7 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         float *sc = blk + (size_t)mha__thread_id() * sf;
         const int64_t hk = h / (H / k->shape[1]);  // grouped-query: the KV head
-#define AT(t, i)                                                                         \
-    ((float *)(void *)((char *)(t)->data + ((t)->stride[0] * b + (t)->stride[1] * (i)) * \
-                                               (int64_t)mha_dtype_size((t)->dtype)))
+#define AT(t, i) ((float *)mha__view_at((t), (t)->stride[0] * b + (t)->stride[1] * (i), 3).p)
 #define HEAD_PTR(t) AT(t, h)
 #define KV_PTR(t) AT(t, hk)
         mha__flash_head fh = {
@@ -477,10 +471,10 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
             .S = S,
             .D = D,
             .Dv = Dv,
-            .q_half = half_of(q->dtype),
-            .k_half = half_of(k->dtype),
-            .v_half = half_of(v->dtype),
-            .o_half = half_of(out->dtype),
+            .q_half = mha__half_of(q->dtype),
+            .k_half = mha__half_of(k->dtype),
+            .v_half = mha__half_of(v->dtype),
+            .o_half = mha__half_of(out->dtype),
             .scale = (float)scale,
             .mask = mk,
             .drop = drop,
@@ -490,10 +484,11 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         mha__flash_rows(kt, &fh, i0, i1, sc);
         if (weights) {
-            mha__mat w = mha__vmat(HEAD_PTR(weights), weights->dtype, weights->stride[2],
-                                   weights->stride[3]);
-            w.p = (char *)w.p +
-                  i0 * weights->stride[2] * (int64_t)mha_dtype_size(weights->dtype);
+            mha__mat w = mha__view_at(weights,
+                                      weights->stride[0] * b + weights->stride[1] * h +
+                                          weights->stride[2] * i0,
+                                      3);
+            w.rs = weights->stride[2];
             mha__flash_weights(kt, &fh, i0, i1, w, sc);
         }
 #undef HEAD_PTR

@@ -38,12 +38,15 @@ static inline void mha__st(mha__mat m, int64_t r, int64_t c, double v) {
     else ((float *)m.p)[o] = (float)v;
 }
 
+// mha__mat's half of an element type: 1 bfloat16, 2 float16, else 0 (the
+// flash head's q_half ... o_half use the same numbers).
+static inline uint8_t mha__half_of(mha_dtype dt) {
+    return dt == MHA_BF16 ? 1 : dt == MHA_F16 ? 2 : 0;
+}
+
 // The view of a tensor's elements from p (already offset) of type dt.
 static inline mha__mat mha__vmat(void *p, mha_dtype dt, int64_t rs, int64_t cs) {
-    mha__mat m = {p, dt == MHA_F64, rs, cs,
-                  (uint8_t)(dt == MHA_BF16  ? 1
-                            : dt == MHA_F16 ? 2
-                                            : 0)};
+    mha__mat m = {p, dt == MHA_F64, rs, cs, mha__half_of(dt)};
     return m;
 }
 

@@ -52,6 +52,25 @@ static float elem(const void *p, mha_dtype dt, int64_t i) {
     return dt == MHA_F32 ? ((const float *)p)[i] : from_half(((const uint16_t *)p)[i], dt);
 }
 
+// The first i < n where got (of dt) is not f32[i] rounded once to dt
+// (float32: not f32[i] itself), bit for bit; -1: none.
+static int64_t first_unrounded(const void *got, mha_dtype dt, const float *f32, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float want = dt == MHA_F32 ? f32[i] : from_half(to_half(f32[i], dt), dt);
+        const float g = elem(got, dt, i);
+        if (memcmp(&want, &g, sizeof want) != 0) return i;
+    }
+    return -1;
+}
+
+static void set_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
 typedef struct hcase {
     int64_t B, H, Hkv, L, S, D, Dv;
     bool causal, kpm, attn, dropout, weights;
@@ -123,9 +142,7 @@ static void run_case(const hcase *c, int id) {
     a.q = &qt, a.k = &kt, a.v = &vt;
     a.impl = MHA_IMPL_AUTO;
     for (int r = 0; r < 3; r++) {
-#ifdef _OPENMP
-        omp_set_num_threads(threads[r]);
-#endif
+        set_threads(threads[r]);
         oh[r] = calloc((size_t)no, osz);
         wh[r] = calloc((size_t)nw, osz);
         mha_tensor ot = mha_tensor_contiguous(oh[r], c->od, 4, (int64_t[]){B, H, L, Dv});
@@ -134,9 +151,7 @@ static void run_case(const hcase *c, int id) {
         CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: auto ran \"%s\", not fused", desc,
                mha_last_impl());
     }
-#ifdef _OPENMP
-    omp_set_num_threads(2);
-#endif
+    set_threads(2);
     for (int r = 1; r < 3; r++) {
         CHECKF(memcmp(oh[0], oh[r], osz * (size_t)no) == 0, "%s: output bits differ at %d threads",
                desc, threads[r]);
@@ -145,23 +160,12 @@ static void run_case(const hcase *c, int id) {
                    "%s: weights bits differ at %d threads", desc, threads[r]);
     }
     // the float32 path's bits, rounded once
-    int64_t bad = -1;
-    for (int64_t i = 0; i < no && bad < 0; i++) {
-        const float want = c->od == MHA_F32 ? o32[i] : from_half(to_half(o32[i], c->od), c->od);
-        const float got = elem(oh[0], c->od, i);
-        if (memcmp(&want, &got, sizeof want) != 0) bad = i;
-    }
+    int64_t bad = first_unrounded(oh[0], c->od, o32, no);
     CHECKF(bad < 0, "%s: output %lld is not the float32 path's rounded: %a vs %a", desc,
            (long long)bad, bad < 0 ? 0.0 : (double)elem(oh[0], c->od, bad),
            bad < 0 ? 0.0 : (double)o32[bad]);
     if (c->weights) {
-        bad = -1;
-        for (int64_t i = 0; i < nw && bad < 0; i++) {
-            const float want =
-                c->od == MHA_F32 ? w32[i] : from_half(to_half(w32[i], c->od), c->od);
-            const float got = elem(wh[0], c->od, i);
-            if (memcmp(&want, &got, sizeof want) != 0) bad = i;
-        }
+        bad = first_unrounded(wh[0], c->od, w32, nw);
         CHECKF(bad < 0, "%s: weight %lld is not the float32 path's rounded", desc,
                (long long)bad);
     }
@@ -214,9 +218,7 @@ static void run_case(const hcase *c, int id) {
         a.q = &qt, a.k = &kt, a.v = &vt;
         a.impl = MHA_IMPL_AUTO;
         for (int r = 0; r < 3; r++) {
-#ifdef _OPENMP
-            omp_set_num_threads(threads[r]);
-#endif
+            set_threads(threads[r]);
             for (int j = 0; j < 3; j++) hg[r][j] = calloc((size_t)n3[j], t3[j] == MHA_F32 ? 4 : 2);
             mha_tensor h0 = mha_tensor_contiguous(hg[r][0], c->qd, 4, (int64_t[]){B, H, L, D});
             mha_tensor h1 = mha_tensor_contiguous(hg[r][1], c->kd, 4, (int64_t[]){B, Hkv, S, D});
@@ -225,21 +227,13 @@ static void run_case(const hcase *c, int id) {
             CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: backward ran \"%s\"", desc,
                    mha_last_impl());
         }
-#ifdef _OPENMP
-        omp_set_num_threads(2);
-#endif
+        set_threads(2);
         for (int j = 0; j < 3; j++) {
             const size_t bytes = (size_t)n3[j] * (t3[j] == MHA_F32 ? 4 : 2);
             for (int r = 1; r < 3; r++)
                 CHECKF(memcmp(hg[0][j], hg[r][j], bytes) == 0, "%s: %s bits differ at %d threads",
                        desc, nm[j], threads[r]);
-            int64_t bj = -1;
-            for (int64_t i = 0; i < n3[j] && bj < 0; i++) {
-                const float want =
-                    t3[j] == MHA_F32 ? f[j][i] : from_half(to_half(f[j][i], t3[j]), t3[j]);
-                const float got = elem(hg[0][j], t3[j], i);
-                if (memcmp(&want, &got, sizeof want) != 0) bj = i;
-            }
+            const int64_t bj = first_unrounded(hg[0][j], t3[j], f[j], n3[j]);
             CHECKF(bj < 0, "%s: %s %lld is not the float32 path's rounded: %a vs %a", desc, nm[j],
                    (long long)bj, bj < 0 ? 0.0 : (double)elem(hg[0][j], t3[j], bj),
                    bj < 0 ? 0.0 : (double)f[j][bj]);

@@ -1367,12 +1367,7 @@ def main():
         print("failed: %s%s" % (", ".join(shown),
                                 " ..." if len(runner.failures) > 40 else ""))
     print("time: %.1fs (seed %d)" % (time.time() - t0, args.seed))
-    if runner.remeasured:
-        print("torch32 error re-measured on perturbed inputs (a tensor outside "
-              "its first bound): %s" % ", ".join(runner.remeasured))
-    if runner.worst:
-        wst = max(runner.worst.values(), key=lambda w: w[0])
-        print("backward: worst error/bound %.3g (config %s, %s)" % wst)
+    conf.report_bounds(runner, "backward")
     if total_p + total_f == 0:
         print("backward: no cases ran")
         total_f = 1

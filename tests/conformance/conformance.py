@@ -1017,6 +1017,18 @@ def forward_peer(case):
     return expected
 
 
+def report_bounds(runner, suite):
+    """The run's re-measured tensors (if any) and its worst error/bound
+    line, "SUITE: worst error/bound R (config ID, TENSOR)", from a runner's
+    remeasured list and worst dict (group -> (err/tol, cid, tensor))."""
+    if runner.remeasured:
+        print("torch32 error re-measured on perturbed inputs (a tensor outside "
+              "its first bound): %s" % ", ".join(runner.remeasured))
+    if runner.worst:
+        wst = max(runner.worst.values(), key=lambda w: w[0])
+        print("%s: worst error/bound %.3g (config %s, %s)" % ((suite,) + wst))
+
+
 def max_err(a, b):
     if a.size == 0:
         return 0.0
@@ -1459,12 +1471,7 @@ def main():
         print("failed: %s%s" % (", ".join(shown),
                                 " ..." if len(runner.failures) > 40 else ""))
     print("time: %.1fs (random grid %.1fs)" % (time.time() - t0, t_random))
-    if runner.remeasured:
-        print("torch32 error re-measured on perturbed inputs (a tensor outside "
-              "its first bound): %s" % ", ".join(runner.remeasured))
-    if runner.worst:
-        wst = max(runner.worst.values(), key=lambda w: w[0])
-        print("conformance: worst error/bound %.3g (config %s, %s)" % wst)
+    report_bounds(runner, "conformance")
     total_p, total_f = rp + pp, rf + pf
     if total_p + total_f == 0:
         print("conformance: no cases ran")

@@ -55,17 +55,20 @@ def _by_design(reason):
     return None
 
 
+def _not_by_design():
+    return [(n, r) for n, r in _skips if _by_design(r) is None]
+
+
 def pytest_sessionfinish(session, exitstatus):
     ci = os.environ.get("CI") == "true"
-    bad = [(n, r) for n, r in _skips if _by_design(r) is None]
-    if ci and bad and session.exitstatus == 0:
+    if ci and _not_by_design() and session.exitstatus == 0:
         session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter):
     w = terminalreporter.write_line
     ci = os.environ.get("CI") == "true"
-    bad = [(n, r) for n, r in _skips if _by_design(r) is None]
+    bad = _not_by_design()
     designed = len(_skips) - len(bad)
     for n, r in bad:
         w(("FAILED (skipped under CI=true): " if ci else "skipped: ") + f"{n or '(module)'}: {r}")
