@@ -91,8 +91,11 @@ MHA_API const char *mha_last_error(void);
 
 // What the calling thread's last successful mha_forward (_ex),
 // mha_backward, mha_sdpa or mha_sdpa_backward ran: "reference", or
-// "fused " and the SIMD kernels ("fused avx512"); "" before any. Each of
-// those calls sets it when it succeeds; no other call changes it.
+// "fused " and the SIMD kernel set ("fused avx512"; "fused amx": avx512
+// with AMX tiles for bf16 products), followed by " bf16" where the
+// products were computed in bf16 ("fused amx bf16": see mha_sdpa_args);
+// "" before any. Each of those calls sets it when it succeeds; no other
+// call changes it.
 MHA_API const char *mha_last_impl(void);
 
 // Writes s into buf (cap >= 16 bytes) as a quoted, printable, one-line
@@ -167,10 +170,12 @@ typedef enum mha_impl {
                              // run time, float32 (F32 views only)
 } mha_impl;
 
-// The SIMD kernels the fused path uses in this process: "avx512", "avx2"
-// or "scalar" (MHA_ISA=scalar|avx2|avx512 forces one the CPU has).
+// The SIMD kernels the fused path uses in this process: "amx" (avx512 with
+// AMX-BF16 tiles for bf16 products), "avx512", "avx2" or "scalar"
+// (MHA_ISA=scalar|avx2|avx512|amx forces one the CPU has).
 MHA_API const char *mha_isa(void);
-// 1 when this build has the SIMD kernels name ("scalar", "avx2", "avx512")
+// 1 when this build has the SIMD kernels name ("scalar", "avx2", "avx512",
+// "amx")
 // and this CPU (and OS) can run them, else 0 (also for an unknown name or
 // NULL): the ISAs MHA_ISA can choose here.
 MHA_API int mha_isa_supported(const char *name);
@@ -911,11 +916,19 @@ MHA_API void mha_linear_destroy(mha_linear *l);
 // k, v, out (and weights) are MHA_F32, MHA_BF16 or MHA_F16 with unit stride
 // along the last dim, else the reference (F64 views; MHA_IMPL in the
 // environment overrides auto); fused on other views is
-// MHA_ERR_UNSUPPORTED. Half views compute in float32: their rows are
-// converted exactly as the tiles load them (no float32 copy of a tensor)
-// and a half out is the float32 result rounded once (nearest even), so
-// its error against float64 on the same values is half an ulp of its type
-// plus the float32 path's. mha_last_impl() says which ran.
+// MHA_ERR_UNSUPPORTED. bf16 q, k and v compute in bf16 where the CPU
+// multiplies bf16 (AVX512-BF16 vdpbf16ps, AMX tiles; mha_last_impl() ends
+// in " bf16"), as PyTorch's CPU flash attention and FlashAttention do:
+// S = scale (q k^T) and O += P v with bf16 operands and float32 sums, the
+// softmax in float32, P rounded to bf16 (relative 2^-9) for P v; so the
+// output's error against float64 on the same values is within 2^-8
+// max|v| plus its own rounding. Other half views (and bf16 on CPUs
+// without a bf16 unit) compute in float32: their rows are converted
+// exactly as the tiles load them (no float32 copy of a tensor) and a half
+// out is the float32 result rounded once (nearest even), so its error is
+// half an ulp of its type plus the float32 path's. The backward computes
+// in float32 on the converted rows either way. mha_last_impl() says which
+// ran.
 typedef struct mha_sdpa_args {
     const mha_tensor *q;
     const mha_tensor *k;

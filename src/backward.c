@@ -27,6 +27,6 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mha_modu
     if (p.fused)
         st = mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate, NULL);
     else st = mha__ref_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
-    if (!st) mha__set_impl(p.fused, mha_isa());
+    if (!st) mha__set_impl(p.fused, mha_isa(), false);
     return st;
 }

@@ -52,8 +52,8 @@ static _Thread_local char g_impl[32];
 
 const char *mha_last_impl(void) { return g_impl; }
 
-void mha__set_impl(bool fused, const char *isa) {
-    if (fused) snprintf(g_impl, sizeof g_impl, "fused %s", isa);
+void mha__set_impl(bool fused, const char *isa, bool bf16) {
+    if (fused) snprintf(g_impl, sizeof g_impl, "fused %s%s", isa, bf16 ? " bf16" : "");
     else snprintf(g_impl, sizeof g_impl, "reference");
 }
 

@@ -20,9 +20,11 @@
 // Scratch layout (floats), 64-byte pieces:
 //   header (16 floats: the cache's identity) | qs (BR, D) | dos (BR, Dv) |
 //   s (BR, BC) | dp (BR, BC) | tr (BC, BR) | m, l (BR each) | cv
-//   (max(D, Dv): a half row converted) | flags (4 nt bytes) |
+//   (max(D, Dv): a half row converted) | bf16 compute: qb (BR, QBW(D)), pb
+//   (BR, PBW), vb (a V tile of fewer keys, packed) | flags (4 nt bytes) |
 //   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
-//   backward V^T (Dv, w), K rows (w, D)
+//   backward V^T (Dv, w), K rows (w, D); in bf16 compute K^T and V packed
+//   by pack_bf16 (kernels.h)
 // with nt = ceil(S / BC) + (nx > 0) key tiles; tile t holds keys
 // [t BC, min(t BC + BC, S)) (the last one the nx appended keys), w wide.
 // A cached tile is packed once per thread and head, on first use.
@@ -31,17 +33,44 @@ enum { C_KT, C_VR, C_VT, C_KR, C_KINDS };
 typedef struct cache_hdr {
     const float *k, *v, *xk;
     int64_t nt;
+    bool bf;
 } cache_hdr;
 
 static int64_t n_tiles(int64_t S, int64_t nx) { return (S + BC - 1) / BC + (nx > 0); }
 static size_t round16(size_t n) { return (n + 15) & ~(size_t)15; }
+static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// bf16 compute: the widest summed-dimension pad of any table (AMX's 32)
+// sizes the bf16 pieces, so the layout does not depend on the table.
+#define KPAD_MAX 32
+#define PBW round_up(BC, KPAD_MAX)  // P tile row stride (bf16 elements)
+static int64_t qbw(int64_t D) { return round_up(D, KPAD_MAX); }
+
+// floats of one cached tile of `kind`: float32 or packed bf16, whichever is
+// larger
+static size_t tile_floats(int kind, int64_t D, int64_t Dv) {
+    const bool isk = kind == 0 || kind == 3;  // C_KT, C_KR
+    const size_t f32 = round16((size_t)((isk ? D : Dv) * BC));
+    const size_t bf = round16((size_t)(isk ? mha__bf16_packed_elems(D, BC, KPAD_MAX)
+                                           : mha__bf16_packed_elems(BC, Dv, KPAD_MAX)) /
+                              2);
+    return f32 > bf ? f32 : bf;
+}
+
+// floats of qb, pb, vb
+static size_t bf_floats(int64_t D, int64_t Dv) {
+    return round16((size_t)(BR * qbw(D)) / 2) + round16((size_t)(BR * PBW) / 2) +
+           round16((size_t)mha__bf16_packed_elems(BC, Dv, KPAD_MAX) / 2);
+}
 
 typedef struct scratch_map {
     cache_hdr *hdr;
     float *qs, *dos, *s, *dp, *tr, *m, *l, *cv;
+    uint16_t *qb, *pb, *vb;
     float *cache[C_KINDS];
     size_t tile_floats[C_KINDS];
     unsigned char *done;  // (C_KINDS, nt)
+    bool bf;              // bf16 compute (mha__flash_bf16)
 } scratch_map;
 
 static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
@@ -56,22 +85,33 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
     m.m = p, p += BR;
     m.l = p, p += BR;
     m.cv = p, p += round16((size_t)(D > Dv ? D : Dv));
+    m.qb = (uint16_t *)(void *)p, p += round16((size_t)(BR * qbw(D)) / 2);
+    m.pb = (uint16_t *)(void *)p, p += round16((size_t)(BR * PBW) / 2);
+    m.vb = (uint16_t *)(void *)p,
+    p += round16((size_t)mha__bf16_packed_elems(BC, Dv, KPAD_MAX) / 2);
     m.done = (unsigned char *)(void *)p;
     p += round16((size_t)(C_KINDS * nt + 3) / 4);
     for (int c = 0; c < C_KINDS; c++) {
-        m.tile_floats[c] = round16((size_t)((c == C_KT || c == C_KR ? D : Dv) * BC));
+        m.tile_floats[c] = tile_floats(c, D, Dv);
         m.cache[c] = p;
         p += (size_t)nt * m.tile_floats[c];
     }
+    m.bf = false;
     return m;
 }
 
 size_t mha__flash_scratch_floats(int64_t D, int64_t Dv, int64_t S, int64_t nx, bool backward) {
     const int64_t nt = n_tiles(S, nx);
     return 16 + round16((size_t)(BR * D)) + round16((size_t)(BR * Dv)) + 3 * BR * BC + 2 * BR +
-           round16((size_t)(D > Dv ? D : Dv)) + round16((size_t)(C_KINDS * nt + 3) / 4) +
-           (size_t)nt * (round16((size_t)(D * BC)) + round16((size_t)(Dv * BC))) *
+           round16((size_t)(D > Dv ? D : Dv)) + bf_floats(D, Dv) +
+           round16((size_t)(C_KINDS * nt + 3) / 4) +
+           (size_t)nt * (tile_floats(C_KT, D, Dv) + tile_floats(C_VR, D, Dv)) *
                (backward ? 2 : 1);
+}
+
+bool mha__flash_bf16(const mha__kernels *kt, const mha__flash_head *a) {
+    return !a->f32_compute && a->q_half == 1 && a->k_half == 1 && a->v_half == 1 &&
+           a->nx == 0 && kt->bf_fast;
 }
 
 void mha__flash_scratch_reset(float *scratch) {
@@ -80,15 +120,21 @@ void mha__flash_scratch_reset(float *scratch) {
     h->nt = 0;
 }
 
-// The scratch of head a, its cache emptied when it held another head.
-static scratch_map head_scratch(const mha__flash_head *a, float *sc) {
+// The scratch of head a, its cache emptied when it held another head (or
+// the same in the other compute). fwd: for the forward (the backward
+// computes in float32, bf16 rows converted as they load).
+static scratch_map head_scratch(const mha__kernels *kt, const mha__flash_head *a, float *sc,
+                                bool fwd) {
     const int64_t nt = n_tiles(a->S, a->nx);
     scratch_map m = map_scratch(sc, a->D, a->Dv, nt);
-    if (m.hdr->k != a->k || m.hdr->v != a->v || m.hdr->xk != a->xk || m.hdr->nt != nt) {
+    m.bf = fwd && mha__flash_bf16(kt, a);
+    if (m.hdr->k != a->k || m.hdr->v != a->v || m.hdr->xk != a->xk || m.hdr->nt != nt ||
+        m.hdr->bf != m.bf) {
         m.hdr->k = a->k;
         m.hdr->v = a->v;
         m.hdr->xk = a->xk;
         m.hdr->nt = nt;
+        m.hdr->bf = m.bf;
         memset(m.done, 0, (size_t)(C_KINDS * nt));
     }
     return m;
@@ -140,7 +186,11 @@ static const float *packed_tile(const mha__kernels *kt, const mha__flash_head *a
         const int64_t rs = extra ? D : isk ? a->k_rs : a->v_rs;
         const void *rows = extra ? (const void *)((isk ? a->xk : a->xv) + (k0 - a->S) * D)
                                  : row_at(isk ? a->k : a->v, half, k0, rs);
-        if (half && trans) {  // each row converted, then into its column
+        if (sm->bf && kind == C_KT) {  // (D, w): B(d, j) = k_j[d]
+            kt->pack_bf16((uint16_t *)dst, rows, 1, rs, D, w);
+        } else if (sm->bf) {  // C_VR, (w, Dv)
+            kt->pack_bf16((uint16_t *)dst, rows, rs, 1, w, D);
+        } else if (half && trans) {  // each row converted, then into its column
             for (int64_t j = 0; j < w; j++) {
                 load_row(kt, sm->cv, row_at(rows, half, j, rs), half, D);
                 kt->transpose(dst + j, w, sm->cv, D, 1, D);
@@ -185,7 +235,10 @@ void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int6
 static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm, float *s,
                    int64_t i0, int64_t br, int64_t j0, int64_t n, float *deriv) {
     const float *ktile = packed_tile(kt, a, sm, j0, C_KT);
-    kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
+    if (sm->bf)  // S = scale (q k^T): the bf16 rows, float32 sums
+        kt->gemm_bf16(s, n, sm->qb, qbw(a->D), (const uint16_t *)ktile, width_of(a, j0), br, n,
+                      a->D, a->scale, false);
+    else kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
     const mha__mask *mk = a->mask;
     if (mk->softcap > 0.0f) {
         const float cap = mk->softcap;
@@ -259,9 +312,26 @@ static bool next_tile(key_iter *it, int64_t *j0, int64_t *n) {
 }
 
 // qs (br, D) = scale * q rows [i0, i0 + br) (half rows converted first:
-// cv, max(D, Dv) floats of scratch)
-static void load_q(const mha__kernels *kt, const mha__flash_head *a, float *qs, int64_t i0,
-                   int64_t br, float *cv) {
+// cv, max(D, Dv) floats of scratch); in bf16 compute qb (br, D) = the q
+// rows, unscaled, subnormals flushed, zero-padded to the table's bf_kpad
+// columns and bf_mpad rows.
+static void load_q(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
+                   int64_t i0, int64_t br) {
+    float *qs = sm->qs, *cv = sm->cv;
+    if (sm->bf) {
+        const int64_t w = qbw(a->D), kp = round_up(a->D, kt->bf_kpad);
+        for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
+            uint16_t *d = sm->qb + r * w;
+            int64_t c = 0;
+            if (r < br) {
+                const uint16_t *q = (const uint16_t *)a->q + (i0 + r) * a->q_rs;
+                for (; c < a->D; c++)
+                    d[c] = (q[c] & 0x7f80) ? q[c] : (uint16_t)(q[c] & 0x8000);
+            }
+            for (; c < kp; c++) d[c] = 0;
+        }
+        return;
+    }
     for (int64_t r = 0; r < br; r++) {
         const float *q = cv;
         if (a->q_half)
@@ -271,12 +341,37 @@ static void load_q(const mha__kernels *kt, const mha__flash_head *a, float *qs, 
     }
 }
 
+// bf16 compute: ob (br, Dv) += P v for keys [j0, j0 + n), P (the s tile,
+// after dropout) rounded to bf16 (round_bf16) into pb, zero-padded to the
+// table's bf_kpad columns and bf_mpad rows. A band cuts the tile (n less
+// than its width): V's n rows packed on their own, so the keys past the
+// band are never read.
+static void pv_bf16(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
+                    float *ob, int64_t ob_rs, int64_t br, int64_t j0, int64_t n) {
+    const int64_t kp = round_up(n, kt->bf_kpad);
+    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
+        uint16_t *p = sm->pb + r * PBW;
+        int64_t c = 0;
+        if (r < br) kt->round_bf16(p, sm->s + r * n, n), c = n;
+        for (; c < kp; c++) p[c] = 0;
+    }
+    const uint16_t *vt;
+    int64_t nb = a->Dv;
+    if (n == width_of(a, j0)) {
+        vt = (const uint16_t *)packed_tile(kt, a, sm, j0, C_VR);
+    } else {
+        kt->pack_bf16(sm->vb, (const uint16_t *)a->v + j0 * a->v_rs, a->v_rs, 1, n, a->Dv);
+        vt = sm->vb;
+    }
+    kt->gemm_bf16(ob, ob_rs, sm->pb, PBW, vt, nb, br, a->Dv, n, 1.0f, true);
+}
+
 void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i0, int64_t i1,
                      float *scratch) {
     const int64_t br = i1 - i0, Dv = a->Dv;
-    scratch_map sm = head_scratch(a, scratch);
+    scratch_map sm = head_scratch(kt, a, scratch, true);
     float *s = sm.s, *m = sm.m, *l = sm.l;
-    load_q(kt, a, sm.qs, i0, br, sm.cv);
+    load_q(kt, a, &sm, i0, br);
     // the output rows: o's own, or float32 scratch (dos) for a half o,
     // rounded into it at the end
     float *ob = a->o_half ? sm.dos : a->o + i0 * a->o_rs;
@@ -299,7 +394,9 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
             if (alpha[r] != 1.0f) kt->scale_row(ob + r * ob_rs, Dv, alpha[r]);
             if (a->drop) drop_row(a, s + r * n, i0 + r, j0, n);
         }
-        kt->gemm_nn_acc(ob, ob_rs, s, n, packed_tile(kt, a, &sm, j0, C_VR), Dv, br, Dv, n);
+        if (sm.bf) pv_bf16(kt, a, &sm, ob, ob_rs, br, j0, n);
+        else
+            kt->gemm_nn_acc(ob, ob_rs, s, n, packed_tile(kt, a, &sm, j0, C_VR), Dv, br, Dv, n);
     }
     for (int64_t r = 0; r < br; r++) {
         float *o = ob + r * ob_rs;
@@ -323,8 +420,8 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
 void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_t i0,
                         int64_t i1, mha__mat w, float *scratch) {
     const int64_t br = i1 - i0, total = a->S + a->nx;
-    scratch_map sm = head_scratch(a, scratch);
-    load_q(kt, a, sm.qs, i0, br, sm.cv);
+    scratch_map sm = head_scratch(kt, a, scratch, true);
+    load_q(kt, a, &sm, i0, br);
     for (int64_t r = 0; r < br; r++)  // zeros outside the band
         for (int64_t j = 0; j < total; j++) mha__st(w, r, j, 0.0);
     key_iter it = keys_of(a, i0, i1);
@@ -392,7 +489,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const f
                        int64_t do_rs, const float *Dsum, int64_t j0, int64_t n, float *dk,
                        int64_t dk_rs, float *dv, int64_t dv_rs, bool acc, float *scratch) {
     const int64_t D = a->D, Dv = a->Dv;
-    scratch_map sm = head_scratch(a, scratch);
+    scratch_map sm = head_scratch(kt, a, scratch, false);
     float *s = sm.s, *dp = sm.dp;
     for (int64_t j = 0; j < n && !acc; j++) {
         for (int64_t c = 0; c < D; c++) dk[j * dk_rs + c] = 0.0f;
@@ -402,7 +499,7 @@ void mha__flash_bwd_kv(const mha__kernels *kt, const mha__flash_head *a, const f
     rows_of_keys(a, j0, n, &rlo, &rhi);
     for (int64_t i0 = rlo; i0 < rhi; i0 += BR) {
         int64_t br = a->L - i0 < BR ? a->L - i0 : BR;
-        load_q(kt, a, sm.qs, i0, br, sm.cv);
+        load_q(kt, a, &sm, i0, br);
         bwd_tile(kt, a, &sm, dO + i0 * do_rs, do_rs, i0, br, j0, n, s, dp, sm.tr);
         softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, sm.tr);
         // dv (n, Dv) += P'^T (n, br) dO (br, Dv)
@@ -442,7 +539,7 @@ static void block_dsum(const mha__kernels *kt, const mha__flash_head *a, scratch
         dsum_rows(kt, a, dO, do_rs, Dsum, i0, i1);
         return;
     }
-    if (!q_loaded) load_q(kt, a, sm->qs, i0, br, sm->cv);
+    if (!q_loaded) load_q(kt, a, sm, i0, br);
     for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
@@ -461,8 +558,8 @@ static void bwd_rows(const mha__kernels *kt, const mha__flash_head *a, const flo
                      int64_t dq_rs, float *dk, int64_t dk_rs, float *dv, int64_t dv_rs,
                      float *dxk, float *dxv, float *scratch) {
     const int64_t D = a->D, Dv = a->Dv, br = i1 - i0;
-    scratch_map sm = head_scratch(a, scratch);
-    load_q(kt, a, sm.qs, i0, br, sm.cv);
+    scratch_map sm = head_scratch(kt, a, scratch, false);
+    load_q(kt, a, &sm, i0, br);
     // the rows' dO, contiguous (the GEMMs below read it as rows of Dv)
     for (int64_t r = 0; r < br; r++)
         memcpy(sm.dos + r * Dv, dO + (i0 + r) * do_rs, sizeof(float) * (size_t)Dv);
@@ -520,7 +617,7 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
         for (int64_t c = 0; c < D; c++) kr[c] = 0.0f;
         for (int64_t c = 0; c < Dv; c++) vr[c] = 0.0f;
     }
-    scratch_map sm = head_scratch(a, scratch);
+    scratch_map sm = head_scratch(kt, a, scratch, false);
     for (int64_t i0 = 0; i0 < L; i0 += BR) {
         const int64_t i1 = mha__tile_end(i0, BR, L);
         if (!a->dsum_fixed) block_dsum(kt, a, &sm, dO, do_rs, Dsum, i0, i1, false);
@@ -539,7 +636,7 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
             const int64_t n = pair_width(a, i0, i1, j0);
             if (n <= 0) continue;
             const float *dOt = dO + i0 * do_rs;
-            load_q(kt, a, sm.qs, i0, br, sm.cv);
+            load_q(kt, a, &sm, i0, br);
             bwd_tile(kt, a, &sm, dOt, do_rs, i0, br, j0, n, s, dp, deriv);  // P, dP
             softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);          // dS, P'
             // dq (br, D) += dS (br, n) k (n, D), then * scale below

@@ -36,12 +36,16 @@ typedef struct mha__flash_head {
     // The element types of q, k, v (the head's S keys; xk, xv are float32)
     // and o, in the forward (mha__flash_rows, mha__flash_weights) only: 0
     // float32; 1 bfloat16, 2 float16, where the pointer then points at
-    // uint16_t elements (cast) and the row strides count them. Half rows
+    // uint16_t elements (cast) and the row strides count them. bf16 q, k,
+    // v compute in bf16 where mha__flash_bf16 says so: S = scale (q k^T)
+    // and O += P v with float32 sums, P rounded to bf16 (FlashAttention's
+    // convention, PyTorch's CPU flash kernel's too). Otherwise half rows
     // are converted to float32 exactly as they are loaded (the table's
-    // cvt_bf16 / cvt_f16), o's rows accumulate in float32 scratch and are
-    // rounded (nearest even) once, as they are stored: the bits of the
-    // float32 head on the converted inputs, then rounded. The backward
-    // takes float32 heads only (all 0, as zero-initialised heads are).
+    // cvt_bf16 / cvt_f16): the bits of the float32 head on the converted
+    // inputs. Either way o's rows accumulate in float32 scratch and are
+    // rounded (nearest even) once, as they are stored. The backward
+    // computes in float32 (half rows converted, o float32) whatever the
+    // forward did.
     uint8_t q_half, k_half, v_half, o_half;
     float scale;
     const mha__mask *mask;     // over the S keys (s_masked = S)
@@ -52,11 +56,20 @@ typedef struct mha__flash_head {
     // otherwise written by pass B / the head's backward from dO and o, the
     // forward's context of the head (read, not written, by the backward).
     bool dsum_fixed;
+    // Compute in float32 even where mha__flash_bf16 would pick bf16 (the
+    // backward's own forward rows: the P the float32 backward recomputes).
+    bool f32_compute;
     // Called between key tiles by mha__flash_bwd_head (NULL: none): a
     // caller's progress callback (e.g. to drive its messages).
     void (*progress)(void *arg);
     void *progress_arg;
 } mha__flash_head;
+
+// Whether the forward of head a computes in bf16 on table kt (kernels.h,
+// bf16 compute): q, k and v bf16, no appended float32 keys, and a table
+// whose bf16 products are faster than its float32 path (bf_fast).
+// Otherwise half rows are converted to float32 as they load.
+bool mha__flash_bf16(const mha__kernels *kt, const mha__flash_head *a);
 
 // Per-thread scratch. It caches the head's K^T (and, in the backward, V^T)
 // tile by tile, packed once per thread and head instead of once per

@@ -121,6 +121,9 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
 // The fused scaled-dot-product attention: F32 views with unit last stride
 // (checked by the caller), mask over (b, h, i, j), attention dropout drop
 // (NULL: none; over (B, H, L, S), h the query head). Allocates its scratch.
+// Whether mha__fused_sdpa on these views computes its products in bf16
+// (mha__flash_bf16).
+bool mha__fused_sdpa_bf16(const mha_tensor *q, const mha_tensor *k, const mha_tensor *v);
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
                            const mha__dropout *drop, double scale);

@@ -725,6 +725,7 @@ static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const
         .drop = drop,
         .b = b,
         .h = h,
+        .f32_compute = true,
     };
 }
 

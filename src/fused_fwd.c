@@ -424,6 +424,13 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
 // flash scratch (O((S) (D + Dv))), plus the row stats (B H L 2 floats) when
 // the weights are asked for.
 
+bool mha__fused_sdpa_bf16(const mha_tensor *q, const mha_tensor *k, const mha_tensor *v) {
+    const mha__flash_head fh = {.q_half = mha__half_of(q->dtype),
+                                .k_half = mha__half_of(k->dtype),
+                                .v_half = mha__half_of(v->dtype)};
+    return mha__flash_bf16(mha__kernels_get(), &fh);
+}
+
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
                            const mha__dropout *drop, double scale) {

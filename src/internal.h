@@ -26,7 +26,7 @@ mha_status mha__fail(mha_status status, const char *fmt, ...) MHA__PRINTF(2, 3);
 
 // Records what a successful entry point ran (mha_last_impl): the fused
 // path with the kernels isa (mha_isa()), or the reference (isa unused).
-void mha__set_impl(bool fused, const char *isa);
+void mha__set_impl(bool fused, const char *isa, bool bf16);
 
 // Checked arithmetic on sizes: return 0 and set *out on success, 1 on
 // overflow (out untouched).

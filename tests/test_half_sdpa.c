@@ -80,6 +80,8 @@ typedef struct hcase {
 
 static const char *dn(mha_dtype d) { return mha_dtype_name(d); }
 
+static bool g_bf_seen;  // a case computed in bf16 (printed once)
+
 static void run_case(const hcase *c, int id) {
     const int64_t B = c->B, H = c->H, Hkv = c->Hkv, L = c->L, S = c->S, D = c->D, Dv = c->Dv;
     const int64_t nq = B * H * L * D, nk = B * Hkv * S * D, nv = B * Hkv * S * Dv,
@@ -151,6 +153,13 @@ static void run_case(const hcase *c, int id) {
         CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: auto ran \"%s\", not fused", desc,
                mha_last_impl());
     }
+    // bf16 q, k, v on a CPU that multiplies bf16: products in bf16 (P
+    // rounded), so not the float32 path's bits; bounded below instead
+    const bool bf = strstr(mha_last_impl(), " bf16") != NULL;
+    CHECKF(!bf || (c->qd == MHA_BF16 && c->kd == MHA_BF16 && c->vd == MHA_BF16),
+           "%s: \"%s\" computed in bf16 with other types", desc, mha_last_impl());
+    if (bf && !g_bf_seen) printf("bf16 q, k, v: %s\n", mha_last_impl());
+    g_bf_seen |= bf;
     set_threads(2);
     for (int r = 1; r < 3; r++) {
         CHECKF(memcmp(oh[0], oh[r], osz * (size_t)no) == 0, "%s: output bits differ at %d threads",
@@ -160,11 +169,11 @@ static void run_case(const hcase *c, int id) {
                    "%s: weights bits differ at %d threads", desc, threads[r]);
     }
     // the float32 path's bits, rounded once
-    int64_t bad = first_unrounded(oh[0], c->od, o32, no);
+    int64_t bad = bf ? -1 : first_unrounded(oh[0], c->od, o32, no);
     CHECKF(bad < 0, "%s: output %lld is not the float32 path's rounded: %a vs %a", desc,
            (long long)bad, bad < 0 ? 0.0 : (double)elem(oh[0], c->od, bad),
            bad < 0 ? 0.0 : (double)o32[bad]);
-    if (c->weights) {
+    if (c->weights && !bf) {
         bad = first_unrounded(wh[0], c->od, w32, nw);
         CHECKF(bad < 0, "%s: weight %lld is not the float32 path's rounded", desc,
                (long long)bad);
@@ -173,26 +182,39 @@ static void run_case(const hcase *c, int id) {
     // reference's keep mask is the same, but keep the bound simple)
     if (!c->dropout) {
         double *o64 = malloc(sizeof(double) * (size_t)no);
+        double *w64 = malloc(sizeof(double) * (size_t)nw);
         mha_tensor o64t = mha_tensor_contiguous(o64, MHA_F64, 4, (int64_t[]){B, H, L, Dv});
+        mha_tensor w64t = mha_tensor_contiguous(w64, MHA_F64, 4, (int64_t[]){B, H, L, S});
         a.q = &qd, a.k = &kd, a.v = &vd;
-        CHECK_OK(mha_sdpa(&o64t, NULL, &a));
+        CHECK_OK(mha_sdpa(&o64t, c->weights ? &w64t : NULL, &a));
         CHECKF(strcmp(mha_last_impl(), "reference") == 0, "%s: F64 views ran \"%s\"", desc,
                mha_last_impl());
-        double mref = 0, over = 0, worst = 0;
+        double mref = 0, over = 0, worst = 0, vmax = 0;
         for (int64_t i = 0; i < no; i++) mref = fmax(mref, fabs(o64[i]));
+        for (int64_t i = 0; i < nv; i++) vmax = fmax(vmax, fabs(v[i]));
         const double half_ulp = c->od == MHA_BF16 ? 0x1p-8 : c->od == MHA_F16 ? 0x1p-11 : 0.0;
         for (int64_t i = 0; i < no; i++) {
             const double e = fabs((double)elem(oh[0], c->od, i) - o64[i]);
             // the output's rounding (relative half ulp; subnormal f16: its
-            // spacing) and the float32 path's own error
+            // spacing) and the float32 path's own error; bf16 compute: P
+            // rounded to bf16 (relative 2^-9 per weight: 2^-9 max|v|),
+            // twice that
             const double bnd = half_ulp * fabs(o64[i]) + (c->od == MHA_F16 ? 0x1p-25 : 0.0) +
-                               4e-6 * (1.0 + mref);
+                               4e-6 * (1.0 + mref) + (bf ? 0x1p-8 * vmax : 0.0);
             over = fmax(over, e - bnd);
             worst = fmax(worst, e / bnd);
         }
         CHECKF(over <= 0.0, "%s: against float64 over its bound by %g (worst err/bound %g)", desc,
                over, worst);
-        free(o64);
+        // bf16 compute: the weights are float32 softmaxes of its float32
+        // scores (the output's rounding and float32's error)
+        for (int64_t i = 0; bf && c->weights && i < nw; i++) {
+            const double e = fabs((double)elem(wh[0], c->od, i) - w64[i]);
+            const double bnd = half_ulp * w64[i] + (c->od == MHA_F16 ? 0x1p-25 : 0.0) + 4e-6;
+            CHECKF(e <= bnd, "%s: weight %lld off float64 by %g > %g", desc, (long long)i, e, bnd);
+            if (e > bnd) break;
+        }
+        free(o64), free(w64);
     }
     // 4. the backward: half dout (out's type) and dq, dk, dv (q's, k's,
     // v's): the float32 path's gradients on the same values, each rounded
@@ -271,6 +293,14 @@ int main(void) {
             {2, 2, 2, 40, 40, 64, 64, true, true, false, false, true, 9, h, MHA_F32, h, h},
             {1, 4, 4, 129, 257, 20, 12, false, false, false, true, true, -1, h, h, MHA_F32, h},
             {1, 2, 1, 33, 200, 128, 64, false, false, true, false, false, -1, MHA_F32, h, h, h},
+            // all h (bf16: the bf16 compute): masks and GQA, causal with a
+            // window (key tiles cut by the band), odd D with dropout, D 128,
+            // several query and key tiles
+            {1, 3, 1, 64, 300, 32, 32, false, true, true, false, true, -1, h, h, h, h},
+            {2, 2, 2, 100, 100, 64, 64, true, false, false, false, true, 9, h, h, h, h},
+            {1, 4, 4, 129, 257, 20, 12, false, false, false, true, true, -1, h, h, h, h},
+            {1, 2, 1, 33, 200, 128, 64, false, false, true, false, false, -1, h, h, h, MHA_F32},
+            {1, 2, 2, 300, 290, 64, 64, true, false, false, false, false, -1, h, h, h, h},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], id++);
     }

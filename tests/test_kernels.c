@@ -958,6 +958,161 @@ static void test_rows_qg_many(const mha__kernels *k) {
     }
 }
 
+
+// ---- bf16 compute slots (kernels.h) ----
+
+static uint16_t bf16_of(float x) {  // nearest even, subnormals flushed (the contract's rule)
+    uint16_t h;
+    mha__kernels_for("scalar")->round_bf16(&h, &x, 1);
+    return h;
+}
+
+static double bf16_to_double(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// A bf16 value of magnitude 2^e with e in [lo, hi], some zeros (no
+// subnormals: the rule flushes them).
+static uint16_t rbf16(int lo, int hi) {
+    if (irand(0, 19) == 0) return irand(0, 1) ? 0x8000 : 0;
+    return bf16_of(ldexpf(frand(), (int)irand(lo, hi)));
+}
+
+// round_bf16: every table the generic bits, on random bit patterns (NaN,
+// subnormals, infinities), ties (the low half exactly 0x8000) and lengths
+// with tails.
+static void test_round_bf16(const mha__kernels *k, const mha__kernels *g) {
+    enum { N = 4099 };
+    static float x[N];
+    static uint16_t a[N + 1], b[N + 1];
+    for (int i = 0; i < N; i++) {
+        uint32_t u = (uint32_t)next();
+        if (i % 4 == 1) u = (u & 0xffff0000u) | 0x8000u;  // a tie
+        if (i % 8 == 2) u &= 0x807fffffu;                 // subnormal (or zero)
+        memcpy(&x[i], &u, 4);
+    }
+    const int64_t lens[] = {0, 1, 15, 16, 17, 100, N};
+    for (size_t l = 0; l < sizeof lens / sizeof lens[0]; l++) {
+        const int64_t n = lens[l];
+        a[n] = b[n] = 0x1234;
+        k->round_bf16(a, x, n);
+        g->round_bf16(b, x, n);
+        int64_t bad = -1;
+        for (int64_t i = 0; i < n && bad < 0; i++)
+            if (a[i] != b[i]) bad = i;
+        CHECKF(bad < 0 && a[n] == 0x1234,
+               "%s round_bf16 n %lld: index %lld: 0x%04x vs scalar 0x%04x (of %a)", k->isa,
+               (long long)n, (long long)bad, bad < 0 ? 0 : a[bad], bad < 0 ? 0 : b[bad],
+               bad < 0 ? 0.0 : (double)x[bad]);
+    }
+    // the rule itself, on the generic table: ties to even, subnormals to
+    // signed zero, NaN quiet, overflow to infinity
+    const struct { uint32_t in; uint16_t out; } rule[] = {
+        {0x3f808000u, 0x3f80}, {0x3f818000u, 0x3f82}, {0x3f808001u, 0x3f81},
+        {0x00400000u, 0x0000}, {0x80000001u, 0x8000}, {0x00800000u, 0x0080},
+        {0x7f800001u, 0x7fc0}, {0xff800000u, 0xff80}, {0x7f7fffffu, 0x7f80},
+    };
+    for (size_t i = 0; i < sizeof rule / sizeof rule[0]; i++) {
+        float f;
+        memcpy(&f, &rule[i].in, 4);
+        uint16_t h;
+        g->round_bf16(&h, &f, 1);
+        CHECKF(h == rule[i].out, "round_bf16(0x%08x) = 0x%04x, not 0x%04x", rule[i].in, h,
+               rule[i].out);
+    }
+}
+
+// pack_bf16 against the contract's layout (and the generic packer with the
+// table's pad), gemm_bf16 against the generic bits (exact tables) or
+// against the exact sum by the contract's bound (AMX), over shapes with
+// tails, strides wider than the rows, overwrite with alpha and accumulate,
+// and magnitudes whose products and sums underflow (the flush to zero).
+static void test_gemm_bf16(const mha__kernels *k, const mha__kernels *g) {
+    int shapes = 0;
+    double worst = 0;  // (AMX) error / bound
+    for (int trial = 0; trial < 60; trial++) {
+        const int64_t M = irand(1, 70), N = irand(1, 140), K = irand(1, 140);
+        const int64_t nb = N + (trial % 3 == 0 ? irand(0, 20) : 0);
+        const int64_t kp = k->bf_kpad, Kp = (K + kp - 1) / kp * kp;
+        const int64_t lda = Kp + irand(0, 3) * 2, ldc = N + irand(0, 5);
+        const int64_t Mr = (M + k->bf_mpad - 1) / k->bf_mpad * k->bf_mpad;
+        const int64_t sk = trial % 2 ? 1 : nb + 3, sn = trial % 2 ? K + 2 : 1;  // two B layouts
+        const bool acc = trial % 4 == 3, tiny = trial % 5 == 4;
+        const int lo = tiny ? -80 : -8, hi = tiny ? -55 : 4;
+        const float alpha = trial % 3 == 1 ? 0.125f : 0.3f;
+        uint16_t *A = calloc((size_t)(Mr * lda), 2), *B = calloc((size_t)(K * sk + nb * sn), 2);
+        const size_t pe = (size_t)mha__bf16_packed_elems(K, nb, kp);
+        uint16_t *Bp = malloc(pe * 2), *Bq = malloc(pe * 2);
+        float *C = falloc((size_t)(M * ldc)), *Cg = falloc((size_t)(M * ldc)),
+              *C0 = falloc((size_t)(M * ldc));
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t c = 0; c < K; c++) A[i * lda + c] = rbf16(lo, hi);
+        for (int64_t i = M; i < Mr; i++)  // rows past M: anything (NaN even)
+            for (int64_t c = 0; c < lda; c++) A[i * lda + c] = 0x7fc1;
+        for (int64_t c = 0; c < K; c++)
+            for (int64_t j = 0; j < nb; j++) B[c * sk + j * sn] = rbf16(lo, hi);
+        for (int64_t i = 0; i < M * ldc; i++) C0[i] = ldexpf(frand(), tiny ? -120 : 0);
+        k->pack_bf16(Bp, B, sk, sn, K, nb);
+        mha__pack_bf16_generic(Bq, B, sk, sn, K, nb, kp);
+        CHECKF(memcmp(Bp, Bq, pe * 2) == 0, "%s pack_bf16 K %lld N %lld: not the layout", k->isa,
+               (long long)K, (long long)nb);
+        const int64_t Np = (nb + 15) / 16 * 16;
+        bool layout = true;  // the contract's formula, element by element
+        for (int64_t c = 0; c < Kp && layout; c++)
+            for (int64_t j = 0; j < Np && layout; j++)
+                layout = Bp[((c / 2) * Np + j) * 2 + c % 2] ==
+                         (c < K && j < nb ? B[c * sk + j * sn] : 0);
+        CHECKF(layout, "%s pack_bf16 K %lld N %lld: not the contract's layout", k->isa,
+               (long long)K, (long long)nb);
+        memcpy(C, C0, sizeof(float) * (size_t)(M * ldc));
+        memcpy(Cg, C0, sizeof(float) * (size_t)(M * ldc));
+        k->gemm_bf16(C, ldc, A, lda, Bp, nb, M, N, K, alpha, acc);
+        g->gemm_bf16(Cg, ldc, A, lda, Bp, nb, M, N, K, alpha, acc);
+        int64_t bad = -1, outside = 0;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < ldc; j++) {
+                const int64_t e = i * ldc + j;
+                if (j >= N) {  // past N: untouched
+                    outside += memcmp(&C[e], &C0[e], 4) != 0;
+                    continue;
+                }
+                if (k->bf_exact && !tiny) {  // (tiny: products below 2^-126)
+                    if (bad < 0 && memcmp(&C[e], &Cg[e], 4) != 0) bad = e;
+                    continue;
+                }
+                double sum = acc ? C0[e] : 0, mag = acc ? fabs(C0[e]) : 0;
+                for (int64_t c = 0; c < K; c++) {
+                    const double t = bf16_to_double(A[i * lda + c]) *
+                                     bf16_to_double(B[c * sk + j * sn]);
+                    sum += t, mag += fabs(t);
+                }
+                const double want = acc ? sum : alpha * sum;
+                const double bnd = ((double)Kp * 0x1p-23 * mag + (double)Kp * 0x1p-126) *
+                                       (acc ? 1 : alpha) +
+                                   0x1p-24 * fabs(want) + 0x1p-126;
+                const double err = fabs((double)C[e] - want);
+                worst = fmax(worst, err / bnd);
+                if (bad < 0 && !(err <= bnd)) bad = e;
+            }
+        CHECKF(bad < 0 && outside == 0,
+               "%s gemm_bf16 M %lld N %lld K %lld nb %lld %s%s: element %lld: %a vs generic %a "
+               "(%lld touched past N)",
+               k->isa, (long long)M, (long long)N, (long long)K, (long long)nb,
+               acc ? "acc" : "overwrite", tiny ? " tiny" : "", (long long)bad,
+               bad < 0 ? 0.0 : (double)C[bad], bad < 0 ? 0.0 : (double)Cg[bad],
+               (long long)outside);
+        shapes++;
+        free(A), free(B), free(Bp), free(Bq), free(C), free(Cg), free(C0);
+    }
+    printf("%s gemm_bf16: %s on %d shapes (worst error / bound %.3g)\n", k->isa,
+           k->bf_exact ? "the generic bits (products above 2^-126), the bound below"
+                       : "within the bound",
+           shapes, worst);
+}
+
 // ---- Cross-ISA bit identity ----
 // kernels.h promises some slots the same bits on every table: cvt_i4,
 // dot_acc_rows, dsoftmax_rows ("bit-identical on every table"), transpose,
@@ -1260,9 +1415,9 @@ int main(void) {
     seed_rng(7);
     const mha__kernels *g = mha__kernels_for("scalar");
     CHECK(g != NULL);
-    const char *isas[] = {"avx2", "avx512"};
+    const char *isas[] = {"avx2", "avx512", "amx"};
     int tested = 0;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         const mha__kernels *k = mha__kernels_for(isas[i]);
         if (!k) {
             printf("%s: not available on this machine or build, skipped\n", isas[i]);
@@ -1280,6 +1435,8 @@ int main(void) {
         test_gemm_tn(k);
         test_packed(k);
         test_transpose(k);
+        test_round_bf16(k, g);
+        test_gemm_bf16(k, g);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
@@ -1291,6 +1448,8 @@ int main(void) {
     test_bwd_rows(g, g);
     test_packed(g);
     test_transpose(g);
+    test_round_bf16(g, g);
+    test_gemm_bf16(g, g);
     test_cross_isa();
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     isa_coverage();

@@ -103,7 +103,8 @@ static const char *bench_help =
     "  --weight-dtype T   f32 (default), bf16 or f16: the module's weight\n"
     "                     matrices stored in T (mha_config.weight_dtype)\n"
     "  --dtype T          f32 (default), bf16 or f16: query/key/value and\n"
-    "                     the output stored in T (module forward)\n"
+    "                     the output stored in T (module forward; --core:\n"
+    "                     q, k, v, out and the gradients)\n"
     "  --prune-heads K    prune the last K heads (mha_module_prune_heads: their\n"
     "                     attention is skipped; module forward/backward)\n"
     "  --head-gate G      none (default), static or dynamic per-head gates\n"
@@ -263,19 +264,24 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
         bench_fill_uniform(q, B * H * L * d, &rng);
         bench_fill_uniform(k, B * H * S * d, &rng);
         bench_fill_uniform(v, B * H * S * d, &rng);
-        p->q = mha_tensor_contiguous(q, MHA_F32, 4, qs);
-        p->k = mha_tensor_contiguous(k, MHA_F32, 4, ks);
-        p->v = mha_tensor_contiguous(v, MHA_F32, 4, ks);
-        p->out = mha_tensor_contiguous(out, MHA_F32, 4, qs);
+        const mha_dtype dt = o->dtype;  // every tensor in --dtype
+        to_dtype(q, B * H * L * d, dt);
+        to_dtype(k, B * H * S * d, dt);
+        to_dtype(v, B * H * S * d, dt);
+        p->q = mha_tensor_contiguous(q, dt, 4, qs);
+        p->k = mha_tensor_contiguous(k, dt, 4, ks);
+        p->v = mha_tensor_contiguous(v, dt, 4, ks);
+        p->out = mha_tensor_contiguous(out, dt, 4, qs);
         if (o->backward) {  // dout, and dq, dk, dv
             float *g = bench_alloc(bb, B * H * L * d), *gq = bench_alloc(bb, B * H * L * d),
                   *gk = bench_alloc(bb, B * H * S * d), *gv = bench_alloc(bb, B * H * S * d);
             if (!g || !gq || !gk || !gv) return 1;
             bench_fill_uniform(g, B * H * L * d, &rng);
-            p->gout = mha_tensor_contiguous(g, MHA_F32, 4, qs);
-            p->gq = mha_tensor_contiguous(gq, MHA_F32, 4, qs);
-            p->gk = mha_tensor_contiguous(gk, MHA_F32, 4, ks);
-            p->gv = mha_tensor_contiguous(gv, MHA_F32, 4, ks);
+            to_dtype(g, B * H * L * d, dt);
+            p->gout = mha_tensor_contiguous(g, dt, 4, qs);
+            p->gq = mha_tensor_contiguous(gq, dt, 4, qs);
+            p->gk = mha_tensor_contiguous(gk, dt, 4, ks);
+            p->gv = mha_tensor_contiguous(gv, dt, 4, ks);
         }
         mha_sdpa_args_init(&p->sa);
         p->sa.q = &p->q;

@@ -978,6 +978,7 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
 
 void mha__kernels_fill_avx2(mha__kernels *k) {
     k->isa = "avx2";
+    k->bf_fast = false;  // bf16 rows are converted and computed in float32
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
     k->gemm_tn_acc = gemm_tn_acc;

@@ -1217,6 +1217,7 @@ static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64
 
 void mha__kernels_fill_avx512(mha__kernels *k) {
     k->isa = "avx512";
+    k->bf_fast = false;  // bf16 rows are converted and computed in float32
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
     k->gemm_tn_acc = gemm_tn_acc;

@@ -1,8 +1,11 @@
 // cpu.c: picks the kernel table once per process. Generic kernels fill
 // every slot; then the best ISA this build has and this CPU (and OS)
-// supports overwrites what it implements. MHA_ISA=scalar|avx2|avx512 forces
-// one (an unknown or unsupported name is ignored: mha_isa() tells what was
-// chosen).
+// supports overwrites what it implements. MHA_ISA=scalar|avx2|avx512|amx
+// forces one (an unknown or unsupported name is ignored: mha_isa() tells
+// what was chosen). The avx512 table takes vdpbf16ps for bf16 where the CPU
+// has AVX512-BF16; "amx" is that table with AMX-BF16 tiles for the bf16
+// products, chosen where the CPU has them and Linux grants the tile state.
+#define _DEFAULT_SOURCE  // syscall (unistd.h)
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +17,8 @@
     !defined(MHA_SCALAR_ONLY)
 #define MHA__X86 1
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #ifdef MHA__X86
@@ -25,15 +30,44 @@ static bool has_f16c(void) {
 }
 #endif
 
+#if defined(MHA__X86) && !defined(MHA_NO_AVX512BF16)
+// AVX512-BF16: CPUID leaf 7 subleaf 1, EAX bit 5.
+static bool has_avx512bf16(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1);
+}
+#endif
+
+#if defined(MHA__X86) && !defined(MHA_NO_AMX)
+// AMX-BF16 and AMX-TILE (CPUID leaf 7, EDX bits 22 and 24), and Linux's
+// permission to use the tile data (XFEATURE_XTILEDATA, 18), asked once for
+// the process: arch_prctl(ARCH_REQ_XCOMP_PERM = 0x1023) fails on kernels
+// before 5.16 and where the state is not enabled; then no AMX.
+static bool g_amx;
+static void ask_amx(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1) || !(d >> 24 & 1)) return;
+    g_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+static bool has_amx(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, ask_amx);
+    return g_amx;
+}
+#endif
+
 static bool cpu_has(const char *isa) {
     if (strcmp(isa, "scalar") == 0) return true;
 #ifdef MHA__X86
     __builtin_cpu_init();
     if (strcmp(isa, "avx2") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
-    if (strcmp(isa, "avx512") == 0)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-               __builtin_cpu_supports("fma") && has_f16c();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                        __builtin_cpu_supports("fma") && has_f16c();
+    if (strcmp(isa, "avx512") == 0) return avx512;
+#if !defined(MHA_NO_AMX)
+    if (strcmp(isa, "amx") == 0) return avx512 && has_avx512bf16() && has_amx();
+#endif
 #endif
     return false;
 }
@@ -43,7 +77,15 @@ static bool fill(mha__kernels *k, const char *isa) {
     mha__kernels_fill_generic(k);
 #ifdef MHA__X86
     if (strcmp(isa, "avx2") == 0) mha__kernels_fill_avx2(k);
-    if (strcmp(isa, "avx512") == 0) mha__kernels_fill_avx512(k);
+    if (strcmp(isa, "avx512") == 0 || strcmp(isa, "amx") == 0) {
+        mha__kernels_fill_avx512(k);
+#if !defined(MHA_NO_AVX512BF16)
+        if (has_avx512bf16()) mha__kernels_fill_avx512bf16(k);
+#endif
+    }
+#if !defined(MHA_NO_AMX)
+    if (strcmp(isa, "amx") == 0) mha__kernels_fill_amx(k);
+#endif
 #endif
     return true;
 }
@@ -54,6 +96,7 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static void choose(void) {
     const char *want = getenv("MHA_ISA");
     if (want && fill(&g_table, want)) return;
+    if (fill(&g_table, "amx")) return;
     if (fill(&g_table, "avx512")) return;
     if (fill(&g_table, "avx2")) return;
     fill(&g_table, "scalar");
@@ -65,11 +108,12 @@ const mha__kernels *mha__kernels_get(void) {
 }
 
 const mha__kernels *mha__kernels_for(const char *isa) {
-    static const char *names[3] = {"scalar", "avx2", "avx512"};
-    static mha__kernels tables[3];
-    static bool tried[3], ok[3];
+    enum { NT = 4 };
+    static const char *names[NT] = {"scalar", "avx2", "avx512", "amx"};
+    static mha__kernels tables[NT];
+    static bool tried[NT], ok[NT];
     static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < NT; i++) {
         if (strcmp(isa, names[i]) != 0) continue;
         pthread_mutex_lock(&mu);
         if (!tried[i]) {

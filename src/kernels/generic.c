@@ -301,6 +301,64 @@ static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, c
     gemm_packed_any(C, ldc, A, 1, lda, Bp, bias, M, N, K, accumulate);
 }
 
+
+// ---- bf16 compute ----
+
+static float bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// h with a subnormal flushed to signed zero (what vdpbf16ps and AMX read)
+static uint16_t bf16_daz(uint16_t h) { return (h & 0x7f80) == 0 ? (uint16_t)(h & 0x8000) : h; }
+
+static void round_bf16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &src[i], sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u) dst[i] = (uint16_t)(u >> 16 | 0x40);  // NaN
+        else if ((u & 0x7f800000u) == 0) dst[i] = (uint16_t)(u >> 16 & 0x8000);    // subnormal
+        else dst[i] = (uint16_t)((u + 0x7fffu + (u >> 16 & 1)) >> 16);
+    }
+}
+
+void mha__pack_bf16_generic(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
+                            int64_t N, int64_t kpad) {
+    const int64_t Np = (N + 15) / 16 * 16, Kp = (K + kpad - 1) / kpad * kpad;
+    for (int64_t k = 0; k < Kp; k++)
+        for (int64_t j = 0; j < Np; j++)
+            Bp[((k / 2) * Np + j) * 2 + k % 2] = k < K && j < N ? bf16_daz(B[k * sk + j * sn])
+                                                                : (uint16_t)0;
+}
+
+static void pack_bf16(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
+                      int64_t N) {
+    mha__pack_bf16_generic(Bp, B, sk, sn, K, N, 2);
+}
+
+// s + a b rounded once, a subnormal result flushed to signed zero (FTZ)
+static float fma_ftz(float a, float b, float s) {
+    const float r = fmaf(a, b, s);
+    return fabsf(r) < 0x1p-126f ? copysignf(0.0f, r) : r;
+}
+
+static void gemm_bf16(float *C, int64_t ldc, const uint16_t *A, int64_t lda, const uint16_t *Bp,
+                      int64_t nb, int64_t M, int64_t N, int64_t K, float alpha, bool acc) {
+    const int64_t Np = (nb + 15) / 16 * 16, P = (K + 1) / 2;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            float s = acc ? C[i * ldc + j] : 0.0f;
+            for (int64_t p = 0; p < P; p++) {
+                const uint16_t *b = Bp + (p * Np + j) * 2;
+                s = fma_ftz(bf16_value(A[i * lda + 2 * p + 1]), bf16_value(b[1]), s);
+                s = fma_ftz(bf16_value(A[i * lda + 2 * p]), bf16_value(b[0]), s);
+            }
+            C[i * ldc + j] = acc ? s : alpha * s;
+        }
+}
+
 void mha__kernels_fill_generic(mha__kernels *k) {
     k->isa = "scalar";
     k->gemm_nn = gemm_nn;
@@ -330,4 +388,11 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
     k->gemm_packed_tn = gemm_packed_tn;
+    k->bf_kpad = 2;
+    k->bf_mpad = 1;
+    k->bf_fast = true;  // ISA tables without a bf16 unit set false
+    k->bf_exact = true;
+    k->round_bf16 = round_bf16;
+    k->pack_bf16 = pack_bf16;
+    k->gemm_bf16 = gemm_bf16;
 }

@@ -2,7 +2,7 @@
 // portable C version (generic.c, always built); ISA files (avx2.c,
 // avx512.c) overwrite the slots they do better. The table is filled once
 // (cpu.c): generic first, then the best ISA the CPU supports, or the one
-// MHA_ISA=scalar|avx2|avx512 names.
+// MHA_ISA=scalar|avx2|avx512|amx names.
 //
 // Contract, for every kernel:
 //  - float32, row-major tiles given by pointer + row stride (in elements);
@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 typedef struct mha__kernels {
-    const char *isa;  // "scalar", "avx2", "avx512"
+    const char *isa;  // "scalar", "avx2", "avx512", "amx" (avx512 + AMX-BF16 tiles)
 
     // gemm_nn: C (M, N) = A (M, K) B (K, N)             overwrite
     //   (B row-major: the "packed" operand, e.g. K^T or W^T)
@@ -191,6 +191,57 @@ typedef struct mha__kernels {
     void (*gemm_packed_tn)(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                            const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                            float *apack);
+
+    // ---- bf16 compute (the flash forward over bf16 q, k, v) ----
+    // FlashAttention's convention, as PyTorch's CPU flash kernel does it:
+    // S = scale (Q K^T) and O += P V with bf16 operands and float32 sums,
+    // the online softmax in float32, P rounded to bf16 (round_bf16) for PV.
+    // Operands never hold subnormals: the packers and round_bf16 flush them
+    // to signed zero, as vdpbf16ps and AMX read them (DAZ).
+    // bf_kpad: A's rows and Bp hold the summed dimension K padded with
+    //   zeros to Kp = a multiple of it (2: vdpbf16ps pairs; AMX: 32, a
+    //   tile's depth).
+    // bf_mpad: gemm_bf16 may read A's rows up to M rounded up to a multiple
+    //   of it (1; AMX 16: whole tiles; rows past M feed discarded sums only).
+    // bf_fast: this table's bf16 compute is faster than its float32 path on
+    //   converted rows (vdpbf16ps, AMX; the scalar table, where both are
+    //   plain C); else the flash forward converts bf16 rows to float32 and
+    //   computes in float32 (avx2, and avx512 without AVX512-BF16).
+    // bf_exact: gemm_bf16 gives the generic version's bits (the order
+    //   below) wherever no product a_k b_k is below 2^-126 (float32's
+    //   normal range) without being 0; false (AMX): the tile unit's own
+    //   accumulation order. Every table, every input: |C - exact| <=
+    //   Kp 2^-23 sum_k |a_k b_k| + Kp 2^-126 (+ the rounding of alpha s),
+    //   tested in test_kernels; the same shapes give the same bits,
+    //   whatever the thread count.
+    int64_t bf_kpad, bf_mpad;
+    bool bf_fast, bf_exact;
+    // round_bf16: dst[i] = src[i] as bf16: a subnormal src[i] becomes
+    //   signed zero, NaN a quiet NaN (its high half, quiet bit set), every
+    //   other value rounded to nearest even (vcvtneps2bf16's rule).
+    //   Bit-identical on every table.                   overwrite
+    void (*round_bf16)(uint16_t *dst, const float *src, int64_t n);
+    // pack_bf16: Bp <- B (K, N) of bf16 elements, B(k, n) = B[k*sk + n*sn],
+    //   pairs of k interleaved (the "VNNI" layout vdpbf16ps and AMX tiles
+    //   read): with Np = roundup(N, 16) and Kp = roundup(K, bf_kpad),
+    //     Bp[((k / 2) Np + n) 2 + k % 2] = B(k, n), subnormals flushed to
+    //     signed zero; 0 for k >= K or n >= N
+    //   Kp Np elements. Bit-identical on every table with the same bf_kpad.
+    void (*pack_bf16)(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
+                      int64_t N);
+    // gemm_bf16: C (M, N) = alpha A Bp (acc false: C never read) or
+    //   C += A Bp (acc true: alpha unused). A (M, Kp) bf16 row-major, row
+    //   stride lda >= Kp, zero in columns [K, Kp), no subnormals; Bp from
+    //   this table's pack_bf16 of nb >= N columns (the first
+    //   N are used) and at least K rows. Per element, exact
+    //   tables: s = 0 (or C); for pairs p = 0 .. Kp/2 - 1 in order
+    //     s = ftz(fma(a_2p+1, b_2p+1, s)); s = ftz(fma(a_2p, b_2p, s))
+    //   (vdpbf16ps: each product exact, one rounding per add, nearest even,
+    //   a subnormal sum flushed to signed zero; products below 2^-126 are
+    //   the hardware's own, bounded above); then C = alpha s (one float32
+    //   product) or C = s. Row r of C depends on row r of A only.
+    void (*gemm_bf16)(float *C, int64_t ldc, const uint16_t *A, int64_t lda, const uint16_t *Bp,
+                      int64_t nb, int64_t M, int64_t N, int64_t K, float alpha, bool acc);
 } mha__kernels;
 
 // The table chosen for this process (filled on first use, thread-safe).
@@ -208,10 +259,24 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
                               const float *scales, int64_t sld, int64_t n, int64_t Dv,
                               const void *pf, size_t pfb);
 
+// The portable pack_bf16 for a table whose bf_kpad is kpad.
+void mha__pack_bf16_generic(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
+                            int64_t N, int64_t kpad);
+
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);
 void mha__kernels_fill_avx2(mha__kernels *k);
 void mha__kernels_fill_avx512(mha__kernels *k);
+// The bf16 slots with vdpbf16ps (avx512bf16.c) and AMX tiles (amx.c), on top
+// of the avx512 table, where the CPU (and, for AMX, Linux) allows them.
+void mha__kernels_fill_avx512bf16(mha__kernels *k);
+void mha__kernels_fill_amx(mha__kernels *k);
+
+// Elements (uint16_t) of pack_bf16's output for B (K, N) with the table's
+// bf_kpad.
+static inline int64_t mha__bf16_packed_elems(int64_t K, int64_t N, int64_t kpad) {
+    return (K + kpad - 1) / kpad * kpad * ((N + 15) / 16 * 16);
+}
 
 // Whether a row of scores holds a NaN. The softmax kernels ask it only when
 // the row's max is -inf (nothing visible): a NaN score must make the row NaN,

@@ -1,0 +1,107 @@
+// avx512bf16.c: the bf16 slots (kernels.h) with AVX512-BF16's vdpbf16ps,
+// on top of the avx512 table where the CPU has it (Intel Cooper Lake and
+// later, AMD Zen 4 and later). gemm_bf16 gives the generic version's bits:
+// one vdpbf16ps lane is two exact products added odd pair element first,
+// each add rounded to nearest even with subnormals flushed, the order
+// generic.c writes out. round_bf16 is integer arithmetic (AVX-512F), the
+// same rule bit for bit.
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define MR 4  // rows of C per micro-tile
+#define NV 4  // 16-column vectors per micro-tile (64 columns)
+
+static inline __attribute__((always_inline)) void micro(float *C, int64_t ldc,
+                                                        const uint16_t *A, int64_t lda,
+                                                        const uint16_t *B, int64_t Np,
+                                                        int64_t P, int mr, int nv,
+                                                        __mmask16 last, float alpha, bool acc) {
+    __m512 c[MR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++)
+            c[r][v] = acc ? _mm512_maskz_loadu_ps(v == nv - 1 ? last : 0xffff,
+                                                  C + r * ldc + 16 * v)
+                          : _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; p++) {
+        __m512i b[NV];
+        for (int v = 0; v < nv; v++) b[v] = _mm512_loadu_si512(B + (p * Np + 16 * v) * 2);
+        for (int r = 0; r < mr; r++) {
+            int32_t w;
+            memcpy(&w, A + r * lda + 2 * p, sizeof w);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(w);
+            for (int v = 0; v < nv; v++)
+                c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)b[v], a);
+        }
+    }
+    const __m512 al = _mm512_set1_ps(alpha);
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++)
+            _mm512_mask_storeu_ps(C + r * ldc + 16 * v, v == nv - 1 ? last : 0xffff,
+                                  acc ? c[r][v] : _mm512_mul_ps(c[r][v], al));
+}
+
+static void gemm_bf16(float *C, int64_t ldc, const uint16_t *A, int64_t lda, const uint16_t *Bp,
+                      int64_t nb, int64_t M, int64_t N, int64_t K, float alpha, bool acc) {
+    const int64_t Np = (nb + 15) / 16 * 16, P = (K + 1) / 2;
+    for (int64_t j0 = 0; j0 < N; j0 += 16 * NV) {
+        const int64_t w = N - j0 < 16 * NV ? N - j0 : 16 * NV;
+        const int nv = (int)((w + 15) / 16);
+        const __mmask16 last = (__mmask16)(0xffffu >> (16 * nv - w));
+        const uint16_t *B = Bp + j0 * 2;
+        for (int64_t i0 = 0; i0 < M; i0 += MR) {
+            const int mr = M - i0 < MR ? (int)(M - i0) : MR;
+            float *c = C + i0 * ldc + j0;
+            const uint16_t *a = A + i0 * lda;
+#define MICRO(R, V) micro(c, ldc, a, lda, B, Np, P, R, V, last, alpha, acc)
+            switch (mr * 8 + nv) {
+            case 4 * 8 + 4: MICRO(4, 4); break;
+            case 4 * 8 + 3: MICRO(4, 3); break;
+            case 4 * 8 + 2: MICRO(4, 2); break;
+            case 4 * 8 + 1: MICRO(4, 1); break;
+            case 3 * 8 + 4: MICRO(3, 4); break;
+            case 3 * 8 + 3: MICRO(3, 3); break;
+            case 3 * 8 + 2: MICRO(3, 2); break;
+            case 3 * 8 + 1: MICRO(3, 1); break;
+            case 2 * 8 + 4: MICRO(2, 4); break;
+            case 2 * 8 + 3: MICRO(2, 3); break;
+            case 2 * 8 + 2: MICRO(2, 2); break;
+            case 2 * 8 + 1: MICRO(2, 1); break;
+            case 1 * 8 + 4: MICRO(1, 4); break;
+            case 1 * 8 + 3: MICRO(1, 3); break;
+            case 1 * 8 + 2: MICRO(1, 2); break;
+            default: MICRO(1, 1); break;
+            }
+#undef MICRO
+        }
+    }
+}
+
+// 16 floats -> 16 bf16 (generic.c's rule), lanes of mask k
+static inline void round16(uint16_t *dst, const float *src, __mmask16 k) {
+    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(k, src));
+    const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+    const __mmask16 sub = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                          _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                           _mm512_set1_epi32(1)));
+    __m512i r = _mm512_add_epi32(u, bias);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    r = _mm512_mask_mov_epi32(r, sub, _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u)));
+    _mm512_mask_cvtepi32_storeu_epi16(dst, k, _mm512_srli_epi32(r, 16));
+}
+
+static void round_bf16(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) round16(dst + i, src + i, 0xffff);
+    if (i < n) round16(dst + i, src + i, (__mmask16)((1u << (n - i)) - 1));
+}
+
+void mha__kernels_fill_avx512bf16(mha__kernels *k) {
+    k->bf_fast = true;
+    k->bf_exact = true;
+    k->round_bf16 = round_bf16;
+    k->gemm_bf16 = gemm_bf16;
+}
