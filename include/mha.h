@@ -917,8 +917,9 @@ MHA_API void mha_linear_destroy(mha_linear *l);
 // along the last dim, else the reference (F64 views; MHA_IMPL in the
 // environment overrides auto); fused on other views is
 // MHA_ERR_UNSUPPORTED. bf16 q, k and v compute in bf16 where the CPU
-// multiplies bf16 (AVX512-BF16 vdpbf16ps, AMX tiles; mha_last_impl() ends
-// in " bf16"), as PyTorch's CPU flash attention and FlashAttention do:
+// multiplies bf16 faster than float32 (AMX tiles, mha_isa() "amx";
+// mha_last_impl() then ends in " bf16"), as PyTorch's CPU flash attention
+// and FlashAttention do:
 // S = scale (q k^T) and O += P v with bf16 operands and float32 sums, the
 // softmax in float32, P rounded to bf16 (relative 2^-9) for P v; so the
 // output's error against float64 on the same values is within 2^-8

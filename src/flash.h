@@ -70,6 +70,9 @@ typedef struct mha__flash_head {
 // whose bf16 products are faster than its float32 path (bf_fast).
 // Otherwise half rows are converted to float32 as they load.
 bool mha__flash_bf16(const mha__kernels *kt, const mha__flash_head *a);
+// Tests: bf16 compute on every table (its generic or vdpbf16ps gemm_bf16),
+// not only where bf_fast; off by default.
+void mha__flash_force_bf16(bool on);
 
 // Per-thread scratch. It caches the head's K^T (and, in the backward, V^T)
 // tile by tile, packed once per thread and head instead of once per

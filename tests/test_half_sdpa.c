@@ -1,6 +1,11 @@
 // test_half_sdpa: mha_sdpa on bfloat16 and float16 views takes the fused
-// path (auto), never the reference, and computes in float32 what it
-// computes for float32 views holding the same (converted) values:
+// path (auto), never the reference. bf16 q, k, v on a table that computes
+// bf16 (amx; on the others forced, mha__flash_force_bf16) compute S and
+// P v in bf16 with P rounded: their output is within the float32 bound
+// plus 2^-8 max|v| (twice P's rounding) of float64, the weights within
+// the float32 bound, and the same bits with 1, 2 and 8 threads. Other
+// views compute in float32 what it computes for float32 views holding the
+// same (converted) values:
 //   - a half output is that float32 output rounded once (nearest even),
 //     bit for bit; a float32 output from half inputs is it exactly; so are
 //     the attention weights (half or float32);
@@ -22,6 +27,7 @@
 #endif
 
 #include "check.h"
+#include "flash.h"
 #include "mha.h"
 #include "util.h"
 
@@ -303,6 +309,17 @@ int main(void) {
             {1, 2, 2, 300, 290, 64, 64, true, false, false, false, false, -1, h, h, h, h},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], id++);
+        // a table that computes bf16 in float32 (bf_fast false): its bf16
+        // compute too (generic or vdpbf16ps gemm_bf16), forced, on the
+        // all-bf16 cases
+        if (h == MHA_BF16 && !g_bf_seen) {
+            mha__flash_force_bf16(true);
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+                if (cases[i].qd == h && cases[i].kd == h && cases[i].vd == h)
+                    run_case(&cases[i], id++);
+            mha__flash_force_bf16(false);
+            CHECKF(g_bf_seen, "forced bf16 compute did not run (%s)", mha_last_impl());
+        }
     }
     // float32 views: auto is fused; float64: the reference
     {

@@ -1010,7 +1010,10 @@ static void test_round_bf16(const mha__kernels *k, const mha__kernels *g) {
     }
     // the rule itself, on the generic table: ties to even, subnormals to
     // signed zero, NaN quiet, overflow to infinity
-    const struct { uint32_t in; uint16_t out; } rule[] = {
+    const struct {
+        uint32_t in;
+        uint16_t out;
+    } rule[] = {
         {0x3f808000u, 0x3f80}, {0x3f818000u, 0x3f82}, {0x3f808001u, 0x3f81},
         {0x00400000u, 0x0000}, {0x80000001u, 0x8000}, {0x00800000u, 0x0080},
         {0x7f800001u, 0x7fc0}, {0xff800000u, 0xff80}, {0x7f7fffffu, 0x7f80},
@@ -1054,11 +1057,19 @@ static void test_gemm_bf16(const mha__kernels *k, const mha__kernels *g) {
             for (int64_t c = 0; c < lda; c++) A[i * lda + c] = 0x7fc1;
         for (int64_t c = 0; c < K; c++)
             for (int64_t j = 0; j < nb; j++) B[c * sk + j * sn] = rbf16(lo, hi);
+        uint16_t *Bs = malloc((size_t)(K * sk + nb * sn) * 2);  // with subnormals: the packer
+        memcpy(Bs, B, (size_t)(K * sk + nb * sn) * 2);          // flushes them
+        for (int64_t c = 0; c < K; c++)
+            for (int64_t j = 0; j < nb; j++)
+                if (irand(0, 9) == 0)
+                    Bs[c * sk + j * sn] = (uint16_t)(irand(0, 1) << 15 | irand(1, 127));
+        uint16_t *Bz = malloc(pe * 2);
+        k->pack_bf16(Bz, Bs, sk, sn, K, nb);
         for (int64_t i = 0; i < M * ldc; i++) C0[i] = ldexpf(frand(), tiny ? -120 : 0);
         k->pack_bf16(Bp, B, sk, sn, K, nb);
         mha__pack_bf16_generic(Bq, B, sk, sn, K, nb, kp);
-        CHECKF(memcmp(Bp, Bq, pe * 2) == 0, "%s pack_bf16 K %lld N %lld: not the layout", k->isa,
-               (long long)K, (long long)nb);
+        CHECKF(memcmp(Bp, Bq, pe * 2) == 0, "%s pack_bf16 K %lld N %lld: not the layout",
+               k->isa, (long long)K, (long long)nb);
         const int64_t Np = (nb + 15) / 16 * 16;
         bool layout = true;  // the contract's formula, element by element
         for (int64_t c = 0; c < Kp && layout; c++)
@@ -1067,6 +1078,16 @@ static void test_gemm_bf16(const mha__kernels *k, const mha__kernels *g) {
                          (c < K && j < nb ? B[c * sk + j * sn] : 0);
         CHECKF(layout, "%s pack_bf16 K %lld N %lld: not the contract's layout", k->isa,
                (long long)K, (long long)nb);
+        bool flushed = true;  // subnormals became signed zeros, the rest as they were
+        for (int64_t c = 0; c < K && flushed; c++)
+            for (int64_t j = 0; j < nb && flushed; j++) {
+                const uint16_t x = Bs[c * sk + j * sn];
+                flushed = Bz[((c / 2) * Np + j) * 2 + c % 2] ==
+                          ((x & 0x7f80) ? x : (uint16_t)(x & 0x8000));
+            }
+        CHECKF(flushed, "%s pack_bf16 K %lld N %lld: subnormals not flushed to signed zero",
+               k->isa, (long long)K, (long long)nb);
+        free(Bs), free(Bz);
         memcpy(C, C0, sizeof(float) * (size_t)(M * ldc));
         memcpy(Cg, C0, sizeof(float) * (size_t)(M * ldc));
         k->gemm_bf16(C, ldc, A, lda, Bp, nb, M, N, K, alpha, acc);

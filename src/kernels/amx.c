@@ -34,7 +34,7 @@ static void configure(void) {
 
 static void pack_bf16(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
                       int64_t N) {
-    mha__pack_bf16_generic(Bp, B, sk, sn, K, N, 32);
+    mha__pack_bf16_avx512(Bp, B, sk, sn, K, N, 32);
 }
 
 static void gemm_bf16(float *C, int64_t ldc, const uint16_t *A, int64_t lda, const uint16_t *Bp,

@@ -31,10 +31,12 @@ static bool has_f16c(void) {
 #endif
 
 #if defined(MHA__X86) && !defined(MHA_NO_AVX512BF16)
-// AVX512-BF16: CPUID leaf 7 subleaf 1, EAX bit 5.
+// AVX512-BF16 (CPUID leaf 7 subleaf 1, EAX bit 5), with AVX512BW and VL
+// (every CPU with it has them; its kernels use them).
 static bool has_avx512bf16(void) {
     unsigned a, b, c, d;
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1);
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1) &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 #endif
 

@@ -204,9 +204,9 @@ typedef struct mha__kernels {
     // bf_mpad: gemm_bf16 may read A's rows up to M rounded up to a multiple
     //   of it (1; AMX 16: whole tiles; rows past M feed discarded sums only).
     // bf_fast: this table's bf16 compute is faster than its float32 path on
-    //   converted rows (vdpbf16ps, AMX; the scalar table, where both are
-    //   plain C); else the flash forward converts bf16 rows to float32 and
-    //   computes in float32 (avx2, and avx512 without AVX512-BF16).
+    //   converted rows (AMX); else the flash forward converts bf16 rows to
+    //   float32 and computes in float32 (the others: see their fillers),
+    //   unless a test forces bf16 compute (mha__flash_force_bf16).
     // bf_exact: gemm_bf16 gives the generic version's bits (the order
     //   below) wherever no product a_k b_k is below 2^-126 (float32's
     //   normal range) without being 0; false (AMX): the tile unit's own
@@ -262,6 +262,10 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
 // The portable pack_bf16 for a table whose bf_kpad is kpad.
 void mha__pack_bf16_generic(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
                             int64_t N, int64_t kpad);
+
+// The AVX-512 pack_bf16 (avx512bf16.c), for the avx512 and amx tables.
+void mha__pack_bf16_avx512(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
+                           int64_t N, int64_t kpad);
 
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);
