@@ -236,12 +236,15 @@ void mha__flash_key_range(const mha__flash_head *a, int64_t i0, int64_t i1, int6
 // (n at most the tile's width).
 // With a soft cap: s <- cap tanh(s / cap) first, and deriv (when not NULL)
 // gets 1 - tanh^2, the cap's derivative, for the backward.
+// bf16 compute with unscaled: S = q k^T, left for softmax_rows_bf16 to
+// scale (the same products; only causal and window masks, whose -inf stay
+// -inf, may apply: see unscaled_ok).
 static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm, float *s,
-                   int64_t i0, int64_t br, int64_t j0, int64_t n, float *deriv) {
+                   int64_t i0, int64_t br, int64_t j0, int64_t n, float *deriv, bool unscaled) {
     const float *ktile = packed_tile(kt, a, sm, j0, C_KT);
     if (sm->bf)  // S = scale (q k^T): the bf16 rows, float32 sums
         kt->gemm_bf16(s, n, sm->qb, qbw(a->D), (const uint16_t *)ktile, width_of(a, j0), br, n,
-                      a->D, a->scale, false);
+                      a->D, unscaled ? 1.0f : a->scale, false);
     else kt->gemm_nn(s, n, sm->qs, a->D, ktile, width_of(a, j0), br, n, a->D);
     const mha__mask *mk = a->mask;
     if (mk->softcap > 0.0f) {
@@ -350,13 +353,17 @@ static void load_q(const mha__kernels *kt, const mha__flash_head *a, scratch_map
 // table's bf_kpad columns and bf_mpad rows. A band cuts the tile (n less
 // than its width): V's n rows packed on their own, so the keys past the
 // band are never read.
+// (P_ready: pb's rows [0, br) already hold P, from softmax_rows_bf16.)
 static void pv_bf16(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
-                    float *ob, int64_t ob_rs, int64_t br, int64_t j0, int64_t n) {
+                    float *ob, int64_t ob_rs, int64_t br, int64_t j0, int64_t n, bool p_ready) {
     const int64_t kp = round_up(n, kt->bf_kpad);
     for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
         uint16_t *p = sm->pb + r * PBW;
         int64_t c = 0;
-        if (r < br) kt->round_bf16(p, sm->s + r * n, n), c = n;
+        if (r < br) {
+            if (!p_ready) kt->round_bf16(p, sm->s + r * n, n);
+            c = n;
+        }
         for (; c < kp; c++) p[c] = 0;
     }
     const uint16_t *vt;
@@ -390,15 +397,30 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
     }
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
+    // bf16 compute without dropout: one sweep for the softmax and P, the
+    // scale too where no mask value needs the scaled scores
+    const mha__mask *mk = a->mask;
+    const bool fuse = sm.bf && !a->drop, unscaled = fuse && !(mk->softcap > 0.0f) &&
+                                                    !mk->attn && !mk->kpm && !mk->alibi &&
+                                                    a->scale > 0.0f;
     while (next_tile(&it, &j0, &n)) {
-        scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL);
         float *alpha = sm.tr;  // (BR)
+        if (fuse) {
+            scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL, unscaled);
+            kt->softmax_rows_bf16(s, n, br, n, unscaled ? a->scale : 1.0f, m, l, alpha, sm.pb,
+                                  PBW);
+            for (int64_t r = 0; r < br; r++)
+                if (alpha[r] != 1.0f) kt->scale_row(ob + r * ob_rs, Dv, alpha[r]);
+            pv_bf16(kt, a, &sm, ob, ob_rs, br, j0, n, true);
+            continue;
+        }
+        scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL, false);
         kt->softmax_rows(s, n, br, n, m, l, alpha);
         for (int64_t r = 0; r < br; r++) {
             if (alpha[r] != 1.0f) kt->scale_row(ob + r * ob_rs, Dv, alpha[r]);
             if (a->drop) drop_row(a, s + r * n, i0 + r, j0, n);
         }
-        if (sm.bf) pv_bf16(kt, a, &sm, ob, ob_rs, br, j0, n);
+        if (sm.bf) pv_bf16(kt, a, &sm, ob, ob_rs, br, j0, n, false);
         else
             kt->gemm_nn_acc(ob, ob_rs, s, n, packed_tile(kt, a, &sm, j0, C_VR), Dv, br, Dv, n);
     }
@@ -431,7 +453,7 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
     key_iter it = keys_of(a, i0, i1);
     int64_t j0, n;
     while (next_tile(&it, &j0, &n)) {
-        scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL);
+        scores(kt, a, &sm, sm.s, i0, br, j0, n, NULL, false);
         kt->exp_scale_rows(sm.s, n, br, n, a->stats + 2 * i0);  // P = exp(S - m) / l
         for (int64_t r = 0; r < br; r++) {
             float *row = sm.s + r * n;
@@ -452,7 +474,7 @@ void mha__flash_weights(const mha__kernels *kt, const mha__flash_head *a, int64_
 static void bwd_tile(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
                      const float *dOt, int64_t do_rs, int64_t i0, int64_t br, int64_t j0,
                      int64_t n, float *s, float *dp, float *deriv) {
-    scores(kt, a, sm, s, i0, br, j0, n, deriv);             // S = cap(scale q k^T) + mask
+    scores(kt, a, sm, s, i0, br, j0, n, deriv, false);      // S = cap(scale q k^T) + mask
     kt->exp_scale_rows(s, n, br, n, a->stats + 2 * i0);     // P = exp(S - m) / l
     const float *vtile = packed_tile(kt, a, sm, j0, C_VT);  // dP' = dO v^T
     kt->gemm_nn(dp, n, dOt, do_rs, vtile, width_of(a, j0), br, n, a->Dv);

@@ -1028,6 +1028,48 @@ static void test_round_bf16(const mha__kernels *k, const mha__kernels *g) {
     }
 }
 
+// softmax_rows_bf16: every table, the bits of its own scale_row,
+// softmax_rows and round_bf16, over row counts and widths with tails,
+// running (m, l) from earlier tiles, rows with nothing visible yet (-inf),
+// a NaN score and scales 1 and 0.125.
+static void test_softmax_rows_bf16(const mha__kernels *k) {
+    enum { LD = 140, RMAX = 11 };
+    static float x[RMAX * LD], y[RMAX * LD];
+    static uint16_t p[RMAX * LD], q[RMAX * LD];
+    int cases = 0;
+    for (int trial = 0; trial < 200; trial++) {
+        const int64_t R = irand(1, RMAX), n = irand(1, 130);
+        const float scale = trial % 2 ? 0.125f : 1.0f;
+        float m0[RMAX], l0[RMAX], m1[RMAX], l1[RMAX], a0[RMAX], a1[RMAX];
+        for (int64_t r = 0; r < R; r++) {
+            const int kind = (int)irand(0, 5);
+            for (int64_t j = 0; j < n; j++) {
+                float v = 8.0f * frand();
+                if (kind == 1 || (kind == 2 && j % 3)) v = -INFINITY;  // all / some masked
+                if (kind == 3 && j == n / 2 && trial % 7 == 0) v = NAN;
+                x[r * LD + j] = y[r * LD + j] = v;
+            }
+            m0[r] = m1[r] = kind == 4 ? 3.0f * frand() : -INFINITY;
+            l0[r] = l1[r] = kind == 4 ? 1.0f + frand() : 0.0f;
+        }
+        memset(p, 0x55, sizeof p), memset(q, 0x55, sizeof q);
+        k->softmax_rows_bf16(x, LD, R, n, scale, m0, l0, a0, p, LD);
+        for (int64_t r = 0; r < R; r++) k->scale_row(y + r * LD, n, scale);
+        k->softmax_rows(y, LD, R, n, m1, l1, a1);
+        for (int64_t r = 0; r < R; r++) k->round_bf16(q + r * LD, y + r * LD, n);
+        bool same = memcmp(p, q, sizeof p) == 0;
+        for (int64_t r = 0; r < R; r++)
+            same &= (memcmp(&m0[r], &m1[r], 4) == 0 || (isnan(m0[r]) && isnan(m1[r]))) &&
+                    (memcmp(&l0[r], &l1[r], 4) == 0 || (isnan(l0[r]) && isnan(l1[r]))) &&
+                    (memcmp(&a0[r], &a1[r], 4) == 0 || (isnan(a0[r]) && isnan(a1[r])));
+        CHECKF(same, "%s softmax_rows_bf16 R %lld n %lld scale %g: not scale_row + softmax_rows "
+                     "+ round_bf16",
+               k->isa, (long long)R, (long long)n, (double)scale);
+        cases++;
+    }
+    printf("%s softmax_rows_bf16: the composed slots' bits on %d cases\n", k->isa, cases);
+}
+
 // pack_bf16 against the contract's layout (and the generic packer with the
 // table's pad), gemm_bf16 against the generic bits (exact tables) or
 // against the exact sum by the contract's bound (AMX), over shapes with
@@ -1458,6 +1500,7 @@ int main(void) {
         test_transpose(k);
         test_round_bf16(k, g);
         test_gemm_bf16(k, g);
+        test_softmax_rows_bf16(k);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
@@ -1471,6 +1514,7 @@ int main(void) {
     test_transpose(g);
     test_round_bf16(g, g);
     test_gemm_bf16(g, g);
+    test_softmax_rows_bf16(g);
     test_cross_isa();
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     isa_coverage();

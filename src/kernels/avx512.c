@@ -1215,6 +1215,92 @@ static void dsoftmax_rows(float *d, const float *p, int64_t ld, int64_t R, int64
     }
 }
 
+// 16 floats -> 16 bf16 (generic.c's rule), lanes of mask k
+static inline void round16(uint16_t *dst, __m512 x, __mmask16 k) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+    const __mmask16 sub = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                          _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                           _mm512_set1_epi32(1)));
+    __m512i r = _mm512_add_epi32(u, bias);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    r = _mm512_mask_mov_epi32(r, sub, _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u)));
+    _mm512_mask_cvtepi32_storeu_epi16(dst, k, _mm512_srli_epi32(r, 16));
+}
+
+static void round_bf16(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) round16(dst + i, _mm512_loadu_ps(src + i), 0xffff);
+    if (i < n)
+        round16(dst + i, _mm512_maskz_loadu_ps((__mmask16)((1u << (n - i)) - 1), src + i),
+                (__mmask16)((1u << (n - i)) - 1));
+}
+
+
+// softmax_rows and round_bf16 in one sweep (kernels.h softmax_rows_bf16):
+// the same operations per row, four rows interleaved, the scaled scores
+// recomputed (one product, as scale_row's) in both passes, P stored as bf16
+// only. A group with a row that sees nothing yet goes row by row through
+// the slots it equals.
+static void softmax_rows_bf16(float *x, int64_t ldx, int64_t R, int64_t n, float scale,
+                              float *m, float *l, float *alpha, uint16_t *p, int64_t ldp) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) {
+        float *x0 = x + r * ldx;
+        __m512 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm512_set1_ps(m[r + i]);
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            for (int i = 0; i < 4; i++)
+                v[i] = _mm512_mask_max_ps(
+                    v[i], k, v[i],
+                    _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x0 + i * ldx + j), sc));
+        }
+        float mx[4];
+        bool empty = false;
+        for (int i = 0; i < 4; i++) {
+            mx[i] = _mm512_reduce_max_ps(v[i]);
+            empty |= mx[i] == -INFINITY;
+        }
+        if (empty) {
+            for (int64_t i = r; i < r + 4; i++) {
+                scale_row(x + i * ldx, n, scale);
+                alpha[i] = softmax_update(x + i * ldx, n, &m[i], &l[i]);
+                round_bf16(p + i * ldp, x + i * ldx, n);
+            }
+            continue;
+        }
+        __m512 w[4], s[4];
+        for (int i = 0; i < 4; i++) w[i] = _mm512_set1_ps(mx[i]), s[i] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            for (int i = 0; i < 4; i++) {
+                const __m512 e = exp512(_mm512_sub_ps(
+                    _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x0 + i * ldx + j), sc), w[i]));
+                round16(p + (r + i) * ldp + j, e, k);
+                s[i] = _mm512_add_ps(s[i], _mm512_maskz_mov_ps(k, e));
+            }
+        }
+        float a[16];
+        _mm512_storeu_ps(a, exp512(_mm512_setr_ps(m[r] - mx[0], m[r + 1] - mx[1],
+                                                  m[r + 2] - mx[2], m[r + 3] - mx[3], 0, 0, 0,
+                                                  0, 0, 0, 0, 0, 0, 0, 0, 0)));
+        for (int i = 0; i < 4; i++) {
+            l[r + i] = l[r + i] * a[i] + _mm512_reduce_add_ps(s[i]);
+            m[r + i] = mx[i];
+            alpha[r + i] = a[i];
+        }
+    }
+    for (; r < R; r++) {
+        scale_row(x + r * ldx, n, scale);
+        alpha[r] = softmax_update(x + r * ldx, n, &m[r], &l[r]);
+        round_bf16(p + r * ldp, x + r * ldx, n);
+    }
+}
+
 void mha__kernels_fill_avx512(mha__kernels *k) {
     k->isa = "avx512";
     k->bf_fast = false;  // bf16 rows are converted and computed in float32
@@ -1223,6 +1309,8 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->gemm_tn_acc = gemm_tn_acc;
     k->softmax_update = softmax_update;
     k->softmax_rows = softmax_rows;
+    k->round_bf16 = round_bf16;
+    k->softmax_rows_bf16 = softmax_rows_bf16;
     k->dot_rows = dot_rows;
     k->cvt_bf16 = cvt_bf16;
     k->cvt_f16 = cvt_f16;

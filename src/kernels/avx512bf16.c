@@ -3,8 +3,7 @@
 // later, AMD Zen 4 and later). gemm_bf16 gives the generic version's bits:
 // one vdpbf16ps lane is two exact products added odd pair element first,
 // each add rounded to nearest even with subnormals flushed, the order
-// generic.c writes out. round_bf16 is integer arithmetic (AVX-512F), the
-// same rule bit for bit.
+// generic.c writes out.
 #include <immintrin.h>
 #include <string.h>
 
@@ -78,28 +77,6 @@ static void gemm_bf16(float *C, int64_t ldc, const uint16_t *A, int64_t lda, con
     }
 }
 
-// 16 floats -> 16 bf16 (generic.c's rule), lanes of mask k
-static inline void round16(uint16_t *dst, const float *src, __mmask16 k) {
-    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(k, src));
-    const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
-    const __mmask16 sub = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
-    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                          _mm512_and_si512(_mm512_srli_epi32(u, 16),
-                                                           _mm512_set1_epi32(1)));
-    __m512i r = _mm512_add_epi32(u, bias);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    r = _mm512_mask_mov_epi32(r, sub, _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u)));
-    _mm512_mask_cvtepi32_storeu_epi16(dst, k, _mm512_srli_epi32(r, 16));
-}
-
-static void round_bf16(uint16_t *dst, const float *src, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) round16(dst + i, src + i, 0xffff);
-    if (i < n) round16(dst + i, src + i, (__mmask16)((1u << (n - i)) - 1));
-}
-
-
 // 32 bf16 lanes with subnormals flushed to signed zero
 static inline __m512i daz32(__m512i x) {
     const __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x7f80));
@@ -167,7 +144,6 @@ void mha__kernels_fill_avx512bf16(mha__kernels *k) {
     // the flash forward takes it.
     k->bf_fast = false;
     k->bf_exact = true;
-    k->round_bf16 = round_bf16;
     k->gemm_bf16 = gemm_bf16;
     k->pack_bf16 = pack_bf16;
 }

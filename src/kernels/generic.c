@@ -314,7 +314,7 @@ static float bf16_value(uint16_t h) {
 // h with a subnormal flushed to signed zero (what vdpbf16ps and AMX read)
 static uint16_t bf16_daz(uint16_t h) { return (h & 0x7f80) == 0 ? (uint16_t)(h & 0x8000) : h; }
 
-static void round_bf16(uint16_t *dst, const float *src, int64_t n) {
+void mha__round_bf16_generic(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t u;
         memcpy(&u, &src[i], sizeof u);
@@ -336,6 +336,13 @@ void mha__pack_bf16_generic(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t
 static void pack_bf16(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
                       int64_t N) {
     mha__pack_bf16_generic(Bp, B, sk, sn, K, N, 2);
+}
+
+static void softmax_rows_bf16(float *x, int64_t ldx, int64_t R, int64_t n, float scale,
+                              float *m, float *l, float *alpha, uint16_t *p, int64_t ldp) {
+    for (int64_t r = 0; r < R; r++) scale_row(x + r * ldx, n, scale);
+    softmax_rows(x, ldx, R, n, m, l, alpha);
+    for (int64_t r = 0; r < R; r++) mha__round_bf16_generic(p + r * ldp, x + r * ldx, n);
 }
 
 // s + a b rounded once, a subnormal result flushed to signed zero (FTZ)
@@ -394,7 +401,8 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     // 512, 64): 924 ms against 61 ms)
     k->bf_fast = false;
     k->bf_exact = true;
-    k->round_bf16 = round_bf16;
+    k->round_bf16 = mha__round_bf16_generic;
+    k->softmax_rows_bf16 = softmax_rows_bf16;
     k->pack_bf16 = pack_bf16;
     k->gemm_bf16 = gemm_bf16;
 }

@@ -221,6 +221,16 @@ typedef struct mha__kernels {
     //   other value rounded to nearest even (vcvtneps2bf16's rule).
     //   Bit-identical on every table.                   overwrite
     void (*round_bf16)(uint16_t *dst, const float *src, int64_t n);
+    // softmax_rows_bf16: the online softmax of a bf16 compute's tile and
+    //   its P for P v at once: for each of R rows of x (row stride ldx, n
+    //   columns), x_j <- scale x_j (one product), softmax_rows' update of
+    //   m[r], l[r] and alpha[r], and p[r*ldp + j] = round_bf16(x_j); x is
+    //   scratch afterwards. Bit-identical, on every table, to scale_row
+    //   (each row, n, scale), softmax_rows, then round_bf16 (each row) of
+    //   the same table (the ISA versions skip the float32 round trips). A
+    //   table that sets softmax_rows or scale_row sets this slot too.
+    void (*softmax_rows_bf16)(float *x, int64_t ldx, int64_t R, int64_t n, float scale,
+                              float *m, float *l, float *alpha, uint16_t *p, int64_t ldp);
     // pack_bf16: Bp <- B (K, N) of bf16 elements, B(k, n) = B[k*sk + n*sn],
     //   pairs of k interleaved (the "VNNI" layout vdpbf16ps and AMX tiles
     //   read): with Np = roundup(N, 16) and Kp = roundup(K, bf_kpad),
@@ -259,6 +269,9 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
                               const float *scales, int64_t sld, int64_t n, int64_t Dv,
                               const void *pf, size_t pfb);
 
+// The portable round_bf16 (the same bits on every table), for an ISA
+// file's softmax_rows_bf16.
+void mha__round_bf16_generic(uint16_t *dst, const float *src, int64_t n);
 // The portable pack_bf16 for a table whose bf_kpad is kpad.
 void mha__pack_bf16_generic(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
                             int64_t N, int64_t kpad);
