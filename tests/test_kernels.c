@@ -1028,46 +1028,85 @@ static void test_round_bf16(const mha__kernels *k, const mha__kernels *g) {
     }
 }
 
-// softmax_rows_bf16: every table, the bits of its own scale_row,
-// softmax_rows and round_bf16, over row counts and widths with tails,
-// running (m, l) from earlier tiles, rows with nothing visible yet (-inf),
-// a NaN score and scales 1 and 0.125.
-static void test_softmax_rows_bf16(const mha__kernels *k) {
+// softmax_rows_bf16: every table the generic bits (P, m, l, alpha), over
+// row counts and widths with tails, running (m, l) from earlier tiles, rows
+// with nothing visible yet (-inf), some masked entries, a NaN score, scales
+// 1 and 0.125, and scores spanning exp's range (fexp's cut at -87); x
+// untouched. And the generic against double: M exact; fexp(z) within
+// 2 |z| 2^-24 + 2^-22 relative (z = y - M and t = z log2 e rounded, the
+// polynomial's 1.6e-7) or, cut below -87, 2^-125 absolute; P within one bf16 rounding
+// more; l within its terms' errors plus n 2^-24 of summing.
+static void test_softmax_rows_bf16(const mha__kernels *k, const mha__kernels *g) {
     enum { LD = 140, RMAX = 11 };
-    static float x[RMAX * LD], y[RMAX * LD];
+    static float x[RMAX * LD], x0[RMAX * LD];
     static uint16_t p[RMAX * LD], q[RMAX * LD];
     int cases = 0;
-    for (int trial = 0; trial < 200; trial++) {
+    double worst = 0;  // generic's P error / its bound
+    for (int trial = 0; trial < 300; trial++) {
         const int64_t R = irand(1, RMAX), n = irand(1, 130);
         const float scale = trial % 2 ? 0.125f : 1.0f;
-        float m0[RMAX], l0[RMAX], m1[RMAX], l1[RMAX], a0[RMAX], a1[RMAX];
+        const float spread = trial % 3 == 0 ? 120.0f : 8.0f;  // (spans the cut at -87)
+        float m0[RMAX], l0[RMAX], m1[RMAX], l1[RMAX], a0[RMAX], a1[RMAX], mi[RMAX], li[RMAX];
         for (int64_t r = 0; r < R; r++) {
             const int kind = (int)irand(0, 5);
             for (int64_t j = 0; j < n; j++) {
-                float v = 8.0f * frand();
+                float v = spread * frand();
                 if (kind == 1 || (kind == 2 && j % 3)) v = -INFINITY;  // all / some masked
                 if (kind == 3 && j == n / 2 && trial % 7 == 0) v = NAN;
-                x[r * LD + j] = y[r * LD + j] = v;
+                x[r * LD + j] = v;
             }
-            m0[r] = m1[r] = kind == 4 ? 3.0f * frand() : -INFINITY;
-            l0[r] = l1[r] = kind == 4 ? 1.0f + frand() : 0.0f;
+            mi[r] = m0[r] = m1[r] = kind == 4 ? 3.0f * frand() : -INFINITY;
+            li[r] = l0[r] = l1[r] = kind == 4 ? 1.0f + frand() : 0.0f;
         }
+        memcpy(x0, x, sizeof x);
         memset(p, 0x55, sizeof p), memset(q, 0x55, sizeof q);
         k->softmax_rows_bf16(x, LD, R, n, scale, m0, l0, a0, p, LD);
-        for (int64_t r = 0; r < R; r++) k->scale_row(y + r * LD, n, scale);
-        k->softmax_rows(y, LD, R, n, m1, l1, a1);
-        for (int64_t r = 0; r < R; r++) k->round_bf16(q + r * LD, y + r * LD, n);
-        bool same = memcmp(p, q, sizeof p) == 0;
+        g->softmax_rows_bf16(x, LD, R, n, scale, m1, l1, a1, q, LD);
+        bool same = memcmp(p, q, sizeof p) == 0 && memcmp(x, x0, sizeof x) == 0;
         for (int64_t r = 0; r < R; r++)
             same &= (memcmp(&m0[r], &m1[r], 4) == 0 || (isnan(m0[r]) && isnan(m1[r]))) &&
                     (memcmp(&l0[r], &l1[r], 4) == 0 || (isnan(l0[r]) && isnan(l1[r]))) &&
                     (memcmp(&a0[r], &a1[r], 4) == 0 || (isnan(a0[r]) && isnan(a1[r])));
-        CHECKF(same, "%s softmax_rows_bf16 R %lld n %lld scale %g: not scale_row + softmax_rows "
-                     "+ round_bf16",
-               k->isa, (long long)R, (long long)n, (double)scale);
+        CHECKF(same, "%s softmax_rows_bf16 R %lld n %lld scale %g: not the generic bits", k->isa,
+               (long long)R, (long long)n, (double)scale);
+        for (int64_t r = 0; r < R && k == g; r++) {  // the generic against double
+            double M = mi[r], sum = 0;
+            bool nan = false;
+            for (int64_t j = 0; j < n; j++) {
+                const double y = (double)(scale * x[r * LD + j]);
+                nan |= y != y;
+                if (y > M) M = y;
+            }
+            if (nan || M == -INFINITY) continue;  // (the rules, checked above by bits)
+            bool ok = m1[r] == (float)M;
+            double lb = 0;  // l's bound
+            for (int64_t j = 0; j < n; j++) {
+                const double z = (double)(scale * x[r * LD + j]) - M, e = exp(z);
+                const double fe =  // fexp's (masked: 0 exactly)
+                    z == -INFINITY ? 0.0 : (2 * fabs(z) * 0x1p-24 + 0x1p-22) * e + 0x1p-125;
+                sum += e, lb += fe;
+                const double got = bf16_to_double(q[r * LD + j]);
+                const double bnd = 0x1p-8 * e + fe;
+                worst = fmax(worst, fabs(got - e) / bnd);
+                ok &= fabs(got - e) <= bnd;
+            }
+            const double za = (double)mi[r] - M, al = exp(za), lw = li[r] * al + sum;
+            const double ab =  // (nothing before: alpha 0 exactly)
+                mi[r] == -INFINITY ? 0.0 : (2 * fabs(za) * 0x1p-24 + 0x1p-22) * al + 0x1p-125;
+            lb += li[r] * ab + (double)(n + 2) * 0x1p-24 * lw;
+            ok &= fabs(a1[r] - al) <= ab && fabs(l1[r] - lw) <= lb;
+            CHECKF(ok, "generic softmax_rows_bf16 R %lld n %lld row %lld: off exp in double "
+                       "(M %g vs %g, l %g vs %g, alpha %g vs %g)",
+                   (long long)R, (long long)n, (long long)r, (double)m1[r], M, (double)l1[r],
+                   lw, (double)a1[r], al);
+        }
         cases++;
     }
-    printf("%s softmax_rows_bf16: the composed slots' bits on %d cases\n", k->isa, cases);
+    if (k == g)
+        printf("scalar softmax_rows_bf16: P within a bf16 rounding of exp in double on %d cases "
+               "(worst error / bound %.3g)\n",
+               cases, worst);
+    else printf("%s softmax_rows_bf16: the generic bits on %d cases\n", k->isa, cases);
 }
 
 // pack_bf16 against the contract's layout (and the generic packer with the
@@ -1500,7 +1539,7 @@ int main(void) {
         test_transpose(k);
         test_round_bf16(k, g);
         test_gemm_bf16(k, g);
-        test_softmax_rows_bf16(k);
+        test_softmax_rows_bf16(k, g);
         tested++;
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
@@ -1514,7 +1553,7 @@ int main(void) {
     test_transpose(g);
     test_round_bf16(g, g);
     test_gemm_bf16(g, g);
-    test_softmax_rows_bf16(g);
+    test_softmax_rows_bf16(g, g);
     test_cross_isa();
     printf("ISAs compared with scalar: %d; chosen for this process: %s\n", tested, mha_isa());
     isa_coverage();

@@ -976,19 +976,9 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
     axpy_rows_qg(o, 0, p, 0, A, lda, kind, scales, sld, 1, n, Dv, pf, pfb);
 }
 
-// softmax_rows_bf16 (kernels.h): this table's scale_row, softmax_rows and
-// the portable round_bf16, composed.
-static void softmax_rows_bf16(float *x, int64_t ldx, int64_t R, int64_t n, float scale,
-                              float *m, float *l, float *alpha, uint16_t *p, int64_t ldp) {
-    for (int64_t r = 0; r < R; r++) scale_row(x + r * ldx, n, scale);
-    softmax_rows(x, ldx, R, n, m, l, alpha);
-    for (int64_t r = 0; r < R; r++) mha__round_bf16_generic(p + r * ldp, x + r * ldx, n);
-}
-
 void mha__kernels_fill_avx2(mha__kernels *k) {
     k->isa = "avx2";
     k->bf_fast = false;  // bf16 rows are converted and computed in float32
-    k->softmax_rows_bf16 = softmax_rows_bf16;
     k->gemm_nn = gemm_nn;
     k->gemm_nn_acc = gemm_nn_acc;
     k->gemm_tn_acc = gemm_tn_acc;

@@ -338,11 +338,58 @@ static void pack_bf16(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, i
     mha__pack_bf16_generic(Bp, B, sk, sn, K, N, 2);
 }
 
-static void softmax_rows_bf16(float *x, int64_t ldx, int64_t R, int64_t n, float scale,
-                              float *m, float *l, float *alpha, uint16_t *p, int64_t ldp) {
-    for (int64_t r = 0; r < R; r++) scale_row(x + r * ldx, n, scale);
-    softmax_rows(x, ldx, R, n, m, l, alpha);
-    for (int64_t r = 0; r < R; r++) mha__round_bf16_generic(p + r * ldp, x + r * ldx, n);
+// fexp (kernels.h softmax_rows_bf16): exp by 2^(z log2 e), a degree-5
+// polynomial for 2^f on [-1/2, 1/2] with q(0) = 1.
+#define FEXP_C5 0x1.5bba14p-10f
+#define FEXP_C4 0x1.3cea88p-7f
+#define FEXP_C3 0x1.c6b752p-5f
+#define FEXP_C2 0x1.ebf9bcp-3f
+#define FEXP_C1 0x1.62e42ap-1f
+static float fexp(float z) {
+    if (z != z) return z;
+    if (z < -87.0f) return 0.0f;
+    const float t = z * 1.44269504088896341f, k = nearbyintf(t), f = t - k;
+    float q = fmaf(FEXP_C5, f, FEXP_C4);
+    q = fmaf(q, f, FEXP_C3);
+    q = fmaf(q, f, FEXP_C2);
+    q = fmaf(q, f, FEXP_C1);
+    q = fmaf(q, f, 1.0f);
+    return ldexpf(q, (int)k);
+}
+
+void mha__softmax_rows_bf16_generic(const float *x, int64_t ldx, int64_t R, int64_t n,
+                                    float scale, float *m, float *l, float *alpha, uint16_t *p,
+                                    int64_t ldp) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * ldx;
+        uint16_t *pr = p + r * ldp;
+        float M = m[r];
+        bool nan = false;
+        for (int64_t j = 0; j < n; j++) {
+            const float y = scale * xr[j];
+            if (y > M) M = y;
+            nan |= y != y;
+        }
+        if (M == -INFINITY) {
+            if (!nan) {
+                for (int64_t j = 0; j < n; j++) pr[j] = 0;
+                alpha[r] = 1.0f;
+                continue;
+            }
+            M = NAN;
+        }
+        float acc[16] = {0};
+        for (int64_t j = 0; j < n; j++) {
+            const float e = fexp(scale * xr[j] - M);
+            mha__round_bf16_generic(pr + j, &e, 1);
+            acc[j % 16] += e;
+        }
+        for (int w = 8; w >= 1; w /= 2)
+            for (int u = 0; u < w; u++) acc[u] += acc[u + w];
+        alpha[r] = fexp(m[r] - M);
+        l[r] = l[r] * alpha[r] + acc[0];
+        m[r] = M;
+    }
 }
 
 // s + a b rounded once, a subnormal result flushed to signed zero (FTZ)
@@ -402,7 +449,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->bf_fast = false;
     k->bf_exact = true;
     k->round_bf16 = mha__round_bf16_generic;
-    k->softmax_rows_bf16 = softmax_rows_bf16;
+    k->softmax_rows_bf16 = mha__softmax_rows_bf16_generic;
     k->pack_bf16 = pack_bf16;
     k->gemm_bf16 = gemm_bf16;
 }

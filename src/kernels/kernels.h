@@ -222,14 +222,22 @@ typedef struct mha__kernels {
     //   Bit-identical on every table.                   overwrite
     void (*round_bf16)(uint16_t *dst, const float *src, int64_t n);
     // softmax_rows_bf16: the online softmax of a bf16 compute's tile and
-    //   its P for P v at once: for each of R rows of x (row stride ldx, n
-    //   columns), x_j <- scale x_j (one product), softmax_rows' update of
-    //   m[r], l[r] and alpha[r], and p[r*ldp + j] = round_bf16(x_j); x is
-    //   scratch afterwards. Bit-identical, on every table, to scale_row
-    //   (each row, n, scale), softmax_rows, then round_bf16 (each row) of
-    //   the same table (the ISA versions skip the float32 round trips). A
-    //   table that sets softmax_rows or scale_row sets this slot too.
-    void (*softmax_rows_bf16)(float *x, int64_t ldx, int64_t R, int64_t n, float scale,
+    //   its P for P v in one sweep, with an exp of its own (P is rounded
+    //   to bf16, 2^-9, after it). For each of R rows of x (row stride ldx,
+    //   n columns; x is only read), with y_j = scale x_j (one product):
+    //     M = max(m[r], max_j y_j), NaN y_j skipped; M = -inf (nothing
+    //     visible yet): p_j = 0, alpha[r] = 1, m[r], l[r] kept, unless a
+    //     y_j is NaN: then M = NaN;
+    //     e_j = fexp(y_j - M); p[r*ldp + j] = round_bf16(e_j);
+    //     s = sum_j e_j in 16 partial sums (j mod 16) from 0, in increasing
+    //     j, then added pairwise: lane u + lane u + 8, then + 4, + 2, + 1;
+    //     alpha[r] = fexp(m[r] - M); l[r] = l[r] alpha[r] + s; m[r] = M;
+    //   fexp(z) = 0 for z < -87 (so no subnormal results; exp(-87) =
+    //   1.6e-38); NaN for NaN; else t = z log2(e) (one product), k =
+    //   rint(t), f = t - k (exact), q = 2^f by a degree-5 polynomial with
+    //   q(0) = 1 exactly (Horner, fma; relative error 1.6e-7 on [-1/2, 1/2])
+    //   and q 2^k. Bit-identical on every table.
+    void (*softmax_rows_bf16)(const float *x, int64_t ldx, int64_t R, int64_t n, float scale,
                               float *m, float *l, float *alpha, uint16_t *p, int64_t ldp);
     // pack_bf16: Bp <- B (K, N) of bf16 elements, B(k, n) = B[k*sk + n*sn],
     //   pairs of k interleaved (the "VNNI" layout vdpbf16ps and AMX tiles
@@ -269,9 +277,12 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
                               const float *scales, int64_t sld, int64_t n, int64_t Dv,
                               const void *pf, size_t pfb);
 
-// The portable round_bf16 (the same bits on every table), for an ISA
-// file's softmax_rows_bf16.
+// The portable round_bf16 and softmax_rows_bf16 (the same bits on every
+// table).
 void mha__round_bf16_generic(uint16_t *dst, const float *src, int64_t n);
+void mha__softmax_rows_bf16_generic(const float *x, int64_t ldx, int64_t R, int64_t n,
+                                    float scale, float *m, float *l, float *alpha, uint16_t *p,
+                                    int64_t ldp);
 // The portable pack_bf16 for a table whose bf_kpad is kpad.
 void mha__pack_bf16_generic(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
                             int64_t N, int64_t kpad);
