@@ -1239,89 +1239,6 @@ static void round_bf16(uint16_t *dst, const float *src, int64_t n) {
 }
 
 
-// fexp (kernels.h softmax_rows_bf16) for 16 lanes: the generic operations
-// lane by lane (vroundscale is rint, vscalef q 2^k exact: the results are
-// normal).
-static inline __m512 fexp512(__m512 z) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(z, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
-    const __m512 t = _mm512_mul_ps(z, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, k);
-    __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(0x1.5bba14p-10f), f,
-                               _mm512_set1_ps(0x1.3cea88p-7f));
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0x1.c6b752p-5f));
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0x1.ebf9bcp-3f));
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0x1.62e42ap-1f));
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-    // NaN z: NaN t, k, f, q; kept by the unordered compare
-    return _mm512_maskz_scalef_ps(keep, q, k);
-}
-
-// The lanes' sum as kernels.h orders it: u + (u + 8), then + 4, + 2, + 1.
-static inline float sum16(__m512 v) {
-    const __m256 a =
-        _mm256_add_ps(_mm512_castps512_ps256(v),
-                      _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(v), 1)));
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
-
-// softmax_rows_bf16 (kernels.h): four rows interleaved, the scaled scores
-// recomputed in both passes, P stored as bf16 only.
-static void softmax_rows_bf16(const float *x, int64_t ldx, int64_t R, int64_t n, float scale,
-                              float *m, float *l, float *alpha, uint16_t *p, int64_t ldp) {
-    const __m512 sc = _mm512_set1_ps(scale);
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) {
-        const float *x0 = x + r * ldx;
-        __m512 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm512_set1_ps(m[r + i]);
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 k = tail_mask(n - j);
-            for (int i = 0; i < 4; i++)  // (max(y, v): a NaN y leaves v)
-                v[i] = _mm512_mask_max_ps(
-                    v[i], k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x0 + i * ldx + j), sc),
-                    v[i]);
-        }
-        float mx[4];
-        bool empty = false;
-        for (int i = 0; i < 4; i++) {
-            mx[i] = _mm512_reduce_max_ps(v[i]);
-            empty |= mx[i] == -INFINITY;
-        }
-        if (empty) {  // (rare: rows with nothing visible yet, NaN)
-            mha__softmax_rows_bf16_generic(x0, ldx, 4, n, scale, m + r, l + r, alpha + r,
-                                           p + r * ldp, ldp);
-            continue;
-        }
-        __m512 s[4];
-        for (int i = 0; i < 4; i++) s[i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 k = tail_mask(n - j);
-            for (int i = 0; i < 4; i++) {
-                const __m512 e = fexp512(
-                    _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x0 + i * ldx + j), sc),
-                                  _mm512_set1_ps(mx[i])));
-                round16(p + (r + i) * ldp + j, e, k);
-                s[i] = _mm512_add_ps(s[i], _mm512_maskz_mov_ps(k, e));
-            }
-        }
-        float a[16];
-        _mm512_storeu_ps(a, fexp512(_mm512_setr_ps(m[r] - mx[0], m[r + 1] - mx[1],
-                                                   m[r + 2] - mx[2], m[r + 3] - mx[3], 0, 0, 0,
-                                                   0, 0, 0, 0, 0, 0, 0, 0, 0)));
-        for (int i = 0; i < 4; i++) {
-            l[r + i] = l[r + i] * a[i] + sum16(s[i]);
-            m[r + i] = mx[i];
-            alpha[r + i] = a[i];
-        }
-    }
-    if (r < R)
-        mha__softmax_rows_bf16_generic(x + r * ldx, ldx, R - r, n, scale, m + r, l + r,
-                                       alpha + r, p + r * ldp, ldp);
-}
-
 void mha__kernels_fill_avx512(mha__kernels *k) {
     k->isa = "avx512";
     k->bf_fast = false;  // bf16 rows are converted and computed in float32
@@ -1331,7 +1248,6 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->softmax_update = softmax_update;
     k->softmax_rows = softmax_rows;
     k->round_bf16 = round_bf16;
-    k->softmax_rows_bf16 = softmax_rows_bf16;
     k->dot_rows = dot_rows;
     k->cvt_bf16 = cvt_bf16;
     k->cvt_f16 = cvt_f16;
