@@ -12,7 +12,10 @@ the peer's operators in alternation on the same inputs (so each row's ratio
 comes from one process and one stretch of time) and checks that their
 outputs agree. The fp32 FMA peak and the read bandwidth the last columns
 are held against are measured by `mha bench` (the C CLI, build/mha) in its
-own process on the same thread count, before the peers run.
+own process on the same thread count, before the peers run; so is the GEMM
+reference (torch.matmul on 2048^3 float32 and bfloat16 matrices, in the
+torch2 venv) each row's attention rate is also given as a fraction of.
+--dtype picks float32 cases, bfloat16 cases or both (the default).
 
 Prints a markdown table on stdout (progress on stderr); --json FILE also
 writes every result. Standard library only: any python3 runs it.
@@ -35,9 +38,16 @@ VENV = {"torch": "torch2", "ort": "peers-ort", "openvino": "peers-openvino",
         "ggml": "peers-ggml"}
 
 
-def case(kind, B, L, S, H, Hkv, d, causal=False, backward=False):
+DTYPES = ("f32", "bf16")
+# max abs diff above which a row is flagged '(!)': the inputs are O(1); bf16
+# (8 significant bits: a rounding of an O(1) value is up to 2^-8) gets more
+# room than float32
+DIFF_FLAG = {"f32": 1e-3, "bf16": 6e-2}
+
+
+def case(kind, B, L, S, H, Hkv, d, causal=False, backward=False, dtype="f32"):
     c = {"kind": kind, "B": B, "L": L, "S": S, "H": H, "Hkv": Hkv, "d": d,
-         "causal": causal, "backward": backward}
+         "causal": causal, "backward": backward, "dtype": dtype}
     c["id"] = label(c)
     return c
 
@@ -55,15 +65,23 @@ def label(c):
         s += " causal"
     if c["backward"]:
         s += " fwd+bwd"
+    if c["dtype"] != "f32":  # the float32 labels are the ones of before
+        s += " " + c["dtype"]
     return s
 
 
-def cases(quick):
-    """The shapes of the table (fp32): module forward (projections +
-    attention) and attention core at E 768 h 12 (B 8 L 512, B 1 L 2048,
-    B 1 L 4096), dense and causal, forward and forward + backward; the core
-    with GQA (32 query / 8 KV heads, d 128) at L 4096; decode (one query
-    over 32k and 256k cached tokens, both head layouts)."""
+def cases(quick, dtypes=DTYPES):
+    """The shapes of the table: module forward (projections + attention)
+    and attention core at E 768 h 12 (B 8 L 512, B 1 L 2048, B 1 L 4096),
+    dense and causal, forward and forward + backward; the core with GQA (32
+    query / 8 KV heads, d 128) at L 4096; decode (one query over 32k and
+    256k cached tokens, both head layouts). Each shape once per dtype of
+    dtypes, side by side (f32 then bf16)."""
+    return [dict(c, dtype=dt, id=label(dict(c, dtype=dt)))
+            for c in shapes(quick) for dt in DTYPES if dt in dtypes]
+
+
+def shapes(quick):
     out = []
     if quick:
         mh = [(2, 32)]
@@ -103,7 +121,9 @@ def flops(c):
 
 
 def kv_bytes(c):
-    return 2 * c["B"] * c["Hkv"] * c["S"] * c["d"] * 4
+    """The K and V bytes one decode step reads from mha's cache (bf16
+    cases: a cache storing bf16)."""
+    return 2 * c["B"] * c["Hkv"] * c["S"] * c["d"] * (2 if c["dtype"] == "bf16" else 4)
 
 
 def mha_cli_json(mha, args, threads):
@@ -123,6 +143,34 @@ def measure_peaks(mha, threads):
     dec = mha_cli_json(mha, ["--decode", "--kv-len", "16", "--embed-dim", "16",
                              "--num-heads", "1", "--repeat", "1", "--warmup", "0"], threads)
     return core["peak_gflops"], core["peak_isa"], dec["read_bandwidth_gbps"]
+
+
+def measure_gemm(python, threads, timeout=300):
+    """torch.matmul 2048^3 GFLOP/s in float32 and bfloat16 on `threads`
+    threads (peer.py gemm, in the torch2 venv): {'f32': {...}, 'bf16': {...}}."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               OMP_WAIT_POLICY="PASSIVE")
+    p = subprocess.run([python, os.path.join(HERE, "peer.py"), "gemm", "--threads",
+                        str(threads)], capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode != 0:
+        raise RuntimeError("peer.py gemm: %s" % p.stderr.strip()[-300:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def cpu_info():
+    """The CPU's model name and its bf16-relevant flags (from /proc/cpuinfo)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name == (platform.processor() or
+                                                              platform.machine()):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return name, {f: f in flags for f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")}
 
 
 def run_peer(peer, python, mha_lib, threads, todo, timeout):
@@ -158,42 +206,64 @@ def fmt_ms(x):
     return "%.3f" % x if x < 10 else "%.1f" % x if x < 1000 else "%.0f" % x
 
 
-def fmt_diff(d):
-    """The differences; '(!)' after one over 1e-3 (all inputs are O(1):
-    such a peer computed something else)."""
+def fmt_diff(d, dtype="f32", vs_f32=False):
+    """The differences; '(!)' after one over DIFF_FLAG[dtype] (all inputs
+    are O(1): such a peer computed something else); vs_f32: held against
+    mha's float32 answer (mha has no such bf16 operator yet)."""
     if isinstance(d, str):
         return d
     out = " / ".join("%.1e" % x if isinstance(x, float) else str(x) for x in d)
-    if any(not isinstance(x, float) or x > 1e-3 for x in d):
+    if any(not isinstance(x, float) or x > DIFF_FLAG[dtype] for x in d):
         out += " (!)"
-    return out
+    return out + (" vs mha f32" if vs_f32 else "")
 
 
-def table(results, by_id, peaks):
-    """The markdown table of the measured rows, and the list of what did
-    not run (peer, operator, reason: the cases)."""
+def table(results, by_id, peaks, gemm=None):
+    """The markdown table: the GEMM reference rows (when measured), then
+    the measured rows; and the list of what did not run (peer, operator,
+    reason: the cases)."""
     peak, _, bw = peaks
     lines = ["| case | peer | peer operator | peer ms | mha ms | peer / mha "
-             "| mha % of peak | max abs diff |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             "| mha % of peak | peer / mha % of GEMM | max abs diff |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    gemm = gemm or {}
+    for dt in DTYPES:
+        if dt in gemm:
+            lines.append("| GEMM %d x %d x %d %s (reference) | torch %s | torch.matmul "
+                         "(%.0f GFLOP/s) | %s | - | - | - | 100%% | - |"
+                         % (gemm["n"], gemm["n"], gemm["n"], dt, dt, gemm[dt]["gflops"],
+                            fmt_ms(gemm[dt]["ms"])))
+    pct = lambda ms, c: ("%.0f%%" % (100 * flops(c) / (ms * 1e-3) * 1e-9
+                                     / gemm[c["dtype"]]["gflops"]) if ms else "-")
     skipped = {}
     for cid, rows in results:
         c = by_id[cid]
         for r in rows:
+            peer = "%s %s" % (r["peer"], r["prec"]) if r.get("prec") else r["peer"]
             if "ms" not in r:
-                key = (r["peer"], r["op"], r.get("skip", "?"))
+                key = (peer, r["op"], r.get("skip", "?"))
                 skipped.setdefault(key, []).append(cid)
                 continue
-            mms = r["mha_ms"]
-            if peak is None:
-                frac = "-"
-            elif c["kind"] == "decode":
-                frac = "%.0f%% bw" % (100 * kv_bytes(c) / (mms * 1e-3) * 1e-9 / bw)
+            mms = r.get("mha_ms")
+            if mms is None:
+                frac, ratio, mcol = "-", "-", r.get("mha_na") or "n/a"
             else:
-                frac = "%.1f%%" % (100 * flops(c) / (mms * 1e-3) * 1e-9 / peak)
-            lines.append("| %s | %s | %s | %s | %s | %.2f | %s | %s |"
-                         % (cid, r["peer"], r["op"], fmt_ms(r["ms"]), fmt_ms(mms),
-                            r["ms"] / mms, frac, fmt_diff(r["max_abs_diff"])))
+                mcol, ratio = fmt_ms(mms), "%.2f" % (r["ms"] / mms)
+                if peak is None:
+                    frac = "-"
+                elif c["kind"] == "decode":
+                    frac = "%.0f%% bw" % (100 * kv_bytes(c) / (mms * 1e-3) * 1e-9 / bw)
+                elif c["dtype"] != "f32":  # the FMA peak is float32's: see GEMM
+                    frac = "-"
+                else:
+                    frac = "%.1f%%" % (100 * flops(c) / (mms * 1e-3) * 1e-9 / peak)
+            if c["kind"] == "decode" or c["dtype"] not in gemm:
+                g = "-"
+            else:
+                g = "%s / %s" % (pct(r["ms"], c), pct(mms, c))
+            lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s |"
+                         % (cid, peer, r["op"], fmt_ms(r["ms"]), mcol, ratio, frac, g,
+                            fmt_diff(r["max_abs_diff"], c["dtype"], mms is None)))
     notes = []
     for (peer, op, why), ids in skipped.items():
         notes.append("- %s, %s: %s (%d case%s: %s)" % (peer, op, why, len(ids),
@@ -210,7 +280,11 @@ def main():
     ap.add_argument("--peers", default=",".join(PEERS),
                     help="comma-separated subset of %s" % ",".join(PEERS))
     ap.add_argument("--only", default="",
-                    help="only the cases whose label contains this text (e.g. 'decode')")
+                    help="only the cases whose label contains this text (e.g. 'decode'); "
+                         "several texts comma-separated: a label containing any of them")
+    ap.add_argument("--dtype", default="both", choices=["f32", "bf16", "both"],
+                    help="the cases in float32, in bfloat16 (labels ending ' bf16') or both, "
+                         "side by side (default both)")
     ap.add_argument("--venvs", default=venvs,
                     help="directory of the virtual environments (default $MHA_PEERS_VENVS "
                          "or /opt/mha-venvs)")
@@ -237,7 +311,9 @@ def main():
     budget = a.budget if a.budget is not None else (0.0 if q else 2.0)
     if a.threads < 1 or rep < 1 or mrep < rep or a.warmup < 0:
         ap.error("needs --threads >= 1, --repeat >= 1, --max-repeat >= --repeat, --warmup >= 0")
-    todo = [c for c in cases(q) if a.only in c["id"]]
+    only = [t for t in a.only.split(",") if t] or [""]
+    todo = [c for c in cases(q, DTYPES if a.dtype == "both" else (a.dtype,))
+            if any(t in c["id"] for t in only)]
     for c in todo:
         c.update({"warmup": a.warmup, "min_repeat": rep, "max_repeat": mrep, "budget_s": budget})
     if a.list:
@@ -258,6 +334,19 @@ def main():
                          % (peaks[0], peaks[1], peaks[2], a.threads))
     else:
         sys.stderr.write("run.py: %s not found (build it: make): no peak column\n" % a.mha)
+    gemm, gemm_err = None, None
+    torch_py = os.path.join(a.venvs, VENV["torch"], "bin", "python")
+    if todo and os.access(torch_py, os.X_OK):
+        try:
+            gemm = measure_gemm(torch_py, a.threads)
+            sys.stderr.write("GEMM %d^3 (torch.matmul): f32 %.1f GFLOP/s, bf16 %.1f GFLOP/s\n"
+                             % (gemm["n"], gemm["f32"]["gflops"], gemm["bf16"]["gflops"]))
+        except (RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+            gemm_err = "GEMM reference: %s" % exc
+            sys.stderr.write("run.py: %s\n" % gemm_err)
+    else:
+        gemm_err = "GEMM reference: no torch2 venv at %s" % os.path.dirname(
+            os.path.dirname(torch_py))
     by_id = {c["id"]: c for c in todo}
     per_case = {c["id"]: [] for c in todo}
     headers, errors, raw = [], [], []
@@ -288,33 +377,49 @@ def main():
             sys.stderr.write("%7.1fs %-9s %s\n" % (time.time() - t0, peer, r["id"]))
     results = [(c["id"], per_case[c["id"]]) for c in todo]
     print("## mha and its attention peers (%s)\n" % ("quick shapes" if q else "full run"))
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print("%s UTC, %s, %d threads each; fp32; median of >= %d rounds after %d warm-up "
+    cpu, flags = cpu_info()
+    print("%s UTC, %s, %d threads each; %s; median of >= %d rounds after %d warm-up "
           "round(s); total %.0f s." % (datetime.datetime.now(datetime.timezone.utc)
-                                       .strftime("%Y-%m-%d %H:%M"), cpu, a.threads, rep,
+                                       .strftime("%Y-%m-%d %H:%M"), cpu, a.threads,
+                                       {"both": "fp32 and bf16"}.get(a.dtype, a.dtype), rep,
                                        a.warmup, time.time() - t_all))
+    print("CPU flags for bf16: %s." % ", ".join("%s %s" % (f, "yes" if v else "no")
+                                               for f, v in flags.items()))
     if peaks[0] is not None:
         print("Peak (`mha bench`, same threads): fp32 FMA %.1f GFLOP/s (%s), read bandwidth "
               "%.1f GB/s." % peaks)
+    if gemm:
+        print("GEMM reference (torch %s, torch.matmul %d x %d x %d, same threads, same run): "
+              "f32 %.1f GFLOP/s, bf16 %.1f GFLOP/s." % (gemm["torch"], gemm["n"], gemm["n"],
+                                                       gemm["n"], gemm["f32"]["gflops"],
+                                                       gemm["bf16"]["gflops"]))
     for h in headers:
         print("- %s: %s; mha %s (%s) in the same process"
               % (h["peer"], h["version"], h["mha"], h["mha_isa"]))
     print()
-    tab, notes = table(results, by_id, peaks)
+    # the GEMM reference rows of the dtypes this run has
+    shown = gemm and {k: v for k, v in gemm.items()
+                      if k not in DTYPES or any(c["dtype"] == k for c in todo)}
+    tab, notes = table(results, by_id, peaks, shown)
     print(tab)
-    print("\npeer / mha > 1: mha is faster. mha % of peak: mha's GFLOP/s (dense count, causal "
-          "counted dense, backward = 2x forward) over the FMA peak; decode rows: K and V "
-          "bytes read per second over the read bandwidth (over 100% when the cache fits in "
-          "the CPU caches). max abs diff: largest |peer - mha| of the output (fwd+bwd: "
-          "output / query gradient; (!): over 1e-3, the peer disagrees).")
+    print("\npeer / mha > 1: mha is faster. peer: the library and what it computes in (f32; "
+          "bf16: bf16 tensors or model; autocast bf16: float32 tensors and module under "
+          "torch.autocast; openvino default: the CPU plugin's own choice; ggml f16 / bf16: "
+          "the K/V type). Cases ending in bf16: inputs rounded to bf16 values, mha in bf16 "
+          "(mha ms 'n/a': mha has no bf16 module yet). mha %% of peak: mha's GFLOP/s (dense "
+          "count, causal counted dense, backward = 2x forward) over the fp32 FMA peak (f32 "
+          "rows); decode rows: K and V bytes read per second over the read bandwidth (over "
+          "100%% when the cache fits in the CPU caches). peer / mha %% of GEMM: the same "
+          "GFLOP/s of the peer and of mha over torch.matmul's in the row's dtype. max abs "
+          "diff: largest |peer - mha| of the output (fwd+bwd: output / query gradient; "
+          "'vs mha f32': against mha's float32 answer; (!): over %g (f32) or %g (bf16), "
+          "the two disagree: one of them computed something else)."
+          % (DIFF_FLAG["f32"], DIFF_FLAG["bf16"]))
     if notes:
         print("\nNot run:")
         print("\n".join(notes))
+    if gemm_err:
+        errors.append(gemm_err)
     if errors:
         print("\nErrors:")
         for e in errors:
