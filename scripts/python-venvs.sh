@@ -12,7 +12,8 @@
 set -eu
 root=${MHA_VENVS:-/opt/mha-venvs}
 PIN_COMMON="pytest==9.2.0 scikit-build-core==0.10.7"
-PIN_TORCH2="torch==2.15.0 numpy==2.4.6"
+# (ml_dtypes: numpy's bfloat16 dtype, for the numpy API's bf16 tests)
+PIN_TORCH2="torch==2.15.0 numpy==2.4.6 ml_dtypes==0.7.0"
 # Hugging Face conformance (tests/hf, tests/rope, tests/python):
 # transformers.
 PIN_HF="transformers==5.24.0"

@@ -611,10 +611,10 @@ def _collapse(x, lead, tail):
 
 def _sdpa_prepare(query, key, value, attn_mask, enable_gqa):
     q, k, v = _arr(query, "query"), _arr(key, "key"), _arr(value, "value")
-    dts = [a[1] if isinstance(a, tuple) else None for a in (q, k, v)]
-    if any(d is not None for d in dts):
-        raise TypeError("scaled_dot_product_attention: bfloat16 is not supported here "
-                        "(float32, float64 or float16)")
+    # bfloat16 (ml_dtypes) arrives as (int16 view, BF16): the shapes are the
+    # view's, the tag goes back on after the reshapes below
+    tags = [a[1] if isinstance(a, tuple) else None for a in (q, k, v)]
+    q, k, v = (a[0] if isinstance(a, tuple) else a for a in (q, k, v))
     lead, hq, hkv, q_heads = sdpa_layout(q.shape, k.shape, v.shape, enable_gqa)
     L, S = q.shape[-2], k.shape[-2]
     q3, k3, v3 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))
@@ -638,6 +638,7 @@ def _sdpa_prepare(query, key, value, attn_mask, enable_gqa):
                 raise ValueError("attn_mask: shape %s does not broadcast to %s"
                                  % (m.shape, lead + (q_heads, L, S))) from None
     out_shape = (lead + (q_heads, L, v.shape[-1]))[-max(q.ndim, k.ndim):]
+    q4, k4, v4 = (x if t is None else (x, t) for x, t in zip((q4, k4, v4), tags))
     return q4, k4, v4, m, out_shape
 
 
@@ -661,9 +662,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         kw["dropout_seed"] = int(np.random.default_rng().integers(0, 2**63 - 1)
                                  if dropout_seed is None else dropout_seed)
     out, w = _mha.sdpa(q4, k4, v4, m, None, _alloc, **kw)
-    out = out.reshape(out_shape)
+    out = _result(out.reshape(out_shape))
     if return_weights:
-        return out, w.reshape(out_shape[:-1] + (k4.shape[-2],))
+        S = (k4[0] if isinstance(k4, tuple) else k4).shape[-2]
+        return out, _result(w.reshape(out_shape[:-1] + (S,)))
     return out
 
 

@@ -20,6 +20,9 @@ except Exception:  # (no torch: nothing is by design)
 BY_DESIGN = [
     (r"is PyTorch 2's", "a PyTorch 2 feature: the torch2 venv runs it", True),
     (r"PyTorch 1\.13 has no", "a PyTorch 2 feature: the torch2 venv runs it", True),
+    (r"could not import 'ml_dtypes'",
+     "ml_dtypes (numpy's bfloat16) is pinned in the torch2 venv; torch1 has Debian's numpy",
+     _TORCH1),
     (r"could not import 'transformers'",
      "transformers 5 needs PyTorch 2: the torch1 venv has none, the torch2 venv runs it",
      _TORCH1),

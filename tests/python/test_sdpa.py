@@ -246,6 +246,27 @@ def test_half_fused_vs_torch_same_dtype(dtype, causal):
         assert np.array_equal(on, o.numpy())
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_bfloat16_sdpa(causal):
+    """numpy bfloat16 arrays (ml_dtypes) take the fused path and give the
+    bits of the same call through mha.torch; GQA and weights too."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    g = np.random.default_rng(3 + causal)
+    q = torch.from_numpy(g.normal(size=(2, 4, 70, 32))).to(torch.bfloat16)
+    k, v = (torch.from_numpy(g.normal(size=(2, 2, 90, 32))).to(torch.bfloat16) for _ in range(2))
+    o = mt.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    qn, kn, vn = (x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) for x in (q, k, v))
+    on, wn = mha.scaled_dot_product_attention(qn, kn, vn, is_causal=causal, enable_gqa=True,
+                                              return_weights=True)
+    assert mha.last_impl().startswith("fused "), mha.last_impl()
+    assert on.dtype == ml_dtypes.bfloat16 and on.shape == (2, 4, 70, 32)
+    assert wn.dtype == ml_dtypes.bfloat16 and wn.shape == (2, 4, 70, 90)
+    assert np.array_equal(on.view(np.int16), o.view(torch.int16).numpy())
+    # the weights: float32 softmaxes of the same scores, rows summing to 1
+    # within bf16's rounding
+    assert np.allclose(wn.astype(np.float32).sum(-1), 1.0, atol=0.02)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_backward_fused_vs_torch_same_dtype(dtype):
     """The gradients of bf16 / f16 tensors take the fused backward, and their
