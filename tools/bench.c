@@ -41,8 +41,9 @@ static const char *bench_help =
     "from --seq, no need_weights) or, with --core, the attention core alone\n"
     "(mha_sdpa on contiguous (B, H, L, d) / (B, H, S, d) tensors, d = E/H).\n"
     "Prints the median time, GFLOP/s (dense count, stated), the fraction of\n"
-    "this machine's fp32 FMA peak (measured here, on the same threads) and\n"
-    "the process's max RSS.\n"
+    "this machine's fp32 FMA peak (measured here, on the same threads; with\n"
+    "--dtype bf16 its bf16 dot peak instead, AMX tdpbf16ps or vdpbf16ps,\n"
+    "where the CPU has one) and the process's max RSS.\n"
     "The peak and the read bandwidth are probes: short trials repeated until\n"
     "their best settles (within 1.5%, bounded), each thread's work on its own\n"
     "CPU time; the bandwidth the best of three read kernels (plain, software\n"
@@ -751,7 +752,8 @@ typedef struct bench_result {
     double median, min, max;  // ms
     double flops, gflops, rss_before, rss_max, inputs_mib;
     double visible;    // fraction of the (i, j) score pairs causal/window leave
-    bench_probe peak;  // the fp32 FMA peak (bench_peak.c)
+    bench_probe peak;  // the fp32 FMA peak, or the bf16 dot peak (bench_peak.c)
+    bool peak_bf16;    // peak is the bf16 dot peak (--dtype bf16 on a CPU with one)
     int peak_probes;   // 2: probed again after the runs (the rate was above it)
     const char *isa, *fwd_ran, *bwd_ran;
     int threads;
@@ -827,7 +829,7 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            "\"workspace\": \"%s\", \"repeat\": %lld, \"warmup\": %lld, "
            "\"median_ms\": %.4f, \"min_ms\": %.4f, \"max_ms\": %.4f, "
            "\"flop_count\": %.6g, \"gflops\": %.3f, \"peak_gflops\": %.3f, "
-           "\"peak_isa\": \"%s\", \"peak_fraction\": %.4f, \"peak_fraction_raw\": %.4f, "
+           "\"peak_isa\": \"%s\", \"peak_kind\": \"%s\", \"peak_fraction\": %.4f, \"peak_fraction_raw\": %.4f, "
            "\"peak_probe_disturbed\": %s, \"peak_trials\": %d, \"peak_settled\": %s, "
            "\"peak_probes\": %d, \"peak_wall_gflops\": %.3f, \"max_rss_mib\": %.1f, "
            "\"rss_before_mib\": %.1f, \"inputs_mib\": %.1f, "
@@ -842,7 +844,8 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            : o->workspace ? "preallocated"
                           : "per-call",
            (long long)o->repeat, (long long)o->warmup, r->median, r->min, r->max, r->flops,
-           r->gflops, r->peak.best, r->peak.kernel, frac, raw, dist ? "true" : "false",
+           r->gflops, r->peak.best, r->peak.kernel, r->peak_bf16 ? "bf16 dot" : "fp32 FMA", frac,
+           raw, dist ? "true" : "false",
            r->peak.trials, r->peak.settled ? "true" : "false", r->peak_probes,
            r->peak.best_wall, r->rss_max, r->rss_before, r->inputs_mib, (long long)o->window,
            r->visible, o->backward && !o->no_save ? "true" : "false", dtype_label(o->dtype),
@@ -892,10 +895,11 @@ static void print_text(const bench_opts *o, const bench_result *r) {
     double raw;
     bool dist;
     (void)frac_capped(r->gflops, r->peak.best, &raw, &dist);
-    printf("  speed      %.1f GFLOP/s = %s of the measured fp32 FMA peak %.1f GFLOP/s (%s, "
-           "%d thread%s; each thread's FMAs on its CPU time, %s%s; %.1f on the wall "
+    printf("  speed      %.1f GFLOP/s = %s of the measured %s peak %.1f GFLOP/s (%s, "
+           "%d thread%s; each thread's products on its CPU time, %s%s; %.1f on the wall "
            "clock%s)\n",
-           r->gflops, frac_text(ft, sizeof ft, raw), r->peak.best, r->peak.kernel, r->threads,
+           r->gflops, frac_text(ft, sizeof ft, raw), r->peak_bf16 ? "bf16 dot" : "fp32 FMA",
+           r->peak.best, r->peak.kernel, r->threads,
            r->threads == 1 ? "" : "s", probe_text(pt, sizeof pt, &r->peak),
            r->peak_probes > 1 ? "; probed again after the runs" : "", r->peak.best_wall,
            r->peak.best_wall < 0.9 * r->peak.best ? ": the CPUs shared with other work" : "");
@@ -1351,7 +1355,11 @@ int cmd_bench(int argc, char **argv) {
     }
     if (rc) return rc;
 
-    r.peak = peak_probe(r.threads);
+    // bf16 inputs: held against the bf16 dot peak where the CPU has one
+    const bool bf = o.dtype == MHA_BF16;
+    r.peak = bf ? peak_probe_bf16(r.threads) : (bench_probe){0};
+    r.peak_bf16 = r.peak.kernel != NULL;
+    if (!r.peak_bf16) r.peak = peak_probe(r.threads);
     r.peak_probes = 1;
 
     bench_bufs bb = {0};
@@ -1395,7 +1403,8 @@ int cmd_bench(int argc, char **argv) {
         r.visible = o.L && o.S ? vis / ((double)o.L * (double)o.S) : 0;
         r.gflops = r.median > 0 ? r.flops / (r.median * 1e-3) * 1e-9 : 0;
         if (r.gflops > r.peak.best) {  // the probe was disturbed: once more, the better
-            const bench_probe again = peak_probe(r.threads);
+            const bench_probe again =
+                r.peak_bf16 ? peak_probe_bf16(r.threads) : peak_probe(r.threads);
             r.peak_probes = 2;
             const int trials = r.peak.trials + again.trials;
             const double wall = r.peak.best_wall;

@@ -27,6 +27,10 @@ typedef struct bench_probe {
 // The fp32 FMA peak: short trials of independent FMA chains on every
 // thread until the best settles.
 bench_probe peak_probe(int nt);
+// The bf16 dot peak likewise (kernel "amx tdpbf16ps" where mha's kernels
+// use AMX, else "avx512 vdpbf16ps"); best 0 and no kernel where the CPU
+// has neither.
+bench_probe peak_probe_bf16(int nt);
 // The read bandwidth over a buffer of `bytes` (on huge pages where the
 // kernel gives them): the best of the read kernels (plain, software
 // prefetch, non-temporal loads; the widest ISA the CPU has), taking turns

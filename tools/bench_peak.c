@@ -45,6 +45,7 @@
 
 #include "bench.h"
 #include "cli.h"
+#include "mha.h"
 
 // ---------------------------------------------------------------------------
 // When a probe's best has settled: at least `min` trials, and the best of
@@ -194,9 +195,109 @@ static fma_fn fma_pick(const char **name) {
 #define PEAK_MAX_TRIALS 400
 #define PEAK_MAX_S 1.0
 
+// ---------------------------------------------------------------------------
+// The bf16 dot peak: what a bf16 product unit does with operands in
+// registers. AMX (where mha's kernels use it, so Linux granted the tile
+// state): four independent tdpbf16ps (16 x 16 x 32 each) per step on
+// tiles loaded once; AVX512-BF16: 12 independent vdpbf16ps chains.
+
+#ifdef BENCH_X86
+static float g_tiles[8][256] __attribute__((aligned(64)));  // zeros: the operands
+
+__attribute__((target("amx-tile,amx-bf16"))) static double dp_amx(int64_t iters) {
+    struct {
+        uint8_t palette, start;
+        uint8_t reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    _tile_loadd(4, g_tiles[4], 64);
+    _tile_loadd(5, g_tiles[5], 64);
+    _tile_loadd(6, g_tiles[6], 64);
+    _tile_loadd(7, g_tiles[7], 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t i = 0; i < iters; i++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    float out[256];
+    _tile_stored(0, out, 64);
+    _tile_release();
+    g_sink = out[0];
+    return (double)iters * 4 * 16 * 16 * 32 * 2;
+}
+
+#if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+__attribute__((target("avx512f,avx512bf16"))) static double dp_avx512bf16(int64_t iters) {
+    __m512 acc[FMA_CHAINS];
+    for (int j = 0; j < FMA_CHAINS; j++) acc[j] = _mm512_set1_ps(0.01f * (float)j);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3a803a80);  // bf16 pairs of 2^-10
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < FMA_CHAINS; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, a);
+    __m512 s = acc[0];
+    for (int j = 1; j < FMA_CHAINS; j++) s = _mm512_add_ps(s, acc[j]);
+    g_sink = _mm512_reduce_add_ps(s);
+    return (double)iters * FMA_CHAINS * 16 * 2 * 2;
+}
+#define BENCH_DPBF16 1
+#endif
+#endif
+
+// AVX512-BF16 on this CPU (CPUID leaf 7 subleaf 1, EAX bit 5).
+static bool has_avx512bf16(void) {
+#if defined(BENCH_X86) && defined(BENCH_DPBF16)
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+    return (a >> 5 & 1) && __builtin_cpu_supports("avx512f");
+#else
+    return false;
+#endif
+}
+
+static fma_fn dp_pick(const char **name) {
+#ifdef BENCH_X86
+    if (strcmp(mha_isa(), "amx") == 0) {
+        *name = "amx tdpbf16ps";
+        return dp_amx;
+    }
+#ifdef BENCH_DPBF16
+    if (has_avx512bf16()) {
+        *name = "avx512 vdpbf16ps";
+        return dp_avx512bf16;
+    }
+#endif
+#endif
+    return NULL;
+}
+
+static bench_probe probe_rate(int nt, fma_fn fn, const char *kernel);
+
 bench_probe peak_probe(int nt) {
+    const char *name;
+    fma_fn fn = fma_pick(&name);
+    return probe_rate(nt, fn, name);
+}
+
+bench_probe peak_probe_bf16(int nt) {
+    const char *name = NULL;
+    fma_fn fn = dp_pick(&name);
+    if (!fn) return (bench_probe){0};
+    return probe_rate(nt, fn, name);
+}
+
+// The trials of a peak kernel fn (its FLOP per call returned) on nt threads.
+static bench_probe probe_rate(int nt, fma_fn fn, const char *kernel) {
     bench_probe p = {0};
-    fma_fn fn = fma_pick(&p.kernel);
+    p.kernel = kernel;
     int64_t iters = 1 << 10;
     double t = 0;
     for (;;) {  // calibrate on one thread: a run of at least 1 ms
