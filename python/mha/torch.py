@@ -199,14 +199,16 @@ class MultiheadAttention(nn.Module):
         if device is not None and torch.device(device).type != "cpu":
             raise TypeError("mha.torch.MultiheadAttention runs on the CPU, got device %s"
                             % device)
-        if dtype is not None and dtype != torch.float32:
-            raise TypeError("mha.torch.MultiheadAttention keeps float32 parameters, got dtype %s"
-                            % dtype)
+        if dtype is not None and dtype not in self._HALF:
+            raise TypeError("mha.torch.MultiheadAttention: dtype %s (float32, bfloat16 or "
+                            "float16)" % dtype)
         np_mod = _np_api.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv,
                                             add_zero_attn, kdim, vdim, batch_first,
                                             num_kv_heads)
         self._adopt(np_mod, extras)
         self._reset_parameters()
+        if dtype is not None and dtype != torch.float32:
+            self.to(dtype)
 
     @classmethod
     def _from_cmod(cls, cmod):
@@ -237,7 +239,7 @@ class MultiheadAttention(nn.Module):
     def _bind(self):
         names = [n for n, _, _ in self._cmod.params()]
         self._names = names
-        self._views = {n: torch.from_numpy(np.asarray(self._cmod.param(n))) for n in names}
+        self._views = self._storage_views()
         for n in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
                   "in_proj_bias", "bias_k", "bias_v"):
             if n not in names:
@@ -249,6 +251,33 @@ class MultiheadAttention(nn.Module):
             owner.register_parameter(leaf, nn.Parameter(self._views[n]))
         if "out_proj.bias" not in names:
             self.out_proj.register_parameter("bias", None)
+
+    def _storage_views(self):
+        """Torch views of the C module's parameters: float32, or the weight
+        matrices in the module's half storage (bfloat16 through int16)."""
+        views = {}
+        for n in self._names:
+            a = np.asarray(self._cmod.param(n))
+            if a.dtype == np.uint16:  # bf16 storage
+                views[n] = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+            else:
+                views[n] = torch.from_numpy(a)
+        return views
+
+    _HALF = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+    def _weight_storage(self):
+        """The weight matrices' dtype the parameters ask for (after
+        .to(torch.bfloat16), .half(), .float()): the C module is converted
+        to it (biases stay float32 in it, copied from the parameters)."""
+        ws = {n: self._param(n).dtype for n in self._names if n.endswith("weight")}
+        kinds = set(ws.values())
+        if len(kinds) != 1 or next(iter(kinds)) not in self._HALF:
+            raise TypeError("mha.torch.MultiheadAttention computes with float32, bfloat16 or "
+                            "float16 weight matrices, all of one dtype; got %s"
+                            % ", ".join("%s %s" % (n, str(d).replace("torch.", ""))
+                                        for n, d in ws.items()))
+        return next(iter(kinds))
 
     def _owner(self, name):
         if "." not in name:
@@ -286,21 +315,30 @@ class MultiheadAttention(nn.Module):
 
     def _mha_sync(self):
         """The C module, with every parameter's current value in it (a
-        replaced parameter is copied back in and re-bound to the storage)."""
+        replaced parameter is copied back in and re-bound to the storage).
+        Weight matrices in bfloat16 or float16 (module.to(torch.bfloat16),
+        .half()) make the C module store them so (converted once, then
+        bound as here); biases of another dtype than float32 are copied into
+        its float32 biases at each call (exactly: a widening)."""
+        want = self._weight_storage()
+        if self._views[next(n for n in self._names if n.endswith("weight"))].dtype != want:
+            self._cmod = self._cmod.convert(self._HALF[want])
+            self._views = self._storage_views()
         for n in self._names:
             p, view = self._param(n), self._views[n]
             if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and \
                     p.shape == view.shape and p.is_contiguous():
                 continue
-            if p.dtype != torch.float32:
-                raise TypeError("mha.torch.MultiheadAttention computes with float32 "
-                                "parameters; %s is %s (call .float())" % (n, p.dtype))
+            if p.dtype not in self._HALF:
+                raise TypeError("mha.torch.MultiheadAttention: %s is %s (float32, bfloat16 "
+                                "or float16)" % (n, p.dtype))
             if p.shape != view.shape:
                 raise ValueError("%s: shape %s, the module's is %s"
                                  % (n, tuple(p.shape), tuple(view.shape)))
             with torch.no_grad():
                 view.copy_(p.detach())
-            p.data = view
+            if p.dtype == view.dtype:
+                p.data = view
         return self._cmod
 
     def __getstate__(self):

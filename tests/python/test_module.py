@@ -344,3 +344,53 @@ def test_is_causal_hint_as_torch():
     ga = n.backward(g.numpy(), xn, attn_mask=mn, is_causal=True)
     gb = n.backward(g.numpy(), xn, is_causal=True)
     assert np.array_equal(ga.query, gb.query)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_module_in_half(dtype):
+    """module.to(bfloat16) / .half() (and dtype= at construction): the C
+    module stores its weight matrices so (biases float32, copied in), the
+    forward takes and returns that dtype on the fused path, and its error
+    against float64 on the same rounded parameters and inputs is at most 2x
+    that of torch.nn.MultiheadAttention in the same dtype. .float() goes
+    back; training a half module is refused with a clear error."""
+    if dtype == torch.float16 and not TORCH2:
+        pytest.skip("PyTorch 1.13 has no float16 matmul on CPU (the peer)")
+    torch.manual_seed(7)
+    m = mt.MultiheadAttention(96, 6, batch_first=True)
+    ref = torch.nn.MultiheadAttention(96, 6, batch_first=True)
+    ref.load_state_dict(m.state_dict())
+    m64 = copy.deepcopy(ref).double()
+    m.to(dtype), ref.to(dtype)
+    assert m.in_proj_weight.dtype == dtype and m.out_proj.bias.dtype == dtype
+    with torch.no_grad():  # the float64 oracle on the same rounded values
+        for p64, p in zip(m64.parameters(), ref.parameters()):
+            p64.copy_(p.double())
+    x = torch.randn(3, 40, 96).to(dtype)
+    am = torch.ones(40, 40, dtype=torch.bool).triu(1)
+    with torch.no_grad():
+        y, w = m(x, x, x, attn_mask=am)
+        assert mha.last_impl().startswith("fused "), mha.last_impl()
+        yr, _ = ref(x, x, x, attn_mask=am)
+        y64, w64 = m64(x.double(), x.double(), x.double(), attn_mask=am)
+    assert y.dtype == dtype and w.dtype == dtype
+    err = (y.double() - y64).abs().max().item()
+    err_pt = (yr.double() - y64).abs().max().item()
+    print("%s module: mha err %.3g, torch err %.3g" % (dtype, err, err_pt))
+    assert err <= 2 * err_pt, (err, err_pt)
+    assert (w.double() - w64).abs().max().item() <= 2 ** -7
+    # dtype= at construction; and back to float32
+    assert mt.MultiheadAttention(96, 6, dtype=dtype).in_proj_weight.dtype == dtype
+    m.float()
+    with torch.no_grad():
+        y32, _ = m(x.float(), x.float(), x.float(), attn_mask=am)
+    assert y32.dtype == torch.float32
+    # training in half precision: refused, naming the way out
+    m.to(dtype)
+    xg = x.clone().requires_grad_()
+    with pytest.raises(TypeError, match="training needs float32 weights"):
+        m(xg, xg, xg)[0].float().sum().backward()
+    # mixed weight dtypes: refused, naming them
+    m.out_proj.weight.data = m.out_proj.weight.data.float()
+    with pytest.raises(TypeError, match="all of one dtype"):
+        m(x, x, x)
