@@ -249,7 +249,13 @@ typedef struct mha_config {
                               // or q/k/v_proj_weight, out_proj.weight):
                               // MHA_F32 (the default, 0), MHA_BF16 or MHA_F16
                               // (half the memory; values rounded to nearest
-                              // even; products and sums stay float32/float64).
+                              // even; products and sums stay float32/float64,
+                              // except: bf16 weights with bf16 query, key and
+                              // value in a fused forward without `save` on a
+                              // CPU that computes bf16 (mha_isa() "amx") round
+                              // the projected q, k, v to bf16 and compute the
+                              // attention in bf16, as mha_sdpa does for bf16
+                              // views; mha_last_impl() ends in " bf16").
                               // Biases and bias_k/bias_v stay float32. A
                               // module with half weights is for inference:
                               // mha_forward (both implementations) and

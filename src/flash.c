@@ -113,9 +113,11 @@ static _Atomic int g_force_bf16;
 
 void mha__flash_force_bf16(bool on) { g_force_bf16 = on; }
 
+bool mha__flash_bf16_table(const mha__kernels *kt) { return kt->bf_fast || g_force_bf16; }
+
 bool mha__flash_bf16(const mha__kernels *kt, const mha__flash_head *a) {
     return !a->f32_compute && a->q_half == 1 && a->k_half == 1 && a->v_half == 1 &&
-           a->nx == 0 && (kt->bf_fast || g_force_bf16);
+           a->nx == 0 && mha__flash_bf16_table(kt);
 }
 
 void mha__flash_scratch_reset(float *scratch) {

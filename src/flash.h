@@ -70,6 +70,8 @@ typedef struct mha__flash_head {
 // whose bf16 products are faster than its float32 path (bf_fast).
 // Otherwise half rows are converted to float32 as they load.
 bool mha__flash_bf16(const mha__kernels *kt, const mha__flash_head *a);
+// Whether table kt computes bf16 heads in bf16 (bf_fast, or forced).
+bool mha__flash_bf16_table(const mha__kernels *kt);
 // Tests: bf16 compute on every table (its generic or vdpbf16ps gemm_bf16),
 // not only where bf_fast; off by default.
 void mha__flash_force_bf16(bool on);

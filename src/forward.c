@@ -59,7 +59,7 @@ mha_status mha_forward_ex(mha_tensor *out, mha_tensor *weights, const mha_module
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
     if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, ws, NULL);
     else mha__ref_forward(&p, out, weights, m, a, ws);
-    if (!st) mha__set_impl(p.fused, mha_isa(), false);
+    if (!st) mha__set_impl(p.fused, mha_isa(), p.fused && mha__fused_forward_bf16(m, a));
     return st;
 }
 
@@ -78,7 +78,7 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
     if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, al, NULL);
     else mha__ref_forward(&p, out, weights, m, a, al);
     free(ws);
-    if (!st) mha__set_impl(p.fused, mha_isa(), false);
+    if (!st) mha__set_impl(p.fused, mha_isa(), p.fused && mha__fused_forward_bf16(m, a));
     return st;
 }
 

@@ -1,0 +1,199 @@
+// test_half_module.c: the module forward with bf16 weight matrices and bf16
+// query, key and value computes its attention in bf16 (fused_fwd.c: the
+// projected q, k, v rows rounded to bf16, the flash tiles' bf16 products),
+// on the table that does (amx) and, forced (mha__flash_force_bf16), on
+// every other. Checks, over self-attention (the packed qkv rows) and
+// cross-attention (kdim, vdim), grouped-query heads, batch_first and
+// sequence-first, a key padding mask, causal, need_weights:
+//  - mha_last_impl() says "fused ... bf16"; float32 inputs, float32
+//    weights or a saved state keep the float32 compute;
+//  - the output and weights are the same bits with 1, 2 and 8 threads;
+//  - against the float32 module on the same (rounded) weights and inputs,
+//    whose only differences are q, k, v and P rounded to bf16 (relative
+//    2^-9 each) and the output's rounding: max |diff| <= 2^-7 (1 + max|y|)
+//    and the relative RMS difference <= 2^-7: a sanity bound (the
+//    accuracy rule, error <= 2x PyTorch's bf16 module, is checked by
+//    tests/python/test_module.py::test_module_in_half on the machines that
+//    compute in bf16).
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "check.h"
+#include "flash.h"
+#include "mha.h"
+
+typedef struct mcase {
+    int64_t E, H, hkv, kdim, vdim, N, L, S;
+    bool batch_first, causal, kpm, weights;
+} mcase;
+
+static uint64_t g_rng = 99;
+static double g_worst_max, g_worst_rms;  // error / bound, over the cases
+static float urand(void) {  // in [-1, 1)
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((g_rng >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+static void set_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+// n values of x, rounded to bf16 (x keeps the rounded values as float32)
+static uint16_t *to_bf16(float *x, int64_t n) {
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        h[i] = mha_f32_to_bf16(x[i]);
+        x[i] = mha_bf16_to_f32(h[i]);
+    }
+    return h;
+}
+
+static void run_case(const mcase *c, int id) {
+    const bool self = !c->kdim && !c->vdim && c->S == c->L;
+    const int64_t kd = c->kdim ? c->kdim : c->E, vd = c->vdim ? c->vdim : c->E;
+    mha_config cfg;
+    mha_config_init(&cfg, c->E, c->H);
+    cfg.kdim = c->kdim, cfg.vdim = c->vdim, cfg.num_kv_heads = c->hkv;
+    cfg.batch_first = c->batch_first;
+    mha_module *m32, *m16, *mr;
+    CHECK_OK(mha_module_create(&m32, &cfg));
+    mha_init_options io;
+    mha_init_options_default(&io);
+    io.seed = 5 + (uint64_t)id;
+    CHECK_OK(mha_module_init(m32, &io));
+    CHECK_OK(mha_module_convert(&m16, m32, MHA_BF16));
+    CHECK_OK(mha_module_convert(&mr, m16, MHA_F32));  // float32 with the rounded weights
+    const int64_t nq = c->N * c->L * c->E, nk = c->N * c->S * kd, nv = c->N * c->S * vd;
+    float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk),
+          *v = malloc(sizeof(float) * (size_t)nv);
+    for (int64_t i = 0; i < nq; i++) q[i] = urand();
+    for (int64_t i = 0; i < nk; i++) k[i] = urand();
+    for (int64_t i = 0; i < nv; i++) v[i] = urand();
+    uint16_t *qh = to_bf16(q, nq), *kh = self ? qh : to_bf16(k, nk),
+             *vh = self ? qh : to_bf16(v, nv);
+    if (self) k = q, v = q;
+    const int64_t a0 = c->batch_first ? c->N : c->L, a1 = c->batch_first ? c->L : c->N;
+    const int64_t b0 = c->batch_first ? c->N : c->S, b1 = c->batch_first ? c->S : c->N;
+    mha_tensor q32 = mha_tensor_contiguous(q, MHA_F32, 3, (int64_t[]){a0, a1, c->E});
+    mha_tensor k32 = mha_tensor_contiguous(k, MHA_F32, 3, (int64_t[]){b0, b1, kd});
+    mha_tensor v32 = mha_tensor_contiguous(v, MHA_F32, 3, (int64_t[]){b0, b1, vd});
+    mha_tensor q16 = mha_tensor_contiguous(qh, MHA_BF16, 3, (int64_t[]){a0, a1, c->E});
+    mha_tensor k16 = mha_tensor_contiguous(kh, MHA_BF16, 3, (int64_t[]){b0, b1, kd});
+    mha_tensor v16 = mha_tensor_contiguous(vh, MHA_BF16, 3, (int64_t[]){b0, b1, vd});
+    uint8_t *kpm = calloc((size_t)(c->N * c->S), 1);
+    for (int64_t n = 0; n < c->N; n++) kpm[n * c->S + c->S - 1 - n % c->S] = 1;
+    mha_tensor kpmt = mha_tensor_contiguous(kpm, MHA_U8, 2, (int64_t[]){c->N, c->S});
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.key_padding_mask = c->kpm ? &kpmt : NULL;
+    a.is_causal = c->causal;
+    a.need_weights = c->weights;
+    a.average_attn_weights = false;
+    char desc[160];
+    snprintf(desc, sizeof desc, "case %d (E %lld H %lld/%lld kdim %lld vdim %lld N %lld L %lld S "
+             "%lld%s%s%s%s)", id, (long long)c->E, (long long)c->H, (long long)c->hkv,
+             (long long)c->kdim, (long long)c->vdim, (long long)c->N, (long long)c->L,
+             (long long)c->S, c->batch_first ? " batch_first" : "", c->causal ? " causal" : "",
+             c->kpm ? " kpm" : "", c->weights ? " weights" : "");
+    // the float32 module on the same rounded values
+    a.query = &q32, a.key = &k32, a.value = &v32;
+    mha_shape ys, wsh;
+    CHECK_OK(mha_forward_shapes(&ys, &wsh, mr, &a));
+    int64_t ny = 1, nw = 1;
+    for (int i = 0; i < ys.ndim; i++) ny *= ys.dims[i];
+    for (int i = 0; i < wsh.ndim; i++) nw *= wsh.dims[i];
+    float *y32 = malloc(sizeof(float) * (size_t)ny), *w32 = malloc(sizeof(float) * (size_t)nw);
+    mha_tensor y32t = mha_tensor_contiguous(y32, MHA_F32, ys.ndim, ys.dims);
+    mha_tensor w32t = mha_tensor_contiguous(w32, MHA_F32, wsh.ndim, wsh.dims);
+    CHECK_OK(mha_forward(&y32t, c->weights ? &w32t : NULL, mr, &a));
+    // float32 inputs to the bf16 module: float32 compute
+    CHECK_OK(mha_forward(&y32t, c->weights ? &w32t : NULL, m16, &a));
+    CHECKF(strstr(mha_last_impl(), " bf16") == NULL, "%s: float32 inputs ran \"%s\"", desc,
+           mha_last_impl());
+    CHECK_OK(mha_forward(&y32t, c->weights ? &w32t : NULL, mr, &a));
+    // the bf16 module on bf16 inputs, 1, 2, 8 threads
+    a.query = &q16, a.key = &k16, a.value = &v16;
+    uint16_t *y16[3], *w16[3];
+    const int threads[3] = {1, 2, 8};
+    for (int r = 0; r < 3; r++) {
+        set_threads(threads[r]);
+        y16[r] = calloc((size_t)ny, 2), w16[r] = calloc((size_t)nw, 2);
+        mha_tensor yt = mha_tensor_contiguous(y16[r], MHA_BF16, ys.ndim, ys.dims);
+        mha_tensor wt = mha_tensor_contiguous(w16[r], MHA_BF16, wsh.ndim, wsh.dims);
+        CHECK_OK(mha_forward(&yt, c->weights ? &wt : NULL, m16, &a));
+        CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0 &&
+                   strstr(mha_last_impl(), " bf16") != NULL,
+               "%s: ran \"%s\", not the bf16 compute", desc, mha_last_impl());
+    }
+    set_threads(2);
+    for (int r = 1; r < 3; r++) {
+        CHECKF(memcmp(y16[0], y16[r], 2 * (size_t)ny) == 0, "%s: output bits differ at %d threads",
+               desc, threads[r]);
+        CHECKF(!c->weights || memcmp(w16[0], w16[r], 2 * (size_t)nw) == 0,
+               "%s: weights bits differ at %d threads", desc, threads[r]);
+    }
+    // against the float32 module
+    double ymax = 0, md = 0, num = 0, den = 0;
+    bool finite = true;
+    for (int64_t i = 0; i < ny; i++) {
+        const double y = mha_bf16_to_f32(y16[0][i]), r = y32[i];
+        finite &= isfinite(y);
+        ymax = fmax(ymax, fabs(r));
+        md = fmax(md, fabs(y - r));
+        num += (y - r) * (y - r), den += r * r;
+    }
+    const double rms = sqrt(num / (den > 0 ? den : 1));
+    g_worst_max = fmax(g_worst_max, md / (0x1p-7 * (1 + ymax)));
+    g_worst_rms = fmax(g_worst_rms, rms / 0x1p-7);
+    CHECKF(finite && md <= 0x1p-7 * (1 + ymax) && rms <= 0x1p-7,
+           "%s: off the float32 module: max %g (bound %g), relative RMS %g (bound %g)", desc, md,
+           0x1p-7 * (1 + ymax), rms, 0x1p-7);
+    for (int64_t i = 0; c->weights && i < nw; i++)
+        if (!(fabs(mha_bf16_to_f32(w16[0][i]) - w32[i]) <= 0x1p-6)) {
+            CHECKF(false, "%s: weight %lld %g vs float32 %g", desc, (long long)i,
+                   (double)mha_bf16_to_f32(w16[0][i]), (double)w32[i]);
+            break;
+        }
+    // a saved state (training): float32 compute
+    if (!c->weights) {
+        mha_saved *sv;
+        CHECK_OK(mha_saved_create(&sv));
+        a.save = sv;
+        mha_tensor yt = mha_tensor_contiguous(y16[1], MHA_BF16, ys.ndim, ys.dims);
+        if (mha_forward(&yt, NULL, m16, &a) == MHA_OK)
+            CHECKF(strstr(mha_last_impl(), " bf16") == NULL, "%s: a saved forward ran \"%s\"",
+                   desc, mha_last_impl());
+        a.save = NULL;
+        mha_saved_destroy(sv);
+    }
+    for (int r = 0; r < 3; r++) free(y16[r]), free(w16[r]);
+    free(y32), free(w32), free(kpm), free(qh);
+    if (!self) free(kh), free(vh), free(k), free(v);
+    free(q);
+    mha_module_destroy(m32), mha_module_destroy(m16), mha_module_destroy(mr);
+}
+
+int main(void) {
+    const mcase cases[] = {
+        {96, 6, 0, 0, 0, 2, 70, 70, true, false, true, true},     // self, packed qkv
+        {64, 4, 2, 0, 0, 3, 33, 33, false, true, false, false},   // GQA, seq-first, causal
+        {64, 8, 0, 48, 40, 2, 40, 130, true, false, true, true},  // cross, kdim/vdim
+        {128, 2, 1, 0, 0, 1, 200, 200, true, true, false, false}, // MQA, d 64, tiles
+    };
+    const bool fast = strcmp(mha_isa(), "amx") == 0;
+    if (!fast) mha__flash_force_bf16(true);  // the bf16 compute of this table, forced
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], (int)i);
+    printf("test_half_module: %zu cases, kernels %s%s; worst max error / bound %.3g, relative "
+           "RMS / bound %.3g\n",
+           sizeof cases / sizeof cases[0], mha_isa(), fast ? "" : " (bf16 compute forced)",
+           g_worst_max, g_worst_rms);
+    return check_summary("test_half_module");
+}
