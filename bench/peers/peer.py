@@ -105,7 +105,7 @@ def make_inputs_f32(c, seed):
 # mha's side
 
 
-NOT_YET_MODULE_BF16 = "n/a (not yet: issue 40 item 3)"
+NOT_YET_MODULE_BF16 = "n/a (bf16 training: not yet, issue 40 item 4)"
 
 
 def mha_op(c, inp):
@@ -163,15 +163,26 @@ def mha_op(c, inp):
 def mha_op_bf16(c, inp):
     """mha in bfloat16 where it has it today: scaled dot-product attention
     on bf16 q, k, v (the fused path), forward and forward + backward
-    (mha.torch, autograd); decode through a KVCache storing K and V as
-    bf16 (float32 query). The module is float32 only so far (issue 40 item
-    3: mha.torch.MultiheadAttention raises TypeError "computes with float32
-    parameters" on a bf16 module): a string."""
+    (mha.torch, autograd); the module's forward with bf16 weight matrices
+    on bf16 inputs (its backward refuses bf16 weights so far: a string);
+    decode through a KVCache storing K and V as bf16 (float32 query)."""
     import mha
 
     causal = bool(c["causal"])
     if c["kind"] == "module":
-        return NOT_YET_MODULE_BF16
+        if c["backward"]:
+            return NOT_YET_MODULE_BF16
+        from mha import _mha
+        from mha._options import BF16, forward_kwargs
+
+        E, H = c["H"] * c["d"], c["H"]
+        m32 = mha.MultiheadAttention(E, H, batch_first=True)
+        m32.load_state_dict(inp["w"])
+        m = m32.to("bf16")  # the weight matrices stored as bf16 (biases float32)
+        x = (bf16_bits(inp["x"]).view(np.int16), BF16)  # the numpy API's bf16 form
+        kw = forward_kwargs(is_causal=causal, need_weights=False)
+        return (lambda: _mha.forward(m._m, x, x, x, None, None, mha._alloc, **kw)[0]), \
+            (lambda r: (bf16_float(r),))
     if c["kind"] == "decode":
         B, Hkv, S, d = c["B"], c["Hkv"], c["S"], c["d"]
         cache = mha.KVCache(B, Hkv, d, capacity=S, dtype="bf16")
