@@ -15,7 +15,6 @@
 // items (attention): each output element is computed by one thread in a
 // fixed order, so results do not depend on the number of threads.
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,10 +25,12 @@
 // in_place, else into the scratch): the gates, W_O (+ out_proj.bias unless a
 // part without it: pt), the output dropout, into out. xq: the query rows;
 // pk: the module's packed weights held by the call, or NULL.
+// bf: bf16 compute (fwd_bf16, no gates): ctx rounded to bf16 in place and
+// multiplied by the bf16 W_O by gemm_bf16 (mha__linear_rows_bf16).
 static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
                         const mha_module *m, const mha__packs *pk, const mha_forward_args *a,
                         float *ctx, bool in_place, const float *xq, int64_t ldq, char *ws,
-                        const mha__part *pt) {
+                        const mha__part *pt, bool bf) {
     const int64_t E = p->E, Eq = p->Eq, Rq = mha__rows_of(a->query);
     const int nt = p->nthreads;
     const bool seq_first = p->unbatched || !m->cfg.batch_first;
@@ -47,8 +48,12 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
                        (float *)(ws + p->f.wg), gs, nt);
         octx = gctx;
     }
-    mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh, pk),
-                     pt && !pt->bias ? NULL : m->out_bias, Rq, Eq, E, wo, gs, nt);
+    const float *ob = pt && !pt->bias ? NULL : m->out_bias;
+    if (!(bf && octx == ctx &&
+          mha__linear_rows_bf16(kt, y, ldo, ctx, Eq, (const uint16_t *)m->w_out, ob, Rq, Eq, E,
+                                wo, mha__gemm_packed_b_floats(kt, Eq, E), nt)))
+        mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh, pk), ob, Rq, Eq,
+                         E, wo, gs, nt);
     if (p->out_p > 0.0f)
         for (int64_t r = 0; r < Rq; r++) {
             int64_t n, t;
@@ -64,8 +69,11 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
         }
 }
 
+typedef struct fwd_call fwd_call;
+static bool fwd_bf16(const fwd_call *c);
+
 // One fused forward's state, shared by its phases.
-typedef struct fwd_call {
+struct fwd_call {
     const fwd_plan *p;
     const mha_module *m;
     const mha_forward_args *a;
@@ -79,7 +87,7 @@ typedef struct fwd_call {
     mha__rowmap qm, km, vm;  // q (Rq, Eq), k and v (Rk, Ekv) after RoPE
     float *ctx;              // the context (Rq, Eq)
     float *lse;              // each row's (max, 1/sum) (N, H, L, 2), or NULL
-} fwd_call;
+};
 
 // Rows [0, n) of W (n rows of `in` elements) from row r, as a weight matrix.
 static mha__wmat weight_rows(const mha_module *m, const void *w, int64_t r, int64_t in,
@@ -135,8 +143,14 @@ static void fwd_project(fwd_call *c) {
         c->vm = (mha__rowmap){qkv + Eq + Ekv, W3, seq_first, N, L};
     } else if (p->self_packed) {
         float *qkv = sv ? sbuf : (float *)(ws + p->f.qkv);
-        mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh, pk), bq, Rq, E, W3,
-                         wt, gs, nt);
+        // bf16 compute: the gathered (never the caller's) bf16 rows, unless
+        // gates read them later
+        if (!(fwd_bf16(c) && !mha__module_gated(m) && xq == (const float *)(ws + p->f.xq) &&
+              mha__linear_rows_bf16(kt, qkv, W3, (float *)(ws + p->f.xq), ldq,
+                                    (const uint16_t *)m->w_in, bq, Rq, E, W3, wt,
+                                    mha__gemm_packed_b_floats(kt, E, W3), nt)))
+            mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh, pk), bq, Rq, E,
+                             W3, wt, gs, nt);
         c->qm = (mha__rowmap){qkv, W3, seq_first, N, L};
         c->km = (mha__rowmap){qkv + Eq, W3, seq_first, N, L};
         c->vm = (mha__rowmap){qkv + Eq + Ekv, W3, seq_first, N, L};
@@ -455,7 +469,8 @@ static mha_status fused_forward(fwd_call *cp, mha_tensor *out, mha_tensor *weigh
     if (a->need_weights && a->average_attn_weights) fwd_average_weights(&c, weights);
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
-    out_project(c.kt, p, out, m, c.pk, a, c.ctx, !a->save, c.xq, c.ldq, ws, pt);
+    out_project(c.kt, p, out, m, c.pk, a, c.ctx, !a->save, c.xq, c.ldq, ws, pt,
+                fwd_bf16(&c) && !mha__module_gated(m));
     return MHA_OK;
 }
 
@@ -490,7 +505,7 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
     else mha__gather_rows((float *)xq, a->query);
     const mha__kernels *kt = mha__kernels_get();
     const mha__packs *pk = mha__packs_acquire(m, kt, p->nthreads);
-    out_project(kt, p, out, m, pk, a, ctx, true, xq, ldq, ws, NULL);
+    out_project(kt, p, out, m, pk, a, ctx, true, xq, ldq, ws, NULL, false);
     mha__packs_release(pk);
 }
 

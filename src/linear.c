@@ -32,6 +32,58 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
     mha__gemm_rows_packed(kt, C, ldc, X, ldx, Bp, b, R, I, O, false, nt, gs);
 }
 
+bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X,
+                           int64_t ldx, const uint16_t *W, const float *b, int64_t R,
+                           int64_t I, int64_t O, float *Wp, size_t wp_floats, int nt) {
+    const int64_t kp = kt->bf_kpad, Kp = (I + kp - 1) / kp * kp, mp = kt->bf_mpad;
+    if (I < 32 || 2 * Kp > 4 * ldx || (size_t)mha__bf16_packed_elems(I, O, kp) > 2 * wp_floats)
+        return false;
+    uint16_t *Bp = (uint16_t *)(void *)Wp;
+    kt->pack_bf16(Bp, W, 1, I, I, O);  // B (I, O) = W^T
+    // X's rows to bf16 in place, zero-padded to Kp (a chunk read before it
+    // is written: the bf16 half of a row trails its float32 half)
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < R; r++) {
+        char *row = (char *)(X + r * ldx);
+        for (int64_t c0 = 0; c0 < I; c0 += 64) {
+            float f[64];
+            uint16_t h[64];
+            const int64_t n = I - c0 < 64 ? I - c0 : 64;
+            memcpy(f, row + 4 * c0, sizeof(float) * (size_t)n);
+            kt->round_bf16(h, f, n);
+            memcpy(row + 2 * c0, h, sizeof(uint16_t) * (size_t)n);
+        }
+        memset(row + 2 * I, 0, 2 * (size_t)(Kp - I));
+    }
+    const uint16_t *A = (const uint16_t *)(const void *)X;
+    const int64_t lda = 2 * ldx, Rw = R / mp * mp;  // rows in whole bf_mpad blocks
+    enum { PANEL = 256, KC = 256 };
+    const int64_t blocks = (Rw + 63) / 64;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t blk = 0; blk < blocks; blk++) {  // 64 rows (or the rest of Rw)
+        const int64_t r0 = blk * 64, m = Rw - r0 < 64 ? Rw - r0 : 64;
+        for (int64_t j0 = 0; j0 < O; j0 += PANEL)
+            kt->gemm_bf16(C + r0 * ldc + j0, ldc, A + r0 * lda, lda, Bp + 2 * j0, O, m,
+                          O - j0 < PANEL ? O - j0 : PANEL, I, 1.0f, false);
+    }
+    if (Rw < R) {  // the last rows, fewer than bf_mpad: a padded copy, k in chunks
+        uint16_t t[16 * KC];
+        for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+            const int64_t kc = Kp - k0 < KC ? Kp - k0 : KC;
+            memset(t, 0, sizeof t);
+            for (int64_t r = Rw; r < R; r++)
+                memcpy(t + (r - Rw) * KC, A + r * lda + k0, 2 * (size_t)kc);
+            kt->gemm_bf16(C + Rw * ldc, ldc, t, KC, Bp + k0 / 2 * ((O + 15) / 16 * 16) * 2, O,
+                          R - Rw, O, kc, 1.0f, k0 > 0);
+        }
+    }
+    if (b)
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < O; j++) C[r * ldc + j] += b[j];
+    return true;
+}
+
 // The gates of a gated module's R query rows X (R, E), gate (R, H):
 // head_gate[h] (static) or sigmoid(X W_g^T + b_g) (dynamic; W_g from pk,
 // or packed into Wp, mha__gemm_packed_b_floats(kt, E, H) floats); and gctx
