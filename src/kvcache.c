@@ -434,8 +434,8 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
     if ((st = mha__check_no_overlap(out, "out", q, "q"))) return st;
     if (q->dtype != MHA_F32 || out->dtype != MHA_F32 || q->stride[3] != 1 || out->stride[3] != 1)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "kv cache attend: q and out must be F32 with unit stride along "
-                         "the head dim");
+                         "kv cache attend: q and out must be F32, BF16 or F16 with unit "
+                         "stride along the head dim");
     if ((st = check_counts(counts, B, T, "kv cache attend"))) return st;
     const mha_tensor *sq = a.sink_tokens > 0 && a.window_left >= 0 ? a.sink_q : NULL;
     if (sq) {
@@ -1323,9 +1323,70 @@ static mha_status attend_stream_sinks(const attend_call *ac, const mha_tensor *s
     return MHA_OK;
 }
 
+static mha_status attend_rows_f32(mha_tensor *out, const mha_tensor *q,
+                                  const mha__kv_rows *rows, const mha_cache_attend_args *args,
+                                  const int64_t *counts, int64_t q_shift, float *stats);
+
+static bool is_half(const mha_tensor *t) {
+    return t && (t->dtype == MHA_BF16 || t->dtype == MHA_F16);
+}
+
+// Every element of the 4-D view src into dst of the same shape (contiguous
+// when dst is a fresh tensor), as float32 and back: one rounding into a
+// half type (nearest even), exact otherwise.
+static void copy4(const mha_tensor *dst, const mha_tensor *src) {
+    for (int64_t i = 0; i < src->shape[0]; i++)
+        for (int64_t j = 0; j < src->shape[1]; j++)
+            for (int64_t t = 0; t < src->shape[2]; t++) {
+                const int64_t so = i * src->stride[0] + j * src->stride[1] + t * src->stride[2],
+                              d = i * dst->stride[0] + j * dst->stride[1] + t * dst->stride[2];
+                const mha__mat s = mha__view_at(src, so, 3), o = mha__view_at(dst, d, 3);
+                for (int64_t e = 0; e < src->shape[3]; e++)
+                    mha__st(o, 0, e, (float)mha__ld(s, 0, e));
+            }
+}
+
+// A bf16 or f16 q or out: the float32 attention on q's values (converted,
+// exactly) into a float32 out, then rounded into out once (nearest even).
+// The copies hold B H T (D + Dv) floats, the queries' size: no cache row.
+static mha_status attend_rows_half(mha_tensor *out, const mha_tensor *q,
+                                   const mha__kv_rows *rows, const mha_cache_attend_args *args,
+                                   const int64_t *counts, int64_t q_shift, float *stats) {
+    mha_status st;
+    if ((st = mha__check_float(q, "q")) || (st = mha__check_float(out, "out"))) return st;
+    if (q->dtype == MHA_F64 || out->dtype == MHA_F64 || q->ndim != 4 || out->ndim != 4)
+        return mha__fail(MHA_ERR_UNSUPPORTED,
+                         "kv cache attend: q %s and out %s: 4-D views of F32, BF16 or F16",
+                         mha_dtype_name(q->dtype), mha_dtype_name(out->dtype));
+    if ((st = mha__check_no_overlap(out, "out", q, "q"))) return st;
+    const size_t nq = (size_t)mha_tensor_numel(q), no = (size_t)mha_tensor_numel(out);
+    size_t bytes;
+    if (mha__add_overflow_size(nq, no, &bytes) ||
+        mha__mul_overflow_size(bytes, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "kv cache attend: scratch overflows");
+    float *buf = mha__alloc(bytes);
+    if (!buf)
+        return mha__fail(MHA_ERR_NOMEM, "kv cache attend: out of memory for %zu bytes", bytes);
+    mha_tensor qf = mha_tensor_contiguous(buf, MHA_F32, 4, q->shape);
+    mha_tensor of = mha_tensor_contiguous(buf + nq, MHA_F32, 4, out->shape);
+    copy4(&qf, q);
+    st = attend_rows_f32(&of, &qf, rows, args, counts, q_shift, stats);
+    if (!st) copy4(out, &of);
+    mha__free(buf);
+    return st;
+}
+
 mha_status mha__kv_attend_rows(mha_tensor *out, const mha_tensor *q, const mha__kv_rows *rows,
                                const mha_cache_attend_args *args, const int64_t *counts,
                                int64_t q_shift, float *stats) {
+    if (is_half(q) || is_half(out))
+        return attend_rows_half(out, q, rows, args, counts, q_shift, stats);
+    return attend_rows_f32(out, q, rows, args, counts, q_shift, stats);
+}
+
+static mha_status attend_rows_f32(mha_tensor *out, const mha_tensor *q,
+                                  const mha__kv_rows *rows, const mha_cache_attend_args *args,
+                                  const int64_t *counts, int64_t q_shift, float *stats) {
     attend_call ac = {0};
     const bool stream = args && args->sink_tokens > 0 && args->window_left >= 0;
     float *own = NULL;  // the window's row stats, when the caller wants none

@@ -286,6 +286,72 @@ static void run_case(const hcase *c, int id) {
     free(kpm), free(am), free(o32), free(w32);
 }
 
+// The KV caches (contiguous, f32 and bf16 storage; paged) attended by bf16
+// and f16 queries, out in q's type or float32, decode (T 1) and a prefill
+// chunk (T 20): the float32 attend on the converted queries, its output
+// rounded once into out, bit for bit; fused.
+static void test_cache_half(void) {
+    const int64_t B = 2, Hkv = 2, H = 4, D = 16, S = 40;
+    float *k = malloc(sizeof(float) * (size_t)(B * Hkv * S * D)),
+          *v = malloc(sizeof(float) * (size_t)(B * Hkv * S * D));
+    for (int64_t i = 0; i < B * Hkv * S * D; i++) k[i] = frand(), v[i] = frand();
+    mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, (int64_t[]){B, Hkv, S, D});
+    mha_tensor vt = mha_tensor_contiguous(v, MHA_F32, 4, (int64_t[]){B, Hkv, S, D});
+    int checks = 0;
+    for (int store = 0; store < 3; store++) {  // f32, bf16 storage; paged (f32)
+        mha_kv_cache *c = NULL;
+        mha_paged_cache *pc = NULL;
+        int64_t ids[2];
+        if (store < 2) {
+            CHECK_OK(mha_kv_cache_create_ex(&c, B, Hkv, D, D, 64,
+                                            store ? MHA_KV_BF16 : MHA_KV_F32));
+            CHECK_OK(mha_kv_cache_append(c, &kt, &vt, NULL));
+        } else {
+            CHECK_OK(mha_paged_cache_create(&pc, 64, 8, Hkv, D, D, MHA_KV_F32));
+            CHECK_OK(mha_paged_cache_add(pc, &ids[0]));
+            CHECK_OK(mha_paged_cache_add(pc, &ids[1]));
+            CHECK_OK(mha_paged_cache_append(pc, 2, ids, NULL, &kt, &vt));
+        }
+        for (int ti = 0; ti < 2; ti++) {
+            const int64_t T = ti ? 20 : 1, n = B * H * T * D;
+            float *q = malloc(sizeof(float) * (size_t)n), *o = malloc(sizeof(float) * (size_t)n);
+            for (int hi = 0; hi < 2; hi++) {
+                const mha_dtype dt = hi ? MHA_F16 : MHA_BF16;
+                for (int64_t i = 0; i < n; i++) q[i] = frand();
+                void *qh = as_dtype(q, n, dt);  // q: the values qh holds
+                for (int od = 0; od < 2; od++) {
+                    const mha_dtype odt = od ? MHA_F32 : dt;
+                    void *oh = calloc((size_t)n, od ? 4 : 2);
+                    const int64_t sh[4] = {B, H, T, D};
+                    mha_tensor qt = mha_tensor_contiguous(qh, dt, 4, sh),
+                               ot = mha_tensor_contiguous(oh, odt, 4, sh),
+                               qf = mha_tensor_contiguous(q, MHA_F32, 4, sh),
+                               of = mha_tensor_contiguous(o, MHA_F32, 4, sh);
+                    if (c) {
+                        CHECK_OK(mha_kv_cache_attend(&of, &qf, c, NULL, NULL));
+                        CHECK_OK(mha_kv_cache_attend(&ot, &qt, c, NULL, NULL));
+                    } else {
+                        CHECK_OK(mha_paged_cache_attend(&of, &qf, pc, 2, ids, NULL, NULL));
+                        CHECK_OK(mha_paged_cache_attend(&ot, &qt, pc, 2, ids, NULL, NULL));
+                    }
+                    const int64_t bad = first_unrounded(oh, odt, o, n);
+                    CHECKF(bad < 0, "cache %d T %lld q %s out %s: element %lld is not the "
+                                    "float32 attend's rounded",
+                           store, (long long)T, dn(dt), dn(odt), (long long)bad);
+                    checks++;
+                    free(oh);
+                }
+                free(qh);
+            }
+            free(q), free(o);
+        }
+        mha_kv_cache_destroy(c);
+        mha_paged_cache_destroy(pc);
+    }
+    free(k), free(v);
+    printf("caches with bf16 / f16 queries: %d checks\n", checks);
+}
+
 int main(void) {
     seed_rng(0x5eed4a1f);
     static const mha_dtype halves[2] = {MHA_BF16, MHA_F16};
@@ -334,6 +400,7 @@ int main(void) {
                    strcmp(mha_last_impl() + 6, mha_isa()) == 0,
                "F32 views ran \"%s\" (kernels %s)", mha_last_impl(), mha_isa());
     }
+    test_cache_half();
     printf("test_half_sdpa: %d cases, bf16 and f16, kernels %s\n", id, mha_isa());
     return check_summary("test_half_sdpa");
 }

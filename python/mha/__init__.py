@@ -718,7 +718,8 @@ class KVCache:
 
     def attend(self, q, counts=None, *, scale=None, window=None, window_left=-1,
                window_right=-1, alibi_slopes=None, softcap=0.0):
-        """(B, H, T, Dv) attention of q (B, H, T, D) float32 over the cache."""
+        """(B, H, T, Dv) attention of q (B, H, T, D) over the cache: float32, or
+        bfloat16 / float16 (computed in float32, the output in q's dtype)."""
         from ._options import window_bounds
         wl, wr = window_bounds(window, window_left, window_right)
         kw = {"window_left": wl, "window_right": wr, "softcap": real("softcap", softcap)}
@@ -728,7 +729,7 @@ class KVCache:
             kw["counts"] = self._counts(counts)
         if alibi_slopes is not None:
             kw["alibi_slopes"] = _float32(alibi_slopes)
-        return self._c.attend(_arr(q, "q"), _alloc, **kw)
+        return _result(self._c.attend(_arr(q, "q"), _alloc, **kw))
 
     def truncate(self, length, b=None):
         """Rolls sequence b (None: every sequence) back to length tokens."""

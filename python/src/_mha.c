@@ -1198,6 +1198,12 @@ static PyObject *Cache_append(CacheObject *o, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+// An output's element type for inputs of type dt: bf16 and f16 keep theirs,
+// the rest float32.
+static mha_dtype half_or_f32(mha_dtype dt) {
+    return dt == MHA_BF16 || dt == MHA_F16 ? dt : MHA_F32;
+}
+
 static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
     PyObject *q, *alloc;
     if (!PyArg_ParseTuple(args, "OO", &q, &alloc)) return NULL;
@@ -1227,7 +1233,7 @@ static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
     a.alibi_slopes = sl;
     mha_shape os = shape_of(&tq);
     os.dims[3] = o->v_head_dim;
-    if (!(out = alloc_view(&h, alloc, &os, MHA_F32, "out", &to))) goto fail;
+    if (!(out = alloc_view(&h, alloc, &os, half_or_f32(tq.dtype), "out", &to))) goto fail;
     if (cache_claim(o) < 0) goto fail;
     mha_status st;
     Py_BEGIN_ALLOW_THREADS st = mha_kv_cache_attend(&to, &tq, o->c, &a, cn);

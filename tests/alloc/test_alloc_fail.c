@@ -865,6 +865,12 @@ static mha_status sc_kv(const void *argp) {
     if (!st) st = mha_kv_cache_append(c, &k1, &v1, NULL);
     if (!st) st = mha_kv_cache_attend(&o1, &q1, c, NULL, NULL);  // decode
     if (!st) res_put(a->o, sizeof(float) * (size_t)mha_tensor_numel(&o));
+    // a bf16 query (the float32 attend on its converted copy): q's first
+    // row's bits reread as bf16 pairs, out as bf16 in o's storage
+    mha_tensor qh = q1, oh = o1;
+    qh.dtype = oh.dtype = MHA_BF16;
+    if (!st) st = mha_kv_cache_attend(&oh, &qh, c, NULL, NULL);
+    if (!st) res_put(a->o, 2 * (size_t)mha_tensor_numel(&oh));
     mha_kv_cache_destroy(c);
     return st;
 }

@@ -474,3 +474,26 @@ def test_packed_weights_follow_parameter_writes():
         with torch.no_grad():
             assert torch.equal(t(xt, xt, xt, need_weights=False)[0],
                                ref(xt, xt, xt, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("storage", ["f32", "bf16"])
+def test_kv_cache_half_queries(storage):
+    """KVCache.attend with float16 and bfloat16 (ml_dtypes) queries: the
+    output in q's dtype, the float32 attend on the same values rounded once."""
+    g = np.random.default_rng(4)
+    c = mha.KVCache(2, 2, 16, capacity=64, dtype=storage)
+    c.append(g.normal(size=(2, 2, 40, 16)).astype(np.float32),
+             g.normal(size=(2, 2, 40, 16)).astype(np.float32))
+    dts = [np.float16]
+    try:
+        import ml_dtypes
+        dts.append(ml_dtypes.bfloat16)
+    except ImportError:  # (torch1's venv: float16 only)
+        pass
+    for dt in dts:
+        for T in (1, 20):
+            q = g.normal(size=(2, 4, T, 16)).astype(dt)
+            o = c.attend(q)
+            assert o.dtype == np.dtype(dt) and o.shape == (2, 4, T, 16)
+            ref = c.attend(q.astype(np.float32)).astype(dt)
+            assert np.array_equal(o.view(np.uint16), ref.view(np.uint16))
