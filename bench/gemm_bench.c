@@ -121,7 +121,7 @@ int main(int argc, char **argv) {
     if (!kt) { fprintf(stderr, "ISA %s unavailable\n", isa); return 1; }
     __builtin_cpu_init();
     const bool has512 = __builtin_cpu_supports("avx512f");
-    const bool k512 = !strcmp(kt->isa, "avx512") || !strcmp(kt->isa, "amx");
+    const bool k512 = !strncmp(kt->isa, "avx512", 6) || !strcmp(kt->isa, "amx");
     printf("kernels %s; peak = independent %s FMA chains\n", kt->isa, has512 && k512 ? "zmm" : "ymm");
     // {R, K, N, kind}: kind 0 = projection X W^T + b (old: transpose + gemm_rows;
     // new: pack_wt + gemm_rows_packed); kind 1 = the backward's dW = dT X

@@ -93,7 +93,8 @@ MHA_API const char *mha_last_error(void);
 // mha_backward, mha_sdpa or mha_sdpa_backward ran: "reference", or
 // "fused " and the SIMD kernel set ("fused avx512"; "fused amx": avx512
 // with AMX tiles for bf16 products), followed by " bf16" where the
-// products were computed in bf16 ("fused amx bf16": see mha_sdpa_args);
+// products were computed in bf16 ("fused amx bf16", "fused avx512bf16
+// bf16": see mha_sdpa_args);
 // "" before any. Each of those calls sets it when it succeeds; no other
 // call changes it.
 MHA_API const char *mha_last_impl(void);
@@ -171,13 +172,16 @@ typedef enum mha_impl {
 } mha_impl;
 
 // The SIMD kernels the fused path uses in this process: "amx" (avx512 with
-// AMX-BF16 tiles for bf16 products), "avx512", "avx2" or "scalar"
-// (MHA_ISA=scalar|avx2|avx512|amx forces one the CPU has).
+// AMX-BF16 tiles for bf16 products; the default where Linux grants them),
+// "avx512bf16" (avx512 computing bf16 with vdpbf16ps; the default on AMD
+// Zen 4 and later, where it runs at twice the float32 FMA rate; on Intel's
+// AVX512-BF16 cores it is no faster, so only MHA_ISA picks it there),
+// "avx512", "avx2" or "scalar" (MHA_ISA=scalar|avx2|avx512|avx512bf16|amx
+// forces one the CPU has).
 MHA_API const char *mha_isa(void);
 // 1 when this build has the SIMD kernels name ("scalar", "avx2", "avx512",
-// "amx")
-// and this CPU (and OS) can run them, else 0 (also for an unknown name or
-// NULL): the ISAs MHA_ISA can choose here.
+// "avx512bf16", "amx") and this CPU (and OS) can run them, else 0 (also for
+// an unknown name or NULL): the ISAs MHA_ISA can choose here.
 MHA_API int mha_isa_supported(const char *name);
 
 // "auto", "reference" (also "ref"), "fused" -> value;
@@ -252,7 +256,8 @@ typedef struct mha_config {
                               // even; products and sums stay float32/float64,
                               // except: bf16 weights with bf16 query, key and
                               // value in a fused forward without `save` on a
-                              // CPU that computes bf16 (mha_isa() "amx") round
+                              // CPU that computes bf16 (mha_isa() "amx" or
+                              // "avx512bf16") round
                               // the projected q, k, v to bf16 and compute the
                               // attention in bf16, as mha_sdpa does for bf16
                               // views; mha_last_impl() ends in " bf16").
@@ -923,7 +928,8 @@ MHA_API void mha_linear_destroy(mha_linear *l);
 // along the last dim, else the reference (F64 views; MHA_IMPL in the
 // environment overrides auto); fused on other views is
 // MHA_ERR_UNSUPPORTED. bf16 q, k and v compute in bf16 where the CPU
-// multiplies bf16 faster than float32 (AMX tiles, mha_isa() "amx";
+// multiplies bf16 faster than float32 (mha_isa() "amx": AMX tiles;
+// "avx512bf16": vdpbf16ps on AMD Zen 4 and later;
 // mha_last_impl() then ends in " bf16"), as PyTorch's CPU flash attention
 // and FlashAttention do:
 // S = scale (q k^T) and O += P v with bf16 operands and float32 sums, the

@@ -1,7 +1,7 @@
 // test_half_module.c: the module forward with bf16 weight matrices and bf16
 // query, key and value computes its attention in bf16 (fused_fwd.c: the
 // projected q, k, v rows rounded to bf16, the flash tiles' bf16 products),
-// on the table that does (amx) and, forced (mha__flash_force_bf16), on
+// on the tables that do (amx, avx512bf16) and, forced (mha__flash_force_bf16), on
 // every other. Checks, over self-attention (the packed qkv rows) and
 // cross-attention (kdim, vdim), grouped-query heads, batch_first and
 // sequence-first, a key padding mask, causal, need_weights:
@@ -72,14 +72,15 @@ static void run_case(const mcase *c, int id) {
     CHECK_OK(mha_module_convert(&m16, m32, MHA_BF16));
     CHECK_OK(mha_module_convert(&mr, m16, MHA_F32));  // float32 with the rounded weights
     const int64_t nq = c->N * c->L * c->E, nk = c->N * c->S * kd, nv = c->N * c->S * vd;
-    float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk),
-          *v = malloc(sizeof(float) * (size_t)nv);
+    // self-attention: key and value are the query's buffers
+    float *q = malloc(sizeof(float) * (size_t)nq);
+    float *k = self ? q : malloc(sizeof(float) * (size_t)nk);
+    float *v = self ? q : malloc(sizeof(float) * (size_t)nv);
     for (int64_t i = 0; i < nq; i++) q[i] = urand();
-    for (int64_t i = 0; i < nk; i++) k[i] = urand();
-    for (int64_t i = 0; i < nv; i++) v[i] = urand();
+    for (int64_t i = 0; !self && i < nk; i++) k[i] = urand();
+    for (int64_t i = 0; !self && i < nv; i++) v[i] = urand();
     uint16_t *qh = to_bf16(q, nq), *kh = self ? qh : to_bf16(k, nk),
              *vh = self ? qh : to_bf16(v, nv);
-    if (self) k = q, v = q;
     const int64_t a0 = c->batch_first ? c->N : c->L, a1 = c->batch_first ? c->L : c->N;
     const int64_t b0 = c->batch_first ? c->N : c->S, b1 = c->batch_first ? c->S : c->N;
     mha_tensor q32 = mha_tensor_contiguous(q, MHA_F32, 3, (int64_t[]){a0, a1, c->E});
@@ -188,7 +189,7 @@ int main(void) {
         {64, 8, 0, 48, 40, 2, 40, 130, true, false, true, true},  // cross, kdim/vdim
         {128, 2, 1, 0, 0, 1, 200, 200, true, true, false, false}, // MQA, d 64, tiles
     };
-    const bool fast = strcmp(mha_isa(), "amx") == 0;
+    const bool fast = strcmp(mha_isa(), "amx") == 0 || strcmp(mha_isa(), "avx512bf16") == 0;
     if (!fast) mha__flash_force_bf16(true);  // the bf16 compute of this table, forced
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], (int)i);
     printf("test_half_module: %zu cases, kernels %s%s; worst max error / bound %.3g, relative "

@@ -1517,9 +1517,9 @@ int main(void) {
     seed_rng(7);
     const mha__kernels *g = mha__kernels_for("scalar");
     CHECK(g != NULL);
-    const char *isas[] = {"avx2", "avx512", "amx"};
+    const char *isas[] = {"avx2", "avx512", "avx512bf16", "amx"};
     int tested = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         const mha__kernels *k = mha__kernels_for(isas[i]);
         if (!k) {
             printf("%s: not available on this machine or build, skipped\n", isas[i]);

@@ -39,7 +39,7 @@
 // mha info
 
 static int cmd_info(int argc, char **argv) {
-    static const char *isas[] = {"scalar", "avx2", "avx512", "amx"};
+    static const char *isas[] = {"scalar", "avx2", "avx512", "avx512bf16", "amx"};
     if (argc > 1 && strcmp(argv[1], "--help") == 0) {
         puts("Usage: mha info [--isas]\nPrints the version, implementations, SIMD kernels and "
              "threads.\n  --isas   print only the SIMD kernels this build and CPU can run, "
@@ -48,7 +48,7 @@ static int cmd_info(int argc, char **argv) {
     }
     if (argc > 1 && strcmp(argv[1], "--isas") == 0) {
         const char *sep = "";
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < (int)(sizeof isas / sizeof isas[0]); i++)
             if (mha_isa_supported(isas[i])) {
                 printf("%s%s", sep, isas[i]);
                 sep = " ";
@@ -65,7 +65,7 @@ static int cmd_info(int argc, char **argv) {
            "  SIMD kernels: %s); auto -> fused (reference for a trace or float64)\n",
            mha_isa());
     printf("SIMD kernels this build and CPU can run (MHA_ISA):");
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < (int)(sizeof isas / sizeof isas[0]); i++)
         if (mha_isa_supported(isas[i])) printf(" %s", isas[i]);
     putchar('\n');
 #ifdef _OPENMP

@@ -334,7 +334,7 @@ GELU_DRIVER(gelu_generic, )
 static void gelu(float *h, int64_t n) {
 #ifdef EMBED_X86
     const char *isa = mha_isa();
-    if (!strcmp(isa, "avx512") || !strcmp(isa, "amx")) return gelu_avx512(h, n);
+    if (!strncmp(isa, "avx512", 6) || !strcmp(isa, "amx")) return gelu_avx512(h, n);
     if (!strcmp(isa, "avx2")) return gelu_avx2(h, n);
 #endif
     gelu_generic(h, n);

@@ -233,11 +233,9 @@ static void softmax_rows_bf16(const float *x, int64_t ldx, int64_t R, int64_t n,
 }
 
 void mha__kernels_fill_avx512bf16(mha__kernels *k) {
-    // Intel issues one vdpbf16ps (32 products) per cycle against two
-    // float32 FMAs (32 products): no faster here, and this kernel is not
-    // ((1, 12, 2048, 64) on a Sapphire Rapids: 97-106 ms against 71 ms on
-    // converted rows). AMD Zen 4 issues more; to be measured there before
-    // the flash forward takes it.
+    // bf_fast stays false here: the avx512 table (Intel's cores issue one
+    // vdpbf16ps, 32 products, per cycle against two float32 FMAs, also 32);
+    // cpu.c's "avx512bf16" table sets it (AMD Zen 4: twice the FMA rate).
     k->bf_fast = false;
     k->bf_exact = true;
     k->gemm_bf16 = gemm_bf16;

@@ -22,7 +22,8 @@
 #include <stdint.h>
 
 typedef struct mha__kernels {
-    const char *isa;  // "scalar", "avx2", "avx512", "amx" (avx512 + AMX-BF16 tiles)
+    const char *isa;  // "scalar", "avx2", "avx512", "avx512bf16" (avx512 computing
+                      // bf16 with vdpbf16ps), "amx" (avx512 + AMX-BF16 tiles)
 
     // gemm_nn: C (M, N) = A (M, K) B (K, N)             overwrite
     //   (B row-major: the "packed" operand, e.g. K^T or W^T)
@@ -204,7 +205,8 @@ typedef struct mha__kernels {
     // bf_mpad: gemm_bf16 may read A's rows up to M rounded up to a multiple
     //   of it (1; AMX 16: whole tiles; rows past M feed discarded sums only).
     // bf_fast: this table's bf16 compute is faster than its float32 path on
-    //   converted rows (AMX); else the flash forward converts bf16 rows to
+    //   converted rows (amx; avx512bf16, vdpbf16ps on AMD Zen 4 at twice
+    //   the FMA rate); else the flash forward converts bf16 rows to
     //   float32 and computes in float32 (the others: see their fillers),
     //   unless a test forces bf16 compute (mha__flash_force_bf16).
     // bf_exact: gemm_bf16 gives the generic version's bits (the order
@@ -265,7 +267,7 @@ typedef struct mha__kernels {
 
 // The table chosen for this process (filled on first use, thread-safe).
 const mha__kernels *mha__kernels_get(void);
-// A table by ISA name ("scalar", "avx2", "avx512"); NULL if this build or
+// A table by ISA name ("scalar", "avx2", "avx512", "avx512bf16", "amx"); NULL if this build or
 // this CPU lacks it. For tests, which compare every ISA with scalar.
 const mha__kernels *mha__kernels_for(const char *isa);
 
