@@ -348,7 +348,7 @@ static void cached_out_project(cached_call *c, mha_tensor *out, const mha_module
     if (!direct)
         for (int64_t r = 0; r < R; r++) {
             mha__mat row = mha__view_row(out, r);
-            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
+            mha__st_row(row, y + r * ldo, E);
         }
 }
 

@@ -50,8 +50,8 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
     }
     const float *ob = pt && !pt->bias ? NULL : m->out_bias;
     if (!(bf && octx == ctx &&
-          mha__linear_rows_bf16(kt, y, ldo, ctx, Eq, (const uint16_t *)m->w_out, ob, Rq, Eq, E,
-                                wo, mha__gemm_packed_b_floats(kt, Eq, E), nt)))
+          mha__linear_rows_bf16(kt, y, ldo, ctx, Eq, (const uint16_t *)m->w_out, pk, ob, Rq,
+                                Eq, E, wo, mha__gemm_packed_b_floats(kt, Eq, E), nt)))
         mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh, pk), ob, Rq, Eq,
                          E, wo, gs, nt);
     if (p->out_p > 0.0f)
@@ -65,7 +65,7 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
     if (!direct)
         for (int64_t r = 0; r < Rq; r++) {
             mha__mat row = mha__view_row(out, r);
-            for (int64_t e = 0; e < E; e++) mha__st(row, 0, e, y[r * ldo + e]);
+            mha__st_row(row, y + r * ldo, E);
         }
 }
 
@@ -147,7 +147,7 @@ static void fwd_project(fwd_call *c) {
         // gates read them later
         if (!(fwd_bf16(c) && !mha__module_gated(m) && xq == (const float *)(ws + p->f.xq) &&
               mha__linear_rows_bf16(kt, qkv, W3, (float *)(ws + p->f.xq), ldq,
-                                    (const uint16_t *)m->w_in, bq, Rq, E, W3, wt,
+                                    (const uint16_t *)m->w_in, pk, bq, Rq, E, W3, wt,
                                     mha__gemm_packed_b_floats(kt, E, W3), nt)))
             mha__linear_rows(kt, qkv, W3, xq, ldq, mha__wmat_of(m, m->w_in, wh, pk), bq, Rq, E,
                              W3, wt, gs, nt);

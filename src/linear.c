@@ -32,14 +32,18 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
     mha__gemm_rows_packed(kt, C, ldc, X, ldx, Bp, b, R, I, O, false, nt, gs);
 }
 
-bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X,
-                           int64_t ldx, const uint16_t *W, const float *b, int64_t R,
+bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X, int64_t ldx,
+                           const uint16_t *W, const mha__packs *pk, const float *b, int64_t R,
                            int64_t I, int64_t O, float *Wp, size_t wp_floats, int nt) {
     const int64_t kp = kt->bf_kpad, Kp = (I + kp - 1) / kp * kp, mp = kt->bf_mpad;
-    if (I < 32 || 2 * Kp > 4 * ldx || (size_t)mha__bf16_packed_elems(I, O, kp) > 2 * wp_floats)
+    const uint16_t *Bp = mha__packs_find_bf16(pk, W, O, I);
+    if (I < 32 || 2 * Kp > 4 * ldx ||
+        (!Bp && (size_t)mha__bf16_packed_elems(I, O, kp) > 2 * wp_floats))
         return false;
-    uint16_t *Bp = (uint16_t *)(void *)Wp;
-    kt->pack_bf16(Bp, W, 1, I, I, O);  // B (I, O) = W^T
+    if (!Bp) {
+        kt->pack_bf16((uint16_t *)(void *)Wp, W, 1, I, I, O);  // B (I, O) = W^T
+        Bp = (const uint16_t *)(const void *)Wp;
+    }
     // X's rows to bf16 in place, zero-padded to Kp (a chunk read before it
     // is written: the bf16 half of a row trails its float32 half)
 #pragma omp parallel for schedule(static) num_threads(nt)

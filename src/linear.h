@@ -57,13 +57,14 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
 // fused_fwd.c): C (R, O) = X (R, I) W^T + b with X's rows, float32 values
 // that are bf16 already (gathered from bf16 inputs), rounded to bf16 in
 // place (row r at (uint16_t *)X + 2 r ldx, zero-padded to the table's
-// bf_kpad), W (O, I) bf16 packed by pack_bf16 into Wp (wp_floats floats of
-// scratch), then gemm_bf16 over rows split among nt threads (row r
+// bf_kpad), W (O, I) bf16 in its packed form from the module's copy pk
+// (mha__packs_find_bf16), else packed by pack_bf16 into Wp (wp_floats
+// floats of scratch), then gemm_bf16 over rows split among nt threads (row r
 // depends on row r alone) and column panels, + b. Returns false, touching
 // nothing, where the shapes do not fit (I < 32, or Wp too small): the
 // caller takes the float32 path.
-bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X,
-                           int64_t ldx, const uint16_t *W, const float *b, int64_t R,
+bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X, int64_t ldx,
+                           const uint16_t *W, const mha__packs *pk, const float *b, int64_t R,
                            int64_t I, int64_t O, float *Wp, size_t wp_floats, int nt);
 
 // The module's weight matrix at p (one of m->w_*, or rows of one), with

@@ -38,18 +38,20 @@ struct mha_module {
                                             // (Eq), (Ekv) over all features
     bool *pruned;                           // (H): head h skipped
     int64_t npruned;
-    struct mha__packs *packs;  // the packed float32 weights (packs.c), or NULL
+    struct mha__packs *packs;  // the packed weights (packs.c), or NULL
 };
 
 // The packed projection weights (packs.c): every float32 weight matrix of
 // the projections (in_proj_weight or q/k/v_proj_weight, out_proj.weight,
 // gate_proj.weight) as mha__gemm_pack_wt lays it out for the process's
-// kernel table, filled by the first call that wants it after a change, so
-// that calls multiply by it without packing first (the same bits).
+// kernel table, and, bf16 weights on a table that computes bf16 (bf_fast),
+// the bf16 matrices of that compute as pack_bf16 lays them out; filled by
+// the first call that wants it after a change, so that calls multiply by
+// it without packing first (the same bits).
 typedef struct mha__packs mha__packs;
 
 // At mha_module_create, after the parameters are bound: allocates the
-// packed copy (m->packs; NULL when nothing is float32), stale.
+// packed copy (m->packs; NULL when nothing is kept), stale.
 mha_status mha__packs_create(mha_module *m);
 void mha__packs_destroy(mha__packs *pk);
 // Bytes the packed copy takes (0: none).
@@ -68,6 +70,9 @@ void mha__packs_release(const mha__packs *pk);  // (NULL: nothing)
 // row r0 of it (I columns), when r0 is a multiple of the panel width
 // (kernels.h: a panel-aligned slice); else NULL (pk NULL included).
 const float *mha__packs_find(const mha__packs *pk, const void *w, int64_t O, int64_t I);
+// The pack_bf16 form of the whole bf16 weight w (O, I), or NULL (pk NULL,
+// or not kept).
+const uint16_t *mha__packs_find_bf16(const mha__packs *pk, const void *w, int64_t O, int64_t I);
 
 // The qk_norm epsilon: cfg.qk_norm_eps, 0 meaning 1e-6.
 static inline double mha__qk_norm_eps(const mha_module *m) {

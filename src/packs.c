@@ -2,9 +2,13 @@
 // float32 weight matrix W (O, I) of the projections (in_proj_weight, or
 // q/k/v_proj_weight; out_proj.weight; gate_proj.weight) kept as
 // mha__gemm_pack_wt lays it out for the process's kernel table (gemm.h), so
-// that a call multiplies by it without packing W first. Half weights are
-// not kept (each call widens and packs them, as before: their point is the
-// memory). The packed copy is allocated with the module and filled by the
+// that a call multiplies by it without packing W first. bf16 weights on a
+// table that computes bf16 (bf_fast: amx, avx512bf16) keep the matrices the
+// bf16 compute multiplies by (the packed in_proj_weight of self-attention
+// and out_proj.weight) as pack_bf16 lays them out (kernels.h: the same
+// size as the matrix, bf16). Other half weights are not kept (each call
+// widens and packs them, as before: their point is the memory). The packed
+// copy is allocated with the module and filled by the
 // first call that wants it after the parameters changed; it does not
 // change a bit of any result (the same layout the call would have packed).
 //
@@ -31,9 +35,10 @@ enum { VALID = 1, BUILD = 2, DIRTY = 4, READER = 8 };
 enum { MAX_MATS = 5 };  // q, k, v, out, gate (or in, out, gate)
 
 typedef struct packed_mat {
-    const float *src;  // W (O, I), row-major, in the parameter block
+    const void *src;  // W (O, I), row-major, in the parameter block
     int64_t O, I;
-    float *dst;  // its packed form, mha__gemm_packed_b_floats(kt, I, O) floats
+    bool bf16;   // W is bf16, packed by pack_bf16; else float32 by mha__gemm_pack_wt
+    float *dst;  // its packed form (mat_floats floats)
 } packed_mat;
 
 struct mha__packs {
@@ -46,6 +51,11 @@ struct mha__packs {
 
 static size_t round16(size_t f) { return (f + 15) & ~(size_t)15; }
 
+static size_t mat_floats(const mha__kernels *kt, const packed_mat *q) {
+    return q->bf16 ? (size_t)(mha__bf16_packed_elems(q->I, q->O, kt->bf_kpad) + 1) / 2
+                   : mha__gemm_packed_b_floats(kt, q->I, q->O);
+}
+
 mha_status mha__packs_create(mha_module *m) {
     m->packs = NULL;
     const mha__kernels *kt = mha__kernels_get();
@@ -54,21 +64,24 @@ mha_status mha__packs_create(mha_module *m) {
     const int64_t E = m->cfg.embed_dim, Eq = m->q_dim, Ekv = m->kv_dim, H = m->cfg.num_heads;
     if (m->wdt == MHA_F32) {
         if (m->packed) {
-            mats[n++] = (packed_mat){m->in_proj_weight, Eq + 2 * Ekv, E, NULL};
+            mats[n++] = (packed_mat){m->in_proj_weight, Eq + 2 * Ekv, E, false, NULL};
         } else {
-            mats[n++] = (packed_mat){m->q_weight, Eq, E, NULL};
-            mats[n++] = (packed_mat){m->k_weight, Ekv, m->cfg.kdim, NULL};
-            mats[n++] = (packed_mat){m->v_weight, Ekv, m->cfg.vdim, NULL};
+            mats[n++] = (packed_mat){m->q_weight, Eq, E, false, NULL};
+            mats[n++] = (packed_mat){m->k_weight, Ekv, m->cfg.kdim, false, NULL};
+            mats[n++] = (packed_mat){m->v_weight, Ekv, m->cfg.vdim, false, NULL};
         }
-        mats[n++] = (packed_mat){m->out_weight, E, Eq, NULL};
+        mats[n++] = (packed_mat){m->out_weight, E, Eq, false, NULL};
+    } else if (m->wdt == MHA_BF16 && kt->bf_fast) {  // the bf16 compute's (fused_fwd.c)
+        if (m->packed) mats[n++] = (packed_mat){m->w_in, Eq + 2 * Ekv, E, true, NULL};
+        mats[n++] = (packed_mat){m->w_out, E, Eq, true, NULL};
     }
-    if (m->gate_weight) mats[n++] = (packed_mat){m->gate_weight, H, E, NULL};
+    if (m->gate_weight) mats[n++] = (packed_mat){m->gate_weight, H, E, false, NULL};
     if (n == 0) return MHA_OK;
     // one block: the header (64-byte rounded), then each packed matrix
     // (64-byte aligned)
     size_t floats = 0;
     for (int i = 0; i < n; i++) {
-        const size_t f = round16(mha__gemm_packed_b_floats(kt, mats[i].I, mats[i].O));
+        const size_t f = round16(mat_floats(kt, &mats[i]));
         if (mha__add_overflow_size(floats, f, &floats))
             return mha__fail(MHA_ERR_OVERFLOW, "mha_module_create: packed weights overflow");
     }
@@ -92,7 +105,7 @@ mha_status mha__packs_create(mha_module *m) {
     for (int i = 0; i < n; i++) {
         pk->mat[i] = mats[i];
         pk->mat[i].dst = f;
-        f += round16(mha__gemm_packed_b_floats(kt, mats[i].I, mats[i].O));
+        f += round16(mat_floats(kt, &mats[i]));
     }
     m->packs = pk;
     return MHA_OK;
@@ -131,8 +144,12 @@ const mha__packs *mha__packs_acquire(const mha_module *m, const mha__kernels *kt
             break;
     }
     // the builder: fill the copy from the parameters as they are now
-    for (int i = 0; i < pk->n; i++)
-        mha__gemm_pack_wt(kt, pk->mat[i].dst, pk->mat[i].src, pk->mat[i].O, pk->mat[i].I, nt);
+    for (int i = 0; i < pk->n; i++) {
+        const packed_mat *q = &pk->mat[i];
+        if (q->bf16)  // B (I, O) = W^T
+            kt->pack_bf16((uint16_t *)(void *)q->dst, q->src, 1, q->I, q->I, q->O);
+        else mha__gemm_pack_wt(kt, q->dst, q->src, q->O, q->I, nt);
+    }
     // publish it (and read it: the builder is its first reader), unless the
     // parameters were declared changed meanwhile
     s = atomic_load_explicit(&pk->state, memory_order_relaxed);
@@ -157,13 +174,22 @@ const float *mha__packs_find(const mha__packs *pk, const void *w, int64_t O, int
         const packed_mat *q = &pk->mat[i];
         const char *s = (const char *)q->src;
         const size_t row = (size_t)q->I * sizeof(float);
-        if (q->I != I || p < s || p >= s + (size_t)q->O * row) continue;
+        if (q->bf16 || q->I != I || p < s || p >= s + (size_t)q->O * row) continue;
         const size_t off = (size_t)(p - s);
         const int64_t r0 = (int64_t)(off / row);
         // rows [r0, r0 + O) of W: a panel-aligned slice of its packed form
         // (kernels.h: columns [p nr, ...) are Bp + p nr K)
         if (off % row != 0 || r0 % pk->kt->pk_nr != 0 || r0 + O > q->O) return NULL;
         return q->dst + r0 * I;
+    }
+    return NULL;
+}
+
+const uint16_t *mha__packs_find_bf16(const mha__packs *pk, const void *w, int64_t O, int64_t I) {
+    for (int i = 0; pk && w && i < pk->n; i++) {
+        const packed_mat *q = &pk->mat[i];
+        if (q->bf16 && q->src == w && q->O == O && q->I == I)
+            return (const uint16_t *)(const void *)q->dst;
     }
     return NULL;
 }

@@ -9,7 +9,7 @@ void mha__gather_rows(float *dst, const mha_tensor *t) {
     const int64_t F = t->shape[t->ndim - 1], R = mha__rows_of(t);
     for (int64_t r = 0; r < R; r++) {
         mha__mat row = mha__view_row(t, r);
-        for (int64_t f = 0; f < F; f++) dst[r * F + f] = (float)mha__ld(row, 0, f);
+        mha__ld_row(dst + r * F, row, F);
     }
 }
 

@@ -7,6 +7,7 @@
 #define MHA_VIEW_H
 
 #include <stdbool.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -36,6 +37,41 @@ static inline void mha__st(mha__mat m, int64_t r, int64_t c, double v) {
                                            : mha_f32_to_f16((float)v);
     else if (m.f64) ((double *)m.p)[o] = v;
     else ((float *)m.p)[o] = (float)v;
+}
+
+// n elements of a 1-row view (row 0 of m) as float32 into dst, and n
+// float32 values stored into it: the same values as mha__ld / mha__st
+// element by element (a half store rounds once, nearest even), with loops
+// the compiler vectorizes where the row is contiguous.
+static inline void mha__ld_row(float *dst, mha__mat m, int64_t n) {
+    if (m.cs == 1 && !m.half && !m.f64) {
+        memcpy(dst, m.p, sizeof(float) * (size_t)n);
+    } else if (m.cs == 1 && m.half == 1) {
+        const uint16_t *h = (const uint16_t *)m.p;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t u = (uint32_t)h[i] << 16;
+            memcpy(dst + i, &u, sizeof u);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) dst[i] = (float)mha__ld(m, 0, i);
+    }
+}
+
+static inline void mha__st_row(mha__mat m, const float *src, int64_t n) {
+    if (m.cs == 1 && !m.half && !m.f64) {
+        memcpy(m.p, src, sizeof(float) * (size_t)n);
+    } else if (m.cs == 1 && m.half == 1) {
+        uint16_t *h = (uint16_t *)m.p;
+        for (int64_t i = 0; i < n; i++) {  // mha_f32_to_bf16
+            uint32_t u;
+            memcpy(&u, src + i, sizeof u);
+            const uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
+            h[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
+                                                   : (uint16_t)(r >> 16);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) mha__st(m, 0, i, src[i]);
+    }
 }
 
 // mha__mat's half of an element type: 1 bfloat16, 2 float16, else 0 (the

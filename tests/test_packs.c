@@ -14,8 +14,10 @@
 // multiple of both panel widths, so cross-attention slices the copy; and E
 // = 24, which does not), separate q/k/v with kdim != vdim, grouped-query
 // heads with a dynamic gate and a pruned head, separate_qkv with a
-// head_dim, and BF16 weights with a dynamic gate (only the gate is kept
-// packed).
+// head_dim, BF16 weights with a dynamic gate (only the gate is kept
+// packed), and BF16 weights without gates, whose forward on bf16 inputs
+// computes in bf16 where the table does (mha_last_impl() " bf16": the
+// copy holds the bf16-packed in_proj_weight and out_proj.weight).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,7 +101,31 @@ static mha_forward_args main_args(const inputs *in, const views *vw) {
     return a;
 }
 
-// The fused forward of main_args into o.
+// The fused forward of main_args on bf16 views of the inputs (rounded),
+// into o (the bf16 output as floats); whether it computed in bf16.
+static bool run_forward_bf16(outputs *o, const mha_module *m, const inputs *in) {
+    const int64_t E = in->E, nx = L * N * E, nk = S * N * in->kd, nv = S * N * in->vd;
+    uint16_t *x = calloc((size_t)(nx + nk + nv + nx), sizeof(uint16_t));
+    if (!x) abort();
+    uint16_t *k = x + nx, *v = k + nk, *y = v + nv;
+    for (int64_t i = 0; i < nx; i++) x[i] = mha_f32_to_bf16(in->x[i]);
+    for (int64_t i = 0; i < nk; i++) k[i] = mha_f32_to_bf16(in->k[i]);
+    for (int64_t i = 0; i < nv; i++) v[i] = mha_f32_to_bf16(in->v[i]);
+    const views vw = {mha_tensor_contiguous(x, MHA_BF16, 3, (int64_t[]){L, N, E}),
+                      mha_tensor_contiguous(k, MHA_BF16, 3, (int64_t[]){S, N, in->kd}),
+                      mha_tensor_contiguous(v, MHA_BF16, 3, (int64_t[]){S, N, in->vd})};
+    mha_tensor yt = mha_tensor_contiguous(y, MHA_BF16, 3, (int64_t[]){L, N, E});
+    mha_forward_args a = main_args(in, &vw);
+    CHECK_OK(mha_forward(&yt, NULL, m, &a));
+    const bool bf = strstr(mha_last_impl(), " bf16") != NULL;
+    float *f = floats(nx);
+    for (int64_t i = 0; i < nx; i++) f[i] = mha_bf16_to_f32(y[i]);
+    put(o, f, nx);
+    free(f), free(x);
+    return bf;
+}
+
+// The fused forward of main_args into o (and, bf16 weights, on bf16 views).
 static void run_forward(outputs *o, const mha_module *m, const inputs *in) {
     const int64_t E = in->E;
     float *y = floats(L * N * E);
@@ -109,6 +135,7 @@ static void run_forward(outputs *o, const mha_module *m, const inputs *in) {
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
     put(o, y, L * N * E);
     free(y);
+    if (mha_module_config(m)->weight_dtype == MHA_BF16) run_forward_bf16(o, m, in);
 }
 
 // Everything the module computes on the inputs, fused: the main_args
@@ -215,21 +242,25 @@ static void check_fresh(const char *kind, const char *what, const mha_module *m,
     free(a.f), free(b.f);
 }
 
-// Every element of every parameter: x <- x + delta (f32), or through a
-// float32 copy (half weights: rounded back).
+// Every element of every parameter: x <- x + delta (f32), or rounded back
+// to bf16 (bf16 weights).
 static void nudge(mha_module *m, const char *name, float delta) {
     mha_param p;
     CHECK_OK(mha_module_param(&p, m, name));
-    if (p.dtype == MHA_F32)
-        for (int64_t j = 0; j < p.numel; j++) p.data[j] += delta * (float)(1 + j % 3);
+    uint16_t *h = p.storage;
+    for (int64_t j = 0; j < p.numel; j++)
+        if (p.dtype == MHA_F32) p.data[j] += delta * (float)(1 + j % 3);
+        else if (p.dtype == MHA_BF16)
+            h[j] = mha_f32_to_bf16(mha_bf16_to_f32(h[j]) + delta * (float)(1 + j % 3));
 }
 
-// The name of a float32 weight matrix of m the forward multiplies by
-// (kept packed): the gate's for a half module.
+// The name of a weight matrix of m the forward multiplies by (kept
+// packed): the gate's for a gated half module.
 static const char *packed_weight(const mha_module *m) {
     mha_param p;
     const mha_config *c = mha_module_config(m);
-    if (c->weight_dtype != MHA_F32) return "gate_proj.weight";
+    if (c->weight_dtype != MHA_F32 && c->head_gate == MHA_GATE_DYNAMIC)
+        return "gate_proj.weight";
     if (mha_module_param(&p, m, "in_proj_weight") == MHA_OK) return "in_proj_weight";
     return "q_proj_weight";
 }
@@ -264,18 +295,32 @@ static void one_kind(const char *kind, const mha_config *c, bool prune) {
     // 2. a write through an old pointer: not seen until
     //    mha_module_params_changed (the copy is in use), seen after it
     {
+        // (bf16 weights without gates: the forward on bf16 inputs, where it
+        // computes in bf16; the float32 compute packs half weights per call)
         mha_param p;
         CHECK_OK(mha_module_param(&p, m, packed_weight(m)));
+        const bool bf = !f32 && p.dtype == MHA_BF16;
         outputs before = {0}, stale = {0}, after = {0};
-        run_forward(&before, m, &in);  // (fills the copy)
-        for (int64_t j = 0; j < p.numel; j++) p.data[j] = -p.data[j] + 0.05f;
-        run_forward(&stale, m, &in);
-        CHECKF(same(&before, &stale),
-               "%s: a write through an old pointer without mha_module_params_changed is seen "
-               "by the fused forward: the packed copy is not in use",
-               kind);
+        bool in_bf16 = true;
+        if (bf) in_bf16 = run_forward_bf16(&before, m, &in);  // (fills the copy)
+        else run_forward(&before, m, &in);
+        uint16_t *h = p.storage;
+        for (int64_t j = 0; j < p.numel; j++)
+            if (bf) h[j] = mha_f32_to_bf16(0.05f - mha_bf16_to_f32(h[j]));
+            else p.data[j] = -p.data[j] + 0.05f;
+        if (bf) run_forward_bf16(&stale, m, &in);
+        else run_forward(&stale, m, &in);
+        if (in_bf16)
+            CHECKF(same(&before, &stale),
+                   "%s: a write through an old pointer without mha_module_params_changed is "
+                   "seen by the fused forward: the packed copy is not in use",
+                   kind);
+        else
+            printf("%s: kernels %s compute bf16 in float32 (no bf16 copy to check in use)\n",
+                   kind, mha_isa());
         mha_module_params_changed(m);
-        run_forward(&after, m, &in);
+        if (bf) run_forward_bf16(&after, m, &in);
+        else run_forward(&after, m, &in);
         CHECKF(!same(&before, &after), "%s: mha_module_params_changed: the write is not seen",
                kind);
         free(before.f), free(stale.f), free(after.f);
@@ -419,5 +464,8 @@ int main(void) {
     mha_config_init(&c, 32, 4);  // BF16 weights, dynamic gate (kept packed)
     c.weight_dtype = MHA_BF16, c.head_gate = MHA_GATE_DYNAMIC;
     one_kind("bf16 dynamic gate", &c, false);
+    mha_config_init(&c, 32, 4);  // BF16 weights: the bf16 compute's copy
+    c.weight_dtype = MHA_BF16;
+    one_kind("bf16 packed", &c, false);
     return check_summary("test_packs");
 }

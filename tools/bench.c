@@ -101,8 +101,9 @@ static const char *bench_help =
     "                     must read (the weights in their storage dtype + K\n"
     "                     and V) per token and against the read bandwidth;\n"
     "                     takes --weight-dtype, --head-gate, --prune-heads\n"
-    "  --weight-dtype T   f32 (default), bf16 or f16: the module's weight\n"
-    "                     matrices stored in T (mha_config.weight_dtype)\n"
+    "  --weight-dtype T   f32, bf16 or f16: the module's weight matrices\n"
+    "                     stored in T (mha_config.weight_dtype); default:\n"
+    "                     --dtype's for a module forward, else f32\n"
     "  --dtype T          f32 (default), bf16 or f16: query/key/value and\n"
     "                     the output stored in T (module forward; --core:\n"
     "                     q, k, v, out and the gradients)\n"
@@ -151,6 +152,7 @@ typedef struct bench_opts {
     int64_t kv_len, kv_heads;       // --decode
     mha_kv_dtype kv_dtype;          // --kv-dtype
     mha_dtype wdtype, dtype;        // --weight-dtype, --dtype (module forward)
+    bool wdtype_set;                // --weight-dtype given
     int64_t prune;                  // --prune-heads: the last K heads pruned
     const char *parallel;           // --parallel SCHEME (under mpirun)
     mha_head_gate gate;             // --head-gate
@@ -239,6 +241,9 @@ typedef struct problem {
     size_t ws_bytes;
     mha_sdpa_args sa;
     mha_saved *saved;  // --backward: the forward keeps its state
+    // what the last run's forward and backward ran (mha_last_impl(): e.g.
+    // "fused avx512", "fused amx bf16", "reference")
+    char fwd_ran[64], bwd_ran[64];
 } problem;
 
 static void problem_free(problem *p) {
@@ -371,33 +376,28 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
 // One run: the forward (and the backward), or the core.
 static mha_status problem_run(problem *p) {
     mha_status st;
-    if (p->o->core) {
-        st = mha_sdpa(&p->out, NULL, &p->sa);
-        if (st || !p->o->backward) return st;
-        return mha_sdpa_backward(&p->gq, &p->gk, &p->gv, &p->gout, &p->sa);
-    }
-    if (p->ws) st = mha_forward_ex(&p->out, NULL, p->m, &p->a, p->ws, p->ws_bytes);
+    if (p->o->core) st = mha_sdpa(&p->out, NULL, &p->sa);
+    else if (p->ws) st = mha_forward_ex(&p->out, NULL, p->m, &p->a, p->ws, p->ws_bytes);
     else st = mha_forward(&p->out, NULL, p->m, &p->a);
-    if (st || !p->o->backward) return st;
-    return mha_backward(&p->gq, &p->gk, &p->gv, p->grads, p->m, &p->a, &p->gout, false);
+    if (st) return st;
+    snprintf(p->fwd_ran, sizeof p->fwd_ran, "%s", mha_last_impl());
+    if (!p->o->backward) return st;
+    st = p->o->core ? mha_sdpa_backward(&p->gq, &p->gk, &p->gv, &p->gout, &p->sa)
+                    : mha_backward(&p->gq, &p->gk, &p->gv, p->grads, p->m, &p->a, &p->gout,
+                                   false);
+    if (!st) snprintf(p->bwd_ran, sizeof p->bwd_ran, "%s", mha_last_impl());
+    return st;
 }
 
 // ---------------------------------------------------------------------------
-// Which implementation ran: the library does not say, so run the requested
-// one, the reference and the fused one on a tiny problem of the same kind
-// and compare the outputs bit for bit (the reference computes in double,
-// the fused path in float: they differ in the last bits).
-
-typedef struct probe_out {
-    float *fwd;  // the forward's (or the core's) output
-    float *bwd;  // grad_query, with --backward
-    int64_t nf, nb;
-} probe_out;
+// Whether the library takes the requested implementation for a problem of
+// this kind: a tiny one run first (what ran is read off the real problem's
+// runs, mha_last_impl()).
 
 // Runs the tiny problem with impl; *unsupported is set when the library
 // refused the impl (MHA_ERR_UNSUPPORTED). Returns 0, or 1 after printing.
-static int probe_run(probe_out *po, bench_bufs *bb, const bench_opts *o, mha_impl impl,
-                     bool *unsupported, char *why, size_t why_cap) {
+static int probe_run(bench_bufs *bb, const bench_opts *o, mha_impl impl, bool *unsupported,
+                     char *why, size_t why_cap) {
     bench_opts t = *o;
     t.B = 1;
     t.H = 2;
@@ -419,42 +419,17 @@ static int probe_run(probe_out *po, bench_bufs *bb, const bench_opts *o, mha_imp
         problem_free(&p);
         return cli_fail("bench", st);
     }
-    po->fwd = p.out.data;
-    po->nf = mha_tensor_numel(&p.out);
-    po->bwd = o->backward ? p.gq.data : NULL;
-    po->nb = po->bwd ? mha_tensor_numel(&p.gq) : 0;
     problem_free(&p);
     return 0;
 }
 
-// "reference", "fused" or "unknown": which of the two x equals, bit for bit.
-static const char *probe_match(const float *x, const float *ref, const float *fus, int64_t n) {
-    if (!x) return "unknown";
-    if (ref && memcmp(x, ref, (size_t)n * sizeof *x) == 0) return "reference";
-    if (fus && memcmp(x, fus, (size_t)n * sizeof *x) == 0) return "fused";
-    return "unknown";
-}
-
-// Sets *fwd_ran and *bwd_ran to the implementations that ran for impl.
-// Returns 0; 1 after printing an error; 3 when the library refused impl
-// (message in why).
-static int probe_impl(const char **fwd_ran, const char **bwd_ran, const bench_opts *o,
-                      char *why, size_t why_cap) {
+// Returns 0 when impl runs problems of o's kind; 1 after printing an
+// error; 3 when the library refused impl (message in why).
+static int probe_impl(const bench_opts *o, char *why, size_t why_cap) {
     bench_bufs bb = {0};
-    probe_out want = {0}, ref = {0}, fus = {0};
-    bool unsup = false, fus_unsup = false, ref_unsup = false;
-    char tmp[256];
-    int rc = probe_run(&want, &bb, o, o->impl, &unsup, why, why_cap);
+    bool unsup = false;
+    int rc = probe_run(&bb, o, o->impl, &unsup, why, why_cap);
     if (!rc && unsup) rc = 3;
-    if (!rc) rc = probe_run(&ref, &bb, o, MHA_IMPL_REFERENCE, &ref_unsup, tmp, sizeof tmp);
-    if (!rc) rc = probe_run(&fus, &bb, o, MHA_IMPL_FUSED, &fus_unsup, tmp, sizeof tmp);
-    if (!rc) {
-        *fwd_ran = probe_match(want.fwd, ref_unsup ? NULL : ref.fwd,
-                               fus_unsup ? NULL : fus.fwd, want.nf);
-        *bwd_ran = want.bwd ? probe_match(want.bwd, ref_unsup ? NULL : ref.bwd,
-                                          fus_unsup ? NULL : fus.bwd, want.nb)
-                            : "none";
-    }
     bench_free(&bb);
     return rc;
 }
@@ -589,6 +564,7 @@ static int bench_opt_what(bench_opts *o, int c) {
         break;
     case 'X':
     case 'Y': {
+        if (c == 'X') o->wdtype_set = true;
         if (cli_float_dtype(c == 'X' ? &o->wdtype : &o->dtype, optarg))
             return bench_usage(c == 'X' ? "--weight-dtype needs f32, bf16 or f16"
                                         : "--dtype needs f32, bf16 or f16");
@@ -742,6 +718,10 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         if (rc != -1) return rc;
     }
     if (optind < argc) return bench_usage("unexpected argument");
+    // the module in --dtype (as torch's module.to(dtype)): its weight
+    // matrices follow --dtype unless given, for inference (half weights
+    // do not train)
+    if (!o->wdtype_set && !o->backward && !o->decode && !o->serve) o->wdtype = o->dtype;
     return bench_check(o);
 }
 
@@ -755,7 +735,8 @@ typedef struct bench_result {
     bench_probe peak;  // the fp32 FMA peak, or the bf16 dot peak (bench_peak.c)
     bool peak_bf16;    // peak is the bf16 dot peak (--dtype bf16 on a CPU with one)
     int peak_probes;   // 2: probed again after the runs (the rate was above it)
-    const char *isa, *fwd_ran, *bwd_ran;
+    const char *isa;
+    char fwd_ran[64], bwd_ran[64];  // mha_last_impl() of the runs' calls
     int threads;
 } bench_result;
 
@@ -910,7 +891,7 @@ static void print_text(const bench_opts *o, const bench_result *r) {
     if (!o->core)
         printf("  scratch    %s\n", o->workspace ? "allocated once (mha_forward_ex)"
                                                  : "allocated by every call (mha_forward)");
-    if (o->impl == MHA_IMPL_FUSED && strcmp(r->fwd_ran, "fused") != 0)
+    if (o->impl == MHA_IMPL_FUSED && strncmp(r->fwd_ran, "fused", 5) != 0)
         printf("  note       --impl fused was accepted but the %s path ran\n", r->fwd_ran);
 }
 
@@ -1347,7 +1328,7 @@ int cmd_bench(int argc, char **argv) {
 
     // Which implementation runs (and whether the library accepts it).
     char why[512] = "";
-    rc = probe_impl(&r.fwd_ran, &r.bwd_ran, &o, why, sizeof why);
+    rc = probe_impl(&o, why, sizeof why);
     if (rc == 3) {
         fprintf(stderr, "mha bench: %s--impl %s is not supported here: %s\n",
                 o.core ? "--core " : "", mha_impl_name(o.impl), why);
@@ -1381,6 +1362,8 @@ int cmd_bench(int argc, char **argv) {
     }
     if (!rc && st) rc = cli_fail("bench", st);
     if (!rc) {
+        snprintf(r.fwd_ran, sizeof r.fwd_ran, "%s", p.fwd_ran);
+        snprintf(r.bwd_ran, sizeof r.bwd_ran, "%s", o.backward ? p.bwd_ran : "none");
         r.rss_max = max_rss_mib();
         qsort(times, (size_t)o.repeat, sizeof *times, cli_cmp_double);
         int64_t n = o.repeat;
