@@ -4,6 +4,7 @@
 #if defined(__linux__) && !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE  // madvise
 #endif
+#include <pthread.h>
 #include <stdarg.h>
 #ifdef MHA_FAULT_INJECTION
 #include <stdatomic.h>
@@ -162,11 +163,8 @@ void *mha__realloc(void *p, size_t bytes) {
 #define MHA__HUGE_PAGE ((size_t)2 << 20)
 #define MHA__HUGE_MIN ((size_t)16 << 20)
 
-void *mha__alloc(size_t bytes) {
-    if (bytes == 0) bytes = 1;
-    size_t rounded = (bytes + 63) & ~(size_t)63;
-    if (rounded < bytes) return NULL;
-    if (MHA__FAULT_NOW()) return NULL;
+// (mha__alloc past its fault check)
+static void *alloc_aligned(size_t rounded) {
     if (rounded < MHA__HUGE_MIN) return aligned_alloc(64, rounded);
     const size_t huge = (rounded + MHA__HUGE_PAGE - 1) & ~(MHA__HUGE_PAGE - 1);
     if (huge < rounded) return NULL;
@@ -177,7 +175,84 @@ void *mha__alloc(size_t bytes) {
     return p;
 }
 
+void *mha__alloc(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded < bytes) return NULL;
+    if (MHA__FAULT_NOW()) return NULL;
+    return alloc_aligned(rounded);
+}
+
 void mha__free(void *p) { free(p); }
+
+// The calling thread's kept scratch block (one; internal.h): its address
+// and size here, and as the value of a thread-specific key whose
+// destructor frees it when the thread exits.
+#define MHA__SCRATCH_KEEP_MIN ((size_t)1 << 20)
+static _Thread_local void *t_scratch;
+static _Thread_local size_t t_scratch_bytes;
+static pthread_key_t g_scratch_key;
+static bool g_scratch_key_ok;
+static void scratch_key_make(void) {
+    g_scratch_key_ok = !pthread_key_create(&g_scratch_key, free);
+}
+static void scratch_keep(void *p, size_t bytes) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, scratch_key_make);
+    t_scratch = p, t_scratch_bytes = bytes;
+    if (g_scratch_key_ok) (void)pthread_setspecific(g_scratch_key, p);
+}
+
+// Under AddressSanitizer (the asan suite) every scratch block handed out
+// is filled with 0xff bytes (NaN floats): a call that read scratch it had
+// not written, fresh pages' zeros or a kept block's old values, would show.
+#if defined(__SANITIZE_ADDRESS__)
+#define MHA__POISON_SCRATCH 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MHA__POISON_SCRATCH 1
+#endif
+#endif
+static void *scratch_poison(void *p, size_t bytes) {
+#ifdef MHA__POISON_SCRATCH
+    if (p) memset(p, 0xff, bytes);
+#else
+    (void)bytes;
+#endif
+    return p;
+}
+
+void *mha__scratch_alloc(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded < bytes) return NULL;
+    if (MHA__FAULT_NOW()) return NULL;
+    void *p = t_scratch;
+    if (p) {
+        // the kept block when it fits and is not more than twice the need
+        const bool fits = t_scratch_bytes >= rounded && t_scratch_bytes / 2 <= rounded;
+        scratch_keep(NULL, 0);
+        if (fits) return scratch_poison(p, rounded);
+        free(p);
+    }
+    return scratch_poison(alloc_aligned(rounded), rounded);
+}
+
+void mha__scratch_free(void *p, size_t bytes) {
+    if (!p) return;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded < MHA__SCRATCH_KEEP_MIN || rounded < bytes) {
+        free(p);
+        return;
+    }
+    if (t_scratch) free(t_scratch);
+    scratch_keep(p, rounded);
+}
+
+void mha_release_scratch(void) {
+    free(t_scratch);
+    scratch_keep(NULL, 0);
+}
 
 const char *mha__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
     size_t n = 0;

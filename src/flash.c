@@ -439,8 +439,8 @@ void mha__flash_rows(const mha__kernels *kt, const mha__flash_head *a, int64_t i
             a->stats[2 * (i0 + r) + 1] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
         }
         if (a->o_half) {  // rounded once, nearest even (mha__st of a float32 value)
-            const mha__mat oh = {a->o, false, a->o_rs, 1, a->o_half};
-            for (int64_t c = 0; c < Dv; c++) mha__st(oh, i0 + r, c, o[c]);
+            const mha__mat oh = {(uint16_t *)a->o + (i0 + r) * a->o_rs, false, 0, 1, a->o_half};
+            mha__st_row(oh, o, Dv);
         }
     }
 }

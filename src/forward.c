@@ -3,7 +3,8 @@
 // (plan.c) checks every argument once and lays out the scratch memory; then
 // the output views are checked and the chosen implementation runs: the
 // reference (ref_module.c) or the fused path (fused_fwd.c). The scratch is
-// one block; nothing else is allocated.
+// one block (mha_forward: the thread's kept block when it fits, internal.h);
+// nothing else is allocated.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,14 +71,14 @@ mha_status mha_forward(mha_tensor *out, mha_tensor *weights, const mha_module *m
     if (st) return st;
     if ((st = mha__check_forward_outputs(&p, out, weights, a))) return st;
     if (a->save && (st = mha__saved_prepare(a->save, &p, m, a))) return st;
-    void *ws = mha__malloc(p.ws_bytes);
+    void *ws = mha__scratch_alloc(p.ws_bytes);
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM, "mha_forward: out of memory for %zu bytes of scratch",
                          p.ws_bytes);
     char *al = (char *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
     if (p.fused) st = mha__fused_forward(&p, out, weights, m, a, al, NULL);
     else mha__ref_forward(&p, out, weights, m, a, al);
-    free(ws);
+    mha__scratch_free(ws, p.ws_bytes);
     if (!st) mha__set_impl(p.fused, mha_isa(), p.fused && mha__fused_forward_bf16(m, a));
     return st;
 }

@@ -104,7 +104,8 @@ typedef struct bwd_call {
     const mha__packs *pk;  // the module's packed weights, or NULL (packs.c)
     bool acc;              // += instead of =
     bwd_scratch s;
-    float *blk;   // the block s is carved from
+    float *blk;  // the block s is carved from (mha__scratch_alloc)
+    size_t blk_bytes;
     float *gbuf;  // gated: gate (Rq, H), dg (Rq, H), gctx (Rq, Eq), packed W_g
     float *gate, *dg, *gctx;
     const float *dy;  // dy (Rq, E), row stride lddy: dY's rows or s.dy
@@ -167,11 +168,11 @@ static mha_status bwd_alloc(bwd_call *c) {
     size_t bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "fused backward: scratch size overflows");
-    float *blk = mha__alloc(bytes);
+    float *blk = mha__scratch_alloc(bytes);
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "fused backward: out of memory for %zu bytes", bytes);
     bwd_scratch *s = &c->s;
-    c->blk = blk;
+    c->blk = blk, c->blk_bytes = bytes;
     s->sf = sf;
     s->xq = blk, s->xk = s->xq + Rq * E, s->xv = s->xk + Rk * kd;
     s->wt = s->xv + Rk * vd, s->bp = s->wt + (n_w - n_bp - n_gs), s->gs = s->bp + n_bp;
@@ -656,7 +657,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 done:
     mha__packs_release(c.pk);
     mha__free(c.gbuf);
-    mha__free(c.blk);
+    mha__scratch_free(c.blk, c.blk_bytes);
     return st;
 }
 
@@ -868,12 +869,12 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
         mha__add_overflow_size(floats, heads, &floats) ||
         mha__mul_overflow_size(floats, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: scratch size overflows");
-    float *blk = mha__alloc(bytes ? bytes : 1);
+    float *blk = mha__scratch_alloc(bytes ? bytes : 1);
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
     if (per_head)
         sdpa_bwd_per_head(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, per, nt, blk);
     else sdpa_bwd_tiles(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, nt, blk);
-    mha__free(blk);
+    mha__scratch_free(blk, bytes ? bytes : 1);
     return MHA_OK;
 }

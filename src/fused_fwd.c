@@ -540,7 +540,7 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
         mha__add_overflow_size(floats, n_stats, &floats) ||
         mha__mul_overflow_size(floats, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "sdpa: scratch size overflows");
-    float *blk = mha__alloc(bytes);
+    float *blk = mha__scratch_alloc(bytes);
     if (!blk) return mha__fail(MHA_ERR_NOMEM, "sdpa: out of memory for %zu bytes", bytes);
     float *stats = weights ? blk + sf * (size_t)nt : NULL;
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
@@ -597,6 +597,6 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
 #undef KV_PTR
 #undef AT
     }
-    mha__free(blk);
+    mha__scratch_free(blk, bytes);
     return MHA_OK;
 }

@@ -3,6 +3,7 @@
 // independence, caller workspace, fully masked rows, huge logits, the trace,
 // SDPA mask broadcasting. PyTorch agreement is tests/conformance.
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -414,11 +415,109 @@ static void test_trace(void) {
     mha_module_destroy(m);
 }
 
+// The kept scratch block (mha_forward, mha_release_scratch): a forward
+// whose scratch is over 1 MiB, run again (the kept block, holding the last
+// call's values; under ASan every block handed out is filled with NaN
+// bytes), after mha_release_scratch, after a smaller call (its own block
+// kept) and on a thread that exits afterwards (its block freed then:
+// LeakSanitizer would report it): the same bits every time; the sdpa and
+// its backward likewise.
+typedef struct scratch_run {
+    const mha_module *m;
+    const mha_forward_args *a;
+    mha_tensor *y;
+    mha_status st;
+} scratch_run;
+
+static void *scratch_thread(void *arg) {
+    scratch_run *r = arg;
+    r->st = mha_forward(r->y, NULL, r->m, r->a);
+    return NULL;
+}
+
+static void test_kept_scratch(void) {
+    enum { E = 64, H = 4, L = 300, N = 3, Ls = 40 };
+    mha_config cfg;
+    mha_config_init(&cfg, E, H);
+    mha_module *m = random_module(&cfg, 31);
+    float *x = malloc(sizeof(float) * L * N * E), *y0 = malloc(sizeof(float) * L * N * E),
+          *y1 = malloc(sizeof(float) * L * N * E);
+    fill(x, L * N * E, 1.0f);
+    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_tensor xs = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){Ls, N, E});
+    mha_tensor y0t = mha_tensor_contiguous(y0, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_tensor y1t = mha_tensor_contiguous(y1, MHA_F32, 3, (int64_t[]){L, N, E});
+    mha_forward_args a, as;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &xt;
+    a.is_causal = true;
+    as = a;
+    as.query = as.key = as.value = &xs;
+    size_t bytes = 0;
+    CHECK_OK(mha_forward_workspace_size(&bytes, m, &a));
+    CHECKF(bytes > (1u << 20), "the case's scratch is %zu bytes, not over 1 MiB", bytes);
+    CHECK_OK(mha_forward(&y0t, NULL, m, &a));
+    const char *what[5] = {"the kept block", "the kept block again", "after mha_release_scratch",
+                           "after a smaller call", "on a thread of its own"};
+    for (int i = 0; i < 5; i++) {
+        memset(y1, 0, sizeof(float) * L * N * E);
+        if (i == 2) mha_release_scratch();
+        if (i == 3) {
+            mha_tensor ys = mha_tensor_contiguous(y1, MHA_F32, 3, (int64_t[]){Ls, N, E});
+            CHECK_OK(mha_forward(&ys, NULL, m, &as));
+        }
+        if (i == 4) {
+            scratch_run r = {m, &a, &y1t, MHA_ERR_UNSUPPORTED};
+            pthread_t th;
+            CHECK(pthread_create(&th, NULL, scratch_thread, &r) == 0);
+            pthread_join(th, NULL);
+            CHECK_OK(r.st);
+        } else {
+            CHECK_OK(mha_forward(&y1t, NULL, m, &a));
+        }
+        CHECKF(memcmp(y0, y1, sizeof(float) * L * N * E) == 0, "mha_forward %s: other bits",
+               what[i]);
+    }
+    // the sdpa and its backward: twice each, the same bits
+    {
+        enum { B = 1, Hs = 4, T = 256, D = 64 };
+        const int64_t n = B * Hs * T * D;
+        float *q = malloc(sizeof(float) * (size_t)n * 6);
+        fill(q, n * 3, 1.0f);
+        float *o = q + 3 * n, *dq = q + 4 * n, *dq2 = q + 5 * n;
+        const int64_t sh[4] = {B, Hs, T, D};
+        mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, sh),
+                   kt = mha_tensor_contiguous(q + n, MHA_F32, 4, sh),
+                   vt = mha_tensor_contiguous(q + 2 * n, MHA_F32, 4, sh),
+                   ot = mha_tensor_contiguous(o, MHA_F32, 4, sh);
+        mha_sdpa_args sa;
+        mha_sdpa_args_init(&sa);
+        sa.q = &qt, sa.k = &kt, sa.v = &vt;
+        sa.is_causal = true;
+        float *dk = malloc(sizeof(float) * (size_t)n * 4), *dv = dk + n;
+        mha_tensor dkt = mha_tensor_contiguous(dk, MHA_F32, 4, sh),
+                   dvt = mha_tensor_contiguous(dv, MHA_F32, 4, sh);
+        for (int r = 0; r < 2; r++) {
+            mha_tensor dqt = mha_tensor_contiguous(r ? dq2 : dq, MHA_F32, 4, sh);
+            CHECK_OK(mha_sdpa(&ot, NULL, &sa));
+            CHECK_OK(mha_sdpa_backward(&dqt, &dkt, &dvt, &ot, &sa));
+        }
+        CHECKF(memcmp(dq, dq2, sizeof(float) * (size_t)n) == 0,
+               "mha_sdpa_backward on the kept block: other bits");
+        free(q), free(dk);
+    }
+    mha_release_scratch();
+    mha_release_scratch();  // (nothing kept: nothing to do)
+    free(x), free(y0), free(y1);
+    mha_module_destroy(m);
+}
+
 int main(void) {
     seed_rng(12345);
     test_sdpa_closed_form();
     test_layouts();
     test_threads_workspace();
+    test_kept_scratch();
     test_fully_masked();
     test_huge_logits();
     test_trace();

@@ -44,7 +44,7 @@ fi
 
 # The library's allocation sites (file:line of each wrapper call), and any
 # planted for a check of this script.
-all=$(grep -nE 'mha__(malloc|calloc|realloc|alloc)\(' src/*.c src/kernels/*.c src/mpi/*.c |
+all=$(grep -nE 'mha__(malloc|calloc|realloc|alloc|scratch_alloc)\(' src/*.c src/kernels/*.c src/mpi/*.c |
       grep -v '^src/error\.c:' | cut -d: -f1,2 | sort -u)
 [ -n "$all" ] || fail "no allocation site found in src/ (grep for mha__malloc/calloc/realloc/alloc)"
 plant=${MHA_ALLOC_PLANT:-}
