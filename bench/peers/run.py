@@ -109,12 +109,15 @@ def shapes(quick):
 
 
 def flops(c):
-    """`mha bench`'s dense count: module 2BLE^2 + 2BS(2E)E + 2BLE^2 +
-    4BLSE, core 4BLSE (E = H d); causal counted dense; backward 2x the
-    forward."""
+    """The work: module 2BLE^2 + 2BS(2E)E + 2BLE^2 + 4BLSE, core 4BLSE
+    (E = H d); causal: the attention's visible (query, key) pairs only
+    (S = L: L (L + 1) / 2 of the L S), so that no rate exceeds the peak
+    it is held against; backward 2x the forward."""
     B, L, S, H, d = c["B"], c["L"], c["S"], c["H"], c["d"]
     E = H * d
     f = 4 * B * L * S * E
+    if c["causal"]:  # query i sees keys j <= i + S - L
+        f = 4 * B * E * sum(min(i + 1 + S - L, S) for i in range(L))
     if c["kind"] == "module":
         f += 2 * B * L * E * E + 4 * B * S * E * E + 2 * B * L * E * E
     return f * (3 if c["backward"] else 1)
@@ -406,8 +409,8 @@ def main():
           "bf16: bf16 tensors or model; autocast bf16: float32 tensors and module under "
           "torch.autocast; openvino default: the CPU plugin's own choice; ggml f16 / bf16: "
           "the K/V type). Cases ending in bf16: inputs rounded to bf16 values, mha in bf16 "
-          "(mha ms 'n/a': mha has no bf16 module yet). mha %% of peak: mha's GFLOP/s (dense "
-          "count, causal counted dense, backward = 2x forward) over the fp32 FMA peak (f32 "
+          "(mha ms 'n/a': mha does not train in bf16 yet). mha %% of peak: mha's GFLOP/s (causal "
+          "rows: the visible pairs only, backward = 2x forward) over the fp32 FMA peak (f32 "
           "rows); decode rows: K and V bytes read per second over the read bandwidth (over "
           "100%% when the cache fits in the CPU caches). peer / mha %% of GEMM: the same "
           "GFLOP/s of the peer and of mha over torch.matmul's in the row's dtype. max abs "

@@ -53,14 +53,17 @@ _NP_OF = {F32: np.float32, F64: np.float64, F16: np.float16, BF16: np.int16}
 
 
 def isa():
-    """The SIMD kernels in use: 'avx512', 'avx2' or 'scalar'."""
+    """The SIMD kernels in use: 'amx' (AVX-512 with AMX tiles for bf16),
+    'avx512bf16' (AVX-512 computing bf16 with vdpbf16ps: AMD Zen 4 and
+    later), 'avx512', 'avx2' or 'scalar' (mha_isa)."""
     return _mha.isa()
 
 
 def last_impl():
     """What this thread's last successful forward, backward, sdpa or
     sdpa_backward ran: 'reference', or 'fused ' and the SIMD kernels
-    ('fused avx512'); '' before any (mha_last_impl)."""
+    ('fused avx512'), then ' bf16' where the products were bf16 ('fused
+    avx512bf16 bf16'); '' before any (mha_last_impl)."""
     return _mha.last_impl()
 
 
