@@ -21,7 +21,10 @@
 //   header (16 floats: the cache's identity) | qs (BR, D) | dos (BR, Dv) |
 //   s (BR, BC) | dp (BR, BC) | tr (BC, BR) | m, l (BR each) | cv
 //   (max(D, Dv): a half row converted) | bf16 compute: qb (BR, QBW(D)), pb
-//   (BR, PBW), vb (a V tile of fewer keys, packed) | flags (4 nt bytes) |
+//   (BR, PBW), vb (a V tile of fewer keys, packed); the backward's db (dO
+//   rows, BR x QBW(Dv)), t1, t2 (BC x TBW: dS^T and P'^T rows), qp, dp16
+//   (a query tile's q and dO, packed), kb (a K tile of fewer keys, packed)
+//   | flags (4 nt bytes) |
 //   tile caches, nt tiles each: K^T (D, w), V rows (w, Dv), and for the
 //   backward V^T (Dv, w), K rows (w, D); in bf16 compute K^T and V packed
 //   by pack_bf16 (kernels.h)
@@ -44,29 +47,36 @@ static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // sizes the bf16 pieces, so the layout does not depend on the table.
 #define KPAD_MAX 32
 #define PBW round_up(BC, KPAD_MAX)  // P tile row stride (bf16 elements)
+#define TBW round_up(BR, KPAD_MAX)  // transposed tiles' row stride (bf16)
 static int64_t qbw(int64_t D) { return round_up(D, KPAD_MAX); }
 
-// floats of one cached tile of `kind`: float32 or packed bf16, whichever is
-// larger
+// floats of one cached tile of `kind`: float32 or packed bf16 (K^T or V^T
+// (D, w), K or V rows (w, D)), whichever is larger: the same for C_KT and
+// C_KR, and for C_VR and C_VT
 static size_t tile_floats(int kind, int64_t D, int64_t Dv) {
     const bool isk = kind == 0 || kind == 3;  // C_KT, C_KR
-    const size_t f32 = round16((size_t)((isk ? D : Dv) * BC));
-    const size_t bf = round16((size_t)(isk ? mha__bf16_packed_elems(D, BC, KPAD_MAX)
-                                           : mha__bf16_packed_elems(BC, Dv, KPAD_MAX)) /
-                              2);
+    const int64_t c = isk ? D : Dv;
+    const size_t f32 = round16((size_t)(c * BC));
+    const int64_t e1 = mha__bf16_packed_elems(c, BC, KPAD_MAX),
+                  e2 = mha__bf16_packed_elems(BC, c, KPAD_MAX);
+    const size_t bf = round16((size_t)(e1 > e2 ? e1 : e2) / 2);
     return f32 > bf ? f32 : bf;
 }
 
-// floats of qb, pb, vb
+// floats of qb, pb, vb, db, t1, t2, qp, dp16, kb
 static size_t bf_floats(int64_t D, int64_t Dv) {
     return round16((size_t)(BR * qbw(D)) / 2) + round16((size_t)(BR * PBW) / 2) +
-           round16((size_t)mha__bf16_packed_elems(BC, Dv, KPAD_MAX) / 2);
+           round16((size_t)mha__bf16_packed_elems(BC, Dv, KPAD_MAX) / 2) +
+           round16((size_t)(BR * qbw(Dv)) / 2) + 2 * round16((size_t)(BC * TBW) / 2) +
+           round16((size_t)mha__bf16_packed_elems(BR, D, KPAD_MAX) / 2) +
+           round16((size_t)mha__bf16_packed_elems(BR, Dv, KPAD_MAX) / 2) +
+           round16((size_t)mha__bf16_packed_elems(BC, D, KPAD_MAX) / 2);
 }
 
 typedef struct scratch_map {
     cache_hdr *hdr;
     float *qs, *dos, *s, *dp, *tr, *m, *l, *cv;
-    uint16_t *qb, *pb, *vb;
+    uint16_t *qb, *pb, *vb, *db, *t1, *t2, *qp, *dp16, *kb;
     float *cache[C_KINDS];
     size_t tile_floats[C_KINDS];
     unsigned char *done;  // (C_KINDS, nt)
@@ -89,6 +99,15 @@ static scratch_map map_scratch(float *sc, int64_t D, int64_t Dv, int64_t nt) {
     m.pb = (uint16_t *)(void *)p, p += round16((size_t)(BR * PBW) / 2);
     m.vb = (uint16_t *)(void *)p,
     p += round16((size_t)mha__bf16_packed_elems(BC, Dv, KPAD_MAX) / 2);
+    m.db = (uint16_t *)(void *)p, p += round16((size_t)(BR * qbw(Dv)) / 2);
+    m.t1 = (uint16_t *)(void *)p, p += round16((size_t)(BC * TBW) / 2);
+    m.t2 = (uint16_t *)(void *)p, p += round16((size_t)(BC * TBW) / 2);
+    m.qp = (uint16_t *)(void *)p,
+    p += round16((size_t)mha__bf16_packed_elems(BR, D, KPAD_MAX) / 2);
+    m.dp16 = (uint16_t *)(void *)p,
+    p += round16((size_t)mha__bf16_packed_elems(BR, Dv, KPAD_MAX) / 2);
+    m.kb = (uint16_t *)(void *)p,
+    p += round16((size_t)mha__bf16_packed_elems(BC, D, KPAD_MAX) / 2);
     m.done = (unsigned char *)(void *)p;
     p += round16((size_t)(C_KINDS * nt + 3) / 4);
     for (int c = 0; c < C_KINDS; c++) {
@@ -192,9 +211,9 @@ static const float *packed_tile(const mha__kernels *kt, const mha__flash_head *a
         const int64_t rs = extra ? D : isk ? a->k_rs : a->v_rs;
         const void *rows = extra ? (const void *)((isk ? a->xk : a->xv) + (k0 - a->S) * D)
                                  : row_at(isk ? a->k : a->v, half, k0, rs);
-        if (sm->bf && kind == C_KT) {  // (D, w): B(d, j) = k_j[d]
+        if (sm->bf && trans) {  // C_KT, C_VT (D, w): B(d, j) = k_j[d] (v_j[d])
             kt->pack_bf16((uint16_t *)dst, rows, 1, rs, D, w);
-        } else if (sm->bf) {  // C_VR, (w, Dv)
+        } else if (sm->bf) {  // C_VR, C_KR (w, D)
             kt->pack_bf16((uint16_t *)dst, rows, rs, 1, w, D);
         } else if (half && trans) {  // each row converted, then into its column
             for (int64_t j = 0; j < w; j++) {
@@ -676,4 +695,131 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
         if (a->progress) a->progress(a->progress_arg);
     }
     for (int64_t i = 0; i < L; i++) kt->scale_row(dq + i * dq_rs, D, a->scale);
+}
+
+// ---------------------------------------------------------------------------
+// The backward in bf16 (mha__flash_bwd_head_bf16): the tiles' products on
+// bf16 operands with float32 sums (gemm_bf16), the softmax's backward in
+// float32.
+
+// rows (br of them, row stride rs) of bf16 src into dst (row stride w):
+// subnormals flushed, zero-padded to the table's bf_kpad columns (of n) and
+// bf_mpad rows (load_q's bf16 rows)
+static void bf_rows(const mha__kernels *kt, uint16_t *dst, int64_t w, const uint16_t *src,
+                    int64_t rs, int64_t br, int64_t n) {
+    const int64_t kp = round_up(n, kt->bf_kpad);
+    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
+        uint16_t *d = dst + r * w;
+        int64_t c = 0;
+        if (r < br)
+            for (const uint16_t *q = src + r * rs; c < n; c++)
+                d[c] = (q[c] & 0x7f80) ? q[c] : (uint16_t)(q[c] & 0x8000);
+        for (; c < kp; c++) d[c] = 0;
+    }
+}
+
+// float32 rows (br, n) of src (row stride ls) rounded into bf16 rows of dst
+// (row stride w), zero-padded as bf_rows
+static void round_rows(const mha__kernels *kt, uint16_t *dst, int64_t w, const float *src,
+                       int64_t ls, int64_t br, int64_t n) {
+    const int64_t kp = round_up(n, kt->bf_kpad);
+    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
+        uint16_t *d = dst + r * w;
+        int64_t c = 0;
+        if (r < br) kt->round_bf16(d, src + r * ls, n), c = n;
+        for (; c < kp; c++) d[c] = 0;
+    }
+}
+
+// s <- P and dp <- dP = (dO v^T) * drop for rows [i0, i0 + br) (qb and db
+// loaded) and keys [j0, j0 + n): the bf16 scores and dO v^T
+static void bwd_tile_bf16(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
+                          int64_t i0, int64_t br, int64_t j0, int64_t n, float *s, float *dp,
+                          float *deriv) {
+    scores(kt, a, sm, s, i0, br, j0, n, deriv, false);   // S = cap(scale q k^T) + mask
+    kt->exp_scale_rows(s, n, br, n, a->stats + 2 * i0);  // P = exp(S - m) / l
+    const uint16_t *vt = (const uint16_t *)packed_tile(kt, a, sm, j0, C_VT);
+    kt->gemm_bf16(dp, n, sm->db, qbw(a->Dv), vt, width_of(a, j0), br, n, a->Dv, 1.0f, false);
+    if (a->drop)
+        for (int64_t r = 0; r < br; r++) drop_row(a, dp + r * n, i0 + r, j0, n);
+}
+
+// Dsum of rows [i0, i1) (qb loaded by the caller's load_q below): from O,
+// or for a near one-hot tile sum_j P dP over the bf16 tiles the dS use
+static void block_dsum_bf16(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
+                            const float *dO, int64_t do_rs, const uint16_t *dO16,
+                            int64_t d16_rs, float *Dsum, int64_t i0, int64_t i1) {
+    const int64_t br = i1 - i0;
+    if (!block_saturated(a, i0, i1)) {
+        dsum_rows(kt, a, dO, do_rs, Dsum, i0, i1);
+        return;
+    }
+    load_q(kt, a, sm, i0, br);
+    bf_rows(kt, sm->db, qbw(a->Dv), dO16 + i0 * d16_rs, d16_rs, br, a->Dv);
+    for (int64_t r = 0; r < br; r++) Dsum[i0 + r] = 0.0f;
+    key_iter it = keys_of(a, i0, i1);
+    int64_t j0, n;
+    while (next_tile(&it, &j0, &n)) {
+        bwd_tile_bf16(kt, a, sm, i0, br, j0, n, sm->s, sm->dp, sm->tr);
+        kt->dot_acc_rows(Dsum + i0, sm->s, sm->dp, n, br, n);
+    }
+}
+
+void mha__flash_bwd_head_bf16(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                              int64_t do_rs, const uint16_t *dO16, int64_t d16_rs, float *Dsum,
+                              float *dq, int64_t dq_rs, float *dk, int64_t dk_rs, float *dv,
+                              int64_t dv_rs, bool acc, float *scratch) {
+    const int64_t D = a->D, Dv = a->Dv, L = a->L;
+    for (int64_t j = 0; j < a->S && !acc; j++) {
+        for (int64_t c = 0; c < D; c++) dk[j * dk_rs + c] = 0.0f;
+        for (int64_t c = 0; c < Dv; c++) dv[j * dv_rs + c] = 0.0f;
+    }
+    scratch_map sm = head_scratch(kt, a, scratch, true);
+    for (int64_t i0 = 0; i0 < L; i0 += BR) {
+        const int64_t i1 = mha__tile_end(i0, BR, L);
+        if (!a->dsum_fixed) block_dsum_bf16(kt, a, &sm, dO, do_rs, dO16, d16_rs, Dsum, i0, i1);
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t c = 0; c < D; c++) dq[i * dq_rs + c] = 0.0f;
+    }
+    float *s = sm.s, *dp = sm.dp, *deriv = sm.tr;
+    const uint16_t *q16 = (const uint16_t *)(const void *)a->q;
+    for (int64_t t = 0; t < n_tiles(a->S, 0); t++) {
+        int64_t j0, w;
+        tile_keys(a, t, &j0, &w);
+        for (int64_t i0 = 0; i0 < L; i0 += BR) {
+            const int64_t i1 = mha__tile_end(i0, BR, L), br = i1 - i0;
+            const int64_t n = pair_width(a, i0, i1, j0);
+            if (n <= 0) continue;
+            load_q(kt, a, &sm, i0, br);
+            bf_rows(kt, sm.db, qbw(Dv), dO16 + i0 * d16_rs, d16_rs, br, Dv);
+            bwd_tile_bf16(kt, a, &sm, i0, br, j0, n, s, dp, deriv);  // P, dP
+            softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);   // dS, P'
+            // scale dS, rounded once to bf16: dq += (scale dS) k and
+            // dk += (scale dS)^T q
+            for (int64_t r = 0; r < br; r++) kt->scale_row(dp + r * n, n, a->scale);
+            round_rows(kt, sm.pb, PBW, dp, n, br, n);
+            const uint16_t *kr;
+            if (n == w) {
+                kr = (const uint16_t *)packed_tile(kt, a, &sm, j0, C_KR);
+            } else {  // the band cuts the tile: its n keys only (the rest never read)
+                kt->pack_bf16(sm.kb, (const uint16_t *)(const void *)a->k + j0 * a->k_rs,
+                              a->k_rs, 1, n, D);
+                kr = sm.kb;
+            }
+            kt->gemm_bf16(dq + i0 * dq_rs, dq_rs, sm.pb, PBW, kr, D, br, D, n, 1.0f, true);
+            // the transposed tiles (n, br): (scale dS)^T into t1, P'^T into t2
+            kt->transpose(sm.tr, br, dp, n, br, n);
+            round_rows(kt, sm.t1, TBW, sm.tr, br, n, br);
+            kt->transpose(sm.tr, br, s, n, br, n);
+            round_rows(kt, sm.t2, TBW, sm.tr, br, n, br);
+            // the query tile's q and dO rows packed (K = br)
+            kt->pack_bf16(sm.qp, q16 + i0 * a->q_rs, a->q_rs, 1, br, D);
+            kt->pack_bf16(sm.dp16, dO16 + i0 * d16_rs, d16_rs, 1, br, Dv);
+            kt->gemm_bf16(dv + j0 * dv_rs, dv_rs, sm.t2, TBW, sm.dp16, Dv, n, Dv, br, 1.0f,
+                          true);  // dv += P'^T dO
+            kt->gemm_bf16(dk + j0 * dk_rs, dk_rs, sm.t1, TBW, sm.qp, D, n, D, br, 1.0f,
+                          true);  // dk += (scale dS)^T q
+        }
+        if (a->progress) a->progress(a->progress_arg);
+    }
 }

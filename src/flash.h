@@ -165,4 +165,19 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
                          int64_t dk_rs, float *dv, int64_t dv_rs, float *dxk, float *dxv,
                          bool acc, float *scratch);
 
+// The same in bf16 (a head that mha__flash_bf16 computes in bf16: bf16 q,
+// k, v, no appended keys, f32_compute false; its forward rows, O and
+// stats, from the bf16 forward): per tile pair S = scale (q k^T) and dP =
+// dO v^T with bf16 operands and float32 sums, P, dS in float32 as above,
+// then scale dS and P' rounded to bf16 (FlashAttention's convention) for
+// dq += (scale dS) k, dk += (scale dS)^T q and dv += P'^T dO, summed in
+// float32 (gemm_bf16) into dq (L, D), dk, dv (S, D / Dv): the same tile
+// pairs and orders as mha__flash_bwd_head, so the same bits whatever the
+// threads. dO: the float32 rows (Dsum from O), dO16 the same rows in bf16
+// (row stride d16_rs) for the products.
+void mha__flash_bwd_head_bf16(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
+                              int64_t do_rs, const uint16_t *dO16, int64_t d16_rs, float *Dsum,
+                              float *dq, int64_t dq_rs, float *dk, int64_t dk_rs, float *dv,
+                              int64_t dv_rs, bool acc, float *scratch);
+
 #endif

@@ -131,6 +131,11 @@ bool mha__fused_sdpa_bf16(const mha_tensor *q, const mha_tensor *k, const mha_te
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
                            const mha__dropout *drop, double scale);
+// Whether mha__fused_sdpa_backward computes its products in bf16: bf16 q,
+// k, v and dout on a table that computes bf16 (flash.h,
+// mha__flash_bwd_head_bf16); dq, dk, dv of any type.
+bool mha__fused_sdpa_backward_bf16(const mha_tensor *q, const mha_tensor *k,
+                                   const mha_tensor *v, const mha_tensor *dout);
 // The fused backward of mha__fused_sdpa: dq (B, H, L, D), dk (B, Hkv, S,
 // D), dv (B, Hkv, S, Dv) written from dout (B, H, L, Dv), drop the
 // forward's; F32 views with unit last stride (checked by the caller).

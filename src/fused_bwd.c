@@ -755,8 +755,10 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
         // half one (rounded into it below)
         const bool ho = dout->dtype != MHA_F32, hq = dq->dtype != MHA_F32,
                    hk = dk->dtype != MHA_F32, hv = dv->dtype != MHA_F32;
+        const bool bf = mha__fused_sdpa_backward_bf16(q, k, v, dout);
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
             mha__flash_head fh = sdpa_head(q, k, v, mk, drop, scale, b, h, o, Dv, stats);
+            fh.f32_compute = !bf;  // bf16: the bf16 forward's O and stats
             for (int64_t i0 = 0; i0 < L; i0 += MHA__FLASH_BR)
                 mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L), sc);
             if (ho) {
@@ -767,11 +769,19 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                     else kt->cvt_f16(hdo + i * Dv, d16 + i * dout->stride[2], Dv);
                 }
             }
-            mha__flash_bwd_head(kt, &fh, ho ? hdo : SDPA_PTR(dout, h),
-                                ho ? Dv : dout->stride[2], dsum, hq ? hdq : SDPA_PTR(dq, h),
-                                hq ? D : dq->stride[2], hk ? hdk : SDPA_PTR(dk, g),
-                                hk ? D : dk->stride[2], hv ? hdv : SDPA_PTR(dv, g),
-                                hv ? Dv : dv->stride[2], NULL, NULL, h != g * G, sc);
+            if (bf)
+                mha__flash_bwd_head_bf16(kt, &fh, hdo, Dv,
+                                         (const uint16_t *)(const void *)head_at(dout, b, h),
+                                         dout->stride[2], dsum, hq ? hdq : SDPA_PTR(dq, h),
+                                         hq ? D : dq->stride[2], hk ? hdk : SDPA_PTR(dk, g),
+                                         hk ? D : dk->stride[2], hv ? hdv : SDPA_PTR(dv, g),
+                                         hv ? Dv : dv->stride[2], h != g * G, sc);
+            else
+                mha__flash_bwd_head(kt, &fh, ho ? hdo : SDPA_PTR(dout, h),
+                                    ho ? Dv : dout->stride[2], dsum, hq ? hdq : SDPA_PTR(dq, h),
+                                    hq ? D : dq->stride[2], hk ? hdk : SDPA_PTR(dk, g),
+                                    hk ? D : dk->stride[2], hv ? hdv : SDPA_PTR(dv, g),
+                                    hv ? Dv : dv->stride[2], NULL, NULL, h != g * G, sc);
             if (hq) store_half(dq, b, h, hdq, L, D);
         }
         if (hk) store_half(dk, b, g, hdk, S, D);
@@ -835,6 +845,11 @@ static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
 }
 
 #undef SDPA_PTR
+
+bool mha__fused_sdpa_backward_bf16(const mha_tensor *q, const mha_tensor *k,
+                                   const mha_tensor *v, const mha_tensor *dout) {
+    return dout->dtype == MHA_BF16 && mha__fused_sdpa_bf16(q, k, v);
+}
 
 mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                                     const mha_tensor *dout, const mha_tensor *q,

@@ -409,6 +409,9 @@ mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
         st = mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk,
                                       sdpa_drop(&drop), scale);
     else st = sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, sdpa_drop(&drop), scale);
-    if (!st) mha__set_impl(impl == MHA_IMPL_FUSED, mha_isa(), false);
+    if (!st)
+        mha__set_impl(impl == MHA_IMPL_FUSED, mha_isa(),
+                      impl == MHA_IMPL_FUSED &&
+                          mha__fused_sdpa_backward_bf16(a->q, a->k, a->v, dout));
     return st;
 }

@@ -14,7 +14,13 @@
 //     float32 path's own (4e-6 (1 + max|ref|));
 //   - the same bits with 1, 2 and 8 threads;
 //   - mha_sdpa_backward likewise: half dout, dq, dk, dv are the float32
-//     path's gradients on the same values, rounded once;
+//     path's gradients on the same values, rounded once; bf16 q, k, v and
+//     dout where the forward computes in bf16: the bf16 backward (P' and
+//     scale dS rounded to bf16 for the products), the same bits with 1, 2
+//     and 8 threads, within a sanity bound of the float32 gradients (max
+//     |diff| <= 2^-6 (1 + max|g|), relative RMS <= 2^-7; the accuracy rule,
+//     error <= 2x PyTorch's bf16 backward, is checked by
+//     tests/python/test_sdpa.py on the machines that compute in bf16);
 //   - mha_last_impl() names the fused path for F32, BF16 and F16 views and
 //     the reference for F64 ones, and an explicit reference stays one.
 // Over causal, windows, key padding and float masks, GQA, D != Dv, dropout
@@ -87,6 +93,7 @@ typedef struct hcase {
 static const char *dn(mha_dtype d) { return mha_dtype_name(d); }
 
 static bool g_bf_seen;  // a case computed in bf16 (printed once)
+static double g_bwd_worst;  // the bf16 backward's error / bound, worst case
 
 static void run_case(const hcase *c, int id) {
     const int64_t B = c->B, H = c->H, Hkv = c->Hkv, L = c->L, S = c->S, D = c->D, Dv = c->Dv;
@@ -245,6 +252,7 @@ static void run_case(const hcase *c, int id) {
         CHECK_OK(mha_sdpa_backward(&f0, &f1, &f2, &g32, &a));
         a.q = &qt, a.k = &kt, a.v = &vt;
         a.impl = MHA_IMPL_AUTO;
+        bool bbf = false;
         for (int r = 0; r < 3; r++) {
             set_threads(threads[r]);
             for (int j = 0; j < 3; j++) hg[r][j] = calloc((size_t)n3[j], t3[j] == MHA_F32 ? 4 : 2);
@@ -254,13 +262,34 @@ static void run_case(const hcase *c, int id) {
             CHECK_OK(mha_sdpa_backward(&h0, &h1, &h2, &gt, &a));
             CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: backward ran \"%s\"", desc,
                    mha_last_impl());
+            bbf = strstr(mha_last_impl(), " bf16") != NULL;
         }
+        // the bf16 backward exactly where the forward computed in bf16 and
+        // dout is bf16 too
+        CHECKF(bbf == (bf && c->od == MHA_BF16), "%s: backward \"%s\" (forward bf16: %d)", desc,
+               mha_last_impl(), (int)bf);
         set_threads(2);
         for (int j = 0; j < 3; j++) {
             const size_t bytes = (size_t)n3[j] * (t3[j] == MHA_F32 ? 4 : 2);
             for (int r = 1; r < 3; r++)
                 CHECKF(memcmp(hg[0][j], hg[r][j], bytes) == 0, "%s: %s bits differ at %d threads",
                        desc, nm[j], threads[r]);
+            if (bbf) {  // the bf16 backward: a sanity bound against float32's
+                double gmax = 0, md = 0, num = 0, den = 0;
+                for (int64_t i = 0; i < n3[j]; i++) {
+                    const double x = elem(hg[0][j], t3[j], i), y = f[j][i];
+                    gmax = fmax(gmax, fabs(y));
+                    md = fmax(md, fabs(x - y));
+                    num += (x - y) * (x - y), den += y * y;
+                }
+                const double rms = sqrt(num / (den > 0 ? den : 1));
+                g_bwd_worst = fmax(g_bwd_worst, fmax(md / (0x1p-6 * (1 + gmax)), rms / 0x1p-7));
+                CHECKF(md <= 0x1p-6 * (1 + gmax) && rms <= 0x1p-7,
+                       "%s: bf16 %s off the float32 gradients: max %g (bound %g), relative RMS "
+                       "%g (bound %g)",
+                       desc, nm[j], md, 0x1p-6 * (1 + gmax), rms, 0x1p-7);
+                continue;
+            }
             const int64_t bj = first_unrounded(hg[0][j], t3[j], f[j], n3[j]);
             CHECKF(bj < 0, "%s: %s %lld is not the float32 path's rounded: %a vs %a", desc, nm[j],
                    (long long)bj, bj < 0 ? 0.0 : (double)elem(hg[0][j], t3[j], bj),
@@ -401,6 +430,9 @@ int main(void) {
                "F32 views ran \"%s\" (kernels %s)", mha_last_impl(), mha_isa());
     }
     test_cache_half();
-    printf("test_half_sdpa: %d cases, bf16 and f16, kernels %s\n", id, mha_isa());
+    printf("test_half_sdpa: %d cases, bf16 and f16, kernels %s; bf16 backward worst error / "
+           "bound %.3g\n",
+           id, mha_isa(), g_bwd_worst);
+    CHECKF(g_bwd_worst > 0, "the bf16 backward did not run (kernels %s)", mha_isa());
     return check_summary("test_half_sdpa");
 }

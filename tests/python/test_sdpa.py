@@ -269,9 +269,11 @@ def test_numpy_bfloat16_sdpa(causal):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_backward_fused_vs_torch_same_dtype(dtype):
-    """The gradients of bf16 / f16 tensors take the fused backward, and their
-    error against float64 autograd on the same rounded inputs is at most 2x
-    that of PyTorch's autograd in the same dtype."""
+    """The gradients of bf16 / f16 tensors take the fused backward (bf16 on
+    a CPU that computes bf16: products in bf16, P' and dS rounded, as
+    FlashAttention's), and their error against float64 autograd on the
+    same rounded inputs is at most 2x that of PyTorch's autograd in the
+    same dtype."""
     if dtype == torch.float16 and not HAS_SDPA:
         pytest.skip("PyTorch 1.13 has no float16 matmul on CPU (the peer)")
     g = np.random.default_rng(5)
@@ -285,6 +287,8 @@ def test_half_backward_fused_vs_torch_same_dtype(dtype):
 
     ours = grads(lambda a, b, c: mt.scaled_dot_product_attention(a, b, c, is_causal=True), dtype)
     assert mha.last_impl().startswith("fused "), mha.last_impl()
+    assert mha.last_impl().endswith(" bf16") == (
+        dtype == torch.bfloat16 and mha.isa() in ("amx", "avx512bf16")), mha.last_impl()
     ref = grads(lambda a, b, c: sdpa_ref(a, b, c, causal=True), torch.float64)
     if HAS_SDPA:
         peer = grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
