@@ -486,6 +486,16 @@ def _collapse(x, lead, tail):
     return x.expand(lead + tail).reshape((int(np.prod(lead, dtype=np.int64)),) + tail)
 
 
+def _autocast_dtype():
+    """The dtype torch.autocast("cpu", ...) computes its lower-precision ops
+    in where it is on here, else None."""
+    if hasattr(torch, "get_autocast_dtype"):  # PyTorch 2.4+
+        on, dt = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    else:  # PyTorch 1.13
+        on, dt = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    return dt if on and dt in (torch.bfloat16, torch.float16) else None
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  return_weights=False, window=None, window_left=-1,
@@ -496,11 +506,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Any leading dims (broadcast); a bool attn_mask's True takes part, a float
     mask is added; is_causal is top-left for L != S; enable_gqa lets the
     key's heads divide the query's. dropout_p > 0 draws its Philox seed
-    from torch's generator. Extras: return_weights (also the weights, not
+    from torch's generator. Under torch.autocast("cpu", dtype=...) float32
+    query, key and value are cast to that dtype first, as torch's own
+    scaled_dot_product_attention is (the output in it; the gradients flow
+    back through the cast). Extras: return_weights (also the weights, not
     differentiated), window / window_left / window_right, impl."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
+    ac = _autocast_dtype()
+    if ac is not None:
+        query, key, value = (x.to(ac) if x.dtype == torch.float32 else x
+                             for x in (query, key, value))
     lead, hq, hkv, q_heads = sdpa_layout(tuple(query.shape), tuple(key.shape),
                                          tuple(value.shape), enable_gqa)
     L, S = query.shape[-2], key.shape[-2]

@@ -301,3 +301,40 @@ def test_half_backward_fused_vs_torch_same_dtype(dtype):
         err_pt = (p.double() - r).abs().max().item()
         print("%s %s: mha err %.3g, torch %s err %.3g" % (dtype, name, err, dtype, err_pt))
         assert err <= 2 * err_pt, (name, err, err_pt)
+
+
+def test_autocast_bf16():
+    """Under torch.autocast("cpu", bfloat16), float32 query, key and value
+    are cast to bf16 as torch's own sdpa casts them: a bf16 output (bf16
+    compute where the CPU has it), float32 gradients on the float32 leaves
+    through the cast, each within 2x the error of torch's sdpa under the
+    same autocast against float64 on the same rounded values."""
+    g = np.random.default_rng(17)
+    q, k, v = (torch.from_numpy(g.normal(size=(1, 4, 130, 32))).float() for _ in range(3))
+    go = torch.from_numpy(g.normal(size=(1, 4, 130, 32))).to(torch.bfloat16)
+
+    def run(fn):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o = fn(*xs, is_causal=True)
+        o.backward(go.to(o.dtype))
+        return o, [x.grad for x in xs]
+
+    o, grads = run(mt.scaled_dot_product_attention)
+    assert o.dtype == torch.bfloat16
+    assert mha.last_impl().startswith("fused "), mha.last_impl()
+    assert mha.last_impl().endswith(" bf16") == (mha.isa() in ("amx", "avx512bf16"))
+    assert all(x.dtype == torch.float32 for x in grads)
+    xs = [x.to(torch.bfloat16).double().requires_grad_() for x in (q, k, v)]
+    r = sdpa_ref(*xs, causal=True)
+    r.backward(go.double())
+    if not HAS_SDPA:
+        return  # (PyTorch 1.13: no peer sdpa under autocast)
+    po, pgrads = run(torch.nn.functional.scaled_dot_product_attention)
+    assert po.dtype == torch.bfloat16
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), [o] + grads, [po] + pgrads,
+                             [r] + [x.grad for x in xs]):
+        err = (a.double() - c).abs().max().item()
+        err_pt = (b.double() - c).abs().max().item()
+        print("autocast %s: mha err %.3g, torch err %.3g" % (name, err, err_pt))
+        assert err <= 2 * err_pt, (name, err, err_pt)
