@@ -19,6 +19,7 @@ differentiated; an attn_mask that requires grad is refused.
 """
 
 import math
+import os
 
 import numpy as np
 
@@ -404,20 +405,32 @@ class CheckpointAttention(nn.Module):
     """The attention of one layer of a Hugging Face checkpoint, as a
     torch.nn.Module with autograd (mha.CheckpointAttention's counterpart).
 
-    CheckpointAttention(path, layer=0)
+    CheckpointAttention(path, layer=0, dtype=None)
     forward(hidden_states, position_ids=None, attention_mask=None, *,
             impl="auto") -> attn_output
 
     hidden_states (N, L, E) float32 (or float64: the reference); the
     parameters (.attn, a MultiheadAttention: in_proj_weight with the q, k, v
     rows packed, out_proj, ...) and hidden_states get gradients.
+    dtype: the weight matrices' storage, torch.float32 (None, the default),
+    torch.bfloat16 or torch.float16, or "auto": config.json's torch_dtype
+    (float32 when absent); half weights load as stored (no float32 copy)
+    and are for inference on hidden_states of that dtype, as
+    MultiheadAttention(...).to(dtype) is.
     """
 
-    def __init__(self, path, layer=0):
+    def __init__(self, path, layer=0, dtype=None):
         super().__init__()
         if isinstance(layer, bool) or int(layer) != layer or layer < 0:
             raise ValueError("layer must be a non-negative integer, got %r" % (layer,))
-        cmod, info = _mha.load_checkpoint(str(path), int(layer))
+        if dtype == "auto":
+            dtype = _config_dtype(path)
+        names = {None: "F32", torch.float32: "F32", torch.bfloat16: "BF16",
+                 torch.float16: "F16"}
+        if dtype not in names:
+            raise TypeError("dtype: torch.float32, torch.bfloat16, torch.float16 or 'auto', "
+                            "got %r" % (dtype,))
+        cmod, info = _mha.load_checkpoint(str(path), int(layer), names[dtype])
         self.attn = MultiheadAttention._from_cmod(cmod)
         self._layer = info
         self.config = info.info()
@@ -452,10 +465,24 @@ class CheckpointAttention(nn.Module):
         return out
 
 
-def from_pretrained(path, layer=0):
+def _config_dtype(path):
+    """config.json's torch_dtype (or dtype) as a torch dtype: bfloat16,
+    float16, else float32."""
+    import json
+    try:
+        with open(os.path.join(str(path), "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return torch.float32  # (the load names the problem)
+    name = cfg.get("torch_dtype", cfg.get("dtype")) if isinstance(cfg, dict) else None
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def from_pretrained(path, layer=0, dtype=None):
     """The attention of layer `layer` of the Hugging Face checkpoint in
-    directory `path`, as a torch.nn.Module (CheckpointAttention)."""
-    return CheckpointAttention(path, layer)
+    directory `path`, as a torch.nn.Module (CheckpointAttention); dtype as
+    there."""
+    return CheckpointAttention(path, layer, dtype)
 
 
 # ---------------------------------------------------------------------------

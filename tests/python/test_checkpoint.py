@@ -56,7 +56,12 @@ def hf_block(path, cls, dtype, layer, hidden, mask, pos):
     attention.self then attention.output.dense) on hidden, with the
     arguments the model passes it; returns (output, model)."""
     model = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
-    bert = cls is transformers.BertModel
+    return hf_block_model(model, layer, hidden, mask, pos)
+
+
+def hf_block_model(model, layer, hidden, mask, pos):
+    """hf_block on a loaded model."""
+    bert = isinstance(model, transformers.BertModel)
     mod = model.encoder.layer[layer].attention.self if bert else model.model.layers[layer].self_attn
     cap = {}
     h = mod.register_forward_pre_hook(lambda m, a, k: cap.update(a=list(a), k=dict(k)),
@@ -174,3 +179,38 @@ def test_errors(llama_dir, tmp_path):
         a(x, attention_mask=np.ones((1, 4)))
     with pytest.raises(ValueError, match="hidden_states"):
         a(np.zeros((4, E), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "auto"])
+def test_llama_in_bf16(llama_dir, tmp_path, dtype):
+    """mha.torch.from_pretrained(dir, dtype=torch.bfloat16) (or "auto" on a
+    checkpoint whose config.json says bfloat16) loads the weight matrices as
+    stored, in bf16, and on bf16 hidden states (bf16 compute where the CPU
+    has it) its error against float64 transformers on the same rounded
+    weights and inputs is at most 2x that of transformers in bf16."""
+    x, mask, pos = inputs()
+    rows = mask.bool()
+    path = llama_dir
+    if dtype == "auto":  # the same weights saved in bf16
+        m = transformers.LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
+        m.save_pretrained(str(tmp_path))
+        path = str(tmp_path)
+    xb = x.to(torch.bfloat16)
+    peer, pm = hf_block(path, transformers.LlamaForCausalLM, torch.bfloat16, 1, xb, mask, pos)
+    # the float64 oracle on the bf16-rounded weights (the peer's)
+    rm = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                       attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p64, p in zip(rm.parameters(), pm.parameters()):
+            p64.copy_(p.double())
+    ref, _ = hf_block_model(rm, 1, xb.double(), mask, pos)
+    t = mha.torch.from_pretrained(path, layer=1, dtype=dtype)
+    assert t.attn.in_proj_weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        got = t(xb, position_ids=pos, attention_mask=mask)
+    assert got.dtype == torch.bfloat16
+    assert mha.last_impl().endswith(" bf16") == (mha.isa() in ("amx", "avx512bf16"))
+    err = (got.double() - ref)[rows].abs().max().item()
+    err_pt = (peer.double() - ref)[rows].abs().max().item()
+    print("llama bf16: mha err %.3g, transformers bf16 err %.3g" % (err, err_pt))
+    assert err <= 2 * err_pt, (err, err_pt)
