@@ -95,8 +95,8 @@ MHA_API const char *mha_last_error(void);
 // with AMX tiles for bf16 products), followed by " bf16" where the
 // products were computed in bf16 ("fused amx bf16", "fused avx512bf16
 // bf16": see mha_sdpa_args);
-// "" before any. Each of those calls sets it when it succeeds; no other
-// call changes it.
+// "" before any. Each of those calls (and mha_sdpa_varlen) sets it when it
+// succeeds; no other call changes it.
 MHA_API const char *mha_last_impl(void);
 
 // Writes s into buf (cap >= 16 bytes) as a quoted, printable, one-line
@@ -1019,8 +1019,11 @@ MHA_API MHA_NODISCARD mha_status mha_rope_apply_ex(mha_tensor *x, const mha_rope
 // Variable-length batches without padding (FlashAttention's cu_seqlens)
 //
 // The sequences of a batch packed one after another: q (Tq, H, D),
-// k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, H, Dv) (float32, unit stride
-// along the head dim; Hkv dividing H: grouped-query). Sequence b owns query
+// k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, H, Dv) (F32, BF16 or F16,
+// each its own, unit stride along the head dim; half views as mha_sdpa's:
+// bf16 q, k, v compute in bf16 where the CPU does, other half rows are
+// converted as they load, a half out is rounded once; Hkv dividing H:
+// grouped-query). Sequence b owns query
 // rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows
 // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) (num_seqs + 1 offsets each,
 // starting at 0 and ending at Tq / Tk) and attends within itself only; no

@@ -15,7 +15,8 @@ void mha_varlen_args_init(mha_varlen_args *a) {
     a->window_left = a->window_right = -1;
 }
 
-// rows of a (total, heads, dim) view: dims checked, unit last stride, F32
+// rows of a (total, heads, dim) view: dims checked, unit last stride, F32,
+// BF16 or F16
 static mha_status check_packed(const mha_tensor *t, const char *name) {
     mha_status st = mha__check_float(t, name);
     if (st) return st;
@@ -25,9 +26,12 @@ static mha_status check_packed(const mha_tensor *t, const char *name) {
                          mha__shape_str(s, sizeof s, t->ndim, t->shape));
     }
     const bool empty = t->shape[0] == 0 || t->shape[1] == 0 || t->shape[2] == 0;
-    if (t->dtype != MHA_F32 || (t->stride[2] != 1 && !empty))
+    if ((t->dtype != MHA_F32 && t->dtype != MHA_BF16 && t->dtype != MHA_F16) ||
+        (t->stride[2] != 1 && !empty))
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "varlen: %s must be F32 with unit stride along the head dim", name);
+                         "varlen: %s must be F32, BF16 or F16 with unit stride along the head "
+                         "dim, got %s",
+                         name, mha_dtype_name(t->dtype));
     return MHA_OK;
 }
 
@@ -118,15 +122,23 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
         mk.softcap = a->softcap;
         mk.s_masked = lk;
         const int64_t hk = h / (H / Hkv);
+        // (half views: the pointers at their uint16_t elements, flash.h)
+#define AT(t, r, hh)                                                                        \
+    ((float *)(void *)((char *)(t)->data + ((r) * (t)->stride[0] + (hh) * (t)->stride[1]) * \
+                                               (int64_t)mha_dtype_size((t)->dtype)))
         mha__flash_head fh = {
-            .q = (const float *)q->data + q0 * q->stride[0] + h * q->stride[1],
+            .q = AT(q, q0, h),
             .q_rs = q->stride[0],
-            .k = (const float *)k->data + k0 * k->stride[0] + hk * k->stride[1],
+            .k = AT(k, k0, hk),
             .k_rs = k->stride[0],
-            .v = (const float *)v->data + k0 * v->stride[0] + hk * v->stride[1],
+            .v = AT(v, k0, hk),
             .v_rs = v->stride[0],
-            .o = (float *)out->data + q0 * out->stride[0] + h * out->stride[1],
+            .o = AT(out, q0, h),
             .o_rs = out->stride[0],
+            .q_half = mha__half_of(q->dtype),
+            .k_half = mha__half_of(k->dtype),
+            .v_half = mha__half_of(v->dtype),
+            .o_half = mha__half_of(out->dtype),
             .L = lq,
             .S = lk,
             .D = D,
@@ -138,7 +150,12 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
         };
         mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, lq),
                         blk + (size_t)mha__thread_id() * sf);
+#undef AT
     }
     mha__free(blk);
+    mha__set_impl(true, mha_isa(),
+                  mha__flash_bf16(kt, &(mha__flash_head){.q_half = mha__half_of(q->dtype),
+                                                         .k_half = mha__half_of(k->dtype),
+                                                         .v_half = mha__half_of(v->dtype)}));
     return MHA_OK;
 }

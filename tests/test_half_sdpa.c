@@ -381,6 +381,72 @@ static void test_cache_half(void) {
     printf("caches with bf16 / f16 queries: %d checks\n", checks);
 }
 
+// mha_sdpa_varlen on half views (and mixed with float32): each sequence's
+// output is mha_sdpa's on that sequence's rows (strided 4-D views of the
+// packed tensors) bit for bit, causal or not, with GQA; last_impl fused
+// (" bf16" exactly where mha_sdpa's is).
+static void test_varlen_half(void) {
+    enum { NS = 3, H = 4, HKV = 2, D = 32 };
+    const int64_t lq[NS] = {5, 70, 130}, lk[NS] = {7, 70, 200};
+    int64_t cq[NS + 1] = {0}, ck[NS + 1] = {0};
+    for (int b = 0; b < NS; b++) cq[b + 1] = cq[b] + lq[b], ck[b + 1] = ck[b] + lk[b];
+    const int64_t Tq = cq[NS], Tk = ck[NS];
+    const mha_dtype sets[3][4] = {{MHA_BF16, MHA_BF16, MHA_BF16, MHA_BF16},
+                                  {MHA_F16, MHA_F16, MHA_F16, MHA_F16},
+                                  {MHA_BF16, MHA_F32, MHA_BF16, MHA_F32}};
+    int checks = 0;
+    for (int si = 0; si < 3; si++)
+        for (int causal = 0; causal < 2; causal++) {
+            const mha_dtype qd = sets[si][0], kd = sets[si][1], vd = sets[si][2],
+                            od = sets[si][3];
+            float *q = malloc(sizeof(float) * (size_t)(Tq * H * D)),
+                  *k = malloc(sizeof(float) * (size_t)(Tk * HKV * D)),
+                  *v = malloc(sizeof(float) * (size_t)(Tk * HKV * D));
+            for (int64_t i = 0; i < Tq * H * D; i++) q[i] = frand();
+            for (int64_t i = 0; i < Tk * HKV * D; i++) k[i] = frand(), v[i] = frand();
+            void *qh = as_dtype(q, Tq * H * D, qd), *kh = as_dtype(k, Tk * HKV * D, kd),
+                 *vh = as_dtype(v, Tk * HKV * D, vd);
+            const size_t osz = od == MHA_F32 ? 4 : 2;
+            char *o1 = calloc((size_t)(Tq * H * D), osz), *o2 = calloc((size_t)(Tq * H * D), osz);
+            mha_tensor qt = mha_tensor_contiguous(qh, qd, 3, (int64_t[]){Tq, H, D});
+            mha_tensor kt = mha_tensor_contiguous(kh, kd, 3, (int64_t[]){Tk, HKV, D});
+            mha_tensor vt = mha_tensor_contiguous(vh, vd, 3, (int64_t[]){Tk, HKV, D});
+            mha_tensor ot = mha_tensor_contiguous(o1, od, 3, (int64_t[]){Tq, H, D});
+            mha_varlen_args va;
+            mha_varlen_args_init(&va);
+            va.cu_seqlens_q = cq, va.cu_seqlens_k = ck, va.num_seqs = NS;
+            va.is_causal = causal;
+            CHECK_OK(mha_sdpa_varlen(&ot, &qt, &kt, &vt, &va));
+            char impl[64];
+            snprintf(impl, sizeof impl, "%s", mha_last_impl());
+            for (int b = 0; b < NS; b++) {  // (1, H, l, D) views of sequence b's rows
+#define SEQ_VIEW(t, base, dt, rows, heads, r0)                                                 \
+    (mha_tensor) {                                                                            \
+        .data = (char *)(base) + (r0) * (heads) * D * (dt == MHA_F32 ? 4 : 2), .dtype = dt,   \
+        .ndim = 4, .shape = {1, heads, rows, D}, .stride = {rows * heads * D, D, heads * D, 1} \
+    }
+                mha_tensor q4 = SEQ_VIEW(q, qh, qd, lq[b], H, cq[b]);
+                mha_tensor k4 = SEQ_VIEW(k, kh, kd, lk[b], HKV, ck[b]);
+                mha_tensor v4 = SEQ_VIEW(v, vh, vd, lk[b], HKV, ck[b]);
+                mha_tensor o4 = SEQ_VIEW(o, o2, od, lq[b], H, cq[b]);
+#undef SEQ_VIEW
+                mha_sdpa_args a;
+                mha_sdpa_args_init(&a);
+                a.q = &q4, a.k = &k4, a.v = &v4;
+                a.is_causal = causal;
+                CHECK_OK(mha_sdpa(&o4, NULL, &a));
+                CHECKF(strcmp(impl, mha_last_impl()) == 0,
+                       "varlen set %d: ran \"%s\", mha_sdpa \"%s\"", si, impl, mha_last_impl());
+            }
+            CHECKF(strncmp(impl, "fused ", 6) == 0, "varlen ran \"%s\"", impl);
+            CHECKF(memcmp(o1, o2, osz * (size_t)(Tq * H * D)) == 0,
+                   "varlen set %d causal %d: not mha_sdpa's bits per sequence", si, causal);
+            checks++;
+            free(q), free(k), free(v), free(qh), free(kh), free(vh), free(o1), free(o2);
+        }
+    printf("varlen on half views: %d checks\n", checks);
+}
+
 int main(void) {
     seed_rng(0x5eed4a1f);
     static const mha_dtype halves[2] = {MHA_BF16, MHA_F16};
@@ -430,6 +496,7 @@ int main(void) {
                "F32 views ran \"%s\" (kernels %s)", mha_last_impl(), mha_isa());
     }
     test_cache_half();
+    test_varlen_half();
     printf("test_half_sdpa: %d cases, bf16 and f16, kernels %s; bf16 backward worst error / "
            "bound %.3g\n",
            id, mha_isa(), g_bwd_worst);
