@@ -166,14 +166,29 @@ static void fwd_project(fwd_call *c) {
         float *q = sv ? sbuf : (float *)(ws + p->f.qkv),
               *k = sv ? sbuf + Rq * Eq : (float *)(ws + p->f.k),
               *v = sv ? sbuf + Rq * Eq + Rk * Ekv : (float *)(ws + p->f.v);
-        mha__linear_rows(kt, q + oq, Eq, xq, ldq, weight_rows(m, m->w_q, oq, E, wh, pk),
-                         bias_at(bq, oq), Rq, E, nq, wq, gs, nt);
-        mha__linear_rows(kt, k + okv, Ekv, xk, ldk,
-                         weight_rows(m, m->w_k, okv, p->kdim, wh, pk), bias_at(bk, okv), Rk,
-                         p->kdim, nkv, wk, gs, nt);
-        mha__linear_rows(kt, v + okv, Ekv, xv, ldv,
-                         weight_rows(m, m->w_v, okv, p->vdim, wh, pk), bias_at(bv, okv), Rk,
-                         p->vdim, nkv, wv, gs, nt);
+        // bf16 compute: each projection on the bf16 unit from its gathered
+        // rows (never the caller's), unless gates read the query rows later
+        const bool bfp = fwd_bf16(c) && !mha__module_gated(m) &&
+                         xq == (const float *)(ws + p->f.xq) &&
+                         xk == (const float *)(ws + p->f.xk) &&
+                         xv == (const float *)(ws + p->f.xv);
+        if (!(bfp && mha__linear_rows_bf16(kt, q, Eq, (float *)xq, ldq,
+                                           (const uint16_t *)m->w_q, pk, bq, Rq, E, Eq, wq,
+                                           mha__gemm_packed_b_floats(kt, E, Eq), nt)))
+            mha__linear_rows(kt, q + oq, Eq, xq, ldq, weight_rows(m, m->w_q, oq, E, wh, pk),
+                             bias_at(bq, oq), Rq, E, nq, wq, gs, nt);
+        if (!(bfp && mha__linear_rows_bf16(kt, k, Ekv, (float *)xk, ldk,
+                                           (const uint16_t *)m->w_k, pk, bk, Rk, p->kdim, Ekv,
+                                           wk, mha__gemm_packed_b_floats(kt, p->kdim, Ekv), nt)))
+            mha__linear_rows(kt, k + okv, Ekv, xk, ldk,
+                             weight_rows(m, m->w_k, okv, p->kdim, wh, pk), bias_at(bk, okv),
+                             Rk, p->kdim, nkv, wk, gs, nt);
+        if (!(bfp && mha__linear_rows_bf16(kt, v, Ekv, (float *)xv, ldv,
+                                           (const uint16_t *)m->w_v, pk, bv, Rk, p->vdim, Ekv,
+                                           wv, mha__gemm_packed_b_floats(kt, p->vdim, Ekv), nt)))
+            mha__linear_rows(kt, v + okv, Ekv, xv, ldv,
+                             weight_rows(m, m->w_v, okv, p->vdim, wh, pk), bias_at(bv, okv),
+                             Rk, p->vdim, nkv, wv, gs, nt);
         c->qm = (mha__rowmap){q, Eq, seq_first, N, L};
         c->km = (mha__rowmap){k, Ekv, seq_first, N, S};
         c->vm = (mha__rowmap){v, Ekv, seq_first, N, S};

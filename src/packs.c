@@ -4,8 +4,8 @@
 // mha__gemm_pack_wt lays it out for the process's kernel table (gemm.h), so
 // that a call multiplies by it without packing W first. bf16 weights on a
 // table that computes bf16 (bf_fast: amx, avx512bf16) keep the matrices the
-// bf16 compute multiplies by (the packed in_proj_weight of self-attention
-// and out_proj.weight) as pack_bf16 lays them out (kernels.h: the same
+// bf16 compute multiplies by (in_proj_weight, or q/k/v_proj_weight, and
+// out_proj.weight) as pack_bf16 lays them out (kernels.h: the same
 // size as the matrix, bf16). Other half weights are not kept (each call
 // widens and packs them, as before: their point is the memory). The packed
 // copy is allocated with the module and filled by the
@@ -72,7 +72,13 @@ mha_status mha__packs_create(mha_module *m) {
         }
         mats[n++] = (packed_mat){m->out_weight, E, Eq, false, NULL};
     } else if (m->wdt == MHA_BF16 && kt->bf_fast) {  // the bf16 compute's (fused_fwd.c)
-        if (m->packed) mats[n++] = (packed_mat){m->w_in, Eq + 2 * Ekv, E, true, NULL};
+        if (m->packed) {
+            mats[n++] = (packed_mat){m->w_in, Eq + 2 * Ekv, E, true, NULL};
+        } else {
+            mats[n++] = (packed_mat){m->w_q, Eq, E, true, NULL};
+            mats[n++] = (packed_mat){m->w_k, Ekv, m->cfg.kdim, true, NULL};
+            mats[n++] = (packed_mat){m->w_v, Ekv, m->cfg.vdim, true, NULL};
+        }
         mats[n++] = (packed_mat){m->w_out, E, Eq, true, NULL};
     }
     if (m->gate_weight) mats[n++] = (packed_mat){m->gate_weight, H, E, false, NULL};

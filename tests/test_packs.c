@@ -17,7 +17,8 @@
 // head_dim, BF16 weights with a dynamic gate (only the gate is kept
 // packed), and BF16 weights without gates, whose forward on bf16 inputs
 // computes in bf16 where the table does (mha_last_impl() " bf16": the
-// copy holds the bf16-packed in_proj_weight and out_proj.weight).
+// copy holds the bf16-packed in_proj_weight, or q/k/v_proj_weight, and
+// out_proj.weight).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -467,5 +468,8 @@ int main(void) {
     mha_config_init(&c, 32, 4);  // BF16 weights: the bf16 compute's copy
     c.weight_dtype = MHA_BF16;
     one_kind("bf16 packed", &c, false);
+    mha_config_init(&c, 32, 4);  // and of separate q/k/v (kdim, vdim of their own)
+    c.weight_dtype = MHA_BF16, c.kdim = 40, c.vdim = 36;
+    one_kind("bf16 separate kdim 40 vdim 36", &c, false);
     return check_summary("test_packs");
 }
