@@ -85,10 +85,36 @@ static inline __m512i daz32(__m512i x) {
                                    _mm512_and_si512(x, _mm512_set1_epi16((short)0x8000)));
 }
 
+// r[i] <- column i of the 16 x 16 matrix of 32-bit elements whose rows
+// were r[0..15] (unpacks of 32 and 64 bits, then 128-bit lane shuffles)
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; k < 4; k++) {
+            t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 8; k++) {
+        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    }
+}
+
 // pack_bf16 for a table of pad kpad (the generic layout, kernels.h), with
 // AVX-512: B rows along n (sn == 1, the V tiles) interleaved two rows at a
-// time; B columns along k (sk == 1, the K^T tiles) a 32-bit transpose of
-// the k pairs by gathers. Other strides: the generic packer.
+// time; B columns along k (sk == 1, the K^T tiles: a key's row holds its
+// k pairs as 32-bit words) 16 x 16 transposes of those words. Other
+// strides: the generic packer.
 void mha__pack_bf16_avx512(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t sn, int64_t K,
                            int64_t N, int64_t kpad) {
     const int64_t Np = (N + 15) / 16 * 16, Kp = (K + kpad - 1) / kpad * kpad;
@@ -112,20 +138,20 @@ void mha__pack_bf16_avx512(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t 
         }
         return;
     }
-    if (sk == 1 && K % 2 == 0 && sn <= INT32_MAX / 32) {
-        const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
-                                                                 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32((int)(sn * 2)));
-        for (int64_t p = 0; p < Kp / 2; p++)
-            for (int64_t j = 0; j < Np; j += 16) {
-                const __mmask16 m = 2 * p >= K    ? 0
-                                    : j + 16 <= N ? 0xffff
-                                    : j < N       ? (__mmask16)(0xffffu >> (16 - (N - j)))
-                                                  : 0;
-                const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, lane,
-                                                              (const void *)(B + j * sn + 2 * p),
-                                                              1);
-                _mm512_storeu_si512(Bp + (p * Np + j) * 2, daz32(w));
+    if (sk == 1 && K % 2 == 0) {  // rows of 16 keys x 16 pairs: 32-bit transposes
+        const int64_t P = K / 2;  // pairs of a key's row
+        for (int64_t j0 = 0; j0 < Np; j0 += 16)
+            for (int64_t p0 = 0; p0 < Kp / 2; p0 += 16) {
+                const __mmask16 m = p0 + 16 <= P ? 0xffff
+                                    : p0 < P     ? (__mmask16)(0xffffu >> (16 - (P - p0)))
+                                                 : 0;
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = j0 + i < N ? _mm512_maskz_loadu_epi32(m, B + (j0 + i) * sn + 2 * p0)
+                                      : _mm512_setzero_si512();
+                transpose16(r);  // r[t]: pair p0 + t of the 16 keys
+                for (int t = 0; t < 16 && p0 + t < Kp / 2; t++)
+                    _mm512_storeu_si512(Bp + ((p0 + t) * Np + j0) * 2, daz32(r[t]));
             }
         return;
     }
