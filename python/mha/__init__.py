@@ -59,6 +59,13 @@ def isa():
     return _mha.isa()
 
 
+def release_scratch():
+    """Frees the calling thread's kept scratch block: forward, backward and
+    sdpa keep their last one (1 MiB or more) for the next call instead of
+    faulting in fresh pages each time (mha_release_scratch)."""
+    _mha.release_scratch()
+
+
 def last_impl():
     """What this thread's last successful forward, backward, sdpa or
     sdpa_backward ran: 'reference', or 'fused ' and the SIMD kernels

@@ -1711,6 +1711,11 @@ static PyObject *py_last_impl(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(mha_last_impl());
 }
 
+static PyObject *py_release_scratch(PyObject *self, PyObject *unused) {
+    mha_release_scratch();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef functions[] = {
     {"forward", (PyCFunction)(void (*)(void))py_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(module, q, k, v, kpm, am, alloc, **options) -> (out, weights)"},
@@ -1735,6 +1740,8 @@ static PyMethodDef functions[] = {
     {"isa", (PyCFunction)py_isa, METH_NOARGS, "the SIMD kernels in use"},
     {"last_impl", (PyCFunction)py_last_impl, METH_NOARGS,
      "what this thread's last forward, backward, sdpa or sdpa_backward ran"},
+    {"release_scratch", (PyCFunction)py_release_scratch, METH_NOARGS,
+     "frees this thread's kept scratch block (mha_release_scratch)"},
     {"load_checkpoint", (PyCFunction)(void (*)(void))py_load_checkpoint,
      METH_VARARGS | METH_KEYWORDS,
      "load_checkpoint(dir, layer, weight_dtype) -> (Module, CheckpointLayer)"},
