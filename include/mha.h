@@ -95,8 +95,10 @@ MHA_API const char *mha_last_error(void);
 // with AMX tiles for bf16 products), followed by " bf16" where the
 // products were computed in bf16 ("fused amx bf16", "fused avx512bf16
 // bf16": see mha_sdpa_args);
-// "" before any. Each of those calls (and mha_sdpa_varlen) sets it when it
-// succeeds; no other call changes it.
+// "" before any. Each of those calls (and mha_sdpa_varlen, the caches'
+// mha_kv_cache_attend / mha_paged_cache_attend and mha_forward_cached /
+// mha_forward_paged(_tokens): "fused " and the kernels, their attention in
+// float32) sets it when it succeeds; no other call changes it.
 MHA_API const char *mha_last_impl(void);
 
 // Writes s into buf (cap >= 16 bytes) as a quoted, printable, one-line

@@ -392,7 +392,9 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
                               mha_kv_cache *cache) {
     const cache_ref r = {cache, NULL, NULL, NULL, NULL};
     if (!cache) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_cached: NULL argument");
-    return forward_cache(out, m, a, &r);
+    const mha_status st = forward_cache(out, m, a, &r);
+    if (!st) mha__set_impl(true, mha_isa(), false);
+    return st;
 }
 
 mha_status mha_forward_paged(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
@@ -407,5 +409,7 @@ mha_status mha_forward_paged_tokens(mha_tensor *out, const mha_module *m,
     const cache_ref r = {NULL, cache, ids, counts, tokens};
     if (!cache || !ids)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_paged: NULL argument");
-    return forward_cache(out, m, a, &r);
+    const mha_status st = forward_cache(out, m, a, &r);
+    if (!st) mha__set_impl(true, mha_isa(), false);
+    return st;
 }

@@ -381,7 +381,9 @@ void mha_cache_attend_args_init(mha_cache_attend_args *a) {
 
 mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
                                const mha_cache_attend_args *args, const int64_t *counts) {
-    return mha__kv_cache_attend_ex(out, q, c, args, counts, 0, NULL);
+    const mha_status st = mha__kv_cache_attend_ex(out, q, c, args, counts, 0, NULL);
+    if (!st) mha__set_impl(true, mha_isa(), false);
+    return st;
 }
 
 // What the phases of a cache attention share (attend_check fills it).

@@ -884,6 +884,7 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
     }
     free(len);
     leave_read(c);
+    if (!st) mha__set_impl(true, mha_isa(), false);
     return st;
 }
 

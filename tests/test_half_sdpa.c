@@ -356,6 +356,12 @@ static void test_cache_half(void) {
                                ot = mha_tensor_contiguous(oh, odt, 4, sh),
                                qf = mha_tensor_contiguous(q, MHA_F32, 4, sh),
                                of = mha_tensor_contiguous(o, MHA_F32, 4, sh);
+                    mha_sdpa_args none;  // (last_impl: something else first)
+                    mha_sdpa_args_init(&none);
+                    none.q = none.k = none.v = &qf;
+                    none.impl = MHA_IMPL_REFERENCE;
+                    mha_tensor o64 = mha_tensor_contiguous(o, MHA_F32, 4, sh);
+                    CHECK_OK(mha_sdpa(&o64, NULL, &none));
                     if (c) {
                         CHECK_OK(mha_kv_cache_attend(&of, &qf, c, NULL, NULL));
                         CHECK_OK(mha_kv_cache_attend(&ot, &qt, c, NULL, NULL));
@@ -363,6 +369,9 @@ static void test_cache_half(void) {
                         CHECK_OK(mha_paged_cache_attend(&of, &qf, pc, 2, ids, NULL, NULL));
                         CHECK_OK(mha_paged_cache_attend(&ot, &qt, pc, 2, ids, NULL, NULL));
                     }
+                    CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0 &&
+                               strcmp(mha_last_impl() + 6, mha_isa()) == 0,
+                           "cache %d attend: last_impl \"%s\"", store, mha_last_impl());
                     const int64_t bad = first_unrounded(oh, odt, o, n);
                     CHECKF(bad < 0, "cache %d T %lld q %s out %s: element %lld is not the "
                                     "float32 attend's rounded",

@@ -178,6 +178,17 @@ static void run_all(outputs *o, const mha_module *m, const inputs *in) {
     }
     // cached decode: token by token, then the T tokens as one chunk
     if (in->kd == E && in->vd == E && !c->add_bias_kv) {
+        {  // (last_impl: "reference" first, so the decode's own is seen)
+            float z[4] = {0};
+            mha_tensor zt = mha_tensor_contiguous(z, MHA_F32, 4, (int64_t[]){1, 1, 1, 4});
+            mha_sdpa_args sa;
+            mha_sdpa_args_init(&sa);
+            sa.q = sa.k = sa.v = &zt;
+            sa.impl = MHA_IMPL_REFERENCE;
+            float y1[4];
+            mha_tensor yt1 = mha_tensor_contiguous(y1, MHA_F32, 4, (int64_t[]){1, 1, 1, 4});
+            CHECK_OK(mha_sdpa(&yt1, NULL, &sa));
+        }
         mha_kv_cache *kc = NULL;
         CHECK_OK(mha_kv_cache_create(&kc, N, Hkv, d, d, 2 * T));
         float *yd = floats(T * N * E);
@@ -190,6 +201,8 @@ static void run_all(outputs *o, const mha_module *m, const inputs *in) {
             mha_forward_args_init(&ac);
             ac.query = ac.key = ac.value = &qc;
             CHECK_OK(mha_forward_cached(&oc, m, &ac, kc));
+            CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0,
+                   "mha_forward_cached: last_impl \"%s\"", mha_last_impl());
         }
         put(o, yd, T * N * E);
         mha_tensor qc = mha_tensor_contiguous(in->x, MHA_F32, 3, (int64_t[]){T, N, E});
