@@ -163,6 +163,13 @@ void *mha__realloc(void *p, size_t bytes) {
 #define MHA__HUGE_PAGE ((size_t)2 << 20)
 #define MHA__HUGE_MIN ((size_t)16 << 20)
 
+// bytes (0 taken as 1) rounded up to a multiple of 64; 0 on overflow
+static size_t round64(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    const size_t rounded = (bytes + 63) & ~(size_t)63;
+    return rounded < bytes ? 0 : rounded;
+}
+
 // (mha__alloc past its fault check)
 static void *alloc_aligned(size_t rounded) {
     if (rounded < MHA__HUGE_MIN) return aligned_alloc(64, rounded);
@@ -176,9 +183,8 @@ static void *alloc_aligned(size_t rounded) {
 }
 
 void *mha__alloc(size_t bytes) {
-    if (bytes == 0) bytes = 1;
-    size_t rounded = (bytes + 63) & ~(size_t)63;
-    if (rounded < bytes) return NULL;
+    const size_t rounded = round64(bytes);
+    if (!rounded) return NULL;
     if (MHA__FAULT_NOW()) return NULL;
     return alloc_aligned(rounded);
 }
@@ -223,9 +229,8 @@ static void *scratch_poison(void *p, size_t bytes) {
 }
 
 void *mha__scratch_alloc(size_t bytes) {
-    if (bytes == 0) bytes = 1;
-    size_t rounded = (bytes + 63) & ~(size_t)63;
-    if (rounded < bytes) return NULL;
+    const size_t rounded = round64(bytes);
+    if (!rounded) return NULL;
     if (MHA__FAULT_NOW()) return NULL;
     void *p = t_scratch;
     if (p) {
@@ -240,8 +245,8 @@ void *mha__scratch_alloc(size_t bytes) {
 
 void mha__scratch_free(void *p, size_t bytes) {
     if (!p) return;
-    size_t rounded = (bytes + 63) & ~(size_t)63;
-    if (rounded < MHA__SCRATCH_KEEP_MIN || rounded < bytes) {
+    const size_t rounded = round64(bytes);  // (the size mha__scratch_alloc took)
+    if (rounded < MHA__SCRATCH_KEEP_MIN) {
         free(p);
         return;
     }

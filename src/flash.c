@@ -339,6 +339,39 @@ static bool next_tile(key_iter *it, int64_t *j0, int64_t *n) {
     return false;
 }
 
+// rows (br of them, row stride rs) of bf16 src into dst (row stride w):
+// subnormals flushed, zero-padded to the table's bf_kpad columns (of n) and
+// bf_mpad rows (the A operand rows gemm_bf16 reads: q, dO)
+static void bf_rows(const mha__kernels *kt, uint16_t *dst, int64_t w, const uint16_t *src,
+                    int64_t rs, int64_t br, int64_t n) {
+    const int64_t kp = round_up(n, kt->bf_kpad);
+    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
+        uint16_t *d = dst + r * w;
+        int64_t c = 0;
+        if (r < br)
+            for (const uint16_t *q = src + r * rs; c < n; c++)
+                d[c] = (q[c] & 0x7f80) ? q[c] : (uint16_t)(q[c] & 0x8000);
+        for (; c < kp; c++) d[c] = 0;
+    }
+}
+
+// float32 rows (br, n) of src (row stride ls) rounded into bf16 rows of dst
+// (row stride w), zero-padded as bf_rows; src NULL: dst's rows hold their
+// n values already, only the padding is written
+static void round_rows(const mha__kernels *kt, uint16_t *dst, int64_t w, const float *src,
+                       int64_t ls, int64_t br, int64_t n) {
+    const int64_t kp = round_up(n, kt->bf_kpad);
+    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
+        uint16_t *d = dst + r * w;
+        int64_t c = 0;
+        if (r < br) {
+            if (src) kt->round_bf16(d, src + r * ls, n);
+            c = n;
+        }
+        for (; c < kp; c++) d[c] = 0;
+    }
+}
+
 // qs (br, D) = scale * q rows [i0, i0 + br) (half rows converted first:
 // cv, max(D, Dv) floats of scratch); in bf16 compute qb (br, D) = the q
 // rows, unscaled, subnormals flushed, zero-padded to the table's bf_kpad
@@ -347,17 +380,8 @@ static void load_q(const mha__kernels *kt, const mha__flash_head *a, scratch_map
                    int64_t i0, int64_t br) {
     float *qs = sm->qs, *cv = sm->cv;
     if (sm->bf) {
-        const int64_t w = qbw(a->D), kp = round_up(a->D, kt->bf_kpad);
-        for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
-            uint16_t *d = sm->qb + r * w;
-            int64_t c = 0;
-            if (r < br) {
-                const uint16_t *q = (const uint16_t *)a->q + (i0 + r) * a->q_rs;
-                for (; c < a->D; c++)
-                    d[c] = (q[c] & 0x7f80) ? q[c] : (uint16_t)(q[c] & 0x8000);
-            }
-            for (; c < kp; c++) d[c] = 0;
-        }
+        bf_rows(kt, sm->qb, qbw(a->D), (const uint16_t *)(const void *)a->q + i0 * a->q_rs,
+                a->q_rs, br, a->D);
         return;
     }
     for (int64_t r = 0; r < br; r++) {
@@ -377,16 +401,7 @@ static void load_q(const mha__kernels *kt, const mha__flash_head *a, scratch_map
 // (P_ready: pb's rows [0, br) already hold P, from softmax_rows_bf16.)
 static void pv_bf16(const mha__kernels *kt, const mha__flash_head *a, scratch_map *sm,
                     float *ob, int64_t ob_rs, int64_t br, int64_t j0, int64_t n, bool p_ready) {
-    const int64_t kp = round_up(n, kt->bf_kpad);
-    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
-        uint16_t *p = sm->pb + r * PBW;
-        int64_t c = 0;
-        if (r < br) {
-            if (!p_ready) kt->round_bf16(p, sm->s + r * n, n);
-            c = n;
-        }
-        for (; c < kp; c++) p[c] = 0;
-    }
+    round_rows(kt, sm->pb, PBW, p_ready ? NULL : sm->s, n, br, n);
     const uint16_t *vt;
     int64_t nb = a->Dv;
     if (n == width_of(a, j0)) {
@@ -701,35 +716,6 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
 // The backward in bf16 (mha__flash_bwd_head_bf16): the tiles' products on
 // bf16 operands with float32 sums (gemm_bf16), the softmax's backward in
 // float32.
-
-// rows (br of them, row stride rs) of bf16 src into dst (row stride w):
-// subnormals flushed, zero-padded to the table's bf_kpad columns (of n) and
-// bf_mpad rows (load_q's bf16 rows)
-static void bf_rows(const mha__kernels *kt, uint16_t *dst, int64_t w, const uint16_t *src,
-                    int64_t rs, int64_t br, int64_t n) {
-    const int64_t kp = round_up(n, kt->bf_kpad);
-    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
-        uint16_t *d = dst + r * w;
-        int64_t c = 0;
-        if (r < br)
-            for (const uint16_t *q = src + r * rs; c < n; c++)
-                d[c] = (q[c] & 0x7f80) ? q[c] : (uint16_t)(q[c] & 0x8000);
-        for (; c < kp; c++) d[c] = 0;
-    }
-}
-
-// float32 rows (br, n) of src (row stride ls) rounded into bf16 rows of dst
-// (row stride w), zero-padded as bf_rows
-static void round_rows(const mha__kernels *kt, uint16_t *dst, int64_t w, const float *src,
-                       int64_t ls, int64_t br, int64_t n) {
-    const int64_t kp = round_up(n, kt->bf_kpad);
-    for (int64_t r = 0; r < round_up(br, kt->bf_mpad); r++) {
-        uint16_t *d = dst + r * w;
-        int64_t c = 0;
-        if (r < br) kt->round_bf16(d, src + r * ls, n), c = n;
-        for (; c < kp; c++) d[c] = 0;
-    }
-}
 
 // s <- P and dp <- dP = (dO v^T) * drop for rows [i0, i0 + br) (qb and db
 // loaded) and keys [j0, j0 + n): the bf16 scores and dO v^T

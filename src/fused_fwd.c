@@ -99,6 +99,23 @@ static mha__wmat weight_rows(const mha_module *m, const void *w, int64_t r, int6
 // A bias from element o, or NULL without one.
 static const float *bias_at(const float *b, int64_t o) { return b ? b + o : NULL; }
 
+// C (R, n) = X (R, in) W[r0, r0 + n)^T + b[r0, r0 + n) into C's columns
+// from r0: on the bf16 unit when bf (mha__linear_rows_bf16: the whole
+// matrix, r0 = 0; X's rows rounded in place, so never the caller's), else
+// (or when the shapes do not fit it) the float32 packed GEMM.
+static void project(const fwd_call *c, bool bf, float *C, int64_t ldc, const float *X,
+                    int64_t ldx, const void *W, const float *b, int64_t r0, int64_t R,
+                    int64_t in, int64_t n, float *Wp, float *gs) {
+    const mha__kernels *kt = c->kt;
+    const int nt = c->p->nthreads;
+    if (bf && mha__linear_rows_bf16(kt, C, ldc, (float *)X, ldx, (const uint16_t *)W, c->pk, b,
+                                    R, in, n, Wp, mha__gemm_packed_b_floats(kt, in, n), nt))
+        return;
+    mha__linear_rows(kt, C + r0, ldc, X, ldx,
+                     weight_rows(c->m, W, r0, in, (float *)(c->ws + c->p->f.wh), c->pk),
+                     bias_at(b, r0), R, in, n, Wp, gs, nt);
+}
+
 // 1. The projections q = Xq W_q^T + b_q, k = Xk W_k^T + b_k, v = Xv W_v^T +
 //    b_v (one GEMM over the packed in_proj_weight for self-attention; a
 //    part: only its heads' rows of the weights, into their columns), into
@@ -168,27 +185,14 @@ static void fwd_project(fwd_call *c) {
               *v = sv ? sbuf + Rq * Eq + Rk * Ekv : (float *)(ws + p->f.v);
         // bf16 compute: each projection on the bf16 unit from its gathered
         // rows (never the caller's), unless gates read the query rows later
+        // (no part then: the whole matrices)
         const bool bfp = fwd_bf16(c) && !mha__module_gated(m) &&
                          xq == (const float *)(ws + p->f.xq) &&
                          xk == (const float *)(ws + p->f.xk) &&
                          xv == (const float *)(ws + p->f.xv);
-        if (!(bfp && mha__linear_rows_bf16(kt, q, Eq, (float *)xq, ldq,
-                                           (const uint16_t *)m->w_q, pk, bq, Rq, E, Eq, wq,
-                                           mha__gemm_packed_b_floats(kt, E, Eq), nt)))
-            mha__linear_rows(kt, q + oq, Eq, xq, ldq, weight_rows(m, m->w_q, oq, E, wh, pk),
-                             bias_at(bq, oq), Rq, E, nq, wq, gs, nt);
-        if (!(bfp && mha__linear_rows_bf16(kt, k, Ekv, (float *)xk, ldk,
-                                           (const uint16_t *)m->w_k, pk, bk, Rk, p->kdim, Ekv,
-                                           wk, mha__gemm_packed_b_floats(kt, p->kdim, Ekv), nt)))
-            mha__linear_rows(kt, k + okv, Ekv, xk, ldk,
-                             weight_rows(m, m->w_k, okv, p->kdim, wh, pk), bias_at(bk, okv),
-                             Rk, p->kdim, nkv, wk, gs, nt);
-        if (!(bfp && mha__linear_rows_bf16(kt, v, Ekv, (float *)xv, ldv,
-                                           (const uint16_t *)m->w_v, pk, bv, Rk, p->vdim, Ekv,
-                                           wv, mha__gemm_packed_b_floats(kt, p->vdim, Ekv), nt)))
-            mha__linear_rows(kt, v + okv, Ekv, xv, ldv,
-                             weight_rows(m, m->w_v, okv, p->vdim, wh, pk), bias_at(bv, okv),
-                             Rk, p->vdim, nkv, wv, gs, nt);
+        project(c, bfp, q, Eq, xq, ldq, m->w_q, bq, oq, Rq, E, nq, wq, gs);
+        project(c, bfp, k, Ekv, xk, ldk, m->w_k, bk, okv, Rk, p->kdim, nkv, wk, gs);
+        project(c, bfp, v, Ekv, xv, ldv, m->w_v, bv, okv, Rk, p->vdim, nkv, wv, gs);
         c->qm = (mha__rowmap){q, Eq, seq_first, N, L};
         c->km = (mha__rowmap){k, Ekv, seq_first, N, S};
         c->vm = (mha__rowmap){v, Ekv, seq_first, N, S};

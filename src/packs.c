@@ -62,24 +62,18 @@ mha_status mha__packs_create(mha_module *m) {
     packed_mat mats[MAX_MATS];
     int n = 0;
     const int64_t E = m->cfg.embed_dim, Eq = m->q_dim, Ekv = m->kv_dim, H = m->cfg.num_heads;
-    if (m->wdt == MHA_F32) {
+    // float32 weights, or bf16 ones that the bf16 compute multiplies by
+    // (fused_fwd.c): the projections' matrices in their storage
+    const bool bf = m->wdt == MHA_BF16 && kt->bf_fast;
+    if (m->wdt == MHA_F32 || bf) {
         if (m->packed) {
-            mats[n++] = (packed_mat){m->in_proj_weight, Eq + 2 * Ekv, E, false, NULL};
+            mats[n++] = (packed_mat){m->w_in, Eq + 2 * Ekv, E, bf, NULL};
         } else {
-            mats[n++] = (packed_mat){m->q_weight, Eq, E, false, NULL};
-            mats[n++] = (packed_mat){m->k_weight, Ekv, m->cfg.kdim, false, NULL};
-            mats[n++] = (packed_mat){m->v_weight, Ekv, m->cfg.vdim, false, NULL};
+            mats[n++] = (packed_mat){m->w_q, Eq, E, bf, NULL};
+            mats[n++] = (packed_mat){m->w_k, Ekv, m->cfg.kdim, bf, NULL};
+            mats[n++] = (packed_mat){m->w_v, Ekv, m->cfg.vdim, bf, NULL};
         }
-        mats[n++] = (packed_mat){m->out_weight, E, Eq, false, NULL};
-    } else if (m->wdt == MHA_BF16 && kt->bf_fast) {  // the bf16 compute's (fused_fwd.c)
-        if (m->packed) {
-            mats[n++] = (packed_mat){m->w_in, Eq + 2 * Ekv, E, true, NULL};
-        } else {
-            mats[n++] = (packed_mat){m->w_q, Eq, E, true, NULL};
-            mats[n++] = (packed_mat){m->w_k, Ekv, m->cfg.kdim, true, NULL};
-            mats[n++] = (packed_mat){m->w_v, Ekv, m->cfg.vdim, true, NULL};
-        }
-        mats[n++] = (packed_mat){m->w_out, E, Eq, true, NULL};
+        mats[n++] = (packed_mat){m->w_out, E, Eq, bf, NULL};
     }
     if (m->gate_weight) mats[n++] = (packed_mat){m->gate_weight, H, E, false, NULL};
     if (n == 0) return MHA_OK;

@@ -429,15 +429,15 @@ static void test_varlen_half(void) {
             char impl[64];
             snprintf(impl, sizeof impl, "%s", mha_last_impl());
             for (int b = 0; b < NS; b++) {  // (1, H, l, D) views of sequence b's rows
-#define SEQ_VIEW(t, base, dt, rows, heads, r0)                                                 \
+#define SEQ_VIEW(base, dt, rows, heads, r0)                                                 \
     (mha_tensor) {                                                                            \
         .data = (char *)(base) + (r0) * (heads) * D * (dt == MHA_F32 ? 4 : 2), .dtype = dt,   \
         .ndim = 4, .shape = {1, heads, rows, D}, .stride = {rows * heads * D, D, heads * D, 1} \
     }
-                mha_tensor q4 = SEQ_VIEW(q, qh, qd, lq[b], H, cq[b]);
-                mha_tensor k4 = SEQ_VIEW(k, kh, kd, lk[b], HKV, ck[b]);
-                mha_tensor v4 = SEQ_VIEW(v, vh, vd, lk[b], HKV, ck[b]);
-                mha_tensor o4 = SEQ_VIEW(o, o2, od, lq[b], H, cq[b]);
+                mha_tensor q4 = SEQ_VIEW(qh, qd, lq[b], H, cq[b]);
+                mha_tensor k4 = SEQ_VIEW(kh, kd, lk[b], HKV, ck[b]);
+                mha_tensor v4 = SEQ_VIEW(vh, vd, lk[b], HKV, ck[b]);
+                mha_tensor o4 = SEQ_VIEW(o2, od, lq[b], H, cq[b]);
 #undef SEQ_VIEW
                 mha_sdpa_args a;
                 mha_sdpa_args_init(&a);
