@@ -1031,7 +1031,8 @@ static void test_round_bf16(const mha__kernels *k, const mha__kernels *g) {
 // softmax_rows_bf16: every table the generic bits (P, m, l, alpha), over
 // row counts and widths with tails, running (m, l) from earlier tiles, rows
 // with nothing visible yet (-inf), some masked entries, a NaN score, scales
-// 1 and 0.125, and scores spanning exp's range (fexp's cut at -87); x
+// 1, 0.125 and 1/sqrt(32), scores spanning exp's range (fexp's cut at -87)
+// and huge ones (1e25: the product's rounding above the max); x
 // untouched. And the generic against double: M exact; fexp(z) within
 // 2 |z| 2^-24 + 2^-22 relative (z = y - M and t = z log2 e rounded, the
 // polynomial's 1.6e-7) or, cut below -87, 2^-125 absolute; P within one bf16 rounding
@@ -1044,8 +1045,14 @@ static void test_softmax_rows_bf16(const mha__kernels *k, const mha__kernels *g)
     double worst = 0;  // generic's P error / its bound
     for (int trial = 0; trial < 300; trial++) {
         const int64_t R = irand(1, RMAX), n = irand(1, 130);
-        const float scale = trial % 2 ? 0.125f : 1.0f;
-        const float spread = trial % 3 == 0 ? 120.0f : 8.0f;  // (spans the cut at -87)
+        // huge scores with a scale whose products round (trial % 5 == 4):
+        // fma(scale, x, -M) of the largest exceeds 0 by up to half an ulp of
+        // M, ~1e18 here; the kernel clamps it (the fuzzer's case)
+        const bool huge = trial % 5 == 4;
+        const float scale = huge ? 0.17677669f : trial % 2 ? 0.125f : 1.0f;
+        const float spread = huge               ? 1e25f
+                             : trial % 3 == 0 ? 120.0f
+                                              : 8.0f;  // (spans the cut at -87)
         float m0[RMAX], l0[RMAX], m1[RMAX], l1[RMAX], a0[RMAX], a1[RMAX], mi[RMAX], li[RMAX];
         for (int64_t r = 0; r < R; r++) {
             const int kind = (int)irand(0, 5);

@@ -236,8 +236,9 @@ static void softmax_rows_bf16(const float *x, int64_t ldx, int64_t R, int64_t n,
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 k = tail_mask(n - j);
             for (int i = 0; i < 4; i++) {
-                const __m512 e = fexp512(
-                    _mm512_fmadd_ps(sc, _mm512_maskz_loadu_ps(k, x0 + i * ldx + j), nm[i]));
+                // y - M with y the rounded product, as M's (not an fma)
+                const __m512 e = fexp512(_mm512_add_ps(
+                    _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(k, x0 + i * ldx + j)), nm[i]));
                 _mm256_mask_storeu_epi16(p + (r + i) * ldp + j, k,
                                          (__m256i)_mm512_cvtneps_pbh(e));
                 s[i] = _mm512_add_ps(s[i], _mm512_maskz_mov_ps(k, e));

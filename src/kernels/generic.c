@@ -380,7 +380,7 @@ void mha__softmax_rows_bf16_generic(const float *x, int64_t ldx, int64_t R, int6
         }
         float acc[16] = {0};
         for (int64_t j = 0; j < n; j++) {
-            const float e = fexp(fmaf(scale, xr[j], -M));
+            const float e = fexp(scale * xr[j] - M);  // (y - M: 0 for the largest)
             mha__round_bf16_generic(pr + j, &e, 1);
             acc[j % 16] += e;
         }

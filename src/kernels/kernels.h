@@ -230,7 +230,10 @@ typedef struct mha__kernels {
     //     M = max(m[r], max_j y_j), NaN y_j skipped; M = -inf (nothing
     //     visible yet): p_j = 0, alpha[r] = 1, m[r], l[r] kept, unless a
     //     y_j is NaN: then M = NaN;
-    //     e_j = fexp(fma(scale, x_j, -M)) (y_j - M rounded once);
+    //     e_j = fexp(y_j - M) (the rounded product, as M's: the largest
+    //     gets exactly 0, where the exact product's fma(scale, x_j, -M)
+    //     would be off by up to half an ulp of M, a large number for
+    //     large scores: exp of it overflows or vanishes);
     //     p[r*ldp + j] = round_bf16(e_j);
     //     s = sum_j e_j in 16 partial sums (j mod 16) from 0, in increasing
     //     j, then added pairwise: lane u + lane u + 8, then + 4, + 2, + 1;
