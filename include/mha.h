@@ -263,13 +263,14 @@ typedef struct mha_config {
                               // the projected q, k, v to bf16 and compute the
                               // attention in bf16, as mha_sdpa does for bf16
                               // views; mha_last_impl() ends in " bf16").
-                              // Biases and bias_k/bias_v stay float32. A
-                              // module with half weights is for inference:
-                              // mha_forward (both implementations) and
-                              // mha_forward_cached run; mha_backward, a
-                              // forward with `save`, and the optimizers
-                              // refuse it (MHA_ERR_UNSUPPORTED): train in
-                              // float32, then mha_module_convert.
+                              // Biases and bias_k/bias_v stay float32.
+                              // mha_backward and a forward with `save` take
+                              // half weights (widened exactly; the grads
+                              // module's weight matrices, of any of the
+                              // three dtypes, get the float32 sums rounded
+                              // once); the optimizers refuse them
+                              // (MHA_ERR_UNSUPPORTED): they update float32
+                              // modules.
     mha_head_gate head_gate;  // per-head output gates (see mha_head_gate):
                               // MHA_GATE_NONE (the default, 0),
                               // MHA_GATE_STATIC or MHA_GATE_DYNAMIC
@@ -783,6 +784,10 @@ MHA_API MHA_NODISCARD mha_status mha_forward_ex(mha_tensor *attn_output,
 //     configuration as m (e.g. mha_module_create(&g, mha_module_config(m)));
 //     parameter i of grads receives d loss / d parameter i of m, under the
 //     same names: in_proj_weight, in_proj_bias, out_proj.weight, ...
+//     Its weight matrices may be stored as F32, BF16 or F16 whatever m's
+//     weight_dtype: each gradient is summed in float32 (float64 on the
+//     reference path) and rounded once into them (+=: onto the stored
+//     value, widened).
 //   accumulate: false: every output is overwritten (=); true: every output
 //     is added to (+=), for gradient accumulation over micro-batches.
 // Fully masked query rows get gradient 0 through the attention (their

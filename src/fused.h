@@ -6,6 +6,7 @@
 #ifndef MHA_FUSED_H
 #define MHA_FUSED_H
 
+#include "linear.h"
 #include "plan.h"
 
 struct mha__attn_io;
@@ -154,7 +155,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
 // backward's input gradients; tmp R * I floats, bp packed W, gs GEMM
 // scratch).
 void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, const float *d,
-                          int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
+                          int64_t ldd, mha__wmat W, int64_t R, int64_t O, int64_t I,
                           float *tmp, float *bp, float *gs, int nt);
 
 #endif

@@ -39,12 +39,25 @@ static void col_sums(float *db, bool acc, const float *d, int64_t ldd, int64_t R
 
 // dW (O, I) (+)= d^T X: d (R, O) row stride ldd, X (R, I) row stride ldx;
 // db (O) (+)= colsum(d), summed in double over r in order. bp: packed X;
-// gs: GEMM scratch. (d^T is read in place: gemm.h's _tn GEMM.)
-static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc, const float *d,
-                        int64_t ldd, const float *X, int64_t ldx, int64_t R, int64_t O,
-                        int64_t I, float *bp, float *gs, int nt) {
+// gs: GEMM scratch. (d^T is read in place: gemm.h's _tn GEMM.) dW of
+// dt F32, or BF16 / F16 (a half gradient module): summed in float32 in
+// wf (O I floats; +=: from dW widened) and rounded once (nearest even).
+static void grad_weight(const mha__kernels *kt, void *dW, mha_dtype dt, float *wf, float *db,
+                        bool acc, const float *d, int64_t ldd, const float *X, int64_t ldx,
+                        int64_t R, int64_t O, int64_t I, float *bp, float *gs, int nt) {
+    const bool half = dt != MHA_F32;
+    float *C = half ? wf : dW;
+    const mha__mat hw = mha__vmat(dW, dt, 0, 1);
+    if (half && acc)
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t o = 0; o < O; o++)
+            for (int64_t i = 0; i < I; i++) wf[o * I + i] = (float)mha__ld(hw, 0, o * I + i);
     mha__gemm_pack_rows(kt, bp, X, ldx, R, I, nt);
-    mha__gemm_rows_packed_tn(kt, dW, I, d, ldd, bp, NULL, O, R, I, acc, nt, gs);
+    mha__gemm_rows_packed_tn(kt, C, I, d, ldd, bp, NULL, O, R, I, acc, nt, gs);
+    if (half)
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t o = 0; o < O; o++)
+            for (int64_t i = 0; i < I; i++) mha__st(hw, 0, o * I + i, wf[o * I + i]);
     if (db) col_sums(db, acc, d, ldd, R, O, nt);
 }
 
@@ -52,7 +65,7 @@ static void grad_weight(const mha__kernels *kt, float *dW, float *db, bool acc, 
 // into a float32 view of unit column stride when it overwrites; else
 // through tmp (R, I) (a float sum of two floats rounds as the double one).
 void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, const float *d,
-                          int64_t ldd, const float *W, int64_t R, int64_t O, int64_t I,
+                          int64_t ldd, mha__wmat W, int64_t R, int64_t O, int64_t I,
                           float *tmp, float *bp, float *gs, int nt) {
     int64_t ldx;
     if (mha__rows_direct(gx, &ldx) && !acc) {
@@ -85,11 +98,13 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
 //   tmp               Rmax Fmax (dX rows)
 //   xqk, rr           qk_norm: q (Rq, Eq) and k (Rk, Ekv) before the norm;
 //                     per row and group 1 / rms (doubles, the q's or the k's)
+//   wh                half weights: the widening scratch of their packing
+//   wf                a half gradient module: one weight's float32 sums
 //   scratch           nt flash scratches (64-byte aligned: it begins with
 //                     pointers)
 typedef struct bwd_scratch {
     float *xq, *xk, *xv, *wt, *bp, *gs, *qkv, *dqkv, *ctx, *dctx, *dy, *lse, *dsum, *dextra,
-        *extra, *tmp, *xqk, *scratch;
+        *extra, *tmp, *xqk, *wh, *wf, *scratch;
     double *rr;
     size_t sf;  // floats of one flash scratch
 } bwd_scratch;
@@ -98,6 +113,7 @@ typedef struct bwd_scratch {
 typedef struct bwd_call {
     const fwd_plan *p;
     const mha_module *m;
+    const mha_module *grads;  // the gradient module, or NULL
     const mha_forward_args *a;
     const mha__part *pt;  // a part's hooks (fused.h), or NULL
     const mha__kernels *kt;
@@ -162,8 +178,19 @@ static mha_status bwd_alloc(bwd_call *c) {
     const int64_t nrr = head ? (Rq * H > Rk * Hkv ? Rq * H : Rk * Hkv) : Rmax;
     const size_t n_qn = mha__xqk_floats(p, c->m, Rq, Rk),
                  n_rr = qkn ? (size_t)(2 * nrr + 1) : 0;
+    // half weights: the widening scratch of a packing (K <= max(Fmax, E,
+    // Eq)); a half gradient module: the widest weight's float32 sums
+    const int64_t Kmax = Fmax > Omax ? Fmax : Omax;
+    const size_t n_wh = c->m->wdt != MHA_F32 ? mha__gemm_pack_half_tmp_floats(kt, Kmax, nt) : 0;
+    size_t n_wf = 0;
+    if (c->grads && c->grads->wdt != MHA_F32) {
+        const int64_t big[4] = {sp ? W3 * E : Eq * E, Ekv * kd, Ekv * vd, E * Eq};
+        for (int i = 0; i < 4; i++)
+            if ((size_t)big[i] > n_wf) n_wf = (size_t)big[i];
+    }
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
-    size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + n_qn + n_rr + 15) & ~(size_t)15;
+    size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + n_wh + n_wf + n_qn + n_rr + 15) &
+                   ~(size_t)15;
     size_t total = n_pre + sf * (size_t)nt;
     size_t bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
@@ -180,7 +207,8 @@ static mha_status bwd_alloc(bwd_call *c) {
     s->ctx = s->dqkv + n_qkv, s->dctx = s->ctx + Rq * Eq, s->dy = s->dctx + Rq * Eq;
     s->lse = s->dy + Rq * E, s->dsum = s->lse + 2 * N * H * L;  // lse: (m, 1/l) rows
     s->dextra = s->dsum + N * H * L, s->extra = s->dextra + 2 * N * Hkv * nx * d;
-    s->tmp = s->extra + 2 * Hkv * nx * d, s->xqk = s->tmp + n_tmp, s->scratch = blk + n_pre;
+    s->tmp = s->extra + 2 * Hkv * nx * d, s->wh = s->tmp + n_tmp, s->wf = s->wh + n_wh;
+    s->xqk = s->wf + n_wf, s->scratch = blk + n_pre;
     s->rr = (double *)(blk + ((size_t)(s->xqk + n_qn - blk + 1) & ~(size_t)1));
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(s->scratch + (size_t)t * sf);
     c->W3 = W3;
@@ -233,6 +261,13 @@ static mha_status bwd_inputs(bwd_call *c) {
     return MHA_OK;
 }
 
+// The module's weight matrix w from element e (in its storage: float32,
+// bf16 or f16).
+static mha__wmat weight_at(const bwd_call *c, const void *w, int64_t e) {
+    return mha__wmat_of(c->m, (const char *)w + (size_t)e * mha_dtype_size(c->m->wdt), c->s.wh,
+                        c->pk);
+}
+
 // The flash head (b, h) of the recomputed (or saved) forward.
 static mha__flash_head bwd_head(const bwd_call *c, int64_t b, int64_t h) {
     return mha__plan_head(c->p, &c->qm, &c->km, &c->vm, &c->cm, c->s.extra, c->s.lse, b, h);
@@ -255,7 +290,7 @@ static mha_status bwd_forward(bwd_call *c) {
     const bool seq_first = p->unbatched || !m->cfg.batch_first, sp = p->self_packed;
     const int64_t W3 = c->W3, ldkv = c->ldkv;
     const mha_saved *sv = c->sv;
-    float *q = c->q, *k = c->k, *v = c->v, *wt = c->s.wt, *gs = c->s.gs;
+    float *q = c->q, *k = c->k, *v = c->v, *wt = c->s.wt, *gs = c->s.gs, *wh = c->s.wh;
     const float *bq = m->in_proj_bias, *bk = bq ? bq + Eq : NULL,
                 *bv = bq ? bq + Eq + Ekv : NULL;
     const size_t pw_q = mha__gemm_packed_b_floats(kt, E, Eq),
@@ -264,19 +299,16 @@ static mha_status bwd_forward(bwd_call *c) {
                   nkv = (g1 - g0) * d, oq = g0 * G * d, okv = g0 * d;
     if (sv) {
     } else if (sp && !pt) {
-        mha__linear_rows(kt, c->s.qkv, W3, c->Xq, c->ldq,
-                         mha__wmat_f32(m->in_proj_weight, c->pk), bq, Rq, E, W3, wt, gs, nt);
+        mha__linear_rows(kt, c->s.qkv, W3, c->Xq, c->ldq, mha__wmat_of(m, m->w_in, wh, c->pk),
+                         bq, Rq, E, W3, wt, gs, nt);
     } else {
         float *wq = wt, *wk = sp ? wt : wq + pw_q, *wv = sp ? wt : wk + pw_k;
-        mha__linear_rows(kt, q + oq, W3, c->Xq, c->ldq,
-                         mha__wmat_f32(m->q_weight + oq * E, c->pk), bq ? bq + oq : NULL, Rq,
-                         E, nq, wq, gs, nt);
-        mha__linear_rows(kt, k + okv, ldkv, c->Xk, c->ldk,
-                         mha__wmat_f32(m->k_weight + okv * kd, c->pk), bk ? bk + okv : NULL,
-                         Rk, kd, nkv, wk, gs, nt);
-        mha__linear_rows(kt, v + okv, ldkv, c->Xv, c->ldv,
-                         mha__wmat_f32(m->v_weight + okv * vd, c->pk), bv ? bv + okv : NULL,
-                         Rk, vd, nkv, wv, gs, nt);
+        mha__linear_rows(kt, q + oq, W3, c->Xq, c->ldq, weight_at(c, m->w_q, oq * E),
+                         bq ? bq + oq : NULL, Rq, E, nq, wq, gs, nt);
+        mha__linear_rows(kt, k + okv, ldkv, c->Xk, c->ldk, weight_at(c, m->w_k, okv * kd),
+                         bk ? bk + okv : NULL, Rk, kd, nkv, wk, gs, nt);
+        mha__linear_rows(kt, v + okv, ldkv, c->Xv, c->ldv, weight_at(c, m->w_v, okv * vd),
+                         bv ? bv + okv : NULL, Rk, vd, nkv, wv, gs, nt);
     }
     mha__fill_extra(c->s.extra, m, Hkv, nx, d);
     const int64_t Tk = sp ? L : S;  // rows of k and v per batch element
@@ -348,8 +380,8 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
         }
     }
     // dctx (Rq, Eq) = dy (Rq, E) Wo (E, Eq)
-    mha__matmul_rows(c->kt, c->s.dctx, p->Eq, c->dy, c->lddy, c->m->out_weight, p->Eq, Rq, E,
-                     p->Eq, c->s.bp, c->s.gs, p->nthreads);
+    mha__matmul_rows(c->kt, c->s.dctx, p->Eq, c->dy, c->lddy, weight_at(c, c->m->w_out, 0),
+                     p->Eq, Rq, E, p->Eq, c->s.bp, c->s.gs, p->nthreads);
 }
 
 // Gated: W_O saw gctx = ctx_h * g, so dg = sum_c dctx_h ctx_h (dynamic:
@@ -546,8 +578,10 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
     float *gbo = pt && !pt->bias ? NULL : grads->out_bias;
     if (grads->out_bias && !gbo && !acc) memset(grads->out_bias, 0, sizeof(float) * (size_t)E);
     // dWo (E, Eq) = dy^T gctx
-    grad_weight(kt, grads->out_weight, gbo, acc, c->dy, c->lddy, c->gctx ? c->gctx : c->s.ctx,
-                Eq, Rq, E, Eq, bp, gs, nt);
+    const mha_dtype gdt = grads->wdt;
+    float *wf = c->s.wf;
+    grad_weight(kt, grads->w_out, gdt, wf, gbo, acc, c->dy, c->lddy,
+                c->gctx ? c->gctx : c->s.ctx, Eq, Rq, E, Eq, bp, gs, nt);
     if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
         for (int64_t h = 0; h < H; h++) {
             double sg = 0.0;
@@ -569,19 +603,19 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
             store_f(grads->sinks + h, sg, acc);
         }
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
-        grad_weight(kt, grads->gate_weight, grads->gate_bias, acc, dg, H, c->Xq, c->ldq, Rq, H,
-                    E, bp, gs, nt);
+        grad_weight(kt, grads->gate_weight, MHA_F32, NULL, grads->gate_bias, acc, dg, H, c->Xq,
+                    c->ldq, Rq, H, E, bp, gs, nt);
     if (sp) {
         // dWin (Eq + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
-        grad_weight(kt, grads->in_proj_weight, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3,
+        grad_weight(kt, grads->w_in, gdt, wf, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3,
                     E, bp, gs, nt);
     } else {
-        grad_weight(kt, grads->q_weight, gbq, acc, c->dq, W3, c->Xq, c->ldq, Rq, Eq, E, bp, gs,
-                    nt);
-        grad_weight(kt, grads->k_weight, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd, bp,
+        grad_weight(kt, grads->w_q, gdt, wf, gbq, acc, c->dq, W3, c->Xq, c->ldq, Rq, Eq, E, bp,
                     gs, nt);
-        grad_weight(kt, grads->v_weight, gbv, acc, c->dv, Ekv, c->Xv, c->ldv, Rk, Ekv, vd, bp,
-                    gs, nt);
+        grad_weight(kt, grads->w_k, gdt, wf, gbk, acc, c->dk, Ekv, c->Xk, c->ldk, Rk, Ekv, kd,
+                    bp, gs, nt);
+        grad_weight(kt, grads->w_v, gdt, wf, gbv, acc, c->dv, Ekv, c->Xv, c->ldv, Rk, Ekv, vd,
+                    bp, gs, nt);
     }
     if (m->cfg.add_bias_kv)  // row 0 of the appended keys: sum over b
         for (int64_t g = 0; g < Hkv; g++)
@@ -610,15 +644,17 @@ static void bwd_input_grads(const bwd_call *c, mha_tensor *gq, mha_tensor *gk, m
     const int nt = p->nthreads;
     float *tmp = c->s.tmp, *bp = c->s.bp, *gs = c->s.gs;
     if (gq)
-        mha__grad_input_rows(kt, gq, acc, c->dq, W3, m->q_weight, Rq, p->Eq, E, tmp, bp, gs, nt);
+        mha__grad_input_rows(kt, gq, acc, c->dq, W3, weight_at(c, m->w_q, 0), Rq, p->Eq, E,
+                             tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
-        mha__grad_input_rows(kt, gq, true, c->dg, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
+        mha__grad_input_rows(kt, gq, true, c->dg, H, mha__wmat_f32(m->gate_weight, NULL), Rq,
+                             H, E, tmp, bp, gs, nt);
     if (gk)
-        mha__grad_input_rows(kt, gk, acc, c->dk, ldkv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs,
-                             nt);
+        mha__grad_input_rows(kt, gk, acc, c->dk, ldkv, weight_at(c, m->w_k, 0), Rk, Ekv, kd,
+                             tmp, bp, gs, nt);
     if (gv)
-        mha__grad_input_rows(kt, gv, acc, c->dv, ldkv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs,
-                             nt);
+        mha__grad_input_rows(kt, gv, acc, c->dv, ldkv, weight_at(c, m->w_v, 0), Rk, Ekv, vd,
+                             tmp, bp, gs, nt);
 }
 
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
@@ -627,7 +663,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
                                const mha__part *pt) {
     mha_status qst = mha__fused_part_qk_norm(m, pt);
     if (qst) return qst;
-    bwd_call c = {.p = p, .m = m, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
+    bwd_call c = {
+        .p = p, .m = m, .grads = grads, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
     mha_status st = bwd_alloc(&c);
     if (st) return st;
     if (grads) mha__packs_stale(grads);  // (its parameters are written below)

@@ -76,6 +76,22 @@ void mha__gemm_pack_rows(const mha__kernels *kt, float *Bp, const float *B, int6
     mha__gemm_pack_b(kt, Bp, B, ldb, 1, K, N, nt);
 }
 
+void mha__gemm_pack_rows_half(const mha__kernels *kt, float *Bp, const uint16_t *B, int kind,
+                              int64_t ldb, int64_t K, int64_t N, int nt, float *tmp) {
+    if (K <= 0 || N <= 0) return;
+    const int64_t nr = kt->pk_nr, np = cdiv(N, nr);
+    void (*cvt)(float *, const uint16_t *, int64_t) = kind == 1 ? kt->cvt_bf16 : kt->cvt_f16;
+    // panel by panel: its nr columns of every row widened into the
+    // thread's tmp (K, nr) (exact), then packed as the float32 B's panel
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt > 1 && np > 1 ? nt : 1)
+    for (int64_t pi = 0; pi < np; pi++) {
+        const int64_t j0 = pi * nr, n = j0 + nr < N ? nr : N - j0;
+        float *t = tmp + (size_t)mha__thread_id() * (size_t)(nr * K);
+        for (int64_t k = 0; k < K; k++) cvt(t + k * nr, B + k * ldb + j0, n);
+        kt->pack_b(Bp + j0 * K, t, nr, 1, K, n);
+    }
+}
+
 // Work items of a (R, N) product: rchunks row ranges x cchunks column
 // groups. Row ranges: up to 4 per thread (dynamic balance on a shared
 // machine), balanced to within one tile. Few rows: split the panels too,

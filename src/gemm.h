@@ -42,6 +42,11 @@ void mha__gemm_pack_wt_half(const mha__kernels *kt, float *Bp, const uint16_t *W
 // Bp <- a row-major B (K, N) of row stride ldb.
 void mha__gemm_pack_rows(const mha__kernels *kt, float *Bp, const float *B, int64_t ldb,
                          int64_t K, int64_t N, int nt);
+// The same for a B of bf16 (kind 1) or f16 (kind 2) elements: the Bp of
+// B widened to float32, a column panel at a time through tmp
+// (mha__gemm_pack_half_tmp_floats(kt, K, nt) floats).
+void mha__gemm_pack_rows_half(const mha__kernels *kt, float *Bp, const uint16_t *B, int kind,
+                              int64_t ldb, int64_t K, int64_t N, int nt, float *tmp);
 
 // C (R, N) = [C +] X (R, K) B (K, N) + bias (bias may be NULL), B packed by
 // the same kt; X and C row-major with row strides ldx, ldc (C must not

@@ -115,9 +115,10 @@ void mha__gate_rows(const mha__kernels *kt, float *gate, float *gctx, const floa
 // C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
 // into Bp first.
 void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *A,
-                      int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
-                      int64_t N, float *Bp, float *gs, int nt) {
-    mha__gemm_pack_rows(kt, Bp, B, ldb, K, N, nt);
+                      int64_t lda, mha__wmat B, int64_t ldb, int64_t R, int64_t K, int64_t N,
+                      float *Bp, float *gs, int nt) {
+    if (B.dt == MHA_F32) mha__gemm_pack_rows(kt, Bp, B.p, ldb, K, N, nt);
+    else mha__gemm_pack_rows_half(kt, Bp, B.p, B.dt == MHA_BF16 ? 1 : 2, ldb, K, N, nt, B.wh);
     mha__gemm_rows_packed(kt, C, ldc, A, lda, Bp, NULL, R, K, N, false, nt, gs);
 }
 

@@ -88,11 +88,12 @@ static inline void mha__zero_head_rows(float *row0, int64_t rs, int64_t i0, int6
     for (int64_t i = i0; i < i1; i++) memset(row0 + i * rs, 0, (size_t)d * sizeof(float));
 }
 
-// C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb), packed
-// into Bp first.
+// C (R, N) = A (R, K) B (K, N) for a row-major B (row stride ldb) of
+// float32, bf16 or f16 elements (B.dt; half ones widened through B.wh,
+// mha__gemm_pack_half_tmp_floats(kt, K, nt) floats), packed into Bp first.
 void mha__matmul_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *A,
-                      int64_t lda, const float *B, int64_t ldb, int64_t R, int64_t K,
-                      int64_t N, float *Bp, float *gs, int nt);
+                      int64_t lda, mha__wmat B, int64_t ldb, int64_t R, int64_t K, int64_t N,
+                      float *Bp, float *gs, int nt);
 
 // Head (b, h) rows of a row matrix laid out as its view: first row and
 // row stride.

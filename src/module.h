@@ -118,7 +118,7 @@ void mha__qk_norm_reset(mha_module *m);
 void mha__copy_params(mha_module *dst, const mha_module *src);
 
 // MHA_ERR_UNSUPPORTED naming `what` when m's weights are not float32
-// (training paths).
+// (the optimizers, the distributed backward).
 mha_status mha__require_f32_weights(const mha_module *m, const char *what);
 
 #endif

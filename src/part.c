@@ -129,13 +129,18 @@ mha_status mha__part_input_grads(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv,
                          sizeof(float) * (n_bp + n_gs + n_tmp));
     float *bp = blk, *gs = bp + n_bp, *tmp = gs + n_gs;
     const int nt = p.nthreads;
-    if (gq) mha__grad_input_rows(kt, gq, acc, dq, Eq, m->q_weight, Rq, Eq, E, tmp, bp, gs, nt);
+    if (gq)
+        mha__grad_input_rows(kt, gq, acc, dq, Eq, mha__wmat_f32(m->q_weight, NULL), Rq, Eq, E,
+                             tmp, bp, gs, nt);
     if (gq && m->cfg.head_gate == MHA_GATE_DYNAMIC)
-        mha__grad_input_rows(kt, gq, true, dz, H, m->gate_weight, Rq, H, E, tmp, bp, gs, nt);
+        mha__grad_input_rows(kt, gq, true, dz, H, mha__wmat_f32(m->gate_weight, NULL), Rq, H,
+                             E, tmp, bp, gs, nt);
     if (gk)
-        mha__grad_input_rows(kt, gk, acc, dk, Ekv, m->k_weight, Rk, Ekv, kd, tmp, bp, gs, nt);
+        mha__grad_input_rows(kt, gk, acc, dk, Ekv, mha__wmat_f32(m->k_weight, NULL), Rk, Ekv,
+                             kd, tmp, bp, gs, nt);
     if (gv)
-        mha__grad_input_rows(kt, gv, acc, dv, Ekv, m->v_weight, Rk, Ekv, vd, tmp, bp, gs, nt);
+        mha__grad_input_rows(kt, gv, acc, dv, Ekv, mha__wmat_f32(m->v_weight, NULL), Rk, Ekv,
+                             vd, tmp, bp, gs, nt);
     mha__free(blk);
     return MHA_OK;
 }

@@ -70,7 +70,6 @@ static mha_status plan_inputs(fwd_plan *p, const mha_module *m, const mha_forwar
     char s1[160], s2[160], s3[160];
     mha_status st;
     if ((st = mha__check_impl(a->impl))) return st;
-    if (a->save && (st = mha__require_f32_weights(m, "mha_forward with save"))) return st;
     const mha_config *c = &m->cfg;
     if ((st = mha__check_float(a->query, "query")) || (st = mha__check_float(a->key, "key")) ||
         (st = mha__check_float(a->value, "value")))

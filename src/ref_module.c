@@ -403,9 +403,9 @@ static inline void store(void *base, mha_dtype dt, int64_t off, double v, bool a
 // db (O) (+)= sum_{n, t} dY[n, t, :], where dY is (N, Tp, O) row-major
 // (only its first T rows per n are used) and X is a float or double view
 // with (seq, batch, feature) strides xs.
-static void grad_linear(float *dW, float *db, bool acc, const double *dY, int64_t Tp,
-                        const void *X, mha_dtype xdt, const int64_t xs[3], int64_t N,
-                        int64_t T, int64_t O, int64_t I, int nt) {
+static void grad_linear(void *dW, mha_dtype wdt, float *db, bool acc, const double *dY,
+                        int64_t Tp, const void *X, mha_dtype xdt, const int64_t xs[3],
+                        int64_t N, int64_t T, int64_t O, int64_t I, int nt) {
     mha__mat x = mha__vmat((void *)X, xdt, 0, 1);
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t o = 0; o < O; o++) {
@@ -415,7 +415,7 @@ static void grad_linear(float *dW, float *db, bool acc, const double *dY, int64_
                 for (int64_t t = 0; t < T; t++)
                     s += dY[(n * Tp + t) * O + o] *
                          mha__ld(x, 0, t * xs[0] + n * xs[1] + i * xs[2]);
-            store(dW, MHA_F32, o * I + i, s, acc);
+            store(dW, wdt, o * I + i, s, acc);
         }
         if (db) {
             double s = 0.0;
@@ -426,19 +426,20 @@ static void grad_linear(float *dW, float *db, bool acc, const double *dY, int64_
     }
 }
 
-// dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major; dX is a
-// float or double view with (seq, batch, feature) strides xs; dY is
-// (N, Tp, O).
+// dX[t, n, :] (+)= dY[n, t, :] W for t < T, W (O, I) row-major of wdt
+// (float32, bf16, f16); dX is a float or double view with (seq, batch,
+// feature) strides xs; dY is (N, Tp, O).
 static void grad_input(void *dX, mha_dtype dt, const int64_t xs[3], bool acc, const double *dY,
-                       int64_t Tp, const float *W, int64_t N, int64_t T, int64_t O, int64_t I,
-                       int nt) {
+                       int64_t Tp, const void *W, mha_dtype wdt, int64_t N, int64_t T,
+                       int64_t O, int64_t I, int nt) {
+    const mha__mat w = mha__vmat((void *)W, wdt, 0, 1);
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < N * T; r++) {
         int64_t n = r / T, t = r % T;
         const double *dy = dY + (n * Tp + t) * O;
         for (int64_t i = 0; i < I; i++) {
             double s = 0.0;
-            for (int64_t o = 0; o < O; o++) s += dy[o] * W[o * I + i];
+            for (int64_t o = 0; o < O; o++) s += dy[o] * mha__ld(w, 0, o * I + i);
             store(dX, dt, t * xs[0] + n * xs[1] + i * xs[2], s, acc);
         }
     }
@@ -523,7 +524,7 @@ static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_fo
             }
     // dctx = dy Wo  (forward: y = ctx Wo^T + bo; Wo (E, Eq))
     const int64_t cs[3] = {Eq, L * Eq, 1};  // (seq, batch, feature) of (N, L, Eq)
-    grad_input(gated ? dgc : dctx, MHA_F64, cs, false, dy, L, m->out_weight, N, L, E, Eq, nt);
+    grad_input(gated ? dgc : dctx, MHA_F64, cs, false, dy, L, m->w_out, m->wdt, N, L, E, Eq, nt);
     // gated: the forward's ctx_h * g (gctx) went into W_O, so
     // dctx_h = dgc_h * g and dg = sum_c dgc_h ctx_h (after the heads)
     if (gated) {
@@ -623,8 +624,8 @@ static void ref_bwd_gate_grads(const fwd_plan *p, const mha_module *m,
             store(grads->head_gate, MHA_F32, h, sg, accumulate);
         }
     if (grads && m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = sum dz
-        grad_linear(grads->gate_weight, grads->gate_bias, accumulate, dg, L, a->query->data,
-                    a->query->dtype, p->qs, N, L, H, E, nt);
+        grad_linear(grads->gate_weight, MHA_F32, grads->gate_bias, accumulate, dg, L,
+                    a->query->data, a->query->dtype, p->qs, N, L, H, E, nt);
 }
 
 // The parameters' gradients (= or += by accumulate):
@@ -648,14 +649,17 @@ static void ref_bwd_param_grads(const fwd_plan *p, const mha_module *m,
     mha_dtype qf = a->query->dtype, kf = a->key->dtype, vf = a->value->dtype;
     // dWo = dy^T ctx, dbo = sum dy  (forward: y = ctx Wo^T + bo; gated:
     // ctx is gctx, formed in dgc after dg; no bo with no_out_bias)
-    grad_linear(grads->out_weight, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
+    // (weight matrices in the gradient module's storage: float32, bf16 or
+    // f16, each sum rounded once)
+    const mha_dtype gw = grads->wdt;
+    grad_linear(grads->w_out, gw, grads->out_bias, accumulate, dy, L, gated ? dgc : ctx,
                 MHA_F64, cs, N, L, E, Eq, nt);
     // dWq = dq^T Xq, dbq = sum dq  (forward: q = Xq Wq^T + bq)
-    grad_linear(grads->q_weight, gbq, accumulate, dq, L, a->query->data, qf, p->qs, N, L, Eq,
-                E, nt);
-    grad_linear(grads->k_weight, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks, N, S, Ekv,
+    grad_linear(grads->w_q, gw, gbq, accumulate, dq, L, a->query->data, qf, p->qs, N, L, Eq, E,
+                nt);
+    grad_linear(grads->w_k, gw, gbk, accumulate, dk, Sp, a->key->data, kf, p->ks, N, S, Ekv,
                 p->kdim, nt);
-    grad_linear(grads->v_weight, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs, N, S, Ekv,
+    grad_linear(grads->w_v, gw, gbv, accumulate, dv, Sp, a->value->data, vf, p->vs, N, S, Ekv,
                 p->vdim, nt);
     // sinks: dsink_h = sum_n of each batch element's (ref_bwd_heads)
     if (m->sinks)
@@ -692,18 +696,20 @@ static void ref_bwd_input_grads(const fwd_plan *p, const mha_module *m, mha_tens
     int64_t xs[3];
     if (gq) {
         mha__seq_batch_feat(xs, gq, m->cfg.batch_first);
-        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->q_weight, N, L, p->Eq, E, nt);
+        grad_input(gq->data, gq->dtype, xs, accumulate, dq, L, m->w_q, m->wdt, N, L, p->Eq, E,
+                   nt);
         if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dXq += dz W_g
-            grad_input(gq->data, gq->dtype, xs, true, dg, L, m->gate_weight, N, L, H, E, nt);
+            grad_input(gq->data, gq->dtype, xs, true, dg, L, m->gate_weight, MHA_F32, N, L, H,
+                       E, nt);
     }
     if (gk) {
         mha__seq_batch_feat(xs, gk, m->cfg.batch_first);
-        grad_input(gk->data, gk->dtype, xs, accumulate, dk, Sp, m->k_weight, N, S, Ekv,
+        grad_input(gk->data, gk->dtype, xs, accumulate, dk, Sp, m->w_k, m->wdt, N, S, Ekv,
                    p->kdim, nt);
     }
     if (gv) {
         mha__seq_batch_feat(xs, gv, m->cfg.batch_first);
-        grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->v_weight, N, S, Ekv,
+        grad_input(gv->data, gv->dtype, xs, accumulate, dv, Sp, m->w_v, m->wdt, N, S, Ekv,
                    p->vdim, nt);
     }
 }

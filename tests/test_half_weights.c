@@ -11,7 +11,10 @@
 //    documented bound (README "Reduced precision");
 //  - safetensors round trips (BF16/F16 tensors written; loaded exactly, or
 //    widened into a float32 module);
-//  - training entry points refuse a half module with a message.
+//  - training: mha_backward (both implementations, a saved forward, =
+//    and +=) gives the rounded float32 module's gradients bit for bit,
+//    parameter gradients in a float32 or half gradient module (rounded
+//    once); the optimizers refuse a half module with a message.
 #include <stdlib.h>
 #include <string.h>
 
@@ -180,6 +183,93 @@ static double bound(mha_dtype wd, double ymax) {
     return u * (1.0 + ymax);
 }
 
+// A module like m (weights stored as gdt) filled with values from urand
+// (the starting point of an accumulating backward).
+static mha_module *grads_like(const mha_module *m, mha_dtype gdt) {
+    mha_module *g32 = NULL, *g = NULL;
+    CHECK_OK(mha_module_convert(&g32, m, MHA_F32));
+    if (!g32) return NULL;
+    for (int i = 0; i < mha_module_num_params(g32); i++) {
+        mha_param p;
+        CHECK_OK(mha_module_param_at(&p, g32, i));
+        for (int64_t j = 0; j < p.numel; j++) p.data[j] = urand();
+    }
+    CHECK_OK(mha_module_convert(&g, g32, gdt));
+    mha_module_destroy(g32);
+    return g;
+}
+
+// One backward of mh and of mr (the float32 module of mh's widened
+// weights) on the same args; gh (gradient module of any storage) and gr
+// (float32, gh widened) accumulate or are overwritten.
+static void test_training(const cfgcase *c, fwd_io *f, const mha_module *mh,
+                          const mha_module *mr, mha_dtype wd) {
+    const int64_t kd = c->kdim ? c->kdim : c->E, vd = c->vdim ? c->vdim : c->E;
+    const int64_t nq = f->N * f->L * c->E, nk = f->N * f->S * kd, nv = f->N * f->S * vd;
+    float *go = malloc(sizeof(float) * (size_t)nq),
+          *buf = malloc(sizeof(float) * (size_t)(2 * (nq + nk + nv)));
+    float *yh = malloc(sizeof(float) * (size_t)nq), *yr = malloc(sizeof(float) * (size_t)nq);
+    for (int64_t i = 0; i < nq; i++) go[i] = urand();
+    mha_tensor got = f->qt;
+    got.data = go;
+    const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_FUSED};
+    const mha_dtype gdts[2] = {MHA_F32, wd};
+    for (int ii = 0; ii < 2; ii++)
+        for (int save = 0; save < 1 + ii; save++)  // (a saved forward: the fused path)
+            for (int gi = 0; gi < 2; gi++)
+                for (int acc = 0; acc < 2; acc++) {
+                    float *gh = buf, *gr = buf + nq + nk + nv;
+                    for (int64_t i = 0; i < nq + nk + nv; i++) gh[i] = gr[i] = urand();
+                    mha_tensor gqh = f->qt, gkh = f->kt, gvh = f->vt, gqr = f->qt, gkr = f->kt,
+                               gvr = f->vt;
+                    gqh.data = gh, gkh.data = gh + nq, gvh.data = gh + nq + nk;
+                    gqr.data = gr, gkr.data = gr + nq, gvr.data = gr + nq + nk;
+                    mha_module *Gh = grads_like(mh, gdts[gi]), *Gr = NULL;
+                    if (Gh) CHECK_OK(mha_module_convert(&Gr, Gh, MHA_F32));
+                    mha_saved *svh = NULL, *svr = NULL;
+                    mha_forward_args a;
+                    mha_forward_args_init(&a);
+                    a.query = &f->qt;
+                    a.key = &f->kt;
+                    a.value = &f->vt;
+                    a.key_padding_mask = &f->kpmt;
+                    a.impl = impls[ii];
+                    mha_forward_args ah = a, ar = a;
+                    if (save) {
+                        CHECK_OK(mha_saved_create(&svh));
+                        CHECK_OK(mha_saved_create(&svr));
+                        ah.save = svh, ar.save = svr;
+                        mha_tensor yth = f->qt, ytr = f->qt;
+                        yth.data = yh, ytr.data = yr;
+                        CHECK_OK(mha_forward(&yth, NULL, mh, &ah));
+                        CHECK_OK(mha_forward(&ytr, NULL, mr, &ar));
+                        CHECK(memcmp(yh, yr, sizeof(float) * (size_t)nq) == 0);
+                    }
+                    if (Gh && Gr) {
+                        CHECK_OK(mha_backward(&gqh, &gkh, &gvh, Gh, mh, &ah, &got, acc));
+                        CHECK_OK(mha_backward(&gqr, &gkr, &gvr, Gr, mr, &ar, &got, acc));
+                        CHECKF(memcmp(gh, gr, sizeof(float) * (size_t)(nq + nk + nv)) == 0,
+                               "%s weights, %s%s, grads %s%s: input gradients differ by %g",
+                               mha_dtype_name(wd), mha_impl_name(impls[ii]),
+                               save ? " saved" : "", mha_dtype_name(gdts[gi]),
+                               acc ? " +=" : "", maxdiff(gh, gr, nq + nk + nv));
+                        mha_module *Grh = NULL;  // the float32 gradients, rounded
+                        CHECK_OK(mha_module_convert(&Grh, Gr, gdts[gi]));
+                        CHECKF(Grh && same_params(Grh, Gh),
+                               "%s weights, %s%s, grads %s%s: parameter gradients differ",
+                               mha_dtype_name(wd), mha_impl_name(impls[ii]),
+                               save ? " saved" : "", mha_dtype_name(gdts[gi]),
+                               acc ? " +=" : "");
+                        mha_module_destroy(Grh);
+                    }
+                    mha_saved_destroy(svh);
+                    mha_saved_destroy(svr);
+                    mha_module_destroy(Gh);
+                    mha_module_destroy(Gr);
+                }
+    free(go), free(buf), free(yh), free(yr);
+}
+
 static double worst_ratio[2];  // max error / bound seen, per dtype
 
 static void test_case(const cfgcase *c) {
@@ -248,21 +338,13 @@ static void test_case(const cfgcase *c) {
             if (e / b > worst_ratio[di]) worst_ratio[di] = e / b;
         }
 
-        // training refuses a half module
-        mha_forward_args a;
-        mha_forward_args_init(&a);
-        a.query = &f.qt;
-        a.key = &f.kt;
-        a.value = &f.vt;
-        CHECK_FAILS(mha_backward(NULL, NULL, NULL, NULL, mh, &a, &f.qt, false),
-                    MHA_ERR_UNSUPPORTED);
-        CHECK(strstr(mha_last_error(), mha_dtype_name(wd)) != NULL);
-        mha_saved *sv = NULL;
-        CHECK_OK(mha_saved_create(&sv));
-        a.save = sv;
-        a.impl = MHA_IMPL_FUSED;
-        CHECK_FAILS(mha_forward(&f.qt, NULL, mh, &a), MHA_ERR_UNSUPPORTED);
-        mha_saved_destroy(sv);
+        // training: the half module's backward (each implementation, with
+        // and without a saved forward, =, +=) gives the rounded float32
+        // module's input gradients bit for bit, and its parameter
+        // gradients, in a float32 gradient module or rounded into a half
+        // one (nearest even, once)
+        if (mr) test_training(c, &f, mh, mr, wd);
+        // the optimizers still take float32 modules only
         mha_optimizer *o = NULL;
         mha_optim_config oc;
         mha_optim_config_init(&oc, MHA_OPTIM_ADAMW);
@@ -270,6 +352,7 @@ static void test_case(const cfgcase *c) {
         mha_module *g = NULL;
         CHECK_OK(mha_module_convert(&g, mh, wd));
         if (o && g) CHECK_FAILS(mha_optimizer_add_module(o, mh, g), MHA_ERR_UNSUPPORTED);
+        if (o && g) CHECK(strstr(mha_last_error(), mha_dtype_name(wd)) != NULL);
         mha_module_destroy(g);
         mha_optimizer_destroy(o);
 

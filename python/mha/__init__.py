@@ -179,6 +179,15 @@ def _check_int(name, v, lo=1):
     return int(v)
 
 
+def _half_view(a, weight_dtype):
+    """A parameter array of a module whose weight matrices are stored as
+    weight_dtype: bf16 storage (uint16) viewed as ml_dtypes.bfloat16 where
+    ml_dtypes is installed."""
+    if weight_dtype == "bf16" and a.dtype == np.uint16 and _BF16 is not None:
+        return a.view(_BF16)
+    return a
+
+
 class MultiheadAttention:
     """torch.nn.MultiheadAttention on numpy arrays (mha's C module behind it).
 
@@ -189,7 +198,8 @@ class MultiheadAttention:
 
     Parameters live in the C module under PyTorch's names (state_dict);
     num_kv_heads < num_heads gives grouped-query attention; weight_dtype
-    "bf16"/"f16" stores the weight matrices in half (inference only);
+    "bf16"/"f16" stores the weight matrices in half (backward gives their
+    gradients in that dtype; the optimizers take float32 modules);
     head_gate "static"/"dynamic" adds per-head output gates. Like a torch
     module it starts in training mode (dropout active when dropout > 0):
     call eval() for inference.
@@ -254,10 +264,7 @@ class MultiheadAttention:
                     self.batch_first, self.dropout))
 
     def _view(self, name):
-        a = np.asarray(self._m.param(name))
-        if self.weight_dtype == "bf16" and a.dtype == np.uint16:
-            a = a.view(_BF16) if _BF16 is not None else a
-        return a
+        return _half_view(np.asarray(self._m.param(name)), self.weight_dtype)
 
     def named_parameters(self):
         """(name, array) pairs; the arrays are views of the module's storage
@@ -426,9 +433,10 @@ class MultiheadAttention:
             dq += dv
             dk = dv = None
         pg = None
-        if grads is not None:
+        if grads is not None:  # (in the parameters' dtypes: bf16 as _view shows it)
             pg = collections.OrderedDict(
-                (n, np.asarray(grads.param(n))) for n, _, _ in grads.params())
+                (n, _half_view(np.asarray(grads.param(n)), self.weight_dtype))
+                for n, _, _ in grads.params())
         return Gradients(_result(dq), _result(dk), _result(dv), pg)
 
     def forward_cached(self, query, cache, **extras):

@@ -51,6 +51,15 @@ def _t(a):
     return t.view(torch.bfloat16) if a.dtype == np.int16 else t
 
 
+def _param_tensor(a):
+    """A C module's parameter (the binding's array) as a tensor sharing its
+    memory: float32, float16, or bf16 storage (uint16) viewed as bfloat16."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def _np(t, name):
     """A CPU tensor as the binding's argument, sharing its memory."""
     if t is None:
@@ -161,7 +170,7 @@ class _MHAFunction(torch.autograd.Function):
         if grads is not None:
             for i, name in enumerate(call["names"]):
                 if need[5 + i]:
-                    pgrads[i] = torch.from_numpy(np.asarray(grads.param(name)))
+                    pgrads[i] = _param_tensor(grads.param(name))
         ctx.saved = None
         return (None, None, _t(dq), _t(dk), _t(dv), *pgrads)
 
@@ -258,11 +267,7 @@ class MultiheadAttention(nn.Module):
         matrices in the module's half storage (bfloat16 through int16)."""
         views = {}
         for n in self._names:
-            a = np.asarray(self._cmod.param(n))
-            if a.dtype == np.uint16:  # bf16 storage
-                views[n] = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-            else:
-                views[n] = torch.from_numpy(a)
+            views[n] = _param_tensor(self._cmod.param(n))
         return views
 
     _HALF = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
@@ -415,8 +420,8 @@ class CheckpointAttention(nn.Module):
     dtype: the weight matrices' storage, torch.float32 (None, the default),
     torch.bfloat16 or torch.float16, or "auto": config.json's torch_dtype
     (float32 when absent); half weights load as stored (no float32 copy)
-    and are for inference on hidden_states of that dtype, as
-    MultiheadAttention(...).to(dtype) is.
+    and take hidden_states of that dtype, as MultiheadAttention(...).to(dtype)
+    does (gradients in that dtype).
     """
 
     def __init__(self, path, layer=0, dtype=None):

@@ -352,8 +352,9 @@ def test_module_in_half(dtype):
     module stores its weight matrices so (biases float32, copied in), the
     forward takes and returns that dtype on the fused path, and its error
     against float64 on the same rounded parameters and inputs is at most 2x
-    that of torch.nn.MultiheadAttention in the same dtype. .float() goes
-    back; training a half module is refused with a clear error."""
+    that of torch.nn.MultiheadAttention in the same dtype; so are its
+    gradients (in the parameters' dtype) against torch's autograd in that
+    dtype. .float() goes back."""
     if dtype == torch.float16 and not TORCH2:
         pytest.skip("PyTorch 1.13 has no float16 matmul on CPU (the peer)")
     torch.manual_seed(7)
@@ -388,11 +389,25 @@ def test_module_in_half(dtype):
     with torch.no_grad():
         y32, _ = m(x.float(), x.float(), x.float(), attn_mask=am)
     assert y32.dtype == torch.float32
-    # training in half precision: refused, naming the way out
+    # training in half precision: every gradient in the parameter's dtype,
+    # within 2x the error of torch's autograd in the same dtype
     m.to(dtype)
-    xg = x.clone().requires_grad_()
-    with pytest.raises(TypeError, match="training needs float32 weights"):
-        m(xg, xg, xg)[0].float().sum().backward()
+    go = torch.randn(3, 40, 96).to(dtype)
+    res = []
+    for mod in (m, ref, m64):
+        dt = torch.float64 if mod is m64 else dtype
+        xg = x.detach().clone().to(dt).requires_grad_()
+        mod(xg, xg, xg, attn_mask=am, need_weights=False)[0].backward(go.to(dt))
+        if mod is m:
+            assert mha.last_impl().startswith("fused "), mha.last_impl()
+        res.append([xg.grad] + [p.grad for p in mod.parameters()])
+    names = ["query"] + [n for n, _ in m.named_parameters()]
+    for n, a, b, c in zip(names, *res):
+        assert a.dtype == dtype, (n, a.dtype)
+        err = (a.double() - c).abs().max().item()
+        err_pt = (b.double() - c).abs().max().item()
+        print("%s grad %s: mha err %.3g, torch err %.3g" % (dtype, n, err, err_pt))
+        assert err <= 2 * err_pt, (n, err, err_pt)
     # mixed weight dtypes: refused, naming them
     m.out_proj.weight.data = m.out_proj.weight.data.float()
     with pytest.raises(TypeError, match="all of one dtype"):

@@ -119,6 +119,23 @@ def test_half_weights_and_pruning():
     h = n.to("bf16")
     assert h.weight_dtype == "bf16"
     assert np.abs(h(x)[0] - o).max() < 0.05
+    # backward of a half module: the gradients of the float32 module of its
+    # (widened) weights, the weight matrices' rounded to the half type once
+    g = np.random.default_rng(3).normal(size=o.shape).astype(np.float32)
+    for wd in ("bf16", "f16"):
+        h = n.to(wd)
+        gh, gr = h.backward(g, x), h.to("f32").backward(g, x)
+        assert np.array_equal(gh.query, gr.query)
+        for name, a in gh.params.items():
+            r = gr.params[name]
+            if a.dtype == np.float32:
+                assert np.array_equal(a, r), name
+            elif wd == "f16":
+                assert a.dtype == np.float16 and np.array_equal(a, r.astype(np.float16)), name
+            else:  # bf16 bits: float32 rounded to nearest even
+                b = r.view(np.uint32).astype(np.uint64)
+                want = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+                assert a.dtype.itemsize == 2 and np.array_equal(a.view(np.uint16), want), name
     n.prune_heads([1, 3])
     assert n.pruned_heads == [1, 3]
     _, w = n(x, average_attn_weights=False)
