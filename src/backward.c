@@ -25,6 +25,6 @@ mha_status mha_backward(mha_tensor *gq, mha_tensor *gk, mha_tensor *gv, mha_modu
     if (p.fused)
         st = mha__fused_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate, NULL);
     else st = mha__ref_backward(&p, gq, gk, gv, grads, m, &a, gout, accumulate);
-    if (!st) mha__set_impl(p.fused, mha_isa(), false);
+    if (!st) mha__set_impl(p.fused, mha_isa(), p.fused && mha__fused_backward_bf16(m, &a));
     return st;
 }

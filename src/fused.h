@@ -122,10 +122,14 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
 // The fused scaled-dot-product attention: F32 views with unit last stride
 // (checked by the caller), mask over (b, h, i, j), attention dropout drop
 // (NULL: none; over (B, H, L, S), h the query head). Allocates its scratch.
-// Whether mha__fused_forward (no part) computes its attention in bf16: a
-// module with bf16 weight matrices, bf16 query, key and value, inference
-// (no saved state), no appended keys, on a table that computes bf16.
+// Whether mha__fused_forward (no part) computes in bf16: a module with
+// bf16 weight matrices, bf16 query, key and value, no appended keys, no
+// gates when it saves its state, on a table that computes bf16.
 bool mha__fused_forward_bf16(const mha_module *m, const mha_forward_args *a);
+// Whether mha__fused_backward (no part) computes in bf16: the forward's
+// conditions and no gates (a saved state from such a forward holds bf16
+// rows; one from another forward is refused).
+bool mha__fused_backward_bf16(const mha_module *m, const mha_forward_args *a);
 // Whether mha__fused_sdpa on these views computes its products in bf16
 // (mha__flash_bf16).
 bool mha__fused_sdpa_bf16(const mha_tensor *q, const mha_tensor *k, const mha_tensor *v);

@@ -61,6 +61,24 @@ static void grad_weight(const mha__kernels *kt, void *dW, mha_dtype dt, float *w
     if (db) col_sums(db, acc, d, ldd, R, O, nt);
 }
 
+// The view's R rows (=, or += when acc) <- tmp (R, I) (float32: a float sum
+// of two floats rounds as the double one; half: the sum rounded once).
+static void store_rows(mha_tensor *gx, bool acc, const float *tmp, int64_t R, int64_t I) {
+    int64_t ldx;
+    if (mha__rows_direct(gx, &ldx)) {
+        float *x = gx->data;
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < I; i++)
+                x[r * ldx + i] = (acc ? x[r * ldx + i] : 0.0f) + tmp[r * I + i];
+        return;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        mha__mat row = mha__view_row(gx, r);
+        for (int64_t i = 0; i < I; i++)
+            mha__st(row, 0, i, (acc ? mha__ld(row, 0, i) : 0.0) + tmp[r * I + i]);
+    }
+}
+
 // dX (view, rows in the view's order) (+)= d (R, O) W (O, I): straight
 // into a float32 view of unit column stride when it overwrites; else
 // through tmp (R, I) (a float sum of two floats rounds as the double one).
@@ -73,17 +91,7 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
         return;
     }
     mha__matmul_rows(kt, tmp, I, d, ldd, W, I, R, O, I, bp, gs, nt);
-    if (mha__rows_direct(gx, &ldx)) {
-        float *x = gx->data;
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t i = 0; i < I; i++) x[r * ldx + i] += tmp[r * I + i];
-        return;
-    }
-    for (int64_t r = 0; r < R; r++) {
-        mha__mat row = mha__view_row(gx, r);
-        for (int64_t i = 0; i < I; i++)
-            mha__st(row, 0, i, (acc ? mha__ld(row, 0, i) : 0.0) + tmp[r * I + i]);
-    }
+    store_rows(gx, acc, tmp, R, I);
 }
 
 // The fused backward's scratch, one block of floats, as named pieces:
@@ -99,12 +107,17 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
 //   xqk, rr           qk_norm: q (Rq, Eq) and k (Rk, Ekv) before the norm;
 //                     per row and group 1 / rms (doubles, the q's or the k's)
 //   wh                half weights: the widening scratch of their packing
-//   wf                a half gradient module: one weight's float32 sums
+//   wf                a half gradient module (or bf16 compute): one
+//                     weight's float32 sums
+//   a16, c16, bp16    bf16 compute (bwd_bf16): a GEMM's left operand (rows
+//                     or transposed), the context's bf16 rows (recomputed
+//                     forward), a packed right operand
 //   scratch           nt flash scratches (64-byte aligned: it begins with
 //                     pointers)
 typedef struct bwd_scratch {
     float *xq, *xk, *xv, *wt, *bp, *gs, *qkv, *dqkv, *ctx, *dctx, *dy, *lse, *dsum, *dextra,
         *extra, *tmp, *xqk, *wh, *wf, *scratch;
+    uint16_t *a16, *c16, *bp16;
     double *rr;
     size_t sf;  // floats of one flash scratch
 } bwd_scratch;
@@ -119,6 +132,7 @@ typedef struct bwd_call {
     const mha__kernels *kt;
     const mha__packs *pk;  // the module's packed weights, or NULL (packs.c)
     bool acc;              // += instead of =
+    bool bf;               // bf16 compute (mha__fused_backward_bf16)
     bwd_scratch s;
     float *blk;  // the block s is carved from (mha__scratch_alloc)
     size_t blk_bytes;
@@ -134,6 +148,10 @@ typedef struct bwd_call {
     // and of k, v (ldkv)
     float *q, *k, *v, *dq, *dk, *dv;
     int64_t W3, ldkv;
+    // bf16 compute: the context's bf16 rows (the saved ones, or s.c16) and
+    // their row stride in elements
+    const uint16_t *ctx16;
+    int64_t ldc16;
     mha__rowmap qm, km, vm, cm, dcm, dqm, dkm, dvm;
     mha__attn_io io;  // what a part's attn hook sees
 } bwd_call;
@@ -183,14 +201,33 @@ static mha_status bwd_alloc(bwd_call *c) {
     const int64_t Kmax = Fmax > Omax ? Fmax : Omax;
     const size_t n_wh = c->m->wdt != MHA_F32 ? mha__gemm_pack_half_tmp_floats(kt, Kmax, nt) : 0;
     size_t n_wf = 0;
-    if (c->grads && c->grads->wdt != MHA_F32) {
+    if (c->grads && (c->grads->wdt != MHA_F32 || c->bf)) {
         const int64_t big[4] = {sp ? W3 * E : Eq * E, Ekv * kd, Ekv * vd, E * Eq};
         for (int i = 0; i < 4; i++)
             if ((size_t)big[i] > n_wf) n_wf = (size_t)big[i];
     }
+    // bf16 compute: a16 holds any left operand: rows (R, w) or transposed
+    // (w, R) of a width w <= Wmax, padded to bf_kpad; bp16 the widest
+    // packed right operand; c16 the context's rows (uint16_t elements, each
+    // piece 16-float aligned)
+    size_t n_a16 = 0, n_c16 = 0, n_bp16 = 0;
+    if (c->bf) {
+        const int64_t kp = kt->bf_kpad, Wmax = W3 > Fmax ? W3 : Fmax;
+        n_a16 = (size_t)((Rmax + kp) * (Wmax + kp));
+        n_c16 = (size_t)(Rq * (Eq + kp));
+        const int64_t pk[][2] = {{E, W3},  {kd, Ekv},    {vd, Ekv}, {E, Eq},
+                                 {Rq, Eq}, {Rmax, Fmax}, {Eq, E},   {Ekv, Fmax}};
+        for (size_t i = 0; i < sizeof pk / sizeof pk[0]; i++) {
+            const size_t e = (size_t)mha__bf16_packed_elems(pk[i][0], pk[i][1], kp);
+            if (e > n_bp16) n_bp16 = e;
+        }
+    }
+    const size_t f_a16 = (n_a16 + 31) / 32 * 16, f_c16 = (n_c16 + 31) / 32 * 16,
+                 f_bp16 = (n_bp16 + 31) / 32 * 16;
     // (the flash scratch starts 64-byte aligned: it begins with pointers)
     size_t n_pre = (n_x + n_w + 2 * n_qkv + n_att + n_tmp + n_wh + n_wf + n_qn + n_rr + 15) &
                    ~(size_t)15;
+    n_pre += f_a16 + f_c16 + f_bp16;
     size_t total = n_pre + sf * (size_t)nt;
     size_t bytes;
     if (mha__mul_overflow_size(total, sizeof(float), &bytes))
@@ -209,6 +246,10 @@ static mha_status bwd_alloc(bwd_call *c) {
     s->dextra = s->dsum + N * H * L, s->extra = s->dextra + 2 * N * Hkv * nx * d;
     s->tmp = s->extra + 2 * Hkv * nx * d, s->wh = s->tmp + n_tmp, s->wf = s->wh + n_wh;
     s->xqk = s->wf + n_wf, s->scratch = blk + n_pre;
+    float *b16 = blk + n_pre - (f_a16 + f_c16 + f_bp16);
+    s->a16 = (uint16_t *)(void *)b16;
+    s->c16 = (uint16_t *)(void *)(b16 + f_a16);
+    s->bp16 = (uint16_t *)(void *)(b16 + f_a16 + f_c16);
     s->rr = (double *)(blk + ((size_t)(s->xqk + n_qn - blk + 1) & ~(size_t)1));
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(s->scratch + (size_t)t * sf);
     c->W3 = W3;
@@ -241,14 +282,18 @@ static mha_status bwd_inputs(bwd_call *c) {
         if (!mha__saved_key_equal(&key, &sv->key) ||
             sv->outer_valid != (c->pt && c->pt->attn.fn) ||
             sv->n_qkv != mha__qkv_floats(p, Rq, Rk) || sv->n_lse != (size_t)(2 * N * H * L) ||
-            sv->n_xqk != mha__xqk_floats(p, c->m, Rq, Rk))
+            sv->n_xqk != mha__xqk_floats(p, c->m, Rq, Rk) || sv->bf16 != c->bf)
             return mha__fail(MHA_ERR_INVALID_ARG,
                              "mha_backward: args.save holds the state of another forward "
                              "(module, inputs, masks or dropout differ); run the forward "
                              "with these args first, or pass save = NULL");
         s->qkv = sv->buf;
-        s->ctx = sv->buf + sv->n_qkv;
-        s->lse = s->ctx + sv->n_ctx;
+        // (bf16: the saved context rows are bf16; s->ctx stays the
+        // scratch's, for their float32 values)
+        if (c->bf) c->ctx16 = (const uint16_t *)(const void *)(sv->buf + sv->n_qkv);
+        if (c->bf) c->ldc16 = 2 * Eq;
+        else s->ctx = sv->buf + sv->n_qkv;
+        s->lse = sv->buf + sv->n_qkv + sv->n_ctx;
         s->xqk = s->lse + sv->n_lse;
     }
     const bool sp = p->self_packed;
@@ -356,8 +401,18 @@ static mha_status bwd_forward(bwd_call *c) {
     return MHA_OK;
 }
 
+// bf16 compute's products (below).
+static void bf_grad_weight(const bwd_call *c, void *dW, mha_dtype dt, float *db,
+                           const float *d, int64_t ldd, const uint16_t *X16, int64_t ldx16,
+                           int64_t R, int64_t O, int64_t I);
+static void bf_matmul(const bwd_call *c, float *C, int64_t ldc, const float *d, int64_t ldd,
+                      const uint16_t *W, const uint16_t *Bp, int64_t R, int64_t K, int64_t N);
+static void bf_grad_input(const bwd_call *c, mha_tensor *gx, bool acc, const float *d,
+                          int64_t ldd, const void *W, int64_t R, int64_t O, int64_t I);
+
 // dy = dY * drop_o (rows in the query's order: dY's own float32 rows in
-// place when there is no output dropout, else copied); dctx = dy Wo.
+// place when there is no output dropout, else copied); dctx = dy Wo (bf16
+// compute: round(dy) Wo on the bf16 unit).
 static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
     const fwd_plan *p = c->p;
     const mha_forward_args *a = c->a;
@@ -380,6 +435,10 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
         }
     }
     // dctx (Rq, Eq) = dy (Rq, E) Wo (E, Eq)
+    if (c->bf) {
+        bf_matmul(c, c->s.dctx, p->Eq, c->dy, c->lddy, c->m->w_out, NULL, Rq, E, p->Eq);
+        return;
+    }
     mha__matmul_rows(c->kt, c->s.dctx, p->Eq, c->dy, c->lddy, weight_at(c, c->m->w_out, 0),
                      p->Eq, Rq, E, p->Eq, c->s.bp, c->s.gs, p->nthreads);
 }
@@ -580,8 +639,11 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
     // dWo (E, Eq) = dy^T gctx
     const mha_dtype gdt = grads->wdt;
     float *wf = c->s.wf;
-    grad_weight(kt, grads->w_out, gdt, wf, gbo, acc, c->dy, c->lddy,
-                c->gctx ? c->gctx : c->s.ctx, Eq, Rq, E, Eq, bp, gs, nt);
+    if (c->bf)  // (bf16 compute: no gates; the context's bf16 rows)
+        bf_grad_weight(c, grads->w_out, gdt, gbo, c->dy, c->lddy, c->ctx16, c->ldc16, Rq, E, Eq);
+    else
+        grad_weight(kt, grads->w_out, gdt, wf, gbo, acc, c->dy, c->lddy,
+                    c->gctx ? c->gctx : c->s.ctx, Eq, Rq, E, Eq, bp, gs, nt);
     if (m->cfg.head_gate == MHA_GATE_STATIC)  // dgate_h = sum over rows of dg
         for (int64_t h = 0; h < H; h++) {
             double sg = 0.0;
@@ -605,7 +667,16 @@ static void bwd_param_grads(const bwd_call *c, mha_module *grads) {
     if (m->cfg.head_gate == MHA_GATE_DYNAMIC)  // dW_g = dz^T Xq, db_g = colsum(dz)
         grad_weight(kt, grads->gate_weight, MHA_F32, NULL, grads->gate_bias, acc, dg, H, c->Xq,
                     c->ldq, Rq, H, E, bp, gs, nt);
-    if (sp) {
+#define X16(X) ((const uint16_t *)(const void *)(X))
+    if (c->bf && sp) {  // the input rows are bf16 in place (bwd_bf16_forward)
+        bf_grad_weight(c, grads->w_in, gdt, gbq, c->s.dqkv, W3, X16(c->Xq), 2 * c->ldq, Rq, W3,
+                       E);
+    } else if (c->bf) {
+        bf_grad_weight(c, grads->w_q, gdt, gbq, c->dq, W3, X16(c->Xq), 2 * c->ldq, Rq, Eq, E);
+        bf_grad_weight(c, grads->w_k, gdt, gbk, c->dk, Ekv, X16(c->Xk), 2 * c->ldk, Rk, Ekv, kd);
+        bf_grad_weight(c, grads->w_v, gdt, gbv, c->dv, Ekv, X16(c->Xv), 2 * c->ldv, Rk, Ekv, vd);
+#undef X16
+    } else if (sp) {
         // dWin (Eq + 2 Ekv, E) = dqkv^T X; dbin = colsum(dqkv)
         grad_weight(kt, grads->w_in, gdt, wf, gbq, acc, c->s.dqkv, W3, c->Xq, c->ldq, Rq, W3,
                     E, bp, gs, nt);
@@ -643,6 +714,12 @@ static void bwd_input_grads(const bwd_call *c, mha_tensor *gq, mha_tensor *gk, m
     const int64_t W3 = c->W3, ldkv = c->ldkv;
     const int nt = p->nthreads;
     float *tmp = c->s.tmp, *bp = c->s.bp, *gs = c->s.gs;
+    if (c->bf) {  // (no gates)
+        if (gq) bf_grad_input(c, gq, acc, c->dq, W3, m->w_q, Rq, p->Eq, E);
+        if (gk) bf_grad_input(c, gk, acc, c->dk, ldkv, m->w_k, Rk, Ekv, kd);
+        if (gv) bf_grad_input(c, gv, acc, c->dv, ldkv, m->w_v, Rk, Ekv, vd);
+        return;
+    }
     if (gq)
         mha__grad_input_rows(kt, gq, acc, c->dq, W3, weight_at(c, m->w_q, 0), Rq, p->Eq, E,
                              tmp, bp, gs, nt);
@@ -657,21 +734,245 @@ static void bwd_input_grads(const bwd_call *c, mha_tensor *gq, mha_tensor *gk, m
                              tmp, bp, gs, nt);
 }
 
+// ---------------------------------------------------------------------------
+// bf16 compute (mha__fused_backward_bf16): the forward the bf16 forward
+// computes (the saved one, or again: projections on the bf16 unit, q, k, v
+// rounded in place, bf16 attention, the context rounded), then every
+// product of the backward with bf16 operands and float32 sums, as
+// PyTorch's bf16 autograd multiplies: dctx = dy Wo, the attention backward
+// (flash.h, mha__flash_bwd_head_bf16: one thread per (b, KV head), the
+// same bits for any number of threads), dW = d^T X, dX = d W; the
+// operands d (dy, dctx, dq, dk, dv) rounded to bf16 once for each product,
+// the biases' sums and the element-wise steps (RoPE, QK-norm) in float32
+// from the float32 d.
+
+bool mha__fused_backward_bf16(const mha_module *m, const mha_forward_args *a) {
+    return !mha__module_gated(m) && mha__fused_forward_bf16(m, a);
+}
+
+// A weight gradient dW (O, N) of dt (=, or += when acc) <- A (O, K) Bp on
+// the bf16 unit: the sums into dW (float32, =) or into wf, then added to
+// dW's value (+=, one float32 addition) and stored (half: rounded once).
+static void bf_weight_gemm(const bwd_call *c, void *dW, mha_dtype dt, bool acc,
+                           const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t O,
+                           int64_t K, int64_t N) {
+    const int nt = c->p->nthreads;
+    const bool direct = dt == MHA_F32 && !acc;
+    float *C = direct ? dW : c->s.wf;
+    mha__gemm_bf16_rows(c->kt, C, N, A, lda, Bp, O, K, N, false, nt);
+    if (direct) return;
+    const mha__mat w = mha__vmat(dW, dt, 0, 1);
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t o = 0; o < O; o++)
+        for (int64_t i = 0; i < N; i++) {
+            const int64_t e = o * N + i;
+            mha__st(w, 0, e, acc ? (float)mha__ld(w, 0, e) + C[e] : C[e]);
+        }
+}
+
+// dW (O, I) (+)= d^T X16 and db (+)= colsum(d): d (R, O) float32 rows of
+// stride ldd, transposed and rounded into a16; X16 (R, I) bf16 rows of
+// stride ldx16 packed into bp16.
+static void bf_grad_weight(const bwd_call *c, void *dW, mha_dtype dt, float *db,
+                           const float *d, int64_t ldd, const uint16_t *X16, int64_t ldx16,
+                           int64_t R, int64_t O, int64_t I) {
+    const mha__kernels *kt = c->kt;
+    const int nt = c->p->nthreads;
+    const int64_t kp = kt->bf_kpad, Rp = (R + kp - 1) / kp * kp;
+    mha__bf16_transpose(kt, c->s.a16, Rp, d, ldd, R, O, nt);
+    mha__bf16_pack(kt, c->s.bp16, X16, ldx16, 1, R, I, nt);
+    bf_weight_gemm(c, dW, dt, c->acc, c->s.a16, Rp, c->s.bp16, O, R, I);
+    if (db) col_sums(db, c->acc, d, ldd, R, O, nt);
+}
+
+// C (R, N) = round(d) (R, K) W (K, N): d float32 rows of stride ldd
+// rounded into a16, W a bf16 row-major (K, N) matrix packed into bp16 (or
+// Bp, already packed).
+static void bf_matmul(const bwd_call *c, float *C, int64_t ldc, const float *d, int64_t ldd,
+                      const uint16_t *W, const uint16_t *Bp, int64_t R, int64_t K, int64_t N) {
+    const mha__kernels *kt = c->kt;
+    const int nt = c->p->nthreads;
+    const int64_t kp = kt->bf_kpad, Kp = (K + kp - 1) / kp * kp;
+    mha__bf16_rows(kt, c->s.a16, Kp, d, ldd, R, K, nt);
+    if (!Bp) {
+        mha__bf16_pack(kt, c->s.bp16, W, N, 1, K, N, nt);
+        Bp = c->s.bp16;
+    }
+    mha__gemm_bf16_rows(kt, C, ldc, c->s.a16, Kp, Bp, R, K, N, false, nt);
+}
+
+// C (R, O) = X16 (R, I) W^T + b for a bf16 PyTorch weight W (O, I): its
+// packed form from the module's copy, else packed into bp16.
+static void bf_project(const bwd_call *c, float *C, int64_t ldc, const float *X, int64_t ldx,
+                       const void *W, const float *b, int64_t R, int64_t I, int64_t O) {
+    const mha__kernels *kt = c->kt;
+    const int nt = c->p->nthreads;
+    const uint16_t *Bp = mha__packs_find_bf16(c->pk, W, O, I);
+    if (!Bp) {
+        mha__bf16_pack(kt, c->s.bp16, W, 1, I, I, O, nt);  // B (I, O) = W^T
+        Bp = c->s.bp16;
+    }
+    mha__gemm_bf16_rows(kt, C, ldc, (const uint16_t *)(const void *)X, 2 * ldx, Bp, R, I, O,
+                        false, nt);
+    if (b)
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < O; j++) C[r * ldc + j] += b[j];
+}
+
+// The bf16 forward again (no saved state), or the saved one's context
+// widened: the input rows become bf16 in place first (they are the
+// gathered copies: bf16 inputs never serve in place).
+static void bwd_bf16_forward(bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha_forward_args *a = c->a;
+    const mha__kernels *kt = c->kt;
+    const int64_t N = p->N, L = p->L, S = p->S, E = p->E, H = p->H, d = p->d;
+    const int64_t Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
+    const int64_t kd = p->kdim, vd = p->vdim, Ekv = p->Ekv, Hkv = p->Hkv, Eq = p->Eq;
+    const int nt = p->nthreads;
+    const bool seq_first = p->unbatched || !m->cfg.batch_first, sp = p->self_packed;
+    const int64_t W3 = c->W3, ldkv = c->ldkv;
+    float *q = c->q, *k = c->k, *v = c->v, *ctx = c->s.ctx;
+    mha__bf16_rows_in_place(kt, (float *)c->Xq, c->ldq, Rq, E, nt);
+    if (!sp) {
+        mha__bf16_rows_in_place(kt, (float *)c->Xk, c->ldk, Rk, kd, nt);
+        mha__bf16_rows_in_place(kt, (float *)c->Xv, c->ldv, Rk, vd, nt);
+    }
+    const int64_t Tk = sp ? L : S;
+    c->qm = (mha__rowmap){q, W3, seq_first, N, L};
+    c->km = (mha__rowmap){k, ldkv, seq_first, N, Tk};
+    c->vm = (mha__rowmap){v, ldkv, seq_first, N, Tk};
+    c->cm = (mha__rowmap){ctx, Eq, seq_first, N, L};
+    c->dcm = (mha__rowmap){c->s.dctx, Eq, seq_first, N, L};
+    c->dqm = (mha__rowmap){c->dq, W3, seq_first, N, L};
+    c->dkm = (mha__rowmap){c->dk, ldkv, seq_first, N, Tk};
+    c->dvm = (mha__rowmap){c->dv, ldkv, seq_first, N, Tk};
+    if (c->sv) {  // the saved context's float32 values
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < Rq; r++)
+            kt->cvt_bf16(ctx + r * Eq, c->ctx16 + r * c->ldc16, Eq);
+        return;
+    }
+    const float *bq = m->in_proj_bias, *bk = bq ? bq + Eq : NULL,
+                *bv = bq ? bq + Eq + Ekv : NULL;
+    if (sp) {
+        bf_project(c, c->s.qkv, W3, c->Xq, c->ldq, m->w_in, bq, Rq, E, W3);
+    } else {
+        bf_project(c, q, W3, c->Xq, c->ldq, m->w_q, bq, Rq, E, Eq);
+        bf_project(c, k, ldkv, c->Xk, c->ldk, m->w_k, bk, Rk, kd, Ekv);
+        bf_project(c, v, ldkv, c->Xv, c->ldv, m->w_v, bv, Rk, vd, Ekv);
+    }
+    if (m->cfg.qk_norm != MHA_QK_NORM_NONE)
+        mha__fused_qk_norm(p, m, &c->qm, &c->km, Rq, Rk, c->s.xqk);
+    mha__rope_rows(p, a, &c->qm, L, H, false, NULL);
+    mha__rope_rows(p, a, &c->km, S, Hkv, false, NULL);
+    if (sp) mha__bf16_rows_in_place(kt, c->s.qkv, W3, Rq, W3, nt);
+    else {
+        mha__bf16_rows_in_place(kt, q, W3, Rq, Eq, nt);
+        mha__bf16_rows_in_place(kt, k, ldkv, Rk, Ekv, nt);
+        mha__bf16_rows_in_place(kt, v, ldkv, Rk, Ekv, nt);
+    }
+    const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
+    const size_t sf = c->s.sf;
+    float *scratch = c->s.scratch;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t it = 0; it < N * H * tiles; it++) {
+        int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
+        mha__flash_head fh = bwd_head(c, b, h);
+        mha__head_to_bf16(&fh, &c->qm, &c->km, &c->vm, sp);
+        int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
+        if (mha__plan_head_live(p, m, h))
+            mha__flash_rows(kt, &fh, i0, i1, scratch + (size_t)mha__thread_id() * sf);
+        else mha__zero_head_rows(fh.o, fh.o_rs, i0, i1, d);
+    }
+    // the context rounded, as the forward's output projection reads it
+    const int64_t kp = kt->bf_kpad;
+    c->ldc16 = (Eq + kp - 1) / kp * kp;
+    mha__bf16_rows(kt, c->s.c16, c->ldc16, ctx, Eq, Rq, Eq, nt);
+    c->ctx16 = c->s.c16;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < Rq; r++) kt->cvt_bf16(ctx + r * Eq, c->ctx16 + r * c->ldc16, Eq);
+}
+
+// The attention backward in bf16, one thread per (b, KV head): dO16 the
+// context gradient's rows rounded (a16, row stride ld16).
+static void bwd_bf16_attention(const bwd_call *c) {
+    const fwd_plan *p = c->p;
+    const mha_module *m = c->m;
+    const mha__kernels *kt = c->kt;
+    const int64_t N = p->N, L = p->L, S = p->S, H = p->H, d = p->d, Hkv = p->Hkv, G = H / Hkv;
+    const int64_t Eq = p->Eq, Rq = mha__rows_of(c->a->query);
+    const int nt = p->nthreads;
+    const int64_t kp = kt->bf_kpad, ld16 = (Eq + kp - 1) / kp * kp;
+    mha__bf16_rows(kt, c->s.a16, ld16, c->s.dctx, Eq, Rq, Eq, nt);
+    const uint16_t *dO16 = c->s.a16;
+    const bool seq_first = c->dcm.seq_first;
+    const int64_t rs16 = seq_first ? N * ld16 : ld16;
+    float *dsum = c->s.dsum, *scratch = c->s.scratch;
+    const size_t sf = c->s.sf;
+    const mha__rowmap dkm = c->dkm, dvm = c->dvm, dqm = c->dqm, dcm = c->dcm;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t bg = 0; bg < N * Hkv; bg++) {
+        int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(p, m, g, G);
+        if (h0 < 0) {  // the whole group pruned: no gradient
+            mha__zero_head_rows(mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm), 0, S, d);
+            mha__zero_head_rows(mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm), 0, S, d);
+        }
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+            if (!mha__plan_head_live(p, m, h)) {
+                mha__zero_head_rows(mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm), 0, L, d);
+                continue;
+            }
+            mha__flash_head fh = bwd_head(c, b, h);
+            mha__head_to_bf16(&fh, &c->qm, &c->km, &c->vm, p->self_packed);
+            const uint16_t *o16 = dO16 + (seq_first ? b : b * L) * ld16 + h * d;
+            mha__flash_bwd_head_bf16(kt, &fh, mha__head_row0(&dcm, b, h * d),
+                                     mha__head_rs(&dcm), o16, rs16, dsum + (b * H + h) * L,
+                                     mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm),
+                                     mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
+                                     mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm),
+                                     h != h0, scratch + (size_t)mha__thread_id() * sf);
+        }
+    }
+}
+
+// dX (view) (+)= round(d) (R, O) W (O, I), W bf16: through tmp (R, I).
+static void bf_grad_input(const bwd_call *c, mha_tensor *gx, bool acc, const float *d,
+                          int64_t ldd, const void *W, int64_t R, int64_t O, int64_t I) {
+    int64_t ldx;
+    if (mha__rows_direct(gx, &ldx) && !acc) {
+        bf_matmul(c, gx->data, ldx, d, ldd, W, NULL, R, O, I);
+        return;
+    }
+    bf_matmul(c, c->s.tmp, I, d, ldd, W, NULL, R, O, I);
+    store_rows(gx, acc, c->s.tmp, R, I);
+}
+
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
                                mha_tensor *gv, mha_module *grads, const mha_module *m,
                                const mha_forward_args *a, const mha_tensor *gout, bool acc,
                                const mha__part *pt) {
     mha_status qst = mha__fused_part_qk_norm(m, pt);
     if (qst) return qst;
-    bwd_call c = {
-        .p = p, .m = m, .grads = grads, .a = a, .pt = pt, .kt = mha__kernels_get(), .acc = acc};
+    bwd_call c = {.p = p,
+                  .m = m,
+                  .grads = grads,
+                  .a = a,
+                  .pt = pt,
+                  .kt = mha__kernels_get(),
+                  .acc = acc,
+                  .bf = !pt && mha__fused_backward_bf16(m, a)};
     mha_status st = bwd_alloc(&c);
     if (st) return st;
     if (grads) mha__packs_stale(grads);  // (its parameters are written below)
     c.pk = mha__packs_acquire(m, c.kt, p->nthreads);
     // Forward: inputs as rows (or the saved state), projections, attention
     // with the row stats.
-    if ((st = bwd_inputs(&c)) || (st = bwd_forward(&c))) goto done;
+    if ((st = bwd_inputs(&c))) goto done;
+    if (c.bf) bwd_bf16_forward(&c);
+    else if ((st = bwd_forward(&c))) goto done;
     bwd_dctx(&c, gout);
     if ((st = bwd_gates(&c))) goto done;
     // Attention backward: one thread per KV head (b, g) when there are at
@@ -682,6 +983,8 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (ext) {
         c.io.dctx = c.s.dctx, c.io.dq = c.dq, c.io.dk = c.dk, c.io.dv = c.dv;
         if ((st = pt->attn.fn(pt->attn.arg, &c.io))) goto done;
+    } else if (c.bf) {
+        bwd_bf16_attention(&c);
     } else if (p->N * p->Hkv >= p->nthreads) {
         bwd_attention_per_head(&c);
     } else {

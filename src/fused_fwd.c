@@ -261,36 +261,19 @@ static void tile_weights(const fwd_call *c, mha_tensor *weights, const mha__flas
     }
 }
 
-// Rows [0, R) of the matrix at base (row stride ld floats), columns [0, w),
-// rounded to bf16 in place (round_bf16): element (r, c) becomes the uint16_t
-// at (uint16_t *)base + 2 r ld + c. A chunk is read before it is written
-// (the bf16 half of a row trails its float32 half).
-static void bf16_rows_in_place(const mha__kernels *kt, float *base, int64_t ld, int64_t R,
-                               int64_t w, int nt) {
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t r = 0; r < R; r++) {
-        char *row = (char *)(base + r * ld);
-        for (int64_t c0 = 0; c0 < w; c0 += 64) {
-            float f[64];
-            uint16_t h[64];
-            const int64_t n = w - c0 < 64 ? w - c0 : 64;
-            memcpy(f, row + 4 * c0, sizeof(float) * (size_t)n);
-            kt->round_bf16(h, f, n);
-            memcpy(row + 2 * c0, h, sizeof(uint16_t) * (size_t)n);
-        }
-    }
-}
-
 // bf16 compute for a module forward (mha__flash_bf16's rule for the
-// module): bf16 weight matrices and bf16 q, k, v inputs, inference (no
-// saved state, no part), no appended keys, on a table that computes bf16
-// (bf_fast): the projected q, k, v rows are rounded to bf16 in place, as
-// PyTorch's bf16 module's projections are, and the attention computes in
-// bf16 (flash.h). The context and the output projection stay float32.
+// module): bf16 weight matrices and bf16 q, k, v inputs, no part, no
+// appended keys, on a table that computes bf16 (bf_fast), and with a saved
+// state no gates (a training forward: mha__fused_train_bf16): the projected
+// q, k, v rows are rounded to bf16 in place, as PyTorch's bf16 module's
+// projections are, the attention computes in bf16 (flash.h), and the
+// context is rounded to bf16 in place for the output projection (W_O
+// on the bf16 unit; a saved state keeps these rows).
 bool mha__fused_forward_bf16(const mha_module *m, const mha_forward_args *a) {
-    return mha__flash_bf16_table(mha__kernels_get()) && m->wdt == MHA_BF16 && !a->save &&
-           !m->cfg.add_bias_kv && !m->cfg.add_zero_attn && a->query->dtype == MHA_BF16 &&
-           a->key->dtype == MHA_BF16 && a->value->dtype == MHA_BF16;
+    return mha__flash_bf16_table(mha__kernels_get()) && m->wdt == MHA_BF16 &&
+           (!a->save || !mha__module_gated(m)) && !m->cfg.add_bias_kv &&
+           !m->cfg.add_zero_attn && a->query->dtype == MHA_BF16 && a->key->dtype == MHA_BF16 &&
+           a->value->dtype == MHA_BF16;
 }
 
 static bool fwd_bf16(const fwd_call *c) {
@@ -310,31 +293,13 @@ static void fwd_round_qkv(const fwd_call *c) {
     const fwd_plan *p = c->p;
     const int64_t Rq = mha__rows_of(c->a->query), Rk = mha__rows_of(c->a->key);
     if (qkv_packed(c)) {
-        bf16_rows_in_place(c->kt, c->qm.base, c->qm.ld, Rq, p->Eq + 2 * p->Ekv, p->nthreads);
+        mha__bf16_rows_in_place(c->kt, c->qm.base, c->qm.ld, Rq, p->Eq + 2 * p->Ekv,
+                                p->nthreads);
         return;
     }
-    bf16_rows_in_place(c->kt, c->qm.base, c->qm.ld, Rq, p->Eq, p->nthreads);
-    bf16_rows_in_place(c->kt, c->km.base, c->km.ld, Rk, p->Ekv, p->nthreads);
-    bf16_rows_in_place(c->kt, c->vm.base, c->vm.ld, Rk, p->Ekv, p->nthreads);
-}
-
-// A flash head over rows rounded by fwd_round_qkv: its q, k, v pointers and
-// strides in uint16_t elements (element (r, c) of a rounded matrix at base
-// with row stride ld floats: (uint16_t *)base + 2 r ld + c).
-static void head_to_bf16(mha__flash_head *fh, const fwd_call *c) {
-    const bool packed = qkv_packed(c);
-    const mha__rowmap *rm[3] = {&c->qm, &c->km, &c->vm};
-    const void **ptr[3] = {(const void **)&fh->q, (const void **)&fh->k, (const void **)&fh->v};
-    int64_t *rs[3] = {&fh->q_rs, &fh->k_rs, &fh->v_rs};
-    for (int i = 0; i < 3; i++) {
-        const float *base = packed ? c->qm.base : rm[i]->base;  // the rounded matrix
-        const int64_t ld = rm[i]->ld;
-        const int64_t e = (const float *)*ptr[i] - base;  // float index of (row0, col)
-        const int64_t row = e / ld, col = e % ld;
-        *ptr[i] = (const uint16_t *)(const void *)base + 2 * row * ld + col;
-        *rs[i] *= 2;
-    }
-    fh->q_half = fh->k_half = fh->v_half = 1;
+    mha__bf16_rows_in_place(c->kt, c->qm.base, c->qm.ld, Rq, p->Eq, p->nthreads);
+    mha__bf16_rows_in_place(c->kt, c->km.base, c->km.ld, Rk, p->Ekv, p->nthreads);
+    mha__bf16_rows_in_place(c->kt, c->vm.base, c->vm.ld, Rk, p->Ekv, p->nthreads);
 }
 
 // 2. The attention, per (b, h, tile of query rows): flash tiles on the
@@ -397,7 +362,7 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
         int64_t bh = it / tiles, tile = it % tiles, b = bh / H, h = bh % H;
         int tid = mha__thread_id();
         mha__flash_head fh = mha__plan_head(p, &qm, &km, &vm, &cm, extra, lse, b, h);
-        if (bf) head_to_bf16(&fh, c);
+        if (bf) mha__head_to_bf16(&fh, &c->qm, &c->km, &c->vm, qkv_packed(c));
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         float *sc = scratch + (size_t)tid * sf;
         const bool live =
@@ -412,7 +377,7 @@ static mha_status fwd_attend(fwd_call *c, mha_tensor *weights) {
             tile_weights(c, weights, &fh, b, h, r0, r1, live, sc, tid);
     }
     if (pt && pt->progress.tiles) *pt->progress.tiles += ntiles;
-    if (sv) sv->valid = true;
+    if (sv) sv->valid = true, sv->bf16 = bf;
     return MHA_OK;
 }
 

@@ -32,43 +32,82 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
     mha__gemm_rows_packed(kt, C, ldc, X, ldx, Bp, b, R, I, O, false, nt, gs);
 }
 
-bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X, int64_t ldx,
-                           const uint16_t *W, const mha__packs *pk, const float *b, int64_t R,
-                           int64_t I, int64_t O, float *Wp, size_t wp_floats, int nt) {
-    const int64_t kp = kt->bf_kpad, Kp = (I + kp - 1) / kp * kp, mp = kt->bf_mpad;
-    const uint16_t *Bp = mha__packs_find_bf16(pk, W, O, I);
-    if (I < 32 || 2 * Kp > 4 * ldx ||
-        (!Bp && (size_t)mha__bf16_packed_elems(I, O, kp) > 2 * wp_floats))
-        return false;
-    if (!Bp) {
-        kt->pack_bf16((uint16_t *)(void *)Wp, W, 1, I, I, O);  // B (I, O) = W^T
-        Bp = (const uint16_t *)(const void *)Wp;
-    }
-    // X's rows to bf16 in place, zero-padded to Kp (a chunk read before it
-    // is written: the bf16 half of a row trails its float32 half)
+void mha__bf16_rows_in_place(const mha__kernels *kt, float *base, int64_t ld, int64_t R,
+                             int64_t w, int nt) {
+    const int64_t kp = kt->bf_kpad, Kp = (w + kp - 1) / kp * kp;
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < R; r++) {
-        char *row = (char *)(X + r * ldx);
-        for (int64_t c0 = 0; c0 < I; c0 += 64) {
+        char *row = (char *)(base + r * ld);
+        for (int64_t c0 = 0; c0 < w; c0 += 64) {
             float f[64];
             uint16_t h[64];
-            const int64_t n = I - c0 < 64 ? I - c0 : 64;
+            const int64_t n = w - c0 < 64 ? w - c0 : 64;
             memcpy(f, row + 4 * c0, sizeof(float) * (size_t)n);
             kt->round_bf16(h, f, n);
             memcpy(row + 2 * c0, h, sizeof(uint16_t) * (size_t)n);
         }
-        memset(row + 2 * I, 0, 2 * (size_t)(Kp - I));
+        memset(row + 2 * w, 0, 2 * (size_t)(Kp - w));
     }
-    const uint16_t *A = (const uint16_t *)(const void *)X;
-    const int64_t lda = 2 * ldx, Rw = R / mp * mp;  // rows in whole bf_mpad blocks
+}
+
+void mha__bf16_rows(const mha__kernels *kt, uint16_t *dst, int64_t ldd, const float *src,
+                    int64_t ld, int64_t R, int64_t w, int nt) {
+    const int64_t kp = kt->bf_kpad, Kp = (w + kp - 1) / kp * kp;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < R; r++) {
+        kt->round_bf16(dst + r * ldd, src + r * ld, w);
+        memset(dst + r * ldd + w, 0, 2 * (size_t)(Kp - w));
+    }
+}
+
+void mha__bf16_transpose(const mha__kernels *kt, uint16_t *dst, int64_t ldd, const float *src,
+                         int64_t ld, int64_t R, int64_t w, int nt) {
+    const int64_t kp = kt->bf_kpad, Rp = (R + kp - 1) / kp * kp;
+    enum { T = 32 };
+    const int64_t cb = (w + T - 1) / T;
+    // blocks of T columns of src (rows of dst), each through a (T, T) tile
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t b = 0; b < cb; b++) {
+        const int64_t c0 = b * T, nc = w - c0 < T ? w - c0 : T;
+        uint16_t t[T][T];
+        for (int64_t r0 = 0; r0 < R; r0 += T) {
+            const int64_t nr = R - r0 < T ? R - r0 : T;
+            for (int64_t r = 0; r < nr; r++)
+                kt->round_bf16(t[r], src + (r0 + r) * ld + c0, nc);
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = 0; r < nr; r++) dst[(c0 + c) * ldd + r0 + r] = t[r][c];
+        }
+        for (int64_t c = 0; c < nc; c++)
+            memset(dst + (c0 + c) * ldd + R, 0, 2 * (size_t)(Rp - R));
+    }
+}
+
+void mha__bf16_pack(const mha__kernels *kt, uint16_t *Bp, const uint16_t *B, int64_t sk,
+                    int64_t sn, int64_t K, int64_t N, int nt) {
+    // slices of K (whole bf_kpad blocks, 256 rows) over the threads: a
+    // slice from row k0 is pack_bf16's output from element k0 Np
+    const int64_t kp = kt->bf_kpad, Np = (N + 15) / 16 * 16, KS = (256 + kp - 1) / kp * kp;
+    const int64_t ns = (K + KS - 1) / KS;
+#pragma omp parallel for schedule(static) num_threads(ns > 1 ? nt : 1)
+    for (int64_t i = 0; i < ns; i++) {
+        const int64_t k0 = i * KS, n = K - k0 < KS ? K - k0 : KS;
+        kt->pack_bf16(Bp + k0 * Np, B + k0 * sk, sk, sn, n, N);
+    }
+}
+
+void mha__gemm_bf16_rows(const mha__kernels *kt, float *C, int64_t ldc, const uint16_t *A,
+                         int64_t lda, const uint16_t *Bp, int64_t R, int64_t K, int64_t N,
+                         bool acc, int nt) {
+    const int64_t kp = kt->bf_kpad, Kp = (K + kp - 1) / kp * kp, mp = kt->bf_mpad;
+    const int64_t Rw = R / mp * mp, Np = (N + 15) / 16 * 16;  // rows in whole bf_mpad blocks
     enum { PANEL = 256, KC = 256 };
     const int64_t blocks = (Rw + 63) / 64;
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t blk = 0; blk < blocks; blk++) {  // 64 rows (or the rest of Rw)
         const int64_t r0 = blk * 64, m = Rw - r0 < 64 ? Rw - r0 : 64;
-        for (int64_t j0 = 0; j0 < O; j0 += PANEL)
-            kt->gemm_bf16(C + r0 * ldc + j0, ldc, A + r0 * lda, lda, Bp + 2 * j0, O, m,
-                          O - j0 < PANEL ? O - j0 : PANEL, I, 1.0f, false);
+        for (int64_t j0 = 0; j0 < N; j0 += PANEL)
+            kt->gemm_bf16(C + r0 * ldc + j0, ldc, A + r0 * lda, lda, Bp + 2 * j0, N, m,
+                          N - j0 < PANEL ? N - j0 : PANEL, K, 1.0f, acc);
     }
     if (Rw < R) {  // the last rows, fewer than bf_mpad: a padded copy, k in chunks
         uint16_t t[16 * KC];
@@ -77,10 +116,44 @@ bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float 
             memset(t, 0, sizeof t);
             for (int64_t r = Rw; r < R; r++)
                 memcpy(t + (r - Rw) * KC, A + r * lda + k0, 2 * (size_t)kc);
-            kt->gemm_bf16(C + Rw * ldc, ldc, t, KC, Bp + k0 / 2 * ((O + 15) / 16 * 16) * 2, O,
-                          R - Rw, O, kc, 1.0f, k0 > 0);
+            kt->gemm_bf16(C + Rw * ldc, ldc, t, KC, Bp + k0 / 2 * Np * 2, N, R - Rw, N, kc,
+                          1.0f, acc || k0 > 0);
         }
     }
+}
+
+void mha__head_to_bf16(mha__flash_head *fh, const mha__rowmap *qm, const mha__rowmap *km,
+                       const mha__rowmap *vm, bool packed) {
+    const mha__rowmap *rm[3] = {qm, km, vm};
+    const void **ptr[3] = {(const void **)&fh->q, (const void **)&fh->k, (const void **)&fh->v};
+    int64_t *rs[3] = {&fh->q_rs, &fh->k_rs, &fh->v_rs};
+    for (int i = 0; i < 3; i++) {
+        const float *base = packed ? qm->base : rm[i]->base;  // the rounded matrix
+        const int64_t ld = rm[i]->ld;
+        const int64_t e = (const float *)*ptr[i] - base;  // float index of (row0, col)
+        const int64_t row = e / ld, col = e % ld;
+        *ptr[i] = (const uint16_t *)(const void *)base + 2 * row * ld + col;
+        *rs[i] *= 2;
+    }
+    fh->q_half = fh->k_half = fh->v_half = 1;
+}
+
+bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X, int64_t ldx,
+                           const uint16_t *W, const mha__packs *pk, const float *b, int64_t R,
+                           int64_t I, int64_t O, float *Wp, size_t wp_floats, int nt) {
+    const int64_t kp = kt->bf_kpad, Kp = (I + kp - 1) / kp * kp;
+    const uint16_t *Bp = mha__packs_find_bf16(pk, W, O, I);
+    if (I < 32 || 2 * Kp > 4 * ldx ||
+        (!Bp && (size_t)mha__bf16_packed_elems(I, O, kp) > 2 * wp_floats))
+        return false;
+    if (!Bp) {
+        kt->pack_bf16((uint16_t *)(void *)Wp, W, 1, I, I, O);  // B (I, O) = W^T
+        Bp = (const uint16_t *)(const void *)Wp;
+    }
+    // X's rows to bf16 in place, zero-padded to Kp
+    mha__bf16_rows_in_place(kt, X, ldx, R, I, nt);
+    mha__gemm_bf16_rows(kt, C, ldc, (const uint16_t *)(const void *)X, 2 * ldx, Bp, R, I, O,
+                        false, nt);
     if (b)
 #pragma omp parallel for schedule(static) num_threads(nt)
         for (int64_t r = 0; r < R; r++)

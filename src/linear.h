@@ -67,6 +67,38 @@ bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float 
                            const uint16_t *W, const mha__packs *pk, const float *b, int64_t R,
                            int64_t I, int64_t O, float *Wp, size_t wp_floats, int nt);
 
+// bf16 operands of gemm_bf16 (kernels.h) from float32 rows, and the
+// threaded bf16 GEMM over rows (the bf16 compute of the module's forward
+// and backward). Rounding is round_bf16's; Kp = w rounded up to the
+// table's bf_kpad, its extra columns zero.
+// In place: rows [0, R) of the float32 matrix at base (row stride ld
+// floats), columns [0, w), become bf16 (element (r, c) the uint16_t at
+// (uint16_t *)base + 2 r ld + c, the row zero-padded to Kp; needs 2 Kp <=
+// 4 ld). A chunk is read before it is written (the bf16 half of a row
+// trails its float32 half).
+void mha__bf16_rows_in_place(const mha__kernels *kt, float *base, int64_t ld, int64_t R,
+                             int64_t w, int nt);
+// dst (R, Kp), row stride ldd >= Kp <- src (R, w), row stride ld.
+void mha__bf16_rows(const mha__kernels *kt, uint16_t *dst, int64_t ldd, const float *src,
+                    int64_t ld, int64_t R, int64_t w, int nt);
+// dst (w, Rp) <- src (R, w)^T (row stride ld), Rp = R rounded up to
+// bf_kpad, row stride ldd >= Rp: a left operand A^T (the weight gradients'
+// d^T).
+void mha__bf16_transpose(const mha__kernels *kt, uint16_t *dst, int64_t ldd, const float *src,
+                         int64_t ld, int64_t R, int64_t w, int nt);
+// Bp <- pack_bf16 of the bf16 B (K, N), B(k, n) = B[k*sk + n*sn], slices of
+// K over nt threads (the same Bp; mha__bf16_packed_elems(K, N, bf_kpad)
+// elements).
+void mha__bf16_pack(const mha__kernels *kt, uint16_t *Bp, const uint16_t *B, int64_t sk,
+                    int64_t sn, int64_t K, int64_t N, int nt);
+// C (R, N) = A (R, K) Bp (acc: C +=) by gemm_bf16: A bf16 rows of row
+// stride lda (zero in columns [K, Kp)), Bp from mha__bf16_pack of exactly N
+// columns; blocks of 64 rows over nt threads (row r depends on row r
+// alone: the same bits for any nt).
+void mha__gemm_bf16_rows(const mha__kernels *kt, float *C, int64_t ldc, const uint16_t *A,
+                         int64_t lda, const uint16_t *Bp, int64_t R, int64_t K, int64_t N,
+                         bool acc, int nt);
+
 // The module's weight matrix at p (one of m->w_*, or rows of one), with
 // scratch wh and the packed weights pk (or NULL).
 static inline mha__wmat mha__wmat_of(const mha_module *m, const void *p, float *wh,
@@ -119,6 +151,13 @@ static inline int64_t mha__head_rs(const mha__rowmap *rm) {
 mha__flash_head mha__plan_head(const fwd_plan *p, const mha__rowmap *qm, const mha__rowmap *km,
                                const mha__rowmap *vm, const mha__rowmap *om,
                                const float *extra, float *stats, int64_t b, int64_t h);
+// A flash head of mha__plan_head over q, k, v rows rounded to bf16 in
+// place (mha__bf16_rows_in_place; packed: the three are the packed qkv
+// rows of self-attention, rounded as one matrix at qm's base): its q, k, v
+// pointers and row strides in uint16_t elements, q_half = k_half = v_half
+// = 1.
+void mha__head_to_bf16(mha__flash_head *fh, const mha__rowmap *qm, const mha__rowmap *km,
+                       const mha__rowmap *vm, bool packed);
 
 // QK-norm (mha_config.qk_norm) in place on R rows of x (row stride ld, W
 // features each): every group of gs features (d, or W) x <- x /

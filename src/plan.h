@@ -168,6 +168,10 @@ struct mha_saved {
     // backward; mha__saved_prepare clears it.
     bool outer_valid;
     mha__saved_key outer;
+    // The forward computed in bf16 (fused.h, mha__fused_train_bf16): q, k, v
+    // and the context rows hold bf16 in place (linear.h,
+    // mha__bf16_rows_in_place).
+    bool bf16;
 };
 
 void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward_args *a);

@@ -79,6 +79,7 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
                               const mha_forward_args *a) {
     s->valid = false;
     s->outer_valid = false;
+    s->bf16 = false;
     if (!p->fused) return MHA_OK;  // only the fused path keeps state
     const int64_t Eq = p->Eq, Rq = mha__rows_of(a->query), Rk = mha__rows_of(a->key);
     s->n_qkv = mha__qkv_floats(p, Rq, Rk);

@@ -5,8 +5,9 @@
 // every other. Checks, over self-attention (the packed qkv rows) and
 // cross-attention (kdim, vdim), grouped-query heads, batch_first and
 // sequence-first, a key padding mask, causal, need_weights:
-//  - mha_last_impl() says "fused ... bf16"; float32 inputs, float32
-//    weights or a saved state keep the float32 compute;
+//  - mha_last_impl() says "fused ... bf16"; float32 inputs or float32
+//    weights keep the float32 compute; a saved state (a training forward)
+//    gives the same bits;
 //  - the output and weights are the same bits with 1, 2 and 8 threads;
 //  - against the float32 module on the same (rounded) weights and inputs,
 //    whose only differences are q, k, v and P rounded to bf16 (relative
@@ -14,7 +15,16 @@
 //    and the relative RMS difference <= 2^-7: a sanity bound (the
 //    accuracy rule, error <= 2x PyTorch's bf16 module, is checked by
 //    tests/python/test_module.py::test_module_in_half on the machines that
-//    compute in bf16).
+//    compute in bf16);
+//  - the backward (fused_bwd.c's bf16 compute): "bf16" in mha_last_impl(),
+//    the same bits from the saved state and recomputed, with 1, 2 and 8
+//    threads, in a bf16 or a float32 gradient module; += doubles; input
+//    and parameter gradients against the float32 module's (reference,
+//    float64 sums) on the same rounded values: max |diff| <= 2^-5 (1 +
+//    max|g|) and relative RMS <= 2^-6, four times what the bf16 operands'
+//    rounding (2^-9 relative, a few roundings in a row: ~2^-8 RMS measured)
+//    gives: a sanity bound, the accuracy rule against PyTorch's bf16
+//    autograd is tests/python's.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +35,7 @@
 #include "check.h"
 #include "flash.h"
 #include "mha.h"
+#include "view.h"
 
 typedef struct mcase {
     int64_t E, H, hkv, kdim, vdim, N, L, S;
@@ -33,7 +44,7 @@ typedef struct mcase {
 
 static uint64_t g_rng = 99;
 static double g_worst_max, g_worst_rms;  // error / bound, over the cases
-static float urand(void) {  // in [-1, 1)
+static float urand(void) {               // in [-1, 1)
     g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
     return (float)((g_rng >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
 }
@@ -54,6 +65,153 @@ static uint16_t *to_bf16(float *x, int64_t n) {
         x[i] = mha_bf16_to_f32(h[i]);
     }
     return h;
+}
+
+// Largest |x - r| / (1 + max|r|) and the relative RMS of x - r.
+static void err_of(const float *x, const float *r, int64_t n, double *emax, double *erms) {
+    double rmax = 0, md = 0, num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double d = (double)x[i] - r[i];
+        rmax = fmax(rmax, fabs(r[i]));
+        md = isfinite(d) ? fmax(md, fabs(d)) : INFINITY;
+        num += d * d, den += (double)r[i] * r[i];
+    }
+    *emax = md / (1 + rmax);
+    *erms = sqrt(num / (den > 0 ? den : 1));
+}
+
+static double g_train_max, g_train_rms;  // over the cases
+
+// The backward of the bf16 module on a's bf16 inputs (a->save: the saved
+// forward's state, filled): mha_last_impl() says bf16; the bits equal
+// without the saved state (recomputed) and with 1, 2 and 8 threads; += onto
+// its own result doubles every gradient (float32: exactly; bf16: within
+// its rounding); the input and parameter
+// gradients (bf16 views and a bf16 gradient module, or a float32 one)
+// against the float32 module's on the same rounded values within the
+// bound below.
+static void train_case(const mcase *c, const char *desc, const mha_module *m16,
+                       const mha_module *mr, mha_forward_args *a, bool self, mha_shape ys) {
+    const int64_t kd = c->kdim ? c->kdim : c->E, vd = c->vdim ? c->vdim : c->E;
+    const int64_t nq = c->N * c->L * c->E, nk = c->N * c->S * kd, nv = c->N * c->S * vd;
+    const int64_t ng = nq + nk + nv;
+    int64_t ny = 1;
+    for (int i = 0; i < ys.ndim; i++) ny *= ys.dims[i];
+    float *g32 = malloc(sizeof(float) * (size_t)ny);
+    for (int64_t i = 0; i < ny; i++) g32[i] = urand();
+    uint16_t *g16 = to_bf16(g32, ny);
+    mha_tensor go16 = mha_tensor_contiguous(g16, MHA_BF16, ys.ndim, ys.dims);
+    mha_tensor go32 = mha_tensor_contiguous(g32, MHA_F32, ys.ndim, ys.dims);
+    // float32 answer: the float32 module, the reference (float64 sums)
+    float *r32 = malloc(sizeof(float) * (size_t)ng);
+    mha_module *gr = NULL;
+    CHECK_OK(mha_module_convert(&gr, mr, MHA_F32));
+    mha_forward_args ar = *a;
+    mha_tensor qf, kf, vf;  // float32 views of the same rounded values
+    float *xf = malloc(sizeof(float) * (size_t)ng);
+    const mha_tensor *in16[3] = {a->query, a->key, a->value};
+    mha_tensor *inf[3] = {&qf, &kf, &vf};
+    const int64_t off[3] = {0, nq, nq + nk}, cnt[3] = {nq, nk, nv};
+    for (int t = 0; t < 3; t++) {
+        for (int64_t i = 0; i < cnt[t]; i++)
+            xf[off[t] + i] = mha_bf16_to_f32(((const uint16_t *)in16[t]->data)[i]);
+        *inf[t] = *in16[t];
+        inf[t]->data = xf + off[t], inf[t]->dtype = MHA_F32;
+    }
+    if (self) kf.data = vf.data = qf.data;
+    ar.query = &qf, ar.key = self ? &qf : &kf, ar.value = self ? &qf : &vf;
+    ar.save = NULL, ar.impl = MHA_IMPL_REFERENCE;
+    mha_tensor rq = qf, rk = kf, rv = vf;
+    rq.data = r32, rk.data = r32 + nq, rv.data = r32 + nq + nk;
+    CHECK_OK(mha_backward(&rq, &rk, &rv, gr, mr, &ar, &go32, false));
+    // bf16: saved (a->save) and recomputed; 1, 2, 8 threads; a bf16 and a
+    // float32 gradient module
+    uint16_t *h[4];
+    mha_module *gh[4] = {NULL};
+    const int threads[4] = {2, 2, 1, 8};
+    for (int run = 0; run < 4; run++) {
+        set_threads(threads[run]);
+        h[run] = calloc((size_t)ng, 2);
+        mha_tensor tq = *a->query, tk = *a->key, tv = *a->value;
+        tq.data = h[run], tk.data = h[run] + nq, tv.data = h[run] + nq + nk;
+        CHECK_OK(mha_module_convert(&gh[run], m16, run == 3 ? MHA_F32 : MHA_BF16));
+        mha_forward_args ab = *a;
+        if (run > 0) ab.save = NULL;  // run 0: the saved forward's state
+        CHECK_OK(mha_backward(&tq, &tk, &tv, gh[run], m16, &ab, &go16, false));
+        CHECKF(strstr(mha_last_impl(), " bf16") != NULL, "%s: the backward ran \"%s\"", desc,
+               mha_last_impl());
+    }
+    set_threads(2);
+    for (int run = 1; run < 4; run++) {
+        CHECKF(memcmp(h[0], h[run], 2 * (size_t)ng) == 0,
+               "%s: input gradient bits differ (%s, %d threads)", desc,
+               run == 1 ? "recomputed forward" : "saved", threads[run]);
+        mha_module *cv = NULL;  // the float32 gradients, rounded, are the bf16 ones
+        if (gh[run]) CHECK_OK(mha_module_convert(&cv, gh[run], MHA_BF16));
+        for (int i = 0; cv && i < mha_module_num_params(cv); i++) {
+            mha_param x, y;
+            CHECK_OK(mha_module_param_at(&x, gh[0], i));
+            CHECK_OK(mha_module_param_at(&y, cv, i));
+            CHECKF(memcmp(x.storage, y.storage, (size_t)x.numel * mha_dtype_size(x.dtype)) == 0,
+                   "%s: gradient %s differs (run %d)", desc, x.name, run);
+        }
+        mha_module_destroy(cv);
+    }
+    // += onto the result: twice it (the float32 gradient module: exactly;
+    // the bf16 input gradients: the float32 sum of the stored gradient and
+    // the new one, rounded once: within one rounding of twice it)
+    {
+        mha_module *g2 = NULL;
+        CHECK_OK(mha_module_convert(&g2, gh[3], MHA_F32));
+        mha_tensor tq = *a->query, tk = *a->key, tv = *a->value;
+        tq.data = h[1], tk.data = h[1] + nq, tv.data = h[1] + nq + nk;
+        mha_forward_args ab = *a;
+        CHECK_OK(mha_backward(&tq, &tk, &tv, g2, m16, &ab, &go16, true));
+        int64_t bad = 0;
+        for (int64_t i = 0; i < ng; i++) {
+            const double x = mha_bf16_to_f32(h[1][i]), y = 2.0 * mha_bf16_to_f32(h[0][i]);
+            bad += !(fabs(x - y) <= 0x1p-8 * fabs(y));
+        }
+        for (int i = 0; g2 && i < mha_module_num_params(g2); i++) {
+            mha_param x, y;
+            CHECK_OK(mha_module_param_at(&x, gh[3], i));
+            CHECK_OK(mha_module_param_at(&y, g2, i));
+            for (int64_t j = 0; j < x.numel; j++) bad += y.data[j] != 2 * x.data[j];
+        }
+        CHECKF(bad == 0, "%s: += gave %lld values other than twice the gradient", desc,
+               (long long)bad);
+        mha_module_destroy(g2);
+    }
+    // against the float32 module's gradients
+    float *hf = malloc(sizeof(float) * (size_t)ng);
+    for (int64_t i = 0; i < ng; i++) hf[i] = mha_bf16_to_f32(h[0][i]);
+    double emax, erms;
+    const double B_MAX = 0x1p-5, B_RMS = 0x1p-6;
+    for (int t = 0; t < (self ? 1 : 3); t++) {
+        float *x = hf + off[t], *r = r32 + off[t];
+        if (self)  // the input's gradient: the sum of its three parts
+            for (int64_t i = 0; i < nq; i++)
+                x[i] = hf[i] + hf[nq + i] + hf[nq + nk + i],
+                r[i] = r32[i] + r32[nq + i] + r32[nq + nk + i];
+        err_of(x, r, cnt[t], &emax, &erms);
+        g_train_max = fmax(g_train_max, emax / B_MAX),
+        g_train_rms = fmax(g_train_rms, erms / B_RMS);
+        CHECKF(emax <= B_MAX && erms <= B_RMS, "%s: input %d gradient off: max %g, rms %g",
+               desc, t, emax, erms);
+    }
+    for (int i = 0; i < mha_module_num_params(gr); i++) {
+        mha_param x, y;
+        CHECK_OK(mha_module_param_at(&x, gh[3], i));  // (the float32 gradient module)
+        CHECK_OK(mha_module_param_at(&y, gr, i));
+        err_of(x.data, y.data, x.numel, &emax, &erms);
+        g_train_max = fmax(g_train_max, emax / B_MAX),
+        g_train_rms = fmax(g_train_rms, erms / B_RMS);
+        CHECKF(emax <= B_MAX && erms <= B_RMS, "%s: %s gradient off: max %g, rms %g", desc,
+               x.name, emax, erms);
+    }
+    for (int run = 0; run < 4; run++) free(h[run]), mha_module_destroy(gh[run]);
+    mha_module_destroy(gr);
+    free(hf), free(xf), free(r32), free(g32), free(g16);
 }
 
 static void run_case(const mcase *c, int id) {
@@ -99,10 +257,12 @@ static void run_case(const mcase *c, int id) {
     a.need_weights = c->weights;
     a.average_attn_weights = false;
     char desc[160];
-    snprintf(desc, sizeof desc, "case %d (E %lld H %lld/%lld kdim %lld vdim %lld N %lld L %lld S "
-             "%lld%s%s%s%s)", id, (long long)c->E, (long long)c->H, (long long)c->hkv,
-             (long long)c->kdim, (long long)c->vdim, (long long)c->N, (long long)c->L,
-             (long long)c->S, c->batch_first ? " batch_first" : "", c->causal ? " causal" : "",
+    snprintf(desc, sizeof desc,
+             "case %d (E %lld H %lld/%lld kdim %lld vdim %lld N %lld L %lld S "
+             "%lld%s%s%s%s)",
+             id, (long long)c->E, (long long)c->H, (long long)c->hkv, (long long)c->kdim,
+             (long long)c->vdim, (long long)c->N, (long long)c->L, (long long)c->S,
+             c->batch_first ? " batch_first" : "", c->causal ? " causal" : "",
              c->kpm ? " kpm" : "", c->weights ? " weights" : "");
     // the float32 module on the same rounded values
     a.query = &q32, a.key = &k32, a.value = &v32;
@@ -136,8 +296,8 @@ static void run_case(const mcase *c, int id) {
     }
     set_threads(2);
     for (int r = 1; r < 3; r++) {
-        CHECKF(memcmp(y16[0], y16[r], 2 * (size_t)ny) == 0, "%s: output bits differ at %d threads",
-               desc, threads[r]);
+        CHECKF(memcmp(y16[0], y16[r], 2 * (size_t)ny) == 0,
+               "%s: output bits differ at %d threads", desc, threads[r]);
         CHECKF(!c->weights || memcmp(w16[0], w16[r], 2 * (size_t)nw) == 0,
                "%s: weights bits differ at %d threads", desc, threads[r]);
     }
@@ -155,26 +315,31 @@ static void run_case(const mcase *c, int id) {
     g_worst_max = fmax(g_worst_max, md / (0x1p-7 * (1 + ymax)));
     g_worst_rms = fmax(g_worst_rms, rms / 0x1p-7);
     CHECKF(finite && md <= 0x1p-7 * (1 + ymax) && rms <= 0x1p-7,
-           "%s: off the float32 module: max %g (bound %g), relative RMS %g (bound %g)", desc, md,
-           0x1p-7 * (1 + ymax), rms, 0x1p-7);
+           "%s: off the float32 module: max %g (bound %g), relative RMS %g (bound %g)", desc,
+           md, 0x1p-7 * (1 + ymax), rms, 0x1p-7);
     for (int64_t i = 0; c->weights && i < nw; i++)
         if (!(fabs(mha_bf16_to_f32(w16[0][i]) - w32[i]) <= 0x1p-6)) {
             CHECKF(false, "%s: weight %lld %g vs float32 %g", desc, (long long)i,
                    (double)mha_bf16_to_f32(w16[0][i]), (double)w32[i]);
             break;
         }
-    // a saved state (training): float32 compute
-    if (!c->weights) {
-        mha_saved *sv;
-        CHECK_OK(mha_saved_create(&sv));
-        a.save = sv;
+    // a saved state (a training forward): the same bf16 compute, the same bits
+    mha_saved *sv;
+    CHECK_OK(mha_saved_create(&sv));
+    a.save = sv;
+    {
         mha_tensor yt = mha_tensor_contiguous(y16[1], MHA_BF16, ys.ndim, ys.dims);
-        if (mha_forward(&yt, NULL, m16, &a) == MHA_OK)
-            CHECKF(strstr(mha_last_impl(), " bf16") == NULL, "%s: a saved forward ran \"%s\"",
-                   desc, mha_last_impl());
-        a.save = NULL;
-        mha_saved_destroy(sv);
+        mha_tensor wt = mha_tensor_contiguous(w16[1], MHA_BF16, wsh.ndim, wsh.dims);
+        CHECK_OK(mha_forward(&yt, c->weights ? &wt : NULL, m16, &a));
+        CHECKF(strstr(mha_last_impl(), " bf16") != NULL, "%s: a saved forward ran \"%s\"",
+               desc, mha_last_impl());
+        CHECKF(memcmp(y16[0], y16[1], 2 * (size_t)ny) == 0,
+               "%s: a saved forward's output bits differ", desc);
     }
+    // training: the backward in bf16, against the float32 module's
+    train_case(c, desc, m16, mr, &a, self, ys);
+    a.save = NULL;
+    mha_saved_destroy(sv);
     for (int r = 0; r < 3; r++) free(y16[r]), free(w16[r]);
     free(y32), free(w32), free(kpm), free(qh);
     if (!self) free(kh), free(vh), free(k), free(v);
@@ -184,17 +349,17 @@ static void run_case(const mcase *c, int id) {
 
 int main(void) {
     const mcase cases[] = {
-        {96, 6, 0, 0, 0, 2, 70, 70, true, false, true, true},     // self, packed qkv
-        {64, 4, 2, 0, 0, 3, 33, 33, false, true, false, false},   // GQA, seq-first, causal
-        {64, 8, 0, 48, 40, 2, 40, 130, true, false, true, true},  // cross, kdim/vdim
-        {128, 2, 1, 0, 0, 1, 200, 200, true, true, false, false}, // MQA, d 64, tiles
+        {96, 6, 0, 0, 0, 2, 70, 70, true, false, true, true},      // self, packed qkv
+        {64, 4, 2, 0, 0, 3, 33, 33, false, true, false, false},    // GQA, seq-first, causal
+        {64, 8, 0, 48, 40, 2, 40, 130, true, false, true, true},   // cross, kdim/vdim
+        {128, 2, 1, 0, 0, 1, 200, 200, true, true, false, false},  // MQA, d 64, tiles
     };
     const bool fast = strcmp(mha_isa(), "amx") == 0 || strcmp(mha_isa(), "avx512bf16") == 0;
     if (!fast) mha__flash_force_bf16(true);  // the bf16 compute of this table, forced
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], (int)i);
     printf("test_half_module: %zu cases, kernels %s%s; worst max error / bound %.3g, relative "
-           "RMS / bound %.3g\n",
+           "RMS / bound %.3g; backward %.3g, %.3g\n",
            sizeof cases / sizeof cases[0], mha_isa(), fast ? "" : " (bf16 compute forced)",
-           g_worst_max, g_worst_rms);
+           g_worst_max, g_worst_rms, g_train_max, g_train_rms);
     return check_summary("test_half_module");
 }

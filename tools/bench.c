@@ -103,10 +103,12 @@ static const char *bench_help =
     "                     takes --weight-dtype, --head-gate, --prune-heads\n"
     "  --weight-dtype T   f32, bf16 or f16: the module's weight matrices\n"
     "                     stored in T (mha_config.weight_dtype); default:\n"
-    "                     --dtype's for a module forward, else f32\n"
+    "                     --dtype's for a module forward (+ backward),\n"
+    "                     else f32\n"
     "  --dtype T          f32 (default), bf16 or f16: query/key/value and\n"
-    "                     the output stored in T (module forward; --core:\n"
-    "                     q, k, v, out and the gradients)\n"
+    "                     the output stored in T (module: and the\n"
+    "                     gradients of output and inputs; --core: q, k, v,\n"
+    "                     out and the gradients)\n"
     "  --prune-heads K    prune the last K heads (mha_module_prune_heads: their\n"
     "                     attention is skipped; module forward/backward)\n"
     "  --head-gate G      none (default), static or dynamic per-head gates\n"
@@ -359,10 +361,11 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
               *gk = bench_alloc(bb, B * S * E), *gv = bench_alloc(bb, B * S * E);
         if (!g || !gq || !gk || !gv) return 1;
         bench_fill_uniform(g, B * L * E, &rng);
-        p->gout = mha_tensor_contiguous(g, MHA_F32, 3, qs);
-        p->gq = mha_tensor_contiguous(gq, MHA_F32, 3, qs);
-        p->gk = mha_tensor_contiguous(gk, MHA_F32, 3, ks);
-        p->gv = mha_tensor_contiguous(gv, MHA_F32, 3, ks);
+        to_dtype(g, B * L * E, o->dtype);  // the gradients in --dtype, as torch's
+        p->gout = mha_tensor_contiguous(g, o->dtype, 3, qs);
+        p->gq = mha_tensor_contiguous(gq, o->dtype, 3, qs);
+        p->gk = mha_tensor_contiguous(gk, o->dtype, 3, ks);
+        p->gv = mha_tensor_contiguous(gv, o->dtype, 3, ks);
         if ((st = mha_module_create(&p->grads, mha_module_config(p->m))))
             return cli_fail("bench", st);
         if (!o->no_save) {
@@ -719,9 +722,8 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
     }
     if (optind < argc) return bench_usage("unexpected argument");
     // the module in --dtype (as torch's module.to(dtype)): its weight
-    // matrices follow --dtype unless given, for inference (half weights
-    // do not train)
-    if (!o->wdtype_set && !o->backward && !o->decode && !o->serve) o->wdtype = o->dtype;
+    // matrices follow --dtype unless given (forward and backward)
+    if (!o->wdtype_set && !o->decode && !o->serve) o->wdtype = o->dtype;
     return bench_check(o);
 }
 

@@ -105,9 +105,6 @@ def make_inputs_f32(c, seed):
 # mha's side
 
 
-NOT_YET_MODULE_BF16 = "n/a (bf16 training: not yet, issue 40 item 4)"
-
-
 def mha_op(c, inp):
     """(run, output) for mha: run() computes, output(r) gives the
     canonical output (and input gradient with backward); or a string
@@ -164,14 +161,33 @@ def mha_op_bf16(c, inp):
     """mha in bfloat16 where it has it today: scaled dot-product attention
     on bf16 q, k, v (the fused path), forward and forward + backward
     (mha.torch, autograd); the module's forward with bf16 weight matrices
-    on bf16 inputs (its backward refuses bf16 weights so far: a string);
+    on bf16 inputs, and its forward + backward (mha.torch's module
+    .to(bfloat16), autograd: gradients in bf16);
     decode through a KVCache storing K and V as bf16 (float32 query)."""
     import mha
 
     causal = bool(c["causal"])
     if c["kind"] == "module":
-        if c["backward"]:
-            return NOT_YET_MODULE_BF16
+        if c["backward"]:  # mha.torch's module .to(bfloat16), autograd
+            import torch
+            import mha.torch as mt
+
+            E, H = c["H"] * c["d"], c["H"]
+            m = mt.MultiheadAttention(E, H, batch_first=True)
+            m.load_state_dict({k: torch.from_numpy(v) for k, v in inp["w"].items()})
+            m.to(torch.bfloat16)
+            x = torch.from_numpy(inp["x"]).to(torch.bfloat16).requires_grad_(True)
+            g = torch.from_numpy(inp["g"]).to(torch.bfloat16)
+            mk = causal_mask_torch(c).to(torch.bfloat16) if causal else None
+
+            def run():
+                m.zero_grad(set_to_none=True)
+                x.grad = None
+                y, _ = m(x, x, x, need_weights=False, is_causal=causal, attn_mask=mk)
+                y.backward(g)
+                return y.detach().float().numpy(), x.grad.float().numpy()
+
+            return run, lambda r: r
         from mha import _mha
         from mha._options import BF16, forward_kwargs
 

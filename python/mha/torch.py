@@ -142,7 +142,7 @@ class _MHAFunction(torch.autograd.Function):
         q, k, v = _qkv(query, key, value, key is query, value is key)
         kw = call["kw"]
         saved = None
-        if call["grad"] and query.dtype == torch.float32:
+        if call["grad"] and query.dtype != torch.float64:
             saved = _mha.Saved()  # the fused forward keeps what the backward needs
             kw = dict(kw, saved=saved)
         out, w = _mha.forward(cmod, q, k, v, call["kpm"], call["am"], _alloc, **kw)
