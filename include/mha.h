@@ -748,17 +748,18 @@ MHA_API MHA_NODISCARD mha_status mha_forward_workspace_size(size_t *bytes, const
 // Runs the forward. attn_output: a float view of the shape above (any
 // strides), overwritten. attn_weights: NULL, or (when need_weights) a
 // float view of the weights' shape, overwritten. Outputs must not overlap
-// inputs. Scratch memory: one block, taken from the calling thread's kept
-// block when that fits (at most twice the need), else allocated; on return
-// a block of 1 MiB or more is kept for the thread's next mha_forward,
-// mha_backward, mha_sdpa or mha_sdpa_backward (one per thread, freed when
-// the thread exits or by mha_release_scratch), so that repeated calls do
-// not fault in and zero fresh pages each time (B 8, L 512, E 768: 20 of
-// 110 ms). mha_forward_ex never allocates.
+// inputs. Scratch memory: one block, taken from one of the calling
+// thread's kept blocks when that fits (at most twice the need), else
+// allocated; on return a block of 1 MiB or more is kept for the thread's
+// next mha_forward, mha_backward, mha_sdpa or mha_sdpa_backward (two per
+// thread, the older one replaced: training's forward and backward each
+// keep theirs; freed when the thread exits or by mha_release_scratch), so
+// that repeated calls do not fault in and zero fresh pages each time (B 8,
+// L 512, E 768: 20 of 110 ms). mha_forward_ex never allocates.
 MHA_API MHA_NODISCARD mha_status mha_forward(mha_tensor *attn_output, mha_tensor *attn_weights,
                                              const mha_module *m, const mha_forward_args *a);
 
-// Frees the calling thread's kept scratch block (see mha_forward), if any.
+// Frees the calling thread's kept scratch blocks (see mha_forward), if any.
 MHA_API void mha_release_scratch(void);
 
 // As mha_forward, with caller-provided scratch memory of at least

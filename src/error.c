@@ -191,22 +191,31 @@ void *mha__alloc(size_t bytes) {
 
 void mha__free(void *p) { free(p); }
 
-// The calling thread's kept scratch block (one; internal.h): its address
-// and size here, and as the value of a thread-specific key whose
-// destructor frees it when the thread exits.
+// The calling thread's kept scratch blocks (internal.h): two slots, so
+// that training's alternating forward and backward, of different sizes,
+// each find theirs; each block's address and size here, and as the value
+// of a thread-specific key whose destructor frees it when the thread exits.
 #define MHA__SCRATCH_KEEP_MIN ((size_t)1 << 20)
-static _Thread_local void *t_scratch;
-static _Thread_local size_t t_scratch_bytes;
-static pthread_key_t g_scratch_key;
+#define MHA__SCRATCH_SLOTS 2
+static _Thread_local void *t_scratch[MHA__SCRATCH_SLOTS];
+static _Thread_local size_t t_scratch_bytes[MHA__SCRATCH_SLOTS];
+static _Thread_local int t_scratch_older;  // the slot kept longer ago
+// Kept blocks handed out and not yet given back, with their sizes (a block
+// serves a smaller need: given back, it is kept at its own size).
+static _Thread_local void *t_lent[MHA__SCRATCH_SLOTS];
+static _Thread_local size_t t_lent_bytes[MHA__SCRATCH_SLOTS];
+static pthread_key_t g_scratch_key[MHA__SCRATCH_SLOTS];
 static bool g_scratch_key_ok;
 static void scratch_key_make(void) {
-    g_scratch_key_ok = !pthread_key_create(&g_scratch_key, free);
+    g_scratch_key_ok = true;
+    for (int i = 0; i < MHA__SCRATCH_SLOTS; i++)
+        g_scratch_key_ok &= !pthread_key_create(&g_scratch_key[i], free);
 }
-static void scratch_keep(void *p, size_t bytes) {
+static void scratch_keep(int i, void *p, size_t bytes) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, scratch_key_make);
-    t_scratch = p, t_scratch_bytes = bytes;
-    if (g_scratch_key_ok) (void)pthread_setspecific(g_scratch_key, p);
+    t_scratch[i] = p, t_scratch_bytes[i] = bytes;
+    if (g_scratch_key_ok) (void)pthread_setspecific(g_scratch_key[i], p);
 }
 
 // Under AddressSanitizer (the asan suite) every scratch block handed out
@@ -232,31 +241,52 @@ void *mha__scratch_alloc(size_t bytes) {
     const size_t rounded = round64(bytes);
     if (!rounded) return NULL;
     if (MHA__FAULT_NOW()) return NULL;
-    void *p = t_scratch;
-    if (p) {
-        // the kept block when it fits and is not more than twice the need
-        const bool fits = t_scratch_bytes >= rounded && t_scratch_bytes / 2 <= rounded;
-        scratch_keep(NULL, 0);
-        if (fits) return scratch_poison(p, rounded);
-        free(p);
+    // a kept block when it fits and is not more than twice the need
+    for (int i = 0; i < MHA__SCRATCH_SLOTS; i++) {
+        void *p = t_scratch[i];
+        if (p && t_scratch_bytes[i] >= rounded && t_scratch_bytes[i] / 2 <= rounded) {
+            for (int j = 0; j < MHA__SCRATCH_SLOTS; j++)
+                if (!t_lent[j]) {
+                    t_lent[j] = p, t_lent_bytes[j] = t_scratch_bytes[i];
+                    break;
+                }
+            scratch_keep(i, NULL, 0);
+            return scratch_poison(p, rounded);
+        }
     }
+    // none: the smaller ones never will serve this size
+    for (int i = 0; i < MHA__SCRATCH_SLOTS; i++)
+        if (t_scratch[i] && t_scratch_bytes[i] < rounded) {
+            free(t_scratch[i]);
+            scratch_keep(i, NULL, 0);
+        }
     return scratch_poison(alloc_aligned(rounded), rounded);
 }
 
 void mha__scratch_free(void *p, size_t bytes) {
     if (!p) return;
-    const size_t rounded = round64(bytes);  // (the size mha__scratch_alloc took)
+    size_t rounded = round64(bytes);  // (the size mha__scratch_alloc took)
+    for (int j = 0; j < MHA__SCRATCH_SLOTS; j++)
+        if (t_lent[j] == p) {  // a kept block: its own size
+            rounded = t_lent_bytes[j];
+            t_lent[j] = NULL;
+        }
     if (rounded < MHA__SCRATCH_KEEP_MIN) {
         free(p);
         return;
     }
-    if (t_scratch) free(t_scratch);
-    scratch_keep(p, rounded);
+    // an empty slot, else the older one's
+    const int i = !t_scratch[0] ? 0 : !t_scratch[1] ? 1 : t_scratch_older;
+    free(t_scratch[i]);
+    scratch_keep(i, p, rounded);
+    t_scratch_older = 1 - i;
 }
 
 void mha_release_scratch(void) {
-    free(t_scratch);
-    scratch_keep(NULL, 0);
+    for (int i = 0; i < MHA__SCRATCH_SLOTS; i++) {
+        free(t_scratch[i]);
+        scratch_keep(i, NULL, 0);
+    }
 }
 
 const char *mha__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {

@@ -61,21 +61,26 @@ static void grad_weight(const mha__kernels *kt, void *dW, mha_dtype dt, float *w
     if (db) col_sums(db, acc, d, ldd, R, O, nt);
 }
 
-// The view's R rows (=, or += when acc) <- tmp (R, I) (float32: a float sum
-// of two floats rounds as the double one; half: the sum rounded once).
-static void store_rows(mha_tensor *gx, bool acc, const float *tmp, int64_t R, int64_t I) {
-    int64_t ldx;
-    if (mha__rows_direct(gx, &ldx)) {
-        float *x = gx->data;
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t i = 0; i < I; i++)
-                x[r * ldx + i] = (acc ? x[r * ldx + i] : 0.0f) + tmp[r * I + i];
-        return;
-    }
+// The view's R rows (=, or += when acc) <- tmp (R, I) (the float32 sum of
+// the stored value and tmp's: a float sum of two floats rounds as the
+// double one; half: that sum rounded once), rows over nt threads.
+static void store_rows(mha_tensor *gx, bool acc, float *tmp, int64_t R, int64_t I, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < R; r++) {
-        mha__mat row = mha__view_row(gx, r);
-        for (int64_t i = 0; i < I; i++)
-            mha__st(row, 0, i, (acc ? mha__ld(row, 0, i) : 0.0) + tmp[r * I + i]);
+        const mha__mat row = mha__view_row(gx, r);
+        float *t = tmp + r * I;
+        if (acc && !row.f64)
+            for (int64_t c0 = 0; c0 < I; c0 += 256) {  // (row.cs: the feature stride)
+                const int64_t n = I - c0 < 256 ? I - c0 : 256;
+                float cur[256];
+                mha__mat part = row;
+                part.p = (char *)row.p + c0 * row.cs * (int64_t)mha_dtype_size(gx->dtype);
+                mha__ld_row(cur, part, n);
+                for (int64_t i = 0; i < n; i++) t[c0 + i] += cur[i];
+            }
+        if (acc && row.f64)
+            for (int64_t i = 0; i < I; i++) mha__st(row, 0, i, mha__ld(row, 0, i) + t[i]);
+        else mha__st_row(row, t, I);
     }
 }
 
@@ -91,7 +96,7 @@ void mha__grad_input_rows(const mha__kernels *kt, mha_tensor *gx, bool acc, cons
         return;
     }
     mha__matmul_rows(kt, tmp, I, d, ldd, W, I, R, O, I, bp, gs, nt);
-    store_rows(gx, acc, tmp, R, I);
+    store_rows(gx, acc, tmp, R, I, nt);
 }
 
 // The fused backward's scratch, one block of floats, as named pieces:
@@ -422,17 +427,14 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
     c->dy = dy, c->lddy = E;
     if (p->out_p == 0.0f && mha__rows_direct(gout, &c->lddy)) c->dy = gout->data;
     else c->lddy = E;
+#pragma omp parallel for schedule(static) num_threads(p->nthreads)
     for (int64_t r = 0; r < (c->dy == dy ? Rq : 0); r++) {
-        mha__mat row = mha__view_row(gout, r);
+        mha__ld_row(dy + r * E, mha__view_row(gout, r), E);  // (float: exact)
         int64_t n, t;
         mha__row_nt(p, seq_first, gout, r, &n, &t);
-        for (int64_t e = 0; e < E; e++) {
-            float g = (float)mha__ld(row, 0, e);
-            if (p->out_p > 0.0f)
-                g *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p, p->L,
-                                          p->E, n, t, e);
-            dy[r * E + e] = g;
-        }
+        for (int64_t e = 0; p->out_p > 0.0f && e < E; e++)
+            dy[r * E + e] *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
+                                                  p->L, p->E, n, t, e);
     }
     // dctx (Rq, Eq) = dy (Rq, E) Wo (E, Eq)
     if (c->bf) {
@@ -761,13 +763,20 @@ static void bf_weight_gemm(const bwd_call *c, void *dW, mha_dtype dt, bool acc,
     float *C = direct ? dW : c->s.wf;
     mha__gemm_bf16_rows(c->kt, C, N, A, lda, Bp, O, K, N, false, nt);
     if (direct) return;
-    const mha__mat w = mha__vmat(dW, dt, 0, 1);
 #pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t o = 0; o < O; o++)
-        for (int64_t i = 0; i < N; i++) {
-            const int64_t e = o * N + i;
-            mha__st(w, 0, e, acc ? (float)mha__ld(w, 0, e) + C[e] : C[e]);
+    for (int64_t o = 0; o < O; o++) {
+        const mha__mat w = mha__vmat((char *)dW + o * N * (int64_t)mha_dtype_size(dt), dt, 0, 1);
+        float *t = C + o * N;
+        for (int64_t c0 = 0; acc && c0 < N; c0 += 256) {
+            const int64_t n = N - c0 < 256 ? N - c0 : 256;
+            float cur[256];
+            mha__mat part = w;
+            part.p = (char *)w.p + c0 * (int64_t)mha_dtype_size(dt);
+            mha__ld_row(cur, part, n);
+            for (int64_t i = 0; i < n; i++) t[c0 + i] += cur[i];
         }
+        mha__st_row(w, t, N);
+    }
 }
 
 // dW (O, I) (+)= d^T X16 and db (+)= colsum(d): d (R, O) float32 rows of
@@ -947,7 +956,7 @@ static void bf_grad_input(const bwd_call *c, mha_tensor *gx, bool acc, const flo
         return;
     }
     bf_matmul(c, c->s.tmp, I, d, ldd, W, NULL, R, O, I);
-    store_rows(gx, acc, c->s.tmp, R, I);
+    store_rows(gx, acc, c->s.tmp, R, I, c->p->nthreads);
 }
 
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,

@@ -46,10 +46,11 @@ void *mha__alloc(size_t bytes);
 void mha__free(void *p);
 // A call's scratch block (64-byte aligned, as mha__alloc), given back with
 // mha__scratch_free(p, the same bytes): a block of 1 MiB or more is kept
-// for the calling thread's next call (one per thread; a newer one replaces
-// it), which takes it when it fits and is at most twice the need, so that
-// repeated calls do not map, fault in and zero fresh pages each time. The
-// kept block is freed when the thread exits or calls mha_release_scratch.
+// for the calling thread's next calls (two per thread, the older replaced
+// by a newer one), which take one when it fits and is at most twice the
+// need, so that repeated calls (training: a forward and a backward in
+// turn) do not map, fault in and zero fresh pages each time. The kept
+// blocks are freed when the thread exits or calls mha_release_scratch.
 void *mha__scratch_alloc(size_t bytes);
 void mha__scratch_free(void *p, size_t bytes);
 

@@ -63,19 +63,20 @@ void mha__bf16_rows(const mha__kernels *kt, uint16_t *dst, int64_t ldd, const fl
 void mha__bf16_transpose(const mha__kernels *kt, uint16_t *dst, int64_t ldd, const float *src,
                          int64_t ld, int64_t R, int64_t w, int nt) {
     const int64_t kp = kt->bf_kpad, Rp = (R + kp - 1) / kp * kp;
-    enum { T = 32 };
+    enum { T = 64 };
     const int64_t cb = (w + T - 1) / T;
-    // blocks of T columns of src (rows of dst), each through a (T, T) tile
+    // blocks of T columns of src (rows of dst), each through a float32
+    // (T, T) tile transposed by the table's kernel (exact), then its rows
+    // rounded
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t b = 0; b < cb; b++) {
         const int64_t c0 = b * T, nc = w - c0 < T ? w - c0 : T;
-        uint16_t t[T][T];
+        float t[T * T];
         for (int64_t r0 = 0; r0 < R; r0 += T) {
             const int64_t nr = R - r0 < T ? R - r0 : T;
-            for (int64_t r = 0; r < nr; r++)
-                kt->round_bf16(t[r], src + (r0 + r) * ld + c0, nc);
+            kt->transpose(t, T, src + r0 * ld + c0, ld, nr, nc);
             for (int64_t c = 0; c < nc; c++)
-                for (int64_t r = 0; r < nr; r++) dst[(c0 + c) * ldd + r0 + r] = t[r][c];
+                kt->round_bf16(dst + (c0 + c) * ldd + r0, t + c * T, nr);
         }
         for (int64_t c = 0; c < nc; c++)
             memset(dst + (c0 + c) * ldd + R, 0, 2 * (size_t)(Rp - R));

@@ -60,8 +60,8 @@ def isa():
 
 
 def release_scratch():
-    """Frees the calling thread's kept scratch block: forward, backward and
-    sdpa keep their last one (1 MiB or more) for the next call instead of
+    """Frees the calling thread's kept scratch blocks: forward, backward and
+    sdpa keep their last two (1 MiB or more) for the next calls instead of
     faulting in fresh pages each time (mha_release_scratch)."""
     _mha.release_scratch()
 
