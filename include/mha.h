@@ -257,12 +257,17 @@ typedef struct mha_config {
                               // (half the memory; values rounded to nearest
                               // even; products and sums stay float32/float64,
                               // except: bf16 weights with bf16 query, key and
-                              // value in a fused forward without `save` on a
-                              // CPU that computes bf16 (mha_isa() "amx" or
-                              // "avx512bf16") round
-                              // the projected q, k, v to bf16 and compute the
+                              // value in a fused forward (with `save`: of a
+                              // module without gates) on a CPU that computes
+                              // bf16 (mha_isa() "amx" or "avx512bf16") round
+                              // the projected q, k, v to bf16, compute the
                               // attention in bf16, as mha_sdpa does for bf16
-                              // views; mha_last_impl() ends in " bf16").
+                              // views, and round the context for W_O; its
+                              // mha_backward computes every product with
+                              // bf16 operands and float32 sums, as PyTorch's
+                              // bf16 autograd (the gradients rounded to bf16
+                              // once per product; mha_last_impl() ends in
+                              // " bf16").
                               // Biases and bias_k/bias_v stay float32.
                               // mha_backward and a forward with `save` take
                               // half weights (widened exactly; the grads

@@ -40,6 +40,7 @@
 typedef struct mcase {
     int64_t E, H, hkv, kdim, vdim, N, L, S;
     bool batch_first, causal, kpm, weights;
+    float drop, out_drop;  // training with dropout (config.dropout, .out_dropout)
 } mcase;
 
 static uint64_t g_rng = 99;
@@ -221,6 +222,7 @@ static void run_case(const mcase *c, int id) {
     mha_config_init(&cfg, c->E, c->H);
     cfg.kdim = c->kdim, cfg.vdim = c->vdim, cfg.num_kv_heads = c->hkv;
     cfg.batch_first = c->batch_first;
+    cfg.dropout = c->drop, cfg.out_dropout = c->out_drop;
     mha_module *m32, *m16, *mr;
     CHECK_OK(mha_module_create(&m32, &cfg));
     mha_init_options io;
@@ -256,14 +258,16 @@ static void run_case(const mcase *c, int id) {
     a.is_causal = c->causal;
     a.need_weights = c->weights;
     a.average_attn_weights = false;
+    a.training = c->drop > 0 || c->out_drop > 0;
+    a.dropout_seed = 77;
     char desc[160];
     snprintf(desc, sizeof desc,
              "case %d (E %lld H %lld/%lld kdim %lld vdim %lld N %lld L %lld S "
-             "%lld%s%s%s%s)",
+             "%lld%s%s%s%s%s)",
              id, (long long)c->E, (long long)c->H, (long long)c->hkv, (long long)c->kdim,
              (long long)c->vdim, (long long)c->N, (long long)c->L, (long long)c->S,
              c->batch_first ? " batch_first" : "", c->causal ? " causal" : "",
-             c->kpm ? " kpm" : "", c->weights ? " weights" : "");
+             c->kpm ? " kpm" : "", c->weights ? " weights" : "", a.training ? " dropout" : "");
     // the float32 module on the same rounded values
     a.query = &q32, a.key = &k32, a.value = &v32;
     mha_shape ys, wsh;
@@ -349,10 +353,11 @@ static void run_case(const mcase *c, int id) {
 
 int main(void) {
     const mcase cases[] = {
-        {96, 6, 0, 0, 0, 2, 70, 70, true, false, true, true},      // self, packed qkv
-        {64, 4, 2, 0, 0, 3, 33, 33, false, true, false, false},    // GQA, seq-first, causal
-        {64, 8, 0, 48, 40, 2, 40, 130, true, false, true, true},   // cross, kdim/vdim
-        {128, 2, 1, 0, 0, 1, 200, 200, true, true, false, false},  // MQA, d 64, tiles
+        {96, 6, 0, 0, 0, 2, 70, 70, true, false, true, true, 0, 0},    // self, packed qkv
+        {64, 4, 2, 0, 0, 3, 33, 33, false, true, false, false, 0, 0},  // GQA, seq-first, causal
+        {64, 8, 0, 48, 40, 2, 40, 130, true, false, true, true, 0, 0},   // cross, kdim/vdim
+        {128, 2, 1, 0, 0, 1, 200, 200, true, true, false, false, 0, 0},  // MQA, d 64, tiles
+        {64, 4, 0, 0, 0, 2, 90, 90, false, false, true, false, 0.2f, 0.1f},  // dropout
     };
     const bool fast = strcmp(mha_isa(), "amx") == 0 || strcmp(mha_isa(), "avx512bf16") == 0;
     if (!fast) mha__flash_force_bf16(true);  // the bf16 compute of this table, forced

@@ -133,6 +133,21 @@ def _outputs(ctx, out, w):
 # ---------------------------------------------------------------------------
 # autograd: the module
 
+def _saved_take(owner):
+    """A saved-state object for a training forward: one a backward gave back
+    to this module (its buffer already mapped: no fresh pages to fault in
+    and zero), or a new one."""
+    pool = owner.__dict__.setdefault("_mha_saved_pool", [])
+    return pool.pop() if pool else _mha.Saved()
+
+
+def _saved_give(owner, saved):
+    """Back to owner's pool after its backward (two kept at most)."""
+    pool = owner.__dict__.setdefault("_mha_saved_pool", [])
+    if saved is not None and len(pool) < 2:
+        pool.append(saved)
+
+
 class _MHAFunction(torch.autograd.Function):
     """forward(ctx, owner, call, query, key, value, *params) -> (out, weights)"""
 
@@ -143,7 +158,7 @@ class _MHAFunction(torch.autograd.Function):
         kw = call["kw"]
         saved = None
         if call["grad"] and query.dtype != torch.float64:
-            saved = _mha.Saved()  # the fused forward keeps what the backward needs
+            saved = _saved_take(owner)  # the fused forward keeps what the backward needs
             kw = dict(kw, saved=saved)
         out, w = _mha.forward(cmod, q, k, v, call["kpm"], call["am"], _alloc, **kw)
         ctx.owner, ctx.call, ctx.saved = owner, call, saved
@@ -171,6 +186,7 @@ class _MHAFunction(torch.autograd.Function):
             for i, name in enumerate(call["names"]):
                 if need[5 + i]:
                     pgrads[i] = _param_tensor(grads.param(name))
+        _saved_give(ctx.owner, ctx.saved)
         ctx.saved = None
         return (None, None, _t(dq), _t(dk), _t(dv), *pgrads)
 
@@ -349,7 +365,7 @@ class MultiheadAttention(nn.Module):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_cmod", "_views"):
+        for k in ("_cmod", "_views", "_mha_saved_pool"):
             state.pop(k, None)
         state["_mha_config"] = self._cmod.config()
         return state

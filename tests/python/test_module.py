@@ -398,8 +398,10 @@ def test_module_in_half(dtype):
         dt = torch.float64 if mod is m64 else dtype
         xg = x.detach().clone().to(dt).requires_grad_()
         mod(xg, xg, xg, attn_mask=am, need_weights=False)[0].backward(go.to(dt))
-        if mod is m:
+        if mod is m:  # the backward's: bf16 compute where the CPU computes bf16
             assert mha.last_impl().startswith("fused "), mha.last_impl()
+            assert mha.last_impl().endswith(" bf16") == (
+                dtype == torch.bfloat16 and mha.isa() in ("amx", "avx512bf16")), mha.last_impl()
         res.append([xg.grad] + [p.grad for p in mod.parameters()])
     names = ["query"] + [n for n, _ in m.named_parameters()]
     for n, a, b, c in zip(names, *res):
