@@ -153,7 +153,7 @@ class _MHAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, owner, call, query, key, value, *params):
-        cmod = owner._cmod
+        cmod = call.get("cmod", owner._cmod)
         q, k, v = _qkv(query, key, value, key is query, value is key)
         kw = call["kw"]
         saved = None
@@ -170,11 +170,14 @@ class _MHAFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_w):
         query, key, value, *params = ctx.saved_tensors
         need = ctx.needs_input_grad
-        cmod, call = ctx.owner._cmod, ctx.call
+        call = ctx.call
+        cmod = call.get("cmod", ctx.owner._cmod)
         if grad_out is None:
             return (None,) * len(need)
         q, k, v = _qkv(query, key, value, *ctx.self_attn)
-        grads = cmod.like() if any(need[5:]) else None
+        # (the parameters' own module's like: under autocast, float32
+        # gradients of the half copy's weights)
+        grads = ctx.owner._cmod.like() if any(need[5:]) else None
         kw = call["kw"] if ctx.saved is None else dict(call["kw"], saved=ctx.saved)
         kw.pop("need_weights", None)
         kw.pop("average_attn_weights", None)
@@ -399,6 +402,21 @@ class MultiheadAttention(nn.Module):
             if not isinstance(t, torch.Tensor):
                 raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
         cmod = self._mha_sync()
+        ac = _autocast_dtype()
+        autocast = (ac is not None and query.dtype == torch.float32 and
+                    self._views[next(n for n in self._names
+                                     if n.endswith("weight"))].dtype == torch.float32)
+        if autocast:
+            # torch.autocast("cpu", dtype=ac): as torch's module under it, the
+            # projections and attention in ac: a copy of the module with its
+            # weight matrices in ac (biases float32), the inputs cast to ac
+            # (self-attention stays self-attention); float32 gradients for
+            # the float32 parameters and inputs
+            cmod = cmod.convert(self._HALF[ac])
+            q_ = query.to(ac)
+            k_ = q_ if key is query else key.to(ac)
+            v_ = k_ if value is key else (q_ if value is query else value.to(ac))
+            query, key, value = q_, k_, v_
         opts = dict(self._extras, **extras)
         is_causal, attn_mask = causal_hint(is_causal, attn_mask, key_padding_mask, need_weights)
         kw = forward_kwargs(is_causal=is_causal, need_weights=need_weights,
@@ -412,6 +430,8 @@ class MultiheadAttention(nn.Module):
             any(p.requires_grad for p in params))
         call = {"kw": kw, "kpm": _mask(key_padding_mask, "key_padding_mask"),
                 "am": _mask(attn_mask, "attn_mask"), "grad": grad, "names": self._names}
+        if autocast:
+            call["cmod"] = cmod
         if not grad:  # no graph: straight to the library
             q, k, v = _qkv(query, key, value, key is query, value is key)
             out, w = _mha.forward(cmod, q, k, v, call["kpm"], call["am"], _alloc, **kw)

@@ -414,3 +414,49 @@ def test_module_in_half(dtype):
     m.out_proj.weight.data = m.out_proj.weight.data.float()
     with pytest.raises(TypeError, match="all of one dtype"):
         m(x, x, x)
+
+
+def test_module_autocast_bf16():
+    """A float32 mha.torch.MultiheadAttention under torch.autocast("cpu",
+    bfloat16), as torch's own module under it: a bf16 output (its
+    projections and attention computed from bf16 weights and inputs; bf16
+    compute where the CPU has it), float32 gradients on the float32
+    parameters and input, each within 2x the error of torch's module under
+    the same autocast against float64 on the same rounded values."""
+    torch.manual_seed(3)
+    E, H = 96, 6
+    m = mt.MultiheadAttention(E, H, batch_first=True)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True)
+    ref.load_state_dict(m.state_dict())
+    m64 = copy.deepcopy(ref).double()
+    with torch.no_grad():  # the oracle: the weight matrices rounded to bf16
+        for n, p in m64.named_parameters():
+            if n.endswith("weight"):
+                p.copy_(p.to(torch.bfloat16).double())
+    x0 = torch.randn(3, 40, E)
+    go = torch.randn(3, 40, E).to(torch.bfloat16)
+    am = torch.ones(40, 40, dtype=torch.bool).triu(1)
+    res = []
+    for mod in (m, ref, m64):
+        x = x0.clone().to(torch.float64 if mod is m64 else torch.float32).requires_grad_()
+        if mod is m64:
+            xb = x.to(torch.bfloat16).double()
+            y = mod(xb, xb, xb, attn_mask=am, need_weights=False)[0]
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = mod(x, x, x, attn_mask=am, need_weights=False)[0]
+            assert y.dtype == torch.bfloat16
+            if mod is m:
+                assert mha.last_impl().startswith("fused "), mha.last_impl()
+                assert mha.last_impl().endswith(" bf16") == (
+                    mha.isa() in ("amx", "avx512bf16")), mha.last_impl()
+        y.backward(go.to(y.dtype))
+        res.append([y.detach(), x.grad] + [p.grad for p in mod.parameters()])
+    assert m.in_proj_weight.dtype == torch.float32  # the module itself unchanged
+    names = ["output", "query"] + [n for n, _ in m.named_parameters()]
+    for n, a, b, c in zip(names, *res):
+        assert a.dtype == (torch.bfloat16 if n == "output" else torch.float32), (n, a.dtype)
+        err = (a.double() - c).abs().max().item()
+        err_pt = (b.double() - c).abs().max().item()
+        print("autocast %s: mha err %.3g, torch err %.3g" % (n, err, err_pt))
+        assert err <= 2 * err_pt, (n, err, err_pt)
