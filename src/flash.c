@@ -769,15 +769,21 @@ void mha__flash_bwd_head_bf16(const mha__kernels *kt, const mha__flash_head *a, 
     }
     float *s = sm.s, *dp = sm.dp, *deriv = sm.tr;
     const uint16_t *q16 = (const uint16_t *)(const void *)a->q;
-    for (int64_t t = 0; t < n_tiles(a->S, 0); t++) {
-        int64_t j0, w;
-        tile_keys(a, t, &j0, &w);
-        for (int64_t i0 = 0; i0 < L; i0 += BR) {
-            const int64_t i1 = mha__tile_end(i0, BR, L), br = i1 - i0;
+    // query tiles outer: each tile's q and dO rows staged and packed once
+    // (the key tiles' packed K and V come from the head's cache); every dq,
+    // dk, dv element still receives its terms in mha__flash_bwd_head's
+    // order (dq over key tiles, dk and dv over query tiles, increasing)
+    for (int64_t i0 = 0; i0 < L; i0 += BR) {
+        const int64_t i1 = mha__tile_end(i0, BR, L), br = i1 - i0;
+        load_q(kt, a, &sm, i0, br);
+        bf_rows(kt, sm.db, qbw(Dv), dO16 + i0 * d16_rs, d16_rs, br, Dv);
+        kt->pack_bf16(sm.qp, q16 + i0 * a->q_rs, a->q_rs, 1, br, D);
+        kt->pack_bf16(sm.dp16, dO16 + i0 * d16_rs, d16_rs, 1, br, Dv);
+        for (int64_t t = 0; t < n_tiles(a->S, 0); t++) {
+            int64_t j0, w;
+            tile_keys(a, t, &j0, &w);
             const int64_t n = pair_width(a, i0, i1, j0);
             if (n <= 0) continue;
-            load_q(kt, a, &sm, i0, br);
-            bf_rows(kt, sm.db, qbw(Dv), dO16 + i0 * d16_rs, d16_rs, br, Dv);
             bwd_tile_bf16(kt, a, &sm, i0, br, j0, n, s, dp, deriv);  // P, dP
             softmax_bwd(kt, a, Dsum, i0, br, j0, n, s, dp, deriv);   // dS, P'
             // scale dS, rounded once to bf16: dq += (scale dS) k and
@@ -798,9 +804,6 @@ void mha__flash_bwd_head_bf16(const mha__kernels *kt, const mha__flash_head *a, 
             round_rows(kt, sm.t1, TBW, sm.tr, br, n, br);
             kt->transpose(sm.tr, br, s, n, br, n);
             round_rows(kt, sm.t2, TBW, sm.tr, br, n, br);
-            // the query tile's q and dO rows packed (K = br)
-            kt->pack_bf16(sm.qp, q16 + i0 * a->q_rs, a->q_rs, 1, br, D);
-            kt->pack_bf16(sm.dp16, dO16 + i0 * d16_rs, d16_rs, 1, br, Dv);
             kt->gemm_bf16(dv + j0 * dv_rs, dv_rs, sm.t2, TBW, sm.dp16, Dv, n, Dv, br, 1.0f,
                           true);  // dv += P'^T dO
             kt->gemm_bf16(dk + j0 * dk_rs, dk_rs, sm.t1, TBW, sm.qp, D, n, D, br, 1.0f,

@@ -172,8 +172,10 @@ void mha__flash_bwd_head(const mha__kernels *kt, const mha__flash_head *a, const
 // then scale dS and P' rounded to bf16 (FlashAttention's convention) for
 // dq += (scale dS) k, dk += (scale dS)^T q and dv += P'^T dO, summed in
 // float32 (gemm_bf16) into dq (L, D), dk, dv (S, D / Dv): the same tile
-// pairs and orders as mha__flash_bwd_head, so the same bits whatever the
-// threads. dO: the float32 rows (Dsum from O), dO16 the same rows in bf16
+// pairs as mha__flash_bwd_head and every element's terms in its order, so
+// the same bits whatever the threads; the loop runs query tiles outer
+// (each tile's q and dO rows staged and packed once; the key tiles' packed
+// K, V from the head's cache) and calls progress after each query tile. dO: the float32 rows (Dsum from O), dO16 the same rows in bf16
 // (row stride d16_rs) for the products.
 void mha__flash_bwd_head_bf16(const mha__kernels *kt, const mha__flash_head *a, const float *dO,
                               int64_t do_rs, const uint16_t *dO16, int64_t d16_rs, float *Dsum,
