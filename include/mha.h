@@ -380,10 +380,13 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_modu
 // not.
 // Memory: about the float32 weight matrices' size again: for each matrix
 // W (O, I), ceil(O / w) * w * I floats, w the kernels' panel width (16
-// scalar and AVX2, 32 AVX-512). Weight matrices stored as BF16/F16 are not
-// kept (their point is the memory): each call widens and packs them, as
-// before (convert to MHA_F32 for the fastest decode); a half module's
-// float32 gate_proj.weight is kept.
+// scalar and AVX2, 32 AVX-512). Weight matrices stored as BF16/F16 are
+// kept in the same layout in their own type (the same size as the
+// matrices: no float32 copy), widened as the kernels load them (the bits
+// of the float32 layout, half the bytes read); with bf16 weights on a CPU
+// that computes bf16 (mha_isa() "amx", "avx512bf16") also in the bf16
+// products' layout (the same size again); a half module's float32
+// gate_proj.weight is kept.
 // The library marks the copy outdated itself whenever it changes
 // parameters: mha_module_init, mha_optimizer_step (the modules registered
 // with mha_optimizer_add_module; and zero_grad / clip_grad_norm their

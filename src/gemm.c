@@ -125,30 +125,67 @@ static bool item_block(gemm_block *b, int64_t it, int64_t rchunks, int64_t cchun
 
 // The driver of both: X row-major (at false: rows r0.. at X + r0*ldx) or
 // stored transposed (at true: X (K, R), rows r0.. at X + r0).
+// One gemm_packed (at: _tn; kind 1, 2: gemm_packed_bh of Bp's bf16 / f16
+// elements) on a block.
+static void gemm_kind(const mha__kernels *kt, bool at, int kind, float *C, int64_t ldc,
+                      const float *X, int64_t ldx, const void *Bp, const float *bias,
+                      int64_t M, int64_t N, int64_t K, bool accumulate, float *apack) {
+    if (kind) kt->gemm_packed_bh(C, ldc, X, ldx, Bp, kind, bias, M, N, K, accumulate, apack);
+    else if (at) kt->gemm_packed_tn(C, ldc, X, ldx, Bp, bias, M, N, K, accumulate, apack);
+    else kt->gemm_packed(C, ldc, X, ldx, Bp, bias, M, N, K, accumulate, apack);
+}
+
 static void rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
-                        int64_t ldx, bool at, const float *Bp, const float *bias, int64_t R,
-                        int64_t K, int64_t N, bool accumulate, int nt, float *thread_scratch) {
+                        int64_t ldx, bool at, const void *Bp, int kind, const float *bias,
+                        int64_t R, int64_t K, int64_t N, bool accumulate, int nt,
+                        float *thread_scratch) {
     if (R <= 0 || N <= 0) return;
     if (nt < 1) nt = 1;
-    const int64_t mr = kt->pk_mr, nr = kt->pk_nr;
+    const int64_t mr = kt->pk_mr, nr = kt->pk_nr, es = kind ? 2 : 4;
     const size_t per = mha__gemm_thread_scratch_floats(kt);
-    void (*gemm)(float *, int64_t, const float *, int64_t, const float *, const float *,
-                 int64_t, int64_t, int64_t, bool, float *) = at ? kt->gemm_packed_tn
-                                                                : kt->gemm_packed;
     int64_t rchunks, cchunks;
     split(cdiv(R, mr), cdiv(N, nr), nt, &rchunks, &cchunks);
     const int64_t items = rchunks * cchunks;
     if (nt == 1 || items == 1) {
-        gemm(C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
+        gemm_kind(kt, at, kind, C, ldc, X, ldx, Bp, bias, R, N, K, accumulate, thread_scratch);
         return;
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t it = 0; it < items; it++) {
         gemm_block b;
         if (!item_block(&b, it, rchunks, cchunks, R, N, mr, nr)) continue;
-        gemm(C + b.r0 * ldc + b.j0, ldc, at ? X + b.r0 : X + b.r0 * ldx, ldx,
-             K ? Bp + b.j0 * K : Bp, bias ? bias + b.j0 : NULL, b.r1 - b.r0, b.j1 - b.j0, K,
-             accumulate, thread_scratch + per * (size_t)mha__thread_id());
+        gemm_kind(kt, at, kind, C + b.r0 * ldc + b.j0, ldc, at ? X + b.r0 : X + b.r0 * ldx,
+                  ldx, (const char *)Bp + (K ? b.j0 * K * es : 0), bias ? bias + b.j0 : NULL,
+                  b.r1 - b.r0, b.j1 - b.j0, K, accumulate,
+                  thread_scratch + per * (size_t)mha__thread_id());
+    }
+}
+
+void mha__gemm_rows_packed_bh(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                              int64_t ldx, const uint16_t *Bp, int kind, const float *bias,
+                              int64_t R, int64_t K, int64_t N, bool accumulate, int nt,
+                              float *thread_scratch) {
+    rows_packed(kt, C, ldc, X, ldx, false, Bp, kind, bias, R, K, N, accumulate, nt,
+                thread_scratch);
+}
+
+void mha__gemm_pack_wt_bh(const mha__kernels *kt, uint16_t *Bp, const uint16_t *W, int64_t O,
+                          int64_t I, int nt) {
+    if (O <= 0 || I <= 0) return;
+    const int64_t nr = kt->pk_nr, np = cdiv(O, nr);
+    // kernels.h's pack_b layout, Bp[(p K + k) nr + j] = W[(p nr + j) I + k]
+    // (0 past O), in blocks of 64 k: a (nr, 64) piece of W read row by row
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt > 1 && np > 1 ? nt : 1)
+    for (int64_t pi = 0; pi < np; pi++) {
+        const int64_t j0 = pi * nr, n = j0 + nr < O ? nr : O - j0;
+        uint16_t *P = Bp + j0 * I;
+        for (int64_t k0 = 0; k0 < I; k0 += 64) {
+            const int64_t kn = I - k0 < 64 ? I - k0 : 64;
+            for (int64_t j = 0; j < nr; j++) {
+                const uint16_t *w = W + (j0 + j) * I + k0;
+                for (int64_t k = 0; k < kn; k++) P[(k0 + k) * nr + j] = j < n ? w[k] : 0;
+            }
+        }
     }
 }
 
@@ -156,12 +193,12 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
                            int64_t ldx, const float *Bp, const float *bias, int64_t R,
                            int64_t K, int64_t N, bool accumulate, int nt,
                            float *thread_scratch) {
-    rows_packed(kt, C, ldc, X, ldx, false, Bp, bias, R, K, N, accumulate, nt, thread_scratch);
+    rows_packed(kt, C, ldc, X, ldx, false, Bp, 0, bias, R, K, N, accumulate, nt, thread_scratch);
 }
 
 void mha__gemm_rows_packed_tn(const mha__kernels *kt, float *C, int64_t ldc, const float *XT,
                               int64_t ldx, const float *Bp, const float *bias, int64_t R,
                               int64_t K, int64_t N, bool accumulate, int nt,
                               float *thread_scratch) {
-    rows_packed(kt, C, ldc, XT, ldx, true, Bp, bias, R, K, N, accumulate, nt, thread_scratch);
+    rows_packed(kt, C, ldc, XT, ldx, true, Bp, 0, bias, R, K, N, accumulate, nt, thread_scratch);
 }

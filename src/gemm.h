@@ -39,6 +39,12 @@ void mha__gemm_pack_wt(const mha__kernels *kt, float *Bp, const float *W, int64_
 size_t mha__gemm_pack_half_tmp_floats(const mha__kernels *kt, int64_t I, int nt);
 void mha__gemm_pack_wt_half(const mha__kernels *kt, float *Bp, const uint16_t *W, int kind,
                             int64_t O, int64_t I, int nt, float *tmp);
+// The same packing kept in the half type: Bp <- W^T for a row-major W (O,
+// I) of bf16 or f16 elements, in pack_b's layout (kernels.h) element for
+// element (the values of mha__gemm_pack_wt_half's float32 Bp, in W's
+// type), for mha__gemm_rows_packed_bh.
+void mha__gemm_pack_wt_bh(const mha__kernels *kt, uint16_t *Bp, const uint16_t *W, int64_t O,
+                          int64_t I, int nt);
 // Bp <- a row-major B (K, N) of row stride ldb.
 void mha__gemm_pack_rows(const mha__kernels *kt, float *Bp, const float *B, int64_t ldb,
                          int64_t K, int64_t N, int nt);
@@ -56,6 +62,13 @@ void mha__gemm_rows_packed(const mha__kernels *kt, float *C, int64_t ldc, const 
                            int64_t ldx, const float *Bp, const float *bias, int64_t R,
                            int64_t K, int64_t N, bool accumulate, int nt,
                            float *thread_scratch);
+// The same with a Bp of mha__gemm_pack_wt_bh (bf16 or f16 elements,
+// widened as they load: the bits of mha__gemm_rows_packed on the float32
+// Bp, half the bytes read).
+void mha__gemm_rows_packed_bh(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
+                              int64_t ldx, const uint16_t *Bp, int kind, const float *bias,
+                              int64_t R, int64_t K, int64_t N, bool accumulate, int nt,
+                              float *thread_scratch);
 // The same with X stored transposed: XT (K, R) row-major, row stride ldx
 // (C = XT^T B, e.g. a weight gradient dW = dY^T X with XT = dY); the same
 // bits as mha__gemm_rows_packed on the transposed copy.

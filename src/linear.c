@@ -23,6 +23,12 @@ void mha__fill_extra(float *extra, const mha_module *m, int64_t H, int64_t nx, i
 void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float *X,
                       int64_t ldx, mha__wmat W, const float *b, int64_t R, int64_t I,
                       int64_t O, float *Wp, float *gs, int nt) {
+    const uint16_t *Bh = W.dt != MHA_F32 ? mha__packs_find_bh(W.pk, W.p, O, I) : NULL;
+    if (Bh) {  // half weights kept packed in their type: widened as they load
+        mha__gemm_rows_packed_bh(kt, C, ldc, X, ldx, Bh, W.dt == MHA_BF16 ? 1 : 2, b, R, I, O,
+                                 false, nt, gs);
+        return;
+    }
     const float *Bp = W.dt == MHA_F32 ? mha__packs_find(W.pk, W.p, O, I) : NULL;
     if (!Bp) {
         if (W.dt == MHA_F32) mha__gemm_pack_wt(kt, Wp, W.p, O, I, nt);

@@ -45,7 +45,9 @@ struct mha_module {
 // the projections (in_proj_weight or q/k/v_proj_weight, out_proj.weight,
 // gate_proj.weight) as mha__gemm_pack_wt lays it out for the process's
 // kernel table, and, bf16 weights on a table that computes bf16 (bf_fast),
-// the bf16 matrices of that compute as pack_bf16 lays them out; filled by
+// the bf16 matrices of that compute as pack_bf16 lays them out, and half
+// weights (bf16, f16) as mha__gemm_pack_wt_bh lays them out (the float32
+// compute's packing in their type); filled by
 // the first call that wants it after a change, so that calls multiply by
 // it without packing first (the same bits).
 typedef struct mha__packs mha__packs;
@@ -61,8 +63,8 @@ size_t mha__packs_bytes(const mha_module *m);
 void mha__packs_stale(const mha_module *m);
 // The packed copy for reading during one call (kt: the call's kernel
 // table; nt: threads to fill it with when it is stale), or NULL: pack per
-// call (half weights, another table, or another thread filling it or still
-// reading the stale one). Never blocks; a non-NULL result must be given
+// call (another table, or another thread filling it or still reading the
+// stale one). Never blocks; a non-NULL result must be given
 // back with mha__packs_release once the call no longer reads it.
 const mha__packs *mha__packs_acquire(const mha_module *m, const mha__kernels *kt, int nt);
 void mha__packs_release(const mha__packs *pk);  // (NULL: nothing)
@@ -70,6 +72,8 @@ void mha__packs_release(const mha__packs *pk);  // (NULL: nothing)
 // row r0 of it (I columns), when r0 is a multiple of the panel width
 // (kernels.h: a panel-aligned slice); else NULL (pk NULL included).
 const float *mha__packs_find(const mha__packs *pk, const void *w, int64_t O, int64_t I);
+// The same for a half weight in its type (mha__gemm_pack_wt_bh's form).
+const uint16_t *mha__packs_find_bh(const mha__packs *pk, const void *w, int64_t O, int64_t I);
 // The pack_bf16 form of the whole bf16 weight w (O, I), or NULL (pk NULL,
 // or not kept).
 const uint16_t *mha__packs_find_bf16(const mha__packs *pk, const void *w, int64_t O, int64_t I);

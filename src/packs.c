@@ -6,8 +6,11 @@
 // table that computes bf16 (bf_fast: amx, avx512bf16) keep the matrices the
 // bf16 compute multiplies by (in_proj_weight, or q/k/v_proj_weight, and
 // out_proj.weight) as pack_bf16 lays them out (kernels.h: the same
-// size as the matrix, bf16). Other half weights are not kept (each call
-// widens and packs them, as before: their point is the memory). The packed
+// size as the matrix, bf16). Half weights (bf16, f16) keep as well the
+// float32 kernels' packing of those matrices in their own type
+// (mha__gemm_pack_wt_bh: the same size as the matrix), which the float32
+// compute multiplies by, widening as it loads (gemm_packed_bh: no float32
+// copy, half the bytes). The packed
 // copy is allocated with the module and filled by the
 // first call that wants it after the parameters changed; it does not
 // change a bit of any result (the same layout the call would have packed).
@@ -32,12 +35,13 @@
 #include "module.h"
 
 enum { VALID = 1, BUILD = 2, DIRTY = 4, READER = 8 };
-enum { MAX_MATS = 5 };  // q, k, v, out, gate (or in, out, gate)
+enum { MAX_MATS = 9 };  // q, k, v, out (twice: bf16 compute, half), gate
 
 typedef struct packed_mat {
     const void *src;  // W (O, I), row-major, in the parameter block
     int64_t O, I;
-    bool bf16;   // W is bf16, packed by pack_bf16; else float32 by mha__gemm_pack_wt
+    bool bf16;   // W is bf16, packed by pack_bf16; else (bh 0) float32 by mha__gemm_pack_wt
+    int bh;      // W is bf16 (1) or f16 (2), packed by mha__gemm_pack_wt_bh
     float *dst;  // its packed form (mat_floats floats)
 } packed_mat;
 
@@ -52,8 +56,9 @@ struct mha__packs {
 static size_t round16(size_t f) { return (f + 15) & ~(size_t)15; }
 
 static size_t mat_floats(const mha__kernels *kt, const packed_mat *q) {
-    return q->bf16 ? (size_t)(mha__bf16_packed_elems(q->I, q->O, kt->bf_kpad) + 1) / 2
-                   : mha__gemm_packed_b_floats(kt, q->I, q->O);
+    if (q->bf16) return (size_t)(mha__bf16_packed_elems(q->I, q->O, kt->bf_kpad) + 1) / 2;
+    const size_t f = mha__gemm_packed_b_floats(kt, q->I, q->O);
+    return q->bh ? (f + 1) / 2 : f;
 }
 
 mha_status mha__packs_create(mha_module *m) {
@@ -64,18 +69,25 @@ mha_status mha__packs_create(mha_module *m) {
     const int64_t E = m->cfg.embed_dim, Eq = m->q_dim, Ekv = m->kv_dim, H = m->cfg.num_heads;
     // float32 weights, or bf16 ones that the bf16 compute multiplies by
     // (fused_fwd.c): the projections' matrices in their storage
+    // and half weights in their type for the float32 compute
     const bool bf = m->wdt == MHA_BF16 && kt->bf_fast;
-    if (m->wdt == MHA_F32 || bf) {
+    const int bh = m->wdt == MHA_BF16 ? 1 : m->wdt == MHA_F16 ? 2 : 0;
+    for (int form = 0; form < 2; form++) {
+        // form 0: float32 weights, or the bf16 compute's; 1: the half ones
+        const bool want = form == 0 ? m->wdt == MHA_F32 || bf : bh != 0;
+        const bool fb = form == 0 && bf;
+        const int fh = form == 1 ? bh : 0;
+        if (!want) continue;
         if (m->packed) {
-            mats[n++] = (packed_mat){m->w_in, Eq + 2 * Ekv, E, bf, NULL};
+            mats[n++] = (packed_mat){m->w_in, Eq + 2 * Ekv, E, fb, fh, NULL};
         } else {
-            mats[n++] = (packed_mat){m->w_q, Eq, E, bf, NULL};
-            mats[n++] = (packed_mat){m->w_k, Ekv, m->cfg.kdim, bf, NULL};
-            mats[n++] = (packed_mat){m->w_v, Ekv, m->cfg.vdim, bf, NULL};
+            mats[n++] = (packed_mat){m->w_q, Eq, E, fb, fh, NULL};
+            mats[n++] = (packed_mat){m->w_k, Ekv, m->cfg.kdim, fb, fh, NULL};
+            mats[n++] = (packed_mat){m->w_v, Ekv, m->cfg.vdim, fb, fh, NULL};
         }
-        mats[n++] = (packed_mat){m->w_out, E, Eq, bf, NULL};
+        mats[n++] = (packed_mat){m->w_out, E, Eq, fb, fh, NULL};
     }
-    if (m->gate_weight) mats[n++] = (packed_mat){m->gate_weight, H, E, false, NULL};
+    if (m->gate_weight) mats[n++] = (packed_mat){m->gate_weight, H, E, false, 0, NULL};
     if (n == 0) return MHA_OK;
     // one block: the header (64-byte rounded), then each packed matrix
     // (64-byte aligned)
@@ -148,6 +160,8 @@ const mha__packs *mha__packs_acquire(const mha_module *m, const mha__kernels *kt
         const packed_mat *q = &pk->mat[i];
         if (q->bf16)  // B (I, O) = W^T
             kt->pack_bf16((uint16_t *)(void *)q->dst, q->src, 1, q->I, q->I, q->O);
+        else if (q->bh)
+            mha__gemm_pack_wt_bh(kt, (uint16_t *)(void *)q->dst, q->src, q->O, q->I, nt);
         else mha__gemm_pack_wt(kt, q->dst, q->src, q->O, q->I, nt);
     }
     // publish it (and read it: the builder is its first reader), unless the
@@ -174,13 +188,30 @@ const float *mha__packs_find(const mha__packs *pk, const void *w, int64_t O, int
         const packed_mat *q = &pk->mat[i];
         const char *s = (const char *)q->src;
         const size_t row = (size_t)q->I * sizeof(float);
-        if (q->bf16 || q->I != I || p < s || p >= s + (size_t)q->O * row) continue;
+        if (q->bf16 || q->bh || q->I != I || p < s || p >= s + (size_t)q->O * row) continue;
         const size_t off = (size_t)(p - s);
         const int64_t r0 = (int64_t)(off / row);
         // rows [r0, r0 + O) of W: a panel-aligned slice of its packed form
         // (kernels.h: columns [p nr, ...) are Bp + p nr K)
         if (off % row != 0 || r0 % pk->kt->pk_nr != 0 || r0 + O > q->O) return NULL;
         return q->dst + r0 * I;
+    }
+    return NULL;
+}
+
+const uint16_t *mha__packs_find_bh(const mha__packs *pk, const void *w, int64_t O, int64_t I) {
+    if (!pk || !w) return NULL;
+    const char *p = (const char *)w;
+    for (int i = 0; i < pk->n; i++) {
+        const packed_mat *q = &pk->mat[i];
+        const char *s = (const char *)q->src;
+        const size_t row = (size_t)q->I * sizeof(uint16_t);
+        if (!q->bh || q->I != I || p < s || p >= s + (size_t)q->O * row) continue;
+        const size_t off = (size_t)(p - s);
+        const int64_t r0 = (int64_t)(off / row);
+        // rows [r0, r0 + O): a panel-aligned slice, as mha__packs_find's
+        if (off % row != 0 || r0 % pk->kt->pk_nr != 0 || r0 + O > q->O) return NULL;
+        return (const uint16_t *)(const void *)q->dst + r0 * I;
     }
     return NULL;
 }

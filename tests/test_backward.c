@@ -31,11 +31,11 @@ enum { E = 6, H = 2, L = 3, S = 4, N = 2, KD = 5, VD = 3 };
 
 typedef struct fd_case {
     bool packed, bias, bkv, zero, batch_first, unbatched, causal, dropout;
-    int kpm;   // 0 none, 1 bool, 2 float
-    int am;    // 0 none, 1 bool (L,S), 2 float (L,S), 3 bool 3-D, 4 float 3-D
+    int kpm;              // 0 none, 1 bool, 2 float
+    int am;               // 0 none, 1 bool (L,S), 2 float (L,S), 3 bool 3-D, 4 float 3-D
     int heads, kv_heads;  // 0: H and H (grouped-query attention otherwise)
-    int gate;   // mha_head_gate: none, static, dynamic
-    int prune;  // 0 none, 1 head 1, 2 the first KV group's heads
+    int gate;             // mha_head_gate: none, static, dynamic
+    int prune;            // 0 none, 1 head 1, 2 the first KV group's heads
     // the checkpoint layouts: head dim (0: E / H), separate q/k/v matrices,
     // no out_proj.bias, a custom scale (0: none); and RoPE, ALiBi, soft cap
     int head_dim;
@@ -136,7 +136,8 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     if (c->kpm) {
         p->kpt = c->unbatched
                      ? mha_tensor_contiguous(c->kpm == 1 ? (void *)p->bk : (void *)p->fk,
-                                             c->kpm == 1 ? MHA_BOOL : MHA_F64, 1, (int64_t[]){S})
+                                             c->kpm == 1 ? MHA_BOOL : MHA_F64, 1,
+                                             (int64_t[]){S})
                      : mha_tensor_contiguous(c->kpm == 1 ? (void *)p->bk : (void *)p->fk,
                                              c->kpm == 1 ? MHA_BOOL : MHA_F64, 2,
                                              (int64_t[]){N, S});
@@ -146,10 +147,11 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
         bool is_bool = c->am == 1 || c->am == 3;
         void *data = is_bool ? (void *)p->bm : (void *)p->fm;
         mha_dtype dt = is_bool ? MHA_BOOL : MHA_F64;
-        p->amt = c->am <= 2 ? mha_tensor_contiguous(data, dt, 2, (int64_t[]){L, S})
-                            : mha_tensor_contiguous(data, dt, 3,
-                                                    (int64_t[]){p->n * (c->heads ? c->heads : H),
-                                                                L, S});
+        p->amt = c->am <= 2
+                     ? mha_tensor_contiguous(data, dt, 2, (int64_t[]){L, S})
+                     : mha_tensor_contiguous(data, dt, 3,
+                                             (int64_t[]){p->n * (c->heads ? c->heads : H), L,
+                                                         S});
         p->a.attn_mask = &p->amt;
     }
 }
@@ -168,8 +170,8 @@ static double fd_loss(fd_problem *p) {
 
 // Relative L2 error of the analytic gradient g against fourth-order central
 // differences of the loss w.r.t. x (float or double elements).
-static double fd_rel_error(fd_problem *p, void *x, bool f64, const void *g,
-                           bool gf64, int64_t n) {
+static double fd_rel_error(fd_problem *p, void *x, bool f64, const void *g, bool gf64,
+                           int64_t n) {
     const double h = 0x1p-10;
     double num = 0, den = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -242,9 +244,16 @@ static void test_fd_grid(void) {
     // every option on and off at least once, and together
     for (int i = 0; i < 64; i++) {
         fd_case c = {
-            .packed = i & 1, .bias = (i >> 1) & 1, .bkv = (i >> 2) & 1, .zero = (i >> 3) & 1,
-            .batch_first = (i >> 4) & 1, .unbatched = i % 5 == 0, .causal = (i >> 5) & 1,
-            .dropout = i % 3 == 0, .kpm = i % 3, .am = i % 5,
+            .packed = i & 1,
+            .bias = (i >> 1) & 1,
+            .bkv = (i >> 2) & 1,
+            .zero = (i >> 3) & 1,
+            .batch_first = (i >> 4) & 1,
+            .unbatched = i % 5 == 0,
+            .causal = (i >> 5) & 1,
+            .dropout = i % 3 == 0,
+            .kpm = i % 3,
+            .am = i % 5,
         };
         check_fd(&c);
     }
@@ -253,21 +262,38 @@ static void test_fd_grid(void) {
     static const int gqa[4][2] = {{2, 1}, {6, 2}, {6, 3}, {3, 1}};
     for (int i = 0; i < 16; i++) {
         fd_case c = {
-            .packed = i & 1, .bias = (i >> 1) & 1, .bkv = (i >> 2) & 1, .zero = (i >> 3) & 1,
-            .batch_first = (i >> 2) & 1, .unbatched = i % 5 == 0, .causal = (i >> 1) & 1,
-            .dropout = i % 3 == 0, .kpm = i % 3, .am = i % 5,
-            .heads = gqa[i % 4][0], .kv_heads = gqa[i % 4][1],
+            .packed = i & 1,
+            .bias = (i >> 1) & 1,
+            .bkv = (i >> 2) & 1,
+            .zero = (i >> 3) & 1,
+            .batch_first = (i >> 2) & 1,
+            .unbatched = i % 5 == 0,
+            .causal = (i >> 1) & 1,
+            .dropout = i % 3 == 0,
+            .kpm = i % 3,
+            .am = i % 5,
+            .heads = gqa[i % 4][0],
+            .kv_heads = gqa[i % 4][1],
         };
         check_fd(&c);
     }
     // head gates (static, dynamic) and pruning (one head; a whole KV group)
     for (int i = 0; i < 18; i++) {
         fd_case c = {
-            .packed = i & 1, .bias = (i >> 1) & 1, .bkv = i % 5 == 1, .zero = i % 7 == 2,
-            .batch_first = (i >> 2) & 1, .unbatched = i % 6 == 0, .causal = (i >> 1) & 1,
-            .dropout = i % 4 == 0, .kpm = i % 3, .am = i % 5,
-            .heads = i % 3 == 2 ? 6 : 0, .kv_heads = i % 3 == 2 ? 2 : 0,
-            .gate = 1 + i % 2, .prune = i % 3,
+            .packed = i & 1,
+            .bias = (i >> 1) & 1,
+            .bkv = i % 5 == 1,
+            .zero = i % 7 == 2,
+            .batch_first = (i >> 2) & 1,
+            .unbatched = i % 6 == 0,
+            .causal = (i >> 1) & 1,
+            .dropout = i % 4 == 0,
+            .kpm = i % 3,
+            .am = i % 5,
+            .heads = i % 3 == 2 ? 6 : 0,
+            .kv_heads = i % 3 == 2 ? 2 : 0,
+            .gate = 1 + i % 2,
+            .prune = i % 3,
         };
         if (i >= 12) c.gate = 0;  // pruning alone
         if (i >= 12 && !c.prune) c.prune = 1;
@@ -277,16 +303,31 @@ static void test_fd_grid(void) {
     // d) with and without grouped-query attention), separate q/k/v
     // matrices with kdim = vdim = E, no out_proj.bias, a custom scale;
     // with RoPE, ALiBi, the soft cap, gates, pruning and the options above
-    static const int lay[6][3] = {{2, 0, 4}, {4, 2, 2}, {3, 1, 4}, {2, 1, 5}, {1, 0, 8}, {3, 3, 1}};
+    static const int lay[6][3] = {{2, 0, 4}, {4, 2, 2}, {3, 1, 4},
+                                  {2, 1, 5}, {1, 0, 8}, {3, 3, 1}};
     for (int i = 0; i < 30; i++) {
         fd_case c = {
-            .packed = i % 3 != 0, .bias = i % 5 != 4, .bkv = i % 4 == 1, .zero = i % 6 == 2,
-            .batch_first = (i >> 1) & 1, .unbatched = i % 7 == 0, .causal = (i >> 2) & 1,
-            .dropout = i % 4 == 0, .kpm = i % 3, .am = i % 5,
-            .heads = lay[i % 6][0], .kv_heads = lay[i % 6][1], .head_dim = lay[i % 6][2],
-            .sep = i % 2 == 1, .no_out_bias = i % 3 == 1, .scale = i % 4 == 2 ? 0.37 : 0.0,
-            .rope = i % 5 == 1 && lay[i % 6][2] % 2 == 0, .alibi = i % 6 == 3,
-            .softcap = i % 7 == 4, .gate = i % 8 == 5 ? 2 : i % 9 == 1, .prune = i % 10 == 3,
+            .packed = i % 3 != 0,
+            .bias = i % 5 != 4,
+            .bkv = i % 4 == 1,
+            .zero = i % 6 == 2,
+            .batch_first = (i >> 1) & 1,
+            .unbatched = i % 7 == 0,
+            .causal = (i >> 2) & 1,
+            .dropout = i % 4 == 0,
+            .kpm = i % 3,
+            .am = i % 5,
+            .heads = lay[i % 6][0],
+            .kv_heads = lay[i % 6][1],
+            .head_dim = lay[i % 6][2],
+            .sep = i % 2 == 1,
+            .no_out_bias = i % 3 == 1,
+            .scale = i % 4 == 2 ? 0.37 : 0.0,
+            .rope = i % 5 == 1 && lay[i % 6][2] % 2 == 0,
+            .alibi = i % 6 == 3,
+            .softcap = i % 7 == 4,
+            .gate = i % 8 == 5 ? 2 : i % 9 == 1,
+            .prune = i % 10 == 3,
             .sinks = i % 3 == 2,
         };
         if (i % 10 == 9) c.heads = 2, c.kv_heads = 1, c.head_dim = 0, c.sep = true;  // E / H
@@ -324,7 +365,8 @@ static void test_fd_grid(void) {
         check_fd(&c);
     }
     printf("finite differences (float64 reference, 4th order, h = 2^-10): %d configs, "
-           "worst relative L2 error %.3g\n", g_fd_cases, g_fd_worst);
+           "worst relative L2 error %.3g\n",
+           g_fd_cases, g_fd_worst);
 }
 
 // ---------------------------------------------------------------------------
@@ -432,7 +474,8 @@ static void test_accumulate_threads(void) {
 #endif
     for (int r = 1; r < 3; r++) {
         CHECKF(memcmp(y[0], y[r], sizeof y[0]) == 0, "output: 1 vs %d threads", threads[r]);
-        CHECKF(memcmp(gq[0], gq[r], sizeof gq[0]) == 0, "grad_query: 1 vs %d threads", threads[r]);
+        CHECKF(memcmp(gq[0], gq[r], sizeof gq[0]) == 0, "grad_query: 1 vs %d threads",
+               threads[r]);
         for (int i = 0; i < mha_module_num_params(g[0]); i++) {
             mha_param p0, pr;
             CHECK_OK(mha_module_param_at(&p0, g[0], i));
@@ -473,8 +516,8 @@ static void test_dropout_semantics(void) {
     mha_init_options_default(&io);
     CHECK_OK(mha_module_init(m0, &io));
     CHECK_OK(mha_module_init(m1, &io));
-    static float x[L2 * N2 * E2], y0[L2 * N2 * E2], y1[L2 * N2 * E2],
-        w[N2 * H2 * L2 * L2], w2[N2 * H2 * L2 * L2];
+    static float x[L2 * N2 * E2], y0[L2 * N2 * E2], y1[L2 * N2 * E2], w[N2 * H2 * L2 * L2],
+        w2[N2 * H2 * L2 * L2];
     static double avg[L2 * N2 * E2];
     fill(x, L2 * N2 * E2, 1.0f);
     mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L2, N2, E2});
@@ -563,17 +606,21 @@ static void test_misuse(void) {
     float gq[L * N * E];
     mha_tensor bad = mha_tensor_contiguous(gq, MHA_F32, 3, (int64_t[]){N, L, E});
     CHECK_FAILS(mha_backward(&bad, NULL, NULL, NULL, p.m, &p.a, &p.gyt, false), MHA_ERR_SHAPE);
-    CHECK_FAILS(mha_backward(NULL, NULL, NULL, NULL, p.m, &p.a, NULL, false), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_backward(NULL, NULL, NULL, NULL, p.m, &p.a, NULL, false),
+                MHA_ERR_INVALID_ARG);
     mha_tensor gy_bad = mha_tensor_contiguous(p.gy, MHA_F32, 3, (int64_t[]){L, N, E - 1});
     CHECK_FAILS(mha_backward(NULL, NULL, NULL, NULL, p.m, &p.a, &gy_bad, false), MHA_ERR_SHAPE);
-    CHECK_FAILS(mha_backward(NULL, NULL, NULL, p.m, p.m, &p.a, &p.gyt, false), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_backward(NULL, NULL, NULL, p.m, p.m, &p.a, &p.gyt, false),
+                MHA_ERR_INVALID_ARG);
     mha_config c;
     mha_config_init(&c, E, H);  // kdim/vdim differ from the module's
     mha_module *other = NULL;
     CHECK_OK(mha_module_create(&other, &c));
-    CHECK_FAILS(mha_backward(NULL, NULL, NULL, other, p.m, &p.a, &p.gyt, false), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_backward(NULL, NULL, NULL, other, p.m, &p.a, &p.gyt, false),
+                MHA_ERR_INVALID_ARG);
     mha_tensor alias = mha_tensor_contiguous(p.q, MHA_F32, 3, (int64_t[]){L, N, E});
-    CHECK_FAILS(mha_backward(&alias, NULL, NULL, NULL, p.m, &p.a, &p.gyt, false), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_backward(&alias, NULL, NULL, NULL, p.m, &p.a, &p.gyt, false),
+                MHA_ERR_INVALID_ARG);
     mha_module_destroy(other);
     mha_module_destroy(p.m);
 }

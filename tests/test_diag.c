@@ -92,7 +92,9 @@ static void test_uniform(void) {
     for (int64_t i = 0; i < L; i++)
         for (int64_t j = 0; j < L; j++) md += fabs((double)(i - j)) / (double)(L * L);
     CHECKF(fabs(h0->mean_distance - md) < 1e-12, "distance %g vs %g", h0->mean_distance, md);
-    CHECKF(!h1->dead && h1->entropy_mean < log((double)L), "head 1: dead %d entropy %g norm %g var ratio %g", h1->dead, h1->entropy_mean, h1->entropy_norm, h1->output_var_ratio);
+    CHECKF(!h1->dead && h1->entropy_mean < log((double)L),
+           "head 1: dead %d entropy %g norm %g var ratio %g", h1->dead, h1->entropy_mean,
+           h1->entropy_norm, h1->output_var_ratio);
     CHECK(h1->logit_std > 0);
     if (HAVE_SVD) CHECK(h0->rank_q == 0 && h1->rank_q == d);
     else CHECK(h0->rank_q == -1 && h1->rank_q == -1);
@@ -106,8 +108,8 @@ static void test_uniform(void) {
         for (int64_t i = 0; i < L; i++) e += log((double)(i + 1)) / (double)L;
         mn = 0.0;  // row 0 sees one key
         h0 = mha_diagnostics_head(dg, 0);
-        CHECKF(fabs(h0->entropy_mean - e) < 1e-12, "causal entropy %g vs %g",
-               h0->entropy_mean, e);
+        CHECKF(fabs(h0->entropy_mean - e) < 1e-12, "causal entropy %g vs %g", h0->entropy_mean,
+               e);
         CHECK(h0->entropy_min == mn);
         CHECK(fabs(h0->entropy_norm - 1.0) < 1e-12 && h0->dead);
     }
@@ -347,7 +349,8 @@ static void test_rank_head_dim(void) {
     mha_diagnostics *d2 = NULL;
     CHECK_OK(mha_diagnose(&d2, m, &a, NULL));
     for (int64_t h = 0; dg && d2 && h < 2; h++) {
-        const mha_head_diag *h1 = mha_diagnostics_head(dg, h), *h2 = mha_diagnostics_head(d2, h);
+        const mha_head_diag *h1 = mha_diagnostics_head(dg, h),
+                            *h2 = mha_diagnostics_head(d2, h);
         CHECKF(fabs(h2->logit_max - 2 * h1->logit_max) <= 1e-9 * (1 + fabs(h1->logit_max)) &&
                    fabs(h2->logit_std - 2 * h1->logit_std) <= 1e-9 * (1 + h1->logit_std),
                "scale: logit max %g -> %g, std %g -> %g", h1->logit_max, h2->logit_max,

@@ -117,7 +117,8 @@ static void test_big_logits(void) {
         for (int i = 0; i < L; i++)
             for (int j = 0; j < S; j++) {
                 double s = 0;
-                for (int c = 0; c < D; c++) s += (double)q[(b * L + i) * D + c] * k[(b * S + j) * D + c];
+                for (int c = 0; c < D; c++)
+                    s += (double)q[(b * L + i) * D + c] * k[(b * S + j) * D + c];
                 lmax = fmax(lmax, fabs(s) / sqrt((double)D));
             }
     CHECKF(lmax > 2000, "the test's logits reach %g", lmax);
@@ -302,7 +303,7 @@ static void test_aliasing(void) {
         CHECK_FAILS(mha_forward(&half_over, &wt, m, &a), MHA_ERR_INVALID_ARG);
         mha_tensor w_over = mha_tensor_contiguous(y + 3, MHA_F32, 2, (int64_t[]){T, T});
         CHECK_FAILS(mha_forward(&yt, &w_over, m, &a), MHA_ERR_INVALID_ARG);  // weights in out
-        CHECK_OK(mha_forward(&yt, &wt, m, &a));  // disjoint: fine
+        CHECK_OK(mha_forward(&yt, &wt, m, &a));                              // disjoint: fine
         mha_tensor gx_over = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){T, E});
         mha_tensor gyt = mha_tensor_contiguous(g, MHA_F32, 2, (int64_t[]){T, E});
         a.need_weights = false;

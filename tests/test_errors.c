@@ -22,8 +22,8 @@ static void on_log(mha_status s, const char *msg, void *user) {
 // The message must contain every one of the given substrings.
 static void msg_has(const char *a, const char *b) {
     const char *m = mha_last_error();
-    CHECKF(strstr(m, a) && (!b || strstr(m, b)), "message \"%s\" lacks \"%s\"/\"%s\"", m,
-           a, b ? b : "");
+    CHECKF(strstr(m, a) && (!b || strstr(m, b)), "message \"%s\" lacks \"%s\"/\"%s\"", m, a,
+           b ? b : "");
 }
 
 enum { E = 8, H = 2, L = 3, S = 4, N = 2 };

@@ -27,8 +27,8 @@ static double maxdiff(const float *a, const float *b, int64_t n) {
     return m;
 }
 
-static mha_module *module(int64_t E, int64_t H, bool batch_first, bool bkv,
-                          bool zero_attn, uint64_t seed) {
+static mha_module *module(int64_t E, int64_t H, bool batch_first, bool bkv, bool zero_attn,
+                          uint64_t seed) {
     mha_config c;
     mha_config_init(&c, E, H);
     c.batch_first = batch_first;
@@ -103,7 +103,8 @@ static void test_sdpa_closed_form(void) {
     for (int bh = 0; bh < B * H; bh++) {
         CHECK(w[bh * L * S] == 1.0f);
         for (int j = 1; j < S; j++) CHECK(w[bh * L * S + j] == 0.0f);
-        for (int c = 0; c < Dv; c++) eo = fmax(eo, fabs(o[bh * L * Dv + c] - v[bh * S * Dv + c]));
+        for (int c = 0; c < Dv; c++)
+            eo = fmax(eo, fabs(o[bh * L * Dv + c] - v[bh * S * Dv + c]));
         // row i sees keys 0..i only
         for (int i = 0; i < L; i++)
             for (int j = i + 1; j < S; j++) CHECK(w[(bh * L + i) * S + j] == 0.0f);
@@ -176,8 +177,14 @@ static void test_layouts(void) {
     // batch_first module given a strided view of the (L, N, E) data:
     // (N, L, E) with strides (E, N*E, 1) -- no copy
     mha_tensor qv = qt, kvv = kt;
-    qv.shape[0] = N; qv.shape[1] = L; qv.stride[0] = E; qv.stride[1] = N * E;
-    kvv.shape[0] = N; kvv.shape[1] = S; kvv.stride[0] = E; kvv.stride[1] = N * E;
+    qv.shape[0] = N;
+    qv.shape[1] = L;
+    qv.stride[0] = E;
+    qv.stride[1] = N * E;
+    kvv.shape[0] = N;
+    kvv.shape[1] = S;
+    kvv.stride[0] = E;
+    kvv.stride[1] = N * E;
     a.query = &qv;
     a.key = a.value = &kvv;
     float ys[N * L * E];
@@ -358,8 +365,7 @@ typedef struct trace_log {
     int64_t rows[64], cols[64];
 } trace_log;
 
-static void on_trace(void *user, const char *step, int64_t b, int64_t h,
-                     const mha_tensor *t) {
+static void on_trace(void *user, const char *step, int64_t b, int64_t h, const mha_tensor *t) {
     trace_log *lg = user;
     (void)b;
     (void)h;
@@ -389,8 +395,9 @@ static void test_trace(void) {
     a.trace = on_trace;
     a.trace_user = &lg;
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
-    const char *want[] = {"q", "k", "v", "scores", "scaled_scores", "weights", "context",
-                          "scores", "scaled_scores", "weights", "context", "concat", "output"};
+    const char *want[] = {"q",       "k",       "v",      "scores",        "scaled_scores",
+                          "weights", "context", "scores", "scaled_scores", "weights",
+                          "context", "concat",  "output"};
     CHECK(lg.n == 13);
     for (int i = 0; i < 13 && i < lg.n; i++)
         CHECKF(!strcmp(lg.steps[i], want[i]), "step %d is %s, want %s", i, lg.steps[i], want[i]);
@@ -457,8 +464,9 @@ static void test_kept_scratch(void) {
     CHECK_OK(mha_forward_workspace_size(&bytes, m, &a));
     CHECKF(bytes > (1u << 20), "the case's scratch is %zu bytes, not over 1 MiB", bytes);
     CHECK_OK(mha_forward(&y0t, NULL, m, &a));
-    const char *what[5] = {"the kept block", "the kept block again", "after mha_release_scratch",
-                           "after a smaller call", "on a thread of its own"};
+    const char *what[5] = {"the kept block", "the kept block again",
+                           "after mha_release_scratch", "after a smaller call",
+                           "on a thread of its own"};
     for (int i = 0; i < 5; i++) {
         memset(y1, 0, sizeof(float) * L * N * E);
         if (i == 2) mha_release_scratch();

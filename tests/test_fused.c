@@ -50,17 +50,20 @@ static void one_case(int id) {
     bool self = !strided && kd == E && S == L && next() % 2 == 0;
     if (self) memcpy(k, q, sizeof(float) * (size_t)(L * nb * E));
     mha_tensor qt, kt, vt;
-    #define VIEW(t, p, T, F)                                                          \
-        do {                                                                          \
-            int64_t sh3[3] = {bf ? nb : T, bf ? T : nb, F};                           \
-            int64_t sh2[2] = {T, F};                                                  \
-            t = unb ? mha_tensor_contiguous(p, MHA_F32, 2, sh2)                       \
-                    : mha_tensor_contiguous(p, MHA_F32, 3, sh3);                      \
-            if (pad) {  /* rows of F + pad floats, the first F used */               \
-                if (unb) t.stride[0] = F + pad;                                       \
-                else { t.stride[1] = F + pad; t.stride[0] = sh3[1] * (F + pad); }     \
-            }                                                                         \
-        } while (0)
+#define VIEW(t, p, T, F)                                          \
+    do {                                                          \
+        int64_t sh3[3] = {bf ? nb : T, bf ? T : nb, F};           \
+        int64_t sh2[2] = {T, F};                                  \
+        t = unb ? mha_tensor_contiguous(p, MHA_F32, 2, sh2)       \
+                : mha_tensor_contiguous(p, MHA_F32, 3, sh3);      \
+        if (pad) { /* rows of F + pad floats, the first F used */ \
+            if (unb) t.stride[0] = F + pad;                       \
+            else {                                                \
+                t.stride[1] = F + pad;                            \
+                t.stride[0] = sh3[1] * (F + pad);                 \
+            }                                                     \
+        }                                                         \
+    } while (0)
     VIEW(qt, q, L, E);
     VIEW(kt, self ? q : k, S, kd);
     VIEW(vt, self ? q : v, S, E);
@@ -130,11 +133,13 @@ static void one_case(int id) {
     double e = 0;
     for (int64_t i = 0; i < on; i++) e = fmax(e, fabs((double)y1[i] - y2[i]));
     double tol = 2e-5 * (1 + max_abs(y1, on));
-    CHECKF(e <= tol, "case %d (E %lld H %lld L %lld S %lld N %lld bf %d unb %d bkv %d zero %d "
+    CHECKF(e <= tol,
+           "case %d (E %lld H %lld L %lld S %lld N %lld bf %d unb %d bkv %d zero %d "
            "causal %d window (%lld, %lld) drop %d am %d kpm %d strided %d self %d): output "
-           "err %g tol %g", id, (long long)E, (long long)H, (long long)L, (long long)S,
-           (long long)N, bf, unb, bkv, zero, causal, (long long)a.window_left,
-           (long long)a.window_right, drop, am_kind, kpm_kind, strided, self, e, tol);
+           "err %g tol %g",
+           id, (long long)E, (long long)H, (long long)L, (long long)S, (long long)N, bf, unb,
+           bkv, zero, causal, (long long)a.window_left, (long long)a.window_right, drop,
+           am_kind, kpm_kind, strided, self, e, tol);
     if (need) {
         double ew = 0;
         for (int64_t i = 0; i < wn; i++) ew = fmax(ew, fabs((double)w1[i] - w2[i]));
@@ -142,8 +147,16 @@ static void one_case(int id) {
         CHECKF(ew <= wtol, "case %d: weights err %g tol %g", id, ew, wtol);
     }
     (void)Sp;
-    free(q); free(k); free(v); free(bm); free(fm); free(bk);
-    free(y1); free(y2); free(w1); free(w2);
+    free(q);
+    free(k);
+    free(v);
+    free(bm);
+    free(fm);
+    free(bk);
+    free(y1);
+    free(y2);
+    free(w1);
+    free(w2);
     mha_module_destroy(m);
 }
 
@@ -151,7 +164,8 @@ static void one_case(int id) {
 // fused forward, weights and backward against the reference.
 static void test_windows(void) {
     enum { E = 32, H = 2, L = 700, N = 1 };
-    static const int64_t win[][2] = {{0, 0}, {100, -1}, {-1, 50}, {37, 200}, {300, 300}, {5, 0}};
+    static const int64_t win[][2] = {{0, 0},    {100, -1},  {-1, 50},
+                                     {37, 200}, {300, 300}, {5, 0}};
     mha_config c;
     mha_config_init(&c, E, H);
     mha_module *m = new_module(&c);
@@ -187,21 +201,24 @@ static void test_windows(void) {
             }
             CHECKF(rel_err(y[0], y[1], L * E) < 2e-5, "window (%lld, %lld) causal %d: output",
                    (long long)win[t][0], (long long)win[t][1], causal);
-            CHECKF(rel_err(w[0], w[1], H * L * L) < 2e-5, "window (%lld, %lld) causal %d: weights",
-                   (long long)win[t][0], (long long)win[t][1], causal);
+            CHECKF(rel_err(w[0], w[1], H * L * L) < 2e-5,
+                   "window (%lld, %lld) causal %d: weights", (long long)win[t][0],
+                   (long long)win[t][1], causal);
             // the band itself: every weight outside it is exactly 0
             int64_t outside = 0;
             for (int64_t h = 0; h < H; h++)
                 for (int64_t i = 0; i < L; i++)
                     for (int64_t j = 0; j < L; j++) {
-                        bool vis = !(causal && j > i) && !(win[t][0] >= 0 && j < i - win[t][0]) &&
+                        bool vis = !(causal && j > i) &&
+                                   !(win[t][0] >= 0 && j < i - win[t][0]) &&
                                    !(win[t][1] >= 0 && j > i + win[t][1]);
                         if (!vis && w[1][(h * L + i) * L + j] != 0.0f) outside++;
                     }
             CHECKF(outside == 0, "window (%lld, %lld) causal %d: %lld weights outside the band",
                    (long long)win[t][0], (long long)win[t][1], causal, (long long)outside);
-            CHECKF(rel_err(gx[0], gx[1], L * E) < 1e-4, "window (%lld, %lld) causal %d: grad_query %g",
-                   (long long)win[t][0], (long long)win[t][1], causal, rel_err(gx[0], gx[1], L * E));
+            CHECKF(rel_err(gx[0], gx[1], L * E) < 1e-4,
+                   "window (%lld, %lld) causal %d: grad_query %g", (long long)win[t][0],
+                   (long long)win[t][1], causal, rel_err(gx[0], gx[1], L * E));
             for (int i = 0; i < mha_module_num_params(g[0]); i++) {
                 mha_param p0, p1;
                 CHECK_OK(mha_module_param_at(&p0, g[0], i));
@@ -255,7 +272,8 @@ static void test_weights_block(void) {
                 for (int64_t j = 0; j < L; j++)
                     diff += wb[((b * (h1 - h0) + h - h0) * (r1 - r0) + i - r0) * L + j] !=
                             wf[((b * H + h) * L + i) * L + j];
-    CHECKF(diff == 0, "weights block: %lld elements differ from the full weights", (long long)diff);
+    CHECKF(diff == 0, "weights block: %lld elements differ from the full weights",
+           (long long)diff);
     a.average_attn_weights = true;
     CHECK_OK(mha_forward_shapes(NULL, &ws, m, &a));
     CHECK(ws.ndim == 3 && ws.dims[0] == N && ws.dims[1] == r1 - r0 && ws.dims[2] == L);
@@ -328,9 +346,9 @@ static void test_sdpa(void) {
         double eo = rel_err(o[0], o[1], no), ew = rel_err(w[0], w[1], B * H * L * S);
         CHECKF(eo < 2e-5 && ew < 2e-5,
                "sdpa %d (B %lld H %lld L %lld S %lld D %lld Dv %lld causal %d window (%lld, "
-               "%lld) mask %d kpm %d): out err %g, weights err %g", id, (long long)B,
-               (long long)H, (long long)L, (long long)S, (long long)D, (long long)Dv,
-               a.is_causal, (long long)a.window_left, (long long)a.window_right,
+               "%lld) mask %d kpm %d): out err %g, weights err %g",
+               id, (long long)B, (long long)H, (long long)L, (long long)S, (long long)D,
+               (long long)Dv, a.is_causal, (long long)a.window_left, (long long)a.window_right,
                a.attn_mask != NULL, a.key_padding_mask != NULL, eo, ew);
         for (int r = 0; r < 2; r++) free(o[r]), free(w[r]);
         free(q), free(k), free(v), free(am), free(kp);
@@ -393,7 +411,8 @@ static void test_saved_cfg(int64_t Hkv) {
                    memcmp(g[0][1], g[1][1], sizeof(float) * Sx * N * kd) == 0 &&
                    memcmp(g[0][2], g[1][2], sizeof(float) * Sx * N * E) == 0,
                "saved forward (packed %d, kv heads %lld): input gradients differ from the "
-               "recomputing backward", packed, (long long)Hkv);
+               "recomputing backward",
+               packed, (long long)Hkv);
         for (int i = 0; i < mha_module_num_params(gr[0]); i++) {
             mha_param p0, p1;
             CHECK_OK(mha_module_param_at(&p0, gr[0], i));
@@ -482,8 +501,10 @@ static void test_half(void) {
             }
             for (int i = 0; i < N * L * L; i++)
                 bad += wh[i] != (bf ? mha_f32_to_bf16(wf[i]) : mha_f32_to_f16(wf[i]));
-            CHECKF(bad == 0, "%s views, impl %d: %d values differ from the float32 run "
-                   "rounded", bf ? "bf16" : "f16", impl, bad);
+            CHECKF(bad == 0,
+                   "%s views, impl %d: %d values differ from the float32 run "
+                   "rounded",
+                   bf ? "bf16" : "f16", impl, bad);
         }
     mha_module_destroy(m);
 }
@@ -536,8 +557,10 @@ static void test_weights_u8(void) {
                         bad += fabs((double)sc[r] * wq[r * S + j] - wf[r * S + j]) >
                                0.5 * sc[r] * (1 + 1e-5) + 1e-7;
                 }
-                CHECKF(bad == 0, "int8 weights (impl %d avg %d block %d): %lld values or "
-                       "scales off", impl, avg, block, (long long)bad);
+                CHECKF(bad == 0,
+                       "int8 weights (impl %d avg %d block %d): %lld values or "
+                       "scales off",
+                       impl, avg, block, (long long)bad);
             }
     mha_module_destroy(m);
 }
@@ -547,8 +570,7 @@ static void test_weights_u8(void) {
 // threads the one-sweep-per-head route: the same bits are required.
 // Grouped-query attention (Hkv KV heads): the routes are chosen by the
 // number of KV heads (N Hkv >= threads: one sweep per KV head).
-static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv,
-                             int64_t Hkv);
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv, int64_t Hkv);
 
 static void test_threads(void) {
     test_threads_cfg(96, 4, 200, 2, false, 0);
@@ -561,8 +583,7 @@ static void test_threads_gqa(void) {
     test_threads_cfg(64, 8, 300, 1, false, 4);  // 4 items: 8 threads two-pass
 }
 
-static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv,
-                             int64_t Hkv) {
+static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bkv, int64_t Hkv) {
     mha_config c;
     mha_config_init(&c, E, H);
     c.add_bias_kv = bkv;
@@ -667,8 +688,7 @@ static void gqa_case(int id) {
                   N = irand(1, 3);
     const bool bf = next() & 1, unb = next() % 4 == 0, bkv = next() % 3 == 0,
                zero = next() % 3 == 0, causal = next() & 1, drop = next() % 4 == 0,
-               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0,
-               am = next() % 3 == 0;
+               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0, am = next() % 3 == 0;
     mha_config c;
     mha_config_init(&c, E, H);
     c.num_kv_heads = Hkv;
@@ -779,15 +799,13 @@ static void layout_case(int id, mha_qk_norm qkn) {
     const int64_t Hkv = divs[next() % (uint64_t)nd];
     const bool rope = next() % 3 == 0;
     const int64_t d = rope ? 2 * irand(1, 6) : irand(1, 12);
-    const int64_t E = next() % 5 == 0 ? H * d : irand(1, 40), L = irand(1, 90),
-                  N = irand(1, 3);
+    const int64_t E = next() % 5 == 0 ? H * d : irand(1, 40), L = irand(1, 90), N = irand(1, 3);
     const bool bf = next() & 1, unb = next() % 4 == 0, bkv = next() % 4 == 0,
                zero = next() % 4 == 0, causal = next() & 1, drop = next() % 4 == 0,
-               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0,
-               am = next() % 3 == 0, sep = next() & 1, bias = next() % 4 != 0,
-               nob = bias && (next() & 1), scale = next() & 1, alibi = next() % 4 == 0,
-               cap = next() % 4 == 0, prune = next() % 4 == 0, half = next() % 5 == 0,
-               self = next() % 2 == 0;
+               need = next() & 1, avg = next() & 1, kpm = next() % 3 == 0, am = next() % 3 == 0,
+               sep = next() & 1, bias = next() % 4 != 0, nob = bias && (next() & 1),
+               scale = next() & 1, alibi = next() % 4 == 0, cap = next() % 4 == 0,
+               prune = next() % 4 == 0, half = next() % 5 == 0, self = next() % 2 == 0;
     const int gate = (int)(next() % 3);
     const bool sinks = next() % 3 == 0;
     const int64_t S = self ? L : irand(1, 90);
@@ -853,7 +871,10 @@ static void layout_case(int id, mha_qk_norm qkn) {
 static void test_cached_layouts(void) {
     enum { T = 29, N = 2 };
     for (int cfg = 0; cfg < 6; cfg++) {
-        const int64_t E = 20 + 3 * cfg, H = 4, Hkv = cfg % 3 == 0 ? 1 : cfg % 3 == 1 ? 2 : 4,
+        const int64_t E = 20 + 3 * cfg, H = 4,
+                      Hkv = cfg % 3 == 0   ? 1
+                            : cfg % 3 == 1 ? 2
+                                           : 4,
                       d = 6 + 2 * (cfg % 2);
         mha_config c;
         mha_config_init(&c, E, H);
@@ -1087,8 +1108,8 @@ static void int4_row(float *xq, float *sc, const float *x, int64_t n) {
 
 // The float64 attention of query qr (D) over keys [lo, hi] of one head's
 // rows kr, vr (D each): y (D); sc: scratch for the scores.
-static void oracle_row(double *y, const float *qr, const float *kr, const float *vr, int64_t lo,
-                       int64_t hi, int64_t D, double *sc) {
+static void oracle_row(double *y, const float *qr, const float *kr, const float *vr,
+                       int64_t lo, int64_t hi, int64_t D, double *sc) {
     double m = -INFINITY, l = 0.0;
     for (int64_t j = lo; j <= hi; j++) {
         double dot = 0.0;
@@ -1121,7 +1142,8 @@ static void int4_bound(double *bnd, const float *qr, const float *vr, const floa
     for (int64_t e = 0; e < D; e++) {
         double sv = 0.0, vm = 0.0;
         for (int64_t j = lo; j <= hi; j++)
-            sv = fmax(sv, vs[j * ng + e / 32] / 2.0), vm = fmax(vm, fabs((double)vr[j * D + e]));
+            sv = fmax(sv, vs[j * ng + e / 32] / 2.0),
+            vm = fmax(vm, fabs((double)vr[j * D + e]));
         bnd[e] = sv + expm1(2.0 * emax) * vm;
     }
 }
@@ -1174,14 +1196,17 @@ static void test_decode_groups(void) {
                         ks = malloc(sizeof(float) * (nkv / (size_t)D) * (size_t)ng);
                         vs = malloc(sizeof(float) * (nkv / (size_t)D) * (size_t)ng);
                         for (size_t r = 0; r < nkv / (size_t)D; r++) {
-                            int4_row(kq + r * (size_t)D, ks + r * (size_t)ng, k + r * (size_t)D, D);
-                            int4_row(vq + r * (size_t)D, vs + r * (size_t)ng, v + r * (size_t)D, D);
+                            int4_row(kq + r * (size_t)D, ks + r * (size_t)ng,
+                                     k + r * (size_t)D, D);
+                            int4_row(vq + r * (size_t)D, vs + r * (size_t)ng,
+                                     v + r * (size_t)D, D);
                         }
                     }
                     const size_t nq = (size_t)(B * H * T * D);
                     float *q = malloc(sizeof(float) * nq), *o[3];
                     for (size_t i = 0; i < nq; i++) q[i] = frand();
-                    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, T, D});
+                    mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4,
+                                                          (int64_t[]){B, H, T, D});
                     mha_cache_attend_args a;
                     mha_cache_attend_args_init(&a);
                     a.window_left = win;
@@ -1207,13 +1232,14 @@ static void test_decode_groups(void) {
                                 const int64_t lo = win >= 0 && pos - win > 0 ? pos - win : 0;
                                 const float *qr = q + ((b * H + h) * T + t) * D;
                                 const size_t r0 = (size_t)((b * Hkv + hk) * CAP);
-                                oracle_row(y, qr, k + r0 * (size_t)D, v + r0 * (size_t)D, lo, pos,
-                                           D, sc);
+                                oracle_row(y, qr, k + r0 * (size_t)D, v + r0 * (size_t)D, lo,
+                                           pos, D, sc);
                                 if (kq) {
-                                    oracle_row(yq, qr, kq + r0 * (size_t)D, vq + r0 * (size_t)D, lo,
-                                               pos, D, sc);
-                                    int4_bound(bnd, qr, v + r0 * (size_t)D, ks + r0 * (size_t)ng,
-                                               vs + r0 * (size_t)ng, lo, pos, D);
+                                    oracle_row(yq, qr, kq + r0 * (size_t)D,
+                                               vq + r0 * (size_t)D, lo, pos, D, sc);
+                                    int4_bound(bnd, qr, v + r0 * (size_t)D,
+                                               ks + r0 * (size_t)ng, vs + r0 * (size_t)ng, lo,
+                                               pos, D);
                                 }
                                 for (int64_t e = 0; e < D; e++) {
                                     const double g = o[0][((b * H + h) * T + t) * D + e];
@@ -1222,7 +1248,8 @@ static void test_decode_groups(void) {
                                     mx = fabs(ye) > mx ? fabs(ye) : mx;
                                     if (kq) {  // (the float32 rounding's share: the test's rule)
                                         const double d = fabs(g - y[e]);
-                                        over = fmax(over, d - bnd[e] - 4e-6 * (1.0 + fabs(y[e])));
+                                        over = fmax(over,
+                                                    d - bnd[e] - 4e-6 * (1.0 + fabs(y[e])));
                                         ratio = fmax(ratio, d / bnd[e]);
                                     }
                                 }
@@ -1274,7 +1301,7 @@ int main(void) {
     // the checkpoint layouts (issue 17), last: the draws above are unchanged
     for (int i = 0; i < 160; i++) layout_case(i, MHA_QK_NORM_NONE);
     test_cached_layouts();
-    test_qk_norm();  // (last: the draws above are unchanged)
+    test_qk_norm();               // (last: the draws above are unchanged)
     for (int i = 0; i < 80; i++)  // the layouts again, with the QK-norm
         layout_case(1000 + i, i % 2 ? MHA_QK_NORM_ALL : MHA_QK_NORM_HEAD);
     test_decode_groups();  // (last: the draws above are unchanged)

@@ -98,8 +98,8 @@ static void test_static_known(void) {
         mha_impl im = impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
         fwd(y0, NULL, plain, x, L, N, im, false);
         fwd(y1, NULL, gated, x, L, N, im, false);
-        CHECKF(memcmp(y0, y1, sizeof y0) == 0, "gates of 1 differ from the ungated module (%s)",
-               mha_impl_name(im));
+        CHECKF(memcmp(y0, y1, sizeof y0) == 0,
+               "gates of 1 differ from the ungated module (%s)", mha_impl_name(im));
     }
     // gates g: the plain module with W_O[:, h d : (h+1) d] * g_h
     const float g[H] = {0.25f, -1.5f, 0.0f, 2.0f};
@@ -225,8 +225,8 @@ static void test_prune_known(void) {
                     else live = fmax(live, fabs(w[o] - wall[o]));
                 }
         CHECKF(zero == 0.0, "pruned heads' weights are 0 (%s): max %g", mha_impl_name(im), zero);
-        CHECKF(live == 0.0, "live heads' weights unchanged (%s): max diff %g", mha_impl_name(im),
-               live);
+        CHECKF(live == 0.0, "live heads' weights unchanged (%s): max diff %g",
+               mha_impl_name(im), live);
         // averaged: the mean of heads 0 and 2
         mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, N, E});
         mha_tensor yt = mha_tensor_contiguous(y1, MHA_F32, 3, (int64_t[]){L, N, E});
@@ -501,7 +501,8 @@ static void test_diag(void) {
             double want = 1.0;
             if (gate == MHA_GATE_STATIC) want = param(m, "head_gate")[h];
             if (gate == MHA_GATE_DYNAMIC) {
-                const float *wg = param(m, "gate_proj.weight"), *bg = param(m, "gate_proj.bias");
+                const float *wg = param(m, "gate_proj.weight"),
+                            *bg = param(m, "gate_proj.bias");
                 want = 0;
                 for (int r = 0; r < L * N; r++) {
                     double z = bg[h];
@@ -510,8 +511,8 @@ static void test_diag(void) {
                 }
                 want /= L * N;
             }
-            CHECKF(fabs(hd->gate_mean - want) < 1e-12, "gate %d head %d: gate_mean %g, want %g",
-                   gate, h, hd->gate_mean, want);
+            CHECKF(fabs(hd->gate_mean - want) < 1e-12,
+                   "gate %d head %d: gate_mean %g, want %g", gate, h, hd->gate_mean, want);
         }
         mha_diagnostics_destroy(d);
         mha_module_destroy(m);

@@ -42,10 +42,9 @@
 // The float32 rule's floor: F32_FLOOR * (1 + max|ref64|).
 #define F32_FLOOR 4e-6
 
-static const char *const PARAM_NAMES[] = {
-    "in_proj_weight", "q_proj_weight",  "k_proj_weight",
-    "v_proj_weight",  "in_proj_bias",   "out_proj.weight",
-    "out_proj.bias",  "bias_k",         "bias_v"};
+static const char *const PARAM_NAMES[] = {"in_proj_weight", "q_proj_weight", "k_proj_weight",
+                                          "v_proj_weight",  "in_proj_bias",  "out_proj.weight",
+                                          "out_proj.bias",  "bias_k",        "bias_v"};
 enum { NPARAM_NAMES = sizeof PARAM_NAMES / sizeof PARAM_NAMES[0] };
 
 // The three runs of every file.
@@ -84,8 +83,8 @@ typedef struct golden {
 
 // A golden tensor read as dtype `to` into a new contiguous buffer *buf with
 // view *t of the file's shape.
-static mha_status read_tensor(mha_tensor *t, void **buf, const mha_st_file *f, const char *name,
-                              mha_dtype to) {
+static mha_status read_tensor(mha_tensor *t, void **buf, const mha_st_file *f,
+                              const char *name, mha_dtype to) {
     mha_st_tensor st;
     mha_status s = mha_st_find(&st, f, name);
     if (s) return s;
@@ -125,8 +124,8 @@ static double elem(const void *p, mha_dtype dt, int64_t i) {
 // Compares a contiguous result (F32 or F64, shape ndim/shape) with the
 // golden tensor `name` by the rule of run r. f32_storage: the result went
 // through float32 whatever the views (parameter gradients).
-static void compare(golden *g, int r, const char *name, const void *got, mha_dtype dt, int ndim,
-                    const int64_t *shape, bool f32_storage) {
+static void compare(golden *g, int r, const char *name, const void *got, mha_dtype dt,
+                    int ndim, const int64_t *shape, bool f32_storage) {
     char key[128];
     mha_st_tensor et;
     mha_status s = mha_st_find(&et, g->f, name);
@@ -136,8 +135,8 @@ static void compare(golden *g, int r, const char *name, const void *got, mha_dty
     g->checked++;
     bool same = et.ndim == ndim && et.dtype == MHA_F64;
     for (int i = 0; same && i < ndim; i++) same = et.shape[i] == shape[i];
-    CHECKF(same, "%s [%s]: %s has %d dims (dtype %s) in the file, the library's has %d", g->desc,
-           RUNS[r].name, name, et.ndim, mha_dtype_name(et.dtype), ndim);
+    CHECKF(same, "%s [%s]: %s has %d dims (dtype %s) in the file, the library's has %d",
+           g->desc, RUNS[r].name, name, et.ndim, mha_dtype_name(et.dtype), ndim);
     if (!same) return;
     double *ref = malloc(sizeof(double) * (size_t)(et.numel + 1));
     CHECK_OK(mha_st_read(ref, sizeof(double) * (size_t)et.numel, MHA_F64, &et));
@@ -221,8 +220,8 @@ static mha_module *load_module(golden *g) {
     const mha_config *c = mha_module_config(m);
     const int64_t kd = g->self_attn ? c->embed_dim : g->k[0].shape[g->k[0].ndim - 1];
     const int64_t vd = g->self_attn ? c->embed_dim : g->v[0].shape[g->v[0].ndim - 1];
-    CHECKF(c->num_heads == g->H && c->num_kv_heads == g->Hkv && c->kdim == kd && c->vdim == vd &&
-               c->bias == has[4] && c->add_bias_kv == has[7] &&
+    CHECKF(c->num_heads == g->H && c->num_kv_heads == g->Hkv && c->kdim == kd &&
+               c->vdim == vd && c->bias == has[4] && c->add_bias_kv == has[7] &&
                c->embed_dim == g->q[0].shape[g->q[0].ndim - 1],
            "%s: mha_module_load gave E %lld H %lld Hkv %lld kdim %lld vdim %lld bias %d "
            "bias_kv %d; the file has H %lld Hkv %lld kdim %lld vdim %lld bias %d bias_kv %d",
@@ -294,16 +293,19 @@ static void run_one(golden *g, const mha_module *m, int r) {
         mha_st_tensor t;
         CHECK_OK(mha_st_tensor_at(&t, g->f, i));
         expected += strncmp(t.name, "attn_output", 11) == 0 ||
-                    (strncmp(t.name, "grad_", 5) == 0 && strcmp(t.name, "grad_attn_output") != 0);
+                    (strncmp(t.name, "grad_", 5) == 0 &&
+                     strcmp(t.name, "grad_attn_output") != 0);
     }
-    if (!s) CHECKF(g->checked == expected, "%s [%s]: compared %d tensors, the file expects %d",
-                   g->desc, rk->name, g->checked, expected);
+    if (!s)
+        CHECKF(g->checked == expected, "%s [%s]: compared %d tensors, the file expects %d",
+               g->desc, rk->name, g->checked, expected);
     mha_module_destroy(grads);
     free(yb), free(wb), free(gqb), free(gkb), free(gvb);
 }
 
 static void golden_free(golden *g) {
-    for (int x = 0; x < 2; x++) free(g->qb[x]), free(g->kb[x]), free(g->vb[x]), free(g->gyb[x]);
+    for (int x = 0; x < 2; x++)
+        free(g->qb[x]), free(g->kb[x]), free(g->vb[x]), free(g->gyb[x]);
     free(g->kpmb), free(g->amb);
     mha_st_close(g->f);
 }
@@ -321,8 +323,8 @@ static void golden_file(const char *dir, const char *fname) {
     const char *magic = mha_st_metadata(g.f, GOLDEN_MAGIC);
     CHECKF(magic && strcmp(magic, GOLDEN_VERSION) == 0,
            "%s: __metadata__ \"%s\" is %s, expected \"%s\" (regenerate with "
-           "scripts/gen_golden.py)", g.path, GOLDEN_MAGIC, magic ? magic : "absent",
-           GOLDEN_VERSION);
+           "scripts/gen_golden.py)",
+           g.path, GOLDEN_MAGIC, magic ? magic : "absent", GOLDEN_VERSION);
     if (!magic || strcmp(magic, GOLDEN_VERSION) != 0) {
         golden_free(&g);
         return;

@@ -92,7 +92,7 @@ typedef struct hcase {
 
 static const char *dn(mha_dtype d) { return mha_dtype_name(d); }
 
-static bool g_bf_seen;  // a case computed in bf16 (printed once)
+static bool g_bf_seen;      // a case computed in bf16 (printed once)
 static double g_bwd_worst;  // the bf16 backward's error / bound, worst case
 
 static void run_case(const hcase *c, int id) {
@@ -104,7 +104,8 @@ static void run_case(const hcase *c, int id) {
     for (int64_t i = 0; i < nq; i++) q[i] = 2.0f * frand();
     for (int64_t i = 0; i < nk; i++) k[i] = 2.0f * frand();
     for (int64_t i = 0; i < nv; i++) v[i] = frand();
-    void *qh = as_dtype(q, nq, c->qd), *kh = as_dtype(k, nk, c->kd), *vh = as_dtype(v, nv, c->vd);
+    void *qh = as_dtype(q, nq, c->qd), *kh = as_dtype(k, nk, c->kd),
+         *vh = as_dtype(v, nv, c->vd);
     mha_tensor qt = mha_tensor_contiguous(qh, c->qd, 4, (int64_t[]){B, H, L, D});
     mha_tensor kt = mha_tensor_contiguous(kh, c->kd, 4, (int64_t[]){B, Hkv, S, D});
     mha_tensor vt = mha_tensor_contiguous(vh, c->vd, 4, (int64_t[]){B, Hkv, S, Dv});
@@ -112,7 +113,8 @@ static void run_case(const hcase *c, int id) {
     mha_tensor q32 = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){B, H, L, D});
     mha_tensor k32 = mha_tensor_contiguous(k, MHA_F32, 4, (int64_t[]){B, Hkv, S, D});
     mha_tensor v32 = mha_tensor_contiguous(v, MHA_F32, 4, (int64_t[]){B, Hkv, S, Dv});
-    double *q64 = malloc(sizeof(double) * (size_t)nq), *k64 = malloc(sizeof(double) * (size_t)nk),
+    double *q64 = malloc(sizeof(double) * (size_t)nq),
+           *k64 = malloc(sizeof(double) * (size_t)nk),
            *v64 = malloc(sizeof(double) * (size_t)nv);
     for (int64_t i = 0; i < nq; i++) q64[i] = q[i];
     for (int64_t i = 0; i < nk; i++) k64[i] = k[i];
@@ -163,8 +165,8 @@ static void run_case(const hcase *c, int id) {
         mha_tensor ot = mha_tensor_contiguous(oh[r], c->od, 4, (int64_t[]){B, H, L, Dv});
         mha_tensor wt = mha_tensor_contiguous(wh[r], c->od, 4, (int64_t[]){B, H, L, S});
         CHECK_OK(mha_sdpa(&ot, c->weights ? &wt : NULL, &a));
-        CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: auto ran \"%s\", not fused", desc,
-               mha_last_impl());
+        CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: auto ran \"%s\", not fused",
+               desc, mha_last_impl());
     }
     // bf16 q, k, v on a CPU that multiplies bf16: products in bf16 (P
     // rounded), so not the float32 path's bits; bounded below instead
@@ -175,8 +177,8 @@ static void run_case(const hcase *c, int id) {
     g_bf_seen |= bf;
     set_threads(2);
     for (int r = 1; r < 3; r++) {
-        CHECKF(memcmp(oh[0], oh[r], osz * (size_t)no) == 0, "%s: output bits differ at %d threads",
-               desc, threads[r]);
+        CHECKF(memcmp(oh[0], oh[r], osz * (size_t)no) == 0,
+               "%s: output bits differ at %d threads", desc, threads[r]);
         if (c->weights)
             CHECKF(memcmp(wh[0], wh[r], osz * (size_t)nw) == 0,
                    "%s: weights bits differ at %d threads", desc, threads[r]);
@@ -217,14 +219,15 @@ static void run_case(const hcase *c, int id) {
             over = fmax(over, e - bnd);
             worst = fmax(worst, e / bnd);
         }
-        CHECKF(over <= 0.0, "%s: against float64 over its bound by %g (worst err/bound %g)", desc,
-               over, worst);
+        CHECKF(over <= 0.0, "%s: against float64 over its bound by %g (worst err/bound %g)",
+               desc, over, worst);
         // bf16 compute: the weights are float32 softmaxes of its float32
         // scores (the output's rounding and float32's error)
         for (int64_t i = 0; bf && c->weights && i < nw; i++) {
             const double e = fabs((double)elem(wh[0], c->od, i) - w64[i]);
             const double bnd = half_ulp * w64[i] + (c->od == MHA_F16 ? 0x1p-25 : 0.0) + 4e-6;
-            CHECKF(e <= bnd, "%s: weight %lld off float64 by %g > %g", desc, (long long)i, e, bnd);
+            CHECKF(e <= bnd, "%s: weight %lld off float64 by %g > %g", desc, (long long)i, e,
+                   bnd);
             if (e > bnd) break;
         }
         free(o64), free(w64);
@@ -255,10 +258,12 @@ static void run_case(const hcase *c, int id) {
         bool bbf = false;
         for (int r = 0; r < 3; r++) {
             set_threads(threads[r]);
-            for (int j = 0; j < 3; j++) hg[r][j] = calloc((size_t)n3[j], t3[j] == MHA_F32 ? 4 : 2);
+            for (int j = 0; j < 3; j++)
+                hg[r][j] = calloc((size_t)n3[j], t3[j] == MHA_F32 ? 4 : 2);
             mha_tensor h0 = mha_tensor_contiguous(hg[r][0], c->qd, 4, (int64_t[]){B, H, L, D});
             mha_tensor h1 = mha_tensor_contiguous(hg[r][1], c->kd, 4, (int64_t[]){B, Hkv, S, D});
-            mha_tensor h2 = mha_tensor_contiguous(hg[r][2], c->vd, 4, (int64_t[]){B, Hkv, S, Dv});
+            mha_tensor h2 = mha_tensor_contiguous(hg[r][2], c->vd, 4,
+                                                  (int64_t[]){B, Hkv, S, Dv});
             CHECK_OK(mha_sdpa_backward(&h0, &h1, &h2, &gt, &a));
             CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: backward ran \"%s\"", desc,
                    mha_last_impl());
@@ -266,14 +271,14 @@ static void run_case(const hcase *c, int id) {
         }
         // the bf16 backward exactly where the forward computed in bf16 and
         // dout is bf16 too
-        CHECKF(bbf == (bf && c->od == MHA_BF16), "%s: backward \"%s\" (forward bf16: %d)", desc,
-               mha_last_impl(), (int)bf);
+        CHECKF(bbf == (bf && c->od == MHA_BF16), "%s: backward \"%s\" (forward bf16: %d)",
+               desc, mha_last_impl(), (int)bf);
         set_threads(2);
         for (int j = 0; j < 3; j++) {
             const size_t bytes = (size_t)n3[j] * (t3[j] == MHA_F32 ? 4 : 2);
             for (int r = 1; r < 3; r++)
-                CHECKF(memcmp(hg[0][j], hg[r][j], bytes) == 0, "%s: %s bits differ at %d threads",
-                       desc, nm[j], threads[r]);
+                CHECKF(memcmp(hg[0][j], hg[r][j], bytes) == 0,
+                       "%s: %s bits differ at %d threads", desc, nm[j], threads[r]);
             if (bbf) {  // the bf16 backward: a sanity bound against float32's
                 double gmax = 0, md = 0, num = 0, den = 0;
                 for (int64_t i = 0; i < n3[j]; i++) {
@@ -291,8 +296,8 @@ static void run_case(const hcase *c, int id) {
                 continue;
             }
             const int64_t bj = first_unrounded(hg[0][j], t3[j], f[j], n3[j]);
-            CHECKF(bj < 0, "%s: %s %lld is not the float32 path's rounded: %a vs %a", desc, nm[j],
-                   (long long)bj, bj < 0 ? 0.0 : (double)elem(hg[0][j], t3[j], bj),
+            CHECKF(bj < 0, "%s: %s %lld is not the float32 path's rounded: %a vs %a", desc,
+                   nm[j], (long long)bj, bj < 0 ? 0.0 : (double)elem(hg[0][j], t3[j], bj),
                    bj < 0 ? 0.0 : (double)f[j][bj]);
         }
         for (int j = 0; j < 3; j++) {
@@ -307,8 +312,8 @@ static void run_case(const hcase *c, int id) {
         a.impl = MHA_IMPL_REFERENCE;
         mha_tensor ot = mha_tensor_contiguous(oh[1], c->od, 4, (int64_t[]){B, H, L, Dv});
         CHECK_OK(mha_sdpa(&ot, NULL, &a));
-        CHECKF(strcmp(mha_last_impl(), "reference") == 0, "%s: impl reference ran \"%s\"", desc,
-               mha_last_impl());
+        CHECKF(strcmp(mha_last_impl(), "reference") == 0, "%s: impl reference ran \"%s\"",
+               desc, mha_last_impl());
     }
     for (int r = 0; r < 3; r++) free(oh[r]), free(wh[r]);
     free(q), free(k), free(v), free(qh), free(kh), free(vh), free(q64), free(k64), free(v64);
@@ -343,7 +348,8 @@ static void test_cache_half(void) {
         }
         for (int ti = 0; ti < 2; ti++) {
             const int64_t T = ti ? 20 : 1, n = B * H * T * D;
-            float *q = malloc(sizeof(float) * (size_t)n), *o = malloc(sizeof(float) * (size_t)n);
+            float *q = malloc(sizeof(float) * (size_t)n),
+                  *o = malloc(sizeof(float) * (size_t)n);
             for (int hi = 0; hi < 2; hi++) {
                 const mha_dtype dt = hi ? MHA_F16 : MHA_BF16;
                 for (int64_t i = 0; i < n; i++) q[i] = frand();
@@ -373,8 +379,9 @@ static void test_cache_half(void) {
                                strcmp(mha_last_impl() + 6, mha_isa()) == 0,
                            "cache %d attend: last_impl \"%s\"", store, mha_last_impl());
                     const int64_t bad = first_unrounded(oh, odt, o, n);
-                    CHECKF(bad < 0, "cache %d T %lld q %s out %s: element %lld is not the "
-                                    "float32 attend's rounded",
+                    CHECKF(bad < 0,
+                           "cache %d T %lld q %s out %s: element %lld is not the "
+                           "float32 attend's rounded",
                            store, (long long)T, dn(dt), dn(odt), (long long)bad);
                     checks++;
                     free(oh);
@@ -416,7 +423,8 @@ static void test_varlen_half(void) {
             void *qh = as_dtype(q, Tq * H * D, qd), *kh = as_dtype(k, Tk * HKV * D, kd),
                  *vh = as_dtype(v, Tk * HKV * D, vd);
             const size_t osz = od == MHA_F32 ? 4 : 2;
-            char *o1 = calloc((size_t)(Tq * H * D), osz), *o2 = calloc((size_t)(Tq * H * D), osz);
+            char *o1 = calloc((size_t)(Tq * H * D), osz),
+                 *o2 = calloc((size_t)(Tq * H * D), osz);
             mha_tensor qt = mha_tensor_contiguous(qh, qd, 3, (int64_t[]){Tq, H, D});
             mha_tensor kt = mha_tensor_contiguous(kh, kd, 3, (int64_t[]){Tk, HKV, D});
             mha_tensor vt = mha_tensor_contiguous(vh, vd, 3, (int64_t[]){Tk, HKV, D});
@@ -429,10 +437,15 @@ static void test_varlen_half(void) {
             char impl[64];
             snprintf(impl, sizeof impl, "%s", mha_last_impl());
             for (int b = 0; b < NS; b++) {  // (1, H, l, D) views of sequence b's rows
-#define SEQ_VIEW(base, dt, rows, heads, r0)                                                 \
-    (mha_tensor) {                                                                            \
-        .data = (char *)(base) + (r0) * (heads) * D * (dt == MHA_F32 ? 4 : 2), .dtype = dt,   \
-        .ndim = 4, .shape = {1, heads, rows, D}, .stride = {rows * heads * D, D, heads * D, 1} \
+#define SEQ_VIEW(base, dt, rows, heads, r0)                                               \
+    (mha_tensor) {                                                                        \
+        .data = (char *)(base) + (r0) * (heads)*D * (dt == MHA_F32 ? 4 : 2), .dtype = dt, \
+        .ndim = 4, .shape = {1, heads, rows, D}, .stride = {                              \
+            rows * heads * D,                                                             \
+            D,                                                                            \
+            heads * D,                                                                    \
+            1                                                                             \
+        }                                                                                 \
     }
                 mha_tensor q4 = SEQ_VIEW(qh, qd, lq[b], H, cq[b]);
                 mha_tensor k4 = SEQ_VIEW(kh, kd, lk[b], HKV, ck[b]);

@@ -11,7 +11,7 @@
 // gemm_nn_acc of the same table, C outside its tile untouched. Across
 // tables: every slot kernels.h promises the same bits on every table
 // (cvt_i4, dot_acc_rows, dsoftmax_rows; the exact transpose and widenings;
-// cvt_i8; gemm_nn / gemm_packed / gemm_packed_tn between the tables of one
+// cvt_i8; gemm_nn / gemm_packed / gemm_packed_tn (/ gemm_packed_bh) between the tables of one
 // FMA sum order), every pair of tables memcmp-equal on shapes with tails.
 // Prints the ISAs covered and those this build or CPU lacks.
 #include <math.h>
@@ -504,9 +504,63 @@ static void test_transpose(const mha__kernels *k) {
     CHECKF(bad == 0, "%s transpose: %d elements wrong", k->isa, bad);
 }
 
+// gemm_packed_bh: mha__gemm_pack_wt_bh's Bp holds, element for element,
+// mha__gemm_pack_wt_half's float32 Bp narrowed back (exact), and the bh
+// GEMM gives gemm_packed's bits on that float32 Bp: bf16 and f16 weights,
+// odd shapes, overwrite and accumulate, with and without bias, and
+// mha__gemm_rows_packed_bh with 1 and 3 threads.
+static void test_packed_bh(const mha__kernels *k) {
+    const int64_t shapes[][3] = {{1, 1, 1},     {13, 33, 7},   {14, 32, 256},
+                                 {29, 70, 257}, {300, 65, 31}, {3, 2304, 768}};
+    int bad = 0;
+    for (int kind = 1; kind <= 2; kind++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (int mode = 0; mode < 4; mode++) {
+                const int64_t M = shapes[s][0], O = shapes[s][1], I = shapes[s][2];
+                const int64_t lda = I + 3, ldc = O + 2;
+                const bool acc = mode & 1, use_bias = mode & 2;
+                float *A = falloc((size_t)(M * lda)), *b = falloc((size_t)O);
+                float *C1 = falloc((size_t)(M * ldc)), *C2 = falloc((size_t)(M * ldc));
+                uint16_t *W = malloc(sizeof(uint16_t) * (size_t)(O * I));
+                const size_t np = mha__gemm_packed_b_floats(k, I, O);
+                float *Bp = falloc(np), *tmp = falloc(mha__gemm_pack_half_tmp_floats(k, I, 3));
+                uint16_t *Bh = malloc(sizeof(uint16_t) * np);
+                float *sc = falloc(mha__gemm_scratch_floats(k, 3));
+                for (int64_t i = 0; i < M * lda; i++) A[i] = frand();
+                for (int64_t i = 0; i < O; i++) b[i] = frand();
+                for (int64_t i = 0; i < O * I; i++)
+                    W[i] = kind == 1 ? mha_f32_to_bf16(frand()) : mha_f32_to_f16(frand());
+                mha__gemm_pack_wt_half(k, Bp, W, kind, O, I, 1, tmp);
+                mha__gemm_pack_wt_bh(k, Bh, W, O, I, 3);
+                for (size_t e = 0; e < np; e++) {
+                    const float w = kind == 1 ? mha_bf16_to_f32(Bh[e]) : mha_f16_to_f32(Bh[e]);
+                    bad += memcmp(&w, &Bp[e], 4) != 0;
+                }
+                const float *bias = use_bias ? b : NULL;
+                for (int64_t i = 0; i < M * ldc; i++) C1[i] = frand();
+                memcpy(C2, C1, sizeof(float) * (size_t)(M * ldc));
+                k->gemm_packed(C1, ldc, A, lda, Bp, bias, M, O, I, acc, sc);
+                k->gemm_packed_bh(C2, ldc, A, lda, Bh, kind, bias, M, O, I, acc, sc);
+                bad += memcmp(C1, C2, sizeof(float) * (size_t)(M * ldc)) != 0;
+                for (int nt = 1; nt <= 3; nt += 2) {
+                    memcpy(C2, C1, sizeof(float) * (size_t)(M * ldc));
+                    mha__gemm_rows_packed(k, C1, ldc, A, lda, Bp, bias, M, I, O, acc, 1, sc);
+                    mha__gemm_rows_packed_bh(k, C2, ldc, A, lda, Bh, kind, bias, M, I, O, acc,
+                                             nt, sc);
+                    bad += memcmp(C1, C2, sizeof(float) * (size_t)(M * ldc)) != 0;
+                }
+                CHECKF(bad == 0,
+                       "%s gemm_packed_bh kind %d M %lld O %lld I %lld acc %d bias %d", k->isa,
+                       kind, (long long)M, (long long)O, (long long)I, acc, use_bias);
+                free(A), free(b), free(C1), free(C2), free(W), free(Bp), free(tmp), free(Bh);
+                free(sc);
+            }
+}
+
 static void test_packed(const mha__kernels *k) {
     CHECK(k->pk_nr > 0 && k->pk_mr > 0 && k->pk_apack >= 0 && k->pack_b && k->gemm_packed &&
-          k->gemm_packed_tn);
+          k->gemm_packed_tn && k->gemm_packed_bh);
+    test_packed_bh(k);
     test_pack_layout(k);
     test_packed_vs_double(k);
     test_packed_vs_gemm_nn(k);
@@ -1050,7 +1104,7 @@ static void test_softmax_rows_bf16(const mha__kernels *k, const mha__kernels *g)
         // M, ~1e18 here; the kernel clamps it (the fuzzer's case)
         const bool huge = trial % 5 == 4;
         const float scale = huge ? 0.17677669f : trial % 2 ? 0.125f : 1.0f;
-        const float spread = huge               ? 1e25f
+        const float spread = huge             ? 1e25f
                              : trial % 3 == 0 ? 120.0f
                                               : 8.0f;  // (spans the cut at -87)
         float m0[RMAX], l0[RMAX], m1[RMAX], l1[RMAX], a0[RMAX], a1[RMAX], mi[RMAX], li[RMAX];
@@ -1074,8 +1128,8 @@ static void test_softmax_rows_bf16(const mha__kernels *k, const mha__kernels *g)
             same &= (memcmp(&m0[r], &m1[r], 4) == 0 || (isnan(m0[r]) && isnan(m1[r]))) &&
                     (memcmp(&l0[r], &l1[r], 4) == 0 || (isnan(l0[r]) && isnan(l1[r]))) &&
                     (memcmp(&a0[r], &a1[r], 4) == 0 || (isnan(a0[r]) && isnan(a1[r])));
-        CHECKF(same, "%s softmax_rows_bf16 R %lld n %lld scale %g: not the generic bits", k->isa,
-               (long long)R, (long long)n, (double)scale);
+        CHECKF(same, "%s softmax_rows_bf16 R %lld n %lld scale %g: not the generic bits",
+               k->isa, (long long)R, (long long)n, (double)scale);
         for (int64_t r = 0; r < R && k == g; r++) {  // the generic against double
             double M = mi[r], sum = 0;
             bool nan = false;
@@ -1102,8 +1156,9 @@ static void test_softmax_rows_bf16(const mha__kernels *k, const mha__kernels *g)
                 mi[r] == -INFINITY ? 0.0 : (2 * fabs(za) * 0x1p-24 + 0x1p-22) * al + 0x1p-125;
             lb += li[r] * ab + (double)(n + 2) * 0x1p-24 * lw;
             ok &= fabs(a1[r] - al) <= ab && fabs(l1[r] - lw) <= lb;
-            CHECKF(ok, "generic softmax_rows_bf16 R %lld n %lld row %lld: off exp in double "
-                       "(M %g vs %g, l %g vs %g, alpha %g vs %g)",
+            CHECKF(ok,
+                   "generic softmax_rows_bf16 R %lld n %lld row %lld: off exp in double "
+                   "(M %g vs %g, l %g vs %g, alpha %g vs %g)",
                    (long long)R, (long long)n, (long long)r, (double)m1[r], M, (double)l1[r],
                    lw, (double)a1[r], al);
         }

@@ -13,8 +13,8 @@ static void test_params_packed(void) {
     c.add_bias_kv = true;
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
-    const char *want[] = {"in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
-                          "out_proj.weight", "out_proj.bias"};
+    const char *want[] = {"in_proj_weight", "in_proj_bias",    "bias_k",
+                          "bias_v",         "out_proj.weight", "out_proj.bias"};
     const int64_t numel[] = {36 * 12, 36, 12, 12, 144, 12};
     CHECK(mha_module_num_params(m) == 6);
     for (int i = 0; i < 6; i++) {
@@ -97,9 +97,8 @@ static stats stats_of(const float *x, int64_t n) {
     return r;
 }
 
-static mha_module *make(int64_t E, int64_t H, int64_t kdim, bool bkv,
-                        mha_init_scheme sch, double gain, double std,
-                        uint64_t seed) {
+static mha_module *make(int64_t E, int64_t H, int64_t kdim, bool bkv, mha_init_scheme sch,
+                        double gain, double std, uint64_t seed) {
     mha_config c;
     mha_config_init(&c, E, H);
     c.kdim = kdim;
@@ -157,7 +156,8 @@ static void test_init_default(void) {
     bv = param(m, "bias_v", &n2);
     // xavier_normal on (1, 1, E): std 1/sqrt(E); 256 samples: loose check
     s = stats_of(bk, n);
-    CHECKF(s.std > 0.7 / sqrt((double)E) && s.std < 1.3 / sqrt((double)E), "bias_k std %g", s.std);
+    CHECKF(s.std > 0.7 / sqrt((double)E) && s.std < 1.3 / sqrt((double)E), "bias_k std %g",
+           s.std);
     CHECK(memcmp(bk, bv, (size_t)n * 4) != 0);
     // same seed: same values; other seed: different
     mha_module *m2 = make(E, 8, 0, true, MHA_INIT_XAVIER_UNIFORM, 1.0, 0, 7);
@@ -325,7 +325,8 @@ static void test_gqa(void) {
     CHECK_OK(mha_module_save(m, path));
     mha_st_file *f = NULL;
     CHECK_OK(mha_st_open(&f, path));
-    CHECK(mha_st_metadata(f, "num_kv_heads") && !strcmp(mha_st_metadata(f, "num_kv_heads"), "2"));
+    CHECK(mha_st_metadata(f, "num_kv_heads") &&
+          !strcmp(mha_st_metadata(f, "num_kv_heads"), "2"));
     mha_module *m2 = NULL;
     CHECK_OK(mha_module_load(&m2, f, NULL));
     if (m2) {
@@ -471,16 +472,17 @@ static void test_layouts(void) {
     // head_dim 4 with E = 10, H = 3 (E % H != 0), Hkv 1: Eq 12, Ekv 4
     mha_module *m = layout_module(10, 3, 1, 4, false, true, false, 0, 1);
     CHECK(m && mha_module_config(m)->head_dim == 4);
-    const char *want[] = {"in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
-                          "out_proj.weight", "out_proj.bias"};
+    const char *want[] = {"in_proj_weight", "in_proj_bias",    "bias_k",
+                          "bias_v",         "out_proj.weight", "out_proj.bias"};
     const int64_t shp[6][3] = {{20, 10}, {20}, {1, 1, 4}, {1, 1, 4}, {10, 12}, {10}};
     for (int i = 0; m && i < 6; i++) {
         mha_param p;
         CHECK_OK(mha_module_param_at(&p, m, i));
         CHECKF(!strcmp(p.name, want[i]) && p.shape[0] == shp[i][0] &&
-                   (p.ndim < 2 || p.shape[1] == shp[i][1]) && (p.ndim < 3 || p.shape[2] == shp[i][2]),
-               "head_dim module: param %d is %s (%lld, %lld)", i, p.name, (long long)p.shape[0],
-               (long long)p.shape[1]);
+                   (p.ndim < 2 || p.shape[1] == shp[i][1]) &&
+                   (p.ndim < 3 || p.shape[2] == shp[i][2]),
+               "head_dim module: param %d is %s (%lld, %lld)", i, p.name,
+               (long long)p.shape[0], (long long)p.shape[1]);
     }
     // out_proj.weight (E, Eq): U(-1/sqrt(Eq), 1/sqrt(Eq)) (nn.Linear's fan_in)
     mha_param po;
@@ -589,7 +591,8 @@ static void test_layouts(void) {
         if (h) {
             const mha_config *x = mha_module_config(a), *y = mha_module_config(h);
             CHECK(x->head_dim == y->head_dim && x->separate_qkv == y->separate_qkv &&
-                  x->no_out_bias == y->no_out_bias && mha_module_num_params(a) == mha_module_num_params(h));
+                  x->no_out_bias == y->no_out_bias &&
+                  mha_module_num_params(a) == mha_module_num_params(h));
         }
         mha_module_destroy(h);
         mha_module_destroy(a);
@@ -610,7 +613,8 @@ static void test_layouts(void) {
         CHECK_OK(mha_st_open(&f, path));
         m = NULL;
         CHECK_FAILS(mha_module_load(&m, f, NULL), MHA_ERR_SHAPE);
-        CHECKF(strstr(mha_last_error(), "out_proj.weight") && strstr(mha_last_error(), "num_heads 2"),
+        CHECKF(strstr(mha_last_error(), "out_proj.weight") &&
+                   strstr(mha_last_error(), "num_heads 2"),
                "message: %s", mha_last_error());
         mha_st_close(f);
         CHECK_OK(mha_st_writer_add(w, "out_proj.bias", MHA_F32, 1, (int64_t[]){6}, bo));

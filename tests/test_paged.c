@@ -87,8 +87,10 @@ static void mirror_put(mirror *m, int64_t t, int32_t tok, int64_t D) {
     m->prefix[t] = mix((t ? m->prefix[t - 1] : 0x1234) ^ (uint64_t)(uint32_t)tok);
     for (int64_t h = 0; h < HKV; h++)
         for (int64_t e = 0; e < D; e++) {
-            m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 0);
-            m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t], h, e, 1);
+            m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t],
+                                                                                 h, e, 0);
+            m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e] = kv_of(m->prefix[t],
+                                                                                 h, e, 1);
         }
 }
 
@@ -119,7 +121,9 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
         for (int64_t h = 0; h < HKV; h++)
             for (int64_t t = 0; t < m->len; t++)
                 for (int64_t e = 0; e < D; e++) {
-                    const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) * (size_t)D + (size_t)e;
+                    const size_t dst = (((size_t)i * HKV + (size_t)h) * (size_t)cap + (size_t)t) *
+                                           (size_t)D +
+                                       (size_t)e;
                     kb[dst] = m->k[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
                     vb[dst] = m->v[((size_t)h * CAPL + (size_t)t) * (size_t)D + (size_t)e];
                 }
@@ -175,8 +179,10 @@ static mha_status append_ids(world *w, const int *sel, int n, const int64_t *cnt
                 memcpy(k + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
                        scratch.k + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
                        sizeof(float) * (size_t)D),
-                    memcpy(v + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) * (size_t)D,
-                           scratch.v + ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
+                    memcpy(v + (((size_t)i * HKV + (size_t)h) * (size_t)T + (size_t)t) *
+                                   (size_t)D,
+                           scratch.v +
+                               ((size_t)h * CAPL + (size_t)(scratch.len + t)) * (size_t)D,
                            sizeof(float) * (size_t)D);
         }
     }
@@ -261,7 +267,8 @@ static void random_schedule(mha_kv_dtype dt, int64_t bs, int64_t D, int steps) {
             CHECK_OK(mha_paged_cache_add_prompt(w.c, prompt, keep + extra, &m->id, &cached));
             // whole blocks, or the prompt but its last token when blocks hold all of it
             CHECKF(cached >= 0 && cached < keep + extra &&
-                       (cached % bs == 0 || (cached == keep + extra - 1 && (cached + 1) % bs == 0)),
+                       (cached % bs == 0 ||
+                        (cached == keep + extra - 1 && (cached + 1) % bs == 0)),
                    "prompt of %lld: %lld cached", (long long)(keep + extra), (long long)cached);
             CHECK(mha_paged_cache_blocks_in_use(w.c) == used);  // shared, nothing new
             CHECK(mha_paged_cache_length(w.c, m->id) == cached);
@@ -319,7 +326,7 @@ static void test_shared_decode(int64_t D, int64_t plen, int dt0, int dt1) {
     for (int dt = dt0; dt <= dt1; dt++) {
         world w = {.dt = (mha_kv_dtype)dt, .D = D, .bs = 16};
         CHECK_OK(paged_create(&w.c, (MAXSEQ * MAXLEN) / 16 + 8, 16, HKV, D, D,
-                                        (mha_kv_dtype)dt));
+                              (mha_kv_dtype)dt));
         int sel[MAXSEQ];
         for (int i = 0; i < 10; i++) sel[i] = i;
         mirror_init(&w.seq[0], D);
@@ -415,8 +422,7 @@ static void test_prefix(void) {
         int64_t cached;
         CHECK_OK(mha_paged_cache_add_prompt(w.c, prompt, P, &m->id, &cached));
         // (P a whole number of blocks: every one shared, the last token's row kept)
-        CHECKF(cached == (i == 0 ? 0 : P - 1), "sequence %d: %lld cached", i,
-               (long long)cached);
+        CHECKF(cached == (i == 0 ? 0 : P - 1), "sequence %d: %lld cached", i, (long long)cached);
         for (int64_t t = 0; t < cached; t++) mirror_put(m, t, prompt[t], D);
         m->len = cached;
         w.n = i + 1;
@@ -479,7 +485,8 @@ static void test_prefix(void) {
     CHECK_OK(append_ids(&x, s0, 1, &c12, given, true));  // block 1 rewritten
     mirror_init(&x.seq[1], D);
     CHECK_OK(mha_paged_cache_add_prompt(x.c, prompt, 33, &x.seq[1].id, &cached));
-    CHECKF(cached == 16, "a prompt after a rewrite: %lld cached, expected 16", (long long)cached);
+    CHECKF(cached == 16, "a prompt after a rewrite: %lld cached, expected 16",
+           (long long)cached);
     for (int64_t t = 0; t < cached; t++) mirror_put(&x.seq[1], t, prompt[t], D);
     x.seq[1].len = cached;
     x.n = 2;
@@ -598,8 +605,9 @@ static void test_placement(void) {
     int64_t c40 = 40;
     CHECK_OK(append_ids(&w, s0, 1, &c40, NULL, true));
     for (int64_t i = 0; i < 10; i++)
-        CHECKF(mha__paged_cache_block(w.c, w.seq[0].id, i) == i, "the first sequence's block %lld: %lld",
-               (long long)i, (long long)mha__paged_cache_block(w.c, w.seq[0].id, i));
+        CHECKF(mha__paged_cache_block(w.c, w.seq[0].id, i) == i,
+               "the first sequence's block %lld: %lld", (long long)i,
+               (long long)mha__paged_cache_block(w.c, w.seq[0].id, i));
     // three sequences growing in turns, a block each per round
     for (int i = 1; i <= 3; i++) CHECK_OK(mha_paged_cache_add(w.c, &w.seq[i].id));
     w.n = 4;
@@ -693,24 +701,25 @@ static void test_errors(void) {
                at = mha_tensor_contiguous(after, MHA_F32, 4, sh);
     CHECK_OK(mha_paged_cache_attend(&bt, &qt, c, 2, ids, NULL, NULL));
     // call fails with status, and every part of the state is as before it
-#define FAILS_UNCHANGED(call, status)                                                     \
-    do {                                                                                  \
-        uint64_t d0_[MHA__PAGED_DIGEST_PARTS];                                            \
-        char changed_[256];                                                               \
-        mha__paged_cache_digest(c, d0_);                                                  \
-        const mha_status st_ = (call);                                                    \
+#define FAILS_UNCHANGED(call, status)                                                    \
+    do {                                                                                 \
+        uint64_t d0_[MHA__PAGED_DIGEST_PARTS];                                           \
+        char changed_[256];                                                              \
+        mha__paged_cache_digest(c, d0_);                                                 \
+        const mha_status st_ = (call);                                                   \
         CHECKF(st_ == (status), "%s -> %s (want %s): %s", #call, mha_status_string(st_), \
-               mha_status_string(status), mha_last_error());                              \
-        CHECKF(!digest_changed(c, d0_, changed_, sizeof changed_),                        \
-               "the failing %s changed %s", #call, changed_);                             \
+               mha_status_string(status), mha_last_error());                             \
+        CHECKF(!digest_changed(c, d0_, changed_, sizeof changed_),                       \
+               "the failing %s changed %s", #call, changed_);                            \
     } while (0)
-#define UNCHANGED(what)                                                                   \
-    do {                                                                                  \
-        CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);     \
-        CHECKF(mha_paged_cache_length(c, ids[0]) == 9 && mha_paged_cache_length(c, ids[1]) == 5, \
-               "%s: lengths changed", what);                                              \
-        CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));                \
-        CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what);  \
+#define UNCHANGED(what)                                                                  \
+    do {                                                                                 \
+        CHECKF(mha_paged_cache_blocks_in_use(c) == used, "%s: blocks changed", what);    \
+        CHECKF(mha_paged_cache_length(c, ids[0]) == 9 &&                                 \
+                   mha_paged_cache_length(c, ids[1]) == 5,                               \
+               "%s: lengths changed", what);                                             \
+        CHECK_OK(mha_paged_cache_attend(&at, &qt, c, 2, ids, NULL, NULL));               \
+        CHECKF(memcmp(before, after, sizeof before) == 0, "%s: contents changed", what); \
     } while (0)
     // an exhausted pool: 0 + 3 blocks needed, and a copy of sequence 0's
     // shared last block: 4 needed, 1 free; nothing appended
@@ -797,7 +806,7 @@ typedef struct overlap {
 } overlap;
 
 static _Thread_local overlap *t_hold;  // this thread's next call holds on it
-static atomic_int g_stuck;            // waits that ran over a minute
+static atomic_int g_stuck;             // waits that ran over a minute
 
 // Until *a >= v or, b given, *b is set; false (and g_stuck counted) after a
 // minute: a deadlock fails the test rather than hang it.
@@ -878,8 +887,8 @@ static int threads_call(threads_arg *a, int call) {
         }
         return strstr(mha_last_error(), "being changed") ? T_REFUSED : T_BAD;
     }
-    const mha_status st =
-        mha_paged_cache_append(x->c, 1, &x->ids[a->me ? 1 : 2], NULL, x->t1, x->t1);
+    const mha_status st = mha_paged_cache_append(x->c, 1, &x->ids[a->me ? 1 : 2], NULL, x->t1,
+                                                 x->t1);
     if (st == MHA_OK) {
         a->landed++;
         return T_OK;
@@ -964,8 +973,8 @@ static void test_threads(void) {
     for (int t = 0; t < 2; t++)
         if (started[t]) CHECK(pthread_join(th[t], NULL) == 0);
     mha__paged_cache_set_hook(c, NULL, NULL);
-    CHECKF(atomic_load(&g_stuck) == 0, "threads: %d waits for the other thread ran over a minute",
-           atomic_load(&g_stuck));
+    CHECKF(atomic_load(&g_stuck) == 0,
+           "threads: %d waits for the other thread ran over a minute", atomic_load(&g_stuck));
     // every forced overlap, every round: the holder's call ran (held inside
     // the cache by the hook, in the call it names), the other's was refused
     // or ran as the table says
@@ -977,7 +986,8 @@ static void test_threads(void) {
         int inside = 0;
         for (int r = 0; r < T_ROUNDS; r++)
             inside += x->ov[r][p].where &&
-                    strcmp(x->ov[r][p].where, name[t_forced[p].call[t_forced[p].holder]]) == 0;
+                      strcmp(x->ov[r][p].where, name[t_forced[p].call[t_forced[p].holder]]) ==
+                          0;
         CHECKF(h->forced[p][0][T_OK] == T_ROUNDS && inside == T_ROUNDS,
                "threads: %s: the held call ran %d times of %d, was held inside the cache %d "
                "times",
@@ -1108,7 +1118,8 @@ static void test_forward_paged(void) {
         for (int i = 0; i < NS; i++) {
             CHECK(mha_paged_cache_length(pc, ids[i]) == len[i]);
             const double e = rel_err(yf[i], yp[i], len[i] * E);
-            CHECKF(e <= 2e-5, "forward_paged window %lld: sequence %d (%lld tokens): rel err %g",
+            CHECKF(e <= 2e-5,
+                   "forward_paged window %lld: sequence %d (%lld tokens): rel err %g",
                    (long long)win, i, (long long)len[i], e);
         }
         printf("forward_paged (window %lld): %d calls, %d of them mixing chunk sizes\n",
@@ -1138,7 +1149,8 @@ static void test_forward_paged(void) {
             int64_t id2[2];
             CHECK_OK(mha_paged_cache_add(p2, &id2[0]));
             CHECK_OK(mha_paged_cache_add(p2, &id2[1]));
-            float *xb = malloc(sizeof(float) * 2 * L * E), *y1 = malloc(sizeof(float) * 2 * L * E),
+            float *xb = malloc(sizeof(float) * 2 * L * E),
+                  *y1 = malloc(sizeof(float) * 2 * L * E),
                   *y2 = malloc(sizeof(float) * 2 * L * E);
             for (int64_t j = 0; j < 2 * L * E; j++) xb[j] = frand();
             const int64_t chunks[] = {17, 1, 5, 1, 1, 15};  // prefill, decode, small chunks
@@ -1146,7 +1158,8 @@ static void test_forward_paged(void) {
             for (int64_t c0 = 0, ci = 0; c0 < L && ci < 6; c0 += chunks[ci], ci++) {
                 const int64_t k = chunks[ci] < L - c0 ? chunks[ci] : L - c0;
                 for (int b = 0; b < 2; b++)
-                    memcpy(xc + b * k * E, xb + (b * L + c0) * E, sizeof(float) * (size_t)(k * E));
+                    memcpy(xc + b * k * E, xb + (b * L + c0) * E,
+                           sizeof(float) * (size_t)(k * E));
                 mha_tensor xt = mha_tensor_contiguous(xc, MHA_F32, 3, (int64_t[]){2, k, E});
                 float o1[2 * 17 * E], o2[2 * 17 * E];
                 mha_tensor t1 = mha_tensor_contiguous(o1, MHA_F32, 3, (int64_t[]){2, k, E}),
@@ -1206,7 +1219,8 @@ static void test_window_release(void) {
     printf("sliding window %d over %d tokens: at most %lld blocks in use for 2 sequences\n", W,
            STEPS, (long long)most);
     // reaching back past the released tokens: refused, nothing changes
-    const int64_t ids[1] = {w.seq[0].id}, len0 = w.seq[0].len, used = mha_paged_cache_blocks_in_use(w.c);
+    const int64_t ids[1] = {w.seq[0].id}, len0 = w.seq[0].len,
+                  used = mha_paged_cache_blocks_in_use(w.c);
     float q[H * D], o[H * D];
     for (int i = 0; i < H * D; i++) q[i] = frand();
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
@@ -1222,7 +1236,8 @@ static void test_window_release(void) {
     CHECK_OK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a));
     CHECK(mha_paged_cache_truncate(w.c, ids[0], 5) == MHA_ERR_INVALID_ARG);
     CHECK(mha_paged_cache_release_before(w.c, ids[0], len0 + 1) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 && mha_paged_cache_blocks_in_use(w.c) == used);
+    CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 &&
+          mha_paged_cache_blocks_in_use(w.c) == used);
     CHECK_OK(mha_paged_cache_truncate(w.c, ids[0], 0));  // to 0: starts again
     CHECK(mha_paged_cache_length(w.c, ids[0]) == 0);
     w.seq[0].len = 0;
@@ -1332,8 +1347,10 @@ static void test_streaming(void) {
         while (done < L) {
             int64_t cnt = calls % 9 == 4 ? 18 : next() % 3 ? 1 : irand(2, 6);
             if (cnt > L - done) cnt = L - done;
-            mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E}),
-                       yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3, (int64_t[]){1, cnt, E});
+            mha_tensor xt = mha_tensor_contiguous(x + done * E, MHA_F32, 3,
+                                                  (int64_t[]){1, cnt, E}),
+                       yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3,
+                                                  (int64_t[]){1, cnt, E});
             mha_forward_args a = position_args(&xt, variant);
             a.window_left = W;
             a.stream_sinks = K;
@@ -1347,7 +1364,8 @@ static void test_streaming(void) {
         // the window [max(0, p - W), p], at positions 0..n-1
         for (int64_t p = 0; p < L; p++) {
             int64_t n = 0;
-            for (int64_t j = 0; j < K && j < p - W; j++) memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
+            for (int64_t j = 0; j < K && j < p - W; j++)
+                memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
             for (int64_t j = p - W > 0 ? p - W : 0; j <= p; j++)
                 memcpy(xs + n++ * E, x + j * E, sizeof(float) * E);
             mha_tensor st = mha_tensor_contiguous(xs, MHA_F32, 3, (int64_t[]){1, n, E}),
@@ -1379,15 +1397,19 @@ static void test_streaming(void) {
             ca.window_left = W;  // (no sinks: the window alone is fine)
             CHECK_OK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca));
             ca.sink_tokens = BS + 1;  // sinks past the kept block
-            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
-            CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s", mha_last_error());
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
+                  MHA_ERR_INVALID_ARG);
+            CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s",
+                   mha_last_error());
             ca.sink_tokens = K, ca.window_left = W + 30;  // a window past the hole
-            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
+                  MHA_ERR_INVALID_ARG);
             const int64_t used = mha_paged_cache_blocks_in_use(pc);
             CHECK(mha_paged_cache_release_keep(pc, id, 2 * BS, L - W) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_release_keep(pc, id, -1, 3) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_truncate(pc, id, BS + 2) == MHA_ERR_INVALID_ARG);
-            CHECK(mha_paged_cache_blocks_in_use(pc) == used && mha_paged_cache_length(pc, id) == L);
+            CHECK(mha_paged_cache_blocks_in_use(pc) == used &&
+                  mha_paged_cache_length(pc, id) == L);
             CHECK_OK(mha_paged_cache_truncate(pc, id, BS));  // into the kept block: fine
             CHECK(mha_paged_cache_length(pc, id) == BS);
         }

@@ -67,12 +67,15 @@ static void one_case(int id, bool layout) {
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
     CHECK_OK(mha_backward(&gqt, self ? NULL : &gkt, self ? NULL : &gvt, g, m, &a, &in.gyt,
                           false));
-    float *ctx = malloc(sizeof(float) * (size_t)nqq), *cr = malloc(sizeof(float) * (size_t)nqq),
-          *yp = malloc(sizeof(float) * (size_t)nq), *ys = malloc(sizeof(float) * (size_t)nq),
-          *dq = malloc(sizeof(float) * (size_t)nqq), *dk = malloc(sizeof(float) * (size_t)nkv),
-          *dv = malloc(sizeof(float) * (size_t)nkv), *dqr = malloc(sizeof(float) * (size_t)nqq),
-          *dkr = malloc(sizeof(float) * (size_t)nkv), *dvr = malloc(sizeof(float) * (size_t)nkv),
-          *dz = malloc(sizeof(float) * (size_t)(L * N * H)), *dzr = malloc(sizeof(float) * (size_t)(L * N * H)),
+    float *ctx = malloc(sizeof(float) * (size_t)nqq),
+          *cr = malloc(sizeof(float) * (size_t)nqq), *yp = malloc(sizeof(float) * (size_t)nq),
+          *ys = malloc(sizeof(float) * (size_t)nq), *dq = malloc(sizeof(float) * (size_t)nqq),
+          *dk = malloc(sizeof(float) * (size_t)nkv), *dv = malloc(sizeof(float) * (size_t)nkv),
+          *dqr = malloc(sizeof(float) * (size_t)nqq),
+          *dkr = malloc(sizeof(float) * (size_t)nkv),
+          *dvr = malloc(sizeof(float) * (size_t)nkv),
+          *dz = malloc(sizeof(float) * (size_t)(L * N * H)),
+          *dzr = malloc(sizeof(float) * (size_t)(L * N * H)),
           *x1 = malloc(sizeof(float) * (size_t)nq), *x2 = malloc(sizeof(float) * (size_t)nk),
           *x3 = malloc(sizeof(float) * (size_t)nv), *s1 = malloc(sizeof(float) * (size_t)nq),
           *s2 = malloc(sizeof(float) * (size_t)nk), *s3 = malloc(sizeof(float) * (size_t)nv);
@@ -95,7 +98,8 @@ static void one_case(int id, bool layout) {
             memset(p.data, 0, sizeof(float) * (size_t)p.numel);
         }
         for (int64_t r = 0; r < P; r++) {
-            mha__part pt = {.g0 = Hkv * r / P, .g1 = Hkv * (r + 1) / P, .out.ctx = cr, .bias = r == 0};
+            mha__part pt = {
+                .g0 = Hkv * r / P, .g1 = Hkv * (r + 1) / P, .out.ctx = cr, .bias = r == 0};
             CHECK_OK(mha__part_forward(NULL, m, &a, &pt));
             for (int64_t i = 0; i < nqq; i++) ctx[i] += cr[i];  // disjoint columns
             pt.out.ctx = NULL;
@@ -123,9 +127,10 @@ static void one_case(int id, bool layout) {
             }
         }
         char desc[200];
-        snprintf(desc, sizeof desc, "case %d P %lld (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
-                 "self %d causal %d kpm %d rope %d bkv %d gate %d d %lld sep %d nob %d)", id,
-                 (long long)P, (long long)E, (long long)H, (long long)Hkv, (long long)L,
+        snprintf(desc, sizeof desc,
+                 "case %d P %lld (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
+                 "self %d causal %d kpm %d rope %d bkv %d gate %d d %lld sep %d nob %d)",
+                 id, (long long)P, (long long)E, (long long)H, (long long)Hkv, (long long)L,
                  (long long)S, (long long)N, self, causal, kpm, rope, bkv, (int)c.head_gate,
                  (long long)d, c.separate_qkv, c.no_out_bias);
         mha_tensor yet = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){L, N, E});
@@ -144,10 +149,12 @@ static void one_case(int id, bool layout) {
         mha_tensor t1 = mha_tensor_contiguous(x1, MHA_F32, 3, (int64_t[]){L, N, E}),
                    t2 = mha_tensor_contiguous(x2, MHA_F32, 3, (int64_t[]){S, N, kd}),
                    t3 = mha_tensor_contiguous(x3, MHA_F32, 3, (int64_t[]){S, N, vd});
-        CHECK_OK(mha__part_input_grads(&t1, self ? NULL : &t2, self ? NULL : &t3, m, &a, dq, dk,
-                                       dv, dz, false));
-        CHECKF(!memcmp(x1, gq, sizeof(float) * (size_t)nq), "%s: exact grad_query differs "
-               "(rel err %g)", desc, rel_err(gq, x1, nq));
+        CHECK_OK(mha__part_input_grads(&t1, self ? NULL : &t2, self ? NULL : &t3, m, &a, dq,
+                                       dk, dv, dz, false));
+        CHECKF(!memcmp(x1, gq, sizeof(float) * (size_t)nq),
+               "%s: exact grad_query differs "
+               "(rel err %g)",
+               desc, rel_err(gq, x1, nq));
         if (!self) {
             CHECKF(!memcmp(x2, gk, sizeof(float) * (size_t)nk), "%s: exact grad_key differs",
                    desc);

@@ -190,7 +190,8 @@ static void make_positions(int kind, int64_t *pos, int64_t *start, int64_t N, in
         for (int64_t t = 0; t < L; t++) {
             int64_t v = t;
             if (kind == 2) v = t < pad ? 1 : t - pad;
-            if (kind == 3) v = (int64_t)(next() % (uint64_t)(2 * L)), v = t == 1 ? pos[n * L] : v;
+            if (kind == 3)
+                v = (int64_t)(next() % (uint64_t)(2 * L)), v = t == 1 ? pos[n * L] : v;
             if (kind == 4) v = start[n] + t;
             pos[n * L + t] = v;
         }
@@ -439,9 +440,11 @@ static void cached_case(int id) {
         CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
     }
     const double e = rel_err(yf, yc, n);
-    CHECKF(e <= 2e-5, "cached case %d (E %lld H %lld Hkv %lld T %lld N %lld chunk %lld scaling "
-           "%d positions %s): rel err %g", id, (long long)E, (long long)H, (long long)Hkv,
-           (long long)T, (long long)N, (long long)chunk, (int)type, pos_kinds[kind], e);
+    CHECKF(e <= 2e-5,
+           "cached case %d (E %lld H %lld Hkv %lld T %lld N %lld chunk %lld scaling "
+           "%d positions %s): rel err %g",
+           id, (long long)E, (long long)H, (long long)Hkv, (long long)T, (long long)N,
+           (long long)chunk, (int)type, pos_kinds[kind], e);
     // the cached default positions (len + t) with a scaling = the full
     // forward without positions
     if (type != MHA_ROPE_SCALING_DYNAMIC) {

@@ -22,8 +22,8 @@ static const char *tmp_path(char *buf, size_t cap, const char *name) {
 }
 
 // A file image: 8-byte LE length of header, header, data. Caller frees.
-static unsigned char *make_file(size_t *len, const char *header,
-                                const void *data, size_t data_len) {
+static unsigned char *make_file(size_t *len, const char *header, const void *data,
+                                size_t data_len) {
     size_t n = strlen(header);
     *len = 8 + n + data_len;
     unsigned char *b = malloc(*len ? *len : 1);
@@ -34,32 +34,29 @@ static unsigned char *make_file(size_t *len, const char *header,
 }
 
 // Parses header + data_len zero bytes; checks the status and the message.
-static void expect_bad(int line, const char *header, size_t data_len,
-                       mha_status want, const char *must_contain) {
+static void expect_bad(int line, const char *header, size_t data_len, mha_status want,
+                       const char *must_contain) {
     unsigned char zeros[256] = {0};
     size_t len;
     unsigned char *b = make_file(&len, header, zeros, data_len);
     mha_st_file *f = (mha_st_file *)&len;  // must be reset to NULL
     mha_status st = mha_st_parse(&f, b, len, LABEL);
     const char *msg = mha_last_error();
-    CHECKF(st == want, "line %d: %s (want %s): %s\n  header: %s", line,
-           mha_status_string(st), mha_status_string(want), msg, header);
+    CHECKF(st == want, "line %d: %s (want %s): %s\n  header: %s", line, mha_status_string(st),
+           mha_status_string(want), msg, header);
     CHECKF(f == NULL, "line %d: out not NULL on failure", line);
     CHECKF(msg[0] != '\0' && strstr(msg, LABEL) != NULL,
            "line %d: message lacks the label: \"%s\"", line, msg);
     CHECKF(strchr(msg, '\n') == NULL, "line %d: multi-line message", line);
     if (must_contain)
-        CHECKF(strstr(msg, must_contain) != NULL,
-               "line %d: message \"%s\" lacks \"%s\"", line, msg,
-               must_contain);
+        CHECKF(strstr(msg, must_contain) != NULL, "line %d: message \"%s\" lacks \"%s\"", line,
+               msg, must_contain);
     if (st == MHA_OK) mha_st_close(f);
     free(b);
 }
 
-#define BAD(header, data_len, want) \
-    expect_bad(__LINE__, header, data_len, want, NULL)
-#define BADM(header, data_len, want, text) \
-    expect_bad(__LINE__, header, data_len, want, text)
+#define BAD(header, data_len, want) expect_bad(__LINE__, header, data_len, want, NULL)
+#define BADM(header, data_len, want, text) expect_bad(__LINE__, header, data_len, want, text)
 
 // A valid file must parse.
 static void expect_good(int line, const char *header, size_t data_len) {
@@ -68,8 +65,8 @@ static void expect_good(int line, const char *header, size_t data_len) {
     unsigned char *b = make_file(&len, header, zeros, data_len);
     mha_st_file *f = NULL;
     mha_status st = mha_st_parse(&f, b, len, "good.safetensors");
-    CHECKF(st == MHA_OK, "line %d: %s: %s\n  header: %s", line,
-           mha_status_string(st), mha_last_error(), header);
+    CHECKF(st == MHA_OK, "line %d: %s: %s\n  header: %s", line, mha_status_string(st),
+           mha_last_error(), header);
     mha_st_close(f);
     free(b);
 }
@@ -112,25 +109,17 @@ static void test_roundtrip(void) {
     CHECK_OK(mha_st_writer_set_metadata(w, "num_heads", "2"));  // replaces
 
     // Writer misuse.
-    CHECK_FAILS(mha_st_writer_add(w, "f32", MHA_F32, 1, s3, f32),
-                MHA_ERR_INVALID_ARG);
-    CHECK_FAILS(mha_st_writer_add(w, "x", (mha_dtype)99, 1, s3, f32),
-                MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_writer_add(w, "f32", MHA_F32, 1, s3, f32), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_writer_add(w, "x", (mha_dtype)99, 1, s3, f32), MHA_ERR_INVALID_ARG);
     const int64_t s9[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
-    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 9, s9, f32),
-                MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 9, s9, f32), MHA_ERR_INVALID_ARG);
     const int64_t sneg[2] = {2, -3};
-    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 2, sneg, f32),
-                MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 2, sneg, f32), MHA_ERR_INVALID_ARG);
     const int64_t sbig[3] = {4294967296LL, 4294967296LL, 16};
-    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 3, sbig, f32),
-                MHA_ERR_OVERFLOW);
-    CHECK_FAILS(mha_st_writer_add(w, "", MHA_F32, 1, s3, f32),
-                MHA_ERR_INVALID_ARG);
-    CHECK_FAILS(mha_st_writer_add(w, "__metadata__", MHA_F32, 1, s3, f32),
-                MHA_ERR_INVALID_ARG);
-    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 1, s3, NULL),
-                MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 3, sbig, f32), MHA_ERR_OVERFLOW);
+    CHECK_FAILS(mha_st_writer_add(w, "", MHA_F32, 1, s3, f32), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_writer_add(w, "__metadata__", MHA_F32, 1, s3, f32), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_writer_add(w, "x", MHA_F32, 1, s3, NULL), MHA_ERR_INVALID_ARG);
 
     char path[1024];
     tmp_path(path, sizeof path, "test_safetensors_rt.safetensors");
@@ -161,10 +150,8 @@ static void test_roundtrip(void) {
     if (!f) return;
     CHECK(mha_st_num_tensors(f) == 11);
     CHECK(mha_st_num_metadata(f) == 2);
-    CHECK(mha_st_metadata(f, "num_heads") &&
-          strcmp(mha_st_metadata(f, "num_heads"), "2") == 0);
-    CHECK(mha_st_metadata(f, "format") &&
-          strcmp(mha_st_metadata(f, "format"), "pt") == 0);
+    CHECK(mha_st_metadata(f, "num_heads") && strcmp(mha_st_metadata(f, "num_heads"), "2") == 0);
+    CHECK(mha_st_metadata(f, "format") && strcmp(mha_st_metadata(f, "format"), "pt") == 0);
     CHECK(mha_st_metadata(f, "nope") == NULL);
     const char *k = NULL, *v = NULL;
     CHECK_OK(mha_st_metadata_at(&k, &v, f, 0));
@@ -173,17 +160,23 @@ static void test_roundtrip(void) {
 
     // Exposed in data-offset order, which is the order added; offsets
     // increase and each tensor starts where the previous ended.
-    const char *order[11] = {"f32", "f64", "i64", "empty", "i32", "u8",
-                             "bool", "f16", "bf16", "scalar",
+    const char *order[11] = {"f32",
+                             "f64",
+                             "i64",
+                             "empty",
+                             "i32",
+                             "u8",
+                             "bool",
+                             "f16",
+                             "bf16",
+                             "scalar",
                              "caf\xc3\xa9 \"q\""};
     const unsigned char *prev_end = NULL;
     for (int64_t i = 0; i < 11; i++) {
         mha_st_tensor t;
         CHECK_OK(mha_st_tensor_at(&t, f, i));
-        CHECKF(strcmp(t.name, order[i]) == 0, "tensor %lld is %s",
-               (long long)i, t.name);
-        if (prev_end)
-            CHECK((const unsigned char *)t.data == prev_end);
+        CHECKF(strcmp(t.name, order[i]) == 0, "tensor %lld is %s", (long long)i, t.name);
+        if (prev_end) CHECK((const unsigned char *)t.data == prev_end);
         prev_end = (const unsigned char *)t.data + t.nbytes;
     }
     mha_st_tensor t;
@@ -192,19 +185,17 @@ static void test_roundtrip(void) {
 
     // F32: exact.
     CHECK_OK(mha_st_find(&t, f, "f32"));
-    CHECK(t.dtype == MHA_F32 && t.ndim == 2 && t.shape[0] == 2 &&
-          t.shape[1] == 3 && t.numel == 6 && t.nbytes == 24);
+    CHECK(t.dtype == MHA_F32 && t.ndim == 2 && t.shape[0] == 2 && t.shape[1] == 3 &&
+          t.numel == 6 && t.nbytes == 24);
     float g32[6];
     CHECK_OK(mha_st_read(g32, sizeof g32, MHA_F32, &t));
     CHECK(memcmp(g32, f32, sizeof f32) == 0);
     double g64[6];
     CHECK_OK(mha_st_read(g64, sizeof g64, MHA_F64, &t));
     for (int i = 0; i < 6; i++) CHECK(g64[i] == (double)f32[i]);
-    CHECK_FAILS(mha_st_read(g32, sizeof g32 - 1, MHA_F32, &t),
-                MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_st_read(g32, sizeof g32 - 1, MHA_F32, &t), MHA_ERR_INVALID_ARG);
     int64_t gi64[6];
-    CHECK_FAILS(mha_st_read(gi64, sizeof gi64, MHA_I64, &t),
-                MHA_ERR_UNSUPPORTED);
+    CHECK_FAILS(mha_st_read(gi64, sizeof gi64, MHA_I64, &t), MHA_ERR_UNSUPPORTED);
     uint8_t gb[8];
     CHECK_FAILS(mha_st_read(gb, sizeof gb, MHA_BOOL, &t), MHA_ERR_UNSUPPORTED);
 
@@ -224,13 +215,11 @@ static void test_roundtrip(void) {
     CHECK(memcmp(gi64, i64, sizeof i64) == 0);
     CHECK_OK(mha_st_read(g64, sizeof g64, MHA_F64, &t));
     CHECK(g64[0] == (double)i64[0] && g64[1] == 0.0);
-    CHECK_FAILS(mha_st_read(gi64, sizeof gi64, MHA_I32, &t),
-                MHA_ERR_UNSUPPORTED);
+    CHECK_FAILS(mha_st_read(gi64, sizeof gi64, MHA_I32, &t), MHA_ERR_UNSUPPORTED);
 
     // Zero-size tensor: found, zero bytes, reads into a NULL dst.
     CHECK_OK(mha_st_find(&t, f, "empty"));
-    CHECK(t.numel == 0 && t.nbytes == 0 && t.ndim == 2 && t.shape[0] == 0 &&
-          t.shape[1] == 3);
+    CHECK(t.numel == 0 && t.nbytes == 0 && t.ndim == 2 && t.shape[0] == 0 && t.shape[1] == 3);
     CHECK_OK(mha_st_read(NULL, 0, MHA_F32, &t));
 
     // I32
@@ -239,8 +228,7 @@ static void test_roundtrip(void) {
     CHECK_OK(mha_st_read(gi32, sizeof gi32, MHA_I32, &t));
     CHECK(memcmp(gi32, i32, sizeof i32) == 0);
     CHECK_OK(mha_st_read(g32, sizeof g32, MHA_F32, &t));
-    CHECK(g32[0] == -2147483648.0f && g32[1] == -1.0f &&
-          g32[3] == 123456792.0f);
+    CHECK(g32[0] == -2147483648.0f && g32[1] == -1.0f && g32[3] == 123456792.0f);
 
     // U8: same dtype is a plain copy; to BOOL nonzero -> 1.
     CHECK_OK(mha_st_find(&t, f, "u8"));
@@ -248,8 +236,7 @@ static void test_roundtrip(void) {
     CHECK_OK(mha_st_read(gu8, sizeof gu8, MHA_U8, &t));
     CHECK(memcmp(gu8, u8, 5) == 0);
     CHECK_OK(mha_st_read(gu8, sizeof gu8, MHA_BOOL, &t));
-    CHECK(gu8[0] == 0 && gu8[1] == 1 && gu8[2] == 1 && gu8[3] == 1 &&
-          gu8[4] == 1);
+    CHECK(gu8[0] == 0 && gu8[1] == 1 && gu8[2] == 1 && gu8[3] == 1 && gu8[4] == 1);
     CHECK_OK(mha_st_read(g32, sizeof g32, MHA_F32, &t));
     CHECK(g32[3] == 255.0f && g32[4] == 7.0f);
 
@@ -268,8 +255,7 @@ static void test_roundtrip(void) {
     CHECK(t.dtype == MHA_F16 && t.ndim == 2 && t.nbytes == 10);
     CHECK_OK(mha_st_read(g32, sizeof g32, MHA_F32, &t));
     for (int i = 0; i < 5; i++)
-        CHECKF(g32[i] == mha_f16_to_f32(f16[i]), "f16[%d] = %g", i,
-               (double)g32[i]);
+        CHECKF(g32[i] == mha_f16_to_f32(f16[i]), "f16[%d] = %g", i, (double)g32[i]);
     CHECK(g32[0] == 1.0f && g32[1] == -0.5f && g32[2] == 65504.0f);
     uint16_t g16[5];
     CHECK_OK(mha_st_read(g16, sizeof g16, MHA_F16, &t));
@@ -280,8 +266,7 @@ static void test_roundtrip(void) {
     CHECK(t.dtype == MHA_BF16);
     CHECK_OK(mha_st_read(g32, sizeof g32, MHA_F32, &t));
     for (int i = 0; i < 5; i++)
-        CHECKF(g32[i] == mha_bf16_to_f32(bf16[i]), "bf16[%d] = %g", i,
-               (double)g32[i]);
+        CHECKF(g32[i] == mha_bf16_to_f32(bf16[i]), "bf16[%d] = %g", i, (double)g32[i]);
     CHECK(g32[0] == 1.0f && g32[1] == -0.5f && g32[2] == 65536.0f);
     // bf16 -> f16 goes through float32 (nearest even): 65536 overflows f16
     CHECK_OK(mha_st_read(g16, sizeof g16, MHA_F16, &t));
@@ -323,9 +308,8 @@ static void test_roundtrip(void) {
         for (size_t cut = 0; cut < n; cut++) {
             f = NULL;
             mha_status st = mha_st_parse(&f, buf, cut, "cut");
-            CHECKF(st == MHA_ERR_FORMAT && f == NULL,
-                   "truncated to %zu of %zu bytes: %s", cut, n,
-                   mha_status_string(st));
+            CHECKF(st == MHA_ERR_FORMAT && f == NULL, "truncated to %zu of %zu bytes: %s", cut,
+                   n, mha_status_string(st));
             mha_st_close(f);
         }
     }
@@ -380,8 +364,7 @@ static void test_open_errors(void) {
     FILE *fp = fopen(path, "wb");
     CHECK(fp != NULL);
     if (!fp) return;
-    const unsigned char lying[12] = {0xff, 0xff, 0, 0, 0, 0, 0, 0,
-                                     '{', '}', ' ', ' '};
+    const unsigned char lying[12] = {0xff, 0xff, 0, 0, 0, 0, 0, 0, '{', '}', ' ', ' '};
     CHECK(fwrite(lying, 1, sizeof lying, fp) == sizeof lying);
     fclose(fp);
     CHECK_FAILS(mha_st_open(&f, path), MHA_ERR_FORMAT);
@@ -421,8 +404,7 @@ static void test_malformed(void) {
     GOOD("{}", 0);
     GOOD("{}       ", 0);
     GOOD("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8);
-    GOOD(" {\"a\":{\"shape\":[2],\"data_offsets\":[0,8],\"dtype\":\"F32\"}}\n",
-         8);
+    GOOD(" {\"a\":{\"shape\":[2],\"data_offsets\":[0,8],\"dtype\":\"F32\"}}\n", 8);
     GOOD("{\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]},"
          "\"a\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4]},"
          "\"z\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[4,4]},"
@@ -434,8 +416,8 @@ static void test_malformed(void) {
          1);
 
     // Truncated data: the entry wants [0, 24) but the buffer has 20.
-    BADM("{\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]}}",
-         20, MHA_ERR_FORMAT, "\"w\"");
+    BADM("{\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]}}", 20,
+         MHA_ERR_FORMAT, "\"w\"");
 
     // Header not JSON / JSON but not an object / trailing garbage.
     BAD("{not json}", 0, MHA_ERR_FORMAT);
@@ -463,8 +445,7 @@ static void test_malformed(void) {
     BAD("{\"a\":3}", 0, MHA_ERR_FORMAT);
     BAD("{\"a\":[]}", 0, MHA_ERR_FORMAT);
     BAD("{\"a\":{\"shape\":[1],\"data_offsets\":[0,4]}}", 4, MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"data_offsets\":[0,4]}}", 4,
-        MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"data_offsets\":[0,4]}}", 4, MHA_ERR_FORMAT);
     BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1]}}", 4, MHA_ERR_FORMAT);
     BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],"
          "\"extra\":1}}",
@@ -474,33 +455,26 @@ static void test_malformed(void) {
         4, MHA_ERR_FORMAT);
 
     // dtype: unknown, not a string, wrong case.
-    BADM("{\"a\":{\"dtype\":\"F8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
-         MHA_ERR_FORMAT, "F8");
-    BAD("{\"a\":{\"dtype\":\"f32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
-        MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":4,\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
-        MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":null,\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
-        MHA_ERR_FORMAT);
+    BADM("{\"a\":{\"dtype\":\"F8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1, MHA_ERR_FORMAT,
+         "F8");
+    BAD("{\"a\":{\"dtype\":\"f32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":4,\"shape\":[1],\"data_offsets\":[0,4]}}", 4, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":null,\"shape\":[1],\"data_offsets\":[0,4]}}", 4, MHA_ERR_FORMAT);
 
     // shape: not an array, negative, fractional, not a number, too many
     // dims, too large for a double to hold exactly.
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":4,\"data_offsets\":[0,16]}}", 16,
-        MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":{},\"data_offsets\":[0,0]}}", 0,
-        MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":4,\"data_offsets\":[0,16]}}", 16, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":{},\"data_offsets\":[0,0]}}", 0, MHA_ERR_FORMAT);
     BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,0]}}", 0,
          MHA_ERR_FORMAT, "-1");
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[-0],\"data_offsets\":[0,0]}}", 0,
-        MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[-0],\"data_offsets\":[0,0]}}", 0, MHA_ERR_FORMAT);
     BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[1.5],"
          "\"data_offsets\":[0,4]}}",
          4, MHA_ERR_FORMAT, "1.5");
     BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[\"2\"],"
         "\"data_offsets\":[0,8]}}",
         8, MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[[2]],\"data_offsets\":[0,8]}}", 8,
-        MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[[2]],\"data_offsets\":[0,8]}}", 8, MHA_ERR_FORMAT);
     BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1e400],"
         "\"data_offsets\":[0,8]}}",
         8, MHA_ERR_FORMAT);
@@ -515,28 +489,21 @@ static void test_malformed(void) {
         0, MHA_ERR_FORMAT);
 
     // data_offsets: wrong length, begin > end, not integers, negative.
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}}", 4,
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}}", 4, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}", 8, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[]}}", 4, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":4}}", 4, MHA_ERR_FORMAT);
+    BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,4]}}", 8, MHA_ERR_FORMAT,
+         "[8, 4]");
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4.5]}}", 8, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[-4,0]}}", 8, MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[\"0\",4]}}", 4,
         MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}", 8,
-        MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[]}}", 4,
-        MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":4}}", 4,
-        MHA_ERR_FORMAT);
-    BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,4]}}", 8,
-         MHA_ERR_FORMAT, "[8, 4]");
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4.5]}}", 8,
-        MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[-4,0]}}", 8,
-        MHA_ERR_FORMAT);
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[\"0\",4]}}",
-        4, MHA_ERR_FORMAT);
 
     // Offsets past the end of the buffer.
     BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", 8,
          MHA_ERR_FORMAT, "past the end");
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[12,12]}}", 8,
-        MHA_ERR_FORMAT);
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[12,12]}}", 8, MHA_ERR_FORMAT);
 
     // Overlapping, gap, not starting at 0, trailing bytes, no tensors but
     // data.
@@ -549,19 +516,16 @@ static void test_malformed(void) {
     BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
          "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}",
          12, MHA_ERR_FORMAT, "no tensor");
-    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8,
-        MHA_ERR_FORMAT);
-    BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 8,
-         MHA_ERR_FORMAT, "trailing");
+    BAD("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, MHA_ERR_FORMAT);
+    BADM("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 8, MHA_ERR_FORMAT,
+         "trailing");
     BAD("{}", 4, MHA_ERR_FORMAT);
 
     // shape x dtype size != end - begin (message with the values).
-    BADM("{\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,20]}}",
-         20, MHA_ERR_FORMAT, "shape (2, 3) x F32 = 24 bytes");
-    BAD("{\"w\":{\"dtype\":\"F16\",\"shape\":[4],\"data_offsets\":[0,16]}}", 16,
-        MHA_ERR_FORMAT);
-    BAD("{\"w\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,0]}}", 0,
-        MHA_ERR_FORMAT);
+    BADM("{\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,20]}}", 20,
+         MHA_ERR_FORMAT, "shape (2, 3) x F32 = 24 bytes");
+    BAD("{\"w\":{\"dtype\":\"F16\",\"shape\":[4],\"data_offsets\":[0,16]}}", 16, MHA_ERR_FORMAT);
+    BAD("{\"w\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,0]}}", 0, MHA_ERR_FORMAT);
 
     // Dims whose product overflows int64 / size_t, also with a zero dim.
     BADM("{\"w\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,16],"
@@ -587,10 +551,18 @@ static void test_malformed(void) {
 
     // Names: invalid UTF-8 (stray byte, overlong, surrogate, truncated,
     // above U+10FFFF), empty, a \u0000 escape, a lone surrogate escape.
-    const char *bad_names[] = {"\xff", "a\x80", "\xc0\xaf", "\xe0\x80\xaf",
-                               "\xed\xa0\x80", "\xe2\x82", "\xf4\x90\x80\x80",
-                               "\xf8\x88\x80\x80\x80", "", "a\\u0000b",
-                               "\\ud800", "\\udc00x"};
+    const char *bad_names[] = {"\xff",
+                               "a\x80",
+                               "\xc0\xaf",
+                               "\xe0\x80\xaf",
+                               "\xed\xa0\x80",
+                               "\xe2\x82",
+                               "\xf4\x90\x80\x80",
+                               "\xf8\x88\x80\x80\x80",
+                               "",
+                               "a\\u0000b",
+                               "\\ud800",
+                               "\\udc00x"};
     for (size_t i = 0; i < sizeof bad_names / sizeof *bad_names; i++) {
         char h[256];
         snprintf(h, sizeof h,
@@ -607,8 +579,7 @@ static void test_malformed(void) {
     // keys, invalid UTF-8.
     BAD("{\"__metadata__\":\"x\"}", 0, MHA_ERR_FORMAT);
     BAD("{\"__metadata__\":[]}", 0, MHA_ERR_FORMAT);
-    BADM("{\"__metadata__\":{\"a\":\"1\",\"b\":2}}", 0, MHA_ERR_FORMAT,
-         "\"b\"");
+    BADM("{\"__metadata__\":{\"a\":\"1\",\"b\":2}}", 0, MHA_ERR_FORMAT, "\"b\"");
     BAD("{\"__metadata__\":{\"a\":null}}", 0, MHA_ERR_FORMAT);
     BAD("{\"__metadata__\":{\"a\":{}}}", 0, MHA_ERR_FORMAT);
     BAD("{\"__metadata__\":{},\"__metadata__\":{}}", 0, MHA_ERR_FORMAT);
@@ -676,8 +647,7 @@ static void test_module_load_bounds(void) {
         if (cases[i].text)
             CHECKF(strstr(mha_last_error(), cases[i].text) != NULL &&
                        strstr(mha_last_error(), "module.safetensors") != NULL,
-                   "case %zu: message \"%s\" lacks \"%s\"", i, mha_last_error(),
-                   cases[i].text);
+                   "case %zu: message \"%s\" lacks \"%s\"", i, mha_last_error(), cases[i].text);
         mha_module_destroy(m);
         mha_st_close(f);
         free(b);

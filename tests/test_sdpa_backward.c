@@ -24,8 +24,8 @@ typedef struct scase {
     int64_t B, H, Hkv, L, S, D, Dv;
     bool causal, custom_scale;
     int64_t wl, wr;
-    int am;   // 0 none, 1 bool (L, S), 2 float (B, H, L, S), 3 float (1, H, L, S)
-    int kpm;  // 0 none, 1 bool (B, S)
+    int am;       // 0 none, 1 bool (L, S), 2 float (B, H, L, S), 3 float (1, H, L, S)
+    int kpm;      // 0 none, 1 bool (B, S)
     int64_t pad;  // extra elements per row of q, k, v, dout (strided views)
     float p;      // dropout_p (0: none)
     uint64_t seed, offset;
@@ -50,8 +50,7 @@ static void *make4(mha_tensor *t, mha_dtype dt, const int64_t d[4], int64_t pad,
         else ((float *)p)[i] = (float)x;
     }
     memset(t, 0, sizeof *t);
-    *t = (mha_tensor){p, dt, 4, {d[0], d[1], d[2], d[3]},
-                      {d[1] * d[2] * ld, d[2] * ld, ld, 1}};
+    *t = (mha_tensor){p, dt, 4, {d[0], d[1], d[2], d[3]}, {d[1] * d[2] * ld, d[2] * ld, ld, 1}};
     return p;
 }
 
@@ -139,8 +138,8 @@ static void print_case(const scase *c) {
            "window %lld/%lld attn_mask %d kpm %d pad %lld dropout %g seed %llu offset %llu\n",
            (long long)c->B, (long long)c->H, (long long)c->Hkv, (long long)c->L,
            (long long)c->S, (long long)c->D, (long long)c->Dv, c->causal, c->custom_scale,
-           (long long)c->wl, (long long)c->wr, c->am, c->kpm, (long long)c->pad,
-           (double)c->p, (unsigned long long)c->seed, (unsigned long long)c->offset);
+           (long long)c->wl, (long long)c->wr, c->am, c->kpm, (long long)c->pad, (double)c->p,
+           (unsigned long long)c->seed, (unsigned long long)c->offset);
 }
 
 // The largest |a - b| over a gradient, relative to 1 + max |b|.
@@ -277,8 +276,8 @@ static void finite_differences(int i) { finite_differences_case(i, random_case(i
 // A row whose every key is masked: zero gradients from it (dq row 0), both
 // paths.
 static void fully_masked_row(void) {
-    scase c = {.B = 1, .H = 2, .Hkv = 1, .L = 5, .S = 7, .D = 4, .Dv = 4, .wl = -1, .wr = -1,
-               .am = 1};
+    scase c = {
+        .B = 1, .H = 2, .Hkv = 1, .L = 5, .S = 7, .D = 4, .Dv = 4, .wl = -1, .wr = -1, .am = 1};
     sbufs s;
     make_inputs(&s, &c, MHA_F32);
     uint8_t *m = s.am;
@@ -480,8 +479,18 @@ static bool documented_keep(const scase *c, int64_t b, int64_t h, int64_t i, int
 // no-dropout weights times 1/(1-p); the zeroed fraction within 5 standard
 // deviations of p; a new offset, a new mask.
 static void dropout_statistics(void) {
-    scase c = {.B = 2, .H = 4, .Hkv = 2, .L = 90, .S = 110, .D = 16, .Dv = 8, .wl = -1,
-               .wr = -1, .p = 0.3f, .seed = 0x9E3779B97F4A7C15ull, .offset = 5};
+    scase c = {.B = 2,
+               .H = 4,
+               .Hkv = 2,
+               .L = 90,
+               .S = 110,
+               .D = 16,
+               .Dv = 8,
+               .wl = -1,
+               .wr = -1,
+               .p = 0.3f,
+               .seed = 0x9E3779B97F4A7C15ull,
+               .offset = 5};
     scase c0 = c;
     c0.p = 0.0f;
     sbufs s;

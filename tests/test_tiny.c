@@ -50,8 +50,8 @@ static double weighted_sum(const float *out, const float *R, int64_t n) {
 // |fd - g| / (atol + rtol |g|) (<= 1 passes) and records one CHECK.
 typedef double (*eval_fn)(void *ctx);
 
-static double grad_check(const char *name, float *x, const float *g, int64_t n,
-                         eval_fn eval, void *ctx) {
+static double grad_check(const char *name, float *x, const float *g, int64_t n, eval_fn eval,
+                         void *ctx) {
     double gmax = 0.0;
     for (int64_t i = 0; i < n; i++) gmax = fmax(gmax, fabs((double)g[i]));
     double atol = 1e-3 * gmax + 1e-7, rtol = 1e-2, worst = 0.0;
@@ -75,8 +75,8 @@ static double grad_check(const char *name, float *x, const float *g, int64_t n,
         }
     }
     printf("  grad %-28s n=%-5lld max|g| %.3e  worst err/tol %.3f (at %lld: fd %.6e, "
-           "analytic %.6e)\n", name, (long long)n, gmax, worst, (long long)worst_i,
-           worst_fd, (double)g[worst_i]);
+           "analytic %.6e)\n",
+           name, (long long)n, gmax, worst, (long long)worst_i, worst_fd, (double)g[worst_i]);
     CHECKF(bad == 0 && gmax > 0, "%s: %lld of %lld coordinates off (worst %.3f x tol)", name,
            (long long)bad, (long long)n, worst);
     return worst;
@@ -100,15 +100,15 @@ static void test_layernorm(void) {
     int64_t N = 5, C = 24;
     float *buf = calloc((size_t)(6 * N * C + 6 * C + 2 * N), sizeof(float));
     ln_ctx c = {.N = N, .C = C};
-    c.inp = buf;                   // (N, C)
-    c.out = c.inp + N * C;         // (N, C)
-    c.R = c.out + N * C;           // (N, C)
-    float *dinp = c.R + N * C;     // (N, C)
-    c.w = dinp + N * C;            // (C)
-    c.b = c.w + C;                 // (C)
+    c.inp = buf;                        // (N, C)
+    c.out = c.inp + N * C;              // (N, C)
+    c.R = c.out + N * C;                // (N, C)
+    float *dinp = c.R + N * C;          // (N, C)
+    c.w = dinp + N * C;                 // (C)
+    c.b = c.w + C;                      // (C)
     float *dw = c.b + C, *db = dw + C;  // (C)
-    c.mean = db + C;               // (N)
-    c.rstd = c.mean + N;           // (N)
+    c.mean = db + C;                    // (N)
+    c.rstd = c.mean + N;                // (N)
     fill(c.inp, N * C, 1.0);
     for (int64_t i = 0; i < N * C; i++) c.inp[i] += (float)(i % 3);  // non-zero means
     fill(c.w, C, 1.0);
@@ -148,14 +148,14 @@ static void test_linear(void) {
     size_t n = (size_t)(2 * N * IC + 2 * OC * IC + 2 * OC + 2 * N * OC);
     float *buf = calloc(n, sizeof(float));
     lin_ctx c = {.N = N, .IC = IC, .OC = OC};
-    c.inp = buf;                  // (N, IC)
-    float *dinp = c.inp + N * IC; // (N, IC)
-    c.W = dinp + N * IC;          // (OC, IC)
-    float *dW = c.W + OC * IC;    // (OC, IC)
-    c.b = dW + OC * IC;           // (OC)
-    float *db = c.b + OC;         // (OC)
-    c.out = db + OC;              // (N, OC)
-    c.R = c.out + N * OC;         // (N, OC)
+    c.inp = buf;                   // (N, IC)
+    float *dinp = c.inp + N * IC;  // (N, IC)
+    c.W = dinp + N * IC;           // (OC, IC)
+    float *dW = c.W + OC * IC;     // (OC, IC)
+    c.b = dW + OC * IC;            // (OC)
+    float *db = c.b + OC;          // (OC)
+    c.out = db + OC;               // (N, OC)
+    c.R = c.out + N * OC;          // (N, OC)
     fill(c.inp, N * IC, 1.0);
     fill(c.W, OC * IC, 0.5);
     fill(c.b, OC, 0.5);
@@ -200,8 +200,8 @@ static void test_gelu(void) {
     float x[3] = {-1.0f, 0.5f, 2.0f}, y[3];
     tiny_gelu_forward(y, x, 3);
     CHECKF(fabsf(y[0] - -0.15880801f) < 1e-6f && fabsf(y[1] - 0.34571401f) < 1e-6f &&
-           fabsf(y[2] - 1.95459769f) < 1e-6f, "gelu(-1, 0.5, 2) = %.8f %.8f %.8f",
-           y[0], y[1], y[2]);
+               fabsf(y[2] - 1.95459769f) < 1e-6f,
+           "gelu(-1, 0.5, 2) = %.8f %.8f %.8f", y[0], y[1], y[2]);
     tiny_gelu_backward(dinp, c.inp, c.R, n);
     grad_check("gelu.inp", c.inp, dinp, n, gelu_eval, &c);
     free(buf);
@@ -224,12 +224,12 @@ static void test_embedding(void) {
     int32_t tok[12] = {0, 1, 1, 4, 2, 2, 2, 0, 4, 3, 1, 1};  // repeats accumulate
     float *buf = calloc((size_t)(2 * V * C + 2 * T * C + 2 * B * T * C), sizeof(float));
     emb_ctx c = {.B = B, .T = T, .C = C, .tok = tok};
-    c.wte = buf;                    // (V, C)
-    float *dwte = c.wte + V * C;    // (V, C)
-    c.wpe = dwte + V * C;           // (T, C)
-    float *dwpe = c.wpe + T * C;    // (T, C)
-    c.out = dwpe + T * C;           // (B, T, C)
-    c.R = c.out + B * T * C;        // (B, T, C)
+    c.wte = buf;                  // (V, C)
+    float *dwte = c.wte + V * C;  // (V, C)
+    c.wpe = dwte + V * C;         // (T, C)
+    float *dwpe = c.wpe + T * C;  // (T, C)
+    c.out = dwpe + T * C;         // (B, T, C)
+    c.R = c.out + B * T * C;      // (B, T, C)
     fill(c.wte, V * C, 1.0);
     fill(c.wpe, T * C, 1.0);
     fill(c.R, B * T * C, 1.0);
@@ -300,13 +300,19 @@ static double model_eval(void *p) {
     return total / (double)c->B;
 }
 
-static void test_model_grads(const char *label, int64_t layers, int64_t heads,
-                             bool causal, float dropout) {
+static void test_model_grads(const char *label, int64_t layers, int64_t heads, bool causal,
+                             float dropout) {
     printf(" model gradients: %s (layers %lld, heads %lld, causal %d, dropout %g)\n", label,
            (long long)layers, (long long)heads, causal, (double)dropout);
-    tiny_config cfg = {.vocab = 11, .seq_len = 5, .d_model = 8, .n_heads = heads,
-                       .n_layers = layers, .d_ff = 12, .dropout = dropout,
-                       .causal = causal, .seed = 3};
+    tiny_config cfg = {.vocab = 11,
+                       .seq_len = 5,
+                       .d_model = 8,
+                       .n_heads = heads,
+                       .n_layers = layers,
+                       .d_ff = 12,
+                       .dropout = dropout,
+                       .causal = causal,
+                       .seed = 3};
     tiny_model *m = NULL;
     CHECK_OK(tiny_create(&m, &cfg, 4));
     if (!m) return;
@@ -378,7 +384,8 @@ static void test_tasks(void) {
     }
     printf(" tworel example: %s -> %d\n", s, tgt[0]);
     CHECKF(tok[16] == TINY_TOK_SEP && tok[17] != tok[18] && va >= 0 && vb >= 0 &&
-           tgt[0] == (va + vb) % 10, "tworel example well formed: %s -> %d", s, tgt[0]);
+               tgt[0] == (va + vb) % 10,
+           "tworel example well formed: %s -> %d", s, tgt[0]);
     tiny_rng r1 = {5}, r2 = {5};
     int32_t a[19], b[19], ta, tb;
     tiny_task_sample(a, &ta, TINY_TASK_TWOREL, 8, 1, &r1);
@@ -389,8 +396,8 @@ static void test_tasks(void) {
 static void test_training(void) {
     // recall with 4 pairs (T = 10): a 2-block, 4-head model, AdamW
     const int64_t K = 4, T = 10, B = 32, steps = 300, n_eval = 500;
-    tiny_config cfg = {.vocab = TINY_VOCAB, .seq_len = T, .d_model = 32, .n_heads = 4,
-                       .n_layers = 2, .seed = 1};
+    tiny_config cfg = {
+        .vocab = TINY_VOCAB, .seq_len = T, .d_model = 32, .n_heads = 4, .n_layers = 2, .seed = 1};
     tiny_model *m = NULL;
     mha_optimizer *o = NULL;
     mha_optim_config oc;
@@ -424,8 +431,8 @@ static void test_training(void) {
     for (int64_t i = 0; i < n_eval; i++) correct += pred[i] == tgt[i];
     double acc = (double)correct / (double)n_eval;
     printf(" training: recall K=%lld, %lld steps: loss %.3f -> %.3f, held-out loss %.3f, "
-           "accuracy %.1f%% (chance 10%%)\n", (long long)K, (long long)steps, first, last,
-           (double)eloss, 100 * acc);
+           "accuracy %.1f%% (chance 10%%)\n",
+           (long long)K, (long long)steps, first, last, (double)eloss, 100 * acc);
     // 300 steps are enough for the first stage of learning recall (about
     // 1/K of the answers: a value that is present in the sequence, which
     // already needs attention over positions), not for the sharp

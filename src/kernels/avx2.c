@@ -210,18 +210,29 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
 #define PK_PF(r) \
     if ((r) < mr) _mm_prefetch((const char *)(C + ldc * (r)), _MM_HINT_T0);
 // pf: a line to prefetch (into L2) every other k: part of the next panel
-static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, int64_t ldc,
-                       int64_t mr, __m256i m0, __m256i m1, bool add, const float *bias,
-                       const float *pf) {
+// 8 elements of a packed B from element e: float32 (kind 0), or bf16 (1) /
+// f16 (2) widened (exact)
+static inline __attribute__((always_inline)) __m256 ldb(const void *B, int64_t e, int kind) {
+    if (kind == 0) return _mm256_loadu_ps((const float *)B + e);
+    const __m128i h = _mm_loadu_si128((const __m128i *)(const void *)((const uint16_t *)B + e));
+    if (kind == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+// (kind: B's elements, ldb; pf: bytes, one 64-byte line every other k)
+static inline __attribute__((always_inline)) void ukr_any(int64_t kc, const float *Ap,
+                                                          const void *Bp, int kind, float *C,
+                                                          int64_t ldc, int64_t mr, __m256i m0,
+                                                          __m256i m1, bool add,
+                                                          const float *bias, const char *pf) {
     PK_ROWS(PK_DECL)
     PK_ROWS(PK_PF)
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kc; k++) {
-        const __m256 b0 = _mm256_loadu_ps(Bp), b1 = _mm256_loadu_ps(Bp + 8);
-        if (k % 2 == 0) _mm_prefetch((const char *)(pf + 8 * k), _MM_HINT_T1);
+        const __m256 b0 = ldb(Bp, k * PNR, kind), b1 = ldb(Bp, k * PNR + 8, kind);
+        if (k % 2 == 0) _mm_prefetch(pf + 32 * k, _MM_HINT_T1);
         PK_ROWS(PK_FMA)
         Ap += PMR;
-        Bp += PNR;
     }
     __m256 bb0 = _mm256_setzero_ps(), bb1 = bb0;
     if (bias) {
@@ -229,6 +240,25 @@ static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, i
         bb1 = _mm256_maskload_ps(bias + 8, m1);
     }
     PK_ROWS(PK_STORE)
+}
+
+static void ukr_packed(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
+                       int64_t ldc, int64_t mr, __m256i m0, __m256i m1, bool add,
+                       const float *bias, const char *pf) {
+    ukr_any(kc, Ap, Bp, 0, C, ldc, mr, m0, m1, add, bias, pf);
+    (void)kind;
+}
+static void ukr_packed_bf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
+                          int64_t ldc, int64_t mr, __m256i m0, __m256i m1, bool add,
+                          const float *bias, const char *pf) {
+    ukr_any(kc, Ap, Bp, 1, C, ldc, mr, m0, m1, add, bias, pf);
+    (void)kind;
+}
+static void ukr_packed_hf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
+                          int64_t ldc, int64_t mr, __m256i m0, __m256i m1, bool add,
+                          const float *bias, const char *pf) {
+    ukr_any(kc, Ap, Bp, 2, C, ldc, mr, m0, m1, add, bias, pf);
+    (void)kind;
 }
 
 // Ap (tiles of 6 rows, k-major) <- the (mc, kc) block of a transposed A
@@ -247,8 +277,13 @@ static void pack_a_t(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t
 // gemm_packed and gemm_packed_tn: A row-major (at false) or stored
 // transposed (at true); only the A copy differs.
 static inline __attribute__((always_inline)) void gemm_packed_any(
-    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const float *Bp,
+    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const void *Bp, int kind,
     const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate, float *apack) {
+    void (*ukr)(int64_t, const float *, const void *, int, float *, int64_t, int64_t, __m256i,
+                __m256i, bool, const float *, const char *) = kind == 0   ? ukr_packed
+                                                              : kind == 1 ? ukr_packed_bf
+                                                                          : ukr_packed_hf;
+    const int64_t es = kind == 0 ? 4 : 2;  // bytes of B's elements
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         for (int64_t i = 0; i < M; i++)
@@ -271,14 +306,16 @@ static inline __attribute__((always_inline)) void gemm_packed_any(
             for (int64_t j0 = 0; j0 < N; j0 += PNR) {
                 const int64_t nr = N - j0;
                 const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
-                const float *Bb = Bp + j0 * K + k0 * PNR;
+                const char *Bb = (const char *)Bp + (j0 * K + k0 * PNR) * es;
                 const float *bj = last && bias ? bias + j0 : NULL;
-                // the next panel's micro-panel (kc lines), prefetched by the
-                // first two tiles; the others re-touch their own A
-                const float *nb = j0 + PNR < N ? Bb + PNR * K : Bb;
+                // the next panel's micro-panel (kc rows of 16 elements),
+                // prefetched by the first tiles; the others re-touch their
+                // own A
+                const char *nb = j0 + PNR < N ? Bb + PNR * K * es : Bb;
                 for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
-                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc, mc - t,
-                               m0, m1, add, bj, ti < 2 ? nb + ti * 8 * kc : apack + t * kc);
+                    ukr(kc, apack + t * kc, Bb, kind, C + (i0 + t) * ldc + j0, ldc, mc - t, m0,
+                        m1, add, bj,
+                        ti < es / 2 ? nb + ti * 32 * kc : (const char *)(apack + t * kc));
             }
         }
     }
@@ -287,13 +324,19 @@ static inline __attribute__((always_inline)) void gemm_packed_any(
 static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                         const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                         float *apack) {
-    gemm_packed_any(C, ldc, A, lda, false, Bp, bias, M, N, K, accumulate, apack);
+    gemm_packed_any(C, ldc, A, lda, false, Bp, 0, bias, M, N, K, accumulate, apack);
+}
+
+static void gemm_packed_bh(float *C, int64_t ldc, const float *A, int64_t lda,
+                           const uint16_t *Bp, int kind, const float *bias, int64_t M,
+                           int64_t N, int64_t K, bool accumulate, float *apack) {
+    gemm_packed_any(C, ldc, A, lda, false, Bp, kind, bias, M, N, K, accumulate, apack);
 }
 
 static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                            const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                            float *apack) {
-    gemm_packed_any(C, ldc, A, lda, true, Bp, bias, M, N, K, accumulate, apack);
+    gemm_packed_any(C, ldc, A, lda, true, Bp, 0, bias, M, N, K, accumulate, apack);
 }
 
 // exp(x) for 8 lanes: Cephes expf. NaN propagates; x < -87.3 gives 0.
@@ -1000,5 +1043,6 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
     k->gemm_packed_tn = gemm_packed_tn;
+    k->gemm_packed_bh = gemm_packed_bh;
 }
 #endif

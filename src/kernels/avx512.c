@@ -304,18 +304,30 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
 // pf: kc lines to prefetch into L2, one per k (a part of the next panel:
 // B streams from L3 when it outgrows L2). Without this and the C
 // prefetch, the N = 2304 projection ran ~8% slower.
-static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, int64_t ldc,
-                       int64_t mr, __mmask16 m0, __mmask16 m1, bool add, const float *bias,
-                       const float *pf) {
+// 16 elements of a packed B from element e: float32 (kind 0), or bf16 (1)
+// / f16 (2) widened (exact)
+static inline __attribute__((always_inline)) __m512 ldb(const void *B, int64_t e, int kind) {
+    if (kind == 0) return _mm512_loadu_ps((const float *)B + e);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)B +
+                                                                         e));
+    if (kind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+// (kind: B's elements, ldb; pf: bytes, one 64-byte line per k)
+static inline __attribute__((always_inline)) void ukr_any(int64_t kc, const float *Ap,
+                                                          const void *Bp, int kind, float *C,
+                                                          int64_t ldc, int64_t mr,
+                                                          __mmask16 m0, __mmask16 m1, bool add,
+                                                          const float *bias, const char *pf) {
     PK_ROWS(PK_DECL)
     PK_ROWS(PK_PF)
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kc; k++) {
-        const __m512 b0 = _mm512_loadu_ps(Bp), b1 = _mm512_loadu_ps(Bp + 16);
-        _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T1);
+        const __m512 b0 = ldb(Bp, k * PNR, kind), b1 = ldb(Bp, k * PNR + 16, kind);
+        _mm_prefetch(pf + 64 * k, _MM_HINT_T1);
         PK_ROWS(PK_FMA)
         Ap += PMR;
-        Bp += PNR;
     }
     __m512 bb0 = _mm512_setzero_ps(), bb1 = bb0;
     if (bias) {
@@ -323,6 +335,25 @@ static void ukr_packed(int64_t kc, const float *Ap, const float *Bp, float *C, i
         bb1 = _mm512_maskz_loadu_ps(m1, bias + 16);
     }
     PK_ROWS(PK_STORE)
+}
+
+static void ukr_packed(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
+                       int64_t ldc, int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
+                       const float *bias, const char *pf) {
+    ukr_any(kc, Ap, Bp, 0, C, ldc, mr, m0, m1, add, bias, pf);
+    (void)kind;
+}
+static void ukr_packed_bf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
+                          int64_t ldc, int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
+                          const float *bias, const char *pf) {
+    ukr_any(kc, Ap, Bp, 1, C, ldc, mr, m0, m1, add, bias, pf);
+    (void)kind;
+}
+static void ukr_packed_hf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
+                          int64_t ldc, int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
+                          const float *bias, const char *pf) {
+    ukr_any(kc, Ap, Bp, 2, C, ldc, mr, m0, m1, add, bias, pf);
+    (void)kind;
 }
 
 // Ap (tiles of 14 rows, k-major) <- the (mc, kc) block of a transposed A
@@ -341,8 +372,13 @@ static void pack_a_t(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t
 // gemm_packed and gemm_packed_tn: A row-major (at false) or stored
 // transposed (at true); only the A copy differs.
 static inline __attribute__((always_inline)) void gemm_packed_any(
-    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const float *Bp,
+    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const void *Bp, int kind,
     const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate, float *apack) {
+    void (*ukr)(int64_t, const float *, const void *, int, float *, int64_t, int64_t, __mmask16,
+                __mmask16, bool, const float *, const char *) = kind == 0   ? ukr_packed
+                                                                : kind == 1 ? ukr_packed_bf
+                                                                            : ukr_packed_hf;
+    const int64_t es = kind == 0 ? 4 : 2;  // bytes of B's elements
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         for (int64_t i = 0; i < M; i++)
@@ -369,14 +405,16 @@ static inline __attribute__((always_inline)) void gemm_packed_any(
             for (int64_t j0 = 0; j0 < N; j0 += PNR) {
                 const int64_t nr = N - j0;
                 const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
-                const float *Bb = Bp + j0 * K + k0 * PNR;
+                const char *Bb = (const char *)Bp + (j0 * K + k0 * PNR) * es;
                 const float *bj = last && bias ? bias + j0 : NULL;
-                // the next panel's micro-panel (2 kc lines), prefetched by
-                // the first two tiles; the others re-touch their own A
-                const float *nb = j0 + PNR < N ? Bb + PNR * K : Bb;
+                // the next panel's micro-panel (kc lines of 32 elements),
+                // prefetched by the first tiles; the others re-touch their
+                // own A
+                const char *nb = j0 + PNR < N ? Bb + PNR * K * es : Bb;
                 for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
-                    ukr_packed(kc, apack + t * kc, Bb, C + (i0 + t) * ldc + j0, ldc, mc - t,
-                               m0, m1, add, bj, ti < 2 ? nb + ti * 16 * kc : apack + t * kc);
+                    ukr(kc, apack + t * kc, Bb, kind, C + (i0 + t) * ldc + j0, ldc, mc - t, m0,
+                        m1, add, bj,
+                        ti < es / 2 ? nb + ti * 64 * kc : (const char *)(apack + t * kc));
             }
         }
     }
@@ -385,13 +423,19 @@ static inline __attribute__((always_inline)) void gemm_packed_any(
 static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                         const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                         float *apack) {
-    gemm_packed_any(C, ldc, A, lda, false, Bp, bias, M, N, K, accumulate, apack);
+    gemm_packed_any(C, ldc, A, lda, false, Bp, 0, bias, M, N, K, accumulate, apack);
+}
+
+static void gemm_packed_bh(float *C, int64_t ldc, const float *A, int64_t lda,
+                           const uint16_t *Bp, int kind, const float *bias, int64_t M,
+                           int64_t N, int64_t K, bool accumulate, float *apack) {
+    gemm_packed_any(C, ldc, A, lda, false, Bp, kind, bias, M, N, K, accumulate, apack);
 }
 
 static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                            const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                            float *apack) {
-    gemm_packed_any(C, ldc, A, lda, true, Bp, bias, M, N, K, accumulate, apack);
+    gemm_packed_any(C, ldc, A, lda, true, Bp, 0, bias, M, N, K, accumulate, apack);
 }
 
 // exp(x) for 16 lanes: Cephes expf. NaN propagates; x < -87.3 (where
@@ -1270,5 +1314,6 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
     k->gemm_packed_tn = gemm_packed_tn;
+    k->gemm_packed_bh = gemm_packed_bh;
 }
 #endif

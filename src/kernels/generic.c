@@ -255,19 +255,33 @@ static void store_packed(float *c, const float *acc, const float *bias, int64_t 
     }
 }
 
+// Element e of a packed B: float32 (kind 0), bf16 (1) or f16 (2), as float.
+static inline float bp_at(const void *Bp, int kind, int64_t e) {
+    if (kind == 0) return ((const float *)Bp)[e];
+    const uint16_t h = ((const uint16_t *)Bp)[e];
+    if (kind == 2) return mha_f16_to_f32(h);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 // Element (i, k) of A at A[i*ars + k*aks]: (lda, 1) for gemm_packed,
-// (1, lda) for gemm_packed_tn (A stored transposed); the same sums.
+// (1, lda) for gemm_packed_tn (A stored transposed); the same sums. B's
+// elements of kind (bp_at).
 static inline void gemm_packed_any(float *C, int64_t ldc, const float *A, int64_t ars,
-                                   int64_t aks, const float *Bp, const float *bias, int64_t M,
-                                   int64_t N, int64_t K, bool accumulate) {
+                                   int64_t aks, const void *Bp, int kind, const float *bias,
+                                   int64_t M, int64_t N, int64_t K, bool accumulate) {
     for (int64_t j0 = 0; j0 < N; j0 += GNR) {
         const int64_t nr = N - j0 < GNR ? N - j0 : GNR;
-        const float *P = Bp + j0 * K, *bj = bias ? bias + j0 : NULL;
+        const float *bj = bias ? bias + j0 : NULL;
+        const int64_t P = j0 * K;  // the panel's first element
         int64_t i = 0;
         for (; i + GMR <= M; i += GMR) {
             float acc[GMR][GNR] = {{0}};
             for (int64_t k = 0; k < K; k++) {
-                const float *b = P + k * GNR;
+                float b[GNR];
+                for (int j = 0; j < GNR; j++) b[j] = bp_at(Bp, kind, P + k * GNR + j);
                 for (int r = 0; r < GMR; r++) {
                     const float a = A[(i + r) * ars + k * aks];
                     for (int j = 0; j < GNR; j++) acc[r][j] = acc[r][j] + a * b[j];
@@ -279,8 +293,9 @@ static inline void gemm_packed_any(float *C, int64_t ldc, const float *A, int64_
         for (; i < M; i++) {
             float acc[GNR] = {0};
             for (int64_t k = 0; k < K; k++) {
-                const float a = A[i * ars + k * aks], *b = P + k * GNR;
-                for (int j = 0; j < GNR; j++) acc[j] = acc[j] + a * b[j];
+                const float a = A[i * ars + k * aks];
+                for (int j = 0; j < GNR; j++)
+                    acc[j] = acc[j] + a * bp_at(Bp, kind, P + k * GNR + j);
             }
             store_packed(C + i * ldc + j0, acc, bj, nr, accumulate);
         }
@@ -291,14 +306,21 @@ static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, cons
                         const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                         float *apack) {
     (void)apack;
-    gemm_packed_any(C, ldc, A, lda, 1, Bp, bias, M, N, K, accumulate);
+    gemm_packed_any(C, ldc, A, lda, 1, Bp, 0, bias, M, N, K, accumulate);
 }
 
 static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                            const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                            float *apack) {
     (void)apack;
-    gemm_packed_any(C, ldc, A, 1, lda, Bp, bias, M, N, K, accumulate);
+    gemm_packed_any(C, ldc, A, 1, lda, Bp, 0, bias, M, N, K, accumulate);
+}
+
+static void gemm_packed_bh(float *C, int64_t ldc, const float *A, int64_t lda,
+                           const uint16_t *Bp, int kind, const float *bias, int64_t M,
+                           int64_t N, int64_t K, bool accumulate, float *apack) {
+    (void)apack;
+    gemm_packed_any(C, ldc, A, lda, 1, Bp, kind, bias, M, N, K, accumulate);
 }
 
 
@@ -442,6 +464,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->pack_b = pack_b;
     k->gemm_packed = gemm_packed;
     k->gemm_packed_tn = gemm_packed_tn;
+    k->gemm_packed_bh = gemm_packed_bh;
     k->bf_kpad = 2;
     k->bf_mpad = 1;
     // plain C's fmaf is slower than the float32 path (scalar table, (1, 12,

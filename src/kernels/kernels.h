@@ -192,6 +192,14 @@ typedef struct mha__kernels {
     void (*gemm_packed_tn)(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
                            const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
                            float *apack);
+    // gemm_packed_bh: gemm_packed with Bp's elements stored as bf16 (kind
+    //   1) or f16 (kind 2): uint16_t in pack_b's element order (gemm.h,
+    //   mha__gemm_pack_wt_bh), each widened as it loads (exact): the same
+    //   bits, on every table, as gemm_packed on the float32 Bp of the
+    //   widened values, reading half its bytes (half weights' projections).
+    void (*gemm_packed_bh)(float *C, int64_t ldc, const float *A, int64_t lda,
+                           const uint16_t *Bp, int kind, const float *bias, int64_t M,
+                           int64_t N, int64_t K, bool accumulate, float *apack);
 
     // ---- bf16 compute (the flash forward over bf16 q, k, v) ----
     // FlashAttention's convention, as PyTorch's CPU flash kernel does it:
