@@ -409,7 +409,7 @@ def main():
           "bf16: bf16 tensors or model; autocast bf16: float32 tensors and module under "
           "torch.autocast; openvino default: the CPU plugin's own choice; ggml f16 / bf16: "
           "the K/V type). Cases ending in bf16: inputs rounded to bf16 values, mha in bf16 "
-          "(mha ms 'n/a': mha does not train in bf16 yet). mha %% of peak: mha's GFLOP/s (causal "
+          "(mha ms 'n/a' or a reason: a case mha cannot run). mha %% of peak: mha's GFLOP/s (causal "
           "rows: the visible pairs only, backward = 2x forward) over the fp32 FMA peak (f32 "
           "rows); decode rows: K and V bytes read per second over the read bandwidth (over "
           "100%% when the cache fits in the CPU caches). peer / mha %% of GEMM: the same "
