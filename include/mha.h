@@ -964,9 +964,9 @@ MHA_API void mha_linear_destroy(mha_linear *l);
 // without a bf16 unit) compute in float32: their rows are converted
 // exactly as the tiles load them (no float32 copy of a tensor) and a half
 // out is the float32 result rounded once (nearest even), so its error is
-// half an ulp of its type plus the float32 path's. The backward computes
-// in float32 on the converted rows either way. mha_last_impl() says which
-// ran.
+// half an ulp of its type plus the float32 path's. The backward of bf16
+// q, k, v and dout computes in bf16 likewise (mha_sdpa_backward), other
+// views in float32 on the converted rows. mha_last_impl() says which ran.
 typedef struct mha_sdpa_args {
     const mha_tensor *q;
     const mha_tensor *k;
@@ -982,6 +982,17 @@ typedef struct mha_sdpa_args {
     float dropout_p;  // 0: none; in [0, 1)
     uint64_t dropout_seed;
     uint64_t dropout_offset;  // advance it between steps for fresh masks
+    // Training: NULL (default), or a state object (mha_saved_create) the
+    // fused mha_sdpa fills with the output and each query row's softmax
+    // statistics in float32 (B H L (Dv + 2) floats, grown when needed), so
+    // that mha_sdpa_backward with the same args (the same views, masks,
+    // options) takes them instead of computing the forward's rows again:
+    // the same bits, about a quarter less work. The reference path keeps
+    // nothing (its backward recomputes); a state another call filled is
+    // refused by the backward (MHA_ERR_INVALID_ARG), one whose forward
+    // computed in the other precision (bf16 q, k, v with a float32 dout) is
+    // passed over.
+    mha_saved *save;
 } mha_sdpa_args;
 
 MHA_API void mha_sdpa_args_init(mha_sdpa_args *a);

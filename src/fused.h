@@ -133,9 +133,12 @@ bool mha__fused_backward_bf16(const mha_module *m, const mha_forward_args *a);
 // Whether mha__fused_sdpa on these views computes its products in bf16
 // (mha__flash_bf16).
 bool mha__fused_sdpa_bf16(const mha_tensor *q, const mha_tensor *k, const mha_tensor *v);
+// sv: NULL, or a state sized by mha__saved_prepare_sdpa: each head's O
+// rows (float32, before any rounding into out) and row stats go there, and
+// it is marked valid (bf16: whether the heads computed in bf16).
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
-                           const mha__dropout *drop, double scale);
+                           const mha__dropout *drop, double scale, mha_saved *sv);
 // Whether mha__fused_sdpa_backward computes its products in bf16: bf16 q,
 // k, v and dout on a table that computes bf16 (flash.h,
 // mha__flash_bwd_head_bf16); dq, dk, dv of any type.
@@ -144,12 +147,14 @@ bool mha__fused_sdpa_backward_bf16(const mha_tensor *q, const mha_tensor *k,
 // The fused backward of mha__fused_sdpa: dq (B, H, L, D), dk (B, Hkv, S,
 // D), dv (B, Hkv, S, Dv) written from dout (B, H, L, Dv), drop the
 // forward's; F32 views with unit last stride (checked by the caller).
-// Allocates its scratch.
+// Allocates its scratch. sv: NULL, or this call's forward's valid state
+// (checked by the caller): its O and row stats replace the forward's rows
+// when it computed in this backward's precision (the same bits).
 mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                                     const mha_tensor *dout, const mha_tensor *q,
                                     const mha_tensor *k, const mha_tensor *v,
                                     const mha__mask *mk, const mha__dropout *drop,
-                                    double scale);
+                                    double scale, const mha_saved *sv);
 // The fused backward (allocates its own scratch); pt as for the forward.
 mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk,
                                mha_tensor *gv, mha_module *grads, const mha_module *m,

@@ -1089,7 +1089,7 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                               const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
                               const mha_tensor *v, const mha__mask *mk,
                               const mha__dropout *drop, double scale, size_t sf, size_t per,
-                              int nt, float *blk) {
+                              int nt, float *blk, const mha_saved *sv) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
                   S = k->shape[2], Dv = v->shape[3], Hkv = k->shape[1], G = H / Hkv;
@@ -1106,9 +1106,13 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                    hk = dk->dtype != MHA_F32, hv = dv->dtype != MHA_F32;
         const bool bf = mha__fused_sdpa_backward_bf16(q, k, v, dout);
         for (int64_t h = g * G; h < (g + 1) * G; h++) {
-            mha__flash_head fh = sdpa_head(q, k, v, mk, drop, scale, b, h, o, Dv, stats);
+            const int64_t bh = b * H + h;  // (the forward's state: its O and stats)
+            mha__flash_head fh = sv ? sdpa_head(q, k, v, mk, drop, scale, b, h,
+                                                sv->buf + bh * L * Dv, Dv,
+                                                sv->buf + sv->n_ctx + 2 * bh * L)
+                                    : sdpa_head(q, k, v, mk, drop, scale, b, h, o, Dv, stats);
             fh.f32_compute = !bf;  // bf16: the bf16 forward's O and stats
-            for (int64_t i0 = 0; i0 < L; i0 += MHA__FLASH_BR)
+            for (int64_t i0 = 0; !sv && i0 < L; i0 += MHA__FLASH_BR)
                 mha__flash_rows(kt, &fh, i0, mha__tile_end(i0, MHA__FLASH_BR, L), sc);
             if (ho) {
                 const uint16_t *d16 = (const uint16_t *)(const void *)head_at(dout, b, h);
@@ -1143,13 +1147,14 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
 static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                            const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
                            const mha_tensor *v, const mha__mask *mk, const mha__dropout *drop,
-                           double scale, size_t sf, int nt, float *blk) {
+                           double scale, size_t sf, int nt, float *blk, const mha_saved *sv) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], S = k->shape[2],
                   Dv = v->shape[3], Hkv = k->shape[1], G = H / Hkv;
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
     float *O = blk + sf * (size_t)nt, *stats = O + B * H * L * Dv,
           *dsum = stats + 2 * B * H * L;
+    if (sv) O = sv->buf, stats = sv->buf + sv->n_ctx;  // the forward's
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR;
     const int64_t ktiles = (S + MHA__FLASH_BC - 1) / MHA__FLASH_BC;
 #define SDPA_HEAD(b, h)                                                       \
@@ -1157,7 +1162,7 @@ static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
               stats + 2 * ((b)*H + (h)) * L)
     // the forward rows, then pass B (Dsum, dq), per (b, h, query tile)
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t it = 0; it < B * H * tiles; it++) {
+    for (int64_t it = 0; it < (sv ? 0 : B * H * tiles); it++) {
         const int64_t bh = it / tiles, b = bh / H, h = bh % H,
                       i0 = (it % tiles) * MHA__FLASH_BR;
         mha__flash_head fh = SDPA_HEAD(b, h);
@@ -1204,7 +1209,9 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
                                     const mha_tensor *dout, const mha_tensor *q,
                                     const mha_tensor *k, const mha_tensor *v,
                                     const mha__mask *mk, const mha__dropout *drop,
-                                    double scale) {
+                                    double scale, const mha_saved *sv) {
+    // the forward's state when it computed in this backward's precision
+    if (sv && sv->bf16 != mha__fused_sdpa_backward_bf16(q, k, v, dout)) sv = NULL;
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
                   S = k->shape[2], Dv = v->shape[3], Hkv = k->shape[1];
     const int nt = (double)B * H * L * S * (2 * D + 3 * Dv) < MHA__PAR_MIN_WORK
@@ -1237,8 +1244,8 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
     if (per_head)
-        sdpa_bwd_per_head(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, per, nt, blk);
-    else sdpa_bwd_tiles(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, nt, blk);
+        sdpa_bwd_per_head(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, per, nt, blk, sv);
+    else sdpa_bwd_tiles(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, nt, blk, sv);
     mha__scratch_free(blk, bytes ? bytes : 1);
     return MHA_OK;
 }

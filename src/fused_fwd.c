@@ -512,7 +512,7 @@ bool mha__fused_sdpa_bf16(const mha_tensor *q, const mha_tensor *k, const mha_te
 
 mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tensor *q,
                            const mha_tensor *k, const mha_tensor *v, const mha__mask *mk,
-                           const mha__dropout *drop, double scale) {
+                           const mha__dropout *drop, double scale, mha_saved *sv) {
     const mha__kernels *kt = mha__kernels_get();
     const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], D = q->shape[3],
                   S = k->shape[2], Dv = v->shape[3];
@@ -527,6 +527,9 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
     float *blk = mha__scratch_alloc(bytes);
     if (!blk) return mha__fail(MHA_ERR_NOMEM, "sdpa: out of memory for %zu bytes", bytes);
     float *stats = weights ? blk + sf * (size_t)nt : NULL;
+    // a training forward's state: O (B, H, L, Dv) and the stats kept there
+    float *so = sv ? sv->buf : NULL;
+    if (sv) stats = sv->buf + sv->n_ctx;
     for (int t = 0; t < nt; t++) mha__flash_scratch_reset(blk + (size_t)t * sf);
     const int64_t tiles = (L + MHA__FLASH_BR - 1) / MHA__FLASH_BR, items = B * H * tiles;
     const bool back_first = mk->causal || mk->win_left >= 0;
@@ -550,8 +553,8 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
             .xk = NULL,
             .xv = NULL,
             .nx = 0,
-            .o = HEAD_PTR(out),
-            .o_rs = out->stride[2],
+            .o = so ? so + bh * L * Dv : HEAD_PTR(out),
+            .o_rs = so ? Dv : out->stride[2],
             .stats = stats ? stats + 2 * bh * L : NULL,
             .L = L,
             .S = S,
@@ -560,7 +563,7 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
             .q_half = mha__half_of(q->dtype),
             .k_half = mha__half_of(k->dtype),
             .v_half = mha__half_of(v->dtype),
-            .o_half = mha__half_of(out->dtype),
+            .o_half = so ? 0 : mha__half_of(out->dtype),
             .scale = (float)scale,
             .mask = mk,
             .drop = drop,
@@ -569,6 +572,14 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
         };
         int64_t i0 = tile * MHA__FLASH_BR, i1 = mha__tile_end(i0, MHA__FLASH_BR, L);
         mha__flash_rows(kt, &fh, i0, i1, sc);
+        if (so) {  // the kept float32 rows into out, rounded once as flash.c does
+            mha__mat o = mha__view_at(out, out->stride[0] * b + out->stride[1] * h, 3);
+            for (int64_t i = i0; i < i1; i++) {
+                mha__mat row = o;
+                row.p = (char *)o.p + i * out->stride[2] * (int64_t)mha_dtype_size(out->dtype);
+                mha__st_row(row, so + (bh * L + i) * Dv, Dv);
+            }
+        }
         if (weights) {
             mha__mat w = mha__view_at(weights,
                                       weights->stride[0] * b + weights->stride[1] * h +
@@ -582,5 +593,6 @@ mha_status mha__fused_sdpa(mha_tensor *out, mha_tensor *weights, const mha_tenso
 #undef AT
     }
     mha__scratch_free(blk, bytes);
+    if (sv) sv->valid = true, sv->bf16 = mha__fused_sdpa_bf16(q, k, v);
     return MHA_OK;
 }

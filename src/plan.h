@@ -151,6 +151,7 @@ typedef struct mha__saved_key {
     bool alibi;
     const float *alibi_slopes;
     float softcap;
+    float dropout_p;  // (mha_sdpa's; a module's is in its config)
     bool custom_scale;
     double scale;
 } mha__saved_key;
@@ -175,6 +176,12 @@ struct mha_saved {
 };
 
 void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward_args *a);
+// mha_sdpa's key (m NULL) and sizing: O (B, H, L, Dv) in n_ctx, the row
+// stats (B, H, L, 2) in n_lse; valid = false until the fused sdpa has
+// filled it.
+void mha__saved_key_of_sdpa(mha__saved_key *k, const mha_sdpa_args *a);
+mha_status mha__saved_prepare_sdpa(mha_saved *s, const mha_sdpa_args *a, int64_t B, int64_t H,
+                                   int64_t L, int64_t Dv);
 // Sizes the saved state for plan p (may allocate). valid = false until the
 // forward has filled it.
 mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module *m,

@@ -71,6 +71,54 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
     k->scale = a->use_custom_scale ? a->scale : 0.0;
 }
 
+void mha__saved_key_of_sdpa(mha__saved_key *k, const mha_sdpa_args *a) {
+    memset(k, 0, sizeof *k);
+    key_tensor(&k->q, a->q);
+    key_tensor(&k->k, a->k);
+    key_tensor(&k->v, a->v);
+    key_tensor(&k->kpm, a->key_padding_mask);
+    key_tensor(&k->am, a->attn_mask);
+    k->causal = a->is_causal;
+    k->training = a->dropout_p > 0.0f;
+    k->dropout_p = a->dropout_p;
+    k->window_left = a->window_left;
+    k->window_right = a->window_right;
+    k->seed = a->dropout_seed;
+    k->offset = a->dropout_offset;
+    k->custom_scale = a->use_custom_scale;
+    k->scale = a->use_custom_scale ? a->scale : 0.0;
+}
+
+// Grows s's buffer to need floats (its contents dropped).
+static mha_status saved_grow(mha_saved *s, size_t need) {
+    if (need <= s->cap) return MHA_OK;
+    size_t bytes;
+    if (mha__mul_overflow_size(need, sizeof(float), &bytes))
+        return mha__fail(MHA_ERR_OVERFLOW, "saved state: size overflows");
+    float *nb = mha__alloc(bytes);
+    if (!nb)
+        return mha__fail(MHA_ERR_NOMEM, "saved state: out of memory for %zu bytes", bytes);
+    mha__free(s->buf);
+    s->buf = nb;
+    s->cap = need;
+    return MHA_OK;
+}
+
+mha_status mha__saved_prepare_sdpa(mha_saved *s, const mha_sdpa_args *a, int64_t B, int64_t H,
+                                   int64_t L, int64_t Dv) {
+    s->valid = s->outer_valid = s->bf16 = false;
+    size_t rows, nctx, nlse, need;
+    if (mha__mul_overflow_size((size_t)B * (size_t)H, (size_t)L, &rows) ||
+        mha__mul_overflow_size(rows, (size_t)Dv, &nctx) ||
+        mha__mul_overflow_size(rows, 2, &nlse) || mha__add_overflow_size(nctx, nlse, &need))
+        return mha__fail(MHA_ERR_OVERFLOW, "saved state: size overflows");
+    mha_status st = saved_grow(s, need);
+    if (st) return st;
+    s->n_qkv = 0, s->n_ctx = nctx, s->n_lse = nlse, s->n_xqk = 0;
+    mha__saved_key_of_sdpa(&s->key, a);
+    return MHA_OK;
+}
+
 bool mha__saved_key_equal(const mha__saved_key *x, const mha__saved_key *y) {
     return memcmp(x, y, sizeof *x) == 0;  // both memset before filling
 }
@@ -87,17 +135,8 @@ mha_status mha__saved_prepare(mha_saved *s, const fwd_plan *p, const mha_module 
     s->n_lse = (size_t)(2 * p->N * p->H * p->L);
     s->n_xqk = mha__xqk_floats(p, m, Rq, Rk);
     const size_t need = s->n_qkv + s->n_ctx + s->n_lse + s->n_xqk;
-    if (need > s->cap) {
-        size_t bytes;
-        if (mha__mul_overflow_size(need, sizeof(float), &bytes))
-            return mha__fail(MHA_ERR_OVERFLOW, "saved state: size overflows");
-        float *nb = mha__alloc(bytes);
-        if (!nb)
-            return mha__fail(MHA_ERR_NOMEM, "saved state: out of memory for %zu bytes", bytes);
-        mha__free(s->buf);
-        s->buf = nb;
-        s->cap = need;
-    }
+    mha_status st = saved_grow(s, need);
+    if (st) return st;
     mha__saved_key_of(&s->key, m, a);
     return MHA_OK;
 }

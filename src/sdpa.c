@@ -267,8 +267,12 @@ mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights, const mha_sdpa_args *a
         (st = sdpa_check_outputs(out, weights, a, &dm)) ||
         (st = sdpa_impl(&impl, out, weights, a)))
         return st;
+    // a training forward's state (the fused path fills it)
+    if (a->save && (st = mha__saved_prepare_sdpa(a->save, a, dm.B, dm.H, dm.L, dm.Dv)))
+        return st;
     if (impl == MHA_IMPL_FUSED)
-        st = mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, sdpa_drop(&drop), scale);
+        st = mha__fused_sdpa(out, weights, a->q, a->k, a->v, &mk, sdpa_drop(&drop), scale,
+                             a->save);
     else st = sdpa_reference(out, weights, a, &dm, &mk, sdpa_drop(&drop), scale);
     if (!st)
         mha__set_impl(impl == MHA_IMPL_FUSED, mha_isa(),
@@ -405,9 +409,20 @@ mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
         return st;
     const mha_tensor *ts[7] = {a->q, a->k, a->v, dout, dq, dk, dv};
     if ((st = sdpa_backward_impl(&impl, ts, a))) return st;
+    // the forward's state: only from this call's own forward
+    const mha_saved *sv = a->save && a->save->valid ? a->save : NULL;
+    if (sv) {
+        mha__saved_key key;
+        mha__saved_key_of_sdpa(&key, a);
+        if (!mha__saved_key_equal(&key, &sv->key) || sv->outer_valid)
+            return mha__fail(MHA_ERR_INVALID_ARG,
+                             "mha_sdpa_backward: args.save holds the state of another call "
+                             "(views, masks, options or dropout differ); run mha_sdpa with "
+                             "these args first, or pass save = NULL");
+    }
     if (impl == MHA_IMPL_FUSED)
         st = mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk,
-                                      sdpa_drop(&drop), scale);
+                                      sdpa_drop(&drop), scale, sv);
     else st = sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, sdpa_drop(&drop), scale);
     if (!st)
         mha__set_impl(impl == MHA_IMPL_FUSED, mha_isa(),

@@ -8,6 +8,8 @@
 // reference with the mask fixed by its seed, 1 vs 2 threads, p = 0 the
 // same bits as no dropout, the zeroed fraction against p and the zeros
 // against the documented Philox rule, bad p refused.
+// args.save: out and gradients the same bits with the forward's state as
+// without, another call's state refused.
 // Agreement with PyTorch autograd: tests/infer/test_infer.py.
 #include <math.h>
 #include <stdlib.h>
@@ -563,6 +565,83 @@ static void dropout_misuse(void) {
     free_inputs(&s);
 }
 
+// args.save (a training forward's state): for random cases (dropout on
+// some), float32 and bf16 tensors, 1 and 2 threads (per head and over
+// tiles): mha_sdpa's out is the same bits with and without it, and
+// mha_sdpa_backward from it gives the bits of the backward that computes
+// the forward's rows again; the state of another call (other options) is
+// refused; one from the reference path is not used (the same bits).
+static void saved_state(int i) {
+    scase c = random_case(i);
+    if (i % 3 == 0) c.p = 0.25f, c.seed = 5 + (uint64_t)i, c.offset = (uint64_t)i;
+    const mha_dtype dts[2] = {MHA_F32, MHA_BF16};
+    for (int di = 0; di < 2; di++) {
+        const mha_dtype dt = dts[di];
+        sbufs s;
+        make_inputs(&s, &c, MHA_F32);
+        if (dt == MHA_BF16) {  // the same values as bf16 views
+            void *h[4] = {s.q, s.k, s.v, s.dout};
+            mha_tensor *t[4] = {&s.tq, &s.tk, &s.tv, &s.tdo};
+            for (int j = 0; j < 4; j++) {
+                const int64_t n = t[j]->shape[0] * t[j]->stride[0];
+                uint16_t *b = malloc(sizeof(uint16_t) * (size_t)(n + 1));
+                for (int64_t e = 0; e <= n; e++) b[e] = mha_f32_to_bf16(((float *)h[j])[e]);
+                free(h[j]);
+                t[j]->data = b, t[j]->dtype = MHA_BF16;
+            }
+            s.q = s.tq.data, s.k = s.tk.data, s.v = s.tv.data, s.dout = s.tdo.data;
+        }
+        const int64_t od[4] = {c.B, c.H, c.L, c.Dv};
+        mha_tensor to1, to2;
+        void *o1 = make4(&to1, MHA_F32, od, 0, 0.0), *o2 = make4(&to2, MHA_F32, od, 0, 0.0);
+        to1.dtype = to2.dtype = dt;  // (half views use the first half of the buffer)
+        for (int nt = 1; nt <= 2; nt++) {
+#ifdef _OPENMP
+            omp_set_num_threads(nt);
+#endif
+            mha_sdpa_args a;
+            args_of(&a, &c, &s, MHA_IMPL_FUSED);
+            sgrads g1, g2;
+            make_grads(&g1, &c, MHA_F32), make_grads(&g2, &c, MHA_F32);
+            CHECK_OK(mha_sdpa(&to1, NULL, &a));
+            CHECK_OK(mha_sdpa_backward(&g1.tq, &g1.tk, &g1.tv, &s.tdo, &a));
+            mha_saved *sv = NULL;
+            CHECK_OK(mha_saved_create(&sv));
+            a.save = sv;
+            CHECK_OK(mha_sdpa(&to2, NULL, &a));
+            CHECK_OK(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, &s.tdo, &a));
+            const size_t on = (size_t)prod4(od) * mha_dtype_size(dt);
+            CHECKF(memcmp(o1, o2, on) == 0, "case %d %s %d threads: out differs with save", i,
+                   mha_dtype_name(dt), nt);
+            const int64_t nq = c.B * c.H * c.L * c.D, nk = c.B * c.Hkv * c.S * c.D,
+                          nv = c.B * c.Hkv * c.S * c.Dv;
+            CHECKF(memcmp(g1.dq, g2.dq, sizeof(float) * (size_t)nq) == 0 &&
+                       memcmp(g1.dk, g2.dk, sizeof(float) * (size_t)nk) == 0 &&
+                       memcmp(g1.dv, g2.dv, sizeof(float) * (size_t)nv) == 0,
+                   "case %d %s %d threads: the backward from the saved state differs", i,
+                   mha_dtype_name(dt), nt);
+            // another call's state: refused
+            a.is_causal = !a.is_causal;
+            CHECK_FAILS(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, &s.tdo, &a),
+                        MHA_ERR_INVALID_ARG);
+            CHECK(strstr(mha_last_error(), "args.save") != NULL);
+            a.is_causal = !a.is_causal;
+            // the reference forward keeps nothing: the backward recomputes
+            a.impl = MHA_IMPL_REFERENCE;
+            if (dt == MHA_F32) {
+                CHECK_OK(mha_sdpa(&to2, NULL, &a));
+                a.impl = MHA_IMPL_FUSED;
+                CHECK_OK(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, &s.tdo, &a));
+                CHECK(memcmp(g1.dq, g2.dq, sizeof(float) * (size_t)nq) == 0);
+            }
+            mha_saved_destroy(sv);
+            free_grads(&g1), free_grads(&g2);
+        }
+        free(o1), free(o2);
+        free_inputs(&s);
+    }
+}
+
 int main(void) {
     seed_rng(20261201);
     for (int i = 0; i < 80; i++) fused_vs_reference(i);
@@ -576,5 +655,6 @@ int main(void) {
     for (int i = 0; i < 8; i++) dropout_zero_same_bits(i);
     dropout_statistics();
     dropout_misuse();
+    for (int i = 0; i < 24; i++) saved_state(i);
     return check_summary("test_sdpa_backward");
 }

@@ -121,8 +121,9 @@ static const char *bench_help =
     "                     over a KV cache of --kv-len tokens sharded across\n"
     "                     the ranks (mha_mpi_forward_cached)\n"
     "  --no-save          with --backward: no saved forward state\n"
-    "                     (mha_forward_args.save), so mha_backward re-runs\n"
-    "                     the forward (default: the forward keeps it)\n"
+    "                     (mha_forward_args.save, mha_sdpa_args.save), so\n"
+    "                     the backward re-runs the forward (default: the\n"
+    "                     forward keeps it)\n"
     "  --threads T        OpenMP threads (default: OMP_NUM_THREADS or all)\n"
     "  --impl NAME        auto (default), reference or fused\n"
     "  --isa NAME         force the fused kernels' ISA: scalar, avx2, avx512\n"
@@ -298,6 +299,10 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
         p->sa.is_causal = o->causal;
         p->sa.impl = impl;
         if (o->window) p->sa.window_left = p->sa.window_right = o->window;
+        if (o->backward && !o->no_save) {  // the forward keeps its rows for the backward
+            if ((st = mha_saved_create(&p->saved))) return cli_fail("bench", st);
+            p->sa.save = p->saved;
+        }
         return 0;
     }
     mha_config cfg;
@@ -385,9 +390,9 @@ static mha_status problem_run(problem *p) {
     if (st) return st;
     snprintf(p->fwd_ran, sizeof p->fwd_ran, "%s", mha_last_impl());
     if (!p->o->backward) return st;
-    st = p->o->core ? mha_sdpa_backward(&p->gq, &p->gk, &p->gv, &p->gout, &p->sa)
-                    : mha_backward(&p->gq, &p->gk, &p->gv, p->grads, p->m, &p->a, &p->gout,
-                                   false);
+    st = p->o->core
+             ? mha_sdpa_backward(&p->gq, &p->gk, &p->gv, &p->gout, &p->sa)
+             : mha_backward(&p->gq, &p->gk, &p->gv, p->grads, p->m, &p->a, &p->gout, false);
     if (!st) snprintf(p->bwd_ran, sizeof p->bwd_ran, "%s", mha_last_impl());
     return st;
 }
@@ -681,7 +686,6 @@ static int bench_check(bench_opts *o) {
                 (long long)o->E, (long long)o->H);
         return 2;
     }
-    if (o->core && o->no_save) return bench_usage("--no-save is for the module, not --core");
     if (o->core && o->workspace)
         return bench_usage("--workspace is for the module, not --core");
     if (o->prune > o->H) {
@@ -827,11 +831,11 @@ static void print_json(const bench_opts *o, const bench_result *r) {
            : o->workspace ? "preallocated"
                           : "per-call",
            (long long)o->repeat, (long long)o->warmup, r->median, r->min, r->max, r->flops,
-           r->gflops, r->peak.best, r->peak.kernel, r->peak_bf16 ? "bf16 dot" : "fp32 FMA", frac,
-           raw, dist ? "true" : "false",
-           r->peak.trials, r->peak.settled ? "true" : "false", r->peak_probes,
-           r->peak.best_wall, r->rss_max, r->rss_before, r->inputs_mib, (long long)o->window,
-           r->visible, o->backward && !o->no_save ? "true" : "false", dtype_label(o->dtype),
+           r->gflops, r->peak.best, r->peak.kernel, r->peak_bf16 ? "bf16 dot" : "fp32 FMA",
+           frac, raw, dist ? "true" : "false", r->peak.trials,
+           r->peak.settled ? "true" : "false", r->peak_probes, r->peak.best_wall, r->rss_max,
+           r->rss_before, r->inputs_mib, (long long)o->window, r->visible,
+           o->backward && !o->no_save ? "true" : "false", dtype_label(o->dtype),
            dtype_label(o->wdtype), (long long)o->prune, mha_head_gate_name(o->gate),
            flop_note(o));
 }
@@ -843,9 +847,9 @@ static void print_text(const bench_opts *o, const bench_result *r) {
                          : "module forward",
            mha_impl_name(o->impl), r->fwd_ran, r->isa, r->threads, r->threads == 1 ? "" : "s");
     if (o->backward && o->core)
-        printf("  backward   mha_sdpa_backward ran the %s implementation (the forward's "
-               "rows recomputed)\n",
-               r->bwd_ran);
+        printf("  backward   mha_sdpa_backward ran the %s implementation%s\n", r->bwd_ran,
+               o->no_save ? ", the forward's rows recomputed (--no-save)"
+                          : ", from the forward's saved rows (args.save)");
     else if (o->backward)
         printf("  backward   mha_backward ran the %s implementation%s\n", r->bwd_ran,
                o->no_save ? ", re-running the forward (--no-save)"
@@ -882,8 +886,8 @@ static void print_text(const bench_opts *o, const bench_result *r) {
            "%d thread%s; each thread's products on its CPU time, %s%s; %.1f on the wall "
            "clock%s)\n",
            r->gflops, frac_text(ft, sizeof ft, raw), r->peak_bf16 ? "bf16 dot" : "fp32 FMA",
-           r->peak.best, r->peak.kernel, r->threads,
-           r->threads == 1 ? "" : "s", probe_text(pt, sizeof pt, &r->peak),
+           r->peak.best, r->peak.kernel, r->threads, r->threads == 1 ? "" : "s",
+           probe_text(pt, sizeof pt, &r->peak),
            r->peak_probes > 1 ? "; probed again after the runs" : "", r->peak.best_wall,
            r->peak.best_wall < 0.9 * r->peak.best ? ": the CPUs shared with other work" : "");
     frac_warn(raw, "peak");
@@ -1388,8 +1392,8 @@ int cmd_bench(int argc, char **argv) {
         r.visible = o.L && o.S ? vis / ((double)o.L * (double)o.S) : 0;
         r.gflops = r.median > 0 ? r.flops / (r.median * 1e-3) * 1e-9 : 0;
         if (r.gflops > r.peak.best) {  // the probe was disturbed: once more, the better
-            const bench_probe again =
-                r.peak_bf16 ? peak_probe_bf16(r.threads) : peak_probe(r.threads);
+            const bench_probe again = r.peak_bf16 ? peak_probe_bf16(r.threads)
+                                                  : peak_probe(r.threads);
             r.peak_probes = 2;
             const int trials = r.peak.trials + again.trials;
             const double wall = r.peak.best_wall;

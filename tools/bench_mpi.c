@@ -20,7 +20,7 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
     (void)scheme, (void)B, (void)L, (void)E, (void)H, (void)Hkv, (void)causal, (void)backward;
     (void)repeat, (void)warmup, (void)seed, (void)json, (void)kv_len;
     fprintf(stderr, "mha bench: --parallel needs an mha built with MPI (install libopenmpi-dev "
-            "and rebuild)\n");
+                    "and rebuild)\n");
     return 1;
 }
 
@@ -63,7 +63,8 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
     for (int64_t i = 0; !st && i < nx; i++) x[i] = urand(&s);
     if (!st) {
         mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, share, d}),
-                   vt = mha_tensor_contiguous(kv + nkv, MHA_F32, 4, (int64_t[]){B, Hkv, share, d});
+                   vt = mha_tensor_contiguous(kv + nkv, MHA_F32, 4,
+                                              (int64_t[]){B, Hkv, share, d});
         st = mha_kv_cache_append(kc, &kt, &vt, NULL);
     }
     MPI_Bcast(x, (int)nx, MPI_FLOAT, 0, MPI_COMM_WORLD);  // the same new tokens everywhere
@@ -100,16 +101,18 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
         if (rank == 0 && json) {
             printf("{\"what\": \"mha_parallel_kv_decode\", \"ranks\": %d, \"batch\": %lld, "
                    "\"new_tokens\": %lld, \"kv_len\": %lld, \"embed_dim\": %lld, \"num_heads\": "
-                   "%lld, \"num_kv_heads\": %lld, \"median_ms\": %.4f}\n", P, (long long)B,
-                   (long long)T, (long long)kv_len, (long long)E, (long long)H, (long long)Hkv, med);
+                   "%lld, \"num_kv_heads\": %lld, \"median_ms\": %.4f}\n",
+                   P, (long long)B, (long long)T, (long long)kv_len, (long long)E,
+                   (long long)H, (long long)Hkv, med);
         } else if (rank == 0) {
             printf("mha bench --parallel kv --decode: %d ranks, batch %lld, %lld new token%s over "
                    "a cache of %lld tokens sharded evenly (%lld per rank), embed_dim %lld, heads "
-                   "%lld (KV %lld)\n", P, (long long)B, (long long)T, T == 1 ? "" : "s",
-                   (long long)kv_len, (long long)(kv_len / P), (long long)E, (long long)H,
-                   (long long)Hkv);
+                   "%lld (KV %lld)\n",
+                   P, (long long)B, (long long)T, T == 1 ? "" : "s", (long long)kv_len,
+                   (long long)(kv_len / P), (long long)E, (long long)H, (long long)Hkv);
             printf("  time       median %.4f ms per step (the slowest rank, %lld runs after %lld "
-                   "warm-up)\n", med, (long long)repeat, (long long)warmup);
+                   "warm-up)\n",
+                   med, (long long)repeat, (long long)warmup);
             for (int q = 0; q < P && all; q++)
                 printf("  rank %-3d   %.4f ms inside MPI, %.3f KB sent (model %.3f KB)\n", q,
                        all[3 * q] * 1e3, all[3 * q + 1] * 1e-3, all[3 * q + 2] * 1e-3);
@@ -172,11 +175,10 @@ static void par_inputs(par_run *pr, uint64_t seed) {
     uint64_t s = seed * 2654435761u + 1;
     for (int64_t i = 0; i < n; i++) x[i] = urand(&s), gy[i] = urand(&s);
     const bool shard = pr->par == MHA_PAR_ULYSSES;
-    const int64_t t0 = shard ? L * rank / P : 0,
-                  t1 = shard ? L * (rank + 1) / P : L;
+    const int64_t t0 = shard ? L * rank / P : 0, t1 = shard ? L * (rank + 1) / P : L;
     const int64_t sh[3] = {B, t1 - t0, E}, str[3] = {L * E, E, 1};
-    pr->xt = (mha_tensor){x + t0 * E, MHA_F32, 3, {sh[0], sh[1], sh[2]},
-                          {str[0], str[1], str[2]}};
+    pr->xt = (mha_tensor){
+        x + t0 * E, MHA_F32, 3, {sh[0], sh[1], sh[2]}, {str[0], str[1], str[2]}};
     pr->yt = pr->xt, pr->gyt = pr->xt, pr->gxt = pr->xt;
     pr->yt.data = pr->y + t0 * E, pr->gyt.data = gy + t0 * E, pr->gxt.data = pr->gx + t0 * E;
     if (pr->par == MHA_PAR_RING) {
@@ -194,8 +196,9 @@ static void par_inputs(par_run *pr, uint64_t seed) {
             }
         pr->xt = mha_tensor_contiguous(xl ? xl : x, MHA_F32, 3, (int64_t[]){B, Lr, E});
         pr->yt = pr->gyt = pr->gxt = pr->xt;
-        if (xl) pr->yt.data = xl + B * Lr * E, pr->gyt.data = xl + 2 * B * Lr * E,
-                pr->gxt.data = xl + 3 * B * Lr * E;
+        if (xl)
+            pr->yt.data = xl + B * Lr * E, pr->gyt.data = xl + 2 * B * Lr * E,
+            pr->gxt.data = xl + 3 * B * Lr * E;
     }
     mha_forward_args_init(&pr->a);
     pr->a.query = pr->a.key = pr->a.value = &pr->xt;
@@ -241,30 +244,33 @@ static void par_print(const par_run *pr, const double *all, double med, double i
         printf("{\"what\": \"mha_parallel\", \"scheme\": \"%s\", \"ranks\": %d, \"batch\": "
                "%lld, \"seq\": %lld, \"embed_dim\": %lld, \"num_heads\": %lld, "
                "\"num_kv_heads\": %lld, \"causal\": %s, \"backward\": %s, \"median_ms\": "
-               "%.4f, \"imbalance\": %.4f, \"ranks_detail\": [", scheme, P, (long long)B,
-               (long long)L, (long long)E, (long long)H, (long long)Hkv,
-               causal ? "true" : "false", backward ? "true" : "false", med, imb);
+               "%.4f, \"imbalance\": %.4f, \"ranks_detail\": [",
+               scheme, P, (long long)B, (long long)L, (long long)E, (long long)H,
+               (long long)Hkv, causal ? "true" : "false", backward ? "true" : "false", med,
+               imb);
         for (int q = 0; q < P; q++)
             printf("%s{\"rank\": %d, \"ms\": %.4f, \"mpi_ms\": %.4f, \"bytes_sent\": %.0f, "
                    "\"bytes_model\": %.0f, \"heads\": %.0f, \"tiles\": %.0f, \"wait_ms\": %.4f}",
-                   q ? ", " : "", q, all[NS * q] * 1e3, all[NS * q + 1] * 1e3,
-                   all[NS * q + 2], all[NS * q + 3], all[NS * q + 4], all[NS * q + 5],
-                   all[NS * q + 6] * 1e3);
+                   q ? ", " : "", q, all[NS * q] * 1e3, all[NS * q + 1] * 1e3, all[NS * q + 2],
+                   all[NS * q + 3], all[NS * q + 4], all[NS * q + 5], all[NS * q + 6] * 1e3);
         printf("]}\n");
     } else {
         printf("mha bench --parallel %s: %d ranks, batch %lld, seq %lld, embed_dim %lld, "
-               "heads %lld (KV %lld)%s, %s\n", scheme, P, (long long)B, (long long)L,
-               (long long)E, (long long)H, (long long)Hkv, causal ? ", causal" : "",
+               "heads %lld (KV %lld)%s, %s\n",
+               scheme, P, (long long)B, (long long)L, (long long)E, (long long)H,
+               (long long)Hkv, causal ? ", causal" : "",
                backward ? "forward + backward" : "forward");
         printf("  time       median %.3f ms (the slowest rank per call, %lld runs after "
-               "%lld warm-up)\n", med, (long long)pr->repeat, (long long)pr->warmup);
+               "%lld warm-up)\n",
+               med, (long long)pr->repeat, (long long)pr->warmup);
         printf("  imbalance  %.3f (the slowest rank's compute time over the mean)\n", imb);
         for (int q = 0; q < P; q++)
             printf("  rank %-3d   %.3f ms, %.3f ms inside MPI (%.3f ms waiting for ring "
                    "messages), %.3f MB sent (model %.3f MB), %.0f heads, %.0f score "
-                   "tiles\n", q, all[NS * q] * 1e3, all[NS * q + 1] * 1e3,
-                   all[NS * q + 6] * 1e3, all[NS * q + 2] * 1e-6, all[NS * q + 3] * 1e-6,
-                   all[NS * q + 4], all[NS * q + 5]);
+                   "tiles\n",
+                   q, all[NS * q] * 1e3, all[NS * q + 1] * 1e3, all[NS * q + 6] * 1e3,
+                   all[NS * q + 2] * 1e-6, all[NS * q + 3] * 1e-6, all[NS * q + 4],
+                   all[NS * q + 5]);
     }
 }
 
@@ -282,9 +288,12 @@ static void par_report(par_run *pr) {
         }
     const double med = repeat % 2 ? times[repeat / 2]
                                   : 0.5 * (times[repeat / 2 - 1] + times[repeat / 2]);
-    double mine[NS] = {fs.seconds + bs.seconds, fs.comm_seconds + bs.comm_seconds,
-                       fs.bytes_sent + bs.bytes_sent, fs.bytes_model + bs.bytes_model,
-                       (double)fs.heads, (double)(fs.tiles + bs.tiles),
+    double mine[NS] = {fs.seconds + bs.seconds,
+                       fs.comm_seconds + bs.comm_seconds,
+                       fs.bytes_sent + bs.bytes_sent,
+                       fs.bytes_model + bs.bytes_model,
+                       (double)fs.heads,
+                       (double)(fs.tiles + bs.tiles),
                        fs.wait_seconds + bs.wait_seconds};
     double *all = rank == 0 ? malloc(sizeof(double) * NS * (size_t)P) : NULL;
     MPI_Gather(mine, NS, MPI_DOUBLE, all, NS, MPI_DOUBLE, 0, MPI_COMM_WORLD);
@@ -315,9 +324,19 @@ int bench_parallel(const char *scheme, int64_t B, int64_t L, int64_t E, int64_t 
         MPI_Finalize();
         return rc;
     }
-    par_run pr = {.scheme = scheme, .B = B, .L = L, .E = E, .H = H, .Hkv = Hkv,
-                  .repeat = repeat, .warmup = warmup, .causal = causal,
-                  .backward = backward, .json = json, .rank = rank, .P = P};
+    par_run pr = {.scheme = scheme,
+                  .B = B,
+                  .L = L,
+                  .E = E,
+                  .H = H,
+                  .Hkv = Hkv,
+                  .repeat = repeat,
+                  .warmup = warmup,
+                  .causal = causal,
+                  .backward = backward,
+                  .json = json,
+                  .rank = rank,
+                  .P = P};
     mha_status st = par_setup(&pr, seed);
     if (st) {
         if (rank == 0) cli_fail("bench", st);

@@ -108,44 +108,44 @@ static double rate_sum(double *r, int nt) {
 static volatile float g_sink;
 
 #ifdef BENCH_X86
-#define FMA12(FMADD)                                                          \
-    a0 = FMADD(a0, m, c); a1 = FMADD(a1, m, c); a2 = FMADD(a2, m, c);         \
-    a3 = FMADD(a3, m, c); a4 = FMADD(a4, m, c); a5 = FMADD(a5, m, c);         \
-    a6 = FMADD(a6, m, c); a7 = FMADD(a7, m, c); a8 = FMADD(a8, m, c);         \
-    a9 = FMADD(a9, m, c); a10 = FMADD(a10, m, c); a11 = FMADD(a11, m, c)
+#define FMA12(FMADD)        \
+    a0 = FMADD(a0, m, c);   \
+    a1 = FMADD(a1, m, c);   \
+    a2 = FMADD(a2, m, c);   \
+    a3 = FMADD(a3, m, c);   \
+    a4 = FMADD(a4, m, c);   \
+    a5 = FMADD(a5, m, c);   \
+    a6 = FMADD(a6, m, c);   \
+    a7 = FMADD(a7, m, c);   \
+    a8 = FMADD(a8, m, c);   \
+    a9 = FMADD(a9, m, c);   \
+    a10 = FMADD(a10, m, c); \
+    a11 = FMADD(a11, m, c)
 
 __attribute__((target("avx512f"))) static double fma_avx512(int64_t iters) {
-    __m512 a0 = _mm512_set1_ps(0.1f), a1 = _mm512_set1_ps(0.2f),
-           a2 = _mm512_set1_ps(0.3f), a3 = _mm512_set1_ps(0.4f),
-           a4 = _mm512_set1_ps(0.5f), a5 = _mm512_set1_ps(0.6f),
-           a6 = _mm512_set1_ps(0.7f), a7 = _mm512_set1_ps(0.8f),
-           a8 = _mm512_set1_ps(0.9f), a9 = _mm512_set1_ps(1.1f),
-           a10 = _mm512_set1_ps(1.2f), a11 = _mm512_set1_ps(1.3f);
+    __m512 a0 = _mm512_set1_ps(0.1f), a1 = _mm512_set1_ps(0.2f), a2 = _mm512_set1_ps(0.3f),
+           a3 = _mm512_set1_ps(0.4f), a4 = _mm512_set1_ps(0.5f), a5 = _mm512_set1_ps(0.6f),
+           a6 = _mm512_set1_ps(0.7f), a7 = _mm512_set1_ps(0.8f), a8 = _mm512_set1_ps(0.9f),
+           a9 = _mm512_set1_ps(1.1f), a10 = _mm512_set1_ps(1.2f), a11 = _mm512_set1_ps(1.3f);
     const __m512 m = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(1e-4f);
     for (int64_t i = 0; i < iters; i++) { FMA12(_mm512_fmadd_ps); }
-    __m512 s = _mm512_add_ps(
-        _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-        _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
-    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9),
-                                       _mm512_add_ps(a10, a11)));
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
     g_sink = _mm512_reduce_add_ps(s);
     return (double)iters * FMA_CHAINS * 16 * 2;
 }
 
 __attribute__((target("avx2,fma"))) static double fma_avx2(int64_t iters) {
-    __m256 a0 = _mm256_set1_ps(0.1f), a1 = _mm256_set1_ps(0.2f),
-           a2 = _mm256_set1_ps(0.3f), a3 = _mm256_set1_ps(0.4f),
-           a4 = _mm256_set1_ps(0.5f), a5 = _mm256_set1_ps(0.6f),
-           a6 = _mm256_set1_ps(0.7f), a7 = _mm256_set1_ps(0.8f),
-           a8 = _mm256_set1_ps(0.9f), a9 = _mm256_set1_ps(1.1f),
-           a10 = _mm256_set1_ps(1.2f), a11 = _mm256_set1_ps(1.3f);
+    __m256 a0 = _mm256_set1_ps(0.1f), a1 = _mm256_set1_ps(0.2f), a2 = _mm256_set1_ps(0.3f),
+           a3 = _mm256_set1_ps(0.4f), a4 = _mm256_set1_ps(0.5f), a5 = _mm256_set1_ps(0.6f),
+           a6 = _mm256_set1_ps(0.7f), a7 = _mm256_set1_ps(0.8f), a8 = _mm256_set1_ps(0.9f),
+           a9 = _mm256_set1_ps(1.1f), a10 = _mm256_set1_ps(1.2f), a11 = _mm256_set1_ps(1.3f);
     const __m256 m = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(1e-4f);
     for (int64_t i = 0; i < iters; i++) { FMA12(_mm256_fmadd_ps); }
-    __m256 s = _mm256_add_ps(
-        _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-        _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9),
-                                       _mm256_add_ps(a10, a11)));
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
     float t[8];
     _mm256_storeu_ps(t, s);
     g_sink = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
@@ -175,7 +175,10 @@ typedef double (*fma_fn)(int64_t iters);
 static fma_fn fma_pick(const char **name) {
 #ifdef BENCH_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) { *name = "avx512"; return fma_avx512; }
+    if (__builtin_cpu_supports("avx512f")) {
+        *name = "avx512";
+        return fma_avx512;
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         *name = "avx2";
         return fma_avx2;

@@ -88,8 +88,8 @@ int bench_serve(const bench_serve_opts *o) {
             // (a token's K and V rows of every KV head, with their int8 /
             // int4 scales: a block's bytes over its tokens)
             first_bytes = (double)sizeof(float) * (double)(2 * E * E + 2 * E * Hkv * d) +
-                          (double)N * (double)(P + 1) * (double)mha_paged_cache_block_bytes(c) /
-                              (double)bs;
+                          (double)N * (double)(P + 1) *
+                              (double)mha_paged_cache_block_bytes(c) / (double)bs;
         const double s0 = cli_now();
         if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL))) goto fail;
         steps[step++] = (cli_now() - s0) * 1e3;
@@ -127,8 +127,8 @@ int bench_serve(const bench_serve_opts *o) {
     // the step's rate over the bandwidth, never above 1 silently: above,
     // the probe was disturbed (or its kernels are not the fastest way to
     // the ceiling): capped at 1 and said so
-    const double bw_raw =
-        bw > 0 && full_ms > 0 ? first_distinct / (full_ms * 1e-3) * 1e-9 / bw : 0.0;
+    const double bw_raw = bw > 0 && full_ms > 0 ? first_distinct / (full_ms * 1e-3) * 1e-9 / bw
+                                                : 0.0;
     const bool bw_disturbed = bw_raw > 1.0;
     const double bw_frac = bw_disturbed ? 1.0 : bw_raw;
     const double blockb = (double)mha_paged_cache_block_bytes(c);
@@ -175,9 +175,8 @@ int bench_serve(const bench_serve_opts *o) {
                "over all steps %.3f ms\n",
                (long long)N, full_ms, first_bytes / 1048576.0,
                first_bytes / (full_ms * 1e-3) * 1e-9, first_distinct / 1048576.0,
-               first_distinct / (full_ms * 1e-3) * 1e-9,
-               100.0 * bw_frac, bw_disturbed ? " (capped, see the warning)" : "", bw,
-               steps[step / 2]);
+               first_distinct / (full_ms * 1e-3) * 1e-9, 100.0 * bw_frac,
+               bw_disturbed ? " (capped, see the warning)" : "", bw, steps[step / 2]);
         if (bw_disturbed)
             printf("  warning    probe disturbed: the step read at %.1f%% of the read bandwidth "
                    "measured here (a noisy neighbour during the probe, or a step from cache)\n",

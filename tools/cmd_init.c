@@ -46,18 +46,27 @@ static const char *init_help =
     "  --out FILE         output safetensors file\n";
 
 int cmd_init(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"embed-dim", required_argument, 0, 'e'}, {"num-heads", required_argument, 0, 'n'},
-        {"kdim", required_argument, 0, 'k'},      {"vdim", required_argument, 0, 'v'},
-        {"no-bias", no_argument, 0, 'B'},         {"add-bias-kv", no_argument, 0, 'K'},
-        {"init", required_argument, 0, 'i'},      {"gain", required_argument, 0, 'g'},
-        {"std", required_argument, 0, 's'},       {"seed", required_argument, 0, 'S'},
-        {"out", required_argument, 0, 'o'},       {"help", no_argument, 0, 'h'},
-        {"num-kv-heads", required_argument, 0, 'G'}, {"weight-dtype", required_argument, 0, 'W'},
-        {"head-gate", required_argument, 0, 'T'}, {"prune-heads", required_argument, 0, 'P'},
-        {"head-dim", required_argument, 0, 'd'},  {"separate-qkv", no_argument, 0, 'Q'},
-        {"no-out-bias", no_argument, 0, 'O'},     {"qk-norm", required_argument, 0, 'N'},
-        {0, 0, 0, 0}};
+    static const struct option opts[] = {{"embed-dim", required_argument, 0, 'e'},
+                                         {"num-heads", required_argument, 0, 'n'},
+                                         {"kdim", required_argument, 0, 'k'},
+                                         {"vdim", required_argument, 0, 'v'},
+                                         {"no-bias", no_argument, 0, 'B'},
+                                         {"add-bias-kv", no_argument, 0, 'K'},
+                                         {"init", required_argument, 0, 'i'},
+                                         {"gain", required_argument, 0, 'g'},
+                                         {"std", required_argument, 0, 's'},
+                                         {"seed", required_argument, 0, 'S'},
+                                         {"out", required_argument, 0, 'o'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {"num-kv-heads", required_argument, 0, 'G'},
+                                         {"weight-dtype", required_argument, 0, 'W'},
+                                         {"head-gate", required_argument, 0, 'T'},
+                                         {"prune-heads", required_argument, 0, 'P'},
+                                         {"head-dim", required_argument, 0, 'd'},
+                                         {"separate-qkv", no_argument, 0, 'Q'},
+                                         {"no-out-bias", no_argument, 0, 'O'},
+                                         {"qk-norm", required_argument, 0, 'N'},
+                                         {0, 0, 0, 0}};
     const char *prune = NULL;
     mha_config cfg;
     mha_config_init(&cfg, 0, 0);
@@ -71,14 +80,26 @@ int cmd_init(int argc, char **argv) {
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         mha_status st;
         switch (c) {
-        case 'e': if (cli_parse_int(&cfg.embed_dim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--embed-dim needs an integer"); break;
-        case 'n': if (cli_parse_int(&cfg.num_heads, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--num-heads needs an integer"); break;
+        case 'e':
+            if (cli_parse_int(&cfg.embed_dim, optarg, INT64_MIN, INT64_MAX))
+                return cli_usage("init", "--embed-dim needs an integer");
+            break;
+        case 'n':
+            if (cli_parse_int(&cfg.num_heads, optarg, INT64_MIN, INT64_MAX))
+                return cli_usage("init", "--num-heads needs an integer");
+            break;
         case 'G':
             if (cli_parse_int(&cfg.num_kv_heads, optarg, 1, INT64_MAX))
                 return cli_usage("init", "--num-kv-heads needs a positive integer");
             break;
-        case 'k': if (cli_parse_int(&cfg.kdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--kdim needs an integer"); break;
-        case 'v': if (cli_parse_int(&cfg.vdim, optarg, INT64_MIN, INT64_MAX)) return cli_usage("init", "--vdim needs an integer"); break;
+        case 'k':
+            if (cli_parse_int(&cfg.kdim, optarg, INT64_MIN, INT64_MAX))
+                return cli_usage("init", "--kdim needs an integer");
+            break;
+        case 'v':
+            if (cli_parse_int(&cfg.vdim, optarg, INT64_MIN, INT64_MAX))
+                return cli_usage("init", "--vdim needs an integer");
+            break;
         case 'B': cfg.bias = false; break;
         case 'd':
             if (cli_parse_int(&cfg.head_dim, optarg, 1, INT64_MAX))
@@ -88,12 +109,20 @@ int cmd_init(int argc, char **argv) {
         case 'O': cfg.no_out_bias = true; break;
         case 'K': cfg.add_bias_kv = true; break;
         case 'i':
-            if ((st = mha_init_scheme_from_name(&io.scheme, optarg))) return cli_fail("init", st);
+            if ((st = mha_init_scheme_from_name(&io.scheme, optarg)))
+                return cli_fail("init", st);
             break;
-        case 'g': if (cli_parse_f64(&io.gain, optarg)) return cli_usage("init", "--gain needs a number"); break;
-        case 's': if (cli_parse_f64(&io.std, optarg)) return cli_usage("init", "--std needs a number"); break;
+        case 'g':
+            if (cli_parse_f64(&io.gain, optarg))
+                return cli_usage("init", "--gain needs a number");
+            break;
+        case 's':
+            if (cli_parse_f64(&io.std, optarg))
+                return cli_usage("init", "--std needs a number");
+            break;
         case 'S':
-            if (cli_parse_int(&seed, optarg, 0, INT64_MAX)) return cli_usage("init", "--seed needs a non-negative integer");
+            if (cli_parse_int(&seed, optarg, 0, INT64_MAX))
+                return cli_usage("init", "--seed needs a non-negative integer");
             io.seed = (uint64_t)seed;
             break;
         case 'o': out = optarg; break;
@@ -102,7 +131,8 @@ int cmd_init(int argc, char **argv) {
                 return cli_usage("init", "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'T':
-            if (mha_head_gate_from_name(&cfg.head_gate, optarg)) return cli_fail("init", MHA_ERR_INVALID_ARG);
+            if (mha_head_gate_from_name(&cfg.head_gate, optarg))
+                return cli_fail("init", MHA_ERR_INVALID_ARG);
             break;
         case 'P': prune = optarg; break;
         case 'N':

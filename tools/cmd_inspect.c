@@ -82,7 +82,8 @@ static cJSON *diag_json(const mha_diagnostics *d) {
             int64_t n = 0;
             const double *sv = mha_diagnostics_spectrum(d, h, "qkvo"[w], &n);
             cJSON *arr = cJSON_AddArrayToObject(o, sn[w]);
-            for (int64_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(sv[i]));
+            for (int64_t i = 0; i < n; i++)
+                cJSON_AddItemToArray(arr, cJSON_CreateNumber(sv[i]));
         }
         cJSON_AddItemToArray(heads, o);
     }
@@ -188,7 +189,8 @@ static void inspect_info(info_table *t, const run *r, int64_t N, int64_t L, int6
         k += (size_t)snprintf(line + k, sizeof line - k, "%s%s", i ? " " : "mha ", r->argv[i]);
     info_add(t, "command", "%s", line);
     info_add(t, "weights", "%s", r->wpath);
-    info_add(t, "module", "E %lld, %lld heads, %lld KV heads, head dim %lld, kdim %lld, "
+    info_add(t, "module",
+             "E %lld, %lld heads, %lld KV heads, head dim %lld, kdim %lld, "
              "vdim %lld, bias %s, add_bias_kv %s, add_zero_attn %s, weights %s",
              (long long)c->embed_dim, (long long)c->num_heads, (long long)c->num_kv_heads,
              (long long)c->head_dim, (long long)c->kdim, (long long)c->vdim,
@@ -214,19 +216,24 @@ static void inspect_info(info_table *t, const run *r, int64_t N, int64_t L, int6
         info_add(t, "attn_mask", "%s", sh);
     }
     const mha_forward_args *a = &r->a;
-    info_add(t, "options", "causal %s, window left/right %lld/%lld (-1: unbounded), RoPE %s, "
-             "ALiBi %s, soft cap %g (0: none)", a->is_causal ? "yes" : "no",
-             (long long)a->window_left, (long long)a->window_right,
-             a->rope.mode == MHA_ROPE_NONE ? "none"
-             : a->rope.mode == MHA_ROPE_NEOX ? "neox" : "interleaved",
+    info_add(t, "options",
+             "causal %s, window left/right %lld/%lld (-1: unbounded), RoPE %s, "
+             "ALiBi %s, soft cap %g (0: none)",
+             a->is_causal ? "yes" : "no", (long long)a->window_left, (long long)a->window_right,
+             a->rope.mode == MHA_ROPE_NONE   ? "none"
+             : a->rope.mode == MHA_ROPE_NEOX ? "neox"
+                                             : "interleaved",
              a->alibi ? "yes" : "no", (double)a->softcap);
     info_add(t, "sizes", "batch %lld, %lld query positions, %lld keys%s", (long long)N,
              (long long)L, (long long)S, S1 > S ? " (and the appended bias_k / zero key)" : "");
-    if (r->diag.max_rows) info_add(t, "rows examined", "at most %lld per batch element "
-                                   "(--max-rows)", (long long)r->diag.max_rows);
+    if (r->diag.max_rows)
+        info_add(t, "rows examined",
+                 "at most %lld per batch element "
+                 "(--max-rows)",
+                 (long long)r->diag.max_rows);
     else info_add(t, "rows examined", "every row (--max-rows 0)");
-    if (r->tokens_path) info_add(t, "tokens", "%s (%lld lines)", r->tokens_path,
-                                 (long long)r->ntokens);
+    if (r->tokens_path)
+        info_add(t, "tokens", "%s (%lld lines)", r->tokens_path, (long long)r->ntokens);
     else info_add(t, "tokens", "none: positions are labelled by index");
 }
 
@@ -253,15 +260,18 @@ static int run_inspect(run *r) {
     const int64_t L = q->shape[sd], S = k->shape[sd], N = q->ndim == 3 ? q->shape[1 - sd] : 1;
     if (r->batch_index >= N) {
         char msg[160];
-        snprintf(msg, sizeof msg, "--batch-index %lld is out of range: the inputs hold %lld "
-                 "batch element%s (0 to %lld)", (long long)r->batch_index, (long long)N,
-                 N == 1 ? "" : "s", (long long)N - 1);
+        snprintf(msg, sizeof msg,
+                 "--batch-index %lld is out of range: the inputs hold %lld "
+                 "batch element%s (0 to %lld)",
+                 (long long)r->batch_index, (long long)N, N == 1 ? "" : "s", (long long)N - 1);
         return cli_usage(cmd, msg);
     }
     if (r->tokens_path && read_tokens(r)) return 1;
     if (r->ntokens > L)
-        fprintf(stderr, "mha %s: note: %s has %lld lines for %lld positions; the extra lines "
-                "are not used\n", cmd, r->tokens_path, (long long)r->ntokens, (long long)L);
+        fprintf(stderr,
+                "mha %s: note: %s has %lld lines for %lld positions; the extra lines "
+                "are not used\n",
+                cmd, r->tokens_path, (long long)r->ntokens, (long long)L);
     mha_diagnostics *d = NULL;
     mha_status st = mha_diagnose(&d, r->m, &r->a, &r->diag);
     if (st) return cli_fail(cmd, st);
@@ -278,8 +288,9 @@ static int run_inspect(run *r) {
     char path[4096];
     snprintf(path, sizeof path, "%s/diagnostics.json", r->ypath);
     int rc = write_text(cmd, path, text);
-    if (!rc) printf("wrote %s (%lld heads, %lld rows examined)%s%s\n", path, (long long)H,
-                    (long long)rows_examined, nf ? "; non-finite: " : "", nf ? nf : "");
+    if (!rc)
+        printf("wrote %s (%lld heads, %lld rows examined)%s%s\n", path, (long long)H,
+               (long long)rows_examined, nf ? "; non-finite: " : "", nf ? nf : "");
     free(text);
     mha_diagnostics_destroy(d);
 
@@ -312,21 +323,33 @@ static int run_inspect(run *r) {
             const int64_t p = i < rows ? i : i - rows;
             const bool is_key = i >= rows;
             if (is_key && p >= S)
-                snprintf(num[i], sizeof num[i], "%s", p == S && mha_module_config(r->m)->add_bias_kv
-                                                          ? "bias_k" : "zero_attn");
+                snprintf(num[i], sizeof num[i], "%s",
+                         p == S && mha_module_config(r->m)->add_bias_kv ? "bias_k"
+                                                                        : "zero_attn");
             else snprintf(num[i], sizeof num[i], "%lld", (long long)p);
             labels[i] = (!is_key || (self && p < S)) && p < r->ntokens && r->tokens[p][0]
-                            ? r->tokens[p] : num[i];
+                            ? r->tokens[p]
+                            : num[i];
         }
         info_table t;
         t.n = 0;
         inspect_info(&t, r, N, L, S, S1);
-        inspect_report rep = {
-            .diag = root, .attn = blk, .H = H, .rows = rows, .cols = cols, .L = L, .S = S1,
-            .batch = r->batch_index, .batch_size = N, .qlabels = (const char *const *)labels,
-            .klabels = (const char *const *)labels + rows, .ninfo = t.n,
-            .info_name = t.name, .info_value = t.value, .ntokens = r->ntokens,
-            .tokens = (const char *const *)r->tokens};
+        inspect_report rep = {.diag = root,
+                              .attn = blk,
+                              .H = H,
+                              .rows = rows,
+                              .cols = cols,
+                              .L = L,
+                              .S = S1,
+                              .batch = r->batch_index,
+                              .batch_size = N,
+                              .qlabels = (const char *const *)labels,
+                              .klabels = (const char *const *)labels + rows,
+                              .ninfo = t.n,
+                              .info_name = t.name,
+                              .info_value = t.value,
+                              .ntokens = r->ntokens,
+                              .tokens = (const char *const *)r->tokens};
         if (!rc) rc = inspect_write_pictures(cmd, r->ypath, &rep);
     }
     free(labels);

@@ -33,8 +33,8 @@ static float at(const mha_tensor *t, int64_t r, int64_t c) {
 
 // Prints rows [0, rows) and columns [c0, c0 + cols) of a view, one row per
 // line, labelled with the tokens.
-static void print_mat(const mha_tensor *t, int64_t rows, int64_t c0,
-                      int64_t cols, const char *indent) {
+static void print_mat(const mha_tensor *t, int64_t rows, int64_t c0, int64_t cols,
+                      const char *indent) {
     for (int64_t r = 0; r < rows; r++) {
         printf("%s%-4s [", indent, r < T ? g_tokens[r] : "");
         for (int64_t c = 0; c < cols; c++) {
@@ -47,19 +47,19 @@ static void print_mat(const mha_tensor *t, int64_t rows, int64_t c0,
 }
 
 typedef struct demo_state {
-    bool verbose;       // print every step (part 1) or only weights (part 2)
-    int64_t keys;       // S' (number of keys)
+    bool verbose;  // print every step (part 1) or only weights (part 2)
+    int64_t keys;  // S' (number of keys)
 } demo_state;
 
-static void trace_step(void *user, const char *step, int64_t b, int64_t h,
-                       const mha_tensor *t) {
+static void trace_step(void *user, const char *step, int64_t b, int64_t h, const mha_tensor *t) {
     demo_state *ds = user;
     (void)b;
     int64_t rows = t->shape[t->ndim - 2], cols = t->shape[t->ndim - 1];
     if (!ds->verbose) {
         if (!strcmp(step, "weights")) {
             printf("  head %lld attention weights (rows: queries, columns: keys "
-                   "the/cat/sat):\n", (long long)h);
+                   "the/cat/sat):\n",
+                   (long long)h);
             print_mat(t, rows, 0, cols, "    ");
         }
         return;
@@ -68,10 +68,14 @@ static void trace_step(void *user, const char *step, int64_t b, int64_t h,
         char up = (char)(step[0] - 'a' + 'A');
         printf("\nStep 1%c. %c = X W_%s^T + b_%s: project every token to d_model = %d "
                "features (one GEMM over the packed in_proj_weight)\n",
-               step[0] == 'q' ? 'a' : step[0] == 'k' ? 'b' : 'c', up, step, step, DM);
+               step[0] == 'q'   ? 'a'
+               : step[0] == 'k' ? 'b'
+                                : 'c',
+               up, step, step, DM);
         print_mat(t, rows, 0, cols, "  ");
         printf("  Split into %d heads of d_k = %d: head h is features [4h, 4h+4) "
-               "(a reshape (3, 12) -> (3, heads, 4) -> (heads, 3, 4), no copy):\n", NH, DK);
+               "(a reshape (3, 12) -> (3, heads, 4) -> (heads, 3, 4), no copy):\n",
+               NH, DK);
         for (int hh = 0; hh < NH; hh++) {
             printf("  head %d %c:\n", hh, up);
             print_mat(t, rows, hh * DK, DK, "    ");
@@ -81,10 +85,12 @@ static void trace_step(void *user, const char *step, int64_t b, int64_t h,
     if (!strcmp(step, "scores")) {
         printf("\n---- head %lld ----\n", (long long)h);
         printf("Step 2. raw scores Q_h K_h^T (%lld x %lld): how well each query "
-               "matches each key\n", (long long)rows, (long long)cols);
+               "matches each key\n",
+               (long long)rows, (long long)cols);
     } else if (!strcmp(step, "scaled_scores")) {
         printf("Step 3. scaled scores: divided by sqrt(d_k) = %.0f so their variance "
-               "stays near 1 (masks would be added here, as -inf)\n", sqrt((double)DK));
+               "stays near 1 (masks would be added here, as -inf)\n",
+               sqrt((double)DK));
     } else if (!strcmp(step, "weights")) {
         printf("Step 4. softmax row by row (row max subtracted first): each row is "
                "a probability distribution over the keys\n");
@@ -102,7 +108,8 @@ static void trace_step(void *user, const char *step, int64_t b, int64_t h,
         return;
     } else if (!strcmp(step, "context")) {
         printf("Step 5. head context = weights V_h (%lld x %lld): each token's "
-               "weighted mix of the values\n", (long long)rows, (long long)cols);
+               "weighted mix of the values\n",
+               (long long)rows, (long long)cols);
     } else if (!strcmp(step, "concat")) {
         printf("\nStep 6. concatenate the heads' contexts back to (3, 12) (the "
                "inverse reshape): features [4h, 4h+4) come from head h\n");
@@ -123,8 +130,7 @@ static mha_status fill_readable(mha_module *m) {
         bool is_bias = strstr(p.name, "bias") != NULL;
         for (int64_t j = 0; j < p.numel; j++) {
             int64_t r = j / DM, c = j % DM;
-            p.data[j] = is_bias ? 0.0f
-                                : 0.2f * (float)(((r * 5 + c * 3 + 1) % 7) - 3);
+            p.data[j] = is_bias ? 0.0f : 0.2f * (float)(((r * 5 + c * 3 + 1) % 7) - 3);
         }
         if (!strcmp(p.name, "out_proj.bias"))
             for (int64_t j = 0; j < p.numel; j++) p.data[j] = 0.05f;
@@ -133,8 +139,7 @@ static mha_status fill_readable(mha_module *m) {
 }
 
 static int run_small(mha_module *m, const float *x, const mha_tensor *kpm,
-                     const mha_tensor *amask, bool causal, bool verbose,
-                     float *out, float *w) {
+                     const mha_tensor *amask, bool causal, bool verbose, float *out, float *w) {
     int64_t xs[2] = {T, DM}, ws[2] = {T, T};
     mha_tensor xt = mha_tensor_contiguous((void *)x, MHA_F32, 2, xs);
     mha_tensor ot = mha_tensor_contiguous(out, MHA_F32, 2, xs);
@@ -174,7 +179,9 @@ static int run_bert(int64_t N, int64_t L) {
     size_t n = (size_t)(N * L * E);
     float *x = malloc(n * sizeof *x), *y = malloc(n * sizeof *y);
     if (!x || !y) {
-        free(x); free(y); mha_module_destroy(m);
+        free(x);
+        free(y);
+        mha_module_destroy(m);
         fprintf(stderr, "mha demo: out of memory\n");
         return 1;
     }
@@ -189,7 +196,7 @@ static int run_bert(int64_t N, int64_t L) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    double flops = 4.0 * 2.0 * (double)N * L * E * E     // Q, K, V, output projections
+    double flops = 4.0 * 2.0 * (double)N * L * E * E  // Q, K, V, output projections
                    + 2.0 * 2.0 * (double)N * H * L * L * (E / H);  // QK^T and PV
     int threads = 1;
 #ifdef _OPENMP
@@ -200,7 +207,9 @@ static int run_bert(int64_t N, int64_t L) {
     const mha_impl impls[2] = {MHA_IMPL_FUSED, MHA_IMPL_REFERENCE};
     float *y_fused = malloc(n * sizeof *y_fused);
     if (!y_fused) {
-        free(x); free(y); mha_module_destroy(m);
+        free(x);
+        free(y);
+        mha_module_destroy(m);
         fprintf(stderr, "mha demo: out of memory\n");
         return 1;
     }
@@ -210,15 +219,19 @@ static int run_bert(int64_t N, int64_t L) {
         st = mha_forward(&yt, NULL, m, &a);
         double t1 = cli_now();
         if (st) {
-            free(x); free(y); free(y_fused); mha_module_destroy(m);
+            free(x);
+            free(y);
+            free(y_fused);
+            mha_module_destroy(m);
             return cli_fail("demo", st);
         }
         double sum = 0;
         for (size_t j = 0; j < n; j++) sum += fabs(y[j]);
         printf("forward, %-9s (%s, %d threads): %8.1f ms for %.1f GFLOP = %6.2f GFLOP/s; "
-               "mean |output| %.6f\n", mha_impl_name(impls[i]),
-               impls[i] == MHA_IMPL_FUSED ? mha_isa() : "double", threads, (t1 - t0) * 1e3,
-               flops * 1e-9, flops * 1e-9 / (t1 - t0), sum / (double)n);
+               "mean |output| %.6f\n",
+               mha_impl_name(impls[i]), impls[i] == MHA_IMPL_FUSED ? mha_isa() : "double",
+               threads, (t1 - t0) * 1e3, flops * 1e-9, flops * 1e-9 / (t1 - t0),
+               sum / (double)n);
         if (i == 0) memcpy(y_fused, y, n * sizeof *y);
     }
     double diff = 0;
@@ -263,11 +276,17 @@ int cmd_demo(int argc, char **argv) {
         case 'n': bert = false; break;
         case 'b':
             batch = strtol(optarg, &end, 10);
-            if (*end || batch <= 0) { fprintf(stderr, "mha demo: --batch needs a positive integer\n"); return 2; }
+            if (*end || batch <= 0) {
+                fprintf(stderr, "mha demo: --batch needs a positive integer\n");
+                return 2;
+            }
             break;
         case 't':
             tokens = strtol(optarg, &end, 10);
-            if (*end || tokens <= 0) { fprintf(stderr, "mha demo: --tokens needs a positive integer\n"); return 2; }
+            if (*end || tokens <= 0) {
+                fprintf(stderr, "mha demo: --tokens needs a positive integer\n");
+                return 2;
+            }
             break;
         case 'h': fputs(demo_help, stdout); return 0;
         default: fprintf(stderr, "mha demo: unknown option (see mha demo --help)\n"); return 2;
@@ -279,9 +298,11 @@ int cmd_demo(int argc, char **argv) {
     printf("Attention lets every token look at every other token and take a "
            "weighted mix of what it finds.\n"
            "Multi-head attention does this %d times in parallel, each head in "
-           "its own d_k = d_model / heads dimensional subspace.\n", NH);
+           "its own d_k = d_model / heads dimensional subspace.\n",
+           NH);
     printf("\n== Part 1: one small example (seq_len %d, d_model %d, %d heads, "
-           "d_k %d) ==\n", T, DM, NH, DK);
+           "d_k %d) ==\n",
+           T, DM, NH, DK);
 
     mha_config cfg;
     mha_config_init(&cfg, DM, NH);
@@ -295,8 +316,7 @@ int cmd_demo(int argc, char **argv) {
     // Inputs: small integers, one row per token.
     float x[T * DM];
     for (int t = 0; t < T; t++)
-        for (int j = 0; j < DM; j++)
-            x[t * DM + j] = (float)(((t + 1) * (j + 2)) % 4 - 1);
+        for (int j = 0; j < DM; j++) x[t * DM + j] = (float)(((t + 1) * (j + 2)) % 4 - 1);
     int64_t xs[2] = {T, DM};
     mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, xs);
     printf("Input X (3 tokens x 12 features), self-attention (query = key = value = X):\n");
@@ -319,7 +339,8 @@ int cmd_demo(int argc, char **argv) {
     int rc = run_small(m, x, NULL, NULL, false, true, out, w);
     if (rc) goto done;
     printf("\nThe weights returned to the caller (need_weights, averaged over the "
-           "%d heads), so you can look at them:\n", NH);
+           "%d heads), so you can look at them:\n",
+           NH);
     int64_t w2[2] = {T, T};
     mha_tensor wv = mha_tensor_contiguous(w, MHA_F32, 2, w2);
     print_mat(&wv, T, 0, T, "  ");

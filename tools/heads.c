@@ -42,8 +42,8 @@ static const char *heads_help =
     "  --quiet       no training progress\n";
 
 enum { NPAT = 5 };
-static const char *pat_name[NPAT] = {"previous token", "itself", "first token",
-                                     "same token", "induction"};
+static const char *pat_name[NPAT] = {"previous token", "itself", "first token", "same token",
+                                     "induction"};
 static const char *pat_long[NPAT] = {
     "previous token: position i - 1", "itself: position i",
     "first token: position 0 (from i >= 1)",
@@ -86,12 +86,15 @@ static int write_tokens(const char *path, const int32_t *tok, int64_t T) {
 // Parses demo heads' options into o and *out. Returns -1 to go on, else
 // the exit status.
 static int heads_parse(train_opts *o, const char **out, int argc, char **argv) {
-    static const struct option opts[] = {
-        {"out", required_argument, 0, 'o'},   {"steps", required_argument, 0, 'n'},
-        {"heads", required_argument, 0, 'H'}, {"pairs", required_argument, 0, 'K'},
-        {"layers", required_argument, 0, 'L'}, {"seed", required_argument, 0, 's'},
-        {"quiet", no_argument, 0, 'q'},       {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+    static const struct option opts[] = {{"out", required_argument, 0, 'o'},
+                                         {"steps", required_argument, 0, 'n'},
+                                         {"heads", required_argument, 0, 'H'},
+                                         {"pairs", required_argument, 0, 'K'},
+                                         {"layers", required_argument, 0, 'L'},
+                                         {"seed", required_argument, 0, 's'},
+                                         {"quiet", no_argument, 0, 'q'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
     int c;
     opterr = 0;
     optind = 1;
@@ -100,16 +103,32 @@ static int heads_parse(train_opts *o, const char **out, int argc, char **argv) {
         if (optarg && cli_parse_int(&v, optarg, INT64_MIN, INT64_MAX)) v = -1;
         switch (c) {
         case 'o': *out = optarg; break;
-        case 'n': if (v < 1) goto bad; o->steps = v; break;
-        case 'H': if (v < 1 || v > 64) goto bad; o->heads = v; break;
-        case 'K': if (v < 2 || v > 26) goto bad; o->pairs = v; break;
-        case 'L': if (v < 1 || v > 8) goto bad; o->layers = v; break;
-        case 's': if (v < 0) goto bad; o->seed = v; break;
+        case 'n':
+            if (v < 1) goto bad;
+            o->steps = v;
+            break;
+        case 'H':
+            if (v < 1 || v > 64) goto bad;
+            o->heads = v;
+            break;
+        case 'K':
+            if (v < 2 || v > 26) goto bad;
+            o->pairs = v;
+            break;
+        case 'L':
+            if (v < 1 || v > 8) goto bad;
+            o->layers = v;
+            break;
+        case 's':
+            if (v < 0) goto bad;
+            o->seed = v;
+            break;
         case 'q': o->quiet = true; break;
         case 'h': fputs(heads_help, stdout); return 0;
         default:
         bad:
-            fprintf(stderr, "mha demo heads: bad or unknown option (--steps N >= 1, --heads "
+            fprintf(stderr,
+                    "mha demo heads: bad or unknown option (--steps N >= 1, --heads "
                     "1..64 dividing 64, --pairs 2..26, --layers 1..8, --seed N >= 0; see "
                     "mha demo heads --help)\n");
             return 2;
@@ -117,7 +136,7 @@ static int heads_parse(train_opts *o, const char **out, int argc, char **argv) {
     }
     if (optind < argc || o->d_model % o->heads) {
         fprintf(stderr, "mha demo heads: unexpected argument, or --heads not dividing d_model "
-                "64 (see mha demo heads --help)\n");
+                        "64 (see mha demo heads --help)\n");
         return 2;
     }
     return -1;
@@ -164,7 +183,8 @@ static void heads_print(const double *score, int64_t B, int64_t H, int64_t NL) {
     for (int64_t l = 0; l < NL; l++) {
         printf("layer %lld%s\n", (long long)l,
                l == NL - 1 ? " (the classifier reads its last position only: its rows are "
-                             "that one query)" : " (every position)");
+                             "that one query)"
+                           : " (every position)");
         printf("  %-5s", "head");
         for (int p = 0; p < NPAT; p++) printf(" %14.14s", pat_name[p]);
         printf("  what stands out\n");
@@ -208,7 +228,8 @@ static int heads_reports(tiny_model *m, const char *out, const int32_t *tok, flo
     char ex[128];
     tiny_task_render(ex, sizeof ex, tok, T);
     printf("\nReports (mha inspect on each layer's attention with the inputs it saw on 64 "
-           "held-out sequences; heatmaps of the first, %s -> %d):\n", ex, tok[B * T]);
+           "held-out sequences; heatmaps of the first, %s -> %d):\n",
+           ex, tok[B * T]);
     fflush(stdout);
     const int64_t NB = 64;
     for (int64_t l = 0; l < NL; l++) {
@@ -234,8 +255,8 @@ static int heads_reports(tiny_model *m, const char *out, const int32_t *tok, flo
             return cli_fail(cmd, st);
         }
         mha_st_writer_destroy(wr);
-        char *iargv[] = {"inspect", "--weights", wpath, "--inputs", xpath, "--out", dir,
-                         "--batch-first", "--causal", "--tokens", tok_path, NULL};
+        char *iargv[] = {"inspect", "--weights",     wpath,      "--inputs", xpath,    "--out",
+                         dir,       "--batch-first", "--causal", "--tokens", tok_path, NULL};
         if (cmd_inspect(11, iargv)) return 1;
     }
     return 0;
@@ -263,8 +284,8 @@ int demo_heads(int argc, char **argv) {
     if (train_run(&o, &m, &acc)) return 1;
 
     // Held-out sequences, a stream of their own.
-    const int64_t T = tiny_task_seq_len(o.task, o.pairs), B = 200, H = o.heads,
-                  D = o.d_model, NL = o.layers;
+    const int64_t T = tiny_task_seq_len(o.task, o.pairs), B = 200, H = o.heads, D = o.d_model,
+                  NL = o.layers;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)(B * T + B));
     float *w = malloc(sizeof(float) * (size_t)(H * T * T));
     bool *is = malloc((size_t)T);
@@ -289,7 +310,8 @@ int demo_heads(int argc, char **argv) {
         printf("(the last layer is inspected with every row, causal, although training only "
                "used its last row)\n");
     printf("\nTrained to %.1f%% held-out accuracy (chance 10%%). Open %s/layer0/report.html "
-           "and the others in a browser.\n", 100 * acc, out);
+           "and the others in a browser.\n",
+           100 * acc, out);
     rc = 0;
 done:
     free(tok);

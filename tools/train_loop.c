@@ -50,9 +50,9 @@ static void fmt_rate(char *buf, size_t cap, double r) {
 }
 
 // Accuracy (count of argmax == target) and mean loss on the held-out set.
-static mha_status evaluate(double *acc, double *loss, tiny_model *m,
-                           const int32_t *tokens, const int32_t *targets,
-                           int64_t n, int64_t T, int64_t chunk, int32_t *pred) {
+static mha_status evaluate(double *acc, double *loss, tiny_model *m, const int32_t *tokens,
+                           const int32_t *targets, int64_t n, int64_t T, int64_t chunk,
+                           int32_t *pred) {
     int64_t correct = 0;
     double lsum = 0.0;
     for (int64_t i = 0; i < n; i += chunk) {
@@ -74,14 +74,14 @@ static mha_status evaluate(double *acc, double *loss, tiny_model *m,
 static double lr_at(const train_opts *o, int64_t s) {
     if (s <= o->warmup) return o->lr * (double)s / (double)o->warmup;
     if (!o->cosine) return o->lr;
-    double p = (double)(s - o->warmup) / (double)(o->steps - o->warmup > 0 ? o->steps - o->warmup : 1);
+    double p = (double)(s - o->warmup) /
+               (double)(o->steps - o->warmup > 0 ? o->steps - o->warmup : 1);
     double lo = o->lr * 0.1;
     return lo + 0.5 * (o->lr - lo) * (1.0 + cos(3.141592653589793 * p));
 }
 
-static void draw_progress(bool tty, int64_t step, int64_t steps, double loss,
-                          double tacc, double eacc, double tok_s, double eta,
-                          const char *task) {
+static void draw_progress(bool tty, int64_t step, int64_t steps, double loss, double tacc,
+                          double eacc, double tok_s, double eta, const char *task) {
     char rate[32], etas[32];
     fmt_rate(rate, sizeof rate, tok_s);
     fmt_time(etas, sizeof etas, eta);
@@ -91,22 +91,38 @@ static void draw_progress(bool tty, int64_t step, int64_t steps, double loss,
         int fill = (int)((double)W * (double)step / (double)steps);
         for (int i = 0; i < W; i++) bar[i] = i < fill ? '#' : '.';
         bar[W] = '\0';
-        fprintf(stderr, "\r%s [%s] %lld/%lld  loss %.4f  acc %5.1f%%  eval %5.1f%%  "
-                "%s tok/s  ETA %s\x1b[K", task, bar, (long long)step, (long long)steps,
-                loss, 100.0 * tacc, 100.0 * eacc, rate, etas);
+        fprintf(stderr,
+                "\r%s [%s] %lld/%lld  loss %.4f  acc %5.1f%%  eval %5.1f%%  "
+                "%s tok/s  ETA %s\x1b[K",
+                task, bar, (long long)step, (long long)steps, loss, 100.0 * tacc, 100.0 * eacc,
+                rate, etas);
     } else {
-        fprintf(stderr, "step %lld/%lld  loss %.4f  train_acc %.1f%%  eval_acc %.1f%%  "
-                "%s tok/s  ETA %s\n", (long long)step, (long long)steps, loss,
-                100.0 * tacc, 100.0 * eacc, rate, etas);
+        fprintf(stderr,
+                "step %lld/%lld  loss %.4f  train_acc %.1f%%  eval_acc %.1f%%  "
+                "%s tok/s  ETA %s\n",
+                (long long)step, (long long)steps, loss, 100.0 * tacc, 100.0 * eacc, rate,
+                etas);
     }
     fflush(stderr);
 }
 
 void train_opts_default(train_opts *o) {
-    *o = (train_opts){.task = TINY_TASK_RECALL, .pairs = 4, .heads = 8, .d_model = 64,
-                      .layers = 2, .d_ff = 0, .steps = 3000, .batch = 32, .warmup = 100,
-                      .eval_every = 100, .eval_size = 1000, .seed = 1,
-                      .optim = MHA_OPTIM_ADAMW, .lr = 3e-3, .clip = 1.0, .cosine = true};
+    *o = (train_opts){.task = TINY_TASK_RECALL,
+                      .pairs = 4,
+                      .heads = 8,
+                      .d_model = 64,
+                      .layers = 2,
+                      .d_ff = 0,
+                      .steps = 3000,
+                      .batch = 32,
+                      .warmup = 100,
+                      .eval_every = 100,
+                      .eval_size = 1000,
+                      .seed = 1,
+                      .optim = MHA_OPTIM_ADAMW,
+                      .lr = 3e-3,
+                      .clip = 1.0,
+                      .cosine = true};
 }
 
 // One training run (train_run): the model, the optimizer, the CSV, the
@@ -146,24 +162,28 @@ static int train_setup(train_state *ts, const train_opts *o) {
     mha_status st;
     int64_t T = tiny_task_seq_len(o->task, o->pairs), B = o->batch;
     int64_t chunk = B > 250 ? B : 250;  // eval batch
-    tiny_config tc = {.vocab = TINY_VOCAB, .seq_len = T, .d_model = o->d_model,
-                      .n_heads = o->heads, .n_layers = o->layers, .d_ff = o->d_ff,
-                      .dropout = (float)o->dropout, .causal = o->causal,
+    tiny_config tc = {.vocab = TINY_VOCAB,
+                      .seq_len = T,
+                      .d_model = o->d_model,
+                      .n_heads = o->heads,
+                      .n_layers = o->layers,
+                      .d_ff = o->d_ff,
+                      .dropout = (float)o->dropout,
+                      .causal = o->causal,
                       .seed = (uint64_t)o->seed};
     ts->T = T, ts->B = B, ts->chunk = chunk;
     ts->tty = !o->quiet && isatty(fileno(stderr));
     int64_t n_eval = ts->n_eval = o->eval_size;
-    ts->ints = malloc(sizeof(int32_t) *
-                      (size_t)(B * T + B + n_eval * T + n_eval + chunk + B));
+    ts->ints = malloc(sizeof(int32_t) * (size_t)(B * T + B + n_eval * T + n_eval + chunk + B));
     if (!ts->ints) {
         fprintf(stderr, "mha %s: out of memory\n", cmd);
         return 1;
     }
-    ts->tok = ts->ints;                    // (B, T)
-    ts->tgt = ts->tok + B * T;             // (B)
-    ts->etok = ts->tgt + B;                // (n_eval, T)
-    ts->etgt = ts->etok + n_eval * T;      // (n_eval)
-    ts->pred = ts->etgt + n_eval;          // (max(chunk, B))
+    ts->tok = ts->ints;                // (B, T)
+    ts->tgt = ts->tok + B * T;         // (B)
+    ts->etok = ts->tgt + B;            // (n_eval, T)
+    ts->etgt = ts->etok + n_eval * T;  // (n_eval)
+    ts->pred = ts->etgt + n_eval;      // (max(chunk, B))
 
     if ((st = tiny_create(&ts->m, &tc, chunk))) return train_fail(ts, st);
     mha_optim_config oc;
@@ -192,9 +212,11 @@ static int train_setup(train_state *ts, const train_opts *o) {
     if (!o->quiet) {
         char ex[64];
         tiny_task_render(ex, sizeof ex, ts->etok, T);
-        fprintf(stderr, "mha %s: task %s (T %lld, e.g. %s -> %d), d_model %lld, "
+        fprintf(stderr,
+                "mha %s: task %s (T %lld, e.g. %s -> %d), d_model %lld, "
                 "heads %lld, layers %lld, %lld parameters, %s lr %g, batch %lld, "
-                "%lld steps\n", cmd, tiny_task_name(o->task), (long long)T, ex, ts->etgt[0],
+                "%lld steps\n",
+                cmd, tiny_task_name(o->task), (long long)T, ex, ts->etgt[0],
                 (long long)o->d_model, (long long)o->heads, (long long)o->layers,
                 (long long)tiny_num_params(ts->m), o->optim == MHA_OPTIM_SGD ? "sgd" : "adamw",
                 oc.lr, (long long)B, (long long)o->steps);
@@ -254,8 +276,9 @@ static int train_eval(train_state *ts, int64_t s) {
     ts->last_loss = ts->lsum / (double)ts->nsum;
     ts->last_tacc = (double)ts->csum / (double)(ts->nsum * B);
     ts->rate = (double)(ts->n_int_steps * B * T) / (ts->t_int > 0 ? ts->t_int : 1e-9);
-    if (ts->csv) fprintf(ts->csv, "%lld,%.6f,%.6f,%.6f,%.1f\n", (long long)s, ts->last_loss,
-                         ts->last_tacc, ts->eacc, ts->rate);
+    if (ts->csv)
+        fprintf(ts->csv, "%lld,%.6f,%.6f,%.6f,%.1f\n", (long long)s, ts->last_loss,
+                ts->last_tacc, ts->eacc, ts->rate);
     ts->final_train_loss = ts->last_loss;
     ts->lsum = 0.0;
     ts->nsum = 0;
@@ -278,12 +301,12 @@ static void train_progress(train_state *ts, int64_t s, bool eval_now) {
             double shown_acc = ts->nsum ? (double)ts->csum / (double)(ts->nsum * B)
                                         : ts->last_tacc;
             double shown_rate = ts->rate > 0 ? ts->rate : (double)(s * B * T) / ts->t_train;
-            draw_progress(true, s, o->steps, shown_loss, shown_acc, ts->eacc, shown_rate,
-                          eta, tiny_task_name(o->task));
+            draw_progress(true, s, o->steps, shown_loss, shown_acc, ts->eacc, shown_rate, eta,
+                          tiny_task_name(o->task));
             ts->last_draw = now;
         } else if (!ts->tty && eval_now) {
-            draw_progress(false, s, o->steps, ts->last_loss, ts->last_tacc, ts->eacc,
-                          ts->rate, eta, tiny_task_name(o->task));
+            draw_progress(false, s, o->steps, ts->last_loss, ts->last_tacc, ts->eacc, ts->rate,
+                          eta, tiny_task_name(o->task));
         }
     }
 }
@@ -303,12 +326,12 @@ static int train_finish(train_state *ts) {
             fprintf(stderr, "mha %s: out of memory composing %s\n", ts->cmd, o->csv);
             return 1;
         }
-        if ((st = mha_file_write(o->csv, ts->csv_text, ts->csv_n))) return cli_fail(ts->cmd, st);
+        if ((st = mha_file_write(o->csv, ts->csv_text, ts->csv_n)))
+            return cli_fail(ts->cmd, st);
     }
     if (!o->quiet) {
         // a few held-out examples with the model's answers
-        if ((st = tiny_forward(ts->m, NULL, ts->etok, NULL, 3 < n_eval ? 3 : n_eval, false,
-                               0)))
+        if ((st = tiny_forward(ts->m, NULL, ts->etok, NULL, 3 < n_eval ? 3 : n_eval, false, 0)))
             return train_fail(ts, st);
         tiny_predict(ts->m, ts->pred);
         for (int64_t i = 0; i < 3 && i < n_eval; i++) {

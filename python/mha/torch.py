@@ -615,6 +615,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                      dropout_p=dropout_p)
     if "dropout_p" in kw:
         kw["dropout_seed"] = _seed()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q4, k4, v4)):
+        kw["saved"] = _mha.Saved()  # the forward keeps its rows for the backward
     out, w = _SDPAFunction.apply(q4, k4, v4, mask, kw)
     out_shape = (lead + (q_heads, L, value.shape[-1]))[-max(query.dim(), key.dim()):]
     out = out.reshape(out_shape)

@@ -1042,7 +1042,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
 typedef struct sdpa_call {
     mha_sdpa_args a;
     mha_tensor q, k, v, am, kpm;
-    PyObject *scale;
+    PyObject *scale, *saved;
     int64_t impl;
     bool need_weights;
 } sdpa_call;
@@ -1050,7 +1050,7 @@ typedef struct sdpa_call {
 static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject *v,
                       PyObject *am, PyObject *kpm, PyObject *kw, const char *fn) {
     mha_sdpa_args_init(&c->a);
-    c->scale = Py_None;
+    c->scale = c->saved = Py_None;
     c->impl = 0;
     c->need_weights = false;
     const kwopt opts[] = {{"is_causal", 'b', &c->a.is_causal},
@@ -1061,9 +1061,17 @@ static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject 
                           {"need_weights", 'b', &c->need_weights},
                           {"dropout_p", 'f', &c->a.dropout_p},
                           {"dropout_seed", 'K', &c->a.dropout_seed},
-                          {"dropout_offset", 'K', &c->a.dropout_offset}};
+                          {"dropout_offset", 'K', &c->a.dropout_offset},
+                          {"saved", 'O', &c->saved}};
     if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), fn) < 0) return -1;
     if (custom_scale(c->scale, &c->a.use_custom_scale, &c->a.scale) < 0) return -1;
+    if (c->saved != Py_None) {  // a training forward's state (mha_sdpa_args.save)
+        if (!PyObject_TypeCheck(c->saved, &SavedType)) {
+            PyErr_SetString(PyExc_TypeError, "saved: expected an mha._mha.Saved");
+            return -1;
+        }
+        c->a.save = ((SavedObject *)c->saved)->s;
+    }
     c->a.impl = (mha_impl)c->impl;
     if (get_view(h, q, "query", K_FLOAT, false, &c->q) < 0 ||
         get_view(h, k, "key", K_FLOAT, false, &c->k) < 0 ||
