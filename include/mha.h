@@ -1007,12 +1007,13 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
 // of mha_sdpa applies (masks, causal, windows, scale, GQA, dropout: the
 // same keep mask, regenerated from dropout_seed and dropout_offset, so the
 // gradients are those of the forward with that mask). impl: auto runs
-// the fused path (FlashAttention-2's backward, the forward's rows
-// recomputed) when q, k, v, dout, dq, dk, dv are MHA_F32, MHA_BF16 or
-// MHA_F16 (each its own) with unit stride along the last dim, else the
-// reference (in double); MHA_IMPL overrides. Half tensors compute in
-// float32 (rows converted as they load; each gradient summed in float32
-// and rounded once into its tensor).
+// the fused path (FlashAttention-2's backward, the forward's rows taken
+// from args.save or recomputed) when q, k, v, dout, dq, dk, dv are
+// MHA_F32, MHA_BF16 or MHA_F16 (each its own) with unit stride along the
+// last dim, else the reference (in double); MHA_IMPL overrides. Half tensors compute in
+// float32 (rows converted as they load), bf16 q, k, v and dout in bf16
+// where the CPU computes bf16 (bf16 products, float32 sums); each gradient
+// is summed in float32 and rounded once into its tensor.
 // Every gradient element is summed by one thread in a fixed order: the
 // same bits for any number of threads. Scratch: one block, kept for the
 // thread's next call as mha_forward's.

@@ -1041,10 +1041,12 @@ static float *head_at(const mha_tensor *t, int64_t b, int64_t h) {
 // (mha__st: a float32 value rounds once).
 static void store_half(const mha_tensor *t, int64_t b, int64_t h, const float *f, int64_t n,
                        int64_t c) {
-    mha__mat m = mha__view_at(t, t->stride[0] * b + t->stride[1] * h, 3);
-    m.rs = t->stride[2];
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < c; j++) mha__st(m, i, j, f[i * c + j]);
+    const mha__mat m = mha__view_at(t, t->stride[0] * b + t->stride[1] * h, 3);
+    for (int64_t i = 0; i < n; i++) {  // (mha__st_row: mha__st's values, vectorised)
+        mha__mat row = m;
+        row.p = (char *)m.p + i * t->stride[2] * (int64_t)mha_dtype_size(t->dtype);
+        mha__st_row(row, f + i * c, c);
+    }
 }
 
 // Flash head (b, h) of an sdpa backward; its KV head h / (H / Hkv); o and
