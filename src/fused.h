@@ -123,13 +123,17 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
 // (checked by the caller), mask over (b, h, i, j), attention dropout drop
 // (NULL: none; over (B, H, L, S), h the query head). Allocates its scratch.
 // Whether mha__fused_forward (no part) computes in bf16: a module with
-// bf16 weight matrices, bf16 query, key and value, no appended keys, no
-// gates when it saves its state, on a table that computes bf16.
+// bf16 weight matrices, bf16 query, key and value, no appended keys, when
+// it saves its state one that trains in bf16 (mha__fused_train_bf16_module),
+// on a table that computes bf16.
 bool mha__fused_forward_bf16(const mha_module *m, const mha_forward_args *a);
 // Whether mha__fused_backward (no part) computes in bf16: the forward's
-// conditions and no gates (a saved state from such a forward holds bf16
-// rows; one from another forward is refused).
+// conditions and a module that trains in bf16 (a saved state from such a
+// forward holds bf16 rows; one from another forward is refused).
 bool mha__fused_backward_bf16(const mha_module *m, const mha_forward_args *a);
+// Its module part: no gates, every projection width (E, kdim, vdim, Eq)
+// at least 32 (mha__linear_rows_bf16's bf16 shapes).
+bool mha__fused_train_bf16_module(const mha_module *m);
 // Whether mha__fused_sdpa on these views computes its products in bf16
 // (mha__flash_bf16).
 bool mha__fused_sdpa_bf16(const mha_tensor *q, const mha_tensor *k, const mha_tensor *v);

@@ -749,7 +749,7 @@ static void bwd_input_grads(const bwd_call *c, mha_tensor *gq, mha_tensor *gk, m
 // from the float32 d.
 
 bool mha__fused_backward_bf16(const mha_module *m, const mha_forward_args *a) {
-    return !mha__module_gated(m) && mha__fused_forward_bf16(m, a);
+    return mha__fused_train_bf16_module(m) && mha__fused_forward_bf16(m, a);
 }
 
 // A weight gradient dW (O, N) of dt (=, or += when acc) <- A (O, K) Bp on

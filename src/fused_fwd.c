@@ -26,8 +26,9 @@
 // part without it: pt), the output dropout, into out. xq: the query rows;
 // pk: the module's packed weights held by the call, or NULL.
 // bf: bf16 compute (fwd_bf16, no gates): ctx rounded to bf16 in place and
-// multiplied by the bf16 W_O by gemm_bf16 (mha__linear_rows_bf16).
-static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
+// multiplied by the bf16 W_O by gemm_bf16 (mha__linear_rows_bf16). Returns
+// whether it did (else ctx stays float32: the float32 GEMM).
+static bool out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *out,
                         const mha_module *m, const mha__packs *pk, const mha_forward_args *a,
                         float *ctx, bool in_place, const float *xq, int64_t ldq, char *ws,
                         const mha__part *pt, bool bf) {
@@ -49,9 +50,11 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
         octx = gctx;
     }
     const float *ob = pt && !pt->bias ? NULL : m->out_bias;
-    if (!(bf && octx == ctx &&
-          mha__linear_rows_bf16(kt, y, ldo, ctx, Eq, (const uint16_t *)m->w_out, pk, ob, Rq,
-                                Eq, E, wo, mha__gemm_packed_b_floats(kt, Eq, E), nt)))
+    const bool rounded = bf && octx == ctx &&
+                         mha__linear_rows_bf16(kt, y, ldo, ctx, Eq, (const uint16_t *)m->w_out,
+                                               pk, ob, Rq, Eq, E, wo,
+                                               mha__gemm_packed_b_floats(kt, Eq, E), nt);
+    if (!rounded)
         mha__linear_rows(kt, y, ldo, octx, Eq, mha__wmat_of(m, m->w_out, wh, pk), ob, Rq, Eq,
                          E, wo, gs, nt);
     if (p->out_p > 0.0f)
@@ -67,6 +70,7 @@ static void out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
             mha__mat row = mha__view_row(out, r);
             mha__st_row(row, y + r * ldo, E);
         }
+    return rounded;
 }
 
 typedef struct fwd_call fwd_call;
@@ -261,6 +265,17 @@ static void tile_weights(const fwd_call *c, mha_tensor *weights, const mha__flas
     }
 }
 
+// Whether a module trains in bf16 (mha__fused_backward_bf16's module
+// part): no gates, and every projection's summed width (E, kdim, vdim and
+// the context's Eq) at least 32, where mha__linear_rows_bf16 computes in
+// bf16 (below it the float32 GEMM runs: the forward's rows would not be
+// the bf16 ones the backward reads).
+bool mha__fused_train_bf16_module(const mha_module *m) {
+    const mha_config *c = &m->cfg;
+    return !mha__module_gated(m) && c->embed_dim >= 32 && c->kdim >= 32 && c->vdim >= 32 &&
+           m->q_dim >= 32;
+}
+
 // bf16 compute for a module forward (mha__flash_bf16's rule for the
 // module): bf16 weight matrices and bf16 q, k, v inputs, no part, no
 // appended keys, on a table that computes bf16 (bf_fast), and with a saved
@@ -271,7 +286,7 @@ static void tile_weights(const fwd_call *c, mha_tensor *weights, const mha__flas
 // on the bf16 unit; a saved state keeps these rows).
 bool mha__fused_forward_bf16(const mha_module *m, const mha_forward_args *a) {
     return mha__flash_bf16_table(mha__kernels_get()) && m->wdt == MHA_BF16 &&
-           (!a->save || !mha__module_gated(m)) && !m->cfg.add_bias_kv &&
+           (!a->save || mha__fused_train_bf16_module(m)) && !m->cfg.add_bias_kv &&
            !m->cfg.add_zero_attn && a->query->dtype == MHA_BF16 && a->key->dtype == MHA_BF16 &&
            a->value->dtype == MHA_BF16;
 }
@@ -453,8 +468,11 @@ static mha_status fused_forward(fwd_call *cp, mha_tensor *out, mha_tensor *weigh
     if (a->need_weights && a->average_attn_weights) fwd_average_weights(&c, weights);
     // 3. Output projection (rows in the query's order, as ctx), then the
     //    output dropout, into the output view.
-    out_project(c.kt, p, out, m, c.pk, a, c.ctx, !a->save, c.xq, c.ldq, ws, pt,
-                fwd_bf16(&c) && !mha__module_gated(m));
+    const bool rounded = out_project(c.kt, p, out, m, c.pk, a, c.ctx, !a->save, c.xq, c.ldq,
+                                     ws, pt, fwd_bf16(&c) && !mha__module_gated(m));
+    // a bf16 state keeps the context's bf16 rows; without them (the float32
+    // GEMM ran) the backward recomputes rather than misread it
+    if (a->save && a->save->bf16 && !rounded) a->save->valid = false;
     return MHA_OK;
 }
 
@@ -489,7 +507,7 @@ void mha__fused_out_project(const fwd_plan *p, mha_tensor *out, const mha_module
     else mha__gather_rows((float *)xq, a->query);
     const mha__kernels *kt = mha__kernels_get();
     const mha__packs *pk = mha__packs_acquire(m, kt, p->nthreads);
-    out_project(kt, p, out, m, pk, a, ctx, true, xq, ldq, ws, NULL, false);
+    (void)out_project(kt, p, out, m, pk, a, ctx, true, xq, ldq, ws, NULL, false);
     mha__packs_release(pk);
 }
 

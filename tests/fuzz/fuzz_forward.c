@@ -19,7 +19,8 @@
 //   [5]  flags: 1 run mha_forward_cached too (the query's L tokens in
 //        chunks of max(L / 2, 1)), 0x06 its cache dtype (F32, BF16, F16,
 //        INT8); 0x08 the fused run through
-//        mha_forward_ex with an exactly sized, misaligned workspace
+//        mha_forward_ex with an exactly sized, misaligned workspace; 0x10
+//        int4 for the INT8 cache; 0x20 a training step (run_backward)
 //   [6..7] dropout seed
 //   [8..11] W, little-endian: bytes of the weights file (clamped)
 //   [12 .. 12+W) the weights file; the rest: the inputs file, with tensors
@@ -76,8 +77,8 @@ static int load_input(input *out, const mha_st_file *f, const char *name, int ki
     mha_status st = mha_st_find(&t, f, name);
     if (st == MHA_ERR_NOT_FOUND) return 0;
     if (st) return 1;
-    const int is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 ||
-                         t.dtype == MHA_BF16 || t.dtype == MHA_F64;
+    const int is_float = t.dtype == MHA_F32 || t.dtype == MHA_F16 || t.dtype == MHA_BF16 ||
+                         t.dtype == MHA_F64;
     mha_dtype to = kind == 0 ? fto : MHA_F32;
     if (kind == 1 && (t.dtype == MHA_BOOL || t.dtype == MHA_U8)) to = MHA_BOOL;
     else if (!is_float) return 1;
@@ -160,8 +161,8 @@ static void run_cached(const mha_module *m, const mha_forward_args *a0, mha_dtyp
     mha_tensor ot;
     void *obuf = alloc_out(&ot, odt, &os);
     mha_kv_cache *cache = NULL;
-    if (obuf && mha_kv_cache_create_ex(&cache, N, c->num_kv_heads, d, d, L > 0 ? L : 1,
-                                       kvd) == MHA_OK) {
+    if (obuf && mha_kv_cache_create_ex(&cache, N, c->num_kv_heads, d, d, L > 0 ? L : 1, kvd) ==
+                    MHA_OK) {
         const int64_t half = L / 2 > 0 ? L / 2 : 1;
         for (int64_t t0 = 0; t0 < L; t0 += half) {
             const int64_t n = L - t0 < half ? L - t0 : half;
@@ -180,10 +181,54 @@ static void run_cached(const mha_module *m, const mha_forward_args *a0, mha_dtyp
     free(obuf);
 }
 
+// A training step: the forward with a saved state (impl), then
+// mha_backward from it and without it, into gradients of the inputs'
+// dtype and a gradient module like m (its weight matrices in m's
+// storage: the half-weight and bf16 training paths).
+static void run_backward(const mha_module *m, mha_forward_args a, mha_impl impl, mha_dtype odt) {
+    a.impl = impl;
+    a.need_weights = false;
+    mha_shape os, ws;
+    if (mha_forward_shapes(&os, &ws, m, &a)) return;
+    if (span(os.ndim, os.dims) > MAX_ELEMS) return;
+    const mha_tensor *ins[3] = {a.query, a.key, a.value};
+    mha_tensor ot, got, gt[3];
+    void *obuf = alloc_out(&ot, odt, &os), *gobuf = alloc_out(&got, odt, &os), *gbuf[3] = {0};
+    bool ok = obuf && gobuf;
+    if (gobuf) {  // (finite in every dtype: 0.0115 as F32 and BF16, 1.06 as F16)
+        int64_t n = 1;
+        for (int i = 0; i < os.ndim; i++) n *= os.dims[i];
+        memset(gobuf, 0x3c, (size_t)n * mha_dtype_size(odt));
+    }
+    for (int i = 0; i < 3 && ok; i++) {
+        mha_shape is = {ins[i]->ndim, {0}};
+        for (int j = 0; j < ins[i]->ndim; j++) is.dims[j] = ins[i]->shape[j];
+        ok = span(is.ndim, is.dims) <= MAX_ELEMS && (gbuf[i] = alloc_out(&gt[i], odt, &is));
+    }
+    mha_saved *sv = NULL;
+    mha_module *g = NULL;
+    if (ok && mha_saved_create(&sv) == MHA_OK &&
+        mha_module_convert(&g, m, mha_module_config(m)->weight_dtype) == MHA_OK) {
+        a.save = sv;
+        mha_status st = mha_forward(&ot, NULL, m, &a);
+        require_not_nomem(st, "mha_forward (save)");
+        for (int r = 0; r < 2 && st == MHA_OK; r++) {  // from the state, then recomputed
+            mha_forward_args ab = a;
+            if (r) ab.save = NULL;
+            mha_status bs = mha_backward(&gt[0], &gt[1], &gt[2], g, m, &ab, &got, r == 1);
+            require_not_nomem(bs, "mha_backward");
+        }
+    }
+    mha_module_destroy(g);
+    mha_saved_destroy(sv);
+    free(obuf), free(gobuf);
+    for (int i = 0; i < 3; i++) free(gbuf[i]);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 12) return 0;
-    const uint8_t c0 = data[0], heads = data[1], c2 = data[2], win = data[3],
-                  blk = data[4], c5 = data[5];
+    const uint8_t c0 = data[0], heads = data[1], c2 = data[2], win = data[3], blk = data[4],
+                  c5 = data[5];
     size_t wlen = (size_t)data[8] | (size_t)data[9] << 8 | (size_t)data[10] << 16 |
                   (size_t)data[11] << 24;
     const uint8_t *rest = data + 12;
@@ -217,8 +262,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     require_not_nomem(st, "mha_st_parse (inputs)");
     if (st) goto done;
 
-    static const char *names[5] = {"query", "key", "value", "key_padding_mask",
-                                   "attn_mask"};
+    static const char *names[5] = {"query", "key", "value", "key_padding_mask", "attn_mask"};
     for (int i = 0; i < 5; i++)
         if (load_input(&in[i], xf, names[i], i >= 3, in_dt)) goto done;
     for (int64_t i = 0; i < mha_st_num_tensors(xf); i++) {
@@ -241,8 +285,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     a.average_attn_weights = !((c0 >> 3) & 1);
     a.alibi = (c0 >> 6) & 1;
     a.softcap = (c0 >> 7) ? 5.0f : 0.0f;
-    static const mha_rope_mode ropes[4] = {MHA_ROPE_NONE, MHA_ROPE_NEOX,
-                                           MHA_ROPE_INTERLEAVED, MHA_ROPE_NONE};
+    static const mha_rope_mode ropes[4] = {MHA_ROPE_NONE, MHA_ROPE_NEOX, MHA_ROPE_INTERLEAVED,
+                                           MHA_ROPE_NONE};
     mha_rope_init(&a.rope, ropes[(c2 >> 2) & 3]);
     if ((c2 >> 4) & 1) {
         a.window_left = (win & 15) == 15 ? -1 : win & 15;
@@ -267,10 +311,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         const int sd = q->ndim == 2 || !c->batch_first ? 0 : 1;
         const double L = max1(q->shape[sd]), N = q->ndim == 3 ? max1(q->shape[1 - sd]) : 1.0;
         const double S = k->ndim == q->ndim ? max1(k->shape[sd]) + 2.0 : 1.0;
-        const double E = (double)c->embed_dim, H = (double)c->num_heads,
-                     d = E / H, Ekv = (double)c->num_kv_heads * d;
-        const double work = N * (L * E * (2.0 * E + H) + S * Ekv * (double)(c->kdim + c->vdim) +
-                                 2.0 * H * L * S * d);
+        const double E = (double)c->embed_dim, H = (double)c->num_heads, d = E / H,
+                     Ekv = (double)c->num_kv_heads * d;
+        const double work = N * (L * E * (2.0 * E + H) +
+                                 S * Ekv * (double)(c->kdim + c->vdim) + 2.0 * H * L * S * d);
         if (work > MAX_WORK || N * H * L * S > MAX_ELEMS) goto done;
     }
 
@@ -278,9 +322,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         run_forward(m, a, MHA_IMPL_REFERENCE, w, false, in_dt, u8_weights);
         run_forward(m, a, MHA_IMPL_FUSED, w, (c5 >> 3) & 1, in_dt, u8_weights);
     }
+    if ((c5 >> 5) & 1) {  // a training step, both implementations
+        run_backward(m, a, MHA_IMPL_REFERENCE, in_dt);
+        run_backward(m, a, MHA_IMPL_FUSED, in_dt);
+    }
     if (c5 & 1) {
-        static const mha_kv_dtype kvs[4] = {MHA_KV_F32, MHA_KV_BF16, MHA_KV_F16,
-                                            MHA_KV_INT8};
+        static const mha_kv_dtype kvs[4] = {MHA_KV_F32, MHA_KV_BF16, MHA_KV_F16, MHA_KV_INT8};
         mha_kv_dtype kd = kvs[(c5 >> 1) & 3];
         if (kd == MHA_KV_INT8 && (c5 >> 4) & 1) kd = MHA_KV_INT4;  // (bit 4: int4 for int8)
         run_cached(m, &a, in_dt, kd);

@@ -230,6 +230,14 @@ def forward_seeds():
                                     inputs(L=4))
     s["packed-cached-int8-chunks"] = fwd(control(flags5=0x07), packed, inputs(L=5))
     s["packed-cached-int4-chunks"] = fwd(control(flags5=0x17), packed, inputs(L=5))
+    # training steps (flags5 0x20): float32; half weights (float32 compute);
+    # bf16 weights and inputs 32 wide (the bf16 training compute), dropout
+    s["packed-training-step"] = fwd(control(flags0=0x02, flags5=0x20), packed, inputs())
+    s["packed-training-step-f16-weights"] = fwd(control(flags2=0x02, flags5=0x20), packed,
+                                                inputs(S=3))
+    s["bf16-training-step-e32"] = fwd(
+        control(flags0=BF16_IN, flags2=0x41, flags5=0x20, seed=3),
+        module_file(E=32, H=2), inputs(E=32, dtype="BF16"))
     s["packed-batch-first-window"] = fwd(
         control(flags0=0x01, flags2=0x10, window=0x21), packed,
         inputs(batch_first=True, S=4, attn="U8-3d"))
