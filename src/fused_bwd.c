@@ -480,16 +480,22 @@ static mha_status bwd_gates(bwd_call *c) {
 
 // The attention backward, one thread per KV head (b, g): each tile pair's
 // S and dP computed once; the group's query heads in increasing order,
-// adding to dk_g, dv_g.
+// adding to dk_g, dv_g. bf16 compute (no appended keys): the heads' bf16
+// rows and the context gradient's rows rounded once (a16, dO16).
 static void bwd_attention_per_head(const bwd_call *c) {
     const fwd_plan *p = c->p;
     const mha_module *m = c->m;
+    const mha__kernels *kt = c->kt;
     const int64_t N = p->N, L = p->L, S = p->S, H = p->H, d = p->d, Hkv = p->Hkv, G = H / Hkv;
-    const int64_t nx = p->Sp - S;
+    const int64_t nx = p->Sp - S, Eq = p->Eq;
     const int nt = p->nthreads;
     float *dextra = c->s.dextra, *dsum = c->s.dsum, *scratch = c->s.scratch;
     const size_t sf = c->s.sf;
     const mha__rowmap dkm = c->dkm, dvm = c->dvm, dqm = c->dqm, dcm = c->dcm;
+    const int64_t kp = kt->bf_kpad, ld16 = (Eq + kp - 1) / kp * kp,
+                  rs16 = dcm.seq_first ? N * ld16 : ld16;
+    if (c->bf)
+        mha__bf16_rows(kt, c->s.a16, ld16, c->s.dctx, Eq, mha__rows_of(c->a->query), Eq, nt);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bg = 0; bg < N * Hkv; bg++) {
         int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(p, m, g, G);
@@ -505,13 +511,25 @@ static void bwd_attention_per_head(const bwd_call *c) {
                 continue;
             }
             mha__flash_head fh = bwd_head(c, b, h);
-            mha__flash_bwd_head(c->kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
+            float *sc = scratch + (size_t)mha__thread_id() * sf;
+            if (c->bf) {
+                mha__head_to_bf16(&fh, &c->qm, &c->km, &c->vm, p->self_packed);
+                mha__flash_bwd_head_bf16(kt, &fh, mha__head_row0(&dcm, b, h * d),
+                                         mha__head_rs(&dcm),
+                                         c->s.a16 + (dcm.seq_first ? b : b * L) * ld16 + h * d,
+                                         rs16, dsum + (b * H + h) * L,
+                                         mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm),
+                                         mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
+                                         mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm),
+                                         h != h0, sc);
+                continue;
+            }
+            mha__flash_bwd_head(kt, &fh, mha__head_row0(&dcm, b, h * d), mha__head_rs(&dcm),
                                 dsum + (b * H + h) * L, mha__head_row0(&dqm, b, h * d),
                                 mha__head_rs(&dqm), mha__head_row0(&dkm, b, g * d),
                                 mha__head_rs(&dkm), mha__head_row0(&dvm, b, g * d),
                                 mha__head_rs(&dvm), dextra + bg * nx * d,
-                                dextra + (N * Hkv + bg) * nx * d, h != h0,
-                                scratch + (size_t)mha__thread_id() * sf);
+                                dextra + (N * Hkv + bg) * nx * d, h != h0, sc);
         }
     }
 }
@@ -810,23 +828,12 @@ static void bf_matmul(const bwd_call *c, float *C, int64_t ldc, const float *d, 
     mha__gemm_bf16_rows(kt, C, ldc, c->s.a16, Kp, Bp, R, K, N, false, nt);
 }
 
-// C (R, O) = X16 (R, I) W^T + b for a bf16 PyTorch weight W (O, I): its
-// packed form from the module's copy, else packed into bp16.
+// C (R, O) = X16 (R, I) W^T + b for a bf16 PyTorch weight W (O, I), X's
+// rows bf16 in place (row stride ldx floats).
 static void bf_project(const bwd_call *c, float *C, int64_t ldc, const float *X, int64_t ldx,
                        const void *W, const float *b, int64_t R, int64_t I, int64_t O) {
-    const mha__kernels *kt = c->kt;
-    const int nt = c->p->nthreads;
-    const uint16_t *Bp = mha__packs_find_bf16(c->pk, W, O, I);
-    if (!Bp) {
-        mha__bf16_pack(kt, c->s.bp16, W, 1, I, I, O, nt);  // B (I, O) = W^T
-        Bp = c->s.bp16;
-    }
-    mha__gemm_bf16_rows(kt, C, ldc, (const uint16_t *)(const void *)X, 2 * ldx, Bp, R, I, O,
-                        false, nt);
-    if (b)
-#pragma omp parallel for schedule(static) num_threads(nt)
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t j = 0; j < O; j++) C[r * ldc + j] += b[j];
+    mha__linear_bf16_rows(c->kt, C, ldc, (const uint16_t *)(const void *)X, 2 * ldx, W, c->pk,
+                          b, R, I, O, c->s.bp16, c->p->nthreads);
 }
 
 // The bf16 forward again (no saved state), or the saved one's context
@@ -905,48 +912,6 @@ static void bwd_bf16_forward(bwd_call *c) {
     for (int64_t r = 0; r < Rq; r++) kt->cvt_bf16(ctx + r * Eq, c->ctx16 + r * c->ldc16, Eq);
 }
 
-// The attention backward in bf16, one thread per (b, KV head): dO16 the
-// context gradient's rows rounded (a16, row stride ld16).
-static void bwd_bf16_attention(const bwd_call *c) {
-    const fwd_plan *p = c->p;
-    const mha_module *m = c->m;
-    const mha__kernels *kt = c->kt;
-    const int64_t N = p->N, L = p->L, S = p->S, H = p->H, d = p->d, Hkv = p->Hkv, G = H / Hkv;
-    const int64_t Eq = p->Eq, Rq = mha__rows_of(c->a->query);
-    const int nt = p->nthreads;
-    const int64_t kp = kt->bf_kpad, ld16 = (Eq + kp - 1) / kp * kp;
-    mha__bf16_rows(kt, c->s.a16, ld16, c->s.dctx, Eq, Rq, Eq, nt);
-    const uint16_t *dO16 = c->s.a16;
-    const bool seq_first = c->dcm.seq_first;
-    const int64_t rs16 = seq_first ? N * ld16 : ld16;
-    float *dsum = c->s.dsum, *scratch = c->s.scratch;
-    const size_t sf = c->s.sf;
-    const mha__rowmap dkm = c->dkm, dvm = c->dvm, dqm = c->dqm, dcm = c->dcm;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t bg = 0; bg < N * Hkv; bg++) {
-        int64_t b = bg / Hkv, g = bg % Hkv, h0 = mha__plan_group_first_live(p, m, g, G);
-        if (h0 < 0) {  // the whole group pruned: no gradient
-            mha__zero_head_rows(mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm), 0, S, d);
-            mha__zero_head_rows(mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm), 0, S, d);
-        }
-        for (int64_t h = g * G; h < (g + 1) * G; h++) {
-            if (!mha__plan_head_live(p, m, h)) {
-                mha__zero_head_rows(mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm), 0, L, d);
-                continue;
-            }
-            mha__flash_head fh = bwd_head(c, b, h);
-            mha__head_to_bf16(&fh, &c->qm, &c->km, &c->vm, p->self_packed);
-            const uint16_t *o16 = dO16 + (seq_first ? b : b * L) * ld16 + h * d;
-            mha__flash_bwd_head_bf16(kt, &fh, mha__head_row0(&dcm, b, h * d),
-                                     mha__head_rs(&dcm), o16, rs16, dsum + (b * H + h) * L,
-                                     mha__head_row0(&dqm, b, h * d), mha__head_rs(&dqm),
-                                     mha__head_row0(&dkm, b, g * d), mha__head_rs(&dkm),
-                                     mha__head_row0(&dvm, b, g * d), mha__head_rs(&dvm),
-                                     h != h0, scratch + (size_t)mha__thread_id() * sf);
-        }
-    }
-}
-
 // dX (view) (+)= round(d) (R, O) W (O, I), W bf16: through tmp (R, I).
 static void bf_grad_input(const bwd_call *c, mha_tensor *gx, bool acc, const float *d,
                           int64_t ldd, const void *W, int64_t R, int64_t O, int64_t I) {
@@ -992,9 +957,7 @@ mha_status mha__fused_backward(const fwd_plan *p, mha_tensor *gq, mha_tensor *gk
     if (ext) {
         c.io.dctx = c.s.dctx, c.io.dq = c.dq, c.io.dk = c.dk, c.io.dv = c.dv;
         if ((st = pt->attn.fn(pt->attn.arg, &c.io))) goto done;
-    } else if (c.bf) {
-        bwd_bf16_attention(&c);
-    } else if (p->N * p->Hkv >= p->nthreads) {
+    } else if (c.bf || p->N * p->Hkv >= p->nthreads) {  // (bf16: per head whatever the threads)
         bwd_attention_per_head(&c);
     } else {
         bwd_attention_tiles(&c);

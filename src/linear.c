@@ -153,19 +153,26 @@ bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float 
     if (I < 32 || 2 * Kp > 4 * ldx ||
         (!Bp && (size_t)mha__bf16_packed_elems(I, O, kp) > 2 * wp_floats))
         return false;
-    if (!Bp) {
-        kt->pack_bf16((uint16_t *)(void *)Wp, W, 1, I, I, O);  // B (I, O) = W^T
-        Bp = (const uint16_t *)(const void *)Wp;
-    }
     // X's rows to bf16 in place, zero-padded to Kp
     mha__bf16_rows_in_place(kt, X, ldx, R, I, nt);
-    mha__gemm_bf16_rows(kt, C, ldc, (const uint16_t *)(const void *)X, 2 * ldx, Bp, R, I, O,
-                        false, nt);
+    mha__linear_bf16_rows(kt, C, ldc, (const uint16_t *)(const void *)X, 2 * ldx, W, pk, b, R,
+                          I, O, (uint16_t *)(void *)Wp, nt);
+    return true;
+}
+
+void mha__linear_bf16_rows(const mha__kernels *kt, float *C, int64_t ldc, const uint16_t *X,
+                           int64_t lda, const uint16_t *W, const mha__packs *pk, const float *b,
+                           int64_t R, int64_t I, int64_t O, uint16_t *Wp, int nt) {
+    const uint16_t *Bp = mha__packs_find_bf16(pk, W, O, I);
+    if (!Bp) {
+        mha__bf16_pack(kt, Wp, W, 1, I, I, O, nt);  // B (I, O) = W^T
+        Bp = Wp;
+    }
+    mha__gemm_bf16_rows(kt, C, ldc, X, lda, Bp, R, I, O, false, nt);
     if (b)
 #pragma omp parallel for schedule(static) num_threads(nt)
         for (int64_t r = 0; r < R; r++)
             for (int64_t j = 0; j < O; j++) C[r * ldc + j] += b[j];
-    return true;
 }
 
 // The gates of a gated module's R query rows X (R, E), gate (R, H):

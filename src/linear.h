@@ -66,6 +66,12 @@ void mha__linear_rows(const mha__kernels *kt, float *C, int64_t ldc, const float
 bool mha__linear_rows_bf16(const mha__kernels *kt, float *C, int64_t ldc, float *X, int64_t ldx,
                            const uint16_t *W, const mha__packs *pk, const float *b, int64_t R,
                            int64_t I, int64_t O, float *Wp, size_t wp_floats, int nt);
+// Its product on rows that are bf16 already: X (R, I) bf16 rows of stride
+// lda (zero-padded to bf_kpad), W from pk or packed into Wp
+// (mha__bf16_packed_elems(I, O, bf_kpad) elements), + b.
+void mha__linear_bf16_rows(const mha__kernels *kt, float *C, int64_t ldc, const uint16_t *X,
+                           int64_t lda, const uint16_t *W, const mha__packs *pk, const float *b,
+                           int64_t R, int64_t I, int64_t O, uint16_t *Wp, int nt);
 
 // bf16 operands of gemm_bf16 (kernels.h) from float32 rows, and the
 // threaded bf16 GEMM over rows (the bf16 compute of the module's forward

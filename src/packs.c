@@ -181,39 +181,35 @@ void mha__packs_release(const mha__packs *pk) {
                               memory_order_release);
 }
 
-const float *mha__packs_find(const mha__packs *pk, const void *w, int64_t O, int64_t I) {
+// The packed form of rows [r0, r0 + O) of a matrix kept in the float32
+// kernels' layout (half: in its bf16 / f16 type, else float32), w pointing at
+// row r0 (I columns): a panel-aligned slice (kernels.h: columns [p nr,
+// ...) are Bp + p nr K), or NULL.
+static const void *find_slice(const mha__packs *pk, const void *w, int64_t O, int64_t I,
+                              bool half) {
     if (!pk || !w) return NULL;
     const char *p = (const char *)w;
+    const size_t es = half ? sizeof(uint16_t) : sizeof(float);
     for (int i = 0; i < pk->n; i++) {
         const packed_mat *q = &pk->mat[i];
         const char *s = (const char *)q->src;
-        const size_t row = (size_t)q->I * sizeof(float);
-        if (q->bf16 || q->bh || q->I != I || p < s || p >= s + (size_t)q->O * row) continue;
+        const size_t row = (size_t)q->I * es;
+        if (q->bf16 || (q->bh != 0) != half || q->I != I || p < s || p >= s + (size_t)q->O * row)
+            continue;
         const size_t off = (size_t)(p - s);
         const int64_t r0 = (int64_t)(off / row);
-        // rows [r0, r0 + O) of W: a panel-aligned slice of its packed form
-        // (kernels.h: columns [p nr, ...) are Bp + p nr K)
         if (off % row != 0 || r0 % pk->kt->pk_nr != 0 || r0 + O > q->O) return NULL;
-        return q->dst + r0 * I;
+        return (const char *)q->dst + (size_t)(r0 * I) * es;
     }
     return NULL;
 }
 
+const float *mha__packs_find(const mha__packs *pk, const void *w, int64_t O, int64_t I) {
+    return find_slice(pk, w, O, I, false);
+}
+
 const uint16_t *mha__packs_find_bh(const mha__packs *pk, const void *w, int64_t O, int64_t I) {
-    if (!pk || !w) return NULL;
-    const char *p = (const char *)w;
-    for (int i = 0; i < pk->n; i++) {
-        const packed_mat *q = &pk->mat[i];
-        const char *s = (const char *)q->src;
-        const size_t row = (size_t)q->I * sizeof(uint16_t);
-        if (!q->bh || q->I != I || p < s || p >= s + (size_t)q->O * row) continue;
-        const size_t off = (size_t)(p - s);
-        const int64_t r0 = (int64_t)(off / row);
-        // rows [r0, r0 + O): a panel-aligned slice, as mha__packs_find's
-        if (off % row != 0 || r0 % pk->kt->pk_nr != 0 || r0 + O > q->O) return NULL;
-        return (const uint16_t *)(const void *)q->dst + r0 * I;
-    }
-    return NULL;
+    return find_slice(pk, w, O, I, true);
 }
 
 const uint16_t *mha__packs_find_bf16(const mha__packs *pk, const void *w, int64_t O, int64_t I) {
