@@ -89,8 +89,10 @@ void mha__saved_key_of_sdpa(mha__saved_key *k, const mha_sdpa_args *a) {
     k->scale = a->use_custom_scale ? a->scale : 0.0;
 }
 
-// Grows s's buffer to need floats (its contents dropped).
+// Grows s's buffer to need floats (its contents dropped); at least one, so
+// that an empty call's state still has a buffer to offset from.
 static mha_status saved_grow(mha_saved *s, size_t need) {
+    if (need == 0) need = 1;
     if (need <= s->cap) return MHA_OK;
     size_t bytes;
     if (mha__mul_overflow_size(need, sizeof(float), &bytes))

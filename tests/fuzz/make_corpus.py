@@ -258,6 +258,12 @@ def forward_seeds():
                                             packed, inputs(S=3))
     s["packed-zero-length"] = fwd(control(), packed, inputs(L=0, S=0))
     s["packed-zero-batch"] = fwd(control(), packed, inputs(N=0))
+    # a training step on nothing: the saved state's buffer is empty (it was
+    # NULL, and the forward offset from it)
+    s["packed-training-zero-length"] = fwd(control(flags5=0x20), packed, inputs(L=0, S=0))
+    s["packed-training-zero-batch"] = fwd(control(flags5=0x20), packed, inputs(N=0))
+    s["cross-training-zero-length"] = fwd(control(flags5=0x20), sep,
+                                          inputs(L=0, S=0, kdim=3, vdim=5))
     s["heads-from-control"] = fwd(control(heads=4), module_file(meta=False),
                                   inputs())
     s["separate-kdim-vdim"] = fwd(control(), sep, inputs(S=4, kdim=3, vdim=5,
