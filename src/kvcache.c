@@ -13,6 +13,7 @@
 //    threads.
 //  - longer chunks (prefill): the flash kernel per (b, h, tile of queries)
 //    with the queries' positions offset by len_b - T_b.
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -665,7 +666,35 @@ typedef struct dec_chunk {
     float *sc;
     size_t qf;
     const dec_seg *seg;
+    // int8 rows scored against the queries' int8 forms (dot_rows_i8): each
+    // query's bytes xi floats on from its scaled query, its scale ldxi / 4
+    // floats after them (0: the float32 scores, dot_rows_q)
+    int64_t xi, ldxi;
 } dec_chunk;
+
+// The int8 form of the scaled query x (D floats) that dot_rows_i8 takes
+// (mha.h's int8 cache): *xs = max_c |x_c| / 127 and xq_c = x_c * (127 /
+// max_c |x_c|) rounded to nearest even (|xq_c| <= 127), the bytes from D
+// to ldx zero; all zero (and xs 0) for a zero query; xs NaN (so its scores
+// NaN) when x holds a NaN or an infinity.
+static void quantize_i8(int8_t *xq, float *xs, const float *x, int64_t D, int64_t ldx) {
+    float mx = 0.0f;
+    bool finite = true;
+    for (int64_t c = 0; c < D; c++) {
+        const float a = fabsf(x[c]);
+        finite = finite && a <= FLT_MAX;
+        mx = a > mx ? a : mx;
+    }
+    memset(xq, 0, (size_t)ldx);
+    if (!finite) {
+        *xs = NAN;
+        return;
+    }
+    *xs = mx / 127.0f;
+    if (mx == 0.0f) return;
+    const float inv = 127.0f / mx;
+    for (int64_t c = 0; c < D; c++) xq[c] = (int8_t)nearbyintf(x[c] * inv);
+}
 
 // Row i of segment g: where its K and V rows (and int8 / int4 scales;
 // else NULL) are.
@@ -811,7 +840,11 @@ static void rows_alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t n, con
                        const void *pf, size_t pfb) {
     const mha__kv_rows *c = dc->c;
     float *s = dc->sc + (size_t)v * dc->qf, *x = s + dc->ch, *o = x + c->D;
-    if (isk)
+    if (isk && dc->xi)
+        dc->kt->dot_rows_i8(s + (r - dc->j0), 0, (const int8_t *)k, c->lk.lda, ks, c->lk.sld,
+                            (const int8_t *)(x + dc->xi), dc->ldxi, x + dc->xi + dc->ldxi / 4,
+                            0, 1, n, c->D, pf, pfb);
+    else if (isk)
         dc->kt->dot_rows_q(s + (r - dc->j0), k, c->lk.lda, dc->kind, ks, c->lk.sld, x, n, c->D,
                            pf, pfb);
     else
@@ -846,7 +879,12 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
         look_ahead(dc, r0, r, p1, r1, isk, ah, &pf, &pfb);
-        if (isk)
+        float *x = sc + dc->ch;
+        if (isk && dc->xi)
+            dc->kt->dot_rows_i8(sc + (r - dc->j0), qf, (const int8_t *)k, dc->c->lk.lda, ks,
+                                dc->c->lk.sld, (const int8_t *)(x + dc->xi), 4 * qf,
+                                x + dc->xi + dc->ldxi / 4, qf, nv, p1 - r, D, pf, pfb);
+        else if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, dc->c->lk.lda, dc->kind, ks,
                                 dc->c->lk.sld, sc + dc->ch, qf, nv, p1 - r, D, pf, pfb);
         else
@@ -1094,7 +1132,11 @@ static mha_status attend_decode(const attend_call *ac) {
     // per thread, for each of an item's qn queries: scores (CH, indexed
     // from the chunk's first key), scaled query (D), unnormalised output (Dv)
     const size_t per = (size_t)(Dv + 2);
-    const size_t qf = (size_t)(CH + D + Dv), tfl = (size_t)qn * qf;
+    // (int8 rows with an int8 query: then its bytes, padded to 64, and
+    // its scale)
+    const bool i8 = c->dt == MHA_KV_INT8 && D <= MHA__I8_DMAX;
+    const int64_t ldxi = i8 ? (D + 63) / 64 * 64 : 0, xi = i8 ? D + Dv : 0;
+    const size_t qf = (size_t)(CH + D + Dv + (i8 ? ldxi / 4 + 1 : 0)), tfl = (size_t)qn * qf;
     // (and per thread and unit of an item the segments its chunk's rows
     // lie in)
     const size_t ns = (size_t)((CH + c->seg - 1) / c->seg + 1);
@@ -1184,6 +1226,7 @@ static mha_status attend_decode(const attend_call *ac) {
                                       t * q->stride[2];
                     for (int64_t e = 0; e < D; e++) x[e] = (float)scale * qr[e];
                     for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
+                    if (i8) quantize_i8((int8_t *)(x + xi), x + xi + ldxi / 4, x, D, ldxi);
                     nv++;
                 }
             // the segments of its chunk's rows, looked up once (heads read
@@ -1205,8 +1248,8 @@ static mha_status attend_decode(const attend_call *ac) {
                         f->ks ? (const float *)(const void *)((const char *)f->ks + kb) : NULL,
                         f->vs ? (const float *)(const void *)((const char *)f->vs + vb) : NULL};
             }
-            dcs[u] = (dec_chunk){kt, c, b, hk, j0, s0, CH, kind, sc + (size_t)v0s[u] * qf,
-                                 qf, sg};
+            dcs[u] = (dec_chunk){kt, c,  b,  hk,  j0, s0, CH, kind, sc + (size_t)v0s[u] * qf,
+                                 qf, sg, xi, ldxi};
         }
         v0s[nu] = nv;
         if (nv == 0) continue;

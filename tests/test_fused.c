@@ -1125,6 +1125,55 @@ static void oracle_row(double *y, const float *qr, const float *kr, const float 
     }
 }
 
+// The float64 attention of the scaled query xd (D) over keys [lo, hi]: y
+// (D), as oracle_row with the query already scaled.
+static void oracle_row_x(double *y, const double *xd, const float *kr, const float *vr,
+                         int64_t lo, int64_t hi, int64_t D, double *sc) {
+    double m = -INFINITY, l = 0.0;
+    for (int64_t j = lo; j <= hi; j++) {
+        double dot = 0.0;
+        for (int64_t e = 0; e < D; e++) dot += xd[e] * kr[j * D + e];
+        sc[j] = dot;
+        m = sc[j] > m ? sc[j] : m;
+    }
+    for (int64_t j = lo; j <= hi; j++) l += (sc[j] = exp(sc[j] - m));
+    for (int64_t e = 0; e < D; e++) {
+        y[e] = 0.0;
+        for (int64_t j = lo; j <= hi; j++) y[e] += sc[j] * vr[j * D + e];
+        y[e] /= l;
+    }
+}
+
+// mha.h's int8 decode query: x = fl(q / sqrt(D)) as the cache scales it,
+// xs = max|x| / 127, xq = round_even(x * (127 / max|x|)); xd = xs xq (the
+// query the scores see) and *xs.
+static void int8_query(double *xd, float *xs, const float *qr, int64_t D) {
+    const float sc = (float)(1.0 / sqrt((double)D));
+    float x[64], mx = 0.0f;
+    for (int64_t e = 0; e < D; e++) x[e] = sc * qr[e], mx = fmaxf(mx, fabsf(x[e]));
+    *xs = mx / 127.0f;
+    const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+    for (int64_t e = 0; e < D; e++) xd[e] = (double)*xs * nearbyintf(x[e] * inv);
+}
+
+// mha.h's bound on an int8 decode's output error from its query's
+// rounding alone (K and V exact here): per element c, (exp(2 max_j e_j) -
+// 1) max_j |v_jc| with e_j = (xs / 2) sum_c |k_jc|.
+static void int8_bound(double *bnd, float xs, const float *kr, const float *vr, int64_t lo,
+                       int64_t hi, int64_t D) {
+    double emax = 0.0;
+    for (int64_t j = lo; j <= hi; j++) {
+        double ej = 0.0;
+        for (int64_t e = 0; e < D; e++) ej += xs / 2.0 * fabs((double)kr[j * D + e]);
+        emax = fmax(emax, ej);
+    }
+    for (int64_t e = 0; e < D; e++) {
+        double vm = 0.0;
+        for (int64_t j = lo; j <= hi; j++) vm = fmax(vm, fabs((double)vr[j * D + e]));
+        bnd[e] = expm1(2.0 * emax) * vm;
+    }
+}
+
 // mha.h's bound on an int4 cache's output error for query qr over keys
 // [lo, hi] (K, V rows kr, vr, their group scales ks, vs: ng a row), per
 // element c: max_j s^V_j,g(c) / 2 + (exp(2 max_j e_j) - 1) max_j |v_jc| with
@@ -1160,7 +1209,10 @@ static void int4_bound(double *bnd, const float *qr, const float *vr, const floa
 // twice: against the oracle over the values it stores (int4_row: the
 // format written again), within the same tolerance, and against the oracle
 // over the inputs, within mha.h's documented bound computed from the data
-// (int4_bound). And the same bits with 1, 2 and 8 threads.
+// (int4_bound). int8 decode rounds its query (mha.h): checked against the
+// oracle over that query, within the same tolerance, and against the one
+// over the float32 query within mha.h's bound from the data (int8_bound).
+// And the same bits with 1, 2 and 8 threads.
 static void test_decode_groups(void) {
     enum { B = 2, CAP = 9100, TMAX = 5 };
     const int64_t lens[B] = {9000, 517};
@@ -1234,6 +1286,15 @@ static void test_decode_groups(void) {
                                 const size_t r0 = (size_t)((b * Hkv + hk) * CAP);
                                 oracle_row(y, qr, k + r0 * (size_t)D, v + r0 * (size_t)D, lo,
                                            pos, D, sc);
+                                if (dt == MHA_KV_INT8) {  // (K, V exact: the query's rounding)
+                                    double xd[64];
+                                    float xs;
+                                    int8_query(xd, &xs, qr, D);
+                                    oracle_row_x(yq, xd, k + r0 * (size_t)D,
+                                                 v + r0 * (size_t)D, lo, pos, D, sc);
+                                    int8_bound(bnd, xs, k + r0 * (size_t)D, v + r0 * (size_t)D,
+                                               lo, pos, D);
+                                }
                                 if (kq) {
                                     oracle_row(yq, qr, kq + r0 * (size_t)D,
                                                vq + r0 * (size_t)D, lo, pos, D, sc);
@@ -1243,10 +1304,11 @@ static void test_decode_groups(void) {
                                 }
                                 for (int64_t e = 0; e < D; e++) {
                                     const double g = o[0][((b * H + h) * T + t) * D + e];
-                                    const double ye = kq ? yq[e] : y[e];
+                                    const bool rq = kq || dt == MHA_KV_INT8;
+                                    const double ye = rq ? yq[e] : y[e];
                                     err = fabs(g - ye) > err ? fabs(g - ye) : err;
                                     mx = fabs(ye) > mx ? fabs(ye) : mx;
-                                    if (kq) {  // (the float32 rounding's share: the test's rule)
+                                    if (rq) {  // (the float32 rounding's share: the test's rule)
                                         const double d = fabs(g - y[e]);
                                         over = fmax(over,
                                                     d - bnd[e] - 4e-6 * (1.0 + fabs(y[e])));
@@ -1254,16 +1316,18 @@ static void test_decode_groups(void) {
                                     }
                                 }
                             }
-                    if (kq && T == 1 && wi == 0)
-                        printf("int4 decode H %lld Hkv %lld D %lld: err vs the stored values' "
-                               "oracle %.3g, largest err / documented bound %.3g\n",
-                               (long long)H, (long long)Hkv, (long long)D, err, ratio);
-                    if (kq)
+                    const char *dn = mha_kv_dtype_name((mha_kv_dtype)dt);
+                    if ((kq || dt == MHA_KV_INT8) && T == 1 && wi == 0)
+                        printf("%s decode H %lld Hkv %lld D %lld: err vs the stored values' "
+                               "(int8: and rounded query's) oracle %.3g, largest err / "
+                               "documented bound %.3g\n",
+                               dn, (long long)H, (long long)Hkv, (long long)D, err, ratio);
+                    if (kq || dt == MHA_KV_INT8)
                         CHECKF(over <= 0.0,
-                               "decode groups H %lld Hkv %lld D %lld int4 T %d window %lld: "
+                               "decode groups H %lld Hkv %lld D %lld %s T %d window %lld: "
                                "outside the documented bound by %g (largest err / bound %g)",
-                               (long long)H, (long long)Hkv, (long long)D, T, (long long)win,
-                               over, ratio);
+                               (long long)H, (long long)Hkv, (long long)D, dn, T,
+                               (long long)win, over, ratio);
                     CHECKF(err <= 4e-6 * (1.0 + mx),
                            "decode groups H %lld Hkv %lld D %lld %s T %d window %lld: err %g "
                            "(max|ref| %g)",

@@ -842,6 +842,59 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
         }
 }
 
+// dot_rows_i8: the generic version's bits on every table (exact integer
+// sums, then the same two roundings) and those equal to the contract's
+// formula evaluated here; every byte value (-128 included in the rows;
+// the queries' range is [-127, 127]), head dims across the 16-, 64-byte
+// steps and their tails, ng 1..9 (the 4-query blocks and remainders), n
+// 70 and 3 (the 4-row groups and their tail), scales spaced sld 1 and 3;
+// a row's bytes past D set to 0x7f and never counted; outputs outside
+// [0, n) of each query's row untouched.
+static void test_rows_i8(const mha__kernels *k, const mha__kernels *g) {
+    enum { N = 70, W = 200, G = 9, LDX = 256, LDS = 80 };
+    static int8_t A[N * W], Xq[G * LDX];
+    static float sc[3 * N], xs[2 * G], s1[G * LDS], s2[G * LDS];
+    for (int i = 0; i < N * 3; i++) sc[i] = 0.001f * (float)(i % 41 + 1);
+    for (int i = 0; i < 2 * G; i++) xs[i] = 0.0137f * (float)(i + 1);
+    const int64_t dims[] = {1, 15, 16, 17, 40, 63, 64, 65, 128, 130, 200};
+    for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+        for (int sl = 1; sl <= 3; sl += 2) {
+            const int64_t D = dims[di];
+            for (int i = 0; i < N * W; i++)
+                A[i] = i % W < D ? (int8_t)(next() & 255) : (int8_t)0x7f;
+            for (int q = 0; q < G; q++)
+                for (int c = 0; c < LDX; c++)
+                    Xq[q * LDX + c] = c < D ? (int8_t)((int)(next() % 255) - 127) : 0;
+            for (int64_t ng = 1; ng <= G; ng += (ng < 5 ? 1 : 4))
+                for (int64_t n = 3; n <= N; n += N - 3) {
+                    for (int i = 0; i < G * LDS; i++) s1[i] = s2[i] = -7.0f;
+                    k->dot_rows_i8(s1, LDS, A, W, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
+                    g->dot_rows_i8(s2, LDS, A, W, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
+                    int bad = 0, badf = 0, pad = 0;
+                    for (int64_t q = 0; q < G; q++)
+                        for (int64_t j = 0; j < LDS; j++) {
+                            const float v = s1[q * LDS + j];
+                            if (q >= ng || j >= n) {
+                                pad += v != -7.0f;
+                                continue;
+                            }
+                            bad += memcmp(&v, &s2[q * LDS + j], sizeof v) != 0;
+                            int32_t t = 0;
+                            for (int64_t c = 0; c < D; c++)
+                                t += (int32_t)A[j * W + c] * Xq[q * LDX + c];
+                            const float f = sc[j * sl] * xs[2 * q];
+                            const float want = f * (float)t;
+                            badf += memcmp(&v, &want, sizeof v) != 0;
+                        }
+                    CHECKF(bad == 0 && badf == 0 && pad == 0,
+                           "%s dot_rows_i8 D %lld sld %d ng %lld n %lld: %d differ from the "
+                           "generic bits, %d from the formula, %d outside written",
+                           k->isa, (long long)D, sl, (long long)ng, (long long)n, bad, badf,
+                           pad);
+                }
+        }
+}
+
 // dot_rows_qg / axpy_rows_qg: the same bits as ng calls of the table's
 // dot_rows_q / axpy_rows_q, query by query, and those the bits of the same
 // rows in two calls split anywhere (ng 1..9: the 4-query blocks
@@ -1593,6 +1646,7 @@ int main(void) {
         test_bwd_rows(k, g);
         test_cvt(k, g);
         test_rows_q(k, g);
+        test_rows_i8(k, g);
         test_rows_qg(k);
         test_rows_qg_many(k);
         test_rows_in_rows(k);
@@ -1606,6 +1660,7 @@ int main(void) {
     }
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_rows_qg(g);
+    test_rows_i8(g, g);
     test_rows_in_rows(g);
     test_int4_store();
     test_gemm_tn(g);

@@ -1019,6 +1019,66 @@ static void axpy_rows_q(float *o, const float *p, const void *A, int64_t lda, in
     axpy_rows_qg(o, 0, p, 0, A, lda, kind, scales, sld, 1, n, Dv, pf, pfb);
 }
 
+// dot_rows_i8 (kernels.h) with AVX2 (also the avx512 table's, which lacks
+// the byte instructions): 16 bytes at a time widened to int16 (vpmovsxbw)
+// and multiplied in pairs into int32 lanes (vpmaddwd: exact), 4 rows a
+// pass, query by query; exact integer sums, so the generic version's bits.
+static inline __m256i i8w(const int8_t *p, int64_t w) {
+    if (w >= 16)
+        return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
+    int8_t t[16] = {0};
+    memcpy(t, p, (size_t)w);
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)t));
+}
+
+void mha__dot_rows_i8_avx2(float *s, int64_t lds, const int8_t *A, int64_t lda,
+                           const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                           const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                           const void *pf, size_t pfb) {
+    pf_spread pfs = pf_begin(pf, pfb, n / 4);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        prefetch_ahead(A, (size_t)lda, j, 4, n);
+        pf_step(&pfs);
+        const __m128 sk = _mm_set_ps(scales[(j + 3) * sld], scales[(j + 2) * sld],
+                                     scales[(j + 1) * sld], scales[j * sld]);
+        for (int64_t g = 0; g < ng; g++) {
+            const int8_t *x = Xq + g * ldx;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < D; c += 16) {
+                const __m256i xv = i8w(x + c, 16);
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(i8w(A + j * lda + c, D - c), xv));
+                a1 = _mm256_add_epi32(a1,
+                                      _mm256_madd_epi16(i8w(A + (j + 1) * lda + c, D - c), xv));
+                a2 = _mm256_add_epi32(a2,
+                                      _mm256_madd_epi16(i8w(A + (j + 2) * lda + c, D - c), xv));
+                a3 = _mm256_add_epi32(a3,
+                                      _mm256_madd_epi16(i8w(A + (j + 3) * lda + c, D - c), xv));
+            }
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1),
+                                                _mm256_hadd_epi32(a2, a3));
+            const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h),
+                                            _mm256_extracti128_si256(h, 1));
+            const __m128 f = _mm_mul_ps(sk, _mm_set1_ps(xs[g * ldxs]));
+            _mm_storeu_ps(s + g * lds + j, _mm_mul_ps(f, _mm_cvtepi32_ps(t)));
+        }
+    }
+    pf_rest(&pfs);
+    for (; j < n; j++)
+        for (int64_t g = 0; g < ng; g++) {
+            const int8_t *x = Xq + g * ldx;
+            __m256i a = _mm256_setzero_si256();
+            for (int64_t c = 0; c < D; c += 16)
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(i8w(A + j * lda + c, D - c),
+                                                          i8w(x + c, 16)));
+            const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a),
+                                            _mm256_extracti128_si256(a, 1));
+            const __m128i h2 = _mm_hadd_epi32(_mm_hadd_epi32(h, h), h);
+            const float f = scales[j * sld] * xs[g * ldxs];
+            s[g * lds + j] = f * (float)_mm_cvtsi128_si32(h2);
+        }
+}
+
 void mha__kernels_fill_avx2(mha__kernels *k) {
     k->isa = "avx2";
     k->bf_fast = false;  // bf16 rows are converted and computed in float32
@@ -1036,6 +1096,7 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->dot_rows_qg = dot_rows_qg;
     k->axpy_rows_q = axpy_rows_q;
     k->axpy_rows_qg = axpy_rows_qg;
+    k->dot_rows_i8 = mha__dot_rows_i8_avx2;
     k->pk_nr = PNR;
     k->pk_mr = PMR;
     k->pk_kc = PKC;

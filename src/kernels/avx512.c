@@ -1301,6 +1301,7 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->dot_rows_qg = dot_rows_qg;
     k->axpy_rows_qg = axpy_rows_qg;
+    k->dot_rows_i8 = mha__dot_rows_i8_avx2;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->exp_scale_rows = exp_scale_rows;

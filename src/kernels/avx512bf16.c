@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "x86_prefetch.h"
 
 #define MR 4  // rows of C per micro-tile
 #define NV 4  // 16-column vectors per micro-tile (64 columns)
@@ -259,6 +260,98 @@ static void softmax_rows_bf16(const float *x, int64_t ldx, int64_t R, int64_t n,
                                        alpha + r, p + r * ldp, ldp);
 }
 
+// dot_rows_i8 (kernels.h) with AVX512-VNNI's vpdpbusd (every CPU with
+// AVX512-BF16 has it; cpu.c checks both): it multiplies unsigned bytes by
+// signed ones, four products to an int32 lane, so a row's bytes go in
+// biased (a ^ 0x80 = a + 128, unsigned) and the query's as they are:
+// sum (a + 128) x = t + 128 sum x, the bias taken off once per (row,
+// query). All exact int32, so the generic version's bits. 4 rows x up to 4
+// queries in flight, 64 bytes a step (the row's last ones under a mask: a
+// masked byte reads 0, biased 128, against the query's zero padding).
+static inline __m128i reduce4i(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1),
+                                         _mm512_unpackhi_epi32(a0, a1)),
+                  t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3),
+                                         _mm512_unpackhi_epi32(a2, a3));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23),
+                                       _mm512_unpackhi_epi64(t01, t23));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u),
+                                       _mm512_extracti64x4_epi64(u, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+static inline __attribute__((always_inline)) void i8_block(
+    float *s, int64_t lds, const int8_t *A, int64_t lda, const float *scales, int64_t sld,
+    const int8_t *Xq, int64_t ldx, const float *xs, int64_t ldxs, const int32_t *bias, int nq,
+    int nr, int64_t j, int64_t D) {
+    __m512i acc[4][4];
+    for (int q = 0; q < nq; q++)
+        for (int r = 0; r < nr; r++) acc[q][r] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; c < D; c += 64) {
+        const __mmask64 m = D - c >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (D - c)) - 1;
+        __m512i a[4];
+        for (int r = 0; r < nr; r++)
+            a[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, A + (j + r) * lda + c), flip);
+        for (int q = 0; q < nq; q++) {
+            const __m512i x = _mm512_loadu_si512(Xq + q * ldx + c);
+            for (int r = 0; r < nr; r++) acc[q][r] = _mm512_dpbusd_epi32(acc[q][r], a[r], x);
+        }
+    }
+    if (nr == 4) {
+        const __m128 sk = _mm_set_ps(scales[(j + 3) * sld], scales[(j + 2) * sld],
+                                     scales[(j + 1) * sld], scales[j * sld]);
+        for (int q = 0; q < nq; q++) {
+            const __m128i t = _mm_sub_epi32(reduce4i(acc[q][0], acc[q][1], acc[q][2], acc[q][3]),
+                                            _mm_set1_epi32(bias[q]));
+            const __m128 f = _mm_mul_ps(sk, _mm_set1_ps(xs[q * ldxs]));
+            _mm_storeu_ps(s + q * lds + j, _mm_mul_ps(f, _mm_cvtepi32_ps(t)));
+        }
+        return;
+    }
+    for (int q = 0; q < nq; q++) {
+        const int32_t t = _mm512_reduce_add_epi32(acc[q][0]) - bias[q];
+        const float f = scales[j * sld] * xs[q * ldxs];
+        s[q * lds + j] = f * (float)t;
+    }
+}
+
+#define I8_QB 64
+static void dot_rows_i8(float *s, int64_t lds, const int8_t *A, int64_t lda,
+                        const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                        const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                        const void *pf, size_t pfb) {
+    int32_t bias[I8_QB];
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t g0 = 0; g0 < ng; g0 += I8_QB) {
+        const int64_t gn = ng - g0 < I8_QB ? ng - g0 : I8_QB;
+        for (int64_t q = 0; q < gn; q++) {
+            __m512i t = _mm512_setzero_si512();
+            for (int64_t c = 0; c < D; c += 64)
+                t = _mm512_dpbusd_epi32(t, ones, _mm512_loadu_si512(Xq + (g0 + q) * ldx + c));
+            bias[q] = 128 * _mm512_reduce_add_epi32(t);
+        }
+        pf_spread pfs = pf_begin(g0 == 0 ? pf : NULL, pfb, n / 4);
+        int64_t j = 0;
+#define I8_BLOCK(NQ, NR)                                                             \
+    i8_block(s + (g0 + g) * lds, lds, A, lda, scales, sld, Xq + (g0 + g) * ldx, ldx, \
+             xs + (g0 + g) * ldxs, ldxs, bias + g, NQ, NR, j, D)
+        for (; j + 4 <= n; j += 4) {
+            prefetch_ahead(A, (size_t)lda, j, 4, n);
+            pf_step(&pfs);
+            int64_t g = 0;
+            for (; g + 4 <= gn; g += 4) I8_BLOCK(4, 4);
+            if (gn - g == 3) I8_BLOCK(3, 4);
+            if (gn - g == 2) I8_BLOCK(2, 4);
+            if (gn - g == 1) I8_BLOCK(1, 4);
+        }
+        pf_rest(&pfs);
+        for (; j < n; j++)
+            for (int64_t g = 0; g < gn; g++) I8_BLOCK(1, 1);
+#undef I8_BLOCK
+    }
+}
+
 void mha__kernels_fill_avx512bf16(mha__kernels *k) {
     // bf_fast stays false here: the avx512 table (Intel's cores issue one
     // vdpbf16ps, 32 products, per cycle against two float32 FMAs, also 32);
@@ -268,4 +361,5 @@ void mha__kernels_fill_avx512bf16(mha__kernels *k) {
     k->gemm_bf16 = gemm_bf16;
     k->pack_bf16 = pack_bf16;
     k->softmax_rows_bf16 = softmax_rows_bf16;
+    k->dot_rows_i8 = dot_rows_i8;
 }

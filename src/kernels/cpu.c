@@ -49,9 +49,11 @@ static bool has_f16c(void) {
 #if defined(MHA__X86) && !defined(MHA_NO_AVX512BF16)
 // AVX512-BF16 (CPUID leaf 7 subleaf 1, EAX bit 5), with AVX512BW and VL
 // (every CPU with it has them; its kernels use them).
+// (and AVX512-VNNI, which every such CPU has: avx512bf16.c's int8 dot)
 static bool has_avx512bf16(void) {
-    unsigned a, b, c, d;
+    unsigned a, b, c, d, a0, b0, c0, d0;
     return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1) &&
+           __get_cpuid_count(7, 0, &a0, &b0, &c0, &d0) && (c0 >> 11 & 1) &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 #endif

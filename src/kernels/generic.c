@@ -154,6 +154,24 @@ void mha__axpy_rows_q_generic(float *o, const float *p, const void *A, int64_t l
     }
 }
 
+// dot_rows_i8 (kernels.h): the exact integer sums, then the two roundings.
+static void dot_rows_i8(float *s, int64_t lds, const int8_t *A, int64_t lda,
+                        const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                        const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                        const void *pf, size_t pfb) {
+    prefetch_next(pf, pfb);
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *a = A + j * lda;
+        for (int64_t g = 0; g < ng; g++) {
+            const int8_t *x = Xq + g * ldx;
+            int32_t t = 0;
+            for (int64_t c = 0; c < D; c++) t += (int32_t)a[c] * (int32_t)x[c];
+            const float f = scales[j * sld] * xs[g * ldxs];
+            s[g * lds + j] = f * (float)t;
+        }
+    }
+}
+
 // The group versions: query by query (the rows read once per query).
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
                         const float *scales, int64_t sld, const float *X, int64_t ldx,
@@ -450,6 +468,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->dot_rows_q = mha__dot_rows_q_generic;
     k->axpy_rows_q = mha__axpy_rows_q_generic;
     k->dot_rows_qg = dot_rows_qg;
+    k->dot_rows_i8 = dot_rows_i8;
     k->axpy_rows_qg = axpy_rows_qg;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;

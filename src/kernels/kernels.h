@@ -21,6 +21,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The longest row dot_rows_i8 takes: |sum (a + 128) x| <= 255 * 127 * D
+// stays within int32 (the VNNI form's biased sum) with room to spare.
+#define MHA__I8_DMAX 8192
+
 typedef struct mha__kernels {
     const char *isa;  // "scalar", "avx2", "avx512", "avx512bf16" (avx512 computing
                       // bf16 with vdpbf16ps), "amx" (avx512 + AMX-BF16 tiles)
@@ -115,6 +119,20 @@ typedef struct mha__kernels {
     void (*axpy_rows_qg)(float *O, int64_t ldo, const float *P, int64_t ldp, const void *A,
                          int64_t lda, int kind, const float *scales, int64_t sld, int64_t ng,
                          int64_t n, int64_t Dv, const void *pf, size_t pfb);
+    // dot_rows_i8: the scores of int8 rows against int8-quantised queries
+    // (decode over an int8 cache; kvcache.c quantises each query once,
+    // mha__quantize_i8): for g < ng, j < n,
+    //   s[g*lds + j] = fl(fl(scales[j*sld] * xs[g*ldxs]) * fl(t)),
+    //   t = sum_{c < D} A[j*lda + c] Xq[g*ldx + c]
+    // with t an exact integer (D <= MHA__I8_DMAX: no int32 overflow in any
+    // table's form of the sum), so every table gives the same bits. Xq:
+    // ng rows of ldx bytes, ldx >= D rounded up to 64, the bytes from D on
+    // zero (tables may read them). No byte of A past a row's D is read.
+    // Prefetching as dot_rows_q's (pf never changes a result).
+    void (*dot_rows_i8)(float *s, int64_t lds, const int8_t *A, int64_t lda,
+                        const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                        const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                        const void *pf, size_t pfb);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // transpose: dst[c*ldd + r] = src[r*lds + c] for r < rows, c < cols
@@ -308,6 +326,11 @@ void mha__pack_bf16_avx512(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t 
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);
 void mha__kernels_fill_avx2(mha__kernels *k);
+// avx2.c's dot_rows_i8, also the avx512 table's
+void mha__dot_rows_i8_avx2(float *s, int64_t lds, const int8_t *A, int64_t lda,
+                           const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                           const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                           const void *pf, size_t pfb);
 void mha__kernels_fill_avx512(mha__kernels *k);
 // The bf16 slots with vdpbf16ps (avx512bf16.c) and AMX tiles (amx.c), on top
 // of the avx512 table, where the CPU (and, for AMX, Linux) allows them.
