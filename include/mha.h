@@ -1102,14 +1102,17 @@ typedef struct mha_kv_cache mha_kv_cache;
 // a float32 cache, tested: max|out - out_f32| <= 4 u (1 + max|s|) max|v|
 // with u = 2^-8 (bf16), 2^-11 (f16), 1/127 (int8), s the scaled scores.
 //
-// int8 decode (head dim <= 8192) scores in integers: each scaled query x =
+// int8 decode (head dim <= 8192), and int4 decode where the head dim is a
+// multiple of 128, score in integers: each scaled query x =
 // q / sqrt(D) (or the custom scale) is rounded once to int8 with one scale,
 // s_x = max_c |x_c| / 127, x^_c = s_x round_even(x_c / s_x) (a query holding
 // a NaN or an infinity scores NaN), and a key row's score is s_x s^K_j
-// times the exact integer dot product of the two rows (VNNI's vpdpbusd
-// where the CPU has it; the same bits on every instruction set). On top of
-// K's and V's rounding, the query's moves each score by at most
-//   e_j = (s_x / 2) sum_c |k^_jc|   (k^ the stored key row, s^K_j q_jc)
+// times the exact integer dot product of the two rows (int4: s_x times the
+// sum over the groups in order of s^K_jg times the group's exact integer
+// dot product; VNNI's vpdpbusd where the CPU has it; the same bits on
+// every instruction set). On top of K's and V's rounding, the query's
+// moves each score by at most
+//   e_j = (s_x / 2) sum_c |k^_jc|   (k^ the stored key row)
 // so the output by at most (exp(2 max_j e_j) - 1) max_j |v_jc| per
 // element (tested, from the data). Prefill computes with the float32 query.
 //

@@ -672,6 +672,16 @@ typedef struct dec_chunk {
     int64_t xi, ldxi;
 } dec_chunk;
 
+// The int8 query xq (D bytes, D a multiple of 128) in dot_rows_i4's
+// order: per 128 elements the even ones, then the odd ones.
+static void split_i4(int8_t *xq, int64_t D) {
+    int8_t t[128];
+    for (int64_t s = 0; s < D; s += 128) {
+        memcpy(t, xq + s, sizeof t);
+        for (int64_t e = 0; e < 128; e++) xq[s + (e % 2) * 64 + e / 2] = t[e];
+    }
+}
+
 // The int8 form of the scaled query x (D floats) that dot_rows_i8 takes
 // (mha.h's int8 cache): *xs = max_c |x_c| / 127 and xq_c = x_c * (127 /
 // max_c |x_c|) rounded to nearest even (|xq_c| <= 127), the bytes from D
@@ -840,7 +850,11 @@ static void rows_alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t n, con
                        const void *pf, size_t pfb) {
     const mha__kv_rows *c = dc->c;
     float *s = dc->sc + (size_t)v * dc->qf, *x = s + dc->ch, *o = x + c->D;
-    if (isk && dc->xi)
+    if (isk && dc->xi && dc->kind == MHA_KV_INT4)
+        dc->kt->dot_rows_i4(s + (r - dc->j0), 0, (const uint8_t *)k, c->lk.lda / 2, ks,
+                            c->lk.sld, (const int8_t *)(x + dc->xi), dc->ldxi,
+                            x + dc->xi + dc->ldxi / 4, 0, 1, n, c->D, pf, pfb);
+    else if (isk && dc->xi)
         dc->kt->dot_rows_i8(s + (r - dc->j0), 0, (const int8_t *)k, c->lk.lda, ks, c->lk.sld,
                             (const int8_t *)(x + dc->xi), dc->ldxi, x + dc->xi + dc->ldxi / 4,
                             0, 1, n, c->D, pf, pfb);
@@ -880,7 +894,11 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
         look_ahead(dc, r0, r, p1, r1, isk, ah, &pf, &pfb);
         float *x = sc + dc->ch;
-        if (isk && dc->xi)
+        if (isk && dc->xi && dc->kind == MHA_KV_INT4)
+            dc->kt->dot_rows_i4(sc + (r - dc->j0), qf, (const uint8_t *)k, dc->c->lk.lda / 2,
+                                ks, dc->c->lk.sld, (const int8_t *)(x + dc->xi), 4 * qf,
+                                x + dc->xi + dc->ldxi / 4, qf, nv, p1 - r, D, pf, pfb);
+        else if (isk && dc->xi)
             dc->kt->dot_rows_i8(sc + (r - dc->j0), qf, (const int8_t *)k, dc->c->lk.lda, ks,
                                 dc->c->lk.sld, (const int8_t *)(x + dc->xi), 4 * qf,
                                 x + dc->xi + dc->ldxi / 4, qf, nv, p1 - r, D, pf, pfb);
@@ -1134,7 +1152,10 @@ static mha_status attend_decode(const attend_call *ac) {
     const size_t per = (size_t)(Dv + 2);
     // (int8 rows with an int8 query: then its bytes, padded to 64, and
     // its scale)
-    const bool i8 = c->dt == MHA_KV_INT8 && D <= MHA__I8_DMAX;
+    // (int4 rows too, of a head dim a multiple of 128: the query split into
+    // its even and odd elements per 128, as dot_rows_i4 takes it)
+    const bool i4q = c->dt == MHA_KV_INT4 && D % 128 == 0;
+    const bool i8 = (c->dt == MHA_KV_INT8 || i4q) && D <= MHA__I8_DMAX;
     const int64_t ldxi = i8 ? (D + 63) / 64 * 64 : 0, xi = i8 ? D + Dv : 0;
     const size_t qf = (size_t)(CH + D + Dv + (i8 ? ldxi / 4 + 1 : 0)), tfl = (size_t)qn * qf;
     // (and per thread and unit of an item the segments its chunk's rows
@@ -1227,6 +1248,7 @@ static mha_status attend_decode(const attend_call *ac) {
                     for (int64_t e = 0; e < D; e++) x[e] = (float)scale * qr[e];
                     for (int64_t e = 0; e < Dv; e++) o[e] = 0.0f;
                     if (i8) quantize_i8((int8_t *)(x + xi), x + xi + ldxi / 4, x, D, ldxi);
+                    if (i8 && i4q) split_i4((int8_t *)(x + xi), D);
                     nv++;
                 }
             // the segments of its chunk's rows, looked up once (heads read

@@ -1149,7 +1149,7 @@ static void oracle_row_x(double *y, const double *xd, const float *kr, const flo
 // query the scores see) and *xs.
 static void int8_query(double *xd, float *xs, const float *qr, int64_t D) {
     const float sc = (float)(1.0 / sqrt((double)D));
-    float x[64], mx = 0.0f;
+    float x[128], mx = 0.0f;
     for (int64_t e = 0; e < D; e++) x[e] = sc * qr[e], mx = fmaxf(mx, fabsf(x[e]));
     *xs = mx / 127.0f;
     const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
@@ -1177,15 +1177,19 @@ static void int8_bound(double *bnd, float xs, const float *kr, const float *vr, 
 // mha.h's bound on an int4 cache's output error for query qr over keys
 // [lo, hi] (K, V rows kr, vr, their group scales ks, vs: ng a row), per
 // element c: max_j s^V_j,g(c) / 2 + (exp(2 max_j e_j) - 1) max_j |v_jc| with
-// e_j = sum_g (s^K_jg / 2) sum_{c in g} |x_c|, x = q / sqrt(D).
+// e_j = sum_g (s^K_jg / 2) sum_{c in g} |x_c|, x = q / sqrt(D); plus, for
+// a query rounded to int8 with scale xs (decode, D a multiple of 128; 0:
+// not rounded), (xs / 2) sum_c |k^_jc| (kq: the stored keys).
 static void int4_bound(double *bnd, const float *qr, const float *vr, const float *ks,
-                       const float *vs, int64_t lo, int64_t hi, int64_t D) {
+                       const float *vs, float xs, const float *kq, int64_t lo, int64_t hi,
+                       int64_t D) {
     const int64_t ng = (D + 31) / 32;
     double emax = 0.0;
     for (int64_t j = lo; j <= hi; j++) {
         double ej = 0.0;
         for (int64_t e = 0; e < D; e++)
-            ej += ks[j * ng + e / 32] / 2.0 * fabs((double)qr[e]) / sqrt((double)D);
+            ej += ks[j * ng + e / 32] / 2.0 * fabs((double)qr[e]) / sqrt((double)D) +
+                  xs / 2.0 * fabs((double)kq[j * D + e]);
         emax = fmax(emax, ej);
     }
     for (int64_t e = 0; e < D; e++) {
@@ -1200,8 +1204,8 @@ static void int4_bound(double *bnd, const float *qr, const float *vr, const floa
 // Decode over a long cache, against a float64 oracle: B 2 sequences of
 // different lengths (9000 keys: two or more split-KV chunks for every
 // storage type, whose chunks hold 512 to 8192 keys; many row blocks), GQA groups
-// G = H / Hkv of 1, 3 and 4, head dims 64 and 40 (not a multiple of 16 or
-// 32), 1 and 5 queries per sequence (the causal band moves within a
+// G = H / Hkv of 1, 3 and 4, head dims 64, 128 and 40 (not a multiple of 16
+// or 32), 1 and 5 queries per sequence (the causal band moves within a
 // block), no window and left windows of 300 and 2 (5 queries' bands
 // apart), every storage type. K and V are k / 64
 // with integer |k| <= 127 (each row's max 127): exact in bf16, f16 and
@@ -1211,12 +1215,14 @@ static void int4_bound(double *bnd, const float *qr, const float *vr, const floa
 // over the inputs, within mha.h's documented bound computed from the data
 // (int4_bound). int8 decode rounds its query (mha.h): checked against the
 // oracle over that query, within the same tolerance, and against the one
-// over the float32 query within mha.h's bound from the data (int8_bound).
-// And the same bits with 1, 2 and 8 threads.
+// over the float32 query within mha.h's bound from the data (int8_bound);
+// so does int4 decode at head dim 128 (its oracle over the stored values
+// takes the rounded query, its bound the query's term). And the same bits
+// with 1, 2 and 8 threads.
 static void test_decode_groups(void) {
     enum { B = 2, CAP = 9100, TMAX = 5 };
     const int64_t lens[B] = {9000, 517};
-    const int64_t cfgs[][3] = {{4, 4, 64}, {12, 4, 40}, {8, 2, 64}};  // H, Hkv, D
+    const int64_t cfgs[][3] = {{4, 4, 64}, {12, 4, 40}, {8, 2, 64}, {8, 2, 128}};  // H, Hkv, D
     for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++)
         for (int dt = MHA_KV_F32; dt <= MHA_KV_INT4; dt++)
             for (int T = 1; T <= TMAX; T += 4)
@@ -1276,7 +1282,7 @@ static void test_decode_groups(void) {
                     omp_set_num_threads(2);
 #endif
                     double err = 0.0, mx = 0.0, over = 0.0, ratio = 0.0;
-                    double *sc = malloc(sizeof(double) * CAP), y[64], yq[64], bnd[64];
+                    double *sc = malloc(sizeof(double) * CAP), y[128], yq[128], bnd[128];
                     for (int64_t b = 0; b < B; b++)
                         for (int64_t h = 0; h < H; h++)
                             for (int64_t t = 0; t < T; t++) {
@@ -1287,7 +1293,7 @@ static void test_decode_groups(void) {
                                 oracle_row(y, qr, k + r0 * (size_t)D, v + r0 * (size_t)D, lo,
                                            pos, D, sc);
                                 if (dt == MHA_KV_INT8) {  // (K, V exact: the query's rounding)
-                                    double xd[64];
+                                    double xd[128];
                                     float xs;
                                     int8_query(xd, &xs, qr, D);
                                     oracle_row_x(yq, xd, k + r0 * (size_t)D,
@@ -1295,12 +1301,19 @@ static void test_decode_groups(void) {
                                     int8_bound(bnd, xs, k + r0 * (size_t)D, v + r0 * (size_t)D,
                                                lo, pos, D);
                                 }
-                                if (kq) {
-                                    oracle_row(yq, qr, kq + r0 * (size_t)D,
-                                               vq + r0 * (size_t)D, lo, pos, D, sc);
+                                if (kq) {  // (D a multiple of 128: the query rounded too)
+                                    double xd[128];
+                                    float xs = 0.0f;
+                                    if (D % 128 == 0) {
+                                        int8_query(xd, &xs, qr, D);
+                                        oracle_row_x(yq, xd, kq + r0 * (size_t)D,
+                                                     vq + r0 * (size_t)D, lo, pos, D, sc);
+                                    } else
+                                        oracle_row(yq, qr, kq + r0 * (size_t)D,
+                                                   vq + r0 * (size_t)D, lo, pos, D, sc);
                                     int4_bound(bnd, qr, v + r0 * (size_t)D,
-                                               ks + r0 * (size_t)ng, vs + r0 * (size_t)ng, lo,
-                                               pos, D);
+                                               ks + r0 * (size_t)ng, vs + r0 * (size_t)ng, xs,
+                                               kq + r0 * (size_t)D, lo, pos, D);
                                 }
                                 for (int64_t e = 0; e < D; e++) {
                                     const double g = o[0][((b * H + h) * T + t) * D + e];

@@ -895,6 +895,61 @@ static void test_rows_i8(const mha__kernels *k, const mha__kernels *g) {
         }
 }
 
+// dot_rows_i4: the generic version's bits on every table and those equal
+// to the contract's formula evaluated here: every nibble (-8 included),
+// head dims 128, 256 and 384 (one to three 128-element slabs), ng 1..20
+// (the 4-query blocks, remainders, and more than a pass's 16), n 70 and 3
+// (the 4-row groups and their tail), scales spaced one row's groups and
+// more apart; outputs outside [0, n) of each query's row untouched.
+static void test_rows_i4(const mha__kernels *k, const mha__kernels *g) {
+    enum { N = 70, RB = 200, G = 20, LDX = 400, LDS = 80, SLD = 13 };
+    static uint8_t A[N * RB];
+    static int8_t Xq[G * LDX];
+    static float sc[N * SLD], xs[2 * G], s1[G * LDS], s2[G * LDS];
+    for (int i = 0; i < N * RB; i++) A[i] = (uint8_t)(next() & 255);
+    for (int i = 0; i < G * LDX; i++) Xq[i] = (int8_t)((int)(next() % 255) - 127);
+    for (int i = 0; i < N * SLD; i++) sc[i] = 0.001f * (float)(i % 43 + 1);
+    for (int i = 0; i < 2 * G; i++) xs[i] = 0.0173f * (float)(i + 1);
+    for (int64_t D = 128; D <= 384; D += 128)
+        for (int64_t sl = D / 32; sl <= SLD; sl += SLD - D / 32)
+            for (int64_t ng = 1; ng <= G; ng += (ng < 5 ? 1 : ng < 17 ? 12 : 3))
+                for (int64_t n = 3; n <= N; n += N - 3) {
+                    for (int i = 0; i < G * LDS; i++) s1[i] = s2[i] = -7.0f;
+                    k->dot_rows_i4(s1, LDS, A, RB, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
+                    g->dot_rows_i4(s2, LDS, A, RB, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
+                    int bad = 0, badf = 0, pad = 0;
+                    for (int64_t q = 0; q < G; q++)
+                        for (int64_t j = 0; j < LDS; j++) {
+                            const float v = s1[q * LDS + j];
+                            if (q >= ng || j >= n) {
+                                pad += v != -7.0f;
+                                continue;
+                            }
+                            bad += memcmp(&v, &s2[q * LDS + j], sizeof v) != 0;
+                            float u = 0.0f;
+                            for (int64_t b = 0; 32 * b < D; b++) {
+                                int32_t t = 0;
+                                for (int64_t c = 32 * b; c < 32 * b + 32; c++) {
+                                    const int nb = c % 2 ? A[j * RB + c / 2] >> 4
+                                                         : A[j * RB + c / 2] & 15;
+                                    const int64_t e = c % 128,
+                                                  xi = c - e + (e % 2 ? 64 : 0) + e / 2;
+                                    t += (nb < 8 ? nb : nb - 16) * Xq[q * LDX + xi];
+                                }
+                                const float p = sc[j * sl + b] * (float)t;
+                                u = u + p;
+                            }
+                            const float want = xs[2 * q] * u;
+                            badf += memcmp(&v, &want, sizeof v) != 0;
+                        }
+                    CHECKF(bad == 0 && badf == 0 && pad == 0,
+                           "%s dot_rows_i4 D %lld sld %lld ng %lld n %lld: %d differ from the "
+                           "generic bits, %d from the formula, %d outside written",
+                           k->isa, (long long)D, (long long)sl, (long long)ng, (long long)n,
+                           bad, badf, pad);
+                }
+}
+
 // dot_rows_qg / axpy_rows_qg: the same bits as ng calls of the table's
 // dot_rows_q / axpy_rows_q, query by query, and those the bits of the same
 // rows in two calls split anywhere (ng 1..9: the 4-query blocks
@@ -1647,6 +1702,7 @@ int main(void) {
         test_cvt(k, g);
         test_rows_q(k, g);
         test_rows_i8(k, g);
+        test_rows_i4(k, g);
         test_rows_qg(k);
         test_rows_qg_many(k);
         test_rows_in_rows(k);
@@ -1661,6 +1717,7 @@ int main(void) {
     test_gemm(g, g);  // the generic kernels against themselves: the harness
     test_rows_qg(g);
     test_rows_i8(g, g);
+    test_rows_i4(g, g);
     test_rows_in_rows(g);
     test_int4_store();
     test_gemm_tn(g);

@@ -1579,6 +1579,9 @@ static void suite(void) {
     test_int4_bytes();
     test_shared_decode(40, 600, MHA_KV_F32, MHA_KV_INT4);
     test_shared_decode(128, 514, MHA_KV_F32, MHA_KV_F32);
+    // (int8 and int4 at head dim 128: their queries rounded to int8, the
+    // rows' scales in the blocks)
+    test_shared_decode(128, 514, MHA_KV_INT8, MHA_KV_INT4);
     printf("random schedules: %lld prompts added, %lld of their tokens found in the cache, "
            "%lld whose last row was held\n",
            (long long)prompts, (long long)reused, (long long)held);

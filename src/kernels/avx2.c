@@ -1079,6 +1079,98 @@ void mha__dot_rows_i8_avx2(float *s, int64_t lds, const int8_t *A, int64_t lda,
         }
 }
 
+// dot_rows_i4 (kernels.h) with AVX2 (also the avx512 table's): per 128
+// elements a row's 64 bytes split into biased nibbles (n ^ 8 = q + 8,
+// 0..15) against the query's even and odd elements (vpmaddubsw: pairs of
+// at most 15 * 127, no saturation; then vpmaddwd by 1: int32), the four
+// groups' sums by horizontal adds, less 8 sum_{c in group} x_c; then the
+// generic's float arithmetic, row by row.
+#define I4_QB 16
+// The four groups' biased sums of one row's 64 bytes a against query x's
+// 128 split elements: [g0, g1, g2, g3].
+static inline __m128i i4q_groups(const uint8_t *a, const int8_t *x) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x88),
+                  one = _mm256_set1_epi16(1);
+    __m256i p[2];
+    for (int h = 0; h < 2; h++) {
+        const __m256i b = _mm256_xor_si256(
+            _mm256_loadu_si256((const __m256i *)(const void *)(a + 32 * h)), flip);
+        const __m256i lo = _mm256_and_si256(b, m4),
+                      hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(const void *)(x + 32 * h)),
+                      xo = _mm256_loadu_si256((const __m256i *)(const void *)(x + 64 + 32 * h));
+        p[h] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xe), one),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xo), one));
+    }
+    // (lane 0: groups 0 and 2, lane 1: 1 and 3)
+    const __m256i h1 = _mm256_hadd_epi32(p[0], p[1]), h2 = _mm256_hadd_epi32(h1, h1);
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(h2), _mm256_extracti128_si256(h2, 1));
+}
+
+void mha__dot_rows_i4_avx2(float *s, int64_t lds, const uint8_t *A, int64_t rb,
+                           const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                           const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                           const void *pf, size_t pfb) {
+    const int64_t nsl = D / 128;
+    int32_t bias[I4_QB * 4 * (MHA__I8_DMAX / 128)];
+    pf_spread pfs = pf_begin(pf, pfb, n / 4);
+    for (int64_t g0 = 0; g0 < ng; g0 += I4_QB) {
+        const int64_t gn = ng - g0 < I4_QB ? ng - g0 : I4_QB;
+        for (int64_t q = 0; q < gn; q++)
+            for (int64_t sl = 0; sl < nsl; sl++)
+                for (int b = 0; b < 4; b++) {
+                    const int8_t *x = Xq + (g0 + q) * ldx + 128 * sl + 16 * b;
+                    int32_t t = 0;
+                    for (int i = 0; i < 16; i++) t += x[i] + x[64 + i];
+                    bias[(q * nsl + sl) * 4 + b] = 8 * t;
+                }
+        int64_t j = 0;
+        // four rows at once: their groups' products transposed to (group,
+        // row), summed over the groups in order by vertical adds
+        for (; j + 4 <= n; j += 4) {
+            if (g0 == 0) prefetch_ahead(A, (size_t)rb, j, 4, n), pf_step(&pfs);
+            for (int64_t q = 0; q < gn; q++) {
+                __m128 u = _mm_setzero_ps();
+                for (int64_t sl = 0; sl < nsl; sl++) {
+                    const __m128i bv = _mm_loadu_si128(
+                        (const __m128i *)(const void *)(bias + (q * nsl + sl) * 4));
+                    __m128 f[4];
+                    for (int r = 0; r < 4; r++)
+                        f[r] = _mm_mul_ps(_mm_loadu_ps(scales + (j + r) * sld + 4 * sl),
+                                          _mm_cvtepi32_ps(_mm_sub_epi32(
+                                              i4q_groups(A + (j + r) * rb + 64 * sl,
+                                                         Xq + (g0 + q) * ldx + 128 * sl),
+                                              bv)));
+                    _MM_TRANSPOSE4_PS(f[0], f[1], f[2], f[3]);
+                    u = _mm_add_ps(u, f[0]);
+                    u = _mm_add_ps(u, f[1]);
+                    u = _mm_add_ps(u, f[2]);
+                    u = _mm_add_ps(u, f[3]);
+                }
+                _mm_storeu_ps(s + (g0 + q) * lds + j,
+                              _mm_mul_ps(_mm_set1_ps(xs[(g0 + q) * ldxs]), u));
+            }
+        }
+        for (; j < n; j++)
+            for (int64_t q = 0; q < gn; q++) {
+                float u = 0.0f;
+                for (int64_t sl = 0; sl < nsl; sl++) {
+                    int32_t t[4];
+                    _mm_storeu_si128((__m128i *)(void *)t,
+                                     i4q_groups(A + j * rb + 64 * sl,
+                                                Xq + (g0 + q) * ldx + 128 * sl));
+                    for (int b = 0; b < 4; b++) {
+                        const float p = scales[j * sld + 4 * sl + b] *
+                                        (float)(t[b] - bias[(q * nsl + sl) * 4 + b]);
+                        u = u + p;
+                    }
+                }
+                s[(g0 + q) * lds + j] = xs[(g0 + q) * ldxs] * u;
+            }
+    }
+    pf_rest(&pfs);
+}
+
 void mha__kernels_fill_avx2(mha__kernels *k) {
     k->isa = "avx2";
     k->bf_fast = false;  // bf16 rows are converted and computed in float32
@@ -1097,6 +1189,7 @@ void mha__kernels_fill_avx2(mha__kernels *k) {
     k->axpy_rows_q = axpy_rows_q;
     k->axpy_rows_qg = axpy_rows_qg;
     k->dot_rows_i8 = mha__dot_rows_i8_avx2;
+    k->dot_rows_i4 = mha__dot_rows_i4_avx2;
     k->pk_nr = PNR;
     k->pk_mr = PMR;
     k->pk_kc = PKC;

@@ -1302,6 +1302,7 @@ void mha__kernels_fill_avx512(mha__kernels *k) {
     k->dot_rows_qg = dot_rows_qg;
     k->axpy_rows_qg = axpy_rows_qg;
     k->dot_rows_i8 = mha__dot_rows_i8_avx2;
+    k->dot_rows_i4 = mha__dot_rows_i4_avx2;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;
     k->exp_scale_rows = exp_scale_rows;

@@ -352,6 +352,131 @@ static void dot_rows_i8(float *s, int64_t lds, const int8_t *A, int64_t lda,
     }
 }
 
+// dot_rows_i4 (kernels.h) with vpdpbusd: a row's 64 bytes per 128
+// elements split into their low and high nibbles, biased (n ^ 8 = q + 8,
+// unsigned 0..15), against the query's even and odd elements; each group
+// of 32 is one 128-bit lane of the products' int32 lanes, so four rows'
+// sums (reduce4 within the lanes) give a vector of (group, row) sums, less
+// the bias 8 sum_{c in group} x_c; then the scales (transposed to the same
+// lanes) and the sum over the groups in order, four rows at once. Tail
+// rows through the generic's arithmetic (the same bits).
+#define I4_QB 16  // queries a pass (their biases on the stack)
+static inline __m512i reduce_lanes4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1),
+                                         _mm512_unpackhi_epi32(a0, a1)),
+                  t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3),
+                                         _mm512_unpackhi_epi32(a2, a3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+}
+
+static inline __attribute__((always_inline)) void i4q_block(
+    float *s, int64_t lds, const uint8_t *A, int64_t rb, const float *scales, int64_t sld,
+    const int8_t *Xq, int64_t ldx, const float *xs, int64_t ldxs, const int32_t *bias,
+    int64_t nsl, int nq, int64_t j, int64_t D) {
+    __m128 u[4];
+    for (int q = 0; q < nq; q++) u[q] = _mm_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x88);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t sl = 0; 128 * sl < D; sl++) {
+        __m512i lo[4], hi[4];
+        for (int r = 0; r < 4; r++) {
+            const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(A + (j + r) * rb + 64 * sl),
+                                               flip);
+            lo[r] = _mm512_and_si512(b, m4);
+            hi[r] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+        }
+        // the scales of (row r, group g) in lane 4 g + r
+        __m128 c0 = _mm_loadu_ps(scales + j * sld + 4 * sl),
+               c1 = _mm_loadu_ps(scales + (j + 1) * sld + 4 * sl),
+               c2 = _mm_loadu_ps(scales + (j + 2) * sld + 4 * sl),
+               c3 = _mm_loadu_ps(scales + (j + 3) * sld + 4 * sl);
+        _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+        const __m512 sc = _mm512_insertf32x4(
+            _mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(c0), c1, 1), c2, 2),
+            c3, 3);
+        for (int q = 0; q < nq; q++) {
+            const __m512i xe = _mm512_loadu_si512(Xq + q * ldx + 128 * sl),
+                          xo = _mm512_loadu_si512(Xq + q * ldx + 128 * sl + 64);
+            __m512i a[4];
+            for (int r = 0; r < 4; r++)
+                a[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r],
+                                                               xe),
+                                           hi[r], xo);
+            const __m512i bv = _mm512_permutexvar_epi32(
+                spread, _mm512_castsi128_si512(_mm_loadu_si128(
+                            (const __m128i *)(const void *)(bias + (q * nsl + sl) * 4))));
+            const __m512i t = _mm512_sub_epi32(reduce_lanes4(a[0], a[1], a[2], a[3]), bv);
+            const __m512 f = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(t));
+            u[q] = _mm_add_ps(u[q], _mm512_castps512_ps128(f));
+            u[q] = _mm_add_ps(u[q], _mm512_extractf32x4_ps(f, 1));
+            u[q] = _mm_add_ps(u[q], _mm512_extractf32x4_ps(f, 2));
+            u[q] = _mm_add_ps(u[q], _mm512_extractf32x4_ps(f, 3));
+        }
+    }
+    for (int q = 0; q < nq; q++)
+        _mm_storeu_ps(s + q * lds + j, _mm_mul_ps(_mm_set1_ps(xs[q * ldxs]), u[q]));
+}
+
+// One row by the generic's arithmetic (the tail rows).
+static float i4q_row(const uint8_t *a, const float *sc, const int8_t *x, int64_t D, float xs) {
+    float u = 0.0f;
+    for (int64_t b = 0; 32 * b < D; b++) {
+        int32_t t = 0;
+        for (int64_t c = 32 * b; c < 32 * b + 32; c++) {
+            const int nib = c % 2 ? a[c / 2] >> 4 : a[c / 2] & 15;
+            const int64_t e = c % 128;
+            t += (nib < 8 ? nib : nib - 16) * (int32_t)x[c - e + (e % 2) * 64 + e / 2];
+        }
+        const float p = sc[b] * (float)t;
+        u = u + p;
+    }
+    return xs * u;
+}
+
+static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t rb,
+                        const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                        const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                        const void *pf, size_t pfb) {
+    const int64_t nsl = D / 128;
+    int32_t bias[I4_QB * 4 * (MHA__I8_DMAX / 128)];
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t g0 = 0; g0 < ng; g0 += I4_QB) {
+        const int64_t gn = ng - g0 < I4_QB ? ng - g0 : I4_QB;
+        for (int64_t q = 0; q < gn; q++)  // 8 sum_{c in group} x_c, per slab and group
+            for (int64_t sl = 0; sl < nsl; sl++) {
+                const int8_t *x = Xq + (g0 + q) * ldx + 128 * sl;
+                const __m512i t = _mm512_dpbusd_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(x)),
+                    ones, _mm512_loadu_si512(x + 64));
+                const __m512i z = _mm512_setzero_si512();
+                const __m512i r = reduce_lanes4(t, z, z, z);  // lane 4 g: group g's sum
+                int32_t v[16];
+                _mm512_storeu_si512(v, r);
+                for (int b = 0; b < 4; b++) bias[(q * nsl + sl) * 4 + b] = 8 * v[4 * b];
+            }
+        pf_spread pfs = pf_begin(g0 == 0 ? pf : NULL, pfb, n / 4);
+        int64_t j = 0;
+#define I4Q(NQ)                                                                      \
+    i4q_block(s + (g0 + g) * lds, lds, A, rb, scales, sld, Xq + (g0 + g) * ldx, ldx, \
+              xs + (g0 + g) * ldxs, ldxs, bias + g * nsl * 4, nsl, NQ, j, D)
+        for (; j + 4 <= n; j += 4) {
+            prefetch_ahead(A, (size_t)rb, j, 4, n);
+            pf_step(&pfs);
+            int64_t g = 0;
+            for (; g + 4 <= gn; g += 4) I4Q(4);
+            if (gn - g == 3) I4Q(3);
+            if (gn - g == 2) I4Q(2);
+            if (gn - g == 1) I4Q(1);
+        }
+#undef I4Q
+        pf_rest(&pfs);
+        for (; j < n; j++)
+            for (int64_t g = g0; g < g0 + gn; g++)
+                s[g * lds + j] = i4q_row(A + j * rb, scales + j * sld, Xq + g * ldx, D,
+                                         xs[g * ldxs]);
+    }
+}
+
 void mha__kernels_fill_avx512bf16(mha__kernels *k) {
     // bf_fast stays false here: the avx512 table (Intel's cores issue one
     // vdpbf16ps, 32 products, per cycle against two float32 FMAs, also 32);
@@ -362,4 +487,5 @@ void mha__kernels_fill_avx512bf16(mha__kernels *k) {
     k->pack_bf16 = pack_bf16;
     k->softmax_rows_bf16 = softmax_rows_bf16;
     k->dot_rows_i8 = dot_rows_i8;
+    k->dot_rows_i4 = dot_rows_i4;
 }

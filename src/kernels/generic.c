@@ -172,6 +172,36 @@ static void dot_rows_i8(float *s, int64_t lds, const int8_t *A, int64_t lda,
     }
 }
 
+// dot_rows_i4 (kernels.h): element c of query x in its split layout.
+static inline int32_t i4_x(const int8_t *x, int64_t c) {
+    const int64_t e = c % 128;
+    return x[c - e + (e % 2) * 64 + e / 2];
+}
+
+static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t rb,
+                        const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                        const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                        const void *pf, size_t pfb) {
+    prefetch_next(pf, pfb);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *a = A + j * rb;
+        for (int64_t g = 0; g < ng; g++) {
+            const int8_t *x = Xq + g * ldx;
+            float u = 0.0f;
+            for (int64_t b = 0; 32 * b < D; b++) {
+                int32_t t = 0;
+                for (int64_t c = 32 * b; c < 32 * b + 32; c++) {
+                    const int nib = c % 2 ? a[c / 2] >> 4 : a[c / 2] & 15;
+                    t += (nib < 8 ? nib : nib - 16) * i4_x(x, c);
+                }
+                const float p = scales[j * sld + b] * (float)t;
+                u = u + p;
+            }
+            s[g * lds + j] = xs[g * ldxs] * u;
+        }
+    }
+}
+
 // The group versions: query by query (the rows read once per query).
 static void dot_rows_qg(float *s, int64_t lds, const void *A, int64_t lda, int kind,
                         const float *scales, int64_t sld, const float *X, int64_t ldx,
@@ -469,6 +499,7 @@ void mha__kernels_fill_generic(mha__kernels *k) {
     k->axpy_rows_q = mha__axpy_rows_q_generic;
     k->dot_rows_qg = dot_rows_qg;
     k->dot_rows_i8 = dot_rows_i8;
+    k->dot_rows_i4 = dot_rows_i4;
     k->axpy_rows_qg = axpy_rows_qg;
     k->scale_row = scale_row;
     k->exp_shift = exp_shift;

@@ -133,6 +133,21 @@ typedef struct mha__kernels {
                         const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
                         const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
                         const void *pf, size_t pfb);
+    // dot_rows_i4: the scores of int4 rows (kind 4's layout: row j at byte
+    // j * rb, element 2i in the low nibble of byte i, 2i + 1 in the high
+    // one, q its 4-bit two's complement; its group b's scale scales[j*sld
+    // + b], groups of 32) against int8-quantised queries (as dot_rows_i8's,
+    // split: per 128 elements the even ones' 64 bytes, then the odd ones'):
+    // for g < ng, j < n,
+    //   t_b = sum_{c in group b} q_jc x_gc           (exact)
+    //   u = 0; u = fl(u + fl(scales[j*sld + b] * fl(t_b))) for b in order
+    //   s[g*lds + j] = fl(xs[g*ldxs] * u)
+    // D a multiple of 128. The same bits on every table. Prefetching as
+    // dot_rows_q's.
+    void (*dot_rows_i4)(float *s, int64_t lds, const uint8_t *A, int64_t rb,
+                        const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                        const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                        const void *pf, size_t pfb);
     // scale_row: y (n) *= a
     void (*scale_row)(float *y, int64_t n, float a);
     // transpose: dst[c*ldd + r] = src[r*lds + c] for r < rows, c < cols
@@ -328,6 +343,10 @@ void mha__kernels_fill_generic(mha__kernels *k);
 void mha__kernels_fill_avx2(mha__kernels *k);
 // avx2.c's dot_rows_i8, also the avx512 table's
 void mha__dot_rows_i8_avx2(float *s, int64_t lds, const int8_t *A, int64_t lda,
+                           const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
+                           const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
+                           const void *pf, size_t pfb);
+void mha__dot_rows_i4_avx2(float *s, int64_t lds, const uint8_t *A, int64_t rb,
                            const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
                            const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
                            const void *pf, size_t pfb);
