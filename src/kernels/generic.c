@@ -172,12 +172,9 @@ static void dot_rows_i8(float *s, int64_t lds, const int8_t *A, int64_t lda,
     }
 }
 
-// dot_rows_i4 (kernels.h): element c of query x in its split layout.
-static inline int32_t i4_x(const int8_t *x, int64_t c) {
-    const int64_t e = c % 128;
-    return x[c - e + (e % 2) * 64 + e / 2];
-}
-
+// dot_rows_i4 (kernels.h): group b is bytes 16 b .. 16 b + 15 of the row;
+// byte i's low nibble is element 2i (the query's even elements, from its
+// 128-element slab's start), its high one 2i + 1 (the odd ones, 64 on).
 static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t rb,
                         const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
                         const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
@@ -189,11 +186,11 @@ static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t rb,
             const int8_t *x = Xq + g * ldx;
             float u = 0.0f;
             for (int64_t b = 0; 32 * b < D; b++) {
+                const uint8_t *ab = a + 16 * b;
+                const int8_t *xe = x + (b / 4) * 128 + 16 * (b % 4), *xo = xe + 64;
                 int32_t t = 0;
-                for (int64_t c = 32 * b; c < 32 * b + 32; c++) {
-                    const int nib = c % 2 ? a[c / 2] >> 4 : a[c / 2] & 15;
-                    t += (nib < 8 ? nib : nib - 16) * i4_x(x, c);
-                }
+                for (int k = 0; k < 16; k++)
+                    t += (((ab[k] & 15) ^ 8) - 8) * xe[k] + (((ab[k] >> 4) ^ 8) - 8) * xo[k];
                 const float p = scales[j * sld + b] * (float)t;
                 u = u + p;
             }
