@@ -843,6 +843,24 @@ static void look_ahead(const dec_chunk *dc, int64_t r0, int64_t r, int64_t p1, i
     ah->pf = NULL, ah->pfb = 0;
 }
 
+// The integer scores (dc->xi: int8 rows, or int4 ones of a head dim a
+// multiple of 128) of the n rows at k (scales ks) into s, for the ng
+// queries whose rows of dc->qf floats start at the scores row sr.
+static void int_scores(const dec_chunk *dc, float *s, const float *sr, int64_t ng, int64_t n,
+                       const char *k, const float *ks, const void *pf, size_t pfb) {
+    const mha__kv_rows *c = dc->c;
+    const int64_t qf = (int64_t)dc->qf;
+    const float *x = sr + dc->ch + dc->xi;
+    const int8_t *xq = (const int8_t *)(const void *)x;
+    const float *xs = x + dc->ldxi / 4;
+    if (dc->kind == MHA_KV_INT4)
+        dc->kt->dot_rows_i4(s, qf, (const uint8_t *)k, c->lk.lda / 2, ks, c->lk.sld, xq,
+                            4 * qf, xs, qf, ng, n, c->D, pf, pfb);
+    else
+        dc->kt->dot_rows_i8(s, qf, (const int8_t *)k, c->lk.lda, ks, c->lk.sld, xq, 4 * qf, xs,
+                            qf, ng, n, c->D, pf, pfb);
+}
+
 // The n rows from row r at k (K, with their scales ks) or vr (V, vs) for
 // query v alone, in one kernel call: its scores (isk), else O += P V.
 static void rows_alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t n, const char *k,
@@ -850,14 +868,7 @@ static void rows_alone(const dec_chunk *dc, int64_t v, int64_t r, int64_t n, con
                        const void *pf, size_t pfb) {
     const mha__kv_rows *c = dc->c;
     float *s = dc->sc + (size_t)v * dc->qf, *x = s + dc->ch, *o = x + c->D;
-    if (isk && dc->xi && dc->kind == MHA_KV_INT4)
-        dc->kt->dot_rows_i4(s + (r - dc->j0), 0, (const uint8_t *)k, c->lk.lda / 2, ks,
-                            c->lk.sld, (const int8_t *)(x + dc->xi), dc->ldxi,
-                            x + dc->xi + dc->ldxi / 4, 0, 1, n, c->D, pf, pfb);
-    else if (isk && dc->xi)
-        dc->kt->dot_rows_i8(s + (r - dc->j0), 0, (const int8_t *)k, c->lk.lda, ks, c->lk.sld,
-                            (const int8_t *)(x + dc->xi), dc->ldxi, x + dc->xi + dc->ldxi / 4,
-                            0, 1, n, c->D, pf, pfb);
+    if (isk && dc->xi) int_scores(dc, s + (r - dc->j0), s, 1, n, k, ks, pf, pfb);
     else if (isk)
         dc->kt->dot_rows_q(s + (r - dc->j0), k, c->lk.lda, dc->kind, ks, c->lk.sld, x, n, c->D,
                            pf, pfb);
@@ -893,15 +904,7 @@ static void shared_rows(const dec_chunk *dc, int64_t nv, int64_t r, int64_t r1, 
         size_t pfb;
         p1 = piece(dc, r, r1, &k, &vr, &ks, &vs);
         look_ahead(dc, r0, r, p1, r1, isk, ah, &pf, &pfb);
-        float *x = sc + dc->ch;
-        if (isk && dc->xi && dc->kind == MHA_KV_INT4)
-            dc->kt->dot_rows_i4(sc + (r - dc->j0), qf, (const uint8_t *)k, dc->c->lk.lda / 2,
-                                ks, dc->c->lk.sld, (const int8_t *)(x + dc->xi), 4 * qf,
-                                x + dc->xi + dc->ldxi / 4, qf, nv, p1 - r, D, pf, pfb);
-        else if (isk && dc->xi)
-            dc->kt->dot_rows_i8(sc + (r - dc->j0), qf, (const int8_t *)k, dc->c->lk.lda, ks,
-                                dc->c->lk.sld, (const int8_t *)(x + dc->xi), 4 * qf,
-                                x + dc->xi + dc->ldxi / 4, qf, nv, p1 - r, D, pf, pfb);
+        if (isk && dc->xi) int_scores(dc, sc + (r - dc->j0), sc, nv, p1 - r, k, ks, pf, pfb);
         else if (isk)
             dc->kt->dot_rows_qg(sc + (r - dc->j0), qf, k, dc->c->lk.lda, dc->kind, ks,
                                 dc->c->lk.sld, sc + dc->ch, qf, nv, p1 - r, D, pf, pfb);

@@ -1106,15 +1106,16 @@ static void int4_row(float *xq, float *sc, const float *x, int64_t n) {
     }
 }
 
-// The float64 attention of query qr (D) over keys [lo, hi] of one head's
-// rows kr, vr (D each): y (D); sc: scratch for the scores.
-static void oracle_row(double *y, const float *qr, const float *kr, const float *vr,
-                       int64_t lo, int64_t hi, int64_t D, double *sc) {
+// The float64 attention of the query xd (D) over keys [lo, hi] of one
+// head's rows kr, vr (D each), the scores divided by div: y (D); sc:
+// scratch for the scores.
+static void oracle_row_x(double *y, const double *xd, const float *kr, const float *vr,
+                         int64_t lo, int64_t hi, int64_t D, double div, double *sc) {
     double m = -INFINITY, l = 0.0;
     for (int64_t j = lo; j <= hi; j++) {
         double dot = 0.0;
-        for (int64_t e = 0; e < D; e++) dot += (double)qr[e] * kr[j * D + e];
-        sc[j] = dot / sqrt((double)D);
+        for (int64_t e = 0; e < D; e++) dot += xd[e] * kr[j * D + e];
+        sc[j] = dot / div;
         m = sc[j] > m ? sc[j] : m;
     }
     for (int64_t j = lo; j <= hi; j++) l += (sc[j] = exp(sc[j] - m));
@@ -1125,23 +1126,12 @@ static void oracle_row(double *y, const float *qr, const float *kr, const float 
     }
 }
 
-// The float64 attention of the scaled query xd (D) over keys [lo, hi]: y
-// (D), as oracle_row with the query already scaled.
-static void oracle_row_x(double *y, const double *xd, const float *kr, const float *vr,
-                         int64_t lo, int64_t hi, int64_t D, double *sc) {
-    double m = -INFINITY, l = 0.0;
-    for (int64_t j = lo; j <= hi; j++) {
-        double dot = 0.0;
-        for (int64_t e = 0; e < D; e++) dot += xd[e] * kr[j * D + e];
-        sc[j] = dot;
-        m = sc[j] > m ? sc[j] : m;
-    }
-    for (int64_t j = lo; j <= hi; j++) l += (sc[j] = exp(sc[j] - m));
-    for (int64_t e = 0; e < D; e++) {
-        y[e] = 0.0;
-        for (int64_t j = lo; j <= hi; j++) y[e] += sc[j] * vr[j * D + e];
-        y[e] /= l;
-    }
+// The same for query qr (D <= 128), scaled by 1 / sqrt(D).
+static void oracle_row(double *y, const float *qr, const float *kr, const float *vr,
+                       int64_t lo, int64_t hi, int64_t D, double *sc) {
+    double xd[128];
+    for (int64_t e = 0; e < D; e++) xd[e] = qr[e];
+    oracle_row_x(y, xd, kr, vr, lo, hi, D, sqrt((double)D), sc);
 }
 
 // mha.h's int8 decode query: x = fl(q / sqrt(D)) as the cache scales it,
@@ -1300,7 +1290,7 @@ static void test_decode_groups(void) {
                                     float xs;
                                     int8_query(xd, &xs, qr, D);
                                     oracle_row_x(yq, xd, k + r0 * (size_t)D,
-                                                 v + r0 * (size_t)D, lo, pos, D, sc);
+                                                 v + r0 * (size_t)D, lo, pos, D, 1.0, sc);
                                     int8_bound(bnd, xs, k + r0 * (size_t)D, v + r0 * (size_t)D,
                                                lo, pos, D);
                                 }
@@ -1310,7 +1300,7 @@ static void test_decode_groups(void) {
                                     if (D % 128 == 0) {
                                         int8_query(xd, &xs, qr, D);
                                         oracle_row_x(yq, xd, kq + r0 * (size_t)D,
-                                                     vq + r0 * (size_t)D, lo, pos, D, sc);
+                                                     vq + r0 * (size_t)D, lo, pos, D, 1.0, sc);
                                     } else
                                         oracle_row(yq, qr, kq + r0 * (size_t)D,
                                                    vq + r0 * (size_t)D, lo, pos, D, sc);

@@ -842,6 +842,30 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
         }
 }
 
+// The integer score kernels' check: s1 (the table's) against s2 (the
+// generic's) and want (the formula's), bit for bit, for queries q < ng and
+// rows j < n of G rows of lds; the rest of s1 still its fill, -7.
+static void int_rows_match(const char *what, const char *isa, const float *s1, const float *s2,
+                           const float *want, int64_t G, int64_t lds, int64_t ng, int64_t n,
+                           int64_t D, int64_t sld) {
+    int bad = 0, badf = 0, pad = 0;
+    for (int64_t q = 0; q < G; q++)
+        for (int64_t j = 0; j < lds; j++) {
+            const float v = s1[q * lds + j];
+            if (q >= ng || j >= n) {
+                pad += v != -7.0f;
+                continue;
+            }
+            bad += memcmp(&v, &s2[q * lds + j], sizeof v) != 0;
+            badf += memcmp(&v, &want[q * lds + j], sizeof v) != 0;
+        }
+    CHECKF(bad == 0 && badf == 0 && pad == 0,
+           "%s %s D %lld sld %lld ng %lld n %lld: %d differ from the generic bits, %d from the "
+           "formula, %d outside written",
+           isa, what, (long long)D, (long long)sld, (long long)ng, (long long)n, bad, badf,
+           pad);
+}
+
 // dot_rows_i8: the generic version's bits on every table (exact integer
 // sums, then the same two roundings) and those equal to the contract's
 // formula evaluated here; every byte value (-128 included in the rows;
@@ -853,7 +877,7 @@ static void test_rows_q(const mha__kernels *k, const mha__kernels *g) {
 static void test_rows_i8(const mha__kernels *k, const mha__kernels *g) {
     enum { N = 70, W = 200, G = 9, LDX = 256, LDS = 80 };
     static int8_t A[N * W], Xq[G * LDX];
-    static float sc[3 * N], xs[2 * G], s1[G * LDS], s2[G * LDS];
+    static float sc[3 * N], xs[2 * G], s1[G * LDS], s2[G * LDS], want[G * LDS];
     for (int i = 0; i < N * 3; i++) sc[i] = 0.001f * (float)(i % 41 + 1);
     for (int i = 0; i < 2 * G; i++) xs[i] = 0.0137f * (float)(i + 1);
     const int64_t dims[] = {1, 15, 16, 17, 40, 63, 64, 65, 128, 130, 200};
@@ -870,27 +894,15 @@ static void test_rows_i8(const mha__kernels *k, const mha__kernels *g) {
                     for (int i = 0; i < G * LDS; i++) s1[i] = s2[i] = -7.0f;
                     k->dot_rows_i8(s1, LDS, A, W, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
                     g->dot_rows_i8(s2, LDS, A, W, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
-                    int bad = 0, badf = 0, pad = 0;
-                    for (int64_t q = 0; q < G; q++)
-                        for (int64_t j = 0; j < LDS; j++) {
-                            const float v = s1[q * LDS + j];
-                            if (q >= ng || j >= n) {
-                                pad += v != -7.0f;
-                                continue;
-                            }
-                            bad += memcmp(&v, &s2[q * LDS + j], sizeof v) != 0;
+                    for (int64_t q = 0; q < ng; q++)
+                        for (int64_t j = 0; j < n; j++) {
                             int32_t t = 0;
                             for (int64_t c = 0; c < D; c++)
                                 t += (int32_t)A[j * W + c] * Xq[q * LDX + c];
                             const float f = sc[j * sl] * xs[2 * q];
-                            const float want = f * (float)t;
-                            badf += memcmp(&v, &want, sizeof v) != 0;
+                            want[q * LDS + j] = f * (float)t;
                         }
-                    CHECKF(bad == 0 && badf == 0 && pad == 0,
-                           "%s dot_rows_i8 D %lld sld %d ng %lld n %lld: %d differ from the "
-                           "generic bits, %d from the formula, %d outside written",
-                           k->isa, (long long)D, sl, (long long)ng, (long long)n, bad, badf,
-                           pad);
+                    int_rows_match("dot_rows_i8", k->isa, s1, s2, want, G, LDS, ng, n, D, sl);
                 }
         }
 }
@@ -905,7 +917,7 @@ static void test_rows_i4(const mha__kernels *k, const mha__kernels *g) {
     enum { N = 70, RB = 200, G = 20, LDX = 400, LDS = 80, SLD = 13 };
     static uint8_t A[N * RB];
     static int8_t Xq[G * LDX];
-    static float sc[N * SLD], xs[2 * G], s1[G * LDS], s2[G * LDS];
+    static float sc[N * SLD], xs[2 * G], s1[G * LDS], s2[G * LDS], want[G * LDS];
     for (int i = 0; i < N * RB; i++) A[i] = (uint8_t)(next() & 255);
     for (int i = 0; i < G * LDX; i++) Xq[i] = (int8_t)((int)(next() % 255) - 127);
     for (int i = 0; i < N * SLD; i++) sc[i] = 0.001f * (float)(i % 43 + 1);
@@ -917,15 +929,8 @@ static void test_rows_i4(const mha__kernels *k, const mha__kernels *g) {
                     for (int i = 0; i < G * LDS; i++) s1[i] = s2[i] = -7.0f;
                     k->dot_rows_i4(s1, LDS, A, RB, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
                     g->dot_rows_i4(s2, LDS, A, RB, sc, sl, Xq, LDX, xs, 2, ng, n, D, NULL, 0);
-                    int bad = 0, badf = 0, pad = 0;
-                    for (int64_t q = 0; q < G; q++)
-                        for (int64_t j = 0; j < LDS; j++) {
-                            const float v = s1[q * LDS + j];
-                            if (q >= ng || j >= n) {
-                                pad += v != -7.0f;
-                                continue;
-                            }
-                            bad += memcmp(&v, &s2[q * LDS + j], sizeof v) != 0;
+                    for (int64_t q = 0; q < ng; q++)
+                        for (int64_t j = 0; j < n; j++) {
                             float u = 0.0f;
                             for (int64_t b = 0; 32 * b < D; b++) {
                                 int32_t t = 0;
@@ -939,14 +944,9 @@ static void test_rows_i4(const mha__kernels *k, const mha__kernels *g) {
                                 const float p = sc[j * sl + b] * (float)t;
                                 u = u + p;
                             }
-                            const float want = xs[2 * q] * u;
-                            badf += memcmp(&v, &want, sizeof v) != 0;
+                            want[q * LDS + j] = xs[2 * q] * u;
                         }
-                    CHECKF(bad == 0 && badf == 0 && pad == 0,
-                           "%s dot_rows_i4 D %lld sld %lld ng %lld n %lld: %d differ from the "
-                           "generic bits, %d from the formula, %d outside written",
-                           k->isa, (long long)D, (long long)sl, (long long)ng, (long long)n,
-                           bad, badf, pad);
+                    int_rows_match("dot_rows_i4", k->isa, s1, s2, want, G, LDS, ng, n, D, sl);
                 }
 }
 

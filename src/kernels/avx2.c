@@ -1084,7 +1084,8 @@ void mha__dot_rows_i8_avx2(float *s, int64_t lds, const int8_t *A, int64_t lda,
 // 0..15) against the query's even and odd elements (vpmaddubsw: pairs of
 // at most 15 * 127, no saturation; then vpmaddwd by 1: int32), the four
 // groups' sums by horizontal adds, less 8 sum_{c in group} x_c; then the
-// generic's float arithmetic, row by row.
+// scales and the sum over the groups in order for four rows at once (their
+// products transposed to (group, row)); the tail rows by mha__dot_row_i4.
 #define I4_QB 16
 // The four groups' biased sums of one row's 64 bytes a against query x's
 // 128 split elements: [g0, g1, g2, g3].
@@ -1151,22 +1152,11 @@ void mha__dot_rows_i4_avx2(float *s, int64_t lds, const uint8_t *A, int64_t rb,
                               _mm_mul_ps(_mm_set1_ps(xs[(g0 + q) * ldxs]), u));
             }
         }
-        for (; j < n; j++)
-            for (int64_t q = 0; q < gn; q++) {
-                float u = 0.0f;
-                for (int64_t sl = 0; sl < nsl; sl++) {
-                    int32_t t[4];
-                    _mm_storeu_si128((__m128i *)(void *)t,
-                                     i4q_groups(A + j * rb + 64 * sl,
-                                                Xq + (g0 + q) * ldx + 128 * sl));
-                    for (int b = 0; b < 4; b++) {
-                        const float p = scales[j * sld + 4 * sl + b] *
-                                        (float)(t[b] - bias[(q * nsl + sl) * 4 + b]);
-                        u = u + p;
-                    }
-                }
-                s[(g0 + q) * lds + j] = xs[(g0 + q) * ldxs] * u;
-            }
+        for (; j < n; j++)  // (the tail rows: the generic's arithmetic)
+            for (int64_t q = 0; q < gn; q++)
+                s[(g0 + q) * lds + j] = mha__dot_row_i4(A + j * rb, scales + j * sld,
+                                                        Xq + (g0 + q) * ldx, D,
+                                                        xs[(g0 + q) * ldxs]);
     }
     pf_rest(&pfs);
 }

@@ -359,7 +359,7 @@ static void dot_rows_i8(float *s, int64_t lds, const int8_t *A, int64_t lda,
 // sums (reduce4 within the lanes) give a vector of (group, row) sums, less
 // the bias 8 sum_{c in group} x_c; then the scales (transposed to the same
 // lanes) and the sum over the groups in order, four rows at once. Tail
-// rows through the generic's arithmetic (the same bits).
+// rows through the generic's (mha__dot_row_i4).
 #define I4_QB 16  // queries a pass (their biases on the stack)
 static inline __m512i reduce_lanes4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
     const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1),
@@ -417,22 +417,6 @@ static inline __attribute__((always_inline)) void i4q_block(
         _mm_storeu_ps(s + q * lds + j, _mm_mul_ps(_mm_set1_ps(xs[q * ldxs]), u[q]));
 }
 
-// One row by the generic's arithmetic (the tail rows).
-static float i4q_row(const uint8_t *a, const float *sc, const int8_t *x, int64_t D, float xs) {
-    float u = 0.0f;
-    for (int64_t b = 0; 32 * b < D; b++) {
-        int32_t t = 0;
-        for (int64_t c = 32 * b; c < 32 * b + 32; c++) {
-            const int nib = c % 2 ? a[c / 2] >> 4 : a[c / 2] & 15;
-            const int64_t e = c % 128;
-            t += (nib < 8 ? nib : nib - 16) * (int32_t)x[c - e + (e % 2) * 64 + e / 2];
-        }
-        const float p = sc[b] * (float)t;
-        u = u + p;
-    }
-    return xs * u;
-}
-
 static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t rb,
                         const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
                         const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
@@ -472,8 +456,8 @@ static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t rb,
         pf_rest(&pfs);
         for (; j < n; j++)
             for (int64_t g = g0; g < g0 + gn; g++)
-                s[g * lds + j] = i4q_row(A + j * rb, scales + j * sld, Xq + g * ldx, D,
-                                         xs[g * ldxs]);
+                s[g * lds + j] = mha__dot_row_i4(A + j * rb, scales + j * sld, Xq + g * ldx, D,
+                                                 xs[g * ldxs]);
     }
 }
 

@@ -172,31 +172,16 @@ static void dot_rows_i8(float *s, int64_t lds, const int8_t *A, int64_t lda,
     }
 }
 
-// dot_rows_i4 (kernels.h): group b is bytes 16 b .. 16 b + 15 of the row;
-// byte i's low nibble is element 2i (the query's even elements, from its
-// 128-element slab's start), its high one 2i + 1 (the odd ones, 64 on).
+// dot_rows_i4 (kernels.h): mha__dot_row_i4 per row and query.
 static void dot_rows_i4(float *s, int64_t lds, const uint8_t *A, int64_t rb,
                         const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
                         const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
                         const void *pf, size_t pfb) {
     prefetch_next(pf, pfb);
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *a = A + j * rb;
-        for (int64_t g = 0; g < ng; g++) {
-            const int8_t *x = Xq + g * ldx;
-            float u = 0.0f;
-            for (int64_t b = 0; 32 * b < D; b++) {
-                const uint8_t *ab = a + 16 * b;
-                const int8_t *xe = x + (b / 4) * 128 + 16 * (b % 4), *xo = xe + 64;
-                int32_t t = 0;
-                for (int k = 0; k < 16; k++)
-                    t += (((ab[k] & 15) ^ 8) - 8) * xe[k] + (((ab[k] >> 4) ^ 8) - 8) * xo[k];
-                const float p = scales[j * sld + b] * (float)t;
-                u = u + p;
-            }
-            s[g * lds + j] = xs[g * ldxs] * u;
-        }
-    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < ng; g++)
+            s[g * lds + j] = mha__dot_row_i4(A + j * rb, scales + j * sld, Xq + g * ldx, D,
+                                             xs[g * ldxs]);
 }
 
 // The group versions: query by query (the rows read once per query).

@@ -341,7 +341,26 @@ void mha__pack_bf16_avx512(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t 
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);
 void mha__kernels_fill_avx2(mha__kernels *k);
-// avx2.c's dot_rows_i8, also the avx512 table's
+// dot_rows_i4's formula for one row a (its scales sc) and one split query
+// x (scale xs): the generic version's, and the ISA versions' tail rows.
+// Group b is bytes 16 b .. 16 b + 15 of the row; byte i's low nibble is
+// element 2i (the query's even elements, from its 128-element slab's
+// start), its high one 2i + 1 (the odd ones, 64 on).
+static inline float mha__dot_row_i4(const uint8_t *a, const float *sc, const int8_t *x,
+                                    int64_t D, float xs) {
+    float u = 0.0f;
+    for (int64_t b = 0; 32 * b < D; b++) {
+        const uint8_t *ab = a + 16 * b;
+        const int8_t *xe = x + (b / 4) * 128 + 16 * (b % 4), *xo = xe + 64;
+        int32_t t = 0;
+        for (int k = 0; k < 16; k++)
+            t += (((ab[k] & 15) ^ 8) - 8) * xe[k] + (((ab[k] >> 4) ^ 8) - 8) * xo[k];
+        const float p = sc[b] * (float)t;
+        u = u + p;
+    }
+    return xs * u;
+}
+// avx2.c's dot_rows_i8 and dot_rows_i4, also the avx512 table's
 void mha__dot_rows_i8_avx2(float *s, int64_t lds, const int8_t *A, int64_t lda,
                            const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
                            const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,
