@@ -28,7 +28,7 @@ int main(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;  // (L, N, E)
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.need_weights = true;            // averaged over heads: (N, L, S)
     if ((st = mha_forward(&yt, &wt, m, &a))) {
         fprintf(stderr, "mha: %s\n", mha_last_error());

@@ -77,9 +77,10 @@ typedef enum mha_status {
     MHA_ERR_NOMEM = -3,        // an allocation failed
     MHA_ERR_IO = -4,           // open/read/write of a file failed
     MHA_ERR_FORMAT = -5,       // a malformed file
-    MHA_ERR_UNSUPPORTED = -6,  // valid, but not supported (dtype, impl, ...)
+    MHA_ERR_UNSUPPORTED = -6,  // valid, but not supported (impl, layout, ...)
     MHA_ERR_NOT_FOUND = -7,    // a named tensor or parameter is absent
     MHA_ERR_OVERFLOW = -8,     // sizes whose product overflows
+    MHA_ERR_DTYPE = -9,        // an element type this call does not take
 } mha_status;
 
 // Short constant name of a status, e.g. "MHA_ERR_SHAPE".
@@ -89,7 +90,7 @@ MHA_API const char *mha_status_string(mha_status s);
 // Valid until the next failing call on the same thread.
 MHA_API const char *mha_last_error(void);
 
-// What the calling thread's last successful mha_forward (_ex),
+// What the calling thread's last successful mha_forward,
 // mha_backward, mha_sdpa or mha_sdpa_backward ran: "reference", or
 // "fused " and the SIMD kernel set ("fused avx512"; "fused amx": avx512
 // with AMX tiles for bf16 products), followed by " bf16" where the
@@ -97,7 +98,7 @@ MHA_API const char *mha_last_error(void);
 // bf16": see mha_sdpa_args);
 // "" before any. Each of those calls (and mha_sdpa_varlen, the caches'
 // mha_kv_cache_attend / mha_paged_cache_attend and mha_forward_cached /
-// mha_forward_paged(_tokens): "fused " and the kernels, their attention in
+// mha_forward_paged: "fused " and the kernels, their attention in
 // float32) sets it when it succeeds; no other call changes it.
 MHA_API const char *mha_last_impl(void);
 
@@ -373,7 +374,8 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_modu
 // it: results never depend on whether the copy was used). The copy is
 // allocated with the module (mha_module_create, _load, _convert, ...) and
 // filled from the parameters by the first such call after they changed
-// (mha_forward_ex included: it still never allocates); a call that finds
+// (a forward with the caller's workspace included: it still never
+// allocates); a call that finds
 // another thread filling it, or still reading an outdated copy, packs into
 // its scratch as before (nobody waits). So the first call after a change
 // packs the weights as every call did before, and the calls after it do
@@ -614,22 +616,95 @@ MHA_API MHA_NODISCARD mha_status mha_rope_frequencies(double *inv_freq,
                                                       const mha_rope_scaling *s,
                                                       int64_t head_dim, int64_t seq);
 
+// ---------------------------------------------------------------------------
+// Attention options: one struct, the same in every call that attends
+// (mha_forward_args.opts, mha_sdpa_args.opts, mha_varlen_args.opts,
+// mha_cache_attend_args.opts, mha_checkpoint_layer.opts). Start from
+// mha_attn_opts_init; each call states which options it refuses (with
+// MHA_ERR_INVALID_ARG naming the option) rather than ignoring them.
+//
+// The logit of query i and key j of head h, in this order:
+//   s = scale (q_i . k_j)                  scale 0: 1 / sqrt(head dim)
+//   s = softcap tanh(s / softcap)          softcap > 0 (Gemma 2)
+//   s = s - slope_h |i - j|                ALiBi
+//   s = -inf where a mask hides (i, j)     causal, window, the mask tensors
+// then the softmax over the row (sinks[h], when given, joins its
+// denominator), dropout on the weights, and the weights times V.
+typedef struct mha_attn_opts {
+    // Causal: query i sees keys j <= i (positions top-left aligned; the
+    // caches align each query with its position in the sequence and are
+    // always causal).
+    bool is_causal;
+    // Sliding-window (local) attention: query i sees keys j with
+    // i - window_left <= j <= i + window_right; -1 (the default) leaves
+    // that side unbounded. Combines with every other mask (with is_causal,
+    // keys j > i stay hidden whatever window_right). Keys appended by
+    // add_bias_kv / add_zero_attn are never masked. The fused paths skip
+    // key tiles outside the band.
+    int64_t window_left;
+    int64_t window_right;
+    // The query scale: 0 (the default) is 1 / sqrt(head dim); else > 0 and
+    // finite (Gemma 2's query_pre_attn_scalar^-1/2, GPT-2's
+    // 1 / (sqrt(d) (layer + 1))).
+    double scale;
+    // Logit soft-capping: s <- softcap * tanh(s / softcap) after the
+    // scaling, before ALiBi and the masks (Gemma 2). 0: none.
+    float softcap;
+    // ALiBi: -slope_h * |i - j| added to the scores of query head h, with
+    // slopes alibi_slopes (one per query head) or, when alibi is true and
+    // alibi_slopes NULL, the ALiBi paper's geometric sequence
+    // 2^(-8 (h + 1) / H) (interleaved as the paper does when H is not a
+    // power of 2). Off when alibi is false and alibi_slopes NULL. Covers
+    // the keys appended by add_bias_kv / add_zero_attn too (a logit, not a
+    // mask).
+    bool alibi;
+    const float *alibi_slopes;
+    // Attention sinks (GPT-OSS): sinks[h], one logit per query head that
+    // joins each row's softmax denominator and carries no value (the
+    // weights then sum to less than 1). NULL: none. The module calls take
+    // the module's own parameter (mha_config.sinks) and refuse this.
+    const float *sinks;
+    // StreamingLLM (Xiao et al., "Efficient Streaming Language Models with
+    // Attention Sinks"; the caches only, with window_left = w >= 0): the
+    // first sink_tokens = k tokens of every sequence stay visible to every
+    // query beside its window, at the positions the paper gives (those
+    // within the cache: the tokens between the sinks and the window
+    // evicted). A query at position p sees keys [0, min(k, p - w)) and
+    // [p - w, p]; the sinks are seen as if at positions j + delta,
+    // delta = max(0, p - w - k), so that they sit just before the window:
+    // ALiBi takes that distance (and mha_forward_cached rotates the query
+    // that scores them at position p - delta, as the paper's re-rotated
+    // cache does). Pair it with mha_paged_cache_release(cache, id,
+    // sink_tokens, length - window_left) after each call for bounded
+    // memory. 0: off. Not with a sharded cache.
+    int64_t sink_tokens;
+    // Dropout on the attention weights (after the softmax, before V) with
+    // inverted scaling 1/(1-p), p = dropout_p in [0, 1): mha_sdpa and its
+    // backward. The module calls take the module's rate (mha_config.dropout,
+    // when mha_forward_args.training) and refuse this; mha_sdpa_varlen and
+    // the caches refuse it. The masks come from Philox4x32-10 keyed by
+    // (dropout_seed, dropout_offset, element position): never stored,
+    // regenerated by the backward, independent of the number of threads.
+    // Advance dropout_offset between steps for fresh masks.
+    float dropout_p;
+    uint64_t dropout_seed;
+    uint64_t dropout_offset;
+} mha_attn_opts;
+
+// Every option off: window_left = window_right = -1, the rest 0 / NULL.
+MHA_API void mha_attn_opts_init(mha_attn_opts *o);
+
 typedef struct mha_forward_args {
     const mha_tensor *query;
     const mha_tensor *key;
     const mha_tensor *value;
     const mha_tensor *key_padding_mask;  // NULL: none
     const mha_tensor *attn_mask;         // NULL: none
-    bool is_causal;
-    // Sliding-window (local) attention: query i sees keys j with
-    // i - window_left <= j <= i + window_right (positions top-left
-    // aligned, as is_causal); -1 (the default) leaves that side unbounded.
-    // Combines with every other mask (with is_causal, keys j > i stay
-    // hidden whatever window_right). Keys appended by add_bias_kv /
-    // add_zero_attn are never masked. The fused path skips key tiles
-    // outside the band.
-    int64_t window_left;
-    int64_t window_right;
+    // Causal, windows, scale, soft cap, ALiBi, StreamingLLM sink tokens
+    // (mha_forward_cached, mha_forward_paged), the dropout seed and offset;
+    // opts.sinks and opts.dropout_p are refused (the module's sinks and
+    // dropout rate are its config's).
+    mha_attn_opts opts;
     bool need_weights;          // write attn_output_weights
     bool average_attn_weights;  // mean over heads (default true)
     // A block of the weights only (long sequences: the full (H, L, S')
@@ -651,15 +726,11 @@ typedef struct mha_forward_args {
     mha_trace_fn trace;  // NULL: no trace
     void *trace_user;
     // Training mode: dropout (config.dropout, config.out_dropout) is applied
-    // with inverted scaling 1/(1-p); off (eval), the result is exactly the
-    // no-dropout one. The masks come from Philox4x32-10 keyed by
-    // (dropout_seed, dropout_offset, element position): never stored,
-    // regenerated by the backward, independent of the number of threads.
-    // The attention weights returned with need_weights are those after
-    // dropout, as in PyTorch.
+    // with inverted scaling 1/(1-p), its masks keyed by opts.dropout_seed
+    // and opts.dropout_offset; off (eval), the result is exactly the
+    // no-dropout one. The attention weights returned with need_weights are
+    // those after dropout, as in PyTorch.
     bool training;
-    uint64_t dropout_seed;
-    uint64_t dropout_offset;  // advance it between steps for fresh masks
     // Training without recomputation: a forward given a saved-state object
     // keeps what mha_backward needs (the Q/K/V projections, the context and
     // each row's softmax statistics); mha_backward with the same args then
@@ -669,28 +740,12 @@ typedef struct mha_forward_args {
     // caller must not change the module's parameters or the inputs between
     // the two calls (they are not copied). See mha_saved_create.
     struct mha_saved *save;
-    // Position encodings and logit shaping (forward and backward, every
-    // implementation):
-    //  - rope: RoPE on q and k after their projections (mode MHA_ROPE_NONE,
-    //    the default: off); token t of batch element n has position
-    //    rope_start[n] + t (rope_start NULL: t). Keys appended by
-    //    add_bias_kv / add_zero_attn are not rotated.
-    //  - alibi: add -slope_h * |i - j| to the scores of head h; slopes
-    //    alibi_slopes (num_heads of them) or, NULL, the ALiBi paper's
-    //    geometric sequence 2^(-8 (h + 1) / H) (interleaved as the paper
-    //    does when H is not a power of 2).
-    //  - softcap > 0: scores s <- softcap * tanh(s / softcap) after the
-    //    1/sqrt(d) scaling, before ALiBi and the masks (Gemma 2 style).
+    // RoPE on q and k after their projections (mode MHA_ROPE_NONE, the
+    // default: off); token t of batch element n has position
+    // rope_start[n] + t (rope_start NULL: t). Keys appended by add_bias_kv /
+    // add_zero_attn are not rotated.
     mha_rope rope;
     const int64_t *rope_start;
-    bool alibi;
-    const float *alibi_slopes;
-    float softcap;
-    // The query scale: scale when use_custom_scale (> 0, finite; Gemma 2's
-    // query_pre_attn_scalar^-1/2, GPT-2's 1 / (sqrt(d) (layer + 1))), else
-    // 1 / sqrt(d).
-    bool use_custom_scale;
-    double scale;
     // RoPE positions per token (transformers' position_ids): NULL, or
     // N * L of them, row-major (n, t) ((L) for an unbatched query); token t
     // of batch element n of the query, and of the key (which must then
@@ -708,14 +763,12 @@ typedef struct mha_forward_args {
     // tokens); it is not available with the sequence-parallel MPI schemes,
     // whose ranks see a part of the positions.
     const struct mha_rope_scaling *rope_scaling;
-    // StreamingLLM (mha_forward_cached, mha_forward_paged; needs
-    // window_left >= 0): the first stream_sinks tokens of every sequence
-    // stay visible beside the window, at the positions within the cache as
-    // the paper gives them (mha_cache_attend_args.sink_tokens; with RoPE the
-    // sinks are scored by each query rotated at its position - delta).
-    // Pair it with mha_paged_cache_release_keep(cache, id, stream_sinks,
-    // length - window_left) after each call for bounded memory. 0: off.
-    int64_t stream_sinks;
+    // Scratch memory: NULL (the default): the calling thread's kept block,
+    // allocated when it does not fit; else at least
+    // mha_forward_workspace_size() bytes (any alignment) of the caller's,
+    // and mha_forward never allocates.
+    void *workspace;
+    size_t workspace_bytes;
 } mha_forward_args;
 
 MHA_API void mha_forward_args_init(mha_forward_args *a);
@@ -749,7 +802,8 @@ MHA_API MHA_NODISCARD mha_status mha_forward_shapes(mha_shape *out_shape,
                                                     const mha_module *m,
                                                     const mha_forward_args *a);
 
-// Bytes of scratch memory mha_forward_ex needs for these arguments.
+// Bytes of scratch memory mha_forward needs for these arguments (the size
+// of mha_forward_args.workspace).
 MHA_API MHA_NODISCARD mha_status mha_forward_workspace_size(size_t *bytes, const mha_module *m,
                                                             const mha_forward_args *a);
 
@@ -763,19 +817,13 @@ MHA_API MHA_NODISCARD mha_status mha_forward_workspace_size(size_t *bytes, const
 // thread, the older one replaced: training's forward and backward each
 // keep theirs; freed when the thread exits or by mha_release_scratch), so
 // that repeated calls do not fault in and zero fresh pages each time (B 8,
-// L 512, E 768: 20 of 110 ms). mha_forward_ex never allocates.
+// L 512, E 768: 20 of 110 ms). With args.workspace it never allocates.
 MHA_API MHA_NODISCARD mha_status mha_forward(mha_tensor *attn_output, mha_tensor *attn_weights,
                                              const mha_module *m, const mha_forward_args *a);
 
 // Frees the calling thread's kept scratch blocks (see mha_forward), if any.
 MHA_API void mha_release_scratch(void);
 
-// As mha_forward, with caller-provided scratch memory of at least
-// mha_forward_workspace_size() bytes (any alignment): never allocates.
-MHA_API MHA_NODISCARD mha_status mha_forward_ex(mha_tensor *attn_output,
-                                                mha_tensor *attn_weights, const mha_module *m,
-                                                const mha_forward_args *a, void *workspace,
-                                                size_t workspace_bytes);
 
 // ---------------------------------------------------------------------------
 // Backward
@@ -973,15 +1021,11 @@ typedef struct mha_sdpa_args {
     const mha_tensor *v;
     const mha_tensor *attn_mask;
     const mha_tensor *key_padding_mask;
-    bool is_causal;
-    int64_t window_left;  // as in mha_forward_args (-1: unbounded)
-    int64_t window_right;
-    bool use_custom_scale;
-    double scale;
+    // Every option but sink_tokens (a cache's): causal, windows, scale,
+    // soft cap, ALiBi (slopes per query head), sinks (per query head),
+    // dropout.
+    mha_attn_opts opts;
     mha_impl impl;
-    float dropout_p;  // 0: none; in [0, 1)
-    uint64_t dropout_seed;
-    uint64_t dropout_offset;  // advance it between steps for fresh masks
     // Training: NULL (default), or a state object (mha_saved_create) the
     // fused mha_sdpa fills with the output and each query row's softmax
     // statistics in float32 (B H L (Dv + 2) floats, grown when needed), so
@@ -1025,23 +1069,18 @@ MHA_API void mha_rope_init(mha_rope *r, mha_rope_mode mode);
 // "neox" / "interleaved" / "none" -> mode (MHA_ERR_UNSUPPORTED otherwise).
 MHA_API MHA_NODISCARD mha_status mha_rope_mode_from_name(mha_rope_mode *mode, const char *name);
 // Rotates x (B, H, T, D), a float32 or float64 view (any strides), in
-// place: element (b, h, t) has position start[b] + t (start NULL: t).
-// inverse: rotate by -angle (the gradient of the forward rotation, which is
-// orthogonal).
-MHA_API MHA_NODISCARD mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r,
-                                                const int64_t *start, bool inverse);
-// mha_rope_apply with a scaling s (NULL: none) and, when positions is not
-// NULL, element (b, h, t) at positions[b T + t] (>= 0; start is then
-// ignored). The frequencies are mha_rope_frequencies' for seq (dynamic NTK:
+// place: element (b, h, t) has position start[b] + t (start NULL: t) or,
+// when positions is not NULL, positions[b T + t] (>= 0; start is then
+// ignored), with a scaling s (NULL: none). inverse: rotate by -angle (the
+// gradient of the forward rotation, which is orthogonal). The frequencies are mha_rope_frequencies' for seq (dynamic NTK:
 // the call's largest position + 1; 0: the largest position of x's tokens
 // + 1), cos and sin multiplied by the attention factor (YaRN); inverse
 // applies the transpose, factor R(-angle) (the gradient of the forward).
 // A scaling of type other than NONE with mode MHA_ROPE_NONE is refused.
-MHA_API MHA_NODISCARD mha_status mha_rope_apply_ex(mha_tensor *x, const mha_rope *r,
-                                                   const struct mha_rope_scaling *s,
-                                                   const int64_t *start,
-                                                   const int64_t *positions, int64_t seq,
-                                                   bool inverse);
+MHA_API MHA_NODISCARD mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r,
+                                                const struct mha_rope_scaling *s,
+                                                const int64_t *start, const int64_t *positions,
+                                                int64_t seq, bool inverse);
 
 // ---------------------------------------------------------------------------
 // Variable-length batches without padding (FlashAttention's cu_seqlens)
@@ -1056,18 +1095,14 @@ MHA_API MHA_NODISCARD mha_status mha_rope_apply_ex(mha_tensor *x, const mha_rope
 // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) (num_seqs + 1 offsets each,
 // starting at 0 and ending at Tq / Tk) and attends within itself only; no
 // work is spent on padding. is_causal and windows align each sequence's
-// query i with its key i (top-left, as mha_sdpa); ALiBi slopes per query
-// head and a soft cap as in mha_forward_args. Fused path only.
+// query i with its key i (top-left, as mha_sdpa). Fused path only.
 typedef struct mha_varlen_args {
     const int64_t *cu_seqlens_q;
     const int64_t *cu_seqlens_k;
     int64_t num_seqs;
-    bool is_causal;
-    int64_t window_left, window_right;  // -1: unbounded (the default)
-    bool use_custom_scale;              // else 1 / sqrt(D)
-    double scale;
-    const float *alibi_slopes;  // (H) or NULL
-    float softcap;              // 0: none
+    // causal, windows, scale, soft cap, ALiBi, sinks; dropout and
+    // sink_tokens are refused
+    mha_attn_opts opts;
 } mha_varlen_args;
 
 MHA_API void mha_varlen_args_init(mha_varlen_args *a);
@@ -1141,18 +1176,16 @@ typedef enum mha_kv_dtype {
     MHA_KV_INT4 = 4
 } mha_kv_dtype;
 
-MHA_API MHA_NODISCARD mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch,
-                                                     int64_t num_kv_heads, int64_t head_dim,
-                                                     int64_t v_head_dim, int64_t capacity);
 // "f32" / "bf16" / "f16" / "int8" / "int4" -> type (MHA_ERR_UNSUPPORTED otherwise),
 // and back.
 MHA_API MHA_NODISCARD mha_status mha_kv_dtype_from_name(mha_kv_dtype *dtype, const char *name);
 MHA_API const char *mha_kv_dtype_name(mha_kv_dtype dtype);
-// As mha_kv_cache_create (which is MHA_KV_F32), with the storage type.
-MHA_API MHA_NODISCARD mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch,
-                                                        int64_t num_kv_heads, int64_t head_dim,
-                                                        int64_t v_head_dim, int64_t capacity,
-                                                        mha_kv_dtype dtype);
+// A cache of batch sequences, num_kv_heads heads of head_dim (K) and
+// v_head_dim (V) elements, capacity tokens each, stored as dtype.
+MHA_API MHA_NODISCARD mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch,
+                                                     int64_t num_kv_heads, int64_t head_dim,
+                                                     int64_t v_head_dim, int64_t capacity,
+                                                     mha_kv_dtype dtype);
 // Bytes of K, V (and int8 / int4 scales) the cache holds at capacity.
 MHA_API size_t mha_kv_cache_bytes(const mha_kv_cache *c);
 MHA_API void mha_kv_cache_destroy(mha_kv_cache *c);
@@ -1170,27 +1203,13 @@ MHA_API MHA_NODISCARD mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t 
                                                        int64_t length);
 
 typedef struct mha_cache_attend_args {
-    bool use_custom_scale;  // else 1 / sqrt(D)
-    double scale;
-    int64_t window_left, window_right;  // as in mha_forward_args (-1)
-    const float *alibi_slopes;          // per query head, or NULL: no ALiBi
-    float softcap;                      // as in mha_forward_args (0: none)
-    const float *sinks;                 // per query head (H), or NULL: none
-                                        // (see mha_config.sinks)
-    // StreamingLLM (Xiao et al., "Efficient Streaming Language Models with
-    // Attention Sinks"): with window_left = w >= 0, the first sink_tokens
-    // = k tokens stay visible to every query beside its window, at the
-    // positions the paper gives (those within the cache: the tokens
-    // between the sinks and the window evicted). A query at position p
-    // sees keys [0, min(k, p - w)) and [p - w, p]; the sinks are seen as
-    // if at positions j + delta, delta = max(0, p - w - k), so that they
-    // sit just before the window: ALiBi takes that distance, and sink_q
-    // (NULL: q itself) holds the queries to score them with (a RoPE model:
-    // each query rotated at its position - delta, which scores the keys
-    // stored at their own positions as the paper's re-rotated cache does).
-    // 0 (the default) or window_left < 0: none. Not with a sharded cache.
-    int64_t sink_tokens;
-    const mha_tensor *sink_q;  // (B, H, T, D) as q, or NULL
+    // windows, scale, soft cap, ALiBi, sinks, StreamingLLM sink tokens
+    // (causal by construction; dropout is refused)
+    mha_attn_opts opts;
+    // StreamingLLM with RoPE: the queries that score the sink tokens (each
+    // query rotated at its position - delta, see mha_attn_opts.sink_tokens),
+    // (B, H, T, D) as q; NULL: q itself.
+    const mha_tensor *sink_q;
 } mha_cache_attend_args;
 
 MHA_API void mha_cache_attend_args_init(mha_cache_attend_args *a);
@@ -1243,15 +1262,14 @@ typedef enum mha_paged_layout {
     MHA_PAGED_BLOCK_MAJOR = 1,
 } mha_paged_layout;
 
+// A pool of num_blocks blocks of block_size tokens, num_kv_heads heads of
+// head_dim (K) and v_head_dim (V) elements, stored as dtype, laid out as
+// layout (MHA_PAGED_HEAD_MAJOR unless the blocks end up scattered).
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_create(mha_paged_cache **out,
                                                         int64_t num_blocks, int64_t block_size,
                                                         int64_t num_kv_heads, int64_t head_dim,
-                                                        int64_t v_head_dim, mha_kv_dtype dtype);
-// As mha_paged_cache_create (which is MHA_PAGED_HEAD_MAJOR), with the
-// pool's layout.
-MHA_API MHA_NODISCARD mha_status mha_paged_cache_create_ex(
-    mha_paged_cache **out, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
-    int64_t head_dim, int64_t v_head_dim, mha_kv_dtype dtype, mha_paged_layout layout);
+                                                        int64_t v_head_dim, mha_kv_dtype dtype,
+                                                        mha_paged_layout layout);
 // The layout's name ("head-major", "block-major"; NULL: not a layout) and
 // back (MHA_ERR_INVALID_ARG naming the name).
 MHA_API const char *mha_paged_layout_name(mha_paged_layout layout);
@@ -1269,21 +1287,17 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_free(mha_paged_cache *c, int64_
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id,
                                                           int64_t length);
 // Bounded memory for a sliding window: frees sequence id's blocks that lie
-// wholly before token pos (the tokens its window can no longer reach); its
-// length and positions stay. An attend whose window would reach a released
-// token fails (MHA_ERR_INVALID_ARG, naming the first kept token), and so
-// does a truncation into the released tokens (other than to 0).
-MHA_API MHA_NODISCARD mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id,
-                                                                int64_t pos);
-// StreamingLLM's bounded memory (mha_cache_attend_args.sink_tokens): as
-// mha_paged_cache_release_before, keeping the blocks that hold the first
-// keep tokens (the sinks): frees the blocks wholly within [ceil(keep /
-// block_size) * block_size, pos) (none when that is empty). The kept start
-// must be the same in every call that frees blocks of a sequence
-// (MHA_ERR_INVALID_ARG otherwise); an attend whose
-// window or sinks reach a released token fails, naming them.
-MHA_API MHA_NODISCARD mha_status mha_paged_cache_release_keep(mha_paged_cache *c, int64_t id,
-                                                              int64_t keep, int64_t pos);
+// wholly within [ceil(keep / block_size) * block_size, pos) (none when that
+// is empty): the tokens its window can no longer reach, keeping the blocks
+// that hold the first keep tokens (StreamingLLM's sinks,
+// mha_attn_opts.sink_tokens; 0: none kept). Its length and positions stay.
+// The kept start must be the same in every call that frees blocks of a
+// sequence (MHA_ERR_INVALID_ARG otherwise). An attend whose window or sinks
+// would reach a released token fails (MHA_ERR_INVALID_ARG, naming the first
+// kept token), and so does a truncation into the released tokens (other
+// than to 0).
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_release(mha_paged_cache *c, int64_t id,
+                                                         int64_t keep, int64_t pos);
 // Tokens of sequence id (-1: no such sequence).
 MHA_API int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id);
 // Blocks held by some sequence / free; bytes of one block.
@@ -1296,12 +1310,7 @@ MHA_API mha_paged_layout mha_paged_cache_layout(const mha_paged_cache *c);
 // any strides): counts[i] tokens (the first of T; NULL: T) to sequence
 // ids[i], the n ids distinct. All or nothing: an exhausted pool fails with
 // MHA_ERR_NOMEM naming the blocks needed and free.
-MHA_API MHA_NODISCARD mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n,
-                                                        const int64_t *ids,
-                                                        const int64_t *counts,
-                                                        const mha_tensor *k,
-                                                        const mha_tensor *v);
-// Prefix sharing: mha_paged_cache_append with the new tokens' ids
+// Prefix sharing: tokens NULL, or the new tokens' ids
 // (tokens[i*T + t], the first counts[i] of row i): every block it fills
 // whose tokens' ids are all known joins the cache's prefix index, keyed by
 // its whole prefix. mha_paged_cache_add_prompt starts a new sequence for a
@@ -1313,7 +1322,7 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_append(mha_paged_cache *c, int6
 // shared, indexed last block holds already (after the same prefix) keep its
 // rows (the given K and V are not written, and the block is not copied). A
 // block leaves the index when no sequence holds it or its holder rewrites it.
-MHA_API MHA_NODISCARD mha_status mha_paged_cache_append_tokens(
+MHA_API MHA_NODISCARD mha_status mha_paged_cache_append(
     mha_paged_cache *c, int64_t n, const int64_t *ids, const int64_t *counts,
     const mha_tensor *k, const mha_tensor *v, const int32_t *tokens);
 MHA_API MHA_NODISCARD mha_status mha_paged_cache_add_prompt(mha_paged_cache *c,
@@ -1352,16 +1361,14 @@ MHA_API MHA_NODISCARD mha_status mha_forward_cached(mha_tensor *out, const mha_m
 // head dims must be the module's. As mha_forward_cached otherwise: on any
 // error (an exhausted pool included) every sequence keeps the length it
 // had.
+// tokens: NULL, or the new tokens' ids (tokens[n*T + t], as
+// mha_paged_cache_append takes them): the blocks they fill join the
+// prefix index, so that mha_paged_cache_add_prompt finds them.
 MHA_API MHA_NODISCARD mha_status mha_forward_paged(mha_tensor *out, const mha_module *m,
                                                    const mha_forward_args *a,
                                                    mha_paged_cache *cache, const int64_t *ids,
-                                                   const int64_t *counts);
-// As mha_forward_paged, with the new tokens' ids (tokens[n*T + t], as
-// mha_paged_cache_append_tokens takes them): the blocks they fill join the
-// prefix index, so that mha_paged_cache_add_prompt finds them.
-MHA_API MHA_NODISCARD mha_status mha_forward_paged_tokens(
-    mha_tensor *out, const mha_module *m, const mha_forward_args *a, mha_paged_cache *cache,
-    const int64_t *ids, const int64_t *counts, const int32_t *tokens);
+                                                   const int64_t *counts,
+                                                   const int32_t *tokens);
 
 // ---------------------------------------------------------------------------
 // Diagnostics: looking inside the heads
@@ -1577,17 +1584,16 @@ MHA_API MHA_NODISCARD mha_status mha_checkpoint_config_number(double *out,
 // apply it to a call's arguments with mha_checkpoint_layer_apply.
 typedef struct mha_checkpoint_layer {
     char model_type[32];
-    int64_t layer;   // the index loaded
-    bool is_causal;  // decoders: true; bert: false
-    // Sliding window of this layer (Mistral's sliding_window, Gemma 2's and
+    int64_t layer;  // the index loaded
+    // is_causal (decoders: true; bert: false); window_left: the sliding
+    // window of this layer (Mistral's sliding_window, Gemma 2's and
     // GPT-OSS's layer_types): query i sees keys i - W < j <= i, i.e.
-    // window_left = W - 1; -1: none.
-    int64_t window_left;
+    // window_left = W - 1 (-1: none); softcap: attn_logit_softcapping;
+    // scale: query_pre_attn_scalar, GPT-2's scale_attn_by_inverse_layer_idx,
+    // ... (0: 1 / sqrt(head_dim)). The rest as mha_attn_opts_init.
+    mha_attn_opts opts;
     mha_rope rope;                  // mode NONE for bert and gpt2
     mha_rope_scaling rope_scaling;  // type NONE when unscaled
-    float softcap;                  // attn_logit_softcapping (0: none)
-    bool use_custom_scale;          // query_pre_attn_scalar, GPT-2's
-    double scale;                   // scale_attn_by_inverse_layer_idx, ...
 } mha_checkpoint_layer;
 
 // Loads layer `layer` (0-based) of an open checkpoint: the module (with

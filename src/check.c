@@ -51,28 +51,51 @@ mha_status mha__check_float(const mha_tensor *t, const char *name) {
     if (st) return st;
     if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BF16 &&
         t->dtype != MHA_F16)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
+        return mha__fail(MHA_ERR_DTYPE,
                          "%s: dtype %s is not supported (expected F32, F64, BF16 or F16)",
                          name, mha_dtype_name(t->dtype));
     return MHA_OK;
 }
 
-// The attention options every entry point shares, one message each: the
-// window bounds (-1: unbounded, else a count of keys >= 0), the soft cap
-// (>= 0 and finite, 0: none) and, when custom_scale, the scale (finite).
-mha_status mha__check_attn_opts(const char *who, int64_t window_left, int64_t window_right,
-                                float softcap, bool custom_scale, double scale) {
-    if (window_left < -1 || window_right < -1)
+// The attention options every entry point shares, one message each (see
+// check.h).
+mha_status mha__check_attn_opts(const char *who, const mha_attn_opts *o, unsigned refuse) {
+    if (o->window_left < -1 || o->window_right < -1)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "%s: window_left %lld, window_right %lld: each must be -1 "
                          "(unbounded) or >= 0",
-                         who, (long long)window_left, (long long)window_right);
-    if (!(softcap >= 0.0f) || !isfinite(softcap))
+                         who, (long long)o->window_left, (long long)o->window_right);
+    if (!(o->softcap >= 0.0f) || !isfinite(o->softcap))
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "%s: softcap must be >= 0 and finite (0: none), got %g", who,
-                         (double)softcap);
-    if (custom_scale && !isfinite(scale))
-        return mha__fail(MHA_ERR_INVALID_ARG, "%s: scale must be finite, got %g", who, scale);
+                         (double)o->softcap);
+    if (!isfinite(o->scale))
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s: scale must be finite (0: 1 / sqrt(head dim)), got %g", who,
+                         o->scale);
+    if (!(o->dropout_p >= 0.0f && o->dropout_p < 1.0f))
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: dropout_p must be in [0, 1), got %g", who,
+                         (double)o->dropout_p);
+    if (o->sink_tokens < 0)
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: sink_tokens must be >= 0, got %lld", who,
+                         (long long)o->sink_tokens);
+    if ((refuse & MHA__REFUSE_SINKS) && o->sinks)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s: opts.sinks is set: a module's sinks are its parameter "
+                         "(mha_config.sinks)",
+                         who);
+    if ((refuse & MHA__REFUSE_DROPOUT) && o->dropout_p != 0.0f)
+        return mha__fail(MHA_ERR_INVALID_ARG, "%s: opts.dropout_p %g: %s", who,
+                         (double)o->dropout_p,
+                         (refuse & MHA__REFUSE_SINKS)
+                             ? "a module's dropout rate is its config's (mha_config.dropout, "
+                               "with training)"
+                             : "this call has no dropout");
+    if ((refuse & MHA__REFUSE_SINK_TOKENS) && o->sink_tokens)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "%s: opts.sink_tokens %lld: StreamingLLM's sink tokens go with a KV "
+                         "cache (mha_forward_cached, mha_forward_paged, the caches' attend)",
+                         who, (long long)o->sink_tokens);
     return MHA_OK;
 }
 
@@ -80,7 +103,7 @@ mha_status mha__check_mask_dtype(const mha_tensor *t, const char *name) {
     mha_status st = check_view(t, name);
     if (st) return st;
     if (t->dtype != MHA_F32 && t->dtype != MHA_F64 && t->dtype != MHA_BOOL && t->dtype != MHA_U8)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
+        return mha__fail(MHA_ERR_DTYPE,
                          "%s: dtype %s is not supported (expected BOOL, U8, "
                          "F32 or F64)",
                          name, mha_dtype_name(t->dtype));

@@ -22,8 +22,15 @@ mha_status mha__check_no_overlap(const mha_tensor *out, const char *oname,
 // The last dim of t (its features) must be `want`, the module's `what`.
 mha_status mha__check_features(const mha_tensor *t, const char *name, const char *what,
                                int64_t want);
-// Window bounds, soft cap and (custom_scale) scale; who names the caller.
-mha_status mha__check_attn_opts(const char *who, int64_t window_left, int64_t window_right,
-                                float softcap, bool custom_scale, double scale);
+// The attention options (mha_attn_opts): window bounds (-1 or >= 0), soft
+// cap (>= 0, finite), scale (finite), dropout_p in [0, 1), sink_tokens >= 0,
+// and what the caller refuses (MHA__REFUSE_*, or-ed) unset; who names the
+// caller. ALiBi slopes and sinks are checked where their count is known.
+enum {
+    MHA__REFUSE_SINKS = 1,        // opts.sinks (the module's are a parameter)
+    MHA__REFUSE_DROPOUT = 2,      // opts.dropout_p
+    MHA__REFUSE_SINK_TOKENS = 4,  // opts.sink_tokens (caches only)
+};
+mha_status mha__check_attn_opts(const char *who, const mha_attn_opts *o, unsigned refuse);
 
 #endif

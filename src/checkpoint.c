@@ -758,7 +758,7 @@ static mha_status spec_window(ck_spec *s, const mha_checkpoint *c, int64_t layer
                              "%s: %s is %s (supported: full_attention, sliding_attention)",
                              c->config_path, key, mha_escape(q, sizeof q, t->valuestring));
     }
-    s->info.window_left = sliding && W > 0 ? W - 1 : -1;
+    s->info.opts.window_left = sliding && W > 0 ? W - 1 : -1;
     return MHA_OK;
 }
 
@@ -772,7 +772,7 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
     mha_checkpoint_layer *info = &s->info;
     snprintf(info->model_type, sizeof info->model_type, "%s", ad->name);
     info->layer = layer;
-    info->window_left = -1;
+    info->opts.window_left = -1;
     const bool g2 = a == ARCH_GPT2;
     if ((st = cfg_int(&s->E, &found, c, cfg, "", g2 ? "n_embd" : "hidden_size", ad->E, 1)))
         return st;
@@ -821,15 +821,14 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
     if (a == ARCH_QWEN2) s->qkv_bias = true, s->o_bias = false;
 
     // masks and scale
-    info->is_causal = true;
-    info->use_custom_scale = false;
-    info->scale = 1.0 / sqrt((double)s->d);
+    info->opts.is_causal = true;
+    info->opts.scale = 0.0;  // 1 / sqrt(d)
     int64_t W = -1;
     bool use_sw = true, default_sliding = false;
     switch (a) {
     case ARCH_BERT: {
         const char *pet;
-        if ((st = cfg_bool(&info->is_causal, c, cfg, "", "is_decoder", false)) ||
+        if ((st = cfg_bool(&info->opts.is_causal, c, cfg, "", "is_decoder", false)) ||
             (st = cfg_str(&pet, c, cfg, "", "position_embedding_type")))
             return st;
         if (pet && strcmp(pet, "absolute") != 0) {
@@ -847,7 +846,7 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
             return st;
         double scale = saw ? 1.0 / sqrt((double)s->d) : 1.0;
         if (inv) scale /= (double)(layer + 1);
-        if (!saw || inv) info->use_custom_scale = true, info->scale = scale;
+        if (!saw || inv) info->opts.scale = scale;
         break;
     }
     case ARCH_MISTRAL:
@@ -887,9 +886,8 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
             return mha__fail(MHA_ERR_FORMAT,
                              "%s: attn_logit_softcapping %g must be positive (or null)",
                              c->config_path, cap);
-        info->softcap = (float)cap;
-        if (qpas != (double)s->d)
-            info->use_custom_scale = true, info->scale = 1.0 / sqrt(qpas);
+        info->opts.softcap = (float)cap;
+        if (qpas != (double)s->d) info->opts.scale = 1.0 / sqrt(qpas);
         default_sliding = layer % 2 == 0;
         break;
     }
@@ -903,7 +901,7 @@ static mha_status layer_spec(ck_spec *s, const mha_checkpoint *c, int64_t layer)
     if (arch_has_rope(a) && a != ARCH_MISTRAL &&
         (st = spec_window(s, c, layer, W, default_sliding)))
         return st;
-    if (a == ARCH_MISTRAL) info->window_left = W > 0 ? W - 1 : -1;
+    if (a == ARCH_MISTRAL) info->opts.window_left = W > 0 ? W - 1 : -1;
     if (a == ARCH_QWEN3) {
         s->qk_norm = true;
         if ((st = cfg_num(&s->eps, NULL, c, cfg, "", "rms_norm_eps", ad->eps))) return st;
@@ -1060,7 +1058,7 @@ static mha_status find_layer_tensors(ck_want *w, int nw, const mha_checkpoint *c
         if (w[k].ndim < 0) continue;  // a buffer we skip, whatever its shape
         const mha_st_tensor *t = &w[k].t;
         if (t->dtype != MHA_F32 && t->dtype != MHA_F16 && t->dtype != MHA_BF16)
-            return mha__fail(MHA_ERR_UNSUPPORTED,
+            return mha__fail(MHA_ERR_DTYPE,
                              "%s: tensor %s has dtype %s (F32, F16 or "
                              "BF16 load)",
                              where(c), q, mha_dtype_name(t->dtype));
@@ -1164,13 +1162,12 @@ mha_status mha_module_load_checkpoint(mha_module **out, mha_checkpoint_layer *in
 
 void mha_checkpoint_layer_apply(const mha_checkpoint_layer *info, mha_forward_args *a) {
     if (!info || !a) return;
-    a->is_causal = info->is_causal;
-    a->window_left = info->window_left;
-    a->window_right = -1;
+    a->opts.is_causal = info->opts.is_causal;
+    a->opts.window_left = info->opts.window_left;
+    a->opts.window_right = -1;
     a->rope = info->rope;
     a->rope_scaling = info->rope_scaling.type != MHA_ROPE_SCALING_NONE ? &info->rope_scaling
                                                                        : NULL;
-    a->softcap = info->softcap;
-    a->use_custom_scale = info->use_custom_scale;
-    a->scale = info->scale;
+    a->opts.softcap = info->opts.softcap;
+    a->opts.scale = info->opts.scale;
 }

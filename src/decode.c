@@ -30,7 +30,7 @@ static int64_t ref_length(const cache_ref *r, int64_t n) {
 static mha_status ref_append(const cache_ref *r, int64_t N, const mha_tensor *k,
                              const mha_tensor *v) {
     return r->kv ? mha_kv_cache_append(r->kv, k, v, NULL)
-                 : mha_paged_cache_append_tokens(r->pg, N, r->ids, r->counts, k, v, r->tokens);
+                 : mha_paged_cache_append(r->pg, N, r->ids, r->counts, k, v, r->tokens);
 }
 
 static mha_status ref_attend(const cache_ref *r, int64_t N, mha_tensor *out,
@@ -90,19 +90,20 @@ static mha_status cached_check(cached_call *c, const mha_tensor *out, const mha_
                          "add_bias_kv, add_zero_attn and kdim/vdim != embed_dim are not "
                          "available with a KV cache");
     if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_forward_cached: float32 query and output only");
-    if (a->stream_sinks < 0 || (a->stream_sinks > 0 && a->window_left < 0))
+        return mha__fail(MHA_ERR_DTYPE,
+                         "mha_forward_cached: float32 query and output only, got %s and %s",
+                         mha_dtype_name(a->query->dtype), mha_dtype_name(out->dtype));
+    if (a->opts.sink_tokens < 0 || (a->opts.sink_tokens > 0 && a->opts.window_left < 0))
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_forward_cached: stream_sinks %lld needs >= 0 and, > 0, a window "
+                         "mha_forward_cached: opts.sink_tokens %lld needs >= 0 and, > 0, a window "
                          "(window_left %lld)",
-                         (long long)a->stream_sinks, (long long)a->window_left);
+                         (long long)a->opts.sink_tokens, (long long)a->opts.window_left);
     mha_forward_args a2 = *a;
     a2.key = a2.value = a->query;
-    a2.is_causal = true;
+    a2.opts.is_causal = true;
     a2.rope_start = NULL;
     a2.save = NULL;
-    a2.stream_sinks = 0;  // (the cache attention's, below)
+    a2.opts.sink_tokens = 0;  // (the cache attention's, below)
     a2.impl = MHA_IMPL_FUSED;
     fwd_plan *p = &c->p;
     mha_status st = mha__plan_forward(p, m, &a2);
@@ -171,7 +172,7 @@ static mha_status cached_scratch(cached_call *c, const mha_module *m,
     int64_t *starts = mha__malloc(sizeof(int64_t) * (size_t)N);
     float *gbuf = gated ? mha__alloc(sizeof(float) * gfloats) : NULL;
     // (StreamingLLM with RoPE: the sinks' queries and positions)
-    const bool sq = a->stream_sinks > 0 && a->rope.mode != MHA_ROPE_NONE;
+    const bool sq = a->opts.sink_tokens > 0 && a->rope.mode != MHA_ROPE_NONE;
     c->qsink = sq ? mha__alloc(sizeof(float) * (size_t)(R * Eq)) : NULL;
     c->spos = sq ? mha__malloc(sizeof(int64_t) * (size_t)R) : NULL;
     if (!blk || !starts || (gated && !gbuf) || (sq && (!c->qsink || !c->spos))) {
@@ -232,7 +233,7 @@ static void cached_project(cached_call *c, const mha_module *m, const mha_forwar
 // call's largest position + 1, as for q.
 static mha_status sink_queries(cached_call *c, const mha_forward_args *a, const mha_tensor *qv) {
     const int64_t N = c->p.N, T = c->p.L, Eq = c->p.Eq, H = c->p.H, d = c->p.d;
-    const int64_t k = a->stream_sinks, w = a->window_left;
+    const int64_t k = a->opts.sink_tokens, w = a->opts.window_left;
     const int64_t ns = c->seq_first ? 1 : T, ts = c->seq_first ? N : 1;
     int64_t seq = 0;
     for (int64_t n = 0; n < N; n++)
@@ -251,7 +252,7 @@ static mha_status sink_queries(cached_call *c, const mha_forward_args *a, const 
                        (const float *)qv->data + n * qv->stride[0] + h * qv->stride[1] +
                            t * qv->stride[2],
                        sizeof(float) * (size_t)d);
-    return mha_rope_apply_ex(&c->sv, &a->rope, a->rope_scaling, NULL, c->spos, seq, false);
+    return mha_rope_apply(&c->sv, &a->rope, a->rope_scaling, NULL, c->spos, seq, false);
 }
 
 // RoPE and append: q, k, v, ctx as (N, H, T, d) and (N, Hkv, T, d) views
@@ -277,10 +278,10 @@ static mha_status cached_rope_append(cached_call *c, const mha_forward_args *a,
     if (c->qsink && (st = sink_queries(c, a, &qv))) return st;
     // (rope_positions: the new tokens' positions; dynamic NTK scaling from
     // their largest + 1, the same for q and k)
-    if ((st = mha_rope_apply_ex(&qv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
-                                false)) ||
-        (st = mha_rope_apply_ex(&kv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
-                                false)) ||
+    if ((st = mha_rope_apply(&qv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
+                             false)) ||
+        (st = mha_rope_apply(&kv, &a->rope, a->rope_scaling, starts, a->rope_positions, 0,
+                             false)) ||
         (st = ref_append(cache, N, &kv, &vv)))
         return st;
     return MHA_OK;
@@ -297,22 +298,18 @@ static mha_status cached_attend(cached_call *c, const mha_module *m, const mha_f
     float slopes_buf[MHA__ALIBI_MAX_DEFAULT];
     mha_cache_attend_args ca;
     mha_cache_attend_args_init(&ca);
-    ca.window_left = a->window_left;
-    ca.window_right = a->window_right;
-    ca.softcap = a->softcap;
-    ca.use_custom_scale = a->use_custom_scale;  // (checked by the plan: > 0, finite)
-    ca.scale = a->scale;
-    ca.sinks = m->sinks;  // (NULL without attention sinks)
-    ca.sink_tokens = a->stream_sinks;
+    ca.opts.window_left = a->opts.window_left;
+    ca.opts.window_right = a->opts.window_right;
+    ca.opts.softcap = a->opts.softcap;
+    ca.opts.scale = a->opts.scale;
+    ca.opts.sinks = m->sinks;  // (NULL without attention sinks)
+    ca.opts.sink_tokens = a->opts.sink_tokens;
     ca.sink_q = c->qsink ? &c->sv : NULL;
-    if (a->stream_sinks > 0) ca.window_right = -1;  // (causal: it hides nothing more)
-    if (a->alibi) {
-        if (a->alibi_slopes) ca.alibi_slopes = a->alibi_slopes;
-        else {
-            mha__alibi_slopes(slopes_buf, H);  // H <= MHA__ALIBI_MAX_DEFAULT: the plan checked
-            ca.alibi_slopes = slopes_buf;
-        }
-    }
+    if (a->opts.sink_tokens > 0) ca.opts.window_right = -1;  // (causal: it hides nothing more)
+    // (the plan checked the slopes and H <= MHA__ALIBI_MAX_DEFAULT)
+    if ((st = mha__attn_logit_params(&ca.opts.alibi_slopes, slopes_buf, &a->opts, H,
+                                     "mha_forward_cached")))
+        return st;
     if ((st = ref_attend(cache, N, &c->cv, &c->qv, &ca))) {
         ref_rollback(cache, N, starts);  // the cache as it was: its lengths before the append
         return st;
@@ -398,14 +395,8 @@ mha_status mha_forward_cached(mha_tensor *out, const mha_module *m, const mha_fo
 }
 
 mha_status mha_forward_paged(mha_tensor *out, const mha_module *m, const mha_forward_args *a,
-                             mha_paged_cache *cache, const int64_t *ids, const int64_t *counts) {
-    return mha_forward_paged_tokens(out, m, a, cache, ids, counts, NULL);
-}
-
-mha_status mha_forward_paged_tokens(mha_tensor *out, const mha_module *m,
-                                    const mha_forward_args *a, mha_paged_cache *cache,
-                                    const int64_t *ids, const int64_t *counts,
-                                    const int32_t *tokens) {
+                             mha_paged_cache *cache, const int64_t *ids, const int64_t *counts,
+                             const int32_t *tokens) {
     const cache_ref r = {NULL, cache, ids, counts, tokens};
     if (!cache || !ids)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward_paged: NULL argument");

@@ -33,7 +33,7 @@ static int threads_for(double work) {
 static mha_status check_param(const mha_tensor *t, const char *name, int ndim) {
     if ((unsigned)t->dtype < MHA_DTYPE_COUNT && t->dtype != MHA_F32 && t->dtype != MHA_BF16 &&
         t->dtype != MHA_F16)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
+        return mha__fail(MHA_ERR_DTYPE,
                          "linear: %s: dtype %s is not supported (expected F32, BF16 or F16; "
                          "round float64 parameters to float32 first)",
                          name, mha_dtype_name(t->dtype));
@@ -186,7 +186,7 @@ static mha_status check_forward(const mha_linear *l, const mha_tensor *y, const 
     for (int k = 0; k < 2; k++) {  // a known dtype but not F32: say so first
         const mha_dtype dt = k ? y->dtype : x->dtype;
         if ((unsigned)dt < MHA_DTYPE_COUNT && dt != MHA_F32)
-            return mha__fail(MHA_ERR_UNSUPPORTED,
+            return mha__fail(MHA_ERR_DTYPE,
                              "linear: %s is %s: x and y must be F32 (the weight may be half)",
                              k ? "y" : "x", mha_dtype_name(dt));
     }

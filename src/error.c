@@ -43,6 +43,7 @@ const char *mha_status_string(mha_status s) {
     case MHA_ERR_UNSUPPORTED: return "MHA_ERR_UNSUPPORTED";
     case MHA_ERR_NOT_FOUND: return "MHA_ERR_NOT_FOUND";
     case MHA_ERR_OVERFLOW: return "MHA_ERR_OVERFLOW";
+    case MHA_ERR_DTYPE: return "MHA_ERR_DTYPE";
     }
     return "MHA_ERR_UNKNOWN";
 }

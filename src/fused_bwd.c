@@ -433,8 +433,8 @@ static void bwd_dctx(bwd_call *c, const mha_tensor *gout) {
         int64_t n, t;
         mha__row_nt(p, seq_first, gout, r, &n, &t);
         for (int64_t e = 0; p->out_p > 0.0f && e < E; e++)
-            dy[r * E + e] *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
-                                                  p->L, p->E, n, t, e);
+            dy[r * E + e] *= mha__out_drop_factor(a->opts.dropout_seed, a->opts.dropout_offset,
+                                                  p->out_p, p->L, p->E, n, t, e);
     }
     // dctx (Rq, Eq) = dy (Rq, E) Wo (E, Eq)
     if (c->bf) {

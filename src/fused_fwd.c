@@ -62,8 +62,9 @@ static bool out_project(const mha__kernels *kt, const fwd_plan *p, mha_tensor *o
             int64_t n, t;
             mha__row_nt(p, seq_first, out, r, &n, &t);
             for (int64_t e = 0; e < E; e++)
-                y[r * ldo + e] *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset,
-                                                       p->out_p, p->L, p->E, n, t, e);
+                y[r * ldo + e] *= mha__out_drop_factor(a->opts.dropout_seed,
+                                                       a->opts.dropout_offset, p->out_p, p->L,
+                                                       p->E, n, t, e);
         }
     if (!direct)
         for (int64_t r = 0; r < Rq; r++) {

@@ -20,6 +20,7 @@
 
 #include "check.h"
 #include "flash.h"
+#include "rope.h"
 #include "kvcache.h"
 
 #define MHA__DECODE_MAX_T 16
@@ -121,14 +122,8 @@ mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2,
 }
 
 mha_status mha_kv_cache_create(mha_kv_cache **out, int64_t batch, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t v_head_dim, int64_t capacity) {
-    return mha_kv_cache_create_ex(out, batch, num_kv_heads, head_dim, v_head_dim, capacity,
-                                  MHA_KV_F32);
-}
-
-mha_status mha_kv_cache_create_ex(mha_kv_cache **out, int64_t batch, int64_t num_kv_heads,
-                                  int64_t head_dim, int64_t v_head_dim, int64_t capacity,
-                                  mha_kv_dtype dtype) {
+                               int64_t head_dim, int64_t v_head_dim, int64_t capacity,
+                               mha_kv_dtype dtype) {
     if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_kv_cache_create: NULL out");
     *out = NULL;
     if (batch < 1 || num_kv_heads < 1 || head_dim < 1 || v_head_dim < 1 || capacity < 1)
@@ -377,7 +372,7 @@ mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t b, int64_t length) {
 void mha_cache_attend_args_init(mha_cache_attend_args *a) {
     if (!a) return;
     memset(a, 0, sizeof *a);
-    a->window_left = a->window_right = -1;
+    a->opts.window_left = a->opts.window_right = -1;
 }
 
 mha_status mha_kv_cache_attend(mha_tensor *out, const mha_tensor *q, const mha_kv_cache *c,
@@ -399,6 +394,7 @@ typedef struct attend_call {
     int64_t B, H, T, G, D, Dv, maxlen, q_shift;
     double scale;
     int nt;
+    float slopes[MHA__ALIBI_MAX_DEFAULT];  // the paper's ALiBi slopes when asked for
 } attend_call;
 
 // Checks a cache attention's arguments (once) and fills ac.
@@ -410,15 +406,12 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
     mha_cache_attend_args a;
     if (args) a = *args;
     else mha_cache_attend_args_init(&a);
-    mha_status st = mha__check_attn_opts("kv cache attend", a.window_left, a.window_right,
-                                         a.softcap, a.use_custom_scale, a.scale);
+    mha_status st = mha__check_attn_opts("kv cache attend", &a.opts, MHA__REFUSE_DROPOUT);
     if (st) return st;
     if ((st = mha__check_float(q, "q"))) return st;
     const int64_t B = c->B, D = c->D, Dv = c->Dv;
-    if (a.sink_tokens < 0)
-        return mha__fail(MHA_ERR_INVALID_ARG, "kv cache attend: sink_tokens %lld < 0",
-                         (long long)a.sink_tokens);
-    if (a.sink_tokens > 0 && a.window_left >= 0 && (q_shift != 0 || a.window_right >= 0))
+    if (a.opts.sink_tokens > 0 && a.opts.window_left >= 0 &&
+        (q_shift != 0 || a.opts.window_right >= 0))
         return mha__fail(MHA_ERR_UNSUPPORTED,
                          "kv cache attend: sink_tokens (StreamingLLM) with %s",
                          q_shift ? "a sharded cache" : "window_right >= 0");
@@ -432,15 +425,22 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
                          (long long)D, (long long)c->Hkv);
     }
     const int64_t H = q->shape[1], T = q->shape[2], G = H / c->Hkv;
+    const float *slopes;  // (checked here; set in ac below)
+    if ((st = mha__attn_logit_params(&slopes, ac->slopes, &a.opts, H, "kv cache attend")))
+        return st;
     const mha_shape os = {4, {B, H, T, Dv}};
     if ((st = mha__check_output(out, "out", &os))) return st;
     if ((st = mha__check_no_overlap(out, "out", q, "q"))) return st;
-    if (q->dtype != MHA_F32 || out->dtype != MHA_F32 || q->stride[3] != 1 || out->stride[3] != 1)
+    if (q->dtype != MHA_F32 || out->dtype != MHA_F32)
+        return mha__fail(MHA_ERR_DTYPE, "kv cache attend: q and out must be F32, got %s and %s",
+                         mha_dtype_name(q->dtype), mha_dtype_name(out->dtype));
+    if (q->stride[3] != 1 || out->stride[3] != 1)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "kv cache attend: q and out must be F32, BF16 or F16 with unit "
-                         "stride along the head dim");
+                         "kv cache attend: q and out must have unit stride along the head dim, "
+                         "got %lld and %lld",
+                         (long long)q->stride[3], (long long)out->stride[3]);
     if ((st = check_counts(counts, B, T, "kv cache attend"))) return st;
-    const mha_tensor *sq = a.sink_tokens > 0 && a.window_left >= 0 ? a.sink_q : NULL;
+    const mha_tensor *sq = a.opts.sink_tokens > 0 && a.opts.window_left >= 0 ? a.sink_q : NULL;
     if (sq) {
         if ((st = mha__check_float(sq, "sink_q"))) return st;
         if (sq->ndim != 4 || sq->shape[0] != B || sq->shape[1] != H || sq->shape[2] != T ||
@@ -460,8 +460,7 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
                              "cached tokens (append the chunk's keys first)",
                              (long long)b, (long long)(counts ? counts[b] : T),
                              (long long)c->len[b]);
-    double scale = 1.0 / sqrt((double)D);
-    if (a.use_custom_scale) scale = a.scale;
+    const double scale = a.opts.scale != 0.0 ? a.opts.scale : 1.0 / sqrt((double)D);
     const mha__kernels *kt = mha__kernels_get();
     float *o = out->data;
     const float *qd = q->data;
@@ -497,7 +496,9 @@ static mha_status attend_check(attend_call *ac, mha_tensor *out, const mha_tenso
                         .q_shift = q_shift,
                         .scale = scale,
                         .nt = nt};
-    return MHA_OK;
+    // (last: the slopes may point into ac; checked above)
+    return mha__attn_logit_params(&ac->a.opts.alibi_slopes, ac->slopes, &a.opts, H,
+                                  "kv cache attend");
 }
 
 // A prefill chunk (more than MHA__DECODE_MAX_T queries): flash tiles per
@@ -558,13 +559,13 @@ static mha_status attend_prefill(const attend_call *ac) {
         mha__mask mk;
         memset(&mk, 0, sizeof mk);
         mk.causal = true;
-        mk.win_left = a.window_left;
-        mk.win_right = a.window_right;
+        mk.win_left = a.opts.window_left;
+        mk.win_right = a.opts.window_right;
         mk.q_off = c->len[b] - Tb + q_shift;
         mk.s_masked = c->len[b];
-        mk.alibi = a.alibi_slopes;
-        mk.softcap = a.softcap;
-        mk.sinks = a.sinks;
+        mk.alibi = a.opts.alibi_slopes;
+        mk.softcap = a.opts.softcap;
+        mk.sinks = a.opts.sinks;
         const int64_t hk = h / G;
         const char *kc = NULL, *vc = NULL;
         const float *ks, *vs;
@@ -611,7 +612,7 @@ static void attend_combine(const attend_call *ac, const float *part, int64_t nch
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, Tb = counts ? counts[b] : T;
-        const double sink = ac->a.sinks ? (double)ac->a.sinks[h] : -INFINITY;
+        const double sink = ac->a.opts.sinks ? (double)ac->a.opts.sinks[h] : -INFINITY;
         for (int64_t t = 0; t < Tb; t++) {
             float *orow = o + b * out->stride[0] + h * out->stride[1] + t * out->stride[2];
             double M = -INFINITY;
@@ -1138,8 +1139,8 @@ static mha_status attend_decode(const attend_call *ac) {
     const int64_t nq = G * T;
     const int64_t qcap = DEC_GROUP_FLOATS / CH < DEC_GROUP_Q ? DEC_GROUP_FLOATS / CH
                                                              : DEC_GROUP_Q;
-    const bool share = c->shares && B > 1 && a.window_left < 0 && a.window_right < 0 &&
-                       q_shift == 0 && qcap / nq >= 2;
+    const bool share = c->shares && B > 1 && a.opts.window_left < 0 &&
+                       a.opts.window_right < 0 && q_shift == 0 && qcap / nq >= 2;
     const int64_t mmax = share ? qcap / nq : 1;
     // heads-together rows (mha__kv_rows.heads_together): an item of a
     // sequence alone takes up to HI of its KV heads (as many as a group's
@@ -1234,8 +1235,8 @@ static mha_status attend_decode(const attend_call *ac) {
                     float *pp = part + ((size_t)(((b * H + h) * nch + ch) * T + t)) * per;
                     int64_t lo, hi;  // query t sits at position n - Tb + t
                     const mha__mask band = {.causal = true,
-                                            .win_left = a.window_left,
-                                            .win_right = a.window_right,
+                                            .win_left = a.opts.window_left,
+                                            .win_right = a.opts.window_right,
                                             .q_off = n - Tb + q_shift};
                     mha__mask_band(&band, t, n, &lo, &hi);
                     if (lo < j0) lo = j0;
@@ -1298,12 +1299,14 @@ static mha_status attend_decode(const attend_call *ac) {
                 const dec_query *dq = &qs[v];
                 float *s = sc + (size_t)v * qf + (dq->lo - j0);
                 const int64_t w = dq->hi - dq->lo;
-                if (a.softcap > 0.0f)
-                    for (int64_t j = 0; j < w; j++) s[j] = a.softcap * tanhf(s[j] / a.softcap);
-                if (a.alibi_slopes) {  // -slope |position - j|
+                if (a.opts.softcap > 0.0f)
+                    for (int64_t j = 0; j < w; j++)
+                        s[j] = a.opts.softcap * tanhf(s[j] / a.opts.softcap);
+                if (a.opts.alibi_slopes) {  // -slope |position - j|
                     const int64_t p = dq->p;
                     for (int64_t j = dq->lo; j < dq->hi; j++)
-                        s[j - dq->lo] -= a.alibi_slopes[dq->h] * (float)(p >= j ? p - j : j - p);
+                        s[j - dq->lo] -= a.opts.alibi_slopes[dq->h] *
+                                         (float)(p >= j ? p - j : j - p);
                 }
                 float m = -INFINITY, l = 0.0f;
                 (void)kt->softmax_update(s, w, &m, &l);  // s <- exp(s - m)
@@ -1327,7 +1330,7 @@ static mha_status attend_decode(const attend_call *ac) {
 static mha_status attend_stream_sinks(const attend_call *ac, const mha_tensor *sq) {
     const mha__kv_rows *c = ac->c;
     const int64_t B = ac->B, H = ac->H, T = ac->T, G = ac->G, D = ac->D, Dv = ac->Dv;
-    const int64_t k = ac->a.sink_tokens, w = ac->a.window_left;
+    const int64_t k = ac->a.opts.sink_tokens, w = ac->a.opts.window_left;
     const int64_t kmax = k < ac->maxlen ? k : ac->maxlen;
     if (kmax <= 0) return MHA_OK;
     // per thread: the sinks' scores (float64), their K and V rows as float32
@@ -1364,10 +1367,11 @@ static mha_status attend_stream_sinks(const attend_call *ac, const mha_tensor *s
                 double d = 0.0;
                 for (int64_t e = 0; e < D; e++) d += (double)x[e] * kf[j * D + e];
                 d *= ac->scale;
-                if (ac->a.softcap > 0.0f) d = ac->a.softcap * tanh(d / ac->a.softcap);
-                if (ac->a.alibi_slopes) {
+                if (ac->a.opts.softcap > 0.0f)
+                    d = ac->a.opts.softcap * tanh(d / ac->a.opts.softcap);
+                if (ac->a.opts.alibi_slopes) {
                     const int64_t at = j + delta;
-                    d -= ac->a.alibi_slopes[h] * (double)(p >= at ? p - at : at - p);
+                    d -= ac->a.opts.alibi_slopes[h] * (double)(p >= at ? p - at : at - p);
                 }
                 s[j] = d;
                 if (d > ms) ms = d;
@@ -1424,10 +1428,12 @@ static mha_status attend_rows_half(mha_tensor *out, const mha_tensor *q,
                                    const int64_t *counts, int64_t q_shift, float *stats) {
     mha_status st;
     if ((st = mha__check_float(q, "q")) || (st = mha__check_float(out, "out"))) return st;
-    if (q->dtype == MHA_F64 || out->dtype == MHA_F64 || q->ndim != 4 || out->ndim != 4)
-        return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "kv cache attend: q %s and out %s: 4-D views of F32, BF16 or F16",
+    if (q->dtype == MHA_F64 || out->dtype == MHA_F64)
+        return mha__fail(MHA_ERR_DTYPE, "kv cache attend: q %s and out %s: F32, BF16 or F16",
                          mha_dtype_name(q->dtype), mha_dtype_name(out->dtype));
+    if (q->ndim != 4 || out->ndim != 4)
+        return mha__fail(MHA_ERR_SHAPE, "kv cache attend: q and out must be 4-D, got %d and %d",
+                         q->ndim, out->ndim);
     if ((st = mha__check_no_overlap(out, "out", q, "q"))) return st;
     const size_t nq = (size_t)mha_tensor_numel(q), no = (size_t)mha_tensor_numel(out);
     size_t bytes;
@@ -1458,7 +1464,7 @@ static mha_status attend_rows_f32(mha_tensor *out, const mha_tensor *q,
                                   const mha__kv_rows *rows, const mha_cache_attend_args *args,
                                   const int64_t *counts, int64_t q_shift, float *stats) {
     attend_call ac = {0};
-    const bool stream = args && args->sink_tokens > 0 && args->window_left >= 0;
+    const bool stream = args && args->opts.sink_tokens > 0 && args->opts.window_left >= 0;
     float *own = NULL;  // the window's row stats, when the caller wants none
     if (stream && !stats && q && q->ndim == 4 && rows) {
         size_t nst;

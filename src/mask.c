@@ -39,3 +39,10 @@ double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i, int
     if (mk->kpm) v += mask_elem(mk->kpm, mk->kpm_dtype, b * mk->kpm_s[0] + j * mk->kpm_s[1]);
     return v;
 }
+
+void mha_attn_opts_init(mha_attn_opts *o) {
+    if (!o) return;
+    *o = (mha_attn_opts){0};
+    o->window_left = -1;
+    o->window_right = -1;
+}

@@ -375,7 +375,7 @@ mha_status mha_module_convert(mha_module **out, const mha_module *m, mha_dtype w
 
 mha_status mha__require_f32_weights(const mha_module *m, const char *what) {
     if (m->wdt == MHA_F32) return MHA_OK;
-    return mha__fail(MHA_ERR_UNSUPPORTED,
+    return mha__fail(MHA_ERR_DTYPE,
                      "%s: the module's weights are stored as %s (inference only); "
                      "training needs float32 weights (mha_module_convert(..., MHA_F32))",
                      what, mha_dtype_name(m->wdt));

@@ -38,7 +38,7 @@ typedef struct pseq {
     int64_t known, tcap;  // the first `known` tokens' ids are in tok (room tcap)
     int32_t *tok;
     // released tokens [hole, kept) (whole blocks; none while kept <= hole):
-    // release_before frees from the start, release_keep after the first
+    // mha_paged_cache_release frees from the start (keep 0) or after the first
     // blocks (StreamingLLM's sinks)
     int64_t hole, kept;
 } pseq;
@@ -123,17 +123,9 @@ mha_status mha_paged_layout_from_name(mha_paged_layout *layout, const char *name
                      "paged layout '%s': expected head-major or block-major", name);
 }
 
-mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks,
-                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t v_head_dim, mha_kv_dtype dtype) {
-    return mha_paged_cache_create_ex(out, num_blocks, block_size, num_kv_heads, head_dim,
-                                     v_head_dim, dtype, MHA_PAGED_HEAD_MAJOR);
-}
-
-mha_status mha_paged_cache_create_ex(mha_paged_cache **out, int64_t num_blocks,
-                                     int64_t block_size, int64_t num_kv_heads,
-                                     int64_t head_dim, int64_t v_head_dim, mha_kv_dtype dtype,
-                                     mha_paged_layout layout) {
+mha_status mha_paged_cache_create(mha_paged_cache **out, int64_t num_blocks, int64_t block_size,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
+                                  mha_kv_dtype dtype, mha_paged_layout layout) {
     if (!out) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_create: NULL out");
     *out = NULL;
     if ((unsigned)layout > MHA_PAGED_BLOCK_MAJOR)
@@ -367,7 +359,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
     // the longest run of keyed blocks holding the prompt's first tokens; at
     // most n - 1 tokens cached, so that the last is left to compute (a last
     // block that holds it is shared too: appending its token with its id
-    // keeps the row there, mha_paged_cache_append_tokens)
+    // keeps the row there, mha_paged_cache_append)
     int64_t nb = 0;
     for (int64_t parent = -1; (nb + 1) * c->bs <= n && nb * c->bs < n - 1; nb++) {
         const int32_t b = index_find(c, parent, tokens + nb * c->bs);
@@ -523,8 +515,7 @@ mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t leng
     return st;
 }
 
-mha_status mha_paged_cache_release_keep(mha_paged_cache *c, int64_t id, int64_t keep,
-                                        int64_t pos) {
+mha_status mha_paged_cache_release(mha_paged_cache *c, int64_t id, int64_t keep, int64_t pos) {
     if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_release: NULL cache");
     mha_status st = enter_change(c, "mha_paged_cache_release");
     if (st) return st;
@@ -556,10 +547,6 @@ mha_status mha_paged_cache_release_keep(mha_paged_cache *c, int64_t id, int64_t 
     }
     leave_change(c);
     return st;
-}
-
-mha_status mha_paged_cache_release_before(mha_paged_cache *c, int64_t id, int64_t pos) {
-    return mha_paged_cache_release_keep(c, id, 0, pos);
 }
 
 int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id) {
@@ -698,13 +685,7 @@ static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_
 
 mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *ids,
                                   const int64_t *counts, const mha_tensor *k,
-                                  const mha_tensor *v) {
-    return mha_paged_cache_append_tokens(c, n, ids, counts, k, v, NULL);
-}
-
-mha_status mha_paged_cache_append_tokens(mha_paged_cache *c, int64_t n, const int64_t *ids,
-                                         const int64_t *counts, const mha_tensor *k,
-                                         const mha_tensor *v, const int32_t *tokens) {
+                                  const mha_tensor *v, const int32_t *tokens) {
     if (!c || !k || !v)
         return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_append: NULL argument");
     mha_status st = enter_change(c, "mha_paged_cache_append");
@@ -850,7 +831,7 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
         return mha__fail(MHA_ERR_NOMEM, "mha_paged_cache_attend: out of memory");
     }
     const int64_t T = q && q->ndim == 4 ? q->shape[2] : 0;
-    const int64_t wl = args ? args->window_left : -1;
+    const int64_t wl = args ? args->opts.window_left : -1;
     for (int64_t i = 0; i < n && !st; i++) {
         const pseq *s = live_seq(c, ids[i]);
         if (!s) {
@@ -862,7 +843,7 @@ mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_page
         // StreamingLLM's sinks before the window, must miss them)
         const int64_t cnt = counts && counts[i] >= 0 && counts[i] <= T ? counts[i] : T;
         const int64_t reach = wl < 0 ? 0 : s->len - cnt - wl;
-        const int64_t sinks = wl >= 0 && args ? args->sink_tokens : 0;
+        const int64_t sinks = wl >= 0 && args ? args->opts.sink_tokens : 0;
         // (the sinks its last query sees: [0, see))
         const int64_t last = s->len - 1 - wl, see = sinks < last ? sinks : last;
         if (s->kept > s->hole && cnt > 0 && (reach < s->kept || see > s->hole))

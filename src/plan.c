@@ -185,17 +185,13 @@ static mha_status plan_masks(fwd_plan *p, const mha_module *m, const mha_forward
     mha_status st;
     p->mask.s_masked = p->S;
     p->mask.sinks = m->sinks;  // (NULL without attention sinks)
-    p->mask.causal = a->is_causal;
-    if ((st = mha__check_attn_opts("mha_forward", a->window_left, a->window_right, a->softcap,
-                                   false, 0.0)))
+    p->mask.causal = a->opts.is_causal;
+    if ((st = mha__check_attn_opts("mha_forward", &a->opts,
+                                   MHA__REFUSE_SINKS | MHA__REFUSE_DROPOUT)))
         return st;
-    if (a->use_custom_scale && !(a->scale > 0.0 && isfinite(a->scale)))
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_forward: the custom scale must be positive and finite, got %g",
-                         a->scale);
-    p->scale = a->use_custom_scale ? a->scale : 1.0 / sqrt((double)p->d);
-    p->mask.win_left = a->window_left;
-    p->mask.win_right = a->window_right;
+    p->scale = a->opts.scale != 0.0 ? a->opts.scale : 1.0 / sqrt((double)p->d);
+    p->mask.win_left = a->opts.window_left;
+    p->mask.win_right = a->opts.window_right;
     if ((st = mha__check_rope_alibi(&p->mask, p->alibi_default, &p->rope_seq, a, p->N, p->L,
                                     p->S, p->H, p->d)))
         return st;
@@ -212,8 +208,8 @@ static mha_status plan_shapes(fwd_plan *p, const mha_module *m, const mha_forwar
     mha_status st;
     // Dropout (training only).
     if (a->training && c->dropout > 0.0f)
-        p->drop = (mha__dropout){c->dropout, a->dropout_seed, a->dropout_offset, p->H, p->L,
-                                 p->Sp};
+        p->drop = (mha__dropout){
+            c->dropout, a->opts.dropout_seed, a->opts.dropout_offset, p->H, p->L, p->Sp};
     p->out_p = a->training ? c->out_dropout : 0.0f;
 
     // Output shapes.
@@ -305,11 +301,11 @@ static mha_status plan_impl(fwd_plan *p, const mha_module *m, const mha_forward_
 // threads and the reference's scratch, the implementation.
 mha_status mha__plan_forward(fwd_plan *p, const mha_module *m, const mha_forward_args *a) {
     if (!m || !a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_forward: NULL module or args");
-    if (a->stream_sinks)
+    if (a->opts.sink_tokens)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "mha_forward: stream_sinks %lld: StreamingLLM's sinks go with a KV "
+                         "mha_forward: opts.sink_tokens %lld: StreamingLLM's sinks go with a KV "
                          "cache (mha_forward_cached, mha_forward_paged)",
-                         (long long)a->stream_sinks);
+                         (long long)a->opts.sink_tokens);
     memset(p, 0, sizeof *p);
     mha_status st;
     if ((st = plan_inputs(p, m, a)) || (st = plan_masks(p, m, a)) ||
@@ -344,7 +340,7 @@ mha_status mha__fused_plan(fwd_plan *p, const mha_module *m, const mha_forward_a
     const char *names[3] = {"query", "key", "value"};
     for (int i = 0; i < 3; i++)
         if (in[i]->dtype != MHA_F32 && in[i]->dtype != MHA_BF16 && in[i]->dtype != MHA_F16)
-            return mha__fail(MHA_ERR_UNSUPPORTED,
+            return mha__fail(MHA_ERR_DTYPE,
                              "the fused implementation takes F32, BF16 or F16 tensors "
                              "(computing in float32), %s is %s",
                              names[i], mha_dtype_name(in[i]->dtype));

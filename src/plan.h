@@ -151,8 +151,8 @@ typedef struct mha__saved_key {
     bool alibi;
     const float *alibi_slopes;
     float softcap;
-    float dropout_p;  // (mha_sdpa's; a module's is in its config)
-    bool custom_scale;
+    const float *sinks;  // (mha_sdpa's; a module's are its parameter)
+    float dropout_p;     // (mha_sdpa's; a module's is in its config)
     double scale;
 } mha__saved_key;
 

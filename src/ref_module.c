@@ -353,9 +353,9 @@ static void ref_fwd_out_project(const fwd_plan *p, mha_tensor *out, const mha_mo
         if (p->out_p > 0.0f)
             for (int64_t e = 0; e < E; e++)
                 mha__st(y, 0, e,
-                        mha__ld(y, 0, e) * mha__out_drop_factor(a->dropout_seed,
-                                                                a->dropout_offset, p->out_p,
-                                                                p->L, p->E, n, t, e));
+                        mha__ld(y, 0, e) *
+                            mha__out_drop_factor(a->opts.dropout_seed, a->opts.dropout_offset,
+                                                 p->out_p, p->L, p->E, n, t, e));
     }
     if (a->trace) {
         const int64_t st[3] = {os[1], os[0], os[2]};  // as (N, L, E)
@@ -518,8 +518,8 @@ static void ref_bwd_dy_dctx(const fwd_plan *p, const mha_module *m, const mha_fo
             for (int64_t e = 0; e < E; e++) {
                 double gv_ = mha__ld(g, 0, t * gs[0] + n * gs[1] + e * gs[2]);
                 if (p->out_p > 0.0f)
-                    gv_ *= mha__out_drop_factor(a->dropout_seed, a->dropout_offset, p->out_p,
-                                                p->L, p->E, n, t, e);
+                    gv_ *= mha__out_drop_factor(a->opts.dropout_seed, a->opts.dropout_offset,
+                                                p->out_p, p->L, p->E, n, t, e);
                 dy[(n * L + t) * E + e] = gv_;
             }
     // dctx = dy Wo  (forward: y = ctx Wo^T + bo; Wo (E, Eq))

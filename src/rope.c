@@ -286,13 +286,9 @@ void mha__alibi_slopes(float *slopes, int64_t H) {
         slopes[h] = (float)pow(2.0, -8.0 * (double)(i + 1) / (double)(2 * n));
 }
 
-mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const int64_t *start, bool inverse) {
-    return mha_rope_apply_ex(x, r, NULL, start, NULL, 0, inverse);
-}
-
-mha_status mha_rope_apply_ex(mha_tensor *x, const mha_rope *r, const mha_rope_scaling *sc,
-                             const int64_t *start, const int64_t *positions, int64_t seq,
-                             bool inverse) {
+mha_status mha_rope_apply(mha_tensor *x, const mha_rope *r, const mha_rope_scaling *sc,
+                          const int64_t *start, const int64_t *positions, int64_t seq,
+                          bool inverse) {
     if (!x || !r) return mha__fail(MHA_ERR_INVALID_ARG, "mha_rope_apply: NULL argument");
     mha_status st = mha__check_float(x, "x");
     if (st) return st;
@@ -440,23 +436,32 @@ mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default, int64_t *r
         }
         *rope_seq = maxpos + 1;
     }
-    mk->softcap = a->softcap;
-    mk->alibi = NULL;
-    if (a->alibi) {
-        if (a->alibi_slopes) {
-            for (int64_t h = 0; h < H; h++)
-                if (!isfinite(a->alibi_slopes[h]))
-                    return mha__fail(MHA_ERR_INVALID_ARG, "alibi_slopes[%lld] is not finite",
-                                     (long long)h);
-            mk->alibi = a->alibi_slopes;
-        } else {
-            if (H > MHA__ALIBI_MAX_DEFAULT)
-                return mha__fail(MHA_ERR_UNSUPPORTED,
-                                 "alibi: %lld heads; pass alibi_slopes for more than %d",
-                                 (long long)H, MHA__ALIBI_MAX_DEFAULT);
-            mha__alibi_slopes(alibi_default, H);
-            mk->alibi = alibi_default;
-        }
+    mk->softcap = a->opts.softcap;
+    return mha__attn_logit_params(&mk->alibi, alibi_default, &a->opts, H, "mha_forward");
+}
+
+mha_status mha__attn_logit_params(const float **slopes, float *buf, const mha_attn_opts *o,
+                                  int64_t H, const char *who) {
+    *slopes = NULL;
+    if (o->alibi_slopes) {
+        for (int64_t h = 0; h < H; h++)
+            if (!isfinite(o->alibi_slopes[h]))
+                return mha__fail(MHA_ERR_INVALID_ARG, "%s: alibi_slopes[%lld] is not finite",
+                                 who, (long long)h);
+        *slopes = o->alibi_slopes;
+    } else if (o->alibi) {
+        if (H > MHA__ALIBI_MAX_DEFAULT)
+            return mha__fail(MHA_ERR_UNSUPPORTED,
+                             "%s: alibi: %lld heads; pass alibi_slopes for more than %d", who,
+                             (long long)H, MHA__ALIBI_MAX_DEFAULT);
+        mha__alibi_slopes(buf, H);
+        *slopes = buf;
     }
+    if (o->sinks)
+        for (int64_t h = 0; h < H; h++)
+            if (isnan(o->sinks[h]) || o->sinks[h] == INFINITY)
+                return mha__fail(MHA_ERR_INVALID_ARG,
+                                 "%s: sinks[%lld] is %g (expected finite, or -inf: none)", who,
+                                 (long long)h, (double)o->sinks[h]);
     return MHA_OK;
 }

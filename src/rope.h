@@ -50,5 +50,11 @@ void mha__alibi_slopes(float *slopes, int64_t H);
 mha_status mha__check_rope_alibi(mha__mask *mk, float *alibi_default, int64_t *rope_seq,
                                  const mha_forward_args *a, int64_t N, int64_t L, int64_t S,
                                  int64_t H, int64_t d);
+// The ALiBi slopes o asks for over H query heads: o->alibi_slopes (each
+// checked finite), the paper's computed into buf (MHA__ALIBI_MAX_DEFAULT
+// floats) when only o->alibi is set, or NULL (none); and o->sinks, when
+// given, checked (finite or -inf). who names the caller in messages.
+mha_status mha__attn_logit_params(const float **slopes, float *buf, const mha_attn_opts *o,
+                                  int64_t H, const char *who);
 
 #endif

@@ -694,7 +694,7 @@ mha_status mha_st_read(void *dst, size_t dst_bytes, mha_dtype to, const mha_st_t
         }
         return MHA_OK;
     }
-    return mha__fail(MHA_ERR_UNSUPPORTED,
+    return mha__fail(MHA_ERR_DTYPE,
                      "mha_st_read: tensor %s: cannot convert %s to %s "
                      "(allowed: any to F32/F64, F32/F64/BF16/F16 to BF16/F16, BOOL/U8 "
                      "to BOOL/U8, same dtype)",

@@ -31,6 +31,22 @@ static void key_tensor(mha_tensor *dst, const mha_tensor *t) {
     }
 }
 
+// The attention options a saved state depends on (field by field: the
+// key's padding stays 0 for the comparison).
+static void key_opts(mha__saved_key *k, const mha_attn_opts *o) {
+    k->causal = o->is_causal;
+    k->window_left = o->window_left;
+    k->window_right = o->window_right;
+    k->seed = o->dropout_seed;
+    k->offset = o->dropout_offset;
+    k->alibi = o->alibi;
+    k->alibi_slopes = o->alibi_slopes;
+    k->softcap = o->softcap;
+    k->sinks = o->sinks;
+    k->dropout_p = o->dropout_p;
+    k->scale = o->scale;
+}
+
 void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward_args *a) {
     memset(k, 0, sizeof *k);
     k->m = m;
@@ -39,12 +55,8 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
     key_tensor(&k->v, a->value);
     key_tensor(&k->kpm, a->key_padding_mask);
     key_tensor(&k->am, a->attn_mask);
-    k->causal = a->is_causal;
+    key_opts(k, &a->opts);
     k->training = a->training;
-    k->window_left = a->window_left;
-    k->window_right = a->window_right;
-    k->seed = a->dropout_seed;
-    k->offset = a->dropout_offset;
     k->rope_mode = a->rope.mode;
     k->rope_theta = a->rope.theta;
     k->rope_dim = a->rope.dim;
@@ -64,11 +76,6 @@ void mha__saved_key_of(mha__saved_key *k, const mha_module *m, const mha_forward
         k->rope_scaling.attention_factor = rs->attention_factor;
         k->rope_scaling.truncate = rs->truncate;
     }
-    k->alibi = a->alibi;
-    k->alibi_slopes = a->alibi_slopes;
-    k->softcap = a->softcap;
-    k->custom_scale = a->use_custom_scale;
-    k->scale = a->use_custom_scale ? a->scale : 0.0;
 }
 
 void mha__saved_key_of_sdpa(mha__saved_key *k, const mha_sdpa_args *a) {
@@ -78,15 +85,8 @@ void mha__saved_key_of_sdpa(mha__saved_key *k, const mha_sdpa_args *a) {
     key_tensor(&k->v, a->v);
     key_tensor(&k->kpm, a->key_padding_mask);
     key_tensor(&k->am, a->attn_mask);
-    k->causal = a->is_causal;
-    k->training = a->dropout_p > 0.0f;
-    k->dropout_p = a->dropout_p;
-    k->window_left = a->window_left;
-    k->window_right = a->window_right;
-    k->seed = a->dropout_seed;
-    k->offset = a->dropout_offset;
-    k->custom_scale = a->use_custom_scale;
-    k->scale = a->use_custom_scale ? a->scale : 0.0;
+    key_opts(k, &a->opts);
+    k->training = a->opts.dropout_p > 0.0f;
 }
 
 // Grows s's buffer to need floats (its contents dropped); at least one, so

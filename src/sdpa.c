@@ -14,8 +14,8 @@ void mha_sdpa_args_init(mha_sdpa_args *a) {
     if (!a) return;
     memset(a, 0, sizeof *a);
     a->impl = MHA_IMPL_AUTO;
-    a->window_left = -1;
-    a->window_right = -1;
+    a->opts.window_left = -1;
+    a->opts.window_right = -1;
 }
 
 static mha_status check_4d(const mha_tensor *t, const char *name) {
@@ -32,6 +32,7 @@ static mha_status check_4d(const mha_tensor *t, const char *name) {
 // The dims of a call: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
 typedef struct sdpa_dims {
     int64_t B, H, L, D, S, Dv, Hkv;
+    float alibi[MHA__ALIBI_MAX_DEFAULT];  // the paper's slopes when asked for
 } sdpa_dims;
 
 // q, k, v: 4-dim float views that fit together (Hkv dividing H); the
@@ -54,13 +55,11 @@ static mha_status sdpa_check(sdpa_dims *dm, double *scale_out, const mha_sdpa_ar
                          mha__shape_str(s1, sizeof s1, 4, q->shape),
                          mha__shape_str(s2, sizeof s2, 4, k->shape),
                          mha__shape_str(s3, sizeof s3, 4, v->shape));
-    *dm = (sdpa_dims){B, H, L, D, S, Dv, Hkv};
+    *dm = (sdpa_dims){.B = B, .H = H, .L = L, .D = D, .S = S, .Dv = Dv, .Hkv = Hkv};
     double scale;
-    if ((st = mha__check_attn_opts("sdpa", a->window_left, a->window_right, 0.0f,
-                                   a->use_custom_scale, a->scale)))
-        return st;
-    if (a->use_custom_scale) {
-        scale = a->scale;
+    if ((st = mha__check_attn_opts("sdpa", &a->opts, MHA__REFUSE_SINK_TOKENS))) return st;
+    if (a->opts.scale != 0.0) {
+        scale = a->opts.scale;
     } else {
         if (D == 0)
             return mha__fail(MHA_ERR_SHAPE, "sdpa: head dim D is 0, so the default scale "
@@ -68,24 +67,21 @@ static mha_status sdpa_check(sdpa_dims *dm, double *scale_out, const mha_sdpa_ar
         scale = 1.0 / sqrt((double)D);
     }
     *scale_out = scale;
-    if (!(a->dropout_p >= 0.0f && a->dropout_p < 1.0f))
-        return mha__fail(MHA_ERR_INVALID_ARG, "sdpa: dropout_p must be in [0, 1), got %g",
-                         (double)a->dropout_p);
     return MHA_OK;
 }
 
 // The mask as (b, h, i, j) strides: causal, the window, attn_mask
 // broadcast to (B, H, L, S), key_padding_mask (B, S).
-static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, const sdpa_dims *dm) {
+static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, sdpa_dims *dm) {
     char s1[160], s2[160];
     mha_status st;
     const int64_t B = dm->B, H = dm->H, L = dm->L, S = dm->S;
     mha__mask mk;
     memset(&mk, 0, sizeof mk);
     mk.s_masked = S;
-    mk.causal = a->is_causal;
-    mk.win_left = a->window_left;
-    mk.win_right = a->window_right;
+    mk.causal = a->opts.is_causal;
+    mk.win_left = a->opts.window_left;
+    mk.win_right = a->opts.window_right;
     if (a->attn_mask) {
         const mha_tensor *t = a->attn_mask;
         if ((st = mha__check_mask_dtype(t, "attn_mask"))) return st;
@@ -125,6 +121,10 @@ static mha_status sdpa_mask(mha__mask *mk_out, const mha_sdpa_args *a, const sdp
         mk.kpm_s[0] = t->stride[0];
         mk.kpm_s[1] = t->stride[1];
     }
+    // the logit's soft cap, ALiBi and sinks (per query head)
+    mk.softcap = a->opts.softcap;
+    mk.sinks = a->opts.sinks;
+    if ((st = mha__attn_logit_params(&mk.alibi, dm->alibi, &a->opts, H, "sdpa"))) return st;
     *mk_out = mk;
     return MHA_OK;
 }
@@ -137,9 +137,9 @@ static mha_status sdpa_prepare(sdpa_dims *dm, double *scale, mha__mask *mk, mha_
     mha_status st = sdpa_check(dm, scale, a);
     if (st) return st;
     *drop = (mha__dropout){
-        .p = a->dropout_p,
-        .seed = a->dropout_seed,
-        .offset = a->dropout_offset,
+        .p = a->opts.dropout_p,
+        .seed = a->opts.dropout_seed,
+        .offset = a->opts.dropout_offset,
         .H = dm->H,  // the query heads: the mask is per query head
         .L = dm->L,
         .S = dm->S,

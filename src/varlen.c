@@ -8,11 +8,12 @@
 
 #include "check.h"
 #include "flash.h"
+#include "rope.h"
 
 void mha_varlen_args_init(mha_varlen_args *a) {
     if (!a) return;
     memset(a, 0, sizeof *a);
-    a->window_left = a->window_right = -1;
+    a->opts.window_left = a->opts.window_right = -1;
 }
 
 // rows of a (total, heads, dim) view: dims checked, unit last stride, F32,
@@ -26,12 +27,13 @@ static mha_status check_packed(const mha_tensor *t, const char *name) {
                          mha__shape_str(s, sizeof s, t->ndim, t->shape));
     }
     const bool empty = t->shape[0] == 0 || t->shape[1] == 0 || t->shape[2] == 0;
-    if ((t->dtype != MHA_F32 && t->dtype != MHA_BF16 && t->dtype != MHA_F16) ||
-        (t->stride[2] != 1 && !empty))
+    if (t->dtype != MHA_F32 && t->dtype != MHA_BF16 && t->dtype != MHA_F16)
+        return mha__fail(MHA_ERR_DTYPE, "varlen: %s must be F32, BF16 or F16, got %s", name,
+                         mha_dtype_name(t->dtype));
+    if (t->stride[2] != 1 && !empty)
         return mha__fail(MHA_ERR_UNSUPPORTED,
-                         "varlen: %s must be F32, BF16 or F16 with unit stride along the head "
-                         "dim, got %s",
-                         name, mha_dtype_name(t->dtype));
+                         "varlen: %s must have unit stride along the head dim, got %lld", name,
+                         (long long)t->stride[2]);
     return MHA_OK;
 }
 
@@ -76,15 +78,17 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
     if ((st = check_cu(a->cu_seqlens_q, nseq, q->shape[0], "cu_seqlens_q")) ||
         (st = check_cu(a->cu_seqlens_k, nseq, k->shape[0], "cu_seqlens_k")))
         return st;
-    if ((st = mha__check_attn_opts("varlen", a->window_left, a->window_right, a->softcap,
-                                   a->use_custom_scale, a->scale)))
+    if ((st = mha__check_attn_opts("varlen", &a->opts,
+                                   MHA__REFUSE_DROPOUT | MHA__REFUSE_SINK_TOKENS)))
         return st;
     if ((st = mha__check_no_overlap(out, "out", q, "q")) ||
         (st = mha__check_no_overlap(out, "out", k, "k")) ||
         (st = mha__check_no_overlap(out, "out", v, "v")))
         return st;
-    double scale = 1.0 / sqrt((double)D);
-    if (a->use_custom_scale) scale = a->scale;
+    const double scale = a->opts.scale != 0.0 ? a->opts.scale : 1.0 / sqrt((double)D);
+    float slopes_buf[MHA__ALIBI_MAX_DEFAULT];
+    const float *slopes;
+    if ((st = mha__attn_logit_params(&slopes, slopes_buf, &a->opts, H, "varlen"))) return st;
     int64_t maxk = 0, maxq = 0;
     double work = 0.0;
     for (int64_t b = 0; b < nseq; b++) {
@@ -115,11 +119,12 @@ mha_status mha_sdpa_varlen(mha_tensor *out, const mha_tensor *q, const mha_tenso
         if (i0 >= lq) continue;
         mha__mask mk;
         memset(&mk, 0, sizeof mk);
-        mk.causal = a->is_causal;
-        mk.win_left = a->window_left;
-        mk.win_right = a->window_right;
-        mk.alibi = a->alibi_slopes;
-        mk.softcap = a->softcap;
+        mk.causal = a->opts.is_causal;
+        mk.win_left = a->opts.window_left;
+        mk.win_right = a->opts.window_right;
+        mk.alibi = slopes;
+        mk.softcap = a->opts.softcap;
+        mk.sinks = a->opts.sinks;
         mk.s_masked = lk;
         const int64_t hk = h / (H / Hkv);
         // (half views: the pointers at their uint16_t elements, flash.h)

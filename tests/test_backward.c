@@ -115,14 +115,14 @@ static void fd_setup(fd_problem *p, const fd_case *c) {
     p->a.query = &p->qt;
     p->a.key = &p->kt;
     p->a.value = &p->vt;
-    p->a.is_causal = c->causal;
+    p->a.opts.is_causal = c->causal;
     p->a.training = c->dropout;
-    p->a.dropout_seed = 1234;
-    p->a.dropout_offset = 7;
-    if (c->scale > 0) p->a.use_custom_scale = true, p->a.scale = c->scale;
+    p->a.opts.dropout_seed = 1234;
+    p->a.opts.dropout_offset = 7;
+    if (c->scale > 0) p->a.opts.scale = c->scale;
     if (c->rope) mha_rope_init(&p->a.rope, MHA_ROPE_NEOX);
-    p->a.alibi = c->alibi;
-    p->a.softcap = c->softcap ? 2.5f : 0.0f;
+    p->a.opts.alibi = c->alibi;
+    p->a.opts.softcap = c->softcap ? 2.5f : 0.0f;
     // masks: hide a few keys, never a whole row (fully masked rows have a
     // kink-free but zero gradient; test_fully_masked covers them)
     for (int i = 0; i < N * H * L * S; i++) {
@@ -416,11 +416,11 @@ static void setup(problem *p, bool bkv, bool zero, bool dropout, bool masks) {
     if (masks) {
         p->a.attn_mask = &p->amt;
         p->a.key_padding_mask = &p->kpt;
-        p->a.is_causal = true;
+        p->a.opts.is_causal = true;
     }
     p->a.training = dropout;
-    p->a.dropout_seed = 1234;
-    p->a.dropout_offset = 7;
+    p->a.opts.dropout_seed = 1234;
+    p->a.opts.dropout_offset = 7;
 }
 
 // accumulate = true adds; with dropout, outputs and gradients are
@@ -454,9 +454,9 @@ static void test_accumulate_threads(void) {
     a.query = &xt;
     a.key = a.value = &kt;
     a.key_padding_mask = &kpt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.training = true;
-    a.dropout_seed = 77;
+    a.opts.dropout_seed = 77;
     mha_module *g[3] = {NULL, NULL, NULL};
     const int threads[3] = {1, 2, 8};
     for (int r = 0; r < 3; r++) {
@@ -528,7 +528,7 @@ static void test_dropout_semantics(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.dropout_seed = 5;
+    a.opts.dropout_seed = 5;
     CHECK_OK(mha_forward(&y0t, NULL, m0, &a));
     CHECK_OK(mha_forward(&y1t, NULL, m1, &a));  // eval: p ignored, exactly
     CHECK(memcmp(y0, y1, sizeof y0) == 0);
@@ -545,7 +545,7 @@ static void test_dropout_semantics(void) {
     printf("dropout: dropped fraction %.4f of %lld weights at p = 0.3\n", frac, (long long)n);
     CHECK_OK(mha_forward(&y1t, &w2t, m1, &a));  // same seed/offset: same mask
     CHECK(memcmp(w, w2, sizeof w) == 0);
-    a.dropout_offset = 1;
+    a.opts.dropout_offset = 1;
     CHECK_OK(mha_forward(&y1t, &w2t, m1, &a));
     CHECK(memcmp(w, w2, sizeof w) != 0);
     // E[dropout(P)] = P: the mean over seeds converges to the eval output
@@ -553,7 +553,7 @@ static void test_dropout_semantics(void) {
     const int seeds = 200;
     double one = 0, mean_err = 0;
     for (int sd = 0; sd < seeds; sd++) {
-        a.dropout_seed = 1000 + (uint64_t)sd;
+        a.opts.dropout_seed = 1000 + (uint64_t)sd;
         CHECK_OK(mha_forward(&y1t, NULL, m1, &a));
         for (int i = 0; i < L2 * N2 * E2; i++) {
             avg[i] += y1[i] / seeds;

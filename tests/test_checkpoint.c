@@ -82,9 +82,9 @@ static void test_llama_loads(void) {
         const mha_config *cfg = mha_module_config(m);
         CHECK(cfg->embed_dim == 8 && cfg->num_heads == 2 && cfg->num_kv_heads == 1);
         CHECK(!cfg->bias && cfg->batch_first);
-        CHECK(info.is_causal && info.window_left == -1 && info.layer == layer);
+        CHECK(info.opts.is_causal && info.opts.window_left == -1 && info.layer == layer);
         CHECK(info.rope.mode == MHA_ROPE_NEOX && info.rope.theta == 500.0);
-        CHECK(info.rope_scaling.type == MHA_ROPE_SCALING_NONE && !info.use_custom_scale);
+        CHECK(info.rope_scaling.type == MHA_ROPE_SCALING_NONE && info.opts.scale == 0.0);
         mha_param p;
         CHECK_OK(mha_module_param(&p, m, "in_proj_weight"));
         CHECK(p.shape[0] == 16 && p.shape[1] == 8);
@@ -106,7 +106,7 @@ static void test_llama_loads(void) {
         mha_forward_args a;
         mha_forward_args_init(&a);
         mha_checkpoint_layer_apply(&info, &a);
-        CHECK(a.is_causal && a.window_left == -1 && a.window_right == -1);
+        CHECK(a.opts.is_causal && a.opts.window_left == -1 && a.opts.window_right == -1);
         CHECK(a.rope.mode == MHA_ROPE_NEOX && a.rope_scaling == NULL);
         mha_module_destroy(m);
     }
@@ -240,12 +240,12 @@ static void test_gpt2_loads(void) {
         CHECK(same);
         CHECK_OK(mha_module_param(&p, m, "in_proj_bias"));
         CHECK(p.data[17] == value_of(t[1].name, 17));
-        CHECK(info.is_causal && info.rope.mode == MHA_ROPE_NONE);
-        CHECK(info.use_custom_scale && info.scale == 1.0 / (2.0 * 1.0));  // 1/(sqrt(4) * 1)
+        CHECK(info.opts.is_causal && info.rope.mode == MHA_ROPE_NONE);
+        CHECK(info.opts.scale == 1.0 / (2.0 * 1.0));  // 1/(sqrt(4) * 1)
         mha_module_destroy(m);
     }
     CHECK_OK(mha_checkpoint_load_layer(&m, &info, c, 1, NULL));
-    CHECK(info.use_custom_scale && info.scale == 1.0 / (2.0 * 2.0));
+    CHECK(info.opts.scale == 1.0 / (2.0 * 2.0));
     mha_module_destroy(m);
     mha_checkpoint_close(c);
 }
@@ -333,16 +333,16 @@ static void test_layer_options(void) {
         CHECKF(st == MHA_OK, "case %zu: %s", k, mha_last_error());
         if (st) continue;
         checked++;
-        CHECKF(info.window_left == cases[k].window_left,
-               "case %zu: window_left %lld, want %lld", k, (long long)info.window_left,
+        CHECKF(info.opts.window_left == cases[k].window_left,
+               "case %zu: window_left %lld, want %lld", k, (long long)info.opts.window_left,
                (long long)cases[k].window_left);
-        CHECKF(info.use_custom_scale == cases[k].custom, "case %zu: custom scale", k);
+        CHECKF((info.opts.scale != 0.0) == cases[k].custom, "case %zu: custom scale", k);
         if (cases[k].custom)
-            CHECKF(info.scale == cases[k].scale, "case %zu: scale %g", k, info.scale);
+            CHECKF(info.opts.scale == cases[k].scale, "case %zu: scale %g", k, info.opts.scale);
         CHECKF(info.rope.mode == MHA_ROPE_NEOX && info.rope.theta == cases[k].theta,
                "case %zu: theta %g", k, info.rope.theta);
-        CHECKF(info.softcap == cases[k].softcap, "case %zu: softcap %g", k,
-               (double)info.softcap);
+        CHECKF(info.opts.softcap == cases[k].softcap, "case %zu: softcap %g", k,
+               (double)info.opts.softcap);
         CHECKF(info.rope_scaling.type == cases[k].scaling, "case %zu: scaling %d", k,
                (int)info.rope_scaling.type);
         if (cases[k].scaling == MHA_ROPE_SCALING_LLAMA3)
@@ -354,7 +354,7 @@ static void test_layer_options(void) {
         mha_forward_args a;
         mha_forward_args_init(&a);
         mha_checkpoint_layer_apply(&info, &a);
-        CHECK(a.window_left == cases[k].window_left && a.softcap == cases[k].softcap);
+        CHECK(a.opts.window_left == cases[k].window_left && a.opts.softcap == cases[k].softcap);
         CHECK((a.rope_scaling != NULL) == (cases[k].scaling != MHA_ROPE_SCALING_NONE));
         mha_module_destroy(m);
     }
@@ -511,7 +511,7 @@ static void test_bad_tensors(void) {
     memcpy(s, t, sizeof s);
     s[2].dtype = MHA_I64;
     write_tensors(dir, "model.safetensors", s, 4);
-    expect_fail(dir, 0, MHA_ERR_UNSUPPORTED, "v_proj.weight");
+    expect_fail(dir, 0, MHA_ERR_DTYPE, "v_proj.weight");
     // both prefixes at once
     t[4] = (tensor_spec){"layers.0.self_attn.q_proj.weight", 2, {8, 8}, MHA_F32};
     write_tensors(dir, "model.safetensors", t, 5);

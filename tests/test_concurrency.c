@@ -57,7 +57,7 @@ static int run_all(result *r, int i) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.need_weights = true;
     a.average_attn_weights = false;
     a.impl = MHA_IMPL_FUSED;
@@ -98,7 +98,7 @@ static int run_all(result *r, int i) {
     mha_module_destroy(g2);
     // cached decoding, token by token
     mha_kv_cache *c = NULL;
-    bad += mha_kv_cache_create(&c, N, HKV, D, D, L) != MHA_OK;
+    bad += mha_kv_cache_create(&c, N, HKV, D, D, L, MHA_KV_F32) != MHA_OK;
     for (int t = 0; c && t < L; t++) {
         mha_tensor qc = mha_tensor_contiguous(g_x[i] + t * N * E, MHA_F32, 3,
                                               (int64_t[]){1, N, E});
@@ -116,7 +116,7 @@ static int run_all(result *r, int i) {
     mha_sdpa_args sa;
     mha_sdpa_args_init(&sa);
     sa.q = sa.k = sa.v = &q4;
-    sa.is_causal = true;
+    sa.opts.is_causal = true;
     sa.impl = MHA_IMPL_FUSED;
     bad += mha_sdpa(&o4, NULL, &sa) != MHA_OK;
     // diagnostics

@@ -60,7 +60,7 @@ static mha_diagnostics *diagnose(const mha_module *m, mha_tensor *x, bool causal
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = x;
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     mha_diagnostics *d = NULL;
     CHECK_OK(mha_diagnose(&d, m, &a, o));
     return d;
@@ -344,8 +344,7 @@ static void test_rank_head_dim(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.use_custom_scale = true;
-    a.scale = 2.0 / sqrt((double)d);
+    a.opts.scale = 2.0 / sqrt((double)d);
     mha_diagnostics *d2 = NULL;
     CHECK_OK(mha_diagnose(&d2, m, &a, NULL));
     for (int64_t h = 0; dg && d2 && h < 2; h++) {
@@ -356,7 +355,7 @@ static void test_rank_head_dim(void) {
                "scale: logit max %g -> %g, std %g -> %g", h1->logit_max, h2->logit_max,
                h1->logit_std, h2->logit_std);
     }
-    a.scale = -1.0;
+    a.opts.scale = NAN;
     mha_diagnostics *d3 = NULL;
     CHECK_FAILS(mha_diagnose(&d3, m, &a, NULL), MHA_ERR_INVALID_ARG);
     mha_diagnostics_destroy(d2);

@@ -71,7 +71,7 @@ static void test_nonfinite(void) {
                 mha_forward_args_init(&a);
                 a.query = &xt;
                 a.key = a.value = where ? &xt : &kvt;
-                a.is_causal = where == 1;
+                a.opts.is_causal = where == 1;
                 a.impl = impls[ii];
                 CHECK_OK(mha_forward(&y0t, NULL, m, &a));  // clean
                 x[(T0 * N + 1) * E + 3] = bad[kind];
@@ -275,7 +275,8 @@ static void test_overflow(void) {
     mha_module *mm = NULL;
     CHECK_FAILS(mha_module_create(&mm, &c), MHA_ERR_OVERFLOW);
     mha_kv_cache *kc = NULL;
-    CHECK_FAILS(mha_kv_cache_create(&kc, (int64_t)1 << 30, 1 << 20, 128, 128, (int64_t)1 << 30),
+    CHECK_FAILS(mha_kv_cache_create(&kc, (int64_t)1 << 30, 1 << 20, 128, 128, (int64_t)1 << 30,
+                                    MHA_KV_F32),
                 MHA_ERR_OVERFLOW);
     mha_module_destroy(m);
 }
@@ -317,7 +318,7 @@ static void test_aliasing(void) {
     }
     // the cached forward: out = query refused
     mha_kv_cache *kc = NULL;
-    CHECK_OK(mha_kv_cache_create(&kc, 1, H, E / H, E / H, T));
+    CHECK_OK(mha_kv_cache_create(&kc, 1, H, E / H, E / H, T, MHA_KV_F32));
     mha_tensor x1 = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){1, E});
     mha_forward_args ac;
     mha_forward_args_init(&ac);

@@ -97,7 +97,7 @@ static void forward_errors(void) {
     qh.dtype = MHA_I32;  // not a float type (F32, F64, BF16 and F16 are)
     b = a;
     b.query = &qh;
-    CHECK_FAILS(mha_forward(&yt, NULL, m, &b), MHA_ERR_UNSUPPORTED);
+    CHECK_FAILS(mha_forward(&yt, NULL, m, &b), MHA_ERR_DTYPE);
     msg_has("I32", NULL);
     mha_tensor qn = qt;
     qn.shape[0] = -1;
@@ -120,7 +120,7 @@ static void forward_errors(void) {
     CHECK_FAILS(mha_forward(&yt, NULL, m, &b), MHA_ERR_SHAPE);
     msg_has("key_padding_mask", "(2, 5)");
     kp = mha_tensor_contiguous(bmask, MHA_I32, 2, (int64_t[]){N, S});
-    CHECK_FAILS(mha_forward(&yt, NULL, m, &b), MHA_ERR_UNSUPPORTED);
+    CHECK_FAILS(mha_forward(&yt, NULL, m, &b), MHA_ERR_DTYPE);
     // attn_mask: (L, S+1), (N*H+1, L, S), 4-D
     mha_tensor am = mha_tensor_contiguous(bmask, MHA_BOOL, 2, (int64_t[]){L, S + 1});
     b = a;
@@ -162,21 +162,21 @@ static void forward_errors(void) {
     CHECK(strcmp(mha_kv_dtype_name((mha_kv_dtype)5), "unknown") == 0);
     {
         mha_kv_cache *bad = NULL;
-        CHECK_FAILS(mha_kv_cache_create_ex(&bad, 1, 1, 8, 8, 4, (mha_kv_dtype)5),
+        CHECK_FAILS(mha_kv_cache_create(&bad, 1, 1, 8, 8, 4, (mha_kv_dtype)5),
                     MHA_ERR_INVALID_ARG);
         msg_has("storage type 5", NULL);
         CHECK(bad == NULL);
         // int4 sizes that overflow: refused, not wrapped
-        CHECK_FAILS(mha_kv_cache_create_ex(&bad, 1, 1, INT64_MAX / 2, 8, 4, MHA_KV_INT4),
+        CHECK_FAILS(mha_kv_cache_create(&bad, 1, 1, INT64_MAX / 2, 8, 4, MHA_KV_INT4),
                     MHA_ERR_OVERFLOW);
     }
     mha_rope_mode rm;
     CHECK_FAILS(mha_rope_mode_from_name(&rm, "yarn"), MHA_ERR_UNSUPPORTED);
     msg_has("yarn", "neox");
     mha_kv_cache *kc = NULL;
-    CHECK_FAILS(mha_kv_cache_create_ex(&kc, 1, 1, 8, 8, 0, MHA_KV_F32), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_kv_cache_create(&kc, 1, 1, 8, 8, 0, MHA_KV_F32), MHA_ERR_INVALID_ARG);
     msg_has("capacity", NULL);
-    CHECK_OK(mha_kv_cache_create_ex(&kc, 1, 1, 8, 8, 4, MHA_KV_INT8));
+    CHECK_OK(mha_kv_cache_create(&kc, 1, 1, 8, 8, 4, MHA_KV_INT8));
     CHECK_FAILS(mha_kv_cache_truncate(kc, 0, 1), MHA_ERR_INVALID_ARG);  // holds 0
     msg_has("truncate", NULL);
     mha_kv_cache_destroy(kc);
@@ -218,8 +218,7 @@ static void sdpa_errors(void) {
     b.key_padding_mask = &kp;
     CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_SHAPE);
     b = a;
-    b.use_custom_scale = true;
-    b.scale = NAN;
+    b.opts.scale = NAN;
     CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_INVALID_ARG);
     mha_tensor q0 = mha_tensor_contiguous(qd, MHA_F32, 4, (int64_t[]){B, Hh, L, 0});
     mha_tensor k0 = mha_tensor_contiguous(kd, MHA_F32, 4, (int64_t[]){B, Hh, S, 0});
@@ -240,6 +239,95 @@ static void sdpa_errors(void) {
     CHECK_OK(mha_sdpa(&os2, NULL, &b));
     mha_tensor o_alias = mha_tensor_contiguous(kd, MHA_F32, 4, (int64_t[]){B, Hh, L, D});
     CHECK_FAILS(mha_sdpa(&o_alias, NULL, &a), MHA_ERR_INVALID_ARG);
+    // the attention options: each refusal names the option and its value
+    b = a;
+    b.opts.sink_tokens = 2;  // a cache's
+    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_INVALID_ARG);
+    msg_has("sink_tokens 2", "cache");
+    float vec[Hh] = {0.5f, NAN};
+    b = a;
+    b.opts.alibi_slopes = vec;
+    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_INVALID_ARG);
+    msg_has("sdpa", "alibi_slopes[1]");
+    b = a;
+    b.opts.sinks = vec;
+    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_INVALID_ARG);
+    msg_has("sdpa", "sinks[1]");
+    b = a;
+    b.opts.softcap = -1.0f;
+    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_INVALID_ARG);
+    msg_has("softcap", NULL);
+    b = a;
+    b.opts.dropout_p = 1.0f;
+    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_INVALID_ARG);
+    msg_has("dropout_p", NULL);
+    b = a;
+    b.opts.window_left = -2;
+    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_INVALID_ARG);
+    msg_has("window_left -2", NULL);
+    // a dtype the call does not take: MHA_ERR_DTYPE
+    static int32_t qi[B * Hh * L * D];
+    mha_tensor qit = mha_tensor_contiguous(qi, MHA_I32, 4, (int64_t[]){B, Hh, L, D});
+    b = a;
+    b.q = &qit;
+    CHECK_FAILS(mha_sdpa(&ot, NULL, &b), MHA_ERR_DTYPE);
+    msg_has("I32", NULL);
+    // varlen and the caches have no dropout
+    const int64_t cu[2] = {0, L}, cuk[2] = {0, S};
+    mha_tensor vq = mha_tensor_contiguous(qd, MHA_F32, 3, (int64_t[]){L, Hh, D});
+    mha_tensor vk = mha_tensor_contiguous(kd, MHA_F32, 3, (int64_t[]){S, Hh, D});
+    mha_tensor vo = mha_tensor_contiguous(od, MHA_F32, 3, (int64_t[]){L, Hh, D});
+    mha_varlen_args va;
+    mha_varlen_args_init(&va);
+    va.cu_seqlens_q = cu, va.cu_seqlens_k = cuk, va.num_seqs = 1;
+    CHECK_OK(mha_sdpa_varlen(&vo, &vq, &vk, &vk, &va));
+    va.opts.dropout_p = 0.1f;
+    CHECK_FAILS(mha_sdpa_varlen(&vo, &vq, &vk, &vk, &va), MHA_ERR_INVALID_ARG);
+    msg_has("dropout_p", "no dropout");
+    mha_kv_cache *kc = NULL;
+    CHECK_OK(mha_kv_cache_create(&kc, B, Hh, D, D, S, MHA_KV_F32));
+    CHECK_OK(mha_kv_cache_append(kc, &kt, &kt, NULL));
+    mha_cache_attend_args ca;
+    mha_cache_attend_args_init(&ca);
+    CHECK_OK(mha_kv_cache_attend(&ot, &qt, kc, &ca, NULL));
+    ca.opts.dropout_p = 0.1f;
+    CHECK_FAILS(mha_kv_cache_attend(&ot, &qt, kc, &ca, NULL), MHA_ERR_INVALID_ARG);
+    msg_has("dropout_p", "no dropout");
+    mha_kv_cache_destroy(kc);
+}
+
+// mha_attn_opts_init's defaults, the status names, and the module's
+// refusals of the options that are its own parameters.
+static void attn_opts_errors(void) {
+    mha_attn_opts o;
+    memset(&o, 0x5a, sizeof o);
+    mha_attn_opts_init(&o);
+    CHECK(o.window_left == -1 && o.window_right == -1 && !o.is_causal && o.scale == 0.0 &&
+          o.softcap == 0.0f && !o.alibi && !o.alibi_slopes && !o.sinks && o.sink_tokens == 0 &&
+          o.dropout_p == 0.0f && o.dropout_seed == 0 && o.dropout_offset == 0);
+    CHECK(strcmp(mha_status_string(MHA_ERR_DTYPE), "MHA_ERR_DTYPE") == 0);
+    mha_config c;
+    mha_config_init(&c, E, H);
+    mha_module *m = NULL;
+    CHECK_OK(mha_module_create(&m, &c));
+    mha_tensor qt = T3(q, L, N, E), yt = T3(y, L, N, E);
+    mha_forward_args a;
+    mha_forward_args_init(&a);
+    a.query = a.key = a.value = &qt;
+    CHECK_OK(mha_forward(&yt, NULL, m, &a));
+    float sinks[H] = {0};
+    a.opts.sinks = sinks;
+    CHECK_FAILS(mha_forward(&yt, NULL, m, &a), MHA_ERR_INVALID_ARG);
+    msg_has("opts.sinks", "mha_config.sinks");
+    a.opts.sinks = NULL;
+    a.opts.dropout_p = 0.25f;
+    CHECK_FAILS(mha_forward(&yt, NULL, m, &a), MHA_ERR_INVALID_ARG);
+    msg_has("dropout_p 0.25", "mha_config.dropout");
+    a.opts.dropout_p = 0.0f;
+    a.opts.sink_tokens = 4;
+    CHECK_FAILS(mha_forward(&yt, NULL, m, &a), MHA_ERR_UNSUPPORTED);
+    msg_has("sink_tokens 4", "mha_forward_cached");
+    mha_module_destroy(m);
 }
 
 int main(void) {
@@ -260,6 +348,7 @@ int main(void) {
     dup2(fileno(cap), 2);
     forward_errors();
     sdpa_errors();
+    attn_opts_errors();
     fflush(stdout);
     fflush(stderr);
     dup2(out_fd, 1);

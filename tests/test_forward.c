@@ -96,7 +96,7 @@ static void test_sdpa_closed_form(void) {
             }
         }
     CHECKF(ew < 1e-6 && eo < 1e-6, "uniform weights err %g, mean err %g", ew, eo);
-    sc.a.is_causal = true;
+    sc.a.opts.is_causal = true;
     fill(k, B * H * S * D, 1.0f);
     CHECK_OK(mha_sdpa(&sc.ot, &sc.wt, &sc.a));
     eo = 0;
@@ -119,19 +119,18 @@ static void test_sdpa_closed_form(void) {
     mha_tensor m2t = mha_tensor_contiguous(m2, MHA_F32, 2, (int64_t[]){L, S});
     mha_tensor m4t = mha_tensor_contiguous(m4, MHA_F32, 4, (int64_t[]){B, H, L, S});
     mha_tensor o2t = mha_tensor_contiguous(o2, MHA_F32, 4, (int64_t[]){B, H, L, Dv});
-    sc.a.is_causal = false;
+    sc.a.opts.is_causal = false;
     sc.a.attn_mask = &m2t;
     CHECK_OK(mha_sdpa(&sc.ot, NULL, &sc.a));
     sc.a.attn_mask = &m4t;
     CHECK_OK(mha_sdpa(&o2t, NULL, &sc.a));
     CHECK(maxdiff(o, o2, B * H * L * Dv) == 0.0);
     sc.a.attn_mask = NULL;
-    sc.a.use_custom_scale = true;
-    sc.a.scale = 0.0;
+    sc.a.opts.scale = 1e-30;  // (0 is the default scale, 1 / sqrt(D))
     CHECK_OK(mha_sdpa(&sc.ot, &sc.wt, &sc.a));
     ew = 0;
     for (int i = 0; i < B * H * L * S; i++) ew = fmax(ew, fabs(w[i] - 0.2));
-    CHECKF(ew < 1e-7, "scale 0 -> uniform, err %g", ew);
+    CHECKF(ew < 1e-7, "scale 1e-30 -> uniform, err %g", ew);
 }
 
 // batch_first, unbatched and strided views give the same numbers as the
@@ -234,7 +233,7 @@ static void test_threads_workspace(void) {
     mha_forward_args_init(&a);
     a.query = &qt;
     a.key = a.value = &kt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.need_weights = true;
     a.average_attn_weights = false;
 #ifdef _OPENMP
@@ -248,11 +247,14 @@ static void test_threads_workspace(void) {
     CHECK_OK(mha_forward_workspace_size(&bytes, m, &a));
     char *ws = malloc(bytes + 1);
     // an unaligned caller block works too
-    CHECK_OK(mha_forward_ex(&y2t, &w2t, m, &a, ws + 1, bytes));
+    a.workspace = ws + 1, a.workspace_bytes = bytes;
+    CHECK_OK(mha_forward(&y2t, &w2t, m, &a));
     CHECK(memcmp(y1, y2, sizeof y1) == 0);
     CHECK(memcmp(w1, w2, sizeof w1) == 0);
-    CHECK_FAILS(mha_forward_ex(&y2t, &w2t, m, &a, ws, bytes / 2), MHA_ERR_INVALID_ARG);
-    CHECK_FAILS(mha_forward_ex(&y2t, &w2t, m, &a, NULL, bytes), MHA_ERR_INVALID_ARG);
+    a.workspace = ws, a.workspace_bytes = bytes / 2;
+    CHECK_FAILS(mha_forward(&y2t, &w2t, m, &a), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "workspace") != NULL);
+    a.workspace = NULL, a.workspace_bytes = 0;
     free(ws);
     a.average_attn_weights = true;
     CHECK_OK(mha_forward(&y2t, &wat, m, &a));
@@ -457,7 +459,7 @@ static void test_kept_scratch(void) {
     mha_forward_args a, as;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     as = a;
     as.query = as.key = as.value = &xs;
     size_t bytes = 0;
@@ -501,7 +503,7 @@ static void test_kept_scratch(void) {
         mha_sdpa_args sa;
         mha_sdpa_args_init(&sa);
         sa.q = &qt, sa.k = &kt, sa.v = &vt;
-        sa.is_causal = true;
+        sa.opts.is_causal = true;
         float *dk = malloc(sizeof(float) * (size_t)n * 4), *dv = dk + n;
         mha_tensor dkt = mha_tensor_contiguous(dk, MHA_F32, 4, sh),
                    dvt = mha_tensor_contiguous(dv, MHA_F32, 4, sh);

@@ -82,15 +82,15 @@ static void one_case(int id) {
     a.query = &qt;
     a.key = &kt;
     a.value = &vt;
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     a.need_weights = need;
     a.average_attn_weights = avg;
     a.training = drop;
-    a.dropout_seed = (uint64_t)id * 7919;
+    a.opts.dropout_seed = (uint64_t)id * 7919;
     if (next() % 3 == 0) {  // a sliding window
         static const int64_t wl[5] = {-1, 0, 1, 5, 40}, wr[4] = {-1, 0, 3, 64};
-        a.window_left = wl[next() % 5];
-        a.window_right = wr[next() % 4];
+        a.opts.window_left = wl[next() % 5];
+        a.opts.window_right = wr[next() % 4];
     }
     if (need && next() % 3 == 0) {  // a block of the weights
         a.weights_head_begin = irand(0, H - 1);
@@ -138,8 +138,8 @@ static void one_case(int id) {
            "causal %d window (%lld, %lld) drop %d am %d kpm %d strided %d self %d): output "
            "err %g tol %g",
            id, (long long)E, (long long)H, (long long)L, (long long)S, (long long)N, bf, unb,
-           bkv, zero, causal, (long long)a.window_left, (long long)a.window_right, drop,
-           am_kind, kpm_kind, strided, self, e, tol);
+           bkv, zero, causal, (long long)a.opts.window_left, (long long)a.opts.window_right,
+           drop, am_kind, kpm_kind, strided, self, e, tol);
     if (need) {
         double ew = 0;
         for (int64_t i = 0; i < wn; i++) ew = fmax(ew, fabs((double)w1[i] - w2[i]));
@@ -184,9 +184,9 @@ static void test_windows(void) {
             mha_forward_args a;
             mha_forward_args_init(&a);
             a.query = a.key = a.value = &xt;
-            a.is_causal = causal;
-            a.window_left = win[t][0];
-            a.window_right = win[t][1];
+            a.opts.is_causal = causal;
+            a.opts.window_left = win[t][0];
+            a.opts.window_right = win[t][1];
             a.need_weights = true;
             a.average_attn_weights = false;
             mha_module *g[2];
@@ -250,7 +250,7 @@ static void test_weights_block(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.need_weights = true;
     a.average_attn_weights = false;
     a.impl = MHA_IMPL_FUSED;
@@ -295,7 +295,7 @@ static void test_weights_block(void) {
     a.weights_row_end = L + 1;
     CHECK(mha_forward_shapes(NULL, &ws, m, &a) == MHA_ERR_INVALID_ARG);
     a.weights_row_end = -1;
-    a.window_left = -2;
+    a.opts.window_left = -2;
     CHECK(mha_forward_shapes(NULL, &ws, m, &a) == MHA_ERR_INVALID_ARG);
     mha_module_destroy(m);
 }
@@ -331,12 +331,12 @@ static void test_sdpa(void) {
         mha_sdpa_args a;
         mha_sdpa_args_init(&a);
         a.q = &qt, a.k = &kt, a.v = &vt;
-        a.is_causal = next() & 1;
-        if (next() % 2) a.window_left = irand(0, 100);
-        if (next() % 3 == 0) a.window_right = irand(0, 100);
+        a.opts.is_causal = next() & 1;
+        if (next() % 2) a.opts.window_left = irand(0, 100);
+        if (next() % 3 == 0) a.opts.window_right = irand(0, 100);
         if (next() % 3 == 0) a.attn_mask = &amt;
         if (next() % 3 == 0) a.key_padding_mask = &kpt;
-        if (next() % 3 == 0) a.use_custom_scale = true, a.scale = 0.5 + frand();
+        if (next() % 3 == 0) a.opts.scale = 0.5 + frand();
         for (int r = 0; r < 2; r++) {
             mha_tensor ot = mha_tensor_contiguous(o[r], MHA_F32, 4, (int64_t[]){B, H, L, Dv});
             mha_tensor wt = mha_tensor_contiguous(w[r], MHA_F32, 4, (int64_t[]){B, H, L, S});
@@ -348,8 +348,9 @@ static void test_sdpa(void) {
                "sdpa %d (B %lld H %lld L %lld S %lld D %lld Dv %lld causal %d window (%lld, "
                "%lld) mask %d kpm %d): out err %g, weights err %g",
                id, (long long)B, (long long)H, (long long)L, (long long)S, (long long)D,
-               (long long)Dv, a.is_causal, (long long)a.window_left, (long long)a.window_right,
-               a.attn_mask != NULL, a.key_padding_mask != NULL, eo, ew);
+               (long long)Dv, a.opts.is_causal, (long long)a.opts.window_left,
+               (long long)a.opts.window_right, a.attn_mask != NULL, a.key_padding_mask != NULL,
+               eo, ew);
         for (int r = 0; r < 2; r++) free(o[r]), free(w[r]);
         free(q), free(k), free(v), free(am), free(kp);
     }
@@ -389,10 +390,10 @@ static void test_saved_cfg(int64_t Hkv) {
         a.query = &xt;
         a.key = packed ? &xt : &kt;
         a.value = packed ? &xt : &vt;
-        a.is_causal = true;
-        a.window_left = 70;
+        a.opts.is_causal = true;
+        a.opts.window_left = 70;
         a.training = true;
-        a.dropout_seed = 11;
+        a.opts.dropout_seed = 11;
         a.impl = MHA_IMPL_FUSED;
         mha_saved *sv = NULL;
         CHECK_OK(mha_saved_create(&sv));
@@ -422,20 +423,20 @@ static void test_saved_cfg(int64_t Hkv) {
                    (long long)Hkv, p0.name);
         }
         // other args than the forward's: refused, with a message
-        a.dropout_offset = 1;
+        a.opts.dropout_offset = 1;
         mha_tensor gq = mha_tensor_contiguous(g[1][0], MHA_F32, 3, (int64_t[]){L, N, E});
         CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
         CHECK(strstr(mha_last_error(), "save") != NULL);
-        a.dropout_offset = 0;  // RoPE, ALiBi or a soft cap other than the forward's too
+        a.opts.dropout_offset = 0;  // RoPE, ALiBi or a soft cap other than the forward's too
         a.rope.mode = MHA_ROPE_NEOX;
         CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
         a.rope.mode = MHA_ROPE_NONE;
-        a.alibi = true;
+        a.opts.alibi = true;
         CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
-        a.alibi = false;
-        a.softcap = 5.0f;
+        a.opts.alibi = false;
+        a.opts.softcap = 5.0f;
         CHECK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false) == MHA_ERR_INVALID_ARG);
-        a.softcap = 0.0f;
+        a.opts.softcap = 0.0f;
         CHECK_OK(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false));  // the same again
         // the reference path keeps nothing: its backward recomputes
         a.impl = MHA_IMPL_REFERENCE;
@@ -485,7 +486,7 @@ static void test_half(void) {
                        dft = mha_tensor_contiguous(df, MHA_F32, 3, sh);
             mha_forward_args a;
             mha_forward_args_init(&a);
-            a.is_causal = true;
+            a.opts.is_causal = true;
             a.need_weights = true;
             a.impl = (mha_impl)impl;
             a.query = a.key = a.value = &xht;
@@ -528,7 +529,7 @@ static void test_weights_u8(void) {
                 mha_forward_args a;
                 mha_forward_args_init(&a);
                 a.query = a.key = a.value = &xt;
-                a.is_causal = true;
+                a.opts.is_causal = true;
                 a.need_weights = true;
                 a.average_attn_weights = avg;
                 a.impl = (mha_impl)impl;
@@ -595,8 +596,8 @@ static void test_threads_cfg(int64_t E, int64_t H, int64_t L, int64_t N, bool bk
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
-    a.window_left = 150;  // tiles outside the band skipped in some rows
+    a.opts.is_causal = true;
+    a.opts.window_left = 150;  // tiles outside the band skipped in some rows
     a.need_weights = true;
     a.impl = MHA_IMPL_FUSED;
     char desc[64];
@@ -658,11 +659,11 @@ static void case_inputs_make(case_inputs *in, const case_shape *s, const mha_mod
     in->amt = mha_tensor_contiguous(in->fm, MHA_F32, 3, (int64_t[]){nb * H, L, S});
     mha_forward_args *a = &in->a;
     test_inputs_args(a, t, s->self);
-    a->is_causal = s->causal;
+    a->opts.is_causal = s->causal;
     a->need_weights = s->need;
     a->average_attn_weights = s->avg;
     a->training = s->drop;
-    a->dropout_seed = s->dropout_seed;
+    a->opts.dropout_seed = s->dropout_seed;
     if (s->kpm) a->key_padding_mask = &t->kpt;
     if (s->am) a->attn_mask = &in->amt;
 }
@@ -710,14 +711,14 @@ static void gqa_case(int id) {
         E, H, L, S, N, unb, bf, self, causal, need, avg, drop, kpm, am, (uint64_t)id * 31 + 5};
     case_inputs in;
     case_inputs_make(&in, &cs, m);
-    if (next() % 3 == 0) in.a.window_left = irand(0, 40);
+    if (next() % 3 == 0) in.a.opts.window_left = irand(0, 40);
     char desc[256];
     snprintf(desc, sizeof desc,
              "gqa case %d (E %lld H %lld Hkv %lld L %lld S %lld N %lld kdim %lld vdim %lld bf %d "
              "unb %d bkv %d zero %d causal %d window %lld drop %d kpm %d am %d self %d)",
              id, (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)S,
              (long long)N, (long long)in.kd, (long long)in.vd, bf, unb, bkv, zero, causal,
-             (long long)in.a.window_left, drop, kpm, am, self);
+             (long long)in.a.opts.window_left, drop, kpm, am, self);
     check_fused_vs_ref(NULL, m, &in.a, &in.t.gyt, false, true, desc);
     case_inputs_free(&in);
     mha_module_destroy(m);
@@ -735,7 +736,7 @@ static void check_cached_chunks(const mha_module *m, const mha_forward_args *a,
     const float *x = xt->data;
     for (int chunk = 1; chunk <= max_chunk; chunk += chunk == 1 ? 7 : 14) {
         mha_kv_cache *cache = NULL;
-        CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
+        CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T, MHA_KV_F32));
         for (int64_t t0 = 0; t0 < T; t0 += chunk) {
             const int64_t n = T - t0 < chunk ? T - t0 : chunk;
             mha_tensor qc = mha_tensor_contiguous((float *)x + t0 * N * E, MHA_F32, 3,
@@ -744,7 +745,7 @@ static void check_cached_chunks(const mha_module *m, const mha_forward_args *a,
                                                   (int64_t[]){n, N, E});
             mha_forward_args ac = *a;
             ac.query = ac.key = ac.value = &qc;
-            ac.is_causal = false;
+            ac.opts.is_causal = false;
             CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
         }
         double e = rel_err(y0, y1, T * N * E);
@@ -769,12 +770,12 @@ static void test_cached_gqa(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
     check_cached_chunks(m, &a, &xt, y0, y1, HKV, E / H, 8, "cached gqa");
     mha_kv_cache *bad = NULL;
-    CHECK_OK(mha_kv_cache_create(&bad, N, H, E / H, E / H, T));
+    CHECK_OK(mha_kv_cache_create(&bad, N, H, E / H, E / H, T, MHA_KV_F32));
     mha_forward_args ac;
     mha_forward_args_init(&ac);
     ac.query = ac.key = ac.value = &xt;
@@ -837,15 +838,15 @@ static void layout_case(int id, mha_qk_norm qkn) {
         E, H, L, S, N, unb, bf, self, causal, need, avg, drop, kpm, am, (uint64_t)id * 17 + 3};
     case_inputs in;
     case_inputs_make(&in, &cs, m);
-    if (next() % 3 == 0) in.a.window_left = irand(0, 30);
-    if (next() % 4 == 0) in.a.window_right = irand(0, 30);
-    if (scale) in.a.use_custom_scale = true, in.a.scale = 0.05 + 0.5 * (frand() + 1.0);
+    if (next() % 3 == 0) in.a.opts.window_left = irand(0, 30);
+    if (next() % 4 == 0) in.a.opts.window_right = irand(0, 30);
+    if (scale) in.a.opts.scale = 0.05 + 0.5 * (frand() + 1.0);
     if (rope) {
         mha_rope_init(&in.a.rope, next() & 1 ? MHA_ROPE_NEOX : MHA_ROPE_INTERLEAVED);
         if (next() & 1) in.a.rope.dim = 2 * irand(1, d / 2);
     }
-    in.a.alibi = alibi;
-    if (cap) in.a.softcap = 3.0f;
+    in.a.opts.alibi = alibi;
+    if (cap) in.a.opts.softcap = 3.0f;
     char desc[320];
     snprintf(desc, sizeof desc,
              "layout case %d (E %lld H %lld Hkv %lld d %lld L %lld S %lld N %lld kdim %lld "
@@ -854,9 +855,9 @@ static void layout_case(int id, mha_qk_norm qkn) {
              "softcap %d gate %d prune %d half %d sinks %d qk_norm %d)",
              id, (long long)E, (long long)H, (long long)Hkv, (long long)d, (long long)L,
              (long long)S, (long long)N, (long long)in.kd, (long long)in.vd, sep, bias, nob,
-             scale ? in.a.scale : 0.0, bf, unb, bkv, zero, causal, (long long)in.a.window_left,
-             (long long)in.a.window_right, drop, kpm, am, self, rope, alibi, cap, gate, prune,
-             half, sinks, (int)qkn);
+             scale ? in.a.opts.scale : 0.0, bf, unb, bkv, zero, causal,
+             (long long)in.a.opts.window_left, (long long)in.a.opts.window_right, drop, kpm,
+             am, self, rope, alibi, cap, gate, prune, half, sinks, (int)qkn);
     check_fused_vs_ref(NULL, m, &in.a, &in.t.gyt, half, true, desc);
     case_inputs_free(&in);
     mha_module_destroy(m);
@@ -894,12 +895,12 @@ static void test_cached_layouts(void) {
         mha_forward_args a;
         mha_forward_args_init(&a);
         a.query = a.key = a.value = &xt;
-        a.is_causal = true;
+        a.opts.is_causal = true;
         a.impl = MHA_IMPL_FUSED;
-        if (cfg != 2) a.use_custom_scale = true, a.scale = 0.11 * (cfg + 1);
+        if (cfg != 2) a.opts.scale = 0.11 * (cfg + 1);
         if (cfg % 2 == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
-        a.alibi = cfg == 3;
-        a.softcap = cfg == 5 ? 4.0f : 0.0f;
+        a.opts.alibi = cfg == 3;
+        a.opts.softcap = cfg == 5 ? 4.0f : 0.0f;
         CHECK_OK(mha_forward(&yt, NULL, m, &a));
         char desc[64];
         snprintf(desc, sizeof desc, "cached layout %d", cfg);
@@ -915,8 +916,7 @@ static void test_cached_layouts(void) {
             check_saved_bits(m, &a, &gyt, sv, false, desc);
             mha_tensor gq = mha_tensor_contiguous(g, MHA_F32, 3, (int64_t[]){T, N, E});
             a.save = sv;
-            a.use_custom_scale = true;
-            a.scale = 0.9;  // another scale than the saved forward's
+            a.opts.scale = 0.9;  // another scale than the saved forward's
             CHECK_FAILS(mha_backward(&gq, NULL, NULL, NULL, m, &a, &gyt, false),
                         MHA_ERR_INVALID_ARG);
             a.save = NULL;
@@ -1048,7 +1048,7 @@ static void test_qk_norm(void) {
         mha_forward_args a;
         mha_forward_args_init(&a);
         a.query = a.key = a.value = &xt;
-        a.is_causal = true;
+        a.opts.is_causal = true;
         if (cfg % 3 != 1)
             mha_rope_init(&a.rope, cfg & 1 ? MHA_ROPE_INTERLEAVED : MHA_ROPE_NEOX);
         a.impl = MHA_IMPL_REFERENCE;
@@ -1223,7 +1223,7 @@ static void test_decode_groups(void) {
                     // (head dim 128: the int8 and int4 paths it selects only)
                     if (D == 128 && dt < MHA_KV_INT8) continue;
                     mha_kv_cache *c = NULL;
-                    CHECK_OK(mha_kv_cache_create_ex(&c, B, Hkv, D, D, CAP, (mha_kv_dtype)dt));
+                    CHECK_OK(mha_kv_cache_create(&c, B, Hkv, D, D, CAP, (mha_kv_dtype)dt));
                     const size_t nkv = (size_t)(B * Hkv * CAP * D);
                     float *k = malloc(sizeof(float) * nkv), *v = malloc(sizeof(float) * nkv);
                     for (size_t r = 0; r < nkv / (size_t)D; r++)
@@ -1260,7 +1260,7 @@ static void test_decode_groups(void) {
                                                           (int64_t[]){B, H, T, D});
                     mha_cache_attend_args a;
                     mha_cache_attend_args_init(&a);
-                    a.window_left = win;
+                    a.opts.window_left = win;
                     const int threads[3] = {1, 2, 8};
                     for (int r = 0; r < 3; r++) {
                         o[r] = malloc(sizeof(float) * nq);

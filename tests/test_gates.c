@@ -61,7 +61,7 @@ static void fwd(float *y, float *w, const mha_module *m, float *x, int64_t L, in
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
     a.impl = impl;
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     a.need_weights = w != NULL;
     a.average_attn_weights = false;
     CHECK_OK(mha_forward(&yt, w ? &wt : NULL, m, &a));
@@ -235,7 +235,7 @@ static void test_prune_known(void) {
         mha_forward_args_init(&a);
         a.query = a.key = a.value = &xt;
         a.impl = im;
-        a.is_causal = true;
+        a.opts.is_causal = true;
         a.need_weights = true;
         CHECK_OK(mha_forward(&yt, &at, m, &a));
         double ea = 0;
@@ -295,11 +295,11 @@ static void random_case(int id) {
     test_inputs_make(&ti, L, S, N, E, kd, E, 4);
     mha_forward_args a;
     test_inputs_args(&a, &ti, self);
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     a.need_weights = need;
     a.average_attn_weights = avg;
     a.training = drop;
-    a.dropout_seed = (uint64_t)id * 17 + 3;
+    a.opts.dropout_seed = (uint64_t)id * 17 + 3;
     if (kpm) a.key_padding_mask = &ti.kpt;
     char desc[200];
     snprintf(desc, sizeof desc,
@@ -340,7 +340,7 @@ static void test_threads(void) {
         mha_forward_args a;
         mha_forward_args_init(&a);
         a.query = a.key = a.value = &xt;
-        a.is_causal = true;
+        a.opts.is_causal = true;
         a.impl = MHA_IMPL_FUSED;
         char desc[32];
         snprintf(desc, sizeof desc, "gate %d", gate);
@@ -363,7 +363,7 @@ static void test_cached(void) {
     for (int i = 0; i < T * N * E; i++) x[i] = frand();
     fwd(y0, NULL, m, x, T, N, MHA_IMPL_FUSED, true);
     mha_kv_cache *cache = NULL;
-    CHECK_OK(mha_kv_cache_create(&cache, N, H, E / H, E / H, T));
+    CHECK_OK(mha_kv_cache_create(&cache, N, H, E / H, E / H, T, MHA_KV_F32));
     for (int t = 0; t < T; t++) {
         mha_tensor qc = mha_tensor_contiguous(x + t * N * E, MHA_F32, 3, (int64_t[]){1, N, E});
         mha_tensor oc = mha_tensor_contiguous(y1 + t * N * E, MHA_F32, 3, (int64_t[]){1, N, E});

@@ -243,7 +243,7 @@ static void run_one(golden *g, const mha_module *m, int r) {
     a.value = g->self_attn ? &g->q[x] : &g->v[x];
     a.key_padding_mask = g->has_kpm ? &g->kpm : NULL;
     a.attn_mask = g->has_am ? &g->am : NULL;
-    a.is_causal = g->causal;
+    a.opts.is_causal = g->causal;
     a.need_weights = g->need_w;
     a.average_attn_weights = g->average;
     a.impl = rk->impl;

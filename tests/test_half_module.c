@@ -263,11 +263,11 @@ static void run_case(const mcase *c, int id) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.key_padding_mask = c->kpm ? &kpmt : NULL;
-    a.is_causal = c->causal;
+    a.opts.is_causal = c->causal;
     a.need_weights = c->weights;
     a.average_attn_weights = false;
     a.training = c->drop > 0 || c->out_drop > 0;
-    a.dropout_seed = 77;
+    a.opts.dropout_seed = 77;
     char desc[160];
     snprintf(desc, sizeof desc,
              "case %d (E %lld H %lld/%lld kdim %lld vdim %lld N %lld L %lld S "

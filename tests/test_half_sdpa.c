@@ -132,11 +132,11 @@ static void run_case(const hcase *c, int id) {
     mha_tensor amt = mha_tensor_contiguous(am, MHA_F32, 2, (int64_t[]){L, S});
     mha_sdpa_args a;
     mha_sdpa_args_init(&a);
-    a.is_causal = c->causal;
+    a.opts.is_causal = c->causal;
     a.key_padding_mask = c->kpm ? &kpmt : NULL;
     a.attn_mask = c->attn ? &amt : NULL;
-    a.window_left = c->win;
-    if (c->dropout) a.dropout_p = 0.25f, a.dropout_seed = 7 + (uint64_t)id;
+    a.opts.window_left = c->win;
+    if (c->dropout) a.opts.dropout_p = 0.25f, a.opts.dropout_seed = 7 + (uint64_t)id;
     char desc[200];
     snprintf(desc, sizeof desc,
              "case %d (B %lld H %lld/%lld L %lld S %lld D %lld/%lld%s%s%s%s win %lld; q %s k %s "
@@ -337,14 +337,15 @@ static void test_cache_half(void) {
         mha_paged_cache *pc = NULL;
         int64_t ids[2];
         if (store < 2) {
-            CHECK_OK(mha_kv_cache_create_ex(&c, B, Hkv, D, D, 64,
-                                            store ? MHA_KV_BF16 : MHA_KV_F32));
+            CHECK_OK(mha_kv_cache_create(&c, B, Hkv, D, D, 64,
+                                         store ? MHA_KV_BF16 : MHA_KV_F32));
             CHECK_OK(mha_kv_cache_append(c, &kt, &vt, NULL));
         } else {
-            CHECK_OK(mha_paged_cache_create(&pc, 64, 8, Hkv, D, D, MHA_KV_F32));
+            CHECK_OK(mha_paged_cache_create(&pc, 64, 8, Hkv, D, D, MHA_KV_F32,
+                                            MHA_PAGED_HEAD_MAJOR));
             CHECK_OK(mha_paged_cache_add(pc, &ids[0]));
             CHECK_OK(mha_paged_cache_add(pc, &ids[1]));
-            CHECK_OK(mha_paged_cache_append(pc, 2, ids, NULL, &kt, &vt));
+            CHECK_OK(mha_paged_cache_append(pc, 2, ids, NULL, &kt, &vt, NULL));
         }
         for (int ti = 0; ti < 2; ti++) {
             const int64_t T = ti ? 20 : 1, n = B * H * T * D;
@@ -432,7 +433,7 @@ static void test_varlen_half(void) {
             mha_varlen_args va;
             mha_varlen_args_init(&va);
             va.cu_seqlens_q = cq, va.cu_seqlens_k = ck, va.num_seqs = NS;
-            va.is_causal = causal;
+            va.opts.is_causal = causal;
             CHECK_OK(mha_sdpa_varlen(&ot, &qt, &kt, &vt, &va));
             char impl[64];
             snprintf(impl, sizeof impl, "%s", mha_last_impl());
@@ -455,7 +456,7 @@ static void test_varlen_half(void) {
                 mha_sdpa_args a;
                 mha_sdpa_args_init(&a);
                 a.q = &q4, a.k = &k4, a.v = &v4;
-                a.is_causal = causal;
+                a.opts.is_causal = causal;
                 CHECK_OK(mha_sdpa(&o4, NULL, &a));
                 CHECKF(strcmp(impl, mha_last_impl()) == 0,
                        "varlen set %d: ran \"%s\", mha_sdpa \"%s\"", si, impl, mha_last_impl());

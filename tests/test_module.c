@@ -637,14 +637,20 @@ static void test_layouts(void) {
     a.query = a.key = a.value = &xt;
     CHECK_FAILS(mha_backward(NULL, NULL, NULL, g, m, &a, &yt, false), MHA_ERR_INVALID_ARG);
     CHECK(strstr(mha_last_error(), "layout") != NULL);
-    // a custom scale must be positive and finite
-    a.use_custom_scale = true;
-    a.scale = 0.0;
+    // a scale must be finite (0: the default 1 / sqrt(d), the same bits)
+    float y0[3 * 8], y1[3 * 8];
+    mha_tensor y0t = mha_tensor_contiguous(y0, MHA_F32, 2, (int64_t[]){3, 8});
+    mha_tensor y1t = mha_tensor_contiguous(y1, MHA_F32, 2, (int64_t[]){3, 8});
+    for (int i = 0; i < 3 * 8; i++) x[i] = (float)(i % 7) * 0.25f - 0.5f;
+    a.opts.scale = 0.0;
+    CHECK_OK(mha_forward(&y0t, NULL, m, &a));
+    a.opts.scale = 1.0 / sqrt(4.0);  // d = 8 / 2
+    CHECK_OK(mha_forward(&y1t, NULL, m, &a));
+    CHECK(memcmp(y0, y1, sizeof y0) == 0);
+    a.opts.scale = NAN;
     CHECK_FAILS(mha_forward(&yt, NULL, m, &a), MHA_ERR_INVALID_ARG);
     CHECK(strstr(mha_last_error(), "scale") != NULL);
-    a.scale = NAN;
-    CHECK_FAILS(mha_forward(&yt, NULL, m, &a), MHA_ERR_INVALID_ARG);
-    a.scale = -1.0;
+    a.opts.scale = INFINITY;
     CHECK_FAILS(mha_backward(NULL, NULL, NULL, NULL, m, &a, &yt, false), MHA_ERR_INVALID_ARG);
     mha_module_destroy(g);
     mha_module_destroy(m);

@@ -95,7 +95,7 @@ static mha_forward_args main_args(const inputs *in, const views *vw) {
     a.query = &vw->x;
     if (in->kd == in->E && in->vd == in->E) {
         a.key = a.value = &vw->x;
-        a.is_causal = true;
+        a.opts.is_causal = true;
     } else {
         a.key = &vw->k, a.value = &vw->v;
     }
@@ -190,7 +190,7 @@ static void run_all(outputs *o, const mha_module *m, const inputs *in) {
             CHECK_OK(mha_sdpa(&yt1, NULL, &sa));
         }
         mha_kv_cache *kc = NULL;
-        CHECK_OK(mha_kv_cache_create(&kc, N, Hkv, d, d, 2 * T));
+        CHECK_OK(mha_kv_cache_create(&kc, N, Hkv, d, d, 2 * T, MHA_KV_F32));
         float *yd = floats(T * N * E);
         for (int t = 0; kc && t < T; t++) {
             mha_tensor qc = mha_tensor_contiguous(in->x + t * N * E, MHA_F32, 3,

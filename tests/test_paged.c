@@ -38,7 +38,7 @@ static mha_paged_layout g_layout;
 
 static mha_status paged_create(mha_paged_cache **c, int64_t nb, int64_t bs, int64_t hkv,
                                int64_t d, int64_t dv, mha_kv_dtype dt) {
-    return mha_paged_cache_create_ex(c, nb, bs, hkv, d, dv, dt, g_layout);
+    return mha_paged_cache_create(c, nb, bs, hkv, d, dv, dt, g_layout);
 }
 
 typedef struct world {
@@ -111,7 +111,7 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
         cap = m->len > cap ? m->len : cap;
     }
     mha_kv_cache *kc = NULL;
-    CHECK_OK(mha_kv_cache_create_ex(&kc, n, HKV, D, D, cap, w->dt));
+    CHECK_OK(mha_kv_cache_create(&kc, n, HKV, D, D, cap, w->dt));
     const size_t nkv = (size_t)(n * HKV * cap * D);
     float *kb = calloc(nkv, sizeof(float)), *vb = calloc(nkv, sizeof(float));
     int64_t lens[MAXSEQ];
@@ -141,9 +141,9 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
                t2 = mha_tensor_contiguous(o2, MHA_F32, 4, sh);
     mha_cache_attend_args a;
     mha_cache_attend_args_init(&a);
-    a.window_left = win;
-    a.softcap = g_softcap;
-    a.alibi_slopes = g_alibi;
+    a.opts.window_left = win;
+    a.opts.softcap = g_softcap;
+    a.opts.alibi_slopes = g_alibi;
     CHECK_OK(mha_kv_cache_attend(&t1, &qt, kc, &a, counts));
     CHECK_OK(mha_paged_cache_attend(&t2, &qt, w->c, n, ids, counts, &a));
     CHECKF(memcmp(o1, o2, sizeof(float) * nq) == 0,
@@ -157,7 +157,7 @@ static void check_attend(world *w, const int *sel, int n, int64_t T, int64_t win
 // Appends cnt[i] tokens to sequences sel[i] (paged and mirrors): the ids
 // given[i] (NULL: drawn from a vocabulary of 3, so that prefixes repeat),
 // their K, V from the prefix (kv_of); with_ids: through
-// mha_paged_cache_append_tokens (else without the ids). The mirrors change
+// mha_paged_cache_append (else without the ids). The mirrors change
 // only if the append lands.
 static mha_status append_ids(world *w, const int *sel, int n, const int64_t *cnt,
                              const int32_t *const *given, bool with_ids) {
@@ -189,8 +189,8 @@ static mha_status append_ids(world *w, const int *sel, int n, const int64_t *cnt
     const int64_t sh[4] = {n, HKV, T, D};
     mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, sh),
                vt = mha_tensor_contiguous(v, MHA_F32, 4, sh);
-    mha_status st = with_ids ? mha_paged_cache_append_tokens(w->c, n, ids, cnt, &kt, &vt, tok)
-                             : mha_paged_cache_append(w->c, n, ids, cnt, &kt, &vt);
+    mha_status st = with_ids ? mha_paged_cache_append(w->c, n, ids, cnt, &kt, &vt, tok)
+                             : mha_paged_cache_append(w->c, n, ids, cnt, &kt, &vt, NULL);
     for (int i = 0; i < n && st == MHA_OK; i++) {
         mirror *m = &w->seq[sel[i]];
         for (int64_t t = 0; t < cnt[i]; t++) mirror_put(m, m->len + t, tok[i * T + t], D);
@@ -532,7 +532,7 @@ static void test_prompt_last_row(void) {
     const int64_t sh[4] = {1, HKV, 1, D};
     mha_tensor zkt = mha_tensor_contiguous(zk, MHA_F32, 4, sh),
                zvt = mha_tensor_contiguous(zv, MHA_F32, 4, sh);
-    CHECK_OK(mha_paged_cache_append_tokens(w.c, 1, &w.seq[1].id, NULL, &zkt, &zvt, p8 + 7));
+    CHECK_OK(mha_paged_cache_append(w.c, 1, &w.seq[1].id, NULL, &zkt, &zvt, p8 + 7));
     CHECK(mha_paged_cache_blocks_in_use(w.c) == 2);
     CHECK(mha_paged_cache_length(w.c, w.seq[1].id) == 8);
     check_attend(&w, sel, 2, 1, -1, "the last row kept");
@@ -740,16 +740,20 @@ static void test_errors(void) {
     mha_tensor k2 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){2, HKV, 1, D}),
                k1 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D}),
                kbad = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D - 1});
-    FAILS_UNCHANGED(mha_paged_cache_append(c, 2, dup, NULL, &k2, &k2), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 2, dup, NULL, &k2, &k2, NULL),
+                    MHA_ERR_INVALID_ARG);
     UNCHANGED("an id twice");
     int64_t unknown = 12345;
-    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, &unknown, NULL, &k1, &k1), MHA_ERR_INVALID_ARG);
-    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, &bad, NULL, &k1, &k1), MHA_ERR_INVALID_ARG);
-    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, ids, (int64_t[]){2}, &k1, &k1),
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, &unknown, NULL, &k1, &k1, NULL),
                     MHA_ERR_INVALID_ARG);
-    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, ids, &one, &kbad, &k1), MHA_ERR_SHAPE);
-    FAILS_UNCHANGED(mha_paged_cache_append(c, 2, ids, NULL, &k1, &k1), MHA_ERR_SHAPE);
-    FAILS_UNCHANGED(mha_paged_cache_append(c, 0, ids, NULL, &k1, &k1), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, &bad, NULL, &k1, &k1, NULL),
+                    MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, ids, (int64_t[]){2}, &k1, &k1, NULL),
+                    MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 1, ids, &one, &kbad, &k1, NULL), MHA_ERR_SHAPE);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 2, ids, NULL, &k1, &k1, NULL), MHA_ERR_SHAPE);
+    FAILS_UNCHANGED(mha_paged_cache_append(c, 0, ids, NULL, &k1, &k1, NULL),
+                    MHA_ERR_INVALID_ARG);
     UNCHANGED("bad appends");
     FAILS_UNCHANGED(mha_paged_cache_truncate(c, ids[0], 10), MHA_ERR_INVALID_ARG);
     FAILS_UNCHANGED(mha_paged_cache_truncate(c, ids[0], -1), MHA_ERR_INVALID_ARG);
@@ -759,16 +763,16 @@ static void test_errors(void) {
     UNCHANGED("bad truncate, fork, free");
     // bad releases and prompts; then, the fork's first block released,
     // the calls that would reach into the released tokens
-    FAILS_UNCHANGED(mha_paged_cache_release_keep(c, ids[0], -1, 4), MHA_ERR_INVALID_ARG);
-    FAILS_UNCHANGED(mha_paged_cache_release_before(c, ids[0], 10), MHA_ERR_INVALID_ARG);
-    FAILS_UNCHANGED(mha_paged_cache_release_before(c, unknown, 0), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_release(c, ids[0], -1, 4), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_release(c, ids[0], 0, 10), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_release(c, unknown, 0, 0), MHA_ERR_INVALID_ARG);
     int64_t pid, cached;
     FAILS_UNCHANGED(mha_paged_cache_add_prompt(c, NULL, 3, &pid, &cached), MHA_ERR_INVALID_ARG);
     FAILS_UNCHANGED(mha_paged_cache_add_prompt(c, w.seq[0].tok, -1, &pid, &cached),
                     MHA_ERR_INVALID_ARG);
-    CHECK_OK(mha_paged_cache_release_before(c, fork_id, BS));
+    CHECK_OK(mha_paged_cache_release(c, fork_id, 0, BS));
     FAILS_UNCHANGED(mha_paged_cache_truncate(c, fork_id, 2), MHA_ERR_INVALID_ARG);
-    FAILS_UNCHANGED(mha_paged_cache_release_keep(c, fork_id, 1, 2 * BS), MHA_ERR_INVALID_ARG);
+    FAILS_UNCHANGED(mha_paged_cache_release(c, fork_id, 1, 2 * BS), MHA_ERR_INVALID_ARG);
     float o1[H * D];
     mha_tensor q1 = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
                o1t = mha_tensor_contiguous(o1, MHA_F32, 4, (int64_t[]){1, H, 1, D});
@@ -888,7 +892,7 @@ static int threads_call(threads_arg *a, int call) {
         return strstr(mha_last_error(), "being changed") ? T_REFUSED : T_BAD;
     }
     const mha_status st = mha_paged_cache_append(x->c, 1, &x->ids[a->me ? 1 : 2], NULL, x->t1,
-                                                 x->t1);
+                                                 x->t1, NULL);
     if (st == MHA_OK) {
         a->landed++;
         return T_OK;
@@ -955,7 +959,7 @@ static void test_threads(void) {
     for (int i = 0; i < HKV * 40 * D; i++) kv[i] = frand();
     mha_tensor t40 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 40, D}),
                t1 = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){1, HKV, 1, D});
-    CHECK_OK(mha_paged_cache_append(c, 1, x->ids, NULL, &t40, &t40));
+    CHECK_OK(mha_paged_cache_append(c, 1, x->ids, NULL, &t40, &t40, NULL));
     float q[H * D], o0[H * D];
     for (int i = 0; i < H * D; i++) q[i] = frand();
     mha_tensor qt = mha_tensor_contiguous(q, MHA_F32, 4, (int64_t[]){1, H, 1, D}),
@@ -1033,8 +1037,8 @@ static mha_forward_args rope_args(const mha_tensor *x, int64_t win, bool causal)
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = x;
-    a.is_causal = causal;
-    a.window_left = win;
+    a.opts.is_causal = causal;
+    a.opts.window_left = win;
     mha_rope_init(&a.rope, MHA_ROPE_NEOX);
     return a;
 }
@@ -1101,7 +1105,7 @@ static void test_forward_paged(void) {
             mha_tensor xt = mha_tensor_contiguous(xb, MHA_F32, 3, (int64_t[]){n, T, E}),
                        yt = mha_tensor_contiguous(yb, MHA_F32, 3, (int64_t[]){n, T, E});
             const mha_forward_args a = rope_args(&xt, win, false);
-            CHECK_OK(mha_forward_paged(&yt, m, &a, pc, cid, cnt));
+            CHECK_OK(mha_forward_paged(&yt, m, &a, pc, cid, cnt, NULL));
             bool pad_zero = true, mix = false;
             for (int j = 0; j < n; j++) {
                 memcpy(yp[sel[j]] + done[sel[j]] * E, yb + (size_t)(j * T * E),
@@ -1134,7 +1138,7 @@ static void test_forward_paged(void) {
             mha_forward_args a;
             mha_forward_args_init(&a);
             a.query = a.key = a.value = &xt;
-            CHECK(mha_forward_paged(&yt, m, &a, pc, ids, NULL) == MHA_ERR_NOMEM);
+            CHECK(mha_forward_paged(&yt, m, &a, pc, ids, NULL, NULL) == MHA_ERR_NOMEM);
             CHECK(mha_paged_cache_length(pc, ids[0]) == len[0] &&
                   mha_paged_cache_blocks_free(pc) == free0);
             free(xb), free(yb);
@@ -1145,7 +1149,7 @@ static void test_forward_paged(void) {
             mha_kv_cache *kc = NULL;
             const int64_t L = 40;
             CHECK_OK(paged_create(&p2, 64, 8, NKV, d, d, MHA_KV_F32));
-            CHECK_OK(mha_kv_cache_create(&kc, 2, NKV, d, d, L));
+            CHECK_OK(mha_kv_cache_create(&kc, 2, NKV, d, d, L, MHA_KV_F32));
             int64_t id2[2];
             CHECK_OK(mha_paged_cache_add(p2, &id2[0]));
             CHECK_OK(mha_paged_cache_add(p2, &id2[1]));
@@ -1166,7 +1170,7 @@ static void test_forward_paged(void) {
                            t2 = mha_tensor_contiguous(o2, MHA_F32, 3, (int64_t[]){2, k, E});
                 const mha_forward_args a = rope_args(&xt, win, false);
                 CHECK_OK(mha_forward_cached(&t1, m, &a, kc));
-                CHECK_OK(mha_forward_paged(&t2, m, &a, p2, id2, NULL));
+                CHECK_OK(mha_forward_paged(&t2, m, &a, p2, id2, NULL, NULL));
                 CHECKF(memcmp(o1, o2, sizeof(float) * (size_t)(2 * k * E)) == 0,
                        "forward_paged chunk %lld (%lld tokens): not the contiguous cache's bits",
                        (long long)ci, (long long)k);
@@ -1204,7 +1208,7 @@ static void test_window_release(void) {
     for (int step = 0; step < STEPS && w.seq[0].len < CAPL; step++) {
         CHECK_OK(append_some(&w, both, 2, one));
         for (int i = 0; i < 2; i++)
-            CHECK_OK(mha_paged_cache_release_before(w.c, w.seq[i].id, w.seq[i].len - W - 1));
+            CHECK_OK(mha_paged_cache_release(w.c, w.seq[i].id, 0, w.seq[i].len - W - 1));
         const int64_t used = mha_paged_cache_blocks_in_use(w.c);
         most = used > most ? used : most;
         if (step % 7 == 0) check_attend(&w, both, 2, 1, W, "sliding window");
@@ -1230,12 +1234,12 @@ static void test_window_release(void) {
     CHECK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a) == MHA_ERR_INVALID_ARG);
     CHECKF(strstr(mha_last_error(), "released its tokens 0 to") != NULL, "message: %s",
            mha_last_error());
-    a.window_left = W + 20;
+    a.opts.window_left = W + 20;
     CHECK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a) == MHA_ERR_INVALID_ARG);
-    a.window_left = W;
+    a.opts.window_left = W;
     CHECK_OK(mha_paged_cache_attend(&ot, &qt, w.c, 1, ids, NULL, &a));
     CHECK(mha_paged_cache_truncate(w.c, ids[0], 5) == MHA_ERR_INVALID_ARG);
-    CHECK(mha_paged_cache_release_before(w.c, ids[0], len0 + 1) == MHA_ERR_INVALID_ARG);
+    CHECK(mha_paged_cache_release(w.c, ids[0], 0, len0 + 1) == MHA_ERR_INVALID_ARG);
     CHECK(mha_paged_cache_length(w.c, ids[0]) == len0 &&
           mha_paged_cache_blocks_in_use(w.c) == used);
     CHECK_OK(mha_paged_cache_truncate(w.c, ids[0], 0));  // to 0: starts again
@@ -1249,7 +1253,7 @@ static void test_window_release(void) {
 }
 
 // Prefix sharing through the module: sequence A's prompt (ids and hidden
-// states) goes through mha_forward_paged_tokens; B starts with the same
+// states) goes through mha_forward_paged; B starts with the same
 // prompt + 5 tokens of its own via mha_paged_cache_add_prompt, takes A's
 // blocks for the first 96 tokens and computes only the rest: its outputs
 // equal the full causal forward of its whole input.
@@ -1275,7 +1279,7 @@ static void test_forward_prefix(void) {
     mha_tensor xa = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, P, E}),
                ya = mha_tensor_contiguous(yb, MHA_F32, 3, (int64_t[]){1, P, E});
     const mha_forward_args aa = rope_args(&xa, -1, false);
-    CHECK_OK(mha_forward_paged_tokens(&ya, m, &aa, c, &a, NULL, tok));
+    CHECK_OK(mha_forward_paged(&ya, m, &aa, c, &a, NULL, tok));
     const int64_t used = mha_paged_cache_blocks_in_use(c);
     CHECK_OK(mha_paged_cache_add_prompt(c, tok, P + EXTRA, &b, &cached));
     CHECKF(cached == P / BS * BS, "module prefix: %lld cached", (long long)cached);
@@ -1284,7 +1288,7 @@ static void test_forward_prefix(void) {
     mha_tensor xr = mha_tensor_contiguous(x + cached * E, MHA_F32, 3, (int64_t[]){1, rest, E}),
                yr = mha_tensor_contiguous(yb + cached * E, MHA_F32, 3, (int64_t[]){1, rest, E});
     const mha_forward_args ar = rope_args(&xr, -1, false);
-    CHECK_OK(mha_forward_paged_tokens(&yr, m, &ar, c, &b, NULL, tok + cached));
+    CHECK_OK(mha_forward_paged(&yr, m, &ar, c, &b, NULL, tok + cached));
     const double e = rel_err(yf + cached * E, yb + cached * E, rest * E);
     CHECKF(e <= 2e-5, "module prefix: rel err %g", e);
     CHECK(mha_paged_cache_length(c, b) == P + EXTRA);
@@ -1299,7 +1303,7 @@ static void test_forward_prefix(void) {
     mha_tensor x1 = mha_tensor_contiguous(x + (W - 1) * E, MHA_F32, 3, (int64_t[]){1, 1, E}),
                y1t = mha_tensor_contiguous(y1, MHA_F32, 3, (int64_t[]){1, 1, E});
     const mha_forward_args a1 = rope_args(&x1, -1, false);
-    CHECK_OK(mha_forward_paged_tokens(&y1t, m, &a1, c, &d, NULL, tok + W - 1));
+    CHECK_OK(mha_forward_paged(&y1t, m, &a1, c, &d, NULL, tok + W - 1));
     const double e1 = rel_err(yf + (W - 1) * E, y1, E);
     CHECKF(e1 <= 2e-5, "module prefix, whole: rel err %g", e1);
     CHECK(mha_paged_cache_blocks_in_use(c) == used2);
@@ -1314,14 +1318,14 @@ static mha_forward_args position_args(const mha_tensor *x, int variant) {
     mha_forward_args_init(&a);
     a.query = a.key = a.value = x;
     if (variant == 0) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
-    else a.alibi = true;
+    else a.opts.alibi = true;
     return a;
 }
 
 // StreamingLLM (Xiao et al., "Efficient Streaming Language Models with
 // Attention Sinks"): K sinks + a window of W through mha_forward_paged with
-// stream_sinks, the blocks between them released after every call
-// (mha_paged_cache_release_keep). Memory stays bounded, and every token's
+// opts.sink_tokens, the blocks between them released after every call
+// (mha_paged_cache_release). Memory stays bounded, and every token's
 // output is the paper's: the reference path's causal forward over the
 // cache the paper would hold for it (the sinks' hidden states, then the
 // window's) at positions 0.. within that cache, its last row. RoPE (neox:
@@ -1352,11 +1356,11 @@ static void test_streaming(void) {
                        yt = mha_tensor_contiguous(yp + done * E, MHA_F32, 3,
                                                   (int64_t[]){1, cnt, E});
             mha_forward_args a = position_args(&xt, variant);
-            a.window_left = W;
-            a.stream_sinks = K;
-            CHECK_OK(mha_forward_paged(&yt, m, &a, pc, &id, NULL));
+            a.opts.window_left = W;
+            a.opts.sink_tokens = K;
+            CHECK_OK(mha_forward_paged(&yt, m, &a, pc, &id, NULL, NULL));
             done += cnt, calls++;
-            if (done - W > 0) CHECK_OK(mha_paged_cache_release_keep(pc, id, K, done - W));
+            if (done - W > 0) CHECK_OK(mha_paged_cache_release(pc, id, K, done - W));
             const int64_t used = mha_paged_cache_blocks_in_use(pc);
             most = used > most ? used : most;
         }
@@ -1371,7 +1375,7 @@ static void test_streaming(void) {
             mha_tensor st = mha_tensor_contiguous(xs, MHA_F32, 3, (int64_t[]){1, n, E}),
                        yt = mha_tensor_contiguous(ys, MHA_F32, 3, (int64_t[]){1, n, E});
             mha_forward_args a = position_args(&st, variant);
-            a.is_causal = true;
+            a.opts.is_causal = true;
             a.impl = MHA_IMPL_REFERENCE;
             CHECK_OK(mha_forward(&yt, NULL, m, &a));
             memcpy(yo + p * E, ys + (n - 1) * E, sizeof(float) * E);
@@ -1394,36 +1398,36 @@ static void test_streaming(void) {
                        ot = mha_tensor_contiguous(o, MHA_F32, 4, (int64_t[]){1, NH, 1, E / NH});
             mha_cache_attend_args ca;
             mha_cache_attend_args_init(&ca);
-            ca.window_left = W;  // (no sinks: the window alone is fine)
+            ca.opts.window_left = W;  // (no sinks: the window alone is fine)
             CHECK_OK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca));
-            ca.sink_tokens = BS + 1;  // sinks past the kept block
+            ca.opts.sink_tokens = BS + 1;  // sinks past the kept block
             CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
                   MHA_ERR_INVALID_ARG);
             CHECKF(strstr(mha_last_error(), "the sinks") != NULL, "message: %s",
                    mha_last_error());
-            ca.sink_tokens = K, ca.window_left = W + 30;  // a window past the hole
+            ca.opts.sink_tokens = K, ca.opts.window_left = W + 30;  // a window past the hole
             CHECK(mha_paged_cache_attend(&ot, &qt, pc, 1, &id, NULL, &ca) ==
                   MHA_ERR_INVALID_ARG);
             const int64_t used = mha_paged_cache_blocks_in_use(pc);
-            CHECK(mha_paged_cache_release_keep(pc, id, 2 * BS, L - W) == MHA_ERR_INVALID_ARG);
-            CHECK(mha_paged_cache_release_keep(pc, id, -1, 3) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_release(pc, id, 2 * BS, L - W) == MHA_ERR_INVALID_ARG);
+            CHECK(mha_paged_cache_release(pc, id, -1, 3) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_truncate(pc, id, BS + 2) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_blocks_in_use(pc) == used &&
                   mha_paged_cache_length(pc, id) == L);
             CHECK_OK(mha_paged_cache_truncate(pc, id, BS));  // into the kept block: fine
             CHECK(mha_paged_cache_length(pc, id) == BS);
         }
-        // stream_sinks without a window, or with a plain forward: refused
+        // sink_tokens without a window, or with a plain forward: refused
         {
             mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, 2, E}),
                        yt = mha_tensor_contiguous(yp, MHA_F32, 3, (int64_t[]){1, 2, E});
             mha_forward_args a;
             mha_forward_args_init(&a);
             a.query = a.key = a.value = &xt;
-            a.stream_sinks = K;
-            CHECK(mha_forward_paged(&yt, m, &a, pc, &id, NULL) == MHA_ERR_INVALID_ARG);
+            a.opts.sink_tokens = K;
+            CHECK(mha_forward_paged(&yt, m, &a, pc, &id, NULL, NULL) == MHA_ERR_INVALID_ARG);
             CHECK(mha_paged_cache_length(pc, id) == BS);
-            a.window_left = W;
+            a.opts.window_left = W;
             CHECK(mha_forward(&yt, NULL, m, &a) == MHA_ERR_UNSUPPORTED);
         }
         mha_paged_cache_destroy(pc);
@@ -1448,12 +1452,12 @@ static void test_released_parent(void) {
     for (int i = 0; i < 3 * BS; i++) a_tok[i] = 100 + i, b_tok[i] = i < BS ? 500 + i : 100 + i;
     int64_t a, b, p, fb, cached;
     CHECK_OK(mha_paged_cache_add(c, &a));
-    CHECK_OK(mha_paged_cache_append_tokens(c, 1, &a, NULL, &ta, &ta, a_tok));
-    CHECK_OK(mha_paged_cache_release_before(c, a, BS));  // A's first block back to the pool
+    CHECK_OK(mha_paged_cache_append(c, 1, &a, NULL, &ta, &ta, a_tok));
+    CHECK_OK(mha_paged_cache_release(c, a, 0, BS));  // A's first block back to the pool
     // B: its own first block (the freed one, reused), then A's later tokens' ids (other
     // keys and values: they follow other tokens)
     CHECK_OK(mha_paged_cache_add(c, &b));
-    CHECK_OK(mha_paged_cache_append_tokens(c, 1, &b, NULL, &tb, &tb, b_tok));
+    CHECK_OK(mha_paged_cache_append(c, 1, &b, NULL, &tb, &tb, b_tok));
     // B's prompt again: its blocks, not A's second one (whose parent was the freed block)
     // (all three blocks: the last token's row is in the third)
     CHECK_OK(mha_paged_cache_add_prompt(c, b_tok, 3 * BS, &p, &cached));
@@ -1482,7 +1486,7 @@ static void test_int4_bytes(void) {
            "int4 block bytes %zu", mha_paged_cache_block_bytes(c));
     mha_paged_cache_destroy(c);
     mha_kv_cache *kc = NULL;
-    CHECK_OK(mha_kv_cache_create_ex(&kc, 2, 3, 33, 70, 7, MHA_KV_INT4));
+    CHECK_OK(mha_kv_cache_create(&kc, 2, 3, 33, 70, 7, MHA_KV_INT4));
     CHECKF(mha_kv_cache_bytes(kc) == (size_t)(2 * 3 * 7) * (17 + 35 + 4 * (2 + 3)),
            "int4 cache bytes %zu", mha_kv_cache_bytes(kc));
     mha_kv_cache_destroy(kc);
@@ -1502,15 +1506,15 @@ static void test_layout_api(void) {
     CHECK(l == MHA_PAGED_BLOCK_MAJOR);
     CHECK(mha_paged_layout_from_name(NULL, "head-major") == MHA_ERR_INVALID_ARG);
     mha_paged_cache *c = (mha_paged_cache *)&l;
-    CHECK(mha_paged_cache_create_ex(&c, 4, 4, 1, 8, 8, MHA_KV_F32, (mha_paged_layout)2) ==
+    CHECK(mha_paged_cache_create(&c, 4, 4, 1, 8, 8, MHA_KV_F32, (mha_paged_layout)2) ==
           MHA_ERR_INVALID_ARG);
     CHECK(c == NULL && strstr(mha_last_error(), "layout 2") != NULL);
-    CHECK(mha_paged_cache_create_ex(&c, 4, 4, 1, 8, 8, MHA_KV_F32, (mha_paged_layout)-1) ==
+    CHECK(mha_paged_cache_create(&c, 4, 4, 1, 8, 8, MHA_KV_F32, (mha_paged_layout)-1) ==
           MHA_ERR_INVALID_ARG);
-    CHECK_OK(mha_paged_cache_create(&c, 4, 4, 1, 8, 8, MHA_KV_F32));
+    CHECK_OK(mha_paged_cache_create(&c, 4, 4, 1, 8, 8, MHA_KV_F32, MHA_PAGED_HEAD_MAJOR));
     CHECK(mha_paged_cache_layout(c) == MHA_PAGED_HEAD_MAJOR);
     mha_paged_cache_destroy(c);
-    CHECK_OK(mha_paged_cache_create_ex(&c, 4, 4, 1, 8, 8, MHA_KV_F32, MHA_PAGED_BLOCK_MAJOR));
+    CHECK_OK(mha_paged_cache_create(&c, 4, 4, 1, 8, 8, MHA_KV_F32, MHA_PAGED_BLOCK_MAJOR));
     CHECK(mha_paged_cache_layout(c) == MHA_PAGED_BLOCK_MAJOR);
     mha_paged_cache_destroy(c);
     CHECK(mha_paged_cache_layout(NULL) == MHA_PAGED_HEAD_MAJOR);
@@ -1541,22 +1545,23 @@ static void test_one_query_a_head(void) {
             const int64_t bs = bss[bi];
             mha_kv_cache *kc = NULL;
             mha_paged_cache *pc = NULL;
-            CHECK_OK(mha_kv_cache_create_ex(&kc, NSEQ, NK, D, D, cap, dts[di]));
+            CHECK_OK(mha_kv_cache_create(&kc, NSEQ, NK, D, D, cap, dts[di]));
             CHECK_OK(mha_kv_cache_append(kc, &kt, &vt, lens));
             CHECK_OK(paged_create(&pc, (13400 + 3 * bs) / bs, bs, NK, D, D, dts[di]));
             int64_t ids[NSEQ];
             for (int i = 0; i < NSEQ; i++) CHECK_OK(mha_paged_cache_add(pc, &ids[i]));
-            CHECK_OK(mha_paged_cache_append(pc, NSEQ, ids, lens, &kt, &vt));
+            CHECK_OK(mha_paged_cache_append(pc, NSEQ, ids, lens, &kt, &vt, NULL));
             for (int w = 0; w < 2; w++) {
                 mha_cache_attend_args a;
                 mha_cache_attend_args_init(&a);
-                a.window_left = w ? 700 : -1;
+                a.opts.window_left = w ? 700 : -1;
                 for (size_t i = 0; i < nq; i++) o1[i] = 1.0f, o2[i] = 2.0f;
                 CHECK_OK(mha_kv_cache_attend(&t1, &qt, kc, &a, NULL));
                 CHECK_OK(mha_paged_cache_attend(&t2, &qt, pc, NSEQ, ids, NULL, &a));
                 CHECKF(memcmp(o1, o2, sizeof(float) * nq) == 0,
                        "one query a head: %s, blocks of %lld, window %lld: paged != contiguous",
-                       mha_kv_dtype_name(dts[di]), (long long)bs, (long long)a.window_left);
+                       mha_kv_dtype_name(dts[di]), (long long)bs,
+                       (long long)a.opts.window_left);
             }
             mha_paged_cache_destroy(pc);
             mha_kv_cache_destroy(kc);

@@ -48,11 +48,11 @@ static void one_case(int id, bool layout) {
     test_inputs_make(&in, L, S, N, E, kd, vd, 5);
     mha_forward_args a;
     test_inputs_args(&a, &in, self);
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     a.impl = MHA_IMPL_FUSED;
     if (kpm) a.key_padding_mask = &in.kpt;
     if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
-    if (layout && next() % 2) a.use_custom_scale = true, a.scale = 0.3;
+    if (layout && next() % 2) a.opts.scale = 0.3;
     const int64_t nqq = L * N * Eq;  // the context and dq (Rq, Eq)
     const int64_t nq = L * N * E, nk = S * N * kd, nv = S * N * vd, nkv = S * N * (Hkv * d);
     // the single-process fused results

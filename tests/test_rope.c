@@ -17,7 +17,7 @@
 //     position is the full call's)
 //   - the saved state keeps the positions and the scaling in its key
 //   - mha_diagnose's logit_max = the reference trace's scaled scores
-//   - mha_rope_apply_ex: positions = start + t gives mha_rope_apply's bits;
+//   - mha_rope_apply: positions = start + t gives mha_rope_apply's bits;
 //     inverse after forward multiplies by the attention factor squared
 //   - refusals: negative positions, cross-attention with positions, a
 //     scaling without RoPE, bad fields
@@ -229,7 +229,7 @@ static void module_case(int id) {
     a.query = &in.qt;
     a.key = self ? &in.qt : &in.kt;
     a.value = self ? &in.qt : &in.vt;
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     mha_rope_init(&a.rope, interleaved ? MHA_ROPE_INTERLEAVED : MHA_ROPE_NEOX);
     if (partial) a.rope.dim = 2 * irand(1, d / 2);
     if (type == MHA_ROPE_SCALING_DYNAMIC && a.rope.dim == 2) a.rope.dim = 4;  // (dim > 2)
@@ -362,7 +362,7 @@ static void fd_case(mha_rope_scaling_type type, int variant, bool interleaved, i
     if (type == MHA_ROPE_SCALING_YARN) s.original_max_position = 4;  // (a ramp in dim 4)
     mha_forward_args_init(&p.a);
     p.a.query = &p.qt, p.a.key = &p.kt, p.a.value = &p.vt;
-    p.a.is_causal = true;
+    p.a.opts.is_causal = true;
     mha_rope_init(&p.a.rope, interleaved ? MHA_ROPE_INTERLEAVED : MHA_ROPE_NEOX);
     p.a.rope_positions = pos;
     p.a.rope_scaling = &s;
@@ -415,7 +415,7 @@ static void cached_case(int id) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
     mha_rope_init(&a.rope, id & 1 ? MHA_ROPE_INTERLEAVED : MHA_ROPE_NEOX);
     a.rope_positions = pos;
@@ -425,7 +425,7 @@ static void cached_case(int id) {
     // one chunk (the full call's seq)
     const int64_t chunk = type == MHA_ROPE_SCALING_DYNAMIC ? T : irand(1, 7);
     mha_kv_cache *cache = NULL;
-    CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T));
+    CHECK_OK(mha_kv_cache_create(&cache, N, Hkv, d, d, T, MHA_KV_F32));
     int64_t *pc = malloc(sizeof(int64_t) * (size_t)(N * T));
     for (int64_t t0 = 0; t0 < T; t0 += chunk) {
         const int64_t k = T - t0 < chunk ? T - t0 : chunk;
@@ -435,7 +435,7 @@ static void cached_case(int id) {
         mha_tensor oc = mha_tensor_contiguous(yc + t0 * N * E, MHA_F32, 3, (int64_t[]){k, N, E});
         mha_forward_args ac = a;
         ac.query = ac.key = ac.value = &qc;
-        ac.is_causal = false;
+        ac.opts.is_causal = false;
         ac.rope_positions = pc;
         CHECK_OK(mha_forward_cached(&oc, m, &ac, cache));
     }
@@ -485,7 +485,7 @@ static void test_saved(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &in.qt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
     mha_rope_init(&a.rope, MHA_ROPE_NEOX);
     a.rope_positions = pos;
@@ -580,7 +580,7 @@ static void test_diag(void) {
     mha_module_destroy(m);
 }
 
-// mha_rope_apply_ex on (B, H, T, D) views.
+// mha_rope_apply on (B, H, T, D) views.
 static void test_apply_ex(void) {
     enum { B = 2, H = 3, T = 9, D = 10 };
     double x[B * H * T * D], x0[B * H * T * D], x1[B * H * T * D];
@@ -593,18 +593,18 @@ static void test_apply_ex(void) {
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) pos[b * T + t] = start[b] + t;
     memcpy(x, x0, sizeof x);
-    CHECK_OK(mha_rope_apply(&xt, &r, start, false));
+    CHECK_OK(mha_rope_apply(&xt, &r, NULL, start, NULL, 0, false));
     memcpy(x1, x, sizeof x);
     memcpy(x, x0, sizeof x);
-    CHECK_OK(mha_rope_apply_ex(&xt, &r, NULL, NULL, pos, 0, false));
+    CHECK_OK(mha_rope_apply(&xt, &r, NULL, NULL, pos, 0, false));
     CHECK(!memcmp(x, x1, sizeof x));
     // YaRN: inverse after forward = af^2 x (af R(-a) af R(a)); the pass-through
     // features untouched
     mha_rope_scaling s = scaling_of(MHA_ROPE_SCALING_YARN, 0);
     s.attention_factor = 1.5;
     memcpy(x, x0, sizeof x);
-    CHECK_OK(mha_rope_apply_ex(&xt, &r, &s, start, NULL, 0, false));
-    CHECK_OK(mha_rope_apply_ex(&xt, &r, &s, start, NULL, 0, true));
+    CHECK_OK(mha_rope_apply(&xt, &r, &s, start, NULL, 0, false));
+    CHECK_OK(mha_rope_apply(&xt, &r, &s, start, NULL, 0, true));
     double e = 0;
     for (int i = 0; i < B * H * T * D; i++)
         e = fmax(e, fabs(x[i] - (i % D < 8 ? 2.25 : 1.0) * x0[i]));
@@ -612,21 +612,21 @@ static void test_apply_ex(void) {
     // dynamic: seq 0 takes the positions' largest + 1; the same as that seq
     mha_rope_scaling dy = scaling_of(MHA_ROPE_SCALING_DYNAMIC, 0);
     memcpy(x, x0, sizeof x);
-    CHECK_OK(mha_rope_apply_ex(&xt, &r, &dy, start, NULL, 0, false));
+    CHECK_OK(mha_rope_apply(&xt, &r, &dy, start, NULL, 0, false));
     memcpy(x1, x, sizeof x);
     memcpy(x, x0, sizeof x);
-    CHECK_OK(mha_rope_apply_ex(&xt, &r, &dy, start, NULL, 11 + T, false));
+    CHECK_OK(mha_rope_apply(&xt, &r, &dy, start, NULL, 11 + T, false));
     CHECK(!memcmp(x, x1, sizeof x));
     memcpy(x, x0, sizeof x);
-    CHECK_OK(mha_rope_apply_ex(&xt, &r, &dy, start, NULL, 100, false));
+    CHECK_OK(mha_rope_apply(&xt, &r, &dy, start, NULL, 100, false));
     CHECK(memcmp(x, x1, sizeof x) != 0);
     pos[3] = -1;
-    CHECK_FAILS(mha_rope_apply_ex(&xt, &r, &dy, NULL, pos, 0, false), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_rope_apply(&xt, &r, &dy, NULL, pos, 0, false), MHA_ERR_INVALID_ARG);
     CHECK(strstr(mha_last_error(), "positions[3] = -1") != NULL);
     mha_rope none;
     mha_rope_init(&none, MHA_ROPE_NONE);
-    CHECK_FAILS(mha_rope_apply_ex(&xt, &none, &dy, NULL, NULL, 0, false), MHA_ERR_INVALID_ARG);
-    CHECK_OK(mha_rope_apply_ex(&xt, &none, NULL, NULL, NULL, 0, false));
+    CHECK_FAILS(mha_rope_apply(&xt, &none, &dy, NULL, NULL, 0, false), MHA_ERR_INVALID_ARG);
+    CHECK_OK(mha_rope_apply(&xt, &none, NULL, NULL, NULL, 0, false));
 }
 
 // What a forward refuses, naming the problem.
@@ -674,7 +674,7 @@ static void test_refusals(void) {
     }
     // mha_forward_cached: the same checks
     mha_kv_cache *cache = NULL;
-    CHECK_OK(mha_kv_cache_create(&cache, N, H, E / H, E / H, 16));
+    CHECK_OK(mha_kv_cache_create(&cache, N, H, E / H, E / H, 16, MHA_KV_F32));
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &in.qt;

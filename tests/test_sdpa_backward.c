@@ -2,7 +2,8 @@
 // against finite differences of mha_sdpa's reference; the fused path
 // against the reference on random configurations (GQA, every mask kind and
 // broadcast, causal with L != S, windows, custom scale, strided views);
-// the same bits with 1 and 2 threads; fully masked rows; misuse.
+// soft cap, ALiBi (given and default slopes) and sinks; the same bits with
+// 1 and 2 threads; fully masked rows; misuse.
 // Attention dropout (dropout_p): fused vs reference forward (out, weights)
 // and backward with the same keep mask, finite differences of the
 // reference with the mask fixed by its seed, 1 vs 2 threads, p = 0 the
@@ -31,11 +32,15 @@ typedef struct scase {
     int64_t pad;  // extra elements per row of q, k, v, dout (strided views)
     float p;      // dropout_p (0: none)
     uint64_t seed, offset;
+    float softcap;  // 0: none
+    int alibi;      // 0 none, 1 slopes given, 2 the paper's (opts.alibi)
+    bool sinks;     // one sink logit per query head
 } scase;
 
 typedef struct sbufs {
     void *q, *k, *v, *dout, *am, *kpm;
     mha_tensor tq, tk, tv, tdo, tam, tkpm;
+    float *slopes, *sinks;  // (H) each
 } sbufs;
 
 static int64_t prod4(const int64_t d[4]) { return d[0] * d[1] * d[2] * d[3]; }
@@ -64,6 +69,12 @@ static void make_inputs(sbufs *s, const scase *c, mha_dtype dt) {
     s->v = make4(&s->tv, dt, vd, c->pad, 1.0);
     s->dout = make4(&s->tdo, dt, od, c->pad, 1.0);
     s->am = s->kpm = NULL;
+    s->slopes = malloc(sizeof(float) * (size_t)c->H);
+    s->sinks = malloc(sizeof(float) * (size_t)c->H);
+    for (int64_t h = 0; h < c->H; h++) {
+        s->slopes[h] = 0.15f * (float)(h + 1) / (float)c->H;
+        s->sinks[h] = 0.4f * (float)h - 0.5f;
+    }
     if (c->am == 1) {
         uint8_t *m = malloc((size_t)(c->L * c->S));
         for (int64_t i = 0; i < c->L * c->S; i++) m[i] = next() % 6 == 0;
@@ -86,6 +97,7 @@ static void make_inputs(sbufs *s, const scase *c, mha_dtype dt) {
 
 static void free_inputs(sbufs *s) {
     free(s->q), free(s->k), free(s->v), free(s->dout), free(s->am), free(s->kpm);
+    free(s->slopes), free(s->sinks);
 }
 
 static void args_of(mha_sdpa_args *a, const scase *c, const sbufs *s, mha_impl impl) {
@@ -93,11 +105,16 @@ static void args_of(mha_sdpa_args *a, const scase *c, const sbufs *s, mha_impl i
     a->q = &s->tq, a->k = &s->tk, a->v = &s->tv;
     a->attn_mask = c->am ? &s->tam : NULL;
     a->key_padding_mask = c->kpm ? &s->tkpm : NULL;
-    a->is_causal = c->causal;
-    a->window_left = c->wl, a->window_right = c->wr;
-    a->use_custom_scale = c->custom_scale, a->scale = 0.37;
+    a->opts.is_causal = c->causal;
+    a->opts.window_left = c->wl, a->opts.window_right = c->wr;
+    a->opts.scale = c->custom_scale ? 0.37 : 0.0;
     a->impl = impl;
-    a->dropout_p = c->p, a->dropout_seed = c->seed, a->dropout_offset = c->offset;
+    a->opts.dropout_p = c->p, a->opts.dropout_seed = c->seed,
+    a->opts.dropout_offset = c->offset;
+    a->opts.softcap = c->softcap;
+    a->opts.alibi = c->alibi == 2;
+    a->opts.alibi_slopes = c->alibi == 1 ? s->slopes : NULL;
+    a->opts.sinks = c->sinks ? s->sinks : NULL;
 }
 
 typedef struct sgrads {
@@ -132,16 +149,21 @@ static scase random_case(int i) {
     c.am = (int)(i % 4);
     c.kpm = i % 3 == 1;
     c.pad = i % 8 == 5 ? 3 : 0;
+    c.softcap = i % 5 == 1 ? 1.5f : 0.0f;
+    c.alibi = i % 6 == 2 ? 1 : i % 11 == 3 ? 2 : 0;
+    c.sinks = i % 4 == 2;
     return c;
 }
 
 static void print_case(const scase *c) {
     printf("  case B %lld H %lld Hkv %lld L %lld S %lld D %lld Dv %lld causal %d scale %d "
-           "window %lld/%lld attn_mask %d kpm %d pad %lld dropout %g seed %llu offset %llu\n",
+           "window %lld/%lld attn_mask %d kpm %d pad %lld dropout %g seed %llu offset %llu "
+           "softcap %g alibi %d sinks %d\n",
            (long long)c->B, (long long)c->H, (long long)c->Hkv, (long long)c->L,
            (long long)c->S, (long long)c->D, (long long)c->Dv, c->causal, c->custom_scale,
            (long long)c->wl, (long long)c->wr, c->am, c->kpm, (long long)c->pad, (double)c->p,
-           (unsigned long long)c->seed, (unsigned long long)c->offset);
+           (unsigned long long)c->seed, (unsigned long long)c->offset, (double)c->softcap,
+           c->alibi, c->sinks);
 }
 
 // The largest |a - b| over a gradient, relative to 1 + max |b|.
@@ -176,8 +198,26 @@ static void fused_vs_reference_case(int i, scase c) {
     make_grads(&gr, &c, MHA_F32), make_grads(&gf, &c, MHA_F32), make_grads(&g1, &c, MHA_F32);
     mha_sdpa_args a;
     args_of(&a, &c, &s, MHA_IMPL_REFERENCE);
+    // the forward (out and weights), then the gradients
+    const int64_t od[4] = {c.B, c.H, c.L, c.Dv}, wd[4] = {c.B, c.H, c.L, c.S};
+    float *o[2], *w[2];
+    mha_tensor to[2], tw[2];
+    for (int k = 0; k < 2; k++) {
+        o[k] = calloc((size_t)prod4(od) + 1, sizeof(float));
+        w[k] = calloc((size_t)prod4(wd) + 1, sizeof(float));
+        to[k] = mha_tensor_contiguous(o[k], MHA_F32, 4, od);
+        tw[k] = mha_tensor_contiguous(w[k], MHA_F32, 4, wd);
+    }
+    CHECK_OK(mha_sdpa(&to[0], &tw[0], &a));
     CHECK_OK(mha_sdpa_backward(&gr.tq, &gr.tk, &gr.tv, &s.tdo, &a));
     a.impl = c.pad ? MHA_IMPL_AUTO : MHA_IMPL_FUSED;  // (auto: fused, rows strided)
+    CHECK_OK(mha_sdpa(&to[1], &tw[1], &a));
+    const double eo = grad_err(&to[1], &to[0]), ew = grad_err(&tw[1], &tw[0]);
+    const double ftol = 4e-6 * sqrt((double)c.S);
+    CHECKF(eo <= ftol && ew <= ftol, "fused vs reference forward %d: out %.3g weights %.3g", i,
+           eo, ew);
+    if (!(eo <= ftol && ew <= ftol)) print_case(&c);
+    for (int k = 0; k < 2; k++) free(o[k]), free(w[k]);
     CHECK_OK(mha_sdpa_backward(&gf.tq, &gf.tk, &gf.tv, &s.tdo, &a));
     const double eq = grad_err(&gf.tq, &gr.tq), ek = grad_err(&gf.tk, &gr.tk),
                  ev = grad_err(&gf.tv, &gr.tv);
@@ -323,9 +363,9 @@ static void misuse(void) {
     CHECK_FAILS(mha_sdpa_backward(&s.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
     CHECK(strstr(mha_last_error(), "overlaps") != NULL);
     CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tk, &s.tdo, &a), MHA_ERR_INVALID_ARG);
-    a.window_left = -2;
+    a.opts.window_left = -2;
     CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
-    a.window_left = -1;
+    a.opts.window_left = -1;
     sgrads g64;
     make_grads(&g64, &c, MHA_F64);
     a.impl = MHA_IMPL_FUSED;  // fused with float64 gradients: refused, naming one
@@ -525,7 +565,7 @@ static void dropout_statistics(void) {
                (long long)scaled);
         CHECKF(fabs(frac - c.p) <= 5 * sd, "dropout (%s): zeroed fraction %.4f, p %.2f", name,
                frac, (double)c.p);
-        a.dropout_offset++;  // the next step's mask
+        a.opts.dropout_offset++;  // the next step's mask
         run_fwd(&f2, &c, &a);
         const int64_t moved = zero_mismatches(f.w, f2.w, n);
         CHECKF(fabs((double)moved / n - 2 * c.p * (1 - c.p)) <= 10 * sd,
@@ -550,7 +590,7 @@ static void dropout_misuse(void) {
         for (int i = 0; i < 3; i++) {
             mha_sdpa_args a;
             args_of(&a, &c, &s, (mha_impl)impl);
-            a.dropout_p = bad[i];
+            a.opts.dropout_p = bad[i];
             CHECK_FAILS(mha_sdpa(&to, NULL, &a), MHA_ERR_INVALID_ARG);
             CHECK(strstr(mha_last_error(), "dropout_p") != NULL);
             CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
@@ -558,7 +598,7 @@ static void dropout_misuse(void) {
         }
     mha_sdpa_args a;
     args_of(&a, &c, &s, MHA_IMPL_AUTO);
-    a.dropout_p = 0.999f;  // just below 1: allowed
+    a.opts.dropout_p = 0.999f;  // just below 1: allowed
     CHECK_OK(mha_sdpa(&to, NULL, &a));
     CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
     free_grads(&g);
@@ -621,11 +661,11 @@ static void saved_state(int i) {
                    "case %d %s %d threads: the backward from the saved state differs", i,
                    mha_dtype_name(dt), nt);
             // another call's state: refused
-            a.is_causal = !a.is_causal;
+            a.opts.is_causal = !a.opts.is_causal;
             CHECK_FAILS(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, &s.tdo, &a),
                         MHA_ERR_INVALID_ARG);
             CHECK(strstr(mha_last_error(), "args.save") != NULL);
-            a.is_causal = !a.is_causal;
+            a.opts.is_causal = !a.opts.is_causal;
             // the reference forward keeps nothing: the backward recomputes
             a.impl = MHA_IMPL_REFERENCE;
             if (dt == MHA_F32) {

@@ -131,7 +131,7 @@ static const char *bench_help =
     "  --repeat N         timed runs (default 5)\n"
     "  --warmup N         untimed runs first (default 1)\n"
     "  --workspace        allocate the forward's scratch once\n"
-    "                     (mha_forward_ex) instead of per call (mha_forward)\n"
+    "                     (mha_forward_args.workspace) instead of per call\n"
     "  --seed N           seed of the random inputs and weights (default 0)\n"
     "  --json             one JSON object per line instead of the text block\n"
     "FLOP count (dense, kdim = vdim = E): module forward = 2BLE^2 (Q proj)\n"
@@ -296,9 +296,9 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
         p->sa.q = &p->q;
         p->sa.k = &p->k;
         p->sa.v = &p->v;
-        p->sa.is_causal = o->causal;
+        p->sa.opts.is_causal = o->causal;
         p->sa.impl = impl;
-        if (o->window) p->sa.window_left = p->sa.window_right = o->window;
+        if (o->window) p->sa.opts.window_left = p->sa.opts.window_right = o->window;
         if (o->backward && !o->no_save) {  // the forward keeps its rows for the backward
             if ((st = mha_saved_create(&p->saved))) return cli_fail("bench", st);
             p->sa.save = p->saved;
@@ -347,9 +347,9 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
     p->a.query = &p->q;
     p->a.key = p->self ? &p->q : &p->k;
     p->a.value = p->self ? &p->q : &p->v;
-    p->a.is_causal = o->causal;
+    p->a.opts.is_causal = o->causal;
     p->a.impl = impl;
-    if (o->window) p->a.window_left = p->a.window_right = o->window;
+    if (o->window) p->a.opts.window_left = p->a.opts.window_right = o->window;
     if (o->workspace) {
         if ((st = mha_forward_workspace_size(&p->ws_bytes, p->m, &p->a)))
             return cli_fail("bench", st);
@@ -360,6 +360,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
             return 1;
         }
         memset(p->ws, 0, p->ws_bytes);
+        p->a.workspace = p->ws, p->a.workspace_bytes = p->ws_bytes;
     }
     if (o->backward) {
         float *g = bench_alloc(bb, B * L * E), *gq = bench_alloc(bb, B * L * E),
@@ -385,8 +386,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
 static mha_status problem_run(problem *p) {
     mha_status st;
     if (p->o->core) st = mha_sdpa(&p->out, NULL, &p->sa);
-    else if (p->ws) st = mha_forward_ex(&p->out, NULL, p->m, &p->a, p->ws, p->ws_bytes);
-    else st = mha_forward(&p->out, NULL, p->m, &p->a);
+    else st = mha_forward(&p->out, NULL, p->m, &p->a);  // (p->a.workspace: p->ws)
     if (st) return st;
     snprintf(p->fwd_ran, sizeof p->fwd_ran, "%s", mha_last_impl());
     if (!p->o->backward) return st;
@@ -895,7 +895,7 @@ static void print_text(const bench_opts *o, const bench_result *r) {
            "benchmark's own tensors %.1f MiB)\n",
            r->rss_max, r->rss_before, r->inputs_mib);
     if (!o->core)
-        printf("  scratch    %s\n", o->workspace ? "allocated once (mha_forward_ex)"
+        printf("  scratch    %s\n", o->workspace ? "allocated once (args.workspace)"
                                                  : "allocated by every call (mha_forward)");
     if (o->impl == MHA_IMPL_FUSED && strncmp(r->fwd_ran, "fused", 5) != 0)
         printf("  note       --impl fused was accepted but the %s path ran\n", r->fwd_ran);
@@ -937,7 +937,7 @@ static int fill_cache(mha_kv_cache *c, mha_paged_cache *pc, const int64_t *ids, 
         bench_fill_uniform(kv, B * Hkv * n * d, rng);
         mha_tensor kt = mha_tensor_contiguous(kv, MHA_F32, 4, (int64_t[]){B, Hkv, n, d});
         mha_status st = c ? mha_kv_cache_append(c, &kt, &kt, NULL)
-                          : mha_paged_cache_append(pc, B, ids, NULL, &kt, &kt);
+                          : mha_paged_cache_append(pc, B, ids, NULL, &kt, &kt, NULL);
         if (st) rc = cli_fail("bench", st);
     }
     free(kv);
@@ -963,7 +963,7 @@ static int scatter_pool(mha_paged_cache *pc, int64_t nb, int64_t bs, int64_t Hkv
     int64_t n = 0;
     for (mha_status st; !rc && n < 2 * nb; n++)
         if ((st = mha_paged_cache_add(pc, &sid[n])) ||
-            (st = mha_paged_cache_append(pc, 1, &sid[n], NULL, &kt, &kt)))
+            (st = mha_paged_cache_append(pc, 1, &sid[n], NULL, &kt, &kt, NULL)))
             rc = cli_fail("bench", st);
     for (int64_t i = n - 1; i > 0; i--) {  // Fisher-Yates
         const int64_t j = (int64_t)(bench_next(rng) % (uint64_t)(i + 1)), t = sid[i];
@@ -1011,9 +1011,9 @@ static int bench_decode(const bench_opts *o, int threads) {
     // (scattered: a pool of twice the blocks, half of them held by others)
     const int64_t nblk = o->block ? B * ((N + o->block - 1) / o->block) : 0;
     mha_status st = o->block
-                        ? mha_paged_cache_create_ex(&pc, o->contiguous_pool ? nblk : 2 * nblk,
-                                                    o->block, Hkv, d, d, o->kv_dtype, o->layout)
-                        : mha_kv_cache_create_ex(&c, B, Hkv, d, d, N, o->kv_dtype);
+                        ? mha_paged_cache_create(&pc, o->contiguous_pool ? nblk : 2 * nblk,
+                                                 o->block, Hkv, d, d, o->kv_dtype, o->layout)
+                        : mha_kv_cache_create(&c, B, Hkv, d, d, N, o->kv_dtype);
     for (int64_t b = 0; !st && pc && b < B; b++) st = mha_paged_cache_add(pc, &ids[b]);
     if (st) {
         mha_paged_cache_destroy(pc);
@@ -1193,7 +1193,7 @@ static int bench_decode_module(const bench_opts *o, int threads) {
         st = mha_module_prune_heads(m, heads, o->prune);
         free(heads);
     }
-    if (!st) st = mha_kv_cache_create_ex(&c, B, Hkv, d, d, N + T, o->kv_dtype);
+    if (!st) st = mha_kv_cache_create(&c, B, Hkv, d, d, N + T, o->kv_dtype);
     if (st) {
         mha_module_destroy(m);
         return cli_fail("bench", st);

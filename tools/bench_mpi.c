@@ -52,7 +52,7 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
     mha_init_options_default(&io);
     io.seed = seed;
     if (!st) st = mha_module_init(m, &io);
-    if (!st) st = mha_kv_cache_create(&kc, B, Hkv, d, d, share + T);
+    if (!st) st = mha_kv_cache_create(&kc, B, Hkv, d, d, share + T, MHA_KV_F32);
     const int64_t nkv = B * Hkv * share * d, nx = B * T * E;
     float *kv = malloc(sizeof(float) * (size_t)(2 * nkv + 2 * nx + 1)), *x = kv + 2 * nkv,
           *y = x + nx;
@@ -73,7 +73,7 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     mha_mpi_stats ms = {0};
     int bad = st != MHA_OK, any = 0;
     MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
@@ -202,7 +202,7 @@ static void par_inputs(par_run *pr, uint64_t seed) {
     }
     mha_forward_args_init(&pr->a);
     pr->a.query = pr->a.key = pr->a.value = &pr->xt;
-    pr->a.is_causal = pr->causal;
+    pr->a.opts.is_causal = pr->causal;
     // ring keeps its forward for the backward (as the single-process bench
     // does); the other schemes recompute it
     if (pr->backward && pr->par == MHA_PAR_RING && !mha_saved_create(&pr->saved))

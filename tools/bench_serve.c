@@ -35,7 +35,7 @@ int bench_serve(const bench_serve_opts *o) {
     // blocks: the prompt once, each sequence's own tokens (and a copy of the
     // prompt's last block), with room to spare
     const int64_t nblocks = (P + bs - 1) / bs + N * ((G + bs - 1) / bs + 2) + 8;
-    if ((st = mha_paged_cache_create_ex(&c, nblocks, bs, Hkv, d, d, o->kv_dtype, o->layout))) {
+    if ((st = mha_paged_cache_create(&c, nblocks, bs, Hkv, d, d, o->kv_dtype, o->layout))) {
         mha_module_destroy(m);
         return cli_fail("bench --serve", st);
     }
@@ -64,7 +64,7 @@ int bench_serve(const bench_serve_opts *o) {
         mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){1, k, E}),
                    yt = mha_tensor_contiguous(y, MHA_F32, 3, (int64_t[]){1, k, E});
         a.query = a.key = a.value = &xt;
-        if ((st = mha_forward_paged(&yt, m, &a, c, ids, NULL))) goto fail;
+        if ((st = mha_forward_paged(&yt, m, &a, c, ids, NULL, NULL))) goto fail;
     }
     const double prefill_ms = (cli_now() - t0) * 1e3;
     for (int64_t i = 1; i < N; i++)
@@ -91,7 +91,7 @@ int bench_serve(const bench_serve_opts *o) {
                           (double)N * (double)(P + 1) *
                               (double)mha_paged_cache_block_bytes(c) / (double)bs;
         const double s0 = cli_now();
-        if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL))) goto fail;
+        if ((st = mha_forward_paged(&yt, m, &a, c, live, NULL, NULL))) goto fail;
         steps[step++] = (cli_now() - s0) * 1e3;
         tokens += nlive;
         const int64_t used = mha_paged_cache_blocks_in_use(c);

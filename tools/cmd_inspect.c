@@ -219,11 +219,12 @@ static void inspect_info(info_table *t, const run *r, int64_t N, int64_t L, int6
     info_add(t, "options",
              "causal %s, window left/right %lld/%lld (-1: unbounded), RoPE %s, "
              "ALiBi %s, soft cap %g (0: none)",
-             a->is_causal ? "yes" : "no", (long long)a->window_left, (long long)a->window_right,
+             a->opts.is_causal ? "yes" : "no", (long long)a->opts.window_left,
+             (long long)a->opts.window_right,
              a->rope.mode == MHA_ROPE_NONE   ? "none"
              : a->rope.mode == MHA_ROPE_NEOX ? "neox"
                                              : "interleaved",
-             a->alibi ? "yes" : "no", (double)a->softcap);
+             a->opts.alibi ? "yes" : "no", (double)a->opts.softcap);
     info_add(t, "sizes", "batch %lld, %lld query positions, %lld keys%s", (long long)N,
              (long long)L, (long long)S, S1 > S ? " (and the appended bias_k / zero key)" : "");
     if (r->diag.max_rows)

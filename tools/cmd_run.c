@@ -26,7 +26,7 @@ static int run_incremental(run *r, mha_tensor *ot) {
     const mha_config *c = mha_module_config(r->m);
     const int64_t Hkv = c->num_kv_heads, d = c->head_dim;  // (resolved: E / H unless set)
     mha_kv_cache *cache = NULL;
-    mha_status st = mha_kv_cache_create_ex(&cache, N, Hkv, d, d, L > 0 ? L : 1, r->kv_dtype);
+    mha_status st = mha_kv_cache_create(&cache, N, Hkv, d, d, L > 0 ? L : 1, r->kv_dtype);
     if (st) return cli_fail(r->cmd, st);
     const int64_t step = r->chunk ? r->chunk : 1;
     int64_t *pos = r->a.rope_positions ? malloc(sizeof(int64_t) * (size_t)(N * step)) : NULL;

@@ -149,7 +149,7 @@ static int run_small(mha_module *m, const float *x, const mha_tensor *kpm,
     a.query = a.key = a.value = &xt;
     a.key_padding_mask = kpm;
     a.attn_mask = amask;
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     a.need_weights = true;
     demo_state ds = {verbose, T};
     a.trace = trace_step;

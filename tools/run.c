@@ -335,7 +335,7 @@ static int opt_call(run *r, int c, bool *no_avg) {
     int64_t v;
     double f;
     switch (c) {
-    case 'c': r->a.is_causal = true; break;
+    case 'c': r->a.opts.is_causal = true; break;
     case 'W': r->a.need_weights = true; break;
     case 'A': *no_avg = true; break;
     case 'i':
@@ -345,20 +345,19 @@ static int opt_call(run *r, int c, bool *no_avg) {
     case 'C':
         if (cli_parse_f64(&f, optarg) || !(f > 0.0))
             return cli_usage(cmd, "--softcap needs a positive number");
-        r->a.softcap = (float)f;
+        r->a.opts.softcap = (float)f;
         break;
     case 'F':
         if (cli_parse_f64(&f, optarg) || !(f > 0.0) || !isfinite(f))
             return cli_usage(cmd, "--scale needs a positive finite number");
-        r->a.use_custom_scale = true;
-        r->a.scale = f;
+        r->a.opts.scale = f;
         break;
     case 'L':
     case 'R':
         if (cli_parse_int(&v, optarg, 0, INT64_MAX))
             return cli_usage(cmd,
                              "--window-left and --window-right need a non-negative integer");
-        *(c == 'L' ? &r->a.window_left : &r->a.window_right) = v;
+        *(c == 'L' ? &r->a.opts.window_left : &r->a.opts.window_right) = v;
         break;
     case 'H':
     case 'r': {
@@ -373,7 +372,7 @@ static int opt_call(run *r, int c, bool *no_avg) {
     case 'O':
         if (cli_parse_int(&v, optarg, 0, INT64_MAX))
             return cli_usage(cmd, "--seed and --dropout-offset need a non-negative integer");
-        *(c == 's' ? &r->a.dropout_seed : &r->a.dropout_offset) = (uint64_t)v;
+        *(c == 's' ? &r->a.opts.dropout_seed : &r->a.opts.dropout_offset) = (uint64_t)v;
         break;
     default: return RUN_NOT_MINE;
     }
@@ -405,7 +404,7 @@ static int opt_position(run *r, int c) {
             return cli_usage(cmd, "--rope-start needs a non-negative integer");
         r->rope_start = v;
         break;
-    case 'B': r->a.alibi = true; break;
+    case 'B': r->a.opts.alibi = true; break;
     case 0x100:
         if ((st = mha_rope_scaling_type_from_name(&r->rope_scaling.type, optarg)))
             return cli_fail(cmd, st);

@@ -218,9 +218,9 @@ static int load_attention_layer(mha_module **out, const mha_checkpoint *ck, int6
         return embed_fail("layer %lld attention: %s", (long long)l, mha_last_error());
     const mha_config *mc = mha_module_config(*out);
     if (mc->embed_dim != c->hidden_size || mc->num_heads != c->num_heads ||
-        mc->num_kv_heads != c->num_heads || !mc->bias || mc->no_out_bias || info.is_causal ||
-        info.rope.mode != MHA_ROPE_NONE || info.window_left >= 0 || info.softcap != 0 ||
-        info.use_custom_scale)
+        mc->num_kv_heads != c->num_heads || !mc->bias || mc->no_out_bias ||
+        info.opts.is_causal || info.rope.mode != MHA_ROPE_NONE || info.opts.window_left >= 0 ||
+        info.opts.softcap != 0 || info.opts.scale != 0.0)
         return embed_fail("layer %lld attention: not a BERT self-attention of E = %lld, H = %lld "
                           "(model_type %s)",
                           (long long)l, (long long)c->hidden_size, (long long)c->num_heads,

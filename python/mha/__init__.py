@@ -122,10 +122,10 @@ def _int64(x, name="rope_start"):
     return a.astype(np.int64, copy=False)
 
 
-def _float32(x):
+def _float32(x, name="alibi slopes"):
     a = np.ascontiguousarray(x)
     if a.dtype.kind != "f":
-        raise TypeError("alibi slopes: expected floats, got dtype %s" % a.dtype)
+        raise TypeError("%s: expected floats, got dtype %s" % (name, a.dtype))
     return a.astype(np.float32, copy=False)
 
 
@@ -466,7 +466,7 @@ class MultiheadAttention:
         tokens[i] (optional): the L_i token ids of chunks[i]; the blocks
         they fill join the cache's prefix index (PagedKVCache.add_prompt).
         All or nothing: an exhausted pool raises and no sequence changes.
-        StreamingLLM: stream_sinks=k with window_left=w keeps the first k
+        StreamingLLM: sink_tokens=k with window_left=w keeps the first k
         tokens visible beside the window, at the paper's positions; pair it
         with cache.release(id, length - w, keep=k) for bounded memory."""
         if not isinstance(cache, PagedKVCache):
@@ -663,19 +663,25 @@ def _sdpa_prepare(query, key, value, attn_mask, enable_gqa):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  dropout_seed=None, return_weights=False, window=None,
-                                 window_left=-1, window_right=-1, impl="auto"):
+                                 window_left=-1, window_right=-1, softcap=0.0,
+                                 alibi_slopes=None, sinks=None, impl="auto"):
     """torch.nn.functional.scaled_dot_product_attention on numpy arrays.
 
     query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev):
     any leading dims (broadcast); a bool attn_mask's True means take part,
     a float mask is added; is_causal hides keys j > i (top-left for
     L != S); scale default 1/sqrt(E); enable_gqa lets Hkv divide Hq.
-    Extras: return_weights (also the (..., Hq, L, S) weights), window,
-    window_left/window_right, impl, dropout_seed (with dropout_p > 0)."""
+    Extras: return_weights (also the (..., Hq, L, S) weights), window
+    ((left, right): query i sees keys i - left .. i + right, None
+    unbounded) or window_left/window_right, softcap (scores s become
+    softcap * tanh(s / softcap)), alibi_slopes (Hq of them: -slope |i - j|
+    added), sinks (Hq logits that join each row's softmax denominator),
+    impl, dropout_seed (with dropout_p > 0)."""
     q4, k4, v4, m, out_shape = _sdpa_prepare(query, key, value, attn_mask, enable_gqa)
     kw = sdpa_kwargs(is_causal=is_causal, scale=scale, window=window, window_left=window_left,
                      window_right=window_right, impl=impl, need_weights=return_weights,
-                     dropout_p=dropout_p)
+                     dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+                     sinks=sinks, as_float32=_float32)
     if "dropout_p" in kw:
         kw["dropout_seed"] = int(np.random.default_rng().integers(0, 2**63 - 1)
                                  if dropout_seed is None else dropout_seed)
@@ -807,7 +813,7 @@ class PagedKVCache:
     def release(self, id, pos, keep=0):
         """Bounded memory: frees sequence id's blocks that lie wholly in
         [ceil(keep / block_size) * block_size, pos) (a sliding window: keep
-        0, pos = length - window; StreamingLLM: keep = its stream_sinks, the
+        0, pos = length - window; StreamingLLM: keep = its sink_tokens, the
         blocks of the first keep tokens stay). Its length and positions stay;
         an attention that would see a released token raises ValueError."""
         self._c.release(int(id), int(keep), int(pos))

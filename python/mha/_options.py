@@ -74,7 +74,7 @@ def forward_kwargs(*, is_causal=False, need_weights=False, average_attn_weights=
                    rope=None, rope_theta=10000.0, rope_dim=0, rope_start=None, alibi=False,
                    softcap=0.0, window=None, window_left=-1, window_right=-1,
                    weights_heads=None, weights_rows=None, impl="auto", trace=None,
-                   stream_sinks=0, as_int64=None, as_float32=None):
+                   sink_tokens=0, as_int64=None, as_float32=None):
     """The C binding's forward keywords from the public extras.
     as_int64 / as_float32 turn rope_start / alibi slopes into contiguous
     arrays (numpy or torch, as the caller's API)."""
@@ -115,8 +115,8 @@ def forward_kwargs(*, is_causal=False, need_weights=False, average_attn_weights=
     softcap = real("softcap", softcap)
     if softcap != 0.0:
         kw["softcap"] = softcap
-    if stream_sinks:
-        kw["stream_sinks"] = int(stream_sinks)
+    if sink_tokens:
+        kw["sink_tokens"] = int(sink_tokens)
     if trace is not None:
         if not callable(trace):
             raise TypeError("trace must be callable(step, b, h, array)")
@@ -125,7 +125,10 @@ def forward_kwargs(*, is_causal=False, need_weights=False, average_attn_weights=
 
 
 def sdpa_kwargs(*, is_causal=False, scale=None, window=None, window_left=-1, window_right=-1,
-                impl="auto", need_weights=False, dropout_p=0.0):
+                impl="auto", need_weights=False, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
+                sinks=None, as_float32=None):
+    """The C binding's sdpa keywords; as_float32 turns the per-head vectors
+    (alibi_slopes, sinks) into contiguous float32 arrays."""
     kw = {}
     if is_causal:
         kw["is_causal"] = True
@@ -145,6 +148,13 @@ def sdpa_kwargs(*, is_causal=False, scale=None, window=None, window_left=-1, win
         raise ValueError("dropout_p must be in [0, 1), got %r" % (dropout_p,))
     if p > 0.0:
         kw["dropout_p"] = p
+    softcap = real("softcap", softcap)
+    if softcap != 0.0:
+        kw["softcap"] = softcap
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = as_float32(alibi_slopes, "alibi_slopes")
+    if sinks is not None:
+        kw["sinks"] = as_float32(sinks, "sinks")
     return kw
 
 

@@ -103,8 +103,8 @@ def _int64(x):
     return _np_api._int64(_host(x))
 
 
-def _float32(x):
-    return _np_api._float32(_host(x))
+def _float32(x, name="alibi slopes"):
+    return _np_api._float32(_host(x), name)
 
 
 def _qkv(query, key, value, k_is_q, v_is_k):
@@ -567,7 +567,8 @@ def _autocast_dtype():
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  return_weights=False, window=None, window_left=-1,
-                                 window_right=-1, impl="auto"):
+                                 window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+                                 impl="auto"):
     """torch.nn.functional.scaled_dot_product_attention computed by mha,
     differentiable in query, key and value (autograd).
 
@@ -578,7 +579,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query, key and value are cast to that dtype first, as torch's own
     scaled_dot_product_attention is (the output in it; the gradients flow
     back through the cast). Extras: return_weights (also the weights, not
-    differentiated), window / window_left / window_right, impl."""
+    differentiated), window ((left, right), None unbounded) or window_left /
+    window_right, softcap, alibi_slopes (one per query head), sinks (one
+    logit per query head joining each row's softmax denominator; not
+    differentiated: pass a tensor that does not require grad), impl."""
+    if isinstance(sinks, torch.Tensor) and sinks.requires_grad and torch.is_grad_enabled():
+        raise ValueError("sinks: mha's sdpa backward does not compute the sinks' gradient; "
+                         "pass sinks.detach() (or use mha.torch.MultiheadAttention, whose "
+                         "sinks are trainable)")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
@@ -612,7 +620,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = _mask(m, "attn_mask")
     kw = sdpa_kwargs(is_causal=is_causal, scale=scale, window=window, window_left=window_left,
                      window_right=window_right, impl=impl, need_weights=return_weights,
-                     dropout_p=dropout_p)
+                     dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+                     sinks=sinks, as_float32=_float32)
     if "dropout_p" in kw:
         kw["dropout_seed"] = _seed()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q4, k4, v4)):

@@ -15,8 +15,8 @@
 // the buffers are held (the exporters cannot resize or free them) until
 // the call returns. Library errors become exceptions carrying mha's
 // message: MHA_ERR_NOMEM MemoryError, MHA_ERR_IO OSError,
-// MHA_ERR_NOT_FOUND KeyError, MHA_ERR_UNSUPPORTED TypeError when it is
-// about a dtype (else ValueError), every other status ValueError. The
+// MHA_ERR_NOT_FOUND KeyError, MHA_ERR_DTYPE TypeError, every other status
+// ValueError. The
 // binding checks what the library cannot see (an array's dtype kind, the
 // lengths of per-batch and per-head vectors) before calling it.
 #define PY_SSIZE_T_CLEAN
@@ -32,11 +32,6 @@
 // ---------------------------------------------------------------------------
 // Errors
 
-// Whether an MHA_ERR_UNSUPPORTED message is about an element type.
-static bool about_dtype(const char *msg) {
-    return strstr(msg, "dtype") || strstr(msg, "F32") || strstr(msg, "float32");
-}
-
 static PyObject *raise_status(mha_status st) {
     const char *msg = mha_last_error();
     if (!msg || !*msg) msg = mha_status_string(st);
@@ -44,7 +39,7 @@ static PyObject *raise_status(mha_status st) {
     if (st == MHA_ERR_NOMEM) type = PyExc_MemoryError;
     else if (st == MHA_ERR_IO) type = PyExc_OSError;
     else if (st == MHA_ERR_NOT_FOUND) type = PyExc_KeyError;
-    else if (st == MHA_ERR_UNSUPPORTED && about_dtype(msg)) type = PyExc_TypeError;
+    else if (st == MHA_ERR_DTYPE) type = PyExc_TypeError;
     PyErr_SetString(type, msg);
     return NULL;
 }
@@ -327,12 +322,68 @@ static int parse_opts(PyObject *kw, const kwopt *opts, int n, const char *fn) {
     return 0;
 }
 
-// A scale keyword: None keeps 1/sqrt(D), a number is used as given.
-static int custom_scale(PyObject *obj, bool *use, double *scale) {
+// A scale keyword: None keeps 1/sqrt(D) (0), a number is used as given.
+static int custom_scale(PyObject *obj, double *scale) {
     if (obj == Py_None) return 0;
-    *use = true;
     *scale = PyFloat_AsDouble(obj);
     return *scale == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+// The attention options' keywords (mha_attn_opts), the same in every call
+// that attends: the fields themselves, and the objects read after parsing
+// (attn_kw_apply): scale (None: 1 / sqrt(D)), alibi_slopes and sinks
+// (float32 vectors of H), window ((left, right), each None or an int:
+// window_left / window_right at once).
+typedef struct attn_kw {
+    PyObject *scale, *alibi_slopes, *sinks, *window;
+} attn_kw;
+#define ATTN_KW(o, k)                                                                     \
+    {"is_causal", 'b', &(o)->is_causal}, {"window_left", 'L', &(o)->window_left},         \
+        {"window_right", 'L', &(o)->window_right}, {"window", 'O', &(k)->window},         \
+        {"scale", 'O', &(k)->scale}, {"softcap", 'f', &(o)->softcap},                     \
+        {"alibi", 'b', &(o)->alibi}, {"alibi_slopes", 'O', &(k)->alibi_slopes},           \
+        {"sinks", 'O', &(k)->sinks}, {"sink_tokens", 'L', &(o)->sink_tokens},             \
+        {"dropout_p", 'f', &(o)->dropout_p}, {"dropout_seed", 'K', &(o)->dropout_seed}, { \
+        "dropout_offset", 'K', &(o)->dropout_offset                                       \
+    }
+
+static void attn_kw_init(attn_kw *k) {
+    k->scale = k->alibi_slopes = k->sinks = k->window = Py_None;
+}
+
+// One side of window=(left, right): None is -1 (unbounded).
+static int window_side(PyObject *v, int64_t *out, const char *fn) {
+    if (v == Py_None) return *out = -1, 0;
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): window must be (left, right), each None or an int", fn);
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *out = x;
+    return 0;
+}
+
+// Reads k's objects into o; H: the query heads (the vectors' length).
+static int attn_kw_apply(held *h, const attn_kw *k, mha_attn_opts *o, int64_t H,
+                         const char *fn) {
+    if (custom_scale(k->scale, &o->scale) < 0) return -1;
+    if (k->window != Py_None) {
+        if (!PyTuple_Check(k->window) || PyTuple_GET_SIZE(k->window) != 2) {
+            PyErr_Format(PyExc_TypeError, "%s(): window must be a tuple (left, right)", fn);
+            return -1;
+        }
+        if (window_side(PyTuple_GET_ITEM(k->window, 0), &o->window_left, fn) < 0 ||
+            window_side(PyTuple_GET_ITEM(k->window, 1), &o->window_right, fn) < 0)
+            return -1;
+    }
+    const void *p;
+    if (get_vector(h, k->alibi_slopes, "alibi_slopes", MHA_F32, H, &p) < 0) return -1;
+    o->alibi_slopes = p;
+    if (get_vector(h, k->sinks, "sinks", MHA_F32, H, &p) < 0) return -1;
+    o->sinks = p;
+    return 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -783,15 +834,15 @@ static PyObject *CheckpointLayer_info(CheckpointLayerObject *o, PyObject *unused
         "{s:s,s:L,s:O,s:L,s:i,s:d,s:L,s:{s:s,s:d,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O},s:d,s:O,"
         "s:d}",
         "model_type", i->model_type, "layer", (long long)i->layer, "is_causal",
-        i->is_causal ? Py_True : Py_False, "window_left", (long long)i->window_left,
+        i->opts.is_causal ? Py_True : Py_False, "window_left", (long long)i->opts.window_left,
         "rope_mode", (int)i->rope.mode, "rope_theta", i->rope.theta, "rope_dim",
         (long long)i->rope.dim, "rope_scaling", "type", scaling_name(s->type), "factor",
         s->factor, "original_max_position", (long long)s->original_max_position,
         "low_freq_factor", s->low_freq_factor, "high_freq_factor", s->high_freq_factor,
         "beta_fast", s->beta_fast, "beta_slow", s->beta_slow, "mscale", s->mscale,
         "mscale_all_dim", s->mscale_all_dim, "attention_factor", s->attention_factor,
-        "truncate", s->truncate ? Py_True : Py_False, "softcap", (double)i->softcap,
-        "use_custom_scale", i->use_custom_scale ? Py_True : Py_False, "scale", i->scale);
+        "truncate", s->truncate ? Py_True : Py_False, "softcap", (double)i->opts.softcap,
+        "use_custom_scale", i->opts.scale != 0.0 ? Py_True : Py_False, "scale", i->opts.scale);
 }
 
 static PyMethodDef CheckpointLayer_methods[] = {
@@ -833,29 +884,25 @@ typedef struct fwd_call {
     mha_tensor q, k, v, kpm, am;
     int64_t wh[2], wr[2];
     int64_t impl;
-    PyObject *saved, *rope_start, *alibi_slopes, *trace;
+    PyObject *saved, *rope_start, *trace;
+    attn_kw ak;
     PyObject *checkpoint, *rope_positions;  // a CheckpointLayer; int64 (N L)
     int64_t rope_mode;
     // diagnose's options
     mha_diag_options diag;
 } fwd_call;
 
-#define FWD_OPTS(c)                                                                            \
-    {"is_causal", 'b', &(c)->a.is_causal}, {"need_weights", 'b', &(c)->a.need_weights},        \
-        {"average_attn_weights", 'b', &(c)->a.average_attn_weights},                           \
-        {"window_left", 'L', &(c)->a.window_left},                                             \
-        {"window_right", 'L', &(c)->a.window_right}, {"weights_head_begin", 'L', &(c)->wh[0]}, \
-        {"weights_head_end", 'L', &(c)->wh[1]}, {"weights_row_begin", 'L', &(c)->wr[0]},       \
-        {"weights_row_end", 'L', &(c)->wr[1]}, {"impl", 'L', &(c)->impl},                      \
-        {"training", 'b', &(c)->a.training}, {"dropout_seed", 'K', &(c)->a.dropout_seed},      \
-        {"dropout_offset", 'K', &(c)->a.dropout_offset}, {"saved", 'O', &(c)->saved},          \
-        {"rope_mode", 'L', &(c)->rope_mode}, {"rope_theta", 'd', &(c)->a.rope.theta},          \
-        {"rope_dim", 'L', &(c)->a.rope.dim}, {"rope_start", 'O', &(c)->rope_start},            \
-        {"alibi", 'b', &(c)->a.alibi}, {"alibi_slopes", 'O', &(c)->alibi_slopes},              \
-        {"softcap", 'f', &(c)->a.softcap}, {"checkpoint", 'O', &(c)->checkpoint},              \
-        {"rope_positions", 'O', &(c)->rope_positions},                                         \
-        {"stream_sinks", 'L', &(c)->a.stream_sinks}, {                                         \
-        "trace", 'O', &(c)->trace                                                              \
+#define FWD_OPTS(c)                                                                       \
+    ATTN_KW(&(c)->a.opts, &(c)->ak), {"need_weights", 'b', &(c)->a.need_weights},         \
+        {"average_attn_weights", 'b', &(c)->a.average_attn_weights},                      \
+        {"weights_head_begin", 'L', &(c)->wh[0]}, {"weights_head_end", 'L', &(c)->wh[1]}, \
+        {"weights_row_begin", 'L', &(c)->wr[0]}, {"weights_row_end", 'L', &(c)->wr[1]},   \
+        {"impl", 'L', &(c)->impl}, {"training", 'b', &(c)->a.training},                   \
+        {"saved", 'O', &(c)->saved}, {"rope_mode", 'L', &(c)->rope_mode},                 \
+        {"rope_theta", 'd', &(c)->a.rope.theta}, {"rope_dim", 'L', &(c)->a.rope.dim},     \
+        {"rope_start", 'O', &(c)->rope_start}, {"checkpoint", 'O', &(c)->checkpoint},     \
+        {"rope_positions", 'O', &(c)->rope_positions}, {                                  \
+        "trace", 'O', &(c)->trace                                                         \
     }
 
 static void fwd_call_init(fwd_call *c) {
@@ -863,7 +910,8 @@ static void fwd_call_init(fwd_call *c) {
     mha_forward_args_init(&c->a);
     c->wh[0] = c->wr[0] = 0;
     c->wh[1] = c->wr[1] = -1;
-    c->saved = c->rope_start = c->alibi_slopes = c->trace = Py_None;
+    c->saved = c->rope_start = c->trace = Py_None;
+    attn_kw_init(&c->ak);
     c->checkpoint = c->rope_positions = Py_None;
     mha_diag_options_init(&c->diag);
 }
@@ -893,9 +941,7 @@ static int fwd_views(held *h, fwd_call *c, ModuleObject *mod, PyObject *q, PyObj
     if (get_vector(h, c->rope_start, "rope_start", MHA_I64, query_batch(mod->m, &c->q), &p) < 0)
         return -1;
     c->a.rope_start = p;
-    if (get_vector(h, c->alibi_slopes, "alibi_slopes", MHA_F32, cfg->num_heads, &p) < 0)
-        return -1;
-    c->a.alibi_slopes = p;
+    if (attn_kw_apply(h, &c->ak, &c->a.opts, cfg->num_heads, "forward") < 0) return -1;
     c->a.rope.mode = (mha_rope_mode)c->rope_mode;
     c->a.impl = (mha_impl)c->impl;
     c->a.weights_head_begin = c->wh[0];
@@ -1042,7 +1088,8 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
 typedef struct sdpa_call {
     mha_sdpa_args a;
     mha_tensor q, k, v, am, kpm;
-    PyObject *scale, *saved;
+    PyObject *saved;
+    attn_kw ak;
     int64_t impl;
     bool need_weights;
 } sdpa_call;
@@ -1050,21 +1097,15 @@ typedef struct sdpa_call {
 static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject *v,
                       PyObject *am, PyObject *kpm, PyObject *kw, const char *fn) {
     mha_sdpa_args_init(&c->a);
-    c->scale = c->saved = Py_None;
+    c->saved = Py_None;
+    attn_kw_init(&c->ak);
     c->impl = 0;
     c->need_weights = false;
-    const kwopt opts[] = {{"is_causal", 'b', &c->a.is_causal},
-                          {"window_left", 'L', &c->a.window_left},
-                          {"window_right", 'L', &c->a.window_right},
-                          {"scale", 'O', &c->scale},
+    const kwopt opts[] = {ATTN_KW(&c->a.opts, &c->ak),
                           {"impl", 'L', &c->impl},
                           {"need_weights", 'b', &c->need_weights},
-                          {"dropout_p", 'f', &c->a.dropout_p},
-                          {"dropout_seed", 'K', &c->a.dropout_seed},
-                          {"dropout_offset", 'K', &c->a.dropout_offset},
                           {"saved", 'O', &c->saved}};
     if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), fn) < 0) return -1;
-    if (custom_scale(c->scale, &c->a.use_custom_scale, &c->a.scale) < 0) return -1;
     if (c->saved != Py_None) {  // a training forward's state (mha_sdpa_args.save)
         if (!PyObject_TypeCheck(c->saved, &SavedType)) {
             PyErr_SetString(PyExc_TypeError, "saved: expected an mha._mha.Saved");
@@ -1088,7 +1129,7 @@ static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject 
                      c->k.ndim, c->v.ndim);
         return -1;
     }
-    return 0;
+    return attn_kw_apply(h, &c->ak, &c->a.opts, c->q.shape[1], fn);
 }
 
 // sdpa(q, k, v, attn_mask, key_padding_mask, alloc, **options) -> (out, weights)
@@ -1162,7 +1203,7 @@ static PyObject *Cache_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     o->batch = B;
     o->num_kv_heads = Hkv;
     o->v_head_dim = Dv ? Dv : D;
-    mha_status st = mha_kv_cache_create_ex(&o->c, B, Hkv, D, Dv, cap, dt);
+    mha_status st = mha_kv_cache_create(&o->c, B, Hkv, D, Dv, cap, dt);
     if (st) {
         o->c = NULL;
         Py_DECREF(o);
@@ -1217,15 +1258,11 @@ static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "OO", &q, &alloc)) return NULL;
     mha_cache_attend_args a;
     mha_cache_attend_args_init(&a);
-    PyObject *scale = Py_None, *counts = Py_None, *slopes = Py_None;
-    const kwopt opts[] = {{"scale", 'O', &scale},
-                          {"counts", 'O', &counts},
-                          {"window_left", 'L', &a.window_left},
-                          {"window_right", 'L', &a.window_right},
-                          {"alibi_slopes", 'O', &slopes},
-                          {"softcap", 'f', &a.softcap}};
+    PyObject *counts = Py_None;
+    attn_kw ak;
+    attn_kw_init(&ak);
+    const kwopt opts[] = {ATTN_KW(&a.opts, &ak), {"counts", 'O', &counts}};
     if (parse_opts(kw, opts, (int)(sizeof opts / sizeof *opts), "attend") < 0) return NULL;
-    if (custom_scale(scale, &a.use_custom_scale, &a.scale) < 0) return NULL;
     held h = {.n = 0};
     mha_tensor tq, to;
     const void *cn, *sl;
@@ -1236,9 +1273,8 @@ static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
         goto fail;
     }
     if (get_vector(&h, counts, "counts", MHA_I64, o->batch, &cn) < 0 ||
-        get_vector(&h, slopes, "alibi_slopes", MHA_F32, tq.shape[1], &sl) < 0)
+        attn_kw_apply(&h, &ak, &a.opts, tq.shape[1], "attend") < 0)
         goto fail;
-    a.alibi_slopes = sl;
     mha_shape os = shape_of(&tq);
     os.dims[3] = o->v_head_dim;
     if (!(out = alloc_view(&h, alloc, &os, half_or_f32(tq.dtype), "out", &to))) goto fail;
@@ -1358,7 +1394,7 @@ static PyObject *Paged_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     }
     PagedObject *o = PyObject_New(PagedObject, type);
     if (!o) return NULL;
-    mha_status st = mha_paged_cache_create_ex(&o->c, nb, bs, Hkv, D, Dv ? Dv : D, dt, lay);
+    mha_status st = mha_paged_cache_create(&o->c, nb, bs, Hkv, D, Dv ? Dv : D, dt, lay);
     if (st) {
         o->c = NULL;
         Py_DECREF(o);
@@ -1407,7 +1443,7 @@ static PyObject *Paged_truncate(PagedObject *o, PyObject *args) {
 static PyObject *Paged_release(PagedObject *o, PyObject *args) {
     long long id, keep, pos;
     if (!PyArg_ParseTuple(args, "LLL", &id, &keep, &pos)) return NULL;
-    mha_status st = mha_paged_cache_release_keep(o->c, id, keep, pos);
+    mha_status st = mha_paged_cache_release(o->c, id, keep, pos);
     if (st) return raise_status(st);
     Py_RETURN_NONE;
 }
@@ -1501,8 +1537,7 @@ static PyObject *py_forward_paged(PyObject *self, PyObject *args, PyObject *kw) 
     mha_status st;
     module_sync(mod);
     mod->readers++;
-    Py_BEGIN_ALLOW_THREADS st = mha_forward_paged_tokens(&to, mod->m, &c.a, cache->c, iv, cv,
-                                                         tv);
+    Py_BEGIN_ALLOW_THREADS st = mha_forward_paged(&to, mod->m, &c.a, cache->c, iv, cv, tv);
     Py_END_ALLOW_THREADS mod->readers--;
     return finish(&h, true, st, &out, 1);
 fail:

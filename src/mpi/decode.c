@@ -24,13 +24,20 @@ static mha_status cached_check(const mha_tensor *out, const mha_module *m,
                        "mha_mpi_forward_cached: owner %d is not a rank "
                        "(0..%d)",
                        owner, P - 1);
-    else if (a->window_left >= 0 || a->window_right >= 0 || a->alibi)
+    else if (a->opts.window_left >= 0 || a->opts.window_right >= 0 || a->opts.alibi)
         st = mha__fail(MHA_ERR_UNSUPPORTED,
                        "mha_mpi_forward_cached: windows and ALiBi need the keys' global "
                        "positions, which a sharded cache does not keep");
-    else if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32 || a->query->ndim < 2)
-        st = mha__fail(MHA_ERR_UNSUPPORTED, "mha_mpi_forward_cached: float32 query and "
-                                            "output, (T, N, E), (N, T, E) or (T, E)");
+    else if (a->query->dtype != MHA_F32 || out->dtype != MHA_F32)
+        st = mha__fail(MHA_ERR_DTYPE,
+                       "mha_mpi_forward_cached: float32 query and output, got %s "
+                       "and %s",
+                       mha_dtype_name(a->query->dtype), mha_dtype_name(out->dtype));
+    else if (a->query->ndim < 2)
+        st = mha__fail(MHA_ERR_SHAPE,
+                       "mha_mpi_forward_cached: query (T, N, E), (N, T, E) or "
+                       "(T, E), got %d dims",
+                       a->query->ndim);
     if (!st) {  // the query's shape, before anything is sized from it
         mha_forward_args aq = *a;
         aq.key = aq.value = a->query;
@@ -122,7 +129,7 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
     j.comm_s += MPI_Wtime() - t0;
     mha_forward_args al = *a;
     al.key = al.value = a->query;
-    al.is_causal = false;
+    al.opts.is_causal = false;
     al.rope_start = glen;
     mha__part pj = {.g0 = 0, .g1 = Hkv, .proj.q_out = q, .proj.k_out = k, .proj.v_out = v};
     st = mha__part_forward(NULL, m, &al, &pj);
@@ -138,9 +145,8 @@ mha_status mha_mpi_forward_cached(MPI_Comm comm, mha_tensor *out, const mha_modu
                    cv = {mine, MHA_F32, 4, {N, H, T, d}, {ns * E, d, ts * E, 1}};
         mha_cache_attend_args ca;
         mha_cache_attend_args_init(&ca);
-        ca.softcap = a->softcap;
-        ca.use_custom_scale = a->use_custom_scale;  // (checked by the plan: > 0, finite)
-        ca.scale = a->scale;
+        ca.opts.softcap = a->opts.softcap;
+        ca.opts.scale = a->opts.scale;
         st = mha__kv_cache_attend_ex(&cv, &qv, cache, &ca, NULL, me == owner ? 0 : T,
                                      mine + R * E);
     }

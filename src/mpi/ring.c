@@ -111,7 +111,8 @@ static bool ring_block_call(const ring *r, int a, int c, const int64_t ks_[2],
                             const int64_t kl_[2], ring_call *rc) {
     const int64_t ks = ks_[c], kl = kl_[c], at = (c ? kl_[0] : 0) * r->N * r->Ekv,
                   half = (kl_[0] + kl_[1]) * r->N * r->Ekv;
-    if (!r->ql[a] || !kl || (r->a->is_causal && ks > r->qs[a] + r->ql[a] - 1)) return false;
+    if (!r->ql[a] || !kl || (r->a->opts.is_causal && ks > r->qs[a] + r->ql[a] - 1))
+        return false;
     mha_tensor *v3 = rc->v3;
     mha_forward_args *ab = &rc->ab;
     mha__part *pa = &rc->pa;
@@ -438,9 +439,9 @@ mha_status mha__mpi_ring_run(job *j, mha_tensor *out, mha_tensor *gq, mha_tensor
         mha_forward_args al = *a;
         al.key_padding_mask = NULL;  // (the masks apply in the blocks)
         al.attn_mask = NULL;
-        al.is_causal = false;
-        al.window_left = al.window_right = -1;
-        al.alibi = false;
+        al.opts.is_causal = false;
+        al.opts.window_left = al.opts.window_right = -1;
+        al.opts.alibi = false;
         mha__part pr = {.g0 = 0,
                         .g1 = r->Hkv,
                         .bias = true,

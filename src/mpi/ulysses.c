@@ -159,9 +159,9 @@ static void local_args(mha_forward_args *al, const mha_forward_args *a, const se
     *al = *a;
     al->key_padding_mask = NULL;
     al->attn_mask = NULL;
-    al->is_causal = false;
-    al->window_left = al->window_right = -1;
-    al->alibi = false;
+    al->opts.is_causal = false;
+    al->opts.window_left = al->opts.window_right = -1;
+    al->opts.alibi = false;
     for (int64_t n = 0; n < sq->N; n++)
         starts[n] = (a->rope_start ? a->rope_start[n] : 0) + sq->t0[rank];
     al->rope_start = starts;

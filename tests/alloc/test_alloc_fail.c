@@ -180,9 +180,7 @@ static void write_site(const void *s, const char *scen) {
     fprintf(g_sites_out, "0x%lx %s\n", (unsigned long)a, scen);
 }
 
-static bool mentions_memory(const char *msg) {
-    return strstr(msg, "memory") != NULL;
-}
+static bool mentions_memory(const char *msg) { return strstr(msg, "memory") != NULL; }
 
 // This process among the MPI ranks (a single process: rank 0 of 1).
 static int g_rank = 0, g_P = 1;
@@ -251,7 +249,8 @@ static void sweep(const char *name, scen_fn fn, const void *arg, intact_fn intac
                 if (g_verbose)
                     printf("  %ld%s%s: %s: %s\n", n, sticky ? "+" : "", where,
                            mha_status_string(st), msg);
-                CHECKF(ok, "%s: allocation %ld of %ld failing%s (%s; %ld failed): -> %s: \"%s\"",
+                CHECKF(ok,
+                       "%s: allocation %ld of %ld failing%s (%s; %ld failed): -> %s: \"%s\"",
                        name, n, Nt, where, sticky ? "and every later one" : "alone", failed,
                        mha_status_string(st), msg);
                 if (intact) {
@@ -263,10 +262,12 @@ static void sweep(const char *name, scen_fn fn, const void *arg, intact_fn intac
                 // the same scenario, no failure: the same result
                 g_len = 0;
                 st = fn(arg);
-                const bool same =
-                    st == MHA_OK && g_len == glen && memcmp(g_res, golden, glen) == 0;
-                CHECKF(same, "%s: after allocation %ld of %ld failed%s (%s), the clean run -> "
-                       "%s%s", name, n, Nt, where, sticky ? "and every later one" : "alone",
+                const bool same = st == MHA_OK && g_len == glen &&
+                                  memcmp(g_res, golden, glen) == 0;
+                CHECKF(same,
+                       "%s: after allocation %ld of %ld failed%s (%s), the clean run -> "
+                       "%s%s",
+                       name, n, Nt, where, sticky ? "and every later one" : "alone",
                        mha_status_string(st), st ? "" : " with a different result");
                 bad += !ok || !same;
             }
@@ -428,8 +429,8 @@ static void io_faults(void) {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) perror(dir);
     snprintf(path, sizeof path, "%s/t.safetensors", dir);
     static const char old[] = "the old file";
-    static const char *const steps[] = {"", "open", "write", "fsync", "close", "rename",
-                                        "directory fsync"};
+    static const char *const steps[] = {"",      "open",   "write",          "fsync",
+                                        "close", "rename", "directory fsync"};
     const int errs[2] = {ENOSPC, EIO};
     int runs = 0;
     for (int step = MHA__IO_OPEN; step <= MHA__IO_DIR_FSYNC; step++) {
@@ -588,15 +589,15 @@ typedef struct fwd_arg {
     mha_module *m, *grads;
     mha_impl impl;
     int64_t L, S, N;
-    bool f64;        // float64 input views
-    bool weights;    // need_weights
-    bool average;    // averaged weights
-    bool masks;      // key padding (bool) and attn_mask (float)
+    bool f64;      // float64 input views
+    bool weights;  // need_weights
+    bool average;  // averaged weights
+    bool masks;    // key padding (bool) and attn_mask (float)
     bool causal;
-    bool extras;     // RoPE, ALiBi, window, soft cap
-    bool training;   // dropout
-    bool saved;      // backward through mha_saved
-    bool accumulate; // backward adds to the gradients (then kept on failure)
+    bool extras;      // RoPE, ALiBi, window, soft cap
+    bool training;    // dropout
+    bool saved;       // backward through mha_saved
+    bool accumulate;  // backward adds to the gradients (then kept on failure)
     void *q, *k, *v, *dout, *dq, *dk, *dv;  // (L|S, N, E|kdim|vdim)
     void *dq0, *dk0, *dv0;                  // their values before a backward
     unsigned char *gsnap;                   // the grads module's before
@@ -624,12 +625,16 @@ static void fwd_setup(fwd_arg *a) {
     } else {
         a->q = tq, a->k = tk, a->v = tv, a->dout = td;
     }
-    a->dq = calloc((size_t)nq, es), a->dk = calloc((size_t)nk, es), a->dv = calloc((size_t)nv, es);
+    a->dq = calloc((size_t)nq, es), a->dk = calloc((size_t)nk, es),
+    a->dv = calloc((size_t)nv, es);
     a->dq0 = malloc(es * (size_t)nq), a->dk0 = malloc(es * (size_t)nk);
     a->dv0 = malloc(es * (size_t)nv);
-    for (int64_t i = 0; i < (int64_t)(es * (size_t)nq); i++) ((unsigned char *)a->dq0)[i] = 0x3c;
-    for (int64_t i = 0; i < (int64_t)(es * (size_t)nk); i++) ((unsigned char *)a->dk0)[i] = 0x3d;
-    for (int64_t i = 0; i < (int64_t)(es * (size_t)nv); i++) ((unsigned char *)a->dv0)[i] = 0x3e;
+    for (int64_t i = 0; i < (int64_t)(es * (size_t)nq); i++)
+        ((unsigned char *)a->dq0)[i] = 0x3c;
+    for (int64_t i = 0; i < (int64_t)(es * (size_t)nk); i++)
+        ((unsigned char *)a->dk0)[i] = 0x3d;
+    for (int64_t i = 0; i < (int64_t)(es * (size_t)nv); i++)
+        ((unsigned char *)a->dv0)[i] = 0x3e;
     a->y = calloc((size_t)nq, es);
     a->w = calloc((size_t)(a->N * H * a->L * Sp), es);
     a->kpm = calloc((size_t)(a->N * a->S), 1);
@@ -734,8 +739,7 @@ static mha_status sc_backward(const void *argp) {
         st = mha_forward(&t.y, NULL, a->m, &t.args);
     }
     if (!st)
-        st = mha_backward(&t.dq, &t.dk, &t.dv, a->grads, a->m, &t.args, &t.dout,
-                          a->accumulate);
+        st = mha_backward(&t.dq, &t.dk, &t.dv, a->grads, a->m, &t.args, &t.dout, a->accumulate);
     mha_saved_destroy(sv);
     if (st) return st;
     res_put(a->dq, mha_tensor_numel(&t.dq) * mha_dtype_size(t.dq.dtype));
@@ -756,7 +760,7 @@ static bool backward_intact(const void *argp) {
            module_same(a->grads, a->gsnap, module_bytes(a->grads, NULL));
 }
 
-// mha_forward_ex with the caller's workspace allocates nothing.
+// mha_forward with the caller's workspace allocates nothing.
 static void forward_ex_no_alloc(const fwd_arg *a, const char *name) {
     fwd_views t;
     fwd_views_of(&t, a);
@@ -764,9 +768,10 @@ static void forward_ex_no_alloc(const fwd_arg *a, const char *name) {
     CHECK_OK(mha_forward_workspace_size(&bytes, a->m, &t.args));
     void *ws = malloc(bytes + 1);
     mha__fault_arm(0, 0);
-    CHECK_OK(mha_forward_ex(&t.y, a->weights ? &t.w : NULL, a->m, &t.args, ws, bytes + 1));
+    t.args.workspace = ws, t.args.workspace_bytes = bytes + 1;
+    CHECK_OK(mha_forward(&t.y, a->weights ? &t.w : NULL, a->m, &t.args));
     const long n = mha__fault_count();
-    CHECKF(n == 0, "%s: mha_forward_ex made %ld allocations", name, n);
+    CHECKF(n == 0, "%s: mha_forward with a workspace made %ld allocations", name, n);
     free(ws);
 }
 
@@ -783,8 +788,10 @@ typedef struct sdpa_arg {
 static mha_status sc_sdpa(const void *argp) {
     const sdpa_arg *a = argp;
     mha_tensor q = mha_tensor_contiguous(a->q, MHA_F32, 4, (int64_t[]){a->B, a->H, a->L, a->D});
-    mha_tensor k = mha_tensor_contiguous(a->k, MHA_F32, 4, (int64_t[]){a->B, a->Hkv, a->S, a->D});
-    mha_tensor v = mha_tensor_contiguous(a->v, MHA_F32, 4, (int64_t[]){a->B, a->Hkv, a->S, a->D});
+    mha_tensor k = mha_tensor_contiguous(a->k, MHA_F32, 4,
+                                         (int64_t[]){a->B, a->Hkv, a->S, a->D});
+    mha_tensor v = mha_tensor_contiguous(a->v, MHA_F32, 4,
+                                         (int64_t[]){a->B, a->Hkv, a->S, a->D});
     mha_tensor o = mha_tensor_contiguous(a->o, MHA_F32, 4, (int64_t[]){a->B, a->H, a->L, a->D});
     mha_tensor w = mha_tensor_contiguous(a->w, MHA_F32, 4, (int64_t[]){a->B, a->H, a->L, a->S});
     mha_sdpa_args sa;
@@ -829,7 +836,7 @@ static mha_status sc_sdpa(const void *argp) {
     mha_tensor qt = mha_tensor_contiguous(qc, MHA_F32, 4, (int64_t[]){a->B, a->H, a->L, a->D});
     mha_rope r;
     mha_rope_init(&r, MHA_ROPE_INTERLEAVED);
-    st = mha_rope_apply(&qt, &r, NULL, false);
+    st = mha_rope_apply(&qt, &r, NULL, NULL, NULL, 0, false);
     if (!st) res_put(qc, sizeof(float) * (size_t)mha_tensor_numel(&q));
     free(qc);
     return st;
@@ -850,7 +857,7 @@ static mha_status sc_kv(const void *argp) {
     const kv_arg *a = argp;
     const int64_t T = 24;
     mha_kv_cache *c;
-    mha_status st = mha_kv_cache_create_ex(&c, a->B, a->Hkv, a->D, a->D, a->cap, a->dt);
+    mha_status st = mha_kv_cache_create(&c, a->B, a->Hkv, a->D, a->D, a->cap, a->dt);
     if (st) return st;
     mha_tensor k = mha_tensor_contiguous(a->k, MHA_F32, 4, (int64_t[]){a->B, a->Hkv, T, a->D});
     mha_tensor v = mha_tensor_contiguous(a->v, MHA_F32, 4, (int64_t[]){a->B, a->Hkv, T, a->D});
@@ -883,7 +890,8 @@ static mha_status sc_paged(const void *argp) {
     const kv_arg *a = argp;
     const int64_t T = 24;
     mha_paged_cache *c;
-    mha_status st = mha_paged_cache_create(&c, 40, 4, a->Hkv, a->D, a->D, a->dt);
+    mha_status st = mha_paged_cache_create(&c, 40, 4, a->Hkv, a->D, a->D, a->dt,
+                                           MHA_PAGED_HEAD_MAJOR);
     if (st) return st;
     int64_t ids[2], p = -1, f = -1, cached = 0;
     int32_t tok[2 * 24];
@@ -893,12 +901,12 @@ static mha_status sc_paged(const void *argp) {
     int64_t counts[2] = {T, T - 3};
     if (!st) st = mha_paged_cache_add(c, &ids[0]);
     if (!st) st = mha_paged_cache_add(c, &ids[1]);
-    if (!st) st = mha_paged_cache_append_tokens(c, 2, ids, counts, &k, &v, tok);
+    if (!st) st = mha_paged_cache_append(c, 2, ids, counts, &k, &v, tok);
     if (!st) st = mha_paged_cache_add_prompt(c, tok, 20, &p, &cached);
     if (!st) st = mha_paged_cache_fork(c, ids[1], &f);
     mha_tensor k1 = k, v1 = v;
     k1.shape[0] = v1.shape[0] = 1, k1.shape[2] = v1.shape[2] = 1;
-    if (!st) st = mha_paged_cache_append(c, 1, &f, NULL, &k1, &v1);  // copy on write
+    if (!st) st = mha_paged_cache_append(c, 1, &f, NULL, &k1, &v1, NULL);  // copy on write
     mha_tensor q = mha_tensor_contiguous(a->q, MHA_F32, 4, (int64_t[]){2, a->H, T, a->D});
     mha_tensor o = mha_tensor_contiguous(a->o, MHA_F32, 4, (int64_t[]){2, a->H, T, a->D});
     if (!st) st = mha_paged_cache_attend(&o, &q, c, 2, ids, counts, NULL);  // prefill
@@ -908,7 +916,7 @@ static mha_status sc_paged(const void *argp) {
     const int64_t two[2] = {ids[0], f};
     if (!st) st = mha_paged_cache_attend(&o1, &q1, c, 2, two, NULL, NULL);  // decode
     if (!st) res_put(a->o, sizeof(float) * (size_t)mha_tensor_numel(&o1));
-    if (!st) st = mha_paged_cache_release_before(c, ids[0], 9);
+    if (!st) st = mha_paged_cache_release(c, ids[0], 0, 9);
     if (!st) st = mha_paged_cache_truncate(c, ids[1], 10);
     if (!st) st = mha_paged_cache_free(c, p);
     int64_t used = mha_paged_cache_blocks_in_use(c);
@@ -995,7 +1003,7 @@ static mha_status sc_cached(const void *argp) {
             mha_rope_init(&f.rope, MHA_ROPE_NEOX);
             f.alibi = true;
             f.window_left = 7;
-            f.stream_sinks = 2;
+            f.opts.sink_tokens = 2;
         }
         if ((st = mha_forward_cached(&y, a->m, &f, a->c))) return st;
         res_put(a->y, sizeof(float) * (size_t)(a->T * a->N * E));
@@ -1011,7 +1019,8 @@ static mha_status sc_cached(const void *argp) {
 static bool cached_intact(const void *argp) {
     const cached_arg *a = argp;
     bool same = true;
-    for (int64_t n = 0; n < a->N; n++) same = same && mha_kv_cache_length(a->c, n) == a->prefix;
+    for (int64_t n = 0; n < a->N; n++)
+        same = same && mha_kv_cache_length(a->c, n) == a->prefix;
     if (!same) {
         fprintf(stderr, "  cache lengths after the failure:");
         for (int64_t n = 0; n < a->N; n++)
@@ -1122,7 +1131,12 @@ static mha_status sc_parts(const void *argp) {
     if (2 * nst > 2048) return MHA_ERR_INVALID_ARG;
     mha__part pj = {.g0 = 0, .g1 = Hkv, .proj.q_out = qp, .proj.k_out = kp, .proj.v_out = vp};
     if ((st = mha__part_forward(NULL, a->m, &t.args, &pj))) return st;
-    mha__part pb = {.g0 = 0, .g1 = Hkv, .out.ctx = ctx, .proj.q_in = qp, .proj.k_in = kp, .proj.v_in = vp,
+    mha__part pb = {.g0 = 0,
+                    .g1 = Hkv,
+                    .out.ctx = ctx,
+                    .proj.q_in = qp,
+                    .proj.k_in = kp,
+                    .proj.v_in = vp,
                     .block.stats = rs};
     if ((st = mha__part_forward(NULL, a->m, &t.args, &pb))) return st;
     for (int64_t i = 0; i < nst; i++) ds[i] = 0.125f;
@@ -1172,12 +1186,11 @@ typedef struct ckpt_arg {
 static void res_put_layer(const mha_checkpoint_layer *info, const mha_module *m) {
     res_put(info->model_type, strlen(info->model_type) + 1);
     res_put(&info->layer, sizeof info->layer);
-    res_put(&info->is_causal, sizeof info->is_causal);
-    res_put(&info->window_left, sizeof info->window_left);
+    res_put(&info->opts.is_causal, sizeof info->opts.is_causal);
+    res_put(&info->opts.window_left, sizeof info->opts.window_left);
     res_put(&info->rope.mode, sizeof info->rope.mode);
     res_put(&info->rope.theta, sizeof info->rope.theta);
-    res_put(&info->use_custom_scale, sizeof info->use_custom_scale);
-    res_put(&info->scale, sizeof info->scale);
+    res_put(&info->opts.scale, sizeof info->opts.scale);
     res_put_module(m);
 }
 
@@ -1275,9 +1288,9 @@ typedef struct mpi_arg {
     mha_parallel scheme;
     bool backward;
     mha_module *m, *grads;
-    mha_saved *save;          // ring: a saved forward (grown beforehand, kept)
-    int64_t N, T;             // batch, this rank's tokens
-    float *x, *y, *dy, *dx;   // (T, N, E)
+    mha_saved *save;         // ring: a saved forward (grown beforehand, kept)
+    int64_t N, T;            // batch, this rank's tokens
+    float *x, *y, *dy, *dx;  // (T, N, E)
 } mpi_arg;
 
 static mha_status sc_mpi(const void *argp) {
@@ -1339,8 +1352,8 @@ static bool mpi_cached_intact(const void *argp) {
 }
 
 static void sweep_mpi(void) {
-    const mod_spec spec = {.E = 24, .H = 6, .Hkv = 3, .bias = true, .gate = MHA_GATE_DYNAMIC,
-                           .npruned = 1};
+    const mod_spec spec = {
+        .E = 24, .H = 6, .Hkv = 3, .bias = true, .gate = MHA_GATE_DYNAMIC, .npruned = 1};
     const int64_t L = 8, N = 2;
     const mha_parallel schemes[4] = {MHA_PAR_HEADS, MHA_PAR_HEADS_FAST, MHA_PAR_ULYSSES,
                                      MHA_PAR_RING};
@@ -1372,15 +1385,16 @@ static void sweep_mpi(void) {
         mha_module_destroy(a.grads);
     }
     g_rng = 78;
-    const mod_spec cspec = {.E = 16, .H = 4, .Hkv = 2, .bias = true, .gate = MHA_GATE_DYNAMIC,
-                            .npruned = 1};
+    const mod_spec cspec = {
+        .E = 16, .H = 4, .Hkv = 2, .bias = true, .gate = MHA_GATE_DYNAMIC, .npruned = 1};
     const int64_t d = cspec.E / cspec.H;
     mpi_cached_arg c = {.m = make_module(&cspec), .N = N, .T = 3, .prefix = 4};
-    float *k = new_floats(N * cspec.Hkv * c.prefix * d), *v = new_floats(N * cspec.Hkv * c.prefix * d);
+    float *k = new_floats(N * cspec.Hkv * c.prefix * d),
+          *v = new_floats(N * cspec.Hkv * c.prefix * d);
     const int64_t kv_shape[4] = {N, cspec.Hkv, c.prefix, d};
     mha_tensor kt = mha_tensor_contiguous(k, MHA_F32, 4, kv_shape);
     mha_tensor vt = mha_tensor_contiguous(v, MHA_F32, 4, kv_shape);
-    if (mha_kv_cache_create(&c.c, N, cspec.Hkv, d, d, 16) ||
+    if (mha_kv_cache_create(&c.c, N, cspec.Hkv, d, d, 16, MHA_KV_F32) ||
         mha_kv_cache_append(c.c, &kt, &vt, NULL))
         abort();
     c.x = new_floats(c.T * N * cspec.E), c.y = new_floats(c.T * N * cspec.E);
@@ -1412,11 +1426,11 @@ static void sweep_library(void) {
 
     // mha_module_load
     const mod_spec packed = {.E = 16, .H = 4, .bias = true};
-    const mod_spec separate = {.E = 16, .H = 4, .kdim = 6, .vdim = 10, .bias = true,
-                               .bias_kv = true};
+    const mod_spec separate = {
+        .E = 16, .H = 4, .kdim = 6, .vdim = 10, .bias = true, .bias_kv = true};
     const mod_spec gqa = {.E = 24, .H = 6, .Hkv = 2, .bias = true};
-    const mod_spec gated_static = {.E = 16, .H = 4, .bias = true, .gate = MHA_GATE_STATIC,
-                                   .npruned = 2};
+    const mod_spec gated_static = {
+        .E = 16, .H = 4, .bias = true, .gate = MHA_GATE_STATIC, .npruned = 2};
     const mod_spec gated_dyn = {.E = 16, .H = 4, .gate = MHA_GATE_DYNAMIC, .npruned = 1};
     const mod_spec bf16 = {.E = 16, .H = 4, .bias = true, .wdt = MHA_BF16};
     load_case("load packed", &packed, false, MHA_F32);
@@ -1432,8 +1446,9 @@ static void sweep_library(void) {
 
     // create / init / convert / save
     {
-        create_arg ca = {.spec = {.E = 16, .H = 4, .kdim = 6, .vdim = 10, .bias_kv = true,
-                                  .gate = MHA_GATE_STATIC}};
+        create_arg ca = {
+            .spec = {
+                .E = 16, .H = 4, .kdim = 6, .vdim = 10, .bias_kv = true, .gate = MHA_GATE_STATIC}};
         tmp_path(ca.path, sizeof ca.path, "created.safetensors");
         sweep("create+init+convert+save", sc_module_create, &ca, NULL);
         mod_spec s = {.E = 16, .H = 4, .kdim = 6, .vdim = 10, .bias = true, .bias_kv = true};
@@ -1452,67 +1467,115 @@ static void sweep_library(void) {
 
     // forward / backward / diagnose
     const mod_spec full = {.E = 16, .H = 4, .bias = true, .bias_kv = true, .zero_attn = true};
-    const mod_spec gqa_gate = {.E = 24, .H = 6, .Hkv = 3, .bias = true,
-                               .gate = MHA_GATE_DYNAMIC, .npruned = 1};
-    const mod_spec sep = {.E = 16, .H = 2, .kdim = 5, .vdim = 7, .bias = true,
-                          .gate = MHA_GATE_STATIC, .dropout = 0.2f};
+    const mod_spec gqa_gate = {
+        .E = 24, .H = 6, .Hkv = 3, .bias = true, .gate = MHA_GATE_DYNAMIC, .npruned = 1};
+    const mod_spec sep = {.E = 16,
+                          .H = 2,
+                          .kdim = 5,
+                          .vdim = 7,
+                          .bias = true,
+                          .gate = MHA_GATE_STATIC,
+                          .dropout = 0.2f};
     const mod_spec half16 = {.E = 16, .H = 4, .bias = true, .wdt = MHA_F16};
-    const mod_spec halfbf = {.E = 24, .H = 4, .Hkv = 2, .bias = true, .wdt = MHA_BF16,
-                             .gate = MHA_GATE_STATIC};
+    const mod_spec halfbf = {
+        .E = 24, .H = 4, .Hkv = 2, .bias = true, .wdt = MHA_BF16, .gate = MHA_GATE_STATIC};
     for (int impl = 0; impl < 2; impl++) {
         const mha_impl im = impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
         const bool fu = impl == 1;
         fwd_case((fwd_arg){.name = fu ? "fused, masks, averaged weights, bias_kv, zero_attn"
                                       : "ref, masks, averaged weights, bias_kv, zero_attn",
-                           .impl = im, .L = 7, .S = 9, .N = 2, .weights = true,
-                           .average = true, .masks = true},
+                           .impl = im,
+                           .L = 7,
+                           .S = 9,
+                           .N = 2,
+                           .weights = true,
+                           .average = true,
+                           .masks = true},
                  &full, true, !fu);
         fwd_case((fwd_arg){.name = fu ? "fused, causal, per-head weights, GQA, gates"
                                       : "ref, causal, per-head weights, GQA, gates",
-                           .impl = im, .L = 9, .S = 9, .N = 2, .weights = true,
+                           .impl = im,
+                           .L = 9,
+                           .S = 9,
+                           .N = 2,
+                           .weights = true,
                            .causal = true},
                  &gqa_gate, true, !fu);
         fwd_case((fwd_arg){.name = fu ? "fused, kdim/vdim, RoPE/ALiBi/window, dropout"
                                       : "ref, kdim/vdim, RoPE/ALiBi/window, dropout",
-                           .impl = im, .L = 6, .S = 6, .N = 3, .extras = true,
+                           .impl = im,
+                           .L = 6,
+                           .S = 6,
+                           .N = 3,
+                           .extras = true,
                            .training = true},
                  &sep, true, false);
         fwd_case((fwd_arg){.name = fu ? "fused, saved state" : "ref, saved state (unused)",
-                           .impl = im, .L = 8, .S = 8, .N = 2, .causal = true, .saved = true},
+                           .impl = im,
+                           .L = 8,
+                           .S = 8,
+                           .N = 2,
+                           .causal = true,
+                           .saved = true},
                  &gqa_gate, true, false);
         fwd_case((fwd_arg){.name = fu ? "fused, F16 weights, weights"
                                       : "ref, F16 weights, weights",
-                           .impl = im, .L = 5, .S = 7, .N = 2, .weights = true,
-                           .average = true, .masks = true},
+                           .impl = im,
+                           .L = 5,
+                           .S = 7,
+                           .N = 2,
+                           .weights = true,
+                           .average = true,
+                           .masks = true},
                  &half16, false, false);
         fwd_case((fwd_arg){.name = fu ? "fused, BF16 weights, GQA, gates"
                                       : "ref, BF16 weights, GQA, gates",
-                           .impl = im, .L = 6, .S = 6, .N = 2, .causal = true},
+                           .impl = im,
+                           .L = 6,
+                           .S = 6,
+                           .N = 2,
+                           .causal = true},
                  &halfbf, false, !fu);
     }
     {  // the head parts of the MPI layer (fused path), gates and GQA
-        fwd_arg pa = {.name = "head parts (MPI layer), GQA, gates", .impl = MHA_IMPL_FUSED,
-                      .L = 9, .S = 9, .N = 2, .causal = true};
+        fwd_arg pa = {.name = "head parts (MPI layer), GQA, gates",
+                      .impl = MHA_IMPL_FUSED,
+                      .L = 9,
+                      .S = 9,
+                      .N = 2,
+                      .causal = true};
         pa.m = make_module(&gqa_gate);
         fwd_setup(&pa);
         sweep(pa.name, sc_parts, &pa, NULL);
         fwd_free(&pa);
     }
-    fwd_case((fwd_arg){.name = "ref, float64 inputs", .impl = MHA_IMPL_REFERENCE, .L = 5,
-                       .S = 6, .N = 2, .f64 = true, .weights = true, .masks = true},
+    fwd_case((fwd_arg){.name = "ref, float64 inputs",
+                       .impl = MHA_IMPL_REFERENCE,
+                       .L = 5,
+                       .S = 6,
+                       .N = 2,
+                       .f64 = true,
+                       .weights = true,
+                       .masks = true},
              &full, true, false);
 
     // mha_sdpa (+ varlen, RoPE)
     for (int impl = 0; impl < 2; impl++) {
-        sdpa_arg s = {.impl = impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE, .B = 2, .H = 4,
-                      .Hkv = 2, .L = 7, .S = 9, .D = 8, .weights = true, .causal = impl == 1};
+        sdpa_arg s = {.impl = impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE,
+                      .B = 2,
+                      .H = 4,
+                      .Hkv = 2,
+                      .L = 7,
+                      .S = 9,
+                      .D = 8,
+                      .weights = true,
+                      .causal = impl == 1};
         s.q = new_floats(s.B * s.H * s.L * s.D), s.k = new_floats(s.B * s.Hkv * s.S * s.D);
         s.v = new_floats(s.B * s.Hkv * s.S * s.D), s.o = new_floats(s.B * s.H * s.L * s.D);
         s.w = new_floats(s.B * s.H * s.L * s.S);
         sweep(impl ? "sdpa fused (+ backward) + varlen + rope"
                    : "sdpa ref (+ backward) + varlen + rope",
-              sc_sdpa, &s,
-              NULL);
+              sc_sdpa, &s, NULL);
         free(s.q), free(s.k), free(s.v), free(s.o), free(s.w);
     }
 
@@ -1543,19 +1606,30 @@ static void sweep_library(void) {
     }
     {
         const mod_spec cs[2] = {{.E = 16, .H = 4, .Hkv = 2, .bias = true},
-                                {.E = 16, .H = 4, .bias = true, .gate = MHA_GATE_DYNAMIC,
-                                 .npruned = 1, .wdt = MHA_BF16}};
+                                {.E = 16,
+                                 .H = 4,
+                                 .bias = true,
+                                 .gate = MHA_GATE_DYNAMIC,
+                                 .npruned = 1,
+                                 .wdt = MHA_BF16}};
         for (int i = 0; i < 2; i++)
             for (int chunk = 0; chunk < 2; chunk++) {
-                cached_arg c = {.m = make_module(&cs[i]), .N = 2, .T = chunk ? 20 : 1,
-                                .prefix = 6, .extras = i == 1};
+                cached_arg c = {.m = make_module(&cs[i]),
+                                .N = 2,
+                                .T = chunk ? 20 : 1,
+                                .prefix = 6,
+                                .extras = i == 1};
                 const mha_config *mc = mha_module_config(c.m);
                 const int64_t E = mc->embed_dim, d = E / mc->num_heads;
-                if (mha_kv_cache_create(&c.c, c.N, mc->num_kv_heads, d, d, 64)) abort();
-                float *px = new_floats(c.prefix * c.N * E), *py = new_floats(c.prefix * c.N * E);
+                if (mha_kv_cache_create(&c.c, c.N, mc->num_kv_heads, d, d, 64, MHA_KV_F32))
+                    abort();
+                float *px = new_floats(c.prefix * c.N * E),
+                      *py = new_floats(c.prefix * c.N * E);
                 // fill the prefix (kept: sc_cached truncates back to prefix)
-                mha_tensor x = mha_tensor_contiguous(px, MHA_F32, 3, (int64_t[]){c.prefix, c.N, E});
-                mha_tensor y = mha_tensor_contiguous(py, MHA_F32, 3, (int64_t[]){c.prefix, c.N, E});
+                mha_tensor x = mha_tensor_contiguous(px, MHA_F32, 3,
+                                                     (int64_t[]){c.prefix, c.N, E});
+                mha_tensor y = mha_tensor_contiguous(py, MHA_F32, 3,
+                                                     (int64_t[]){c.prefix, c.N, E});
                 mha_forward_args f;
                 mha_forward_args_init(&f);
                 f.query = f.key = f.value = &x;
@@ -1578,7 +1652,7 @@ static void sweep_library(void) {
         // head dim above 4096 (append's row buffer comes from the heap)
         const int64_t D = 4100;
         cached_arg c = {.N = 1, .T = 2, .prefix = 1, .append_only = true, .D = D};
-        if (mha_kv_cache_create_ex(&c.c, 1, 1, D, D, 4, MHA_KV_INT8)) abort();
+        if (mha_kv_cache_create(&c.c, 1, 1, D, D, 4, MHA_KV_INT8)) abort();
         c.x = new_floats(2 * D), c.y = new_floats(2 * D);
         mha_tensor k = mha_tensor_contiguous(c.x, MHA_F32, 4, (int64_t[]){1, 1, 1, D});
         CHECK_OK(mha_kv_cache_append(c.c, &k, &k, NULL));
@@ -1589,10 +1663,9 @@ static void sweep_library(void) {
 
     // the optimizers
     for (int kind = 0; kind < 2; kind++) {
-        const mod_spec s = {.E = 16, .H = 4, .bias = true, .bias_kv = true,
-                            .gate = MHA_GATE_STATIC};
-        optim_arg o = {.kind = (mha_optim_kind)kind, .m = make_module(&s),
-                       .g = make_module(&s)};
+        const mod_spec s = {
+            .E = 16, .H = 4, .bias = true, .bias_kv = true, .gate = MHA_GATE_STATIC};
+        optim_arg o = {.kind = (mha_optim_kind)kind, .m = make_module(&s), .g = make_module(&s)};
         o.snap = malloc(module_bytes(o.m, NULL));
         module_bytes(o.m, o.snap);
         o.gsnap = malloc(module_bytes(o.g, NULL));

@@ -30,7 +30,9 @@ static uint64_t next(void) {
     return rng >> 11;
 }
 static float frand(void) { return (float)((double)next() * 0x1p-53 * 2.0 - 1.0); }
-static int64_t irand(int64_t lo, int64_t hi) { return lo + (int64_t)(next() % (uint64_t)(hi - lo + 1)); }
+static int64_t irand(int64_t lo, int64_t hi) {
+    return lo + (int64_t)(next() % (uint64_t)(hi - lo + 1));
+}
 static int coin(int percent) { return (int)(next() % 100) < percent; }
 
 typedef struct hash {
@@ -61,7 +63,8 @@ static void fill(float *p, int64_t n) {
 // An input view of logical shape dims (ndim), dtype dt, with the last dim
 // padded by `pad` elements (a strided view); the values drawn uniformly in
 // [-1, 1) and stored in dt. Returns the buffer (free it).
-static void *make_input(mha_tensor *t, mha_dtype dt, int ndim, const int64_t *dims, int64_t pad) {
+static void *make_input(mha_tensor *t, mha_dtype dt, int ndim, const int64_t *dims,
+                        int64_t pad) {
     int64_t n = 1;
     for (int i = 0; i < ndim; i++) n *= dims[i];
     const int64_t last = ndim ? dims[ndim - 1] : 1, rows = last ? n / last : 0;
@@ -156,9 +159,9 @@ static void draw_case(mcase *k) {
     if (k->unbatched && k->am_kind == 3) k->am_kind = 1;
     mha_forward_args *a = &k->a;
     mha_forward_args_init(a);
-    a->is_causal = coin(30);
-    if (coin(20)) a->window_left = irand(0, 6);
-    if (coin(15)) a->window_right = irand(0, 6);
+    a->opts.is_causal = coin(30);
+    if (coin(20)) a->opts.window_left = irand(0, 6);
+    if (coin(15)) a->opts.window_right = irand(0, 6);
     a->need_weights = coin(40);
     a->average_attn_weights = coin(60);
     if (a->need_weights && coin(25)) {
@@ -168,8 +171,8 @@ static void draw_case(mcase *k) {
         a->weights_row_end = coin(50) ? -1 : irand(a->weights_row_begin, k->L);
     }
     a->training = coin(30);
-    a->dropout_seed = next() % 1000;
-    a->dropout_offset = next() % 1000;
+    a->opts.dropout_seed = next() % 1000;
+    a->opts.dropout_offset = next() % 1000;
     if (coin(25)) {
         mha_rope_init(&a->rope, coin(50) ? MHA_ROPE_NEOX : MHA_ROPE_INTERLEAVED);
         if (d >= 4 && coin(40)) a->rope.dim = 2 * irand(1, d / 2);
@@ -180,13 +183,13 @@ static void draw_case(mcase *k) {
         }
     }
     if (coin(15)) {
-        a->alibi = true;
+        a->opts.alibi = true;
         if (coin(40)) {
             for (int i = 0; i < 16; i++) k->slopes[i] = 0.3f * frand();
-            a->alibi_slopes = k->slopes;
+            a->opts.alibi_slopes = k->slopes;
         }
     }
-    if (coin(15)) a->softcap = 2.5f;
+    if (coin(15)) a->opts.softcap = 2.5f;
     k->nprune = coin(15) ? (int)irand(1, H > 1 ? 2 : 1) : 0;
     for (int i = 0; i < k->nprune; i++) k->prune[i] = irand(0, H - 1);
 }
@@ -304,7 +307,8 @@ static void module_case(int64_t i) {
                 hbytes(&h, out, sizeof(float) * (size_t)no);
                 if (a->need_weights)
                     hbytes(&h, w, (u8 ? 1 : sizeof(float)) * (size_t)nw),
-                        hbytes(&h, sc, u8 ? sizeof(float) * (size_t)(nw / ws.dims[ws.ndim - 1]) : 0);
+                        hbytes(&h, sc,
+                               u8 ? sizeof(float) * (size_t)(nw / ws.dims[ws.ndim - 1]) : 0);
             }
             free(out), free(w), free(sc);
         }
@@ -356,8 +360,9 @@ static void module_case(int64_t i) {
         a->save = NULL;
         if (!st) {
             hbytes(&h, gq, sizeof(float) * (size_t)nq);
-            if (!k.self) hbytes(&h, gk, sizeof(float) * (size_t)nk),
-                hbytes(&h, gv, sizeof(float) * (size_t)nv);
+            if (!k.self)
+                hbytes(&h, gk, sizeof(float) * (size_t)nk),
+                    hbytes(&h, gv, sizeof(float) * (size_t)nv);
             hparams(&h, g);
         }
         static const char *bn[4] = {"reference", "fused", "fused-saved", "fused-accumulate"};
@@ -375,7 +380,8 @@ static void module_case(int64_t i) {
 
 static void sdpa_case(int64_t i) {
     const int64_t B = irand(1, 2), Hkv = irand(1, 3), H = Hkv * irand(1, 3);
-    const int64_t L = coin(20) ? irand(60, 130) : irand(1, 20), S = coin(20) ? irand(60, 130) : irand(1, 20);
+    const int64_t L = coin(20) ? irand(60, 130) : irand(1, 20),
+                  S = coin(20) ? irand(60, 130) : irand(1, 20);
     const int64_t D = irand(1, 17), Dv = coin(70) ? D : irand(1, 17);
     const mha_dtype dt = coin(75) ? MHA_F32 : MHA_F64;
     const int64_t pad = coin(20) ? 2 : 0;
@@ -386,10 +392,10 @@ static void sdpa_case(int64_t i) {
     mha_sdpa_args a;
     mha_sdpa_args_init(&a);
     a.q = &q, a.k = &k, a.v = &v;
-    a.is_causal = coin(30);
-    if (coin(20)) a.window_left = irand(0, 5);
-    if (coin(20)) a.window_right = irand(0, 5);
-    if (coin(20)) a.use_custom_scale = true, a.scale = 0.3;
+    a.opts.is_causal = coin(30);
+    if (coin(20)) a.opts.window_left = irand(0, 5);
+    if (coin(20)) a.opts.window_right = irand(0, 5);
+    if (coin(20)) a.opts.scale = 0.3;
     uint8_t *amb = NULL, *kpmb = NULL;
     if (coin(40)) {
         amb = calloc((size_t)(L * S), 1);
@@ -414,8 +420,9 @@ static void sdpa_case(int64_t i) {
         hash h;
         hinit(&h);
         mha_status st = mha_sdpa(&ot, want_w ? &wt : NULL, &a);
-        if (!st) hbytes(&h, o, sizeof(float) * (size_t)(B * H * L * Dv)),
-            hbytes(&h, w, want_w ? sizeof(float) * (size_t)(B * H * L * S) : 0);
+        if (!st)
+            hbytes(&h, o, sizeof(float) * (size_t)(B * H * L * Dv)),
+                hbytes(&h, w, want_w ? sizeof(float) * (size_t)(B * H * L * S) : 0);
         emit("sdpa", i, names[ii], st, &h);
         free(o), free(w);
     }
@@ -423,8 +430,8 @@ static void sdpa_case(int64_t i) {
 }
 
 static void varlen_case(int64_t i) {
-    const int64_t nseq = irand(1, 4), Hkv = irand(1, 2), H = Hkv * irand(1, 3), D = irand(1, 16),
-                  Dv = coin(70) ? D : irand(1, 16);
+    const int64_t nseq = irand(1, 4), Hkv = irand(1, 2), H = Hkv * irand(1, 3),
+                  D = irand(1, 16), Dv = coin(70) ? D : irand(1, 16);
     int64_t cq[5] = {0}, ck[5] = {0};
     for (int64_t b = 0; b < nseq; b++) {
         cq[b + 1] = cq[b] + (coin(20) ? irand(40, 90) : irand(0, 12));
@@ -441,13 +448,13 @@ static void varlen_case(int64_t i) {
     mha_varlen_args a;
     mha_varlen_args_init(&a);
     a.cu_seqlens_q = cq, a.cu_seqlens_k = ck, a.num_seqs = nseq;
-    a.is_causal = coin(40);
-    if (coin(20)) a.window_left = irand(0, 5);
-    if (coin(20)) a.softcap = 3.0f;
+    a.opts.is_causal = coin(40);
+    if (coin(20)) a.opts.window_left = irand(0, 5);
+    if (coin(20)) a.opts.softcap = 3.0f;
     float slopes[8];
     for (int j = 0; j < 8; j++) slopes[j] = 0.2f * frand();
-    if (coin(20)) a.alibi_slopes = slopes;
-    if (coin(20)) a.use_custom_scale = true, a.scale = 0.25;
+    if (coin(20)) a.opts.alibi_slopes = slopes;
+    if (coin(20)) a.opts.scale = 0.25;
     hash h;
     hinit(&h);
     mha_status st = mha_sdpa_varlen(&ot, &qt, &kt, &vt, &a);
@@ -467,7 +474,7 @@ static void rope_case(int64_t i) {
     int64_t start[2] = {irand(0, 50), irand(0, 50)};
     hash h;
     hinit(&h);
-    mha_status st = mha_rope_apply(&x, &r, coin(50) ? start : NULL, coin(30));
+    mha_status st = mha_rope_apply(&x, &r, NULL, coin(50) ? start : NULL, NULL, 0, coin(30));
     size_t n = (size_t)(B * H * T * (D + 1) + 1) * mha_dtype_size(dt);
     (void)n;
     if (!st) {
@@ -489,18 +496,18 @@ static void cache_case(int64_t i) {
     mha_kv_cache *c = NULL;
     hash h;
     hinit(&h);
-    mha_status st = mha_kv_cache_create_ex(&c, B, Hkv, D, Dv, cap, kdt);
+    mha_status st = mha_kv_cache_create(&c, B, Hkv, D, Dv, cap, kdt);
     mha_cache_attend_args ca;
     mha_cache_attend_args_init(&ca);
-    if (coin(20)) ca.window_left = irand(0, 30);
-    if (coin(20)) ca.softcap = 4.0f;
+    if (coin(20)) ca.opts.window_left = irand(0, 30);
+    if (coin(20)) ca.opts.softcap = 4.0f;
     float slopes[8];
     for (int j = 0; j < 8; j++) slopes[j] = 0.1f * frand();
-    if (coin(20)) ca.alibi_slopes = slopes;
+    if (coin(20)) ca.opts.alibi_slopes = slopes;
     for (int step = 0; !st && step < 5; step++) {
         const int64_t T = coin(40) ? irand(17, 300) : irand(1, 16);
-        float *k = fbuf(B * Hkv * T * D), *v = fbuf(B * Hkv * T * Dv), *q = fbuf(B * H * T * D),
-              *o = fbuf(B * H * T * Dv);
+        float *k = fbuf(B * Hkv * T * D), *v = fbuf(B * Hkv * T * Dv),
+              *q = fbuf(B * H * T * D), *o = fbuf(B * H * T * Dv);
         fill(k, B * Hkv * T * D), fill(v, B * Hkv * T * Dv), fill(q, B * H * T * D);
         int64_t counts[3];
         for (int64_t b = 0; b < B; b++) counts[b] = coin(30) ? irand(0, T) : T;
@@ -516,8 +523,8 @@ static void cache_case(int64_t i) {
             if (!st) hbytes(&h, o, sizeof(float) * (size_t)(B * H * T * Dv));
         }
         if (st == MHA_ERR_INVALID_ARG) st = MHA_OK;  // (full: the next step tries smaller)
-        if (coin(20)) st = mha_kv_cache_truncate(c, -1, mha_kv_cache_length(c, 0) / 2),
-            hint(&h, st);
+        if (coin(20))
+            st = mha_kv_cache_truncate(c, -1, mha_kv_cache_length(c, 0) / 2), hint(&h, st);
         free(k), free(v), free(q), free(o);
     }
     emit("kv-cache", i, mha_kv_dtype_name(kdt), st, &h);
@@ -544,13 +551,14 @@ static void cached_case(int64_t i) {
     if (!st && cfg.weight_dtype == MHA_F32) randomize_params(m);
     mha_kv_cache *c = NULL;
     const mha_kv_dtype kdt = coin(70) ? MHA_KV_F32 : (mha_kv_dtype)irand(1, 3);
-    if (!st) st = mha_kv_cache_create_ex(&c, N, mha_module_config(m)->num_kv_heads, d, d, 400, kdt);
+    if (!st)
+        st = mha_kv_cache_create(&c, N, mha_module_config(m)->num_kv_heads, d, d, 400, kdt);
     mha_forward_args a;
     mha_forward_args_init(&a);
     if (coin(40)) mha_rope_init(&a.rope, coin(50) ? MHA_ROPE_NEOX : MHA_ROPE_INTERLEAVED);
-    if (coin(20)) a.alibi = true;
-    if (coin(20)) a.softcap = 3.0f;
-    if (coin(20)) a.window_left = irand(0, 20);
+    if (coin(20)) a.opts.alibi = true;
+    if (coin(20)) a.opts.softcap = 3.0f;
+    if (coin(20)) a.opts.window_left = irand(0, 20);
     for (int step = 0; !st && step < 6; step++) {
         const int64_t T = coin(30) ? irand(17, 60) : irand(1, 4);
         float *x = fbuf(T * N * E), *y = fbuf(T * N * E);
@@ -592,12 +600,12 @@ static void diag_case(int64_t i) {
         hint(&h, mha_diagnostics_rows(dg));
         for (int64_t hh = 0; hh < H; hh++) {
             const mha_head_diag *d = mha_diagnostics_head(dg, hh);
-            const double v[] = {d->entropy_mean, d->entropy_min, d->entropy_norm,
-                                d->mean_distance, d->logit_max, d->logit_std,
+            const double v[] = {d->entropy_mean,     d->entropy_min, d->entropy_norm,
+                                d->mean_distance,    d->logit_max,   d->logit_std,
                                 d->output_var_ratio, d->gate_mean};
             hbytes(&h, v, sizeof v);
-            const int64_t iv[] = {d->head, d->rows, d->dead, d->rank_q, d->rank_k,
-                                  d->rank_v, d->rank_o, d->pruned};
+            const int64_t iv[] = {d->head,   d->rows,   d->dead,   d->rank_q,
+                                  d->rank_k, d->rank_v, d->rank_o, d->pruned};
             hbytes(&h, iv, sizeof iv);
             for (int64_t h2 = 0; h2 < H; h2++) {
                 const double s = mha_diagnostics_similarity(dg, hh, h2);
@@ -668,8 +676,8 @@ static int write_inputs(const char *dir) {
     const int64_t L = 37, S = 29, N = 2, E = 24;
     char path[512];
     mha_st_writer *w = NULL;
-    float *q = fbuf(L * N * E), *k = fbuf(S * N * E), *v = fbuf(S * N * E), *g = fbuf(L * N * E),
-          *s = fbuf(L * N * E), *gs = fbuf(L * N * E);
+    float *q = fbuf(L * N * E), *k = fbuf(S * N * E), *v = fbuf(S * N * E),
+          *g = fbuf(L * N * E), *s = fbuf(L * N * E), *gs = fbuf(L * N * E);
     fill(q, L * N * E), fill(k, S * N * E), fill(v, S * N * E), fill(g, L * N * E);
     fill(s, L * N * E), fill(gs, L * N * E);
     uint8_t kpm[2 * 29];
@@ -679,7 +687,8 @@ static int write_inputs(const char *dir) {
     rc |= mha_st_writer_add(w, "query", MHA_F32, 3, (int64_t[]){L, N, E}, q) != MHA_OK;
     rc |= mha_st_writer_add(w, "key", MHA_F32, 3, (int64_t[]){S, N, E}, k) != MHA_OK;
     rc |= mha_st_writer_add(w, "value", MHA_F32, 3, (int64_t[]){S, N, E}, v) != MHA_OK;
-    rc |= mha_st_writer_add(w, "key_padding_mask", MHA_BOOL, 2, (int64_t[]){N, S}, kpm) != MHA_OK;
+    rc |= mha_st_writer_add(w, "key_padding_mask", MHA_BOOL, 2, (int64_t[]){N, S}, kpm) !=
+          MHA_OK;
     snprintf(path, sizeof path, "%s/x.safetensors", dir);
     rc |= mha_st_writer_save(w, path) != MHA_OK;
     mha_st_writer_destroy(w);
@@ -690,12 +699,15 @@ static int write_inputs(const char *dir) {
     rc |= mha_st_writer_save(w, path) != MHA_OK;
     mha_st_writer_destroy(w);
     rc |= mha_st_writer_create(&w) != MHA_OK;
-    rc |= mha_st_writer_add(w, "grad_attn_output", MHA_F32, 3, (int64_t[]){L, N, E}, g) != MHA_OK;
+    rc |= mha_st_writer_add(w, "grad_attn_output", MHA_F32, 3, (int64_t[]){L, N, E}, g) !=
+          MHA_OK;
     snprintf(path, sizeof path, "%s/g.safetensors", dir);
     rc |= mha_st_writer_save(w, path) != MHA_OK;
     mha_st_writer_destroy(w);
     free(q), free(k), free(v), free(g), free(s), free(gs);
-    if (rc) fprintf(stderr, "outputs: writing the inputs into %s failed: %s\n", dir, mha_last_error());
+    if (rc)
+        fprintf(stderr, "outputs: writing the inputs into %s failed: %s\n", dir,
+                mha_last_error());
     return rc;
 }
 
@@ -703,7 +715,8 @@ int main(int argc, char **argv) {
     int64_t cases = 120;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoll(argv[++i]);
-        else if (!strcmp(argv[i], "--write-inputs") && i + 1 < argc) return write_inputs(argv[++i]);
+        else if (!strcmp(argv[i], "--write-inputs") && i + 1 < argc)
+            return write_inputs(argv[++i]);
         else {
             fprintf(stderr, "usage: outputs [--cases N] [--write-inputs DIR]\n");
             return 2;

@@ -22,7 +22,7 @@
 // load leaves *out NULL; a loaded module's config is what a checkpoint
 // layer can give (E, H > 0, Hkv dividing H, batch_first as asked), its
 // parameters readable, and the layer's options sane (window_left >= -1,
-// a RoPE theta > 0, scale > 0 and finite, softcap >= 0). Crashes,
+// a RoPE theta > 0, scale >= 0 (0: the default) and finite, softcap >= 0). Crashes,
 // sanitizer reports and leaks are findings.
 #include <math.h>
 #include <stdarg.h>
@@ -214,12 +214,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             mha_param p;
             require(mha_module_param_at(&p, m, i) == MHA_OK, "param %d", i);
         }
-        require(info.layer == layer && info.window_left >= -1, "layer %lld window %lld",
-                (long long)info.layer, (long long)info.window_left);
+        require(info.layer == layer && info.opts.window_left >= -1, "layer %lld window %lld",
+                (long long)info.layer, (long long)info.opts.window_left);
         require(info.rope.mode == MHA_ROPE_NONE || info.rope.theta > 0.0, "theta %g",
                 info.rope.theta);
-        require(info.scale > 0.0 && isfinite(info.scale) && info.softcap >= 0.0f,
-                "scale %g softcap %g", info.scale, (double)info.softcap);
+        require(info.opts.scale >= 0.0 && isfinite(info.opts.scale) && info.opts.softcap >= 0.0f,
+                "scale %g softcap %g", info.opts.scale, (double)info.opts.softcap);
         mha_forward_args a;
         mha_forward_args_init(&a);
         mha_checkpoint_layer_apply(&info, &a);

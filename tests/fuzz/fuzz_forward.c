@@ -19,7 +19,7 @@
 //   [5]  flags: 1 run mha_forward_cached too (the query's L tokens in
 //        chunks of max(L / 2, 1)), 0x06 its cache dtype (F32, BF16, F16,
 //        INT8); 0x08 the fused run through
-//        mha_forward_ex with an exactly sized, misaligned workspace; 0x10
+//        mha_forward with an exactly sized, misaligned workspace; 0x10
 //        int4 for the INT8 cache; 0x20 a training step (run_backward)
 //   [6..7] dropout seed
 //   [8..11] W, little-endian: bytes of the weights file (clamped)
@@ -101,7 +101,7 @@ static void *alloc_out(mha_tensor *view, mha_dtype dtype, const mha_shape *s) {
     return p;
 }
 
-// One forward with impl and need_weights; via mha_forward_ex when ex.
+// One forward with impl and need_weights; with a caller workspace when ex.
 static void run_forward(const mha_module *m, mha_forward_args a, mha_impl impl,
                         bool need_weights, bool ex, mha_dtype odt, bool u8_weights) {
     a.impl = impl;
@@ -131,15 +131,16 @@ static void run_forward(const mha_module *m, mha_forward_args a, mha_impl impl,
                 // exactly `bytes`, starting one byte past an aligned block
                 char *ws_block = malloc(bytes + 1);
                 if (ws_block) {
-                    st = mha_forward_ex(&ot, need_weights ? &wt : NULL, m, &a, ws_block + 1,
-                                        bytes);
+                    a.workspace = ws_block + 1, a.workspace_bytes = bytes;
+                    st = mha_forward(&ot, need_weights ? &wt : NULL, m, &a);
+                    a.workspace = NULL, a.workspace_bytes = 0;
                     free(ws_block);
                 }
             }
         } else {
             st = mha_forward(&ot, need_weights ? &wt : NULL, m, &a);
         }
-        require_not_nomem(st, ex ? "mha_forward_ex" : "mha_forward");
+        require_not_nomem(st, ex ? "mha_forward (workspace)" : "mha_forward");
     }
     free(obuf);
     free(wbuf);
@@ -161,8 +162,8 @@ static void run_cached(const mha_module *m, const mha_forward_args *a0, mha_dtyp
     mha_tensor ot;
     void *obuf = alloc_out(&ot, odt, &os);
     mha_kv_cache *cache = NULL;
-    if (obuf && mha_kv_cache_create_ex(&cache, N, c->num_kv_heads, d, d, L > 0 ? L : 1, kvd) ==
-                    MHA_OK) {
+    if (obuf &&
+        mha_kv_cache_create(&cache, N, c->num_kv_heads, d, d, L > 0 ? L : 1, kvd) == MHA_OK) {
         const int64_t half = L / 2 > 0 ? L / 2 : 1;
         for (int64_t t0 = 0; t0 < L; t0 += half) {
             const int64_t n = L - t0 < half ? L - t0 : half;
@@ -281,16 +282,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     a.value = in[2].found ? &in[2].view : a.query;
     a.key_padding_mask = in[3].found ? &in[3].view : NULL;
     a.attn_mask = in[4].found ? &in[4].view : NULL;
-    a.is_causal = (c0 >> 1) & 1;
+    a.opts.is_causal = (c0 >> 1) & 1;
     a.average_attn_weights = !((c0 >> 3) & 1);
-    a.alibi = (c0 >> 6) & 1;
-    a.softcap = (c0 >> 7) ? 5.0f : 0.0f;
+    a.opts.alibi = (c0 >> 6) & 1;
+    a.opts.softcap = (c0 >> 7) ? 5.0f : 0.0f;
     static const mha_rope_mode ropes[4] = {MHA_ROPE_NONE, MHA_ROPE_NEOX, MHA_ROPE_INTERLEAVED,
                                            MHA_ROPE_NONE};
     mha_rope_init(&a.rope, ropes[(c2 >> 2) & 3]);
     if ((c2 >> 4) & 1) {
-        a.window_left = (win & 15) == 15 ? -1 : win & 15;
-        a.window_right = (win >> 4) == 15 ? -1 : win >> 4;
+        a.opts.window_left = (win & 15) == 15 ? -1 : win & 15;
+        a.opts.window_right = (win >> 4) == 15 ? -1 : win >> 4;
     }
     if ((c2 >> 5) & 1) {
         a.weights_head_begin = blk & 3;
@@ -301,7 +302,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
     }
     a.training = training;
-    a.dropout_seed = (uint64_t)data[6] | (uint64_t)data[7] << 8;
+    a.opts.dropout_seed = (uint64_t)data[6] | (uint64_t)data[7] << 8;
     const bool u8_weights = (c2 >> 7) & 1;
 
     // The work bound: projections and attention with every dim >= 1.

@@ -14,7 +14,7 @@
 //  - mha_st_read into F32, F64, BF16, F16, BOOL, U8 and the tensor's own
 //    dtype, each into a buffer of exactly the size needed (so ASan sees any
 //    overrun): the documented conversions succeed, the others fail with
-//    MHA_ERR_UNSUPPORTED; one byte short always fails; same-dtype reads
+//    MHA_ERR_DTYPE; one byte short always fails; same-dtype reads
 //    return the stored bytes; BOOL results are 0/1;
 //  - metadata: every entry through mha_st_metadata_at and mha_st_metadata;
 //  - the writer round trip: the tensors and metadata written back with
@@ -83,8 +83,8 @@ static void check_reads(const mha_st_tensor *t) {
                 for (size_t i = 0; i < need; i++)
                     require(dst[i] <= 1, "BOOL read gave byte %u", dst[i]);
         } else {
-            require(st == MHA_ERR_UNSUPPORTED, "read %s -> %s: status %s, expected "
-                    "MHA_ERR_UNSUPPORTED", mha_dtype_name(t->dtype),
+            require(st == MHA_ERR_DTYPE, "read %s -> %s: status %s, expected "
+                    "MHA_ERR_DTYPE", mha_dtype_name(t->dtype),
                     mha_dtype_name(to), mha_status_string(st));
             require_message("mha_st_read (unsupported)");
         }

@@ -67,30 +67,29 @@ class Rope(C.Structure):
     _fields_ = [("mode", C.c_int), ("theta", C.c_double), ("dim", C.c_int64)]
 
 
+class AttnOpts(C.Structure):  # mha_attn_opts
+    _fields_ = [("is_causal", C.c_bool), ("window_left", C.c_int64),
+                ("window_right", C.c_int64), ("scale", C.c_double), ("softcap", C.c_float),
+                ("alibi", C.c_bool), ("alibi_slopes", C.POINTER(C.c_float)),
+                ("sinks", C.POINTER(C.c_float)), ("sink_tokens", C.c_int64),
+                ("dropout_p", C.c_float), ("dropout_seed", C.c_uint64),
+                ("dropout_offset", C.c_uint64)]
+
+
 class SdpaArgs(C.Structure):
     _fields_ = [("q", C.POINTER(Tensor)), ("k", C.POINTER(Tensor)),
                 ("v", C.POINTER(Tensor)), ("attn_mask", C.POINTER(Tensor)),
-                ("key_padding_mask", C.POINTER(Tensor)), ("is_causal", C.c_bool),
-                ("window_left", C.c_int64), ("window_right", C.c_int64),
-                ("use_custom_scale", C.c_bool), ("scale", C.c_double),
-                ("impl", C.c_int), ("dropout_p", C.c_float),
-                ("dropout_seed", C.c_uint64), ("dropout_offset", C.c_uint64)]
+                ("key_padding_mask", C.POINTER(Tensor)), ("opts", AttnOpts),
+                ("impl", C.c_int), ("save", C.c_void_p)]
 
 
 class VarlenArgs(C.Structure):
     _fields_ = [("cu_seqlens_q", C.POINTER(C.c_int64)), ("cu_seqlens_k", C.POINTER(C.c_int64)),
-                ("num_seqs", C.c_int64), ("is_causal", C.c_bool),
-                ("window_left", C.c_int64), ("window_right", C.c_int64),
-                ("use_custom_scale", C.c_bool), ("scale", C.c_double),
-                ("alibi_slopes", C.POINTER(C.c_float)), ("softcap", C.c_float)]
+                ("num_seqs", C.c_int64), ("opts", AttnOpts)]
 
 
 class AttendArgs(C.Structure):
-    _fields_ = [("use_custom_scale", C.c_bool), ("scale", C.c_double),
-                ("window_left", C.c_int64), ("window_right", C.c_int64),
-                ("alibi_slopes", C.POINTER(C.c_float)), ("softcap", C.c_float),
-                ("sinks", C.POINTER(C.c_float)), ("sink_tokens", C.c_int64),
-                ("sink_q", C.POINTER(Tensor))]
+    _fields_ = [("opts", AttnOpts), ("sink_q", C.POINTER(Tensor))]
 
 
 def tensor(a):
@@ -109,14 +108,14 @@ class Lib:
     def __init__(self, path):
         L = C.CDLL(path)
         L.mha_last_error.restype = C.c_char_p
-        L.mha_rope_apply.argtypes = [C.POINTER(Tensor), C.POINTER(Rope),
-                                     C.POINTER(C.c_int64), C.c_bool]
+        L.mha_rope_apply.argtypes = [C.POINTER(Tensor), C.POINTER(Rope), C.c_void_p,
+                                     C.POINTER(C.c_int64), C.POINTER(C.c_int64),
+                                     C.c_int64, C.c_bool]
         L.mha_sdpa_args_init.argtypes = [C.POINTER(SdpaArgs)]
         L.mha_sdpa.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.POINTER(SdpaArgs)]
         L.mha_sdpa_backward.argtypes = [C.POINTER(Tensor)] * 4 + [C.POINTER(SdpaArgs)]
         L.mha_philox4x32_10.argtypes = [C.POINTER(C.c_uint32)] * 3
-        L.mha_kv_cache_create.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5
-        L.mha_kv_cache_create_ex.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5 + [C.c_int]
+        L.mha_kv_cache_create.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5 + [C.c_int]
         L.mha_kv_cache_bytes.argtypes = [C.c_void_p]
         L.mha_kv_cache_bytes.restype = C.c_size_t
         L.mha_kv_cache_destroy.argtypes = [C.c_void_p]
@@ -236,7 +235,7 @@ def test_rope(lib, ck, rng):
         t = tensor(ours)
         r = Rope(mode, theta, dim)
         st_arr = (C.c_int64 * B)(*start)
-        rc = lib.L.mha_rope_apply(C.byref(t), C.byref(r), st_arr, False)
+        rc = lib.L.mha_rope_apply(C.byref(t), C.byref(r), None, st_arr, None, 0, False)
         ck.check(rc == 0, "rope %d: status %d %s" % (case, rc, lib.err() if rc else ""))
         xt = torch.from_numpy(x)
         ref64 = rope_ref(xt.double(), mode, theta, dim, start).numpy()
@@ -245,7 +244,7 @@ def test_rope(lib, ck, rng):
                                                        D, dim, theta), ours, ref64, t32)
         back = ours.copy()
         tb = tensor(back)
-        lib.L.mha_rope_apply(C.byref(tb), C.byref(r), st_arr, True)
+        lib.L.mha_rope_apply(C.byref(tb), C.byref(r), None, st_arr, None, 0, True)
         ck.check(np.max(np.abs(back - x)) <= 1e-5 * (1 + np.max(np.abs(x))),
                  "rope %d: inverse undoes the rotation" % case)
     # errors: odd dims, dims beyond D
@@ -253,7 +252,7 @@ def test_rope(lib, ck, rng):
     t = tensor(x)
     for dim in (3, 10):
         r = Rope(ROPE_NEOX, 10000.0, dim)
-        rc = lib.L.mha_rope_apply(C.byref(t), C.byref(r), None, False)
+        rc = lib.L.mha_rope_apply(C.byref(t), C.byref(r), None, None, None, 0, False)
         ck.check(rc != 0 and "rope" in lib.err(), "rope dim %d refused: %s" % (dim, lib.err()))
 
 
@@ -272,7 +271,7 @@ def test_gqa(lib, ck, rng):
             a = SdpaArgs()
             lib.L.mha_sdpa_args_init(C.byref(a))
             a.q, a.k, a.v = C.pointer(tq), C.pointer(tk), C.pointer(tv)
-            a.is_causal = causal
+            a.opts.is_causal = causal
             a.impl = impl
             rc = lib.L.mha_sdpa(C.byref(to), None, C.byref(a))
             ck.check(rc == 0, "gqa %d: status %d %s" % (case, rc, lib.err() if rc else ""))
@@ -382,8 +381,8 @@ def test_sdpa_backward(lib, ck, rng):
             a.q, a.k, a.v = C.pointer(tq), C.pointer(tk), C.pointer(tv)
             a.attn_mask = C.pointer(tam) if tam is not None else None
             a.key_padding_mask = C.pointer(tkpm) if tkpm is not None else None
-            a.is_causal, a.window_left, a.window_right = causal, wl, wr
-            a.use_custom_scale, a.scale = custom, scale
+            a.opts.is_causal, a.opts.window_left, a.opts.window_right = causal, wl, wr
+            a.opts.scale = scale if custom else 0.0
             a.impl = impl
             rc = lib.L.mha_sdpa_backward(C.byref(tdq), C.byref(tdk), C.byref(tdv), C.byref(tdo),
                                          C.byref(a))
@@ -501,10 +500,10 @@ def test_sdpa_dropout(lib, ck, rng):
             lib.L.mha_sdpa_args_init(C.byref(a))
             a.q, a.k, a.v = C.pointer(tq), C.pointer(tk), C.pointer(tv)
             a.key_padding_mask = C.pointer(tkpm) if tkpm is not None else None
-            a.is_causal = causal
-            a.use_custom_scale, a.scale = custom, scale
+            a.opts.is_causal = causal
+            a.opts.scale = scale if custom else 0.0
             a.impl = impl
-            a.dropout_p, a.dropout_seed, a.dropout_offset = p, seed, offset
+            a.opts.dropout_p, a.opts.dropout_seed, a.opts.dropout_offset = p, seed, offset
             out = np.zeros((B, H, L, Dv), dtype=np.float32)
             w = np.zeros((B, H, L, S), dtype=np.float32)
             to, tw = tensor(out), tensor(w)
@@ -537,7 +536,7 @@ def test_cache(lib, ck, rng, cases):
         V = rng.standard_normal((B, Hkv, total, Dv)).astype(np.float32)
         Q = rng.standard_normal((B, H, total, D)).astype(np.float32)
         cache = C.c_void_p()
-        rc = lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, Dv, cap)
+        rc = lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, Dv, cap, 0)
         ck.check(rc == 0, "cache %d: create %s" % (case, lib.err() if rc else ""))
         sched = []
         n = 0
@@ -617,7 +616,7 @@ def test_counts(lib, ck, rng):
     V = rng.standard_normal((B, Hkv, total, D)).astype(np.float32)
     Q = rng.standard_normal((B, H, total, D)).astype(np.float32)
     cache = C.c_void_p()
-    lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, D, total)
+    lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, D, total, 0)
     # prefill each sequence up to its length minus one (counts), then decode
     # one token for all
     counts = (C.c_int64 * B)(*[l - 1 for l in lens])
@@ -672,7 +671,7 @@ def test_threads(lib, ck, rng):
     V = rng.standard_normal((B, Hkv, n, D)).astype(np.float32)
     Q = rng.standard_normal((B, H, 40, D)).astype(np.float32)
     cache = C.c_void_p()
-    lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, D, n)
+    lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, D, n, 0)
     tk, tv = tensor(K), tensor(V)
     lib.L.mha_kv_cache_append(cache, C.byref(tk), C.byref(tv), None)
     results = []
@@ -741,12 +740,12 @@ def test_varlen(lib, ck, rng):
         cq_c = (C.c_int64 * (nseq + 1))(*cq.tolist())
         ck_c = (C.c_int64 * (nseq + 1))(*ckk.tolist())
         a.cu_seqlens_q, a.cu_seqlens_k, a.num_seqs = cq_c, ck_c, nseq
-        a.is_causal = causal
-        a.window_left, a.window_right = window
+        a.opts.is_causal = causal
+        a.opts.window_left, a.opts.window_right = window
         sl = (C.c_float * H)(*slopes) if slopes else None
         if sl is not None:
-            a.alibi_slopes = sl
-        a.softcap = softcap
+            a.opts.alibi_slopes = sl
+        a.opts.softcap = softcap
         tq, tk, tv, to = tensor(q), tensor(k), tensor(v), tensor(out)
         rc = lib.L.mha_sdpa_varlen(C.byref(to), C.byref(tq), C.byref(tk), C.byref(tv), C.byref(a))
         ck.check(rc == 0, "varlen %d: status %d %s" % (case, rc, lib.err() if rc else ""))
@@ -799,7 +798,7 @@ def test_cache_dtypes(lib, ck, rng):
         outs = {}
         for dt in (0, 1, 2, 3, 4):
             cache = C.c_void_p()
-            rc = lib.L.mha_kv_cache_create_ex(C.byref(cache), B, Hkv, D, D, total, dt)
+            rc = lib.L.mha_kv_cache_create(C.byref(cache), B, Hkv, D, D, total, dt)
             ck.check(rc == 0, "cache dtype %d: create (%s)" % (dt, lib.err() if rc else ""))
             if dt:
                 want = int(B * Hkv * total * 2 * D * units[dt][2]) + \

@@ -33,7 +33,7 @@ int main(int argc, char **argv) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
     if (!st) st = mha_forward(&y1t, NULL, m, &a);
     if (!st) st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &y2t, m, &a, NULL);

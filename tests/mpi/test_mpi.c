@@ -70,8 +70,10 @@ static void compare(const char *desc, const char *what, const float *got, const 
                     const double *ref, int64_t n) {
     const double scale = 1.0 + max_abs(one, n), e_got = max_err(got, ref, n),
                  e_one = max_err(one, ref, n);
-    CHECKF(e_got <= 2.0 * e_one + 0x1p-23 * scale, "%s %s: error vs float64 %g, single process "
-           "%g", desc, what, e_got, e_one);
+    CHECKF(e_got <= 2.0 * e_one + 0x1p-23 * scale,
+           "%s %s: error vs float64 %g, single process "
+           "%g",
+           desc, what, e_got, e_one);
     double e = 0;
     for (int64_t i = 0; i < n; i++) e = fmax(e, fabs((double)got[i] - one[i]));
     CHECKF(e <= 2e-5 * scale, "%s %s: vs the fused path %g (scale %g)", desc, what, e, scale);
@@ -108,8 +110,10 @@ static void same_grads(const char *desc, const mha_module *a, const mha_module *
         mha_param p1, p2;
         CHECK_OK(mha_module_param_at(&p1, a, i));
         CHECK_OK(mha_module_param_at(&p2, b, i));
-        CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel), "%s: grad %s "
-               "differs", desc, p1.name);
+        CHECKF(!memcmp(p1.data, p2.data, sizeof(float) * (size_t)p1.numel),
+               "%s: grad %s "
+               "differs",
+               desc, p1.name);
     }
 }
 
@@ -167,7 +171,7 @@ static void one_case(int id) {
     a.query = &in[0];
     a.key = self ? &in[0] : &in[1];
     a.value = self ? &in[0] : &in[2];
-    a.is_causal = causal;
+    a.opts.is_causal = causal;
     a.impl = MHA_IMPL_FUSED;
     if (kpm) a.key_padding_mask = &kpt;
     if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
@@ -201,8 +205,8 @@ static void one_case(int id) {
     CHECK_OK(mha_module_create(&gm1, mha_module_config(m)));
     CHECK_OK(mha_module_create(&gm2, mha_module_config(m)));
     if (acc) fill_params(gm1, 0.5f), fill_params(gm2, 0.5f);
-    CHECK_OK(mha_backward(&t1[0], self ? NULL : &t1[1], self ? NULL : &t1[2], gm1, m, &a, &in[3],
-                          acc));
+    CHECK_OK(mha_backward(&t1[0], self ? NULL : &t1[1], self ? NULL : &t1[2], gm1, m, &a,
+                          &in[3], acc));
     // the float64 reference's gradients (parameters: float64 sums rounded)
     double *gd[3];
     mha_tensor td[3];
@@ -217,9 +221,10 @@ static void one_case(int id) {
     CHECK_OK(mha_backward(&td[0], self ? NULL : &td[1], self ? NULL : &td[2], gmd, m, &ad,
                           &ind[3], acc));
     char desc[200];
-    snprintf(desc, sizeof desc, "case %d on %d ranks (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
-             "self %d causal %d kpm %d rope %d scaling %d bkv %d gate %d acc %d)", id, g_P,
-             (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)S,
+    snprintf(desc, sizeof desc,
+             "case %d on %d ranks (E %lld H %lld Hkv %lld L %lld S %lld N %lld "
+             "self %d causal %d kpm %d rope %d scaling %d bkv %d gate %d acc %d)",
+             id, g_P, (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)S,
              (long long)N, self, causal, kpm, rope, rope ? id % 4 : 0, bkv, (int)c.head_gate,
              acc);
     // Ulysses: this rank's block of tokens (the even split), views into the
@@ -232,14 +237,22 @@ static void one_case(int id) {
     } else {
         const int64_t l0 = L * g_rank / g_P, l1 = L * (g_rank + 1) / g_P,
                       s0 = S * g_rank / g_P, s1 = S * (g_rank + 1) / g_P;
-        mha_tensor lq = mha_tensor_contiguous(x[0] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
-                   lk = mha_tensor_contiguous(x[1] + s0 * N * kd, MHA_F32, 3, (int64_t[]){s1 - s0, N, kd}),
-                   lv = mha_tensor_contiguous(x[2] + s0 * N * vd, MHA_F32, 3, (int64_t[]){s1 - s0, N, vd}),
-                   lg = mha_tensor_contiguous(x[3] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
-                   ly = mha_tensor_contiguous(yp + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
-                   lgq = mha_tensor_contiguous(g2[0] + l0 * N * E, MHA_F32, 3, (int64_t[]){l1 - l0, N, E}),
-                   lgk = mha_tensor_contiguous(g2[1] + s0 * N * kd, MHA_F32, 3, (int64_t[]){s1 - s0, N, kd}),
-                   lgv = mha_tensor_contiguous(g2[2] + s0 * N * vd, MHA_F32, 3, (int64_t[]){s1 - s0, N, vd});
+        mha_tensor lq = mha_tensor_contiguous(x[0] + l0 * N * E, MHA_F32, 3,
+                                              (int64_t[]){l1 - l0, N, E}),
+                   lk = mha_tensor_contiguous(x[1] + s0 * N * kd, MHA_F32, 3,
+                                              (int64_t[]){s1 - s0, N, kd}),
+                   lv = mha_tensor_contiguous(x[2] + s0 * N * vd, MHA_F32, 3,
+                                              (int64_t[]){s1 - s0, N, vd}),
+                   lg = mha_tensor_contiguous(x[3] + l0 * N * E, MHA_F32, 3,
+                                              (int64_t[]){l1 - l0, N, E}),
+                   ly = mha_tensor_contiguous(yp + l0 * N * E, MHA_F32, 3,
+                                              (int64_t[]){l1 - l0, N, E}),
+                   lgq = mha_tensor_contiguous(g2[0] + l0 * N * E, MHA_F32, 3,
+                                               (int64_t[]){l1 - l0, N, E}),
+                   lgk = mha_tensor_contiguous(g2[1] + s0 * N * kd, MHA_F32, 3,
+                                               (int64_t[]){s1 - s0, N, kd}),
+                   lgv = mha_tensor_contiguous(g2[2] + s0 * N * vd, MHA_F32, 3,
+                                               (int64_t[]){s1 - s0, N, vd});
         mha_forward_args au = a;
         au.query = &lq;
         au.key = self ? &lq : &lk;
@@ -250,7 +263,8 @@ static void one_case(int id) {
         CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_ULYSSES, &ly, m, &au, NULL));
         CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_ULYSSES, &lgq, self ? NULL : &lgk,
                                   self ? NULL : &lgv, gm2, m, &au, &lg, acc, NULL));
-        CHECKF(!memcmp(y + l0 * N * E, yp + l0 * N * E, sizeof(float) * (size_t)((l1 - l0) * N * E)),
+        CHECKF(!memcmp(y + l0 * N * E, yp + l0 * N * E,
+                       sizeof(float) * (size_t)((l1 - l0) * N * E)),
                "%s ulysses: output slice differs", desc);
         CHECKF(!memcmp(g1[0] + l0 * N * E, g2[0] + l0 * N * E,
                        sizeof(float) * (size_t)((l1 - l0) * N * E)),
@@ -326,8 +340,11 @@ static void one_case(int id) {
         snprintf(dr, sizeof dr, "%s ring%s", desc, bf ? " (batch-first)" : "");
         compare(dr, "output", yall, y, yd, nq);
         for (int i = 0; i < (self ? 1 : 3); i++)
-            compare(dr, i == 0 ? "grad_query" : i == 1 ? "grad_key" : "grad_value", gall[i],
-                    g1[i], gd[i], nx[i]);
+            compare(dr,
+                    i == 0   ? "grad_query"
+                    : i == 1 ? "grad_key"
+                             : "grad_value",
+                    gall[i], g1[i], gd[i], nx[i]);
         compare_grads(dr, gm3, gm1, gmd);
         // with a saved forward state: the same bits without recomputing
         mha_saved *sv = NULL;
@@ -348,8 +365,8 @@ static void one_case(int id) {
         CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &ly2t, mr, &as, NULL));
         CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &lg2t[0], self ? NULL : &lg2t[1],
                                   self ? NULL : &lg2t[2], gm4, mr, &as, &lt[3], acc, NULL));
-        CHECKF(!memcmp(ly, ly2, sizeof(float) * (size_t)(Lr * N * E)), "%s saved: output differs",
-               dr);
+        CHECKF(!memcmp(ly, ly2, sizeof(float) * (size_t)(Lr * N * E)),
+               "%s saved: output differs", dr);
         for (int i = 0; i < (self ? 1 : 3); i++)
             CHECKF(!memcmp(lg[i], lg2[i], sizeof(float) * (size_t)(Tr[i] * N * F[i])),
                    "%s saved: input gradient %d differs", dr, i);
@@ -359,13 +376,15 @@ static void one_case(int id) {
             same_grads(dg, gm3, gm4);
         }
         // a state for other masks, or used by the single-process backward: refused
-        as.is_causal = !as.is_causal;
-        CHECK_FAILS(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &lg2t[0], NULL, NULL, gm4, mr,
-                                     &as, &lt[3], false, NULL), MHA_ERR_INVALID_ARG);
-        as.is_causal = false;  // (what the ring's fused-path call saw: the guard must refuse)
+        as.opts.is_causal = !as.opts.is_causal;
+        CHECK_FAILS(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &lg2t[0], NULL, NULL, gm4,
+                                     mr, &as, &lt[3], false, NULL),
+                    MHA_ERR_INVALID_ARG);
+        as.opts.is_causal = false;  // (what the ring's fused-path call saw: the guard must refuse)
         as.key_padding_mask = NULL;
-        CHECK_FAILS(mha_backward(&lg2t[0], self ? NULL : &lg2t[1], self ? NULL : &lg2t[2], gm4, mr,
-                                 &as, &lt[3], false), MHA_ERR_INVALID_ARG);
+        CHECK_FAILS(mha_backward(&lg2t[0], self ? NULL : &lg2t[1], self ? NULL : &lg2t[2], gm4,
+                                 mr, &as, &lt[3], false),
+                    MHA_ERR_INVALID_ARG);
         mha_saved_destroy(sv);
         mha_module_destroy(gm4);
         for (int i = 0; i < 3; i++) free(lg2[i]);
@@ -400,8 +419,11 @@ static void one_case(int id) {
             snprintf(df, sizeof df, "%s heads-fast", desc);
             compare(df, "output", yp, y, yd, nq);
             for (int i = 0; i < (self ? 1 : 3); i++)
-                compare(df, i == 0 ? "grad_query" : i == 1 ? "grad_key" : "grad_value", g2[i],
-                        g1[i], gd[i], nx[i]);
+                compare(df,
+                        i == 0   ? "grad_query"
+                        : i == 1 ? "grad_key"
+                                 : "grad_value",
+                        g2[i], g1[i], gd[i], nx[i]);
             compare_grads(df, gm2, gm1, gmd);
         }
     }
@@ -440,7 +462,7 @@ static void test_rope_positions(int id) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
     mha_rope_init(&a.rope, MHA_ROPE_NEOX);
     a.rope_scaling = &s;
@@ -459,10 +481,12 @@ static void test_rope_positions(int id) {
     CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &ypt, m, &a, NULL));
     CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_HEADS, &g2t, NULL, NULL, NULL, m, &a,
                               &gyt, false, NULL));
-    CHECKF(!memcmp(y, yp, sizeof(float) * (size_t)n) && !memcmp(g1, g2, sizeof(float) * (size_t)n),
+    CHECKF(!memcmp(y, yp, sizeof(float) * (size_t)n) &&
+               !memcmp(g1, g2, sizeof(float) * (size_t)n),
            "rope positions %d on %d ranks (L %lld N %lld H %lld scaling %d positions %d): heads "
-           "differ from the single process", id, g_P, (long long)L, (long long)N, (long long)H,
-           (int)s.type, a.rope_positions != NULL);
+           "differ from the single process",
+           id, g_P, (long long)L, (long long)N, (long long)H, (int)s.type,
+           a.rope_positions != NULL);
     free(x), free(y), free(yp), free(gy), free(g1), free(g2), free(pos);
     mha_module_destroy(m);
 }
@@ -499,10 +523,10 @@ static void test_sharded_decode(int id) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
     if (rope) mha_rope_init(&a.rope, MHA_ROPE_NEOX);
-    if (cap) a.softcap = 4.0f;
+    if (cap) a.opts.softcap = 4.0f;
     // RoPE with a scaling (linear, YaRN) and, for some, positions of their
     // own (every chunk given its slice)
     mha_rope_scaling rsc = rope_scaling_of(1 + id % 2);
@@ -519,7 +543,7 @@ static void test_sharded_decode(int id) {
     CHECK_OK(mha_forward(&yt, NULL, m, &a));
     CHECK_OK(mha_forward(&ydt, NULL, m, &ad));
     mha_kv_cache *kc = NULL;
-    CHECK_OK(mha_kv_cache_create(&kc, N, Hkv, d, d, L));
+    CHECK_OK(mha_kv_cache_create(&kc, N, Hkv, d, d, L, MHA_KV_F32));
     int chunks = 0;
     for (int64_t t0 = 0; kc && t0 < L; chunks++) {
         const int64_t T = irand(1, 20), T1 = T < L - t0 ? T : L - t0;
@@ -539,15 +563,19 @@ static void test_sharded_decode(int id) {
         t0 += T1;
     }
     char desc[200];
-    snprintf(desc, sizeof desc, "sharded decode %d on %d ranks (E %lld H %lld Hkv %lld L %lld N "
-             "%lld rope %d scaling %d positions %d bf %d softcap %d gate %d, %d chunks)", id,
-             g_P, (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)N, rope,
-             a.rope_scaling ? (int)rsc.type : 0, own_pos, bf, cap, (int)c.head_gate, chunks);
+    snprintf(desc, sizeof desc,
+             "sharded decode %d on %d ranks (E %lld H %lld Hkv %lld L %lld N "
+             "%lld rope %d scaling %d positions %d bf %d softcap %d gate %d, %d chunks)",
+             id, g_P, (long long)E, (long long)H, (long long)Hkv, (long long)L, (long long)N,
+             rope, a.rope_scaling ? (int)rsc.type : 0, own_pos, bf, cap, (int)c.head_gate,
+             chunks);
     compare(desc, "output", ys, y, yd, n);
     memcpy(y0, ys, sizeof(float) * (size_t)n);
     MPI_Bcast(y0, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD);
-    CHECKF(!memcmp(y0, ys, sizeof(float) * (size_t)n), "%s: rank %d's output differs from rank "
-           "0's", desc, g_rank);
+    CHECKF(!memcmp(y0, ys, sizeof(float) * (size_t)n),
+           "%s: rank %d's output differs from rank "
+           "0's",
+           desc, g_rank);
     for (int64_t b = 0; kc && b < N; b++) {  // every token cached once, somewhere
         int64_t mine = mha_kv_cache_length(kc, b), tot = 0;
         MPI_Allreduce(&mine, &tot, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
@@ -563,15 +591,15 @@ static void test_sharded_decode(int id) {
     a1.query = a1.key = a1.value = &q1;
     CHECK_FAILS(mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, kc, g_P, NULL),
                 MHA_ERR_INVALID_ARG);
-    a1.window_left = 3;
+    a1.opts.window_left = 3;
     CHECK_FAILS(mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, kc, 0, NULL),
                 MHA_ERR_UNSUPPORTED);
-    a1.window_left = -1;
+    a1.opts.window_left = -1;
     // the owner whose cache is full: rank 0 holds chunk 0's tokens at least
     const int full = 0;
     const int64_t before = mha_kv_cache_length(kc, 0);
     mha_kv_cache *small = NULL;
-    CHECK_OK(mha_kv_cache_create(&small, N, Hkv, d, d, 1));
+    CHECK_OK(mha_kv_cache_create(&small, N, Hkv, d, d, 1, MHA_KV_F32));
     mha_kv_cache *use = g_rank == full ? small : kc;
     CHECK_OK(mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, use, full, NULL));  // fills it
     const mha_status st = mha_mpi_forward_cached(MPI_COMM_WORLD, &o1, m, &a1, use, full, NULL);
@@ -605,16 +633,18 @@ static void test_ring_balance(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     for (int bwd = 0; bwd < 2; bwd++) {
         mha_mpi_stats ms;
-        if (bwd) CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &yt, NULL, NULL, g, m,
-                                           &a, &gt, false, &ms));
+        if (bwd)
+            CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_RING, &yt, NULL, NULL, g, m, &a,
+                                      &gt, false, &ms));
         else CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_RING, &yt, m, &a, &ms));
         int64_t lo = 0, hi = 0;
         MPI_Allreduce(&ms.tiles, &lo, 1, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
         MPI_Allreduce(&ms.tiles, &hi, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-        CHECKF(lo == hi && lo > 0, "ring %s on %d ranks: score tiles per rank from %lld to %lld",
+        CHECKF(lo == hi && lo > 0,
+               "ring %s on %d ranks: score tiles per rank from %lld to %lld",
                bwd ? "backward" : "forward", g_P, (long long)lo, (long long)hi);
         CHECKF(ms.bytes_sent == ms.bytes_model && (g_P == 1 || ms.bytes_sent > 0),
                "ring %s, rank %d: sent %.0f bytes, model %.0f", bwd ? "backward" : "forward",
@@ -641,17 +671,19 @@ static void test_failure(void) {
         const mha_parallel s = sch[k < 6 ? k / 2 : 2];
         const bool bwd = k < 6 && k % 2, zig = k == 6;
         const int64_t F = !zig && g_rank == g_P - 1 ? 9 : 8,
-                      T = zig && g_rank == g_P - 1 ? 3 : 4;  // (4 tokens a rank: the zigzag split of 4 P)
+                      T = zig && g_rank == g_P - 1
+                              ? 3
+                              : 4;  // (4 tokens a rank: the zigzag split of 4 P)
         mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, (int64_t[]){T, F});
         mha_tensor yt = mha_tensor_contiguous(y, MHA_F32, 2, (int64_t[]){T, 8});
         mha_forward_args a;
         mha_forward_args_init(&a);
         a.query = a.key = a.value = &xt;
-        a.is_causal = true;
+        a.opts.is_causal = true;
         if (getenv("MHA_TEST_TRACE")) fprintf(stderr, "rank %d: failure case %d\n", g_rank, k);
         const double t = MPI_Wtime();
-        mha_status st = bwd ? mha_mpi_backward(MPI_COMM_WORLD, s, &xt, NULL, NULL, g, m, &a, &yt,
-                                               false, NULL)
+        mha_status st = bwd ? mha_mpi_backward(MPI_COMM_WORLD, s, &xt, NULL, NULL, g, m, &a,
+                                               &yt, false, NULL)
                             : mha_mpi_forward(MPI_COMM_WORLD, s, &yt, m, &a, NULL);
         if (getenv("MHA_TEST_TRACE"))
             fprintf(stderr, "rank %d: case %d -> %s: %s\n", g_rank, k, mha_status_string(st),
@@ -662,10 +694,11 @@ static void test_failure(void) {
         char want[32];
         snprintf(want, sizeof want, "rank %d", g_P - 1);
         CHECKF(strstr(mha_last_error(), want) != NULL || g_rank == g_P - 1 || zig,
-               "rank %d's message: %s",
-               g_rank, mha_last_error());
-        CHECKF(strstr(mha_last_error(), zig ? "zigzag" : "9") != NULL, "%s: the message names "
-               "the problem: %s", mha_parallel_name(s), mha_last_error());
+               "rank %d's message: %s", g_rank, mha_last_error());
+        CHECKF(strstr(mha_last_error(), zig ? "zigzag" : "9") != NULL,
+               "%s: the message names "
+               "the problem: %s",
+               mha_parallel_name(s), mha_last_error());
         CHECK(MPI_Wtime() - t < 10.0);
     }
     mha_module_destroy(g);
@@ -695,7 +728,7 @@ static int kill_mode(bool ring) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     mha_status st = MHA_OK;
     if (ring) {
         if (g_rank == g_P - 1) {
@@ -713,7 +746,8 @@ static int kill_mode(bool ring) {
         if (g_rank == g_P - 1) raise(SIGKILL);
         st = mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &yt, m, &a, NULL);
     }
-    printf("rank %d: returned %s (the job should have been ended)\n", g_rank, mha_status_string(st));
+    printf("rank %d: returned %s (the job should have been ended)\n", g_rank,
+           mha_status_string(st));
     mha_module_destroy(g);
     mha_module_destroy(m);
     MPI_Finalize();
@@ -746,10 +780,9 @@ static void test_layouts(void) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
-    a.is_causal = true;
+    a.opts.is_causal = true;
     a.impl = MHA_IMPL_FUSED;
-    a.use_custom_scale = true;
-    a.scale = 0.3;
+    a.opts.scale = 0.3;
     CHECK_OK(mha_forward(&y1t, NULL, m, &a));
     mha_module *gr1 = NULL, *gr2 = NULL;
     CHECK_OK(mha_module_create(&gr1, mha_module_config(m)));
@@ -757,8 +790,8 @@ static void test_layouts(void) {
     CHECK_OK(mha_backward(&g1t, NULL, NULL, gr1, m, &a, &gyt, false));
     CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS, &y2t, m, &a, NULL));
     CHECKF(!memcmp(y1, y2, sizeof y1), "layouts on %d ranks: heads forward differs", g_P);
-    CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_HEADS, &g2t, NULL, NULL, gr2, m, &a, &gyt,
-                              false, NULL));
+    CHECK_OK(mha_mpi_backward(MPI_COMM_WORLD, MHA_PAR_HEADS, &g2t, NULL, NULL, gr2, m, &a,
+                              &gyt, false, NULL));
     CHECKF(!memcmp(g1, g2, sizeof g1), "layouts on %d ranks: heads grad_query differs", g_P);
     same_grads("layouts (heads)", gr1, gr2);
     CHECK_OK(mha_mpi_forward(MPI_COMM_WORLD, MHA_PAR_HEADS_FAST, &y2t, m, &a, NULL));
@@ -776,9 +809,9 @@ static void test_layouts(void) {
         CHECK(strstr(mha_last_error(), "head_dim") != NULL);
     }
     mha_kv_cache *kc = NULL;
-    CHECK_OK(mha_kv_cache_create(&kc, N, 2, 5, 5, L));
+    CHECK_OK(mha_kv_cache_create(&kc, N, 2, 5, 5, L, MHA_KV_F32));
     mha_forward_args ac = a;
-    ac.is_causal = false;
+    ac.opts.is_causal = false;
     CHECK_FAILS(mha_mpi_forward_cached(MPI_COMM_WORLD, &y2t, m, &ac, kc, 0, NULL),
                 MHA_ERR_UNSUPPORTED);
     mha_kv_cache_destroy(kc);
@@ -798,7 +831,8 @@ int main(int argc, char **argv) {
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
-    if (argc > 1 && !strcmp(argv[1], "--kill")) return kill_mode(argc > 2 && !strcmp(argv[2], "ring"));
+    if (argc > 1 && !strcmp(argv[1], "--kill"))
+        return kill_mode(argc > 2 && !strcmp(argv[2], "ring"));
     for (int id = 0; id < 40; id++) one_case(id);
     for (int id = 0; id < 12; id++) test_sharded_decode(id);
     for (int id = 0; id < 6; id++) test_rope_positions(id);

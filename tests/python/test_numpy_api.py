@@ -348,7 +348,7 @@ def test_paged_cache_streaming_llm():
     most = 0
     for p in range(L):
         (y,) = n.forward_paged(cache, [s], [x[p:p + 1]], rope="neox", window_left=W,
-                               stream_sinks=K)
+                               sink_tokens=K)
         cache.release(s, max(0, p + 1 - W), keep=K)
         most = max(most, cache.blocks_in_use())
         seen = list(range(min(K, max(0, p - W)))) + list(range(max(0, p - W), p + 1))
@@ -356,10 +356,10 @@ def test_paged_cache_streaming_llm():
         assert np.abs(y[0] - ref[-1]).max() < 1e-5, p
     assert most <= 4
     with pytest.raises(ValueError, match="released"):
-        n.forward_paged(cache, [s], [x[:1]], rope="neox", window_left=W + 8, stream_sinks=K)
+        n.forward_paged(cache, [s], [x[:1]], rope="neox", window_left=W + 8, sink_tokens=K)
     assert cache.length(s) == L
-    with pytest.raises(ValueError, match="stream_sinks"):
-        n.forward_paged(cache, [s], [x[:1]], rope="neox", stream_sinks=K)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        n.forward_paged(cache, [s], [x[:1]], rope="neox", sink_tokens=K)
 
 
 def test_diagnose_and_report(tmp_path):

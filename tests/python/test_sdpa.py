@@ -338,3 +338,88 @@ def test_autocast_bf16():
         err_pt = (b.double() - c).abs().max().item()
         print("autocast %s: mha err %.3g, torch err %.3g" % (name, err, err_pt))
         assert err <= 2 * err_pt, (name, err, err_pt)
+
+
+def logits_ref(q, k, v, causal, scale, window, softcap, slopes, sinks):
+    """The logit rule of mha_attn_opts written out, in the inputs' dtype:
+    s = scale q k^T, softcap tanh(s / softcap), - slope_h |i - j|, causal and
+    window masks, then the softmax with each head's sink logit in its
+    denominator (no value), times v. (B, H, L, E) tensors, no GQA."""
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-2, -1)) * (1 / E ** 0.5 if scale is None else scale)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(L).view(L, 1)
+    j = torch.arange(S).view(1, S)
+    if slopes is not None:
+        s = s - slopes.to(s.dtype).view(-1, 1, 1) * (i - j).abs().to(s.dtype)
+    hide = torch.zeros(L, S, dtype=torch.bool)
+    if causal:
+        hide |= j > i
+    if window is not None:
+        left, right = window
+        if left is not None:
+            hide |= j < i - left
+        if right is not None:
+            hide |= j > i + right
+    s = s.masked_fill(hide, float("-inf"))
+    if sinks is not None:
+        col = sinks.to(s.dtype).view(1, -1, 1, 1).expand(s.shape[:-1] + (1,))
+        s = torch.cat([s, col], -1)
+    p = torch.softmax(s, -1)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_logit_options_vs_float64(seed):
+    """softcap, alibi_slopes, sinks and window=(left, right) through both
+    APIs: output and q/k/v gradients against float64 by the rule; numpy ==
+    torch bits."""
+    g = np.random.default_rng(1000 + seed)
+    B, H, L, S, E = 2, int(g.integers(1, 4)), int(g.integers(1, 40)), 0, int(g.choice([8, 16]))
+    S = L
+    causal = bool(seed % 2)
+    scale = 0.3 if seed % 3 == 0 else None
+    window = [None, (3, None), (None, 2), (4, 1)][seed % 4]
+    softcap = [0.0, 2.0, 0.7][seed % 3]
+    slopes = torch.from_numpy(g.uniform(0.0, 0.3, H)) if seed % 5 != 1 else None
+    sinks = torch.from_numpy(g.normal(size=H)) if seed % 4 != 3 else None
+    q = torch.from_numpy(g.normal(size=(B, H, L, E)))
+    k = torch.from_numpy(g.normal(size=(B, H, S, E)))
+    v = torch.from_numpy(g.normal(size=(B, H, S, E)))
+    gout = torch.from_numpy(g.normal(size=(B, H, L, E)))
+    res = {}
+    for name, dt in (("ours", torch.float32), ("t32", torch.float32), ("t64", torch.float64)):
+        qq, kk, vv = (x.detach().to(dt).clone().requires_grad_() for x in (q, k, v))
+        sl = None if slopes is None else slopes.to(dt)
+        sk = None if sinks is None else sinks.to(dt)
+        if name == "ours":
+            o = mt.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=scale,
+                                                window=window, softcap=softcap,
+                                                alibi_slopes=sl, sinks=sk)
+        else:
+            o = logits_ref(qq, kk, vv, causal, scale, window, softcap, sl, sk)
+        o.backward(gout.to(dt))
+        res[name] = (o.detach(), qq.grad, kk.grad, vv.grad)
+    for i, n in enumerate(("out", "dq", "dk", "dv")):
+        assert_close(n, res["ours"][i], res["t32"][i], res["t64"][i])
+    on = mha.scaled_dot_product_attention(
+        q.float().numpy(), k.float().numpy(), v.float().numpy(), is_causal=causal, scale=scale,
+        window=window, softcap=softcap,
+        alibi_slopes=None if slopes is None else slopes.float().numpy(),
+        sinks=None if sinks is None else sinks.float().numpy())
+    assert np.array_equal(on, res["ours"][0].numpy())
+
+
+def test_logit_options_refused():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="sinks"):
+        mt.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(2, requires_grad=True))
+    with pytest.raises(ValueError, match="alibi_slopes: 3 elements, expected 2"):
+        mt.scaled_dot_product_attention(q, q, q, alibi_slopes=torch.zeros(3))
+    with pytest.raises(ValueError, match="sinks\\[1\\]"):
+        mt.scaled_dot_product_attention(q, q, q, sinks=torch.tensor([0.0, float("nan")]))
+    with pytest.raises(TypeError, match="dtype"):  # MHA_ERR_DTYPE -> TypeError
+        mha.scaled_dot_product_attention(q.numpy().astype(np.int32), q.numpy(), q.numpy())

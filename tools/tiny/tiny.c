@@ -24,9 +24,8 @@
 // ---------------------------------------------------------------------------
 // LayerNorm
 
-void tiny_layernorm_forward(float *out, float *mean, float *rstd,
-                            const float *inp, const float *w, const float *b,
-                            int64_t N, int64_t C) {
+void tiny_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                            const float *w, const float *b, int64_t N, int64_t C) {
     for (int64_t n = 0; n < N; n++) {
         const float *x = inp + n * C;  // x: (C)
         double s = 0.0;
@@ -42,9 +41,8 @@ void tiny_layernorm_forward(float *out, float *mean, float *rstd,
     }
 }
 
-void tiny_layernorm_backward(float *dinp, float *dw, float *db,
-                             const float *dout, const float *inp,
-                             const float *w, const float *mean,
+void tiny_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
+                             const float *inp, const float *w, const float *mean,
                              const float *rstd, int64_t N, int64_t C) {
     for (int64_t n = 0; n < N; n++) {
         const float *x = inp + n * C, *dy = dout + n * C;
@@ -79,26 +77,23 @@ static float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
-              ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
-void tiny_linear_forward(float *out, const float *inp, const float *W,
-                         const float *b, int64_t N, int64_t IC, int64_t OC) {
+void tiny_linear_forward(float *out, const float *inp, const float *W, const float *b,
+                         int64_t N, int64_t IC, int64_t OC) {
 #pragma omp parallel for schedule(static) if (N * IC * OC > 65536)
     for (int64_t n = 0; n < N; n++) {
         const float *x = inp + n * IC;  // x: (IC)
         float *o = out + n * OC;        // o: (OC)
-        for (int64_t j = 0; j < OC; j++)
-            o[j] = dot(x, W + j * IC, IC) + (b ? b[j] : 0.0f);
+        for (int64_t j = 0; j < OC; j++) o[j] = dot(x, W + j * IC, IC) + (b ? b[j] : 0.0f);
     }
 }
 
 void tiny_linear_backward(float *dinp, float *dW, float *db, const float *dout,
-                          const float *inp, const float *W, int64_t N,
-                          int64_t IC, int64_t OC) {
+                          const float *inp, const float *W, int64_t N, int64_t IC, int64_t OC) {
     // forward: out[n, j] = sum_i inp[n, i] W[j, i] + b[j]
     //   dinp[n, i] += sum_j dout[n, j] W[j, i]
     if (dinp) {
@@ -109,8 +104,7 @@ void tiny_linear_backward(float *dinp, float *dW, float *db, const float *dout,
             int64_t j = 0;
             for (; j + 4 <= OC; j += 4) {  // 4 rows of W per pass over dx
                 float g0 = dy[j], g1 = dy[j + 1], g2 = dy[j + 2], g3 = dy[j + 3];
-                const float *w0 = W + j * IC, *w1 = w0 + IC, *w2 = w1 + IC,
-                            *w3 = w2 + IC;
+                const float *w0 = W + j * IC, *w1 = w0 + IC, *w2 = w1 + IC, *w3 = w2 + IC;
                 for (int64_t i = 0; i < IC; i++)
                     dx[i] += (g0 * w0[i] + g1 * w1[i]) + (g2 * w2[i] + g3 * w3[i]);
             }
@@ -130,8 +124,7 @@ void tiny_linear_backward(float *dinp, float *dW, float *db, const float *dout,
         for (; n + 4 <= N; n += 4) {  // 4 rows of inp per pass over dw
             float g0 = dout[n * OC + j], g1 = dout[(n + 1) * OC + j],
                   g2 = dout[(n + 2) * OC + j], g3 = dout[(n + 3) * OC + j];
-            const float *x0 = inp + n * IC, *x1 = x0 + IC, *x2 = x1 + IC,
-                        *x3 = x2 + IC;
+            const float *x0 = inp + n * IC, *x1 = x0 + IC, *x2 = x1 + IC, *x3 = x2 + IC;
             sb += (g0 + g1) + (g2 + g3);
             for (int64_t i = 0; i < IC; i++)
                 dw[i] += (g0 * x0[i] + g1 * x1[i]) + (g2 * x2[i] + g3 * x3[i]);
@@ -168,8 +161,7 @@ void tiny_gelu_forward(float *out, const float *inp, int64_t n) {
     }
 }
 
-void tiny_gelu_backward(float *dinp, const float *inp, const float *dout,
-                        int64_t n) {
+void tiny_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         // forward: out = 0.5 x (1 + tanh(u)), u = K (x + 0.044715 x^3)
         //   dout/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) K (1 + 3 0.044715 x^2)
@@ -184,9 +176,8 @@ void tiny_gelu_backward(float *dinp, const float *inp, const float *dout,
 // ---------------------------------------------------------------------------
 // Embedding
 
-void tiny_embedding_forward(float *out, const int32_t *tokens,
-                            const float *wte, const float *wpe, int64_t B,
-                            int64_t T, int64_t C) {
+void tiny_embedding_forward(float *out, const int32_t *tokens, const float *wte,
+                            const float *wpe, int64_t B, int64_t T, int64_t C) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             float *o = out + (b * T + t) * C;
@@ -197,8 +188,7 @@ void tiny_embedding_forward(float *out, const int32_t *tokens,
 }
 
 void tiny_embedding_backward(float *dwte, float *dwpe, const float *dout,
-                             const int32_t *tokens, int64_t B, int64_t T,
-                             int64_t C) {
+                             const int32_t *tokens, int64_t B, int64_t T, int64_t C) {
     // forward: o[i] = e[i] + p[i], e = wte[tokens[b, t]], p = wpe[t]
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
@@ -215,9 +205,8 @@ void tiny_embedding_backward(float *dwte, float *dwpe, const float *dout,
 // ---------------------------------------------------------------------------
 // Softmax cross-entropy
 
-double tiny_crossentropy_forward(float *probs, float *losses,
-                                 const float *logits, const int32_t *targets,
-                                 int64_t B, int64_t V) {
+double tiny_crossentropy_forward(float *probs, float *losses, const float *logits,
+                                 const int32_t *targets, int64_t B, int64_t V) {
     double total = 0.0;
     for (int64_t b = 0; b < B; b++) {
         const float *z = logits + b * V;  // z: (V)
@@ -235,14 +224,12 @@ double tiny_crossentropy_forward(float *probs, float *losses,
     return total / (double)B;
 }
 
-void tiny_crossentropy_backward(float *dlogits, const float *probs,
-                                const int32_t *targets, float scale,
-                                int64_t B, int64_t V) {
+void tiny_crossentropy_backward(float *dlogits, const float *probs, const int32_t *targets,
+                                float scale, int64_t B, int64_t V) {
     // forward: l = log sum_v exp(z[v]) - z[y]  =>  dl/dz[v] = p[v] - [v == y]
     for (int64_t b = 0; b < B; b++)
         for (int64_t v = 0; v < V; v++)
-            dlogits[b * V + v] =
-                (probs[b * V + v] - (v == targets[b] ? 1.0f : 0.0f)) * scale;
+            dlogits[b * V + v] = (probs[b * V + v] - (v == targets[b] ? 1.0f : 0.0f)) * scale;
 }
 
 // ---------------------------------------------------------------------------
@@ -252,31 +239,31 @@ void tiny_crossentropy_backward(float *dlogits, const float *probs,
 typedef struct tiny_block {
     int64_t Lq;  // query rows this block computes: T, or 1 in the last block
     // parameters (and d* gradients, same shapes)
-    float *ln1w, *ln1b;  // (D)
-    float *ln2w, *ln2b;  // (D)
-    float *fcw, *fcb;    // (F, D), (F)
+    float *ln1w, *ln1b;    // (D)
+    float *ln2w, *ln2b;    // (D)
+    float *fcw, *fcb;      // (F, D), (F)
     float *projw, *projb;  // (D, F), (D)
     float *dln1w, *dln1b, *dln2w, *dln2b, *dfcw, *dfcb, *dprojw, *dprojb;
     mha_module *attn, *dattn;  // libmha's attention and its gradients
     // activations (B = max_batch when carved; the first B rows are used)
-    float *ln1;                 // (B, T, D)
-    float *ln1_mean, *ln1_rstd; // (B, T)
-    float *att;                 // (B, Lq, D) attention output
-    float *res2;                // (B, Lq, D) x[rows] + att
-    float *ln2;                 // (B, Lq, D)
-    float *ln2_mean, *ln2_rstd; // (B, Lq)
-    float *fch;                 // (B, Lq, F) W1 ln2 + b1
-    float *fch_gelu;            // (B, Lq, F)
-    float *fcproj;              // (B, Lq, D) W2 gelu + b2
-    float *out;                 // (B, Lq, D) res2 + fcproj
+    float *ln1;                  // (B, T, D)
+    float *ln1_mean, *ln1_rstd;  // (B, T)
+    float *att;                  // (B, Lq, D) attention output
+    float *res2;                 // (B, Lq, D) x[rows] + att
+    float *ln2;                  // (B, Lq, D)
+    float *ln2_mean, *ln2_rstd;  // (B, Lq)
+    float *fch;                  // (B, Lq, F) W1 ln2 + b1
+    float *fch_gelu;             // (B, Lq, F)
+    float *fcproj;               // (B, Lq, D) W2 gelu + b2
+    float *out;                  // (B, Lq, D) res2 + fcproj
     // activation gradients
-    float *dln1;                // (B, T, D)
-    float *dq;                  // (B, Lq, D) from mha_backward
-    float *dk, *dv;             // (B, T, D)  from mha_backward
-    float *dres2;               // (B, Lq, D)
-    float *dln2;                // (B, Lq, D)
-    float *dfch, *dfch_gelu;    // (B, Lq, F)
-    float *dout;                // (B, Lq, D) gradient of `out`
+    float *dln1;              // (B, T, D)
+    float *dq;                // (B, Lq, D) from mha_backward
+    float *dk, *dv;           // (B, T, D)  from mha_backward
+    float *dres2;             // (B, Lq, D)
+    float *dln2;              // (B, Lq, D)
+    float *dfch, *dfch_gelu;  // (B, Lq, F)
+    float *dout;              // (B, Lq, D) gradient of `out`
     // the views and arguments of the last forward, reused by the backward
     mha_tensor vq, vkv, vatt, vdq, vdk, vdv, vdatt;
     mha_forward_args args;
@@ -285,25 +272,25 @@ typedef struct tiny_block {
 struct tiny_model {
     tiny_config cfg;
     int64_t max_batch;
-    int64_t n_own;            // floats of our own parameters
-    float *params, *grads;    // (n_own) each
+    int64_t n_own;          // floats of our own parameters
+    float *params, *grads;  // (n_own) each
     float *acts, *dacts;
-    int32_t *ints;            // tokens (max_batch, T), targets (max_batch)
-    float *wte, *wpe;         // (V, D), (T, D)
-    float *lnfw, *lnfb;       // (D)
-    float *headw, *headb;     // (V, D), (V)
+    int32_t *ints;         // tokens (max_batch, T), targets (max_batch)
+    float *wte, *wpe;      // (V, D), (T, D)
+    float *lnfw, *lnfb;    // (D)
+    float *headw, *headb;  // (V, D), (V)
     float *dwte, *dwpe, *dlnfw, *dlnfb, *dheadw, *dheadb;
-    tiny_block *blocks;       // (n_layers)
-    float *emb;               // (B, T, D)
-    float *lnf;               // (B, D)
+    tiny_block *blocks;          // (n_layers)
+    float *emb;                  // (B, T, D)
+    float *lnf;                  // (B, D)
     float *lnf_mean, *lnf_rstd;  // (B)
-    float *logits, *probs;    // (B, V)
-    float *losses;            // (B)
-    float *demb;              // (B, T, D)
-    float *dlnf;              // (B, D)
-    float *dlogits;           // (B, V)
+    float *logits, *probs;       // (B, V)
+    float *losses;               // (B)
+    float *demb;                 // (B, T, D)
+    float *dlnf;                 // (B, D)
+    float *dlogits;              // (B, V)
     int32_t *tokens, *targets;
-    int64_t B;                // rows of the last forward
+    int64_t B;  // rows of the last forward
     bool have_targets;
     tiny_tensor *tensors;
     int n_tensors;
@@ -334,10 +321,10 @@ static int64_t layout_params(tiny_model *m, float *base, bool grad) {
     *s[1] = carve(&cv, T * D);  // wpe (T, D)
     for (int64_t l = 0; l < c->n_layers; l++) {
         tiny_block *bl = &m->blocks[l];
-        float **q[8] = {&bl->ln1w, &bl->ln1b, &bl->ln2w, &bl->ln2b,
-                        &bl->fcw, &bl->fcb, &bl->projw, &bl->projb};
-        float **dq[8] = {&bl->dln1w, &bl->dln1b, &bl->dln2w, &bl->dln2b,
-                         &bl->dfcw, &bl->dfcb, &bl->dprojw, &bl->dprojb};
+        float **q[8] = {&bl->ln1w, &bl->ln1b, &bl->ln2w,  &bl->ln2b,
+                        &bl->fcw,  &bl->fcb,  &bl->projw, &bl->projb};
+        float **dq[8] = {&bl->dln1w, &bl->dln1b, &bl->dln2w,  &bl->dln2b,
+                         &bl->dfcw,  &bl->dfcb,  &bl->dprojw, &bl->dprojb};
         int64_t n[8] = {D, D, D, D, F * D, F, D * F, D};
         for (int i = 0; i < 8; i++) *(grad ? dq : q)[i] = carve(&cv, n[i]);
     }
@@ -352,8 +339,7 @@ static int64_t layout_params(tiny_model *m, float *base, bool grad) {
 // batches of max_batch.
 static int64_t layout_acts(tiny_model *m, float *base, bool dact) {
     const tiny_config *c = &m->cfg;
-    int64_t B = m->max_batch, V = c->vocab, T = c->seq_len, D = c->d_model,
-            F = c->d_ff;
+    int64_t B = m->max_batch, V = c->vocab, T = c->seq_len, D = c->d_model, F = c->d_ff;
     carver cv = {base, 0};
     if (!dact) {
         m->emb = carve(&cv, B * T * D);
@@ -400,9 +386,7 @@ static int64_t layout_acts(tiny_model *m, float *base, bool dact) {
     return cv.used;
 }
 
-static float *alloc_floats(int64_t n) {
-    return calloc((size_t)(n ? n : 1), sizeof(float));
-}
+static float *alloc_floats(int64_t n) { return calloc((size_t)(n ? n : 1), sizeof(float)); }
 
 // splitmix64 (Steele, Lea, Flood, "Fast splittable pseudorandom number
 // generators", OOPSLA 2014): one 64-bit state, good enough for data and init.
@@ -433,8 +417,7 @@ static void fill_normal(float *p, int64_t n, double std, tiny_rng *r) {
 }
 
 static void fill_uniform(float *p, int64_t n, double bound, tiny_rng *r) {
-    for (int64_t i = 0; i < n; i++)
-        p[i] = (float)(bound * (2.0 * tiny_rng_uniform(r) - 1.0));
+    for (int64_t i = 0; i < n; i++) p[i] = (float)(bound * (2.0 * tiny_rng_uniform(r) - 1.0));
 }
 
 static void fill_const(float *p, int64_t n, float v) {
@@ -479,13 +462,13 @@ static mha_status build_tensor_list(tiny_model *m) {
     m->tensors = calloc((size_t)cap, sizeof *m->tensors);
     if (!m->tensors) return MHA_ERR_NOMEM;
     int k = 0;
-#define ADD(nm, p, g, cnt)                                                  \
-    do {                                                                    \
-        snprintf(m->tensors[k].name, sizeof m->tensors[k].name, "%s", nm);  \
-        m->tensors[k].param = (p);                                          \
-        m->tensors[k].grad = (g);                                           \
-        m->tensors[k].n = (cnt);                                            \
-        k++;                                                                \
+#define ADD(nm, p, g, cnt)                                                 \
+    do {                                                                   \
+        snprintf(m->tensors[k].name, sizeof m->tensors[k].name, "%s", nm); \
+        m->tensors[k].param = (p);                                         \
+        m->tensors[k].grad = (g);                                          \
+        m->tensors[k].n = (cnt);                                           \
+        k++;                                                               \
     } while (0)
     int64_t V = c->vocab, T = c->seq_len, D = c->d_model, F = c->d_ff;
     ADD("wte", m->wte, m->dwte, V * D);
@@ -493,13 +476,12 @@ static mha_status build_tensor_list(tiny_model *m) {
     for (int64_t l = 0; l < c->n_layers; l++) {
         tiny_block *bl = &m->blocks[l];
         char nm[48];
-        static const char *names[8] = {"ln1.weight", "ln1.bias", "ln2.weight",
-                                       "ln2.bias", "fc.weight", "fc.bias",
-                                       "proj.weight", "proj.bias"};
-        float *ps[8] = {bl->ln1w, bl->ln1b, bl->ln2w, bl->ln2b,
-                        bl->fcw, bl->fcb, bl->projw, bl->projb};
-        float *gs[8] = {bl->dln1w, bl->dln1b, bl->dln2w, bl->dln2b,
-                        bl->dfcw, bl->dfcb, bl->dprojw, bl->dprojb};
+        static const char *names[8] = {"ln1.weight", "ln1.bias", "ln2.weight",  "ln2.bias",
+                                       "fc.weight",  "fc.bias",  "proj.weight", "proj.bias"};
+        float *ps[8] = {bl->ln1w, bl->ln1b, bl->ln2w,  bl->ln2b,
+                        bl->fcw,  bl->fcb,  bl->projw, bl->projb};
+        float *gs[8] = {bl->dln1w, bl->dln1b, bl->dln2w,  bl->dln2b,
+                        bl->dfcw,  bl->dfcb,  bl->dprojw, bl->dprojb};
         int64_t ns[8] = {D, D, D, D, F * D, F, D * F, D};
         for (int i = 0; i < 8; i++) {
             snprintf(nm, sizeof nm, "l%lld.%s", (long long)l, names[i]);
@@ -527,8 +509,7 @@ static mha_status build_tensor_list(tiny_model *m) {
     return MHA_OK;
 }
 
-mha_status tiny_create(tiny_model **out, const tiny_config *cfg,
-                       int64_t max_batch) {
+mha_status tiny_create(tiny_model **out, const tiny_config *cfg, int64_t max_batch) {
     *out = NULL;
     tiny_config c = *cfg;
     if (c.d_ff == 0) c.d_ff = 4 * c.d_model;
@@ -553,8 +534,7 @@ mha_status tiny_create(tiny_model **out, const tiny_config *cfg,
         tiny_block *bl = &m->blocks[l];
         bl->Lq = l == c.n_layers - 1 ? 1 : c.seq_len;
         if ((st = mha_module_create(&bl->attn, &ac))) goto fail;
-        if ((st = mha_module_create(&bl->dattn, mha_module_config(bl->attn))))
-            goto fail;
+        if ((st = mha_module_create(&bl->dattn, mha_module_config(bl->attn)))) goto fail;
     }
     m->n_own = layout_params(m, NULL, false);
     int64_t na = layout_acts(m, NULL, false), nd = layout_acts(m, NULL, true);
@@ -617,8 +597,8 @@ int64_t tiny_num_params(const tiny_model *m) {
 }
 
 // A (B, rows, D) view of a (B, T, D) buffer starting at row r0.
-static mha_tensor rows_view(float *base, int64_t B, int64_t T, int64_t r0,
-                            int64_t rows, int64_t D) {
+static mha_tensor rows_view(float *base, int64_t B, int64_t T, int64_t r0, int64_t rows,
+                            int64_t D) {
     mha_tensor t;
     memset(&t, 0, sizeof t);
     t.data = base + r0 * D;
@@ -683,8 +663,8 @@ mha_status tiny_forward(tiny_model *m, float *loss, const int32_t *tokens,
     for (int64_t l = 0; l < c->n_layers; l++) {
         tiny_block *bl = &m->blocks[l];
         int64_t Lq = bl->Lq, r0 = T - Lq;  // query rows [r0, T)
-        tiny_layernorm_forward(bl->ln1, bl->ln1_mean, bl->ln1_rstd, x,
-                               bl->ln1w, bl->ln1b, B * T, D);
+        tiny_layernorm_forward(bl->ln1, bl->ln1_mean, bl->ln1_rstd, x, bl->ln1w, bl->ln1b,
+                               B * T, D);
         // self-attention: keys and values from every row, queries from
         // rows [r0, T): att (B, Lq, D)
         bl->vq = rows_view(bl->ln1, B, T, r0, Lq, D);
@@ -696,33 +676,29 @@ mha_status tiny_forward(tiny_model *m, float *loss, const int32_t *tokens,
         bl->args.value = &bl->vkv;
         // a causal mask's last row sees every key: the last block (Lq = 1)
         // needs none
-        bl->args.is_causal = c->causal && Lq == T;
+        bl->args.opts.is_causal = c->causal && Lq == T;
         bl->args.training = training && c->dropout > 0.0f;
-        bl->args.dropout_seed = c->seed * 0x9E3779B97F4A7C15ull + (uint64_t)l;
-        bl->args.dropout_offset = dropout_offset;
+        bl->args.opts.dropout_seed = c->seed * 0x9E3779B97F4A7C15ull + (uint64_t)l;
+        bl->args.opts.dropout_offset = dropout_offset;
         mha_status st = mha_forward(&bl->vatt, NULL, bl->attn, &bl->args);
         if (st) return st;
         for (int64_t b = 0; b < B; b++)  // res2 = x[rows] + att
             for (int64_t i = 0; i < Lq * D; i++)
-                bl->res2[b * Lq * D + i] =
-                    x[(b * T + r0) * D + i] + bl->att[b * Lq * D + i];
-        tiny_layernorm_forward(bl->ln2, bl->ln2_mean, bl->ln2_rstd, bl->res2,
-                               bl->ln2w, bl->ln2b, B * Lq, D);
+                bl->res2[b * Lq * D + i] = x[(b * T + r0) * D + i] + bl->att[b * Lq * D + i];
+        tiny_layernorm_forward(bl->ln2, bl->ln2_mean, bl->ln2_rstd, bl->res2, bl->ln2w,
+                               bl->ln2b, B * Lq, D);
         tiny_linear_forward(bl->fch, bl->ln2, bl->fcw, bl->fcb, B * Lq, D, F);
         tiny_gelu_forward(bl->fch_gelu, bl->fch, B * Lq * F);
-        tiny_linear_forward(bl->fcproj, bl->fch_gelu, bl->projw, bl->projb,
-                            B * Lq, F, D);
+        tiny_linear_forward(bl->fcproj, bl->fch_gelu, bl->projw, bl->projb, B * Lq, F, D);
         for (int64_t i = 0; i < B * Lq * D; i++)  // out = res2 + fcproj
             bl->out[i] = bl->res2[i] + bl->fcproj[i];
         x = bl->out;
     }
     // x: (B, 1, D), the last position
-    tiny_layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->lnfw,
-                           m->lnfb, B, D);
+    tiny_layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->lnfw, m->lnfb, B, D);
     tiny_linear_forward(m->logits, m->lnf, m->headw, m->headb, B, D, V);
     if (targets) {
-        double l = tiny_crossentropy_forward(m->probs, m->losses, m->logits,
-                                             targets, B, V);
+        double l = tiny_crossentropy_forward(m->probs, m->losses, m->logits, targets, B, V);
         if (loss) *loss = (float)l;
     }
     return MHA_OK;
@@ -730,21 +706,18 @@ mha_status tiny_forward(tiny_model *m, float *loss, const int32_t *tokens,
 
 mha_status tiny_backward(tiny_model *m) {
     const tiny_config *c = &m->cfg;
-    int64_t V = c->vocab, T = c->seq_len, D = c->d_model, F = c->d_ff,
-            B = m->B;
+    int64_t V = c->vocab, T = c->seq_len, D = c->d_model, F = c->d_ff, B = m->B;
     if (!m->have_targets) return MHA_ERR_INVALID_ARG;
     // forward: loss = mean_b CE(logits[b], targets[b])
-    tiny_crossentropy_backward(m->dlogits, m->probs, m->targets,
-                               1.0f / (float)B, B, V);
+    tiny_crossentropy_backward(m->dlogits, m->probs, m->targets, 1.0f / (float)B, B, V);
     // forward: logits = lnf headw^T + headb
     memset(m->dlnf, 0, (size_t)(B * D) * sizeof(float));
-    tiny_linear_backward(m->dlnf, m->dheadw, m->dheadb, m->dlogits, m->lnf,
-                         m->headw, B, D, V);
+    tiny_linear_backward(m->dlnf, m->dheadw, m->dheadb, m->dlogits, m->lnf, m->headw, B, D, V);
     // forward: lnf = LN(x), x = the last block's out (B, 1, D)
     tiny_block *last = &m->blocks[c->n_layers - 1];
     memset(last->dout, 0, (size_t)(B * D) * sizeof(float));
-    tiny_layernorm_backward(last->dout, m->dlnfw, m->dlnfb, m->dlnf,
-                            last->out, m->lnfw, m->lnf_mean, m->lnf_rstd, B, D);
+    tiny_layernorm_backward(last->dout, m->dlnfw, m->dlnfb, m->dlnf, last->out, m->lnfw,
+                            m->lnf_mean, m->lnf_rstd, B, D);
     for (int64_t l = c->n_layers - 1; l >= 0; l--) {
         tiny_block *bl = &m->blocks[l];
         int64_t Lq = bl->Lq, r0 = T - Lq;
@@ -755,19 +728,18 @@ mha_status tiny_backward(tiny_model *m) {
         memcpy(bl->dres2, bl->dout, (size_t)nq * sizeof(float));
         // forward: fcproj = fch_gelu projw^T + projb
         memset(bl->dfch_gelu, 0, (size_t)nf * sizeof(float));
-        tiny_linear_backward(bl->dfch_gelu, bl->dprojw, bl->dprojb, bl->dout,
-                             bl->fch_gelu, bl->projw, B * Lq, F, D);
+        tiny_linear_backward(bl->dfch_gelu, bl->dprojw, bl->dprojb, bl->dout, bl->fch_gelu,
+                             bl->projw, B * Lq, F, D);
         // forward: fch_gelu = GELU(fch)
         memset(bl->dfch, 0, (size_t)nf * sizeof(float));
         tiny_gelu_backward(bl->dfch, bl->fch, bl->dfch_gelu, nf);
         // forward: fch = ln2 fcw^T + fcb
         memset(bl->dln2, 0, (size_t)nq * sizeof(float));
-        tiny_linear_backward(bl->dln2, bl->dfcw, bl->dfcb, bl->dfch, bl->ln2,
-                             bl->fcw, B * Lq, D, F);
+        tiny_linear_backward(bl->dln2, bl->dfcw, bl->dfcb, bl->dfch, bl->ln2, bl->fcw, B * Lq,
+                             D, F);
         // forward: ln2 = LN(res2)
-        tiny_layernorm_backward(bl->dres2, bl->dln2w, bl->dln2b, bl->dln2,
-                                bl->res2, bl->ln2w, bl->ln2_mean,
-                                bl->ln2_rstd, B * Lq, D);
+        tiny_layernorm_backward(bl->dres2, bl->dln2w, bl->dln2b, bl->dln2, bl->res2, bl->ln2w,
+                                bl->ln2_mean, bl->ln2_rstd, B * Lq, D);
         // forward: res2 = x[rows] + att
         memset(dx, 0, (size_t)nx * sizeof(float));
         for (int64_t b = 0; b < B; b++)
@@ -778,8 +750,8 @@ mha_status tiny_backward(tiny_model *m) {
         bl->vdk = rows_view(bl->dk, B, T, 0, T, D);
         bl->vdv = rows_view(bl->dv, B, T, 0, T, D);
         bl->vdatt = rows_view(bl->dres2, B, Lq, 0, Lq, D);
-        mha_status st = mha_backward(&bl->vdq, &bl->vdk, &bl->vdv, bl->dattn,
-                                     bl->attn, &bl->args, &bl->vdatt, false);
+        mha_status st = mha_backward(&bl->vdq, &bl->vdk, &bl->vdv, bl->dattn, bl->attn,
+                                     &bl->args, &bl->vdatt, false);
         if (st) return st;
         // ln1 feeds query (rows [r0, T)), key and value: its gradient is
         // the sum of the three
@@ -788,8 +760,8 @@ mha_status tiny_backward(tiny_model *m) {
             for (int64_t i = 0; i < Lq * D; i++)
                 bl->dln1[(b * T + r0) * D + i] += bl->dq[b * Lq * D + i];
         // forward: ln1 = LN(x)
-        tiny_layernorm_backward(dx, bl->dln1w, bl->dln1b, bl->dln1, x,
-                                bl->ln1w, bl->ln1_mean, bl->ln1_rstd, B * T, D);
+        tiny_layernorm_backward(dx, bl->dln1w, bl->dln1b, bl->dln1, x, bl->ln1w, bl->ln1_mean,
+                                bl->ln1_rstd, B * T, D);
     }
     // forward: emb = wte[tokens] + wpe
     tiny_embedding_backward(m->dwte, m->dwpe, m->demb, m->tokens, B, T, D);
@@ -818,13 +790,12 @@ mha_status tiny_optimizer_register(tiny_model *m, mha_optimizer *o) {
     // our own tensors one by one; each attention module with its grads
     int n_own = 6 + 8 * (int)m->cfg.n_layers;
     for (int i = 0; i < n_own; i++) {
-        mha_status st = mha_optimizer_add(o, m->tensors[i].param,
-                                          m->tensors[i].grad, m->tensors[i].n);
+        mha_status st = mha_optimizer_add(o, m->tensors[i].param, m->tensors[i].grad,
+                                          m->tensors[i].n);
         if (st) return st;
     }
     for (int64_t l = 0; l < m->cfg.n_layers; l++) {
-        mha_status st = mha_optimizer_add_module(o, m->blocks[l].attn,
-                                                 m->blocks[l].dattn);
+        mha_status st = mha_optimizer_add_module(o, m->blocks[l].attn, m->blocks[l].dattn);
         if (st) return st;
     }
     return MHA_OK;
