@@ -12,7 +12,7 @@ int main(void) {
     mha_module *m = NULL;
     mha_status st = mha_module_create(&m, &cfg);
     mha_init_options init;
-    mha_init_options_default(&init);  // xavier_uniform, seed 0
+    mha_init_options_init(&init);  // xavier_uniform, seed 0
     if (!st) st = mha_module_init(m, &init);
     if (st) {
         fprintf(stderr, "mha: %s\n", mha_last_error());
@@ -29,15 +29,15 @@ int main(void) {
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;  // (L, N, E)
     a.opts.is_causal = true;
-    a.need_weights = true;            // averaged over heads: (N, L, S)
+    a.need_weights = true;  // averaged over heads: (N, L, S)
     if ((st = mha_forward(&yt, &wt, m, &a))) {
         fprintf(stderr, "mha: %s\n", mha_last_error());
         mha_module_destroy(m);
         return 1;
     }
     for (int i = 0; i < L; i++) {
-        printf("token %d: y[0..3] = %7.4f %7.4f %7.4f %7.4f   weights:", i,
-               y[i * E], y[i * E + 1], y[i * E + 2], y[i * E + 3]);
+        printf("token %d: y[0..3] = %7.4f %7.4f %7.4f %7.4f   weights:", i, y[i * E],
+               y[i * E + 1], y[i * E + 2], y[i * E + 3]);
         for (int j = 0; j < L; j++) printf(" %.3f", w[i * L + j]);
         printf("\n");
     }

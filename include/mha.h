@@ -224,7 +224,7 @@ MHA_API MHA_NODISCARD mha_status mha_head_gate_from_name(mha_head_gate *out, con
 // The weights start at 1 (mha_module_create, mha_module_init), as torch's
 // RMSNorm. Paths: the reference and the fused forward and backward (both
 // weights' gradients; a training forward's saved state keeps q and k
-// before the norm), mha_forward_cached and mha_diagnose; the MPI layer
+// before the norm), mha_forward_cached and mha_diag_create; the MPI layer
 // refuses it (MHA_ERR_UNSUPPORTED: its parts project only their heads).
 typedef enum mha_qk_norm {
     MHA_QK_NORM_NONE = 0,
@@ -390,8 +390,8 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_modu
 // products' layout (the same size again); a half module's float32
 // gate_proj.weight is kept.
 // The library marks the copy outdated itself whenever it changes
-// parameters: mha_module_init, mha_optimizer_step (the modules registered
-// with mha_optimizer_add_module; and zero_grad / clip_grad_norm their
+// parameters: mha_module_init, mha_optim_step (the modules registered
+// with mha_optim_add_module; and zero_grad / clip_grad_norm their
 // gradient modules), mha_backward (its grads module), loading and
 // converting (new modules), and mha_module_param / mha_module_param_at
 // (which hand out writable pointers: "get the pointer, write, forward" is
@@ -399,7 +399,7 @@ MHA_API MHA_NODISCARD mha_status mha_module_param(mha_param *out, const mha_modu
 // after writing parameter memory through a pointer obtained *before* a
 // call that read the module (a forward, backward, cached decode ran since
 // the pointer was obtained), or through tensors registered with
-// mha_optimizer_add (rather than _add_module) by mha_optimizer_step, call
+// mha_optim_add (rather than _add_module) by mha_optim_step, call
 // mha_module_params_changed(m) before the next call that reads m;
 // otherwise that call may use the outdated copy. m NULL: nothing. Safe to
 // call from any thread at any time, even while other threads run calls on
@@ -485,7 +485,7 @@ typedef struct mha_init_options {
     uint64_t seed;  // default 0
 } mha_init_options;
 
-MHA_API void mha_init_options_default(mha_init_options *opt);
+MHA_API void mha_init_options_init(mha_init_options *opt);
 // "xavier_uniform", "xavier_normal", "normal", "orthogonal", "zeros".
 MHA_API MHA_NODISCARD mha_status mha_init_scheme_from_name(mha_init_scheme *out,
                                                            const char *name);
@@ -888,35 +888,34 @@ typedef struct mha_optim_config {
 // Defaults as above for the given kind.
 MHA_API void mha_optim_config_init(mha_optim_config *c, mha_optim_kind kind);
 
-typedef struct mha_optimizer mha_optimizer;
+typedef struct mha_optim mha_optim;
 
-MHA_API MHA_NODISCARD mha_status mha_optimizer_create(mha_optimizer **out,
-                                                      const mha_optim_config *c);
-MHA_API void mha_optimizer_destroy(mha_optimizer *o);
+MHA_API MHA_NODISCARD mha_status mha_optim_create(mha_optim **out, const mha_optim_config *c);
+MHA_API void mha_optim_destroy(mha_optim *o);
 // Registers n floats of parameter and their gradient (caller memory, which
 // must outlive the optimizer). Allocates the tensor's state. n == 0 is
 // allowed; a parameter overlapping its gradient or any tensor already
 // registered is MHA_ERR_INVALID_ARG. AdamW counts steps per tensor (a
 // tensor added later starts at step 1, as in torch). An optimizer is not
 // to be used from two threads at once.
-MHA_API MHA_NODISCARD mha_status mha_optimizer_add(mha_optimizer *o, float *param, float *grad,
-                                                   int64_t n);
+MHA_API MHA_NODISCARD mha_status mha_optim_add(mha_optim *o, float *param, float *grad,
+                                               int64_t n);
 // Registers every parameter of m with the same-named one of grads.
-MHA_API MHA_NODISCARD mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m,
-                                                          mha_module *grads);
-MHA_API MHA_NODISCARD mha_status mha_optimizer_set_lr(mha_optimizer *o, double lr);
+MHA_API MHA_NODISCARD mha_status mha_optim_add_module(mha_optim *o, mha_module *m,
+                                                      mha_module *grads);
+MHA_API MHA_NODISCARD mha_status mha_optim_set_lr(mha_optim *o, double lr);
 // One update of every registered parameter from its gradient.
-MHA_API MHA_NODISCARD mha_status mha_optimizer_step(mha_optimizer *o);
+MHA_API MHA_NODISCARD mha_status mha_optim_step(mha_optim *o);
 // Sets every registered gradient to 0.
-MHA_API void mha_optimizer_zero_grad(mha_optimizer *o);
+MHA_API void mha_optim_zero_grad(mha_optim *o);
 // Clipping by global norm, as torch.nn.utils.clip_grad_norm_: the L2 norm
 // of all registered gradients together (computed in double); every
 // gradient is scaled by c = max_norm / (norm + 1e-6) when c < 1. A
 // non-finite norm is returned as it is and nothing is scaled. max_norm must
 // be >= 0 (+inf allowed). *total_norm (may be NULL) gets the norm before
 // clipping.
-MHA_API MHA_NODISCARD mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, double max_norm,
-                                                              double *total_norm);
+MHA_API MHA_NODISCARD mha_status mha_optim_clip_grad_norm(mha_optim *o, double max_norm,
+                                                          double *total_norm);
 
 // ---------------------------------------------------------------------------
 // Dense layers: nn.Linear's forward, y = x W^T + b
@@ -1373,7 +1372,7 @@ MHA_API MHA_NODISCARD mha_status mha_forward_paged(mha_tensor *out, const mha_mo
 // ---------------------------------------------------------------------------
 // Diagnostics: looking inside the heads
 //
-// mha_diagnose recomputes, from a module and forward arguments (masks,
+// mha_diag_create recomputes, from a module and forward arguments (masks,
 // causal, windows, RoPE, ALiBi and soft cap as the forward applies them;
 // eval mode), each head's attention rows in double, one query row at a
 // time (memory O(S) per head: long sequences work, with max_rows
@@ -1404,7 +1403,7 @@ MHA_API MHA_NODISCARD mha_status mha_forward_paged(mha_tensor *out, const mha_mo
 //                               when mha was built without LAPACKE (CMake
 //                               MHA_LAPACKE=OFF, or lapacke not found):
 //                               then there are no singular values at all
-//                               (mha_diagnostics_spectrum below), and
+//                               (mha_diag_spectrum below), and
 //                               every other number is computed as usual
 // and, between every pair of heads, similarity = 1 - JS(p_h1, p_h2) / ln 2
 // averaged over the rows (Jensen-Shannon divergence of the two heads'
@@ -1435,32 +1434,31 @@ typedef struct mha_head_diag {
     double gate_mean;
 } mha_head_diag;
 
-typedef struct mha_diagnostics mha_diagnostics;
+typedef struct mha_diag mha_diag;
 
 MHA_API void mha_diag_options_init(mha_diag_options *o);
 // o NULL: defaults. The forward arguments are checked as mha_forward checks
 // them (outputs are not needed); need_weights, trace, save, impl and
 // training are ignored. Non-finite values are a finding, not an error.
-MHA_API MHA_NODISCARD mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m,
-                                              const mha_forward_args *a,
-                                              const mha_diag_options *o);
-MHA_API void mha_diagnostics_destroy(mha_diagnostics *d);
-MHA_API int64_t mha_diagnostics_num_heads(const mha_diagnostics *d);
+MHA_API MHA_NODISCARD mha_status mha_diag_create(mha_diag **out, const mha_module *m,
+                                                 const mha_forward_args *a,
+                                                 const mha_diag_options *o);
+MHA_API void mha_diag_destroy(mha_diag *d);
+MHA_API int64_t mha_diag_num_heads(const mha_diag *d);
 // Rows examined over the whole batch.
-MHA_API int64_t mha_diagnostics_rows(const mha_diagnostics *d);
+MHA_API int64_t mha_diag_rows(const mha_diag *d);
 // NULL when h is out of range.
-MHA_API const mha_head_diag *mha_diagnostics_head(const mha_diagnostics *d, int64_t h);
+MHA_API const mha_head_diag *mha_diag_head(const mha_diag *d, int64_t h);
 // NaN when out of range, or when no row had visible keys in both heads.
-MHA_API double mha_diagnostics_similarity(const mha_diagnostics *d, int64_t h1, int64_t h2);
+MHA_API double mha_diag_similarity(const mha_diag *d, int64_t h1, int64_t h2);
 // Singular values (descending) of head h's 'q', 'k', 'v' or 'o' slice;
 // *n of them (d; zeros past min(d, features)). NULL (and *n = 0) for a bad
 // argument; and for every head when mha was built without LAPACKE (its
 // ranks are -1), with mha_last_error() then saying "singular values
 // unavailable: mha was built without LAPACKE".
-MHA_API const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h, char which,
-                                               int64_t *n);
+MHA_API const double *mha_diag_spectrum(const mha_diag *d, int64_t h, char which, int64_t *n);
 // The first non-finite value, e.g. "query[2, 1, 5] = nan", or NULL.
-MHA_API const char *mha_diagnostics_nonfinite(const mha_diagnostics *d);
+MHA_API const char *mha_diag_nonfinite(const mha_diag *d);
 
 // ---------------------------------------------------------------------------
 // safetensors files

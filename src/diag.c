@@ -1,4 +1,4 @@
-// diag.c: per-head diagnostics (mha_diagnose, mha.h). Everything is
+// diag.c: per-head diagnostics (mha_diag_create, mha.h). Everything is
 // recomputed here from the module's projections in double, the way the
 // reference computes them (mha__project_qkv: biases, add_bias_kv,
 // add_zero_attn, qk_norm, RoPE), one query row at a time: memory O(S) per row and
@@ -7,7 +7,7 @@
 // block allocated here (LAPACKE's own wrapper would allocate it). Built
 // without LAPACKE (MHA_HAVE_LAPACKE undefined: CMake's MHA_LAPACKE=OFF, or
 // lapacke not found) there are no singular values: every rank is -1 and
-// mha_diagnostics_spectrum returns NULL, as mha.h documents; the rest is
+// mha_diag_spectrum returns NULL, as mha.h documents; the rest is
 // the same.
 #include <float.h>
 #include <math.h>
@@ -25,7 +25,7 @@
 #undef I
 #endif
 
-struct mha_diagnostics {
+struct mha_diag {
     int64_t H, nrows_total;
     mha_head_diag *heads;
     double *sim;          // (H, H)
@@ -45,7 +45,7 @@ void mha_diag_options_init(mha_diag_options *o) {
     o->rank_rtol = 0.0;
 }
 
-void mha_diagnostics_destroy(mha_diagnostics *d) {
+void mha_diag_destroy(mha_diag *d) {
     if (!d) return;
     free(d->heads);
     free(d->sim);
@@ -53,26 +53,25 @@ void mha_diagnostics_destroy(mha_diagnostics *d) {
     free(d);
 }
 
-int64_t mha_diagnostics_num_heads(const mha_diagnostics *d) { return d ? d->H : 0; }
-int64_t mha_diagnostics_rows(const mha_diagnostics *d) { return d ? d->nrows_total : 0; }
+int64_t mha_diag_num_heads(const mha_diag *d) { return d ? d->H : 0; }
+int64_t mha_diag_rows(const mha_diag *d) { return d ? d->nrows_total : 0; }
 
-const mha_head_diag *mha_diagnostics_head(const mha_diagnostics *d, int64_t h) {
+const mha_head_diag *mha_diag_head(const mha_diag *d, int64_t h) {
     return d && h >= 0 && h < d->H ? &d->heads[h] : NULL;
 }
 
-double mha_diagnostics_similarity(const mha_diagnostics *d, int64_t h1, int64_t h2) {
+double mha_diag_similarity(const mha_diag *d, int64_t h1, int64_t h2) {
     if (!d || h1 < 0 || h2 < 0 || h1 >= d->H || h2 >= d->H) return NAN;
     return d->sim[h1 * d->H + h2];
 }
 
-const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h, char which,
-                                       int64_t *n) {
+const double *mha_diag_spectrum(const mha_diag *d, int64_t h, char which, int64_t *n) {
     const char *w = "qkvo", *at = d ? strchr(w, which) : NULL;
     if (n) *n = 0;
     if (!d || h < 0 || h >= d->H || !at || !which) return NULL;
     if (!d->spec) {
         mha__fail(MHA_ERR_UNSUPPORTED,
-                  "mha_diagnostics_spectrum: singular values "
+                  "mha_diag_spectrum: singular values "
                   "unavailable: mha was built without LAPACKE (ranks are -1)");
         return NULL;
     }
@@ -80,7 +79,7 @@ const double *mha_diagnostics_spectrum(const mha_diagnostics *d, int64_t h, char
     return d->spec + (h * 4 + (at - w)) * d->nspec;
 }
 
-const char *mha_diagnostics_nonfinite(const mha_diagnostics *d) {
+const char *mha_diag_nonfinite(const mha_diag *d) {
     return d && d->nonfinite[0] ? d->nonfinite : NULL;
 }
 
@@ -201,7 +200,7 @@ typedef struct head_acc {
     double *c_sum, *c_sq;  // (d) context sums over rows
 } head_acc;
 
-// What the phases of mha_diagnose share: the call (its plan, sizes and
+// What the phases of mha_diag_create share: the call (its plan, sizes and
 // arguments) and the buffers allocated once for it.
 typedef struct diag_run {
     const fwd_plan *p;
@@ -228,7 +227,7 @@ typedef struct diag_run {
 
 // The sizes of the call and every buffer (and the diagnostics *out, with
 // its heads, similarity and spectra), allocated together.
-static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
+static mha_status diag_alloc(diag_run *r, mha_diag **out) {
     const fwd_plan *p = r->p;
     const int64_t N = p->N, L = p->L, Sp = p->Sp, E = p->E, H = p->H, d = p->d, Ekv = p->Ekv,
                   G = H / p->Hkv, Eq = p->Eq;
@@ -259,7 +258,7 @@ static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
 #endif
     const size_t nwork = (size_t)(H * Sp + d) + nsvd;
     r->nspec = nspec, r->nbuf = nbuf, r->nwork = nwork;
-    mha_diagnostics *dg = mha__calloc(1, sizeof *dg);
+    mha_diag *dg = mha__calloc(1, sizeof *dg);
     r->q = mha__malloc(sizeof(double) * nbuf);
     r->work = mha__malloc(sizeof(double) * nwork);
     r->acc = mha__calloc((size_t)H, sizeof *r->acc);
@@ -277,8 +276,8 @@ static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
     }
     if (!dg || !dg->heads || !dg->sim || (nspec && !dg->spec) || !r->q || !r->work ||
         !r->acc || !r->cbuf || !r->vvar || !r->has || !r->simcount) {
-        mha_diagnostics_destroy(dg);
-        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory for %zu + %zu doubles",
+        mha_diag_destroy(dg);
+        return mha__fail(MHA_ERR_NOMEM, "mha_diag_create: out of memory for %zu + %zu doubles",
                          nbuf, nwork);
     }
     r->k = r->q + N * L * Eq, r->v = r->k + N * Sp * Ekv;
@@ -288,7 +287,7 @@ static mha_status diag_alloc(diag_run *r, mha_diagnostics **out) {
 
 // 1. Non-finite values: parameters, inputs, then the projections (computed
 //    here into q, k, v).
-static void diag_project(diag_run *r, mha_diagnostics *dg) {
+static void diag_project(diag_run *r, mha_diag *dg) {
     const int64_t N = r->N, L = r->L, Sp = r->Sp, Eq = r->Eq, Ekv = r->Ekv;
     double *q = r->q, *k = r->k, *v = r->v;
     char *nf = dg->nonfinite;
@@ -362,7 +361,7 @@ static void diag_head_row(diag_run *r, char *nf, size_t nfc, int64_t b, int64_t 
 // 2. Row by row: logits and weights (mha__ref_logit and
 //    mha__ref_softmax_row: the reference's own steps), entropy,
 //    distance, context; pairwise JS similarity.
-static void diag_rows(diag_run *r, mha_diagnostics *dg) {
+static void diag_rows(diag_run *r, mha_diag *dg) {
     const int64_t N = r->N, L = r->L, Sp = r->Sp, H = r->H, d = r->d, R = r->R;
     head_acc *acc = r->acc;
     const bool *has = r->has;
@@ -429,7 +428,7 @@ static void diag_value_var(diag_run *r) {
 
 // 3. Per head: the statistics, spectra, the dead flag, pruning and the
 //    gates over every query row (in q's buffer, free now: H <= Eq).
-static void diag_heads(diag_run *r, mha_diagnostics *dg) {
+static void diag_heads(diag_run *r, mha_diag *dg) {
     const mha_module *m = r->m;
     const mha_diag_options o = *r->o;
     const int64_t N = r->N, L = r->L, H = r->H, d = r->d, G = r->G;
@@ -491,10 +490,10 @@ static void diag_heads(diag_run *r, mha_diagnostics *dg) {
     }
 }
 
-mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m,
-                        const mha_forward_args *args, const mha_diag_options *opt) {
+mha_status mha_diag_create(mha_diag **out, const mha_module *m, const mha_forward_args *args,
+                           const mha_diag_options *opt) {
     if (!out || !m || !args)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_diagnose: NULL argument");
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_diag_create: NULL argument");
     *out = NULL;
     mha_diag_options o;
     mha_diag_options_init(&o);
@@ -502,7 +501,7 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m,
     if (o.max_rows < 0 || !(o.dead_entropy >= 0 && o.dead_entropy <= 1) ||
         !(o.dead_output >= 0) || !(o.rank_rtol >= 0))
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_diagnose: options out of range (max_rows %lld >= 0, "
+                         "mha_diag_create: options out of range (max_rows %lld >= 0, "
                          "dead_entropy %g in [0, 1], dead_output %g >= 0, rank_rtol %g >= 0)",
                          (long long)o.max_rows, o.dead_entropy, o.dead_output, o.rank_rtol);
     mha_forward_args a = *args;
@@ -513,14 +512,14 @@ mha_status mha_diagnose(mha_diagnostics **out, const mha_module *m,
     a.impl = MHA_IMPL_REFERENCE;
     fwd_plan *p = mha__malloc(sizeof *p);
     if (!p)
-        return mha__fail(MHA_ERR_NOMEM, "mha_diagnose: out of memory (%zu bytes)", sizeof *p);
+        return mha__fail(MHA_ERR_NOMEM, "mha_diag_create: out of memory (%zu bytes)", sizeof *p);
     mha_status st = mha__plan_forward(p, m, &a);
     if (st) {
         free(p);
         return st;
     }
     diag_run r = {.p = p, .m = m, .a = &a, .o = &o};
-    mha_diagnostics *dg = NULL;
+    mha_diag *dg = NULL;
     st = diag_alloc(&r, &dg);
     if (!st) {
         diag_project(&r, dg);

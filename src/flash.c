@@ -271,7 +271,7 @@ static void scores(const mha__kernels *kt, const mha__flash_head *a, scratch_map
     if (mk->softcap > 0.0f) {
         const float cap = mk->softcap;
         for (int64_t e = 0; e < br * n; e++) {
-            const float t = tanhf(s[e] / cap);
+            const float t = mha__softcap_tanh(s[e], cap);
             s[e] = cap * t;
             if (deriv) deriv[e] = 1.0f - t * t;
         }

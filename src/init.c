@@ -108,7 +108,7 @@ static mha_status init_matrix(float *w, int64_t rows, int64_t cols, const mha_in
     return mha__fail(MHA_ERR_INVALID_ARG, "unknown init scheme %d", (int)o->scheme);
 }
 
-void mha_init_options_default(mha_init_options *opt) {
+void mha_init_options_init(mha_init_options *opt) {
     if (!opt) return;
     opt->scheme = MHA_INIT_XAVIER_UNIFORM;
     opt->gain = 1.0;

@@ -1299,15 +1299,13 @@ static mha_status attend_decode(const attend_call *ac) {
                 const dec_query *dq = &qs[v];
                 float *s = sc + (size_t)v * qf + (dq->lo - j0);
                 const int64_t w = dq->hi - dq->lo;
-                if (a.opts.softcap > 0.0f)
-                    for (int64_t j = 0; j < w; j++)
-                        s[j] = a.opts.softcap * tanhf(s[j] / a.opts.softcap);
-                if (a.opts.alibi_slopes) {  // -slope |position - j|
-                    const int64_t p = dq->p;
+                const float cap = a.opts.softcap;
+                if (cap > 0.0f)
+                    for (int64_t j = 0; j < w; j++) s[j] = cap * mha__softcap_tanh(s[j], cap);
+                if (a.opts.alibi_slopes)  // (the bias rounded once to float32)
                     for (int64_t j = dq->lo; j < dq->hi; j++)
-                        s[j - dq->lo] -= a.opts.alibi_slopes[dq->h] *
-                                         (float)(p >= j ? p - j : j - p);
-                }
+                        s[j - dq->lo] += (float)mha__alibi_bias(a.opts.alibi_slopes[dq->h],
+                                                                dq->p, j);
                 float m = -INFINITY, l = 0.0f;
                 (void)kt->softmax_update(s, w, &m, &l);  // s <- exp(s - m)
                 dq->pp[0] = m;
@@ -1367,12 +1365,10 @@ static mha_status attend_stream_sinks(const attend_call *ac, const mha_tensor *s
                 double d = 0.0;
                 for (int64_t e = 0; e < D; e++) d += (double)x[e] * kf[j * D + e];
                 d *= ac->scale;
-                if (ac->a.opts.softcap > 0.0f)
-                    d = ac->a.opts.softcap * tanh(d / ac->a.opts.softcap);
-                if (ac->a.opts.alibi_slopes) {
-                    const int64_t at = j + delta;
-                    d -= ac->a.opts.alibi_slopes[h] * (double)(p >= at ? p - at : at - p);
-                }
+                const float cap = ac->a.opts.softcap;
+                if (cap > 0.0f) d = cap * mha__softcap_tanh64(d, cap);
+                if (ac->a.opts.alibi_slopes)
+                    d += mha__alibi_bias(ac->a.opts.alibi_slopes[h], p, j + delta);
                 s[j] = d;
                 if (d > ms) ms = d;
             }

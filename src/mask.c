@@ -23,10 +23,7 @@ void mha__mask_band(const mha__mask *mk, int64_t i, int64_t S, int64_t *lo, int6
 
 double mha__mask_value(const mha__mask *mk, int64_t b, int64_t h, int64_t i, int64_t j) {
     double v = 0.0;
-    if (mk->alibi) {
-        const int64_t dist = i + mk->q_off - j;
-        v = -(double)mk->alibi[h] * (double)(dist < 0 ? -dist : dist);
-    }
+    if (mk->alibi) v = mha__alibi_bias(mk->alibi[h], i + mk->q_off, j);
     if (j >= mk->s_masked) return v;
     const int64_t p = i + mk->q_off;  // the query's position
     if (mk->causal && j > p) v = -INFINITY;

@@ -5,9 +5,22 @@
 #ifndef MHA_MASK_H
 #define MHA_MASK_H
 
+#include <math.h>
 #include <stdbool.h>
 
 #include "internal.h"
+
+// The logit rule of mha_attn_opts (mha.h), written once for the reference,
+// the flash tiles and the decode kernels: after the scaling, the soft cap
+// s <- cap * t with t = tanh(s / cap) (its derivative 1 - t^2), in float32
+// and float64; then ALiBi's bias -slope |p - j| for a query at position p
+// and key j; then the masks (mha__mask_value).
+static inline float mha__softcap_tanh(float s, float cap) { return tanhf(s / cap); }
+static inline double mha__softcap_tanh64(double s, double cap) { return tanh(s / cap); }
+static inline double mha__alibi_bias(float slope, int64_t p, int64_t j) {
+    const int64_t d = p - j;
+    return -(double)slope * (double)(d < 0 ? -d : d);
+}
 
 // A mask over scores (b, h, i, j), the sum of up to three parts:
 //  - attn: element at attn + b*attn_s[0] + h*attn_s[1] + i*attn_s[2] +

@@ -37,12 +37,12 @@ typedef struct optim_entry {
                     // AdamW: exp_avg (n) then exp_avg_sq (n)
     int64_t steps;  // updates done on this tensor (torch's state["step"]);
                     // SGD: 0 means the momentum buffer is not yet set
-    // mha_optimizer_add_module: the modules param and grad belong to (their
+    // mha_optim_add_module: the modules param and grad belong to (their
     // packed weights go stale when the optimizer writes them), else NULL
     const mha_module *pmod, *gmod;
 } optim_entry;
 
-struct mha_optimizer {
+struct mha_optim {
     mha_optim_config cfg;
     optim_entry *entries;
     int64_t count, cap;
@@ -81,7 +81,7 @@ static mha_status check_lr(const char *who, double lr) {
 // dampening == 0. AdamW: lr >= 0, weight_decay >= 0, beta1 and beta2 in
 // [0, 1), eps >= 0. The other kind's fields are ignored.
 static mha_status check_config(const mha_optim_config *c) {
-    const char *who = "mha_optimizer_create";
+    const char *who = "mha_optim_create";
     if (c->kind != MHA_OPTIM_SGD && c->kind != MHA_OPTIM_ADAMW)
         return mha__fail(MHA_ERR_INVALID_ARG,
                          "%s: unknown optimizer kind %d (MHA_OPTIM_SGD = 0, "
@@ -127,18 +127,18 @@ static mha_status check_config(const mha_optim_config *c) {
     return MHA_OK;
 }
 
-mha_status mha_optimizer_create(mha_optimizer **out, const mha_optim_config *c) {
+mha_status mha_optim_create(mha_optim **out, const mha_optim_config *c) {
     if (!out || !c)
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_create: NULL argument (out %s, "
+                         "mha_optim_create: NULL argument (out %s, "
                          "config %s)",
                          out ? "set" : "NULL", c ? "set" : "NULL");
     *out = NULL;
     mha_status st = check_config(c);
     if (st != MHA_OK) return st;
-    mha_optimizer *o = mha__calloc(1, sizeof *o);
+    mha_optim *o = mha__calloc(1, sizeof *o);
     if (!o)
-        return mha__fail(MHA_ERR_NOMEM, "mha_optimizer_create: out of memory (%zu bytes)",
+        return mha__fail(MHA_ERR_NOMEM, "mha_optim_create: out of memory (%zu bytes)",
                          sizeof *o);
     o->cfg = *c;
     *out = o;
@@ -150,7 +150,7 @@ static void entry_free(optim_entry *e) {
     e->state = NULL;
 }
 
-void mha_optimizer_destroy(mha_optimizer *o) {
+void mha_optim_destroy(mha_optim *o) {
     if (!o) return;
     for (int64_t i = 0; i < o->count; i++) entry_free(&o->entries[i]);
     free(o->entries);
@@ -168,27 +168,27 @@ static int ranges_overlap(const float *a, int64_t na, const float *b, int64_t nb
 
 // Checks and registers one tensor; `what` names it in messages ("" or the
 // parameter's name).
-static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t n,
+static mha_status add_entry(mha_optim *o, float *param, float *grad, int64_t n,
                             const char *what, const mha_module *pmod, const mha_module *gmod) {
     char nm[96];
     const char *label = what[0] ? mha_escape(nm, sizeof nm, what) : "tensor";
     if (!param || !grad)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add: %s: NULL %s", label,
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optim_add: %s: NULL %s", label,
                          !param ? "param" : "grad");
     if (n < 0)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add: %s: n must be >= 0, got %lld",
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optim_add: %s: n must be >= 0, got %lld",
                          label, (long long)n);
     size_t per = o->cfg.kind == MHA_OPTIM_ADAMW ? 2 : o->cfg.momentum != 0.0 ? 1 : 0;
     size_t bytes = 0;
     if (mha__mul_overflow_size((size_t)n, per * sizeof(float), &bytes) ||
         (uint64_t)n > (uint64_t)(SIZE_MAX / sizeof(float)))
         return mha__fail(MHA_ERR_OVERFLOW,
-                         "mha_optimizer_add: %s: %lld elements overflow the "
+                         "mha_optim_add: %s: %lld elements overflow the "
                          "address space",
                          label, (long long)n);
     if (ranges_overlap(param, n, grad, n))
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add: %s: param and grad overlap "
+                         "mha_optim_add: %s: param and grad overlap "
                          "(%lld elements at %p and %p)",
                          label, (long long)n, (void *)param, (void *)grad);
     for (int64_t i = 0; i < o->count; i++) {
@@ -197,7 +197,7 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t
             ranges_overlap(param, n, e->grad, e->n) ||
             ranges_overlap(grad, n, e->param, e->n) || ranges_overlap(grad, n, e->grad, e->n))
             return mha__fail(MHA_ERR_INVALID_ARG,
-                             "mha_optimizer_add: %s overlaps the memory of "
+                             "mha_optim_add: %s overlaps the memory of "
                              "registered tensor %lld (a tensor may be "
                              "registered once)",
                              label, (long long)i);
@@ -207,7 +207,7 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t
         optim_entry *grown = mha__realloc(o->entries, (size_t)cap * sizeof *grown);
         if (!grown)
             return mha__fail(MHA_ERR_NOMEM,
-                             "mha_optimizer_add: out of memory growing the "
+                             "mha_optim_add: out of memory growing the "
                              "tensor list to %lld",
                              (long long)cap);
         o->entries = grown;
@@ -218,7 +218,7 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t
         state = mha__alloc(bytes);
         if (!state)
             return mha__fail(MHA_ERR_NOMEM,
-                             "mha_optimizer_add: %s: out of memory for the "
+                             "mha_optim_add: %s: out of memory for the "
                              "optimizer state (%zu bytes)",
                              label, bytes);
         memset(state, 0, bytes);  // torch: zeros_like
@@ -227,36 +227,36 @@ static mha_status add_entry(mha_optimizer *o, float *param, float *grad, int64_t
     return MHA_OK;
 }
 
-mha_status mha_optimizer_add(mha_optimizer *o, float *param, float *grad, int64_t n) {
-    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add: NULL optimizer");
+mha_status mha_optim_add(mha_optim *o, float *param, float *grad, int64_t n) {
+    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optim_add: NULL optimizer");
     return add_entry(o, param, grad, n, "", NULL, NULL);
 }
 
 // Pairs m's parameters with grads' by name; all or nothing (on failure the
 // tensors added by this call are removed again).
-mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m, mha_module *grads) {
+mha_status mha_optim_add_module(mha_optim *o, mha_module *m, mha_module *grads) {
     if (!o || !m || !grads)
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add_module: NULL argument "
+                         "mha_optim_add_module: NULL argument "
                          "(optimizer %s, module %s, grads %s)",
                          o ? "set" : "NULL", m ? "set" : "NULL", grads ? "set" : "NULL");
     if (m == grads)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_add_module: the module is its own "
+        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optim_add_module: the module is its own "
                                               "gradient module");
-    mha_status st0 = mha__require_f32_weights(m, "mha_optimizer_add_module");
-    if (!st0) st0 = mha__require_f32_weights(grads, "mha_optimizer_add_module (grads)");
+    mha_status st0 = mha__require_f32_weights(m, "mha_optim_add_module");
+    if (!st0) st0 = mha__require_f32_weights(grads, "mha_optim_add_module (grads)");
     if (st0) return st0;
     int np = mha_module_num_params(m), ng = mha_module_num_params(grads);
     if (np != ng)
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add_module: the module has %d "
+                         "mha_optim_add_module: the module has %d "
                          "parameters, grads has %d (create grads with the "
                          "module's config)",
                          np, ng);
     mha_param pm[MHA__MAX_PARAMS], pg[MHA__MAX_PARAMS];
     if (np > MHA__MAX_PARAMS)
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_add_module: %d parameters (at most "
+                         "mha_optim_add_module: %d parameters (at most "
                          "%d)",
                          np, MHA__MAX_PARAMS);
     // Check every pair first.
@@ -272,13 +272,13 @@ mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m, mha_module 
         char nm[96];
         if (!found)
             return mha__fail(MHA_ERR_INVALID_ARG,
-                             "mha_optimizer_add_module: grads has no "
+                             "mha_optim_add_module: grads has no "
                              "parameter %s (create grads with the module's "
                              "config)",
                              mha_escape(nm, sizeof nm, pm[i].name));
         if (pg[i].numel != pm[i].numel)
             return mha__fail(MHA_ERR_INVALID_ARG,
-                             "mha_optimizer_add_module: %s has %lld elements "
+                             "mha_optim_add_module: %s has %lld elements "
                              "in the module, %lld in grads",
                              mha_escape(nm, sizeof nm, pm[i].name), (long long)pm[i].numel,
                              (long long)pg[i].numel);
@@ -294,9 +294,9 @@ mha_status mha_optimizer_add_module(mha_optimizer *o, mha_module *m, mha_module 
     return MHA_OK;
 }
 
-mha_status mha_optimizer_set_lr(mha_optimizer *o, double lr) {
-    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_set_lr: NULL optimizer");
-    mha_status st = check_lr("mha_optimizer_set_lr", lr);
+mha_status mha_optim_set_lr(mha_optim *o, double lr) {
+    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optim_set_lr: NULL optimizer");
+    mha_status st = check_lr("mha_optim_set_lr", lr);
     if (st != MHA_OK) return st;
     o->cfg.lr = lr;
     return MHA_OK;
@@ -373,17 +373,17 @@ static void adamw_step(const mha_optim_config *c, optim_entry *e) {
     }
 }
 
-mha_status mha_optimizer_step(mha_optimizer *o) {
-    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_step: NULL optimizer");
+mha_status mha_optim_step(mha_optim *o) {
+    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optim_step: NULL optimizer");
     for (int64_t i = 0; i < o->count; i++) {
         if (o->cfg.kind == MHA_OPTIM_ADAMW) adamw_step(&o->cfg, &o->entries[i]);
         else sgd_step(&o->cfg, &o->entries[i]);
-        mha__packs_stale(o->entries[i].pmod);  // (NULL: a tensor of mha_optimizer_add)
+        mha__packs_stale(o->entries[i].pmod);  // (NULL: a tensor of mha_optim_add)
     }
     return MHA_OK;
 }
 
-void mha_optimizer_zero_grad(mha_optimizer *o) {
+void mha_optim_zero_grad(mha_optim *o) {
     if (!o) return;
     for (int64_t i = 0; i < o->count; i++) {
         if (o->entries[i].n > 0)
@@ -401,12 +401,11 @@ void mha_optimizer_zero_grad(mha_optimizer *o) {
 // as they are and the call succeeds, *total_norm telling the caller (torch
 // would multiply every gradient by 0 or NaN). max_norm must be >= 0; +inf
 // is allowed (never clips).
-mha_status mha_optimizer_clip_grad_norm(mha_optimizer *o, double max_norm, double *total_norm) {
-    if (!o)
-        return mha__fail(MHA_ERR_INVALID_ARG, "mha_optimizer_clip_grad_norm: NULL optimizer");
+mha_status mha_optim_clip_grad_norm(mha_optim *o, double max_norm, double *total_norm) {
+    if (!o) return mha__fail(MHA_ERR_INVALID_ARG, "mha_optim_clip_grad_norm: NULL optimizer");
     if (!(max_norm >= 0.0))
         return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_optimizer_clip_grad_norm: max_norm must be >= "
+                         "mha_optim_clip_grad_norm: max_norm must be >= "
                          "0, got %.17g",
                          max_norm);
     double sum = 0.0;

@@ -38,7 +38,8 @@ void mha__ref_linear_row(mha__mat y, mha__mat x, const void *W, mha_dtype wdt, c
 
 double mha__ref_logit(const mha__mask *mk, double scaled, int64_t b, int64_t h, int64_t i,
                       int64_t j) {
-    if (mk->softcap > 0.0f) scaled = (double)mk->softcap * tanh(scaled / (double)mk->softcap);
+    if (mk->softcap > 0.0f)
+        scaled = (double)mk->softcap * mha__softcap_tanh64(scaled, (double)mk->softcap);
     return scaled + mha__mask_value(mk, b, h, i, j);
 }
 
@@ -186,7 +187,8 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv, mha
     if (mk->softcap > 0.0f)
         for (int64_t i = 0; i < L; i++)
             for (int64_t j = 0; j < S; j++) {
-                const double t = tanh(scale * dot(q, i, k, j, D) / (double)mk->softcap);
+                const double t = mha__softcap_tanh64(scale * dot(q, i, k, j, D),
+                                                     (double)mk->softcap);
                 dP[i * S + j] *= 1.0 - t * t;
             }
     apply_dropout(P, drop, L, S, b, h);  // P' for dv and the forward output

@@ -436,7 +436,7 @@ static void test_accumulate_threads(void) {
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     CHECK_OK(mha_module_init(m, &io));
     static float x[L3 * N3 * E3], kv[S3 * N3 * E3], gy[L3 * N3 * E3], y[3][L3 * N3 * E3],
         gq[3][L3 * N3 * E3];
@@ -513,7 +513,7 @@ static void test_dropout_semantics(void) {
     c.dropout = 0.3f;
     CHECK_OK(mha_module_create(&m1, &c));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     CHECK_OK(mha_module_init(m0, &io));
     CHECK_OK(mha_module_init(m1, &io));
     static float x[L2 * N2 * E2], y0[L2 * N2 * E2], y1[L2 * N2 * E2], w[N2 * H2 * L2 * L2],

@@ -4,7 +4,7 @@
 // saved state, KV cache and diagnostics. Every result must be bit for bit
 // the serial one: forward (fused and reference, per-head weights), backward
 // (fused, with and without a saved forward), cached decoding, mha_sdpa,
-// mha_diagnose and a shared dense layer (mha_linear, BF16 weight). The
+// mha_diag_create and a shared dense layer (mha_linear, BF16 weight). The
 // last-error message is per thread: each thread provokes its own error and
 // must read its own message back while the others work.
 // The module's packed weights (mha_module_params_changed) start stale, so
@@ -120,11 +120,10 @@ static int run_all(result *r, int i) {
     sa.impl = MHA_IMPL_FUSED;
     bad += mha_sdpa(&o4, NULL, &sa) != MHA_OK;
     // diagnostics
-    mha_diagnostics *dg = NULL;
-    bad += mha_diagnose(&dg, g_m, &a, NULL) != MHA_OK;
-    for (int h = 0; dg && h < H; h++)
-        r->entropy[h] = mha_diagnostics_head(dg, h)->entropy_mean;
-    mha_diagnostics_destroy(dg);
+    mha_diag *dg = NULL;
+    bad += mha_diag_create(&dg, g_m, &a, NULL) != MHA_OK;
+    for (int h = 0; dg && h < H; h++) r->entropy[h] = mha_diag_head(dg, h)->entropy_mean;
+    mha_diag_destroy(dg);
     // the dense layer over the input's (L, N, E) rows
     mha_tensor yl = mha_tensor_contiguous(r->y_lin, MHA_F32, 3, (int64_t[]){L, N, E + 5});
     bad += mha_linear_forward(g_lin, &yl, &xt) != MHA_OK;
@@ -191,7 +190,7 @@ int main(void) {
     c.head_gate = MHA_GATE_DYNAMIC;
     CHECK_OK(mha_module_create(&g_m, &c));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     CHECK_OK(mha_module_init(g_m, &io));
     mha_param gw;
     CHECK_OK(mha_module_param(&gw, g_m, "gate_proj.weight"));

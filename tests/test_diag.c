@@ -1,4 +1,4 @@
-// test_diag.c: known answers of mha_diagnose (issue: "see inside the heads").
+// test_diag.c: known answers of mha_diag_create (issue: "see inside the heads").
 //  - uniform attention (zero W_Q: every logit 0) -> entropy ln S, flagged
 //    dead, mean distance of a uniform row, logit max/std 0;
 //  - two heads with identical projections -> similarity 1; different ->
@@ -37,7 +37,7 @@ static mha_module *make(int64_t E, int64_t H) {
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &cfg));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = 5;
     if (m) CHECK_OK(mha_module_init(m, &io));
     return m;
@@ -55,14 +55,14 @@ static mha_tensor input(float *x, int64_t L, int64_t E) {
     return mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){L, 1, E});
 }
 
-static mha_diagnostics *diagnose(const mha_module *m, mha_tensor *x, bool causal,
-                                 const mha_diag_options *o) {
+static mha_diag *diagnose(const mha_module *m, mha_tensor *x, bool causal,
+                          const mha_diag_options *o) {
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = x;
     a.opts.is_causal = causal;
-    mha_diagnostics *d = NULL;
-    CHECK_OK(mha_diagnose(&d, m, &a, o));
+    mha_diag *d = NULL;
+    CHECK_OK(mha_diag_create(&d, m, &a, o));
     return d;
 }
 
@@ -77,10 +77,10 @@ static void test_uniform(void) {
     for (int64_t i = d * E; i < 2 * d * E; i++) W[i] *= 8.0f;
     float x[L * E];
     mha_tensor xt = input(x, L, E);
-    mha_diagnostics *dg = diagnose(m, &xt, false, NULL);
+    mha_diag *dg = diagnose(m, &xt, false, NULL);
     if (!dg) return;
-    CHECK(mha_diagnostics_num_heads(dg) == H && mha_diagnostics_rows(dg) == L);
-    const mha_head_diag *h0 = mha_diagnostics_head(dg, 0), *h1 = mha_diagnostics_head(dg, 1);
+    CHECK(mha_diag_num_heads(dg) == H && mha_diag_rows(dg) == L);
+    const mha_head_diag *h0 = mha_diag_head(dg, 0), *h1 = mha_diag_head(dg, 1);
     CHECKF(fabs(h0->entropy_mean - log((double)L)) < 1e-12, "entropy %g vs ln S %g",
            h0->entropy_mean, log((double)L));
     CHECK(fabs(h0->entropy_min - log((double)L)) < 1e-12);
@@ -98,8 +98,8 @@ static void test_uniform(void) {
     CHECK(h1->logit_std > 0);
     if (HAVE_SVD) CHECK(h0->rank_q == 0 && h1->rank_q == d);
     else CHECK(h0->rank_q == -1 && h1->rank_q == -1);
-    CHECK(mha_diagnostics_nonfinite(dg) == NULL);
-    mha_diagnostics_destroy(dg);
+    CHECK(mha_diag_nonfinite(dg) == NULL);
+    mha_diag_destroy(dg);
 
     // causal: row i sees i + 1 keys uniformly -> entropy ln(i + 1)
     dg = diagnose(m, &xt, true, NULL);
@@ -107,13 +107,13 @@ static void test_uniform(void) {
         double e = 0, mn = INFINITY;
         for (int64_t i = 0; i < L; i++) e += log((double)(i + 1)) / (double)L;
         mn = 0.0;  // row 0 sees one key
-        h0 = mha_diagnostics_head(dg, 0);
+        h0 = mha_diag_head(dg, 0);
         CHECKF(fabs(h0->entropy_mean - e) < 1e-12, "causal entropy %g vs %g", h0->entropy_mean,
                e);
         CHECK(h0->entropy_min == mn);
         CHECK(fabs(h0->entropy_norm - 1.0) < 1e-12 && h0->dead);
     }
-    mha_diagnostics_destroy(dg);
+    mha_diag_destroy(dg);
     mha_module_destroy(m);
 }
 
@@ -131,37 +131,36 @@ static void test_similarity(void) {
         memcpy(b + part * E + d, b + part * E, sizeof(float) * (size_t)d);
     float x[L * E];
     mha_tensor xt = input(x, L, E);
-    mha_diagnostics *dg = diagnose(m, &xt, false, NULL);
+    mha_diag *dg = diagnose(m, &xt, false, NULL);
     if (!dg) return;
-    const double s01 = mha_diagnostics_similarity(dg, 0, 1),
-                 s02 = mha_diagnostics_similarity(dg, 0, 2);
+    const double s01 = mha_diag_similarity(dg, 0, 1), s02 = mha_diag_similarity(dg, 0, 2);
     CHECKF(fabs(s01 - 1.0) < 1e-12, "identical heads: similarity %.15g", s01);
     CHECKF(s02 < 0.999 && s02 > 0.0, "different heads: similarity %g", s02);
     for (int64_t i = 0; i < H; i++) {
-        CHECK(mha_diagnostics_similarity(dg, i, i) == 1.0);
+        CHECK(mha_diag_similarity(dg, i, i) == 1.0);
         for (int64_t j = 0; j < H; j++)
-            CHECK(mha_diagnostics_similarity(dg, i, j) == mha_diagnostics_similarity(dg, j, i));
+            CHECK(mha_diag_similarity(dg, i, j) == mha_diag_similarity(dg, j, i));
     }
-    CHECK(isnan(mha_diagnostics_similarity(dg, 0, 3)));
-    const mha_head_diag *h0 = mha_diagnostics_head(dg, 0), *h1 = mha_diagnostics_head(dg, 1);
+    CHECK(isnan(mha_diag_similarity(dg, 0, 3)));
+    const mha_head_diag *h0 = mha_diag_head(dg, 0), *h1 = mha_diag_head(dg, 1);
     CHECK(h0->entropy_mean == h1->entropy_mean && h0->logit_max == h1->logit_max);
-    mha_diagnostics_destroy(dg);
+    mha_diag_destroy(dg);
     mha_module_destroy(m);
 }
 
 // Built without LAPACKE: every rank -1; every spectrum NULL, *n = 0, with
 // the documented message; bad arguments still NULL.
-static void test_no_svd(const mha_diagnostics *dg) {
-    const int64_t H = mha_diagnostics_num_heads(dg);
+static void test_no_svd(const mha_diag *dg) {
+    const int64_t H = mha_diag_num_heads(dg);
     for (int64_t h = 0; h < H; h++) {
-        const mha_head_diag *hd = mha_diagnostics_head(dg, h);
+        const mha_head_diag *hd = mha_diag_head(dg, h);
         CHECKF(hd->rank_q == -1 && hd->rank_k == -1 && hd->rank_v == -1 && hd->rank_o == -1,
                "head %lld: ranks %lld %lld %lld %lld, want -1 without LAPACKE", (long long)h,
                (long long)hd->rank_q, (long long)hd->rank_k, (long long)hd->rank_v,
                (long long)hd->rank_o);
         for (const char *w = "qkvo"; *w; w++) {
             int64_t n = 7;
-            const double *sv = mha_diagnostics_spectrum(dg, h, *w, &n);
+            const double *sv = mha_diag_spectrum(dg, h, *w, &n);
             const char *msg = mha_last_error();
             CHECKF(sv == NULL && n == 0 &&
                        strstr(msg, "singular values unavailable: mha was built without LAPACKE"),
@@ -170,9 +169,9 @@ static void test_no_svd(const mha_diagnostics *dg) {
         }
     }
     int64_t n = 7;
-    CHECK(mha_diagnostics_spectrum(dg, 0, 'x', &n) == NULL && n == 0);
-    CHECK(mha_diagnostics_spectrum(dg, H, 'q', &n) == NULL);
-    CHECK(mha_diagnostics_spectrum(NULL, 0, 'q', &n) == NULL);
+    CHECK(mha_diag_spectrum(dg, 0, 'x', &n) == NULL && n == 0);
+    CHECK(mha_diag_spectrum(dg, H, 'q', &n) == NULL);
+    CHECK(mha_diag_spectrum(NULL, 0, 'q', &n) == NULL);
     printf("test_diag: built without LAPACKE: ranks -1, no spectra (as documented)\n");
 }
 
@@ -199,38 +198,38 @@ static void test_rank(void) {
         for (int64_t c = 1; c < d; c++) Wo[row * E + 3 * d + c] = Wo[row * E + 3 * d];
     float x[L * E];
     mha_tensor xt = input(x, L, E);
-    mha_diagnostics *dg = diagnose(m, &xt, false, NULL);
+    mha_diag *dg = diagnose(m, &xt, false, NULL);
     if (!dg) return;
     if (!HAVE_SVD) {
         test_no_svd(dg);
-        mha_diagnostics_destroy(dg);
+        mha_diag_destroy(dg);
         mha_module_destroy(m);
         return;
     }
-    CHECK(mha_diagnostics_head(dg, 0)->rank_q == d);
-    CHECKF(mha_diagnostics_head(dg, 1)->rank_q == r, "rank %lld, want %d",
-           (long long)mha_diagnostics_head(dg, 1)->rank_q, r);
-    CHECK(mha_diagnostics_head(dg, 2)->rank_q == 0);
+    CHECK(mha_diag_head(dg, 0)->rank_q == d);
+    CHECKF(mha_diag_head(dg, 1)->rank_q == r, "rank %lld, want %d",
+           (long long)mha_diag_head(dg, 1)->rank_q, r);
+    CHECK(mha_diag_head(dg, 2)->rank_q == 0);
     for (int64_t h = 0; h < H; h++) {
-        const mha_head_diag *hd = mha_diagnostics_head(dg, h);
+        const mha_head_diag *hd = mha_diag_head(dg, h);
         CHECK(hd->rank_k == d && hd->rank_v == d);
         CHECK(hd->rank_o == (h == 3 ? 1 : d));
         for (const char *w = "qkvo"; *w; w++) {
             int64_t n = 0;
-            const double *sv = mha_diagnostics_spectrum(dg, h, *w, &n);
+            const double *sv = mha_diag_spectrum(dg, h, *w, &n);
             CHECK(sv && n == d);
             for (int64_t i = 1; sv && i < n; i++) CHECK(sv[i] <= sv[i - 1] && sv[i] >= 0);
         }
     }
     // the rank-3 slice: the 4th singular value is at rounding level
     int64_t n;
-    const double *sv = mha_diagnostics_spectrum(dg, 1, 'q', &n);
+    const double *sv = mha_diag_spectrum(dg, 1, 'q', &n);
     CHECK(sv && sv[r] < 1e-5 * sv[0] && sv[r - 1] > 1e-3 * sv[0]);
-    CHECK(mha_diagnostics_spectrum(dg, 0, 'x', &n) == NULL && n == 0);
-    CHECK(mha_diagnostics_spectrum(dg, 4, 'q', &n) == NULL);
-    CHECK(mha_diagnostics_spectrum(dg, 0, '\0', &n) == NULL);
-    CHECK(mha_diagnostics_head(dg, -1) == NULL && mha_diagnostics_head(dg, H) == NULL);
-    mha_diagnostics_destroy(dg);
+    CHECK(mha_diag_spectrum(dg, 0, 'x', &n) == NULL && n == 0);
+    CHECK(mha_diag_spectrum(dg, 4, 'q', &n) == NULL);
+    CHECK(mha_diag_spectrum(dg, 0, '\0', &n) == NULL);
+    CHECK(mha_diag_head(dg, -1) == NULL && mha_diag_head(dg, H) == NULL);
+    mha_diag_destroy(dg);
     mha_module_destroy(m);
 }
 
@@ -241,27 +240,27 @@ static void test_nonfinite(void) {
     float x[L * E];
     mha_tensor xt = input(x, L, E);
     x[(3 * 1 + 0) * E + 7] = NAN;  // query[3, 0, 7]
-    mha_diagnostics *dg = diagnose(m, &xt, false, NULL);
-    const char *w = dg ? mha_diagnostics_nonfinite(dg) : NULL;
+    mha_diag *dg = diagnose(m, &xt, false, NULL);
+    const char *w = dg ? mha_diag_nonfinite(dg) : NULL;
     CHECKF(w && strncmp(w, "query[3, 0, 7] = ", 17) == 0, "reported: %s", w ? w : "(none)");
-    mha_diagnostics_destroy(dg);
+    mha_diag_destroy(dg);
     x[(3 * 1 + 0) * E + 7] = 0.5f;
     float *Wo = pdata(m, "out_proj.weight");
     Wo[2 * E + 9] = INFINITY;
     dg = diagnose(m, &xt, false, NULL);
-    w = dg ? mha_diagnostics_nonfinite(dg) : NULL;
+    w = dg ? mha_diag_nonfinite(dg) : NULL;
     CHECKF(w && strncmp(w, "out_proj.weight[2, 9] = inf", 27) == 0, "reported: %s",
            w ? w : "(none)");
-    mha_diagnostics_destroy(dg);
+    mha_diag_destroy(dg);
     Wo[2 * E + 9] = 0.0f;
     // a finite input whose logits overflow float32 is still finite in
     // double: large but no report
     float *W = pdata(m, "in_proj_weight");
     for (int64_t i = 0; i < E * E; i++) W[i] *= 1e20f;
     dg = diagnose(m, &xt, false, NULL);
-    CHECK(dg && mha_diagnostics_nonfinite(dg) == NULL);
-    CHECK(dg && mha_diagnostics_head(dg, 0)->logit_max > 1e15);
-    mha_diagnostics_destroy(dg);
+    CHECK(dg && mha_diag_nonfinite(dg) == NULL);
+    CHECK(dg && mha_diag_head(dg, 0)->logit_max > 1e15);
+    mha_diag_destroy(dg);
     mha_module_destroy(m);
 }
 
@@ -275,28 +274,28 @@ static void test_options(void) {
     mha_diag_options_init(&o);
     CHECK(o.max_rows == 256 && o.dead_entropy == 0.98 && o.dead_output == 1e-4);
     o.max_rows = 8;
-    mha_diagnostics *dg = diagnose(m, &xt, false, &o);
-    CHECK(dg && mha_diagnostics_rows(dg) == 8 && mha_diagnostics_head(dg, 0)->rows == 8);
-    mha_diagnostics_destroy(dg);
+    mha_diag *dg = diagnose(m, &xt, false, &o);
+    CHECK(dg && mha_diag_rows(dg) == 8 && mha_diag_head(dg, 0)->rows == 8);
+    mha_diag_destroy(dg);
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
     o.max_rows = -1;
     dg = NULL;
-    CHECK_FAILS(mha_diagnose(&dg, m, &a, &o), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_diag_create(&dg, m, &a, &o), MHA_ERR_INVALID_ARG);
     CHECK(dg == NULL);
     mha_diag_options_init(&o);
     o.dead_entropy = 1.5;
-    CHECK_FAILS(mha_diagnose(&dg, m, &a, &o), MHA_ERR_INVALID_ARG);
-    CHECK_FAILS(mha_diagnose(NULL, m, &a, NULL), MHA_ERR_INVALID_ARG);
-    CHECK_FAILS(mha_diagnose(&dg, NULL, &a, NULL), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_diag_create(&dg, m, &a, &o), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_diag_create(NULL, m, &a, NULL), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_diag_create(&dg, NULL, &a, NULL), MHA_ERR_INVALID_ARG);
     // the forward's own checks apply: a key of the wrong width
     float kx[L * 8];
     mha_tensor kt = mha_tensor_contiguous(kx, MHA_F32, 3, (int64_t[]){L, 1, 8});
     a.key = &kt;
-    CHECK_FAILS(mha_diagnose(&dg, m, &a, NULL), MHA_ERR_SHAPE);
-    mha_diagnostics_destroy(NULL);
-    CHECK(mha_diagnostics_num_heads(NULL) == 0 && mha_diagnostics_nonfinite(NULL) == NULL);
+    CHECK_FAILS(mha_diag_create(&dg, m, &a, NULL), MHA_ERR_SHAPE);
+    mha_diag_destroy(NULL);
+    CHECK(mha_diag_num_heads(NULL) == 0 && mha_diag_nonfinite(NULL) == NULL);
     mha_module_destroy(m);
 }
 
@@ -314,7 +313,7 @@ static void test_rank_head_dim(void) {
     CHECK_OK(mha_module_create(&m, &cfg));
     if (!m) return;
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = 9;
     CHECK_OK(mha_module_init(m, &io));
     float *Wq = pdata(m, "q_proj_weight"), *Wo = pdata(m, "out_proj.weight");
@@ -325,41 +324,40 @@ static void test_rank_head_dim(void) {
         for (int64_t c = 1; c < d; c++) Wo[row * Eq + c] = Wo[row * Eq] * 0.5f * (float)c;
     float x[L * 10];
     mha_tensor xt = input(x, L, E);
-    mha_diagnostics *dg = diagnose(m, &xt, false, NULL);
+    mha_diag *dg = diagnose(m, &xt, false, NULL);
     if (dg && HAVE_SVD) {
         static const int64_t want_q[3] = {4, 1, 0}, want_o[3] = {1, 4, 4};
         for (int64_t h = 0; h < H; h++) {
-            const mha_head_diag *hd = mha_diagnostics_head(dg, h);
+            const mha_head_diag *hd = mha_diag_head(dg, h);
             CHECKF(hd->rank_q == want_q[h] && hd->rank_o == want_o[h] && hd->rank_k == d &&
                        hd->rank_v == d,
                    "head_dim head %lld: ranks q %lld k %lld v %lld o %lld", (long long)h,
                    (long long)hd->rank_q, (long long)hd->rank_k, (long long)hd->rank_v,
                    (long long)hd->rank_o);
             int64_t n = 0;
-            CHECK(mha_diagnostics_spectrum(dg, h, 'o', &n) && n == d);
+            CHECK(mha_diag_spectrum(dg, h, 'o', &n) && n == d);
         }
     }
-    if (dg && !HAVE_SVD) CHECK(mha_diagnostics_head(dg, 0)->rank_q == -1);
+    if (dg && !HAVE_SVD) CHECK(mha_diag_head(dg, 0)->rank_q == -1);
     // the scale: 2 / sqrt(d) doubles the logits (max and std)
     mha_forward_args a;
     mha_forward_args_init(&a);
     a.query = a.key = a.value = &xt;
     a.opts.scale = 2.0 / sqrt((double)d);
-    mha_diagnostics *d2 = NULL;
-    CHECK_OK(mha_diagnose(&d2, m, &a, NULL));
+    mha_diag *d2 = NULL;
+    CHECK_OK(mha_diag_create(&d2, m, &a, NULL));
     for (int64_t h = 0; dg && d2 && h < 2; h++) {
-        const mha_head_diag *h1 = mha_diagnostics_head(dg, h),
-                            *h2 = mha_diagnostics_head(d2, h);
+        const mha_head_diag *h1 = mha_diag_head(dg, h), *h2 = mha_diag_head(d2, h);
         CHECKF(fabs(h2->logit_max - 2 * h1->logit_max) <= 1e-9 * (1 + fabs(h1->logit_max)) &&
                    fabs(h2->logit_std - 2 * h1->logit_std) <= 1e-9 * (1 + h1->logit_std),
                "scale: logit max %g -> %g, std %g -> %g", h1->logit_max, h2->logit_max,
                h1->logit_std, h2->logit_std);
     }
     a.opts.scale = NAN;
-    mha_diagnostics *d3 = NULL;
-    CHECK_FAILS(mha_diagnose(&d3, m, &a, NULL), MHA_ERR_INVALID_ARG);
-    mha_diagnostics_destroy(d2);
-    mha_diagnostics_destroy(dg);
+    mha_diag *d3 = NULL;
+    CHECK_FAILS(mha_diag_create(&d3, m, &a, NULL), MHA_ERR_INVALID_ARG);
+    mha_diag_destroy(d2);
+    mha_diag_destroy(dg);
     mha_module_destroy(m);
 }
 
@@ -376,34 +374,34 @@ static void test_qk_norm(void) {
         mha_module *m = NULL;
         CHECK_OK(mha_module_create(&m, &cfg));
         mha_init_options io;
-        mha_init_options_default(&io);
+        mha_init_options_init(&io);
         io.seed = 7;
         CHECK_OK(mha_module_init(m, &io));
         float x[L * E];
         mha_tensor xt = input(x, L, E);
-        mha_diagnostics *d0 = diagnose(m, &xt, false, NULL);
+        mha_diag *d0 = diagnose(m, &xt, false, NULL);
         float *W = pdata(m, "in_proj_weight");
         float *b = pdata(m, "in_proj_bias");
         for (int64_t i = 0; i < E * E; i++) W[i] *= 8.0f;  // W_Q and b_Q
         for (int64_t i = 0; i < E; i++) b[i] *= 8.0f;
-        mha_diagnostics *d1 = diagnose(m, &xt, false, NULL);
+        mha_diag *d1 = diagnose(m, &xt, false, NULL);
         for (int64_t h = 0; d0 && d1 && h < H; h++) {
-            const double e0 = mha_diagnostics_head(d0, h)->entropy_mean,
-                         e1 = mha_diagnostics_head(d1, h)->entropy_mean;
+            const double e0 = mha_diag_head(d0, h)->entropy_mean,
+                         e1 = mha_diag_head(d1, h)->entropy_mean;
             CHECKF(fabs(e0 - e1) < 1e-4 && e0 < log((double)L) - 1e-3,
                    "qk_norm %d head %lld: entropy %g, W_Q x 8: %g (ln L %g)", kind,
                    (long long)h, e0, e1, log((double)L));
         }
-        mha_diagnostics_destroy(d0);
-        mha_diagnostics_destroy(d1);
+        mha_diag_destroy(d0);
+        mha_diag_destroy(d1);
         float *qn = pdata(m, "q_norm.weight");
         memset(qn, 0, sizeof(float) * (size_t)(kind == MHA_QK_NORM_HEAD ? E / H : E));
-        mha_diagnostics *dz = diagnose(m, &xt, false, NULL);
+        mha_diag *dz = diagnose(m, &xt, false, NULL);
         for (int64_t h = 0; dz && h < H; h++)
-            CHECKF(fabs(mha_diagnostics_head(dz, h)->entropy_mean - log((double)L)) < 1e-12,
+            CHECKF(fabs(mha_diag_head(dz, h)->entropy_mean - log((double)L)) < 1e-12,
                    "qk_norm %d head %lld: zero q_norm.weight, entropy %g vs ln L", kind,
-                   (long long)h, mha_diagnostics_head(dz, h)->entropy_mean);
-        mha_diagnostics_destroy(dz);
+                   (long long)h, mha_diag_head(dz, h)->entropy_mean);
+        mha_diag_destroy(dz);
         mha_module_destroy(m);
     }
 }

@@ -3,7 +3,7 @@
 //     only its own output row; a bad key/value token spoils every row of
 //     its batch element (masked or not: NaN logit, 0 * NaN value); the
 //     other rows and elements are exact; no crash; mha_backward returns;
-//     mha_diagnose names the first bad value
+//     mha_diag_create names the first bad value
 //   - logits of +-1e4 stay finite through the stable softmax (forward,
 //     weights, backward), and the two implementations agree
 //   - L = 0 (nothing to do, output untouched) and S = 0 (no keys: every row
@@ -88,14 +88,14 @@ static void test_nonfinite(void) {
                        mha_impl_name(impls[ii]));
                 mha_tensor gt = mha_tensor_contiguous(g, MHA_F32, 3, (int64_t[]){L, N, E});
                 CHECK_OK(mha_backward(&gt, NULL, NULL, NULL, m, &a, &y0t, false));
-                mha_diagnostics *d = NULL;
-                CHECK_OK(mha_diagnose(&d, m, &a, NULL));
-                const char *nf = d ? mha_diagnostics_nonfinite(d) : NULL;
+                mha_diag *d = NULL;
+                CHECK_OK(mha_diag_create(&d, m, &a, NULL));
+                const char *nf = d ? mha_diag_nonfinite(d) : NULL;
                 char want[32];
                 snprintf(want, sizeof want, "query[%d, 1, 3]", T0);
                 CHECKF(nf && strstr(nf, want), "diagnose: %s (want %s)", nf ? nf : "(none)",
                        want);
-                mha_diagnostics_destroy(d);
+                mha_diag_destroy(d);
             }
     mha_module_destroy(m);
 }

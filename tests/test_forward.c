@@ -38,7 +38,7 @@ static mha_module *module(int64_t E, int64_t H, bool batch_first, bool bkv, bool
     CHECK_OK(mha_module_create(&m, &c));
     seed_rng(seed);  // the biases below depend on the seed only
     mha_init_options o;
-    mha_init_options_default(&o);
+    mha_init_options_init(&o);
     o.seed = seed;
     CHECK_OK(mha_module_init(m, &o));
     // non-zero biases so that they are exercised

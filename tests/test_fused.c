@@ -36,7 +36,7 @@ static void one_case(int id) {
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = (uint64_t)id;
     CHECK_OK(mha_module_init(m, &io));
     const int64_t kd = mha_module_config(m)->kdim, nb = unb ? 1 : N;
@@ -1032,7 +1032,7 @@ static void test_qk_norm(void) {
                 CHECKF(ones, "qk_norm %d: norm weights not 1 (pass %d)", cfg, pass);
                 for (int64_t j = 0; j < qn.numel; j++) qn.data[j] = 3.0f;
                 mha_init_options io;
-                mha_init_options_default(&io);
+                mha_init_options_init(&io);
                 CHECK_OK(mha_module_init(m0, &io));
             }
             mha_module_destroy(m0);

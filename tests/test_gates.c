@@ -12,7 +12,7 @@
 //   - bit-identical results with 1, 2 and 8 threads
 //   - mha_forward_cached with gates and pruning = the causal forward
 //   - save/load (gate tensors, __metadata__ pruned_heads), convert, misuse
-//   - mha_diagnose's pruned flag and gate_mean
+//   - mha_diag_create's pruned flag and gate_mean
 // Finite differences of the gates' gradients: test_backward.c.
 #include <math.h>
 #include <stdio.h>
@@ -79,7 +79,7 @@ static void test_static_known(void) {
     mha_module *gated = NULL;
     CHECK_OK(mha_module_create(&gated, &c));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     CHECK_OK(mha_module_init(gated, &io));
     float *hg = param(gated, "head_gate");
     for (int h = 0; h < H; h++) CHECKF(hg[h] == 1.0f, "init head_gate[%d] = %g", h, hg[h]);
@@ -139,7 +139,7 @@ static void test_dynamic_known(void) {
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     CHECK_OK(mha_module_init(m, &io));
     const float *wg = param(m, "gate_proj.weight"), *bg = param(m, "gate_proj.bias");
     CHECK(max_abs(wg, H * E) == 0.0 && max_abs(bg, H) == 0.0);  // gates 0.5 at init
@@ -475,7 +475,7 @@ static void test_io(void) {
     mha_module_destroy(m);
 }
 
-// mha_diagnose reports the pruned flag and each head's gate (static: the
+// mha_diag_create reports the pruned flag and each head's gate (static: the
 // parameter; dynamic: the mean of the sigmoid over the query rows).
 static void test_diag(void) {
     enum { E = 16, H = 4, L = 9, N = 2 };
@@ -492,11 +492,11 @@ static void test_diag(void) {
         mha_module *m = new_module(&c, 8);
         const int64_t pr = 2;
         CHECK_OK(mha_module_prune_heads(m, &pr, 1));
-        mha_diagnostics *d = NULL;
-        CHECK_OK(mha_diagnose(&d, m, &a, NULL));
+        mha_diag *d = NULL;
+        CHECK_OK(mha_diag_create(&d, m, &a, NULL));
         if (!d) continue;
         for (int h = 0; h < H; h++) {
-            const mha_head_diag *hd = mha_diagnostics_head(d, h);
+            const mha_head_diag *hd = mha_diag_head(d, h);
             CHECK(hd->pruned == (h == 2));
             double want = 1.0;
             if (gate == MHA_GATE_STATIC) want = param(m, "head_gate")[h];
@@ -514,7 +514,7 @@ static void test_diag(void) {
             CHECKF(fabs(hd->gate_mean - want) < 1e-12,
                    "gate %d head %d: gate_mean %g, want %g", gate, h, hd->gate_mean, want);
         }
-        mha_diagnostics_destroy(d);
+        mha_diag_destroy(d);
         mha_module_destroy(m);
     }
 }

@@ -234,7 +234,7 @@ static void run_case(const mcase *c, int id) {
     mha_module *m32, *m16, *mr;
     CHECK_OK(mha_module_create(&m32, &cfg));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = 5 + (uint64_t)id;
     CHECK_OK(mha_module_init(m32, &io));
     CHECK_OK(mha_module_convert(&m16, m32, MHA_BF16));

@@ -46,7 +46,7 @@ static mha_module *make(const cfgcase *c, mha_dtype wd, uint64_t seed) {
     CHECK_OK(mha_module_create(&m, &cfg));
     if (!m) return NULL;
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = seed;
     CHECK_OK(mha_module_init(m, &io));
     // biases nonzero so they take part
@@ -345,16 +345,16 @@ static void test_case(const cfgcase *c) {
         // one (nearest even, once)
         if (mr) test_training(c, &f, mh, mr, wd);
         // the optimizers still take float32 modules only
-        mha_optimizer *o = NULL;
+        mha_optim *o = NULL;
         mha_optim_config oc;
         mha_optim_config_init(&oc, MHA_OPTIM_ADAMW);
-        CHECK_OK(mha_optimizer_create(&o, &oc));
+        CHECK_OK(mha_optim_create(&o, &oc));
         mha_module *g = NULL;
         CHECK_OK(mha_module_convert(&g, mh, wd));
-        if (o && g) CHECK_FAILS(mha_optimizer_add_module(o, mh, g), MHA_ERR_DTYPE);
+        if (o && g) CHECK_FAILS(mha_optim_add_module(o, mh, g), MHA_ERR_DTYPE);
         if (o && g) CHECK(strstr(mha_last_error(), mha_dtype_name(wd)) != NULL);
         mha_module_destroy(g);
-        mha_optimizer_destroy(o);
+        mha_optim_destroy(o);
 
         // safetensors: written as BF16/F16; loaded exactly, or widened
         const char *dir = getenv("MHA_TEST_TMPDIR");

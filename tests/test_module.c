@@ -106,7 +106,7 @@ static mha_module *make(int64_t E, int64_t H, int64_t kdim, bool bkv, mha_init_s
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
     mha_init_options o;
-    mha_init_options_default(&o);
+    mha_init_options_init(&o);
     o.scheme = sch;
     o.gain = gain;
     o.std = std;
@@ -233,7 +233,7 @@ static void test_init_orthogonal(void) {
 static void test_init_errors(void) {
     mha_module *m = make(8, 2, 0, false, MHA_INIT_ZEROS, 1, 0, 0);
     mha_init_options o;
-    mha_init_options_default(&o);
+    mha_init_options_init(&o);
     o.std = -1;
     o.scheme = MHA_INIT_NORMAL;
     CHECK_FAILS(mha_module_init(m, &o), MHA_ERR_INVALID_ARG);
@@ -315,7 +315,7 @@ static void test_gqa(void) {
     CHECK_OK(mha_module_param(&p, m, "out_proj.weight"));
     CHECK(p.shape[0] == 24 && p.shape[1] == 24);
     mha_init_options o;
-    mha_init_options_default(&o);
+    mha_init_options_init(&o);
     CHECK_OK(mha_module_init(m, &o));
     CHECK_OK(mha_module_param(&p, m, "in_proj_weight"));
     stats st = stats_of(p.data, p.numel);
@@ -428,7 +428,7 @@ static mha_module *layout_module(int64_t E, int64_t H, int64_t Hkv, int64_t d, b
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, &c));
     mha_init_options o;
-    mha_init_options_default(&o);
+    mha_init_options_init(&o);
     o.seed = seed;
     if (m) CHECK_OK(mha_module_init(m, &o));
     for (int i = 0; m && i < mha_module_num_params(m); i++) {  // biases non-zero too

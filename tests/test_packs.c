@@ -345,7 +345,7 @@ static void one_kind(const char *kind, const mha_config *c, bool prune) {
     // 3. mha_module_init (another seed)
     {
         mha_init_options io;
-        mha_init_options_default(&io);
+        mha_init_options_init(&io);
         io.seed = 99;
         CHECK_OK(mha_module_init(m, &io));
         check_fresh(kind, "mha_module_init", m, &in);
@@ -427,9 +427,9 @@ static void one_kind(const char *kind, const mha_config *c, bool prune) {
             mha_optim_config oc;
             mha_optim_config_init(&oc, kind_o ? MHA_OPTIM_ADAMW : MHA_OPTIM_SGD);
             oc.lr = 0.05;
-            mha_optimizer *opt = NULL;
-            CHECK_OK(mha_optimizer_create(&opt, &oc));
-            if (opt) CHECK_OK(mha_optimizer_add_module(opt, m, g));
+            mha_optim *opt = NULL;
+            CHECK_OK(mha_optim_create(&opt, &oc));
+            if (opt) CHECK_OK(mha_optim_add_module(opt, m, g));
             for (int step = 0; opt && step < 2; step++) {
                 run_all(&o, m, &in);      // (the copy filled)
                 run_forward(&o, g, &in);  // (g's copy filled)
@@ -439,15 +439,15 @@ static void one_kind(const char *kind, const mha_config *c, bool prune) {
                 CHECK_OK(mha_backward(&gxt, NULL, NULL, g, m, &a, &gyt, false));
                 a.impl = MHA_IMPL_FUSED;
                 check_fresh(kind, "the reference mha_backward writing the grads module", g, &in);
-                CHECK_OK(mha_optimizer_clip_grad_norm(opt, 1e-3, NULL));
-                check_fresh(kind, "mha_optimizer_clip_grad_norm (grads module)", g, &in);
-                CHECK_OK(mha_optimizer_step(opt));
+                CHECK_OK(mha_optim_clip_grad_norm(opt, 1e-3, NULL));
+                check_fresh(kind, "mha_optim_clip_grad_norm (grads module)", g, &in);
+                CHECK_OK(mha_optim_step(opt));
                 check_fresh(kind, kind_o ? "an AdamW step" : "an SGD step", m, &in);
                 run_forward(&o, g, &in);
-                mha_optimizer_zero_grad(opt);
-                check_fresh(kind, "mha_optimizer_zero_grad (grads module)", g, &in);
+                mha_optim_zero_grad(opt);
+                check_fresh(kind, "mha_optim_zero_grad (grads module)", g, &in);
             }
-            mha_optimizer_destroy(opt);
+            mha_optim_destroy(opt);
         }
         free(gx);
         mha_module_destroy(g);

@@ -16,7 +16,7 @@
 //     causal forward with those positions (dynamic: a chunk whose largest
 //     position is the full call's)
 //   - the saved state keeps the positions and the scaling in its key
-//   - mha_diagnose's logit_max = the reference trace's scaled scores
+//   - mha_diag_create's logit_max = the reference trace's scaled scores
 //   - mha_rope_apply: positions = start + t gives mha_rope_apply's bits;
 //     inverse after forward multiplies by the attention factor squared
 //   - refusals: negative positions, cross-attention with positions, a
@@ -523,7 +523,7 @@ static void test_saved(void) {
     mha_module_destroy(m);
 }
 
-// mha_diagnose's logit_max (every row, no masks) = the largest of the
+// mha_diag_create's logit_max (every row, no masks) = the largest of the
 // reference's traced scaled scores, with positions and a scaling.
 typedef struct trace_max {
     double m[4];
@@ -558,8 +558,8 @@ static void test_diag(void) {
         mha_diag_options o;
         mha_diag_options_init(&o);
         o.max_rows = 0;
-        mha_diagnostics *dg = NULL;
-        CHECK_OK(mha_diagnose(&dg, m, &a, &o));
+        mha_diag *dg = NULL;
+        CHECK_OK(mha_diag_create(&dg, m, &a, &o));
         trace_max tm = {{-INFINITY, -INFINITY, -INFINITY, -INFINITY}};
         float y[L * N * E];
         mha_tensor yt = in.qt;
@@ -569,12 +569,12 @@ static void test_diag(void) {
         a.trace_user = &tm;
         CHECK_OK(mha_forward(&yt, NULL, m, &a));
         for (int64_t h = 0; dg && h < H; h++) {
-            const double lm = mha_diagnostics_head(dg, h)->logit_max;
+            const double lm = mha_diag_head(dg, h)->logit_max;
             CHECKF(fabs(lm - tm.m[h]) <= 1e-5 * (1 + fabs(lm)),
                    "diag scaling %d head %lld: logit_max %g, trace %g", t, (long long)h, lm,
                    tm.m[h]);
         }
-        mha_diagnostics_destroy(dg);
+        mha_diag_destroy(dg);
     }
     test_inputs_free(&in);
     mha_module_destroy(m);

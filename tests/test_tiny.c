@@ -399,12 +399,12 @@ static void test_training(void) {
     tiny_config cfg = {
         .vocab = TINY_VOCAB, .seq_len = T, .d_model = 32, .n_heads = 4, .n_layers = 2, .seed = 1};
     tiny_model *m = NULL;
-    mha_optimizer *o = NULL;
+    mha_optim *o = NULL;
     mha_optim_config oc;
     mha_optim_config_init(&oc, MHA_OPTIM_ADAMW);
     oc.lr = 3e-3;
     CHECK_OK(tiny_create(&m, &cfg, n_eval));
-    CHECK_OK(mha_optimizer_create(&o, &oc));
+    CHECK_OK(mha_optim_create(&o, &oc));
     if (!m || !o) return;
     CHECK_OK(tiny_optimizer_register(m, o));
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)(n_eval * T)),
@@ -414,12 +414,12 @@ static void test_training(void) {
     double first = 0, last = 0;
     for (int64_t s = 1; s <= steps; s++) {
         tiny_task_sample(tok, tgt, TINY_TASK_RECALL, K, B, &data);
-        mha_optimizer_zero_grad(o);
+        mha_optim_zero_grad(o);
         float loss = NAN;
         CHECK_OK(tiny_forward(m, &loss, tok, tgt, B, true, 0));
         CHECK_OK(tiny_backward(m));
-        CHECK_OK(mha_optimizer_clip_grad_norm(o, 1.0, NULL));
-        CHECK_OK(mha_optimizer_step(o));
+        CHECK_OK(mha_optim_clip_grad_norm(o, 1.0, NULL));
+        CHECK_OK(mha_optim_step(o));
         if (s <= 20) first += loss / 20.0;
         if (s > steps - 20) last += loss / 20.0;
     }
@@ -442,7 +442,7 @@ static void test_training(void) {
     CHECKF(last < first / 1.8, "loss %.3f -> %.3f: not cut by 1.8x", first, last);
     CHECKF(acc > 0.25, "held-out accuracy %.3f not above 25%% (chance 10%%)", acc);
     free(tok), free(tgt), free(pred);
-    mha_optimizer_destroy(o);
+    mha_optim_destroy(o);
     tiny_destroy(m);
 }
 

@@ -49,7 +49,7 @@ static inline mha_module *torch_module(const mha_config *c, uint64_t seed) {
     mha_module *m = NULL;
     CHECK_OK(mha_module_create(&m, c));
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = seed;
     CHECK_OK(mha_module_init(m, &io));
     return m;

@@ -311,7 +311,7 @@ static int problem_setup(problem *p, bench_bufs *bb, const bench_opts *o, mha_im
     cfg.weight_dtype = o->wdtype;
     cfg.head_gate = o->gate;
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = o->seed;
     if ((st = mha_module_create(&p->m, &cfg)) || (st = mha_module_init(p->m, &io)))
         return cli_fail("bench", st);
@@ -1178,7 +1178,7 @@ static int bench_decode_module(const bench_opts *o, int threads) {
     mha_module *m = NULL;
     mha_kv_cache *c = NULL;
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = o->seed;
     mha_status st = mha_module_create(&m, &cfg);
     if (!st) st = mha_module_init(m, &io);

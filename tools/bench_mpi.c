@@ -49,7 +49,7 @@ static int bench_kv_decode(int rank, int P, int64_t B, int64_t T, int64_t E, int
     mha_kv_cache *kc = NULL;
     mha_status st = mha_module_create(&m, &c);
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = seed;
     if (!st) st = mha_module_init(m, &io);
     if (!st) st = mha_kv_cache_create(&kc, B, Hkv, d, d, share + T, MHA_KV_F32);
@@ -154,7 +154,7 @@ static mha_status par_setup(par_run *pr, uint64_t seed) {
     c.batch_first = true;
     if (!st) st = mha_module_create(&pr->m, &c);
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = seed;
     if (!st) st = mha_module_init(pr->m, &io);
     if (!st && pr->backward) st = mha_module_create(&pr->g, &c);

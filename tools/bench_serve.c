@@ -25,7 +25,7 @@ int bench_serve(const bench_serve_opts *o) {
     cfg.num_kv_heads = Hkv;
     cfg.batch_first = true;
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = o->seed;
     mha_module *m = NULL;
     mha_paged_cache *c = NULL;

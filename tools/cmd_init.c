@@ -71,7 +71,7 @@ int cmd_init(int argc, char **argv) {
     mha_config cfg;
     mha_config_init(&cfg, 0, 0);
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     const char *out = NULL;
     int64_t seed = 0;
     int c;

@@ -1,6 +1,6 @@
 // cmd_inspect.c: `mha inspect`. Public API only.
 //
-// mha inspect: mha_diagnose on the loaded module and inputs, written as
+// mha inspect: mha_diag_create on the loaded module and inputs, written as
 // DIR/diagnostics.json (r->ypath is the directory; NaN -> null), then the
 // pictures and report.html (inspect_plot.c) from the same numbers and the
 // per-head attention weights of one batch element.
@@ -55,11 +55,11 @@ static int read_tokens(run *r) {
 }
 
 // diagnostics.json as a cJSON tree (NULL when out of memory).
-static cJSON *diag_json(const mha_diagnostics *d) {
-    const int64_t H = mha_diagnostics_num_heads(d);
+static cJSON *diag_json(const mha_diag *d) {
+    const int64_t H = mha_diag_num_heads(d);
     cJSON *root = cJSON_CreateObject(), *heads = cJSON_AddArrayToObject(root, "heads");
     for (int64_t h = 0; h < H; h++) {
-        const mha_head_diag *x = mha_diagnostics_head(d, h);
+        const mha_head_diag *x = mha_diag_head(d, h);
         cJSON *o = cJSON_CreateObject();
         cJSON_AddNumberToObject(o, "head", (double)x->head);
         cJSON_AddNumberToObject(o, "entropy_mean", x->entropy_mean);
@@ -80,7 +80,7 @@ static cJSON *diag_json(const mha_diagnostics *d) {
         static const char *sn[4] = {"singular_q", "singular_k", "singular_v", "singular_o"};
         for (int w = 0; w < 4; w++) {
             int64_t n = 0;
-            const double *sv = mha_diagnostics_spectrum(d, h, "qkvo"[w], &n);
+            const double *sv = mha_diag_spectrum(d, h, "qkvo"[w], &n);
             cJSON *arr = cJSON_AddArrayToObject(o, sn[w]);
             for (int64_t i = 0; i < n; i++)
                 cJSON_AddItemToArray(arr, cJSON_CreateNumber(sv[i]));
@@ -91,13 +91,13 @@ static cJSON *diag_json(const mha_diagnostics *d) {
     for (int64_t i = 0; i < H; i++) {
         cJSON *row = cJSON_CreateArray();
         for (int64_t j = 0; j < H; j++)
-            cJSON_AddItemToArray(row, cJSON_CreateNumber(mha_diagnostics_similarity(d, i, j)));
+            cJSON_AddItemToArray(row, cJSON_CreateNumber(mha_diag_similarity(d, i, j)));
         cJSON_AddItemToArray(sim, row);
     }
-    const char *nf = mha_diagnostics_nonfinite(d);
+    const char *nf = mha_diag_nonfinite(d);
     if (nf) cJSON_AddStringToObject(root, "nonfinite", nf);
     else cJSON_AddNullToObject(root, "nonfinite");
-    cJSON_AddNumberToObject(root, "rows_examined", (double)mha_diagnostics_rows(d));
+    cJSON_AddNumberToObject(root, "rows_examined", (double)mha_diag_rows(d));
     return root;
 }
 
@@ -273,17 +273,17 @@ static int run_inspect(run *r) {
                 "mha %s: note: %s has %lld lines for %lld positions; the extra lines "
                 "are not used\n",
                 cmd, r->tokens_path, (long long)r->ntokens, (long long)L);
-    mha_diagnostics *d = NULL;
-    mha_status st = mha_diagnose(&d, r->m, &r->a, &r->diag);
+    mha_diag *d = NULL;
+    mha_status st = mha_diag_create(&d, r->m, &r->a, &r->diag);
     if (st) return cli_fail(cmd, st);
     if (mkdir(r->ypath, 0777) && errno != EEXIST) {
         fprintf(stderr, "mha %s: cannot create directory %s: %s\n", cmd, r->ypath,
                 strerror(errno));
-        mha_diagnostics_destroy(d);
+        mha_diag_destroy(d);
         return 1;
     }
-    const int64_t H = mha_diagnostics_num_heads(d), rows_examined = mha_diagnostics_rows(d);
-    const char *nf = mha_diagnostics_nonfinite(d);
+    const int64_t H = mha_diag_num_heads(d), rows_examined = mha_diag_rows(d);
+    const char *nf = mha_diag_nonfinite(d);
     cJSON *root = diag_json(d);
     char *text = root ? cJSON_Print(root) : NULL;
     char path[4096];
@@ -293,7 +293,7 @@ static int run_inspect(run *r) {
         printf("wrote %s (%lld heads, %lld rows examined)%s%s\n", path, (long long)H,
                (long long)rows_examined, nf ? "; non-finite: " : "", nf ? nf : "");
     free(text);
-    mha_diagnostics_destroy(d);
+    mha_diag_destroy(d);
 
     // the pictures: the weights of one batch element, positions [0, plot_len)
     float *w = NULL;

@@ -171,7 +171,7 @@ static int run_bert(int64_t N, int64_t L) {
     mha_status st = mha_module_create(&m, &cfg);
     if (st) return cli_fail("demo", st);
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     if ((st = mha_module_init(m, &io))) {
         mha_module_destroy(m);
         return cli_fail("demo", st);

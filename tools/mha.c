@@ -6,7 +6,7 @@
 //   mha forward  run the module on tensors from a safetensors file
 //   mha backward its gradients for every input and parameter (both
 //                cmd_run.c, on the options and files of run.c)
-//   mha inspect  per-head diagnostics (mha_diagnose) as DIR/diagnostics.json,
+//   mha inspect  per-head diagnostics (mha_diag_create) as DIR/diagnostics.json,
 //                pictures and report.html (cmd_inspect.c, plot/)
 //   mha train    train a tiny transformer on a synthetic task (train.c,
 //                train_loop.c, tiny/)

@@ -157,7 +157,7 @@ static const char *backward_help =
 static const char *inspect_help =
     "Usage: mha inspect --weights W.safetensors --inputs X.safetensors --out DIR\n"
     "                   [options]\n"
-    "Looks inside the heads (mha_diagnose, eval mode) and writes into DIR\n"
+    "Looks inside the heads (mha_diag_create, eval mode) and writes into DIR\n"
     "(created if needed):\n"
     "  diagnostics.json  per head: attention entropy (mean, min, normalised;\n"
     "                    nats), mean attended distance, logit max and std,\n"

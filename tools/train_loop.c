@@ -134,7 +134,7 @@ typedef struct train_state {
     bool tty;
     int64_t T, B, chunk, n_eval;
     tiny_model *m;
-    mha_optimizer *opt;
+    mha_optim *opt;
     FILE *csv;  // the CSV composed in memory (csv_text, csv_n), written at the end
     char *csv_text;
     size_t csv_n;
@@ -193,7 +193,7 @@ static int train_setup(train_state *ts, const train_opts *o) {
     if (o->optim == MHA_OPTIM_SGD) oc.momentum = 0.9;
     ts->oo = *o;
     ts->oo.lr = oc.lr;
-    if ((st = mha_optimizer_create(&ts->opt, &oc))) return train_fail(ts, st);
+    if ((st = mha_optim_create(&ts->opt, &oc))) return train_fail(ts, st);
     if ((st = tiny_optimizer_register(ts->m, ts->opt))) return train_fail(ts, st);
 
     if (o->csv) {
@@ -239,7 +239,7 @@ static int train_step(train_state *ts, int64_t s) {
     mha_status st;
     double t0 = cli_now();
     tiny_task_sample(ts->tok, ts->tgt, o->task, o->pairs, B, &ts->data_rng);
-    mha_optimizer_zero_grad(ts->opt);
+    mha_optim_zero_grad(ts->opt);
     float loss;
     if ((st = tiny_forward(ts->m, &loss, ts->tok, ts->tgt, B, true,
                            (uint64_t)s * ts->offset_stride)))
@@ -252,10 +252,10 @@ static int train_step(train_state *ts, int64_t s) {
     tiny_predict(ts->m, ts->pred);
     for (int64_t b = 0; b < B; b++) ts->csum += ts->pred[b] == ts->tgt[b];
     if ((st = tiny_backward(ts->m))) return train_fail(ts, st);
-    if (o->clip > 0 && (st = mha_optimizer_clip_grad_norm(ts->opt, o->clip, NULL)))
+    if (o->clip > 0 && (st = mha_optim_clip_grad_norm(ts->opt, o->clip, NULL)))
         return train_fail(ts, st);
-    if ((st = mha_optimizer_set_lr(ts->opt, lr_at(&ts->oo, s)))) return train_fail(ts, st);
-    if ((st = mha_optimizer_step(ts->opt))) return train_fail(ts, st);
+    if ((st = mha_optim_set_lr(ts->opt, lr_at(&ts->oo, s)))) return train_fail(ts, st);
+    if ((st = mha_optim_step(ts->opt))) return train_fail(ts, st);
     double dt = cli_now() - t0;
     ts->t_train += dt;
     ts->t_int += dt;
@@ -368,7 +368,7 @@ int train_run(const train_opts *o, tiny_model **keep, double *eval_acc) {
     }
     if (ts.csv) fclose(ts.csv);
     free(ts.csv_text);
-    mha_optimizer_destroy(ts.opt);
+    mha_optim_destroy(ts.opt);
     tiny_destroy(ts.m);
     free(ts.ints);
     return rc;

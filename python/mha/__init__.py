@@ -844,7 +844,7 @@ def _cli():
 def diagnose(module, query, key=None, value=None, key_padding_mask=None, attn_mask=None,
              is_causal=False, *, max_rows=256, dead_entropy=0.98, dead_output=1e-4,
              rank_rtol=0.0, report=None, tokens=None, **extras):
-    """Per-head diagnostics (mha_diagnose, eval mode) as a dict: "heads"
+    """Per-head diagnostics (mha_diag_create, eval mode) as a dict: "heads"
     (per head: entropy_mean/min/norm, mean_distance, logit_max/std,
     output_var_ratio, dead, rank_q/k/v/o, singular_values, pruned,
     gate_mean), "similarity" (H x H, 1 - JS/ln 2), "rows", "nonfinite".

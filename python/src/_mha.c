@@ -530,7 +530,7 @@ static PyObject *Module_save(ModuleObject *o, PyObject *args) {
 static PyObject *Module_init(ModuleObject *o, PyObject *args, PyObject *kw) {
     static char *kws[] = {"scheme", "gain", "std", "seed", NULL};
     mha_init_options opt;
-    mha_init_options_default(&opt);
+    mha_init_options_init(&opt);
     const char *scheme = "xavier_uniform";
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|sddK", kws, &scheme, &opt.gain, &opt.std,
@@ -1547,17 +1547,17 @@ fail:
 // ---------------------------------------------------------------------------
 // Diagnostics as a dict
 
-static PyObject *spectrum_list(const mha_diagnostics *d, int64_t h, char which) {
+static PyObject *spectrum_list(const mha_diag *d, int64_t h, char which) {
     int64_t n = 0;
-    const double *s = mha_diagnostics_spectrum(d, h, which, &n);
+    const double *s = mha_diag_spectrum(d, h, which, &n);
     PyObject *list = PyList_New(s ? n : 0);
     for (int64_t i = 0; list && s && i < n; i++)
         PyList_SET_ITEM(list, i, PyFloat_FromDouble(s[i]));
     return list;
 }
 
-static PyObject *head_dict(const mha_diagnostics *d, int64_t h) {
-    const mha_head_diag *x = mha_diagnostics_head(d, h);
+static PyObject *head_dict(const mha_diag *d, int64_t h) {
+    const mha_head_diag *x = mha_diag_head(d, h);
     PyObject *dict =
         Py_BuildValue("{s:L,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O,s:L,s:L,s:L,s:L,s:O,s:d}",
                       "head", (long long)x->head, "rows", (long long)x->rows, "entropy_mean",
@@ -1583,13 +1583,13 @@ static PyObject *head_dict(const mha_diagnostics *d, int64_t h) {
     return dict;
 }
 
-static PyObject *diag_dict(const mha_diagnostics *d) {
-    int64_t H = mha_diagnostics_num_heads(d);
+static PyObject *diag_dict(const mha_diag *d) {
+    int64_t H = mha_diag_num_heads(d);
     PyObject *heads = PyList_New(H), *sim = PyList_New(H);
     for (int64_t h = 0; heads && sim && h < H; h++) {
         PyObject *row = PyList_New(H);
         for (int64_t g = 0; row && g < H; g++)
-            PyList_SET_ITEM(row, g, PyFloat_FromDouble(mha_diagnostics_similarity(d, h, g)));
+            PyList_SET_ITEM(row, g, PyFloat_FromDouble(mha_diag_similarity(d, h, g)));
         PyObject *hd = head_dict(d, h);
         if (!row || !hd) {
             Py_XDECREF(row);
@@ -1600,11 +1600,11 @@ static PyObject *diag_dict(const mha_diagnostics *d) {
         PyList_SET_ITEM(sim, h, row);
         PyList_SET_ITEM(heads, h, hd);
     }
-    const char *nf = mha_diagnostics_nonfinite(d);
+    const char *nf = mha_diag_nonfinite(d);
     PyObject *r = NULL;
     if (heads && sim)
         r = Py_BuildValue("{s:O,s:O,s:L,s:s}", "heads", heads, "similarity", sim, "rows",
-                          (long long)mha_diagnostics_rows(d), "nonfinite", nf);
+                          (long long)mha_diag_rows(d), "nonfinite", nf);
     Py_XDECREF(heads);
     Py_XDECREF(sim);
     return r;
@@ -1629,15 +1629,15 @@ static PyObject *py_diagnose(PyObject *self, PyObject *args, PyObject *kw) {
         release_all(&h);
         return NULL;
     }
-    mha_diagnostics *d = NULL;
+    mha_diag *d = NULL;
     mha_status st;
     mod->readers++;
-    Py_BEGIN_ALLOW_THREADS st = mha_diagnose(&d, mod->m, &c.a, &c.diag);
+    Py_BEGIN_ALLOW_THREADS st = mha_diag_create(&d, mod->m, &c.a, &c.diag);
     Py_END_ALLOW_THREADS mod->readers--;
     release_all(&h);
     if (st) return raise_status(st);
     PyObject *r = diag_dict(d);
-    mha_diagnostics_destroy(d);
+    mha_diag_destroy(d);
     return r;
 }
 

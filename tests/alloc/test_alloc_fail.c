@@ -506,7 +506,7 @@ static mha_status sc_module_create(const void *argp) {
     mha_module *m = NULL, *h = NULL, *f = NULL;
     mha_status st = mha_module_create(&m, &c);
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.scheme = MHA_INIT_ORTHOGONAL;
     io.seed = 3;
     if (!st) st = mha_module_init(m, &io);
@@ -565,7 +565,7 @@ static bool module_same(const mha_module *m, const unsigned char *snap, size_t l
 static mha_status sc_module_init(const void *argp) {
     const init_arg *a = argp;
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.scheme = a->scheme;
     io.seed = 11;
     mha_status st = mha_module_init(a->m, &io);
@@ -1038,26 +1038,26 @@ static mha_status sc_diagnose(const void *argp) {
     const fwd_arg *a = argp;
     fwd_views t;
     fwd_views_of(&t, a);
-    mha_diagnostics *d;
+    mha_diag *d;
     mha_diag_options o;
     mha_diag_options_init(&o);
     o.max_rows = 5;
-    mha_status st = mha_diagnose(&d, a->m, &t.args, &o);
+    mha_status st = mha_diag_create(&d, a->m, &t.args, &o);
     if (st) return st;
-    const int64_t H = mha_diagnostics_num_heads(d);
+    const int64_t H = mha_diag_num_heads(d);
     for (int64_t h = 0; h < H; h++) {
-        res_put(mha_diagnostics_head(d, h), sizeof(mha_head_diag));
+        res_put(mha_diag_head(d, h), sizeof(mha_head_diag));
         for (int64_t g = 0; g < H; g++) {
-            double s = mha_diagnostics_similarity(d, h, g);
+            double s = mha_diag_similarity(d, h, g);
             res_put(&s, sizeof s);
         }
         int64_t n;
-        const double *sp = mha_diagnostics_spectrum(d, h, 'o', &n);
+        const double *sp = mha_diag_spectrum(d, h, 'o', &n);
         res_put(sp, sizeof(double) * (size_t)n);
     }
-    const char *nf = mha_diagnostics_nonfinite(d);
+    const char *nf = mha_diag_nonfinite(d);
     if (nf) res_put(nf, strlen(nf));
-    mha_diagnostics_destroy(d);
+    mha_diag_destroy(d);
     return MHA_OK;
 }
 
@@ -1073,18 +1073,18 @@ static mha_status sc_optim(const void *argp) {
     mha_optim_config c;
     mha_optim_config_init(&c, a->kind);
     if (a->kind == MHA_OPTIM_SGD) c.momentum = 0.9;
-    mha_optimizer *o;
-    mha_status st = mha_optimizer_create(&o, &c);
+    mha_optim *o;
+    mha_status st = mha_optim_create(&o, &c);
     if (st) return st;
     // more tensors than the first growth of the list (8)
     for (int i = 0; i < 9 && !st; i++)
-        st = mha_optimizer_add(o, a->extra + 16 * i, a->extra_g + 16 * i, 16);
-    if (!st) st = mha_optimizer_add_module(o, a->m, a->g);
+        st = mha_optim_add(o, a->extra + 16 * i, a->extra_g + 16 * i, 16);
+    if (!st) st = mha_optim_add_module(o, a->m, a->g);
     double norm = 0;
-    if (!st) st = mha_optimizer_clip_grad_norm(o, 1.0, &norm);
-    if (!st) st = mha_optimizer_step(o);
-    if (!st) st = mha_optimizer_step(o);
-    mha_optimizer_destroy(o);
+    if (!st) st = mha_optim_clip_grad_norm(o, 1.0, &norm);
+    if (!st) st = mha_optim_step(o);
+    if (!st) st = mha_optim_step(o);
+    mha_optim_destroy(o);
     if (!st) {
         res_put_module(a->m);
         res_put(a->extra, sizeof(float) * 16 * 9);

@@ -9,7 +9,7 @@
 // and int8 weights, dropout), mha_backward (both implementations, saved
 // state, accumulate), mha_sdpa, mha_sdpa_varlen, mha_rope_apply, the KV
 // cache (every storage type, chunked appends, truncate) and
-// mha_forward_cached, mha_diagnose, the optimizers.
+// mha_forward_cached, mha_diag_create, the optimizers.
 //
 // Status codes are hashed with the outputs; error messages are not (a
 // change may word them better).
@@ -207,7 +207,7 @@ static mha_status setup(mrun *r, mcase *k) {
     mha_status st = mha_module_create(&r->m, &k->c);
     if (st) return st;
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = next() % 100000;
     if ((st = mha_module_init(r->m, &io))) return st;
     if (k->c.weight_dtype == MHA_F32) randomize_params(r->m);
@@ -545,7 +545,7 @@ static void cached_case(int64_t i) {
     hinit(&h);
     mha_status st = mha_module_create(&m, &cfg);
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = (uint64_t)i;
     if (!st) st = mha_module_init(m, &io);
     if (!st && cfg.weight_dtype == MHA_F32) randomize_params(m);
@@ -590,16 +590,16 @@ static void diag_case(int64_t i) {
     hash h;
     hinit(&h);
     mha_status st = setup(&r, &k);
-    mha_diagnostics *dg = NULL;
+    mha_diag *dg = NULL;
     mha_diag_options o;
     mha_diag_options_init(&o);
     if (coin(40)) o.max_rows = irand(1, 10);
-    if (!st) st = mha_diagnose(&dg, r.m, &k.a, &o);
+    if (!st) st = mha_diag_create(&dg, r.m, &k.a, &o);
     if (!st) {
-        const int64_t H = mha_diagnostics_num_heads(dg);
-        hint(&h, mha_diagnostics_rows(dg));
+        const int64_t H = mha_diag_num_heads(dg);
+        hint(&h, mha_diag_rows(dg));
         for (int64_t hh = 0; hh < H; hh++) {
-            const mha_head_diag *d = mha_diagnostics_head(dg, hh);
+            const mha_head_diag *d = mha_diag_head(dg, hh);
             const double v[] = {d->entropy_mean,     d->entropy_min, d->entropy_norm,
                                 d->mean_distance,    d->logit_max,   d->logit_std,
                                 d->output_var_ratio, d->gate_mean};
@@ -608,21 +608,21 @@ static void diag_case(int64_t i) {
                                   d->rank_k, d->rank_v, d->rank_o, d->pruned};
             hbytes(&h, iv, sizeof iv);
             for (int64_t h2 = 0; h2 < H; h2++) {
-                const double s = mha_diagnostics_similarity(dg, hh, h2);
+                const double s = mha_diag_similarity(dg, hh, h2);
                 hbytes(&h, &s, sizeof s);
             }
             for (int w = 0; w < 4; w++) {
                 static const char which[4] = {'q', 'k', 'v', 'o'};
                 int64_t n = 0;
-                const double *sp = mha_diagnostics_spectrum(dg, hh, which[w], &n);
+                const double *sp = mha_diag_spectrum(dg, hh, which[w], &n);
                 if (sp) hbytes(&h, sp, sizeof(double) * (size_t)n);
             }
         }
-        const char *nf = mha_diagnostics_nonfinite(dg);
+        const char *nf = mha_diag_nonfinite(dg);
         if (nf) hbytes(&h, nf, strlen(nf));
     }
     emit("diagnose", i, "-", st, &h);
-    mha_diagnostics_destroy(dg);
+    mha_diag_destroy(dg);
     teardown(&r);
 }
 
@@ -631,19 +631,19 @@ static void optim_case(int64_t i) {
     mha_config_init(&cfg, 8, 2);
     cfg.add_bias_kv = coin(50);
     mha_module *m = NULL, *g = NULL;
-    mha_optimizer *op = NULL;
+    mha_optim *op = NULL;
     hash h;
     hinit(&h);
     mha_status st = mha_module_create(&m, &cfg);
     mha_init_options io;
-    mha_init_options_default(&io);
+    mha_init_options_init(&io);
     io.seed = (uint64_t)i;
     if (!st) st = mha_module_init(m, &io);
     if (!st) st = mha_module_create(&g, &cfg);
     mha_optim_config oc;
     mha_optim_config_init(&oc, i % 2 ? MHA_OPTIM_ADAMW : MHA_OPTIM_SGD);
-    if (!st) st = mha_optimizer_create(&op, &oc);
-    if (!st) st = mha_optimizer_add_module(op, m, g);
+    if (!st) st = mha_optim_create(&op, &oc);
+    if (!st) st = mha_optim_add_module(op, m, g);
     float x[5 * 2 * 8], gy[5 * 2 * 8], y[5 * 2 * 8];
     mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 3, (int64_t[]){5, 2, 8});
     mha_tensor gt = mha_tensor_contiguous(gy, MHA_F32, 3, (int64_t[]){5, 2, 8});
@@ -653,17 +653,17 @@ static void optim_case(int64_t i) {
     a.query = a.key = a.value = &xt;
     for (int s = 0; !st && s < 3; s++) {
         fill(x, 80), fill(gy, 80);
-        mha_optimizer_zero_grad(op);
+        mha_optim_zero_grad(op);
         st = mha_forward(&yt, NULL, m, &a);
         if (!st) st = mha_backward(NULL, NULL, NULL, g, m, &a, &gt, false);
         double norm = 0;
-        if (!st) st = mha_optimizer_clip_grad_norm(op, 1.0, &norm);
+        if (!st) st = mha_optim_clip_grad_norm(op, 1.0, &norm);
         hbytes(&h, &norm, sizeof norm);
-        if (!st) st = mha_optimizer_step(op);
+        if (!st) st = mha_optim_step(op);
     }
     if (!st) hparams(&h, m);
     emit("optim", i, i % 2 ? "adamw" : "sgd", st, &h);
-    mha_optimizer_destroy(op);
+    mha_optim_destroy(op);
     mha_module_destroy(m);
     mha_module_destroy(g);
 }

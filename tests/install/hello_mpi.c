@@ -20,7 +20,7 @@ int main(int argc, char **argv) {
     mha_config_init(&cfg, 8, 4);  // nn.MultiheadAttention(8, 4)
     mha_module *m = NULL;
     mha_init_options init;
-    mha_init_options_default(&init);  // seed 0: the same parameters on every rank
+    mha_init_options_init(&init);  // seed 0: the same parameters on every rank
     mha_status st = mha_module_create(&m, &cfg);
     if (!st) st = mha_module_init(m, &init);
     enum { L = 5, N = 1, E = 8 };

@@ -22,7 +22,7 @@ clipped gradients with the rule above.
 
 Also: misuse through ctypes (bad lr, betas, eps, nesterov without momentum,
 overlapping tensors, mismatched modules) returns a negative status with a
-message; mha_optimizer_add_module pairs parameters by name.
+message; mha_optim_add_module pairs parameters by name.
 
 Usage:
   /usr/bin/python3 tests/optim/test_optim.py --lib build/libmha.so [-v]
@@ -86,17 +86,17 @@ def load(path):
     lib = C.CDLL(path)
     sig = {
         "mha_optim_config_init": (None, [C.c_void_p, C.c_int]),
-        "mha_optimizer_create": (C.c_int, [C.POINTER(C.c_void_p),
+        "mha_optim_create": (C.c_int, [C.POINTER(C.c_void_p),
                                            C.POINTER(OptimConfig)]),
-        "mha_optimizer_destroy": (None, [C.c_void_p]),
-        "mha_optimizer_add": (C.c_int, [C.c_void_p, FLOATP, FLOATP,
+        "mha_optim_destroy": (None, [C.c_void_p]),
+        "mha_optim_add": (C.c_int, [C.c_void_p, FLOATP, FLOATP,
                                         C.c_int64]),
-        "mha_optimizer_add_module": (C.c_int, [C.c_void_p, C.c_void_p,
+        "mha_optim_add_module": (C.c_int, [C.c_void_p, C.c_void_p,
                                                C.c_void_p]),
-        "mha_optimizer_set_lr": (C.c_int, [C.c_void_p, C.c_double]),
-        "mha_optimizer_step": (C.c_int, [C.c_void_p]),
-        "mha_optimizer_zero_grad": (None, [C.c_void_p]),
-        "mha_optimizer_clip_grad_norm": (C.c_int, [C.c_void_p, C.c_double,
+        "mha_optim_set_lr": (C.c_int, [C.c_void_p, C.c_double]),
+        "mha_optim_step": (C.c_int, [C.c_void_p]),
+        "mha_optim_zero_grad": (None, [C.c_void_p]),
+        "mha_optim_clip_grad_norm": (C.c_int, [C.c_void_p, C.c_double,
                                                    C.POINTER(C.c_double)]),
         "mha_last_error": (C.c_char_p, []),
         "mha_config_init": (None, [C.c_void_p, C.c_int64, C.c_int64]),
@@ -146,24 +146,24 @@ class Ours:
     def __init__(self, lib, cfg, params, grads):
         self.lib = lib
         self.h = C.c_void_p()
-        st = lib.mha_optimizer_create(C.byref(self.h), C.byref(cfg))
+        st = lib.mha_optim_create(C.byref(self.h), C.byref(cfg))
         if st != MHA_OK:
-            raise RuntimeError("mha_optimizer_create -> %d: %s"
+            raise RuntimeError("mha_optim_create -> %d: %s"
                                % (st, lib.mha_last_error().decode()))
         self.params, self.grads = params, grads
         for p, g in zip(params, grads):
-            st = lib.mha_optimizer_add(self.h, fptr(p), fptr(g), p.size)
+            st = lib.mha_optim_add(self.h, fptr(p), fptr(g), p.size)
             if st != MHA_OK:
-                raise RuntimeError("mha_optimizer_add -> %d: %s"
+                raise RuntimeError("mha_optim_add -> %d: %s"
                                    % (st, lib.mha_last_error().decode()))
 
     def step(self):
-        st = self.lib.mha_optimizer_step(self.h)
+        st = self.lib.mha_optim_step(self.h)
         if st != MHA_OK:
-            raise RuntimeError("mha_optimizer_step -> %d" % st)
+            raise RuntimeError("mha_optim_step -> %d" % st)
 
     def close(self):
-        self.lib.mha_optimizer_destroy(self.h)
+        self.lib.mha_optim_destroy(self.h)
         self.h = None
 
 
@@ -202,7 +202,7 @@ def run_optim_case(lib, tally, name, kind, torch_cls, torch_kw, ours_kw,
             if lr_change and step == lr_change[0]:
                 for grp in opt.param_groups:
                     grp["lr"] = lr_change[1]
-                st = lib.mha_optimizer_set_lr(ours.h, lr_change[1])
+                st = lib.mha_optim_set_lr(ours.h, lr_change[1])
                 if st != MHA_OK:
                     ok, detail = False, "set_lr -> %d" % st
                     break
@@ -214,7 +214,7 @@ def run_optim_case(lib, tally, name, kind, torch_cls, torch_kw, ours_kw,
             if clip is not None:
                 tn = float(torch.nn.utils.clip_grad_norm_(pt, clip))
                 on = C.c_double(-1.0)
-                st = lib.mha_optimizer_clip_grad_norm(ours.h, clip,
+                st = lib.mha_optim_clip_grad_norm(ours.h, clip,
                                                       C.byref(on))
                 if st != MHA_OK or abs(on.value - tn) > 1e-5 * tn:
                     ok = False
@@ -317,7 +317,7 @@ def clip_cases(lib, tally):
         tn = float(torch.nn.utils.clip_grad_norm_(pt, max_norm))
         ours = Ours(lib, make_config(lib, MHA_OPTIM_SGD), ps, gs)
         on = C.c_double(-1.0)
-        st = lib.mha_optimizer_clip_grad_norm(ours.h, max_norm, C.byref(on))
+        st = lib.mha_optim_clip_grad_norm(ours.h, max_norm, C.byref(on))
         ours.close()
         gok, gw, _, _ = compare([t.grad for t in pt], gs)
         clipped = tn > max_norm
@@ -330,7 +330,7 @@ def clip_cases(lib, tally):
     # No tensors: norm 0.
     ours = Ours(lib, make_config(lib, MHA_OPTIM_SGD), [], [])
     on = C.c_double(-1.0)
-    st = lib.mha_optimizer_clip_grad_norm(ours.h, 1.0, C.byref(on))
+    st = lib.mha_optim_clip_grad_norm(ours.h, 1.0, C.byref(on))
     ours.close()
     tally.case("clip_grad_norm with no tensors: norm 0",
                st == MHA_OK and on.value == 0.0)
@@ -342,7 +342,7 @@ def clip_cases(lib, tally):
     before = [g.copy(), g2.copy()]
     ours = Ours(lib, make_config(lib, MHA_OPTIM_SGD), ps, [g, g2])
     on = C.c_double(-1.0)
-    st = lib.mha_optimizer_clip_grad_norm(ours.h, 1.0, C.byref(on))
+    st = lib.mha_optim_clip_grad_norm(ours.h, 1.0, C.byref(on))
     ours.close()
     tally.case("clip_grad_norm with an inf gradient: norm inf, untouched",
                st == MHA_OK and math.isinf(on.value)
@@ -353,7 +353,7 @@ def clip_cases(lib, tally):
     g = np.full(4, 10.0, dtype=np.float32)
     p = np.zeros(4, dtype=np.float32)
     ours = Ours(lib, make_config(lib, MHA_OPTIM_SGD), [p], [g])
-    st = lib.mha_optimizer_clip_grad_norm(ours.h, 1.0, None)
+    st = lib.mha_optim_clip_grad_norm(ours.h, 1.0, None)
     ours.close()
     tally.case("clip_grad_norm with total_norm NULL",
                st == MHA_OK and abs(float(np.linalg.norm(g)) - 1.0) < 1e-5)
@@ -363,7 +363,7 @@ def zero_grad_case(lib, tally):
     p = [np.ones(5, dtype=np.float32), np.ones(3, dtype=np.float32)]
     g = [np.full(5, 2.0, dtype=np.float32), np.full(3, -1.0, dtype=np.float32)]
     ours = Ours(lib, make_config(lib, MHA_OPTIM_SGD), p, g)
-    lib.mha_optimizer_zero_grad(ours.h)
+    lib.mha_optim_zero_grad(ours.h)
     ours.close()
     tally.case("zero_grad sets every gradient to 0",
                all(not np.any(x) for x in g)
@@ -397,10 +397,10 @@ def expect_fail(lib, tally, name, st, want_in_msg=None):
 def error_cases(lib, tally):
     def create(kind, **kw):
         h = C.c_void_p(1234)
-        st = lib.mha_optimizer_create(C.byref(h), C.byref(
+        st = lib.mha_optim_create(C.byref(h), C.byref(
             make_config(lib, kind, **kw)))
         if st == MHA_OK:
-            lib.mha_optimizer_destroy(h)
+            lib.mha_optim_destroy(h)
         elif h.value is not None:
             return 99  # *out must be NULL on failure
         return st
@@ -428,7 +428,7 @@ def error_cases(lib, tally):
                 create(A, weight_decay=-0.01), "weight_decay")
     expect_fail(lib, tally, "unknown kind 7", create(7), "kind 7")
     expect_fail(lib, tally, "create with NULL config",
-                lib.mha_optimizer_create(C.byref(C.c_void_p()), None))
+                lib.mha_optim_create(C.byref(C.c_void_p()), None))
     # What torch accepts, libmha accepts (SGD ignores betas/eps; AdamW
     # ignores momentum and nesterov).
     tally.case("sgd ignores AdamW fields, adamw ignores SGD fields",
@@ -436,37 +436,37 @@ def error_cases(lib, tally):
                and create(A, nesterov=True, momentum=-1.0) == MHA_OK)
 
     h = C.c_void_p()
-    st = lib.mha_optimizer_create(C.byref(h), C.byref(make_config(lib, S)))
+    st = lib.mha_optim_create(C.byref(h), C.byref(make_config(lib, S)))
     if st != MHA_OK:
         tally.case("create SGD for error cases", False)
         return
     p = np.zeros(8, dtype=np.float32)
     g = np.zeros(8, dtype=np.float32)
     expect_fail(lib, tally, "set_lr(-0.5)",
-                lib.mha_optimizer_set_lr(h, -0.5), "-0.5")
+                lib.mha_optim_set_lr(h, -0.5), "-0.5")
     expect_fail(lib, tally, "set_lr(inf)",
-                lib.mha_optimizer_set_lr(h, math.inf), "lr")
+                lib.mha_optim_set_lr(h, math.inf), "lr")
     expect_fail(lib, tally, "add NULL param",
-                lib.mha_optimizer_add(h, None, fptr(g), 8), "NULL")
+                lib.mha_optim_add(h, None, fptr(g), 8), "NULL")
     expect_fail(lib, tally, "add n=-1",
-                lib.mha_optimizer_add(h, fptr(p), fptr(g), -1), "-1")
+                lib.mha_optim_add(h, fptr(p), fptr(g), -1), "-1")
     expect_fail(lib, tally, "add param == grad",
-                lib.mha_optimizer_add(h, fptr(p), fptr(p), 8), "overlap")
+                lib.mha_optim_add(h, fptr(p), fptr(p), 8), "overlap")
     pv = p[4:]  # overlaps p[0:8]
     tally.case("add first tensor",
-               lib.mha_optimizer_add(h, fptr(p), fptr(g), 8) == MHA_OK)
+               lib.mha_optim_add(h, fptr(p), fptr(g), 8) == MHA_OK)
     g2 = np.zeros(4, dtype=np.float32)
     expect_fail(lib, tally, "add a tensor overlapping a registered one",
-                lib.mha_optimizer_add(h, fptr(pv), fptr(g2), 4), "overlap")
+                lib.mha_optim_add(h, fptr(pv), fptr(g2), 4), "overlap")
     expect_fail(lib, tally, "clip max_norm=-1",
-                lib.mha_optimizer_clip_grad_norm(h, -1.0, None), "max_norm")
+                lib.mha_optim_clip_grad_norm(h, -1.0, None), "max_norm")
     expect_fail(lib, tally, "clip max_norm=nan",
-                lib.mha_optimizer_clip_grad_norm(h, math.nan, None),
+                lib.mha_optim_clip_grad_norm(h, math.nan, None),
                 "max_norm")
-    expect_fail(lib, tally, "step NULL", lib.mha_optimizer_step(None))
-    lib.mha_optimizer_destroy(h)
-    lib.mha_optimizer_destroy(None)  # accepted
-    lib.mha_optimizer_zero_grad(None)  # accepted
+    expect_fail(lib, tally, "step NULL", lib.mha_optim_step(None))
+    lib.mha_optim_destroy(h)
+    lib.mha_optim_destroy(None)  # accepted
+    lib.mha_optim_zero_grad(None)  # accepted
 
 
 def module_params(lib, m):
@@ -505,9 +505,9 @@ def module_cases(lib, tally):
     before = {k: v.copy() for k, v in pm.items()}
     h = C.c_void_p()
     cfg = make_config(lib, MHA_OPTIM_SGD, lr=0.5)
-    ok = lib.mha_optimizer_create(C.byref(h), C.byref(cfg)) == MHA_OK
-    ok = ok and lib.mha_optimizer_add_module(h, m, gm) == MHA_OK
-    ok = ok and lib.mha_optimizer_step(h) == MHA_OK
+    ok = lib.mha_optim_create(C.byref(h), C.byref(cfg)) == MHA_OK
+    ok = ok and lib.mha_optim_add_module(h, m, gm) == MHA_OK
+    ok = ok and lib.mha_optim_step(h) == MHA_OK
     for name in pm:
         want = (before[name] + np.float32(-0.5) * pg[name]).astype(np.float32)
         ok = ok and np.array_equal(pm[name], want)
@@ -516,24 +516,24 @@ def module_cases(lib, tally):
 
     other = new_module(lib, 16, 2)
     expect_fail(lib, tally, "add_module with grads of E=16 for E=8",
-                lib.mha_optimizer_add_module(h, m, other), "elements")
+                lib.mha_optim_add_module(h, m, other), "elements")
     sep = new_module(lib, 8, 2, kdim=4)
     expect_fail(lib, tally, "add_module with grads of another layout "
-                "(separate q/k/v)", lib.mha_optimizer_add_module(h, m, sep),
+                "(separate q/k/v)", lib.mha_optim_add_module(h, m, sep),
                 "parameters")
     expect_fail(lib, tally, "add_module(m, m)",
-                lib.mha_optimizer_add_module(h, m, m), "own")
+                lib.mha_optim_add_module(h, m, m), "own")
     expect_fail(lib, tally, "add_module twice (already registered)",
-                lib.mha_optimizer_add_module(h, m, gm), "overlap")
+                lib.mha_optim_add_module(h, m, gm), "overlap")
     # A failed add_module registers nothing: one more step moves each
     # parameter exactly once more.
     now = {k: v.copy() for k, v in pm.items()}
-    ok = lib.mha_optimizer_step(h) == MHA_OK
+    ok = lib.mha_optim_step(h) == MHA_OK
     for name in pm:
         want = (now[name] + np.float32(-0.5) * pg[name]).astype(np.float32)
         ok = ok and np.array_equal(pm[name], want)
     tally.case("failed add_module calls leave the registration unchanged", ok)
-    lib.mha_optimizer_destroy(h)
+    lib.mha_optim_destroy(h)
     for x in (m, gm, other, sep):
         lib.mha_module_destroy(x)
 

@@ -442,7 +442,7 @@ static mha_status init_params(tiny_model *m) {
         fill_uniform(bl->fcw, F * D, 1.0 / sqrt((double)D), &r);
         fill_uniform(bl->projw, D * F, 1.0 / sqrt((double)F), &r);
         mha_init_options io;
-        mha_init_options_default(&io);
+        mha_init_options_init(&io);
         io.seed = c->seed * 1000003ull + (uint64_t)l + 1;
         mha_status st = mha_module_init(bl->attn, &io);
         if (st) return st;
@@ -786,16 +786,16 @@ void tiny_predict(const tiny_model *m, int32_t *pred) {
     }
 }
 
-mha_status tiny_optimizer_register(tiny_model *m, mha_optimizer *o) {
+mha_status tiny_optimizer_register(tiny_model *m, mha_optim *o) {
     // our own tensors one by one; each attention module with its grads
     int n_own = 6 + 8 * (int)m->cfg.n_layers;
     for (int i = 0; i < n_own; i++) {
-        mha_status st = mha_optimizer_add(o, m->tensors[i].param, m->tensors[i].grad,
-                                          m->tensors[i].n);
+        mha_status st = mha_optim_add(o, m->tensors[i].param, m->tensors[i].grad,
+                                      m->tensors[i].n);
         if (st) return st;
     }
     for (int64_t l = 0; l < m->cfg.n_layers; l++) {
-        mha_status st = mha_optimizer_add_module(o, m->blocks[l].attn, m->blocks[l].dattn);
+        mha_status st = mha_optim_add_module(o, m->blocks[l].attn, m->blocks[l].dattn);
         if (st) return st;
     }
     return MHA_OK;

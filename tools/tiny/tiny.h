@@ -20,7 +20,7 @@
 // tanh approximation (GPT-2, torch's approximate="tanh").
 //
 // Gradients: the parameter gradients of our own layers ACCUMULATE (+=), as
-// in llm.c; tiny_zero_grad (or mha_optimizer_zero_grad) clears them. The
+// in llm.c; tiny_zero_grad (or mha_optim_zero_grad) clears them. The
 // attention modules' gradients are written by mha_backward with
 // accumulate = false (=), once per step.
 //
@@ -46,50 +46,42 @@
 
 // out = (inp - mean) / sqrt(var + 1e-5) * w + b over the last dim C.
 // out, inp (N, C); mean, rstd (N) saved for the backward; w, b (C).
-void tiny_layernorm_forward(float *out, float *mean, float *rstd,
-                            const float *inp, const float *w, const float *b,
-                            int64_t N, int64_t C);
+void tiny_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                            const float *w, const float *b, int64_t N, int64_t C);
 // dinp, dw, db += gradients (accumulate).
-void tiny_layernorm_backward(float *dinp, float *dw, float *db,
-                             const float *dout, const float *inp,
-                             const float *w, const float *mean,
+void tiny_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
+                             const float *inp, const float *w, const float *mean,
                              const float *rstd, int64_t N, int64_t C);
 
 // out = inp W^T + b (nn.Linear). out (N, OC), inp (N, IC), W (OC, IC),
 // b (OC) or NULL.
-void tiny_linear_forward(float *out, const float *inp, const float *W,
-                         const float *b, int64_t N, int64_t IC, int64_t OC);
+void tiny_linear_forward(float *out, const float *inp, const float *W, const float *b,
+                         int64_t N, int64_t IC, int64_t OC);
 // dinp (N, IC), dW (OC, IC), db (OC) += gradients; dinp or db may be NULL.
 void tiny_linear_backward(float *dinp, float *dW, float *db, const float *dout,
-                          const float *inp, const float *W, int64_t N,
-                          int64_t IC, int64_t OC);
+                          const float *inp, const float *W, int64_t N, int64_t IC, int64_t OC);
 
 // out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), elementwise, n.
 void tiny_gelu_forward(float *out, const float *inp, int64_t n);
 // dinp += dout * gelu'(inp).
-void tiny_gelu_backward(float *dinp, const float *inp, const float *dout,
-                        int64_t n);
+void tiny_gelu_backward(float *dinp, const float *inp, const float *dout, int64_t n);
 
 // out[b, t] = wte[tokens[b, t]] + wpe[t]. out (B, T, C), tokens (B, T),
 // wte (V, C), wpe (>= T, C).
-void tiny_embedding_forward(float *out, const int32_t *tokens,
-                            const float *wte, const float *wpe, int64_t B,
-                            int64_t T, int64_t C);
+void tiny_embedding_forward(float *out, const int32_t *tokens, const float *wte,
+                            const float *wpe, int64_t B, int64_t T, int64_t C);
 // dwte, dwpe += gradients.
 void tiny_embedding_backward(float *dwte, float *dwpe, const float *dout,
-                             const int32_t *tokens, int64_t B, int64_t T,
-                             int64_t C);
+                             const int32_t *tokens, int64_t B, int64_t T, int64_t C);
 
 // Softmax cross-entropy. probs (B, V) = softmax(logits); losses (B) =
 // -log probs[b, targets[b]]. Returns the mean loss (accumulated in double).
-double tiny_crossentropy_forward(float *probs, float *losses,
-                                 const float *logits, const int32_t *targets,
-                                 int64_t B, int64_t V);
+double tiny_crossentropy_forward(float *probs, float *losses, const float *logits,
+                                 const int32_t *targets, int64_t B, int64_t V);
 // dlogits = (probs - onehot(targets)) * scale (overwrite; scale = 1/B for
 // the mean loss).
-void tiny_crossentropy_backward(float *dlogits, const float *probs,
-                                const int32_t *targets, float scale,
-                                int64_t B, int64_t V);
+void tiny_crossentropy_backward(float *dlogits, const float *probs, const int32_t *targets,
+                                float scale, int64_t B, int64_t V);
 
 // ---------------------------------------------------------------------------
 // The model
@@ -121,8 +113,7 @@ typedef struct tiny_tensor {
 // and classifier weights U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with zero
 // biases, attention libmha's default (xavier_uniform). Statuses: as
 // mha_module_create, MHA_ERR_INVALID_ARG for a non-positive size.
-mha_status tiny_create(tiny_model **out, const tiny_config *cfg,
-                       int64_t max_batch);
+mha_status tiny_create(tiny_model **out, const tiny_config *cfg, int64_t max_batch);
 void tiny_destroy(tiny_model *m);
 const tiny_config *tiny_get_config(const tiny_model *m);
 
@@ -166,7 +157,7 @@ mha_status tiny_attention_weights(const tiny_model *m, int64_t l, int64_t b, flo
 const float *tiny_attention_input(const tiny_model *m, int64_t l);
 
 // Registers every parameter with its gradient in o.
-mha_status tiny_optimizer_register(tiny_model *m, mha_optimizer *o);
+mha_status tiny_optimizer_register(tiny_model *m, mha_optim *o);
 
 // ---------------------------------------------------------------------------
 // Random numbers (tiny.c): the generator of the model's initialisation, which
@@ -176,9 +167,9 @@ typedef struct tiny_rng {
     uint64_t s;
 } tiny_rng;
 
-uint64_t tiny_rng_next(tiny_rng *r);           // splitmix64
-double tiny_rng_uniform(tiny_rng *r);          // [0, 1)
-double tiny_rng_normal(tiny_rng *r);           // N(0, 1)
+uint64_t tiny_rng_next(tiny_rng *r);             // splitmix64
+double tiny_rng_uniform(tiny_rng *r);            // [0, 1)
+double tiny_rng_normal(tiny_rng *r);             // N(0, 1)
 int64_t tiny_rng_below(tiny_rng *r, int64_t n);  // [0, n)
 
 // ---------------------------------------------------------------------------
@@ -203,8 +194,8 @@ typedef enum tiny_task_kind { TINY_TASK_RECALL = 0, TINY_TASK_TWOREL } tiny_task
 // Sequence length of a task with K pairs.
 int64_t tiny_task_seq_len(tiny_task_kind kind, int64_t K);
 // Fills tokens (B, T) and targets (B) with B fresh examples.
-void tiny_task_sample(int32_t *tokens, int32_t *targets, tiny_task_kind kind,
-                      int64_t K, int64_t B, tiny_rng *r);
+void tiny_task_sample(int32_t *tokens, int32_t *targets, tiny_task_kind kind, int64_t K,
+                      int64_t B, tiny_rng *r);
 // "a3c7e1?c" style rendering of one sequence into buf.
 void tiny_task_render(char *buf, size_t cap, const int32_t *tokens, int64_t T);
 // "recall"/"tworel" -> kind; -1 if unknown.
