@@ -64,7 +64,7 @@ extern "C" {
 #define MHA_NODISCARD
 #endif
 
-// "0.1.0"
+// "0.2.0"
 MHA_API const char *mha_version(void);
 
 // ---------------------------------------------------------------------------
