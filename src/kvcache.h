@@ -1,10 +1,13 @@
-// kvcache.h: the KV cache's internals for the layers above it (kvcache.c;
-// fast layer): the attention over a cache with shifted queries and row
-// stats (a shard of a sharded cache) and the cache's dims.
+// kvcache.h: the KV cache's internals for the layers above it (fast
+// layer): the cache object (kvcache.c: storage types, the cache as a row
+// source, its dims), the attention over a cache or any row source with
+// shifted queries and row stats (kvattend.c: a shard of a sharded cache),
+// the paged cache's hooks (paged.c).
 #ifndef MHA_KVCACHE_H
 #define MHA_KVCACHE_H
 
 #include "internal.h"
+#include "kernels/kernels.h"
 
 // How rows of n elements of a storage type lie: bytes from a row to the
 // next (rb), scales (floats) per row (int8: 1; int4: ceil(n / 32); else
@@ -77,6 +80,15 @@ void mha__kv_store_row(mha_kv_dtype dt, void *dst, float *scale, const void *x, 
 mha_status mha__kv_storage(const char *what, int64_t n0, int64_t n1, int64_t n2, int64_t D,
                            int64_t Dv, mha_kv_dtype dt, size_t *bk, size_t *bv, size_t *bks,
                            size_t *bvs);
+// The contiguous cache as a row source: one segment of cap rows per
+// (sequence, KV head).
+mha__kv_rows mha__kv_cache_rows(const mha_kv_cache *c);
+// n rows of w elements at src (storage type dt, layout l, int8 / int4
+// scales sc) as float32 into dst.
+void mha__kv_rows_to_f32(const mha__kernels *kt, mha_kv_dtype dt, mha__kv_layout l,
+                         const char *src, const float *sc, int64_t n, int64_t w, float *dst);
+// counts: NULL, or B counts in [0, T] (MHA_ERR_INVALID_ARG naming `what`).
+mha_status mha__kv_check_counts(const int64_t *counts, int64_t B, int64_t T, const char *what);
 // A paged cache's KV heads and head dims (paged.c).
 void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, int64_t *Dv);
 // Block i of sequence id's table (-1: released, or no such block or
