@@ -32,7 +32,9 @@
 #include "bench.h"
 #include "cli.h"
 #include "cmd.h"
+#ifdef MHA_HAVE_MPI
 #include "mha_mpi.h"
+#endif
 
 static const char *bench_help =
     "Usage: mha bench --batch B --seq L [--kv-seq S] --embed-dim E\n"
