@@ -9,7 +9,8 @@ rm -rf "$tmp"
 mkdir -p "$tmp/b"
 fail=0
 # what `make` would run in $src for the build directory $tmp/b
-plan() { make -n -C "$src" BUILD="$tmp/b" JOBS=1 all 2>&1; }
+# (an outer make's MAKEFLAGS, as under make check, left out)
+plan() { env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -n -C "$src" BUILD="$tmp/b" JOBS=1 all 2>&1; }
 expect() {  # expect NAME yes|no: whether the plan has a configure
     out=$(plan)
     if printf '%s\n' "$out" | grep -q -- "cmake -S . -B $tmp/b"; then has=yes; else has=no; fi
