@@ -70,7 +70,7 @@ make_venv() {
         "$py" -m venv $flags "$dir"
     fi
     [ "${5:-}" = torch ] && pipopts=$(torch_index)
-    echo "python venv $dir: pip install $pipopts $pkgs (a first install downloads for minutes)"
+    echo "python venv $dir: pip install ${pipopts:+$pipopts }$pkgs (a first install downloads for minutes)"
     pip_in "$dir" $pipopts $pkgs
     echo "$stamp" > "$dir/.mha-pins"
 }
