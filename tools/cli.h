@@ -11,6 +11,33 @@ int cli_fail(const char *cmd, mha_status st);
 double cli_now(void);
 // Prints "mha <cmd>: <msg> (see mha <cmd> --help)" on stderr; returns 2.
 int cli_usage(const char *cmd, const char *msg);
+// cli_usage with a printf format.
+int cli_usagef(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+// Like cli_fail but returns 2: an option's value that the library's
+// parser refused (mha_impl_from_name, ...), or a configuration the options
+// alone describe that it refused.
+int cli_bad_value(const char *cmd, mha_status st);
+
+// The exit status convention of every command (cmd.h): 0 success, 1 a
+// failure while running (a file not found, the library failing), 2 a usage
+// error (an unknown or incomplete option, a bad value, a missing or
+// unexpected argument); the message names the option and the value.
+
+struct option;
+// For getopt_long's '?' (every command sets opterr = 0 and an empty short
+// option string): names what is wrong with the option it stopped at, from
+// optind, optopt and the command's table opts: unknown option "--foo",
+// --embed-dim needs a value, --no-bias takes no value, ambiguous option
+// "--num" (--num-heads, --num-kv-heads). Returns 2.
+int cli_bad_option(const char *cmd, char *const *argv, const struct option *opts);
+// "mha <cmd>: unexpected argument "ARG"" (a positional argument the
+// command does not take). Returns 2.
+int cli_unexpected(const char *cmd, const char *arg);
+// A decimal integer option value in [lo, hi] (cli_parse_int), else "mha
+// <cmd>: <opt> needs an integer >= lo, got "S"" (or "in [lo, hi]"):
+// returns 0 with *out set, or 2.
+int cli_int_option(int64_t *out, const char *cmd, const char *opt, const char *s, int64_t lo,
+                   int64_t hi);
 
 // The option values' parsers, one per kind, for every command. Each takes
 // the whole string or nothing: 0 with *out set, or -1 with *out untouched.

@@ -134,7 +134,7 @@ int cmd_embed(int argc, char **argv) {
                 return cli_usage("embed", "--time needs a positive integer");
             break;
         case 'h': fputs(embed_help, stdout); return 0;
-        default: return cli_usage("embed", "unknown or incomplete option");
+        default: return cli_bad_option("embed", argv, opts);
         }
     }
     if (!model) return cli_usage("embed", "--model is required");

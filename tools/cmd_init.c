@@ -81,36 +81,35 @@ int cmd_init(int argc, char **argv) {
         mha_status st;
         switch (c) {
         case 'e':
-            if (cli_parse_int(&cfg.embed_dim, optarg, INT64_MIN, INT64_MAX))
-                return cli_usage("init", "--embed-dim needs an integer");
+            if (cli_int_option(&cfg.embed_dim, "init", "--embed-dim", optarg, 1, INT64_MAX))
+                return 2;
             break;
         case 'n':
-            if (cli_parse_int(&cfg.num_heads, optarg, INT64_MIN, INT64_MAX))
-                return cli_usage("init", "--num-heads needs an integer");
+            if (cli_int_option(&cfg.num_heads, "init", "--num-heads", optarg, 1, INT64_MAX))
+                return 2;
             break;
         case 'G':
-            if (cli_parse_int(&cfg.num_kv_heads, optarg, 1, INT64_MAX))
-                return cli_usage("init", "--num-kv-heads needs a positive integer");
+            if (cli_int_option(&cfg.num_kv_heads, "init", "--num-kv-heads", optarg, 1,
+                               INT64_MAX))
+                return 2;
             break;
-        case 'k':
-            if (cli_parse_int(&cfg.kdim, optarg, INT64_MIN, INT64_MAX))
-                return cli_usage("init", "--kdim needs an integer");
+        case 'k':  // (0: E, as the default)
+            if (cli_int_option(&cfg.kdim, "init", "--kdim", optarg, 0, INT64_MAX)) return 2;
             break;
         case 'v':
-            if (cli_parse_int(&cfg.vdim, optarg, INT64_MIN, INT64_MAX))
-                return cli_usage("init", "--vdim needs an integer");
+            if (cli_int_option(&cfg.vdim, "init", "--vdim", optarg, 0, INT64_MAX)) return 2;
             break;
         case 'B': cfg.bias = false; break;
         case 'd':
-            if (cli_parse_int(&cfg.head_dim, optarg, 1, INT64_MAX))
-                return cli_usage("init", "--head-dim needs a positive integer");
+            if (cli_int_option(&cfg.head_dim, "init", "--head-dim", optarg, 1, INT64_MAX))
+                return 2;
             break;
         case 'Q': cfg.separate_qkv = true; break;
         case 'O': cfg.no_out_bias = true; break;
         case 'K': cfg.add_bias_kv = true; break;
         case 'i':
             if ((st = mha_init_scheme_from_name(&io.scheme, optarg)))
-                return cli_fail("init", st);
+                return cli_bad_value("init", st);
             break;
         case 'g':
             if (cli_parse_f64(&io.gain, optarg))
@@ -131,8 +130,8 @@ int cmd_init(int argc, char **argv) {
                 return cli_usage("init", "--weight-dtype needs f32, bf16 or f16");
             break;
         case 'T':
-            if (mha_head_gate_from_name(&cfg.head_gate, optarg))
-                return cli_fail("init", MHA_ERR_INVALID_ARG);
+            if ((st = mha_head_gate_from_name(&cfg.head_gate, optarg)))
+                return cli_bad_value("init", st);
             break;
         case 'P': prune = optarg; break;
         case 'N':
@@ -142,16 +141,18 @@ int cmd_init(int argc, char **argv) {
             else return cli_usage("init", "--qk-norm needs none, head or all");
             break;
         case 'h': fputs(init_help, stdout); return 0;
-        default: return cli_usage("init", "unknown or incomplete option");
+        default: return cli_bad_option("init", argv, opts);
         }
     }
-    if (optind < argc) return cli_usage("init", "unexpected argument");
+    if (optind < argc) return cli_unexpected("init", argv[optind]);
     if (!out) return cli_usage("init", "--out is required");
-    if (cfg.embed_dim == 0 || cfg.num_heads == 0)
-        return cli_usage("init", "--embed-dim and --num-heads are required");
+    if (cfg.embed_dim == 0) return cli_usage("init", "--embed-dim is required");
+    if (cfg.num_heads == 0) return cli_usage("init", "--num-heads is required");
+    // Up to the save, every input is an option: the library's refusal of
+    // one (E not divisible by H, a gain, a pruned head) is a usage error.
     mha_module *m;
     mha_status st = mha_module_create(&m, &cfg);
-    if (st) return cli_fail("init", st);
+    if (st) return st == MHA_ERR_NOMEM ? cli_fail("init", st) : cli_bad_value("init", st);
     st = mha_module_init(m, &io);
     if (!st && prune) {  // "1,3": heads to prune
         int64_t heads[64], n = 0;
@@ -170,7 +171,11 @@ int cmd_init(int argc, char **argv) {
         }
         st = mha_module_prune_heads(m, heads, n);
     }
-    if (!st) st = mha_module_save(m, out);
+    if (st) {
+        mha_module_destroy(m);
+        return st == MHA_ERR_NOMEM ? cli_fail("init", st) : cli_bad_value("init", st);
+    }
+    st = mha_module_save(m, out);
     mha_module_destroy(m);
     return st ? cli_fail("init", st) : 0;
 }

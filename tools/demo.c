@@ -289,9 +289,10 @@ int cmd_demo(int argc, char **argv) {
             }
             break;
         case 'h': fputs(demo_help, stdout); return 0;
-        default: fprintf(stderr, "mha demo: unknown option (see mha demo --help)\n"); return 2;
+        default: return cli_bad_option("demo", argv, opts);
         }
     }
+    if (optind < argc) return cli_unexpected("demo", argv[optind]);
 
     printf("mha %s: multi-head attention, step by step\n", mha_version());
     printf("==============================================\n");

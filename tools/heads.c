@@ -95,50 +95,37 @@ static int heads_parse(train_opts *o, const char **out, int argc, char **argv) {
                                          {"quiet", no_argument, 0, 'q'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
+    const char *cmd = "demo heads";
     int c;
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        int64_t v = 0;
-        if (optarg && cli_parse_int(&v, optarg, INT64_MIN, INT64_MAX)) v = -1;
         switch (c) {
         case 'o': *out = optarg; break;
         case 'n':
-            if (v < 1) goto bad;
-            o->steps = v;
+            if (cli_int_option(&o->steps, cmd, "--steps", optarg, 1, INT64_MAX)) return 2;
             break;
         case 'H':
-            if (v < 1 || v > 64) goto bad;
-            o->heads = v;
+            if (cli_int_option(&o->heads, cmd, "--heads", optarg, 1, 64)) return 2;
             break;
         case 'K':
-            if (v < 2 || v > 26) goto bad;
-            o->pairs = v;
+            if (cli_int_option(&o->pairs, cmd, "--pairs", optarg, 2, 26)) return 2;
             break;
         case 'L':
-            if (v < 1 || v > 8) goto bad;
-            o->layers = v;
+            if (cli_int_option(&o->layers, cmd, "--layers", optarg, 1, 8)) return 2;
             break;
         case 's':
-            if (v < 0) goto bad;
-            o->seed = v;
+            if (cli_int_option(&o->seed, cmd, "--seed", optarg, 0, INT64_MAX)) return 2;
             break;
         case 'q': o->quiet = true; break;
         case 'h': fputs(heads_help, stdout); return 0;
-        default:
-        bad:
-            fprintf(stderr,
-                    "mha demo heads: bad or unknown option (--steps N >= 1, --heads "
-                    "1..64 dividing 64, --pairs 2..26, --layers 1..8, --seed N >= 0; see "
-                    "mha demo heads --help)\n");
-            return 2;
+        default: return cli_bad_option(cmd, argv, opts);
         }
     }
-    if (optind < argc || o->d_model % o->heads) {
-        fprintf(stderr, "mha demo heads: unexpected argument, or --heads not dividing d_model "
-                        "64 (see mha demo heads --help)\n");
-        return 2;
-    }
+    if (optind < argc) return cli_unexpected(cmd, argv[optind]);
+    if (o->d_model % o->heads)
+        return cli_usagef(cmd, "--heads %lld does not divide d_model %lld",
+                          (long long)o->heads, (long long)o->d_model);
     return -1;
 }
 

@@ -25,13 +25,16 @@
 // back up.
 //
 // Errors go to stderr as one line "mha <command>: <message>"; the exit
-// status is 1 on failure and 2 on a usage error.
+// status is 2 on a usage error (an unknown or incomplete option, named; a
+// bad value; a missing or unexpected argument), 1 on a failure while
+// running (cli.h), the same in every command.
 #include <stdio.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "cli.h"
 #include "cmd.h"
 #include "mha.h"
 
@@ -57,8 +60,10 @@ static int cmd_info(int argc, char **argv) {
         return 0;
     }
     if (argc > 1) {
-        fprintf(stderr, "mha info: unknown option %s (mha info --help)\n", argv[1]);
-        return 2;
+        char q[96];
+        return cli_usagef("info",
+                          argv[1][0] == '-' ? "unknown option %s" : "unexpected argument %s",
+                          mha_escape(q, sizeof q, argv[1]));
     }
     printf("mha %s\n", mha_version());
     printf("implementations: reference (plain loops in double, the oracle), fused (tiled,\n"
@@ -113,6 +118,15 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) {
+        if (argc == 3 && !strcmp(argv[2], "--help")) {
+            puts("Usage: mha version\nPrints the version.");
+            return 0;
+        }
+        if (argc > 2) {
+            char q[96];
+            return cli_usagef("version", "unexpected argument %s",
+                              mha_escape(q, sizeof q, argv[2]));
+        }
         printf("mha %s\n", mha_version());
         return 0;
     }

@@ -339,7 +339,7 @@ static int opt_call(run *r, int c, bool *no_avg) {
     case 'W': r->a.need_weights = true; break;
     case 'A': *no_avg = true; break;
     case 'i':
-        if ((st = mha_impl_from_name(&r->a.impl, optarg))) return cli_fail(cmd, st);
+        if ((st = mha_impl_from_name(&r->a.impl, optarg))) return cli_bad_value(cmd, st);
         break;
     case 't': r->a.training = true; break;
     case 'C':
@@ -387,7 +387,8 @@ static int opt_position(run *r, int c) {
     double f;
     switch (c) {
     case 'P':
-        if ((st = mha_rope_mode_from_name(&r->a.rope.mode, optarg))) return cli_fail(cmd, st);
+        if ((st = mha_rope_mode_from_name(&r->a.rope.mode, optarg)))
+            return cli_bad_value(cmd, st);
         break;
     case 'T':
         if (cli_parse_f64(&f, optarg) || !(f > 0.0))
@@ -407,7 +408,7 @@ static int opt_position(run *r, int c) {
     case 'B': r->a.opts.alibi = true; break;
     case 0x100:
         if ((st = mha_rope_scaling_type_from_name(&r->rope_scaling.type, optarg)))
-            return cli_fail(cmd, st);
+            return cli_bad_value(cmd, st);
         break;
     case 0x102:
         if (cli_parse_int(&v, optarg, 1, INT64_MAX))
@@ -452,7 +453,7 @@ static int opt_how(run *r, int c) {
         break;
     case 'Z':
 #ifdef MHA_HAVE_MPI
-        if ((st = mha_parallel_from_name(&r->par, optarg))) return cli_fail(cmd, st);
+        if ((st = mha_parallel_from_name(&r->par, optarg))) return cli_bad_value(cmd, st);
         r->parallel = true;
         break;
 #else
@@ -460,7 +461,7 @@ static int opt_how(run *r, int c) {
                               "libopenmpi-dev and rebuild)");
 #endif
     case 'Q':
-        if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_fail(cmd, st);
+        if ((st = mha_kv_dtype_from_name(&r->kv_dtype, optarg))) return cli_bad_value(cmd, st);
         break;
     case 'K':
         if (cli_parse_int(&v, optarg, 1, INT64_MAX))
@@ -557,10 +558,10 @@ int run_parse(run *r, bool backward, int argc, char **argv) {
         if (rc == RUN_NOT_MINE) rc = opt_position(r, c);
         if (rc == RUN_NOT_MINE) rc = opt_how(r, c);
         if (rc == RUN_NOT_MINE) rc = opt_inspect(r, c);
-        if (rc == RUN_NOT_MINE) rc = cli_usage(cmd, "unknown or incomplete option");
+        if (rc == RUN_NOT_MINE) rc = cli_bad_option(cmd, argv, run_opts);
         if (rc != -1) return rc;
     }
-    if (optind < argc) return cli_usage(cmd, "unexpected argument");
+    if (optind < argc) return cli_unexpected(cmd, argv[optind]);
     if (r->rope_scaling.type != MHA_ROPE_SCALING_NONE) r->a.rope_scaling = &r->rope_scaling;
     return run_check(r, backward, no_avg);
 }

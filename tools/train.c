@@ -80,7 +80,7 @@ static int cmd_train_plot(int argc, char **argv) {
         case 'o': out = optarg; break;
         case 't': title = optarg; break;
         case 'h': fputs(train_help, stdout); return 0;
-        default: return usage("plot: unknown or incomplete option");
+        default: return cli_bad_option("train plot", argv, opts);
         }
     }
     if (!out) return usage("plot: --out is required");
@@ -228,10 +228,10 @@ int cmd_train(int argc, char **argv) {
         case 'p': plot = optarg; break;
         case 'q': o.quiet = true; break;
         case 'h': fputs(train_help, stdout); return 0;
-        default: return usage("unknown or incomplete option");
+        default: return cli_bad_option("train", argv, opts);
         }
     }
-    if (optind < argc) return usage("unexpected argument");
+    if (optind < argc) return cli_unexpected("train", argv[optind]);
     if (o.d_model % o.heads) {
         fprintf(stderr, "mha train: --heads %lld does not divide --d-model %lld\n",
                 (long long)o.heads, (long long)o.d_model);
@@ -240,7 +240,7 @@ int cmd_train(int argc, char **argv) {
     if (plot && !plot_available()) {
         fprintf(stderr, "mha train: --plot needs cairo, and this mha was built without it "
                         "(install libcairo2-dev and rebuild)\n");
-        return 1;
+        return 2;  // (an option this build cannot run: a usage error, as --parallel's)
     }
     // the plot is drawn from the CSV: write one next to the PNG if none given
     char csv_buf[4096];

@@ -398,7 +398,8 @@ class MultiheadAttention:
         intermediate step (reference path); dropout_seed (training)."""
         is_causal, attn_mask = causal_hint(is_causal, attn_mask, key_padding_mask, need_weights)
         q, k, v, kpm, am = self._inputs(query, key, value, key_padding_mask, attn_mask)
-        kw = forward_kwargs(is_causal=is_causal, need_weights=need_weights,
+        kw = forward_kwargs("mha.MultiheadAttention.forward()", is_causal=is_causal,
+                            need_weights=need_weights,
                             average_attn_weights=average_attn_weights, as_int64=_int64,
                             as_float32=_float32, **extras)
         kw.update(self._drop(dropout_seed))
@@ -417,7 +418,8 @@ class MultiheadAttention:
         dropout_seed (default: the last forward's)."""
         is_causal, attn_mask = causal_hint(is_causal, attn_mask, key_padding_mask, False)
         q, k, v, kpm, am = self._inputs(query, key, value, key_padding_mask, attn_mask)
-        kw = forward_kwargs(is_causal=is_causal, as_int64=_int64, as_float32=_float32, **extras)
+        kw = forward_kwargs("mha.MultiheadAttention.backward()", is_causal=is_causal,
+                            as_int64=_int64, as_float32=_float32, **extras)
         if self.training and self.dropout > 0.0:
             seed = self.last_dropout_seed if dropout_seed is None else dropout_seed
             if seed is None:
@@ -445,7 +447,8 @@ class MultiheadAttention:
         values are appended, and they attend to everything cached."""
         if not isinstance(cache, KVCache):
             raise TypeError("cache: expected an mha.KVCache")
-        kw = forward_kwargs(as_int64=_int64, as_float32=_float32, **extras)
+        kw = forward_kwargs("mha.MultiheadAttention.forward_cached()", as_int64=_int64,
+                            as_float32=_float32, **extras)
         return _mha.forward_cached(self._m, _arr(query, "query"), cache._c, _alloc, **kw)
 
     def make_cache(self, batch, capacity, dtype="f32"):
@@ -499,7 +502,8 @@ class MultiheadAttention:
                     raise ValueError("forward_paged: tokens[%d] has %d ids for %d rows"
                                      % (i, t.shape[0], chunks[i].shape[0]))
                 tk[i, :t.shape[0]] = t
-        kw = forward_kwargs(as_int64=_int64, as_float32=_float32, **extras)
+        kw = forward_kwargs("mha.MultiheadAttention.forward_paged()", as_int64=_int64,
+                            as_float32=_float32, **extras)
         out = _mha.forward_paged(self._m, q, cache._c, np.asarray(ids, dtype=np.int64),
                                  np.asarray([c.shape[0] for c in chunks], dtype=np.int64),
                                  tk, _alloc, **kw)
@@ -576,7 +580,7 @@ class CheckpointAttention:
         if len(shape) != 3:
             raise ValueError("hidden_states: expected (N, L, E), got shape %s" % (shape,))
         n, l = shape[0], shape[1]
-        kw = forward_kwargs(impl=impl)
+        kw = forward_kwargs("mha.CheckpointAttention.__call__()", impl=impl)
         kw["checkpoint"] = self._layer
         kw.update(_positions(position_ids, n, l, self.config["rope_mode"]))
         kpm = _padding(attention_mask, n, l)
@@ -858,7 +862,8 @@ def diagnose(module, query, key=None, value=None, key_padding_mask=None, attn_ma
     v = q if value is None else to_np(value)
     kpm = None if key_padding_mask is None else to_np(key_padding_mask)
     am = None if attn_mask is None else to_np(attn_mask)
-    kw = forward_kwargs(is_causal=is_causal, as_int64=_int64, as_float32=_float32, **extras)
+    kw = forward_kwargs("mha.diagnose()", is_causal=is_causal, as_int64=_int64,
+                        as_float32=_float32, **extras)
     kw.update({"max_rows": int(max_rows), "dead_entropy": real("dead_entropy", dead_entropy),
                "dead_output": real("dead_output", dead_output),
                "rank_rtol": real("rank_rtol", rank_rtol)})

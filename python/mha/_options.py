@@ -70,14 +70,26 @@ def causal_hint(is_causal, attn_mask, key_padding_mask, need_weights):
     return False, attn_mask
 
 
-def forward_kwargs(*, is_causal=False, need_weights=False, average_attn_weights=True,
+# The keyword extras of the forward calls (forward_kwargs), as a message
+# lists them.
+EXTRAS = ("rope", "rope_theta", "rope_dim", "rope_start", "alibi", "softcap", "window",
+          "window_left", "window_right", "weights_heads", "weights_rows", "impl", "trace",
+          "sink_tokens")
+
+
+def forward_kwargs(caller, *, is_causal=False, need_weights=False, average_attn_weights=True,
                    rope=None, rope_theta=10000.0, rope_dim=0, rope_start=None, alibi=False,
                    softcap=0.0, window=None, window_left=-1, window_right=-1,
                    weights_heads=None, weights_rows=None, impl="auto", trace=None,
-                   sink_tokens=0, as_int64=None, as_float32=None):
-    """The C binding's forward keywords from the public extras.
-    as_int64 / as_float32 turn rope_start / alibi slopes into contiguous
-    arrays (numpy or torch, as the caller's API)."""
+                   sink_tokens=0, as_int64=None, as_float32=None, **unknown):
+    """The C binding's forward keywords from the public extras of the call
+    caller (its public name, e.g. "MultiheadAttention.forward()", which a
+    keyword it does not take is reported under). as_int64 / as_float32 turn
+    rope_start / alibi slopes into contiguous arrays (numpy or torch, as the
+    caller's API)."""
+    if unknown:
+        raise TypeError("%s got an unexpected keyword argument %r (its extras: %s)"
+                        % (caller, sorted(unknown)[0], ", ".join(EXTRAS)))
     kw = {}
     if is_causal:
         kw["is_causal"] = True

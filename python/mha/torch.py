@@ -27,8 +27,12 @@ try:
     import torch
     from torch import nn
 except ImportError as exc:  # the numpy API (mha) works without it
-    raise ImportError("mha.torch needs PyTorch (pip install torch, or Debian's python3-torch "
-                      "in a venv made with --system-site-packages): %s" % exc) from exc
+    raise ImportError(
+        "mha.torch needs PyTorch, which this Python cannot import (%s). Add it to the mha "
+        "installed here with: pip install 'mha[torch]' --extra-index-url "
+        "https://download.pytorch.org/whl/cpu (PyTorch's CPU build, about 200 MB; without "
+        "the index, PyPI's Linux build with CUDA, several GB). Or Debian's python3-torch, in "
+        "a venv made by /usr/bin/python3 -m venv --system-site-packages" % exc) from exc
 
 from . import _mha
 from ._options import BF16, causal_hint, forward_kwargs, sdpa_kwargs, sdpa_layout
@@ -260,7 +264,8 @@ class MultiheadAttention(nn.Module):
         # weights and run torch's own kernels) from bypassing this forward.
         self._qkv_same_embed_dim = False
         self._mha_same_dims = np_mod._qkv_same_embed_dim
-        forward_kwargs(as_int64=_int64, as_float32=_float32, **extras)  # checked now
+        forward_kwargs("mha.torch.MultiheadAttention()", as_int64=_int64, as_float32=_float32,
+                       **extras)  # checked now
         self._extras = dict(extras)
         self._bind()
 
@@ -419,7 +424,8 @@ class MultiheadAttention(nn.Module):
             query, key, value = q_, k_, v_
         opts = dict(self._extras, **extras)
         is_causal, attn_mask = causal_hint(is_causal, attn_mask, key_padding_mask, need_weights)
-        kw = forward_kwargs(is_causal=is_causal, need_weights=need_weights,
+        kw = forward_kwargs("mha.torch.MultiheadAttention.forward()", is_causal=is_causal,
+                            need_weights=need_weights,
                             average_attn_weights=average_attn_weights, as_int64=_int64,
                             as_float32=_float32, **opts)
         if self.training and self.dropout > 0.0:
@@ -489,7 +495,7 @@ class CheckpointAttention(nn.Module):
         n, l = hidden_states.shape[0], hidden_states.shape[1]
         attn = self.attn
         cmod = attn._mha_sync()
-        kw = forward_kwargs(impl=impl)
+        kw = forward_kwargs("mha.torch.CheckpointAttention.forward()", impl=impl)
         kw["checkpoint"] = self._layer
         kw.update(_np_api._positions(_host(position_ids), n, l, self.config["rope_mode"]))
         kpm = _np_api._padding(_host(attention_mask), n, l)

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -197,6 +198,29 @@ class Runner:
             problems.append("output file %s left behind" % out)
         if not problems:
             name = "%s  [rc %d] %s" % (name, rc, line[:160])
+        self.report(name, problems)
+
+    def expect_status(self, name, args, status, needles=()):
+        """args must exit with exactly status (2: a usage error, 1: a
+        failure while running) and one stderr line starting with "mha"
+        that contains every needle (the option, the value)."""
+        p = self.run(args)
+        if p is None:
+            self.report(name, ["timed out"])
+            return
+        err = p.stderr.decode("utf-8", "replace").strip()
+        problems = []
+        if p.returncode != status:
+            problems.append("exit status %d, expected %d" % (p.returncode, status))
+        if "\n" in err or not err.startswith("mha"):
+            problems.append("stderr is not one line starting with 'mha'")
+        for needle in needles:
+            if needle not in err:
+                problems.append("stderr does not name %r" % needle)
+        if problems:
+            problems.append("stderr %r" % err[:300])
+        else:
+            name = "%s  [rc %d] %s" % (name, p.returncode, err[:160])
         self.report(name, problems)
 
     def expect_ok(self, name, args, check=None):
@@ -635,6 +659,89 @@ def main():
     r.expect_error("init: --kdim -1",
                    init + ["--embed-dim", "8", "--num-heads", "2", "--kdim",
                            "-1"], Wi)
+
+    # ---- the exit status convention: 2 a usage error, 1 a failure while
+    # running, the same in every command; an unknown option is named ------
+    helps = r.run(["--help"])
+    cmds = []
+    in_cmds = False
+    for line in helps.stdout.decode().splitlines():
+        if line.startswith("Commands:"):
+            in_cmds = True
+        m = re.match(r"^  ([a-z][a-z0-9-]*)\s", line)
+        if in_cmds and m:
+            cmds.append(m.group(1))
+    r.report("usage: mha --help lists the commands (%s)" % " ".join(cmds),
+             [] if {"init", "forward", "bench"} <= set(cmds) else ["commands %r" % cmds])
+    for cmd in cmds + ["demo heads", "train plot"]:
+        argv = cmd.split()
+        r.expect_status("usage: mha %s --bogus-option" % cmd, argv + ["--bogus-option"], 2,
+                        ['"--bogus-option"'])
+        r.expect_status("usage: mha %s --bogus=1" % cmd, argv + ["--bogus=1"], 2,
+                        ['"--bogus=1"'])
+    # an option without its value, per command
+    for argv, opt in ((["init"], "--embed-dim"), (["forward"], "--weights"),
+                      (["backward"], "--grad-output"), (["inspect"], "--max-rows"),
+                      (["train"], "--steps"), (["train", "plot"], "--out"),
+                      (["demo"], "--batch"), (["demo", "heads"], "--heads"),
+                      (["bench"], "--seq"), (["embed"], "--model")):
+        r.expect_status("usage: mha %s %s (no value)" % (" ".join(argv), opt), argv + [opt], 2,
+                        [opt + " needs a value"])
+    r.expect_status("usage: a flag given a value", ["init", "--no-bias=1"], 2,
+                    ["--no-bias takes no value"])
+    r.expect_status("usage: an ambiguous abbreviation", ["init", "--num", "2"], 2,
+                    ['"--num"', "--num-heads", "--num-kv-heads"])
+    r.expect_status("usage: a short option", ["init", "-x"], 2, ['"-x"'])
+    r.expect_status("usage: init --num-heads 0 names the value",
+                    init + ["--embed-dim", "8", "--num-heads", "0"], 2, ["--num-heads", '"0"'])
+    r.expect_status("usage: init --embed-dim abc", init + ["--embed-dim", "abc", "--num-heads",
+                                                           "2"], 2, ["--embed-dim", '"abc"'])
+    r.expect_status("usage: init without --num-heads", init + ["--embed-dim", "8"], 2,
+                    ["--num-heads is required"])
+    r.expect_status("usage: init --num-heads 3 of --embed-dim 8",
+                    init + ["--embed-dim", "8", "--num-heads", "3"], 2, ["8", "3"])
+    r.expect_status("usage: a stray argument named",
+                    init + ["--embed-dim", "8", "--num-heads", "2", "stray"], 2, ['"stray"'])
+    r.expect_status("usage: mha version stray", ["version", "stray"], 2, ['"stray"'])
+    r.expect_status("usage: mha info stray", ["info", "stray"], 2, ['"stray"'])
+    # a name the library's parser refuses is a usage error in every command
+    # (init --init exited 1, bench --impl 2)
+    r.expect_status("usage: init --init bogus", init + ["--embed-dim", "8", "--num-heads", "2",
+                                                        "--init", "bogus"], 2, ['"bogus"'])
+    r.expect_status("usage: init --head-gate bogus", init + ["--embed-dim", "8", "--num-heads",
+                                                             "2", "--head-gate", "bogus"], 2,
+                    ['"bogus"'])
+    r.expect_status("usage: forward --impl bogus", fwd + ["--weights", W, "--inputs", X,
+                                                          "--impl", "bogus"], 2, ['"bogus"'])
+    r.expect_status("usage: forward --rope bogus", fwd + ["--weights", W, "--inputs", X,
+                                                          "--rope", "bogus"], 2, ['"bogus"'])
+    r.expect_status("usage: forward --kv-dtype bogus", fwd + ["--weights", W, "--inputs", X,
+                                                              "--kv-dtype", "bogus"], 2,
+                    ['"bogus"'])
+    r.expect_status("usage: bench --impl bogus", ["bench", "--seq", "4", "--embed-dim", "8",
+                                                  "--num-heads", "2", "--impl", "bogus"], 2,
+                    ['"bogus"'])
+    r.expect_status("usage: bench --parallel bogus", ["bench", "--seq", "4", "--embed-dim", "8",
+                                                      "--num-heads", "2", "--parallel",
+                                                      "bogus"], 2, ["--parallel"])
+    # failures while running: 1
+    missing = P("no_such_file.safetensors")
+    r.expect_status("runtime: forward, a missing --weights file",
+                    fwd + ["--weights", missing, "--inputs", X], 1, [missing])
+    r.expect_status("runtime: backward, a missing --inputs file",
+                    ["backward", "--weights", W, "--inputs", missing, "--grad-output", X,
+                     "--out", Y], 1, [missing])
+    r.expect_status("runtime: inspect, a missing --inputs file",
+                    ["inspect", "--weights", W, "--inputs", missing, "--out", P("insp")], 1,
+                    [missing])
+    r.expect_status("runtime: init --out in a missing directory",
+                    ["init", "--embed-dim", "8", "--num-heads", "2", "--out",
+                     P("no_such_dir/w.safetensors")], 1, ["no_such_dir"])
+    r.expect_status("runtime: train plot, a missing CSV",
+                    ["train", "plot", "--out", P("p.png"), P("no_such.csv")], 1, ["no_such.csv"])
+    r.expect_status("runtime: embed, a missing model directory",
+                    ["embed", "--model", P("no_such_model"), "--out", P("e.safetensors"), "hi"],
+                    1, ["no_such_model"])
 
     # ---- Hugging Face checkpoints (--checkpoint DIR --layer I) --------------
     ck = P("ck_llama")

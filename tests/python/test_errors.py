@@ -158,3 +158,72 @@ except Exception as e:
     got = lines[0].split()[1]
     assert got in exc.split("|"), "expected %s, got %s: %s" % (exc, got, out)
     assert text in out, "message %r lacks %r" % (out, text)
+
+
+# A keyword a call does not take is reported under the public call the
+# user made (it named the internal forward_kwargs()).
+UNKNOWN_KEYWORD = [
+    ("forward", PRELUDE, "m(x, colour='red')", "mha.MultiheadAttention.forward()"),
+    ("backward", PRELUDE, "m.backward(x, x, colour='red')", "mha.MultiheadAttention.backward()"),
+    ("forward_cached", PRELUDE, "m.forward_cached(x[:1], m.make_cache(2, 8), colour='red')",
+     "mha.MultiheadAttention.forward_cached()"),
+    ("forward_paged", PRELUDE + "pc = m.make_paged_cache(num_blocks=4, block_size=4)\n"
+     "a = pc.add_sequence()", "m.forward_paged(pc, [a], [x[:, 0]], colour='red')",
+     "mha.MultiheadAttention.forward_paged()"),
+    ("diagnose", PRELUDE, "mha.diagnose(m, x, colour='red')", "mha.diagnose()"),
+    ("torch_init", "import mha.torch as mt", "mt.MultiheadAttention(16, 4, colour='red')",
+     "mha.torch.MultiheadAttention()"),
+    ("torch_forward", TORCH_PRELUDE, "m(x, x, x, colour='red')",
+     "mha.torch.MultiheadAttention.forward()"),
+]
+
+
+@pytest.mark.parametrize("case", UNKNOWN_KEYWORD, ids=[c[0] for c in UNKNOWN_KEYWORD])
+def test_unknown_keyword_names_the_call(case):
+    _, prelude, stmt, call = case
+    code = prelude + "\n" + """
+try:
+    %s
+    print("NO EXCEPTION")
+except TypeError as e:
+    print("RAISED", e)
+""" % stmt
+    rc, out, err = run_isolated(code)
+    assert rc == 0, "the interpreter died (rc %d): %s" % (rc, err[-2000:])
+    assert out.startswith("RAISED"), out + err
+    assert call in out and "'colour'" in out, out
+    assert "forward_kwargs" not in out, out
+    assert "rope" in out, "the message lists the extras: %s" % out
+
+
+def test_torch_missing_says_how_to_install():
+    """mha.torch without PyTorch (hidden by an import hook): an ImportError
+    that says how to add it (the extra, PyTorch's CPU index, Debian's
+    package); the numpy API still imports."""
+    code = """
+import importlib.abc, sys
+
+class HideTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError("No module named %r" % name, name=name)
+        return None
+
+sys.meta_path.insert(0, HideTorch())
+import mha
+print("numpy API", mha.__version__)
+try:
+    import mha.torch
+    print("NO EXCEPTION")
+except ImportError as e:
+    print("RAISED", e)
+"""
+    rc, out, err = run_isolated(code)
+    assert rc == 0, "the interpreter died (rc %d): %s" % (rc, err[-2000:])
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("numpy API"), out + err
+    assert lines[1].startswith("RAISED"), out + err
+    for part in ("No module named 'torch'", "pip install 'mha[torch]'",
+                 "--extra-index-url https://download.pytorch.org/whl/cpu",
+                 "--system-site-packages"):
+        assert part in lines[1], "message %r lacks %r" % (lines[1], part)

@@ -614,7 +614,9 @@ static cairo_status_t spectra_png(membuf *png, const inspect_report *r) {
     ax.zb = zeros ? 30 : 0;  // the zero band at the bottom of a panel
     const int64_t lcols = H > 20 ? 2 : 1, lrows = (H + lcols - 1) / lcols;
     const double legend_x = left + 2 * pw + gx + 30, W = legend_x + lcols * 110 + 20;
-    const double Hh = fmax(top + 2 * ph + gy + 20, top + 40 + lrows * 20 + 90);
+    // (below the lower panels: their tick labels, and at + 26 the 11-point
+    // "index (largest first)", top-anchored: about 12 pixels high)
+    const double Hh = fmax(top + 2 * ph + gy + 26 + 12 + 12, top + 40 + lrows * 20 + 90);
     cairo_t *cr = canvas_create(W, Hh);
     cairo_set_source_rgb(cr, 0, 0, 0);
     font(cr, 17, true);

@@ -187,11 +187,41 @@ static double py(const panel *p, double y) {
     return p->y0 + p->h - (y - p->ymin) / (p->ymax - p->ymin) * p->h;
 }
 
-void plot_text(cairo_t *cr, double x, double y, const char *s, double ax,
-               double ay) {
+// The test hook of plot.h: appends the canvas size and the ink box of s,
+// drawn at (x, y) (the current point of its cairo_show_text), in pixels.
+static void record_label(cairo_t *cr, const cairo_text_extents_t *e, double x, double y,
+                         const char *s) {
+    static const char *path;
+    static bool looked;
+    if (!looked) {
+        path = getenv("MHA_PLOT_LABELS");
+        looked = true;
+    }
+    if (!path || !*path || e->width <= 0 || e->height <= 0) return;
+    cairo_surface_t *sf = cairo_get_target(cr);
+    if (cairo_surface_get_type(sf) != CAIRO_SURFACE_TYPE_IMAGE) return;
+    // the box's corners through the current transformation (rotated text)
+    double lo[2] = {INFINITY, INFINITY}, hi[2] = {-INFINITY, -INFINITY};
+    for (int c = 0; c < 4; c++) {
+        double u = x + e->x_bearing + (c & 1 ? e->width : 0);
+        double v = y + e->y_bearing + (c & 2 ? e->height : 0);
+        cairo_user_to_device(cr, &u, &v);
+        lo[0] = fmin(lo[0], u), hi[0] = fmax(hi[0], u);
+        lo[1] = fmin(lo[1], v), hi[1] = fmax(hi[1], v);
+    }
+    FILE *f = fopen(path, "a");
+    if (!f) return;
+    fprintf(f, "%d %d %.2f %.2f %.2f %.2f %s\n", cairo_image_surface_get_width(sf),
+            cairo_image_surface_get_height(sf), lo[0], lo[1], hi[0], hi[1], s);
+    fclose(f);
+}
+
+void plot_text(cairo_t *cr, double x, double y, const char *s, double ax, double ay) {
     cairo_text_extents_t e;
     cairo_text_extents(cr, s, &e);
-    cairo_move_to(cr, x - ax * e.width - e.x_bearing, y + ay * e.height);
+    const double X = x - ax * e.width - e.x_bearing, Y = y + ay * e.height;
+    record_label(cr, &e, X, Y, s);
+    cairo_move_to(cr, X, Y);
     cairo_show_text(cr, s);
 }
 

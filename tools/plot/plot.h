@@ -25,6 +25,10 @@ int plot_runs(const char *cmd, const char *out_png, const char *title, int n,
 extern const double plot_palette[8][3];
 // Draws s with its ink box anchored at (x, y): ax 0 / 0.5 / 1 puts x at the
 // left / centre / right, ay 0 puts the baseline at y, 1 the top (about).
+// Every label of every picture is drawn here. Test hook: with the
+// environment variable MHA_PLOT_LABELS=FILE, each call appends a line
+// "W H x0 y0 x1 y1 TEXT" to FILE: the canvas' size and the text's ink box
+// in its pixels (tests/cli/test_plot_labels.py checks it lies inside).
 void plot_text(cairo_t *cr, double x, double y, const char *s, double ax,
                double ay);
 // A "nice" tick step (1, 2 or 5 times a power of ten) for about n ticks.
