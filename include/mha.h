@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 #define MHA_VERSION_MAJOR 0
-#define MHA_VERSION_MINOR 1
+#define MHA_VERSION_MINOR 2
 #define MHA_VERSION_PATCH 0
 
 #if defined(_WIN32) && defined(MHA_SHARED_BUILD)

@@ -745,9 +745,14 @@ class KVCache:
         self._c.append(_arr(k, "k"), _arr(v, "v"), self._counts(counts))
 
     def attend(self, q, counts=None, *, scale=None, window=None, window_left=-1,
-               window_right=-1, alibi_slopes=None, softcap=0.0):
+               window_right=-1, alibi=False, alibi_slopes=None, softcap=0.0, sinks=None,
+               sink_tokens=0):
         """(B, H, T, Dv) attention of q (B, H, T, D) over the cache: float32, or
-        bfloat16 / float16 (computed in float32, the output in q's dtype)."""
+        bfloat16 / float16 (computed in float32, the output in q's dtype).
+        The options of scaled_dot_product_attention (alibi=True: the ALiBi
+        paper's slopes; alibi_slopes, sinks: one per query head), and
+        sink_tokens=k with a window_left: StreamingLLM's first k tokens kept
+        visible beside the window."""
         from ._options import window_bounds
         wl, wr = window_bounds(window, window_left, window_right)
         kw = {"window_left": wl, "window_right": wr, "softcap": real("softcap", softcap)}
@@ -755,8 +760,14 @@ class KVCache:
             kw["scale"] = real("scale", scale)
         if counts is not None:
             kw["counts"] = self._counts(counts)
+        if alibi:
+            kw["alibi"] = True
         if alibi_slopes is not None:
-            kw["alibi_slopes"] = _float32(alibi_slopes)
+            kw["alibi_slopes"] = _float32(alibi_slopes, "alibi_slopes")
+        if sinks is not None:
+            kw["sinks"] = _float32(sinks, "sinks")
+        if sink_tokens:
+            kw["sink_tokens"] = int(sink_tokens)
         return _result(self._c.attend(_arr(q, "q"), _alloc, **kw))
 
     def truncate(self, length, b=None):

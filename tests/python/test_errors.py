@@ -227,3 +227,18 @@ except ImportError as e:
                  "--extra-index-url https://download.pytorch.org/whl/cpu",
                  "--system-site-packages"):
         assert part in lines[1], "message %r lacks %r" % (lines[1], part)
+
+
+def test_one_version():
+    """pyproject.toml, CMakeLists.txt's project() and mha.h's macros name the
+    version mha.__version__ (the library's mha_version()) reports."""
+    import os
+    import re
+    import mha
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    read = lambda p: open(os.path.join(root, p), encoding="utf-8").read()
+    py = re.search(r'^version = "([^"]+)"', read("pyproject.toml"), re.M).group(1)
+    cm = re.search(r"project\(mha VERSION ([0-9.]+)", read("CMakeLists.txt")).group(1)
+    h = ".".join(re.search(r"#define MHA_VERSION_%s (\d+)" % k, read("include/mha.h")).group(1)
+                 for k in ("MAJOR", "MINOR", "PATCH"))
+    assert py == cm == h == mha.__version__, (py, cm, h, mha.__version__)

@@ -528,3 +528,28 @@ def test_release_scratch():
     mha.release_scratch()  # (nothing kept: nothing to do)
     c, _ = m(x, x, x, need_weights=False, is_causal=True)
     assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("L", [10, 40])  # the decode path (T <= 16) and a prefill
+def test_cache_attend_logit_options(L):
+    """KVCache.attend with soft cap, ALiBi (the paper's slopes and given
+    ones) and sinks: the causal scaled_dot_product_attention's numbers."""
+    g = np.random.default_rng(L)
+    B, Hkv, H, D = 1, 2, 4, 16
+    k = g.normal(size=(B, Hkv, L, D)).astype(np.float32)
+    v = g.normal(size=(B, Hkv, L, D)).astype(np.float32)
+    q = g.normal(size=(B, H, L, D)).astype(np.float32)
+    c = mha.KVCache(B, Hkv, D, capacity=L)
+    c.append(k, v)
+    paper = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)  # H a power of 2
+    for opts in ({"softcap": 1.5}, {"alibi": True}, {"alibi_slopes": np.float32([.1, .2, .3, .4])},
+                 {"sinks": np.float32([0.5, -1.0, 2.0, 0.0])}):
+        got = c.attend(q, **opts)
+        sd = dict(opts)
+        if sd.pop("alibi", False):
+            sd["alibi_slopes"] = paper.astype(np.float32)
+        want = mha.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, **sd)
+        err = np.abs(got - want).max()
+        assert err <= 1e-5 * (1 + np.abs(want).max()), (opts, err)
+    with pytest.raises(ValueError, match="dropout"):
+        c._c.attend(q, mha._alloc, dropout_p=0.5)
