@@ -212,7 +212,8 @@ static int run_forward_into(run *r) {
     return 0;
 }
 
-// Runs the backward; writes grad_query/key/value and grad_<param>.
+// Runs the backward; writes grad_query/key/value (self-attention:
+// grad_query, the input's whole gradient) and grad_<param>.
 static int run_backward_into(run *r) {
     const char *cmd = r->cmd;
     mha_status st;
@@ -261,7 +262,19 @@ static int run_backward_into(run *r) {
     else
 #endif
         st = mha_backward(&gin[0], &gin[1], &gin[2], grads, r->m, &r->a, &gv, false);
-    for (int i = 0; i < 3 && !st; i++)
+    // self-attention (no key or value in the inputs): grad_query is the
+    // input's whole gradient, the sum of the three paths' parts in this
+    // order, as Python's MultiheadAttention.backward gives it
+    const bool self = r->a.key == r->a.query && r->a.value == r->a.query;
+    if (!st && self) {
+        float *dq = gin[0].data;
+        const float *dk = gin[1].data, *dv = gin[2].data;
+        for (int64_t i = 0; i < mha_tensor_numel(&gin[0]); i++) {
+            dq[i] += dk[i];
+            dq[i] += dv[i];
+        }
+    }
+    for (int i = 0; i < (self ? 1 : 3) && !st; i++)
         st = mha_st_writer_add(r->wr, gnames[i], MHA_F32, gin[i].ndim, gin[i].shape,
                                gin[i].data);
     for (int i = 0; i < mha_module_num_params(grads) && !st; i++) {

@@ -149,10 +149,11 @@ static const char *backward_help =
     "(the shape of attn_output). The output holds attn_output, grad_query,\n"
     "grad_key, grad_value and grad_<name> for every parameter (e.g.\n"
     "grad_in_proj_weight, grad_out_proj.weight, grad_bias_k). When key and\n"
-    "value are absent (self-attention) grad_key and grad_value are still the\n"
-    "parts through the key and value paths: the input's gradient is the sum\n"
-    "of the three. Dropout masks (--train) are regenerated from --seed and\n"
-    "--dropout-offset, as in the forward with the same options.\n";
+    "value are absent (self-attention) grad_query is the input's whole\n"
+    "gradient (the sum of its parts through the query, key and value paths,\n"
+    "as Python's MultiheadAttention.backward gives it) and there is no\n"
+    "grad_key or grad_value. Dropout masks (--train) are regenerated from\n"
+    "--seed and --dropout-offset, as in the forward with the same options.\n";
 
 static const char *inspect_help =
     "Usage: mha inspect --weights W.safetensors --inputs X.safetensors --out DIR\n"

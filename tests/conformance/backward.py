@@ -41,8 +41,10 @@ direction (1e-6, relative).
 Groups:
   grid      --configs random configs, eval mode (no dropout), every tensor.
             Configs where i % 6 == 5 are self-attention with key and value
-            left out of the inputs file: grad_key / grad_value are then the
-            parts through those paths.
+            left out of the inputs file: grad_query is then the input's whole
+            gradient (the sum of the parts through the query, key and value
+            paths, as Python's backward gives it), and there is no
+            grad_key / grad_value.
   dropout   random configs with --train --dropout P [--out-dropout P2]
             --seed S --dropout-offset O: `mha backward` (every tensor) and
             `mha forward --need-weights` (output and post-dropout weights).
@@ -786,7 +788,18 @@ def peer_expected(b, need_weights=None):
     return expected
 
 
-def compare(ref, t32, ours, expect_names, peer=None, first=None):
+def fold_self(res):
+    """The references of a self-attention case as `mha backward` writes
+    them: grad_query the input's whole gradient (the sum of the three
+    paths' parts), no grad_key, grad_value."""
+    if "grad_key" not in res:
+        return res
+    res = dict(res)
+    res["grad_query"] = res["grad_query"] + res.pop("grad_key") + res.pop("grad_value")
+    return res
+
+
+def compare(ref, t32, ours, expect_names, peer=None, first=None, self_attn=False):
     """Every tensor of ref against ours by the rule. Returns (ok, lines,
     stats name -> (err, tol)). peer: conf.peer_errors' expected(k) for the
     second measure of torch32's error of a tensor outside its bound (None:
@@ -794,6 +807,10 @@ def compare(ref, t32, ours, expect_names, peer=None, first=None):
     a tensor."""
     if isinstance(ours, str):
         return False, [ours], {}
+    if self_attn:
+        ref, t32 = fold_self(ref), fold_self(t32)
+        if peer is not None:
+            peer = (lambda p: lambda k: tuple(fold_self(r) for r in p(k)))(peer)
     ok, lines, stats = True, [], {}
     again = {}  # name -> the re-measured torch32 error
     redone = set()  # the tensors it stands in for
@@ -876,7 +893,7 @@ def expected_names(b, backward, need_weights):
     if need_weights:
         names.append("attn_output_weights")
     if backward:
-        names += ["grad_" + n for n in INPUT_NAMES]
+        names += ["grad_" + n for n in (("query",) if b.self_attn else INPUT_NAMES)]
         names += ["grad_" + n for n, _ in c.params]
     return names
 
@@ -956,7 +973,7 @@ class Runner:
                 peer = peer_expected(b, True)
             names = expected_names(b, backward, need_w)
             first = {}
-            good, ls, stats = compare(r, t, ours, names, peer, first)
+            good, ls, stats = compare(r, t, ours, names, peer, first, b.self_attn)
             tag = "backward" if backward else "forward"
             lines += ["%s %s" % (tag, ln) for ln in ls]
             for name, fr in first.items():
@@ -1129,7 +1146,8 @@ def run_forward_checked(runner, b, env=None, tag="fw"):
     keeps = b.masks()
     ref = mirror_expected(b, torch.float64, keeps, True)
     t32 = mirror_expected(b, torch.float32, keeps, True)
-    ok, lines, stats = compare(ref, t32, ours, expected_names(b, False, True))
+    ok, lines, stats = compare(ref, t32, ours, expected_names(b, False, True), None, None,
+                               b.self_attn)
     for name, (err, tol) in stats.items():
         wst = runner.worst.get("masks")
         if wst is None or err / tol > wst[0]:
