@@ -1,13 +1,15 @@
 // avx2.c: AVX2 + FMA kernels (built with -mavx2 -mfma -mf16c for this file
-// only; used only when the CPU has all three, see cpu.c).
+// only; used only when the CPU has all three, see cpu.c): the GEMM
+// micro-kernels, the softmax and the flash tiles' row passes, and the avx2
+// table's filler. The decode kernels are avx2_decode.c's; the GEMM's
+// blocking around the micro-kernels is gemm_blocking.h's.
 //
 // gemm: a register-blocked 6 x 16 micro-kernel (12 ymm accumulators),
-// partial column tiles by maskload/maskstore, cache blocking KC x NC. Every
-// C element accumulates over k in increasing order, in KC-sized chunks.
-// exp: Cephes' expf polynomial; 2^n built in the exponent bits, inputs
-// below -87.3 flushed to 0.
+// partial column tiles by maskload/maskstore.
 // gemm_packed (the projections): a 6 x 16 micro-kernel on a pre-packed B,
 // see its section below.
+// exp: Cephes' expf polynomial; 2^n built in the exponent bits, inputs
+// below -87.3 flushed to 0.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include <math.h>
@@ -15,37 +17,51 @@
 #include "avx2_common.h"
 #include "kernels.h"
 
+// ---------------------------------------------------------------------------
+// GEMM micro-kernels. The blocking around them (the loops over blocks, the
+// packing loops, the edge handling, the slot functions) is gemm_blocking.h,
+// shared with the AVX-512 table and included below.
+
+// The unpacked GEMM (gemm_nn, gemm_nn_acc, gemm_tn_acc): 6 x 16 tiles in
+// 256 x 512 (k x columns) blocks.
 #define MR 6
 #define NR 16
 #define KC 256
 #define NC 512
 
-// C[0:MR, 0:nr] += A B[0:K, 0:nr]: 6 x 16 (12 accumulators in named
+// C[0:MR, 0:nr] (+)= A B[0:K, 0:nr]: 6 x 16 (12 accumulators in named
 // registers: an array would be spilled), B rows loaded under the column
 // masks m0, m1. Element (r, k) of A is A[r*ars + k*aks]: (lda, 1) for
 // gemm_nn_acc, (1, lda) for gemm_tn_acc (A stored transposed), the strides
 // constant in each after inlining. Every C element: an FMA chain from 0 over
-// k in increasing order, then added to C.
+// k in increasing order, then added to C (add) or stored.
 #define ROW_FMA(r)                                                     \
     do {                                                               \
         const __m256 a = _mm256_broadcast_ss(A + ars * (r) + k * aks); \
         c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                     \
         c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                     \
     } while (0)
-#define ROW_STORE(r)                                                                           \
-    do {                                                                                       \
-        float *c = C + ldc * (r);                                                              \
-        _mm256_maskstore_ps(c, m0, _mm256_add_ps(_mm256_maskload_ps(c, m0), c##r##0));         \
-        _mm256_maskstore_ps(c + 8, m1, _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), c##r##1)); \
+#define ROW_STORE(r)                                               \
+    do {                                                           \
+        float *c = C + ldc * (r);                                  \
+        __m256 v0 = c##r##0, v1 = c##r##1;                         \
+        if (add) {                                                 \
+            v0 = _mm256_add_ps(_mm256_maskload_ps(c, m0), v0);     \
+            v1 = _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), v1); \
+        }                                                          \
+        _mm256_maskstore_ps(c, m0, v0);                            \
+        _mm256_maskstore_ps(c + 8, m1, v1);                        \
     } while (0)
 #define LOAD_B                                             \
     const __m256 b0 = _mm256_maskload_ps(B + k * ldb, m0); \
     const __m256 b1 = _mm256_maskload_ps(B + k * ldb + 8, m1)
 
-static inline __attribute__((always_inline)) void ukr6(int64_t K, const float *A, int64_t ars,
-                                                       int64_t aks, const float *B,
-                                                       int64_t ldb, float *C, int64_t ldc,
-                                                       __m256i m0, __m256i m1) {
+// gemm_blocking.h's ukr_mr.
+static inline __attribute__((always_inline)) void ukr_mr(int64_t K, const float *A,
+                                                         int64_t ars, int64_t aks,
+                                                         const float *B, int64_t ldb, float *C,
+                                                         int64_t ldc, int64_t nr, bool add) {
+    const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t k = 0; k < K; k++) {
@@ -66,12 +82,13 @@ static inline __attribute__((always_inline)) void ukr6(int64_t K, const float *A
 }
 
 // One row: the edge of M (fewer than MR rows left).
-static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A, int64_t ars,
-                                                       int64_t aks, const float *B,
-                                                       int64_t ldb, float *C, int64_t ldc,
-                                                       __m256i m0, __m256i m1) {
+static inline __attribute__((always_inline)) void ukr_row(int64_t K, const float *A,
+                                                          int64_t ars, int64_t aks,
+                                                          const float *B, int64_t ldb, float *C,
+                                                          int64_t ldc, int64_t nr, bool add) {
     (void)ars;
     (void)ldc;
+    const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
     __m256 c00 = _mm256_setzero_ps(), c01 = c00;
     for (int64_t k = 0; k < K; k++) {
         LOAD_B;
@@ -80,100 +97,51 @@ static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A
     ROW_STORE(0);
 }
 
-// C (M, N) += A B in KC x NC blocks of MR x NR micro-tiles.
-static inline __attribute__((always_inline)) void gemm_acc(float *C, int64_t ldc,
-                                                           const float *A, int64_t ars,
-                                                           int64_t aks, const float *B,
-                                                           int64_t ldb, int64_t M, int64_t N,
-                                                           int64_t K) {
-    for (int64_t j0 = 0; j0 < N; j0 += NC) {
-        int64_t nc = N - j0 < NC ? N - j0 : NC;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            int64_t kc = K - k0 < KC ? K - k0 : KC;
-            for (int64_t i0 = 0; i0 < M; i0 += MR) {
-                int64_t mr = M - i0 < MR ? M - i0 : MR;
-                for (int64_t j1 = 0; j1 < nc; j1 += NR) {
-                    int64_t nr = nc - j1;
-                    const float *Ab = A + i0 * ars + k0 * aks, *Bb = B + k0 * ldb + j0 + j1;
-                    float *Cb = C + i0 * ldc + j0 + j1;
-                    if (mr == MR)
-                        ukr6(kc, Ab, ars, aks, Bb, ldb, Cb, ldc, tail_mask(nr),
-                             tail_mask(nr - 8));
-                    else
-                        for (int64_t r = 0; r < mr; r++)
-                            ukr1(kc, Ab + r * ars, ars, aks, Bb, ldb, Cb + r * ldc, ldc,
-                                 tail_mask(nr), tail_mask(nr - 8));
-                }
-            }
-        }
-    }
-}
-
-static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K);
-}
-
-// gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda:
-// the same blocking, micro-tiles and per-element sum order as gemm_nn_acc,
-// so it is bit-identical to transposing A and calling gemm_nn_acc.
-static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K);
-}
-
-static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                    int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t j = 0; j < N; j += 8)
-            _mm256_maskstore_ps(C + i * ldc + j, tail_mask(N - j), _mm256_setzero_ps());
-    gemm_nn_acc(C, ldc, A, lda, B, ldb, M, N, K);
-}
-
-// ---------------------------------------------------------------------------
-// Packed-B GEMM (kernels.h: pack_b, gemm_packed). B in 16-wide panels,
-// contiguous along k; A copied per (PMC rows, PKC k) block into 6-row
-// micro-panels (k-major); a 6 x 16 micro-kernel (12 ymm accumulators).
-// Edge rows: zero-padded A copy, only real rows stored; edge columns:
-// zero-padded B, masked stores. Same chunked sum order as gemm_nn (PKC).
+// The packed GEMM (kernels.h: pack_b, gemm_packed): B in 16-wide panels; A
+// in 6-row micro-panels per (96 rows, 256 k) block; a 6 x 16 micro-kernel
+// (12 ymm accumulators).
 #define PMR 6
 #define PNR 16
 #define PKC 256
 #define PMC (PMR * 16)
 
-static void pack_b(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K, int64_t N) {
-    for (int64_t j0 = 0; j0 < N; j0 += PNR) {
-        const int64_t nr = N - j0 < PNR ? N - j0 : PNR;
-        float *P = Bp + j0 * K;
-        if (sn == 1) {
-            const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
-            for (int64_t k = 0; k < K; k++) {
-                const float *b = B + k * sk + j0;
-                _mm256_storeu_ps(P + k * PNR, _mm256_maskload_ps(b, m0));
-                _mm256_storeu_ps(P + k * PNR + 8, _mm256_maskload_ps(b + 8, m1));
-            }
-        } else {  // B = W^T and other strides: nr streams along k, rows of P written whole
-            for (int64_t k = 0; k < K; k++) {
-                const float *b = B + k * sk + j0 * sn;
-                float *pk = P + k * PNR;
-                for (int64_t j = 0; j < PNR; j++) pk[j] = j < nr ? b[j * sn] : 0.0f;
-            }
+// A panel P (K, 16) <- columns [0, nr) of B, zero past nr.
+static inline void pack_b_panel(float *P, const float *B, int64_t sk, int64_t sn, int64_t K,
+                                int64_t nr) {
+    if (sn == 1) {
+        const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
+        for (int64_t k = 0; k < K; k++) {
+            const float *b = B + k * sk;
+            _mm256_storeu_ps(P + k * PNR, _mm256_maskload_ps(b, m0));
+            _mm256_storeu_ps(P + k * PNR + 8, _mm256_maskload_ps(b + 8, m1));
+        }
+    } else {  // B = W^T and other strides: nr streams along k, rows of P written whole
+        for (int64_t k = 0; k < K; k++) {
+            const float *b = B + k * sk;
+            float *pk = P + k * PNR;
+            for (int64_t j = 0; j < PNR; j++) pk[j] = j < nr ? b[j * sn] : 0.0f;
         }
     }
 }
 
-// Ap (tiles of 6 rows, k-major) <- A (mc, kc), rows past mc zero.
-static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
-    for (int64_t i0 = 0; i0 < mc; i0 += PMR, Ap += PMR * kc) {
-        const int64_t rows = mc - i0 < PMR ? mc - i0 : PMR;
-        for (int64_t r = 0; r < PMR; r++) {
-            const float *a = A + (i0 + r) * lda;
-            if (r < rows)
-                for (int64_t k = 0; k < kc; k++) Ap[k * PMR + r] = a[k];
-            else
-                for (int64_t k = 0; k < kc; k++) Ap[k * PMR + r] = 0.0f;
-        }
+// A micro-panel Ap (kc, 6) <- A (rows, kc), rows past `rows` zero.
+static inline void pack_a_tile(float *Ap, const float *A, int64_t lda, int64_t rows,
+                               int64_t kc) {
+    for (int64_t r = 0; r < PMR; r++) {
+        const float *a = A + r * lda;
+        if (r < rows)
+            for (int64_t k = 0; k < kc; k++) Ap[k * PMR + r] = a[k];
+        else
+            for (int64_t k = 0; k < kc; k++) Ap[k * PMR + r] = 0.0f;
     }
+}
+
+// Ap[0:6] <- A[0:rows], zero past rows (no element of A past rows read;
+// 4 + 2 floats stored: no masked store, slow on some CPUs).
+static inline void pack_a_t_k(float *Ap, const float *A, int64_t rows) {
+    const __m256 v = _mm256_maskload_ps(A, tail_mask(rows));
+    _mm_storeu_ps(Ap, _mm256_castps256_ps128(v));
+    _mm_storel_pi((__m64 *)(void *)(Ap + 4), _mm256_extractf128_ps(v, 1));
 }
 
 #define PK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
@@ -202,7 +170,6 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
 
 #define PK_PF(r) \
     if ((r) < mr) _mm_prefetch((const char *)(C + ldc * (r)), _MM_HINT_T0);
-// pf: a line to prefetch (into L2) every other k: part of the next panel
 // 8 elements of a packed B from element e: float32 (kind 0), or bf16 (1) /
 // f16 (2) widened (exact)
 static inline __attribute__((always_inline)) __m256 ldb(const void *B, int64_t e, int kind) {
@@ -212,12 +179,13 @@ static inline __attribute__((always_inline)) __m256 ldb(const void *B, int64_t e
     return _mm256_cvtph_ps(h);
 }
 
-// (kind: B's elements, ldb; pf: bytes, one 64-byte line every other k)
-static inline __attribute__((always_inline)) void ukr_any(int64_t kc, const float *Ap,
-                                                          const void *Bp, int kind, float *C,
-                                                          int64_t ldc, int64_t mr, __m256i m0,
-                                                          __m256i m1, bool add,
-                                                          const float *bias, const char *pf) {
+// C[0:mr, 0:16 under the masks of nr] = [C +] Ap (6, kc) Bp (kc, 16)
+// [+ bias] (kind: B's elements). pf: one 64-byte line every other k,
+// prefetched into L2 (a part of the next panel).
+static inline __attribute__((always_inline)) void ukr_packed_any(
+    int64_t kc, const float *Ap, const void *Bp, int kind, float *C, int64_t ldc, int64_t mr,
+    int64_t nr, bool add, const float *bias, const char *pf) {
+    const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
     PK_ROWS(PK_DECL)
     PK_ROWS(PK_PF)
 #pragma GCC unroll 4
@@ -235,101 +203,15 @@ static inline __attribute__((always_inline)) void ukr_any(int64_t kc, const floa
     PK_ROWS(PK_STORE)
 }
 
-static void ukr_packed(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
-                       int64_t ldc, int64_t mr, __m256i m0, __m256i m1, bool add,
-                       const float *bias, const char *pf) {
-    ukr_any(kc, Ap, Bp, 0, C, ldc, mr, m0, m1, add, bias, pf);
-    (void)kind;
-}
-static void ukr_packed_bf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
-                          int64_t ldc, int64_t mr, __m256i m0, __m256i m1, bool add,
-                          const float *bias, const char *pf) {
-    ukr_any(kc, Ap, Bp, 1, C, ldc, mr, m0, m1, add, bias, pf);
-    (void)kind;
-}
-static void ukr_packed_hf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
-                          int64_t ldc, int64_t mr, __m256i m0, __m256i m1, bool add,
-                          const float *bias, const char *pf) {
-    ukr_any(kc, Ap, Bp, 2, C, ldc, mr, m0, m1, add, bias, pf);
-    (void)kind;
-}
+#include "gemm_blocking.h"
 
-// Ap (tiles of 6 rows, k-major) <- the (mc, kc) block of a transposed A
-// (element (i, k) at A[k*lda + i]), rows past mc zero: the same Ap as
-// pack_a of the transposed copy.
-static void pack_a_t(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
-    for (int64_t i0 = 0; i0 < mc; i0 += PMR, Ap += PMR * kc) {
-        const int64_t rows = mc - i0 < PMR ? mc - i0 : PMR;
-        for (int64_t k = 0; k < kc; k++) {
-            const float *a = A + k * lda + i0;
-            for (int64_t r = 0; r < PMR; r++) Ap[k * PMR + r] = r < rows ? a[r] : 0.0f;
-        }
-    }
-}
-
-// gemm_packed and gemm_packed_tn: A row-major (at false) or stored
-// transposed (at true); only the A copy differs.
-static inline __attribute__((always_inline)) void gemm_packed_any(
-    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const void *Bp, int kind,
-    const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate, float *apack) {
-    void (*ukr)(int64_t, const float *, const void *, int, float *, int64_t, int64_t, __m256i,
-                __m256i, bool, const float *, const char *) = kind == 0   ? ukr_packed
-                                                              : kind == 1 ? ukr_packed_bf
-                                                                          : ukr_packed_hf;
-    const int64_t es = kind == 0 ? 4 : 2;  // bytes of B's elements
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) {
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j += 8) {
-                const __m256i m = tail_mask(N - j);
-                __m256 v = accumulate ? _mm256_maskload_ps(C + i * ldc + j, m)
-                                      : _mm256_setzero_ps();
-                if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + j, m));
-                _mm256_maskstore_ps(C + i * ldc + j, m, v);
-            }
-        return;
-    }
-    for (int64_t i0 = 0; i0 < M; i0 += PMC) {
-        const int64_t mc = M - i0 < PMC ? M - i0 : PMC;
-        for (int64_t k0 = 0; k0 < K; k0 += PKC) {
-            const int64_t kc = K - k0 < PKC ? K - k0 : PKC;
-            const bool add = accumulate || k0 > 0, last = k0 + kc == K;
-            if (at) pack_a_t(apack, A + k0 * lda + i0, lda, mc, kc);
-            else pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
-            for (int64_t j0 = 0; j0 < N; j0 += PNR) {
-                const int64_t nr = N - j0;
-                const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
-                const char *Bb = (const char *)Bp + (j0 * K + k0 * PNR) * es;
-                const float *bj = last && bias ? bias + j0 : NULL;
-                // the next panel's micro-panel (kc rows of 16 elements),
-                // prefetched by the first tiles; the others re-touch their
-                // own A
-                const char *nb = j0 + PNR < N ? Bb + PNR * K * es : Bb;
-                for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
-                    ukr(kc, apack + t * kc, Bb, kind, C + (i0 + t) * ldc + j0, ldc, mc - t, m0,
-                        m1, add, bj,
-                        ti < es / 2 ? nb + ti * 32 * kc : (const char *)(apack + t * kc));
-            }
-        }
-    }
-}
-
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                        float *apack) {
-    gemm_packed_any(C, ldc, A, lda, false, Bp, 0, bias, M, N, K, accumulate, apack);
-}
-
-static void gemm_packed_bh(float *C, int64_t ldc, const float *A, int64_t lda,
-                           const uint16_t *Bp, int kind, const float *bias, int64_t M,
-                           int64_t N, int64_t K, bool accumulate, float *apack) {
-    gemm_packed_any(C, ldc, A, lda, false, Bp, kind, bias, M, N, K, accumulate, apack);
-}
-
-static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                           const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                           float *apack) {
-    gemm_packed_any(C, ldc, A, lda, true, Bp, 0, bias, M, N, K, accumulate, apack);
+// gemm_nn: C zeroed, then gemm_nn_acc (0 + the first chunk's sum).
+static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j += 8)
+            _mm256_maskstore_ps(C + i * ldc + j, tail_mask(N - j), _mm256_setzero_ps());
+    gemm_nn_acc(C, ldc, A, lda, B, ldb, M, N, K);
 }
 
 // exp(x) for 8 lanes: Cephes expf. NaN propagates; x < -87.3 gives 0.

@@ -1,15 +1,16 @@
-// avx512.c: AVX-512F kernels (built with -mavx512f -mavx2 -mfma for this
-// file only; used only when the CPU has AVX-512F, see cpu.c).
+// avx512.c: AVX-512F kernels (built with -mavx512f -mavx2 -mfma -mf16c for
+// this file only; used only when the CPU has AVX-512F, see cpu.c): the GEMM
+// micro-kernels, the softmax and the flash tiles' row passes, and the
+// avx512 table's filler. The decode kernels are avx512_decode.c's; the
+// GEMM's blocking around the micro-kernels is gemm_blocking.h's.
 //
 // gemm: a register-blocked 8 x 32 micro-kernel (16 zmm accumulators, B rows
 // loaded 32 floats at a time, A broadcast), partial tiles by AVX-512 masks
-// (columns) and smaller row counts (rows), cache blocking KC x NC around
-// it. Every C element accumulates over k in increasing order, in KC-sized
-// chunks: fixed by the shape alone.
-// exp: Cephes' expf polynomial (|r| <= ln2/2, degree 5 + 1), 2^n applied by
-// vscalefps, which also flushes huge negative inputs to 0.
+// (columns) and smaller row counts (rows).
 // gemm_packed (the projections): a 14 x 32 micro-kernel on a pre-packed B,
 // see its section below.
+// exp: Cephes' expf polynomial (|r| <= ln2/2, degree 5 + 1), 2^n applied by
+// vscalefps, which also flushes huge negative inputs to 0.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include <math.h>
@@ -17,11 +18,17 @@
 #include "avx512_common.h"
 #include "kernels.h"
 
+// ---------------------------------------------------------------------------
+// GEMM micro-kernels. The blocking around them (the loops over blocks, the
+// packing loops, the edge handling, the slot functions) is gemm_blocking.h,
+// shared with the AVX2 table and included below.
+
+// The unpacked GEMM (gemm_nn, gemm_nn_acc, gemm_tn_acc): 8 x 32 tiles in
+// 256 x 512 (k x columns) blocks.
 #define MR 8
 #define NR 32
 #define KC 256
 #define NC 512
-
 
 // C[0:MR, 0:nr] (+)= A B[0:K, 0:nr]: 8 x 32 (16 accumulators in named
 // registers: an array would be spilled), B rows loaded under the column
@@ -91,14 +98,28 @@ static inline __attribute__((always_inline)) void ukr8(int64_t K, const float *A
     ROW_STORE(7);
 }
 
+// gemm_blocking.h's ukr_mr: ukr8 specialised on whole tiles (nr >= 32)
+// and on add.
+static inline __attribute__((always_inline)) void ukr_mr(int64_t K, const float *A,
+                                                         int64_t ars, int64_t aks,
+                                                         const float *B, int64_t ldb, float *C,
+                                                         int64_t ldc, int64_t nr, bool add) {
+    const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
+    if (nr >= NR && add) ukr8(K, A, ars, aks, B, ldb, C, ldc, m0, m1, true, true);
+    else if (nr >= NR) ukr8(K, A, ars, aks, B, ldb, C, ldc, m0, m1, true, false);
+    else if (add) ukr8(K, A, ars, aks, B, ldb, C, ldc, m0, m1, false, true);
+    else ukr8(K, A, ars, aks, B, ldb, C, ldc, m0, m1, false, false);
+}
+
 // One row: the edge of M (fewer than MR rows left).
-static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A, int64_t ars,
-                                                       int64_t aks, const float *B,
-                                                       int64_t ldb, float *C, int64_t ldc,
-                                                       __mmask16 m0, __mmask16 m1, bool add) {
+static inline __attribute__((always_inline)) void ukr_row(int64_t K, const float *A,
+                                                          int64_t ars, int64_t aks,
+                                                          const float *B, int64_t ldb, float *C,
+                                                          int64_t ldc, int64_t nr, bool add) {
     (void)ars;
     (void)ldc;
     const bool full = false;
+    const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
     __m512 c00 = _mm512_setzero_ps(), c01 = c00;
     for (int64_t k = 0; k < K; k++) {
         LOAD_B;
@@ -107,83 +128,15 @@ static inline __attribute__((always_inline)) void ukr1(int64_t K, const float *A
     ROW_STORE(0);
 }
 
-// One micro-tile row block: C[0:mr, 0:nr] (+)= A B, mr <= MR.
-static inline __attribute__((always_inline)) void tile_acc(int64_t kc, const float *A,
-                                                           int64_t ars, int64_t aks,
-                                                           const float *B, int64_t ldb,
-                                                           float *C, int64_t ldc, int64_t mr,
-                                                           int64_t nr, bool add) {
-    const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
-    if (mr == MR && nr >= NR && add) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, true, true);
-    else if (mr == MR && nr >= NR) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, true, false);
-    else if (mr == MR && add) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, false, true);
-    else if (mr == MR) ukr8(kc, A, ars, aks, B, ldb, C, ldc, m0, m1, false, false);
-    else
-        for (int64_t r = 0; r < mr; r++)
-            ukr1(kc, A + r * ars, ars, aks, B, ldb, C + r * ldc, ldc, m0, m1, add);
-}
-
-// C (M, N) += A B (overwrite: C = A B, C never read) in KC x NC blocks of
-// MR x NR micro-tiles.
-static inline __attribute__((always_inline)) void gemm_acc(float *C, int64_t ldc,
-                                                           const float *A, int64_t ars,
-                                                           int64_t aks, const float *B,
-                                                           int64_t ldb, int64_t M, int64_t N,
-                                                           int64_t K, bool overwrite) {
-    for (int64_t j0 = 0; j0 < N; j0 += NC) {
-        int64_t nc = N - j0 < NC ? N - j0 : NC;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            int64_t kc = K - k0 < KC ? K - k0 : KC;
-            const bool add = !overwrite || k0 > 0;
-            for (int64_t i0 = 0; i0 < M; i0 += MR) {
-                int64_t mr = M - i0 < MR ? M - i0 : MR;
-                for (int64_t j1 = 0; j1 < nc; j1 += NR)
-                    tile_acc(kc, A + i0 * ars + k0 * aks, ars, aks, B + k0 * ldb + j0 + j1,
-                             ldb, C + i0 * ldc + j0 + j1, ldc, mr, nc - j1, add);
-            }
-        }
-    }
-}
-
-static void gemm_nn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K, false);
-}
-
-// gemm_tn_acc (kernels.h): C += A^T B with A stored (K, M), row stride lda:
-// the same blocking, micro-tiles and per-element sum order as gemm_nn_acc,
-// so it is bit-identical to transposing A and calling gemm_nn_acc.
-static void gemm_tn_acc(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    gemm_acc(C, ldc, A, 1, lda, B, ldb, M, N, K, false);
-}
-
-// gemm_nn: the first k chunk stored, not added to zeros (the same bits).
-static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                    int64_t ldb, int64_t M, int64_t N, int64_t K) {
-    if (K <= 0)
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j += 16)
-                _mm512_mask_storeu_ps(C + i * ldc + j, tail_mask(N - j), _mm512_setzero_ps());
-    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K, true);
-}
-
-// ---------------------------------------------------------------------------
-// Packed-B GEMM (kernels.h: pack_b, gemm_packed). B in 32-wide panels,
-// contiguous along k; A copied per (PMC rows, PKC k) block into 14-row
-// micro-panels (k-major, 14 floats per k); a 14 x 32 micro-kernel: 28 zmm
-// accumulators, per k two aligned-stream B loads and 14 broadcasts for 28
-// FMAs. Loops: rows by PMC, k by PKC (A block packed once, ~112 KiB, in
-// L2), column panels (a 32 x PKC B micro-panel, 32 KiB, stays in L1 across
-// the row tiles), row tiles. Edge rows: the A copy is zero-padded to 14
-// rows, the tile computed whole and only the real rows stored; edge
-// columns: B is zero-padded, stores masked. Each C element's sum is the
-// same FMA chain whatever the tile it falls in.
+// The packed GEMM (kernels.h: pack_b, gemm_packed): B in 32-wide panels; A
+// in 14-row micro-panels per (112 rows, 256 k) block (~112 KiB, in L2); a
+// 14 x 32 micro-kernel: 28 zmm accumulators, per k two aligned-stream B
+// loads and 14 broadcasts for 28 FMAs (a 32 x 256 B micro-panel, 32 KiB,
+// stays in L1 across the row tiles).
 #define PMR 14
 #define PNR 32
 #define PKC 256
 #define PMC (PMR * 8)
-
 
 // dst[k*ldd + i] = src[i*lds + k] for i < rows (<= 16; lanes rows..15 of
 // each dst row: 0, stored under mask `store` only), k < kn: 16 k at a time.
@@ -211,38 +164,38 @@ static void transpose(float *dst, int64_t ldd, const float *src, int64_t lds, in
     }
 }
 
-static void pack_b(float *Bp, const float *B, int64_t sk, int64_t sn, int64_t K, int64_t N) {
-    for (int64_t j0 = 0; j0 < N; j0 += PNR) {
-        const int64_t nr = N - j0 < PNR ? N - j0 : PNR;
-        float *P = Bp + j0 * K;  // panel j0 / PNR
-        if (sn == 1) {
-            const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
-            for (int64_t k = 0; k < K; k++) {
-                const float *b = B + k * sk + j0;
-                _mm512_storeu_ps(P + k * PNR, _mm512_maskz_loadu_ps(m0, b));
-                _mm512_storeu_ps(P + k * PNR + 16, _mm512_maskz_loadu_ps(m1, b + 16));
-            }
-        } else if (sk == 1) {  // columns of B contiguous (B = W^T): transpose
-            for (int64_t h = 0; h < 2; h++) {
-                const int64_t rows = nr - 16 * h;
-                transpose_rows(P + 16 * h, PNR, 0xffff, B + (j0 + 16 * h) * sn, sn,
-                               rows > 0 ? rows : 0, K);
-            }
-        } else {
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t j = 0; j < PNR; j++)
-                    P[k * PNR + j] = j < nr ? B[k * sk + (j0 + j) * sn] : 0.0f;
+// A panel P (K, 32) <- columns [0, nr) of B, zero past nr.
+static inline void pack_b_panel(float *P, const float *B, int64_t sk, int64_t sn, int64_t K,
+                                int64_t nr) {
+    if (sn == 1) {
+        const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
+        for (int64_t k = 0; k < K; k++) {
+            const float *b = B + k * sk;
+            _mm512_storeu_ps(P + k * PNR, _mm512_maskz_loadu_ps(m0, b));
+            _mm512_storeu_ps(P + k * PNR + 16, _mm512_maskz_loadu_ps(m1, b + 16));
         }
+    } else if (sk == 1) {  // columns of B contiguous (B = W^T): transpose
+        for (int64_t h = 0; h < 2; h++) {
+            const int64_t rows = nr - 16 * h;
+            transpose_rows(P + 16 * h, PNR, 0xffff, B + 16 * h * sn, sn, rows > 0 ? rows : 0, K);
+        }
+    } else {
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PNR; j++)
+                P[k * PNR + j] = j < nr ? B[k * sk + j * sn] : 0.0f;
     }
 }
 
-// Ap (tiles of 14 rows, k-major) <- A (mc, kc), rows past mc zero.
-static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
-    for (int64_t i0 = 0; i0 < mc; i0 += PMR) {
-        const int64_t rows = mc - i0 < PMR ? mc - i0 : PMR;
-        transpose_rows(Ap + i0 * kc, PMR, (__mmask16)((1u << PMR) - 1u), A + i0 * lda, lda,
-                       rows, kc);
-    }
+// A micro-panel Ap (kc, 14) <- A (rows, kc), rows past `rows` zero.
+static inline void pack_a_tile(float *Ap, const float *A, int64_t lda, int64_t rows,
+                               int64_t kc) {
+    transpose_rows(Ap, PMR, (__mmask16)((1u << PMR) - 1u), A, lda, rows, kc);
+}
+
+// Ap[0:14] <- A[0:rows], zero past rows.
+static inline void pack_a_t_k(float *Ap, const float *A, int64_t rows) {
+    const __mmask16 st = (__mmask16)((1u << PMR) - 1u);
+    _mm512_mask_storeu_ps(Ap, st, _mm512_maskz_loadu_ps(st & tail_mask(rows), A));
 }
 
 #define PK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13)
@@ -269,16 +222,12 @@ static void pack_a(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t k
         _mm512_mask_storeu_ps(c + 16, m1, v1);                         \
     }
 
-// C[0:mr, 0:32 under m0, m1] = [C +] Ap (14, kc) Bp (kc, 32) [+ bias]
 // the C tile's lines, wanted by the stores at the end
 #define PK_PF(r)                                                       \
     if ((r) < mr) {                                                    \
         _mm_prefetch((const char *)(C + ldc * (r)), _MM_HINT_T0);      \
         _mm_prefetch((const char *)(C + ldc * (r) + 31), _MM_HINT_T0); \
     }
-// pf: kc lines to prefetch into L2, one per k (a part of the next panel:
-// B streams from L3 when it outgrows L2). Without this and the C
-// prefetch, the N = 2304 projection ran ~8% slower.
 // 16 elements of a packed B from element e: float32 (kind 0), or bf16 (1)
 // / f16 (2) widened (exact)
 static inline __attribute__((always_inline)) __m512 ldb(const void *B, int64_t e, int kind) {
@@ -289,12 +238,15 @@ static inline __attribute__((always_inline)) __m512 ldb(const void *B, int64_t e
     return _mm512_cvtph_ps(h);
 }
 
-// (kind: B's elements, ldb; pf: bytes, one 64-byte line per k)
-static inline __attribute__((always_inline)) void ukr_any(int64_t kc, const float *Ap,
-                                                          const void *Bp, int kind, float *C,
-                                                          int64_t ldc, int64_t mr,
-                                                          __mmask16 m0, __mmask16 m1, bool add,
-                                                          const float *bias, const char *pf) {
+// C[0:mr, 0:32 under the masks of nr] = [C +] Ap (14, kc) Bp (kc, 32)
+// [+ bias] (kind: B's elements). pf: one 64-byte line per k, prefetched
+// into L2 (a part of the next panel: B streams from L3 when it outgrows
+// L2). Without this and the C prefetch, the N = 2304 projection ran ~8%
+// slower.
+static inline __attribute__((always_inline)) void ukr_packed_any(
+    int64_t kc, const float *Ap, const void *Bp, int kind, float *C, int64_t ldc, int64_t mr,
+    int64_t nr, bool add, const float *bias, const char *pf) {
+    const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
     PK_ROWS(PK_DECL)
     PK_ROWS(PK_PF)
 #pragma GCC unroll 4
@@ -312,105 +264,16 @@ static inline __attribute__((always_inline)) void ukr_any(int64_t kc, const floa
     PK_ROWS(PK_STORE)
 }
 
-static void ukr_packed(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
-                       int64_t ldc, int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
-                       const float *bias, const char *pf) {
-    ukr_any(kc, Ap, Bp, 0, C, ldc, mr, m0, m1, add, bias, pf);
-    (void)kind;
-}
-static void ukr_packed_bf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
-                          int64_t ldc, int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
-                          const float *bias, const char *pf) {
-    ukr_any(kc, Ap, Bp, 1, C, ldc, mr, m0, m1, add, bias, pf);
-    (void)kind;
-}
-static void ukr_packed_hf(int64_t kc, const float *Ap, const void *Bp, int kind, float *C,
-                          int64_t ldc, int64_t mr, __mmask16 m0, __mmask16 m1, bool add,
-                          const float *bias, const char *pf) {
-    ukr_any(kc, Ap, Bp, 2, C, ldc, mr, m0, m1, add, bias, pf);
-    (void)kind;
-}
+#include "gemm_blocking.h"
 
-// Ap (tiles of 14 rows, k-major) <- the (mc, kc) block of a transposed A
-// (element (i, k) at A[k*lda + i]): 14 contiguous floats per tile and k,
-// rows past mc zero; each row of A read once, left to right. The same Ap
-// as pack_a of the transposed copy.
-static void pack_a_t(float *Ap, const float *A, int64_t lda, int64_t mc, int64_t kc) {
-    const __mmask16 st = (__mmask16)((1u << PMR) - 1u);
-    for (int64_t k = 0; k < kc; k++)
-        for (int64_t i0 = 0; i0 < mc; i0 += PMR)
-            _mm512_mask_storeu_ps(Ap + i0 * kc + k * PMR, st,
-                                  _mm512_maskz_loadu_ps(st & tail_mask(mc - i0),
-                                                        A + k * lda + i0));
-}
-
-// gemm_packed and gemm_packed_tn: A row-major (at false) or stored
-// transposed (at true); only the A copy differs.
-static inline __attribute__((always_inline)) void gemm_packed_any(
-    float *C, int64_t ldc, const float *A, int64_t lda, bool at, const void *Bp, int kind,
-    const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate, float *apack) {
-    void (*ukr)(int64_t, const float *, const void *, int, float *, int64_t, int64_t, __mmask16,
-                __mmask16, bool, const float *, const char *) = kind == 0   ? ukr_packed
-                                                                : kind == 1 ? ukr_packed_bf
-                                                                            : ukr_packed_hf;
-    const int64_t es = kind == 0 ? 4 : 2;  // bytes of B's elements
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) {
+// gemm_nn: the first k chunk stored, not added to zeros (the same bits).
+static void gemm_nn(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t M, int64_t N, int64_t K) {
+    if (K <= 0)
         for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j += 16) {
-                const __mmask16 m = tail_mask(N - j);
-                __m512 v = accumulate ? _mm512_maskz_loadu_ps(m, C + i * ldc + j)
-                                      : _mm512_setzero_ps();
-                if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
-                _mm512_mask_storeu_ps(C + i * ldc + j, m, v);
-            }
-        return;
-    }
-    // row blocks of at most PMC rows, as even as whole tiles allow (each
-    // block streams all of B once: no small last block)
-    const int64_t tiles = (M + PMR - 1) / PMR, nblk = (tiles + PMC / PMR - 1) / (PMC / PMR);
-    for (int64_t ib = 0; ib < nblk; ib++) {
-        const int64_t i0 = ib * tiles / nblk * PMR, i1 = (ib + 1) * tiles / nblk * PMR;
-        const int64_t mc = (i1 < M ? i1 : M) - i0;
-        for (int64_t k0 = 0; k0 < K; k0 += PKC) {
-            const int64_t kc = K - k0 < PKC ? K - k0 : PKC;
-            const bool add = accumulate || k0 > 0, last = k0 + kc == K;
-            if (at) pack_a_t(apack, A + k0 * lda + i0, lda, mc, kc);
-            else pack_a(apack, A + i0 * lda + k0, lda, mc, kc);
-            for (int64_t j0 = 0; j0 < N; j0 += PNR) {
-                const int64_t nr = N - j0;
-                const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
-                const char *Bb = (const char *)Bp + (j0 * K + k0 * PNR) * es;
-                const float *bj = last && bias ? bias + j0 : NULL;
-                // the next panel's micro-panel (kc lines of 32 elements),
-                // prefetched by the first tiles; the others re-touch their
-                // own A
-                const char *nb = j0 + PNR < N ? Bb + PNR * K * es : Bb;
-                for (int64_t t = 0, ti = 0; t < mc; t += PMR, ti++)
-                    ukr(kc, apack + t * kc, Bb, kind, C + (i0 + t) * ldc + j0, ldc, mc - t, m0,
-                        m1, add, bj,
-                        ti < es / 2 ? nb + ti * 64 * kc : (const char *)(apack + t * kc));
-            }
-        }
-    }
-}
-
-static void gemm_packed(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                        const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                        float *apack) {
-    gemm_packed_any(C, ldc, A, lda, false, Bp, 0, bias, M, N, K, accumulate, apack);
-}
-
-static void gemm_packed_bh(float *C, int64_t ldc, const float *A, int64_t lda,
-                           const uint16_t *Bp, int kind, const float *bias, int64_t M,
-                           int64_t N, int64_t K, bool accumulate, float *apack) {
-    gemm_packed_any(C, ldc, A, lda, false, Bp, kind, bias, M, N, K, accumulate, apack);
-}
-
-static void gemm_packed_tn(float *C, int64_t ldc, const float *A, int64_t lda, const float *Bp,
-                           const float *bias, int64_t M, int64_t N, int64_t K, bool accumulate,
-                           float *apack) {
-    gemm_packed_any(C, ldc, A, lda, true, Bp, 0, bias, M, N, K, accumulate, apack);
+            for (int64_t j = 0; j < N; j += 16)
+                _mm512_mask_storeu_ps(C + i * ldc + j, tail_mask(N - j), _mm512_setzero_ps());
+    gemm_acc(C, ldc, A, lda, 1, B, ldb, M, N, K, true);
 }
 
 // exp(x) for 16 lanes: Cephes expf. NaN propagates; x < -87.3 (where
