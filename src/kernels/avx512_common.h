@@ -1,6 +1,6 @@
 // avx512_common.h: small AVX-512F helpers of the AVX-512 kernels
-// (avx512.c); include after <immintrin.h>, from files built with
-// -mavx512f only.
+// (avx512.c, avx512_decode.c); include after <immintrin.h>, from files
+// built with -mavx512f only.
 #ifndef MHA_AVX512_COMMON_H
 #define MHA_AVX512_COMMON_H
 

@@ -1,6 +1,6 @@
 // kernels.h: the one kernel contract of the fused path. Every slot has a
-// portable C version (generic.c, always built); ISA files (avx2.c,
-// avx512.c) overwrite the slots they do better. The table is filled once
+// portable C version (generic.c, always built); ISA files (avx2*.c,
+// avx512*.c) overwrite the slots they do better. The table is filled once
 // (cpu.c): generic first, then the best ISA the CPU supports, or the one
 // MHA_ISA=scalar|avx2|avx512|amx names.
 //
@@ -341,6 +341,10 @@ void mha__pack_bf16_avx512(uint16_t *Bp, const uint16_t *B, int64_t sk, int64_t 
 // Per-ISA fillers: each overwrites the slots it implements.
 void mha__kernels_fill_generic(mha__kernels *k);
 void mha__kernels_fill_avx2(mha__kernels *k);
+// The decode slots of the avx2 and avx512 tables (avx2_decode.c,
+// avx512_decode.c), which their fillers above and below call.
+void mha__kernels_fill_avx2_decode(mha__kernels *k);
+void mha__kernels_fill_avx512_decode(mha__kernels *k);
 // dot_rows_i4's formula for one row a (its scales sc) and one split query
 // x (scale xs): the generic version's, and the ISA versions' tail rows.
 // Group b is bytes 16 b .. 16 b + 15 of the row; byte i's low nibble is
@@ -360,7 +364,7 @@ static inline float mha__dot_row_i4(const uint8_t *a, const float *sc, const int
     }
     return xs * u;
 }
-// avx2.c's dot_rows_i8 and dot_rows_i4, also the avx512 table's
+// avx2_decode.c's dot_rows_i8 and dot_rows_i4, also the avx512 table's
 void mha__dot_rows_i8_avx2(float *s, int64_t lds, const int8_t *A, int64_t lda,
                            const float *scales, int64_t sld, const int8_t *Xq, int64_t ldx,
                            const float *xs, int64_t ldxs, int64_t ng, int64_t n, int64_t D,

@@ -1,21 +1,23 @@
 // x86_prefetch.h: the decode kernels' prefetching, shared by the AVX2 and
-// AVX-512 tables (avx2.c, avx512.c); include after <immintrin.h>.
+// AVX-512 tables (avx2_decode.c, avx512_decode.c); include after
+// <immintrin.h>.
 //
 // Decode streams the cache's rows from memory: each kernel prefetches the
 // rows about PF_BYTES ahead of the ones it reads (prefetch_ahead_at: a
-// table's own distance, as avx512.c's for bf16 and f16 rows) (the hardware prefetchers
-// stop at page boundaries and ramp up again on every chunk the threads
-// take in turn; measured on the Xeon: the 256k-token decode 30% faster),
-// and spreads the caller's next rows (pf) over its steps.
+// table's own distance, as avx512_decode.c's for bf16 and f16 rows) (the
+// hardware prefetchers stop at page boundaries and ramp up again on every
+// chunk the threads take in turn; measured on the Xeon: the 256k-token
+// decode 30% faster), and spreads the caller's next rows (pf) over its
+// steps.
 //
 // Into L2 (PF_HINT: prefetcht1), not L1: a prefetch into L1 holds one of
 // the core's few line fill buffers until its line arrives from memory,
 // and the kernel's own loads then wait for a free one. Measured on a
 // Sapphire Rapids Xeon, 262144 tokens, 12 heads d 64, 2 threads, runs
 // taking turns: AVX-512 f32 57.8 -> 55.2 ms (91% -> 95% of the read
-// bandwidth), bf16 32.8 -> 30.1 (80% -> 87%, with avx512.c's 4096 bytes
-// ahead); the AVX2 table on the same machine f32 66.2 -> 62.0, bf16 50.1
-// -> 39.5; int4 and the scattered blocks the same or a little faster.
+// bandwidth), bf16 32.8 -> 30.1 (80% -> 87%, with avx512_decode.c's 4096
+// bytes ahead); the AVX2 table on the same machine f32 66.2 -> 62.0, bf16
+// 50.1 -> 39.5; int4 and the scattered blocks the same or a little faster.
 #ifndef MHA_X86_PREFETCH_H
 #define MHA_X86_PREFETCH_H
 
