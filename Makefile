@@ -46,7 +46,7 @@ ASAN_SKIP ?= embed_vs_sentence_transformers
 asan:
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=None \
 	  -DCMAKE_C_FLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" \
-	  -DMHA_PYTHON_TESTS=OFF -DMHA_TEST_TIMEOUT_SCALE=4
+	  -DMHA_PYTHON_TESTS=OFF -DMHA_TEST_TIMEOUT_SCALE=4 -DMHA_CONFORMANCE_PERCENT=25
 	cmake --build build-asan -j $(JOBS)
 	$(call ctest_in,build-asan,$(if $(ASAN_SKIP),-E '$(ASAN_SKIP)')); echo "$(LEFT_OUT)"; \
 	  echo "left out of make asan: $(ASAN_SKIP) (5 minutes under the sanitizers;" \
