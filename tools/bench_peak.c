@@ -19,7 +19,7 @@
 // were). Timings held against these (wall clock) are at most the peak's
 // rate unless the CPUs were shared: a fraction then reads low, not high.
 // What it deliberately does not do: decide what a rate above the probe's
-// best means (bench.c prints such a fraction capped and flagged).
+// best means (bench_report.c prints such a fraction capped and flagged).
 #if defined(__linux__) && !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE  // madvise, MAP_ANONYMOUS
 #endif

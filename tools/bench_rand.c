@@ -1,5 +1,5 @@
 // bench_rand.c: the benchmarks' seeded inputs (bench.h), shared by
-// bench.c and bench_serve.c.
+// bench_module.c, bench_decode.c and bench_serve.c.
 #include "bench.h"
 
 // splitmix64: a seeded, portable stream.

@@ -102,6 +102,59 @@ static int write_result(const embed_result *r, const char *path, int64_t max_len
     return st ? cli_fail("embed", st) : 0;
 }
 
+// The sentences given as arguments (no copy: texts point into argv).
+// 0, or 1 after printing.
+static int arg_sentences(char ***texts, size_t **lens, int64_t *n, int argc, char **argv) {
+    *n = argc;
+    *texts = malloc((size_t)argc * sizeof **texts);
+    *lens = malloc((size_t)argc * sizeof **lens);
+    if (!*texts || !*lens) {
+        fputs("mha embed: out of memory\n", stderr);
+        return 1;
+    }
+    for (int64_t i = 0; i < argc; i++) {
+        (*texts)[i] = argv[i];
+        (*lens)[i] = strlen(argv[i]);
+    }
+    return 0;
+}
+
+// --time R: everything embedded R more times (tokenizing included); prints
+// the median milliseconds per batch. 0, or 1 after printing.
+static int time_embed(const embed_pipeline *p, const char *const *texts, const size_t *lens,
+                      int64_t n, int64_t batch, const char *unit, int64_t repeats) {
+    int rc = 0;
+    double *ms = malloc((size_t)repeats * sizeof *ms);
+    int64_t batches = (n + batch - 1) / batch;
+    for (int64_t k = 0; k < repeats && ms && !rc; k++) {
+        embed_result rr;
+        double t0 = cli_now();
+        if (embed_sentences(&rr, p, texts, lens, n, batch, unit)) {
+            fprintf(stderr, "mha embed: %s\n", embed_last_error());
+            rc = 1;
+        }
+        ms[k] = (cli_now() - t0) * 1e3 / (double)batches;
+        embed_result_free(&rr);
+    }
+    if (!ms) {
+        fputs("mha embed: out of memory\n", stderr);
+        rc = 1;
+    }
+    if (!rc) {
+        qsort(ms, (size_t)repeats, sizeof *ms, cli_cmp_double);
+        int threads = 1;
+#ifdef _OPENMP
+        threads = omp_get_max_threads();
+#endif
+        printf("mha embed: %lld sentences, %lld batch(es) of <= %lld, %d thread(s): "
+               "median %.3f ms per batch (%lld repeats, min %.3f)\n",
+               (long long)n, (long long)batches, (long long)batch, threads, ms[repeats / 2],
+               (long long)repeats, ms[0]);
+    }
+    free(ms);
+    return rc;
+}
+
 int cmd_embed(int argc, char **argv) {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                          {"sentences", required_argument, 0, 's'},
@@ -147,22 +200,8 @@ int cmd_embed(int argc, char **argv) {
     char *buf = NULL, **texts = NULL;
     size_t *lens = NULL;
     int64_t n = 0;
-    int rc = 0;
-    if (file) {
-        rc = read_lines(&buf, &texts, &lens, &n, file);
-    } else {
-        n = argc - optind;
-        texts = malloc((size_t)n * sizeof *texts);
-        lens = malloc((size_t)n * sizeof *lens);
-        if (!texts || !lens) {
-            fputs("mha embed: out of memory\n", stderr);
-            rc = 1;
-        }
-        for (int64_t i = 0; i < n && !rc; i++) {
-            texts[i] = argv[optind + i];
-            lens[i] = strlen(texts[i]);
-        }
-    }
+    int rc = file ? read_lines(&buf, &texts, &lens, &n, file)
+                  : arg_sentences(&texts, &lens, &n, argc - optind, argv + optind);
     embed_pipeline p = {0};
     embed_result r = {0};
     if (!rc && embed_pipeline_load(&p, model)) {
@@ -186,36 +225,8 @@ int cmd_embed(int argc, char **argv) {
         rc = 1;
     }
     if (!rc && out) rc = write_result(&r, out, p.max_length);
-    if (!rc && repeats) {
-        double *ms = malloc((size_t)repeats * sizeof *ms);
-        int64_t batches = (n + batch - 1) / batch;
-        for (int64_t k = 0; k < repeats && ms && !rc; k++) {
-            embed_result rr;
-            double t0 = cli_now();
-            if (embed_sentences(&rr, &p, (const char *const *)texts, lens, n, batch, unit)) {
-                fprintf(stderr, "mha embed: %s\n", embed_last_error());
-                rc = 1;
-            }
-            ms[k] = (cli_now() - t0) * 1e3 / (double)batches;
-            embed_result_free(&rr);
-        }
-        if (!ms) {
-            fputs("mha embed: out of memory\n", stderr);
-            rc = 1;
-        }
-        if (!rc) {
-            qsort(ms, (size_t)repeats, sizeof *ms, cli_cmp_double);
-            int threads = 1;
-#ifdef _OPENMP
-            threads = omp_get_max_threads();
-#endif
-            printf("mha embed: %lld sentences, %lld batch(es) of <= %lld, %d thread(s): "
-                   "median %.3f ms per batch (%lld repeats, min %.3f)\n",
-                   (long long)n, (long long)batches, (long long)batch, threads,
-                   ms[repeats / 2], (long long)repeats, ms[0]);
-        }
-        free(ms);
-    }
+    if (!rc && repeats)
+        rc = time_embed(&p, (const char *const *)texts, lens, n, batch, unit, repeats);
     embed_result_free(&r);
     embed_pipeline_free(&p);
     free(buf);

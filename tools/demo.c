@@ -258,32 +258,31 @@ static const char *demo_help =
     "  --batch N     batch of the BERT-base part (default 8)\n"
     "  --tokens L    tokens of the BERT-base part (default 512)\n";
 
-int cmd_demo(int argc, char **argv) {
-    if (argc > 1 && strcmp(argv[1], "heads") == 0) return demo_heads(argc - 1, argv + 1);
+// Reads the options into *bert, *batch and *tokens. Returns -1 to go on,
+// else the exit status (0 after --help).
+static int demo_parse(int argc, char **argv, bool *bert, long *batch, long *tokens) {
     static const struct option opts[] = {{"no-bert", no_argument, 0, 'n'},
                                          {"batch", required_argument, 0, 'b'},
                                          {"tokens", required_argument, 0, 't'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    bool bert = true;
-    long batch = 8, tokens = 512;
     int c;
     opterr = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         char *end;
         switch (c) {
-        case 'n': bert = false; break;
+        case 'n': *bert = false; break;
         case 'b':
-            batch = strtol(optarg, &end, 10);
-            if (*end || batch <= 0) {
+            *batch = strtol(optarg, &end, 10);
+            if (*end || *batch <= 0) {
                 fprintf(stderr, "mha demo: --batch needs a positive integer\n");
                 return 2;
             }
             break;
         case 't':
-            tokens = strtol(optarg, &end, 10);
-            if (*end || tokens <= 0) {
+            *tokens = strtol(optarg, &end, 10);
+            if (*end || *tokens <= 0) {
                 fprintf(stderr, "mha demo: --tokens needs a positive integer\n");
                 return 2;
             }
@@ -293,6 +292,83 @@ int cmd_demo(int argc, char **argv) {
         }
     }
     if (optind < argc) return cli_unexpected("demo", argv[optind]);
+    return -1;
+}
+
+// Part 1: the input x (T, DM) and W_Q shown, then one forward traced step
+// by step, and the weights it returns. 0, or 1 after printing.
+static int demo_part1(mha_module *m, const float *x) {
+    int64_t xs[2] = {T, DM};
+    mha_tensor xt = mha_tensor_contiguous((void *)x, MHA_F32, 2, xs);
+    printf("Input X (3 tokens x 12 features), self-attention (query = key = value = X):\n");
+    print_mat(&xt, T, 0, DM, "  ");
+    mha_param wq;
+    mha_status st;
+    if ((st = mha_module_param(&wq, m, "in_proj_weight"))) return cli_fail("demo", st);
+    int64_t ws[2] = {3 * DM, DM};
+    mha_tensor wt = mha_tensor_contiguous(wq.data, MHA_F32, 2, ws);
+    printf("W_Q (first 4 of its 12 rows; in_proj_weight rows 0-11 are W_Q, "
+           "12-23 W_K, 24-35 W_V; biases 0, out_proj.bias 0.05):\n");
+    for (int r = 0; r < 4; r++) {
+        printf("  [");
+        for (int j = 0; j < DM; j++) printf(" %5.2f", (double)at(&wt, r, j));
+        printf(" ]\n");
+    }
+    float out[T * DM], w[T * T];
+    int rc = run_small(m, x, NULL, NULL, false, true, out, w);
+    if (rc) return rc;
+    printf("\nThe weights returned to the caller (need_weights, averaged over the "
+           "%d heads), so you can look at them:\n",
+           NH);
+    int64_t w2[2] = {T, T};
+    mha_tensor wv = mha_tensor_contiguous(w, MHA_F32, 2, w2);
+    print_mat(&wv, T, 0, T, "  ");
+    return 0;
+}
+
+// Part 2: the masks (causal, key padding, a fully masked row) on the same
+// input. 0, or 1 after printing.
+static int demo_part2(mha_module *m, const float *x) {
+    float out[T * DM], w[T * T];
+    printf("\n== Part 2: masks (applied to the scaled scores before the softmax, "
+           "as -inf, never 0) ==\n");
+    printf("\n-- Causal mask: token i may not see tokens j > i (a decoder must "
+           "not peek at the future) --\n");
+    int rc = run_small(m, x, NULL, NULL, true, false, out, w);
+    if (rc) return rc;
+    printf("  Above the diagonal every weight is exactly 0; \"the\" can only "
+           "attend to itself (weight 1).\n");
+
+    printf("\n-- Key padding mask: \"sat\" is padding (key_padding_mask = "
+           "[false, false, true]) --\n");
+    uint8_t kpm[T] = {0, 0, 1};
+    int64_t ks[1] = {T};
+    mha_tensor kt = mha_tensor_contiguous(kpm, MHA_BOOL, 1, ks);
+    rc = run_small(m, x, &kt, NULL, false, false, out, w);
+    if (rc) return rc;
+    printf("  The \"sat\" column is exactly 0 in every head; the other weights "
+           "renormalise to sum to 1.\n");
+
+    printf("\n-- A fully masked row: attn_mask hides every key from \"cat\" --\n");
+    uint8_t am[T * T] = {0, 0, 0, 1, 1, 1, 0, 0, 0};
+    int64_t as[2] = {T, T};
+    mha_tensor at_ = mha_tensor_contiguous(am, MHA_BOOL, 2, as);
+    rc = run_small(m, x, NULL, &at_, false, false, out, w);
+    if (rc) return rc;
+    printf("  mha's rule: a row with no visible key gets weights 0 and attention "
+           "result 0, so its output is out_proj.bias:\n");
+    printf("  output of \"cat\": [");
+    for (int j = 0; j < DM; j++) printf(" %.4f", (double)out[1 * DM + j]);
+    printf(" ]\n  (PyTorch returns NaN here in some paths and 0 in others.)\n");
+    return 0;
+}
+
+int cmd_demo(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "heads") == 0) return demo_heads(argc - 1, argv + 1);
+    bool bert = true;
+    long batch = 8, tokens = 512;
+    int rc = demo_parse(argc, argv, &bert, &batch, &tokens);
+    if (rc >= 0) return rc;
 
     printf("mha %s: multi-head attention, step by step\n", mha_version());
     printf("==============================================\n");
@@ -318,66 +394,9 @@ int cmd_demo(int argc, char **argv) {
     float x[T * DM];
     for (int t = 0; t < T; t++)
         for (int j = 0; j < DM; j++) x[t * DM + j] = (float)(((t + 1) * (j + 2)) % 4 - 1);
-    int64_t xs[2] = {T, DM};
-    mha_tensor xt = mha_tensor_contiguous(x, MHA_F32, 2, xs);
-    printf("Input X (3 tokens x 12 features), self-attention (query = key = value = X):\n");
-    print_mat(&xt, T, 0, DM, "  ");
-    mha_param wq;
-    if ((st = mha_module_param(&wq, m, "in_proj_weight"))) {
-        mha_module_destroy(m);
-        return cli_fail("demo", st);
-    }
-    int64_t ws[2] = {3 * DM, DM};
-    mha_tensor wt = mha_tensor_contiguous(wq.data, MHA_F32, 2, ws);
-    printf("W_Q (first 4 of its 12 rows; in_proj_weight rows 0-11 are W_Q, "
-           "12-23 W_K, 24-35 W_V; biases 0, out_proj.bias 0.05):\n");
-    for (int r = 0; r < 4; r++) {
-        printf("  [");
-        for (int j = 0; j < DM; j++) printf(" %5.2f", (double)at(&wt, r, j));
-        printf(" ]\n");
-    }
-    float out[T * DM], w[T * T];
-    int rc = run_small(m, x, NULL, NULL, false, true, out, w);
-    if (rc) goto done;
-    printf("\nThe weights returned to the caller (need_weights, averaged over the "
-           "%d heads), so you can look at them:\n",
-           NH);
-    int64_t w2[2] = {T, T};
-    mha_tensor wv = mha_tensor_contiguous(w, MHA_F32, 2, w2);
-    print_mat(&wv, T, 0, T, "  ");
-
-    printf("\n== Part 2: masks (applied to the scaled scores before the softmax, "
-           "as -inf, never 0) ==\n");
-    printf("\n-- Causal mask: token i may not see tokens j > i (a decoder must "
-           "not peek at the future) --\n");
-    rc = run_small(m, x, NULL, NULL, true, false, out, w);
-    if (rc) goto done;
-    printf("  Above the diagonal every weight is exactly 0; \"the\" can only "
-           "attend to itself (weight 1).\n");
-
-    printf("\n-- Key padding mask: \"sat\" is padding (key_padding_mask = "
-           "[false, false, true]) --\n");
-    uint8_t kpm[T] = {0, 0, 1};
-    int64_t ks[1] = {T};
-    mha_tensor kt = mha_tensor_contiguous(kpm, MHA_BOOL, 1, ks);
-    rc = run_small(m, x, &kt, NULL, false, false, out, w);
-    if (rc) goto done;
-    printf("  The \"sat\" column is exactly 0 in every head; the other weights "
-           "renormalise to sum to 1.\n");
-
-    printf("\n-- A fully masked row: attn_mask hides every key from \"cat\" --\n");
-    uint8_t am[T * T] = {0, 0, 0, 1, 1, 1, 0, 0, 0};
-    int64_t as[2] = {T, T};
-    mha_tensor at_ = mha_tensor_contiguous(am, MHA_BOOL, 2, as);
-    rc = run_small(m, x, NULL, &at_, false, false, out, w);
-    if (rc) goto done;
-    printf("  mha's rule: a row with no visible key gets weights 0 and attention "
-           "result 0, so its output is out_proj.bias:\n");
-    printf("  output of \"cat\": [");
-    for (int j = 0; j < DM; j++) printf(" %.4f", (double)out[1 * DM + j]);
-    printf(" ]\n  (PyTorch returns NaN here in some paths and 0 in others.)\n");
-    if (bert) rc = run_bert(batch, tokens);
-done:
+    rc = demo_part1(m, x);
+    if (!rc) rc = demo_part2(m, x);
+    if (!rc && bert) rc = run_bert(batch, tokens);
     mha_module_destroy(m);
     return rc;
 }

@@ -12,8 +12,8 @@
 //                train_loop.c, tiny/)
 //   mha demo     a guided walk through one small example, then BERT-base
 //                (demo.c; mha demo heads: heads.c)
-//   mha bench    time the module or the core (bench.c, bench_peak.c,
-//                bench_mpi.c)
+//   mha bench    time the module or the core, a decode step, a serving
+//                workload (bench.c and its parts, bench.h)
 //   mha embed    sentence embeddings of a BERT model directory
 //                (all-MiniLM-L6-v2; cmd_embed.c, examples/embed/)
 //   mha info     version, implementations, threads

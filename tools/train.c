@@ -62,7 +62,6 @@ static const char *train_help =
 
 static int usage(const char *msg) { return cli_usage("train", msg); }
 
-// "1:05", "12:34:56" for seconds.
 // ---------------------------------------------------------------------------
 // mha train plot
 
@@ -105,143 +104,189 @@ static int cmd_train_plot(int argc, char **argv) {
 // ---------------------------------------------------------------------------
 // mha train
 
-int cmd_train(int argc, char **argv) {
-    if (argc > 1 && !strcmp(argv[1], "plot")) return cmd_train_plot(argc - 1, argv + 1);
-    static const struct option opts[] = {{"task", required_argument, 0, 'T'},
-                                         {"pairs", required_argument, 0, 'K'},
-                                         {"heads", required_argument, 0, 'H'},
-                                         {"d-model", required_argument, 0, 'D'},
-                                         {"layers", required_argument, 0, 'L'},
-                                         {"d-ff", required_argument, 0, 'F'},
-                                         {"steps", required_argument, 0, 'n'},
-                                         {"batch", required_argument, 0, 'b'},
-                                         {"optim", required_argument, 0, 'o'},
-                                         {"lr", required_argument, 0, 'l'},
-                                         {"weight-decay", required_argument, 0, 'w'},
-                                         {"warmup", required_argument, 0, 'W'},
-                                         {"schedule", required_argument, 0, 'S'},
-                                         {"clip", required_argument, 0, 'c'},
-                                         {"dropout", required_argument, 0, 'd'},
-                                         {"causal", no_argument, 0, 'C'},
-                                         {"seed", required_argument, 0, 's'},
-                                         {"eval-every", required_argument, 0, 'e'},
-                                         {"eval-size", required_argument, 0, 'E'},
-                                         {"csv", required_argument, 0, 'v'},
-                                         {"plot", required_argument, 0, 'p'},
-                                         {"quiet", no_argument, 0, 'q'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
-    train_opts o;
-    train_opts_default(&o);
-    const char *plot = NULL;  // --plot FILE.png, drawn from the CSV afterwards
-    int c, k;
+static const struct option train_long_opts[] = {{"task", required_argument, 0, 'T'},
+                                                {"pairs", required_argument, 0, 'K'},
+                                                {"heads", required_argument, 0, 'H'},
+                                                {"d-model", required_argument, 0, 'D'},
+                                                {"layers", required_argument, 0, 'L'},
+                                                {"d-ff", required_argument, 0, 'F'},
+                                                {"steps", required_argument, 0, 'n'},
+                                                {"batch", required_argument, 0, 'b'},
+                                                {"optim", required_argument, 0, 'o'},
+                                                {"lr", required_argument, 0, 'l'},
+                                                {"weight-decay", required_argument, 0, 'w'},
+                                                {"warmup", required_argument, 0, 'W'},
+                                                {"schedule", required_argument, 0, 'S'},
+                                                {"clip", required_argument, 0, 'c'},
+                                                {"dropout", required_argument, 0, 'd'},
+                                                {"causal", no_argument, 0, 'C'},
+                                                {"seed", required_argument, 0, 's'},
+                                                {"eval-every", required_argument, 0, 'e'},
+                                                {"eval-size", required_argument, 0, 'E'},
+                                                {"csv", required_argument, 0, 'v'},
+                                                {"plot", required_argument, 0, 'p'},
+                                                {"quiet", no_argument, 0, 'q'},
+                                                {"help", no_argument, 0, 'h'},
+                                                {0, 0, 0, 0}};
+
+// One handler per group of options: each takes option c (its value in
+// optarg) and returns -1 when it took it, the exit status when its value
+// is bad, or TRAIN_NOT_MINE when c is not of its group.
+enum { TRAIN_NOT_MINE = -2 };
+
+// The task and the model: --task, --pairs, --heads, --d-model, --layers,
+// --d-ff.
+static int train_opt_model(train_opts *o, int c) {
+    int k;
+    switch (c) {
+    case 'T':
+        if ((k = tiny_task_from_name(optarg)) < 0) return usage("--task is recall or tworel");
+        o->task = (tiny_task_kind)k;
+        break;
+    case 'K':
+        if (cli_parse_int(&o->pairs, optarg, 2, 26))
+            return usage("--pairs needs an integer in 2..26");
+        break;
+    case 'H':
+        if (cli_parse_int(&o->heads, optarg, 1, 4096))
+            return usage("--heads needs a positive integer");
+        break;
+    case 'D':
+        if (cli_parse_int(&o->d_model, optarg, 1, 1 << 16))
+            return usage("--d-model needs a positive integer");
+        break;
+    case 'L':
+        if (cli_parse_int(&o->layers, optarg, 1, 64))
+            return usage("--layers needs an integer in 1..64");
+        break;
+    case 'F':
+        if (cli_parse_int(&o->d_ff, optarg, 1, 1 << 20))
+            return usage("--d-ff needs a positive integer");
+        break;
+    default: return TRAIN_NOT_MINE;
+    }
+    return -1;
+}
+
+// The optimisation: --steps, --batch, --optim, --lr, --weight-decay,
+// --warmup, --schedule, --clip, --dropout.
+static int train_opt_optim(train_opts *o, int c) {
     double f;
+    switch (c) {
+    case 'n':
+        if (cli_parse_int(&o->steps, optarg, 1, (int64_t)1 << 40))
+            return usage("--steps needs a positive integer");
+        break;
+    case 'b':
+        if (cli_parse_int(&o->batch, optarg, 1, 1 << 20))
+            return usage("--batch needs a positive integer");
+        break;
+    case 'o':
+        if (!strcmp(optarg, "adamw")) o->optim = MHA_OPTIM_ADAMW;
+        else if (!strcmp(optarg, "sgd")) o->optim = MHA_OPTIM_SGD;
+        else return usage("--optim is adamw or sgd");
+        break;
+    case 'l':
+        if (cli_parse_f64(&f, optarg) || !isfinite(f) || f <= 0)
+            return usage("--lr needs a positive number");
+        o->lr = f;
+        o->lr_set = true;
+        break;
+    case 'w':
+        if (cli_parse_f64(&f, optarg) || !isfinite(f) || f < 0)
+            return usage("--weight-decay needs a number >= 0");
+        o->weight_decay = f;
+        o->wd_set = true;
+        break;
+    case 'W':
+        if (cli_parse_int(&o->warmup, optarg, 0, (int64_t)1 << 40))
+            return usage("--warmup needs an integer >= 0");
+        break;
+    case 'S':
+        if (!strcmp(optarg, "cosine")) o->cosine = true;
+        else if (!strcmp(optarg, "constant")) o->cosine = false;
+        else return usage("--schedule is cosine or constant");
+        break;
+    case 'c':
+        if (cli_parse_f64(&f, optarg) || !isfinite(f) || f < 0)
+            return usage("--clip needs a number >= 0");
+        o->clip = f;
+        break;
+    case 'd':
+        if (cli_parse_f64(&f, optarg) || !(f >= 0 && f < 1))
+            return usage("--dropout needs P in [0, 1)");
+        o->dropout = f;
+        break;
+    default: return TRAIN_NOT_MINE;
+    }
+    return -1;
+}
+
+// The run: --causal, --seed, --eval-every, --eval-size, --csv, --plot
+// (*plot), --quiet.
+static int train_opt_run(train_opts *o, const char **plot, int c) {
     int64_t v;
+    switch (c) {
+    case 'C': o->causal = true; break;
+    case 's':
+        if (cli_parse_int(&v, optarg, 0, INT64_MAX))
+            return usage("--seed needs a non-negative integer");
+        o->seed = v;
+        break;
+    case 'e':
+        if (cli_parse_int(&o->eval_every, optarg, 1, (int64_t)1 << 40))
+            return usage("--eval-every needs a positive integer");
+        break;
+    case 'E':
+        if (cli_parse_int(&o->eval_size, optarg, 1, 1 << 22))
+            return usage("--eval-size needs a positive integer");
+        break;
+    case 'v': o->csv = optarg; break;
+    case 'p': *plot = optarg; break;
+    case 'q': o->quiet = true; break;
+    default: return TRAIN_NOT_MINE;
+    }
+    return -1;
+}
+
+// Reads the options into o and *plot (--plot FILE.png) and checks them.
+// Returns -1 to go on, else the exit status (0 after --help).
+static int train_parse(train_opts *o, const char **plot, int argc, char **argv) {
+    int c;
     opterr = 0;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case 'T':
-            if ((k = tiny_task_from_name(optarg)) < 0)
-                return usage("--task is recall or tworel");
-            o.task = (tiny_task_kind)k;
-            break;
-        case 'K':
-            if (cli_parse_int(&o.pairs, optarg, 2, 26))
-                return usage("--pairs needs an integer in 2..26");
-            break;
-        case 'H':
-            if (cli_parse_int(&o.heads, optarg, 1, 4096))
-                return usage("--heads needs a positive integer");
-            break;
-        case 'D':
-            if (cli_parse_int(&o.d_model, optarg, 1, 1 << 16))
-                return usage("--d-model needs a positive integer");
-            break;
-        case 'L':
-            if (cli_parse_int(&o.layers, optarg, 1, 64))
-                return usage("--layers needs an integer in 1..64");
-            break;
-        case 'F':
-            if (cli_parse_int(&o.d_ff, optarg, 1, 1 << 20))
-                return usage("--d-ff needs a positive integer");
-            break;
-        case 'n':
-            if (cli_parse_int(&o.steps, optarg, 1, (int64_t)1 << 40))
-                return usage("--steps needs a positive integer");
-            break;
-        case 'b':
-            if (cli_parse_int(&o.batch, optarg, 1, 1 << 20))
-                return usage("--batch needs a positive integer");
-            break;
-        case 'o':
-            if (!strcmp(optarg, "adamw")) o.optim = MHA_OPTIM_ADAMW;
-            else if (!strcmp(optarg, "sgd")) o.optim = MHA_OPTIM_SGD;
-            else return usage("--optim is adamw or sgd");
-            break;
-        case 'l':
-            if (cli_parse_f64(&f, optarg) || !isfinite(f) || f <= 0)
-                return usage("--lr needs a positive number");
-            o.lr = f;
-            o.lr_set = true;
-            break;
-        case 'w':
-            if (cli_parse_f64(&f, optarg) || !isfinite(f) || f < 0)
-                return usage("--weight-decay needs a number >= 0");
-            o.weight_decay = f;
-            o.wd_set = true;
-            break;
-        case 'W':
-            if (cli_parse_int(&o.warmup, optarg, 0, (int64_t)1 << 40))
-                return usage("--warmup needs an integer >= 0");
-            break;
-        case 'S':
-            if (!strcmp(optarg, "cosine")) o.cosine = true;
-            else if (!strcmp(optarg, "constant")) o.cosine = false;
-            else return usage("--schedule is cosine or constant");
-            break;
-        case 'c':
-            if (cli_parse_f64(&f, optarg) || !isfinite(f) || f < 0)
-                return usage("--clip needs a number >= 0");
-            o.clip = f;
-            break;
-        case 'd':
-            if (cli_parse_f64(&f, optarg) || !(f >= 0 && f < 1))
-                return usage("--dropout needs P in [0, 1)");
-            o.dropout = f;
-            break;
-        case 'C': o.causal = true; break;
-        case 's':
-            if (cli_parse_int(&v, optarg, 0, INT64_MAX))
-                return usage("--seed needs a non-negative integer");
-            o.seed = v;
-            break;
-        case 'e':
-            if (cli_parse_int(&o.eval_every, optarg, 1, (int64_t)1 << 40))
-                return usage("--eval-every needs a positive integer");
-            break;
-        case 'E':
-            if (cli_parse_int(&o.eval_size, optarg, 1, 1 << 22))
-                return usage("--eval-size needs a positive integer");
-            break;
-        case 'v': o.csv = optarg; break;
-        case 'p': plot = optarg; break;
-        case 'q': o.quiet = true; break;
-        case 'h': fputs(train_help, stdout); return 0;
-        default: return cli_bad_option("train", argv, opts);
+    while ((c = getopt_long(argc, argv, "", train_long_opts, NULL)) != -1) {
+        if (c == 'h') {
+            fputs(train_help, stdout);
+            return 0;
         }
+        int rc = train_opt_model(o, c);
+        if (rc == TRAIN_NOT_MINE) rc = train_opt_optim(o, c);
+        if (rc == TRAIN_NOT_MINE) rc = train_opt_run(o, plot, c);
+        if (rc == TRAIN_NOT_MINE) rc = cli_bad_option("train", argv, train_long_opts);
+        if (rc != -1) return rc;
     }
     if (optind < argc) return cli_unexpected("train", argv[optind]);
-    if (o.d_model % o.heads) {
+    if (o->d_model % o->heads) {
         fprintf(stderr, "mha train: --heads %lld does not divide --d-model %lld\n",
-                (long long)o.heads, (long long)o.d_model);
+                (long long)o->heads, (long long)o->d_model);
         return 2;
     }
-    if (plot && !plot_available()) {
+    if (*plot && !plot_available()) {
         fprintf(stderr, "mha train: --plot needs cairo, and this mha was built without it "
                         "(install libcairo2-dev and rebuild)\n");
         return 2;  // (an option this build cannot run: a usage error, as --parallel's)
     }
+    return -1;
+}
+
+int cmd_train(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "plot")) return cmd_train_plot(argc - 1, argv + 1);
+    train_opts o;
+    train_opts_default(&o);
+    const char *plot = NULL;  // --plot FILE.png, drawn from the CSV afterwards
+    int rc = train_parse(&o, &plot, argc, argv);
+    if (rc >= 0) return rc;
     // the plot is drawn from the CSV: write one next to the PNG if none given
     char csv_buf[4096];
     if (plot && !o.csv) {
@@ -252,7 +297,7 @@ int cmd_train(int argc, char **argv) {
         memcpy(csv_buf + len, ".csv", 5);
         o.csv = csv_buf;
     }
-    int rc = train_run(&o, NULL, NULL);
+    rc = train_run(&o, NULL, NULL);
     if (rc || !plot) return rc;
     char label[96];
     snprintf(label, sizeof label, "%s, %lld head%s", tiny_task_name(o.task),
