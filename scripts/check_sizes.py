@@ -20,7 +20,7 @@ VALIDATORS = {
 # function listed here is reported but does not fail; anything else over
 # the limits, and anything listed that is now within them, fails.
 PENDING = {
-    "src/paged.c", "src/kernels/avx2.c",
+    "src/kernels/avx2.c",
     "src/kernels/avx512.c", "tools/bench.c", "tools/bench.c:problem_setup",
     "tools/bench.c:bench_decode", "tools/bench.c:cmd_bench",
     "tools/bench_serve.c:bench_serve", "tools/cmd_embed.c:cmd_embed",
