@@ -25,7 +25,6 @@ PENDING = {
     "tools/bench.c:bench_decode", "tools/bench.c:cmd_bench",
     "tools/bench_serve.c:bench_serve", "tools/cmd_embed.c:cmd_embed",
     "tools/cmd_init.c:cmd_init", "tools/demo.c:cmd_demo", "tools/train.c:cmd_train",
-    "python/src/_mha.c",
 }
 
 
