@@ -16,6 +16,6 @@ if [ "$major" != 14 ]; then
     echo "clang-format $major, the tree is kept with 14: skipped"
     exit 77
 fi
-files=$(ls src/*.c src/*.h src/kernels/*.c src/kernels/*.h src/mpi/*.c src/mpi/*.h include/*.h python/src/*.c examples/embed/*.c examples/embed/*.h tools/cmd_embed.c 2>/dev/null)
+files=$(ls src/*.c src/*.h src/kernels/*.c src/kernels/*.h src/mpi/*.c src/mpi/*.h include/*.h python/src/*.c python/src/*.h examples/embed/*.c examples/embed/*.h tools/cmd_embed.c 2>/dev/null)
 "$cf" --dry-run --Werror $files
 echo "format: ok ($(echo $files | wc -w) files)"

@@ -16,13 +16,6 @@ DIRS = ("src", "tools", "python/src", "examples")
 VALIDATORS = {
     "mha__st_check_entry": "a safetensors header entry's fields, each checked and named",
 }
-# What is still over the limits while issue 41 cuts it to size: a file or
-# function listed here is reported but does not fail; anything else over
-# the limits, and anything listed that is now within them, fails.
-PENDING = {
-    "src/checkpoint.c", "src/checkpoint.c:layer_spec", "src/fused_bwd.c", "src/paged.c",
-    "python/src/_mha.c",
-}
 
 
 def blank(text):
@@ -92,11 +85,7 @@ def functions(text):
 
 
 def main(root):
-    bad, pending, seen = [], [], set()
-
-    def over(key, msg):
-        seen.add(key)
-        (pending if key in PENDING else bad).append(msg)
+    bad = []
 
     for d in DIRS:
         for dirpath, _, files in os.walk(os.path.join(root, d)):
@@ -109,18 +98,14 @@ def main(root):
                     text = fh.read()
                 n = text.count("\n")
                 if n > MAX_FILE:
-                    over(rel, "%s: %d lines (at most %d)" % (rel, n, MAX_FILE))
+                    bad.append("%s: %d lines (at most %d)" % (rel, n, MAX_FILE))
                 for name, line, length in functions(text):
                     if length > MAX_FUNC and name not in VALIDATORS:
-                        over("%s:%s" % (rel, name), "%s:%d: function %s: %d lines (at most %d)"
-                             % (rel, line, name, length, MAX_FUNC))
-    for p in sorted(PENDING - seen):
-        bad.append("%s: within the limits now: take it off PENDING" % p)
-    for p in pending:
-        print("pending (issue 41): " + p)
+                        bad.append("%s:%d: function %s: %d lines (at most %d)"
+                                   % (rel, line, name, length, MAX_FUNC))
     for b in bad:
         print(b)
-    print("%d over the limits, %d pending" % (len(bad), len(pending)))
+    print("%d over the limits" % len(bad))
     return 1 if bad else 0
 
 

@@ -8,73 +8,27 @@
 // per-sequence block tables, blocks
 // counted by the sequences that hold them. A fork shares its source's
 // blocks; a write into a shared block copies it first (copy on write).
-// Attention goes through kvcache.c's drivers with the blocks as the row
-// source's segments, so a sequence's results are the bits of a contiguous
-// cache holding the same tokens.
-//
-// The prefix index: a full block whose tokens' ids are all known is keyed
-// by (the block before it in its sequence, its bs token ids); a new
-// prompt walks the index from the first block and shares every block
-// that matches (the key of a block names its whole prefix). A block leaves
-// the index when it returns to the pool or is about to be rewritten.
+// Here: create, sequences (add, fork, a prompt sharing indexed blocks),
+// free, truncate, release, append. The prefix index is paged_index.c's;
+// the attention over the blocks (kvcache.c's drivers, the blocks as the
+// row source's segments) and the tests' digest are paged_attend.c's.
 //
 // Every call checks everything and allocates everything it needs before
 // it changes anything: a failed call leaves the cache as it was.
 // Concurrency: attends may run together; a call that changes the cache
-// while another call is using it is refused (the state word below).
+// while another call is using it is refused (the state word below; the
+// attends' side of it in paged_attend.c).
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "kvcache.h"
-
-typedef struct pseq {
-    bool live;
-    uint32_t gen;  // bumped when the slot's sequence is freed (ids name a slot's generation)
-    int64_t len;   // tokens
-    int64_t nb, cap;  // blocks in the table, its room
-    int32_t *blocks;
-    int64_t known, tcap;  // the first `known` tokens' ids are in tok (room tcap)
-    int32_t *tok;
-    // released tokens [hole, kept) (whole blocks; none while kept <= hole):
-    // mha_paged_cache_release frees from the start (keep 0) or after the first
-    // blocks (StreamingLLM's sinks)
-    int64_t hole, kept;
-} pseq;
-
-struct mha_paged_cache {
-    int64_t nblocks, bs, Hkv, D, Dv;
-    mha_kv_dtype dt;
-    bool block_major;       // the pool's layout (mha_paged_layout)
-    mha__kv_layout lk, lv;  // the K and V rows' layout
-    // (Hkv, nblocks, bs) or, block-major, (nblocks, Hkv, bs) rows of lk.rb
-    // and lv.rb bytes, int8 / int4 scales in the rows
-    // (mha__kv_layout_in_rows: a head's block one run of memory)
-    char *k, *v;
-    int32_t *ref;       // per block: the sequences holding it (0: free)
-    uint64_t *freemap;  // per block a bit: free (nfree of them)
-    int64_t nfree;
-    pseq *seq;  // nseq slots; id = generation << 32 | slot
-    // the prefix index: chains per bucket through next; per block its key
-    // (parent block or -1, bs token ids in btok) while indexed
-    int64_t nbuck;
-    int32_t *bucket, *next, *parent, *btok;
-    bool *indexed;
-    // per block: its generation (bumped when it returns to the pool) and,
-    // indexed, its parent's generation when it was keyed (a parent freed
-    // and reused for other tokens no longer leads to it)
-    uint32_t *gen, *pgen;
-    int64_t nseq;
-    atomic_int state;  // 0 idle, n > 0: n attends, -1: a change
-    // tests only (mha__paged_cache_set_hook): called by every call that
-    // took the state word, while it holds it; NULL: none
-    mha__paged_hook hook;
-    void *hook_user;
-};
+#include "paged.h"
 
 // ---------------------------------------------------------------------------
-// The state word: one change at a time, alone; attends together.
+// The state word: one change at a time, alone (attends together:
+// paged_attend.c).
 
 static mha_status enter_change(mha_paged_cache *c, const char *what) {
     int idle = 0;
@@ -88,19 +42,6 @@ static mha_status enter_change(mha_paged_cache *c, const char *what) {
 }
 
 static void leave_change(mha_paged_cache *c) { atomic_store(&c->state, 0); }
-
-static mha_status enter_read(mha_paged_cache *c, const char *what) {
-    int s = atomic_load(&c->state);
-    do {
-        if (s < 0)
-            return mha__fail(MHA_ERR_INVALID_ARG,
-                             "%s: the paged cache is being changed by another call", what);
-    } while (!atomic_compare_exchange_weak(&c->state, &s, s + 1));
-    if (c->hook) c->hook(c->hook_user, what);
-    return MHA_OK;
-}
-
-static void leave_read(mha_paged_cache *c) { atomic_fetch_sub(&c->state, 1); }
 
 // ---------------------------------------------------------------------------
 // Create, destroy, sequences
@@ -214,75 +155,9 @@ static int64_t seq_id(const mha_paged_cache *c, int64_t slot) {
     return (int64_t)((uint64_t)c->seq[slot].gen << 32 | (uint64_t)slot);
 }
 
-static pseq *live_seq(const mha_paged_cache *c, int64_t id) {
-    if (id < 0) return NULL;
-    const int64_t slot = id & 0xffffffff;
-    const uint32_t gen = (uint32_t)((uint64_t)id >> 32);
-    return slot < c->nseq && c->seq[slot].live && c->seq[slot].gen == gen ? &c->seq[slot]
-                                                                          : NULL;
-}
-
-static mha_status no_seq(const char *what, int64_t id) {
+mha_status mha__paged_no_seq(const char *what, int64_t id) {
     return mha__fail(MHA_ERR_INVALID_ARG, "%s: no sequence %lld (never added, or freed)", what,
                      (long long)id);
-}
-
-// ---------------------------------------------------------------------------
-// The prefix index
-
-static uint64_t key_hash(int64_t parent, const int32_t *tok, int64_t bs) {
-    uint64_t h = 1469598103934665603ull ^ (uint64_t)(parent + 1);  // FNV-1a over the key
-    for (int64_t i = 0; i < bs; i++) {
-        h ^= (uint32_t)tok[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
-
-static int64_t bucket_of(const mha_paged_cache *c, int64_t parent, const int32_t *tok) {
-    return (int64_t)(key_hash(parent, tok, c->bs) % (uint64_t)c->nbuck);
-}
-
-// The indexed block with this key, or -1.
-static int32_t index_find(const mha_paged_cache *c, int64_t parent, const int32_t *tok) {
-    for (int32_t b = c->bucket[bucket_of(c, parent, tok)]; b >= 0; b = c->next[b])
-        if (c->parent[b] == parent && (parent < 0 || c->pgen[b] == c->gen[parent]) &&
-            memcmp(c->btok + (size_t)b * (size_t)c->bs, tok,
-                   sizeof(int32_t) * (size_t)c->bs) == 0)
-            return b;
-    return -1;
-}
-
-// Block b (full, its tokens tok, after block parent) into the index, unless
-// an equal key is there already.
-static void index_add(mha_paged_cache *c, int32_t b, int64_t parent, const int32_t *tok) {
-    if (c->indexed[b] || index_find(c, parent, tok) >= 0) return;
-    const int64_t bk = bucket_of(c, parent, tok);
-    memcpy(c->btok + (size_t)b * (size_t)c->bs, tok, sizeof(int32_t) * (size_t)c->bs);
-    c->parent[b] = (int32_t)parent;
-    c->pgen[b] = parent >= 0 ? c->gen[parent] : 0;
-    c->next[b] = c->bucket[bk];
-    c->bucket[bk] = b;
-    c->indexed[b] = true;
-}
-
-static void index_remove(mha_paged_cache *c, int32_t b) {
-    if (!c->indexed[b]) return;
-    int32_t *p = &c->bucket[bucket_of(c, c->parent[b], c->btok + (size_t)b * (size_t)c->bs)];
-    while (*p != b) p = &c->next[*p];
-    *p = c->next[b];
-    c->indexed[b] = false;
-}
-
-// The full blocks of s from index `from` on whose tokens are known, into
-// the index (each after the block before it, which must be keyed itself).
-static void index_seq(mha_paged_cache *c, const pseq *s, int64_t from) {
-    for (int64_t i = from; i < s->nb && (i + 1) * c->bs <= s->known; i++) {
-        if (s->blocks[i] < 0 ||
-            (i > 0 && (s->blocks[i - 1] < 0 || !c->indexed[s->blocks[i - 1]])))
-            return;  // (released, or its prefix is not keyed)
-        index_add(c, s->blocks[i], i > 0 ? s->blocks[i - 1] : -1, s->tok + i * c->bs);
-    }
 }
 
 // A free slot for a new sequence (the slots grown if none).
@@ -322,10 +197,10 @@ mha_status mha_paged_cache_fork(mha_paged_cache *c, int64_t src, int64_t *id) {
     mha_status st = enter_change(c, "mha_paged_cache_fork");
     if (st) return st;
     int64_t slot = 0;
-    if (!live_seq(c, src)) {
-        st = no_seq("mha_paged_cache_fork", src);
+    if (!mha__paged_seq(c, src)) {
+        st = mha__paged_no_seq("mha_paged_cache_fork", src);
     } else if (!(st = new_slot(c, &slot, "mha_paged_cache_fork"))) {
-        pseq *s = live_seq(c, src), *d = &c->seq[slot];  // (after new_slot: seq may move)
+        pseq *s = mha__paged_seq(c, src), *d = &c->seq[slot];  // (after new_slot: seq may move)
         int32_t *t = s->nb ? mha__malloc(sizeof *t * (size_t)s->nb) : NULL;
         int32_t *tk = s->known ? mha__malloc(sizeof *tk * (size_t)s->known) : NULL;
         if ((s->nb && !t) || (s->known && !tk)) {
@@ -362,7 +237,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
     // keeps the row there, mha_paged_cache_append)
     int64_t nb = 0;
     for (int64_t parent = -1; (nb + 1) * c->bs <= n && nb * c->bs < n - 1; nb++) {
-        const int32_t b = index_find(c, parent, tokens + nb * c->bs);
+        const int32_t b = mha__paged_index_find(c, parent, tokens + nb * c->bs);
         if (b < 0) break;
         parent = b;
     }
@@ -373,7 +248,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
         st = mha__fail(MHA_ERR_NOMEM, "mha_paged_cache_add_prompt: out of memory");
     } else if (!(st = new_slot(c, &slot, "mha_paged_cache_add_prompt"))) {
         for (int64_t i = 0, parent = -1; i < nb; i++) {  // (the same walk: found above)
-            t[i] = index_find(c, parent, tokens + i * c->bs);
+            t[i] = mha__paged_index_find(c, parent, tokens + i * c->bs);
             parent = t[i];
             c->ref[t[i]]++;
         }
@@ -396,7 +271,7 @@ mha_status mha_paged_cache_add_prompt(mha_paged_cache *c, const int32_t *tokens,
 // one, it leaves the index and returns to the pool.
 static void drop_block(mha_paged_cache *c, int32_t blk) {
     if (blk >= 0 && --c->ref[blk] == 0) {
-        index_remove(c, blk);
+        mha__paged_index_remove(c, blk);
         c->gen[blk]++;
         c->freemap[blk / 64] |= 1ull << (blk % 64);
         c->nfree++;
@@ -472,9 +347,9 @@ mha_status mha_paged_cache_free(mha_paged_cache *c, int64_t id) {
     if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_free: NULL cache");
     mha_status st = enter_change(c, "mha_paged_cache_free");
     if (st) return st;
-    pseq *s = live_seq(c, id);
+    pseq *s = mha__paged_seq(c, id);
     if (!s) {
-        st = no_seq("mha_paged_cache_free", id);
+        st = mha__paged_no_seq("mha_paged_cache_free", id);
     } else {
         release_from(c, s, 0);
         free(s->blocks);
@@ -489,9 +364,9 @@ mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t leng
     if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_truncate: NULL cache");
     mha_status st = enter_change(c, "mha_paged_cache_truncate");
     if (st) return st;
-    pseq *s = live_seq(c, id);
+    pseq *s = mha__paged_seq(c, id);
     if (!s) {
-        st = no_seq("mha_paged_cache_truncate", id);
+        st = mha__paged_no_seq("mha_paged_cache_truncate", id);
     } else if (length < 0 || length > s->len) {
         st = mha__fail(MHA_ERR_INVALID_ARG,
                        "mha_paged_cache_truncate: length %lld, sequence %lld holds %lld",
@@ -509,7 +384,7 @@ mha_status mha_paged_cache_truncate(mha_paged_cache *c, int64_t id, int64_t leng
         s->known = s->known < length ? s->known : length;
         // a partial last block of its own will be rewritten: out of the index
         if (length % c->bs && c->ref[s->blocks[s->nb - 1]] == 1)
-            index_remove(c, s->blocks[s->nb - 1]);
+            mha__paged_index_remove(c, s->blocks[s->nb - 1]);
     }
     leave_change(c);
     return st;
@@ -519,11 +394,11 @@ mha_status mha_paged_cache_release(mha_paged_cache *c, int64_t id, int64_t keep,
     if (!c) return mha__fail(MHA_ERR_INVALID_ARG, "mha_paged_cache_release: NULL cache");
     mha_status st = enter_change(c, "mha_paged_cache_release");
     if (st) return st;
-    pseq *s = live_seq(c, id);
+    pseq *s = mha__paged_seq(c, id);
     // the hole starts after the blocks holding the first keep tokens
     const int64_t from = keep >= 0 ? (keep + c->bs - 1) / c->bs * c->bs : 0;
     if (!s) {
-        st = no_seq("mha_paged_cache_release", id);
+        st = mha__paged_no_seq("mha_paged_cache_release", id);
     } else if (pos < 0 || pos > s->len || keep < 0) {
         st = mha__fail(MHA_ERR_INVALID_ARG,
                        "mha_paged_cache_release: keep %lld, token %lld: expected keep >= 0, "
@@ -550,7 +425,7 @@ mha_status mha_paged_cache_release(mha_paged_cache *c, int64_t id, int64_t keep,
 }
 
 int64_t mha_paged_cache_length(const mha_paged_cache *c, int64_t id) {
-    const pseq *s = c ? live_seq(c, id) : NULL;
+    const pseq *s = c ? mha__paged_seq(c, id) : NULL;
     return s ? s->len : -1;
 }
 
@@ -559,7 +434,7 @@ void mha__paged_cache_dims(const mha_paged_cache *c, int64_t *Hkv, int64_t *D, i
 }
 
 int64_t mha__paged_cache_block(const mha_paged_cache *c, int64_t id, int64_t i) {
-    const pseq *s = c ? live_seq(c, id) : NULL;
+    const pseq *s = c ? mha__paged_seq(c, id) : NULL;
     return s && i >= 0 && i < s->nb ? s->blocks[i] : -1;
 }
 
@@ -586,24 +461,14 @@ size_t mha_paged_cache_block_bytes(const mha_paged_cache *c) {
 // ---------------------------------------------------------------------------
 // Append
 
-// Block blk's row of head h, slot i: K (isv false) or V, and its scales.
-static char *row_at(const mha_paged_cache *c, bool isv, int64_t blk, int64_t h, int64_t i,
-                    float **scale) {
-    const int64_t r = (c->block_major ? blk * c->Hkv + h : h * c->nblocks + blk) * c->bs + i;
-    const mha__kv_layout l = isv ? c->lv : c->lk;
-    char *row = (isv ? c->v : c->k) + (size_t)r * l.rb;
-    *scale = l.so ? (float *)(row + l.so) : NULL;
-    return row;
-}
-
 static void copy_block(mha_paged_cache *c, int64_t dst, int64_t src) {
     // (the scales with the rows; block-major: every head at once)
     const int64_t nh = c->block_major ? c->Hkv : 1;
     for (int64_t h = 0; h < c->Hkv; h += nh)
         for (int isv = 0; isv < 2; isv++) {
             float *sd, *ss;
-            char *d = row_at(c, isv, dst, h, 0, &sd);
-            const char *sr = row_at(c, isv, src, h, 0, &ss);
+            char *d = mha__paged_row(c, isv, dst, h, 0, &sd);
+            const char *sr = mha__paged_row(c, isv, src, h, 0, &ss);
             const mha__kv_layout l = isv ? c->lv : c->lk;
             memcpy(d, sr, (size_t)(nh * c->bs) * l.rb);
         }
@@ -666,7 +531,7 @@ static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_
     }
     const int64_t T = k->shape[2];
     for (int64_t i = 0; i < n; i++) {
-        if (!live_seq(c, ids[i])) return no_seq(w, ids[i]);
+        if (!mha__paged_seq(c, ids[i])) return mha__paged_no_seq(w, ids[i]);
         for (int64_t j = 0; j < i; j++)
             if (ids[j] == ids[i])
                 return mha__fail(MHA_ERR_INVALID_ARG,
@@ -676,7 +541,7 @@ static mha_status append_check(const mha_paged_cache *c, int64_t n, const int64_
         if (a < 0 || a > T)
             return mha__fail(MHA_ERR_INVALID_ARG, "%s: counts[%lld] = %lld, expected 0..%lld",
                              w, (long long)i, (long long)a, (long long)T);
-        if (live_seq(c, ids[i])->len > INT64_MAX - a)
+        if (mha__paged_seq(c, ids[i])->len > INT64_MAX - a)
             return mha__fail(MHA_ERR_OVERFLOW, "%s: sequence %lld's length overflows", w,
                              (long long)ids[i]);
     }
@@ -695,7 +560,7 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
     // every block the call takes, counted before anything changes
     int64_t need = 0;
     for (int64_t i = 0; i < n; i++)
-        need += blocks_needed(c, live_seq(c, ids[i]), counts ? counts[i] : T,
+        need += blocks_needed(c, mha__paged_seq(c, ids[i]), counts ? counts[i] : T,
                               tokens ? tokens + i * T : NULL);
     if (need > c->nfree) {
         st = mha__fail(MHA_ERR_NOMEM,
@@ -712,7 +577,7 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
         goto out;
     }
     for (int64_t i = 0; i < n; i++) {
-        pseq *s = live_seq(c, ids[i]);
+        pseq *s = mha__paged_seq(c, ids[i]);
         const int64_t a = counts ? counts[i] : T, nb = (s->len + a + c->bs - 1) / c->bs;
         if (nb > s->cap) {
             int32_t *t = mha__realloc(s->blocks, sizeof *t * (size_t)nb);
@@ -740,7 +605,7 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
     }
     // nothing fails from here on
     for (int64_t i = 0; i < n; i++) {
-        pseq *s = live_seq(c, ids[i]);
+        pseq *s = mha__paged_seq(c, ids[i]);
         const int64_t a = counts ? counts[i] : T;
         if (a == 0) continue;
         const int32_t *tk = tokens ? tokens + i * T : NULL;
@@ -753,7 +618,7 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
             c->ref[old]--;
             s->blocks[s->nb - 1] = nw;
         } else if (!held && s->len % c->bs) {  // rewritten in place: its key is no more
-            index_remove(c, s->blocks[s->nb - 1]);
+            mha__paged_index_remove(c, s->blocks[s->nb - 1]);
         }
         for (int64_t t = held; t < a; t++) {
             const int64_t pos = s->len + t, bi = pos / c->bs, slot = pos % c->bs;
@@ -765,11 +630,11 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
                 const int64_t ko = i * k->stride[0] + h * k->stride[1] + t * k->stride[2];
                 const int64_t vo = i * v->stride[0] + h * v->stride[1] + t * v->stride[2];
                 float *sc;
-                char *dst = row_at(c, false, s->blocks[bi], h, slot, &sc);
+                char *dst = mha__paged_row(c, false, s->blocks[bi], h, slot, &sc);
                 mha__kv_store_row(c->dt, dst, sc,
                                   (const char *)k->data + ko * (int64_t)mha_dtype_size(k->dtype),
                                   k->dtype, k->stride[3], c->D, row);
-                dst = row_at(c, true, s->blocks[bi], h, slot, &sc);
+                dst = mha__paged_row(c, true, s->blocks[bi], h, slot, &sc);
                 mha__kv_store_row(c->dt, dst, sc,
                                   (const char *)v->data + vo * (int64_t)mha_dtype_size(v->dtype),
                                   v->dtype, v->stride[3], c->Dv, row);
@@ -781,155 +646,10 @@ mha_status mha_paged_cache_append(mha_paged_cache *c, int64_t n, const int64_t *
         }
         const int64_t first = s->len / c->bs;  // (the first block this append can fill)
         s->len += a;
-        if (tokens) index_seq(c, s, first);
+        if (tokens) mha__paged_index_seq(c, s, first);
     }
     free(row);
 out:
     leave_change(c);
     return st;
 }
-
-// ---------------------------------------------------------------------------
-// Attend
-
-// The row source of one call: entry b is sequence ids[b].
-typedef struct paged_call {
-    const mha_paged_cache *c;
-    const int64_t *ids;
-} paged_call;
-
-static void paged_at(const void *ctx, int64_t b, int64_t hk, int64_t s, const char **k,
-                     const char **v, const float **ks, const float **vs) {
-    const paged_call *pc = ctx;
-    const mha_paged_cache *c = pc->c;
-    const int64_t blk = live_seq(c, pc->ids[b])->blocks[s];
-    float *sc;
-    if (blk < 0) {  // released: nothing to read (the attend checked no query reaches it)
-        *k = *v = NULL;
-        *ks = *vs = NULL;
-        return;
-    }
-    *k = row_at(c, false, blk, hk, 0, &sc);
-    *ks = sc;
-    *v = row_at(c, true, blk, hk, 0, &sc);
-    *vs = sc;
-}
-
-mha_status mha_paged_cache_attend(mha_tensor *out, const mha_tensor *q, mha_paged_cache *c,
-                                  int64_t n, const int64_t *ids, const int64_t *counts,
-                                  const mha_cache_attend_args *args) {
-    if (!c || !ids || n < 1)
-        return mha__fail(MHA_ERR_INVALID_ARG,
-                         "mha_paged_cache_attend: NULL cache or ids, or "
-                         "n %lld < 1",
-                         (long long)n);
-    mha_status st = enter_read(c, "mha_paged_cache_attend");
-    if (st) return st;
-    int64_t *len = mha__malloc(sizeof *len * (size_t)n);
-    if (!len) {
-        leave_read(c);
-        return mha__fail(MHA_ERR_NOMEM, "mha_paged_cache_attend: out of memory");
-    }
-    const int64_t T = q && q->ndim == 4 ? q->shape[2] : 0;
-    const int64_t wl = args ? args->opts.window_left : -1;
-    for (int64_t i = 0; i < n && !st; i++) {
-        const pseq *s = live_seq(c, ids[i]);
-        if (!s) {
-            st = no_seq("mha_paged_cache_attend", ids[i]);
-            break;
-        }
-        len[i] = s->len;
-        // released tokens: no query may reach back to them (its window, and
-        // StreamingLLM's sinks before the window, must miss them)
-        const int64_t cnt = counts && counts[i] >= 0 && counts[i] <= T ? counts[i] : T;
-        const int64_t reach = wl < 0 ? 0 : s->len - cnt - wl;
-        const int64_t sinks = wl >= 0 && args ? args->opts.sink_tokens : 0;
-        // (the sinks its last query sees: [0, see))
-        const int64_t last = s->len - 1 - wl, see = sinks < last ? sinks : last;
-        if (s->kept > s->hole && cnt > 0 && (reach < s->kept || see > s->hole))
-            st = mha__fail(MHA_ERR_INVALID_ARG,
-                           "mha_paged_cache_attend: sequence %lld released its tokens %lld to "
-                           "%lld, but its first query (position %lld) sees %s %lld (window "
-                           "left %lld, sink tokens %lld)",
-                           (long long)ids[i], (long long)s->hole, (long long)(s->kept - 1),
-                           (long long)(s->len - cnt),
-                           reach < s->kept ? "back to" : "the sinks to",
-                           (long long)(reach < s->kept ? (reach > 0 ? reach : 0) : see - 1),
-                           (long long)wl, (long long)sinks);
-    }
-    if (!st) {
-        const paged_call pc = {c, ids};
-        const mha__kv_rows rows = {n,     c->Hkv, c->D, c->Dv,    c->bs, c->dt,         c->lk,
-                                   c->lv, len,    &pc,  paged_at, true,  c->block_major};
-        st = mha__kv_attend_rows(out, q, &rows, args, counts, 0, NULL);
-    }
-    free(len);
-    leave_read(c);
-    if (!st) mha__set_impl(true, mha_isa(), false);
-    return st;
-}
-
-// ---------------------------------------------------------------------------
-// The tests' view: a digest of the whole state (kvcache.h)
-
-// FNV-1a, n bytes of p into h.
-static uint64_t fnv(uint64_t h, const void *p, size_t n) {
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
-
-#define FNV(h, x) ((h) = fnv((h), &(x), sizeof(x)))
-
-uint64_t mha__paged_cache_digest(const mha_paged_cache *c, uint64_t d[MHA__PAGED_DIGEST_PARTS]) {
-    for (int p = 0; p < MHA__PAGED_DIGEST_PARTS; p++) d[p] = 1469598103934665603ull;
-    // the K and V rows (their scales in them) of every held block, every head
-    uint64_t *h = &d[MHA__PAGED_DIGEST_KV];
-    for (int64_t b = 0; b < c->nblocks; b++) {
-        if (c->ref[b] == 0) continue;
-        FNV(*h, b);
-        for (int64_t hk = 0; hk < c->Hkv; hk++)
-            for (int isv = 0; isv < 2; isv++) {
-                float *sc;
-                const char *r = row_at(c, isv, b, hk, 0, &sc);
-                *h = fnv(*h, r, (size_t)c->bs * (isv ? c->lv.rb : c->lk.rb));
-            }
-    }
-    // the sequences: each slot that is or was used (a slot never used and
-    // one not there yet give the same ids), its generation, length, block
-    // table, token ids and released tokens (not the tables' room)
-    h = &d[MHA__PAGED_DIGEST_TABLES];
-    for (int64_t i = 0; i < c->nseq; i++) {
-        const pseq *s = &c->seq[i];
-        if (!s->live && s->gen == 0) continue;
-        FNV(*h, i), FNV(*h, s->live), FNV(*h, s->gen);
-        if (!s->live) continue;
-        FNV(*h, s->len), FNV(*h, s->nb), FNV(*h, s->known), FNV(*h, s->hole), FNV(*h, s->kept);
-        *h = fnv(*h, s->blocks, sizeof *s->blocks * (size_t)s->nb);
-        *h = fnv(*h, s->tok, sizeof *s->tok * (size_t)s->known);
-    }
-    // per block: its holders and its generation
-    h = &d[MHA__PAGED_DIGEST_REFS];
-    *h = fnv(*h, c->ref, sizeof *c->ref * (size_t)c->nblocks);
-    *h = fnv(*h, c->gen, sizeof *c->gen * (size_t)c->nblocks);
-    // the prefix index: the buckets' chains and each indexed block's key
-    h = &d[MHA__PAGED_DIGEST_INDEX];
-    *h = fnv(*h, c->bucket, sizeof *c->bucket * (size_t)c->nbuck);
-    for (int64_t b = 0; b < c->nblocks; b++) {
-        FNV(*h, c->indexed[b]);
-        if (!c->indexed[b]) continue;
-        FNV(*h, c->next[b]), FNV(*h, c->parent[b]), FNV(*h, c->pgen[b]);
-        *h = fnv(*h, c->btok + (size_t)b * (size_t)c->bs, sizeof *c->btok * (size_t)c->bs);
-    }
-    // the pool: the free map (where the next blocks go), its count, the
-    // state word
-    h = &d[MHA__PAGED_DIGEST_POOL];
-    *h = fnv(*h, c->freemap, sizeof *c->freemap * (size_t)((c->nblocks + 63) / 64));
-    FNV(*h, c->nfree);
-    const int state = atomic_load(&c->state);
-    FNV(*h, state);
-    uint64_t all = 1469598103934665603ull;
-    return fnv(all, d, sizeof *d * MHA__PAGED_DIGEST_PARTS);
-}
-
-#undef FNV
