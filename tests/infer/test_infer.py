@@ -59,15 +59,18 @@ ROPE_NEOX, ROPE_INTERLEAVED = 1, 2
 
 
 class Tensor(C.Structure):
+    __slots__ = ()  # (a misspelt field is an error, not a new attribute)
     _fields_ = [("data", C.c_void_p), ("dtype", C.c_int), ("ndim", C.c_int),
                 ("shape", C.c_int64 * MAX_DIMS), ("stride", C.c_int64 * MAX_DIMS)]
 
 
 class Rope(C.Structure):
+    __slots__ = ()  # (a misspelt field is an error, not a new attribute)
     _fields_ = [("mode", C.c_int), ("theta", C.c_double), ("dim", C.c_int64)]
 
 
 class AttnOpts(C.Structure):  # mha_attn_opts
+    __slots__ = ()  # (a misspelt field is an error, not a new attribute)
     _fields_ = [("is_causal", C.c_bool), ("window_left", C.c_int64),
                 ("window_right", C.c_int64), ("scale", C.c_double), ("softcap", C.c_float),
                 ("alibi", C.c_bool), ("alibi_slopes", C.POINTER(C.c_float)),
@@ -77,6 +80,7 @@ class AttnOpts(C.Structure):  # mha_attn_opts
 
 
 class SdpaArgs(C.Structure):
+    __slots__ = ()  # (a misspelt field is an error, not a new attribute)
     _fields_ = [("q", C.POINTER(Tensor)), ("k", C.POINTER(Tensor)),
                 ("v", C.POINTER(Tensor)), ("attn_mask", C.POINTER(Tensor)),
                 ("key_padding_mask", C.POINTER(Tensor)), ("opts", AttnOpts),
@@ -84,11 +88,13 @@ class SdpaArgs(C.Structure):
 
 
 class VarlenArgs(C.Structure):
+    __slots__ = ()  # (a misspelt field is an error, not a new attribute)
     _fields_ = [("cu_seqlens_q", C.POINTER(C.c_int64)), ("cu_seqlens_k", C.POINTER(C.c_int64)),
                 ("num_seqs", C.c_int64), ("opts", AttnOpts)]
 
 
 class AttendArgs(C.Structure):
+    __slots__ = ()  # (a misspelt field is an error, not a new attribute)
     _fields_ = [("opts", AttnOpts), ("sink_q", C.POINTER(Tensor))]
 
 
@@ -548,7 +554,7 @@ def test_cache(lib, ck, rng, cases):
             n += T
         args = AttendArgs()
         lib.L.mha_cache_attend_args_init(C.byref(args))
-        args.window_left, args.window_right = window
+        args.opts.window_left, args.opts.window_right = window
         outs = np.zeros((B, H, total, Dv), dtype=np.float32)
         bad_status = 0
         for (n0, T) in sched:
