@@ -689,17 +689,17 @@ static void fwd_views_of(fwd_views *t, const fwd_arg *a) {
     f->impl = a->impl;
     f->need_weights = a->weights;
     f->average_attn_weights = a->average;
-    f->is_causal = a->causal;
+    f->opts.is_causal = a->causal;
     if (a->masks) f->key_padding_mask = &t->kpm, f->attn_mask = &t->am;
     if (a->extras) {
         mha_rope_init(&f->rope, MHA_ROPE_NEOX);
-        f->alibi = true;
-        f->window_left = 5;
-        f->softcap = 20.0f;
+        f->opts.alibi = true;
+        f->opts.window_left = 5;
+        f->opts.softcap = 20.0f;
     }
     if (a->training) {
         f->training = true;
-        f->dropout_seed = 42;
+        f->opts.dropout_seed = 42;
     }
 }
 
@@ -797,7 +797,7 @@ static mha_status sc_sdpa(const void *argp) {
     mha_sdpa_args sa;
     mha_sdpa_args_init(&sa);
     sa.q = &q, sa.k = &k, sa.v = &v;
-    sa.is_causal = a->causal;
+    sa.opts.is_causal = a->causal;
     sa.impl = a->impl;
     mha_status st = mha_sdpa(&o, a->weights ? &w : NULL, &sa);
     if (st) return st;
@@ -827,7 +827,7 @@ static mha_status sc_sdpa(const void *argp) {
     mha_varlen_args va;
     mha_varlen_args_init(&va);
     va.cu_seqlens_q = cq, va.cu_seqlens_k = ck, va.num_seqs = 2;
-    va.is_causal = a->causal;
+    va.opts.is_causal = a->causal;
     if ((st = mha_sdpa_varlen(&o2, &q2, &k2, &v2, &va))) return st;
     res_put(a->o, sizeof(float) * (size_t)(a->L * a->H * a->D));
     // RoPE in place on a copy of q
@@ -998,11 +998,11 @@ static mha_status sc_cached(const void *argp) {
         mha_tensor x, y;
         mha_forward_args f;
         self_attention(&f, &x, &y, a->m, a->x, a->y, a->T, a->N);
-        f.is_causal = true;
+        f.opts.is_causal = true;
         if (a->extras) {  // (and StreamingLLM's sinks: their queries and scratch)
             mha_rope_init(&f.rope, MHA_ROPE_NEOX);
-            f.alibi = true;
-            f.window_left = 7;
+            f.opts.alibi = true;
+            f.opts.window_left = 7;
             f.opts.sink_tokens = 2;
         }
         if ((st = mha_forward_cached(&y, a->m, &f, a->c))) return st;
@@ -1633,11 +1633,11 @@ static void sweep_library(void) {
                 mha_forward_args f;
                 mha_forward_args_init(&f);
                 f.query = f.key = f.value = &x;
-                f.is_causal = true;
+                f.opts.is_causal = true;
                 if (c.extras) {
                     mha_rope_init(&f.rope, MHA_ROPE_NEOX);
-                    f.alibi = true;
-                    f.window_left = 7;
+                    f.opts.alibi = true;
+                    f.opts.window_left = 7;
                 }
                 CHECK_OK(mha_forward_cached(&y, c.m, &f, c.c));
                 c.x = new_floats(c.T * c.N * E), c.y = new_floats(c.T * c.N * E);
