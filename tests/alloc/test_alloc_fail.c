@@ -1302,7 +1302,7 @@ static mha_status sc_mpi(const void *argp) {
     self_attention(&f, &x, &y, a->m, a->x, a->y, a->T, a->N);
     mha_tensor dy = mha_tensor_contiguous(a->dy, MHA_F32, 3, sh);
     mha_tensor dx = mha_tensor_contiguous(a->dx, MHA_F32, 3, sh);
-    f.is_causal = true;
+    f.opts.is_causal = true;
     f.save = a->save;
     mha_status st = MHA_OK;
     if (!a->backward || a->save) {
