@@ -78,7 +78,7 @@ def strip(text):
             j = i + 1
             while j < n and text[j] != c:
                 j += 2 if text[j] == "\\" else 1
-            out.append(c + " " * (j - i - 1) + c)
+            out.append(c + re.sub(r"[^\n]", " ", text[i + 1:j]) + c)
             i = j + 1
         else:
             out.append(c)

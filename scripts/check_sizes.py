@@ -9,6 +9,8 @@ import os
 import re
 import sys
 
+from check_layers import strip as blank  # comments and literals blanked, newlines kept
+
 MAX_FILE = 900
 MAX_FUNC = 120
 DIRS = ("src", "tools", "python/src", "examples")
@@ -16,33 +18,6 @@ DIRS = ("src", "tools", "python/src", "examples")
 VALIDATORS = {
     "mha__st_check_entry": "a safetensors header entry's fields, each checked and named",
 }
-
-
-def blank(text):
-    """Comments and string/char literals blanked (newlines kept)."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(re.sub(r"[^\n]", " ", text[i:j]))
-            i = j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            out.append(c + re.sub(r"[^\n]", " ", text[i + 1:j]) + c)
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
 
 
 NAME = re.compile(r"([A-Za-z_]\w*)\s*\($")

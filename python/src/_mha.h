@@ -53,19 +53,19 @@ typedef struct kwopt {
 // The attention options' keywords (mha_attn_opts), the same in every call
 // that attends: the fields themselves, and the objects read after parsing
 // (mha_py_attn_kw_apply): scale (None: 1 / sqrt(D)), alibi_slopes and sinks
-// (float32 vectors of H), window ((left, right), each None or an int:
-// window_left / window_right at once).
+// (float32 vectors of H). (window=W or (left, right): the Python layer's
+// window_bounds turns it into window_left / window_right.)
 typedef struct attn_kw {
-    PyObject *scale, *alibi_slopes, *sinks, *window;
+    PyObject *scale, *alibi_slopes, *sinks;
 } attn_kw;
-#define ATTN_KW(o, k)                                                                     \
-    {"is_causal", 'b', &(o)->is_causal}, {"window_left", 'L', &(o)->window_left},         \
-        {"window_right", 'L', &(o)->window_right}, {"window", 'O', &(k)->window},         \
-        {"scale", 'O', &(k)->scale}, {"softcap", 'f', &(o)->softcap},                     \
-        {"alibi", 'b', &(o)->alibi}, {"alibi_slopes", 'O', &(k)->alibi_slopes},           \
-        {"sinks", 'O', &(k)->sinks}, {"sink_tokens", 'L', &(o)->sink_tokens},             \
-        {"dropout_p", 'f', &(o)->dropout_p}, {"dropout_seed", 'K', &(o)->dropout_seed}, { \
-        "dropout_offset", 'K', &(o)->dropout_offset                                       \
+#define ATTN_KW(o, k)                                                                 \
+    {"is_causal", 'b', &(o)->is_causal}, {"window_left", 'L', &(o)->window_left},     \
+        {"window_right", 'L', &(o)->window_right}, {"scale", 'O', &(k)->scale},       \
+        {"softcap", 'f', &(o)->softcap}, {"alibi", 'b', &(o)->alibi},                 \
+        {"alibi_slopes", 'O', &(k)->alibi_slopes}, {"sinks", 'O', &(k)->sinks},       \
+        {"sink_tokens", 'L', &(o)->sink_tokens}, {"dropout_p", 'f', &(o)->dropout_p}, \
+        {"dropout_seed", 'K', &(o)->dropout_seed}, {                                  \
+        "dropout_offset", 'K', &(o)->dropout_offset                                   \
     }
 
 
@@ -150,7 +150,7 @@ mha_shape mha_py_shape_of(const mha_tensor *t);
 int mha_py_parse_opts(PyObject *kw, const kwopt *opts, int n, const char *fn);
 void mha_py_attn_kw_init(attn_kw *k);
 // Reads k's objects into o; H: the query heads (the vectors' length).
-int mha_py_attn_kw_apply(held *h, const attn_kw *k, mha_attn_opts *o, int64_t H, const char *fn);
+int mha_py_attn_kw_apply(held *h, const attn_kw *k, mha_attn_opts *o, int64_t H);
 
 // py_module.c
 // Before a call that reads the module (GIL held): its parameters may have

@@ -289,37 +289,11 @@ static int custom_scale(PyObject *obj, double *scale) {
 }
 
 
-void mha_py_attn_kw_init(attn_kw *k) {
-    k->scale = k->alibi_slopes = k->sinks = k->window = Py_None;
-}
-
-// One side of window=(left, right): None is -1 (unbounded).
-static int window_side(PyObject *v, int64_t *out, const char *fn) {
-    if (v == Py_None) return *out = -1, 0;
-    if (!PyLong_Check(v)) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s(): window must be (left, right), each None or an int", fn);
-        return -1;
-    }
-    long long x = PyLong_AsLongLong(v);
-    if (x == -1 && PyErr_Occurred()) return -1;
-    *out = x;
-    return 0;
-}
+void mha_py_attn_kw_init(attn_kw *k) { k->scale = k->alibi_slopes = k->sinks = Py_None; }
 
 // Reads k's objects into o; H: the query heads (the vectors' length).
-int mha_py_attn_kw_apply(held *h, const attn_kw *k, mha_attn_opts *o, int64_t H,
-                         const char *fn) {
+int mha_py_attn_kw_apply(held *h, const attn_kw *k, mha_attn_opts *o, int64_t H) {
     if (custom_scale(k->scale, &o->scale) < 0) return -1;
-    if (k->window != Py_None) {
-        if (!PyTuple_Check(k->window) || PyTuple_GET_SIZE(k->window) != 2) {
-            PyErr_Format(PyExc_TypeError, "%s(): window must be a tuple (left, right)", fn);
-            return -1;
-        }
-        if (window_side(PyTuple_GET_ITEM(k->window, 0), &o->window_left, fn) < 0 ||
-            window_side(PyTuple_GET_ITEM(k->window, 1), &o->window_right, fn) < 0)
-            return -1;
-    }
     const void *p;
     if (mha_py_get_vector(h, k->alibi_slopes, "alibi_slopes", MHA_F32, H, &p) < 0) return -1;
     o->alibi_slopes = p;

@@ -96,7 +96,7 @@ static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
         return NULL;
     held h = {.n = 0};
     mha_tensor tq, to;
-    const void *cn, *sl;
+    const void *cn;
     PyObject *out = NULL;
     if (mha_py_get_view(&h, q, "q", K_FLOAT, false, &tq) < 0) goto fail;
     if (tq.ndim != 4) {
@@ -104,7 +104,7 @@ static PyObject *Cache_attend(CacheObject *o, PyObject *args, PyObject *kw) {
         goto fail;
     }
     if (mha_py_get_vector(&h, counts, "counts", MHA_I64, o->batch, &cn) < 0 ||
-        mha_py_attn_kw_apply(&h, &ak, &a.opts, tq.shape[1], "attend") < 0)
+        mha_py_attn_kw_apply(&h, &ak, &a.opts, tq.shape[1]) < 0)
         goto fail;
     mha_shape os = mha_py_shape_of(&tq);
     os.dims[3] = o->v_head_dim;

@@ -95,7 +95,7 @@ int mha_py_fwd_views(held *h, fwd_call *c, ModuleObject *mod, PyObject *q, PyObj
                           &p) < 0)
         return -1;
     c->a.rope_start = p;
-    if (mha_py_attn_kw_apply(h, &c->ak, &c->a.opts, cfg->num_heads, "forward") < 0) return -1;
+    if (mha_py_attn_kw_apply(h, &c->ak, &c->a.opts, cfg->num_heads) < 0) return -1;
     c->a.rope.mode = (mha_rope_mode)c->rope_mode;
     c->a.impl = (mha_impl)c->impl;
     c->a.weights_head_begin = c->wh[0];
@@ -292,7 +292,7 @@ static int sdpa_views(held *h, sdpa_call *c, PyObject *q, PyObject *k, PyObject 
                      c->k.ndim, c->v.ndim);
         return -1;
     }
-    return mha_py_attn_kw_apply(h, &c->ak, &c->a.opts, c->q.shape[1], fn);
+    return mha_py_attn_kw_apply(h, &c->ak, &c->a.opts, c->q.shape[1]);
 }
 
 // sdpa(q, k, v, attn_mask, key_padding_mask, alloc, **options) -> (out, weights)

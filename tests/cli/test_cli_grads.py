@@ -11,7 +11,6 @@ Usage: test_cli_grads.py --mha PATH/TO/mha --tmp TMPDIR (Python 3
 standard library only; exits 1 on a failure)."""
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -19,33 +18,8 @@ import struct
 import subprocess
 import sys
 
-
-def write_st(path, tensors):
-    """tensors: {name: (shape, float values)} as F32."""
-    hdr, data = {}, b""
-    for name, (shape, vals) in tensors.items():
-        blob = struct.pack("<%df" % len(vals), *vals)
-        hdr[name] = {"dtype": "F32", "shape": shape,
-                     "data_offsets": [len(data), len(data) + len(blob)]}
-        data += blob
-    h = json.dumps(hdr).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + data)
-
-
-def read_st(path):
-    """{name: list of float32 values}, F32 tensors only."""
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    hdr = json.loads(raw[8:8 + n])
-    hdr.pop("__metadata__", None)
-    out = {}
-    for name, e in hdr.items():
-        b, en = e["data_offsets"]
-        buf = raw[8 + n + b:8 + n + en]
-        out[name] = list(struct.unpack("<%df" % (len(buf) // 4), buf))
-    return out
+from test_cli_errors import read_st  # the suites' safetensors reader and writer
+from test_cli_options import write_st
 
 
 def f32(x):
@@ -72,16 +46,17 @@ def main():
     g = [math.cos(0.23 * i) for i in range(L * N * E)]
     w = os.path.join(tmp, "w.safetensors")
     run([a.mha, "init", "--embed-dim", str(E), "--num-heads", "2", "--seed", "3", "--out", w])
-    write_st(os.path.join(tmp, "self.safetensors"), {"query": ([L, N, E], x)})
+    shape = [L, N, E]
+    write_st(os.path.join(tmp, "self.safetensors"), [("query", "F32", shape, x)])
     write_st(os.path.join(tmp, "qkv.safetensors"),
-             {"query": ([L, N, E], x), "key": ([L, N, E], x), "value": ([L, N, E], x)})
-    write_st(os.path.join(tmp, "g.safetensors"), {"grad_attn_output": ([L, N, E], g)})
+             [(n, "F32", shape, x) for n in ("query", "key", "value")])
+    write_st(os.path.join(tmp, "g.safetensors"), [("grad_attn_output", "F32", shape, g)])
     outs = {}
     for name in ("self", "qkv"):
         y = os.path.join(tmp, name + ".out.safetensors")
         run([a.mha, "backward", "--weights", w, "--inputs", os.path.join(tmp, name + ".safetensors"),
              "--grad-output", os.path.join(tmp, "g.safetensors"), "--out", y, "--causal"])
-        outs[name] = read_st(y)
+        outs[name] = {n: v[2] for n, v in read_st(y)[0].items()}
     fails = []
     s, e = outs["self"], outs["qkv"]
     if "grad_key" in s or "grad_value" in s:
