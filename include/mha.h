@@ -980,9 +980,10 @@ MHA_API void mha_linear_destroy(mha_linear *l);
 //     broadcasts). MHA_BOOL/MHA_U8 nonzero = not allowed; MHA_F32 added.
 //   key_padding_mask: NULL or (B, S); MHA_BOOL/MHA_U8 nonzero = ignore,
 //     MHA_F32 added.
-//   is_causal: hides keys j > i (top-left aligned, as PyTorch).
-//   scale: used when use_custom_scale, else 1 / sqrt(D).
-//   dropout_p: p in [0, 1) (else MHA_ERR_INVALID_ARG naming it), default
+//   opts (mha_attn_opts): every option but sink_tokens, as described there;
+//   opts.is_causal hides keys j > i (top-left aligned, as PyTorch);
+//   opts.scale 0 (the default) is 1 / sqrt(D).
+//   opts.dropout_p: p in [0, 1) (else MHA_ERR_INVALID_ARG naming it), default
 //     0: dropout on the attention weights after the softmax, before v,
 //     applied whenever p > 0 (sdpa is functional: no training flag, as
 //     torch's scaled_dot_product_attention(dropout_p=...)). Weight
@@ -1341,11 +1342,11 @@ MHA_API MHA_NODISCARD mha_status mha_paged_cache_attend(mha_tensor *out, const m
 // project q, k, v; rotate q and k (a->rope, a->rope_scaling) at positions
 // len_n + t (the cache's lengths before the call, rope_start ignored), or
 // a->rope_positions (N T, the new tokens'); append k, v; attend
-// to everything cached (a->alibi, a->softcap, a->window_* apply); project
+// to everything cached (a->opts' ALiBi, soft cap and windows apply); project
 // the context into out (the query's shape). Running a sequence chunk by
 // chunk (or token by token) gives the full causal forward's result (within
 // float rounding). The cache needs batch N, the module's num_kv_heads,
-// head dims the module's head_dim (a->use_custom_scale / scale apply).
+// head dims the module's head_dim (a->opts.scale applies).
 // Not available: masks, need_weights, dropout, add_bias_kv,
 // add_zero_attn, kdim/vdim != E (MHA_ERR_UNSUPPORTED). On any error (out
 // of memory included) the cache keeps the lengths it had.

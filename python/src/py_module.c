@@ -404,8 +404,7 @@ static PyObject *CheckpointLayer_info(CheckpointLayerObject *o, PyObject *unused
     const mha_checkpoint_layer *i = &o->info;
     const mha_rope_scaling *s = &i->rope_scaling;
     return Py_BuildValue(
-        "{s:s,s:L,s:O,s:L,s:i,s:d,s:L,s:{s:s,s:d,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O},s:d,s:O,"
-        "s:d}",
+        "{s:s,s:L,s:O,s:L,s:i,s:d,s:L,s:{s:s,s:d,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:O},s:d,s:d}",
         "model_type", i->model_type, "layer", (long long)i->layer, "is_causal",
         i->opts.is_causal ? Py_True : Py_False, "window_left", (long long)i->opts.window_left,
         "rope_mode", (int)i->rope.mode, "rope_theta", i->rope.theta, "rope_dim",
@@ -415,7 +414,7 @@ static PyObject *CheckpointLayer_info(CheckpointLayerObject *o, PyObject *unused
         "beta_fast", s->beta_fast, "beta_slow", s->beta_slow, "mscale", s->mscale,
         "mscale_all_dim", s->mscale_all_dim, "attention_factor", s->attention_factor,
         "truncate", s->truncate ? Py_True : Py_False, "softcap", (double)i->opts.softcap,
-        "use_custom_scale", i->opts.scale != 0.0 ? Py_True : Py_False, "scale", i->opts.scale);
+        "scale", i->opts.scale);
 }
 
 static PyMethodDef CheckpointLayer_methods[] = {
