@@ -1058,11 +1058,21 @@ MHA_API MHA_NODISCARD mha_status mha_sdpa(mha_tensor *out, mha_tensor *weights,
 // float32 (rows converted as they load), bf16 q, k, v and dout in bf16
 // where the CPU computes bf16 (bf16 products, float32 sums); each gradient
 // is summed in float32 and rounded once into its tensor.
+// dsinks: NULL (not wanted), or H floats (one per query head) that
+// receive (overwritten) the gradient of opts.sinks, which must then be
+// given (else MHA_ERR_INVALID_ARG naming both). A sink is one more logit
+// of each row's softmax whose value is 0, so
+//   dsinks[h] = -sum_{b, i} P_sink(b, h, i) Dsum(b, h, i),
+//   P_sink = exp(sinks[h] - m_i) / l_i (m, l: the row's max and sum, the
+//   sink included), Dsum_i = rowsum(dout_i * out_i) = sum_j P_ij dP_ij,
+// summed in double per (b, h) over the rows, then over b in increasing
+// order, and rounded once (both paths; float32 row stats on the fused one).
 // Every gradient element is summed by one thread in a fixed order: the
 // same bits for any number of threads. Scratch: one block, kept for the
 // thread's next call as mha_forward's.
 MHA_API MHA_NODISCARD mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk,
-                                                   mha_tensor *dv, const mha_tensor *dout,
+                                                   mha_tensor *dv, float *dsinks,
+                                                   const mha_tensor *dout,
                                                    const mha_sdpa_args *a);
 
 MHA_API void mha_rope_init(mha_rope *r, mha_rope_mode mode);

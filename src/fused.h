@@ -151,11 +151,12 @@ bool mha__fused_sdpa_backward_bf16(const mha_tensor *q, const mha_tensor *k,
 // The fused backward of mha__fused_sdpa: dq (B, H, L, D), dk (B, Hkv, S,
 // D), dv (B, Hkv, S, Dv) written from dout (B, H, L, Dv), drop the
 // forward's; F32 views with unit last stride (checked by the caller).
+// dsinks: NULL, or (H) written with the gradient of mk->sinks (given).
 // Allocates its scratch. sv: NULL, or this call's forward's valid state
 // (checked by the caller): its O and row stats replace the forward's rows
 // when it computed in this backward's precision (the same bits).
 mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
-                                    const mha_tensor *dout, const mha_tensor *q,
+                                    float *dsinks, const mha_tensor *dout, const mha_tensor *q,
                                     const mha_tensor *k, const mha_tensor *v,
                                     const mha__mask *mk, const mha__dropout *drop,
                                     double scale, const mha_saved *sv);

@@ -28,6 +28,14 @@
 // D), the group's dk (S, D) and dv (S, Dv) are summed in float32 scratch
 // and rounded once (nearest even) into their tensors: per thread, not a
 // float32 copy of a tensor.
+//
+// The sinks' gradient (dsinks, when asked): a sink is one more logit of
+// each row's softmax whose value is 0, so
+//   dsink_h = -sum_{b, i} P_sink Dsum_i,  P_sink = exp(sink_h - m_i) / l_i
+// from the rows' stats and Dsum (as the module backward, fused_bwd.c):
+// each (b, h)'s sum over its rows in double into the block's (B, H)
+// doubles as the head's backward leaves its Dsum, then the sum over b in
+// increasing order: the same bits for either way and any threads.
 
 // The address of element (b, h, 0, 0) of a 4-D view, as the head's pointer
 // (float32, or uint16_t elements cast).
@@ -81,11 +89,20 @@ static mha__flash_head sdpa_head(const mha_tensor *q, const mha_tensor *k, const
 
 #define SDPA_PTR(t, h) ((float *)(t)->data + (t)->stride[0] * b + (t)->stride[1] * (h))
 
+// -sum_i P_sink,i Dsum_i of one head's L rows, stats (L, 2) = (m, 1 / l);
+// 0 for a sink of -inf (its weight is 0 in every row).
+static double sink_grad_head(const float *stats, const float *dsum, int64_t L, float sink) {
+    double s = 0.0;
+    for (int64_t i = 0; sink > -INFINITY && i < L; i++)
+        s -= exp((double)sink - stats[2 * i]) * stats[2 * i + 1] * dsum[i];
+    return s;
+}
+
 // One thread per (b, KV head): per thread (per floats, from blk) the flash
 // scratch sf (64-byte aligned: it begins with pointers), then O (L, Dv),
 // stats (L, 2), Dsum (L), and with half tensors dO (L, Dv), dq (L, D), dk
 // (S, D), dv (S, Dv) in float32.
-static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv, double *dsink_bh,
                               const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
                               const mha_tensor *v, const mha__mask *mk,
                               const mha__dropout *drop, double scale, size_t sf, size_t per,
@@ -136,6 +153,8 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                                     hk ? D : dk->stride[2], hv ? hdv : SDPA_PTR(dv, g),
                                     hv ? Dv : dv->stride[2], NULL, NULL, h != g * G, sc);
             if (hq) store_half(dq, b, h, hdq, L, D);
+            if (dsink_bh)  // (the head's Dsum, before the next head's)
+                dsink_bh[bh] = sink_grad_head(fh.stats, dsum, L, mk->sinks[h]);
         }
         if (hk) store_half(dk, b, g, hdk, S, D);
         if (hv) store_half(dv, b, g, hdv, S, Dv);
@@ -144,7 +163,7 @@ static void sdpa_bwd_per_head(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
 
 // Over tiles: from blk, nt flash scratches sf, then every head's O (B, H,
 // L, Dv), stats (B, H, L, 2) and Dsum (B, H, L).
-static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv, double *dsink_bh,
                            const mha_tensor *dout, const mha_tensor *q, const mha_tensor *k,
                            const mha_tensor *v, const mha__mask *mk, const mha__dropout *drop,
                            double scale, size_t sf, int nt, float *blk, const mha_saved *sv) {
@@ -195,6 +214,9 @@ static void sdpa_bwd_tiles(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                               blk + (size_t)mha__thread_id() * sf);
         }
     }
+    // the sinks: every head's stats and Dsum (pass B's) are there
+    for (int64_t bh = 0; dsink_bh && bh < B * H; bh++)
+        dsink_bh[bh] = sink_grad_head(stats + 2 * bh * L, dsum + bh * L, L, mk->sinks[bh % H]);
 #undef SDPA_HEAD
 }
 
@@ -206,7 +228,7 @@ bool mha__fused_sdpa_backward_bf16(const mha_tensor *q, const mha_tensor *k,
 }
 
 mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
-                                    const mha_tensor *dout, const mha_tensor *q,
+                                    float *dsinks, const mha_tensor *dout, const mha_tensor *q,
                                     const mha_tensor *k, const mha_tensor *v,
                                     const mha__mask *mk, const mha__dropout *drop,
                                     double scale, const mha_saved *sv) {
@@ -224,7 +246,8 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
     const bool per_head = half || B * Hkv >= nt;
     // the scratch, one block: per head, per thread sf + O (L, Dv), stats
     // (L, 2), Dsum (L) (each thread's piece 64-byte aligned); over tiles,
-    // nt times sf, then every head's O, stats and Dsum
+    // nt times sf, then every head's O, stats and Dsum; then, with dsinks,
+    // each (b, h)'s sink gradient, (B, H) doubles (at an even float)
     size_t per = 0, heads = 0, floats, bytes;
     // (half: the float32 dO, dq, dk, dv as well)
     size_t hx = 0;
@@ -236,16 +259,26 @@ mha_status mha__fused_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *
                             mha__add_overflow_size(per, hx, &per)))
             : mha__mul_overflow_size((size_t)(B * H), (size_t)L * ((size_t)Dv + 3), &heads);
     per &= ~(size_t)15;
+    size_t at_sinks = 0;
     if (over || mha__mul_overflow_size(per_head ? per : sf, (size_t)nt, &floats) ||
         mha__add_overflow_size(floats, heads, &floats) ||
+        mha__add_overflow_size(floats, floats & 1, &at_sinks) ||
+        mha__add_overflow_size(at_sinks, dsinks ? 2 * (size_t)(B * H) : 0, &floats) ||
         mha__mul_overflow_size(floats, sizeof(float), &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: scratch size overflows");
     float *blk = mha__scratch_alloc(bytes ? bytes : 1);
     if (!blk)
         return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
+    double *dsink_bh = dsinks ? (double *)(void *)(blk + at_sinks) : NULL;  // (B, H)
     if (per_head)
-        sdpa_bwd_per_head(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, per, nt, blk, sv);
-    else sdpa_bwd_tiles(dq, dk, dv, dout, q, k, v, mk, drop, scale, sf, nt, blk, sv);
+        sdpa_bwd_per_head(dq, dk, dv, dsink_bh, dout, q, k, v, mk, drop, scale, sf, per, nt,
+                          blk, sv);
+    else sdpa_bwd_tiles(dq, dk, dv, dsink_bh, dout, q, k, v, mk, drop, scale, sf, nt, blk, sv);
+    for (int64_t h = 0; dsink_bh && h < H; h++) {  // dsinks_h = sum_b, b increasing
+        double s = 0.0;
+        for (int64_t b = 0; b < B; b++) s += dsink_bh[b * H + h];
+        dsinks[h] = (float)s;
+    }
     mha__scratch_free(blk, bytes ? bytes : 1);
     return MHA_OK;
 }

@@ -173,14 +173,16 @@ void mha__ref_attention_head_backward(mha__mat dq, mha__mat dk, mha__mat dv, mha
     // dS = P * (dP - sum_j P dP)  (forward: P = softmax(S) row by row);
     // masked entries have P = 0, so dS = 0 there and on fully masked rows.
     // A sink is one more logit of the softmax whose value is 0 (its dP is
-    // 0): dsink = sum_i P_sink,i (0 - rs_i), P_sink,i = 1 - sum_j P_ij.
+    // 0): dsink = sum_i P_sink,i (0 - rs_i), P_sink,i = 1 - sum_j P_ij
+    // (0 exactly for a sink of -inf).
+    const bool sink = mk->sinks && mk->sinks[h] > -INFINITY;
     double ds = 0.0;
     for (int64_t i = 0; i < L; i++) {
         double rs = 0.0, psum = 0.0;
         for (int64_t j = 0; j < S; j++)
             rs += P[i * S + j] * dP[i * S + j], psum += P[i * S + j];
         for (int64_t j = 0; j < S; j++) dP[i * S + j] = P[i * S + j] * (dP[i * S + j] - rs);
-        if (mk->sinks) ds -= (1.0 - psum) * rs;
+        if (sink) ds -= (1.0 - psum) * rs;
     }
     if (dsink) *dsink = ds;
     // soft cap: dS_raw = dS * (1 - tanh^2(s / cap)) for the raw scaled s

@@ -314,6 +314,31 @@ static mha_status sdpa_check_grads(mha_tensor *dq, mha_tensor *dk, mha_tensor *d
     return MHA_OK;
 }
 
+// dsinks (H floats): only with opts.sinks, overlapping neither an input
+// (the sinks included) nor another gradient.
+static mha_status sdpa_check_dsinks(float *dsinks, const mha_tensor *dq, const mha_tensor *dk,
+                                    const mha_tensor *dv, const mha_tensor *dout,
+                                    const mha_sdpa_args *a, const sdpa_dims *dm) {
+    if (!dsinks) return MHA_OK;
+    if (!a->opts.sinks)
+        return mha__fail(MHA_ERR_INVALID_ARG,
+                         "mha_sdpa_backward: dsinks is given but opts.sinks is NULL (the "
+                         "gradient of the sinks needs the sinks: pass opts.sinks, H = %lld "
+                         "logits, or dsinks = NULL)",
+                         (long long)dm->H);
+    mha_status st;
+    const int64_t H = dm->H;
+    const mha_tensor ds = mha_tensor_contiguous(dsinks, MHA_F32, 1, &H),
+                     sk = mha_tensor_contiguous((void *)a->opts.sinks, MHA_F32, 1, &H);
+    const mha_tensor *ts[9] = {&sk,  a->q, a->k, a->v, a->attn_mask, a->key_padding_mask,
+                               dout, dq,   dk};
+    const char *names[9] = {"opts.sinks",       "q",    "k",  "v", "attn_mask",
+                            "key_padding_mask", "dout", "dq", "dk"};
+    for (int i = 0; i < 9; i++)
+        if ((st = mha__check_no_overlap(&ds, "dsinks", ts[i], names[i]))) return st;
+    return mha__check_no_overlap(&ds, "dsinks", dv, "dv");
+}
+
 // As sdpa_impl, for the backward: fused when q, k, v, dout and the
 // gradients are all F32, BF16 or F16 with unit stride along the last dim.
 static mha_status sdpa_backward_impl(mha_impl *impl_out, const mha_tensor *const ts[7],
@@ -339,11 +364,14 @@ static mha_status sdpa_backward_impl(mha_impl *impl_out, const mha_tensor *const
 // The reference backward: one item per (b, KV head g); each query head h of
 // the group in increasing order through ref.c's head backward (P
 // recomputed in double), dq written, the group's dk, dv summed in double
-// and written once. ws per thread: 2 (L, S) + 2 (S, D + Dv) doubles.
+// and written once. ws per thread: 2 (L, S) + 2 (S, D + Dv) doubles; then,
+// with dsinks, each (b, h)'s sink gradient (B, H) doubles, summed over b in
+// increasing order once every item is done.
 static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
-                                          const mha_tensor *dout, const mha_sdpa_args *a,
-                                          const sdpa_dims *dm, const mha__mask *mk,
-                                          const mha__dropout *drop, double scale) {
+                                          float *dsinks, const mha_tensor *dout,
+                                          const mha_sdpa_args *a, const sdpa_dims *dm,
+                                          const mha__mask *mk, const mha__dropout *drop,
+                                          double scale) {
     const mha_tensor *q = a->q, *k = a->k, *v = a->v;
     const int64_t B = dm->B, H = dm->H, L = dm->L, D = dm->D, S = dm->S, Dv = dm->Dv,
                   Hkv = dm->Hkv, G = H / Hkv;
@@ -354,12 +382,14 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
     size_t bytes;
     if (mha__mul_overflow_i64(L, S, &ls) || mha__mul_overflow_i64(S, D + Dv, &skv) ||
         __builtin_add_overflow(2 * ls, 2 * skv, &per) ||
-        mha__mul_overflow_size((size_t)per, sizeof(double) * (size_t)nt, &bytes))
+        mha__mul_overflow_size((size_t)per, sizeof(double) * (size_t)nt, &bytes) ||
+        mha__add_overflow_size(bytes, dsinks ? sizeof(double) * (size_t)(B * H) : 0, &bytes))
         return mha__fail(MHA_ERR_OVERFLOW, "sdpa backward: L %lld x S %lld overflows",
                          (long long)L, (long long)S);
     double *ws = mha__malloc(bytes ? bytes : 1);
     if (!ws)
         return mha__fail(MHA_ERR_NOMEM, "sdpa backward: out of memory for %zu bytes", bytes);
+    double *dsink_bh = dsinks ? ws + (size_t)per * (size_t)nt : NULL;  // (B, H)
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t bg = 0; bg < B * Hkv; bg++) {
         const int64_t b = bg / Hkv, g = bg % Hkv;
@@ -376,7 +406,8 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
             mha__ref_attention_head_backward(SDPA_VIEW(dq, h), mha__dmat(hdk, D),
                                              mha__dmat(hdv, Dv), none, SDPA_VIEW(dout, h),
                                              SDPA_VIEW(q, h), SDPA_VIEW(k, g), SDPA_VIEW(v, g),
-                                             L, S, D, Dv, scale, mk, drop, b, h, w, NULL);
+                                             L, S, D, Dv, scale, mk, drop, b, h, w,
+                                             dsink_bh ? dsink_bh + b * H + h : NULL);
             for (int64_t i = 0; i < S * D; i++) sdk[i] = h == g * G ? hdk[i] : sdk[i] + hdk[i];
             for (int64_t i = 0; i < S * Dv; i++)
                 sdv[i] = h == g * G ? hdv[i] : sdv[i] + hdv[i];
@@ -388,6 +419,12 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
             for (int64_t c = 0; c < Dv; c++) mha__st(dvm, j, c, sdv[j * Dv + c]);
         }
     }
+    // dsinks_h = sum_b dsink(b, h) (ref.c: -sum_i P_sink,i rowsum(dP * P)_i)
+    for (int64_t h = 0; dsink_bh && h < H; h++) {
+        double s = 0.0;
+        for (int64_t b = 0; b < B; b++) s += dsink_bh[b * H + h];
+        dsinks[h] = (float)s;
+    }
     free(ws);
     return MHA_OK;
 }
@@ -395,7 +432,7 @@ static mha_status sdpa_reference_backward(mha_tensor *dq, mha_tensor *dk, mha_te
 // The phases: the forward's checks (shapes, scale, dropout_p, mask), the
 // gradients' views, the implementation, then the fused driver (fused_bwd.c)
 // or the reference.
-mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
+mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv, float *dsinks,
                              const mha_tensor *dout, const mha_sdpa_args *a) {
     if (!a) return mha__fail(MHA_ERR_INVALID_ARG, "mha_sdpa_backward: NULL args");
     mha_status st;
@@ -405,7 +442,8 @@ mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
     mha__dropout drop;
     mha_impl impl;
     if ((st = sdpa_prepare(&dm, &scale, &mk, &drop, a)) ||
-        (st = sdpa_check_grads(dq, dk, dv, dout, a, &dm)))
+        (st = sdpa_check_grads(dq, dk, dv, dout, a, &dm)) ||
+        (st = sdpa_check_dsinks(dsinks, dq, dk, dv, dout, a, &dm)))
         return st;
     const mha_tensor *ts[7] = {a->q, a->k, a->v, dout, dq, dk, dv};
     if ((st = sdpa_backward_impl(&impl, ts, a))) return st;
@@ -421,9 +459,11 @@ mha_status mha_sdpa_backward(mha_tensor *dq, mha_tensor *dk, mha_tensor *dv,
                              "these args first, or pass save = NULL");
     }
     if (impl == MHA_IMPL_FUSED)
-        st = mha__fused_sdpa_backward(dq, dk, dv, dout, a->q, a->k, a->v, &mk,
+        st = mha__fused_sdpa_backward(dq, dk, dv, dsinks, dout, a->q, a->k, a->v, &mk,
                                       sdpa_drop(&drop), scale, sv);
-    else st = sdpa_reference_backward(dq, dk, dv, dout, a, &dm, &mk, sdpa_drop(&drop), scale);
+    else
+        st = sdpa_reference_backward(dq, dk, dv, dsinks, dout, a, &dm, &mk, sdpa_drop(&drop),
+                                     scale);
     if (!st)
         mha__set_impl(impl == MHA_IMPL_FUSED, mha_isa(),
                       impl == MHA_IMPL_FUSED &&

@@ -510,7 +510,7 @@ static void test_kept_scratch(void) {
         for (int r = 0; r < 2; r++) {
             mha_tensor dqt = mha_tensor_contiguous(r ? dq2 : dq, MHA_F32, 4, sh);
             CHECK_OK(mha_sdpa(&ot, NULL, &sa));
-            CHECK_OK(mha_sdpa_backward(&dqt, &dkt, &dvt, &ot, &sa));
+            CHECK_OK(mha_sdpa_backward(&dqt, &dkt, &dvt, NULL, &ot, &sa));
         }
         CHECKF(memcmp(dq, dq2, sizeof(float) * (size_t)n) == 0,
                "mha_sdpa_backward on the kept block: other bits");

@@ -252,7 +252,7 @@ static void run_case(const hcase *c, int id) {
         mha_tensor f2 = mha_tensor_contiguous(f[2], MHA_F32, 4, (int64_t[]){B, Hkv, S, Dv});
         a.q = &q32, a.k = &k32, a.v = &v32;
         a.impl = MHA_IMPL_FUSED;
-        CHECK_OK(mha_sdpa_backward(&f0, &f1, &f2, &g32, &a));
+        CHECK_OK(mha_sdpa_backward(&f0, &f1, &f2, NULL, &g32, &a));
         a.q = &qt, a.k = &kt, a.v = &vt;
         a.impl = MHA_IMPL_AUTO;
         bool bbf = false;
@@ -264,7 +264,7 @@ static void run_case(const hcase *c, int id) {
             mha_tensor h1 = mha_tensor_contiguous(hg[r][1], c->kd, 4, (int64_t[]){B, Hkv, S, D});
             mha_tensor h2 = mha_tensor_contiguous(hg[r][2], c->vd, 4,
                                                   (int64_t[]){B, Hkv, S, Dv});
-            CHECK_OK(mha_sdpa_backward(&h0, &h1, &h2, &gt, &a));
+            CHECK_OK(mha_sdpa_backward(&h0, &h1, &h2, NULL, &gt, &a));
             CHECKF(strncmp(mha_last_impl(), "fused ", 6) == 0, "%s: backward ran \"%s\"", desc,
                    mha_last_impl());
             bbf = strstr(mha_last_impl(), " bf16") != NULL;

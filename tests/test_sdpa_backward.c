@@ -11,6 +11,11 @@
 // against the documented Philox rule, bad p refused.
 // args.save: out and gradients the same bits with the forward's state as
 // without, another call's state refused.
+// The sinks' gradient (dsinks): fused vs reference and the reference
+// against finite differences, with and without GQA, causal or not, rows
+// dominated by a sink, a sink of -inf, dropout, over tiles; bf16 inputs
+// (bf16 and float32 compute) against the reference, the same bits for
+// 1, 2, 4 threads; dsinks without sinks refused.
 // Agreement with PyTorch autograd: tests/infer/test_infer.py.
 #include <math.h>
 #include <stdlib.h>
@@ -20,6 +25,7 @@
 #endif
 
 #include "check.h"
+#include "flash.h"
 #include "mha.h"
 #include "util.h"
 
@@ -32,9 +38,11 @@ typedef struct scase {
     int64_t pad;  // extra elements per row of q, k, v, dout (strided views)
     float p;      // dropout_p (0: none)
     uint64_t seed, offset;
-    float softcap;  // 0: none
-    int alibi;      // 0 none, 1 slopes given, 2 the paper's (opts.alibi)
-    bool sinks;     // one sink logit per query head
+    float softcap;     // 0: none
+    int alibi;         // 0 none, 1 slopes given, 2 the paper's (opts.alibi)
+    bool sinks;        // one sink logit per query head
+    float sink_shift;  // added to every sink (large: rows dominated by it)
+    bool sink_ninf;    // sinks[0] = -inf (its weight 0 everywhere)
 } scase;
 
 typedef struct sbufs {
@@ -44,6 +52,10 @@ typedef struct sbufs {
 } sbufs;
 
 static int64_t prod4(const int64_t d[4]) { return d[0] * d[1] * d[2] * d[3]; }
+
+// The sinks' gradients, fused vs reference: the worst error / tolerance
+// and the worst finite-difference error (printed at the end).
+static double g_sinks_worst, g_sinks_fd_worst, g_sinks_bf16_worst;
 
 // A (d0, d1, d2, d3) view of dtype dt whose rows carry pad extra elements,
 // filled with frand() * s.
@@ -73,8 +85,9 @@ static void make_inputs(sbufs *s, const scase *c, mha_dtype dt) {
     s->sinks = malloc(sizeof(float) * (size_t)c->H);
     for (int64_t h = 0; h < c->H; h++) {
         s->slopes[h] = 0.15f * (float)(h + 1) / (float)c->H;
-        s->sinks[h] = 0.4f * (float)h - 0.5f;
+        s->sinks[h] = 0.4f * (float)h - 0.5f + c->sink_shift;
     }
+    if (c->sink_ninf) s->sinks[0] = -INFINITY;
     if (c->am == 1) {
         uint8_t *m = malloc((size_t)(c->L * c->S));
         for (int64_t i = 0; i < c->L * c->S; i++) m[i] = next() % 6 == 0;
@@ -120,6 +133,7 @@ static void args_of(mha_sdpa_args *a, const scase *c, const sbufs *s, mha_impl i
 typedef struct sgrads {
     void *dq, *dk, *dv;
     mha_tensor tq, tk, tv;
+    float *ds;  // (H): the sinks' gradient when the case has sinks, else NULL
 } sgrads;
 
 static void make_grads(sgrads *g, const scase *c, mha_dtype dt) {
@@ -128,9 +142,31 @@ static void make_grads(sgrads *g, const scase *c, mha_dtype dt) {
     g->dq = make4(&g->tq, dt, qd, 0, 9.0);  // (garbage: every element is written)
     g->dk = make4(&g->tk, dt, kd, 0, 9.0);
     g->dv = make4(&g->tv, dt, vd, 0, 9.0);
+    g->ds = NULL;
+    if (c->sinks) {
+        g->ds = malloc(sizeof(float) * (size_t)c->H);
+        for (int64_t h = 0; h < c->H; h++) g->ds[h] = 9.0f * (float)frand();
+    }
 }
 
-static void free_grads(sgrads *g) { free(g->dq), free(g->dk), free(g->dv); }
+static void free_grads(sgrads *g) { free(g->dq), free(g->dk), free(g->dv), free(g->ds); }
+
+// The largest |a - b| over the sinks' gradients (H), relative to 1 + max
+// |b|; 0 without sinks.
+static double sinks_err(const float *a, const float *b, int64_t H) {
+    double e = 0.0, mx = 0.0;
+    for (int64_t h = 0; a && b && h < H; h++) {
+        const double d = fabs((double)a[h] - (double)b[h]);
+        if (!(d <= e)) e = d;  // (NaN: inf-like)
+        mx = fmax(mx, fabs((double)b[h]));
+    }
+    return e / (1.0 + mx);
+}
+
+// Whether two sinks' gradients hold the same bits (both NULL: yes).
+static bool sinks_same(const float *a, const float *b, int64_t H) {
+    return (!a && !b) || (a && b && !memcmp(a, b, sizeof(float) * (size_t)H));
+}
 
 static scase random_case(int i) {
     scase c;
@@ -158,12 +194,12 @@ static scase random_case(int i) {
 static void print_case(const scase *c) {
     printf("  case B %lld H %lld Hkv %lld L %lld S %lld D %lld Dv %lld causal %d scale %d "
            "window %lld/%lld attn_mask %d kpm %d pad %lld dropout %g seed %llu offset %llu "
-           "softcap %g alibi %d sinks %d\n",
+           "softcap %g alibi %d sinks %d (shift %g, -inf %d)\n",
            (long long)c->B, (long long)c->H, (long long)c->Hkv, (long long)c->L,
            (long long)c->S, (long long)c->D, (long long)c->Dv, c->causal, c->custom_scale,
            (long long)c->wl, (long long)c->wr, c->am, c->kpm, (long long)c->pad, (double)c->p,
            (unsigned long long)c->seed, (unsigned long long)c->offset, (double)c->softcap,
-           c->alibi, c->sinks);
+           c->alibi, c->sinks, (double)c->sink_shift, c->sink_ninf);
 }
 
 // The largest |a - b| over a gradient, relative to 1 + max |b|.
@@ -209,7 +245,7 @@ static void fused_vs_reference_case(int i, scase c) {
         tw[k] = mha_tensor_contiguous(w[k], MHA_F32, 4, wd);
     }
     CHECK_OK(mha_sdpa(&to[0], &tw[0], &a));
-    CHECK_OK(mha_sdpa_backward(&gr.tq, &gr.tk, &gr.tv, &s.tdo, &a));
+    CHECK_OK(mha_sdpa_backward(&gr.tq, &gr.tk, &gr.tv, gr.ds, &s.tdo, &a));
     a.impl = c.pad ? MHA_IMPL_AUTO : MHA_IMPL_FUSED;  // (auto: fused, rows strided)
     CHECK_OK(mha_sdpa(&to[1], &tw[1], &a));
     const double eo = grad_err(&to[1], &to[0]), ew = grad_err(&tw[1], &tw[0]);
@@ -218,24 +254,32 @@ static void fused_vs_reference_case(int i, scase c) {
            eo, ew);
     if (!(eo <= ftol && ew <= ftol)) print_case(&c);
     for (int k = 0; k < 2; k++) free(o[k]), free(w[k]);
-    CHECK_OK(mha_sdpa_backward(&gf.tq, &gf.tk, &gf.tv, &s.tdo, &a));
+    CHECK_OK(mha_sdpa_backward(&gf.tq, &gf.tk, &gf.tv, gf.ds, &s.tdo, &a));
     const double eq = grad_err(&gf.tq, &gr.tq), ek = grad_err(&gf.tk, &gr.tk),
                  ev = grad_err(&gf.tv, &gr.tv);
     const double tol = 4e-6 * sqrt((double)(c.S + c.L));  // float32 sums of length ~S, L
     CHECKF(eq <= tol && ek <= tol && ev <= tol,
            "fused vs reference %d: dq %.3g dk %.3g dv %.3g > %.3g", i, eq, ek, ev, tol);
     if (!(eq <= tol && ek <= tol && ev <= tol)) print_case(&c);
+    // the sinks: double sums over the B L rows of float32 stats and Dsum
+    // (each a float32 sum over Dv, or over the S keys when saturated)
+    const double es = sinks_err(gf.ds, gr.ds, c.H),
+                 stol = 4e-6 * sqrt((double)(c.S + c.Dv + c.B * c.L));
+    g_sinks_worst = fmax(g_sinks_worst, es / stol);
+    CHECKF(es <= stol, "fused vs reference %d: dsinks %.3g > %.3g", i, es, stol);
+    if (!(es <= stol)) print_case(&c);
 #ifdef _OPENMP
     const int nt = omp_get_max_threads();
     omp_set_num_threads(1);
-    CHECK_OK(mha_sdpa_backward(&g1.tq, &g1.tk, &g1.tv, &s.tdo, &a));
+    CHECK_OK(mha_sdpa_backward(&g1.tq, &g1.tk, &g1.tv, g1.ds, &s.tdo, &a));
     omp_set_num_threads(nt < 2 ? 2 : nt);
-    CHECK_OK(mha_sdpa_backward(&gf.tq, &gf.tk, &gf.tv, &s.tdo, &a));
+    CHECK_OK(mha_sdpa_backward(&gf.tq, &gf.tk, &gf.tv, gf.ds, &s.tdo, &a));
     omp_set_num_threads(nt);
     const size_t bq = sizeof(float) * (size_t)prod4(gf.tq.shape),
                  bk = sizeof(float) * (size_t)prod4(gf.tk.shape),
                  bv = sizeof(float) * (size_t)prod4(gf.tv.shape);
-    CHECKF(!memcmp(g1.dq, gf.dq, bq) && !memcmp(g1.dk, gf.dk, bk) && !memcmp(g1.dv, gf.dv, bv),
+    CHECKF(!memcmp(g1.dq, gf.dq, bq) && !memcmp(g1.dk, gf.dk, bk) &&
+               !memcmp(g1.dv, gf.dv, bv) && sinks_same(g1.ds, gf.ds, c.H),
            "fused %d: 1 and 2 threads give different bits", i);
 #endif
     free_grads(&gr), free_grads(&gf), free_grads(&g1);
@@ -284,7 +328,7 @@ static void finite_differences_case(int i, scase c) {
     make_grads(&g, &c, MHA_F64);
     mha_sdpa_args a;
     args_of(&a, &c, &s, MHA_IMPL_AUTO);  // (auto on float64: the reference)
-    CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
+    CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a));
     double worst = 0.0;
     for (int which = 0; which < 3; which++) {
         const mha_tensor *x = which == 0 ? &s.tq : which == 1 ? &s.tk : &s.tv;
@@ -307,6 +351,25 @@ static void finite_differences_case(int i, scase c) {
             worst = fmax(worst, err);
         }
     }
+    // the sinks (float32 logits): steps of about 2^-12 (the float32
+    // values taken); a sink of -inf has weight 0 and gradient 0
+    for (int64_t hh = 0; c.sinks && hh < c.H; hh++) {
+        const float x0 = s.sinks[hh], xp = x0 + 0x1p-12f, xm = x0 - 0x1p-12f;
+        if (!isfinite(x0)) {
+            CHECKF(g.ds[hh] == 0.0f, "finite differences %d: the -inf sink's gradient %g", i,
+                   (double)g.ds[hh]);
+            continue;
+        }
+        s.sinks[hh] = xp;
+        const double lp = loss(&a, &s, &c);
+        s.sinks[hh] = xm;
+        const double lm = loss(&a, &s, &c);
+        s.sinks[hh] = x0;
+        const double fd = (lp - lm) / ((double)xp - (double)xm), an = g.ds[hh];
+        const double err = fabs(fd - an) / (1.0 + fabs(an));
+        worst = fmax(worst, err);
+        g_sinks_fd_worst = fmax(g_sinks_fd_worst, err);
+    }
     CHECKF(worst <= 1e-6, "finite differences %d: worst relative error %.3g", i, worst);
     if (!(worst <= 1e-6)) print_case(&c);
     free_grads(&g);
@@ -314,6 +377,102 @@ static void finite_differences_case(int i, scase c) {
 }
 
 static void finite_differences(int i) { finite_differences_case(i, random_case(i)); }
+
+// The sinks' gradient (dsinks) on random configurations with sinks: with
+// and without GQA, causal and not, rows the sinks dominate (shift 4) or a
+// sink of -inf, dropout on some; fused vs reference (and its bits with 1
+// and 2 threads), the reference against finite differences, and a batch
+// of one over one KV head (the fused path over tiles).
+static void sinks_case(int i) {
+    scase c = random_case(500 + i);
+    c.sinks = true;
+    c.causal = i % 2 == 1;
+    if (i % 4 < 2) c.H = c.Hkv;  // (else GQA: at least 2 query heads per KV head)
+    else c.H = c.Hkv * (2 + i % 2);
+    c.sink_shift = i % 3 == 1 ? 4.0f : 0.0f;
+    c.sink_ninf = i % 5 == 3;
+    if (i % 6 == 5) c.p = 0.3f, c.seed = 77 + (uint64_t)i, c.offset = (uint64_t)i;
+    fused_vs_reference_case(500 + i, c);
+    finite_differences_case(600 + i, c);
+    c.B = 1, c.Hkv = 1, c.H = 1 + i % 3;
+    c.L = 70 + 13 * i, c.S = 65 + 17 * i;
+    fused_vs_reference_case(700 + i, c);
+}
+
+// bf16 q, k, v and dout with sinks, computed in bf16 (forced on tables
+// without a bf16 unit) and in float32 on the converted rows: dsinks within
+// a bf16 bound of the reference's on the same (rounded) values (the
+// forward's O, whose Dsum the gradient takes, carries P's rounding to
+// bf16: 2^-8 max|v| relative), the same bits with 1, 2 and 4 threads.
+static void sinks_bf16(int i) {
+    scase c = random_case(800 + i);
+    c.sinks = true, c.causal = i % 2 == 1, c.pad = 0, c.p = 0.0f;
+    c.H = c.Hkv * (1 + i % 3);
+    sbufs s;
+    make_inputs(&s, &c, MHA_F32);
+    void *f32[4] = {s.q, s.k, s.v, s.dout};
+    mha_tensor *t[4] = {&s.tq, &s.tk, &s.tv, &s.tdo};
+    mha_tensor t16[4];
+    uint16_t *b16[4];
+    for (int j = 0; j < 4; j++) {  // the values rounded to bf16, in both
+        const int64_t n = t[j]->shape[0] * t[j]->stride[0];
+        b16[j] = malloc(sizeof(uint16_t) * (size_t)(n + 1));
+        for (int64_t e = 0; e <= n; e++) {
+            b16[j][e] = mha_f32_to_bf16(((float *)f32[j])[e]);
+            ((float *)f32[j])[e] = mha_bf16_to_f32(b16[j][e]);
+        }
+        t16[j] = *t[j];
+        t16[j].data = b16[j], t16[j].dtype = MHA_BF16;
+    }
+    mha_sdpa_args a;
+    args_of(&a, &c, &s, MHA_IMPL_REFERENCE);
+    sgrads gr, gb[3];
+    make_grads(&gr, &c, MHA_F32);
+    CHECK_OK(mha_sdpa_backward(&gr.tq, &gr.tk, &gr.tv, gr.ds, &s.tdo, &a));
+    double vmax = 0.0;
+    for (int64_t e = 0; e < prod4(s.tv.shape); e++) vmax = fmax(vmax, fabs(((float *)s.v)[e]));
+    a.q = &t16[0], a.k = &t16[1], a.v = &t16[2];
+    a.impl = MHA_IMPL_FUSED;
+    for (int force = 0; force < 2; force++) {
+        mha__flash_force_bf16(force == 1);
+        const int threads[3] = {1, 2, 4};
+        for (int r = 0; r < 3; r++) {
+#ifdef _OPENMP
+            omp_set_num_threads(threads[r]);
+#endif
+            make_grads(&gb[r], &c, MHA_F32);
+            CHECK_OK(mha_sdpa_backward(&gb[r].tq, &gb[r].tk, &gb[r].tv, gb[r].ds, &t16[3], &a));
+        }
+        const bool bf = strstr(mha_last_impl(), " bf16") != NULL;
+        // dsink_h = -sum_{b, i} P_sink Dsum_i, each Dsum_i = dO_i . O_i off by
+        // the Dv elements' errors of O (2^-8 max|v| in bf16): summed as
+        // independent errors over the Dv B L terms
+        double dmax = 0.0;
+        for (int64_t e = 0; e < prod4(s.tdo.shape); e++)
+            dmax = fmax(dmax, fabs(((float *)s.dout)[e]));
+        const double bound = (bf ? 0x1p-8 : 4e-6) * vmax * dmax *
+                                 sqrt((double)(c.Dv * c.B * c.L)) +
+                             1e-5;
+        double worst = 0.0;
+        for (int64_t h = 0; h < c.H; h++)
+            worst = fmax(worst, fabs((double)gb[0].ds[h] - (double)gr.ds[h]));
+        g_sinks_bf16_worst = fmax(g_sinks_bf16_worst, worst / bound);
+        CHECKF(worst <= bound, "bf16 sinks %d (%s): dsinks off the reference by %.3g > %.3g",
+               i, bf ? "bf16 compute" : "float32 compute", worst, bound);
+        if (!(worst <= bound)) print_case(&c);
+        for (int r = 1; r < 3; r++)
+            CHECKF(sinks_same(gb[0].ds, gb[r].ds, c.H),
+                   "bf16 sinks %d: dsinks bits differ at %d threads", i, threads[r]);
+        for (int r = 0; r < 3; r++) free_grads(&gb[r]);
+    }
+    mha__flash_force_bf16(false);
+#ifdef _OPENMP
+    omp_set_num_threads(2);
+#endif
+    for (int j = 0; j < 4; j++) free(b16[j]);
+    free_grads(&gr);
+    free_inputs(&s);
+}
 
 // A row whose every key is masked: zero gradients from it (dq row 0), both
 // paths.
@@ -329,7 +488,7 @@ static void fully_masked_row(void) {
         make_grads(&g, &c, MHA_F32);
         mha_sdpa_args a;
         args_of(&a, &c, &s, impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE);
-        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
+        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a));
         bool zero = true, finite = true;
         for (int64_t h = 0; h < c.H; h++)
             for (int64_t e = 0; e < c.D; e++)
@@ -351,33 +510,53 @@ static void misuse(void) {
     make_grads(&g, &c, MHA_F32);
     mha_sdpa_args a;
     args_of(&a, &c, &s, MHA_IMPL_AUTO);
-    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, NULL), MHA_ERR_INVALID_ARG);
-    CHECK_FAILS(mha_sdpa_backward(NULL, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, NULL), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_sdpa_backward(NULL, &g.tk, &g.tv, g.ds, &s.tdo, &a), MHA_ERR_INVALID_ARG);
     CHECK(strstr(mha_last_error(), "dq is NULL") != NULL);
-    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, NULL, &a), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, NULL, &a), MHA_ERR_INVALID_ARG);
     mha_tensor bad = g.tk;
     bad.shape[1] = 4;  // dk shaped as q's heads
     bad.stride[0] = 4 * c.S * c.D;
-    CHECK_FAILS(mha_sdpa_backward(&g.tq, &bad, &g.tv, &s.tdo, &a), MHA_ERR_SHAPE);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &bad, &g.tv, g.ds, &s.tdo, &a), MHA_ERR_SHAPE);
     CHECK(strstr(mha_last_error(), "dk") != NULL);
-    CHECK_FAILS(mha_sdpa_backward(&s.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_sdpa_backward(&s.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a), MHA_ERR_INVALID_ARG);
     CHECK(strstr(mha_last_error(), "overlaps") != NULL);
-    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tk, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tk, g.ds, &s.tdo, &a), MHA_ERR_INVALID_ARG);
     a.opts.window_left = -2;
-    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a), MHA_ERR_INVALID_ARG);
     a.opts.window_left = -1;
+    // dsinks without opts.sinks: refused, naming both; dsinks over the
+    // sinks or a gradient: refused (overlap)
+    float dsinks[4], sinks[4] = {0.5f, -1.0f, 2.0f, 0.0f};
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, dsinks, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "dsinks") && strstr(mha_last_error(), "opts.sinks"));
+    a.opts.sinks = sinks;
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, sinks, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "dsinks overlaps opts.sinks") != NULL);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, (float *)g.dq + 1, &s.tdo, &a),
+                MHA_ERR_INVALID_ARG);
+    CHECK(strstr(mha_last_error(), "dsinks overlaps dq") != NULL);
+    for (int impl = 0; impl < 2; impl++) {  // (a NULL dsinks with sinks: fine)
+        a.impl = impl ? MHA_IMPL_FUSED : MHA_IMPL_REFERENCE;
+        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, NULL, &s.tdo, &a));
+        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, dsinks, &s.tdo, &a));
+        CHECK(isfinite(dsinks[0]) && isfinite(dsinks[3]));
+    }
+    a.impl = MHA_IMPL_AUTO;
+    a.opts.sinks = NULL;
     sgrads g64;
     make_grads(&g64, &c, MHA_F64);
     a.impl = MHA_IMPL_FUSED;  // fused with float64 gradients: refused, naming one
-    CHECK_FAILS(mha_sdpa_backward(&g64.tq, &g64.tk, &g64.tv, &s.tdo, &a), MHA_ERR_UNSUPPORTED);
+    CHECK_FAILS(mha_sdpa_backward(&g64.tq, &g64.tk, &g64.tv, g64.ds, &s.tdo, &a),
+                MHA_ERR_UNSUPPORTED);
     CHECK(strstr(mha_last_error(), "dq is F64") != NULL);
     a.impl = MHA_IMPL_AUTO;  // auto: the reference writes float64 gradients
-    CHECK_OK(mha_sdpa_backward(&g64.tq, &g64.tk, &g64.tv, &s.tdo, &a));
+    CHECK_OK(mha_sdpa_backward(&g64.tq, &g64.tk, &g64.tv, g64.ds, &s.tdo, &a));
     free_grads(&g64);
     mha_tensor k3 = s.tk;  // 3 KV heads for 4 query heads: refused
     k3.shape[1] = 3;
     a.k = &k3;
-    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_SHAPE);
+    CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a), MHA_ERR_SHAPE);
     free_grads(&g);
     free_inputs(&s);
 }
@@ -490,13 +669,14 @@ static void dropout_zero_same_bits(int i) {
         run_fwd(&f, &c, &a), run_fwd(&f0, &c0, &a0);
         sgrads g, g0;
         make_grads(&g, &c, MHA_F32), make_grads(&g0, &c, MHA_F32);
-        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
-        CHECK_OK(mha_sdpa_backward(&g0.tq, &g0.tk, &g0.tv, &s.tdo, &a0));
+        CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a));
+        CHECK_OK(mha_sdpa_backward(&g0.tq, &g0.tk, &g0.tv, g0.ds, &s.tdo, &a0));
         CHECKF(!memcmp(f.o, f0.o, sizeof(float) * (size_t)prod4(f.to.shape)) &&
                    !memcmp(f.w, f0.w, sizeof(float) * (size_t)prod4(f.tw.shape)) &&
                    !memcmp(g.dq, g0.dq, sizeof(float) * (size_t)prod4(g.tq.shape)) &&
                    !memcmp(g.dk, g0.dk, sizeof(float) * (size_t)prod4(g.tk.shape)) &&
-                   !memcmp(g.dv, g0.dv, sizeof(float) * (size_t)prod4(g.tv.shape)),
+                   !memcmp(g.dv, g0.dv, sizeof(float) * (size_t)prod4(g.tv.shape)) &&
+                   sinks_same(g.ds, g0.ds, c.H),
                "dropout_p 0 (%s) %d: not the bits of no dropout", impl ? "fused" : "reference",
                i);
         free_fwd(&f), free_fwd(&f0), free_grads(&g), free_grads(&g0);
@@ -593,14 +773,15 @@ static void dropout_misuse(void) {
             a.opts.dropout_p = bad[i];
             CHECK_FAILS(mha_sdpa(&to, NULL, &a), MHA_ERR_INVALID_ARG);
             CHECK(strstr(mha_last_error(), "dropout_p") != NULL);
-            CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a), MHA_ERR_INVALID_ARG);
+            CHECK_FAILS(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a),
+                        MHA_ERR_INVALID_ARG);
             CHECK(strstr(mha_last_error(), "dropout_p") != NULL);
         }
     mha_sdpa_args a;
     args_of(&a, &c, &s, MHA_IMPL_AUTO);
     a.opts.dropout_p = 0.999f;  // just below 1: allowed
     CHECK_OK(mha_sdpa(&to, NULL, &a));
-    CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, &s.tdo, &a));
+    CHECK_OK(mha_sdpa_backward(&g.tq, &g.tk, &g.tv, g.ds, &s.tdo, &a));
     free_grads(&g);
     free_inputs(&s);
 }
@@ -644,12 +825,12 @@ static void saved_state(int i) {
             sgrads g1, g2;
             make_grads(&g1, &c, MHA_F32), make_grads(&g2, &c, MHA_F32);
             CHECK_OK(mha_sdpa(&to1, NULL, &a));
-            CHECK_OK(mha_sdpa_backward(&g1.tq, &g1.tk, &g1.tv, &s.tdo, &a));
+            CHECK_OK(mha_sdpa_backward(&g1.tq, &g1.tk, &g1.tv, g1.ds, &s.tdo, &a));
             mha_saved *sv = NULL;
             CHECK_OK(mha_saved_create(&sv));
             a.save = sv;
             CHECK_OK(mha_sdpa(&to2, NULL, &a));
-            CHECK_OK(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, &s.tdo, &a));
+            CHECK_OK(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, g2.ds, &s.tdo, &a));
             const size_t on = (size_t)prod4(od) * mha_dtype_size(dt);
             CHECKF(memcmp(o1, o2, on) == 0, "case %d %s %d threads: out differs with save", i,
                    mha_dtype_name(dt), nt);
@@ -657,12 +838,13 @@ static void saved_state(int i) {
                           nv = c.B * c.Hkv * c.S * c.Dv;
             CHECKF(memcmp(g1.dq, g2.dq, sizeof(float) * (size_t)nq) == 0 &&
                        memcmp(g1.dk, g2.dk, sizeof(float) * (size_t)nk) == 0 &&
-                       memcmp(g1.dv, g2.dv, sizeof(float) * (size_t)nv) == 0,
+                       memcmp(g1.dv, g2.dv, sizeof(float) * (size_t)nv) == 0 &&
+                       sinks_same(g1.ds, g2.ds, c.H),
                    "case %d %s %d threads: the backward from the saved state differs", i,
                    mha_dtype_name(dt), nt);
             // another call's state: refused
             a.opts.is_causal = !a.opts.is_causal;
-            CHECK_FAILS(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, &s.tdo, &a),
+            CHECK_FAILS(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, g2.ds, &s.tdo, &a),
                         MHA_ERR_INVALID_ARG);
             CHECK(strstr(mha_last_error(), "args.save") != NULL);
             a.opts.is_causal = !a.opts.is_causal;
@@ -671,7 +853,7 @@ static void saved_state(int i) {
             if (dt == MHA_F32) {
                 CHECK_OK(mha_sdpa(&to2, NULL, &a));
                 a.impl = MHA_IMPL_FUSED;
-                CHECK_OK(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, &s.tdo, &a));
+                CHECK_OK(mha_sdpa_backward(&g2.tq, &g2.tk, &g2.tv, g2.ds, &s.tdo, &a));
                 CHECK(memcmp(g1.dq, g2.dq, sizeof(float) * (size_t)nq) == 0);
             }
             mha_saved_destroy(sv);
@@ -696,5 +878,10 @@ int main(void) {
     dropout_statistics();
     dropout_misuse();
     for (int i = 0; i < 24; i++) saved_state(i);
+    for (int i = 0; i < 24; i++) sinks_case(i);
+    for (int i = 0; i < 6; i++) sinks_bf16(i);
+    printf("sinks' gradient: fused vs reference worst error / tolerance %.3g (bf16 inputs "
+           "%.3g), finite differences worst %.3g\n",
+           g_sinks_worst, g_sinks_bf16_worst, g_sinks_fd_worst);
     return check_summary("test_sdpa_backward");
 }

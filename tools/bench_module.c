@@ -274,7 +274,7 @@ static mha_status problem_run(problem *p) {
     snprintf(p->fwd_ran, sizeof p->fwd_ran, "%s", mha_last_impl());
     if (!p->o->backward) return st;
     st = p->o->core
-             ? mha_sdpa_backward(&p->gq, &p->gk, &p->gv, &p->gout, &p->sa)
+             ? mha_sdpa_backward(&p->gq, &p->gk, &p->gv, NULL, &p->gout, &p->sa)
              : mha_backward(&p->gq, &p->gk, &p->gv, p->grads, p->m, &p->a, &p->gout, false);
     if (!st) snprintf(p->bwd_ran, sizeof p->bwd_ran, "%s", mha_last_impl());
     return st;

@@ -536,12 +536,15 @@ def from_pretrained(path, layer=0, dtype=None):
 # autograd: scaled dot-product attention on (B, H, L, D) tensors
 
 class _SDPAFunction(torch.autograd.Function):
+    # sinks: the caller's tensor (one logit per query head) or None, an input
+    # only so that autograd gives it its gradient; kw holds its float32 copy
     @staticmethod
-    def forward(ctx, q, k, v, mask, kw):
+    def forward(ctx, q, k, v, sinks, mask, kw):
         out, w = _mha.sdpa(_np(q, "query"), _np(k, "key"), _np(v, "value"), mask, None, _alloc,
                            **kw)
         ctx.mask, ctx.kw = mask, dict(kw)
         ctx.kw.pop("need_weights", None)
+        ctx.sinks_meta = None if sinks is None else (sinks.shape, sinks.dtype)
         ctx.save_for_backward(q, k, v)
         return _outputs(ctx, out, w)
 
@@ -549,11 +552,16 @@ class _SDPAFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_w):
         q, k, v = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None
-        dq, dk, dv = _mha.sdpa_backward(_np(q, "query"), _np(k, "key"), _np(v, "value"),
-                                        ctx.mask, None, _np(_grad_out(grad_out), "grad_out"),
-                                        _alloc, **ctx.kw)
-        return _t(dq), _t(dk), _t(dv), None, None
+            return None, None, None, None, None, None
+        dq, dk, dv, ds = _mha.sdpa_backward(_np(q, "query"), _np(k, "key"), _np(v, "value"),
+                                            ctx.mask, None,
+                                            _np(_grad_out(grad_out), "grad_out"), _alloc,
+                                            **ctx.kw)
+        dsinks = None
+        if ctx.sinks_meta is not None and ctx.needs_input_grad[3]:
+            shape, dtype = ctx.sinks_meta  # (the float32 gradient in the sinks' dtype)
+            dsinks = _t(ds).to(dtype).reshape(shape)
+        return _t(dq), _t(dk), _t(dv), dsinks, None, None
 
 
 def _collapse(x, lead, tail):
@@ -587,12 +595,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     back through the cast). Extras: return_weights (also the weights, not
     differentiated), window ((left, right), None unbounded) or window_left /
     window_right, softcap, alibi_slopes (one per query head), sinks (one
-    logit per query head joining each row's softmax denominator; not
-    differentiated: pass a tensor that does not require grad), impl."""
-    if isinstance(sinks, torch.Tensor) and sinks.requires_grad and torch.is_grad_enabled():
-        raise ValueError("sinks: mha's sdpa backward does not compute the sinks' gradient; "
-                         "pass sinks.detach() (or use mha.torch.MultiheadAttention, whose "
-                         "sinks are trainable)")
+    logit per query head joining each row's softmax denominator;
+    differentiated when it is a tensor that requires grad), impl."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
@@ -630,9 +634,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                      sinks=sinks, as_float32=_float32)
     if "dropout_p" in kw:
         kw["dropout_seed"] = _seed()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q4, k4, v4)):
+    st = sinks if isinstance(sinks, torch.Tensor) else None  # (autograd's input)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q4, k4, v4, st)):
         kw["saved"] = _mha.Saved()  # the forward keeps its rows for the backward
-    out, w = _SDPAFunction.apply(q4, k4, v4, mask, kw)
+    out, w = _SDPAFunction.apply(q4, k4, v4, st, mask, kw)
     out_shape = (lead + (q_heads, L, value.shape[-1]))[-max(query.dim(), key.dim()):]
     out = out.reshape(out_shape)
     if return_weights:

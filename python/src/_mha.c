@@ -248,7 +248,8 @@ static PyMethodDef functions[] = {
      "sdpa(q, k, v, attn_mask, key_padding_mask, alloc, **options) -> (out, weights)"},
     {"sdpa_backward", (PyCFunction)(void (*)(void))mha_py_sdpa_backward,
      METH_VARARGS | METH_KEYWORDS,
-     "sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc, **options)"},
+     "sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc, **options) -> "
+     "(dq, dk, dv, dsinks or None)"},
     {"forward_cached", (PyCFunction)(void (*)(void))mha_py_forward_cached,
      METH_VARARGS | METH_KEYWORDS, "forward_cached(module, q, cache, alloc, **options)"},
     {"forward_paged", (PyCFunction)(void (*)(void))mha_py_forward_paged,

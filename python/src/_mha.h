@@ -181,7 +181,7 @@ PyObject *mha_py_backward(PyObject *self, PyObject *args, PyObject *kw);
 // sdpa(q, k, v, attn_mask, key_padding_mask, alloc, **options) -> (out, weights)
 PyObject *mha_py_sdpa(PyObject *self, PyObject *args, PyObject *kw);
 // sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc,
-//               **options) -> (dq, dk, dv)
+//               **options) -> (dq, dk, dv, dsinks or None)
 PyObject *mha_py_sdpa_backward(PyObject *self, PyObject *args, PyObject *kw);
 
 // py_caches.c

@@ -318,21 +318,26 @@ PyObject *mha_py_sdpa(PyObject *self, PyObject *args, PyObject *kw) {
 }
 
 // sdpa_backward(q, k, v, attn_mask, key_padding_mask, dout, alloc,
-//               **options) -> (dq, dk, dv)
+//               **options) -> (dq, dk, dv, dsinks); dsinks: the sinks'
+// gradient (H float32) when the options have sinks, else None
 PyObject *mha_py_sdpa_backward(PyObject *self, PyObject *args, PyObject *kw) {
     PyObject *q, *k, *v, *am, *kpm, *dout, *alloc;
     if (!PyArg_ParseTuple(args, "OOOOOOO", &q, &k, &v, &am, &kpm, &dout, &alloc)) return NULL;
     sdpa_call c;
     held h = {.n = 0};
-    PyObject *res[3] = {NULL, NULL, NULL};
-    mha_tensor tdo, td[3];
+    PyObject *res[4] = {NULL, NULL, NULL, NULL};
+    mha_tensor tdo, td[3], tds;
     if (sdpa_views(&h, &c, q, k, v, am, kpm, kw, "sdpa_backward") < 0 ||
         mha_py_get_view(&h, dout, "grad_out", K_FLOAT, false, &tdo) < 0)
-        return mha_py_finish(&h, false, MHA_OK, res, 3);
+        return mha_py_finish(&h, false, MHA_OK, res, 4);
     const mha_tensor *ins[3] = {&c.q, &c.k, &c.v};
-    if (alloc_grads(&h, alloc, ins, NULL, res, td) < 0)
-        return mha_py_finish(&h, false, MHA_OK, res, 3);
+    const mha_shape hs = {1, {c.q.shape[1]}};  // (H): one per query head
+    if (alloc_grads(&h, alloc, ins, NULL, res, td) < 0 ||
+        (c.a.opts.sinks &&
+         !(res[3] = mha_py_alloc_view(&h, alloc, &hs, MHA_F32, "grad_sinks", &tds))))
+        return mha_py_finish(&h, false, MHA_OK, res, 4);
+    float *dsinks = res[3] ? (float *)tds.data : NULL;
     mha_status st;
-    Py_BEGIN_ALLOW_THREADS st = mha_sdpa_backward(&td[0], &td[1], &td[2], &tdo, &c.a);
-    Py_END_ALLOW_THREADS return mha_py_finish(&h, true, st, res, 3);
+    Py_BEGIN_ALLOW_THREADS st = mha_sdpa_backward(&td[0], &td[1], &td[2], dsinks, &tdo, &c.a);
+    Py_END_ALLOW_THREADS return mha_py_finish(&h, true, st, res, 4);
 }

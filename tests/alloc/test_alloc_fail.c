@@ -810,7 +810,7 @@ static mha_status sc_sdpa(const void *argp) {
     memcpy(dout, a->o, sizeof(float) * nq);
     mha_tensor tdq = q, tdk = k, tdv = v, tdo = o;
     tdq.data = dq, tdk.data = dk, tdv.data = dv, tdo.data = dout;
-    st = mha_sdpa_backward(&tdq, &tdk, &tdv, &tdo, &sa);
+    st = mha_sdpa_backward(&tdq, &tdk, &tdv, NULL, &tdo, &sa);
     if (!st) {
         res_put(dq, sizeof(float) * nq);
         res_put(dk, sizeof(float) * nk);

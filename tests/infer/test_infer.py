@@ -119,7 +119,8 @@ class Lib:
                                      C.c_int64, C.c_bool]
         L.mha_sdpa_args_init.argtypes = [C.POINTER(SdpaArgs)]
         L.mha_sdpa.argtypes = [C.POINTER(Tensor), C.POINTER(Tensor), C.POINTER(SdpaArgs)]
-        L.mha_sdpa_backward.argtypes = [C.POINTER(Tensor)] * 4 + [C.POINTER(SdpaArgs)]
+        L.mha_sdpa_backward.argtypes = ([C.POINTER(Tensor)] * 3 + [C.POINTER(C.c_float)] +
+                                        [C.POINTER(Tensor), C.POINTER(SdpaArgs)])
         L.mha_philox4x32_10.argtypes = [C.POINTER(C.c_uint32)] * 3
         L.mha_kv_cache_create.argtypes = [C.POINTER(C.c_void_p)] + [C.c_int64] * 5 + [C.c_int]
         L.mha_kv_cache_bytes.argtypes = [C.c_void_p]
@@ -390,8 +391,8 @@ def test_sdpa_backward(lib, ck, rng):
             a.opts.is_causal, a.opts.window_left, a.opts.window_right = causal, wl, wr
             a.opts.scale = scale if custom else 0.0
             a.impl = impl
-            rc = lib.L.mha_sdpa_backward(C.byref(tdq), C.byref(tdk), C.byref(tdv), C.byref(tdo),
-                                         C.byref(a))
+            rc = lib.L.mha_sdpa_backward(C.byref(tdq), C.byref(tdk), C.byref(tdv), None,
+                                         C.byref(tdo), C.byref(a))
             what = "sdpa backward %d %s (B %d H %d Hkv %d L %d S %d D %d Dv %d causal %d window %d/%d mask %d kpm %d)" % (
                 case, "reference" if impl == IMPL_REFERENCE else "fused", B, H, Hkv, L, S, D, Dv,
                 causal, wl, wr, kind, kpm is not None)
@@ -516,7 +517,7 @@ def test_sdpa_dropout(lib, ck, rng):
             rc = lib.L.mha_sdpa(C.byref(to), C.byref(tw), C.byref(a))
             dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
             tdq, tdk, tdv = tensor(dq), tensor(dk), tensor(dv)
-            rc = rc or lib.L.mha_sdpa_backward(C.byref(tdq), C.byref(tdk), C.byref(tdv),
+            rc = rc or lib.L.mha_sdpa_backward(C.byref(tdq), C.byref(tdk), C.byref(tdv), None,
                                                C.byref(tdo), C.byref(a))
             what = "sdpa dropout %d %s (B %d H %d Hkv %d L %d S %d D %d Dv %d causal %d kpm %d p %g)" % (
                 case, "reference" if impl == IMPL_REFERENCE else "fused", B, H, Hkv, L, S, D, Dv,

@@ -394,7 +394,7 @@ def test_logit_options_vs_float64(seed):
     for name, dt in (("ours", torch.float32), ("t32", torch.float32), ("t64", torch.float64)):
         qq, kk, vv = (x.detach().to(dt).clone().requires_grad_() for x in (q, k, v))
         sl = None if slopes is None else slopes.to(dt)
-        sk = None if sinks is None else sinks.to(dt)
+        sk = None if sinks is None else sinks.detach().to(dt).clone().requires_grad_()
         if name == "ours":
             o = mt.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=scale,
                                                 window=window, softcap=softcap,
@@ -402,9 +402,10 @@ def test_logit_options_vs_float64(seed):
         else:
             o = logits_ref(qq, kk, vv, causal, scale, window, softcap, sl, sk)
         o.backward(gout.to(dt))
-        res[name] = (o.detach(), qq.grad, kk.grad, vv.grad)
-    for i, n in enumerate(("out", "dq", "dk", "dv")):
-        assert_close(n, res["ours"][i], res["t32"][i], res["t64"][i])
+        res[name] = (o.detach(), qq.grad, kk.grad, vv.grad, None if sk is None else sk.grad)
+    for i, n in enumerate(("out", "dq", "dk", "dv", "dsinks")):
+        if res["t64"][i] is not None:
+            assert_close(n, res["ours"][i], res["t32"][i], res["t64"][i])
     on = mha.scaled_dot_product_attention(
         q.float().numpy(), k.float().numpy(), v.float().numpy(), is_causal=causal, scale=scale,
         window=window, softcap=softcap,
@@ -415,11 +416,110 @@ def test_logit_options_vs_float64(seed):
 
 def test_logit_options_refused():
     q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="sinks"):
-        mt.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(2, requires_grad=True))
     with pytest.raises(ValueError, match="alibi_slopes: 3 elements, expected 2"):
         mt.scaled_dot_product_attention(q, q, q, alibi_slopes=torch.zeros(3))
     with pytest.raises(ValueError, match="sinks\\[1\\]"):
         mt.scaled_dot_product_attention(q, q, q, sinks=torch.tensor([0.0, float("nan")]))
     with pytest.raises(TypeError, match="dtype"):  # MHA_ERR_DTYPE -> TypeError
         mha.scaled_dot_product_attention(q.numpy().astype(np.int32), q.numpy(), q.numpy())
+
+
+def sinks_ref(q, k, v, sinks, mask=None, causal=False, scale=None, gqa=False):
+    """Attention with sinks written out in the inputs' dtype: logits s = scale
+    q k^T (+ mask, causal), s' = cat([s, sinks[h] as a column]), p =
+    softmax(s')[..., :-1], o = p v; GQA by repeating k, v."""
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    if gqa and k.shape[-3] != q.shape[-3]:
+        r = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(r, dim=-3), v.repeat_interleave(r, dim=-3)
+    s = (q @ k.transpose(-2, -1)) * (1 / E ** 0.5 if scale is None else scale)
+    if causal:
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    col = sinks.to(s.dtype).view(-1, 1, 1).expand(s.shape[:-1] + (1,))
+    p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    return p @ v
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_sinks_grad_vs_float64(seed):
+    """The sinks' gradient through torch.autograd (with q, k, v's): GQA or
+    not, causal or not, bool / float / no mask, leading dims, large sinks
+    (rows they dominate); against the formula in float64 by the rule."""
+    g = np.random.default_rng(3000 + seed)
+    lead = (int(g.integers(1, 3)),) if seed % 3 else (2, 2)
+    hkv = int(g.choice([1, 2]))
+    gqa = seed % 2 == 0
+    hq = hkv * (int(g.choice([2, 3])) if gqa else 1)
+    L = int(g.integers(1, 40))
+    S = L if seed % 4 == 1 else int(g.integers(L, 50))  # (causal: every row sees a key)
+    E, Ev = int(g.choice([4, 8, 16])), int(g.choice([3, 8]))
+    causal = seed % 4 in (1, 2)
+    scale = 0.5 if seed % 5 == 0 else None
+    kind = ["none", "bool", "float"][seed % 3]
+    mask = rand_mask(g, kind, (L, S))
+    sinks = torch.from_numpy(g.normal(size=hq) + (3.0 if seed % 7 == 3 else 0.0))
+    q, k, v = tensors(g, lead, hq, hkv, L, S, E, Ev)
+    gout = torch.from_numpy(g.normal(size=lead + (hq, L, Ev)))
+    res = {}
+    for name, dt in (("ours", torch.float32), ("t32", torch.float32), ("t64", torch.float64)):
+        qq, kk, vv, sk = (x.detach().to(dt).clone().requires_grad_() for x in (q, k, v, sinks))
+        mm = None if mask is None else (mask if mask.dtype == torch.bool else mask.to(dt))
+        if name == "ours":
+            o = mt.scaled_dot_product_attention(qq, kk, vv, attn_mask=mm, is_causal=causal,
+                                                scale=scale, enable_gqa=gqa, sinks=sk)
+        else:
+            o = sinks_ref(qq, kk, vv, sk, mm, causal, scale, gqa)
+        o.backward(gout.to(dt))
+        res[name] = (o.detach(), qq.grad, kk.grad, vv.grad, sk.grad)
+    assert res["ours"][4].dtype == torch.float32 and res["ours"][4].shape == (hq,)
+    for i, n in enumerate(("out", "dq", "dk", "dv", "dsinks")):
+        assert_close(n, res["ours"][i], res["t32"][i], res["t64"][i])
+
+
+def test_sinks_grad_only_and_dtype():
+    """Sinks alone requiring grad (q, k, v not): their gradient, in their
+    dtype and shape; the numpy-free paths agree with requires_grad on all."""
+    g = np.random.default_rng(7)
+    q, k, v = (x.float() for x in tensors(g, (2,), 4, 2, 9, 11, 8, 8))
+    sinks = torch.from_numpy(g.normal(size=4)).float().requires_grad_()
+    o = mt.scaled_dot_product_attention(q, k, v, sinks=sinks, enable_gqa=True, is_causal=True)
+    o.sum().backward()
+    g1 = sinks.grad.clone()
+    assert q.grad is None and g1.shape == (4,) and g1.dtype == torch.float32
+    sinks.grad = None
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    mt.scaled_dot_product_attention(qq, kk, vv, sinks=sinks, enable_gqa=True,
+                                    is_causal=True).sum().backward()
+    assert torch.equal(sinks.grad, g1)
+    s64 = sinks.detach().double().requires_grad_()
+    mt.scaled_dot_product_attention(q, k, v, sinks=s64, enable_gqa=True,
+                                    is_causal=True).sum().backward()
+    assert s64.grad.dtype == torch.float64 and torch.equal(s64.grad.float(), g1)
+
+
+def test_sinks_gradcheck_float64():
+    """gradcheck in float64 (the reference path): q, k, v with sinks
+    (GQA, causal); the sinks themselves (the binding takes them as float32,
+    so a step of 1e-3: the rounding of the perturbed sinks stays 1e-4 of
+    it)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 6, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0, 1.5, 0.0], dtype=torch.float64)
+
+    def f(q, k, v):
+        return mt.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True,
+                                               sinks=sinks)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-4)
+    s = sinks.clone().requires_grad_()
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+
+    def h(s):
+        return mt.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True, is_causal=True,
+                                               sinks=s)
+
+    assert torch.autograd.gradcheck(h, (s,), eps=1e-3, atol=1e-5, rtol=1e-3)
