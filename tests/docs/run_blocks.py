@@ -22,7 +22,8 @@ A page's blocks run in document order in one scratch folder, so a block
 may use a file an earlier one wrote. In that folder `build` is this
 build and the repository's top-level entries are linked; `python3` on
 PATH is --python's. A block without a language, or with any other, fails.
-Every relative link of the pages must reach a file (and its heading).
+Every relative link of the pages must reach a file (and its heading), and
+no page may name a commit hash.
 
 Usage:
   run_blocks.py --build DIR --python PY [--tmp DIR] [PAGE...]
@@ -129,6 +130,16 @@ def check_links(page):
         elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
             bad.append("%s: a link to %s, whose heading is not in %s" % (page, target, dest))
     return bad
+
+
+def check_hashes(page):
+    """Commit hashes in the page's text: documentation states what is, not
+    when it changed (CHANGELOG.md and git keep the history)."""
+    text = re.sub(r"```.*?```", "", open(os.path.join(ROOT, page), encoding="utf-8").read(),
+                  flags=re.S)
+    return ["%s: %r looks like a commit hash" % (page, h)
+            for h in re.findall(r"(?<![\w.#/-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
+                                text)]
 
 
 def scratch_folder(tmp, page, build):
@@ -287,6 +298,7 @@ def main():
     bad = []
     for page in pages(a.pages):
         bad += check_links(page)
+        bad += check_hashes(page)
         bad += check_page(page, a, env, counts)
     print("docs blocks: %d sh, %d python, %d c run; %d text (not code); %d ci (run by .ci/run); "
           "%d network (not run here); %d failed"
