@@ -75,7 +75,13 @@ make_venv() {
     echo "$stamp" > "$dir/.mha-pins"
 }
 
+# python3 on PATH, as the installation it belongs to (pyenv's shim, or a
+# virtual environment such as an activated torch2, name the interpreter
+# they run): the same stamp whichever way it is reached, and never a venv
+# made from itself (which would remove the venv it runs in)
 py2=$(command -v python3 || echo /usr/bin/python3)
+py2=$("$py2" -c 'import os, sys; print(os.path.join(sys.base_prefix, "bin", "python3"))' 2>/dev/null ||
+    echo "$py2")
 if [ "${1:-}" = --optional ]; then
     # into the torch2 venv the required step made (its own stamp)
     dir=$root/torch2
