@@ -100,7 +100,12 @@ def _mask(m, name):
 
 
 def _host(x):
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+    """A tensor as a numpy array (half tensors as float32: numpy has no
+    bfloat16 of its own), anything else as it is."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.detach().cpu()
+    return (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x).numpy()
 
 
 def _int64(x):
