@@ -58,14 +58,6 @@ def _refuse(kwargs):
                          "output_attentions)" % ", ".join(unknown))
 
 
-def _causal_mask(L, S, device):
-    """The bottom-right causal mask (query i sees keys j <= i + S - L),
-    True takes part: what a cache's queries see."""
-    i = torch.arange(L, device=device)[:, None]
-    j = torch.arange(S, device=device)[None, :]
-    return j <= i + (S - L)
-
-
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers' attention function contract: query (B, H, L, D), key
@@ -77,12 +69,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     mask = attention_mask
-    causal = False
-    if mask is None and is_causal and L > 1:
-        if L == S:
-            causal = True  # top-left and bottom-right agree
-        else:
-            mask = _causal_mask(L, S, query.device)
+    # No mask and causal: transformers' convention (its sdpa function) is
+    # top-left causal, which is also what a prefill into an empty static
+    # cache needs (the cache's unwritten slots come after the L tokens):
+    # the keys past L are never seen, so they are left out
+    causal = mask is None and bool(is_causal) and L > 1
+    if causal and S > L:
+        key, value = key[:, :, :L], value[:, :, :L]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(torch.float32) if mask.dtype != torch.float32 else mask
     sinks = kwargs.get("s_aux")

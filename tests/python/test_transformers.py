@@ -150,6 +150,43 @@ def test_generate_same_tokens(arch):
     assert torch.equal(outs["mha"], outs["eager"]), (outs["mha"], outs["eager"])
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_caches(cache):
+    """transformers' caches: the static cache's prefill sees unwritten slots
+    past the prompt (no mask, top-left causal)."""
+    m = model("llama")
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(8))
+    outs = {}
+    for impl in ("eager", "mha"):
+        m.set_attn_implementation(impl)
+        outs[impl] = m.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                cache_implementation=cache)
+    assert torch.equal(outs["mha"], outs["eager"]), (outs["mha"], outs["eager"])
+
+
+def test_dropout_in_training():
+    """attention_dropout in train mode: mha's dropout (Philox, seeded from
+    torch's generator): reproducible under the same seed, another seed
+    another mask, none in eval."""
+    cfg = AutoConfig.for_model("llama", **COMMON, attention_dropout=0.3)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(3, 128, (2, T), generator=torch.Generator().manual_seed(9))
+    m.train()
+    torch.manual_seed(1)
+    a = run(m, "mha", ids).logits
+    torch.manual_seed(1)
+    b = run(m, "mha", ids).logits
+    torch.manual_seed(2)
+    c = run(m, "mha", ids).logits
+    m.eval()
+    with torch.no_grad():
+        e = run(m, "mha", ids).logits
+        eager = run(m, "eager", ids).logits
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, e)
+    assert err(e, eager) <= 1e-5
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
 def test_output_attentions(arch):
     m = model(arch)
