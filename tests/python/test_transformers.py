@@ -278,3 +278,127 @@ def test_register_idempotent_and_refusals():
         fn(None, q, q, q, None, position_bias=torch.zeros(1, 2, 3, 3))
     with pytest.raises(ValueError, match="frobnicate"):
         fn(None, q, q, q, None, frobnicate=1)
+
+
+def _varlen_ref(q, k, v, cq, ck, causal, window, scale, softcap, slopes, sinks, lses=None):
+    """flash_attn_varlen_func's semantics in float64 plain torch (and each
+    row's log-sum-exp appended to lses)."""
+    H, hkv = q.shape[1], k.shape[1]
+    outs = []
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]].double().transpose(0, 1)
+        kb = k[ck[b]:ck[b + 1]].double().transpose(0, 1).repeat_interleave(H // hkv, 0)
+        vb = v[ck[b]:ck[b + 1]].double().transpose(0, 1).repeat_interleave(H // hkv, 0)
+        lq, lk = qb.shape[1], kb.shape[1]
+        s = qb @ kb.transpose(-1, -2) * (scale if scale else qb.shape[-1] ** -0.5)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(lq)[:, None] + (lk - lq)
+        j = torch.arange(lk)[None, :]
+        if slopes is not None:
+            s = s - slopes.double()[:, None, None] * (i - j).abs()
+        left, right = window
+        if causal:
+            right = 0
+        keep = torch.ones(lq, lk, dtype=torch.bool)
+        if right >= 0:
+            keep &= j <= i + right
+        if left >= 0:
+            keep &= j >= i - left
+        s = s.masked_fill(~keep, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().reshape(H, 1, 1).expand(H, lq, 1)], -1)
+        if lses is not None:
+            lses.append(torch.logsumexp(s, -1))
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        if sinks is not None:
+            p = p[..., :-1]
+        outs.append((p @ vb).transpose(0, 1))
+    return torch.cat(outs, 0)
+
+
+VARLEN_CASES = [
+    dict(causal=False, window=(-1, -1)),
+    dict(causal=True, window=(-1, -1)),
+    dict(causal=True, window=(3, -1)),
+    dict(causal=False, window=(2, 1), softcap=5.0),
+    dict(causal=True, window=(-1, -1), alibi=True, sinks=True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
+def test_flash_attn_varlen_func(case):
+    """Packed sequences (ragged, queries fewer than keys in some: bottom-
+    right aligned as FlashAttention) against float64, forward and grads;
+    the paged form (block_table) gives the same bits."""
+    c = VARLEN_CASES[case]
+    g = torch.Generator().manual_seed(10 + case)
+    H, hkv, D = 4, 2, 16
+    lq, lk = [5, 1, 9, 3], [5, 7, 9, 11]
+    cq = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+    ck = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cq[-1]), H, D, generator=g, requires_grad=True)
+    k = torch.randn(int(ck[-1]), hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(int(ck[-1]), hkv, D, generator=g, requires_grad=True)
+    slopes = torch.rand(H, generator=g) if c.get("alibi") else None
+    sinks = torch.randn(H, generator=g, requires_grad=True) if c.get("sinks") else None
+    kw = dict(causal=c["causal"], window_size=c["window"], softcap=c.get("softcap", 0.0),
+              alibi_slopes=slopes, s_aux=sinks)
+    out = mha.transformers.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **kw)
+    ref = _varlen_ref(q, k, v, cq.tolist(), ck.tolist(), c["causal"], c["window"], None,
+                      c.get("softcap", 0.0), slopes, sinks)
+    assert out.shape == (int(cq[-1]), H, D)
+    assert err(out, ref) <= 4e-6 * (1 + ref.abs().max().item()) * 4
+    go = torch.randn(out.shape, generator=g)
+    ins = [x for x in (q, k, v, sinks) if x is not None]
+    ours = torch.autograd.grad(out, ins, go)
+    theirs = torch.autograd.grad(ref, ins, go.double())
+    for a, b in zip(ours, theirs):
+        assert err(a, b) <= 1e-5 * (1 + b.abs().max().item())
+    # FlashAttention's return_attn_probs: (out, softmax_lse (H, total_q), None)
+    lses = []
+    _varlen_ref(q, k, v, cq.tolist(), ck.tolist(), c["causal"], c["window"], None,
+                c.get("softcap", 0.0), slopes, sinks, lses)
+    o2, lse, _ = mha.transformers.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk),
+                                                         return_attn_probs=True, **kw)
+    assert torch.equal(o2, out)
+    assert err(lse, torch.cat(lses, 1)) <= 1e-5 * (1 + torch.cat(lses, 1).abs().max().item())
+    # the paged form: blocks of 4 tokens in a shuffled pool
+    bs, nblk = 4, [-(-n // 4) for n in lk]
+    pool = torch.randperm(sum(nblk) + 3, generator=g)
+    kp = torch.zeros(len(pool), bs, hkv, D)
+    vp = torch.zeros(len(pool), bs, hkv, D)
+    table = torch.zeros(len(lk), max(nblk), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lk):
+        for i in range(nblk[b]):
+            blk = int(pool[used])
+            used += 1
+            table[b, i] = blk
+            rows = slice(int(ck[b]) + 4 * i, min(int(ck[b]) + 4 * i + 4, int(ck[b + 1])))
+            m = rows.stop - rows.start
+            kp[blk, :m], vp[blk, :m] = k.detach()[rows], v.detach()[rows]
+    paged = mha.transformers.flash_attn_varlen_func(q, kp, vp, cq, ck, max(lq), max(lk),
+                                                    block_table=table, **kw)
+    assert torch.equal(paged, out)
+
+
+def test_flash_attn_varlen_func_refusals():
+    f = mha.transformers.flash_attn_varlen_func
+    q = torch.randn(6, 2, 8)
+    k = v = torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="not decrease"):
+        f(q, k, v, torch.tensor([0, 4, 3, 6]), torch.tensor([0, 4, 3, 6]), 4, 4)
+    with pytest.raises(ValueError, match="q has 6 rows"):
+        f(q, k, v, torch.tensor([0, 3, 5]), cu, 3, 3)
+    with pytest.raises(ValueError, match="B \\+ 1"):
+        f(q, k, v, cu, torch.tensor([0, 6]), 3, 6)
+    kp = torch.randn(3, 4, 2, 8)
+    with pytest.raises(ValueError, match="outside the pool of 3"):
+        f(q, kp, kp, cu, cu, 3, 3, block_table=torch.tensor([[0], [7]]))
+    with pytest.raises(ValueError, match="2 blocks of 4"):
+        f(q, kp, kp, torch.tensor([0, 3, 6]), torch.tensor([0, 3, 9]), 3, 6,
+          block_table=torch.tensor([[0], [1]]))
+    with pytest.raises(ValueError, match="frobnicate"):
+        f(q, k, v, cu, cu, 3, 3, frobnicate=True)
