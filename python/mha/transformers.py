@@ -78,7 +78,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if causal and S > L:
         key, value = key[:, :, :L], value[:, :, :L]
     if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(torch.float32) if mask.dtype != torch.float32 else mask
+        mask = mask.to(torch.float32)  # (additive; a no-op when float32)
     sinks = kwargs.get("s_aux")
     softcap = kwargs.get("softcap")
     want_weights = bool(kwargs.get("output_attentions", False))
@@ -173,7 +173,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     window = tuple(int(x) for x in window_size)
     if causal:
         window = (window[0], 0)
-    slopes = alibi_slopes
     outs, lses = [], []
     for b in range(nseq):
         lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
@@ -190,7 +189,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         kb, vb = kb.transpose(0, 1).unsqueeze(0), vb.transpose(0, 1).unsqueeze(0)
         plain_causal = causal and window[0] < 0 and lq == lk  # (mha's own causal tiles)
         mask = None if plain_causal else _bottom_right_mask(lq, lk, window, q.device)
-        sl = slopes[b] if isinstance(slopes, torch.Tensor) and slopes.dim() == 2 else slopes
+        sl = alibi_slopes
+        if isinstance(sl, torch.Tensor) and sl.dim() == 2:  # (B, H): this sequence's
+            sl = sl[b]
         if sl is not None and lq != lk:
             # ALiBi at FlashAttention's positions (query i at i + lk - lq): an
             # additive mask, as mha's own ALiBi measures from the top left
